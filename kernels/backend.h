@@ -1,0 +1,196 @@
+/* kernels/backend.h: the backend interface, a table of operations (STYLE.md 3) that the model
+ * runtime calls for every piece of arithmetic. One implementation per device: kernels/cpu/ (the
+ * reference, fp32 math on bf16/fp16/fp32 weights) and kernels/cuda/ (later).
+ *
+ * Memory: every float * / int32_t * argument below lives in the backend's memory (host for the CPU
+ * backend, device for CUDA), allocated with mt_backend_alloc, except where a comment says "host".
+ * Activations are fp32 at this interface; a backend may use narrower types inside a fused op.
+ * Weights are mt_weight views prepared once at load by mt_backend_weight.
+ *
+ * Ownership: the backend owns the memory it returns until the matching free. Thread-safety: one
+ * backend object is used by one thread at a time (the engine thread); ops may use internal
+ * threads. Ops do not fail on valid shapes: shape checks are MT_ASSERTs (bugs, not input).
+ */
+#ifndef MT_BACKEND_H
+#define MT_BACKEND_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/mt.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct mt_backend mt_backend;
+
+/* A 2-D weight matrix [rows, cols] in backend memory, row-major, dtype F32, F16 or BF16.
+ * A 1-D vector is rows = 1. */
+typedef struct mt_weight {
+    const void *data;
+    mt_dtype dtype;
+    int64_t rows, cols;
+} mt_weight;
+
+/* One routed or shared expert: SwiGLU MLP with gate/up [I, H] and down [H, I]. */
+typedef struct mt_expert {
+    mt_weight gate, up, down;
+} mt_expert;
+
+/* MoE router parameters (MODEL.md "MLP and MoE"). */
+typedef struct mt_router_params {
+    int n_experts;        /* E */
+    int n_group;          /* E % n_group == 0, >= 2 experts per group */
+    int topk_group;
+    int top_k;            /* num_experts_per_tok */
+    bool norm_topk_prob;
+    float scaling;        /* routed_scaling_factor */
+} mt_router_params;
+
+/* KDA decay gate parameters. */
+typedef struct mt_kda_gate_params {
+    int nh, dk;
+    bool has_lower_bound; /* g = lb * sigmoid(exp(A_log) * f), else -exp(A_log) * softplus(f) */
+    float lower_bound;
+} mt_kda_gate_params;
+
+/* Hyper-connection parameters for one site. */
+typedef struct mt_hc_params {
+    int S, H;             /* streams, hidden */
+    float rms_eps;        /* rms_norm_eps, for the unweighted norm of the flattened streams */
+    float hc_eps;
+    int sinkhorn_iters;
+} mt_hc_params;
+
+/* DSA indexer selection parameters. */
+typedef struct mt_dsa_select_params {
+    int ih, id;           /* indexer heads, head dim */
+    int kpool;
+    int max_pools;        /* index_topk / kpool */
+    bool tail;            /* index_kpool_always_select_tail */
+    int max_sel;          /* row stride of the selection: max_pools * kpool + (tail ? kpool - 1 : 0) */
+} mt_dsa_select_params;
+
+/* Sparse MLA parameters. */
+typedef struct mt_mla_params {
+    int Hq, dn, dv, kvl;  /* heads, qk_nope_head_dim, v_head_dim, kv_lora_rank */
+    float scale;          /* dn^-0.5 */
+} mt_mla_params;
+
+typedef struct mt_backend_ops {
+    const char *name;
+
+    /* ---- lifetime ---- */
+    void (*destroy)(mt_backend *be);                          /* frees be itself */
+
+    /* ---- memory ---- */
+    void *(*alloc)(mt_backend *be, size_t bytes);             /* zeroed; NULL on OOM */
+    void (*free)(mt_backend *be, void *p);                    /* NULL ok */
+    void (*upload)(mt_backend *be, void *dst, const void *host_src, size_t bytes);
+    void (*download)(mt_backend *be, void *host_dst, const void *src, size_t bytes);
+    void (*copy)(mt_backend *be, void *dst, const void *src, size_t bytes);
+    void (*zero)(mt_backend *be, void *p, size_t bytes);
+    /* Makes a weight usable by this backend from host data (the CPU backend keeps a view of the
+     * mapping; a device backend copies). Returns MT_ERR_NOMEM on failure. */
+    mt_status (*weight)(mt_backend *be, const void *host, mt_dtype dt, int64_t rows, int64_t cols,
+                        mt_weight *out);
+    void (*weight_free)(mt_backend *be, mt_weight *w);
+    void (*sync)(mt_backend *be);
+
+    /* ---- dense ---- */
+    /* out[n, H] = table[ids[i]] ; ids on the host, each < table.rows. */
+    void (*embed)(mt_backend *be, float *out, const mt_weight *table, const int32_t *ids, int n);
+    /* y[n, w.rows] = x[n, w.cols] . w^T, fp32 accumulation. y must not alias x. */
+    void (*matmul)(mt_backend *be, float *y, const float *x, const mt_weight *w, int n);
+    /* out[n, d] = x * rsqrt(mean(x^2) + eps) * (w ? w : 1); out may alias x. */
+    void (*rmsnorm)(mt_backend *be, float *out, const float *x, const float *w, int n, int d, float eps);
+    /* LayerNorm with weight and bias; out may alias x. */
+    void (*layernorm)(mt_backend *be, float *out, const float *x, const float *w, const float *b,
+                      int n, int d, float eps);
+    /* out[n, I] = silu(min(gate, L)) * clamp(up, -L, L); out may alias gate. */
+    void (*swiglu)(mt_backend *be, float *out, const float *gate, const float *up, int n, int I, float L);
+    /* x[count] = sigmoid(x), in place. */
+    void (*sigmoid)(mt_backend *be, float *x, int64_t count);
+    /* x[n, d] /= sqrt(sum(x^2) + eps) per row of d, then *= scale. */
+    void (*l2norm)(mt_backend *be, float *x, int64_t n, int d, float eps, float scale);
+
+    /* ---- MoE ---- */
+    /* Router over fp32 logits[n, E] (x . W_gate^T): writes idx[n, top_k] and weights[n, top_k]. */
+    void (*moe_route)(mt_backend *be, int32_t *idx, float *weights, const float *logits,
+                      const float *bias /* [E] */, const mt_router_params *p, int n);
+    /* out[n, H] += sum_k weights[i,k] * expert_{idx[i,k]}(x[i]) for the routed experts. */
+    void (*moe_experts)(mt_backend *be, float *out, const float *x, const int32_t *idx,
+                        const float *weights, const mt_expert *experts /* host array [E] */,
+                        int n, int top_k, int H, int I, float L);
+
+    /* ---- KDA ---- */
+    /* Causal depthwise conv + SiLU over time: out[n, C], x[n, C], state[C, K-1] (the previous K-1
+     * inputs, oldest first; updated), w[C, K]. */
+    void (*conv1d_silu)(mt_backend *be, float *out, const float *x, float *state, const float *w,
+                        int n, int C, int K);
+    /* g[n, nh*dk] = gate(f[n, nh*dk] + dt_bias) with A_log[nh]; g may alias f. */
+    void (*kda_gate)(mt_backend *be, float *g, const float *f, const float *dt_bias,
+                     const float *A_log, const mt_kda_gate_params *p, int n);
+    /* Delta rule over n steps: q, k [n, nh, dk] l2-normalised (q pre-scaled), v, g [n, nh, dk],
+     * beta [n, nh]; state [nh, dk(k), dk(v)] fp32 updated; o [n, nh, dk].
+     * kda_chunked and kda_recurrent compute the same function. */
+    void (*kda_recurrent)(mt_backend *be, float *o, const float *q, const float *k, const float *v,
+                          const float *g, const float *beta, float *state, int n, int nh, int dk);
+    void (*kda_chunked)(mt_backend *be, float *o, const float *q, const float *k, const float *v,
+                        const float *g, const float *beta, float *state, int n, int nh, int dk);
+    /* out[rows, d] = rmsnorm(o; w, eps) * sigmoid(gate); rows = n * nh. */
+    void (*gated_rmsnorm)(mt_backend *be, float *out, const float *o, const float *gate,
+                          const float *w, int64_t rows, int d, float eps);
+
+    /* ---- DSA ---- */
+    /* Pool keys for pools [p0, p1): P[p, id] = sum_j softmax_j(gs[p*kp+j] + ape[j]) * ki[p*kp+j]. */
+    void (*dsa_pool_keys)(mt_backend *be, float *pool_keys, const float *ki, const float *gs,
+                          const float *ape /* [kpool, id] */, int p0, int p1, int kpool, int id);
+    /* For n queries at positions t0..t0+n-1: scores pools complete at each query, keeps the best
+     * min(max_pools, #candidates) and the tail; writes positions into sel[n, max_sel] and counts
+     * into nsel[n]. qi[n, ih, id]; w[n, ih] is weights_proj(x), scaled by ih^-0.5 here. */
+    void (*dsa_select)(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi, const float *w,
+                       const float *pool_keys, int t0, int n, const mt_dsa_select_params *p);
+    /* Sparse MLA in the latent space: q[n, Hq, dn]; latent[T, kvl]; kv_b [Hq*(dn+dv), kvl];
+     * attends query i over positions sel[i, 0..nsel[i]) (nsel == 0: all positions <= t0+i,
+     * equally weighted); out[n, Hq, dv]. */
+    void (*mla_sparse)(mt_backend *be, float *out, const float *q, const float *latent,
+                       const mt_weight *kv_b, const int32_t *sel, const int32_t *nsel, int max_sel,
+                       int t0, int n, const mt_mla_params *p);
+
+    /* ---- hyper-connections ---- */
+    /* From the highway X[n, S, H]: post[n, S], comb[n, S, S] (comb[r][s] mixes stream r into s),
+     * y[n, H] = sum_s pre[s] X[s]. fn [(2+S)S, S*H], base [(2+S)S], scale [3]. */
+    void (*hc_pre)(mt_backend *be, float *y, float *post, float *comb, const float *X,
+                   const mt_weight *fn, const float *base, const float *scale,
+                   const mt_hc_params *p, int n);
+    /* X[s] = post[s] * a + sum_r comb[r][s] * X[r], in place; a[n, H]. */
+    void (*hc_post)(mt_backend *be, float *X, const float *a, const float *post, const float *comb,
+                    const mt_hc_params *p, int n);
+    /* z[n, H] = mean_s X[n, s, :]. */
+    void (*hc_head)(mt_backend *be, float *z, const float *X, int n, int S, int H);
+
+    /* ---- sampling ---- */
+    /* out (host)[n] = argmax of logits[n, V] (lowest index on ties). */
+    void (*argmax)(mt_backend *be, int32_t *out, const float *logits, int n, int V);
+} mt_backend_ops;
+
+struct mt_backend {
+    const mt_backend_ops *ops;
+    int n_threads;        /* CPU threads the backend may use */
+};
+
+/* The CPU backend (kernels/cpu/). n_threads <= 0 means all online cores. NULL on OOM. */
+mt_backend *mt_cpu_backend_new(int n_threads);
+
+/* Destroys any backend; NULL is fine. */
+static inline void mt_backend_free(mt_backend *be) {
+    if (be) be->ops->destroy(be);
+}
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MT_BACKEND_H */

@@ -1,0 +1,81 @@
+/* kernels/cpu/cpu_backend.c: the CPU backend's table and memory. Host memory throughout; weights
+ * are views of the caller's (memory-mapped) data, so loading copies nothing. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "kernels/cpu/cpu_ops.h"
+
+static void cpu_destroy(mt_backend *be) { free(be); }
+
+static void *cpu_alloc(mt_backend *be, size_t bytes) {
+    (void)be;
+    return calloc(1, bytes ? bytes : 1);
+}
+static void cpu_free(mt_backend *be, void *p) { (void)be; free(p); }
+static void cpu_memcpy(mt_backend *be, void *dst, const void *src, size_t bytes) {
+    (void)be;
+    if (bytes) memcpy(dst, src, bytes);
+}
+static void cpu_zero(mt_backend *be, void *p, size_t bytes) { (void)be; memset(p, 0, bytes); }
+static void cpu_sync(mt_backend *be) { (void)be; }
+
+static mt_status cpu_weight(mt_backend *be, const void *host, mt_dtype dt, int64_t rows, int64_t cols,
+                            mt_weight *out) {
+    (void)be;
+    MT_ASSERT(dt == MT_F32 || dt == MT_F16 || dt == MT_BF16);
+    *out = (mt_weight){ .data = host, .dtype = dt, .rows = rows, .cols = cols };
+    return MT_OK;
+}
+static void cpu_weight_free(mt_backend *be, mt_weight *w) {
+    (void)be;
+    memset(w, 0, sizeof *w);
+}
+
+static const mt_backend_ops cpu_ops = {
+    .name = "cpu",
+    .destroy = cpu_destroy,
+    .alloc = cpu_alloc,
+    .free = cpu_free,
+    .upload = cpu_memcpy,
+    .download = cpu_memcpy,
+    .copy = cpu_memcpy,
+    .zero = cpu_zero,
+    .weight = cpu_weight,
+    .weight_free = cpu_weight_free,
+    .sync = cpu_sync,
+    .embed = cpu_embed,
+    .matmul = cpu_matmul,
+    .rmsnorm = cpu_rmsnorm,
+    .layernorm = cpu_layernorm,
+    .swiglu = cpu_swiglu,
+    .sigmoid = cpu_sigmoid,
+    .l2norm = cpu_l2norm,
+    .moe_route = cpu_moe_route,
+    .moe_experts = cpu_moe_experts,
+    .conv1d_silu = cpu_conv1d_silu,
+    .kda_gate = cpu_kda_gate,
+    .kda_recurrent = cpu_kda_recurrent,
+    .kda_chunked = cpu_kda_chunked,
+    .gated_rmsnorm = cpu_gated_rmsnorm,
+    .dsa_pool_keys = cpu_dsa_pool_keys,
+    .dsa_select = cpu_dsa_select,
+    .mla_sparse = cpu_mla_sparse,
+    .hc_pre = cpu_hc_pre,
+    .hc_post = cpu_hc_post,
+    .hc_head = cpu_hc_head,
+    .argmax = cpu_argmax,
+};
+
+mt_backend *mt_cpu_backend_new(int n_threads) {
+    mt_backend *be = calloc(1, sizeof *be);
+    if (!be) return NULL;
+    be->ops = &cpu_ops;
+    if (n_threads <= 0) {
+        long n = sysconf(_SC_NPROCESSORS_ONLN);
+        n_threads = n > 0 ? (int)n : 1;
+    }
+    be->n_threads = n_threads;
+    return be;
+}

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages that metrale's build, tests and tools need. Idempotent and
+# non-interactive: packages already installed are skipped, and apt runs only if one is missing.
+# Runs as root directly, otherwise through sudo. The CUDA 13 toolkit is NOT installed here: build
+# hosts ship it at /usr/local/cuda (nvcc, cudart, cuBLAS, NCCL); this script only checks for it.
+set -euo pipefail
+
+PACKAGES=(
+    # build and unit tests
+    bazel-bootstrap        # Bazel 4.2.3 (offline; see WORKSPACE)
+    build-essential        # gcc/g++ 12, also nvcc's host compiler
+    libjson-c-dev          # //third_party:json_c (model config, manifests)
+    libgtest-dev googletest # //third_party:gtest_main
+    python3 python3-numpy  # tools/ and test fixtures
+    pkg-config
+    # serving: router <-> worker messages and the public gRPC API
+    libzmq3-dev
+    libprotobuf-c-dev protobuf-c-compiler
+    libgrpc-dev protobuf-compiler-grpc
+    python3-grpcio python3-protobuf   # end-to-end tests' gRPC client
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+    if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q '^install ok installed$'; then
+        missing+=("$p")
+    fi
+done
+
+if ((${#missing[@]})); then
+    echo "install-deps: installing ${missing[*]}"
+    if [[ $(id -u) -eq 0 ]]; then
+        SUDO=()
+    elif command -v sudo >/dev/null; then
+        SUDO=(sudo)
+    else
+        echo "install-deps: not root and no sudo; install as root: ${missing[*]}" >&2
+        exit 1
+    fi
+    "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -q
+    "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"
+else
+    echo "install-deps: all ${#PACKAGES[@]} Debian packages present"
+fi
+
+CUDA=/usr/local/cuda
+for f in "$CUDA/bin/nvcc" "$CUDA/include/cuda_runtime_api.h" "$CUDA/lib64/libcudart.so" \
+         "$CUDA/lib64/libcublas.so" "$CUDA/lib64/libnccl.so" "$CUDA/include/nccl.h"; do
+    if [[ ! -e $f ]]; then
+        echo "install-deps: $f not found. metrale expects the CUDA 13 toolkit (with cuBLAS and" \
+             "NCCL) preinstalled at $CUDA, as on the build hosts; this script does not install it." >&2
+        exit 1
+    fi
+done
+echo "install-deps: CUDA toolkit at $(readlink -f "$CUDA") ($("$CUDA/bin/nvcc" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'))"

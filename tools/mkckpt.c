@@ -1,0 +1,267 @@
+/* tools/mkckpt.c: writes a random glm5_next checkpoint (config.json + safetensors) for tests and
+ * benchmarks.
+ *
+ *   mkckpt (--preset tiny|bench-4L | --config config.json) --out DIR [--layers N] [--seed N]
+ *          [--shard-mb N] [--dtype bf16|f16|f32]
+ *
+ * Every tensor of the manifest (worker/loader/glm_manifest.h) is written, value = mean + std *
+ * N(0,1). The normals are counter-based: element k of a tensor is a pure function of (seed,
+ * tensor name, k), so the output does not depend on the thread count, the chunking, the shard
+ * size or the order of the other tensors. BF16 manifest tensors are stored at --dtype (default
+ * bf16); the fp32-kept ones stay F32. Data is produced shard by shard through the writer's
+ * deferred tensors, so memory stays at one 64 MiB chunk however large the checkpoint (bench-4L
+ * is ~48 GB: use --shard-mb, e.g. 5000).
+ */
+#define _GNU_SOURCE /* sincosf */
+#include <errno.h>
+#include <getopt.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "common/mt.h"
+#include "worker/loader/glm_config.h"
+#include "worker/loader/glm_manifest.h"
+#include "worker/loader/safetensors.h"
+
+typedef struct ck_tensor {
+    glm_tensor_spec spec;
+    mt_dtype out;      /* stored dtype */
+    uint64_t key;      /* RNG stream of this tensor: mix(seed, name) */
+} ck_tensor;
+
+typedef struct ck_plan {
+    ck_tensor *t;      /* [n] */
+    size_t n, cap;
+    mt_dtype bf16_as;  /* --dtype */
+    uint64_t seed;
+    int oom;
+} ck_plan;
+
+/* splitmix64's output function. */
+static inline uint64_t mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static uint64_t hash_str(const char *s) {
+    uint64_t h = 1469598103934665603ull;
+    for (; *s; s++) h = (h ^ (uint8_t)*s) * 1099511628211ull;
+    return h;
+}
+
+/* Box-Muller pair number p of stream key. */
+static inline void normal_pair(uint64_t key, uint64_t p, float *z0, float *z1) {
+    uint64_t r = mix64(key + (p + 1) * 0x9e3779b97f4a7c15ull);
+    float u1 = (float)((r >> 40) + 1) * (1.0f / 16777216.0f); /* (0, 1] */
+    float u2 = (float)(r & 0xffffff) * (1.0f / 16777216.0f);  /* [0, 1) */
+    float rad = sqrtf(-2.0f * logf(u1)), s, c;
+    sincosf(6.28318530718f * u2, &s, &c);
+    *z0 = rad * c;
+    *z1 = rad * s;
+}
+
+static inline void store(void *dst, size_t i, mt_dtype t, float v) {
+    switch (t) {
+    case MT_BF16: ((uint16_t *)dst)[i] = mt_f32_to_bf16(v); break;
+    case MT_F16: ((uint16_t *)dst)[i] = mt_f32_to_f16(v); break;
+    default: ((float *)dst)[i] = v; break;
+    }
+}
+
+/* st_fill_fn: elements [offset / es, (offset + nbytes) / es) of tensor index. offset is a multiple
+ * of 8 bytes, so the first element is even and pairs line up. */
+static mt_status fill(void *user, size_t index, uint64_t offset, void *dst, size_t nbytes,
+                      mt_error *err) {
+    (void)err;
+    const ck_plan *plan = user;
+    const ck_tensor *t = &plan->t[index];
+    const size_t es = mt_dtype_size(t->out);
+    const uint64_t k0 = offset / es;
+    const int64_t n = (int64_t)(nbytes / es);
+    const float mean = t->spec.mean, std = t->spec.std;
+    const int64_t npairs = (n + 1) / 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t q = 0; q < npairs; q++) {
+        float z0, z1;
+        normal_pair(t->key, k0 / 2 + (uint64_t)q, &z0, &z1);
+        store(dst, (size_t)(2 * q), t->out, mean + std * z0);
+        if (2 * q + 1 < n) store(dst, (size_t)(2 * q + 1), t->out, mean + std * z1);
+    }
+    return MT_OK;
+}
+
+static void collect(const glm_tensor_spec *s, void *user) {
+    ck_plan *plan = user;
+    if (plan->oom) return;
+    if (plan->n == plan->cap) {
+        size_t cap = plan->cap ? plan->cap * 2 : 1024;
+        ck_tensor *nt = realloc(plan->t, cap * sizeof *nt);
+        if (!nt) {
+            plan->oom = 1;
+            return;
+        }
+        plan->t = nt;
+        plan->cap = cap;
+    }
+    ck_tensor *t = &plan->t[plan->n++];
+    t->spec = *s;
+    t->out = s->dtype == MT_BF16 ? plan->bf16_as : s->dtype;
+    t->key = mix64(plan->seed ^ hash_str(s->name));
+}
+
+static void usage(FILE *f) {
+    fprintf(f,
+            "usage: mkckpt (--preset tiny|bench-4L | --config config.json) --out DIR\n"
+            "              [--layers N] [--seed N] [--shard-mb N] [--dtype bf16|f16|f32]\n"
+            "  --preset    start from a built-in config (glm_config_preset)\n"
+            "  --config    start from a config.json instead\n"
+            "  --layers    keep the first N layers (extra ones follow the default pattern)\n"
+            "  --seed      RNG seed (default 0)\n"
+            "  --shard-mb  shards of at most N MiB of tensor data + index (default 0: one file)\n"
+            "  --dtype     storage of the bf16 tensors (default bf16); fp32 ones stay fp32\n");
+}
+
+/* mkdir -p */
+static int make_dirs(const char *path) {
+    char buf[4096];
+    size_t n = strlen(path);
+    if (n == 0 || n >= sizeof buf) return -1;
+    memcpy(buf, path, n + 1);
+    for (size_t i = 1; i <= n; i++) {
+        if (buf[i] == '/' || buf[i] == 0) {
+            char c = buf[i];
+            buf[i] = 0;
+            if (mkdir(buf, 0755) != 0 && errno != EEXIST) return -1;
+            buf[i] = c;
+        }
+    }
+    return 0;
+}
+
+static int parse_u64(const char *s, uint64_t *out) {
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 0);
+    if (errno || end == s || *end || *s == '-') return -1;
+    *out = v;
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    static const struct option opts[] = {
+        { "preset", required_argument, 0, 'p' }, { "config", required_argument, 0, 'c' },
+        { "out", required_argument, 0, 'o' },    { "seed", required_argument, 0, 's' },
+        { "shard-mb", required_argument, 0, 'm' }, { "dtype", required_argument, 0, 'd' },
+        { "layers", required_argument, 0, 'l' }, { "help", no_argument, 0, 'h' },
+        { 0, 0, 0, 0 },
+    };
+    const char *preset = NULL, *config = NULL, *out = NULL, *dtype = "bf16";
+    uint64_t seed = 0, shard_mb = 0, layers = 0;
+    int c;
+    while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+        switch (c) {
+        case 'p': preset = optarg; break;
+        case 'c': config = optarg; break;
+        case 'o': out = optarg; break;
+        case 'd': dtype = optarg; break;
+        case 's':
+            if (parse_u64(optarg, &seed)) { fprintf(stderr, "mkckpt: bad --seed %s\n", optarg); return 2; }
+            break;
+        case 'm':
+            if (parse_u64(optarg, &shard_mb) || shard_mb > ((uint64_t)1 << 40)) {
+                fprintf(stderr, "mkckpt: bad --shard-mb %s\n", optarg);
+                return 2;
+            }
+            break;
+        case 'l':
+            if (parse_u64(optarg, &layers) || layers < 1 || layers > GLM_MAX_LAYERS) {
+                fprintf(stderr, "mkckpt: --layers must be in 1..%d\n", GLM_MAX_LAYERS);
+                return 2;
+            }
+            break;
+        case 'h': usage(stdout); return 0;
+        default: usage(stderr); return 2;
+        }
+    }
+    if (optind < argc || !out || (!preset && !config)) {
+        usage(stderr);
+        return 2;
+    }
+    ck_plan plan = { .seed = seed };
+    if (!strcmp(dtype, "bf16")) plan.bf16_as = MT_BF16;
+    else if (!strcmp(dtype, "f16")) plan.bf16_as = MT_F16;
+    else if (!strcmp(dtype, "f32")) plan.bf16_as = MT_F32;
+    else {
+        fprintf(stderr, "mkckpt: --dtype must be bf16, f16 or f32, got %s\n", dtype);
+        return 2;
+    }
+
+    glm_config cfg;
+    mt_error err = { { 0 } };
+    mt_status st = config ? glm_config_load(config, &cfg, &err) : glm_config_preset(preset, &cfg, &err);
+    if (st != MT_OK) {
+        fprintf(stderr, "mkckpt: %s\n", err.msg);
+        return 1;
+    }
+    if (layers) {
+        /* The first N layers of the config; layers past its end follow transformers' default
+         * pattern for their index. */
+        glm_config def = cfg;
+        glm_config_default_layers(&def);
+        for (int i = cfg.num_hidden_layers; i < (int)layers; i++) {
+            cfg.layer_types[i] = def.layer_types[i];
+            cfg.mlp_layer_types[i] = def.mlp_layer_types[i];
+            cfg.indexer_types[i] = def.indexer_types[i];
+        }
+        cfg.num_hidden_layers = (int)layers;
+        if ((st = glm_config_validate(&cfg, &err)) != MT_OK) {
+            fprintf(stderr, "mkckpt: --layers %d: %s\n", (int)layers, err.msg);
+            return 1;
+        }
+    }
+    if (make_dirs(out) != 0) {
+        fprintf(stderr, "mkckpt: cannot create %s: %s\n", out, strerror(errno));
+        return 1;
+    }
+    char path[4200];
+    snprintf(path, sizeof path, "%s/config.json", out);
+    if ((st = glm_config_save(&cfg, path, &err)) != MT_OK) {
+        fprintf(stderr, "mkckpt: %s\n", err.msg);
+        return 1;
+    }
+
+    glm_manifest_foreach(&cfg, collect, &plan);
+    st_writer *w = st_writer_new();
+    if (plan.oom || !w) {
+        fprintf(stderr, "mkckpt: out of memory\n");
+        return 1;
+    }
+    uint64_t total = 0;
+    for (size_t i = 0; i < plan.n && st == MT_OK; i++) {
+        const ck_tensor *t = &plan.t[i];
+        st = st_writer_add_deferred(w, t->spec.name, t->out, t->spec.ndim, t->spec.shape, fill,
+                                    &plan, &err);
+        uint64_t n = mt_dtype_size(t->out);
+        for (int d = 0; d < t->spec.ndim; d++) n *= (uint64_t)t->spec.shape[d];
+        total += n;
+    }
+    if (st == MT_OK) {
+        fprintf(stderr, "mkckpt: %zu tensors, %.3f GB into %s\n", plan.n, (double)total / 1e9, out);
+        double t0 = mt_now();
+        st = st_writer_save(w, out, (size_t)(shard_mb << 20), &err);
+        double dt = mt_now() - t0;
+        if (st == MT_OK)
+            fprintf(stderr, "mkckpt: wrote in %.1f s (%.2f GB/s)\n", dt, dt > 0 ? (double)total / 1e9 / dt : 0.0);
+    }
+    st_writer_free(w);
+    free(plan.t);
+    if (st != MT_OK) {
+        fprintf(stderr, "mkckpt: %s\n", err.msg);
+        return 1;
+    }
+    return 0;
+}

@@ -1,0 +1,95 @@
+/* worker/loader/glm_config.h: the text config of a glm5_next checkpoint (config.json).
+ *
+ * Owner: the model loader. Reads both the Glm5NextForConditionalGeneration form (text fields under
+ * "text_config") and the flat text-only form, applies transformers' defaults (configuration_
+ * glm5_next.py of transformers 5.17) for every absent field, then validates. A rejected config
+ * names the offending field in err. Thread-safety: none needed; a config is immutable once loaded.
+ */
+#ifndef GLM_CONFIG_H
+#define GLM_CONFIG_H
+
+#include <stdbool.h>
+
+#include "common/mt.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define GLM_MAX_LAYERS 256
+
+typedef enum glm_mixer { GLM_MIXER_KDA = 0, GLM_MIXER_DSA = 1 } glm_mixer;  /* layer_types */
+typedef enum glm_mlp { GLM_MLP_DENSE = 0, GLM_MLP_SPARSE = 1 } glm_mlp;     /* mlp_layer_types */
+typedef enum glm_indexer { GLM_INDEXER_FULL = 0, GLM_INDEXER_SHARED = 1 } glm_indexer;
+
+typedef struct glm_config {
+    int vocab_size;              /* 154880 */
+    int hidden_size;             /* H, 4096 */
+    int intermediate_size;       /* dense MLP, 12288 */
+    int moe_intermediate_size;   /* I, 2048 */
+    int num_hidden_layers;       /* 45 */
+    int num_attention_heads;     /* Hq, 64 */
+    int num_key_value_heads;     /* must equal Hq */
+    int n_shared_experts;        /* 1 */
+    int n_routed_experts;        /* E, 288 */
+    float routed_scaling_factor; /* 2.5 */
+    int kv_lora_rank;            /* 512 */
+    int q_lora_rank;             /* 1536 */
+    int qk_rope_head_dim;        /* must be 0 (NoPE) */
+    int v_head_dim;              /* 256 */
+    int qk_nope_head_dim;        /* 256 */
+    int n_group;                 /* 1 */
+    int topk_group;              /* 1 */
+    int num_experts_per_tok;     /* 8 */
+    bool norm_topk_prob;         /* true */
+    float rms_norm_eps;          /* 1e-5 */
+    bool tie_word_embeddings;    /* false */
+    int index_topk;              /* 2048 */
+    int index_head_dim;          /* id, 128 */
+    int index_n_heads;           /* ih, 32 */
+    float swiglu_limit;          /* L, 10 */
+    int linear_head_dim;         /* dk, 128 */
+    int linear_num_heads;        /* nh, 64 */
+    int linear_conv_kernel_dim;  /* K, 4 */
+    bool has_linear_lower_bound; /* false when "linear_lower_bound" is null: softplus gate */
+    float linear_lower_bound;    /* -5 */
+    int hc_mult;                 /* S, 4 */
+    float hc_eps;                /* 1e-6 */
+    int hc_sinkhorn_iters;       /* 20 */
+    int index_kpool;             /* 16 */
+    bool index_kpool_always_select_tail; /* true */
+    int pad_token_id;            /* -1 when null */
+    int eos_token_id;            /* -1 when null (first id when a list) */
+    glm_mixer layer_types[GLM_MAX_LAYERS];
+    glm_mlp mlp_layer_types[GLM_MAX_LAYERS];
+    glm_indexer indexer_types[GLM_MAX_LAYERS];
+} glm_config;
+
+/* transformers' defaults (the real GLM-5.3-Flash shape) with the per-layer lists derived as
+ * __post_init__ derives them for num_hidden_layers. */
+void glm_config_default(glm_config *cfg);
+
+/* Re-derives the per-layer lists for cfg->num_hidden_layers with transformers' default patterns
+ * (layer i is DSA when i % 4 == 3, the first min(3, n) MLPs dense, every indexer full). */
+void glm_config_default_layers(glm_config *cfg);
+
+/* Parses config.json at path into *cfg. On error *cfg is untouched and err names the field. */
+mt_status glm_config_load(const char *path, glm_config *cfg, mt_error *err);
+
+/* Parses config JSON text (same rules as glm_config_load; "where" names the source in messages). */
+mt_status glm_config_parse(const char *json_text, const char *where, glm_config *cfg, mt_error *err);
+
+/* Checks the invariants the runtime relies on (MODEL.md); err names the field. */
+mt_status glm_config_validate(const glm_config *cfg, mt_error *err);
+
+/* Writes cfg as a flat text config.json ("model_type": "glm5_next_text"). */
+mt_status glm_config_save(const glm_config *cfg, const char *path, mt_error *err);
+
+/* Presets for tools and benchmarks: "tiny" (hidden 64, a few hundred vocab, every layer kind) and
+ * "bench-4L" (MISSION.md: real per-layer dims, 3 KDA + 1 DSA, 1 dense + 3 MoE). */
+mt_status glm_config_preset(const char *name, glm_config *cfg, mt_error *err);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* GLM_CONFIG_H */

@@ -1,0 +1,58 @@
+/* worker/model/glm_dsa.c: the DSA mixer (MODEL.md "DSA mixer"): MLA without RoPE whose latent c
+ * is the KV cache, attending only over the positions its indexer selects. A "full" layer runs
+ * its own indexer (keys, gate scores and pool keys cached per sequence) and leaves its selection
+ * in the step scratch; the "shared" layer right after it reuses that selection. */
+#include <math.h>
+
+#include "worker/model/glm_impl.h"
+
+mt_status glm_dsa_forward(const glm_layer *l, glm_layer_state *st, mt_step *step, const float *h,
+                          float *out, int n) {
+    const glm_config *c = l->cfg;
+    const glm_dsa_w *w = &l->dsa;
+    mt_backend *be = step->be;
+    const mt_backend_ops *op = be->ops;
+    glm_scratch *scr = step->scr;
+    const int t0 = step->t0, kvl = c->kv_lora_rank, id = c->index_head_dim, kp = c->index_kpool;
+    float **b = scr->buf;
+    float *qr = b[0], *q = b[1], *o = b[2], *qi = b[3], *iw = b[4];
+
+    MT_ASSERT(st->len == t0 && t0 + n <= st->cap);
+    op->matmul(be, qr, h, &w->q_a, n);
+    op->rmsnorm(be, qr, qr, w->q_a_norm, n, c->q_lora_rank, c->rms_norm_eps);
+    op->matmul(be, q, qr, &w->q_b, n);
+    float *lat = st->latent + (size_t)t0 * kvl;
+    op->matmul(be, lat, h, &w->kv_a, n);
+    op->rmsnorm(be, lat, lat, w->kv_a_norm, n, kvl, c->rms_norm_eps);
+
+    if (w->has_indexer) {
+        float *ki = st->ki + (size_t)t0 * id, *gs = st->gs + (size_t)t0 * id;
+        op->matmul(be, ki, h, &w->ik, n);
+        op->layernorm(be, ki, ki, w->ik_norm_w, w->ik_norm_b, n, id, 1e-6f);
+        op->matmul(be, gs, h, &w->igate, n);
+        const int p0 = t0 / kp, p1 = (t0 + n) / kp; /* pools completed by these rows */
+        if (p1 > p0) op->dsa_pool_keys(be, st->pool, st->ki, st->gs, w->ape, p0, p1, kp, id);
+        op->matmul(be, qi, qr, &w->iq, n);
+        op->matmul(be, iw, h, &w->iw, n);
+        mt_dsa_select_params sp = {
+            .ih = c->index_n_heads, .id = id, .kpool = kp, .max_pools = c->index_topk / kp,
+            .tail = c->index_kpool_always_select_tail, .max_sel = glm_max_sel(c),
+        };
+        op->dsa_select(be, scr->sel, scr->nsel, qi, iw, st->pool, t0, n, &sp);
+        scr->sel_t0 = t0;
+        scr->sel_n = n;
+    } else {
+        /* Shared: the previous layer (validated at load to be a full DSA layer) selected for
+         * exactly these rows in this step. */
+        MT_ASSERT(scr->sel_n == n && scr->sel_t0 == t0);
+    }
+    st->len = t0 + n;
+
+    mt_mla_params mp = {
+        .Hq = c->num_attention_heads, .dn = c->qk_nope_head_dim, .dv = c->v_head_dim, .kvl = kvl,
+        .scale = 1.f / sqrtf((float)(c->qk_nope_head_dim + c->qk_rope_head_dim)),
+    };
+    op->mla_sparse(be, o, q, st->latent, &w->kv_b, scr->sel, scr->nsel, glm_max_sel(c), t0, n, &mp);
+    op->matmul(be, out, o, &w->o, n);
+    return MT_OK;
+}

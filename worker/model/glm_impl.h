@@ -1,0 +1,140 @@
+/* worker/model/glm_impl.h: internals of the GLM model runtime, shared by its files:
+ * glm_weights.c (binding), glm_kda.c / glm_dsa.c (mixers), glm_mlp.c, glm_layer.c (the decoder
+ * layer: hyper-connections around mixer and MLP), glm_model.c (embedding, head, sequences).
+ * Shapes use the notation of MODEL.md. All float * live in backend memory. */
+#ifndef GLM_IMPL_H
+#define GLM_IMPL_H
+
+#include "kernels/backend.h"
+#include "worker/loader/glm_config.h"
+#include "worker/loader/safetensors.h"
+#include "worker/model/glm_model.h"
+#include "worker/model/layer.h"
+
+typedef struct glm_hc_w {
+    mt_weight fn;              /* [(2+S)S, S*H] */
+    float *base;               /* [(2+S)S] */
+    float *scale;              /* [3] */
+} glm_hc_w;
+
+typedef struct glm_kda_w {
+    mt_weight q, k, v;         /* [D, H], D = nh*dk */
+    float *conv[3];            /* q, k, v: [D, K] fp32 */
+    mt_weight f_a, f_b;        /* [dk, H], [D, dk] */
+    float *dt_bias;            /* [D] */
+    float *A_log;              /* [nh] */
+    mt_weight b;               /* [nh, H] */
+    mt_weight g_a, g_b;        /* [dk, H], [D, dk] */
+    float *o_norm;             /* [dk] */
+    mt_weight o;               /* [H, D] */
+} glm_kda_w;
+
+typedef struct glm_dsa_w {
+    mt_weight q_a;             /* [q_lora, H] */
+    float *q_a_norm;           /* [q_lora] */
+    mt_weight q_b;             /* [Hq*dn, q_lora] */
+    mt_weight kv_a;            /* [kvl, H] */
+    float *kv_a_norm;          /* [kvl] */
+    mt_weight kv_b;            /* [Hq*(dn+dv), kvl] */
+    mt_weight o;               /* [H, Hq*dv] */
+    bool has_indexer;          /* indexer_types[l] == full */
+    mt_weight iq;              /* wq_b [ih*id, q_lora] */
+    mt_weight ik;              /* wk [id, H] */
+    float *ik_norm_w, *ik_norm_b; /* [id] LayerNorm */
+    mt_weight iw;              /* weights_proj [ih, H] */
+    float *ape;                /* [kpool, id] */
+    mt_weight igate;           /* index_kpool_compress_gate [id, H] */
+} glm_dsa_w;
+
+typedef struct glm_mlp_w {
+    bool sparse;
+    mt_expert dense;           /* dense MLP, intermediate_size */
+    mt_weight router;          /* [E, H] */
+    float *router_bias;        /* [E] */
+    mt_expert *experts;        /* host array [E] */
+    mt_expert shared;          /* intermediate I * n_shared */
+} glm_mlp_w;
+
+/* One decoder layer: the generic mt_layer first, then its weights. */
+typedef struct glm_layer {
+    mt_layer base;
+    const glm_config *cfg;
+    mt_backend *be;            /* the model's; states are allocated outside any step */
+    glm_hc_w hc[2];            /* attention site, MLP site */
+    float *in_norm;            /* input_layernorm [H] */
+    float *post_norm;          /* post_attention_layernorm [H] */
+    glm_kda_w kda;
+    glm_dsa_w dsa;
+    glm_mlp_w mlp;
+} glm_layer;
+
+/* Per-sequence state of one layer. */
+typedef struct glm_layer_state {
+    mt_layer_state base;
+    int cap;                   /* max positions */
+    /* KDA */
+    float *conv[3];            /* [D, K-1] each */
+    float *rec;                /* [nh, dk, dk] */
+    /* DSA */
+    float *latent;             /* [cap, kvl] the MLA cache */
+    float *ki;                 /* [cap, id] indexer keys (full layers) */
+    float *gs;                 /* [cap, id] pool gate scores */
+    float *pool;               /* [cap / kpool, id] pool keys of complete pools */
+    int len;                   /* host-tracked indexer/latent cache length */
+} glm_layer_state;
+
+/* Activation scratch for up to rows rows; sized once per model for prefill_chunk. */
+typedef struct glm_scratch {
+    int rows;
+    float *y, *h, *a;          /* [rows, H] */
+    float *post, *comb;        /* [rows, S], [rows, S, S] */
+    float *buf[10];            /* [rows, W], W = the widest intermediate (glm_scratch_width) */
+    int32_t *idx;              /* [rows, top_k] */
+    float *wts;                /* [rows, top_k] */
+    int32_t *sel, *nsel;       /* [rows, max_sel], [rows]: the DSA selection of the last full layer */
+    int sel_t0, sel_n;         /* which rows sel describes; sel_n = 0 when none */
+} glm_scratch;
+
+struct mt_step {
+    mt_backend *be;
+    int t0;                    /* position of the first row */
+    glm_scratch *scr;
+};
+
+struct glm_model {
+    glm_config cfg;
+    glm_model_params params;
+    mt_backend *be;
+    st_archive *ar;
+    mt_weight embed, lm_head;  /* [V, H] */
+    float *norm;               /* [H] */
+    glm_layer *layers;         /* [num_hidden_layers] */
+    glm_scratch scr;
+    float *X;                  /* highway [rows, S, H] */
+    float *z;                  /* [rows, H] */
+    float *logits;             /* [rows, V] */
+};
+
+struct glm_seq {
+    glm_model *m;
+    int cap, len;
+    mt_layer_state **states;   /* [num_hidden_layers] */
+};
+
+/* glm_weights.c */
+mt_status glm_weights_bind(glm_model *m, mt_error *err);
+void glm_weights_release(glm_model *m);
+
+/* glm_layer.c: fills l->base (ops, caps) for layer index i. */
+void glm_layer_init(glm_layer *l, const glm_config *cfg, mt_backend *be, int i);
+int glm_scratch_width(const glm_config *cfg);
+int glm_max_sel(const glm_config *cfg);
+
+/* Mixers and MLP: h[n, H] -> out[n, H]. */
+mt_status glm_kda_forward(const glm_layer *l, glm_layer_state *st, mt_step *step, const float *h,
+                          float *out, int n);
+mt_status glm_dsa_forward(const glm_layer *l, glm_layer_state *st, mt_step *step, const float *h,
+                          float *out, int n);
+void glm_mlp_forward(const glm_layer *l, mt_step *step, const float *h, float *out, int n);
+
+#endif /* GLM_IMPL_H */

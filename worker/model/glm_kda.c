@@ -1,0 +1,44 @@
+/* worker/model/glm_kda.c: the KDA mixer (MODEL.md "KDA mixer") over n rows of one sequence:
+ * projections, causal conv + SiLU with the conv state, l2norm, decay gate, the delta rule (chunked
+ * for n > 1, recurrent for one row), gated output norm and o_proj. */
+#include <math.h>
+
+#include "worker/model/glm_impl.h"
+
+mt_status glm_kda_forward(const glm_layer *l, glm_layer_state *st, mt_step *step, const float *h,
+                          float *out, int n) {
+    const glm_config *c = l->cfg;
+    const glm_kda_w *w = &l->kda;
+    mt_backend *be = step->be;
+    const mt_backend_ops *op = be->ops;
+    const int nh = c->linear_num_heads, dk = c->linear_head_dim, K = c->linear_conv_kernel_dim;
+    const int D = nh * dk;
+    float **b = step->scr->buf;
+    float *raw = b[0], *q = b[1], *k = b[2], *v = b[3], *g = b[4], *beta = b[5], *o = b[6];
+    float *lo = b[7], *gate = b[8];
+
+    const mt_weight *proj[3] = { &w->q, &w->k, &w->v };
+    float *dst[3] = { q, k, v };
+    for (int j = 0; j < 3; j++) {
+        op->matmul(be, raw, h, proj[j], n);
+        op->conv1d_silu(be, dst[j], raw, st->conv[j], w->conv[j], n, D, K);
+    }
+    op->l2norm(be, q, (int64_t)n * nh, dk, 1e-6f, 1.f / sqrtf((float)dk));
+    op->l2norm(be, k, (int64_t)n * nh, dk, 1e-6f, 1.f);
+
+    mt_kda_gate_params gp = { nh, dk, c->has_linear_lower_bound, c->linear_lower_bound };
+    op->matmul(be, lo, h, &w->f_a, n);
+    op->matmul(be, raw, lo, &w->f_b, n);
+    op->kda_gate(be, g, raw, w->dt_bias, w->A_log, &gp, n);
+    op->matmul(be, beta, h, &w->b, n);
+    op->sigmoid(be, beta, (int64_t)n * nh);
+
+    if (n == 1) op->kda_recurrent(be, o, q, k, v, g, beta, st->rec, n, nh, dk);
+    else op->kda_chunked(be, o, q, k, v, g, beta, st->rec, n, nh, dk);
+
+    op->matmul(be, lo, h, &w->g_a, n);
+    op->matmul(be, gate, lo, &w->g_b, n);
+    op->gated_rmsnorm(be, raw, o, gate, w->o_norm, (int64_t)n * nh, dk, c->rms_norm_eps);
+    op->matmul(be, out, raw, &w->o, n);
+    return MT_OK;
+}

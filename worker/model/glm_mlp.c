@@ -1,0 +1,35 @@
+/* worker/model/glm_mlp.c: the MLP site's sublayer: a dense SwiGLU MLP, or the MoE (router over
+ * the routed experts plus the shared expert), with the swiglu_limit clamp. */
+#include "worker/model/glm_impl.h"
+
+static void swiglu_mlp(mt_backend *be, const mt_expert *e, const float *h, float *out, int n, int I,
+                       float L, float *g, float *u) {
+    be->ops->matmul(be, g, h, &e->gate, n);
+    be->ops->matmul(be, u, h, &e->up, n);
+    be->ops->swiglu(be, g, g, u, n, I, L);
+    be->ops->matmul(be, out, g, &e->down, n);
+}
+
+void glm_mlp_forward(const glm_layer *l, mt_step *step, const float *h, float *out, int n) {
+    const glm_config *c = l->cfg;
+    const glm_mlp_w *w = &l->mlp;
+    mt_backend *be = step->be;
+    glm_scratch *scr = step->scr;
+    float *g = scr->buf[0], *u = scr->buf[1], *logits = scr->buf[2];
+    if (!w->sparse) {
+        swiglu_mlp(be, &w->dense, h, out, n, c->intermediate_size, c->swiglu_limit, g, u);
+        return;
+    }
+    /* Shared expert first: the routed experts then accumulate into out. */
+    swiglu_mlp(be, &w->shared, h, out, n, c->moe_intermediate_size * c->n_shared_experts,
+               c->swiglu_limit, g, u);
+    be->ops->matmul(be, logits, h, &w->router, n);
+    mt_router_params rp = {
+        .n_experts = c->n_routed_experts, .n_group = c->n_group, .topk_group = c->topk_group,
+        .top_k = c->num_experts_per_tok, .norm_topk_prob = c->norm_topk_prob,
+        .scaling = c->routed_scaling_factor,
+    };
+    be->ops->moe_route(be, scr->idx, scr->wts, logits, w->router_bias, &rp, n);
+    be->ops->moe_experts(be, out, h, scr->idx, scr->wts, w->experts, n, c->num_experts_per_tok,
+                         c->hidden_size, c->moe_intermediate_size, c->swiglu_limit);
+}

@@ -1,0 +1,197 @@
+/* worker/model/glm_model.c: the GLM model runtime: loading, scratch, sequences, and the forward
+ * pass (embedding into an S-stream fp32 highway, the decoder layers, the mean-of-streams head). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "worker/model/glm_impl.h"
+
+glm_model_params glm_model_default_params(void) {
+    return (glm_model_params){ .prefill_chunk = 256 };
+}
+
+static void scratch_free(mt_backend *be, glm_scratch *s) {
+    float **f[] = { &s->y, &s->h, &s->a, &s->post, &s->comb, &s->wts };
+    for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) { be->ops->free(be, *f[i]); *f[i] = NULL; }
+    for (int i = 0; i < 10; i++) { be->ops->free(be, s->buf[i]); s->buf[i] = NULL; }
+    be->ops->free(be, s->idx);
+    be->ops->free(be, s->sel);
+    be->ops->free(be, s->nsel);
+    s->idx = s->sel = s->nsel = NULL;
+}
+
+static mt_status scratch_alloc(mt_backend *be, const glm_config *c, int rows, glm_scratch *s, mt_error *err) {
+    memset(s, 0, sizeof *s);
+    s->rows = rows;
+    const size_t r = (size_t)rows, H = (size_t)c->hidden_size, S = (size_t)c->hc_mult;
+    const size_t W = (size_t)glm_scratch_width(c), k = (size_t)c->num_experts_per_tok;
+    bool ok = (s->y = be->ops->alloc(be, 4 * r * H)) && (s->h = be->ops->alloc(be, 4 * r * H)) &&
+              (s->a = be->ops->alloc(be, 4 * r * H)) && (s->post = be->ops->alloc(be, 4 * r * S)) &&
+              (s->comb = be->ops->alloc(be, 4 * r * S * S)) && (s->idx = be->ops->alloc(be, 4 * r * k)) &&
+              (s->wts = be->ops->alloc(be, 4 * r * k)) &&
+              (s->sel = be->ops->alloc(be, 4 * r * (size_t)glm_max_sel(c))) &&
+              (s->nsel = be->ops->alloc(be, 4 * r));
+    for (int i = 0; ok && i < 10; i++) ok = (s->buf[i] = be->ops->alloc(be, 4 * r * W)) != NULL;
+    if (!ok) {
+        scratch_free(be, s);
+        return mt_errorf(err, MT_ERR_NOMEM, "out of memory for %d rows of activations", rows);
+    }
+    return MT_OK;
+}
+
+mt_status glm_model_load(const char *dir, mt_backend *be, const glm_model_params *params,
+                         glm_model **out, mt_error *err) {
+    *out = NULL;
+    glm_model *m = calloc(1, sizeof *m);
+    if (!m) return mt_errorf(err, MT_ERR_NOMEM, "out of memory");
+    m->be = be;
+    m->params = params ? *params : glm_model_default_params();
+    if (m->params.prefill_chunk < 1) m->params.prefill_chunk = 1;
+    char path[4096];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    mt_status s = glm_config_load(path, &m->cfg, err);
+    if (s != MT_OK) goto fail;
+    if ((s = st_open_dir(dir, &m->ar, err)) != MT_OK) goto fail;
+    const glm_config *c = &m->cfg;
+    m->layers = calloc((size_t)c->num_hidden_layers, sizeof(glm_layer));
+    if (!m->layers) { s = mt_errorf(err, MT_ERR_NOMEM, "out of memory"); goto fail; }
+    for (int i = 0; i < c->num_hidden_layers; i++) glm_layer_init(&m->layers[i], &m->cfg, be, i);
+    if ((s = glm_weights_bind(m, err)) != MT_OK) goto fail;
+    const int rows = m->params.prefill_chunk;
+    if ((s = scratch_alloc(be, c, rows, &m->scr, err)) != MT_OK) goto fail;
+    const size_t SH = (size_t)c->hc_mult * c->hidden_size;
+    m->X = be->ops->alloc(be, sizeof(float) * rows * SH);
+    m->z = be->ops->alloc(be, sizeof(float) * rows * (size_t)c->hidden_size);
+    m->logits = be->ops->alloc(be, sizeof(float) * rows * (size_t)c->vocab_size);
+    if (!m->X || !m->z || !m->logits) { s = mt_errorf(err, MT_ERR_NOMEM, "out of memory for activations"); goto fail; }
+    *out = m;
+    return MT_OK;
+fail:
+    glm_model_free(m);
+    return s;
+}
+
+void glm_model_free(glm_model *m) {
+    if (!m) return;
+    mt_backend *be = m->be;
+    glm_weights_release(m);
+    free(m->layers);
+    scratch_free(be, &m->scr);
+    be->ops->free(be, m->X);
+    be->ops->free(be, m->z);
+    be->ops->free(be, m->logits);
+    st_close(m->ar);
+    free(m);
+}
+
+const glm_config *glm_model_config(const glm_model *m) { return &m->cfg; }
+mt_backend *glm_model_backend(const glm_model *m) { return m->be; }
+
+mt_status glm_seq_new(glm_model *m, int max_tokens, glm_seq **out, mt_error *err) {
+    *out = NULL;
+    if (max_tokens < 1) return mt_errorf(err, MT_ERR_INVALID, "max_tokens must be >= 1, got %d", max_tokens);
+    glm_seq *s = calloc(1, sizeof *s);
+    const int L = m->cfg.num_hidden_layers;
+    if (!s || !(s->states = calloc((size_t)L, sizeof *s->states))) {
+        free(s);
+        return mt_errorf(err, MT_ERR_NOMEM, "out of memory for a sequence");
+    }
+    s->m = m;
+    s->cap = max_tokens;
+    for (int i = 0; i < L; i++) {
+        mt_status st = mt_layer_alloc_state(&m->layers[i].base, max_tokens, &s->states[i], err);
+        if (st != MT_OK) {
+            glm_seq_free(s);
+            return st;
+        }
+    }
+    *out = s;
+    return MT_OK;
+}
+
+void glm_seq_free(glm_seq *s) {
+    if (!s) return;
+    for (int i = 0; i < s->m->cfg.num_hidden_layers; i++)
+        mt_layer_release_state(&s->m->layers[i].base, s->states[i]);
+    free(s->states);
+    free(s);
+}
+
+int glm_seq_len(const glm_seq *s) { return s->len; }
+
+/* Rows [0, n) of the highway through every layer, then the head for the rows whose logits are
+ * wanted ([first, n)), downloaded into logits_host. decode selects the layers' decode path. */
+static mt_status forward(glm_model *m, glm_seq *s, const int32_t *tokens, int n, bool decode,
+                         int first, float *logits_host) {
+    const glm_config *c = &m->cfg;
+    mt_backend *be = m->be;
+    const int S = c->hc_mult, H = c->hidden_size, V = c->vocab_size;
+    mt_step step = { .be = be, .t0 = s->len, .scr = &m->scr };
+    m->scr.sel_n = 0;
+    be->ops->embed(be, m->z, &m->embed, tokens, n);
+    for (int i = 0; i < n; i++) /* X[i, s] = x for every stream */
+        for (int j = 0; j < S; j++)
+            be->ops->copy(be, m->X + ((size_t)i * S + j) * H, m->z + (size_t)i * H, sizeof(float) * H);
+    for (int l = 0; l < c->num_hidden_layers; l++) {
+        const mt_layer *ml = &m->layers[l].base;
+        mt_status st = decode ? mt_layer_decode(ml, s->states[l], &step, m->X)
+                              : mt_layer_prefill(ml, s->states[l], &step, m->X, n);
+        if (st != MT_OK) return st;
+    }
+    s->len += n;
+    if (!logits_host || first >= n) return MT_OK;
+    const int rows = n - first;
+    const float *Xf = m->X + (size_t)first * S * H;
+    be->ops->hc_head(be, m->z, Xf, rows, S, H);
+    be->ops->rmsnorm(be, m->z, m->z, m->norm, rows, H, c->rms_norm_eps);
+    be->ops->matmul(be, m->logits, m->z, &m->lm_head, rows);
+    be->ops->download(be, logits_host, m->logits, sizeof(float) * (size_t)rows * V);
+    return MT_OK;
+}
+
+static mt_status check_tokens(const glm_model *m, const glm_seq *s, const int32_t *tokens, int n,
+                              mt_error *err) {
+    if (n < 1) return mt_errorf(err, MT_ERR_INVALID, "no tokens to feed");
+    for (int i = 0; i < n; i++)
+        if (tokens[i] < 0 || tokens[i] >= m->cfg.vocab_size)
+            return mt_errorf(err, MT_ERR_INVALID, "token %d at index %d is outside the vocabulary [0, %d)",
+                             tokens[i], i, m->cfg.vocab_size);
+    if (s->len + n > s->cap)
+        return mt_errorf(err, MT_ERR_FULL, "sequence of %d tokens has room for %d more, asked for %d",
+                         s->len, s->cap - s->len, n);
+    return MT_OK;
+}
+
+mt_status glm_prefill(glm_model *m, glm_seq *s, const int32_t *tokens, int n, float *logits,
+                      bool all_logits, mt_error *err) {
+    mt_status st = check_tokens(m, s, tokens, n, err);
+    if (st != MT_OK) return st;
+    const int V = m->cfg.vocab_size, chunk = m->params.prefill_chunk;
+    for (int done = 0; done < n;) {
+        const int k = n - done < chunk ? n - done : chunk;
+        const bool last = done + k == n;
+        float *dst = NULL;
+        int first = k;
+        if (logits && all_logits) { dst = logits + (size_t)done * V; first = 0; }
+        else if (logits && last) { dst = logits; first = k - 1; }
+        if ((st = forward(m, s, tokens + done, k, false, first, dst)) != MT_OK)
+            return mt_errorf(err, st, "prefill failed at position %d: %s", s->len, mt_status_str(st));
+        done += k;
+    }
+    return MT_OK;
+}
+
+mt_status glm_decode(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_error *err) {
+    mt_status st = check_tokens(m, s, &token, 1, err);
+    if (st != MT_OK) return st;
+    if ((st = forward(m, s, &token, 1, true, 0, logits)) != MT_OK)
+        return mt_errorf(err, st, "decode failed at position %d: %s", s->len, mt_status_str(st));
+    return MT_OK;
+}
+
+int32_t glm_argmax(const float *logits, int vocab) {
+    int32_t best = 0;
+    for (int v = 1; v < vocab; v++)
+        if (logits[v] > logits[best]) best = v;
+    return best;
+}

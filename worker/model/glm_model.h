@@ -1,0 +1,59 @@
+/* worker/model/glm_model.h: the GLM-5.3 (glm5_next) text model runtime: load a checkpoint onto a
+ * backend, keep per-sequence state, prefill a prompt and decode one token at a time.
+ *
+ * Ownership: a glm_model owns its weights (views or device copies) and the checkpoint mapping; it
+ * must outlive every glm_seq made from it. The backend is borrowed and must outlive the model.
+ * Thread-safety: one thread at a time per model (the engine thread).
+ */
+#ifndef GLM_MODEL_H
+#define GLM_MODEL_H
+
+#include <stdbool.h>
+
+#include "common/mt.h"
+#include "kernels/backend.h"
+#include "worker/loader/glm_config.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct glm_model glm_model;
+typedef struct glm_seq glm_seq;
+
+typedef struct glm_model_params {
+    int prefill_chunk;   /* rows per prefill pass (bounds scratch memory), default 256 */
+} glm_model_params;
+
+glm_model_params glm_model_default_params(void);
+
+/* Loads dir/config.json and the safetensors checkpoint in dir. Every tensor of the manifest must
+ * be present with its exact shape; errors name the file and tensor. On error *out is NULL. */
+mt_status glm_model_load(const char *dir, mt_backend *be, const glm_model_params *params,
+                         glm_model **out, mt_error *err);
+void glm_model_free(glm_model *m);
+
+const glm_config *glm_model_config(const glm_model *m);
+mt_backend *glm_model_backend(const glm_model *m);
+
+/* A sequence of at most max_tokens positions (caches sized for it). */
+mt_status glm_seq_new(glm_model *m, int max_tokens, glm_seq **out, mt_error *err);
+void glm_seq_free(glm_seq *s);
+int glm_seq_len(const glm_seq *s);
+
+/* Feeds n tokens (ids < vocab, checked) to the sequence. logits (host memory) receives, when not
+ * NULL, [n, vocab] fp32 logits of every fed position when all_logits, else [vocab] of the last.
+ * On an input error (bad id, no room) the sequence is unchanged. */
+mt_status glm_prefill(glm_model *m, glm_seq *s, const int32_t *tokens, int n, float *logits,
+                      bool all_logits, mt_error *err);
+
+/* One token: same as glm_prefill with n = 1 but through each layer's decode path. */
+mt_status glm_decode(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_error *err);
+
+/* Greedy argmax of logits[vocab] (host). */
+int32_t glm_argmax(const float *logits, int vocab);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* GLM_MODEL_H */

@@ -1,0 +1,204 @@
+/* worker/model/glm_weights.c: binds checkpoint tensors to the layers' weight structs. The whole
+ * manifest (glm_manifest.h) is checked first, so a missing tensor or a wrong shape is reported by
+ * name before anything is uploaded; matrices become backend weights (views on the CPU), vectors
+ * are converted to fp32 backend buffers. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "worker/loader/glm_manifest.h"
+#include "worker/model/glm_impl.h"
+
+typedef struct check_ctx {
+    const st_archive *ar;
+    mt_error *err;
+    mt_status st;
+} check_ctx;
+
+static void check_one(const glm_tensor_spec *s, void *user) {
+    check_ctx *c = user;
+    if (c->st != MT_OK) return;
+    const st_tensor *t;
+    c->st = st_get(c->ar, s->name, s->ndim, s->shape, &t, c->err);
+}
+
+typedef struct binder {
+    glm_model *m;
+    mt_error *err;
+    char name[192];
+} binder;
+
+static const st_tensor *find(binder *b, const char *fmt, va_list ap) {
+    vsnprintf(b->name, sizeof b->name, fmt, ap);
+    const st_tensor *t = st_find(b->m->ar, b->name);
+    MT_ASSERT(t); /* the manifest check ran first */
+    return t;
+}
+
+static mt_status bind_w(binder *b, mt_weight *w, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static mt_status bind_w(binder *b, mt_weight *w, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    const st_tensor *t = find(b, fmt, ap);
+    va_end(ap);
+    int64_t cols = 1;
+    for (int i = 1; i < t->ndim; i++) cols *= t->shape[i];
+    mt_status st = b->m->be->ops->weight(b->m->be, t->data, t->dtype, t->shape[0], cols, w);
+    if (st != MT_OK) return mt_errorf(b->err, st, "%s: cannot place tensor %s on the backend", t->file, t->name);
+    return MT_OK;
+}
+
+static mt_status bind_v(binder *b, float **v, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static mt_status bind_v(binder *b, float **v, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    const st_tensor *t = find(b, fmt, ap);
+    va_end(ap);
+    size_t n = t->nbytes / mt_dtype_size(t->dtype);
+    float *host = malloc(sizeof(float) * (n ? n : 1));
+    float *dev = b->m->be->ops->alloc(b->m->be, sizeof(float) * (n ? n : 1));
+    if (!host || !dev) {
+        free(host);
+        b->m->be->ops->free(b->m->be, dev);
+        return mt_errorf(b->err, MT_ERR_NOMEM, "%s: out of memory for tensor %s", t->file, t->name);
+    }
+    mt_to_f32(host, t->data, t->dtype, n);
+    b->m->be->ops->upload(b->m->be, dev, host, sizeof(float) * n);
+    free(host);
+    *v = dev;
+    return MT_OK;
+}
+
+#define TRY(x) do { mt_status s_ = (x); if (s_ != MT_OK) return s_; } while (0)
+
+static mt_status bind_mlp(binder *b, mt_expert *e, const char *pre) {
+    TRY(bind_w(b, &e->gate, "%sgate_proj.weight", pre));
+    TRY(bind_w(b, &e->up, "%sup_proj.weight", pre));
+    TRY(bind_w(b, &e->down, "%sdown_proj.weight", pre));
+    return MT_OK;
+}
+
+static mt_status bind_layer(binder *b, glm_layer *l, int i) {
+    const glm_config *c = &b->m->cfg;
+    char p[96], mp[128];
+    snprintf(p, sizeof p, "model.language_model.layers.%d.", i);
+    static const char *site[2] = { "attn", "ffn" };
+    for (int s = 0; s < 2; s++) {
+        TRY(bind_w(b, &l->hc[s].fn, "%shc_%s_fn", p, site[s]));
+        TRY(bind_v(b, &l->hc[s].base, "%shc_%s_base", p, site[s]));
+        TRY(bind_v(b, &l->hc[s].scale, "%shc_%s_scale", p, site[s]));
+    }
+    TRY(bind_v(b, &l->in_norm, "%sinput_layernorm.weight", p));
+    TRY(bind_v(b, &l->post_norm, "%spost_attention_layernorm.weight", p));
+    if (c->layer_types[i] == GLM_MIXER_KDA) {
+        glm_kda_w *k = &l->kda;
+        static const char qkv[3] = { 'q', 'k', 'v' };
+        TRY(bind_w(b, &k->q, "%sself_attn.q_proj.weight", p));
+        TRY(bind_w(b, &k->k, "%sself_attn.k_proj.weight", p));
+        TRY(bind_w(b, &k->v, "%sself_attn.v_proj.weight", p));
+        for (int j = 0; j < 3; j++) TRY(bind_v(b, &k->conv[j], "%sself_attn.%c_conv1d.weight", p, qkv[j]));
+        TRY(bind_w(b, &k->f_a, "%sself_attn.f_a_proj.weight", p));
+        TRY(bind_w(b, &k->f_b, "%sself_attn.f_b_proj.weight", p));
+        TRY(bind_v(b, &k->dt_bias, "%sself_attn.dt_bias", p));
+        TRY(bind_v(b, &k->A_log, "%sself_attn.A_log", p));
+        TRY(bind_w(b, &k->b, "%sself_attn.b_proj.weight", p));
+        TRY(bind_w(b, &k->g_a, "%sself_attn.g_a_proj.weight", p));
+        TRY(bind_w(b, &k->g_b, "%sself_attn.g_b_proj.weight", p));
+        TRY(bind_v(b, &k->o_norm, "%sself_attn.o_norm.weight", p));
+        TRY(bind_w(b, &k->o, "%sself_attn.o_proj.weight", p));
+    } else {
+        glm_dsa_w *d = &l->dsa;
+        TRY(bind_w(b, &d->q_a, "%sself_attn.q_a_proj.weight", p));
+        TRY(bind_v(b, &d->q_a_norm, "%sself_attn.q_a_layernorm.weight", p));
+        TRY(bind_w(b, &d->q_b, "%sself_attn.q_b_proj.weight", p));
+        TRY(bind_w(b, &d->kv_a, "%sself_attn.kv_a_proj_with_mqa.weight", p));
+        TRY(bind_v(b, &d->kv_a_norm, "%sself_attn.kv_a_layernorm.weight", p));
+        TRY(bind_w(b, &d->kv_b, "%sself_attn.kv_b_proj.weight", p));
+        TRY(bind_w(b, &d->o, "%sself_attn.o_proj.weight", p));
+        d->has_indexer = c->indexer_types[i] == GLM_INDEXER_FULL;
+        if (d->has_indexer) {
+            TRY(bind_w(b, &d->iq, "%sself_attn.indexer.wq_b.weight", p));
+            TRY(bind_w(b, &d->ik, "%sself_attn.indexer.wk.weight", p));
+            TRY(bind_v(b, &d->ik_norm_w, "%sself_attn.indexer.k_norm.weight", p));
+            TRY(bind_v(b, &d->ik_norm_b, "%sself_attn.indexer.k_norm.bias", p));
+            TRY(bind_w(b, &d->iw, "%sself_attn.indexer.weights_proj.weight", p));
+            TRY(bind_v(b, &d->ape, "%sself_attn.indexer.index_kpool_compress_ape", p));
+            TRY(bind_w(b, &d->igate, "%sself_attn.indexer.index_kpool_compress_gate", p));
+        }
+    }
+    glm_mlp_w *mw = &l->mlp;
+    mw->sparse = c->mlp_layer_types[i] == GLM_MLP_SPARSE;
+    if (!mw->sparse) {
+        snprintf(mp, sizeof mp, "%smlp.", p);
+        return bind_mlp(b, &mw->dense, mp);
+    }
+    TRY(bind_w(b, &mw->router, "%smlp.gate.weight", p));
+    TRY(bind_v(b, &mw->router_bias, "%smlp.gate.e_score_correction_bias", p));
+    mw->experts = calloc((size_t)c->n_routed_experts, sizeof(mt_expert));
+    if (!mw->experts) return mt_errorf(b->err, MT_ERR_NOMEM, "out of memory for the experts of layer %d", i);
+    for (int e = 0; e < c->n_routed_experts; e++) {
+        snprintf(mp, sizeof mp, "%smlp.experts.%d.", p, e);
+        TRY(bind_mlp(b, &mw->experts[e], mp));
+    }
+    snprintf(mp, sizeof mp, "%smlp.shared_experts.", p);
+    return bind_mlp(b, &mw->shared, mp);
+}
+
+mt_status glm_weights_bind(glm_model *m, mt_error *err) {
+    check_ctx cc = { m->ar, err, MT_OK };
+    glm_manifest_foreach(&m->cfg, check_one, &cc);
+    if (cc.st != MT_OK) return cc.st;
+    binder b = { .m = m, .err = err };
+    TRY(bind_w(&b, &m->embed, "model.language_model.embed_tokens.weight"));
+    if (m->cfg.tie_word_embeddings) m->lm_head = m->embed;
+    else TRY(bind_w(&b, &m->lm_head, "lm_head.weight"));
+    TRY(bind_v(&b, &m->norm, "model.language_model.norm.weight"));
+    for (int i = 0; i < m->cfg.num_hidden_layers; i++) TRY(bind_layer(&b, &m->layers[i], i));
+    return MT_OK;
+}
+
+static void free_expert(mt_backend *be, mt_expert *e) {
+    be->ops->weight_free(be, &e->gate);
+    be->ops->weight_free(be, &e->up);
+    be->ops->weight_free(be, &e->down);
+}
+
+/* Frees whatever was bound (fields left zero by a failed bind are skipped by the backend). */
+void glm_weights_release(glm_model *m) {
+    mt_backend *be = m->be;
+    if (!m->layers) return;
+    for (int i = 0; i < m->cfg.num_hidden_layers; i++) {
+        glm_layer *l = &m->layers[i];
+        for (int s = 0; s < 2; s++) {
+            be->ops->weight_free(be, &l->hc[s].fn);
+            be->ops->free(be, l->hc[s].base);
+            be->ops->free(be, l->hc[s].scale);
+        }
+        be->ops->free(be, l->in_norm);
+        be->ops->free(be, l->post_norm);
+        glm_kda_w *k = &l->kda;
+        mt_weight *kw[] = { &k->q, &k->k, &k->v, &k->f_a, &k->f_b, &k->b, &k->g_a, &k->g_b, &k->o };
+        for (size_t j = 0; j < sizeof kw / sizeof kw[0]; j++) be->ops->weight_free(be, kw[j]);
+        for (int j = 0; j < 3; j++) be->ops->free(be, k->conv[j]);
+        be->ops->free(be, k->dt_bias);
+        be->ops->free(be, k->A_log);
+        be->ops->free(be, k->o_norm);
+        glm_dsa_w *d = &l->dsa;
+        mt_weight *dw[] = { &d->q_a, &d->q_b, &d->kv_a, &d->kv_b, &d->o, &d->iq, &d->ik, &d->iw, &d->igate };
+        for (size_t j = 0; j < sizeof dw / sizeof dw[0]; j++) be->ops->weight_free(be, dw[j]);
+        float *dv[] = { d->q_a_norm, d->kv_a_norm, d->ik_norm_w, d->ik_norm_b, d->ape };
+        for (size_t j = 0; j < sizeof dv / sizeof dv[0]; j++) be->ops->free(be, dv[j]);
+        glm_mlp_w *mw = &l->mlp;
+        free_expert(be, &mw->dense);
+        free_expert(be, &mw->shared);
+        be->ops->weight_free(be, &mw->router);
+        be->ops->free(be, mw->router_bias);
+        if (mw->experts)
+            for (int e = 0; e < m->cfg.n_routed_experts; e++) free_expert(be, &mw->experts[e]);
+        free(mw->experts);
+    }
+    if (!m->cfg.tie_word_embeddings) be->ops->weight_free(be, &m->lm_head);
+    be->ops->weight_free(be, &m->embed);
+    be->ops->free(be, m->norm);
+}
