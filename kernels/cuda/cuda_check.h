@@ -36,41 +36,40 @@ static inline mt_status mt_backend_fail(const char *lib, const char *call, const
 #endif
 
 /* Internal: evaluate `call` once into a status of type T; on failure, run `on_fail` with the
- * logged mt_status in mt_st_. */
-#define MT_BACKEND_CHECK_(T, ok, errstr, lib, call, on_fail)                                  \
-    do {                                                                                      \
-        T mt_rc_ = (call);                                                                    \
-        if (mt_rc_ != (ok)) {                                                                 \
-            mt_status mt_st_ = mt_backend_fail(lib, #call, errstr(mt_rc_), __FILE__, __LINE__); \
-            on_fail;                                                                          \
-        }                                                                                     \
+ * logged mt_status in mt_st_. `text` is #call taken by the public macro, before expansion (so
+ * the log says cublasCreate, not cublasCreate_v2). */
+#define MT_BACKEND_CHECK_(T, ok, errstr, lib, call, text, on_fail)                          \
+    do {                                                                                    \
+        T mt_rc_ = (call);                                                                  \
+        if (mt_rc_ != (ok)) {                                                               \
+            mt_status mt_st_ = mt_backend_fail(lib, text, errstr(mt_rc_), __FILE__, __LINE__); \
+            on_fail;                                                                        \
+        }                                                                                   \
     } while (0)
 
-#define MT_CUDA_CHECK(call) \
-    MT_BACKEND_CHECK_(cudaError_t, cudaSuccess, cudaGetErrorString, "CUDA", call, return mt_st_)
-#define MT_CUDA_CHECK_GOTO(call, st, label) \
-    MT_BACKEND_CHECK_(cudaError_t, cudaSuccess, cudaGetErrorString, "CUDA", call, \
-                      { (st) = mt_st_; goto label; })
-#define MT_CUDA_WARN(call) \
-    MT_BACKEND_CHECK_(cudaError_t, cudaSuccess, cudaGetErrorString, "CUDA", call, (void)mt_st_)
+#define MT_CUDA_(call, text, on_fail) \
+    MT_BACKEND_CHECK_(cudaError_t, cudaSuccess, cudaGetErrorString, "CUDA", call, text, on_fail)
+#define MT_CUBLAS_(call, text, on_fail)                                                       \
+    MT_BACKEND_CHECK_(cublasStatus_t, CUBLAS_STATUS_SUCCESS, cublasGetStatusString, "cuBLAS", \
+                      call, text, on_fail)
+#define MT_NCCL_(call, text, on_fail) \
+    MT_BACKEND_CHECK_(ncclResult_t, ncclSuccess, ncclGetErrorString, "NCCL", call, text, on_fail)
+
+#define MT_CUDA_CHECK(call) MT_CUDA_(call, #call, return mt_st_)
+#define MT_CUDA_CHECK_GOTO(call, st, label) MT_CUDA_(call, #call, { (st) = mt_st_; goto label; })
+#define MT_CUDA_WARN(call) MT_CUDA_(call, #call, (void)mt_st_)
 
 /* A launch reports configuration errors (bad grid, too much shared memory) only through
- * cudaGetLastError; asynchronous faults surface at the next synchronizing call. */
-#define MT_CUDA_CHECK_LAUNCH() MT_CUDA_CHECK(cudaGetLastError())
+ * cudaGetLastError; asynchronous faults surface at the next checked synchronizing call. */
+#define MT_CUDA_CHECK_LAUNCH() \
+    MT_CUDA_(cudaGetLastError(), "kernel launch (cudaGetLastError)", return mt_st_)
 
-#define MT_CUBLAS_CHECK(call)                                                                  \
-    MT_BACKEND_CHECK_(cublasStatus_t, CUBLAS_STATUS_SUCCESS, cublasGetStatusString, "cuBLAS", \
-                      call, return mt_st_)
-#define MT_CUBLAS_CHECK_GOTO(call, st, label)                                                  \
-    MT_BACKEND_CHECK_(cublasStatus_t, CUBLAS_STATUS_SUCCESS, cublasGetStatusString, "cuBLAS", \
-                      call, { (st) = mt_st_; goto label; })
+#define MT_CUBLAS_CHECK(call) MT_CUBLAS_(call, #call, return mt_st_)
+#define MT_CUBLAS_CHECK_GOTO(call, st, label) \
+    MT_CUBLAS_(call, #call, { (st) = mt_st_; goto label; })
 
-#define MT_NCCL_CHECK(call) \
-    MT_BACKEND_CHECK_(ncclResult_t, ncclSuccess, ncclGetErrorString, "NCCL", call, return mt_st_)
-#define MT_NCCL_CHECK_GOTO(call, st, label) \
-    MT_BACKEND_CHECK_(ncclResult_t, ncclSuccess, ncclGetErrorString, "NCCL", call, \
-                      { (st) = mt_st_; goto label; })
-#define MT_NCCL_WARN(call) \
-    MT_BACKEND_CHECK_(ncclResult_t, ncclSuccess, ncclGetErrorString, "NCCL", call, (void)mt_st_)
+#define MT_NCCL_CHECK(call) MT_NCCL_(call, #call, return mt_st_)
+#define MT_NCCL_CHECK_GOTO(call, st, label) MT_NCCL_(call, #call, { (st) = mt_st_; goto label; })
+#define MT_NCCL_WARN(call) MT_NCCL_(call, #call, (void)mt_st_)
 
 #endif /* MT_CUDA_CHECK_H */

@@ -18,7 +18,7 @@
 extern "C" {
 #endif
 
-#define ST_MAX_DIMS 4
+#define ST_MAX_DIMS 8 /* vision patch embeddings are 5-D */
 
 typedef struct st_tensor {
     const char *name;             /* owned by the archive */

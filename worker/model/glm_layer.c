@@ -60,7 +60,8 @@ static mt_status alloc_state(const mt_layer *ml, int max_tokens, mt_layer_state 
     if (c->layer_types[ml->index] == GLM_MIXER_KDA) {
         const size_t D = (size_t)c->linear_num_heads * c->linear_head_dim;
         const size_t P = (size_t)(c->linear_conv_kernel_dim - 1);
-        for (int j = 0; j < 3; j++) ok &= (st->conv[j] = be->ops->alloc(be, sizeof(float) * ((D * P) ? (D * P) : 1))) != NULL;
+        const size_t conv = D * P > 0 ? D * P : 1; /* K = 1 keeps no history */
+        for (int j = 0; j < 3; j++) ok &= (st->conv[j] = be->ops->alloc(be, sizeof(float) * conv)) != NULL;
         ok &= (st->rec = be->ops->alloc(be, sizeof(float) * (size_t)c->linear_num_heads *
                                                 c->linear_head_dim * c->linear_head_dim)) != NULL;
     } else {
