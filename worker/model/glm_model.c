@@ -119,6 +119,10 @@ void glm_seq_free(glm_seq *s) {
 
 int glm_seq_len(const glm_seq *s) { return s->len; }
 
+int glm_model_n_layers(const glm_model *m) { return m->cfg.num_hidden_layers; }
+const mt_layer *glm_model_layer(const glm_model *m, int i) { return &m->layers[i].base; }
+mt_layer_state *glm_seq_state(glm_seq *s, int i) { return s->states[i]; }
+
 /* Rows [0, n) of the highway through every layer, then the head for the rows whose logits are
  * wanted ([first, n)), downloaded into logits_host. decode selects the layers' decode path. */
 static mt_status forward(glm_model *m, glm_seq *s, const int32_t *tokens, int n, bool decode,

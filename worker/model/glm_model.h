@@ -50,6 +50,12 @@ mt_status glm_prefill(glm_model *m, glm_seq *s, const int32_t *tokens, int n, fl
 /* One token: same as glm_prefill with n = 1 but through each layer's decode path. */
 mt_status glm_decode(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_error *err);
 
+/* The model's layers behind the layer contract, and a sequence's state of layer i, for the
+ * engine's graph hooks and aux-state calls. Valid while the model / sequence lives. */
+int glm_model_n_layers(const glm_model *m);
+const struct mt_layer *glm_model_layer(const glm_model *m, int i);
+struct mt_layer_state *glm_seq_state(glm_seq *s, int i);
+
 /* Greedy argmax of logits[vocab] (host). */
 int32_t glm_argmax(const float *logits, int vocab);
 

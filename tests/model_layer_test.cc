@@ -1,0 +1,185 @@
+// The GLM model behind the layer contract: capabilities, DSA graph hooks, DSA aux state, and bad
+// input at the model boundary (token ids, capacity, broken checkpoints), each a distinct error that
+// leaves the model and the sequence as they were.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+extern "C" {
+#include "kernels/backend.h"
+#include "worker/loader/safetensors.h"
+#include "worker/model/glm_model.h"
+#include "worker/model/layer.h"
+}
+
+namespace {
+
+const char *kDir = "tests/fixtures/tiny_a";  // layers: KDA, DSA full, DSA shared, KDA
+
+class ModelLayer : public ::testing::Test {
+  protected:
+    void SetUp() override {
+        be_ = mt_cpu_backend_new(0);
+        mt_error err{};
+        ASSERT_EQ(glm_model_load(kDir, be_, nullptr, &m_, &err), MT_OK) << err.msg;
+        V_ = glm_model_config(m_)->vocab_size;
+    }
+    void TearDown() override {
+        glm_model_free(m_);
+        mt_backend_free(be_);
+    }
+    mt_backend *be_ = nullptr;
+    glm_model *m_ = nullptr;
+    int V_ = 0;
+};
+
+TEST_F(ModelLayer, CapabilitiesByKind) {
+    ASSERT_EQ(glm_model_n_layers(m_), 4);
+    const mt_layer *kda = glm_model_layer(m_, 0), *full = glm_model_layer(m_, 1), *shared = glm_model_layer(m_, 2);
+    EXPECT_STREQ(kda->kind, "glm.kda");
+    EXPECT_TRUE(kda->caps.is_ssm_layer);
+    EXPECT_TRUE(kda->caps.decode_rollback_unsupported);
+    EXPECT_STREQ(full->kind, "glm.dsa");
+    EXPECT_FALSE(full->caps.is_ssm_layer);
+    EXPECT_FALSE(mt_layer_has_aux_state(kda));
+    EXPECT_TRUE(mt_layer_has_aux_state(full));
+    EXPECT_FALSE(mt_layer_has_aux_state(shared));  // no indexer of its own
+    // Unfilled slots fall back to their defaults.
+    EXPECT_EQ(mt_layer_decode_multi_seq(kda, nullptr, 0, nullptr, nullptr), MT_ERR_UNSUPPORTED);
+    EXPECT_EQ(mt_layer_decode_prestage(kda, nullptr, 5), MT_OK);
+    EXPECT_EQ(mt_layer_check_replay_room(kda, nullptr, 1 << 30, 1), MT_OK);
+}
+
+TEST_F(ModelLayer, DsaReplayHooksTrackTheIndexerLength) {
+    glm_seq *s = nullptr;
+    mt_error err{};
+    ASSERT_EQ(glm_seq_new(m_, 8, &s, &err), MT_OK);
+    const int32_t toks[5] = {1, 2, 3, 4, 5};
+    ASSERT_EQ(glm_prefill(m_, s, toks, 5, nullptr, false, &err), MT_OK);
+    const mt_layer *full = glm_model_layer(m_, 1);
+    mt_layer_state *st = glm_seq_state(s, 1);
+    EXPECT_EQ(mt_layer_check_replay_room(full, st, 5, 3), MT_OK);      // ends at 8 = capacity
+    EXPECT_EQ(mt_layer_check_replay_room(full, st, 5, 4), MT_ERR_FULL);  // would write position 8
+    EXPECT_EQ(mt_layer_sync_replayed_step(full, st, 6, 1), MT_ERR_STATE);  // cache behind seq_len
+    EXPECT_EQ(mt_layer_sync_replayed_step(full, st, 5, 1), MT_OK);         // advance by k
+    EXPECT_EQ(mt_layer_sync_replayed_step(full, st, 5, 1), MT_OK);         // ahead: rewind, advance
+    EXPECT_EQ(mt_layer_sync_replayed_step(full, st, 5, 4), MT_ERR_FULL);
+    glm_seq_free(s);
+}
+
+TEST_F(ModelLayer, DsaAuxSnapshotRestoresTheIndexerCache) {
+    glm_seq *a = nullptr, *b = nullptr;
+    mt_error err{};
+    ASSERT_EQ(glm_seq_new(m_, 64, &a, &err), MT_OK);
+    ASSERT_EQ(glm_seq_new(m_, 64, &b, &err), MT_OK);
+    std::vector<int32_t> toks(21);
+    for (int i = 0; i < 21; i++) toks[i] = (i * 37 + 11) % V_;
+    ASSERT_EQ(glm_prefill(m_, a, toks.data(), 21, nullptr, false, &err), MT_OK);
+    const mt_layer *full = glm_model_layer(m_, 1);
+    void *snap = nullptr;
+    size_t len = 0;
+    ASSERT_EQ(mt_layer_snapshot_aux(full, glm_seq_state(a, 1), &snap, &len, &err), MT_OK) << err.msg;
+    ASSERT_GT(len, 21u * 16 * 4 * 2);  // keys and gate scores of 21 positions at least
+
+    // Restored into another sequence, a snapshot of it is byte-identical.
+    ASSERT_EQ(mt_layer_restore_aux(full, glm_seq_state(b, 1), snap, len, &err), MT_OK) << err.msg;
+    void *snap2 = nullptr;
+    size_t len2 = 0;
+    ASSERT_EQ(mt_layer_snapshot_aux(full, glm_seq_state(b, 1), &snap2, &len2, &err), MT_OK);
+    ASSERT_EQ(len, len2);
+    EXPECT_EQ(memcmp(snap, snap2, len), 0);
+    free(snap2);
+
+    // A corrupt or foreign snapshot is refused and leaves the state untouched.
+    std::vector<char> bad((char *)snap, (char *)snap + len);
+    bad[0] ^= 1;
+    EXPECT_EQ(mt_layer_restore_aux(full, glm_seq_state(b, 1), bad.data(), bad.size(), &err), MT_ERR_INVALID);
+    EXPECT_NE(std::string(err.msg).find("not this layer's"), std::string::npos) << err.msg;
+    EXPECT_EQ(mt_layer_restore_aux(full, glm_seq_state(b, 1), snap, len - 4, &err), MT_ERR_INVALID);
+    EXPECT_NE(std::string(err.msg).find("size"), std::string::npos) << err.msg;
+    EXPECT_EQ(mt_layer_snapshot_aux(full, glm_seq_state(b, 1), &snap2, &len2, &err), MT_OK);
+    EXPECT_EQ(len, len2);
+    EXPECT_EQ(memcmp(snap, snap2, len), 0);
+    free(snap2);
+    // Too long for a small sequence.
+    glm_seq *tiny = nullptr;
+    ASSERT_EQ(glm_seq_new(m_, 8, &tiny, &err), MT_OK);
+    EXPECT_EQ(mt_layer_restore_aux(full, glm_seq_state(tiny, 1), snap, len, &err), MT_ERR_FULL);
+    glm_seq_free(tiny);
+    free(snap);
+    glm_seq_free(a);
+    glm_seq_free(b);
+}
+
+TEST_F(ModelLayer, BadTokensAndFullSequencesAreRefusedWithoutHarm) {
+    glm_seq *s = nullptr, *ref = nullptr;
+    mt_error err{};
+    ASSERT_EQ(glm_seq_new(m_, 6, &s, &err), MT_OK);
+    ASSERT_EQ(glm_seq_new(m_, 6, &ref, &err), MT_OK);
+    const int32_t good[3] = {7, 8, 9};
+    std::vector<float> l1(V_), l2(V_);
+    ASSERT_EQ(glm_prefill(m_, s, good, 2, nullptr, false, &err), MT_OK);
+    const int32_t bad[2] = {3, V_};
+    EXPECT_EQ(glm_prefill(m_, s, bad, 2, nullptr, false, &err), MT_ERR_INVALID);
+    EXPECT_NE(std::string(err.msg).find("outside the vocabulary"), std::string::npos) << err.msg;
+    EXPECT_EQ(glm_decode(m_, s, -1, l1.data(), &err), MT_ERR_INVALID);
+    EXPECT_EQ(glm_prefill(m_, s, good, 0, nullptr, false, &err), MT_ERR_INVALID);
+    EXPECT_EQ(glm_seq_len(s), 2);
+    const int32_t many[5] = {1, 2, 3, 4, 5};
+    EXPECT_EQ(glm_prefill(m_, s, many, 5, nullptr, false, &err), MT_ERR_FULL);
+    EXPECT_NE(std::string(err.msg).find("room"), std::string::npos) << err.msg;
+    EXPECT_EQ(glm_seq_len(s), 2);
+    // The refused calls changed nothing: the next token's logits equal a clean run's.
+    ASSERT_EQ(glm_decode(m_, s, good[2], l1.data(), &err), MT_OK);
+    ASSERT_EQ(glm_prefill(m_, ref, good, 3, l2.data(), false, &err), MT_OK);
+    for (int v = 0; v < V_; v++) ASSERT_NEAR(l1[v], l2[v], 1e-4) << v;
+    EXPECT_EQ(glm_seq_new(m_, 0, &ref, &err), MT_ERR_INVALID);
+    glm_seq_free(s);
+    glm_seq_free(ref);
+}
+
+// Rewrites the fixture checkpoint into a temp dir with one tensor dropped or reshaped.
+std::string BrokenCopy(const char *drop, const char *reshape) {
+    char tmpl[] = "/tmp/mt_model_XXXXXX";
+    std::string dir = mkdtemp(tmpl);
+    st_archive *ar = nullptr;
+    mt_error err{};
+    EXPECT_EQ(st_open_dir(kDir, &ar, &err), MT_OK) << err.msg;
+    st_writer *w = st_writer_new();
+    for (size_t i = 0; i < st_count(ar); i++) {
+        const st_tensor *t = st_at(ar, i);
+        if (drop && !strcmp(t->name, drop)) continue;
+        int64_t shape[ST_MAX_DIMS];
+        memcpy(shape, t->shape, sizeof shape);
+        if (reshape && !strcmp(t->name, reshape)) std::swap(shape[0], shape[1]);
+        EXPECT_EQ(st_writer_add(w, t->name, t->dtype, t->ndim, shape, t->data, &err), MT_OK) << err.msg;
+    }
+    EXPECT_EQ(st_writer_save(w, dir.c_str(), 0, &err), MT_OK) << err.msg;
+    st_writer_free(w);
+    st_close(ar);
+    std::string cmd = std::string("cp ") + kDir + "/config.json " + dir + "/";
+    EXPECT_EQ(system(cmd.c_str()), 0);
+    return dir;
+}
+
+TEST_F(ModelLayer, BrokenCheckpointsNameTheTensor) {
+    mt_error err{};
+    glm_model *m = nullptr;
+    const char *name = "model.language_model.layers.2.self_attn.kv_b_proj.weight";
+    std::string d1 = BrokenCopy(name, nullptr);
+    EXPECT_EQ(glm_model_load(d1.c_str(), be_, nullptr, &m, &err), MT_ERR_NOT_FOUND);
+    EXPECT_EQ(m, nullptr);
+    EXPECT_NE(std::string(err.msg).find(name), std::string::npos) << err.msg;
+    std::string d2 = BrokenCopy(nullptr, "model.language_model.layers.0.self_attn.f_b_proj.weight");
+    EXPECT_EQ(glm_model_load(d2.c_str(), be_, nullptr, &m, &err), MT_ERR_INVALID);
+    EXPECT_NE(std::string(err.msg).find("f_b_proj"), std::string::npos) << err.msg;
+    EXPECT_EQ(glm_model_load("/nonexistent/dir", be_, nullptr, &m, &err), MT_ERR_IO);
+    EXPECT_NE(std::string(err.msg).find("/nonexistent/dir"), std::string::npos) << err.msg;
+    std::string cmd = "rm -rf " + d1 + " " + d2;
+    EXPECT_EQ(system(cmd.c_str()), 0);
+}
+
+}  // namespace
