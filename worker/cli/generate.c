@@ -96,6 +96,7 @@ int main(int argc, char **argv) {
     }
     double t3 = mt_now();
     printf("\n");
+    fflush(stdout);
     fprintf(stderr, "prefill: %d tokens in %.3f s (%.1f tok/s); decode: %d tokens in %.3f s (%.1f tok/s)\n", n,
             t2 - t1, n / (t2 - t1), produced, t3 - t2, produced > 1 ? (produced - 1) / (t3 - t2) : 0.0);
     rc = 0;

@@ -407,6 +407,12 @@ done:
     return st;
 }
 
+/* The file name of a path (messages already name the directory). */
+static const char *base_name(const char *path) {
+    const char *slash = strrchr(path, '/');
+    return slash ? slash + 1 : path;
+}
+
 static int cmp_tensor_name(const void *a, const void *b) {
     return strcmp((*(const st_tensor *const *)a)->name, (*(const st_tensor *const *)b)->name);
 }
@@ -421,7 +427,7 @@ static mt_status archive_finish(st_archive *ar, mt_error *err) {
         const st_tensor *a = ar->by_name[i - 1], *b = ar->by_name[i];
         if (!strcmp(a->name, b->name))
             return mt_errorf(err, MT_ERR_INVALID, "%s: tensor %.160s appears twice, in %s and %s",
-                             ar->where, a->name, a->file, b->file);
+                             ar->where, a->name, base_name(a->file), base_name(b->file));
     }
     free(ar->begin);
     ar->begin = NULL;
@@ -527,7 +533,7 @@ static mt_status open_index(const char *dir, const char *index_path, st_archive 
         if (!in_file) {
             st = mt_errorf(err, MT_ERR_NOT_FOUND,
                            "%s: tensor %.160s is listed in shard %.200s but that shard does not hold it%s%.200s",
-                           index_path, tn, fn, t ? " (found in " : "", t ? t->file : "");
+                           index_path, tn, fn, t ? " (found in " : "", t ? base_name(t->file) : "");
             if (t && err) strncat(err->msg, ")", sizeof err->msg - strlen(err->msg) - 1);
             goto done;
         }
