@@ -3,6 +3,7 @@
 // leaves the model and the sequence as they were.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -141,8 +142,9 @@ TEST_F(ModelLayer, BadTokensAndFullSequencesAreRefusedWithoutHarm) {
     glm_seq_free(ref);
 }
 
-// Rewrites the fixture checkpoint into a temp dir with one tensor dropped or reshaped.
-std::string BrokenCopy(const char *drop, const char *reshape) {
+// Rewrites the fixture checkpoint into a temp dir with one tensor dropped or reshaped, or with
+// every BF16 tensor converted to as_dtype (F32 or F16).
+std::string BrokenCopy(const char *drop, const char *reshape, mt_dtype as_dtype = MT_BF16) {
     char tmpl[] = "/tmp/mt_model_XXXXXX";
     std::string dir = mkdtemp(tmpl);
     st_archive *ar = nullptr;
@@ -155,6 +157,16 @@ std::string BrokenCopy(const char *drop, const char *reshape) {
         int64_t shape[ST_MAX_DIMS];
         memcpy(shape, t->shape, sizeof shape);
         if (reshape && !strcmp(t->name, reshape)) std::swap(shape[0], shape[1]);
+        if (t->dtype == MT_BF16 && as_dtype != MT_BF16) {
+            const size_t n = t->nbytes / 2;
+            std::vector<float> f(n);
+            mt_to_f32(f.data(), t->data, MT_BF16, n);
+            std::vector<uint16_t> h(n);
+            for (size_t k = 0; k < n; k++) h[k] = mt_f32_to_f16(f[k]);
+            const void *data = as_dtype == MT_F32 ? (const void *)f.data() : (const void *)h.data();
+            EXPECT_EQ(st_writer_add(w, t->name, as_dtype, t->ndim, shape, data, &err), MT_OK) << err.msg;
+            continue;
+        }
         EXPECT_EQ(st_writer_add(w, t->name, t->dtype, t->ndim, shape, t->data, &err), MT_OK) << err.msg;
     }
     EXPECT_EQ(st_writer_save(w, dir.c_str(), 0, &err), MT_OK) << err.msg;
@@ -180,6 +192,35 @@ TEST_F(ModelLayer, BrokenCheckpointsNameTheTensor) {
     EXPECT_NE(std::string(err.msg).find("/nonexistent/dir"), std::string::npos) << err.msg;
     std::string cmd = "rm -rf " + d1 + " " + d2;
     EXPECT_EQ(system(cmd.c_str()), 0);
+}
+
+// The same weights stored as F32 (exactly the bf16 values) and F16 (rounded) give the same logits.
+TEST_F(ModelLayer, Fp32AndFp16CheckpointsLoad) {
+    std::vector<int32_t> toks = {5, 17, 99, 3, 250, 42, 7, 8, 9, 10, 11};
+    auto run = [&](glm_model *m) {
+        glm_seq *s = nullptr;
+        mt_error err{};
+        std::vector<float> l(toks.size() * V_);
+        EXPECT_EQ(glm_seq_new(m, (int)toks.size(), &s, &err), MT_OK);
+        EXPECT_EQ(glm_prefill(m, s, toks.data(), (int)toks.size(), l.data(), true, &err), MT_OK) << err.msg;
+        glm_seq_free(s);
+        return l;
+    };
+    std::vector<float> ref = run(m_);
+    for (mt_dtype dt : {MT_F32, MT_F16}) {
+        std::string d = BrokenCopy(nullptr, nullptr, dt);
+        glm_model *m = nullptr;
+        mt_error err{};
+        ASSERT_EQ(glm_model_load(d.c_str(), be_, nullptr, &m, &err), MT_OK) << err.msg;
+        std::vector<float> l = run(m);
+        glm_model_free(m);
+        double worst = 0;
+        for (size_t i = 0; i < l.size(); i++) worst = std::fmax(worst, std::fabs(l[i] - ref[i]));
+        EXPECT_LE(worst, dt == MT_F32 ? 1e-5 : 5e-2) << mt_dtype_name(dt);
+        EXPECT_GT(worst, dt == MT_F32 ? -1.0 : 0.0) << "f16 rounding should show";
+        std::string cmd = "rm -rf " + d;
+        EXPECT_EQ(system(cmd.c_str()), 0);
+    }
 }
 
 }  // namespace
