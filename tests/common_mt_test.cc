@@ -13,7 +13,9 @@ TEST(Mt, StatusStringsAreDistinct) {
                              MT_ERR_UNSUPPORTED, MT_ERR_FULL, MT_ERR_BACKEND, MT_ERR_STATE};
     for (mt_status a : all)
         for (mt_status b : all)
-            if (a != b) EXPECT_STRNE(mt_status_str(a), mt_status_str(b));
+            if (a != b) {
+                EXPECT_STRNE(mt_status_str(a), mt_status_str(b));
+            }
     EXPECT_STREQ(mt_status_str((mt_status)-99), "unknown status");
 }
 

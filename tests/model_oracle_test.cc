@@ -111,7 +111,9 @@ TEST_P(Oracle, EveryLogitWithinToleranceAndSameGreedyTokens) {
         std::vector<int32_t> gen;
         for (size_t i = 0; i < c.gen.size(); i++) {
             gen.push_back(glm_argmax(l.data(), V_));
-            if (i + 1 < c.gen.size()) ASSERT_EQ(glm_decode(m_, s, gen.back(), l.data(), &err), MT_OK) << err.msg;
+            if (i + 1 < c.gen.size()) {
+                ASSERT_EQ(glm_decode(m_, s, gen.back(), l.data(), &err), MT_OK) << err.msg;
+            }
         }
         glm_seq_free(s);
         EXPECT_EQ(gen, c.gen) << GetParam() << " case " << k;
