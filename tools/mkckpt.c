@@ -12,7 +12,6 @@
  * deferred tensors, so memory stays at one 64 MiB chunk however large the checkpoint (bench-4L
  * is ~48 GB: use --shard-mb, e.g. 5000).
  */
-#define _GNU_SOURCE /* sincosf */
 #include <errno.h>
 #include <getopt.h>
 #include <math.h>
@@ -53,15 +52,56 @@ static uint64_t hash_str(const char *s) {
     return h;
 }
 
-/* Box-Muller pair number p of stream key. */
+/* N(0,1) by inverse transform: a 32-bit uniform u picks a point on a piecewise-linear
+ * interpolation of the normal quantile function, sampled at k_qn + 1 knots. Much faster than
+ * Box-Muller (one L1-resident table load instead of log, sqrt and sincos) and as good at bf16
+ * precision: the interpolation error is < 3e-4 for |z| < 3 and the tails are cut at 3.7 sigma
+ * (0.02% of draws land beyond 3.5 sigma instead of 0.05%). */
+enum { k_qn_bits = 12, k_qn = 1 << k_qn_bits };
+static struct { float q, dq; } g_quantile[k_qn]; /* knot i and the step to knot i + 1 */
+/* Acklam's rational approximation of the normal quantile (relative error < 1.2e-9). */
+static double normal_quantile(double p) {
+    static const double a[] = { -3.969683028665376e+01, 2.209460984245205e+02, -2.759285104469687e+02,
+                                1.383577518672690e+02, -3.066479806614716e+01, 2.506628277459239e+00 };
+    static const double b[] = { -5.447609879822406e+01, 1.615858368580409e+02, -1.556989798598866e+02,
+                                6.680131188771972e+01, -1.328068155288572e+01 };
+    static const double c[] = { -7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e+00,
+                                -2.549732539343734e+00, 4.374664141464968e+00, 2.938163982698783e+00 };
+    static const double d[] = { 7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e+00,
+                                3.754408661907416e+00 };
+    const double lo = 0.02425, hi = 1 - lo;
+    if (p < lo) {
+        double q = sqrt(-2 * log(p));
+        return (((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) /
+               ((((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1);
+    }
+    if (p > hi) return -normal_quantile(1 - p);
+    double q = p - 0.5, r = q * q;
+    return (((((a[0] * r + a[1]) * r + a[2]) * r + a[3]) * r + a[4]) * r + a[5]) * q /
+           (((((b[0] * r + b[1]) * r + b[2]) * r + b[3]) * r + b[4]) * r + 1);
+}
+
+static void quantile_table_init(void) {
+    /* knots at quantile((i + 0.5) / (k_qn + 1)), i = 0..k_qn */
+    float knot[k_qn + 1];
+    for (int i = 0; i <= k_qn; i++) knot[i] = (float)normal_quantile((i + 0.5) / (k_qn + 1.0));
+    for (int i = 0; i < k_qn; i++) {
+        g_quantile[i].q = knot[i];
+        g_quantile[i].dq = knot[i + 1] - knot[i];
+    }
+}
+
+static inline float normal_from_u32(uint32_t r) {
+    const uint32_t i = r >> (32 - k_qn_bits);
+    const float f = (float)(r & ((1u << (32 - k_qn_bits)) - 1)) * (1.0f / (float)(1u << (32 - k_qn_bits)));
+    return g_quantile[i].q + f * g_quantile[i].dq;
+}
+
+/* Normals number 2p and 2p+1 of stream key. */
 static inline void normal_pair(uint64_t key, uint64_t p, float *z0, float *z1) {
     uint64_t r = mix64(key + (p + 1) * 0x9e3779b97f4a7c15ull);
-    float u1 = (float)((r >> 40) + 1) * (1.0f / 16777216.0f); /* (0, 1] */
-    float u2 = (float)(r & 0xffffff) * (1.0f / 16777216.0f);  /* [0, 1) */
-    float rad = sqrtf(-2.0f * logf(u1)), s, c;
-    sincosf(6.28318530718f * u2, &s, &c);
-    *z0 = rad * c;
-    *z1 = rad * s;
+    *z0 = normal_from_u32((uint32_t)r);
+    *z1 = normal_from_u32((uint32_t)(r >> 32));
 }
 
 static inline void store(void *dst, size_t i, mt_dtype t, float v) {
@@ -234,6 +274,7 @@ int main(int argc, char **argv) {
         return 1;
     }
 
+    quantile_table_init();
     glm_manifest_foreach(&cfg, collect, &plan);
     st_writer *w = st_writer_new();
     if (plan.oom || !w) {

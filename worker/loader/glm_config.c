@@ -642,9 +642,14 @@ static json_object *new_float(float f) {
     return json_object_new_double_s((double)f, buf);
 }
 
+/* Adds v (owned) under k; -1 when v is NULL (an allocation failed) or the add fails. */
 static int add(json_object *o, const char *k, json_object *v) {
     if (!v) return -1;
-    return json_object_object_add(o, k, v);
+    if (json_object_object_add(o, k, v) != 0) {
+        json_object_put(v);
+        return -1;
+    }
+    return 0;
 }
 
 mt_status glm_config_save(const glm_config *c, const char *path, mt_error *err) {
@@ -689,8 +694,10 @@ mt_status glm_config_save(const glm_config *c, const char *path, mt_error *err) 
     }
     const char *s = json_object_to_json_string_ext(
         o, JSON_C_TO_STRING_PRETTY | JSON_C_TO_STRING_SPACED | JSON_C_TO_STRING_NOSLASHESCAPE);
-    FILE *f = fopen(path, "wb");
-    if (!f) {
+    FILE *f = s ? fopen(path, "wb") : NULL;
+    if (!s) {
+        st = mt_errorf(err, MT_ERR_NOMEM, "%s: out of memory", path);
+    } else if (!f) {
         st = mt_errorf(err, MT_ERR_IO, "%s: cannot create: %s", path, strerror(errno));
     } else {
         size_t n = strlen(s);

@@ -73,7 +73,12 @@ void glm_config_default(glm_config *cfg);
  * (layer i is DSA when i % 4 == 3, the first min(3, n) MLPs dense, every indexer full). */
 void glm_config_default_layers(glm_config *cfg);
 
-/* Parses config.json at path into *cfg. On error *cfg is untouched and err names the field. */
+/* Parses config.json at path into *cfg. On error *cfg is untouched and err names the file and
+ * the field. model_type, when present, must be "glm5_next" or "glm5_next_text". In the nested
+ * form only text_config's fields are read, except tie_word_embeddings (the top-level value wins:
+ * the conditional-generation model owns lm_head) and eos_token_id (taken from the top level when
+ * text_config has none). Unknown fields are ignored; a known field of the wrong JSON type or an
+ * unexpected null is an error. */
 mt_status glm_config_load(const char *path, glm_config *cfg, mt_error *err);
 
 /* Parses config JSON text (same rules as glm_config_load; "where" names the source in messages). */
@@ -82,7 +87,8 @@ mt_status glm_config_parse(const char *json_text, const char *where, glm_config 
 /* Checks the invariants the runtime relies on (MODEL.md); err names the field. */
 mt_status glm_config_validate(const glm_config *cfg, mt_error *err);
 
-/* Writes cfg as a flat text config.json ("model_type": "glm5_next_text"). */
+/* Writes cfg as a flat text config.json ("model_type": "glm5_next_text") that glm_config_load
+ * reads back to the same struct. Validates first: an invalid cfg writes nothing. */
 mt_status glm_config_save(const glm_config *cfg, const char *path, mt_error *err);
 
 /* Presets for tools and benchmarks: "tiny" (hidden 64, a few hundred vocab, every layer kind) and

@@ -1,4 +1,4 @@
-/* worker/model/glm_manifest.c: see glm_manifest.h. */
+/* worker/loader/glm_manifest.c: see glm_manifest.h. */
 #include "worker/loader/glm_manifest.h"
 
 #include <math.h>

@@ -745,44 +745,54 @@ static mt_status write_all(int fd, const void *buf, size_t n, const char *path, 
     return MT_OK;
 }
 
-/* The header JSON of entries [a, b), padded with spaces to a multiple of 8 bytes. */
-static char *shard_header(const st_writer *w, size_t a, size_t b, size_t *len) {
-    json_object *root = json_object_new_object();
-    if (!root) return NULL;
-    json_object *meta = json_object_new_object();
-    if (!meta || json_object_object_add(root, "__metadata__", meta)) {
-        json_object_put(meta);
-        json_object_put(root);
-        return NULL;
+/* Adds v (owned) under k; false when v is NULL (an allocation failed) or the add fails. */
+static bool obj_add(json_object *o, const char *k, json_object *v) {
+    if (!o || !v) {
+        json_object_put(v);
+        return false;
     }
-    json_object_object_add(meta, "format", json_object_new_string("pt"));
+    if (json_object_object_add(o, k, v) != 0) {
+        json_object_put(v);
+        return false;
+    }
+    return true;
+}
+
+/* Appends v (owned) to array a; false on failure. */
+static bool arr_add(json_object *a, json_object *v) {
+    if (!a || !v || json_object_array_add(a, v) != 0) {
+        json_object_put(v);
+        return false;
+    }
+    return true;
+}
+
+/* The header JSON of entries [a, b), padded with spaces to a multiple of 8 bytes; NULL when out
+ * of memory. */
+static char *shard_header(const st_writer *w, size_t a, size_t b, size_t *len) {
+    json_object *root = json_object_new_object(), *meta = json_object_new_object();
+    bool ok = obj_add(meta, "format", json_object_new_string("pt"));
+    ok = obj_add(root, "__metadata__", meta) && ok;
     uint64_t off = 0;
-    int bad = 0;
-    for (size_t i = a; i < b && !bad; i++) {
+    for (size_t i = a; i < b && ok; i++) {
         const st_entry *e = &w->e[i];
         json_object *o = json_object_new_object(), *shape = json_object_new_array(),
                     *offs = json_object_new_array();
-        if (!o || !shape || !offs) {
-            json_object_put(o);
-            json_object_put(shape);
-            json_object_put(offs);
-            bad = 1;
-            break;
-        }
-        for (int d = 0; d < e->ndim; d++) bad |= json_object_array_add(shape, json_object_new_int64(e->shape[d]));
-        bad |= json_object_array_add(offs, json_object_new_int64((int64_t)off));
-        bad |= json_object_array_add(offs, json_object_new_int64((int64_t)(off + e->nbytes)));
+        for (int d = 0; d < e->ndim; d++) ok = arr_add(shape, json_object_new_int64(e->shape[d])) && ok;
+        ok = arr_add(offs, json_object_new_int64((int64_t)off)) && ok;
+        ok = arr_add(offs, json_object_new_int64((int64_t)(off + e->nbytes))) && ok;
         off += e->nbytes;
-        bad |= json_object_object_add(o, "dtype", json_object_new_string(mt_dtype_name(e->dtype)));
-        bad |= json_object_object_add(o, "shape", shape);
-        bad |= json_object_object_add(o, "data_offsets", offs);
-        bad |= json_object_object_add(root, e->name, o);
+        ok = obj_add(o, "dtype", json_object_new_string(mt_dtype_name(e->dtype))) && ok;
+        ok = obj_add(o, "shape", shape) && ok;
+        ok = obj_add(o, "data_offsets", offs) && ok;
+        ok = obj_add(root, e->name, o) && ok;
     }
     char *out = NULL;
-    if (!bad) {
-        const char *s = json_object_to_json_string_ext(root, JSON_C_TO_STRING_PLAIN | JSON_C_TO_STRING_NOSLASHESCAPE);
-        size_t n = s ? strlen(s) : 0, padded = (n + 7) & ~(size_t)7;
-        if (s && (out = malloc(padded + 1))) {
+    const char *s = ok ? json_object_to_json_string_ext(root, JSON_C_TO_STRING_PLAIN | JSON_C_TO_STRING_NOSLASHESCAPE)
+                       : NULL;
+    if (s) {
+        size_t n = strlen(s), padded = (n + 7) & ~(size_t)7;
+        if ((out = malloc(padded + 1))) {
             memcpy(out, s, n);
             memset(out + n, ' ', padded - n);
             out[padded] = 0;
@@ -835,34 +845,25 @@ done:
 
 static mt_status write_index(const st_writer *w, const size_t *shard_of, size_t nshards,
                              const char *path, mt_error *err) {
-    json_object *root = json_object_new_object(), *meta = json_object_new_object(),
-                *wm = json_object_new_object();
-    int bad = !root || !meta || !wm;
     uint64_t total = 0;
     for (size_t i = 0; i < w->n; i++) total += w->e[i].nbytes;
-    if (!bad) {
-        bad |= json_object_object_add(root, "metadata", meta);
-        meta = NULL;
-        bad |= json_object_object_add(root, "weight_map", wm);
-        wm = NULL;
-        json_object *m = NULL, *map = NULL;
-        json_object_object_get_ex(root, "metadata", &m);
-        json_object_object_get_ex(root, "weight_map", &map);
-        bad |= json_object_object_add(m, "total_size", json_object_new_int64((int64_t)total));
-        for (size_t i = 0; i < w->n && !bad; i++) {
-            char fn[64];
-            snprintf(fn, sizeof fn, "model-%05zu-of-%05zu.safetensors", shard_of[i] + 1, nshards);
-            bad |= json_object_object_add(map, w->e[i].name, json_object_new_string(fn));
-        }
+    json_object *root = json_object_new_object(), *meta = json_object_new_object(),
+                *wm = json_object_new_object();
+    bool ok = obj_add(meta, "total_size", json_object_new_int64((int64_t)total));
+    for (size_t i = 0; i < w->n && ok; i++) {
+        char fn[64];
+        snprintf(fn, sizeof fn, "model-%05zu-of-%05zu.safetensors", shard_of[i] + 1, nshards);
+        ok = obj_add(wm, w->e[i].name, json_object_new_string(fn));
     }
-    json_object_put(meta);
-    json_object_put(wm);
+    ok = obj_add(root, "metadata", meta) && ok; /* root owns meta and wm from here */
+    ok = obj_add(root, "weight_map", wm) && ok;
+    const char *s = ok ? json_object_to_json_string_ext(root, JSON_C_TO_STRING_PRETTY | JSON_C_TO_STRING_SPACED |
+                                                                  JSON_C_TO_STRING_NOSLASHESCAPE)
+                       : NULL;
     mt_status st = MT_OK;
-    if (bad) {
+    if (!s) {
         st = mt_errorf(err, MT_ERR_NOMEM, "%s: out of memory", path);
     } else {
-        const char *s = json_object_to_json_string_ext(root, JSON_C_TO_STRING_PRETTY |
-                                                       JSON_C_TO_STRING_SPACED | JSON_C_TO_STRING_NOSLASHESCAPE);
         int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
         if (fd < 0) {
             st = mt_errorf(err, MT_ERR_IO, "%s: cannot create: %s", path, strerror(errno));

@@ -53,7 +53,8 @@ const st_tensor *st_at(const st_archive *ar, size_t i);
 void st_close(st_archive *ar);
 
 /* Writer, for tools and tests: collects tensors, then writes one file (or shards of at most
- * shard_bytes each plus the index when shard_bytes > 0). Data is copied at st_writer_add. */
+ * shard_bytes each plus the index when shard_bytes > 0). Data is copied at st_writer_add. A
+ * writer belongs to one thread. */
 typedef struct st_writer st_writer;
 st_writer *st_writer_new(void);
 /* Copies the prod(shape) * dtype-size bytes at data. Rejects a duplicate or empty name, ndim
