@@ -32,6 +32,7 @@ typedef struct mt_weight {
     const void *data;
     mt_dtype dtype;
     int64_t rows, cols;
+    bool owned;           /* the backend allocated data (weight_free releases it) */
 } mt_weight;
 
 /* One routed or shared expert: SwiGLU MLP with gate/up [I, H] and down [H, I]. */
@@ -96,6 +97,11 @@ typedef struct mt_backend_ops {
      * mapping; a device backend copies). Returns MT_ERR_NOMEM on failure. */
     mt_status (*weight)(mt_backend *be, const void *host, mt_dtype dt, int64_t rows, int64_t cols,
                         mt_weight *out);
+    /* A weight of random values mean + std * N(0,1), element i drawn by mt_rand_normal(key, i)
+     * (common/mt_rand.h), made in the backend's memory without a host copy: benchmarks of the
+     * real model's size need no checkpoint file. MT_ERR_NOMEM on failure. */
+    mt_status (*weight_random)(mt_backend *be, mt_dtype dt, int64_t rows, int64_t cols, uint64_t key,
+                               float mean, float std, mt_weight *out);
     void (*weight_free)(mt_backend *be, mt_weight *w);
     void (*sync)(mt_backend *be);
 

@@ -11,6 +11,7 @@
 
 extern "C" {
 #include "kernels/backend.h"
+#include "worker/loader/glm_config.h"
 #include "worker/loader/safetensors.h"
 #include "worker/model/glm_model.h"
 #include "worker/model/layer.h"
@@ -224,3 +225,35 @@ TEST_F(ModelLayer, Fp32AndFp16CheckpointsLoad) {
 }
 
 }  // namespace
+
+// Random models: the same seed gives the same logits, another seed different ones, and a bad
+// config is refused before anything is allocated.
+TEST(ModelRandom, SeededAndValidated) {
+    mt_backend *be = mt_cpu_backend_new(0);
+    glm_config c;
+    mt_error err{};
+    ASSERT_EQ(glm_config_preset("tiny", &c, &err), MT_OK) << err.msg;
+    auto logits = [&](uint64_t seed) {
+        glm_model *m = nullptr;
+        glm_seq *s = nullptr;
+        mt_error e{};
+        std::vector<float> l(c.vocab_size);
+        EXPECT_EQ(glm_model_new_random(&c, seed, be, nullptr, &m, &e), MT_OK) << e.msg;
+        EXPECT_EQ(glm_seq_new(m, 8, &s, &e), MT_OK);
+        const int32_t toks[5] = {1, 2, 3, 4, 5};
+        EXPECT_EQ(glm_prefill(m, s, toks, 5, l.data(), false, &e), MT_OK) << e.msg;
+        glm_seq_free(s);
+        glm_model_free(m);
+        return l;
+    };
+    std::vector<float> a = logits(1), b = logits(1), d = logits(2);
+    EXPECT_EQ(a, b);
+    EXPECT_NE(a, d);
+    for (float v : a) ASSERT_TRUE(std::isfinite(v));
+    c.index_topk = 7;  // not a multiple of index_kpool
+    glm_model *m = nullptr;
+    EXPECT_EQ(glm_model_new_random(&c, 1, be, nullptr, &m, &err), MT_ERR_INVALID);
+    EXPECT_NE(std::string(err.msg).find("index_topk"), std::string::npos) << err.msg;
+    EXPECT_EQ(m, nullptr);
+    mt_backend_free(be);
+}

@@ -5,6 +5,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "common/mt_rand.h"
 #include "kernels/cpu/cpu_ops.h"
 
 static void cpu_destroy(mt_backend *be) { free(be); }
@@ -28,8 +29,26 @@ static mt_status cpu_weight(mt_backend *be, const void *host, mt_dtype dt, int64
     *out = (mt_weight){ .data = host, .dtype = dt, .rows = rows, .cols = cols };
     return MT_OK;
 }
+static mt_status cpu_weight_random(mt_backend *be, mt_dtype dt, int64_t rows, int64_t cols, uint64_t key,
+                                   float mean, float std, mt_weight *out) {
+    const size_t n = (size_t)rows * (size_t)cols, es = mt_dtype_size(dt);
+    MT_ASSERT(dt == MT_F32 || dt == MT_F16 || dt == MT_BF16);
+    void *p = malloc(n * es ? n * es : 1);
+    if (!p) return MT_ERR_NOMEM;
+#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+    for (size_t i = 0; i < n; i++) {
+        const float v = mean + std * mt_rand_normal(key, i);
+        if (dt == MT_F32) ((float *)p)[i] = v;
+        else if (dt == MT_BF16) ((uint16_t *)p)[i] = mt_f32_to_bf16(v);
+        else ((uint16_t *)p)[i] = mt_f32_to_f16(v);
+    }
+    *out = (mt_weight){ .data = p, .dtype = dt, .rows = rows, .cols = cols, .owned = true };
+    return MT_OK;
+}
+
 static void cpu_weight_free(mt_backend *be, mt_weight *w) {
     (void)be;
+    if (w->owned) free((void *)w->data);
     memset(w, 0, sizeof *w);
 }
 
@@ -43,6 +62,7 @@ static const mt_backend_ops cpu_ops = {
     .copy = cpu_memcpy,
     .zero = cpu_zero,
     .weight = cpu_weight,
+    .weight_random = cpu_weight_random,
     .weight_free = cpu_weight_free,
     .sync = cpu_sync,
     .embed = cpu_embed,

@@ -118,16 +118,19 @@ struct glm_model {
 struct glm_seq {
     glm_model *m;
     int cap, len;
+    size_t bytes;              /* backend memory of the states (glm_seq_bytes) */
     mt_layer_state **states;   /* [num_hidden_layers] */
 };
 
 /* glm_weights.c */
 mt_status glm_weights_bind(glm_model *m, mt_error *err);
+mt_status glm_weights_random(glm_model *m, uint64_t seed, mt_error *err);
 void glm_weights_release(glm_model *m);
 
 /* glm_layer.c: fills l->base (ops, caps) for layer index i. */
 void glm_layer_init(glm_layer *l, const glm_config *cfg, mt_backend *be, int i);
 int glm_scratch_width(const glm_config *cfg);
+size_t glm_layer_state_bytes(const glm_layer *l, int max_tokens);
 int glm_max_sel(const glm_config *cfg);
 
 /* Mixers and MLP: h[n, H] -> out[n, H]. */

@@ -48,6 +48,23 @@ static void release_state(const mt_layer *ml, mt_layer_state *base) {
     free(st);
 }
 
+/* Bytes of backend memory alloc_state takes for a max_tokens state of layer l (kept beside it so
+ * the two agree). */
+size_t glm_layer_state_bytes(const glm_layer *l, int max_tokens) {
+    const glm_config *c = l->cfg;
+    const int i = l->base.index;
+    if (c->layer_types[i] == GLM_MIXER_KDA) {
+        const size_t D = (size_t)c->linear_num_heads * c->linear_head_dim;
+        const size_t P = (size_t)(c->linear_conv_kernel_dim - 1);
+        const size_t conv = D * P > 0 ? D * P : 1;
+        return sizeof(float) * (3 * conv + (size_t)c->linear_num_heads * c->linear_head_dim * c->linear_head_dim);
+    }
+    const size_t cap = (size_t)max_tokens, id = (size_t)c->index_head_dim;
+    size_t n = cap * (size_t)c->kv_lora_rank;
+    if (l->dsa.has_indexer) n += 2 * cap * id + (cap / (size_t)c->index_kpool + 1) * id;
+    return sizeof(float) * n;
+}
+
 static mt_status alloc_state(const mt_layer *ml, int max_tokens, mt_layer_state **out, mt_error *err) {
     const glm_layer *l = as_glm(ml);
     const glm_config *c = l->cfg;

@@ -39,36 +39,66 @@ static mt_status scratch_alloc(mt_backend *be, const glm_config *c, int rows, gl
     return MT_OK;
 }
 
-mt_status glm_model_load(const char *dir, mt_backend *be, const glm_model_params *params,
-                         glm_model **out, mt_error *err) {
-    *out = NULL;
-    glm_model *m = calloc(1, sizeof *m);
-    if (!m) return mt_errorf(err, MT_ERR_NOMEM, "out of memory");
-    m->be = be;
-    m->params = params ? *params : glm_model_default_params();
-    if (m->params.prefill_chunk < 1) m->params.prefill_chunk = 1;
-    char path[4096];
-    snprintf(path, sizeof path, "%s/config.json", dir);
-    mt_status s = glm_config_load(path, &m->cfg, err);
-    if (s != MT_OK) goto fail;
-    if ((s = st_open_dir(dir, &m->ar, err)) != MT_OK) goto fail;
+/* Everything after the config and the weights' source are known: layers, weights, scratch. */
+static mt_status model_init(glm_model *m, uint64_t random_seed, bool random, mt_error *err) {
     const glm_config *c = &m->cfg;
+    mt_backend *be = m->be;
     m->layers = calloc((size_t)c->num_hidden_layers, sizeof(glm_layer));
-    if (!m->layers) { s = mt_errorf(err, MT_ERR_NOMEM, "out of memory"); goto fail; }
+    if (!m->layers) return mt_errorf(err, MT_ERR_NOMEM, "out of memory");
     for (int i = 0; i < c->num_hidden_layers; i++) glm_layer_init(&m->layers[i], &m->cfg, be, i);
-    if ((s = glm_weights_bind(m, err)) != MT_OK) goto fail;
+    mt_status s = random ? glm_weights_random(m, random_seed, err) : glm_weights_bind(m, err);
+    if (s != MT_OK) return s;
     const int rows = m->params.prefill_chunk;
-    if ((s = scratch_alloc(be, c, rows, &m->scr, err)) != MT_OK) goto fail;
+    if ((s = scratch_alloc(be, c, rows, &m->scr, err)) != MT_OK) return s;
     const size_t SH = (size_t)c->hc_mult * c->hidden_size;
     m->X = be->ops->alloc(be, sizeof(float) * rows * SH);
     m->z = be->ops->alloc(be, sizeof(float) * rows * (size_t)c->hidden_size);
     m->logits = be->ops->alloc(be, sizeof(float) * rows * (size_t)c->vocab_size);
-    if (!m->X || !m->z || !m->logits) { s = mt_errorf(err, MT_ERR_NOMEM, "out of memory for activations"); goto fail; }
+    if (!m->X || !m->z || !m->logits) return mt_errorf(err, MT_ERR_NOMEM, "out of memory for activations");
+    return MT_OK;
+}
+
+static glm_model *model_new(mt_backend *be, const glm_model_params *params) {
+    glm_model *m = calloc(1, sizeof *m);
+    if (!m) return NULL;
+    m->be = be;
+    m->params = params ? *params : glm_model_default_params();
+    if (m->params.prefill_chunk < 1) m->params.prefill_chunk = 1;
+    return m;
+}
+
+mt_status glm_model_load(const char *dir, mt_backend *be, const glm_model_params *params,
+                         glm_model **out, mt_error *err) {
+    *out = NULL;
+    glm_model *m = model_new(be, params);
+    if (!m) return mt_errorf(err, MT_ERR_NOMEM, "out of memory");
+    char path[4096];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    mt_status s = glm_config_load(path, &m->cfg, err);
+    if (s == MT_OK) s = st_open_dir(dir, &m->ar, err);
+    if (s == MT_OK) s = model_init(m, 0, false, err);
+    if (s != MT_OK) {
+        glm_model_free(m);
+        return s;
+    }
     *out = m;
     return MT_OK;
-fail:
-    glm_model_free(m);
-    return s;
+}
+
+mt_status glm_model_new_random(const glm_config *cfg, uint64_t seed, mt_backend *be,
+                               const glm_model_params *params, glm_model **out, mt_error *err) {
+    *out = NULL;
+    mt_status s = glm_config_validate(cfg, err);
+    if (s != MT_OK) return s;
+    glm_model *m = model_new(be, params);
+    if (!m) return mt_errorf(err, MT_ERR_NOMEM, "out of memory");
+    m->cfg = *cfg;
+    if ((s = model_init(m, seed, true, err)) != MT_OK) {
+        glm_model_free(m);
+        return s;
+    }
+    *out = m;
+    return MT_OK;
 }
 
 void glm_model_free(glm_model *m) {
@@ -104,6 +134,7 @@ mt_status glm_seq_new(glm_model *m, int max_tokens, glm_seq **out, mt_error *err
             glm_seq_free(s);
             return st;
         }
+        s->bytes += glm_layer_state_bytes(&m->layers[i], max_tokens);
     }
     *out = s;
     return MT_OK;
@@ -118,6 +149,7 @@ void glm_seq_free(glm_seq *s) {
 }
 
 int glm_seq_len(const glm_seq *s) { return s->len; }
+size_t glm_seq_bytes(const glm_seq *s) { return s ? s->bytes : 0; }
 
 int glm_model_n_layers(const glm_model *m) { return m->cfg.num_hidden_layers; }
 const mt_layer *glm_model_layer(const glm_model *m, int i) { return &m->layers[i].base; }

@@ -31,6 +31,11 @@ glm_model_params glm_model_default_params(void);
  * be present with its exact shape; errors name the file and tensor. On error *out is NULL. */
 mt_status glm_model_load(const char *dir, mt_backend *be, const glm_model_params *params,
                          glm_model **out, mt_error *err);
+/* A model of the given config whose every weight is random (mean + std * N(0,1) at the
+ * manifest's scale, drawn from (seed, tensor name)), made directly in the backend's memory: the
+ * same seed gives the same weights on every backend. For benchmarks and tests. */
+mt_status glm_model_new_random(const glm_config *cfg, uint64_t seed, mt_backend *be,
+                               const glm_model_params *params, glm_model **out, mt_error *err);
 void glm_model_free(glm_model *m);
 
 const glm_config *glm_model_config(const glm_model *m);
@@ -40,6 +45,10 @@ mt_backend *glm_model_backend(const glm_model *m);
 mt_status glm_seq_new(glm_model *m, int max_tokens, glm_seq **out, mt_error *err);
 void glm_seq_free(glm_seq *s);
 int glm_seq_len(const glm_seq *s);
+/* Backend memory held by the sequence's per-layer state (KDA recurrent and conv state, DSA latent
+ * and indexer caches), fixed at glm_seq_new by max_tokens; 0 for NULL. Host bookkeeping is not
+ * counted. */
+size_t glm_seq_bytes(const glm_seq *s);
 
 /* Feeds n tokens (ids < vocab, checked) to the sequence. logits (host memory) receives, when not
  * NULL, [n, vocab] fp32 logits of every fed position when all_logits, else [vocab] of the last.

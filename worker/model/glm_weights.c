@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/mt_rand.h"
 #include "worker/loader/glm_manifest.h"
 #include "worker/model/glm_impl.h"
 
@@ -23,17 +24,59 @@ static void check_one(const glm_tensor_spec *s, void *user) {
     c->st = st_get(c->ar, s->name, s->ndim, s->shape, &t, c->err);
 }
 
+/* Where weights come from: the checkpoint archive, or (random) mean + std * N(0,1) drawn from
+ * mt_rand_key(seed, name) at the manifest's dtype and scale, made in the backend's memory. */
 typedef struct binder {
     glm_model *m;
     mt_error *err;
     char name[192];
+    bool random;
+    uint64_t seed;
+    glm_tensor_spec *specs;  /* random: the manifest */
+    int n_specs;
 } binder;
 
 static const st_tensor *find(binder *b, const char *fmt, va_list ap) {
     vsnprintf(b->name, sizeof b->name, fmt, ap);
+    if (b->random) return NULL;
     const st_tensor *t = st_find(b->m->ar, b->name);
     MT_ASSERT(t); /* the manifest check ran first */
     return t;
+}
+
+static const glm_tensor_spec *spec_of(const binder *b) {
+    for (int i = 0; i < b->n_specs; i++)
+        if (!strcmp(b->specs[i].name, b->name)) return &b->specs[i];
+    MT_ASSERT(!"binder: tensor missing from the manifest");
+    return NULL;
+}
+
+static int64_t spec_count(const glm_tensor_spec *s) {
+    int64_t n = 1;
+    for (int i = 0; i < s->ndim; i++) n *= s->shape[i];
+    return n;
+}
+
+static mt_status bind_w_random(binder *b, mt_weight *w) {
+    const glm_tensor_spec *s = spec_of(b);
+    mt_status st = b->m->be->ops->weight_random(b->m->be, s->dtype, s->shape[0], spec_count(s) / s->shape[0],
+                                                mt_rand_key(b->seed, s->name), s->mean, s->std, w);
+    if (st != MT_OK) return mt_errorf(b->err, st, "cannot make random tensor %s on the backend", s->name);
+    return MT_OK;
+}
+
+/* Host fp32 values of a random vector, rounded through its stored dtype like a checkpoint. */
+static float *random_vector(const binder *b, size_t *n) {
+    const glm_tensor_spec *s = spec_of(b);
+    *n = (size_t)spec_count(s);
+    float *v = malloc(sizeof(float) * (*n ? *n : 1));
+    if (!v) return NULL;
+    const uint64_t key = mt_rand_key(b->seed, s->name);
+    for (size_t i = 0; i < *n; i++) {
+        v[i] = s->mean + s->std * mt_rand_normal(key, i);
+        if (s->dtype == MT_BF16) v[i] = mt_bf16_to_f32(mt_f32_to_bf16(v[i]));
+    }
+    return v;
 }
 
 static mt_status bind_w(binder *b, mt_weight *w, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -42,6 +85,7 @@ static mt_status bind_w(binder *b, mt_weight *w, const char *fmt, ...) {
     va_start(ap, fmt);
     const st_tensor *t = find(b, fmt, ap);
     va_end(ap);
+    if (b->random) return bind_w_random(b, w);
     int64_t cols = 1;
     for (int i = 1; i < t->ndim; i++) cols *= t->shape[i];
     mt_status st = b->m->be->ops->weight(b->m->be, t->data, t->dtype, t->shape[0], cols, w);
@@ -55,15 +99,20 @@ static mt_status bind_v(binder *b, float **v, const char *fmt, ...) {
     va_start(ap, fmt);
     const st_tensor *t = find(b, fmt, ap);
     va_end(ap);
-    size_t n = t->nbytes / mt_dtype_size(t->dtype);
-    float *host = malloc(sizeof(float) * (n ? n : 1));
+    size_t n = 0;
+    float *host;
+    if (b->random) {
+        host = random_vector(b, &n);
+    } else {
+        n = t->nbytes / mt_dtype_size(t->dtype);
+        if ((host = malloc(sizeof(float) * (n ? n : 1)))) mt_to_f32(host, t->data, t->dtype, n);
+    }
     float *dev = b->m->be->ops->alloc(b->m->be, sizeof(float) * (n ? n : 1));
     if (!host || !dev) {
         free(host);
         b->m->be->ops->free(b->m->be, dev);
-        return mt_errorf(b->err, MT_ERR_NOMEM, "%s: out of memory for tensor %s", t->file, t->name);
+        return mt_errorf(b->err, MT_ERR_NOMEM, "out of memory for tensor %s", b->name);
     }
-    mt_to_f32(host, t->data, t->dtype, n);
     b->m->be->ops->upload(b->m->be, dev, host, sizeof(float) * n);
     free(host);
     *v = dev;
@@ -145,17 +194,50 @@ static mt_status bind_layer(binder *b, glm_layer *l, int i) {
     return bind_mlp(b, &mw->shared, mp);
 }
 
-mt_status glm_weights_bind(glm_model *m, mt_error *err) {
-    check_ctx cc = { m->ar, err, MT_OK };
-    glm_manifest_foreach(&m->cfg, check_one, &cc);
-    if (cc.st != MT_OK) return cc.st;
-    binder b = { .m = m, .err = err };
+static mt_status bind_all(binder *bp) {
+    binder b = *bp;
+    glm_model *m = b.m;
     TRY(bind_w(&b, &m->embed, "model.language_model.embed_tokens.weight"));
     if (m->cfg.tie_word_embeddings) m->lm_head = m->embed;
     else TRY(bind_w(&b, &m->lm_head, "lm_head.weight"));
     TRY(bind_v(&b, &m->norm, "model.language_model.norm.weight"));
     for (int i = 0; i < m->cfg.num_hidden_layers; i++) TRY(bind_layer(&b, &m->layers[i], i));
     return MT_OK;
+}
+
+mt_status glm_weights_bind(glm_model *m, mt_error *err) {
+    check_ctx cc = { m->ar, err, MT_OK };
+    glm_manifest_foreach(&m->cfg, check_one, &cc);
+    if (cc.st != MT_OK) return cc.st;
+    binder b = { .m = m, .err = err };
+    return bind_all(&b);
+}
+
+typedef struct spec_list {
+    glm_tensor_spec *v;
+    int n;
+} spec_list;
+
+static void collect_spec(const glm_tensor_spec *s, void *user) {
+    spec_list *l = user;
+    l->v[l->n++] = *s;
+}
+
+static void count_spec(const glm_tensor_spec *s, void *user) {
+    (void)s;
+    (*(int *)user)++;
+}
+
+mt_status glm_weights_random(glm_model *m, uint64_t seed, mt_error *err) {
+    int n = 0;
+    glm_manifest_foreach(&m->cfg, count_spec, &n);
+    spec_list l = { calloc((size_t)n, sizeof(glm_tensor_spec)), 0 };
+    if (!l.v) return mt_errorf(err, MT_ERR_NOMEM, "out of memory for the manifest");
+    glm_manifest_foreach(&m->cfg, collect_spec, &l);
+    binder b = { .m = m, .err = err, .random = true, .seed = seed, .specs = l.v, .n_specs = l.n };
+    mt_status st = bind_all(&b);
+    free(l.v);
+    return st;
 }
 
 static void free_expert(mt_backend *be, mt_expert *e) {
