@@ -38,3 +38,4 @@ expect_fail 2 "empty" --model "$fx" --prompt ""
 expect_fail 2 "unknown option" --model "$fx" --prompt 1 --bogus 3
 expect_fail 1 "outside the vocabulary" --model "$fx" --prompt "1,300"
 expect_fail 1 "/no/such/dir" --model /no/such/dir --prompt 1
+expect_fail 2 "cpu or cuda" --model "$fx" --prompt 1 --backend tpu

@@ -2,18 +2,21 @@
  * checkpoint directory, prefill the given token ids, greedily generate N tokens, print the ids and
  * the speed. Only main exits; every failure is a message and a non-zero status.
  *
- *   metrale-generate --model DIR --prompt 1,2,3 [--max-new 32] [--threads N] [--all-logits FILE]
+ *   metrale-generate --model DIR --prompt 1,2,3 [--max-new 32] [--threads N] [--backend cpu|cuda]
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kernels/backend.h"
+#include "kernels/cuda/cuda_backend.h"
 #include "worker/model/glm_model.h"
 
 static void usage(FILE *f) {
     fprintf(f, "usage: metrale-generate --model DIR --prompt ID,ID,... [--max-new N] [--threads N]\n"
-               "  Prefills the prompt on the CPU backend and greedily generates N tokens (default 16).\n");
+               "                        [--backend cpu|cuda]\n"
+               "  Prefills the prompt and greedily generates N tokens (default 16) on the CPU backend\n"
+               "  (default) or the first GPU.\n");
 }
 
 /* Parses "1,2,3" into a malloc'ed array; NULL with a message on bad input. */
@@ -46,7 +49,7 @@ static int32_t *parse_ids(const char *s, int *n) {
 }
 
 int main(int argc, char **argv) {
-    const char *dir = NULL, *prompt = NULL;
+    const char *dir = NULL, *prompt = NULL, *backend = "cpu";
     int max_new = 16, threads = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -56,27 +59,32 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--prompt")) prompt = v;
         else if (!strcmp(a, "--max-new")) max_new = atoi(v);
         else if (!strcmp(a, "--threads")) threads = atoi(v);
+        else if (!strcmp(a, "--backend")) backend = v;
         else { fprintf(stderr, "error: unknown option %s\n", a); usage(stderr); return 2; }
         i++;
     }
     if (!dir || !prompt || max_new < 0) { usage(stderr); return 2; }
+    if (strcmp(backend, "cpu") && strcmp(backend, "cuda")) {
+        fprintf(stderr, "error: --backend must be cpu or cuda, got %s\n", backend);
+        return 2;
+    }
     int n = 0;
     int32_t *ids = parse_ids(prompt, &n);
     if (!ids) return 2;
 
-    mt_backend *be = mt_cpu_backend_new(threads);
+    mt_error err = { "" };
+    mt_backend *be = !strcmp(backend, "cuda") ? mt_cuda_backend_new(0, &err) : mt_cpu_backend_new(threads);
     glm_model *m = NULL;
     glm_seq *seq = NULL;
     float *logits = NULL;
-    mt_error err = { "" };
     int rc = 1;
     double t0 = mt_now();
-    if (!be) { fprintf(stderr, "error: out of memory\n"); goto done; }
+    if (!be) { fprintf(stderr, "error: %s backend: %s\n", backend, err.msg[0] ? err.msg : "out of memory"); goto done; }
     if (glm_model_load(dir, be, NULL, &m, &err) != MT_OK) { fprintf(stderr, "error: %s\n", err.msg); goto done; }
     const glm_config *c = glm_model_config(m);
     double t1 = mt_now();
-    fprintf(stderr, "loaded %s: %d layers, hidden %d, vocab %d in %.2f s (cpu, %d threads)\n", dir,
-            c->num_hidden_layers, c->hidden_size, c->vocab_size, t1 - t0, be->n_threads);
+    fprintf(stderr, "loaded %s: %d layers, hidden %d, vocab %d in %.2f s (%s backend)\n", dir,
+            c->num_hidden_layers, c->hidden_size, c->vocab_size, t1 - t0, be->ops->name);
     if (glm_seq_new(m, n + max_new, &seq, &err) != MT_OK) { fprintf(stderr, "error: %s\n", err.msg); goto done; }
     logits = malloc(sizeof(float) * (size_t)c->vocab_size);
     if (!logits) { fprintf(stderr, "error: out of memory\n"); goto done; }

@@ -1,0 +1,164 @@
+/* bench/decode_bench.c: the issue-3 benchmark. In one run on one GPU it measures the device copy
+ * bandwidth (the reference ceiling), then the bench-4L model (MISSION.md: GLM-5.3-Flash's real
+ * per-layer shapes, 4 layers, random bf16 weights made on the GPU from a seed) at batch 1:
+ *   - decode: ms per token, the bytes a step must read (weights it touches + recurrent state),
+ *     and the fraction of the bandwidth floor (bytes / measured copy bandwidth) reached;
+ *   - prefill of 512 and 4096 tokens: tokens/s and the fraction of the bf16 tensor peak reached
+ *     (FLOPs: 2 x the parameters each token touches, plus attention and KDA).
+ * Prints one table and writes it as JSON (--json FILE).
+ *
+ *   decode_bench [--steps N] [--context N] [--json FILE] [--bf16-peak-tflops 790]
+ */
+#include <cuda_runtime_api.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/backend.h"
+#include "kernels/cuda/cuda_backend.h"
+#include "worker/loader/glm_config.h"
+#include "worker/loader/glm_manifest.h"
+#include "worker/model/glm_model.h"
+
+typedef struct bytes_ctx {
+    const glm_config *c;
+    double weights;  /* bytes a batch-1 decode step reads */
+    double params;   /* parameters a token touches (for FLOPs) */
+} bytes_ctx;
+
+/* Routed experts: only top_k of n_routed are read per token; the embedding: one row. */
+static void count_tensor(const glm_tensor_spec *s, void *user) {
+    bytes_ctx *b = user;
+    double n = 1;
+    for (int i = 0; i < s->ndim; i++) n *= (double)s->shape[i];
+    double frac = 1;
+    if (strstr(s->name, ".mlp.experts.")) frac = (double)b->c->num_experts_per_tok / b->c->n_routed_experts;
+    if (strstr(s->name, "embed_tokens")) frac = 1.0 / (double)s->shape[0];
+    b->weights += frac * n * (double)mt_dtype_size(s->dtype);
+    if (!strstr(s->name, "embed_tokens")) b->params += frac * n;
+}
+
+static double copy_bandwidth_gbs(void) {
+    const size_t bytes = (size_t)4 << 30;
+    void *a = NULL, *b = NULL;
+    if (cudaMalloc(&a, bytes) != cudaSuccess || cudaMalloc(&b, bytes) != cudaSuccess) return 0;
+    cudaMemset(a, 1, bytes);
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice); /* warm-up */
+    const int reps = 10;
+    cudaEventRecord(e0, 0);
+    for (int i = 0; i < reps; i++) cudaMemcpy(i & 1 ? a : b, i & 1 ? b : a, bytes, cudaMemcpyDeviceToDevice);
+    cudaEventRecord(e1, 0);
+    cudaEventSynchronize(e1);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, e0, e1);
+    cudaFree(a);
+    cudaFree(b);
+    return 2.0 * bytes * reps / (ms * 1e-3) / 1e9; /* read + write */
+}
+
+int main(int argc, char **argv) {
+    int steps = 32, context = 4096 + 64;
+    double peak_tflops = 790;
+    const char *json = NULL;
+    for (int i = 1; i + 1 < argc; i += 2) {
+        if (!strcmp(argv[i], "--steps")) steps = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--context")) context = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--json")) json = argv[i + 1];
+        else if (!strcmp(argv[i], "--bf16-peak-tflops")) peak_tflops = atof(argv[i + 1]);
+        else { fprintf(stderr, "decode_bench: unknown option %s\n", argv[i]); return 2; }
+    }
+    mt_error err = { "" };
+    mt_backend *be = mt_cuda_backend_new(0, &err);
+    if (!be) { fprintf(stderr, "decode_bench: %s\n", err.msg); return 1; }
+    const double bw = copy_bandwidth_gbs();
+    glm_config c;
+    if (glm_config_preset("bench-4L", &c, &err) != MT_OK) { fprintf(stderr, "%s\n", err.msg); return 1; }
+    bytes_ctx bc = { &c, 0, 0 };
+    glm_manifest_foreach(&c, count_tensor, &bc);
+    int n_kda = 0;
+    for (int l = 0; l < c.num_hidden_layers; l++) n_kda += c.layer_types[l] == GLM_MIXER_KDA;
+    const double state_bytes = 2.0 * n_kda * c.linear_num_heads * (double)c.linear_head_dim * c.linear_head_dim * 4;
+    const double step_bytes = bc.weights + state_bytes;
+
+    glm_model_params mp = glm_model_default_params();
+    mp.prefill_chunk = 4096;
+    glm_model *m = NULL;
+    double t0 = mt_now();
+    if (glm_model_new_random(&c, 1, be, &mp, &m, &err) != MT_OK) { fprintf(stderr, "%s\n", err.msg); return 1; }
+    be->ops->sync(be);
+    const double t_make = mt_now() - t0;
+
+    int32_t *toks = malloc(sizeof(int32_t) * (size_t)context);
+    for (int i = 0; i < context; i++) toks[i] = (int32_t)((i * 7919u + 13u) % (unsigned)c.vocab_size);
+    float *logits = malloc(sizeof(float) * (size_t)c.vocab_size);
+    glm_seq *s = NULL;
+
+    /* prefill 512 and 4096 tokens, each on a fresh sequence, after a warm-up */
+    const int plens[2] = { 512, 4096 };
+    double pf_tps[2] = { 0, 0 }, pf_frac[2] = { 0, 0 };
+    for (int k = 0; k < 2; k++) {
+        for (int rep = 0; rep < 2; rep++) {
+            if (glm_seq_new(m, plens[k] + 1, &s, &err) != MT_OK) { fprintf(stderr, "%s\n", err.msg); return 1; }
+            be->ops->sync(be);
+            double a = mt_now();
+            if (glm_prefill(m, s, toks, plens[k], logits, false, &err) != MT_OK) { fprintf(stderr, "%s\n", err.msg); return 1; }
+            be->ops->sync(be);
+            double dt = mt_now() - a;
+            glm_seq_free(s);
+            pf_tps[k] = plens[k] / dt;
+        }
+        /* 2 FLOPs per touched parameter per token; attention/KDA terms are small beside it here. */
+        pf_frac[k] = pf_tps[k] * 2.0 * bc.params / (peak_tflops * 1e12);
+    }
+
+    /* decode: prefill 64 tokens, warm up 4 steps, then time steps */
+    if (glm_seq_new(m, context, &s, &err) != MT_OK) { fprintf(stderr, "%s\n", err.msg); return 1; }
+    if (glm_prefill(m, s, toks, 64, logits, false, &err) != MT_OK) { fprintf(stderr, "%s\n", err.msg); return 1; }
+    int32_t tok = glm_argmax(logits, c.vocab_size);
+    for (int i = 0; i < 4; i++) {
+        glm_decode(m, s, tok, logits, &err);
+        tok = glm_argmax(logits, c.vocab_size);
+    }
+    be->ops->sync(be);
+    double a = mt_now();
+    for (int i = 0; i < steps; i++) {
+        if (glm_decode(m, s, tok, logits, &err) != MT_OK) { fprintf(stderr, "%s\n", err.msg); return 1; }
+        tok = glm_argmax(logits, c.vocab_size);
+    }
+    be->ops->sync(be);
+    const double ms_tok = (mt_now() - a) * 1e3 / steps;
+    const double floor_ms = step_bytes / (bw * 1e9) * 1e3;
+    glm_seq_free(s);
+
+    printf("metrale decode_bench: bench-4L (4 layers: 3 KDA + 1 DSA, 1 dense + 3 MoE), batch 1, CUDA backend\n");
+    printf("  random weights made on the GPU in %.2f s\n", t_make);
+    printf("| measure                         | value        | reference                      |\n");
+    printf("|---------------------------------|--------------|--------------------------------|\n");
+    printf("| device copy bandwidth           | %7.0f GB/s | (read + write, cudaMemcpy D2D) |\n", bw);
+    printf("| bytes a decode step must read   | %8.3f GB  | weights touched + KDA state    |\n", step_bytes / 1e9);
+    printf("| bandwidth floor per token       | %8.3f ms  | bytes / copy bandwidth         |\n", floor_ms);
+    printf("| decode, eager (no graph yet)    | %8.3f ms  | %5.1f%% of the floor (goal 80%%) |\n", ms_tok, 100 * floor_ms / ms_tok);
+    printf("| decode, CUDA graph              | not yet      | graphs not implemented         |\n");
+    for (int k = 0; k < 2; k++)
+        printf("| prefill %4d tokens             | %8.0f tok/s | %5.2f%% of %.0f TFLOP/s bf16    |\n", plens[k], pf_tps[k],
+               100 * pf_frac[k], peak_tflops);
+    if (json) {
+        FILE *f = fopen(json, "w");
+        if (f) {
+            fprintf(f, "{\"copy_bandwidth_gbs\": %.1f, \"decode_step_bytes\": %.0f, \"floor_ms\": %.4f, "
+                       "\"decode_eager_ms\": %.4f, \"decode_eager_fraction_of_floor\": %.4f, "
+                       "\"decode_graph_ms\": null, \"prefill_512_tok_s\": %.1f, \"prefill_512_fraction_of_peak\": %.5f, "
+                       "\"prefill_4096_tok_s\": %.1f, \"prefill_4096_fraction_of_peak\": %.5f, \"steps\": %d}\n",
+                    bw, step_bytes, floor_ms, ms_tok, floor_ms / ms_tok, pf_tps[0], pf_frac[0], pf_tps[1], pf_frac[1], steps);
+            fclose(f);
+        }
+    }
+    free(toks);
+    free(logits);
+    glm_model_free(m);
+    mt_backend_free(be);
+    return 0;
+}

@@ -1,0 +1,240 @@
+/* kernels/cuda/cuda_backend.cu: the CUDA backend's object, memory, weights and op table
+ * (kernels/backend.h). One device, one non-blocking stream; every op is enqueued on it, and
+ * upload/download/sync wait for it. A failing CUDA call is logged where it happens and recorded
+ * in the backend's sticky status (cu_backend.sticky). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/cuda_ops.h"
+
+/* Runs a CUDA call; on failure logs it (call text, error string, file:line) and records it. */
+#define CU_RECORD(be, call) MT_CUDA_(call, #call, cu_fail((be), mt_st_))
+
+static cu_backend *cb_of(mt_backend *be) { return (cu_backend *)be; }
+
+void cu_fail(mt_backend *be, mt_status st) {
+    cu_backend *cb = cb_of(be);
+    if (st != MT_OK && cb->sticky == MT_OK) cb->sticky = st;
+}
+
+void cu_check_launch(mt_backend *be, const char *op) {
+    cudaError_t e = cudaGetLastError();
+    if (e == cudaSuccess) return;
+    mt_log(MT_LOG_ERROR, "cuda backend: %s: kernel launch failed: %s", op, cudaGetErrorString(e));
+    cu_fail(be, MT_ERR_BACKEND);
+}
+
+void cu_op_status(mt_backend *be, const char *op, mt_status st) {
+    if (st == MT_OK) return;
+    mt_log(MT_LOG_ERROR, "cuda backend: %s failed: %s", op, mt_status_str(st));
+    cu_fail(be, st);
+}
+
+void *cu_scratch(mt_backend *be, int slot, size_t bytes) {
+    cu_backend *cb = cb_of(be);
+    MT_ASSERT(slot >= 0 && slot < CU_SCRATCH_N);
+    cu_buf *b = &cb->scratch[slot];
+    if (b->bytes >= bytes && b->p) return b->p;
+    /* Kernels queued earlier may still use the old buffer. */
+    CU_RECORD(be, cudaStreamSynchronize(cb->stream));
+    if (b->p) MT_CUDA_WARN(cudaFree(b->p));
+    b->p = NULL;
+    b->bytes = 0;
+    size_t want = bytes < ((size_t)1 << 20) ? ((size_t)1 << 20) : bytes + bytes / 4;
+    void *p = NULL;
+    if (cudaMalloc(&p, want) != cudaSuccess) {
+        (void)cudaGetLastError();
+        mt_log(MT_LOG_ERROR, "cuda backend: out of device memory for %zu bytes of scratch", want);
+        cu_fail(be, MT_ERR_NOMEM);
+        return NULL;
+    }
+    b->p = p;
+    b->bytes = want;
+    return p;
+}
+
+/* Forgets the last router output when [p, p + bytes) may have overwritten it (bytes 0: always). */
+static void route_forget(cu_backend *cb, const void *p, size_t bytes) {
+    if (!cb->route_idx) return;
+    const char *a = (const char *)cb->route_idx, *e = a + (size_t)cb->route_len * sizeof(int32_t);
+    const char *q = (const char *)p;
+    if (bytes == 0 || (q < e && q + bytes > a)) cb->route_idx = NULL;
+}
+
+/* ---- lifetime ---- */
+
+static void cu_destroy(mt_backend *be) {
+    cu_backend *cb = cb_of(be);
+    if (!cb) return;
+    MT_CUDA_WARN(cudaStreamSynchronize(cb->stream));
+    for (int i = 0; i < CU_SCRATCH_N; i++)
+        if (cb->scratch[i].p) MT_CUDA_WARN(cudaFree(cb->scratch[i].p));
+    cu_moe_cache_free(cb);
+    MT_CUDA_WARN(cudaStreamDestroy(cb->stream));
+    free(cb);
+}
+
+/* ---- memory ---- */
+
+static void *cu_alloc(mt_backend *be, size_t bytes) {
+    cu_backend *cb = cb_of(be);
+    void *p = NULL;
+    if (cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) {
+        (void)cudaGetLastError(); /* OOM is the caller's to handle: not sticky */
+        return NULL;
+    }
+    route_forget(cb, NULL, 0);
+    if (cudaMemsetAsync(p, 0, bytes, cb->stream) != cudaSuccess) {
+        (void)cudaGetLastError();
+        MT_CUDA_WARN(cudaFree(p));
+        return NULL;
+    }
+    return p;
+}
+
+static void cu_free(mt_backend *be, void *p) {
+    if (!p) return;
+    route_forget(cb_of(be), NULL, 0);
+    CU_RECORD(be, cudaFree(p)); /* synchronises the device: queued kernels may still use p */
+}
+
+static void cu_upload(mt_backend *be, void *dst, const void *host_src, size_t bytes) {
+    cu_backend *cb = cb_of(be);
+    if (!bytes) return;
+    route_forget(cb, dst, bytes);
+    CU_RECORD(be, cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, cb->stream));
+    CU_RECORD(be, cudaStreamSynchronize(cb->stream));
+}
+
+static void cu_download(mt_backend *be, void *host_dst, const void *src, size_t bytes) {
+    cu_backend *cb = cb_of(be);
+    if (!bytes) return;
+    CU_RECORD(be, cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, cb->stream));
+    CU_RECORD(be, cudaStreamSynchronize(cb->stream));
+}
+
+static void cu_copy(mt_backend *be, void *dst, const void *src, size_t bytes) {
+    cu_backend *cb = cb_of(be);
+    if (!bytes) return;
+    route_forget(cb, dst, bytes);
+    CU_RECORD(be, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cb->stream));
+}
+
+static void cu_zero(mt_backend *be, void *p, size_t bytes) {
+    cu_backend *cb = cb_of(be);
+    if (!bytes) return;
+    route_forget(cb, p, bytes);
+    CU_RECORD(be, cudaMemsetAsync(p, 0, bytes, cb->stream));
+}
+
+static mt_status cu_weight(mt_backend *be, const void *host, mt_dtype dt, int64_t rows, int64_t cols,
+                           mt_weight *out) {
+    cu_backend *cb = cb_of(be);
+    MT_ASSERT(dt == MT_F32 || dt == MT_F16 || dt == MT_BF16);
+    MT_ASSERT(rows >= 0 && cols >= 0);
+    const size_t bytes = (size_t)rows * (size_t)cols * mt_dtype_size(dt);
+    void *p = NULL;
+    if (cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) {
+        (void)cudaGetLastError();
+        mt_log(MT_LOG_ERROR, "cuda backend: out of device memory for a %lld x %lld %s weight",
+               (long long)rows, (long long)cols, mt_dtype_name(dt));
+        return MT_ERR_NOMEM;
+    }
+    mt_status st = MT_OK;
+    if (bytes) {
+        MT_CUDA_CHECK_GOTO(cudaMemcpyAsync(p, host, bytes, cudaMemcpyHostToDevice, cb->stream), st,
+                           fail);
+        MT_CUDA_CHECK_GOTO(cudaStreamSynchronize(cb->stream), st, fail);
+    }
+    out->data = p;
+    out->dtype = dt;
+    out->rows = rows;
+    out->cols = cols;
+    out->owned = true;
+    return MT_OK;
+fail:
+    MT_CUDA_WARN(cudaFree(p));
+    return st;
+}
+
+static void cu_weight_free(mt_backend *be, mt_weight *w) {
+    if (!w) return;
+    if (w->data) CU_RECORD(be, cudaFree((void *)w->data));
+    memset(w, 0, sizeof *w);
+}
+
+static void cu_sync(mt_backend *be) { CU_RECORD(be, cudaStreamSynchronize(cb_of(be)->stream)); }
+
+static const mt_backend_ops cu_ops = {
+    .name = "cuda",
+    .destroy = cu_destroy,
+    .alloc = cu_alloc,
+    .free = cu_free,
+    .upload = cu_upload,
+    .download = cu_download,
+    .copy = cu_copy,
+    .zero = cu_zero,
+    .weight = cu_weight,
+    .weight_random = cu_weight_random,
+    .weight_free = cu_weight_free,
+    .sync = cu_sync,
+    .embed = cu_embed,
+    .matmul = cu_matmul,
+    .rmsnorm = cu_rmsnorm,
+    .layernorm = cu_layernorm,
+    .swiglu = cu_swiglu,
+    .sigmoid = cu_sigmoid,
+    .l2norm = cu_l2norm,
+    .moe_route = cu_moe_route,
+    .moe_experts = cu_moe_experts,
+    .conv1d_silu = cu_conv1d_silu,
+    .kda_gate = cu_kda_gate,
+    .kda_recurrent = cu_kda_recurrent,
+    .kda_chunked = cu_kda_chunked,
+    .gated_rmsnorm = cu_gated_rmsnorm,
+    .dsa_pool_keys = cu_dsa_pool_keys,
+    .dsa_select = cu_dsa_select,
+    .mla_sparse = cu_mla_sparse,
+    .hc_pre = cu_hc_pre,
+    .hc_post = cu_hc_post,
+    .hc_head = cu_hc_head,
+    .argmax = cu_argmax,
+};
+
+extern "C" mt_backend *mt_cuda_backend_new(int device, mt_error *err) {
+    int count = 0;
+    cudaError_t e = cudaGetDeviceCount(&count);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        mt_errorf(err, MT_ERR_UNSUPPORTED, "no usable CUDA device: cudaGetDeviceCount: %s",
+                  cudaGetErrorString(e));
+        return NULL;
+    }
+    if (device < 0 || device >= count) {
+        mt_errorf(err, MT_ERR_UNSUPPORTED, "CUDA device %d requested, %d present", device, count);
+        return NULL;
+    }
+    cu_backend *cb = (cu_backend *)calloc(1, sizeof *cb);
+    if (!cb) {
+        mt_errorf(err, MT_ERR_NOMEM, "out of memory for the CUDA backend");
+        return NULL;
+    }
+    cudaDeviceProp prop;
+    if ((e = cudaSetDevice(device)) != cudaSuccess ||
+        (e = cudaGetDeviceProperties(&prop, device)) != cudaSuccess ||
+        (e = cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking)) != cudaSuccess)
+        goto fail;
+    cb->base.ops = &cu_ops;
+    cb->base.n_threads = 1;
+    cb->device = device;
+    cb->sticky = MT_OK;
+    cb->n_sm = prop.multiProcessorCount;
+    return &cb->base;
+fail:
+    (void)cudaGetLastError();
+    mt_errorf(err, MT_ERR_BACKEND, "CUDA device %d: %s", device, cudaGetErrorString(e));
+    free(cb);
+    return NULL;
+}

@@ -1,0 +1,583 @@
+/* kernels/cuda/cuda_dense.cu: embedding, matmul on bf16/fp16/fp32 weights with fp32 accumulation,
+ * RMSNorm, LayerNorm, SwiGLU, sigmoid, l2norm, argmax: the same functions as kernels/cpu/
+ * cpu_dense.c. Three tiers per op (STYLE.md 7): kernels, a launcher that picks the grid, the
+ * exported op that checks shapes.
+ *
+ * Matmul has two kernels. Few rows (decode, n <= GEMV_MAX_N): a GEMV where a block of 8 warps owns
+ * R output rows, each thread streams 16-byte weight vectors over a slice of the columns for all n
+ * input rows, and a fixed-order reduction finishes each dot product (bandwidth-bound on the
+ * weight). Many rows (prefill): a 64 x 128 x 16 tiled fp32 GEMM (cu_gemm), which the MoE reuses in
+ * grouped form. Both are deterministic: the summation order depends only on the shape. */
+#include <float.h>
+#include <limits.h>
+#include <math.h>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/cuda_ops.h"
+
+/* ================================ embed ================================ */
+
+enum { EMBED_CHUNK = 512, EMBED_THREADS = 256 };
+
+/* ids travel by value (they are host memory), EMBED_CHUNK rows per launch. */
+typedef struct embed_params {
+    float *out;                /* [n, H] fp32 */
+    const void *table;         /* [V, H] dtype */
+    int n, H;                  /* n <= EMBED_CHUNK */
+    int32_t ids[EMBED_CHUNK];  /* [n] rows of table */
+} embed_params;
+
+template <mt_dtype DT> static __global__ void embed_kernel(const __grid_constant__ embed_params p) {
+    const int i = blockIdx.x;
+    const int64_t base = (int64_t)p.ids[i] * p.H;
+    float *o = p.out + (int64_t)i * p.H;
+    for (int d = threadIdx.x; d < p.H; d += blockDim.x) o[d] = cu_wget<DT>(p.table, base + d);
+}
+
+static mt_status embed_launch(const embed_params *p, mt_dtype dt, cudaStream_t s) {
+    switch (dt) {
+    case MT_F32: embed_kernel<MT_F32><<<p->n, EMBED_THREADS, 0, s>>>(*p); break;
+    case MT_F16: embed_kernel<MT_F16><<<p->n, EMBED_THREADS, 0, s>>>(*p); break;
+    default: embed_kernel<MT_BF16><<<p->n, EMBED_THREADS, 0, s>>>(*p); break;
+    }
+    MT_CUDA_CHECK_LAUNCH();
+    return MT_OK;
+}
+
+extern "C" void cu_embed(mt_backend *be, float *out, const mt_weight *table, const int32_t *ids, int n) {
+    MT_ASSERT(table->cols > 0 && table->cols <= INT_MAX);
+    for (int i0 = 0; i0 < n; i0 += EMBED_CHUNK) {
+        embed_params p;
+        p.n = n - i0 < EMBED_CHUNK ? n - i0 : EMBED_CHUNK;
+        p.H = (int)table->cols;
+        p.table = table->data;
+        p.out = out + (int64_t)i0 * p.H;
+        for (int i = 0; i < p.n; i++) {
+            MT_ASSERT(ids[i0 + i] >= 0 && ids[i0 + i] < table->rows);
+            p.ids[i] = ids[i0 + i];
+        }
+        mt_status st = embed_launch(&p, table->dtype, cu_stream(be));
+        if (st != MT_OK) return cu_op_status(be, "embed", st);
+    }
+}
+
+/* ================================ matmul ================================ */
+
+enum { GEMV_THREADS = 256, GEMV_WARPS = GEMV_THREADS / 32, GEMV_MAX_N = 8 };
+
+typedef struct gemv_params {
+    float *y;        /* [n, rows] fp32 */
+    const float *x;  /* [n, cols] fp32 */
+    const void *w;   /* [rows, cols] dtype */
+    int n, rows, cols;
+} gemv_params;
+
+/* Block: output rows [R*blockIdx.x, +R) for all n <= NB input rows. Thread t takes column
+ * vectors t, t + 256, ... (V elements each: 16 bytes of weight when VEC, else 1 element). */
+template <mt_dtype DT, int NB, int R, bool VEC>
+static __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(const gemv_params p) {
+    constexpr int V = VEC ? cu_wvec<DT>::n : 1;
+    const int row0 = blockIdx.x * R;
+    const int nv = p.cols / V;
+    float acc[R][NB];
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int i = 0; i < NB; i++) acc[r][i] = 0.f;
+
+    for (int v = threadIdx.x; v < nv; v += GEMV_THREADS) {
+        float wv[R][V];
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            if (row0 + r < p.rows) {
+                cu_wload<DT, V>(p.w, (int64_t)(row0 + r) * p.cols + (int64_t)v * V, wv[r]);
+            } else {
+#pragma unroll
+                for (int j = 0; j < V; j++) wv[r][j] = 0.f;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < NB; i++) {
+            if (i < p.n) {
+                float xv[V];
+                cu_xload<V>(p.x + (int64_t)i * p.cols + (int64_t)v * V, xv);
+#pragma unroll
+                for (int r = 0; r < R; r++)
+#pragma unroll
+                    for (int j = 0; j < V; j++) acc[r][i] = fmaf(wv[r][j], xv[j], acc[r][i]);
+            }
+        }
+    }
+
+    __shared__ float red[GEMV_WARPS][R * NB];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int i = 0; i < NB; i++) {
+            const float s = cu_warp_sum(acc[r][i]);
+            if (lane == 0) red[warp][r * NB + i] = s;
+        }
+    __syncthreads();
+    for (int t = threadIdx.x; t < R * NB; t += GEMV_THREADS) {
+        const int r = t / NB, i = t % NB;
+        if (i >= p.n || row0 + r >= p.rows) continue;
+        float s = 0.f;
+        for (int w = 0; w < GEMV_WARPS; w++) s += red[w][t];
+        p.y[(int64_t)i * p.rows + row0 + r] = s;
+    }
+}
+
+template <mt_dtype DT, int NB>
+static void gemv_launch_nb(const gemv_params *p, bool vec, bool wide, cudaStream_t s) {
+    if (!vec) {
+        gemv_kernel<DT, GEMV_MAX_N, 1, false><<<p->rows, GEMV_THREADS, 0, s>>>(*p);
+    } else if (wide) {
+        gemv_kernel<DT, NB, 4, true><<<(p->rows + 3) / 4, GEMV_THREADS, 0, s>>>(*p);
+    } else {
+        gemv_kernel<DT, NB, 1, true><<<p->rows, GEMV_THREADS, 0, s>>>(*p);
+    }
+}
+
+template <mt_dtype DT> static void gemv_launch_dt(const gemv_params *p, bool vec, bool wide, cudaStream_t s) {
+    if (p->n <= 1) gemv_launch_nb<DT, 1>(p, vec, wide, s);
+    else if (p->n <= 2) gemv_launch_nb<DT, 2>(p, vec, wide, s);
+    else if (p->n <= 4) gemv_launch_nb<DT, 4>(p, vec, wide, s);
+    else gemv_launch_nb<DT, 8>(p, vec, wide, s);
+}
+
+/* 16-byte vectors need cols to be a whole number of vectors and aligned bases; 4 rows per block
+ * once that still gives every multiprocessor a few blocks. */
+static mt_status gemv_launch(const gemv_params *p, mt_dtype dt, int n_sm, cudaStream_t s) {
+    const int vn = dt == MT_F32 ? 4 : 8;
+    const bool vec = p->cols % vn == 0 && cu_aligned16(p->w) && cu_aligned16(p->x);
+    const bool wide = p->rows >= 4 * 4 * n_sm;
+    switch (dt) {
+    case MT_F32: gemv_launch_dt<MT_F32>(p, vec, wide, s); break;
+    case MT_F16: gemv_launch_dt<MT_F16>(p, vec, wide, s); break;
+    default: gemv_launch_dt<MT_BF16>(p, vec, wide, s); break;
+    }
+    MT_CUDA_CHECK_LAUNCH();
+    return MT_OK;
+}
+
+/* ---- tiled GEMM ---- */
+
+enum { TM = CU_GEMM_TM, TN = 128, TK = 16, GEMM_THREADS = 256 };
+
+/* Block: output rows [m0, m1) (<= 64) x columns [128*blockIdx.x, +128), k in steps of 16 with
+ * the next step's tile prefetched into registers. Thread (ty, tx) = (tid / 16, tid % 16) owns rows
+ * m0 + 4ty + [0, 4) and columns 4tx + [0, 4), 64 + 4tx + [0, 4); each output is one running sum
+ * over k in order. */
+template <mt_dtype DT>
+static __global__ void __launch_bounds__(GEMM_THREADS) gemm_kernel(const cu_gemm_params p) {
+    __shared__ __align__(16) float As[TK][TM + 4];  /* x tile, k-major */
+    __shared__ __align__(16) float Bs[TK][TN + 4];  /* weight tile, k-major */
+    const int z = blockIdx.z; /* ternaries below: a run-time index would copy p to local memory */
+    int64_t m0, m1;
+    const void *w;
+    if (p.tiles) {
+        const cu_gemm_tile t = p.tiles[blockIdx.y];
+        const mt_expert *e = &p.experts[t.expert];
+        m0 = t.m0;
+        m1 = t.m1;
+        const int mat = z == 0 ? p.mat[0] : p.mat[1];
+        w = mat == 0 ? e->gate.data : mat == 1 ? e->up.data : e->down.data;
+    } else {
+        m0 = (int64_t)blockIdx.y * TM;
+        m1 = m0 + TM < p.M ? m0 + TM : p.M;
+        w = p.w;
+    }
+    float *y = z == 0 ? p.y[0] : p.y[1];
+    const int K = p.K, N = p.N;
+    const int n0 = blockIdx.x * TN;
+    const int tid = threadIdx.x;
+
+    /* Loads: x row ar at k ak..ak+3; weight row br at k bk..bk+7. */
+    const int ar = tid >> 2, ak = (tid & 3) * 4;
+    const int br = tid >> 1, bk = (tid & 1) * 8;
+    const bool a_ok = m0 + ar < m1, b_ok = n0 + br < N;
+    const float *arow = NULL;
+    if (a_ok) arow = p.x + (int64_t)(p.gather ? p.gather[m0 + ar] : m0 + ar) * K;
+    const int64_t brow = (int64_t)(n0 + br) * K;
+    const bool xvec = (K & 3) == 0 && cu_aligned16(p.x);
+    const bool wvec = (K % cu_wvec<DT>::n) == 0 && cu_aligned16(w);
+    float ra[4], rb[8];
+
+    auto load = [&](int k0) {
+        const int ka = k0 + ak, kb = k0 + bk;
+        if (a_ok && xvec && ka + 4 <= K) {
+            cu_xload<4>(arow + ka, ra);
+        } else {
+#pragma unroll
+            for (int q = 0; q < 4; q++) ra[q] = a_ok && ka + q < K ? arow[ka + q] : 0.f;
+        }
+        if (b_ok && wvec && kb + 8 <= K) {
+            if constexpr (DT == MT_F32) {
+                float h0[4], h1[4];
+                cu_wload<DT, 4>(w, brow + kb, h0);
+                cu_wload<DT, 4>(w, brow + kb + 4, h1);
+#pragma unroll
+                for (int q = 0; q < 4; q++) { rb[q] = h0[q]; rb[4 + q] = h1[q]; }
+            } else {
+                cu_wload<DT, 8>(w, brow + kb, rb);
+            }
+        } else {
+#pragma unroll
+            for (int q = 0; q < 8; q++) rb[q] = b_ok && kb + q < K ? cu_wget<DT>(w, brow + kb + q) : 0.f;
+        }
+    };
+    auto store = [&]() {
+#pragma unroll
+        for (int q = 0; q < 4; q++) As[ak + q][ar] = ra[q];
+#pragma unroll
+        for (int q = 0; q < 8; q++) Bs[bk + q][br] = rb[q];
+    };
+
+    const int tx = tid & 15, ty = tid >> 4;
+    float acc[4][8];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 8; j++) acc[i][j] = 0.f;
+
+    load(0);
+    store();
+    __syncthreads();
+    for (int k0 = 0; k0 < K; k0 += TK) {
+        const bool more = k0 + TK < K;
+        if (more) load(k0 + TK);
+#pragma unroll
+        for (int kk = 0; kk < TK; kk++) {
+            const float4 a = *(const float4 *)&As[kk][ty * 4];
+            const float4 b0 = *(const float4 *)&Bs[kk][tx * 4];
+            const float4 b1 = *(const float4 *)&Bs[kk][64 + tx * 4];
+            const float av[4] = {a.x, a.y, a.z, a.w};
+            const float bv[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 8; j++) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
+        }
+        __syncthreads();
+        if (more) {
+            store();
+            __syncthreads();
+        }
+    }
+
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int64_t m = m0 + ty * 4 + i;
+        if (m >= m1) continue;
+        float *yr = y + m * N;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const int n = n0 + (j < 4 ? tx * 4 + j : 64 + tx * 4 + j - 4);
+            if (n < N) yr[n] = acc[i][j];
+        }
+    }
+}
+
+extern "C" mt_status cu_gemm(const cu_gemm_params *p, cudaStream_t s) {
+    MT_ASSERT(p->nmat >= 1 && p->nmat <= 2 && (p->tiles || p->nmat == 1));
+    dim3 grid((unsigned)((p->N + TN - 1) / TN), 1, (unsigned)p->nmat);
+    if (p->tiles) {
+        if (p->ntiles == 0) return MT_OK;
+        grid.y = (unsigned)p->ntiles;
+    } else {
+        if (p->M == 0) return MT_OK;
+        grid.y = (unsigned)((p->M + TM - 1) / TM);
+    }
+    MT_ASSERT(grid.y <= 65535);
+    switch (p->dtype) {
+    case MT_F32: gemm_kernel<MT_F32><<<grid, GEMM_THREADS, 0, s>>>(*p); break;
+    case MT_F16: gemm_kernel<MT_F16><<<grid, GEMM_THREADS, 0, s>>>(*p); break;
+    default: gemm_kernel<MT_BF16><<<grid, GEMM_THREADS, 0, s>>>(*p); break;
+    }
+    MT_CUDA_CHECK_LAUNCH();
+    return MT_OK;
+}
+
+extern "C" void cu_matmul(mt_backend *be, float *y, const float *x, const mt_weight *w, int n) {
+    MT_ASSERT(w->dtype == MT_F32 || w->dtype == MT_F16 || w->dtype == MT_BF16);
+    MT_ASSERT(w->rows <= INT_MAX && w->cols <= INT_MAX && n >= 0);
+    if (n == 0 || w->rows == 0) return;
+    mt_status st;
+    if (n <= GEMV_MAX_N) {
+        gemv_params p = {y, x, w->data, n, (int)w->rows, (int)w->cols};
+        st = gemv_launch(&p, w->dtype, ((cu_backend *)be)->n_sm, cu_stream(be));
+    } else {
+        cu_gemm_params p = {};
+        p.y[0] = y;
+        p.x = x;
+        p.w = w->data;
+        p.nmat = 1;
+        p.M = n;
+        p.N = (int)w->rows;
+        p.K = (int)w->cols;
+        p.dtype = w->dtype;
+        st = cu_gemm(&p, cu_stream(be));
+    }
+    cu_op_status(be, "matmul", st);
+}
+
+/* ================================ norms ================================ */
+
+typedef struct norm_params {
+    float *out;      /* [n, d] fp32, may alias x */
+    const float *x;  /* [n, d] fp32 */
+    const float *w;  /* [d] or NULL (rmsnorm) */
+    const float *b;  /* [d] (layernorm) */
+    int64_t n;
+    int d;
+    float eps;
+    float scale;     /* l2norm */
+} norm_params;
+
+/* One block per row. Each thread rereads only the elements it summed, so out may alias x. The
+ * double sums and the rounding steps follow cpu_dense.c. */
+static __global__ void rmsnorm_kernel(const norm_params p) {
+    __shared__ double red[32];
+    const float *x = p.x + (int64_t)blockIdx.x * p.d;
+    float *o = p.out + (int64_t)blockIdx.x * p.d;
+    double ss = 0;
+    for (int j = threadIdx.x; j < p.d; j += blockDim.x) ss += (double)x[j] * x[j];
+    ss = cu_block_sum(ss, red);
+    const float r = 1.f / sqrtf((float)(ss / p.d) + p.eps);
+    for (int j = threadIdx.x; j < p.d; j += blockDim.x)
+        o[j] = __fmul_rn(__fmul_rn(x[j], r), p.w ? p.w[j] : 1.f);
+}
+
+static __global__ void layernorm_kernel(const norm_params p) {
+    __shared__ double red[32];
+    const float *x = p.x + (int64_t)blockIdx.x * p.d;
+    float *o = p.out + (int64_t)blockIdx.x * p.d;
+    double mean = 0, var = 0;
+    for (int j = threadIdx.x; j < p.d; j += blockDim.x) mean += x[j];
+    mean = cu_block_sum(mean, red) / p.d;
+    for (int j = threadIdx.x; j < p.d; j += blockDim.x) var += (x[j] - mean) * (x[j] - mean);
+    var = cu_block_sum(var, red) / p.d;
+    const float r = 1.f / sqrtf((float)var + p.eps);
+    for (int j = threadIdx.x; j < p.d; j += blockDim.x)
+        o[j] = __fadd_rn(__fmul_rn(__fmul_rn((float)(x[j] - mean), r), p.w[j]), p.b[j]);
+}
+
+static __global__ void l2norm_kernel(const norm_params p) {
+    __shared__ float red[32];
+    float *x = p.out + (int64_t)blockIdx.x * p.d;
+    float ss = 0;
+    for (int j = threadIdx.x; j < p.d; j += blockDim.x) ss = fmaf(x[j], x[j], ss);
+    ss = cu_block_sum(ss, red);
+    const float r = p.scale / sqrtf(ss + p.eps);
+    for (int j = threadIdx.x; j < p.d; j += blockDim.x) x[j] = __fmul_rn(x[j], r);
+}
+
+enum { NORM_MAX_THREADS = 512 };
+
+/* About 8 elements per thread, 32 to 512 threads. */
+static int norm_threads(int d) {
+    int t = ((d + 7) / 8 + 31) / 32 * 32;
+    return t < 32 ? 32 : t > NORM_MAX_THREADS ? NORM_MAX_THREADS : t;
+}
+
+enum norm_kind { NORM_RMS, NORM_LAYER, NORM_L2 };
+
+static mt_status norm_launch(const norm_params *p, norm_kind kind, cudaStream_t s) {
+    const int t = norm_threads(p->d);
+    for (int64_t r0 = 0; r0 < p->n; r0 += INT_MAX) { /* grid.x is at most 2^31 - 1 */
+        norm_params q = *p;
+        q.n = p->n - r0 < INT_MAX ? p->n - r0 : INT_MAX;
+        q.out += r0 * p->d;
+        if (q.x) q.x += r0 * p->d;
+        const unsigned g = (unsigned)q.n;
+        switch (kind) {
+        case NORM_RMS: rmsnorm_kernel<<<g, t, 0, s>>>(q); break;
+        case NORM_LAYER: layernorm_kernel<<<g, t, 0, s>>>(q); break;
+        case NORM_L2: l2norm_kernel<<<g, t, 0, s>>>(q); break;
+        }
+        MT_CUDA_CHECK_LAUNCH();
+    }
+    return MT_OK;
+}
+
+extern "C" void cu_rmsnorm(mt_backend *be, float *out, const float *x, const float *w, int n, int d,
+                           float eps) {
+    MT_ASSERT(n >= 0 && d > 0);
+    if (n == 0) return;
+    norm_params p = {out, x, w, NULL, n, d, eps, 1.f};
+    cu_op_status(be, "rmsnorm", norm_launch(&p, NORM_RMS, cu_stream(be)));
+}
+
+extern "C" void cu_layernorm(mt_backend *be, float *out, const float *x, const float *w,
+                             const float *b, int n, int d, float eps) {
+    MT_ASSERT(n >= 0 && d > 0 && w && b);
+    if (n == 0) return;
+    norm_params p = {out, x, w, b, n, d, eps, 1.f};
+    cu_op_status(be, "layernorm", norm_launch(&p, NORM_LAYER, cu_stream(be)));
+}
+
+extern "C" void cu_l2norm(mt_backend *be, float *x, int64_t n, int d, float eps, float scale) {
+    MT_ASSERT(n >= 0 && d > 0);
+    if (n == 0) return;
+    norm_params p = {x, NULL, NULL, NULL, n, d, eps, scale};
+    cu_op_status(be, "l2norm", norm_launch(&p, NORM_L2, cu_stream(be)));
+}
+
+/* ============================ elementwise ============================ */
+
+enum { EW_THREADS = 256, EW_MAX_GRID = 65536 };
+
+typedef struct ew_params {
+    float *out;         /* [count] fp32; may alias a */
+    const float *a;     /* [count] gate (swiglu) or x (sigmoid) */
+    const float *b;     /* [count] up (swiglu) */
+    int64_t count;
+    float L;            /* swiglu limit */
+} ew_params;
+
+static __device__ __forceinline__ float sigmoidf_dev(float x) { return 1.f / (1.f + expf(-x)); }
+static __device__ __forceinline__ float siluf_dev(float x) { return x / (1.f + expf(-x)); }
+
+static __global__ void swiglu_kernel(const ew_params p) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < p.count; i += stride) {
+        const float g = fminf(p.a[i], p.L);
+        const float u = fminf(fmaxf(p.b[i], -p.L), p.L);
+        p.out[i] = siluf_dev(g) * u;
+    }
+}
+
+static __global__ void sigmoid_kernel(const ew_params p) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < p.count; i += stride)
+        p.out[i] = sigmoidf_dev(p.a[i]);
+}
+
+static unsigned ew_grid(int64_t count) {
+    const int64_t b = (count + EW_THREADS - 1) / EW_THREADS;
+    return (unsigned)(b < EW_MAX_GRID ? b : EW_MAX_GRID);
+}
+
+static mt_status swiglu_launch(const ew_params *p, cudaStream_t s) {
+    swiglu_kernel<<<ew_grid(p->count), EW_THREADS, 0, s>>>(*p);
+    MT_CUDA_CHECK_LAUNCH();
+    return MT_OK;
+}
+
+static mt_status sigmoid_launch(const ew_params *p, cudaStream_t s) {
+    sigmoid_kernel<<<ew_grid(p->count), EW_THREADS, 0, s>>>(*p);
+    MT_CUDA_CHECK_LAUNCH();
+    return MT_OK;
+}
+
+extern "C" void cu_swiglu(mt_backend *be, float *out, const float *gate, const float *up, int n, int I,
+                          float L) {
+    MT_ASSERT(n >= 0 && I >= 0);
+    ew_params p = {out, gate, up, (int64_t)n * I, L};
+    if (p.count == 0) return;
+    cu_op_status(be, "swiglu", swiglu_launch(&p, cu_stream(be)));
+}
+
+extern "C" void cu_sigmoid(mt_backend *be, float *x, int64_t count) {
+    MT_ASSERT(count >= 0);
+    if (count == 0) return;
+    ew_params p = {x, x, NULL, count, 0.f};
+    cu_op_status(be, "sigmoid", sigmoid_launch(&p, cu_stream(be)));
+}
+
+/* ================================ argmax ================================ */
+
+enum { ARGMAX_THREADS = 256, ARGMAX_CHUNK = 8192 };
+
+typedef struct argmax_params {
+    const float *logits;  /* [n, V] fp32 */
+    float *part_v;        /* [n, nchunk] best value per chunk */
+    int32_t *part_i;      /* [n, nchunk] its index */
+    int32_t *out;         /* [n] device */
+    int n, V, nchunk;
+} argmax_params;
+
+/* (v, i) beats (bv, bi): larger value, lowest index on ties; NaN never wins (as in the CPU scan). */
+static __device__ __forceinline__ bool argmax_better(float v, int i, float bv, int bi) {
+    return v > bv || (v == bv && i < bi);
+}
+
+static __device__ __forceinline__ void argmax_block(float &v, int &i) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (argmax_better(ov, oi, v, i)) { v = ov; i = oi; }
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) { sv[warp] = v; si[warp] = i; }
+    __syncthreads();
+    v = sv[0];
+    i = si[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); w++)
+        if (argmax_better(sv[w], si[w], v, i)) { v = sv[w]; i = si[w]; }
+}
+
+/* Grid (nchunk, n): the best of one chunk of one row. */
+static __global__ void argmax_chunk_kernel(const argmax_params p) {
+    const int row = blockIdx.y, c = blockIdx.x;
+    const float *l = p.logits + (int64_t)row * p.V;
+    const int lo = c * ARGMAX_CHUNK, hi = lo + ARGMAX_CHUNK < p.V ? lo + ARGMAX_CHUNK : p.V;
+    float bv = -INFINITY;
+    int bi = INT_MAX;
+    for (int j = lo + threadIdx.x; j < hi; j += blockDim.x)
+        if (argmax_better(l[j], j, bv, bi)) { bv = l[j]; bi = j; }
+    argmax_block(bv, bi);
+    if (threadIdx.x == 0) {
+        p.part_v[(int64_t)row * p.nchunk + c] = bv;
+        p.part_i[(int64_t)row * p.nchunk + c] = bi;
+    }
+}
+
+/* One block per row over its chunk winners. */
+static __global__ void argmax_final_kernel(const argmax_params p) {
+    const int row = blockIdx.x;
+    float bv = -INFINITY;
+    int bi = INT_MAX;
+    for (int c = threadIdx.x; c < p.nchunk; c += blockDim.x) {
+        const float v = p.part_v[(int64_t)row * p.nchunk + c];
+        const int i = p.part_i[(int64_t)row * p.nchunk + c];
+        if (argmax_better(v, i, bv, bi)) { bv = v; bi = i; }
+    }
+    argmax_block(bv, bi);
+    if (threadIdx.x == 0) p.out[row] = bi == INT_MAX ? 0 : bi; /* all NaN: index 0, like the CPU */
+}
+
+static mt_status argmax_launch(const argmax_params *p, cudaStream_t s) {
+    argmax_chunk_kernel<<<dim3((unsigned)p->nchunk, (unsigned)p->n), ARGMAX_THREADS, 0, s>>>(*p);
+    MT_CUDA_CHECK_LAUNCH();
+    argmax_final_kernel<<<(unsigned)p->n, 32, 0, s>>>(*p);
+    MT_CUDA_CHECK_LAUNCH();
+    return MT_OK;
+}
+
+extern "C" void cu_argmax(mt_backend *be, int32_t *out, const float *logits, int n, int V) {
+    MT_ASSERT(n >= 0 && V > 0 && n <= 65535);
+    if (n == 0) return;
+    argmax_params p;
+    p.logits = logits;
+    p.n = n;
+    p.V = V;
+    p.nchunk = (V + ARGMAX_CHUNK - 1) / ARGMAX_CHUNK;
+    const size_t np = (size_t)n * p.nchunk;
+    char *scr = (char *)cu_scratch(be, CU_SCRATCH_DENSE, np * 8 + (size_t)n * 4 + 16);
+    if (!scr) return;
+    p.part_v = (float *)scr;
+    p.part_i = (int32_t *)(scr + np * 4);
+    p.out = (int32_t *)(scr + np * 8);
+    mt_status st = argmax_launch(&p, cu_stream(be));
+    if (st == MT_OK)
+        MT_CUDA_(cudaMemcpyAsync(out, p.out, (size_t)n * 4, cudaMemcpyDeviceToHost, cu_stream(be)),
+                 "cudaMemcpyAsync(out, argmax)", st = mt_st_);
+    if (st == MT_OK)
+        MT_CUDA_(cudaStreamSynchronize(cu_stream(be)), "cudaStreamSynchronize(argmax)", st = mt_st_);
+    cu_op_status(be, "argmax", st);
+}

@@ -1,0 +1,702 @@
+/* kernels/cuda/cuda_dsa.cu: the DSA ops on the GPU, computing the same functions as
+ * kernels/cpu/cpu_dsa.c: pooled indexer keys, the head-weighted ReLU pool scores with pool top-k
+ * plus the tail, and sparse MLA in the latent space (weight absorption). Three tiers per op
+ * (STYLE.md 7): static kernels, a static launcher that picks the grid, and the exported cu_* op
+ * that checks shapes and dtypes. */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/cuda_ops.h"
+
+/* Dynamic shared memory above 48 KB needs the kernel's limit raised first. */
+static mt_status dsa_smem_opt_in(const void *kernel, size_t bytes) {
+    if (bytes <= 48 * 1024) return MT_OK;
+    MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+    return MT_OK;
+}
+
+/* Largest dynamic shared memory a block may opt in to on the current device. */
+static int dsa_smem_max(void) {
+    int dev = 0, v = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
+        return 48 * 1024;
+    return v;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* dsa_pool_keys                                                                                */
+
+typedef struct pool_params {
+    float *pool_keys;    /* [>= p1, id] */
+    const float *ki;     /* [>= p1*kpool, id] */
+    const float *gs;     /* [>= p1*kpool, id] */
+    const float *ape;    /* [kpool, id] */
+    int p0, p1, kpool, id;
+} pool_params;
+
+/* One thread per (pool, channel): softmax over the kpool members of gs + ape, then the weighted
+ * sum of ki, in the CPU's order. Adjacent threads are adjacent channels (coalesced). */
+static __global__ void dsa_pool_keys_kernel(pool_params p) {
+    const int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= (int64_t)(p.p1 - p.p0) * p.id) return;
+    const int pool = p.p0 + (int)(e / p.id), d = (int)(e % p.id);
+    const size_t base = (size_t)pool * p.kpool;
+    float m = -INFINITY, sum = 0.f, acc = 0.f;
+    for (int j = 0; j < p.kpool; j++) {
+        const float v = p.gs[(base + j) * p.id + d] + p.ape[(size_t)j * p.id + d];
+        if (v > m) m = v;
+    }
+    for (int j = 0; j < p.kpool; j++)
+        sum += expf(p.gs[(base + j) * p.id + d] + p.ape[(size_t)j * p.id + d] - m);
+    for (int j = 0; j < p.kpool; j++) {
+        const float wj = expf(p.gs[(base + j) * p.id + d] + p.ape[(size_t)j * p.id + d] - m);
+        acc += wj / sum * p.ki[(base + j) * p.id + d];
+    }
+    p.pool_keys[(size_t)pool * p.id + d] = acc;
+}
+
+static void dsa_pool_keys_launch(mt_backend *be, const pool_params *p) {
+    const int64_t count = (int64_t)(p->p1 - p->p0) * p->id;
+    dsa_pool_keys_kernel<<<(unsigned)((count + 255) / 256), 256, 0, cu_stream(be)>>>(*p);
+    cu_check_launch(be, "dsa_pool_keys");
+}
+
+extern "C" void cu_dsa_pool_keys(mt_backend *be, float *pool_keys, const float *ki, const float *gs,
+                                 const float *ape, int p0, int p1, int kpool, int id) {
+    MT_ASSERT(p0 >= 0 && p1 >= p0 && kpool > 0 && id > 0);
+    if (p1 == p0) return;
+    const pool_params p = {pool_keys, ki, gs, ape, p0, p1, kpool, id};
+    dsa_pool_keys_launch(be, &p);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* dsa_select                                                                                   */
+
+enum {
+    SEL_THREADS = 256,
+    SEL_WARPS = SEL_THREADS / 32,
+    SEL_GROUP = 4,  /* pools scored together by one warp */
+};
+
+typedef struct select_params {
+    int32_t *sel;            /* [n, max_sel] */
+    int32_t *nsel;           /* [n] */
+    const float *qi;         /* [n, ih, id] */
+    const float *w;          /* [n, ih] weights_proj(x), unscaled */
+    const float *pool_keys;  /* [>= (t0+n)/kpool, id] */
+    int t0, n, ih, id, kpool, max_pools, max_sel;
+    bool tail;
+    bool vec4;               /* id % 4 == 0 and qi, pool_keys 16-byte aligned */
+    float qscale, wscale;    /* id^-0.5, ih^-0.5 (computed on the host as the CPU does) */
+    int qld;                 /* row stride of the staged qi in shared memory (id + 4) */
+    int max_cand;            /* (t0+n)/kpool: capacity of the key array */
+} select_params;
+
+typedef struct select_smem {
+    float *q;          /* [ih, qld] query row i */
+    float *w;          /* [ih] w * wscale */
+    uint32_t *key;     /* [max_cand] order-preserving keys of the pool scores */
+    uint32_t *kkey;    /* [max_pools] kept keys */
+    int32_t *kidx;     /* [max_pools] kept pool indices */
+    int32_t *order;    /* [max_pools] kept pools, best first */
+} select_smem;
+
+static __host__ __device__ size_t select_smem_carve(void *smem, const select_params *p, select_smem *s) {
+    size_t off = 0;
+    char *b = (char *)smem;
+    float *q = (float *)(b + off); off += sizeof(float) * (size_t)p->ih * p->qld;
+    float *w = (float *)(b + off); off += sizeof(float) * (size_t)p->ih;
+    uint32_t *key = (uint32_t *)(b + off); off += sizeof(uint32_t) * (size_t)(p->max_cand > 0 ? p->max_cand : 1);
+    uint32_t *kkey = (uint32_t *)(b + off); off += sizeof(uint32_t) * (size_t)(p->max_pools > 0 ? p->max_pools : 1);
+    int32_t *kidx = (int32_t *)(b + off); off += sizeof(int32_t) * (size_t)(p->max_pools > 0 ? p->max_pools : 1);
+    int32_t *order = (int32_t *)(b + off); off += sizeof(int32_t) * (size_t)(p->max_pools > 0 ? p->max_pools : 1);
+    if (s) *s = (select_smem){q, w, key, kkey, kidx, order};
+    return off;
+}
+
+/* Float -> uint32 with the same order (for non-NaN); -0 is folded into +0 first so that equal
+ * scores give equal keys, as the CPU's comparison treats them. */
+static __device__ __forceinline__ uint32_t score_key(float s) {
+    if (s == 0.f) s = 0.f;
+    const uint32_t u = __float_as_uint(s);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+/* Block = query row i. (1) Each warp scores groups of 4 candidate pools, lanes over indexer
+ * heads; the scores become keys in shared memory. (2) When more pools are complete than
+ * max_pools: a 4-pass radix select finds the keep-th largest key T; the pools above T and the
+ * lowest-indexed ones equal to T are kept and ranked by (score desc, pool asc); otherwise every
+ * pool is kept in ascending order, exactly as the CPU (which sorts only when it drops some).
+ * (3) The kept pools' positions, then the tail, go to sel. */
+static __global__ void __launch_bounds__(SEL_THREADS) dsa_select_kernel(select_params p) {
+    extern __shared__ float4 smem_f4[];
+    select_smem sm;
+    select_smem_carve(smem_f4, &p, &sm);
+    __shared__ uint32_t hist[256];
+    __shared__ uint32_t sh_prefix;
+    __shared__ int sh_remaining, sh_ngt;
+
+    const int i = blockIdx.x, tid = threadIdx.x, lane = tid & 31, wp = tid >> 5;
+    const int t = p.t0 + i, ncand = (t + 1) / p.kpool;
+    const int keep = ncand < p.max_pools ? ncand : p.max_pools;
+    const int ih = p.ih, id = p.id;
+
+    if (keep < ncand) {
+        /* (1) scores */
+        const float *qrow = p.qi + (size_t)i * ih * id;
+        for (int e = tid; e < ih * id; e += SEL_THREADS) sm.q[(e / id) * p.qld + e % id] = qrow[e];
+        for (int h = tid; h < ih; h += SEL_THREADS) sm.w[h] = p.w[(size_t)i * ih + h] * p.wscale;
+        __syncthreads();
+        for (int c0 = wp * SEL_GROUP; c0 < ncand; c0 += SEL_WARPS * SEL_GROUP) {
+            const float *P[SEL_GROUP];
+#pragma unroll
+            for (int g = 0; g < SEL_GROUP; g++) /* past the end: score pool ncand-1 again, dropped */
+                P[g] = p.pool_keys + (size_t)(c0 + g < ncand ? c0 + g : ncand - 1) * id;
+            float part[SEL_GROUP] = {0.f, 0.f, 0.f, 0.f};
+            for (int hb = 0; hb < ih; hb += 32) {
+                const int h = hb + lane;
+                if (h >= ih) break;
+                const float *qh = sm.q + (size_t)h * p.qld;
+                float acc[SEL_GROUP] = {0.f, 0.f, 0.f, 0.f};
+                if (p.vec4) {
+                    for (int d = 0; d < id; d += 4) {
+                        const float4 q4 = *(const float4 *)(qh + d);
+#pragma unroll
+                        for (int g = 0; g < SEL_GROUP; g++) {
+                            const float4 k4 = __ldg((const float4 *)(P[g] + d));
+                            acc[g] += q4.x * k4.x + q4.y * k4.y + q4.z * k4.z + q4.w * k4.w;
+                        }
+                    }
+                } else {
+                    for (int d = 0; d < id; d++) {
+                        const float qv = qh[d];
+#pragma unroll
+                        for (int g = 0; g < SEL_GROUP; g++) acc[g] += qv * __ldg(P[g] + d);
+                    }
+                }
+#pragma unroll
+                for (int g = 0; g < SEL_GROUP; g++) {
+                    const float dd = acc[g] * p.qscale;
+                    part[g] += sm.w[h] * (dd > 0.f ? dd : 0.f);
+                }
+            }
+#pragma unroll
+            for (int g = 0; g < SEL_GROUP; g++) {
+#pragma unroll
+                for (int m = 16; m > 0; m >>= 1) part[g] += __shfl_xor_sync(0xffffffffu, part[g], m);
+            }
+            if (lane < SEL_GROUP && c0 + lane < ncand) {
+                float s = part[0];
+#pragma unroll
+                for (int g = 1; g < SEL_GROUP; g++)
+                    if (lane == g) s = part[g];
+                sm.key[c0 + lane] = score_key(s);
+            }
+        }
+        __syncthreads();
+
+        /* (2a) radix select: T = the keep-th largest key; remaining = how many keys equal to T
+         * are kept (the lowest-indexed ones). */
+        uint32_t prefix = 0;
+        int remaining = keep;
+        for (int shift = 24; shift >= 0; shift -= 8) {
+            const uint32_t hi_mask = shift == 24 ? 0u : 0xffffffffu << (shift + 8);
+            for (int b = tid; b < 256; b += SEL_THREADS) hist[b] = 0;
+            __syncthreads();
+            for (int c = tid; c < ncand; c += SEL_THREADS) {
+                const uint32_t k = sm.key[c];
+                if ((k & hi_mask) == prefix) atomicAdd(&hist[(k >> shift) & 255u], 1u);
+            }
+            __syncthreads();
+            if (wp == 0) {
+                /* Lane l owns bins 255-8l .. 248-8l (descending); inclusive scan over lanes. */
+                uint32_t own = 0;
+#pragma unroll
+                for (int m = 0; m < 8; m++) own += hist[255 - 8 * lane - m];
+                uint32_t incl = own;
+#pragma unroll
+                for (int m = 1; m < 32; m <<= 1) {
+                    const uint32_t v = __shfl_up_sync(0xffffffffu, incl, m);
+                    if (lane >= m) incl += v;
+                }
+                const unsigned hit = __ballot_sync(0xffffffffu, incl >= (uint32_t)remaining);
+                if (lane == __ffs(hit) - 1) {
+                    uint32_t cum = incl - own;
+                    for (int m = 0; m < 8; m++) {
+                        const int b = 255 - 8 * lane - m;
+                        if (cum + hist[b] >= (uint32_t)remaining) {
+                            sh_prefix = prefix | ((uint32_t)b << shift);
+                            sh_remaining = remaining - (int)cum;
+                            break;
+                        }
+                        cum += hist[b];
+                    }
+                }
+            }
+            __syncthreads();
+            prefix = sh_prefix;
+            remaining = sh_remaining;
+        }
+        const uint32_t T = prefix;
+
+        /* (2b) gather: keys above T in any order, then the first `remaining` equal to T by index */
+        if (tid == 0) sh_ngt = 0;
+        __syncthreads();
+        for (int c = tid; c < ncand; c += SEL_THREADS) {
+            const uint32_t k = sm.key[c];
+            if (k > T) {
+                const int slot = atomicAdd(&sh_ngt, 1);
+                sm.kkey[slot] = k;
+                sm.kidx[slot] = c;
+            }
+        }
+        __syncthreads();
+        if (wp == 0) {
+            const int base = sh_ngt;
+            int taken = 0;
+            for (int c0 = 0; c0 < ncand && taken < remaining; c0 += 32) {
+                const int c = c0 + lane;
+                const bool eq = c < ncand && sm.key[c] == T;
+                const unsigned m = __ballot_sync(0xffffffffu, eq);
+                const int r = __popc(m & ((1u << lane) - 1u));
+                if (eq && taken + r < remaining) {
+                    sm.kkey[base + taken + r] = T;
+                    sm.kidx[base + taken + r] = c;
+                }
+                taken += __popc(m);
+            }
+        }
+        __syncthreads();
+        /* (2c) rank by (key desc, pool asc) */
+        for (int a = tid; a < keep; a += SEL_THREADS) {
+            const uint32_t ka = sm.kkey[a];
+            const int ia = sm.kidx[a];
+            int rank = 0;
+            for (int b = 0; b < keep; b++) {
+                const uint32_t kb = sm.kkey[b];
+                rank += (kb > ka) || (kb == ka && sm.kidx[b] < ia);
+            }
+            sm.order[rank] = ia;
+        }
+    } else {
+        for (int c = tid; c < keep; c += SEL_THREADS) sm.order[c] = c;
+    }
+    __syncthreads();
+
+    /* (3) positions */
+    int32_t *row = p.sel + (size_t)i * p.max_sel;
+    const int npos = keep * p.kpool;
+    for (int e = tid; e < npos; e += SEL_THREADS) row[e] = sm.order[e / p.kpool] * p.kpool + e % p.kpool;
+    const int ntail = p.tail ? (t + 1) % p.kpool : 0, tail0 = t + 1 - (t + 1) % p.kpool;
+    for (int e = tid; e < ntail; e += SEL_THREADS) row[npos + e] = tail0 + e;
+    if (tid == 0) p.nsel[i] = npos + ntail;
+}
+
+static mt_status dsa_select_launch(mt_backend *be, const select_params *p) {
+    const size_t smem = select_smem_carve(NULL, p, NULL);
+    if (smem > (size_t)dsa_smem_max()) {
+        mt_log(MT_LOG_ERROR, "dsa_select: %d candidate pools need %zu bytes of shared memory, over the "
+               "device's limit", p->max_cand, smem);
+        return MT_ERR_UNSUPPORTED;
+    }
+    mt_status st = dsa_smem_opt_in((const void *)dsa_select_kernel, smem);
+    if (st != MT_OK) return st;
+    dsa_select_kernel<<<p->n, SEL_THREADS, smem, cu_stream(be)>>>(*p);
+    cu_check_launch(be, "dsa_select");
+    return MT_OK;
+}
+
+extern "C" void cu_dsa_select(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi,
+                              const float *w, const float *pool_keys, int t0, int n,
+                              const mt_dsa_select_params *p) {
+    MT_ASSERT(t0 >= 0 && n >= 0 && p->ih > 0 && p->id > 0 && p->kpool > 0 && p->max_pools >= 0);
+    MT_ASSERT(p->max_sel >= p->max_pools * p->kpool + (p->tail ? p->kpool - 1 : 0));
+    if (n == 0) return;
+    select_params sp;
+    sp.sel = sel;
+    sp.nsel = nsel;
+    sp.qi = qi;
+    sp.w = w;
+    sp.pool_keys = pool_keys;
+    sp.t0 = t0;
+    sp.n = n;
+    sp.ih = p->ih;
+    sp.id = p->id;
+    sp.kpool = p->kpool;
+    sp.max_pools = p->max_pools;
+    sp.max_sel = p->max_sel;
+    sp.tail = p->tail;
+    sp.vec4 = p->id % 4 == 0 && (uintptr_t)qi % 16 == 0 && (uintptr_t)pool_keys % 16 == 0;
+    sp.qscale = 1.f / sqrtf((float)p->id);
+    sp.wscale = 1.f / sqrtf((float)p->ih);
+    sp.qld = p->id + 4;
+    sp.max_cand = (t0 + n) / p->kpool;
+    cu_op_status(be, "dsa_select", dsa_select_launch(be, &sp));
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* mla_sparse                                                                                   */
+/* Three kernels per batch of up to MLA_BATCH query rows, through the op's device scratch:
+ *   absorb  qa[i, h] = W_k[h]^T q[i, h]                 (each kv_b key row read once per 8 rows)
+ *   attend  per (row, group of hg heads, split of the selected rows): scores against the latent
+ *           rows, an online softmax, and the unnormalised latent sum; (max, sum, acc) per split
+ *   output  merge the splits, normalise, o[i, h] = W_v[h] ol  (each value row read once per 8 rows)
+ * Splitting the selected rows gives decode (one row, 64 heads) enough blocks for the GPU. */
+
+enum {
+    MLA_BATCH = 256,     /* query rows per pass (bounds the scratch) */
+    MLA_MAX_HG = 8,      /* heads per attend block, sharing each latent tile */
+    MLA_ROWS = 32,       /* latent rows per tile */
+    MLA_MAX_SPLIT = 64,
+    MLA_THREADS = 256,
+    MLA_WARPS = MLA_THREADS / 32,
+    MLA_MAX_COLS = 4,    /* kv_lora columns per attend thread: kvl <= 1024 */
+    ABS_THREADS = 128,   /* absorb: one kv_lora column per thread */
+    ABS_Q = 8,           /* absorb: query rows per block */
+    OUT_Q = 8,           /* output: query rows per block */
+    OUT_RB = 4,          /* output: value rows per warp pass */
+};
+
+typedef struct mla_dev_params {
+    float *out;              /* [nb, Hq, dv] (this batch) */
+    const float *q;          /* [nb, Hq, dn] */
+    const float *latent;     /* [>= t0+nb, kvl] */
+    const void *kv_b;        /* [Hq*(dn+dv), kvl], dtype kv_dtype */
+    mt_dtype kv_dtype;
+    const int32_t *sel;      /* [nb, max_sel] */
+    const int32_t *nsel;     /* [nb] */
+    float *qa;               /* [nb, Hq, kvl] scratch */
+    float *part;             /* [nb, Hq, nsplit, kvl + 2] scratch: max, sum, acc[kvl] per split */
+    int max_sel, t0, nb, Hq, dn, dv, kvl;
+    int hg, nsplit;          /* heads per attend block, splits of the selected rows */
+    float scale;
+} mla_dev_params;
+
+/* Element i of a weight in its dtype, as fp32 (exact for all three). */
+static __device__ __forceinline__ float mla_wload(const void *w, mt_dtype dt, size_t i) {
+    if (dt == MT_BF16) return __bfloat162float(((const __nv_bfloat16 *)w)[i]);
+    if (dt == MT_F16) return __half2float(((const __half *)w)[i]);
+    return ((const float *)w)[i];
+}
+
+/* Block = (head h, 128 kv_lora columns, ABS_Q query rows); q rows staged in shared memory
+ * [ABS_Q, dn]; the weight row d is read coalesced and used for all the block's rows. */
+static __global__ void __launch_bounds__(ABS_THREADS) mla_absorb_kernel(mla_dev_params p) {
+    extern __shared__ float4 smem_f4[];
+    float *qs = (float *)smem_f4;
+    const int h = blockIdx.x, c = blockIdx.y * ABS_THREADS + threadIdx.x, i0 = blockIdx.z * ABS_Q;
+    const int nq = p.nb - i0 < ABS_Q ? p.nb - i0 : ABS_Q, dn = p.dn;
+    for (int e = threadIdx.x; e < ABS_Q * dn; e += ABS_THREADS) {
+        const int qq = e / dn, d = e % dn;
+        qs[e] = qq < nq ? p.q[((size_t)(i0 + qq) * p.Hq + h) * dn + d] : 0.f;
+    }
+    __syncthreads();
+    if (c >= p.kvl) return;
+    float acc[ABS_Q];
+#pragma unroll
+    for (int qq = 0; qq < ABS_Q; qq++) acc[qq] = 0.f;
+    const size_t rb = (size_t)h * (dn + p.dv) * p.kvl + c;
+#pragma unroll 4
+    for (int d = 0; d < dn; d++) {
+        const float w = mla_wload(p.kv_b, p.kv_dtype, rb + (size_t)d * p.kvl);
+#pragma unroll
+        for (int qq = 0; qq < ABS_Q; qq++) acc[qq] += qs[qq * dn + d] * w;
+    }
+#pragma unroll
+    for (int qq = 0; qq < ABS_Q; qq++)
+        if (qq < nq) p.qa[((size_t)(i0 + qq) * p.Hq + h) * p.kvl + c] = acc[qq];
+}
+
+typedef struct mla_smem {
+    float *qa;      /* [hg, kvl] */
+    float *lat;     /* [MLA_ROWS, kvl] latent tile */
+    float *sc;      /* [hg, MLA_ROWS] scores, then probabilities */
+    float *m, *l, *corr; /* [MLA_MAX_HG] running max, running sum, rescale of this tile */
+    int32_t *pos;   /* [MLA_ROWS] positions of the tile */
+} mla_smem;
+
+static __host__ __device__ size_t mla_smem_carve(void *smem, const mla_dev_params *p, mla_smem *s) {
+    size_t off = 0;
+    char *b = (char *)smem;
+    float *qa = (float *)(b + off); off += sizeof(float) * (size_t)p->hg * p->kvl;
+    float *lat = (float *)(b + off); off += sizeof(float) * (size_t)MLA_ROWS * p->kvl;
+    float *sc = (float *)(b + off); off += sizeof(float) * (size_t)p->hg * MLA_ROWS;
+    float *m = (float *)(b + off); off += sizeof(float) * MLA_MAX_HG;
+    float *l = (float *)(b + off); off += sizeof(float) * MLA_MAX_HG;
+    float *corr = (float *)(b + off); off += sizeof(float) * MLA_MAX_HG;
+    int32_t *pos = (int32_t *)(b + off); off += sizeof(int32_t) * MLA_ROWS;
+    if (s) *s = (mla_smem){qa, lat, sc, m, l, corr, pos};
+    return off;
+}
+
+/* Block = (query row i, heads h0 .. h0+hg-1, split). The row's selection (or, with nsel == 0,
+ * every position <= t with score 0: equal weights) is cut into nsplit ranges of whole tiles.
+ * Per tile of 32 latent rows: scores (a warp per (head, row), lanes over kvl), an online
+ * softmax per head, and the accumulators acc[h][c] in registers (threads over columns). */
+static __global__ void __launch_bounds__(MLA_THREADS) mla_attend_kernel(mla_dev_params p) {
+    extern __shared__ float4 smem_f4[];
+    mla_smem sm;
+    mla_smem_carve(smem_f4, &p, &sm);
+    const int i = blockIdx.x, h0 = blockIdx.y * p.hg, split = blockIdx.z, hg = p.hg;
+    const int tid = threadIdx.x, lane = tid & 31, wp = tid >> 5, kvl = p.kvl;
+
+    for (int e = tid; e < hg * kvl; e += MLA_THREADS) sm.qa[e] = p.qa[((size_t)i * p.Hq + h0) * kvl + e];
+    if (tid < hg) {
+        sm.m[tid] = -INFINITY;
+        sm.l[tid] = 0.f;
+    }
+    const int t = p.t0 + i, m = p.nsel[i];
+    const int cnt = m > 0 ? m : t + 1;
+    int rps = (cnt + p.nsplit - 1) / p.nsplit; /* rows per split, whole tiles */
+    rps = (rps + MLA_ROWS - 1) / MLA_ROWS * MLA_ROWS;
+    const int sb = split * rps, se = sb + rps < cnt ? sb + rps : cnt;
+    const int32_t *srow = p.sel + (size_t)i * p.max_sel;
+    float acc[MLA_MAX_HG][MLA_MAX_COLS];
+#pragma unroll
+    for (int hh = 0; hh < MLA_MAX_HG; hh++)
+#pragma unroll
+        for (int cc = 0; cc < MLA_MAX_COLS; cc++) acc[hh][cc] = 0.f;
+    __syncthreads();
+    for (int s0 = sb; s0 < se; s0 += MLA_ROWS) {
+        const int rows = se - s0 < MLA_ROWS ? se - s0 : MLA_ROWS;
+        if (tid < rows) sm.pos[tid] = m > 0 ? srow[s0 + tid] : s0 + tid;
+        __syncthreads();
+        for (int e = tid; e < rows * kvl; e += MLA_THREADS) {
+            const int r = e / kvl, c = e % kvl;
+            sm.lat[e] = p.latent[(size_t)sm.pos[r] * kvl + c];
+        }
+        __syncthreads();
+        for (int e = wp; e < hg * rows; e += MLA_WARPS) {
+            const int hh = e / rows, r = e % rows;
+            float a = 0.f;
+            if (m > 0) {
+                const float *qa = sm.qa + (size_t)hh * kvl, *lr = sm.lat + (size_t)r * kvl;
+                for (int c = lane; c < kvl; c += 32) a += qa[c] * lr[c];
+#pragma unroll
+                for (int k = 16; k > 0; k >>= 1) a += __shfl_xor_sync(0xffffffffu, a, k);
+                a *= p.scale;
+            }
+            if (lane == 0) sm.sc[hh * MLA_ROWS + r] = a;
+        }
+        __syncthreads();
+        if (wp < hg) {
+            const int hh = wp;
+            const float v = lane < rows ? sm.sc[hh * MLA_ROWS + lane] : -INFINITY;
+            float mx = v;
+#pragma unroll
+            for (int k = 16; k > 0; k >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, k));
+            const float m_old = sm.m[hh], m_new = fmaxf(m_old, mx);
+            const float pr = lane < rows ? expf(v - m_new) : 0.f;
+            float sum = pr;
+#pragma unroll
+            for (int k = 16; k > 0; k >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, k);
+            sm.sc[hh * MLA_ROWS + lane] = pr;
+            __syncwarp();
+            if (lane == 0) {
+                const float corr = expf(m_old - m_new); /* 0 on the first tile (m_old = -inf) */
+                sm.corr[hh] = corr;
+                sm.l[hh] = sm.l[hh] * corr + sum;
+                sm.m[hh] = m_new;
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int hh = 0; hh < MLA_MAX_HG; hh++) {
+            if (hh < hg) {
+                const float corr = sm.corr[hh];
+#pragma unroll
+                for (int cc = 0; cc < MLA_MAX_COLS; cc++) acc[hh][cc] *= corr;
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            float lv[MLA_MAX_COLS];
+#pragma unroll
+            for (int cc = 0; cc < MLA_MAX_COLS; cc++) {
+                const int c = tid + MLA_THREADS * cc;
+                lv[cc] = c < kvl ? sm.lat[(size_t)r * kvl + c] : 0.f;
+            }
+#pragma unroll
+            for (int hh = 0; hh < MLA_MAX_HG; hh++) {
+                if (hh < hg) {
+                    const float pr = sm.sc[hh * MLA_ROWS + r];
+#pragma unroll
+                    for (int cc = 0; cc < MLA_MAX_COLS; cc++) acc[hh][cc] += pr * lv[cc];
+                }
+            }
+        }
+        __syncthreads(); /* before the next tile overwrites lat, sc, pos */
+    }
+    /* This split's (max, sum, acc); an empty split leaves (-inf, 0, 0), which merges as nothing. */
+#pragma unroll
+    for (int hh = 0; hh < MLA_MAX_HG; hh++) {
+        if (hh < hg) {
+            float *dst = p.part + (((size_t)i * p.Hq + h0 + hh) * p.nsplit + split) * (kvl + 2);
+            if (tid == 0) {
+                dst[0] = sm.m[hh];
+                dst[1] = sm.l[hh];
+            }
+#pragma unroll
+            for (int cc = 0; cc < MLA_MAX_COLS; cc++) {
+                const int c = tid + MLA_THREADS * cc;
+                if (c < kvl) dst[2 + c] = acc[hh][cc];
+            }
+        }
+    }
+}
+
+/* Block = (head h, OUT_Q query rows). Merges the splits into the normalised latent output
+ * ol [OUT_Q, kvl] in shared memory, then each warp takes OUT_RB value rows at a time: lanes over
+ * kvl, the weights read once for all the block's rows. */
+static __global__ void __launch_bounds__(MLA_THREADS) mla_output_kernel(mla_dev_params p) {
+    extern __shared__ float4 smem_f4[];
+    float *ol = (float *)smem_f4; /* [OUT_Q, kvl] */
+    const int h = blockIdx.x, i0 = blockIdx.y * OUT_Q, tid = threadIdx.x, lane = tid & 31, wp = tid >> 5;
+    const int nq = p.nb - i0 < OUT_Q ? p.nb - i0 : OUT_Q, kvl = p.kvl, ns = p.nsplit;
+    for (int qq = 0; qq < nq; qq++) {
+        const float *pb = p.part + ((size_t)(i0 + qq) * p.Hq + h) * ns * (kvl + 2);
+        float M = -INFINITY, L = 0.f;
+        for (int s = 0; s < ns; s++) M = fmaxf(M, pb[(size_t)s * (kvl + 2)]);
+        for (int s = 0; s < ns; s++) L += expf(pb[(size_t)s * (kvl + 2)] - M) * pb[(size_t)s * (kvl + 2) + 1];
+        const float inv = 1.f / L;
+        for (int c = tid; c < kvl; c += MLA_THREADS) {
+            float a = 0.f;
+            for (int s = 0; s < ns; s++) {
+                const float *ps = pb + (size_t)s * (kvl + 2);
+                a += expf(ps[0] - M) * ps[2 + c];
+            }
+            ol[qq * kvl + c] = a * inv;
+        }
+    }
+    __syncthreads();
+    const size_t vrow0 = (size_t)h * (p.dn + p.dv) + p.dn; /* kv_b row of value 0 of head h */
+    for (int e0 = wp * OUT_RB; e0 < p.dv; e0 += MLA_WARPS * OUT_RB) {
+        float a[OUT_RB][OUT_Q];
+#pragma unroll
+        for (int r = 0; r < OUT_RB; r++)
+#pragma unroll
+            for (int qq = 0; qq < OUT_Q; qq++) a[r][qq] = 0.f;
+        for (int c = lane; c < kvl; c += 32) {
+            float w[OUT_RB];
+#pragma unroll
+            for (int r = 0; r < OUT_RB; r++)
+                w[r] = e0 + r < p.dv ? mla_wload(p.kv_b, p.kv_dtype, (vrow0 + e0 + r) * kvl + c) : 0.f;
+#pragma unroll
+            for (int qq = 0; qq < OUT_Q; qq++) {
+                if (qq < nq) {
+                    const float o = ol[qq * kvl + c];
+#pragma unroll
+                    for (int r = 0; r < OUT_RB; r++) a[r][qq] += w[r] * o;
+                }
+            }
+        }
+#pragma unroll
+        for (int qq = 0; qq < OUT_Q; qq++) {
+            if (qq < nq) {
+#pragma unroll
+                for (int r = 0; r < OUT_RB; r++) {
+                    float v = a[r][qq];
+#pragma unroll
+                    for (int k = 16; k > 0; k >>= 1) v += __shfl_xor_sync(0xffffffffu, v, k);
+                    if (lane == 0 && e0 + r < p.dv) p.out[((size_t)(i0 + qq) * p.Hq + h) * p.dv + e0 + r] = v;
+                }
+            }
+        }
+    }
+}
+
+/* Picks heads per block (the largest of 8, 4, 2, 1 dividing Hq) and the splits: enough blocks for
+ * about two per multiprocessor, no more splits than tiles in the longest selection. */
+static void mla_plan(mt_backend *be, mla_dev_params *p, int nb_max, int rows_max) {
+    const int sms = ((cu_backend *)be)->n_sm > 0 ? ((cu_backend *)be)->n_sm : 132;
+    int hg = MLA_MAX_HG;
+    while (p->Hq % hg != 0) hg /= 2;
+    const int64_t blocks = (int64_t)nb_max * (p->Hq / hg);
+    int64_t ns = (2 * (int64_t)sms + blocks - 1) / blocks;
+    const int64_t tiles = ((int64_t)rows_max + MLA_ROWS - 1) / MLA_ROWS;
+    if (ns > tiles) ns = tiles;
+    if (ns > MLA_MAX_SPLIT) ns = MLA_MAX_SPLIT;
+    if (ns < 1) ns = 1;
+    p->hg = hg;
+    p->nsplit = (int)ns;
+}
+
+static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
+    const int nb_max = n < MLA_BATCH ? n : MLA_BATCH;
+    const int rows_max = p->max_sel > p->t0 + n ? p->max_sel : p->t0 + n;
+    mla_plan(be, p, nb_max, rows_max);
+    const size_t qa_f = (size_t)nb_max * p->Hq * p->kvl;
+    const size_t part_f = (size_t)nb_max * p->Hq * p->nsplit * (p->kvl + 2);
+    float *scratch = (float *)cu_scratch(be, CU_SCRATCH_ATTN, sizeof(float) * (qa_f + part_f));
+    if (!scratch) return MT_ERR_NOMEM;
+    p->qa = scratch;
+    p->part = scratch + qa_f;
+
+    const size_t abs_smem = sizeof(float) * ABS_Q * (size_t)p->dn;
+    const size_t att_smem = mla_smem_carve(NULL, p, NULL);
+    const size_t out_smem = sizeof(float) * OUT_Q * (size_t)p->kvl;
+    const size_t lim = (size_t)dsa_smem_max();
+    if (abs_smem > lim || att_smem > lim || out_smem > lim) {
+        mt_log(MT_LOG_ERROR, "mla_sparse: kv_lora %d, qk_nope %d need more shared memory than the device has",
+               p->kvl, p->dn);
+        return MT_ERR_UNSUPPORTED;
+    }
+    mt_status st;
+    if ((st = dsa_smem_opt_in((const void *)mla_absorb_kernel, abs_smem)) != MT_OK) return st;
+    if ((st = dsa_smem_opt_in((const void *)mla_attend_kernel, att_smem)) != MT_OK) return st;
+    if ((st = dsa_smem_opt_in((const void *)mla_output_kernel, out_smem)) != MT_OK) return st;
+
+    mla_dev_params b = *p;
+    for (int b0 = 0; b0 < n; b0 += MLA_BATCH) {
+        b.nb = n - b0 < MLA_BATCH ? n - b0 : MLA_BATCH;
+        b.t0 = p->t0 + b0;
+        b.q = p->q + (size_t)b0 * p->Hq * p->dn;
+        b.out = p->out + (size_t)b0 * p->Hq * p->dv;
+        b.sel = p->sel + (size_t)b0 * p->max_sel;
+        b.nsel = p->nsel + b0;
+        const dim3 ga(p->Hq, (p->kvl + ABS_THREADS - 1) / ABS_THREADS, (b.nb + ABS_Q - 1) / ABS_Q);
+        mla_absorb_kernel<<<ga, ABS_THREADS, abs_smem, cu_stream(be)>>>(b);
+        cu_check_launch(be, "mla_sparse (absorb)");
+        const dim3 gt(b.nb, p->Hq / p->hg, p->nsplit);
+        mla_attend_kernel<<<gt, MLA_THREADS, att_smem, cu_stream(be)>>>(b);
+        cu_check_launch(be, "mla_sparse (attend)");
+        const dim3 go(p->Hq, (b.nb + OUT_Q - 1) / OUT_Q);
+        mla_output_kernel<<<go, MLA_THREADS, out_smem, cu_stream(be)>>>(b);
+        cu_check_launch(be, "mla_sparse (output)");
+    }
+    return MT_OK;
+}
+
+extern "C" void cu_mla_sparse(mt_backend *be, float *out, const float *q, const float *latent,
+                              const mt_weight *kv_b, const int32_t *sel, const int32_t *nsel,
+                              int max_sel, int t0, int n, const mt_mla_params *p) {
+    MT_ASSERT(t0 >= 0 && n >= 0 && max_sel >= 0 && p->Hq > 0 && p->dn > 0 && p->dv > 0 && p->kvl > 0);
+    MT_ASSERT(p->kvl <= MLA_THREADS * MLA_MAX_COLS);
+    MT_ASSERT(kv_b->dtype == MT_F32 || kv_b->dtype == MT_F16 || kv_b->dtype == MT_BF16);
+    MT_ASSERT(kv_b->rows == (int64_t)p->Hq * (p->dn + p->dv) && kv_b->cols == p->kvl);
+    if (n == 0) return;
+    mla_dev_params dp;
+    dp.out = out;
+    dp.q = q;
+    dp.latent = latent;
+    dp.kv_b = kv_b->data;
+    dp.kv_dtype = kv_b->dtype;
+    dp.sel = sel;
+    dp.nsel = nsel;
+    dp.qa = NULL;
+    dp.part = NULL;
+    dp.max_sel = max_sel;
+    dp.t0 = t0;
+    dp.nb = 0;
+    dp.Hq = p->Hq;
+    dp.dn = p->dn;
+    dp.dv = p->dv;
+    dp.kvl = p->kvl;
+    dp.hg = 1;
+    dp.nsplit = 1;
+    dp.scale = p->scale;
+    cu_op_status(be, "mla_sparse", mla_sparse_launch(be, &dp, n));
+}

@@ -1,0 +1,574 @@
+/* kernels/cuda/cuda_moe.cu: the MoE router and the routed experts, the same functions as
+ * kernels/cpu/cpu_moe.c.
+ *
+ * Router: one warp per row (sigmoid, bias, group top-2 sums, kept groups, top-k by repeated warp
+ * argmax with the lowest index winning ties, normalisation, scaling).
+ *
+ * Experts: the kernels need the experts' device weight pointers, which arrive as a host array
+ * whose length the op is not told. The backend keeps a device copy of each table it has seen,
+ * keyed by the host pointer and revalidated against a host copy on every call, covering experts
+ * [0, E) where E is the router's n_experts when idx is the last moe_route output (no read-back),
+ * else 1 + the largest index read back from idx.
+ *   - Few rows (n <= MOE_GEMV_MAX_ROWS, decode): two GEMV kernels over the selected experts only,
+ *     no host synchronisation: per (row, slot) h = swiglu(gate x, up x), then per row
+ *     out += sum_k w_k down_k h_k, slots added in order.
+ *   - Many rows (prefill): idx is read back, the (row, slot) pairs are sorted by expert, and the
+ *     tiled GEMM (cu_gemm) runs grouped: gate/up for every expert's rows in one launch, swiglu,
+ *     down in one launch, then a combine kernel adds the slots in order. Rows are processed in
+ *     chunks that bound the scratch memory.
+ * Both paths are deterministic and add the slots into out in the CPU's order. */
+#include <limits.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/cuda_ops.h"
+
+enum {
+    ROUTE_WARPS = 4,
+    MOE_THREADS = 256,
+    MOE_WARPS = MOE_THREADS / 32,
+    MOE_GEMV_MAX_ROWS = 8,
+    MOE_MAX_TOPK = 64,
+    MOE_CACHE_MAX = 1024,     /* expert tables kept; beyond, the oldest slot is reused */
+};
+static const size_t MOE_CHUNK_BYTES = (size_t)256 << 20; /* grouped-path scratch per chunk */
+
+/* =============================== router =============================== */
+
+typedef struct route_params {
+    int32_t *idx;         /* [n, top_k] */
+    float *weights;       /* [n, top_k] */
+    const float *logits;  /* [n, E] */
+    const float *bias;    /* [E] */
+    int n, E, G, topk_group, top_k;
+    bool norm;
+    float scaling;
+} route_params;
+
+static __device__ __forceinline__ float route_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+
+/* Dynamic shared memory per warp: s[E], c[E] floats, gscore[G] floats, mask[E], gmask[G] bytes. */
+static __host__ __device__ size_t route_smem_per_warp(int E, int G) {
+    return ((sizeof(float) * (2 * (size_t)E + G) + (size_t)E + G) + 15) / 16 * 16;
+}
+
+static __global__ void route_kernel(const route_params p) {
+    extern __shared__ __align__(16) unsigned char route_smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int i = blockIdx.x * ROUTE_WARPS + warp;
+    if (i >= p.n) return;
+    const int E = p.E, G = p.G, per = E / G;
+    unsigned char *base = route_smem + route_smem_per_warp(E, G) * warp;
+    float *s = (float *)base, *c = s + E, *gscore = c + E;
+    unsigned char *mask = (unsigned char *)(gscore + G), *gmask = mask + E;
+    const float *l = p.logits + (int64_t)i * E;
+
+    for (int e = lane; e < E; e += 32) {
+        s[e] = route_sigmoid(l[e]);
+        c[e] = s[e] + p.bias[e];
+    }
+    __syncwarp();
+    for (int g = lane; g < G; g += 32) { /* group score: sum of its two largest c */
+        float a = -INFINITY, b = -INFINITY;
+        for (int e = g * per; e < (g + 1) * per; e++) {
+            if (c[e] > a) { b = a; a = c[e]; }
+            else if (c[e] > b) b = c[e];
+        }
+        gscore[g] = a + b;
+        gmask[g] = 0;
+    }
+    __syncwarp();
+    if (lane == 0)
+        for (int k = 0; k < p.topk_group; k++) { /* best free group, lowest index on ties */
+            int best = -1;
+            for (int g = 0; g < G; g++)
+                if (!gmask[g] && (best < 0 || gscore[g] > gscore[best])) best = g;
+            gmask[best] = 1;
+        }
+    __syncwarp();
+    for (int e = lane; e < E; e += 32) mask[e] = gmask[e / per];
+    __syncwarp();
+
+    float sum = 0;
+    for (int k = 0; k < p.top_k; k++) {
+        float bv = 0;
+        int bi = -1;
+        for (int e = lane; e < E; e += 32) /* ascending, strict: lowest index of this lane's max */
+            if (mask[e] && (bi < 0 || c[e] > bv)) { bv = c[e]; bi = e; }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) { bv = ov; bi = oi; }
+        }
+        if (bi < 0) __trap(); /* the host checked top_k <= topk_group * per */
+        if (lane == 0) {
+            mask[bi] = 0;
+            p.idx[(int64_t)i * p.top_k + k] = bi;
+            p.weights[(int64_t)i * p.top_k + k] = s[bi];
+            sum += s[bi];
+        }
+        __syncwarp();
+    }
+    if (lane == 0)
+        for (int k = 0; k < p.top_k; k++) {
+            float w = p.weights[(int64_t)i * p.top_k + k];
+            if (p.norm) w /= sum + 1e-20f;
+            p.weights[(int64_t)i * p.top_k + k] = w * p.scaling;
+        }
+}
+
+static mt_status route_launch(const route_params *p, cudaStream_t s) {
+    const size_t smem = route_smem_per_warp(p->E, p->G) * ROUTE_WARPS;
+    if (smem > 48 * 1024)
+        MT_CUDA_CHECK(cudaFuncSetAttribute(route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           (int)smem));
+    route_kernel<<<(unsigned)((p->n + ROUTE_WARPS - 1) / ROUTE_WARPS), ROUTE_WARPS * 32, smem, s>>>(*p);
+    MT_CUDA_CHECK_LAUNCH();
+    return MT_OK;
+}
+
+extern "C" void cu_moe_route(mt_backend *be, int32_t *idx, float *weights, const float *logits,
+                             const float *bias, const mt_router_params *p, int n) {
+    const int E = p->n_experts, G = p->n_group;
+    MT_ASSERT(E > 0 && G > 0 && E % G == 0 && E / G >= 2);
+    MT_ASSERT(p->topk_group >= 1 && p->topk_group <= G);
+    MT_ASSERT(p->top_k >= 1 && p->top_k <= p->topk_group * (E / G));
+    MT_ASSERT(n >= 0);
+    cu_backend *cb = (cu_backend *)be;
+    if (n == 0) return;
+    route_params q = {idx, weights, logits, bias, n, E, G, p->topk_group, p->top_k,
+                      p->norm_topk_prob, p->scaling};
+    mt_status st = route_launch(&q, cu_stream(be));
+    cu_op_status(be, "moe_route", st);
+    if (st == MT_OK) {
+        cb->route_idx = idx;
+        cb->route_len = (int64_t)n * p->top_k;
+        cb->route_experts = E;
+    }
+}
+
+/* ======================= expert tables on the device ======================= */
+
+typedef struct moe_table {
+    const mt_expert *host;  /* key: the caller's array */
+    int count;              /* entries copied */
+    int cap;                /* entries dev/copy can hold */
+    mt_expert *copy;        /* [cap] host copy of host[0, count), to revalidate */
+    mt_expert *dev;         /* [cap] device copy */
+    bool vec_ok;            /* every weight base 16-byte aligned */
+} moe_table;
+
+struct cu_moe_cache {
+    moe_table t[MOE_CACHE_MAX];
+    int n;                  /* used entries */
+    int next;               /* entry reused when full */
+    int32_t *host_idx;      /* [host_cap] read-back indices and grouped-path staging */
+    size_t host_cap;
+};
+
+extern "C" void cu_moe_cache_free(cu_backend *cb) {
+    struct cu_moe_cache *mc = cb->moe;
+    if (!mc) return;
+    for (int k = 0; k < mc->n; k++) {
+        if (mc->t[k].dev) MT_CUDA_WARN(cudaFree(mc->t[k].dev));
+        free(mc->t[k].copy);
+    }
+    free(mc->host_idx);
+    free(mc);
+    cb->moe = NULL;
+}
+
+/* Checks the experts [0, count) agree on dtype and shape (a bug otherwise). */
+static void moe_check_experts(const mt_expert *ex, int count, int H, int I) {
+    const mt_dtype dt = ex[0].gate.dtype;
+    MT_ASSERT(dt == MT_F32 || dt == MT_F16 || dt == MT_BF16);
+    for (int e = 0; e < count; e++) {
+        MT_ASSERT(ex[e].gate.dtype == dt && ex[e].up.dtype == dt && ex[e].down.dtype == dt);
+        MT_ASSERT(ex[e].gate.rows == I && ex[e].gate.cols == H);
+        MT_ASSERT(ex[e].up.rows == I && ex[e].up.cols == H);
+        MT_ASSERT(ex[e].down.rows == H && ex[e].down.cols == I);
+    }
+}
+
+/* The device copy of experts[0, need); NULL on failure (logged, *st set). */
+static const moe_table *moe_table_get(cu_backend *cb, const mt_expert *experts, int need, int H,
+                                      int I, mt_status *st) {
+    if (!cb->moe) {
+        cb->moe = (struct cu_moe_cache *)calloc(1, sizeof *cb->moe);
+        if (!cb->moe) { *st = MT_ERR_NOMEM; return NULL; }
+    }
+    struct cu_moe_cache *mc = cb->moe;
+    moe_table *t = NULL;
+    for (int k = 0; k < mc->n; k++)
+        if (mc->t[k].host == experts) { t = &mc->t[k]; break; }
+    if (t && t->count >= need && memcmp(t->copy, experts, sizeof(mt_expert) * (size_t)need) == 0)
+        return t;
+    if (!t) {
+        if (mc->n < MOE_CACHE_MAX) {
+            t = &mc->t[mc->n++];
+        } else {
+            t = &mc->t[mc->next];
+            mc->next = (mc->next + 1) % MOE_CACHE_MAX;
+        }
+        if (t->host) t->count = 0; /* reused slot: keep its buffers, drop its contents */
+        t->host = experts;
+    }
+    moe_check_experts(experts, need, H, I);
+    if (need > t->cap) {
+        MT_CUDA_(cudaStreamSynchronize(cb->stream), "cudaStreamSynchronize(moe table)", *st = mt_st_; return NULL);
+        if (t->dev) MT_CUDA_WARN(cudaFree(t->dev));
+        free(t->copy);
+        t->dev = NULL;
+        t->copy = NULL;
+        t->cap = t->count = 0;
+        t->copy = (mt_expert *)malloc(sizeof(mt_expert) * (size_t)need);
+        if (!t->copy || cudaMalloc(&t->dev, sizeof(mt_expert) * (size_t)need) != cudaSuccess) {
+            (void)cudaGetLastError();
+            free(t->copy);
+            t->copy = NULL;
+            t->dev = NULL;
+            t->host = NULL; /* never matches again */
+            *st = MT_ERR_NOMEM;
+            return NULL;
+        }
+        t->cap = need;
+    }
+    memcpy(t->copy, experts, sizeof(mt_expert) * (size_t)need);
+    t->count = 0;
+    /* Stream-ordered after every queued kernel that reads the old table. */
+    MT_CUDA_(cudaMemcpyAsync(t->dev, t->copy, sizeof(mt_expert) * (size_t)need, cudaMemcpyHostToDevice,
+                             cb->stream),
+             "cudaMemcpyAsync(moe table)", *st = mt_st_; return NULL);
+    /* The copy must stay untouched until the transfer has read it. */
+    MT_CUDA_(cudaStreamSynchronize(cb->stream), "cudaStreamSynchronize(moe table)", *st = mt_st_; return NULL);
+    t->count = need;
+    t->vec_ok = true;
+    for (int e = 0; e < need; e++)
+        if (!cu_aligned16(experts[e].gate.data) || !cu_aligned16(experts[e].up.data) ||
+            !cu_aligned16(experts[e].down.data))
+            t->vec_ok = false;
+    return t;
+}
+
+/* Host int32 scratch of at least `count` entries; NULL on OOM. */
+static int32_t *moe_host_ints(struct cu_moe_cache *mc, size_t count) {
+    if (mc->host_cap >= count) return mc->host_idx;
+    int32_t *p = (int32_t *)realloc(mc->host_idx, sizeof(int32_t) * count);
+    if (!p) return NULL;
+    mc->host_idx = p;
+    mc->host_cap = count;
+    return p;
+}
+
+/* ============================ experts: GEMV path ============================ */
+
+typedef struct moe_gemv_params {
+    float *out;               /* [n, H] accumulated */
+    float *h;                 /* [n * top_k, I] swiglu(gate x, up x) of each (row, slot) */
+    const float *x;           /* [n, H] */
+    const int32_t *idx;       /* [n, top_k] */
+    const float *wts;         /* [n, top_k] */
+    const mt_expert *experts; /* [n_experts] device table */
+    int n_experts;
+    int n, top_k, H, I;
+    float L;
+} moe_gemv_params;
+
+static __device__ __forceinline__ const mt_expert *moe_expert(const moe_gemv_params &p, int pair) {
+    const int e = p.idx[pair];
+    if ((unsigned)e >= (unsigned)p.n_experts) __trap(); /* index beyond the table: a bug */
+    return &p.experts[e];
+}
+
+/* Grid (ceil(I / R), n * top_k): rows [R*blockIdx.x, +R) of h for pair blockIdx.y. */
+template <mt_dtype DT, int R, bool VEC>
+static __global__ void __launch_bounds__(MOE_THREADS) moe_gateup_kernel(const moe_gemv_params p) {
+    constexpr int V = VEC ? cu_wvec<DT>::n : 1;
+    const int pair = blockIdx.y, row0 = blockIdx.x * R;
+    const mt_expert *ex = moe_expert(p, pair);
+    const void *wg = ex->gate.data, *wu = ex->up.data;
+    const float *x = p.x + (int64_t)(pair / p.top_k) * p.H;
+    float ag[R], au[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) ag[r] = au[r] = 0.f;
+    const int nv = p.H / V;
+    for (int v = threadIdx.x; v < nv; v += MOE_THREADS) {
+        float xv[V];
+        cu_xload<V>(x + (int64_t)v * V, xv);
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            if (row0 + r >= p.I) break;
+            float g[V], u[V];
+            const int64_t off = (int64_t)(row0 + r) * p.H + (int64_t)v * V;
+            cu_wload<DT, V>(wg, off, g);
+            cu_wload<DT, V>(wu, off, u);
+#pragma unroll
+            for (int j = 0; j < V; j++) {
+                ag[r] = fmaf(g[j], xv[j], ag[r]);
+                au[r] = fmaf(u[j], xv[j], au[r]);
+            }
+        }
+    }
+    __shared__ float red[MOE_WARPS][2 * R];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const float a = cu_warp_sum(ag[r]), b = cu_warp_sum(au[r]);
+        if (lane == 0) { red[warp][2 * r] = a; red[warp][2 * r + 1] = b; }
+    }
+    __syncthreads();
+    if (threadIdx.x < R && row0 + (int)threadIdx.x < p.I) {
+        const int r = threadIdx.x;
+        float a = 0.f, b = 0.f;
+        for (int w = 0; w < MOE_WARPS; w++) { a += red[w][2 * r]; b += red[w][2 * r + 1]; }
+        const float g = fminf(a, p.L), u = fminf(fmaxf(b, -p.L), p.L);
+        p.h[(int64_t)pair * p.I + row0 + r] = g / (1.f + expf(-g)) * u;
+    }
+}
+
+/* Grid (ceil(H / R), n): out rows [R*blockIdx.x, +R) of row blockIdx.y, all slots. Dynamic shared
+ * memory: red[top_k][MOE_WARPS][R]. */
+template <mt_dtype DT, int R, bool VEC>
+static __global__ void __launch_bounds__(MOE_THREADS) moe_down_kernel(const moe_gemv_params p) {
+    constexpr int V = VEC ? cu_wvec<DT>::n : 1;
+    extern __shared__ float moe_red[];
+    const int i = blockIdx.y, row0 = blockIdx.x * R;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int nv = p.I / V;
+    for (int k = 0; k < p.top_k; k++) {
+        const int pair = i * p.top_k + k;
+        const void *wd = moe_expert(p, pair)->down.data;
+        const float *h = p.h + (int64_t)pair * p.I;
+        float acc[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[r] = 0.f;
+        for (int v = threadIdx.x; v < nv; v += MOE_THREADS) {
+            float hv[V];
+            cu_xload<V>(h + (int64_t)v * V, hv);
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                if (row0 + r >= p.H) break;
+                float d[V];
+                cu_wload<DT, V>(wd, (int64_t)(row0 + r) * p.I + (int64_t)v * V, d);
+#pragma unroll
+                for (int j = 0; j < V; j++) acc[r] = fmaf(d[j], hv[j], acc[r]);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const float s = cu_warp_sum(acc[r]);
+            if (lane == 0) moe_red[(k * MOE_WARPS + warp) * R + r] = s;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < R && row0 + (int)threadIdx.x < p.H) {
+        const int r = threadIdx.x;
+        float *o = p.out + (int64_t)i * p.H + row0 + r;
+        float v = *o;
+        for (int k = 0; k < p.top_k; k++) {
+            float dot = 0.f;
+            for (int w = 0; w < MOE_WARPS; w++) dot += moe_red[(k * MOE_WARPS + w) * R + r];
+            v = __fadd_rn(v, __fmul_rn(p.wts[i * p.top_k + k], dot));
+        }
+        *o = v;
+    }
+}
+
+template <mt_dtype DT> static void moe_gemv_launch_dt(const moe_gemv_params *p, bool vec, cudaStream_t s) {
+    const unsigned pairs = (unsigned)(p->n * p->top_k);
+    const size_t smem4 = sizeof(float) * (size_t)p->top_k * MOE_WARPS * 4;
+    const size_t smem1 = sizeof(float) * (size_t)p->top_k * MOE_WARPS;
+    if (vec) {
+        moe_gateup_kernel<DT, 4, true><<<dim3((p->I + 3) / 4, pairs), MOE_THREADS, 0, s>>>(*p);
+        moe_down_kernel<DT, 4, true><<<dim3((p->H + 3) / 4, p->n), MOE_THREADS, smem4, s>>>(*p);
+    } else {
+        moe_gateup_kernel<DT, 1, false><<<dim3(p->I, pairs), MOE_THREADS, 0, s>>>(*p);
+        moe_down_kernel<DT, 1, false><<<dim3(p->H, p->n), MOE_THREADS, smem1, s>>>(*p);
+    }
+}
+
+static mt_status moe_gemv_launch(const moe_gemv_params *p, mt_dtype dt, bool vec, cudaStream_t s) {
+    switch (dt) {
+    case MT_F32: moe_gemv_launch_dt<MT_F32>(p, vec, s); break;
+    case MT_F16: moe_gemv_launch_dt<MT_F16>(p, vec, s); break;
+    default: moe_gemv_launch_dt<MT_BF16>(p, vec, s); break;
+    }
+    MT_CUDA_CHECK_LAUNCH();
+    return MT_OK;
+}
+
+/* ========================== experts: grouped path ========================== */
+
+typedef struct moe_combine_params {
+    float *out;           /* [rows, H] this chunk's rows of out */
+    const float *D;       /* [rows * top_k, H] down outputs in sorted order */
+    const int32_t *inv;   /* [rows * top_k] sorted position of each (row, slot) */
+    const float *wts;     /* [rows, top_k] */
+    int64_t rows;
+    int top_k, H;
+} moe_combine_params;
+
+static __global__ void moe_combine_kernel(const moe_combine_params p) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < p.rows * p.H; t += stride) {
+        const int64_t i = t / p.H;
+        const int d = (int)(t % p.H);
+        float v = p.out[t];
+        for (int k = 0; k < p.top_k; k++) {
+            const int64_t pair = i * p.top_k + k;
+            v = __fadd_rn(v, __fmul_rn(p.wts[pair], p.D[(int64_t)p.inv[pair] * p.H + d]));
+        }
+        p.out[t] = v;
+    }
+}
+
+static mt_status moe_combine_launch(const moe_combine_params *p, cudaStream_t s) {
+    const int64_t blocks = (p->rows * p->H + 255) / 256;
+    moe_combine_kernel<<<(unsigned)(blocks < 65536 ? blocks : 65536), 256, 0, s>>>(*p);
+    MT_CUDA_CHECK_LAUNCH();
+    return MT_OK;
+}
+
+static size_t align16(size_t b) { return (b + 15) / 16 * 16; }
+
+/* Rows [r0, r1) of the grouped path; hidx = all of idx on the host. */
+static mt_status moe_grouped_chunk(mt_backend *be, const moe_table *t, float *out, const float *x,
+                                   const int32_t *hidx, const float *weights, int r0, int r1,
+                                   int top_k, int H, int I, float L, mt_dtype dt) {
+    cu_backend *cb = (cu_backend *)be;
+    const int P = (r1 - r0) * top_k, E = t->count;
+    const int max_tiles = P / CU_GEMM_TM + E + 1;
+    /* Host staging: pos[E], start[E + 1], then gather[P], inv[P], tiles[max_tiles] (3 ints
+     * each), the last three contiguous as on the device. */
+    const size_t n_ints = 2 * (size_t)E + 1 + 2 * (size_t)P + 3 * (size_t)max_tiles;
+    int32_t *hs = moe_host_ints(cb->moe, n_ints);
+    if (!hs) return MT_ERR_NOMEM;
+    int32_t *pos = hs;                 /* [E] next free sorted position of each expert */
+    int32_t *start = hs + E;           /* [E + 1] first sorted position of each expert */
+    int32_t *gather = start + E + 1, *inv = gather + P;
+    cu_gemm_tile *tiles = (cu_gemm_tile *)(inv + P);
+    memset(start, 0, sizeof(int32_t) * (size_t)(E + 1));
+    const int32_t *ci = hidx + (int64_t)r0 * top_k;
+    for (int q = 0; q < P; q++) start[ci[q] + 1]++;
+    for (int e = 0; e < E; e++) start[e + 1] += start[e];
+    int ntiles = 0;
+    for (int e = 0; e < E; e++)
+        for (int m = start[e]; m < start[e + 1]; m += CU_GEMM_TM) {
+            tiles[ntiles].expert = e;
+            tiles[ntiles].m0 = m;
+            tiles[ntiles].m1 = m + CU_GEMM_TM < start[e + 1] ? m + CU_GEMM_TM : start[e + 1];
+            ntiles++;
+        }
+    MT_ASSERT(ntiles <= max_tiles);
+    for (int e = 0; e < E; e++) pos[e] = start[e];
+    for (int q = 0; q < P; q++) { /* stable: pairs of one expert keep their order */
+        const int at = pos[ci[q]]++;
+        gather[at] = r0 + q / top_k;
+        inv[q] = at;
+    }
+
+    const size_t bG = align16(sizeof(float) * (size_t)P * I), bD = align16(sizeof(float) * (size_t)P * H);
+    const size_t bI = sizeof(int32_t) * (2 * (size_t)P + 3 * (size_t)ntiles);
+    char *scr = (char *)cu_scratch(be, CU_SCRATCH_DENSE, 2 * bG + bD + bI);
+    if (!scr) return MT_ERR_NOMEM;
+    float *G = (float *)scr, *U = (float *)(scr + bG), *D = (float *)(scr + 2 * bG);
+    int32_t *dgather = (int32_t *)(scr + 2 * bG + bD), *dinv = dgather + P;
+    cu_gemm_tile *dtiles = (cu_gemm_tile *)(dinv + P);
+    /* gather, inv and tiles are contiguous on both sides. */
+    MT_CUDA_CHECK(cudaMemcpyAsync(dgather, gather, bI, cudaMemcpyHostToDevice, cb->stream));
+    MT_CUDA_CHECK(cudaStreamSynchronize(cb->stream)); /* the staging is reused by the next chunk */
+
+    cu_gemm_params gp = {};
+    gp.y[0] = G;
+    gp.y[1] = U;
+    gp.x = x;
+    gp.gather = dgather;
+    gp.experts = t->dev;
+    gp.tiles = dtiles;
+    gp.ntiles = ntiles;
+    gp.mat[0] = 0;
+    gp.mat[1] = 1;
+    gp.nmat = 2;
+    gp.M = P;
+    gp.N = I;
+    gp.K = H;
+    gp.dtype = dt;
+    mt_status st = cu_gemm(&gp, cb->stream);
+    if (st != MT_OK) return st;
+    cu_swiglu(be, G, G, U, P, I, L);
+    gp.y[0] = D;
+    gp.y[1] = NULL;
+    gp.x = G;
+    gp.gather = NULL;
+    gp.mat[0] = 2;
+    gp.nmat = 1;
+    gp.N = H;
+    gp.K = I;
+    if ((st = cu_gemm(&gp, cb->stream)) != MT_OK) return st;
+    moe_combine_params cp = {out + (int64_t)r0 * H, D, dinv, weights + (int64_t)r0 * top_k,
+                             r1 - r0, top_k, H};
+    return moe_combine_launch(&cp, cb->stream);
+}
+
+extern "C" void cu_moe_experts(mt_backend *be, float *out, const float *x, const int32_t *idx,
+                               const float *weights, const mt_expert *experts, int n, int top_k,
+                               int H, int I, float L) {
+    cu_backend *cb = (cu_backend *)be;
+    MT_ASSERT(n >= 0 && top_k >= 1 && top_k <= MOE_MAX_TOPK && H > 0 && I > 0);
+    if (n == 0) return;
+    MT_ASSERT((int64_t)n * top_k <= INT_MAX / 2);
+    const int P = n * top_k;
+    const bool grouped = n > MOE_GEMV_MAX_ROWS;
+    mt_status st = MT_OK;
+    if (!cb->moe && !(cb->moe = (struct cu_moe_cache *)calloc(1, sizeof *cb->moe)))
+        return cu_op_status(be, "moe_experts", MT_ERR_NOMEM);
+
+    /* How many table entries the indices can reach; read idx back when the router did not say. */
+    const bool routed = cb->route_idx == idx && cb->route_len >= P;
+    int32_t *hidx = NULL;
+    int need = routed ? cb->route_experts : 0;
+    if (grouped || !routed) {
+        if (!(hidx = moe_host_ints(cb->moe, (size_t)P)))
+            return cu_op_status(be, "moe_experts", MT_ERR_NOMEM);
+        MT_CUDA_(cudaMemcpyAsync(hidx, idx, sizeof(int32_t) * (size_t)P, cudaMemcpyDeviceToHost, cb->stream),
+                 "cudaMemcpyAsync(idx)", return cu_op_status(be, "moe_experts", mt_st_));
+        MT_CUDA_(cudaStreamSynchronize(cb->stream), "cudaStreamSynchronize(idx)",
+                 return cu_op_status(be, "moe_experts", mt_st_));
+        int mx = -1;
+        for (int q = 0; q < P; q++) {
+            MT_ASSERT(hidx[q] >= 0);
+            if (hidx[q] > mx) mx = hidx[q];
+        }
+        if (!routed) need = mx + 1;
+        MT_ASSERT(mx < need);
+    }
+    const moe_table *t = moe_table_get(cb, experts, need, H, I, &st);
+    if (!t) return cu_op_status(be, "moe_experts", st);
+    const mt_dtype dt = experts[0].gate.dtype;
+
+    if (!grouped) {
+        float *h = (float *)cu_scratch(be, CU_SCRATCH_DENSE, sizeof(float) * (size_t)P * I);
+        if (!h) return;
+        const int vn = dt == MT_F32 ? 4 : 8;
+        const bool vec = t->vec_ok && H % vn == 0 && I % vn == 0 && cu_aligned16(x);
+        moe_gemv_params p = {out, h, x, idx, weights, t->dev, t->count, n, top_k, H, I, L};
+        return cu_op_status(be, "moe_experts", moe_gemv_launch(&p, dt, vec, cb->stream));
+    }
+
+    /* hidx lives in the host scratch that the chunks also stage into: keep a private copy. */
+    int32_t *all = (int32_t *)malloc(sizeof(int32_t) * (size_t)P);
+    if (!all) return cu_op_status(be, "moe_experts", MT_ERR_NOMEM);
+    memcpy(all, hidx, sizeof(int32_t) * (size_t)P);
+    const size_t per_row = (size_t)top_k * (2 * (size_t)I + H) * sizeof(float);
+    int rows = (int)(MOE_CHUNK_BYTES / per_row);
+    if (rows < 1) rows = 1;
+    for (int r0 = 0; r0 < n && st == MT_OK; r0 += rows) {
+        const int r1 = r0 + rows < n ? r0 + rows : n;
+        st = moe_grouped_chunk(be, t, out, x, all, weights, r0, r1, top_k, H, I, L, dt);
+    }
+    free(all);
+    cu_op_status(be, "moe_experts", st);
+}

@@ -1,0 +1,216 @@
+/* kernels/cuda/cuda_ops.h: internal to the CUDA backend. Same signatures as the mt_backend_ops
+ * slots (kernels/backend.h); cuda_backend.cu fills the table. Op families, one file each:
+ *   cuda_backend.cu  memory, weights, table          cuda_dense.cu  embed, matmul, norms, swiglu,
+ *   cuda_moe.cu      router, experts                               sigmoid, l2norm, argmax
+ *   cuda_hc.cu       hyper-connections, head mean    cuda_kda.cu    conv, gate, delta rule, gated norm
+ *   cuda_dsa.cu      pool keys, select, sparse MLA
+ * Every launch is followed by MT_CUDA_CHECK_LAUNCH-style checking; ops return void per the table,
+ * so a failed launch is logged and recorded in the backend's sticky error (cu_backend_error). */
+#ifndef MT_CUDA_OPS_H
+#define MT_CUDA_OPS_H
+
+#include <cuda_runtime_api.h>
+
+#include "kernels/backend.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct cu_moe_cache; /* cuda_moe.cu: device copies of the host mt_expert tables */
+
+/* A device buffer grown on demand (cu_scratch). */
+typedef struct cu_buf {
+    void *p;
+    size_t bytes;
+} cu_buf;
+
+/* Scratch slots: an op uses its slot only between its first and last launch; ops run in stream
+ * order, so later ops may reuse the same slot. */
+enum { CU_SCRATCH_DENSE, CU_SCRATCH_ATTN, CU_SCRATCH_N };
+
+/* The CUDA backend object: mt_backend first. */
+typedef struct cu_backend {
+    mt_backend base;
+    int device;
+    cudaStream_t stream;
+    mt_status sticky;          /* first failure seen by an op; MT_OK otherwise */
+    int n_sm;                  /* multiprocessors of the device, for grid sizing */
+    cu_buf scratch[CU_SCRATCH_N];
+    /* The last moe_route output, so moe_experts knows its indices are < route_experts without
+     * reading them back. Cleared by upload/copy/zero over it and by alloc/free. */
+    const int32_t *route_idx;  /* [route_len] device */
+    int64_t route_len;
+    int route_experts;
+    struct cu_moe_cache *moe;  /* owned; NULL until the first moe_experts */
+} cu_backend;
+
+static inline cudaStream_t cu_stream(mt_backend *be) { return ((cu_backend *)be)->stream; }
+/* Records a launch/runtime failure (logged by the caller) so the model can notice at sync. */
+void cu_fail(mt_backend *be, mt_status st);
+/* Checks cudaGetLastError after a launch; logs with the op name and records failure. */
+void cu_check_launch(mt_backend *be, const char *op);
+/* Records a failed status from a launcher (already logged at the failing call) with the op name. */
+void cu_op_status(mt_backend *be, const char *op, mt_status st);
+/* Device scratch of at least `bytes` in slot `slot` (CU_SCRATCH_*), valid until the op returns.
+ * Growing synchronises the stream first (pending kernels may still read the old buffer). NULL on
+ * OOM (logged, recorded in sticky). */
+void *cu_scratch(mt_backend *be, int slot, size_t bytes);
+/* cuda_moe.cu: frees the expert-table cache (destroy). */
+void cu_moe_cache_free(cu_backend *cb);
+
+/* Tiled fp32 GEMM y = x . w^T on a bf16/fp16/fp32 weight, fp32 accumulation (cuda_dense.cu), for
+ * many rows (prefill, grouped MoE). Plain mode: tiles == NULL, weight w [N, K]. Grouped mode:
+ * tile t covers output rows [m0, m1) (at most CU_GEMM_TM of them) that all use experts[expert]'s
+ * matrix mat[z] (0 gate, 1 up, 2 down) for output y[z], z < nmat. Deterministic. */
+enum { CU_GEMM_TM = 64 };
+typedef struct cu_gemm_tile {
+    int32_t expert;
+    int32_t m0, m1;
+} cu_gemm_tile;
+typedef struct cu_gemm_params {
+    float *y[2];               /* [M, N] fp32 each; y[1] only with nmat == 2 */
+    const float *x;            /* [*, K] fp32 rows */
+    const int32_t *gather;     /* [M] device: x row of output row m; NULL: row m */
+    const void *w;             /* [N, K] plain mode */
+    const mt_expert *experts;  /* device table, grouped mode */
+    const cu_gemm_tile *tiles; /* [ntiles] device, grouped mode; NULL: plain */
+    int ntiles;
+    int mat[2];                /* grouped: which matrix of the expert feeds y[z] */
+    int nmat;                  /* 1 or 2 (grouped); 1 in plain mode */
+    int64_t M;
+    int N, K;
+    mt_dtype dtype;            /* of every weight involved */
+} cu_gemm_params;
+mt_status cu_gemm(const cu_gemm_params *p, cudaStream_t s);
+
+/* cuda_random.cu: the weight_random slot. */
+mt_status cu_weight_random(mt_backend *be, mt_dtype dt, int64_t rows, int64_t cols, uint64_t key,
+                           float mean, float std, mt_weight *out);
+
+void cu_embed(mt_backend *be, float *out, const mt_weight *table, const int32_t *ids, int n);
+void cu_matmul(mt_backend *be, float *y, const float *x, const mt_weight *w, int n);
+void cu_rmsnorm(mt_backend *be, float *out, const float *x, const float *w, int n, int d, float eps);
+void cu_layernorm(mt_backend *be, float *out, const float *x, const float *w, const float *b, int n,
+                  int d, float eps);
+void cu_swiglu(mt_backend *be, float *out, const float *gate, const float *up, int n, int I, float L);
+void cu_sigmoid(mt_backend *be, float *x, int64_t count);
+void cu_l2norm(mt_backend *be, float *x, int64_t n, int d, float eps, float scale);
+void cu_argmax(mt_backend *be, int32_t *out, const float *logits, int n, int V);
+
+void cu_moe_route(mt_backend *be, int32_t *idx, float *weights, const float *logits,
+                  const float *bias, const mt_router_params *p, int n);
+void cu_moe_experts(mt_backend *be, float *out, const float *x, const int32_t *idx,
+                    const float *weights, const mt_expert *experts, int n, int top_k, int H, int I,
+                    float L);
+
+void cu_conv1d_silu(mt_backend *be, float *out, const float *x, float *state, const float *w, int n,
+                    int C, int K);
+void cu_kda_gate(mt_backend *be, float *g, const float *f, const float *dt_bias, const float *A_log,
+                 const mt_kda_gate_params *p, int n);
+void cu_kda_recurrent(mt_backend *be, float *o, const float *q, const float *k, const float *v,
+                      const float *g, const float *beta, float *state, int n, int nh, int dk);
+void cu_kda_chunked(mt_backend *be, float *o, const float *q, const float *k, const float *v,
+                    const float *g, const float *beta, float *state, int n, int nh, int dk);
+void cu_gated_rmsnorm(mt_backend *be, float *out, const float *o, const float *gate, const float *w,
+                      int64_t rows, int d, float eps);
+
+void cu_dsa_pool_keys(mt_backend *be, float *pool_keys, const float *ki, const float *gs,
+                      const float *ape, int p0, int p1, int kpool, int id);
+void cu_dsa_select(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi, const float *w,
+                   const float *pool_keys, int t0, int n, const mt_dsa_select_params *p);
+void cu_mla_sparse(mt_backend *be, float *out, const float *q, const float *latent,
+                   const mt_weight *kv_b, const int32_t *sel, const int32_t *nsel, int max_sel,
+                   int t0, int n, const mt_mla_params *p);
+
+void cu_hc_pre(mt_backend *be, float *y, float *post, float *comb, const float *X,
+               const mt_weight *fn, const float *base, const float *scale, const mt_hc_params *p,
+               int n);
+void cu_hc_post(mt_backend *be, float *X, const float *a, const float *post, const float *comb,
+                const mt_hc_params *p, int n);
+void cu_hc_head(mt_backend *be, float *z, const float *X, int n, int S, int H);
+
+#ifdef __cplusplus
+}
+#endif
+
+#ifdef __CUDACC__
+/* Device helpers shared by the backend's .cu files (weights as fp32, warp sums). */
+#include <cuda_fp16.h>
+
+/* Elements of a weight of dtype DT per 16-byte load. */
+template <mt_dtype DT> struct cu_wvec { static constexpr int n = DT == MT_F32 ? 4 : 8; };
+
+/* Element i of weight data w (dtype DT) as fp32. */
+template <mt_dtype DT> __device__ __forceinline__ float cu_wget(const void *w, int64_t i) {
+    if constexpr (DT == MT_F32) {
+        return __ldg((const float *)w + i);
+    } else if constexpr (DT == MT_BF16) {
+        return __uint_as_float((uint32_t)__ldg((const unsigned short *)w + i) << 16);
+    } else {
+        return __half2float(__ushort_as_half(__ldg((const unsigned short *)w + i)));
+    }
+}
+
+/* out[V] = w[i .. i+V) as fp32. V == cu_wvec<DT>::n: one 16-byte load (w + i 16-byte aligned);
+ * V == 1: cu_wget; other V: element loads. */
+template <mt_dtype DT, int V> __device__ __forceinline__ void cu_wload(const void *w, int64_t i,
+                                                                       float (&out)[V]) {
+    if constexpr (V == cu_wvec<DT>::n && DT == MT_F32) {
+        const float4 v = __ldg((const float4 *)((const float *)w + i));
+        out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
+    } else if constexpr (V == cu_wvec<DT>::n) {
+        const uint4 u = __ldg((const uint4 *)((const unsigned short *)w + i));
+        const uint32_t q[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            if constexpr (DT == MT_BF16) {
+                out[2 * j] = __uint_as_float(q[j] << 16);
+                out[2 * j + 1] = __uint_as_float(q[j] & 0xffff0000u);
+            } else {
+                out[2 * j] = __half2float(__ushort_as_half((unsigned short)(q[j] & 0xffffu)));
+                out[2 * j + 1] = __half2float(__ushort_as_half((unsigned short)(q[j] >> 16)));
+            }
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < V; j++) out[j] = cu_wget<DT>(w, i + j);
+    }
+}
+
+/* out[V] = x[0 .. V) of fp32 activations; V % 4 == 0 uses 16-byte loads (x 16-byte aligned). */
+template <int V> __device__ __forceinline__ void cu_xload(const float *x, float (&out)[V]) {
+    if constexpr (V % 4 == 0) {
+#pragma unroll
+        for (int j = 0; j < V; j += 4) {
+            const float4 v = *(const float4 *)(x + j);
+            out[j] = v.x; out[j + 1] = v.y; out[j + 2] = v.z; out[j + 3] = v.w;
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < V; j++) out[j] = x[j];
+    }
+}
+
+template <typename T> __device__ __forceinline__ T cu_warp_sum(T v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+/* Sum of v over the block (blockDim.x a multiple of 32, <= 1024), returned to every thread.
+ * red: __shared__ T[32]. Ends with a barrier, so red may be reused by the next call. */
+template <typename T> __device__ __forceinline__ T cu_block_sum(T v, T *red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = cu_warp_sum(v);
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    T s = 0;
+    for (int w = 0; w < nw; w++) s += red[w]; /* same order in every thread: deterministic */
+    __syncthreads();
+    return s;
+}
+
+static inline __host__ __device__ bool cu_aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+#endif /* __CUDACC__ */
+#endif /* MT_CUDA_OPS_H */

@@ -1,0 +1,650 @@
+// tests/kernels_cuda_dense_test.cc: the CUDA backend's dense, MoE and hyper-connection ops against
+// the CPU backend (the reference) over a grid of shapes that includes the real model's (hidden
+// 4096, 288 experts of 2048 with top-8 and n_group 1, vocab 154880, hc_mult 4). Inputs are fresh
+// random values per check (never zero). Skips when no CUDA device is usable (CI and dev hosts have
+// the toolkit but no GPU).
+//
+// Tolerances, as ||cuda - cpu|| / ||cpu|| over the whole output:
+//   embed, argmax, router indices              exact
+//   norms, elementwise, hc_post, hc_head       1e-6 (same formula; expf and fma differ by an ulp)
+//   matmul, moe_experts, hc_pre (dot products) 1e-5 (fp32 sums in another order; K up to 16384)
+//   router weights                             1e-6
+// Each test prints the worst error it saw ("[ metric ]" lines), and a few ops print GPU timings.
+#include <gtest/gtest.h>
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels/backend.h"
+#include "kernels/cuda/cuda_backend.h"
+
+namespace {
+
+// Empty when a CUDA device is usable, else why not.
+std::string NoGpuReason() {
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) return std::string("cudaGetDeviceCount: ") + cudaGetErrorString(e);
+    if (n == 0) return "cudaGetDeviceCount found 0 devices";
+    return "";
+}
+
+// splitmix64: a stream of uniform floats in [lo, hi), never exactly 0.
+struct Rng {
+    uint64_t s;
+    explicit Rng(uint64_t seed) : s(seed * 0x9E3779B97F4A7C15ull + 1) {}
+    uint64_t Next() {
+        uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        return z ^ (z >> 31);
+    }
+    float Uniform(float lo, float hi) {
+        float v = lo + (hi - lo) * (float)((Next() >> 40) * (1.0 / 16777216.0));
+        return v == 0.f ? (hi - lo) * 1e-3f : v;
+    }
+};
+
+uint64_t g_seed = 12345;
+uint64_t NextSeed() { return g_seed++; }
+
+std::vector<float> Rand(size_t n, float lo = -1.f, float hi = 1.f) {
+    std::vector<float> v(n);
+    const size_t chunk = 1 << 20;
+    const uint64_t seed = NextSeed();
+#pragma omp parallel for schedule(static)
+    for (size_t c = 0; c < (n + chunk - 1) / chunk; c++) {
+        Rng r(seed * 1000003 + c);
+        for (size_t i = c * chunk; i < std::min(n, (c + 1) * chunk); i++) v[i] = r.Uniform(lo, hi);
+    }
+    return v;
+}
+
+double RelErr(const std::vector<float> &got, const std::vector<float> &want) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < want.size(); i++) {
+        const double d = (double)got[i] - want[i];
+        num += d * d;
+        den += (double)want[i] * want[i];
+    }
+    return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+// Worst relative error seen by one test, printed at its end.
+struct Worst {
+    std::string op;
+    double err = 0;
+    std::string where;
+    void See(double e, const std::string &w) {
+        if (e >= err) { err = e; where = w; }
+    }
+    ~Worst() {
+        if (!op.empty()) std::printf("[ metric   ] %-12s worst rel err %.3g at %s\n", op.c_str(), err, where.c_str());
+    }
+};
+
+std::string Shape(std::initializer_list<std::pair<const char *, long long>> kv) {
+    std::string s;
+    for (auto &p : kv) {
+        if (!s.empty()) s += " ";
+        s += p.first + std::string("=") + std::to_string(p.second);
+    }
+    return s;
+}
+
+class CudaOps : public ::testing::Test {
+  protected:
+    static void SetUpTestSuite() {
+        if (!NoGpuReason().empty()) return;
+        mt_error err{};
+        gpu_ = mt_cuda_backend_new(0, &err);
+        if (!gpu_) gpu_err_ = err.msg;
+        cpu_ = mt_cpu_backend_new(0);
+    }
+    static void TearDownTestSuite() {
+        vocab_.reset();
+        mt_backend_free(gpu_);
+        mt_backend_free(cpu_);
+        gpu_ = cpu_ = nullptr;
+    }
+    void SetUp() override {
+        std::string why = NoGpuReason();
+        if (!why.empty()) GTEST_SKIP() << "no CUDA GPU on this host (" << why << "); skipping";
+        ASSERT_NE(gpu_, nullptr) << "mt_cuda_backend_new: " << gpu_err_;
+        ASSERT_NE(cpu_, nullptr);
+    }
+
+    // A weight held on the host (the CPU backend's view) and on the device.
+    struct Weight {
+        mt_dtype dt;
+        int64_t rows, cols;
+        std::vector<uint16_t> h16;
+        std::vector<float> h32;
+        mt_weight cpu{}, gpu{};
+        ~Weight() {
+            if (gpu.data) gpu_->ops->weight_free(gpu_, &gpu);
+        }
+    };
+    // Values uniform in +-amp, fresh per call.
+    static std::unique_ptr<Weight> MakeWeight(mt_dtype dt, int64_t rows, int64_t cols, float amp = 1.f) {
+        auto w = std::make_unique<Weight>();
+        w->dt = dt;
+        w->rows = rows;
+        w->cols = cols;
+        const size_t n = (size_t)rows * cols;
+        std::vector<float> f = Rand(n, -amp, amp);
+        const void *host;
+        if (dt == MT_F32) {
+            w->h32 = std::move(f);
+            host = w->h32.data();
+        } else {
+            w->h16.resize(n);
+#pragma omp parallel for schedule(static)
+            for (size_t i = 0; i < n; i++) w->h16[i] = dt == MT_BF16 ? mt_f32_to_bf16(f[i]) : mt_f32_to_f16(f[i]);
+            host = w->h16.data();
+        }
+        EXPECT_EQ(cpu_->ops->weight(cpu_, host, dt, rows, cols, &w->cpu), MT_OK);
+        EXPECT_EQ(gpu_->ops->weight(gpu_, host, dt, rows, cols, &w->gpu), MT_OK);
+        return w;
+    }
+    // The real model's vocab-sized bf16 matrix [154880, 4096] (lm_head / embeddings), made once.
+    static const Weight &Vocab() {
+        if (!vocab_) vocab_ = MakeWeight(MT_BF16, 154880, 4096, 0.05f);
+        return *vocab_;
+    }
+
+    // A buffer on backend be holding host data.
+    template <class T> static T *Put(mt_backend *be, const std::vector<T> &h) {
+        T *p = (T *)be->ops->alloc(be, h.size() * sizeof(T));
+        EXPECT_NE(p, nullptr);
+        be->ops->upload(be, p, h.data(), h.size() * sizeof(T));
+        return p;
+    }
+    template <class T> static std::vector<T> Get(mt_backend *be, const T *p, size_t n) {
+        std::vector<T> h(n);
+        be->ops->download(be, h.data(), p, n * sizeof(T));
+        return h;
+    }
+    static void Drop(mt_backend *be, const void *p) { be->ops->free(be, (void *)p); }
+
+    static double Seconds() {
+        return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+    }
+    // Mean GPU seconds per call of f (after one warm-up call).
+    template <class F> static double TimeGpu(F f, int reps) {
+        f();
+        gpu_->ops->sync(gpu_);
+        const double t0 = Seconds();
+        for (int r = 0; r < reps; r++) f();
+        gpu_->ops->sync(gpu_);
+        return (Seconds() - t0) / reps;
+    }
+
+    static mt_backend *gpu_, *cpu_;
+    static std::string gpu_err_;
+    static std::unique_ptr<Weight> vocab_;
+};
+mt_backend *CudaOps::gpu_ = nullptr;
+mt_backend *CudaOps::cpu_ = nullptr;
+std::string CudaOps::gpu_err_;
+std::unique_ptr<CudaOps::Weight> CudaOps::vocab_;
+
+const char *DtName(mt_dtype dt) { return mt_dtype_name(dt); }
+
+TEST(CudaBackendNew, SaysWhyWithoutGpu) {
+    if (NoGpuReason().empty()) GTEST_SKIP() << "a GPU is present; this checks the no-GPU path";
+    mt_error err{};
+    mt_backend *be = mt_cuda_backend_new(0, &err);
+    EXPECT_EQ(be, nullptr);
+    EXPECT_NE(std::string(err.msg), "");
+    mt_backend_free(be);
+}
+
+TEST_F(CudaOps, TableAndMemory) {
+    EXPECT_STREQ(gpu_->ops->name, "cuda");
+    // Every slot is filled.
+    const void *const *slot = (const void *const *)gpu_->ops;
+    for (size_t i = 1; i < sizeof(mt_backend_ops) / sizeof(void *); i++) EXPECT_NE(slot[i], nullptr) << "slot " << i;
+    // alloc zeroes; upload, copy, zero, download.
+    const size_t n = 1000003;
+    float *a = (float *)gpu_->ops->alloc(gpu_, n * sizeof(float));
+    float *b = (float *)gpu_->ops->alloc(gpu_, n * sizeof(float));
+    ASSERT_TRUE(a && b);
+    std::vector<float> z = Get(gpu_, a, n);
+    EXPECT_TRUE(std::all_of(z.begin(), z.end(), [](float v) { return v == 0.f; }));
+    std::vector<float> h = Rand(n);
+    gpu_->ops->upload(gpu_, a, h.data(), n * sizeof(float));
+    gpu_->ops->copy(gpu_, b, a, n * sizeof(float));
+    EXPECT_EQ(Get(gpu_, b, n), h);
+    gpu_->ops->zero(gpu_, b + 10, 5 * sizeof(float));
+    std::vector<float> g = Get(gpu_, b, n);
+    for (int i = 0; i < 20; i++) EXPECT_EQ(g[i], i >= 10 && i < 15 ? 0.f : h[i]);
+    Drop(gpu_, a);
+    Drop(gpu_, b);
+    Drop(gpu_, nullptr);
+}
+
+TEST_F(CudaOps, Embed) {
+    Worst worst{"embed"};
+    for (mt_dtype dt : {MT_BF16, MT_F16, MT_F32}) {
+        auto t = MakeWeight(dt, 1000, 4096);
+        for (int n : {1, 5, 1300}) {
+            std::vector<int32_t> ids(n);
+            Rng r(NextSeed());
+            for (auto &v : ids) v = (int32_t)(r.Next() % 1000);
+            ids[0] = 999;
+            std::vector<float> want((size_t)n * 4096);
+            cpu_->ops->embed(cpu_, want.data(), &t->cpu, ids.data(), n);
+            float *out = (float *)gpu_->ops->alloc(gpu_, want.size() * sizeof(float));
+            gpu_->ops->embed(gpu_, out, &t->gpu, ids.data(), n);
+            const double e = RelErr(Get(gpu_, out, want.size()), want);
+            worst.See(e, Shape({{"n", n}}) + " " + DtName(dt));
+            EXPECT_EQ(e, 0.0) << DtName(dt) << " n=" << n;
+            Drop(gpu_, out);
+        }
+    }
+    const Weight &v = Vocab();
+    std::vector<int32_t> ids = {0, 154879, 77777};
+    std::vector<float> want(3 * 4096);
+    cpu_->ops->embed(cpu_, want.data(), &v.cpu, ids.data(), 3);
+    float *out = (float *)gpu_->ops->alloc(gpu_, want.size() * sizeof(float));
+    gpu_->ops->embed(gpu_, out, &v.gpu, ids.data(), 3);
+    EXPECT_EQ(RelErr(Get(gpu_, out, want.size()), want), 0.0) << "vocab 154880";
+    Drop(gpu_, out);
+}
+
+// y on both backends for one weight and n fresh input rows; returns the relative error.
+double MatmulErr(mt_backend *cpu, mt_backend *gpu, const mt_weight &wc, const mt_weight &wg, int n) {
+    std::vector<float> x = Rand((size_t)n * wc.cols);
+    std::vector<float> want((size_t)n * wc.rows);
+    cpu->ops->matmul(cpu, want.data(), x.data(), &wc, n);
+    float *dx = (float *)gpu->ops->alloc(gpu, x.size() * sizeof(float));
+    float *dy = (float *)gpu->ops->alloc(gpu, want.size() * sizeof(float));
+    gpu->ops->upload(gpu, dx, x.data(), x.size() * sizeof(float));
+    gpu->ops->matmul(gpu, dy, dx, &wg, n);
+    std::vector<float> got(want.size());
+    gpu->ops->download(gpu, got.data(), dy, got.size() * sizeof(float));
+    gpu->ops->free(gpu, dx);
+    gpu->ops->free(gpu, dy);
+    return RelErr(got, want);
+}
+
+TEST_F(CudaOps, Matmul) {
+    Worst worst{"matmul"};
+    struct S { int rows, cols; };
+    // Real projections (4096x4096, expert/shared 2048x4096 and 4096x2048, router 288x4096, hc fn
+    // 24x16384), and odd sizes that take the element-wise (unvectorised) paths and edge tiles.
+    const S shapes[] = {{4096, 4096}, {2048, 4096}, {4096, 2048}, {288, 4096}, {24, 16384},
+                        {37, 100}, {130, 36}, {3000, 1537}};
+    for (mt_dtype dt : {MT_BF16, MT_F16, MT_F32}) {
+        for (const S &s : shapes) {
+            auto w = MakeWeight(dt, s.rows, s.cols, 2.f / std::sqrt((float)s.cols));
+            for (int n : {1, 2, 3, 5, 8, 9, 33, 130}) {
+                if ((double)n * s.rows * s.cols > 6e8) continue;
+                const double e = MatmulErr(cpu_, gpu_, w->cpu, w->gpu, n);
+                const std::string where = Shape({{"n", n}, {"rows", s.rows}, {"cols", s.cols}}) + " " + DtName(dt);
+                worst.See(e, where);
+                EXPECT_LE(e, 1e-5) << where;
+            }
+        }
+    }
+    const Weight &v = Vocab();
+    for (int n : {1, 4, 20}) {
+        const double e = MatmulErr(cpu_, gpu_, v.cpu, v.gpu, n);
+        worst.See(e, Shape({{"n", n}, {"rows", 154880}, {"cols", 4096}}) + " BF16");
+        EXPECT_LE(e, 1e-5) << "vocab n=" << n;
+    }
+}
+
+TEST_F(CudaOps, MatmulTimings) {
+    struct S { int n, rows, cols; };
+    const S shapes[] = {{1, 154880, 4096}, {1, 4096, 4096}, {1, 2048, 4096}, {8, 4096, 4096},
+                        {512, 4096, 4096}};
+    for (const S &s : shapes) {
+        std::unique_ptr<Weight> own;
+        const Weight *w;
+        if (s.rows == 154880) {
+            w = &Vocab();
+        } else {
+            own = MakeWeight(MT_BF16, s.rows, s.cols, 0.05f);
+            w = own.get();
+        }
+        float *x = Put(gpu_, Rand((size_t)s.n * s.cols));
+        float *y = (float *)gpu_->ops->alloc(gpu_, (size_t)s.n * s.rows * sizeof(float));
+        const double t = TimeGpu([&] { gpu_->ops->matmul(gpu_, y, x, &w->gpu, s.n); }, 20);
+        const double bytes = 2.0 * s.rows * s.cols, flops = 2.0 * s.n * s.rows * s.cols;
+        std::printf("[ timing   ] matmul bf16 n=%d %dx%d: %.1f us, %.0f GB/s weight, %.2f TFLOP/s\n", s.n,
+                    s.rows, s.cols, t * 1e6, bytes / t / 1e9, flops / t / 1e12);
+        Drop(gpu_, x);
+        Drop(gpu_, y);
+    }
+}
+
+TEST_F(CudaOps, Norms) {
+    Worst worst{"norms"};
+    for (int d : {4096, 1536, 512, 128, 100, 7}) {
+        for (int n : {1, 3, 64}) {
+            const size_t sz = (size_t)n * d;
+            std::vector<float> w = Rand(d, 0.5f, 1.5f), b = Rand(d);
+            float *gw = Put(gpu_, w), *gb = Put(gpu_, b);
+            for (int kind = 0; kind < 5; kind++) { // rms, rms without w, layernorm, l2norm, rms in place
+                std::vector<float> x = Rand(sz, -3.f, 3.f), want(sz);
+                float *gx = Put(gpu_, x), *gout = (float *)gpu_->ops->alloc(gpu_, sz * sizeof(float));
+                float *dst = gout;
+                const char *name = "";
+                switch (kind) {
+                case 0:
+                    name = "rmsnorm";
+                    cpu_->ops->rmsnorm(cpu_, want.data(), x.data(), w.data(), n, d, 1e-6f);
+                    gpu_->ops->rmsnorm(gpu_, gout, gx, gw, n, d, 1e-6f);
+                    break;
+                case 1:
+                    name = "rmsnorm(w=NULL)";
+                    cpu_->ops->rmsnorm(cpu_, want.data(), x.data(), nullptr, n, d, 1e-5f);
+                    gpu_->ops->rmsnorm(gpu_, gout, gx, nullptr, n, d, 1e-5f);
+                    break;
+                case 2:
+                    name = "layernorm";
+                    cpu_->ops->layernorm(cpu_, want.data(), x.data(), w.data(), b.data(), n, d, 1e-5f);
+                    gpu_->ops->layernorm(gpu_, gout, gx, gw, gb, n, d, 1e-5f);
+                    break;
+                case 3:
+                    name = "l2norm";
+                    want = x;
+                    cpu_->ops->l2norm(cpu_, want.data(), n, d, 1e-6f, 0.37f);
+                    gpu_->ops->l2norm(gpu_, gx, n, d, 1e-6f, 0.37f);
+                    dst = gx;
+                    break;
+                case 4:
+                    name = "rmsnorm(in place)";
+                    cpu_->ops->rmsnorm(cpu_, want.data(), x.data(), w.data(), n, d, 1e-6f);
+                    gpu_->ops->rmsnorm(gpu_, gx, gx, gw, n, d, 1e-6f);
+                    dst = gx;
+                    break;
+                }
+                const double e = RelErr(Get(gpu_, dst, sz), want);
+                const std::string where = std::string(name) + " " + Shape({{"n", n}, {"d", d}});
+                worst.See(e, where);
+                EXPECT_LE(e, 1e-6) << where;
+                Drop(gpu_, gx);
+                Drop(gpu_, gout);
+            }
+            Drop(gpu_, gw);
+            Drop(gpu_, gb);
+        }
+    }
+}
+
+TEST_F(CudaOps, SwigluAndSigmoid) {
+    Worst worst{"elementwise"};
+    for (int n : {1, 7, 300}) {
+        for (int I : {2048, 33}) {
+            for (float L : {10.f, 1.f}) {
+                const size_t sz = (size_t)n * I;
+                std::vector<float> g = Rand(sz, -15.f, 15.f), u = Rand(sz, -15.f, 15.f), want(sz);
+                cpu_->ops->swiglu(cpu_, want.data(), g.data(), u.data(), n, I, L);
+                float *gg = Put(gpu_, g), *gu = Put(gpu_, u);
+                gpu_->ops->swiglu(gpu_, gg, gg, gu, n, I, L); // out aliases gate
+                const double e = RelErr(Get(gpu_, gg, sz), want);
+                const std::string where = "swiglu " + Shape({{"n", n}, {"I", I}}) + " L=" + std::to_string(L);
+                worst.See(e, where);
+                EXPECT_LE(e, 1e-6) << where;
+                Drop(gpu_, gg);
+                Drop(gpu_, gu);
+            }
+        }
+    }
+    for (int64_t count : {(int64_t)1, (int64_t)1000, (int64_t)(1 << 20) + 3}) {
+        std::vector<float> x = Rand((size_t)count, -20.f, 20.f), want = x;
+        cpu_->ops->sigmoid(cpu_, want.data(), count);
+        float *gx = Put(gpu_, x);
+        gpu_->ops->sigmoid(gpu_, gx, count);
+        const double e = RelErr(Get(gpu_, gx, (size_t)count), want);
+        worst.See(e, "sigmoid count=" + std::to_string(count));
+        EXPECT_LE(e, 1e-6) << "sigmoid count=" << count;
+        Drop(gpu_, gx);
+    }
+}
+
+TEST_F(CudaOps, Argmax) {
+    struct S { int n, V; int ties; };
+    for (const S &s : {S{1, 154880, 0}, S{3, 154880, 3}, S{7, 1000, 2}, S{5, 33, 0}, S{2, 9000, 4}}) {
+        std::vector<float> l = Rand((size_t)s.n * s.V, -10.f, 10.f);
+        Rng r(NextSeed());
+        for (int i = 0; i < s.n; i++) {
+            // Several equal maxima in one row: the lowest index wins; or the max at the last index.
+            if (s.ties) {
+                for (int t = 0; t < s.ties; t++) l[(size_t)i * s.V + r.Next() % s.V] = 11.f;
+            } else if (i % 2 == 0) {
+                l[(size_t)i * s.V + s.V - 1] = 12.f;
+            }
+        }
+        std::vector<int32_t> want(s.n), got(s.n, -1);
+        cpu_->ops->argmax(cpu_, want.data(), l.data(), s.n, s.V);
+        float *gl = Put(gpu_, l);
+        gpu_->ops->argmax(gpu_, got.data(), gl, s.n, s.V);
+        EXPECT_EQ(got, want) << Shape({{"n", s.n}, {"V", s.V}});
+        Drop(gpu_, gl);
+    }
+    float *gl = Put(gpu_, Rand(154880));
+    int32_t o;
+    const double t = TimeGpu([&] { gpu_->ops->argmax(gpu_, &o, gl, 1, 154880); }, 50);
+    std::printf("[ timing   ] argmax n=1 V=154880 (with the download): %.1f us\n", t * 1e6);
+    Drop(gpu_, gl);
+}
+
+TEST_F(CudaOps, MoeRoute) {
+    Worst worst{"moe_route"};
+    const mt_router_params cfgs[] = {
+        {288, 1, 1, 8, true, 2.5f},   // the real model
+        {16, 4, 2, 4, false, 1.f},
+        {64, 8, 4, 6, true, 1.5f},
+        {256, 8, 4, 8, true, 2.5f},
+    };
+    for (const mt_router_params &p : cfgs) {
+        for (int n : {1, 5, 130}) {
+            const int E = p.n_experts, k = p.top_k;
+            std::vector<float> logits = Rand((size_t)n * E, -4.f, 4.f), bias = Rand(E, -0.1f, 0.1f);
+            std::vector<int32_t> widx((size_t)n * k);
+            std::vector<float> ww((size_t)n * k);
+            cpu_->ops->moe_route(cpu_, widx.data(), ww.data(), logits.data(), bias.data(), &p, n);
+            float *gl = Put(gpu_, logits), *gb = Put(gpu_, bias);
+            int32_t *gi = (int32_t *)gpu_->ops->alloc(gpu_, widx.size() * sizeof(int32_t));
+            float *gw = (float *)gpu_->ops->alloc(gpu_, ww.size() * sizeof(float));
+            gpu_->ops->moe_route(gpu_, gi, gw, gl, gb, &p, n);
+            const std::string where = Shape({{"E", E}, {"groups", p.n_group}, {"top_k", k}, {"n", n}});
+            EXPECT_EQ(Get(gpu_, gi, widx.size()), widx) << where;
+            const double e = RelErr(Get(gpu_, gw, ww.size()), ww);
+            worst.See(e, where);
+            EXPECT_LE(e, 1e-6) << where;
+            Drop(gpu_, gl);
+            Drop(gpu_, gb);
+            Drop(gpu_, gi);
+            Drop(gpu_, gw);
+        }
+    }
+}
+
+class CudaMoe : public CudaOps {
+  protected:
+    // A set of expert weights and the host tables of both backends, E entries cycling over
+    // `distinct` weight triples (the real model's 288 experts of 2048 would need 14 GB).
+    struct Experts {
+        std::vector<std::unique_ptr<Weight>> w; // gate, up, down per distinct expert
+        std::vector<mt_expert> cpu, gpu;
+    };
+    static Experts MakeExperts(mt_dtype dt, int E, int distinct, int H, int I) {
+        Experts ex;
+        for (int d = 0; d < distinct; d++) {
+            ex.w.push_back(MakeWeight(dt, I, H, 2.f / std::sqrt((float)H)));
+            ex.w.push_back(MakeWeight(dt, I, H, 2.f / std::sqrt((float)H)));
+            ex.w.push_back(MakeWeight(dt, H, I, 2.f / std::sqrt((float)I)));
+        }
+        for (int e = 0; e < E; e++) {
+            const int d = (e * 7) % distinct;
+            ex.cpu.push_back({ex.w[3 * d]->cpu, ex.w[3 * d + 1]->cpu, ex.w[3 * d + 2]->cpu});
+            ex.gpu.push_back({ex.w[3 * d]->gpu, ex.w[3 * d + 1]->gpu, ex.w[3 * d + 2]->gpu});
+        }
+        return ex;
+    }
+    // Distinct random experts per row.
+    static std::vector<int32_t> RandIdx(int n, int k, int E) {
+        Rng r(NextSeed());
+        std::vector<int32_t> idx((size_t)n * k);
+        for (int i = 0; i < n; i++)
+            for (int j = 0; j < k; j++) {
+                int32_t e;
+                bool dup;
+                do {
+                    e = (int32_t)(r.Next() % E);
+                    dup = false;
+                    for (int q = 0; q < j; q++) dup |= idx[(size_t)i * k + q] == e;
+                } while (dup);
+                idx[(size_t)i * k + j] = e;
+            }
+        return idx;
+    }
+    // out += experts on both backends from the same idx/weights (uploaded); relative error.
+    static double Run(const Experts &ex, const std::vector<int32_t> &idx, int n, int k, int H, int I, float L) {
+        std::vector<float> x = Rand((size_t)n * H), wts = Rand((size_t)n * k, 0.05f, 1.f);
+        std::vector<float> want = Rand((size_t)n * H);
+        float *gx = Put(gpu_, x), *gw = Put(gpu_, wts), *go = Put(gpu_, want);
+        int32_t *gi = Put(gpu_, idx);
+        cpu_->ops->moe_experts(cpu_, want.data(), x.data(), idx.data(), wts.data(), ex.cpu.data(), n, k, H, I, L);
+        gpu_->ops->moe_experts(gpu_, go, gx, gi, gw, ex.gpu.data(), n, k, H, I, L);
+        const double e = RelErr(Get(gpu_, go, want.size()), want);
+        Drop(gpu_, gx);
+        Drop(gpu_, gw);
+        Drop(gpu_, go);
+        Drop(gpu_, gi);
+        return e;
+    }
+};
+
+TEST_F(CudaMoe, ExpertsSmallShapes) {
+    Worst worst{"moe_experts"};
+    struct S { int E, k, H, I; };
+    // H, I multiples of 8 take the 16-byte paths; 36/20 the element-wise ones.
+    for (const S &s : {S{16, 4, 64, 32}, S{16, 4, 36, 20}, S{40, 8, 256, 96}}) {
+        for (mt_dtype dt : {MT_BF16, MT_F16, MT_F32}) {
+            Experts ex = MakeExperts(dt, s.E, s.E, s.H, s.I);
+            for (int n : {1, 3, 8, 9, 40, 300}) {
+                for (float L : {10.f, 0.5f}) {
+                    const double e = Run(ex, RandIdx(n, s.k, s.E), n, s.k, s.H, s.I, L);
+                    const std::string where = Shape({{"E", s.E}, {"k", s.k}, {"H", s.H}, {"I", s.I}, {"n", n}}) +
+                                              " L=" + std::to_string(L) + " " + DtName(dt);
+                    worst.See(e, where);
+                    EXPECT_LE(e, 1e-5) << where;
+                }
+            }
+        }
+    }
+}
+
+TEST_F(CudaMoe, ExpertsRealShapes) {
+    Worst worst{"moe_experts"};
+    const int E = 288, k = 8, H = 4096, I = 2048;
+    Experts ex = MakeExperts(MT_BF16, E, 10, H, I);
+    for (int n : {1, 4, 24}) { // 1 and 4: GEMV path; 24: grouped GEMM path
+        const double e = Run(ex, RandIdx(n, k, E), n, k, H, I, 10.f);
+        const std::string where = Shape({{"E", E}, {"k", k}, {"H", H}, {"I", I}, {"n", n}});
+        worst.See(e, where);
+        EXPECT_LE(e, 1e-5) << where;
+    }
+    // Indices straight from the GPU router (moe_experts then skips reading them back), then the
+    // same experts table with two entries swapped: the cached device copy must follow.
+    const mt_router_params rp = {E, 1, 1, k, true, 2.5f};
+    for (int n : {1, 3, 12}) {
+        for (int swap = 0; swap < 2; swap++) {
+            if (swap) std::swap(ex.gpu[0], ex.gpu[287]), std::swap(ex.cpu[0], ex.cpu[287]);
+            std::vector<float> logits = Rand((size_t)n * E, -4.f, 4.f), bias = Rand(E, -0.1f, 0.1f);
+            // Make expert 0 and 287 likely picks.
+            for (int i = 0; i < n; i++) logits[(size_t)i * E] = logits[(size_t)i * E + 287] = 8.f;
+            std::vector<float> x = Rand((size_t)n * H), want = Rand((size_t)n * H);
+            float *gl = Put(gpu_, logits), *gb = Put(gpu_, bias), *gx = Put(gpu_, x), *go = Put(gpu_, want);
+            int32_t *gi = (int32_t *)gpu_->ops->alloc(gpu_, (size_t)n * k * sizeof(int32_t));
+            float *gw = (float *)gpu_->ops->alloc(gpu_, (size_t)n * k * sizeof(float));
+            gpu_->ops->moe_route(gpu_, gi, gw, gl, gb, &rp, n);
+            gpu_->ops->moe_experts(gpu_, go, gx, gi, gw, ex.gpu.data(), n, k, H, I, 10.f);
+            std::vector<int32_t> idx = Get(gpu_, gi, (size_t)n * k);
+            std::vector<float> wts = Get(gpu_, gw, (size_t)n * k);
+            cpu_->ops->moe_experts(cpu_, want.data(), x.data(), idx.data(), wts.data(), ex.cpu.data(), n, k, H, I, 10.f);
+            const double e = RelErr(Get(gpu_, go, want.size()), want);
+            const std::string where = "routed " + Shape({{"n", n}, {"swap", swap}});
+            worst.See(e, where);
+            EXPECT_LE(e, 1e-5) << where;
+            for (void *p : {(void *)gl, (void *)gb, (void *)gx, (void *)go, (void *)gi, (void *)gw}) Drop(gpu_, p);
+        }
+    }
+    // Decode timing: one row, 8 experts of 3 x 4096 x 2048 bf16.
+    {
+        std::vector<int32_t> idx = RandIdx(1, k, E);
+        float *gx = Put(gpu_, Rand(H)), *gw = Put(gpu_, Rand(k, 0.1f, 1.f)), *go = Put(gpu_, Rand(H));
+        int32_t *gi = Put(gpu_, idx);
+        const double t = TimeGpu([&] { gpu_->ops->moe_experts(gpu_, go, gx, gi, gw, ex.gpu.data(), 1, k, H, I, 10.f); }, 20);
+        std::printf("[ timing   ] moe_experts n=1 top-8 4096x2048 bf16 (idx read back): %.1f us, %.0f GB/s\n",
+                    t * 1e6, 8.0 * 3 * H * I * 2 / t / 1e9);
+        for (void *p : {(void *)gx, (void *)gw, (void *)go, (void *)gi}) Drop(gpu_, p);
+    }
+}
+
+TEST_F(CudaOps, HyperConnections) {
+    Worst worst{"hc"};
+    struct S { int S_, H; };
+    for (const S &s : {S{4, 4096}, S{2, 64}, S{4, 100}}) {
+        const int Sn = s.S_, H = s.H, mix = (2 + Sn) * Sn, SH = Sn * H;
+        const mt_hc_params p = {Sn, H, 1e-6f, 1e-6f, 20};
+        for (mt_dtype dt : {MT_BF16, MT_F32}) {
+            auto fn = MakeWeight(dt, mix, SH, 2.f / std::sqrt((float)SH));
+            for (int n : {1, 3, 9, 40}) {
+                std::vector<float> X = Rand((size_t)n * SH, -2.f, 2.f), base = Rand(mix), scale = Rand(3, 0.5f, 1.5f);
+                std::vector<float> y((size_t)n * H), post((size_t)n * Sn), comb((size_t)n * Sn * Sn);
+                cpu_->ops->hc_pre(cpu_, y.data(), post.data(), comb.data(), X.data(), &fn->cpu, base.data(),
+                                  scale.data(), &p, n);
+                float *gX = Put(gpu_, X), *gb = Put(gpu_, base), *gs = Put(gpu_, scale);
+                float *gy = (float *)gpu_->ops->alloc(gpu_, y.size() * 4);
+                float *gp = (float *)gpu_->ops->alloc(gpu_, post.size() * 4);
+                float *gc = (float *)gpu_->ops->alloc(gpu_, comb.size() * 4);
+                gpu_->ops->hc_pre(gpu_, gy, gp, gc, gX, &fn->gpu, gb, gs, &p, n);
+                const std::string where = Shape({{"S", Sn}, {"H", H}, {"n", n}}) + " " + DtName(dt);
+                const double ey = RelErr(Get(gpu_, gy, y.size()), y);
+                const double ep = RelErr(Get(gpu_, gp, post.size()), post);
+                const double ec = RelErr(Get(gpu_, gc, comb.size()), comb);
+                worst.See(std::max({ey, ep, ec}), "hc_pre " + where);
+                EXPECT_LE(ey, 1e-5) << "hc_pre y " << where;
+                EXPECT_LE(ep, 1e-5) << "hc_pre post " << where;
+                EXPECT_LE(ec, 1e-5) << "hc_pre comb " << where;
+
+                // hc_post in place from fresh a/post/comb, then hc_head.
+                std::vector<float> a = Rand((size_t)n * H), po = Rand((size_t)n * Sn, 0.f, 2.f);
+                std::vector<float> cm = Rand((size_t)n * Sn * Sn, 0.f, 1.f), Xw = X;
+                cpu_->ops->hc_post(cpu_, Xw.data(), a.data(), po.data(), cm.data(), &p, n);
+                float *ga = Put(gpu_, a), *gpo = Put(gpu_, po), *gcm = Put(gpu_, cm);
+                gpu_->ops->hc_post(gpu_, gX, ga, gpo, gcm, &p, n);
+                const double eh = RelErr(Get(gpu_, gX, Xw.size()), Xw);
+                worst.See(eh, "hc_post " + where);
+                EXPECT_LE(eh, 1e-6) << "hc_post " << where;
+                std::vector<float> z((size_t)n * H);
+                cpu_->ops->hc_head(cpu_, z.data(), Xw.data(), n, Sn, H);
+                gpu_->ops->hc_head(gpu_, gy, gX, n, Sn, H);
+                const double ez = RelErr(Get(gpu_, gy, z.size()), z);
+                worst.See(ez, "hc_head " + where);
+                EXPECT_LE(ez, 1e-6) << "hc_head " << where;
+                for (void *q : {(void *)gX, (void *)gb, (void *)gs, (void *)gy, (void *)gp, (void *)gc, (void *)ga,
+                                (void *)gpo, (void *)gcm})
+                    Drop(gpu_, q);
+            }
+        }
+    }
+}
+
+}  // namespace
