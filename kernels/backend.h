@@ -26,6 +26,9 @@ extern "C" {
 
 typedef struct mt_backend mt_backend;
 
+/* A captured sequence of ops (a CUDA graph); opaque, owned by the backend that made it. */
+typedef struct mt_graph mt_graph;
+
 /* A 2-D weight matrix [rows, cols] in backend memory, row-major, dtype F32, F16 or BF16.
  * A 1-D vector is rows = 1. */
 typedef struct mt_weight {
@@ -72,12 +75,18 @@ typedef struct mt_dsa_select_params {
     int max_pools;        /* index_topk / kpool */
     bool tail;            /* index_kpool_always_select_tail */
     int max_sel;          /* row stride of the selection: max_pools * kpool + (tail ? kpool - 1 : 0) */
+    /* Graph form: when t0_dev is set, the first query's position is read from it (backend
+     * memory) at run time and the t0 argument is ignored; t_cap bounds every position (sizing). */
+    const int32_t *t0_dev;
+    int t_cap;
 } mt_dsa_select_params;
 
 /* Sparse MLA parameters. */
 typedef struct mt_mla_params {
     int Hq, dn, dv, kvl;  /* heads, qk_nope_head_dim, v_head_dim, kv_lora_rank */
     float scale;          /* dn^-0.5 */
+    const int32_t *t0_dev; /* graph form, as in mt_dsa_select_params */
+    int t_cap;
 } mt_mla_params;
 
 typedef struct mt_backend_ops {
@@ -104,6 +113,24 @@ typedef struct mt_backend_ops {
                                float mean, float std, mt_weight *out);
     void (*weight_free)(mt_backend *be, mt_weight *w);
     void (*sync)(mt_backend *be);
+
+    /* ---- graphs (NULL: the backend cannot capture; the model decodes eagerly) ---- */
+    /* Starts recording the ops that follow instead of running them. */
+    mt_status (*graph_begin)(mt_backend *be);
+    /* Ends the recording; on failure (an op that cannot be captured ran) *out is NULL and the
+     * backend is usable again. */
+    mt_status (*graph_end)(mt_backend *be, mt_graph **out);
+    mt_status (*graph_launch)(mt_backend *be, mt_graph *g);
+    void (*graph_free)(mt_backend *be, mt_graph *g);  /* NULL ok */
+
+    /* ---- positions in backend memory (the graph form of decode) ---- */
+    /* out[n, H] = table[ids[i]] with ids in backend memory. */
+    void (*embed_dev)(mt_backend *be, float *out, const mt_weight *table, const int32_t *ids, int n);
+    /* base[(*pos + i) * row + j] = src[i * row + j] for i < n: a cache write at a run-time position. */
+    void (*copy_rows_at)(mt_backend *be, float *base, int64_t row, const int32_t *pos, const float *src, int n);
+    /* When position *pos completes a pool ((*pos + 1) % kpool == 0), its pool key, as dsa_pool_keys. */
+    void (*dsa_pool_keys_at)(mt_backend *be, float *pool_keys, const float *ki, const float *gs,
+                             const float *ape, const int32_t *pos, int kpool, int id);
 
     /* ---- dense ---- */
     /* out[n, H] = table[ids[i]] ; ids on the host, each < table.rows. */

@@ -35,7 +35,7 @@ static mt_status cpu_weight_random(mt_backend *be, mt_dtype dt, int64_t rows, in
     MT_ASSERT(dt == MT_F32 || dt == MT_F16 || dt == MT_BF16);
     void *p = malloc(n * es ? n * es : 1);
     if (!p) return MT_ERR_NOMEM;
-#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+#pragma omp parallel for num_threads(be->n_threads) schedule(static) if ((int64_t)n > CPU_PAR_MIN_WORK)
     for (size_t i = 0; i < n; i++) {
         const float v = mean + std * mt_rand_normal(key, i);
         if (dt == MT_F32) ((float *)p)[i] = v;
@@ -65,6 +65,9 @@ static const mt_backend_ops cpu_ops = {
     .weight_random = cpu_weight_random,
     .weight_free = cpu_weight_free,
     .sync = cpu_sync,
+    .embed_dev = cpu_embed, /* host memory: ids are already readable */
+    .copy_rows_at = cpu_copy_rows_at,
+    .dsa_pool_keys_at = cpu_dsa_pool_keys_at,
     .embed = cpu_embed,
     .matmul = cpu_matmul,
     .rmsnorm = cpu_rmsnorm,

@@ -20,6 +20,11 @@ void cpu_embed(mt_backend *be, float *out, const mt_weight *table, const int32_t
     }
 }
 
+void cpu_copy_rows_at(mt_backend *be, float *base, int64_t row, const int32_t *pos, const float *src, int n) {
+    (void)be;
+    memcpy(base + (size_t)*pos * (size_t)row, src, sizeof(float) * (size_t)row * (size_t)n);
+}
+
 static float dot(const float *a, const float *b, int64_t n) {
     float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
     int64_t i = 0;
@@ -36,7 +41,7 @@ static float dot(const float *a, const float *b, int64_t n) {
 void cpu_matmul(mt_backend *be, float *y, const float *x, const mt_weight *w, int n) {
     const int64_t out = w->rows, in = w->cols;
     /* Blocks of 4 weight rows per thread step keep each x row hot for 4 outputs. */
-#pragma omp parallel num_threads(be->n_threads) if (out * in * n > (1 << 16))
+#pragma omp parallel num_threads(be->n_threads) if (out * in * n > CPU_PAR_MIN_WORK)
     {
         float *rows = malloc(sizeof(float) * (size_t)in * 4);
 #pragma omp for schedule(static)

@@ -41,10 +41,18 @@ static int scored_cmp(const void *a, const void *b) {
     return x->pool - y->pool;
 }
 
+void cpu_dsa_pool_keys_at(mt_backend *be, float *pool_keys, const float *ki, const float *gs,
+                          const float *ape, const int32_t *pos, int kpool, int id) {
+    const int t = *pos;
+    if ((t + 1) % kpool == 0) cpu_dsa_pool_keys(be, pool_keys, ki, gs, ape, t / kpool, t / kpool + 1, kpool, id);
+}
+
 void cpu_dsa_select(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi, const float *w,
                     const float *pool_keys, int t0, int n, const mt_dsa_select_params *p) {
+    if (p->t0_dev) t0 = *p->t0_dev; /* host memory on this backend */
     const float qscale = 1.f / sqrtf((float)p->id), wscale = 1.f / sqrtf((float)p->ih);
-#pragma omp parallel num_threads(be->n_threads)
+    const int64_t work = (int64_t)n * ((t0 + n) / p->kpool + 1) * p->ih * p->id;
+#pragma omp parallel num_threads(be->n_threads) if (work > CPU_PAR_MIN_WORK)
     {
         const int max_cand = (t0 + n) / p->kpool;
         scored *cand = malloc(sizeof(scored) * (size_t)(max_cand > 0 ? max_cand : 1));
@@ -80,8 +88,10 @@ void cpu_dsa_select(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi
 void cpu_mla_sparse(mt_backend *be, float *out, const float *q, const float *latent,
                     const mt_weight *kv_b, const int32_t *sel, const int32_t *nsel, int max_sel,
                     int t0, int n, const mt_mla_params *p) {
+    if (p->t0_dev) t0 = *p->t0_dev;
     const int dn = p->dn, dv = p->dv, kvl = p->kvl;
-#pragma omp parallel num_threads(be->n_threads)
+    const int64_t work = (int64_t)n * p->Hq * kvl * (dn + dv + (max_sel > t0 + n ? max_sel : t0 + n));
+#pragma omp parallel num_threads(be->n_threads) if (work > CPU_PAR_MIN_WORK)
     {
         float *wrow = malloc(sizeof(float) * (size_t)kvl);
         float *qa = malloc(sizeof(float) * (size_t)kvl);

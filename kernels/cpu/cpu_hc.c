@@ -14,7 +14,7 @@ void cpu_hc_pre(mt_backend *be, float *y, float *post, float *comb, const float 
     MT_ASSERT(fn->rows == mix && fn->cols == SH);
     float *fnf = malloc(sizeof(float) * (size_t)mix * SH); /* fn as fp32, shared by all rows */
     for (int r = 0; r < mix; r++) cpu_weight_row(fn, r, fnf + (size_t)r * SH);
-#pragma omp parallel for num_threads(be->n_threads) schedule(static) if (n > 1)
+#pragma omp parallel for num_threads(be->n_threads) schedule(static) if (n > 1 && (int64_t)n * mix * SH > CPU_PAR_MIN_WORK)
     for (int i = 0; i < n; i++) {
         const float *x = X + (size_t)i * SH;
         double ss = 0;

@@ -46,7 +46,7 @@ void cpu_kda_gate(mt_backend *be, float *g, const float *f, const float *dt_bias
 
 void cpu_kda_recurrent(mt_backend *be, float *o, const float *q, const float *k, const float *v,
                        const float *g, const float *beta, float *state, int n, int nh, int dk) {
-#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+#pragma omp parallel for num_threads(be->n_threads) schedule(static) if ((int64_t)n * nh * dk * dk * 4 > CPU_PAR_MIN_WORK)
     for (int h = 0; h < nh; h++) {
         float *S = state + (size_t)h * dk * dk;
         float *u = malloc(sizeof(float) * (size_t)dk);
@@ -129,7 +129,7 @@ static void kda_chunk_head(float *S, const float *q, const float *k, const float
 
 void cpu_kda_chunked(mt_backend *be, float *o, const float *q, const float *k, const float *v,
                      const float *g, const float *beta, float *state, int n, int nh, int dk) {
-#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+#pragma omp parallel for num_threads(be->n_threads) schedule(static) if ((int64_t)n * nh * dk * (KDA_CHUNK + dk) * 2 > CPU_PAR_MIN_WORK)
     for (int h = 0; h < nh; h++) {
         float *G = malloc(sizeof(float) * (size_t)KDA_CHUNK * dk * 2 + sizeof(float) * (size_t)dk);
         float *delta = G + (size_t)KDA_CHUNK * dk, *tmp = delta + (size_t)KDA_CHUNK * dk;

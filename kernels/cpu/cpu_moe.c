@@ -91,7 +91,7 @@ void cpu_moe_experts(mt_backend *be, float *out, const float *x, const int32_t *
     const int pairs = n * top_k;
     float *tmp = malloc(sizeof(float) * (size_t)pairs * H);
     MT_ASSERT(tmp);
-#pragma omp parallel num_threads(be->n_threads)
+#pragma omp parallel num_threads(be->n_threads) if ((int64_t)pairs * 3 * H * I > CPU_PAR_MIN_WORK)
     {
         const int wmax = H > I ? H : I;
         float *row = malloc(sizeof(float) * (size_t)wmax);

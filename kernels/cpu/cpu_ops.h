@@ -9,6 +9,7 @@
 void cpu_weight_row(const mt_weight *w, int64_t r, float *dst);
 
 void cpu_embed(mt_backend *be, float *out, const mt_weight *table, const int32_t *ids, int n);
+void cpu_copy_rows_at(mt_backend *be, float *base, int64_t row, const int32_t *pos, const float *src, int n);
 void cpu_matmul(mt_backend *be, float *y, const float *x, const mt_weight *w, int n);
 void cpu_rmsnorm(mt_backend *be, float *out, const float *x, const float *w, int n, int d, float eps);
 void cpu_layernorm(mt_backend *be, float *out, const float *x, const float *w, const float *b, int n,
@@ -37,6 +38,8 @@ void cpu_gated_rmsnorm(mt_backend *be, float *out, const float *o, const float *
 
 void cpu_dsa_pool_keys(mt_backend *be, float *pool_keys, const float *ki, const float *gs,
                        const float *ape, int p0, int p1, int kpool, int id);
+void cpu_dsa_pool_keys_at(mt_backend *be, float *pool_keys, const float *ki, const float *gs,
+                          const float *ape, const int32_t *pos, int kpool, int id);
 void cpu_dsa_select(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi, const float *w,
                     const float *pool_keys, int t0, int n, const mt_dsa_select_params *p);
 void cpu_mla_sparse(mt_backend *be, float *out, const float *q, const float *latent,
@@ -49,6 +52,10 @@ void cpu_hc_pre(mt_backend *be, float *y, float *post, float *comb, const float 
 void cpu_hc_post(mt_backend *be, float *X, const float *a, const float *post, const float *comb,
                  const mt_hc_params *p, int n);
 void cpu_hc_head(mt_backend *be, float *z, const float *X, int n, int S, int H);
+
+/* Work (multiply-adds) below which an op stays on one thread: forking costs more than it saves,
+ * and with the cores shared (router, workers, tests) waiting threads can cost far more. */
+#define CPU_PAR_MIN_WORK ((int64_t)1 << 18)
 
 static inline float cpu_sigmoidf(float x) { return 1.f / (1.f + expf(-x)); }
 static inline float cpu_siluf(float x) { return x / (1.f + expf(-x)); }

@@ -17,26 +17,38 @@ mt_status glm_dsa_forward(const glm_layer *l, glm_layer_state *st, mt_step *step
     float **b = scr->buf;
     float *qr = b[0], *q = b[1], *o = b[2], *qi = b[3], *iw = b[4];
 
+    /* Graph form: cache rows are written at the run-time position through a scratch row, since
+     * a captured graph keeps the pointers it was captured with. */
+    const int32_t *dp = step->d_pos;
     MT_ASSERT(st->len == t0 && t0 + n <= st->cap);
     op->matmul(be, qr, h, &w->q_a, n);
     op->rmsnorm(be, qr, qr, w->q_a_norm, n, c->q_lora_rank, c->rms_norm_eps);
     op->matmul(be, q, qr, &w->q_b, n);
-    float *lat = st->latent + (size_t)t0 * kvl;
+    float *lat = dp ? b[5] : st->latent + (size_t)t0 * kvl;
     op->matmul(be, lat, h, &w->kv_a, n);
     op->rmsnorm(be, lat, lat, w->kv_a_norm, n, kvl, c->rms_norm_eps);
+    if (dp) op->copy_rows_at(be, st->latent, kvl, dp, lat, n);
 
     if (w->has_indexer) {
-        float *ki = st->ki + (size_t)t0 * id, *gs = st->gs + (size_t)t0 * id;
+        float *ki = dp ? b[6] : st->ki + (size_t)t0 * id, *gs = dp ? b[7] : st->gs + (size_t)t0 * id;
         op->matmul(be, ki, h, &w->ik, n);
         op->layernorm(be, ki, ki, w->ik_norm_w, w->ik_norm_b, n, id, 1e-6f);
         op->matmul(be, gs, h, &w->igate, n);
-        const int p0 = t0 / kp, p1 = (t0 + n) / kp; /* pools completed by these rows */
-        if (p1 > p0) op->dsa_pool_keys(be, st->pool, st->ki, st->gs, w->ape, p0, p1, kp, id);
+        if (dp) {
+            MT_ASSERT(n == 1);
+            op->copy_rows_at(be, st->ki, id, dp, ki, 1);
+            op->copy_rows_at(be, st->gs, id, dp, gs, 1);
+            op->dsa_pool_keys_at(be, st->pool, st->ki, st->gs, w->ape, dp, kp, id);
+        } else {
+            const int p0 = t0 / kp, p1 = (t0 + n) / kp; /* pools completed by these rows */
+            if (p1 > p0) op->dsa_pool_keys(be, st->pool, st->ki, st->gs, w->ape, p0, p1, kp, id);
+        }
         op->matmul(be, qi, qr, &w->iq, n);
         op->matmul(be, iw, h, &w->iw, n);
         mt_dsa_select_params sp = {
             .ih = c->index_n_heads, .id = id, .kpool = kp, .max_pools = c->index_topk / kp,
             .tail = c->index_kpool_always_select_tail, .max_sel = glm_max_sel(c),
+            .t0_dev = dp, .t_cap = st->cap,
         };
         op->dsa_select(be, scr->sel, scr->nsel, qi, iw, st->pool, t0, n, &sp);
         scr->sel_t0 = t0;
@@ -51,6 +63,7 @@ mt_status glm_dsa_forward(const glm_layer *l, glm_layer_state *st, mt_step *step
     mt_mla_params mp = {
         .Hq = c->num_attention_heads, .dn = c->qk_nope_head_dim, .dv = c->v_head_dim, .kvl = kvl,
         .scale = 1.f / sqrtf((float)(c->qk_nope_head_dim + c->qk_rope_head_dim)),
+        .t0_dev = dp, .t_cap = st->cap,
     };
     op->mla_sparse(be, o, q, st->latent, &w->kv_b, scr->sel, scr->nsel, glm_max_sel(c), t0, n, &mp);
     op->matmul(be, out, o, &w->o, n);

@@ -81,6 +81,7 @@ typedef struct glm_layer_state {
     float *gs;                 /* [cap, id] pool gate scores */
     float *pool;               /* [cap / kpool, id] pool keys of complete pools */
     int len;                   /* host-tracked indexer/latent cache length */
+    int prestage_len;          /* len when the step was prestaged (restored by the rearm hook) */
 } glm_layer_state;
 
 /* Activation scratch for up to rows rows; sized once per model for prefill_chunk. */
@@ -97,8 +98,11 @@ typedef struct glm_scratch {
 
 struct mt_step {
     mt_backend *be;
-    int t0;                    /* position of the first row */
+    int t0;                    /* position of the first row (host) */
     glm_scratch *scr;
+    /* Graph form (decode): the position as the ops read it at run time, in backend memory; NULL
+     * in the eager form, where ops take t0 as an argument. */
+    const int32_t *d_pos;
 };
 
 struct glm_model {
@@ -113,6 +117,10 @@ struct glm_model {
     float *X;                  /* highway [rows, S, H] */
     float *z;                  /* [rows, H] */
     float *logits;             /* [rows, V] */
+    int32_t *d_step;           /* [2] backend memory: token id, position (graph-form decode) */
+    bool graph_stale_on_new_sequence; /* some layer's capability: graphs belong to a sequence */
+    mt_graph *shared_graph;    /* the decode graph when no layer ties it to a sequence */
+    bool fail_next_capture;    /* test hook: invalidate the next capture */
 };
 
 struct glm_seq {
@@ -120,7 +128,13 @@ struct glm_seq {
     int cap, len;
     size_t bytes;              /* backend memory of the states (glm_seq_bytes) */
     mt_layer_state **states;   /* [num_hidden_layers] */
+    mt_graph *graph;           /* this sequence's decode graph (graph_stale_on_new_sequence) */
+    int capture_failures;      /* after GLM_MAX_CAPTURE_FAILURES the sequence stays eager */
+    bool graph_warm;           /* one graph-form step ran eagerly: scratch is sized, so the
+                                * next step can be captured without an allocation inside it */
 };
+
+#define GLM_MAX_CAPTURE_FAILURES 3
 
 /* glm_weights.c */
 mt_status glm_weights_bind(glm_model *m, mt_error *err);

@@ -142,6 +142,21 @@ static mt_status dsa_sync_replayed_step(const mt_layer *ml, mt_layer_state *base
     return MT_OK;
 }
 
+/* The host-side length a captured step advances while it records; a failed capture rewinds it. */
+static mt_status dsa_decode_prestage(const mt_layer *ml, mt_layer_state *base, int32_t token) {
+    (void)ml;
+    (void)token;
+    glm_layer_state *st = (glm_layer_state *)base;
+    st->prestage_len = st->len;
+    return MT_OK;
+}
+
+static void dsa_decode_prestage_rearm(const mt_layer *ml, mt_layer_state *base) {
+    (void)ml;
+    glm_layer_state *st = (glm_layer_state *)base;
+    st->len = st->prestage_len;
+}
+
 /* ---- DSA aux state: the indexer cache (keys, gate scores, pool keys) and its length ---- */
 
 static bool dsa_has_aux(const mt_layer *ml) { return as_glm(ml)->dsa.has_indexer; }
@@ -208,6 +223,8 @@ static const mt_layer_ops dsa_layer_ops = {
     .alloc_state = alloc_state,
     .release_state = release_state,
     .prefill = layer_prefill,
+    .decode_prestage = dsa_decode_prestage,
+    .decode_prestage_rearm = dsa_decode_prestage_rearm,
     .check_replay_room = dsa_check_replay_room,
     .sync_replayed_step = dsa_sync_replayed_step,
     .has_aux_state = dsa_has_aux,

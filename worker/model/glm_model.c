@@ -7,7 +7,7 @@
 #include "worker/model/glm_impl.h"
 
 glm_model_params glm_model_default_params(void) {
-    return (glm_model_params){ .prefill_chunk = 256 };
+    return (glm_model_params){ .prefill_chunk = 256, .decode_graphs = true, .device_positions = false };
 }
 
 static void scratch_free(mt_backend *be, glm_scratch *s) {
@@ -54,7 +54,11 @@ static mt_status model_init(glm_model *m, uint64_t random_seed, bool random, mt_
     m->X = be->ops->alloc(be, sizeof(float) * rows * SH);
     m->z = be->ops->alloc(be, sizeof(float) * rows * (size_t)c->hidden_size);
     m->logits = be->ops->alloc(be, sizeof(float) * rows * (size_t)c->vocab_size);
-    if (!m->X || !m->z || !m->logits) return mt_errorf(err, MT_ERR_NOMEM, "out of memory for activations");
+    m->d_step = be->ops->alloc(be, 2 * sizeof(int32_t));
+    if (!m->X || !m->z || !m->logits || !m->d_step)
+        return mt_errorf(err, MT_ERR_NOMEM, "out of memory for activations");
+    for (int i = 0; i < c->num_hidden_layers; i++)
+        m->graph_stale_on_new_sequence |= m->layers[i].base.caps.graph_stale_on_new_sequence;
     return MT_OK;
 }
 
@@ -110,6 +114,8 @@ void glm_model_free(glm_model *m) {
     be->ops->free(be, m->X);
     be->ops->free(be, m->z);
     be->ops->free(be, m->logits);
+    be->ops->free(be, m->d_step);
+    if (be->ops->graph_free) be->ops->graph_free(be, m->shared_graph);
     st_close(m->ar);
     free(m);
 }
@@ -142,6 +148,8 @@ mt_status glm_seq_new(glm_model *m, int max_tokens, glm_seq **out, mt_error *err
 
 void glm_seq_free(glm_seq *s) {
     if (!s) return;
+    mt_backend *be = s->m->be;
+    if (be->ops->graph_free) be->ops->graph_free(be, s->graph);
     for (int i = 0; i < s->m->cfg.num_hidden_layers; i++)
         mt_layer_release_state(&s->m->layers[i].base, s->states[i]);
     free(s->states);
@@ -217,12 +225,105 @@ mt_status glm_prefill(glm_model *m, glm_seq *s, const int32_t *tokens, int n, fl
     return MT_OK;
 }
 
+/* The graph form of one decode step: the token and position come from m->d_step (backend
+ * memory), so the same recorded ops serve every step. Leaves the logits in m->logits. */
+static mt_status decode_body_dev(glm_model *m, glm_seq *s) {
+    const glm_config *c = &m->cfg;
+    mt_backend *be = m->be;
+    const int S = c->hc_mult, H = c->hidden_size;
+    mt_step step = { .be = be, .t0 = s->len, .scr = &m->scr, .d_pos = m->d_step + 1 };
+    m->scr.sel_n = 0;
+    be->ops->embed_dev(be, m->z, &m->embed, m->d_step, 1);
+    for (int j = 0; j < S; j++) be->ops->copy(be, m->X + (size_t)j * H, m->z, sizeof(float) * H);
+    for (int l = 0; l < c->num_hidden_layers; l++) {
+        mt_status st = mt_layer_decode(&m->layers[l].base, s->states[l], &step, m->X);
+        if (st != MT_OK) return st;
+    }
+    be->ops->hc_head(be, m->z, m->X, 1, S, H);
+    be->ops->rmsnorm(be, m->z, m->z, m->norm, 1, H, c->rms_norm_eps);
+    be->ops->matmul(be, m->logits, m->z, &m->lm_head, 1);
+    return MT_OK;
+}
+
+/* Records the step into a graph; NULL (and the layers rearmed) when the capture fails. */
+static mt_graph *capture(glm_model *m, glm_seq *s) {
+    mt_backend *be = m->be;
+    if (be->ops->graph_begin(be) != MT_OK) return NULL;
+    mt_status st = decode_body_dev(m, s);
+    if (m->fail_next_capture) { /* test hook: a host sync is not capturable */
+        m->fail_next_capture = false;
+        be->ops->sync(be);
+    }
+    mt_graph *g = NULL;
+    mt_status end = be->ops->graph_end(be, &g);
+    if (st == MT_OK && end == MT_OK && g) return g;
+    if (g) be->ops->graph_free(be, g);
+    for (int l = 0; l < m->cfg.num_hidden_layers; l++)
+        mt_layer_decode_prestage_rearm(&m->layers[l].base, s->states[l]);
+    return NULL;
+}
+
+static mt_status decode_graph(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_error *err) {
+    mt_backend *be = m->be;
+    const int L = m->cfg.num_hidden_layers, pos = s->len;
+    /* prestage: host work while the token is on the host */
+    const int32_t host_step[2] = { token, pos };
+    be->ops->upload(be, m->d_step, host_step, sizeof host_step);
+    for (int l = 0; l < L; l++) {
+        mt_status st = mt_layer_decode_prestage(&m->layers[l].base, s->states[l], token);
+        if (st != MT_OK) return mt_errorf(err, st, "decode at position %d: layer %d prestage failed", pos, l);
+    }
+    for (int l = 0; l < L; l++)
+        if (mt_layer_check_replay_room(&m->layers[l].base, s->states[l], pos, 1) != MT_OK)
+            return mt_errorf(err, MT_ERR_FULL, "decode at position %d: layer %d (%s) has no room to replay the step",
+                             pos, l, m->layers[l].base.kind);
+    const bool use_graph = m->params.decode_graphs && be->ops->graph_begin &&
+                           s->capture_failures < GLM_MAX_CAPTURE_FAILURES;
+    mt_graph **slot = m->graph_stale_on_new_sequence ? &s->graph : &m->shared_graph;
+    if (use_graph && !*slot && s->graph_warm) {
+        if (!(*slot = capture(m, s))) {
+            s->capture_failures++;
+            mt_log(MT_LOG_WARN, "decode graph capture failed at position %d (%d of %d); this step runs eagerly",
+                   pos, s->capture_failures, GLM_MAX_CAPTURE_FAILURES);
+        }
+    }
+    if (use_graph && *slot) {
+        mt_status st = be->ops->graph_launch(be, *slot);
+        if (st != MT_OK) return mt_errorf(err, st, "decode at position %d: graph launch failed", pos);
+        for (int l = 0; l < L; l++)
+            if ((st = mt_layer_sync_replayed_step(&m->layers[l].base, s->states[l], pos, 1)) != MT_OK)
+                return mt_errorf(err, st, "decode at position %d: layer %d lost track of its cache", pos, l);
+    } else {
+        mt_status st = decode_body_dev(m, s);
+        if (st != MT_OK) return mt_errorf(err, st, "decode failed at position %d: %s", pos, mt_status_str(st));
+        s->graph_warm = true;
+    }
+    s->len++;
+    if (logits) be->ops->download(be, logits, m->logits, sizeof(float) * (size_t)m->cfg.vocab_size);
+    return MT_OK;
+}
+
 mt_status glm_decode(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_error *err) {
+    const bool graph_form = m->params.device_positions || (m->params.decode_graphs && m->be->ops->graph_begin);
+    if (graph_form) {
+        if (token < 0 || token >= m->cfg.vocab_size)
+            return mt_errorf(err, MT_ERR_INVALID, "token %d at index 0 is outside the vocabulary [0, %d)", token,
+                             m->cfg.vocab_size);
+        return decode_graph(m, s, token, logits, err); /* room: check_replay_room */
+    }
     mt_status st = check_tokens(m, s, &token, 1, err);
     if (st != MT_OK) return st;
     if ((st = forward(m, s, &token, 1, true, 0, logits)) != MT_OK)
         return mt_errorf(err, st, "decode failed at position %d: %s", s->len, mt_status_str(st));
     return MT_OK;
+}
+
+void glm_model_fail_next_capture(glm_model *m) { m->fail_next_capture = true; }
+
+void glm_model_set_decode_graphs(glm_model *m, bool on) { m->params.decode_graphs = on; }
+
+bool glm_seq_has_graph(const glm_seq *s) {
+    return (s->m->graph_stale_on_new_sequence ? s->graph : s->m->shared_graph) != NULL;
 }
 
 int32_t glm_argmax(const float *logits, int vocab) {

@@ -23,6 +23,9 @@ typedef struct glm_seq glm_seq;
 
 typedef struct glm_model_params {
     int prefill_chunk;   /* rows per prefill pass (bounds scratch memory), default 256 */
+    bool decode_graphs;  /* decode through a captured graph when the backend can (default true) */
+    bool device_positions; /* decode in the graph form (positions read from backend memory) even
+                            * without a graph; default false. For tests of the graph form. */
 } glm_model_params;
 
 glm_model_params glm_model_default_params(void);
@@ -56,8 +59,21 @@ size_t glm_seq_bytes(const glm_seq *s);
 mt_status glm_prefill(glm_model *m, glm_seq *s, const int32_t *tokens, int n, float *logits,
                       bool all_logits, mt_error *err);
 
-/* One token: same as glm_prefill with n = 1 but through each layer's decode path. */
+/* One token: same as glm_prefill with n = 1 but through each layer's decode path. With
+ * decode_graphs on a backend that captures, the step is a graph replay: the first decode of a
+ * sequence captures it (a failed capture logs one line and runs that step eagerly), later steps
+ * replay it, with the layers' graph hooks (prestage, check_replay_room, sync_replayed_step) run
+ * around it. A replay that would write past a full cache is refused with MT_ERR_FULL. */
 mt_status glm_decode(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_error *err);
+
+/* Turns graph decode on or off for later steps (benchmarks compare the two on one model). */
+void glm_model_set_decode_graphs(glm_model *m, bool on);
+
+/* Test hook: the next decode-graph capture fails (an uncapturable call is made inside it). */
+void glm_model_fail_next_capture(glm_model *m);
+
+/* Whether s decodes through a captured graph now. */
+bool glm_seq_has_graph(const glm_seq *s);
 
 /* The model's layers behind the layer contract, and a sequence's state of layer i, for the
  * engine's graph hooks and aux-state calls. Valid while the model / sequence lives. */
