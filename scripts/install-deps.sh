@@ -16,7 +16,7 @@ PACKAGES=(
     # serving: router <-> worker messages and the public gRPC API
     libzmq3-dev
     libprotobuf-c-dev protobuf-c-compiler
-    libgrpc-dev protobuf-compiler-grpc
+    libgrpc-dev protobuf-compiler protobuf-compiler-grpc  # protoc + grpc_python_plugin: e2e stubs
     python3-grpcio python3-protobuf   # end-to-end tests' gRPC client
 )
 

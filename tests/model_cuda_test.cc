@@ -120,4 +120,75 @@ TEST_F(ModelCuda, WiderRandomModelMatchesCpu) {
     glm_model_free(mc);
 }
 
+// Greedy tokens and logits of prompt + k decode steps on the GPU; has_graph after each step.
+struct Gen {
+    std::vector<int32_t> toks;
+    std::vector<float> last;
+    std::vector<bool> graph;
+};
+
+Gen Greedy(glm_model *m, const std::vector<int32_t> &prompt, int k, bool fail_first_capture) {
+    const int V = glm_model_config(m)->vocab_size;
+    Gen g;
+    glm_seq *s = nullptr;
+    mt_error err{};
+    std::vector<float> l(V);
+    EXPECT_EQ(glm_seq_new(m, (int)prompt.size() + k + 1, &s, &err), MT_OK);
+    EXPECT_EQ(glm_prefill(m, s, prompt.data(), (int)prompt.size(), l.data(), false, &err), MT_OK) << err.msg;
+    if (fail_first_capture) glm_model_fail_next_capture(m);
+    for (int i = 0; i < k; i++) {
+        g.toks.push_back(glm_argmax(l.data(), V));
+        EXPECT_EQ(glm_decode(m, s, g.toks.back(), l.data(), &err), MT_OK) << err.msg;
+        g.graph.push_back(glm_seq_has_graph(s));
+    }
+    g.last = l;
+    glm_seq_free(s);
+    return g;
+}
+
+TEST_F(ModelCuda, GraphDecodeEqualsEagerAndRecoversFromAFailedCapture) {
+    for (const char *name : {"tiny_a", "tiny_b", "tiny_c"}) {
+        std::string dir = std::string("tests/fixtures/") + name;
+        glm_model *m = nullptr;
+        mt_error err{};
+        ASSERT_EQ(glm_model_load(dir.c_str(), gpu_, nullptr, &m, &err), MT_OK) << err.msg;
+        std::vector<int32_t> prompt = Tokens(20, 300, 11);
+        glm_model_set_decode_graphs(m, false);
+        Gen eager = Greedy(m, prompt, 24, false);
+        glm_model_set_decode_graphs(m, true);
+        Gen graph = Greedy(m, prompt, 24, false);
+        Gen failed = Greedy(m, prompt, 24, true);
+        EXPECT_EQ(graph.toks, eager.toks) << name;
+        EXPECT_EQ(failed.toks, eager.toks) << name;
+        EXPECT_FALSE(eager.graph[0]);
+        // Step 0 runs the graph form eagerly (sizes scratch), step 1 captures, later steps replay.
+        EXPECT_FALSE(graph.graph[0]) << name;
+        EXPECT_TRUE(graph.graph[1] && graph.graph[23]) << name;
+        EXPECT_FALSE(failed.graph[1]) << name << ": the failed capture ran eagerly";
+        EXPECT_TRUE(failed.graph[2]) << name << ": the next step captured again";
+        double worst = 0;
+        for (size_t v = 0; v < eager.last.size(); v++) worst = std::fmax(worst, std::fabs(eager.last[v] - graph.last[v]));
+        EXPECT_LE(worst, 1e-5) << name;
+        printf("%s: 24 greedy tokens identical, graph vs eager; last-step |logit diff| %.2e\n", name, worst);
+        glm_model_free(m);
+    }
+}
+
+TEST_F(ModelCuda, ReplayPastAFullCacheIsRefused) {
+    glm_model *m = nullptr;
+    mt_error err{};
+    ASSERT_EQ(glm_model_load("tests/fixtures/tiny_a", gpu_, nullptr, &m, &err), MT_OK) << err.msg;
+    glm_seq *s = nullptr;
+    ASSERT_EQ(glm_seq_new(m, 8, &s, &err), MT_OK);
+    const int32_t toks[5] = {1, 2, 3, 4, 5};
+    ASSERT_EQ(glm_prefill(m, s, toks, 5, nullptr, false, &err), MT_OK);
+    for (int i = 0; i < 3; i++) ASSERT_EQ(glm_decode(m, s, 7, nullptr, &err), MT_OK) << err.msg;
+    EXPECT_TRUE(glm_seq_has_graph(s));
+    EXPECT_EQ(glm_decode(m, s, 7, nullptr, &err), MT_ERR_FULL);
+    EXPECT_NE(std::string(err.msg).find("no room to replay"), std::string::npos) << err.msg;
+    EXPECT_EQ(glm_seq_len(s), 8);
+    glm_seq_free(s);
+    glm_model_free(m);
+}
+
 }  // namespace

@@ -2,6 +2,7 @@
  * (kernels/backend.h). One device, one non-blocking stream; every op is enqueued on it, and
  * upload/download/sync wait for it. A failing CUDA call is logged where it happens and recorded
  * in the backend's sticky status (cu_backend.sticky). */
+#include <cublas_v2.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -72,8 +73,21 @@ static void cu_destroy(mt_backend *be) {
     for (int i = 0; i < CU_SCRATCH_N; i++)
         if (cb->scratch[i].p) MT_CUDA_WARN(cudaFree(cb->scratch[i].p));
     cu_moe_cache_free(cb);
+    if (cb->blas) MT_CUBLAS_WARN(cublasDestroy(cb->blas));
+    if (cb->blas_ws) MT_CUDA_WARN(cudaFree(cb->blas_ws));
     MT_CUDA_WARN(cudaStreamDestroy(cb->stream));
     free(cb);
+}
+
+/* The cuBLAS handle of cu_gemm_tc: on cb's stream, with a workspace of its own (cublasSetStream
+ * resets the workspace, so it comes second). Partial state is freed by cu_destroy. */
+static mt_status cu_blas_init(cu_backend *cb) {
+    MT_CUBLAS_CHECK(cublasCreate(&cb->blas));
+    MT_CUBLAS_CHECK(cublasSetStream(cb->blas, cb->stream));
+    MT_CUDA_CHECK(cudaMalloc(&cb->blas_ws, CU_BLAS_WS_BYTES));
+    MT_CUBLAS_CHECK(cublasSetWorkspace(cb->blas, cb->blas_ws, CU_BLAS_WS_BYTES));
+    MT_CUBLAS_CHECK(cublasSetPointerMode(cb->blas, CUBLAS_POINTER_MODE_HOST));
+    return MT_OK;
 }
 
 /* ---- memory ---- */
@@ -180,6 +194,13 @@ static const mt_backend_ops cu_ops = {
     .weight_random = cu_weight_random,
     .weight_free = cu_weight_free,
     .sync = cu_sync,
+    .graph_begin = cu_graph_begin,
+    .graph_end = cu_graph_end,
+    .graph_launch = cu_graph_launch,
+    .graph_free = cu_graph_free,
+    .embed_dev = cu_embed_dev,
+    .copy_rows_at = cu_copy_rows_at,
+    .dsa_pool_keys_at = cu_dsa_pool_keys_at,
     .embed = cu_embed,
     .matmul = cu_matmul,
     .rmsnorm = cu_rmsnorm,
@@ -231,6 +252,22 @@ extern "C" mt_backend *mt_cuda_backend_new(int device, mt_error *err) {
     cb->device = device;
     cb->sticky = MT_OK;
     cb->n_sm = prop.multiProcessorCount;
+    /* Tensor-core matmul precision (cuda_dense.cu): 16-bit parts of x, 0 = fp32 kernels only. */
+    cb->tc_terms = 2;
+    if (const char *env = getenv("MT_CUDA_TC_TERMS")) {
+        if (strcmp(env, "0") && strcmp(env, "1") && strcmp(env, "2")) {
+            mt_errorf(err, MT_ERR_INVALID, "MT_CUDA_TC_TERMS=%s: expected 0, 1 or 2", env);
+            cu_destroy(&cb->base);
+            return NULL;
+        }
+        cb->tc_terms = env[0] - '0';
+    }
+    if (cu_blas_init(cb) != MT_OK) { /* logged at the failing call */
+        (void)cudaGetLastError();
+        mt_errorf(err, MT_ERR_BACKEND, "CUDA device %d: cuBLAS setup failed (see the log)", device);
+        cu_destroy(&cb->base);
+        return NULL;
+    }
     return &cb->base;
 fail:
     (void)cudaGetLastError();

@@ -11,7 +11,17 @@
 extern "C" {
 #endif
 
-/* NULL with err set when no usable device (CI hosts have the toolkit but no GPU) or on OOM. */
+/* NULL with err set when no usable device (CI hosts have the toolkit but no GPU) or on OOM.
+ *
+ * Numerics: matmul and moe_experts on bf16/fp16 weights with more than 8 rows (prefill) run on
+ * the tensor cores through cuBLAS, with fp32 accumulation. The fp32 activations enter as two
+ * 16-bit parts of the weight's type, x ~ hi + lo (16 significant bits for bf16; ~2e-6 relative
+ * error against the CPU's fp32 sums). The environment variable MT_CUDA_TC_TERMS, read here,
+ * trades that: 2 (default) as described; 1 rounds x once (half the tensor-core work, ~1.5e-3
+ * relative error for bf16: enough to flip router/indexer choices and fail the whole-model
+ * comparison); 0 keeps every matmul on the fp32 kernels (slow, within 1e-5 of the CPU). matmul
+ * stays fp32 for F32 weights, for n <= 8 (decode) and for outputs narrower than 512 rows
+ * (router, mHC mix, per-head gates). A value other than 0, 1, 2 fails with MT_ERR_INVALID. */
 mt_backend *mt_cuda_backend_new(int device, mt_error *err);
 
 #ifdef __cplusplus

@@ -7,6 +7,7 @@
  *   MT_CUDA_CHECK_GOTO(cudaMalloc(&p, n), st, fail);  // st = MT_ERR_BACKEND; goto fail;
  *   MT_CUDA_WARN(cudaFree(p));                        // cleanup paths: log and carry on
  *   MT_CUBLAS_CHECK(cublasGemmEx(...));               // needs <cublas_v2.h> (//third_party:cublas)
+ *   MT_CUBLAS_WARN(cublasDestroy(h));                 // cleanup paths: log and carry on
  *   MT_NCCL_CHECK(ncclAllReduce(...));                // needs <nccl.h>      (//third_party:nccl)
  *
  * The CHECK forms must be used in functions returning mt_status. Usable from C and CUDA C++; the
@@ -67,6 +68,7 @@ static inline mt_status mt_backend_fail(const char *lib, const char *call, const
 #define MT_CUBLAS_CHECK(call) MT_CUBLAS_(call, #call, return mt_st_)
 #define MT_CUBLAS_CHECK_GOTO(call, st, label) \
     MT_CUBLAS_(call, #call, { (st) = mt_st_; goto label; })
+#define MT_CUBLAS_WARN(call) MT_CUBLAS_(call, #call, (void)mt_st_)
 
 #define MT_NCCL_CHECK(call) MT_NCCL_(call, #call, return mt_st_)
 #define MT_NCCL_CHECK_GOTO(call, st, label) MT_NCCL_(call, #call, { (st) = mt_st_; goto label; })

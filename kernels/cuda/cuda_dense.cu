@@ -3,11 +3,20 @@
  * cpu_dense.c. Three tiers per op (STYLE.md 7): kernels, a launcher that picks the grid, the
  * exported op that checks shapes.
  *
- * Matmul has two kernels. Few rows (decode, n <= GEMV_MAX_N): a GEMV where a block of 8 warps owns
- * R output rows, each thread streams 16-byte weight vectors over a slice of the columns for all n
- * input rows, and a fixed-order reduction finishes each dot product (bandwidth-bound on the
- * weight). Many rows (prefill): a 64 x 128 x 16 tiled fp32 GEMM (cu_gemm), which the MoE reuses in
- * grouped form. Both are deterministic: the summation order depends only on the shape. */
+ * Matmul has three paths. Few rows (decode, n <= GEMV_MAX_N): a GEMV where a block of 8 warps
+ * owns R output rows, each thread streams 16-byte weight vectors over a slice of the columns for
+ * all n input rows, and a fixed-order reduction finishes each dot product (bandwidth-bound on the
+ * weight). Many rows (prefill) on a bf16/fp16 weight with at least TC_MIN_ROWS outputs: the
+ * tensor cores through cuBLAS (cu_gemm_tc, fp32 accumulation). x is split into 16-bit parts of
+ * the weight's type, x ~ hi + lo (cu_split16, into CU_SCRATCH_GEMM), and y = w.hi + w.lo: 16
+ * significant bits of x for bf16, ~2e-6 relative error, twice the tensor-core work. With
+ * MT_CUDA_TC_TERMS=1, x is rounded once (hi only): half the work, ~1.5e-3 relative error for
+ * bf16, which flips enough router/indexer choices downstream to fail the whole-model comparison
+ * with the CPU. Otherwise (F32 weights, narrow outputs such as the router's or the mHC mix, or
+ * MT_CUDA_TC_TERMS=0): a 64 x 128 x 16 tiled fp32 GEMM (cu_gemm), which the MoE reuses in
+ * grouped form. All are deterministic: the summation order depends only on the shape. */
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
 #include <float.h>
 #include <limits.h>
 #include <math.h>
@@ -299,14 +308,137 @@ extern "C" mt_status cu_gemm(const cu_gemm_params *p, cudaStream_t s) {
     return MT_OK;
 }
 
+/* ---- tensor-core GEMM (cuBLAS) ---- */
+
+enum { SPLIT_THREADS = 256, SPLIT_MAX_BLOCKS = 1 << 16 };
+
+typedef struct split_params {
+    void *out;              /* [*, K] bf16 or fp16: hi of row m at row m*rstride, lo at +lo_off */
+    const float *x;         /* [*, K] fp32 rows */
+    const int32_t *gather;  /* [M] x row of output row m; NULL: row m */
+    int64_t M;
+    int K;
+    int64_t rstride, lo_off;
+} split_params;
+
+template <mt_dtype DT> static __device__ __forceinline__ float round16(float v) {
+    if constexpr (DT == MT_BF16) return __bfloat162float(__float2bfloat16_rn(v));
+    else return __half2float(__float2half_rn(v));
+}
+template <mt_dtype DT> static __device__ __forceinline__ uint32_t bits16(float v) {
+    if constexpr (DT == MT_BF16) return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+    else return __half_as_ushort(__float2half_rn(v));
+}
+
+/* Grid-stride over groups of V elements (V == 4: float4 loads, 8-byte stores; K % 4 == 0 and
+ * aligned bases). hi = round(x); lo = round(x - hi) (x - hi is exact in fp32). */
+template <mt_dtype DT, int V, int T> static __global__ void __launch_bounds__(SPLIT_THREADS)
+split_kernel(const split_params p) {
+    const int per_row = p.K / V;
+    const int64_t total = p.M * per_row, stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < total; t += stride) {
+        const int64_t m = t / per_row;
+        const int k = (int)(t - m * per_row) * V;
+        const float *xr = p.x + (p.gather ? (int64_t)p.gather[m] : m) * p.K + k;
+        unsigned short *hi = (unsigned short *)p.out + m * p.rstride * p.K + k;
+        unsigned short *lo = hi + p.lo_off * p.K;
+        float v[V];
+        cu_xload<V>(xr, v);
+        uint32_t h[V], l[V];
+#pragma unroll
+        for (int j = 0; j < V; j++) {
+            h[j] = bits16<DT>(v[j]);
+            if constexpr (T == 2) l[j] = bits16<DT>(v[j] - round16<DT>(v[j]));
+        }
+        if constexpr (V == 4) {
+            *(uint2 *)hi = make_uint2(h[0] | h[1] << 16, h[2] | h[3] << 16);
+            if constexpr (T == 2) *(uint2 *)lo = make_uint2(l[0] | l[1] << 16, l[2] | l[3] << 16);
+        } else {
+            hi[0] = (unsigned short)h[0];
+            if constexpr (T == 2) lo[0] = (unsigned short)l[0];
+        }
+    }
+}
+
+template <mt_dtype DT, int T> static void split_launch_t(const split_params *p, bool vec, unsigned blocks,
+                                                         cudaStream_t s) {
+    if (vec) split_kernel<DT, 4, T><<<blocks, SPLIT_THREADS, 0, s>>>(*p);
+    else split_kernel<DT, 1, T><<<blocks, SPLIT_THREADS, 0, s>>>(*p);
+}
+
+extern "C" mt_status cu_split16(void *out, const float *x, const int32_t *gather, int64_t M, int K,
+                                mt_dtype dt, int terms, bool interleave, cudaStream_t s) {
+    MT_ASSERT(dt == MT_BF16 || dt == MT_F16);
+    MT_ASSERT(M >= 0 && K > 0 && (terms == 1 || terms == 2));
+    if (M == 0) return MT_OK;
+    split_params p = {out, x, gather, M, K, 1, 0};
+    if (terms == 2) {
+        p.rstride = interleave ? 2 : 1;
+        p.lo_off = interleave ? 1 : M;
+    }
+    const bool vec = K % 4 == 0 && cu_aligned16(x) && ((uintptr_t)out & 7u) == 0;
+    const int64_t groups = M * (vec ? K / 4 : K);
+    const int64_t want = (groups + SPLIT_THREADS - 1) / SPLIT_THREADS;
+    const unsigned blocks = (unsigned)(want < SPLIT_MAX_BLOCKS ? want : SPLIT_MAX_BLOCKS);
+    if (dt == MT_BF16) {
+        if (terms == 2) split_launch_t<MT_BF16, 2>(&p, vec, blocks, s);
+        else split_launch_t<MT_BF16, 1>(&p, vec, blocks, s);
+    } else {
+        if (terms == 2) split_launch_t<MT_F16, 2>(&p, vec, blocks, s);
+        else split_launch_t<MT_F16, 1>(&p, vec, blocks, s);
+    }
+    MT_CUDA_CHECK_LAUNCH();
+    return MT_OK;
+}
+
+/* cuBLAS is column-major. Row-major y[M, N] is column-major y^T [N, M] (ld N); row-major w[N, K]
+ * is column-major [K, N] (ld K), so op(A) = A^T = w [N, K]; row-major x16[M, K] is column-major
+ * [K, M] (ld K), op(B) = B. Hence y^T = w . x16^T: cublasGemmEx(T, N, m=N, n=M, k=K). */
+extern "C" mt_status cu_gemm_tc(cu_backend *cb, float *y, const void *x16, const void *w, mt_dtype dt,
+                                int M, int N, int K, float beta) {
+    MT_ASSERT(dt == MT_BF16 || dt == MT_F16);
+    MT_ASSERT(M >= 0 && N >= 0 && K > 0 && cb->blas);
+    if (M == 0 || N == 0) return MT_OK;
+    const cudaDataType t = dt == MT_BF16 ? CUDA_R_16BF : CUDA_R_16F;
+    const float one = 1.f;
+    MT_CUBLAS_CHECK(cublasGemmEx(cb->blas, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, w, t, K, x16, t, K,
+                                 &beta, y, CUDA_R_32F, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    return MT_OK;
+}
+
+/* Narrower outputs stay on the fp32 kernel: they are cheap, and they feed discrete or sensitive
+ * choices (router top-k over 288 experts, the mHC mix of 24, per-head gates). */
+enum { TC_MIN_ROWS = 512 };
+
+static bool matmul_use_tc(const cu_backend *cb, const mt_weight *w, int n) {
+    return cb->tc_terms > 0 && n > GEMV_MAX_N && w->dtype != MT_F32 && w->rows >= TC_MIN_ROWS &&
+           w->cols > 0;
+}
+
+/* y = x . w^T with x split into tc_terms 16-bit parts [hi; lo] (CU_SCRATCH_GEMM): y = w.hi, then
+ * y += w.lo. */
+static mt_status matmul_tc(cu_backend *cb, float *y, const float *x, const mt_weight *w, int n) {
+    const int N = (int)w->rows, K = (int)w->cols, T = cb->tc_terms;
+    const size_t part = sizeof(uint16_t) * (size_t)n * (size_t)K;
+    char *x16 = (char *)cu_scratch(&cb->base, CU_SCRATCH_GEMM, part * (size_t)T);
+    if (!x16) return MT_ERR_NOMEM; /* logged */
+    mt_status st = cu_split16(x16, x, NULL, n, K, w->dtype, T, false, cb->stream);
+    for (int t = 0; t < T && st == MT_OK; t++)
+        st = cu_gemm_tc(cb, y, x16 + part * (size_t)t, w->data, w->dtype, n, N, K, t ? 1.f : 0.f);
+    return st;
+}
+
 extern "C" void cu_matmul(mt_backend *be, float *y, const float *x, const mt_weight *w, int n) {
     MT_ASSERT(w->dtype == MT_F32 || w->dtype == MT_F16 || w->dtype == MT_BF16);
     MT_ASSERT(w->rows <= INT_MAX && w->cols <= INT_MAX && n >= 0);
     if (n == 0 || w->rows == 0) return;
+    cu_backend *cb = (cu_backend *)be;
     mt_status st;
     if (n <= GEMV_MAX_N) {
         gemv_params p = {y, x, w->data, n, (int)w->rows, (int)w->cols};
-        st = gemv_launch(&p, w->dtype, ((cu_backend *)be)->n_sm, cu_stream(be));
+        st = gemv_launch(&p, w->dtype, cb->n_sm, cu_stream(be));
+    } else if (matmul_use_tc(cb, w, n)) {
+        st = matmul_tc(cb, y, x, w, n);
     } else {
         cu_gemm_params p = {};
         p.y[0] = y;

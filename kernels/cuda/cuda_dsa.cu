@@ -36,11 +36,18 @@ typedef struct pool_params {
     const float *gs;     /* [>= p1*kpool, id] */
     const float *ape;    /* [kpool, id] */
     int p0, p1, kpool, id;
+    const int32_t *pos;  /* graph form: pool (*pos+1)/kpool - 1 when *pos completes it, else none */
 } pool_params;
 
 /* One thread per (pool, channel): softmax over the kpool members of gs + ape, then the weighted
  * sum of ki, in the CPU's order. Adjacent threads are adjacent channels (coalesced). */
 static __global__ void dsa_pool_keys_kernel(pool_params p) {
+    if (p.pos) { /* one pool, decided at run time */
+        const int t = *p.pos;
+        if ((t + 1) % p.kpool != 0) return;
+        p.p0 = t / p.kpool;
+        p.p1 = p.p0 + 1;
+    }
     const int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= (int64_t)(p.p1 - p.p0) * p.id) return;
     const int pool = p.p0 + (int)(e / p.id), d = (int)(e % p.id);
@@ -69,7 +76,14 @@ extern "C" void cu_dsa_pool_keys(mt_backend *be, float *pool_keys, const float *
                                  const float *ape, int p0, int p1, int kpool, int id) {
     MT_ASSERT(p0 >= 0 && p1 >= p0 && kpool > 0 && id > 0);
     if (p1 == p0) return;
-    const pool_params p = {pool_keys, ki, gs, ape, p0, p1, kpool, id};
+    const pool_params p = {pool_keys, ki, gs, ape, p0, p1, kpool, id, NULL};
+    dsa_pool_keys_launch(be, &p);
+}
+
+extern "C" void cu_dsa_pool_keys_at(mt_backend *be, float *pool_keys, const float *ki, const float *gs,
+                                    const float *ape, const int32_t *pos, int kpool, int id) {
+    MT_ASSERT(kpool > 0 && id > 0 && pos);
+    const pool_params p = {pool_keys, ki, gs, ape, 0, 1, kpool, id, pos}; /* grid sized for one pool */
     dsa_pool_keys_launch(be, &p);
 }
 
@@ -93,7 +107,8 @@ typedef struct select_params {
     bool vec4;               /* id % 4 == 0 and qi, pool_keys 16-byte aligned */
     float qscale, wscale;    /* id^-0.5, ih^-0.5 (computed on the host as the CPU does) */
     int qld;                 /* row stride of the staged qi in shared memory (id + 4) */
-    int max_cand;            /* (t0+n)/kpool: capacity of the key array */
+    int max_cand;            /* (t0+n)/kpool, or t_cap/kpool in graph form: capacity of the key array */
+    const int32_t *t0_dev;   /* graph form: t0 read here at run time */
 } select_params;
 
 typedef struct select_smem {
@@ -141,7 +156,7 @@ static __global__ void __launch_bounds__(SEL_THREADS) dsa_select_kernel(select_p
     __shared__ int sh_remaining, sh_ngt;
 
     const int i = blockIdx.x, tid = threadIdx.x, lane = tid & 31, wp = tid >> 5;
-    const int t = p.t0 + i, ncand = (t + 1) / p.kpool;
+    const int t = (p.t0_dev ? *p.t0_dev : p.t0) + i, ncand = (t + 1) / p.kpool;
     const int keep = ncand < p.max_pools ? ncand : p.max_pools;
     const int ih = p.ih, id = p.id;
 
@@ -334,7 +349,8 @@ extern "C" void cu_dsa_select(mt_backend *be, int32_t *sel, int32_t *nsel, const
     sp.qscale = 1.f / sqrtf((float)p->id);
     sp.wscale = 1.f / sqrtf((float)p->ih);
     sp.qld = p->id + 4;
-    sp.max_cand = (t0 + n) / p->kpool;
+    sp.t0_dev = p->t0_dev;
+    sp.max_cand = (p->t0_dev ? p->t_cap : t0 + n) / p->kpool;
     cu_op_status(be, "dsa_select", dsa_select_launch(be, &sp));
 }
 
@@ -374,6 +390,8 @@ typedef struct mla_dev_params {
     int max_sel, t0, nb, Hq, dn, dv, kvl;
     int hg, nsplit;          /* heads per attend block, splits of the selected rows */
     float scale;
+    const int32_t *t0_dev;   /* graph form: positions are *t0_dev + t0 + i (t0 = batch offset) */
+    int t_cap;               /* graph form: bound on every position (plans the splits) */
 } mla_dev_params;
 
 /* Element i of a weight in its dtype, as fp32 (exact for all three). */
@@ -449,7 +467,7 @@ static __global__ void __launch_bounds__(MLA_THREADS) mla_attend_kernel(mla_dev_
         sm.m[tid] = -INFINITY;
         sm.l[tid] = 0.f;
     }
-    const int t = p.t0 + i, m = p.nsel[i];
+    const int t = (p.t0_dev ? *p.t0_dev : 0) + p.t0 + i, m = p.nsel[i];
     const int cnt = m > 0 ? m : t + 1;
     int rps = (cnt + p.nsplit - 1) / p.nsplit; /* rows per split, whole tiles */
     rps = (rps + MLA_ROWS - 1) / MLA_ROWS * MLA_ROWS;
@@ -626,7 +644,8 @@ static void mla_plan(mt_backend *be, mla_dev_params *p, int nb_max, int rows_max
 
 static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
     const int nb_max = n < MLA_BATCH ? n : MLA_BATCH;
-    const int rows_max = p->max_sel > p->t0 + n ? p->max_sel : p->t0 + n;
+    const int last = p->t0_dev ? p->t_cap : p->t0 + n; /* positions attended to, at most */
+    const int rows_max = p->max_sel > last ? p->max_sel : last;
     mla_plan(be, p, nb_max, rows_max);
     const size_t qa_f = (size_t)nb_max * p->Hq * p->kvl;
     const size_t part_f = (size_t)nb_max * p->Hq * p->nsplit * (p->kvl + 2);
@@ -689,7 +708,9 @@ extern "C" void cu_mla_sparse(mt_backend *be, float *out, const float *q, const 
     dp.qa = NULL;
     dp.part = NULL;
     dp.max_sel = max_sel;
-    dp.t0 = t0;
+    dp.t0 = p->t0_dev ? 0 : t0;
+    dp.t0_dev = p->t0_dev;
+    dp.t_cap = p->t_cap;
     dp.nb = 0;
     dp.Hq = p->Hq;
     dp.dn = p->dn;

@@ -12,15 +12,23 @@
  *   - Few rows (n <= MOE_GEMV_MAX_ROWS, decode): two GEMV kernels over the selected experts only,
  *     no host synchronisation: per (row, slot) h = swiglu(gate x, up x), then per row
  *     out += sum_k w_k down_k h_k, slots added in order.
- *   - Many rows (prefill): idx is read back, the (row, slot) pairs are sorted by expert, and the
- *     tiled GEMM (cu_gemm) runs grouped: gate/up for every expert's rows in one launch, swiglu,
- *     down in one launch, then a combine kernel adds the slots in order. Rows are processed in
- *     chunks that bound the scratch memory.
+ *   - Many rows (prefill): idx is read back, the (row, slot) pairs are sorted by expert, then
+ *     bf16/fp16 experts: the sorted x rows are gathered and split into tc_terms 16-bit parts
+ *     (cu_split16, interleaved: hi and lo of a pair on adjacent rows, so each expert's rows stay
+ *     contiguous), one tensor-core GEMM per expert and matrix (cu_gemm_tc) gives the parts'
+ *     gate and up, a kernel sums the parts, applies swiglu in fp32 and splits h again, one GEMM
+ *     per expert gives down's parts, which the combine sums. fp32 experts (or
+ *     MT_CUDA_TC_TERMS=0): the tiled fp32 GEMM (cu_gemm) runs grouped: gate/up for every
+ *     expert's rows in one launch, swiglu, down in one launch.
+ *     A combine kernel then adds the slots in order. Rows are processed in chunks that bound the
+ *     scratch memory (every chunk reads every expert it routes to once).
  * Both paths are deterministic and add the slots into out in the CPU's order. */
 #include <limits.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include <cuda_bf16.h>
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_ops.h"
@@ -33,7 +41,9 @@ enum {
     MOE_MAX_TOPK = 64,
     MOE_CACHE_MAX = 1024,     /* expert tables kept; beyond, the oldest slot is reused */
 };
-static const size_t MOE_CHUNK_BYTES = (size_t)256 << 20; /* grouped-path scratch per chunk */
+/* Grouped-path scratch per chunk. Each chunk rereads the weights of the experts it routes to
+ * (all of them at prefill sizes: 14.5 GB per layer at the real shapes), so fewer chunks pay. */
+static const size_t MOE_CHUNK_BYTES = (size_t)1 << 30;
 
 /* =============================== router =============================== */
 
@@ -404,11 +414,13 @@ static mt_status moe_gemv_launch(const moe_gemv_params *p, mt_dtype dt, bool vec
 
 typedef struct moe_combine_params {
     float *out;           /* [rows, H] this chunk's rows of out */
-    const float *D;       /* [rows * top_k, H] down outputs in sorted order */
+    const float *D;       /* [rows * top_k * terms, H] down outputs in sorted order; terms > 1:
+                             the parts of sorted position q on rows terms*q + [0, terms) */
     const int32_t *inv;   /* [rows * top_k] sorted position of each (row, slot) */
     const float *wts;     /* [rows, top_k] */
     int64_t rows;
     int top_k, H;
+    int terms;            /* 1 or 2 */
 } moe_combine_params;
 
 static __global__ void moe_combine_kernel(const moe_combine_params p) {
@@ -419,10 +431,63 @@ static __global__ void moe_combine_kernel(const moe_combine_params p) {
         float v = p.out[t];
         for (int k = 0; k < p.top_k; k++) {
             const int64_t pair = i * p.top_k + k;
-            v = __fadd_rn(v, __fmul_rn(p.wts[pair], p.D[(int64_t)p.inv[pair] * p.H + d]));
+            const float *dr = p.D + (int64_t)p.inv[pair] * p.terms * p.H + d;
+            const float dot = p.terms == 2 ? __fadd_rn(dr[0], dr[p.H]) : dr[0];
+            v = __fadd_rn(v, __fmul_rn(p.wts[pair], dot));
         }
         p.out[t] = v;
     }
+}
+
+/* Tensor-core path between gate/up and down: h = swiglu(sum of gate parts, sum of up parts) in
+ * fp32 (the formula of cu_swiglu), split into T 16-bit parts for down. */
+typedef struct moe_swiglu_split_params {
+    void *h;              /* [P * T, I] dt, parts of pair q on rows T*q + [0, T) */
+    const float *g, *u;   /* [P * T, I] fp32 parts of gate x and up x, same rows */
+    int64_t P;
+    int I;
+    float L;
+} moe_swiglu_split_params;
+
+template <mt_dtype DT> static __device__ __forceinline__ uint16_t moe_bits16(float v) {
+    if constexpr (DT == MT_BF16) return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+    else return __half_as_ushort(__float2half_rn(v));
+}
+template <mt_dtype DT> static __device__ __forceinline__ float moe_round16(float v) {
+    if constexpr (DT == MT_BF16) return __bfloat162float(__float2bfloat16_rn(v));
+    else return __half2float(__float2half_rn(v));
+}
+
+template <mt_dtype DT, int T>
+static __global__ void moe_swiglu_split_kernel(const moe_swiglu_split_params p) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < p.P * p.I; t += stride) {
+        const int64_t q = t / p.I;
+        const int i = (int)(t - q * p.I);
+        const int64_t r = q * T * p.I + i; /* first part's element */
+        const float a = T == 2 ? __fadd_rn(p.g[r], p.g[r + p.I]) : p.g[r];
+        const float b = T == 2 ? __fadd_rn(p.u[r], p.u[r + p.I]) : p.u[r];
+        const float g = fminf(a, p.L), u = fminf(fmaxf(b, -p.L), p.L);
+        const float h = g / (1.f + expf(-g)) * u;
+        uint16_t *o = (uint16_t *)p.h + r;
+        o[0] = moe_bits16<DT>(h);
+        if constexpr (T == 2) o[p.I] = moe_bits16<DT>(h - moe_round16<DT>(h));
+    }
+}
+
+static mt_status moe_swiglu_split_launch(const moe_swiglu_split_params *p, mt_dtype dt, int T,
+                                         cudaStream_t s) {
+    const int64_t blocks = (p->P * p->I + 255) / 256;
+    const unsigned g = (unsigned)(blocks < 65536 ? blocks : 65536);
+    if (dt == MT_BF16) {
+        if (T == 2) moe_swiglu_split_kernel<MT_BF16, 2><<<g, 256, 0, s>>>(*p);
+        else moe_swiglu_split_kernel<MT_BF16, 1><<<g, 256, 0, s>>>(*p);
+    } else {
+        if (T == 2) moe_swiglu_split_kernel<MT_F16, 2><<<g, 256, 0, s>>>(*p);
+        else moe_swiglu_split_kernel<MT_F16, 1><<<g, 256, 0, s>>>(*p);
+    }
+    MT_CUDA_CHECK_LAUNCH();
+    return MT_OK;
 }
 
 static mt_status moe_combine_launch(const moe_combine_params *p, cudaStream_t s) {
@@ -434,10 +499,63 @@ static mt_status moe_combine_launch(const moe_combine_params *p, cudaStream_t s)
 
 static size_t align16(size_t b) { return (b + 15) / 16 * 16; }
 
-/* Rows [r0, r1) of the grouped path; hidx = all of idx on the host. */
+/* Bytes of grouped-path scratch per (row, slot) pair: T > 0 tensor-core parts, 0 fp32. */
+static size_t moe_pair_bytes(int H, int I, int T) {
+    if (T == 0) return sizeof(float) * (2 * (size_t)I + H) + 2 * sizeof(int32_t) + 16;
+    const size_t f = (size_t)(2 * I > H ? 2 * I : H), h = (size_t)(H > I ? H : I);
+    return (size_t)T * (sizeof(float) * f + sizeof(uint16_t) * h) + 2 * sizeof(int32_t) + 16;
+}
+
+/* The tensor-core form of a chunk (see the file comment). Scratch: F, fp32 [P * T, max(2I, H)]
+ * holding the gate and up parts, later down's; S, 16-bit [P * T, max(H, I)] holding x's parts,
+ * later h's; then gather and inv (host staging at `gather`, nI bytes). start: host [E + 1]. */
+static mt_status moe_grouped_chunk_tc(mt_backend *be, const moe_table *t, float *out, const float *x,
+                                      const int32_t *gather, size_t nI, const int32_t *start,
+                                      const float *weights, int r0, int r1, int top_k, int H, int I,
+                                      float L, mt_dtype dt, int T) {
+    cu_backend *cb = (cu_backend *)be;
+    const int P = (r1 - r0) * top_k, E = t->count;
+    const size_t fw = (size_t)(2 * I > H ? 2 * I : H), sw = (size_t)(H > I ? H : I);
+    const size_t bF = align16(sizeof(float) * (size_t)P * T * fw);
+    const size_t bS = align16(sizeof(uint16_t) * (size_t)P * T * sw);
+    char *scr = (char *)cu_scratch(be, CU_SCRATCH_DENSE, bF + bS + align16(nI));
+    if (!scr) return MT_ERR_NOMEM;
+    float *G = (float *)scr, *U = G + (size_t)P * T * I, *D = G;   /* D after G, U are spent */
+    uint16_t *X16 = (uint16_t *)(scr + bF), *H16 = X16;             /* H after X is spent */
+    int32_t *dgather = (int32_t *)(scr + bF + bS), *dinv = dgather + P;
+    MT_CUDA_CHECK(cudaMemcpyAsync(dgather, gather, nI, cudaMemcpyHostToDevice, cb->stream));
+    MT_CUDA_CHECK(cudaStreamSynchronize(cb->stream)); /* the staging is reused by the next chunk */
+
+    /* Expert e owns sorted positions [start[e], start[e + 1]): rows T*start[e] on of every part
+     * buffer. t->copy holds the host copy of the weight pointers. */
+    mt_status st = cu_split16(X16, x, dgather, P, H, dt, T, true, cb->stream);
+    for (int e = 0; e < E && st == MT_OK; e++) {
+        const int64_t m = (int64_t)T * start[e];
+        const int rows = T * (start[e + 1] - start[e]);
+        if (rows == 0) continue;
+        st = cu_gemm_tc(cb, G + m * I, X16 + m * H, t->copy[e].gate.data, dt, rows, I, H, 0.f);
+        if (st == MT_OK) st = cu_gemm_tc(cb, U + m * I, X16 + m * H, t->copy[e].up.data, dt, rows, I, H, 0.f);
+    }
+    if (st != MT_OK) return st;
+    moe_swiglu_split_params sp = {H16, G, U, P, I, L};
+    if ((st = moe_swiglu_split_launch(&sp, dt, T, cb->stream)) != MT_OK) return st;
+    for (int e = 0; e < E && st == MT_OK; e++) {
+        const int64_t m = (int64_t)T * start[e];
+        const int rows = T * (start[e + 1] - start[e]);
+        if (rows == 0) continue;
+        st = cu_gemm_tc(cb, D + m * H, H16 + m * I, t->copy[e].down.data, dt, rows, H, I, 0.f);
+    }
+    if (st != MT_OK) return st;
+    moe_combine_params cp = {out + (int64_t)r0 * H, D, dinv, weights + (int64_t)r0 * top_k,
+                             r1 - r0, top_k, H, T};
+    return moe_combine_launch(&cp, cb->stream);
+}
+
+/* Rows [r0, r1) of the grouped path; hidx = all of idx on the host; T: tensor-core parts of x
+ * (cu_backend.tc_terms), 0 for the fp32 kernel. */
 static mt_status moe_grouped_chunk(mt_backend *be, const moe_table *t, float *out, const float *x,
                                    const int32_t *hidx, const float *weights, int r0, int r1,
-                                   int top_k, int H, int I, float L, mt_dtype dt) {
+                                   int top_k, int H, int I, float L, mt_dtype dt, int T) {
     cu_backend *cb = (cu_backend *)be;
     const int P = (r1 - r0) * top_k, E = t->count;
     const int max_tiles = P / CU_GEMM_TM + E + 1;
@@ -470,16 +588,21 @@ static mt_status moe_grouped_chunk(mt_backend *be, const moe_table *t, float *ou
         inv[q] = at;
     }
 
+    const size_t nI = sizeof(int32_t) * (2 * (size_t)P + 3 * (size_t)ntiles), bI = align16(nI);
+    if (T > 0)
+        return moe_grouped_chunk_tc(be, t, out, x, gather, nI, start, weights, r0, r1, top_k, H, I, L, dt, T);
+
     const size_t bG = align16(sizeof(float) * (size_t)P * I), bD = align16(sizeof(float) * (size_t)P * H);
-    const size_t bI = sizeof(int32_t) * (2 * (size_t)P + 3 * (size_t)ntiles);
     char *scr = (char *)cu_scratch(be, CU_SCRATCH_DENSE, 2 * bG + bD + bI);
     if (!scr) return MT_ERR_NOMEM;
     float *G = (float *)scr, *U = (float *)(scr + bG), *D = (float *)(scr + 2 * bG);
     int32_t *dgather = (int32_t *)(scr + 2 * bG + bD), *dinv = dgather + P;
     cu_gemm_tile *dtiles = (cu_gemm_tile *)(dinv + P);
     /* gather, inv and tiles are contiguous on both sides. */
-    MT_CUDA_CHECK(cudaMemcpyAsync(dgather, gather, bI, cudaMemcpyHostToDevice, cb->stream));
+    MT_CUDA_CHECK(cudaMemcpyAsync(dgather, gather, nI, cudaMemcpyHostToDevice, cb->stream));
     MT_CUDA_CHECK(cudaStreamSynchronize(cb->stream)); /* the staging is reused by the next chunk */
+    moe_combine_params cp = {out + (int64_t)r0 * H, D, dinv, weights + (int64_t)r0 * top_k,
+                             r1 - r0, top_k, H, 1};
 
     cu_gemm_params gp = {};
     gp.y[0] = G;
@@ -508,8 +631,6 @@ static mt_status moe_grouped_chunk(mt_backend *be, const moe_table *t, float *ou
     gp.N = H;
     gp.K = I;
     if ((st = cu_gemm(&gp, cb->stream)) != MT_OK) return st;
-    moe_combine_params cp = {out + (int64_t)r0 * H, D, dinv, weights + (int64_t)r0 * top_k,
-                             r1 - r0, top_k, H};
     return moe_combine_launch(&cp, cb->stream);
 }
 
@@ -562,12 +683,13 @@ extern "C" void cu_moe_experts(mt_backend *be, float *out, const float *x, const
     int32_t *all = (int32_t *)malloc(sizeof(int32_t) * (size_t)P);
     if (!all) return cu_op_status(be, "moe_experts", MT_ERR_NOMEM);
     memcpy(all, hidx, sizeof(int32_t) * (size_t)P);
-    const size_t per_row = (size_t)top_k * (2 * (size_t)I + H) * sizeof(float);
-    int rows = (int)(MOE_CHUNK_BYTES / per_row);
-    if (rows < 1) rows = 1;
+    const int T = dt == MT_F32 ? 0 : cb->tc_terms;
+    const size_t per_row = (size_t)top_k * moe_pair_bytes(H, I, T);
+    const size_t fit = MOE_CHUNK_BYTES / per_row;
+    const int rows = fit < 1 ? 1 : fit > (size_t)n ? n : (int)fit;
     for (int r0 = 0; r0 < n && st == MT_OK; r0 += rows) {
         const int r1 = r0 + rows < n ? r0 + rows : n;
-        st = moe_grouped_chunk(be, t, out, x, all, weights, r0, r1, top_k, H, I, L, dt);
+        st = moe_grouped_chunk(be, t, out, x, all, weights, r0, r1, top_k, H, I, L, dt, T);
     }
     free(all);
     cu_op_status(be, "moe_experts", st);

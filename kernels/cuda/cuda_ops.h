@@ -18,6 +18,7 @@ extern "C" {
 #endif
 
 struct cu_moe_cache; /* cuda_moe.cu: device copies of the host mt_expert tables */
+struct cublasContext; /* cublasHandle_t, without pulling <cublas_v2.h> into every file */
 
 /* A device buffer grown on demand (cu_scratch). */
 typedef struct cu_buf {
@@ -27,7 +28,10 @@ typedef struct cu_buf {
 
 /* Scratch slots: an op uses its slot only between its first and last launch; ops run in stream
  * order, so later ops may reuse the same slot. */
-enum { CU_SCRATCH_DENSE, CU_SCRATCH_ATTN, CU_SCRATCH_N };
+enum { CU_SCRATCH_DENSE, CU_SCRATCH_ATTN, CU_SCRATCH_GEMM, CU_SCRATCH_N };
+
+/* cuBLAS workspace per backend (NVIDIA's recommendation for Hopper: 32 MiB). */
+#define CU_BLAS_WS_BYTES ((size_t)32 << 20)
 
 /* The CUDA backend object: mt_backend first. */
 typedef struct cu_backend {
@@ -43,6 +47,12 @@ typedef struct cu_backend {
     int64_t route_len;
     int route_experts;
     struct cu_moe_cache *moe;  /* owned; NULL until the first moe_experts */
+    /* Tensor-core GEMMs (cu_gemm_tc): one cuBLAS handle bound to `stream` with its own
+     * workspace, made in mt_cuda_backend_new, destroyed in destroy. */
+    struct cublasContext *blas; /* owned cublasHandle_t */
+    void *blas_ws;              /* [CU_BLAS_WS_BYTES] device, owned */
+    int tc_terms;               /* 16-bit parts of x on the tensor cores: 2 (default), 1, or 0 =
+                                   fp32 kernels only; MT_CUDA_TC_TERMS at creation */
 } cu_backend;
 
 static inline cudaStream_t cu_stream(mt_backend *be) { return ((cu_backend *)be)->stream; }
@@ -83,6 +93,31 @@ typedef struct cu_gemm_params {
     mt_dtype dtype;            /* of every weight involved */
 } cu_gemm_params;
 mt_status cu_gemm(const cu_gemm_params *p, cudaStream_t s);
+
+/* Tensor-core GEMM (cuda_dense.cu), for bf16/fp16 weights and many rows:
+ *   cu_split16: x rows (gathered: row m reads x[gather[m]]) as `terms` 16-bit parts of dt (MT_BF16
+ *     or MT_F16): hi = round(x), lo = round(x - hi), so hi + lo keeps 16 significant bits (bf16;
+ *     22 for fp16, which overflows to inf beyond 65504). terms 1: hi only, row m. terms 2: blocked
+ *     ([M] hi rows then [M] lo rows) or interleave (hi of m at row 2m, lo at 2m + 1).
+ *   cu_gemm_tc: y[M, N] = x16[M, K] . w[N, K]^T + beta * y through cuBLAS (cublasGemmEx) on cb's
+ *     stream; operands of dtype dt, fp32 accumulation, fp32 y (rows contiguous, stride N).
+ * Deterministic for a given shape (one stream, fixed workspace, no atomics). Both return
+ * MT_ERR_BACKEND after logging the failing call. */
+mt_status cu_split16(void *out /* [terms * M, K] dt */, const float *x /* [*, K] fp32 */,
+                     const int32_t *gather /* [M] device or NULL */, int64_t M, int K, mt_dtype dt,
+                     int terms, bool interleave, cudaStream_t s);
+mt_status cu_gemm_tc(cu_backend *cb, float *y /* [M, N] */, const void *x16 /* [M, K] dt */,
+                     const void *w /* [N, K] dt */, mt_dtype dt, int M, int N, int K, float beta);
+
+/* cuda_step.cu: graphs and the run-time-position ops of the graph form of decode. */
+mt_status cu_graph_begin(mt_backend *be);
+mt_status cu_graph_end(mt_backend *be, mt_graph **out);
+mt_status cu_graph_launch(mt_backend *be, mt_graph *g);
+void cu_graph_free(mt_backend *be, mt_graph *g);
+void cu_embed_dev(mt_backend *be, float *out, const mt_weight *table, const int32_t *ids, int n);
+void cu_copy_rows_at(mt_backend *be, float *base, int64_t row, const int32_t *pos, const float *src, int n);
+void cu_dsa_pool_keys_at(mt_backend *be, float *pool_keys, const float *ki, const float *gs,
+                         const float *ape, const int32_t *pos, int kpool, int id);
 
 /* cuda_random.cu: the weight_random slot. */
 mt_status cu_weight_random(mt_backend *be, mt_dtype dt, int64_t rows, int64_t cols, uint64_t key,

@@ -1,0 +1,123 @@
+/* router/main.c: the metrale-router process.
+ *
+ *   metrale-router --listen 127.0.0.1:PORT --workers-endpoint ipc:///tmp/x.sock
+ *                  [--queue N] [--drain-timeout S]
+ *
+ * SIGTERM or SIGINT drains (router.h) and exits 0. Exit 2 on bad arguments, 1 when the router
+ * cannot start or its loop fails. The only place that exits.
+ */
+#include <errno.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/signalfd.h>
+#include <unistd.h>
+
+#include "common/mt.h"
+#include "router/router.h"
+
+static void usage(FILE *f) {
+    fprintf(f,
+            "usage: metrale-router --listen HOST:PORT --workers-endpoint ENDPOINT [--queue N] [--drain-timeout S]\n"
+            "  --listen HOST:PORT          gRPC address (port 0: any free port, printed at start)\n"
+            "  --workers-endpoint ENDPOINT ZeroMQ endpoint the workers connect to (ipc:// or tcp://127.0.0.1:)\n"
+            "  --queue N                   admitted requests that may wait for a worker (default 1024)\n"
+            "  --drain-timeout S           seconds running streams may finish after SIGTERM (default 30)\n");
+}
+
+static int parse_size(const char *s, size_t *out) {
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || end == s || *end || s[0] == '-' || v > 1000000) return -1;
+    *out = (size_t)v;
+    return 0;
+}
+
+static int parse_seconds(const char *s, double *out) {
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || *end || !(v >= 0 && v <= 86400)) return -1;
+    *out = v;
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    rtr_router_params p = rtr_router_default_params();
+    bool have_listen = false, have_ep = false;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            usage(stdout);
+            return 0;
+        }
+        if (i + 1 >= argc) {
+            fprintf(stderr, "metrale-router: %s needs a value (or is an unknown option)\n", a);
+            usage(stderr);
+            return 2;
+        }
+        const char *v = argv[++i];
+        if (!strcmp(a, "--listen")) {
+            p.listen = v;
+            have_listen = true;
+        } else if (!strcmp(a, "--workers-endpoint")) {
+            p.workers_endpoint = v;
+            have_ep = true;
+        } else if (!strcmp(a, "--queue")) {
+            if (parse_size(v, &p.queue_capacity)) {
+                fprintf(stderr, "metrale-router: --queue %s: must be an integer in [0, 1000000]\n", v);
+                return 2;
+            }
+        } else if (!strcmp(a, "--drain-timeout")) {
+            if (parse_seconds(v, &p.drain_timeout_s)) {
+                fprintf(stderr, "metrale-router: --drain-timeout %s: must be seconds in [0, 86400]\n", v);
+                return 2;
+            }
+        } else {
+            fprintf(stderr, "metrale-router: unknown option %s\n", a);
+            usage(stderr);
+            return 2;
+        }
+    }
+    if (!have_listen || !have_ep) {
+        fprintf(stderr, "metrale-router: --listen and --workers-endpoint are required\n");
+        usage(stderr);
+        return 2;
+    }
+
+    /* Block the signals before any thread exists (gRPC starts some), so all of them inherit the
+     * mask and the signals arrive only through the signalfd. */
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGTERM);
+    sigaddset(&set, SIGINT);
+    if (sigprocmask(SIG_BLOCK, &set, NULL)) {
+        perror("metrale-router: sigprocmask");
+        return 1;
+    }
+    signal(SIGPIPE, SIG_IGN);
+    int sfd = signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC);
+    if (sfd < 0) {
+        perror("metrale-router: signalfd");
+        return 1;
+    }
+    p.drain_fd = sfd;
+
+    mt_error err;
+    rtr_router *r = rtr_router_create(&p, &err);
+    if (!r) {
+        fprintf(stderr, "metrale-router: %s\n", err.msg);
+        close(sfd);
+        return 1;
+    }
+    mt_log(MT_LOG_INFO, "router: listening on port %d, workers at %s", rtr_router_port(r), p.workers_endpoint);
+    mt_status st = rtr_router_run(r, &err);
+    if (st) fprintf(stderr, "metrale-router: %s\n", err.msg);
+    rtr_router_free(r);
+    close(sfd);
+    if (!st) mt_log(MT_LOG_INFO, "router: stopped");
+    return st ? 1 : 0;
+}

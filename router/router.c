@@ -1,0 +1,727 @@
+/* router/router.c: see router.h.
+ *
+ * A stream is one Generate call. Its life:
+ *   QUEUED   validated, waiting in the admission queue (or going straight to a worker);
+ *   RUNNING  submitted to `worker`; Tokens accumulate in `pending` until the call can send;
+ *            Finished sends the rest with the final message and the OK status, and ends it;
+ *   ABORTING the client is gone (cancel, disconnect, deadline, shutdown) after submission:
+ *            the worker got Abort; the stream waits (without a call) for the worker's Finished,
+ *            which frees the worker's slot; a worker that never answers is given up on after
+ *            ABORT_GIVE_UP_S.
+ * Streams are in an id hash (for the worker's messages) and a list (for scans).
+ */
+#include "router/router.h"
+
+#include <errno.h>
+#include <math.h>
+#include <poll.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/wire.h"
+#include "proto/metrale/v1/metrale.pb-c.h"
+#include "router/admission.h"
+#include "router/grpc_server.h"
+#include "router/health.h"
+#include "router/validate.h"
+#include "router/workers.h"
+
+#define STREAM_BUCKETS 4096
+#define ABORT_GIVE_UP_S 10.0
+#define TICK_MS 50            /* timer granularity: deadlines, liveness, heartbeats */
+#define DRAIN_TICK_MS 10      /* while draining: how often drain progress is checked */
+#define WIRE_BATCH 1024       /* envelopes handled before looking at gRPC again */
+#define DEADLINE_SLACK_S 0.1  /* a worker ending a sequence this close to its deadline ended it for the deadline */
+
+typedef Metrale__Internal__V1__Envelope envelope;
+
+typedef enum stream_state { ST_QUEUED, ST_RUNNING, ST_ABORTING } stream_state;
+
+typedef struct rtr_stream {
+    uint64_t id;
+    stream_state state;
+    rtr_call *call;                    /* NULL once the client side is over */
+    char *request_id;                  /* owned copy, echoed in responses */
+    Metrale__V1__GenerateRequest *req; /* owned until submitted */
+    rtr_worker *worker;                /* RUNNING, ABORTING */
+    double deadline;                   /* mt_now() clock; INFINITY = none */
+    uint64_t deadline_unix_ms;
+    double abort_since;
+    envelope **pending;                /* owned Tokens envelopes not yet sent, in order */
+    size_t npending, cap_pending;
+    rtr_qnode qnode;
+    struct rtr_stream *hnext;          /* id hash chain */
+    struct rtr_stream *prev, *next;    /* all streams */
+} rtr_stream;
+
+typedef enum drain_phase { RUNNING, DRAIN_STREAMS, DRAIN_WORKERS, DRAIN_GRPC, STOPPED } drain_phase;
+
+struct rtr_router {
+    rtr_router_params p;
+    rtr_grpc *grpc;
+    int port;
+    mt_wire_sock *wire;
+    rtr_workers workers;
+    rtr_admission queue;
+    rtr_health health;
+    rtr_stream *buckets[STREAM_BUCKETS];
+    rtr_stream *streams;
+    size_t nstreams;
+    uint64_t next_id;
+    uint64_t heartbeat_seq;
+    double next_heartbeat;
+    double next_tick;
+    drain_phase phase;
+    double phase_deadline;
+    bool worker_gone[RTR_WORKERS_MAX]; /* DRAIN_WORKERS: index in workers.w[] has left */
+    /* counters for GetStats */
+    uint32_t running;
+    uint64_t requests_total, requests_rejected;
+    double last_unknown_log;
+};
+
+rtr_router_params rtr_router_default_params(void) {
+    return (rtr_router_params){
+        .listen = "127.0.0.1:50051",
+        .workers_endpoint = "ipc:///tmp/metrale-workers.sock",
+        .queue_capacity = 1024,
+        .drain_timeout_s = 30,
+        .dead_after_s = 2.5,
+        .workers_exit_s = 3,
+        .drain_fd = -1,
+    };
+}
+
+/* ---- streams ---- */
+
+static size_t bucket_of(uint64_t id) { return (size_t)(id * 0x9E3779B97F4A7C15ull >> 52) % STREAM_BUCKETS; }
+
+static rtr_stream *stream_find(rtr_router *r, uint64_t id) {
+    for (rtr_stream *s = r->buckets[bucket_of(id)]; s; s = s->hnext)
+        if (s->id == id) return s;
+    return NULL;
+}
+
+static rtr_stream *stream_new(rtr_router *r, Metrale__V1__GenerateRequest *req, rtr_call *call) {
+    rtr_stream *s = calloc(1, sizeof *s);
+    if (!s) return NULL;
+    if (!(s->request_id = strdup(req->request_id))) {
+        free(s);
+        return NULL;
+    }
+    s->id = r->next_id++;
+    s->state = ST_QUEUED;
+    s->call = call;
+    s->req = req;
+    s->deadline = rtr_call_deadline(call);
+    s->deadline_unix_ms = rtr_call_deadline_unix_ms(call);
+    size_t b = bucket_of(s->id);
+    s->hnext = r->buckets[b];
+    r->buckets[b] = s;
+    s->next = r->streams;
+    if (r->streams) r->streams->prev = s;
+    r->streams = s;
+    r->nstreams++;
+    rtr_call_set_stream(call, s);
+    return s;
+}
+
+static void stream_drop_pending(rtr_stream *s) {
+    for (size_t i = 0; i < s->npending; i++) mt_wire_free(s->pending[i]);
+    s->npending = 0;
+}
+
+/* Detaches the call (if any), leaves every index and frees the stream. */
+static void stream_free(rtr_router *r, rtr_stream *s) {
+    if (s->call) rtr_call_set_stream(s->call, NULL);
+    rtr_admission_remove(&r->queue, &s->qnode);
+    if (s->state == ST_RUNNING) r->running--;
+    rtr_stream **pp = &r->buckets[bucket_of(s->id)];
+    while (*pp != s) pp = &(*pp)->hnext;
+    *pp = s->hnext;
+    if (s->prev) s->prev->next = s->next;
+    else r->streams = s->next;
+    if (s->next) s->next->prev = s->prev;
+    r->nstreams--;
+    stream_drop_pending(s);
+    free(s->pending);
+    if (s->req) metrale__v1__generate_request__free_unpacked(s->req, NULL);
+    free(s->request_id);
+    free(s);
+}
+
+static rtr_stream *stream_of_qnode(rtr_qnode *n) {
+    return (rtr_stream *)((char *)n - offsetof(rtr_stream, qnode));
+}
+
+/* Ends the client side with a status (no-op when it is already over). */
+static void stream_end_call(rtr_stream *s, grpc_status_code code, const char *details) {
+    if (!s->call) return;
+    rtr_call_finish(s->call, code, details, NULL);
+    rtr_call_set_stream(s->call, NULL);
+    s->call = NULL;
+}
+
+/* ---- wire ---- */
+
+static mt_status send_env(rtr_router *r, rtr_worker *w, envelope *env) {
+    mt_error err;
+    mt_status st = mt_wire_send(r->wire, w->peer, env, &err);
+    if (st) {
+        if (w->reachable) mt_log(MT_LOG_WARN, "router: %s", err.msg);
+        w->reachable = false; /* picked again once it is heard from */
+    }
+    return st;
+}
+
+static void send_abort(rtr_router *r, rtr_stream *s, Metrale__V1__FinishReason reason) {
+    Metrale__Internal__V1__Abort ab = METRALE__INTERNAL__V1__ABORT__INIT;
+    ab.id = s->id;
+    ab.reason = reason;
+    envelope env = METRALE__INTERNAL__V1__ENVELOPE__INIT;
+    env.body_case = METRALE__INTERNAL__V1__ENVELOPE__BODY_ABORT;
+    env.abort = &ab;
+    send_env(r, s->worker, &env);
+}
+
+/* The client side of a submitted stream is over: tell the worker, wait for its Finished. */
+static void stream_abort(rtr_router *r, rtr_stream *s, double now) {
+    MT_ASSERT(s->state == ST_RUNNING);
+    send_abort(r, s, METRALE__V1__FINISH_REASON__FINISH_REASON_CANCELLED);
+    s->state = ST_ABORTING;
+    s->abort_since = now;
+    r->running--;
+    stream_drop_pending(s);
+}
+
+/* The client side is over (on_done, deadline, drain): abort or forget the stream. */
+static void stream_client_gone(rtr_router *r, rtr_stream *s, double now) {
+    if (s->call) {
+        rtr_call_set_stream(s->call, NULL);
+        s->call = NULL;
+    }
+    if (s->state == ST_RUNNING) stream_abort(r, s, now);
+    else if (s->state == ST_QUEUED) stream_free(r, s);
+}
+
+static mt_status stream_submit(rtr_router *r, rtr_stream *s, rtr_worker *w) {
+    Metrale__Internal__V1__Submit sub = METRALE__INTERNAL__V1__SUBMIT__INIT;
+    sub.id = s->id;
+    sub.request = s->req;
+    sub.deadline_unix_ms = s->deadline_unix_ms;
+    envelope env = METRALE__INTERNAL__V1__ENVELOPE__INIT;
+    env.body_case = METRALE__INTERNAL__V1__ENVELOPE__BODY_SUBMIT;
+    env.submit = &sub;
+    mt_status st = send_env(r, w, &env);
+    if (st) return st;
+    metrale__v1__generate_request__free_unpacked(s->req, NULL);
+    s->req = NULL;
+    s->worker = w;
+    s->state = ST_RUNNING;
+    w->in_flight++;
+    r->running++;
+    return MT_OK;
+}
+
+/* Submits s to the least loaded worker with room; false when none takes it. */
+static bool submit_now(rtr_router *r, rtr_stream *s) {
+    rtr_worker *w;
+    while ((w = rtr_workers_pick(&r->workers)))
+        if (stream_submit(r, s, w) == MT_OK) return true;
+    return false;
+}
+
+static void dispatch_queue(rtr_router *r) {
+    while (rtr_admission_len(&r->queue) > 0) {
+        rtr_qnode *n = rtr_admission_pop(&r->queue);
+        rtr_stream *s = stream_of_qnode(n);
+        if (!submit_now(r, s)) {
+            rtr_admission_push_front(&r->queue, n);
+            return;
+        }
+    }
+}
+
+/* Sends what the stream holds: pending tokens, and when fin is set, the final message and the
+ * OK status (which ends the stream). */
+static void stream_flush(rtr_stream *s, const Metrale__V1__Final *fin) {
+    if (!s->call) return;
+    if (!fin && (s->npending == 0 || rtr_call_send_busy(s->call))) return;
+    size_t ntok = 0;
+    for (size_t i = 0; i < s->npending; i++) ntok += s->pending[i]->tokens->n_tokens;
+    Metrale__V1__GeneratedToken *one[16];
+    Metrale__V1__GeneratedToken **toks = ntok <= 16 ? one : malloc(ntok * sizeof *toks);
+    if (!toks) {
+        /* Keep the tokens; the next flush (send done or Finished) tries again. At the end,
+         * rather than a final message that skips tokens, an error. */
+        if (fin) {
+            stream_end_call(s, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
+            stream_drop_pending(s);
+        }
+        return;
+    }
+    size_t k = 0;
+    for (size_t i = 0; i < s->npending && k < ntok; i++)
+        for (size_t j = 0; j < s->pending[i]->tokens->n_tokens; j++) toks[k++] = s->pending[i]->tokens->tokens[j];
+    Metrale__V1__GenerateResponse resp = METRALE__V1__GENERATE_RESPONSE__INIT;
+    resp.request_id = s->request_id;
+    resp.n_tokens = k;
+    resp.tokens = toks;
+    resp.final = (Metrale__V1__Final *)fin;
+    if (fin) {
+        rtr_call_finish(s->call, GRPC_STATUS_OK, NULL, &resp.base);
+        rtr_call_set_stream(s->call, NULL);
+        s->call = NULL;
+    } else {
+        rtr_call_send(s->call, &resp.base);
+    }
+    if (toks != one) free(toks);
+    stream_drop_pending(s);
+}
+
+/* ---- worker messages ---- */
+
+/* Ends every stream on w: a dead or restarted worker's sequences are gone. */
+static void fail_worker_streams(rtr_router *r, rtr_worker *w, const char *why, bool tell_worker) {
+    char msg[160];
+    snprintf(msg, sizeof msg, "worker %s %s", w->peer, why);
+    rtr_stream *next;
+    for (rtr_stream *s = r->streams; s; s = next) {
+        next = s->next;
+        if (s->worker != w || s->state == ST_QUEUED) continue;
+        /* A worker that is only frozen frees the sequence when it wakes up. */
+        if (tell_worker && s->state == ST_RUNNING)
+            send_abort(r, s, METRALE__V1__FINISH_REASON__FINISH_REASON_ERROR);
+        stream_end_call(s, GRPC_STATUS_UNAVAILABLE, msg);
+        stream_free(r, s);
+    }
+    w->in_flight = 0;
+}
+
+static void update_health(rtr_router *r) {
+    rtr_health_set_serving(&r->health, r->phase == RUNNING && rtr_workers_live(&r->workers) > 0);
+}
+
+static void on_hello(rtr_router *r, const char *peer, const Metrale__Internal__V1__Hello *h, double now) {
+    rtr_worker *w = rtr_workers_find(&r->workers, peer);
+    if (w && w->alive) fail_worker_streams(r, w, "restarted", false);
+    mt_error err;
+    if (rtr_workers_hello(&r->workers, peer, h, now, &w, &err)) {
+        mt_log(MT_LOG_WARN, "router: %s", err.msg);
+        return;
+    }
+    mt_log(MT_LOG_INFO, "router: worker %s live (%s, vocab %u, context %u, %u sequences)%s", peer, w->backend,
+           w->model.vocab_size, w->model.max_context, w->max_sequences, w->hellos > 1 ? ", restarted" : "");
+    update_health(r);
+}
+
+static void on_tokens(rtr_router *r, rtr_worker *w, envelope *env) {
+    rtr_stream *s = stream_find(r, env->tokens->id);
+    if (!s || s->worker != w || s->state != ST_RUNNING || !s->call || env->tokens->n_tokens == 0) {
+        mt_wire_free(env);
+        return;
+    }
+    if (s->npending == s->cap_pending) {
+        size_t cap = s->cap_pending ? 2 * s->cap_pending : 8;
+        envelope **p = realloc(s->pending, cap * sizeof *p);
+        if (!p) {
+            mt_wire_free(env);
+            stream_end_call(s, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
+            stream_abort(r, s, mt_now());
+            return;
+        }
+        s->pending = p;
+        s->cap_pending = cap;
+    }
+    s->pending[s->npending++] = env;
+    stream_flush(s, NULL);
+}
+
+static void on_finished(rtr_router *r, rtr_worker *w, const Metrale__Internal__V1__Finished *f) {
+    rtr_stream *s = stream_find(r, f->id);
+    if (!s || s->worker != w || s->state == ST_QUEUED) return;
+    if (w->in_flight > 0) w->in_flight--;
+    if (s->state == ST_RUNNING && s->call) {
+        /* The worker also knows the deadline and ends the sequence itself (CANCELLED), which may
+         * beat our own check by a tick; the client must still see DEADLINE_EXCEEDED. The slack
+         * covers the wall-clock to monotonic conversion. */
+        if (f->final && f->final->finish_reason == METRALE__V1__FINISH_REASON__FINISH_REASON_CANCELLED &&
+            mt_now() >= s->deadline - DEADLINE_SLACK_S) {
+            stream_end_call(s, GRPC_STATUS_DEADLINE_EXCEEDED, "deadline exceeded");
+        } else {
+            Metrale__V1__Final fallback = METRALE__V1__FINAL__INIT;
+            stream_flush(s, f->final ? f->final : &fallback);
+        }
+    }
+    stream_free(r, s);
+}
+
+static void on_envelope(rtr_router *r, const char *peer, envelope *env, double now) {
+    if (env->body_case == METRALE__INTERNAL__V1__ENVELOPE__BODY_HELLO) {
+        on_hello(r, peer, env->hello, now);
+        mt_wire_free(env);
+        return;
+    }
+    rtr_worker *w = rtr_workers_heard(&r->workers, peer, now);
+    if (!w) {
+        rtr_worker *known = rtr_workers_find(&r->workers, peer);
+        if (known && env->body_case == METRALE__INTERNAL__V1__ENVELOPE__BODY_HEARTBEAT) {
+            /* Declared dead, yet alive (it was frozen or cut off): live again, with the model of
+             * its last Hello. Its old sequences were aborted when it was declared dead. */
+            known->alive = true;
+            known->reachable = true;
+            known->last_heard = now;
+            known->in_flight = 0;
+            r->workers.restarts++;
+            mt_log(MT_LOG_INFO, "router: worker %s is back", peer);
+            update_health(r);
+            w = known;
+        } else {
+            if (!known && now - r->last_unknown_log > 5) {
+                mt_log(MT_LOG_WARN, "router: message from %s, which has not said Hello; asking for one", peer);
+                r->last_unknown_log = now;
+            }
+            /* A worker that outlived a router restart keeps sending heartbeats (one per 0.5 s,
+             * which bounds these replies) without a Hello: ask for one. */
+            if (!known && env->body_case == METRALE__INTERNAL__V1__ENVELOPE__BODY_HEARTBEAT) {
+                Metrale__Internal__V1__Heartbeat hb = METRALE__INTERNAL__V1__HEARTBEAT__INIT;
+                hb.seq = ++r->heartbeat_seq;
+                hb.hello_wanted = true;
+                envelope reply = METRALE__INTERNAL__V1__ENVELOPE__INIT;
+                reply.body_case = METRALE__INTERNAL__V1__ENVELOPE__BODY_HEARTBEAT;
+                reply.heartbeat = &hb;
+                mt_wire_send(r->wire, peer, &reply, NULL);
+            }
+            mt_wire_free(env);
+            return;
+        }
+    }
+    switch (env->body_case) {
+    case METRALE__INTERNAL__V1__ENVELOPE__BODY_HEARTBEAT:
+        if (env->heartbeat->stats) rtr_workers_set_stats(w, env->heartbeat->stats);
+        break;
+    case METRALE__INTERNAL__V1__ENVELOPE__BODY_TOKENS:
+        on_tokens(r, w, env);
+        return; /* on_tokens took env */
+    case METRALE__INTERNAL__V1__ENVELOPE__BODY_FINISHED:
+        on_finished(r, w, env->finished);
+        break;
+    default:
+        mt_log(MT_LOG_WARN, "router: unexpected message (body %d) from %s", (int)env->body_case, peer);
+    }
+    mt_wire_free(env);
+}
+
+/* Handles up to WIRE_BATCH envelopes; true when more may wait. */
+static bool drain_wire(rtr_router *r) {
+    for (int i = 0; i < WIRE_BATCH; i++) {
+        char peer[MT_WIRE_PEER_MAX];
+        envelope *env;
+        mt_error err;
+        mt_status st = mt_wire_recv(r->wire, 0, peer, &env, &err);
+        if (st == MT_ERR_NOT_FOUND) return false;
+        if (st) {
+            mt_log(MT_LOG_WARN, "router: %s", err.msg);
+            continue;
+        }
+        on_envelope(r, peer, env, mt_now());
+    }
+    return true;
+}
+
+/* ---- timers ---- */
+
+static void send_heartbeats(rtr_router *r) {
+    Metrale__Internal__V1__Heartbeat hb = METRALE__INTERNAL__V1__HEARTBEAT__INIT;
+    hb.seq = ++r->heartbeat_seq;
+    envelope env = METRALE__INTERNAL__V1__ENVELOPE__INIT;
+    env.body_case = METRALE__INTERNAL__V1__ENVELOPE__BODY_HEARTBEAT;
+    env.heartbeat = &hb;
+    for (size_t i = 0; i < r->workers.n; i++)
+        if (r->workers.w[i]->alive) send_env(r, r->workers.w[i], &env);
+}
+
+static void tick(rtr_router *r, double now) {
+    if (now >= r->next_heartbeat) {
+        send_heartbeats(r);
+        r->next_heartbeat = now + RTR_HEARTBEAT_S;
+    }
+    rtr_worker *dead[RTR_WORKERS_MAX];
+    size_t ndead = rtr_workers_expire(&r->workers, now, dead, RTR_WORKERS_MAX);
+    for (size_t i = 0; i < ndead; i++) {
+        mt_log(MT_LOG_WARN, "router: worker %s silent for %.1f s: dead", dead[i]->peer, now - dead[i]->last_heard);
+        fail_worker_streams(r, dead[i], "died", true);
+    }
+    if (ndead) update_health(r);
+
+    rtr_stream *next;
+    for (rtr_stream *s = r->streams; s; s = next) {
+        next = s->next;
+        if (s->call && now >= s->deadline) {
+            stream_end_call(s, GRPC_STATUS_DEADLINE_EXCEEDED, "deadline exceeded");
+            stream_client_gone(r, s, now);
+        } else if (s->state == ST_ABORTING && now - s->abort_since > ABORT_GIVE_UP_S) {
+            mt_log(MT_LOG_WARN, "router: worker %s never finished aborted sequence %llu; giving up on it",
+                   s->worker->peer, (unsigned long long)s->id);
+            if (s->worker->in_flight > 0) s->worker->in_flight--;
+            stream_free(r, s);
+        }
+    }
+}
+
+/* ---- draining ---- */
+
+void rtr_router_drain(rtr_router *r) {
+    if (r->phase != RUNNING) return;
+    mt_log(MT_LOG_INFO, "router: draining: %zu streams, up to %.1f s", r->nstreams, r->p.drain_timeout_s);
+    r->phase = DRAIN_STREAMS;
+    r->phase_deadline = mt_now() + r->p.drain_timeout_s;
+    update_health(r);
+}
+
+static size_t client_streams(const rtr_router *r) {
+    size_t k = 0;
+    for (const rtr_stream *s = r->streams; s; s = s->next) k += s->call != NULL;
+    return k;
+}
+
+static void drain_step(rtr_router *r, double now) {
+    if (r->phase == DRAIN_STREAMS && (client_streams(r) == 0 || now >= r->phase_deadline)) {
+        rtr_stream *next;
+        for (rtr_stream *s = r->streams; s; s = next) {
+            next = s->next;
+            stream_end_call(s, GRPC_STATUS_UNAVAILABLE, "server shut down before the stream finished");
+            stream_client_gone(r, s, now);
+        }
+        envelope env = METRALE__INTERNAL__V1__ENVELOPE__INIT;
+        Metrale__Internal__V1__Shutdown sd = METRALE__INTERNAL__V1__SHUTDOWN__INIT;
+        env.body_case = METRALE__INTERNAL__V1__ENVELOPE__BODY_SHUTDOWN;
+        env.shutdown = &sd;
+        for (size_t i = 0; i < r->workers.n; i++) {
+            rtr_worker *w = r->workers.w[i];
+            r->worker_gone[i] = !w->alive || send_env(r, w, &env) != MT_OK;
+        }
+        mt_log(MT_LOG_INFO, "router: workers told to shut down");
+        r->phase = DRAIN_WORKERS;
+        r->phase_deadline = now + r->p.workers_exit_s;
+    }
+    if (r->phase == DRAIN_WORKERS) {
+        /* A worker has left once a send to it fails (ZMQ_ROUTER_MANDATORY: its pipe is gone). */
+        Metrale__Internal__V1__Heartbeat hb = METRALE__INTERNAL__V1__HEARTBEAT__INIT;
+        envelope env = METRALE__INTERNAL__V1__ENVELOPE__INIT;
+        env.body_case = METRALE__INTERNAL__V1__ENVELOPE__BODY_HEARTBEAT;
+        env.heartbeat = &hb;
+        bool all_gone = true;
+        for (size_t i = 0; i < r->workers.n; i++) {
+            if (r->worker_gone[i]) continue;
+            hb.seq = ++r->heartbeat_seq;
+            if (mt_wire_send(r->wire, r->workers.w[i]->peer, &env, NULL) != MT_OK) r->worker_gone[i] = true;
+            else all_gone = false;
+        }
+        if (all_gone || now >= r->phase_deadline) {
+            if (!all_gone) mt_log(MT_LOG_WARN, "router: some workers did not exit in %.1f s", r->p.workers_exit_s);
+            r->phase = DRAIN_GRPC;
+            rtr_grpc_shutdown(r->grpc);
+        }
+    }
+    if (r->phase == DRAIN_GRPC && rtr_grpc_shutdown_done(r->grpc)) r->phase = STOPPED;
+}
+
+/* ---- gRPC handlers ---- */
+
+static void finish_rejected(rtr_router *r, rtr_call *call, grpc_status_code code, const char *msg) {
+    r->requests_rejected++;
+    rtr_call_finish(call, code, msg, NULL);
+}
+
+static void on_generate(rtr_router *r, rtr_call *call, const uint8_t *data, size_t len) {
+    r->requests_total++;
+    if (r->phase != RUNNING) {
+        finish_rejected(r, call, GRPC_STATUS_UNAVAILABLE, "server is shutting down");
+        return;
+    }
+    Metrale__V1__GenerateRequest *req = metrale__v1__generate_request__unpack(NULL, len, data);
+    if (!req) {
+        finish_rejected(r, call, GRPC_STATUS_INVALID_ARGUMENT, "request is not a valid metrale.v1.GenerateRequest");
+        return;
+    }
+    rtr_model_limits lim;
+    const bool have_lim = rtr_workers_limits(&r->workers, &lim);
+    mt_error err;
+    grpc_status_code code = GRPC_STATUS_OK;
+    const char *msg = NULL;
+    if (rtr_validate_generate(req, have_lim ? &lim : NULL, &err)) {
+        code = GRPC_STATUS_INVALID_ARGUMENT;
+        msg = err.msg;
+    } else if (rtr_workers_live(&r->workers) == 0) {
+        code = GRPC_STATUS_UNAVAILABLE;
+        msg = "no live worker";
+    } else if (mt_now() >= rtr_call_deadline(call)) {
+        code = GRPC_STATUS_DEADLINE_EXCEEDED;
+        msg = "deadline exceeded before admission";
+    }
+    if (code != GRPC_STATUS_OK) {
+        metrale__v1__generate_request__free_unpacked(req, NULL);
+        finish_rejected(r, call, code, msg);
+        return;
+    }
+    rtr_stream *s = stream_new(r, req, call);
+    if (!s) {
+        metrale__v1__generate_request__free_unpacked(req, NULL);
+        finish_rejected(r, call, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
+        return;
+    }
+    if (rtr_admission_len(&r->queue) == 0 && submit_now(r, s)) return;
+    if (rtr_admission_push(&r->queue, &s->qnode) == MT_ERR_FULL) {
+        char m[96];
+        snprintf(m, sizeof m, "admission queue full (%zu waiting)", rtr_admission_len(&r->queue));
+        stream_end_call(s, GRPC_STATUS_RESOURCE_EXHAUSTED, m);
+        stream_free(r, s);
+        r->requests_rejected++;
+    }
+}
+
+static void on_get_model_info(rtr_router *r, rtr_call *call) {
+    const rtr_worker *w = rtr_workers_any_live(&r->workers);
+    if (!w) {
+        rtr_call_finish(call, GRPC_STATUS_UNAVAILABLE, "no live worker", NULL);
+        return;
+    }
+    Metrale__V1__ModelInfo info = w->model;
+    info.workers = (uint32_t)rtr_workers_live(&r->workers);
+    rtr_call_finish(call, GRPC_STATUS_OK, NULL, &info.base);
+}
+
+static void on_get_stats(rtr_router *r, rtr_call *call) {
+    Metrale__V1__Stats st = METRALE__V1__STATS__INIT;
+    Metrale__V1__WorkerStats ws[RTR_WORKERS_MAX], *wp[RTR_WORKERS_MAX];
+    st.queued = (uint32_t)rtr_admission_len(&r->queue);
+    st.active_streams = r->running;
+    st.requests_total = r->requests_total;
+    st.requests_rejected = r->requests_rejected;
+    st.worker_restarts = r->workers.restarts;
+    for (size_t i = 0; i < r->workers.n; i++) {
+        ws[i] = r->workers.w[i]->stats;
+        ws[i].worker_id = r->workers.w[i]->id;
+        ws[i].alive = r->workers.w[i]->alive;
+        wp[i] = &ws[i];
+    }
+    st.n_workers = r->workers.n;
+    st.workers = wp;
+    rtr_call_finish(call, GRPC_STATUS_OK, NULL, &st.base);
+}
+
+static void h_on_request(rtr_router *r, rtr_call *call, rtr_method m, const uint8_t *data, size_t len) {
+    switch (m) {
+    case RTR_METHOD_GENERATE: on_generate(r, call, data, len); break;
+    case RTR_METHOD_GET_MODEL_INFO: on_get_model_info(r, call); break;
+    case RTR_METHOD_GET_STATS: on_get_stats(r, call); break;
+    case RTR_METHOD_HEALTH_CHECK: rtr_health_check(&r->health, call, data, len); break;
+    case RTR_METHOD_HEALTH_WATCH: rtr_health_watch_start(&r->health, call, data, len); break;
+    default: rtr_call_finish(call, GRPC_STATUS_UNIMPLEMENTED, "unknown method", NULL);
+    }
+}
+
+static void h_on_send_done(rtr_router *r, rtr_call *call, bool ok) {
+    rtr_stream *s = rtr_call_stream(call);
+    if (s) {
+        if (ok) stream_flush(s, NULL);
+        return;
+    }
+    if (rtr_call_watch(call)) rtr_health_on_send_done(&r->health, call, ok);
+}
+
+static void h_on_done(rtr_router *r, rtr_call *call, bool cancelled) {
+    (void)cancelled; /* a stream still attached here lost its client either way */
+    rtr_stream *s = rtr_call_stream(call);
+    if (s) stream_client_gone(r, s, mt_now());
+    if (rtr_call_watch(call)) rtr_health_on_done(&r->health, call);
+}
+
+/* ---- life ---- */
+
+rtr_router *rtr_router_create(const rtr_router_params *params, mt_error *err) {
+    rtr_router *r = calloc(1, sizeof *r);
+    if (!r) {
+        mt_errorf(err, MT_ERR_NOMEM, "router: out of memory");
+        return NULL;
+    }
+    r->p = *params;
+    r->next_id = 1;
+    rtr_workers_params wp = rtr_workers_default_params();
+    wp.dead_after_s = params->dead_after_s;
+    rtr_workers_init(&r->workers, wp);
+    rtr_admission_init(&r->queue, params->queue_capacity);
+    rtr_health_init(&r->health);
+    if (mt_wire_open(MT_WIRE_ROUTER, params->workers_endpoint, NULL, &r->wire, err)) goto fail;
+    rtr_grpc_params gp = rtr_grpc_default_params();
+    gp.listen = params->listen;
+    rtr_grpc_handlers h = {
+        .router = r,
+        .on_request = h_on_request,
+        .on_send_done = h_on_send_done,
+        .on_done = h_on_done,
+    };
+    if (!(r->grpc = rtr_grpc_create(&gp, &h, &r->port, err))) goto fail;
+    return r;
+fail:
+    mt_wire_close(r->wire);
+    rtr_workers_free(&r->workers);
+    free(r);
+    return NULL;
+}
+
+int rtr_router_port(const rtr_router *r) { return r->port; }
+
+mt_status rtr_router_run(rtr_router *r, mt_error *err) {
+    bool more_wire = false;
+    while (r->phase != STOPPED) {
+        struct pollfd fds[3] = {
+            {.fd = rtr_grpc_fd(r->grpc), .events = POLLIN},
+            {.fd = mt_wire_fd(r->wire), .events = POLLIN},
+            {.fd = r->p.drain_fd, .events = POLLIN},
+        };
+        int timeout = more_wire ? 0 : r->phase == RUNNING ? TICK_MS : DRAIN_TICK_MS;
+        if (poll(fds, r->p.drain_fd >= 0 ? 3 : 2, timeout) < 0 && errno != EINTR)
+            return mt_errorf(err, MT_ERR_IO, "router: poll: %s", strerror(errno));
+        if (r->p.drain_fd >= 0 && (fds[2].revents & POLLIN)) {
+            char buf[512];
+            if (read(r->p.drain_fd, buf, sizeof buf) < 0 && errno != EAGAIN && errno != EINTR)
+                mt_log(MT_LOG_WARN, "router: reading the drain descriptor: %s", strerror(errno));
+            rtr_router_drain(r);
+        }
+        rtr_grpc_dispatch(r->grpc);
+        drain_wire(r);
+        double now = mt_now();
+        if (now >= r->next_tick) { /* scans every stream: on a timer, not on every wake-up */
+            tick(r, now);
+            if (r->phase != RUNNING) drain_step(r, now);
+            r->next_tick = now + (r->phase == RUNNING ? TICK_MS : DRAIN_TICK_MS) * 1e-3;
+        }
+        if (r->phase != STOPPED) dispatch_queue(r);
+        /* Last: a receive that finds nothing re-arms the edge-triggered ZMQ_FD. */
+        more_wire = drain_wire(r);
+    }
+    return MT_OK;
+}
+
+void rtr_router_free(rtr_router *r) {
+    if (!r) return;
+    while (r->streams) stream_free(r, r->streams);
+    if (r->grpc) {
+        rtr_grpc_shutdown(r->grpc);
+        while (!rtr_grpc_shutdown_done(r->grpc)) {
+            struct pollfd pfd = {.fd = rtr_grpc_fd(r->grpc), .events = POLLIN};
+            poll(&pfd, 1, 100);
+            rtr_grpc_dispatch(r->grpc);
+        }
+        rtr_grpc_free(r->grpc);
+    }
+    rtr_health_free(&r->health);
+    mt_wire_close(r->wire);
+    rtr_workers_free(&r->workers);
+    free(r);
+}

@@ -1,0 +1,67 @@
+/* router/router.h: the router process's core. It serves metrale.v1.Generation and
+ * grpc.health.v1.Health (grpc_server.h), validates (validate.h) and admits (admission.h) Generate
+ * requests, submits them to the least loaded live worker over ZeroMQ (common/wire.h, workers.h)
+ * and streams each worker's tokens back to its client.
+ *
+ * Service behaviour (proto/metrale/v1/metrale.proto states the codes):
+ *   - a malformed request: INVALID_ARGUMENT naming the field; a full admission queue:
+ *     RESOURCE_EXHAUSTED; draining or no live worker: UNAVAILABLE;
+ *   - a passed deadline: DEADLINE_EXCEEDED, and the worker gets Abort; a client that cancels or
+ *     disconnects: the worker gets Abort (it frees the sequence and still answers Finished);
+ *   - a worker silent for dead_after_s is dead: its streams end UNAVAILABLE, the others go on;
+ *     a worker that speaks again (Hello or Heartbeat) is live again and counts as a restart;
+ *     an unknown worker's Heartbeat (it outlived a router restart) is answered with a Heartbeat
+ *     whose hello_wanted is set;
+ *   - rtr_router_drain (SIGTERM in main): health NOT_SERVING, new requests UNAVAILABLE, admitted
+ *     streams run up to drain_timeout_s (then end UNAVAILABLE), workers get Shutdown, the server
+ *     stops and rtr_router_run returns MT_OK.
+ *
+ * Threads: the thread that calls rtr_router_create must make every other call; it runs the event
+ * loop in rtr_router_run. (grpc_server.c adds one thread that only forwards completions.)
+ */
+#ifndef RTR_ROUTER_H
+#define RTR_ROUTER_H
+
+#include <stddef.h>
+
+#include "common/mt.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct rtr_router rtr_router;
+
+typedef struct rtr_router_params {
+    const char *listen;           /* gRPC address, "127.0.0.1:50051" (port 0: any free port) */
+    const char *workers_endpoint; /* ZeroMQ endpoint the workers connect to, "ipc:///tmp/m.sock" */
+    size_t queue_capacity;        /* admitted requests waiting for a worker; default 1024 */
+    double drain_timeout_s;       /* how long running streams may finish after drain; default 30 */
+    double dead_after_s;          /* worker silence that makes it dead; default 2.5 */
+    double workers_exit_s;        /* how long to wait for workers to leave after Shutdown; default 3 */
+    int drain_fd;                 /* readable => begin draining (a signalfd or pipe); -1 = none.
+                                     The router reads it (up to 512 bytes) but does not close it. */
+} rtr_router_params;
+
+rtr_router_params rtr_router_default_params(void);
+
+/* Binds the gRPC port and the workers' endpoint. NULL + err on failure (nothing left open). */
+rtr_router *rtr_router_create(const rtr_router_params *params, mt_error *err);
+
+/* The bound gRPC port. */
+int rtr_router_port(const rtr_router *r);
+
+/* Runs until a drain completes. MT_OK after a clean drain; an error only when the event loop
+ * itself fails (poll). */
+mt_status rtr_router_run(rtr_router *r, mt_error *err);
+
+/* Begins draining (as the drain_fd would). Idempotent. */
+void rtr_router_drain(rtr_router *r);
+
+/* Closes everything. NULL ok. */
+void rtr_router_free(rtr_router *r);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* RTR_ROUTER_H */

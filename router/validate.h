@@ -1,0 +1,40 @@
+/* router/validate.h: checks every field of a metrale.v1.GenerateRequest before admission.
+ *
+ * The checks are a table (validate.c): each row names the field as the client spells it
+ * ("sampling.top_p") and the allowed range, so the message a client gets says which field is wrong,
+ * what was sent and what is allowed. The ranges are those documented in proto/metrale/v1/metrale.proto.
+ *
+ * Pure functions: no allocation, no global state; any thread.
+ */
+#ifndef RTR_VALIDATE_H
+#define RTR_VALIDATE_H
+
+#include <stdint.h>
+
+#include "common/mt.h"
+#include "proto/metrale/v1/metrale.pb-c.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define RTR_REQUEST_ID_MAX 128   /* request_id: 1..128 printable ASCII characters */
+#define RTR_TOP_LOGPROBS_MAX 20  /* top_logprobs <= 20 */
+#define RTR_STOP_TOKENS_MAX 64   /* stopping.stop_token_ids: at most 64 entries */
+
+/* The served model's limits, from the workers' Hello (see workers.h). */
+typedef struct rtr_model_limits {
+    uint32_t vocab_size;  /* token ids must be < vocab_size */
+    uint32_t max_context; /* prompt + max_new_tokens <= max_context */
+} rtr_model_limits;
+
+/* Checks req. lim may be NULL (no worker has said Hello yet): then only the checks that do not
+ * depend on the model run. Returns MT_OK, or MT_ERR_INVALID with a one-line message in err that
+ * names the first bad field, e.g. "sampling.top_p = 1.5: must be 0 (off) or in (0, 1]". */
+mt_status rtr_validate_generate(const Metrale__V1__GenerateRequest *req, const rtr_model_limits *lim,
+                                mt_error *err);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* RTR_VALIDATE_H */

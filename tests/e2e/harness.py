@@ -1,0 +1,248 @@
+"""End-to-end harness: starts the real metrale-router and metrale-worker processes on loopback
+(gRPC on a free 127.0.0.1 port, ZeroMQ on an ipc:// endpoint in a temp dir) and talks to them
+with Debian's python3-grpcio, like any client would (redis's start_server, in Python).
+
+Stubs are generated from proto/ at import time into a temp dir with Debian's protoc and
+grpc_python_plugin (protobuf-compiler-grpc), or grpc_tools.protoc where that exists.
+
+Paths are relative to the Bazel runfiles root (the working directory of `bazel test`); outside
+Bazel, run from the workspace root after `bazel build //router/... //worker/...`: missing
+runfiles paths fall back to bazel-bin/.
+"""
+
+import atexit
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import grpc
+
+PROTOS = ["proto/metrale/v1/metrale.proto", "proto/grpc/health/v1/health.proto"]
+ROUTER_BIN = "router/metrale-router"
+WORKER_BIN = "worker/metrale-worker"
+GENERATE_BIN = "worker/cli/metrale-generate"
+MODEL_DIR = "tests/fixtures/tiny_a"
+
+
+def path(rel):
+    """A runfile, or its bazel-bin twin when run from the workspace root."""
+    if os.path.exists(rel):
+        return rel
+    alt = os.path.join("bazel-bin", rel)
+    if os.path.exists(alt):
+        return alt
+    raise FileNotFoundError(rel + " (not in the runfiles nor in bazel-bin/)")
+
+
+def _gen_stubs():
+    out = tempfile.mkdtemp(prefix="metrale-stubs-")
+    atexit.register(shutil.rmtree, out, True)
+    try:
+        from grpc_tools import protoc  # noqa: F401  (pip's grpcio-tools, when present)
+        cmd = [sys.executable, "-m", "grpc_tools.protoc"]
+        plugin = []
+    except ImportError:
+        plugin_path = shutil.which("grpc_python_plugin") or "/usr/bin/grpc_python_plugin"
+        cmd = ["protoc"]
+        plugin = ["--plugin=protoc-gen-grpc_python=" + plugin_path]
+    subprocess.run(cmd + plugin + ["-I.", "--python_out=" + out, "--grpc_python_out=" + out] + PROTOS,
+                   check=True)
+    sys.path.insert(0, out)
+
+
+_gen_stubs()
+from proto.grpc.health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+from proto.metrale.v1 import metrale_pb2, metrale_pb2_grpc  # noqa: E402
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def wait_for(cond, timeout, what, step=0.02):
+    end = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > end:
+            raise AssertionError("timed out after %.1f s waiting for %s" % (timeout, what))
+        time.sleep(step)
+
+
+def request(rid, prompt, max_new=8, **kw):
+    """A GenerateRequest; kw goes to the message (sampling=..., logprobs=...)."""
+    stopping = kw.pop("stopping", None) or metrale_pb2.StoppingCriteria(max_new_tokens=max_new, ignore_eos=True)
+    return metrale_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt, stopping=stopping, **kw)
+
+
+class Cluster:
+    """One router and n workers. Use as a context manager; on exit the router gets SIGTERM (a
+    clean drain, so sanitizer builds report) and whatever is left is killed.
+
+    Worker i has id i and identity "w<i>". Logs go to files in self.dir (printed on failure)."""
+
+    def __init__(self, workers=1, queue=None, drain_timeout=None, model=MODEL_DIR, max_sequences=None,
+                 worker_args=()):
+        # A unix socket path is limited to 107 bytes: keep the ipc endpoint short.
+        base = tempfile.gettempdir()
+        self.dir = tempfile.mkdtemp(prefix="metrale-e2e-", dir=base if len(base) <= 60 else "/tmp")
+        self.endpoint = "ipc://" + os.path.join(self.dir, "workers.sock")
+        self.model = model
+        self.max_sequences = max_sequences
+        self.worker_args = list(worker_args)
+        self.logs = []
+        # METRALE_E2E_ROUTER: another router build (e.g. one with -fsanitize=address).
+        # Port 0: the router binds a free port and logs it (no race with other tests for a port).
+        args = [os.environ.get("METRALE_E2E_ROUTER") or path(ROUTER_BIN), "--listen", "127.0.0.1:0",
+                "--workers-endpoint", self.endpoint]
+        if queue is not None:
+            args += ["--queue", str(queue)]
+        if drain_timeout is not None:
+            args += ["--drain-timeout", str(drain_timeout)]
+        self.router = self._spawn("router", args)
+        self.workers = {}
+        self.channel = None
+        try:
+            self.port = wait_for(self._logged_port, 10, "the router to log its port")
+            self.addr = "127.0.0.1:%d" % self.port
+            for i in range(workers):
+                self.start_worker(i)
+            self.channel = grpc.insecure_channel(self.addr)
+            self.gen = metrale_pb2_grpc.GenerationStub(self.channel)
+            self.health = health_pb2_grpc.HealthStub(self.channel)
+            grpc.channel_ready_future(self.channel).result(timeout=10)
+            self.wait_workers(workers)
+        except BaseException:
+            self.dump_logs()
+            self.close()
+            raise
+
+    def _logged_port(self):
+        if self.router.poll() is not None:
+            raise AssertionError("the router exited with %d at start" % self.router.returncode)
+        with open(self.logs[0][1], "rb") as f:
+            m = re.search(rb"listening on port (\d+)", f.read())
+        return int(m.group(1)) if m else None
+
+    def _spawn(self, name, args):
+        fn = os.path.join(self.dir, name + ".log")
+        self.logs.append((name, fn))
+        with open(fn, "wb") as log:  # the child keeps its own descriptor
+            return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+
+    def worker_cmd(self, i):
+        # One thread per worker: the model is tiny and CI has 2 cores for everything.
+        args = [path(WORKER_BIN), "--model", path(self.model), "--router", self.endpoint, "--id", str(i),
+                "--threads", "1"]
+        if self.max_sequences:
+            args += ["--max-sequences", str(self.max_sequences)]
+        return args + self.worker_args
+
+    def start_worker(self, i):
+        self.workers[i] = self._spawn("worker%d" % i if i not in self.workers else "worker%d.%d" % (i, time.time_ns()),
+                                      self.worker_cmd(i))
+
+    def stats(self):
+        return self.gen.GetStats(metrale_pb2.StatsRequest(), timeout=5)
+
+    def live_workers(self):
+        return [w for w in self.stats().workers if w.alive]
+
+    def wait_workers(self, n, timeout=20):
+        wait_for(lambda: len(self.live_workers()) >= n, timeout, "%d live workers" % n, step=0.05)
+
+    def check(self, service=""):
+        return self.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+    def kill_worker(self, i, sig=signal.SIGKILL):
+        self.workers[i].send_signal(sig)
+        if sig == signal.SIGKILL:
+            self.workers[i].wait(5)
+
+    def terminate_router(self, timeout=30):
+        """SIGTERM the router; returns its exit code."""
+        self.router.send_signal(signal.SIGTERM)
+        return self.router.wait(timeout)
+
+    def dump_logs(self, out=sys.stderr):
+        for name, fn in self.logs:
+            try:
+                with open(fn, "rb") as f:
+                    data = f.read()[-6000:].decode(errors="replace")
+            except OSError:
+                continue
+            out.write("---- %s (%s) ----\n%s\n" % (name, fn, data))
+
+    def close(self):
+        if self.channel is not None:
+            self.channel.close()
+        if self.router.poll() is None:  # a clean drain, so leak checkers get to report
+            self.router.send_signal(signal.SIGTERM)
+            try:
+                self.router.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        for p in [self.router] + list(self.workers.values()):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            self.dump_logs()
+        self.close()
+        return False
+
+
+class Collector:
+    """Runs one Generate stream on a thread and records its tokens, final message and status."""
+
+    def __init__(self, stub, req, timeout=None, cancel_after=None):
+        self.req = req
+        self.tokens = []
+        self.responses = []
+        self.final = None
+        self.code = None
+        self.details = None
+        self.first_token = threading.Event()
+        self.done = threading.Event()
+        self.ended_at = None
+        self.call = stub.Generate(req, timeout=timeout)
+        self.cancel_after = cancel_after
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        try:
+            for resp in self.call:
+                self.responses.append(resp)
+                self.tokens.extend(t.token_id for t in resp.tokens)
+                if resp.tokens:
+                    self.first_token.set()
+                if resp.HasField("final"):
+                    self.final = resp.final
+                if self.cancel_after is not None and len(self.tokens) >= self.cancel_after:
+                    self.call.cancel()
+            self.code = grpc.StatusCode.OK
+        except grpc.RpcError as e:
+            self.code = e.code()
+            self.details = e.details()
+        finally:
+            self.ended_at = time.monotonic()
+            self.first_token.set()
+            self.done.set()
+
+    def wait(self, timeout=60):
+        if not self.done.wait(timeout):
+            raise AssertionError("stream %s did not end in %.0f s" % (self.req.request_id, timeout))
+        return self

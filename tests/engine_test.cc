@@ -1,0 +1,501 @@
+// worker/engine: the continuous-batching loop on the real tiny_a checkpoint (CPU backend).
+// Greedy through the engine equals glm_prefill/glm_decode greedy; sequences joining and leaving
+// get the same tokens as each run alone (greedy and seeded sampling); abort, deadlines and errors
+// free the state back to zero; stop tokens and EOS; bounds (max_sequences, queue, prefill budget).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+#include "kernels/backend.h"
+#include "worker/engine/engine.h"
+#include "worker/model/glm_model.h"
+
+namespace {
+
+const char *kDir = "tests/fixtures/tiny_a";  // vocab 300, no EOS
+
+struct Result {
+    std::vector<int32_t> tokens;
+    std::vector<float> logprobs;
+    std::vector<std::vector<int32_t>> top;
+    int finishes = 0;
+    eng_finish reason = ENG_FINISH_ERROR;
+    std::string message;
+    int prompt_tokens = -1, completion_tokens = -1;
+};
+
+struct Model {
+    explicit Model(const char *dir = kDir) {
+        be = mt_cpu_backend_new(1);
+        mt_error err = { "" };
+        EXPECT_EQ(glm_model_load(dir, be, nullptr, &m, &err), MT_OK) << err.msg;
+    }
+    ~Model() {
+        glm_model_free(m);
+        mt_backend_free(be);
+    }
+    int vocab() const { return glm_model_config(m)->vocab_size; }
+    mt_backend *be = nullptr;
+    glm_model *m = nullptr;
+};
+
+// The reference: prefill, then greedy decode, straight on the model.
+std::vector<int32_t> DirectGreedy(glm_model *m, const std::vector<int32_t> &prompt, int n,
+                                  std::vector<std::vector<float>> *logits = nullptr) {
+    const int V = glm_model_config(m)->vocab_size;
+    glm_seq *s = nullptr;
+    mt_error err = { "" };
+    EXPECT_EQ(glm_seq_new(m, (int)prompt.size() + n, &s, &err), MT_OK) << err.msg;
+    std::vector<float> l(V);
+    EXPECT_EQ(glm_prefill(m, s, prompt.data(), (int)prompt.size(), l.data(), false, &err), MT_OK) << err.msg;
+    std::vector<int32_t> out;
+    for (int i = 0; i < n; i++) {
+        if (logits) logits->push_back(l);
+        out.push_back(glm_argmax(l.data(), V));
+        if (i + 1 < n) {
+            EXPECT_EQ(glm_decode(m, s, out.back(), l.data(), &err), MT_OK) << err.msg;
+        }
+    }
+    glm_seq_free(s);
+    return out;
+}
+
+struct Engine {
+    explicit Engine(glm_model *m, eng_params p = eng_default_params()) {
+        p.now_ms = [](void *u) { return static_cast<Engine *>(u)->now; };
+        p.clock_user = this;
+        eng_callbacks cb = {};
+        cb.user = this;
+        cb.on_tokens = [](void *u, uint64_t id, const eng_sample_result *t, int n) {
+            auto *self = static_cast<Engine *>(u);
+            Result &r = self->results[id];
+            EXPECT_EQ(r.finishes, 0) << "token after finish, id " << id;
+            EXPECT_EQ(n, 1);
+            for (int i = 0; i < n; i++) {
+                r.tokens.push_back(t[i].token);
+                r.logprobs.push_back(t[i].logprob);
+                r.top.emplace_back(t[i].top_ids, t[i].top_ids + t[i].n_top);
+            }
+            self->step_tokens[id]++;
+        };
+        cb.on_finished = [](void *u, uint64_t id, const eng_finish_info *f) {
+            Result &r = static_cast<Engine *>(u)->results[id];
+            r.finishes++;
+            r.reason = f->reason;
+            r.message = f->message;
+            r.prompt_tokens = f->prompt_tokens;
+            r.completion_tokens = f->completion_tokens;
+        };
+        mt_error err = { "" };
+        EXPECT_EQ(eng_new(m, &p, &cb, &e, &err), MT_OK) << err.msg;
+    }
+    ~Engine() { eng_free(e); }
+    mt_status Submit(uint64_t id, const std::vector<int32_t> &prompt, eng_request r = eng_default_request(),
+                     uint64_t deadline = 0, std::string *msg = nullptr) {
+        r.prompt = prompt.data();
+        r.n_prompt = (int)prompt.size();
+        mt_error err = { "" };
+        mt_status st = eng_submit(e, id, &r, deadline, &err);
+        if (msg) *msg = err.msg;
+        return st;
+    }
+    // One step; checks that no sequence got more than one token in it.
+    void Step() {
+        step_tokens.clear();
+        int n = -1;
+        ASSERT_EQ(eng_step(e, &n), MT_OK);
+        int sum = 0;
+        for (auto &kv : step_tokens) {
+            EXPECT_EQ(kv.second, 1) << "id " << kv.first;
+            sum += kv.second;
+        }
+        EXPECT_EQ(n, sum);
+    }
+    void RunToEnd(int max_steps = 10000) {
+        for (int i = 0; i < max_steps && eng_has_work(e); i++) Step();
+        EXPECT_FALSE(eng_has_work(e));
+    }
+    eng_stats Stats() const {
+        eng_stats s;
+        eng_get_stats(e, &s);
+        return s;
+    }
+    eng_engine *e = nullptr;
+    uint64_t now = 1000000;
+    std::map<uint64_t, Result> results;
+    std::map<uint64_t, int> step_tokens;
+};
+
+std::vector<int32_t> Prompt(int n, int salt) {
+    std::vector<int32_t> p;
+    for (int i = 0; i < n; i++) p.push_back((i * 37 + salt * 101 + 7) % 300);
+    return p;
+}
+
+eng_request Req(int max_new) {
+    eng_request r = eng_default_request();
+    r.max_new_tokens = max_new;
+    return r;
+}
+
+TEST(Engine, GreedyEqualsDirectModel) {
+    Model M;
+    const std::vector<int32_t> prompt = Prompt(9, 1);
+    std::vector<std::vector<float>> logits;
+    const std::vector<int32_t> want = DirectGreedy(M.m, prompt, 12, &logits);
+    Engine E(M.m);
+    eng_request r = Req(12);
+    r.logprobs = true;
+    r.top_logprobs = 2;
+    ASSERT_EQ(E.Submit(5, prompt, r), MT_OK);
+    E.RunToEnd();
+    const Result &got = E.results[5];
+    EXPECT_EQ(got.tokens, want);
+    EXPECT_EQ(got.finishes, 1);
+    EXPECT_EQ(got.reason, ENG_FINISH_LENGTH);
+    EXPECT_EQ(got.prompt_tokens, 9);
+    EXPECT_EQ(got.completion_tokens, 12);
+    for (size_t i = 0; i < want.size(); i++) {  // raw logprobs of the model's logits
+        const std::vector<float> &l = logits[i];
+        double mx = -INFINITY, sum = 0;
+        for (float x : l) mx = std::max(mx, (double)x);
+        for (float x : l) sum += std::exp(x - mx);
+        EXPECT_NEAR(got.logprobs[i], l[want[i]] - mx - std::log(sum), 1e-4);
+        ASSERT_EQ(got.top[i].size(), 2u);
+        EXPECT_EQ(got.top[i][0], want[i]);
+    }
+    const eng_stats s = E.Stats();
+    EXPECT_EQ(s.sequences_finished, 1u);
+    EXPECT_EQ(s.tokens_generated, 12u);
+    EXPECT_EQ(s.cache_bytes_in_use, 0u);
+}
+
+TEST(Engine, SequencesJoiningAndLeavingMatchEachAlone) {
+    Model M;
+    struct Spec { uint64_t id; int plen, max_new, submit_at; float temperature; uint64_t seed; };
+    const Spec specs[] = {
+        { 1, 5, 10, 0, 0.f, 0 },   { 2, 12, 4, 0, 0.f, 0 },   { 3, 3, 14, 0, 0.9f, 11 },
+        { 4, 20, 6, 2, 0.f, 0 },   { 5, 1, 9, 3, 1.2f, 12 },  { 6, 7, 1, 3, 0.f, 0 },
+        { 7, 30, 8, 5, 0.7f, 13 }, { 8, 2, 12, 9, 0.f, 0 },
+    };
+    auto request = [](const Spec &s) {
+        eng_request r = Req(s.max_new);
+        r.sampling.temperature = s.temperature;
+        r.sampling.top_p = s.temperature > 0 ? 0.9f : 1.0f;
+        r.sampling.repetition_penalty = s.temperature > 0 ? 1.1f : 1.0f;
+        r.has_seed = true;
+        r.seed = s.seed;
+        return r;
+    };
+    std::map<uint64_t, std::vector<int32_t>> alone;
+    for (const Spec &s : specs) {
+        Engine E(M.m);
+        ASSERT_EQ(E.Submit(s.id, Prompt(s.plen, (int)s.id), request(s)), MT_OK);
+        E.RunToEnd();
+        alone[s.id] = E.results[s.id].tokens;
+        ASSERT_EQ((int)alone[s.id].size(), s.max_new);
+    }
+    eng_params p = eng_default_params();
+    p.max_sequences = 3;  // some wait, and join as others leave
+    Engine E(M.m, p);
+    int max_running = 0;
+    for (int step = 0; step < 200; step++) {
+        for (const Spec &s : specs)
+            if (s.submit_at == step) {
+                ASSERT_EQ(E.Submit(s.id, Prompt(s.plen, (int)s.id), request(s)), MT_OK);
+            }
+        if (step > 10 && !eng_has_work(E.e)) break;
+        E.Step();
+        const eng_stats st = E.Stats();
+        max_running = std::max(max_running, st.running);
+        EXPECT_LE(st.running, 3);
+    }
+    EXPECT_EQ(max_running, 3);
+    for (const Spec &s : specs) {
+        EXPECT_EQ(E.results[s.id].tokens, alone[s.id]) << "id " << s.id;
+        EXPECT_EQ(E.results[s.id].reason, ENG_FINISH_LENGTH);
+        EXPECT_EQ(E.results[s.id].finishes, 1);
+    }
+    const eng_stats st = E.Stats();
+    EXPECT_EQ(st.live_sequences, 0);
+    EXPECT_EQ(st.cache_bytes_in_use, 0u);
+    EXPECT_EQ(st.sequences_finished, 8u);
+}
+
+TEST(Engine, SeededSamplingIsReproducible) {
+    Model M;
+    eng_request r = Req(20);
+    r.sampling.temperature = 1.5f;
+    r.sampling.top_k = 50;
+    r.sampling.min_p = 0.01f;
+    r.sampling.presence_penalty = 0.5f;
+    r.sampling.frequency_penalty = 0.2f;
+    r.has_seed = true;
+    auto run = [&](uint64_t seed) {
+        Engine E(M.m);
+        r.seed = seed;
+        EXPECT_EQ(E.Submit(1, Prompt(6, 2), r), MT_OK);
+        E.RunToEnd();
+        return E.results[1].tokens;
+    };
+    EXPECT_EQ(run(7), run(7));
+    EXPECT_NE(run(7), run(8));
+}
+
+TEST(Engine, AbortFreesStateBackToBaseline) {
+    Model M;
+    eng_params p = eng_default_params();
+    p.max_sequences = 4;
+    Engine E(M.m, p);
+    EXPECT_EQ(E.Stats().cache_bytes_in_use, 0u);
+    for (uint64_t id = 1; id <= 10; id++) ASSERT_EQ(E.Submit(id, Prompt(4 + (int)id, (int)id), Req(50)), MT_OK);
+    E.Step();
+    E.Step();
+    eng_stats s = E.Stats();
+    EXPECT_EQ(s.running, 4);
+    EXPECT_EQ(s.waiting, 6);
+    EXPECT_EQ(s.live_sequences, 10);
+    EXPECT_GT(s.cache_bytes_in_use, 0u);
+    // running 1..4, waiting 5..10: abort one of each, then everything
+    EXPECT_EQ(eng_abort(E.e, 2, ENG_FINISH_CANCELLED, nullptr), MT_OK);
+    EXPECT_EQ(eng_abort(E.e, 9, ENG_FINISH_CANCELLED, "client went away"), MT_OK);
+    EXPECT_EQ(eng_abort(E.e, 9, ENG_FINISH_CANCELLED, nullptr), MT_ERR_NOT_FOUND);
+    EXPECT_EQ(eng_abort(E.e, 99, ENG_FINISH_CANCELLED, nullptr), MT_ERR_NOT_FOUND);
+    EXPECT_EQ(E.results[2].reason, ENG_FINISH_CANCELLED);
+    EXPECT_EQ(E.results[2].completion_tokens, 2);
+    EXPECT_EQ(E.results[9].message, "client went away");
+    EXPECT_EQ(E.results[9].completion_tokens, 0);
+    s = E.Stats();
+    EXPECT_EQ(s.running, 3);
+    EXPECT_EQ(s.waiting, 5);
+    E.Step();  // a waiting one takes the freed slot
+    EXPECT_EQ(E.Stats().running, 4);
+    eng_abort_all(E.e, ENG_FINISH_CANCELLED, "shutting down");
+    s = E.Stats();
+    EXPECT_EQ(s.live_sequences, 0);
+    EXPECT_EQ(s.cache_bytes_in_use, 0u);
+    EXPECT_EQ(s.sequences_aborted, 10u);
+    EXPECT_FALSE(eng_has_work(E.e));
+    for (uint64_t id = 1; id <= 10; id++) {
+        EXPECT_EQ(E.results[id].finishes, 1) << id;
+        EXPECT_EQ(E.results[id].reason, ENG_FINISH_CANCELLED) << id;
+    }
+    // the engine is reusable afterwards and the id can come back
+    E.results.erase(2);
+    ASSERT_EQ(E.Submit(2, Prompt(5, 1), Req(3)), MT_OK);
+    E.RunToEnd();
+    EXPECT_EQ(E.results[2].finishes, 1);
+    EXPECT_EQ(E.results[2].reason, ENG_FINISH_LENGTH);
+}
+
+TEST(Engine, CacheBytesCountEveryRunningSequence) {
+    Model M;
+    eng_params p = eng_default_params();
+    p.max_sequences = 2;
+    Engine E(M.m, p);
+    ASSERT_EQ(E.Submit(1, Prompt(10, 1), Req(6)), MT_OK);
+    ASSERT_EQ(E.Submit(2, Prompt(3, 2), Req(40)), MT_OK);
+    E.Step();
+    size_t want = 0;
+    for (int cap : { 16, 43 }) {
+        glm_seq *s = nullptr;
+        ASSERT_EQ(glm_seq_new(M.m, cap, &s, nullptr), MT_OK);
+        want += glm_seq_bytes(s);
+        glm_seq_free(s);
+    }
+    EXPECT_GT(want, 0u);
+    EXPECT_EQ(E.Stats().cache_bytes_in_use, want);
+    E.RunToEnd();
+    EXPECT_EQ(E.Stats().cache_bytes_in_use, 0u);
+}
+
+TEST(Engine, StopTokenEndsAndIsIncluded) {
+    Model M;
+    const std::vector<int32_t> prompt = Prompt(8, 3);
+    const std::vector<int32_t> greedy = DirectGreedy(M.m, prompt, 16);
+    // stop at the token greedy produces at index 3 (or earlier, if it came before)
+    const int32_t stop = greedy[3];
+    size_t first = 0;
+    while (greedy[first] != stop) first++;
+    Engine E(M.m);
+    eng_request r = Req(16);
+    const int32_t stops[] = { 299, stop };
+    r.stop_ids = stops;
+    r.n_stop = 2;
+    ASSERT_EQ(E.Submit(1, prompt, r), MT_OK);
+    r.n_stop = 0;  // the same without stop tokens runs to the length
+    ASSERT_EQ(E.Submit(2, prompt, r), MT_OK);
+    E.RunToEnd();
+    EXPECT_EQ(E.results[1].reason, ENG_FINISH_STOP);
+    EXPECT_EQ(E.results[1].tokens, std::vector<int32_t>(greedy.begin(), greedy.begin() + first + 1));
+    EXPECT_EQ(E.results[1].completion_tokens, (int)first + 1);
+    EXPECT_EQ(E.results[2].reason, ENG_FINISH_LENGTH);
+    EXPECT_EQ(E.results[2].tokens, greedy);
+    EXPECT_EQ(E.Stats().sequences_finished, 2u);
+}
+
+// tiny_a with eos_token_id set: a copy of its config beside a link to its weights.
+std::string ModelWithEos(int eos) {
+    char tmpl[] = "/tmp/engine_test_eos_XXXXXX";
+    const char *dir = mkdtemp(tmpl);
+    EXPECT_NE(dir, nullptr);
+    std::ifstream in(std::string(kDir) + "/config.json");
+    std::stringstream ss;
+    ss << in.rdbuf();
+    std::string cfg = ss.str();
+    const std::string key = "\"eos_token_id\": null";
+    const size_t at = cfg.find(key);
+    EXPECT_NE(at, std::string::npos);
+    cfg.replace(at, key.size(), "\"eos_token_id\": " + std::to_string(eos));
+    std::ofstream(std::string(dir) + "/config.json") << cfg;
+    char cwd[4096];
+    EXPECT_NE(getcwd(cwd, sizeof cwd), nullptr);
+    const std::string w = std::string(cwd) + "/" + kDir + "/model.safetensors";
+    EXPECT_EQ(symlink(w.c_str(), (std::string(dir) + "/model.safetensors").c_str()), 0);
+    return dir;
+}
+
+TEST(Engine, EosStopsUnlessIgnored) {
+    Model plain;
+    const std::vector<int32_t> prompt = Prompt(8, 4);
+    const std::vector<int32_t> greedy = DirectGreedy(plain.m, prompt, 12);
+    const int32_t eos = greedy[2];
+    size_t first = 0;
+    while (greedy[first] != eos) first++;
+    const std::string dir = ModelWithEos(eos);
+    Model M(dir.c_str());
+    ASSERT_EQ(glm_model_config(M.m)->eos_token_id, eos);
+    Engine E(M.m);
+    eng_request r = Req(12);
+    ASSERT_EQ(E.Submit(1, prompt, r), MT_OK);
+    r.ignore_eos = true;
+    ASSERT_EQ(E.Submit(2, prompt, r), MT_OK);
+    E.RunToEnd();
+    EXPECT_EQ(E.results[1].reason, ENG_FINISH_STOP);
+    EXPECT_EQ(E.results[1].tokens, std::vector<int32_t>(greedy.begin(), greedy.begin() + first + 1));
+    EXPECT_EQ(E.results[2].reason, ENG_FINISH_LENGTH);
+    EXPECT_EQ(E.results[2].tokens, greedy);
+    std::remove((dir + "/model.safetensors").c_str());
+    std::remove((dir + "/config.json").c_str());
+    rmdir(dir.c_str());
+}
+
+TEST(Engine, DeadlineEndsRunningAndWaitingSequences) {
+    Model M;
+    eng_params p = eng_default_params();
+    p.max_sequences = 1;
+    Engine E(M.m, p);
+    ASSERT_EQ(E.Submit(1, Prompt(5, 1), Req(100), E.now + 50), MT_OK);  // runs
+    ASSERT_EQ(E.Submit(2, Prompt(5, 2), Req(100), E.now + 50), MT_OK);  // waits behind it
+    ASSERT_EQ(E.Submit(3, Prompt(5, 3), Req(3)), MT_OK);                // no deadline
+    E.Step();
+    E.Step();
+    EXPECT_EQ(E.results[1].tokens.size(), 2u);
+    E.now += 50;
+    E.Step();  // both expire; 3 is admitted in the same step
+    for (uint64_t id : { 1, 2 }) {
+        EXPECT_EQ(E.results[id].reason, ENG_FINISH_CANCELLED) << id;
+        EXPECT_EQ(E.results[id].message, "deadline exceeded") << id;
+        EXPECT_EQ(E.results[id].finishes, 1) << id;
+    }
+    EXPECT_EQ(E.results[1].tokens.size(), 2u);
+    EXPECT_EQ(E.results[2].tokens.size(), 0u);
+    EXPECT_EQ(E.results[3].tokens.size(), 1u);
+    E.RunToEnd();
+    EXPECT_EQ(E.results[3].reason, ENG_FINISH_LENGTH);
+    const eng_stats s = E.Stats();
+    EXPECT_EQ(s.sequences_aborted, 2u);
+    EXPECT_EQ(s.sequences_finished, 1u);
+    EXPECT_EQ(s.cache_bytes_in_use, 0u);
+}
+
+TEST(Engine, BadRequestsAreRejectedWithoutSideEffects) {
+    Model M;
+    eng_params p = eng_default_params();
+    p.max_context = 64;
+    p.max_waiting = 2;
+    Engine E(M.m, p);
+    const std::vector<int32_t> ok = Prompt(4, 1);
+    struct Bad { std::vector<int32_t> prompt; eng_request r; const char *says; };
+    std::vector<Bad> bad;
+    auto add = [&](std::vector<int32_t> pr, auto f, const char *says) {
+        eng_request r = Req(4);
+        f(r);
+        bad.push_back({ pr, r, says });
+    };
+    add({}, [](eng_request &) {}, "prompt is empty");
+    add({ 1, 300 }, [](eng_request &) {}, "outside the vocabulary");
+    add({ -1 }, [](eng_request &) {}, "outside the vocabulary");
+    add(ok, [](eng_request &r) { r.max_new_tokens = 0; }, "max_new_tokens");
+    add(ok, [](eng_request &r) { r.max_new_tokens = 61; }, "context limit");
+    add(ok, [](eng_request &r) { static const int32_t s[] = { 300 }; r.stop_ids = s; r.n_stop = 1; }, "stop token");
+    add(ok, [](eng_request &r) { r.top_logprobs = 21; }, "top_logprobs");
+    add(ok, [](eng_request &r) { r.sampling.top_p = 0; }, "top_p");
+    add(ok, [](eng_request &r) { r.sampling.temperature = NAN; }, "temperature");
+    for (const Bad &b : bad) {
+        std::string msg;
+        EXPECT_EQ(E.Submit(1, b.prompt, b.r, 0, &msg), MT_ERR_INVALID) << b.says;
+        EXPECT_NE(msg.find(b.says), std::string::npos) << msg;
+    }
+    EXPECT_FALSE(eng_has_work(E.e));
+    ASSERT_EQ(E.Submit(1, ok, Req(60)), MT_OK);  // exactly at the context limit
+    std::string msg;
+    EXPECT_EQ(E.Submit(1, ok, Req(4), 0, &msg), MT_ERR_INVALID);
+    EXPECT_NE(msg.find("already live"), std::string::npos) << msg;
+    ASSERT_EQ(E.Submit(2, ok, Req(4)), MT_OK);
+    EXPECT_EQ(E.Submit(3, ok, Req(4), 0, &msg), MT_ERR_FULL);
+    EXPECT_EQ(E.Stats().waiting, 2);
+    E.RunToEnd();
+    EXPECT_TRUE(E.results.count(3) == 0);
+    EXPECT_EQ(E.results[1].tokens.size(), 60u);
+}
+
+TEST(Engine, PrefillBudgetSpreadsAdmissionsOverSteps) {
+    Model M;
+    eng_params p = eng_default_params();
+    p.prefill_budget = 20;
+    Engine E(M.m, p);
+    for (uint64_t id = 1; id <= 4; id++) ASSERT_EQ(E.Submit(id, Prompt(15, (int)id), Req(5)), MT_OK);
+    E.Step();  // 15 + 15 > 20 after the first: one admission
+    EXPECT_EQ(E.Stats().running, 1);
+    E.Step();
+    EXPECT_EQ(E.Stats().running, 2);
+    ASSERT_EQ(E.Submit(5, Prompt(100, 5), Req(5)), MT_OK);  // longer than the budget: still admitted first
+    E.RunToEnd();
+    for (uint64_t id = 1; id <= 5; id++) EXPECT_EQ(E.results[id].tokens.size(), 5u) << id;
+}
+
+TEST(Engine, OneTokenRequestsFinishAtPrefill) {
+    Model M;
+    Engine E(M.m);
+    const std::vector<int32_t> prompt = Prompt(6, 9);
+    ASSERT_EQ(E.Submit(1, prompt, Req(1)), MT_OK);
+    E.Step();
+    EXPECT_FALSE(eng_has_work(E.e));
+    EXPECT_EQ(E.results[1].tokens, DirectGreedy(M.m, prompt, 1));
+    EXPECT_EQ(E.results[1].reason, ENG_FINISH_LENGTH);
+    EXPECT_EQ(E.Stats().cache_bytes_in_use, 0u);
+}
+
+TEST(Engine, ParamsAreChecked) {
+    Model M;
+    eng_params p = eng_default_params();
+    p.max_sequences = 0;
+    eng_engine *e = nullptr;
+    mt_error err = { "" };
+    EXPECT_EQ(eng_new(M.m, &p, nullptr, &e, &err), MT_ERR_INVALID);
+    EXPECT_EQ(e, nullptr);
+    EXPECT_NE(std::string(err.msg).find("max_sequences"), std::string::npos);
+    eng_free(nullptr);
+}
+
+}  // namespace

@@ -1,0 +1,502 @@
+// metrale-worker, the real binary, driven from a raw ZeroMQ ROUTER socket in this test (the
+// router's side of worker.proto): Hello, streamed Tokens equal to the model's greedy tokens,
+// Finished after the last Tokens, Abort, heartbeats with stats back at baseline, malformed and
+// unexpected messages dropped without harm, Shutdown, SIGTERM and router silence.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "common/mt.h"
+#include "kernels/backend.h"
+#include "proto/metrale/internal/v1/worker.pb-c.h"
+#include "worker/model/glm_model.h"
+
+namespace {
+
+const char *kModel = "tests/fixtures/tiny_a";  // vocab 300, 4 layers, hidden 64, no EOS
+const char *kWorker = "worker/metrale-worker";
+
+typedef Metrale__Internal__V1__Envelope Env;
+
+std::vector<int32_t> DirectGreedy(const std::vector<int32_t> &prompt, int n) {
+    mt_backend *be = mt_cpu_backend_new(1);
+    glm_model *m = nullptr;
+    glm_seq *s = nullptr;
+    EXPECT_EQ(glm_model_load(kModel, be, nullptr, &m, nullptr), MT_OK);
+    const int V = glm_model_config(m)->vocab_size;
+    EXPECT_EQ(glm_seq_new(m, (int)prompt.size() + n, &s, nullptr), MT_OK);
+    std::vector<float> l(V);
+    EXPECT_EQ(glm_prefill(m, s, prompt.data(), (int)prompt.size(), l.data(), false, nullptr), MT_OK);
+    std::vector<int32_t> out;
+    for (int i = 0; i < n; i++) {
+        out.push_back(glm_argmax(l.data(), V));
+        if (i + 1 < n) {
+            EXPECT_EQ(glm_decode(m, s, out.back(), l.data(), nullptr), MT_OK);
+        }
+    }
+    glm_seq_free(s);
+    glm_model_free(m);
+    mt_backend_free(be);
+    return out;
+}
+
+// The router side: a ROUTER socket bound to a private ipc endpoint, and the worker process.
+class WorkerProc {
+  public:
+    explicit WorkerProc(std::vector<std::string> extra = {}, uint32_t max_context = 256) : max_context_(max_context) {
+        char tmpl[] = "/tmp/worker_main_test_XXXXXX";
+        dir_ = mkdtemp(tmpl);
+        endpoint_ = "ipc://" + dir_ + "/w.sock";
+        ctx_ = zmq_ctx_new();
+        sock_ = zmq_socket(ctx_, ZMQ_ROUTER);
+        int one = 1, zero = 0;
+        zmq_setsockopt(sock_, ZMQ_ROUTER_MANDATORY, &one, sizeof one);
+        zmq_setsockopt(sock_, ZMQ_LINGER, &zero, sizeof zero);
+        EXPECT_EQ(zmq_bind(sock_, endpoint_.c_str()), 0) << zmq_strerror(zmq_errno());
+        std::vector<std::string> args = { kWorker, "--model", kModel, "--router", endpoint_, "--id", "3",
+                                          "--threads", "1", "--max-sequences", "4", "--max-context",
+                                          std::to_string(max_context) };
+        args.insert(args.end(), extra.begin(), extra.end());
+        pid_ = fork();
+        if (pid_ == 0) {
+            std::vector<char *> argv;
+            for (auto &a : args) argv.push_back(const_cast<char *>(a.c_str()));
+            argv.push_back(nullptr);
+            execv(argv[0], argv.data());
+            _exit(127);
+        }
+    }
+    ~WorkerProc() {
+        if (pid_ > 0 && !exited_) {
+            kill(pid_, SIGKILL);
+            waitpid(pid_, nullptr, 0);
+        }
+        zmq_close(sock_);
+        zmq_ctx_term(ctx_);
+        unlink((dir_ + "/w.sock").c_str());
+        rmdir(dir_.c_str());
+    }
+
+    // Next envelope from the worker within timeout_ms, or nullptr. Heartbeats are recorded and
+    // skipped unless want_heartbeat.
+    Env *Recv(int timeout_ms, bool want_heartbeat = false) {
+        const double end = mt_now() + timeout_ms / 1000.0;
+        for (;;) {
+            const double left = end - mt_now();
+            if (left <= 0) return nullptr;
+            zmq_pollitem_t it = { sock_, 0, ZMQ_POLLIN, 0 };
+            if (zmq_poll(&it, 1, (long)(left * 1000) + 1) <= 0) continue;
+            zmq_msg_t id, body;
+            zmq_msg_init(&id);
+            zmq_msg_init(&body);
+            zmq_msg_recv(&id, sock_, 0);
+            peer_.assign((const char *)zmq_msg_data(&id), zmq_msg_size(&id));
+            zmq_msg_recv(&body, sock_, 0);
+            Env *e = metrale__internal__v1__envelope__unpack(nullptr, zmq_msg_size(&body),
+                                                             (const uint8_t *)zmq_msg_data(&body));
+            zmq_msg_close(&id);
+            zmq_msg_close(&body);
+            EXPECT_NE(e, nullptr) << "undecodable message from the worker";
+            if (!e) continue;
+            EXPECT_EQ(e->version, 1u);
+            if (e->body_case == METRALE__INTERNAL__V1__ENVELOPE__BODY_HEARTBEAT) {
+                heartbeats_++;
+                if (e->heartbeat->stats) {
+                    last_stats_ = *e->heartbeat->stats;
+                    have_stats_ = true;
+                }
+                if (!want_heartbeat) {
+                    metrale__internal__v1__envelope__free_unpacked(e, nullptr);
+                    continue;
+                }
+            }
+            return e;
+        }
+    }
+    void SendRaw(const void *data, size_t n) {
+        ASSERT_EQ(zmq_send(sock_, "w3", 2, ZMQ_SNDMORE), 2);
+        ASSERT_EQ(zmq_send(sock_, data, n, 0), (int)n);
+    }
+    void Send(Env *e, uint32_t version = 1) {
+        e->version = version;
+        std::vector<uint8_t> buf(metrale__internal__v1__envelope__get_packed_size(e));
+        metrale__internal__v1__envelope__pack(e, buf.data());
+        SendRaw(buf.data(), buf.size());
+    }
+    void Heartbeat(bool hello_wanted = false) {
+        Metrale__Internal__V1__Heartbeat hb = METRALE__INTERNAL__V1__HEARTBEAT__INIT;
+        hb.hello_wanted = hello_wanted;
+        Env e = METRALE__INTERNAL__V1__ENVELOPE__INIT;
+        e.body_case = METRALE__INTERNAL__V1__ENVELOPE__BODY_HEARTBEAT;
+        e.heartbeat = &hb;
+        Send(&e);
+    }
+    void Submit(uint64_t id, const std::vector<uint32_t> &prompt, uint32_t max_new,
+                std::vector<uint32_t> stops = {}, bool logprobs = false, uint32_t top = 0) {
+        Metrale__V1__StoppingCriteria st = METRALE__V1__STOPPING_CRITERIA__INIT;
+        st.max_new_tokens = max_new;
+        st.n_stop_token_ids = stops.size();
+        st.stop_token_ids = stops.data();
+        Metrale__V1__GenerateRequest g = METRALE__V1__GENERATE_REQUEST__INIT;
+        g.request_id = (char *)"t";
+        g.n_prompt_token_ids = prompt.size();
+        g.prompt_token_ids = const_cast<uint32_t *>(prompt.data());
+        g.stopping = &st;
+        g.logprobs = logprobs;
+        g.top_logprobs = top;
+        Metrale__Internal__V1__Submit s = METRALE__INTERNAL__V1__SUBMIT__INIT;
+        s.id = id;
+        s.request = &g;
+        Env e = METRALE__INTERNAL__V1__ENVELOPE__INIT;
+        e.body_case = METRALE__INTERNAL__V1__ENVELOPE__BODY_SUBMIT;
+        e.submit = &s;
+        Send(&e);
+    }
+    void Abort(uint64_t id) {
+        Metrale__Internal__V1__Abort a = METRALE__INTERNAL__V1__ABORT__INIT;
+        a.id = id;
+        a.reason = METRALE__V1__FINISH_REASON__FINISH_REASON_CANCELLED;
+        Env e = METRALE__INTERNAL__V1__ENVELOPE__INIT;
+        e.body_case = METRALE__INTERNAL__V1__ENVELOPE__BODY_ABORT;
+        e.abort = &a;
+        Send(&e);
+    }
+    void Shutdown() {
+        Metrale__Internal__V1__Shutdown sd = METRALE__INTERNAL__V1__SHUTDOWN__INIT;
+        Env e = METRALE__INTERNAL__V1__ENVELOPE__INIT;
+        e.body_case = METRALE__INTERNAL__V1__ENVELOPE__BODY_SHUTDOWN;
+        e.shutdown = &sd;
+        Send(&e);
+    }
+    // Waits for the Hello; checks what it says.
+    void ExpectHello() {
+        Env *e = Recv(30000);
+        ASSERT_NE(e, nullptr) << "no Hello";
+        ASSERT_EQ(e->body_case, METRALE__INTERNAL__V1__ENVELOPE__BODY_HELLO);
+        EXPECT_EQ(peer_, "w3");
+        EXPECT_EQ(e->hello->worker_id, 3u);
+        EXPECT_EQ(e->hello->max_sequences, 4u);
+        ASSERT_NE(e->hello->model, nullptr);
+        EXPECT_STREQ(e->hello->model->model_type, "glm5_next");
+        EXPECT_EQ(e->hello->model->vocab_size, 300u);
+        EXPECT_EQ(e->hello->model->max_context, max_context_);
+        EXPECT_EQ(e->hello->model->num_layers, 4u);
+        EXPECT_EQ(e->hello->model->hidden_size, 64u);
+        EXPECT_EQ(e->hello->model->eos_token_id, -1);
+        EXPECT_STREQ(e->hello->model->backend, "cpu");
+        metrale__internal__v1__envelope__free_unpacked(e, nullptr);
+    }
+    // Exit status within timeout_s, or -1.
+    int Wait(double timeout_s) {
+        const double end = mt_now() + timeout_s;
+        while (mt_now() < end) {
+            int st;
+            if (waitpid(pid_, &st, WNOHANG) == pid_) {
+                exited_ = true;
+                return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+            }
+            usleep(20000);
+        }
+        return -1;
+    }
+    pid_t pid_ = -1;
+    bool exited_ = false;
+    uint32_t max_context_;
+    int heartbeats_ = 0;
+    bool have_stats_ = false;
+    Metrale__V1__WorkerStats last_stats_ = METRALE__V1__WORKER_STATS__INIT;
+
+  private:
+    std::string dir_, endpoint_, peer_;
+    void *ctx_, *sock_;
+};
+
+struct Stream {
+    std::vector<uint32_t> tokens;
+    std::vector<size_t> batch_sizes;
+    std::vector<float> logprobs;
+    std::vector<size_t> n_top;
+    bool finished = false;
+    Metrale__V1__FinishReason reason = METRALE__V1__FINISH_REASON__FINISH_REASON_UNSPECIFIED;
+    uint32_t prompt_tokens = 0, completion_tokens = 0;
+    std::string error;
+};
+
+// Collects Tokens and Finished until every id in want has finished (or the time is up).
+void Collect(WorkerProc &w, std::map<uint64_t, Stream> &out, const std::vector<uint64_t> &want, int timeout_ms,
+             bool keep_heartbeats_flowing = true) {
+    const double end = mt_now() + timeout_ms / 1000.0;
+    auto done = [&] {
+        for (uint64_t id : want)
+            if (!out[id].finished) return false;
+        return true;
+    };
+    double next_hb = 0;
+    while (!done() && mt_now() < end) {
+        if (keep_heartbeats_flowing && mt_now() >= next_hb) {
+            w.Heartbeat();
+            next_hb = mt_now() + 0.5;
+        }
+        Env *e = w.Recv(100);
+        if (!e) continue;
+        if (e->body_case == METRALE__INTERNAL__V1__ENVELOPE__BODY_TOKENS) {
+            Stream &s = out[e->tokens->id];
+            EXPECT_FALSE(s.finished) << "Tokens after Finished for " << e->tokens->id;
+            s.batch_sizes.push_back(e->tokens->n_tokens);
+            for (size_t i = 0; i < e->tokens->n_tokens; i++) {
+                s.tokens.push_back(e->tokens->tokens[i]->token_id);
+                s.logprobs.push_back(e->tokens->tokens[i]->logprob);
+                s.n_top.push_back(e->tokens->tokens[i]->n_top_logprobs);
+            }
+        } else if (e->body_case == METRALE__INTERNAL__V1__ENVELOPE__BODY_FINISHED) {
+            Stream &s = out[e->finished->id];
+            EXPECT_FALSE(s.finished) << "second Finished for " << e->finished->id;
+            s.finished = true;
+            if (e->finished->final) {
+                s.reason = e->finished->final->finish_reason;
+                s.error = e->finished->final->error_message ? e->finished->final->error_message : "";
+                if (e->finished->final->usage) {
+                    s.prompt_tokens = e->finished->final->usage->prompt_tokens;
+                    s.completion_tokens = e->finished->final->usage->completion_tokens;
+                }
+            }
+        } else {
+            ADD_FAILURE() << "unexpected message from the worker, body " << e->body_case;
+        }
+        metrale__internal__v1__envelope__free_unpacked(e, nullptr);
+    }
+}
+
+std::vector<uint32_t> U(const std::vector<int32_t> &v) { return std::vector<uint32_t>(v.begin(), v.end()); }
+std::vector<int32_t> Prompt(int n, int salt) {
+    std::vector<int32_t> p;
+    for (int i = 0; i < n; i++) p.push_back((i * 31 + salt * 17 + 5) % 300);
+    return p;
+}
+
+// Waits for a heartbeat whose stats satisfy pred.
+template <class F> bool WaitStats(WorkerProc &w, F pred, int timeout_ms) {
+    const double end = mt_now() + timeout_ms / 1000.0;
+    while (mt_now() < end) {
+        w.Heartbeat();
+        Env *e = w.Recv(600, true);
+        if (!e) continue;
+        const bool hb = e->body_case == METRALE__INTERNAL__V1__ENVELOPE__BODY_HEARTBEAT;
+        metrale__internal__v1__envelope__free_unpacked(e, nullptr);
+        if (hb && w.have_stats_ && pred(w.last_stats_)) return true;
+    }
+    return false;
+}
+
+TEST(WorkerMain, StreamsGreedyTokensAndFinishes) {
+    const std::vector<int32_t> p1 = Prompt(7, 1), p2 = Prompt(12, 2), p3 = Prompt(3, 3);
+    const std::vector<int32_t> g1 = DirectGreedy(p1, 10), g2 = DirectGreedy(p2, 6), g3 = DirectGreedy(p3, 8);
+    WorkerProc w;
+    w.ExpectHello();
+    w.Submit(101, U(p1), 10, {}, true, 3);
+    w.Submit(102, U(p2), 6);
+    // a stop token: the 3rd greedy token (or its first occurrence)
+    size_t first = 0;
+    while (g3[first] != g3[2]) first++;
+    w.Submit(103, U(p3), 8, { 299, (uint32_t)g3[2] });
+    std::map<uint64_t, Stream> got;
+    Collect(w, got, { 101, 102, 103 }, 30000);
+    EXPECT_EQ(got[101].tokens, U(g1));
+    EXPECT_EQ(got[101].reason, METRALE__V1__FINISH_REASON__FINISH_REASON_LENGTH);
+    EXPECT_EQ(got[101].prompt_tokens, 7u);
+    EXPECT_EQ(got[101].completion_tokens, 10u);
+    for (size_t i = 0; i < got[101].tokens.size(); i++) {
+        EXPECT_LT(got[101].logprobs[i], 0.0f);
+        EXPECT_EQ(got[101].n_top[i], 3u);
+    }
+    EXPECT_EQ(got[102].tokens, U(g2));
+    EXPECT_EQ(got[102].n_top[0], 0u);
+    EXPECT_EQ(got[102].logprobs[0], 0.0f);
+    EXPECT_EQ(got[103].tokens, U(std::vector<int32_t>(g3.begin(), g3.begin() + first + 1)));
+    EXPECT_EQ(got[103].reason, METRALE__V1__FINISH_REASON__FINISH_REASON_STOP);
+    for (auto &kv : got)
+        for (size_t n : kv.second.batch_sizes) EXPECT_EQ(n, 1u);  // one token per sequence per step
+    EXPECT_TRUE(WaitStats(w, [](const Metrale__V1__WorkerStats &s) {
+        return s.live_sequences == 0 && s.cache_bytes_in_use == 0 && s.sequences_finished == 3;
+    }, 5000));
+    EXPECT_EQ(w.last_stats_.worker_id, 3u);
+    EXPECT_TRUE(w.last_stats_.alive);
+    w.Shutdown();
+    EXPECT_EQ(w.Wait(10), 0);
+}
+
+// Long enough that no sequence ends on its own while a test looks at it.
+const uint32_t kLongContext = 60000, kLong = 50000;
+
+TEST(WorkerMain, AbortFreesStateAndAnswersFinished) {
+    WorkerProc w({}, kLongContext);
+    w.ExpectHello();
+    for (uint64_t id = 1; id <= 6; id++) w.Submit(id, U(Prompt(5, (int)id)), kLong);  // 4 run, 2 wait
+    EXPECT_TRUE(WaitStats(w, [](const Metrale__V1__WorkerStats &s) {
+        return s.live_sequences == 6 && s.cache_bytes_in_use > 0;
+    }, 10000));
+    for (uint64_t id = 1; id <= 6; id++) w.Abort(id);
+    w.Abort(999);  // unknown: no answer
+    std::map<uint64_t, Stream> got;
+    Collect(w, got, { 1, 2, 3, 4, 5, 6 }, 10000);
+    for (uint64_t id = 1; id <= 6; id++) {
+        EXPECT_TRUE(got[id].finished) << id;
+        EXPECT_EQ(got[id].reason, METRALE__V1__FINISH_REASON__FINISH_REASON_CANCELLED) << id;
+        EXPECT_LT(got[id].tokens.size(), kLong);
+    }
+    EXPECT_EQ(got.count(999), 0u);
+    EXPECT_TRUE(WaitStats(w, [](const Metrale__V1__WorkerStats &s) {
+        return s.live_sequences == 0 && s.cache_bytes_in_use == 0 && s.sequences_aborted == 6;
+    }, 5000));
+    kill(w.pid_, SIGTERM);
+    EXPECT_EQ(w.Wait(10), 0);
+}
+
+TEST(WorkerMain, BadMessagesAreDroppedAndTheWorkerKeepsServing) {
+    const std::vector<int32_t> p = Prompt(6, 9);
+    const std::vector<int32_t> want = DirectGreedy(p, 5);
+    WorkerProc w;
+    w.ExpectHello();
+    const char garbage[] = "\xff\xff\xff\xff not a protobuf";
+    w.SendRaw(garbage, sizeof garbage);
+    w.SendRaw("", 0);  // an empty frame is an empty envelope: no body
+    {
+        Env e = METRALE__INTERNAL__V1__ENVELOPE__INIT;  // wrong version
+        Metrale__Internal__V1__Shutdown sd = METRALE__INTERNAL__V1__SHUTDOWN__INIT;
+        e.body_case = METRALE__INTERNAL__V1__ENVELOPE__BODY_SHUTDOWN;
+        e.shutdown = &sd;
+        w.Send(&e, 7);
+    }
+    {
+        Env e = METRALE__INTERNAL__V1__ENVELOPE__INIT;  // a worker -> router message
+        Metrale__Internal__V1__Finished f = METRALE__INTERNAL__V1__FINISHED__INIT;
+        e.body_case = METRALE__INTERNAL__V1__ENVELOPE__BODY_FINISHED;
+        e.finished = &f;
+        w.Send(&e);
+    }
+    {
+        Env e = METRALE__INTERNAL__V1__ENVELOPE__INIT;  // Submit without a request
+        Metrale__Internal__V1__Submit s = METRALE__INTERNAL__V1__SUBMIT__INIT;
+        s.id = 50;
+        e.body_case = METRALE__INTERNAL__V1__ENVELOPE__BODY_SUBMIT;
+        e.submit = &s;
+        w.Send(&e);
+    }
+    w.Submit(51, { 1, 300 }, 4);                    // token outside the vocabulary
+    w.Submit(52, U(p), 0);                          // no max_new_tokens
+    w.Submit(53, U(p), 251);                        // past max_context 256
+    w.Submit(54, {}, 4);                            // empty prompt
+    w.Submit(55, U(p), 4, { 4000000000u });         // stop id above INT32_MAX
+    w.Submit(56, U(p), 4, {}, true, 21);            // top_logprobs above 20
+    w.Submit(57, U(p), 5);                          // valid
+    w.Submit(57, U(p), 5);                          // duplicate live id: dropped, 57 unharmed
+    std::map<uint64_t, Stream> got;
+    Collect(w, got, { 50, 51, 52, 53, 54, 55, 56, 57 }, 30000);
+    const std::map<uint64_t, const char *> says = {
+        { 50, "without a request" }, { 51, "outside the vocabulary" }, { 52, "max_new_tokens" },
+        { 53, "context limit" },     { 54, "prompt is empty" },        { 55, "outside the vocabulary" },
+        { 56, "top_logprobs" },
+    };
+    for (auto &kv : says) {
+        EXPECT_EQ(got[kv.first].reason, METRALE__V1__FINISH_REASON__FINISH_REASON_ERROR) << kv.first;
+        EXPECT_NE(got[kv.first].error.find(kv.second), std::string::npos) << kv.first << ": " << got[kv.first].error;
+        EXPECT_TRUE(got[kv.first].tokens.empty());
+    }
+    EXPECT_EQ(got[57].tokens, U(want));
+    EXPECT_EQ(got[57].reason, METRALE__V1__FINISH_REASON__FINISH_REASON_LENGTH);
+    EXPECT_EQ(w.Wait(0.1), -1) << "the worker exited";
+    w.Shutdown();
+    EXPECT_EQ(w.Wait(10), 0);
+}
+
+TEST(WorkerMain, HelloWantedDropsSequencesAndSaysHelloOnce) {
+    WorkerProc w({}, kLongContext);
+    w.ExpectHello();
+    w.Submit(7, U(Prompt(5, 7)), kLong);
+    EXPECT_TRUE(WaitStats(w, [](const Metrale__V1__WorkerStats &s) { return s.live_sequences == 1; }, 10000));
+    usleep(2200 * 1000);  // past the window in which hello_wanted is taken for the echo of a Hello
+    w.Heartbeat(true);    // a restarted router: it does not know this worker
+    w.Heartbeat(true);    // the echo while the Hello travels: no second Hello
+    int hellos = 0, finished = 0;
+    const double end = mt_now() + 3.0;
+    while (mt_now() < end) {
+        Env *e = w.Recv(200);
+        if (!e) continue;
+        hellos += e->body_case == METRALE__INTERNAL__V1__ENVELOPE__BODY_HELLO;
+        finished += e->body_case == METRALE__INTERNAL__V1__ENVELOPE__BODY_FINISHED;
+        metrale__internal__v1__envelope__free_unpacked(e, nullptr);
+        if (hellos) w.Heartbeat();
+    }
+    EXPECT_EQ(hellos, 1);
+    EXPECT_EQ(finished, 0);  // the old router's stream is gone: nothing to tell
+    EXPECT_TRUE(WaitStats(w, [](const Metrale__V1__WorkerStats &s) {
+        return s.live_sequences == 0 && s.cache_bytes_in_use == 0 && s.sequences_aborted == 1;
+    }, 5000));
+    w.Shutdown();
+    EXPECT_EQ(w.Wait(10), 0);
+}
+
+TEST(WorkerMain, HeartbeatsFlowWhileIdle) {
+    WorkerProc w;
+    w.ExpectHello();
+    const double t0 = mt_now();
+    int n = 0;
+    while (mt_now() - t0 < 2.2) {
+        w.Heartbeat();
+        Env *e = w.Recv(300, true);
+        if (e) {
+            n += e->body_case == METRALE__INTERNAL__V1__ENVELOPE__BODY_HEARTBEAT;
+            metrale__internal__v1__envelope__free_unpacked(e, nullptr);
+        }
+    }
+    EXPECT_GE(n, 3);  // every 500 ms
+    EXPECT_LE(n, 6);
+    EXPECT_TRUE(w.have_stats_);
+    EXPECT_EQ(w.last_stats_.live_sequences, 0u);
+    w.Shutdown();
+    EXPECT_EQ(w.Wait(10), 0);
+}
+
+TEST(WorkerMain, ExitsWhenTheRouterFallsSilent) {
+    WorkerProc w({ "--router-timeout", "1.5" });
+    w.ExpectHello();
+    const double t0 = mt_now();
+    const int rc = w.Wait(15);
+    EXPECT_EQ(rc, 1);
+    EXPECT_GE(mt_now() - t0, 1.0);
+}
+
+TEST(WorkerMain, BadArgumentsExitTwo) {
+    auto run = [](std::vector<std::string> args) {
+        pid_t pid = fork();
+        if (pid == 0) {
+            std::vector<char *> argv = { const_cast<char *>(kWorker) };
+            for (auto &a : args) argv.push_back(const_cast<char *>(a.c_str()));
+            argv.push_back(nullptr);
+            if (!freopen("/dev/null", "w", stderr)) _exit(126);
+            execv(argv[0], argv.data());
+            _exit(127);
+        }
+        int st;
+        waitpid(pid, &st, 0);
+        return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    };
+    EXPECT_EQ(run({ "--model", kModel }), 2);
+    EXPECT_EQ(run({ "--model", kModel, "--router", "ipc:///tmp/x", "--id", "x" }), 2);
+    EXPECT_EQ(run({ "--model", kModel, "--router", "ipc:///tmp/x", "--id", "1", "--backend", "tpu" }), 2);
+    EXPECT_EQ(run({ "--model", kModel, "--router", "ipc:///tmp/x", "--id", "1", "--bogus", "1" }), 2);
+    EXPECT_EQ(run({ "--model", "/no/such/dir", "--router", "ipc:///tmp/x", "--id", "1" }), 1);
+    EXPECT_EQ(run({ "--model", kModel, "--router", "tcp://10.1.2.3:5555", "--id", "1" }), 1);
+    EXPECT_EQ(run({ "--help" }), 0);
+}
+
+}  // namespace

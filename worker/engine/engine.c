@@ -1,0 +1,334 @@
+/* worker/engine/engine.c: the continuous-batching scheduler (see engine.h). Waiting and running
+ * sequences live in two arrays kept in arrival order; each sequence is one allocation (its arena:
+ * the struct, its prompt-then-generated token history and its stop ids), freed at once. */
+#include "worker/engine/engine.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+typedef struct eng_seq {
+    uint64_t id;
+    uint64_t deadline_ms;        /* 0 = none */
+    eng_request req;             /* prompt and stop_ids point into this arena */
+    eng_rng rng;
+    glm_seq *gs;                 /* model state; NULL while waiting */
+    int32_t *tokens;             /* [n_prompt + max_new_tokens]: prompt, then generated */
+    int n_gen;
+    int32_t pending;             /* last sampled token, fed by the next decode */
+    bool done;                   /* ended; removed from its array at the next compaction */
+    mt_status st;                /* of the last model call on it */
+    mt_error err;
+} eng_seq;
+
+struct eng_engine {
+    glm_model *m;
+    eng_params p;
+    eng_callbacks cb;
+    int vocab, eos;
+    eng_sampler *sampler;
+    eng_seq **waiting;           /* [max_waiting], FIFO */
+    int n_waiting;
+    eng_seq **running;           /* [max_sequences] */
+    int n_running;
+    eng_seq **batch;             /* [max_sequences] scratch: the sequences of one decode */
+    float *logits;               /* [max_sequences, vocab] host */
+    size_t cache_bytes;
+    uint64_t finished, aborted, tokens, steps;
+};
+
+eng_request eng_default_request(void) {
+    return (eng_request){ .sampling = eng_sample_default_params(), .max_new_tokens = 16 };
+}
+
+eng_params eng_default_params(void) {
+    return (eng_params){ .max_sequences = 16, .max_waiting = 1024, .max_context = 4096,
+                         .prefill_budget = 2048 };
+}
+
+static uint64_t realtime_ms(void *user) {
+    (void)user;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+mt_status eng_new(glm_model *m, const eng_params *params, const eng_callbacks *cb, eng_engine **out,
+                  mt_error *err) {
+    *out = NULL;
+    eng_params p = params ? *params : eng_default_params();
+    if (p.max_sequences < 1 || p.max_waiting < 0 || p.max_context < 2 || p.prefill_budget < 0)
+        return mt_errorf(err, MT_ERR_INVALID,
+                         "engine params: max_sequences %d (>= 1), max_waiting %d (>= 0), max_context %d "
+                         "(>= 2), prefill_budget %d (>= 0)",
+                         p.max_sequences, p.max_waiting, p.max_context, p.prefill_budget);
+    if (!p.now_ms) p.now_ms = realtime_ms;
+    const glm_config *c = glm_model_config(m);
+    eng_engine *e = calloc(1, sizeof *e);
+    if (!e) goto fail;
+    e->m = m;
+    e->p = p;
+    if (cb) e->cb = *cb;
+    e->vocab = c->vocab_size;
+    e->eos = c->eos_token_id;
+    e->sampler = eng_sampler_new(e->vocab);
+    e->waiting = malloc(sizeof(eng_seq *) * (size_t)(p.max_waiting + 1));
+    e->running = malloc(sizeof(eng_seq *) * (size_t)p.max_sequences);
+    e->batch = malloc(sizeof(eng_seq *) * (size_t)p.max_sequences);
+    e->logits = malloc(sizeof(float) * (size_t)p.max_sequences * (size_t)e->vocab);
+    if (!e->sampler || !e->waiting || !e->running || !e->batch || !e->logits) goto fail;
+    *out = e;
+    return MT_OK;
+fail:
+    eng_free(e);
+    return mt_errorf(err, MT_ERR_NOMEM, "out of memory for an engine of %d sequences", p.max_sequences);
+}
+
+static void seq_destroy(eng_engine *e, eng_seq *s) {
+    if (s->gs) {
+        e->cache_bytes -= glm_seq_bytes(s->gs);
+        glm_seq_free(s->gs);
+        s->gs = NULL;
+    }
+    free(s);
+}
+
+void eng_free(eng_engine *e) {
+    if (!e) return;
+    for (int i = 0; i < e->n_waiting; i++) seq_destroy(e, e->waiting[i]);
+    for (int i = 0; i < e->n_running; i++) seq_destroy(e, e->running[i]);
+    eng_sampler_free(e->sampler);
+    free(e->waiting);
+    free(e->running);
+    free(e->batch);
+    free(e->logits);
+    free(e);
+}
+
+/* ---- submission ---- */
+
+static mt_status check_request(const eng_engine *e, const eng_request *r, mt_error *err) {
+    if (!r->prompt || r->n_prompt < 1) return mt_errorf(err, MT_ERR_INVALID, "prompt is empty");
+    if (r->max_new_tokens < 1)
+        return mt_errorf(err, MT_ERR_INVALID, "max_new_tokens must be >= 1, got %d", r->max_new_tokens);
+    if ((int64_t)r->n_prompt + r->max_new_tokens > e->p.max_context)
+        return mt_errorf(err, MT_ERR_INVALID, "prompt (%d) + max_new_tokens (%d) exceeds the context limit %d",
+                         r->n_prompt, r->max_new_tokens, e->p.max_context);
+    for (int i = 0; i < r->n_prompt; i++)
+        if (r->prompt[i] < 0 || r->prompt[i] >= e->vocab)
+            return mt_errorf(err, MT_ERR_INVALID, "prompt token %d at index %d is outside the vocabulary [0, %d)",
+                             r->prompt[i], i, e->vocab);
+    if (r->n_stop < 0 || (r->n_stop > 0 && !r->stop_ids))
+        return mt_errorf(err, MT_ERR_INVALID, "stop_token_ids: bad count %d", r->n_stop);
+    for (int i = 0; i < r->n_stop; i++)
+        if (r->stop_ids[i] < 0 || r->stop_ids[i] >= e->vocab)
+            return mt_errorf(err, MT_ERR_INVALID, "stop token %d at index %d is outside the vocabulary [0, %d)",
+                             r->stop_ids[i], i, e->vocab);
+    if (r->top_logprobs < 0 || r->top_logprobs > ENG_TOP_LOGPROBS_MAX)
+        return mt_errorf(err, MT_ERR_INVALID, "top_logprobs must be in [0, %d], got %d", ENG_TOP_LOGPROBS_MAX,
+                         r->top_logprobs);
+    return eng_sample_params_check(&r->sampling, err);
+}
+
+static eng_seq *find_live(const eng_engine *e, uint64_t id, bool *waiting, int *index) {
+    for (int i = 0; i < e->n_waiting; i++)
+        if (!e->waiting[i]->done && e->waiting[i]->id == id) {
+            *waiting = true;
+            *index = i;
+            return e->waiting[i];
+        }
+    for (int i = 0; i < e->n_running; i++)
+        if (!e->running[i]->done && e->running[i]->id == id) {
+            *waiting = false;
+            *index = i;
+            return e->running[i];
+        }
+    return NULL;
+}
+
+mt_status eng_submit(eng_engine *e, uint64_t id, const eng_request *req, uint64_t deadline_unix_ms,
+                     mt_error *err) {
+    mt_status st = check_request(e, req, err);
+    if (st != MT_OK) return st;
+    bool w;
+    int at;
+    if (find_live(e, id, &w, &at)) return mt_errorf(err, MT_ERR_INVALID, "sequence id %llu is already live",
+                                                    (unsigned long long)id);
+    if (e->n_waiting >= e->p.max_waiting)
+        return mt_errorf(err, MT_ERR_FULL, "waiting queue is full (%d sequences)", e->p.max_waiting);
+    const size_t n_tok = (size_t)req->n_prompt + (size_t)req->max_new_tokens;
+    eng_seq *s = calloc(1, sizeof *s + sizeof(int32_t) * (n_tok + (size_t)req->n_stop));
+    if (!s) return mt_errorf(err, MT_ERR_NOMEM, "out of memory for a sequence of %zu tokens", n_tok);
+    s->id = id;
+    s->deadline_ms = deadline_unix_ms;
+    s->req = *req;
+    s->tokens = (int32_t *)(s + 1);
+    memcpy(s->tokens, req->prompt, sizeof(int32_t) * (size_t)req->n_prompt);
+    s->req.prompt = s->tokens;
+    int32_t *stop = s->tokens + n_tok;
+    if (req->n_stop) memcpy(stop, req->stop_ids, sizeof(int32_t) * (size_t)req->n_stop);
+    s->req.stop_ids = req->n_stop ? stop : NULL;
+    if (req->has_seed) eng_rng_seed(&s->rng, req->seed);
+    else eng_rng_seed_random(&s->rng);
+    e->waiting[e->n_waiting++] = s;
+    return MT_OK;
+}
+
+/* ---- ending sequences ---- */
+
+/* Frees the model state, counts, reports. The struct stays until compaction (or the caller frees). */
+static void seq_end(eng_engine *e, eng_seq *s, eng_finish reason, const char *message) {
+    MT_ASSERT(!s->done);
+    s->done = true;
+    if (s->gs) {
+        e->cache_bytes -= glm_seq_bytes(s->gs);
+        glm_seq_free(s->gs);
+        s->gs = NULL;
+    }
+    if (reason == ENG_FINISH_LENGTH || reason == ENG_FINISH_STOP) e->finished++;
+    else e->aborted++;
+    if (e->cb.on_finished) {
+        eng_finish_info fin = { .reason = reason, .prompt_tokens = s->req.n_prompt,
+                                .completion_tokens = s->n_gen, .message = message ? message : "" };
+        e->cb.on_finished(e->cb.user, s->id, &fin);
+    }
+}
+
+/* Drops ended sequences from arr[0, *n), keeping the order of the rest. */
+static void compact(eng_engine *e, eng_seq **arr, int *n) {
+    int k = 0;
+    for (int i = 0; i < *n; i++) {
+        if (arr[i]->done) seq_destroy(e, arr[i]);
+        else arr[k++] = arr[i];
+    }
+    *n = k;
+}
+
+mt_status eng_abort(eng_engine *e, uint64_t id, eng_finish reason, const char *message) {
+    bool waiting;
+    int at;
+    eng_seq *s = find_live(e, id, &waiting, &at);
+    if (!s) return MT_ERR_NOT_FOUND;
+    seq_end(e, s, reason, message);
+    if (waiting) compact(e, e->waiting, &e->n_waiting);
+    else compact(e, e->running, &e->n_running);
+    return MT_OK;
+}
+
+void eng_abort_all(eng_engine *e, eng_finish reason, const char *message) {
+    for (int i = 0; i < e->n_waiting; i++)
+        if (!e->waiting[i]->done) seq_end(e, e->waiting[i], reason, message);
+    for (int i = 0; i < e->n_running; i++)
+        if (!e->running[i]->done) seq_end(e, e->running[i], reason, message);
+    compact(e, e->waiting, &e->n_waiting);
+    compact(e, e->running, &e->n_running);
+}
+
+/* ---- the step ---- */
+
+static bool is_stop(const eng_engine *e, const eng_seq *s, int32_t t) {
+    if (!s->req.ignore_eos && e->eos >= 0 && t == e->eos) return true;
+    for (int i = 0; i < s->req.n_stop; i++)
+        if (s->req.stop_ids[i] == t) return true;
+    return false;
+}
+
+/* Samples s's next token from logits, reports it, and ends s when it stops. */
+static void sample_emit(eng_engine *e, eng_seq *s, const float *logits) {
+    const eng_history h = { .prompt = s->tokens, .n_prompt = s->req.n_prompt,
+                            .generated = s->tokens + s->req.n_prompt, .n_generated = s->n_gen };
+    eng_sample_result r;
+    eng_sample(e->sampler, &s->req.sampling, &s->rng, logits, &h, s->req.logprobs, s->req.top_logprobs, &r);
+    s->tokens[s->req.n_prompt + s->n_gen++] = r.token;
+    s->pending = r.token;
+    e->tokens++;
+    if (e->cb.on_tokens) e->cb.on_tokens(e->cb.user, s->id, &r, 1);
+    if (is_stop(e, s, r.token)) seq_end(e, s, ENG_FINISH_STOP, NULL);
+    else if (s->n_gen >= s->req.max_new_tokens) seq_end(e, s, ENG_FINISH_LENGTH, NULL);
+}
+
+static void expire(eng_engine *e) {
+    const uint64_t now = e->p.now_ms(e->p.clock_user);
+    bool any = false;
+    for (int i = 0; i < e->n_waiting + e->n_running; i++) {
+        eng_seq *s = i < e->n_waiting ? e->waiting[i] : e->running[i - e->n_waiting];
+        if (s->deadline_ms && now >= s->deadline_ms) {
+            seq_end(e, s, ENG_FINISH_CANCELLED, "deadline exceeded");
+            any = true;
+        }
+    }
+    if (!any) return;
+    compact(e, e->waiting, &e->n_waiting);
+    compact(e, e->running, &e->n_running);
+}
+
+/* Admits waiting sequences in order while there is room and prefill budget; prefills each and
+ * samples its first token. One that ends on its first token stays in running until the step's
+ * compaction; one whose allocation or prefill fails ends with ERROR and is freed here. */
+static void admit(eng_engine *e) {
+    int admitted = 0, budget = e->p.prefill_budget, taken = 0;
+    float *logits = e->logits; /* row 0: the decode phase has not started */
+    while (taken < e->n_waiting && e->n_running < e->p.max_sequences) {
+        eng_seq *s = e->waiting[taken];
+        if (admitted > 0 && s->req.n_prompt > budget) break;
+        taken++;
+        const int cap = s->req.n_prompt + s->req.max_new_tokens;
+        if ((s->st = glm_seq_new(e->m, cap, &s->gs, &s->err)) == MT_OK) {
+            e->cache_bytes += glm_seq_bytes(s->gs);
+            s->st = glm_prefill(e->m, s->gs, s->tokens, s->req.n_prompt, logits, false, &s->err);
+        }
+        if (s->st != MT_OK) {
+            seq_end(e, s, ENG_FINISH_ERROR, s->err.msg);
+            seq_destroy(e, s);
+            continue;
+        }
+        budget -= s->req.n_prompt;
+        admitted++;
+        e->running[e->n_running++] = s;
+        sample_emit(e, s, logits);
+    }
+    memmove(e->waiting, e->waiting + taken, sizeof(eng_seq *) * (size_t)(e->n_waiting - taken));
+    e->n_waiting -= taken;
+}
+
+/* The model part of a decode step: feeds each batch[i]'s pending token and writes its next-token
+ * logits to logits[i, vocab]. Sets batch[i]->st (and ->err). The CPU layers have no
+ * multi-sequence decode yet, so this loops over sequences; batched decode replaces this body. */
+static void decode_running(eng_engine *e, eng_seq **batch, int n, float *logits) {
+    for (int i = 0; i < n; i++)
+        batch[i]->st = glm_decode(e->m, batch[i]->gs, batch[i]->pending, logits + (size_t)i * e->vocab,
+                                  &batch[i]->err);
+}
+
+mt_status eng_step(eng_engine *e, int *n_tokens) {
+    const uint64_t tokens0 = e->tokens;
+    if (n_tokens) *n_tokens = 0;
+    if (!eng_has_work(e)) return MT_OK;
+    e->steps++;
+    expire(e);
+    /* the sequences running before this step's admissions decode; admitted ones got their first
+     * token from the prefill */
+    const int n = e->n_running;
+    memcpy(e->batch, e->running, sizeof(eng_seq *) * (size_t)n);
+    admit(e);
+    if (n > 0) {
+        decode_running(e, e->batch, n, e->logits);
+        for (int i = 0; i < n; i++) {
+            eng_seq *s = e->batch[i];
+            if (s->st != MT_OK) seq_end(e, s, ENG_FINISH_ERROR, s->err.msg);
+            else sample_emit(e, s, e->logits + (size_t)i * e->vocab);
+        }
+    }
+    compact(e, e->running, &e->n_running);
+    if (n_tokens) *n_tokens = (int)(e->tokens - tokens0);
+    return MT_OK;
+}
+
+bool eng_has_work(const eng_engine *e) { return e->n_waiting + e->n_running > 0; }
+
+void eng_get_stats(const eng_engine *e, eng_stats *out) {
+    *out = (eng_stats){ .running = e->n_running, .waiting = e->n_waiting,
+                        .live_sequences = e->n_running + e->n_waiting, .cache_bytes_in_use = e->cache_bytes,
+                        .sequences_finished = e->finished, .sequences_aborted = e->aborted,
+                        .tokens_generated = e->tokens, .steps = e->steps };
+}

@@ -1,0 +1,139 @@
+/* worker/engine/engine.h: the continuous-batching loop of a worker, independent of the transport.
+ *
+ * Requests wait in a bounded FIFO; each eng_step
+ *   1. ends sequences whose deadline has passed,
+ *   2. admits waiting sequences while fewer than max_sequences run (allocating a model sequence
+ *      of prompt + max_new_tokens positions) and prefills them, within a budget of prompt tokens
+ *      per step (the first admission of a step always fits, so a long prompt cannot starve),
+ *      sampling each one's first token from the prompt's last logits,
+ *   3. decodes one token for every sequence that was running before this step (the model part is
+ *      one call, decode_running(), so batched multi-sequence decode slots in there), and samples.
+ * Sequences join (2) and leave (after any token that ends them) between steps. Each sequence gets
+ * at most one token per step; on_tokens reports it, and on_finished follows that sequence's last
+ * token in the same step. A finished, aborted or expired sequence's state is freed before the
+ * callback returns control to the engine.
+ *
+ * Stop conditions, checked on every sampled token (which is always emitted): a stop token id or
+ * the model's EOS (unless ignore_eos) -> ENG_FINISH_STOP; max_new_tokens generated ->
+ * ENG_FINISH_LENGTH. A passed deadline ends the sequence with ENG_FINISH_CANCELLED and the message
+ * "deadline exceeded"; a model error with ENG_FINISH_ERROR and the model's message.
+ *
+ * Thread-safety: an engine and its model belong to one thread. Callbacks run on it, inside
+ * eng_step / eng_abort / eng_abort_all, and must not call back into the engine.
+ */
+#ifndef ENG_ENGINE_H
+#define ENG_ENGINE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/mt.h"
+#include "worker/engine/sampler.h"
+#include "worker/model/glm_model.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Why a sequence ended. Same values as metrale.v1.FinishReason. */
+typedef enum eng_finish {
+    ENG_FINISH_LENGTH = 1,
+    ENG_FINISH_STOP = 2,
+    ENG_FINISH_CANCELLED = 3,
+    ENG_FINISH_ERROR = 4,
+} eng_finish;
+
+/* One request as the engine needs it. eng_submit copies everything; pointers are borrowed only
+ * for the call. */
+typedef struct eng_request {
+    const int32_t *prompt;       /* [n_prompt], each in [0, vocab) */
+    int n_prompt;                /* >= 1 */
+    eng_sample_params sampling;  /* must pass eng_sample_params_check */
+    bool has_seed;               /* else seeded from the OS entropy source */
+    uint64_t seed;
+    int max_new_tokens;          /* >= 1; n_prompt + max_new_tokens <= max_context */
+    const int32_t *stop_ids;     /* [n_stop], each in [0, vocab) */
+    int n_stop;
+    bool ignore_eos;
+    bool logprobs;               /* report each token's raw logprob */
+    int top_logprobs;            /* [0, ENG_TOP_LOGPROBS_MAX] alternatives per token */
+} eng_request;
+
+/* A request with no prompt, greedy, max_new_tokens 16. */
+eng_request eng_default_request(void);
+
+typedef struct eng_finish_info {
+    eng_finish reason;
+    int prompt_tokens;
+    int completion_tokens;       /* tokens reported through on_tokens */
+    const char *message;         /* "" unless ERROR or deadline; valid during the callback */
+} eng_finish_info;
+
+typedef struct eng_callbacks {
+    void *user;
+    /* n tokens of sequence id, in order (n is 1 today). toks valid during the call. */
+    void (*on_tokens)(void *user, uint64_t id, const eng_sample_result *toks, int n);
+    /* Sequence id ended; its state is already freed. Called exactly once per submitted id. */
+    void (*on_finished)(void *user, uint64_t id, const eng_finish_info *fin);
+} eng_callbacks;
+
+typedef struct eng_params {
+    int max_sequences;           /* running at once (model sequences allocated), default 16 */
+    int max_waiting;             /* submitted but not admitted, default 1024 */
+    int max_context;             /* n_prompt + max_new_tokens bound, default 4096 */
+    int prefill_budget;          /* prompt tokens prefilled per step beyond the first, default 2048 */
+    /* Wall clock in Unix milliseconds, for deadlines. NULL: CLOCK_REALTIME. */
+    uint64_t (*now_ms)(void *user);
+    void *clock_user;
+} eng_params;
+
+eng_params eng_default_params(void);
+
+typedef struct eng_stats {
+    int running;                 /* sequences holding model state */
+    int waiting;
+    int live_sequences;          /* running + waiting */
+    size_t cache_bytes_in_use;   /* sum of glm_seq_bytes over running sequences */
+    uint64_t sequences_finished; /* ended by LENGTH or STOP */
+    uint64_t sequences_aborted;  /* ended by eng_abort, a deadline or an error */
+    uint64_t tokens_generated;
+    uint64_t steps;              /* eng_step calls that did work */
+} eng_stats;
+
+typedef struct eng_engine eng_engine;
+
+/* The engine borrows the model (which must outlive it) and copies params and callbacks.
+ * On error *out is NULL. */
+mt_status eng_new(glm_model *m, const eng_params *params, const eng_callbacks *cb, eng_engine **out,
+                  mt_error *err);
+/* Frees every sequence without callbacks. NULL ok. */
+void eng_free(eng_engine *e);
+
+/* Queues a request under id (unique among live sequences). deadline_unix_ms 0 = none.
+ * MT_ERR_INVALID (message names the field) for a malformed request or a duplicate live id,
+ * MT_ERR_FULL when the waiting queue is full. On error nothing is queued and no callback runs. */
+mt_status eng_submit(eng_engine *e, uint64_t id, const eng_request *req, uint64_t deadline_unix_ms,
+                     mt_error *err);
+
+/* Ends a live sequence now: frees its state, then on_finished with reason (CANCELLED normally)
+ * and message (NULL = ""). MT_ERR_NOT_FOUND when id is not live (e.g. it already finished). */
+mt_status eng_abort(eng_engine *e, uint64_t id, eng_finish reason, const char *message);
+
+/* eng_abort on every live sequence (shutdown). */
+void eng_abort_all(eng_engine *e, eng_finish reason, const char *message);
+
+/* One scheduling step (see the top). *n_tokens (may be NULL) receives the tokens emitted. Errors
+ * of one sequence end that sequence; the step itself returns MT_OK unless out of memory for the
+ * step's own buffers. */
+mt_status eng_step(eng_engine *e, int *n_tokens);
+
+/* True while a sequence waits or runs (eng_step has something to do). */
+bool eng_has_work(const eng_engine *e);
+
+void eng_get_stats(const eng_engine *e, eng_stats *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* ENG_ENGINE_H */
