@@ -9,6 +9,7 @@
  *
  *   decode_bench [--steps N] [--context N] [--json FILE] [--bf16-peak-tflops 790]
  */
+#include <cuda_profiler_api.h>
 #include <cuda_runtime_api.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -60,7 +61,7 @@ static double copy_bandwidth_gbs(void) {
 }
 
 int main(int argc, char **argv) {
-    int steps = 32, context = 4096 + 64;
+    int steps = 32, context = 4096 + 64, profile = 0;
     double peak_tflops = 790;
     const char *json = NULL;
     for (int i = 1; i + 1 < argc; i += 2) {
@@ -68,6 +69,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--context")) context = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--json")) json = argv[i + 1];
         else if (!strcmp(argv[i], "--bf16-peak-tflops")) peak_tflops = atof(argv[i + 1]);
+        else if (!strcmp(argv[i], "--profile")) profile = atoi(argv[i + 1]);
         else { fprintf(stderr, "decode_bench: unknown option %s\n", argv[i]); return 2; }
     }
     mt_error err = { "" };
@@ -95,6 +97,23 @@ int main(int argc, char **argv) {
     for (int i = 0; i < context; i++) toks[i] = (int32_t)((i * 7919u + 13u) % (unsigned)c.vocab_size);
     float *logits = malloc(sizeof(float) * (size_t)c.vocab_size);
     glm_seq *s = NULL;
+
+    /* --profile N: N eager decode steps inside cudaProfilerStart/Stop (for ncu
+     * --profile-from-start off), nothing else timed. */
+    if (profile > 0) {
+        if (glm_seq_new(m, 256, &s, &err) != MT_OK) { fprintf(stderr, "%s\n", err.msg); return 1; }
+        glm_model_set_decode_graphs(m, false);
+        glm_prefill(m, s, toks, 64, logits, false, &err);
+        for (int i = 0; i < 4 + profile; i++) {
+            if (i == 4) cudaProfilerStart();
+            glm_decode(m, s, glm_argmax(logits, c.vocab_size), logits, &err);
+        }
+        cudaProfilerStop();
+        glm_seq_free(s);
+        glm_model_free(m);
+        mt_backend_free(be);
+        return 0;
+    }
 
     /* prefill 512 and 4096 tokens, each on a fresh sequence, after a warm-up */
     const int plens[2] = { 512, 4096 };

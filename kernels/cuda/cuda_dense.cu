@@ -474,9 +474,11 @@ static __global__ void rmsnorm_kernel(const norm_params p) {
     const float *x = p.x + (int64_t)blockIdx.x * p.d;
     float *o = p.out + (int64_t)blockIdx.x * p.d;
     double ss = 0;
+#pragma unroll 8
     for (int j = threadIdx.x; j < p.d; j += blockDim.x) ss += (double)x[j] * x[j];
     ss = cu_block_sum(ss, red);
     const float r = 1.f / sqrtf((float)(ss / p.d) + p.eps);
+#pragma unroll 8
     for (int j = threadIdx.x; j < p.d; j += blockDim.x)
         o[j] = __fmul_rn(__fmul_rn(x[j], r), p.w ? p.w[j] : 1.f);
 }
@@ -486,8 +488,10 @@ static __global__ void layernorm_kernel(const norm_params p) {
     const float *x = p.x + (int64_t)blockIdx.x * p.d;
     float *o = p.out + (int64_t)blockIdx.x * p.d;
     double mean = 0, var = 0;
+#pragma unroll 8
     for (int j = threadIdx.x; j < p.d; j += blockDim.x) mean += x[j];
     mean = cu_block_sum(mean, red) / p.d;
+#pragma unroll 8
     for (int j = threadIdx.x; j < p.d; j += blockDim.x) var += (x[j] - mean) * (x[j] - mean);
     var = cu_block_sum(var, red) / p.d;
     const float r = 1.f / sqrtf((float)var + p.eps);
@@ -499,6 +503,7 @@ static __global__ void l2norm_kernel(const norm_params p) {
     __shared__ float red[32];
     float *x = p.out + (int64_t)blockIdx.x * p.d;
     float ss = 0;
+#pragma unroll 8
     for (int j = threadIdx.x; j < p.d; j += blockDim.x) ss = fmaf(x[j], x[j], ss);
     ss = cu_block_sum(ss, red);
     const float r = p.scale / sqrtf(ss + p.eps);

@@ -455,6 +455,112 @@ static __host__ __device__ size_t mla_smem_carve(void *smem, const mla_dev_param
  * every position <= t with score 0: equal weights) is cut into nsplit ranges of whole tiles.
  * Per tile of 32 latent rows: scores (a warp per (head, row), lanes over kvl), an online
  * softmax per head, and the accumulators acc[h][c] in registers (threads over columns). */
+/* Decode (one query row), 16-bit kv_b, kvl a multiple of 256: the absorb as a GEMV over the
+ * key rows of head h. Warp w takes rows d = w, w + 8, ...; lane l reads 8 consecutive columns
+ * (one 16-byte load) at l*8 + k*256, so a warp reads a whole 512-byte stretch of a row at once.
+ * The 8 warps' partial sums are added in warp order (deterministic). */
+enum { ABS1_THREADS = 256, ABS1_WARPS = ABS1_THREADS / 32, ABS1_MAX_K = 4 /* kvl <= 1024 */ };
+
+template <typename T>
+static __device__ __forceinline__ void load8(const void *base, size_t elem, float *out) {
+    const uint4 u = *(const uint4 *)((const T *)base + elem);
+    const T *h = (const T *)&u;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        if (sizeof(T) == 2 && __is_same(T, __nv_bfloat16)) out[j] = __bfloat162float(((const __nv_bfloat16 *)h)[j]);
+        else out[j] = __half2float(((const __half *)h)[j]);
+    }
+}
+
+template <typename T>
+static __global__ void __launch_bounds__(ABS1_THREADS) mla_absorb1_kernel(mla_dev_params p) {
+    extern __shared__ float4 smem_f4[];
+    float *qs = (float *)smem_f4;                 /* [dn] */
+    float *part = qs + p.dn;                      /* [ABS1_WARPS, kvl] */
+    const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, wp = tid >> 5, kvl = p.kvl;
+    const int K = kvl / 256;
+    for (int d = tid; d < p.dn; d += ABS1_THREADS) qs[d] = p.q[(size_t)h * p.dn + d];
+    __syncthreads();
+    float acc[ABS1_MAX_K][8];
+#pragma unroll
+    for (int k = 0; k < ABS1_MAX_K; k++)
+#pragma unroll
+        for (int j = 0; j < 8; j++) acc[k][j] = 0.f;
+    const size_t row0 = (size_t)h * (p.dn + p.dv);
+#pragma unroll 2
+    for (int d = wp; d < p.dn; d += ABS1_WARPS) {
+        const float qd = qs[d];
+#pragma unroll
+        for (int k = 0; k < ABS1_MAX_K; k++) {
+            if (k < K) {
+                float w[8];
+                load8<T>(p.kv_b, (row0 + d) * kvl + (size_t)k * 256 + lane * 8, w);
+#pragma unroll
+                for (int j = 0; j < 8; j++) acc[k][j] += qd * w[j];
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < ABS1_MAX_K; k++)
+        if (k < K)
+#pragma unroll
+            for (int j = 0; j < 8; j++) part[wp * kvl + k * 256 + lane * 8 + j] = acc[k][j];
+    __syncthreads();
+    for (int c = tid; c < kvl; c += ABS1_THREADS) {
+        float a = 0.f;
+        for (int w = 0; w < ABS1_WARPS; w++) a += part[w * kvl + c];
+        p.qa[(size_t)h * kvl + c] = a;
+    }
+}
+
+/* Decode output: merge the splits into ol[kvl] (as mla_output_kernel), then each warp takes value
+ * rows e = w, w + 8, ... and dots them with ol using 16-byte loads; lanes reduce by shuffles. */
+template <typename T>
+static __global__ void __launch_bounds__(ABS1_THREADS) mla_output1_kernel(mla_dev_params p) {
+    extern __shared__ float4 smem_f4[];
+    float *ol = (float *)smem_f4; /* [kvl] */
+    const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, wp = tid >> 5, kvl = p.kvl, ns = p.nsplit;
+    const int K = kvl / 256;
+    {
+        const float *pb = p.part + (size_t)h * ns * (kvl + 2);
+        float M = -INFINITY, L = 0.f;
+        for (int s = 0; s < ns; s++) M = fmaxf(M, pb[(size_t)s * (kvl + 2)]);
+        for (int s = 0; s < ns; s++) L += expf(pb[(size_t)s * (kvl + 2)] - M) * pb[(size_t)s * (kvl + 2) + 1];
+        const float inv = 1.f / L;
+        for (int c = tid; c < kvl; c += ABS1_THREADS) {
+            float a = 0.f;
+            for (int s = 0; s < ns; s++) {
+                const float *ps = pb + (size_t)s * (kvl + 2);
+                a += expf(ps[0] - M) * ps[2 + c];
+            }
+            ol[c] = a * inv;
+        }
+    }
+    __syncthreads();
+    float o[ABS1_MAX_K][8];
+#pragma unroll
+    for (int k = 0; k < ABS1_MAX_K; k++)
+#pragma unroll
+        for (int j = 0; j < 8; j++) o[k][j] = k < K ? ol[k * 256 + lane * 8 + j] : 0.f;
+    const size_t vrow0 = (size_t)h * (p.dn + p.dv) + p.dn;
+#pragma unroll 2
+    for (int e = wp; e < p.dv; e += ABS1_WARPS) {
+        float a = 0.f;
+#pragma unroll
+        for (int k = 0; k < ABS1_MAX_K; k++) {
+            if (k < K) {
+                float w[8];
+                load8<T>(p.kv_b, (vrow0 + e) * kvl + (size_t)k * 256 + lane * 8, w);
+#pragma unroll
+                for (int j = 0; j < 8; j++) a += w[j] * o[k][j];
+            }
+        }
+#pragma unroll
+        for (int k = 16; k > 0; k >>= 1) a += __shfl_xor_sync(0xffffffffu, a, k);
+        if (lane == 0) p.out[(size_t)h * p.dv + e] = a;
+    }
+}
+
 static __global__ void __launch_bounds__(MLA_THREADS) mla_attend_kernel(mla_dev_params p) {
     extern __shared__ float4 smem_f4[];
     mla_smem sm;
@@ -676,14 +782,34 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
         b.out = p->out + (size_t)b0 * p->Hq * p->dv;
         b.sel = p->sel + (size_t)b0 * p->max_sel;
         b.nsel = p->nsel + b0;
-        const dim3 ga(p->Hq, (p->kvl + ABS_THREADS - 1) / ABS_THREADS, (b.nb + ABS_Q - 1) / ABS_Q);
-        mla_absorb_kernel<<<ga, ABS_THREADS, abs_smem, cu_stream(be)>>>(b);
+        /* one query row with a 16-bit kv_b: the vectorised decode kernels */
+        const bool dec1 = b.nb == 1 && p->kvl % 256 == 0 && p->kvl <= 256 * ABS1_MAX_K &&
+                          (p->kv_dtype == MT_BF16 || p->kv_dtype == MT_F16) && cu_aligned16(p->kv_b);
+        const size_t abs1_smem = sizeof(float) * ((size_t)p->dn + (size_t)ABS1_WARPS * p->kvl);
+        if (dec1) {
+            if (p->kv_dtype == MT_BF16) {
+                if ((st = dsa_smem_opt_in((const void *)mla_absorb1_kernel<__nv_bfloat16>, abs1_smem)) != MT_OK) return st;
+                mla_absorb1_kernel<__nv_bfloat16><<<p->Hq, ABS1_THREADS, abs1_smem, cu_stream(be)>>>(b);
+            } else {
+                if ((st = dsa_smem_opt_in((const void *)mla_absorb1_kernel<__half>, abs1_smem)) != MT_OK) return st;
+                mla_absorb1_kernel<__half><<<p->Hq, ABS1_THREADS, abs1_smem, cu_stream(be)>>>(b);
+            }
+        } else {
+            const dim3 ga(p->Hq, (p->kvl + ABS_THREADS - 1) / ABS_THREADS, (b.nb + ABS_Q - 1) / ABS_Q);
+            mla_absorb_kernel<<<ga, ABS_THREADS, abs_smem, cu_stream(be)>>>(b);
+        }
         cu_check_launch(be, "mla_sparse (absorb)");
         const dim3 gt(b.nb, p->Hq / p->hg, p->nsplit);
         mla_attend_kernel<<<gt, MLA_THREADS, att_smem, cu_stream(be)>>>(b);
         cu_check_launch(be, "mla_sparse (attend)");
-        const dim3 go(p->Hq, (b.nb + OUT_Q - 1) / OUT_Q);
-        mla_output_kernel<<<go, MLA_THREADS, out_smem, cu_stream(be)>>>(b);
+        if (dec1) {
+            const size_t o1 = sizeof(float) * (size_t)p->kvl;
+            if (p->kv_dtype == MT_BF16) mla_output1_kernel<__nv_bfloat16><<<p->Hq, ABS1_THREADS, o1, cu_stream(be)>>>(b);
+            else mla_output1_kernel<__half><<<p->Hq, ABS1_THREADS, o1, cu_stream(be)>>>(b);
+        } else {
+            const dim3 go(p->Hq, (b.nb + OUT_Q - 1) / OUT_Q);
+            mla_output_kernel<<<go, MLA_THREADS, out_smem, cu_stream(be)>>>(b);
+        }
         cu_check_launch(be, "mla_sparse (output)");
     }
     return MT_OK;

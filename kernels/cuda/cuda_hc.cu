@@ -25,57 +25,68 @@ typedef struct hc_pre_params {
 
 static __device__ __forceinline__ float hc_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
-/* One block per row. The small S x S work runs in thread 0 in the CPU's order. */
+/* One block per row. The S x S work is spread over the first S*S threads, one matrix element
+ * each; every row or column sum is taken by each thread over the same elements in the CPU's
+ * order (ascending index), so the result matches kernels/cpu/cpu_hc.c operation for operation.
+ * A barrier separates every read-all phase from the write phase after it. */
 static __global__ void __launch_bounds__(HC_MIX_THREADS) hc_pre_mix_kernel(const hc_pre_params p) {
     __shared__ double red[32];
     __shared__ float pre[HC_MAX_S];
     __shared__ float C[HC_MAX_S * HC_MAX_S];
-    const int i = blockIdx.x, S = p.S, H = p.H, SH = S * H, mix = (2 + S) * S;
+    const int i = blockIdx.x, S = p.S, H = p.H, SH = S * H, tid = threadIdx.x;
     const float *x = p.X + (int64_t)i * SH;
+    /* Unrolled so the loads of a thread are in flight together: one row is latency-bound, not
+     * bandwidth-bound (the summation order is unchanged). */
     double ss = 0;
-    for (int j = threadIdx.x; j < SH; j += blockDim.x) ss += (double)x[j] * x[j];
+#pragma unroll 16
+    for (int j = tid; j < SH; j += blockDim.x) ss += (double)x[j] * x[j];
     ss = cu_block_sum(ss, red);
-    if (threadIdx.x == 0) {
-        const float r = 1.f / sqrtf((float)(ss / SH) + p.rms_eps);
-        const float *m = p.m + (int64_t)i * mix;
-        const float *base = p.base, *scale = p.scale;
-        for (int s = 0; s < S; s++) {
-            pre[s] = hc_sigmoid(__fadd_rn(__fmul_rn(__fmul_rn(m[s], r), scale[0]), base[s])) + p.hc_eps;
-            p.post[(int64_t)i * S + s] =
-                2.f * hc_sigmoid(__fadd_rn(__fmul_rn(__fmul_rn(m[S + s], r), scale[1]), base[S + s]));
-        }
-        for (int a = 0; a < S; a++) {
-            float mx = -INFINITY, sum = 0;
-            for (int b = 0; b < S; b++) {
-                const float v = __fadd_rn(__fmul_rn(__fmul_rn(m[2 * S + a * S + b], r), scale[2]),
-                                          base[2 * S + a * S + b]);
-                C[a * S + b] = v;
-                if (v > mx) mx = v;
-            }
-            for (int b = 0; b < S; b++) sum += (C[a * S + b] = expf(C[a * S + b] - mx));
-            for (int b = 0; b < S; b++) C[a * S + b] = C[a * S + b] / sum + p.hc_eps;
-        }
-        for (int it = 0; it < p.sinkhorn_iters; it++) {
-            if (it > 0)
-                for (int a = 0; a < S; a++) {
-                    float sum = 0;
-                    for (int b = 0; b < S; b++) sum += C[a * S + b];
-                    for (int b = 0; b < S; b++) C[a * S + b] /= sum + p.hc_eps;
-                }
-            for (int b = 0; b < S; b++) {
-                float sum = 0;
-                for (int a = 0; a < S; a++) sum += C[a * S + b];
-                for (int a = 0; a < S; a++) C[a * S + b] /= sum + p.hc_eps;
-            }
-        }
-        for (int k = 0; k < S * S; k++) p.comb[(int64_t)i * S * S + k] = C[k];
+    const float r = 1.f / sqrtf((float)(ss / SH) + p.rms_eps);
+    const float *m = p.m + (int64_t)i * (2 + S) * S;
+    const float *base = p.base, *scale = p.scale;
+    const bool own = tid < S * S;        /* this thread owns C[a][b] */
+    const int a = tid / S, b = tid % S;
+    if (tid < S) {
+        pre[tid] = hc_sigmoid(__fadd_rn(__fmul_rn(__fmul_rn(m[tid], r), scale[0]), base[tid])) + p.hc_eps;
+        p.post[(int64_t)i * S + tid] =
+            2.f * hc_sigmoid(__fadd_rn(__fmul_rn(__fmul_rn(m[S + tid], r), scale[1]), base[S + tid]));
+    }
+    if (own) C[tid] = __fadd_rn(__fmul_rn(__fmul_rn(m[2 * S + tid], r), scale[2]), base[2 * S + tid]);
+    __syncthreads();
+    /* softmax over each row */
+    float v = 0.f;
+    if (own) {
+        float mx = -INFINITY, sum = 0.f;
+        for (int k = 0; k < S; k++) mx = fmaxf(mx, C[a * S + k]);
+        for (int k = 0; k < S; k++) sum += expf(C[a * S + k] - mx);
+        v = expf(C[tid] - mx) / sum + p.hc_eps;
     }
     __syncthreads();
+    if (own) C[tid] = v;
+    __syncthreads();
+    for (int it = 0; it < p.sinkhorn_iters; it++) {
+        if (it > 0) { /* rows */
+            float sum = 0.f;
+            if (own)
+                for (int k = 0; k < S; k++) sum += C[a * S + k];
+            __syncthreads();
+            if (own) C[tid] /= sum + p.hc_eps;
+            __syncthreads();
+        }
+        float sum = 0.f; /* columns */
+        if (own)
+            for (int k = 0; k < S; k++) sum += C[k * S + b];
+        __syncthreads();
+        if (own) C[tid] /= sum + p.hc_eps;
+        __syncthreads();
+    }
+    if (own) p.comb[(int64_t)i * S * S + tid] = C[tid];
     float *yi = p.y + (int64_t)i * H;
-    for (int d = threadIdx.x; d < H; d += blockDim.x) {
-        float a = 0;
-        for (int s = 0; s < S; s++) a = __fadd_rn(a, __fmul_rn(pre[s], x[(int64_t)s * H + d]));
-        yi[d] = a;
+#pragma unroll 4
+    for (int d = tid; d < H; d += blockDim.x) {
+        float acc = 0;
+        for (int s = 0; s < S; s++) acc = __fadd_rn(acc, __fmul_rn(pre[s], x[(int64_t)s * H + d]));
+        yi[d] = acc;
     }
 }
 

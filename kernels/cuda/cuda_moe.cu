@@ -75,19 +75,44 @@ static __global__ void route_kernel(const route_params p) {
     unsigned char *mask = (unsigned char *)(gscore + G), *gmask = mask + E;
     const float *l = p.logits + (int64_t)i * E;
 
+#pragma unroll 4
     for (int e = lane; e < E; e += 32) {
         s[e] = route_sigmoid(l[e]);
         c[e] = s[e] + p.bias[e];
     }
     __syncwarp();
-    for (int g = lane; g < G; g += 32) { /* group score: sum of its two largest c */
-        float a = -INFINITY, b = -INFINITY;
-        for (int e = g * per; e < (g + 1) * per; e++) {
-            if (c[e] > a) { b = a; a = c[e]; }
-            else if (c[e] > b) b = c[e];
+    if (G >= 32 || per < 64) {
+        for (int g = lane; g < G; g += 32) { /* group score: sum of its two largest c */
+            float a = -INFINITY, b = -INFINITY;
+            for (int e = g * per; e < (g + 1) * per; e++) {
+                if (c[e] > a) { b = a; a = c[e]; }
+                else if (c[e] > b) b = c[e];
+            }
+            gscore[g] = a + b;
+            gmask[g] = 0;
         }
-        gscore[g] = a + b;
-        gmask[g] = 0;
+    } else {
+        /* Few large groups (e.g. one group of 288): the warp finds each group's two largest
+         * together, each lane over a strided part, then a shuffle merge. The pair of values is
+         * the same whichever lane finds it, so the sum equals the serial one. */
+        for (int g = 0; g < G; g++) {
+            float a = -INFINITY, b = -INFINITY;
+            for (int e = g * per + lane; e < (g + 1) * per; e += 32) {
+                if (c[e] > a) { b = a; a = c[e]; }
+                else if (c[e] > b) b = c[e];
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                const float oa = __shfl_xor_sync(0xffffffffu, a, o), ob = __shfl_xor_sync(0xffffffffu, b, o);
+                const float hi = fmaxf(a, oa), lo = fmaxf(fminf(a, oa), fmaxf(b, ob));
+                a = hi;
+                b = lo;
+            }
+            if (lane == 0) {
+                gscore[g] = a + b;
+                gmask[g] = 0;
+            }
+        }
     }
     __syncwarp();
     if (lane == 0)
