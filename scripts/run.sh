@@ -1,34 +1,49 @@
 #!/usr/bin/env bash
-# The run command (README "Run"): installs the Debian packages, builds metrale offline, and runs
-# the model on the CPU backend: with no --model, it first writes a small random glm5_next
-# checkpoint (tools/configs/cpu-small.json) under .cache/, then prefills the prompt and greedily
-# generates, printing the token ids and tokens per second.
+# The run command (README "Run"): installs the Debian packages, builds metrale offline, and starts
+# the service: metrale-serve runs the gRPC router on 127.0.0.1:50051 and one worker per GPU, or
+# one CPU worker when there is no GPU, serving --model or, by default, a small random glm5_next
+# checkpoint it writes once under .cache/ (tools/configs/cpu-small.json). When the service is
+# up, the bundled client streams one greedy request so the tokens show; the service then keeps
+# serving until Ctrl-C (or SIGTERM), which drains it. --demo stops it after the request.
 #
-#   scripts/run.sh [--model DIR] [--prompt 1,2,3] [--max-new N] [--threads N]
+#   scripts/run.sh [--demo] [--model DIR] [--listen HOST:PORT] [--prompt 1,2,3] [--max-new N]
+#                  [-- more metrale-serve options]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-model="" prompt="1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16" max_new=32 threads=0
+demo=0 listen=127.0.0.1:50051 prompt=1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16 max_new=32
+serve_args=()
 while [ $# -gt 0 ]; do
   case "$1" in
-    --model) model=$2; shift 2 ;;
+    --demo) demo=1; shift ;;
+    --model) serve_args+=(--model "$2"); shift 2 ;;
+    --listen) listen=$2; shift 2 ;;
     --prompt) prompt=$2; shift 2 ;;
     --max-new) max_new=$2; shift 2 ;;
-    --threads) threads=$2; shift 2 ;;
-    -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
+    --) shift; serve_args+=("$@"); break ;;
+    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
     *) echo "run.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
 
 scripts/install-deps.sh
-bazel build //worker/cli:metrale-generate //tools:mkckpt
+bazel build //worker:metrale-serve //router:metrale-router //worker:metrale-worker //tools:mkckpt
 
-if [ -z "$model" ]; then
-  model=.cache/cpu-small
-  if [ ! -f "$model/config.json" ] || [ tools/configs/cpu-small.json -nt "$model/config.json" ]; then
-    rm -rf "$model"
-    bazel-bin/tools/mkckpt --config tools/configs/cpu-small.json --out "$model" --seed 1
-  fi
+bazel-bin/worker/metrale-serve --listen "$listen" "${serve_args[@]}" &
+serve=$!
+trap 'kill -TERM $serve 2>/dev/null; wait $serve' INT TERM
+client=(/usr/bin/python3 tools/metrale_client.py --addr "$listen")
+for _ in $(seq 1 600); do  # the first run also writes the checkpoint
+  if "${client[@]}" --health 2>/dev/null | grep -q "^SERVING"; then break; fi
+  kill -0 $serve 2>/dev/null || { wait $serve; exit $?; }
+  sleep 0.5
+done
+echo "run.sh: serving on $listen; a greedy request through the bundled client:"
+"${client[@]}" --prompt "$prompt" --max-new "$max_new"
+if [ "$demo" = 1 ]; then
+  kill -TERM $serve
+  wait $serve
+  exit $?
 fi
-exec bazel-bin/worker/cli/metrale-generate --model "$model" --prompt "$prompt" --max-new "$max_new" \
-  --threads "$threads"
+echo "run.sh: still serving on $listen (tools/metrale_client.py --addr $listen --prompt ...); Ctrl-C drains and stops"
+wait $serve
