@@ -18,6 +18,8 @@
 
 #include <json-c/json.h>
 
+#include "worker/loader/json_util.h"
+
 /* ------------------------------------------------------------------------------------------ */
 /* Defaults                                                                                   */
 
@@ -101,25 +103,12 @@ static const field k_fields[] = {
     FI(hc_sinkhorn_iters), FI(index_kpool), FB(index_kpool_always_select_tail),
 };
 
-static const char *json_type_word(json_object *v) {
-    switch (json_object_get_type(v)) {
-    case json_type_null: return "null";
-    case json_type_boolean: return "a boolean";
-    case json_type_double: return "a float";
-    case json_type_int: return "an integer";
-    case json_type_object: return "an object";
-    case json_type_array: return "a list";
-    case json_type_string: return "a string";
-    }
-    return "?";
-}
-
 /* Reads an int (JSON integer in int32 range). */
 static mt_status get_int(json_object *v, const char *where, const char *name, int *out,
                          mt_error *err) {
     if (!json_object_is_type(v, json_type_int))
         return mt_errorf(err, MT_ERR_INVALID, "%s: %s must be an integer, got %s", where, name,
-                         json_type_word(v));
+                         ld_json_kind(v));
     errno = 0;
     int64_t x = json_object_get_int64(v);
     if (errno != 0 || x < INT_MIN || x > INT_MAX)
@@ -133,7 +122,7 @@ static mt_status get_float(json_object *v, const char *where, const char *name, 
                            mt_error *err) {
     if (!json_object_is_type(v, json_type_int) && !json_object_is_type(v, json_type_double))
         return mt_errorf(err, MT_ERR_INVALID, "%s: %s must be a number, got %s", where, name,
-                         json_type_word(v));
+                         ld_json_kind(v));
     double d = json_object_get_double(v);
     if (!isfinite(d) || !isfinite((float)d))
         return mt_errorf(err, MT_ERR_INVALID, "%s: %s must be a finite number", where, name);
@@ -145,7 +134,7 @@ static mt_status get_bool(json_object *v, const char *where, const char *name, b
                           mt_error *err) {
     if (!json_object_is_type(v, json_type_boolean))
         return mt_errorf(err, MT_ERR_INVALID, "%s: %s must be true or false, got %s", where, name,
-                         json_type_word(v));
+                         ld_json_kind(v));
     *out = json_object_get_boolean(v) != 0;
     return MT_OK;
 }
@@ -205,7 +194,7 @@ static mt_status get_list(json_object *v, const char *where, const char *name, i
                           const char *allowed, int *out, mt_error *err) {
     if (!json_object_is_type(v, json_type_array))
         return mt_errorf(err, MT_ERR_INVALID, "%s: %s must be a list of strings, got %s", where,
-                         name, json_type_word(v));
+                         name, ld_json_kind(v));
     size_t len = json_object_array_length(v);
     if (len != (size_t)n)
         return mt_errorf(err, MT_ERR_INVALID,
@@ -214,7 +203,7 @@ static mt_status get_list(json_object *v, const char *where, const char *name, i
         json_object *e = json_object_array_get_idx(v, i);
         if (!json_object_is_type(e, json_type_string))
             return mt_errorf(err, MT_ERR_INVALID, "%s: %s[%zu] must be a string, got %s", where,
-                             name, i, json_type_word(e));
+                             name, i, ld_json_kind(e));
         int x = map(json_object_get_string(e));
         if (x < 0)
             return mt_errorf(err, MT_ERR_INVALID, "%s: %s[%zu] has unknown value \"%.64s\" (expected %s)",
@@ -365,7 +354,7 @@ static mt_status parse_text(json_object *obj, const char *where, glm_config *c, 
     if ((v = field_of(obj, "linear_attn_config", NULL)) && !json_object_is_type(v, json_type_null)) {
         if (!json_object_is_type(v, json_type_object))
             return mt_errorf(err, MT_ERR_INVALID, "%s: linear_attn_config must be an object, got %s",
-                             where, json_type_word(v));
+                             where, ld_json_kind(v));
         json_object *e;
         if ((e = field_of(v, "head_dim", NULL)) &&
             (st = get_int(e, where, "linear_attn_config.head_dim", &c->linear_head_dim, err)) != MT_OK)
@@ -444,7 +433,7 @@ mt_status glm_config_parse(const char *text, const char *where, glm_config *cfg,
     }
     if (!json_object_is_type(root, json_type_object)) {
         st = mt_errorf(err, MT_ERR_INVALID, "%s: the config must be a JSON object, got %s", where,
-                       json_type_word(root));
+                       ld_json_kind(root));
         goto done;
     }
 
@@ -454,7 +443,7 @@ mt_status glm_config_parse(const char *text, const char *where, glm_config *cfg,
         if (!mt || (strcmp(mt, "glm5_next") && strcmp(mt, "glm5_next_text"))) {
             st = mt_errorf(err, MT_ERR_INVALID,
                            "%s: model_type is %s%.64s%s, expected \"glm5_next\" or \"glm5_next_text\"",
-                           where, mt ? "\"" : "", mt ? mt : json_type_word(v), mt ? "\"" : "");
+                           where, mt ? "\"" : "", mt ? mt : ld_json_kind(v), mt ? "\"" : "");
             goto done;
         }
     }
@@ -465,7 +454,7 @@ mt_status glm_config_parse(const char *text, const char *where, glm_config *cfg,
     if (v && !json_object_is_type(v, json_type_null)) {
         if (!json_object_is_type(v, json_type_object)) {
             st = mt_errorf(err, MT_ERR_INVALID, "%s: text_config must be an object, got %s", where,
-                           json_type_word(v));
+                           ld_json_kind(v));
             goto done;
         }
         text_obj = v;

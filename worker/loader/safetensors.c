@@ -21,6 +21,8 @@
 
 #include <json-c/json.h>
 
+#include "worker/loader/json_util.h"
+
 #define ST_INDEX_NAME "model.safetensors.index.json"
 #define ST_SINGLE_NAME "model.safetensors"
 #define ST_MAX_HEADER ((uint64_t)100 << 20) /* the reference implementation's limit */
@@ -73,19 +75,6 @@ static char *path_join(const char *dir, const char *name) {
     if (a && dir[a - 1] != '/') p[n++] = '/';
     memcpy(p + n, name, b + 1);
     return p;
-}
-
-static const char *json_kind(json_object *v) {
-    switch (json_object_get_type(v)) {
-    case json_type_null: return "null";
-    case json_type_boolean: return "a boolean";
-    case json_type_double: return "a float";
-    case json_type_int: return "an integer";
-    case json_type_object: return "an object";
-    case json_type_array: return "a list";
-    case json_type_string: return "a string";
-    }
-    return "?";
 }
 
 /* Parses exactly len bytes of JSON (trailing whitespace allowed). NULL with err set on failure. */
@@ -238,21 +227,21 @@ static mt_status parse_entry(const char *path, const char *name, json_object *v,
                              uint64_t *begin, uint64_t *end, mt_error *err) {
     if (!json_object_is_type(v, json_type_object))
         return mt_errorf(err, MT_ERR_INVALID, "%s: tensor %.160s: header entry is %s, expected an object",
-                         path, name, json_kind(v));
+                         path, name, ld_json_kind(v));
     json_object *dt = NULL, *shape = NULL, *offs = NULL;
     json_object_object_get_ex(v, "dtype", &dt);
     json_object_object_get_ex(v, "shape", &shape);
     json_object_object_get_ex(v, "data_offsets", &offs);
     if (!json_object_is_type(dt, json_type_string))
         return mt_errorf(err, MT_ERR_INVALID, "%s: tensor %.160s: dtype is %s, expected a string", path,
-                         name, json_kind(dt));
+                         name, ld_json_kind(dt));
     if (!dtype_from_name(json_object_get_string(dt), &t->dtype))
         return mt_errorf(err, MT_ERR_UNSUPPORTED,
                          "%s: tensor %.160s: dtype %.32s is not supported (F32, F16, BF16, I32, I64, U8)",
                          path, name, json_object_get_string(dt));
     if (!json_object_is_type(shape, json_type_array))
         return mt_errorf(err, MT_ERR_INVALID, "%s: tensor %.160s: shape is %s, expected a list", path,
-                         name, json_kind(shape));
+                         name, ld_json_kind(shape));
     size_t nd = json_object_array_length(shape);
     if (nd > ST_MAX_DIMS)
         return mt_errorf(err, MT_ERR_UNSUPPORTED, "%s: tensor %.160s: %zu dims, at most %d supported",
@@ -344,7 +333,7 @@ static mt_status load_file(st_archive *ar, size_t fi, mt_error *err) {
     if (!(root = parse_json((const char *)p + 8, (size_t)hlen, where, err))) return MT_ERR_INVALID;
     if (!json_object_is_type(root, json_type_object)) {
         st = mt_errorf(err, MT_ERR_INVALID, "%s: header is %s, expected a JSON object", path,
-                       json_kind(root));
+                       ld_json_kind(root));
         goto done;
     }
 
@@ -353,7 +342,7 @@ static mt_status load_file(st_archive *ar, size_t fi, mt_error *err) {
         if (!strcmp(key, "__metadata__")) {
             if (val && !json_object_is_type(val, json_type_object)) {
                 st = mt_errorf(err, MT_ERR_INVALID, "%s: __metadata__ is %s, expected an object", path,
-                               json_kind(val));
+                               ld_json_kind(val));
                 goto done;
             }
             continue;
@@ -484,7 +473,7 @@ static mt_status open_index(const char *dir, const char *index_path, st_archive 
     json_object_object_foreach(wm, tname, fval) {
         if (!json_object_is_type(fval, json_type_string)) {
             st = mt_errorf(err, MT_ERR_INVALID, "%s: weight_map[\"%.160s\"] is %s, expected a file name",
-                           index_path, tname, json_kind(fval));
+                           index_path, tname, ld_json_kind(fval));
             goto done;
         }
         const char *fn = json_object_get_string(fval);
