@@ -7,7 +7,8 @@
  *     (FLOPs: 2 x the parameters each token touches, plus attention and KDA).
  * Prints one table and writes it as JSON (--json FILE).
  *
- *   decode_bench [--steps N] [--context N] [--json FILE] [--bf16-peak-tflops 790]
+ *   decode_bench [--steps N] [--context N] [--json FILE] [--bf16-peak-tflops 790] [--op-profile 1]
+ * (--op-profile 1: per-op times of one more prefill of each length, after the table's runs.)
  */
 #include <cuda_profiler_api.h>
 #include <cuda_runtime_api.h>
@@ -61,7 +62,7 @@ static double copy_bandwidth_gbs(void) {
 }
 
 int main(int argc, char **argv) {
-    int steps = 32, context = 4096 + 64, profile = 0;
+    int steps = 32, context = 4096 + 64, profile = 0, op_profile = 0;
     double peak_tflops = 790;
     const char *json = NULL;
     for (int i = 1; i + 1 < argc; i += 2) {
@@ -70,6 +71,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--json")) json = argv[i + 1];
         else if (!strcmp(argv[i], "--bf16-peak-tflops")) peak_tflops = atof(argv[i + 1]);
         else if (!strcmp(argv[i], "--profile")) profile = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--op-profile")) op_profile = atoi(argv[i + 1]);
         else { fprintf(stderr, "decode_bench: unknown option %s\n", argv[i]); return 2; }
     }
     mt_error err = { "" };
@@ -131,6 +133,17 @@ int main(int argc, char **argv) {
         }
         /* 2 FLOPs per touched parameter per token; attention/KDA terms are small beside it here. */
         pf_frac[k] = pf_tps[k] * 2.0 * bc.params / (peak_tflops * 1e12);
+    }
+    /* --op-profile 1: one more prefill of each length with every op synchronised and timed
+     * (mt_cuda_profile), after the timed runs. */
+    for (int k = 0; op_profile && k < 2; k++) {
+        if (glm_seq_new(m, plens[k] + 1, &s, &err) != MT_OK) { fprintf(stderr, "%s\n", err.msg); return 1; }
+        char title[64];
+        snprintf(title, sizeof title, "prefill %d tokens", plens[k]);
+        mt_cuda_profile(be, true, title);
+        if (glm_prefill(m, s, toks, plens[k], logits, false, &err) != MT_OK) { fprintf(stderr, "%s\n", err.msg); return 1; }
+        mt_cuda_profile(be, false, title);
+        glm_seq_free(s);
     }
 
     /* decode: prefill 64 tokens, warm up 4 steps, then time steps */

@@ -315,9 +315,10 @@ TEST_F(CudaOps, Matmul) {
     Worst worst{"matmul"}, worst_tc{"matmul tc"};
     struct S { int rows, cols; };
     // Real projections (4096x4096, expert/shared 2048x4096 and 4096x2048, router 288x4096, hc fn
-    // 24x16384), and odd sizes that take the element-wise (unvectorised) paths and edge tiles.
+    // 24x16384), and odd sizes that take the element-wise (unvectorised) paths and edge tiles;
+    // at most 32 rows (17, 32, 8 here) take the narrow kernel for n > 8.
     const S shapes[] = {{4096, 4096}, {2048, 4096}, {4096, 2048}, {288, 4096}, {24, 16384},
-                        {37, 100}, {130, 36}, {3000, 1537}, {600, 36}};
+                        {37, 100}, {130, 36}, {3000, 1537}, {600, 36}, {17, 1001}, {32, 300}, {8, 4100}};
     for (mt_dtype dt : {MT_BF16, MT_F16, MT_F32}) {
         for (const S &s : shapes) {
             auto w = MakeWeight(dt, s.rows, s.cols, 2.f / std::sqrt((float)s.cols));
@@ -329,6 +330,17 @@ TEST_F(CudaOps, Matmul) {
                 (tc ? worst_tc : worst).See(e, where);
                 EXPECT_LE(e, tc ? 1e-4 : 1e-5) << where;
             }
+        }
+    }
+    // The narrow kernel's 4-rows-per-warp form (n >= 2048), with a partial last block.
+    for (mt_dtype dt : {MT_BF16, MT_F32}) {
+        for (const S &s : {S{24, 400}, S{13, 1001}}) {
+            auto w = MakeWeight(dt, s.rows, s.cols, 2.f / std::sqrt((float)s.cols));
+            const int n = 2051;
+            const double e = MatmulErr(cpu_, gpu_, w->cpu, w->gpu, n);
+            const std::string where = Shape({{"n", n}, {"rows", s.rows}, {"cols", s.cols}}) + " " + DtName(dt);
+            worst.See(e, where);
+            EXPECT_LE(e, 1e-5) << where;
         }
     }
     const Weight &v = Vocab();
@@ -379,15 +391,25 @@ TEST_F(CudaOps, MatmulTermsKnob) {
 
 // Timings of the backend's path (tensor cores, x in two parts, for n > 8) and, for n > 8, of the
 // one-part tensor-core path (MT_CUDA_TC_TERMS=1) and the fp32 tiled kernel (=0).
+// Outputs narrower than 512 rows (fp32 by default) also on the tensor cores in two parts
+// (MT_CUDA_TC_MIN_ROWS=1) and, at most 32 rows, on the tiled kernel (MT_CUDA_NARROW=0).
 TEST_F(CudaOps, MatmulTimings) {
     mt_backend *one = BackendWithTerms(1), *fp32 = BackendWithTerms(0);
     ASSERT_TRUE(one && fp32);
+    setenv("MT_CUDA_TC_MIN_ROWS", "1", 1);
+    mt_backend *tcall = BackendWithTerms(2);
+    unsetenv("MT_CUDA_TC_MIN_ROWS");
+    setenv("MT_CUDA_NARROW", "0", 1);
+    mt_backend *tiled = BackendWithTerms(2);
+    unsetenv("MT_CUDA_NARROW");
+    ASSERT_TRUE(tcall && tiled);
     struct S { int n, rows, cols; };
     const S shapes[] = {{1, 154880, 4096}, {1, 4096, 4096}, {1, 2048, 4096}, {8, 4096, 4096},
                         {9, 4096, 4096}, {16, 4096, 4096}, {32, 4096, 4096}, {64, 4096, 4096},
                         {128, 4096, 4096}, {512, 4096, 4096}, {4096, 4096, 4096}, {512, 12288, 4096},
                         {4096, 12288, 4096}, {512, 2048, 4096}, {512, 4096, 2048}, {512, 154880, 4096},
-                        {16, 512, 4096}, {512, 512, 4096}, {512, 288, 4096}, {512, 24, 16384}};
+                        {16, 512, 4096}, {512, 512, 4096}, {512, 288, 4096}, {512, 24, 16384},
+                        {4096, 288, 4096}, {4096, 128, 4096}, {4096, 64, 4096}, {4096, 24, 16384}};
     for (const S &s : shapes) {
         std::unique_ptr<Weight> own;
         const Weight *w;
@@ -415,11 +437,23 @@ TEST_F(CudaOps, MatmulTimings) {
             std::printf("[ timing   ]   fp32 kernel (MT_CUDA_TC_TERMS=0): %.1f us, %.2f TFLOP/s\n", t32 * 1e6,
                         flops / t32 / 1e12);
         }
+        if (s.n > 8 && !tc) {
+            const double ttc = TimeGpu([&] { tcall->ops->matmul(tcall, y, x, &w->gpu, s.n); }, 5, tcall);
+            std::printf("[ timing   ]   tensor cores, 2 parts (MT_CUDA_TC_MIN_ROWS=1): %.1f us, %.2f TFLOP/s\n",
+                        ttc * 1e6, flops / ttc / 1e12);
+            if (s.rows <= 32) {
+                const double tt = TimeGpu([&] { tiled->ops->matmul(tiled, y, x, &w->gpu, s.n); }, 3, tiled);
+                std::printf("[ timing   ]   tiled fp32 kernel (MT_CUDA_NARROW=0): %.1f us, %.2f TFLOP/s\n", tt * 1e6,
+                            flops / tt / 1e12);
+            }
+        }
         Drop(gpu_, x);
         Drop(gpu_, y);
     }
     mt_backend_free(one);
     mt_backend_free(fp32);
+    mt_backend_free(tcall);
+    mt_backend_free(tiled);
 }
 
 TEST_F(CudaOps, Norms) {
@@ -711,7 +745,32 @@ TEST_F(CudaMoe, ExpertsRealShapes) {
     }
     // Prefill timing: 512 rows over all 288 experts (10 distinct weight sets, each expert's
     // still read from memory: 3 x 16.8 MB per expert does not stay in L2), on the default path
-    // (tensor cores, x in 2 parts), MT_CUDA_TC_TERMS=1 and the fp32 grouped kernel.
+    // (tensor cores, x in 2 parts, batched GEMMs), MT_CUDA_TC_TERMS=1 and the fp32 grouped kernel;
+    // then the default path against one GEMM per expert (MT_CUDA_MOE_BATCHED=0, checked at 24
+    // rows) at 512 and 4096 rows.
+    setenv("MT_CUDA_MOE_BATCHED", "0", 1);
+    mt_backend *loop = BackendWithTerms(2); // unsets only MT_CUDA_TC_TERMS
+    unsetenv("MT_CUDA_MOE_BATCHED");
+    ASSERT_TRUE(loop);
+    {
+        const double el = Run(ex, RandIdx(24, k, E), 24, k, H, I, 10.f, loop);
+        worst.See(el, "one GEMM per expert n=24");
+        EXPECT_LE(el, MoeTol(MT_BF16, 24)) << "one GEMM per expert n=24";
+    }
+    for (int n : {512, 4096}) {
+        std::vector<int32_t> idx = RandIdx(n, k, E);
+        float *gx = Put(gpu_, Rand((size_t)n * H)), *gw = Put(gpu_, Rand((size_t)n * k, 0.1f, 1.f));
+        float *go = Put(gpu_, Rand((size_t)n * H));
+        int32_t *gi = Put(gpu_, idx);
+        const double flops = 2.0 * n * k * 3 * H * I;
+        const double tb = TimeGpu([&] { gpu_->ops->moe_experts(gpu_, go, gx, gi, gw, ex.gpu.data(), n, k, H, I, 10.f); }, 3);
+        const double tl = TimeGpu([&] { loop->ops->moe_experts(loop, go, gx, gi, gw, ex.gpu.data(), n, k, H, I, 10.f); }, 3, loop);
+        std::printf("[ timing   ] moe_experts n=%d top-8 of 288, 4096x2048 bf16, 2 parts: batched GEMMs %.2f ms "
+                    "(%.1f TFLOP/s), one GEMM per expert %.2f ms (%.1f TFLOP/s)\n",
+                    n, tb * 1e3, flops / tb / 1e12, tl * 1e3, flops / tl / 1e12);
+        for (void *p : {(void *)gx, (void *)gw, (void *)go, (void *)gi}) Drop(gpu_, p);
+    }
+    mt_backend_free(loop);
     {
         const int n = 512;
         mt_backend *one = BackendWithTerms(1), *fp32 = BackendWithTerms(0);

@@ -3,6 +3,8 @@
  * upload/download/sync wait for it. A failing CUDA call is logged where it happens and recorded
  * in the backend's sticky status (cu_backend.sticky). */
 #include <cublas_v2.h>
+#include <limits.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -20,7 +22,71 @@ void cu_fail(mt_backend *be, mt_status st) {
     if (st != MT_OK && cb->sticky == MT_OK) cb->sticky = st;
 }
 
+/* ---- op timing (mt_cuda_profile) ---- */
+
+enum { PROF_MAX = 96 };
+
+struct cu_prof {
+    double last;                  /* mt_now() at the previous mark */
+    int n;
+    const char *name[PROF_MAX];
+    double sec[PROF_MAX];
+    long calls[PROF_MAX];
+};
+
+void cu_prof_mark(mt_backend *be, const char *what) {
+    cu_backend *cb = cb_of(be);
+    struct cu_prof *p = cb->prof;
+    if (!p) return;
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(cb->stream, &cs) != cudaSuccess || cs != cudaStreamCaptureStatusNone) {
+        (void)cudaGetLastError();
+        return;
+    }
+    MT_CUDA_WARN(cudaStreamSynchronize(cb->stream));
+    const double now = mt_now();
+    int k = 0;
+    while (k < p->n && strcmp(p->name[k], what)) k++;
+    if (k == p->n) {
+        if (p->n == PROF_MAX) k = PROF_MAX - 1; /* full: lump into the last entry */
+        else p->name[p->n++] = what;
+    }
+    p->sec[k] += now - p->last;
+    p->calls[k]++;
+    p->last = mt_now();
+}
+
+extern "C" void mt_cuda_profile(mt_backend *be, bool on, const char *title) {
+    cu_backend *cb = cb_of(be);
+    if (on) {
+        if (!cb->prof && !(cb->prof = (struct cu_prof *)calloc(1, sizeof *cb->prof))) return;
+        memset(cb->prof, 0, sizeof *cb->prof);
+        MT_CUDA_WARN(cudaStreamSynchronize(cb->stream));
+        cb->prof->last = mt_now();
+        return;
+    }
+    struct cu_prof *p = cb->prof;
+    if (!p) return;
+    cu_prof_mark(be, "(after the last op)");
+    cb->prof = NULL;
+    double total = 0;
+    for (int k = 0; k < p->n; k++) total += p->sec[k];
+    printf("op profile: %s: %.2f ms (each op synchronised)\n", title ? title : "", total * 1e3);
+    bool used[PROF_MAX] = {false};
+    for (int r = 0; r < p->n; r++) {
+        int best = -1;
+        for (int k = 0; k < p->n; k++)
+            if (!used[k] && (best < 0 || p->sec[k] > p->sec[best])) best = k;
+        used[best] = true;
+        printf("  %9.3f ms %5.1f%% %6ld  %s\n", p->sec[best] * 1e3, total > 0 ? 100 * p->sec[best] / total : 0.,
+               p->calls[best], p->name[best]);
+    }
+    fflush(stdout);
+    free(p);
+}
+
 void cu_check_launch(mt_backend *be, const char *op) {
+    cu_prof_mark(be, op);
     cudaError_t e = cudaGetLastError();
     if (e == cudaSuccess) return;
     mt_log(MT_LOG_ERROR, "cuda backend: %s: kernel launch failed: %s", op, cudaGetErrorString(e));
@@ -28,6 +94,7 @@ void cu_check_launch(mt_backend *be, const char *op) {
 }
 
 void cu_op_status(mt_backend *be, const char *op, mt_status st) {
+    cu_prof_mark(be, op);
     if (st == MT_OK) return;
     mt_log(MT_LOG_ERROR, "cuda backend: %s failed: %s", op, mt_status_str(st));
     cu_fail(be, st);
@@ -76,6 +143,7 @@ static void cu_destroy(mt_backend *be) {
     if (cb->blas) MT_CUBLAS_WARN(cublasDestroy(cb->blas));
     if (cb->blas_ws) MT_CUDA_WARN(cudaFree(cb->blas_ws));
     MT_CUDA_WARN(cudaStreamDestroy(cb->stream));
+    free(cb->prof);
     free(cb);
 }
 
@@ -134,6 +202,7 @@ static void cu_copy(mt_backend *be, void *dst, const void *src, size_t bytes) {
     if (!bytes) return;
     route_forget(cb, dst, bytes);
     CU_RECORD(be, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cb->stream));
+    cu_prof_mark(be, "copy");
 }
 
 static void cu_zero(mt_backend *be, void *p, size_t bytes) {
@@ -261,6 +330,20 @@ extern "C" mt_backend *mt_cuda_backend_new(int device, mt_error *err) {
             return NULL;
         }
         cb->tc_terms = env[0] - '0';
+    }
+    /* Prefill switches (cuda_ops.h): on unless the variable is "0". */
+    cb->moe_batched = !(getenv("MT_CUDA_MOE_BATCHED") && !strcmp(getenv("MT_CUDA_MOE_BATCHED"), "0"));
+    cb->narrow = !(getenv("MT_CUDA_NARROW") && !strcmp(getenv("MT_CUDA_NARROW"), "0"));
+    cb->tc_min_rows = 512;
+    if (const char *env = getenv("MT_CUDA_TC_MIN_ROWS")) {
+        char *end = NULL;
+        const long v = strtol(env, &end, 10);
+        if (end == env || *end || v < 1 || v > INT_MAX) {
+            mt_errorf(err, MT_ERR_INVALID, "MT_CUDA_TC_MIN_ROWS=%s: expected a positive integer", env);
+            cu_destroy(&cb->base);
+            return NULL;
+        }
+        cb->tc_min_rows = (int)v;
     }
     if (cu_blas_init(cb) != MT_OK) { /* logged at the failing call */
         (void)cudaGetLastError();

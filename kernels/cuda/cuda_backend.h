@@ -21,8 +21,16 @@ extern "C" {
  * relative error for bf16: enough to flip router/indexer choices and fail the whole-model
  * comparison); 0 keeps every matmul on the fp32 kernels (slow, within 1e-5 of the CPU). matmul
  * stays fp32 for F32 weights, for n <= 8 (decode) and for outputs narrower than 512 rows
- * (router, mHC mix, per-head gates). A value other than 0, 1, 2 fails with MT_ERR_INVALID. */
+ * (router, mHC mix, per-head gates; MT_CUDA_TC_MIN_ROWS=N moves that bound, for measuring). A
+ * value other than 0, 1, 2 fails with MT_ERR_INVALID. MT_CUDA_MOE_BATCHED=0 and MT_CUDA_NARROW=0
+ * turn off two prefill paths (cuda_ops.h) for comparison. */
 mt_backend *mt_cuda_backend_new(int device, mt_error *err);
+
+/* Per-op wall time, for finding prefill costs without a profiler. on: starts (or restarts) the
+ * count; every op then synchronises the stream when it ends and is charged the time since the
+ * previous op ended (so host work between ops lands on the next op). off: prints the table, most
+ * expensive first, under `title` to stdout and stops. Not for timed runs. */
+void mt_cuda_profile(mt_backend *be, bool on, const char *title);
 
 #ifdef __cplusplus
 }

@@ -6,15 +6,17 @@
  * Matmul has three paths. Few rows (decode, n <= GEMV_MAX_N): a GEMV where a block of 8 warps
  * owns R output rows, each thread streams 16-byte weight vectors over a slice of the columns for
  * all n input rows, and a fixed-order reduction finishes each dot product (bandwidth-bound on the
- * weight). Many rows (prefill) on a bf16/fp16 weight with at least TC_MIN_ROWS outputs: the
+ * weight). Many rows (prefill) on a bf16/fp16 weight with at least 512 outputs: the
  * tensor cores through cuBLAS (cu_gemm_tc, fp32 accumulation). x is split into 16-bit parts of
  * the weight's type, x ~ hi + lo (cu_split16, into CU_SCRATCH_GEMM), and y = w.hi + w.lo: 16
  * significant bits of x for bf16, ~2e-6 relative error, twice the tensor-core work. With
  * MT_CUDA_TC_TERMS=1, x is rounded once (hi only): half the work, ~1.5e-3 relative error for
  * bf16, which flips enough router/indexer choices downstream to fail the whole-model comparison
  * with the CPU. Otherwise (F32 weights, narrow outputs such as the router's or the mHC mix, or
- * MT_CUDA_TC_TERMS=0): a 64 x 128 x 16 tiled fp32 GEMM (cu_gemm), which the MoE reuses in
- * grouped form. All are deterministic: the summation order depends only on the shape. */
+ * MT_CUDA_TC_TERMS=0): at most 32 outputs (the mHC mix, 24 x 16384), a narrow fp32 kernel where a
+ * warp owns whole input rows (MT_CUDA_NARROW=0 turns it off); wider, a 64 x 128 x 16 tiled fp32
+ * GEMM (cu_gemm), which the MoE reuses in grouped form. All are deterministic: the summation
+ * order depends only on the shape. */
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <float.h>
@@ -68,6 +70,7 @@ extern "C" void cu_embed(mt_backend *be, float *out, const mt_weight *table, con
         mt_status st = embed_launch(&p, table->dtype, cu_stream(be));
         if (st != MT_OK) return cu_op_status(be, "embed", st);
     }
+    cu_prof_mark(be, "embed");
 }
 
 /* ================================ matmul ================================ */
@@ -165,6 +168,126 @@ static mt_status gemv_launch(const gemv_params *p, mt_dtype dt, int n_sm, cudaSt
     case MT_F32: gemv_launch_dt<MT_F32>(p, vec, wide, s); break;
     case MT_F16: gemv_launch_dt<MT_F16>(p, vec, wide, s); break;
     default: gemv_launch_dt<MT_BF16>(p, vec, wide, s); break;
+    }
+    MT_CUDA_CHECK_LAUNCH();
+    return MT_OK;
+}
+
+/* ---- narrow GEMM: at most 32 outputs per row, many rows (the mHC mix: 24 x 16384) ---- */
+
+/* The tiled GEMM below spends a 128-wide column tile on such a weight (a fifth of it used for 24
+ * rows) and has only n/64 blocks. Here a warp owns R input rows and every output of them; the
+ * block stages NARROW_KC columns of the whole (<= NW-row) weight in shared memory as fp32, and
+ * lane l takes columns 4l + 128j of each stage, so the x loads are 16-byte and coalesced. Each
+ * output is a per-lane running sum over its columns in order, then a fixed butterfly over the
+ * lanes (lane 0's result is stored): deterministic for a given shape. H200: 24 x 16384 at 512
+ * rows 187 us (tiled 1414), at 4096 rows 306 us (tiled 1420); the two-part tensor-core path would
+ * take 55 / 216 us (MT_CUDA_TC_MIN_ROWS=1) at ~3e-6 instead of ~1e-7 relative error. */
+enum { NARROW_THREADS = 128, NARROW_WARPS = NARROW_THREADS / 32, NARROW_KC = 256, NARROW_MAX_ROWS = 32 };
+
+template <mt_dtype DT, int NW, int R>
+static __global__ void __launch_bounds__(NARROW_THREADS) narrow_kernel(const gemv_params p) {
+    constexpr int V = cu_wvec<DT>::n; /* weight elements per 16-byte load */
+    constexpr int J = NARROW_KC / 128; /* 4-column groups per lane per stage */
+    __shared__ __align__(16) float Ws[NW][NARROW_KC];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int K = p.cols, N = p.rows;
+    const int64_t row0 = ((int64_t)blockIdx.x * NARROW_WARPS + warp) * R;
+    const bool xvec = (K & 3) == 0 && cu_aligned16(p.x);
+    const bool wvec = K % V == 0 && cu_aligned16(p.w);
+    const float *xr[R];
+    bool ok[R];
+#pragma unroll
+    for (int i = 0; i < R; i++) {
+        ok[i] = row0 + i < p.n;
+        xr[i] = p.x + (ok[i] ? row0 + i : 0) * (int64_t)K;
+    }
+    float acc[R][NW];
+#pragma unroll
+    for (int i = 0; i < R; i++)
+#pragma unroll
+        for (int r = 0; r < NW; r++) acc[i][r] = 0.f;
+
+    for (int k0 = 0; k0 < K; k0 += NARROW_KC) {
+        __syncthreads(); /* the previous stage is consumed */
+        for (int t = threadIdx.x; t < NW * (NARROW_KC / V); t += NARROW_THREADS) {
+            const int r = t / (NARROW_KC / V), c = (t % (NARROW_KC / V)) * V, k = k0 + c;
+            float v[V];
+            if (r < N && wvec && k + V <= K) {
+                cu_wload<DT, V>(p.w, (int64_t)r * K + k, v);
+            } else {
+#pragma unroll
+                for (int q = 0; q < V; q++)
+                    v[q] = r < N && k + q < K ? cu_wget<DT>(p.w, (int64_t)r * K + k + q) : 0.f;
+            }
+#pragma unroll
+            for (int q = 0; q < V; q += 4)
+                *(float4 *)&Ws[r][c + q] = make_float4(v[q], v[q + 1], v[q + 2], v[q + 3]);
+        }
+        __syncthreads();
+        float xv[J][R][4];
+#pragma unroll
+        for (int j = 0; j < J; j++) {
+            const int k = k0 + j * 128 + lane * 4;
+#pragma unroll
+            for (int i = 0; i < R; i++) {
+                if (ok[i] && xvec && k + 4 <= K) {
+                    const float4 a = *(const float4 *)(xr[i] + k);
+                    xv[j][i][0] = a.x; xv[j][i][1] = a.y; xv[j][i][2] = a.z; xv[j][i][3] = a.w;
+                } else {
+#pragma unroll
+                    for (int q = 0; q < 4; q++) xv[j][i][q] = ok[i] && k + q < K ? xr[i][k + q] : 0.f;
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < J; j++) {
+            const int c = j * 128 + lane * 4;
+#pragma unroll
+            for (int r = 0; r < NW; r++) {
+                const float4 w = *(const float4 *)&Ws[r][c];
+#pragma unroll
+                for (int i = 0; i < R; i++) {
+                    acc[i][r] = fmaf(xv[j][i][0], w.x, acc[i][r]);
+                    acc[i][r] = fmaf(xv[j][i][1], w.y, acc[i][r]);
+                    acc[i][r] = fmaf(xv[j][i][2], w.z, acc[i][r]);
+                    acc[i][r] = fmaf(xv[j][i][3], w.w, acc[i][r]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < R; i++)
+#pragma unroll
+        for (int r = 0; r < NW; r++) {
+            const float s = cu_warp_sum(acc[i][r]);
+            if (lane == 0 && ok[i] && r < N) p.y[(row0 + i) * N + r] = s;
+        }
+}
+
+template <mt_dtype DT, int NW> static void narrow_launch_nw(const gemv_params *p, cudaStream_t s) {
+    if (p->n >= 2048) {
+        const int64_t rows_per = 4 * NARROW_WARPS;
+        narrow_kernel<DT, NW, 4><<<(unsigned)((p->n + rows_per - 1) / rows_per), NARROW_THREADS, 0, s>>>(*p);
+    } else {
+        const int64_t rows_per = 2 * NARROW_WARPS;
+        narrow_kernel<DT, NW, 2><<<(unsigned)((p->n + rows_per - 1) / rows_per), NARROW_THREADS, 0, s>>>(*p);
+    }
+}
+
+template <mt_dtype DT> static void narrow_launch_dt(const gemv_params *p, cudaStream_t s) {
+    if (p->rows <= 8) narrow_launch_nw<DT, 8>(p, s);
+    else if (p->rows <= 16) narrow_launch_nw<DT, 16>(p, s);
+    else if (p->rows <= 24) narrow_launch_nw<DT, 24>(p, s);
+    else narrow_launch_nw<DT, 32>(p, s);
+}
+
+static mt_status narrow_launch(const gemv_params *p, mt_dtype dt, cudaStream_t s) {
+    MT_ASSERT(p->rows >= 1 && p->rows <= NARROW_MAX_ROWS);
+    switch (dt) {
+    case MT_F32: narrow_launch_dt<MT_F32>(p, s); break;
+    case MT_F16: narrow_launch_dt<MT_F16>(p, s); break;
+    default: narrow_launch_dt<MT_BF16>(p, s); break;
     }
     MT_CUDA_CHECK_LAUNCH();
     return MT_OK;
@@ -406,12 +529,11 @@ extern "C" mt_status cu_gemm_tc(cu_backend *cb, float *y, const void *x16, const
     return MT_OK;
 }
 
-/* Narrower outputs stay on the fp32 kernel: they are cheap, and they feed discrete or sensitive
- * choices (router top-k over 288 experts, the mHC mix of 24, per-head gates). */
-enum { TC_MIN_ROWS = 512 };
-
+/* Outputs narrower than cb->tc_min_rows (512 unless MT_CUDA_TC_MIN_ROWS says otherwise) stay on
+ * the fp32 kernels: they are cheap, and they feed discrete or sensitive choices (router top-k
+ * over 288 experts, the mHC mix of 24, per-head gates). */
 static bool matmul_use_tc(const cu_backend *cb, const mt_weight *w, int n) {
-    return cb->tc_terms > 0 && n > GEMV_MAX_N && w->dtype != MT_F32 && w->rows >= TC_MIN_ROWS &&
+    return cb->tc_terms > 0 && n > GEMV_MAX_N && w->dtype != MT_F32 && w->rows >= cb->tc_min_rows &&
            w->cols > 0;
 }
 
@@ -439,6 +561,11 @@ extern "C" void cu_matmul(mt_backend *be, float *y, const float *x, const mt_wei
         st = gemv_launch(&p, w->dtype, cb->n_sm, cu_stream(be));
     } else if (matmul_use_tc(cb, w, n)) {
         st = matmul_tc(cb, y, x, w, n);
+        cu_prof_mark(be, "matmul (tensor cores)");
+    } else if (cb->narrow && w->rows <= NARROW_MAX_ROWS && w->cols > 0) {
+        gemv_params p = {y, x, w->data, n, (int)w->rows, (int)w->cols};
+        st = narrow_launch(&p, w->dtype, cu_stream(be));
+        cu_prof_mark(be, "matmul (narrow fp32)");
     } else {
         cu_gemm_params p = {};
         p.y[0] = y;
@@ -450,6 +577,7 @@ extern "C" void cu_matmul(mt_backend *be, float *y, const float *x, const mt_wei
         p.K = (int)w->cols;
         p.dtype = w->dtype;
         st = cu_gemm(&p, cu_stream(be));
+        cu_prof_mark(be, "matmul (tiled fp32)");
     }
     cu_op_status(be, "matmul", st);
 }

@@ -17,7 +17,12 @@
  *     (cu_split16, interleaved: hi and lo of a pair on adjacent rows, so each expert's rows stay
  *     contiguous), one tensor-core GEMM per expert and matrix (cu_gemm_tc) gives the parts'
  *     gate and up, a kernel sums the parts, applies swiglu in fp32 and splits h again, one GEMM
- *     per expert gives down's parts, which the combine sums. fp32 experts (or
+ *     per expert gives down's parts, which the combine sums. By default (MT_CUDA_MOE_BATCHED)
+ *     the per-expert GEMMs become a few batched ones: each expert's rows are padded to one of a
+ *     few sizes (moe_pad; padding rows repeat a real row and are never combined) and the experts
+ *     of one size share a cublasGemmBatchedEx call (gate and up together, then down), so the
+ *     whole GPU streams the experts' weights at once instead of one small GEMM at a time (H200,
+ *     real shapes, 512 rows: 3.1 ms against 13.2; 4096 rows: 6.8 ms against 12.1). fp32 experts (or
  *     MT_CUDA_TC_TERMS=0): the tiled fp32 GEMM (cu_gemm) runs grouped: gate/up for every
  *     expert's rows in one launch, swiglu, down in one launch.
  *     A combine kernel then adds the slots in order. Rows are processed in chunks that bound the
@@ -28,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <cublas_v2.h>
 #include <cuda_bf16.h>
 
 #include "kernels/cuda/cuda_check.h"
@@ -41,9 +47,10 @@ enum {
     MOE_MAX_TOPK = 64,
     MOE_CACHE_MAX = 1024,     /* expert tables kept; beyond, the oldest slot is reused */
 };
-/* Grouped-path scratch per chunk. Each chunk rereads the weights of the experts it routes to
- * (all of them at prefill sizes: 14.5 GB per layer at the real shapes), so fewer chunks pay. */
-static const size_t MOE_CHUNK_BYTES = (size_t)1 << 30;
+/* Grouped-path scratch per chunk (before the batched path's padding). Each chunk rereads the
+ * weights of the experts it routes to (all of them at prefill sizes: 14.5 GB per layer at the real
+ * shapes), so fewer chunks pay: 2 GB keeps 4096 rows of the real shapes in one chunk. */
+static const size_t MOE_CHUNK_BYTES = (size_t)2 << 30;
 
 /* =============================== router =============================== */
 
@@ -202,6 +209,8 @@ struct cu_moe_cache {
     int next;               /* entry reused when full */
     int32_t *host_idx;      /* [host_cap] read-back indices and grouped-path staging */
     size_t host_cap;
+    unsigned char *stage;   /* [stage_cap] batched-path staging (moe_grouped_chunk_batched) */
+    size_t stage_cap;
 };
 
 extern "C" void cu_moe_cache_free(cu_backend *cb) {
@@ -212,6 +221,7 @@ extern "C" void cu_moe_cache_free(cu_backend *cb) {
         free(mc->t[k].copy);
     }
     free(mc->host_idx);
+    free(mc->stage);
     free(mc);
     cb->moe = NULL;
 }
@@ -295,6 +305,16 @@ static int32_t *moe_host_ints(struct cu_moe_cache *mc, size_t count) {
     if (!p) return NULL;
     mc->host_idx = p;
     mc->host_cap = count;
+    return p;
+}
+
+/* Host bytes of at least `bytes` (16-byte aligned, malloc); NULL on OOM. */
+static unsigned char *moe_host_bytes(struct cu_moe_cache *mc, size_t bytes) {
+    if (mc->stage_cap >= bytes) return mc->stage;
+    unsigned char *p = (unsigned char *)realloc(mc->stage, bytes);
+    if (!p) return NULL;
+    mc->stage = p;
+    mc->stage_cap = bytes;
     return p;
 }
 
@@ -576,6 +596,165 @@ static mt_status moe_grouped_chunk_tc(mt_backend *be, const moe_table *t, float 
     return moe_combine_launch(&cp, cb->stream);
 }
 
+/* Padded pair count of an expert with c > 0 pairs: few distinct sizes, so that experts share
+ * batched GEMMs; multiples of 8, at most a quarter above c beyond 32 pairs. */
+static int moe_pad(int c) {
+    if (c <= 8) return 8;
+    int step = 8;
+    while (step * 8 < c) step *= 2;
+    return (c + step - 1) / step * step;
+}
+
+/* One cublasGemmBatchedEx over `count` problems y_j[rows, N] = x16_j[rows, K] . w_j[N, K]^T (the
+ * layout of cu_gemm_tc); dA/dB/dC: device pointer arrays. On a cuBLAS refusal (logged once) the
+ * problems run one by one from the host copies hA/hB/hC, and later chunks take the per-expert path. */
+static mt_status moe_gemm_batched(cu_backend *cb, const void *const *dA, const void *const *dB,
+                                  void *const *dC, const void *const *hA, const void *const *hB,
+                                  const void *const *hC, int count, int rows, int N, int K, mt_dtype dt) {
+    const cudaDataType ty = dt == MT_BF16 ? CUDA_R_16BF : CUDA_R_16F;
+    const float one = 1.f, zero = 0.f;
+    if (cb->moe_batched) {
+        const cublasStatus_t rc =
+            cublasGemmBatchedEx(cb->blas, CUBLAS_OP_T, CUBLAS_OP_N, N, rows, K, &one, dA, ty, K, dB, ty, K,
+                                &zero, dC, CUDA_R_32F, N, count, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+        if (rc == CUBLAS_STATUS_SUCCESS) return MT_OK;
+        mt_log(MT_LOG_WARN, "cuda backend: moe_experts: cublasGemmBatchedEx failed (%s); "
+               "one GEMM per expert from now on", cublasGetStatusString(rc));
+        cb->moe_batched = false;
+    }
+    mt_status st = MT_OK;
+    for (int j = 0; j < count && st == MT_OK; j++)
+        st = cu_gemm_tc(cb, (float *)hC[j], hB[j], hA[j], dt, rows, N, K, 0.f);
+    return st;
+}
+
+/* The tensor-core form of a chunk with batched GEMMs (see the file comment). ci: the chunk's
+ * [P] expert indices; start: host [E + 1], expert e owns the unpadded sorted positions
+ * [start[e], start[e + 1]). Expert e's padded slots are [ps[e], ps[e + 1]), its rows T*ps[e] on of
+ * every part buffer. Scratch as moe_grouped_chunk_tc over Ppad slots, then the device copy of the
+ * staging: pointer arrays, gather[Ppad], inv[P]. */
+static mt_status moe_grouped_chunk_batched(mt_backend *be, const moe_table *t, float *out, const float *x,
+                                           const int32_t *ci, const int32_t *start, const float *weights,
+                                           int r0, int r1, int top_k, int H, int I, float L, mt_dtype dt,
+                                           int T) {
+    cu_backend *cb = (cu_backend *)be;
+    const int P = (r1 - r0) * top_k, E = t->count;
+    int nact = 0;
+    int64_t Ppad = 0;
+    for (int e = 0; e < E; e++) {
+        const int c = start[e + 1] - start[e];
+        if (c > 0) {
+            nact++;
+            Ppad += moe_pad(c);
+        }
+    }
+    MT_ASSERT(nact > 0 && Ppad * T <= INT_MAX / 2);
+    /* Host staging: [9 nact] pointers, gather[Ppad], inv[P] (copied to the device as one), then
+     * host-only ps[E + 1], order[E], pos[E]. */
+    const size_t bP = sizeof(void *) * 9 * (size_t)nact;
+    const size_t nI = bP + sizeof(int32_t) * ((size_t)Ppad + (size_t)P);
+    unsigned char *hb = moe_host_bytes(cb->moe, nI + sizeof(int32_t) * (3 * (size_t)E + 1));
+    if (!hb) return MT_ERR_NOMEM;
+    const void **hp = (const void **)hb;
+    int32_t *gather = (int32_t *)(hb + bP), *inv = gather + Ppad;
+    int32_t *ps = inv + P, *order = ps + E + 1, *pos = order + E;
+    ps[0] = 0;
+    for (int e = 0; e < E; e++) {
+        const int c = start[e + 1] - start[e];
+        ps[e + 1] = ps[e] + (c > 0 ? moe_pad(c) : 0);
+    }
+    MT_ASSERT(ps[E] == Ppad);
+    /* Active experts by padded size, then index (stable insertion sort). */
+    int m = 0;
+    for (int e = 0; e < E; e++)
+        if (start[e + 1] > start[e]) order[m++] = e;
+    for (int a = 1; a < m; a++) {
+        const int e = order[a], pe = ps[e + 1] - ps[e];
+        int b = a;
+        while (b > 0 && ps[order[b - 1] + 1] - ps[order[b - 1]] > pe) {
+            order[b] = order[b - 1];
+            b--;
+        }
+        order[b] = e;
+    }
+    for (int e = 0; e < E; e++) pos[e] = ps[e];
+    for (int q = 0; q < P; q++) { /* stable: pairs of one expert keep their order */
+        const int at = pos[ci[q]]++;
+        gather[at] = r0 + q / top_k;
+        inv[q] = at;
+    }
+    for (int e = 0; e < E; e++) /* padding slots: the expert's first row again (finite, unused) */
+        for (int sl = pos[e]; sl < ps[e + 1]; sl++) gather[sl] = gather[ps[e]];
+
+    const size_t fw = (size_t)(2 * I > H ? 2 * I : H), sw = (size_t)(H > I ? H : I);
+    const size_t bF = align16(sizeof(float) * (size_t)Ppad * T * fw);
+    const size_t bS = align16(sizeof(uint16_t) * (size_t)Ppad * T * sw);
+    char *scr = (char *)cu_scratch(be, CU_SCRATCH_DENSE, bF + bS + align16(nI));
+    if (!scr) return MT_ERR_NOMEM;
+    float *G = (float *)scr, *U = G + (size_t)Ppad * T * I, *D = G;   /* D after G, U are spent */
+    uint16_t *X16 = (uint16_t *)(scr + bF), *H16 = X16;               /* H after X is spent */
+    unsigned char *dstage = (unsigned char *)(scr + bF + bS);
+    void **dp = (void **)dstage;
+    int32_t *dgather = (int32_t *)(dstage + bP), *dinv = dgather + Ppad;
+
+    /* Pointer arrays, per size group (order[a, b)): gate/up problems at [2a, 2a + 2(b - a)) of
+     * the first three arrays (gates, then ups), down problems at [a, b) of the last three. */
+    const void **Agu = hp, **Bgu = hp + 2 * nact, **Cgu = hp + 4 * nact;
+    const void **Ad = hp + 6 * nact, **Bd = hp + 7 * nact, **Cd = hp + 8 * nact;
+    for (int a = 0; a < nact;) {
+        const int pe = ps[order[a] + 1] - ps[order[a]];
+        int b = a;
+        while (b < nact && ps[order[b] + 1] - ps[order[b]] == pe) b++;
+        const int g = b - a;
+        for (int j = 0; j < g; j++) {
+            const int e = order[a + j];
+            const int64_t row = (int64_t)T * ps[e];
+            Agu[2 * a + j] = t->copy[e].gate.data;
+            Agu[2 * a + g + j] = t->copy[e].up.data;
+            Bgu[2 * a + j] = Bgu[2 * a + g + j] = X16 + row * H;
+            Cgu[2 * a + j] = G + row * I;
+            Cgu[2 * a + g + j] = U + row * I;
+            Ad[a + j] = t->copy[e].down.data;
+            Bd[a + j] = H16 + row * I;
+            Cd[a + j] = D + row * H;
+        }
+        a = b;
+    }
+    MT_CUDA_CHECK(cudaMemcpyAsync(dstage, hb, nI, cudaMemcpyHostToDevice, cb->stream));
+    MT_CUDA_CHECK(cudaStreamSynchronize(cb->stream)); /* the staging is reused by the next chunk */
+    cu_prof_mark(be, "moe_experts (sort, staging)");
+
+    mt_status st = cu_split16(X16, x, dgather, Ppad, H, dt, T, true, cb->stream);
+    const void *const *dAgu = (const void *const *)dp, *const *dBgu = dAgu + 2 * nact;
+    void *const *dCgu = dp + 4 * nact;
+    const void *const *dAd = dAgu + 6 * nact, *const *dBd = dAgu + 7 * nact;
+    void *const *dCd = dp + 8 * nact;
+    for (int a = 0; a < nact && st == MT_OK;) {
+        const int pe = ps[order[a] + 1] - ps[order[a]];
+        int b = a;
+        while (b < nact && ps[order[b] + 1] - ps[order[b]] == pe) b++;
+        st = moe_gemm_batched(cb, dAgu + 2 * a, dBgu + 2 * a, dCgu + 2 * a, Agu + 2 * a, Bgu + 2 * a,
+                              Cgu + 2 * a, 2 * (b - a), T * pe, I, H, dt);
+        a = b;
+    }
+    if (st != MT_OK) return st;
+    cu_prof_mark(be, "moe_experts (gate/up GEMMs)");
+    moe_swiglu_split_params sp = {H16, G, U, Ppad, I, L};
+    if ((st = moe_swiglu_split_launch(&sp, dt, T, cb->stream)) != MT_OK) return st;
+    for (int a = 0; a < nact && st == MT_OK;) {
+        const int pe = ps[order[a] + 1] - ps[order[a]];
+        int b = a;
+        while (b < nact && ps[order[b] + 1] - ps[order[b]] == pe) b++;
+        st = moe_gemm_batched(cb, dAd + a, dBd + a, dCd + a, Ad + a, Bd + a, Cd + a, b - a, T * pe, H, I, dt);
+        a = b;
+    }
+    if (st != MT_OK) return st;
+    cu_prof_mark(be, "moe_experts (down GEMMs)");
+    moe_combine_params cp = {out + (int64_t)r0 * H, D, dinv, weights + (int64_t)r0 * top_k,
+                             r1 - r0, top_k, H, T};
+    return moe_combine_launch(&cp, cb->stream);
+}
+
 /* Rows [r0, r1) of the grouped path; hidx = all of idx on the host; T: tensor-core parts of x
  * (cu_backend.tc_terms), 0 for the fp32 kernel. */
 static mt_status moe_grouped_chunk(mt_backend *be, const moe_table *t, float *out, const float *x,
@@ -597,6 +776,8 @@ static mt_status moe_grouped_chunk(mt_backend *be, const moe_table *t, float *ou
     const int32_t *ci = hidx + (int64_t)r0 * top_k;
     for (int q = 0; q < P; q++) start[ci[q] + 1]++;
     for (int e = 0; e < E; e++) start[e + 1] += start[e];
+    if (T > 0 && cb->moe_batched)
+        return moe_grouped_chunk_batched(be, t, out, x, ci, start, weights, r0, r1, top_k, H, I, L, dt, T);
     int ntiles = 0;
     for (int e = 0; e < E; e++)
         for (int m = start[e]; m < start[e + 1]; m += CU_GEMM_TM) {

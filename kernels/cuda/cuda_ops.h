@@ -53,6 +53,16 @@ typedef struct cu_backend {
     void *blas_ws;              /* [CU_BLAS_WS_BYTES] device, owned */
     int tc_terms;               /* 16-bit parts of x on the tensor cores: 2 (default), 1, or 0 =
                                    fp32 kernels only; MT_CUDA_TC_TERMS at creation */
+    /* Prefill switches, read at creation (cuda_backend.cu); 1 unless the variable says 0:
+     *   moe_batched  MT_CUDA_MOE_BATCHED: the tensor-core MoE runs as a few batched GEMMs over
+     *                experts padded to a common row count (cuda_moe.cu); 0: one GEMM per expert.
+     *   narrow       MT_CUDA_NARROW: matmuls of at most 32 output rows (mHC mix) on the
+     *                narrow fp32 kernel (cuda_dense.cu); 0: the tiled fp32 GEMM. */
+    bool moe_batched;
+    bool narrow;
+    int tc_min_rows;            /* MT_CUDA_TC_MIN_ROWS (default 512): matmul outputs narrower than
+                                   this stay off the tensor cores (cuda_dense.cu) */
+    struct cu_prof *prof;       /* op timing (mt_cuda_profile); NULL when off */
 } cu_backend;
 
 static inline cudaStream_t cu_stream(mt_backend *be) { return ((cu_backend *)be)->stream; }
@@ -62,6 +72,10 @@ void cu_fail(mt_backend *be, mt_status st);
 void cu_check_launch(mt_backend *be, const char *op);
 /* Records a failed status from a launcher (already logged at the failing call) with the op name. */
 void cu_op_status(mt_backend *be, const char *op, mt_status st);
+/* Op timing (mt_cuda_profile): when on, synchronises the stream and charges the time since the
+ * previous mark to `what`. cu_op_status and cu_check_launch mark with their op name. No-op when
+ * off or while the stream is being captured. */
+void cu_prof_mark(mt_backend *be, const char *what);
 /* Device scratch of at least `bytes` in slot `slot` (CU_SCRATCH_*), valid until the op returns.
  * Growing synchronises the stream first (pending kernels may still read the old buffer). NULL on
  * OOM (logged, recorded in sticky). */

@@ -172,10 +172,20 @@ static mt_status forward(glm_model *m, glm_seq *s, const int32_t *tokens, int n,
     const int S = c->hc_mult, H = c->hidden_size, V = c->vocab_size;
     mt_step step = { .be = be, .t0 = s->len, .scr = &m->scr };
     m->scr.sel_n = 0;
-    be->ops->embed(be, m->z, &m->embed, tokens, n);
-    for (int i = 0; i < n; i++) /* X[i, s] = x for every stream */
-        for (int j = 0; j < S; j++)
-            be->ops->copy(be, m->X + ((size_t)i * S + j) * H, m->z + (size_t)i * H, sizeof(float) * H);
+    /* X[i, s] = embedding of token i for every stream s. Prefill looks each token up S times
+     * straight into X (one op, where n*S row copies cost a launch each); decode keeps its copies. */
+    int32_t *rep = decode ? NULL : malloc(sizeof(int32_t) * (size_t)n * S);
+    if (rep) {
+        for (int i = 0; i < n; i++)
+            for (int j = 0; j < S; j++) rep[(size_t)i * S + j] = tokens[i];
+        be->ops->embed(be, m->X, &m->embed, rep, n * S);
+        free(rep);
+    } else {
+        be->ops->embed(be, m->z, &m->embed, tokens, n);
+        for (int i = 0; i < n; i++)
+            for (int j = 0; j < S; j++)
+                be->ops->copy(be, m->X + ((size_t)i * S + j) * H, m->z + (size_t)i * H, sizeof(float) * H);
+    }
     for (int l = 0; l < c->num_hidden_layers; l++) {
         const mt_layer *ml = &m->layers[l].base;
         mt_status st = decode ? mt_layer_decode(ml, s->states[l], &step, m->X)
