@@ -16,6 +16,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <cstdio>
 #include <numeric>
@@ -211,6 +212,11 @@ TEST_F(CudaAttn, KdaRecurrentRealShapes) {
 TEST_F(CudaAttn, KdaRecurrentSmallShapes) {
     CheckDelta(false, 37, 3, 16, 4.f, 2);  // small head, strong decay
     CheckDelta(false, 20, 2, 48, 0.2f, 1); // a head dim that is not a multiple of 32
+    // n == 1 (decode kernel): partial column blocks and rows; dk = 50 takes the general kernel
+    CheckDelta(false, 1, 3, 16, 4.f, 2);
+    CheckDelta(false, 1, 2, 48, 0.2f, 2);
+    CheckDelta(false, 1, 5, 100, 1.f, 3);
+    CheckDelta(false, 1, 2, 50, 1.f, 2);
 }
 
 TEST_F(CudaAttn, KdaChunkedRealShapes) {
@@ -393,7 +399,53 @@ TEST_F(CudaAttnMla, MlaSparseSmallShapes) {
         {6, 16, 8, 1000, 10, 9, 7, MT_BF16, true},   // 2 heads per block, wide latent
         {8, 16, 16, 64, 300, 3, 100, MT_F16, true},  // many splits, some of them empty
         {2, 8, 8, 32, 0, 300, 20, MT_F32, true},     // more rows than one pass (256)
+        // the wide prefill attend kernel (Hq % 32 == 0, kvl 256 or 512)
+        {32, 16, 16, 256, 40, 37, 30, MT_F32, true},   // splits, partial tiles, uniform rows
+        {32, 8, 8, 256, 0, 300, 20, MT_F16, true},     // two passes, the second of 44 rows
+        {64, 16, 16, 512, 70, 5, 64, MT_F32, true},
     });
+}
+
+// The real prefill shape (one pass of 256 rows, ~2063 selected each): the wide attend kernel
+// against the old one (MT_MLA_OLD=1), GPU against GPU (the CPU reference would take too long).
+TEST_F(CudaAttnMla, MlaSparsePrefillOldVsNew) {
+    const int Hq = 64, dn = 256, dv = 256, kvl = 512, t0 = 3000, n = 256, max_sel = 2063;
+    mt_mla_params p = {Hq, dn, dv, kvl, 1.f / std::sqrt((float)dn)};
+    const int64_t rows = (int64_t)Hq * (dn + dv);
+    std::vector<float> wf = Rand((size_t)rows * kvl, 1.f / std::sqrt((float)kvl));
+    std::vector<uint16_t> wh(wf.size());
+    for (size_t i = 0; i < wf.size(); i++) wh[i] = mt_f32_to_bf16(wf[i]);
+    std::vector<float> q = Rand((size_t)n * Hq * dn), lat = Rand((size_t)(t0 + n) * kvl);
+    std::vector<int32_t> sel((size_t)n * max_sel), nsel(n, max_sel);
+    for (int i = 0; i < n; i++) {
+        std::vector<int32_t> all(t0 + i + 1);
+        std::iota(all.begin(), all.end(), 0);
+        std::shuffle(all.begin(), all.end(), rng_);
+        std::sort(all.begin(), all.begin() + max_sel);
+        std::copy(all.begin(), all.begin() + max_sel, sel.begin() + (size_t)i * max_sel);
+    }
+    mt_weight w_gpu;
+    ASSERT_EQ(gpu_->ops->weight(gpu_, wh.data(), MT_BF16, rows, kvl, &w_gpu), MT_OK);
+    Buf<float> dq(gpu_, q), dlat(gpu_, lat), dout(gpu_, Rand((size_t)n * Hq * dv));
+    Buf<int32_t> dsel(gpu_, sel), dnsel(gpu_, nsel);
+    auto run = [&] {
+        gpu_->ops->mla_sparse(gpu_, dout.get(), dq.get(), dlat.get(), &w_gpu, dsel.get(), dnsel.get(), max_sel, t0,
+                              n, &p);
+    };
+    const char *prev = getenv("MT_MLA_OLD");
+    const std::string saved = prev ? prev : "";
+    setenv("MT_MLA_OLD", "1", 1);
+    const double ms_old = WarmMs(run);
+    const std::vector<float> out_old = dout.Get();
+    unsetenv("MT_MLA_OLD");
+    const double ms_new = WarmMs(run);
+    const std::vector<float> out_new = dout.Get();
+    if (prev) setenv("MT_MLA_OLD", saved.c_str(), 1);
+    const double e = RelErr(out_new, out_old);
+    std::printf("[mla_sparse prefill] Hq=%d kvl=%d t0=%d n=%d sel=%d: old %.3f ms, new %.3f ms, rel %.2e\n", Hq, kvl,
+                t0, n, max_sel, ms_old, ms_new, e);
+    EXPECT_LE(e, kRelTol);
+    gpu_->ops->weight_free(gpu_, &w_gpu);
 }
 
 void CudaAttnMla::Check(const std::vector<MlaCase> &cases) {

@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_ops.h"
@@ -732,15 +733,208 @@ static __global__ void __launch_bounds__(MLA_THREADS) mla_output_kernel(mla_dev_
     }
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* Prefill attend (n > 1, kvl = 256*J, Hq % 32 == 0): block = (query row i, 32 heads, split).
+ * The old kernel re-read the row's selected latent rows once per 8 heads; this one once per 32,
+ * and register-tiles both products out of shared memory:
+ *   scores S[32 h, 32 r] = QA[32, kvl] Lat^T: thread = 2 heads x 2 rows, float4 loads along kvl
+ *           (rows padded by 4 floats: the 8 rows a warp reads hit distinct banks);
+ *   acc  O[32 h, kvl] += P[32, 32] Lat: thread = 8 heads x 4J columns in registers.
+ * Latent tiles are double-buffered with cp.async (16-byte copies). Online softmax per head as in
+ * mla_attend_kernel (same (max, sum, acc) per split into p.part, merged by the output kernels). */
+enum { MLAW_HB = 32, MLAW_R = 32, MLAW_THREADS = 256 };
+
+static __host__ __device__ size_t mlaw_smem_floats(int kvl) {
+    const size_t ld = (size_t)kvl + 4;
+    return (size_t)MLAW_HB * ld + 2 * (size_t)MLAW_R * ld + (size_t)MLAW_HB * (MLAW_R + 1) +
+           (size_t)MLAW_R * MLAW_HB + 3 * (size_t)MLAW_HB;
+}
+
+static __device__ __forceinline__ void mlaw_cp16(void *s, const void *g) {
+    const unsigned sa = (unsigned)__cvta_generic_to_shared(s);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(g) : "memory");
+}
+static __device__ __forceinline__ void mlaw_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+static __device__ __forceinline__ void mlaw_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+template <int J>
+static __global__ void __launch_bounds__(MLAW_THREADS, 1) mla_attend_wide_kernel(mla_dev_params p) {
+    constexpr int KVL = 256 * J, LD = KVL + 4, K4 = KVL / 4, HB = MLAW_HB, R = MLAW_R, SLD = R + 1;
+    constexpr int HPW = HB / (MLAW_THREADS / 32);
+    extern __shared__ float4 smem_f4[];
+    float *qa = (float *)smem_f4;            /* [HB][LD] */
+    float *lat = qa + HB * LD;               /* [2][R][LD] */
+    float *sc = lat + 2 * R * LD;            /* [HB][SLD] scores */
+    float *pT = sc + HB * SLD;               /* [R][HB] probabilities */
+    float *sm_m = pT + R * HB, *sm_l = sm_m + HB, *sm_c = sm_l + HB;
+    const int i = blockIdx.x, h0 = blockIdx.y * HB, split = blockIdx.z;
+    const int tid = threadIdx.x, lane = tid & 31, wp = tid >> 5;
+
+    const float4 *qsrc = (const float4 *)(p.qa + ((size_t)i * p.Hq + h0) * KVL);
+    for (int e = tid; e < HB * K4; e += MLAW_THREADS) {
+        const int h = e / K4, k = e % K4;
+        *(float4 *)(qa + h * LD + 4 * k) = qsrc[e];
+    }
+    if (tid < HB) {
+        sm_m[tid] = -INFINITY;
+        sm_l[tid] = 0.f;
+    }
+    const int t = (p.t0_dev ? *p.t0_dev : 0) + p.t0 + i, m = p.nsel[i];
+    const int cnt = m > 0 ? m : t + 1;
+    int rps = (cnt + p.nsplit - 1) / p.nsplit;
+    rps = (rps + R - 1) / R * R;
+    const int sb = split * rps, se = sb + rps < cnt ? sb + rps : cnt;
+    const int32_t *srow = p.sel + (size_t)i * p.max_sel;
+
+    /* score mapping: rows tr, tr+16; heads th, th+16 (a warp: 8 rows x 4 heads) */
+    const int tr = (tid & 7) + 8 * (wp & 1), th = ((tid >> 3) & 3) + 4 * (wp >> 1);
+    /* acc mapping: heads ah*8 .. ah*8+7; columns j*256 + tc*4 + 0..3 */
+    const int ah = tid >> 6, tc = tid & 63;
+    float acc[8][4 * J];
+#pragma unroll
+    for (int hh = 0; hh < 8; hh++)
+#pragma unroll
+        for (int c = 0; c < 4 * J; c++) acc[hh][c] = 0.f;
+
+    if (sb < se) { /* first tile into buffer 0 */
+        const int rows = se - sb < R ? se - sb : R;
+        for (int e = tid; e < rows * K4; e += MLAW_THREADS) {
+            const int r = e / K4, k = e % K4;
+            const int pos = m > 0 ? srow[sb + r] : sb + r;
+            mlaw_cp16(lat + r * LD + 4 * k, p.latent + (size_t)pos * KVL + 4 * k);
+        }
+    }
+    mlaw_commit();
+    __syncthreads(); /* qa, m, l */
+    int buf = 0;
+    for (int s0 = sb; s0 < se; s0 += R) {
+        const int rows = se - s0 < R ? se - s0 : R;
+        const int nx = s0 + R;
+        if (nx < se) { /* prefetch the next tile into the other buffer (freed by the barrier below) */
+            const int nrows = se - nx < R ? se - nx : R;
+            float *dst = lat + (buf ^ 1) * R * LD;
+            for (int e = tid; e < nrows * K4; e += MLAW_THREADS) {
+                const int r = e / K4, k = e % K4;
+                const int pos = m > 0 ? srow[nx + r] : nx + r;
+                mlaw_cp16(dst + r * LD + 4 * k, p.latent + (size_t)pos * KVL + 4 * k);
+            }
+            mlaw_commit();
+            mlaw_wait<1>();
+        } else {
+            mlaw_wait<0>();
+        }
+        __syncthreads(); /* this tile visible to all */
+        const float *L = lat + buf * R * LD;
+        if (m > 0) {
+            float s00 = 0.f, s01 = 0.f, s10 = 0.f, s11 = 0.f;
+            const float *q0 = qa + th * LD, *q1 = qa + (th + 16) * LD;
+            const float *l0 = L + tr * LD, *l1 = L + (tr + 16) * LD;
+#pragma unroll 4
+            for (int k = 0; k < KVL; k += 4) {
+                const float4 a0 = *(const float4 *)(q0 + k), a1 = *(const float4 *)(q1 + k);
+                const float4 b0 = *(const float4 *)(l0 + k), b1 = *(const float4 *)(l1 + k);
+                s00 = fmaf(a0.x, b0.x, s00); s00 = fmaf(a0.y, b0.y, s00); s00 = fmaf(a0.z, b0.z, s00); s00 = fmaf(a0.w, b0.w, s00);
+                s01 = fmaf(a0.x, b1.x, s01); s01 = fmaf(a0.y, b1.y, s01); s01 = fmaf(a0.z, b1.z, s01); s01 = fmaf(a0.w, b1.w, s01);
+                s10 = fmaf(a1.x, b0.x, s10); s10 = fmaf(a1.y, b0.y, s10); s10 = fmaf(a1.z, b0.z, s10); s10 = fmaf(a1.w, b0.w, s10);
+                s11 = fmaf(a1.x, b1.x, s11); s11 = fmaf(a1.y, b1.y, s11); s11 = fmaf(a1.z, b1.z, s11); s11 = fmaf(a1.w, b1.w, s11);
+            }
+            sc[th * SLD + tr] = s00 * p.scale;
+            sc[th * SLD + tr + 16] = s01 * p.scale;
+            sc[(th + 16) * SLD + tr] = s10 * p.scale;
+            sc[(th + 16) * SLD + tr + 16] = s11 * p.scale;
+        } else { /* nsel == 0: every position <= t with score 0 (equal weights) */
+            sc[th * SLD + tr] = 0.f;
+            sc[th * SLD + tr + 16] = 0.f;
+            sc[(th + 16) * SLD + tr] = 0.f;
+            sc[(th + 16) * SLD + tr + 16] = 0.f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int qh = 0; qh < HPW; qh++) { /* HPW heads a warp */
+            const int hh = wp * HPW + qh;
+            const float v = lane < rows ? sc[hh * SLD + lane] : -INFINITY;
+            float mx = v;
+#pragma unroll
+            for (int k = 16; k > 0; k >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, k));
+            const float m_old = sm_m[hh], m_new = fmaxf(m_old, mx);
+            const float pr = lane < rows ? expf(v - m_new) : 0.f;
+            float sum = pr;
+#pragma unroll
+            for (int k = 16; k > 0; k >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, k);
+            pT[lane * HB + hh] = pr;
+            if (lane == 0) {
+                const float corr = expf(m_old - m_new); /* 0 on the first tile (m_old = -inf) */
+                sm_c[hh] = corr;
+                sm_l[hh] = sm_l[hh] * corr + sum;
+                sm_m[hh] = m_new;
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int hh = 0; hh < 8; hh++) {
+            const float corr = sm_c[ah * 8 + hh];
+#pragma unroll
+            for (int c = 0; c < 4 * J; c++) acc[hh][c] *= corr;
+        }
+        for (int r = 0; r < rows; r++) {
+            const float4 p0 = *(const float4 *)(pT + r * HB + ah * 8), p1 = *(const float4 *)(pT + r * HB + ah * 8 + 4);
+            const float pv[8] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
+#pragma unroll
+            for (int j = 0; j < J; j++) {
+                const float4 lv = *(const float4 *)(L + r * LD + j * 256 + tc * 4);
+#pragma unroll
+                for (int hh = 0; hh < 8; hh++) {
+                    acc[hh][4 * j + 0] = fmaf(pv[hh], lv.x, acc[hh][4 * j + 0]);
+                    acc[hh][4 * j + 1] = fmaf(pv[hh], lv.y, acc[hh][4 * j + 1]);
+                    acc[hh][4 * j + 2] = fmaf(pv[hh], lv.z, acc[hh][4 * j + 2]);
+                    acc[hh][4 * j + 3] = fmaf(pv[hh], lv.w, acc[hh][4 * j + 3]);
+                }
+            }
+        }
+        __syncthreads(); /* before the next prefetch overwrites this buffer and sc, pT are rewritten */
+        buf ^= 1;
+    }
+    /* This split's (max, sum, acc); an empty split leaves (-inf, 0, 0), which merges as nothing. */
+#pragma unroll
+    for (int hh = 0; hh < 8; hh++) {
+        const int hl = ah * 8 + hh;
+        float *dst = p.part + (((size_t)i * p.Hq + h0 + hl) * p.nsplit + split) * (KVL + 2);
+        if (tc == 0) {
+            dst[0] = sm_m[hl];
+            dst[1] = sm_l[hl];
+        }
+#pragma unroll
+        for (int j = 0; j < J; j++)
+#pragma unroll
+            for (int x = 0; x < 4; x++) dst[2 + j * 256 + tc * 4 + x] = acc[hh][4 * j + x];
+    }
+}
+
 /* Picks heads per block (the largest of 8, 4, 2, 1 dividing Hq) and the splits: enough blocks for
  * about two per multiprocessor, no more splits than tiles in the longest selection. */
-static void mla_plan(mt_backend *be, mla_dev_params *p, int nb_max, int rows_max) {
+static void mla_plan(mt_backend *be, mla_dev_params *p, int nb_max, int rows_max, bool wide) {
     const int sms = ((cu_backend *)be)->n_sm > 0 ? ((cu_backend *)be)->n_sm : 132;
     int hg = MLA_MAX_HG;
     while (p->Hq % hg != 0) hg /= 2;
+    if (wide) hg = MLAW_HB; /* mla_attend_wide_kernel: one block per multiprocessor */
     const int64_t blocks = (int64_t)nb_max * (p->Hq / hg);
     int64_t ns = (2 * (int64_t)sms + blocks - 1) / blocks;
     const int64_t tiles = ((int64_t)rows_max + MLA_ROWS - 1) / MLA_ROWS;
+    if (wide) { /* one block per multiprocessor: the split count that fills the last wave best */
+        const int64_t hi = (4 * (int64_t)sms + blocks - 1) / blocks;
+        int64_t best = 1;
+        double best_u = 0.;
+        for (int64_t c = 1; c <= hi && c <= tiles && c <= MLA_MAX_SPLIT; c++) {
+            const int64_t tot = blocks * c, waves = (tot + sms - 1) / sms;
+            const double u = (double)tot / (double)(waves * sms);
+            if (u > best_u + 1e-9) {
+                best_u = u;
+                best = c;
+            }
+        }
+        ns = best;
+    }
     if (ns > tiles) ns = tiles;
     if (ns > MLA_MAX_SPLIT) ns = MLA_MAX_SPLIT;
     if (ns < 1) ns = 1;
@@ -752,7 +946,14 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
     const int nb_max = n < MLA_BATCH ? n : MLA_BATCH;
     const int last = p->t0_dev ? p->t_cap : p->t0 + n; /* positions attended to, at most */
     const int rows_max = p->max_sel > last ? p->max_sel : last;
-    mla_plan(be, p, nb_max, rows_max);
+    /* Several query rows: the wide attend kernel (32 heads a block) where the shape allows;
+     * MT_MLA_OLD=1 forces the old per-8-heads kernel (for comparison). */
+    const size_t wide_smem = sizeof(float) * mlaw_smem_floats(p->kvl);
+    const char *old_env = getenv("MT_MLA_OLD");
+    const bool wide = n > 1 && !(old_env && old_env[0] == '1') && p->Hq % MLAW_HB == 0 &&
+                      (p->kvl == 256 || p->kvl == 512) && cu_aligned16(p->latent) &&
+                      wide_smem <= (size_t)dsa_smem_max();
+    mla_plan(be, p, nb_max, rows_max, wide);
     const size_t qa_f = (size_t)nb_max * p->Hq * p->kvl;
     const size_t part_f = (size_t)nb_max * p->Hq * p->nsplit * (p->kvl + 2);
     float *scratch = (float *)cu_scratch(be, CU_SCRATCH_ATTN, sizeof(float) * (qa_f + part_f));
@@ -772,6 +973,11 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
     mt_status st;
     if ((st = dsa_smem_opt_in((const void *)mla_absorb_kernel, abs_smem)) != MT_OK) return st;
     if ((st = dsa_smem_opt_in((const void *)mla_attend_kernel, att_smem)) != MT_OK) return st;
+    if (wide) {
+        if (p->kvl == 256) st = dsa_smem_opt_in((const void *)mla_attend_wide_kernel<1>, wide_smem);
+        else st = dsa_smem_opt_in((const void *)mla_attend_wide_kernel<2>, wide_smem);
+        if (st != MT_OK) return st;
+    }
     if ((st = dsa_smem_opt_in((const void *)mla_output_kernel, out_smem)) != MT_OK) return st;
 
     mla_dev_params b = *p;
@@ -800,7 +1006,9 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
         }
         cu_check_launch(be, "mla_sparse (absorb)");
         const dim3 gt(b.nb, p->Hq / p->hg, p->nsplit);
-        mla_attend_kernel<<<gt, MLA_THREADS, att_smem, cu_stream(be)>>>(b);
+        if (!wide) mla_attend_kernel<<<gt, MLA_THREADS, att_smem, cu_stream(be)>>>(b);
+        else if (p->kvl == 256) mla_attend_wide_kernel<1><<<gt, MLAW_THREADS, wide_smem, cu_stream(be)>>>(b);
+        else mla_attend_wide_kernel<2><<<gt, MLAW_THREADS, wide_smem, cu_stream(be)>>>(b);
         cu_check_launch(be, "mla_sparse (attend)");
         if (dec1) {
             const size_t o1 = sizeof(float) * (size_t)p->kvl;

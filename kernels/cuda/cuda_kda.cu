@@ -9,6 +9,9 @@
  * block a head and a group of value columns, and keep that slice of the state on chip for all n
  * steps: read once, written once. */
 #include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_ops.h"
@@ -230,7 +233,132 @@ kda_recurrent_kernel(delta_params p) {
     }
 }
 
+/* ---- decode (n == 1) ----
+ * One step streams the state through once, so the kernel is a copy with two reductions in the
+ * middle; it is built to keep many bytes in flight. Block = (head, 64 value columns), 256
+ * threads; lane = (row parity sub, column group c4): thread (warp w, lane) owns the 4 consecutive
+ * columns j0+4*c4.. of rows 2w+sub+16r (r < 8), loaded as float4 (a warp reads two rows' 256-byte
+ * segments per instruction). All 8 loads are issued before the first use; the step inputs are
+ * staged in shared memory meanwhile. Using S' = diag(e) S:
+ *   u = k^T S', w = q^T S', qk = q.k     (one reduction: shuffle over sub, shared over warps)
+ *   delta = beta (v - u), S'' = S' + k delta^T, o = q^T S'' = w + qk delta
+ * so a step costs a single reduction barrier. Requires dk % 4 == 0 and 16-byte aligned state, v,
+ * o (cu_kda_recurrent falls back to kda_recurrent_kernel otherwise). */
+enum {
+    DEC_THREADS = 256,
+    DEC_COLS = 64,                               /* value columns per block */
+    DEC_GROUPS = DEC_COLS / 4,                   /* float4 column groups = 16 lanes */
+    DEC_WARPS = DEC_THREADS / 32,
+    DEC_PASS = DEC_THREADS / DEC_GROUPS,         /* rows covered per pass: 16 */
+    DEC_ROWS = KDA_MAX_DK / DEC_PASS,            /* rows per thread: 8 */
+};
+
+/* 80 registers with 3 blocks a SM, no spills (a dk = 128 specialisation spilled at that cap) */
+static __global__ void __launch_bounds__(DEC_THREADS, 3) kda_decode_kernel(delta_params p) {
+    const int dk = p.dk, nblk = (dk + DEC_COLS - 1) / DEC_COLS;
+    const int h = blockIdx.x / nblk, j0 = (blockIdx.x - h * nblk) * DEC_COLS;
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    const int c4 = lane & (DEC_GROUPS - 1), sub = lane >> 4;
+    const int j = j0 + 4 * c4, rbase = 2 * w + sub;
+    const bool jok = j < dk; /* dk % 4 == 0: the whole group is in range */
+    const int ld4 = dk >> 2;
+    __shared__ float qs[KDA_MAX_DK], ks[KDA_MAX_DK], es[KDA_MAX_DK];
+    __shared__ float4 red_u[DEC_WARPS][DEC_GROUPS], red_w[DEC_WARPS][DEC_GROUPS];
+    __shared__ float red_qk[DEC_WARPS];
+
+    float4 *S = reinterpret_cast<float4 *>(p.state + (size_t)h * dk * dk) + (j >> 2);
+    float4 s[DEC_ROWS];
+#pragma unroll
+    for (int r = 0; r < DEC_ROWS; r++) {
+        const int i = rbase + DEC_PASS * r; /* < KDA_MAX_DK */
+        s[r] = (i < dk && jok) ? __ldcs(S + (size_t)i * ld4) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    const size_t off = (size_t)h * dk;
+    const float4 v4 = jok ? *reinterpret_cast<const float4 *>(p.v + off + j)
+                          : make_float4(0.f, 0.f, 0.f, 0.f);
+    const float b = p.beta[h];
+    if (tid < KDA_MAX_DK) { /* rows past dk read zeros, never uninitialised shared memory */
+        const bool ok = tid < dk;
+        qs[tid] = ok ? p.q[off + tid] : 0.f;
+        ks[tid] = ok ? p.k[off + tid] : 0.f;
+        es[tid] = ok ? expf(p.g[off + tid]) : 0.f;
+    }
+    __syncthreads();
+
+    float4 u = make_float4(0.f, 0.f, 0.f, 0.f), wq = u;
+    float qk = 0.f;
+#pragma unroll
+    for (int r = 0; r < DEC_ROWS; r++) {
+        const int i = rbase + DEC_PASS * r;
+        const float e = es[i], kk = ks[i], qq = qs[i];
+        s[r].x *= e; s[r].y *= e; s[r].z *= e; s[r].w *= e;
+        u.x += kk * s[r].x; u.y += kk * s[r].y; u.z += kk * s[r].z; u.w += kk * s[r].w;
+        wq.x += qq * s[r].x; wq.y += qq * s[r].y; wq.z += qq * s[r].z; wq.w += qq * s[r].w;
+        qk += qq * kk;
+    }
+    /* the two row parities of a warp: lanes l and l^16 (same sums either way round) */
+    u.x += __shfl_xor_sync(0xffffffffu, u.x, 16);
+    u.y += __shfl_xor_sync(0xffffffffu, u.y, 16);
+    u.z += __shfl_xor_sync(0xffffffffu, u.z, 16);
+    u.w += __shfl_xor_sync(0xffffffffu, u.w, 16);
+    wq.x += __shfl_xor_sync(0xffffffffu, wq.x, 16);
+    wq.y += __shfl_xor_sync(0xffffffffu, wq.y, 16);
+    wq.z += __shfl_xor_sync(0xffffffffu, wq.z, 16);
+    wq.w += __shfl_xor_sync(0xffffffffu, wq.w, 16);
+    qk += __shfl_xor_sync(0xffffffffu, qk, 16);
+    if (sub == 0) {
+        red_u[w][c4] = u;
+        red_w[w][c4] = wq;
+    }
+    if (lane == 0) red_qk[w] = qk;
+    __syncthreads();
+    u = red_u[0][c4];
+    wq = red_w[0][c4];
+    qk = red_qk[0];
+#pragma unroll
+    for (int ww = 1; ww < DEC_WARPS; ww++) { /* same order in every thread: deterministic */
+        const float4 a = red_u[ww][c4], c = red_w[ww][c4];
+        u.x += a.x; u.y += a.y; u.z += a.z; u.w += a.w;
+        wq.x += c.x; wq.y += c.y; wq.z += c.z; wq.w += c.w;
+        qk += red_qk[ww];
+    }
+    const float4 d = make_float4(b * (v4.x - u.x), b * (v4.y - u.y), b * (v4.z - u.z),
+                                 b * (v4.w - u.w));
+    if (!jok) return; /* no barrier follows */
+#pragma unroll
+    for (int r = 0; r < DEC_ROWS; r++) {
+        const int i = rbase + DEC_PASS * r;
+        if (i < dk) {
+            const float kk = ks[i];
+            s[r].x += kk * d.x; s[r].y += kk * d.y; s[r].z += kk * d.z; s[r].w += kk * d.w;
+            __stcs(S + (size_t)i * ld4, s[r]);
+        }
+    }
+    if (w == 0 && sub == 0)
+        *reinterpret_cast<float4 *>(p.o + off + j) =
+            make_float4(wq.x + qk * d.x, wq.y + qk * d.y, wq.z + qk * d.z, wq.w + qk * d.w);
+}
+
+/* MT_CUDA_KDA_DECODE=0 forces kda_recurrent_kernel for n == 1 too (read once). */
+static bool kda_decode_enabled(void) {
+    static int mode = -1;
+    if (mode < 0) {
+        const char *env = getenv("MT_CUDA_KDA_DECODE");
+        mode = !(env && !strcmp(env, "0"));
+    }
+    return mode != 0;
+}
+
 static void kda_recurrent_launch(mt_backend *be, const delta_params *p) {
+    const bool aligned =
+        (((uintptr_t)p->state | (uintptr_t)p->v | (uintptr_t)p->o) & 15) == 0;
+    if (p->n == 1 && p->dk % 4 == 0 && aligned && kda_decode_enabled()) {
+        const int64_t blocks = (int64_t)p->nh * ((p->dk + DEC_COLS - 1) / DEC_COLS);
+        MT_ASSERT(blocks <= 0x7fffffff);
+        kda_decode_kernel<<<(unsigned)blocks, DEC_THREADS, 0, cu_stream(be)>>>(*p);
+        cu_check_launch(be, "kda_recurrent (decode)");
+        return;
+    }
     const dim3 grid(p->nh, (p->dk + REC_COLS - 1) / REC_COLS);
     kda_recurrent_kernel<<<grid, REC_WARPS * 32, 0, cu_stream(be)>>>(*p);
     cu_check_launch(be, "kda_recurrent");
