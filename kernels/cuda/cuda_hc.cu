@@ -44,43 +44,77 @@ static __global__ void __launch_bounds__(HC_MIX_THREADS) hc_pre_mix_kernel(const
     const float r = 1.f / sqrtf((float)(ss / SH) + p.rms_eps);
     const float *m = p.m + (int64_t)i * (2 + S) * S;
     const float *base = p.base, *scale = p.scale;
-    const bool own = tid < S * S;        /* this thread owns C[a][b] */
-    const int a = tid / S, b = tid % S;
-    if (tid < S) {
-        pre[tid] = hc_sigmoid(__fadd_rn(__fmul_rn(__fmul_rn(m[tid], r), scale[0]), base[tid])) + p.hc_eps;
-        p.post[(int64_t)i * S + tid] =
-            2.f * hc_sigmoid(__fadd_rn(__fmul_rn(__fmul_rn(m[S + tid], r), scale[1]), base[S + tid]));
-    }
-    if (own) C[tid] = __fadd_rn(__fmul_rn(__fmul_rn(m[2 * S + tid], r), scale[2]), base[2 * S + tid]);
-    __syncthreads();
-    /* softmax over each row */
-    float v = 0.f;
-    if (own) {
-        float mx = -INFINITY, sum = 0.f;
-        for (int k = 0; k < S; k++) mx = fmaxf(mx, C[a * S + k]);
-        for (int k = 0; k < S; k++) sum += expf(C[a * S + k] - mx);
-        v = expf(C[tid] - mx) / sum + p.hc_eps;
-    }
-    __syncthreads();
-    if (own) C[tid] = v;
-    __syncthreads();
-    for (int it = 0; it < p.sinkhorn_iters; it++) {
-        if (it > 0) { /* rows */
+    if (S * S <= 32) {
+        /* Small S (4 in the real model): warp 0 alone, lane a*S+b holding C[a][b]; a row or
+         * column sum gathers its S values by shuffles and adds them in ascending index, the
+         * CPU's order, with no block barrier in the 20 Sinkhorn iterations. */
+        if (tid < 32) {
+            const int lane = tid, a = lane < S * S ? lane / S : 0, b = lane < S * S ? lane % S : 0;
+            float c = 0.f;
+            if (lane < S) {
+                pre[lane] = hc_sigmoid(__fadd_rn(__fmul_rn(__fmul_rn(m[lane], r), scale[0]), base[lane])) + p.hc_eps;
+                p.post[(int64_t)i * S + lane] =
+                    2.f * hc_sigmoid(__fadd_rn(__fmul_rn(__fmul_rn(m[S + lane], r), scale[1]), base[S + lane]));
+            }
+            if (lane < S * S) c = __fadd_rn(__fmul_rn(__fmul_rn(m[2 * S + lane], r), scale[2]), base[2 * S + lane]);
+            float mx = -INFINITY;
+            for (int k = 0; k < S; k++) mx = fmaxf(mx, __shfl_sync(0xffffffffu, c, a * S + k));
+            const float e = expf(c - mx);
             float sum = 0.f;
+            for (int k = 0; k < S; k++) sum += __shfl_sync(0xffffffffu, e, a * S + k);
+            c = e / sum + p.hc_eps;
+            for (int it = 0; it < p.sinkhorn_iters; it++) {
+                if (it > 0) {
+                    float rs = 0.f;
+                    for (int k = 0; k < S; k++) rs += __shfl_sync(0xffffffffu, c, a * S + k);
+                    c /= rs + p.hc_eps;
+                }
+                float cs = 0.f;
+                for (int k = 0; k < S; k++) cs += __shfl_sync(0xffffffffu, c, k * S + b);
+                c /= cs + p.hc_eps;
+            }
+            if (lane < S * S) p.comb[(int64_t)i * S * S + lane] = c;
+        }
+        __syncthreads(); /* pre[] for the collapse below */
+    } else {
+        const bool own = tid < S * S;        /* this thread owns C[a][b] */
+        const int a = tid / S, b = tid % S;
+        if (tid < S) {
+            pre[tid] = hc_sigmoid(__fadd_rn(__fmul_rn(__fmul_rn(m[tid], r), scale[0]), base[tid])) + p.hc_eps;
+            p.post[(int64_t)i * S + tid] =
+                2.f * hc_sigmoid(__fadd_rn(__fmul_rn(__fmul_rn(m[S + tid], r), scale[1]), base[S + tid]));
+        }
+        if (own) C[tid] = __fadd_rn(__fmul_rn(__fmul_rn(m[2 * S + tid], r), scale[2]), base[2 * S + tid]);
+        __syncthreads();
+        /* softmax over each row */
+        float v = 0.f;
+        if (own) {
+            float mx = -INFINITY, sum = 0.f;
+            for (int k = 0; k < S; k++) mx = fmaxf(mx, C[a * S + k]);
+            for (int k = 0; k < S; k++) sum += expf(C[a * S + k] - mx);
+            v = expf(C[tid] - mx) / sum + p.hc_eps;
+        }
+        __syncthreads();
+        if (own) C[tid] = v;
+        __syncthreads();
+        for (int it = 0; it < p.sinkhorn_iters; it++) {
+            if (it > 0) { /* rows */
+                float sum = 0.f;
+                if (own)
+                    for (int k = 0; k < S; k++) sum += C[a * S + k];
+                __syncthreads();
+                if (own) C[tid] /= sum + p.hc_eps;
+                __syncthreads();
+            }
+            float sum = 0.f; /* columns */
             if (own)
-                for (int k = 0; k < S; k++) sum += C[a * S + k];
+                for (int k = 0; k < S; k++) sum += C[k * S + b];
             __syncthreads();
             if (own) C[tid] /= sum + p.hc_eps;
             __syncthreads();
         }
-        float sum = 0.f; /* columns */
-        if (own)
-            for (int k = 0; k < S; k++) sum += C[k * S + b];
-        __syncthreads();
-        if (own) C[tid] /= sum + p.hc_eps;
-        __syncthreads();
+        if (own) p.comb[(int64_t)i * S * S + tid] = C[tid];
     }
-    if (own) p.comb[(int64_t)i * S * S + tid] = C[tid];
     float *yi = p.y + (int64_t)i * H;
 #pragma unroll 4
     for (int d = tid; d < H; d += blockDim.x) {
