@@ -2,6 +2,8 @@
 // (CI and dev hosts have the toolkit but no GPU); the argument checks run everywhere.
 #include <gtest/gtest.h>
 
+#include "tests/cuda_test_util.h"
+
 #include <cuda_runtime_api.h>
 
 #include <string>
@@ -11,14 +13,6 @@
 
 namespace {
 
-// Empty when a CUDA device is usable, else why not.
-std::string NoGpuReason() {
-    int n = 0;
-    cudaError_t e = cudaGetDeviceCount(&n);
-    if (e != cudaSuccess) return std::string("cudaGetDeviceCount: ") + cudaGetErrorString(e);
-    if (n == 0) return "cudaGetDeviceCount found 0 devices";
-    return "";
-}
 
 class CudaScale : public ::testing::Test {
   protected:

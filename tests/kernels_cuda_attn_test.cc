@@ -13,6 +13,8 @@
 // Skips when no CUDA device is usable (CI and dev hosts have the toolkit but no GPU).
 #include <gtest/gtest.h>
 
+#include "tests/cuda_test_util.h"
+
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -35,24 +37,6 @@ namespace {
 
 constexpr double kRelTol = 1e-4;
 
-// Empty when a CUDA device is usable, else why not.
-std::string NoGpuReason() {
-    int n = 0;
-    cudaError_t e = cudaGetDeviceCount(&n);
-    if (e != cudaSuccess) return std::string("cudaGetDeviceCount: ") + cudaGetErrorString(e);
-    if (n == 0) return "cudaGetDeviceCount found 0 devices";
-    return "";
-}
-
-double RelErr(const std::vector<float> &got, const std::vector<float> &want) {
-    double num = 0, den = 0;
-    for (size_t i = 0; i < want.size(); i++) {
-        const double d = (double)got[i] - want[i];
-        num += d * d;
-        den += (double)want[i] * want[i];
-    }
-    return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
 
 // A buffer in one backend's memory, freed with it.
 template <typename T>

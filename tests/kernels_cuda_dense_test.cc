@@ -17,6 +17,8 @@
 // Each test prints the worst error it saw ("[ metric ]" lines), and a few ops print GPU timings.
 #include <gtest/gtest.h>
 
+#include "tests/cuda_test_util.h"
+
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -33,15 +35,6 @@
 #include "kernels/cuda/cuda_backend.h"
 
 namespace {
-
-// Empty when a CUDA device is usable, else why not.
-std::string NoGpuReason() {
-    int n = 0;
-    cudaError_t e = cudaGetDeviceCount(&n);
-    if (e != cudaSuccess) return std::string("cudaGetDeviceCount: ") + cudaGetErrorString(e);
-    if (n == 0) return "cudaGetDeviceCount found 0 devices";
-    return "";
-}
 
 // splitmix64: a stream of uniform floats in [lo, hi), never exactly 0.
 struct Rng {
@@ -72,16 +65,6 @@ std::vector<float> Rand(size_t n, float lo = -1.f, float hi = 1.f) {
         for (size_t i = c * chunk; i < std::min(n, (c + 1) * chunk); i++) v[i] = r.Uniform(lo, hi);
     }
     return v;
-}
-
-double RelErr(const std::vector<float> &got, const std::vector<float> &want) {
-    double num = 0, den = 0;
-    for (size_t i = 0; i < want.size(); i++) {
-        const double d = (double)got[i] - want[i];
-        num += d * d;
-        den += (double)want[i] * want[i];
-    }
-    return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
 // Worst relative error seen by one test, printed at its end.
