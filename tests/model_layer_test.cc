@@ -49,10 +49,16 @@ TEST_F(ModelLayer, CapabilitiesByKind) {
     EXPECT_FALSE(mt_layer_has_aux_state(kda));
     EXPECT_TRUE(mt_layer_has_aux_state(full));
     EXPECT_FALSE(mt_layer_has_aux_state(shared));  // no indexer of its own
+    EXPECT_FALSE(kda->caps.decode_multi_seq_unsupported);
+    EXPECT_FALSE(full->caps.decode_multi_seq_unsupported);
     // Unfilled slots fall back to their defaults.
-    EXPECT_EQ(mt_layer_decode_multi_seq(kda, nullptr, 0, nullptr, nullptr), MT_ERR_UNSUPPORTED);
     EXPECT_EQ(mt_layer_decode_prestage(kda, nullptr, 5), MT_OK);
     EXPECT_EQ(mt_layer_check_replay_room(kda, nullptr, 1 << 30, 1), MT_OK);
+    static const mt_layer_ops bare_ops = {};  // a layer that fills no optional slot
+    mt_layer bare = {&bare_ops, {}, "bare", 0};
+    EXPECT_EQ(mt_layer_decode_multi_seq(&bare, nullptr, 0, nullptr, nullptr), MT_ERR_UNSUPPORTED);
+    EXPECT_FALSE(mt_layer_has_aux_state(&bare));
+    EXPECT_EQ(mt_layer_sync_replayed_step(&bare, nullptr, 3, 1), MT_OK);
 }
 
 TEST_F(ModelLayer, DsaReplayHooksTrackTheIndexerLength) {
@@ -225,6 +231,89 @@ TEST_F(ModelLayer, Fp32AndFp16CheckpointsLoad) {
 }
 
 }  // namespace
+
+// Batched decode (one row per sequence through decode_multi_seq) gives each sequence the logits
+// and greedy tokens it gets decoding alone, with sequences of different lengths (across pool and
+// tail boundaries) joining and leaving between steps. Tokens must be identical; logits agree to
+// rounding (the same ops run over more rows).
+class BatchedDecode : public ::testing::TestWithParam<const char *> {};
+
+TEST_P(BatchedDecode, EqualsEachSequenceAlone) {
+    mt_backend *be = mt_cpu_backend_new(0);
+    glm_model *m = nullptr;
+    mt_error err{};
+    const std::string dir = std::string("tests/fixtures/") + GetParam();
+    ASSERT_EQ(glm_model_load(dir.c_str(), be, nullptr, &m, &err), MT_OK) << err.msg;
+    const int V = glm_model_config(m)->vocab_size, steps = 12;
+    // prompt lengths, the step each sequence joins at and the step it leaves after
+    const int plen[5] = {3, 10, 17, 30, 5}, join[5] = {0, 0, 2, 0, 5}, leave[5] = {12, 6, 12, 9, 12};
+    std::vector<std::vector<int32_t>> prompt(5), alone_tok(5);
+    std::vector<std::vector<float>> alone_logits(5);
+    for (int q = 0; q < 5; q++) {
+        for (int i = 0; i < plen[q]; i++) prompt[q].push_back((q * 31 + i * 17 + 3) % V);
+        glm_seq *s = nullptr;
+        ASSERT_EQ(glm_seq_new(m, plen[q] + steps + 1, &s, &err), MT_OK);
+        std::vector<float> l(V);
+        ASSERT_EQ(glm_prefill(m, s, prompt[q].data(), plen[q], l.data(), false, &err), MT_OK) << err.msg;
+        for (int t = join[q]; t < leave[q]; t++) {
+            alone_tok[q].push_back(glm_argmax(l.data(), V));
+            ASSERT_EQ(glm_decode(m, s, alone_tok[q].back(), l.data(), &err), MT_OK) << err.msg;
+            alone_logits[q].insert(alone_logits[q].end(), l.begin(), l.end());
+        }
+        glm_seq_free(s);
+    }
+    glm_seq *seq[5] = {};
+    std::vector<float> last[5];
+    std::vector<std::vector<int32_t>> got_tok(5);
+    double worst = 0;
+    for (int t = 0; t < steps; t++) {
+        std::vector<glm_seq *> batch;
+        std::vector<int32_t> toks;
+        std::vector<int> who;
+        for (int q = 0; q < 5; q++) {
+            if (t == join[q]) {  // joins: prefill now, decode from this step on
+                ASSERT_EQ(glm_seq_new(m, plen[q] + steps + 1, &seq[q], &err), MT_OK);
+                last[q].resize(V);
+                ASSERT_EQ(glm_prefill(m, seq[q], prompt[q].data(), plen[q], last[q].data(), false, &err), MT_OK);
+            }
+            if (t >= join[q] && t < leave[q]) {
+                got_tok[q].push_back(glm_argmax(last[q].data(), V));
+                batch.push_back(seq[q]);
+                toks.push_back(got_tok[q].back());
+                who.push_back(q);
+            }
+        }
+        std::vector<float> l(batch.size() * V);
+        ASSERT_EQ(glm_decode_multi(m, batch.data(), toks.data(), (int)batch.size(), l.data(), &err), MT_OK) << err.msg;
+        for (size_t r = 0; r < who.size(); r++) {
+            const int q = who[r], k = t - join[q];
+            last[q].assign(l.begin() + (long)r * V, l.begin() + (long)(r + 1) * V);
+            for (int v = 0; v < V; v++)
+                worst = std::fmax(worst, std::fabs(last[q][v] - alone_logits[q][(size_t)k * V + v]));
+        }
+        for (int q = 0; q < 5; q++)
+            if (t + 1 == leave[q]) { glm_seq_free(seq[q]); seq[q] = nullptr; }
+    }
+    for (int q = 0; q < 5; q++) EXPECT_EQ(got_tok[q], alone_tok[q]) << GetParam() << " sequence " << q;
+    EXPECT_LE(worst, 1e-5) << GetParam();
+    printf("%s: 5 sequences joining and leaving over %d batched steps, worst |logit diff| vs alone %.2e\n",
+           GetParam(), steps, worst);
+    // Bad batches are refused whole.
+    glm_seq *a = nullptr;
+    ASSERT_EQ(glm_seq_new(m, 8, &a, &err), MT_OK);
+    glm_seq *twice[2] = {a, a};
+    const int32_t two[2] = {1, 2};
+    EXPECT_EQ(glm_decode_multi(m, twice, two, 2, nullptr, &err), MT_ERR_INVALID);
+    EXPECT_NE(std::string(err.msg).find("twice"), std::string::npos) << err.msg;
+    const int32_t bad[1] = {V};
+    EXPECT_EQ(glm_decode_multi(m, &a, bad, 1, nullptr, &err), MT_ERR_INVALID);
+    EXPECT_EQ(glm_seq_len(a), 0);
+    glm_seq_free(a);
+    glm_model_free(m);
+    mt_backend_free(be);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, BatchedDecode, ::testing::Values("tiny_a", "tiny_b", "tiny_c"));
 
 // Random models: the same seed gives the same logits, another seed different ones, and a bad
 // config is refused before anything is allocated.

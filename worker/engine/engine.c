@@ -294,7 +294,32 @@ static void admit(eng_engine *e) {
 /* The model part of a decode step: feeds each batch[i]'s pending token and writes its next-token
  * logits to logits[i, vocab]. Sets batch[i]->st (and ->err). The CPU layers have no
  * multi-sequence decode yet, so this loops over sequences; batched decode replaces this body. */
+/* One token for every running sequence. Several go through the model's batched decode (one
+ * pass over the weights for all of them); one alone through glm_decode (a CUDA graph where the
+ * backend has them). If the batch is refused (a bad token or a full sequence, which admission
+ * should make impossible), each sequence decodes alone so only the bad one fails. */
 static void decode_running(eng_engine *e, eng_seq **batch, int n, float *logits) {
+    if (n > 1) {
+        glm_seq **gs = malloc(sizeof *gs * (size_t)n);
+        int32_t *tok = malloc(sizeof *tok * (size_t)n);
+        mt_status st = MT_ERR_NOMEM;
+        mt_error err = { "" };
+        if (gs && tok) {
+            for (int i = 0; i < n; i++) {
+                gs[i] = batch[i]->gs;
+                tok[i] = batch[i]->pending;
+            }
+            st = glm_decode_multi(e->m, gs, tok, n, logits, &err);
+        }
+        free(gs);
+        free(tok);
+        if (st == MT_OK) {
+            for (int i = 0; i < n; i++) batch[i]->st = MT_OK;
+            return;
+        }
+        mt_log(MT_LOG_WARN, "engine: batched decode of %d sequences refused (%s); decoding them one by one",
+               n, err.msg[0] ? err.msg : mt_status_str(st));
+    }
     for (int i = 0; i < n; i++)
         batch[i]->st = glm_decode(e->m, batch[i]->gs, batch[i]->pending, logits + (size_t)i * e->vocab,
                                   &batch[i]->err);

@@ -93,7 +93,8 @@ typedef struct glm_scratch {
     int32_t *idx;              /* [rows, top_k] */
     float *wts;                /* [rows, top_k] */
     int32_t *sel, *nsel;       /* [rows, max_sel], [rows]: the DSA selection of the last full layer */
-    int sel_t0, sel_n;         /* which rows sel describes; sel_n = 0 when none */
+    int sel_t0, sel_n;         /* which rows sel describes (sel_t0 = GLM_SEL_MULTI: one row per
+                                * sequence of a batched decode); sel_n = 0 when none */
 } glm_scratch;
 
 struct mt_step {
@@ -135,6 +136,7 @@ struct glm_seq {
 };
 
 #define GLM_MAX_CAPTURE_FAILURES 3
+#define GLM_SEL_MULTI (-1)
 
 /* glm_weights.c */
 mt_status glm_weights_bind(glm_model *m, mt_error *err);
@@ -147,11 +149,12 @@ int glm_scratch_width(const glm_config *cfg);
 size_t glm_layer_state_bytes(const glm_layer *l, int max_tokens);
 int glm_max_sel(const glm_config *cfg);
 
-/* Mixers and MLP: h[n, H] -> out[n, H]. */
-mt_status glm_kda_forward(const glm_layer *l, glm_layer_state *st, mt_step *step, const float *h,
-                          float *out, int n);
-mt_status glm_dsa_forward(const glm_layer *l, glm_layer_state *st, mt_step *step, const float *h,
-                          float *out, int n);
+/* Mixers and MLP: h[n, H] -> out[n, H]. The mixers take nst == 1 state for n consecutive
+ * positions of one sequence, or nst == n states, row i being the next position of sts[i]. */
+mt_status glm_kda_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt_step *step,
+                          const float *h, float *out, int n);
+mt_status glm_dsa_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt_step *step,
+                          const float *h, float *out, int n);
 void glm_mlp_forward(const glm_layer *l, mt_step *step, const float *h, float *out, int n);
 
 #endif /* GLM_IMPL_H */

@@ -1,12 +1,16 @@
-/* worker/model/glm_kda.c: the KDA mixer (MODEL.md "KDA mixer") over n rows of one sequence:
- * projections, causal conv + SiLU with the conv state, l2norm, decay gate, the delta rule (chunked
- * for n > 1, recurrent for one row), gated output norm and o_proj. */
+/* worker/model/glm_kda.c: the KDA mixer (MODEL.md "KDA mixer"): projections, causal conv + SiLU
+ * with the conv state, l2norm, decay gate, the delta rule (chunked for several rows of one
+ * sequence, recurrent for one row), gated output norm and o_proj.
+ *
+ * Rows and states: with nst == 1 all n rows are consecutive positions of sts[0] (prefill, decode);
+ * with nst == n row i is the next position of sequence sts[i] (batched decode): the projections
+ * and norms run over all rows at once, the conv and the delta rule per sequence on its state. */
 #include <math.h>
 
 #include "worker/model/glm_impl.h"
 
-mt_status glm_kda_forward(const glm_layer *l, glm_layer_state *st, mt_step *step, const float *h,
-                          float *out, int n) {
+mt_status glm_kda_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt_step *step,
+                          const float *h, float *out, int n) {
     const glm_config *c = l->cfg;
     const glm_kda_w *w = &l->kda;
     mt_backend *be = step->be;
@@ -16,12 +20,16 @@ mt_status glm_kda_forward(const glm_layer *l, glm_layer_state *st, mt_step *step
     float **b = step->scr->buf;
     float *raw = b[0], *q = b[1], *k = b[2], *v = b[3], *g = b[4], *beta = b[5], *o = b[6];
     float *lo = b[7], *gate = b[8];
+    MT_ASSERT(nst == 1 || nst == n);
 
     const mt_weight *proj[3] = { &w->q, &w->k, &w->v };
     float *dst[3] = { q, k, v };
     for (int j = 0; j < 3; j++) {
         op->matmul(be, raw, h, proj[j], n);
-        op->conv1d_silu(be, dst[j], raw, st->conv[j], w->conv[j], n, D, K);
+        if (nst == 1) op->conv1d_silu(be, dst[j], raw, sts[0]->conv[j], w->conv[j], n, D, K);
+        else
+            for (int i = 0; i < n; i++)
+                op->conv1d_silu(be, dst[j] + (size_t)i * D, raw + (size_t)i * D, sts[i]->conv[j], w->conv[j], 1, D, K);
     }
     op->l2norm(be, q, (int64_t)n * nh, dk, 1e-6f, 1.f / sqrtf((float)dk));
     op->l2norm(be, k, (int64_t)n * nh, dk, 1e-6f, 1.f);
@@ -33,8 +41,13 @@ mt_status glm_kda_forward(const glm_layer *l, glm_layer_state *st, mt_step *step
     op->matmul(be, beta, h, &w->b, n);
     op->sigmoid(be, beta, (int64_t)n * nh);
 
-    if (n == 1) op->kda_recurrent(be, o, q, k, v, g, beta, st->rec, n, nh, dk);
-    else op->kda_chunked(be, o, q, k, v, g, beta, st->rec, n, nh, dk);
+    if (nst == 1 && n == 1) op->kda_recurrent(be, o, q, k, v, g, beta, sts[0]->rec, 1, nh, dk);
+    else if (nst == 1) op->kda_chunked(be, o, q, k, v, g, beta, sts[0]->rec, n, nh, dk);
+    else
+        for (int i = 0; i < n; i++) {
+            const size_t r = (size_t)i * D;
+            op->kda_recurrent(be, o + r, q + r, k + r, v + r, g + r, beta + (size_t)i * nh, sts[i]->rec, 1, nh, dk);
+        }
 
     op->matmul(be, lo, h, &w->g_a, n);
     op->matmul(be, gate, lo, &w->g_b, n);

@@ -100,10 +100,12 @@ static mt_status alloc_state(const mt_layer *ml, int max_tokens, mt_layer_state 
 
 /* ---- compute ---- */
 
-static mt_status layer_prefill(const mt_layer *ml, mt_layer_state *base, mt_step *step, float *X, int n) {
+/* n rows through the decoder layer: nst == 1 state for n consecutive positions of one sequence,
+ * or nst == n states, one row per sequence (see glm_kda.c). */
+static mt_status layer_forward(const mt_layer *ml, glm_layer_state **sts, int nst, mt_step *step,
+                               float *X, int n) {
     const glm_layer *l = as_glm(ml);
     const glm_config *c = l->cfg;
-    glm_layer_state *st = (glm_layer_state *)base;
     mt_backend *be = step->be;
     glm_scratch *scr = step->scr;
     MT_ASSERT(n <= scr->rows);
@@ -113,8 +115,8 @@ static mt_status layer_prefill(const mt_layer *ml, mt_layer_state *base, mt_step
     be->ops->hc_pre(be, scr->y, scr->post, scr->comb, X, &l->hc[0].fn, l->hc[0].base, l->hc[0].scale, &hp, n);
     be->ops->rmsnorm(be, scr->h, scr->y, l->in_norm, n, H, c->rms_norm_eps);
     mt_status s = c->layer_types[ml->index] == GLM_MIXER_KDA
-                      ? glm_kda_forward(l, st, step, scr->h, scr->a, n)
-                      : glm_dsa_forward(l, st, step, scr->h, scr->a, n);
+                      ? glm_kda_forward(l, sts, nst, step, scr->h, scr->a, n)
+                      : glm_dsa_forward(l, sts, nst, step, scr->h, scr->a, n);
     if (s != MT_OK) return s;
     be->ops->hc_post(be, X, scr->a, scr->post, scr->comb, &hp, n);
 
@@ -123,6 +125,17 @@ static mt_status layer_prefill(const mt_layer *ml, mt_layer_state *base, mt_step
     glm_mlp_forward(l, step, scr->h, scr->a, n);
     be->ops->hc_post(be, X, scr->a, scr->post, scr->comb, &hp, n);
     return MT_OK;
+}
+
+static mt_status layer_prefill(const mt_layer *ml, mt_layer_state *base, mt_step *step, float *X, int n) {
+    glm_layer_state *st = (glm_layer_state *)base;
+    return layer_forward(ml, &st, 1, step, X, n);
+}
+
+/* One row per sequence; every state is this layer's (mt_layer_state is the first member). */
+static mt_status layer_decode_multi(const mt_layer *ml, mt_layer_state **sts, int nseq, mt_step *step,
+                                    float *X) {
+    return layer_forward(ml, (glm_layer_state **)sts, nseq, step, X, nseq);
 }
 
 /* ---- DSA graph hooks: the host-tracked cache length must follow replayed steps ---- */
@@ -217,12 +230,14 @@ static const mt_layer_ops kda_layer_ops = {
     .alloc_state = alloc_state,
     .release_state = release_state,
     .prefill = layer_prefill,
+    .decode_multi_seq = layer_decode_multi,
 };
 
 static const mt_layer_ops dsa_layer_ops = {
     .alloc_state = alloc_state,
     .release_state = release_state,
     .prefill = layer_prefill,
+    .decode_multi_seq = layer_decode_multi,
     .decode_prestage = dsa_decode_prestage,
     .decode_prestage_rearm = dsa_decode_prestage_rearm,
     .check_replay_room = dsa_check_replay_room,
@@ -243,13 +258,11 @@ void glm_layer_init(glm_layer *l, const glm_config *cfg, mt_backend *be, int i) 
          * captured graph (issue 3) belongs to one sequence. */
         l->base.caps = (mt_layer_caps){ .is_ssm_layer = true, .decode_rollback_unsupported = true,
                                         .graph_stale_on_new_sequence = true,
-                                        .decode_multi_seq_unsupported = true,
                                         .decode_verify_multi_unsupported = true };
     } else {
         l->base.ops = &dsa_layer_ops;
         l->base.kind = "glm.dsa";
         l->base.caps = (mt_layer_caps){ .graph_stale_on_new_sequence = true,
-                                        .decode_multi_seq_unsupported = true,
                                         .decode_verify_multi_unsupported = true };
     }
 }

@@ -328,6 +328,62 @@ mt_status glm_decode(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_
     return MT_OK;
 }
 
+/* Rows [0, n) are one token each of n distinct sequences: through every layer's decode_multi_seq,
+ * then the head; logits (host) [n, V]. n <= the scratch rows. */
+static mt_status decode_multi_rows(glm_model *m, glm_seq **seqs, const int32_t *tokens, int n,
+                                   float *logits) {
+    const glm_config *c = &m->cfg;
+    mt_backend *be = m->be;
+    const int S = c->hc_mult, H = c->hidden_size, V = c->vocab_size, L = c->num_hidden_layers;
+    mt_layer_state **sts = malloc(sizeof *sts * (size_t)n);
+    if (!sts) return MT_ERR_NOMEM;
+    mt_step step = { .be = be, .t0 = -1, .scr = &m->scr };
+    m->scr.sel_n = 0;
+    be->ops->embed(be, m->z, &m->embed, tokens, n);
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < S; j++)
+            be->ops->copy(be, m->X + ((size_t)i * S + j) * H, m->z + (size_t)i * H, sizeof(float) * H);
+    mt_status st = MT_OK;
+    for (int l = 0; l < L && st == MT_OK; l++) {
+        for (int i = 0; i < n; i++) sts[i] = seqs[i]->states[l];
+        st = mt_layer_decode_multi_seq(&m->layers[l].base, sts, n, &step, m->X);
+    }
+    free(sts);
+    if (st != MT_OK) return st;
+    for (int i = 0; i < n; i++) seqs[i]->len++;
+    be->ops->hc_head(be, m->z, m->X, n, S, H);
+    be->ops->rmsnorm(be, m->z, m->z, m->norm, n, H, c->rms_norm_eps);
+    be->ops->matmul(be, m->logits, m->z, &m->lm_head, n);
+    if (logits) be->ops->download(be, logits, m->logits, sizeof(float) * (size_t)n * V);
+    return MT_OK;
+}
+
+mt_status glm_decode_multi(glm_model *m, glm_seq **seqs, const int32_t *tokens, int n, float *logits,
+                           mt_error *err) {
+    if (n < 1) return mt_errorf(err, MT_ERR_INVALID, "no sequences to decode");
+    for (int i = 0; i < n; i++) {
+        if (tokens[i] < 0 || tokens[i] >= m->cfg.vocab_size)
+            return mt_errorf(err, MT_ERR_INVALID, "token %d of sequence %d is outside the vocabulary [0, %d)",
+                             tokens[i], i, m->cfg.vocab_size);
+        if (seqs[i]->m != m) return mt_errorf(err, MT_ERR_INVALID, "sequence %d belongs to another model", i);
+        if (seqs[i]->len + 1 > seqs[i]->cap)
+            return mt_errorf(err, MT_ERR_FULL, "sequence %d of %d tokens has no room for another", i, seqs[i]->len);
+        for (int j = 0; j < i; j++)
+            if (seqs[j] == seqs[i]) return mt_errorf(err, MT_ERR_INVALID, "sequence %d appears twice (also at %d)", i, j);
+    }
+    for (int i = 0; i < m->cfg.num_hidden_layers; i++)
+        if (!m->layers[i].base.ops->decode_multi_seq)
+            return mt_errorf(err, MT_ERR_UNSUPPORTED, "layer %d (%s) cannot decode several sequences at once",
+                             i, m->layers[i].base.kind);
+    const int rows = m->scr.rows, V = m->cfg.vocab_size;
+    for (int done = 0; done < n; done += rows) {
+        const int k = n - done < rows ? n - done : rows;
+        mt_status st = decode_multi_rows(m, seqs + done, tokens + done, k, logits ? logits + (size_t)done * V : NULL);
+        if (st != MT_OK) return mt_errorf(err, st, "batched decode failed: %s", mt_status_str(st));
+    }
+    return MT_OK;
+}
+
 void glm_model_fail_next_capture(glm_model *m) { m->fail_next_capture = true; }
 
 void glm_model_set_decode_graphs(glm_model *m, bool on) { m->params.decode_graphs = on; }

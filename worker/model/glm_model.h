@@ -69,6 +69,14 @@ mt_status glm_decode(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_
 /* Turns graph decode on or off for later steps (benchmarks compare the two on one model). */
 void glm_model_set_decode_graphs(glm_model *m, bool on);
 
+/* One token for each of n distinct sequences in one pass through the layers (each layer's
+ * decode_multi_seq: projections, MoE and the head over all rows; caches, selection and attention
+ * per sequence, at its own length). logits (host) [n, vocab] when not NULL. Checks every token,
+ * that each sequence has room and appears once; on such an input error nothing changes. Eager:
+ * graph decode stays a single-sequence path for now. */
+mt_status glm_decode_multi(glm_model *m, glm_seq **seqs, const int32_t *tokens, int n, float *logits,
+                           mt_error *err);
+
 /* Test hook: the next decode-graph capture fails (an uncapturable call is made inside it). */
 void glm_model_fail_next_capture(glm_model *m);
 
