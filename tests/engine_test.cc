@@ -459,19 +459,39 @@ TEST(Engine, BadRequestsAreRejectedWithoutSideEffects) {
     EXPECT_EQ(E.results[1].tokens.size(), 60u);
 }
 
-TEST(Engine, PrefillBudgetSpreadsAdmissionsOverSteps) {
+// Chunked prefill: no step feeds more than prefill_budget prompt tokens, a long prompt is spread
+// over steps while the running sequences keep getting a token every step, and every sequence's
+// tokens still equal plain greedy decoding of its prompt.
+TEST(Engine, LongPromptsArePrefilledInChunksBesideDecode) {
     Model M;
     eng_params p = eng_default_params();
     p.prefill_budget = 20;
     Engine E(M.m, p);
-    for (uint64_t id = 1; id <= 4; id++) ASSERT_EQ(E.Submit(id, Prompt(15, (int)id), Req(5)), MT_OK);
-    E.Step();  // 15 + 15 > 20 after the first: one admission
-    EXPECT_EQ(E.Stats().running, 1);
-    E.Step();
-    EXPECT_EQ(E.Stats().running, 2);
-    ASSERT_EQ(E.Submit(5, Prompt(100, 5), Req(5)), MT_OK);  // longer than the budget: still admitted first
+    for (uint64_t id = 1; id <= 3; id++) ASSERT_EQ(E.Submit(id, Prompt(15, (int)id), Req(30)), MT_OK);
+    E.Step();  // 15 tokens of #1 (first token), then 5 of #2
+    EXPECT_EQ(E.results[1].tokens.size(), 1u);
+    EXPECT_EQ(E.results[2].tokens.size(), 0u);
+    E.Step();  // #1 decodes; #2's last 10 (first token), then 10 of #3
+    EXPECT_EQ(E.results[1].tokens.size(), 2u);
+    EXPECT_EQ(E.results[2].tokens.size(), 1u);
+    EXPECT_EQ(E.results[3].tokens.size(), 0u);
+    const std::vector<int32_t> long_prompt = Prompt(100, 5);
+    ASSERT_EQ(E.Submit(5, long_prompt, Req(5)), MT_OK);
+    size_t before = E.results[1].tokens.size();
+    int steps_to_first = 0;
+    while (E.results[5].tokens.empty()) {
+        E.Step();
+        steps_to_first++;
+        // the running sequence is never stalled by the long prompt: one token a step
+        EXPECT_EQ(E.results[1].tokens.size(), before + steps_to_first) << "step " << steps_to_first;
+        ASSERT_LT(steps_to_first, 20);
+    }
+    EXPECT_GE(steps_to_first, 5);  // 100 tokens at <= 20 a step (and #3's remainder first)
     E.RunToEnd();
-    for (uint64_t id = 1; id <= 5; id++) EXPECT_EQ(E.results[id].tokens.size(), 5u) << id;
+    for (uint64_t id = 1; id <= 3; id++)
+        EXPECT_EQ(E.results[id].tokens, DirectGreedy(M.m, Prompt(15, (int)id), 30)) << id;
+    EXPECT_EQ(E.results[5].tokens, DirectGreedy(M.m, long_prompt, 5));
+    EXPECT_EQ(E.Stats().cache_bytes_in_use, 0u);
 }
 
 TEST(Engine, OneTokenRequestsFinishAtPrefill) {

@@ -15,6 +15,8 @@ typedef struct eng_seq {
     glm_seq *gs;                 /* model state; NULL while waiting */
     int32_t *tokens;             /* [n_prompt + max_new_tokens]: prompt, then generated */
     int n_gen;
+    int prefilled;               /* prompt tokens fed so far; < n_prompt while its prefill is
+                                  * spread over steps (then it is in running but not decoded) */
     int32_t pending;             /* last sampled token, fed by the next decode */
     bool done;                   /* ended; removed from its array at the next compaction */
     mt_status st;                /* of the last model call on it */
@@ -262,38 +264,49 @@ static void expire(eng_engine *e) {
     compact(e, e->running, &e->n_running);
 }
 
-/* Admits waiting sequences in order while there is room and prefill budget; prefills each and
- * samples its first token. One that ends on its first token stays in running until the step's
- * compaction; one whose allocation or prefill fails ends with ERROR and is freed here. */
+/* Feeds up to *budget more prompt tokens of s; when its prompt is complete, samples its first
+ * token. An allocation or prefill failure ends it with ERROR (freed at the next compaction). */
+static void prefill_some(eng_engine *e, eng_seq *s, int *budget) {
+    const int rem = s->req.n_prompt - s->prefilled, k = rem < *budget ? rem : *budget;
+    float *logits = e->logits; /* row 0: the step's decode has already used these rows */
+    const bool last = k == rem;
+    s->st = glm_prefill(e->m, s->gs, s->tokens + s->prefilled, k, last ? logits : NULL, false, &s->err);
+    if (s->st != MT_OK) {
+        seq_end(e, s, ENG_FINISH_ERROR, s->err.msg);
+        return;
+    }
+    s->prefilled += k;
+    *budget -= k;
+    if (last) sample_emit(e, s, logits);
+}
+
+/* Prefill work of one step, at most prefill_budget prompt tokens (at least one): first the
+ * sequences whose prefill is already under way, in order, then waiting sequences admitted in
+ * order while there is room. A long prompt is thus spread over steps, in chunks no larger than
+ * the budget, and the running sequences decode between its chunks instead of waiting for all of
+ * it. A sequence whose allocation fails ends with ERROR and is freed here. */
 static void admit(eng_engine *e) {
-    int admitted = 0, budget = e->p.prefill_budget, taken = 0;
-    float *logits = e->logits; /* row 0: the decode phase has not started */
-    while (taken < e->n_waiting && e->n_running < e->p.max_sequences) {
-        eng_seq *s = e->waiting[taken];
-        if (admitted > 0 && s->req.n_prompt > budget) break;
-        taken++;
+    int budget = e->p.prefill_budget > 0 ? e->p.prefill_budget : 1, taken = 0;
+    for (int i = 0; i < e->n_running && budget > 0; i++) {
+        eng_seq *s = e->running[i];
+        if (!s->done && s->prefilled < s->req.n_prompt) prefill_some(e, s, &budget);
+    }
+    while (budget > 0 && taken < e->n_waiting && e->n_running < e->p.max_sequences) {
+        eng_seq *s = e->waiting[taken++];
         const int cap = s->req.n_prompt + s->req.max_new_tokens;
-        if ((s->st = glm_seq_new(e->m, cap, &s->gs, &s->err)) == MT_OK) {
-            e->cache_bytes += glm_seq_bytes(s->gs);
-            s->st = glm_prefill(e->m, s->gs, s->tokens, s->req.n_prompt, logits, false, &s->err);
-        }
-        if (s->st != MT_OK) {
+        if ((s->st = glm_seq_new(e->m, cap, &s->gs, &s->err)) != MT_OK) {
             seq_end(e, s, ENG_FINISH_ERROR, s->err.msg);
             seq_destroy(e, s);
             continue;
         }
-        budget -= s->req.n_prompt;
-        admitted++;
+        e->cache_bytes += glm_seq_bytes(s->gs);
         e->running[e->n_running++] = s;
-        sample_emit(e, s, logits);
+        prefill_some(e, s, &budget);
     }
     memmove(e->waiting, e->waiting + taken, sizeof(eng_seq *) * (size_t)(e->n_waiting - taken));
     e->n_waiting -= taken;
 }
 
-/* The model part of a decode step: feeds each batch[i]'s pending token and writes its next-token
- * logits to logits[i, vocab]. Sets batch[i]->st (and ->err). The CPU layers have no
- * multi-sequence decode yet, so this loops over sequences; batched decode replaces this body. */
 /* One token for every running sequence. Several go through the model's batched decode (one
  * pass over the weights for all of them); one alone through glm_decode (a CUDA graph where the
  * backend has them). If the batch is refused (a bad token or a full sequence, which admission
@@ -335,11 +348,11 @@ mt_status eng_step(eng_engine *e, int *n_tokens) {
     if (!eng_has_work(e)) return MT_OK;
     e->steps++;
     expire(e);
-    /* the sequences running before this step's admissions decode; admitted ones got their first
-     * token from the prefill */
-    const int n = e->n_running;
-    memcpy(e->batch, e->running, sizeof(eng_seq *) * (size_t)n);
-    admit(e);
+    /* the sequences whose prompt was complete before this step decode; the prefill work comes
+     * after (a sequence whose prompt completes this step got its first token from the prefill) */
+    int n = 0;
+    for (int i = 0; i < e->n_running; i++)
+        if (e->running[i]->prefilled == e->running[i]->req.n_prompt) e->batch[n++] = e->running[i];
     if (n > 0) {
         decode_running(e, e->batch, n, e->logits);
         for (int i = 0; i < n; i++) {
@@ -348,6 +361,7 @@ mt_status eng_step(eng_engine *e, int *n_tokens) {
             else sample_emit(e, s, e->logits + (size_t)i * e->vocab);
         }
     }
+    admit(e);
     compact(e, e->running, &e->n_running);
     if (n_tokens) *n_tokens = (int)(e->tokens - tokens0);
     return MT_OK;

@@ -2,13 +2,14 @@
  *
  * Requests wait in a bounded FIFO; each eng_step
  *   1. ends sequences whose deadline has passed,
- *   2. admits waiting sequences while fewer than max_sequences run (allocating a model sequence
- *      of prompt + max_new_tokens positions) and prefills them, within a budget of prompt tokens
- *      per step (the first admission of a step always fits, so a long prompt cannot starve),
- *      sampling each one's first token from the prompt's last logits,
- *   3. decodes one token for every sequence that was running before this step (the model part is
- *      one call, decode_running(), so batched multi-sequence decode slots in there), and samples.
- * Sequences join (2) and leave (after any token that ends them) between steps. Each sequence gets
+ *   2. decodes one token for every running sequence whose prompt is complete, in one batched
+ *      model call where the backend allows (decode_running()), and samples,
+ *   3. does at most prefill_budget prompt tokens of prefill: first the sequences whose prefill is
+ *      under way, then waiting sequences admitted while fewer than max_sequences run (allocating
+ *      a model sequence of prompt + max_new_tokens positions); a prompt longer than the budget is
+ *      fed in chunks over several steps, so running sequences keep getting a token every step;
+ *      a sequence samples its first token from the prompt's last logits when its prompt completes.
+ * Sequences join (3) and leave (after any token that ends them) between steps. Each sequence gets
  * at most one token per step; on_tokens reports it, and on_finished follows that sequence's last
  * token in the same step. A finished, aborted or expired sequence's state is freed before the
  * callback returns control to the engine.
@@ -82,7 +83,8 @@ typedef struct eng_params {
     int max_sequences;           /* running at once (model sequences allocated), default 16 */
     int max_waiting;             /* submitted but not admitted, default 1024 */
     int max_context;             /* n_prompt + max_new_tokens bound, default 4096 */
-    int prefill_budget;          /* prompt tokens prefilled per step beyond the first, default 2048 */
+    int prefill_budget;          /* prompt tokens prefilled per step, in chunks: a longer prompt is
+                                  * spread over steps between decode steps; default 2048 */
     /* Wall clock in Unix milliseconds, for deadlines. NULL: CLOCK_REALTIME. */
     uint64_t (*now_ms)(void *user);
     void *clock_user;
