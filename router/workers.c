@@ -94,6 +94,9 @@ void rtr_workers_set_stats(rtr_worker *w, const Metrale__V1__WorkerStats *s) {
     w->stats.cache_bytes_baseline = s->cache_bytes_baseline;
     w->stats.sequences_finished = s->sequences_finished;
     w->stats.sequences_aborted = s->sequences_aborted;
+    w->stats.prefix_hits = s->prefix_hits;
+    w->stats.prefix_misses = s->prefix_misses;
+    w->stats.prefix_cache_bytes = s->prefix_cache_bytes;
 }
 
 rtr_worker *rtr_workers_pick(rtr_workers *reg) {

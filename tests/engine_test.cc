@@ -494,6 +494,63 @@ TEST(Engine, LongPromptsArePrefilledInChunksBesideDecode) {
     EXPECT_EQ(E.Stats().cache_bytes_in_use, 0u);
 }
 
+// Prefix reuse: a prompt that starts with a kept prefix copies its state instead of prefilling it,
+// and its tokens equal a cold run's; a cache too small for two prefixes evicts the older one, and
+// everything kept is accounted and freed.
+TEST(Engine, PrefixReuseGivesColdTokensAndEvicts) {
+    Model M;
+    std::vector<int32_t> shared = Prompt(100, 42), a = shared, b = shared;
+    for (int i = 0; i < 10; i++) a.push_back((i * 13 + 1) % 250);
+    for (int i = 0; i < 7; i++) b.push_back((i * 29 + 5) % 250);
+    {
+        Engine E(M.m);
+        ASSERT_EQ(E.Submit(1, a, Req(12)), MT_OK);
+        E.RunToEnd();
+        EXPECT_EQ(E.Stats().prefix_misses, 1u);
+        EXPECT_EQ(E.Stats().prefix_entries, 1);  // kept at 64, the last block boundary of 110 - 1
+        EXPECT_GT(E.Stats().prefix_cache_bytes, 0u);
+        ASSERT_EQ(E.Submit(2, b, Req(12)), MT_OK);
+        E.RunToEnd();
+        EXPECT_EQ(E.Stats().prefix_hits, 1u);
+        EXPECT_EQ(E.results[1].tokens, DirectGreedy(M.m, a, 12));
+        EXPECT_EQ(E.results[2].tokens, DirectGreedy(M.m, b, 12));  // the hit equals a cold run
+        EXPECT_EQ(E.Stats().cache_bytes_in_use, 0u);
+    }
+    {
+        eng_params p = eng_default_params();
+        p.prefix_cache_bytes = 0;  // off: every request prefills in full
+        Engine E(M.m, p);
+        ASSERT_EQ(E.Submit(1, a, Req(12)), MT_OK);
+        ASSERT_EQ(E.Submit(2, b, Req(12)), MT_OK);
+        E.RunToEnd();
+        EXPECT_EQ(E.Stats().prefix_hits + E.Stats().prefix_misses, 0u);
+        EXPECT_EQ(E.Stats().prefix_entries, 0);
+        EXPECT_EQ(E.results[2].tokens, DirectGreedy(M.m, b, 12));
+    }
+    {
+        // room for one 64-token prefix only: three distinct prompts keep evicting
+        glm_seq *probe = nullptr;
+        mt_error err{};
+        ASSERT_EQ(glm_seq_new(M.m, 64, &probe, &err), MT_OK);
+        eng_params p = eng_default_params();
+        p.prefix_cache_bytes = glm_seq_bytes(probe) + 1;
+        glm_seq_free(probe);
+        Engine E(M.m, p);
+        for (uint64_t id = 1; id <= 3; id++) {
+            ASSERT_EQ(E.Submit(id, Prompt(80, (int)id * 7), Req(3)), MT_OK);
+            E.RunToEnd();
+            EXPECT_EQ(E.Stats().prefix_entries, 1) << id;
+            EXPECT_LE(E.Stats().prefix_cache_bytes, p.prefix_cache_bytes) << id;
+        }
+        EXPECT_EQ(E.Stats().prefix_misses, 3u);
+        ASSERT_EQ(E.Submit(4, Prompt(80, 21), Req(3)), MT_OK);  // id 3's prompt: still kept, a hit
+        E.RunToEnd();
+        EXPECT_EQ(E.Stats().prefix_hits, 1u);
+        EXPECT_EQ(E.results[4].tokens, E.results[3].tokens);
+        EXPECT_EQ(E.Stats().cache_bytes_in_use, 0u);
+    }
+}
+
 TEST(Engine, OneTokenRequestsFinishAtPrefill) {
     Model M;
     Engine E(M.m);

@@ -197,6 +197,9 @@ static void *heartbeat_main(void *arg) {
             ws.cache_bytes_baseline = 0; /* only per-sequence state is counted; none with no sequence */
             ws.sequences_finished = st.sequences_finished;
             ws.sequences_aborted = st.sequences_aborted;
+            ws.prefix_hits = st.prefix_hits;
+            ws.prefix_misses = st.prefix_misses;
+            ws.prefix_cache_bytes = st.prefix_cache_bytes;
             Metrale__Internal__V1__Heartbeat hb = METRALE__INTERNAL__V1__HEARTBEAT__INIT;
             hb.stats = &ws;
             mt_envelope env = METRALE__INTERNAL__V1__ENVELOPE__INIT;

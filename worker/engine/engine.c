@@ -17,11 +17,21 @@ typedef struct eng_seq {
     int n_gen;
     int prefilled;               /* prompt tokens fed so far; < n_prompt while its prefill is
                                   * spread over steps (then it is in running but not decoded) */
+    int snap_at;                 /* prompt position to keep as a prefix snapshot, 0 = none */
     int32_t pending;             /* last sampled token, fed by the next decode */
     bool done;                   /* ended; removed from its array at the next compaction */
     mt_status st;                /* of the last model call on it */
     mt_error err;
 } eng_seq;
+
+/* A kept prefix: the model state after tokens[0, len) of some earlier prompt. */
+typedef struct eng_prefix {
+    int32_t *tokens;             /* [len] */
+    int len;
+    glm_seq *snap;               /* a sequence of capacity len, at len */
+    size_t bytes;                /* glm_seq_bytes(snap) */
+    uint64_t last_used;          /* e->steps when last hit or made */
+} eng_prefix;
 
 struct eng_engine {
     glm_model *m;
@@ -35,6 +45,10 @@ struct eng_engine {
     int n_running;
     eng_seq **batch;             /* [max_sequences] scratch: the sequences of one decode */
     float *logits;               /* [max_sequences, vocab] host */
+    eng_prefix *prefixes;        /* [n_prefixes] kept prefixes, unordered */
+    int n_prefixes, cap_prefixes;
+    size_t prefix_bytes;
+    uint64_t prefix_hits, prefix_misses;
     size_t cache_bytes;
     uint64_t finished, aborted, tokens, steps;
 };
@@ -45,7 +59,8 @@ eng_request eng_default_request(void) {
 
 eng_params eng_default_params(void) {
     return (eng_params){ .max_sequences = 16, .max_waiting = 1024, .max_context = 4096,
-                         .prefill_budget = 2048 };
+                         .prefill_budget = 2048, .prefix_cache_bytes = (size_t)256 << 20,
+                         .prefix_block = 64 };
 }
 
 static uint64_t realtime_ms(void *user) {
@@ -59,6 +74,7 @@ mt_status eng_new(glm_model *m, const eng_params *params, const eng_callbacks *c
                   mt_error *err) {
     *out = NULL;
     eng_params p = params ? *params : eng_default_params();
+    if (p.prefix_block < 1) p.prefix_block = 64;
     if (p.max_sequences < 1 || p.max_waiting < 0 || p.max_context < 2 || p.prefill_budget < 0)
         return mt_errorf(err, MT_ERR_INVALID,
                          "engine params: max_sequences %d (>= 1), max_waiting %d (>= 0), max_context %d "
@@ -95,8 +111,18 @@ static void seq_destroy(eng_engine *e, eng_seq *s) {
     free(s);
 }
 
+static void prefix_drop(eng_engine *e, int i) {
+    eng_prefix *p = &e->prefixes[i];
+    e->prefix_bytes -= p->bytes;
+    glm_seq_free(p->snap);
+    free(p->tokens);
+    e->prefixes[i] = e->prefixes[--e->n_prefixes];
+}
+
 void eng_free(eng_engine *e) {
     if (!e) return;
+    while (e->n_prefixes > 0) prefix_drop(e, e->n_prefixes - 1);
+    free(e->prefixes);
     for (int i = 0; i < e->n_waiting; i++) seq_destroy(e, e->waiting[i]);
     for (int i = 0; i < e->n_running; i++) seq_destroy(e, e->running[i]);
     eng_sampler_free(e->sampler);
@@ -264,10 +290,71 @@ static void expire(eng_engine *e) {
     compact(e, e->running, &e->n_running);
 }
 
+/* ---- prefix reuse ---- */
+
+/* The longest kept prefix of s's prompt that leaves at least one prompt token; -1 when none. */
+static int prefix_find(const eng_engine *e, const eng_seq *s) {
+    int best = -1;
+    for (int i = 0; i < e->n_prefixes; i++) {
+        const eng_prefix *p = &e->prefixes[i];
+        if (p->len < s->req.n_prompt && (best < 0 || p->len > e->prefixes[best].len) &&
+            !memcmp(p->tokens, s->tokens, sizeof(int32_t) * (size_t)p->len))
+            best = i;
+    }
+    return best;
+}
+
+static bool prefix_kept(const eng_engine *e, const int32_t *tokens, int len) {
+    for (int i = 0; i < e->n_prefixes; i++)
+        if (e->prefixes[i].len == len && !memcmp(e->prefixes[i].tokens, tokens, sizeof(int32_t) * (size_t)len))
+            return true;
+    return false;
+}
+
+/* Keeps s's state (now exactly at s->snap_at) as a prefix, evicting the least recently used
+ * ones to stay within prefix_cache_bytes. Best effort: any failure just keeps nothing. */
+static void prefix_keep(eng_engine *e, eng_seq *s) {
+    const int len = s->snap_at;
+    if (prefix_kept(e, s->tokens, len)) return;
+    glm_seq *snap = NULL;
+    mt_error err = { "" };
+    if (glm_seq_new(e->m, len, &snap, &err) != MT_OK) return;
+    const size_t bytes = glm_seq_bytes(snap);
+    if (bytes > e->p.prefix_cache_bytes || glm_seq_copy_prefix(e->m, s->gs, snap, &err) != MT_OK) {
+        glm_seq_free(snap);
+        return;
+    }
+    while (e->n_prefixes > 0 && e->prefix_bytes + bytes > e->p.prefix_cache_bytes) {
+        int lru = 0;
+        for (int i = 1; i < e->n_prefixes; i++)
+            if (e->prefixes[i].last_used < e->prefixes[lru].last_used) lru = i;
+        prefix_drop(e, lru);
+    }
+    int32_t *tokens = malloc(sizeof(int32_t) * (size_t)len);
+    if (e->n_prefixes == e->cap_prefixes) {
+        const int cap = e->cap_prefixes ? 2 * e->cap_prefixes : 16;
+        eng_prefix *grown = realloc(e->prefixes, sizeof *grown * (size_t)cap);
+        if (grown) {
+            e->prefixes = grown;
+            e->cap_prefixes = cap;
+        }
+    }
+    if (!tokens || e->n_prefixes == e->cap_prefixes) {
+        free(tokens);
+        glm_seq_free(snap);
+        return;
+    }
+    memcpy(tokens, s->tokens, sizeof(int32_t) * (size_t)len);
+    e->prefixes[e->n_prefixes++] = (eng_prefix){ tokens, len, snap, bytes, e->steps };
+    e->prefix_bytes += bytes;
+}
+
 /* Feeds up to *budget more prompt tokens of s; when its prompt is complete, samples its first
  * token. An allocation or prefill failure ends it with ERROR (freed at the next compaction). */
 static void prefill_some(eng_engine *e, eng_seq *s, int *budget) {
-    const int rem = s->req.n_prompt - s->prefilled, k = rem < *budget ? rem : *budget;
+    const int rem = s->req.n_prompt - s->prefilled;
+    int k = rem < *budget ? rem : *budget;
+    if (s->snap_at > s->prefilled && s->prefilled + k > s->snap_at) k = s->snap_at - s->prefilled;
     float *logits = e->logits; /* row 0: the step's decode has already used these rows */
     const bool last = k == rem;
     s->st = glm_prefill(e->m, s->gs, s->tokens + s->prefilled, k, last ? logits : NULL, false, &s->err);
@@ -277,7 +364,27 @@ static void prefill_some(eng_engine *e, eng_seq *s, int *budget) {
     }
     s->prefilled += k;
     *budget -= k;
+    if (s->snap_at > 0 && s->prefilled == s->snap_at) prefix_keep(e, s);
     if (last) sample_emit(e, s, logits);
+    else if (*budget > 0) prefill_some(e, s, budget); /* stopped at the snapshot: go on */
+}
+
+/* A new sequence's start: the longest kept prefix of its prompt is copied in (a hit), and the
+ * boundary to keep from this prompt is chosen. */
+static void prefix_start(eng_engine *e, eng_seq *s) {
+    if (!e->p.prefix_cache_bytes) return;
+    const int at = (s->req.n_prompt - 1) / e->p.prefix_block * e->p.prefix_block;
+    const int i = prefix_find(e, s);
+    mt_error err = { "" };
+    if (i >= 0 && glm_seq_copy_prefix(e->m, e->prefixes[i].snap, s->gs, &err) == MT_OK) {
+        s->prefilled = e->prefixes[i].len;
+        e->prefixes[i].last_used = e->steps;
+        e->prefix_hits++;
+    } else {
+        if (i >= 0) mt_log(MT_LOG_WARN, "engine: prefix reuse failed (%s); prefilling in full", err.msg);
+        e->prefix_misses++;
+    }
+    s->snap_at = at > s->prefilled ? at : 0;
 }
 
 /* Prefill work of one step, at most prefill_budget prompt tokens (at least one): first the
@@ -301,6 +408,7 @@ static void admit(eng_engine *e) {
         }
         e->cache_bytes += glm_seq_bytes(s->gs);
         e->running[e->n_running++] = s;
+        prefix_start(e, s);
         prefill_some(e, s, &budget);
     }
     memmove(e->waiting, e->waiting + taken, sizeof(eng_seq *) * (size_t)(e->n_waiting - taken));
@@ -373,5 +481,7 @@ void eng_get_stats(const eng_engine *e, eng_stats *out) {
     *out = (eng_stats){ .running = e->n_running, .waiting = e->n_waiting,
                         .live_sequences = e->n_running + e->n_waiting, .cache_bytes_in_use = e->cache_bytes,
                         .sequences_finished = e->finished, .sequences_aborted = e->aborted,
-                        .tokens_generated = e->tokens, .steps = e->steps };
+                        .tokens_generated = e->tokens, .steps = e->steps,
+                        .prefix_hits = e->prefix_hits, .prefix_misses = e->prefix_misses,
+                        .prefix_cache_bytes = e->prefix_bytes, .prefix_entries = e->n_prefixes };
 }

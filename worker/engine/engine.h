@@ -85,6 +85,12 @@ typedef struct eng_params {
     int max_context;             /* n_prompt + max_new_tokens bound, default 4096 */
     int prefill_budget;          /* prompt tokens prefilled per step, in chunks: a longer prompt is
                                   * spread over steps between decode steps; default 2048 */
+    /* Prefix reuse: while a prompt is prefilled, the state at its last multiple of prefix_block
+     * (leaving at least one prompt token) is kept as a snapshot sequence, within
+     * prefix_cache_bytes (least recently used first out); a later prompt that starts with a kept
+     * prefix copies that state instead of prefilling it. 0 bytes turns it off. */
+    size_t prefix_cache_bytes;   /* default 256 MiB */
+    int prefix_block;            /* default 64 tokens */
     /* Wall clock in Unix milliseconds, for deadlines. NULL: CLOCK_REALTIME. */
     uint64_t (*now_ms)(void *user);
     void *clock_user;
@@ -101,6 +107,10 @@ typedef struct eng_stats {
     uint64_t sequences_aborted;  /* ended by eng_abort, a deadline or an error */
     uint64_t tokens_generated;
     uint64_t steps;              /* eng_step calls that did work */
+    uint64_t prefix_hits;        /* admissions that reused a kept prefix */
+    uint64_t prefix_misses;      /* admissions (prefix reuse on) that found none */
+    size_t prefix_cache_bytes;   /* held by kept prefixes (not in cache_bytes_in_use) */
+    int prefix_entries;
 } eng_stats;
 
 typedef struct eng_engine eng_engine;

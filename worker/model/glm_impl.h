@@ -146,6 +146,8 @@ void glm_weights_release(glm_model *m);
 /* glm_layer.c: fills l->base (ops, caps) for layer index i. */
 void glm_layer_init(glm_layer *l, const glm_config *cfg, mt_backend *be, int i);
 int glm_scratch_width(const glm_config *cfg);
+mt_status glm_layer_copy_state(const glm_layer *l, const glm_layer_state *src, glm_layer_state *dst,
+                               int len, mt_error *err);
 size_t glm_layer_state_bytes(const glm_layer *l, int max_tokens);
 int glm_max_sel(const glm_config *cfg);
 

@@ -226,6 +226,37 @@ static mt_status dsa_restore_aux(const mt_layer *ml, mt_layer_state *base, const
     return MT_OK;
 }
 
+/* Makes dst (a fresh state) hold src's first len positions: KDA conv and recurrent state (src
+ * must be exactly at len: they are not positional), the MLA latent rows, and the DSA indexer
+ * cache through the layer's own aux snapshot/restore. */
+mt_status glm_layer_copy_state(const glm_layer *l, const glm_layer_state *src, glm_layer_state *dst,
+                               int len, mt_error *err) {
+    const glm_config *c = l->cfg;
+    mt_backend *be = l->be;
+    const mt_layer *ml = &l->base;
+    if (len > dst->cap) return mt_errorf(err, MT_ERR_FULL, "layer %d: %d positions exceed capacity %d", ml->index, len, dst->cap);
+    if (c->layer_types[ml->index] == GLM_MIXER_KDA) {
+        const size_t D = (size_t)c->linear_num_heads * c->linear_head_dim;
+        const size_t P = (size_t)(c->linear_conv_kernel_dim - 1);
+        for (int j = 0; j < 3; j++) be->ops->copy(be, dst->conv[j], src->conv[j], sizeof(float) * D * P);
+        be->ops->copy(be, dst->rec, src->rec,
+                      sizeof(float) * (size_t)c->linear_num_heads * c->linear_head_dim * c->linear_head_dim);
+        return MT_OK;
+    }
+    if (src->len != len) return mt_errorf(err, MT_ERR_STATE, "layer %d: source at %d positions, not %d", ml->index, src->len, len);
+    be->ops->copy(be, dst->latent, src->latent, sizeof(float) * (size_t)len * c->kv_lora_rank);
+    if (mt_layer_has_aux_state(ml)) {
+        void *bytes = NULL;
+        size_t n = 0;
+        mt_status st = mt_layer_snapshot_aux(ml, &src->base, &bytes, &n, err);
+        if (st == MT_OK) st = mt_layer_restore_aux(ml, &dst->base, bytes, n, err);
+        free(bytes);
+        if (st != MT_OK) return st;
+    }
+    dst->len = len;
+    return MT_OK;
+}
+
 static const mt_layer_ops kda_layer_ops = {
     .alloc_state = alloc_state,
     .release_state = release_state,

@@ -159,6 +159,20 @@ void glm_seq_free(glm_seq *s) {
 int glm_seq_len(const glm_seq *s) { return s->len; }
 size_t glm_seq_bytes(const glm_seq *s) { return s ? s->bytes : 0; }
 
+mt_status glm_seq_copy_prefix(glm_model *m, const glm_seq *src, glm_seq *dst, mt_error *err) {
+    if (src->m != m || dst->m != m) return mt_errorf(err, MT_ERR_INVALID, "sequences of another model");
+    if (dst->len != 0) return mt_errorf(err, MT_ERR_STATE, "destination sequence is not fresh (%d tokens)", dst->len);
+    if (src->len > dst->cap)
+        return mt_errorf(err, MT_ERR_FULL, "%d positions do not fit a sequence of %d", src->len, dst->cap);
+    for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
+        mt_status st = glm_layer_copy_state(&m->layers[l], (const glm_layer_state *)src->states[l],
+                                            (glm_layer_state *)dst->states[l], src->len, err);
+        if (st != MT_OK) return st;
+    }
+    dst->len = src->len;
+    return MT_OK;
+}
+
 int glm_model_n_layers(const glm_model *m) { return m->cfg.num_hidden_layers; }
 const mt_layer *glm_model_layer(const glm_model *m, int i) { return &m->layers[i].base; }
 mt_layer_state *glm_seq_state(glm_seq *s, int i) { return s->states[i]; }

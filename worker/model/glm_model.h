@@ -83,6 +83,13 @@ void glm_model_fail_next_capture(glm_model *m);
 /* Whether s decodes through a captured graph now. */
 bool glm_seq_has_graph(const glm_seq *s);
 
+/* Makes dst, a fresh sequence (no tokens yet) of capacity >= glm_seq_len(src), continue exactly
+ * where src is: its cached positions, recurrent state and indexer cache (the last through each
+ * layer's aux snapshot/restore). For prefix reuse: a snapshot sequence kept at a prefix boundary
+ * is copied into a new request's sequence instead of prefilling the prefix again. On error dst
+ * must be freed (it may be partly written). */
+mt_status glm_seq_copy_prefix(glm_model *m, const glm_seq *src, glm_seq *dst, mt_error *err);
+
 /* The model's layers behind the layer contract, and a sequence's state of layer i, for the
  * engine's graph hooks and aux-state calls. Valid while the model / sequence lives. */
 int glm_model_n_layers(const glm_model *m);
