@@ -8,7 +8,7 @@ import unittest
 
 import grpc
 
-from harness import GENERATE_BIN, MODEL_DIR, Cluster, Collector, metrale_pb2, path, request
+from harness import GENERATE_BIN, MODEL_DIR, Cluster, Collector, metrale_pb2, path, request, wait_for
 
 MAX_NEW = 24
 PROMPTS = [
@@ -59,6 +59,21 @@ class GenerateTest(unittest.TestCase):
             for s, want in zip(streams, self.want * 2):
                 self.check_stream(s.wait(60), want)
             self.assertEqual(c.stats().worker_restarts, 0)
+
+    def test_shared_prefix_is_reused_and_reported(self):
+        """Two prompts sharing a 100-token prefix, one after the other on one worker: the second
+        reuses the first's kept prefix (GetStats shows the hit) and still streams the tokens
+        metrale-generate computes from scratch."""
+        shared = [(i * 37 + 11) % 300 for i in range(100)]
+        a, b = shared + [1, 2, 3], shared + [250, 7]
+        want_b = cli_greedy(b, MAX_NEW)
+        with Cluster(workers=1) as c:
+            self.check_stream(Collector(c.gen, request("prefix-a", a, MAX_NEW)).wait(60), cli_greedy(a, MAX_NEW))
+            self.check_stream(Collector(c.gen, request("prefix-b", b, MAX_NEW)).wait(60), want_b)
+            w = wait_for(lambda: next((x for x in c.stats().workers if x.prefix_hits >= 1), None), 5,
+                         "a prefix hit in GetStats")
+            self.assertGreaterEqual(w.prefix_misses, 1)
+            self.assertGreater(w.prefix_cache_bytes, 0)
 
 
 if __name__ == "__main__":
