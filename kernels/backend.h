@@ -113,6 +113,8 @@ typedef struct mt_backend_ops {
                                float mean, float std, mt_weight *out);
     void (*weight_free)(mt_backend *be, mt_weight *w);
     void (*sync)(mt_backend *be);
+    /* Memory the backend can still allocate, and its total (bytes). For the start-up memory plan. */
+    mt_status (*mem_info)(mt_backend *be, size_t *free_bytes, size_t *total_bytes);
 
     /* ---- graphs (NULL: the backend cannot capture; the model decodes eagerly) ---- */
     /* Starts recording the ops that follow instead of running them. */

@@ -551,6 +551,32 @@ TEST(Engine, PrefixReuseGivesColdTokensAndEvicts) {
     }
 }
 
+// The cache budget: requests wait for room instead of failing; never more state than the budget
+// is held at once; every request still completes with plain greedy tokens; a request that could
+// never fit is refused at submit with both sizes in the message.
+TEST(Engine, CacheBudgetQueuesInsteadOfFailing) {
+    Model M;
+    eng_params p = eng_default_params();
+    p.prefix_cache_bytes = 0;
+    p.cache_budget_bytes = 2 * glm_model_seq_bytes(M.m, 20 + 10) + 1;  // two 30-token sequences
+    Engine E(M.m, p);
+    for (uint64_t id = 1; id <= 5; id++) ASSERT_EQ(E.Submit(id, Prompt(20, (int)id), Req(10)), MT_OK);
+    int max_running = 0;
+    while (eng_has_work(E.e)) {
+        E.Step();
+        max_running = std::max(max_running, E.Stats().running);
+        ASSERT_LE(E.Stats().cache_bytes_in_use, p.cache_budget_bytes);
+    }
+    EXPECT_EQ(max_running, 2);
+    for (uint64_t id = 1; id <= 5; id++) {
+        EXPECT_EQ(E.results[id].reason, ENG_FINISH_LENGTH) << id;
+        EXPECT_EQ(E.results[id].tokens, DirectGreedy(M.m, Prompt(20, (int)id), 10)) << id;
+    }
+    std::string msg;
+    EXPECT_EQ(E.Submit(9, Prompt(200, 1), Req(100), 0, &msg), MT_ERR_FULL);
+    EXPECT_NE(msg.find("cache budget"), std::string::npos) << msg;
+}
+
 TEST(Engine, OneTokenRequestsFinishAtPrefill) {
     Model M;
     Engine E(M.m);

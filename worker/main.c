@@ -49,6 +49,7 @@
 typedef struct worker_opts {
     const char *model, *router, *backend;
     int id, device, max_sequences, max_context, threads;
+    long cache_budget_mb;        /* 0: plan from the backend's free memory */
     double router_timeout;      /* seconds of router silence before exiting */
     bool verbose;
 } worker_opts;
@@ -82,16 +83,39 @@ static void on_signal(int sig) {
     g_stop = 1;
 }
 
+/* The start-up memory plan: sequence state may take --cache-budget-mb, or else a share of what
+ * the backend has free after the weights (half on the CPU, 90% on a GPU) minus the prefix cache;
+ * logged with how many full-context sequences that holds. */
+static void plan_memory(worker *w, mt_backend *be, eng_params *ep) {
+    const size_t per_seq = glm_model_seq_bytes(w->m, w->o.max_context);
+    size_t free_b = 0, total_b = 0, budget;
+    if (w->o.cache_budget_mb > 0) {
+        budget = (size_t)w->o.cache_budget_mb << 20;
+    } else if (be->ops->mem_info && be->ops->mem_info(be, &free_b, &total_b) == MT_OK) {
+        const size_t share = strcmp(be->ops->name, "cpu") ? free_b / 10 * 9 : free_b / 2;
+        budget = share > ep->prefix_cache_bytes ? share - ep->prefix_cache_bytes : share / 2;
+    } else {
+        budget = 0; /* unknown: no limit beyond max_sequences */
+    }
+    ep->cache_budget_bytes = budget;
+    mt_log(MT_LOG_INFO,
+           "worker %d: memory plan: %zu MiB free of %zu MiB; sequence state budget %zu MiB = %zu sequences of %d "
+           "tokens (%zu KiB each), prefix cache %zu MiB, max_sequences %d",
+           w->o.id, free_b >> 20, total_b >> 20, budget >> 20, per_seq ? budget / per_seq : 0, w->o.max_context,
+           per_seq >> 10, ep->prefix_cache_bytes >> 20, ep->max_sequences);
+}
+
 static void usage(FILE *f) {
     fprintf(f,
             "usage: metrale-worker --model DIR --router ENDPOINT --id N [--backend cpu|cuda|auto]\n"
             "                      [--device N] [--max-sequences N] [--max-context N] [--threads N]\n"
-            "                      [--router-timeout S] [--verbose]\n"
+            "                      [--router-timeout S] [--cache-budget-mb N] [--verbose]\n"
             "  Serves the checkpoint in DIR to the router at ENDPOINT (ipc:// or tcp://127.0.0.1:) as worker N.\n"
             "  --backend: cpu (default), cuda (GPU --device, default 0), or auto (cuda when a GPU is usable).\n"
             "  --max-sequences: running sequences at once (default 16); --max-context: prompt + new tokens\n"
             "  per request (default 4096); --threads: CPU backend threads (0 = all cores); --router-timeout:\n"
-            "  seconds without a message from the router before exiting (default 10).\n");
+            "  seconds without a message from the router before exiting (default 10); --cache-budget-mb:\n"
+            "  sequence state memory (default 0: half the free memory on the CPU, 90%% on a GPU).\n");
 }
 
 /* ---- sending ---- */
@@ -449,6 +473,11 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
         else if (!strcmp(a, "--device")) rc = parse_int(a, v, 0, &o->device);
         else if (!strcmp(a, "--max-sequences")) rc = parse_int(a, v, 1, &o->max_sequences);
         else if (!strcmp(a, "--max-context")) rc = parse_int(a, v, 2, &o->max_context);
+        else if (!strcmp(a, "--cache-budget-mb")) {
+            int mb = 0;
+            rc = parse_int(a, v, 0, &mb);
+            o->cache_budget_mb = mb;
+        }
         else if (!strcmp(a, "--threads")) rc = parse_int(a, v, 0, &o->threads);
         else if (!strcmp(a, "--router-timeout")) {
             char *end;
@@ -520,6 +549,7 @@ int main(int argc, char **argv) {
     eng_params ep = eng_default_params();
     ep.max_sequences = w.o.max_sequences;
     ep.max_context = w.o.max_context;
+    plan_memory(&w, be, &ep);
     eng_callbacks cb = { .user = &w, .on_tokens = on_tokens, .on_finished = on_finished };
     if (eng_new(w.m, &ep, &cb, &w.eng, &err) != MT_OK) {
         mt_log(MT_LOG_ERROR, "worker %d: %s", w.o.id, err.msg);

@@ -52,6 +52,15 @@ static void cpu_weight_free(mt_backend *be, mt_weight *w) {
     memset(w, 0, sizeof *w);
 }
 
+static mt_status cpu_mem_info(mt_backend *be, size_t *free_bytes, size_t *total_bytes) {
+    (void)be;
+    const long page = sysconf(_SC_PAGESIZE), avail = sysconf(_SC_AVPHYS_PAGES), all = sysconf(_SC_PHYS_PAGES);
+    if (page <= 0 || avail < 0 || all <= 0) return MT_ERR_UNSUPPORTED;
+    *free_bytes = (size_t)avail * (size_t)page;
+    *total_bytes = (size_t)all * (size_t)page;
+    return MT_OK;
+}
+
 static const mt_backend_ops cpu_ops = {
     .name = "cpu",
     .destroy = cpu_destroy,
@@ -65,6 +74,7 @@ static const mt_backend_ops cpu_ops = {
     .weight_random = cpu_weight_random,
     .weight_free = cpu_weight_free,
     .sync = cpu_sync,
+    .mem_info = cpu_mem_info,
     .embed_dev = cpu_embed, /* host memory: ids are already readable */
     .copy_rows_at = cpu_copy_rows_at,
     .dsa_pool_keys_at = cpu_dsa_pool_keys_at,

@@ -250,6 +250,12 @@ static void cu_weight_free(mt_backend *be, mt_weight *w) {
 
 static void cu_sync(mt_backend *be) { CU_RECORD(be, cudaStreamSynchronize(cb_of(be)->stream)); }
 
+static mt_status cu_mem_info(mt_backend *be, size_t *free_bytes, size_t *total_bytes) {
+    (void)be;
+    MT_CUDA_CHECK(cudaMemGetInfo(free_bytes, total_bytes));
+    return MT_OK;
+}
+
 static const mt_backend_ops cu_ops = {
     .name = "cuda",
     .destroy = cu_destroy,
@@ -263,6 +269,7 @@ static const mt_backend_ops cu_ops = {
     .weight_random = cu_weight_random,
     .weight_free = cu_weight_free,
     .sync = cu_sync,
+    .mem_info = cu_mem_info,
     .graph_begin = cu_graph_begin,
     .graph_end = cu_graph_end,
     .graph_launch = cu_graph_launch,

@@ -39,7 +39,8 @@ extern "C" mt_status cu_weight_random(mt_backend *be, mt_dtype dt, int64_t rows,
     MT_ASSERT(rows >= 0 && cols >= 0);
     const uint64_t n = (uint64_t)rows * (uint64_t)cols;
     void *p = NULL;
-    if (cudaMalloc(&p, n * mt_dtype_size(dt) ? n * mt_dtype_size(dt) : 1) != cudaSuccess) {
+    const size_t bytes = (size_t)n * mt_dtype_size(dt);
+    if (cudaMalloc(&p, bytes > 0 ? bytes : 1) != cudaSuccess) {
         (void)cudaGetLastError();
         mt_log(MT_LOG_ERROR, "cuda backend: out of device memory for a %lld x %lld %s random weight",
                (long long)rows, (long long)cols, mt_dtype_name(dt));

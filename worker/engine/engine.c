@@ -155,6 +155,10 @@ static mt_status check_request(const eng_engine *e, const eng_request *r, mt_err
     if (r->top_logprobs < 0 || r->top_logprobs > ENG_TOP_LOGPROBS_MAX)
         return mt_errorf(err, MT_ERR_INVALID, "top_logprobs must be in [0, %d], got %d", ENG_TOP_LOGPROBS_MAX,
                          r->top_logprobs);
+    const size_t need = glm_model_seq_bytes(e->m, r->n_prompt + r->max_new_tokens);
+    if (e->p.cache_budget_bytes && need > e->p.cache_budget_bytes)
+        return mt_errorf(err, MT_ERR_FULL, "a sequence of %d tokens needs %zu bytes of state, over the cache budget of %zu",
+                         r->n_prompt + r->max_new_tokens, need, e->p.cache_budget_bytes);
     return eng_sample_params_check(&r->sampling, err);
 }
 
@@ -399,8 +403,11 @@ static void admit(eng_engine *e) {
         if (!s->done && s->prefilled < s->req.n_prompt) prefill_some(e, s, &budget);
     }
     while (budget > 0 && taken < e->n_waiting && e->n_running < e->p.max_sequences) {
-        eng_seq *s = e->waiting[taken++];
+        eng_seq *s = e->waiting[taken];
         const int cap = s->req.n_prompt + s->req.max_new_tokens;
+        /* FIFO: the head waits for room rather than letting later, smaller requests pass it */
+        if (e->p.cache_budget_bytes && e->cache_bytes + glm_model_seq_bytes(e->m, cap) > e->p.cache_budget_bytes) break;
+        taken++;
         if ((s->st = glm_seq_new(e->m, cap, &s->gs, &s->err)) != MT_OK) {
             seq_end(e, s, ENG_FINISH_ERROR, s->err.msg);
             seq_destroy(e, s);

@@ -90,6 +90,11 @@ typedef struct eng_params {
      * prefix_cache_bytes (least recently used first out); a later prompt that starts with a kept
      * prefix copies that state instead of prefilling it. 0 bytes turns it off. */
     size_t prefix_cache_bytes;   /* default 256 MiB */
+    /* Per-sequence state memory the running sequences may hold together (0 = no limit). A
+     * waiting sequence is admitted only when its state fits beside the running ones, so running
+     * out of memory queues a request instead of failing it or a running one; one that could
+     * never fit is refused at submit (MT_ERR_FULL, message gives both sizes). */
+    size_t cache_budget_bytes;
     int prefix_block;            /* default 64 tokens */
     /* Wall clock in Unix milliseconds, for deadlines. NULL: CLOCK_REALTIME. */
     uint64_t (*now_ms)(void *user);

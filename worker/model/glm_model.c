@@ -159,6 +159,12 @@ void glm_seq_free(glm_seq *s) {
 int glm_seq_len(const glm_seq *s) { return s->len; }
 size_t glm_seq_bytes(const glm_seq *s) { return s ? s->bytes : 0; }
 
+size_t glm_model_seq_bytes(const glm_model *m, int max_tokens) {
+    size_t b = 0;
+    for (int i = 0; i < m->cfg.num_hidden_layers; i++) b += glm_layer_state_bytes(&m->layers[i], max_tokens);
+    return b;
+}
+
 mt_status glm_seq_copy_prefix(glm_model *m, const glm_seq *src, glm_seq *dst, mt_error *err) {
     if (src->m != m || dst->m != m) return mt_errorf(err, MT_ERR_INVALID, "sequences of another model");
     if (dst->len != 0) return mt_errorf(err, MT_ERR_STATE, "destination sequence is not fresh (%d tokens)", dst->len);

@@ -52,6 +52,8 @@ int glm_seq_len(const glm_seq *s);
  * and indexer caches), fixed at glm_seq_new by max_tokens; 0 for NULL. Host bookkeeping is not
  * counted. */
 size_t glm_seq_bytes(const glm_seq *s);
+/* What glm_seq_new(m, max_tokens) will take in backend memory (equal to glm_seq_bytes of it). */
+size_t glm_model_seq_bytes(const glm_model *m, int max_tokens);
 
 /* Feeds n tokens (ids < vocab, checked) to the sequence. logits (host memory) receives, when not
  * NULL, [n, vocab] fp32 logits of every fed position when all_logits, else [vocab] of the last.
