@@ -183,13 +183,36 @@ int glm_model_n_layers(const glm_model *m) { return m->cfg.num_hidden_layers; }
 const mt_layer *glm_model_layer(const glm_model *m, int i) { return &m->layers[i].base; }
 mt_layer_state *glm_seq_state(glm_seq *s, int i) { return s->states[i]; }
 
+/* X[i, s] = embedding of host token i for every stream s: one lookup into z, then S row copies
+ * per token (the decode paths, where n is small). */
+static void highway_from_tokens(glm_model *m, const int32_t *tokens, int n) {
+    mt_backend *be = m->be;
+    const int S = m->cfg.hc_mult, H = m->cfg.hidden_size;
+    be->ops->embed(be, m->z, &m->embed, tokens, n);
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < S; j++)
+            be->ops->copy(be, m->X + ((size_t)i * S + j) * H, m->z + (size_t)i * H, sizeof(float) * H);
+}
+
+/* The head over highway rows X[rows, S, H]: mean of streams, final norm, lm_head into m->logits;
+ * downloaded into logits_host when not NULL. */
+static void head_logits(glm_model *m, const float *X, int rows, float *logits_host) {
+    mt_backend *be = m->be;
+    const glm_config *c = &m->cfg;
+    be->ops->hc_head(be, m->z, X, rows, c->hc_mult, c->hidden_size);
+    be->ops->rmsnorm(be, m->z, m->z, m->norm, rows, c->hidden_size, c->rms_norm_eps);
+    be->ops->matmul(be, m->logits, m->z, &m->lm_head, rows);
+    if (logits_host)
+        be->ops->download(be, logits_host, m->logits, sizeof(float) * (size_t)rows * c->vocab_size);
+}
+
 /* Rows [0, n) of the highway through every layer, then the head for the rows whose logits are
  * wanted ([first, n)), downloaded into logits_host. decode selects the layers' decode path. */
 static mt_status forward(glm_model *m, glm_seq *s, const int32_t *tokens, int n, bool decode,
                          int first, float *logits_host) {
     const glm_config *c = &m->cfg;
     mt_backend *be = m->be;
-    const int S = c->hc_mult, H = c->hidden_size, V = c->vocab_size;
+    const int S = c->hc_mult, H = c->hidden_size;
     mt_step step = { .be = be, .t0 = s->len, .scr = &m->scr };
     m->scr.sel_n = 0;
     /* X[i, s] = embedding of token i for every stream s. Prefill looks each token up S times
@@ -201,10 +224,7 @@ static mt_status forward(glm_model *m, glm_seq *s, const int32_t *tokens, int n,
         be->ops->embed(be, m->X, &m->embed, rep, n * S);
         free(rep);
     } else {
-        be->ops->embed(be, m->z, &m->embed, tokens, n);
-        for (int i = 0; i < n; i++)
-            for (int j = 0; j < S; j++)
-                be->ops->copy(be, m->X + ((size_t)i * S + j) * H, m->z + (size_t)i * H, sizeof(float) * H);
+        highway_from_tokens(m, tokens, n);
     }
     for (int l = 0; l < c->num_hidden_layers; l++) {
         const mt_layer *ml = &m->layers[l].base;
@@ -213,13 +233,7 @@ static mt_status forward(glm_model *m, glm_seq *s, const int32_t *tokens, int n,
         if (st != MT_OK) return st;
     }
     s->len += n;
-    if (!logits_host || first >= n) return MT_OK;
-    const int rows = n - first;
-    const float *Xf = m->X + (size_t)first * S * H;
-    be->ops->hc_head(be, m->z, Xf, rows, S, H);
-    be->ops->rmsnorm(be, m->z, m->z, m->norm, rows, H, c->rms_norm_eps);
-    be->ops->matmul(be, m->logits, m->z, &m->lm_head, rows);
-    be->ops->download(be, logits_host, m->logits, sizeof(float) * (size_t)rows * V);
+    if (logits_host && first < n) head_logits(m, m->X + (size_t)first * S * H, n - first, logits_host);
     return MT_OK;
 }
 
@@ -269,9 +283,7 @@ static mt_status decode_body_dev(glm_model *m, glm_seq *s) {
         mt_status st = mt_layer_decode(&m->layers[l].base, s->states[l], &step, m->X);
         if (st != MT_OK) return st;
     }
-    be->ops->hc_head(be, m->z, m->X, 1, S, H);
-    be->ops->rmsnorm(be, m->z, m->z, m->norm, 1, H, c->rms_norm_eps);
-    be->ops->matmul(be, m->logits, m->z, &m->lm_head, 1);
+    head_logits(m, m->X, 1, NULL);
     return MT_OK;
 }
 
@@ -354,15 +366,12 @@ static mt_status decode_multi_rows(glm_model *m, glm_seq **seqs, const int32_t *
                                    float *logits) {
     const glm_config *c = &m->cfg;
     mt_backend *be = m->be;
-    const int S = c->hc_mult, H = c->hidden_size, V = c->vocab_size, L = c->num_hidden_layers;
+    const int L = c->num_hidden_layers;
     mt_layer_state **sts = malloc(sizeof *sts * (size_t)n);
     if (!sts) return MT_ERR_NOMEM;
     mt_step step = { .be = be, .t0 = -1, .scr = &m->scr };
     m->scr.sel_n = 0;
-    be->ops->embed(be, m->z, &m->embed, tokens, n);
-    for (int i = 0; i < n; i++)
-        for (int j = 0; j < S; j++)
-            be->ops->copy(be, m->X + ((size_t)i * S + j) * H, m->z + (size_t)i * H, sizeof(float) * H);
+    highway_from_tokens(m, tokens, n);
     mt_status st = MT_OK;
     for (int l = 0; l < L && st == MT_OK; l++) {
         for (int i = 0; i < n; i++) sts[i] = seqs[i]->states[l];
@@ -371,10 +380,7 @@ static mt_status decode_multi_rows(glm_model *m, glm_seq **seqs, const int32_t *
     free(sts);
     if (st != MT_OK) return st;
     for (int i = 0; i < n; i++) seqs[i]->len++;
-    be->ops->hc_head(be, m->z, m->X, n, S, H);
-    be->ops->rmsnorm(be, m->z, m->z, m->norm, n, H, c->rms_norm_eps);
-    be->ops->matmul(be, m->logits, m->z, &m->lm_head, n);
-    if (logits) be->ops->download(be, logits, m->logits, sizeof(float) * (size_t)n * V);
+    head_logits(m, m->X, n, logits);
     return MT_OK;
 }
 
