@@ -444,15 +444,6 @@ typedef struct split_params {
     int64_t rstride, lo_off;
 } split_params;
 
-template <mt_dtype DT> static __device__ __forceinline__ float round16(float v) {
-    if constexpr (DT == MT_BF16) return __bfloat162float(__float2bfloat16_rn(v));
-    else return __half2float(__float2half_rn(v));
-}
-template <mt_dtype DT> static __device__ __forceinline__ uint32_t bits16(float v) {
-    if constexpr (DT == MT_BF16) return __bfloat16_as_ushort(__float2bfloat16_rn(v));
-    else return __half_as_ushort(__float2half_rn(v));
-}
-
 /* Grid-stride over groups of V elements (V == 4: float4 loads, 8-byte stores; K % 4 == 0 and
  * aligned bases). hi = round(x); lo = round(x - hi) (x - hi is exact in fp32). */
 template <mt_dtype DT, int V, int T> static __global__ void __launch_bounds__(SPLIT_THREADS)
@@ -470,8 +461,8 @@ split_kernel(const split_params p) {
         uint32_t h[V], l[V];
 #pragma unroll
         for (int j = 0; j < V; j++) {
-            h[j] = bits16<DT>(v[j]);
-            if constexpr (T == 2) l[j] = bits16<DT>(v[j] - round16<DT>(v[j]));
+            h[j] = cu_bits16<DT>(v[j]);
+            if constexpr (T == 2) l[j] = cu_bits16<DT>(v[j] - cu_round16<DT>(v[j]));
         }
         if constexpr (V == 4) {
             *(uint2 *)hi = make_uint2(h[0] | h[1] << 16, h[2] | h[3] << 16);

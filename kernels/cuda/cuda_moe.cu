@@ -494,15 +494,6 @@ typedef struct moe_swiglu_split_params {
     float L;
 } moe_swiglu_split_params;
 
-template <mt_dtype DT> static __device__ __forceinline__ uint16_t moe_bits16(float v) {
-    if constexpr (DT == MT_BF16) return __bfloat16_as_ushort(__float2bfloat16_rn(v));
-    else return __half_as_ushort(__float2half_rn(v));
-}
-template <mt_dtype DT> static __device__ __forceinline__ float moe_round16(float v) {
-    if constexpr (DT == MT_BF16) return __bfloat162float(__float2bfloat16_rn(v));
-    else return __half2float(__float2half_rn(v));
-}
-
 template <mt_dtype DT, int T>
 static __global__ void moe_swiglu_split_kernel(const moe_swiglu_split_params p) {
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
@@ -515,8 +506,8 @@ static __global__ void moe_swiglu_split_kernel(const moe_swiglu_split_params p) 
         const float g = fminf(a, p.L), u = fminf(fmaxf(b, -p.L), p.L);
         const float h = g / (1.f + expf(-g)) * u;
         uint16_t *o = (uint16_t *)p.h + r;
-        o[0] = moe_bits16<DT>(h);
-        if constexpr (T == 2) o[p.I] = moe_bits16<DT>(h - moe_round16<DT>(h));
+        o[0] = cu_bits16<DT>(h);
+        if constexpr (T == 2) o[p.I] = cu_bits16<DT>(h - cu_round16<DT>(h));
     }
 }
 

@@ -185,6 +185,7 @@ void cu_hc_head(mt_backend *be, float *z, const float *X, int n, int S, int H);
 
 #ifdef __CUDACC__
 /* Device helpers shared by the backend's .cu files (weights as fp32, warp sums). */
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 /* Elements of a weight of dtype DT per 16-byte load. */
@@ -258,6 +259,17 @@ template <typename T> __device__ __forceinline__ T cu_block_sum(T v, T *red) {
     for (int w = 0; w < nw; w++) s += red[w]; /* same order in every thread: deterministic */
     __syncthreads();
     return s;
+}
+
+/* v rounded to the 16-bit type DT (BF16 or F16) and back, and its 16-bit pattern: the two-part
+ * split x = hi + lo of the tensor-core GEMM paths (cuda_dense.cu, cuda_moe.cu). */
+template <mt_dtype DT> static __device__ __forceinline__ float cu_round16(float v) {
+    if constexpr (DT == MT_BF16) return __bfloat162float(__float2bfloat16_rn(v));
+    else return __half2float(__float2half_rn(v));
+}
+template <mt_dtype DT> static __device__ __forceinline__ uint16_t cu_bits16(float v) {
+    if constexpr (DT == MT_BF16) return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+    else return __half_as_ushort(__float2half_rn(v));
 }
 
 static inline __host__ __device__ bool cu_aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
