@@ -424,14 +424,12 @@ static void admit(eng_engine *e) {
 
 /* One token for every running sequence. Several go through the model's batched decode (one
  * pass over the weights for all of them); one alone through glm_decode (a CUDA graph where the
- * backend has them). If the batch is refused (a bad token or a full sequence, which admission
- * should make impossible), each sequence decodes alone so only the bad one fails. */
+ * backend has them). Batched equals alone on both backends (tests/model_layer_test.cc on the
+ * CPU, tests/model_cuda_test.cc BatchedDecodeEqualsEachAlone on the GPU). If the batch is refused
+ * (a bad token or a full sequence, which admission should make impossible), each sequence
+ * decodes alone so only the bad one fails. */
 static void decode_running(eng_engine *e, eng_seq **batch, int n, float *logits) {
-    /* The batched path is verified against decoding alone on the CPU backend (tests/
-     * model_layer_test.cc); its GPU twin (tests/model_cuda_test.cc BatchedDecode) has not run on a
-     * GPU yet, so other backends keep the one-by-one path until it has. */
-    const bool batched = !strcmp(glm_model_backend(e->m)->ops->name, "cpu");
-    if (n > 1 && batched) {
+    if (n > 1) {
         glm_seq **gs = malloc(sizeof *gs * (size_t)n);
         int32_t *tok = malloc(sizeof *tok * (size_t)n);
         mt_status st = MT_ERR_NOMEM;
