@@ -16,50 +16,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench/bench_util.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "worker/loader/glm_config.h"
-#include "worker/loader/glm_manifest.h"
 #include "worker/model/glm_model.h"
-
-typedef struct bytes_ctx {
-    const glm_config *c;
-    double weights;  /* bytes a batch-1 decode step reads */
-    double params;   /* parameters a token touches (for FLOPs) */
-} bytes_ctx;
-
-/* Routed experts: only top_k of n_routed are read per token; the embedding: one row. */
-static void count_tensor(const glm_tensor_spec *s, void *user) {
-    bytes_ctx *b = user;
-    double n = 1;
-    for (int i = 0; i < s->ndim; i++) n *= (double)s->shape[i];
-    double frac = 1;
-    if (strstr(s->name, ".mlp.experts.")) frac = (double)b->c->num_experts_per_tok / b->c->n_routed_experts;
-    if (strstr(s->name, "embed_tokens")) frac = 1.0 / (double)s->shape[0];
-    b->weights += frac * n * (double)mt_dtype_size(s->dtype);
-    if (!strstr(s->name, "embed_tokens")) b->params += frac * n;
-}
-
-static double copy_bandwidth_gbs(void) {
-    const size_t bytes = (size_t)4 << 30;
-    void *a = NULL, *b = NULL;
-    if (cudaMalloc(&a, bytes) != cudaSuccess || cudaMalloc(&b, bytes) != cudaSuccess) return 0;
-    cudaMemset(a, 1, bytes);
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0);
-    cudaEventCreate(&e1);
-    cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice); /* warm-up */
-    const int reps = 10;
-    cudaEventRecord(e0, 0);
-    for (int i = 0; i < reps; i++) cudaMemcpy(i & 1 ? a : b, i & 1 ? b : a, bytes, cudaMemcpyDeviceToDevice);
-    cudaEventRecord(e1, 0);
-    cudaEventSynchronize(e1);
-    float ms = 0;
-    cudaEventElapsedTime(&ms, e0, e1);
-    cudaFree(a);
-    cudaFree(b);
-    return 2.0 * bytes * reps / (ms * 1e-3) / 1e9; /* read + write */
-}
 
 int main(int argc, char **argv) {
     int steps = 32, context = 4096 + 64, profile = 0, op_profile = 0;
@@ -77,15 +38,20 @@ int main(int argc, char **argv) {
     mt_error err = { "" };
     mt_backend *be = mt_cuda_backend_new(0, &err);
     if (!be) { fprintf(stderr, "decode_bench: %s\n", err.msg); return 1; }
-    const double bw = copy_bandwidth_gbs();
+    const double bw = bench_copy_bandwidth_gbs();
     glm_config c;
     if (glm_config_preset("bench-4L", &c, &err) != MT_OK) { fprintf(stderr, "%s\n", err.msg); return 1; }
-    bytes_ctx bc = { &c, 0, 0 };
-    glm_manifest_foreach(&c, count_tensor, &bc);
-    int n_kda = 0;
-    for (int l = 0; l < c.num_hidden_layers; l++) n_kda += c.layer_types[l] == GLM_MIXER_KDA;
+    bench_weights bc;
+    bench_count_weights(&c, &bc);
+    int n_kda = 0, n_moe = 0;
+    for (int l = 0; l < c.num_hidden_layers; l++) {
+        n_kda += c.layer_types[l] == GLM_MIXER_KDA;
+        n_moe += c.mlp_layer_types[l] == GLM_MLP_SPARSE;
+    }
+    /* batch 1 reads every dense weight, one embedding row, top_k experts per MoE layer */
+    const double weights = bc.dense_bytes + bc.embed_row_bytes + (double)n_moe * c.num_experts_per_tok * bc.expert_bytes;
     const double state_bytes = 2.0 * n_kda * c.linear_num_heads * (double)c.linear_head_dim * c.linear_head_dim * 4;
-    const double step_bytes = bc.weights + state_bytes;
+    const double step_bytes = weights + state_bytes;
 
     glm_model_params mp = glm_model_default_params();
     mp.prefill_chunk = 4096;
@@ -132,7 +98,7 @@ int main(int argc, char **argv) {
             pf_tps[k] = plens[k] / dt;
         }
         /* 2 FLOPs per touched parameter per token; attention/KDA terms are small beside it here. */
-        pf_frac[k] = pf_tps[k] * 2.0 * bc.params / (peak_tflops * 1e12);
+        pf_frac[k] = pf_tps[k] * 2.0 * bc.touched_params / (peak_tflops * 1e12);
     }
     /* --op-profile 1: one more prefill of each length with every op synchronised and timed
      * (mt_cuda_profile), after the timed runs. */

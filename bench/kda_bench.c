@@ -2,14 +2,15 @@
  * shapes of issue 3, timed the way bench/kda_fla_bench.py times flash-linear-attention's Triton
  * kernels (bench/kda_bench.sh runs both and prints one table):
  *   - device copy bandwidth (cudaMemcpy D2D, bytes read + written / time), the decode reference;
- *   - prefill: kda_chunked, 64 heads of 128, 4096 tokens, one sequence (and kda_recurrent on the
- *     same inputs, for information);
+ *   - prefill: kda_chunked, 64 heads of 128, 4096 tokens, one sequence (for information: its two
+ *     tensor-core kernels apart, its single-rounding (MT_CUDA_TC_TERMS=1) and fp32 (=0) forms, and
+ *     kda_recurrent on the same inputs);
  *   - decode of B sequences, one token each (B = 32, 256): kda_recurrent with n = 1 and
  *     nh = B * 64 heads (heads are independent and their states contiguous, so this is the same
  *     work as B sequences); state bytes per step = B*64*128*128*4 read + the same written.
  * Timing (as triton.testing.do_bench): per rep, a 256 MB memset clears L2, then device events on
  * the backend's stream around one call; warm-up first; the median of the reps.
- * Checks before timing: chunked against recurrent on the prefill inputs (fp32 both), decode against
+ * Checks before timing: chunked (each form) against recurrent on the prefill inputs, decode against
  * a float64 host reference, every output element written (outputs poisoned with NaN first).
  * Inputs: uniform random, q/k l2-normalised on the host (q then scaled by dk^-0.5), g = -softplus(z)
  * with z uniform in [-5, 5) so g in (-5, 0), beta uniform in (0.02, 0.98), initial state non-zero.
@@ -367,11 +368,47 @@ int main(int argc, char **argv) {
         const size_t bad_s = count_bad(s_c, sc) + count_bad(s_r, sc);
         report_check("prefill o: chunked vs recurrent", rel_err(o_c, o_r, cnt, &unused), bad_o, 1e-3);
         report_check("prefill state: chunked vs recurrent", rel_err(s_c, s_r, sc, &bad), bad_s, 1e-3);
+
+        /* kda_chunked's other precisions (cuda_kda_chunk.cu), switched through the backend's
+         * tc_terms (MT_CUDA_TC_TERMS at creation): 1 = single bf16 rounding on the tensor cores,
+         * 0 = the fp32 kernel. Each against the same recurrent run, then timed. */
+        cu_backend *cb = (cu_backend *)g_be;
+        const int terms0 = cb->tc_terms;
+        double ms_mode[2] = {0, 0};
+        for (int t = 1; t >= 0; t--) {
+            cb->tc_terms = t;
+            g_be->ops->upload(g_be, d.state, h.state, sc * 4);
+            poison(d.o, cnt);
+            run(g_be->ops->kda_chunked, &d, T_PREFILL, NH);
+            check_backend(t ? "prefill chunked (1 term)" : "prefill chunked (fp32)");
+            g_be->ops->download(g_be, o_c, d.o, cnt * 4);
+            g_be->ops->download(g_be, s_c, d.state, sc * 4);
+            const double tol = t ? 2e-2 : 1e-3;
+            char name[64];
+            snprintf(name, sizeof name, "prefill o: chunked %s vs recurrent", t ? "1-term" : "fp32");
+            report_check(name, rel_err(o_c, o_r, cnt, &unused), count_bad(o_c, cnt), tol);
+            snprintf(name, sizeof name, "prefill state: chunked %s vs recurrent", t ? "1-term" : "fp32");
+            report_check(name, rel_err(s_c, s_r, sc, &bad), count_bad(s_c, sc), tol);
+            ms_mode[t] = time_ms(g_be->ops->kda_chunked, &d, T_PREFILL, NH, g_reps);
+        }
+        cb->tc_terms = terms0;
         free(o_c); free(o_r); free(s_c); free(s_r);
 
         const double ms_c = time_ms(g_be->ops->kda_chunked, &d, T_PREFILL, NH, g_reps);
         emit("prefill_chunked", "kda_chunked", 1, T_PREFILL, NH, ms_c, 0, bw);
-        printf("  %-22s %.1f us per 64-token chunk\n", "", ms_c * 1e3 / (T_PREFILL / 64));
+        printf("  %-22s %.1f us per 64-token chunk (MT_CUDA_TC_TERMS=%d)\n", "", ms_c * 1e3 / (T_PREFILL / 64), terms0);
+        /* the tensor-core form's two kernels apart (MT_CUDA_KDA_CHUNK_ONLY: outputs invalid) */
+        if (terms0 > 0) {
+            setenv("MT_CUDA_KDA_CHUNK_ONLY", "intra", 1);
+            emit("prefill_chunked_intra", "kda_chunked intra", 1, T_PREFILL, NH,
+                 time_ms(g_be->ops->kda_chunked, &d, T_PREFILL, NH, g_reps), 0, bw);
+            setenv("MT_CUDA_KDA_CHUNK_ONLY", "state", 1);
+            emit("prefill_chunked_state", "kda_chunked state", 1, T_PREFILL, NH,
+                 time_ms(g_be->ops->kda_chunked, &d, T_PREFILL, NH, g_reps), 0, bw);
+            unsetenv("MT_CUDA_KDA_CHUNK_ONLY");
+        }
+        emit("prefill_chunked_1term", "kda_chunked 1-term", 1, T_PREFILL, NH, ms_mode[1], 0, bw);
+        emit("prefill_chunked_fp32", "kda_chunked fp32", 1, T_PREFILL, NH, ms_mode[0], 0, bw);
         const double ms_r = time_ms(g_be->ops->kda_recurrent, &d, T_PREFILL, NH, g_reps);
         emit("prefill_recurrent", "kda_recurrent", 1, T_PREFILL, NH, ms_r, 0, bw);
         dev_free(&d);

@@ -134,6 +134,35 @@ typedef struct mt_backend_ops {
     void (*dsa_pool_keys_at)(mt_backend *be, float *pool_keys, const float *ki, const float *gs,
                              const float *ape, const int32_t *pos, int kpool, int id);
 
+    /* ---- batched decode, one row per sequence (the "rows" form) ----
+     * Row i is the next position pos[i] of its own sequence; the per-sequence memory a row reads
+     * and writes comes from a table of pointers (one per row). pos and every table live in backend
+     * memory and are read at run time, so a captured graph holds the tables' addresses, not any
+     * sequence's memory: a batch whose members change replays the same graph. */
+    /* One conv step per row: out[i, C] = silu(conv(states[i] ++ x[i])), states[i] [C, K-1] updated. */
+    void (*conv1d_silu_rows)(mt_backend *be, float *out, const float *x, float *const *states,
+                             const float *w, int n, int C, int K);
+    /* One delta-rule step per row, as kda_recurrent with n = 1 on states[i] [nh, dk, dk]; q, k, v,
+     * g, o [n, nh, dk], beta [n, nh]. */
+    void (*kda_recurrent_rows)(mt_backend *be, float *o, const float *q, const float *k, const float *v,
+                               const float *g, const float *beta, float *const *states, int n, int nh, int dk);
+    /* bases[i][pos[i] * row + j] = src[i * row + j]: each row's cache write at its position. */
+    void (*copy_rows_to)(mt_backend *be, float *const *bases, int64_t row, const int32_t *pos, const float *src, int n);
+    /* For each row whose position completes a pool, that pool's key (as dsa_pool_keys_at). */
+    void (*dsa_pool_keys_rows)(mt_backend *be, float *const *pool_keys, const float *const *ki,
+                               const float *const *gs, const float *ape, const int32_t *pos, int n,
+                               int kpool, int id);
+    /* dsa_select of one query per row: query i at position pos[i] over pool_keys[i]. t_cap of p
+     * bounds every position; t0_dev is unused. */
+    void (*dsa_select_rows)(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi, const float *w,
+                            const float *const *pool_keys, const int32_t *pos, int n,
+                            const mt_dsa_select_params *p);
+    /* mla_sparse of one query per row: query i at position pos[i] over latents[i]. t_cap of p
+     * bounds every position; t0_dev is unused. */
+    void (*mla_sparse_rows)(mt_backend *be, float *out, const float *q, const float *const *latents,
+                            const mt_weight *kv_b, const int32_t *sel, const int32_t *nsel, int max_sel,
+                            const int32_t *pos, int n, const mt_mla_params *p);
+
     /* ---- dense ---- */
     /* out[n, H] = table[ids[i]] ; ids on the host, each < table.rows. */
     void (*embed)(mt_backend *be, float *out, const mt_weight *table, const int32_t *ids, int n);

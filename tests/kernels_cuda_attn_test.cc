@@ -25,6 +25,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 extern "C" {
@@ -102,8 +103,8 @@ class CudaAttn : public ::testing::Test {
         return in;
     }
     // Runs the recurrent (chunked = false) or chunked delta rule on both backends; the state
-    // carries over `calls` consecutive calls of n steps each.
-    void CheckDelta(bool chunked, int n, int nh, int dk, float gscale, int calls) {
+    // carries over `calls` consecutive calls of n steps each. Bound: ||gpu - cpu|| / ||cpu|| <= tol.
+    void CheckDelta(bool chunked, int n, int nh, int dk, float gscale, int calls, double tol = kRelTol) {
         DeltaIn in0 = MakeDelta(n, nh, dk, gscale);
         std::vector<float> st_cpu = in0.state;
         Buf<float> st_gpu(gpu_, in0.state);
@@ -124,8 +125,8 @@ class CudaAttn : public ::testing::Test {
             const double eo = RelErr(o.Get(), o_cpu), es = RelErr(st_gpu.Get(), st_cpu);
             std::printf("[%s] n=%d nh=%d dk=%d gscale=%g call %d: o rel %.2e, state rel %.2e (%.3f ms)\n",
                         chunked ? "kda_chunked" : "kda_recurrent", n, nh, dk, gscale, call, eo, es, ms);
-            EXPECT_LE(eo, kRelTol) << "o, n=" << n << " nh=" << nh << " dk=" << dk << " call " << call;
-            EXPECT_LE(es, kRelTol) << "state, n=" << n << " nh=" << nh << " dk=" << dk << " call " << call;
+            EXPECT_LE(eo, tol) << "o, n=" << n << " nh=" << nh << " dk=" << dk << " call " << call;
+            EXPECT_LE(es, tol) << "state, n=" << n << " nh=" << nh << " dk=" << dk << " call " << call;
         }
     }
     // Runs an idempotent op once (its result is what the test checks), then times 10 more calls
@@ -203,15 +204,42 @@ TEST_F(CudaAttn, KdaRecurrentSmallShapes) {
     CheckDelta(false, 1, 2, 50, 1.f, 2);
 }
 
+// kda_chunked runs on the tensor cores by default (two-part bf16 operands, cuda_kda_chunk.cu).
 TEST_F(CudaAttn, KdaChunkedRealShapes) {
     for (int n : {1, 63, 200}) CheckDelta(true, n, 64, 128, 1.f, 2);
     CheckDelta(true, 64, 64, 128, 0.2f, 1);  // exactly one chunk, weak decay
+    // decay too strong for the factored 16-step sub-blocks (e^-32 a step): the exact fp32 A and B
+    CheckDelta(true, 200, 64, 128, 40.f, 1);
 }
 
 TEST_F(CudaAttn, KdaChunkedSmallShapes) {
     CheckDelta(true, 130, 3, 16, 4.f, 2);    // small head, strong decay, a partial last chunk
     CheckDelta(true, 70, 2, 48, 1.f, 1);     // head dim not a multiple of 64
     CheckDelta(true, 129, 1, 100, 1.f, 1);
+    CheckDelta(true, 100, 2, 50, 1.f, 1);    // dk % 4 != 0: scalar q/k/g loads
+    CheckDelta(true, 90, 2, 37, 1.f, 2);     // odd dk: scalar v loads and o stores
+    CheckDelta(true, 64 * 64 + 100, 2, 128, 1.f, 1); // more chunks than one segment of records
+}
+
+// The other precisions of kda_chunked, chosen by MT_CUDA_TC_TERMS at backend creation: 0 = the
+// fp32 kernel (bound 1e-4), 1 = single bf16 rounding on the tensor cores (~4e-3; bound 2e-2).
+TEST_F(CudaAttn, KdaChunkedPrecisionModes) {
+    const char *prev = getenv("MT_CUDA_TC_TERMS");
+    const std::string saved = prev ? prev : "";
+    for (const char *mode : {"0", "1"}) {
+        setenv("MT_CUDA_TC_TERMS", mode, 1);
+        mt_error err = {};
+        mt_backend *be = mt_cuda_backend_new(0, &err);
+        ASSERT_NE(be, nullptr) << "mt_cuda_backend_new: " << err.msg;
+        std::swap(be, gpu_);
+        std::printf("[kda_chunked] MT_CUDA_TC_TERMS=%s\n", mode);
+        CheckDelta(true, 200, 8, 128, 1.f, 2, mode[0] == '0' ? kRelTol : 2e-2);
+        CheckDelta(true, 70, 2, 37, 4.f, 1, mode[0] == '0' ? kRelTol : 2e-2);
+        std::swap(be, gpu_);
+        mt_backend_free(be);
+    }
+    if (prev) setenv("MT_CUDA_TC_TERMS", saved.c_str(), 1);
+    else unsetenv("MT_CUDA_TC_TERMS");
 }
 
 TEST_F(CudaAttn, GatedRmsnormMatchesCpu) {
@@ -383,15 +411,23 @@ TEST_F(CudaAttnMla, MlaSparseSmallShapes) {
         {6, 16, 8, 1000, 10, 9, 7, MT_BF16, true},   // 2 heads per block, wide latent
         {8, 16, 16, 64, 300, 3, 100, MT_F16, true},  // many splits, some of them empty
         {2, 8, 8, 32, 0, 300, 20, MT_F32, true},     // more rows than one pass (256)
-        // the wide prefill attend kernel (Hq % 32 == 0, kvl 256 or 512)
+        // the wide fp32 attend kernel (Hq % 32 == 0, kvl 256 or 512, 2 .. 15 rows)
+        {64, 16, 16, 512, 70, 5, 64, MT_F32, true},
+        {32, 16, 16, 256, 40, 9, 30, MT_F32, true},
+        // the tensor-core prefill attend kernel (the same shapes, >= 16 rows)
         {32, 16, 16, 256, 40, 37, 30, MT_F32, true},   // splits, partial tiles, uniform rows
         {32, 8, 8, 256, 0, 300, 20, MT_F16, true},     // two passes, the second of 44 rows
-        {64, 16, 16, 512, 70, 5, 64, MT_F32, true},
+        {64, 16, 16, 512, 70, 20, 64, MT_BF16, true},  // 2 head groups, many splits, some empty
+        {96, 8, 8, 512, 5, 40, 200, MT_F32, true},     // 3 head groups, rows < a tile (t < 32)
+        // with it the tensor-core absorb and output (bf16 kv_b, dn % 32, dv % 64 == 0)
+        {32, 32, 64, 256, 40, 37, 30, MT_BF16, true},    // one K step, a partial row tile
+        {64, 64, 128, 512, 100, 70, 90, MT_BF16, true},  // two row tiles, the second partial
     });
 }
 
-// The real prefill shape (one pass of 256 rows, ~2063 selected each): the wide attend kernel
-// against the old one (MT_MLA_OLD=1), GPU against GPU (the CPU reference would take too long).
+// The real prefill shape (one pass of 256 rows, ~2063 selected each): the tensor-core attend
+// kernel against the fp32 wide one (MT_MLA_ATTEND=wide), GPU against GPU (the CPU reference would
+// take too long); both times printed.
 TEST_F(CudaAttnMla, MlaSparsePrefillOldVsNew) {
     const int Hq = 64, dn = 256, dv = 256, kvl = 512, t0 = 3000, n = 256, max_sel = 2063;
     mt_mla_params p = {Hq, dn, dv, kvl, 1.f / std::sqrt((float)dn)};
@@ -416,18 +452,27 @@ TEST_F(CudaAttnMla, MlaSparsePrefillOldVsNew) {
         gpu_->ops->mla_sparse(gpu_, dout.get(), dq.get(), dlat.get(), &w_gpu, dsel.get(), dnsel.get(), max_sel, t0,
                               n, &p);
     };
-    const char *prev = getenv("MT_MLA_OLD");
+    const char *prev = getenv("MT_MLA_ATTEND");
     const std::string saved = prev ? prev : "";
-    setenv("MT_MLA_OLD", "1", 1);
+    setenv("MT_MLA_ATTEND", "wide", 1);
     const double ms_old = WarmMs(run);
     const std::vector<float> out_old = dout.Get();
-    unsetenv("MT_MLA_OLD");
+    unsetenv("MT_MLA_ATTEND");
     const double ms_new = WarmMs(run);
     const std::vector<float> out_new = dout.Get();
-    if (prev) setenv("MT_MLA_OLD", saved.c_str(), 1);
+    // The three kernels apart (absorb, attend, output), each synchronised: one profiled call each.
+    setenv("MT_MLA_ATTEND", "wide", 1);
+    mt_cuda_profile(gpu_, true, "mla_sparse prefill, fp32 wide attend");
+    run();
+    mt_cuda_profile(gpu_, false, "mla_sparse prefill, fp32 wide attend");
+    unsetenv("MT_MLA_ATTEND");
+    mt_cuda_profile(gpu_, true, "mla_sparse prefill, tensor-core attend");
+    run();
+    mt_cuda_profile(gpu_, false, "mla_sparse prefill, tensor-core attend");
+    if (prev) setenv("MT_MLA_ATTEND", saved.c_str(), 1);
     const double e = RelErr(out_new, out_old);
-    std::printf("[mla_sparse prefill] Hq=%d kvl=%d t0=%d n=%d sel=%d: old %.3f ms, new %.3f ms, rel %.2e\n", Hq, kvl,
-                t0, n, max_sel, ms_old, ms_new, e);
+    std::printf("[mla_sparse prefill] Hq=%d kvl=%d t0=%d n=%d sel=%d: fp32 wide %.3f ms, tensor cores %.3f ms "
+                "(%.1fx), rel %.2e\n", Hq, kvl, t0, n, max_sel, ms_old, ms_new, ms_old / ms_new, e);
     EXPECT_LE(e, kRelTol);
     gpu_->ops->weight_free(gpu_, &w_gpu);
 }

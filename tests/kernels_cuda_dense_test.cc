@@ -326,6 +326,18 @@ TEST_F(CudaOps, Matmul) {
             EXPECT_LE(e, 1e-5) << where;
         }
     }
+    // The bench-4L decode projections the GEMV's grid choice specialises on (K split over 1-8
+    // warps, a tall or a 1-chunk-wide weight), bf16 at 1, 3 and 8 rows.
+    for (const S &s : {S{8192, 4096}, S{4096, 8192}, S{4096, 12288}, S{16384, 1536}, S{8192, 128},
+                       S{1536, 4096}, S{512, 4096}, S{128, 4096}, S{64, 4096}, S{32, 4096}}) {
+        auto w = MakeWeight(MT_BF16, s.rows, s.cols, 2.f / std::sqrt((float)s.cols));
+        for (int n : {1, 3, 8}) {
+            const double e = MatmulErr(cpu_, gpu_, w->cpu, w->gpu, n);
+            const std::string where = Shape({{"n", n}, {"rows", s.rows}, {"cols", s.cols}}) + " BF16";
+            worst.See(e, where);
+            EXPECT_LE(e, 1e-5) << where;
+        }
+    }
     const Weight &v = Vocab();
     for (int n : {1, 4, 20}) {
         const double e = MatmulErr(cpu_, gpu_, v.cpu, v.gpu, n);
@@ -439,10 +451,13 @@ TEST_F(CudaOps, MatmulTimings) {
     mt_backend_free(tiled);
 }
 
+// d % 4 == 0 up to 16384 takes the register-resident kernels (a warp per row up to 512, a block
+// per row beyond: 516, 1536, 4096, 16384); 7 and 16388 the scalar ones.
 TEST_F(CudaOps, Norms) {
     Worst worst{"norms"};
-    for (int d : {4096, 1536, 512, 128, 100, 7}) {
+    for (int d : {4096, 1536, 516, 512, 128, 100, 7, 16384, 16388}) {
         for (int n : {1, 3, 64}) {
+            if (d > 4096 && n == 64) continue;
             const size_t sz = (size_t)n * d;
             std::vector<float> w = Rand(d, 0.5f, 1.5f), b = Rand(d);
             float *gw = Put(gpu_, w), *gb = Put(gpu_, b);
@@ -559,6 +574,8 @@ TEST_F(CudaOps, MoeRoute) {
         {16, 4, 2, 4, false, 1.f},
         {64, 8, 4, 6, true, 1.5f},
         {256, 8, 4, 8, true, 2.5f},
+        {1024, 8, 4, 8, true, 2.5f},  // large groups (128): the warp-merged group top-2
+        {256, 8, 8, 40, true, 1.f},   // more picks than lanes
     };
     for (const mt_router_params &p : cfgs) {
         for (int n : {1, 5, 130}) {
@@ -781,12 +798,16 @@ TEST_F(CudaMoe, ExpertsRealShapes) {
 TEST_F(CudaOps, HyperConnections) {
     Worst worst{"hc"};
     struct S { int S_, H; };
-    for (const S &s : {S{4, 4096}, S{2, 64}, S{4, 100}}) {
+    // hc_pre: n <= 4 with S <= 4 and S*H a multiple of 8 load vectors takes the one-cluster
+    // kernel (4 x 4096, 2 x 64, 3 x 256, 1 x 512); S*H = 400, n > 4 and S = 6 the GEMV + one-block
+    // form (S = 6: its block-wide Sinkhorn, S*S > 32). hc_post: float4 accesses for S <= 4 (every
+    // shape here but S = 6, which takes the scalar kernel).
+    for (const S &s : {S{4, 4096}, S{2, 64}, S{4, 100}, S{3, 256}, S{1, 512}, S{6, 20}}) {
         const int Sn = s.S_, H = s.H, mix = (2 + Sn) * Sn, SH = Sn * H;
         const mt_hc_params p = {Sn, H, 1e-6f, 1e-6f, 20};
         for (mt_dtype dt : {MT_BF16, MT_F32}) {
             auto fn = MakeWeight(dt, mix, SH, 2.f / std::sqrt((float)SH));
-            for (int n : {1, 3, 9, 40}) {
+            for (int n : {1, 2, 3, 4, 5, 9, 40}) {
                 std::vector<float> X = Rand((size_t)n * SH, -2.f, 2.f), base = Rand(mix), scale = Rand(3, 0.5f, 1.5f);
                 std::vector<float> y((size_t)n * H), post((size_t)n * Sn), comb((size_t)n * Sn * Sn);
                 cpu_->ops->hc_pre(cpu_, y.data(), post.data(), comb.data(), X.data(), &fn->cpu, base.data(),
@@ -825,6 +846,141 @@ TEST_F(CudaOps, HyperConnections) {
                     Drop(gpu_, q);
             }
         }
+    }
+}
+
+// Decode-shaped ops at one row, the bench-4L shapes (bench/decode_bench: hidden 4096, KDA 64 x
+// 128, DSA, 288 experts of 2048, hc_mult 4, vocab 154880). Each op runs `reps` times inside one
+// CUDA graph made through the backend's graph slots, so the gaps between kernels are those of a
+// decode graph (and consecutive kernels overlap as they would there); weights cycle over copies
+// of at least 256 MB in all, beyond the 60 MB L2, so they come from memory as in a real step.
+// Prints microseconds per call and weight bytes per second against the device copy bandwidth
+// (read + write, as decode_bench measures it); checks only that every graph was made and ran.
+TEST_F(CudaOps, DecodeTimings) {
+    mt_backend *be = gpu_;
+    ASSERT_NE(be->ops->graph_begin, nullptr);
+    double copy_gbs;
+    {
+        const size_t bytes = (size_t)1 << 30;
+        void *a = be->ops->alloc(be, bytes), *b = be->ops->alloc(be, bytes);
+        ASSERT_TRUE(a && b);
+        be->ops->copy(be, b, a, bytes);
+        be->ops->sync(be);
+        const double t0 = Seconds();
+        for (int r = 0; r < 10; r++) be->ops->copy(be, r & 1 ? a : b, r & 1 ? b : a, bytes);
+        be->ops->sync(be);
+        copy_gbs = 2.0 * bytes * 10 / (Seconds() - t0) / 1e9;
+        Drop(be, a);
+        Drop(be, b);
+    }
+    std::printf("[ timing   ] decode: device copy bandwidth %.0f GB/s (read + write)\n", copy_gbs);
+    // Seconds per call of f(k), k = 0 .. reps - 1, replayed as one graph (after an eager pass that
+    // sizes every scratch buffer).
+    auto graph_time = [&](int reps, auto f) -> double {
+        for (int k = 0; k < reps; k++) f(k);
+        be->ops->sync(be);
+        EXPECT_EQ(be->ops->graph_begin(be), MT_OK);
+        for (int k = 0; k < reps; k++) f(k);
+        mt_graph *g = nullptr;
+        EXPECT_EQ(be->ops->graph_end(be, &g), MT_OK);
+        if (!g) return 0.0;
+        EXPECT_EQ(be->ops->graph_launch(be, g), MT_OK);
+        be->ops->sync(be);
+        const int launches = 5;
+        const double t0 = Seconds();
+        for (int l = 0; l < launches; l++) be->ops->graph_launch(be, g);
+        be->ops->sync(be);
+        const double t = (Seconds() - t0) / (launches * reps);
+        be->ops->graph_free(be, g);
+        return t;
+    };
+    // Copies of a bf16 [rows, cols] weight: at least 256 MB in all (at most 256 copies).
+    auto copies_of = [&](int64_t rows, int64_t cols, std::vector<mt_weight> &ws) {
+        const double bytes = 2.0 * rows * cols;
+        ws.resize((size_t)std::min(256, std::max(1, (int)std::ceil(256e6 / bytes))));
+        for (size_t c = 0; c < ws.size(); c++)
+            ASSERT_EQ(be->ops->weight_random(be, MT_BF16, rows, cols, 7000 + c, 0.f, 0.02f, &ws[c]), MT_OK);
+    };
+    auto report = [&](const std::string &what, double t, double bytes) {
+        std::printf("[ timing   ] decode %-44s %8.1f us %6.0f GB/s %5.1f%% of copy\n", what.c_str(), t * 1e6,
+                    bytes / t / 1e9, 100.0 * bytes / t / 1e9 / copy_gbs);
+    };
+
+    struct M { const char *what; int rows, cols; };
+    const M mats[] = {{"lm_head", 154880, 4096},     {"dense gate/up", 12288, 4096}, {"dense down", 4096, 12288},
+                      {"kda q/k/v", 8192, 4096},     {"kda o", 4096, 8192},          {"dsa o", 4096, 16384},
+                      {"dsa q_b", 16384, 1536},      {"shared gate/up", 2048, 4096}, {"shared down", 4096, 2048},
+                      {"dsa q_a", 1536, 4096},       {"dsa kv_a", 512, 4096},        {"router", 288, 4096},
+                      {"kda f_a/g_a", 128, 4096},    {"kda f_b/g_b", 8192, 128},     {"kda b", 64, 4096}};
+    for (const M &m : mats) {
+        std::vector<mt_weight> ws;
+        copies_of(m.rows, m.cols, ws);
+        const int nc = (int)ws.size(), reps = nc * std::max(1, (8 + nc - 1) / nc);
+        float *x = Put(be, Rand(m.cols));
+        float *y = (float *)be->ops->alloc(be, sizeof(float) * m.rows);
+        const double t = graph_time(reps, [&](int k) { be->ops->matmul(be, y, x, &ws[k % nc], 1); });
+        report(std::string("matmul ") + m.what + " " + std::to_string(m.rows) + "x" + std::to_string(m.cols), t,
+               2.0 * m.rows * m.cols);
+        for (mt_weight &w : ws) be->ops->weight_free(be, &w);
+        Drop(be, x);
+        Drop(be, y);
+    }
+
+    for (int d : {4096, 1536, 512}) {
+        float *x = Put(be, Rand(d)), *w = Put(be, Rand(d, 0.5f, 1.5f));
+        float *o = (float *)be->ops->alloc(be, sizeof(float) * d);
+        const double t = graph_time(64, [&](int) { be->ops->rmsnorm(be, o, x, w, 1, d, 1e-5f); });
+        report("rmsnorm 1 x " + std::to_string(d), t, 8.0 * d);
+        for (void *q : {(void *)x, (void *)w, (void *)o}) Drop(be, q);
+    }
+    {
+        float *x = Put(be, Rand(64 * 128));
+        const double t = graph_time(64, [&](int) { be->ops->l2norm(be, x, 64, 128, 1e-6f, 1.f); });
+        report("l2norm 64 x 128", t, 8.0 * 64 * 128);
+        Drop(be, x);
+    }
+
+    {
+        const int S = 4, H = 4096, mix = (2 + S) * S;
+        const mt_hc_params hp = {S, H, 1e-5f, 1e-6f, 20};
+        std::vector<mt_weight> fns;
+        copies_of(mix, S * H, fns);
+        const int nc = (int)fns.size();
+        float *X = Put(be, Rand((size_t)S * H, -2.f, 2.f)), *base = Put(be, Rand(mix)), *scale = Put(be, Rand(3, 0.5f, 1.5f));
+        float *y = (float *)be->ops->alloc(be, sizeof(float) * H), *post = (float *)be->ops->alloc(be, sizeof(float) * S);
+        float *comb = (float *)be->ops->alloc(be, sizeof(float) * S * S);
+        const double t = graph_time(nc, [&](int k) { be->ops->hc_pre(be, y, post, comb, X, &fns[k], base, scale, &hp, 1); });
+        report("hc_pre S=4 H=4096 (fn 24x16384)", t, 2.0 * mix * S * H + 4.0 * S * H);
+        float *a = Put(be, Rand(H));
+        const double tp = graph_time(64, [&](int) { be->ops->hc_post(be, X, a, post, comb, &hp, 1); });
+        report("hc_post S=4 H=4096", tp, 4.0 * (2 * S * H + H));
+        for (mt_weight &w : fns) be->ops->weight_free(be, &w);
+        for (void *q : {(void *)X, (void *)base, (void *)scale, (void *)y, (void *)post, (void *)comb, (void *)a})
+            Drop(be, q);
+    }
+
+    {
+        const int E = 288, k = 8, H = 4096, I = 2048, distinct = 16;
+        const mt_router_params rp = {E, 1, 1, k, true, 2.5f};
+        std::vector<mt_weight> w(3 * distinct);
+        for (int d = 0; d < distinct; d++)
+            for (int j = 0; j < 3; j++)
+                ASSERT_EQ(be->ops->weight_random(be, MT_BF16, j < 2 ? I : H, j < 2 ? H : I, 9000 + 3 * d + j, 0.f, 0.02f,
+                                                 &w[3 * d + j]),
+                          MT_OK);
+        std::vector<mt_expert> ex(E);
+        for (int e = 0; e < E; e++) ex[e] = {w[3 * (e % distinct)], w[3 * (e % distinct) + 1], w[3 * (e % distinct) + 2]};
+        float *logits = Put(be, Rand(E, -4.f, 4.f)), *bias = Put(be, Rand(E, -0.1f, 0.1f));
+        float *x = Put(be, Rand(H)), *out = Put(be, Rand(H));
+        int32_t *idx = (int32_t *)be->ops->alloc(be, sizeof(int32_t) * k);
+        float *wts = (float *)be->ops->alloc(be, sizeof(float) * k);
+        const double tr = graph_time(64, [&](int) { be->ops->moe_route(be, idx, wts, logits, bias, &rp, 1); });
+        report("moe_route 288 experts top-8", tr, 8.0 * E);
+        // The last route stands; moe_experts then knows idx's bound without reading it back.
+        const double te = graph_time(8, [&](int) { be->ops->moe_experts(be, out, x, idx, wts, ex.data(), 1, k, H, I, 10.f); });
+        report("moe_experts top-8 of 288, 3 x 2048x4096", te, 2.0 * k * 3 * H * I);
+        for (mt_weight &q : w) be->ops->weight_free(be, &q);
+        for (void *q : {(void *)logits, (void *)bias, (void *)x, (void *)out, (void *)idx, (void *)wts}) Drop(be, q);
     }
 }
 

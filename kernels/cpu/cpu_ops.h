@@ -3,6 +3,8 @@
 #ifndef MT_CPU_OPS_H
 #define MT_CPU_OPS_H
 
+#include <math.h>
+
 #include "kernels/backend.h"
 
 /* Row r of w as fp32 into dst[w->cols]. */
@@ -52,6 +54,20 @@ void cpu_hc_pre(mt_backend *be, float *y, float *post, float *comb, const float 
 void cpu_hc_post(mt_backend *be, float *X, const float *a, const float *post, const float *comb,
                  const mt_hc_params *p, int n);
 void cpu_hc_head(mt_backend *be, float *z, const float *X, int n, int S, int H);
+
+/* cpu_rows.c: the rows form (batched decode), one single-sequence call per row */
+void cpu_conv1d_silu_rows(mt_backend *be, float *out, const float *x, float *const *states, const float *w,
+                          int n, int C, int K);
+void cpu_kda_recurrent_rows(mt_backend *be, float *o, const float *q, const float *k, const float *v,
+                            const float *g, const float *beta, float *const *states, int n, int nh, int dk);
+void cpu_copy_rows_to(mt_backend *be, float *const *bases, int64_t row, const int32_t *pos, const float *src, int n);
+void cpu_dsa_pool_keys_rows(mt_backend *be, float *const *pool_keys, const float *const *ki, const float *const *gs,
+                            const float *ape, const int32_t *pos, int n, int kpool, int id);
+void cpu_dsa_select_rows(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi, const float *w,
+                         const float *const *pool_keys, const int32_t *pos, int n, const mt_dsa_select_params *p);
+void cpu_mla_sparse_rows(mt_backend *be, float *out, const float *q, const float *const *latents,
+                         const mt_weight *kv_b, const int32_t *sel, const int32_t *nsel, int max_sel,
+                         const int32_t *pos, int n, const mt_mla_params *p);
 
 /* Work (multiply-adds) below which an op stays on one thread: forking costs more than it saves,
  * and with the cores shared (router, workers, tests) waiting threads can cost far more. */

@@ -277,6 +277,12 @@ static const mt_backend_ops cu_ops = {
     .embed_dev = cu_embed_dev,
     .copy_rows_at = cu_copy_rows_at,
     .dsa_pool_keys_at = cu_dsa_pool_keys_at,
+    .conv1d_silu_rows = cu_conv1d_silu_rows,
+    .kda_recurrent_rows = cu_kda_recurrent_rows,
+    .copy_rows_to = cu_copy_rows_to,
+    .dsa_pool_keys_rows = cu_dsa_pool_keys_rows,
+    .dsa_select_rows = cu_dsa_select_rows,
+    .mla_sparse_rows = cu_mla_sparse_rows,
     .embed = cu_embed,
     .matmul = cu_matmul,
     .rmsnorm = cu_rmsnorm,
@@ -341,7 +347,11 @@ extern "C" mt_backend *mt_cuda_backend_new(int device, mt_error *err) {
     /* Prefill switches (cuda_ops.h): on unless the variable is "0". */
     cb->moe_batched = !(getenv("MT_CUDA_MOE_BATCHED") && !strcmp(getenv("MT_CUDA_MOE_BATCHED"), "0"));
     cb->narrow = !(getenv("MT_CUDA_NARROW") && !strcmp(getenv("MT_CUDA_NARROW"), "0"));
-    cb->tc_min_rows = 512;
+    /* Every matmul of more than GEMV_MAX_N rows goes to the tensor cores (two-part split, ~3e-6
+     * relative): the fp32 narrow/tiled kernels took 40% of a batch-64 decode step (batch_bench:
+     * 66% of the floor with tensor cores, 40% without). MT_CUDA_TC_MIN_ROWS=512 keeps outputs
+     * narrower than 512 (router, mHC mix, gates) on the fp32 kernels, as before. */
+    cb->tc_min_rows = 1;
     if (const char *env = getenv("MT_CUDA_TC_MIN_ROWS")) {
         char *end = NULL;
         const long v = strtol(env, &end, 10);

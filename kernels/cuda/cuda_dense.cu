@@ -22,9 +22,54 @@
 #include <float.h>
 #include <limits.h>
 #include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_ops.h"
+
+/* ============================ dependent launch ============================ */
+
+/* A decode step is a chain of ~140 short kernels, and between two of them the GPU drains one grid
+ * before it starts the next. The decode-path kernels of cuda_dense.cu, cuda_hc.cu and cuda_moe.cu
+ * go through cu_launch_pdl (programmatic dependent launch): such a kernel may start while the
+ * previous kernel of the stream is still running. It first does what depends on no earlier
+ * kernel (a GEMV issues its first weight loads), then cu_pdl_wait() (griddepcontrol.wait: every
+ * earlier kernel has finished and its writes are visible) before it reads an activation or
+ * writes anything, then cu_pdl_trigger() (griddepcontrol.launch_dependents) so that the next such
+ * kernel may start in turn; every block passes both. Stream capture keeps the overlap as
+ * programmatic edges of the graph. MT_CUDA_PDL=0 (read once) launches them plainly, for
+ * comparison; the waits then return at once. cu_launch_pdl and cu_pdl_on are declared in the two
+ * other files where they are used (cuda_ops.h belongs to another change). */
+extern "C" bool cu_pdl_on(void) {
+    static const bool on = [] {
+        const char *v = getenv("MT_CUDA_PDL");
+        return !(v && !strcmp(v, "0"));
+    }();
+    return on;
+}
+
+/* kernel(*params): one kernel taking one parameter struct by value. Returns the launch's error. */
+extern "C" cudaError_t cu_launch_pdl(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+                                     void *params) {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = s;
+    cfg.attrs = attr;
+    cfg.numAttrs = cu_pdl_on() ? 1 : 0;
+    void *args[1] = {params};
+    return cudaLaunchKernelExC(&cfg, kernel, args);
+}
+
+static __device__ __forceinline__ void cu_pdl_wait(void) { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+static __device__ __forceinline__ void cu_pdl_trigger(void) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
 
 /* ================================ embed ================================ */
 
@@ -75,102 +120,194 @@ extern "C" void cu_embed(mt_backend *be, float *out, const mt_weight *table, con
 
 /* ================================ matmul ================================ */
 
-enum { GEMV_THREADS = 256, GEMV_WARPS = GEMV_THREADS / 32, GEMV_MAX_N = 8 };
+enum { GEMV_THREADS = 256, GEMV_WARPS = GEMV_THREADS / 32, GEMV_MAX_N = 8, GEMV_R = 2, GEMV_U = 4 };
 
 typedef struct gemv_params {
     float *y;        /* [n, rows] fp32 */
     const float *x;  /* [n, cols] fp32 */
     const void *w;   /* [rows, cols] dtype */
     int n, rows, cols;
+    int ksplit;      /* GEMV: warps sharing one group of GEMV_R rows (1, 2, 4 or 8) */
 } gemv_params;
 
-/* Block: output rows [R*blockIdx.x, +R) for all n <= NB input rows. Thread t takes column
- * vectors t, t + 256, ... (V elements each: 16 bytes of weight when VEC, else 1 element). */
-template <mt_dtype DT, int NB, int R, bool VEC>
+/* One weight load of the GEMV: VEC, 16 bytes (cu_wvec<DT>::n elements) through the read-only
+ * path without allocating in L1 (each weight byte is read once; L1 keeps x, which every warp
+ * rereads); else one element. Zero when out of range. */
+template <mt_dtype DT, bool VEC> struct gemv_w;
+template <mt_dtype DT> struct gemv_w<DT, true> {
+    static constexpr int V = cu_wvec<DT>::n;
+    uint4 u;
+    __device__ __forceinline__ void load(const void *w, int64_t i) {
+        const char *a = (const char *)w + i * (DT == MT_F32 ? 4 : 2);
+        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w)
+                     : "l"(a));
+    }
+    __device__ __forceinline__ void zero() { u = make_uint4(0u, 0u, 0u, 0u); }
+    __device__ __forceinline__ void get(float (&f)[V]) const {
+        const uint32_t q[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            if constexpr (DT == MT_F32) {
+                f[j] = __uint_as_float(q[j]);
+            } else if constexpr (DT == MT_BF16) {
+                f[2 * j] = __uint_as_float(q[j] << 16);
+                f[2 * j + 1] = __uint_as_float(q[j] & 0xffff0000u);
+            } else {
+                f[2 * j] = __half2float(__ushort_as_half((unsigned short)(q[j] & 0xffffu)));
+                f[2 * j + 1] = __half2float(__ushort_as_half((unsigned short)(q[j] >> 16)));
+            }
+        }
+    }
+};
+template <mt_dtype DT> struct gemv_w<DT, false> {
+    static constexpr int V = 1;
+    float v;
+    __device__ __forceinline__ void load(const void *w, int64_t i) { v = cu_wget<DT>(w, i); }
+    __device__ __forceinline__ void zero() { v = 0.f; }
+    __device__ __forceinline__ void get(float (&f)[1]) const { f[0] = v; }
+};
+
+/* x[0 .. V) through the read-only path (V % 4 == 0: 16-byte loads, x 16-byte aligned). */
+template <int V> static __device__ __forceinline__ void gemv_xload(const float *x, float (&out)[V]) {
+    if constexpr (V % 4 == 0) {
+#pragma unroll
+        for (int j = 0; j < V; j += 4) {
+            const float4 v = __ldg((const float4 *)(x + j));
+            out[j] = v.x; out[j + 1] = v.y; out[j + 2] = v.z; out[j + 3] = v.w;
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < V; j++) out[j] = __ldg(x + j);
+    }
+}
+
+/* The weight is a list of chunks per row: chunk c holds the load units (V elements each) 32c ..
+ * 32c + 31, lane l taking unit 32c + l, so one warp load is 512 contiguous bytes (VEC, bf16). A
+ * warp owns a group of GEMV_R rows and the chunks s, s + ksplit, s + 2 ksplit, ... of them, s its
+ * slice among the ksplit warps of the group; each step it issues GEMV_U chunks x GEMV_R rows of
+ * loads (8 x 16 bytes per lane in flight) before the first use. Short, wide weights split K over
+ * 2-8 warps (the partial sums meet in shared memory, in slice order); tall ones keep a group per
+ * warp with no barrier. Grid: ceil(groups / (8 / ksplit)) blocks of 8 warps. Each output is a
+ * per-lane running sum in chunk order, a fixed butterfly over the lanes, then the slices in
+ * order: deterministic for a given shape. Launched for PDL: the first step's weight loads are
+ * issued before waiting for the previous kernel (they depend on none). */
+template <mt_dtype DT, int NB, bool VEC>
 static __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(const gemv_params p) {
-    constexpr int V = VEC ? cu_wvec<DT>::n : 1;
-    const int row0 = blockIdx.x * R;
-    const int nv = p.cols / V;
+    constexpr int R = GEMV_R, U = GEMV_U, V = gemv_w<DT, VEC>::V;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int ks = p.ksplit, per_block = GEMV_WARPS / ks, s = warp % ks;
+    const int row0 = (blockIdx.x * per_block + warp / ks) * R;
+    const int nv = p.cols / V, nch = (nv + 31) >> 5;
+    gemv_w<DT, VEC> wr[U][R];
+    auto load = [&](int c0) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int v = (c0 + u * ks) * 32 + lane;
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                if (v < nv && row0 + r < p.rows) wr[u][r].load(p.w, (int64_t)(row0 + r) * p.cols + (int64_t)v * V);
+                else wr[u][r].zero();
+            }
+        }
+    };
     float acc[R][NB];
 #pragma unroll
     for (int r = 0; r < R; r++)
 #pragma unroll
         for (int i = 0; i < NB; i++) acc[r][i] = 0.f;
 
-    for (int v = threadIdx.x; v < nv; v += GEMV_THREADS) {
-        float wv[R][V];
+    load(s);
+    cu_pdl_wait(); /* x is the previous kernel's output */
+    cu_pdl_trigger();
+    for (int c0 = s; c0 < nch; c0 += U * ks) {
+        if (c0 != s) load(c0);
 #pragma unroll
-        for (int r = 0; r < R; r++) {
-            if (row0 + r < p.rows) {
-                cu_wload<DT, V>(p.w, (int64_t)(row0 + r) * p.cols + (int64_t)v * V, wv[r]);
-            } else {
+        for (int u = 0; u < U; u++) {
+            const int v = (c0 + u * ks) * 32 + lane;
+            if (v >= nv) continue;
+            float wf[R][V];
 #pragma unroll
-                for (int j = 0; j < V; j++) wv[r][j] = 0.f;
-            }
-        }
+            for (int r = 0; r < R; r++) wr[u][r].get(wf[r]);
 #pragma unroll
-        for (int i = 0; i < NB; i++) {
-            if (i < p.n) {
+            for (int i = 0; i < NB; i++) {
+                if (i >= p.n) break;
                 float xv[V];
-                cu_xload<V>(p.x + (int64_t)i * p.cols + (int64_t)v * V, xv);
+                gemv_xload<V>(p.x + (int64_t)i * p.cols + (int64_t)v * V, xv);
 #pragma unroll
                 for (int r = 0; r < R; r++)
 #pragma unroll
-                    for (int j = 0; j < V; j++) acc[r][i] = fmaf(wv[r][j], xv[j], acc[r][i]);
+                    for (int j = 0; j < V; j++) acc[r][i] = fmaf(wf[r][j], xv[j], acc[r][i]);
             }
         }
     }
 
-    __shared__ float red[GEMV_WARPS][R * NB];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    /* Every lane ends with every sum; lane t < R*NB keeps sum t = (row t / NB, input t % NB). */
+    float mine = 0.f;
 #pragma unroll
     for (int r = 0; r < R; r++)
 #pragma unroll
         for (int i = 0; i < NB; i++) {
-            const float s = cu_warp_sum(acc[r][i]);
-            if (lane == 0) red[warp][r * NB + i] = s;
+            const float v = cu_warp_sum(acc[r][i]);
+            if (lane == r * NB + i) mine = v;
         }
-    __syncthreads();
-    for (int t = threadIdx.x; t < R * NB; t += GEMV_THREADS) {
-        const int r = t / NB, i = t % NB;
-        if (i >= p.n || row0 + r >= p.rows) continue;
-        float s = 0.f;
-        for (int w = 0; w < GEMV_WARPS; w++) s += red[w][t];
-        p.y[(int64_t)i * p.rows + row0 + r] = s;
+    if (ks == 1) { /* uniform over the block */
+        const int r = lane / NB, i = lane % NB;
+        if (lane < R * NB && i < p.n && row0 + r < p.rows) p.y[(int64_t)i * p.rows + row0 + r] = mine;
+        return;
     }
+    __shared__ float red[GEMV_WARPS][R * NB];
+    if (lane < R * NB) red[warp][lane] = mine;
+    __syncthreads();
+    const int t = threadIdx.x;
+    if (t < per_block * R * NB) {
+        const int g = t / (R * NB), e = t % (R * NB), r = e / NB, i = e % NB;
+        const int row = (blockIdx.x * per_block + g) * R + r;
+        if (i < p.n && row < p.rows) {
+            float sum = 0.f;
+            for (int q = 0; q < ks; q++) sum += red[g * ks + q][e];
+            p.y[(int64_t)i * p.rows + row] = sum;
+        }
+    }
+}
+
+/* Warps per row group: split K until the grid has about 32 warps per multiprocessor (a quarter
+ * of an H200's at full occupancy is enough to keep ~100 KB of loads in flight per SM), while
+ * every slice still gets at least two chunks. */
+static int gemv_ksplit(int rows, int nch, int n_sm) {
+    const int64_t groups = (rows + GEMV_R - 1) / GEMV_R, want = (int64_t)n_sm * 32;
+    int ks = 1;
+    while (ks < GEMV_WARPS && groups * ks < want && 2 * ks <= nch) ks *= 2;
+    return ks;
 }
 
 template <mt_dtype DT, int NB>
-static void gemv_launch_nb(const gemv_params *p, bool vec, bool wide, cudaStream_t s) {
-    if (!vec) {
-        gemv_kernel<DT, GEMV_MAX_N, 1, false><<<p->rows, GEMV_THREADS, 0, s>>>(*p);
-    } else if (wide) {
-        gemv_kernel<DT, NB, 4, true><<<(p->rows + 3) / 4, GEMV_THREADS, 0, s>>>(*p);
-    } else {
-        gemv_kernel<DT, NB, 1, true><<<p->rows, GEMV_THREADS, 0, s>>>(*p);
-    }
+static mt_status gemv_launch_nb(gemv_params *p, bool vec, int n_sm, cudaStream_t s) {
+    const int V = vec ? cu_wvec<DT>::n : 1;
+    p->ksplit = gemv_ksplit(p->rows, (p->cols / V + 31) / 32, n_sm);
+    const int64_t groups = (p->rows + GEMV_R - 1) / GEMV_R, per_block = GEMV_WARPS / p->ksplit;
+    const dim3 grid((unsigned)((groups + per_block - 1) / per_block));
+    const void *k = vec ? (const void *)gemv_kernel<DT, NB, true> : (const void *)gemv_kernel<DT, NB, false>;
+    MT_CUDA_CHECK(cu_launch_pdl(k, grid, dim3(GEMV_THREADS), 0, s, p));
+    return MT_OK;
 }
 
-template <mt_dtype DT> static void gemv_launch_dt(const gemv_params *p, bool vec, bool wide, cudaStream_t s) {
-    if (p->n <= 1) gemv_launch_nb<DT, 1>(p, vec, wide, s);
-    else if (p->n <= 2) gemv_launch_nb<DT, 2>(p, vec, wide, s);
-    else if (p->n <= 4) gemv_launch_nb<DT, 4>(p, vec, wide, s);
-    else gemv_launch_nb<DT, 8>(p, vec, wide, s);
+template <mt_dtype DT> static mt_status gemv_launch_dt(gemv_params *p, bool vec, int n_sm, cudaStream_t s) {
+    if (p->n <= 1) return gemv_launch_nb<DT, 1>(p, vec, n_sm, s);
+    if (p->n <= 2) return gemv_launch_nb<DT, 2>(p, vec, n_sm, s);
+    if (p->n <= 4) return gemv_launch_nb<DT, 4>(p, vec, n_sm, s);
+    return gemv_launch_nb<DT, 8>(p, vec, n_sm, s);
 }
 
-/* 16-byte vectors need cols to be a whole number of vectors and aligned bases; 4 rows per block
- * once that still gives every multiprocessor a few blocks. */
-static mt_status gemv_launch(const gemv_params *p, mt_dtype dt, int n_sm, cudaStream_t s) {
+/* 16-byte loads need cols to be a whole number of them and aligned bases. */
+static mt_status gemv_launch(gemv_params *p, mt_dtype dt, int n_sm, cudaStream_t s) {
     const int vn = dt == MT_F32 ? 4 : 8;
     const bool vec = p->cols % vn == 0 && cu_aligned16(p->w) && cu_aligned16(p->x);
-    const bool wide = p->rows >= 4 * 4 * n_sm;
     switch (dt) {
-    case MT_F32: gemv_launch_dt<MT_F32>(p, vec, wide, s); break;
-    case MT_F16: gemv_launch_dt<MT_F16>(p, vec, wide, s); break;
-    default: gemv_launch_dt<MT_BF16>(p, vec, wide, s); break;
+    case MT_F32: return gemv_launch_dt<MT_F32>(p, vec, n_sm, s);
+    case MT_F16: return gemv_launch_dt<MT_F16>(p, vec, n_sm, s);
+    default: return gemv_launch_dt<MT_BF16>(p, vec, n_sm, s);
     }
-    MT_CUDA_CHECK_LAUNCH();
-    return MT_OK;
 }
 
 /* ---- narrow GEMM: at most 32 outputs per row, many rows (the mHC mix: 24 x 16384) ---- */
@@ -548,13 +685,13 @@ extern "C" void cu_matmul(mt_backend *be, float *y, const float *x, const mt_wei
     cu_backend *cb = (cu_backend *)be;
     mt_status st;
     if (n <= GEMV_MAX_N) {
-        gemv_params p = {y, x, w->data, n, (int)w->rows, (int)w->cols};
+        gemv_params p = {y, x, w->data, n, (int)w->rows, (int)w->cols, 1};
         st = gemv_launch(&p, w->dtype, cb->n_sm, cu_stream(be));
     } else if (matmul_use_tc(cb, w, n)) {
         st = matmul_tc(cb, y, x, w, n);
         cu_prof_mark(be, "matmul (tensor cores)");
     } else if (cb->narrow && w->rows <= NARROW_MAX_ROWS && w->cols > 0) {
-        gemv_params p = {y, x, w->data, n, (int)w->rows, (int)w->cols};
+        gemv_params p = {y, x, w->data, n, (int)w->rows, (int)w->cols, 1};
         st = narrow_launch(&p, w->dtype, cu_stream(be));
         cu_prof_mark(be, "matmul (narrow fp32)");
     } else {
@@ -585,6 +722,105 @@ typedef struct norm_params {
     float eps;
     float scale;     /* l2norm */
 } norm_params;
+
+enum norm_kind { NORM_RMS, NORM_LAYER, NORM_L2 };
+
+/* ---- rows held in registers: d % 4 == 0, 16-byte aligned vectors, d <= NORM_ROW_MAX ----
+ * Decode normalises one row of 4096 (the site norms), 1536 and 512 (DSA), or 64 rows of 128
+ * (l2norm of the KDA heads): latency, not bandwidth. Each thread loads its NORM_VPT float4 at
+ * once, the sums reduce across the warp or block, and the same registers are scaled and stored:
+ * one read and one write of x. Rows of at most NORM_WARP_MAX elements take one warp each (8 rows
+ * a block, no barrier); longer rows a block each (32..1024 threads). The formulas and the
+ * double sums follow cpu_dense.c as the scalar kernels below do; only the order of the partial
+ * sums differs. Launched for PDL (the input is the previous kernel's output). */
+enum { NORM_VPT = 4, NORM_WARP_MAX = 32 * 4 * NORM_VPT, NORM_ROW_MAX = 1024 * 4 * NORM_VPT,
+       NORM_WARP_ROWS = 8 };
+
+template <typename T, bool BLOCK> static __device__ __forceinline__ T norm_sum(T v, T *red) {
+    if constexpr (BLOCK) return cu_block_sum(v, red);
+    else return cu_warp_sum(v);
+}
+
+template <int KIND, bool BLOCK>
+static __global__ void norm_vec_kernel(const norm_params p) {
+    __shared__ double redd[32];
+    __shared__ float redf[32];
+    const int64_t row = BLOCK ? (int64_t)blockIdx.x
+                              : (int64_t)blockIdx.x * NORM_WARP_ROWS + (threadIdx.x >> 5);
+    const int t = BLOCK ? threadIdx.x : (threadIdx.x & 31), nt = BLOCK ? blockDim.x : 32;
+    const bool ok = row < p.n;  /* warp form: the last block's spare warps */
+    const int d4 = p.d / 4;
+    const float *x = (KIND == NORM_L2 ? p.out : p.x) + (ok ? row : 0) * p.d;
+    float *o = p.out + (ok ? row : 0) * p.d;
+    cu_pdl_wait();
+    cu_pdl_trigger();
+    float4 v[NORM_VPT];
+#pragma unroll
+    for (int q = 0; q < NORM_VPT; q++) {
+        const int j = t + q * nt;
+        v[q] = ok && j < d4 ? *(const float4 *)(x + 4 * j) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    float r;
+    double mean = 0;
+    if constexpr (KIND == NORM_L2) {
+        float ss = 0;
+#pragma unroll
+        for (int q = 0; q < NORM_VPT; q++) {
+            ss = fmaf(v[q].x, v[q].x, ss); ss = fmaf(v[q].y, v[q].y, ss);
+            ss = fmaf(v[q].z, v[q].z, ss); ss = fmaf(v[q].w, v[q].w, ss);
+        }
+        ss = norm_sum<float, BLOCK>(ss, redf);
+        r = p.scale / sqrtf(ss + p.eps);
+    } else if constexpr (KIND == NORM_RMS) {
+        double ss = 0;
+#pragma unroll
+        for (int q = 0; q < NORM_VPT; q++)
+            ss += (double)v[q].x * v[q].x + (double)v[q].y * v[q].y + (double)v[q].z * v[q].z +
+                  (double)v[q].w * v[q].w;
+        ss = norm_sum<double, BLOCK>(ss, redd);
+        r = 1.f / sqrtf((float)(ss / p.d) + p.eps);
+    } else {
+        double sum = 0, var = 0;
+#pragma unroll
+        for (int q = 0; q < NORM_VPT; q++) sum += (double)v[q].x + v[q].y + (double)v[q].z + v[q].w;
+        mean = norm_sum<double, BLOCK>(sum, redd) / p.d;
+#pragma unroll
+        for (int q = 0; q < NORM_VPT; q++) {
+            if (t + q * nt >= d4) continue; /* the zero padding is not (0 - mean)^2 */
+            const double a = v[q].x - mean, b = v[q].y - mean, c = v[q].z - mean, e = v[q].w - mean;
+            var += a * a + b * b + c * c + e * e;
+        }
+        var = norm_sum<double, BLOCK>(var, redd) / p.d;
+        r = 1.f / sqrtf((float)var + p.eps);
+    }
+    if (!ok) return;
+#pragma unroll
+    for (int q = 0; q < NORM_VPT; q++) {
+        const int j = t + q * nt;
+        if (j >= d4) continue;
+        float e[4] = {v[q].x, v[q].y, v[q].z, v[q].w};
+        if constexpr (KIND == NORM_L2) {
+#pragma unroll
+            for (int c = 0; c < 4; c++) e[c] = __fmul_rn(e[c], r);
+        } else if constexpr (KIND == NORM_RMS) {
+            float wv[4] = {1.f, 1.f, 1.f, 1.f};
+            if (p.w) {
+                const float4 a = __ldg((const float4 *)(p.w + 4 * j));
+                wv[0] = a.x; wv[1] = a.y; wv[2] = a.z; wv[3] = a.w;
+            }
+#pragma unroll
+            for (int c = 0; c < 4; c++) e[c] = __fmul_rn(__fmul_rn(e[c], r), wv[c]);
+        } else {
+            const float4 a = __ldg((const float4 *)(p.w + 4 * j)), b = __ldg((const float4 *)(p.b + 4 * j));
+            const float wv[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+            for (int c = 0; c < 4; c++) e[c] = __fadd_rn(__fmul_rn(__fmul_rn((float)(e[c] - mean), r), wv[c]), bv[c]);
+        }
+        *(float4 *)(o + 4 * j) = make_float4(e[0], e[1], e[2], e[3]);
+    }
+}
+
+/* ---- any shape: one block per row, scalar loads ---- */
 
 /* One block per row. Each thread rereads only the elements it summed, so out may alias x. The
  * double sums and the rounding steps follow cpu_dense.c. */
@@ -637,15 +873,42 @@ static int norm_threads(int d) {
     return t < 32 ? 32 : t > NORM_MAX_THREADS ? NORM_MAX_THREADS : t;
 }
 
-enum norm_kind { NORM_RMS, NORM_LAYER, NORM_L2 };
+/* Whether the register-resident kernels take the shape: whole float4s, aligned vectors. */
+static bool norm_vec_ok(const norm_params *p, norm_kind kind) {
+    const bool al = cu_aligned16(p->out) && (kind == NORM_L2 || cu_aligned16(p->x)) &&
+                    (!p->w || cu_aligned16(p->w)) && (kind != NORM_LAYER || cu_aligned16(p->b));
+    return al && p->d % 4 == 0 && p->d <= NORM_ROW_MAX;
+}
+
+template <int KIND> static mt_status norm_vec_launch(norm_params *q, cudaStream_t s) {
+    if (q->d <= NORM_WARP_MAX) {
+        const unsigned g = (unsigned)((q->n + NORM_WARP_ROWS - 1) / NORM_WARP_ROWS);
+        MT_CUDA_CHECK(cu_launch_pdl((const void *)norm_vec_kernel<KIND, false>, dim3(g), dim3(32 * NORM_WARP_ROWS), 0, s, q));
+    } else {
+        const int per = (q->d / 4 + NORM_VPT - 1) / NORM_VPT; /* threads to hold the row */
+        const int t = (per + 31) / 32 * 32;
+        MT_CUDA_CHECK(cu_launch_pdl((const void *)norm_vec_kernel<KIND, true>, dim3((unsigned)q->n), dim3(t), 0, s, q));
+    }
+    return MT_OK;
+}
 
 static mt_status norm_launch(const norm_params *p, norm_kind kind, cudaStream_t s) {
+    const bool vec = norm_vec_ok(p, kind);
+    /* grid.x is at most 2^31 - 1 (the warp form covers 8 rows a block) */
+    const int64_t chunk = vec && p->d <= NORM_WARP_MAX ? (int64_t)INT_MAX / NORM_WARP_ROWS * NORM_WARP_ROWS : INT_MAX;
     const int t = norm_threads(p->d);
-    for (int64_t r0 = 0; r0 < p->n; r0 += INT_MAX) { /* grid.x is at most 2^31 - 1 */
+    for (int64_t r0 = 0; r0 < p->n; r0 += chunk) {
         norm_params q = *p;
-        q.n = p->n - r0 < INT_MAX ? p->n - r0 : INT_MAX;
+        q.n = p->n - r0 < chunk ? p->n - r0 : chunk;
         q.out += r0 * p->d;
         if (q.x) q.x += r0 * p->d;
+        if (vec) {
+            mt_status st = kind == NORM_RMS     ? norm_vec_launch<NORM_RMS>(&q, s)
+                           : kind == NORM_LAYER ? norm_vec_launch<NORM_LAYER>(&q, s)
+                                                : norm_vec_launch<NORM_L2>(&q, s);
+            if (st != MT_OK) return st;
+            continue;
+        }
         const unsigned g = (unsigned)q.n;
         switch (kind) {
         case NORM_RMS: rmsnorm_kernel<<<g, t, 0, s>>>(q); break;
@@ -695,7 +958,10 @@ typedef struct ew_params {
 static __device__ __forceinline__ float sigmoidf_dev(float x) { return 1.f / (1.f + expf(-x)); }
 static __device__ __forceinline__ float siluf_dev(float x) { return x / (1.f + expf(-x)); }
 
+/* Both launched for PDL: they wait for the previous kernel before touching memory. */
 static __global__ void swiglu_kernel(const ew_params p) {
+    cu_pdl_wait();
+    cu_pdl_trigger();
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < p.count; i += stride) {
         const float g = fminf(p.a[i], p.L);
@@ -705,6 +971,8 @@ static __global__ void swiglu_kernel(const ew_params p) {
 }
 
 static __global__ void sigmoid_kernel(const ew_params p) {
+    cu_pdl_wait();
+    cu_pdl_trigger();
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < p.count; i += stride)
         p.out[i] = sigmoidf_dev(p.a[i]);
@@ -715,15 +983,13 @@ static unsigned ew_grid(int64_t count) {
     return (unsigned)(b < EW_MAX_GRID ? b : EW_MAX_GRID);
 }
 
-static mt_status swiglu_launch(const ew_params *p, cudaStream_t s) {
-    swiglu_kernel<<<ew_grid(p->count), EW_THREADS, 0, s>>>(*p);
-    MT_CUDA_CHECK_LAUNCH();
+static mt_status swiglu_launch(ew_params *p, cudaStream_t s) {
+    MT_CUDA_CHECK(cu_launch_pdl((const void *)swiglu_kernel, dim3(ew_grid(p->count)), dim3(EW_THREADS), 0, s, p));
     return MT_OK;
 }
 
-static mt_status sigmoid_launch(const ew_params *p, cudaStream_t s) {
-    sigmoid_kernel<<<ew_grid(p->count), EW_THREADS, 0, s>>>(*p);
-    MT_CUDA_CHECK_LAUNCH();
+static mt_status sigmoid_launch(ew_params *p, cudaStream_t s) {
+    MT_CUDA_CHECK(cu_launch_pdl((const void *)sigmoid_kernel, dim3(ew_grid(p->count)), dim3(EW_THREADS), 0, s, p));
     return MT_OK;
 }
 

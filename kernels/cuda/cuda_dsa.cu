@@ -8,6 +8,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_ops.h"
@@ -110,6 +111,10 @@ typedef struct select_params {
     int qld;                 /* row stride of the staged qi in shared memory (id + 4) */
     int max_cand;            /* (t0+n)/kpool, or t_cap/kpool in graph form: capacity of the key array */
     const int32_t *t0_dev;   /* graph form: t0 read here at run time */
+    /* rows form (batched decode): query i is at position pos_rows[i] over pool_rows[i] (device
+     * tables [n]); t0, t0_dev and pool_keys are then unused */
+    const int32_t *pos_rows;
+    const float *const *pool_rows;
 } select_params;
 
 typedef struct select_smem {
@@ -157,8 +162,9 @@ static __global__ void __launch_bounds__(SEL_THREADS) dsa_select_kernel(select_p
     __shared__ int sh_remaining, sh_ngt;
 
     const int i = blockIdx.x, tid = threadIdx.x, lane = tid & 31, wp = tid >> 5;
-    const int t = (p.t0_dev ? *p.t0_dev : p.t0) + i, ncand = (t + 1) / p.kpool;
+    const int t = p.pos_rows ? p.pos_rows[i] : (p.t0_dev ? *p.t0_dev : p.t0) + i, ncand = (t + 1) / p.kpool;
     const int keep = ncand < p.max_pools ? ncand : p.max_pools;
+    const float *pool_keys = p.pool_rows ? p.pool_rows[i] : p.pool_keys;
     const int ih = p.ih, id = p.id;
 
     if (keep < ncand) {
@@ -171,7 +177,7 @@ static __global__ void __launch_bounds__(SEL_THREADS) dsa_select_kernel(select_p
             const float *P[SEL_GROUP];
 #pragma unroll
             for (int g = 0; g < SEL_GROUP; g++) /* past the end: score pool ncand-1 again, dropped */
-                P[g] = p.pool_keys + (size_t)(c0 + g < ncand ? c0 + g : ncand - 1) * id;
+                P[g] = pool_keys + (size_t)(c0 + g < ncand ? c0 + g : ncand - 1) * id;
             float part[SEL_GROUP] = {0.f, 0.f, 0.f, 0.f};
             for (int hb = 0; hb < ih; hb += 32) {
                 const int h = hb + lane;
@@ -326,12 +332,12 @@ static mt_status dsa_select_launch(mt_backend *be, const select_params *p) {
     return MT_OK;
 }
 
-extern "C" void cu_dsa_select(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi,
-                              const float *w, const float *pool_keys, int t0, int n,
-                              const mt_dsa_select_params *p) {
+/* The parameters of one select launch; the rows form (pos_rows) passes its tables and t0 = 0. */
+static select_params select_setup(int32_t *sel, int32_t *nsel, const float *qi, const float *w,
+                                  const float *pool_keys, int t0, int n, const mt_dsa_select_params *p,
+                                  const int32_t *pos_rows, const float *const *pool_rows) {
     MT_ASSERT(t0 >= 0 && n >= 0 && p->ih > 0 && p->id > 0 && p->kpool > 0 && p->max_pools >= 0);
     MT_ASSERT(p->max_sel >= p->max_pools * p->kpool + (p->tail ? p->kpool - 1 : 0));
-    if (n == 0) return;
     select_params sp;
     sp.sel = sel;
     sp.nsel = nsel;
@@ -346,13 +352,33 @@ extern "C" void cu_dsa_select(mt_backend *be, int32_t *sel, int32_t *nsel, const
     sp.max_pools = p->max_pools;
     sp.max_sel = p->max_sel;
     sp.tail = p->tail;
+    /* table entries are device allocations (256-byte aligned) */
     sp.vec4 = p->id % 4 == 0 && (uintptr_t)qi % 16 == 0 && (uintptr_t)pool_keys % 16 == 0;
     sp.qscale = 1.f / sqrtf((float)p->id);
     sp.wscale = 1.f / sqrtf((float)p->ih);
     sp.qld = p->id + 4;
-    sp.t0_dev = p->t0_dev;
-    sp.max_cand = (p->t0_dev ? p->t_cap : t0 + n) / p->kpool;
+    sp.t0_dev = pos_rows ? NULL : p->t0_dev;
+    sp.max_cand = (pos_rows || p->t0_dev ? p->t_cap : t0 + n) / p->kpool;
+    sp.pos_rows = pos_rows;
+    sp.pool_rows = pool_rows;
+    return sp;
+}
+
+extern "C" void cu_dsa_select(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi,
+                              const float *w, const float *pool_keys, int t0, int n,
+                              const mt_dsa_select_params *p) {
+    if (n == 0) return;
+    const select_params sp = select_setup(sel, nsel, qi, w, pool_keys, t0, n, p, NULL, NULL);
     cu_op_status(be, "dsa_select", dsa_select_launch(be, &sp));
+}
+
+extern "C" void cu_dsa_select_rows(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi,
+                                   const float *w, const float *const *pool_keys, const int32_t *pos, int n,
+                                   const mt_dsa_select_params *p) {
+    MT_ASSERT(p->t_cap > 0);
+    if (n == 0) return;
+    const select_params sp = select_setup(sel, nsel, qi, w, NULL, 0, n, p, pos, pool_keys);
+    cu_op_status(be, "dsa_select_rows", dsa_select_launch(be, &sp));
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -361,6 +387,7 @@ extern "C" void cu_dsa_select(mt_backend *be, int32_t *sel, int32_t *nsel, const
  *   absorb  qa[i, h] = W_k[h]^T q[i, h]                 (each kv_b key row read once per 8 rows)
  *   attend  per (row, group of hg heads, split of the selected rows): scores against the latent
  *           rows, an online softmax, and the unnormalised latent sum; (max, sum, acc) per split
+ *           (fp32 for decode and a few rows; on the tensor cores for prefill, mla_attend_tc_kernel)
  *   output  merge the splits, normalise, o[i, h] = W_v[h] ol  (each value row read once per 8 rows)
  * Splitting the selected rows gives decode (one row, 64 heads) enough blocks for the GPU. */
 
@@ -393,7 +420,21 @@ typedef struct mla_dev_params {
     float scale;
     const int32_t *t0_dev;   /* graph form: positions are *t0_dev + t0 + i (t0 = batch offset) */
     int t_cap;               /* graph form: bound on every position (plans the splits) */
+    /* rows form (batched decode): query i is at position pos_rows[i] over the cache lat_rows[i]
+     * (device tables [nb] of this batch); t0, t0_dev and latent are then unused */
+    const int32_t *pos_rows;
+    const float *const *lat_rows;
+    /* tensor-core attend (prefill, eager, one cache): latent split into bf16 hi, lo, in scratch */
+    const __nv_bfloat16 *lat16; /* [t0+n, 2, kvl]: row r = (hi, lo) of latent row r */
 } mla_dev_params;
+
+/* Query i's position and latent cache, in every form. */
+static __device__ __forceinline__ int mla_pos(const mla_dev_params &p, int i) {
+    return p.pos_rows ? p.pos_rows[i] : (p.t0_dev ? *p.t0_dev : 0) + p.t0 + i;
+}
+static __device__ __forceinline__ const float *mla_lat(const mla_dev_params &p, int i) {
+    return p.lat_rows ? p.lat_rows[i] : p.latent;
+}
 
 /* Element i of a weight in its dtype, as fp32 (exact for all three). */
 static __device__ __forceinline__ float mla_wload(const void *w, mt_dtype dt, size_t i) {
@@ -574,7 +615,8 @@ static __global__ void __launch_bounds__(MLA_THREADS) mla_attend_kernel(mla_dev_
         sm.m[tid] = -INFINITY;
         sm.l[tid] = 0.f;
     }
-    const int t = (p.t0_dev ? *p.t0_dev : 0) + p.t0 + i, m = p.nsel[i];
+    const int t = mla_pos(p, i), m = p.nsel[i];
+    const float *const latp = mla_lat(p, i);
     const int cnt = m > 0 ? m : t + 1;
     int rps = (cnt + p.nsplit - 1) / p.nsplit; /* rows per split, whole tiles */
     rps = (rps + MLA_ROWS - 1) / MLA_ROWS * MLA_ROWS;
@@ -592,7 +634,7 @@ static __global__ void __launch_bounds__(MLA_THREADS) mla_attend_kernel(mla_dev_
         __syncthreads();
         for (int e = tid; e < rows * kvl; e += MLA_THREADS) {
             const int r = e / kvl, c = e % kvl;
-            sm.lat[e] = p.latent[(size_t)sm.pos[r] * kvl + c];
+            sm.lat[e] = latp[(size_t)sm.pos[r] * kvl + c];
         }
         __syncthreads();
         for (int e = wp; e < hg * rows; e += MLA_WARPS) {
@@ -780,7 +822,8 @@ static __global__ void __launch_bounds__(MLAW_THREADS, 1) mla_attend_wide_kernel
         sm_m[tid] = -INFINITY;
         sm_l[tid] = 0.f;
     }
-    const int t = (p.t0_dev ? *p.t0_dev : 0) + p.t0 + i, m = p.nsel[i];
+    const int t = mla_pos(p, i), m = p.nsel[i];
+    const float *const latp = mla_lat(p, i);
     const int cnt = m > 0 ? m : t + 1;
     int rps = (cnt + p.nsplit - 1) / p.nsplit;
     rps = (rps + R - 1) / R * R;
@@ -802,7 +845,7 @@ static __global__ void __launch_bounds__(MLAW_THREADS, 1) mla_attend_wide_kernel
         for (int e = tid; e < rows * K4; e += MLAW_THREADS) {
             const int r = e / K4, k = e % K4;
             const int pos = m > 0 ? srow[sb + r] : sb + r;
-            mlaw_cp16(lat + r * LD + 4 * k, p.latent + (size_t)pos * KVL + 4 * k);
+            mlaw_cp16(lat + r * LD + 4 * k, latp + (size_t)pos * KVL + 4 * k);
         }
     }
     mlaw_commit();
@@ -817,7 +860,7 @@ static __global__ void __launch_bounds__(MLAW_THREADS, 1) mla_attend_wide_kernel
             for (int e = tid; e < nrows * K4; e += MLAW_THREADS) {
                 const int r = e / K4, k = e % K4;
                 const int pos = m > 0 ? srow[nx + r] : nx + r;
-                mlaw_cp16(dst + r * LD + 4 * k, p.latent + (size_t)pos * KVL + 4 * k);
+                mlaw_cp16(dst + r * LD + 4 * k, latp + (size_t)pos * KVL + 4 * k);
             }
             mlaw_commit();
             mlaw_wait<1>();
@@ -911,6 +954,518 @@ static __global__ void __launch_bounds__(MLAW_THREADS, 1) mla_attend_wide_kernel
     }
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* Prefill attend on the tensor cores (n >= MLAT_MIN_ROWS, eager, kvl = 64*NW with NW 4 or 8,
+ * Hq % 32 == 0): block = (query row i, 32 heads, split), NW warps. Per tile of 32 selected rows:
+ *   S[32 h, 32 r] = QA[32, kvl] Lat^T      warp w takes kvl columns [64w, 64w+64) of the product;
+ *                                           its slice of qa lives in registers for the whole block,
+ *                                           and the NW partial sums meet in shared memory;
+ *   online softmax per head over the tile   (NW threads a head), P [32 h, 32 r] to shared memory;
+ *   O[32 h, 64w .. 64w+63] += P Lat[32 r, 64w ..]   the same latent slice as warp w's scores,
+ * so each warp only ever reads its own 64 columns of a tile: it stages them itself (cp.async,
+ * double-buffered) and meets the others only at the two barriers around the softmax. O stays in
+ * registers (64 a thread); (max, sum, acc) per split into p.part as the fp32 kernels write them,
+ * merged by the same output kernel.
+ * Precision: bf16 mma.sync m16n8k16 with fp32 accumulation, where each fp32 operand (qa, the latent
+ * rows, P) is split into x = hi + lo (bf16 each) and each product taken as hi*hi + hi*lo + lo*hi
+ * (lo*lo is ~2^-18 of it): ~1e-5 relative. Single bf16 rounding gives ~1e-3 on the output, over
+ * the 1e-4 the tests allow against the fp32 CPU twin. The latent rows are split once per call
+ * (mla_split_kernel, into the op's scratch: 4 bytes a value, as the fp32 cache), not per tile. */
+enum {
+    MLAT_HB = 32,        /* heads per block (two m16 tiles) */
+    MLAT_R = 32,         /* latent rows per tile (= MLA_ROWS: the splits are whole tiles) */
+    MLAT_COLS = 64,      /* kvl columns per warp */
+    MLAT_LDH = 72,       /* bf16 row stride of a warp's tile slice: 144 bytes, so the 8 rows an
+                            ldmatrix reads fall in distinct banks */
+    MLAT_LDS = 40,       /* row stride of the partial scores (fp32) and of P (bf16): conflict-free */
+    MLAT_MIN_ROWS = 16,  /* fewer query rows (decode, speculative verify) stay on the fp32 kernels */
+    MLAT_SPLIT_THREADS = 256,
+};
+
+/* Shared memory of mla_attend_tc_kernel<NW>, in bytes (every part a multiple of 16):
+ *   vt    [NW][2 buf][2 (hi, lo)][R][LDH] bf16   each warp's double-buffered tile slice
+ *   sp    [NW][HB][LDS] fp32                      each warp's partial scores
+ *   pt    [2 (hi, lo)][HB][LDS] bf16              P
+ *   corr  [HB] fp32                               this tile's rescale of each head's accumulator */
+static __host__ __device__ size_t mlat_smem_bytes(int nw) {
+    return 2 * (size_t)nw * 2 * 2 * MLAT_R * MLAT_LDH + sizeof(float) * (size_t)nw * MLAT_HB * MLAT_LDS +
+           2 * (size_t)2 * MLAT_HB * MLAT_LDS + sizeof(float) * MLAT_HB;
+}
+
+/* (a, b) as bf16 pairs hi = round(a, b) and lo = round((a, b) - hi); a in the low half, which is
+ * the lower k index of an mma fragment register. */
+static __device__ __forceinline__ void mlat_split2(float a, float b, uint32_t *hi, uint32_t *lo) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    const float2 hf = __bfloat1622float2(h);
+    const __nv_bfloat162 l = __floats2bfloat162_rn(a - hf.x, b - hf.y);
+    *hi = *(const uint32_t *)&h;
+    *lo = *(const uint32_t *)&l;
+}
+
+/* lat16 [T, 2, kvl]: row r is (hi, lo) of latent row r. One thread per 4 values (kvl % 4 == 0). */
+static __global__ void __launch_bounds__(MLAT_SPLIT_THREADS) mla_split_kernel(__nv_bfloat16 *lat16,
+                                                                              const float *latent,
+                                                                              int64_t count, int kvl) {
+    const int64_t e = ((int64_t)blockIdx.x * MLAT_SPLIT_THREADS + threadIdx.x) * 4;
+    if (e >= count) return;
+    const int64_t r = e / kvl;
+    const int c = (int)(e % kvl);
+    const float4 v = *(const float4 *)(latent + e);
+    uint2 hi, lo;
+    mlat_split2(v.x, v.y, &hi.x, &lo.x);
+    mlat_split2(v.z, v.w, &hi.y, &lo.y);
+    *(uint2 *)(lat16 + (size_t)r * 2 * kvl + c) = hi;
+    *(uint2 *)(lat16 + (size_t)r * 2 * kvl + kvl + c) = lo;
+}
+
+/* c[16x8] += a[16x16] b[16x8], bf16 in, fp32 accumulate (PTX fragment layouts). */
+static __device__ __forceinline__ void mlat_mma(float *c, const uint32_t *a, uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* Four 8x8 bf16 matrices; lane l gives the address of row l % 8 of matrix l / 8. */
+static __device__ __forceinline__ void mlat_ldsm4(uint32_t *r, const void *s) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(s);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+static __device__ __forceinline__ void mlat_ldsm4_t(uint32_t *r, const void *s) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(s);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+/* Warp-wide: cp.async of this warp's 64 columns (from c0) of the split rows of selected entries
+ * s .. s+rows-1 into dst [2 (hi, lo)][R][LDH]. Lane l copies 16-byte chunk l % 8 of rows l / 8,
+ * l / 8 + 4, ... of both parts; rows past `rows` are zeroed instead (P is 0 there, and 0 times
+ * stale data may be NaN). */
+static __device__ __forceinline__ void mlat_stage(__nv_bfloat16 *dst, const __nv_bfloat16 *lat16,
+                                                  const int32_t *srow, int m, int s, int rows, int c0, int kvl,
+                                                  int lane) {
+    const int pr = lane < rows ? (m > 0 ? srow[s + lane] : s + lane) : 0;
+    const int ch = lane & 7;
+#pragma unroll
+    for (int k = 0; k < MLAT_R / 4; k++) {
+        const int r = (lane >> 3) + 4 * k;
+        const int pos = __shfl_sync(0xffffffffu, pr, r);
+        __nv_bfloat16 *d = dst + r * MLAT_LDH + 8 * ch;
+        if (r < rows) {
+            const __nv_bfloat16 *src = lat16 + (size_t)pos * 2 * kvl + c0 + 8 * ch;
+            mlaw_cp16(d, src);
+            mlaw_cp16(d + MLAT_R * MLAT_LDH, src + kvl);
+        } else {
+            *(uint4 *)d = make_uint4(0u, 0u, 0u, 0u);
+            *(uint4 *)(d + MLAT_R * MLAT_LDH) = make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+    mlaw_commit();
+}
+
+template <int NW>
+static __global__ void __launch_bounds__(NW * 32, 1) mla_attend_tc_kernel(mla_dev_params p) {
+    constexpr int KVL = MLAT_COLS * NW, NT = 32 * NW, HB = MLAT_HB, R = MLAT_R, LDH = MLAT_LDH,
+                  LDS = MLAT_LDS, VT = 2 * R * LDH /* bf16 in one buffer of a warp's slice */;
+    constexpr int E = HB * R / NT; /* softmax: scores per thread (4 or 8) */
+    constexpr int TPH = R / E;     /* softmax: threads per head (NW), adjacent lanes */
+    static_assert(E % 4 == 0 && TPH * HB == NT, "softmax mapping");
+    extern __shared__ float4 smem_f4[];
+    const int tid = threadIdx.x, lane = tid & 31, wp = tid >> 5, g = lane >> 2, q4 = lane & 3, mi = lane >> 3;
+    __nv_bfloat16 *vt = (__nv_bfloat16 *)smem_f4 + wp * 2 * VT;             /* this warp's [2][2][R][LDH] */
+    float *sp0 = (float *)((__nv_bfloat16 *)smem_f4 + NW * 2 * VT);          /* [NW][HB][LDS] */
+    float *sp = sp0 + wp * HB * LDS;                                          /* this warp's partials */
+    __nv_bfloat16 *ph = (__nv_bfloat16 *)(sp0 + NW * HB * LDS), *pl = ph + HB * LDS; /* P hi, lo */
+    float *corr_s = (float *)(pl + HB * LDS);                                 /* [HB] */
+
+    const int i = blockIdx.x, h0 = blockIdx.y * HB, split = blockIdx.z, c0 = wp * MLAT_COLS;
+    const int t = p.t0 + i, m = p.nsel[i];
+    const int cnt = m > 0 ? m : t + 1;
+    int rps = (cnt + p.nsplit - 1) / p.nsplit; /* rows per split, whole tiles (as the fp32 kernels) */
+    rps = (rps + R - 1) / R * R;
+    const int sb = split * rps, se = sb + rps < cnt ? sb + rps : cnt;
+    const int32_t *srow = p.sel + (size_t)i * p.max_sel;
+    if (sb < se) mlat_stage(vt, p.lat16, srow, m, sb, se - sb < R ? se - sb : R, c0, KVL, lane);
+
+    /* A fragments of this warp's qa slice, heads 16mb .. 16mb+15, columns c0 + 16kb ..: register j
+     * holds (head g + 8 (j & 1), columns 2 q4 + 8 (j >> 1) + 0, 1). */
+    uint32_t qh[2][4][4], ql[2][4][4];
+    {
+        const float *qsrc = p.qa + ((size_t)i * p.Hq + h0) * KVL + c0;
+#pragma unroll
+        for (int mb = 0; mb < 2; mb++)
+#pragma unroll
+            for (int kb = 0; kb < 4; kb++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    const int hh = 16 * mb + g + 8 * (j & 1), c = 16 * kb + 2 * q4 + 8 * (j >> 1);
+                    const float2 v = *(const float2 *)(qsrc + (size_t)hh * KVL + c);
+                    mlat_split2(v.x, v.y, &qh[mb][kb][j], &ql[mb][kb][j]);
+                }
+    }
+    /* O fragments: o[mb][nb] holds heads 16mb + g (+8), columns c0 + 8nb + 2q4 (+1). */
+    float o[2][8][4];
+#pragma unroll
+    for (int mb = 0; mb < 2; mb++)
+#pragma unroll
+        for (int nb = 0; nb < 8; nb++)
+#pragma unroll
+            for (int x = 0; x < 4; x++) o[mb][nb][x] = 0.f;
+    /* softmax: head hs, tile rows rs .. rs+E-1; the threads of a head all keep its (max, sum), in
+     * log2 units (scores times log2 e, so p = exp2(s - max)) */
+    const int hs = tid / TPH, rs = (tid % TPH) * E;
+    const float sl2 = p.scale * 1.4426950408889634f;
+    float m_run = -INFINITY, l_run = 0.f;
+
+    int buf = 0;
+    for (int s0 = sb; s0 < se; s0 += R, buf ^= 1) {
+        const int rows = se - s0 < R ? se - s0 : R;
+        __syncwarp(); /* this warp's reads of the other buffer (the last tile) are done: refill it */
+        if (s0 + R < se) {
+            const int nx = s0 + R, nrows = se - nx < R ? se - nx : R;
+            mlat_stage(vt + (buf ^ 1) * VT, p.lat16, srow, m, nx, nrows, c0, KVL, lane);
+            mlaw_wait<1>();
+        } else {
+            mlaw_wait<0>();
+        }
+        __syncwarp(); /* the warp's copies and zero rows of this tile landed */
+        const __nv_bfloat16 *vh = vt + buf * VT, *vl = vh + R * LDH;
+
+        if (m > 0) { /* partial scores over this warp's columns into sp [HB][LDS] */
+            float s[2][4][4];
+#pragma unroll
+            for (int mb = 0; mb < 2; mb++)
+#pragma unroll
+                for (int nb = 0; nb < 4; nb++)
+#pragma unroll
+                    for (int x = 0; x < 4; x++) s[mb][nb][x] = 0.f;
+#pragma unroll
+            for (int kb = 0; kb < 4; kb++) {
+                uint32_t bh[2][4], bl[2][4]; /* rows 16np .. 16np+15 (two n8 tiles), columns 16kb .. */
+#pragma unroll
+                for (int np = 0; np < 2; np++) {
+                    const int r = 16 * np + (lane & 7) + 8 * (mi >> 1), c = 16 * kb + 8 * (mi & 1);
+                    mlat_ldsm4(bh[np], vh + r * LDH + c);
+                    mlat_ldsm4(bl[np], vl + r * LDH + c);
+                }
+                /* lo*hi, hi*lo, hi*hi as three passes over the 8 accumulators: no mma waits on the
+                 * one just before it */
+#pragma unroll
+                for (int mb = 0; mb < 2; mb++)
+#pragma unroll
+                    for (int nb = 0; nb < 4; nb++)
+                        mlat_mma(s[mb][nb], ql[mb][kb], bh[nb >> 1][2 * (nb & 1)], bh[nb >> 1][2 * (nb & 1) + 1]);
+#pragma unroll
+                for (int mb = 0; mb < 2; mb++)
+#pragma unroll
+                    for (int nb = 0; nb < 4; nb++)
+                        mlat_mma(s[mb][nb], qh[mb][kb], bl[nb >> 1][2 * (nb & 1)], bl[nb >> 1][2 * (nb & 1) + 1]);
+#pragma unroll
+                for (int mb = 0; mb < 2; mb++)
+#pragma unroll
+                    for (int nb = 0; nb < 4; nb++)
+                        mlat_mma(s[mb][nb], qh[mb][kb], bh[nb >> 1][2 * (nb & 1)], bh[nb >> 1][2 * (nb & 1) + 1]);
+            }
+#pragma unroll
+            for (int mb = 0; mb < 2; mb++)
+#pragma unroll
+                for (int nb = 0; nb < 4; nb++) {
+                    const int hh = 16 * mb + g, c = 8 * nb + 2 * q4;
+                    *(float2 *)(sp + hh * LDS + c) = make_float2(s[mb][nb][0], s[mb][nb][1]);
+                    *(float2 *)(sp + (hh + 8) * LDS + c) = make_float2(s[mb][nb][2], s[mb][nb][3]);
+                }
+        }
+        __syncthreads(); /* every warp's partial scores */
+
+        { /* online softmax of head hs over rows rs .. rs+E-1 (nsel == 0: scores 0, equal weights) */
+            float sv[E];
+#pragma unroll
+            for (int e = 0; e < E; e++) sv[e] = 0.f;
+            if (m > 0) {
+#pragma unroll
+                for (int w = 0; w < NW; w++) { /* in warp order: deterministic */
+                    const float *src = sp0 + (w * HB + hs) * LDS + rs;
+#pragma unroll
+                    for (int e = 0; e < E; e += 4) {
+                        const float4 v = *(const float4 *)(src + e);
+                        sv[e] += v.x;
+                        sv[e + 1] += v.y;
+                        sv[e + 2] += v.z;
+                        sv[e + 3] += v.w;
+                    }
+                }
+#pragma unroll
+                for (int e = 0; e < E; e++) sv[e] *= sl2;
+            }
+            float mx = -INFINITY;
+#pragma unroll
+            for (int e = 0; e < E; e++)
+                if (rs + e < rows) mx = fmaxf(mx, sv[e]);
+#pragma unroll
+            for (int k = 1; k < TPH; k <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, k));
+            const float m_new = fmaxf(m_run, mx); /* finite: a tile has at least one row */
+            float sum = 0.f;
+#pragma unroll
+            for (int e = 0; e < E; e++) {
+                sv[e] = rs + e < rows ? exp2f(sv[e] - m_new) : 0.f;
+                sum += sv[e];
+            }
+#pragma unroll
+            for (int k = 1; k < TPH; k <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, k);
+            const float corr = exp2f(m_run - m_new); /* 0 on the first tile (m_run = -inf) */
+            l_run = l_run * corr + sum;
+            m_run = m_new;
+            if (tid % TPH == 0) corr_s[hs] = corr;
+#pragma unroll
+            for (int e = 0; e < E; e += 4) {
+                uint2 hi, lo;
+                mlat_split2(sv[e], sv[e + 1], &hi.x, &lo.x);
+                mlat_split2(sv[e + 2], sv[e + 3], &hi.y, &lo.y);
+                *(uint2 *)(ph + hs * LDS + rs + e) = hi;
+                *(uint2 *)(pl + hs * LDS + rs + e) = lo;
+            }
+        }
+        __syncthreads(); /* P and corr */
+
+#pragma unroll
+        for (int mb = 0; mb < 2; mb++) {
+            const float c_lo = corr_s[16 * mb + g], c_hi = corr_s[16 * mb + g + 8];
+#pragma unroll
+            for (int nb = 0; nb < 8; nb++) {
+                o[mb][nb][0] *= c_lo;
+                o[mb][nb][1] *= c_lo;
+                o[mb][nb][2] *= c_hi;
+                o[mb][nb][3] *= c_hi;
+            }
+        }
+#pragma unroll
+        for (int kb = 0; kb < R / 16; kb++) { /* tile rows 16kb .. 16kb+15 */
+            uint32_t ah[2][4], al[2][4];
+#pragma unroll
+            for (int mb = 0; mb < 2; mb++) {
+                const int hh = 16 * mb + (lane & 7) + 8 * (mi & 1), c = 16 * kb + 8 * (mi >> 1);
+                mlat_ldsm4(ah[mb], ph + hh * LDS + c);
+                mlat_ldsm4(al[mb], pl + hh * LDS + c);
+            }
+#pragma unroll
+            for (int nq = 0; nq < 2; nq++) { /* columns c0 + 32nq .. +31: four n8 tiles */
+                uint32_t bh[2][4], bl[2][4];
+#pragma unroll
+                for (int x2 = 0; x2 < 2; x2++) {
+                    const int r = 16 * kb + (lane & 7) + 8 * (mi & 1), c = 32 * nq + 16 * x2 + 8 * (mi >> 1);
+                    mlat_ldsm4_t(bh[x2], vh + r * LDH + c);
+                    mlat_ldsm4_t(bl[x2], vl + r * LDH + c);
+                }
+                /* n8 tile 4nq + j takes registers 2 (j & 1), +1 of bh[j >> 1]; three passes as above */
+#pragma unroll
+                for (int mb = 0; mb < 2; mb++)
+#pragma unroll
+                    for (int j = 0; j < 4; j++)
+                        mlat_mma(o[mb][4 * nq + j], al[mb], bh[j >> 1][2 * (j & 1)], bh[j >> 1][2 * (j & 1) + 1]);
+#pragma unroll
+                for (int mb = 0; mb < 2; mb++)
+#pragma unroll
+                    for (int j = 0; j < 4; j++)
+                        mlat_mma(o[mb][4 * nq + j], ah[mb], bl[j >> 1][2 * (j & 1)], bl[j >> 1][2 * (j & 1) + 1]);
+#pragma unroll
+                for (int mb = 0; mb < 2; mb++)
+#pragma unroll
+                    for (int j = 0; j < 4; j++)
+                        mlat_mma(o[mb][4 * nq + j], ah[mb], bh[j >> 1][2 * (j & 1)], bh[j >> 1][2 * (j & 1) + 1]);
+            }
+        }
+        /* No barrier here: sp is rewritten only after the barrier above has seen every read of it,
+         * and P, corr only after the next one. */
+    }
+    /* This split's (max, sum, acc), the max back in natural-log units; an empty split leaves
+     * (-inf, 0, 0), which merges as nothing. */
+    const size_t hstride = (size_t)p.nsplit * (KVL + 2);
+    float *dst = p.part + (((size_t)i * p.Hq + h0) * p.nsplit + split) * (KVL + 2);
+#pragma unroll
+    for (int mb = 0; mb < 2; mb++)
+#pragma unroll
+        for (int nb = 0; nb < 8; nb++) {
+            const int hh = 16 * mb + g, c = 2 + c0 + 8 * nb + 2 * q4;
+            *(float2 *)(dst + hh * hstride + c) = make_float2(o[mb][nb][0], o[mb][nb][1]);
+            *(float2 *)(dst + (hh + 8) * hstride + c) = make_float2(o[mb][nb][2], o[mb][nb][3]);
+        }
+    if (tid % TPH == 0) {
+        dst[hs * hstride] = m_run * 0.6931471805599453f;
+        dst[hs * hstride + 1] = l_run;
+    }
+}
+
+/* The absorb and the output of the prefill path on the tensor cores (bf16 kv_b), as per-head GEMMs
+ * C_h[M, N] = A_h[M, K] B_h:
+ *   absorb  qa[i, h, :] = q[i, h, :] W_k[h]        A = q (rows i), B = W_k[h] [K = dn][N = kvl]
+ *   output  out[i, h, :] = ol[i, h, :] W_v[h]^T    A = ol (rows i), B = W_v[h] [N = dv][K = kvl]
+ * A is fp32, split into hi + lo (two mma terms; the bf16 weight is exact, so ~1e-5 relative as
+ * the attend). Block = (64 columns, 64 rows, head), 4 warps of 32 x 32, K in steps of 32 through
+ * shared memory (A converted on the way in). The output's ol is the merged, normalised latent
+ * output (mla_merge_kernel), written over qa. */
+enum {
+    MLAG_BM = 64, MLAG_BN = 64, MLAG_BK = 32, MLAG_THREADS = 128,
+    MLAG_LDA = MLAG_BK + 8,  /* bf16 row stride of the A tiles (80 bytes: conflict-free ldmatrix) */
+    MLAG_LDKN = MLAG_BN + 8, /* bf16 row stride of a [BK][BN] B tile (144 bytes) */
+    MLAG_LDNK = MLAG_BK + 8, /* bf16 row stride of a [BN][BK] B tile (80 bytes) */
+};
+
+typedef struct mlag_params {
+    float *c;                /* head h's C at c + h * c_h, rows ldc apart: [M, N] */
+    const float *a;          /* head h's A at a + h * a_h, rows lda apart: [M, K] */
+    const __nv_bfloat16 *b;  /* head h's B at b + h * b_h, rows ldb apart: [K, N] (b_kn) or [N, K] */
+    int M, N, K, ldb;
+    int64_t lda, ldc, a_h, c_h, b_h;
+    bool b_kn;
+} mlag_params;
+
+static __global__ void __launch_bounds__(MLAG_THREADS) mla_gemm_tc_kernel(mlag_params p) {
+    __shared__ __align__(16) __nv_bfloat16 a_hi[MLAG_BM * MLAG_LDA], a_lo[MLAG_BM * MLAG_LDA];
+    __shared__ __align__(16) __nv_bfloat16 b_s[MLAG_BN * MLAG_LDNK]; /* >= MLAG_BK * MLAG_LDKN */
+    const int tid = threadIdx.x, lane = tid & 31, wp = tid >> 5, g = lane >> 2, q4 = lane & 3, mi = lane >> 3;
+    const int n0 = blockIdx.x * MLAG_BN, m0 = blockIdx.y * MLAG_BM, h = blockIdx.z;
+    const int wm = 32 * (wp & 1), wn = 32 * (wp >> 1); /* this warp's rows, columns in the tile */
+    const float *a = p.a + h * p.a_h;
+    const __nv_bfloat16 *b = p.b + h * p.b_h;
+    float acc[2][4][4];
+#pragma unroll
+    for (int mb = 0; mb < 2; mb++)
+#pragma unroll
+        for (int nb = 0; nb < 4; nb++)
+#pragma unroll
+            for (int x = 0; x < 4; x++) acc[mb][nb][x] = 0.f;
+
+    for (int k0 = 0; k0 < p.K; k0 += MLAG_BK) {
+        /* A: 64 rows x 32 fp32 as 512 float4, 4 a thread; rows past M are zero */
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int e = tid + MLAG_THREADS * j, r = e >> 3, c4 = e & 7;
+            uint2 hi = make_uint2(0u, 0u), lo = make_uint2(0u, 0u);
+            if (m0 + r < p.M) {
+                const float4 v = *(const float4 *)(a + (size_t)(m0 + r) * p.lda + k0 + 4 * c4);
+                mlat_split2(v.x, v.y, &hi.x, &lo.x);
+                mlat_split2(v.z, v.w, &hi.y, &lo.y);
+            }
+            *(uint2 *)(a_hi + r * MLAG_LDA + 4 * c4) = hi;
+            *(uint2 *)(a_lo + r * MLAG_LDA + 4 * c4) = lo;
+        }
+        /* B: 32 x 64 bf16 either way, as 256 16-byte chunks, 2 a thread */
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const int e = tid + MLAG_THREADS * j;
+            if (p.b_kn) {
+                const int r = e >> 3, ch = e & 7; /* k row r, columns n0 + 8ch .. */
+                *(uint4 *)(b_s + r * MLAG_LDKN + 8 * ch) =
+                    *(const uint4 *)(b + (size_t)(k0 + r) * p.ldb + n0 + 8 * ch);
+            } else {
+                const int r = e >> 2, ch = e & 3; /* n row r, columns k0 + 8ch .. */
+                *(uint4 *)(b_s + r * MLAG_LDNK + 8 * ch) =
+                    *(const uint4 *)(b + (size_t)(n0 + r) * p.ldb + k0 + 8 * ch);
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < MLAG_BK / 16; kk++) {
+            uint32_t ah[2][4], al[2][4], bf[2][4]; /* bf[np]: n8 tiles 2np (regs 0, 1), 2np+1 (2, 3) */
+#pragma unroll
+            for (int mb = 0; mb < 2; mb++) {
+                const int r = wm + 16 * mb + (lane & 7) + 8 * (mi & 1), c = 16 * kk + 8 * (mi >> 1);
+                mlat_ldsm4(ah[mb], a_hi + r * MLAG_LDA + c);
+                mlat_ldsm4(al[mb], a_lo + r * MLAG_LDA + c);
+            }
+#pragma unroll
+            for (int np = 0; np < 2; np++) {
+                if (p.b_kn) { /* [k][n]: transposed 8x8 loads, as the attend's P V */
+                    const int r = 16 * kk + (lane & 7) + 8 * (mi & 1), c = wn + 16 * np + 8 * (mi >> 1);
+                    mlat_ldsm4_t(bf[np], b_s + r * MLAG_LDKN + c);
+                } else {      /* [n][k]: as the attend's scores */
+                    const int r = wn + 16 * np + (lane & 7) + 8 * (mi >> 1), c = 16 * kk + 8 * (mi & 1);
+                    mlat_ldsm4(bf[np], b_s + r * MLAG_LDNK + c);
+                }
+            }
+#pragma unroll
+            for (int mb = 0; mb < 2; mb++)
+#pragma unroll
+                for (int nb = 0; nb < 4; nb++)
+                    mlat_mma(acc[mb][nb], al[mb], bf[nb >> 1][2 * (nb & 1)], bf[nb >> 1][2 * (nb & 1) + 1]);
+#pragma unroll
+            for (int mb = 0; mb < 2; mb++)
+#pragma unroll
+                for (int nb = 0; nb < 4; nb++)
+                    mlat_mma(acc[mb][nb], ah[mb], bf[nb >> 1][2 * (nb & 1)], bf[nb >> 1][2 * (nb & 1) + 1]);
+        }
+        __syncthreads(); /* before the next step overwrites the tiles */
+    }
+    float *c = p.c + h * p.c_h;
+#pragma unroll
+    for (int mb = 0; mb < 2; mb++)
+#pragma unroll
+        for (int nb = 0; nb < 4; nb++) {
+            const int r = m0 + wm + 16 * mb + g, col = n0 + wn + 8 * nb + 2 * q4;
+            if (r < p.M) *(float2 *)(c + (size_t)r * p.ldc + col) = make_float2(acc[mb][nb][0], acc[mb][nb][1]);
+            if (r + 8 < p.M)
+                *(float2 *)(c + (size_t)(r + 8) * p.ldc + col) = make_float2(acc[mb][nb][2], acc[mb][nb][3]);
+        }
+}
+
+/* ol[i, h, :] (over p.qa, no longer needed) = the splits of (row i, head h) merged and
+ * normalised, exactly as mla_output_kernel merges them. Block = (head h, row i). */
+static __global__ void __launch_bounds__(MLAG_THREADS) mla_merge_kernel(mla_dev_params p) {
+    const int h = blockIdx.x, i = blockIdx.y, kvl = p.kvl, ns = p.nsplit;
+    const float *pb = p.part + ((size_t)i * p.Hq + h) * ns * (kvl + 2);
+    float M = -INFINITY, L = 0.f;
+    for (int s = 0; s < ns; s++) M = fmaxf(M, pb[(size_t)s * (kvl + 2)]);
+    for (int s = 0; s < ns; s++) L += expf(pb[(size_t)s * (kvl + 2)] - M) * pb[(size_t)s * (kvl + 2) + 1];
+    const float inv = 1.f / L;
+    float *ol = p.qa + ((size_t)i * p.Hq + h) * kvl;
+    for (int c = threadIdx.x; c < kvl; c += MLAG_THREADS) {
+        float a = 0.f;
+        for (int s = 0; s < ns; s++) {
+            const float *ps = pb + (size_t)s * (kvl + 2);
+            a += expf(ps[0] - M) * ps[2 + c];
+        }
+        ol[c] = a * inv;
+    }
+}
+
+/* Launches mla_gemm_tc_kernel for one batch b of query rows: the absorb (qa = q W_k) or, with
+ * `output`, out = ol W_v^T with ol in b->qa. Checked by the caller. */
+static void mla_gemm_tc_launch(mt_backend *be, const mla_dev_params *b, bool output) {
+    const __nv_bfloat16 *kv = (const __nv_bfloat16 *)b->kv_b;
+    mlag_params g;
+    g.M = b->nb;
+    g.ldb = b->kvl;
+    g.b_h = (int64_t)(b->dn + b->dv) * b->kvl;
+    if (!output) {
+        g.c = b->qa;
+        g.a = b->q;
+        g.b = kv;                              /* key rows 0 .. dn-1 of each head: [dn, kvl] */
+        g.N = b->kvl;
+        g.K = b->dn;
+        g.lda = (int64_t)b->Hq * b->dn;
+        g.ldc = (int64_t)b->Hq * b->kvl;
+        g.a_h = b->dn;
+        g.c_h = b->kvl;
+        g.b_kn = true;
+    } else {
+        g.c = b->out;
+        g.a = b->qa;
+        g.b = kv + (size_t)b->dn * b->kvl;     /* value rows dn .. dn+dv-1 of each head: [dv, kvl] */
+        g.N = b->dv;
+        g.K = b->kvl;
+        g.lda = (int64_t)b->Hq * b->kvl;
+        g.ldc = (int64_t)b->Hq * b->dv;
+        g.a_h = b->kvl;
+        g.c_h = b->dv;
+        g.b_kn = false;
+    }
+    const dim3 grid(g.N / MLAG_BN, (g.M + MLAG_BM - 1) / MLAG_BM, b->Hq);
+    mla_gemm_tc_kernel<<<grid, MLAG_THREADS, 0, cu_stream(be)>>>(g);
+}
+
 /* Picks heads per block (the largest of 8, 4, 2, 1 dividing Hq) and the splits: enough blocks for
  * about two per multiprocessor, no more splits than tiles in the longest selection. */
 static void mla_plan(mt_backend *be, mla_dev_params *p, int nb_max, int rows_max, bool wide) {
@@ -944,27 +1499,48 @@ static void mla_plan(mt_backend *be, mla_dev_params *p, int nb_max, int rows_max
 
 static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
     const int nb_max = n < MLA_BATCH ? n : MLA_BATCH;
-    const int last = p->t0_dev ? p->t_cap : p->t0 + n; /* positions attended to, at most */
+    const int last = p->t0_dev || p->pos_rows ? p->t_cap : p->t0 + n; /* positions attended to, at most */
     const int rows_max = p->max_sel > last ? p->max_sel : last;
-    /* Several query rows: the wide attend kernel (32 heads a block) where the shape allows;
-     * MT_MLA_OLD=1 forces the old per-8-heads kernel (for comparison). */
+    /* The attend kernel: prefill (n >= MLAT_MIN_ROWS of one sequence, eager) on the tensor cores,
+     * a few rows on the fp32 wide kernel (32 heads a block), where the shape allows; else, and for
+     * one row, the per-8-heads kernel. MT_MLA_ATTEND=wide or =old forces the fp32 ones (for
+     * comparison). */
+    const size_t lim = (size_t)dsa_smem_max();
     const size_t wide_smem = sizeof(float) * mlaw_smem_floats(p->kvl);
-    const char *old_env = getenv("MT_MLA_OLD");
-    const bool wide = n > 1 && !(old_env && old_env[0] == '1') && p->Hq % MLAW_HB == 0 &&
-                      (p->kvl == 256 || p->kvl == 512) && cu_aligned16(p->latent) &&
-                      wide_smem <= (size_t)dsa_smem_max();
-    mla_plan(be, p, nb_max, rows_max, wide);
+    const size_t tc_smem = mlat_smem_bytes(p->kvl / MLAT_COLS);
+    const char *env = getenv("MT_MLA_ATTEND");
+    const bool shape32 = p->Hq % MLAW_HB == 0 && (p->kvl == 256 || p->kvl == 512) && cu_aligned16(p->latent);
+    const bool force_old = env && strcmp(env, "old") == 0, force_wide = env && strcmp(env, "wide") == 0;
+    const bool tc = n >= MLAT_MIN_ROWS && !force_old && !force_wide && shape32 && !p->t0_dev && !p->pos_rows &&
+                    p->latent && tc_smem <= lim;
+    const bool wide = !tc && n > 1 && !force_old && shape32 && wide_smem <= lim;
+    /* with it, the absorb and output on the tensor cores too: a bf16 kv_b, dims in whole tiles */
+    const bool tcg = tc && p->kv_dtype == MT_BF16 && p->dn % MLAG_BK == 0 && p->kvl % MLAG_BN == 0 &&
+                     p->dv % MLAG_BN == 0 && cu_aligned16(p->kv_b) && cu_aligned16(p->q) && cu_aligned16(p->out);
+    mla_plan(be, p, nb_max, rows_max, wide || tc); /* MLAT_HB == MLAW_HB: the same plan */
+    /* scratch: [lat16 (tc only): (t0+n) * kvl floats of room] [qa] [part]; lat16 first keeps qa
+     * and part where they were, 16-byte aligned */
+    const size_t l16_f = tc ? (size_t)(p->t0 + n) * p->kvl : 0;
     const size_t qa_f = (size_t)nb_max * p->Hq * p->kvl;
     const size_t part_f = (size_t)nb_max * p->Hq * p->nsplit * (p->kvl + 2);
-    float *scratch = (float *)cu_scratch(be, CU_SCRATCH_ATTN, sizeof(float) * (qa_f + part_f));
+    float *scratch = (float *)cu_scratch(be, CU_SCRATCH_ATTN, sizeof(float) * (l16_f + qa_f + part_f));
     if (!scratch) return MT_ERR_NOMEM;
-    p->qa = scratch;
-    p->part = scratch + qa_f;
+    p->lat16 = tc ? (const __nv_bfloat16 *)scratch : NULL;
+    p->qa = scratch + l16_f;
+    p->part = scratch + l16_f + qa_f;
+    if (tc) { /* every latent row a query of this call may select: positions < t0 + n */
+        const int64_t count = (int64_t)(p->t0 + n) * p->kvl;
+        const int64_t blocks = (count / 4 + MLAT_SPLIT_THREADS - 1) / MLAT_SPLIT_THREADS;
+        if (blocks > 0) {
+            mla_split_kernel<<<(unsigned)blocks, MLAT_SPLIT_THREADS, 0, cu_stream(be)>>>((__nv_bfloat16 *)scratch,
+                                                                                         p->latent, count, p->kvl);
+            cu_check_launch(be, "mla_sparse (split)");
+        }
+    }
 
     const size_t abs_smem = sizeof(float) * ABS_Q * (size_t)p->dn;
     const size_t att_smem = mla_smem_carve(NULL, p, NULL);
     const size_t out_smem = sizeof(float) * OUT_Q * (size_t)p->kvl;
-    const size_t lim = (size_t)dsa_smem_max();
     if (abs_smem > lim || att_smem > lim || out_smem > lim) {
         mt_log(MT_LOG_ERROR, "mla_sparse: kv_lora %d, qk_nope %d need more shared memory than the device has",
                p->kvl, p->dn);
@@ -978,6 +1554,11 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
         else st = dsa_smem_opt_in((const void *)mla_attend_wide_kernel<2>, wide_smem);
         if (st != MT_OK) return st;
     }
+    if (tc) {
+        if (p->kvl == 256) st = dsa_smem_opt_in((const void *)mla_attend_tc_kernel<4>, tc_smem);
+        else st = dsa_smem_opt_in((const void *)mla_attend_tc_kernel<8>, tc_smem);
+        if (st != MT_OK) return st;
+    }
     if ((st = dsa_smem_opt_in((const void *)mla_output_kernel, out_smem)) != MT_OK) return st;
 
     mla_dev_params b = *p;
@@ -988,11 +1569,17 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
         b.out = p->out + (size_t)b0 * p->Hq * p->dv;
         b.sel = p->sel + (size_t)b0 * p->max_sel;
         b.nsel = p->nsel + b0;
+        if (p->pos_rows) {
+            b.pos_rows = p->pos_rows + b0;
+            b.lat_rows = p->lat_rows + b0;
+        }
         /* one query row with a 16-bit kv_b: the vectorised decode kernels */
         const bool dec1 = b.nb == 1 && p->kvl % 256 == 0 && p->kvl <= 256 * ABS1_MAX_K &&
                           (p->kv_dtype == MT_BF16 || p->kv_dtype == MT_F16) && cu_aligned16(p->kv_b);
         const size_t abs1_smem = sizeof(float) * ((size_t)p->dn + (size_t)ABS1_WARPS * p->kvl);
-        if (dec1) {
+        if (tcg) {
+            mla_gemm_tc_launch(be, &b, false);
+        } else if (dec1) {
             if (p->kv_dtype == MT_BF16) {
                 if ((st = dsa_smem_opt_in((const void *)mla_absorb1_kernel<__nv_bfloat16>, abs1_smem)) != MT_OK) return st;
                 mla_absorb1_kernel<__nv_bfloat16><<<p->Hq, ABS1_THREADS, abs1_smem, cu_stream(be)>>>(b);
@@ -1006,11 +1593,17 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
         }
         cu_check_launch(be, "mla_sparse (absorb)");
         const dim3 gt(b.nb, p->Hq / p->hg, p->nsplit);
-        if (!wide) mla_attend_kernel<<<gt, MLA_THREADS, att_smem, cu_stream(be)>>>(b);
+        if (tc && p->kvl == 256) mla_attend_tc_kernel<4><<<gt, 4 * 32, tc_smem, cu_stream(be)>>>(b);
+        else if (tc) mla_attend_tc_kernel<8><<<gt, 8 * 32, tc_smem, cu_stream(be)>>>(b);
+        else if (!wide) mla_attend_kernel<<<gt, MLA_THREADS, att_smem, cu_stream(be)>>>(b);
         else if (p->kvl == 256) mla_attend_wide_kernel<1><<<gt, MLAW_THREADS, wide_smem, cu_stream(be)>>>(b);
         else mla_attend_wide_kernel<2><<<gt, MLAW_THREADS, wide_smem, cu_stream(be)>>>(b);
         cu_check_launch(be, "mla_sparse (attend)");
-        if (dec1) {
+        if (tcg) {
+            mla_merge_kernel<<<dim3(p->Hq, b.nb), MLAG_THREADS, 0, cu_stream(be)>>>(b);
+            cu_check_launch(be, "mla_sparse (merge)");
+            mla_gemm_tc_launch(be, &b, true);
+        } else if (dec1) {
             const size_t o1 = sizeof(float) * (size_t)p->kvl;
             if (p->kv_dtype == MT_BF16) mla_output1_kernel<__nv_bfloat16><<<p->Hq, ABS1_THREADS, o1, cu_stream(be)>>>(b);
             else mla_output1_kernel<__half><<<p->Hq, ABS1_THREADS, o1, cu_stream(be)>>>(b);
@@ -1023,14 +1616,14 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
     return MT_OK;
 }
 
-extern "C" void cu_mla_sparse(mt_backend *be, float *out, const float *q, const float *latent,
-                              const mt_weight *kv_b, const int32_t *sel, const int32_t *nsel,
-                              int max_sel, int t0, int n, const mt_mla_params *p) {
+/* The parameters of one mla_sparse call; the rows form passes its tables (then latent is NULL). */
+static mla_dev_params mla_setup(float *out, const float *q, const float *latent, const mt_weight *kv_b,
+                                const int32_t *sel, const int32_t *nsel, int max_sel, int t0, int n,
+                                const mt_mla_params *p, const int32_t *pos_rows, const float *const *lat_rows) {
     MT_ASSERT(t0 >= 0 && n >= 0 && max_sel >= 0 && p->Hq > 0 && p->dn > 0 && p->dv > 0 && p->kvl > 0);
     MT_ASSERT(p->kvl <= MLA_THREADS * MLA_MAX_COLS);
     MT_ASSERT(kv_b->dtype == MT_F32 || kv_b->dtype == MT_F16 || kv_b->dtype == MT_BF16);
     MT_ASSERT(kv_b->rows == (int64_t)p->Hq * (p->dn + p->dv) && kv_b->cols == p->kvl);
-    if (n == 0) return;
     mla_dev_params dp;
     dp.out = out;
     dp.q = q;
@@ -1042,8 +1635,11 @@ extern "C" void cu_mla_sparse(mt_backend *be, float *out, const float *q, const 
     dp.qa = NULL;
     dp.part = NULL;
     dp.max_sel = max_sel;
-    dp.t0 = p->t0_dev ? 0 : t0;
-    dp.t0_dev = p->t0_dev;
+    dp.t0 = p->t0_dev || pos_rows ? 0 : t0;
+    dp.t0_dev = pos_rows ? NULL : p->t0_dev;
+    dp.pos_rows = pos_rows;
+    dp.lat_rows = lat_rows;
+    dp.lat16 = NULL;
     dp.t_cap = p->t_cap;
     dp.nb = 0;
     dp.Hq = p->Hq;
@@ -1053,5 +1649,22 @@ extern "C" void cu_mla_sparse(mt_backend *be, float *out, const float *q, const 
     dp.hg = 1;
     dp.nsplit = 1;
     dp.scale = p->scale;
+    return dp;
+}
+
+extern "C" void cu_mla_sparse(mt_backend *be, float *out, const float *q, const float *latent,
+                              const mt_weight *kv_b, const int32_t *sel, const int32_t *nsel,
+                              int max_sel, int t0, int n, const mt_mla_params *p) {
+    mla_dev_params dp = mla_setup(out, q, latent, kv_b, sel, nsel, max_sel, t0, n, p, NULL, NULL);
+    if (n == 0) return;
     cu_op_status(be, "mla_sparse", mla_sparse_launch(be, &dp, n));
+}
+
+extern "C" void cu_mla_sparse_rows(mt_backend *be, float *out, const float *q, const float *const *latents,
+                                   const mt_weight *kv_b, const int32_t *sel, const int32_t *nsel, int max_sel,
+                                   const int32_t *pos, int n, const mt_mla_params *p) {
+    MT_ASSERT(p->t_cap > 0 && pos && latents);
+    mla_dev_params dp = mla_setup(out, q, NULL, kv_b, sel, nsel, max_sel, 0, n, p, pos, latents);
+    if (n == 0) return;
+    cu_op_status(be, "mla_sparse_rows", mla_sparse_launch(be, &dp, n));
 }

@@ -1,12 +1,34 @@
 /* kernels/cuda/cuda_hc.cu: manifold-constrained hyper-connections, the same functions as
- * kernels/cpu/cpu_hc.c. hc_pre = the (2+S)S projection of the flattened highway (cu_matmul, so it
- * runs at weight bandwidth) + one block per row for the rms factor, sigmoids, softmax, Sinkhorn
- * and the collapse; hc_post and hc_head are one thread per (row, d). */
+ * kernels/cpu/cpu_hc.c.
+ *
+ * hc_pre for few rows (decode: n <= HC_DEC_MAX_N, S <= 4, S*H a multiple of 8 load vectors): one
+ * kernel on a cluster of HC_CL blocks. Each block takes an eighth of the S*H columns: its
+ * warps dot that slice of the (2+S)S rows of fn with the rows of X (and warp 0 sums X^2), the
+ * blocks exchange their partial sums through distributed shared memory, and every block adds the
+ * eight in rank order (so all hold the same m and rms factor); then each block collapses its
+ * eighth of H, while block 0 also runs the sigmoids, softmax and Sinkhorn (one warp per row) and
+ * writes post and comb. One launch instead of a GEMV over 24 blocks plus a one-block kernel.
+ * Otherwise (prefill): the (2+S)S projection through cu_matmul (weight bandwidth) and one block
+ * per row for the rms factor, sigmoids, softmax, Sinkhorn and the collapse.
+ * hc_post: one thread per (row, 4 consecutive d) when S <= 4 and H % 4 == 0 (float4 accesses),
+ * else one thread per (row, d); hc_head one thread per (row, d). */
+#include <cooperative_groups.h>
 #include <limits.h>
 #include <math.h>
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_ops.h"
+
+namespace cg = cooperative_groups;
+
+/* Defined in cuda_dense.cu (programmatic dependent launch; see there): a kernel launched this
+ * way calls hc_pdl_wait() before it reads an activation or writes anything. */
+extern "C" cudaError_t cu_launch_pdl(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+                                     void *params);
+static __device__ __forceinline__ void hc_pdl_wait(void) { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+static __device__ __forceinline__ void hc_pdl_trigger(void) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
 
 enum { HC_MAX_S = 16, HC_MIX_THREADS = 256, HC_EW_THREADS = 256 };
 
@@ -15,7 +37,8 @@ typedef struct hc_pre_params {
     float *post;           /* [n, S] */
     float *comb;           /* [n, S, S]; comb[r][s] mixes stream r into s */
     const float *X;        /* [n, S, H] highway */
-    const float *m;        /* [n, (2+S)S] fn . X rows, before the rms factor */
+    const float *m;        /* [n, (2+S)S] fn . X rows, before the rms factor (prefill form) */
+    const void *fn;        /* [(2+S)S, S*H] dtype (decode form) */
     const float *base;     /* [(2+S)S] */
     const float *scale;    /* [3] */
     int n, S, H;
@@ -24,6 +47,35 @@ typedef struct hc_pre_params {
 } hc_pre_params;
 
 static __device__ __forceinline__ float hc_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+
+/* comb of one row on one warp (S*S <= 32; 4 x 4 in the real model): lane a*S+b holds C[a][b];
+ * softmax over each row, then the Sinkhorn iterations, every row or column sum gathering its S
+ * values by shuffles and adding them in ascending index (the CPU's order), with no block barrier.
+ * mc: the row's S*S comb entries of fn . X before the rms factor r; base2 = base + 2S, scale2 =
+ * scale[2]. Every lane of the warp must call it. Writes comb[S*S]. */
+static __device__ void hc_comb_warp(float *comb, const float *mc, float r, const float *base2, float scale2,
+                                    int S, float hc_eps, int iters) {
+    const int lane = threadIdx.x & 31, a = lane < S * S ? lane / S : 0, b = lane < S * S ? lane % S : 0;
+    float c = 0.f;
+    if (lane < S * S) c = __fadd_rn(__fmul_rn(__fmul_rn(mc[lane], r), scale2), base2[lane]);
+    float mx = -INFINITY;
+    for (int k = 0; k < S; k++) mx = fmaxf(mx, __shfl_sync(0xffffffffu, c, a * S + k));
+    const float e = expf(c - mx);
+    float sum = 0.f;
+    for (int k = 0; k < S; k++) sum += __shfl_sync(0xffffffffu, e, a * S + k);
+    c = e / sum + hc_eps;
+    for (int it = 0; it < iters; it++) {
+        if (it > 0) {
+            float rs = 0.f;
+            for (int k = 0; k < S; k++) rs += __shfl_sync(0xffffffffu, c, a * S + k);
+            c /= rs + hc_eps;
+        }
+        float cs = 0.f;
+        for (int k = 0; k < S; k++) cs += __shfl_sync(0xffffffffu, c, k * S + b);
+        c /= cs + hc_eps;
+    }
+    if (lane < S * S) comb[lane] = c;
+}
 
 /* One block per row. The S x S work is spread over the first S*S threads, one matrix element
  * each; every row or column sum is taken by each thread over the same elements in the CPU's
@@ -45,36 +97,13 @@ static __global__ void __launch_bounds__(HC_MIX_THREADS) hc_pre_mix_kernel(const
     const float *m = p.m + (int64_t)i * (2 + S) * S;
     const float *base = p.base, *scale = p.scale;
     if (S * S <= 32) {
-        /* Small S (4 in the real model): warp 0 alone, lane a*S+b holding C[a][b]; a row or
-         * column sum gathers its S values by shuffles and adds them in ascending index, the
-         * CPU's order, with no block barrier in the 20 Sinkhorn iterations. */
-        if (tid < 32) {
-            const int lane = tid, a = lane < S * S ? lane / S : 0, b = lane < S * S ? lane % S : 0;
-            float c = 0.f;
-            if (lane < S) {
-                pre[lane] = hc_sigmoid(__fadd_rn(__fmul_rn(__fmul_rn(m[lane], r), scale[0]), base[lane])) + p.hc_eps;
-                p.post[(int64_t)i * S + lane] =
-                    2.f * hc_sigmoid(__fadd_rn(__fmul_rn(__fmul_rn(m[S + lane], r), scale[1]), base[S + lane]));
-            }
-            if (lane < S * S) c = __fadd_rn(__fmul_rn(__fmul_rn(m[2 * S + lane], r), scale[2]), base[2 * S + lane]);
-            float mx = -INFINITY;
-            for (int k = 0; k < S; k++) mx = fmaxf(mx, __shfl_sync(0xffffffffu, c, a * S + k));
-            const float e = expf(c - mx);
-            float sum = 0.f;
-            for (int k = 0; k < S; k++) sum += __shfl_sync(0xffffffffu, e, a * S + k);
-            c = e / sum + p.hc_eps;
-            for (int it = 0; it < p.sinkhorn_iters; it++) {
-                if (it > 0) {
-                    float rs = 0.f;
-                    for (int k = 0; k < S; k++) rs += __shfl_sync(0xffffffffu, c, a * S + k);
-                    c /= rs + p.hc_eps;
-                }
-                float cs = 0.f;
-                for (int k = 0; k < S; k++) cs += __shfl_sync(0xffffffffu, c, k * S + b);
-                c /= cs + p.hc_eps;
-            }
-            if (lane < S * S) p.comb[(int64_t)i * S * S + lane] = c;
+        if (tid < S) {
+            pre[tid] = hc_sigmoid(__fadd_rn(__fmul_rn(__fmul_rn(m[tid], r), scale[0]), base[tid])) + p.hc_eps;
+            p.post[(int64_t)i * S + tid] =
+                2.f * hc_sigmoid(__fadd_rn(__fmul_rn(__fmul_rn(m[S + tid], r), scale[1]), base[S + tid]));
         }
+        if (tid < 32) hc_comb_warp(p.comb + (int64_t)i * S * S, m + 2 * S, r, base + 2 * S, scale[2], S, p.hc_eps,
+                                   p.sinkhorn_iters);
         __syncthreads(); /* pre[] for the collapse below */
     } else {
         const bool own = tid < S * S;        /* this thread owns C[a][b] */
@@ -130,18 +159,216 @@ static mt_status hc_pre_launch(const hc_pre_params *p, cudaStream_t s) {
     return MT_OK;
 }
 
+/* ---- hc_pre for few rows: one cluster ---- */
+
+enum {
+    HC_CL = 8,                               /* blocks in the cluster (the portable maximum) */
+    HC_DEC_THREADS = 256,
+    HC_DEC_WARPS = HC_DEC_THREADS / 32,
+    HC_DEC_MAX_N = 4,                        /* rows */
+    HC_DEC_MAX_S = 4,
+    HC_DEC_MIX = (2 + HC_DEC_MAX_S) * HC_DEC_MAX_S,  /* fn rows, 24 */
+    HC_DEC_KPW = HC_DEC_MIX / HC_DEC_WARPS,  /* fn rows per warp */
+};
+
+/* Cluster of HC_CL blocks (see the file comment). Block `rank` owns columns [rank * cw, +cw) of
+ * the flattened highway, cw = S*H / HC_CL, a whole number of 16-byte weight vectors: nvc of
+ * them. Warp w dots fn rows w, w + 8, w + 16 with the NB rows of X over those columns, lane l
+ * taking vectors l, l + 32, ... (512 contiguous bytes of a bf16 row per warp load), JU vectors
+ * x 3 rows of loads in flight before the first use; warp 0 also sums X^2 (double). Real shapes
+ * (S 4, H 4096, bf16): 96 KB of fn and 8 KB of X per block, one vector per lane per row.
+ * Each sum is a per-lane running sum, a butterfly over the lanes, then the HC_CL blocks' parts
+ * in rank order: every block computes the same m and rms factor. Block 0's first NB warps then
+ * run the softmax/Sinkhorn of one row each while every other warp collapses y over its block's
+ * eighth of H. Launched for PDL: the first fn loads go out before the wait. */
+template <mt_dtype DT, int NB>
+static __global__ void __cluster_dims__(HC_CL, 1, 1) __launch_bounds__(HC_DEC_THREADS)
+hc_pre_dec_kernel(const hc_pre_params p) {
+    constexpr int V = cu_wvec<DT>::n, KPW = HC_DEC_KPW, JU = NB <= 2 ? 4 : 2;
+    constexpr int ES = DT == MT_F32 ? 4 : 2; /* bytes per weight element */
+    __shared__ float part[NB * HC_DEC_MIX];  /* this block's fn . X over its columns, [i][k] */
+    __shared__ double part_ss[NB];           /* and its sum of X^2 per row */
+    __shared__ float m_s[NB * HC_DEC_MIX];   /* the whole sums, [i][k] */
+    __shared__ float r_s[NB];                /* rms factor per row */
+    __shared__ float pre_s[NB * HC_DEC_MAX_S];
+    cg::cluster_group cl = cg::this_cluster();
+    const int rank = (int)cl.block_rank();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, tid = threadIdx.x;
+    const int S = p.S, H = p.H, SH = S * H, mix = (2 + S) * S;
+    const int cw = SH / HC_CL, nvc = cw / V, nj = (nvc + 31) / 32;
+    const int64_t c0 = (int64_t)rank * cw;
+    const char *fn = (const char *)p.fn;
+
+    uint4 wr[JU][KPW];
+    auto load = [&](int j0) {
+#pragma unroll
+        for (int u = 0; u < JU; u++) {
+            const int v = (j0 + u) * 32 + lane;
+#pragma unroll
+            for (int q = 0; q < KPW; q++) {
+                const int k = warp + HC_DEC_WARPS * q;
+                if (v < nvc && k < mix) {
+                    const char *a = fn + ((int64_t)k * SH + c0 + (int64_t)v * V) * ES;
+                    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                                 : "=r"(wr[u][q].x), "=r"(wr[u][q].y), "=r"(wr[u][q].z), "=r"(wr[u][q].w)
+                                 : "l"(a));
+                } else {
+                    wr[u][q] = make_uint4(0u, 0u, 0u, 0u);
+                }
+            }
+        }
+    };
+    float acc[KPW][NB];
+    double ss[NB];
+#pragma unroll
+    for (int i = 0; i < NB; i++) {
+        ss[i] = 0;
+#pragma unroll
+        for (int q = 0; q < KPW; q++) acc[q][i] = 0.f;
+    }
+
+    load(0);
+    hc_pdl_wait(); /* X is the previous kernel's output */
+    hc_pdl_trigger();
+    for (int j0 = 0; j0 < nj; j0 += JU) {
+        if (j0) load(j0);
+#pragma unroll
+        for (int u = 0; u < JU; u++) {
+            const int v = (j0 + u) * 32 + lane;
+            if (v >= nvc) break;
+            float wf[KPW][V];
+#pragma unroll
+            for (int q = 0; q < KPW; q++) {
+                const uint32_t w4[4] = {wr[u][q].x, wr[u][q].y, wr[u][q].z, wr[u][q].w};
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    if constexpr (DT == MT_F32) {
+                        wf[q][j] = __uint_as_float(w4[j]);
+                    } else if constexpr (DT == MT_BF16) {
+                        wf[q][2 * j] = __uint_as_float(w4[j] << 16);
+                        wf[q][2 * j + 1] = __uint_as_float(w4[j] & 0xffff0000u);
+                    } else {
+                        wf[q][2 * j] = __half2float(__ushort_as_half((unsigned short)(w4[j] & 0xffffu)));
+                        wf[q][2 * j + 1] = __half2float(__ushort_as_half((unsigned short)(w4[j] >> 16)));
+                    }
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < NB; i++) {
+                if (i >= p.n) break;
+                const float *xr = p.X + (int64_t)i * SH + c0 + (int64_t)v * V;
+                float xv[V];
+#pragma unroll
+                for (int j = 0; j < V; j += 4) {
+                    const float4 f = __ldg((const float4 *)(xr + j));
+                    xv[j] = f.x; xv[j + 1] = f.y; xv[j + 2] = f.z; xv[j + 3] = f.w;
+                }
+                if (warp == 0)
+#pragma unroll
+                    for (int j = 0; j < V; j++) ss[i] += (double)xv[j] * xv[j];
+#pragma unroll
+                for (int q = 0; q < KPW; q++)
+#pragma unroll
+                    for (int j = 0; j < V; j++) acc[q][i] = fmaf(wf[q][j], xv[j], acc[q][i]);
+            }
+        }
+    }
+#pragma unroll
+    for (int q = 0; q < KPW; q++)
+#pragma unroll
+        for (int i = 0; i < NB; i++) {
+            const float v = cu_warp_sum(acc[q][i]);
+            const int k = warp + HC_DEC_WARPS * q;
+            if (lane == 0 && k < mix) part[i * HC_DEC_MIX + k] = v;
+        }
+    if (warp == 0)
+#pragma unroll
+        for (int i = 0; i < NB; i++) {
+            const double v = cu_warp_sum(ss[i]);
+            if (lane == 0) part_ss[i] = v;
+        }
+    cl.sync(); /* every block's parts are written */
+    for (int t = tid; t < NB * mix; t += HC_DEC_THREADS) {
+        const int i = t / mix, k = t % mix;
+        float a = 0.f;
+        for (int r = 0; r < HC_CL; r++) a += cl.map_shared_rank(part, r)[i * HC_DEC_MIX + k];
+        m_s[i * HC_DEC_MIX + k] = a;
+    }
+    if (tid < NB) {
+        double a = 0;
+        for (int r = 0; r < HC_CL; r++) a += cl.map_shared_rank(part_ss, r)[tid];
+        r_s[tid] = 1.f / sqrtf((float)(a / SH) + p.rms_eps);
+    }
+    cl.barrier_arrive(); /* done with the other blocks' shared memory; waited for before exit */
+    __syncthreads();
+    if (tid < NB * S) {
+        const int i = tid / S, s = tid % S;
+        const float *m = m_s + i * HC_DEC_MIX;
+        const float r = r_s[i];
+        pre_s[i * HC_DEC_MAX_S + s] =
+            hc_sigmoid(__fadd_rn(__fmul_rn(__fmul_rn(m[s], r), p.scale[0]), p.base[s])) + p.hc_eps;
+        if (rank == 0 && i < p.n)
+            p.post[(int64_t)i * S + s] =
+                2.f * hc_sigmoid(__fadd_rn(__fmul_rn(__fmul_rn(m[S + s], r), p.scale[1]), p.base[S + s]));
+    }
+    __syncthreads();
+    if (rank == 0 && warp < NB) {
+        if (warp < p.n)
+            hc_comb_warp(p.comb + (int64_t)warp * S * S, m_s + warp * HC_DEC_MIX + 2 * S, r_s[warp],
+                         p.base + 2 * S, p.scale[2], S, p.hc_eps, p.sinkhorn_iters);
+    } else {
+        /* y[i][d] = sum_s pre[i][s] X[i][s][d] over this block's d, in the CPU's order */
+        const int skip = rank == 0 ? NB * 32 : 0;
+        const int d0 = (int)((int64_t)rank * H / HC_CL), len = (int)((int64_t)(rank + 1) * H / HC_CL) - d0;
+        for (int e = tid - skip; e < p.n * len; e += HC_DEC_THREADS - skip) {
+            const int i = e / len, d = d0 + e % len;
+            const float *x = p.X + (int64_t)i * SH + d;
+            float a = 0.f;
+            for (int s = 0; s < S; s++) a = __fadd_rn(a, __fmul_rn(pre_s[i * HC_DEC_MAX_S + s], __ldg(x + (int64_t)s * H)));
+            p.y[(int64_t)i * H + d] = a;
+        }
+    }
+    cl.barrier_wait();
+}
+
+/* Whether the cluster kernel takes the shape (n rows, fn of dtype dt). */
+static bool hc_pre_dec_ok(const mt_weight *fn, const float *X, int S, int H, int n) {
+    const int V = fn->dtype == MT_F32 ? 4 : 8;
+    return n <= HC_DEC_MAX_N && S <= HC_DEC_MAX_S && ((int64_t)S * H) % ((int64_t)HC_CL * V) == 0 &&
+           cu_aligned16(fn->data) && cu_aligned16(X);
+}
+
+template <mt_dtype DT> static const void *hc_pre_dec_fn(int n) {
+    if (n <= 1) return (const void *)hc_pre_dec_kernel<DT, 1>;
+    if (n <= 2) return (const void *)hc_pre_dec_kernel<DT, 2>;
+    return (const void *)hc_pre_dec_kernel<DT, 4>;
+}
+
+static mt_status hc_pre_dec_launch(hc_pre_params *p, mt_dtype dt, cudaStream_t s) {
+    const void *k = dt == MT_F32 ? hc_pre_dec_fn<MT_F32>(p->n)
+                    : dt == MT_F16 ? hc_pre_dec_fn<MT_F16>(p->n) : hc_pre_dec_fn<MT_BF16>(p->n);
+    MT_CUDA_CHECK(cu_launch_pdl(k, dim3(HC_CL), dim3(HC_DEC_THREADS), 0, s, p));
+    return MT_OK;
+}
+
 extern "C" void cu_hc_pre(mt_backend *be, float *y, float *post, float *comb, const float *X,
                           const mt_weight *fn, const float *base, const float *scale,
                           const mt_hc_params *p, int n) {
     const int S = p->S, H = p->H, mix = (2 + S) * S;
     MT_ASSERT(S >= 1 && S <= HC_MAX_S && H > 0 && n >= 0);
     MT_ASSERT(fn->rows == mix && fn->cols == (int64_t)S * H);
+    MT_ASSERT(fn->dtype == MT_F32 || fn->dtype == MT_F16 || fn->dtype == MT_BF16);
     if (n == 0) return;
+    hc_pre_params q = {y, post, comb, X, NULL, fn->data, base, scale, n, S, H, p->rms_eps, p->hc_eps,
+                       p->sinkhorn_iters};
+    if (hc_pre_dec_ok(fn, X, S, H, n)) {
+        cu_op_status(be, "hc_pre", hc_pre_dec_launch(&q, fn->dtype, cu_stream(be)));
+        return;
+    }
     float *m = (float *)cu_scratch(be, CU_SCRATCH_DENSE, sizeof(float) * (size_t)n * mix);
     if (!m) return;
     cu_matmul(be, m, X, fn, n); /* records its own failure */
-    hc_pre_params q = {y, post, comb, X, m, base, scale, n, S, H, p->rms_eps, p->hc_eps,
-                       p->sinkhorn_iters};
+    q.m = m;
     cu_op_status(be, "hc_pre", hc_pre_launch(&q, cu_stream(be)));
 }
 
@@ -181,6 +408,43 @@ static __global__ void hc_post_kernel(const hc_post_params p) {
     }
 }
 
+/* S <= HC_DEC_MAX_S, H % 4 == 0, X and a 16-byte aligned: one thread per (row, d .. d+3), float4
+ * accesses, the same operations per element as hc_post_kernel. Launched for PDL (a is the
+ * previous kernel's output). */
+static __global__ void hc_post_vec_kernel(const hc_post_params p) {
+    hc_pdl_wait();
+    hc_pdl_trigger();
+    const int H4 = p.H / 4;
+    const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= p.n * H4) return;
+    const int64_t i = t / H4;
+    const int d = (int)(t % H4) * 4, S = p.S, H = p.H;
+    float *x = p.X + i * S * H;
+    const float *C = p.comb + i * S * S, *po = p.post + i * S;
+    const float4 a4 = *(const float4 *)(p.a + i * H + d);
+    const float ad[4] = {a4.x, a4.y, a4.z, a4.w};
+    float col[HC_DEC_MAX_S][4];
+#pragma unroll
+    for (int r = 0; r < HC_DEC_MAX_S; r++)
+        if (r < S) {
+            const float4 c = *(const float4 *)(x + (int64_t)r * H + d);
+            col[r][0] = c.x; col[r][1] = c.y; col[r][2] = c.z; col[r][3] = c.w;
+        }
+#pragma unroll
+    for (int s = 0; s < HC_DEC_MAX_S; s++) {
+        if (s >= S) break;
+        float v[4];
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            v[c] = __fmul_rn(po[s], ad[c]);
+#pragma unroll
+            for (int r = 0; r < HC_DEC_MAX_S; r++)
+                if (r < S) v[c] = __fadd_rn(v[c], __fmul_rn(C[r * S + s], col[r][c]));
+        }
+        *(float4 *)(x + (int64_t)s * H + d) = make_float4(v[0], v[1], v[2], v[3]);
+    }
+}
+
 typedef struct hc_head_params {
     float *z;              /* [n, H] */
     const float *X;        /* [n, S, H] */
@@ -200,7 +464,15 @@ static __global__ void hc_head_kernel(const hc_head_params p) {
 
 static unsigned hc_grid(int64_t count) { return (unsigned)((count + HC_EW_THREADS - 1) / HC_EW_THREADS); }
 
-static mt_status hc_post_launch(const hc_post_params *p, cudaStream_t s) {
+enum { HC_POST_VEC_THREADS = 64 }; /* 16 blocks for one row of 4096: spread over the SMs */
+
+static mt_status hc_post_launch(hc_post_params *p, cudaStream_t s) {
+    if (p->S <= HC_DEC_MAX_S && p->H % 4 == 0 && cu_aligned16(p->X) && cu_aligned16(p->a)) {
+        const int64_t count = p->n * (p->H / 4);
+        const dim3 g((unsigned)((count + HC_POST_VEC_THREADS - 1) / HC_POST_VEC_THREADS));
+        MT_CUDA_CHECK(cu_launch_pdl((const void *)hc_post_vec_kernel, g, dim3(HC_POST_VEC_THREADS), 0, s, p));
+        return MT_OK;
+    }
     hc_post_kernel<<<hc_grid(p->n * p->H), HC_EW_THREADS, 0, s>>>(*p);
     MT_CUDA_CHECK_LAUNCH();
     return MT_OK;

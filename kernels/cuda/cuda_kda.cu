@@ -1,11 +1,11 @@
 /* kernels/cuda/cuda_kda.cu: the KDA (Kimi Delta Attention) mixer's ops on the GPU, computing the
  * same functions as kernels/cpu/cpu_kda.c: causal depthwise conv with state + SiLU, the decay
- * gate, the delta rule (recurrent for decode, chunked for prefill) and the gated output norm.
- * Three tiers per op (STYLE.md 7): static kernels, a static launcher that picks the grid, and the
- * exported cu_* op that checks shapes.
+ * gate, the recurrent delta rule (decode) and the gated output norm; the chunked delta rule
+ * (prefill) is cuda_kda_chunk.cu. Three tiers per op (STYLE.md 7): static kernels, a static
+ * launcher that picks the grid, and the exported cu_* op that checks shapes.
  *
  * The delta rule's value columns are independent of each other (row i of the state decays by
- * exp(g[i]) for every column; u, delta and o are per column), so both delta-rule kernels give one
+ * exp(g[i]) for every column; u, delta and o are per column), so the recurrent kernels give one
  * block a head and a group of value columns, and keep that slice of the state on chip for all n
  * steps: read once, written once. */
 #include <math.h>
@@ -17,8 +17,7 @@
 #include "kernels/cuda/cuda_ops.h"
 
 enum {
-    KDA_MAX_DK = 128, /* head dim bound of both delta-rule kernels (state slice on chip) */
-    KDA_CHUNK = 64,   /* chunk length of kda_chunked, as in cpu_kda.c */
+    KDA_MAX_DK = 128, /* head dim bound of the recurrent kernels (state slice on chip) */
     CONV_MAX_K = 8,   /* conv kernel bound (register history) */
     CONV_TSEG = 64,   /* time steps per thread in conv1d_silu */
     EW_BLOCK = 256,
@@ -153,6 +152,9 @@ typedef struct delta_params {
     const float *beta;     /* [n, nh] */
     float *state;          /* [nh, dk(k), dk(v)] fp32, updated */
     int n, nh, dk;
+    float *const *states;  /* rows form (batched decode): row t of the inputs is one step on its own
+                            * state states[t] (device table [n]); the recurrent kernels then take
+                            * the row from blockIdx.z / blockIdx.y and ignore state */
 } delta_params;
 
 enum {
@@ -175,15 +177,17 @@ kda_recurrent_kernel(delta_params p) {
     __shared__ float vs[2][REC_COLS], bs[2];
     __shared__ float red_u[REC_WARPS][REC_COLS], red_o[REC_WARPS][REC_COLS];
 
-    float *S = p.state + (size_t)h * dk * dk;
+    const int row = blockIdx.z; /* rows form: one step, row `row`, on states[row] */
+    float *S = (p.states ? p.states[row] : p.state) + (size_t)h * dk * dk;
+    const int t0 = p.states ? row : 0, t1 = p.states ? row + 1 : p.n;
     float s[REC_ROWS];
 #pragma unroll
     for (int r = 0; r < REC_ROWS; r++) {
         const int i = w + REC_WARPS * r;
         s[r] = (i < dk && jok) ? S[(size_t)i * dk + j] : 0.f;
     }
-    for (int t = 0; t < p.n; t++) {
-        const int buf = t & 1;
+    for (int t = t0; t < t1; t++) {
+        const int buf = (t - t0) & 1;
         const size_t off = ((size_t)t * p.nh + h) * dk;
         if (tid < dk) {
             qs[buf][tid] = p.q[off + tid];
@@ -266,17 +270,18 @@ static __global__ void __launch_bounds__(DEC_THREADS, 3) kda_decode_kernel(delta
     __shared__ float4 red_u[DEC_WARPS][DEC_GROUPS], red_w[DEC_WARPS][DEC_GROUPS];
     __shared__ float red_qk[DEC_WARPS];
 
-    float4 *S = reinterpret_cast<float4 *>(p.state + (size_t)h * dk * dk) + (j >> 2);
+    const int row = blockIdx.y; /* rows form: input row `row` on states[row]; else 0 */
+    float4 *S = reinterpret_cast<float4 *>((p.states ? p.states[row] : p.state) + (size_t)h * dk * dk) + (j >> 2);
     float4 s[DEC_ROWS];
 #pragma unroll
     for (int r = 0; r < DEC_ROWS; r++) {
         const int i = rbase + DEC_PASS * r; /* < KDA_MAX_DK */
         s[r] = (i < dk && jok) ? __ldcs(S + (size_t)i * ld4) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    const size_t off = (size_t)h * dk;
+    const size_t off = ((size_t)row * p.nh + h) * dk;
     const float4 v4 = jok ? *reinterpret_cast<const float4 *>(p.v + off + j)
                           : make_float4(0.f, 0.f, 0.f, 0.f);
-    const float b = p.beta[h];
+    const float b = p.beta[(size_t)row * p.nh + h];
     if (tid < KDA_MAX_DK) { /* rows past dk read zeros, never uninitialised shared memory */
         const bool ok = tid < dk;
         qs[tid] = ok ? p.q[off + tid] : 0.f;
@@ -349,17 +354,21 @@ static bool kda_decode_enabled(void) {
     return mode != 0;
 }
 
+/* Single sequence: n steps on state. Rows form (p->states): n rows, one step each on its own state,
+ * laid out as n single steps (grid y or z = row); device allocations keep the states 16-byte
+ * aligned, which the decode kernel needs (checked for the single state only). */
 static void kda_recurrent_launch(mt_backend *be, const delta_params *p) {
+    const bool rows = p->states != NULL;
     const bool aligned =
-        (((uintptr_t)p->state | (uintptr_t)p->v | (uintptr_t)p->o) & 15) == 0;
-    if (p->n == 1 && p->dk % 4 == 0 && aligned && kda_decode_enabled()) {
+        (((uintptr_t)(rows ? NULL : p->state) | (uintptr_t)p->v | (uintptr_t)p->o) & 15) == 0;
+    if ((p->n == 1 || rows) && p->dk % 4 == 0 && aligned && kda_decode_enabled()) {
         const int64_t blocks = (int64_t)p->nh * ((p->dk + DEC_COLS - 1) / DEC_COLS);
-        MT_ASSERT(blocks <= 0x7fffffff);
-        kda_decode_kernel<<<(unsigned)blocks, DEC_THREADS, 0, cu_stream(be)>>>(*p);
-        cu_check_launch(be, "kda_recurrent (decode)");
+        MT_ASSERT(blocks <= 0x7fffffff && (!rows || p->n <= 65535));
+        kda_decode_kernel<<<dim3((unsigned)blocks, rows ? p->n : 1), DEC_THREADS, 0, cu_stream(be)>>>(*p);
+        cu_check_launch(be, rows ? "kda_recurrent_rows (decode)" : "kda_recurrent (decode)");
         return;
     }
-    const dim3 grid(p->nh, (p->dk + REC_COLS - 1) / REC_COLS);
+    const dim3 grid(p->nh, (p->dk + REC_COLS - 1) / REC_COLS, rows ? p->n : 1);
     kda_recurrent_kernel<<<grid, REC_WARPS * 32, 0, cu_stream(be)>>>(*p);
     cu_check_launch(be, "kda_recurrent");
 }
@@ -369,299 +378,17 @@ extern "C" void cu_kda_recurrent(mt_backend *be, float *o, const float *q, const
                                  int n, int nh, int dk) {
     MT_ASSERT(n >= 0 && nh > 0 && dk > 0 && dk <= KDA_MAX_DK);
     if (n == 0) return;
-    const delta_params p = {o, q, k, v, g, beta, state, n, nh, dk};
+    const delta_params p = {o, q, k, v, g, beta, state, n, nh, dk, NULL};
     kda_recurrent_launch(be, &p);
 }
 
-/* ---- chunked form ----
- * Block = (head, 64 value columns), 256 threads; chunks of KDA_CHUNK steps in sequence with the
- * state slice S0 [dk, 64] resident in shared memory. Per chunk (cpu_kda.c kda_chunk_head):
- *   1 load k, q, g [L, dk], v [L, 64], beta; rows past the chunk's end are zero
- *   2 G = cumsum g (rows past the end repeat the last G, so no exponent there is positive)
- *   3 A_ij = sum_d k_i k_j e^{G_i-G_j} (j < i), B_ij = sum_d q_i k_j e^{G_i-G_j} (j <= i)
- *   4 KX = k e^G, QX = q e^G, KL = k e^{G_L - G} in place of k, q, G
- *   5 U = v - KX S0, OQ = QX S0
- *   6 delta_i = beta_i (U_i - sum_{j<i} A_ij delta_j), forward substitution per column
- *   7 o = OQ + B delta
- *   8 S0 = e^{G_L} S0 + KL^T delta                                                            */
-enum {
-    CH_THREADS = 256,
-    CH_COLS = 64,            /* value columns per block */
-    CH_AB_LD = KDA_CHUNK + 1,
-    CH_DL_LD = CH_COLS + 8,  /* delta row stride: the 4 parts of a column fall in distinct banks */
-};
-
-typedef struct chunk_smem {
-    float *K, *Q, *G;   /* [KDA_CHUNK, dk+1] each: k/q/g, then KX/QX/KL after step 4 */
-    float *S0;          /* [dk, CH_COLS] state slice */
-    float *A, *B;       /* [KDA_CHUNK, CH_AB_LD] */
-    float *U, *OQ;      /* [KDA_CHUNK, CH_COLS] */
-    float *Dl;          /* [KDA_CHUNK, CH_DL_LD] delta */
-    float *gl, *egl;    /* [KDA_MAX_DK] G_L and e^{G_L} */
-    float *bt;          /* [KDA_CHUNK] beta */
-} chunk_smem;
-
-/* Carves the dynamic shared memory; with smem == NULL only returns the size in bytes. */
-static __host__ __device__ size_t chunk_smem_carve(float *smem, int dk, chunk_smem *c) {
-    const size_t ld = (size_t)dk + 1;
-    size_t off = 0;
-    float *base = smem;
-    float *K = base + off; off += KDA_CHUNK * ld;
-    float *Q = base + off; off += KDA_CHUNK * ld;
-    float *G = base + off; off += KDA_CHUNK * ld;
-    off = (off + 3) & ~(size_t)3; /* 16-byte alignment for the float4 rows below */
-    float *S0 = base + off; off += (size_t)dk * CH_COLS;
-    float *A = base + off; off += KDA_CHUNK * CH_AB_LD;
-    float *B = base + off; off += KDA_CHUNK * CH_AB_LD;
-    off = (off + 3) & ~(size_t)3;
-    float *U = base + off; off += KDA_CHUNK * CH_COLS;
-    float *OQ = base + off; off += KDA_CHUNK * CH_COLS;
-    float *Dl = base + off; off += KDA_CHUNK * CH_DL_LD;
-    float *gl = base + off; off += KDA_MAX_DK;
-    float *egl = base + off; off += KDA_MAX_DK;
-    float *bt = base + off; off += KDA_CHUNK;
-    if (c) *c = (chunk_smem){K, Q, G, S0, A, B, U, OQ, Dl, gl, egl, bt};
-    return off * sizeof(float);
-}
-
-static __global__ void __launch_bounds__(CH_THREADS, 1) kda_chunked_kernel(delta_params p) {
-    extern __shared__ float4 smem_f4[];
-    chunk_smem sm;
-    chunk_smem_carve((float *)smem_f4, p.dk, &sm);
-    const int h = blockIdx.x, j0 = blockIdx.y * CH_COLS, tid = threadIdx.x, dk = p.dk;
-    const int ld = dk + 1;
-    float *Sg = p.state + (size_t)h * dk * dk;
-
-    for (int e = tid; e < dk * CH_COLS; e += CH_THREADS) {
-        const int d = e / CH_COLS, c = e % CH_COLS;
-        sm.S0[e] = j0 + c < dk ? Sg[(size_t)d * dk + j0 + c] : 0.f;
-    }
-    /* Tile coordinates shared by steps 3, 5, 7: rows 4*ti .. 4*ti+3, a second index from tc. */
-    const int ti = tid / 16, tc = tid % 16;
-
-    for (int t0 = 0; t0 < p.n; t0 += KDA_CHUNK) {
-        const int Lc = p.n - t0 < KDA_CHUNK ? p.n - t0 : KDA_CHUNK;
-        /* 1: load */
-        for (int e = tid; e < KDA_CHUNK * dk; e += CH_THREADS) {
-            const int i = e / dk, d = e % dk;
-            float kv = 0.f, qv = 0.f, gv = 0.f;
-            if (i < Lc) {
-                const size_t off = ((size_t)(t0 + i) * p.nh + h) * dk + d;
-                kv = p.k[off];
-                qv = p.q[off];
-                gv = p.g[off];
-            }
-            sm.K[i * ld + d] = kv;
-            sm.Q[i * ld + d] = qv;
-            sm.G[i * ld + d] = gv;
-        }
-        for (int e = tid; e < KDA_CHUNK * CH_COLS; e += CH_THREADS) {
-            const int i = e / CH_COLS, c = e % CH_COLS;
-            sm.U[e] = (i < Lc && j0 + c < dk) ? p.v[((size_t)(t0 + i) * p.nh + h) * dk + j0 + c] : 0.f;
-        }
-        if (tid < KDA_CHUNK) sm.bt[tid] = tid < Lc ? p.beta[(size_t)(t0 + tid) * p.nh + h] : 0.f;
-        __syncthreads();
-        /* 2: cumulative log-decay */
-        for (int d = tid; d < dk; d += CH_THREADS) {
-            float acc = 0.f;
-            for (int i = 0; i < KDA_CHUNK; i++) {
-                acc = sm.G[i * ld + d] + acc;
-                sm.G[i * ld + d] = acc;
-            }
-        }
-        __syncthreads();
-        /* 3: A and B. Thread: rows i = 4*ti + x, columns j = tc + 16*y (interleaved: conflict-free
-         * banks). Warp w only has rows <= 8w+7, so it skips the column blocks y with 16y above
-         * that (warp-uniform). __expf: all exponents are <= 0 where a value is kept, and the
-         * error of the fast exp (~2 ulp, plus the argument's rounding) is far below 1e-6. */
-        {
-            const int ymax = (8 * (tid >> 5) + 7) / 16;
-            float a[4][4], b[4][4];
-#pragma unroll
-            for (int x = 0; x < 4; x++)
-#pragma unroll
-                for (int y = 0; y < 4; y++) a[x][y] = b[x][y] = 0.f;
-            for (int d = 0; d < dk; d++) {
-                float gi[4], ki[4], qi[4];
-#pragma unroll
-                for (int x = 0; x < 4; x++) {
-                    const int i = 4 * ti + x;
-                    gi[x] = sm.G[i * ld + d];
-                    ki[x] = sm.K[i * ld + d];
-                    qi[x] = sm.Q[i * ld + d];
-                }
-#pragma unroll
-                for (int y = 0; y < 4; y++) {
-                    if (y > ymax) break;
-                    const int jj = tc + 16 * y;
-                    const float gj = sm.G[jj * ld + d], kj = sm.K[jj * ld + d];
-#pragma unroll
-                    for (int x = 0; x < 4; x++) {
-                        const float kk = kj * __expf(gi[x] - gj);
-                        a[x][y] += ki[x] * kk;
-                        b[x][y] += qi[x] * kk;
-                    }
-                }
-            }
-#pragma unroll
-            for (int x = 0; x < 4; x++)
-#pragma unroll
-                for (int y = 0; y < 4; y++) {
-                    const int i = 4 * ti + x, jj = tc + 16 * y;
-                    const bool live = y <= ymax;
-                    sm.A[i * CH_AB_LD + jj] = (live && jj < i) ? a[x][y] : 0.f;
-                    sm.B[i * CH_AB_LD + jj] = (live && jj <= i) ? b[x][y] : 0.f;
-                }
-        }
-        if (tid < dk) {
-            const float gL = sm.G[(KDA_CHUNK - 1) * ld + tid]; /* = G at the chunk's last step */
-            sm.gl[tid] = gL;
-            sm.egl[tid] = expf(gL);
-        }
-        __syncthreads();
-        /* 4: KX, QX, KL in place */
-        for (int e = tid; e < KDA_CHUNK * dk; e += CH_THREADS) {
-            const int i = e / dk, d = e % dk, x = i * ld + d;
-            const float gv = sm.G[x], eg = expf(gv), kv = sm.K[x];
-            sm.Q[x] = sm.Q[x] * eg;
-            sm.K[x] = kv * eg;
-            sm.G[x] = kv * expf(sm.gl[d] - gv);
-        }
-        __syncthreads();
-        /* 5: U -= KX S0, OQ = QX S0. Thread: rows 4ti..4ti+3, columns 4tc..4tc+3. */
-        {
-            float u[4][4], oq[4][4];
-#pragma unroll
-            for (int x = 0; x < 4; x++)
-#pragma unroll
-                for (int y = 0; y < 4; y++) u[x][y] = oq[x][y] = 0.f;
-            for (int d = 0; d < dk; d++) {
-                const float4 s4 = *(const float4 *)(sm.S0 + (size_t)d * CH_COLS + 4 * tc);
-                const float sv[4] = {s4.x, s4.y, s4.z, s4.w};
-#pragma unroll
-                for (int x = 0; x < 4; x++) {
-                    const int i = 4 * ti + x;
-                    const float kx = sm.K[i * ld + d], qx = sm.Q[i * ld + d];
-#pragma unroll
-                    for (int y = 0; y < 4; y++) {
-                        u[x][y] += kx * sv[y];
-                        oq[x][y] += qx * sv[y];
-                    }
-                }
-            }
-#pragma unroll
-            for (int x = 0; x < 4; x++)
-#pragma unroll
-                for (int y = 0; y < 4; y++) {
-                    const int e = (4 * ti + x) * CH_COLS + 4 * tc + y;
-                    sm.U[e] = sm.U[e] - u[x][y];
-                    sm.OQ[e] = oq[x][y];
-                }
-        }
-        __syncthreads();
-        /* 6: forward substitution. Thread (column c, part): the 4 parts of a column are adjacent
-         * lanes and split the sum over j by j mod 4; the butterfly gives every part the same
-         * total, and the part that owns delta_i (i mod 4) is the only one that reads it again,
-         * so no barrier is needed inside the loop. */
-        {
-            const int c = tid >> 2, part = tid & 3;
-            for (int i = 0; i < KDA_CHUNK; i++) {
-                float acc = 0.f;
-                for (int jj = part; jj < i; jj += 4) acc += sm.A[i * CH_AB_LD + jj] * sm.Dl[jj * CH_DL_LD + c];
-                acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-                acc += __shfl_xor_sync(0xffffffffu, acc, 2);
-                if ((i & 3) == part)
-                    sm.Dl[i * CH_DL_LD + c] = i < Lc ? sm.bt[i] * (sm.U[i * CH_COLS + c] - acc) : 0.f;
-            }
-        }
-        __syncthreads();
-        /* 7: o = OQ + B delta, rows 4ti.., columns 4tc.. */
-        {
-            float o[4][4];
-#pragma unroll
-            for (int x = 0; x < 4; x++)
-#pragma unroll
-                for (int y = 0; y < 4; y++) o[x][y] = 0.f;
-            const int jend = 4 * ti + 3 < Lc - 1 ? 4 * ti + 3 : Lc - 1;
-            for (int jj = 0; jj <= jend; jj++) {
-                const float4 d4 = *(const float4 *)(sm.Dl + jj * CH_DL_LD + 4 * tc);
-                const float dv[4] = {d4.x, d4.y, d4.z, d4.w};
-#pragma unroll
-                for (int x = 0; x < 4; x++) {
-                    const float bij = sm.B[(4 * ti + x) * CH_AB_LD + jj];
-#pragma unroll
-                    for (int y = 0; y < 4; y++) o[x][y] += bij * dv[y];
-                }
-            }
-#pragma unroll
-            for (int x = 0; x < 4; x++) {
-                const int i = 4 * ti + x;
-                if (i >= Lc) break;
-                float *orow = p.o + ((size_t)(t0 + i) * p.nh + h) * dk;
-#pragma unroll
-                for (int y = 0; y < 4; y++) {
-                    const int c = 4 * tc + y;
-                    if (j0 + c < dk) orow[j0 + c] = sm.OQ[i * CH_COLS + c] + o[x][y];
-                }
-            }
-        }
-        /* 8: S0 = e^{G_L} S0 + KL^T delta. Thread: rows d = 8*(tid/16) + x, columns 4tc... Each
-         * thread reads and writes only its own S0 entries, so this needs no barrier against 7. */
-        {
-            const int d0 = 8 * ti;
-            float s[8][4];
-#pragma unroll
-            for (int x = 0; x < 8; x++) {
-                const int d = d0 + x;
-#pragma unroll
-                for (int y = 0; y < 4; y++)
-                    s[x][y] = d < dk ? sm.egl[d] * sm.S0[(size_t)d * CH_COLS + 4 * tc + y] : 0.f;
-            }
-            if (d0 < dk) {
-                for (int jj = 0; jj < Lc; jj++) {
-                    const float4 d4 = *(const float4 *)(sm.Dl + jj * CH_DL_LD + 4 * tc);
-                    const float dv[4] = {d4.x, d4.y, d4.z, d4.w};
-#pragma unroll
-                    for (int x = 0; x < 8; x++) {
-                        const float kl = d0 + x < dk ? sm.G[jj * ld + d0 + x] : 0.f;
-#pragma unroll
-                        for (int y = 0; y < 4; y++) s[x][y] += kl * dv[y];
-                    }
-                }
-            }
-#pragma unroll
-            for (int x = 0; x < 8; x++) {
-                const int d = d0 + x;
-                if (d < dk)
-#pragma unroll
-                    for (int y = 0; y < 4; y++) sm.S0[(size_t)d * CH_COLS + 4 * tc + y] = s[x][y];
-            }
-        }
-        __syncthreads();
-    }
-    for (int e = tid; e < dk * CH_COLS; e += CH_THREADS) {
-        const int d = e / CH_COLS, c = e % CH_COLS;
-        if (j0 + c < dk) Sg[(size_t)d * dk + j0 + c] = sm.S0[e];
-    }
-}
-
-static mt_status kda_chunked_launch(mt_backend *be, const delta_params *p) {
-    const size_t smem = chunk_smem_carve(NULL, p->dk, NULL);
-    MT_CUDA_CHECK(cudaFuncSetAttribute(kda_chunked_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       (int)smem));
-    const dim3 grid(p->nh, (p->dk + CH_COLS - 1) / CH_COLS);
-    kda_chunked_kernel<<<grid, CH_THREADS, smem, cu_stream(be)>>>(*p);
-    cu_check_launch(be, "kda_chunked");
-    return MT_OK;
-}
-
-extern "C" void cu_kda_chunked(mt_backend *be, float *o, const float *q, const float *k,
-                               const float *v, const float *g, const float *beta, float *state,
-                               int n, int nh, int dk) {
-    MT_ASSERT(n >= 0 && nh > 0 && dk > 0 && dk <= KDA_MAX_DK);
+extern "C" void cu_kda_recurrent_rows(mt_backend *be, float *o, const float *q, const float *k,
+                                      const float *v, const float *g, const float *beta,
+                                      float *const *states, int n, int nh, int dk) {
+    MT_ASSERT(n >= 0 && nh > 0 && dk > 0 && dk <= KDA_MAX_DK && states);
     if (n == 0) return;
-    const delta_params p = {o, q, k, v, g, beta, state, n, nh, dk};
-    cu_op_status(be, "kda_chunked", kda_chunked_launch(be, &p));
+    const delta_params p = {o, q, k, v, g, beta, NULL, n, nh, dk, states};
+    kda_recurrent_launch(be, &p);
 }
 
 /* ------------------------------------------------------------------------------------------ */

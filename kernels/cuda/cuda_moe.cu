@@ -39,6 +39,15 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_ops.h"
 
+/* Defined in cuda_dense.cu (programmatic dependent launch; see there): a kernel launched this
+ * way calls moe_pdl_wait() before it reads an activation or writes anything. */
+extern "C" cudaError_t cu_launch_pdl(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+                                     void *params);
+static __device__ __forceinline__ void moe_pdl_wait(void) { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+static __device__ __forceinline__ void moe_pdl_trigger(void) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
 enum {
     ROUTE_WARPS = 4,
     MOE_THREADS = 256,
@@ -66,20 +75,28 @@ typedef struct route_params {
 
 static __device__ __forceinline__ float route_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
-/* Dynamic shared memory per warp: s[E], c[E] floats, gscore[G] floats, mask[E], gmask[G] bytes. */
-static __host__ __device__ size_t route_smem_per_warp(int E, int G) {
-    return ((sizeof(float) * (2 * (size_t)E + G) + (size_t)E + G) + 15) / 16 * 16;
+/* Dynamic shared memory per warp: s[E], c[E], gscore[G], sel_w[top_k] floats, sel_i[top_k] ints,
+ * mask[E], gmask[G] bytes. */
+static __host__ __device__ size_t route_smem_per_warp(int E, int G, int top_k) {
+    return ((sizeof(float) * (2 * (size_t)E + G + top_k) + sizeof(int32_t) * (size_t)top_k + (size_t)E + G) + 15) /
+           16 * 16;
 }
 
+/* One warp per row. The picks stay in shared memory until the end, where the lanes write the
+ * indices and normalised weights together (one row is latency-bound: no global read-back).
+ * Launched for PDL (the logits are the previous kernel's output). */
 static __global__ void route_kernel(const route_params p) {
     extern __shared__ __align__(16) unsigned char route_smem[];
+    moe_pdl_wait();
+    moe_pdl_trigger();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int i = blockIdx.x * ROUTE_WARPS + warp;
     if (i >= p.n) return;
     const int E = p.E, G = p.G, per = E / G;
-    unsigned char *base = route_smem + route_smem_per_warp(E, G) * warp;
-    float *s = (float *)base, *c = s + E, *gscore = c + E;
-    unsigned char *mask = (unsigned char *)(gscore + G), *gmask = mask + E;
+    unsigned char *base = route_smem + route_smem_per_warp(E, G, p.top_k) * warp;
+    float *s = (float *)base, *c = s + E, *gscore = c + E, *sel_w = gscore + G;
+    int32_t *sel_i = (int32_t *)(sel_w + p.top_k);
+    unsigned char *mask = (unsigned char *)(sel_i + p.top_k), *gmask = mask + E;
     const float *l = p.logits + (int64_t)i * E;
 
 #pragma unroll 4
@@ -133,7 +150,7 @@ static __global__ void route_kernel(const route_params p) {
     for (int e = lane; e < E; e += 32) mask[e] = gmask[e / per];
     __syncwarp();
 
-    float sum = 0;
+    float sum = 0; /* lane 0: the picks' s in pick order, the CPU's */
     for (int k = 0; k < p.top_k; k++) {
         float bv = 0;
         int bi = -1;
@@ -148,27 +165,28 @@ static __global__ void route_kernel(const route_params p) {
         if (bi < 0) __trap(); /* the host checked top_k <= topk_group * per */
         if (lane == 0) {
             mask[bi] = 0;
-            p.idx[(int64_t)i * p.top_k + k] = bi;
-            p.weights[(int64_t)i * p.top_k + k] = s[bi];
+            sel_i[k] = bi;
+            sel_w[k] = s[bi];
             sum += s[bi];
         }
         __syncwarp();
     }
-    if (lane == 0)
-        for (int k = 0; k < p.top_k; k++) {
-            float w = p.weights[(int64_t)i * p.top_k + k];
-            if (p.norm) w /= sum + 1e-20f;
-            p.weights[(int64_t)i * p.top_k + k] = w * p.scaling;
-        }
+    sum = __shfl_sync(0xffffffffu, sum, 0);
+    for (int k = lane; k < p.top_k; k += 32) {
+        float w = sel_w[k];
+        if (p.norm) w /= sum + 1e-20f;
+        p.idx[(int64_t)i * p.top_k + k] = sel_i[k];
+        p.weights[(int64_t)i * p.top_k + k] = w * p.scaling;
+    }
 }
 
-static mt_status route_launch(const route_params *p, cudaStream_t s) {
-    const size_t smem = route_smem_per_warp(p->E, p->G) * ROUTE_WARPS;
+static mt_status route_launch(route_params *p, cudaStream_t s) {
+    const size_t smem = route_smem_per_warp(p->E, p->G, p->top_k) * ROUTE_WARPS;
     if (smem > 48 * 1024)
         MT_CUDA_CHECK(cudaFuncSetAttribute(route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            (int)smem));
-    route_kernel<<<(unsigned)((p->n + ROUTE_WARPS - 1) / ROUTE_WARPS), ROUTE_WARPS * 32, smem, s>>>(*p);
-    MT_CUDA_CHECK_LAUNCH();
+    const dim3 g((unsigned)((p->n + ROUTE_WARPS - 1) / ROUTE_WARPS));
+    MT_CUDA_CHECK(cu_launch_pdl((const void *)route_kernel, g, dim3(ROUTE_WARPS * 32), smem, s, p));
     return MT_OK;
 }
 
@@ -338,37 +356,119 @@ static __device__ __forceinline__ const mt_expert *moe_expert(const moe_gemv_par
     return &p.experts[e];
 }
 
-/* Grid (ceil(I / R), n * top_k): rows [R*blockIdx.x, +R) of h for pair blockIdx.y. */
-template <mt_dtype DT, int R, bool VEC>
+/* One weight load of the GEMV kernels: VEC, 16 bytes (cu_wvec<DT>::n elements) through the
+ * read-only path without allocating in L1 (weights are read once; L1 keeps x and h, which every
+ * warp rereads); else one element. Zero when out of range. (The twin of cuda_dense.cu's gemv_w:
+ * device code is not shared across these files.) */
+template <mt_dtype DT, bool VEC> struct moe_w;
+template <mt_dtype DT> struct moe_w<DT, true> {
+    static constexpr int V = cu_wvec<DT>::n;
+    uint4 u;
+    __device__ __forceinline__ void load(const void *w, int64_t i) {
+        const char *a = (const char *)w + i * (DT == MT_F32 ? 4 : 2);
+        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w)
+                     : "l"(a));
+    }
+    __device__ __forceinline__ void zero() { u = make_uint4(0u, 0u, 0u, 0u); }
+    __device__ __forceinline__ void get(float (&f)[V]) const {
+        const uint32_t q[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            if constexpr (DT == MT_F32) {
+                f[j] = __uint_as_float(q[j]);
+            } else if constexpr (DT == MT_BF16) {
+                f[2 * j] = __uint_as_float(q[j] << 16);
+                f[2 * j + 1] = __uint_as_float(q[j] & 0xffff0000u);
+            } else {
+                f[2 * j] = __half2float(__ushort_as_half((unsigned short)(q[j] & 0xffffu)));
+                f[2 * j + 1] = __half2float(__ushort_as_half((unsigned short)(q[j] >> 16)));
+            }
+        }
+    }
+};
+template <mt_dtype DT> struct moe_w<DT, false> {
+    static constexpr int V = 1;
+    float v;
+    __device__ __forceinline__ void load(const void *w, int64_t i) { v = cu_wget<DT>(w, i); }
+    __device__ __forceinline__ void zero() { v = 0.f; }
+    __device__ __forceinline__ void get(float (&f)[1]) const { f[0] = v; }
+};
+
+/* x[0 .. V) of fp32 activations through the read-only path (V % 4 == 0: 16-byte loads). */
+template <int V> static __device__ __forceinline__ void moe_xload(const float *x, float (&out)[V]) {
+    if constexpr (V % 4 == 0) {
+#pragma unroll
+        for (int j = 0; j < V; j += 4) {
+            const float4 v = __ldg((const float4 *)(x + j));
+            out[j] = v.x; out[j + 1] = v.y; out[j + 2] = v.z; out[j + 3] = v.w;
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < V; j++) out[j] = __ldg(x + j);
+    }
+}
+
+/* Rows per block and chunks per step: gate/up 4 rows x 2 matrices x 2 chunks, down 2 rows x 4
+ * chunks: 16 and 8 loads of 16 bytes per lane in flight before the first use. */
+enum { MOE_GU_R = 4, MOE_GU_U = 2, MOE_DN_R = 2, MOE_DN_U = 4 };
+
+/* Grid (ceil(I / R), n * top_k): rows [R*blockIdx.x, +R) of h for pair blockIdx.y. A row is a
+ * list of chunks of 32 load units (lane l takes unit 32c + l: 512 contiguous bytes per warp load
+ * for bf16); warp w takes chunks w, w + 8, ..., U of them per step for gate and up of all R rows.
+ * The per-lane running sums go through a butterfly, then thread r adds the 8 warps' in order and
+ * applies swiglu. Launched for PDL (idx is the router's output). */
+template <mt_dtype DT, bool VEC>
 static __global__ void __launch_bounds__(MOE_THREADS) moe_gateup_kernel(const moe_gemv_params p) {
-    constexpr int V = VEC ? cu_wvec<DT>::n : 1;
+    constexpr int R = MOE_GU_R, U = MOE_GU_U, V = moe_w<DT, VEC>::V;
+    moe_pdl_wait();
+    moe_pdl_trigger();
     const int pair = blockIdx.y, row0 = blockIdx.x * R;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const mt_expert *ex = moe_expert(p, pair);
     const void *wg = ex->gate.data, *wu = ex->up.data;
     const float *x = p.x + (int64_t)(pair / p.top_k) * p.H;
+    const int nv = p.H / V, nch = (nv + 31) >> 5;
     float ag[R], au[R];
 #pragma unroll
     for (int r = 0; r < R; r++) ag[r] = au[r] = 0.f;
-    const int nv = p.H / V;
-    for (int v = threadIdx.x; v < nv; v += MOE_THREADS) {
-        float xv[V];
-        cu_xload<V>(x + (int64_t)v * V, xv);
+    for (int c0 = warp; c0 < nch; c0 += U * MOE_WARPS) {
+        moe_w<DT, VEC> g[U][R], u[U][R];
 #pragma unroll
-        for (int r = 0; r < R; r++) {
-            if (row0 + r >= p.I) break;
-            float g[V], u[V];
-            const int64_t off = (int64_t)(row0 + r) * p.H + (int64_t)v * V;
-            cu_wload<DT, V>(wg, off, g);
-            cu_wload<DT, V>(wu, off, u);
+        for (int k = 0; k < U; k++) {
+            const int v = (c0 + k * MOE_WARPS) * 32 + lane;
 #pragma unroll
-            for (int j = 0; j < V; j++) {
-                ag[r] = fmaf(g[j], xv[j], ag[r]);
-                au[r] = fmaf(u[j], xv[j], au[r]);
+            for (int r = 0; r < R; r++) {
+                if (v < nv && row0 + r < p.I) {
+                    const int64_t off = (int64_t)(row0 + r) * p.H + (int64_t)v * V;
+                    g[k][r].load(wg, off);
+                    u[k][r].load(wu, off);
+                } else {
+                    g[k][r].zero();
+                    u[k][r].zero();
+                }
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < U; k++) {
+            const int v = (c0 + k * MOE_WARPS) * 32 + lane;
+            if (v >= nv) break;
+            float xv[V];
+            moe_xload<V>(x + (int64_t)v * V, xv);
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                float gf[V], uf[V];
+                g[k][r].get(gf);
+                u[k][r].get(uf);
+#pragma unroll
+                for (int j = 0; j < V; j++) {
+                    ag[r] = fmaf(gf[j], xv[j], ag[r]);
+                    au[r] = fmaf(uf[j], xv[j], au[r]);
+                }
             }
         }
     }
     __shared__ float red[MOE_WARPS][2 * R];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
     for (int r = 0; r < R; r++) {
         const float a = cu_warp_sum(ag[r]), b = cu_warp_sum(au[r]);
@@ -384,38 +484,57 @@ static __global__ void __launch_bounds__(MOE_THREADS) moe_gateup_kernel(const mo
     }
 }
 
-/* Grid (ceil(H / R), n): out rows [R*blockIdx.x, +R) of row blockIdx.y, all slots. Dynamic shared
- * memory: red[top_k][MOE_WARPS][R]. */
-template <mt_dtype DT, int R, bool VEC>
+/* Grid (ceil(H / R), n): out rows [R*blockIdx.x, +R) of row blockIdx.y. Warp w takes the slots
+ * k = w, w + 8, ... (top-8: one each, all in flight together), each over the whole of I: lane l
+ * the units 32c + l, U chunks x R rows of loads per step; a butterfly gives the slot's dot, and
+ * thread r adds the slots into out in order (the CPU's). Dynamic shared memory: red[top_k][R].
+ * Launched for PDL (h is moe_gateup_kernel's output). */
+template <mt_dtype DT, bool VEC>
 static __global__ void __launch_bounds__(MOE_THREADS) moe_down_kernel(const moe_gemv_params p) {
-    constexpr int V = VEC ? cu_wvec<DT>::n : 1;
+    constexpr int R = MOE_DN_R, U = MOE_DN_U, V = moe_w<DT, VEC>::V;
     extern __shared__ float moe_red[];
+    moe_pdl_wait();
+    moe_pdl_trigger();
     const int i = blockIdx.y, row0 = blockIdx.x * R;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int nv = p.I / V;
-    for (int k = 0; k < p.top_k; k++) {
+    const int nv = p.I / V, nch = (nv + 31) >> 5;
+    for (int k = warp; k < p.top_k; k += MOE_WARPS) {
         const int pair = i * p.top_k + k;
         const void *wd = moe_expert(p, pair)->down.data;
         const float *h = p.h + (int64_t)pair * p.I;
         float acc[R];
 #pragma unroll
         for (int r = 0; r < R; r++) acc[r] = 0.f;
-        for (int v = threadIdx.x; v < nv; v += MOE_THREADS) {
-            float hv[V];
-            cu_xload<V>(h + (int64_t)v * V, hv);
+        for (int c0 = 0; c0 < nch; c0 += U) {
+            moe_w<DT, VEC> d[U][R];
 #pragma unroll
-            for (int r = 0; r < R; r++) {
-                if (row0 + r >= p.H) break;
-                float d[V];
-                cu_wload<DT, V>(wd, (int64_t)(row0 + r) * p.I + (int64_t)v * V, d);
+            for (int q = 0; q < U; q++) {
+                const int v = (c0 + q) * 32 + lane;
 #pragma unroll
-                for (int j = 0; j < V; j++) acc[r] = fmaf(d[j], hv[j], acc[r]);
+                for (int r = 0; r < R; r++) {
+                    if (v < nv && row0 + r < p.H) d[q][r].load(wd, (int64_t)(row0 + r) * p.I + (int64_t)v * V);
+                    else d[q][r].zero();
+                }
+            }
+#pragma unroll
+            for (int q = 0; q < U; q++) {
+                const int v = (c0 + q) * 32 + lane;
+                if (v >= nv) break;
+                float hv[V];
+                moe_xload<V>(h + (int64_t)v * V, hv);
+#pragma unroll
+                for (int r = 0; r < R; r++) {
+                    float df[V];
+                    d[q][r].get(df);
+#pragma unroll
+                    for (int j = 0; j < V; j++) acc[r] = fmaf(df[j], hv[j], acc[r]);
+                }
             }
         }
 #pragma unroll
         for (int r = 0; r < R; r++) {
-            const float s = cu_warp_sum(acc[r]);
-            if (lane == 0) moe_red[(k * MOE_WARPS + warp) * R + r] = s;
+            const float sum = cu_warp_sum(acc[r]);
+            if (lane == 0) moe_red[k * R + r] = sum;
         }
     }
     __syncthreads();
@@ -423,36 +542,32 @@ static __global__ void __launch_bounds__(MOE_THREADS) moe_down_kernel(const moe_
         const int r = threadIdx.x;
         float *o = p.out + (int64_t)i * p.H + row0 + r;
         float v = *o;
-        for (int k = 0; k < p.top_k; k++) {
-            float dot = 0.f;
-            for (int w = 0; w < MOE_WARPS; w++) dot += moe_red[(k * MOE_WARPS + w) * R + r];
-            v = __fadd_rn(v, __fmul_rn(p.wts[i * p.top_k + k], dot));
-        }
+        for (int k = 0; k < p.top_k; k++)
+            v = __fadd_rn(v, __fmul_rn(p.wts[i * p.top_k + k], moe_red[k * R + r]));
         *o = v;
     }
 }
 
-template <mt_dtype DT> static void moe_gemv_launch_dt(const moe_gemv_params *p, bool vec, cudaStream_t s) {
+template <mt_dtype DT, bool VEC> static mt_status moe_gemv_launch_v(moe_gemv_params *p, cudaStream_t s) {
     const unsigned pairs = (unsigned)(p->n * p->top_k);
-    const size_t smem4 = sizeof(float) * (size_t)p->top_k * MOE_WARPS * 4;
-    const size_t smem1 = sizeof(float) * (size_t)p->top_k * MOE_WARPS;
-    if (vec) {
-        moe_gateup_kernel<DT, 4, true><<<dim3((p->I + 3) / 4, pairs), MOE_THREADS, 0, s>>>(*p);
-        moe_down_kernel<DT, 4, true><<<dim3((p->H + 3) / 4, p->n), MOE_THREADS, smem4, s>>>(*p);
-    } else {
-        moe_gateup_kernel<DT, 1, false><<<dim3(p->I, pairs), MOE_THREADS, 0, s>>>(*p);
-        moe_down_kernel<DT, 1, false><<<dim3(p->H, p->n), MOE_THREADS, smem1, s>>>(*p);
-    }
+    const dim3 ggu((unsigned)((p->I + MOE_GU_R - 1) / MOE_GU_R), pairs);
+    const dim3 gdn((unsigned)((p->H + MOE_DN_R - 1) / MOE_DN_R), (unsigned)p->n);
+    const size_t smem = sizeof(float) * (size_t)p->top_k * MOE_DN_R;
+    MT_CUDA_CHECK(cu_launch_pdl((const void *)moe_gateup_kernel<DT, VEC>, ggu, dim3(MOE_THREADS), 0, s, p));
+    MT_CUDA_CHECK(cu_launch_pdl((const void *)moe_down_kernel<DT, VEC>, gdn, dim3(MOE_THREADS), smem, s, p));
+    return MT_OK;
 }
 
-static mt_status moe_gemv_launch(const moe_gemv_params *p, mt_dtype dt, bool vec, cudaStream_t s) {
+template <mt_dtype DT> static mt_status moe_gemv_launch_dt(moe_gemv_params *p, bool vec, cudaStream_t s) {
+    return vec ? moe_gemv_launch_v<DT, true>(p, s) : moe_gemv_launch_v<DT, false>(p, s);
+}
+
+static mt_status moe_gemv_launch(moe_gemv_params *p, mt_dtype dt, bool vec, cudaStream_t s) {
     switch (dt) {
-    case MT_F32: moe_gemv_launch_dt<MT_F32>(p, vec, s); break;
-    case MT_F16: moe_gemv_launch_dt<MT_F16>(p, vec, s); break;
-    default: moe_gemv_launch_dt<MT_BF16>(p, vec, s); break;
+    case MT_F32: return moe_gemv_launch_dt<MT_F32>(p, vec, s);
+    case MT_F16: return moe_gemv_launch_dt<MT_F16>(p, vec, s);
+    default: return moe_gemv_launch_dt<MT_BF16>(p, vec, s);
     }
-    MT_CUDA_CHECK_LAUNCH();
-    return MT_OK;
 }
 
 /* ========================== experts: grouped path ========================== */

@@ -60,7 +60,7 @@ typedef struct cu_backend {
      *                narrow fp32 kernel (cuda_dense.cu); 0: the tiled fp32 GEMM. */
     bool moe_batched;
     bool narrow;
-    int tc_min_rows;            /* MT_CUDA_TC_MIN_ROWS (default 512): matmul outputs narrower than
+    int tc_min_rows;            /* MT_CUDA_TC_MIN_ROWS (default 1): matmul outputs narrower than
                                    this stay off the tensor cores (cuda_dense.cu) */
     struct cu_prof *prof;       /* op timing (mt_cuda_profile); NULL when off */
 } cu_backend;
@@ -179,6 +179,21 @@ void cu_hc_post(mt_backend *be, float *X, const float *a, const float *post, con
                 const mt_hc_params *p, int n);
 void cu_hc_head(mt_backend *be, float *z, const float *X, int n, int S, int H);
 
+/* The rows form of batched decode (kernels/backend.h): cuda_rows.cu, and beside their
+ * single-sequence kernels in cuda_kda.cu (delta rule) and cuda_dsa.cu (select, sparse MLA). */
+void cu_conv1d_silu_rows(mt_backend *be, float *out, const float *x, float *const *states, const float *w,
+                         int n, int C, int K);
+void cu_kda_recurrent_rows(mt_backend *be, float *o, const float *q, const float *k, const float *v,
+                           const float *g, const float *beta, float *const *states, int n, int nh, int dk);
+void cu_copy_rows_to(mt_backend *be, float *const *bases, int64_t row, const int32_t *pos, const float *src, int n);
+void cu_dsa_pool_keys_rows(mt_backend *be, float *const *pool_keys, const float *const *ki, const float *const *gs,
+                           const float *ape, const int32_t *pos, int n, int kpool, int id);
+void cu_dsa_select_rows(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi, const float *w,
+                        const float *const *pool_keys, const int32_t *pos, int n, const mt_dsa_select_params *p);
+void cu_mla_sparse_rows(mt_backend *be, float *out, const float *q, const float *const *latents,
+                        const mt_weight *kv_b, const int32_t *sel, const int32_t *nsel, int max_sel,
+                        const int32_t *pos, int n, const mt_mla_params *p);
+
 #ifdef __cplusplus
 }
 #endif
@@ -274,4 +289,20 @@ template <mt_dtype DT> static __device__ __forceinline__ uint16_t cu_bits16(floa
 
 static inline __host__ __device__ bool cu_aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 #endif /* __CUDACC__ */
+
+/* cuda_moe_grouped.cu: moe_experts (same contract as cu_moe_experts) grouped by expert on the
+ * device: no host synchronisation and no allocation once warm (graph-capturable), for decode-sized
+ * batches (8 < n <= 256). The first call for an experts array builds its device table and may
+ * synchronise; a call captured before any eager call fails (logged). Details in the file.
+ * cu_moe_grouped_free releases cb's tables (for cu_destroy; fine for a backend without any). */
+#ifdef __cplusplus
+extern "C" {
+#endif
+void cu_moe_experts_grouped(mt_backend *be, float *out, const float *x, const int32_t *idx,
+                            const float *weights, const mt_expert *experts, int n, int top_k, int H,
+                            int I, float L);
+void cu_moe_grouped_free(cu_backend *cb);
+#ifdef __cplusplus
+}
+#endif
 #endif /* MT_CUDA_OPS_H */

@@ -2,15 +2,18 @@
  * is the KV cache, attending only over the positions its indexer selects. A "full" layer runs
  * its own indexer (keys, gate scores and pool keys cached per sequence) and leaves its selection
  * in the step scratch; the "shared" layer right after it reuses that selection. Rows and states as
- * in glm_kda.c: one sequence's consecutive positions (nst == 1), or one row per sequence. */
+ * in glm_kda.c: one sequence's consecutive positions (nst == 1), or one row per sequence (the rows
+ * form, when the step carries pointer tables). */
 #include <math.h>
 
 #include "worker/model/glm_impl.h"
 
-/* Batched decode (nst == n): row i is the next position of sequence sts[i]. Projections run over
- * all rows; the cache writes, pool keys, selection and attention per sequence, at its length. */
-static mt_status dsa_forward_multi(const glm_layer *l, glm_layer_state **sts, mt_step *step,
-                                   const float *h, float *out, int n) {
+/* Batched decode, the rows form: row i is the next position rpos[i] of its own sequence, whose
+ * caches the step's pointer tables give (glm_rtab). Projections run over all rows; the cache
+ * writes, pool keys, selection and attention are one rows op each, every row at its own position.
+ * The host-tracked cache lengths are not touched here: the model moves them with the layer's
+ * sync_replayed_step hook after the step, eager or replayed alike. */
+static mt_status dsa_forward_rows(const glm_layer *l, mt_step *step, const float *h, float *out, int n) {
     const glm_config *c = l->cfg;
     const glm_dsa_w *w = &l->dsa;
     mt_backend *be = step->be;
@@ -19,6 +22,7 @@ static mt_status dsa_forward_multi(const glm_layer *l, glm_layer_state **sts, mt
     const int kvl = c->kv_lora_rank, id = c->index_head_dim, kp = c->index_kpool, ih = c->index_n_heads;
     const int Hq = c->num_attention_heads, dn = c->qk_nope_head_dim, dv = c->v_head_dim;
     const int max_sel = glm_max_sel(c);
+    const int32_t *pos = step->rpos;
     float **b = scr->buf;
     float *qr = b[0], *q = b[1], *o = b[2], *qi = b[3], *iw = b[4], *lat = b[5], *ki = b[6], *gs = b[7];
 
@@ -27,29 +31,23 @@ static mt_status dsa_forward_multi(const glm_layer *l, glm_layer_state **sts, mt
     op->matmul(be, q, qr, &w->q_b, n);
     op->matmul(be, lat, h, &w->kv_a, n);
     op->rmsnorm(be, lat, lat, w->kv_a_norm, n, kvl, c->rms_norm_eps);
-    for (int i = 0; i < n; i++) {
-        MT_ASSERT(sts[i]->len < sts[i]->cap);
-        op->copy(be, sts[i]->latent + (size_t)sts[i]->len * kvl, lat + (size_t)i * kvl, sizeof(float) * kvl);
-    }
+    op->copy_rows_to(be, glm_rtab(step, GLM_R_LATENT), kvl, pos, lat, n);
     if (w->has_indexer) {
         op->matmul(be, ki, h, &w->ik, n);
         op->layernorm(be, ki, ki, w->ik_norm_w, w->ik_norm_b, n, id, 1e-6f);
         op->matmul(be, gs, h, &w->igate, n);
         op->matmul(be, qi, qr, &w->iq, n);
         op->matmul(be, iw, h, &w->iw, n);
+        op->copy_rows_to(be, glm_rtab(step, GLM_R_KI), id, pos, ki, n);
+        op->copy_rows_to(be, glm_rtab(step, GLM_R_GS), id, pos, gs, n);
+        op->dsa_pool_keys_rows(be, glm_rtab(step, GLM_R_POOL), (const float *const *)glm_rtab(step, GLM_R_KI),
+                               (const float *const *)glm_rtab(step, GLM_R_GS), w->ape, pos, n, kp, id);
         const mt_dsa_select_params sp = {
             .ih = ih, .id = id, .kpool = kp, .max_pools = c->index_topk / kp,
-            .tail = c->index_kpool_always_select_tail, .max_sel = max_sel,
+            .tail = c->index_kpool_always_select_tail, .max_sel = max_sel, .t_cap = step->rt_cap,
         };
-        for (int i = 0; i < n; i++) {
-            glm_layer_state *st = sts[i];
-            const int t = st->len;
-            op->copy(be, st->ki + (size_t)t * id, ki + (size_t)i * id, sizeof(float) * id);
-            op->copy(be, st->gs + (size_t)t * id, gs + (size_t)i * id, sizeof(float) * id);
-            if ((t + 1) % kp == 0) op->dsa_pool_keys(be, st->pool, st->ki, st->gs, w->ape, t / kp, t / kp + 1, kp, id);
-            op->dsa_select(be, scr->sel + (size_t)i * max_sel, scr->nsel + i, qi + (size_t)i * ih * id,
-                           iw + (size_t)i * ih, st->pool, t, 1, &sp);
-        }
+        op->dsa_select_rows(be, scr->sel, scr->nsel, qi, iw, (const float *const *)glm_rtab(step, GLM_R_POOL), pos,
+                            n, &sp);
         scr->sel_t0 = GLM_SEL_MULTI;
         scr->sel_n = n;
     } else {
@@ -57,22 +55,21 @@ static mt_status dsa_forward_multi(const glm_layer *l, glm_layer_state **sts, mt
     }
     const mt_mla_params mp = {
         .Hq = Hq, .dn = dn, .dv = dv, .kvl = kvl,
-        .scale = 1.f / sqrtf((float)(dn + c->qk_rope_head_dim)),
+        .scale = 1.f / sqrtf((float)(dn + c->qk_rope_head_dim)), .t_cap = step->rt_cap,
     };
-    for (int i = 0; i < n; i++) {
-        glm_layer_state *st = sts[i];
-        op->mla_sparse(be, o + (size_t)i * Hq * dv, q + (size_t)i * Hq * dn, st->latent, &w->kv_b,
-                       scr->sel + (size_t)i * max_sel, scr->nsel + i, max_sel, st->len, 1, &mp);
-        st->len++;
-    }
+    op->mla_sparse_rows(be, o, q, (const float *const *)glm_rtab(step, GLM_R_LATENT), &w->kv_b, scr->sel,
+                        scr->nsel, max_sel, pos, n, &mp);
     op->matmul(be, out, o, &w->o, n);
     return MT_OK;
 }
 
 mt_status glm_dsa_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt_step *step,
                           const float *h, float *out, int n) {
-    MT_ASSERT(nst == 1 || nst == n);
-    if (nst > 1) return dsa_forward_multi(l, sts, step, h, out, n);
+    if (step->rtab) {
+        MT_ASSERT(nst == n);
+        return dsa_forward_rows(l, step, h, out, n);
+    }
+    MT_ASSERT(nst == 1);
     glm_layer_state *st = sts[0];
     const glm_config *c = l->cfg;
     const glm_dsa_w *w = &l->dsa;

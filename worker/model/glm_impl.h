@@ -11,6 +11,8 @@
 #include "worker/model/glm_model.h"
 #include "worker/model/layer.h"
 
+#define GLM_BUCKETS 10          /* decode graph buckets 1, 2, 4, ..., 512 */
+
 typedef struct glm_hc_w {
     mt_weight fn;              /* [(2+S)S, S*H] */
     float *base;               /* [(2+S)S] */
@@ -97,6 +99,16 @@ typedef struct glm_scratch {
                                 * sequence of a batched decode); sel_n = 0 when none */
 } glm_scratch;
 
+/* The rows form of batched decode (row i = the next position of its own sequence): for each
+ * layer and each kind of per-sequence buffer, a table of one pointer per row, in backend memory
+ * (see kernels/backend.h "rows"). Table (layer l, kind k) starts at tab + (l * GLM_R_KINDS + k) * cap. */
+enum {
+    GLM_R_CONV0, GLM_R_CONV1, GLM_R_CONV2, /* KDA conv state of q, k, v */
+    GLM_R_REC,                             /* KDA recurrent state */
+    GLM_R_LATENT, GLM_R_KI, GLM_R_GS, GLM_R_POOL, /* DSA caches */
+    GLM_R_KINDS
+};
+
 struct mt_step {
     mt_backend *be;
     int t0;                    /* position of the first row (host) */
@@ -104,6 +116,14 @@ struct mt_step {
     /* Graph form (decode): the position as the ops read it at run time, in backend memory; NULL
      * in the eager form, where ops take t0 as an argument. */
     const int32_t *d_pos;
+    /* Rows form (batched decode): positions [n] and this layer's pointer tables (kind k at
+     * rtab + k * rcap), backend memory; rt_cap bounds every position. NULL otherwise. */
+    const int32_t *rpos;
+    void *const *rtab;
+    int rcap, rt_cap;
+    /* Expert census (benchmarks): when set, each MoE layer marks the experts its rows chose in
+     * census[layer * n_routed_experts + e] (host; reads the routing back, so eager steps only). */
+    uint8_t *census;
 };
 
 struct glm_model {
@@ -122,6 +142,22 @@ struct glm_model {
     bool graph_stale_on_new_sequence; /* some layer's capability: graphs belong to a sequence */
     mt_graph *shared_graph;    /* the decode graph when no layer ties it to a sequence */
     bool fail_next_capture;    /* test hook: invalidate the next capture */
+    /* Batched decode (glm_decode_multi), rows form: tables in backend memory, host mirrors. */
+    int rcap;                  /* rows per pass (= scr.rows) */
+    int32_t *d_rtok;           /* [rcap * S] token of each highway row */
+    int32_t *d_rpos;           /* [rcap] */
+    void **d_rtab;             /* [L * GLM_R_KINDS * rcap] */
+    int32_t *h_rtok, *h_rpos;
+    void **h_rtab;
+    int rt_cap;                /* largest capacity of any sequence made so far (graph sizing) */
+    /* Decode graphs per bucket of rows (1, 2, 4, ... rcap), captured for rt_cap; pad rows of a
+     * bucket run on pad_seq (zeroed before each padded replay). */
+    mt_graph *bucket_graph[GLM_BUCKETS];
+    int bucket_tcap[GLM_BUCKETS];
+    int bucket_failures[GLM_BUCKETS];
+    bool bucket_warm[GLM_BUCKETS];
+    glm_seq *pad_seq;
+    uint8_t *census;           /* [L * E] host, NULL unless glm_model_set_expert_census */
 };
 
 struct glm_seq {
@@ -137,6 +173,11 @@ struct glm_seq {
 
 #define GLM_MAX_CAPTURE_FAILURES 3
 #define GLM_SEL_MULTI (-1)
+
+/* Table of kind k (GLM_R_*) of the step's layer, rows form. */
+static inline float *const *glm_rtab(const mt_step *s, int k) {
+    return (float *const *)(s->rtab + (size_t)k * (size_t)s->rcap);
+}
 
 /* glm_weights.c */
 mt_status glm_weights_bind(glm_model *m, mt_error *err);

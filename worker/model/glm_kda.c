@@ -3,8 +3,9 @@
  * sequence, recurrent for one row), gated output norm and o_proj.
  *
  * Rows and states: with nst == 1 all n rows are consecutive positions of sts[0] (prefill, decode);
- * with nst == n row i is the next position of sequence sts[i] (batched decode): the projections
- * and norms run over all rows at once, the conv and the delta rule per sequence on its state. */
+ * with nst == n row i is the next position of sequence sts[i] (batched decode, the rows form):
+ * the projections and norms run over all rows at once, the conv and the delta rule on each row's
+ * own state through the step's pointer tables (glm_rtab), so no op is issued per sequence. */
 #include <math.h>
 
 #include "worker/model/glm_impl.h"
@@ -20,16 +21,15 @@ mt_status glm_kda_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
     float **b = step->scr->buf;
     float *raw = b[0], *q = b[1], *k = b[2], *v = b[3], *g = b[4], *beta = b[5], *o = b[6];
     float *lo = b[7], *gate = b[8];
-    MT_ASSERT(nst == 1 || nst == n);
+    const bool rows = step->rtab != NULL; /* the rows form, even for n == 1 (a graph bucket) */
+    MT_ASSERT(rows ? nst == n : nst == 1);
 
     const mt_weight *proj[3] = { &w->q, &w->k, &w->v };
     float *dst[3] = { q, k, v };
     for (int j = 0; j < 3; j++) {
         op->matmul(be, raw, h, proj[j], n);
-        if (nst == 1) op->conv1d_silu(be, dst[j], raw, sts[0]->conv[j], w->conv[j], n, D, K);
-        else
-            for (int i = 0; i < n; i++)
-                op->conv1d_silu(be, dst[j] + (size_t)i * D, raw + (size_t)i * D, sts[i]->conv[j], w->conv[j], 1, D, K);
+        if (!rows) op->conv1d_silu(be, dst[j], raw, sts[0]->conv[j], w->conv[j], n, D, K);
+        else op->conv1d_silu_rows(be, dst[j], raw, glm_rtab(step, GLM_R_CONV0 + j), w->conv[j], n, D, K);
     }
     op->l2norm(be, q, (int64_t)n * nh, dk, 1e-6f, 1.f / sqrtf((float)dk));
     op->l2norm(be, k, (int64_t)n * nh, dk, 1e-6f, 1.f);
@@ -41,13 +41,9 @@ mt_status glm_kda_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
     op->matmul(be, beta, h, &w->b, n);
     op->sigmoid(be, beta, (int64_t)n * nh);
 
-    if (nst == 1 && n == 1) op->kda_recurrent(be, o, q, k, v, g, beta, sts[0]->rec, 1, nh, dk);
-    else if (nst == 1) op->kda_chunked(be, o, q, k, v, g, beta, sts[0]->rec, n, nh, dk);
-    else
-        for (int i = 0; i < n; i++) {
-            const size_t r = (size_t)i * D;
-            op->kda_recurrent(be, o + r, q + r, k + r, v + r, g + r, beta + (size_t)i * nh, sts[i]->rec, 1, nh, dk);
-        }
+    if (!rows && n == 1) op->kda_recurrent(be, o, q, k, v, g, beta, sts[0]->rec, 1, nh, dk);
+    else if (!rows) op->kda_chunked(be, o, q, k, v, g, beta, sts[0]->rec, n, nh, dk);
+    else op->kda_recurrent_rows(be, o, q, k, v, g, beta, glm_rtab(step, GLM_R_REC), n, nh, dk);
 
     op->matmul(be, lo, h, &w->g_a, n);
     op->matmul(be, gate, lo, &w->g_b, n);

@@ -1,5 +1,7 @@
 /* worker/model/glm_mlp.c: the MLP site's sublayer: a dense SwiGLU MLP, or the MoE (router over
  * the routed experts plus the shared expert), with the swiglu_limit clamp. */
+#include <stdlib.h>
+
 #include "worker/model/glm_impl.h"
 
 static void swiglu_mlp(mt_backend *be, const mt_expert *e, const float *h, float *out, int n, int I,
@@ -32,4 +34,13 @@ void glm_mlp_forward(const glm_layer *l, mt_step *step, const float *h, float *o
     be->ops->moe_route(be, scr->idx, scr->wts, logits, w->router_bias, &rp, n);
     be->ops->moe_experts(be, out, h, scr->idx, scr->wts, w->experts, n, c->num_experts_per_tok,
                          c->hidden_size, c->moe_intermediate_size, c->swiglu_limit);
+    if (step->census) { /* which experts this step reads (benchmark floors) */
+        const int k = c->num_experts_per_tok, E = c->n_routed_experts;
+        int32_t *idx = malloc(sizeof(int32_t) * (size_t)n * k);
+        if (!idx) return;
+        be->ops->download(be, idx, scr->idx, sizeof(int32_t) * (size_t)n * k);
+        for (int i = 0; i < n * k; i++)
+            if (idx[i] >= 0 && idx[i] < E) step->census[(size_t)l->base.index * E + idx[i]] = 1;
+        free(idx);
+    }
 }

@@ -57,6 +57,17 @@ static mt_status model_init(glm_model *m, uint64_t random_seed, bool random, mt_
     m->d_step = be->ops->alloc(be, 2 * sizeof(int32_t));
     if (!m->X || !m->z || !m->logits || !m->d_step)
         return mt_errorf(err, MT_ERR_NOMEM, "out of memory for activations");
+    /* rows form of batched decode: one pass takes at most the scratch rows */
+    const size_t tab = (size_t)c->num_hidden_layers * GLM_R_KINDS * (size_t)rows;
+    m->rcap = rows;
+    m->d_rtok = be->ops->alloc(be, sizeof(int32_t) * (size_t)rows * c->hc_mult);
+    m->d_rpos = be->ops->alloc(be, sizeof(int32_t) * (size_t)rows);
+    m->d_rtab = be->ops->alloc(be, sizeof(void *) * tab);
+    m->h_rtok = calloc((size_t)rows * c->hc_mult, sizeof(int32_t));
+    m->h_rpos = calloc((size_t)rows, sizeof(int32_t));
+    m->h_rtab = calloc(tab, sizeof(void *));
+    if (!m->d_rtok || !m->d_rpos || !m->d_rtab || !m->h_rtok || !m->h_rpos || !m->h_rtab)
+        return mt_errorf(err, MT_ERR_NOMEM, "out of memory for the batched-decode tables");
     for (int i = 0; i < c->num_hidden_layers; i++)
         m->graph_stale_on_new_sequence |= m->layers[i].base.caps.graph_stale_on_new_sequence;
     return MT_OK;
@@ -108,6 +119,7 @@ mt_status glm_model_new_random(const glm_config *cfg, uint64_t seed, mt_backend 
 void glm_model_free(glm_model *m) {
     if (!m) return;
     mt_backend *be = m->be;
+    glm_seq_free(m->pad_seq); /* before the layers it releases through */
     glm_weights_release(m);
     free(m->layers);
     scratch_free(be, &m->scr);
@@ -115,7 +127,17 @@ void glm_model_free(glm_model *m) {
     be->ops->free(be, m->z);
     be->ops->free(be, m->logits);
     be->ops->free(be, m->d_step);
-    if (be->ops->graph_free) be->ops->graph_free(be, m->shared_graph);
+    if (be->ops->graph_free) {
+        be->ops->graph_free(be, m->shared_graph);
+        for (int b = 0; b < GLM_BUCKETS; b++) be->ops->graph_free(be, m->bucket_graph[b]);
+    }
+    be->ops->free(be, m->d_rtok);
+    be->ops->free(be, m->d_rpos);
+    be->ops->free(be, m->d_rtab);
+    free(m->h_rtok);
+    free(m->h_rpos);
+    free(m->h_rtab);
+    free(m->census);
     st_close(m->ar);
     free(m);
 }
@@ -142,6 +164,7 @@ mt_status glm_seq_new(glm_model *m, int max_tokens, glm_seq **out, mt_error *err
         }
         s->bytes += glm_layer_state_bytes(&m->layers[i], max_tokens);
     }
+    if (max_tokens > m->rt_cap) m->rt_cap = max_tokens; /* batched-decode graphs are sized by it */
     *out = s;
     return MT_OK;
 }
@@ -360,27 +383,133 @@ mt_status glm_decode(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_
     return MT_OK;
 }
 
-/* Rows [0, n) are one token each of n distinct sequences: through every layer's decode_multi_seq,
- * then the head; logits (host) [n, V]. n <= the scratch rows. */
-static mt_status decode_multi_rows(glm_model *m, glm_seq **seqs, const int32_t *tokens, int n,
-                                   float *logits) {
+/* ---- batched decode: the rows form, with graphs per bucket of rows ---- */
+
+/* Fills and uploads the rows tables for B rows: rows [0, n) are seqs[i] at its next position,
+ * rows [n, B) pad a graph bucket with position 0 of m->pad_seq (their outputs are dropped; pad
+ * rows all write the pad sequence's state, which is scratch). */
+static void rows_upload(glm_model *m, glm_seq **seqs, const int32_t *tokens, int n, int B) {
+    const glm_config *c = &m->cfg;
+    const int L = c->num_hidden_layers, S = c->hc_mult, cap = m->rcap;
+    mt_backend *be = m->be;
+    for (int i = 0; i < B; i++) {
+        glm_seq *s = i < n ? seqs[i] : m->pad_seq;
+        const int32_t tok = i < n ? tokens[i] : 0;
+        m->h_rpos[i] = i < n ? s->len : 0;
+        for (int j = 0; j < S; j++) m->h_rtok[(size_t)i * S + j] = tok;
+        for (int l = 0; l < L; l++) {
+            const glm_layer_state *st = (const glm_layer_state *)s->states[l];
+            void **t = m->h_rtab + (size_t)l * GLM_R_KINDS * cap + i;
+            void *const ptrs[GLM_R_KINDS] = { st->conv[0], st->conv[1], st->conv[2], st->rec,
+                                              st->latent, st->ki, st->gs, st->pool };
+            for (int k = 0; k < GLM_R_KINDS; k++) t[(size_t)k * cap] = ptrs[k];
+        }
+    }
+    be->ops->upload(be, m->d_rtok, m->h_rtok, sizeof(int32_t) * (size_t)B * S);
+    be->ops->upload(be, m->d_rpos, m->h_rpos, sizeof(int32_t) * (size_t)B);
+    be->ops->upload(be, m->d_rtab, m->h_rtab, sizeof(void *) * (size_t)L * GLM_R_KINDS * cap);
+}
+
+/* One batched step of B rows from the uploaded tables, through every layer's decode_multi_seq
+ * and the head; logits stay in m->logits [B, V]. Every op reads its rows from backend memory, so
+ * the same body is what a bucket graph records. sts: B layer states (host bookkeeping only). */
+static mt_status rows_body(glm_model *m, glm_seq **seqs, int n, int B, mt_layer_state **sts) {
     const glm_config *c = &m->cfg;
     mt_backend *be = m->be;
     const int L = c->num_hidden_layers;
-    mt_layer_state **sts = malloc(sizeof *sts * (size_t)n);
-    if (!sts) return MT_ERR_NOMEM;
-    mt_step step = { .be = be, .t0 = -1, .scr = &m->scr };
+    mt_step step = { .be = be, .t0 = -1, .scr = &m->scr, .rpos = m->d_rpos, .rcap = m->rcap,
+                     .rt_cap = m->rt_cap, .census = m->census };
+    if (m->census) memset(m->census, 0, (size_t)L * c->n_routed_experts);
     m->scr.sel_n = 0;
-    highway_from_tokens(m, tokens, n);
+    be->ops->embed_dev(be, m->X, &m->embed, m->d_rtok, B * c->hc_mult);
+    for (int l = 0; l < L; l++) {
+        for (int i = 0; i < B; i++) sts[i] = (i < n ? seqs[i] : m->pad_seq)->states[l];
+        step.rtab = m->d_rtab + (size_t)l * GLM_R_KINDS * m->rcap;
+        mt_status st = mt_layer_decode_multi_seq(&m->layers[l].base, sts, B, &step, m->X);
+        if (st != MT_OK) return st;
+    }
+    head_logits(m, m->X, B, NULL);
+    return MT_OK;
+}
+
+static int bucket_of(int n) {
+    int b = 0;
+    while ((1 << b) < n) b++;
+    return b;
+}
+
+/* Rows [0, n), n <= m->rcap: the hooks of every sequence around one step, run through the
+ * bucket's graph when graphs are on (captured on the bucket's second use, after an eager step
+ * has sized the scratch; recaptured when a longer sequence raised rt_cap), else eagerly. */
+static mt_status decode_rows(glm_model *m, glm_seq **seqs, const int32_t *tokens, int n, float *logits,
+                             mt_error *err) {
+    const glm_config *c = &m->cfg;
+    mt_backend *be = m->be;
+    const int L = c->num_hidden_layers, b = bucket_of(n);
+    bool use_graph = m->params.decode_graphs && be->ops->graph_begin && !m->census && b < GLM_BUCKETS &&
+                     (1 << b) <= m->rcap && m->bucket_failures[b] < GLM_MAX_CAPTURE_FAILURES;
+    const int B = use_graph ? 1 << b : n;
+    if (B > n && !m->pad_seq) {
+        mt_status st = glm_seq_new(m, 1, &m->pad_seq, err);
+        if (st != MT_OK) return st;
+    }
+    for (int i = 0; i < n; i++)
+        for (int l = 0; l < L; l++) {
+            const mt_layer *ml = &m->layers[l].base;
+            mt_status st = mt_layer_decode_prestage(ml, seqs[i]->states[l], tokens[i]);
+            if (st != MT_OK) return mt_errorf(err, st, "batched decode: sequence %d layer %d prestage failed", i, l);
+            if (mt_layer_check_replay_room(ml, seqs[i]->states[l], seqs[i]->len, 1) != MT_OK)
+                return mt_errorf(err, MT_ERR_FULL, "batched decode: sequence %d layer %d (%s) has no room at %d", i,
+                                 l, ml->kind, seqs[i]->len);
+        }
+    mt_layer_state **sts = malloc(sizeof *sts * (size_t)B);
+    if (!sts) return mt_errorf(err, MT_ERR_NOMEM, "out of memory");
+    rows_upload(m, seqs, tokens, n, B);
     mt_status st = MT_OK;
-    for (int l = 0; l < L && st == MT_OK; l++) {
-        for (int i = 0; i < n; i++) sts[i] = seqs[i]->states[l];
-        st = mt_layer_decode_multi_seq(&m->layers[l].base, sts, n, &step, m->X);
+    if (use_graph && m->bucket_graph[b] && m->bucket_tcap[b] != m->rt_cap) {
+        be->ops->graph_free(be, m->bucket_graph[b]); /* sized for shorter sequences */
+        m->bucket_graph[b] = NULL;
+    }
+    if (use_graph && !m->bucket_graph[b] && m->bucket_warm[b]) {
+        if (be->ops->graph_begin(be) == MT_OK) {
+            st = rows_body(m, seqs, n, B, sts);
+            if (m->fail_next_capture) { /* test hook: a host sync is not capturable */
+                m->fail_next_capture = false;
+                be->ops->sync(be);
+            }
+            mt_graph *g = NULL;
+            mt_status end = be->ops->graph_end(be, &g);
+            if (st == MT_OK && end == MT_OK && g) {
+                m->bucket_graph[b] = g;
+                m->bucket_tcap[b] = m->rt_cap;
+            } else if (g) {
+                be->ops->graph_free(be, g);
+            }
+        }
+        if (!m->bucket_graph[b]) {
+            for (int i = 0; i < n; i++)
+                for (int l = 0; l < L; l++) mt_layer_decode_prestage_rearm(&m->layers[l].base, seqs[i]->states[l]);
+            m->bucket_failures[b]++;
+            mt_log(MT_LOG_WARN, "batched decode graph capture for %d rows failed (%d of %d); this step runs eagerly", B,
+                   m->bucket_failures[b], GLM_MAX_CAPTURE_FAILURES);
+        }
+        st = MT_OK;
+    }
+    if (use_graph && m->bucket_graph[b]) {
+        st = be->ops->graph_launch(be, m->bucket_graph[b]);
+    } else {
+        st = rows_body(m, seqs, n, B, sts);
+        if (use_graph && st == MT_OK) m->bucket_warm[b] = true;
     }
     free(sts);
-    if (st != MT_OK) return st;
-    for (int i = 0; i < n; i++) seqs[i]->len++;
-    head_logits(m, m->X, n, logits);
+    if (st != MT_OK) return mt_errorf(err, st, "batched decode of %d sequences failed: %s", n, mt_status_str(st));
+    for (int i = 0; i < n; i++) {
+        for (int l = 0; l < L; l++)
+            if ((st = mt_layer_sync_replayed_step(&m->layers[l].base, seqs[i]->states[l], seqs[i]->len, 1)) != MT_OK)
+                return mt_errorf(err, st, "batched decode: sequence %d layer %d lost track of its cache", i, l);
+        seqs[i]->len++;
+    }
+    if (logits) be->ops->download(be, logits, m->logits, sizeof(float) * (size_t)n * c->vocab_size);
     return MT_OK;
 }
 
@@ -401,13 +530,37 @@ mt_status glm_decode_multi(glm_model *m, glm_seq **seqs, const int32_t *tokens, 
         if (!m->layers[i].base.ops->decode_multi_seq)
             return mt_errorf(err, MT_ERR_UNSUPPORTED, "layer %d (%s) cannot decode several sequences at once",
                              i, m->layers[i].base.kind);
-    const int rows = m->scr.rows, V = m->cfg.vocab_size;
+    const int rows = m->rcap, V = m->cfg.vocab_size;
     for (int done = 0; done < n; done += rows) {
         const int k = n - done < rows ? n - done : rows;
-        mt_status st = decode_multi_rows(m, seqs + done, tokens + done, k, logits ? logits + (size_t)done * V : NULL);
-        if (st != MT_OK) return mt_errorf(err, st, "batched decode failed: %s", mt_status_str(st));
+        mt_status st = decode_rows(m, seqs + done, tokens + done, k, logits ? logits + (size_t)done * V : NULL, err);
+        if (st != MT_OK) return st;
     }
     return MT_OK;
+}
+
+mt_status glm_last_argmax(glm_model *m, int n, int32_t *out) {
+    if (n < 1 || n > m->rcap) return MT_ERR_INVALID;
+    m->be->ops->argmax(m->be, out, m->logits, n, m->cfg.vocab_size);
+    return MT_OK;
+}
+
+mt_status glm_model_set_expert_census(glm_model *m, bool on) {
+    free(m->census);
+    m->census = on ? calloc((size_t)m->cfg.num_hidden_layers * m->cfg.n_routed_experts, 1) : NULL;
+    return on && !m->census ? MT_ERR_NOMEM : MT_OK;
+}
+
+int glm_model_expert_census(const glm_model *m) {
+    if (!m->census) return -1;
+    int touched = 0;
+    for (size_t i = 0; i < (size_t)m->cfg.num_hidden_layers * m->cfg.n_routed_experts; i++) touched += m->census[i];
+    return touched;
+}
+
+bool glm_model_has_bucket_graph(const glm_model *m, int n) {
+    const int b = bucket_of(n);
+    return b < GLM_BUCKETS && m->bucket_graph[b] != NULL;
 }
 
 void glm_model_fail_next_capture(glm_model *m) { m->fail_next_capture = true; }

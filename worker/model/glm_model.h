@@ -72,12 +72,30 @@ mt_status glm_decode(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_
 void glm_model_set_decode_graphs(glm_model *m, bool on);
 
 /* One token for each of n distinct sequences in one pass through the layers (each layer's
- * decode_multi_seq: projections, MoE and the head over all rows; caches, selection and attention
- * per sequence, at its own length). logits (host) [n, vocab] when not NULL. Checks every token,
- * that each sequence has room and appears once; on such an input error nothing changes. Eager:
- * graph decode stays a single-sequence path for now. */
+ * decode_multi_seq in the rows form: projections, MoE and the head over all rows; cache writes,
+ * selection, attention, conv and recurrent state on each row's own memory through pointer tables
+ * in backend memory, each row at its own position). logits (host) [n, vocab] when not NULL.
+ * Checks every token, that each sequence has room and appears once; on such an input error
+ * nothing changes. With decode_graphs on a backend that captures, a step of n rows replays the
+ * graph of its bucket (the next power of two; the extra rows run on a pad sequence and are
+ * dropped), captured on the bucket's second use; the graph holds the tables' addresses, so it
+ * serves any sequences. The layers' graph hooks run per sequence around the step. */
 mt_status glm_decode_multi(glm_model *m, glm_seq **seqs, const int32_t *tokens, int n, float *logits,
                            mt_error *err);
+
+/* Greedy tokens of the last decode step's first n rows (glm_decode: n = 1; glm_decode_multi of at
+ * most the scratch rows: its rows), taken where the logits are (on the device for a GPU
+ * backend), into out (host) [n]: greedy decoding without moving the logits. */
+mt_status glm_last_argmax(glm_model *m, int n, int32_t *out);
+
+/* Expert census, for benchmarks: while on, each eager batched step records which routed experts
+ * its rows chose; glm_model_expert_census returns how many (layer, expert) pairs the last such
+ * step touched (-1 when off). Reads the routing back, so a replayed graph step records nothing. */
+mt_status glm_model_set_expert_census(glm_model *m, bool on);
+int glm_model_expert_census(const glm_model *m);
+
+/* Whether a batched step of n rows would replay a captured graph now. */
+bool glm_model_has_bucket_graph(const glm_model *m, int n);
 
 /* Test hook: the next decode-graph capture fails (an uncapturable call is made inside it). */
 void glm_model_fail_next_capture(glm_model *m);

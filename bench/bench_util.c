@@ -1,0 +1,64 @@
+/* bench/bench_util.c: see bench_util.h. */
+#include "bench/bench_util.h"
+
+#include <cuda_runtime_api.h>
+#include <string.h>
+
+#include "worker/loader/glm_manifest.h"
+
+double bench_copy_bandwidth_gbs(void) {
+    const size_t bytes = (size_t)4 << 30;
+    void *a = NULL, *b = NULL;
+    if (cudaMalloc(&a, bytes) != cudaSuccess || cudaMalloc(&b, bytes) != cudaSuccess) {
+        cudaFree(a);
+        return 0;
+    }
+    cudaMemset(a, 1, bytes);
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice); /* warm-up */
+    const int reps = 10;
+    cudaEventRecord(e0, 0);
+    for (int i = 0; i < reps; i++) cudaMemcpy(i & 1 ? a : b, i & 1 ? b : a, bytes, cudaMemcpyDeviceToDevice);
+    cudaEventRecord(e1, 0);
+    cudaEventSynchronize(e1);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, e0, e1);
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    cudaFree(a);
+    cudaFree(b);
+    return 2.0 * bytes * reps / (ms * 1e-3) / 1e9; /* read + write */
+}
+
+typedef struct count_ctx {
+    const glm_config *c;
+    bench_weights *w;
+} count_ctx;
+
+static void count_tensor(const glm_tensor_spec *s, void *user) {
+    count_ctx *x = user;
+    double n = 1;
+    for (int i = 0; i < s->ndim; i++) n *= (double)s->shape[i];
+    const double bytes = n * (double)mt_dtype_size(s->dtype);
+    if (strstr(s->name, ".mlp.experts.")) {
+        /* every (layer, expert) is alike: summed here, divided into one expert's bytes below */
+        x->w->touched_params += n * x->c->num_experts_per_tok / x->c->n_routed_experts;
+        x->w->expert_bytes += bytes;
+    } else if (strstr(s->name, "embed_tokens")) {
+        x->w->embed_row_bytes = bytes / (double)s->shape[0];
+    } else {
+        x->w->dense_bytes += bytes;
+        x->w->touched_params += n;
+    }
+}
+
+void bench_count_weights(const glm_config *c, bench_weights *out) {
+    memset(out, 0, sizeof *out);
+    count_ctx x = { c, out };
+    glm_manifest_foreach(c, count_tensor, &x);
+    int moe_layers = 0;
+    for (int l = 0; l < c->num_hidden_layers; l++) moe_layers += c->mlp_layer_types[l] == GLM_MLP_SPARSE;
+    if (moe_layers > 0) out->expert_bytes /= (double)moe_layers * c->n_routed_experts;
+}

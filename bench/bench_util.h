@@ -1,0 +1,22 @@
+/* bench/bench_util.h: what the GPU benchmarks share: the device copy bandwidth (the reference
+ * ceiling every floor is measured against) and the bytes of the model's weights by kind. */
+#ifndef MT_BENCH_UTIL_H
+#define MT_BENCH_UTIL_H
+
+#include "worker/loader/glm_config.h"
+
+/* cudaMemcpy device-to-device of 4 GiB, 10 times after a warm-up: (read + write) GB/s; 0 when the
+ * buffers cannot be allocated. */
+double bench_copy_bandwidth_gbs(void);
+
+/* Bytes and parameters of the manifest of c, by kind. */
+typedef struct bench_weights {
+    double dense_bytes;    /* every tensor but the routed experts and the embedding */
+    double expert_bytes;   /* one routed expert of one layer (gate + up + down) */
+    double embed_row_bytes;/* one embedding row */
+    double touched_params; /* parameters one token touches (top_k experts, no embedding): FLOPs / 2 */
+} bench_weights;
+
+void bench_count_weights(const glm_config *c, bench_weights *out);
+
+#endif /* MT_BENCH_UTIL_H */

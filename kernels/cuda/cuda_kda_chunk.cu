@@ -1,0 +1,1147 @@
+/* kernels/cuda/cuda_kda_chunk.cu: the KDA delta rule in its chunked form, for prefill
+ * (kda_chunked): the same function as kernels/cpu/cpu_kda.c's cpu_kda_chunked (and as
+ * kda_recurrent in cuda_kda.cu). Per head, chunks of KDA_CHUNK = 64 steps; with G = cumsum g inside
+ * a chunk (per key channel d) and S0 the state [dk(k), dk(v)] at the chunk's start:
+ *   A_ij = sum_d k_i k_j e^{G_i - G_j}  (j < i),   B_ij = sum_d q_i k_j e^{G_i - G_j}  (j <= i)
+ *   delta = (I + diag(beta) A)^-1 diag(beta) (V - KX S0),  KX = k e^G, QX = q e^G
+ *   o = QX S0 + B delta,  S = diag(e^{G_L}) S0 + KL^T delta,  KL = k e^{G_L - G}
+ *
+ * Two implementations, chosen by the backend's tc_terms (MT_CUDA_TC_TERMS, cuda_ops.h):
+ *   tc_terms 0: kda_chunked_kernel, fp32 on the CUDA cores, one block per (head, 64 value
+ *     columns) walking the chunks in sequence (the reference form; 8 ms at 4096 x 64 x 128).
+ *   tc_terms 1 or 2 (default 2): two kernels on the tensor cores (bf16 mma.sync m16n8k16, fp32
+ *     accumulation) through a scratch of per-chunk records:
+ *     kc_intra_kernel, one block per (chunk, head), all chunks in parallel: everything that does not
+ *       depend on the state: G, KX/QX/KL, the intra-chunk A and B (16 x 16 sub-blocks on the
+ *       tensor cores with the decay factored per sub-block, see there), the WY inverse
+ *       Tb = (I + diag(beta) A)^-1 diag(beta) in fp32 (blocked forward substitution); writes them
+ *       as bf16 planes to the chunk's record.
+ *     kc_state_kernel, one block per (head, 64 value columns), chunks in sequence: the state slice
+ *       [128, 64] stays in fp32 registers; per chunk four small GEMMs read the record through
+ *       cp.async (prefetched a phase ahead): X = KX S0 and Y = QX S0; delta = Tb (V - X);
+ *       o = Y + B delta; S = e^{G_L} S + KL^T delta.
+ *   Every tensor-core operand x is split into bf16 parts x = hi + lo (hi = bf16(x),
+ *   lo = bf16(x - hi)) and a product a b is hi_a hi_b + hi_a lo_b + lo_a hi_b: 16 significant bits,
+ *   ~1e-5 relative error against the CPU twin (single bf16 rounding, tc_terms 1: ~4e-3, twice the
+ *   rate; the tests' bound is 1e-4). The state itself is never rounded: it accumulates in fp32.
+ * Head dims below KDA_MAX_DK are zero-padded to it in the tensor-core form. */
+#include <cuda_bf16.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/cuda_ops.h"
+
+enum {
+    KDA_MAX_DK = 128, /* head dim bound (state slice on chip; the tensor-core form pads to it) */
+    KDA_CHUNK = 64,   /* chunk length, as in cpu_kda.c */
+};
+
+typedef struct chunk_params {
+    float *o;                   /* [n, nh, dk] */
+    const float *q, *k;         /* [n, nh, dk], l2-normalised, q pre-scaled */
+    const float *v, *g;         /* [n, nh, dk]; g <= 0 */
+    const float *beta;          /* [n, nh] */
+    float *state;               /* [nh, dk(k), dk(v)] fp32, updated */
+    int n, nh, dk;
+    /* tensor-core form only */
+    __nv_bfloat16 *rec;         /* [nh, nck, KC_REC] chunk records of the current segment */
+    int t0;                     /* first step of the segment (a multiple of KDA_CHUNK) */
+    int nck;                    /* chunks in the segment */
+    int terms;                  /* bf16 parts per operand: 2 (hi + lo) or 1 (hi) */
+    int vec4;                   /* q, k, g 16-byte aligned and dk % 4 == 0: float4 loads */
+    int vec2;                   /* v, o 8-byte aligned and dk even: float2 loads and stores */
+} chunk_params;
+
+/* ------------------------------------------------------------------------------------------ */
+/* fp32 form (tc_terms 0)
+ *
+ * Block = (head, 64 value columns), 256 threads; chunks of KDA_CHUNK steps in sequence with the
+ * state slice S0 [dk, 64] resident in shared memory. Per chunk (cpu_kda.c kda_chunk_head):
+ *   1 load k, q, g [L, dk], v [L, 64], beta; rows past the chunk's end are zero
+ *   2 G = cumsum g (rows past the end repeat the last G, so no exponent there is positive)
+ *   3 A_ij = sum_d k_i k_j e^{G_i-G_j} (j < i), B_ij = sum_d q_i k_j e^{G_i-G_j} (j <= i)
+ *   4 KX = k e^G, QX = q e^G, KL = k e^{G_L - G} in place of k, q, G
+ *   5 U = v - KX S0, OQ = QX S0
+ *   6 delta_i = beta_i (U_i - sum_{j<i} A_ij delta_j), forward substitution per column
+ *   7 o = OQ + B delta
+ *   8 S0 = e^{G_L} S0 + KL^T delta                                                            */
+enum {
+    CH_THREADS = 256,
+    CH_COLS = 64,            /* value columns per block */
+    CH_AB_LD = KDA_CHUNK + 1,
+    CH_DL_LD = CH_COLS + 8,  /* delta row stride: the 4 parts of a column fall in distinct banks */
+};
+
+typedef struct chunk_smem {
+    float *K, *Q, *G;   /* [KDA_CHUNK, dk+1] each: k/q/g, then KX/QX/KL after step 4 */
+    float *S0;          /* [dk, CH_COLS] state slice */
+    float *A, *B;       /* [KDA_CHUNK, CH_AB_LD] */
+    float *U, *OQ;      /* [KDA_CHUNK, CH_COLS] */
+    float *Dl;          /* [KDA_CHUNK, CH_DL_LD] delta */
+    float *gl, *egl;    /* [KDA_MAX_DK] G_L and e^{G_L} */
+    float *bt;          /* [KDA_CHUNK] beta */
+} chunk_smem;
+
+/* Carves the dynamic shared memory; with smem == NULL only returns the size in bytes. */
+static __host__ __device__ size_t chunk_smem_carve(float *smem, int dk, chunk_smem *c) {
+    const size_t ld = (size_t)dk + 1;
+    size_t off = 0;
+    float *base = smem;
+    float *K = base + off; off += KDA_CHUNK * ld;
+    float *Q = base + off; off += KDA_CHUNK * ld;
+    float *G = base + off; off += KDA_CHUNK * ld;
+    off = (off + 3) & ~(size_t)3; /* 16-byte alignment for the float4 rows below */
+    float *S0 = base + off; off += (size_t)dk * CH_COLS;
+    float *A = base + off; off += KDA_CHUNK * CH_AB_LD;
+    float *B = base + off; off += KDA_CHUNK * CH_AB_LD;
+    off = (off + 3) & ~(size_t)3;
+    float *U = base + off; off += KDA_CHUNK * CH_COLS;
+    float *OQ = base + off; off += KDA_CHUNK * CH_COLS;
+    float *Dl = base + off; off += KDA_CHUNK * CH_DL_LD;
+    float *gl = base + off; off += KDA_MAX_DK;
+    float *egl = base + off; off += KDA_MAX_DK;
+    float *bt = base + off; off += KDA_CHUNK;
+    if (c) *c = (chunk_smem){K, Q, G, S0, A, B, U, OQ, Dl, gl, egl, bt};
+    return off * sizeof(float);
+}
+
+static __global__ void __launch_bounds__(CH_THREADS, 1) kda_chunked_kernel(chunk_params p) {
+    extern __shared__ float4 smem_f4[];
+    chunk_smem sm;
+    chunk_smem_carve((float *)smem_f4, p.dk, &sm);
+    const int h = blockIdx.x, j0 = blockIdx.y * CH_COLS, tid = threadIdx.x, dk = p.dk;
+    const int ld = dk + 1;
+    float *Sg = p.state + (size_t)h * dk * dk;
+
+    for (int e = tid; e < dk * CH_COLS; e += CH_THREADS) {
+        const int d = e / CH_COLS, c = e % CH_COLS;
+        sm.S0[e] = j0 + c < dk ? Sg[(size_t)d * dk + j0 + c] : 0.f;
+    }
+    /* Tile coordinates shared by steps 3, 5, 7: rows 4*ti .. 4*ti+3, a second index from tc. */
+    const int ti = tid / 16, tc = tid % 16;
+
+    for (int t0 = 0; t0 < p.n; t0 += KDA_CHUNK) {
+        const int Lc = p.n - t0 < KDA_CHUNK ? p.n - t0 : KDA_CHUNK;
+        /* 1: load */
+        for (int e = tid; e < KDA_CHUNK * dk; e += CH_THREADS) {
+            const int i = e / dk, d = e % dk;
+            float kv = 0.f, qv = 0.f, gv = 0.f;
+            if (i < Lc) {
+                const size_t off = ((size_t)(t0 + i) * p.nh + h) * dk + d;
+                kv = p.k[off];
+                qv = p.q[off];
+                gv = p.g[off];
+            }
+            sm.K[i * ld + d] = kv;
+            sm.Q[i * ld + d] = qv;
+            sm.G[i * ld + d] = gv;
+        }
+        for (int e = tid; e < KDA_CHUNK * CH_COLS; e += CH_THREADS) {
+            const int i = e / CH_COLS, c = e % CH_COLS;
+            sm.U[e] = (i < Lc && j0 + c < dk) ? p.v[((size_t)(t0 + i) * p.nh + h) * dk + j0 + c] : 0.f;
+        }
+        if (tid < KDA_CHUNK) sm.bt[tid] = tid < Lc ? p.beta[(size_t)(t0 + tid) * p.nh + h] : 0.f;
+        __syncthreads();
+        /* 2: cumulative log-decay */
+        for (int d = tid; d < dk; d += CH_THREADS) {
+            float acc = 0.f;
+            for (int i = 0; i < KDA_CHUNK; i++) {
+                acc = sm.G[i * ld + d] + acc;
+                sm.G[i * ld + d] = acc;
+            }
+        }
+        __syncthreads();
+        /* 3: A and B. Thread: rows i = 4*ti + x, columns j = tc + 16*y (interleaved: conflict-free
+         * banks). Warp w only has rows <= 8w+7, so it skips the column blocks y with 16y above
+         * that (warp-uniform). __expf: all exponents are <= 0 where a value is kept, and the
+         * error of the fast exp (~2 ulp, plus the argument's rounding) is far below 1e-6. */
+        {
+            const int ymax = (8 * (tid >> 5) + 7) / 16;
+            float a[4][4], b[4][4];
+#pragma unroll
+            for (int x = 0; x < 4; x++)
+#pragma unroll
+                for (int y = 0; y < 4; y++) a[x][y] = b[x][y] = 0.f;
+            for (int d = 0; d < dk; d++) {
+                float gi[4], ki[4], qi[4];
+#pragma unroll
+                for (int x = 0; x < 4; x++) {
+                    const int i = 4 * ti + x;
+                    gi[x] = sm.G[i * ld + d];
+                    ki[x] = sm.K[i * ld + d];
+                    qi[x] = sm.Q[i * ld + d];
+                }
+#pragma unroll
+                for (int y = 0; y < 4; y++) {
+                    if (y > ymax) break;
+                    const int jj = tc + 16 * y;
+                    const float gj = sm.G[jj * ld + d], kj = sm.K[jj * ld + d];
+#pragma unroll
+                    for (int x = 0; x < 4; x++) {
+                        const float kk = kj * __expf(gi[x] - gj);
+                        a[x][y] += ki[x] * kk;
+                        b[x][y] += qi[x] * kk;
+                    }
+                }
+            }
+#pragma unroll
+            for (int x = 0; x < 4; x++)
+#pragma unroll
+                for (int y = 0; y < 4; y++) {
+                    const int i = 4 * ti + x, jj = tc + 16 * y;
+                    const bool live = y <= ymax;
+                    sm.A[i * CH_AB_LD + jj] = (live && jj < i) ? a[x][y] : 0.f;
+                    sm.B[i * CH_AB_LD + jj] = (live && jj <= i) ? b[x][y] : 0.f;
+                }
+        }
+        if (tid < dk) {
+            const float gL = sm.G[(KDA_CHUNK - 1) * ld + tid]; /* = G at the chunk's last step */
+            sm.gl[tid] = gL;
+            sm.egl[tid] = expf(gL);
+        }
+        __syncthreads();
+        /* 4: KX, QX, KL in place */
+        for (int e = tid; e < KDA_CHUNK * dk; e += CH_THREADS) {
+            const int i = e / dk, d = e % dk, x = i * ld + d;
+            const float gv = sm.G[x], eg = expf(gv), kv = sm.K[x];
+            sm.Q[x] = sm.Q[x] * eg;
+            sm.K[x] = kv * eg;
+            sm.G[x] = kv * expf(sm.gl[d] - gv);
+        }
+        __syncthreads();
+        /* 5: U -= KX S0, OQ = QX S0. Thread: rows 4ti..4ti+3, columns 4tc..4tc+3. */
+        {
+            float u[4][4], oq[4][4];
+#pragma unroll
+            for (int x = 0; x < 4; x++)
+#pragma unroll
+                for (int y = 0; y < 4; y++) u[x][y] = oq[x][y] = 0.f;
+            for (int d = 0; d < dk; d++) {
+                const float4 s4 = *(const float4 *)(sm.S0 + (size_t)d * CH_COLS + 4 * tc);
+                const float sv[4] = {s4.x, s4.y, s4.z, s4.w};
+#pragma unroll
+                for (int x = 0; x < 4; x++) {
+                    const int i = 4 * ti + x;
+                    const float kx = sm.K[i * ld + d], qx = sm.Q[i * ld + d];
+#pragma unroll
+                    for (int y = 0; y < 4; y++) {
+                        u[x][y] += kx * sv[y];
+                        oq[x][y] += qx * sv[y];
+                    }
+                }
+            }
+#pragma unroll
+            for (int x = 0; x < 4; x++)
+#pragma unroll
+                for (int y = 0; y < 4; y++) {
+                    const int e = (4 * ti + x) * CH_COLS + 4 * tc + y;
+                    sm.U[e] = sm.U[e] - u[x][y];
+                    sm.OQ[e] = oq[x][y];
+                }
+        }
+        __syncthreads();
+        /* 6: forward substitution. Thread (column c, part): the 4 parts of a column are adjacent
+         * lanes and split the sum over j by j mod 4; the butterfly gives every part the same
+         * total, and the part that owns delta_i (i mod 4) is the only one that reads it again,
+         * so no barrier is needed inside the loop. */
+        {
+            const int c = tid >> 2, part = tid & 3;
+            for (int i = 0; i < KDA_CHUNK; i++) {
+                float acc = 0.f;
+                for (int jj = part; jj < i; jj += 4) acc += sm.A[i * CH_AB_LD + jj] * sm.Dl[jj * CH_DL_LD + c];
+                acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+                acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+                if ((i & 3) == part)
+                    sm.Dl[i * CH_DL_LD + c] = i < Lc ? sm.bt[i] * (sm.U[i * CH_COLS + c] - acc) : 0.f;
+            }
+        }
+        __syncthreads();
+        /* 7: o = OQ + B delta, rows 4ti.., columns 4tc.. */
+        {
+            float o[4][4];
+#pragma unroll
+            for (int x = 0; x < 4; x++)
+#pragma unroll
+                for (int y = 0; y < 4; y++) o[x][y] = 0.f;
+            const int jend = 4 * ti + 3 < Lc - 1 ? 4 * ti + 3 : Lc - 1;
+            for (int jj = 0; jj <= jend; jj++) {
+                const float4 d4 = *(const float4 *)(sm.Dl + jj * CH_DL_LD + 4 * tc);
+                const float dv[4] = {d4.x, d4.y, d4.z, d4.w};
+#pragma unroll
+                for (int x = 0; x < 4; x++) {
+                    const float bij = sm.B[(4 * ti + x) * CH_AB_LD + jj];
+#pragma unroll
+                    for (int y = 0; y < 4; y++) o[x][y] += bij * dv[y];
+                }
+            }
+#pragma unroll
+            for (int x = 0; x < 4; x++) {
+                const int i = 4 * ti + x;
+                if (i >= Lc) break;
+                float *orow = p.o + ((size_t)(t0 + i) * p.nh + h) * dk;
+#pragma unroll
+                for (int y = 0; y < 4; y++) {
+                    const int c = 4 * tc + y;
+                    if (j0 + c < dk) orow[j0 + c] = sm.OQ[i * CH_COLS + c] + o[x][y];
+                }
+            }
+        }
+        /* 8: S0 = e^{G_L} S0 + KL^T delta. Thread: rows d = 8*(tid/16) + x, columns 4tc... Each
+         * thread reads and writes only its own S0 entries, so this needs no barrier against 7. */
+        {
+            const int d0 = 8 * ti;
+            float s[8][4];
+#pragma unroll
+            for (int x = 0; x < 8; x++) {
+                const int d = d0 + x;
+#pragma unroll
+                for (int y = 0; y < 4; y++)
+                    s[x][y] = d < dk ? sm.egl[d] * sm.S0[(size_t)d * CH_COLS + 4 * tc + y] : 0.f;
+            }
+            if (d0 < dk) {
+                for (int jj = 0; jj < Lc; jj++) {
+                    const float4 d4 = *(const float4 *)(sm.Dl + jj * CH_DL_LD + 4 * tc);
+                    const float dv[4] = {d4.x, d4.y, d4.z, d4.w};
+#pragma unroll
+                    for (int x = 0; x < 8; x++) {
+                        const float kl = d0 + x < dk ? sm.G[jj * ld + d0 + x] : 0.f;
+#pragma unroll
+                        for (int y = 0; y < 4; y++) s[x][y] += kl * dv[y];
+                    }
+                }
+            }
+#pragma unroll
+            for (int x = 0; x < 8; x++) {
+                const int d = d0 + x;
+                if (d < dk)
+#pragma unroll
+                    for (int y = 0; y < 4; y++) sm.S0[(size_t)d * CH_COLS + 4 * tc + y] = s[x][y];
+            }
+        }
+        __syncthreads();
+    }
+    for (int e = tid; e < dk * CH_COLS; e += CH_THREADS) {
+        const int d = e / CH_COLS, c = e % CH_COLS;
+        if (j0 + c < dk) Sg[(size_t)d * dk + j0 + c] = sm.S0[e];
+    }
+}
+
+static mt_status kda_chunked_launch(mt_backend *be, const chunk_params *p) {
+    const size_t smem = chunk_smem_carve(NULL, p->dk, NULL);
+    MT_CUDA_CHECK(cudaFuncSetAttribute(kda_chunked_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       (int)smem));
+    const dim3 grid(p->nh, (p->dk + CH_COLS - 1) / CH_COLS);
+    kda_chunked_kernel<<<grid, CH_THREADS, smem, cu_stream(be)>>>(*p);
+    cu_check_launch(be, "kda_chunked");
+    return MT_OK;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* tensor-core form (tc_terms 1, 2)                                                             */
+
+enum {
+    KC_THREADS = 256,
+    KC_COLS = 64,                 /* value columns per kc_state_kernel block */
+    KC_SEG_CHUNKS = 64,           /* chunks per segment: bounds the record scratch (4096 steps,
+                                     nh * 8.2 MiB at 64 chunks) */
+    /* chunk record (bf16 units; offsets multiples of 8 = 16 bytes, for cp.async) */
+    KC_PLANE = KDA_CHUNK * KDA_MAX_DK, /* [64, 128] plane */
+    KC_SMALL = KDA_CHUNK * KDA_CHUNK,  /* [64, 64] plane */
+    KC_KXH = 0,                   /* KX = k e^G        [64 steps, 128 channels] hi, then lo */
+    KC_KXL = KC_KXH + KC_PLANE,
+    KC_QXH = KC_KXL + KC_PLANE,   /* QX = q e^G        [64, 128] */
+    KC_QXL = KC_QXH + KC_PLANE,
+    KC_KLH = KC_QXL + KC_PLANE,   /* KL = k e^{G_L-G}  [64, 128] */
+    KC_KLL = KC_KLH + KC_PLANE,
+    KC_TBH = KC_KLL + KC_PLANE,   /* Tb = (I + diag(beta) A)^-1 diag(beta)  [64 i, 64 j], lower */
+    KC_TBL = KC_TBH + KC_SMALL,
+    KC_AQH = KC_TBL + KC_SMALL,   /* B (q k^T with decay) [64 i, 64 j], lower with diagonal */
+    KC_AQL = KC_AQH + KC_SMALL,
+    KC_EGL = KC_AQL + KC_SMALL,   /* e^{G_L} [128] fp32 (256 bf16 slots) */
+    KC_REC = KC_EGL + 2 * KDA_MAX_DK,
+    /* kc_intra_kernel shared memory (floats) */
+    KI_LDF = KDA_MAX_DK + 8,      /* [64, 128] fp32 rows 8 banks apart: the float2 fragment reads of
+                                     a half warp (4 rows x 4 column pairs) hit 32 distinct banks */
+    KI_LDM = KDA_CHUNK + 4,       /* [64, 64] fp32 matrices */
+    KI_K = 0,                     /* k, then KP           [64, KI_LDF] */
+    KI_Q = KI_K + KDA_CHUNK * KI_LDF, /* q, then QP       [64, KI_LDF] */
+    KI_G = KI_Q + KDA_CHUNK * KI_LDF, /* g, G, then KN    [64, KI_LDF] */
+    KI_M = 0,                     /* after the products, over k/q/g: M = diag(beta) A [64, KI_LDM] */
+    KI_AQ = KI_M + KDA_CHUNK * KI_LDM, /* B                [64, KI_LDM] */
+    KI_T = KI_AQ + KDA_CHUNK * KI_LDM, /* T = (I + M)^-1   [64, KI_LDM] */
+    KI_Z = KI_T + KDA_CHUNK * KI_LDM,  /* round products   [3, 16, 16] */
+    KI_R = KI_G + KDA_CHUNK * KI_LDF,  /* sub-block references R [4, 128] */
+    KI_E = KI_R + 4 * KDA_MAX_DK,      /* e^{R_I - R_J}, I > J [6, 128] */
+    KI_GL = KI_E + 6 * KDA_MAX_DK,     /* G_L [128] */
+    KI_BT = KI_GL + KDA_MAX_DK,        /* beta [64] */
+    KI_FLOATS = KI_BT + KDA_CHUNK,
+    /* kc_state_kernel shared memory (bf16 units); rows padded by 8 (16 bytes) so the 8 row
+     * addresses of an ldmatrix fall in distinct bank groups */
+    KS_LDA = KDA_MAX_DK + 8,      /* [64, 128] planes: 272-byte rows */
+    KS_LDB = KDA_CHUNK + 8,       /* [*, 64] planes: 144-byte rows */
+    KS_KXH = 0,                   /* set A (read by P1 only) */
+    KS_KXL = KS_KXH + KDA_CHUNK * KS_LDA,
+    KS_QXH = KS_KXL + KDA_CHUNK * KS_LDA,
+    KS_QXL = KS_QXH + KDA_CHUNK * KS_LDA,
+    KS_KLH = KS_QXL + KDA_CHUNK * KS_LDA, /* set B (read by P3, P4) */
+    KS_KLL = KS_KLH + KDA_CHUNK * KS_LDA,
+    KS_TBH = KS_KLL + KDA_CHUNK * KS_LDA,
+    KS_TBL = KS_TBH + KDA_CHUNK * KS_LDB,
+    KS_AQH = KS_TBL + KDA_CHUNK * KS_LDB,
+    KS_AQL = KS_AQH + KDA_CHUNK * KS_LDB,
+    KS_EGL = KS_AQL + KDA_CHUNK * KS_LDB, /* [128] fp32 */
+    KS_SH = KS_EGL + 2 * KDA_MAX_DK,      /* S0 [128 d, 64 columns] hi, lo: the B operand of P1 */
+    KS_SL = KS_SH + KDA_MAX_DK * KS_LDB,
+    KS_RH = KS_SL + KDA_MAX_DK * KS_LDB,  /* R = V - X [64 j, 64 columns], then delta */
+    KS_RL = KS_RH + KDA_CHUNK * KS_LDB,
+    KS_BF16 = KS_RL + KDA_CHUNK * KS_LDB, /* 98560 bf16 = 197120 bytes */
+};
+
+/* The intra-chunk products use one reference per 16-step sub-block and channel,
+ * R = (max G + min G) / 2 over the sub-block, and factor e^{G_i - G_j} =
+ * e^{G_i - R_I} e^{R_I - R_J} e^{R_J - G_j}: every factor stays in [e^-60, e^60] when no sub-block
+ * spans more than KC_SPAN_MAX in G (products past the diagonal reach e^120 and may overflow; they
+ * are masked, never used). A chunk that spans more (decay beyond ~e^-8 per step over a sub-block)
+ * or has g > 0 takes the exact fp32 path for A and B instead (kc_intra_kernel step 3). */
+#define KC_SPAN_MAX 120.f
+
+/* ---- device helpers ---- */
+
+static __device__ __forceinline__ uint32_t kc_bf162_bits(__nv_bfloat162 v) {
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    return u;
+}
+
+/* (a, b) -> hi = bf16x2(a, b) (a in the low half: the lower column index), lo = bf16x2 of the
+ * rounding remainders. */
+static __device__ __forceinline__ void kc_split2(float a, float b, uint32_t *hi, uint32_t *lo) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    const float2 hf = __bfloat1622float2(h);
+    *hi = kc_bf162_bits(h);
+    *lo = kc_bf162_bits(__floats2bfloat162_rn(a - hf.x, b - hf.y));
+}
+
+/* 4 consecutive values as bf16 hi (and lo, when lo != NULL) at 8-byte aligned addresses. */
+static __device__ __forceinline__ void kc_store4(__nv_bfloat16 *hi, __nv_bfloat16 *lo, float4 x) {
+    uint32_t h0, l0, h1, l1;
+    kc_split2(x.x, x.y, &h0, &l0);
+    kc_split2(x.z, x.w, &h1, &l1);
+    *reinterpret_cast<uint2 *>(hi) = make_uint2(h0, h1);
+    if (lo) *reinterpret_cast<uint2 *>(lo) = make_uint2(l0, l1);
+}
+
+static __device__ __forceinline__ float4 kc_exp4(float4 a) {
+    return make_float4(__expf(a.x), __expf(a.y), __expf(a.z), __expf(a.w));
+}
+static __device__ __forceinline__ float4 kc_sub4(float4 a, float4 b) {
+    return make_float4(a.x - b.x, a.y - b.y, a.z - b.z, a.w - b.w);
+}
+static __device__ __forceinline__ float4 kc_mul4(float4 a, float4 b) {
+    return make_float4(a.x * b.x, a.y * b.y, a.z * b.z, a.w * b.w);
+}
+
+/* D += A B for one m16n8k16 tile, bf16 operands, fp32 accumulators. Fragments (PTX ISA, lane =
+ * 4 g + c): a[0] (row g, k 2c..2c+1), a[1] (row g+8), a[2] (row g, k +8), a[3] (row g+8, k +8);
+ * b0 (k 2c..2c+1, column g), b1 (k +8); d[0..1] (row g, columns 2c..2c+1), d[2..3] (row g+8). */
+static __device__ __forceinline__ void kc_mma(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* The split product: d += ah bh + ah bl + al bh (TERMS 2) or ah bh (TERMS 1). */
+template <int TERMS>
+static __device__ __forceinline__ void kc_mma_split(float d[4], const uint32_t ah[4], const uint32_t al[4],
+                                                    uint32_t bh0, uint32_t bh1, uint32_t bl0, uint32_t bl1) {
+    if (TERMS > 1) {
+        kc_mma(d, al, bh0, bh1);
+        kc_mma(d, ah, bl0, bl1);
+    }
+    kc_mma(d, ah, bh0, bh1);
+}
+
+/* ldmatrix x4: lane l gives the address of one 16-byte row; the four 8x8 matrices come from
+ * lanes 0-7, 8-15, 16-23, 24-31. .trans hands each thread the transposed pairs. */
+static __device__ __forceinline__ void kc_ldsm4(uint32_t r[4], const __nv_bfloat16 *p) {
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+static __device__ __forceinline__ void kc_ldsm4t(uint32_t r[4], const __nv_bfloat16 *p) {
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+/* Fragment addresses for the ldmatrix loads above, lane l, tile origin (r0, c0) in storage:
+ *   A, storage [m][k] (row-major A):      row r0 + (l & 15),                col c0 + (l >> 4) * 8
+ *   A, storage [k][m] (A^T stored), .trans: row r0 + (l & 7) + (l >> 4) * 8, col c0 + ((l >> 3) & 1) * 8
+ *     (r0 = k0, c0 = m0; gives a[0..3] of rows m0.., k k0..)
+ *   B, storage [k][n] (row-major B), .trans: row r0 + (l & 7) + ((l >> 3) & 1) * 8, col c0 + (l >> 4) * 8
+ *     (r0 = k0, c0 = n0; gives b0, b1 of columns n0.. in r[0], r[1] and of n0 + 8.. in r[2], r[3]) */
+static __device__ __forceinline__ const __nv_bfloat16 *kc_at_a(const __nv_bfloat16 *s, int ld, int r0, int c0, int l) {
+    return s + (r0 + (l & 15)) * ld + c0 + (l >> 4) * 8;
+}
+static __device__ __forceinline__ const __nv_bfloat16 *kc_at_at(const __nv_bfloat16 *s, int ld, int r0, int c0, int l) {
+    return s + (r0 + (l & 7) + (l >> 4) * 8) * ld + c0 + ((l >> 3) & 1) * 8;
+}
+static __device__ __forceinline__ const __nv_bfloat16 *kc_at_b(const __nv_bfloat16 *s, int ld, int r0, int c0, int l) {
+    return s + (r0 + (l & 7) + ((l >> 3) & 1) * 8) * ld + c0 + (l >> 4) * 8;
+}
+
+/* A fragment (rows p, p + 8 ld; columns 0..1 and 8..9 from p) from fp32 shared memory, split. */
+static __device__ __forceinline__ void kc_frag_a_f32(const float *p, int ld, uint32_t hi[4], uint32_t lo[4]) {
+    const float2 x0 = *reinterpret_cast<const float2 *>(p);
+    const float2 x1 = *reinterpret_cast<const float2 *>(p + 8 * ld);
+    const float2 x2 = *reinterpret_cast<const float2 *>(p + 8);
+    const float2 x3 = *reinterpret_cast<const float2 *>(p + 8 * ld + 8);
+    kc_split2(x0.x, x0.y, &hi[0], &lo[0]);
+    kc_split2(x1.x, x1.y, &hi[1], &lo[1]);
+    kc_split2(x2.x, x2.y, &hi[2], &lo[2]);
+    kc_split2(x3.x, x3.y, &hi[3], &lo[3]);
+}
+
+static __device__ __forceinline__ void kc_cp16(void *smem, const void *gmem) {
+    const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+static __device__ __forceinline__ void kc_prefetch_l2(const void *gmem) {
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(gmem));
+}
+static __device__ __forceinline__ void kc_cp_commit(void) { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+static __device__ __forceinline__ void kc_cp_wait_all(void) { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+/* ---- kc_intra_kernel ----
+ * Block = (chunk c of the segment, head h), 256 threads, two blocks per SM. Steps:
+ *   1 load k, q, g [64, 128] fp32 (zero past the chunk's end and past dk) and beta
+ *   2 G = cumsum g per channel (as cpu_kda.c: acc = g + acc); per 16-step sub-block J and channel
+ *     the reference R_J = (max + min) / 2; fallback if some sub-block spans > KC_SPAN_MAX or g > 0
+ *   3 E_IJ = e^{R_I - R_J} for the 6 pairs I > J; (fallback) A, B exactly in fp32, to registers
+ *   4 record planes KX, QX, KL (bf16 hi/lo); in place: KP = k e^{G - R}, QP = q e^{G - R},
+ *     KN = k e^{R - G} (R of the step's own sub-block)
+ *   5 (no fallback) the 10 sub-block pairs J <= I on the tensor cores, one warp each (warps 0, 1
+ *     take a second):  A_IJ = KP_I (E_IJ KN_J)^T,  B_IJ = QP_I (E_IJ KN_J)^T  (K = 128 channels);
+ *     then M = diag(beta) A (strictly lower) and B (lower with the diagonal) over the dead k/q/g
+ *   6 T = (I + M)^-1: the four diagonal 16 x 16 blocks by forward substitution (no barrier: the
+ *     thread that writes T row i of a column is the only one that reads it), then block rows
+ *     I = 1..3: T_IJ = -T_II sum_{K=J}^{I-1} M_IK T_KJ
+ *   7 record planes Tb = T diag(beta), B (bf16 hi/lo) and e^{G_L}
+ * Rows past the chunk's end: k = q = g = beta = 0, so their KX, QX, KL, A, B rows are zero and
+ * Tb's rows and columns there are zero (beta = 0): the state kernel needs no masking but v and o. */
+static __global__ void __launch_bounds__(KC_THREADS, 2) kc_intra_kernel(chunk_params p) {
+    extern __shared__ float4 kc_smem4[];
+    float *sm = reinterpret_cast<float *>(kc_smem4);
+    float *Ks = sm + KI_K, *Qs = sm + KI_Q, *Gs = sm + KI_G;
+    float *Ms = sm + KI_M, *Aq = sm + KI_AQ, *Ts = sm + KI_T, *Zs = sm + KI_Z;
+    float *Rs = sm + KI_R, *Es = sm + KI_E, *GLs = sm + KI_GL, *bts = sm + KI_BT;
+    const int c = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    const int dk = p.dk, t0 = p.t0 + c * KDA_CHUNK;
+    const int Lc = p.n - t0 < KDA_CHUNK ? p.n - t0 : KDA_CHUNK;
+    __nv_bfloat16 *rec = p.rec + ((size_t)h * p.nck + c) * KC_REC;
+    const bool lo = p.terms > 1;
+    int bad = 0;
+
+    /* 1: load (cp.async: all 96 KB in flight at once) */
+    if (p.vec4) {
+        for (int e = tid; e < KDA_CHUNK * KDA_MAX_DK / 4; e += KC_THREADS) {
+            const int i = e >> 5, d = (e & 31) * 4, x = i * KI_LDF + d;
+            if (i < Lc && d < dk) {
+                const size_t off = ((size_t)(t0 + i) * p.nh + h) * dk + d;
+                kc_cp16(Ks + x, p.k + off);
+                kc_cp16(Qs + x, p.q + off);
+                kc_cp16(Gs + x, p.g + off);
+            } else {
+                const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
+                *reinterpret_cast<float4 *>(Ks + x) = z;
+                *reinterpret_cast<float4 *>(Qs + x) = z;
+                *reinterpret_cast<float4 *>(Gs + x) = z;
+            }
+        }
+        kc_cp_commit();
+        kc_cp_wait_all();
+    } else {
+        for (int e = tid; e < KDA_CHUNK * KDA_MAX_DK; e += KC_THREADS) {
+            const int i = e >> 7, d = e & 127;
+            float kv = 0.f, qv = 0.f, gv = 0.f;
+            if (i < Lc && d < dk) {
+                const size_t off = ((size_t)(t0 + i) * p.nh + h) * dk + d;
+                kv = p.k[off];
+                qv = p.q[off];
+                gv = p.g[off];
+            }
+            Ks[i * KI_LDF + d] = kv;
+            Qs[i * KI_LDF + d] = qv;
+            Gs[i * KI_LDF + d] = gv;
+        }
+    }
+    if (tid < KDA_CHUNK) bts[tid] = tid < Lc ? p.beta[(size_t)(t0 + tid) * p.nh + h] : 0.f;
+    __syncthreads();
+
+    /* 2: cumulative log-decay, sub-block references, the fallback test */
+    if (tid < KDA_MAX_DK) {
+        float acc = 0.f;
+        for (int J = 0; J < 4; J++) {
+            float mx = -INFINITY, mn = INFINITY;
+#pragma unroll
+            for (int r = 0; r < 16; r++) {
+                float *gp = Gs + (16 * J + r) * KI_LDF + tid;
+                const float gv = *gp;
+                bad |= gv > 0.f;
+                acc = gv + acc;
+                *gp = acc;
+                mx = fmaxf(mx, acc);
+                mn = fminf(mn, acc);
+            }
+            Rs[J * KDA_MAX_DK + tid] = 0.5f * (mx + mn);
+            bad |= !(mx - mn <= KC_SPAN_MAX); /* NaN spans too */
+        }
+        GLs[tid] = acc; /* = G at the chunk's last step: rows past the end add g = 0 */
+    }
+    const bool fallback = __syncthreads_or(bad) != 0;
+
+    /* 3: pair factors; (fallback) A, B exactly. Fallback thread tile: rows 4ti..4ti+3, columns
+     * tc + 16y (y < 4); warp w only has rows <= 8w+7, so it skips the column blocks above. */
+    for (int e = tid; e < 6 * KDA_MAX_DK; e += KC_THREADS) {
+        const int pr = e >> 7, d = e & 127;
+        const int I = pr < 1 ? 1 : pr < 3 ? 2 : 3, J = pr - I * (I - 1) / 2;
+        Es[e] = __expf(Rs[I * KDA_MAX_DK + d] - Rs[J * KDA_MAX_DK + d]);
+    }
+    const int ti = tid >> 4, tc = tid & 15, ymax = (8 * w + 7) / 16;
+    float fa[4][4], fb[4][4];
+#pragma unroll
+    for (int x = 0; x < 4; x++)
+#pragma unroll
+        for (int y = 0; y < 4; y++) fa[x][y] = fb[x][y] = 0.f;
+    if (fallback) {
+        for (int d = 0; d < KDA_MAX_DK; d++) {
+            float gi[4], ki[4], qi[4];
+#pragma unroll
+            for (int x = 0; x < 4; x++) {
+                const int i = 4 * ti + x;
+                gi[x] = Gs[i * KI_LDF + d];
+                ki[x] = Ks[i * KI_LDF + d];
+                qi[x] = Qs[i * KI_LDF + d];
+            }
+#pragma unroll
+            for (int y = 0; y < 4; y++) {
+                if (y > ymax) break;
+                const int jj = tc + 16 * y;
+                const float gj = Gs[jj * KI_LDF + d], kj = Ks[jj * KI_LDF + d];
+#pragma unroll
+                for (int x = 0; x < 4; x++) {
+                    /* e^{G_i - G_j} <= 1 where kept (j <= i); above the diagonal it may be inf
+                     * (times k = 0: NaN), masked at the store */
+                    const float kk = kj * __expf(gi[x] - gj);
+                    fa[x][y] += ki[x] * kk;
+                    fb[x][y] += qi[x] * kk;
+                }
+            }
+        }
+    }
+
+    /* 4: record planes; factors in place */
+    for (int e = tid; e < KDA_CHUNK * KDA_MAX_DK / 4; e += KC_THREADS) {
+        const int i = e >> 5, d = (e & 31) * 4, x = i * KI_LDF + d;
+        const float4 kv = *reinterpret_cast<const float4 *>(Ks + x);
+        const float4 qv = *reinterpret_cast<const float4 *>(Qs + x);
+        const float4 gv = *reinterpret_cast<const float4 *>(Gs + x);
+        const float4 gl = *reinterpret_cast<const float4 *>(GLs + d);
+        const float4 eg = kc_exp4(gv);
+        const int o = i * KDA_MAX_DK + d;
+        kc_store4(rec + KC_KXH + o, lo ? rec + KC_KXL + o : NULL, kc_mul4(kv, eg));
+        kc_store4(rec + KC_QXH + o, lo ? rec + KC_QXL + o : NULL, kc_mul4(qv, eg));
+        kc_store4(rec + KC_KLH + o, lo ? rec + KC_KLL + o : NULL, kc_mul4(kv, kc_exp4(kc_sub4(gl, gv))));
+        if (!fallback) {
+            const float4 rr = *reinterpret_cast<const float4 *>(Rs + (i >> 4) * KDA_MAX_DK + d);
+            const float4 ep = kc_exp4(kc_sub4(gv, rr)), en = kc_exp4(kc_sub4(rr, gv));
+            *reinterpret_cast<float4 *>(Ks + x) = kc_mul4(kv, ep);
+            *reinterpret_cast<float4 *>(Qs + x) = kc_mul4(qv, ep);
+            *reinterpret_cast<float4 *>(Gs + x) = kc_mul4(kv, en);
+        }
+    }
+    __syncthreads();
+
+    /* 5: sub-block products. Unit u -> (I, J): 0 (0,0) 1 (1,0) 2 (1,1) 3 (2,0) 4 (2,1) 5 (2,2)
+     * 6 (3,0) 7 (3,1) 8 (3,2) 9 (3,3); warp w takes units w and w + 8. acc[slot][A or B][n8 tile]. */
+    const int g8 = lane >> 2, c4 = lane & 3;
+    float acc[2][2][2][4];
+#pragma unroll
+    for (int s = 0; s < 2; s++)
+#pragma unroll
+        for (int m = 0; m < 2; m++)
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                for (int r = 0; r < 4; r++) acc[s][m][nt][r] = 0.f;
+    if (!fallback) {
+#pragma unroll
+        for (int s = 0; s < 2; s++) {
+            const int u = w + 8 * s;
+            if (u < 10) {
+                const int I = u >= 6 ? 3 : u >= 3 ? 2 : u >= 1 ? 1 : 0, J = u - I * (I + 1) / 2;
+                const float *ep = I > J ? Es + (I * (I - 1) / 2 + J) * KDA_MAX_DK : NULL;
+                for (int ks = 0; ks < KDA_MAX_DK / 16; ks++) {
+                    const int d0 = 16 * ks + 2 * c4;
+                    uint32_t kh[4], kl[4], qh[4], ql[4];
+                    kc_frag_a_f32(Ks + (16 * I + g8) * KI_LDF + d0, KI_LDF, kh, kl);
+                    kc_frag_a_f32(Qs + (16 * I + g8) * KI_LDF + d0, KI_LDF, qh, ql);
+                    float2 e0 = make_float2(1.f, 1.f), e1 = e0;
+                    if (ep) {
+                        e0 = *reinterpret_cast<const float2 *>(ep + d0);
+                        e1 = *reinterpret_cast<const float2 *>(ep + d0 + 8);
+                    }
+#pragma unroll
+                    for (int nt = 0; nt < 2; nt++) {
+                        const float *kn = Gs + (16 * J + 8 * nt + g8) * KI_LDF + d0;
+                        const float2 b0 = *reinterpret_cast<const float2 *>(kn);
+                        const float2 b1 = *reinterpret_cast<const float2 *>(kn + 8);
+                        uint32_t bh0, bl0, bh1, bl1;
+                        kc_split2(b0.x * e0.x, b0.y * e0.y, &bh0, &bl0);
+                        kc_split2(b1.x * e1.x, b1.y * e1.y, &bh1, &bl1);
+                        kc_mma_split<2>(acc[s][0][nt], kh, kl, bh0, bh1, bl0, bl1);
+                        kc_mma_split<2>(acc[s][1][nt], qh, ql, bh0, bh1, bl0, bl1);
+                    }
+                }
+            }
+        }
+    }
+    __syncthreads(); /* k/q/g are dead from here: M, B, T, Z take their place */
+
+    for (int e = tid; e < KDA_CHUNK * KDA_CHUNK; e += KC_THREADS) {
+        const int i = e >> 6, j = e & 63;
+        if ((j >> 4) > (i >> 4)) { /* blocks above the diagonal */
+            Ms[i * KI_LDM + j] = 0.f;
+            Aq[i * KI_LDM + j] = 0.f;
+            Ts[i * KI_LDM + j] = 0.f;
+        }
+    }
+    if (fallback) {
+#pragma unroll
+        for (int x = 0; x < 4; x++)
+#pragma unroll
+            for (int y = 0; y < 4; y++) {
+                const int i = 4 * ti + x, jj = tc + 16 * y;
+                const bool live = y <= ymax;
+                Ms[i * KI_LDM + jj] = (live && jj < i) ? bts[i] * fa[x][y] : 0.f;
+                Aq[i * KI_LDM + jj] = (live && jj <= i) ? fb[x][y] : 0.f;
+            }
+    } else {
+#pragma unroll
+        for (int s = 0; s < 2; s++) {
+            const int u = w + 8 * s;
+            if (u < 10) {
+                const int I = u >= 6 ? 3 : u >= 3 ? 2 : u >= 1 ? 1 : 0, J = u - I * (I + 1) / 2;
+#pragma unroll
+                for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                    for (int r = 0; r < 4; r++) {
+                        const int i = 16 * I + g8 + 8 * (r >> 1), j = 16 * J + 8 * nt + 2 * c4 + (r & 1);
+                        Ms[i * KI_LDM + j] = (I > J || j < i) ? bts[i] * acc[s][0][nt][r] : 0.f;
+                        Aq[i * KI_LDM + j] = (I > J || j <= i) ? acc[s][1][nt][r] : 0.f;
+                    }
+            }
+        }
+    }
+    __syncthreads();
+
+    /* 6a: diagonal blocks of T. Thread (block b, column m of it, part): parts are adjacent lanes
+     * and split the sum over j by j mod 4; the part that owns row i (i mod 4) writes it. */
+    {
+        const int b = tid >> 6, m = (tid >> 2) & 15, part = tid & 3, col = 16 * b + m;
+        for (int r = 0; r < 16; r++) {
+            const int i = 16 * b + r;
+            float a = 0.f;
+            for (int jj = part; jj < r; jj += 4) a += Ms[i * KI_LDM + 16 * b + jj] * Ts[(16 * b + jj) * KI_LDM + col];
+            a += __shfl_xor_sync(0xffffffffu, a, 1);
+            a += __shfl_xor_sync(0xffffffffu, a, 2);
+            if ((r & 3) == part) Ts[i * KI_LDM + col] = r < m ? 0.f : (r == m ? 1.f : 0.f) - a;
+        }
+    }
+    __syncthreads();
+    /* 6b: block rows 1..3. Thread: row rr, column cc of a 16 x 16 block. */
+    {
+        const int rr = tid >> 4, cc = tid & 15;
+        for (int I = 1; I < 4; I++) {
+            for (int J = 0; J < I; J++) {
+                float z = 0.f;
+                for (int K = J; K < I; K++)
+#pragma unroll
+                    for (int x = 0; x < 16; x++)
+                        z += Ms[(16 * I + rr) * KI_LDM + 16 * K + x] * Ts[(16 * K + x) * KI_LDM + 16 * J + cc];
+                Zs[(16 * J + rr) * 16 + cc] = z;
+            }
+            __syncthreads();
+            for (int J = 0; J < I; J++) {
+                float t = 0.f;
+                for (int x = 0; x <= rr; x++) t += Ts[(16 * I + rr) * KI_LDM + 16 * I + x] * Zs[(16 * J + x) * 16 + cc];
+                Ts[(16 * I + rr) * KI_LDM + 16 * J + cc] = -t;
+            }
+            __syncthreads();
+        }
+    }
+
+    /* 7: Tb, B, e^{G_L} */
+    for (int e = tid; e < KDA_CHUNK * KDA_CHUNK / 2; e += KC_THREADS) {
+        const int i = e >> 5, j = (e & 31) * 2, o = i * KDA_CHUNK + j;
+        uint32_t hi, lw;
+        kc_split2(Ts[i * KI_LDM + j] * bts[j], Ts[i * KI_LDM + j + 1] * bts[j + 1], &hi, &lw);
+        *reinterpret_cast<uint32_t *>(rec + KC_TBH + o) = hi;
+        if (lo) *reinterpret_cast<uint32_t *>(rec + KC_TBL + o) = lw;
+        kc_split2(Aq[i * KI_LDM + j], Aq[i * KI_LDM + j + 1], &hi, &lw);
+        *reinterpret_cast<uint32_t *>(rec + KC_AQH + o) = hi;
+        if (lo) *reinterpret_cast<uint32_t *>(rec + KC_AQL + o) = lw;
+    }
+    if (tid < KDA_MAX_DK) reinterpret_cast<float *>(rec + KC_EGL)[tid] = expf(GLs[tid]);
+}
+
+/* ---- kc_state_kernel ----
+ * Block = (64 value columns j0.., head h), 256 threads (8 warps), one block per SM (197 KB of
+ * shared memory). The state slice S [128 d, 64 columns] lives in fp32 registers: warp w holds
+ * rows 16w..16w+15 as the accumulators of 8 n8 tiles. Per chunk (record planes through cp.async;
+ * set A = KX, QX is loaded during the previous chunk's P3-P4, set B = KL, Tb, B, e^{G_L} during
+ * this chunk's P1-P2):
+ *   P1 X = KX S0, Y = QX S0       [64, 64] each, K = 128 (S0 = bf16 hi/lo copy of S in smem)
+ *   P2 R = V - X                   to smem (bf16 hi/lo)
+ *   P3 delta = Tb R                [64, 64], K = 64 (Tb lower: k blocks <= the row block)
+ *   P4 o = Y + B delta, stored;    S = e^{G_L} S + KL^T delta  [128, 64], K = 64; S0 = bf16(S)
+ * Warp tile of P1-P4a: rows 16 rb.. (rb = w / 2: the two warps of a scheduler differ in rb, which
+ * evens out the triangular P3/P4a), columns 32 ch.. (ch = w % 2) of the block's 64. */
+static __device__ __forceinline__ void kc_copy_rows(__nv_bfloat16 *dst, int ldd, const __nv_bfloat16 *src,
+                                                    int cols, int tid) {
+    const int per_row = cols / 8; /* 16-byte pieces */
+    for (int e = tid; e < KDA_CHUNK * per_row; e += KC_THREADS) {
+        const int r = e / per_row, c8 = (e % per_row) * 8;
+        kc_cp16(dst + r * ldd + c8, src + r * cols + c8);
+    }
+}
+
+/* Part `part` of `parts` of the 128-byte lines of rec[off, off + len) (bf16 units) into L2. */
+static __device__ __forceinline__ void kc_prefetch_range(const __nv_bfloat16 *rec, int off, int len, int part,
+                                                         int parts, int tid) {
+    const char *b = reinterpret_cast<const char *>(rec + off);
+    const int lines = (len * 2 + 127) / 128;
+    for (int e = part + parts * tid; e < lines; e += parts * KC_THREADS) kc_prefetch_l2(b + 128 * e);
+}
+
+/* This block's share (the ncb blocks of a head split it) of the planes of a record that the state
+ * kernel reads, into L2 two chunks ahead of its cp.async loads. */
+template <int TERMS>
+static __device__ __forceinline__ void kc_prefetch_rec(const __nv_bfloat16 *rec, int part, int parts, int tid) {
+    if (TERMS > 1) {
+        kc_prefetch_range(rec, 0, KC_REC, part, parts, tid);
+    } else {
+        kc_prefetch_range(rec, KC_KXH, KC_PLANE, part, parts, tid);
+        kc_prefetch_range(rec, KC_QXH, KC_PLANE, part, parts, tid);
+        kc_prefetch_range(rec, KC_KLH, KC_PLANE, part, parts, tid);
+        kc_prefetch_range(rec, KC_TBH, KC_SMALL, part, parts, tid);
+        kc_prefetch_range(rec, KC_AQH, KC_SMALL, part, parts, tid);
+        kc_prefetch_range(rec, KC_EGL, 2 * KDA_MAX_DK, part, parts, tid);
+    }
+}
+
+template <int TERMS>
+static __device__ __forceinline__ void kc_load_set_a(__nv_bfloat16 *sb, const __nv_bfloat16 *rec, int tid) {
+    kc_copy_rows(sb + KS_KXH, KS_LDA, rec + KC_KXH, KDA_MAX_DK, tid);
+    kc_copy_rows(sb + KS_QXH, KS_LDA, rec + KC_QXH, KDA_MAX_DK, tid);
+    if (TERMS > 1) {
+        kc_copy_rows(sb + KS_KXL, KS_LDA, rec + KC_KXL, KDA_MAX_DK, tid);
+        kc_copy_rows(sb + KS_QXL, KS_LDA, rec + KC_QXL, KDA_MAX_DK, tid);
+    }
+    kc_cp_commit();
+}
+
+template <int TERMS>
+static __device__ __forceinline__ void kc_load_set_b(__nv_bfloat16 *sb, const __nv_bfloat16 *rec, int tid) {
+    kc_copy_rows(sb + KS_KLH, KS_LDA, rec + KC_KLH, KDA_MAX_DK, tid);
+    kc_copy_rows(sb + KS_TBH, KS_LDB, rec + KC_TBH, KDA_CHUNK, tid);
+    kc_copy_rows(sb + KS_AQH, KS_LDB, rec + KC_AQH, KDA_CHUNK, tid);
+    if (TERMS > 1) {
+        kc_copy_rows(sb + KS_KLL, KS_LDA, rec + KC_KLL, KDA_MAX_DK, tid);
+        kc_copy_rows(sb + KS_TBL, KS_LDB, rec + KC_TBL, KDA_CHUNK, tid);
+        kc_copy_rows(sb + KS_AQL, KS_LDB, rec + KC_AQL, KDA_CHUNK, tid);
+    }
+    if (tid < KDA_MAX_DK / 4) kc_cp16(sb + KS_EGL + 8 * tid, rec + KC_EGL + 8 * tid);
+    kc_cp_commit();
+}
+
+/* The state registers (rows 16w + g8 (+8), columns 8nt + 2c4 (+1)) to the S0 planes. */
+static __device__ __forceinline__ void kc_state_to_smem(__nv_bfloat16 *sb, const float S[8][4], int w, int g8, int c4) {
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            const int o = (16 * w + g8 + 8 * hf) * KS_LDB + 8 * nt + 2 * c4;
+            uint32_t hi, lw;
+            kc_split2(S[nt][2 * hf], S[nt][2 * hf + 1], &hi, &lw);
+            *reinterpret_cast<uint32_t *>(sb + KS_SH + o) = hi;
+            *reinterpret_cast<uint32_t *>(sb + KS_SL + o) = lw;
+        }
+}
+
+template <int TERMS>
+static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_kernel(chunk_params p) {
+    extern __shared__ float4 kc_smem4[];
+    __nv_bfloat16 *sb = reinterpret_cast<__nv_bfloat16 *>(kc_smem4);
+    const float *sEGL = reinterpret_cast<const float *>(sb + KS_EGL);
+    const int j0 = blockIdx.x * KC_COLS, h = blockIdx.y, tid = threadIdx.x, l = tid & 31, w = tid >> 5;
+    const int g8 = l >> 2, c4 = l & 3, rb = w >> 1, ch = w & 1, dk = p.dk;
+    const __nv_bfloat16 *rec0 = p.rec + (size_t)h * p.nck * KC_REC;
+    float *Sg = p.state + (size_t)h * dk * dk;
+
+    const int ncb = gridDim.x;
+    kc_load_set_a<TERMS>(sb, rec0, tid);
+    if (p.nck > 1) kc_prefetch_rec<TERMS>(rec0 + KC_REC, blockIdx.x, ncb, tid);
+    float S[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const int d = 16 * w + g8 + 8 * (r >> 1), col = j0 + 8 * nt + 2 * c4 + (r & 1);
+            S[nt][r] = (d < dk && col < dk) ? Sg[(size_t)d * dk + col] : 0.f;
+        }
+    kc_state_to_smem(sb, S, w, g8, c4);
+
+    for (int c = 0; c < p.nck; c++) {
+        const int t0 = p.t0 + c * KDA_CHUNK, Lc = p.n - t0 < KDA_CHUNK ? p.n - t0 : KDA_CHUNK;
+        const __nv_bfloat16 *rec = rec0 + (size_t)c * KC_REC;
+        kc_cp_wait_all();
+        __syncthreads(); /* set A(c) and S0 in place; sets B and R free (P4 of c-1 is done) */
+        kc_load_set_b<TERMS>(sb, rec, tid);
+        if (c + 2 < p.nck) kc_prefetch_rec<TERMS>(rec + 2 * KC_REC, blockIdx.x, ncb, tid);
+        if (tid < 2 * KDA_CHUNK && t0 + KDA_CHUNK + (tid >> 1) < p.n && j0 + 32 * (tid & 1) < dk)
+            kc_prefetch_l2(p.v + ((size_t)(t0 + KDA_CHUNK + (tid >> 1)) * p.nh + h) * dk + j0 + 32 * (tid & 1));
+
+        /* v for P2, in flight during P1: rows 16rb + g8 (+8), columns j0 + 32ch + 8nt + 2c4 (+1) */
+        float vr[4][4];
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                const int i = 16 * rb + g8 + 8 * hf, col = j0 + 32 * ch + 8 * nt + 2 * c4;
+                float2 x = make_float2(0.f, 0.f);
+                if (i < Lc) {
+                    const float *vp = p.v + ((size_t)(t0 + i) * p.nh + h) * dk + col;
+                    if (p.vec2) {
+                        if (col < dk) x = *reinterpret_cast<const float2 *>(vp);
+                    } else {
+                        if (col < dk) x.x = vp[0];
+                        if (col + 1 < dk) x.y = vp[1];
+                    }
+                }
+                vr[nt][2 * hf] = x.x;
+                vr[nt][2 * hf + 1] = x.y;
+            }
+
+        /* P1 */
+        float X[4][4], Y[4][4];
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) X[nt][r] = Y[nt][r] = 0.f;
+#pragma unroll 2
+        for (int ks = 0; ks < KDA_MAX_DK / 16; ks++) {
+            uint32_t kh[4], kl[4], qh[4], ql[4];
+            kc_ldsm4(kh, kc_at_a(sb + KS_KXH, KS_LDA, 16 * rb, 16 * ks, l));
+            kc_ldsm4(qh, kc_at_a(sb + KS_QXH, KS_LDA, 16 * rb, 16 * ks, l));
+            if (TERMS > 1) {
+                kc_ldsm4(kl, kc_at_a(sb + KS_KXL, KS_LDA, 16 * rb, 16 * ks, l));
+                kc_ldsm4(ql, kc_at_a(sb + KS_QXL, KS_LDA, 16 * rb, 16 * ks, l));
+            }
+#pragma unroll
+            for (int np = 0; np < 2; np++) {
+                uint32_t bh[4], bl[4];
+                kc_ldsm4t(bh, kc_at_b(sb + KS_SH, KS_LDB, 16 * ks, 32 * ch + 16 * np, l));
+                if (TERMS > 1) kc_ldsm4t(bl, kc_at_b(sb + KS_SL, KS_LDB, 16 * ks, 32 * ch + 16 * np, l));
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    const int nt = 2 * np + hf;
+                    kc_mma_split<TERMS>(X[nt], kh, kl, bh[2 * hf], bh[2 * hf + 1], bl[2 * hf], bl[2 * hf + 1]);
+                    kc_mma_split<TERMS>(Y[nt], qh, ql, bh[2 * hf], bh[2 * hf + 1], bl[2 * hf], bl[2 * hf + 1]);
+                }
+            }
+        }
+        /* P2 */
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                const int o = (16 * rb + g8 + 8 * hf) * KS_LDB + 32 * ch + 8 * nt + 2 * c4;
+                uint32_t hi, lw;
+                kc_split2(vr[nt][2 * hf] - X[nt][2 * hf], vr[nt][2 * hf + 1] - X[nt][2 * hf + 1], &hi, &lw);
+                *reinterpret_cast<uint32_t *>(sb + KS_RH + o) = hi;
+                *reinterpret_cast<uint32_t *>(sb + KS_RL + o) = lw;
+            }
+        kc_cp_wait_all();
+        __syncthreads(); /* set B(c) and R in place; set A is free */
+        if (c + 1 < p.nck) kc_load_set_a<TERMS>(sb, rec + KC_REC, tid);
+
+        /* P3: delta = Tb R over k blocks 0..rb */
+        float D[4][4];
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) D[nt][r] = 0.f;
+        for (int ks = 0; ks <= rb; ks++) {
+            uint32_t th[4], tl[4];
+            kc_ldsm4(th, kc_at_a(sb + KS_TBH, KS_LDB, 16 * rb, 16 * ks, l));
+            if (TERMS > 1) kc_ldsm4(tl, kc_at_a(sb + KS_TBL, KS_LDB, 16 * rb, 16 * ks, l));
+#pragma unroll
+            for (int np = 0; np < 2; np++) {
+                uint32_t bh[4], bl[4];
+                kc_ldsm4t(bh, kc_at_b(sb + KS_RH, KS_LDB, 16 * ks, 32 * ch + 16 * np, l));
+                if (TERMS > 1) kc_ldsm4t(bl, kc_at_b(sb + KS_RL, KS_LDB, 16 * ks, 32 * ch + 16 * np, l));
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++)
+                    kc_mma_split<TERMS>(D[2 * np + hf], th, tl, bh[2 * hf], bh[2 * hf + 1], bl[2 * hf], bl[2 * hf + 1]);
+            }
+        }
+        __syncthreads(); /* every warp has read R: delta replaces it */
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                const int o = (16 * rb + g8 + 8 * hf) * KS_LDB + 32 * ch + 8 * nt + 2 * c4;
+                uint32_t hi, lw;
+                kc_split2(D[nt][2 * hf], D[nt][2 * hf + 1], &hi, &lw);
+                *reinterpret_cast<uint32_t *>(sb + KS_RH + o) = hi;
+                *reinterpret_cast<uint32_t *>(sb + KS_RL + o) = lw;
+            }
+        __syncthreads();
+
+        /* P4a: o = Y + B delta over k blocks 0..rb */
+        for (int ks = 0; ks <= rb; ks++) {
+            uint32_t ah[4], al[4];
+            kc_ldsm4(ah, kc_at_a(sb + KS_AQH, KS_LDB, 16 * rb, 16 * ks, l));
+            if (TERMS > 1) kc_ldsm4(al, kc_at_a(sb + KS_AQL, KS_LDB, 16 * rb, 16 * ks, l));
+#pragma unroll
+            for (int np = 0; np < 2; np++) {
+                uint32_t bh[4], bl[4];
+                kc_ldsm4t(bh, kc_at_b(sb + KS_RH, KS_LDB, 16 * ks, 32 * ch + 16 * np, l));
+                if (TERMS > 1) kc_ldsm4t(bl, kc_at_b(sb + KS_RL, KS_LDB, 16 * ks, 32 * ch + 16 * np, l));
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++)
+                    kc_mma_split<TERMS>(Y[2 * np + hf], ah, al, bh[2 * hf], bh[2 * hf + 1], bl[2 * hf], bl[2 * hf + 1]);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                const int i = 16 * rb + g8 + 8 * hf, col = j0 + 32 * ch + 8 * nt + 2 * c4;
+                if (i < Lc && col < dk) {
+                    float *op = p.o + ((size_t)(t0 + i) * p.nh + h) * dk + col;
+                    if (p.vec2) {
+                        *reinterpret_cast<float2 *>(op) = make_float2(Y[nt][2 * hf], Y[nt][2 * hf + 1]);
+                    } else {
+                        op[0] = Y[nt][2 * hf];
+                        if (col + 1 < dk) op[1] = Y[nt][2 * hf + 1];
+                    }
+                }
+            }
+
+        /* P4b: S = e^{G_L} S + KL^T delta, rows 16w.. */
+        {
+            const float e0 = sEGL[16 * w + g8], e1 = sEGL[16 * w + g8 + 8];
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++) {
+                S[nt][0] *= e0;
+                S[nt][1] *= e0;
+                S[nt][2] *= e1;
+                S[nt][3] *= e1;
+            }
+        }
+#pragma unroll
+        for (int ks = 0; ks < KDA_CHUNK / 16; ks++) {
+            uint32_t ah[4], al[4];
+            kc_ldsm4t(ah, kc_at_at(sb + KS_KLH, KS_LDA, 16 * ks, 16 * w, l));
+            if (TERMS > 1) kc_ldsm4t(al, kc_at_at(sb + KS_KLL, KS_LDA, 16 * ks, 16 * w, l));
+#pragma unroll
+            for (int np = 0; np < 4; np++) {
+                uint32_t bh[4], bl[4];
+                kc_ldsm4t(bh, kc_at_b(sb + KS_RH, KS_LDB, 16 * ks, 16 * np, l));
+                if (TERMS > 1) kc_ldsm4t(bl, kc_at_b(sb + KS_RL, KS_LDB, 16 * ks, 16 * np, l));
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++)
+                    kc_mma_split<TERMS>(S[2 * np + hf], ah, al, bh[2 * hf], bh[2 * hf + 1], bl[2 * hf], bl[2 * hf + 1]);
+            }
+        }
+        kc_state_to_smem(sb, S, w, g8, c4); /* S0 of the next chunk (P1 of this one is done) */
+    }
+
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const int d = 16 * w + g8 + 8 * (r >> 1), col = j0 + 8 * nt + 2 * c4 + (r & 1);
+            if (d < dk && col < dk) Sg[(size_t)d * dk + col] = S[nt][r];
+        }
+}
+
+/* MT_CUDA_KDA_CHUNK_ONLY=intra or =state (a benchmarking aid, read per call): launch only that
+ * kernel of the tensor-core form, to time it apart. The outputs are then wrong. */
+static int kc_only(void) {
+    const char *env = getenv("MT_CUDA_KDA_CHUNK_ONLY");
+    if (!env) return 0;
+    return !strcmp(env, "intra") ? 1 : !strcmp(env, "state") ? 2 : 0;
+}
+
+/* Segments of at most KC_SEG_CHUNKS chunks: the intra kernel over all of a segment's chunks, then
+ * the state kernel walks them. The records live in the backend's attention scratch. */
+static mt_status kc_launch(mt_backend *be, const chunk_params *p0) {
+    const cu_backend *cb = (const cu_backend *)be;
+    chunk_params p = *p0;
+    p.terms = cb->tc_terms > 1 ? 2 : 1;
+    p.vec4 = p.dk % 4 == 0 && (((uintptr_t)p.q | (uintptr_t)p.k | (uintptr_t)p.g) & 15) == 0;
+    p.vec2 = p.dk % 2 == 0 && (((uintptr_t)p.v | (uintptr_t)p.o) & 7) == 0;
+    const int nck_all = (p.n + KDA_CHUNK - 1) / KDA_CHUNK;
+    const int seg = nck_all < KC_SEG_CHUNKS ? nck_all : KC_SEG_CHUNKS;
+    p.rec = (__nv_bfloat16 *)cu_scratch(be, CU_SCRATCH_ATTN, (size_t)p.nh * seg * KC_REC * sizeof(__nv_bfloat16));
+    if (!p.rec) return MT_ERR_NOMEM;
+
+    const size_t smem_i = (size_t)KI_FLOATS * sizeof(float), smem_s = (size_t)KS_BF16 * sizeof(__nv_bfloat16);
+    MT_CUDA_CHECK(cudaFuncSetAttribute(kc_intra_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_i));
+    void (*state_kernel)(chunk_params) = p.terms > 1 ? kc_state_kernel<2> : kc_state_kernel<1>;
+    MT_CUDA_CHECK(cudaFuncSetAttribute(state_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_s));
+    const int only = kc_only();
+    for (int c0 = 0; c0 < nck_all; c0 += seg) {
+        p.t0 = c0 * KDA_CHUNK;
+        p.nck = nck_all - c0 < seg ? nck_all - c0 : seg;
+        if (only != 2) {
+            kc_intra_kernel<<<dim3(p.nck, p.nh), KC_THREADS, smem_i, cu_stream(be)>>>(p);
+            cu_check_launch(be, "kda_chunked (intra)");
+        }
+        if (only != 1) {
+            state_kernel<<<dim3((p.dk + KC_COLS - 1) / KC_COLS, p.nh), KC_THREADS, smem_s, cu_stream(be)>>>(p);
+            cu_check_launch(be, "kda_chunked (state)");
+        }
+    }
+    return MT_OK;
+}
+
+extern "C" void cu_kda_chunked(mt_backend *be, float *o, const float *q, const float *k,
+                               const float *v, const float *g, const float *beta, float *state,
+                               int n, int nh, int dk) {
+    MT_ASSERT(n >= 0 && nh > 0 && nh <= 65535 && dk > 0 && dk <= KDA_MAX_DK);
+    if (n == 0) return;
+    chunk_params p;
+    memset(&p, 0, sizeof p);
+    p.o = o;
+    p.q = q;
+    p.k = k;
+    p.v = v;
+    p.g = g;
+    p.beta = beta;
+    p.state = state;
+    p.n = n;
+    p.nh = nh;
+    p.dk = dk;
+    const bool tc = ((const cu_backend *)be)->tc_terms > 0;
+    cu_op_status(be, "kda_chunked", tc ? kc_launch(be, &p) : kda_chunked_launch(be, &p));
+}
