@@ -45,6 +45,9 @@ def free_port():
 
 
 def binary(rel):
+    env = {"router/metrale-router": "METRALE_ROUTER_BIN", "worker/metrale-worker": "METRALE_WORKER_BIN"}.get(rel)
+    if env and os.environ.get(env):  # a gpu-bundle's copy, on a machine without Bazel
+        return os.environ[env]
     p = os.path.join(ROOT, "bazel-bin", rel)
     if not os.path.exists(p):
         sys.exit("serving_bench: %s missing; run: bazel build //bench:serving_direct //router:metrale-router "

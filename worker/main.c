@@ -36,6 +36,7 @@
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "worker/engine/engine.h"
+#include "worker/loader/glm_config.h"
 #include "worker/model/glm_model.h"
 
 #define HEARTBEAT_S 0.5
@@ -111,6 +112,7 @@ static void usage(FILE *f) {
             "                      [--device N] [--max-sequences N] [--max-context N] [--threads N]\n"
             "                      [--router-timeout S] [--cache-budget-mb N] [--verbose]\n"
             "  Serves the checkpoint in DIR to the router at ENDPOINT (ipc:// or tcp://127.0.0.1:) as worker N.\n"
+            "  --model: a checkpoint folder, or random:tiny / random:bench-4L (random weights, for benchmarks).\n"
             "  --backend: cpu (default), cuda (GPU --device, default 0), or auto (cuda when a GPU is usable).\n"
             "  --max-sequences: running sequences at once (default 16); --max-context: prompt + new tokens\n"
             "  per request (default 4096); --threads: CPU backend threads (0 = all cores); --router-timeout:\n"
@@ -542,7 +544,16 @@ int main(int argc, char **argv) {
         mt_log(MT_LOG_ERROR, "worker %d: %s backend: %s", w.o.id, w.o.backend, err.msg);
         goto done;
     }
-    if (glm_model_load(w.o.model, be, NULL, &w.m, &err) != MT_OK) {
+    /* --model random:PRESET (tiny, bench-4L): random weights made on the backend from a fixed seed,
+     * for benchmarks of the real shapes without a checkpoint file */
+    if (!strncmp(w.o.model, "random:", 7)) {
+        glm_config cfg;
+        if (glm_config_preset(w.o.model + 7, &cfg, &err) != MT_OK ||
+            glm_model_new_random(&cfg, 1, be, NULL, &w.m, &err) != MT_OK) {
+            mt_log(MT_LOG_ERROR, "worker %d: %s", w.o.id, err.msg);
+            goto done;
+        }
+    } else if (glm_model_load(w.o.model, be, NULL, &w.m, &err) != MT_OK) {
         mt_log(MT_LOG_ERROR, "worker %d: %s", w.o.id, err.msg);
         goto done;
     }

@@ -265,18 +265,32 @@ static bool is_stop(const eng_engine *e, const eng_seq *s, int32_t t) {
     return false;
 }
 
-/* Samples s's next token from logits, reports it, and ends s when it stops. */
-static void sample_emit(eng_engine *e, eng_seq *s, const float *logits) {
-    const eng_history h = { .prompt = s->tokens, .n_prompt = s->req.n_prompt,
-                            .generated = s->tokens + s->req.n_prompt, .n_generated = s->n_gen };
-    eng_sample_result r;
-    eng_sample(e->sampler, &s->req.sampling, &s->rng, logits, &h, s->req.logprobs, s->req.top_logprobs, &r);
+/* Reports s's next token r, and ends s when it stops. */
+static void emit(eng_engine *e, eng_seq *s, const eng_sample_result *rp) {
+    const eng_sample_result r = *rp;
     s->tokens[s->req.n_prompt + s->n_gen++] = r.token;
     s->pending = r.token;
     e->tokens++;
     if (e->cb.on_tokens) e->cb.on_tokens(e->cb.user, s->id, &r, 1);
     if (is_stop(e, s, r.token)) seq_end(e, s, ENG_FINISH_STOP, NULL);
     else if (s->n_gen >= s->req.max_new_tokens) seq_end(e, s, ENG_FINISH_LENGTH, NULL);
+}
+
+/* Samples s's next token from logits (host), then emit. */
+static void sample_emit(eng_engine *e, eng_seq *s, const float *logits) {
+    const eng_history h = { .prompt = s->tokens, .n_prompt = s->req.n_prompt,
+                            .generated = s->tokens + s->req.n_prompt, .n_generated = s->n_gen };
+    eng_sample_result r;
+    eng_sample(e->sampler, &s->req.sampling, &s->rng, logits, &h, s->req.logprobs, s->req.top_logprobs, &r);
+    emit(e, s, &r);
+}
+
+/* Plain greedy (no temperature, no filter or penalty that can move the argmax, no logprobs): the
+ * token is the argmax of the raw logits, which the backend takes where they are. */
+static bool plain_greedy(const eng_seq *s) {
+    const eng_sample_params *p = &s->req.sampling;
+    return p->temperature == 0.f && p->repetition_penalty == 1.f && p->presence_penalty == 0.f &&
+           p->frequency_penalty == 0.f && !s->req.logprobs && s->req.top_logprobs == 0;
 }
 
 static void expire(eng_engine *e) {
@@ -422,13 +436,18 @@ static void admit(eng_engine *e) {
     e->n_waiting -= taken;
 }
 
+/* Batches of at most this many plain greedy sequences take their tokens with glm_last_argmax
+ * (the model's batched decode keeps one pass of up to its scratch rows, 256 by default). */
+#define ENG_GREEDY_MAX 128
+
 /* One token for every running sequence. Several go through the model's batched decode (one
  * pass over the weights for all of them); one alone through glm_decode (a CUDA graph where the
  * backend has them). Batched equals alone on both backends (tests/model_layer_test.cc on the
  * CPU, tests/model_cuda_test.cc BatchedDecodeEqualsEachAlone on the GPU). If the batch is refused
  * (a bad token or a full sequence, which admission should make impossible), each sequence
  * decodes alone so only the bad one fails. */
-static void decode_running(eng_engine *e, eng_seq **batch, int n, float *logits) {
+static void decode_running(eng_engine *e, eng_seq **batch, int n, float *logits, int32_t *greedy) {
+    if (greedy) logits = NULL; /* the tokens come from glm_last_argmax below */
     if (n > 1) {
         glm_seq **gs = malloc(sizeof *gs * (size_t)n);
         int32_t *tok = malloc(sizeof *tok * (size_t)n);
@@ -443,6 +462,7 @@ static void decode_running(eng_engine *e, eng_seq **batch, int n, float *logits)
         }
         free(gs);
         free(tok);
+        if (st == MT_OK && greedy) st = glm_last_argmax(e->m, n, greedy);
         if (st == MT_OK) {
             for (int i = 0; i < n; i++) batch[i]->st = MT_OK;
             return;
@@ -450,9 +470,11 @@ static void decode_running(eng_engine *e, eng_seq **batch, int n, float *logits)
         mt_log(MT_LOG_WARN, "engine: batched decode of %d sequences refused (%s); decoding them one by one",
                n, err.msg[0] ? err.msg : mt_status_str(st));
     }
-    for (int i = 0; i < n; i++)
-        batch[i]->st = glm_decode(e->m, batch[i]->gs, batch[i]->pending, logits + (size_t)i * e->vocab,
+    for (int i = 0; i < n; i++) {
+        batch[i]->st = glm_decode(e->m, batch[i]->gs, batch[i]->pending, logits ? logits + (size_t)i * e->vocab : NULL,
                                   &batch[i]->err);
+        if (batch[i]->st == MT_OK && greedy) batch[i]->st = glm_last_argmax(e->m, 1, greedy + i);
+    }
 }
 
 mt_status eng_step(eng_engine *e, int *n_tokens) {
@@ -467,10 +489,15 @@ mt_status eng_step(eng_engine *e, int *n_tokens) {
     for (int i = 0; i < e->n_running; i++)
         if (e->running[i]->prefilled == e->running[i]->req.n_prompt) e->batch[n++] = e->running[i];
     if (n > 0) {
-        decode_running(e, e->batch, n, e->logits);
+        /* a batch of plain greedy requests takes its tokens on the device: no logits move */
+        bool greedy = n <= ENG_GREEDY_MAX;
+        for (int i = 0; i < n && greedy; i++) greedy = plain_greedy(e->batch[i]);
+        int32_t tok[ENG_GREEDY_MAX];
+        decode_running(e, e->batch, n, e->logits, greedy ? tok : NULL);
         for (int i = 0; i < n; i++) {
             eng_seq *s = e->batch[i];
             if (s->st != MT_OK) seq_end(e, s, ENG_FINISH_ERROR, s->err.msg);
+            else if (greedy) emit(e, s, &(eng_sample_result){ .token = tok[i] });
             else sample_emit(e, s, e->logits + (size_t)i * e->vocab);
         }
     }

@@ -256,7 +256,8 @@ static mt_status forward(glm_model *m, glm_seq *s, const int32_t *tokens, int n,
         if (st != MT_OK) return st;
     }
     s->len += n;
-    if (logits_host && first < n) head_logits(m, m->X + (size_t)first * S * H, n - first, logits_host);
+    /* decode always leaves its logits in m->logits (glm_last_argmax reads them there) */
+    if ((logits_host || decode) && first < n) head_logits(m, m->X + (size_t)first * S * H, n - first, logits_host);
     return MT_OK;
 }
 
