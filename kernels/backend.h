@@ -124,6 +124,10 @@ typedef struct mt_backend_ops {
     mt_status (*graph_end)(mt_backend *be, mt_graph **out);
     mt_status (*graph_launch)(mt_backend *be, mt_graph *g);
     void (*graph_free)(mt_backend *be, mt_graph *g);  /* NULL ok */
+    /* A counter that changes whenever memory a recorded graph may point at (the backend's own
+     * scratch) was replaced: a graph recorded under another value must not be replayed. NULL:
+     * never changes. */
+    uint64_t (*graph_epoch)(mt_backend *be);
 
     /* ---- positions in backend memory (the graph form of decode) ---- */
     /* out[n, H] = table[ids[i]] with ids in backend memory. */

@@ -6,7 +6,8 @@
 //
 // Tolerances, as ||cuda - cpu|| / ||cpu|| over the whole output:
 //   embed, argmax, router indices              exact
-//   norms, elementwise, hc_post, hc_head       1e-6 (same formula; expf and fma differ by an ulp)
+//   norms, elementwise, hc_post, hc_head       1e-6 (same formula; expf and fma differ by an ulp);
+//     l2norm beyond d = 4096: 4e-6 (fp32 sum of squares, the CPU's sequential one drifts with d)
 //   matmul, moe_experts, hc_pre (dot products) 1e-5 (fp32 sums in another order; K up to 16384)
 //     on the fp32 paths: n <= 8 (GEMV), F32 weights, matmul outputs narrower than 512 rows
 //   matmul, moe_experts on the tensor cores    1e-4 (n > 8 on bf16/fp16 weights; x enters as two
@@ -452,7 +453,9 @@ TEST_F(CudaOps, MatmulTimings) {
 }
 
 // d % 4 == 0 up to 16384 takes the register-resident kernels (a warp per row up to 512, a block
-// per row beyond: 516, 1536, 4096, 16384); 7 and 16388 the scalar ones.
+// per row beyond: 516, 1536, 4096, 16384); 7 and 16388 the scalar ones. l2norm sums x^2 in fp32,
+// as the CPU does but in another order; the CPU's sequential fp32 sum drifts with d (both GPU
+// kernels land ~1.5-2e-6 from it at d = 16384, seen on an H200), so beyond 4096 it gets 4e-6.
 TEST_F(CudaOps, Norms) {
     Worst worst{"norms"};
     for (int d : {4096, 1536, 516, 512, 128, 100, 7, 16384, 16388}) {
@@ -499,7 +502,7 @@ TEST_F(CudaOps, Norms) {
                 const double e = RelErr(Get(gpu_, dst, sz), want);
                 const std::string where = std::string(name) + " " + Shape({{"n", n}, {"d", d}});
                 worst.See(e, where);
-                EXPECT_LE(e, 1e-6) << where;
+                EXPECT_LE(e, kind == 3 && d > 4096 ? 4e-6 : 1e-6) << where;
                 Drop(gpu_, gx);
                 Drop(gpu_, gout);
             }
@@ -574,7 +577,10 @@ TEST_F(CudaOps, MoeRoute) {
         {16, 4, 2, 4, false, 1.f},
         {64, 8, 4, 6, true, 1.5f},
         {256, 8, 4, 8, true, 2.5f},
+        // Beyond 512 experts the picks scan shared memory instead of registers; every group kept
+        // (topk_group == n_group, as the real model's single group) skips the group scores.
         {1024, 8, 4, 8, true, 2.5f},  // large groups (128): the warp-merged group top-2
+        {1024, 4, 4, 8, false, 1.f},
         {256, 8, 8, 40, true, 1.f},   // more picks than lanes
     };
     for (const mt_router_params &p : cfgs) {

@@ -219,7 +219,8 @@ TEST_F(ModelCuda, BatchedDecodeEqualsEachAlone) {
 // Batched decode through the bucket graphs: sequences join and leave between steps, so a step of
 // n rows replays the graph of the next power of two with pad rows, captured for other sequences;
 // each row's logits must equal decoding that sequence alone. One capture is made to fail on the
-// way (it logs, runs eagerly, and a later step captures).
+// way (it logs, runs eagerly, and a later step captures), and a long prefill between steps
+// replaces the backend's scratch under the recorded graphs (they must be recaptured, not replayed).
 TEST_F(ModelCuda, BatchedDecodeGraphBucketsEqualEachAlone) {
     for (const char *name : {"tiny_a", "tiny_b", "tiny_c"}) {
         std::string dir = std::string("tests/fixtures/") + name;
@@ -254,6 +255,13 @@ TEST_F(ModelCuda, BatchedDecodeGraphBucketsEqualEachAlone) {
             const int n = (int)seqs.size();
             if (glm_model_has_bucket_graph(m, n)) replays++;
             if (t == 2) glm_model_fail_next_capture(m);
+            if (t == 8) { /* a long prefill in between grows the backend's scratch under the graphs */
+                glm_seq *other = nullptr;
+                std::vector<int32_t> p = Tokens(250, V, 999);
+                ASSERT_EQ(glm_seq_new(m, 256, &other, &err), MT_OK);
+                ASSERT_EQ(glm_prefill(m, other, p.data(), (int)p.size(), nullptr, false, &err), MT_OK);
+                glm_seq_free(other);
+            }
             ASSERT_EQ(glm_decode_multi(m, seqs.data(), toks.data(), n, lb.data(), &err), MT_OK) << err.msg;
             rows_seen += n;
             for (int r = 0; r < n; r++) {

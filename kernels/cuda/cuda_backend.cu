@@ -100,6 +100,8 @@ void cu_op_status(mt_backend *be, const char *op, mt_status st) {
     cu_fail(be, st);
 }
 
+static uint64_t cu_graph_epoch(mt_backend *be) { return cb_of(be)->scratch_epoch; }
+
 void *cu_scratch(mt_backend *be, int slot, size_t bytes) {
     cu_backend *cb = cb_of(be);
     MT_ASSERT(slot >= 0 && slot < CU_SCRATCH_N);
@@ -110,6 +112,7 @@ void *cu_scratch(mt_backend *be, int slot, size_t bytes) {
     if (b->p) MT_CUDA_WARN(cudaFree(b->p));
     b->p = NULL;
     b->bytes = 0;
+    cb->scratch_epoch++; /* graphs recorded over the old buffer are stale (cu_graph_epoch) */
     size_t want = bytes < ((size_t)1 << 20) ? ((size_t)1 << 20) : bytes + bytes / 4;
     void *p = NULL;
     if (cudaMalloc(&p, want) != cudaSuccess) {
@@ -140,6 +143,7 @@ static void cu_destroy(mt_backend *be) {
     for (int i = 0; i < CU_SCRATCH_N; i++)
         if (cb->scratch[i].p) MT_CUDA_WARN(cudaFree(cb->scratch[i].p));
     cu_moe_cache_free(cb);
+    cu_moe_grouped_free(cb);
     if (cb->blas) MT_CUBLAS_WARN(cublasDestroy(cb->blas));
     if (cb->blas_ws) MT_CUDA_WARN(cudaFree(cb->blas_ws));
     MT_CUDA_WARN(cudaStreamDestroy(cb->stream));
@@ -274,6 +278,7 @@ static const mt_backend_ops cu_ops = {
     .graph_end = cu_graph_end,
     .graph_launch = cu_graph_launch,
     .graph_free = cu_graph_free,
+    .graph_epoch = cu_graph_epoch,
     .embed_dev = cu_embed_dev,
     .copy_rows_at = cu_copy_rows_at,
     .dsa_pool_keys_at = cu_dsa_pool_keys_at,
@@ -347,6 +352,7 @@ extern "C" mt_backend *mt_cuda_backend_new(int device, mt_error *err) {
     /* Prefill switches (cuda_ops.h): on unless the variable is "0". */
     cb->moe_batched = !(getenv("MT_CUDA_MOE_BATCHED") && !strcmp(getenv("MT_CUDA_MOE_BATCHED"), "0"));
     cb->narrow = !(getenv("MT_CUDA_NARROW") && !strcmp(getenv("MT_CUDA_NARROW"), "0"));
+    cb->moe_grouped = !(getenv("MT_CUDA_MOE_GROUPED") && !strcmp(getenv("MT_CUDA_MOE_GROUPED"), "0"));
     /* Every matmul of more than GEMV_MAX_N rows goes to the tensor cores (two-part split, ~3e-6
      * relative): the fp32 narrow/tiled kernels took 40% of a batch-64 decode step (batch_bench:
      * 66% of the floor with tensor cores, 40% without). MT_CUDA_TC_MIN_ROWS=512 keeps outputs

@@ -3,10 +3,11 @@
  * cpu_dense.c. Three tiers per op (STYLE.md 7): kernels, a launcher that picks the grid, the
  * exported op that checks shapes.
  *
- * Matmul has three paths. Few rows (decode, n <= GEMV_MAX_N): a GEMV where a block of 8 warps
- * owns R output rows, each thread streams 16-byte weight vectors over a slice of the columns for
- * all n input rows, and a fixed-order reduction finishes each dot product (bandwidth-bound on the
- * weight). Many rows (prefill) on a bf16/fp16 weight with at least 512 outputs: the
+ * Matmul has three paths. Few rows (decode, n <= GEMV_MAX_N): a GEMV (bandwidth-bound on the
+ * weight) where a warp streams 16-byte weight vectors of two rows for all n input rows, several
+ * loads in flight per lane, and short wide weights split K over up to 8 warps of a block so that
+ * the grid always has work for every multiprocessor (gemv_kernel); fixed-order reductions finish
+ * each dot product. Many rows (prefill) on a bf16/fp16 weight with at least 512 outputs: the
  * tensor cores through cuBLAS (cu_gemm_tc, fp32 accumulation). x is split into 16-bit parts of
  * the weight's type, x ~ hi + lo (cu_split16, into CU_SCRATCH_GEMM), and y = w.hi + w.lo: 16
  * significant bits of x for bf16, ~2e-6 relative error, twice the tensor-core work. With
@@ -16,7 +17,10 @@
  * MT_CUDA_TC_TERMS=0): at most 32 outputs (the mHC mix, 24 x 16384), a narrow fp32 kernel where a
  * warp owns whole input rows (MT_CUDA_NARROW=0 turns it off); wider, a 64 x 128 x 16 tiled fp32
  * GEMM (cu_gemm), which the MoE reuses in grouped form. All are deterministic: the summation
- * order depends only on the shape. */
+ * order depends only on the shape.
+ *
+ * Decode-path kernels (GEMV, norms, swiglu, sigmoid) are launched for programmatic dependent
+ * launch (cu_launch_pdl, below); the norms keep few rows in registers (norm_vec_kernel). */
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <float.h>
@@ -128,6 +132,8 @@ typedef struct gemv_params {
     const void *w;   /* [rows, cols] dtype */
     int n, rows, cols;
     int ksplit;      /* GEMV: warps sharing one group of GEMV_R rows (1, 2, 4 or 8) */
+    int persist;     /* GEMV: 0, block b takes tile b; 1, the grid is persistent and block b takes
+                        the contiguous tiles [b T / grid, (b + 1) T / grid) of the T tiles */
 } gemv_params;
 
 /* One weight load of the GEMV: VEC, 16 bytes (cu_wvec<DT>::n elements) through the read-only
@@ -197,8 +203,15 @@ static __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(const gemv_pa
     constexpr int R = GEMV_R, U = GEMV_U, V = gemv_w<DT, VEC>::V;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int ks = p.ksplit, per_block = GEMV_WARPS / ks, s = warp % ks;
-    const int row0 = (blockIdx.x * per_block + warp / ks) * R;
     const int nv = p.cols / V, nch = (nv + 31) >> 5;
+    /* A tile is the block's per_block row groups. */
+    const int ntiles = ((p.rows + R - 1) / R + per_block - 1) / per_block;
+    int t0 = blockIdx.x, t1 = blockIdx.x + 1;
+    if (p.persist) {
+        t0 = (int)((int64_t)blockIdx.x * ntiles / gridDim.x);
+        t1 = (int)((int64_t)(blockIdx.x + 1) * ntiles / gridDim.x);
+    }
+    int row0 = (t0 * per_block + warp / ks) * R;
     gemv_w<DT, VEC> wr[U][R];
     auto load = [&](int c0) {
 #pragma unroll
@@ -211,71 +224,97 @@ static __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(const gemv_pa
             }
         }
     };
-    float acc[R][NB];
-#pragma unroll
-    for (int r = 0; r < R; r++)
-#pragma unroll
-        for (int i = 0; i < NB; i++) acc[r][i] = 0.f;
 
     load(s);
     cu_pdl_wait(); /* x is the previous kernel's output */
     cu_pdl_trigger();
-    for (int c0 = s; c0 < nch; c0 += U * ks) {
-        if (c0 != s) load(c0);
+    __shared__ float red[GEMV_WARPS][R * NB];
+    for (int tile = t0; tile < t1; tile++) {
+        row0 = (tile * per_block + warp / ks) * R;
+        float acc[R][NB];
 #pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int v = (c0 + u * ks) * 32 + lane;
-            if (v >= nv) continue;
-            float wf[R][V];
+        for (int r = 0; r < R; r++)
 #pragma unroll
-            for (int r = 0; r < R; r++) wr[u][r].get(wf[r]);
+            for (int i = 0; i < NB; i++) acc[r][i] = 0.f;
+        for (int c0 = s; c0 < nch; c0 += U * ks) {
+            if (c0 != s || tile != t0) load(c0);
 #pragma unroll
-            for (int i = 0; i < NB; i++) {
-                if (i >= p.n) break;
-                float xv[V];
-                gemv_xload<V>(p.x + (int64_t)i * p.cols + (int64_t)v * V, xv);
+            for (int u = 0; u < U; u++) {
+                const int v = (c0 + u * ks) * 32 + lane;
+                if (v >= nv) continue;
+                float wf[R][V];
 #pragma unroll
-                for (int r = 0; r < R; r++)
+                for (int r = 0; r < R; r++) wr[u][r].get(wf[r]);
 #pragma unroll
-                    for (int j = 0; j < V; j++) acc[r][i] = fmaf(wf[r][j], xv[j], acc[r][i]);
+                for (int i = 0; i < NB; i++) {
+                    if (i >= p.n) break;
+                    float xv[V];
+                    gemv_xload<V>(p.x + (int64_t)i * p.cols + (int64_t)v * V, xv);
+#pragma unroll
+                    for (int r = 0; r < R; r++)
+#pragma unroll
+                        for (int j = 0; j < V; j++) acc[r][i] = fmaf(wf[r][j], xv[j], acc[r][i]);
+                }
             }
         }
-    }
 
-    /* Every lane ends with every sum; lane t < R*NB keeps sum t = (row t / NB, input t % NB). */
-    float mine = 0.f;
+        /* Every lane ends with every sum; lane t < R*NB keeps sum t = (row t / NB, input t % NB). */
+        float mine = 0.f;
 #pragma unroll
-    for (int r = 0; r < R; r++)
+        for (int r = 0; r < R; r++)
 #pragma unroll
-        for (int i = 0; i < NB; i++) {
-            const float v = cu_warp_sum(acc[r][i]);
-            if (lane == r * NB + i) mine = v;
+            for (int i = 0; i < NB; i++) {
+                const float v = cu_warp_sum(acc[r][i]);
+                if (lane == r * NB + i) mine = v;
+            }
+        if (ks == 1) { /* uniform over the block */
+            const int r = lane / NB, i = lane % NB;
+            if (lane < R * NB && i < p.n && row0 + r < p.rows) p.y[(int64_t)i * p.rows + row0 + r] = mine;
+            continue;
         }
-    if (ks == 1) { /* uniform over the block */
-        const int r = lane / NB, i = lane % NB;
-        if (lane < R * NB && i < p.n && row0 + r < p.rows) p.y[(int64_t)i * p.rows + row0 + r] = mine;
-        return;
-    }
-    __shared__ float red[GEMV_WARPS][R * NB];
-    if (lane < R * NB) red[warp][lane] = mine;
-    __syncthreads();
-    const int t = threadIdx.x;
-    if (t < per_block * R * NB) {
-        const int g = t / (R * NB), e = t % (R * NB), r = e / NB, i = e % NB;
-        const int row = (blockIdx.x * per_block + g) * R + r;
-        if (i < p.n && row < p.rows) {
-            float sum = 0.f;
-            for (int q = 0; q < ks; q++) sum += red[g * ks + q][e];
-            p.y[(int64_t)i * p.rows + row] = sum;
+        if (tile != t0) __syncthreads(); /* the previous tile's sums are read */
+        if (lane < R * NB) red[warp][lane] = mine;
+        __syncthreads();
+        const int t = threadIdx.x;
+        if (t < per_block * R * NB) {
+            const int g = t / (R * NB), e = t % (R * NB), r = e / NB, i = e % NB;
+            const int row = (tile * per_block + g) * R + r;
+            if (i < p.n && row < p.rows) {
+                float sum = 0.f;
+                for (int q = 0; q < ks; q++) sum += red[g * ks + q][e];
+                p.y[(int64_t)i * p.rows + row] = sum;
+            }
         }
     }
 }
 
-/* Warps per row group: split K until the grid has about 32 warps per multiprocessor (a quarter
- * of an H200's at full occupancy is enough to keep ~100 KB of loads in flight per SM), while
- * every slice still gets at least two chunks. */
+/* Launch knobs, read once, for measuring the grid choice (the defaults are what decode uses):
+ *   MT_CUDA_GEMV_WARPS=w   split K until the grid has w warps per multiprocessor (default 64)
+ *   MT_CUDA_GEMV_BLOCKS=b  a persistent grid of at most b blocks per multiprocessor, each over
+ *                          contiguous tiles (default 0: one tile per block, as many blocks)
+ * H200, bench-4L decode shapes as graphs (kernels_cuda_dense_test DecodeTimings), sum of one
+ * call of each of 15 shapes: warps 32 475.6 us, 64 470.8, 16 470.8; blocks 2 483.8, 3 539.9.
+ * decode_bench graph: warps 32 2.255 / 2.239 ms, 64 2.223, blocks 2 2.251 (noise ~0.02 ms).
+ * The persistent form is kept for measuring only; the tests run the default. */
+static int gemv_knob(const char *name, int dflt) {
+    const char *v = getenv(name);
+    return v && atoi(v) >= 0 ? atoi(v) : dflt;
+}
+static int gemv_warps_per_sm(void) {
+    static const int w = gemv_knob("MT_CUDA_GEMV_WARPS", 64);
+    return w > 0 ? w : 64;
+}
+static int gemv_blocks_per_sm(void) {
+    static const int b = gemv_knob("MT_CUDA_GEMV_BLOCKS", 0);
+    return b;
+}
+
+/* Warps per row group: split K until the grid has about gemv_warps_per_sm() warps per
+ * multiprocessor (64: two waves of the 4 resident 8-warp blocks per SM that its registers allow
+ * at one row, each wave keeping ~128 KB of loads in flight per SM), while every slice still gets
+ * at least two chunks. */
 static int gemv_ksplit(int rows, int nch, int n_sm) {
-    const int64_t groups = (rows + GEMV_R - 1) / GEMV_R, want = (int64_t)n_sm * 32;
+    const int64_t groups = (rows + GEMV_R - 1) / GEMV_R, want = (int64_t)n_sm * gemv_warps_per_sm();
     int ks = 1;
     while (ks < GEMV_WARPS && groups * ks < want && 2 * ks <= nch) ks *= 2;
     return ks;
@@ -286,7 +325,9 @@ static mt_status gemv_launch_nb(gemv_params *p, bool vec, int n_sm, cudaStream_t
     const int V = vec ? cu_wvec<DT>::n : 1;
     p->ksplit = gemv_ksplit(p->rows, (p->cols / V + 31) / 32, n_sm);
     const int64_t groups = (p->rows + GEMV_R - 1) / GEMV_R, per_block = GEMV_WARPS / p->ksplit;
-    const dim3 grid((unsigned)((groups + per_block - 1) / per_block));
+    const int64_t tiles = (groups + per_block - 1) / per_block, cap = (int64_t)n_sm * gemv_blocks_per_sm();
+    p->persist = cap > 0 && tiles > cap;
+    const dim3 grid((unsigned)(p->persist ? cap : tiles));
     const void *k = vec ? (const void *)gemv_kernel<DT, NB, true> : (const void *)gemv_kernel<DT, NB, false>;
     MT_CUDA_CHECK(cu_launch_pdl(k, grid, dim3(GEMV_THREADS), 0, s, p));
     return MT_OK;
@@ -685,13 +726,13 @@ extern "C" void cu_matmul(mt_backend *be, float *y, const float *x, const mt_wei
     cu_backend *cb = (cu_backend *)be;
     mt_status st;
     if (n <= GEMV_MAX_N) {
-        gemv_params p = {y, x, w->data, n, (int)w->rows, (int)w->cols, 1};
+        gemv_params p = {y, x, w->data, n, (int)w->rows, (int)w->cols, 1, 0};
         st = gemv_launch(&p, w->dtype, cb->n_sm, cu_stream(be));
     } else if (matmul_use_tc(cb, w, n)) {
         st = matmul_tc(cb, y, x, w, n);
         cu_prof_mark(be, "matmul (tensor cores)");
     } else if (cb->narrow && w->rows <= NARROW_MAX_ROWS && w->cols > 0) {
-        gemv_params p = {y, x, w->data, n, (int)w->rows, (int)w->cols, 1};
+        gemv_params p = {y, x, w->data, n, (int)w->rows, (int)w->cols, 1, 0};
         st = narrow_launch(&p, w->dtype, cu_stream(be));
         cu_prof_mark(be, "matmul (narrow fp32)");
     } else {

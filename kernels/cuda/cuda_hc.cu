@@ -2,12 +2,14 @@
  * kernels/cpu/cpu_hc.c.
  *
  * hc_pre for few rows (decode: n <= HC_DEC_MAX_N, S <= 4, S*H a multiple of 8 load vectors): one
- * kernel on a cluster of HC_CL blocks. Each block takes an eighth of the S*H columns: its
- * warps dot that slice of the (2+S)S rows of fn with the rows of X (and warp 0 sums X^2), the
+ * kernel on a cluster of HC_CL blocks. Each block takes an eighth of the S*H columns: its 16
+ * warps dot that slice of the (2+S)S rows of fn with the rows of X (two warps also sum X^2), the
  * blocks exchange their partial sums through distributed shared memory, and every block adds the
  * eight in rank order (so all hold the same m and rms factor); then each block collapses its
  * eighth of H, while block 0 also runs the sigmoids, softmax and Sinkhorn (one warp per row) and
- * writes post and comb. One launch instead of a GEMV over 24 blocks plus a one-block kernel.
+ * writes post and comb. One launch instead of a GEMV over 24 blocks plus a one-block kernel; the
+ * 20 Sinkhorn iterations on one warp (~2 us of dependent shuffles and divisions) are now the
+ * longest part. Launched for PDL (cuda_dense.cu's cu_launch_pdl), as is hc_post's float4 form.
  * Otherwise (prefill): the (2+S)S projection through cu_matmul (weight bandwidth) and one block
  * per row for the rms factor, sigmoids, softmax, Sinkhorn and the collapse.
  * hc_post: one thread per (row, 4 consecutive d) when S <= 4 and H % 4 == 0 (float4 accesses),
@@ -163,50 +165,53 @@ static mt_status hc_pre_launch(const hc_pre_params *p, cudaStream_t s) {
 
 enum {
     HC_CL = 8,                               /* blocks in the cluster (the portable maximum) */
-    HC_DEC_THREADS = 256,
+    HC_DEC_THREADS = 512,
     HC_DEC_WARPS = HC_DEC_THREADS / 32,
+    HC_DEC_HALVES = 2,                       /* warps w and w + 8 share fn rows, split columns */
     HC_DEC_MAX_N = 4,                        /* rows */
     HC_DEC_MAX_S = 4,
     HC_DEC_MIX = (2 + HC_DEC_MAX_S) * HC_DEC_MAX_S,  /* fn rows, 24 */
-    HC_DEC_KPW = HC_DEC_MIX / HC_DEC_WARPS,  /* fn rows per warp */
+    HC_DEC_KPW = HC_DEC_MIX * HC_DEC_HALVES / HC_DEC_WARPS,  /* fn rows per warp, 3 */
 };
 
 /* Cluster of HC_CL blocks (see the file comment). Block `rank` owns columns [rank * cw, +cw) of
  * the flattened highway, cw = S*H / HC_CL, a whole number of 16-byte weight vectors: nvc of
- * them. Warp w dots fn rows w, w + 8, w + 16 with the NB rows of X over those columns, lane l
- * taking vectors l, l + 32, ... (512 contiguous bytes of a bf16 row per warp load), JU vectors
- * x 3 rows of loads in flight before the first use; warp 0 also sums X^2 (double). Real shapes
- * (S 4, H 4096, bf16): 96 KB of fn and 8 KB of X per block, one vector per lane per row.
- * Each sum is a per-lane running sum, a butterfly over the lanes, then the HC_CL blocks' parts
- * in rank order: every block computes the same m and rms factor. Block 0's first NB warps then
- * run the softmax/Sinkhorn of one row each while every other warp collapses y over its block's
- * eighth of H. Launched for PDL: the first fn loads go out before the wait. */
+ * them, in chunks of 32. Warp w dots fn rows w % 8, + 8, + 16 with the NB rows of X over the
+ * chunks h, h + 2, ... of the block's columns (h = w / 8), lane l taking vector l of a chunk
+ * (512 contiguous bytes of a bf16 row per warp load); each step issues JU chunks x 3 rows of fn
+ * loads, then the matching X loads, before the first use; warps 0 and 8 also sum X^2 (double).
+ * Real shapes (S 4, H 4096, bf16, one row): 96 KB of fn and 8 KB of X per block, one step.
+ * Each sum is a per-lane running sum, a butterfly over the lanes, the two halves, then the
+ * HC_CL blocks in rank order: every block computes the same m and rms factor. Block 0's first
+ * NB warps then run the softmax/Sinkhorn of one row each while every other warp collapses y over
+ * its block's eighth of H. Launched for PDL: the first fn loads go out before the wait. */
 template <mt_dtype DT, int NB>
 static __global__ void __cluster_dims__(HC_CL, 1, 1) __launch_bounds__(HC_DEC_THREADS)
 hc_pre_dec_kernel(const hc_pre_params p) {
-    constexpr int V = cu_wvec<DT>::n, KPW = HC_DEC_KPW, JU = NB <= 2 ? 4 : 2;
+    constexpr int V = cu_wvec<DT>::n, KPW = HC_DEC_KPW, JU = NB == 1 ? 4 : NB == 2 ? 2 : 1;
     constexpr int ES = DT == MT_F32 ? 4 : 2; /* bytes per weight element */
-    __shared__ float part[NB * HC_DEC_MIX];  /* this block's fn . X over its columns, [i][k] */
-    __shared__ double part_ss[NB];           /* and its sum of X^2 per row */
-    __shared__ float m_s[NB * HC_DEC_MIX];   /* the whole sums, [i][k] */
-    __shared__ float r_s[NB];                /* rms factor per row */
+    __shared__ float part[HC_DEC_HALVES][NB * HC_DEC_MIX]; /* this block's fn . X, per half, [i][k] */
+    __shared__ double part_ss[HC_DEC_HALVES][NB];          /* and its sum of X^2 per row */
+    __shared__ float m_s[NB * HC_DEC_MIX];                 /* the whole sums, [i][k] */
+    __shared__ float r_s[NB];                              /* rms factor per row */
     __shared__ float pre_s[NB * HC_DEC_MAX_S];
     cg::cluster_group cl = cg::this_cluster();
     const int rank = (int)cl.block_rank();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, tid = threadIdx.x;
+    const int kw = warp % (HC_DEC_WARPS / HC_DEC_HALVES), h = warp / (HC_DEC_WARPS / HC_DEC_HALVES);
     const int S = p.S, H = p.H, SH = S * H, mix = (2 + S) * S;
-    const int cw = SH / HC_CL, nvc = cw / V, nj = (nvc + 31) / 32;
+    const int cw = SH / HC_CL, nvc = cw / V, nch = (nvc + 31) / 32;
     const int64_t c0 = (int64_t)rank * cw;
     const char *fn = (const char *)p.fn;
 
     uint4 wr[JU][KPW];
-    auto load = [&](int j0) {
+    auto load = [&](int ch0) {
 #pragma unroll
         for (int u = 0; u < JU; u++) {
-            const int v = (j0 + u) * 32 + lane;
+            const int v = (ch0 + HC_DEC_HALVES * u) * 32 + lane;
 #pragma unroll
             for (int q = 0; q < KPW; q++) {
-                const int k = warp + HC_DEC_WARPS * q;
+                const int k = kw + (HC_DEC_WARPS / HC_DEC_HALVES) * q;
                 if (v < nvc && k < mix) {
                     const char *a = fn + ((int64_t)k * SH + c0 + (int64_t)v * V) * ES;
                     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -227,15 +232,26 @@ hc_pre_dec_kernel(const hc_pre_params p) {
         for (int q = 0; q < KPW; q++) acc[q][i] = 0.f;
     }
 
-    load(0);
+    load(h);
     hc_pdl_wait(); /* X is the previous kernel's output */
     hc_pdl_trigger();
-    for (int j0 = 0; j0 < nj; j0 += JU) {
-        if (j0) load(j0);
+    for (int ch0 = h; ch0 < nch; ch0 += HC_DEC_HALVES * JU) {
+        if (ch0 != h) load(ch0);
+        float xv[JU][NB][V]; /* zero past the block's columns, like the weights */
 #pragma unroll
         for (int u = 0; u < JU; u++) {
-            const int v = (j0 + u) * 32 + lane;
-            if (v >= nvc) break;
+            const int v = (ch0 + HC_DEC_HALVES * u) * 32 + lane;
+#pragma unroll
+            for (int i = 0; i < NB; i++)
+#pragma unroll
+                for (int j = 0; j < V; j += 4) {
+                    float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
+                    if (v < nvc && i < p.n) f = __ldg((const float4 *)(p.X + (int64_t)i * SH + c0 + (int64_t)v * V + j));
+                    xv[u][i][j] = f.x; xv[u][i][j + 1] = f.y; xv[u][i][j + 2] = f.z; xv[u][i][j + 3] = f.w;
+                }
+        }
+#pragma unroll
+        for (int u = 0; u < JU; u++) {
             float wf[KPW][V];
 #pragma unroll
             for (int q = 0; q < KPW; q++) {
@@ -255,21 +271,13 @@ hc_pre_dec_kernel(const hc_pre_params p) {
             }
 #pragma unroll
             for (int i = 0; i < NB; i++) {
-                if (i >= p.n) break;
-                const float *xr = p.X + (int64_t)i * SH + c0 + (int64_t)v * V;
-                float xv[V];
+                if (kw == 0)
 #pragma unroll
-                for (int j = 0; j < V; j += 4) {
-                    const float4 f = __ldg((const float4 *)(xr + j));
-                    xv[j] = f.x; xv[j + 1] = f.y; xv[j + 2] = f.z; xv[j + 3] = f.w;
-                }
-                if (warp == 0)
-#pragma unroll
-                    for (int j = 0; j < V; j++) ss[i] += (double)xv[j] * xv[j];
+                    for (int j = 0; j < V; j++) ss[i] += (double)xv[u][i][j] * xv[u][i][j];
 #pragma unroll
                 for (int q = 0; q < KPW; q++)
 #pragma unroll
-                    for (int j = 0; j < V; j++) acc[q][i] = fmaf(wf[q][j], xv[j], acc[q][i]);
+                    for (int j = 0; j < V; j++) acc[q][i] = fmaf(wf[q][j], xv[u][i][j], acc[q][i]);
             }
         }
     }
@@ -278,25 +286,31 @@ hc_pre_dec_kernel(const hc_pre_params p) {
 #pragma unroll
         for (int i = 0; i < NB; i++) {
             const float v = cu_warp_sum(acc[q][i]);
-            const int k = warp + HC_DEC_WARPS * q;
-            if (lane == 0 && k < mix) part[i * HC_DEC_MIX + k] = v;
+            const int k = kw + (HC_DEC_WARPS / HC_DEC_HALVES) * q;
+            if (lane == 0 && k < mix) part[h][i * HC_DEC_MIX + k] = v;
         }
-    if (warp == 0)
+    if (kw == 0)
 #pragma unroll
         for (int i = 0; i < NB; i++) {
             const double v = cu_warp_sum(ss[i]);
-            if (lane == 0) part_ss[i] = v;
+            if (lane == 0) part_ss[h][i] = v;
         }
     cl.sync(); /* every block's parts are written */
     for (int t = tid; t < NB * mix; t += HC_DEC_THREADS) {
         const int i = t / mix, k = t % mix;
         float a = 0.f;
-        for (int r = 0; r < HC_CL; r++) a += cl.map_shared_rank(part, r)[i * HC_DEC_MIX + k];
+        for (int r = 0; r < HC_CL; r++) {
+            const float *rp = cl.map_shared_rank(&part[0][0], r);
+            a += rp[i * HC_DEC_MIX + k] + rp[NB * HC_DEC_MIX + i * HC_DEC_MIX + k];
+        }
         m_s[i * HC_DEC_MIX + k] = a;
     }
     if (tid < NB) {
         double a = 0;
-        for (int r = 0; r < HC_CL; r++) a += cl.map_shared_rank(part_ss, r)[tid];
+        for (int r = 0; r < HC_CL; r++) {
+            const double *rp = cl.map_shared_rank(&part_ss[0][0], r);
+            a += rp[tid] + rp[NB + tid];
+        }
         r_s[tid] = 1.f / sqrtf((float)(a / SH) + p.rms_eps);
     }
     cl.barrier_arrive(); /* done with the other blocks' shared memory; waited for before exit */

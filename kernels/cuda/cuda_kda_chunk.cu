@@ -11,9 +11,10 @@
  *     columns) walking the chunks in sequence (the reference form; 8 ms at 4096 x 64 x 128).
  *   tc_terms 1 or 2 (default 2): two kernels on the tensor cores (bf16 mma.sync m16n8k16, fp32
  *     accumulation) through a scratch of per-chunk records:
- *     kc_intra_kernel, one block per (chunk, head), all chunks in parallel: everything that does not
- *       depend on the state: G, KX/QX/KL, the intra-chunk A and B (16 x 16 sub-blocks on the
- *       tensor cores with the decay factored per sub-block, see there), the WY inverse
+ *     kc_intra_kernel, all (chunk, head) items in parallel (persistent, one block per SM, the next
+ *       item's inputs loading while the current one computes): everything that does not depend on
+ *       the state: G, KX/QX/KL, the intra-chunk A and B (16 x 16 sub-blocks on the tensor cores
+ *       with the decay factored per sub-block, see there), the WY inverse
  *       Tb = (I + diag(beta) A)^-1 diag(beta) in fp32 (blocked forward substitution); writes them
  *       as bf16 planes to the chunk's record.
  *     kc_state_kernel, one block per (head, 64 value columns), chunks in sequence: the state slice
@@ -362,22 +363,25 @@ enum {
     KC_AQL = KC_AQH + KC_SMALL,
     KC_EGL = KC_AQL + KC_SMALL,   /* e^{G_L} [128] fp32 (256 bf16 slots) */
     KC_REC = KC_EGL + 2 * KDA_MAX_DK,
-    /* kc_intra_kernel shared memory (floats) */
+    /* kc_intra_kernel shared memory (floats): two item buffers, then per-item small arrays */
     KI_LDF = KDA_MAX_DK + 8,      /* [64, 128] fp32 rows 8 banks apart: the float2 fragment reads of
                                      a half warp (4 rows x 4 column pairs) hit 32 distinct banks */
     KI_LDM = KDA_CHUNK + 4,       /* [64, 64] fp32 matrices */
-    KI_K = 0,                     /* k, then KP           [64, KI_LDF] */
-    KI_Q = KI_K + KDA_CHUNK * KI_LDF, /* q, then QP       [64, KI_LDF] */
-    KI_G = KI_Q + KDA_CHUNK * KI_LDF, /* g, G, then KN    [64, KI_LDF] */
+    KI_K = 0,                     /* in a buffer: k, then KP  [64, KI_LDF] */
+    KI_Q = KI_K + KDA_CHUNK * KI_LDF, /* q, then QP        [64, KI_LDF] */
+    KI_G = KI_Q + KDA_CHUNK * KI_LDF, /* g, G, then KN     [64, KI_LDF] */
+    KI_BUF = KI_G + KDA_CHUNK * KI_LDF,
     KI_M = 0,                     /* after the products, over k/q/g: M = diag(beta) A [64, KI_LDM] */
     KI_AQ = KI_M + KDA_CHUNK * KI_LDM, /* B                [64, KI_LDM] */
     KI_T = KI_AQ + KDA_CHUNK * KI_LDM, /* T = (I + M)^-1   [64, KI_LDM] */
     KI_Z = KI_T + KDA_CHUNK * KI_LDM,  /* round products   [3, 16, 16] */
-    KI_R = KI_G + KDA_CHUNK * KI_LDF,  /* sub-block references R [4, 128] */
+    KI_R = 2 * KI_BUF,                 /* sub-block references R [4, 128] */
     KI_E = KI_R + 4 * KDA_MAX_DK,      /* e^{R_I - R_J}, I > J [6, 128] */
-    KI_GL = KI_E + 6 * KDA_MAX_DK,     /* G_L [128] */
-    KI_BT = KI_GL + KDA_MAX_DK,        /* beta [64] */
-    KI_FLOATS = KI_BT + KDA_CHUNK,
+    KI_ER = KI_E + 6 * KDA_MAX_DK,     /* e^{R_J} [4, 128] */
+    KI_EL = KI_ER + 4 * KDA_MAX_DK,    /* e^{G_L - R_J} [4, 128] */
+    KI_GL = KI_EL + 4 * KDA_MAX_DK,    /* G_L [128] */
+    KI_BT = KI_GL + KDA_MAX_DK,        /* beta [2 buffers, 64] */
+    KI_FLOATS = KI_BT + 2 * KDA_CHUNK, /* 54784 floats = 219136 bytes */
     /* kc_state_kernel shared memory (bf16 units); rows padded by 8 (16 bytes) so the 8 row
      * addresses of an ldmatrix fall in distinct bank groups */
     KS_LDA = KDA_MAX_DK + 8,      /* [64, 128] planes: 272-byte rows */
@@ -425,15 +429,6 @@ static __device__ __forceinline__ void kc_split2(float a, float b, uint32_t *hi,
     *lo = kc_bf162_bits(__floats2bfloat162_rn(a - hf.x, b - hf.y));
 }
 
-/* 4 consecutive values as bf16 hi (and lo, when lo != NULL) at 8-byte aligned addresses. */
-static __device__ __forceinline__ void kc_store4(__nv_bfloat16 *hi, __nv_bfloat16 *lo, float4 x) {
-    uint32_t h0, l0, h1, l1;
-    kc_split2(x.x, x.y, &h0, &l0);
-    kc_split2(x.z, x.w, &h1, &l1);
-    *reinterpret_cast<uint2 *>(hi) = make_uint2(h0, h1);
-    if (lo) *reinterpret_cast<uint2 *>(lo) = make_uint2(l0, l1);
-}
-
 static __device__ __forceinline__ float4 kc_exp4(float4 a) {
     return make_float4(__expf(a.x), __expf(a.y), __expf(a.z), __expf(a.w));
 }
@@ -454,15 +449,31 @@ static __device__ __forceinline__ void kc_mma(float d[4], const uint32_t a[4], u
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-/* The split product: d += ah bh + ah bl + al bh (TERMS 2) or ah bh (TERMS 1). */
-template <int TERMS>
-static __device__ __forceinline__ void kc_mma_split(float d[4], const uint32_t ah[4], const uint32_t al[4],
-                                                    uint32_t bh0, uint32_t bh1, uint32_t bl0, uint32_t bl1) {
+/* The split product of one k step: d[nt] += a b_nt = al bh + ah bl + ah bh (TERMS 2; TERMS 1:
+ * ah bh) for the N n8 tiles nt, b_nt in b*[nt >> 1][2 (nt & 1)], +1 (the register order of
+ * kc_ldsm4t over two n8 tiles); one or two A operands (a2h == NULL: one). Three passes over the
+ * accumulators, in that term order, so that no mma waits on the one just before it. */
+template <int TERMS, int N>
+static __device__ __forceinline__ void kc_mma_tiles(float (*d1)[4], const uint32_t a1h[4], const uint32_t a1l[4],
+                                                    float (*d2)[4], const uint32_t *a2h, const uint32_t *a2l,
+                                                    const uint32_t (*bh)[4], const uint32_t (*bl)[4]) {
     if (TERMS > 1) {
-        kc_mma(d, al, bh0, bh1);
-        kc_mma(d, ah, bl0, bl1);
+#pragma unroll
+        for (int nt = 0; nt < N; nt++) {
+            kc_mma(d1[nt], a1l, bh[nt >> 1][2 * (nt & 1)], bh[nt >> 1][2 * (nt & 1) + 1]);
+            if (a2h) kc_mma(d2[nt], a2l, bh[nt >> 1][2 * (nt & 1)], bh[nt >> 1][2 * (nt & 1) + 1]);
+        }
+#pragma unroll
+        for (int nt = 0; nt < N; nt++) {
+            kc_mma(d1[nt], a1h, bl[nt >> 1][2 * (nt & 1)], bl[nt >> 1][2 * (nt & 1) + 1]);
+            if (a2h) kc_mma(d2[nt], a2h, bl[nt >> 1][2 * (nt & 1)], bl[nt >> 1][2 * (nt & 1) + 1]);
+        }
     }
-    kc_mma(d, ah, bh0, bh1);
+#pragma unroll
+    for (int nt = 0; nt < N; nt++) {
+        kc_mma(d1[nt], a1h, bh[nt >> 1][2 * (nt & 1)], bh[nt >> 1][2 * (nt & 1) + 1]);
+        if (a2h) kc_mma(d2[nt], a2h, bh[nt >> 1][2 * (nt & 1)], bh[nt >> 1][2 * (nt & 1) + 1]);
+    }
 }
 
 /* ldmatrix x4: lane l gives the address of one 16-byte row; the four 8x8 matrices come from
@@ -519,13 +530,19 @@ static __device__ __forceinline__ void kc_cp_commit(void) { asm volatile("cp.asy
 static __device__ __forceinline__ void kc_cp_wait_all(void) { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 /* ---- kc_intra_kernel ----
- * Block = (chunk c of the segment, head h), 256 threads, two blocks per SM. Steps:
+ * Persistent: one block of 256 threads per SM walks the segment's (chunk, head) items with a
+ * stride of the grid, and loads the next item's k, q, g (cp.async, into the other of two buffers)
+ * while it computes the current one, so the loads of one item overlap the math and the record
+ * stores of the previous. Per item (chunk c, head h):
  *   1 load k, q, g [64, 128] fp32 (zero past the chunk's end and past dk) and beta
  *   2 G = cumsum g per channel (as cpu_kda.c: acc = g + acc); per 16-step sub-block J and channel
  *     the reference R_J = (max + min) / 2; fallback if some sub-block spans > KC_SPAN_MAX or g > 0
- *   3 E_IJ = e^{R_I - R_J} for the 6 pairs I > J; (fallback) A, B exactly in fp32, to registers
- *   4 record planes KX, QX, KL (bf16 hi/lo); in place: KP = k e^{G - R}, QP = q e^{G - R},
- *     KN = k e^{R - G} (R of the step's own sub-block)
+ *   3 per (sub-block, channel) factors E_IJ = e^{R_I - R_J} (I > J), e^{R_J}, e^{G_L - R_J};
+ *     (fallback) A, B exactly in fp32, to registers
+ *   4 in place: KP = k e^{G - R}, QP = q e^{G - R}, KN = k e^{R - G} (R of the step's own
+ *     sub-block); record planes (bf16 hi/lo) KX = KP e^R, QX = QP e^R, KL = KN e^{G_L - R}: two
+ *     exponentials a value. Where e^R or e^{G_L - R} underflows, the true value is below e^-27
+ *     (the factors are within e^+-60). Fallback: KX = k e^G, QX = q e^G, KL = k e^{G_L - G}.
  *   5 (no fallback) the 10 sub-block pairs J <= I on the tensor cores, one warp each (warps 0, 1
  *     take a second):  A_IJ = KP_I (E_IJ KN_J)^T,  B_IJ = QP_I (E_IJ KN_J)^T  (K = 128 channels);
  *     then M = diag(beta) A (strictly lower) and B (lower with the diagonal) over the dead k/q/g
@@ -535,20 +552,24 @@ static __device__ __forceinline__ void kc_cp_wait_all(void) { asm volatile("cp.a
  *   7 record planes Tb = T diag(beta), B (bf16 hi/lo) and e^{G_L}
  * Rows past the chunk's end: k = q = g = beta = 0, so their KX, QX, KL, A, B rows are zero and
  * Tb's rows and columns there are zero (beta = 0): the state kernel needs no masking but v and o. */
-static __global__ void __launch_bounds__(KC_THREADS, 2) kc_intra_kernel(chunk_params p) {
-    extern __shared__ float4 kc_smem4[];
-    float *sm = reinterpret_cast<float *>(kc_smem4);
-    float *Ks = sm + KI_K, *Qs = sm + KI_Q, *Gs = sm + KI_G;
-    float *Ms = sm + KI_M, *Aq = sm + KI_AQ, *Ts = sm + KI_T, *Zs = sm + KI_Z;
-    float *Rs = sm + KI_R, *Es = sm + KI_E, *GLs = sm + KI_GL, *bts = sm + KI_BT;
-    const int c = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
-    const int dk = p.dk, t0 = p.t0 + c * KDA_CHUNK;
-    const int Lc = p.n - t0 < KDA_CHUNK ? p.n - t0 : KDA_CHUNK;
-    __nv_bfloat16 *rec = p.rec + ((size_t)h * p.nck + c) * KC_REC;
-    const bool lo = p.terms > 1;
-    int bad = 0;
 
-    /* 1: load (cp.async: all 96 KB in flight at once) */
+/* 8 consecutive values as bf16 hi (and lo, when lo != NULL) at 16-byte aligned addresses. */
+static __device__ __forceinline__ void kc_store8(__nv_bfloat16 *hi, __nv_bfloat16 *lo, float4 a, float4 b) {
+    uint4 h, l;
+    kc_split2(a.x, a.y, &h.x, &l.x);
+    kc_split2(a.z, a.w, &h.y, &l.y);
+    kc_split2(b.x, b.y, &h.z, &l.z);
+    kc_split2(b.z, b.w, &h.w, &l.w);
+    *reinterpret_cast<uint4 *>(hi) = h;
+    if (lo) *reinterpret_cast<uint4 *>(lo) = l;
+}
+
+/* Step 1 of item `item` into buffer buf (k, q, g) and bts (beta): cp.async (one commit group)
+ * when p.vec4, else plain loads. */
+static __device__ __forceinline__ void kc_intra_load(const chunk_params &p, float *buf, float *bts, int item, int tid) {
+    const int c = item % p.nck, h = item / p.nck, dk = p.dk, t0 = p.t0 + c * KDA_CHUNK;
+    const int Lc = p.n - t0 < KDA_CHUNK ? p.n - t0 : KDA_CHUNK;
+    float *Ks = buf + KI_K, *Qs = buf + KI_Q, *Gs = buf + KI_G;
     if (p.vec4) {
         for (int e = tid; e < KDA_CHUNK * KDA_MAX_DK / 4; e += KC_THREADS) {
             const int i = e >> 5, d = (e & 31) * 4, x = i * KI_LDF + d;
@@ -565,7 +586,6 @@ static __global__ void __launch_bounds__(KC_THREADS, 2) kc_intra_kernel(chunk_pa
             }
         }
         kc_cp_commit();
-        kc_cp_wait_all();
     } else {
         for (int e = tid; e < KDA_CHUNK * KDA_MAX_DK; e += KC_THREADS) {
             const int i = e >> 7, d = e & 127;
@@ -582,7 +602,19 @@ static __global__ void __launch_bounds__(KC_THREADS, 2) kc_intra_kernel(chunk_pa
         }
     }
     if (tid < KDA_CHUNK) bts[tid] = tid < Lc ? p.beta[(size_t)(t0 + tid) * p.nh + h] : 0.f;
-    __syncthreads();
+}
+
+/* Steps 2-7 of item `item`, whose k, q, g and beta are in buf and bts (all threads see them). */
+static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, float *sm, float *buf, const float *bts,
+                                                     int item, int tid) {
+    float *Ks = buf + KI_K, *Qs = buf + KI_Q, *Gs = buf + KI_G;
+    float *Ms = buf + KI_M, *Aq = buf + KI_AQ, *Ts = buf + KI_T, *Zs = buf + KI_Z;
+    float *Rs = sm + KI_R, *Es = sm + KI_E, *ERs = sm + KI_ER, *ELs = sm + KI_EL, *GLs = sm + KI_GL;
+    const int lane = tid & 31, w = tid >> 5;
+    const int c = item % p.nck, h = item / p.nck;
+    __nv_bfloat16 *rec = p.rec + ((size_t)h * p.nck + c) * KC_REC;
+    const bool lo = p.terms > 1;
+    int bad = 0;
 
     /* 2: cumulative log-decay, sub-block references, the fallback test */
     if (tid < KDA_MAX_DK) {
@@ -606,12 +638,16 @@ static __global__ void __launch_bounds__(KC_THREADS, 2) kc_intra_kernel(chunk_pa
     }
     const bool fallback = __syncthreads_or(bad) != 0;
 
-    /* 3: pair factors; (fallback) A, B exactly. Fallback thread tile: rows 4ti..4ti+3, columns
+    /* 3: factors; (fallback) A, B exactly. Fallback thread tile: rows 4ti..4ti+3, columns
      * tc + 16y (y < 4); warp w only has rows <= 8w+7, so it skips the column blocks above. */
     for (int e = tid; e < 6 * KDA_MAX_DK; e += KC_THREADS) {
         const int pr = e >> 7, d = e & 127;
         const int I = pr < 1 ? 1 : pr < 3 ? 2 : 3, J = pr - I * (I - 1) / 2;
         Es[e] = __expf(Rs[I * KDA_MAX_DK + d] - Rs[J * KDA_MAX_DK + d]);
+    }
+    for (int e = tid; e < 4 * KDA_MAX_DK; e += KC_THREADS) {
+        ERs[e] = __expf(Rs[e]);
+        ELs[e] = __expf(GLs[e & 127] - Rs[e]);
     }
     const int ti = tid >> 4, tc = tid & 15, ymax = (8 * w + 7) / 16;
     float fa[4][4], fb[4][4];
@@ -645,26 +681,52 @@ static __global__ void __launch_bounds__(KC_THREADS, 2) kc_intra_kernel(chunk_pa
             }
         }
     }
+    __syncthreads(); /* factors visible; the fallback's reads of raw k, q, G are done */
 
-    /* 4: record planes; factors in place */
-    for (int e = tid; e < KDA_CHUNK * KDA_MAX_DK / 4; e += KC_THREADS) {
-        const int i = e >> 5, d = (e & 31) * 4, x = i * KI_LDF + d;
-        const float4 kv = *reinterpret_cast<const float4 *>(Ks + x);
-        const float4 qv = *reinterpret_cast<const float4 *>(Qs + x);
-        const float4 gv = *reinterpret_cast<const float4 *>(Gs + x);
-        const float4 gl = *reinterpret_cast<const float4 *>(GLs + d);
-        const float4 eg = kc_exp4(gv);
-        const int o = i * KDA_MAX_DK + d;
-        kc_store4(rec + KC_KXH + o, lo ? rec + KC_KXL + o : NULL, kc_mul4(kv, eg));
-        kc_store4(rec + KC_QXH + o, lo ? rec + KC_QXL + o : NULL, kc_mul4(qv, eg));
-        kc_store4(rec + KC_KLH + o, lo ? rec + KC_KLL + o : NULL, kc_mul4(kv, kc_exp4(kc_sub4(gl, gv))));
+    /* 4: factors in place, record planes. Thread: 8 consecutive channels of a row. */
+    for (int e = tid; e < KDA_CHUNK * KDA_MAX_DK / 8; e += KC_THREADS) {
+        const int i = e >> 4, d = (e & 15) * 8, x = i * KI_LDF + d, o = i * KDA_MAX_DK + d;
+        float4 k0 = *reinterpret_cast<const float4 *>(Ks + x), k1 = *reinterpret_cast<const float4 *>(Ks + x + 4);
+        float4 q0 = *reinterpret_cast<const float4 *>(Qs + x), q1 = *reinterpret_cast<const float4 *>(Qs + x + 4);
+        const float4 g0 = *reinterpret_cast<const float4 *>(Gs + x), g1 = *reinterpret_cast<const float4 *>(Gs + x + 4);
+        float4 kx0, kx1, qx0, qx1, kl0, kl1;
         if (!fallback) {
-            const float4 rr = *reinterpret_cast<const float4 *>(Rs + (i >> 4) * KDA_MAX_DK + d);
-            const float4 ep = kc_exp4(kc_sub4(gv, rr)), en = kc_exp4(kc_sub4(rr, gv));
-            *reinterpret_cast<float4 *>(Ks + x) = kc_mul4(kv, ep);
-            *reinterpret_cast<float4 *>(Qs + x) = kc_mul4(qv, ep);
-            *reinterpret_cast<float4 *>(Gs + x) = kc_mul4(kv, en);
+            const int r = (i >> 4) * KDA_MAX_DK + d;
+            const float4 r0 = *reinterpret_cast<const float4 *>(Rs + r), r1 = *reinterpret_cast<const float4 *>(Rs + r + 4);
+            const float4 ep0 = kc_exp4(kc_sub4(g0, r0)), ep1 = kc_exp4(kc_sub4(g1, r1));
+            const float4 en0 = kc_exp4(kc_sub4(r0, g0)), en1 = kc_exp4(kc_sub4(r1, g1));
+            const float4 kn0 = kc_mul4(k0, en0), kn1 = kc_mul4(k1, en1);
+            k0 = kc_mul4(k0, ep0);
+            k1 = kc_mul4(k1, ep1);
+            q0 = kc_mul4(q0, ep0);
+            q1 = kc_mul4(q1, ep1);
+            *reinterpret_cast<float4 *>(Ks + x) = k0;
+            *reinterpret_cast<float4 *>(Ks + x + 4) = k1;
+            *reinterpret_cast<float4 *>(Qs + x) = q0;
+            *reinterpret_cast<float4 *>(Qs + x + 4) = q1;
+            *reinterpret_cast<float4 *>(Gs + x) = kn0;
+            *reinterpret_cast<float4 *>(Gs + x + 4) = kn1;
+            const float4 er0 = *reinterpret_cast<const float4 *>(ERs + r), er1 = *reinterpret_cast<const float4 *>(ERs + r + 4);
+            const float4 el0 = *reinterpret_cast<const float4 *>(ELs + r), el1 = *reinterpret_cast<const float4 *>(ELs + r + 4);
+            kx0 = kc_mul4(k0, er0);
+            kx1 = kc_mul4(k1, er1);
+            qx0 = kc_mul4(q0, er0);
+            qx1 = kc_mul4(q1, er1);
+            kl0 = kc_mul4(kn0, el0);
+            kl1 = kc_mul4(kn1, el1);
+        } else {
+            const float4 gl0 = *reinterpret_cast<const float4 *>(GLs + d), gl1 = *reinterpret_cast<const float4 *>(GLs + d + 4);
+            const float4 eg0 = kc_exp4(g0), eg1 = kc_exp4(g1);
+            kx0 = kc_mul4(k0, eg0);
+            kx1 = kc_mul4(k1, eg1);
+            qx0 = kc_mul4(q0, eg0);
+            qx1 = kc_mul4(q1, eg1);
+            kl0 = kc_mul4(k0, kc_exp4(kc_sub4(gl0, g0)));
+            kl1 = kc_mul4(k1, kc_exp4(kc_sub4(gl1, g1)));
         }
+        kc_store8(rec + KC_KXH + o, lo ? rec + KC_KXL + o : NULL, kx0, kx1);
+        kc_store8(rec + KC_QXH + o, lo ? rec + KC_QXL + o : NULL, qx0, qx1);
+        kc_store8(rec + KC_KLH + o, lo ? rec + KC_KLL + o : NULL, kl0, kl1);
     }
     __syncthreads();
 
@@ -697,16 +759,30 @@ static __global__ void __launch_bounds__(KC_THREADS, 2) kc_intra_kernel(chunk_pa
                         e0 = *reinterpret_cast<const float2 *>(ep + d0);
                         e1 = *reinterpret_cast<const float2 *>(ep + d0 + 8);
                     }
+                    uint32_t bh[2][2], bl[2][2];
 #pragma unroll
                     for (int nt = 0; nt < 2; nt++) {
                         const float *kn = Gs + (16 * J + 8 * nt + g8) * KI_LDF + d0;
                         const float2 b0 = *reinterpret_cast<const float2 *>(kn);
                         const float2 b1 = *reinterpret_cast<const float2 *>(kn + 8);
-                        uint32_t bh0, bl0, bh1, bl1;
-                        kc_split2(b0.x * e0.x, b0.y * e0.y, &bh0, &bl0);
-                        kc_split2(b1.x * e1.x, b1.y * e1.y, &bh1, &bl1);
-                        kc_mma_split<2>(acc[s][0][nt], kh, kl, bh0, bh1, bl0, bl1);
-                        kc_mma_split<2>(acc[s][1][nt], qh, ql, bh0, bh1, bl0, bl1);
+                        kc_split2(b0.x * e0.x, b0.y * e0.y, &bh[nt][0], &bl[nt][0]);
+                        kc_split2(b1.x * e1.x, b1.y * e1.y, &bh[nt][1], &bl[nt][1]);
+                    }
+                    /* three passes over the 4 accumulators: no mma waits on the one just before */
+#pragma unroll
+                    for (int nt = 0; nt < 2; nt++) {
+                        kc_mma(acc[s][0][nt], kl, bh[nt][0], bh[nt][1]);
+                        kc_mma(acc[s][1][nt], ql, bh[nt][0], bh[nt][1]);
+                    }
+#pragma unroll
+                    for (int nt = 0; nt < 2; nt++) {
+                        kc_mma(acc[s][0][nt], kh, bl[nt][0], bl[nt][1]);
+                        kc_mma(acc[s][1][nt], qh, bl[nt][0], bl[nt][1]);
+                    }
+#pragma unroll
+                    for (int nt = 0; nt < 2; nt++) {
+                        kc_mma(acc[s][0][nt], kh, bh[nt][0], bh[nt][1]);
+                        kc_mma(acc[s][1][nt], qh, bh[nt][0], bh[nt][1]);
                     }
                 }
             }
@@ -801,12 +877,29 @@ static __global__ void __launch_bounds__(KC_THREADS, 2) kc_intra_kernel(chunk_pa
     if (tid < KDA_MAX_DK) reinterpret_cast<float *>(rec + KC_EGL)[tid] = expf(GLs[tid]);
 }
 
+static __global__ void __launch_bounds__(KC_THREADS, 1) kc_intra_kernel(chunk_params p) {
+    extern __shared__ float4 kc_smem4[];
+    float *sm = reinterpret_cast<float *>(kc_smem4);
+    const int tid = threadIdx.x, items = p.nck * p.nh;
+    int item = blockIdx.x;
+    if (item >= items) return; /* the launcher makes no such block; uniform anyway */
+    kc_intra_load(p, sm, sm + KI_BT, item, tid);
+    for (int b = 0; item < items; item += gridDim.x, b ^= 1) {
+        kc_cp_wait_all();
+        __syncthreads(); /* this item's inputs in buffer b; every thread is done with buffer b ^ 1 */
+        if (item + (int)gridDim.x < items)
+            kc_intra_load(p, sm + (b ^ 1) * KI_BUF, sm + KI_BT + (b ^ 1) * KDA_CHUNK, item + gridDim.x, tid);
+        kc_intra_item(p, sm, sm + b * KI_BUF, sm + KI_BT + b * KDA_CHUNK, item, tid);
+    }
+}
+
 /* ---- kc_state_kernel ----
  * Block = (64 value columns j0.., head h), 256 threads (8 warps), one block per SM (197 KB of
  * shared memory). The state slice S [128 d, 64 columns] lives in fp32 registers: warp w holds
  * rows 16w..16w+15 as the accumulators of 8 n8 tiles. Per chunk (record planes through cp.async;
  * set A = KX, QX is loaded during the previous chunk's P3-P4, set B = KL, Tb, B, e^{G_L} during
- * this chunk's P1-P2):
+ * this chunk's P1-P2; the records two chunks ahead and v one chunk ahead are prefetched to L2 and
+ * v of the next chunk is loaded to registers after P2):
  *   P1 X = KX S0, Y = QX S0       [64, 64] each, K = 128 (S0 = bf16 hi/lo copy of S in smem)
  *   P2 R = V - X                   to smem (bf16 hi/lo)
  *   P3 delta = Tb R                [64, 64], K = 64 (Tb lower: k blocks <= the row block)
@@ -885,6 +978,31 @@ static __device__ __forceinline__ void kc_state_to_smem(__nv_bfloat16 *sb, const
         }
 }
 
+/* v of the chunk starting at step t0 at the P1-P2 tile positions of this thread: rows
+ * 16rb + g8 (+8), columns j0 + 32ch + 8nt + 2c4 (+1); zero past the end and past dk. */
+static __device__ __forceinline__ void kc_load_v(const chunk_params &p, float vr[4][4], int t0, int h, int j0,
+                                                 int rb, int ch, int g8, int c4) {
+    const int Lc = p.n - t0 < KDA_CHUNK ? p.n - t0 : KDA_CHUNK, dk = p.dk;
+#pragma unroll
+    for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            const int i = 16 * rb + g8 + 8 * hf, col = j0 + 32 * ch + 8 * nt + 2 * c4;
+            float2 x = make_float2(0.f, 0.f);
+            if (i < Lc) {
+                const float *vp = p.v + ((size_t)(t0 + i) * p.nh + h) * dk + col;
+                if (p.vec2) {
+                    if (col < dk) x = *reinterpret_cast<const float2 *>(vp);
+                } else {
+                    if (col < dk) x.x = vp[0];
+                    if (col + 1 < dk) x.y = vp[1];
+                }
+            }
+            vr[nt][2 * hf] = x.x;
+            vr[nt][2 * hf + 1] = x.y;
+        }
+}
+
 template <int TERMS>
 static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_kernel(chunk_params p) {
     extern __shared__ float4 kc_smem4[];
@@ -907,6 +1025,8 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_kernel(chunk_pa
             S[nt][r] = (d < dk && col < dk) ? Sg[(size_t)d * dk + col] : 0.f;
         }
     kc_state_to_smem(sb, S, w, g8, c4);
+    float vr[4][4]; /* v of the current chunk for P2, loaded a chunk ahead */
+    kc_load_v(p, vr, p.t0, h, j0, rb, ch, g8, c4);
 
     for (int c = 0; c < p.nck; c++) {
         const int t0 = p.t0 + c * KDA_CHUNK, Lc = p.n - t0 < KDA_CHUNK ? p.n - t0 : KDA_CHUNK;
@@ -915,29 +1035,8 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_kernel(chunk_pa
         __syncthreads(); /* set A(c) and S0 in place; sets B and R free (P4 of c-1 is done) */
         kc_load_set_b<TERMS>(sb, rec, tid);
         if (c + 2 < p.nck) kc_prefetch_rec<TERMS>(rec + 2 * KC_REC, blockIdx.x, ncb, tid);
-        if (tid < 2 * KDA_CHUNK && t0 + KDA_CHUNK + (tid >> 1) < p.n && j0 + 32 * (tid & 1) < dk)
-            kc_prefetch_l2(p.v + ((size_t)(t0 + KDA_CHUNK + (tid >> 1)) * p.nh + h) * dk + j0 + 32 * (tid & 1));
-
-        /* v for P2, in flight during P1: rows 16rb + g8 (+8), columns j0 + 32ch + 8nt + 2c4 (+1) */
-        float vr[4][4];
-#pragma unroll
-        for (int nt = 0; nt < 4; nt++)
-#pragma unroll
-            for (int hf = 0; hf < 2; hf++) {
-                const int i = 16 * rb + g8 + 8 * hf, col = j0 + 32 * ch + 8 * nt + 2 * c4;
-                float2 x = make_float2(0.f, 0.f);
-                if (i < Lc) {
-                    const float *vp = p.v + ((size_t)(t0 + i) * p.nh + h) * dk + col;
-                    if (p.vec2) {
-                        if (col < dk) x = *reinterpret_cast<const float2 *>(vp);
-                    } else {
-                        if (col < dk) x.x = vp[0];
-                        if (col + 1 < dk) x.y = vp[1];
-                    }
-                }
-                vr[nt][2 * hf] = x.x;
-                vr[nt][2 * hf + 1] = x.y;
-            }
+        if (tid < 2 * KDA_CHUNK && t0 + 2 * KDA_CHUNK + (tid >> 1) < p.n && j0 + 32 * (tid & 1) < dk)
+            kc_prefetch_l2(p.v + ((size_t)(t0 + 2 * KDA_CHUNK + (tid >> 1)) * p.nh + h) * dk + j0 + 32 * (tid & 1));
 
         /* P1 */
         float X[4][4], Y[4][4];
@@ -954,18 +1053,13 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_kernel(chunk_pa
                 kc_ldsm4(kl, kc_at_a(sb + KS_KXL, KS_LDA, 16 * rb, 16 * ks, l));
                 kc_ldsm4(ql, kc_at_a(sb + KS_QXL, KS_LDA, 16 * rb, 16 * ks, l));
             }
+            uint32_t bh[2][4], bl[2][4];
 #pragma unroll
             for (int np = 0; np < 2; np++) {
-                uint32_t bh[4], bl[4];
-                kc_ldsm4t(bh, kc_at_b(sb + KS_SH, KS_LDB, 16 * ks, 32 * ch + 16 * np, l));
-                if (TERMS > 1) kc_ldsm4t(bl, kc_at_b(sb + KS_SL, KS_LDB, 16 * ks, 32 * ch + 16 * np, l));
-#pragma unroll
-                for (int hf = 0; hf < 2; hf++) {
-                    const int nt = 2 * np + hf;
-                    kc_mma_split<TERMS>(X[nt], kh, kl, bh[2 * hf], bh[2 * hf + 1], bl[2 * hf], bl[2 * hf + 1]);
-                    kc_mma_split<TERMS>(Y[nt], qh, ql, bh[2 * hf], bh[2 * hf + 1], bl[2 * hf], bl[2 * hf + 1]);
-                }
+                kc_ldsm4t(bh[np], kc_at_b(sb + KS_SH, KS_LDB, 16 * ks, 32 * ch + 16 * np, l));
+                if (TERMS > 1) kc_ldsm4t(bl[np], kc_at_b(sb + KS_SL, KS_LDB, 16 * ks, 32 * ch + 16 * np, l));
             }
+            kc_mma_tiles<TERMS, 4>(X, kh, kl, Y, qh, ql, bh, bl);
         }
         /* P2 */
 #pragma unroll
@@ -978,6 +1072,7 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_kernel(chunk_pa
                 *reinterpret_cast<uint32_t *>(sb + KS_RH + o) = hi;
                 *reinterpret_cast<uint32_t *>(sb + KS_RL + o) = lw;
             }
+        if (c + 1 < p.nck) kc_load_v(p, vr, t0 + KDA_CHUNK, h, j0, rb, ch, g8, c4);
         kc_cp_wait_all();
         __syncthreads(); /* set B(c) and R in place; set A is free */
         if (c + 1 < p.nck) kc_load_set_a<TERMS>(sb, rec + KC_REC, tid);
@@ -992,15 +1087,13 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_kernel(chunk_pa
             uint32_t th[4], tl[4];
             kc_ldsm4(th, kc_at_a(sb + KS_TBH, KS_LDB, 16 * rb, 16 * ks, l));
             if (TERMS > 1) kc_ldsm4(tl, kc_at_a(sb + KS_TBL, KS_LDB, 16 * rb, 16 * ks, l));
+            uint32_t bh[2][4], bl[2][4];
 #pragma unroll
             for (int np = 0; np < 2; np++) {
-                uint32_t bh[4], bl[4];
-                kc_ldsm4t(bh, kc_at_b(sb + KS_RH, KS_LDB, 16 * ks, 32 * ch + 16 * np, l));
-                if (TERMS > 1) kc_ldsm4t(bl, kc_at_b(sb + KS_RL, KS_LDB, 16 * ks, 32 * ch + 16 * np, l));
-#pragma unroll
-                for (int hf = 0; hf < 2; hf++)
-                    kc_mma_split<TERMS>(D[2 * np + hf], th, tl, bh[2 * hf], bh[2 * hf + 1], bl[2 * hf], bl[2 * hf + 1]);
+                kc_ldsm4t(bh[np], kc_at_b(sb + KS_RH, KS_LDB, 16 * ks, 32 * ch + 16 * np, l));
+                if (TERMS > 1) kc_ldsm4t(bl[np], kc_at_b(sb + KS_RL, KS_LDB, 16 * ks, 32 * ch + 16 * np, l));
             }
+            kc_mma_tiles<TERMS, 4>(D, th, tl, NULL, NULL, NULL, bh, bl);
         }
         __syncthreads(); /* every warp has read R: delta replaces it */
 #pragma unroll
@@ -1020,15 +1113,13 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_kernel(chunk_pa
             uint32_t ah[4], al[4];
             kc_ldsm4(ah, kc_at_a(sb + KS_AQH, KS_LDB, 16 * rb, 16 * ks, l));
             if (TERMS > 1) kc_ldsm4(al, kc_at_a(sb + KS_AQL, KS_LDB, 16 * rb, 16 * ks, l));
+            uint32_t bh[2][4], bl[2][4];
 #pragma unroll
             for (int np = 0; np < 2; np++) {
-                uint32_t bh[4], bl[4];
-                kc_ldsm4t(bh, kc_at_b(sb + KS_RH, KS_LDB, 16 * ks, 32 * ch + 16 * np, l));
-                if (TERMS > 1) kc_ldsm4t(bl, kc_at_b(sb + KS_RL, KS_LDB, 16 * ks, 32 * ch + 16 * np, l));
-#pragma unroll
-                for (int hf = 0; hf < 2; hf++)
-                    kc_mma_split<TERMS>(Y[2 * np + hf], ah, al, bh[2 * hf], bh[2 * hf + 1], bl[2 * hf], bl[2 * hf + 1]);
+                kc_ldsm4t(bh[np], kc_at_b(sb + KS_RH, KS_LDB, 16 * ks, 32 * ch + 16 * np, l));
+                if (TERMS > 1) kc_ldsm4t(bl[np], kc_at_b(sb + KS_RL, KS_LDB, 16 * ks, 32 * ch + 16 * np, l));
             }
+            kc_mma_tiles<TERMS, 4>(Y, ah, al, NULL, NULL, NULL, bh, bl);
         }
 #pragma unroll
         for (int nt = 0; nt < 4; nt++)
@@ -1062,15 +1153,13 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_kernel(chunk_pa
             uint32_t ah[4], al[4];
             kc_ldsm4t(ah, kc_at_at(sb + KS_KLH, KS_LDA, 16 * ks, 16 * w, l));
             if (TERMS > 1) kc_ldsm4t(al, kc_at_at(sb + KS_KLL, KS_LDA, 16 * ks, 16 * w, l));
+            uint32_t bh[4][4], bl[4][4];
 #pragma unroll
             for (int np = 0; np < 4; np++) {
-                uint32_t bh[4], bl[4];
-                kc_ldsm4t(bh, kc_at_b(sb + KS_RH, KS_LDB, 16 * ks, 16 * np, l));
-                if (TERMS > 1) kc_ldsm4t(bl, kc_at_b(sb + KS_RL, KS_LDB, 16 * ks, 16 * np, l));
-#pragma unroll
-                for (int hf = 0; hf < 2; hf++)
-                    kc_mma_split<TERMS>(S[2 * np + hf], ah, al, bh[2 * hf], bh[2 * hf + 1], bl[2 * hf], bl[2 * hf + 1]);
+                kc_ldsm4t(bh[np], kc_at_b(sb + KS_RH, KS_LDB, 16 * ks, 16 * np, l));
+                if (TERMS > 1) kc_ldsm4t(bl[np], kc_at_b(sb + KS_RL, KS_LDB, 16 * ks, 16 * np, l));
             }
+            kc_mma_tiles<TERMS, 8>(S, ah, al, NULL, NULL, NULL, bh, bl);
         }
         kc_state_to_smem(sb, S, w, g8, c4); /* S0 of the next chunk (P1 of this one is done) */
     }
@@ -1114,7 +1203,8 @@ static mt_status kc_launch(mt_backend *be, const chunk_params *p0) {
         p.t0 = c0 * KDA_CHUNK;
         p.nck = nck_all - c0 < seg ? nck_all - c0 : seg;
         if (only != 2) {
-            kc_intra_kernel<<<dim3(p.nck, p.nh), KC_THREADS, smem_i, cu_stream(be)>>>(p);
+            const int items = p.nck * p.nh, grid = items < cb->n_sm ? items : cb->n_sm;
+            kc_intra_kernel<<<grid, KC_THREADS, smem_i, cu_stream(be)>>>(p);
             cu_check_launch(be, "kda_chunked (intra)");
         }
         if (only != 1) {

@@ -1,8 +1,9 @@
 /* kernels/cuda/cuda_moe.cu: the MoE router and the routed experts, the same functions as
  * kernels/cpu/cpu_moe.c.
  *
- * Router: one warp per row (sigmoid, bias, group top-2 sums, kept groups, top-k by repeated warp
- * argmax with the lowest index winning ties, normalisation, scaling).
+ * Router: one warp per row (sigmoid, bias, group top-2 sums unless every group is kept, kept
+ * groups, top-k by repeated warp argmax over candidates held in registers (up to 512 experts)
+ * with the lowest index winning ties, normalisation, scaling).
  *
  * Experts: the kernels need the experts' device weight pointers, which arrive as a host array
  * whose length the op is not told. The backend keeps a device copy of each table it has seen,
@@ -11,7 +12,8 @@
  * else 1 + the largest index read back from idx.
  *   - Few rows (n <= MOE_GEMV_MAX_ROWS, decode): two GEMV kernels over the selected experts only,
  *     no host synchronisation: per (row, slot) h = swiglu(gate x, up x), then per row
- *     out += sum_k w_k down_k h_k, slots added in order.
+ *     out += sum_k w_k down_k h_k, slots added in order. 16-byte weight loads, 8-16 of them in
+ *     flight per lane; both launched for PDL (cuda_dense.cu's cu_launch_pdl), as is the router.
  *   - Many rows (prefill): idx is read back, the (row, slot) pairs are sorted by expert, then
  *     bf16/fp16 experts: the sorted x rows are gathered and split into tc_terms 16-bit parts
  *     (cu_split16, interleaved: hi and lo of a pair on adjacent rows, so each expert's rows stay
@@ -50,9 +52,11 @@ static __device__ __forceinline__ void moe_pdl_trigger(void) {
 
 enum {
     ROUTE_WARPS = 4,
+    ROUTE_PER_LANE = 16,      /* router candidates per lane kept in registers: E <= 512 */
     MOE_THREADS = 256,
     MOE_WARPS = MOE_THREADS / 32,
     MOE_GEMV_MAX_ROWS = 8,
+    MOE_GROUPED_MAX_ROWS = 64,
     MOE_MAX_TOPK = 64,
     MOE_CACHE_MAX = 1024,     /* expert tables kept; beyond, the oldest slot is reused */
 };
@@ -105,71 +109,111 @@ static __global__ void route_kernel(const route_params p) {
         c[e] = s[e] + p.bias[e];
     }
     __syncwarp();
-    if (G >= 32 || per < 64) {
-        for (int g = lane; g < G; g += 32) { /* group score: sum of its two largest c */
-            float a = -INFINITY, b = -INFINITY;
-            for (int e = g * per; e < (g + 1) * per; e++) {
-                if (c[e] > a) { b = a; a = c[e]; }
-                else if (c[e] > b) b = c[e];
-            }
-            gscore[g] = a + b;
-            gmask[g] = 0;
-        }
-    } else {
-        /* Few large groups (e.g. one group of 288): the warp finds each group's two largest
-         * together, each lane over a strided part, then a shuffle merge. The pair of values is
-         * the same whichever lane finds it, so the sum equals the serial one. */
-        for (int g = 0; g < G; g++) {
-            float a = -INFINITY, b = -INFINITY;
-            for (int e = g * per + lane; e < (g + 1) * per; e += 32) {
-                if (c[e] > a) { b = a; a = c[e]; }
-                else if (c[e] > b) b = c[e];
-            }
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) {
-                const float oa = __shfl_xor_sync(0xffffffffu, a, o), ob = __shfl_xor_sync(0xffffffffu, b, o);
-                const float hi = fmaxf(a, oa), lo = fmaxf(fminf(a, oa), fmaxf(b, ob));
-                a = hi;
-                b = lo;
-            }
-            if (lane == 0) {
+    if (p.topk_group < G) {
+        if (G >= 32 || per < 64) {
+            for (int g = lane; g < G; g += 32) { /* group score: sum of its two largest c */
+                float a = -INFINITY, b = -INFINITY;
+                for (int e = g * per; e < (g + 1) * per; e++) {
+                    if (c[e] > a) { b = a; a = c[e]; }
+                    else if (c[e] > b) b = c[e];
+                }
                 gscore[g] = a + b;
                 gmask[g] = 0;
             }
+        } else {
+            /* Few large groups: the warp finds each group's two largest together, each lane over
+             * a strided part, then a shuffle merge. The pair of values is the same whichever lane
+             * finds it, so the sum equals the serial one. */
+            for (int g = 0; g < G; g++) {
+                float a = -INFINITY, b = -INFINITY;
+                for (int e = g * per + lane; e < (g + 1) * per; e += 32) {
+                    if (c[e] > a) { b = a; a = c[e]; }
+                    else if (c[e] > b) b = c[e];
+                }
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) {
+                    const float oa = __shfl_xor_sync(0xffffffffu, a, o), ob = __shfl_xor_sync(0xffffffffu, b, o);
+                    const float hi = fmaxf(a, oa), lo = fmaxf(fminf(a, oa), fmaxf(b, ob));
+                    a = hi;
+                    b = lo;
+                }
+                if (lane == 0) {
+                    gscore[g] = a + b;
+                    gmask[g] = 0;
+                }
+            }
         }
+        __syncwarp();
+        if (lane == 0)
+            for (int k = 0; k < p.topk_group; k++) { /* best free group, lowest index on ties */
+                int best = -1;
+                for (int g = 0; g < G; g++)
+                    if (!gmask[g] && (best < 0 || gscore[g] > gscore[best])) best = g;
+                gmask[best] = 1;
+            }
+        __syncwarp();
+        for (int e = lane; e < E; e += 32) mask[e] = gmask[e / per];
+    } else {
+        /* every group is kept (the real model: one group): the scores cannot matter */
+        for (int e = lane; e < E; e += 32) mask[e] = 1;
     }
-    __syncwarp();
-    if (lane == 0)
-        for (int k = 0; k < p.topk_group; k++) { /* best free group, lowest index on ties */
-            int best = -1;
-            for (int g = 0; g < G; g++)
-                if (!gmask[g] && (best < 0 || gscore[g] > gscore[best])) best = g;
-            gmask[best] = 1;
-        }
-    __syncwarp();
-    for (int e = lane; e < E; e += 32) mask[e] = gmask[e / per];
     __syncwarp();
 
     float sum = 0; /* lane 0: the picks' s in pick order, the CPU's */
-    for (int k = 0; k < p.top_k; k++) {
-        float bv = 0;
-        int bi = -1;
-        for (int e = lane; e < E; e += 32) /* ascending, strict: lowest index of this lane's max */
-            if (mask[e] && (bi < 0 || c[e] > bv)) { bv = c[e]; bi = e; }
+    if (E <= 32 * ROUTE_PER_LANE) {
+        /* Lane l's candidates c[l + 32 j] sit in registers, bit j of `live` set while eligible:
+         * each pick is the lane's best (strict >, ascending j: its lowest index on ties), the
+         * warp merge below, and the winner clearing its bit, with no shared memory in between. */
+        float cv[ROUTE_PER_LANE];
+        unsigned live = 0;
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) { bv = ov; bi = oi; }
+        for (int j = 0; j < ROUTE_PER_LANE; j++) {
+            const int e = lane + 32 * j;
+            cv[j] = e < E ? c[e] : 0.f;
+            if (e < E && mask[e]) live |= 1u << j;
         }
-        if (bi < 0) __trap(); /* the host checked top_k <= topk_group * per */
-        if (lane == 0) {
-            mask[bi] = 0;
-            sel_i[k] = bi;
-            sel_w[k] = s[bi];
-            sum += s[bi];
+        for (int k = 0; k < p.top_k; k++) {
+            float bv = 0;
+            int bi = -1;
+#pragma unroll
+            for (int j = 0; j < ROUTE_PER_LANE; j++)
+                if ((live >> j & 1u) && (bi < 0 || cv[j] > bv)) { bv = cv[j]; bi = lane + 32 * j; }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+                const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+                if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) { bv = ov; bi = oi; }
+            }
+            if (bi < 0) __trap(); /* the host checked top_k <= topk_group * per */
+            if ((bi & 31) == lane) live &= ~(1u << (bi >> 5));
+            if (lane == 0) {
+                sel_i[k] = bi;
+                sel_w[k] = s[bi];
+                sum += s[bi];
+            }
         }
         __syncwarp();
+    } else {
+        for (int k = 0; k < p.top_k; k++) {
+            float bv = 0;
+            int bi = -1;
+            for (int e = lane; e < E; e += 32) /* ascending, strict: lowest index of this lane's max */
+                if (mask[e] && (bi < 0 || c[e] > bv)) { bv = c[e]; bi = e; }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+                const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+                if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) { bv = ov; bi = oi; }
+            }
+            if (bi < 0) __trap(); /* the host checked top_k <= topk_group * per */
+            if (lane == 0) {
+                mask[bi] = 0;
+                sel_i[k] = bi;
+                sel_w[k] = s[bi];
+                sum += s[bi];
+            }
+            __syncwarp();
+        }
     }
     sum = __shfl_sync(0xffffffffu, sum, 0);
     for (int k = lane; k < p.top_k; k += 32) {
@@ -953,6 +997,14 @@ extern "C" void cu_moe_experts(mt_backend *be, float *out, const float *x, const
     MT_ASSERT(n >= 0 && top_k >= 1 && top_k <= MOE_MAX_TOPK && H > 0 && I > 0);
     if (n == 0) return;
     MT_ASSERT((int64_t)n * top_k <= INT_MAX / 2);
+    /* Decode batches of 9..MOE_GROUPED_MAX_ROWS rows: grouped on the device (cuda_moe_grouped.cu),
+     * each touched expert streamed once at 91-100% of copy bandwidth and no host sync, so the
+     * step can be a graph. Larger batches (prefill) keep the batched GEMMs below, which were
+     * faster at 128 rows (3.73 vs 4.36 ms, kernels_cuda_moe_grouped_test on an H200). */
+    if (n > MOE_GEMV_MAX_ROWS && n <= MOE_GROUPED_MAX_ROWS && cb->moe_grouped) {
+        cu_moe_experts_grouped(be, out, x, idx, weights, experts, n, top_k, H, I, L);
+        return;
+    }
     const int P = n * top_k;
     const bool grouped = n > MOE_GEMV_MAX_ROWS;
     mt_status st = MT_OK;

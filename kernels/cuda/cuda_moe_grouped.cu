@@ -13,16 +13,21 @@
  *      scan into start[E + 1], then list[] = the pair ids grouped by expert (order within an
  *      expert is arbitrary; no result depends on it, see 2).
  *   2. gate/up, grid (I / 16, E): block (tile, e) exits at once when no pair chose e; else each
- *      warp streams its 2 rows of e's gate and up once (16-byte loads, fp32 FMA) against up to 8
- *      of e's pairs at a time, lanes splitting H, then a warp sum; h[pair, i] =
- *      silu(min(g, L)) * clamp(u, -L, L). A pass is compiled for 1, 2, 3, 4 or 8 pairs (5 to 7
- *      run as 8, the extra ones computing a copy of the last pair and not writing it); more than 8
- *      pairs take another pass over the same rows (from L2, which on an H200 is not much faster
- *      than HBM: at n = 128 two passes of at most 4 pairs cost 24% of the bandwidth). Each pair's
+ *      warp streams its 2 rows of e's gate and up once (16-byte loads, fp32 FMA) against up to 4
+ *      of e's pairs at a time (more pairs: another pass over the same rows, now from L2), lanes
+ *      splitting H, then a warp sum; h[pair, i] = silu(min(g, L)) * clamp(u, -L, L). Each pair's
  *      sum runs the same instruction sequence whatever its place in the list: deterministic.
  *   3. down, grid (H / 32, E): the same with 4 rows of e's down per warp, d[pair, :] = down h.
  *   4. combine: out[i] += sum_k weights[i, k] * d[i * top_k + k] in slot order (the CPU's),
  *      no atomics on out.
+ * Measured (H200, real shapes 4096 x 2048 bf16, top-8 of 288 distinct experts, uniform random
+ * choices; device copy 4.27 TB/s): n = 8 0.70 ms, 91% of the copy bandwidth on the touched
+ * experts' bytes (94% replayed from a graph); n = 32 2.01 ms, 100%; n = 64 3.02 ms, 95%; n = 128
+ * 4.36 ms, 76% (the backend's batched-GEMM path: 3.73 ms). The loss grows with the pairs per
+ * expert (3.6 at n = 128), not with the passes (see MOEG_PASS_MAX): likely the x (h) reads: in
+ * a pass every warp of a block reads the rows of all its NR pairs, NR / 16 of the block's weight
+ * bytes when the 8 warps share them through L1, up to NR / 2 when they do not. Staging them in
+ * shared memory once per block (in chunks of H) is the next step.
  *
  * The device table of expert weight pointers (gate, up, down data of each expert) is kept per
  * (backend, host experts array), covering experts [0, E): E is the router's n_experts when idx is
@@ -57,9 +62,11 @@ enum {
     MOEG_GU_TILE = MOEG_GU_ROWS * MOEG_WARPS,
     MOEG_DN_ROWS = 4,                   /* rows of down per warp */
     MOEG_DN_TILE = MOEG_DN_ROWS * MOEG_WARPS,
-    MOEG_PASS_MAX = 8,                  /* pairs per pass over a warp's weight rows; the 8-pair
-                                           pass runs its loop without unrolling to stay within 128
-                                           registers a thread (2 blocks of 256 on an SM) */
+    MOEG_PASS_MAX = 4,                  /* pairs per pass over a warp's weight rows. 8 took the
+                                           kernels past 128 registers a thread (the most that keeps
+                                           2 blocks of 256 on an SM); an 8-pair pass without the
+                                           unrolling measured no faster at n = 128 and ~4% slower
+                                           at n = 32..64 */
     MOEG_MAX_TOPK = 64,
     MOEG_MAX_EXPERTS = 6144,            /* group kernel: 2 ints per expert in 48 KiB of smem */
     MOEG_CHUNK_PAIRS = 4096,            /* pairs per chunk: 96 MiB of scratch at 4096 x 2048 */
@@ -119,14 +126,13 @@ static __global__ void __launch_bounds__(MOEG_GROUP_THREADS) moeg_group_kernel(c
  * branch in the loop) and are not written. */
 template <mt_dtype DT, int V, int NR>
 static __device__ __forceinline__ void moeg_gateup_pass(const moeg_params &p, const void *wg,
-                                                        const void *wu, int i0, const int32_t *pl,
-                                                        int m) {
+                                                        const void *wu, int i0, const int32_t *pl) {
     constexpr int R = MOEG_GU_ROWS;
     const int lane = threadIdx.x & 31;
     int q[NR], xo[NR]; /* pair ids; offsets of their x rows (32-bit: fewer registers) */
 #pragma unroll
     for (int t = 0; t < NR; t++) {
-        q[t] = pl[t < m ? t : m - 1]; /* t >= m: a copy of the last pair, computed, not written */
+        q[t] = pl[t];
         xo[t] = q[t] / p.top_k * p.H;
     }
     int64_t wrow[R];
@@ -138,8 +144,7 @@ static __device__ __forceinline__ void moeg_gateup_pass(const moeg_params &p, co
 #pragma unroll
         for (int t = 0; t < NR; t++) ag[r][t] = au[r][t] = 0.f;
     const int nv = p.H / V;
-    constexpr int U = NR > 4 ? 1 : 2; /* unrolled: 2 x 4 loads in flight; 8 pairs: no room */
-#pragma unroll U
+#pragma unroll 2
     for (int v = lane; v < nv; v += 32) {
         float g[R][V], u[R][V];
 #pragma unroll
@@ -165,7 +170,7 @@ static __device__ __forceinline__ void moeg_gateup_pass(const moeg_params &p, co
 #pragma unroll
         for (int t = 0; t < NR; t++) {
             const float a = cu_warp_sum(ag[r][t]), b = cu_warp_sum(au[r][t]);
-            if (lane == r * NR + t && t < m && i0 + r < p.I) { /* R * NR <= 32: a lane per output */
+            if (lane == r * NR + t && i0 + r < p.I) { /* R * NR <= 32: one lane per output */
                 const float gc = fminf(a, p.L), uc = fminf(fmaxf(b, -p.L), p.L);
                 p.h[(int64_t)q[t] * p.I + i0 + r] = gc / (1.f + expf(-gc)) * uc;
             }
@@ -182,15 +187,15 @@ static __global__ void __launch_bounds__(MOEG_THREADS, 2) moeg_gateup_kernel(con
     const int i0 = blockIdx.x * MOEG_GU_TILE + (threadIdx.x >> 5) * MOEG_GU_ROWS;
     if (i0 >= p.I) return;
     const void *wg = p.w[3 * e], *wu = p.w[3 * e + 1];
-    for (int c = c0; c < c1;) { /* passes of 8 (5..8 pairs), then 4, 3, 2 or 1 */
-        const int m = c1 - c < MOEG_PASS_MAX ? c1 - c : MOEG_PASS_MAX;
-        const int32_t *pl = p.list + c;
-        if (m > 4) moeg_gateup_pass<DT, V, MOEG_PASS_MAX>(p, wg, wu, i0, pl, m);
-        else if (m == 4) moeg_gateup_pass<DT, V, 4>(p, wg, wu, i0, pl, m);
-        else if (m == 3) moeg_gateup_pass<DT, V, 3>(p, wg, wu, i0, pl, m);
-        else if (m == 2) moeg_gateup_pass<DT, V, 2>(p, wg, wu, i0, pl, m);
-        else moeg_gateup_pass<DT, V, 1>(p, wg, wu, i0, pl, m);
-        c += m;
+    for (int c = c0; c < c1;) { /* passes of 4, then 3, 2 or 1 */
+        const int m = c1 - c;
+        if (m >= MOEG_PASS_MAX) {
+            moeg_gateup_pass<DT, V, MOEG_PASS_MAX>(p, wg, wu, i0, p.list + c);
+            c += MOEG_PASS_MAX;
+        }
+        else if (m == 3) { moeg_gateup_pass<DT, V, 3>(p, wg, wu, i0, p.list + c); c += 3; }
+        else if (m == 2) { moeg_gateup_pass<DT, V, 2>(p, wg, wu, i0, p.list + c); c += 2; }
+        else { moeg_gateup_pass<DT, V, 1>(p, wg, wu, i0, p.list + c); c += 1; }
     }
 }
 
@@ -198,13 +203,13 @@ static __global__ void __launch_bounds__(MOEG_THREADS, 2) moeg_gateup_kernel(con
  * pl[0, NR); lanes split I. d[pair, i] = down_i . h[pair]. */
 template <mt_dtype DT, int V, int NR>
 static __device__ __forceinline__ void moeg_down_pass(const moeg_params &p, const void *wd, int i0,
-                                                      const int32_t *pl, int m) {
+                                                      const int32_t *pl) {
     constexpr int R = MOEG_DN_ROWS;
     const int lane = threadIdx.x & 31;
     int q[NR], ho[NR]; /* pair ids; offsets of their h rows */
 #pragma unroll
     for (int t = 0; t < NR; t++) {
-        q[t] = pl[t < m ? t : m - 1]; /* t >= m: a copy of the last pair, computed, not written */
+        q[t] = pl[t];
         ho[t] = q[t] * p.I;
     }
     int64_t wrow[R];
@@ -216,8 +221,7 @@ static __device__ __forceinline__ void moeg_down_pass(const moeg_params &p, cons
 #pragma unroll
         for (int t = 0; t < NR; t++) acc[r][t] = 0.f;
     const int nv = p.I / V;
-    constexpr int U = NR > 4 ? 1 : 2;
-#pragma unroll U
+#pragma unroll 2
     for (int v = lane; v < nv; v += 32) {
         float dw[R][V];
 #pragma unroll
@@ -237,7 +241,7 @@ static __device__ __forceinline__ void moeg_down_pass(const moeg_params &p, cons
 #pragma unroll
         for (int t = 0; t < NR; t++) {
             const float s = cu_warp_sum(acc[r][t]);
-            if (lane == r * NR + t && t < m && i0 + r < p.H) p.d[(int64_t)q[t] * p.H + i0 + r] = s;
+            if (lane == r * NR + t && i0 + r < p.H) p.d[(int64_t)q[t] * p.H + i0 + r] = s;
         }
 }
 
@@ -251,15 +255,15 @@ static __global__ void __launch_bounds__(MOEG_THREADS, 2) moeg_down_kernel(const
     const int i0 = blockIdx.x * MOEG_DN_TILE + (threadIdx.x >> 5) * MOEG_DN_ROWS;
     if (i0 >= p.H) return;
     const void *wd = p.w[3 * e + 2];
-    for (int c = c0; c < c1;) { /* as moeg_gateup_kernel */
-        const int m = c1 - c < MOEG_PASS_MAX ? c1 - c : MOEG_PASS_MAX;
-        const int32_t *pl = p.list + c;
-        if (m > 4) moeg_down_pass<DT, V, MOEG_PASS_MAX>(p, wd, i0, pl, m);
-        else if (m == 4) moeg_down_pass<DT, V, 4>(p, wd, i0, pl, m);
-        else if (m == 3) moeg_down_pass<DT, V, 3>(p, wd, i0, pl, m);
-        else if (m == 2) moeg_down_pass<DT, V, 2>(p, wd, i0, pl, m);
-        else moeg_down_pass<DT, V, 1>(p, wd, i0, pl, m);
-        c += m;
+    for (int c = c0; c < c1;) {
+        const int m = c1 - c;
+        if (m >= MOEG_PASS_MAX) {
+            moeg_down_pass<DT, V, MOEG_PASS_MAX>(p, wd, i0, p.list + c);
+            c += MOEG_PASS_MAX;
+        }
+        else if (m == 3) { moeg_down_pass<DT, V, 3>(p, wd, i0, p.list + c); c += 3; }
+        else if (m == 2) { moeg_down_pass<DT, V, 2>(p, wd, i0, p.list + c); c += 2; }
+        else { moeg_down_pass<DT, V, 1>(p, wd, i0, p.list + c); c += 1; }
     }
 }
 

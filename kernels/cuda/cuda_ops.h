@@ -41,6 +41,7 @@ typedef struct cu_backend {
     mt_status sticky;          /* first failure seen by an op; MT_OK otherwise */
     int n_sm;                  /* multiprocessors of the device, for grid sizing */
     cu_buf scratch[CU_SCRATCH_N];
+    uint64_t scratch_epoch;    /* bumped when a scratch buffer is replaced (graph_epoch) */
     /* The last moe_route output, so moe_experts knows its indices are < route_experts without
      * reading them back. Cleared by upload/copy/zero over it and by alloc/free. */
     const int32_t *route_idx;  /* [route_len] device */
@@ -59,6 +60,7 @@ typedef struct cu_backend {
      *   narrow       MT_CUDA_NARROW: matmuls of at most 32 output rows (mHC mix) on the
      *                narrow fp32 kernel (cuda_dense.cu); 0: the tiled fp32 GEMM. */
     bool moe_batched;
+    bool moe_grouped;           /* MT_CUDA_MOE_GROUPED (default 1): 9..64 rows on the grouped kernels */
     bool narrow;
     int tc_min_rows;            /* MT_CUDA_TC_MIN_ROWS (default 1): matmul outputs narrower than
                                    this stay off the tensor cores (cuda_dense.cu) */

@@ -48,6 +48,10 @@ extern "C" mt_status cu_weight_random(mt_backend *be, mt_dtype dt, int64_t rows,
     }
     rand_params rp = { p, dt, n, key, mean, std };
     if (n) rand_fill_launch(be, &rp);
+    /* Finished before any use: the GEMVs prefetch weights before their dependent-launch wait
+     * (cuda_dense.cu), so a weight must not still be being written when one starts. */
+    MT_CUDA_(cudaStreamSynchronize(((cu_backend *)be)->stream), "cudaStreamSynchronize(weight_random)",
+             return mt_st_);
     *out = (mt_weight){ p, dt, rows, cols, true };
     return MT_OK;
 }

@@ -141,6 +141,7 @@ struct glm_model {
     int32_t *d_step;           /* [2] backend memory: token id, position (graph-form decode) */
     bool graph_stale_on_new_sequence; /* some layer's capability: graphs belong to a sequence */
     mt_graph *shared_graph;    /* the decode graph when no layer ties it to a sequence */
+    uint64_t shared_epoch;     /* backend graph_epoch when shared_graph was recorded */
     bool fail_next_capture;    /* test hook: invalidate the next capture */
     /* Batched decode (glm_decode_multi), rows form: tables in backend memory, host mirrors. */
     int rcap;                  /* rows per pass (= scr.rows) */
@@ -154,6 +155,7 @@ struct glm_model {
      * bucket run on pad_seq (zeroed before each padded replay). */
     mt_graph *bucket_graph[GLM_BUCKETS];
     int bucket_tcap[GLM_BUCKETS];
+    uint64_t bucket_epoch[GLM_BUCKETS];
     int bucket_failures[GLM_BUCKETS];
     bool bucket_warm[GLM_BUCKETS];
     glm_seq *pad_seq;
@@ -166,6 +168,7 @@ struct glm_seq {
     size_t bytes;              /* backend memory of the states (glm_seq_bytes) */
     mt_layer_state **states;   /* [num_hidden_layers] */
     mt_graph *graph;           /* this sequence's decode graph (graph_stale_on_new_sequence) */
+    uint64_t graph_epoch;      /* backend graph_epoch when graph was recorded */
     int capture_failures;      /* after GLM_MAX_CAPTURE_FAILURES the sequence stays eager */
     bool graph_warm;           /* one graph-form step ran eagerly: scratch is sized, so the
                                 * next step can be captured without an allocation inside it */

@@ -329,6 +329,11 @@ static mt_graph *capture(glm_model *m, glm_seq *s) {
     return NULL;
 }
 
+/* The backend's graph epoch: a graph recorded under another value points at replaced scratch. */
+static uint64_t graph_epoch(const glm_model *m) {
+    return m->be->ops->graph_epoch ? m->be->ops->graph_epoch(m->be) : 0;
+}
+
 static mt_status decode_graph(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_error *err) {
     mt_backend *be = m->be;
     const int L = m->cfg.num_hidden_layers, pos = s->len;
@@ -346,7 +351,13 @@ static mt_status decode_graph(glm_model *m, glm_seq *s, int32_t token, float *lo
     const bool use_graph = m->params.decode_graphs && be->ops->graph_begin &&
                            s->capture_failures < GLM_MAX_CAPTURE_FAILURES;
     mt_graph **slot = m->graph_stale_on_new_sequence ? &s->graph : &m->shared_graph;
+    uint64_t *slot_epoch = m->graph_stale_on_new_sequence ? &s->graph_epoch : &m->shared_epoch;
+    if (use_graph && *slot && *slot_epoch != graph_epoch(m)) { /* a prefill grew the scratch since */
+        be->ops->graph_free(be, *slot);
+        *slot = NULL;
+    }
     if (use_graph && !*slot && s->graph_warm) {
+        *slot_epoch = graph_epoch(m);
         if (!(*slot = capture(m, s))) {
             s->capture_failures++;
             mt_log(MT_LOG_WARN, "decode graph capture failed at position %d (%d of %d); this step runs eagerly",
@@ -467,8 +478,10 @@ static mt_status decode_rows(glm_model *m, glm_seq **seqs, const int32_t *tokens
     if (!sts) return mt_errorf(err, MT_ERR_NOMEM, "out of memory");
     rows_upload(m, seqs, tokens, n, B);
     mt_status st = MT_OK;
-    if (use_graph && m->bucket_graph[b] && m->bucket_tcap[b] != m->rt_cap) {
-        be->ops->graph_free(be, m->bucket_graph[b]); /* sized for shorter sequences */
+    if (use_graph && m->bucket_graph[b] &&
+        (m->bucket_tcap[b] != m->rt_cap || m->bucket_epoch[b] != graph_epoch(m))) {
+        /* sized for shorter sequences, or recorded over scratch a prefill has since replaced */
+        be->ops->graph_free(be, m->bucket_graph[b]);
         m->bucket_graph[b] = NULL;
     }
     if (use_graph && !m->bucket_graph[b] && m->bucket_warm[b]) {
@@ -483,6 +496,7 @@ static mt_status decode_rows(glm_model *m, glm_seq **seqs, const int32_t *tokens
             if (st == MT_OK && end == MT_OK && g) {
                 m->bucket_graph[b] = g;
                 m->bucket_tcap[b] = m->rt_cap;
+                m->bucket_epoch[b] = graph_epoch(m);
             } else if (g) {
                 be->ops->graph_free(be, g);
             }
