@@ -98,6 +98,15 @@ int main(int argc, char **argv) {
     glm_model *m = NULL;
     if (glm_model_new_random(&c, 1, be, &mp, &m, &err) != MT_OK) { fprintf(stderr, "%s\n", err.msg); return 1; }
     const int V = c.vocab_size;
+    int bmax = 1;
+    for (int k = 0; k < nb; k++) bmax = batches[k] > bmax ? batches[k] : bmax;
+    { /* pools for the largest batch at its full length, and the graph pad */
+        const int page = glm_model_page_tokens(m), len = prompt + 3 * steps + 16;
+        if (glm_model_set_pools(m, (bmax + 1) * ((len + page - 1) / page) + 1, bmax + 2, &err) != MT_OK) {
+            fprintf(stderr, "batch_bench: %s\n", err.msg);
+            return 1;
+        }
+    }
 
     batch_result res[MAX_BATCHES];
     for (int k = 0; k < nb; k++) {

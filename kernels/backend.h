@@ -81,6 +81,27 @@ typedef struct mt_dsa_select_params {
     int t_cap;
 } mt_dsa_select_params;
 
+/* A paged cache (issue 5): a pool of pages shared by many sequences, each page holding `page`
+ * consecutive positions of whichever sequence maps one of its blocks to it. A sequence's block
+ * table bt (int32, backend memory) maps its block b, positions [b*page, (b+1)*page), to page bt[b];
+ * position t of the sequence is then row t % page of page bt[t / page]:
+ *     base + ((int64_t)bt[t / page] * page + t % page) * row
+ * The DSA pool keys are a paged cache of their own over the same block table, addressed by pool
+ * index: with ppp = page / kpool pools a page (page a multiple of kpool), pool p is row p % ppp of
+ * page bt[p / ppp], i.e. { pg_pk, ppp, id }. Ops read an entry of bt only for a block that holds a
+ * position (or pool) they touch, so bt needs entries for blocks [0, (last position) / page]. */
+typedef struct mt_paged {
+    float *base;          /* [n_pages, page, row] backend memory */
+    int page;             /* positions per page */
+    int64_t row;          /* floats per position */
+} mt_paged;
+
+/* Position t of a paged cache whose block table bt is host-readable (the CPU backend, tests,
+ * host code over a downloaded table). */
+static inline float *mt_paged_at(mt_paged c, const int32_t *bt, int64_t t) {
+    return c.base + ((int64_t)bt[t / c.page] * c.page + t % c.page) * c.row;
+}
+
 /* Sparse MLA parameters. */
 typedef struct mt_mla_params {
     int Hq, dn, dv, kvl;  /* heads, qk_nope_head_dim, v_head_dim, kv_lora_rank */
@@ -132,17 +153,22 @@ typedef struct mt_backend_ops {
     /* ---- positions in backend memory (the graph form of decode) ---- */
     /* out[n, H] = table[ids[i]] with ids in backend memory. */
     void (*embed_dev)(mt_backend *be, float *out, const mt_weight *table, const int32_t *ids, int n);
-    /* base[(*pos + i) * row + j] = src[i * row + j] for i < n: a cache write at a run-time position. */
-    void (*copy_rows_at)(mt_backend *be, float *base, int64_t row, const int32_t *pos, const float *src, int n);
+    /* The cache write of one sequence: row i of src[n, dst.row] becomes position t0 + i of the paged
+     * cache dst through the block table bt (rows may cross pages). Graph form: with pos set (backend
+     * memory) the first position is *pos, read at run time, and t0 is ignored; eager writes (prefill)
+     * pass pos = NULL. Every block the rows touch must be mapped in bt before the call. */
+    void (*copy_rows_at)(mt_backend *be, mt_paged dst, const int32_t *bt, int t0, const int32_t *pos,
+                         const float *src, int n);
     /* When position *pos completes a pool ((*pos + 1) % kpool == 0), its pool key, as dsa_pool_keys. */
-    void (*dsa_pool_keys_at)(mt_backend *be, float *pool_keys, const float *ki, const float *gs,
-                             const float *ape, const int32_t *pos, int kpool, int id);
+    void (*dsa_pool_keys_at)(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs, const int32_t *bt,
+                             const float *ape, const int32_t *pos, int kpool);
 
     /* ---- batched decode, one row per sequence (the "rows" form) ----
      * Row i is the next position pos[i] of its own sequence; the per-sequence memory a row reads
      * and writes comes from a table of pointers (one per row). pos and every table live in backend
      * memory and are read at run time, so a captured graph holds the tables' addresses, not any
-     * sequence's memory: a batch whose members change replays the same graph. */
+     * sequence's memory: a batch whose members change replays the same graph. The DSA caches are
+     * paged (mt_paged): every row shares the layer's pools and brings its own block table, bts[i]. */
     /* One conv step per row: out[i, C] = silu(conv(states[i] ++ x[i])), states[i] [C, K-1] updated. */
     void (*conv1d_silu_rows)(mt_backend *be, float *out, const float *x, float *const *states,
                              const float *w, int n, int C, int K);
@@ -150,22 +176,23 @@ typedef struct mt_backend_ops {
      * g, o [n, nh, dk], beta [n, nh]. */
     void (*kda_recurrent_rows)(mt_backend *be, float *o, const float *q, const float *k, const float *v,
                                const float *g, const float *beta, float *const *states, int n, int nh, int dk);
-    /* bases[i][pos[i] * row + j] = src[i * row + j]: each row's cache write at its position. */
-    void (*copy_rows_to)(mt_backend *be, float *const *bases, int64_t row, const int32_t *pos, const float *src, int n);
-    /* For each row whose position completes a pool, that pool's key (as dsa_pool_keys_at). */
-    void (*dsa_pool_keys_rows)(mt_backend *be, float *const *pool_keys, const float *const *ki,
-                               const float *const *gs, const float *ape, const int32_t *pos, int n,
-                               int kpool, int id);
-    /* dsa_select of one query per row: query i at position pos[i] over pool_keys[i]. t_cap of p
-     * bounds every position; t0_dev is unused. */
+    /* Each row's cache write: src[i, dst.row] becomes position pos[i] of dst through bts[i]. */
+    void (*copy_rows_to)(mt_backend *be, mt_paged dst, const int32_t *const *bts, const int32_t *pos,
+                         const float *src, int n);
+    /* For each row whose position completes a pool, that pool's key (as dsa_pool_keys_at), through
+     * bts[i]. */
+    void (*dsa_pool_keys_rows)(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs,
+                               const int32_t *const *bts, const float *ape, const int32_t *pos, int n, int kpool);
+    /* dsa_select of one query per row: query i at position pos[i] over the pool keys of bts[i]. t_cap
+     * of p bounds every position; t0_dev is unused. */
     void (*dsa_select_rows)(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi, const float *w,
-                            const float *const *pool_keys, const int32_t *pos, int n,
+                            mt_paged pool_keys, const int32_t *const *bts, const int32_t *pos, int n,
                             const mt_dsa_select_params *p);
-    /* mla_sparse of one query per row: query i at position pos[i] over latents[i]. t_cap of p
-     * bounds every position; t0_dev is unused. */
-    void (*mla_sparse_rows)(mt_backend *be, float *out, const float *q, const float *const *latents,
-                            const mt_weight *kv_b, const int32_t *sel, const int32_t *nsel, int max_sel,
-                            const int32_t *pos, int n, const mt_mla_params *p);
+    /* mla_sparse of one query per row: query i at position pos[i] over the latent rows of bts[i].
+     * t_cap of p bounds every position; t0_dev is unused. */
+    void (*mla_sparse_rows)(mt_backend *be, float *out, const float *q, mt_paged latent,
+                            const int32_t *const *bts, const mt_weight *kv_b, const int32_t *sel,
+                            const int32_t *nsel, int max_sel, const int32_t *pos, int n, const mt_mla_params *p);
 
     /* ---- dense ---- */
     /* out[n, H] = table[ids[i]] ; ids on the host, each < table.rows. */
@@ -212,19 +239,26 @@ typedef struct mt_backend_ops {
     void (*gated_rmsnorm)(mt_backend *be, float *out, const float *o, const float *gate,
                           const float *w, int64_t rows, int d, float eps);
 
-    /* ---- DSA ---- */
-    /* Pool keys for pools [p0, p1): P[p, id] = sum_j softmax_j(gs[p*kp+j] + ape[j]) * ki[p*kp+j]. */
-    void (*dsa_pool_keys)(mt_backend *be, float *pool_keys, const float *ki, const float *gs,
-                          const float *ape /* [kpool, id] */, int p0, int p1, int kpool, int id);
+    /* ---- DSA ----
+     * The caches are paged (mt_paged) through the sequence's block table bt: the MLA latent
+     * [positions, kvl], the indexer keys ki and pool gate scores gs [positions, id] (one page size),
+     * and the pool keys [pools, id] (page / kpool pools a page, same block table). */
+    /* Pool keys for pools [p0, p1): P[p, :] = sum_j softmax_j(gs[p*kp+j] + ape[j]) * ki[p*kp+j],
+     * softmax per channel; writes pool_keys rows p0 .. p1-1, reads ki, gs positions
+     * [p0*kpool, p1*kpool). ki.row == gs.row == pool_keys.row (= id), ki.page == gs.page ==
+     * pool_keys.page * kpool. */
+    void (*dsa_pool_keys)(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs, const int32_t *bt,
+                          const float *ape /* [kpool, id] */, int p0, int p1, int kpool);
     /* For n queries at positions t0..t0+n-1: scores pools complete at each query, keeps the best
      * min(max_pools, #candidates) and the tail; writes positions into sel[n, max_sel] and counts
-     * into nsel[n]. qi[n, ih, id]; w[n, ih] is weights_proj(x), scaled by ih^-0.5 here. */
+     * into nsel[n]. qi[n, ih, id]; w[n, ih] is weights_proj(x), scaled by ih^-0.5 here; reads pool
+     * keys [0, (t0+n)/kpool) through bt (pool_keys.row == id). */
     void (*dsa_select)(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi, const float *w,
-                       const float *pool_keys, int t0, int n, const mt_dsa_select_params *p);
-    /* Sparse MLA in the latent space: q[n, Hq, dn]; latent[T, kvl]; kv_b [Hq*(dn+dv), kvl];
-     * attends query i over positions sel[i, 0..nsel[i]) (nsel == 0: all positions <= t0+i,
-     * equally weighted); out[n, Hq, dv]. */
-    void (*mla_sparse)(mt_backend *be, float *out, const float *q, const float *latent,
+                       mt_paged pool_keys, const int32_t *bt, int t0, int n, const mt_dsa_select_params *p);
+    /* Sparse MLA in the latent space: q[n, Hq, dn]; latent rows (latent.row == kvl) through bt;
+     * kv_b [Hq*(dn+dv), kvl]; attends query i over positions sel[i, 0..nsel[i]) (nsel == 0: all
+     * positions <= t0+i, equally weighted); out[n, Hq, dv]. */
+    void (*mla_sparse)(mt_backend *be, float *out, const float *q, mt_paged latent, const int32_t *bt,
                        const mt_weight *kv_b, const int32_t *sel, const int32_t *nsel, int max_sel,
                        int t0, int n, const mt_mla_params *p);
 

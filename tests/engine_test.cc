@@ -305,13 +305,8 @@ TEST(Engine, CacheBytesCountEveryRunningSequence) {
     ASSERT_EQ(E.Submit(1, Prompt(10, 1), Req(6)), MT_OK);
     ASSERT_EQ(E.Submit(2, Prompt(3, 2), Req(40)), MT_OK);
     E.Step();
-    size_t want = 0;
-    for (int cap : { 16, 43 }) {
-        glm_seq *s = nullptr;
-        ASSERT_EQ(glm_seq_new(M.m, cap, &s, nullptr), MT_OK);
-        want += glm_seq_bytes(s);
-        glm_seq_free(s);
-    }
+    // each holds its slot and the one page its prompt and first token fit in
+    const size_t want = 2 * (glm_model_slot_bytes(M.m) + glm_model_page_bytes(M.m));
     EXPECT_GT(want, 0u);
     EXPECT_EQ(E.Stats().cache_bytes_in_use, want);
     E.RunToEnd();
@@ -575,6 +570,46 @@ TEST(Engine, CacheBudgetQueuesInsteadOfFailing) {
     std::string msg;
     EXPECT_EQ(E.Submit(9, Prompt(200, 1), Req(100), 0, &msg), MT_ERR_FULL);
     EXPECT_NE(msg.find("cache budget"), std::string::npos) << msg;
+}
+
+// Pools (issue 5): with too few cache pages for every running sequence's growth, a sequence that
+// needs a new page preempts the newest running one (which gives its pages and slot back, waits
+// at the head of the queue, is prefilled again from its prompt and generated tokens, and decodes
+// on). Every request still completes with the plain greedy tokens, preemptions happened, and the
+// pools are whole again at the end; a request longer than the whole pool is refused at submit.
+TEST(Engine, PoolShortagePreemptsAndResumes) {
+    Model M;
+    const int n_req = 6, prompt_len = 40, new_tokens = 60;
+    std::vector<std::vector<int32_t>> want;
+    for (int id = 1; id <= n_req; id++) want.push_back(DirectGreedy(M.m, Prompt(prompt_len, id), new_tokens));
+    mt_error err = { "" };
+    const int page = glm_model_page_tokens(M.m);
+    ASSERT_EQ(page, 64);
+    ASSERT_EQ(glm_model_set_pools(M.m, 5, 8, &err), MT_OK) << err.msg; // 5 pages: 2 full sequences
+    eng_params p = eng_default_params();
+    p.prefix_cache_bytes = 0;
+    p.max_sequences = 4;
+    Engine E(M.m, p);
+    for (int id = 1; id <= n_req; id++) ASSERT_EQ(E.Submit(id, Prompt(prompt_len, id), Req(new_tokens)), MT_OK);
+    int steps = 0;
+    while (eng_has_work(E.e) && steps < 5000) {
+        E.Step();
+        steps++;
+        ASSERT_GE(glm_model_pages_free(M.m), 0);
+    }
+    ASSERT_FALSE(eng_has_work(E.e));
+    for (int id = 1; id <= n_req; id++) {
+        EXPECT_EQ(E.results[id].reason, ENG_FINISH_LENGTH) << id << ": " << E.results[id].message;
+        EXPECT_EQ(E.results[id].tokens, want[id - 1]) << id;
+    }
+    EXPECT_GT(E.Stats().preemptions, 0u);
+    EXPECT_EQ(glm_model_pages_free(M.m), glm_model_pages_total(M.m));
+    EXPECT_EQ(glm_model_slots_free(M.m), glm_model_slots_total(M.m));
+    printf("6 requests of %d + %d tokens in 5 pages of %d: %d steps, %llu preemptions\n", prompt_len, new_tokens, page,
+           steps, (unsigned long long)E.Stats().preemptions);
+    std::string msg;
+    EXPECT_EQ(E.Submit(9, Prompt(300, 1), Req(100), 0, &msg), MT_ERR_FULL);
+    EXPECT_NE(msg.find("cache pages"), std::string::npos) << msg;
 }
 
 TEST(Engine, OneTokenRequestsFinishAtPrefill) {

@@ -1,8 +1,9 @@
 // tests/kernels_cuda_attn_test.cc: the CUDA backend's attention-side ops (KDA: conv1d_silu,
-// kda_gate, kda_recurrent, kda_chunked, gated_rmsnorm; DSA: dsa_pool_keys, dsa_select,
-// mla_sparse) against the CPU backend, their reference, on fresh random inputs over a grid of
-// shapes that includes the real model's (64 KDA heads of 128; MLA kv_lora 512 with 64 heads of
-// 256/256 over ~3000 positions; indexer 32 heads of 128, kpool 16, 128 pools).
+// kda_gate, kda_recurrent, kda_chunked, gated_rmsnorm; DSA over paged caches: dsa_pool_keys(_at),
+// dsa_select, mla_sparse, the cache writes and the rows forms) against the CPU backend, their
+// reference, on fresh random inputs over a grid of shapes that includes the real model's (64 KDA
+// heads of 128; MLA kv_lora 512 with 64 heads of 256/256 over ~3000 positions; indexer 32 heads of
+// 128, kpool 16, 128 pools).
 //
 // Tolerances: fp32 math in both, summed in different orders, so ||gpu - cpu|| / ||cpu|| <= 1e-4
 // for every float output (the conv state is a copy and must match exactly). Selections: counts
@@ -25,6 +26,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -56,6 +58,7 @@ class Buf {
         be_->ops->download(be_, h.data(), p_, bytes());
         return h;
     }
+    void Put(const std::vector<T> &host) { be_->ops->upload(be_, p_, host.data(), n_ * sizeof(T)); }
 
   private:
     size_t bytes() const { return n_ * sizeof(T) > 0 ? n_ * sizeof(T) : sizeof(T); }
@@ -257,27 +260,102 @@ TEST_F(CudaAttn, GatedRmsnormMatchesCpu) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// DSA
+// DSA. The caches are paged (kernels/backend.h mt_paged): every test lays its rows over pages of
+// 64 positions in a shuffled order, runs the paged op on both backends, and checks the paged result
+// against the same op on a contiguous copy with the identity block table (the unpaged reference).
+
+constexpr int kPage = 64;
+
+// A block table of `blocks` blocks over n_pages pages: a shuffled choice, or the identity.
+std::vector<int32_t> MakeBt(std::mt19937 &rng, int blocks, int n_pages, bool shuffle) {
+    std::vector<int32_t> perm(n_pages);
+    std::iota(perm.begin(), perm.end(), 0);
+    if (shuffle) std::shuffle(perm.begin(), perm.end(), rng);
+    return std::vector<int32_t>(perm.begin(), perm.begin() + blocks);
+}
+
+// A pool [n_pages, page, row] holding the contiguous rows [count, row] through bt; rows no position
+// maps keep what `fill` holds there (pass noise so that reading a wrong row shows; zeros past its
+// end).
+std::vector<float> Scatter(const std::vector<float> &rows, int page, int64_t row, const std::vector<int32_t> &bt,
+                           int n_pages, std::vector<float> fill) {
+    fill.resize((size_t)n_pages * page * row);
+    const mt_paged c = {fill.data(), page, row};
+    for (int64_t t = 0; t < (int64_t)rows.size() / row; t++)
+        std::copy(rows.begin() + t * row, rows.begin() + (t + 1) * row, mt_paged_at(c, bt.data(), t));
+    return fill;
+}
+
+// Positions [0, count) of a pool gathered through bt into [count, row].
+std::vector<float> Gather(const std::vector<float> &pool, int page, int64_t row, const std::vector<int32_t> &bt,
+                          int64_t count) {
+    std::vector<float> out((size_t)(count * row));
+    const mt_paged c = {const_cast<float *>(pool.data()), page, row};
+    for (int64_t t = 0; t < count; t++)
+        std::copy(mt_paged_at(c, bt.data(), t), mt_paged_at(c, bt.data(), t) + row, out.begin() + t * row);
+    return out;
+}
+
+template <typename T>
+std::vector<T> Slice(const std::vector<T> &v, size_t from, size_t to) {
+    return std::vector<T>(v.begin() + from, v.begin() + to);
+}
 
 TEST_F(CudaAttn, DsaPoolKeysMatchesCpu) {
     struct Case { int p0, p1, kpool, id; };
-    for (Case c : {Case{0, 187, 16, 128}, Case{100, 101, 16, 128}, Case{3, 40, 4, 12}}) {
-        const size_t rows = (size_t)c.p1 * c.kpool;
-        std::vector<float> ki = Rand(rows * c.id), gs = Rand(rows * c.id, 2.f), ape = Rand((size_t)c.kpool * c.id);
-        std::vector<float> pk = Rand((size_t)c.p1 * c.id);  // rows outside [p0, p1) must stay
-        std::vector<float> pk_cpu = pk;
-        cpu_->ops->dsa_pool_keys(cpu_, pk_cpu.data(), ki.data(), gs.data(), ape.data(), c.p0, c.p1, c.kpool, c.id);
-        Buf<float> dpk(gpu_, pk), dki(gpu_, ki), dgs(gpu_, gs), dape(gpu_, ape);
-        gpu_->ops->dsa_pool_keys(gpu_, dpk.get(), dki.get(), dgs.get(), dape.get(), c.p0, c.p1, c.kpool, c.id);
+    for (Case c : {Case{0, 187, 16, 128}, Case{100, 101, 16, 128}, Case{3, 40, 4, 12}, Case{5, 70, 8, 32}}) {
+        const int ppp = kPage / c.kpool, count = c.p1 * c.kpool, blocks = (count + kPage - 1) / kPage;
+        const int n_pages = blocks + 3;
+        std::vector<float> ki = Rand((size_t)count * c.id), gs = Rand((size_t)count * c.id, 2.f), ape = Rand((size_t)c.kpool * c.id);
+        const std::vector<int32_t> bt = MakeBt(rng_, blocks, n_pages, true), id_bt = MakeBt(rng_, blocks, blocks, false);
+        const std::vector<float> kip = Scatter(ki, kPage, c.id, bt, n_pages, Rand((size_t)n_pages * kPage * c.id)),
+                                gsp = Scatter(gs, kPage, c.id, bt, n_pages, Rand((size_t)n_pages * kPage * c.id));
+        const std::vector<float> pk0 = Rand((size_t)n_pages * ppp * c.id);  // rows outside [p0, p1) must stay
+        std::vector<float> pk_cpu = pk0, kic = kip, gsc = gsp;
+        cpu_->ops->dsa_pool_keys(cpu_, {pk_cpu.data(), ppp, c.id}, {kic.data(), kPage, c.id}, {gsc.data(), kPage, c.id},
+                                 bt.data(), ape.data(), c.p0, c.p1, c.kpool);
+        Buf<float> dpk(gpu_, pk0), dki(gpu_, kip), dgs(gpu_, gsp), dape(gpu_, ape);
+        Buf<int32_t> dbt(gpu_, bt);
+        const mt_paged gpk = {dpk.get(), ppp, c.id}, gki = {dki.get(), kPage, c.id}, ggs = {dgs.get(), kPage, c.id};
+        gpu_->ops->dsa_pool_keys(gpu_, gpk, gki, ggs, dbt.get(), dape.get(), c.p0, c.p1, c.kpool);
         const std::vector<float> got = dpk.Get();
         const double e = RelErr(got, pk_cpu);
-        std::printf("[dsa_pool_keys] pools [%d, %d) kpool=%d id=%d: rel %.2e\n", c.p0, c.p1, c.kpool, c.id, e);
+        // Unpaged reference on each backend: contiguous rows, identity block table.
+        std::vector<float> ki_id = Scatter(ki, kPage, c.id, id_bt, blocks, {}), gs_id = Scatter(gs, kPage, c.id, id_bt, blocks, {});
+        std::vector<float> pk_id((size_t)blocks * ppp * c.id, 0.f);
+        Buf<float> dki_id(gpu_, ki_id), dgs_id(gpu_, gs_id), dpk_id(gpu_, pk_id);
+        Buf<int32_t> did_bt(gpu_, id_bt);
+        cpu_->ops->dsa_pool_keys(cpu_, {pk_id.data(), ppp, c.id}, {ki_id.data(), kPage, c.id}, {gs_id.data(), kPage, c.id},
+                                 id_bt.data(), ape.data(), c.p0, c.p1, c.kpool);
+        gpu_->ops->dsa_pool_keys(gpu_, {dpk_id.get(), ppp, c.id}, {dki_id.get(), kPage, c.id}, {dgs_id.get(), kPage, c.id},
+                                 did_bt.get(), dape.get(), c.p0, c.p1, c.kpool);
+        const size_t r0 = (size_t)c.p0 * c.id, r1 = (size_t)c.p1 * c.id;
+        EXPECT_EQ(Slice(Gather(pk_cpu, ppp, c.id, bt, c.p1), r0, r1), Slice(pk_id, r0, r1)) << "cpu paged vs contiguous";
+        EXPECT_EQ(Slice(Gather(got, ppp, c.id, bt, c.p1), r0, r1), Slice(dpk_id.Get(), r0, r1)) << "gpu paged vs contiguous";
+        std::printf("[dsa_pool_keys] pools [%d, %d) kpool=%d id=%d, paged: rel %.2e\n", c.p0, c.p1, c.kpool, c.id, e);
         EXPECT_LE(e, kRelTol);
-        for (size_t i = 0; i < (size_t)c.p0 * c.id; i++) ASSERT_EQ(got[i], pk[i]) << "row outside the range changed";
+        // Every pool-key row the range does not map to is untouched.
+        std::vector<bool> written((size_t)n_pages * ppp, false);
+        for (int p = c.p0; p < c.p1; p++) written[(size_t)bt[p / ppp] * ppp + p % ppp] = true;
+        for (size_t r = 0; r < written.size(); r++) {
+            if (written[r]) continue;
+            for (int d = 0; d < c.id; d++) ASSERT_EQ(got[r * c.id + d], pk0[r * c.id + d]) << "pool row " << r << " changed";
+        }
+        // The graph form: the position completing pool p1-1 gives the same key; one completing
+        // nothing writes nothing.
+        if (c.p1 - c.p0 == 1) {
+            Buf<float> dpk2(gpu_, pk0);
+            Buf<int32_t> dpos(gpu_, {c.p1 * c.kpool - 1}), dpos_no(gpu_, {c.p1 * c.kpool - 2});
+            const mt_paged gpk2 = {dpk2.get(), ppp, c.id};
+            gpu_->ops->dsa_pool_keys_at(gpu_, gpk2, gki, ggs, dbt.get(), dape.get(), dpos_no.get(), c.kpool);
+            EXPECT_EQ(dpk2.Get(), pk0) << "dsa_pool_keys_at wrote for a position completing no pool";
+            gpu_->ops->dsa_pool_keys_at(gpu_, gpk2, gki, ggs, dbt.get(), dape.get(), dpos.get(), c.kpool);
+            EXPECT_EQ(dpk2.Get(), got) << "dsa_pool_keys_at";
+        }
     }
 }
 
-// Pool score of query row i, in double (for judging near-ties).
+// Pool score of query row i, in double (for judging near-ties); pool is contiguous [pools, id].
 double PoolScore(const std::vector<float> &qi, const std::vector<float> &w, const std::vector<float> &pool,
                  int i, int c, const mt_dsa_select_params &p) {
     double s = 0;
@@ -312,6 +390,7 @@ TEST_F(CudaAttnSelect, DsaSelectSmallShapes) {
     Check({
         {3, 6, 4, 5, false, 0, 60},            // unaligned head dim, nothing selected for t < 3
         {40, 8, 4, 3, true, 50, 20},           // more heads than a warp
+        {4, 32, 8, 6, true, 300, 40},          // kpool 8: 8 pools a page
     });
 }
 
@@ -320,18 +399,33 @@ void CudaAttnSelect::Check(const std::vector<SelectCase> &cases) {
         mt_dsa_select_params p = {};
         p.ih = c.ih; p.id = c.id; p.kpool = c.kpool; p.max_pools = c.max_pools; p.tail = c.tail;
         p.max_sel = c.max_pools * c.kpool + (c.tail ? c.kpool - 1 : 0);
-        const int npool = (c.t0 + c.n) / c.kpool;
+        const int npool = std::max((c.t0 + c.n) / c.kpool, 1), ppp = kPage / c.kpool;
+        const int blocks = (npool + ppp - 1) / ppp, n_pages = blocks + 3;
         std::vector<float> qi = Rand((size_t)c.n * c.ih * c.id), w = Rand((size_t)c.n * c.ih);
-        std::vector<float> pool = Rand((size_t)std::max(npool, 1) * c.id);
-        std::vector<int32_t> sel_cpu((size_t)c.n * p.max_sel, -1), nsel_cpu(c.n, -1);
-        cpu_->ops->dsa_select(cpu_, sel_cpu.data(), nsel_cpu.data(), qi.data(), w.data(), pool.data(), c.t0, c.n, &p);
-        Buf<float> dqi(gpu_, qi), dw(gpu_, w), dpool(gpu_, pool);
+        std::vector<float> pool = Rand((size_t)npool * c.id);  // contiguous, by pool index
+        const std::vector<int32_t> bt = MakeBt(rng_, blocks, n_pages, true), id_bt = MakeBt(rng_, blocks, blocks, false);
+        std::vector<float> pg = Scatter(pool, ppp, c.id, bt, n_pages, Rand((size_t)n_pages * ppp * c.id)), pg_id = Scatter(pool, ppp, c.id, id_bt, blocks, {});
+        std::vector<int32_t> sel_cpu((size_t)c.n * p.max_sel, -1), nsel_cpu(c.n, -1), sel_id = sel_cpu, nsel_id = nsel_cpu;
+        cpu_->ops->dsa_select(cpu_, sel_cpu.data(), nsel_cpu.data(), qi.data(), w.data(), {pg.data(), ppp, c.id}, bt.data(),
+                              c.t0, c.n, &p);
+        cpu_->ops->dsa_select(cpu_, sel_id.data(), nsel_id.data(), qi.data(), w.data(), {pg_id.data(), ppp, c.id},
+                              id_bt.data(), c.t0, c.n, &p);
+        EXPECT_EQ(sel_cpu, sel_id) << "cpu paged vs contiguous";
+        EXPECT_EQ(nsel_cpu, nsel_id) << "cpu paged vs contiguous";
+        Buf<float> dqi(gpu_, qi), dw(gpu_, w), dpg(gpu_, pg), dpg_id(gpu_, pg_id);
+        Buf<int32_t> dbt(gpu_, bt), did_bt(gpu_, id_bt);
         Buf<int32_t> dsel(gpu_, std::vector<int32_t>((size_t)c.n * p.max_sel, -1)), dnsel(gpu_, std::vector<int32_t>(c.n, -1));
+        Buf<int32_t> dsel_id(gpu_, std::vector<int32_t>((size_t)c.n * p.max_sel, -1)), dnsel_id(gpu_, std::vector<int32_t>(c.n, -1));
         auto run = [&] {
-            gpu_->ops->dsa_select(gpu_, dsel.get(), dnsel.get(), dqi.get(), dw.get(), dpool.get(), c.t0, c.n, &p);
+            gpu_->ops->dsa_select(gpu_, dsel.get(), dnsel.get(), dqi.get(), dw.get(), {dpg.get(), ppp, c.id}, dbt.get(),
+                                  c.t0, c.n, &p);
         };
         const double ms = WarmMs(run);
+        gpu_->ops->dsa_select(gpu_, dsel_id.get(), dnsel_id.get(), dqi.get(), dw.get(), {dpg_id.get(), ppp, c.id},
+                              did_bt.get(), c.t0, c.n, &p);
         const std::vector<int32_t> sel = dsel.Get(), nsel = dnsel.Get();
+        EXPECT_EQ(sel, dsel_id.Get()) << "gpu paged vs contiguous";
+        EXPECT_EQ(nsel, dnsel_id.Get()) << "gpu paged vs contiguous";
         int identical = 0, near_tie_rows = 0;
         for (int i = 0; i < c.n; i++) {
             ASSERT_EQ(nsel[i], nsel_cpu[i]) << "row " << i << " t=" << c.t0 + i;
@@ -365,7 +459,7 @@ void CudaAttnSelect::Check(const std::vector<SelectCase> &cases) {
             ASSERT_EQ(sa.size(), pa.size()) << "a pool selected twice, row " << i;
             near_tie_rows++;
         }
-        std::printf("[dsa_select] ih=%d id=%d kpool=%d max_pools=%d tail=%d t0=%d n=%d: %d/%d rows identical, "
+        std::printf("[dsa_select] ih=%d id=%d kpool=%d max_pools=%d tail=%d t0=%d n=%d, paged: %d/%d rows identical, "
                     "%d differ only by near-ties (%.3f ms a call, warm)\n",
                     c.ih, c.id, c.kpool, c.max_pools, c.tail, c.t0, c.n, identical, c.n, near_tie_rows, ms);
     }
@@ -425,9 +519,9 @@ TEST_F(CudaAttnMla, MlaSparseSmallShapes) {
     });
 }
 
-// The real prefill shape (one pass of 256 rows, ~2063 selected each): the tensor-core attend
-// kernel against the fp32 wide one (MT_MLA_ATTEND=wide), GPU against GPU (the CPU reference would
-// take too long); both times printed.
+// The real prefill shape (one pass of 256 rows, ~2063 selected each) over shuffled pages: the
+// tensor-core attend kernel against the fp32 wide one (MT_MLA_ATTEND=wide), GPU against GPU (the
+// CPU reference would take too long); both times printed.
 TEST_F(CudaAttnMla, MlaSparsePrefillOldVsNew) {
     const int Hq = 64, dn = 256, dv = 256, kvl = 512, t0 = 3000, n = 256, max_sel = 2063;
     mt_mla_params p = {Hq, dn, dv, kvl, 1.f / std::sqrt((float)dn)};
@@ -435,7 +529,10 @@ TEST_F(CudaAttnMla, MlaSparsePrefillOldVsNew) {
     std::vector<float> wf = Rand((size_t)rows * kvl, 1.f / std::sqrt((float)kvl));
     std::vector<uint16_t> wh(wf.size());
     for (size_t i = 0; i < wf.size(); i++) wh[i] = mt_f32_to_bf16(wf[i]);
-    std::vector<float> q = Rand((size_t)n * Hq * dn), lat = Rand((size_t)(t0 + n) * kvl);
+    const int T = t0 + n, blocks = (T + kPage - 1) / kPage, n_pages = blocks + 3;
+    std::vector<float> q = Rand((size_t)n * Hq * dn);
+    const std::vector<int32_t> bt = MakeBt(rng_, blocks, n_pages, true);
+    const std::vector<float> lat = Scatter(Rand((size_t)T * kvl), kPage, kvl, bt, n_pages, Rand((size_t)n_pages * kPage * kvl));
     std::vector<int32_t> sel((size_t)n * max_sel), nsel(n, max_sel);
     for (int i = 0; i < n; i++) {
         std::vector<int32_t> all(t0 + i + 1);
@@ -447,10 +544,10 @@ TEST_F(CudaAttnMla, MlaSparsePrefillOldVsNew) {
     mt_weight w_gpu;
     ASSERT_EQ(gpu_->ops->weight(gpu_, wh.data(), MT_BF16, rows, kvl, &w_gpu), MT_OK);
     Buf<float> dq(gpu_, q), dlat(gpu_, lat), dout(gpu_, Rand((size_t)n * Hq * dv));
-    Buf<int32_t> dsel(gpu_, sel), dnsel(gpu_, nsel);
+    Buf<int32_t> dsel(gpu_, sel), dnsel(gpu_, nsel), dbt(gpu_, bt);
     auto run = [&] {
-        gpu_->ops->mla_sparse(gpu_, dout.get(), dq.get(), dlat.get(), &w_gpu, dsel.get(), dnsel.get(), max_sel, t0,
-                              n, &p);
+        gpu_->ops->mla_sparse(gpu_, dout.get(), dq.get(), {dlat.get(), kPage, kvl}, dbt.get(), &w_gpu, dsel.get(),
+                              dnsel.get(), max_sel, t0, n, &p);
     };
     const char *prev = getenv("MT_MLA_ATTEND");
     const std::string saved = prev ? prev : "";
@@ -471,7 +568,7 @@ TEST_F(CudaAttnMla, MlaSparsePrefillOldVsNew) {
     mt_cuda_profile(gpu_, false, "mla_sparse prefill, tensor-core attend");
     if (prev) setenv("MT_MLA_ATTEND", saved.c_str(), 1);
     const double e = RelErr(out_new, out_old);
-    std::printf("[mla_sparse prefill] Hq=%d kvl=%d t0=%d n=%d sel=%d: fp32 wide %.3f ms, tensor cores %.3f ms "
+    std::printf("[mla_sparse prefill] Hq=%d kvl=%d t0=%d n=%d sel=%d, paged: fp32 wide %.3f ms, tensor cores %.3f ms "
                 "(%.1fx), rel %.2e\n", Hq, kvl, t0, n, max_sel, ms_old, ms_new, ms_old / ms_new, e);
     EXPECT_LE(e, kRelTol);
     gpu_->ops->weight_free(gpu_, &w_gpu);
@@ -480,13 +577,15 @@ TEST_F(CudaAttnMla, MlaSparsePrefillOldVsNew) {
 void CudaAttnMla::Check(const std::vector<MlaCase> &cases) {
     for (const MlaCase &c : cases) {
         mt_mla_params p = {c.Hq, c.dn, c.dv, c.kvl, 1.f / std::sqrt((float)c.dn)};
-        const int T = c.t0 + c.n;
+        const int T = c.t0 + c.n, blocks = (T + kPage - 1) / kPage, n_pages = blocks + 3;
         const int64_t rows = (int64_t)c.Hq * (c.dn + c.dv);
         std::vector<float> wf = Rand((size_t)rows * c.kvl, 1.f / std::sqrt((float)c.kvl));
         std::vector<uint16_t> wh(wf.size());
         for (size_t i = 0; i < wf.size(); i++) wh[i] = c.dt == MT_BF16 ? mt_f32_to_bf16(wf[i]) : mt_f32_to_f16(wf[i]);
         const void *host_w = c.dt == MT_F32 ? (const void *)wf.data() : (const void *)wh.data();
         std::vector<float> q = Rand((size_t)c.n * c.Hq * c.dn), lat = Rand((size_t)T * c.kvl);
+        const std::vector<int32_t> bt = MakeBt(rng_, blocks, n_pages, true), id_bt = MakeBt(rng_, blocks, blocks, false);
+        std::vector<float> pg = Scatter(lat, kPage, c.kvl, bt, n_pages, Rand((size_t)n_pages * kPage * c.kvl)), pg_id = Scatter(lat, kPage, c.kvl, id_bt, blocks, {});
         std::vector<int32_t> sel, nsel;
         RandomSelection(rng_, c.t0, c.n, c.max_sel, c.allow_empty, &sel, &nsel);
 
@@ -494,22 +593,138 @@ void CudaAttnMla::Check(const std::vector<MlaCase> &cases) {
         ASSERT_EQ(cpu_->ops->weight(cpu_, host_w, c.dt, rows, c.kvl, &w_cpu), MT_OK);
         ASSERT_EQ(gpu_->ops->weight(gpu_, host_w, c.dt, rows, c.kvl, &w_gpu), MT_OK);
         std::vector<float> out_cpu((size_t)c.n * c.Hq * c.dv);
-        cpu_->ops->mla_sparse(cpu_, out_cpu.data(), q.data(), lat.data(), &w_cpu, sel.data(), nsel.data(), c.max_sel,
-                              c.t0, c.n, &p);
-        Buf<float> dq(gpu_, q), dlat(gpu_, lat), dout(gpu_, Rand(out_cpu.size()));
-        Buf<int32_t> dsel(gpu_, sel), dnsel(gpu_, nsel);
+        cpu_->ops->mla_sparse(cpu_, out_cpu.data(), q.data(), {pg.data(), kPage, c.kvl}, bt.data(), &w_cpu, sel.data(),
+                              nsel.data(), c.max_sel, c.t0, c.n, &p);
+        Buf<float> dq(gpu_, q), dpg(gpu_, pg), dpg_id(gpu_, pg_id), dout(gpu_, Rand(out_cpu.size())), dout_id(gpu_, Rand(out_cpu.size()));
+        Buf<int32_t> dsel(gpu_, sel), dnsel(gpu_, nsel), dbt(gpu_, bt), did_bt(gpu_, id_bt);
         auto run = [&] {
-            gpu_->ops->mla_sparse(gpu_, dout.get(), dq.get(), dlat.get(), &w_gpu, dsel.get(), dnsel.get(),
-                                  c.max_sel, c.t0, c.n, &p);
+            gpu_->ops->mla_sparse(gpu_, dout.get(), dq.get(), {dpg.get(), kPage, c.kvl}, dbt.get(), &w_gpu, dsel.get(),
+                                  dnsel.get(), c.max_sel, c.t0, c.n, &p);
         };
         const double ms = WarmMs(run);
-        const double e = RelErr(dout.Get(), out_cpu);
-        std::printf("[mla_sparse] Hq=%d dn=%d dv=%d kvl=%d t0=%d n=%d max_sel=%d %s: rel %.2e (%.3f ms a call, warm)\n", c.Hq, c.dn,
-                    c.dv, c.kvl, c.t0, c.n, c.max_sel, mt_dtype_name(c.dt), e, ms);
+        gpu_->ops->mla_sparse(gpu_, dout_id.get(), dq.get(), {dpg_id.get(), kPage, c.kvl}, did_bt.get(), &w_gpu,
+                              dsel.get(), dnsel.get(), c.max_sel, c.t0, c.n, &p);
+        const std::vector<float> out = dout.Get(), out_id = dout_id.Get();
+        const double e = RelErr(out, out_cpu), e_id = RelErr(out, out_id);
+        std::printf("[mla_sparse] Hq=%d dn=%d dv=%d kvl=%d t0=%d n=%d max_sel=%d %s, paged: rel %.2e, vs contiguous "
+                    "%.2e%s (%.3f ms a call, warm)\n", c.Hq, c.dn, c.dv, c.kvl, c.t0, c.n, c.max_sel,
+                    mt_dtype_name(c.dt), e, e_id, out == out_id ? " (identical)" : "", ms);
         EXPECT_LE(e, kRelTol) << "Hq=" << c.Hq << " kvl=" << c.kvl << " n=" << c.n;
+        EXPECT_LE(e_id, 1e-6) << "paged vs contiguous, Hq=" << c.Hq << " kvl=" << c.kvl << " n=" << c.n;
         gpu_->ops->weight_free(gpu_, &w_gpu);
         cpu_->ops->weight_free(cpu_, &w_cpu);
     }
+}
+
+// The cache writes (eager across a page boundary, and at a run-time position), pool keys at a
+// run-time position, and the rows form of batched decode (cache writes, pool keys, selection,
+// sparse MLA), GPU against CPU, on three sequences over shuffled pages: B's first two blocks are
+// A's pages (a shared prompt prefix), C is short. The pools start as noise (old history).
+TEST_F(CudaAttn, DsaPagedWritesAndRowsMatchCpu) {
+    const int kp = 8, id = 32, kvl = 256, Hq = 32, dn = 16, dv = 16, ih = 4, ppp = kPage / kp, n_pages = 14;
+    const std::vector<int32_t> perm = MakeBt(rng_, n_pages, n_pages, true);
+    const std::vector<int32_t> btA = {perm[0], perm[1], perm[2], perm[3]}, btB = {perm[0], perm[1], perm[4], perm[5]},
+                               btC = {perm[6], perm[7]};
+    std::vector<float> lat = Rand((size_t)n_pages * kPage * kvl), ki = Rand((size_t)n_pages * kPage * id);
+    std::vector<float> gs = Rand((size_t)n_pages * kPage * id, 2.f), pk = Rand((size_t)n_pages * ppp * id);
+    const std::vector<float> ape = Rand((size_t)kp * id);
+    Buf<float> dlat(gpu_, lat), dki(gpu_, ki), dgs(gpu_, gs), dpk(gpu_, pk), dape(gpu_, ape);
+    Buf<int32_t> dbtA(gpu_, btA), dbtB(gpu_, btB), dbtC(gpu_, btC);
+    const mt_paged cl = {lat.data(), kPage, kvl}, cki = {ki.data(), kPage, id}, cgs = {gs.data(), kPage, id},
+                   cpk = {pk.data(), ppp, id};
+    const mt_paged gl = {dlat.get(), kPage, kvl}, gki = {dki.get(), kPage, id}, ggs = {dgs.get(), kPage, id},
+                   gpk = {dpk.get(), ppp, id};
+    auto check_pools = [&](const char *what) {
+        EXPECT_EQ(dlat.Get(), lat) << what << ": latent";
+        EXPECT_EQ(dki.Get(), ki) << what << ": ki";
+        EXPECT_EQ(dgs.Get(), gs) << what << ": gs";
+        const double e = RelErr(dpk.Get(), pk);
+        std::printf("[dsa paged] %s: caches identical, pool keys rel %.2e\n", what, e);
+        EXPECT_LE(e, kRelTol) << what << ": pool keys";
+    };
+
+    // A's positions 60..69 (eager, blocks 0 and 1), B's 130 at a run-time position; pools 7, 8 of A
+    // (positions 56..71) as a range, pool 16 of B at the position completing it (135).
+    {
+        const std::vector<float> rl = Rand((size_t)10 * kvl), rk = Rand((size_t)10 * id), rg = Rand((size_t)10 * id);
+        Buf<float> drl(gpu_, rl), drk(gpu_, rk), drg(gpu_, rg);
+        const int32_t at = 130, done = 135;
+        Buf<int32_t> dat(gpu_, {at}), ddone(gpu_, {done});
+        for (auto [c, g, src, dsrc] : {std::tuple{cl, gl, &rl, drl.get()}, {cki, gki, &rk, drk.get()}, {cgs, ggs, &rg, drg.get()}}) {
+            cpu_->ops->copy_rows_at(cpu_, c, btA.data(), 60, nullptr, src->data(), 10);
+            gpu_->ops->copy_rows_at(gpu_, g, dbtA.get(), 60, nullptr, dsrc, 10);
+            cpu_->ops->copy_rows_at(cpu_, c, btB.data(), 0, &at, src->data() + 3 * c.row, 1);
+            gpu_->ops->copy_rows_at(gpu_, g, dbtB.get(), 0, dat.get(), dsrc + 3 * c.row, 1);
+        }
+        cpu_->ops->dsa_pool_keys(cpu_, cpk, cki, cgs, btA.data(), ape.data(), 7, 9, kp);
+        gpu_->ops->dsa_pool_keys(gpu_, gpk, gki, ggs, dbtA.get(), dape.get(), 7, 9, kp);
+        cpu_->ops->dsa_pool_keys_at(cpu_, cpk, cki, cgs, btB.data(), ape.data(), &done, kp);
+        gpu_->ops->dsa_pool_keys_at(gpu_, gpk, gki, ggs, dbtB.get(), dape.get(), ddone.get(), kp);
+        check_pools("copy_rows_at, dsa_pool_keys(_at)");
+    }
+
+    // The rows form: A at 199 (completes pool 24), B at 190, C at 71 (completes pool 8).
+    const int n = 3, t_cap = 256;
+    const std::vector<int32_t> pos = {199, 190, 71};
+    const std::vector<const int32_t *> bts = {btA.data(), btB.data(), btC.data()};
+    Buf<int32_t> dpos(gpu_, pos);
+    Buf<const int32_t *> dbts(gpu_, std::vector<const int32_t *>{dbtA.get(), dbtB.get(), dbtC.get()});
+    const std::vector<float> rl = Rand((size_t)n * kvl), rk = Rand((size_t)n * id), rg = Rand((size_t)n * id);
+    Buf<float> drl(gpu_, rl), drk(gpu_, rk), drg(gpu_, rg);
+    for (auto [c, g, src, dsrc] : {std::tuple{cl, gl, &rl, drl.get()}, {cki, gki, &rk, drk.get()}, {cgs, ggs, &rg, drg.get()}}) {
+        cpu_->ops->copy_rows_to(cpu_, c, bts.data(), pos.data(), src->data(), n);
+        gpu_->ops->copy_rows_to(gpu_, g, dbts.get(), dpos.get(), dsrc, n);
+    }
+    cpu_->ops->dsa_pool_keys_rows(cpu_, cpk, cki, cgs, bts.data(), ape.data(), pos.data(), n, kp);
+    gpu_->ops->dsa_pool_keys_rows(gpu_, gpk, gki, ggs, dbts.get(), dape.get(), dpos.get(), n, kp);
+    check_pools("copy_rows_to, dsa_pool_keys_rows");
+    // The GPU's pool keys from here on are the CPU's, so that both select over the same keys.
+    dpk.Put(pk);
+
+    mt_dsa_select_params sp = {};
+    sp.ih = ih; sp.id = id; sp.kpool = kp; sp.max_pools = 6; sp.tail = true;
+    sp.max_sel = sp.max_pools * kp + kp - 1;
+    sp.t_cap = t_cap;
+    const std::vector<float> qi = Rand((size_t)n * ih * id), w = Rand((size_t)n * ih);
+    std::vector<int32_t> sel((size_t)n * sp.max_sel, -1), nsel(n, -1);
+    cpu_->ops->dsa_select_rows(cpu_, sel.data(), nsel.data(), qi.data(), w.data(), cpk, bts.data(), pos.data(), n, &sp);
+    Buf<float> dqi(gpu_, qi), dw(gpu_, w);
+    Buf<int32_t> dsel(gpu_, std::vector<int32_t>(sel.size(), -1)), dnsel(gpu_, std::vector<int32_t>(n, -1));
+    gpu_->ops->dsa_select_rows(gpu_, dsel.get(), dnsel.get(), dqi.get(), dw.get(), gpk, dbts.get(), dpos.get(), n, &sp);
+    const std::vector<int32_t> gsel = dsel.Get(), gnsel = dnsel.Get();
+    EXPECT_EQ(gnsel, nsel) << "dsa_select_rows counts";
+    for (int i = 0; i < n; i++)
+        EXPECT_EQ(Slice(gsel, (size_t)i * sp.max_sel, (size_t)i * sp.max_sel + nsel[i]),
+                  Slice(sel, (size_t)i * sp.max_sel, (size_t)i * sp.max_sel + nsel[i])) << "dsa_select_rows row " << i;
+
+    // Sparse MLA over the CPU's selection: all three rows (the wide kernel), then row 0 alone (the
+    // one-row decode kernels), then with row 1 attending to everything (nsel 0).
+    const int64_t wrows = (int64_t)Hq * (dn + dv);
+    std::vector<float> wf = Rand((size_t)wrows * kvl, 1.f / std::sqrt((float)kvl));
+    std::vector<uint16_t> wh(wf.size());
+    for (size_t i = 0; i < wf.size(); i++) wh[i] = mt_f32_to_bf16(wf[i]);
+    mt_weight w_cpu, w_gpu;
+    ASSERT_EQ(cpu_->ops->weight(cpu_, wh.data(), MT_BF16, wrows, kvl, &w_cpu), MT_OK);
+    ASSERT_EQ(gpu_->ops->weight(gpu_, wh.data(), MT_BF16, wrows, kvl, &w_gpu), MT_OK);
+    mt_mla_params mp = {Hq, dn, dv, kvl, 1.f / std::sqrt((float)dn)};
+    mp.t_cap = t_cap;
+    const std::vector<float> q = Rand((size_t)n * Hq * dn);
+    Buf<float> dq(gpu_, q), dout(gpu_, Rand((size_t)n * Hq * dv));
+    for (int pass = 0; pass < 3; pass++) {
+        const int rows = pass == 1 ? 1 : n;
+        if (pass == 2) nsel[1] = 0;
+        Buf<int32_t> ds(gpu_, sel), dns(gpu_, nsel);
+        std::vector<float> out((size_t)rows * Hq * dv);
+        cpu_->ops->mla_sparse_rows(cpu_, out.data(), q.data(), cl, bts.data(), &w_cpu, sel.data(), nsel.data(),
+                                   sp.max_sel, pos.data(), rows, &mp);
+        gpu_->ops->mla_sparse_rows(gpu_, dout.get(), dq.get(), gl, dbts.get(), &w_gpu, ds.get(), dns.get(), sp.max_sel,
+                                   dpos.get(), rows, &mp);
+        const double e = RelErr(Slice(dout.Get(), 0, out.size()), out);
+        std::printf("[dsa paged] mla_sparse_rows, %d rows%s: rel %.2e\n", rows, pass == 2 ? ", one uniform" : "", e);
+        EXPECT_LE(e, kRelTol) << "mla_sparse_rows pass " << pass;
+    }
+    gpu_->ops->weight_free(gpu_, &w_gpu);
+    cpu_->ops->weight_free(cpu_, &w_cpu);
 }
 
 }  // namespace

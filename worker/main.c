@@ -51,6 +51,7 @@ typedef struct worker_opts {
     const char *model, *router, *backend;
     int id, device, max_sequences, max_context, threads;
     long cache_budget_mb;        /* 0: plan from the backend's free memory */
+    int prefill_budget;          /* 0: the engine's default */
     double router_timeout;      /* seconds of router silence before exiting */
     bool verbose;
 } worker_opts;
@@ -84,40 +85,68 @@ static void on_signal(int sig) {
     g_stop = 1;
 }
 
-/* The start-up memory plan: sequence state may take --cache-budget-mb, or else a share of what
- * the backend has free after the weights (half on the CPU, 90% on a GPU) minus the prefix cache;
- * logged with how many full-context sequences that holds. */
-static void plan_memory(worker *w, mt_backend *be, eng_params *ep) {
-    const size_t per_seq = glm_model_seq_bytes(w->m, w->o.max_context);
-    size_t free_b = 0, total_b = 0, budget;
+/* The start-up memory plan (issue 5): what the backend has free after the weights, less a reserve
+ * for activations, scratch and graphs, goes to the model's two pools: slots (one per running
+ * sequence, per kept prefix, and the graph pad) and pages (the DSA caches), no more pages than every
+ * slot at full context could use. --cache-budget-mb gives the pools a fixed size instead. A
+ * request waits while the pools are short; a running one that runs out is preempted and resumed,
+ * never failed. Logged as one line: the split, and how many tokens and sequences fit. */
+static mt_status plan_memory(worker *w, mt_backend *be, eng_params *ep, mt_error *err) {
+    glm_model *m = w->m;
+    const size_t page_b = glm_model_page_bytes(m), slot_b = glm_model_slot_bytes(m);
+    const int page = glm_model_page_tokens(m);
+    const int prefix_slots = ep->prefix_cache_bytes ? (ep->max_sequences + 1) / 2 : 0;
+    const int slots = ep->max_sequences + prefix_slots + 1;
+    const int full = (w->o.max_context + page - 1) / page; /* pages of one full-context sequence */
+    const long long want_pages = (long long)full * slots + 1;
+    size_t free_b = 0, total_b = 0, pools;
+    const bool gpu = strcmp(be->ops->name, "cpu") != 0;
+    size_t reserve = 0;
     if (w->o.cache_budget_mb > 0) {
-        budget = (size_t)w->o.cache_budget_mb << 20;
+        pools = (size_t)w->o.cache_budget_mb << 20;
     } else if (be->ops->mem_info && be->ops->mem_info(be, &free_b, &total_b) == MT_OK) {
-        const size_t share = strcmp(be->ops->name, "cpu") ? free_b / 10 * 9 : free_b / 2;
-        budget = share > ep->prefix_cache_bytes ? share - ep->prefix_cache_bytes : share / 2;
+        /* GPU: keep a tenth (at least 2 GiB) for activations, scratch and graphs; CPU: half */
+        reserve = gpu ? (free_b / 10 > ((size_t)2 << 30) ? free_b / 10 : ((size_t)2 << 30)) : free_b / 2;
+        pools = free_b > reserve ? free_b - reserve : 0;
     } else {
-        budget = 0; /* unknown: no limit beyond max_sequences */
+        pools = (size_t)want_pages * page_b + (size_t)slots * slot_b;
     }
-    ep->cache_budget_bytes = budget;
+    if (pools < (size_t)slots * slot_b + (page_b ? page_b * (size_t)(full + 1) : 0))
+        return mt_errorf(err, MT_ERR_NOMEM,
+                         "memory plan: %zu MiB for the pools cannot hold %d slots of %zu KiB and one %d-token sequence",
+                         pools >> 20, slots, slot_b >> 10, w->o.max_context);
+    long long pages = page_b ? (long long)((pools - (size_t)slots * slot_b) / page_b) : 1;
+    if (pages > want_pages) pages = want_pages;
+    if (pages > INT32_MAX / 2) pages = INT32_MAX / 2;
+    mt_status st = glm_model_set_pools(m, (int)pages, slots, err);
+    if (st != MT_OK) return st;
+    ep->cache_budget_bytes = 0; /* the pools are the budget */
     mt_log(MT_LOG_INFO,
-           "worker %d: memory plan: %zu MiB free of %zu MiB; sequence state budget %zu MiB = %zu sequences of %d "
-           "tokens (%zu KiB each), prefix cache %zu MiB, max_sequences %d",
-           w->o.id, free_b >> 20, total_b >> 20, budget >> 20, per_seq ? budget / per_seq : 0, w->o.max_context,
-           per_seq >> 10, ep->prefix_cache_bytes >> 20, ep->max_sequences);
+           "worker %d: memory plan: %zu MiB free of %zu MiB, %zu MiB kept for activations and graphs; pools: "
+           "%lld pages of %d tokens (%zu KiB each, %zu MiB) = %lld tokens of DSA cache, %d slots (%zu KiB each, "
+           "%zu MiB) = %d running sequences + %d kept prefixes + 1 graph pad; %lld full %d-token sequences fit",
+           w->o.id, free_b >> 20, total_b >> 20, reserve >> 20, pages, page, page_b >> 10,
+           (size_t)(pages * (long long)page_b) >> 20, pages * page, slots, slot_b >> 10,
+           ((size_t)slots * slot_b) >> 20, ep->max_sequences, prefix_slots, page_b ? pages / full : (long long)slots,
+           w->o.max_context);
+    return MT_OK;
 }
 
 static void usage(FILE *f) {
     fprintf(f,
             "usage: metrale-worker --model DIR --router ENDPOINT --id N [--backend cpu|cuda|auto]\n"
             "                      [--device N] [--max-sequences N] [--max-context N] [--threads N]\n"
-            "                      [--router-timeout S] [--cache-budget-mb N] [--verbose]\n"
+            "                      [--router-timeout S] [--cache-budget-mb N] [--prefill-budget N] [--verbose]\n"
             "  Serves the checkpoint in DIR to the router at ENDPOINT (ipc:// or tcp://127.0.0.1:) as worker N.\n"
             "  --model: a checkpoint folder, or random:tiny / random:bench-4L (random weights, for benchmarks).\n"
             "  --backend: cpu (default), cuda (GPU --device, default 0), or auto (cuda when a GPU is usable).\n"
             "  --max-sequences: running sequences at once (default 16); --max-context: prompt + new tokens\n"
             "  per request (default 4096); --threads: CPU backend threads (0 = all cores); --router-timeout:\n"
             "  seconds without a message from the router before exiting (default 10); --cache-budget-mb:\n"
-            "  sequence state memory (default 0: half the free memory on the CPU, 90%% on a GPU).\n");
+            "  the sequence-state pools (default 0: the free memory after the weights, less a reserve for\n"
+            "  activations and graphs); --prefill-budget: prompt tokens prefilled per step beside decoding\n"
+            "  (the chunk size of a long prompt; default 2048). A request waits while the pools are short,\n"
+            "  and a running one that runs out of cache pages is preempted (its state recomputed later).\n");
 }
 
 /* ---- sending ---- */
@@ -481,6 +510,7 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
             o->cache_budget_mb = mb;
         }
         else if (!strcmp(a, "--threads")) rc = parse_int(a, v, 0, &o->threads);
+        else if (!strcmp(a, "--prefill-budget")) rc = parse_int(a, v, 1, &o->prefill_budget);
         else if (!strcmp(a, "--router-timeout")) {
             char *end;
             o->router_timeout = strtod(v, &end);
@@ -560,7 +590,11 @@ int main(int argc, char **argv) {
     eng_params ep = eng_default_params();
     ep.max_sequences = w.o.max_sequences;
     ep.max_context = w.o.max_context;
-    plan_memory(&w, be, &ep);
+    if (w.o.prefill_budget > 0) ep.prefill_budget = w.o.prefill_budget;
+    if (plan_memory(&w, be, &ep, &err) != MT_OK) {
+        mt_log(MT_LOG_ERROR, "worker %d: %s", w.o.id, err.msg);
+        goto done;
+    }
     eng_callbacks cb = { .user = &w, .on_tokens = on_tokens, .on_finished = on_finished };
     if (eng_new(w.m, &ep, &cb, &w.eng, &err) != MT_OK) {
         mt_log(MT_LOG_ERROR, "worker %d: %s", w.o.id, err.msg);

@@ -20,9 +20,14 @@ void cpu_embed(mt_backend *be, float *out, const mt_weight *table, const int32_t
     }
 }
 
-void cpu_copy_rows_at(mt_backend *be, float *base, int64_t row, const int32_t *pos, const float *src, int n) {
+/* Row by row: consecutive positions may sit on different pages. */
+void cpu_copy_rows_at(mt_backend *be, mt_paged dst, const int32_t *bt, int t0, const int32_t *pos,
+                      const float *src, int n) {
     (void)be;
-    memcpy(base + (size_t)*pos * (size_t)row, src, sizeof(float) * (size_t)row * (size_t)n);
+    if (pos) t0 = *pos; /* host memory on this backend */
+    MT_ASSERT(t0 >= 0 && n >= 0 && dst.page > 0 && dst.row > 0);
+    for (int i = 0; i < n; i++)
+        memcpy(mt_paged_at(dst, bt, (int64_t)t0 + i), src + (size_t)i * (size_t)dst.row, sizeof(float) * (size_t)dst.row);
 }
 
 static float dot(const float *a, const float *b, int64_t n) {

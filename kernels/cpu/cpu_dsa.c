@@ -1,6 +1,7 @@
 /* kernels/cpu/cpu_dsa.c: the DSA ops: pooled indexer keys, head-weighted ReLU pool scores with
  * pool top-k plus the tail, and sparse MLA attention computed in the latent space (weight
- * absorption: q is folded through W_k into kv_lora dims, the output leaves through W_v). */
+ * absorption: q is folded through W_k into kv_lora dims, the output leaves through W_v). The caches
+ * are paged (kernels/backend.h mt_paged): every row is found through the block table. */
 #include <float.h>
 #include <math.h>
 #include <stdlib.h>
@@ -8,22 +9,29 @@
 
 #include "kernels/cpu/cpu_ops.h"
 
-void cpu_dsa_pool_keys(mt_backend *be, float *pool_keys, const float *ki, const float *gs,
-                       const float *ape, int p0, int p1, int kpool, int id) {
+/* The members of pool p are positions [p*kpool, (p+1)*kpool): consecutive rows of one page, since
+ * page is a multiple of kpool. */
+void cpu_dsa_pool_keys(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs, const int32_t *bt,
+                       const float *ape, int p0, int p1, int kpool) {
     (void)be;
+    const int id = (int)ki.row;
+    MT_ASSERT(p0 >= 0 && p1 >= p0 && kpool > 0 && id > 0 && gs.row == id && pool_keys.row == id);
+    MT_ASSERT(ki.page == gs.page && ki.page == pool_keys.page * kpool);
     float *wj = malloc(sizeof(float) * (size_t)kpool);
     for (int p = p0; p < p1; p++) {
-        const size_t base = (size_t)p * kpool;
+        const int64_t t = (int64_t)p * kpool;
+        const float *k = mt_paged_at(ki, bt, t), *g = mt_paged_at(gs, bt, t);
+        float *out = mt_paged_at(pool_keys, bt, p);
         for (int d = 0; d < id; d++) {
             float m = -INFINITY, sum = 0;
             for (int j = 0; j < kpool; j++) {
-                wj[j] = gs[(base + j) * id + d] + ape[(size_t)j * id + d];
+                wj[j] = g[(size_t)j * id + d] + ape[(size_t)j * id + d];
                 if (wj[j] > m) m = wj[j];
             }
             for (int j = 0; j < kpool; j++) sum += (wj[j] = expf(wj[j] - m));
             float acc = 0;
-            for (int j = 0; j < kpool; j++) acc += wj[j] / sum * ki[(base + j) * id + d];
-            pool_keys[(size_t)p * id + d] = acc;
+            for (int j = 0; j < kpool; j++) acc += wj[j] / sum * k[(size_t)j * id + d];
+            out[d] = acc;
         }
     }
     free(wj);
@@ -41,15 +49,16 @@ static int scored_cmp(const void *a, const void *b) {
     return x->pool - y->pool;
 }
 
-void cpu_dsa_pool_keys_at(mt_backend *be, float *pool_keys, const float *ki, const float *gs,
-                          const float *ape, const int32_t *pos, int kpool, int id) {
+void cpu_dsa_pool_keys_at(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs, const int32_t *bt,
+                          const float *ape, const int32_t *pos, int kpool) {
     const int t = *pos;
-    if ((t + 1) % kpool == 0) cpu_dsa_pool_keys(be, pool_keys, ki, gs, ape, t / kpool, t / kpool + 1, kpool, id);
+    if ((t + 1) % kpool == 0) cpu_dsa_pool_keys(be, pool_keys, ki, gs, bt, ape, t / kpool, t / kpool + 1, kpool);
 }
 
 void cpu_dsa_select(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi, const float *w,
-                    const float *pool_keys, int t0, int n, const mt_dsa_select_params *p) {
+                    mt_paged pool_keys, const int32_t *bt, int t0, int n, const mt_dsa_select_params *p) {
     if (p->t0_dev) t0 = *p->t0_dev; /* host memory on this backend */
+    MT_ASSERT(pool_keys.row == p->id && pool_keys.page > 0);
     const float qscale = 1.f / sqrtf((float)p->id), wscale = 1.f / sqrtf((float)p->ih);
     const int64_t work = (int64_t)n * ((t0 + n) / p->kpool + 1) * p->ih * p->id;
 #pragma omp parallel num_threads(be->n_threads) if (work > CPU_PAR_MIN_WORK)
@@ -61,7 +70,7 @@ void cpu_dsa_select(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi
             const int t = t0 + i, ncand = (t + 1) / p->kpool; /* complete pools ending <= t */
             const float *q = qi + (size_t)i * p->ih * p->id, *wi = w + (size_t)i * p->ih;
             for (int c = 0; c < ncand; c++) {
-                const float *P = pool_keys + (size_t)c * p->id;
+                const float *P = mt_paged_at(pool_keys, bt, c);
                 float s = 0;
                 for (int h = 0; h < p->ih; h++) {
                     float d = 0;
@@ -85,11 +94,12 @@ void cpu_dsa_select(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi
     }
 }
 
-void cpu_mla_sparse(mt_backend *be, float *out, const float *q, const float *latent,
+void cpu_mla_sparse(mt_backend *be, float *out, const float *q, mt_paged latent, const int32_t *bt,
                     const mt_weight *kv_b, const int32_t *sel, const int32_t *nsel, int max_sel,
                     int t0, int n, const mt_mla_params *p) {
     if (p->t0_dev) t0 = *p->t0_dev;
     const int dn = p->dn, dv = p->dv, kvl = p->kvl;
+    MT_ASSERT(latent.row == kvl && latent.page > 0);
     const int64_t work = (int64_t)n * p->Hq * kvl * (dn + dv + (max_sel > t0 + n ? max_sel : t0 + n));
 #pragma omp parallel num_threads(be->n_threads) if (work > CPU_PAR_MIN_WORK)
     {
@@ -113,7 +123,7 @@ void cpu_mla_sparse(mt_backend *be, float *out, const float *q, const float *lat
                 const int32_t *row = sel + (size_t)i * max_sel;
                 float mx = -INFINITY;
                 for (int s = 0; s < cnt; s++) {
-                    const float *cj = latent + (size_t)(m > 0 ? row[s] : s) * kvl;
+                    const float *cj = mt_paged_at(latent, bt, m > 0 ? row[s] : s);
                     float a = 0;
                     for (int c = 0; c < kvl; c++) a += qa[c] * cj[c];
                     /* Empty selection: the reference attends to every position <= t equally. */
@@ -124,7 +134,7 @@ void cpu_mla_sparse(mt_backend *be, float *out, const float *q, const float *lat
                 for (int s = 0; s < cnt; s++) sum += (sc[s] = expf(sc[s] - mx));
                 for (int c = 0; c < kvl; c++) ol[c] = 0;
                 for (int s = 0; s < cnt; s++) {
-                    const float *cj = latent + (size_t)(m > 0 ? row[s] : s) * kvl;
+                    const float *cj = mt_paged_at(latent, bt, m > 0 ? row[s] : s);
                     const float pj = sc[s] / sum;
                     for (int c = 0; c < kvl; c++) ol[c] += pj * cj[c];
                 }

@@ -11,7 +11,8 @@
 void cpu_weight_row(const mt_weight *w, int64_t r, float *dst);
 
 void cpu_embed(mt_backend *be, float *out, const mt_weight *table, const int32_t *ids, int n);
-void cpu_copy_rows_at(mt_backend *be, float *base, int64_t row, const int32_t *pos, const float *src, int n);
+void cpu_copy_rows_at(mt_backend *be, mt_paged dst, const int32_t *bt, int t0, const int32_t *pos,
+                      const float *src, int n);
 void cpu_matmul(mt_backend *be, float *y, const float *x, const mt_weight *w, int n);
 void cpu_rmsnorm(mt_backend *be, float *out, const float *x, const float *w, int n, int d, float eps);
 void cpu_layernorm(mt_backend *be, float *out, const float *x, const float *w, const float *b, int n,
@@ -38,13 +39,13 @@ void cpu_kda_chunked(mt_backend *be, float *o, const float *q, const float *k, c
 void cpu_gated_rmsnorm(mt_backend *be, float *out, const float *o, const float *gate, const float *w,
                        int64_t rows, int d, float eps);
 
-void cpu_dsa_pool_keys(mt_backend *be, float *pool_keys, const float *ki, const float *gs,
-                       const float *ape, int p0, int p1, int kpool, int id);
-void cpu_dsa_pool_keys_at(mt_backend *be, float *pool_keys, const float *ki, const float *gs,
-                          const float *ape, const int32_t *pos, int kpool, int id);
+void cpu_dsa_pool_keys(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs, const int32_t *bt,
+                       const float *ape, int p0, int p1, int kpool);
+void cpu_dsa_pool_keys_at(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs, const int32_t *bt,
+                          const float *ape, const int32_t *pos, int kpool);
 void cpu_dsa_select(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi, const float *w,
-                    const float *pool_keys, int t0, int n, const mt_dsa_select_params *p);
-void cpu_mla_sparse(mt_backend *be, float *out, const float *q, const float *latent,
+                    mt_paged pool_keys, const int32_t *bt, int t0, int n, const mt_dsa_select_params *p);
+void cpu_mla_sparse(mt_backend *be, float *out, const float *q, mt_paged latent, const int32_t *bt,
                     const mt_weight *kv_b, const int32_t *sel, const int32_t *nsel, int max_sel,
                     int t0, int n, const mt_mla_params *p);
 
@@ -60,14 +61,16 @@ void cpu_conv1d_silu_rows(mt_backend *be, float *out, const float *x, float *con
                           int n, int C, int K);
 void cpu_kda_recurrent_rows(mt_backend *be, float *o, const float *q, const float *k, const float *v,
                             const float *g, const float *beta, float *const *states, int n, int nh, int dk);
-void cpu_copy_rows_to(mt_backend *be, float *const *bases, int64_t row, const int32_t *pos, const float *src, int n);
-void cpu_dsa_pool_keys_rows(mt_backend *be, float *const *pool_keys, const float *const *ki, const float *const *gs,
-                            const float *ape, const int32_t *pos, int n, int kpool, int id);
+void cpu_copy_rows_to(mt_backend *be, mt_paged dst, const int32_t *const *bts, const int32_t *pos,
+                      const float *src, int n);
+void cpu_dsa_pool_keys_rows(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs,
+                            const int32_t *const *bts, const float *ape, const int32_t *pos, int n, int kpool);
 void cpu_dsa_select_rows(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi, const float *w,
-                         const float *const *pool_keys, const int32_t *pos, int n, const mt_dsa_select_params *p);
-void cpu_mla_sparse_rows(mt_backend *be, float *out, const float *q, const float *const *latents,
-                         const mt_weight *kv_b, const int32_t *sel, const int32_t *nsel, int max_sel,
-                         const int32_t *pos, int n, const mt_mla_params *p);
+                         mt_paged pool_keys, const int32_t *const *bts, const int32_t *pos, int n,
+                         const mt_dsa_select_params *p);
+void cpu_mla_sparse_rows(mt_backend *be, float *out, const float *q, mt_paged latent,
+                         const int32_t *const *bts, const mt_weight *kv_b, const int32_t *sel,
+                         const int32_t *nsel, int max_sel, const int32_t *pos, int n, const mt_mla_params *p);
 
 /* Work (multiply-adds) below which an op stays on one thread: forking costs more than it saves,
  * and with the cores shared (router, workers, tests) waiting threads can cost far more. */

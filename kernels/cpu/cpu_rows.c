@@ -1,7 +1,8 @@
 /* kernels/cpu/cpu_rows.c: the "rows" form of the per-sequence ops (kernels/backend.h, batched
  * decode): row i runs the single-sequence op at its own position on its own state. On this backend
  * the tables and positions are host memory, so each row is one call of the op it stands for, and
- * the rows form computes exactly what decoding each sequence alone computes. */
+ * the rows form computes exactly what decoding each sequence alone computes. The DSA caches are
+ * paged: every row shares the pools and brings its own block table. */
 #include "kernels/cpu/cpu_ops.h"
 
 void cpu_conv1d_silu_rows(mt_backend *be, float *out, const float *x, float *const *states, const float *w,
@@ -18,30 +19,32 @@ void cpu_kda_recurrent_rows(mt_backend *be, float *o, const float *q, const floa
                           states[i], 1, nh, dk);
 }
 
-void cpu_copy_rows_to(mt_backend *be, float *const *bases, int64_t row, const int32_t *pos, const float *src, int n) {
-    for (int i = 0; i < n; i++) cpu_copy_rows_at(be, bases[i], row, pos + i, src + (size_t)i * (size_t)row, 1);
+void cpu_copy_rows_to(mt_backend *be, mt_paged dst, const int32_t *const *bts, const int32_t *pos,
+                      const float *src, int n) {
+    for (int i = 0; i < n; i++) cpu_copy_rows_at(be, dst, bts[i], 0, pos + i, src + (size_t)i * (size_t)dst.row, 1);
 }
 
-void cpu_dsa_pool_keys_rows(mt_backend *be, float *const *pool_keys, const float *const *ki, const float *const *gs,
-                            const float *ape, const int32_t *pos, int n, int kpool, int id) {
-    for (int i = 0; i < n; i++) cpu_dsa_pool_keys_at(be, pool_keys[i], ki[i], gs[i], ape, pos + i, kpool, id);
+void cpu_dsa_pool_keys_rows(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs,
+                            const int32_t *const *bts, const float *ape, const int32_t *pos, int n, int kpool) {
+    for (int i = 0; i < n; i++) cpu_dsa_pool_keys_at(be, pool_keys, ki, gs, bts[i], ape, pos + i, kpool);
 }
 
 void cpu_dsa_select_rows(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi, const float *w,
-                         const float *const *pool_keys, const int32_t *pos, int n, const mt_dsa_select_params *p) {
+                         mt_paged pool_keys, const int32_t *const *bts, const int32_t *pos, int n,
+                         const mt_dsa_select_params *p) {
     mt_dsa_select_params one = *p;
     one.t0_dev = NULL;
     for (int i = 0; i < n; i++)
         cpu_dsa_select(be, sel + (size_t)i * p->max_sel, nsel + i, qi + (size_t)i * p->ih * p->id,
-                       w + (size_t)i * p->ih, pool_keys[i], pos[i], 1, &one);
+                       w + (size_t)i * p->ih, pool_keys, bts[i], pos[i], 1, &one);
 }
 
-void cpu_mla_sparse_rows(mt_backend *be, float *out, const float *q, const float *const *latents,
-                         const mt_weight *kv_b, const int32_t *sel, const int32_t *nsel, int max_sel,
-                         const int32_t *pos, int n, const mt_mla_params *p) {
+void cpu_mla_sparse_rows(mt_backend *be, float *out, const float *q, mt_paged latent,
+                         const int32_t *const *bts, const mt_weight *kv_b, const int32_t *sel,
+                         const int32_t *nsel, int max_sel, const int32_t *pos, int n, const mt_mla_params *p) {
     mt_mla_params one = *p;
     one.t0_dev = NULL;
     for (int i = 0; i < n; i++)
-        cpu_mla_sparse(be, out + (size_t)i * p->Hq * p->dv, q + (size_t)i * p->Hq * p->dn, latents[i], kv_b,
+        cpu_mla_sparse(be, out + (size_t)i * p->Hq * p->dv, q + (size_t)i * p->Hq * p->dn, latent, bts[i], kv_b,
                        sel + (size_t)i * max_sel, nsel + i, max_sel, pos[i], 1, &one);
 }

@@ -33,16 +33,17 @@ static int dsa_smem_max(void) {
 /* dsa_pool_keys                                                                                */
 
 typedef struct pool_params {
-    float *pool_keys;    /* [>= p1, id] */
-    const float *ki;     /* [>= p1*kpool, id] */
-    const float *gs;     /* [>= p1*kpool, id] */
+    mt_paged pool_keys;  /* [n_pages, page / kpool, id] */
+    mt_paged ki, gs;     /* [n_pages, page, id] */
+    const int32_t *bt;   /* block table */
     const float *ape;    /* [kpool, id] */
     int p0, p1, kpool, id;
     const int32_t *pos;  /* graph form: pool (*pos+1)/kpool - 1 when *pos completes it, else none */
 } pool_params;
 
 /* One thread per (pool, channel): softmax over the kpool members of gs + ape, then the weighted
- * sum of ki, in the CPU's order. Adjacent threads are adjacent channels (coalesced). */
+ * sum of ki, in the CPU's order. Adjacent threads are adjacent channels (coalesced). The members
+ * are consecutive rows of one page (page is a multiple of kpool): one block-table lookup. */
 static __global__ void dsa_pool_keys_kernel(pool_params p) {
     if (p.pos) { /* one pool, decided at run time */
         const int t = *p.pos;
@@ -53,19 +54,21 @@ static __global__ void dsa_pool_keys_kernel(pool_params p) {
     const int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= (int64_t)(p.p1 - p.p0) * p.id) return;
     const int pool = p.p0 + (int)(e / p.id), d = (int)(e % p.id);
-    const size_t base = (size_t)pool * p.kpool;
+    const int t0 = pool * p.kpool, page = p.ki.page, ppp = p.pool_keys.page;
+    const int64_t r0 = (int64_t)p.bt[t0 / page] * page + t0 % page;
+    const float *gs = p.gs.base + r0 * p.id + d, *ki = p.ki.base + r0 * p.id + d;
     float m = -INFINITY, sum = 0.f, acc = 0.f;
     for (int j = 0; j < p.kpool; j++) {
-        const float v = p.gs[(base + j) * p.id + d] + p.ape[(size_t)j * p.id + d];
+        const float v = gs[(size_t)j * p.id] + p.ape[(size_t)j * p.id + d];
         if (v > m) m = v;
     }
     for (int j = 0; j < p.kpool; j++)
-        sum += expf(p.gs[(base + j) * p.id + d] + p.ape[(size_t)j * p.id + d] - m);
+        sum += expf(gs[(size_t)j * p.id] + p.ape[(size_t)j * p.id + d] - m);
     for (int j = 0; j < p.kpool; j++) {
-        const float wj = expf(p.gs[(base + j) * p.id + d] + p.ape[(size_t)j * p.id + d] - m);
-        acc += wj / sum * p.ki[(base + j) * p.id + d];
+        const float wj = expf(gs[(size_t)j * p.id] + p.ape[(size_t)j * p.id + d] - m);
+        acc += wj / sum * ki[(size_t)j * p.id];
     }
-    p.pool_keys[(size_t)pool * p.id + d] = acc;
+    p.pool_keys.base[((int64_t)p.bt[pool / ppp] * ppp + pool % ppp) * p.id + d] = acc;
 }
 
 static void dsa_pool_keys_launch(mt_backend *be, const pool_params *p) {
@@ -74,18 +77,25 @@ static void dsa_pool_keys_launch(mt_backend *be, const pool_params *p) {
     cu_check_launch(be, "dsa_pool_keys");
 }
 
-extern "C" void cu_dsa_pool_keys(mt_backend *be, float *pool_keys, const float *ki, const float *gs,
-                                 const float *ape, int p0, int p1, int kpool, int id) {
-    MT_ASSERT(p0 >= 0 && p1 >= p0 && kpool > 0 && id > 0);
+static pool_params pool_setup(mt_paged pool_keys, mt_paged ki, mt_paged gs, const int32_t *bt, const float *ape,
+                              int p0, int p1, int kpool, const int32_t *pos) {
+    const int id = (int)ki.row;
+    MT_ASSERT(p0 >= 0 && p1 >= p0 && kpool > 0 && id > 0 && gs.row == id && pool_keys.row == id && bt);
+    MT_ASSERT(ki.page == gs.page && pool_keys.page > 0 && ki.page == pool_keys.page * kpool);
+    return (pool_params){pool_keys, ki, gs, bt, ape, p0, p1, kpool, id, pos};
+}
+
+extern "C" void cu_dsa_pool_keys(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs, const int32_t *bt,
+                                 const float *ape, int p0, int p1, int kpool) {
+    const pool_params p = pool_setup(pool_keys, ki, gs, bt, ape, p0, p1, kpool, NULL);
     if (p1 == p0) return;
-    const pool_params p = {pool_keys, ki, gs, ape, p0, p1, kpool, id, NULL};
     dsa_pool_keys_launch(be, &p);
 }
 
-extern "C" void cu_dsa_pool_keys_at(mt_backend *be, float *pool_keys, const float *ki, const float *gs,
-                                    const float *ape, const int32_t *pos, int kpool, int id) {
-    MT_ASSERT(kpool > 0 && id > 0 && pos);
-    const pool_params p = {pool_keys, ki, gs, ape, 0, 1, kpool, id, pos}; /* grid sized for one pool */
+extern "C" void cu_dsa_pool_keys_at(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs,
+                                    const int32_t *bt, const float *ape, const int32_t *pos, int kpool) {
+    MT_ASSERT(pos);
+    const pool_params p = pool_setup(pool_keys, ki, gs, bt, ape, 0, 1, kpool, pos); /* grid sized for one pool */
     dsa_pool_keys_launch(be, &p);
 }
 
@@ -103,18 +113,20 @@ typedef struct select_params {
     int32_t *nsel;           /* [n] */
     const float *qi;         /* [n, ih, id] */
     const float *w;          /* [n, ih] weights_proj(x), unscaled */
-    const float *pool_keys;  /* [>= (t0+n)/kpool, id] */
+    mt_paged pool_keys;      /* [n_pages, page / kpool, id]: pool c of a query's sequence is row
+                              * c % page of page bt[c / page] (page = pools a page here) */
+    const int32_t *bt;       /* the sequence's block table, covering pools [0, (t0+n)/kpool) */
     int t0, n, ih, id, kpool, max_pools, max_sel;
     bool tail;
-    bool vec4;               /* id % 4 == 0 and qi, pool_keys 16-byte aligned */
+    bool vec4;               /* id % 4 == 0 and qi, pool_keys.base 16-byte aligned */
     float qscale, wscale;    /* id^-0.5, ih^-0.5 (computed on the host as the CPU does) */
     int qld;                 /* row stride of the staged qi in shared memory (id + 4) */
     int max_cand;            /* (t0+n)/kpool, or t_cap/kpool in graph form: capacity of the key array */
     const int32_t *t0_dev;   /* graph form: t0 read here at run time */
-    /* rows form (batched decode): query i is at position pos_rows[i] over pool_rows[i] (device
-     * tables [n]); t0, t0_dev and pool_keys are then unused */
+    /* rows form (batched decode): query i is at position pos_rows[i] of the sequence whose block
+     * table is bt_rows[i] (device tables [n]); t0, t0_dev and bt are then unused */
     const int32_t *pos_rows;
-    const float *const *pool_rows;
+    const int32_t *const *bt_rows;
 } select_params;
 
 typedef struct select_smem {
@@ -164,8 +176,8 @@ static __global__ void __launch_bounds__(SEL_THREADS) dsa_select_kernel(select_p
     const int i = blockIdx.x, tid = threadIdx.x, lane = tid & 31, wp = tid >> 5;
     const int t = p.pos_rows ? p.pos_rows[i] : (p.t0_dev ? *p.t0_dev : p.t0) + i, ncand = (t + 1) / p.kpool;
     const int keep = ncand < p.max_pools ? ncand : p.max_pools;
-    const float *pool_keys = p.pool_rows ? p.pool_rows[i] : p.pool_keys;
-    const int ih = p.ih, id = p.id;
+    const int32_t *bt = p.bt_rows ? p.bt_rows[i] : p.bt;
+    const int ih = p.ih, id = p.id, ppp = p.pool_keys.page;
 
     if (keep < ncand) {
         /* (1) scores */
@@ -174,10 +186,12 @@ static __global__ void __launch_bounds__(SEL_THREADS) dsa_select_kernel(select_p
         for (int h = tid; h < ih; h += SEL_THREADS) sm.w[h] = p.w[(size_t)i * ih + h] * p.wscale;
         __syncthreads();
         for (int c0 = wp * SEL_GROUP; c0 < ncand; c0 += SEL_WARPS * SEL_GROUP) {
-            const float *P[SEL_GROUP];
+            const float *P[SEL_GROUP]; /* the group's key rows, looked up once per group */
 #pragma unroll
-            for (int g = 0; g < SEL_GROUP; g++) /* past the end: score pool ncand-1 again, dropped */
-                P[g] = pool_keys + (size_t)(c0 + g < ncand ? c0 + g : ncand - 1) * id;
+            for (int g = 0; g < SEL_GROUP; g++) { /* past the end: score pool ncand-1 again, dropped */
+                const int c = c0 + g < ncand ? c0 + g : ncand - 1;
+                P[g] = p.pool_keys.base + ((int64_t)__ldg(bt + c / ppp) * ppp + c % ppp) * id;
+            }
             float part[SEL_GROUP] = {0.f, 0.f, 0.f, 0.f};
             for (int hb = 0; hb < ih; hb += 32) {
                 const int h = hb + lane;
@@ -334,9 +348,10 @@ static mt_status dsa_select_launch(mt_backend *be, const select_params *p) {
 
 /* The parameters of one select launch; the rows form (pos_rows) passes its tables and t0 = 0. */
 static select_params select_setup(int32_t *sel, int32_t *nsel, const float *qi, const float *w,
-                                  const float *pool_keys, int t0, int n, const mt_dsa_select_params *p,
-                                  const int32_t *pos_rows, const float *const *pool_rows) {
+                                  mt_paged pool_keys, const int32_t *bt, int t0, int n, const mt_dsa_select_params *p,
+                                  const int32_t *pos_rows, const int32_t *const *bt_rows) {
     MT_ASSERT(t0 >= 0 && n >= 0 && p->ih > 0 && p->id > 0 && p->kpool > 0 && p->max_pools >= 0);
+    MT_ASSERT(pool_keys.row == p->id && pool_keys.page > 0 && (bt || bt_rows));
     MT_ASSERT(p->max_sel >= p->max_pools * p->kpool + (p->tail ? p->kpool - 1 : 0));
     select_params sp;
     sp.sel = sel;
@@ -344,6 +359,7 @@ static select_params select_setup(int32_t *sel, int32_t *nsel, const float *qi, 
     sp.qi = qi;
     sp.w = w;
     sp.pool_keys = pool_keys;
+    sp.bt = bt;
     sp.t0 = t0;
     sp.n = n;
     sp.ih = p->ih;
@@ -352,32 +368,32 @@ static select_params select_setup(int32_t *sel, int32_t *nsel, const float *qi, 
     sp.max_pools = p->max_pools;
     sp.max_sel = p->max_sel;
     sp.tail = p->tail;
-    /* table entries are device allocations (256-byte aligned) */
-    sp.vec4 = p->id % 4 == 0 && (uintptr_t)qi % 16 == 0 && (uintptr_t)pool_keys % 16 == 0;
+    /* every key row is 16-byte aligned when the pool is and id % 4 == 0 */
+    sp.vec4 = p->id % 4 == 0 && cu_aligned16(qi) && cu_aligned16(pool_keys.base);
     sp.qscale = 1.f / sqrtf((float)p->id);
     sp.wscale = 1.f / sqrtf((float)p->ih);
     sp.qld = p->id + 4;
     sp.t0_dev = pos_rows ? NULL : p->t0_dev;
     sp.max_cand = (pos_rows || p->t0_dev ? p->t_cap : t0 + n) / p->kpool;
     sp.pos_rows = pos_rows;
-    sp.pool_rows = pool_rows;
+    sp.bt_rows = bt_rows;
     return sp;
 }
 
 extern "C" void cu_dsa_select(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi,
-                              const float *w, const float *pool_keys, int t0, int n,
+                              const float *w, mt_paged pool_keys, const int32_t *bt, int t0, int n,
                               const mt_dsa_select_params *p) {
     if (n == 0) return;
-    const select_params sp = select_setup(sel, nsel, qi, w, pool_keys, t0, n, p, NULL, NULL);
+    const select_params sp = select_setup(sel, nsel, qi, w, pool_keys, bt, t0, n, p, NULL, NULL);
     cu_op_status(be, "dsa_select", dsa_select_launch(be, &sp));
 }
 
 extern "C" void cu_dsa_select_rows(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi,
-                                   const float *w, const float *const *pool_keys, const int32_t *pos, int n,
-                                   const mt_dsa_select_params *p) {
-    MT_ASSERT(p->t_cap > 0);
+                                   const float *w, mt_paged pool_keys, const int32_t *const *bts,
+                                   const int32_t *pos, int n, const mt_dsa_select_params *p) {
+    MT_ASSERT(p->t_cap > 0 && bts && pos);
     if (n == 0) return;
-    const select_params sp = select_setup(sel, nsel, qi, w, NULL, 0, n, p, pos, pool_keys);
+    const select_params sp = select_setup(sel, nsel, qi, w, pool_keys, NULL, 0, n, p, pos, bts);
     cu_op_status(be, "dsa_select_rows", dsa_select_launch(be, &sp));
 }
 
@@ -408,7 +424,8 @@ enum {
 typedef struct mla_dev_params {
     float *out;              /* [nb, Hq, dv] (this batch) */
     const float *q;          /* [nb, Hq, dn] */
-    const float *latent;     /* [>= t0+nb, kvl] */
+    mt_paged latent;         /* [n_pages, page, kvl]: the latent cache pool (row == kvl) */
+    const int32_t *bt;       /* the sequence's block table, covering positions [0, t0+nb) */
     const void *kv_b;        /* [Hq*(dn+dv), kvl], dtype kv_dtype */
     mt_dtype kv_dtype;
     const int32_t *sel;      /* [nb, max_sel] */
@@ -420,20 +437,27 @@ typedef struct mla_dev_params {
     float scale;
     const int32_t *t0_dev;   /* graph form: positions are *t0_dev + t0 + i (t0 = batch offset) */
     int t_cap;               /* graph form: bound on every position (plans the splits) */
-    /* rows form (batched decode): query i is at position pos_rows[i] over the cache lat_rows[i]
-     * (device tables [nb] of this batch); t0, t0_dev and latent are then unused */
+    /* rows form (batched decode): query i is at position pos_rows[i] of the sequence whose block
+     * table is bt_rows[i] (device tables [nb] of this batch); t0, t0_dev and bt are then unused */
     const int32_t *pos_rows;
-    const float *const *lat_rows;
-    /* tensor-core attend (prefill, eager, one cache): latent split into bf16 hi, lo, in scratch */
-    const __nv_bfloat16 *lat16; /* [t0+n, 2, kvl]: row r = (hi, lo) of latent row r */
+    const int32_t *const *bt_rows;
+    /* tensor-core attend (prefill, eager, one sequence): the latent rows of positions [0, t0+n)
+     * gathered from the pages and split into bf16 hi, lo, in scratch */
+    const __nv_bfloat16 *lat16; /* [t0+n, 2, kvl]: row r = (hi, lo) of position r's latent row */
 } mla_dev_params;
 
-/* Query i's position and latent cache, in every form. */
+/* Query i's position and block table, in every form. */
 static __device__ __forceinline__ int mla_pos(const mla_dev_params &p, int i) {
     return p.pos_rows ? p.pos_rows[i] : (p.t0_dev ? *p.t0_dev : 0) + p.t0 + i;
 }
-static __device__ __forceinline__ const float *mla_lat(const mla_dev_params &p, int i) {
-    return p.lat_rows ? p.lat_rows[i] : p.latent;
+static __device__ __forceinline__ const int32_t *mla_bt(const mla_dev_params &p, int i) {
+    return p.bt_rows ? p.bt_rows[i] : p.bt;
+}
+/* Offset (floats) of position t's latent row in the pool: row t % page of page bt[t / page]. The
+ * attend kernels look it up once per selected row of a tile and keep it beside the tile. */
+static __device__ __forceinline__ int64_t mla_row_off(const mla_dev_params &p, const int32_t *bt, int t) {
+    const int page = p.latent.page;
+    return ((int64_t)__ldg(bt + t / page) * page + t % page) * p.kvl;
 }
 
 /* Element i of a weight in its dtype, as fp32 (exact for all three). */
@@ -476,7 +500,7 @@ typedef struct mla_smem {
     float *lat;     /* [MLA_ROWS, kvl] latent tile */
     float *sc;      /* [hg, MLA_ROWS] scores, then probabilities */
     float *m, *l, *corr; /* [MLA_MAX_HG] running max, running sum, rescale of this tile */
-    int32_t *pos;   /* [MLA_ROWS] positions of the tile */
+    int64_t *off;   /* [MLA_ROWS] pool offsets of the tile's latent rows (mla_row_off) */
 } mla_smem;
 
 static __host__ __device__ size_t mla_smem_carve(void *smem, const mla_dev_params *p, mla_smem *s) {
@@ -488,8 +512,9 @@ static __host__ __device__ size_t mla_smem_carve(void *smem, const mla_dev_param
     float *m = (float *)(b + off); off += sizeof(float) * MLA_MAX_HG;
     float *l = (float *)(b + off); off += sizeof(float) * MLA_MAX_HG;
     float *corr = (float *)(b + off); off += sizeof(float) * MLA_MAX_HG;
-    int32_t *pos = (int32_t *)(b + off); off += sizeof(int32_t) * MLA_ROWS;
-    if (s) *s = (mla_smem){qa, lat, sc, m, l, corr, pos};
+    off = (off + 7) & ~(size_t)7;
+    int64_t *roff = (int64_t *)(b + off); off += sizeof(int64_t) * MLA_ROWS;
+    if (s) *s = (mla_smem){qa, lat, sc, m, l, corr, roff};
     return off;
 }
 
@@ -616,7 +641,8 @@ static __global__ void __launch_bounds__(MLA_THREADS) mla_attend_kernel(mla_dev_
         sm.l[tid] = 0.f;
     }
     const int t = mla_pos(p, i), m = p.nsel[i];
-    const float *const latp = mla_lat(p, i);
+    const int32_t *const bt = mla_bt(p, i);
+    const float *const latp = p.latent.base;
     const int cnt = m > 0 ? m : t + 1;
     int rps = (cnt + p.nsplit - 1) / p.nsplit; /* rows per split, whole tiles */
     rps = (rps + MLA_ROWS - 1) / MLA_ROWS * MLA_ROWS;
@@ -630,11 +656,11 @@ static __global__ void __launch_bounds__(MLA_THREADS) mla_attend_kernel(mla_dev_
     __syncthreads();
     for (int s0 = sb; s0 < se; s0 += MLA_ROWS) {
         const int rows = se - s0 < MLA_ROWS ? se - s0 : MLA_ROWS;
-        if (tid < rows) sm.pos[tid] = m > 0 ? srow[s0 + tid] : s0 + tid;
+        if (tid < rows) sm.off[tid] = mla_row_off(p, bt, m > 0 ? srow[s0 + tid] : s0 + tid);
         __syncthreads();
         for (int e = tid; e < rows * kvl; e += MLA_THREADS) {
             const int r = e / kvl, c = e % kvl;
-            sm.lat[e] = latp[(size_t)sm.pos[r] * kvl + c];
+            sm.lat[e] = latp[sm.off[r] + c];
         }
         __syncthreads();
         for (int e = wp; e < hg * rows; e += MLA_WARPS) {
@@ -695,7 +721,7 @@ static __global__ void __launch_bounds__(MLA_THREADS) mla_attend_kernel(mla_dev_
                 }
             }
         }
-        __syncthreads(); /* before the next tile overwrites lat, sc, pos */
+        __syncthreads(); /* before the next tile overwrites lat, sc, off */
     }
     /* This split's (max, sum, acc); an empty split leaves (-inf, 0, 0), which merges as nothing. */
 #pragma unroll
@@ -804,6 +830,9 @@ template <int J>
 static __global__ void __launch_bounds__(MLAW_THREADS, 1) mla_attend_wide_kernel(mla_dev_params p) {
     constexpr int KVL = 256 * J, LD = KVL + 4, K4 = KVL / 4, HB = MLAW_HB, R = MLAW_R, SLD = R + 1;
     constexpr int HPW = HB / (MLAW_THREADS / 32);
+    /* tile staging: lane l of each warp looks up tile row l's address (R rows, one per lane), and
+     * a warp's threads copy one row at a time (K4 a multiple of 32), taking it by shuffle */
+    static_assert(R == 32 && K4 % 32 == 0 && MLAW_THREADS % K4 == 0, "staging mapping");
     extern __shared__ float4 smem_f4[];
     float *qa = (float *)smem_f4;            /* [HB][LD] */
     float *lat = qa + HB * LD;               /* [2][R][LD] */
@@ -823,7 +852,8 @@ static __global__ void __launch_bounds__(MLAW_THREADS, 1) mla_attend_wide_kernel
         sm_l[tid] = 0.f;
     }
     const int t = mla_pos(p, i), m = p.nsel[i];
-    const float *const latp = mla_lat(p, i);
+    const int32_t *const bt = mla_bt(p, i);
+    const float *const latp = p.latent.base;
     const int cnt = m > 0 ? m : t + 1;
     int rps = (cnt + p.nsplit - 1) / p.nsplit;
     rps = (rps + R - 1) / R * R;
@@ -842,10 +872,10 @@ static __global__ void __launch_bounds__(MLAW_THREADS, 1) mla_attend_wide_kernel
 
     if (sb < se) { /* first tile into buffer 0 */
         const int rows = se - sb < R ? se - sb : R;
-        for (int e = tid; e < rows * K4; e += MLAW_THREADS) {
+        const int64_t off = lane < rows ? mla_row_off(p, bt, m > 0 ? srow[sb + lane] : sb + lane) : 0;
+        for (int e = tid; e < rows * K4; e += MLAW_THREADS) { /* r is uniform across the warp */
             const int r = e / K4, k = e % K4;
-            const int pos = m > 0 ? srow[sb + r] : sb + r;
-            mlaw_cp16(lat + r * LD + 4 * k, latp + (size_t)pos * KVL + 4 * k);
+            mlaw_cp16(lat + r * LD + 4 * k, latp + __shfl_sync(0xffffffffu, off, r) + 4 * k);
         }
     }
     mlaw_commit();
@@ -857,10 +887,10 @@ static __global__ void __launch_bounds__(MLAW_THREADS, 1) mla_attend_wide_kernel
         if (nx < se) { /* prefetch the next tile into the other buffer (freed by the barrier below) */
             const int nrows = se - nx < R ? se - nx : R;
             float *dst = lat + (buf ^ 1) * R * LD;
+            const int64_t off = lane < nrows ? mla_row_off(p, bt, m > 0 ? srow[nx + lane] : nx + lane) : 0;
             for (int e = tid; e < nrows * K4; e += MLAW_THREADS) {
                 const int r = e / K4, k = e % K4;
-                const int pos = m > 0 ? srow[nx + r] : nx + r;
-                mlaw_cp16(dst + r * LD + 4 * k, latp + (size_t)pos * KVL + 4 * k);
+                mlaw_cp16(dst + r * LD + 4 * k, latp + __shfl_sync(0xffffffffu, off, r) + 4 * k);
             }
             mlaw_commit();
             mlaw_wait<1>();
@@ -1002,15 +1032,18 @@ static __device__ __forceinline__ void mlat_split2(float a, float b, uint32_t *h
     *lo = *(const uint32_t *)&l;
 }
 
-/* lat16 [T, 2, kvl]: row r is (hi, lo) of latent row r. One thread per 4 values (kvl % 4 == 0). */
+/* lat16 [T, 2, kvl]: row r is (hi, lo) of position r's latent row, gathered from the pages through
+ * bt (so the attend kernel reads lat16 by position, contiguous). One thread per 4 values (kvl % 4
+ * == 0: every latent row is 16-byte aligned in an aligned pool). */
 static __global__ void __launch_bounds__(MLAT_SPLIT_THREADS) mla_split_kernel(__nv_bfloat16 *lat16,
-                                                                              const float *latent,
+                                                                              mt_paged latent, const int32_t *bt,
                                                                               int64_t count, int kvl) {
     const int64_t e = ((int64_t)blockIdx.x * MLAT_SPLIT_THREADS + threadIdx.x) * 4;
     if (e >= count) return;
     const int64_t r = e / kvl;
     const int c = (int)(e % kvl);
-    const float4 v = *(const float4 *)(latent + e);
+    const int64_t src = ((int64_t)__ldg(bt + r / latent.page) * latent.page + r % latent.page) * kvl + c;
+    const float4 v = *(const float4 *)(latent.base + src);
     uint2 hi, lo;
     mlat_split2(v.x, v.y, &hi.x, &lo.x);
     mlat_split2(v.z, v.w, &hi.y, &lo.y);
@@ -1509,10 +1542,11 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
     const size_t wide_smem = sizeof(float) * mlaw_smem_floats(p->kvl);
     const size_t tc_smem = mlat_smem_bytes(p->kvl / MLAT_COLS);
     const char *env = getenv("MT_MLA_ATTEND");
-    const bool shape32 = p->Hq % MLAW_HB == 0 && (p->kvl == 256 || p->kvl == 512) && cu_aligned16(p->latent);
+    /* kvl 256 or 512 and an aligned pool: every latent row is 16-byte aligned for cp.async */
+    const bool shape32 = p->Hq % MLAW_HB == 0 && (p->kvl == 256 || p->kvl == 512) && cu_aligned16(p->latent.base);
     const bool force_old = env && strcmp(env, "old") == 0, force_wide = env && strcmp(env, "wide") == 0;
     const bool tc = n >= MLAT_MIN_ROWS && !force_old && !force_wide && shape32 && !p->t0_dev && !p->pos_rows &&
-                    p->latent && tc_smem <= lim;
+                    tc_smem <= lim;
     const bool wide = !tc && n > 1 && !force_old && shape32 && wide_smem <= lim;
     /* with it, the absorb and output on the tensor cores too: a bf16 kv_b, dims in whole tiles */
     const bool tcg = tc && p->kv_dtype == MT_BF16 && p->dn % MLAG_BK == 0 && p->kvl % MLAG_BN == 0 &&
@@ -1528,12 +1562,12 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
     p->lat16 = tc ? (const __nv_bfloat16 *)scratch : NULL;
     p->qa = scratch + l16_f;
     p->part = scratch + l16_f + qa_f;
-    if (tc) { /* every latent row a query of this call may select: positions < t0 + n */
+    if (tc) { /* every latent row a query of this call may select: positions < t0 + n, by position */
         const int64_t count = (int64_t)(p->t0 + n) * p->kvl;
         const int64_t blocks = (count / 4 + MLAT_SPLIT_THREADS - 1) / MLAT_SPLIT_THREADS;
         if (blocks > 0) {
-            mla_split_kernel<<<(unsigned)blocks, MLAT_SPLIT_THREADS, 0, cu_stream(be)>>>((__nv_bfloat16 *)scratch,
-                                                                                         p->latent, count, p->kvl);
+            mla_split_kernel<<<(unsigned)blocks, MLAT_SPLIT_THREADS, 0, cu_stream(be)>>>(
+                (__nv_bfloat16 *)scratch, p->latent, p->bt, count, p->kvl);
             cu_check_launch(be, "mla_sparse (split)");
         }
     }
@@ -1571,7 +1605,7 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
         b.nsel = p->nsel + b0;
         if (p->pos_rows) {
             b.pos_rows = p->pos_rows + b0;
-            b.lat_rows = p->lat_rows + b0;
+            b.bt_rows = p->bt_rows + b0;
         }
         /* one query row with a 16-bit kv_b: the vectorised decode kernels */
         const bool dec1 = b.nb == 1 && p->kvl % 256 == 0 && p->kvl <= 256 * ABS1_MAX_K &&
@@ -1616,11 +1650,12 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
     return MT_OK;
 }
 
-/* The parameters of one mla_sparse call; the rows form passes its tables (then latent is NULL). */
-static mla_dev_params mla_setup(float *out, const float *q, const float *latent, const mt_weight *kv_b,
+/* The parameters of one mla_sparse call; the rows form passes its tables (then bt is NULL). */
+static mla_dev_params mla_setup(float *out, const float *q, mt_paged latent, const int32_t *bt, const mt_weight *kv_b,
                                 const int32_t *sel, const int32_t *nsel, int max_sel, int t0, int n,
-                                const mt_mla_params *p, const int32_t *pos_rows, const float *const *lat_rows) {
+                                const mt_mla_params *p, const int32_t *pos_rows, const int32_t *const *bt_rows) {
     MT_ASSERT(t0 >= 0 && n >= 0 && max_sel >= 0 && p->Hq > 0 && p->dn > 0 && p->dv > 0 && p->kvl > 0);
+    MT_ASSERT(latent.row == p->kvl && latent.page > 0 && (bt || bt_rows));
     MT_ASSERT(p->kvl <= MLA_THREADS * MLA_MAX_COLS);
     MT_ASSERT(kv_b->dtype == MT_F32 || kv_b->dtype == MT_F16 || kv_b->dtype == MT_BF16);
     MT_ASSERT(kv_b->rows == (int64_t)p->Hq * (p->dn + p->dv) && kv_b->cols == p->kvl);
@@ -1628,6 +1663,7 @@ static mla_dev_params mla_setup(float *out, const float *q, const float *latent,
     dp.out = out;
     dp.q = q;
     dp.latent = latent;
+    dp.bt = bt;
     dp.kv_b = kv_b->data;
     dp.kv_dtype = kv_b->dtype;
     dp.sel = sel;
@@ -1638,7 +1674,7 @@ static mla_dev_params mla_setup(float *out, const float *q, const float *latent,
     dp.t0 = p->t0_dev || pos_rows ? 0 : t0;
     dp.t0_dev = pos_rows ? NULL : p->t0_dev;
     dp.pos_rows = pos_rows;
-    dp.lat_rows = lat_rows;
+    dp.bt_rows = bt_rows;
     dp.lat16 = NULL;
     dp.t_cap = p->t_cap;
     dp.nb = 0;
@@ -1652,19 +1688,20 @@ static mla_dev_params mla_setup(float *out, const float *q, const float *latent,
     return dp;
 }
 
-extern "C" void cu_mla_sparse(mt_backend *be, float *out, const float *q, const float *latent,
+extern "C" void cu_mla_sparse(mt_backend *be, float *out, const float *q, mt_paged latent, const int32_t *bt,
                               const mt_weight *kv_b, const int32_t *sel, const int32_t *nsel,
                               int max_sel, int t0, int n, const mt_mla_params *p) {
-    mla_dev_params dp = mla_setup(out, q, latent, kv_b, sel, nsel, max_sel, t0, n, p, NULL, NULL);
+    mla_dev_params dp = mla_setup(out, q, latent, bt, kv_b, sel, nsel, max_sel, t0, n, p, NULL, NULL);
     if (n == 0) return;
     cu_op_status(be, "mla_sparse", mla_sparse_launch(be, &dp, n));
 }
 
-extern "C" void cu_mla_sparse_rows(mt_backend *be, float *out, const float *q, const float *const *latents,
-                                   const mt_weight *kv_b, const int32_t *sel, const int32_t *nsel, int max_sel,
-                                   const int32_t *pos, int n, const mt_mla_params *p) {
-    MT_ASSERT(p->t_cap > 0 && pos && latents);
-    mla_dev_params dp = mla_setup(out, q, NULL, kv_b, sel, nsel, max_sel, 0, n, p, pos, latents);
+extern "C" void cu_mla_sparse_rows(mt_backend *be, float *out, const float *q, mt_paged latent,
+                                   const int32_t *const *bts, const mt_weight *kv_b, const int32_t *sel,
+                                   const int32_t *nsel, int max_sel, const int32_t *pos, int n,
+                                   const mt_mla_params *p) {
+    MT_ASSERT(p->t_cap > 0 && pos && bts);
+    mla_dev_params dp = mla_setup(out, q, latent, NULL, kv_b, sel, nsel, max_sel, 0, n, p, pos, bts);
     if (n == 0) return;
     cu_op_status(be, "mla_sparse_rows", mla_sparse_launch(be, &dp, n));
 }

@@ -131,9 +131,10 @@ mt_status cu_graph_end(mt_backend *be, mt_graph **out);
 mt_status cu_graph_launch(mt_backend *be, mt_graph *g);
 void cu_graph_free(mt_backend *be, mt_graph *g);
 void cu_embed_dev(mt_backend *be, float *out, const mt_weight *table, const int32_t *ids, int n);
-void cu_copy_rows_at(mt_backend *be, float *base, int64_t row, const int32_t *pos, const float *src, int n);
-void cu_dsa_pool_keys_at(mt_backend *be, float *pool_keys, const float *ki, const float *gs,
-                         const float *ape, const int32_t *pos, int kpool, int id);
+void cu_copy_rows_at(mt_backend *be, mt_paged dst, const int32_t *bt, int t0, const int32_t *pos,
+                     const float *src, int n);
+void cu_dsa_pool_keys_at(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs, const int32_t *bt,
+                         const float *ape, const int32_t *pos, int kpool);
 
 /* cuda_random.cu: the weight_random slot. */
 mt_status cu_weight_random(mt_backend *be, mt_dtype dt, int64_t rows, int64_t cols, uint64_t key,
@@ -166,11 +167,11 @@ void cu_kda_chunked(mt_backend *be, float *o, const float *q, const float *k, co
 void cu_gated_rmsnorm(mt_backend *be, float *out, const float *o, const float *gate, const float *w,
                       int64_t rows, int d, float eps);
 
-void cu_dsa_pool_keys(mt_backend *be, float *pool_keys, const float *ki, const float *gs,
-                      const float *ape, int p0, int p1, int kpool, int id);
+void cu_dsa_pool_keys(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs, const int32_t *bt,
+                      const float *ape, int p0, int p1, int kpool);
 void cu_dsa_select(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi, const float *w,
-                   const float *pool_keys, int t0, int n, const mt_dsa_select_params *p);
-void cu_mla_sparse(mt_backend *be, float *out, const float *q, const float *latent,
+                   mt_paged pool_keys, const int32_t *bt, int t0, int n, const mt_dsa_select_params *p);
+void cu_mla_sparse(mt_backend *be, float *out, const float *q, mt_paged latent, const int32_t *bt,
                    const mt_weight *kv_b, const int32_t *sel, const int32_t *nsel, int max_sel,
                    int t0, int n, const mt_mla_params *p);
 
@@ -187,14 +188,16 @@ void cu_conv1d_silu_rows(mt_backend *be, float *out, const float *x, float *cons
                          int n, int C, int K);
 void cu_kda_recurrent_rows(mt_backend *be, float *o, const float *q, const float *k, const float *v,
                            const float *g, const float *beta, float *const *states, int n, int nh, int dk);
-void cu_copy_rows_to(mt_backend *be, float *const *bases, int64_t row, const int32_t *pos, const float *src, int n);
-void cu_dsa_pool_keys_rows(mt_backend *be, float *const *pool_keys, const float *const *ki, const float *const *gs,
-                           const float *ape, const int32_t *pos, int n, int kpool, int id);
+void cu_copy_rows_to(mt_backend *be, mt_paged dst, const int32_t *const *bts, const int32_t *pos,
+                     const float *src, int n);
+void cu_dsa_pool_keys_rows(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs,
+                           const int32_t *const *bts, const float *ape, const int32_t *pos, int n, int kpool);
 void cu_dsa_select_rows(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi, const float *w,
-                        const float *const *pool_keys, const int32_t *pos, int n, const mt_dsa_select_params *p);
-void cu_mla_sparse_rows(mt_backend *be, float *out, const float *q, const float *const *latents,
-                        const mt_weight *kv_b, const int32_t *sel, const int32_t *nsel, int max_sel,
-                        const int32_t *pos, int n, const mt_mla_params *p);
+                        mt_paged pool_keys, const int32_t *const *bts, const int32_t *pos, int n,
+                        const mt_dsa_select_params *p);
+void cu_mla_sparse_rows(mt_backend *be, float *out, const float *q, mt_paged latent,
+                        const int32_t *const *bts, const mt_weight *kv_b, const int32_t *sel,
+                        const int32_t *nsel, int max_sel, const int32_t *pos, int n, const mt_mla_params *p);
 
 #ifdef __cplusplus
 }

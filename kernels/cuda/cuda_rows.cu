@@ -1,7 +1,7 @@
 /* kernels/cuda/cuda_rows.cu: the "rows" form of the per-sequence ops that need no kernel of their
  * own family (kernels/backend.h, batched decode): a conv step, a cache write and a pool key per
- * row, each row on its own sequence's memory through a pointer table in device memory, at its own
- * position. One launch covers every row, and the tables are read at run time, so a graph recorded
+ * row, each row on its own sequence's memory through a pointer table in device memory (for the
+ * paged DSA caches, a table of block tables), at its own position. One launch covers every row, and the tables are read at run time, so a graph recorded
  * over these launches serves any batch. The delta rule, selection and sparse MLA in the rows form
  * live beside their single-sequence kernels (cuda_kda.cu, cuda_dsa.cu). */
 #include <math.h>
@@ -53,28 +53,38 @@ extern "C" void cu_conv1d_silu_rows(mt_backend *be, float *out, const float *x, 
     cu_check_launch(be, "conv1d_silu_rows");
 }
 
-/* ---- copy_rows_to: bases[i][pos[i] * row + j] = src[i * row + j] ---- */
+/* ---- copy_rows_to: src[i] becomes position pos[i] of the paged cache dst through bts[i] ---- */
 
 typedef struct copy_to_params {
-    float *const *bases;    /* [n] */
-    const int32_t *pos;     /* [n] */
-    const float *src;       /* [n, row] */
-    int64_t row;
+    mt_paged dst;                /* [n_pages, page, row] */
+    const int32_t *const *bts;   /* [n] block tables */
+    const int32_t *pos;          /* [n] */
+    const float *src;            /* [n, row] */
+    bool vec4;                   /* row % 4 == 0, dst.base and src 16-byte aligned */
 } copy_to_params;
 
+/* Block = (a stretch of columns, row i); the row's page is looked up once. */
 static __global__ void copy_rows_to_kernel(copy_to_params p) {
     const int i = blockIdx.y;
-    float *dst = p.bases[i] + (int64_t)p.pos[i] * p.row;
-    const float *src = p.src + (int64_t)i * p.row;
-    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < p.row; e += (int64_t)gridDim.x * blockDim.x)
-        dst[e] = src[e];
+    const int64_t t = p.pos[i], row = p.dst.row;
+    float *dst = p.dst.base + ((int64_t)p.bts[i][t / p.dst.page] * p.dst.page + t % p.dst.page) * row;
+    const float *src = p.src + (int64_t)i * row;
+    if (p.vec4) {
+        for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < row / 4; e += (int64_t)gridDim.x * blockDim.x)
+            ((float4 *)dst)[e] = ((const float4 *)src)[e];
+    } else {
+        for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < row; e += (int64_t)gridDim.x * blockDim.x)
+            dst[e] = src[e];
+    }
 }
 
-extern "C" void cu_copy_rows_to(mt_backend *be, float *const *bases, int64_t row, const int32_t *pos,
+extern "C" void cu_copy_rows_to(mt_backend *be, mt_paged dst, const int32_t *const *bts, const int32_t *pos,
                                 const float *src, int n) {
-    if (n <= 0 || row <= 0) return;
-    const copy_to_params p = { bases, pos, src, row };
-    const int64_t bx = (row + ROWS_BLOCK - 1) / ROWS_BLOCK;
+    MT_ASSERT(dst.page > 0 && dst.row > 0 && n <= 65535);
+    if (n <= 0) return;
+    copy_to_params p = { dst, bts, pos, src, false };
+    p.vec4 = dst.row % 4 == 0 && cu_aligned16(dst.base) && cu_aligned16(src);
+    const int64_t per = p.vec4 ? dst.row / 4 : dst.row, bx = (per + ROWS_BLOCK - 1) / ROWS_BLOCK;
     copy_rows_to_kernel<<<dim3((unsigned)(bx < 64 ? bx : 64), n), ROWS_BLOCK, 0, cu_stream(be)>>>(p);
     cu_check_launch(be, "copy_rows_to");
 }
@@ -82,37 +92,42 @@ extern "C" void cu_copy_rows_to(mt_backend *be, float *const *bases, int64_t row
 /* ---- dsa_pool_keys_rows: thread = (row i, channel d); the pool pos[i] completes, if any ---- */
 
 typedef struct pool_rows_params {
-    float *const *pool_keys;       /* [n] -> [pools, id] */
-    const float *const *ki, *const *gs; /* [n] -> [positions, id] */
-    const float *ape;              /* [kpool, id] */
-    const int32_t *pos;            /* [n] */
+    mt_paged pool_keys;          /* [n_pages, page / kpool, id] */
+    mt_paged ki, gs;             /* [n_pages, page, id] */
+    const int32_t *const *bts;   /* [n] block tables */
+    const float *ape;            /* [kpool, id] */
+    const int32_t *pos;          /* [n] */
     int kpool, id;
 } pool_rows_params;
 
-/* The same softmax-weighted sum as cuda_dsa.cu's pool key, in the CPU's order. */
+/* The same softmax-weighted sum as cuda_dsa.cu's pool key, in the CPU's order. The pool's kpool
+ * members are consecutive rows of one page (page is a multiple of kpool). */
 static __global__ void pool_keys_rows_kernel(pool_rows_params p) {
     const int d = blockIdx.x * blockDim.x + threadIdx.x, i = blockIdx.y;
     const int t = p.pos[i];
     if (d >= p.id || (t + 1) % p.kpool != 0) return;
-    const int pool = t / p.kpool;
-    const size_t base = (size_t)pool * p.kpool;
-    const float *gs = p.gs[i], *ki = p.ki[i];
+    const int pool = t / p.kpool, t0 = pool * p.kpool, page = p.ki.page, ppp = p.pool_keys.page;
+    const int32_t *bt = p.bts[i];
+    const int64_t r0 = (int64_t)bt[t0 / page] * page + t0 % page; /* row of the pool's first member */
+    const float *gs = p.gs.base + r0 * p.id, *ki = p.ki.base + r0 * p.id;
     float m = -INFINITY, sum = 0.f, acc = 0.f;
-    for (int j = 0; j < p.kpool; j++) m = fmaxf(m, gs[(base + j) * p.id + d] + p.ape[(size_t)j * p.id + d]);
-    for (int j = 0; j < p.kpool; j++) sum += expf(gs[(base + j) * p.id + d] + p.ape[(size_t)j * p.id + d] - m);
+    for (int j = 0; j < p.kpool; j++) m = fmaxf(m, gs[(size_t)j * p.id + d] + p.ape[(size_t)j * p.id + d]);
+    for (int j = 0; j < p.kpool; j++) sum += expf(gs[(size_t)j * p.id + d] + p.ape[(size_t)j * p.id + d] - m);
     for (int j = 0; j < p.kpool; j++) {
-        const float wj = expf(gs[(base + j) * p.id + d] + p.ape[(size_t)j * p.id + d] - m);
-        acc += wj / sum * ki[(base + j) * p.id + d];
+        const float wj = expf(gs[(size_t)j * p.id + d] + p.ape[(size_t)j * p.id + d] - m);
+        acc += wj / sum * ki[(size_t)j * p.id + d];
     }
-    p.pool_keys[i][(size_t)pool * p.id + d] = acc;
+    p.pool_keys.base[((int64_t)bt[pool / ppp] * ppp + pool % ppp) * p.id + d] = acc;
 }
 
-extern "C" void cu_dsa_pool_keys_rows(mt_backend *be, float *const *pool_keys, const float *const *ki,
-                                      const float *const *gs, const float *ape, const int32_t *pos, int n,
-                                      int kpool, int id) {
-    MT_ASSERT(kpool > 0 && id > 0);
+extern "C" void cu_dsa_pool_keys_rows(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs,
+                                      const int32_t *const *bts, const float *ape, const int32_t *pos, int n,
+                                      int kpool) {
+    const int id = (int)ki.row;
+    MT_ASSERT(kpool > 0 && id > 0 && gs.row == id && pool_keys.row == id && n <= 65535);
+    MT_ASSERT(ki.page == gs.page && pool_keys.page > 0 && ki.page == pool_keys.page * kpool);
     if (n <= 0) return;
-    const pool_rows_params p = { pool_keys, ki, gs, ape, pos, kpool, id };
+    const pool_rows_params p = { pool_keys, ki, gs, bts, ape, pos, kpool, id };
     pool_keys_rows_kernel<<<dim3((id + ROWS_BLOCK - 1) / ROWS_BLOCK, n), ROWS_BLOCK, 0, cu_stream(be)>>>(p);
     cu_check_launch(be, "dsa_pool_keys_rows");
 }

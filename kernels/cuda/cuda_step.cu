@@ -92,27 +92,43 @@ extern "C" void cu_embed_dev(mt_backend *be, float *out, const mt_weight *table,
     cu_check_launch(be, "embed_dev");
 }
 
-/* ---- copy_rows_at ---- */
+/* ---- copy_rows_at: a cache write into a paged cache, at a host or run-time position ---- */
 
 typedef struct rows_at_params {
-    float *base;          /* [>= *pos + n, row] */
+    mt_paged dst;         /* [n_pages, page, row] */
+    const int32_t *bt;    /* block table (device) */
     const float *src;     /* [n, row] */
-    const int32_t *pos;   /* device */
-    int64_t count;        /* n * row */
-    int64_t row;
+    const int32_t *pos;   /* device, or NULL: the first position is t0 */
+    int t0;               /* position of row 0 when pos is NULL */
+    int i0;               /* first row of this launch (grids of at most 65535 rows) */
+    bool vec4;            /* row % 4 == 0 and dst.base, src 16-byte aligned: float4 copies */
 } rows_at_params;
 
+/* Block = (a stretch of columns, row i): the row's page is looked up once, then the columns are
+ * copied (float4 when aligned: a row of row floats starts 16-byte aligned on a page of such rows). */
 static __global__ void copy_rows_at_kernel(rows_at_params p) {
-    const int64_t off = (int64_t)*p.pos * p.row;
-    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < p.count; e += (int64_t)gridDim.x * blockDim.x)
-        p.base[off + e] = p.src[e];
+    const int i = p.i0 + (int)blockIdx.y;
+    const int64_t t = (int64_t)(p.pos ? *p.pos : p.t0) + i, row = p.dst.row;
+    float *dst = p.dst.base + ((int64_t)p.bt[t / p.dst.page] * p.dst.page + t % p.dst.page) * row;
+    const float *src = p.src + (int64_t)i * row;
+    if (p.vec4) {
+        for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < row / 4; e += (int64_t)gridDim.x * blockDim.x)
+            ((float4 *)dst)[e] = ((const float4 *)src)[e];
+    } else {
+        for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < row; e += (int64_t)gridDim.x * blockDim.x)
+            dst[e] = src[e];
+    }
 }
 
-extern "C" void cu_copy_rows_at(mt_backend *be, float *base, int64_t row, const int32_t *pos, const float *src, int n) {
-    const int64_t count = row * n;
-    if (count <= 0) return;
-    rows_at_params p = { base, src, pos, count, row };
-    const int64_t blocks = (count + 255) / 256;
-    copy_rows_at_kernel<<<(unsigned)(blocks < 1024 ? blocks : 1024), 256, 0, cu_stream(be)>>>(p);
-    cu_check_launch(be, "copy_rows_at");
+extern "C" void cu_copy_rows_at(mt_backend *be, mt_paged dst, const int32_t *bt, int t0, const int32_t *pos,
+                                const float *src, int n) {
+    MT_ASSERT(n >= 0 && t0 >= 0 && dst.page > 0 && dst.row > 0 && bt);
+    rows_at_params p = { dst, bt, src, pos, t0, 0, false };
+    p.vec4 = dst.row % 4 == 0 && cu_aligned16(dst.base) && cu_aligned16(src);
+    const int64_t per = p.vec4 ? dst.row / 4 : dst.row, bx = (per + 255) / 256;
+    for (p.i0 = 0; p.i0 < n; p.i0 += 65535) {
+        const int rows = n - p.i0 < 65535 ? n - p.i0 : 65535;
+        copy_rows_at_kernel<<<dim3((unsigned)(bx < 64 ? bx : 64), (unsigned)rows), 256, 0, cu_stream(be)>>>(p);
+        cu_check_launch(be, "copy_rows_at");
+    }
 }

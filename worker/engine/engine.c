@@ -15,8 +15,11 @@ typedef struct eng_seq {
     glm_seq *gs;                 /* model state; NULL while waiting */
     int32_t *tokens;             /* [n_prompt + max_new_tokens]: prompt, then generated */
     int n_gen;
-    int prefilled;               /* prompt tokens fed so far; < n_prompt while its prefill is
-                                  * spread over steps (then it is in running but not decoded) */
+    int prefilled;               /* tokens fed so far; < n_feed while its prefill is spread over
+                                  * steps (then it is in running but not decoded) */
+    int n_feed;                  /* tokens its prefill feeds: the prompt, or after a preemption
+                                  * the prompt and every generated token but the pending one */
+    size_t charged;              /* cache_bytes charged at admission (worst case of its length) */
     int snap_at;                 /* prompt position to keep as a prefix snapshot, 0 = none */
     int32_t pending;             /* last sampled token, fed by the next decode */
     bool done;                   /* ended; removed from its array at the next compaction */
@@ -39,7 +42,7 @@ struct eng_engine {
     eng_callbacks cb;
     int vocab, eos;
     eng_sampler *sampler;
-    eng_seq **waiting;           /* [max_waiting], FIFO */
+    eng_seq **waiting;           /* [max_waiting + max_sequences], FIFO (preempted ones at the head) */
     int n_waiting;
     eng_seq **running;           /* [max_sequences] */
     int n_running;
@@ -50,7 +53,7 @@ struct eng_engine {
     size_t prefix_bytes;
     uint64_t prefix_hits, prefix_misses;
     size_t cache_bytes;
-    uint64_t finished, aborted, tokens, steps;
+    uint64_t finished, aborted, tokens, steps, preemptions;
 };
 
 eng_request eng_default_request(void) {
@@ -81,6 +84,8 @@ mt_status eng_new(glm_model *m, const eng_params *params, const eng_callbacks *c
                          "(>= 2), prefill_budget %d (>= 0)",
                          p.max_sequences, p.max_waiting, p.max_context, p.prefill_budget);
     if (!p.now_ms) p.now_ms = realtime_ms;
+    mt_status pst = glm_model_ensure_pools(m, err); /* admission counts free slots and pages */
+    if (pst != MT_OK) return pst;
     const glm_config *c = glm_model_config(m);
     eng_engine *e = calloc(1, sizeof *e);
     if (!e) goto fail;
@@ -90,7 +95,8 @@ mt_status eng_new(glm_model *m, const eng_params *params, const eng_callbacks *c
     e->vocab = c->vocab_size;
     e->eos = c->eos_token_id;
     e->sampler = eng_sampler_new(e->vocab);
-    e->waiting = malloc(sizeof(eng_seq *) * (size_t)(p.max_waiting + 1));
+    /* room for the preempted running sequences too, which go back to the head of the queue */
+    e->waiting = malloc(sizeof(eng_seq *) * (size_t)(p.max_waiting + p.max_sequences + 1));
     e->running = malloc(sizeof(eng_seq *) * (size_t)p.max_sequences);
     e->batch = malloc(sizeof(eng_seq *) * (size_t)p.max_sequences);
     e->logits = malloc(sizeof(float) * (size_t)p.max_sequences * (size_t)e->vocab);
@@ -102,12 +108,17 @@ fail:
     return mt_errorf(err, MT_ERR_NOMEM, "out of memory for an engine of %d sequences", p.max_sequences);
 }
 
+/* Gives s's model state back to the pools (and its charge back to the budget). */
+static void seq_release(eng_engine *e, eng_seq *s) {
+    if (!s->gs) return;
+    e->cache_bytes -= s->charged;
+    s->charged = 0;
+    glm_seq_free(s->gs);
+    s->gs = NULL;
+}
+
 static void seq_destroy(eng_engine *e, eng_seq *s) {
-    if (s->gs) {
-        e->cache_bytes -= glm_seq_bytes(s->gs);
-        glm_seq_free(s->gs);
-        s->gs = NULL;
-    }
+    seq_release(e, s);
     free(s);
 }
 
@@ -155,6 +166,11 @@ static mt_status check_request(const eng_engine *e, const eng_request *r, mt_err
     if (r->top_logprobs < 0 || r->top_logprobs > ENG_TOP_LOGPROBS_MAX)
         return mt_errorf(err, MT_ERR_INVALID, "top_logprobs must be in [0, %d], got %d", ENG_TOP_LOGPROBS_MAX,
                          r->top_logprobs);
+    const int len = r->n_prompt + r->max_new_tokens, page = glm_model_page_tokens(e->m);
+    const int pages_total = glm_model_pages_total(e->m);
+    if (pages_total > 0 && (len + page - 1) / page > pages_total - 1)
+        return mt_errorf(err, MT_ERR_FULL, "a sequence of %d tokens needs %d cache pages, more than the %d there are",
+                         len, (len + page - 1) / page, pages_total - 1);
     const size_t need = glm_model_seq_bytes(e->m, r->n_prompt + r->max_new_tokens);
     if (e->p.cache_budget_bytes && need > e->p.cache_budget_bytes)
         return mt_errorf(err, MT_ERR_FULL, "a sequence of %d tokens needs %zu bytes of state, over the cache budget of %zu",
@@ -197,6 +213,7 @@ mt_status eng_submit(eng_engine *e, uint64_t id, const eng_request *req, uint64_
     s->tokens = (int32_t *)(s + 1);
     memcpy(s->tokens, req->prompt, sizeof(int32_t) * (size_t)req->n_prompt);
     s->req.prompt = s->tokens;
+    s->n_feed = req->n_prompt;
     int32_t *stop = s->tokens + n_tok;
     if (req->n_stop) memcpy(stop, req->stop_ids, sizeof(int32_t) * (size_t)req->n_stop);
     s->req.stop_ids = req->n_stop ? stop : NULL;
@@ -212,11 +229,7 @@ mt_status eng_submit(eng_engine *e, uint64_t id, const eng_request *req, uint64_
 static void seq_end(eng_engine *e, eng_seq *s, eng_finish reason, const char *message) {
     MT_ASSERT(!s->done);
     s->done = true;
-    if (s->gs) {
-        e->cache_bytes -= glm_seq_bytes(s->gs);
-        glm_seq_free(s->gs);
-        s->gs = NULL;
-    }
+    seq_release(e, s);
     if (reason == ENG_FINISH_LENGTH || reason == ENG_FINISH_STOP) e->finished++;
     else e->aborted++;
     if (e->cb.on_finished) {
@@ -367,15 +380,81 @@ static void prefix_keep(eng_engine *e, eng_seq *s) {
     e->prefix_bytes += bytes;
 }
 
-/* Feeds up to *budget more prompt tokens of s; when its prompt is complete, samples its first
- * token. An allocation or prefill failure ends it with ERROR (freed at the next compaction). */
+/* ---- room in the pools: prefix eviction, then preemption ---- */
+
+/* Drops the least recently used kept prefix; false when none is kept. */
+static bool prefix_evict_one(eng_engine *e) {
+    if (e->n_prefixes == 0) return false;
+    int lru = 0;
+    for (int i = 1; i < e->n_prefixes; i++)
+        if (e->prefixes[i].last_used < e->prefixes[lru].last_used) lru = i;
+    prefix_drop(e, lru);
+    return true;
+}
+
+/* Recompute preemption: s gives its model state back and will be prefilled again from the start
+ * (its prompt and every token it generated but the pending one), then decode on from its pending
+ * token; the caller moves it to the head of the waiting queue. Its stream sees nothing of this. */
+static void preempt(eng_engine *e, eng_seq *s) {
+    seq_release(e, s);
+    s->n_feed = s->req.n_prompt + (s->n_gen > 0 ? s->n_gen - 1 : 0);
+    s->prefilled = 0;
+    s->snap_at = 0;
+    e->preemptions++;
+}
+
+/* Moves the preempted (state-less, not done) running sequences to the head of the waiting queue,
+ * keeping their order. */
+static void requeue_preempted(eng_engine *e) {
+    int np = 0, k = 0;
+    eng_seq *moved[e->p.max_sequences > 0 ? e->p.max_sequences : 1];
+    for (int i = 0; i < e->n_running; i++) {
+        eng_seq *s = e->running[i];
+        if (!s->done && !s->gs) moved[np++] = s;
+        else e->running[k++] = s;
+    }
+    e->n_running = k;
+    if (!np) return;
+    memmove(e->waiting + np, e->waiting, sizeof(eng_seq *) * (size_t)e->n_waiting);
+    memcpy(e->waiting, moved, sizeof(eng_seq *) * (size_t)np);
+    e->n_waiting += np;
+}
+
+/* Maps pages for n more tokens of s. When the pools are short, kept prefixes go first (least
+ * recently used), then running sequences admitted after s, the newest first, are preempted; an
+ * older sequence is never preempted for a newer one. false: even that was not enough, so s itself
+ * must give way (the caller preempts it). */
+static bool make_room(eng_engine *e, eng_seq *s, int n) {
+    mt_error err = { "" };
+    int self = -1;
+    for (int i = 0; i < e->n_running; i++)
+        if (e->running[i] == s) self = i;
+    while (glm_seq_reserve(s->gs, n, &err) != MT_OK) {
+        if (prefix_evict_one(e)) continue;
+        int victim = -1;
+        for (int i = e->n_running - 1; i > self && victim < 0; i--)
+            if (!e->running[i]->done && e->running[i]->gs) victim = i;
+        if (victim < 0) return false;
+        preempt(e, e->running[victim]);
+    }
+    return true;
+}
+
+/* Feeds up to *budget more tokens of s's prefill; when it is complete, samples its first token
+ * (a sequence resuming after a preemption already has its pending token). An allocation or
+ * prefill failure ends it with ERROR (freed at the next compaction); a shortage of pages that
+ * preempting newer sequences cannot cure preempts s itself. */
 static void prefill_some(eng_engine *e, eng_seq *s, int *budget) {
-    const int rem = s->req.n_prompt - s->prefilled;
+    const int rem = s->n_feed - s->prefilled;
     int k = rem < *budget ? rem : *budget;
     if (s->snap_at > s->prefilled && s->prefilled + k > s->snap_at) k = s->snap_at - s->prefilled;
     float *logits = e->logits; /* row 0: the step's decode has already used these rows */
-    const bool last = k == rem;
-    s->st = glm_prefill(e->m, s->gs, s->tokens + s->prefilled, k, last ? logits : NULL, false, &s->err);
+    const bool last = k == rem, resumed = s->n_gen > 0;
+    if (!make_room(e, s, k)) {
+        preempt(e, s);
+        return;
+    }
+    s->st = glm_prefill(e->m, s->gs, s->tokens + s->prefilled, k, last && !resumed ? logits : NULL, false, &s->err);
     if (s->st != MT_OK) {
         seq_end(e, s, ENG_FINISH_ERROR, s->err.msg);
         return;
@@ -383,8 +462,11 @@ static void prefill_some(eng_engine *e, eng_seq *s, int *budget) {
     s->prefilled += k;
     *budget -= k;
     if (s->snap_at > 0 && s->prefilled == s->snap_at) prefix_keep(e, s);
-    if (last) sample_emit(e, s, logits);
-    else if (*budget > 0) prefill_some(e, s, budget); /* stopped at the snapshot: go on */
+    if (last) {
+        if (!resumed) sample_emit(e, s, logits); /* a resumed one decodes its pending token next */
+    } else if (*budget > 0) {
+        prefill_some(e, s, budget); /* stopped at the snapshot: go on */
+    }
 }
 
 /* A new sequence's start: the longest kept prefix of its prompt is copied in (a hit), and the
@@ -402,7 +484,7 @@ static void prefix_start(eng_engine *e, eng_seq *s) {
         if (i >= 0) mt_log(MT_LOG_WARN, "engine: prefix reuse failed (%s); prefilling in full", err.msg);
         e->prefix_misses++;
     }
-    s->snap_at = at > s->prefilled ? at : 0;
+    s->snap_at = at > s->prefilled && s->n_gen == 0 ? at : 0;
 }
 
 /* Prefill work of one step, at most prefill_budget prompt tokens (at least one): first the
@@ -414,41 +496,54 @@ static void admit(eng_engine *e) {
     int budget = e->p.prefill_budget > 0 ? e->p.prefill_budget : 1, taken = 0;
     for (int i = 0; i < e->n_running && budget > 0; i++) {
         eng_seq *s = e->running[i];
-        if (!s->done && s->prefilled < s->req.n_prompt) prefill_some(e, s, &budget);
+        if (!s->done && s->gs && s->prefilled < s->n_feed) prefill_some(e, s, &budget);
     }
+    requeue_preempted(e);
     while (budget > 0 && taken < e->n_waiting && e->n_running < e->p.max_sequences) {
         eng_seq *s = e->waiting[taken];
         const int cap = s->req.n_prompt + s->req.max_new_tokens;
         /* FIFO: the head waits for room rather than letting later, smaller requests pass it */
         if (e->p.cache_budget_bytes && e->cache_bytes + glm_model_seq_bytes(e->m, cap) > e->p.cache_budget_bytes) break;
+        /* a slot: kept prefixes hold some, and give them up for a request */
+        while (glm_model_slots_free(e->m) == 0 && prefix_evict_one(e)) {}
+        if (glm_model_slots_free(e->m) == 0) break;
+        /* and pages for its prefill and first token, so it does not give way as soon as it starts */
+        if (glm_model_page_bytes(e->m) > 0) {
+            const int page = glm_model_page_tokens(e->m), need = (s->n_feed + 1 + page - 1) / page;
+            while (glm_model_pages_free(e->m) < need && prefix_evict_one(e)) {}
+            if (glm_model_pages_free(e->m) < need && e->n_running > 0) break; /* alone, it may preempt nothing */
+        }
         taken++;
         if ((s->st = glm_seq_new(e->m, cap, &s->gs, &s->err)) != MT_OK) {
             seq_end(e, s, ENG_FINISH_ERROR, s->err.msg);
             seq_destroy(e, s);
             continue;
         }
-        e->cache_bytes += glm_seq_bytes(s->gs);
+        s->charged = glm_model_seq_bytes(e->m, cap);
+        e->cache_bytes += s->charged;
         e->running[e->n_running++] = s;
         prefix_start(e, s);
         prefill_some(e, s, &budget);
+        if (!s->gs) break; /* it gave way at once: the pools are full, the rest waits too */
     }
     memmove(e->waiting, e->waiting + taken, sizeof(eng_seq *) * (size_t)(e->n_waiting - taken));
     e->n_waiting -= taken;
+    requeue_preempted(e);
 }
 
 /* Batches of at most this many plain greedy sequences take their tokens with glm_last_argmax
  * (the model's batched decode keeps one pass of up to its scratch rows, 256 by default). */
 #define ENG_GREEDY_MAX 128
 
-/* One token for every running sequence. Several go through the model's batched decode (one
- * pass over the weights for all of them); one alone through glm_decode (a CUDA graph where the
- * backend has them). Batched equals alone on both backends (tests/model_layer_test.cc on the
+/* One token for every running sequence, all through the model's batched decode (one pass over
+ * the weights for all of them; replayed from the bucket graph of that many rows where the backend
+ * has graphs: a single sequence is a bucket of 1). Batched equals alone on both backends (tests/model_layer_test.cc on the
  * CPU, tests/model_cuda_test.cc BatchedDecodeEqualsEachAlone on the GPU). If the batch is refused
  * (a bad token or a full sequence, which admission should make impossible), each sequence
  * decodes alone so only the bad one fails. */
 static void decode_running(eng_engine *e, eng_seq **batch, int n, float *logits, int32_t *greedy) {
     if (greedy) logits = NULL; /* the tokens come from glm_last_argmax below */
-    if (n > 1) {
+    {
         glm_seq **gs = malloc(sizeof *gs * (size_t)n);
         int32_t *tok = malloc(sizeof *tok * (size_t)n);
         mt_status st = MT_ERR_NOMEM;
@@ -465,6 +560,11 @@ static void decode_running(eng_engine *e, eng_seq **batch, int n, float *logits,
         if (st == MT_OK && greedy) st = glm_last_argmax(e->m, n, greedy);
         if (st == MT_OK) {
             for (int i = 0; i < n; i++) batch[i]->st = MT_OK;
+            return;
+        }
+        if (n == 1) { /* nothing to split: the error is this sequence's */
+            batch[0]->st = st;
+            batch[0]->err = err;
             return;
         }
         mt_log(MT_LOG_WARN, "engine: batched decode of %d sequences refused (%s); decoding them one by one",
@@ -485,9 +585,16 @@ mt_status eng_step(eng_engine *e, int *n_tokens) {
     expire(e);
     /* the sequences whose prompt was complete before this step decode; the prefill work comes
      * after (a sequence whose prompt completes this step got its first token from the prefill) */
+    /* each needs a page for its next token when it crosses into a new one; oldest first, so a
+     * shortage preempts the newest */
+    for (int i = 0; i < e->n_running; i++) {
+        eng_seq *s = e->running[i];
+        if (!s->done && s->gs && s->prefilled == s->n_feed && !make_room(e, s, 1)) preempt(e, s);
+    }
+    requeue_preempted(e);
     int n = 0;
     for (int i = 0; i < e->n_running; i++)
-        if (e->running[i]->prefilled == e->running[i]->req.n_prompt) e->batch[n++] = e->running[i];
+        if (e->running[i]->prefilled == e->running[i]->n_feed) e->batch[n++] = e->running[i];
     if (n > 0) {
         /* a batch of plain greedy requests takes its tokens on the device: no logits move */
         bool greedy = n <= ENG_GREEDY_MAX;
@@ -510,10 +617,13 @@ mt_status eng_step(eng_engine *e, int *n_tokens) {
 bool eng_has_work(const eng_engine *e) { return e->n_waiting + e->n_running > 0; }
 
 void eng_get_stats(const eng_engine *e, eng_stats *out) {
+    size_t held = 0; /* pool memory the running sequences hold now */
+    for (int i = 0; i < e->n_running; i++) held += glm_seq_bytes(e->running[i]->gs);
     *out = (eng_stats){ .running = e->n_running, .waiting = e->n_waiting,
-                        .live_sequences = e->n_running + e->n_waiting, .cache_bytes_in_use = e->cache_bytes,
+                        .live_sequences = e->n_running + e->n_waiting, .cache_bytes_in_use = held,
                         .sequences_finished = e->finished, .sequences_aborted = e->aborted,
                         .tokens_generated = e->tokens, .steps = e->steps,
                         .prefix_hits = e->prefix_hits, .prefix_misses = e->prefix_misses,
-                        .prefix_cache_bytes = e->prefix_bytes, .prefix_entries = e->n_prefixes };
+                        .prefix_cache_bytes = e->prefix_bytes, .prefix_entries = e->n_prefixes,
+                        .preemptions = e->preemptions };
 }

@@ -107,9 +107,11 @@ typedef struct eng_stats {
     int running;                 /* sequences holding model state */
     int waiting;
     int live_sequences;          /* running + waiting */
-    size_t cache_bytes_in_use;   /* sum of glm_seq_bytes over running sequences */
+    size_t cache_bytes_in_use;   /* pool memory the running sequences hold (glm_seq_bytes: slot and
+                                  * mapped pages) */
     uint64_t sequences_finished; /* ended by LENGTH or STOP */
     uint64_t sequences_aborted;  /* ended by eng_abort, a deadline or an error */
+    uint64_t preemptions;        /* running sequences sent back to wait for pool room (recompute) */
     uint64_t tokens_generated;
     uint64_t steps;              /* eng_step calls that did work */
     uint64_t prefix_hits;        /* admissions that reused a kept prefix */

@@ -12,6 +12,7 @@
 #include "worker/model/layer.h"
 
 #define GLM_BUCKETS 10          /* decode graph buckets 1, 2, 4, ..., 512 */
+#define GLM_PAGE 64             /* positions per DSA cache page (before rounding to kpool) */
 
 typedef struct glm_hc_w {
     mt_weight fn;              /* [(2+S)S, S*H] */
@@ -68,6 +69,17 @@ typedef struct glm_layer {
     glm_kda_w kda;
     glm_dsa_w dsa;
     glm_mlp_w mlp;
+    /* Pools of per-sequence state (issue 5), made by the model (glm_model_set_pools) and shared by
+     * its sequences. DSA: page p holds `page` consecutive positions of whichever sequence's block
+     * table maps one of its blocks to p: position t of a sequence is row t % page of page
+     * bt[t / page]. page is a multiple of index_kpool, so a page also holds whole pools' keys. */
+    int page;                  /* positions per page (GLM_PAGE rounded up to a multiple of kpool) */
+    float *pg_latent;          /* [n_pages, page, kvl] MLA latent cache */
+    float *pg_ki, *pg_gs;      /* [n_pages, page, id] indexer keys, pool gate scores (full layers) */
+    float *pg_pk;              /* [n_pages, page / kpool, id] pool keys of complete pools */
+    /* KDA: slot s is one sequence's conv and recurrent state */
+    float *sl_conv;            /* [n_slots, 3, D, K-1] */
+    float *sl_rec;             /* [n_slots, nh, dk, dk] */
 } glm_layer;
 
 /* Per-sequence state of one layer. */
@@ -77,11 +89,9 @@ typedef struct glm_layer_state {
     /* KDA */
     float *conv[3];            /* [D, K-1] each */
     float *rec;                /* [nh, dk, dk] */
-    /* DSA */
-    float *latent;             /* [cap, kvl] the MLA cache */
-    float *ki;                 /* [cap, id] indexer keys (full layers) */
-    float *gs;                 /* [cap, id] pool gate scores */
-    float *pool;               /* [cap / kpool, id] pool keys of complete pools */
+    /* DSA: the sequence's block table, shared by all its DSA layers (the model owns it and maps
+     * blocks to pages before the positions are written): backend memory [cap / page + 1] */
+    const int32_t *bt;
     int len;                   /* host-tracked indexer/latent cache length */
     int prestage_len;          /* len when the step was prestaged (restored by the rearm hook) */
 } glm_layer_state;
@@ -105,7 +115,7 @@ typedef struct glm_scratch {
 enum {
     GLM_R_CONV0, GLM_R_CONV1, GLM_R_CONV2, /* KDA conv state of q, k, v */
     GLM_R_REC,                             /* KDA recurrent state */
-    GLM_R_LATENT, GLM_R_KI, GLM_R_GS, GLM_R_POOL, /* DSA caches */
+    GLM_R_BT,                              /* DSA: the row's block table (const int32_t *) */
     GLM_R_KINDS
 };
 
@@ -159,13 +169,25 @@ struct glm_model {
     int bucket_failures[GLM_BUCKETS];
     bool bucket_warm[GLM_BUCKETS];
     glm_seq *pad_seq;
+    /* Pools (glm_model_set_pools): pages for the DSA caches and slots for the KDA state, shared by
+     * every sequence; a page may be mapped by several sequences (a shared prompt prefix). */
+    int n_pages, n_slots;      /* 0 until the pools are made */
+    int32_t *page_ref;         /* [n_pages] sequences mapping each page */
+    int32_t *free_pages;       /* [n_pages] stack of unmapped page ids; n_free_pages of them */
+    int n_free_pages;
+    int32_t *free_slots;       /* [n_slots] stack; n_free_slots */
+    int n_free_slots;
+    int n_seqs;                /* live sequences (the pools cannot be remade under them) */
     uint8_t *census;           /* [L * E] host, NULL unless glm_model_set_expert_census */
 };
 
 struct glm_seq {
     glm_model *m;
     int cap, len;
-    size_t bytes;              /* backend memory of the states (glm_seq_bytes) */
+    int slot;                  /* KDA state slot */
+    int n_blocks, max_blocks;  /* blocks mapped to pages, capacity of the table (cap / page + 1) */
+    int32_t *h_bt;             /* [max_blocks] block table, host copy */
+    int32_t *d_bt;             /* [max_blocks] backend copy (what the DSA ops read) */
     mt_layer_state **states;   /* [num_hidden_layers] */
     mt_graph *graph;           /* this sequence's decode graph (graph_stale_on_new_sequence) */
     uint64_t graph_epoch;      /* backend graph_epoch when graph was recorded */
@@ -193,6 +215,9 @@ int glm_scratch_width(const glm_config *cfg);
 mt_status glm_layer_copy_state(const glm_layer *l, const glm_layer_state *src, glm_layer_state *dst,
                                int len, mt_error *err);
 size_t glm_layer_state_bytes(const glm_layer *l, int max_tokens);
+size_t glm_layer_slot_bytes(const glm_layer *l);  /* KDA layers; 0 for DSA */
+size_t glm_layer_page_bytes(const glm_layer *l);  /* DSA layers; 0 for KDA */
+size_t glm_layer_conv_floats(const glm_layer *l);
 int glm_max_sel(const glm_config *cfg);
 
 /* Mixers and MLP: h[n, H] -> out[n, H]. The mixers take nst == 1 state for n consecutive

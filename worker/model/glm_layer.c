@@ -34,66 +34,53 @@ int glm_scratch_width(const glm_config *c) {
 
 /* ---- state ---- */
 
+/* The state struct only: the memory it points at is the model's pools (glm_model.c maps a KDA
+ * slot and the sequence's block table into it when it makes the sequence). */
 static void release_state(const mt_layer *ml, mt_layer_state *base) {
-    if (!base) return;
-    const glm_layer *l = as_glm(ml);
-    mt_backend *be = l->be;
-    glm_layer_state *st = (glm_layer_state *)base;
-    float **bufs[] = { &st->conv[0], &st->conv[1], &st->conv[2], &st->rec, &st->latent, &st->ki,
-                       &st->gs, &st->pool };
-    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) {
-        be->ops->free(be, *bufs[i]);
-        *bufs[i] = NULL;
-    }
-    free(st);
+    (void)ml;
+    free(base);
 }
 
-/* Bytes of backend memory alloc_state takes for a max_tokens state of layer l (kept beside it so
- * the two agree). */
-size_t glm_layer_state_bytes(const glm_layer *l, int max_tokens) {
+/* Backend bytes of one KDA slot of layer l (conv state of q, k, v and the recurrent state); 0 for a
+ * DSA layer. */
+size_t glm_layer_slot_bytes(const glm_layer *l) {
     const glm_config *c = l->cfg;
-    const int i = l->base.index;
-    if (c->layer_types[i] == GLM_MIXER_KDA) {
-        const size_t D = (size_t)c->linear_num_heads * c->linear_head_dim;
-        const size_t P = (size_t)(c->linear_conv_kernel_dim - 1);
-        const size_t conv = D * P > 0 ? D * P : 1;
-        return sizeof(float) * (3 * conv + (size_t)c->linear_num_heads * c->linear_head_dim * c->linear_head_dim);
-    }
-    const size_t cap = (size_t)max_tokens, id = (size_t)c->index_head_dim;
-    size_t n = cap * (size_t)c->kv_lora_rank;
-    if (l->dsa.has_indexer) n += 2 * cap * id + (cap / (size_t)c->index_kpool + 1) * id;
+    if (c->layer_types[l->base.index] != GLM_MIXER_KDA) return 0;
+    return sizeof(float) * (3 * glm_layer_conv_floats(l) + (size_t)c->linear_num_heads * c->linear_head_dim * c->linear_head_dim);
+}
+
+/* Floats of one conv state (q, k or v) of a KDA layer: [D, K-1], at least 1 (K = 1 keeps no history). */
+size_t glm_layer_conv_floats(const glm_layer *l) {
+    const glm_config *c = l->cfg;
+    const size_t D = (size_t)c->linear_num_heads * c->linear_head_dim;
+    const size_t P = (size_t)(c->linear_conv_kernel_dim - 1);
+    return D * P > 0 ? D * P : 1;
+}
+
+/* Backend bytes of one page of layer l (page positions of the latent cache, and for a layer with
+ * its own indexer the keys, gate scores and pool keys); 0 for a KDA layer. */
+size_t glm_layer_page_bytes(const glm_layer *l) {
+    const glm_config *c = l->cfg;
+    if (c->layer_types[l->base.index] == GLM_MIXER_KDA) return 0;
+    const size_t pg = (size_t)l->page, id = (size_t)c->index_head_dim;
+    size_t n = pg * (size_t)c->kv_lora_rank;
+    if (l->dsa.has_indexer) n += 2 * pg * id + pg / (size_t)c->index_kpool * id;
     return sizeof(float) * n;
 }
 
+/* Backend bytes a max_tokens sequence takes in layer l at most: its slot, or the pages of its
+ * positions. */
+size_t glm_layer_state_bytes(const glm_layer *l, int max_tokens) {
+    if (l->cfg->layer_types[l->base.index] == GLM_MIXER_KDA) return glm_layer_slot_bytes(l);
+    const size_t blocks = ((size_t)max_tokens + (size_t)l->page - 1) / (size_t)l->page;
+    return blocks * glm_layer_page_bytes(l);
+}
+
 static mt_status alloc_state(const mt_layer *ml, int max_tokens, mt_layer_state **out, mt_error *err) {
-    const glm_layer *l = as_glm(ml);
-    const glm_config *c = l->cfg;
-    mt_backend *be = l->be;
     glm_layer_state *st = calloc(1, sizeof *st);
     if (!st) return mt_errorf(err, MT_ERR_NOMEM, "layer %d: out of memory for state", ml->index);
     st->base.layer = ml;
     st->cap = max_tokens;
-    bool ok = true;
-    if (c->layer_types[ml->index] == GLM_MIXER_KDA) {
-        const size_t D = (size_t)c->linear_num_heads * c->linear_head_dim;
-        const size_t P = (size_t)(c->linear_conv_kernel_dim - 1);
-        const size_t conv = D * P > 0 ? D * P : 1; /* K = 1 keeps no history */
-        for (int j = 0; j < 3; j++) ok &= (st->conv[j] = be->ops->alloc(be, sizeof(float) * conv)) != NULL;
-        ok &= (st->rec = be->ops->alloc(be, sizeof(float) * (size_t)c->linear_num_heads *
-                                                c->linear_head_dim * c->linear_head_dim)) != NULL;
-    } else {
-        const size_t cap = (size_t)max_tokens, id = (size_t)c->index_head_dim;
-        ok &= (st->latent = be->ops->alloc(be, sizeof(float) * cap * (size_t)c->kv_lora_rank)) != NULL;
-        if (l->dsa.has_indexer) {
-            ok &= (st->ki = be->ops->alloc(be, sizeof(float) * cap * id)) != NULL;
-            ok &= (st->gs = be->ops->alloc(be, sizeof(float) * cap * id)) != NULL;
-            ok &= (st->pool = be->ops->alloc(be, sizeof(float) * (cap / (size_t)c->index_kpool + 1) * id)) != NULL;
-        }
-    }
-    if (!ok) {
-        release_state(ml, &st->base);
-        return mt_errorf(err, MT_ERR_NOMEM, "layer %d: out of memory for a %d-token state", ml->index, max_tokens);
-    }
     *out = &st->base;
     return MT_OK;
 }
@@ -170,10 +157,83 @@ static void dsa_decode_prestage_rearm(const mt_layer *ml, mt_layer_state *base) 
     st->len = st->prestage_len;
 }
 
+/* ---- DSA paged caches from the host side (aux state, state copies) ---- */
+
+/* Blocks [0, nb) of st's block table, downloaded into *out (host memory the caller frees; NULL when
+ * nb == 0). */
+static mt_status dsa_bt_download(const glm_layer *l, const glm_layer_state *st, int nb, int32_t **out,
+                                 mt_error *err) {
+    *out = NULL;
+    if (nb == 0) return MT_OK;
+    MT_ASSERT(st->bt && nb <= st->cap / l->page + 1);
+    int32_t *bt = malloc(sizeof(int32_t) * (size_t)nb);
+    if (!bt) return mt_errorf(err, MT_ERR_NOMEM, "layer %d: out of memory for a block table", l->base.index);
+    l->be->ops->download(l->be, bt, st->bt, sizeof(int32_t) * (size_t)nb);
+    *out = bt;
+    return MT_OK;
+}
+
+/* Blocks b, b+1, ... that sit on consecutive pages (bt[b+k] == bt[b] + k) and, with other = a second
+ * table, on consecutive pages there too: the rows of such a run are one stretch of memory in each.
+ * Returns the run's length in blocks (>= 1), up to nb - b. */
+static int dsa_run(const int32_t *bt, const int32_t *other, int b, int nb) {
+    int k = 1;
+    while (b + k < nb && bt[b + k] == bt[b] + k && (!other || other[b + k] == other[b] + k)) k++;
+    return k;
+}
+
+/* Rows [0, count) of the paged cache c (block table bt, host copy) into to_host, or from from_host
+ * (the other NULL), host [count, c.row] fp32 at any byte alignment; one transfer per run of
+ * consecutive pages. */
+static void dsa_paged_transfer(mt_backend *be, mt_paged c, const int32_t *bt, int64_t count, char *to_host,
+                               const char *from_host) {
+    const int nb = (int)((count + c.page - 1) / c.page);
+    const size_t rb = sizeof(float) * (size_t)c.row;
+    for (int b = 0; b < nb;) {
+        const int k = dsa_run(bt, NULL, b, nb);
+        const int64_t r0 = (int64_t)b * c.page, r1 = (int64_t)(b + k) * c.page < count ? (int64_t)(b + k) * c.page : count;
+        float *dev = mt_paged_at(c, bt, r0);
+        if (to_host) be->ops->download(be, to_host + (size_t)r0 * rb, dev, (size_t)(r1 - r0) * rb);
+        else be->ops->upload(be, dev, from_host + (size_t)r0 * rb, (size_t)(r1 - r0) * rb);
+        b += k;
+    }
+}
+
+/* Rows [0, count) of the paged cache c from the pages of src_bt to those of dst_bt (host copies),
+ * one copy per run of blocks consecutive in both; a block both tables map to the same page (a
+ * shared prefix) is already in place. */
+static void dsa_paged_copy(mt_backend *be, mt_paged c, const int32_t *src_bt, const int32_t *dst_bt, int64_t count) {
+    const int nb = (int)((count + c.page - 1) / c.page);
+    for (int b = 0; b < nb;) {
+        if (src_bt[b] == dst_bt[b]) {
+            b++;
+            continue;
+        }
+        int k = dsa_run(src_bt, dst_bt, b, nb);
+        for (int j = 1; j < k; j++) /* stop before a shared page */
+            if (src_bt[b + j] == dst_bt[b + j]) k = j;
+        const int64_t r0 = (int64_t)b * c.page, r1 = (int64_t)(b + k) * c.page < count ? (int64_t)(b + k) * c.page : count;
+        be->ops->copy(be, mt_paged_at(c, dst_bt, r0), mt_paged_at(c, src_bt, r0),
+                      sizeof(float) * (size_t)(r1 - r0) * (size_t)c.row);
+        b += k;
+    }
+}
+
+/* The indexer caches of a full layer: keys and gate scores by position, pool keys by pool. */
+static void dsa_index_caches(const glm_layer *l, mt_paged *ki, mt_paged *gs, mt_paged *pk) {
+    const int id = l->cfg->index_head_dim, kp = l->cfg->index_kpool;
+    MT_ASSERT(l->page > 0 && l->page % kp == 0);
+    *ki = (mt_paged){ l->pg_ki, l->page, id };
+    *gs = (mt_paged){ l->pg_gs, l->page, id };
+    *pk = (mt_paged){ l->pg_pk, l->page / kp, id };
+}
+
 /* ---- DSA aux state: the indexer cache (keys, gate scores, pool keys) and its length ---- */
 
 static bool dsa_has_aux(const mt_layer *ml) { return as_glm(ml)->dsa.has_indexer; }
 
+/* The snapshot is position-ordered and page-free: header, ki [len, id], gs [len, id], pool keys
+ * [len / kpool, id], gathered from the pages through the sequence's block table. */
 typedef struct aux_header {
     uint32_t magic;            /* 'DSAX' */
     int32_t len, id, kpool;
@@ -188,18 +248,30 @@ static mt_status dsa_snapshot_aux(const mt_layer *ml, const mt_layer_state *base
     const int id = l->cfg->index_head_dim, kp = l->cfg->index_kpool, np = st->len / kp;
     const size_t kb = sizeof(float) * (size_t)st->len * id, pb = sizeof(float) * (size_t)np * id;
     const size_t total = sizeof(aux_header) + 2 * kb + pb;
+    int32_t *bt = NULL;
+    mt_status s = dsa_bt_download(l, st, (st->len + l->page - 1) / l->page, &bt, err);
+    if (s != MT_OK) return s;
     char *p = malloc(total);
-    if (!p) return mt_errorf(err, MT_ERR_NOMEM, "layer %d: out of memory for an aux snapshot", ml->index);
+    if (!p) {
+        free(bt);
+        return mt_errorf(err, MT_ERR_NOMEM, "layer %d: out of memory for an aux snapshot", ml->index);
+    }
     aux_header hd = { AUX_MAGIC, st->len, id, kp };
     memcpy(p, &hd, sizeof hd);
-    be->ops->download(be, p + sizeof hd, st->ki, kb);
-    be->ops->download(be, p + sizeof hd + kb, st->gs, kb);
-    be->ops->download(be, p + sizeof hd + 2 * kb, st->pool, pb);
+    mt_paged ki, gs, pk;
+    dsa_index_caches(l, &ki, &gs, &pk);
+    char *h = p + sizeof hd;
+    dsa_paged_transfer(be, ki, bt, st->len, h, NULL);
+    dsa_paged_transfer(be, gs, bt, st->len, h + kb, NULL);
+    dsa_paged_transfer(be, pk, bt, np, h + 2 * kb, NULL);
+    free(bt);
     *bytes = p;
     *len = total;
     return MT_OK;
 }
 
+/* Scatters a snapshot into the pages of st's block table, which must map the blocks of positions
+ * [0, len) already (the model maps them before restoring). */
 static mt_status dsa_restore_aux(const mt_layer *ml, mt_layer_state *base, const void *bytes, size_t len,
                                  mt_error *err) {
     const glm_layer *l = as_glm(ml);
@@ -218,17 +290,25 @@ static mt_status dsa_restore_aux(const mt_layer *ml, mt_layer_state *base, const
     if (len != sizeof hd + 2 * kb + pb)
         return mt_errorf(err, MT_ERR_INVALID, "layer %d: aux snapshot size %zu, expected %zu", ml->index, len,
                          sizeof hd + 2 * kb + pb);
-    const char *p = (const char *)bytes + sizeof hd;
-    be->ops->upload(be, st->ki, p, kb);
-    be->ops->upload(be, st->gs, p + kb, kb);
-    be->ops->upload(be, st->pool, p + 2 * kb, pb);
+    int32_t *bt = NULL;
+    mt_status s = dsa_bt_download(l, st, (hd.len + l->page - 1) / l->page, &bt, err);
+    if (s != MT_OK) return s;
+    const char *h = (const char *)bytes + sizeof hd;
+    mt_paged ki, gs, pk;
+    dsa_index_caches(l, &ki, &gs, &pk);
+    dsa_paged_transfer(be, ki, bt, hd.len, NULL, h);
+    dsa_paged_transfer(be, gs, bt, hd.len, NULL, h + kb);
+    dsa_paged_transfer(be, pk, bt, hd.len / kp, NULL, h + 2 * kb);
+    free(bt);
     st->len = hd.len;
     return MT_OK;
 }
 
 /* Makes dst (a fresh state) hold src's first len positions: KDA conv and recurrent state (src
- * must be exactly at len: they are not positional), the MLA latent rows, and the DSA indexer
- * cache through the layer's own aux snapshot/restore. */
+ * must be exactly at len: they are not positional); DSA: the MLA latent rows and, for a full layer,
+ * the indexer cache (keys, gate scores, pool keys), copied on the device page by page between the
+ * two block tables. The model maps dst's blocks of [0, len) before the call; a block both tables
+ * map to the same page (a shared prefix) is left as it is. */
 mt_status glm_layer_copy_state(const glm_layer *l, const glm_layer_state *src, glm_layer_state *dst,
                                int len, mt_error *err) {
     const glm_config *c = l->cfg;
@@ -244,15 +324,23 @@ mt_status glm_layer_copy_state(const glm_layer *l, const glm_layer_state *src, g
         return MT_OK;
     }
     if (src->len != len) return mt_errorf(err, MT_ERR_STATE, "layer %d: source at %d positions, not %d", ml->index, src->len, len);
-    be->ops->copy(be, dst->latent, src->latent, sizeof(float) * (size_t)len * c->kv_lora_rank);
-    if (mt_layer_has_aux_state(ml)) {
-        void *bytes = NULL;
-        size_t n = 0;
-        mt_status st = mt_layer_snapshot_aux(ml, &src->base, &bytes, &n, err);
-        if (st == MT_OK) st = mt_layer_restore_aux(ml, &dst->base, bytes, n, err);
-        free(bytes);
-        if (st != MT_OK) return st;
+    const int nb = (len + l->page - 1) / l->page;
+    int32_t *sbt = NULL, *dbt = NULL;
+    mt_status s = dsa_bt_download(l, src, nb, &sbt, err);
+    if (s == MT_OK) s = dsa_bt_download(l, dst, nb, &dbt, err);
+    if (s == MT_OK && nb > 0) {
+        dsa_paged_copy(be, (mt_paged){ l->pg_latent, l->page, c->kv_lora_rank }, sbt, dbt, len);
+        if (l->dsa.has_indexer) {
+            mt_paged ki, gs, pk;
+            dsa_index_caches(l, &ki, &gs, &pk);
+            dsa_paged_copy(be, ki, sbt, dbt, len);
+            dsa_paged_copy(be, gs, sbt, dbt, len);
+            dsa_paged_copy(be, pk, sbt, dbt, len / c->index_kpool);
+        }
     }
+    free(sbt);
+    free(dbt);
+    if (s != MT_OK) return s;
     dst->len = len;
     return MT_OK;
 }
@@ -282,6 +370,8 @@ void glm_layer_init(glm_layer *l, const glm_config *cfg, mt_backend *be, int i) 
     l->cfg = cfg;
     l->be = be;
     l->base.index = i;
+    const int kp = cfg->index_kpool > 0 ? cfg->index_kpool : 1;
+    l->page = (GLM_PAGE + kp - 1) / kp * kp; /* whole pools per page */
     if (cfg->layer_types[i] == GLM_MIXER_KDA) {
         l->base.ops = &kda_layer_ops;
         l->base.kind = "glm.kda";

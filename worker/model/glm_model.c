@@ -116,10 +116,13 @@ mt_status glm_model_new_random(const glm_config *cfg, uint64_t seed, mt_backend 
     return MT_OK;
 }
 
+static void pools_release(glm_model *m);
+
 void glm_model_free(glm_model *m) {
     if (!m) return;
     mt_backend *be = m->be;
     glm_seq_free(m->pad_seq); /* before the layers it releases through */
+    if (m->layers) pools_release(m);
     glm_weights_release(m);
     free(m->layers);
     scratch_free(be, &m->scr);
@@ -145,25 +148,199 @@ void glm_model_free(glm_model *m) {
 const glm_config *glm_model_config(const glm_model *m) { return &m->cfg; }
 mt_backend *glm_model_backend(const glm_model *m) { return m->be; }
 
+/* ---- pools: DSA pages and KDA slots ---- */
+
+static const glm_layer *first_dsa(const glm_model *m) {
+    for (int i = 0; i < m->cfg.num_hidden_layers; i++)
+        if (m->cfg.layer_types[i] != GLM_MIXER_KDA) return &m->layers[i];
+    return NULL;
+}
+
+int glm_model_page_tokens(const glm_model *m) { return m->layers[0].page; }
+
+size_t glm_model_page_bytes(const glm_model *m) {
+    size_t b = 0;
+    for (int i = 0; i < m->cfg.num_hidden_layers; i++) b += glm_layer_page_bytes(&m->layers[i]);
+    return b;
+}
+
+size_t glm_model_slot_bytes(const glm_model *m) {
+    size_t b = 0;
+    for (int i = 0; i < m->cfg.num_hidden_layers; i++) b += glm_layer_slot_bytes(&m->layers[i]);
+    return b;
+}
+
+int glm_model_pages_free(const glm_model *m) { return m->n_free_pages; }
+int glm_model_slots_free(const glm_model *m) { return m->n_free_slots; }
+int glm_model_pages_total(const glm_model *m) { return m->n_pages; }
+int glm_model_slots_total(const glm_model *m) { return m->n_slots; }
+
+static void pools_release(glm_model *m) {
+    mt_backend *be = m->be;
+    for (int i = 0; i < m->cfg.num_hidden_layers; i++) {
+        glm_layer *l = &m->layers[i];
+        float **p[] = { &l->pg_latent, &l->pg_ki, &l->pg_gs, &l->pg_pk, &l->sl_conv, &l->sl_rec };
+        for (size_t k = 0; k < sizeof p / sizeof p[0]; k++) {
+            be->ops->free(be, *p[k]);
+            *p[k] = NULL;
+        }
+    }
+    free(m->page_ref);
+    free(m->free_pages);
+    free(m->free_slots);
+    m->page_ref = m->free_pages = m->free_slots = NULL;
+    m->n_pages = m->n_slots = m->n_free_pages = m->n_free_slots = 0;
+}
+
+mt_status glm_model_set_pools(glm_model *m, int n_pages, int n_slots, mt_error *err) {
+    if (n_pages < 1 || n_slots < 1)
+        return mt_errorf(err, MT_ERR_INVALID, "pools need at least one page and one slot, got %d and %d", n_pages, n_slots);
+    if (m->n_seqs > 0)
+        return mt_errorf(err, MT_ERR_STATE, "the pools cannot be remade while %d sequences live", m->n_seqs);
+    pools_release(m);
+    mt_backend *be = m->be;
+    const glm_config *c = &m->cfg;
+    bool ok = (m->page_ref = calloc((size_t)n_pages, sizeof(int32_t))) &&
+              (m->free_pages = malloc(sizeof(int32_t) * (size_t)n_pages)) &&
+              (m->free_slots = malloc(sizeof(int32_t) * (size_t)n_slots));
+    for (int i = 0; ok && i < c->num_hidden_layers; i++) {
+        glm_layer *l = &m->layers[i];
+        if (c->layer_types[i] == GLM_MIXER_KDA) {
+            const size_t rec = (size_t)c->linear_num_heads * c->linear_head_dim * c->linear_head_dim;
+            ok = (l->sl_conv = be->ops->alloc(be, sizeof(float) * (size_t)n_slots * 3 * glm_layer_conv_floats(l))) &&
+                 (l->sl_rec = be->ops->alloc(be, sizeof(float) * (size_t)n_slots * rec));
+        } else {
+            const size_t rows = (size_t)n_pages * l->page, id = (size_t)c->index_head_dim;
+            ok = (l->pg_latent = be->ops->alloc(be, sizeof(float) * rows * c->kv_lora_rank)) != NULL;
+            if (ok && l->dsa.has_indexer)
+                ok = (l->pg_ki = be->ops->alloc(be, sizeof(float) * rows * id)) &&
+                     (l->pg_gs = be->ops->alloc(be, sizeof(float) * rows * id)) &&
+                     (l->pg_pk = be->ops->alloc(be, sizeof(float) * (rows / (size_t)c->index_kpool) * id));
+        }
+    }
+    if (!ok) {
+        pools_release(m);
+        return mt_errorf(err, MT_ERR_NOMEM, "out of memory for %d pages and %d slots (%zu + %zu bytes)", n_pages,
+                         n_slots, (size_t)n_pages * glm_model_page_bytes(m), (size_t)n_slots * glm_model_slot_bytes(m));
+    }
+    /* stacks popped from the end: pages and slots are handed out in ascending order */
+    for (int i = 0; i < n_pages; i++) m->free_pages[i] = n_pages - 1 - i;
+    for (int i = 0; i < n_slots; i++) m->free_slots[i] = n_slots - 1 - i;
+    m->n_pages = m->n_free_pages = n_pages;
+    m->n_slots = m->n_free_slots = n_slots;
+    return MT_OK;
+}
+
+/* The pools a model makes for itself when a sequence is made before glm_model_set_pools. */
+static mt_status pools_default(glm_model *m, mt_error *err) {
+    const int pages = m->params.pool_pages > 0 ? m->params.pool_pages : GLM_DEFAULT_POOL_PAGES;
+    const int slots = m->params.pool_slots > 0 ? m->params.pool_slots : GLM_DEFAULT_POOL_SLOTS;
+    return glm_model_set_pools(m, pages, slots, err);
+}
+
+mt_status glm_model_ensure_pools(glm_model *m, mt_error *err) {
+    return m->n_slots > 0 ? MT_OK : pools_default(m, err);
+}
+
+static void unmap_blocks(glm_seq *s, int from) {
+    glm_model *m = s->m;
+    for (int b = from; b < s->n_blocks; b++) {
+        const int32_t p = s->h_bt[b];
+        if (--m->page_ref[p] == 0) m->free_pages[m->n_free_pages++] = p;
+    }
+    if (from < s->n_blocks) s->n_blocks = from;
+}
+
+mt_status glm_seq_reserve(glm_seq *s, int n, mt_error *err) {
+    glm_model *m = s->m;
+    const int page = glm_model_page_tokens(m);
+    if (n < 0 || s->len + n > s->cap)
+        return mt_errorf(err, MT_ERR_FULL, "sequence of %d tokens has room for %d more, asked for %d", s->len,
+                         s->cap - s->len, n);
+    if (!first_dsa(m)) return MT_OK; /* no paged layer */
+    const int need = (s->len + n + page - 1) / page;
+    if (need <= s->n_blocks) return MT_OK;
+    if (need - s->n_blocks > m->n_free_pages)
+        return mt_errorf(err, MT_ERR_FULL, "out of cache pages: %d more needed for %d tokens, %d free of %d",
+                         need - s->n_blocks, n, m->n_free_pages, m->n_pages);
+    const int first = s->n_blocks;
+    for (int b = first; b < need; b++) {
+        const int32_t p = m->free_pages[--m->n_free_pages];
+        m->page_ref[p] = 1;
+        s->h_bt[b] = p;
+    }
+    s->n_blocks = need;
+    m->be->ops->upload(m->be, s->d_bt + first, s->h_bt + first, sizeof(int32_t) * (size_t)(need - first));
+    return MT_OK;
+}
+
+int glm_seq_pages(const glm_seq *s) { return s ? s->n_blocks : 0; }
+
+/* Points every layer state of s at its slot and block table. */
+static void bind_states(glm_seq *s) {
+    glm_model *m = s->m;
+    for (int i = 0; i < m->cfg.num_hidden_layers; i++) {
+        const glm_layer *l = &m->layers[i];
+        glm_layer_state *st = (glm_layer_state *)s->states[i];
+        if (m->cfg.layer_types[i] == GLM_MIXER_KDA) {
+            const size_t cf = glm_layer_conv_floats(l);
+            const size_t rec = (size_t)m->cfg.linear_num_heads * m->cfg.linear_head_dim * m->cfg.linear_head_dim;
+            for (int j = 0; j < 3; j++) st->conv[j] = l->sl_conv + ((size_t)s->slot * 3 + j) * cf;
+            st->rec = l->sl_rec + (size_t)s->slot * rec;
+        } else {
+            st->bt = s->d_bt;
+        }
+    }
+}
+
+/* A fresh slot's state is zero, as a sequence's first step expects. */
+static void zero_slot(glm_seq *s) {
+    glm_model *m = s->m;
+    for (int i = 0; i < m->cfg.num_hidden_layers; i++) {
+        const glm_layer *l = &m->layers[i];
+        if (m->cfg.layer_types[i] != GLM_MIXER_KDA) continue;
+        const glm_layer_state *st = (const glm_layer_state *)s->states[i];
+        m->be->ops->zero(m->be, st->conv[0], sizeof(float) * 3 * glm_layer_conv_floats(l));
+        m->be->ops->zero(m->be, st->rec, glm_layer_slot_bytes(l) - sizeof(float) * 3 * glm_layer_conv_floats(l));
+    }
+}
+
 mt_status glm_seq_new(glm_model *m, int max_tokens, glm_seq **out, mt_error *err) {
     *out = NULL;
     if (max_tokens < 1) return mt_errorf(err, MT_ERR_INVALID, "max_tokens must be >= 1, got %d", max_tokens);
+    if (m->n_slots == 0) {
+        mt_status st = pools_default(m, err);
+        if (st != MT_OK) return st;
+    }
+    if (m->n_free_slots == 0)
+        return mt_errorf(err, MT_ERR_FULL, "no free sequence slot (all %d in use)", m->n_slots);
     glm_seq *s = calloc(1, sizeof *s);
     const int L = m->cfg.num_hidden_layers;
-    if (!s || !(s->states = calloc((size_t)L, sizeof *s->states))) {
+    const int max_blocks = max_tokens / glm_model_page_tokens(m) + 1;
+    if (!s || !(s->states = calloc((size_t)L, sizeof *s->states)) ||
+        !(s->h_bt = calloc((size_t)max_blocks, sizeof(int32_t))) ||
+        !(s->d_bt = m->be->ops->alloc(m->be, sizeof(int32_t) * (size_t)max_blocks))) {
+        if (s) {
+            free(s->states);
+            free(s->h_bt);
+        }
         free(s);
         return mt_errorf(err, MT_ERR_NOMEM, "out of memory for a sequence");
     }
     s->m = m;
     s->cap = max_tokens;
+    s->max_blocks = max_blocks;
+    s->slot = m->free_slots[--m->n_free_slots];
+    m->n_seqs++;
     for (int i = 0; i < L; i++) {
         mt_status st = mt_layer_alloc_state(&m->layers[i].base, max_tokens, &s->states[i], err);
         if (st != MT_OK) {
             glm_seq_free(s);
             return st;
         }
-        s->bytes += glm_layer_state_bytes(&m->layers[i], max_tokens);
     }
+    bind_states(s);
+    zero_slot(s);
     if (max_tokens > m->rt_cap) m->rt_cap = max_tokens; /* batched-decode graphs are sized by it */
     *out = s;
     return MT_OK;
@@ -171,16 +348,24 @@ mt_status glm_seq_new(glm_model *m, int max_tokens, glm_seq **out, mt_error *err
 
 void glm_seq_free(glm_seq *s) {
     if (!s) return;
-    mt_backend *be = s->m->be;
+    glm_model *m = s->m;
+    mt_backend *be = m->be;
     if (be->ops->graph_free) be->ops->graph_free(be, s->graph);
-    for (int i = 0; i < s->m->cfg.num_hidden_layers; i++)
-        mt_layer_release_state(&s->m->layers[i].base, s->states[i]);
+    for (int i = 0; i < m->cfg.num_hidden_layers; i++)
+        if (s->states[i]) mt_layer_release_state(&m->layers[i].base, s->states[i]);
+    unmap_blocks(s, 0);
+    m->free_slots[m->n_free_slots++] = s->slot;
+    m->n_seqs--;
+    be->ops->free(be, s->d_bt);
+    free(s->h_bt);
     free(s->states);
     free(s);
 }
 
 int glm_seq_len(const glm_seq *s) { return s->len; }
-size_t glm_seq_bytes(const glm_seq *s) { return s ? s->bytes : 0; }
+size_t glm_seq_bytes(const glm_seq *s) {
+    return s ? glm_model_slot_bytes(s->m) + (size_t)s->n_blocks * glm_model_page_bytes(s->m) : 0;
+}
 
 size_t glm_model_seq_bytes(const glm_model *m, int max_tokens) {
     size_t b = 0;
@@ -193,10 +378,43 @@ mt_status glm_seq_copy_prefix(glm_model *m, const glm_seq *src, glm_seq *dst, mt
     if (dst->len != 0) return mt_errorf(err, MT_ERR_STATE, "destination sequence is not fresh (%d tokens)", dst->len);
     if (src->len > dst->cap)
         return mt_errorf(err, MT_ERR_FULL, "%d positions do not fit a sequence of %d", src->len, dst->cap);
+    /* DSA caches: src's full pages are mapped into dst too (shared, counted); a partly filled last
+     * page is copied into a page of dst's own, since dst will write the rest of it. */
+    const int page = glm_model_page_tokens(m), full = src->len / page, part = src->len % page != 0;
+    if (first_dsa(m) && part && m->n_free_pages < 1)
+        return mt_errorf(err, MT_ERR_FULL, "out of cache pages for a copied prefix");
+    unmap_blocks(dst, 0);
+    for (int b = 0; b < full && first_dsa(m); b++) {
+        dst->h_bt[b] = src->h_bt[b];
+        m->page_ref[src->h_bt[b]]++;
+    }
+    dst->n_blocks = first_dsa(m) ? full : 0;
+    if (first_dsa(m) && part) {
+        const int32_t p = m->free_pages[--m->n_free_pages], q = src->h_bt[full];
+        m->page_ref[p] = 1;
+        dst->h_bt[full] = p;
+        dst->n_blocks = full + 1;
+        for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
+            const glm_layer *ly = &m->layers[l];
+            if (m->cfg.layer_types[l] == GLM_MIXER_KDA) continue;
+            const size_t lat = (size_t)page * m->cfg.kv_lora_rank, idr = (size_t)page * m->cfg.index_head_dim;
+            const size_t pk = (size_t)(page / m->cfg.index_kpool) * m->cfg.index_head_dim;
+            m->be->ops->copy(m->be, ly->pg_latent + p * lat, ly->pg_latent + q * lat, sizeof(float) * lat);
+            if (!ly->dsa.has_indexer) continue;
+            m->be->ops->copy(m->be, ly->pg_ki + p * idr, ly->pg_ki + q * idr, sizeof(float) * idr);
+            m->be->ops->copy(m->be, ly->pg_gs + p * idr, ly->pg_gs + q * idr, sizeof(float) * idr);
+            m->be->ops->copy(m->be, ly->pg_pk + p * pk, ly->pg_pk + q * pk, sizeof(float) * pk);
+        }
+    }
+    if (dst->n_blocks) m->be->ops->upload(m->be, dst->d_bt, dst->h_bt, sizeof(int32_t) * (size_t)dst->n_blocks);
     for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
-        mt_status st = glm_layer_copy_state(&m->layers[l], (const glm_layer_state *)src->states[l],
-                                            (glm_layer_state *)dst->states[l], src->len, err);
-        if (st != MT_OK) return st;
+        glm_layer_state *d = (glm_layer_state *)dst->states[l];
+        if (m->cfg.layer_types[l] == GLM_MIXER_KDA) {
+            mt_status st = glm_layer_copy_state(&m->layers[l], (const glm_layer_state *)src->states[l], d, src->len, err);
+            if (st != MT_OK) return st;
+        } else {
+            d->len = src->len;
+        }
     }
     dst->len = src->len;
     return MT_OK;
@@ -277,6 +495,7 @@ static mt_status check_tokens(const glm_model *m, const glm_seq *s, const int32_
 mt_status glm_prefill(glm_model *m, glm_seq *s, const int32_t *tokens, int n, float *logits,
                       bool all_logits, mt_error *err) {
     mt_status st = check_tokens(m, s, tokens, n, err);
+    if (st == MT_OK) st = glm_seq_reserve(s, n, err);
     if (st != MT_OK) return st;
     const int V = m->cfg.vocab_size, chunk = m->params.prefill_chunk;
     for (int done = 0; done < n;) {
@@ -381,6 +600,10 @@ static mt_status decode_graph(glm_model *m, glm_seq *s, int32_t token, float *lo
 }
 
 mt_status glm_decode(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_error *err) {
+    if (s->len < s->cap) { /* a full sequence is refused below, by check_tokens or check_replay_room */
+        mt_status st = glm_seq_reserve(s, 1, err);
+        if (st != MT_OK) return st;
+    }
     const bool graph_form = m->params.device_positions || (m->params.decode_graphs && m->be->ops->graph_begin);
     if (graph_form) {
         if (token < 0 || token >= m->cfg.vocab_size)
@@ -412,8 +635,7 @@ static void rows_upload(glm_model *m, glm_seq **seqs, const int32_t *tokens, int
         for (int l = 0; l < L; l++) {
             const glm_layer_state *st = (const glm_layer_state *)s->states[l];
             void **t = m->h_rtab + (size_t)l * GLM_R_KINDS * cap + i;
-            void *const ptrs[GLM_R_KINDS] = { st->conv[0], st->conv[1], st->conv[2], st->rec,
-                                              st->latent, st->ki, st->gs, st->pool };
+            void *const ptrs[GLM_R_KINDS] = { st->conv[0], st->conv[1], st->conv[2], st->rec, (void *)s->d_bt };
             for (int k = 0; k < GLM_R_KINDS; k++) t[(size_t)k * cap] = ptrs[k];
         }
     }
@@ -463,6 +685,7 @@ static mt_status decode_rows(glm_model *m, glm_seq **seqs, const int32_t *tokens
     const int B = use_graph ? 1 << b : n;
     if (B > n && !m->pad_seq) {
         mt_status st = glm_seq_new(m, 1, &m->pad_seq, err);
+        if (st == MT_OK) st = glm_seq_reserve(m->pad_seq, 1, err); /* its one page, for good */
         if (st != MT_OK) return st;
     }
     for (int i = 0; i < n; i++)
@@ -540,6 +763,10 @@ mt_status glm_decode_multi(glm_model *m, glm_seq **seqs, const int32_t *tokens, 
             return mt_errorf(err, MT_ERR_FULL, "sequence %d of %d tokens has no room for another", i, seqs[i]->len);
         for (int j = 0; j < i; j++)
             if (seqs[j] == seqs[i]) return mt_errorf(err, MT_ERR_INVALID, "sequence %d appears twice (also at %d)", i, j);
+    }
+    for (int i = 0; i < n; i++) { /* pages first: a shortage refuses the step before any change */
+        mt_status st = glm_seq_reserve(seqs[i], 1, err);
+        if (st != MT_OK) return st;
     }
     for (int i = 0; i < m->cfg.num_hidden_layers; i++)
         if (!m->layers[i].base.ops->decode_multi_seq)

@@ -23,6 +23,8 @@ typedef struct glm_seq glm_seq;
 
 typedef struct glm_model_params {
     int prefill_chunk;   /* rows per prefill pass (bounds scratch memory), default 256 */
+    int pool_pages, pool_slots; /* pools made at the first glm_seq_new when glm_model_set_pools was
+                                 * not called (0: GLM_DEFAULT_POOL_PAGES / _SLOTS) */
     bool decode_graphs;  /* decode through a captured graph when the backend can (default true) */
     bool device_positions; /* decode in the graph form (positions read from backend memory) even
                             * without a graph; default false. For tests of the graph form. */
@@ -44,15 +46,39 @@ void glm_model_free(glm_model *m);
 const glm_config *glm_model_config(const glm_model *m);
 mt_backend *glm_model_backend(const glm_model *m);
 
-/* A sequence of at most max_tokens positions (caches sized for it). */
+/* ---- pools (issue 5) ----
+ * Sequence state lives in two pools the model owns, made once: pages, each holding
+ * glm_model_page_tokens positions of every DSA layer's caches (MLA latent, indexer keys, gate
+ * scores, pool keys), mapped to a sequence through its block table as it grows, and shared
+ * between sequences for a common prefix (glm_seq_copy_prefix); and slots, one per sequence,
+ * holding every KDA layer's conv and recurrent state. glm_model_set_pools sizes them (no sequence
+ * may be alive); otherwise the first glm_seq_new makes params.pool_pages / pool_slots. */
+#define GLM_DEFAULT_POOL_PAGES 1024
+#define GLM_DEFAULT_POOL_SLOTS 64
+mt_status glm_model_set_pools(glm_model *m, int n_pages, int n_slots, mt_error *err);
+/* Makes the default pools when none are made yet (what the first glm_seq_new would do). */
+mt_status glm_model_ensure_pools(glm_model *m, mt_error *err);
+int glm_model_page_tokens(const glm_model *m);
+size_t glm_model_page_bytes(const glm_model *m);   /* one page, all DSA layers */
+size_t glm_model_slot_bytes(const glm_model *m);   /* one slot, all KDA layers */
+int glm_model_pages_free(const glm_model *m);
+int glm_model_pages_total(const glm_model *m);
+int glm_model_slots_free(const glm_model *m);
+int glm_model_slots_total(const glm_model *m);
+
+/* A sequence of at most max_tokens positions: takes a slot (MT_ERR_FULL when none is free) and no
+ * pages yet. */
 mt_status glm_seq_new(glm_model *m, int max_tokens, glm_seq **out, mt_error *err);
+/* Maps pages for n more positions (prefill and decode do it themselves; the engine asks ahead so it
+ * can preempt instead). MT_ERR_FULL, with nothing changed, when the pool or the capacity is short. */
+mt_status glm_seq_reserve(glm_seq *s, int n, mt_error *err);
+int glm_seq_pages(const glm_seq *s);               /* pages mapped (shared ones included) */
 void glm_seq_free(glm_seq *s);
 int glm_seq_len(const glm_seq *s);
-/* Backend memory held by the sequence's per-layer state (KDA recurrent and conv state, DSA latent
- * and indexer caches), fixed at glm_seq_new by max_tokens; 0 for NULL. Host bookkeeping is not
- * counted. */
+/* Pool memory the sequence holds now: its slot and its mapped pages (shared ones counted in
+ * full); 0 for NULL. */
 size_t glm_seq_bytes(const glm_seq *s);
-/* What glm_seq_new(m, max_tokens) will take in backend memory (equal to glm_seq_bytes of it). */
+/* Pool memory a sequence of max_tokens positions holds at most (its slot and all its pages). */
 size_t glm_model_seq_bytes(const glm_model *m, int max_tokens);
 
 /* Feeds n tokens (ids < vocab, checked) to the sequence. logits (host memory) receives, when not
