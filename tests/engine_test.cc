@@ -510,7 +510,11 @@ TEST(Engine, PrefixReuseGivesColdTokensAndEvicts) {
         EXPECT_EQ(E.results[1].tokens, DirectGreedy(M.m, a, 12));
         EXPECT_EQ(E.results[2].tokens, DirectGreedy(M.m, b, 12));  // the hit equals a cold run
         EXPECT_EQ(E.Stats().cache_bytes_in_use, 0u);
+        // the kept 64-token prefix holds one page (shared with the hit while it ran) and one slot
+        EXPECT_EQ(glm_model_pages_free(M.m), glm_model_pages_total(M.m) - 1);
     }
+    EXPECT_EQ(glm_model_pages_free(M.m), glm_model_pages_total(M.m));
+    EXPECT_EQ(glm_model_slots_free(M.m), glm_model_slots_total(M.m));
     {
         eng_params p = eng_default_params();
         p.prefix_cache_bytes = 0;  // off: every request prefills in full
@@ -527,6 +531,7 @@ TEST(Engine, PrefixReuseGivesColdTokensAndEvicts) {
         glm_seq *probe = nullptr;
         mt_error err{};
         ASSERT_EQ(glm_seq_new(M.m, 64, &probe, &err), MT_OK);
+        ASSERT_EQ(glm_seq_reserve(probe, 64, &err), MT_OK);  // a 64-token snapshot: its slot and one page
         eng_params p = eng_default_params();
         p.prefix_cache_bytes = glm_seq_bytes(probe) + 1;
         glm_seq_free(probe);
@@ -543,7 +548,11 @@ TEST(Engine, PrefixReuseGivesColdTokensAndEvicts) {
         EXPECT_EQ(E.Stats().prefix_hits, 1u);
         EXPECT_EQ(E.results[4].tokens, E.results[3].tokens);
         EXPECT_EQ(E.Stats().cache_bytes_in_use, 0u);
+        EXPECT_EQ(glm_model_slots_free(M.m), glm_model_slots_total(M.m) - 1);  // the kept prefix's slot
     }
+    // every page and slot is back once the engine (and its kept prefixes) is gone
+    EXPECT_EQ(glm_model_pages_free(M.m), glm_model_pages_total(M.m));
+    EXPECT_EQ(glm_model_slots_free(M.m), glm_model_slots_total(M.m));
 }
 
 // The cache budget: requests wait for room instead of failing; never more state than the budget
@@ -610,6 +619,31 @@ TEST(Engine, PoolShortagePreemptsAndResumes) {
     std::string msg;
     EXPECT_EQ(E.Submit(9, Prompt(300, 1), Req(100), 0, &msg), MT_ERR_FULL);
     EXPECT_NE(msg.find("cache pages"), std::string::npos) << msg;
+}
+
+// The other policy: with preempt off a sequence is admitted only with pages for its whole length,
+// so the same shortage queues requests instead (no preemption, at most 2 running in 5 pages).
+TEST(Engine, PoolShortageQueuesWhenPreemptionIsOff) {
+    Model M;
+    std::vector<std::vector<int32_t>> want;
+    for (int id = 1; id <= 4; id++) want.push_back(DirectGreedy(M.m, Prompt(40, id), 60));
+    mt_error err = { "" };
+    ASSERT_EQ(glm_model_set_pools(M.m, 5, 8, &err), MT_OK) << err.msg;
+    eng_params p = eng_default_params();
+    p.prefix_cache_bytes = 0;
+    p.max_sequences = 4;
+    p.preempt = false;
+    Engine E(M.m, p);
+    for (int id = 1; id <= 4; id++) ASSERT_EQ(E.Submit(id, Prompt(40, id), Req(60)), MT_OK);
+    int max_running = 0;
+    while (eng_has_work(E.e)) {
+        E.Step();
+        max_running = std::max(max_running, E.Stats().running);
+    }
+    for (int id = 1; id <= 4; id++) EXPECT_EQ(E.results[id].tokens, want[id - 1]) << id;
+    EXPECT_EQ(E.Stats().preemptions, 0u);
+    EXPECT_EQ(max_running, 2);
+    EXPECT_EQ(glm_model_pages_free(M.m), glm_model_pages_total(M.m));
 }
 
 TEST(Engine, OneTokenRequestsFinishAtPrefill) {

@@ -52,6 +52,7 @@ typedef struct worker_opts {
     int id, device, max_sequences, max_context, threads;
     long cache_budget_mb;        /* 0: plan from the backend's free memory */
     int prefill_budget;          /* 0: the engine's default */
+    int graph_max_batch;         /* 0: the model's default */
     double router_timeout;      /* seconds of router silence before exiting */
     bool verbose;
 } worker_opts;
@@ -136,7 +137,8 @@ static void usage(FILE *f) {
     fprintf(f,
             "usage: metrale-worker --model DIR --router ENDPOINT --id N [--backend cpu|cuda|auto]\n"
             "                      [--device N] [--max-sequences N] [--max-context N] [--threads N]\n"
-            "                      [--router-timeout S] [--cache-budget-mb N] [--prefill-budget N] [--verbose]\n"
+            "                      [--router-timeout S] [--cache-budget-mb N] [--prefill-budget N]\n"
+            "                      [--graph-max-batch N] [--verbose]\n"
             "  Serves the checkpoint in DIR to the router at ENDPOINT (ipc:// or tcp://127.0.0.1:) as worker N.\n"
             "  --model: a checkpoint folder, or random:tiny / random:bench-4L (random weights, for benchmarks).\n"
             "  --backend: cpu (default), cuda (GPU --device, default 0), or auto (cuda when a GPU is usable).\n"
@@ -146,7 +148,9 @@ static void usage(FILE *f) {
             "  the sequence-state pools (default 0: the free memory after the weights, less a reserve for\n"
             "  activations and graphs); --prefill-budget: prompt tokens prefilled per step beside decoding\n"
             "  (the chunk size of a long prompt; default 2048). A request waits while the pools are short,\n"
-            "  and a running one that runs out of cache pages is preempted (its state recomputed later).\n");
+            "  and a running one that runs out of cache pages is preempted (its state recomputed later);\n"
+            "  --graph-max-batch: decode steps of up to N sequences replay CUDA graphs (buckets 1, 2, 4, ...;\n"
+            "  default 64), larger ones run eagerly.\n");
 }
 
 /* ---- sending ---- */
@@ -511,6 +515,7 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
         }
         else if (!strcmp(a, "--threads")) rc = parse_int(a, v, 0, &o->threads);
         else if (!strcmp(a, "--prefill-budget")) rc = parse_int(a, v, 1, &o->prefill_budget);
+        else if (!strcmp(a, "--graph-max-batch")) rc = parse_int(a, v, 1, &o->graph_max_batch);
         else if (!strcmp(a, "--router-timeout")) {
             char *end;
             o->router_timeout = strtod(v, &end);
@@ -576,14 +581,16 @@ int main(int argc, char **argv) {
     }
     /* --model random:PRESET (tiny, bench-4L): random weights made on the backend from a fixed seed,
      * for benchmarks of the real shapes without a checkpoint file */
+    glm_model_params mp = glm_model_default_params();
+    if (w.o.graph_max_batch > 0) mp.graph_max_rows = w.o.graph_max_batch;
     if (!strncmp(w.o.model, "random:", 7)) {
         glm_config cfg;
         if (glm_config_preset(w.o.model + 7, &cfg, &err) != MT_OK ||
-            glm_model_new_random(&cfg, 1, be, NULL, &w.m, &err) != MT_OK) {
+            glm_model_new_random(&cfg, 1, be, &mp, &w.m, &err) != MT_OK) {
             mt_log(MT_LOG_ERROR, "worker %d: %s", w.o.id, err.msg);
             goto done;
         }
-    } else if (glm_model_load(w.o.model, be, NULL, &w.m, &err) != MT_OK) {
+    } else if (glm_model_load(w.o.model, be, &mp, &w.m, &err) != MT_OK) {
         mt_log(MT_LOG_ERROR, "worker %d: %s", w.o.id, err.msg);
         goto done;
     }

@@ -63,7 +63,7 @@ eng_request eng_default_request(void) {
 eng_params eng_default_params(void) {
     return (eng_params){ .max_sequences = 16, .max_waiting = 1024, .max_context = 4096,
                          .prefill_budget = 2048, .prefix_cache_bytes = (size_t)256 << 20,
-                         .prefix_block = 64 };
+                         .prefix_block = 64, .preempt = true };
 }
 
 static uint64_t realtime_ms(void *user) {
@@ -350,11 +350,11 @@ static void prefix_keep(eng_engine *e, eng_seq *s) {
     glm_seq *snap = NULL;
     mt_error err = { "" };
     if (glm_seq_new(e->m, len, &snap, &err) != MT_OK) return;
-    const size_t bytes = glm_seq_bytes(snap);
-    if (bytes > e->p.prefix_cache_bytes || glm_seq_copy_prefix(e->m, s->gs, snap, &err) != MT_OK) {
+    if (glm_seq_copy_prefix(e->m, s->gs, snap, &err) != MT_OK || glm_seq_bytes(snap) > e->p.prefix_cache_bytes) {
         glm_seq_free(snap);
         return;
     }
+    const size_t bytes = glm_seq_bytes(snap); /* its slot and its pages (shared with s) */
     while (e->n_prefixes > 0 && e->prefix_bytes + bytes > e->p.prefix_cache_bytes) {
         int lru = 0;
         for (int i = 1; i < e->n_prefixes; i++)
@@ -434,7 +434,7 @@ static bool make_room(eng_engine *e, eng_seq *s, int n) {
         int victim = -1;
         for (int i = e->n_running - 1; i > self && victim < 0; i--)
             if (!e->running[i]->done && e->running[i]->gs) victim = i;
-        if (victim < 0) return false;
+        if (victim < 0 || !e->p.preempt) return false;
         preempt(e, e->running[victim]);
     }
     return true;
@@ -509,7 +509,9 @@ static void admit(eng_engine *e) {
         if (glm_model_slots_free(e->m) == 0) break;
         /* and pages for its prefill and first token, so it does not give way as soon as it starts */
         if (glm_model_page_bytes(e->m) > 0) {
-            const int page = glm_model_page_tokens(e->m), need = (s->n_feed + 1 + page - 1) / page;
+            const int page = glm_model_page_tokens(e->m);
+            const int len = e->p.preempt ? s->n_feed + 1 : s->req.n_prompt + s->req.max_new_tokens;
+            const int need = (len + page - 1) / page;
             while (glm_model_pages_free(e->m) < need && prefix_evict_one(e)) {}
             if (glm_model_pages_free(e->m) < need && e->n_running > 0) break; /* alone, it may preempt nothing */
         }
@@ -523,6 +525,10 @@ static void admit(eng_engine *e) {
         e->cache_bytes += s->charged;
         e->running[e->n_running++] = s;
         prefix_start(e, s);
+        if (!e->p.preempt && glm_seq_reserve(s->gs, cap - glm_seq_len(s->gs), &s->err) != MT_OK) {
+            preempt(e, s); /* its whole length does not fit after all: back to the queue */
+            break;
+        }
         prefill_some(e, s, &budget);
         if (!s->gs) break; /* it gave way at once: the pools are full, the rest waits too */
     }

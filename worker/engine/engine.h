@@ -96,6 +96,12 @@ typedef struct eng_params {
      * never fit is refused at submit (MT_ERR_FULL, message gives both sizes). */
     size_t cache_budget_bytes;
     int prefix_block;            /* default 64 tokens */
+    /* When the cache pages run short. true (default): a sequence is admitted with pages for its
+     * prefill and maps more as it grows; one that cannot get a page preempts the newest running
+     * sequences (recomputed later). false: a sequence is admitted only with pages for its whole
+     * length (prompt + max_new_tokens) mapped at once, so nothing is ever preempted, at the price
+     * of fewer sequences running together. */
+    bool preempt;
     /* Wall clock in Unix milliseconds, for deadlines. NULL: CLOCK_REALTIME. */
     uint64_t (*now_ms)(void *user);
     void *clock_user;

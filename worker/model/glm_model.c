@@ -7,7 +7,8 @@
 #include "worker/model/glm_impl.h"
 
 glm_model_params glm_model_default_params(void) {
-    return (glm_model_params){ .prefill_chunk = 256, .decode_graphs = true, .device_positions = false };
+    return (glm_model_params){ .prefill_chunk = 256, .decode_graphs = true, .device_positions = false,
+                               .graph_max_rows = 64 };
 }
 
 static void scratch_free(mt_backend *be, glm_scratch *s) {
@@ -79,6 +80,7 @@ static glm_model *model_new(mt_backend *be, const glm_model_params *params) {
     m->be = be;
     m->params = params ? *params : glm_model_default_params();
     if (m->params.prefill_chunk < 1) m->params.prefill_chunk = 1;
+    if (m->params.graph_max_rows < 1) m->params.graph_max_rows = 64;
     return m;
 }
 
@@ -681,6 +683,7 @@ static mt_status decode_rows(glm_model *m, glm_seq **seqs, const int32_t *tokens
     mt_backend *be = m->be;
     const int L = c->num_hidden_layers, b = bucket_of(n);
     bool use_graph = m->params.decode_graphs && be->ops->graph_begin && !m->census && b < GLM_BUCKETS &&
+                     (1 << b) <= m->params.graph_max_rows &&
                      (1 << b) <= m->rcap && m->bucket_failures[b] < GLM_MAX_CAPTURE_FAILURES;
     const int B = use_graph ? 1 << b : n;
     if (B > n && !m->pad_seq) {

@@ -25,6 +25,8 @@ typedef struct glm_model_params {
     int prefill_chunk;   /* rows per prefill pass (bounds scratch memory), default 256 */
     int pool_pages, pool_slots; /* pools made at the first glm_seq_new when glm_model_set_pools was
                                  * not called (0: GLM_DEFAULT_POOL_PAGES / _SLOTS) */
+    int graph_max_rows;  /* batched decode steps of more rows run eagerly (default 64: the
+                          * grouped MoE, which a graph can hold, covers 9..64 rows) */
     bool decode_graphs;  /* decode through a captured graph when the backend can (default true) */
     bool device_positions; /* decode in the graph form (positions read from backend memory) even
                             * without a graph; default false. For tests of the graph form. */
