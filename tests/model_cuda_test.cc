@@ -286,6 +286,60 @@ TEST_F(ModelCuda, BatchedDecodeGraphBucketsEqualEachAlone) {
     }
 }
 
+// Prefix reuse on the GPU with paged caches: a snapshot taken at 100 positions shares the first
+// (full) page of the running sequence and copies the partly filled second one; a new sequence
+// copied from the snapshot shares both and continues with other tokens exactly as a cold
+// prefill of the same tokens does, while the original sequence, decoding on, is untouched.
+TEST_F(ModelCuda, PrefixPagesSharedAndCopiedMatchCold) {
+    for (const char *name : {"tiny_a", "tiny_c"}) {
+        std::string dir = std::string("tests/fixtures/") + name;
+        glm_model *m = nullptr;
+        mt_error err{};
+        ASSERT_EQ(glm_model_load(dir.c_str(), gpu_, nullptr, &m, &err), MT_OK) << err.msg;
+        const int V = glm_model_config(m)->vocab_size, page = glm_model_page_tokens(m);
+        std::vector<int32_t> pre = Tokens(100, V, 77), tail = Tokens(20, V, 78), more = Tokens(20, V, 79);
+        glm_seq *a = nullptr, *snap = nullptr, *b = nullptr, *cold = nullptr, *a_ref = nullptr;
+        ASSERT_EQ(glm_seq_new(m, 200, &a, &err), MT_OK);
+        ASSERT_EQ(glm_prefill(m, a, pre.data(), 100, nullptr, false, &err), MT_OK);
+        const int free0 = glm_model_pages_free(m);
+        ASSERT_EQ(glm_seq_new(m, 100, &snap, &err), MT_OK);
+        ASSERT_EQ(glm_seq_copy_prefix(m, a, snap, &err), MT_OK) << err.msg;
+        EXPECT_EQ(glm_model_pages_free(m), free0 - (100 % page ? 1 : 0)); // only the partial page copied
+        // a decodes on (writing its partial page, which snap no longer shares)
+        std::vector<float> la(V), lr(V), lb((size_t)20 * V), lc((size_t)20 * V);
+        ASSERT_EQ(glm_seq_new(m, 200, &a_ref, &err), MT_OK);
+        ASSERT_EQ(glm_prefill(m, a_ref, pre.data(), 100, nullptr, false, &err), MT_OK);
+        ASSERT_EQ(glm_prefill(m, a, more.data(), 20, la.data(), false, &err), MT_OK);
+        ASSERT_EQ(glm_prefill(m, a_ref, more.data(), 20, lr.data(), false, &err), MT_OK);
+        double worst_a = 0;
+        for (int v = 0; v < V; v++) worst_a = std::fmax(worst_a, std::fabs(la[v] - lr[v]));
+        // b from the snapshot, then 20 other tokens; cold: all 120 tokens from scratch
+        ASSERT_EQ(glm_seq_new(m, 200, &b, &err), MT_OK);
+        ASSERT_EQ(glm_seq_copy_prefix(m, snap, b, &err), MT_OK) << err.msg;
+        ASSERT_EQ(glm_prefill(m, b, tail.data(), 20, lb.data(), true, &err), MT_OK);
+        std::vector<int32_t> all = pre;
+        all.insert(all.end(), tail.begin(), tail.end());
+        ASSERT_EQ(glm_seq_new(m, 200, &cold, &err), MT_OK);
+        std::vector<float> lall((size_t)120 * V);
+        ASSERT_EQ(glm_prefill(m, cold, all.data(), 120, lall.data(), true, &err), MT_OK);
+        double worst_b = 0;
+        int agree = 0;
+        for (int i = 0; i < 20; i++) {
+            const float *x = lb.data() + (size_t)i * V, *y = lall.data() + (size_t)(100 + i) * V;
+            for (int v = 0; v < V; v++) worst_b = std::fmax(worst_b, std::fabs(x[v] - y[v]));
+            agree += glm_argmax(x, V) == glm_argmax(y, V);
+        }
+        EXPECT_LE(worst_a, 1e-5) << name << ": the running sequence changed under the snapshot";
+        EXPECT_LE(worst_b, 1e-4) << name;
+        EXPECT_EQ(agree, 20) << name;
+        printf("%s: prefix of 100 (page %d) shared/copied: continuation vs cold worst |logit diff| %.2e, top-1 %d/20; "
+               "original vs reference %.2e\n", name, page, worst_b, agree, worst_a);
+        for (glm_seq *s : {a, snap, b, cold, a_ref}) glm_seq_free(s);
+        EXPECT_EQ(glm_model_pages_free(m), glm_model_pages_total(m)); // every page back
+        glm_model_free(m);
+    }
+}
+
 TEST_F(ModelCuda, ReplayPastAFullCacheIsRefused) {
     glm_model *m = nullptr;
     mt_error err{};

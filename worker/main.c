@@ -53,6 +53,7 @@ typedef struct worker_opts {
     long cache_budget_mb;        /* 0: plan from the backend's free memory */
     int prefill_budget;          /* 0: the engine's default */
     int graph_max_batch;         /* 0: the model's default */
+    bool no_preempt;             /* admit only with pages for the whole length instead */
     double router_timeout;      /* seconds of router silence before exiting */
     bool verbose;
 } worker_opts;
@@ -138,7 +139,7 @@ static void usage(FILE *f) {
             "usage: metrale-worker --model DIR --router ENDPOINT --id N [--backend cpu|cuda|auto]\n"
             "                      [--device N] [--max-sequences N] [--max-context N] [--threads N]\n"
             "                      [--router-timeout S] [--cache-budget-mb N] [--prefill-budget N]\n"
-            "                      [--graph-max-batch N] [--verbose]\n"
+            "                      [--graph-max-batch N] [--no-preempt] [--verbose]\n"
             "  Serves the checkpoint in DIR to the router at ENDPOINT (ipc:// or tcp://127.0.0.1:) as worker N.\n"
             "  --model: a checkpoint folder, or random:tiny / random:bench-4L (random weights, for benchmarks).\n"
             "  --backend: cpu (default), cuda (GPU --device, default 0), or auto (cuda when a GPU is usable).\n"
@@ -150,7 +151,8 @@ static void usage(FILE *f) {
             "  (the chunk size of a long prompt; default 2048). A request waits while the pools are short,\n"
             "  and a running one that runs out of cache pages is preempted (its state recomputed later);\n"
             "  --graph-max-batch: decode steps of up to N sequences replay CUDA graphs (buckets 1, 2, 4, ...;\n"
-            "  default 64), larger ones run eagerly.\n");
+            "  default 64), larger ones run eagerly; --no-preempt: admit a request only when pages for its\n"
+            "  whole length are free (nothing is ever preempted; fewer run together).\n");
 }
 
 /* ---- sending ---- */
@@ -499,6 +501,7 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); return 1; }
         if (!strcmp(a, "--verbose")) { o->verbose = true; continue; }
+        if (!strcmp(a, "--no-preempt")) { o->no_preempt = true; continue; }
         if (!v) { fprintf(stderr, "error: %s needs a value\n", a); usage(stderr); return -1; }
         int rc = 0;
         if (!strcmp(a, "--model")) o->model = v;
@@ -598,6 +601,7 @@ int main(int argc, char **argv) {
     ep.max_sequences = w.o.max_sequences;
     ep.max_context = w.o.max_context;
     if (w.o.prefill_budget > 0) ep.prefill_budget = w.o.prefill_budget;
+    ep.preempt = !w.o.no_preempt;
     if (plan_memory(&w, be, &ep, &err) != MT_OK) {
         mt_log(MT_LOG_ERROR, "worker %d: %s", w.o.id, err.msg);
         goto done;
