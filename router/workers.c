@@ -97,6 +97,11 @@ void rtr_workers_set_stats(rtr_worker *w, const Metrale__V1__WorkerStats *s) {
     w->stats.prefix_hits = s->prefix_hits;
     w->stats.prefix_misses = s->prefix_misses;
     w->stats.prefix_cache_bytes = s->prefix_cache_bytes;
+    w->stats.preemptions = s->preemptions;
+    w->stats.cache_pages_free = s->cache_pages_free;
+    w->stats.cache_pages_total = s->cache_pages_total;
+    w->stats.slots_free = s->slots_free;
+    w->stats.slots_total = s->slots_total;
 }
 
 rtr_worker *rtr_workers_pick(rtr_workers *reg) {

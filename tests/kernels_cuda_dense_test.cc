@@ -9,7 +9,9 @@
 //   norms, elementwise, hc_post, hc_head       1e-6 (same formula; expf and fma differ by an ulp);
 //     l2norm beyond d = 4096: 4e-6 (fp32 sum of squares, the CPU's sequential one drifts with d)
 //   matmul, moe_experts, hc_pre (dot products) 1e-5 (fp32 sums in another order; K up to 16384)
-//     on the fp32 paths: n <= 8 (GEMV), F32 weights, matmul outputs narrower than 512 rows
+//     on the fp32 paths: n <= 8 (GEMV), F32 weights, matmul outputs narrower than 512 rows; the
+//     GEMV of bf16 weights of >= 1024 rows runs on the tensor cores with x in three bf16 parts
+//     (24 significant bits, as fp32), under the same 1e-5
 //   matmul, moe_experts on the tensor cores    1e-4 (n > 8 on bf16/fp16 weights; x enters as two
 //     16-bit parts hi + lo, 16 significant bits: typically ~3e-6 for bf16)
 //   the same with MT_CUDA_TC_TERMS=1           1e-2 (x rounded once: typically ~1.5e-3 for bf16);
@@ -34,6 +36,7 @@
 
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/cuda_ops.h" // cu_moe_experts_grouped (DecodeTimings)
 
 namespace {
 
@@ -177,6 +180,52 @@ class CudaOps : public ::testing::Test {
         for (int r = 0; r < reps; r++) f();
         be->ops->sync(be);
         return (Seconds() - t0) / reps;
+    }
+
+    // The device copy bandwidth (GB/s, read + write, as decode_bench measures it), measured on
+    // gpu_ once per process and printed then.
+    static double CopyGbs() {
+        static double gbs = 0;
+        if (gbs > 0) return gbs;
+        mt_backend *be = gpu_;
+        const size_t bytes = (size_t)1 << 30;
+        void *a = be->ops->alloc(be, bytes), *b = be->ops->alloc(be, bytes);
+        EXPECT_TRUE(a && b);
+        if (!a || !b) return 1.0;
+        be->ops->copy(be, b, a, bytes);
+        be->ops->sync(be);
+        const double t0 = Seconds();
+        for (int r = 0; r < 10; r++) be->ops->copy(be, r & 1 ? a : b, r & 1 ? b : a, bytes);
+        be->ops->sync(be);
+        gbs = 2.0 * bytes * 10 / (Seconds() - t0) / 1e9;
+        Drop(be, a);
+        Drop(be, b);
+        std::printf("[ timing   ] decode: device copy bandwidth %.0f GB/s (read + write)\n", gbs);
+        return gbs;
+    }
+    // Seconds per call of f(k), k = 0 .. reps - 1, replayed on be as one graph (after an eager
+    // pass that sizes every scratch buffer).
+    template <class F> static double GraphTime(mt_backend *be, int reps, F f) {
+        for (int k = 0; k < reps; k++) f(k);
+        be->ops->sync(be);
+        EXPECT_EQ(be->ops->graph_begin(be), MT_OK);
+        for (int k = 0; k < reps; k++) f(k);
+        mt_graph *g = nullptr;
+        EXPECT_EQ(be->ops->graph_end(be, &g), MT_OK);
+        if (!g) return 0.0;
+        EXPECT_EQ(be->ops->graph_launch(be, g), MT_OK);
+        be->ops->sync(be);
+        const int launches = 5;
+        const double t0 = Seconds();
+        for (int l = 0; l < launches; l++) be->ops->graph_launch(be, g);
+        be->ops->sync(be);
+        const double t = (Seconds() - t0) / (launches * reps);
+        be->ops->graph_free(be, g);
+        return t;
+    }
+    static void ReportTiming(const std::string &what, double t, double bytes) {
+        std::printf("[ timing   ] decode %-44s %8.1f us %6.0f GB/s %5.1f%% of copy\n", what.c_str(), t * 1e6,
+                    bytes / t / 1e9, 100.0 * bytes / t / 1e9 / CopyGbs());
     }
 
     static mt_backend *gpu_, *cpu_;
@@ -328,9 +377,14 @@ TEST_F(CudaOps, Matmul) {
         }
     }
     // The bench-4L decode projections the GEMV's grid choice specialises on (K split over 1-8
-    // warps, a tall or a 1-chunk-wide weight), bf16 at 1, 3 and 8 rows.
+    // warps, a tall or a 1-chunk-wide weight), bf16 at 1, 3 and 8 rows (the tensor-core GEMV from
+    // 1024 rows: K split over 1, 4 or 8 warps), then shapes that give the tensor-core GEMV a
+    // partial last 16-row tile, a partial 32-column k-block (cols % 32 == 8: one lane of four
+    // in range) and a partial chunk (cols 200: 6 of 8 k-blocks; 8: one lane of one k-block);
+    // MT_CUDA_GEMV_TC=2 sends the short ones there too.
     for (const S &s : {S{8192, 4096}, S{4096, 8192}, S{4096, 12288}, S{16384, 1536}, S{8192, 128},
-                       S{1536, 4096}, S{512, 4096}, S{128, 4096}, S{64, 4096}, S{32, 4096}}) {
+                       S{1536, 4096}, S{512, 4096}, S{128, 4096}, S{64, 4096}, S{32, 4096},
+                       S{2050, 4104}, S{1030, 200}, S{1031, 8}, S{37, 1000}}) {
         auto w = MakeWeight(MT_BF16, s.rows, s.cols, 2.f / std::sqrt((float)s.cols));
         for (int n : {1, 3, 8}) {
             const double e = MatmulErr(cpu_, gpu_, w->cpu, w->gpu, n);
@@ -339,8 +393,25 @@ TEST_F(CudaOps, Matmul) {
             EXPECT_LE(e, 1e-5) << where;
         }
     }
+    // The GEMV sums in an order fixed by the shape: the same call twice gives the same bits.
+    for (const S &s : {S{4096, 4096}, S{8192, 128}, S{288, 4096}}) {
+        auto w = MakeWeight(MT_BF16, s.rows, s.cols, 2.f / std::sqrt((float)s.cols));
+        for (int n : {1, 8}) {
+            std::vector<float> xh = Rand((size_t)n * s.cols);
+            float *x = Put(gpu_, xh);
+            float *y = (float *)gpu_->ops->alloc(gpu_, sizeof(float) * (size_t)n * s.rows);
+            gpu_->ops->matmul(gpu_, y, x, &w->gpu, n);
+            const std::vector<float> a = Get(gpu_, y, (size_t)n * s.rows);
+            gpu_->ops->matmul(gpu_, y, x, &w->gpu, n);
+            const std::vector<float> b = Get(gpu_, y, (size_t)n * s.rows);
+            EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
+                << "GEMV not deterministic: " << Shape({{"n", n}, {"rows", s.rows}, {"cols", s.cols}});
+            Drop(gpu_, x);
+            Drop(gpu_, y);
+        }
+    }
     const Weight &v = Vocab();
-    for (int n : {1, 4, 20}) {
+    for (int n : {1, 4, 8, 20}) {
         const double e = MatmulErr(cpu_, gpu_, v.cpu, v.gpu, n);
         const std::string where = Shape({{"n", n}, {"rows", 154880}, {"cols", 4096}}) + " BF16";
         const bool tc = MatmulOnTensorCores(v.gpu, n);
@@ -855,51 +926,21 @@ TEST_F(CudaOps, HyperConnections) {
     }
 }
 
-// Decode-shaped ops at one row, the bench-4L shapes (bench/decode_bench: hidden 4096, KDA 64 x
-// 128, DSA, 288 experts of 2048, hc_mult 4, vocab 154880). Each op runs `reps` times inside one
-// CUDA graph made through the backend's graph slots, so the gaps between kernels are those of a
+// Decode-shaped ops, the bench-4L shapes (bench/decode_bench: hidden 4096, KDA 64 x 128, DSA,
+// hc_mult 4, vocab 154880): the matmuls at 1, 2, 4 and 8 rows (batched decode), norms and mHC
+// at one row (the experts: CudaMoe.DecodeTimings). Each op runs `reps` times inside one CUDA
+// graph made through the backend's graph slots, so the gaps between kernels are those of a
 // decode graph (and consecutive kernels overlap as they would there); weights cycle over copies
 // of at least 256 MB in all, beyond the 60 MB L2, so they come from memory as in a real step.
 // Prints microseconds per call and weight bytes per second against the device copy bandwidth
-// (read + write, as decode_bench measures it); checks only that every graph was made and ran.
+// (read + write, as decode_bench measures it). Checks only that every graph was made and ran.
+// MT_CUDA_GEMV_TC=0 (or 2) in the environment times the fp32 GEMV (or the tensor-core one on
+// every shape) instead of the default choice (the knob is read once per process).
 TEST_F(CudaOps, DecodeTimings) {
     mt_backend *be = gpu_;
     ASSERT_NE(be->ops->graph_begin, nullptr);
-    double copy_gbs;
-    {
-        const size_t bytes = (size_t)1 << 30;
-        void *a = be->ops->alloc(be, bytes), *b = be->ops->alloc(be, bytes);
-        ASSERT_TRUE(a && b);
-        be->ops->copy(be, b, a, bytes);
-        be->ops->sync(be);
-        const double t0 = Seconds();
-        for (int r = 0; r < 10; r++) be->ops->copy(be, r & 1 ? a : b, r & 1 ? b : a, bytes);
-        be->ops->sync(be);
-        copy_gbs = 2.0 * bytes * 10 / (Seconds() - t0) / 1e9;
-        Drop(be, a);
-        Drop(be, b);
-    }
-    std::printf("[ timing   ] decode: device copy bandwidth %.0f GB/s (read + write)\n", copy_gbs);
-    // Seconds per call of f(k), k = 0 .. reps - 1, replayed as one graph (after an eager pass that
-    // sizes every scratch buffer).
-    auto graph_time = [&](int reps, auto f) -> double {
-        for (int k = 0; k < reps; k++) f(k);
-        be->ops->sync(be);
-        EXPECT_EQ(be->ops->graph_begin(be), MT_OK);
-        for (int k = 0; k < reps; k++) f(k);
-        mt_graph *g = nullptr;
-        EXPECT_EQ(be->ops->graph_end(be, &g), MT_OK);
-        if (!g) return 0.0;
-        EXPECT_EQ(be->ops->graph_launch(be, g), MT_OK);
-        be->ops->sync(be);
-        const int launches = 5;
-        const double t0 = Seconds();
-        for (int l = 0; l < launches; l++) be->ops->graph_launch(be, g);
-        be->ops->sync(be);
-        const double t = (Seconds() - t0) / (launches * reps);
-        be->ops->graph_free(be, g);
-        return t;
-    };
+    const double copy_gbs = CopyGbs();
+    auto graph_time = [&](int reps, auto f) -> double { return GraphTime(be, reps, f); };
     // Copies of a bf16 [rows, cols] weight: at least 256 MB in all (at most 256 copies).
     auto copies_of = [&](int64_t rows, int64_t cols, std::vector<mt_weight> &ws) {
         const double bytes = 2.0 * rows * cols;
@@ -907,10 +948,7 @@ TEST_F(CudaOps, DecodeTimings) {
         for (size_t c = 0; c < ws.size(); c++)
             ASSERT_EQ(be->ops->weight_random(be, MT_BF16, rows, cols, 7000 + c, 0.f, 0.02f, &ws[c]), MT_OK);
     };
-    auto report = [&](const std::string &what, double t, double bytes) {
-        std::printf("[ timing   ] decode %-44s %8.1f us %6.0f GB/s %5.1f%% of copy\n", what.c_str(), t * 1e6,
-                    bytes / t / 1e9, 100.0 * bytes / t / 1e9 / copy_gbs);
-    };
+    auto report = [&](const std::string &what, double t, double bytes) { ReportTiming(what, t, bytes); };
 
     struct M { const char *what; int rows, cols; };
     const M mats[] = {{"lm_head", 154880, 4096},     {"dense gate/up", 12288, 4096}, {"dense down", 4096, 12288},
@@ -918,19 +956,34 @@ TEST_F(CudaOps, DecodeTimings) {
                       {"dsa q_b", 16384, 1536},      {"shared gate/up", 2048, 4096}, {"shared down", 4096, 2048},
                       {"dsa q_a", 1536, 4096},       {"dsa kv_a", 512, 4096},        {"router", 288, 4096},
                       {"kda f_a/g_a", 128, 4096},    {"kda f_b/g_b", 8192, 128},     {"kda b", 64, 4096}};
+    const int ns[] = {1, 2, 4, 8};
+    double sum_t[4] = {0, 0, 0, 0}, sum_bytes = 0;
     for (const M &m : mats) {
         std::vector<mt_weight> ws;
         copies_of(m.rows, m.cols, ws);
         const int nc = (int)ws.size(), reps = nc * std::max(1, (8 + nc - 1) / nc);
-        float *x = Put(be, Rand(m.cols));
-        float *y = (float *)be->ops->alloc(be, sizeof(float) * m.rows);
-        const double t = graph_time(reps, [&](int k) { be->ops->matmul(be, y, x, &ws[k % nc], 1); });
-        report(std::string("matmul ") + m.what + " " + std::to_string(m.rows) + "x" + std::to_string(m.cols), t,
-               2.0 * m.rows * m.cols);
+        const double bytes = 2.0 * m.rows * m.cols;
+        char line[256];
+        int at = std::snprintf(line, sizeof line, "decode matmul %-14s %6dx%-5d", m.what, m.rows, m.cols);
+        for (int q = 0; q < 4; q++) {
+            const int n = ns[q];
+            float *x = Put(be, Rand((size_t)n * m.cols));
+            float *y = (float *)be->ops->alloc(be, sizeof(float) * (size_t)n * m.rows);
+            const double t = graph_time(reps, [&](int k) { be->ops->matmul(be, y, x, &ws[k % nc], n); });
+            sum_t[q] += t;
+            at += std::snprintf(line + at, sizeof line - at, " | n=%d %7.1f us %5.1f%%", n, t * 1e6,
+                                100.0 * bytes / t / 1e9 / copy_gbs);
+            Drop(be, x);
+            Drop(be, y);
+        }
+        sum_bytes += bytes;
+        std::printf("[ timing   ] %s\n", line);
         for (mt_weight &w : ws) be->ops->weight_free(be, &w);
-        Drop(be, x);
-        Drop(be, y);
     }
+    std::printf("[ timing   ] decode matmul sum of one call of each shape (%.0f MB):", sum_bytes / 1e6);
+    for (int q = 0; q < 4; q++)
+        std::printf(" n=%d %.1f us (%.1f%%)", ns[q], sum_t[q] * 1e6, 100.0 * sum_bytes / sum_t[q] / 1e9 / copy_gbs);
+    std::printf("\n");
 
     for (int d : {4096, 1536, 512}) {
         float *x = Put(be, Rand(d)), *w = Put(be, Rand(d, 0.5f, 1.5f));
@@ -964,29 +1017,50 @@ TEST_F(CudaOps, DecodeTimings) {
         for (void *q : {(void *)X, (void *)base, (void *)scale, (void *)y, (void *)post, (void *)comb, (void *)a})
             Drop(be, q);
     }
+}
 
+// The routed experts at 1, 2, 4 and 8 rows (batched decode, top-8 of 288, 4096 x 2048 bf16), as
+// graphs (see CudaOps.DecodeTimings): the backend's path (per (row, slot) GEMV kernels below
+// MT_CUDA_MOE_GROUPED_MIN rows) and the grouped kernels (cu_moe_experts_grouped) on the same
+// routing; bytes are those of the distinct experts the rows chose (the floor). Also the router.
+TEST_F(CudaMoe, DecodeTimings) {
+    mt_backend *be = gpu_;
+    ASSERT_NE(be->ops->graph_begin, nullptr);
+    auto graph_time = [&](int reps, auto f) -> double { return GraphTime(be, reps, f); };
+    auto report = [&](const std::string &what, double t, double bytes) { ReportTiming(what, t, bytes); };
     {
-        const int E = 288, k = 8, H = 4096, I = 2048, distinct = 16;
+        // Every expert its own weights (14.5 GB), as in the model: rows that choose different
+        // experts never share bytes through L2.
+        const int E = 288, k = 8, H = 4096, I = 2048;
         const mt_router_params rp = {E, 1, 1, k, true, 2.5f};
-        std::vector<mt_weight> w(3 * distinct);
-        for (int d = 0; d < distinct; d++)
+        std::vector<mt_weight> w(3 * E);
+        for (int e = 0; e < E; e++)
             for (int j = 0; j < 3; j++)
-                ASSERT_EQ(be->ops->weight_random(be, MT_BF16, j < 2 ? I : H, j < 2 ? H : I, 9000 + 3 * d + j, 0.f, 0.02f,
-                                                 &w[3 * d + j]),
+                ASSERT_EQ(be->ops->weight_random(be, MT_BF16, j < 2 ? I : H, j < 2 ? H : I, 9000 + 3 * e + j, 0.f, 0.02f,
+                                                 &w[3 * e + j]),
                           MT_OK);
         std::vector<mt_expert> ex(E);
-        for (int e = 0; e < E; e++) ex[e] = {w[3 * (e % distinct)], w[3 * (e % distinct) + 1], w[3 * (e % distinct) + 2]};
-        float *logits = Put(be, Rand(E, -4.f, 4.f)), *bias = Put(be, Rand(E, -0.1f, 0.1f));
-        float *x = Put(be, Rand(H)), *out = Put(be, Rand(H));
-        int32_t *idx = (int32_t *)be->ops->alloc(be, sizeof(int32_t) * k);
-        float *wts = (float *)be->ops->alloc(be, sizeof(float) * k);
-        const double tr = graph_time(64, [&](int) { be->ops->moe_route(be, idx, wts, logits, bias, &rp, 1); });
-        report("moe_route 288 experts top-8", tr, 8.0 * E);
-        // The last route stands; moe_experts then knows idx's bound without reading it back.
-        const double te = graph_time(8, [&](int) { be->ops->moe_experts(be, out, x, idx, wts, ex.data(), 1, k, H, I, 10.f); });
-        report("moe_experts top-8 of 288, 3 x 2048x4096", te, 2.0 * k * 3 * H * I);
+        for (int e = 0; e < E; e++) ex[e] = {w[3 * e], w[3 * e + 1], w[3 * e + 2]};
+        for (int n : {1, 2, 4, 8}) {
+            float *logits = Put(be, Rand((size_t)n * E, -4.f, 4.f)), *bias = Put(be, Rand(E, -0.1f, 0.1f));
+            float *x = Put(be, Rand((size_t)n * H)), *out = Put(be, Rand((size_t)n * H));
+            int32_t *idx = (int32_t *)be->ops->alloc(be, sizeof(int32_t) * n * k);
+            float *wts = (float *)be->ops->alloc(be, sizeof(float) * n * k);
+            const double tr = graph_time(64, [&](int) { be->ops->moe_route(be, idx, wts, logits, bias, &rp, n); });
+            if (n == 1) report("moe_route 288 experts top-8", tr, 8.0 * E);
+            std::vector<int32_t> hi = Get(be, idx, (size_t)n * k);
+            std::sort(hi.begin(), hi.end());
+            const int distinct = (int)(std::unique(hi.begin(), hi.end()) - hi.begin());
+            const double bytes = 2.0 * distinct * 3 * H * I;
+            // The last route stands; both paths then know idx's bound without reading it back.
+            const double te = graph_time(8, [&](int) { be->ops->moe_experts(be, out, x, idx, wts, ex.data(), n, k, H, I, 10.f); });
+            report("moe_experts n=" + std::to_string(n) + " (" + std::to_string(distinct) + " experts), backend path", te,
+                   bytes);
+            const double tg = graph_time(8, [&](int) { cu_moe_experts_grouped(be, out, x, idx, wts, ex.data(), n, k, H, I, 10.f); });
+            report("moe_experts n=" + std::to_string(n) + " (" + std::to_string(distinct) + " experts), grouped", tg, bytes);
+            for (void *q : {(void *)logits, (void *)bias, (void *)x, (void *)out, (void *)idx, (void *)wts}) Drop(be, q);
+        }
         for (mt_weight &q : w) be->ops->weight_free(be, &q);
-        for (void *q : {(void *)logits, (void *)bias, (void *)x, (void *)out, (void *)idx, (void *)wts}) Drop(be, q);
     }
 }
 

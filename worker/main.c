@@ -261,6 +261,11 @@ static void *heartbeat_main(void *arg) {
             ws.prefix_hits = st.prefix_hits;
             ws.prefix_misses = st.prefix_misses;
             ws.prefix_cache_bytes = st.prefix_cache_bytes;
+            ws.preemptions = st.preemptions;
+            ws.cache_pages_free = (uint32_t)st.pages_free;
+            ws.cache_pages_total = (uint32_t)st.pages_total;
+            ws.slots_free = (uint32_t)st.slots_free;
+            ws.slots_total = (uint32_t)st.slots_total;
             Metrale__Internal__V1__Heartbeat hb = METRALE__INTERNAL__V1__HEARTBEAT__INIT;
             hb.stats = &ws;
             mt_envelope env = METRALE__INTERNAL__V1__ENVELOPE__INIT;

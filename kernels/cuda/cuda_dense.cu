@@ -196,8 +196,9 @@ template <int V> static __device__ __forceinline__ void gemv_xload(const float *
  * 2-8 warps (the partial sums meet in shared memory, in slice order); tall ones keep a group per
  * warp with no barrier. Grid: ceil(groups / (8 / ksplit)) blocks of 8 warps. Each output is a
  * per-lane running sum in chunk order, a fixed butterfly over the lanes, then the slices in
- * order: deterministic for a given shape. Launched for PDL: the first step's weight loads are
- * issued before waiting for the previous kernel (they depend on none). */
+ * order: deterministic for a given shape. Launched for PDL: the first step's weight lines are
+ * prefetched into L2 before waiting for the previous kernel (they depend on none; the loads
+ * themselves land after the wait in the SASS, whatever their place in the source). */
 template <mt_dtype DT, int NB, bool VEC>
 static __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(const gemv_params p) {
     constexpr int R = GEMV_R, U = GEMV_U, V = gemv_w<DT, VEC>::V;
@@ -225,6 +226,16 @@ static __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(const gemv_pa
         }
     };
 
+    if constexpr (VEC) {
+        /* The first step's 32 lines of 128 bytes (U chunks x R rows x 512 bytes) into L2, lane l
+         * taking line l % 4 of chunk l / 8, row (l / 4) % 2: issued before the PDL wait, which
+         * ptxas would otherwise schedule ahead of the loads below (see gemv_tc_kernel). */
+        const int u = lane >> 3, r = (lane >> 2) & 1, v = (s + u * ks) * 32 + 8 * (lane & 3);
+        if (v < nv && row0 + r < p.rows && (s + u * ks) < nch)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"((const char *)p.w +
+                                                          ((int64_t)(row0 + r) * p.cols + (int64_t)v * V) *
+                                                              (DT == MT_F32 ? 4 : 2)));
+    }
     load(s);
     cu_pdl_wait(); /* x is the previous kernel's output */
     cu_pdl_trigger();
@@ -349,6 +360,190 @@ static mt_status gemv_launch(gemv_params *p, mt_dtype dt, int n_sm, cudaStream_t
     case MT_F16: return gemv_launch_dt<MT_F16>(p, vec, n_sm, s);
     default: return gemv_launch_dt<MT_BF16>(p, vec, n_sm, s);
     }
+}
+
+/* ---- GEMV on the tensor cores: bf16 weights, n <= 8 ---- */
+
+/* Why: the fp32 GEMV above does n FMAs per weight element and, for each 16-byte weight vector of
+ * its 2 rows, loads n x vectors of 32 bytes from L1: at n = 8 that is 8 bytes of L1 traffic per
+ * weight byte, past what L1 serves while the weight streams at HBM speed (H200: the batch-8 dense
+ * matmuls ran at ~1 TB/s). Here one mma.sync m16n8k16 multiplies a 16-row weight tile by all
+ * n <= 8 inputs (N = 8, columns n.. zero), so each x value loaded serves 16 rows (x traffic n/8
+ * of the weight's at 4-byte x) and the arithmetic leaves the FMA pipes.
+ *
+ * Precision: x enters as three bf16 parts, hi = rn(x), mid = rn(x - hi), lo = rn(x - hi - mid)
+ * (the differences are exact in fp32): 24 significant bits, x itself to fp32 rounding. bf16 x
+ * bf16 products are exact in fp32. Each part has its own accumulator, restarted every chunk (8
+ * k-steps) and then added into an fp32 running sum in RN, so the tensor core's own accumulation
+ * (which truncates) covers at most 128 products at a time. Expected error: that of an fp32 GEMV.
+ *
+ * Layout: a tile is 16 weight rows; the k axis goes in blocks of 32 elements, lane (g, t) =
+ * (lane / 4, lane % 4) loading the 16 bytes [32 kb + 8t, +8) of rows g and g + 8 and the same
+ * 8 elements of x row g (g < n; zero otherwise). The MMA sees a permutation of k, the same for
+ * A and B: k-step q (0, 1) of a k-block takes elements 4q .. 4q + 3 of each lane's vector, pair
+ * (4q, 4q + 1) as the fragment's k = 2t, 2t + 1 and pair (4q + 2, 4q + 3) as k = 2t + 8, 2t + 9
+ * (PTX m16n8k16 fragments: a0 row g, a1 row g + 8, a2 row g k + 8, a3 row g + 8 k + 8; b0, b1
+ * column g; c0, c1 row g columns 2t, 2t + 1; c2, c3 row g + 8). A dot product is order-free.
+ *
+ * Work: a chunk is GEMV_TC_J k-blocks, J x 64 contiguous bytes of each of the 16 rows. The ks
+ * warps of a tile take chunks s, s + ks, ... (s the warp's slice), so a block's warps together
+ * read 8 / ks tiles x ks consecutive chunks (2 KB of each row at ks = 8) at a time. Two chunks
+ * of loads per warp are in flight (the next is issued before the current one is used; both of
+ * the first are issued before the PDL wait, as they depend on no earlier kernel). Slices meet in
+ * shared memory in slice order; every sum's order depends only on the shape: deterministic.
+ * Needs cols % 8 == 0 and 16-byte aligned w and x (gemv_tc_ok). */
+enum { GEMV_TC_J = 4, GEMV_TC_TILE = 16, GEMV_TC_AHEAD = 2, GEMV_TC_MIN_ROWS = 1024 };
+
+/* 16 bytes of weight through the read-only path without allocating in L1 (read once). */
+static __device__ __forceinline__ uint4 gemv_tc_ldw(const char *a) {
+    uint4 u;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w)
+                 : "l"(a));
+    return u;
+}
+
+/* (a, b) as three bf16x2 parts, a in the low half (the lower k of a fragment register). */
+static __device__ __forceinline__ void gemv_tc_split(float a, float b, uint32_t &h, uint32_t &m, uint32_t &l) {
+    const __nv_bfloat162 hh = __floats2bfloat162_rn(a, b);
+    const float2 hf = __bfloat1622float2(hh);
+    const float ra = a - hf.x, rb = b - hf.y;
+    const __nv_bfloat162 mm = __floats2bfloat162_rn(ra, rb);
+    const float2 mf = __bfloat1622float2(mm);
+    const __nv_bfloat162 ll = __floats2bfloat162_rn(ra - mf.x, rb - mf.y);
+    h = *(const uint32_t *)&hh;
+    m = *(const uint32_t *)&mm;
+    l = *(const uint32_t *)&ll;
+}
+
+/* c[16x8] += a[16x16] b[16x8]: bf16 in, fp32 accumulators (fragments as above). */
+static __device__ __forceinline__ void gemv_tc_mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                                   uint32_t a3, uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+/* Grid: ceil(tiles / (8 / ksplit)) blocks of 8 warps; warp w of block b owns tile
+ * b * (8 / ksplit) + w / ksplit (rows [16 tile, +16)) and slice w % ksplit of its chunks. At most
+ * 128 registers a thread (two blocks per multiprocessor or more). */
+static __global__ void __launch_bounds__(GEMV_THREADS, 2) gemv_tc_kernel(const gemv_params p) {
+    constexpr int J = GEMV_TC_J;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int ks = p.ksplit, s = warp % ks;
+    const int row0 = (blockIdx.x * (GEMV_WARPS / ks) + warp / ks) * GEMV_TC_TILE;
+    const int nch = (p.cols + 32 * J - 1) / (32 * J);
+    const bool ok0 = row0 + g < p.rows, ok1 = row0 + g + 8 < p.rows, okx = g < p.n;
+    const char *w0 = (const char *)p.w + ((int64_t)(ok0 ? row0 + g : 0) * p.cols + 8 * t) * 2;
+    const char *w1 = (const char *)p.w + ((int64_t)(ok1 ? row0 + g + 8 : 0) * p.cols + 8 * t) * 2;
+    const float *xg = p.x + (int64_t)(okx ? g : 0) * p.cols + 8 * t;
+    /* L2 prefetch of a chunk: lane l takes 128-byte line l % LPR of row l / LPR of the tile
+     * (LPR = J / 2 lines per row and chunk), every line of the chunk once. */
+    constexpr int LPR = J / 2;
+    const int prow = row0 + lane / LPR;
+    const char *pf = (const char *)p.w + ((int64_t)(prow < p.rows ? prow : 0) * p.cols) * 2 + 128 * (lane % LPR);
+    auto prefetch = [&](int c) {
+        const int64_t k = (int64_t)c * J * 32 + 64 * (lane % LPR);
+        if (c < nch && prow < p.rows && lane < GEMV_TC_TILE * LPR && k < p.cols)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(pf + (int64_t)c * J * 64));
+    };
+
+    /* Prefetches go out in program order, ahead of the PDL wait (loads would be scheduled after
+     * it: ptxas issues griddepcontrol.wait first, as nothing it needs is pending), so the first
+     * chunks stream into L2 while the previous kernel finishes. */
+    for (int q = 0; q < GEMV_TC_AHEAD; q++) prefetch(s + q * ks);
+    cu_pdl_wait(); /* x is the previous kernel's output */
+    cu_pdl_trigger();
+
+    float sum[4] = {0.f, 0.f, 0.f, 0.f}; /* c0..c3 of the tile over this warp's chunks */
+    for (int c = s; c < nch; c += ks) {
+        prefetch(c + GEMV_TC_AHEAD * ks);
+        /* w[j][0], w[j][1]: this lane's 16 bytes of k-block j, rows g and g + 8 (zero past the
+         * rows or the columns) */
+        uint4 w[J][2];
+#pragma unroll
+        for (int j = 0; j < J; j++) {
+            const int64_t k = ((int64_t)c * J + j) * 32; /* the k-block's first element */
+            const bool in = k + 8 * t < p.cols;
+            w[j][0] = in && ok0 ? gemv_tc_ldw(w0 + 2 * k) : make_uint4(0u, 0u, 0u, 0u);
+            w[j][1] = in && ok1 ? gemv_tc_ldw(w1 + 2 * k) : make_uint4(0u, 0u, 0u, 0u);
+        }
+        float ah[4] = {0.f, 0.f, 0.f, 0.f}, am[4] = {0.f, 0.f, 0.f, 0.f}, al[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < J; j++) {
+            const int64_t k = ((int64_t)c * J + j) * 32;
+            const bool in = okx && k + 8 * t < p.cols;
+#pragma unroll
+            for (int q = 0; q < 2; q++) { /* k-step q: elements 4q .. 4q + 3 */
+                const float4 xv = in ? __ldg((const float4 *)(xg + k + 4 * q)) : make_float4(0.f, 0.f, 0.f, 0.f);
+                uint32_t h0, m0, l0, h1, m1, l1;
+                gemv_tc_split(xv.x, xv.y, h0, m0, l0);
+                gemv_tc_split(xv.z, xv.w, h1, m1, l1);
+                const uint32_t a0 = q ? w[j][0].z : w[j][0].x, a1 = q ? w[j][1].z : w[j][1].x;
+                const uint32_t a2 = q ? w[j][0].w : w[j][0].y, a3 = q ? w[j][1].w : w[j][1].y;
+                gemv_tc_mma(al, a0, a1, a2, a3, l0, l1);
+                gemv_tc_mma(am, a0, a1, a2, a3, m0, m1);
+                gemv_tc_mma(ah, a0, a1, a2, a3, h0, h1);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 4; r++) sum[r] += ah[r] + (am[r] + al[r]);
+    }
+
+    if (ks > 1) { /* uniform over the block */
+        __shared__ float red[GEMV_WARPS][4][32];
+#pragma unroll
+        for (int r = 0; r < 4; r++) red[warp][r][lane] = sum[r];
+        __syncthreads();
+        if (s != 0) return;
+        for (int q = 1; q < ks; q++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) sum[r] += red[warp + q][r][lane];
+    }
+    const int i0 = 2 * t; /* c0, c2: input i0; c1, c3: input i0 + 1 */
+    float *y0 = p.y + (int64_t)i0 * p.rows + row0 + g;
+    if (ok0 && i0 < p.n) y0[0] = sum[0];
+    if (ok0 && i0 + 1 < p.n) y0[p.rows] = sum[1];
+    if (ok1 && i0 < p.n) y0[8] = sum[2];
+    if (ok1 && i0 + 1 < p.n) y0[p.rows + 8] = sum[3];
+}
+
+/* Launch knobs, read once (the defaults are what decode uses), for measuring:
+ *   MT_CUDA_GEMV_TC=0|1|2    0: the fp32 GEMV only; 1 (default): the tensor-core GEMV for bf16
+ *                            weights of at least GEMV_TC_MIN_ROWS rows; 2: for every bf16 weight
+ *   MT_CUDA_GEMV_TC_KSPLIT=k warps per tile (1, 2, 4, 8); default 0: gemv_tc_ksplit */
+static int gemv_tc_mode(void) {
+    static const int m = gemv_knob("MT_CUDA_GEMV_TC", 1);
+    return m;
+}
+
+/* Whether the tensor-core GEMV takes this call (see gemv_tc_mode). Fewer rows stay on the fp32
+ * kernel by default: a 16-row tile per block gives them fewer blocks than multiprocessors. */
+static bool gemv_tc_ok(const gemv_params *p, mt_dtype dt) {
+    const int mode = gemv_tc_mode();
+    return mode > 0 && dt == MT_BF16 && p->n <= GEMV_MAX_N && p->cols % 8 == 0 && cu_aligned16(p->w) &&
+           cu_aligned16(p->x) && (mode >= 2 || p->rows >= GEMV_TC_MIN_ROWS);
+}
+
+/* Warps per tile: 8 (fine-grained blocks, 16 rows each, so the last wave is short and a block's
+ * loads cover 2 KB of each row at a time), halved while a warp would get fewer than 2 chunks. */
+static int gemv_tc_ksplit(int cols) {
+    static const int forced = gemv_knob("MT_CUDA_GEMV_TC_KSPLIT", 0);
+    if (forced == 1 || forced == 2 || forced == 4 || forced == 8) return forced;
+    const int nch = (cols + 32 * GEMV_TC_J - 1) / (32 * GEMV_TC_J);
+    int ks = GEMV_WARPS;
+    while (ks > 1 && nch < 2 * ks) ks /= 2;
+    return ks;
+}
+
+static mt_status gemv_tc_launch(gemv_params *p, cudaStream_t s) {
+    p->ksplit = gemv_tc_ksplit(p->cols);
+    p->persist = 0;
+    const int64_t tiles = (p->rows + GEMV_TC_TILE - 1) / GEMV_TC_TILE, per_block = GEMV_WARPS / p->ksplit;
+    const dim3 grid((unsigned)((tiles + per_block - 1) / per_block));
+    MT_CUDA_CHECK(cu_launch_pdl((const void *)gemv_tc_kernel, grid, dim3(GEMV_THREADS), 0, s, p));
+    return MT_OK;
 }
 
 /* ---- narrow GEMM: at most 32 outputs per row, many rows (the mHC mix: 24 x 16384) ---- */
@@ -727,7 +922,13 @@ extern "C" void cu_matmul(mt_backend *be, float *y, const float *x, const mt_wei
     mt_status st;
     if (n <= GEMV_MAX_N) {
         gemv_params p = {y, x, w->data, n, (int)w->rows, (int)w->cols, 1, 0};
-        st = gemv_launch(&p, w->dtype, cb->n_sm, cu_stream(be));
+        if (gemv_tc_ok(&p, w->dtype)) {
+            st = gemv_tc_launch(&p, cu_stream(be));
+            cu_prof_mark(be, "matmul (GEMV, tensor cores)");
+        } else {
+            st = gemv_launch(&p, w->dtype, cb->n_sm, cu_stream(be));
+            cu_prof_mark(be, "matmul (GEMV, fp32)");
+        }
     } else if (matmul_use_tc(cb, w, n)) {
         st = matmul_tc(cb, y, x, w, n);
         cu_prof_mark(be, "matmul (tensor cores)");

@@ -60,6 +60,18 @@ enum {
     MOE_MAX_TOPK = 64,
     MOE_CACHE_MAX = 1024,     /* expert tables kept; beyond, the oldest slot is reused */
 };
+/* The fewest rows sent to the grouped device kernels (cu_moe_experts_grouped): MOE_GEMV_MAX_ROWS
+ * + 1 unless MT_CUDA_MOE_GROUPED_MIN (2..MOE_GEMV_MAX_ROWS + 1, read once) says otherwise; rows
+ * below it take the GEMV kernels. See cu_moe_experts for the measurements behind the default. */
+static int moe_grouped_min_rows(void) {
+    static const int m = [] {
+        const char *v = getenv("MT_CUDA_MOE_GROUPED_MIN");
+        const int k = v ? atoi(v) : 0;
+        return k >= 2 && k <= MOE_GEMV_MAX_ROWS + 1 ? k : MOE_GEMV_MAX_ROWS + 1;
+    }();
+    return m;
+}
+
 /* Grouped-path scratch per chunk (before the batched path's padding). Each chunk rereads the
  * weights of the experts it routes to (all of them at prefill sizes: 14.5 GB per layer at the real
  * shapes), so fewer chunks pay: 2 GB keeps 4096 rows of the real shapes in one chunk. */
@@ -997,11 +1009,14 @@ extern "C" void cu_moe_experts(mt_backend *be, float *out, const float *x, const
     MT_ASSERT(n >= 0 && top_k >= 1 && top_k <= MOE_MAX_TOPK && H > 0 && I > 0);
     if (n == 0) return;
     MT_ASSERT((int64_t)n * top_k <= INT_MAX / 2);
-    /* Decode batches of 9..MOE_GROUPED_MAX_ROWS rows: grouped on the device (cuda_moe_grouped.cu),
-     * each touched expert streamed once at 91-100% of copy bandwidth and no host sync, so the
-     * step can be a graph. Larger batches (prefill) keep the batched GEMMs below, which were
-     * faster at 128 rows (3.73 vs 4.36 ms, kernels_cuda_moe_grouped_test on an H200). */
-    if (n > MOE_GEMV_MAX_ROWS && n <= MOE_GROUPED_MAX_ROWS && cb->moe_grouped) {
+    /* Decode batches of moe_grouped_min_rows()..MOE_GROUPED_MAX_ROWS rows: grouped on the device
+     * (cuda_moe_grouped.cu), each touched expert streamed once at 91-100% of copy bandwidth and
+     * no host sync, so the step can be a graph. Fewer rows take the per-(row, slot) GEMV kernels
+     * below, which reread an expert that several rows chose but launch 2 kernels instead of 4
+     * (the grouped gate/up and down grids also have a block per (tile, expert) of all E experts,
+     * most of which exit at once at a few rows). Larger batches (prefill) keep the batched GEMMs,
+     * which were faster at 128 rows (3.73 vs 4.36 ms, kernels_cuda_moe_grouped_test on an H200). */
+    if (n >= moe_grouped_min_rows() && n <= MOE_GROUPED_MAX_ROWS && cb->moe_grouped) {
         cu_moe_experts_grouped(be, out, x, idx, weights, experts, n, top_k, H, I, L);
         return;
     }

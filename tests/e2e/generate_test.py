@@ -70,10 +70,15 @@ class GenerateTest(unittest.TestCase):
         with Cluster(workers=1) as c:
             self.check_stream(Collector(c.gen, request("prefix-a", a, MAX_NEW)).wait(60), cli_greedy(a, MAX_NEW))
             self.check_stream(Collector(c.gen, request("prefix-b", b, MAX_NEW)).wait(60), want_b)
-            w = wait_for(lambda: next((x for x in c.stats().workers if x.prefix_hits >= 1), None), 5,
-                         "a prefix hit in GetStats")
+            w = wait_for(lambda: next((x for x in c.stats().workers if x.prefix_hits >= 1 and x.live_sequences == 0),
+                                      None), 5, "a prefix hit in GetStats, no sequence live")
             self.assertGreaterEqual(w.prefix_misses, 1)
             self.assertGreater(w.prefix_cache_bytes, 0)
+            # the pools: the kept 64-token prefix holds one page and one slot, nothing else is held
+            self.assertGreater(w.cache_pages_total, 0)
+            self.assertEqual(w.cache_pages_free, w.cache_pages_total - 1)
+            self.assertEqual(w.slots_free, w.slots_total - 1)
+            self.assertEqual(w.preemptions, 0)
 
 
 if __name__ == "__main__":

@@ -631,5 +631,7 @@ void eng_get_stats(const eng_engine *e, eng_stats *out) {
                         .tokens_generated = e->tokens, .steps = e->steps,
                         .prefix_hits = e->prefix_hits, .prefix_misses = e->prefix_misses,
                         .prefix_cache_bytes = e->prefix_bytes, .prefix_entries = e->n_prefixes,
-                        .preemptions = e->preemptions };
+                        .preemptions = e->preemptions,
+                        .pages_free = glm_model_pages_free(e->m), .pages_total = glm_model_pages_total(e->m),
+                        .slots_free = glm_model_slots_free(e->m), .slots_total = glm_model_slots_total(e->m) };
 }

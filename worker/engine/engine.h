@@ -118,6 +118,8 @@ typedef struct eng_stats {
     uint64_t sequences_finished; /* ended by LENGTH or STOP */
     uint64_t sequences_aborted;  /* ended by eng_abort, a deadline or an error */
     uint64_t preemptions;        /* running sequences sent back to wait for pool room (recompute) */
+    int pages_free, pages_total; /* the model's cache page pool */
+    int slots_free, slots_total; /* the model's state slot pool */
     uint64_t tokens_generated;
     uint64_t steps;              /* eng_step calls that did work */
     uint64_t prefix_hits;        /* admissions that reused a kept prefix */
