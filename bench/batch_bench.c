@@ -9,6 +9,7 @@
  * Prints one table and writes it as JSON (--json FILE).
  *
  *   batch_bench [--batches 1,8,32,64,128] [--prompt 256] [--steps 16] [--json FILE] [--op-profile 1]
+ *               [--graph-max-rows N]  (bucket graphs up to N rows; the model's default is 64)
  * (--op-profile 1: per-op times of one more eager step of each batch, every op synchronised.)
  */
 #include <cuda_runtime_api.h>
@@ -76,7 +77,7 @@ static double time_steps(mt_backend *be, glm_model *m, glm_seq **s, int32_t *tok
 }
 
 int main(int argc, char **argv) {
-    int batches[MAX_BATCHES] = { 1, 8, 32, 64, 128 }, nb = 5, prompt = 256, steps = 16, op_profile = 0;
+    int batches[MAX_BATCHES] = { 1, 8, 32, 64, 128 }, nb = 5, prompt = 256, steps = 16, op_profile = 0, graph_max = 0;
     const char *json = NULL;
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--batches")) nb = parse_list(argv[i + 1], batches, MAX_BATCHES);
@@ -84,6 +85,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--steps")) steps = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--json")) json = argv[i + 1];
         else if (!strcmp(argv[i], "--op-profile")) op_profile = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--graph-max-rows")) graph_max = atoi(argv[i + 1]);
         else { fprintf(stderr, "batch_bench: unknown option %s\n", argv[i]); return 2; }
     }
     mt_error err = { "" };
@@ -95,6 +97,7 @@ int main(int argc, char **argv) {
     bench_weights w;
     bench_count_weights(&c, &w);
     glm_model_params mp = glm_model_default_params(); /* 256 scratch rows: batches up to 256 */
+    if (graph_max > 0) mp.graph_max_rows = graph_max;
     glm_model *m = NULL;
     if (glm_model_new_random(&c, 1, be, &mp, &m, &err) != MT_OK) { fprintf(stderr, "%s\n", err.msg); return 1; }
     const int V = c.vocab_size;

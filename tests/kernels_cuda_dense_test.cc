@@ -10,8 +10,8 @@
 //     l2norm beyond d = 4096: 4e-6 (fp32 sum of squares, the CPU's sequential one drifts with d)
 //   matmul, moe_experts, hc_pre (dot products) 1e-5 (fp32 sums in another order; K up to 16384)
 //     on the fp32 paths: n <= 8 (GEMV), F32 weights, matmul outputs narrower than 512 rows; the
-//     GEMV of bf16 weights of >= 1024 rows runs on the tensor cores with x in three bf16 parts
-//     (24 significant bits, as fp32), under the same 1e-5
+//     GEMV of bf16 weights of >= 1024 rows at n = 3..8 runs on the tensor cores with x in three
+//     bf16 parts (24 significant bits, as fp32), under the same 1e-5
 //   matmul, moe_experts on the tensor cores    1e-4 (n > 8 on bf16/fp16 weights; x enters as two
 //     16-bit parts hi + lo, 16 significant bits: typically ~3e-6 for bf16)
 //   the same with MT_CUDA_TC_TERMS=1           1e-2 (x rounded once: typically ~1.5e-3 for bf16);
@@ -377,11 +377,11 @@ TEST_F(CudaOps, Matmul) {
         }
     }
     // The bench-4L decode projections the GEMV's grid choice specialises on (K split over 1-8
-    // warps, a tall or a 1-chunk-wide weight), bf16 at 1, 3 and 8 rows (the tensor-core GEMV from
-    // 1024 rows: K split over 1, 4 or 8 warps), then shapes that give the tensor-core GEMV a
+    // warps, a tall or a 1-chunk-wide weight), bf16 at 1, 3 and 8 rows (the tensor-core GEMV at 3
+    // and 8 from 1024 rows: K split over 1, 4 or 8 warps), then shapes that give the tensor-core GEMV a
     // partial last 16-row tile, a partial 32-column k-block (cols % 32 == 8: one lane of four
     // in range) and a partial chunk (cols 200: 6 of 8 k-blocks; 8: one lane of one k-block);
-    // MT_CUDA_GEMV_TC=2 sends the short ones there too.
+    // MT_CUDA_GEMV_TC=2 sends the short ones and n = 1 there too.
     for (const S &s : {S{8192, 4096}, S{4096, 8192}, S{4096, 12288}, S{16384, 1536}, S{8192, 128},
                        S{1536, 4096}, S{512, 4096}, S{128, 4096}, S{64, 4096}, S{32, 4096},
                        S{2050, 4104}, S{1030, 200}, S{1031, 8}, S{37, 1000}}) {
@@ -393,7 +393,8 @@ TEST_F(CudaOps, Matmul) {
             EXPECT_LE(e, 1e-5) << where;
         }
     }
-    // The GEMV sums in an order fixed by the shape: the same call twice gives the same bits.
+    // The GEMV sums in an order fixed by the shape: the same call twice gives the same bits (n = 1
+    // on the fp32 GEMV, n = 8 on the tensor cores from 1024 rows).
     for (const S &s : {S{4096, 4096}, S{8192, 128}, S{288, 4096}}) {
         auto w = MakeWeight(MT_BF16, s.rows, s.cols, 2.f / std::sqrt((float)s.cols));
         for (int n : {1, 8}) {
@@ -779,7 +780,7 @@ TEST_F(CudaMoe, ExpertsRealShapes) {
     Worst worst{"moe_experts"};
     const int E = 288, k = 8, H = 4096, I = 2048;
     Experts ex = MakeExperts(MT_BF16, E, 10, H, I);
-    for (int n : {1, 4, 24}) { // 1 and 4: GEMV path; 24: grouped GEMM path (tensor cores)
+    for (int n : {1, 4, 8, 24}) { // 1, 4: per-pair GEMV kernels; 8, 24: grouped device kernels
         const double e = Run(ex, RandIdx(n, k, E), n, k, H, I, 10.f);
         const std::string where = Shape({{"E", E}, {"k", k}, {"H", H}, {"I", I}, {"n", n}});
         worst.See(e, where);

@@ -4,11 +4,15 @@
  * exported op that checks shapes.
  *
  * Matmul has three paths. Few rows (decode, n <= GEMV_MAX_N): a GEMV (bandwidth-bound on the
- * weight) where a warp streams 16-byte weight vectors of two rows for all n input rows, several
+ * weight). From 3 rows, bf16 weights of at least GEMV_TC_MIN_ROWS rows take the tensor-core
+ * GEMV (gemv_tc_kernel): one mma.sync m16n8k16 multiplies a 16-row weight tile by all n <= 8
+ * inputs, x entering as three bf16 parts (24 significant bits, fp32-grade results), so x is read
+ * once per 16 rows and n = 8 costs what n = 1 does. Other calls take the fp32 GEMV
+ * (gemv_kernel): a warp streams 16-byte weight vectors of two rows for all n input rows, several
  * loads in flight per lane, and short wide weights split K over up to 8 warps of a block so that
- * the grid always has work for every multiprocessor (gemv_kernel); fixed-order reductions finish
- * each dot product. Many rows (prefill) on a bf16/fp16 weight with at least 512 outputs: the
- * tensor cores through cuBLAS (cu_gemm_tc, fp32 accumulation). x is split into 16-bit parts of
+ * the grid always has work for every multiprocessor. Fixed-order reductions finish each dot
+ * product. Many rows (prefill) on a bf16/fp16 weight with at least 512 outputs: the tensor cores
+ * through cuBLAS (cu_gemm_tc, fp32 accumulation). x is split into 16-bit parts of
  * the weight's type, x ~ hi + lo (cu_split16, into CU_SCRATCH_GEMM), and y = w.hi + w.lo: 16
  * significant bits of x for bf16, ~2e-6 relative error, twice the tensor-core work. With
  * MT_CUDA_TC_TERMS=1, x is rounded once (hi only): half the work, ~1.5e-3 relative error for
@@ -134,6 +138,7 @@ typedef struct gemv_params {
     int ksplit;      /* GEMV: warps sharing one group of GEMV_R rows (1, 2, 4 or 8) */
     int persist;     /* GEMV: 0, block b takes tile b; 1, the grid is persistent and block b takes
                         the contiguous tiles [b T / grid, (b + 1) T / grid) of the T tiles */
+    int ahead;       /* tensor-core GEMV: chunks a warp prefetches into L2 ahead of its loads */
 } gemv_params;
 
 /* One weight load of the GEMV: VEC, 16 bytes (cu_wvec<DT>::n elements) through the read-only
@@ -387,12 +392,30 @@ static mt_status gemv_launch(gemv_params *p, mt_dtype dt, int n_sm, cudaStream_t
  *
  * Work: a chunk is GEMV_TC_J k-blocks, J x 64 contiguous bytes of each of the 16 rows. The ks
  * warps of a tile take chunks s, s + ks, ... (s the warp's slice), so a block's warps together
- * read 8 / ks tiles x ks consecutive chunks (2 KB of each row at ks = 8) at a time. Two chunks
- * of loads per warp are in flight (the next is issued before the current one is used; both of
- * the first are issued before the PDL wait, as they depend on no earlier kernel). Slices meet in
- * shared memory in slice order; every sum's order depends only on the shape: deterministic.
- * Needs cols % 8 == 0 and 16-byte aligned w and x (gemv_tc_ok). */
-enum { GEMV_TC_J = 4, GEMV_TC_TILE = 16, GEMV_TC_AHEAD = 2, GEMV_TC_MIN_ROWS = 1024 };
+ * read 8 / ks tiles x ks consecutive chunks (2 KB of each row at ks = 8) at a time. Each step a
+ * warp loads one chunk into registers (8 x 16 bytes per lane; one buffer keeps the kernel at 113
+ * registers, two blocks per SM; a second register buffer spilled at 128). p.ahead > 0 also
+ * prefetches into L2 the chunk p.ahead steps ahead (one prefetch.global.L2 per lane: its 32
+ * lines), the first ones before the PDL wait; measured no faster (below), so off by default.
+ * Slices meet in shared memory in slice order; every sum's order depends only on the shape:
+ * deterministic. Needs cols % 8 == 0 and 16-byte aligned w and x (gemv_tc_ok).
+ *
+ * Measured (H200, kernels_cuda_dense_test CudaOps.DecodeTimings: each shape's calls replayed as a
+ * graph, weights from HBM; % of the 4241-4287 GB/s copy bandwidth), us at n = 1 / 2 / 4 / 8:
+ *                        fp32 GEMV (gemv_kernel)        tensor-core GEMV (ahead 0)
+ *   lm_head 154880x4096  292 / 299 / 432 / 743          341 / 342 / 343 / 351 (85-88%)
+ *   gate/up 12288x4096   29.1 / 31.5 / 45.9 / 76.4      33.1 / 32.6 / 33.0 / 33.6
+ *   down 4096x12288      26.8 / 34.3 / 51.8 / 101       30.8 / 30.8 / 31.0 / 30.8
+ *   q/k/v 8192x4096      18.0 / 22.3 / 34.2 / 55.4      22.3 / 22.3 / 22.3 / 22.9
+ *   shared down 4096x2048 9.1 / 12.2 / 17.6 / 24.3      7.1 / 7.0 / 7.1 / 7.1
+ *   sum of 15 shapes     464 / 507 / 759 / 1299         557 / 559 / 566 / 587 (ahead 2)
+ * The fp32 GEMV wins at n <= 2 (its 32 warps per SM keep more loads in flight than these 16; a
+ * warp load here covers 64 bytes of each of 8 rows, not 512 of one), this one from n = 3 on
+ * (GEMV_TC_MIN_N; n = 3 itself is interpolated). Rows < 1024 (router, kv_a, KDA f_a/b: 4-36
+ * tiles) stay on the fp32 GEMV at any n: 6.3-6.8 us here against 1.5-5.6. Next steps: 128-byte
+ * row segments per warp load (cp.async or TMA into shared memory, then ldmatrix) and more warps
+ * per SM. */
+enum { GEMV_TC_J = 4, GEMV_TC_TILE = 16, GEMV_TC_AHEAD = 0, GEMV_TC_MIN_ROWS = 1024, GEMV_TC_MIN_N = 3 };
 
 /* 16 bytes of weight through the read-only path without allocating in L1 (read once). */
 static __device__ __forceinline__ uint4 gemv_tc_ldw(const char *a) {
@@ -449,16 +472,16 @@ static __global__ void __launch_bounds__(GEMV_THREADS, 2) gemv_tc_kernel(const g
             asm volatile("prefetch.global.L2 [%0];" ::"l"(pf + (int64_t)c * J * 64));
     };
 
-    /* Prefetches go out in program order, ahead of the PDL wait (loads would be scheduled after
-     * it: ptxas issues griddepcontrol.wait first, as nothing it needs is pending), so the first
-     * chunks stream into L2 while the previous kernel finishes. */
-    for (int q = 0; q < GEMV_TC_AHEAD; q++) prefetch(s + q * ks);
+    /* With p.ahead > 0, prefetches go out in program order, ahead of the PDL wait (loads would be
+     * scheduled after it: ptxas issues griddepcontrol.wait first, as nothing it needs is
+     * pending), so the first chunks stream into L2 while the previous kernel finishes. */
+    for (int q = 0; q < p.ahead; q++) prefetch(s + q * ks);
     cu_pdl_wait(); /* x is the previous kernel's output */
     cu_pdl_trigger();
 
     float sum[4] = {0.f, 0.f, 0.f, 0.f}; /* c0..c3 of the tile over this warp's chunks */
     for (int c = s; c < nch; c += ks) {
-        prefetch(c + GEMV_TC_AHEAD * ks);
+        if (p.ahead > 0) prefetch(c + p.ahead * ks);
         /* w[j][0], w[j][1]: this lane's 16 bytes of k-block j, rows g and g + 8 (zero past the
          * rows or the columns) */
         uint4 w[J][2];
@@ -511,19 +534,25 @@ static __global__ void __launch_bounds__(GEMV_THREADS, 2) gemv_tc_kernel(const g
 
 /* Launch knobs, read once (the defaults are what decode uses), for measuring:
  *   MT_CUDA_GEMV_TC=0|1|2    0: the fp32 GEMV only; 1 (default): the tensor-core GEMV for bf16
- *                            weights of at least GEMV_TC_MIN_ROWS rows; 2: for every bf16 weight
- *   MT_CUDA_GEMV_TC_KSPLIT=k warps per tile (1, 2, 4, 8); default 0: gemv_tc_ksplit */
+ *                            weights of at least GEMV_TC_MIN_ROWS rows at n >= GEMV_TC_MIN_N;
+ *                            2: for every bf16 weight at every n
+ *   MT_CUDA_GEMV_TC_KSPLIT=k warps per tile (1, 2, 4, 8); default 0: gemv_tc_ksplit
+ *   MT_CUDA_GEMV_TC_AHEAD=a  chunks prefetched into L2 ahead of the loads (0..4, default 0; at 2,
+ *                            n = 1: 3-9% slower on lm_head, gate/up, q/k/v, q_b, shared down,
+ *                            within 1% on kda o, dsa o, 2-9% faster on the down, shared gate/up
+ *                            and dsa q_a shapes) */
 static int gemv_tc_mode(void) {
     static const int m = gemv_knob("MT_CUDA_GEMV_TC", 1);
     return m;
 }
 
-/* Whether the tensor-core GEMV takes this call (see gemv_tc_mode). Fewer rows stay on the fp32
- * kernel by default: a 16-row tile per block gives them fewer blocks than multiprocessors. */
+/* Whether the tensor-core GEMV takes this call (see gemv_tc_mode and the measurements above).
+ * Fewer rows stay on the fp32 kernel by default (a 16-row tile per block gives them fewer blocks
+ * than multiprocessors), as do n = 1, 2 (the fp32 kernel streams faster there). */
 static bool gemv_tc_ok(const gemv_params *p, mt_dtype dt) {
     const int mode = gemv_tc_mode();
     return mode > 0 && dt == MT_BF16 && p->n <= GEMV_MAX_N && p->cols % 8 == 0 && cu_aligned16(p->w) &&
-           cu_aligned16(p->x) && (mode >= 2 || p->rows >= GEMV_TC_MIN_ROWS);
+           cu_aligned16(p->x) && (mode >= 2 || (p->rows >= GEMV_TC_MIN_ROWS && p->n >= GEMV_TC_MIN_N));
 }
 
 /* Warps per tile: 8 (fine-grained blocks, 16 rows each, so the last wave is short and a block's
@@ -538,8 +567,10 @@ static int gemv_tc_ksplit(int cols) {
 }
 
 static mt_status gemv_tc_launch(gemv_params *p, cudaStream_t s) {
+    static const int ahead = gemv_knob("MT_CUDA_GEMV_TC_AHEAD", GEMV_TC_AHEAD);
     p->ksplit = gemv_tc_ksplit(p->cols);
     p->persist = 0;
+    p->ahead = ahead < 4 ? ahead : 4;
     const int64_t tiles = (p->rows + GEMV_TC_TILE - 1) / GEMV_TC_TILE, per_block = GEMV_WARPS / p->ksplit;
     const dim3 grid((unsigned)((tiles + per_block - 1) / per_block));
     MT_CUDA_CHECK(cu_launch_pdl((const void *)gemv_tc_kernel, grid, dim3(GEMV_THREADS), 0, s, p));

@@ -10,7 +10,9 @@
  * keyed by the host pointer and revalidated against a host copy on every call, covering experts
  * [0, E) where E is the router's n_experts when idx is the last moe_route output (no read-back),
  * else 1 + the largest index read back from idx.
- *   - Few rows (n <= MOE_GEMV_MAX_ROWS, decode): two GEMV kernels over the selected experts only,
+ *   - Decode batches of MOE_GROUPED_MIN (5) to MOE_GROUPED_MAX_ROWS rows: the grouped device
+ *     kernels of cuda_moe_grouped.cu (each touched expert streamed once; moe_grouped_min_rows).
+ *   - Fewer rows (decode): two GEMV kernels over the selected experts only,
  *     no host synchronisation: per (row, slot) h = swiglu(gate x, up x), then per row
  *     out += sum_k w_k down_k h_k, slots added in order. 16-byte weight loads, 8-16 of them in
  *     flight per lane; both launched for PDL (cuda_dense.cu's cu_launch_pdl), as is the router.
@@ -60,14 +62,36 @@ enum {
     MOE_MAX_TOPK = 64,
     MOE_CACHE_MAX = 1024,     /* expert tables kept; beyond, the oldest slot is reused */
 };
-/* The fewest rows sent to the grouped device kernels (cu_moe_experts_grouped): MOE_GEMV_MAX_ROWS
- * + 1 unless MT_CUDA_MOE_GROUPED_MIN (2..MOE_GEMV_MAX_ROWS + 1, read once) says otherwise; rows
- * below it take the GEMV kernels. See cu_moe_experts for the measurements behind the default. */
+/* The fewest rows sent to the grouped device kernels (cu_moe_experts_grouped): MOE_GROUPED_MIN
+ * unless MT_CUDA_MOE_GROUPED_MIN (2..MOE_GEMV_MAX_ROWS + 1, read once) says otherwise; fewer rows
+ * take the per-(row, slot) GEMV kernels. Measured on an H200 (real shapes, top-8 of 288, each
+ * expert its own weights):
+ *   kernels_cuda_dense_test CudaMoe.DecodeTimings (graphs, random routing), us per call, GEMV
+ *   kernels against grouped: n = 1 101 / 163, 2 192 / 239, 4 373 / 379, 8 734 / 582;
+ *   batch_bench (bench-4L, real routing, graph ms per step): batch 2 2.276 / 2.425, 4 2.891 /
+ *   2.953, 8 4.320 / 4.027.
+ * The grouped kernels cost ~60 us more a call (4 kernels; gate/up and down grids of a block per
+ * (tile, expert) over all 288 experts) and read an expert once however many rows chose it, the
+ * GEMV kernels ~12 us per (row, slot) pair: the lines cross between 4 and 8 rows (~4.7 by linear
+ * interpolation of the batch_bench gaps), so 5. Batched decode pads to 1, 2, 4, 8, ... rows. */
+enum { MOE_GROUPED_MIN = 5 };
 static int moe_grouped_min_rows(void) {
     static const int m = [] {
         const char *v = getenv("MT_CUDA_MOE_GROUPED_MIN");
         const int k = v ? atoi(v) : 0;
-        return k >= 2 && k <= MOE_GEMV_MAX_ROWS + 1 ? k : MOE_GEMV_MAX_ROWS + 1;
+        return k >= 2 && k <= MOE_GEMV_MAX_ROWS + 1 ? k : (int)MOE_GROUPED_MIN;
+    }();
+    return m;
+}
+
+/* The most rows sent there: MOE_GROUPED_MAX_ROWS unless MT_CUDA_MOE_GROUPED_MAX (>= 9, read once)
+ * says otherwise. Beyond, the batched GEMMs, faster at 128 rows (3.73 vs 4.36 ms a layer) but they
+ * read the routing back, so a step that uses them cannot be a graph. */
+static int moe_grouped_max_rows(void) {
+    static const int m = [] {
+        const char *v = getenv("MT_CUDA_MOE_GROUPED_MAX");
+        const int k = v ? atoi(v) : 0;
+        return k > MOE_GEMV_MAX_ROWS ? k : (int)MOE_GROUPED_MAX_ROWS;
     }();
     return m;
 }
@@ -1016,7 +1040,7 @@ extern "C" void cu_moe_experts(mt_backend *be, float *out, const float *x, const
      * (the grouped gate/up and down grids also have a block per (tile, expert) of all E experts,
      * most of which exit at once at a few rows). Larger batches (prefill) keep the batched GEMMs,
      * which were faster at 128 rows (3.73 vs 4.36 ms, kernels_cuda_moe_grouped_test on an H200). */
-    if (n >= moe_grouped_min_rows() && n <= MOE_GROUPED_MAX_ROWS && cb->moe_grouped) {
+    if (n >= moe_grouped_min_rows() && n <= moe_grouped_max_rows() && cb->moe_grouped) {
         cu_moe_experts_grouped(be, out, x, idx, weights, experts, n, top_k, H, I, L);
         return;
     }
