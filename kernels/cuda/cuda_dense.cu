@@ -47,8 +47,8 @@
  * writes anything, then cu_pdl_trigger() (griddepcontrol.launch_dependents) so that the next such
  * kernel may start in turn; every block passes both. Stream capture keeps the overlap as
  * programmatic edges of the graph. MT_CUDA_PDL=0 (read once) launches them plainly, for
- * comparison; the waits then return at once. cu_launch_pdl and cu_pdl_on are declared in the two
- * other files where they are used (cuda_ops.h belongs to another change). */
+ * comparison; the waits then return at once. cu_launch_pdl, cu_pdl_on, cu_pdl_wait and cu_pdl_trigger are
+ * declared in cuda_ops.h. */
 extern "C" bool cu_pdl_on(void) {
     static const bool on = [] {
         const char *v = getenv("MT_CUDA_PDL");
@@ -74,10 +74,6 @@ extern "C" cudaError_t cu_launch_pdl(const void *kernel, dim3 grid, dim3 block, 
     return cudaLaunchKernelExC(&cfg, kernel, args);
 }
 
-static __device__ __forceinline__ void cu_pdl_wait(void) { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-static __device__ __forceinline__ void cu_pdl_trigger(void) {
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
 
 /* ================================ embed ================================ */
 
@@ -141,57 +137,6 @@ typedef struct gemv_params {
     int ahead;       /* tensor-core GEMV: chunks a warp prefetches into L2 ahead of its loads */
 } gemv_params;
 
-/* One weight load of the GEMV: VEC, 16 bytes (cu_wvec<DT>::n elements) through the read-only
- * path without allocating in L1 (each weight byte is read once; L1 keeps x, which every warp
- * rereads); else one element. Zero when out of range. */
-template <mt_dtype DT, bool VEC> struct gemv_w;
-template <mt_dtype DT> struct gemv_w<DT, true> {
-    static constexpr int V = cu_wvec<DT>::n;
-    uint4 u;
-    __device__ __forceinline__ void load(const void *w, int64_t i) {
-        const char *a = (const char *)w + i * (DT == MT_F32 ? 4 : 2);
-        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w)
-                     : "l"(a));
-    }
-    __device__ __forceinline__ void zero() { u = make_uint4(0u, 0u, 0u, 0u); }
-    __device__ __forceinline__ void get(float (&f)[V]) const {
-        const uint32_t q[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            if constexpr (DT == MT_F32) {
-                f[j] = __uint_as_float(q[j]);
-            } else if constexpr (DT == MT_BF16) {
-                f[2 * j] = __uint_as_float(q[j] << 16);
-                f[2 * j + 1] = __uint_as_float(q[j] & 0xffff0000u);
-            } else {
-                f[2 * j] = __half2float(__ushort_as_half((unsigned short)(q[j] & 0xffffu)));
-                f[2 * j + 1] = __half2float(__ushort_as_half((unsigned short)(q[j] >> 16)));
-            }
-        }
-    }
-};
-template <mt_dtype DT> struct gemv_w<DT, false> {
-    static constexpr int V = 1;
-    float v;
-    __device__ __forceinline__ void load(const void *w, int64_t i) { v = cu_wget<DT>(w, i); }
-    __device__ __forceinline__ void zero() { v = 0.f; }
-    __device__ __forceinline__ void get(float (&f)[1]) const { f[0] = v; }
-};
-
-/* x[0 .. V) through the read-only path (V % 4 == 0: 16-byte loads, x 16-byte aligned). */
-template <int V> static __device__ __forceinline__ void gemv_xload(const float *x, float (&out)[V]) {
-    if constexpr (V % 4 == 0) {
-#pragma unroll
-        for (int j = 0; j < V; j += 4) {
-            const float4 v = __ldg((const float4 *)(x + j));
-            out[j] = v.x; out[j + 1] = v.y; out[j + 2] = v.z; out[j + 3] = v.w;
-        }
-    } else {
-#pragma unroll
-        for (int j = 0; j < V; j++) out[j] = __ldg(x + j);
-    }
-}
 
 /* The weight is a list of chunks per row: chunk c holds the load units (V elements each) 32c ..
  * 32c + 31, lane l taking unit 32c + l, so one warp load is 512 contiguous bytes (VEC, bf16). A
@@ -206,7 +151,7 @@ template <int V> static __device__ __forceinline__ void gemv_xload(const float *
  * themselves land after the wait in the SASS, whatever their place in the source). */
 template <mt_dtype DT, int NB, bool VEC>
 static __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(const gemv_params p) {
-    constexpr int R = GEMV_R, U = GEMV_U, V = gemv_w<DT, VEC>::V;
+    constexpr int R = GEMV_R, U = GEMV_U, V = cu_wstream<DT, VEC>::V;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int ks = p.ksplit, per_block = GEMV_WARPS / ks, s = warp % ks;
     const int nv = p.cols / V, nch = (nv + 31) >> 5;
@@ -218,7 +163,7 @@ static __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(const gemv_pa
         t1 = (int)((int64_t)(blockIdx.x + 1) * ntiles / gridDim.x);
     }
     int row0 = (t0 * per_block + warp / ks) * R;
-    gemv_w<DT, VEC> wr[U][R];
+    cu_wstream<DT, VEC> wr[U][R];
     auto load = [&](int c0) {
 #pragma unroll
         for (int u = 0; u < U; u++) {
@@ -265,7 +210,7 @@ static __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(const gemv_pa
                 for (int i = 0; i < NB; i++) {
                     if (i >= p.n) break;
                     float xv[V];
-                    gemv_xload<V>(p.x + (int64_t)i * p.cols + (int64_t)v * V, xv);
+                    cu_xload_ro<V>(p.x + (int64_t)i * p.cols + (int64_t)v * V, xv);
 #pragma unroll
                     for (int r = 0; r < R; r++)
 #pragma unroll

@@ -23,14 +23,6 @@
 
 namespace cg = cooperative_groups;
 
-/* Defined in cuda_dense.cu (programmatic dependent launch; see there): a kernel launched this
- * way calls hc_pdl_wait() before it reads an activation or writes anything. */
-extern "C" cudaError_t cu_launch_pdl(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t s,
-                                     void *params);
-static __device__ __forceinline__ void hc_pdl_wait(void) { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-static __device__ __forceinline__ void hc_pdl_trigger(void) {
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
 
 enum { HC_MAX_S = 16, HC_MIX_THREADS = 256, HC_EW_THREADS = 256 };
 
@@ -233,8 +225,8 @@ hc_pre_dec_kernel(const hc_pre_params p) {
     }
 
     load(h);
-    hc_pdl_wait(); /* X is the previous kernel's output */
-    hc_pdl_trigger();
+    cu_pdl_wait(); /* X is the previous kernel's output */
+    cu_pdl_trigger();
     for (int ch0 = h; ch0 < nch; ch0 += HC_DEC_HALVES * JU) {
         if (ch0 != h) load(ch0);
         float xv[JU][NB][V]; /* zero past the block's columns, like the weights */
@@ -426,8 +418,8 @@ static __global__ void hc_post_kernel(const hc_post_params p) {
  * accesses, the same operations per element as hc_post_kernel. Launched for PDL (a is the
  * previous kernel's output). */
 static __global__ void hc_post_vec_kernel(const hc_post_params p) {
-    hc_pdl_wait();
-    hc_pdl_trigger();
+    cu_pdl_wait();
+    cu_pdl_trigger();
     const int H4 = p.H / 4;
     const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= p.n * H4) return;

@@ -43,14 +43,6 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_ops.h"
 
-/* Defined in cuda_dense.cu (programmatic dependent launch; see there): a kernel launched this
- * way calls moe_pdl_wait() before it reads an activation or writes anything. */
-extern "C" cudaError_t cu_launch_pdl(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t s,
-                                     void *params);
-static __device__ __forceinline__ void moe_pdl_wait(void) { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-static __device__ __forceinline__ void moe_pdl_trigger(void) {
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
 
 enum {
     ROUTE_WARPS = 4,
@@ -127,8 +119,8 @@ static __host__ __device__ size_t route_smem_per_warp(int E, int G, int top_k) {
  * Launched for PDL (the logits are the previous kernel's output). */
 static __global__ void route_kernel(const route_params p) {
     extern __shared__ __align__(16) unsigned char route_smem[];
-    moe_pdl_wait();
-    moe_pdl_trigger();
+    cu_pdl_wait();
+    cu_pdl_trigger();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int i = blockIdx.x * ROUTE_WARPS + warp;
     if (i >= p.n) return;
@@ -436,58 +428,6 @@ static __device__ __forceinline__ const mt_expert *moe_expert(const moe_gemv_par
     return &p.experts[e];
 }
 
-/* One weight load of the GEMV kernels: VEC, 16 bytes (cu_wvec<DT>::n elements) through the
- * read-only path without allocating in L1 (weights are read once; L1 keeps x and h, which every
- * warp rereads); else one element. Zero when out of range. (The twin of cuda_dense.cu's gemv_w:
- * device code is not shared across these files.) */
-template <mt_dtype DT, bool VEC> struct moe_w;
-template <mt_dtype DT> struct moe_w<DT, true> {
-    static constexpr int V = cu_wvec<DT>::n;
-    uint4 u;
-    __device__ __forceinline__ void load(const void *w, int64_t i) {
-        const char *a = (const char *)w + i * (DT == MT_F32 ? 4 : 2);
-        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w)
-                     : "l"(a));
-    }
-    __device__ __forceinline__ void zero() { u = make_uint4(0u, 0u, 0u, 0u); }
-    __device__ __forceinline__ void get(float (&f)[V]) const {
-        const uint32_t q[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            if constexpr (DT == MT_F32) {
-                f[j] = __uint_as_float(q[j]);
-            } else if constexpr (DT == MT_BF16) {
-                f[2 * j] = __uint_as_float(q[j] << 16);
-                f[2 * j + 1] = __uint_as_float(q[j] & 0xffff0000u);
-            } else {
-                f[2 * j] = __half2float(__ushort_as_half((unsigned short)(q[j] & 0xffffu)));
-                f[2 * j + 1] = __half2float(__ushort_as_half((unsigned short)(q[j] >> 16)));
-            }
-        }
-    }
-};
-template <mt_dtype DT> struct moe_w<DT, false> {
-    static constexpr int V = 1;
-    float v;
-    __device__ __forceinline__ void load(const void *w, int64_t i) { v = cu_wget<DT>(w, i); }
-    __device__ __forceinline__ void zero() { v = 0.f; }
-    __device__ __forceinline__ void get(float (&f)[1]) const { f[0] = v; }
-};
-
-/* x[0 .. V) of fp32 activations through the read-only path (V % 4 == 0: 16-byte loads). */
-template <int V> static __device__ __forceinline__ void moe_xload(const float *x, float (&out)[V]) {
-    if constexpr (V % 4 == 0) {
-#pragma unroll
-        for (int j = 0; j < V; j += 4) {
-            const float4 v = __ldg((const float4 *)(x + j));
-            out[j] = v.x; out[j + 1] = v.y; out[j + 2] = v.z; out[j + 3] = v.w;
-        }
-    } else {
-#pragma unroll
-        for (int j = 0; j < V; j++) out[j] = __ldg(x + j);
-    }
-}
 
 /* Rows per block and chunks per step: gate/up 4 rows x 2 matrices x 2 chunks, down 2 rows x 4
  * chunks: 16 and 8 loads of 16 bytes per lane in flight before the first use. */
@@ -500,9 +440,9 @@ enum { MOE_GU_R = 4, MOE_GU_U = 2, MOE_DN_R = 2, MOE_DN_U = 4 };
  * applies swiglu. Launched for PDL (idx is the router's output). */
 template <mt_dtype DT, bool VEC>
 static __global__ void __launch_bounds__(MOE_THREADS) moe_gateup_kernel(const moe_gemv_params p) {
-    constexpr int R = MOE_GU_R, U = MOE_GU_U, V = moe_w<DT, VEC>::V;
-    moe_pdl_wait();
-    moe_pdl_trigger();
+    constexpr int R = MOE_GU_R, U = MOE_GU_U, V = cu_wstream<DT, VEC>::V;
+    cu_pdl_wait();
+    cu_pdl_trigger();
     const int pair = blockIdx.y, row0 = blockIdx.x * R;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const mt_expert *ex = moe_expert(p, pair);
@@ -513,7 +453,7 @@ static __global__ void __launch_bounds__(MOE_THREADS) moe_gateup_kernel(const mo
 #pragma unroll
     for (int r = 0; r < R; r++) ag[r] = au[r] = 0.f;
     for (int c0 = warp; c0 < nch; c0 += U * MOE_WARPS) {
-        moe_w<DT, VEC> g[U][R], u[U][R];
+        cu_wstream<DT, VEC> g[U][R], u[U][R];
 #pragma unroll
         for (int k = 0; k < U; k++) {
             const int v = (c0 + k * MOE_WARPS) * 32 + lane;
@@ -534,7 +474,7 @@ static __global__ void __launch_bounds__(MOE_THREADS) moe_gateup_kernel(const mo
             const int v = (c0 + k * MOE_WARPS) * 32 + lane;
             if (v >= nv) break;
             float xv[V];
-            moe_xload<V>(x + (int64_t)v * V, xv);
+            cu_xload_ro<V>(x + (int64_t)v * V, xv);
 #pragma unroll
             for (int r = 0; r < R; r++) {
                 float gf[V], uf[V];
@@ -571,10 +511,10 @@ static __global__ void __launch_bounds__(MOE_THREADS) moe_gateup_kernel(const mo
  * Launched for PDL (h is moe_gateup_kernel's output). */
 template <mt_dtype DT, bool VEC>
 static __global__ void __launch_bounds__(MOE_THREADS) moe_down_kernel(const moe_gemv_params p) {
-    constexpr int R = MOE_DN_R, U = MOE_DN_U, V = moe_w<DT, VEC>::V;
+    constexpr int R = MOE_DN_R, U = MOE_DN_U, V = cu_wstream<DT, VEC>::V;
     extern __shared__ float moe_red[];
-    moe_pdl_wait();
-    moe_pdl_trigger();
+    cu_pdl_wait();
+    cu_pdl_trigger();
     const int i = blockIdx.y, row0 = blockIdx.x * R;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nv = p.I / V, nch = (nv + 31) >> 5;
@@ -586,7 +526,7 @@ static __global__ void __launch_bounds__(MOE_THREADS) moe_down_kernel(const moe_
 #pragma unroll
         for (int r = 0; r < R; r++) acc[r] = 0.f;
         for (int c0 = 0; c0 < nch; c0 += U) {
-            moe_w<DT, VEC> d[U][R];
+            cu_wstream<DT, VEC> d[U][R];
 #pragma unroll
             for (int q = 0; q < U; q++) {
                 const int v = (c0 + q) * 32 + lane;
@@ -601,7 +541,7 @@ static __global__ void __launch_bounds__(MOE_THREADS) moe_down_kernel(const moe_
                 const int v = (c0 + q) * 32 + lane;
                 if (v >= nv) break;
                 float hv[V];
-                moe_xload<V>(h + (int64_t)v * V, hv);
+                cu_xload_ro<V>(h + (int64_t)v * V, hv);
 #pragma unroll
                 for (int r = 0; r < R; r++) {
                     float df[V];

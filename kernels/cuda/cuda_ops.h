@@ -199,6 +199,11 @@ void cu_mla_sparse_rows(mt_backend *be, float *out, const float *q, mt_paged lat
                         const int32_t *const *bts, const mt_weight *kv_b, const int32_t *sel,
                         const int32_t *nsel, int max_sel, const int32_t *pos, int n, const mt_mla_params *p);
 
+/* cuda_dense.cu: programmatic dependent launch of kernel(*params) on s (see there), and whether it
+ * is on (MT_CUDA_PDL). */
+cudaError_t cu_launch_pdl(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t s, void *params);
+bool cu_pdl_on(void);
+
 #ifdef __cplusplus
 }
 #endif
@@ -290,6 +295,66 @@ template <mt_dtype DT> static __device__ __forceinline__ float cu_round16(float 
 template <mt_dtype DT> static __device__ __forceinline__ uint16_t cu_bits16(float v) {
     if constexpr (DT == MT_BF16) return __bfloat16_as_ushort(__float2bfloat16_rn(v));
     else return __half_as_ushort(__float2half_rn(v));
+}
+
+/* One weight load of the streaming GEMV kernels (cuda_dense.cu, cuda_moe.cu), kept in registers
+ * between its load and its use: VEC, 16 bytes (cu_wvec<DT>::n elements) through the read-only
+ * path without allocating in L1 (each weight byte is read once; L1 keeps x, which every warp
+ * rereads); else one element. Zero when out of range. */
+template <mt_dtype DT, bool VEC> struct cu_wstream;
+template <mt_dtype DT> struct cu_wstream<DT, true> {
+    static constexpr int V = cu_wvec<DT>::n;
+    uint4 u;
+    __device__ __forceinline__ void load(const void *w, int64_t i) {
+        const char *a = (const char *)w + i * (DT == MT_F32 ? 4 : 2);
+        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w)
+                     : "l"(a));
+    }
+    __device__ __forceinline__ void zero() { u = make_uint4(0u, 0u, 0u, 0u); }
+    __device__ __forceinline__ void get(float (&f)[V]) const {
+        const uint32_t q[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            if constexpr (DT == MT_F32) {
+                f[j] = __uint_as_float(q[j]);
+            } else if constexpr (DT == MT_BF16) {
+                f[2 * j] = __uint_as_float(q[j] << 16);
+                f[2 * j + 1] = __uint_as_float(q[j] & 0xffff0000u);
+            } else {
+                f[2 * j] = __half2float(__ushort_as_half((unsigned short)(q[j] & 0xffffu)));
+                f[2 * j + 1] = __half2float(__ushort_as_half((unsigned short)(q[j] >> 16)));
+            }
+        }
+    }
+};
+template <mt_dtype DT> struct cu_wstream<DT, false> {
+    static constexpr int V = 1;
+    float v;
+    __device__ __forceinline__ void load(const void *w, int64_t i) { v = cu_wget<DT>(w, i); }
+    __device__ __forceinline__ void zero() { v = 0.f; }
+    __device__ __forceinline__ void get(float (&f)[1]) const { f[0] = v; }
+};
+
+/* x[0 .. V) through the read-only path (V % 4 == 0: 16-byte loads, x 16-byte aligned). */
+template <int V> __device__ __forceinline__ void cu_xload_ro(const float *x, float (&out)[V]) {
+    if constexpr (V % 4 == 0) {
+#pragma unroll
+        for (int j = 0; j < V; j += 4) {
+            const float4 v = __ldg((const float4 *)(x + j));
+            out[j] = v.x; out[j + 1] = v.y; out[j + 2] = v.z; out[j + 3] = v.w;
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < V; j++) out[j] = __ldg(x + j);
+    }
+}
+
+/* Programmatic dependent launch (cuda_dense.cu): a kernel started by cu_launch_pdl waits here
+ * before it reads an activation or writes anything, and lets the next one start after. */
+__device__ __forceinline__ void cu_pdl_wait(void) { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void cu_pdl_trigger(void) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
 static inline __host__ __device__ bool cu_aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
