@@ -51,6 +51,9 @@ typedef struct child {
 typedef struct serve_opts {
     const char *model, *listen, *backend, *queue, *drain_timeout;
     int workers, max_sequences, max_context, threads;
+    /* scheduler policy, passed to every worker when given (metrale-worker checks them) */
+    const char *prefill_budget, *graph_max_batch, *cache_budget_mb;
+    bool no_preempt;
 } serve_opts;
 
 static double now_s(void) {
@@ -63,9 +66,11 @@ static void usage(FILE *f) {
     fprintf(f,
             "usage: metrale-serve [--model DIR] [--listen HOST:PORT] [--workers N] [--backend auto|cpu|cuda]\n"
             "                     [--max-sequences N] [--max-context N] [--threads N] [--queue N] [--drain-timeout S]\n"
+            "                     [--prefill-budget N] [--graph-max-batch N] [--cache-budget-mb N] [--no-preempt]\n"
             "  Starts the gRPC router on --listen (default 127.0.0.1:50051) and N workers serving DIR\n"
             "  (default: a small random checkpoint made once under .cache/cpu-small). --backend auto uses\n"
-            "  one worker per GPU when there are GPUs, else one CPU worker. SIGTERM or Ctrl-C drains and stops.\n");
+            "  one worker per GPU when there are GPUs, else one CPU worker. SIGTERM or Ctrl-C drains and stops.\n"
+            "  The scheduler options go to every worker (metrale-worker --help says what they do).\n");
 }
 
 /* ---- paths ---- */
@@ -186,9 +191,15 @@ static pid_t start_worker(int i) {
     snprintf(seqs, sizeof seqs, "%d", g_o.max_sequences);
     snprintf(ctx, sizeof ctx, "%d", g_o.max_context);
     snprintf(thr, sizeof thr, "%d", g_o.threads);
-    char *argv[] = { (char *)bin, "--model", (char *)g_o.model, "--router", g_endpoint, "--id", id,
-                     "--backend", (char *)g_o.backend, "--device", dev, "--max-sequences", seqs,
-                     "--max-context", ctx, "--threads", thr, NULL };
+    char *argv[32] = { (char *)bin, "--model", (char *)g_o.model, "--router", g_endpoint, "--id", id,
+                       "--backend", (char *)g_o.backend, "--device", dev, "--max-sequences", seqs,
+                       "--max-context", ctx, "--threads", thr };
+    int k = 17;
+    if (g_o.prefill_budget) { argv[k++] = "--prefill-budget"; argv[k++] = (char *)g_o.prefill_budget; }
+    if (g_o.graph_max_batch) { argv[k++] = "--graph-max-batch"; argv[k++] = (char *)g_o.graph_max_batch; }
+    if (g_o.cache_budget_mb) { argv[k++] = "--cache-budget-mb"; argv[k++] = (char *)g_o.cache_budget_mb; }
+    if (g_o.no_preempt) argv[k++] = "--no-preempt";
+    argv[k] = NULL;
     g_workers[i].worker = i;
     g_workers[i].restart_at = 0;
     return g_workers[i].pid = spawn(argv);
@@ -234,6 +245,7 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); return 1; }
+        if (!strcmp(a, "--no-preempt")) { o->no_preempt = true; continue; }
         if (!v) { fprintf(stderr, "metrale-serve: %s needs a value\n", a); usage(stderr); return -1; }
         int rc = 0;
         if (!strcmp(a, "--model")) o->model = v;
@@ -241,6 +253,9 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         else if (!strcmp(a, "--backend")) o->backend = v;
         else if (!strcmp(a, "--queue")) o->queue = v;
         else if (!strcmp(a, "--drain-timeout")) o->drain_timeout = v;
+        else if (!strcmp(a, "--prefill-budget")) rc = parse_int(a, o->prefill_budget = v, 1, 1 << 24, &(int){ 0 });
+        else if (!strcmp(a, "--graph-max-batch")) rc = parse_int(a, o->graph_max_batch = v, 1, 4096, &(int){ 0 });
+        else if (!strcmp(a, "--cache-budget-mb")) rc = parse_int(a, o->cache_budget_mb = v, 0, 1 << 30, &(int){ 0 });
         else if (!strcmp(a, "--workers")) rc = parse_int(a, v, 1, MAX_WORKERS, &o->workers);
         else if (!strcmp(a, "--max-sequences")) rc = parse_int(a, v, 1, 4096, &o->max_sequences);
         else if (!strcmp(a, "--max-context")) rc = parse_int(a, v, 2, 1 << 24, &o->max_context);
