@@ -466,6 +466,31 @@ TEST(WorkerMain, HeartbeatsFlowWhileIdle) {
     EXPECT_EQ(w.Wait(10), 0);
 }
 
+// The start-up memory plan sizes the pools from --cache-budget-mb: the heartbeat's stats show them
+// (slots for its 4 running sequences, 2 kept prefixes and the graph pad; pages all free when idle),
+// and a budget that cannot hold one full-context sequence is an error at start, not later.
+TEST(WorkerMain, MemoryPlanSizesThePools) {
+    WorkerProc w({ "--cache-budget-mb", "1" });  // --max-sequences 4, --max-context 256
+    w.ExpectHello();
+    EXPECT_TRUE(WaitStats(w, [](const Metrale__V1__WorkerStats &s) {
+        return s.slots_total == 4 + 2 + 1 && s.cache_pages_total > 4 && s.cache_pages_free == s.cache_pages_total &&
+               s.slots_free == s.slots_total;
+    }, 5000)) << "slots " << w.last_stats_.slots_total << " pages " << w.last_stats_.cache_pages_total;
+    w.Shutdown();
+    EXPECT_EQ(w.Wait(10), 0);
+    pid_t pid = fork();
+    if (pid == 0) {
+        const char *argv[] = { kWorker, "--model", kModel, "--router", "ipc:///tmp/metrale-plan-x", "--id", "1",
+                               "--cache-budget-mb", "1", "--max-context", "1000000", nullptr };
+        if (!freopen("/dev/null", "w", stderr)) _exit(126);
+        execv(argv[0], const_cast<char **>(argv));
+        _exit(127);
+    }
+    int st;
+    waitpid(pid, &st, 0);
+    EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1);
+}
+
 TEST(WorkerMain, ExitsWhenTheRouterFallsSilent) {
     WorkerProc w({ "--router-timeout", "1.5" });
     w.ExpectHello();
