@@ -1,9 +1,14 @@
 /* kernels/cuda/cuda_ops.h: internal to the CUDA backend. Same signatures as the mt_backend_ops
  * slots (kernels/backend.h); cuda_backend.cu fills the table. Op families, one file each:
- *   cuda_backend.cu  memory, weights, table          cuda_dense.cu  embed, matmul, norms, swiglu,
- *   cuda_moe.cu      router, experts                               sigmoid, l2norm, argmax
- *   cuda_hc.cu       hyper-connections, head mean    cuda_kda.cu    conv, gate, delta rule, gated norm
- *   cuda_dsa.cu      pool keys, select, sparse MLA
+ *   cuda_backend.cu   memory, weights, table, scratch    cuda_dense.cu  embed, matmul (GEMV, tensor-core
+ *   cuda_moe.cu       router, experts (GEMV, batched                    GEMV and GEMMs), norms, swiglu,
+ *                     GEMMs)                                            sigmoid, l2norm, argmax, PDL
+ *   cuda_moe_grouped.cu  experts grouped on the device   cuda_hc.cu     hyper-connections, head mean
+ *   cuda_kda.cu       conv, gate, recurrent delta rule,  cuda_kda_chunk.cu  chunked delta rule
+ *                     gated norm                                          (tensor cores)
+ *   cuda_dsa.cu       pool keys, select, sparse MLA      cuda_rows.cu   rows-form conv, cache writes,
+ *                     (paged caches)                                    pool keys (batched decode)
+ *   cuda_step.cu      graphs, run-time-position ops      cuda_random.cu random weights
  * Every launch is followed by MT_CUDA_CHECK_LAUNCH-style checking; ops return void per the table,
  * so a failed launch is logged and recorded in the backend's sticky error (cu_backend_error). */
 #ifndef MT_CUDA_OPS_H
