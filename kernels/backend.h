@@ -31,11 +31,19 @@ typedef struct mt_graph mt_graph;
 
 /* A 2-D weight matrix [rows, cols] in backend memory, row-major, dtype F32, F16 or BF16.
  * A 1-D vector is rows = 1. */
+/* What a weight's product feeds, for per-projection precision choices (the model sets it after
+ * the backend made the weight; backends start it at MT_WCLS_OTHER). */
+typedef enum mt_wcls {
+    MT_WCLS_OTHER, MT_WCLS_ROUTER, MT_WCLS_INDEXER, MT_WCLS_HC, MT_WCLS_KDA_GATE, MT_WCLS_ATTN,
+    MT_WCLS_MLP, MT_WCLS_HEAD, MT_WCLS_N
+} mt_wcls;
+
 typedef struct mt_weight {
     const void *data;
     mt_dtype dtype;
     int64_t rows, cols;
     bool owned;           /* the backend allocated data (weight_free releases it) */
+    uint8_t cls;          /* mt_wcls */
 } mt_weight;
 
 /* One routed or shared expert: SwiGLU MLP with gate/up [I, H] and down [H, I]. */
@@ -286,6 +294,10 @@ struct mt_backend {
 
 /* The CPU backend (kernels/cpu/). n_threads <= 0 means all online cores. NULL on OOM. */
 mt_backend *mt_cpu_backend_new(int n_threads);
+/* Research hook of the CPU backend (tools/dev/precision_probe): the activations of matmuls whose
+ * weight class is in mask (bit 1 << mt_wcls) are rounded to bf16 first, emulating single-rounding
+ * tensor-core GEMMs; 0 (the default) computes exactly. Process-wide. */
+void mt_cpu_set_round_x(uint32_t mask);
 
 /* Destroys any backend; NULL is fine. */
 static inline void mt_backend_free(mt_backend *be) {

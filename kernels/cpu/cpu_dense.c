@@ -43,8 +43,19 @@ static float dot(const float *a, const float *b, int64_t n) {
     return (s0 + s1) + (s2 + s3);
 }
 
+static uint32_t g_round_x; /* mt_cpu_set_round_x */
+
+void mt_cpu_set_round_x(uint32_t mask) { g_round_x = mask; }
+
 void cpu_matmul(mt_backend *be, float *y, const float *x, const mt_weight *w, int n) {
     const int64_t out = w->rows, in = w->cols;
+    float *xr = NULL;
+    if (g_round_x & (1u << w->cls)) { /* research hook: x as a single-rounding bf16 GEMM sees it */
+        xr = malloc(sizeof(float) * (size_t)n * (size_t)in);
+        MT_ASSERT(xr);
+        for (int64_t i = 0; i < (int64_t)n * in; i++) xr[i] = mt_bf16_to_f32(mt_f32_to_bf16(x[i]));
+        x = xr;
+    }
     /* Blocks of 4 weight rows per thread step keep each x row hot for 4 outputs. */
 #pragma omp parallel num_threads(be->n_threads) if (out * in * n > CPU_PAR_MIN_WORK)
     {
@@ -60,6 +71,7 @@ void cpu_matmul(mt_backend *be, float *y, const float *x, const mt_weight *w, in
         }
         free(rows);
     }
+    free(xr);
 }
 
 void cpu_rmsnorm(mt_backend *be, float *out, const float *x, const float *w, int n, int d, float eps) {

@@ -79,18 +79,37 @@ static float *random_vector(const binder *b, size_t *n) {
     return v;
 }
 
+/* What the product of the tensor named name feeds (mt_wcls): the discrete choices (router top-k,
+ * indexer top-k), the mHC mix (Sinkhorn), the KDA decay and beta gates, or plain projections. */
+static uint8_t wcls_of(const char *name) {
+    static const struct { const char *part; mt_wcls cls; } map[] = {
+        { "mlp.gate.weight", MT_WCLS_ROUTER }, { ".indexer.", MT_WCLS_INDEXER }, { ".hc_", MT_WCLS_HC },
+        { ".f_a_proj", MT_WCLS_KDA_GATE }, { ".f_b_proj", MT_WCLS_KDA_GATE }, { ".b_proj", MT_WCLS_KDA_GATE },
+        { ".g_a_proj", MT_WCLS_KDA_GATE }, { ".g_b_proj", MT_WCLS_KDA_GATE }, { "self_attn.", MT_WCLS_ATTN },
+        { ".mlp.", MT_WCLS_MLP }, { "lm_head", MT_WCLS_HEAD },
+    };
+    for (size_t i = 0; i < sizeof map / sizeof map[0]; i++)
+        if (strstr(name, map[i].part)) return (uint8_t)map[i].cls;
+    return MT_WCLS_OTHER;
+}
+
 static mt_status bind_w(binder *b, mt_weight *w, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static mt_status bind_w(binder *b, mt_weight *w, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     const st_tensor *t = find(b, fmt, ap);
     va_end(ap);
-    if (b->random) return bind_w_random(b, w);
-    int64_t cols = 1;
-    for (int i = 1; i < t->ndim; i++) cols *= t->shape[i];
-    mt_status st = b->m->be->ops->weight(b->m->be, t->data, t->dtype, t->shape[0], cols, w);
-    if (st != MT_OK) return mt_errorf(b->err, st, "%s: cannot place tensor %s on the backend", t->file, t->name);
-    return MT_OK;
+    mt_status st;
+    if (b->random) {
+        st = bind_w_random(b, w);
+    } else {
+        int64_t cols = 1;
+        for (int i = 1; i < t->ndim; i++) cols *= t->shape[i];
+        st = b->m->be->ops->weight(b->m->be, t->data, t->dtype, t->shape[0], cols, w);
+        if (st != MT_OK) return mt_errorf(b->err, st, "%s: cannot place tensor %s on the backend", t->file, t->name);
+    }
+    if (st == MT_OK) w->cls = wcls_of(b->name);
+    return st;
 }
 
 static mt_status bind_v(binder *b, float **v, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -198,7 +217,10 @@ static mt_status bind_all(binder *bp) {
     binder b = *bp;
     glm_model *m = b.m;
     TRY(bind_w(&b, &m->embed, "model.language_model.embed_tokens.weight"));
-    if (m->cfg.tie_word_embeddings) m->lm_head = m->embed;
+    if (m->cfg.tie_word_embeddings) {
+        m->lm_head = m->embed;
+        m->lm_head.cls = MT_WCLS_HEAD;
+    }
     else TRY(bind_w(&b, &m->lm_head, "lm_head.weight"));
     TRY(bind_v(&b, &m->norm, "model.language_model.norm.weight"));
     for (int i = 0; i < m->cfg.num_hidden_layers; i++) TRY(bind_layer(&b, &m->layers[i], i));

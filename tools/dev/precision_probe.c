@@ -1,0 +1,91 @@
+/* tools/dev/precision_probe.c: which projections need the two-part (hi + lo) bf16 split of the
+ * activations on tensor cores, and which take a single bf16 rounding. On the CPU backend, for a
+ * checkpoint and a token sequence, the logits of every position (one prefill, causal: the same as
+ * teacher forcing) are computed exactly, then with the activations rounded to bf16 before the
+ * matmuls of chosen weight classes (mt_cpu_set_round_x): each class alone, every class but one,
+ * and all. Prints top-1 agreement and the worst logit cosine against the exact run, the bar of the
+ * GPU model test being 99% and 0.999.
+ *
+ *   precision_probe DIR [DIR ...]   (e.g. tests/fixtures/tiny_a tests/fixtures/tiny_b)
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "kernels/backend.h"
+#include "worker/model/glm_model.h"
+
+static const char *const k_names[MT_WCLS_N] = { "other", "router", "indexer", "hc", "kda_gate", "attn", "mlp", "head" };
+
+static float *logits_of(glm_model *m, const int32_t *toks, int n, uint32_t mask) {
+    const int V = glm_model_config(m)->vocab_size;
+    float *l = malloc(sizeof(float) * (size_t)n * V);
+    glm_seq *s = NULL;
+    mt_error err = { "" };
+    mt_cpu_set_round_x(mask);
+    if (!l || glm_seq_new(m, n, &s, &err) != MT_OK || glm_prefill(m, s, toks, n, l, true, &err) != MT_OK) {
+        fprintf(stderr, "precision_probe: %s\n", err.msg);
+        exit(1);
+    }
+    glm_seq_free(s);
+    mt_cpu_set_round_x(0);
+    return l;
+}
+
+static void compare(const float *ref, const float *got, int n, int V, double *top1, double *worst_cos) {
+    int agree = 0;
+    double worst = 1;
+    for (int i = 0; i < n; i++) {
+        const float *a = ref + (size_t)i * V, *b = got + (size_t)i * V;
+        agree += glm_argmax(a, V) == glm_argmax(b, V);
+        double ab = 0, aa = 0, bb = 0;
+        for (int v = 0; v < V; v++) {
+            ab += (double)a[v] * b[v];
+            aa += (double)a[v] * a[v];
+            bb += (double)b[v] * b[v];
+        }
+        const double c = ab / sqrt(aa * bb + 1e-300);
+        if (c < worst) worst = c;
+    }
+    *top1 = 100.0 * agree / n;
+    *worst_cos = worst;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        fprintf(stderr, "usage: precision_probe DIR [DIR ...]\n");
+        return 2;
+    }
+    mt_backend *be = mt_cpu_backend_new(0);
+    const uint32_t all = (1u << MT_WCLS_N) - 1;
+    printf("| model | activations rounded to bf16 before | top-1 agreement | worst cosine |\n|---|---|---:|---:|\n");
+    for (int d = 1; d < argc; d++) {
+        glm_model *m = NULL;
+        mt_error err = { "" };
+        if (glm_model_load(argv[d], be, NULL, &m, &err) != MT_OK) {
+            fprintf(stderr, "precision_probe: %s\n", err.msg);
+            return 1;
+        }
+        const int V = glm_model_config(m)->vocab_size, n = 70;
+        int32_t toks[70];
+        for (int i = 0; i < n; i++) toks[i] = (int32_t)((i * 7919u + 13u) % (unsigned)V);
+        float *ref = logits_of(m, toks, n, 0);
+        for (int pass = 0; pass < 2 * MT_WCLS_N + 1; pass++) {
+            /* each class alone, then every class but one, then all */
+            const int c = pass % MT_WCLS_N;
+            const uint32_t mask = pass == 2 * MT_WCLS_N ? all : pass < MT_WCLS_N ? 1u << c : all & ~(1u << c);
+            char what[64];
+            if (pass == 2 * MT_WCLS_N) snprintf(what, sizeof what, "every matmul");
+            else snprintf(what, sizeof what, "%s %s", pass < MT_WCLS_N ? "only" : "all but", k_names[c]);
+            float *got = logits_of(m, toks, n, mask);
+            double top1, cosw;
+            compare(ref, got, n, V, &top1, &cosw);
+            printf("| %s | %s | %.2f%% | %.6f |\n", argv[d], what, top1, cosw);
+            free(got);
+        }
+        free(ref);
+        glm_model_free(m);
+    }
+    mt_backend_free(be);
+    return 0;
+}
