@@ -646,6 +646,59 @@ TEST(Engine, PoolShortageQueuesWhenPreemptionIsOff) {
     EXPECT_EQ(glm_model_pages_free(M.m), glm_model_pages_total(M.m));
 }
 
+// More running sequences than one model pass takes (a model of 4 scratch rows, 6 sequences):
+// the engine decodes them in passes, and a refused pass would fall back for its own rows only;
+// every stream equals decoding alone (a fallback over all rows once fed tokens twice).
+TEST(Engine, BatchesLargerThanOnePassDecodeInPasses) {
+    mt_backend *be = mt_cpu_backend_new(1);
+    glm_model_params mp = glm_model_default_params();
+    mp.prefill_chunk = 4;
+    glm_model *m = nullptr;
+    mt_error err = { "" };
+    ASSERT_EQ(glm_model_load(kDir, be, &mp, &m, &err), MT_OK) << err.msg;
+    ASSERT_EQ(glm_model_batch_rows(m), 4);
+    std::vector<std::vector<int32_t>> want;
+    for (int id = 1; id <= 6; id++) want.push_back(DirectGreedy(m, Prompt(5 + id, id), 8));
+    {
+        Engine E(m);
+        for (int id = 1; id <= 6; id++) ASSERT_EQ(E.Submit(id, Prompt(5 + id, id), Req(8)), MT_OK);
+        E.RunToEnd();
+        for (int id = 1; id <= 6; id++) EXPECT_EQ(E.results[id].tokens, want[id - 1]) << id;
+    }
+    glm_model_free(m);
+    mt_backend_free(be);
+}
+
+// A model with no DSA layer has no cache pages to run out of: requests are admitted and served
+// (the page checks apply only to a model with paged layers).
+TEST(Engine, ModelWithoutPagedLayersServes) {
+    mt_backend *be = mt_cpu_backend_new(1);
+    glm_config c;
+    mt_error err = { "" };
+    ASSERT_EQ(glm_config_preset("tiny", &c, &err), MT_OK) << err.msg;
+    for (int i = 0; i < c.num_hidden_layers; i++) c.layer_types[i] = GLM_MIXER_KDA;
+    glm_model *m = nullptr;
+    ASSERT_EQ(glm_model_new_random(&c, 3, be, nullptr, &m, &err), MT_OK) << err.msg;
+    ASSERT_EQ(glm_model_page_bytes(m), 0u);
+    ASSERT_EQ(glm_model_set_pools(m, 1, 8, &err), MT_OK) << err.msg;
+    auto small = [](int n, int seed) { /* the preset's vocabulary is 256 */
+        std::vector<int32_t> p = Prompt(n, seed);
+        for (int32_t &t : p) t %= 256;
+        return p;
+    };
+    const std::vector<int32_t> want = DirectGreedy(m, small(7, 1), 20);
+    {
+        Engine E(m);
+        ASSERT_EQ(E.Submit(1, small(7, 1), Req(20)), MT_OK);
+        ASSERT_EQ(E.Submit(2, small(90, 2), Req(100)), MT_OK);
+        E.RunToEnd();
+        EXPECT_EQ(E.results[1].tokens, want);
+        EXPECT_EQ(E.results[2].reason, ENG_FINISH_LENGTH);
+    }
+    glm_model_free(m);
+    mt_backend_free(be);
+}
+
 TEST(Engine, OneTokenRequestsFinishAtPrefill) {
     Model M;
     Engine E(M.m);

@@ -515,7 +515,13 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
         else if (!strcmp(a, "--id")) rc = parse_int(a, v, 0, &o->id);
         else if (!strcmp(a, "--device")) rc = parse_int(a, v, 0, &o->device);
         else if (!strcmp(a, "--max-sequences")) rc = parse_int(a, v, 1, &o->max_sequences);
-        else if (!strcmp(a, "--max-context")) rc = parse_int(a, v, 2, &o->max_context);
+        else if (!strcmp(a, "--max-context")) {
+            rc = parse_int(a, v, 2, &o->max_context);
+            if (!rc && o->max_context > (1 << 24)) { /* page and token arithmetic stays in int */
+                fprintf(stderr, "error: --max-context must be at most %d, got %d\n", 1 << 24, o->max_context);
+                rc = -1;
+            }
+        }
         else if (!strcmp(a, "--cache-budget-mb")) {
             int mb = 0;
             rc = parse_int(a, v, 0, &mb);

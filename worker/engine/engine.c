@@ -168,7 +168,7 @@ static mt_status check_request(const eng_engine *e, const eng_request *r, mt_err
                          r->top_logprobs);
     const int len = r->n_prompt + r->max_new_tokens, page = glm_model_page_tokens(e->m);
     const int pages_total = glm_model_pages_total(e->m);
-    if (pages_total > 0 && (len + page - 1) / page > pages_total - 1)
+    if (glm_model_page_bytes(e->m) > 0 && pages_total > 0 && (len + page - 1) / page > pages_total - 1)
         return mt_errorf(err, MT_ERR_FULL, "a sequence of %d tokens needs %d cache pages, more than the %d there are",
                          len, (len + page - 1) / page, pages_total - 1);
     const size_t need = glm_model_seq_bytes(e->m, r->n_prompt + r->max_new_tokens);
@@ -530,16 +530,16 @@ static void admit(eng_engine *e) {
             break;
         }
         prefill_some(e, s, &budget);
-        if (!s->gs) break; /* it gave way at once: the pools are full, the rest waits too */
+        if (!s->gs && !s->done) break; /* it gave way at once: the pools are full, the rest waits too */
     }
     memmove(e->waiting, e->waiting + taken, sizeof(eng_seq *) * (size_t)(e->n_waiting - taken));
     e->n_waiting -= taken;
     requeue_preempted(e);
 }
 
-/* Batches of at most this many plain greedy sequences take their tokens with glm_last_argmax
- * (the model's batched decode keeps one pass of up to its scratch rows, 256 by default). */
-#define ENG_GREEDY_MAX 128
+/* Batches of at most this many plain greedy sequences take their tokens with glm_last_argmax, one
+ * model pass (glm_model_batch_rows) at a time. */
+#define ENG_GREEDY_MAX 1024
 
 /* One token for every running sequence, all through the model's batched decode (one pass over
  * the weights for all of them; replayed from the bucket graph of that many rows where the backend
@@ -549,38 +549,43 @@ static void admit(eng_engine *e) {
  * decodes alone so only the bad one fails. */
 static void decode_running(eng_engine *e, eng_seq **batch, int n, float *logits, int32_t *greedy) {
     if (greedy) logits = NULL; /* the tokens come from glm_last_argmax below */
-    {
-        glm_seq **gs = malloc(sizeof *gs * (size_t)n);
-        int32_t *tok = malloc(sizeof *tok * (size_t)n);
+    glm_seq **gs = malloc(sizeof *gs * (size_t)n);
+    int32_t *tok = malloc(sizeof *tok * (size_t)n);
+    const int rows = glm_model_batch_rows(e->m); /* one model pass; glm_last_argmax sees its rows */
+    for (int c0 = 0; c0 < n; c0 += rows) {
+        const int k = n - c0 < rows ? n - c0 : rows;
+        eng_seq **b = batch + c0;
         mt_status st = MT_ERR_NOMEM;
         mt_error err = { "" };
         if (gs && tok) {
-            for (int i = 0; i < n; i++) {
-                gs[i] = batch[i]->gs;
-                tok[i] = batch[i]->pending;
+            for (int i = 0; i < k; i++) {
+                gs[i] = b[i]->gs;
+                tok[i] = b[i]->pending;
             }
-            st = glm_decode_multi(e->m, gs, tok, n, logits, &err);
+            st = glm_decode_multi(e->m, gs, tok, k, logits ? logits + (size_t)c0 * e->vocab : NULL, &err);
         }
-        free(gs);
-        free(tok);
-        if (st == MT_OK && greedy) st = glm_last_argmax(e->m, n, greedy);
+        if (st == MT_OK && greedy) st = glm_last_argmax(e->m, k, greedy + c0);
         if (st == MT_OK) {
-            for (int i = 0; i < n; i++) batch[i]->st = MT_OK;
-            return;
+            for (int i = 0; i < k; i++) b[i]->st = MT_OK;
+            continue;
         }
-        if (n == 1) { /* nothing to split: the error is this sequence's */
-            batch[0]->st = st;
-            batch[0]->err = err;
-            return;
+        if (k == 1) { /* nothing to split: the error is this sequence's */
+            b[0]->st = st;
+            b[0]->err = err;
+            continue;
         }
+        /* refused before any sequence moved (glm_decode_multi checks everything first, and one
+         * chunk is one pass): each decodes alone, so only the bad one fails */
         mt_log(MT_LOG_WARN, "engine: batched decode of %d sequences refused (%s); decoding them one by one",
-               n, err.msg[0] ? err.msg : mt_status_str(st));
+               k, err.msg[0] ? err.msg : mt_status_str(st));
+        for (int i = 0; i < k; i++) {
+            b[i]->st = glm_decode(e->m, b[i]->gs, b[i]->pending,
+                                  logits ? logits + (size_t)(c0 + i) * e->vocab : NULL, &b[i]->err);
+            if (b[i]->st == MT_OK && greedy) b[i]->st = glm_last_argmax(e->m, 1, greedy + c0 + i);
+        }
     }
-    for (int i = 0; i < n; i++) {
-        batch[i]->st = glm_decode(e->m, batch[i]->gs, batch[i]->pending, logits ? logits + (size_t)i * e->vocab : NULL,
-                                  &batch[i]->err);
-        if (batch[i]->st == MT_OK && greedy) batch[i]->st = glm_last_argmax(e->m, 1, greedy + i);
-    }
+    free(gs);
+    free(tok);
 }
 
 mt_status eng_step(eng_engine *e, int *n_tokens) {

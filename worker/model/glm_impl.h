@@ -162,7 +162,8 @@ struct glm_model {
     void **h_rtab;
     int rt_cap;                /* largest capacity of any sequence made so far (graph sizing) */
     /* Decode graphs per bucket of rows (1, 2, 4, ... rcap), captured for rt_cap; pad rows of a
-     * bucket run on pad_seq (zeroed before each padded replay). */
+     * bucket run on pad_seq (one slot and one page, made with the pools; pad rows all write its
+     * position 0, and their outputs are dropped). */
     mt_graph *bucket_graph[GLM_BUCKETS];
     int bucket_tcap[GLM_BUCKETS];
     uint64_t bucket_epoch[GLM_BUCKETS];

@@ -194,11 +194,44 @@ static void pools_release(glm_model *m) {
     m->n_pages = m->n_slots = m->n_free_pages = m->n_free_slots = 0;
 }
 
+/* The pad sequence of the bucket graphs (one slot, one page at position 0); made when the pools
+ * are (graph-capable backends) or at the first padded step. false when the pools have no room:
+ * that step then runs eagerly without padding, never on a pad without a page. */
+static bool pad_ensure(glm_model *m) {
+    if (m->pad_seq) return true;
+    mt_error err = { "" };
+    glm_seq *p = NULL;
+    if (glm_seq_new(m, 1, &p, &err) != MT_OK) return false;
+    if (glm_seq_reserve(p, 1, &err) != MT_OK) {
+        glm_seq_free(p);
+        return false;
+    }
+    m->pad_seq = p;
+    return true;
+}
+
+/* Frees every recorded decode graph but the sequences' own (bucket graphs and the shared one). */
+static void graphs_release(glm_model *m) {
+    mt_backend *be = m->be;
+    if (!be->ops->graph_free) return;
+    be->ops->graph_free(be, m->shared_graph);
+    m->shared_graph = NULL;
+    for (int b = 0; b < GLM_BUCKETS; b++) {
+        be->ops->graph_free(be, m->bucket_graph[b]);
+        m->bucket_graph[b] = NULL;
+        m->bucket_warm[b] = false;
+    }
+}
+
 mt_status glm_model_set_pools(glm_model *m, int n_pages, int n_slots, mt_error *err) {
     if (n_pages < 1 || n_slots < 1)
         return mt_errorf(err, MT_ERR_INVALID, "pools need at least one page and one slot, got %d and %d", n_pages, n_slots);
-    if (m->n_seqs > 0)
-        return mt_errorf(err, MT_ERR_STATE, "the pools cannot be remade while %d sequences live", m->n_seqs);
+    if (m->n_seqs - (m->pad_seq != NULL) > 0)
+        return mt_errorf(err, MT_ERR_STATE, "the pools cannot be remade while %d sequences live",
+                         m->n_seqs - (m->pad_seq != NULL));
+    glm_seq_free(m->pad_seq);
+    m->pad_seq = NULL;
+    graphs_release(m); /* they hold addresses in the old pools */
     pools_release(m);
     mt_backend *be = m->be;
     const glm_config *c = &m->cfg;
@@ -230,6 +263,7 @@ mt_status glm_model_set_pools(glm_model *m, int n_pages, int n_slots, mt_error *
     for (int i = 0; i < n_slots; i++) m->free_slots[i] = n_slots - 1 - i;
     m->n_pages = m->n_free_pages = n_pages;
     m->n_slots = m->n_free_slots = n_slots;
+    if (be->ops->graph_begin) pad_ensure(m); /* the graph pad's slot and page, before any request's */
     return MT_OK;
 }
 
@@ -685,12 +719,8 @@ static mt_status decode_rows(glm_model *m, glm_seq **seqs, const int32_t *tokens
     bool use_graph = m->params.decode_graphs && be->ops->graph_begin && !m->census && b < GLM_BUCKETS &&
                      (1 << b) <= m->params.graph_max_rows &&
                      (1 << b) <= m->rcap && m->bucket_failures[b] < GLM_MAX_CAPTURE_FAILURES;
+    if (use_graph && (1 << b) > n && !pad_ensure(m)) use_graph = false; /* no room for the pad: eager */
     const int B = use_graph ? 1 << b : n;
-    if (B > n && !m->pad_seq) {
-        mt_status st = glm_seq_new(m, 1, &m->pad_seq, err);
-        if (st == MT_OK) st = glm_seq_reserve(m->pad_seq, 1, err); /* its one page, for good */
-        if (st != MT_OK) return st;
-    }
     for (int i = 0; i < n; i++)
         for (int l = 0; l < L; l++) {
             const mt_layer *ml = &m->layers[l].base;
@@ -783,6 +813,8 @@ mt_status glm_decode_multi(glm_model *m, glm_seq **seqs, const int32_t *tokens, 
     }
     return MT_OK;
 }
+
+int glm_model_batch_rows(const glm_model *m) { return m->rcap; }
 
 mt_status glm_last_argmax(glm_model *m, int n, int32_t *out) {
     if (n < 1 || n > m->rcap) return MT_ERR_INVALID;

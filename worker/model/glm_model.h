@@ -115,6 +115,8 @@ mt_status glm_decode_multi(glm_model *m, glm_seq **seqs, const int32_t *tokens, 
  * most the scratch rows: its rows), taken where the logits are (on the device for a GPU
  * backend), into out (host) [n]: greedy decoding without moving the logits. */
 mt_status glm_last_argmax(glm_model *m, int n, int32_t *out);
+/* Rows one pass of glm_decode_multi takes (its scratch rows); more sequences take several passes. */
+int glm_model_batch_rows(const glm_model *m);
 
 /* Expert census, for benchmarks: while on, each eager batched step records which routed experts
  * its rows chose; glm_model_expert_census returns how many (layer, expert) pairs the last such
