@@ -1,12 +1,17 @@
 // tests/cuda_test_util.h: what the CUDA test files share: whether a GPU is usable (CI hosts have
-// the toolkit but no GPU, and the tests skip there saying why) and the relative error measure.
+// the toolkit but no GPU, and the tests skip there saying why), the relative error measure, a
+// seeded random stream, the per-test worst-error report and case labels.
 #ifndef MT_TESTS_CUDA_TEST_UTIL_H
 #define MT_TESTS_CUDA_TEST_UTIL_H
 
 #include <cuda_runtime_api.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <initializer_list>
 #include <string>
+#include <utility>
 #include <vector>
 
 // Empty when a CUDA device is usable, else why not.
@@ -27,6 +32,45 @@ inline double RelErr(const std::vector<float> &got, const std::vector<float> &wa
         den += (double)want[i] * want[i];
     }
     return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+// splitmix64: a stream of uniform floats in [lo, hi), never exactly 0.
+struct Rng {
+    uint64_t s;
+    explicit Rng(uint64_t seed) : s(seed * 0x9E3779B97F4A7C15ull + 1) {}
+    uint64_t Next() {
+        uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        return z ^ (z >> 31);
+    }
+    float Uniform(float lo, float hi) {
+        float v = lo + (hi - lo) * (float)((Next() >> 40) * (1.0 / 16777216.0));
+        return v == 0.f ? (hi - lo) * 1e-3f : v;
+    }
+};
+
+// Worst relative error seen by one test, printed at its end.
+struct Worst {
+    std::string op;
+    double err = 0;
+    std::string where;
+    void See(double e, const std::string &w) {
+        if (e >= err) { err = e; where = w; }
+    }
+    ~Worst() {
+        if (!op.empty()) std::printf("[ metric   ] %-14s worst rel err %.3g at %s\n", op.c_str(), err, where.c_str());
+    }
+};
+
+// "k=v k=v ...": the shape of a case, for messages.
+inline std::string Shape(std::initializer_list<std::pair<const char *, long long>> kv) {
+    std::string s;
+    for (auto &p : kv) {
+        if (!s.empty()) s += " ";
+        s += p.first + std::string("=") + std::to_string(p.second);
+    }
+    return s;
 }
 
 #endif  // MT_TESTS_CUDA_TEST_UTIL_H

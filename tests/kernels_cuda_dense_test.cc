@@ -40,21 +40,6 @@
 
 namespace {
 
-// splitmix64: a stream of uniform floats in [lo, hi), never exactly 0.
-struct Rng {
-    uint64_t s;
-    explicit Rng(uint64_t seed) : s(seed * 0x9E3779B97F4A7C15ull + 1) {}
-    uint64_t Next() {
-        uint64_t z = (s += 0x9E3779B97F4A7C15ull);
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-        return z ^ (z >> 31);
-    }
-    float Uniform(float lo, float hi) {
-        float v = lo + (hi - lo) * (float)((Next() >> 40) * (1.0 / 16777216.0));
-        return v == 0.f ? (hi - lo) * 1e-3f : v;
-    }
-};
 
 uint64_t g_seed = 12345;
 uint64_t NextSeed() { return g_seed++; }
@@ -71,27 +56,6 @@ std::vector<float> Rand(size_t n, float lo = -1.f, float hi = 1.f) {
     return v;
 }
 
-// Worst relative error seen by one test, printed at its end.
-struct Worst {
-    std::string op;
-    double err = 0;
-    std::string where;
-    void See(double e, const std::string &w) {
-        if (e >= err) { err = e; where = w; }
-    }
-    ~Worst() {
-        if (!op.empty()) std::printf("[ metric   ] %-12s worst rel err %.3g at %s\n", op.c_str(), err, where.c_str());
-    }
-};
-
-std::string Shape(std::initializer_list<std::pair<const char *, long long>> kv) {
-    std::string s;
-    for (auto &p : kv) {
-        if (!s.empty()) s += " ";
-        s += p.first + std::string("=") + std::to_string(p.second);
-    }
-    return s;
-}
 
 class CudaOps : public ::testing::Test {
   protected:
