@@ -29,6 +29,53 @@ static dsa_caches dsa_caches_of(const glm_layer *l) {
     };
 }
 
+/* The scratch rows of one DSA step, each [n, width]: the q path (qr, q), the attention output
+ * o, the indexer's queries and head weights (qi, iw), and this step's cache rows before they are
+ * written into the pages (lat, ki, gs). */
+typedef struct dsa_bufs {
+    float *qr, *q, *o, *qi, *iw, *lat, *ki, *gs;
+} dsa_bufs;
+
+static dsa_bufs dsa_bufs_of(const glm_scratch *scr) {
+    float *const *b = scr->buf;
+    return (dsa_bufs){ b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7] };
+}
+
+/* The projections every form shares: the q path and the latent, and for a layer with its own
+ * indexer its keys, gate scores, queries and head weights. */
+static void dsa_project(const glm_layer *l, mt_backend *be, const float *h, const dsa_bufs *x, int n) {
+    const glm_config *c = l->cfg;
+    const glm_dsa_w *w = &l->dsa;
+    const mt_backend_ops *op = be->ops;
+    op->matmul(be, x->qr, h, &w->q_a, n);
+    op->rmsnorm(be, x->qr, x->qr, w->q_a_norm, n, c->q_lora_rank, c->rms_norm_eps);
+    op->matmul(be, x->q, x->qr, &w->q_b, n);
+    op->matmul(be, x->lat, h, &w->kv_a, n);
+    op->rmsnorm(be, x->lat, x->lat, w->kv_a_norm, n, c->kv_lora_rank, c->rms_norm_eps);
+    if (!w->has_indexer) return;
+    op->matmul(be, x->ki, h, &w->ik, n);
+    op->layernorm(be, x->ki, x->ki, w->ik_norm_w, w->ik_norm_b, n, c->index_head_dim, 1e-6f);
+    op->matmul(be, x->gs, h, &w->igate, n);
+    op->matmul(be, x->qi, x->qr, &w->iq, n);
+    op->matmul(be, x->iw, h, &w->iw, n);
+}
+
+/* Selection and sparse-MLA parameters; t0_dev and t_cap as kernels/backend.h says per form. */
+static mt_dsa_select_params dsa_select_params(const glm_config *c, const int32_t *t0_dev, int t_cap) {
+    return (mt_dsa_select_params){
+        .ih = c->index_n_heads, .id = c->index_head_dim, .kpool = c->index_kpool,
+        .max_pools = c->index_topk / c->index_kpool, .tail = c->index_kpool_always_select_tail,
+        .max_sel = glm_max_sel(c), .t0_dev = t0_dev, .t_cap = t_cap,
+    };
+}
+
+static mt_mla_params dsa_mla_params(const glm_config *c, const int32_t *t0_dev, int t_cap) {
+    return (mt_mla_params){
+        .Hq = c->num_attention_heads, .dn = c->qk_nope_head_dim, .dv = c->v_head_dim, .kvl = c->kv_lora_rank,
+        .scale = 1.f / sqrtf((float)(c->qk_nope_head_dim + c->qk_rope_head_dim)), .t0_dev = t0_dev, .t_cap = t_cap,
+    };
+}
+
 /* Batched decode, the rows form: row i is the next position rpos[i] of its own sequence, whose
  * block table the step's GLM_R_BT table gives (glm_rtab). Projections run over all rows; the cache
  * writes, pool keys, selection and attention are one rows op each, every row at its own position
@@ -40,46 +87,27 @@ static mt_status dsa_forward_rows(const glm_layer *l, mt_step *step, const float
     mt_backend *be = step->be;
     const mt_backend_ops *op = be->ops;
     glm_scratch *scr = step->scr;
-    const int kvl = c->kv_lora_rank, id = c->index_head_dim, kp = c->index_kpool, ih = c->index_n_heads;
-    const int Hq = c->num_attention_heads, dn = c->qk_nope_head_dim, dv = c->v_head_dim;
-    const int max_sel = glm_max_sel(c);
     const int32_t *pos = step->rpos;
     const int32_t *const *bts = (const int32_t *const *)glm_rtab(step, GLM_R_BT);
     const dsa_caches pc = dsa_caches_of(l);
-    float **b = scr->buf;
-    float *qr = b[0], *q = b[1], *o = b[2], *qi = b[3], *iw = b[4], *lat = b[5], *ki = b[6], *gs = b[7];
+    const dsa_bufs x = dsa_bufs_of(scr);
 
-    op->matmul(be, qr, h, &w->q_a, n);
-    op->rmsnorm(be, qr, qr, w->q_a_norm, n, c->q_lora_rank, c->rms_norm_eps);
-    op->matmul(be, q, qr, &w->q_b, n);
-    op->matmul(be, lat, h, &w->kv_a, n);
-    op->rmsnorm(be, lat, lat, w->kv_a_norm, n, kvl, c->rms_norm_eps);
-    op->copy_rows_to(be, pc.latent, bts, pos, lat, n);
+    dsa_project(l, be, h, &x, n);
+    op->copy_rows_to(be, pc.latent, bts, pos, x.lat, n);
     if (w->has_indexer) {
-        op->matmul(be, ki, h, &w->ik, n);
-        op->layernorm(be, ki, ki, w->ik_norm_w, w->ik_norm_b, n, id, 1e-6f);
-        op->matmul(be, gs, h, &w->igate, n);
-        op->matmul(be, qi, qr, &w->iq, n);
-        op->matmul(be, iw, h, &w->iw, n);
-        op->copy_rows_to(be, pc.ki, bts, pos, ki, n);
-        op->copy_rows_to(be, pc.gs, bts, pos, gs, n);
-        op->dsa_pool_keys_rows(be, pc.pk, pc.ki, pc.gs, bts, w->ape, pos, n, kp);
-        const mt_dsa_select_params sp = {
-            .ih = ih, .id = id, .kpool = kp, .max_pools = c->index_topk / kp,
-            .tail = c->index_kpool_always_select_tail, .max_sel = max_sel, .t_cap = step->rt_cap,
-        };
-        op->dsa_select_rows(be, scr->sel, scr->nsel, qi, iw, pc.pk, bts, pos, n, &sp);
+        op->copy_rows_to(be, pc.ki, bts, pos, x.ki, n);
+        op->copy_rows_to(be, pc.gs, bts, pos, x.gs, n);
+        op->dsa_pool_keys_rows(be, pc.pk, pc.ki, pc.gs, bts, w->ape, pos, n, c->index_kpool);
+        const mt_dsa_select_params sp = dsa_select_params(c, NULL, step->rt_cap);
+        op->dsa_select_rows(be, scr->sel, scr->nsel, x.qi, x.iw, pc.pk, bts, pos, n, &sp);
         scr->sel_t0 = GLM_SEL_MULTI;
         scr->sel_n = n;
     } else {
         MT_ASSERT(scr->sel_n == n && scr->sel_t0 == GLM_SEL_MULTI); /* the full layer just before */
     }
-    const mt_mla_params mp = {
-        .Hq = Hq, .dn = dn, .dv = dv, .kvl = kvl,
-        .scale = 1.f / sqrtf((float)(dn + c->qk_rope_head_dim)), .t_cap = step->rt_cap,
-    };
-    op->mla_sparse_rows(be, o, q, pc.latent, bts, &w->kv_b, scr->sel, scr->nsel, max_sel, pos, n, &mp);
-    op->matmul(be, out, o, &w->o, n);
+    const mt_mla_params mp = dsa_mla_params(c, NULL, step->rt_cap);
+    op->mla_sparse_rows(be, x.o, x.q, pc.latent, bts, &w->kv_b, scr->sel, scr->nsel, glm_max_sel(c), pos, n, &mp);
+    op->matmul(be, out, x.o, &w->o, n);
     return MT_OK;
 }
 
@@ -96,11 +124,10 @@ mt_status glm_dsa_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
     mt_backend *be = step->be;
     const mt_backend_ops *op = be->ops;
     glm_scratch *scr = step->scr;
-    const int t0 = step->t0, kvl = c->kv_lora_rank, id = c->index_head_dim, kp = c->index_kpool;
+    const int t0 = step->t0, kp = c->index_kpool;
     const dsa_caches pc = dsa_caches_of(l);
     const int32_t *bt = st->bt;
-    float **b = scr->buf;
-    float *qr = b[0], *q = b[1], *o = b[2], *qi = b[3], *iw = b[4], *lat = b[5], *ki = b[6], *gs = b[7];
+    const dsa_bufs x = dsa_bufs_of(scr);
 
     /* The projections go to scratch, then into the pages through the block table with one paged
      * write each (copy_rows_at): at host position t0 (prefill, eager decode), or, in the graph
@@ -108,19 +135,11 @@ mt_status glm_dsa_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
      * with; the block table is read at run time, so blocks mapped later are found). */
     const int32_t *dp = step->d_pos;
     MT_ASSERT(st->len == t0 && t0 + n <= st->cap && bt);
-    op->matmul(be, qr, h, &w->q_a, n);
-    op->rmsnorm(be, qr, qr, w->q_a_norm, n, c->q_lora_rank, c->rms_norm_eps);
-    op->matmul(be, q, qr, &w->q_b, n);
-    op->matmul(be, lat, h, &w->kv_a, n);
-    op->rmsnorm(be, lat, lat, w->kv_a_norm, n, kvl, c->rms_norm_eps);
-    op->copy_rows_at(be, pc.latent, bt, t0, dp, lat, n);
-
+    dsa_project(l, be, h, &x, n);
+    op->copy_rows_at(be, pc.latent, bt, t0, dp, x.lat, n);
     if (w->has_indexer) {
-        op->matmul(be, ki, h, &w->ik, n);
-        op->layernorm(be, ki, ki, w->ik_norm_w, w->ik_norm_b, n, id, 1e-6f);
-        op->matmul(be, gs, h, &w->igate, n);
-        op->copy_rows_at(be, pc.ki, bt, t0, dp, ki, n);
-        op->copy_rows_at(be, pc.gs, bt, t0, dp, gs, n);
+        op->copy_rows_at(be, pc.ki, bt, t0, dp, x.ki, n);
+        op->copy_rows_at(be, pc.gs, bt, t0, dp, x.gs, n);
         if (dp) {
             MT_ASSERT(n == 1);
             op->dsa_pool_keys_at(be, pc.pk, pc.ki, pc.gs, bt, w->ape, dp, kp);
@@ -128,14 +147,8 @@ mt_status glm_dsa_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
             const int p0 = t0 / kp, p1 = (t0 + n) / kp; /* pools completed by these rows */
             if (p1 > p0) op->dsa_pool_keys(be, pc.pk, pc.ki, pc.gs, bt, w->ape, p0, p1, kp);
         }
-        op->matmul(be, qi, qr, &w->iq, n);
-        op->matmul(be, iw, h, &w->iw, n);
-        mt_dsa_select_params sp = {
-            .ih = c->index_n_heads, .id = id, .kpool = kp, .max_pools = c->index_topk / kp,
-            .tail = c->index_kpool_always_select_tail, .max_sel = glm_max_sel(c),
-            .t0_dev = dp, .t_cap = st->cap,
-        };
-        op->dsa_select(be, scr->sel, scr->nsel, qi, iw, pc.pk, bt, t0, n, &sp);
+        const mt_dsa_select_params sp = dsa_select_params(c, dp, st->cap);
+        op->dsa_select(be, scr->sel, scr->nsel, x.qi, x.iw, pc.pk, bt, t0, n, &sp);
         scr->sel_t0 = t0;
         scr->sel_n = n;
     } else {
@@ -145,12 +158,8 @@ mt_status glm_dsa_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
     }
     st->len = t0 + n;
 
-    mt_mla_params mp = {
-        .Hq = c->num_attention_heads, .dn = c->qk_nope_head_dim, .dv = c->v_head_dim, .kvl = kvl,
-        .scale = 1.f / sqrtf((float)(c->qk_nope_head_dim + c->qk_rope_head_dim)),
-        .t0_dev = dp, .t_cap = st->cap,
-    };
-    op->mla_sparse(be, o, q, pc.latent, bt, &w->kv_b, scr->sel, scr->nsel, glm_max_sel(c), t0, n, &mp);
-    op->matmul(be, out, o, &w->o, n);
+    const mt_mla_params mp = dsa_mla_params(c, dp, st->cap);
+    op->mla_sparse(be, x.o, x.q, pc.latent, bt, &w->kv_b, scr->sel, scr->nsel, glm_max_sel(c), t0, n, &mp);
+    op->matmul(be, out, x.o, &w->o, n);
     return MT_OK;
 }
