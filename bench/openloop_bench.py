@@ -18,7 +18,6 @@ come from bazel-bin unless METRALE_ROUTER_BIN / METRALE_WORKER_BIN name others (
 """
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -138,10 +137,7 @@ def main():
             r["itl_p50_ms"], r["itl_p99_ms"]))
     result = {"bench": "openloop_bench", "model": a.model, "backend": a.backend, "prompt_mix": a.prompt_mix,
               "new_mix": a.new_mix, "rows": rows}
-    print(json.dumps(result))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=1)
+    sb.emit_json(result, a.json)
     return 0
 
 

@@ -55,6 +55,14 @@ def binary(rel):
     return p
 
 
+def emit_json(result, path):
+    """The result as one JSON line on stdout, and into path when given."""
+    print(json.dumps(result))
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+
 def mean(xs):
     return sum(xs) / len(xs) if xs else 0.0
 
@@ -208,10 +216,7 @@ def main():
             s["itl_ms"], r["added_ms_per_token"], d["ttft_ms"], s["ttft_ms"]))
     result = {"bench": "serving_bench", "model": os.path.relpath(a.model, ROOT), "backend": a.backend,
               "threads": a.threads, "prompt_len": a.prompt_len, "max_new": a.max_new, "rows": rows}
-    print(json.dumps(result))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=1)
+    emit_json(result, a.json)
     return 0
 
 
