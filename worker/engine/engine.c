@@ -342,6 +342,16 @@ static bool prefix_kept(const eng_engine *e, const int32_t *tokens, int len) {
     return false;
 }
 
+/* Drops the least recently used kept prefix; false when none is kept. */
+static bool prefix_evict_one(eng_engine *e) {
+    if (e->n_prefixes == 0) return false;
+    int lru = 0;
+    for (int i = 1; i < e->n_prefixes; i++)
+        if (e->prefixes[i].last_used < e->prefixes[lru].last_used) lru = i;
+    prefix_drop(e, lru);
+    return true;
+}
+
 /* Keeps s's state (now exactly at s->snap_at) as a prefix, evicting the least recently used
  * ones to stay within prefix_cache_bytes. Best effort: any failure just keeps nothing. */
 static void prefix_keep(eng_engine *e, eng_seq *s) {
@@ -355,12 +365,7 @@ static void prefix_keep(eng_engine *e, eng_seq *s) {
         return;
     }
     const size_t bytes = glm_seq_bytes(snap); /* its slot and its pages (shared with s) */
-    while (e->n_prefixes > 0 && e->prefix_bytes + bytes > e->p.prefix_cache_bytes) {
-        int lru = 0;
-        for (int i = 1; i < e->n_prefixes; i++)
-            if (e->prefixes[i].last_used < e->prefixes[lru].last_used) lru = i;
-        prefix_drop(e, lru);
-    }
+    while (e->prefix_bytes + bytes > e->p.prefix_cache_bytes && prefix_evict_one(e)) {}
     int32_t *tokens = malloc(sizeof(int32_t) * (size_t)len);
     if (e->n_prefixes == e->cap_prefixes) {
         const int cap = e->cap_prefixes ? 2 * e->cap_prefixes : 16;
@@ -382,15 +387,6 @@ static void prefix_keep(eng_engine *e, eng_seq *s) {
 
 /* ---- room in the pools: prefix eviction, then preemption ---- */
 
-/* Drops the least recently used kept prefix; false when none is kept. */
-static bool prefix_evict_one(eng_engine *e) {
-    if (e->n_prefixes == 0) return false;
-    int lru = 0;
-    for (int i = 1; i < e->n_prefixes; i++)
-        if (e->prefixes[i].last_used < e->prefixes[lru].last_used) lru = i;
-    prefix_drop(e, lru);
-    return true;
-}
 
 /* Recompute preemption: s gives its model state back and will be prefilled again from the start
  * (its prompt and every token it generated but the pending one), then decode on from its pending
