@@ -567,10 +567,12 @@ static mt_status decode_body_dev(glm_model *m, glm_seq *s) {
 }
 
 /* Records the step into a graph; NULL (and the layers rearmed) when the capture fails. */
-static mt_graph *capture(glm_model *m, glm_seq *s) {
+/* Records body(m, ctx) into a graph: NULL when the body or the capture fails (the backend is
+ * usable again; the caller rearms the layers). Shared by the per-sequence and the bucket graphs. */
+static mt_graph *record(glm_model *m, mt_status (*body)(glm_model *m, void *ctx), void *ctx) {
     mt_backend *be = m->be;
     if (be->ops->graph_begin(be) != MT_OK) return NULL;
-    mt_status st = decode_body_dev(m, s);
+    mt_status st = body(m, ctx);
     if (m->fail_next_capture) { /* test hook: a host sync is not capturable */
         m->fail_next_capture = false;
         be->ops->sync(be);
@@ -579,9 +581,17 @@ static mt_graph *capture(glm_model *m, glm_seq *s) {
     mt_status end = be->ops->graph_end(be, &g);
     if (st == MT_OK && end == MT_OK && g) return g;
     if (g) be->ops->graph_free(be, g);
-    for (int l = 0; l < m->cfg.num_hidden_layers; l++)
-        mt_layer_decode_prestage_rearm(&m->layers[l].base, s->states[l]);
     return NULL;
+}
+
+static mt_status decode_body_cb(glm_model *m, void *s) { return decode_body_dev(m, s); }
+
+static mt_graph *capture(glm_model *m, glm_seq *s) {
+    mt_graph *g = record(m, decode_body_cb, s);
+    if (!g)
+        for (int l = 0; l < m->cfg.num_hidden_layers; l++)
+            mt_layer_decode_prestage_rearm(&m->layers[l].base, s->states[l]);
+    return g;
 }
 
 /* The backend's graph epoch: a graph recorded under another value points at replaced scratch. */
@@ -702,6 +712,17 @@ static mt_status rows_body(glm_model *m, glm_seq **seqs, int n, int B, mt_layer_
     return MT_OK;
 }
 
+typedef struct rows_ctx {
+    glm_seq **seqs;
+    int n, B;
+    mt_layer_state **sts;
+} rows_ctx;
+
+static mt_status rows_body_cb(glm_model *m, void *ctx) {
+    const rows_ctx *r = ctx;
+    return rows_body(m, r->seqs, r->n, r->B, r->sts);
+}
+
 static int bucket_of(int n) {
     int b = 0;
     while ((1 << b) < n) b++;
@@ -741,30 +762,17 @@ static mt_status decode_rows(glm_model *m, glm_seq **seqs, const int32_t *tokens
         m->bucket_graph[b] = NULL;
     }
     if (use_graph && !m->bucket_graph[b] && m->bucket_warm[b]) {
-        if (be->ops->graph_begin(be) == MT_OK) {
-            st = rows_body(m, seqs, n, B, sts);
-            if (m->fail_next_capture) { /* test hook: a host sync is not capturable */
-                m->fail_next_capture = false;
-                be->ops->sync(be);
-            }
-            mt_graph *g = NULL;
-            mt_status end = be->ops->graph_end(be, &g);
-            if (st == MT_OK && end == MT_OK && g) {
-                m->bucket_graph[b] = g;
-                m->bucket_tcap[b] = m->rt_cap;
-                m->bucket_epoch[b] = graph_epoch(m);
-            } else if (g) {
-                be->ops->graph_free(be, g);
-            }
-        }
-        if (!m->bucket_graph[b]) {
+        rows_ctx rc = { seqs, n, B, sts };
+        if ((m->bucket_graph[b] = record(m, rows_body_cb, &rc))) {
+            m->bucket_tcap[b] = m->rt_cap;
+            m->bucket_epoch[b] = graph_epoch(m);
+        } else {
             for (int i = 0; i < n; i++)
                 for (int l = 0; l < L; l++) mt_layer_decode_prestage_rearm(&m->layers[l].base, seqs[i]->states[l]);
             m->bucket_failures[b]++;
             mt_log(MT_LOG_WARN, "batched decode graph capture for %d rows failed (%d of %d); this step runs eagerly", B,
                    m->bucket_failures[b], GLM_MAX_CAPTURE_FAILURES);
         }
-        st = MT_OK;
     }
     if (use_graph && m->bucket_graph[b]) {
         st = be->ops->graph_launch(be, m->bucket_graph[b]);
