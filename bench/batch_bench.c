@@ -60,21 +60,6 @@ static double step_bytes(const glm_config *c, const bench_weights *w, int B, dou
     return w->dense_bytes + B * w->embed_row_bytes + touched * w->expert_bytes + B * (kda + dsa);
 }
 
-/* steps decode steps of all B sequences; ms per step. tok[B] carries the greedy tokens. */
-static double time_steps(mt_backend *be, glm_model *m, glm_seq **s, int32_t *tok, int B, int steps) {
-    mt_error err = { "" };
-    be->ops->sync(be);
-    const double a = mt_now();
-    for (int i = 0; i < steps; i++) {
-        /* greedy on the device: the logits stay there (a served step samples there too) */
-        if (glm_decode_multi(m, s, tok, B, NULL, &err) != MT_OK || glm_last_argmax(m, B, tok) != MT_OK) {
-            fprintf(stderr, "batch_bench: %s\n", err.msg);
-            exit(1);
-        }
-    }
-    be->ops->sync(be);
-    return (mt_now() - a) * 1e3 / steps;
-}
 
 int main(int argc, char **argv) {
     int batches[MAX_BATCHES] = { 1, 8, 32, 64, 128 }, nb = 5, prompt = 256, steps = 16, op_profile = 0, graph_max = 0;
@@ -131,21 +116,21 @@ int main(int argc, char **argv) {
          * next captures it */
         glm_model_set_decode_graphs(m, false);
         glm_model_set_expert_census(m, true);
-        time_steps(be, m, s, tok, B, 1);
+        bench_decode_steps(be, m, s, tok, B, 1);
         res[k].touched = glm_model_expert_census(m);
         glm_model_set_expert_census(m, false);
-        res[k].eager_ms = time_steps(be, m, s, tok, B, steps);
+        res[k].eager_ms = bench_decode_steps(be, m, s, tok, B, steps);
         glm_model_set_decode_graphs(m, true);
-        time_steps(be, m, s, tok, B, 2);
+        bench_decode_steps(be, m, s, tok, B, 2);
         res[k].graphed = glm_model_has_bucket_graph(m, B);
-        res[k].graph_ms = time_steps(be, m, s, tok, B, steps);
+        res[k].graph_ms = bench_decode_steps(be, m, s, tok, B, steps);
         res[k].B = B;
         if (op_profile) {
             char title[64];
             snprintf(title, sizeof title, "eager decode step of %d sequences", B);
             glm_model_set_decode_graphs(m, false);
             mt_cuda_profile(be, true, title);
-            time_steps(be, m, s, tok, B, 1);
+            bench_decode_steps(be, m, s, tok, B, 1);
             mt_cuda_profile(be, false, title);
         }
         res[k].bytes = step_bytes(&c, &w, B, res[k].touched, prompt + steps + 3);

@@ -4,7 +4,12 @@
 #include <cuda_runtime_api.h>
 #include <string.h>
 
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "kernels/backend.h"
 #include "worker/loader/glm_manifest.h"
+#include "worker/model/glm_model.h"
 
 double bench_copy_bandwidth_gbs(void) {
     const size_t bytes = (size_t)4 << 30;
@@ -61,4 +66,17 @@ void bench_count_weights(const glm_config *c, bench_weights *out) {
     int moe_layers = 0;
     for (int l = 0; l < c->num_hidden_layers; l++) moe_layers += c->mlp_layer_types[l] == GLM_MLP_SPARSE;
     if (moe_layers > 0) out->expert_bytes /= (double)moe_layers * c->n_routed_experts;
+}
+
+double bench_decode_steps(mt_backend *be, glm_model *m, glm_seq **s, int32_t *tok, int B, int steps) {
+    mt_error err = { "" };
+    be->ops->sync(be);
+    const double a = mt_now();
+    for (int i = 0; i < steps; i++)
+        if (glm_decode_multi(m, s, tok, B, NULL, &err) != MT_OK || glm_last_argmax(m, B, tok) != MT_OK) {
+            fprintf(stderr, "bench: %s\n", err.msg);
+            exit(1);
+        }
+    be->ops->sync(be);
+    return (mt_now() - a) * 1e3 / steps;
 }

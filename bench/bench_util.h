@@ -3,6 +3,8 @@
 #ifndef MT_BENCH_UTIL_H
 #define MT_BENCH_UTIL_H
 
+#include <stdint.h>
+
 #include "worker/loader/glm_config.h"
 
 /* cudaMemcpy device-to-device of 4 GiB, 10 times after a warm-up: (read + write) GB/s; 0 when the
@@ -18,5 +20,14 @@ typedef struct bench_weights {
 } bench_weights;
 
 void bench_count_weights(const glm_config *c, bench_weights *out);
+
+/* steps batched decode steps of the B sequences s, greedy on the device as the engine does for
+ * plain greedy requests (glm_decode_multi, then glm_last_argmax; tok[B] carries the tokens); ms
+ * per step, the backend synchronised before and after. Exits the program on an error. */
+struct glm_model;
+struct glm_seq;
+struct mt_backend;
+double bench_decode_steps(struct mt_backend *be, struct glm_model *m, struct glm_seq **s, int32_t *tok, int B,
+                          int steps);
 
 #endif /* MT_BENCH_UTIL_H */

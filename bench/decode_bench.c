@@ -141,24 +141,9 @@ int main(int argc, char **argv) {
     const double ms_tok = ms_mode[0], ms_graph = ms_mode[1];
     /* The engine's path: the same sequence through glm_decode_multi (its bucket-1 graph) with the
      * greedy token taken on the device, as the engine does for plain greedy requests. */
-    double ms_engine = 0;
-    {
-        glm_model_set_decode_graphs(m, true);
-        for (int w = 0; w < 3; w++) /* eager (sizes the bucket), capture, replay */
-            if (glm_decode_multi(m, &s, &tok, 1, NULL, &err) != MT_OK || glm_last_argmax(m, 1, &tok) != MT_OK) {
-                fprintf(stderr, "%s\n", err.msg);
-                return 1;
-            }
-        be->ops->sync(be);
-        double a = mt_now();
-        for (int i = 0; i < steps; i++)
-            if (glm_decode_multi(m, &s, &tok, 1, NULL, &err) != MT_OK || glm_last_argmax(m, 1, &tok) != MT_OK) {
-                fprintf(stderr, "%s\n", err.msg);
-                return 1;
-            }
-        be->ops->sync(be);
-        ms_engine = (mt_now() - a) * 1e3 / steps;
-    }
+    glm_model_set_decode_graphs(m, true);
+    bench_decode_steps(be, m, &s, &tok, 1, 3); /* eager (sizes the bucket), capture, replay */
+    const double ms_engine = bench_decode_steps(be, m, &s, &tok, 1, steps);
     const int engine_graphed = glm_model_has_bucket_graph(m, 1);
     const double floor_ms = step_bytes / (bw * 1e9) * 1e3;
     glm_seq_free(s);
