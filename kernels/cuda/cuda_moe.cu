@@ -316,8 +316,9 @@ extern "C" void cu_moe_cache_free(cu_backend *cb) {
     cb->moe = NULL;
 }
 
-/* Checks the experts [0, count) agree on dtype and shape (a bug otherwise). */
-static void moe_check_experts(const mt_expert *ex, int count, int H, int I) {
+/* Checks the experts [0, count) agree on dtype and shape and have their data (a bug otherwise).
+ * Also the grouped kernels' check (cuda_moe_grouped.cu). */
+extern "C" void cu_moe_check_experts(const mt_expert *ex, int count, int H, int I) {
     const mt_dtype dt = ex[0].gate.dtype;
     MT_ASSERT(dt == MT_F32 || dt == MT_F16 || dt == MT_BF16);
     for (int e = 0; e < count; e++) {
@@ -325,6 +326,7 @@ static void moe_check_experts(const mt_expert *ex, int count, int H, int I) {
         MT_ASSERT(ex[e].gate.rows == I && ex[e].gate.cols == H);
         MT_ASSERT(ex[e].up.rows == I && ex[e].up.cols == H);
         MT_ASSERT(ex[e].down.rows == H && ex[e].down.cols == I);
+        MT_ASSERT(ex[e].gate.data && ex[e].up.data && ex[e].down.data);
     }
 }
 
@@ -351,7 +353,7 @@ static const moe_table *moe_table_get(cu_backend *cb, const mt_expert *experts, 
         if (t->host) t->count = 0; /* reused slot: keep its buffers, drop its contents */
         t->host = experts;
     }
-    moe_check_experts(experts, need, H, I);
+    cu_moe_check_experts(experts, need, H, I);
     if (need > t->cap) {
         MT_CUDA_(cudaStreamSynchronize(cb->stream), "cudaStreamSynchronize(moe table)", *st = mt_st_; return NULL);
         if (t->dev) MT_CUDA_WARN(cudaFree(t->dev));

@@ -377,18 +377,6 @@ static bool moeg_same(const mt_expert *a, const mt_expert *b, int count) {
     return true;
 }
 
-/* Experts [0, count) agree on dtype and shape (a bug otherwise). */
-static void moeg_check_experts(const mt_expert *ex, int count, int H, int I) {
-    const mt_dtype dt = ex[0].gate.dtype;
-    MT_ASSERT(dt == MT_F32 || dt == MT_F16 || dt == MT_BF16);
-    for (int e = 0; e < count; e++) {
-        MT_ASSERT(ex[e].gate.dtype == dt && ex[e].up.dtype == dt && ex[e].down.dtype == dt);
-        MT_ASSERT(ex[e].gate.rows == I && ex[e].gate.cols == H);
-        MT_ASSERT(ex[e].up.rows == I && ex[e].up.cols == H);
-        MT_ASSERT(ex[e].down.rows == H && ex[e].down.cols == I);
-        MT_ASSERT(ex[e].gate.data && ex[e].up.data && ex[e].down.data);
-    }
-}
 
 static moeg_table *moeg_table_find(const cu_backend *cb, const mt_expert *experts) {
     for (int k = 0; k < moeg_reg.n; k++)
@@ -400,7 +388,7 @@ static moeg_table *moeg_table_find(const cu_backend *cb, const mt_expert *expert
  * run during a capture. NULL on failure (logged, *st set). */
 static moeg_table *moeg_table_build(cu_backend *cb, moeg_table *t, const mt_expert *experts, int need,
                                     int H, int I, mt_status *st) {
-    moeg_check_experts(experts, need, H, I);
+    cu_moe_check_experts(experts, need, H, I);
     if (!t) {
         for (int k = 0; k < moeg_reg.n && !t; k++)
             if (!moeg_reg.t[k].cb) t = &moeg_reg.t[k];

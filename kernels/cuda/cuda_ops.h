@@ -204,6 +204,10 @@ void cu_mla_sparse_rows(mt_backend *be, float *out, const float *q, mt_paged lat
                         const int32_t *const *bts, const mt_weight *kv_b, const int32_t *sel,
                         const int32_t *nsel, int max_sel, const int32_t *pos, int n, const mt_mla_params *p);
 
+/* cuda_moe.cu: asserts the experts [0, count) share dtype and shape ([I, H] gate/up, [H, I] down)
+ * and have their data; used by both MoE paths. */
+void cu_moe_check_experts(const mt_expert *ex, int count, int H, int I);
+
 /* cuda_dense.cu: programmatic dependent launch of kernel(*params) on s (see there), and whether it
  * is on (MT_CUDA_PDL). */
 cudaError_t cu_launch_pdl(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t s, void *params);
