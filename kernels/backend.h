@@ -227,6 +227,13 @@ typedef struct mt_backend_ops {
     void (*moe_experts)(mt_backend *be, float *out, const float *x, const int32_t *idx,
                         const float *weights, const mt_expert *experts /* host array [E] */,
                         int n, int top_k, int H, int I, float L);
+    /* Optional (NULL: not offered): out[n, H] = shared(x) + the routed sum above, `shared` an
+     * expert shaped like the routed ones, fused where the backend can (the CUDA GEMV path: the
+     * shared expert as one more slot). Returns false, having done nothing, for a shape it does
+     * not fuse; the caller then runs the shared expert and moe_experts itself. */
+    bool (*moe_experts_shared)(mt_backend *be, float *out, const float *x, const int32_t *idx,
+                               const float *weights, const mt_expert *experts, const mt_expert *shared,
+                               int n, int top_k, int H, int I, float L);
 
     /* ---- KDA ---- */
     /* Causal depthwise conv + SiLU over time: out[n, C], x[n, C], state[C, K-1] (the previous K-1

@@ -740,6 +740,64 @@ TEST_F(CudaMoe, ExpertsSmallShapes) {
     mt_backend_free(fp32);
 }
 
+// moe_experts_shared: out = shared expert + routed sum. The CUDA backend fuses the shared expert
+// into the GEMV kernels for 1..4 rows (it must take those); elsewhere it declines and the caller's
+// composition runs. Against the CPU composition (shared expert's matmuls + swiglu, then
+// moe_experts accumulating), as glm_mlp.c runs it.
+TEST_F(CudaMoe, ExpertsWithSharedMatchCpu) {
+    Worst worst{"moe_experts_shared"};
+    ASSERT_TRUE(gpu_->ops->moe_experts_shared);
+    struct S { int E, k, H, I, distinct; mt_dtype dt; };
+    for (const S &s : {S{16, 4, 64, 32, 16, MT_BF16}, S{16, 4, 64, 32, 16, MT_F16}, S{16, 4, 64, 32, 16, MT_F32},
+                       S{40, 8, 256, 96, 40, MT_BF16}, S{288, 8, 4096, 2048, 6, MT_BF16}}) {
+        Experts ex = MakeExperts(s.dt, s.E, s.distinct, s.H, s.I), sh = MakeExperts(s.dt, 1, 1, s.H, s.I);
+        for (int n : {1, 2, 3, 4, 8, 24}) {
+            const int k = s.k, H = s.H, I = s.I;
+            const float L = 10.f;
+            std::vector<int32_t> idx = RandIdx(n, k, s.E);
+            std::vector<float> x = Rand((size_t)n * H), wts = Rand((size_t)n * k, 0.05f, 1.f);
+            std::vector<float> want((size_t)n * H), g((size_t)n * I), u((size_t)n * I);
+            cpu_->ops->matmul(cpu_, g.data(), x.data(), &sh.cpu[0].gate, n);
+            cpu_->ops->matmul(cpu_, u.data(), x.data(), &sh.cpu[0].up, n);
+            cpu_->ops->swiglu(cpu_, g.data(), g.data(), u.data(), n, I, L);
+            cpu_->ops->matmul(cpu_, want.data(), g.data(), &sh.cpu[0].down, n);
+            cpu_->ops->moe_experts(cpu_, want.data(), x.data(), idx.data(), wts.data(), ex.cpu.data(), n, k, H, I, L);
+            float *gx = Put(gpu_, x), *gw = Put(gpu_, wts), *go = Put(gpu_, Rand((size_t)n * H));
+            int32_t *gi = Put(gpu_, idx);
+            const bool fused = gpu_->ops->moe_experts_shared(gpu_, go, gx, gi, gw, ex.gpu.data(), &sh.gpu[0], n, k, H, I, L);
+            if (n <= 4) EXPECT_TRUE(fused) << "n=" << n << ": the GEMV path must take the shared expert";
+            if (!fused) {
+                float *gg = (float *)gpu_->ops->alloc(gpu_, sizeof(float) * (size_t)n * I);
+                float *gu = (float *)gpu_->ops->alloc(gpu_, sizeof(float) * (size_t)n * I);
+                gpu_->ops->matmul(gpu_, gg, gx, &sh.gpu[0].gate, n);
+                gpu_->ops->matmul(gpu_, gu, gx, &sh.gpu[0].up, n);
+                gpu_->ops->swiglu(gpu_, gg, gg, gu, n, I, L);
+                gpu_->ops->matmul(gpu_, go, gg, &sh.gpu[0].down, n);
+                gpu_->ops->moe_experts(gpu_, go, gx, gi, gw, ex.gpu.data(), n, k, H, I, L);
+                Drop(gpu_, gg);
+                Drop(gpu_, gu);
+            }
+            const double e = RelErr(Get(gpu_, go, want.size()), want);
+            const std::string where = Shape({{"E", s.E}, {"k", k}, {"H", H}, {"I", I}, {"n", n}}) + " " + DtName(s.dt) +
+                                      (fused ? " fused" : " composed");
+            worst.See(e, where);
+            EXPECT_LE(e, MoeTol(s.dt, n)) << where;
+            for (void *p : {(void *)gx, (void *)gw, (void *)go, (void *)gi}) Drop(gpu_, p);
+        }
+        // A shared expert of another width is declined, nothing written.
+        if (s.E == 16 && s.dt == MT_BF16) {
+            Experts wide = MakeExperts(s.dt, 1, 1, s.H, 2 * s.I);
+            std::vector<float> before = Rand(s.H);
+            float *gx = Put(gpu_, Rand(s.H)), *go = Put(gpu_, before), *gw = Put(gpu_, Rand(s.k, 0.1f, 1.f));
+            int32_t *gi = Put(gpu_, RandIdx(1, s.k, s.E));
+            EXPECT_FALSE(gpu_->ops->moe_experts_shared(gpu_, go, gx, gi, gw, ex.gpu.data(), &wide.gpu[0], 1, s.k, s.H,
+                                                       s.I, 10.f));
+            EXPECT_EQ(Get(gpu_, go, before.size()), before);
+            for (void *p : {(void *)gx, (void *)gw, (void *)go, (void *)gi}) Drop(gpu_, p);
+        }
+    }
+}
+
 TEST_F(CudaMoe, ExpertsRealShapes) {
     Worst worst{"moe_experts"};
     const int E = 288, k = 8, H = 4096, I = 2048;

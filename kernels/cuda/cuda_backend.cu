@@ -297,6 +297,7 @@ static const mt_backend_ops cu_ops = {
     .l2norm = cu_l2norm,
     .moe_route = cu_moe_route,
     .moe_experts = cu_moe_experts,
+    .moe_experts_shared = cu_moe_experts_shared,
     .conv1d_silu = cu_conv1d_silu,
     .kda_gate = cu_kda_gate,
     .kda_recurrent = cu_kda_recurrent,

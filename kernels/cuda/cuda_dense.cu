@@ -1228,7 +1228,9 @@ extern "C" void cu_sigmoid(mt_backend *be, float *x, int64_t count) {
 
 /* ================================ argmax ================================ */
 
-enum { ARGMAX_THREADS = 256, ARGMAX_CHUNK = 8192 };
+/* A chunk is 8 values a thread, all loaded before the first compare (one row of a decode step,
+ * 154880 logits, is 76 blocks; chunks of 8192 with one load in flight a thread took ~16 us). */
+enum { ARGMAX_THREADS = 256, ARGMAX_PER_THREAD = 8, ARGMAX_CHUNK = ARGMAX_THREADS * ARGMAX_PER_THREAD };
 
 typedef struct argmax_params {
     const float *logits;  /* [n, V] fp32 */
@@ -1268,8 +1270,17 @@ static __global__ void argmax_chunk_kernel(const argmax_params p) {
     const int lo = c * ARGMAX_CHUNK, hi = lo + ARGMAX_CHUNK < p.V ? lo + ARGMAX_CHUNK : p.V;
     float bv = -INFINITY;
     int bi = INT_MAX;
-    for (int j = lo + threadIdx.x; j < hi; j += blockDim.x)
-        if (argmax_better(l[j], j, bv, bi)) { bv = l[j]; bi = j; }
+    float v[ARGMAX_PER_THREAD];
+#pragma unroll
+    for (int u = 0; u < ARGMAX_PER_THREAD; u++) {
+        const int j = lo + threadIdx.x + u * ARGMAX_THREADS;
+        v[u] = j < hi ? l[j] : -INFINITY;
+    }
+#pragma unroll
+    for (int u = 0; u < ARGMAX_PER_THREAD; u++) { /* ascending j: the lowest index of ties */
+        const int j = lo + threadIdx.x + u * ARGMAX_THREADS;
+        if (j < hi && argmax_better(v[u], j, bv, bi)) { bv = v[u]; bi = j; }
+    }
     argmax_block(bv, bi);
     if (threadIdx.x == 0) {
         p.part_v[(int64_t)row * p.nchunk + c] = bv;

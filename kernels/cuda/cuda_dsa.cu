@@ -523,85 +523,120 @@ static __host__ __device__ size_t mla_smem_carve(void *smem, const mla_dev_param
  * Per tile of 32 latent rows: scores (a warp per (head, row), lanes over kvl), an online
  * softmax per head, and the accumulators acc[h][c] in registers (threads over columns). */
 /* Decode (one query row), 16-bit kv_b, kvl a multiple of 256: the absorb as a GEMV over the
- * key rows of head h. Warp w takes rows d = w, w + 8, ...; lane l reads 8 consecutive columns
- * (one 16-byte load) at l*8 + k*256, so a warp reads a whole 512-byte stretch of a row at once.
- * The 8 warps' partial sums are added in warp order (deterministic). */
-enum { ABS1_THREADS = 256, ABS1_WARPS = ABS1_THREADS / 32, ABS1_MAX_K = 4 /* kvl <= 1024 */ };
+ * key rows of head h. Block (h, column block cb) owns the 256 columns [256 cb, +256): lane l of
+ * every warp reads 8 consecutive columns (one 16-byte load) at 256 cb + 8 l, so a warp reads 512
+ * contiguous bytes of a row; warp w takes rows d = w, w + 8, ..., ABS1_U of them in flight per
+ * step (2 blocks per head at kvl 512: 128 blocks, ~64 KB of loads in flight each; one block per
+ * head with 2 columns per lane kept 16 KB in flight on 64 SMs and ran at ~0.7 TB/s). The 8
+ * warps' partial sums are added in warp order (deterministic). */
+enum { ABS1_THREADS = 256, ABS1_WARPS = ABS1_THREADS / 32, ABS1_MAX_K = 4 /* kvl <= 1024 */, ABS1_U = 8,
+       OUT1_ROWS = 64 /* value rows per output1 block */ };
 
-template <typename T>
-static __device__ __forceinline__ void load8(const void *base, size_t elem, float *out) {
-    const uint4 u = *(const uint4 *)((const T *)base + elem);
+/* 8 consecutive 16-bit elements: one 16-byte load, then their fp32 values. */
+template <typename T> static __device__ __forceinline__ uint4 raw8(const void *base, size_t elem) {
+    return *(const uint4 *)((const T *)base + elem);
+}
+template <typename T> static __device__ __forceinline__ void cvt8(uint4 u, float *out) {
     const T *h = (const T *)&u;
 #pragma unroll
     for (int j = 0; j < 8; j++) {
-        if (sizeof(T) == 2 && __is_same(T, __nv_bfloat16)) out[j] = __bfloat162float(((const __nv_bfloat16 *)h)[j]);
+        if (__is_same(T, __nv_bfloat16)) out[j] = __bfloat162float(((const __nv_bfloat16 *)h)[j]);
         else out[j] = __half2float(((const __half *)h)[j]);
     }
+}
+template <typename T> static __device__ __forceinline__ void load8(const void *base, size_t elem, float *out) {
+    cvt8<T>(raw8<T>(base, elem), out);
 }
 
 template <typename T>
 static __global__ void __launch_bounds__(ABS1_THREADS) mla_absorb1_kernel(mla_dev_params p) {
-    extern __shared__ float4 smem_f4[];
-    float *qs = (float *)smem_f4;                 /* [dn] */
-    float *part = qs + p.dn;                      /* [ABS1_WARPS, kvl] */
+    __shared__ float qs[1024];                    /* [dn] (the launch checks dn <= 1024) */
+    __shared__ float part[ABS1_WARPS][256];       /* per warp, this block's columns */
     const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, wp = tid >> 5, kvl = p.kvl;
-    const int K = kvl / 256;
+    const int col = blockIdx.y * 256 + lane * 8;
     for (int d = tid; d < p.dn; d += ABS1_THREADS) qs[d] = p.q[(size_t)h * p.dn + d];
     __syncthreads();
-    float acc[ABS1_MAX_K][8];
+    float acc[8];
 #pragma unroll
-    for (int k = 0; k < ABS1_MAX_K; k++)
-#pragma unroll
-        for (int j = 0; j < 8; j++) acc[k][j] = 0.f;
+    for (int j = 0; j < 8; j++) acc[j] = 0.f;
     const size_t row0 = (size_t)h * (p.dn + p.dv);
-#pragma unroll 2
-    for (int d = wp; d < p.dn; d += ABS1_WARPS) {
-        const float qd = qs[d];
+    for (int d0 = wp; d0 < p.dn; d0 += ABS1_WARPS * ABS1_U) {
+        uint4 w[ABS1_U];
 #pragma unroll
-        for (int k = 0; k < ABS1_MAX_K; k++) {
-            if (k < K) {
-                float w[8];
-                load8<T>(p.kv_b, (row0 + d) * kvl + (size_t)k * 256 + lane * 8, w);
+        for (int u = 0; u < ABS1_U; u++) { /* all loads first: ABS1_U x 16 bytes in flight a lane */
+            const int d = d0 + u * ABS1_WARPS;
+            w[u] = d < p.dn ? raw8<T>(p.kv_b, (row0 + d) * kvl + col) : make_uint4(0u, 0u, 0u, 0u);
+        }
 #pragma unroll
-                for (int j = 0; j < 8; j++) acc[k][j] += qd * w[j];
+        for (int u = 0; u < ABS1_U; u++) {
+            const int d = d0 + u * ABS1_WARPS;
+            if (d < p.dn) {
+                const float qd = qs[d];
+                float wf[8];
+                cvt8<T>(w[u], wf);
+#pragma unroll
+                for (int j = 0; j < 8; j++) acc[j] += qd * wf[j];
             }
         }
     }
 #pragma unroll
-    for (int k = 0; k < ABS1_MAX_K; k++)
-        if (k < K)
-#pragma unroll
-            for (int j = 0; j < 8; j++) part[wp * kvl + k * 256 + lane * 8 + j] = acc[k][j];
+    for (int j = 0; j < 8; j++) part[wp][lane * 8 + j] = acc[j];
     __syncthreads();
-    for (int c = tid; c < kvl; c += ABS1_THREADS) {
+    {
+        const int c = tid; /* 256 threads, 256 columns */
         float a = 0.f;
-        for (int w = 0; w < ABS1_WARPS; w++) a += part[w * kvl + c];
-        p.qa[(size_t)h * kvl + c] = a;
+#pragma unroll
+        for (int w = 0; w < ABS1_WARPS; w++) a += part[w][c];
+        p.qa[(size_t)h * kvl + blockIdx.y * 256 + c] = a;
     }
 }
 
-/* Decode output: merge the splits into ol[kvl] (as mla_output_kernel), then each warp takes value
- * rows e = w, w + 8, ... and dots them with ol using 16-byte loads; lanes reduce by shuffles. */
+/* Decode output. Block (h, value-row block): merges the splits into ol[kvl] in shared memory —
+ * warp 0 reads the splits' (max, sum) one per lane and makes each split's weight
+ * exp(max_s - M) / L; every thread then sums its columns over the splits with a nonzero weight
+ * (an empty split, written (-inf, 0, 0), is not read) — then each warp dots OUT1_ROWS / 8 value
+ * rows with ol, all its 16-byte loads of them issued before the first use; lanes reduce by
+ * shuffles. Several blocks per head (4 at dv 256: 256 blocks) keep the weight stream wide; each
+ * redoes the small merge from L2. */
 template <typename T>
 static __global__ void __launch_bounds__(ABS1_THREADS) mla_output1_kernel(mla_dev_params p) {
     extern __shared__ float4 smem_f4[];
-    float *ol = (float *)smem_f4; /* [kvl] */
+    float *ol = (float *)smem_f4;           /* [kvl] */
+    float *ws = ol + p.kvl;                 /* [nsplit] merge weights */
     const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, wp = tid >> 5, kvl = p.kvl, ns = p.nsplit;
     const int K = kvl / 256;
-    {
-        const float *pb = p.part + (size_t)h * ns * (kvl + 2);
-        float M = -INFINITY, L = 0.f;
-        for (int s = 0; s < ns; s++) M = fmaxf(M, pb[(size_t)s * (kvl + 2)]);
-        for (int s = 0; s < ns; s++) L += expf(pb[(size_t)s * (kvl + 2)] - M) * pb[(size_t)s * (kvl + 2) + 1];
-        const float inv = 1.f / L;
-        for (int c = tid; c < kvl; c += ABS1_THREADS) {
-            float a = 0.f;
-            for (int s = 0; s < ns; s++) {
-                const float *ps = pb + (size_t)s * (kvl + 2);
-                a += expf(ps[0] - M) * ps[2 + c];
-            }
-            ol[c] = a * inv;
+    const float *pb = p.part + (size_t)h * ns * (kvl + 2);
+    if (wp == 0) {
+        float m[MLA_MAX_SPLIT / 32], l[MLA_MAX_SPLIT / 32], M = -INFINITY, L = 0.f;
+#pragma unroll
+        for (int j = 0; j < MLA_MAX_SPLIT / 32; j++) {
+            const int s = lane + 32 * j;
+            m[j] = s < ns ? pb[(size_t)s * (kvl + 2)] : -INFINITY;
+            l[j] = s < ns ? pb[(size_t)s * (kvl + 2) + 1] : 0.f;
+            M = fmaxf(M, m[j]);
         }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+        float e[MLA_MAX_SPLIT / 32];
+#pragma unroll
+        for (int j = 0; j < MLA_MAX_SPLIT / 32; j++) {
+            e[j] = l[j] > 0.f ? expf(m[j] - M) : 0.f;
+            L += e[j] * l[j];
+        }
+        L = cu_warp_sum(L);
+        const float inv = 1.f / L;
+#pragma unroll
+        for (int j = 0; j < MLA_MAX_SPLIT / 32; j++)
+            if (lane + 32 * j < ns) ws[lane + 32 * j] = e[j] * inv;
+    }
+    __syncthreads();
+    for (int c = tid; c < kvl; c += ABS1_THREADS) {
+        float a = 0.f;
+        for (int s = 0; s < ns; s++) {
+            const float w = ws[s];
+            if (w != 0.f) a += w * pb[(size_t)s * (kvl + 2) + 2 + c];
+        }
+        ol[c] = a;
     }
     __syncthreads();
     float o[ABS1_MAX_K][8];
@@ -609,22 +644,48 @@ static __global__ void __launch_bounds__(ABS1_THREADS) mla_output1_kernel(mla_de
     for (int k = 0; k < ABS1_MAX_K; k++)
 #pragma unroll
         for (int j = 0; j < 8; j++) o[k][j] = k < K ? ol[k * 256 + lane * 8 + j] : 0.f;
+    constexpr int RPW = OUT1_ROWS / ABS1_WARPS; /* value rows per warp */
+    const int e0 = blockIdx.y * OUT1_ROWS + wp * RPW;
     const size_t vrow0 = (size_t)h * (p.dn + p.dv) + p.dn;
-#pragma unroll 2
-    for (int e = wp; e < p.dv; e += ABS1_WARPS) {
+    uint4 w[RPW][2]; /* the first two column blocks of each row, all loads issued first */
+#pragma unroll
+    for (int r = 0; r < RPW; r++)
+#pragma unroll
+        for (int k = 0; k < 2; k++)
+            w[r][k] = e0 + r < p.dv && k < K ? raw8<T>(p.kv_b, (vrow0 + e0 + r) * kvl + (size_t)k * 256 + lane * 8)
+                                             : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int r = 0; r < RPW; r++) {
         float a = 0.f;
 #pragma unroll
         for (int k = 0; k < ABS1_MAX_K; k++) {
             if (k < K) {
-                float w[8];
-                load8<T>(p.kv_b, (vrow0 + e) * kvl + (size_t)k * 256 + lane * 8, w);
+                float wk[8] = {};
+                if (k < 2) {
+                    cvt8<T>(w[r][k], wk);
+                } else if (e0 + r < p.dv) {
+                    load8<T>(p.kv_b, (vrow0 + e0 + r) * kvl + (size_t)k * 256 + lane * 8, wk);
+                }
 #pragma unroll
-                for (int j = 0; j < 8; j++) a += w[j] * o[k][j];
+                for (int j = 0; j < 8; j++) a += wk[j] * o[k][j];
             }
         }
+        a = cu_warp_sum(a);
+        if (lane == 0 && e0 + r < p.dv) p.out[(size_t)h * p.dv + e0 + r] = a;
+    }
+}
+
+/* dst[e] = get(e) for e < n, thread tid of MLA_THREADS taking e = tid + MLA_THREADS j, U loads
+ * issued before their U stores. */
+template <int U, typename F> static __device__ __forceinline__ void mla_copy4(float4 *dst, F get, int n, int tid) {
+    for (int e0 = tid; e0 < n; e0 += MLA_THREADS * U) {
+        float4 v[U];
 #pragma unroll
-        for (int k = 16; k > 0; k >>= 1) a += __shfl_xor_sync(0xffffffffu, a, k);
-        if (lane == 0) p.out[(size_t)h * p.dv + e] = a;
+        for (int u = 0; u < U; u++)
+            if (e0 + u * MLA_THREADS < n) v[u] = get(e0 + u * MLA_THREADS);
+#pragma unroll
+        for (int u = 0; u < U; u++)
+            if (e0 + u * MLA_THREADS < n) dst[e0 + u * MLA_THREADS] = v[u];
     }
 }
 
@@ -635,14 +696,22 @@ static __global__ void __launch_bounds__(MLA_THREADS) mla_attend_kernel(mla_dev_
     const int i = blockIdx.x, h0 = blockIdx.y * p.hg, split = blockIdx.z, hg = p.hg;
     const int tid = threadIdx.x, lane = tid & 31, wp = tid >> 5, kvl = p.kvl;
 
-    for (int e = tid; e < hg * kvl; e += MLA_THREADS) sm.qa[e] = p.qa[((size_t)i * p.Hq + h0) * kvl + e];
+    const float *const latp = p.latent.base;
+    /* 16-byte copies, several in flight per thread (a scalar loop here kept one load in flight
+     * and left this kernel latency-bound: ~50 us for a decode step's 3 tiles) */
+    const bool v4 = (kvl & 3) == 0 && (((uintptr_t)latp | (uintptr_t)p.qa) & 15) == 0;
+    if (v4) {
+        const float4 *src = (const float4 *)(p.qa + ((size_t)i * p.Hq + h0) * kvl);
+        mla_copy4<4>((float4 *)sm.qa, [&](int e) { return src[e]; }, hg * kvl / 4, tid);
+    } else {
+        for (int e = tid; e < hg * kvl; e += MLA_THREADS) sm.qa[e] = p.qa[((size_t)i * p.Hq + h0) * kvl + e];
+    }
     if (tid < hg) {
         sm.m[tid] = -INFINITY;
         sm.l[tid] = 0.f;
     }
     const int t = mla_pos(p, i), m = p.nsel[i];
     const int32_t *const bt = mla_bt(p, i);
-    const float *const latp = p.latent.base;
     const int cnt = m > 0 ? m : t + 1;
     int rps = (cnt + p.nsplit - 1) / p.nsplit; /* rows per split, whole tiles */
     rps = (rps + MLA_ROWS - 1) / MLA_ROWS * MLA_ROWS;
@@ -658,9 +727,15 @@ static __global__ void __launch_bounds__(MLA_THREADS) mla_attend_kernel(mla_dev_
         const int rows = se - s0 < MLA_ROWS ? se - s0 : MLA_ROWS;
         if (tid < rows) sm.off[tid] = mla_row_off(p, bt, m > 0 ? srow[s0 + tid] : s0 + tid);
         __syncthreads();
-        for (int e = tid; e < rows * kvl; e += MLA_THREADS) {
-            const int r = e / kvl, c = e % kvl;
-            sm.lat[e] = latp[sm.off[r] + c];
+        if (v4) {
+            const int k4 = kvl / 4;
+            mla_copy4<8>((float4 *)sm.lat, [&](int e) { return *(const float4 *)(latp + sm.off[e / k4] + 4 * (e % k4)); },
+                         rows * k4, tid);
+        } else {
+            for (int e = tid; e < rows * kvl; e += MLA_THREADS) {
+                const int r = e / kvl, c = e % kvl;
+                sm.lat[e] = latp[sm.off[r] + c];
+            }
         }
         __syncthreads();
         for (int e = wp; e < hg * rows; e += MLA_WARPS) {
@@ -1608,19 +1683,14 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
             b.bt_rows = p->bt_rows + b0;
         }
         /* one query row with a 16-bit kv_b: the vectorised decode kernels */
-        const bool dec1 = b.nb == 1 && p->kvl % 256 == 0 && p->kvl <= 256 * ABS1_MAX_K &&
+        const bool dec1 = b.nb == 1 && p->kvl % 256 == 0 && p->kvl <= 256 * ABS1_MAX_K && p->dn <= 1024 &&
                           (p->kv_dtype == MT_BF16 || p->kv_dtype == MT_F16) && cu_aligned16(p->kv_b);
-        const size_t abs1_smem = sizeof(float) * ((size_t)p->dn + (size_t)ABS1_WARPS * p->kvl);
         if (tcg) {
             mla_gemm_tc_launch(be, &b, false);
         } else if (dec1) {
-            if (p->kv_dtype == MT_BF16) {
-                if ((st = dsa_smem_opt_in((const void *)mla_absorb1_kernel<__nv_bfloat16>, abs1_smem)) != MT_OK) return st;
-                mla_absorb1_kernel<__nv_bfloat16><<<p->Hq, ABS1_THREADS, abs1_smem, cu_stream(be)>>>(b);
-            } else {
-                if ((st = dsa_smem_opt_in((const void *)mla_absorb1_kernel<__half>, abs1_smem)) != MT_OK) return st;
-                mla_absorb1_kernel<__half><<<p->Hq, ABS1_THREADS, abs1_smem, cu_stream(be)>>>(b);
-            }
+            const dim3 g1(p->Hq, p->kvl / 256);
+            if (p->kv_dtype == MT_BF16) mla_absorb1_kernel<__nv_bfloat16><<<g1, ABS1_THREADS, 0, cu_stream(be)>>>(b);
+            else mla_absorb1_kernel<__half><<<g1, ABS1_THREADS, 0, cu_stream(be)>>>(b);
         } else {
             const dim3 ga(p->Hq, (p->kvl + ABS_THREADS - 1) / ABS_THREADS, (b.nb + ABS_Q - 1) / ABS_Q);
             mla_absorb_kernel<<<ga, ABS_THREADS, abs_smem, cu_stream(be)>>>(b);
@@ -1638,9 +1708,10 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
             cu_check_launch(be, "mla_sparse (merge)");
             mla_gemm_tc_launch(be, &b, true);
         } else if (dec1) {
-            const size_t o1 = sizeof(float) * (size_t)p->kvl;
-            if (p->kv_dtype == MT_BF16) mla_output1_kernel<__nv_bfloat16><<<p->Hq, ABS1_THREADS, o1, cu_stream(be)>>>(b);
-            else mla_output1_kernel<__half><<<p->Hq, ABS1_THREADS, o1, cu_stream(be)>>>(b);
+            const size_t o1 = sizeof(float) * ((size_t)p->kvl + MLA_MAX_SPLIT);
+            const dim3 g1(p->Hq, (p->dv + OUT1_ROWS - 1) / OUT1_ROWS);
+            if (p->kv_dtype == MT_BF16) mla_output1_kernel<__nv_bfloat16><<<g1, ABS1_THREADS, o1, cu_stream(be)>>>(b);
+            else mla_output1_kernel<__half><<<g1, ABS1_THREADS, o1, cu_stream(be)>>>(b);
         } else {
             const dim3 go(p->Hq, (b.nb + OUT_Q - 1) / OUT_Q);
             mla_output_kernel<<<go, MLA_THREADS, out_smem, cu_stream(be)>>>(b);

@@ -52,6 +52,7 @@ enum {
     MOE_GEMV_MAX_ROWS = 8,
     MOE_GROUPED_MAX_ROWS = 64,
     MOE_MAX_TOPK = 64,
+    MOE_DN_MAX_THREADS = 512, /* moe_down_kernel: up to 16 warps, one slot each */
     MOE_CACHE_MAX = 1024,     /* expert tables kept; beyond, the oldest slot is reused */
 };
 /* The fewest rows sent to the grouped device kernels (cu_moe_experts_grouped): MOE_GROUPED_MIN
@@ -422,6 +423,11 @@ typedef struct moe_gemv_params {
     int n_experts;
     int n, top_k, H, I;
     float L;
+    /* The shared expert as slot top_k of every row (cu_moe_experts_shared), or NULL: its gate, up,
+     * down data, [I, H], [I, H], [H, I] like an expert's. slots = top_k + (sd != NULL); h has
+     * n * slots rows, pair i * slots + k. */
+    const void *sg, *su, *sd;
+    int slots;
 } moe_gemv_params;
 
 static __device__ __forceinline__ const mt_expert *moe_expert(const moe_gemv_params &p, int pair) {
@@ -445,11 +451,15 @@ static __global__ void __launch_bounds__(MOE_THREADS) moe_gateup_kernel(const mo
     constexpr int R = MOE_GU_R, U = MOE_GU_U, V = cu_wstream<DT, VEC>::V;
     cu_pdl_wait();
     cu_pdl_trigger();
-    const int pair = blockIdx.y, row0 = blockIdx.x * R;
+    const int pair = blockIdx.y, row0 = blockIdx.x * R, i = pair / p.slots, k = pair % p.slots;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const mt_expert *ex = moe_expert(p, pair);
-    const void *wg = ex->gate.data, *wu = ex->up.data;
-    const float *x = p.x + (int64_t)(pair / p.top_k) * p.H;
+    const void *wg = p.sg, *wu = p.su;
+    if (k < p.top_k) {
+        const mt_expert *ex = moe_expert(p, i * p.top_k + k);
+        wg = ex->gate.data;
+        wu = ex->up.data;
+    }
+    const float *x = p.x + (int64_t)i * p.H;
     const int nv = p.H / V, nch = (nv + 31) >> 5;
     float ag[R], au[R];
 #pragma unroll
@@ -512,7 +522,7 @@ static __global__ void __launch_bounds__(MOE_THREADS) moe_gateup_kernel(const mo
  * thread r adds the slots into out in order (the CPU's). Dynamic shared memory: red[top_k][R].
  * Launched for PDL (h is moe_gateup_kernel's output). */
 template <mt_dtype DT, bool VEC>
-static __global__ void __launch_bounds__(MOE_THREADS) moe_down_kernel(const moe_gemv_params p) {
+static __global__ void __launch_bounds__(MOE_DN_MAX_THREADS) moe_down_kernel(const moe_gemv_params p) {
     constexpr int R = MOE_DN_R, U = MOE_DN_U, V = cu_wstream<DT, VEC>::V;
     extern __shared__ float moe_red[];
     cu_pdl_wait();
@@ -520,9 +530,9 @@ static __global__ void __launch_bounds__(MOE_THREADS) moe_down_kernel(const moe_
     const int i = blockIdx.y, row0 = blockIdx.x * R;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nv = p.I / V, nch = (nv + 31) >> 5;
-    for (int k = warp; k < p.top_k; k += MOE_WARPS) {
-        const int pair = i * p.top_k + k;
-        const void *wd = moe_expert(p, pair)->down.data;
+    for (int k = warp; k < p.slots; k += (int)(blockDim.x >> 5)) {
+        const int pair = i * p.slots + k;
+        const void *wd = k < p.top_k ? moe_expert(p, i * p.top_k + k)->down.data : p.sd;
         const float *h = p.h + (int64_t)pair * p.I;
         float acc[R];
 #pragma unroll
@@ -563,7 +573,7 @@ static __global__ void __launch_bounds__(MOE_THREADS) moe_down_kernel(const moe_
     if (threadIdx.x < R && row0 + (int)threadIdx.x < p.H) {
         const int r = threadIdx.x;
         float *o = p.out + (int64_t)i * p.H + row0 + r;
-        float v = *o;
+        float v = p.sd ? moe_red[p.top_k * R + r] : *o; /* the shared expert's row, then the routed */
         for (int k = 0; k < p.top_k; k++)
             v = __fadd_rn(v, __fmul_rn(p.wts[i * p.top_k + k], moe_red[k * R + r]));
         *o = v;
@@ -571,12 +581,15 @@ static __global__ void __launch_bounds__(MOE_THREADS) moe_down_kernel(const moe_
 }
 
 template <mt_dtype DT, bool VEC> static mt_status moe_gemv_launch_v(moe_gemv_params *p, cudaStream_t s) {
-    const unsigned pairs = (unsigned)(p->n * p->top_k);
+    const unsigned pairs = (unsigned)(p->n * p->slots);
     const dim3 ggu((unsigned)((p->I + MOE_GU_R - 1) / MOE_GU_R), pairs);
     const dim3 gdn((unsigned)((p->H + MOE_DN_R - 1) / MOE_DN_R), (unsigned)p->n);
-    const size_t smem = sizeof(float) * (size_t)p->top_k * MOE_DN_R;
+    const size_t smem = sizeof(float) * (size_t)p->slots * MOE_DN_R;
+    /* down: a warp per slot up to MOE_DN_MAX_THREADS (top-8 + shared: 9 warps, none doing two) */
+    const int dn_warps = p->slots < MOE_WARPS ? MOE_WARPS : p->slots < MOE_DN_MAX_THREADS / 32 ? p->slots
+                                                                                                : MOE_DN_MAX_THREADS / 32;
     MT_CUDA_CHECK(cu_launch_pdl((const void *)moe_gateup_kernel<DT, VEC>, ggu, dim3(MOE_THREADS), 0, s, p));
-    MT_CUDA_CHECK(cu_launch_pdl((const void *)moe_down_kernel<DT, VEC>, gdn, dim3(MOE_THREADS), smem, s, p));
+    MT_CUDA_CHECK(cu_launch_pdl((const void *)moe_down_kernel<DT, VEC>, gdn, dim3(32 * dn_warps), smem, s, p));
     return MT_OK;
 }
 
@@ -968,9 +981,11 @@ static mt_status moe_grouped_chunk(mt_backend *be, const moe_table *t, float *ou
     return moe_combine_launch(&cp, cb->stream);
 }
 
-extern "C" void cu_moe_experts(mt_backend *be, float *out, const float *x, const int32_t *idx,
-                               const float *weights, const mt_expert *experts, int n, int top_k,
-                               int H, int I, float L) {
+/* cu_moe_experts, with the shared expert as one more slot of the GEMV kernels when `shared` is
+ * not NULL (cu_moe_experts_shared has checked that this shape takes the GEMV path). */
+static void moe_experts_run(mt_backend *be, float *out, const float *x, const int32_t *idx, const float *weights,
+                            const mt_expert *experts, const mt_expert *shared, int n, int top_k, int H, int I,
+                            float L) {
     cu_backend *cb = (cu_backend *)be;
     MT_ASSERT(n >= 0 && top_k >= 1 && top_k <= MOE_MAX_TOPK && H > 0 && I > 0);
     if (n == 0) return;
@@ -982,7 +997,7 @@ extern "C" void cu_moe_experts(mt_backend *be, float *out, const float *x, const
      * (the grouped gate/up and down grids also have a block per (tile, expert) of all E experts,
      * most of which exit at once at a few rows). Larger batches (prefill) keep the batched GEMMs,
      * which were faster at 128 rows (3.73 vs 4.36 ms, kernels_cuda_moe_grouped_test on an H200). */
-    if (n >= moe_grouped_min_rows() && n <= moe_grouped_max_rows() && cb->moe_grouped) {
+    if (!shared && n >= moe_grouped_min_rows() && n <= moe_grouped_max_rows() && cb->moe_grouped) {
         cu_moe_experts_grouped(be, out, x, idx, weights, experts, n, top_k, H, I, L);
         return;
     }
@@ -1016,13 +1031,19 @@ extern "C" void cu_moe_experts(mt_backend *be, float *out, const float *x, const
     const mt_dtype dt = experts[0].gate.dtype;
 
     if (!grouped) {
-        float *h = (float *)cu_scratch(be, CU_SCRATCH_DENSE, sizeof(float) * (size_t)P * I);
+        const int slots = top_k + (shared != NULL);
+        float *h = (float *)cu_scratch(be, CU_SCRATCH_DENSE, sizeof(float) * (size_t)n * slots * I);
         if (!h) return;
         const int vn = dt == MT_F32 ? 4 : 8;
-        const bool vec = t->vec_ok && H % vn == 0 && I % vn == 0 && cu_aligned16(x);
-        moe_gemv_params p = {out, h, x, idx, weights, t->dev, t->count, n, top_k, H, I, L};
+        const bool vec = t->vec_ok && H % vn == 0 && I % vn == 0 && cu_aligned16(x) &&
+                         (!shared || (cu_aligned16(shared->gate.data) && cu_aligned16(shared->up.data) &&
+                                      cu_aligned16(shared->down.data)));
+        moe_gemv_params p = {out, h, x, idx, weights, t->dev, t->count, n, top_k, H, I, L,
+                             shared ? shared->gate.data : NULL, shared ? shared->up.data : NULL,
+                             shared ? shared->down.data : NULL, slots};
         return cu_op_status(be, "moe_experts", moe_gemv_launch(&p, dt, vec, cb->stream));
     }
+    MT_ASSERT(!shared);
 
     /* hidx lives in the host scratch that the chunks also stage into: keep a private copy. */
     int32_t *all = (int32_t *)malloc(sizeof(int32_t) * (size_t)P);
@@ -1038,4 +1059,30 @@ extern "C" void cu_moe_experts(mt_backend *be, float *out, const float *x, const
     }
     free(all);
     cu_op_status(be, "moe_experts", st);
+}
+
+extern "C" void cu_moe_experts(mt_backend *be, float *out, const float *x, const int32_t *idx,
+                               const float *weights, const mt_expert *experts, int n, int top_k,
+                               int H, int I, float L) {
+    moe_experts_run(be, out, x, idx, weights, experts, NULL, n, top_k, H, I, L);
+}
+
+/* Few rows (the GEMV path): the shared expert rides as slot top_k of the routed experts' two
+ * kernels, so an MoE layer's decode is 2 launches instead of 6 (shared gate, up, swiglu, down on
+ * their own: ~30 us of a bench-4L step's layer at 1.5-1.9 TB/s; as a ninth expert it streams at
+ * the routed kernels' rate). Its output row starts each row's sum, then the routed slots in
+ * order: the CPU's order (out = shared, then += each slot). Declines (false, nothing done) for
+ * the grouped and batched paths and for a shared expert not shaped like a routed one. */
+extern "C" bool cu_moe_experts_shared(mt_backend *be, float *out, const float *x, const int32_t *idx,
+                                      const float *weights, const mt_expert *experts, const mt_expert *shared,
+                                      int n, int top_k, int H, int I, float L) {
+    cu_backend *cb = (cu_backend *)be;
+    if (n < 1 || n > MOE_GEMV_MAX_ROWS || top_k + 1 > MOE_DN_MAX_THREADS / 32) return false;
+    if (n >= moe_grouped_min_rows() && n <= moe_grouped_max_rows() && cb->moe_grouped) return false;
+    const mt_dtype dt = experts[0].gate.dtype;
+    const mt_weight *g = &shared->gate, *u = &shared->up, *d = &shared->down;
+    if (g->dtype != dt || u->dtype != dt || d->dtype != dt || !g->data || !u->data || !d->data) return false;
+    if (g->rows != I || g->cols != H || u->rows != I || u->cols != H || d->rows != H || d->cols != I) return false;
+    moe_experts_run(be, out, x, idx, weights, experts, shared, n, top_k, H, I, L);
+    return true;
 }

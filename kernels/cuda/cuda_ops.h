@@ -160,6 +160,9 @@ void cu_moe_route(mt_backend *be, int32_t *idx, float *weights, const float *log
 void cu_moe_experts(mt_backend *be, float *out, const float *x, const int32_t *idx,
                     const float *weights, const mt_expert *experts, int n, int top_k, int H, int I,
                     float L);
+bool cu_moe_experts_shared(mt_backend *be, float *out, const float *x, const int32_t *idx, const float *weights,
+                           const mt_expert *experts, const mt_expert *shared, int n, int top_k, int H, int I,
+                           float L);
 
 void cu_conv1d_silu(mt_backend *be, float *out, const float *x, float *state, const float *w, int n,
                     int C, int K);

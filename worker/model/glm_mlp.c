@@ -22,9 +22,6 @@ void glm_mlp_forward(const glm_layer *l, mt_step *step, const float *h, float *o
         swiglu_mlp(be, &w->dense, h, out, n, c->intermediate_size, c->swiglu_limit, g, u);
         return;
     }
-    /* Shared expert first: the routed experts then accumulate into out. */
-    swiglu_mlp(be, &w->shared, h, out, n, c->moe_intermediate_size * c->n_shared_experts,
-               c->swiglu_limit, g, u);
     be->ops->matmul(be, logits, h, &w->router, n);
     mt_router_params rp = {
         .n_experts = c->n_routed_experts, .n_group = c->n_group, .topk_group = c->topk_group,
@@ -32,8 +29,15 @@ void glm_mlp_forward(const glm_layer *l, mt_step *step, const float *h, float *o
         .scaling = c->routed_scaling_factor,
     };
     be->ops->moe_route(be, scr->idx, scr->wts, logits, w->router_bias, &rp, n);
-    be->ops->moe_experts(be, out, h, scr->idx, scr->wts, w->experts, n, c->num_experts_per_tok,
-                         c->hidden_size, c->moe_intermediate_size, c->swiglu_limit);
+    const int H = c->hidden_size, I = c->moe_intermediate_size, k = c->num_experts_per_tok;
+    /* out = shared expert + the routed ones: fused by the backend where it can, else the shared
+     * expert first and the routed experts accumulating into out (the same sum, in that order). */
+    if (!be->ops->moe_experts_shared ||
+        !be->ops->moe_experts_shared(be, out, h, scr->idx, scr->wts, w->experts, &w->shared, n, k, H, I,
+                                     c->swiglu_limit)) {
+        swiglu_mlp(be, &w->shared, h, out, n, I * c->n_shared_experts, c->swiglu_limit, g, u);
+        be->ops->moe_experts(be, out, h, scr->idx, scr->wts, w->experts, n, k, H, I, c->swiglu_limit);
+    }
     if (step->census) { /* which experts this step reads (benchmark floors) */
         const int k = c->num_experts_per_tok, E = c->n_routed_experts;
         int32_t *idx = malloc(sizeof(int32_t) * (size_t)n * k);
