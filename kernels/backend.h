@@ -207,6 +207,10 @@ typedef struct mt_backend_ops {
     void (*embed)(mt_backend *be, float *out, const mt_weight *table, const int32_t *ids, int n);
     /* y[n, w.rows] = x[n, w.cols] . w^T, fp32 accumulation. y must not alias x. */
     void (*matmul)(mt_backend *be, float *y, const float *x, const mt_weight *w, int n);
+    /* Optional (NULL: not offered): y[j] = matmul(x, w[j]) for j < count <= 6, the same x: as
+     * count matmul calls, in one launch where the backend can. */
+    void (*matmul_multi)(mt_backend *be, float *const *y, const float *x, const mt_weight *const *w, int count,
+                         int n);
     /* out[n, d] = x * rsqrt(mean(x^2) + eps) * (w ? w : 1); out may alias x. */
     void (*rmsnorm)(mt_backend *be, float *out, const float *x, const float *w, int n, int d, float eps);
     /* LayerNorm with weight and bias; out may alias x. */
@@ -283,6 +287,12 @@ typedef struct mt_backend_ops {
     void (*hc_pre)(mt_backend *be, float *y, float *post, float *comb, const float *X,
                    const mt_weight *fn, const float *base, const float *scale,
                    const mt_hc_params *p, int n);
+    /* Optional (NULL: not offered): hc_pre, then h[n, H] = rmsnorm(y) * norm_w with eps
+     * p->rms_eps, as the two ops would give; y is the backend's to use as scratch (it may or may
+     * not hold y afterwards). */
+    void (*hc_pre_norm)(mt_backend *be, float *h, float *y, float *post, float *comb, const float *X,
+                        const mt_weight *fn, const float *base, const float *scale, const float *norm_w,
+                        const mt_hc_params *p, int n);
     /* X[s] = post[s] * a + sum_r comb[r][s] * X[r], in place; a[n, H]. */
     void (*hc_post)(mt_backend *be, float *X, const float *a, const float *post, const float *comb,
                     const mt_hc_params *p, int n);

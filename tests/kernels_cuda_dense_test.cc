@@ -388,6 +388,48 @@ TEST_F(CudaOps, Matmul) {
 // MT_CUDA_TC_TERMS=1: x rounded once to the weight's type. 1e-2 against the CPU's fp32 x, 1e-4
 // against the CPU fed the rounded x (this pins the GEMM's layout: only the sums' order differs).
 // MT_CUDA_TC_TERMS=0: the fp32 kernels, 1e-5 at any n.
+// matmul_multi: several weights sharing x in one launch (the fp32 GEMV rows) or one matmul each;
+// every output against the CPU's matmul of its weight. Sets of the decode shapes (a KDA layer's
+// q/k/v and f_a/b/g_a, the DSA projections of h, a dense gate/up) and odd sizes (partial tiles,
+// the element-wise path, rows of 1), at 1, 2 rows (one launch) and 3, 9 (one matmul each).
+TEST_F(CudaOps, MatmulMultiMatchesCpu) {
+    Worst worst{"matmul_multi"};
+    ASSERT_TRUE(gpu_->ops->matmul_multi);
+    struct Set { std::vector<int> rows; int cols; mt_dtype dt; };
+    const Set sets[] = {{{8192, 8192, 8192}, 4096, MT_BF16}, {{128, 64, 128}, 4096, MT_BF16},
+                        {{1536, 576, 128, 64, 32}, 4096, MT_BF16}, {{12288, 12288}, 4096, MT_BF16},
+                        {{37, 1, 130, 17}, 100, MT_F32}, {{3, 5}, 36, MT_BF16}, {{600, 2}, 1537, MT_F16},
+                        {{24, 24, 24, 24, 24, 24}, 400, MT_BF16}};
+    for (const Set &set : sets) {
+        const int count = (int)set.rows.size(), cols = set.cols;
+        std::vector<std::unique_ptr<Weight>> ws;
+        for (int r : set.rows) ws.push_back(MakeWeight(set.dt, r, cols, 2.f / std::sqrt((float)cols)));
+        for (int n : {1, 2, 3, 9}) {
+            std::vector<float> x = Rand((size_t)n * cols);
+            float *gx = Put(gpu_, x);
+            std::vector<float *> gy;
+            std::vector<const mt_weight *> gw;
+            for (int j = 0; j < count; j++) {
+                gy.push_back((float *)gpu_->ops->alloc(gpu_, sizeof(float) * (size_t)n * set.rows[j]));
+                gw.push_back(&ws[j]->gpu);
+            }
+            gpu_->ops->matmul_multi(gpu_, gy.data(), gx, gw.data(), count, n);
+            for (int j = 0; j < count; j++) {
+                std::vector<float> want((size_t)n * set.rows[j]);
+                cpu_->ops->matmul(cpu_, want.data(), x.data(), &ws[j]->cpu, n);
+                const double e = RelErr(Get(gpu_, gy[j], want.size()), want);
+                const std::string where = Shape({{"n", n}, {"count", count}, {"j", j}, {"rows", set.rows[j]}, {"cols", cols}}) +
+                                          " " + DtName(set.dt);
+                const bool tc = MatmulOnTensorCores(ws[j]->gpu, n);
+                worst.See(e, where);
+                EXPECT_LE(e, tc ? 1e-4 : 1e-5) << where;
+                Drop(gpu_, gy[j]);
+            }
+            Drop(gpu_, gx);
+        }
+    }
+}
+
 TEST_F(CudaOps, MatmulTermsKnob) {
     Worst worst1{"matmul tc1"}, worst1r{"matmul tc1/16"}, worst0{"matmul fp32"};
     mt_backend *one = BackendWithTerms(1), *fp32 = BackendWithTerms(0);
@@ -765,7 +807,9 @@ TEST_F(CudaMoe, ExpertsWithSharedMatchCpu) {
             float *gx = Put(gpu_, x), *gw = Put(gpu_, wts), *go = Put(gpu_, Rand((size_t)n * H));
             int32_t *gi = Put(gpu_, idx);
             const bool fused = gpu_->ops->moe_experts_shared(gpu_, go, gx, gi, gw, ex.gpu.data(), &sh.gpu[0], n, k, H, I, L);
-            if (n <= 4) EXPECT_TRUE(fused) << "n=" << n << ": the GEMV path must take the shared expert";
+            if (n <= 4) {
+                EXPECT_TRUE(fused) << "n=" << n << ": the GEMV path must take the shared expert";
+            }
             if (!fused) {
                 float *gg = (float *)gpu_->ops->alloc(gpu_, sizeof(float) * (size_t)n * I);
                 float *gu = (float *)gpu_->ops->alloc(gpu_, sizeof(float) * (size_t)n * I);
@@ -925,6 +969,25 @@ TEST_F(CudaOps, HyperConnections) {
                 EXPECT_LE(ey, 1e-5) << "hc_pre y " << where;
                 EXPECT_LE(ep, 1e-5) << "hc_pre post " << where;
                 EXPECT_LE(ec, 1e-5) << "hc_pre comb " << where;
+
+                // hc_pre_norm (the input norm fused: one cluster kernel for the decode shapes)
+                // against the CPU's hc_pre + rmsnorm.
+                {
+                    std::vector<float> nw = Rand(H, 0.5f, 1.5f), h((size_t)n * H);
+                    cpu_->ops->rmsnorm(cpu_, h.data(), y.data(), nw.data(), n, H, p.rms_eps);
+                    float *gnw = Put(gpu_, nw), *gh = (float *)gpu_->ops->alloc(gpu_, h.size() * 4);
+                    ASSERT_TRUE(gpu_->ops->hc_pre_norm);
+                    gpu_->ops->hc_pre_norm(gpu_, gh, gy, gp, gc, gX, &fn->gpu, gb, gs, gnw, &p, n);
+                    const double eh = RelErr(Get(gpu_, gh, h.size()), h);
+                    const double ep2 = RelErr(Get(gpu_, gp, post.size()), post);
+                    const double ec2 = RelErr(Get(gpu_, gc, comb.size()), comb);
+                    worst.See(std::max({eh, ep2, ec2}), "hc_pre_norm " + where);
+                    EXPECT_LE(eh, 1e-5) << "hc_pre_norm h " << where;
+                    EXPECT_LE(ep2, 1e-5) << "hc_pre_norm post " << where;
+                    EXPECT_LE(ec2, 1e-5) << "hc_pre_norm comb " << where;
+                    Drop(gpu_, gnw);
+                    Drop(gpu_, gh);
+                }
 
                 // hc_post in place from fresh a/post/comb, then hc_head.
                 std::vector<float> a = Rand((size_t)n * H), po = Rand((size_t)n * Sn, 0.f, 2.f);

@@ -33,7 +33,7 @@ static mt_status cpu_weight_random(mt_backend *be, mt_dtype dt, int64_t rows, in
                                    float mean, float std, mt_weight *out) {
     const size_t n = (size_t)rows * (size_t)cols, es = mt_dtype_size(dt);
     MT_ASSERT(dt == MT_F32 || dt == MT_F16 || dt == MT_BF16);
-    void *p = malloc(n * es ? n * es : 1);
+    void *p = malloc(n * es > 0 ? n * es : 1);
     if (!p) return MT_ERR_NOMEM;
 #pragma omp parallel for num_threads(be->n_threads) schedule(static) if ((int64_t)n > CPU_PAR_MIN_WORK)
     for (size_t i = 0; i < n; i++) {

@@ -124,7 +124,7 @@ extern "C" void cu_embed(mt_backend *be, float *out, const mt_weight *table, con
 
 /* ================================ matmul ================================ */
 
-enum { GEMV_THREADS = 256, GEMV_WARPS = GEMV_THREADS / 32, GEMV_MAX_N = 8, GEMV_R = 2, GEMV_U = 4 };
+enum { GEMV_THREADS = 256, GEMV_WARPS = GEMV_THREADS / 32, GEMV_MAX_N = 8, GEMV_R = 2, GEMV_U = 4, GEMV_MAX_W = 6 };
 
 typedef struct gemv_params {
     float *y;        /* [n, rows] fp32 */
@@ -135,6 +135,13 @@ typedef struct gemv_params {
     int persist;     /* GEMV: 0, block b takes tile b; 1, the grid is persistent and block b takes
                         the contiguous tiles [b T / grid, (b + 1) T / grid) of the T tiles */
     int ahead;       /* tensor-core GEMV: chunks a warp prefetches into L2 ahead of its loads */
+    /* gemv_kernel over nw >= 2 weights of `cols` columns sharing x (cu_matmul_multi; nw 0 or 1:
+     * w, y, rows above): weight j owns the tiles [wt0[j], wt0[j + 1]), each padded to whole tiles */
+    int nw;
+    const void *ws[GEMV_MAX_W];
+    float *ys[GEMV_MAX_W];
+    int wrows[GEMV_MAX_W];
+    int wt0[GEMV_MAX_W + 1];
 } gemv_params;
 
 
@@ -155,14 +162,29 @@ static __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(const gemv_pa
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int ks = p.ksplit, per_block = GEMV_WARPS / ks, s = warp % ks;
     const int nv = p.cols / V, nch = (nv + 31) >> 5;
-    /* A tile is the block's per_block row groups. */
+    /* A tile is the block's per_block row groups (of one weight). */
     const int ntiles = ((p.rows + R - 1) / R + per_block - 1) / per_block;
     int t0 = blockIdx.x, t1 = blockIdx.x + 1;
     if (p.persist) {
         t0 = (int)((int64_t)blockIdx.x * ntiles / gridDim.x);
         t1 = (int)((int64_t)(blockIdx.x + 1) * ntiles / gridDim.x);
     }
-    int row0 = (t0 * per_block + warp / ks) * R;
+    /* the tile's weight, output and rows, and its index within that weight */
+    const void *w = p.w;
+    float *y = p.y;
+    int rows = p.rows, lt = t0;
+    auto pick = [&](int tile) {
+        lt = tile;
+        if (p.nw < 2) return;
+        int j = 0;
+        while (j + 1 < p.nw && tile >= p.wt0[j + 1]) j++;
+        w = p.ws[j];
+        y = p.ys[j];
+        rows = p.wrows[j];
+        lt = tile - p.wt0[j];
+    };
+    pick(t0);
+    int row0 = (lt * per_block + warp / ks) * R;
     cu_wstream<DT, VEC> wr[U][R];
     auto load = [&](int c0) {
 #pragma unroll
@@ -170,7 +192,7 @@ static __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(const gemv_pa
             const int v = (c0 + u * ks) * 32 + lane;
 #pragma unroll
             for (int r = 0; r < R; r++) {
-                if (v < nv && row0 + r < p.rows) wr[u][r].load(p.w, (int64_t)(row0 + r) * p.cols + (int64_t)v * V);
+                if (v < nv && row0 + r < rows) wr[u][r].load(w, (int64_t)(row0 + r) * p.cols + (int64_t)v * V);
                 else wr[u][r].zero();
             }
         }
@@ -181,8 +203,8 @@ static __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(const gemv_pa
          * taking line l % 4 of chunk l / 8, row (l / 4) % 2: issued before the PDL wait, which
          * ptxas would otherwise schedule ahead of the loads below (see gemv_tc_kernel). */
         const int u = lane >> 3, r = (lane >> 2) & 1, v = (s + u * ks) * 32 + 8 * (lane & 3);
-        if (v < nv && row0 + r < p.rows && (s + u * ks) < nch)
-            asm volatile("prefetch.global.L2 [%0];" ::"l"((const char *)p.w +
+        if (v < nv && row0 + r < rows && (s + u * ks) < nch)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"((const char *)w +
                                                           ((int64_t)(row0 + r) * p.cols + (int64_t)v * V) *
                                                               (DT == MT_F32 ? 4 : 2)));
     }
@@ -191,7 +213,8 @@ static __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(const gemv_pa
     cu_pdl_trigger();
     __shared__ float red[GEMV_WARPS][R * NB];
     for (int tile = t0; tile < t1; tile++) {
-        row0 = (tile * per_block + warp / ks) * R;
+        if (tile != t0) pick(tile);
+        row0 = (lt * per_block + warp / ks) * R;
         float acc[R][NB];
 #pragma unroll
         for (int r = 0; r < R; r++)
@@ -230,7 +253,7 @@ static __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(const gemv_pa
             }
         if (ks == 1) { /* uniform over the block */
             const int r = lane / NB, i = lane % NB;
-            if (lane < R * NB && i < p.n && row0 + r < p.rows) p.y[(int64_t)i * p.rows + row0 + r] = mine;
+            if (lane < R * NB && i < p.n && row0 + r < rows) y[(int64_t)i * rows + row0 + r] = mine;
             continue;
         }
         if (tile != t0) __syncthreads(); /* the previous tile's sums are read */
@@ -239,11 +262,11 @@ static __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(const gemv_pa
         const int t = threadIdx.x;
         if (t < per_block * R * NB) {
             const int g = t / (R * NB), e = t % (R * NB), r = e / NB, i = e % NB;
-            const int row = (tile * per_block + g) * R + r;
-            if (i < p.n && row < p.rows) {
+            const int row = (lt * per_block + g) * R + r;
+            if (i < p.n && row < rows) {
                 float sum = 0.f;
                 for (int q = 0; q < ks; q++) sum += red[g * ks + q][e];
-                p.y[(int64_t)i * p.rows + row] = sum;
+                y[(int64_t)i * rows + row] = sum;
             }
         }
     }
@@ -284,10 +307,17 @@ static int gemv_ksplit(int rows, int nch, int n_sm) {
 template <mt_dtype DT, int NB>
 static mt_status gemv_launch_nb(gemv_params *p, bool vec, int n_sm, cudaStream_t s) {
     const int V = vec ? cu_wvec<DT>::n : 1;
-    p->ksplit = gemv_ksplit(p->rows, (p->cols / V + 31) / 32, n_sm);
+    p->ksplit = gemv_ksplit(p->rows, (p->cols / V + 31) / 32, n_sm); /* several weights: their total rows */
     const int64_t groups = (p->rows + GEMV_R - 1) / GEMV_R, per_block = GEMV_WARPS / p->ksplit;
-    const int64_t tiles = (groups + per_block - 1) / per_block, cap = (int64_t)n_sm * gemv_blocks_per_sm();
-    p->persist = cap > 0 && tiles > cap;
+    int64_t tiles = (groups + per_block - 1) / per_block;
+    const int64_t cap = (int64_t)n_sm * gemv_blocks_per_sm();
+    if (p->nw >= 2) { /* each weight its own whole tiles */
+        p->wt0[0] = 0;
+        for (int j = 0; j < p->nw; j++)
+            p->wt0[j + 1] = p->wt0[j] + (int)((((int64_t)p->wrows[j] + GEMV_R - 1) / GEMV_R + per_block - 1) / per_block);
+        tiles = p->wt0[p->nw];
+    }
+    p->persist = p->nw < 2 && cap > 0 && tiles > cap;
     const dim3 grid((unsigned)(p->persist ? cap : tiles));
     const void *k = vec ? (const void *)gemv_kernel<DT, NB, true> : (const void *)gemv_kernel<DT, NB, false>;
     MT_CUDA_CHECK(cu_launch_pdl(k, grid, dim3(GEMV_THREADS), 0, s, p));
@@ -926,6 +956,38 @@ extern "C" void cu_matmul(mt_backend *be, float *y, const float *x, const mt_wei
         cu_prof_mark(be, "matmul (tiled fp32)");
     }
     cu_op_status(be, "matmul", st);
+}
+
+/* y[j] = x . w[j]^T for count weights of the same columns and dtype: for the rows the fp32 GEMV
+ * takes (n <= 2 at the default knobs), one gemv_kernel launch over all of them (decode's q/k/v
+ * projections of a KDA layer: 3 launches of ~21 us at ~3.25 TB/s, each with its own ramp and
+ * tail, become one); otherwise one cu_matmul each. */
+extern "C" void cu_matmul_multi(mt_backend *be, float *const *y, const float *x, const mt_weight *const *w,
+                                int count, int n) {
+    MT_ASSERT(count >= 0 && n >= 0);
+    bool fuse = count >= 2 && count <= GEMV_MAX_W && n >= 1 && n <= GEMV_MAX_N && cu_aligned16(x);
+    int64_t total = 0;
+    for (int j = 0; fuse && j < count; j++) {
+        const mt_weight *wj = w[j];
+        gemv_params one = {y[j], x, wj->data, n, (int)wj->rows, (int)wj->cols, 1, 0};
+        fuse = wj->dtype == w[0]->dtype && wj->cols == w[0]->cols && wj->rows > 0 && wj->cols > 0 &&
+               cu_aligned16(wj->data) && !gemv_tc_ok(&one, wj->dtype);
+        total += wj->rows;
+    }
+    if (!fuse || total > INT_MAX || w[0]->cols > INT_MAX) {
+        for (int j = 0; j < count; j++) cu_matmul(be, y[j], x, w[j], n);
+        return;
+    }
+    gemv_params p = {y[0], x, w[0]->data, n, (int)total, (int)w[0]->cols, 1, 0};
+    p.nw = count;
+    for (int j = 0; j < count; j++) {
+        p.ws[j] = w[j]->data;
+        p.ys[j] = y[j];
+        p.wrows[j] = (int)w[j]->rows;
+    }
+    const mt_status st = gemv_launch(&p, w[0]->dtype, ((cu_backend *)be)->n_sm, cu_stream(be));
+    cu_prof_mark(be, "matmul_multi (GEMV, fp32)");
+    cu_op_status(be, "matmul_multi", st);
 }
 
 /* ================================ norms ================================ */

@@ -415,6 +415,7 @@ enum {
     MLA_THREADS = 256,
     MLA_WARPS = MLA_THREADS / 32,
     MLA_MAX_COLS = 4,    /* kv_lora columns per attend thread: kvl <= 1024 */
+    MLA_SC_ILP = 4,      /* attend: (head, row) scores a warp computes together */
     ABS_THREADS = 128,   /* absorb: one kv_lora column per thread */
     ABS_Q = 8,           /* absorb: query rows per block */
     OUT_Q = 8,           /* output: query rows per block */
@@ -696,6 +697,22 @@ static __global__ void __launch_bounds__(MLA_THREADS) mla_attend_kernel(mla_dev_
     const int i = blockIdx.x, h0 = blockIdx.y * p.hg, split = blockIdx.z, hg = p.hg;
     const int tid = threadIdx.x, lane = tid & 31, wp = tid >> 5, kvl = p.kvl;
 
+    const int t = mla_pos(p, i), m = p.nsel[i];
+    const int32_t *const bt = mla_bt(p, i);
+    const int cnt = m > 0 ? m : t + 1;
+    int rps = (cnt + p.nsplit - 1) / p.nsplit; /* rows per split, whole tiles */
+    rps = (rps + MLA_ROWS - 1) / MLA_ROWS * MLA_ROWS;
+    const int sb = split * rps, se = sb + rps < cnt ? sb + rps : cnt;
+    if (sb >= se) { /* an empty split (decode plans splits for the longest selection): (-inf, 0) and
+                       no acc, which the output kernels do not read for a zero weight */
+        if (tid < hg) {
+            float *dst = p.part + (((size_t)i * p.Hq + h0 + tid) * p.nsplit + split) * (kvl + 2);
+            dst[0] = -INFINITY;
+            dst[1] = 0.f;
+        }
+        return;
+    }
+
     const float *const latp = p.latent.base;
     /* 16-byte copies, several in flight per thread (a scalar loop here kept one load in flight
      * and left this kernel latency-bound: ~50 us for a decode step's 3 tiles) */
@@ -710,12 +727,6 @@ static __global__ void __launch_bounds__(MLA_THREADS) mla_attend_kernel(mla_dev_
         sm.m[tid] = -INFINITY;
         sm.l[tid] = 0.f;
     }
-    const int t = mla_pos(p, i), m = p.nsel[i];
-    const int32_t *const bt = mla_bt(p, i);
-    const int cnt = m > 0 ? m : t + 1;
-    int rps = (cnt + p.nsplit - 1) / p.nsplit; /* rows per split, whole tiles */
-    rps = (rps + MLA_ROWS - 1) / MLA_ROWS * MLA_ROWS;
-    const int sb = split * rps, se = sb + rps < cnt ? sb + rps : cnt;
     const int32_t *srow = p.sel + (size_t)i * p.max_sel;
     float acc[MLA_MAX_HG][MLA_MAX_COLS];
 #pragma unroll
@@ -738,17 +749,32 @@ static __global__ void __launch_bounds__(MLA_THREADS) mla_attend_kernel(mla_dev_
             }
         }
         __syncthreads();
-        for (int e = wp; e < hg * rows; e += MLA_WARPS) {
-            const int hh = e / rows, r = e % rows;
-            float a = 0.f;
-            if (m > 0) {
-                const float *qa = sm.qa + (size_t)hh * kvl, *lr = sm.lat + (size_t)r * kvl;
-                for (int c = lane; c < kvl; c += 32) a += qa[c] * lr[c];
+        /* scores: a warp per (head, row) pair, lanes over kvl, MLA_SC_ILP pairs at once (one
+         * pair's dot and butterfly at a time left ~5 us of dependent latency per tile) */
+        for (int e0 = wp * MLA_SC_ILP; e0 < hg * rows; e0 += MLA_WARPS * MLA_SC_ILP) {
+            float a[MLA_SC_ILP];
+            const float *qa[MLA_SC_ILP], *lr[MLA_SC_ILP];
 #pragma unroll
-                for (int k = 16; k > 0; k >>= 1) a += __shfl_xor_sync(0xffffffffu, a, k);
-                a *= p.scale;
+            for (int u = 0; u < MLA_SC_ILP; u++) {
+                const int e = e0 + u < hg * rows ? e0 + u : e0; /* past the end: a repeat, not stored */
+                qa[u] = sm.qa + (size_t)(e / rows) * kvl;
+                lr[u] = sm.lat + (size_t)(e % rows) * kvl;
+                a[u] = 0.f;
             }
-            if (lane == 0) sm.sc[hh * MLA_ROWS + r] = a;
+            if (m > 0) {
+                for (int c = lane; c < kvl; c += 32)
+#pragma unroll
+                    for (int u = 0; u < MLA_SC_ILP; u++) a[u] += qa[u][c] * lr[u][c];
+#pragma unroll
+                for (int k = 16; k > 0; k >>= 1)
+#pragma unroll
+                    for (int u = 0; u < MLA_SC_ILP; u++) a[u] += __shfl_xor_sync(0xffffffffu, a[u], k);
+            }
+#pragma unroll
+            for (int u = 0; u < MLA_SC_ILP; u++) {
+                const int e = e0 + u;
+                if (lane == 0 && e < hg * rows) sm.sc[(e / rows) * MLA_ROWS + e % rows] = m > 0 ? a[u] * p.scale : 0.f;
+            }
         }
         __syncthreads();
         if (wp < hg) {
@@ -834,7 +860,8 @@ static __global__ void __launch_bounds__(MLA_THREADS) mla_output_kernel(mla_dev_
             float a = 0.f;
             for (int s = 0; s < ns; s++) {
                 const float *ps = pb + (size_t)s * (kvl + 2);
-                a += expf(ps[0] - M) * ps[2 + c];
+                const float w = expf(ps[0] - M); /* 0 for an empty split, whose acc is not written */
+                if (w != 0.f) a += w * ps[2 + c];
             }
             ol[qq * kvl + c] = a * inv;
         }

@@ -38,6 +38,10 @@ typedef struct hc_pre_params {
     int n, S, H;
     float rms_eps, hc_eps;
     int sinkhorn_iters;
+    /* decode form with the input norm fused (cu_hc_pre_norm): h[n, H] = rmsnorm(y) * norm_w, and
+     * y is not written; NULL otherwise */
+    float *h;
+    const float *norm_w;
 } hc_pre_params;
 
 static __device__ __forceinline__ float hc_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
@@ -69,6 +73,64 @@ static __device__ void hc_comb_warp(float *comb, const float *mc, float r, const
         c /= cs + hc_eps;
     }
     if (lane < S * S) comb[lane] = c;
+}
+
+/* The same comb for S <= HC_REG_S on one thread, the S x S matrix in registers: no shuffles, the
+ * row and column sums in ascending index as the CPU; each normalisation multiplies by the
+ * reciprocal of (sum + hc_eps) rather than dividing by it (within an ulp of the CPU's quotient;
+ * 8 reciprocals an iteration instead of 32 divisions). One warp's shuffle chain of 20 iterations
+ * took ~3-4 us, the longest part of a decode step's hc_pre; this takes under one. */
+enum { HC_REG_S = 4 };
+static __device__ void hc_comb_thread(float *comb, const float *mc, float r, const float *base2, float scale2,
+                                      int S, float hc_eps, int iters) {
+    float C[HC_REG_S][HC_REG_S];
+#pragma unroll
+    for (int a = 0; a < HC_REG_S; a++) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int b = 0; b < HC_REG_S; b++) {
+            C[a][b] = 0.f;
+            if (a < S && b < S) {
+                C[a][b] = __fadd_rn(__fmul_rn(__fmul_rn(mc[a * S + b], r), scale2), base2[a * S + b]);
+                mx = fmaxf(mx, C[a][b]);
+            }
+        }
+        float e[HC_REG_S], sum = 0.f;
+#pragma unroll
+        for (int b = 0; b < HC_REG_S; b++) {
+            e[b] = b < S ? expf(C[a][b] - mx) : 0.f;
+            sum += e[b];
+        }
+#pragma unroll
+        for (int b = 0; b < HC_REG_S; b++) C[a][b] = a < S && b < S ? e[b] / sum + hc_eps : 0.f; /* padding: 0 */
+    }
+    for (int it = 0; it < iters; it++) {
+        if (it > 0) {
+#pragma unroll
+            for (int a = 0; a < HC_REG_S; a++) {
+                float rs = 0.f;
+#pragma unroll
+                for (int b = 0; b < HC_REG_S; b++) rs += C[a][b];
+                const float inv = __frcp_rn(rs + hc_eps);
+#pragma unroll
+                for (int b = 0; b < HC_REG_S; b++) C[a][b] *= inv;
+            }
+        }
+#pragma unroll
+        for (int b = 0; b < HC_REG_S; b++) {
+            float cs = 0.f;
+#pragma unroll
+            for (int a = 0; a < HC_REG_S; a++) cs += C[a][b];
+            const float inv = __frcp_rn(cs + hc_eps);
+#pragma unroll
+            for (int a = 0; a < HC_REG_S; a++) C[a][b] *= inv;
+        }
+    }
+#pragma unroll
+    for (int a = 0; a < HC_REG_S; a++)
+#pragma unroll
+        for (int b = 0; b < HC_REG_S; b++)
+            if (a < S && b < S) comb[a * S + b] = C[a][b];
 }
 
 /* One block per row. The S x S work is spread over the first S*S threads, one matrix element
@@ -164,6 +226,7 @@ enum {
     HC_DEC_MAX_S = 4,
     HC_DEC_MIX = (2 + HC_DEC_MAX_S) * HC_DEC_MAX_S,  /* fn rows, 24 */
     HC_DEC_KPW = HC_DEC_MIX * HC_DEC_HALVES / HC_DEC_WARPS,  /* fn rows per warp, 3 */
+    HC_DEC_MAX_YLEN = 1024,                  /* NORM: y columns a block keeps, H <= 8 x this */
 };
 
 /* Cluster of HC_CL blocks (see the file comment). Block `rank` owns columns [rank * cw, +cw) of
@@ -177,7 +240,7 @@ enum {
  * HC_CL blocks in rank order: every block computes the same m and rms factor. Block 0's first
  * NB warps then run the softmax/Sinkhorn of one row each while every other warp collapses y over
  * its block's eighth of H. Launched for PDL: the first fn loads go out before the wait. */
-template <mt_dtype DT, int NB>
+template <mt_dtype DT, int NB, bool NORM>
 static __global__ void __cluster_dims__(HC_CL, 1, 1) __launch_bounds__(HC_DEC_THREADS)
 hc_pre_dec_kernel(const hc_pre_params p) {
     constexpr int V = cu_wvec<DT>::n, KPW = HC_DEC_KPW, JU = NB == 1 ? 4 : NB == 2 ? 2 : 1;
@@ -187,6 +250,9 @@ hc_pre_dec_kernel(const hc_pre_params p) {
     __shared__ float m_s[NB * HC_DEC_MIX];                 /* the whole sums, [i][k] */
     __shared__ float r_s[NB];                              /* rms factor per row */
     __shared__ float pre_s[NB * HC_DEC_MAX_S];
+    __shared__ float y_s[NORM ? NB : 1][NORM ? HC_DEC_MAX_YLEN : 1]; /* NORM: this block's y */
+    __shared__ double yss[NB];                             /* NORM: its sum of y^2 per row */
+    __shared__ float r_y[NB];                              /* NORM: the norm's factor per row */
     cg::cluster_group cl = cg::this_cluster();
     const int rank = (int)cl.block_rank();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, tid = threadIdx.x;
@@ -288,24 +354,34 @@ hc_pre_dec_kernel(const hc_pre_params p) {
             if (lane == 0) part_ss[h][i] = v;
         }
     cl.sync(); /* every block's parts are written */
-    for (int t = tid; t < NB * mix; t += HC_DEC_THREADS) {
-        const int i = t / mix, k = t % mix;
-        float a = 0.f;
+    if (tid < NB * mix) { /* the 8 blocks' parts in rank order, their loads all in flight */
+        const int i = tid / mix, k = tid % mix;
+        float v[HC_CL][2];
+#pragma unroll
         for (int r = 0; r < HC_CL; r++) {
             const float *rp = cl.map_shared_rank(&part[0][0], r);
-            a += rp[i * HC_DEC_MIX + k] + rp[NB * HC_DEC_MIX + i * HC_DEC_MIX + k];
+            v[r][0] = rp[i * HC_DEC_MIX + k];
+            v[r][1] = rp[NB * HC_DEC_MIX + i * HC_DEC_MIX + k];
         }
+        float a = 0.f;
+#pragma unroll
+        for (int r = 0; r < HC_CL; r++) a += v[r][0] + v[r][1];
         m_s[i * HC_DEC_MIX + k] = a;
     }
-    if (tid < NB) {
-        double a = 0;
+    if (tid >= 32 * (HC_DEC_WARPS - 1) && tid - 32 * (HC_DEC_WARPS - 1) < NB) { /* the last warp: X^2 sums */
+        const int i = tid - 32 * (HC_DEC_WARPS - 1);
+        double v[HC_CL][2];
+#pragma unroll
         for (int r = 0; r < HC_CL; r++) {
             const double *rp = cl.map_shared_rank(&part_ss[0][0], r);
-            a += rp[tid] + rp[NB + tid];
+            v[r][0] = rp[i];
+            v[r][1] = rp[NB + i];
         }
-        r_s[tid] = 1.f / sqrtf((float)(a / SH) + p.rms_eps);
+        double a = 0;
+#pragma unroll
+        for (int r = 0; r < HC_CL; r++) a += v[r][0] + v[r][1];
+        r_s[i] = 1.f / sqrtf((float)(a / SH) + p.rms_eps);
     }
-    cl.barrier_arrive(); /* done with the other blocks' shared memory; waited for before exit */
     __syncthreads();
     if (tid < NB * S) {
         const int i = tid / S, s = tid % S;
@@ -318,56 +394,95 @@ hc_pre_dec_kernel(const hc_pre_params p) {
                 2.f * hc_sigmoid(__fadd_rn(__fmul_rn(__fmul_rn(m[S + s], r), p.scale[1]), p.base[S + s]));
     }
     __syncthreads();
-    if (rank == 0 && warp < NB) {
-        if (warp < p.n)
-            hc_comb_warp(p.comb + (int64_t)warp * S * S, m_s + warp * HC_DEC_MIX + 2 * S, r_s[warp],
-                         p.base + 2 * S, p.scale[2], S, p.hc_eps, p.sinkhorn_iters);
-    } else {
-        /* y[i][d] = sum_s pre[i][s] X[i][s][d] over this block's d, in the CPU's order */
-        const int skip = rank == 0 ? NB * 32 : 0;
-        const int d0 = (int)((int64_t)rank * H / HC_CL), len = (int)((int64_t)(rank + 1) * H / HC_CL) - d0;
-        for (int e = tid - skip; e < p.n * len; e += HC_DEC_THREADS - skip) {
-            const int i = e / len, d = d0 + e % len;
-            const float *x = p.X + (int64_t)i * SH + d;
-            float a = 0.f;
-            for (int s = 0; s < S; s++) a = __fadd_rn(a, __fmul_rn(pre_s[i * HC_DEC_MAX_S + s], __ldg(x + (int64_t)s * H)));
-            p.y[(int64_t)i * H + d] = a;
-        }
+    /* y[i][d] = sum_s pre[i][s] X[i][s][d] over this block's d, in the CPU's order; with NORM the
+     * y values stay in shared memory for the norm below. */
+    const int d0 = (int)((int64_t)rank * H / HC_CL), len = (int)((int64_t)(rank + 1) * H / HC_CL) - d0;
+    for (int e = tid; e < p.n * len; e += HC_DEC_THREADS) {
+        const int i = e / len, d = d0 + e % len;
+        const float *x = p.X + (int64_t)i * SH + d;
+        float a = 0.f;
+        for (int s = 0; s < S; s++) a = __fadd_rn(a, __fmul_rn(pre_s[i * HC_DEC_MAX_S + s], __ldg(x + (int64_t)s * H)));
+        if constexpr (NORM) y_s[i][e % len] = a;
+        else p.y[(int64_t)i * H + d] = a;
     }
+    if constexpr (NORM) {
+        /* h = y * rms(y) * w: each block's sum of y^2 (double, as the CPU's rmsnorm), the 8 in
+         * rank order through distributed shared memory, then its own d. */
+        __syncthreads();
+        if (warp < NB) {
+            double a = 0;
+            for (int d = lane; d < len; d += 32) a += (double)y_s[warp][d] * y_s[warp][d];
+            a = cu_warp_sum(a);
+            if (lane == 0) yss[warp] = a;
+        }
+        cl.sync(); /* every block's yss is written (and every block is done with the parts) */
+        if (tid < NB) {
+            double v[HC_CL];
+#pragma unroll
+            for (int r = 0; r < HC_CL; r++) v[r] = cl.map_shared_rank(&yss[0], r)[tid];
+            double a = 0;
+#pragma unroll
+            for (int r = 0; r < HC_CL; r++) a += v[r];
+            r_y[tid] = 1.f / sqrtf((float)(a / H) + p.rms_eps);
+        }
+        cl.barrier_arrive(); /* done with the other blocks' shared memory; waited for before exit */
+        __syncthreads();
+        for (int e = tid; e < p.n * len; e += HC_DEC_THREADS) {
+            const int i = e / len, d = d0 + e % len;
+            p.h[(int64_t)i * H + d] = __fmul_rn(__fmul_rn(y_s[i][e % len], r_y[i]), __ldg(p.norm_w + d));
+        }
+    } else {
+        cl.barrier_arrive(); /* done with the other blocks' shared memory; waited for before exit */
+    }
+    /* comb last, by block 0's thread 32 i for row i (registers; see hc_comb_thread): only the post
+     * sublayer's hc_post reads it, so nothing above waits for it */
+    if (rank == 0 && (tid & 31) == 0 && tid / 32 < p.n)
+        hc_comb_thread(p.comb + (int64_t)(tid / 32) * S * S, m_s + (tid / 32) * HC_DEC_MIX + 2 * S, r_s[tid / 32],
+                       p.base + 2 * S, p.scale[2], S, p.hc_eps, p.sinkhorn_iters);
     cl.barrier_wait();
 }
 
-/* Whether the cluster kernel takes the shape (n rows, fn of dtype dt). */
-static bool hc_pre_dec_ok(const mt_weight *fn, const float *X, int S, int H, int n) {
+/* Whether the cluster kernel takes the shape (n rows, fn of dtype dt; norm: with the input norm
+ * fused, which keeps each block's y columns in shared memory). */
+static bool hc_pre_dec_ok(const mt_weight *fn, const float *X, int S, int H, int n, bool norm) {
     const int V = fn->dtype == MT_F32 ? 4 : 8;
     return n <= HC_DEC_MAX_N && S <= HC_DEC_MAX_S && ((int64_t)S * H) % ((int64_t)HC_CL * V) == 0 &&
-           cu_aligned16(fn->data) && cu_aligned16(X);
+           cu_aligned16(fn->data) && cu_aligned16(X) && (!norm || H <= HC_CL * HC_DEC_MAX_YLEN);
 }
 
-template <mt_dtype DT> static const void *hc_pre_dec_fn(int n) {
-    if (n <= 1) return (const void *)hc_pre_dec_kernel<DT, 1>;
-    if (n <= 2) return (const void *)hc_pre_dec_kernel<DT, 2>;
-    return (const void *)hc_pre_dec_kernel<DT, 4>;
+template <mt_dtype DT, bool NORM> static const void *hc_pre_dec_fn(int n) {
+    if (n <= 1) return (const void *)hc_pre_dec_kernel<DT, 1, NORM>;
+    if (n <= 2) return (const void *)hc_pre_dec_kernel<DT, 2, NORM>;
+    return (const void *)hc_pre_dec_kernel<DT, 4, NORM>;
+}
+
+template <bool NORM> static const void *hc_pre_dec_pick(mt_dtype dt, int n) {
+    return dt == MT_F32 ? hc_pre_dec_fn<MT_F32, NORM>(n)
+           : dt == MT_F16 ? hc_pre_dec_fn<MT_F16, NORM>(n) : hc_pre_dec_fn<MT_BF16, NORM>(n);
 }
 
 static mt_status hc_pre_dec_launch(hc_pre_params *p, mt_dtype dt, cudaStream_t s) {
-    const void *k = dt == MT_F32 ? hc_pre_dec_fn<MT_F32>(p->n)
-                    : dt == MT_F16 ? hc_pre_dec_fn<MT_F16>(p->n) : hc_pre_dec_fn<MT_BF16>(p->n);
+    const void *k = p->h ? hc_pre_dec_pick<true>(dt, p->n) : hc_pre_dec_pick<false>(dt, p->n);
     MT_CUDA_CHECK(cu_launch_pdl(k, dim3(HC_CL), dim3(HC_DEC_THREADS), 0, s, p));
     return MT_OK;
+}
+
+static void hc_pre_check(const mt_weight *fn, const mt_hc_params *p, int n) {
+    const int S = p->S, H = p->H, mix = (2 + S) * S;
+    MT_ASSERT(S >= 1 && S <= HC_MAX_S && H > 0 && n >= 0);
+    MT_ASSERT(fn->rows == mix && fn->cols == (int64_t)S * H);
+    MT_ASSERT(fn->dtype == MT_F32 || fn->dtype == MT_F16 || fn->dtype == MT_BF16);
 }
 
 extern "C" void cu_hc_pre(mt_backend *be, float *y, float *post, float *comb, const float *X,
                           const mt_weight *fn, const float *base, const float *scale,
                           const mt_hc_params *p, int n) {
+    hc_pre_check(fn, p, n);
     const int S = p->S, H = p->H, mix = (2 + S) * S;
-    MT_ASSERT(S >= 1 && S <= HC_MAX_S && H > 0 && n >= 0);
-    MT_ASSERT(fn->rows == mix && fn->cols == (int64_t)S * H);
-    MT_ASSERT(fn->dtype == MT_F32 || fn->dtype == MT_F16 || fn->dtype == MT_BF16);
     if (n == 0) return;
     hc_pre_params q = {y, post, comb, X, NULL, fn->data, base, scale, n, S, H, p->rms_eps, p->hc_eps,
-                       p->sinkhorn_iters};
-    if (hc_pre_dec_ok(fn, X, S, H, n)) {
+                       p->sinkhorn_iters, NULL, NULL};
+    if (hc_pre_dec_ok(fn, X, S, H, n, false)) {
         cu_op_status(be, "hc_pre", hc_pre_dec_launch(&q, fn->dtype, cu_stream(be)));
         return;
     }
@@ -376,6 +491,24 @@ extern "C" void cu_hc_pre(mt_backend *be, float *y, float *post, float *comb, co
     cu_matmul(be, m, X, fn, n); /* records its own failure */
     q.m = m;
     cu_op_status(be, "hc_pre", hc_pre_launch(&q, cu_stream(be)));
+}
+
+/* hc_pre, then h = rmsnorm(y) * norm_w (eps p->rms_eps): for a few rows one cluster launch that
+ * never writes y (the norm's own kernel was ~4.5 us of latency per sublayer); otherwise the two
+ * ops, y as their buffer. */
+extern "C" void cu_hc_pre_norm(mt_backend *be, float *h, float *y, float *post, float *comb, const float *X,
+                               const mt_weight *fn, const float *base, const float *scale, const float *norm_w,
+                               const mt_hc_params *p, int n) {
+    hc_pre_check(fn, p, n);
+    if (n == 0) return;
+    if (hc_pre_dec_ok(fn, X, p->S, p->H, n, true)) {
+        hc_pre_params q = {y, post, comb, X, NULL, fn->data, base, scale, n, p->S, p->H, p->rms_eps, p->hc_eps,
+                           p->sinkhorn_iters, h, norm_w};
+        cu_op_status(be, "hc_pre_norm", hc_pre_dec_launch(&q, fn->dtype, cu_stream(be)));
+        return;
+    }
+    cu_hc_pre(be, y, post, comb, X, fn, base, scale, p, n);
+    cu_rmsnorm(be, h, y, norm_w, n, p->H, p->rms_eps);
 }
 
 /* ---- hc_post, hc_head ---- */

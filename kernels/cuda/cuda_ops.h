@@ -147,6 +147,7 @@ mt_status cu_weight_random(mt_backend *be, mt_dtype dt, int64_t rows, int64_t co
 
 void cu_embed(mt_backend *be, float *out, const mt_weight *table, const int32_t *ids, int n);
 void cu_matmul(mt_backend *be, float *y, const float *x, const mt_weight *w, int n);
+void cu_matmul_multi(mt_backend *be, float *const *y, const float *x, const mt_weight *const *w, int count, int n);
 void cu_rmsnorm(mt_backend *be, float *out, const float *x, const float *w, int n, int d, float eps);
 void cu_layernorm(mt_backend *be, float *out, const float *x, const float *w, const float *b, int n,
                   int d, float eps);
@@ -186,6 +187,9 @@ void cu_mla_sparse(mt_backend *be, float *out, const float *q, mt_paged latent, 
 void cu_hc_pre(mt_backend *be, float *y, float *post, float *comb, const float *X,
                const mt_weight *fn, const float *base, const float *scale, const mt_hc_params *p,
                int n);
+void cu_hc_pre_norm(mt_backend *be, float *h, float *y, float *post, float *comb, const float *X,
+                    const mt_weight *fn, const float *base, const float *scale, const float *norm_w,
+                    const mt_hc_params *p, int n);
 void cu_hc_post(mt_backend *be, float *X, const float *a, const float *post, const float *comb,
                 const mt_hc_params *p, int n);
 void cu_hc_head(mt_backend *be, float *z, const float *X, int n, int S, int H);

@@ -47,17 +47,17 @@ static void dsa_project(const glm_layer *l, mt_backend *be, const float *h, cons
     const glm_config *c = l->cfg;
     const glm_dsa_w *w = &l->dsa;
     const mt_backend_ops *op = be->ops;
-    op->matmul(be, x->qr, h, &w->q_a, n);
+    /* every projection of h together: q_a, kv_a, and the indexer's keys, gate scores and head
+     * weights; then the ones of the normed q_a output */
+    const mt_weight *wh[5] = { &w->q_a, &w->kv_a, &w->ik, &w->igate, &w->iw };
+    float *yh[5] = { x->qr, x->lat, x->ki, x->gs, x->iw };
+    glm_matmul_multi(be, yh, h, wh, w->has_indexer ? 5 : 2, n);
     op->rmsnorm(be, x->qr, x->qr, w->q_a_norm, n, c->q_lora_rank, c->rms_norm_eps);
     op->matmul(be, x->q, x->qr, &w->q_b, n);
-    op->matmul(be, x->lat, h, &w->kv_a, n);
     op->rmsnorm(be, x->lat, x->lat, w->kv_a_norm, n, c->kv_lora_rank, c->rms_norm_eps);
     if (!w->has_indexer) return;
-    op->matmul(be, x->ki, h, &w->ik, n);
     op->layernorm(be, x->ki, x->ki, w->ik_norm_w, w->ik_norm_b, n, c->index_head_dim, 1e-6f);
-    op->matmul(be, x->gs, h, &w->igate, n);
     op->matmul(be, x->qi, x->qr, &w->iq, n);
-    op->matmul(be, x->iw, h, &w->iw, n);
 }
 
 /* Selection and sparse-MLA parameters; t0_dev and t_cap as kernels/backend.h says per form. */

@@ -205,6 +205,16 @@ static inline float *const *glm_rtab(const mt_step *s, int k) {
     return (float *const *)(s->rtab + (size_t)k * (size_t)s->rcap);
 }
 
+/* y[j] = x . w[j]^T for j < count (<= 6), one backend launch where it offers matmul_multi. */
+static inline void glm_matmul_multi(mt_backend *be, float *const *y, const float *x, const mt_weight *const *w,
+                                    int count, int n) {
+    if (be->ops->matmul_multi) {
+        be->ops->matmul_multi(be, y, x, w, count, n);
+        return;
+    }
+    for (int j = 0; j < count; j++) be->ops->matmul(be, y[j], x, w[j], n);
+}
+
 /* glm_weights.c */
 mt_status glm_weights_bind(glm_model *m, mt_error *err);
 mt_status glm_weights_random(glm_model *m, uint64_t seed, mt_error *err);

@@ -20,33 +20,35 @@ mt_status glm_kda_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
     const int D = nh * dk;
     float **b = step->scr->buf;
     float *raw = b[0], *q = b[1], *k = b[2], *v = b[3], *g = b[4], *beta = b[5], *o = b[6];
-    float *lo = b[7], *gate = b[8];
+    float *lo = b[7], *gate = b[8], *lo_g = b[9];
     const bool rows = step->rtab != NULL; /* the rows form, even for n == 1 (a graph bucket) */
     MT_ASSERT(rows ? nst == n : nst == 1);
 
+    /* q, k, v projections together (o and g hold k and v's until the conv), then each conv */
     const mt_weight *proj[3] = { &w->q, &w->k, &w->v };
-    float *dst[3] = { q, k, v };
+    float *dst[3] = { q, k, v }, *pre[3] = { raw, o, g };
+    glm_matmul_multi(be, pre, h, proj, 3, n);
     for (int j = 0; j < 3; j++) {
-        op->matmul(be, raw, h, proj[j], n);
-        if (!rows) op->conv1d_silu(be, dst[j], raw, sts[0]->conv[j], w->conv[j], n, D, K);
-        else op->conv1d_silu_rows(be, dst[j], raw, glm_rtab(step, GLM_R_CONV0 + j), w->conv[j], n, D, K);
+        if (!rows) op->conv1d_silu(be, dst[j], pre[j], sts[0]->conv[j], w->conv[j], n, D, K);
+        else op->conv1d_silu_rows(be, dst[j], pre[j], glm_rtab(step, GLM_R_CONV0 + j), w->conv[j], n, D, K);
     }
     op->l2norm(be, q, (int64_t)n * nh, dk, 1e-6f, 1.f / sqrtf((float)dk));
     op->l2norm(be, k, (int64_t)n * nh, dk, 1e-6f, 1.f);
 
     mt_kda_gate_params gp = { nh, dk, c->has_linear_lower_bound, c->linear_lower_bound };
-    op->matmul(be, lo, h, &w->f_a, n);
+    /* the three small projections of h together: f_a, b, g_a (g_b's input waits in lo_g) */
+    const mt_weight *small[3] = { &w->f_a, &w->b, &w->g_a };
+    float *sy[3] = { lo, beta, lo_g };
+    glm_matmul_multi(be, sy, h, small, 3, n);
     op->matmul(be, raw, lo, &w->f_b, n);
     op->kda_gate(be, g, raw, w->dt_bias, w->A_log, &gp, n);
-    op->matmul(be, beta, h, &w->b, n);
     op->sigmoid(be, beta, (int64_t)n * nh);
 
     if (!rows && n == 1) op->kda_recurrent(be, o, q, k, v, g, beta, sts[0]->rec, 1, nh, dk);
     else if (!rows) op->kda_chunked(be, o, q, k, v, g, beta, sts[0]->rec, n, nh, dk);
     else op->kda_recurrent_rows(be, o, q, k, v, g, beta, glm_rtab(step, GLM_R_REC), n, nh, dk);
 
-    op->matmul(be, lo, h, &w->g_a, n);
-    op->matmul(be, gate, lo, &w->g_b, n);
+    op->matmul(be, gate, lo_g, &w->g_b, n);
     op->gated_rmsnorm(be, raw, o, gate, w->o_norm, (int64_t)n * nh, dk, c->rms_norm_eps);
     op->matmul(be, out, raw, &w->o, n);
     return MT_OK;

@@ -87,6 +87,17 @@ static mt_status alloc_state(const mt_layer *ml, int max_tokens, mt_layer_state 
 
 /* ---- compute ---- */
 
+/* scr->h = rmsnorm(hc_pre's y) * norm_w, fused where the backend offers it. */
+static void hc_pre_norm(mt_backend *be, glm_scratch *scr, const float *X, const glm_hc_w *hc, const float *norm_w,
+                        const mt_hc_params *hp, int n) {
+    if (be->ops->hc_pre_norm) {
+        be->ops->hc_pre_norm(be, scr->h, scr->y, scr->post, scr->comb, X, &hc->fn, hc->base, hc->scale, norm_w, hp, n);
+        return;
+    }
+    be->ops->hc_pre(be, scr->y, scr->post, scr->comb, X, &hc->fn, hc->base, hc->scale, hp, n);
+    be->ops->rmsnorm(be, scr->h, scr->y, norm_w, n, hp->H, hp->rms_eps);
+}
+
 /* n rows through the decoder layer: nst == 1 state for n consecutive positions of one sequence,
  * or nst == n states, one row per sequence (see glm_kda.c). */
 static mt_status layer_forward(const mt_layer *ml, glm_layer_state **sts, int nst, mt_step *step,
@@ -97,18 +108,14 @@ static mt_status layer_forward(const mt_layer *ml, glm_layer_state **sts, int ns
     glm_scratch *scr = step->scr;
     MT_ASSERT(n <= scr->rows);
     const mt_hc_params hp = { c->hc_mult, c->hidden_size, c->rms_norm_eps, c->hc_eps, c->hc_sinkhorn_iters };
-    const int H = c->hidden_size;
-
-    be->ops->hc_pre(be, scr->y, scr->post, scr->comb, X, &l->hc[0].fn, l->hc[0].base, l->hc[0].scale, &hp, n);
-    be->ops->rmsnorm(be, scr->h, scr->y, l->in_norm, n, H, c->rms_norm_eps);
+    hc_pre_norm(be, scr, X, &l->hc[0], l->in_norm, &hp, n);
     mt_status s = c->layer_types[ml->index] == GLM_MIXER_KDA
                       ? glm_kda_forward(l, sts, nst, step, scr->h, scr->a, n)
                       : glm_dsa_forward(l, sts, nst, step, scr->h, scr->a, n);
     if (s != MT_OK) return s;
     be->ops->hc_post(be, X, scr->a, scr->post, scr->comb, &hp, n);
 
-    be->ops->hc_pre(be, scr->y, scr->post, scr->comb, X, &l->hc[1].fn, l->hc[1].base, l->hc[1].scale, &hp, n);
-    be->ops->rmsnorm(be, scr->h, scr->y, l->post_norm, n, H, c->rms_norm_eps);
+    hc_pre_norm(be, scr, X, &l->hc[1], l->post_norm, &hp, n);
     glm_mlp_forward(l, step, scr->h, scr->a, n);
     be->ops->hc_post(be, X, scr->a, scr->post, scr->comb, &hp, n);
     return MT_OK;

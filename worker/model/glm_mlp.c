@@ -6,8 +6,9 @@
 
 static void swiglu_mlp(mt_backend *be, const mt_expert *e, const float *h, float *out, int n, int I,
                        float L, float *g, float *u) {
-    be->ops->matmul(be, g, h, &e->gate, n);
-    be->ops->matmul(be, u, h, &e->up, n);
+    const mt_weight *gu[2] = { &e->gate, &e->up };
+    float *y[2] = { g, u };
+    glm_matmul_multi(be, y, h, gu, 2, n);
     be->ops->swiglu(be, g, g, u, n, I, L);
     be->ops->matmul(be, out, g, &e->down, n);
 }
