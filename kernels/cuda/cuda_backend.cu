@@ -146,6 +146,7 @@ static void cu_destroy(mt_backend *be) {
     cu_moe_grouped_free(cb);
     if (cb->blas) MT_CUBLAS_WARN(cublasDestroy(cb->blas));
     if (cb->blas_ws) MT_CUDA_WARN(cudaFree(cb->blas_ws));
+    if (cb->counters) MT_CUDA_WARN(cudaFree(cb->counters));
     MT_CUDA_WARN(cudaStreamDestroy(cb->stream));
     free(cb->prof);
     free(cb);
@@ -370,6 +371,14 @@ extern "C" mt_backend *mt_cuda_backend_new(int device, mt_error *err) {
             return NULL;
         }
         cb->tc_min_rows = (int)v;
+    }
+    if ((e = cudaMalloc(&cb->counters, sizeof(unsigned) * CU_COUNTERS)) != cudaSuccess ||
+        (e = cudaMemset(cb->counters, 0, sizeof(unsigned) * CU_COUNTERS)) != cudaSuccess ||
+        (e = cudaDeviceSynchronize()) != cudaSuccess) {
+        (void)cudaGetLastError();
+        mt_errorf(err, MT_ERR_BACKEND, "CUDA device %d: %s", device, cudaGetErrorString(e));
+        cu_destroy(&cb->base);
+        return NULL;
     }
     if (cu_blas_init(cb) != MT_OK) { /* logged at the failing call */
         (void)cudaGetLastError();

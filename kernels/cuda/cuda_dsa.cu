@@ -416,6 +416,7 @@ enum {
     MLA_WARPS = MLA_THREADS / 32,
     MLA_MAX_COLS = 4,    /* kv_lora columns per attend thread: kvl <= 1024 */
     MLA_SC_ILP = 4,      /* attend: (head, row) scores a warp computes together */
+    MLA_SPLIT_ROUND = 8, /* attend (mla_attend_kernel): a split's rows, a multiple of this */
     ABS_THREADS = 128,   /* absorb: one kv_lora column per thread */
     ABS_Q = 8,           /* absorb: query rows per block */
     OUT_Q = 8,           /* output: query rows per block */
@@ -700,8 +701,11 @@ static __global__ void __launch_bounds__(MLA_THREADS) mla_attend_kernel(mla_dev_
     const int t = mla_pos(p, i), m = p.nsel[i];
     const int32_t *const bt = mla_bt(p, i);
     const int cnt = m > 0 ? m : t + 1;
-    int rps = (cnt + p.nsplit - 1) / p.nsplit; /* rows per split, whole tiles */
-    rps = (rps + MLA_ROWS - 1) / MLA_ROWS * MLA_ROWS;
+    /* rows per split, in whole MLA_SPLIT_ROUND (a split's last tile may be partial): a decode
+     * step's 69 rows make 9 splits of 8, not 3 of a full tile; each block's scores are ~8K cycles
+     * of shared-memory reads per full tile, so fewer rows a block is what spreads them */
+    int rps = (cnt + p.nsplit - 1) / p.nsplit;
+    rps = (rps + MLA_SPLIT_ROUND - 1) / MLA_SPLIT_ROUND * MLA_SPLIT_ROUND;
     const int sb = split * rps, se = sb + rps < cnt ? sb + rps : cnt;
     if (sb >= se) { /* an empty split (decode plans splits for the longest selection): (-inf, 0) and
                        no acc, which the output kernels do not read for a zero weight */
@@ -1610,7 +1614,8 @@ static void mla_plan(mt_backend *be, mla_dev_params *p, int nb_max, int rows_max
     if (wide) hg = MLAW_HB; /* mla_attend_wide_kernel: one block per multiprocessor */
     const int64_t blocks = (int64_t)nb_max * (p->Hq / hg);
     int64_t ns = (2 * (int64_t)sms + blocks - 1) / blocks;
-    const int64_t tiles = ((int64_t)rows_max + MLA_ROWS - 1) / MLA_ROWS;
+    const int per = wide ? MLA_ROWS : MLA_SPLIT_ROUND; /* rows of a split, at the least */
+    const int64_t tiles = ((int64_t)rows_max + per - 1) / per;
     if (wide) { /* one block per multiprocessor: the split count that fills the last wave best */
         const int64_t hi = (4 * (int64_t)sms + blocks - 1) / blocks;
         int64_t best = 1;

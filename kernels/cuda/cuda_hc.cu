@@ -17,6 +17,8 @@
 #include <cooperative_groups.h>
 #include <limits.h>
 #include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_ops.h"
@@ -77,9 +79,9 @@ static __device__ void hc_comb_warp(float *comb, const float *mc, float r, const
 
 /* The same comb for S <= HC_REG_S on one thread, the S x S matrix in registers: no shuffles, the
  * row and column sums in ascending index as the CPU; each normalisation multiplies by the
- * reciprocal of (sum + hc_eps) rather than dividing by it (within an ulp of the CPU's quotient;
- * 8 reciprocals an iteration instead of 32 divisions). One warp's shuffle chain of 20 iterations
- * took ~3-4 us, the longest part of a decode step's hc_pre; this takes under one. */
+ * hardware's approximate reciprocal of (sum + hc_eps) (__fdividef: ~2 ulp, against the CPU's
+ * division; 8 an iteration instead of 32 divisions). IEEE reciprocals (__frcp_rn) kept the
+ * 20-iteration chain at several microseconds on one thread. */
 enum { HC_REG_S = 4 };
 static __device__ void hc_comb_thread(float *comb, const float *mc, float r, const float *base2, float scale2,
                                       int S, float hc_eps, int iters) {
@@ -111,7 +113,7 @@ static __device__ void hc_comb_thread(float *comb, const float *mc, float r, con
                 float rs = 0.f;
 #pragma unroll
                 for (int b = 0; b < HC_REG_S; b++) rs += C[a][b];
-                const float inv = __frcp_rn(rs + hc_eps);
+                const float inv = __fdividef(1.f, rs + hc_eps);
 #pragma unroll
                 for (int b = 0; b < HC_REG_S; b++) C[a][b] *= inv;
             }
@@ -121,7 +123,7 @@ static __device__ void hc_comb_thread(float *comb, const float *mc, float r, con
             float cs = 0.f;
 #pragma unroll
             for (int a = 0; a < HC_REG_S; a++) cs += C[a][b];
-            const float inv = __frcp_rn(cs + hc_eps);
+            const float inv = __fdividef(1.f, cs + hc_eps);
 #pragma unroll
             for (int a = 0; a < HC_REG_S; a++) C[a][b] *= inv;
         }
@@ -442,6 +444,209 @@ hc_pre_dec_kernel(const hc_pre_params p) {
     cl.barrier_wait();
 }
 
+/* ---- hc_pre for few rows, spread over the GPU (hc_pre_split_kernel) ----
+ * The cluster kernel above keeps the whole op on 8 multiprocessors and crosses the cluster 2-3
+ * times: ~13 us a call (18 with the norm) on the H200, 8 calls a bench-4L step. Here block b of
+ * S*H / (32 V) (64 at the real shape) dots its 32 V columns of fn's (2+S)S rows with X (warp w:
+ * rows w, w + 8, w + 16; lane l one 16-byte vector) and writes the partial sums; the last block to
+ * arrive (an arrival counter, reset by that block for the next call) adds the partials in block
+ * order (deterministic), then makes pre and post, collapses y over all of H with float4 loads,
+ * and with NORM writes h = rmsnorm(y) * norm_w instead of y; its ninth warp runs each row's
+ * Sinkhorn (hc_comb_thread, one lane a row) meanwhile, so the norm never waits for it. */
+enum { HCS_WARPS = 8, HCS_THREADS = 32 * (HCS_WARPS + 1), HCS_KPW = 3, HCS_MAX_BLOCKS = 512,
+       HCS_MAX_H4 = 2048 /* H <= 8192 */, HCS_PER = HCS_MAX_H4 / (32 * HCS_WARPS) /* float4 a thread */ };
+
+typedef struct hc_split_params {
+    hc_pre_params p;
+    float *part;          /* [blocks, NB, HC_DEC_MIX] partial fn . X */
+    double *part_ss;      /* [blocks, NB] partial X^2 */
+    unsigned *count;      /* arrival counter, 0 between calls */
+} hc_split_params;
+
+template <mt_dtype DT, int NB, bool NORM>
+static __global__ void __launch_bounds__(HCS_THREADS) hc_pre_split_kernel(const hc_split_params q) {
+    constexpr int V = cu_wvec<DT>::n, ES = DT == MT_F32 ? 4 : 2;
+    const hc_pre_params &p = q.p;
+    __shared__ float m_s[NB * HC_DEC_MIX];
+    __shared__ float r_s[NB], pre_s[NB * HC_DEC_MAX_S], r_y[NB];
+    __shared__ double red[HCS_WARPS][NB];
+    __shared__ bool last;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, tid = threadIdx.x;
+    const int S = p.S, H = p.H, SH = S * H, mix = (2 + S) * S, b = blockIdx.x;
+    const int64_t c = (int64_t)b * 32 * V + (int64_t)lane * V; /* this lane's first column */
+    const char *fn = (const char *)p.fn;
+
+    /* fn does not depend on the previous kernel: its lines into L2 before the PDL wait; the ninth
+     * warp prefetches this block's share of norm_w for the last block */
+    if (warp < HCS_WARPS) {
+#pragma unroll
+        for (int j = 0; j < HCS_KPW; j++) {
+            const int k = warp + HCS_WARPS * j;
+            if (k < mix) asm volatile("prefetch.global.L2 [%0];" ::"l"(fn + ((int64_t)k * SH + c) * ES));
+        }
+    } else if (NORM) {
+        const int per = (H + gridDim.x - 1) / gridDim.x, d = b * per + lane * 32;
+        if (lane * 32 < per && d < H) asm volatile("prefetch.global.L2 [%0];" ::"l"(p.norm_w + d));
+    }
+    cu_pdl_wait(); /* X is the previous kernel's output */
+    cu_pdl_trigger();
+    if (warp < HCS_WARPS) {
+        float wf[HCS_KPW][V];
+#pragma unroll
+        for (int j = 0; j < HCS_KPW; j++) {
+            const int k = warp + HCS_WARPS * j;
+            if (k < mix) cu_wload<DT, V>(p.fn, (int64_t)k * SH + c, wf[j]);
+        }
+        float xv[NB][V];
+#pragma unroll
+        for (int i = 0; i < NB; i++)
+#pragma unroll
+            for (int v = 0; v < V; v += 4) {
+                float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
+                if (i < p.n) f = __ldg((const float4 *)(p.X + (int64_t)i * SH + c + v));
+                xv[i][v] = f.x; xv[i][v + 1] = f.y; xv[i][v + 2] = f.z; xv[i][v + 3] = f.w;
+            }
+#pragma unroll
+        for (int j = 0; j < HCS_KPW; j++) {
+            const int k = warp + HCS_WARPS * j;
+#pragma unroll
+            for (int i = 0; i < NB; i++) {
+                float a = 0.f;
+#pragma unroll
+                for (int v = 0; v < V; v++) a = fmaf(wf[j][v], xv[i][v], a);
+                a = cu_warp_sum(a);
+                if (lane == 0 && k < mix) q.part[((int64_t)b * NB + i) * HC_DEC_MIX + k] = a;
+            }
+        }
+        if (warp == 0)
+#pragma unroll
+            for (int i = 0; i < NB; i++) {
+                double ss = 0;
+#pragma unroll
+                for (int v = 0; v < V; v++) ss += (double)xv[i][v] * xv[i][v];
+                ss = cu_warp_sum(ss);
+                if (lane == 0) q.part_ss[(int64_t)b * NB + i] = ss;
+            }
+        if (lane == 0) __threadfence(); /* the partials before the arrival */
+    }
+    __syncthreads();
+    if (tid == 0) last = atomicAdd(q.count, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+
+    /* ---- the last block ---- */
+    __threadfence();
+    if (tid < NB * mix) { /* the partials in block order, eight loads in flight */
+        const int i = tid / mix, k = tid % mix;
+        float a = 0.f;
+        for (int b0 = 0; b0 < (int)gridDim.x; b0 += 8) {
+            float v[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++)
+                v[u] = b0 + u < (int)gridDim.x ? __ldcg(q.part + ((int64_t)(b0 + u) * NB + i) * HC_DEC_MIX + k) : 0.f;
+#pragma unroll
+            for (int u = 0; u < 8; u++) a += v[u];
+        }
+        m_s[i * HC_DEC_MIX + k] = a;
+    } else if (tid >= 32 * HCS_WARPS && tid - 32 * HCS_WARPS < NB) {
+        const int i = tid - 32 * HCS_WARPS;
+        double a = 0;
+        for (int b0 = 0; b0 < (int)gridDim.x; b0++) a += __ldcg(q.part_ss + (int64_t)b0 * NB + i);
+        r_s[i] = 1.f / sqrtf((float)(a / SH) + p.rms_eps);
+    }
+    __syncthreads();
+    if (tid == 0) *q.count = 0u; /* every block has arrived: ready for the next call */
+    if (tid < NB * S) {
+        const int i = tid / S, s = tid % S;
+        const float *m = m_s + i * HC_DEC_MIX;
+        const float r = r_s[i];
+        pre_s[i * HC_DEC_MAX_S + s] =
+            hc_sigmoid(__fadd_rn(__fmul_rn(__fmul_rn(m[s], r), p.scale[0]), p.base[s])) + p.hc_eps;
+        if (i < p.n)
+            p.post[(int64_t)i * S + s] =
+                2.f * hc_sigmoid(__fadd_rn(__fmul_rn(__fmul_rn(m[S + s], r), p.scale[1]), p.base[S + s]));
+    }
+    __syncthreads();
+    if (warp == HCS_WARPS) { /* the Sinkhorn of row `lane`, beside the collapse */
+        if (lane < p.n)
+            hc_comb_thread(p.comb + (int64_t)lane * S * S, m_s + lane * HC_DEC_MIX + 2 * S, r_s[lane], p.base + 2 * S,
+                           p.scale[2], S, p.hc_eps, p.sinkhorn_iters);
+        return;
+    }
+    /* y[i][d] = sum_s pre[i][s] X[i][s][d] (the CPU's order), 4 d a thread per step */
+    const int H4 = H / 4;
+    float4 y[NB][HCS_PER];
+#pragma unroll
+    for (int i = 0; i < NB; i++)
+#pragma unroll
+        for (int u = 0; u < HCS_PER; u++) {
+            const int d4 = tid + u * 32 * HCS_WARPS;
+            float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (i < p.n && d4 < H4) {
+                float4 xs[HC_DEC_MAX_S];
+#pragma unroll
+                for (int s = 0; s < HC_DEC_MAX_S; s++)
+                    if (s < S) xs[s] = __ldcg((const float4 *)(p.X + (int64_t)i * SH + (int64_t)s * H) + d4);
+#pragma unroll
+                for (int s = 0; s < HC_DEC_MAX_S; s++)
+                    if (s < S) {
+                        const float w = pre_s[i * HC_DEC_MAX_S + s];
+                        a.x = __fadd_rn(a.x, __fmul_rn(w, xs[s].x));
+                        a.y = __fadd_rn(a.y, __fmul_rn(w, xs[s].y));
+                        a.z = __fadd_rn(a.z, __fmul_rn(w, xs[s].z));
+                        a.w = __fadd_rn(a.w, __fmul_rn(w, xs[s].w));
+                    }
+            }
+            y[i][u] = a;
+        }
+    if constexpr (!NORM) {
+#pragma unroll
+        for (int i = 0; i < NB; i++)
+#pragma unroll
+            for (int u = 0; u < HCS_PER; u++) {
+                const int d4 = tid + u * 32 * HCS_WARPS;
+                if (i < p.n && d4 < H4) ((float4 *)(p.y + (int64_t)i * H))[d4] = y[i][u];
+            }
+        return;
+    }
+    /* h = y * rms(y) * w: a double sum over the first 8 warps (a named barrier: the ninth is in
+     * its Sinkhorn) */
+#pragma unroll
+    for (int i = 0; i < NB; i++) {
+        double ss = 0;
+#pragma unroll
+        for (int u = 0; u < HCS_PER; u++)
+            ss += (double)y[i][u].x * y[i][u].x + (double)y[i][u].y * y[i][u].y + (double)y[i][u].z * y[i][u].z +
+                  (double)y[i][u].w * y[i][u].w;
+        ss = cu_warp_sum(ss);
+        if (lane == 0) red[warp][i] = ss;
+    }
+    asm volatile("bar.sync 1, %0;" ::"r"(32 * HCS_WARPS));
+    if (tid < NB) {
+        double a = 0;
+        for (int w = 0; w < HCS_WARPS; w++) a += red[w][tid];
+        r_y[tid] = 1.f / sqrtf((float)(a / H) + p.rms_eps);
+    }
+    asm volatile("bar.sync 1, %0;" ::"r"(32 * HCS_WARPS));
+#pragma unroll
+    for (int u = 0; u < HCS_PER; u++) {
+        const int d4 = tid + u * 32 * HCS_WARPS;
+        if (d4 >= H4) continue;
+        const float4 w = __ldg((const float4 *)p.norm_w + d4);
+#pragma unroll
+        for (int i = 0; i < NB; i++) {
+            if (i >= p.n) continue;
+            const float r = r_y[i];
+            float4 o;
+            o.x = __fmul_rn(__fmul_rn(y[i][u].x, r), w.x);
+            o.y = __fmul_rn(__fmul_rn(y[i][u].y, r), w.y);
+            o.z = __fmul_rn(__fmul_rn(y[i][u].z, r), w.z);
+            o.w = __fmul_rn(__fmul_rn(y[i][u].w, r), w.w);
+            ((float4 *)(p.h + (int64_t)i * H))[d4] = o;
+        }
+    }
+}
+
 /* Whether the cluster kernel takes the shape (n rows, fn of dtype dt; norm: with the input norm
  * fused, which keeps each block's y columns in shared memory). */
 static bool hc_pre_dec_ok(const mt_weight *fn, const float *X, int S, int H, int n, bool norm) {
@@ -461,7 +666,46 @@ template <bool NORM> static const void *hc_pre_dec_pick(mt_dtype dt, int n) {
            : dt == MT_F16 ? hc_pre_dec_fn<MT_F16, NORM>(n) : hc_pre_dec_fn<MT_BF16, NORM>(n);
 }
 
-static mt_status hc_pre_dec_launch(hc_pre_params *p, mt_dtype dt, cudaStream_t s) {
+/* Whether the split kernel takes it: the shape also fits the cluster kernel, whole 32-vector
+ * blocks of columns, H in float4 and within the last block's registers, aligned norm_w. */
+static bool hc_pre_split_ok(const mt_weight *fn, int S, int H, const float *norm_w) {
+    const int64_t cpb = 32LL * (fn->dtype == MT_F32 ? 4 : 8), SH = (int64_t)S * H;
+    return SH % cpb == 0 && SH / cpb <= HCS_MAX_BLOCKS && H % 4 == 0 && H / 4 <= HCS_MAX_H4 &&
+           (!norm_w || cu_aligned16(norm_w));
+}
+
+template <mt_dtype DT, bool NORM> static const void *hc_pre_split_fn(int n) {
+    if (n <= 1) return (const void *)hc_pre_split_kernel<DT, 1, NORM>;
+    if (n <= 2) return (const void *)hc_pre_split_kernel<DT, 2, NORM>;
+    return (const void *)hc_pre_split_kernel<DT, 4, NORM>;
+}
+
+template <bool NORM> static const void *hc_pre_split_pick(mt_dtype dt, int n) {
+    return dt == MT_F32 ? hc_pre_split_fn<MT_F32, NORM>(n)
+           : dt == MT_F16 ? hc_pre_split_fn<MT_F16, NORM>(n) : hc_pre_split_fn<MT_BF16, NORM>(n);
+}
+
+/* MT_CUDA_HC_SPLIT=0 (read once) keeps decode on the cluster kernel, for comparison. */
+static bool hc_split_on(void) {
+    static const bool on = !(getenv("MT_CUDA_HC_SPLIT") && !strcmp(getenv("MT_CUDA_HC_SPLIT"), "0"));
+    return on;
+}
+
+static size_t align_up(size_t b, size_t a) { return (b + a - 1) / a * a; }
+
+static mt_status hc_pre_dec_launch(mt_backend *be, hc_pre_params *p, mt_dtype dt, const mt_weight *fn) {
+    const cudaStream_t s = cu_stream(be);
+    if (hc_split_on() && hc_pre_split_ok(fn, p->S, p->H, p->norm_w)) {
+        const int blocks = (int)((int64_t)p->S * p->H / (32 * (dt == MT_F32 ? 4 : 8)));
+        const int nb = p->n <= 1 ? 1 : p->n <= 2 ? 2 : 4;
+        const size_t pf = align_up((size_t)blocks * nb * HC_DEC_MIX * sizeof(float), 16);
+        char *scr = (char *)cu_scratch(be, CU_SCRATCH_DENSE, pf + (size_t)blocks * nb * sizeof(double));
+        if (!scr) return MT_ERR_NOMEM;
+        hc_split_params q = {*p, (float *)scr, (double *)(scr + pf), ((cu_backend *)be)->counters};
+        const void *k = p->h ? hc_pre_split_pick<true>(dt, p->n) : hc_pre_split_pick<false>(dt, p->n);
+        MT_CUDA_CHECK(cu_launch_pdl(k, dim3(blocks), dim3(HCS_THREADS), 0, s, &q));
+        return MT_OK;
+    }
     const void *k = p->h ? hc_pre_dec_pick<true>(dt, p->n) : hc_pre_dec_pick<false>(dt, p->n);
     MT_CUDA_CHECK(cu_launch_pdl(k, dim3(HC_CL), dim3(HC_DEC_THREADS), 0, s, p));
     return MT_OK;
@@ -483,7 +727,7 @@ extern "C" void cu_hc_pre(mt_backend *be, float *y, float *post, float *comb, co
     hc_pre_params q = {y, post, comb, X, NULL, fn->data, base, scale, n, S, H, p->rms_eps, p->hc_eps,
                        p->sinkhorn_iters, NULL, NULL};
     if (hc_pre_dec_ok(fn, X, S, H, n, false)) {
-        cu_op_status(be, "hc_pre", hc_pre_dec_launch(&q, fn->dtype, cu_stream(be)));
+        cu_op_status(be, "hc_pre", hc_pre_dec_launch(be, &q, fn->dtype, fn));
         return;
     }
     float *m = (float *)cu_scratch(be, CU_SCRATCH_DENSE, sizeof(float) * (size_t)n * mix);
@@ -504,7 +748,7 @@ extern "C" void cu_hc_pre_norm(mt_backend *be, float *h, float *y, float *post, 
     if (hc_pre_dec_ok(fn, X, p->S, p->H, n, true)) {
         hc_pre_params q = {y, post, comb, X, NULL, fn->data, base, scale, n, p->S, p->H, p->rms_eps, p->hc_eps,
                            p->sinkhorn_iters, h, norm_w};
-        cu_op_status(be, "hc_pre_norm", hc_pre_dec_launch(&q, fn->dtype, cu_stream(be)));
+        cu_op_status(be, "hc_pre_norm", hc_pre_dec_launch(be, &q, fn->dtype, fn));
         return;
     }
     cu_hc_pre(be, y, post, comb, X, fn, base, scale, p, n);

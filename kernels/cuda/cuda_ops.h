@@ -34,6 +34,7 @@ typedef struct cu_buf {
 /* Scratch slots: an op uses its slot only between its first and last launch; ops run in stream
  * order, so later ops may reuse the same slot. */
 enum { CU_SCRATCH_DENSE, CU_SCRATCH_ATTN, CU_SCRATCH_GEMM, CU_SCRATCH_N };
+enum { CU_COUNTERS = 16 };
 
 /* cuBLAS workspace per backend (NVIDIA's recommendation for Hopper: 32 MiB). */
 #define CU_BLAS_WS_BYTES ((size_t)32 << 20)
@@ -70,6 +71,10 @@ typedef struct cu_backend {
     int tc_min_rows;            /* MT_CUDA_TC_MIN_ROWS (default 1): matmul outputs narrower than
                                    this stay off the tensor cores (cuda_dense.cu) */
     struct cu_prof *prof;       /* op timing (mt_cuda_profile); NULL when off */
+    /* [CU_COUNTERS] device, zeroed at creation: arrival counters of kernels whose last block
+     * finishes the op (cuda_hc.cu's hc_pre_split_kernel: counters[0]); each such kernel returns
+     * its counter to 0 before it exits. */
+    unsigned *counters;
 } cu_backend;
 
 static inline cudaStream_t cu_stream(mt_backend *be) { return ((cu_backend *)be)->stream; }
