@@ -62,6 +62,14 @@ typedef struct mt_router_params {
 } mt_router_params;
 
 /* KDA decay gate parameters. */
+/* The three conv steps of a KDA layer in the rows form (kda_conv3_rows): q, k, v. */
+typedef struct mt_kda_conv3 {
+    float *out[3];                 /* [n, C] each */
+    const float *x[3];             /* [n, C] each, the projections */
+    float *const *states[3];       /* [n] -> [C, K-1] each */
+    const float *w[3];             /* [C, K] each */
+} mt_kda_conv3;
+
 typedef struct mt_kda_gate_params {
     int nh, dk;
     bool has_lower_bound; /* g = lb * sigmoid(exp(A_log) * f), else -exp(A_log) * softplus(f) */
@@ -180,6 +188,12 @@ typedef struct mt_backend_ops {
     /* One conv step per row: out[i, C] = silu(conv(states[i] ++ x[i])), states[i] [C, K-1] updated. */
     void (*conv1d_silu_rows)(mt_backend *be, float *out, const float *x, float *const *states,
                              const float *w, int n, int C, int K);
+    /* Optional (NULL: not offered): a KDA layer's three conv steps and its q, k l2norms at once:
+     * for j < 3, c->out[j] = conv1d_silu_rows(c->x[j], c->states[j], c->w[j]); then out[0] and
+     * out[1] l2-normalised per head of dk (l2norm with eps, scale q_scale for out[0], 1 for
+     * out[1]). C = heads x dk. */
+    void (*kda_conv3_rows)(mt_backend *be, const mt_kda_conv3 *c, int n, int C, int K, int dk, float eps,
+                           float q_scale);
     /* One delta-rule step per row, as kda_recurrent with n = 1 on states[i] [nh, dk, dk]; q, k, v,
      * g, o [n, nh, dk], beta [n, nh]. */
     void (*kda_recurrent_rows)(mt_backend *be, float *o, const float *q, const float *k, const float *v,

@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdio>
 #include <numeric>
+#include <memory>
 #include <random>
 #include <set>
 #include <string>
@@ -169,6 +170,61 @@ TEST_F(CudaAttn, Conv1dSiluMatchesCpuAndCarriesState) {
             std::printf("[conv1d_silu] C=%d K=%d n=%d: out rel %.2e\n", s.C, s.K, n, eo);
             EXPECT_LE(eo, kRelTol) << "C=" << s.C << " K=" << s.K << " n=" << n;
             EXPECT_EQ(st_got, st_cpu) << "state, C=" << s.C << " K=" << s.K << " n=" << n;
+        }
+    }
+}
+
+// kda_conv3_rows (the rows form's three conv steps and q, k l2norms in one launch) against the
+// CPU's conv1d_silu per row and l2norm, each row on its own states (pointer tables on the GPU),
+// over consecutive steps so the states carry.
+TEST_F(CudaAttn, KdaConv3RowsMatchesCpuComposition) {
+    ASSERT_TRUE(gpu_->ops->kda_conv3_rows);
+    struct Shape { int C, K, dk, n; };
+    for (Shape s : {Shape{8192, 4, 128, 1}, Shape{8192, 4, 128, 3}, Shape{96, 3, 32, 2}, Shape{256, 2, 64, 5}, Shape{48, 4, 16, 3}, Shape{60, 3, 20, 2}}) {
+        const int C = s.C, K = s.K, n = s.n, P = K - 1;
+        std::vector<std::vector<float>> w(3), st_cpu(3 * n);
+        std::vector<std::unique_ptr<Buf<float>>> dw, dst;
+        for (int j = 0; j < 3; j++) {
+            w[j] = Rand((size_t)C * K, 0.5f);
+            dw.push_back(std::make_unique<Buf<float>>(gpu_, w[j]));
+        }
+        std::vector<float *> tab[3];
+        for (int j = 0; j < 3; j++)
+            for (int i = 0; i < n; i++) {
+                st_cpu[j * n + i] = Rand((size_t)C * P);
+                dst.push_back(std::make_unique<Buf<float>>(gpu_, st_cpu[j * n + i]));
+                tab[j].push_back(dst.back()->get());
+            }
+        Buf<float *> t0(gpu_, tab[0]), t1(gpu_, tab[1]), t2(gpu_, tab[2]);
+        for (int step = 0; step < 3; step++) {
+            std::vector<std::vector<float>> x(3), want(3, std::vector<float>((size_t)n * C));
+            std::vector<std::unique_ptr<Buf<float>>> dx, dout;
+            for (int j = 0; j < 3; j++) {
+                x[j] = Rand((size_t)n * C);
+                dx.push_back(std::make_unique<Buf<float>>(gpu_, x[j]));
+                dout.push_back(std::make_unique<Buf<float>>(gpu_, Rand((size_t)n * C)));
+                for (int i = 0; i < n; i++)
+                    cpu_->ops->conv1d_silu(cpu_, want[j].data() + (size_t)i * C, x[j].data() + (size_t)i * C,
+                                           st_cpu[j * n + i].data(), w[j].data(), 1, C, K);
+            }
+            const float qs = 1.f / std::sqrt((float)s.dk);
+            cpu_->ops->l2norm(cpu_, want[0].data(), (int64_t)n * (C / s.dk), s.dk, 1e-6f, qs);
+            cpu_->ops->l2norm(cpu_, want[1].data(), (int64_t)n * (C / s.dk), s.dk, 1e-6f, 1.f);
+            mt_kda_conv3 cv;
+            float *const *tabs[3] = {t0.get(), t1.get(), t2.get()};
+            for (int j = 0; j < 3; j++) {
+                cv.out[j] = dout[j]->get();
+                cv.x[j] = dx[j]->get();
+                cv.states[j] = tabs[j];
+                cv.w[j] = dw[j]->get();
+            }
+            gpu_->ops->kda_conv3_rows(gpu_, &cv, n, C, K, s.dk, 1e-6f, qs);
+            for (int j = 0; j < 3; j++) {
+                const double e = RelErr(dout[j]->Get(), want[j]);
+                EXPECT_LE(e, kRelTol) << "C=" << C << " K=" << K << " n=" << n << " j=" << j << " step " << step;
+                for (int i = 0; i < n; i++)
+                    EXPECT_EQ(dst[j * n + i]->Get(), st_cpu[j * n + i]) << "state j=" << j << " row " << i << " step " << step;
+            }
         }
     }
 }

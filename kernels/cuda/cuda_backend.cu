@@ -284,6 +284,7 @@ static const mt_backend_ops cu_ops = {
     .copy_rows_at = cu_copy_rows_at,
     .dsa_pool_keys_at = cu_dsa_pool_keys_at,
     .conv1d_silu_rows = cu_conv1d_silu_rows,
+    .kda_conv3_rows = cu_kda_conv3_rows,
     .kda_recurrent_rows = cu_kda_recurrent_rows,
     .copy_rows_to = cu_copy_rows_to,
     .dsa_pool_keys_rows = cu_dsa_pool_keys_rows,

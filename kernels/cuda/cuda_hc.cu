@@ -453,7 +453,7 @@ hc_pre_dec_kernel(const hc_pre_params p) {
  * order (deterministic), then makes pre and post, collapses y over all of H with float4 loads,
  * and with NORM writes h = rmsnorm(y) * norm_w instead of y; its ninth warp runs each row's
  * Sinkhorn (hc_comb_thread, one lane a row) meanwhile, so the norm never waits for it. */
-enum { HCS_WARPS = 8, HCS_THREADS = 32 * (HCS_WARPS + 1), HCS_KPW = 3, HCS_MAX_BLOCKS = 512,
+enum { HCS_WARPS = 8, HCS_THREADS = 32 * (HCS_WARPS + 1), HCS_KPW = 3, HCS_MAX_BLOCKS = 64,
        HCS_MAX_H4 = 2048 /* H <= 8192 */, HCS_PER = HCS_MAX_H4 / (32 * HCS_WARPS) /* float4 a thread */ };
 
 typedef struct hc_split_params {
@@ -536,23 +536,59 @@ static __global__ void __launch_bounds__(HCS_THREADS) hc_pre_split_kernel(const 
 
     /* ---- the last block ---- */
     __threadfence();
-    if (tid < NB * mix) { /* the partials in block order, eight loads in flight */
-        const int i = tid / mix, k = tid % mix;
-        float a = 0.f;
-        for (int b0 = 0; b0 < (int)gridDim.x; b0 += 8) {
-            float v[8];
+    /* norm_w now, beside the partials' loads below, rather than one more round trip at the end
+     * (up to 2 rows: at 4 the registers would spill) */
+    constexpr bool EARLY_W = NORM && NB <= 2;
+    float4 nw[EARLY_W ? HCS_PER : 1];
+    if constexpr (EARLY_W) {
 #pragma unroll
-            for (int u = 0; u < 8; u++)
-                v[u] = b0 + u < (int)gridDim.x ? __ldcg(q.part + ((int64_t)(b0 + u) * NB + i) * HC_DEC_MIX + k) : 0.f;
-#pragma unroll
-            for (int u = 0; u < 8; u++) a += v[u];
+        for (int u = 0; u < HCS_PER; u++) {
+            const int d4 = tid + u * 32 * HCS_WARPS;
+            nw[u] = warp < HCS_WARPS && d4 < H / 4 ? __ldg((const float4 *)p.norm_w + d4) : make_float4(0.f, 0.f, 0.f, 0.f);
         }
-        m_s[i * HC_DEC_MIX + k] = a;
-    } else if (tid >= 32 * HCS_WARPS && tid - 32 * HCS_WARPS < NB) {
-        const int i = tid - 32 * HCS_WARPS;
-        double a = 0;
-        for (int b0 = 0; b0 < (int)gridDim.x; b0++) a += __ldcg(q.part_ss + (int64_t)b0 * NB + i);
-        r_s[i] = 1.f / sqrtf((float)(a / SH) + p.rms_eps);
+    }
+    /* The NB * mix sums and NB X^2 sums of the partials: pair t on warp t % 9, lanes over the
+     * blocks (all of a warp's loads issued first), a butterfly each: one L2 round trip, not one
+     * per block. */
+    {
+        constexpr int PPW = (NB * HC_DEC_MIX + NB + HCS_WARPS) / (HCS_WARPS + 1), BPL = HCS_MAX_BLOCKS / 32;
+        const int npair = NB * mix + NB, nblk = (int)gridDim.x;
+        float v[PPW][BPL];
+        double vd[BPL];
+        const int dpair = npair - NB; /* pairs >= dpair are X^2 sums */
+#pragma unroll
+        for (int j = 0; j < PPW; j++) {
+            const int t = warp + (HCS_WARPS + 1) * j, i = t / mix, k = t % mix;
+#pragma unroll
+            for (int u = 0; u < BPL; u++) {
+                const int b0 = lane + 32 * u;
+                v[j][u] = t < dpair && b0 < nblk ? __ldcg(q.part + ((int64_t)b0 * NB + i) * HC_DEC_MIX + k) : 0.f;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < PPW; j++) {
+            const int t = warp + (HCS_WARPS + 1) * j;
+            if (t >= npair) break;
+            if (t < dpair) {
+                float a = 0.f;
+#pragma unroll
+                for (int u = 0; u < BPL; u++) a += v[j][u];
+                a = cu_warp_sum(a);
+                if (lane == 0) m_s[(t / mix) * HC_DEC_MIX + t % mix] = a;
+            } else {
+                const int i = t - dpair;
+#pragma unroll
+                for (int u = 0; u < BPL; u++) {
+                    const int b0 = lane + 32 * u;
+                    vd[u] = b0 < nblk ? __ldcg(q.part_ss + (int64_t)b0 * NB + i) : 0.0;
+                }
+                double a = 0;
+#pragma unroll
+                for (int u = 0; u < BPL; u++) a += vd[u];
+                a = cu_warp_sum(a);
+                if (lane == 0) r_s[i] = 1.f / sqrtf((float)(a / SH) + p.rms_eps);
+            }
+        }
     }
     __syncthreads();
     if (tid == 0) *q.count = 0u; /* every block has arrived: ready for the next call */
@@ -632,7 +668,7 @@ static __global__ void __launch_bounds__(HCS_THREADS) hc_pre_split_kernel(const 
     for (int u = 0; u < HCS_PER; u++) {
         const int d4 = tid + u * 32 * HCS_WARPS;
         if (d4 >= H4) continue;
-        const float4 w = __ldg((const float4 *)p.norm_w + d4);
+        const float4 w = EARLY_W ? nw[EARLY_W ? u : 0] : __ldg((const float4 *)p.norm_w + d4);
 #pragma unroll
         for (int i = 0; i < NB; i++) {
             if (i >= p.n) continue;

@@ -193,32 +193,54 @@ static __global__ void route_kernel(const route_params p) {
         /* Lane l's candidates c[l + 32 j] sit in registers, bit j of `live` set while eligible:
          * each pick is the lane's best (strict >, ascending j: its lowest index on ties), the
          * warp merge below, and the winner clearing its bit, with no shared memory in between. */
-        float cv[ROUTE_PER_LANE];
+        float cv[ROUTE_PER_LANE], sv[ROUTE_PER_LANE];
         unsigned live = 0;
 #pragma unroll
         for (int j = 0; j < ROUTE_PER_LANE; j++) {
             const int e = lane + 32 * j;
             cv[j] = e < E ? c[e] : 0.f;
+            sv[j] = e < E ? s[e] : 0.f;
             if (e < E && mask[e]) live |= 1u << j;
         }
+        /* Each pick: the lane's best live candidate by a tree over j (larger value, lower j on
+         * ties), then the warp's largest value by one __reduce_max_sync over an order-preserving
+         * integer key and its lowest index among equal keys by one __reduce_min_sync: the CPU's
+         * choice (largest, lowest index on ties) in two warp instructions instead of a five-step
+         * shuffle butterfly of (value, index) pairs (the route kernel was ~10 us a call). */
         for (int k = 0; k < p.top_k; k++) {
-            float bv = 0;
-            int bi = -1;
+            float bv[ROUTE_PER_LANE];
+            int bj[ROUTE_PER_LANE];
+#pragma unroll
+            for (int j = 0; j < ROUTE_PER_LANE; j++) {
+                bv[j] = cv[j];
+                bj[j] = (live >> j & 1u) ? j : -1;
+            }
+#pragma unroll
+            for (int w = 1; w < ROUTE_PER_LANE; w *= 2)
+#pragma unroll
+                for (int j = 0; j + w < ROUTE_PER_LANE; j += 2 * w) {
+                    const bool take = bj[j + w] >= 0 && (bj[j] < 0 || bv[j + w] > bv[j]);
+                    if (take) { bv[j] = bv[j + w]; bj[j] = bj[j + w]; }
+                }
+            const bool has = bj[0] >= 0;
+            const float v = bv[0] == 0.f ? 0.f : bv[0]; /* -0 keys as +0: they compare equal */
+            const uint32_t u = __float_as_uint(v);
+            const uint32_t key = has ? ((u & 0x80000000u) ? ~u : (u | 0x80000000u)) : 0u;
+            const uint32_t top = __reduce_max_sync(0xffffffffu, key);
+            const uint32_t mine = has && key == top ? (uint32_t)(lane + 32 * bj[0]) : 0xffffffffu;
+            const uint32_t bi = __reduce_min_sync(0xffffffffu, mine);
+            if (bi == 0xffffffffu) __trap(); /* the host checked top_k <= topk_group * per */
+            if ((int)(bi & 31) == lane) live &= ~(1u << (bi >> 5));
+            /* the winner's s, from its lane (every lane takes part in the shuffle) */
+            float sw = 0.f;
 #pragma unroll
             for (int j = 0; j < ROUTE_PER_LANE; j++)
-                if ((live >> j & 1u) && (bi < 0 || cv[j] > bv)) { bv = cv[j]; bi = lane + 32 * j; }
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) {
-                const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-                const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-                if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) { bv = ov; bi = oi; }
-            }
-            if (bi < 0) __trap(); /* the host checked top_k <= topk_group * per */
-            if ((bi & 31) == lane) live &= ~(1u << (bi >> 5));
+                if (j == (int)(bi >> 5)) sw = sv[j];
+            sw = __shfl_sync(0xffffffffu, sw, (int)(bi & 31));
             if (lane == 0) {
-                sel_i[k] = bi;
-                sel_w[k] = s[bi];
-                sum += s[bi];
+                sel_i[k] = (int32_t)bi;
+                sel_w[k] = sw;
+                sum += sw;
             }
         }
         __syncwarp();

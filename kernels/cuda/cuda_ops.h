@@ -203,6 +203,7 @@ void cu_hc_head(mt_backend *be, float *z, const float *X, int n, int S, int H);
  * single-sequence kernels in cuda_kda.cu (delta rule) and cuda_dsa.cu (select, sparse MLA). */
 void cu_conv1d_silu_rows(mt_backend *be, float *out, const float *x, float *const *states, const float *w,
                          int n, int C, int K);
+void cu_kda_conv3_rows(mt_backend *be, const mt_kda_conv3 *c, int n, int C, int K, int dk, float eps, float q_scale);
 void cu_kda_recurrent_rows(mt_backend *be, float *o, const float *q, const float *k, const float *v,
                            const float *g, const float *beta, float *const *states, int n, int nh, int dk);
 void cu_copy_rows_to(mt_backend *be, mt_paged dst, const int32_t *const *bts, const int32_t *pos,

@@ -53,6 +53,63 @@ extern "C" void cu_conv1d_silu_rows(mt_backend *be, float *out, const float *x, 
     cu_check_launch(be, "conv1d_silu_rows");
 }
 
+/* ---- kda_conv3_rows: conv_rows of q, k, v in one launch, with the q and k l2norms ----
+ * Block = (head h, projection j, row i), a thread per channel of the head: the conv step as
+ * conv_rows_kernel, then for q and k the head's sum of squares (float, a warp butterfly and the
+ * warps in order; the CPU's l2norm sums in float too) and the scaling. One launch for what was
+ * three conv and two norm kernels per KDA layer (~2.5 us of latency each at decode). */
+typedef struct conv3_params {
+    mt_kda_conv3 c;
+    int n, C, K, dk;
+    float eps, q_scale;
+} conv3_params;
+
+static __global__ void __launch_bounds__(1024) conv3_rows_kernel(const conv3_params p) {
+    __shared__ float red[32];
+    const int h = blockIdx.x, j = blockIdx.y, i = blockIdx.z, t = threadIdx.x, c = h * p.dk + t;
+    const bool own = t < p.dk; /* the block is dk rounded up to whole warps */
+    const int P = p.K - 1;
+    float y = 0.f;
+    if (own) {
+        float *st = p.c.states[j][i] + (size_t)c * P;
+        const float xv = p.c.x[j][(size_t)i * p.C + c];
+        const float *wc = p.c.w[j] + (size_t)c * p.K;
+        float hist[ROWS_MAX_K];
+        float a = 0.f;
+#pragma unroll
+        for (int k = 0; k < ROWS_MAX_K - 1; k++)
+            if (k < P) {
+                hist[k] = st[k];
+                a += wc[k] * hist[k];
+            }
+        a += wc[P] * xv;
+        y = a / (1.f + expf(-a));
+#pragma unroll
+        for (int k = 0; k < ROWS_MAX_K - 1; k++)
+            if (k < P) st[k] = k + 1 < P ? hist[k + 1] : xv;
+    }
+    if (j < 2) { /* block-uniform */
+        float ss = y * y;
+        ss = cu_warp_sum(ss);
+        if ((t & 31) == 0) red[t >> 5] = ss;
+        __syncthreads();
+        ss = 0.f;
+        for (int w = 0; w < (int)(blockDim.x >> 5); w++) ss += red[w];
+        y *= (j == 0 ? p.q_scale : 1.f) / sqrtf(ss + p.eps);
+    }
+    if (own) p.c.out[j][(size_t)i * p.C + c] = y;
+}
+
+extern "C" void cu_kda_conv3_rows(mt_backend *be, const mt_kda_conv3 *c, int n, int C, int K, int dk, float eps,
+                                  float q_scale) {
+    MT_ASSERT(n >= 0 && C > 0 && K >= 1 && K <= ROWS_MAX_K && dk >= 1 && dk <= 1024 && C % dk == 0);
+    if (n == 0) return;
+    const conv3_params p = { *c, n, C, K, dk, eps, q_scale };
+    conv3_rows_kernel<<<dim3((unsigned)(C / dk), 3, (unsigned)n), (unsigned)((dk + 31) / 32 * 32), 0,
+                        cu_stream(be)>>>(p);
+    cu_check_launch(be, "kda_conv3_rows");
+}
+
 /* ---- copy_rows_to: src[i] becomes position pos[i] of the paged cache dst through bts[i] ---- */
 
 typedef struct copy_to_params {

@@ -28,12 +28,24 @@ mt_status glm_kda_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
     const mt_weight *proj[3] = { &w->q, &w->k, &w->v };
     float *dst[3] = { q, k, v }, *pre[3] = { raw, o, g };
     glm_matmul_multi(be, pre, h, proj, 3, n);
-    for (int j = 0; j < 3; j++) {
-        if (!rows) op->conv1d_silu(be, dst[j], pre[j], sts[0]->conv[j], w->conv[j], n, D, K);
-        else op->conv1d_silu_rows(be, dst[j], pre[j], glm_rtab(step, GLM_R_CONV0 + j), w->conv[j], n, D, K);
+    const float q_scale = 1.f / sqrtf((float)dk);
+    if (rows && op->kda_conv3_rows) { /* the three convs and two norms in one backend op */
+        mt_kda_conv3 cv;
+        for (int j = 0; j < 3; j++) {
+            cv.out[j] = dst[j];
+            cv.x[j] = pre[j];
+            cv.states[j] = glm_rtab(step, GLM_R_CONV0 + j);
+            cv.w[j] = w->conv[j];
+        }
+        op->kda_conv3_rows(be, &cv, n, D, K, dk, 1e-6f, q_scale);
+    } else {
+        for (int j = 0; j < 3; j++) {
+            if (!rows) op->conv1d_silu(be, dst[j], pre[j], sts[0]->conv[j], w->conv[j], n, D, K);
+            else op->conv1d_silu_rows(be, dst[j], pre[j], glm_rtab(step, GLM_R_CONV0 + j), w->conv[j], n, D, K);
+        }
+        op->l2norm(be, q, (int64_t)n * nh, dk, 1e-6f, q_scale);
+        op->l2norm(be, k, (int64_t)n * nh, dk, 1e-6f, 1.f);
     }
-    op->l2norm(be, q, (int64_t)n * nh, dk, 1e-6f, 1.f / sqrtf((float)dk));
-    op->l2norm(be, k, (int64_t)n * nh, dk, 1e-6f, 1.f);
 
     mt_kda_gate_params gp = { nh, dk, c->has_linear_lower_bound, c->linear_lower_bound };
     /* the three small projections of h together: f_a, b, g_a (g_b's input waits in lo_g) */
