@@ -1,15 +1,15 @@
 /* kernels/cuda/cuda_hc.cu: manifold-constrained hyper-connections, the same functions as
  * kernels/cpu/cpu_hc.c.
  *
- * hc_pre for few rows (decode: n <= HC_DEC_MAX_N, S <= 4, S*H a multiple of 8 load vectors): one
+ * hc_pre for few rows (decode: n <= HC_DEC_MAX_N, S <= 4): hc_pre_split_kernel (below: the dot
+ * products over the whole GPU, the last block to arrive finishing) where the shape takes it, with
+ * the input RMSNorm fused for cu_hc_pre_norm; otherwise (S*H a multiple of 8 load vectors) one
  * kernel on a cluster of HC_CL blocks. Each block takes an eighth of the S*H columns: its 16
  * warps dot that slice of the (2+S)S rows of fn with the rows of X (two warps also sum X^2), the
  * blocks exchange their partial sums through distributed shared memory, and every block adds the
  * eight in rank order (so all hold the same m and rms factor); then each block collapses its
- * eighth of H, while block 0 also runs the sigmoids, softmax and Sinkhorn (one warp per row) and
- * writes post and comb. One launch instead of a GEMV over 24 blocks plus a one-block kernel; the
- * 20 Sinkhorn iterations on one warp (~2 us of dependent shuffles and divisions) are now the
- * longest part. Launched for PDL (cuda_dense.cu's cu_launch_pdl), as is hc_post's float4 form.
+ * eighth of H, and block 0 writes post and, last, comb (hc_comb_thread: the Sinkhorn in one
+ * thread's registers). Launched for PDL (cuda_dense.cu's cu_launch_pdl), as is hc_post's float4 form.
  * Otherwise (prefill): the (2+S)S projection through cu_matmul (weight bandwidth) and one block
  * per row for the rms factor, sigmoids, softmax, Sinkhorn and the collapse.
  * hc_post: one thread per (row, 4 consecutive d) when S <= 4 and H % 4 == 0 (float4 accesses),

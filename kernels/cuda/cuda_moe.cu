@@ -539,9 +539,11 @@ static __global__ void __launch_bounds__(MOE_THREADS) moe_gateup_kernel(const mo
 }
 
 /* Grid (ceil(H / R), n): out rows [R*blockIdx.x, +R) of row blockIdx.y. Warp w takes the slots
- * k = w, w + 8, ... (top-8: one each, all in flight together), each over the whole of I: lane l
+ * k = w, w + warps, ... (top-8, + the shared expert: one each, all in flight together; the launch
+ * gives a warp per slot up to 16), each over the whole of I: lane l
  * the units 32c + l, U chunks x R rows of loads per step; a butterfly gives the slot's dot, and
- * thread r adds the slots into out in order (the CPU's). Dynamic shared memory: red[top_k][R].
+ * thread r adds the slots into out in order (the CPU's; with the shared expert, its row starts the sum
+ * instead of out's old value). Dynamic shared memory: red[slots][R].
  * Launched for PDL (h is moe_gateup_kernel's output). */
 template <mt_dtype DT, bool VEC>
 static __global__ void __launch_bounds__(MOE_DN_MAX_THREADS) moe_down_kernel(const moe_gemv_params p) {
