@@ -314,8 +314,10 @@ TEST_F(CudaOps, Matmul) {
     // Real projections (4096x4096, expert/shared 2048x4096 and 4096x2048, router 288x4096, hc fn
     // 24x16384), and odd sizes that take the element-wise (unvectorised) paths and edge tiles;
     // at most 32 rows (17, 32, 8 here) take the narrow kernel for n > 8.
+    // Rows of 2..16 load vectors (KDA gates' K = 128, 64, 16, 48) take the short-row GEMV at n <= 2.
     const S shapes[] = {{4096, 4096}, {2048, 4096}, {4096, 2048}, {288, 4096}, {24, 16384},
-                        {37, 100}, {130, 36}, {3000, 1537}, {600, 36}, {17, 1001}, {32, 300}, {8, 4100}};
+                        {37, 100}, {130, 36}, {3000, 1537}, {600, 36}, {17, 1001}, {32, 300}, {8, 4100},
+                        {8192, 128}, {4096, 64}, {1000, 16}, {777, 48}, {5, 128}};
     for (mt_dtype dt : {MT_BF16, MT_F16, MT_F32}) {
         for (const S &s : shapes) {
             auto w = MakeWeight(dt, s.rows, s.cols, 2.f / std::sqrt((float)s.cols));
@@ -580,7 +582,9 @@ TEST_F(CudaOps, Norms) {
                 const double e = RelErr(Get(gpu_, dst, sz), want);
                 const std::string where = std::string(name) + " " + Shape({{"n", n}, {"d", d}});
                 worst.See(e, where);
-                EXPECT_LE(e, kind == 3 && d > 4096 ? 4e-6 : 1e-6) << where;
+                // l2norm sums in float (as the CPU does), in another order: from d = 4096 on the
+                // difference reaches ~1e-6 on some data (1.04e-6 seen at n=1 d=4096).
+                EXPECT_LE(e, kind == 3 && d >= 4096 ? 4e-6 : 1e-6) << where;
                 Drop(gpu_, gx);
                 Drop(gpu_, gout);
             }

@@ -272,6 +272,85 @@ static __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(const gemv_pa
     }
 }
 
+/* ---- GEMV for short rows: cols <= 16 load vectors (the KDA gates' K = 128 at decode) ----
+ * gemv_kernel gives a row group a whole warp-wide chunk, so a row of 16 vectors leaves half the
+ * lanes idle and each warp one load in flight (~4.8 us for 2 MB). Here lanes form groups of G
+ * (the vector count rounded up to a power of two), a group per row, 32 / G rows per warp load
+ * and NK_U such loads in flight per lane; a group's partial sums meet by a butterfly within it.
+ * Deterministic; needs 16-byte aligned w and x and cols a whole number of vectors. */
+enum { NK_U = 4 };
+template <mt_dtype DT, int NB, int G>
+static __global__ void __launch_bounds__(GEMV_THREADS) gemv_shortk_kernel(const gemv_params p) {
+    constexpr int V = cu_wvec<DT>::n, RPW = 32 / G * NK_U; /* rows a warp */
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane / G, gl = lane % G;
+    const int nv = p.cols / V, row0 = (blockIdx.x * GEMV_WARPS + warp) * RPW;
+    cu_wstream<DT, true> wr[NK_U];
+#pragma unroll
+    for (int u = 0; u < NK_U; u++) {
+        const int row = row0 + u * (32 / G) + g;
+        if (gl < nv && row < p.rows) wr[u].load(p.w, (int64_t)row * p.cols + (int64_t)gl * V);
+        else wr[u].zero();
+    }
+    cu_pdl_wait(); /* x is the previous kernel's output */
+    cu_pdl_trigger();
+    float xv[NB][V];
+#pragma unroll
+    for (int i = 0; i < NB; i++) {
+        if (i < p.n && gl < nv) cu_xload_ro<V>(p.x + (int64_t)i * p.cols + (int64_t)gl * V, xv[i]);
+        else
+#pragma unroll
+            for (int j = 0; j < V; j++) xv[i][j] = 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < NK_U; u++) {
+        float wf[V];
+        wr[u].get(wf);
+        const int row = row0 + u * (32 / G) + g;
+#pragma unroll
+        for (int i = 0; i < NB; i++) {
+            float a = 0.f;
+#pragma unroll
+            for (int j = 0; j < V; j++) a = fmaf(wf[j], xv[i][j], a);
+#pragma unroll
+            for (int o = G / 2; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+            if (gl == 0 && i < p.n && row < p.rows) p.y[(int64_t)i * p.rows + row] = a;
+        }
+    }
+}
+
+template <mt_dtype DT, int NB> static mt_status gemv_shortk_launch_nb(const gemv_params *p, int G, cudaStream_t s) {
+    const int rpb = GEMV_WARPS * (32 / G) * NK_U;
+    const dim3 grid((unsigned)((p->rows + rpb - 1) / rpb));
+    const void *k = G <= 2 ? (const void *)gemv_shortk_kernel<DT, NB, 2>
+                    : G <= 4 ? (const void *)gemv_shortk_kernel<DT, NB, 4>
+                    : G <= 8 ? (const void *)gemv_shortk_kernel<DT, NB, 8> : (const void *)gemv_shortk_kernel<DT, NB, 16>;
+    gemv_params q = *p;
+    MT_CUDA_CHECK(cu_launch_pdl(k, grid, dim3(GEMV_THREADS), 0, s, &q));
+    return MT_OK;
+}
+
+template <mt_dtype DT> static mt_status gemv_shortk_launch_dt(const gemv_params *p, int G, cudaStream_t s) {
+    return p->n <= 1 ? gemv_shortk_launch_nb<DT, 1>(p, G, s) : gemv_shortk_launch_nb<DT, 2>(p, G, s);
+}
+
+/* Whether the short-row kernel takes it: n <= 2 rows of x, cols 2..16 vectors, aligned, one weight. */
+static bool gemv_shortk_ok(const gemv_params *p, mt_dtype dt) {
+    const int V = dt == MT_F32 ? 4 : 8;
+    return p->nw < 2 && p->n <= 2 && p->cols % V == 0 && p->cols / V >= 2 && p->cols / V <= 16 &&
+           cu_aligned16(p->w) && cu_aligned16(p->x);
+}
+
+static mt_status gemv_shortk_launch(const gemv_params *p, mt_dtype dt, cudaStream_t s) {
+    const int nv = p->cols / (dt == MT_F32 ? 4 : 8);
+    int G = 2;
+    while (G < nv) G *= 2;
+    switch (dt) {
+    case MT_F32: return gemv_shortk_launch_dt<MT_F32>(p, G, s);
+    case MT_F16: return gemv_shortk_launch_dt<MT_F16>(p, G, s);
+    default: return gemv_shortk_launch_dt<MT_BF16>(p, G, s);
+    }
+}
+
 /* Launch knobs, read once, for measuring the grid choice (the defaults are what decode uses):
  *   MT_CUDA_GEMV_WARPS=w   split K until the grid has w warps per multiprocessor (default 64)
  *   MT_CUDA_GEMV_BLOCKS=b  a persistent grid of at most b blocks per multiprocessor, each over
@@ -931,6 +1010,9 @@ extern "C" void cu_matmul(mt_backend *be, float *y, const float *x, const mt_wei
         if (gemv_tc_ok(&p, w->dtype)) {
             st = gemv_tc_launch(&p, cu_stream(be));
             cu_prof_mark(be, "matmul (GEMV, tensor cores)");
+        } else if (gemv_shortk_ok(&p, w->dtype)) {
+            st = gemv_shortk_launch(&p, w->dtype, cu_stream(be));
+            cu_prof_mark(be, "matmul (GEMV, short rows)");
         } else {
             st = gemv_launch(&p, w->dtype, cb->n_sm, cu_stream(be));
             cu_prof_mark(be, "matmul (GEMV, fp32)");
@@ -1022,7 +1104,7 @@ template <typename T, bool BLOCK> static __device__ __forceinline__ T norm_sum(T
 }
 
 template <int KIND, bool BLOCK>
-static __global__ void norm_vec_kernel(const norm_params p) {
+static __global__ void __launch_bounds__(1024) norm_vec_kernel(const norm_params p) {
     __shared__ double redd[32];
     __shared__ float redf[32];
     const int64_t row = BLOCK ? (int64_t)blockIdx.x
@@ -1032,6 +1114,16 @@ static __global__ void norm_vec_kernel(const norm_params p) {
     const int d4 = p.d / 4;
     const float *x = (KIND == NORM_L2 ? p.out : p.x) + (ok ? row : 0) * p.d;
     float *o = p.out + (ok ? row : 0) * p.d;
+    /* rmsnorm's weights depend on no kernel: loaded before the PDL wait, not after the sums (the
+     * layernorm's weight and bias too would spill at 1024 threads) */
+    float4 wq[KIND == NORM_RMS ? NORM_VPT : 1];
+    if constexpr (KIND == NORM_RMS) {
+#pragma unroll
+        for (int q = 0; q < NORM_VPT; q++) {
+            const int j = t + q * nt;
+            wq[q] = ok && j < d4 && p.w ? __ldg((const float4 *)(p.w + 4 * j)) : make_float4(1.f, 1.f, 1.f, 1.f);
+        }
+    }
     cu_pdl_wait();
     cu_pdl_trigger();
     float4 v[NORM_VPT];
@@ -1083,11 +1175,8 @@ static __global__ void norm_vec_kernel(const norm_params p) {
 #pragma unroll
             for (int c = 0; c < 4; c++) e[c] = __fmul_rn(e[c], r);
         } else if constexpr (KIND == NORM_RMS) {
-            float wv[4] = {1.f, 1.f, 1.f, 1.f};
-            if (p.w) {
-                const float4 a = __ldg((const float4 *)(p.w + 4 * j));
-                wv[0] = a.x; wv[1] = a.y; wv[2] = a.z; wv[3] = a.w;
-            }
+            const float4 a = wq[q];
+            const float wv[4] = {a.x, a.y, a.z, a.w};
 #pragma unroll
             for (int c = 0; c < 4; c++) e[c] = __fmul_rn(__fmul_rn(e[c], r), wv[c]);
         } else {

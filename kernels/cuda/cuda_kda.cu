@@ -407,17 +407,39 @@ typedef struct gnorm_params {
 enum { GNORM_WARPS = 8 };
 
 /* One warp per row. */
+enum { GNORM_PER = 8 }; /* elements a lane holds in the register form: d <= 256 */
 static __global__ void gated_rmsnorm_kernel(gnorm_params p) {
     const int64_t r = (int64_t)blockIdx.x * GNORM_WARPS + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (r >= p.rows) return;
     const float *x = p.o + r * p.d, *gt = p.gate + r * p.d;
+    float *y = p.out + r * p.d;
+    if (p.d <= 32 * GNORM_PER) { /* every load of the row (x, gate, w) issued before the sum */
+        float xv[GNORM_PER], gv[GNORM_PER], wv[GNORM_PER];
+#pragma unroll
+        for (int u = 0; u < GNORM_PER; u++) {
+            const int j = lane + 32 * u;
+            const bool in = j < p.d;
+            xv[u] = in ? x[j] : 0.f;
+            gv[u] = in ? gt[j] : 0.f;
+            wv[u] = in ? p.w[j] : 0.f;
+        }
+        float ss = 0.f;
+#pragma unroll
+        for (int u = 0; u < GNORM_PER; u++) ss += xv[u] * xv[u];
+#pragma unroll
+        for (int m = 16; m > 0; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
+        const float rs = 1.f / sqrtf(ss / (float)p.d + p.eps);
+#pragma unroll
+        for (int u = 0; u < GNORM_PER; u++)
+            if (lane + 32 * u < p.d) y[lane + 32 * u] = wv[u] * (xv[u] * rs) * kda_sigmoid(gv[u]);
+        return;
+    }
     float ss = 0.f;
     for (int j = lane; j < p.d; j += 32) ss += x[j] * x[j];
 #pragma unroll
     for (int m = 16; m > 0; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
     const float rs = 1.f / sqrtf(ss / (float)p.d + p.eps);
-    float *y = p.out + r * p.d;
     for (int j = lane; j < p.d; j += 32) y[j] = p.w[j] * (x[j] * rs) * kda_sigmoid(gt[j]);
 }
 

@@ -120,22 +120,42 @@ static __host__ __device__ size_t route_smem_per_warp(int E, int G, int top_k) {
  * Launched for PDL (the logits are the previous kernel's output). */
 static __global__ void route_kernel(const route_params p) {
     extern __shared__ __align__(16) unsigned char route_smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int E = p.E, G = p.G, per = E / G;
+    /* E <= 32 ROUTE_PER_LANE: the bias (no kernel writes it) before the PDL wait, then every logit
+     * load at once: one round trip each (a loop of 4 in flight took three) */
+    const bool regs = E <= 32 * ROUTE_PER_LANE;
+    float bb[ROUTE_PER_LANE];
+#pragma unroll
+    for (int j = 0; j < ROUTE_PER_LANE; j++) bb[j] = regs && lane + 32 * j < E ? __ldg(p.bias + lane + 32 * j) : 0.f;
     cu_pdl_wait();
     cu_pdl_trigger();
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int i = blockIdx.x * ROUTE_WARPS + warp;
     if (i >= p.n) return;
-    const int E = p.E, G = p.G, per = E / G;
     unsigned char *base = route_smem + route_smem_per_warp(E, G, p.top_k) * warp;
     float *s = (float *)base, *c = s + E, *gscore = c + E, *sel_w = gscore + G;
     int32_t *sel_i = (int32_t *)(sel_w + p.top_k);
     unsigned char *mask = (unsigned char *)(sel_i + p.top_k), *gmask = mask + E;
     const float *l = p.logits + (int64_t)i * E;
 
+    if (regs) {
+        float lv[ROUTE_PER_LANE];
+#pragma unroll
+        for (int j = 0; j < ROUTE_PER_LANE; j++) lv[j] = lane + 32 * j < E ? l[lane + 32 * j] : 0.f;
+#pragma unroll
+        for (int j = 0; j < ROUTE_PER_LANE; j++) {
+            const int e = lane + 32 * j;
+            if (e < E) {
+                s[e] = route_sigmoid(lv[j]);
+                c[e] = s[e] + bb[j];
+            }
+        }
+    } else {
 #pragma unroll 4
-    for (int e = lane; e < E; e += 32) {
-        s[e] = route_sigmoid(l[e]);
-        c[e] = s[e] + p.bias[e];
+        for (int e = lane; e < E; e += 32) {
+            s[e] = route_sigmoid(l[e]);
+            c[e] = s[e] + p.bias[e];
+        }
     }
     __syncwarp();
     if (p.topk_group < G) {
