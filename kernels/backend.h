@@ -221,10 +221,11 @@ typedef struct mt_backend_ops {
     void (*embed)(mt_backend *be, float *out, const mt_weight *table, const int32_t *ids, int n);
     /* y[n, w.rows] = x[n, w.cols] . w^T, fp32 accumulation. y must not alias x. */
     void (*matmul)(mt_backend *be, float *y, const float *x, const mt_weight *w, int n);
-    /* Optional (NULL: not offered): y[j] = matmul(x, w[j]) for j < count <= 6, the same x: as
-     * count matmul calls, in one launch where the backend can. */
+    /* Optional (NULL: not offered): y[j] = matmul(x, w[j]) for j < count <= 6, the same x, and
+     * then y[j] = sigmoid(y[j]) where bit j of sigmoid_mask is set: as those matmul and sigmoid
+     * calls, in one launch where the backend can. */
     void (*matmul_multi)(mt_backend *be, float *const *y, const float *x, const mt_weight *const *w, int count,
-                         int n);
+                         int n, unsigned sigmoid_mask);
     /* out[n, d] = x * rsqrt(mean(x^2) + eps) * (w ? w : 1); out may alias x. */
     void (*rmsnorm)(mt_backend *be, float *out, const float *x, const float *w, int n, int d, float eps);
     /* LayerNorm with weight and bias; out may alias x. */

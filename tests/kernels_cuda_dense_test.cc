@@ -390,8 +390,8 @@ TEST_F(CudaOps, Matmul) {
 // MT_CUDA_TC_TERMS=1: x rounded once to the weight's type. 1e-2 against the CPU's fp32 x, 1e-4
 // against the CPU fed the rounded x (this pins the GEMM's layout: only the sums' order differs).
 // MT_CUDA_TC_TERMS=0: the fp32 kernels, 1e-5 at any n.
-// matmul_multi: several weights sharing x in one launch (the fp32 GEMV rows) or one matmul each;
-// every output against the CPU's matmul of its weight. Sets of the decode shapes (a KDA layer's
+// matmul_multi: several weights sharing x in one launch (the fp32 GEMV rows) or one matmul each,
+// a sigmoid on the outputs of a mask; every output against the CPU's matmul (and sigmoid). Sets of the decode shapes (a KDA layer's
 // q/k/v and f_a/b/g_a, the DSA projections of h, a dense gate/up) and odd sizes (partial tiles,
 // the element-wise path, rows of 1), at 1, 2 rows (one launch) and 3, 9 (one matmul each).
 TEST_F(CudaOps, MatmulMultiMatchesCpu) {
@@ -415,10 +415,12 @@ TEST_F(CudaOps, MatmulMultiMatchesCpu) {
                 gy.push_back((float *)gpu_->ops->alloc(gpu_, sizeof(float) * (size_t)n * set.rows[j]));
                 gw.push_back(&ws[j]->gpu);
             }
-            gpu_->ops->matmul_multi(gpu_, gy.data(), gx, gw.data(), count, n);
+            const unsigned mask = (n + count) % 2 ? 0x2u : 0x5u; /* sigmoid on some outputs */
+            gpu_->ops->matmul_multi(gpu_, gy.data(), gx, gw.data(), count, n, mask);
             for (int j = 0; j < count; j++) {
                 std::vector<float> want((size_t)n * set.rows[j]);
                 cpu_->ops->matmul(cpu_, want.data(), x.data(), &ws[j]->cpu, n);
+                if (mask >> j & 1u) cpu_->ops->sigmoid(cpu_, want.data(), (int64_t)want.size());
                 const double e = RelErr(Get(gpu_, gy[j], want.size()), want);
                 const std::string where = Shape({{"n", n}, {"count", count}, {"j", j}, {"rows", set.rows[j]}, {"cols", cols}}) +
                                           " " + DtName(set.dt);

@@ -122,6 +122,9 @@ extern "C" void cu_embed(mt_backend *be, float *out, const mt_weight *table, con
     cu_prof_mark(be, "embed");
 }
 
+/* The sigmoid of the element-wise op and of the GEMV epilogue: the CPU's formula. */
+static __device__ __forceinline__ float sigmoidf_dev(float x) { return 1.f / (1.f + expf(-x)); }
+
 /* ================================ matmul ================================ */
 
 enum { GEMV_THREADS = 256, GEMV_WARPS = GEMV_THREADS / 32, GEMV_MAX_N = 8, GEMV_R = 2, GEMV_U = 4, GEMV_MAX_W = 6 };
@@ -142,6 +145,7 @@ typedef struct gemv_params {
     float *ys[GEMV_MAX_W];
     int wrows[GEMV_MAX_W];
     int wt0[GEMV_MAX_W + 1];
+    unsigned sig;    /* bit j: weight j's outputs go through a sigmoid before they are stored */
 } gemv_params;
 
 
@@ -173,6 +177,7 @@ static __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(const gemv_pa
     const void *w = p.w;
     float *y = p.y;
     int rows = p.rows, lt = t0;
+    bool sig = p.sig & 1u;
     auto pick = [&](int tile) {
         lt = tile;
         if (p.nw < 2) return;
@@ -181,6 +186,7 @@ static __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(const gemv_pa
         w = p.ws[j];
         y = p.ys[j];
         rows = p.wrows[j];
+        sig = p.sig >> j & 1u;
         lt = tile - p.wt0[j];
     };
     pick(t0);
@@ -253,7 +259,7 @@ static __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(const gemv_pa
             }
         if (ks == 1) { /* uniform over the block */
             const int r = lane / NB, i = lane % NB;
-            if (lane < R * NB && i < p.n && row0 + r < rows) y[(int64_t)i * rows + row0 + r] = mine;
+            if (lane < R * NB && i < p.n && row0 + r < rows) y[(int64_t)i * rows + row0 + r] = sig ? sigmoidf_dev(mine) : mine;
             continue;
         }
         if (tile != t0) __syncthreads(); /* the previous tile's sums are read */
@@ -266,7 +272,7 @@ static __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(const gemv_pa
             if (i < p.n && row < rows) {
                 float sum = 0.f;
                 for (int q = 0; q < ks; q++) sum += red[g * ks + q][e];
-                y[(int64_t)i * rows + row] = sum;
+                y[(int64_t)i * rows + row] = sig ? sigmoidf_dev(sum) : sum;
             }
         }
     }
@@ -1045,7 +1051,7 @@ extern "C" void cu_matmul(mt_backend *be, float *y, const float *x, const mt_wei
  * projections of a KDA layer: 3 launches of ~21 us at ~3.25 TB/s, each with its own ramp and
  * tail, become one); otherwise one cu_matmul each. */
 extern "C" void cu_matmul_multi(mt_backend *be, float *const *y, const float *x, const mt_weight *const *w,
-                                int count, int n) {
+                                int count, int n, unsigned sigmoid_mask) {
     MT_ASSERT(count >= 0 && n >= 0);
     bool fuse = count >= 2 && count <= GEMV_MAX_W && n >= 1 && n <= GEMV_MAX_N && cu_aligned16(x);
     int64_t total = 0;
@@ -1057,11 +1063,15 @@ extern "C" void cu_matmul_multi(mt_backend *be, float *const *y, const float *x,
         total += wj->rows;
     }
     if (!fuse || total > INT_MAX || w[0]->cols > INT_MAX) {
-        for (int j = 0; j < count; j++) cu_matmul(be, y[j], x, w[j], n);
+        for (int j = 0; j < count; j++) {
+            cu_matmul(be, y[j], x, w[j], n);
+            if (sigmoid_mask >> j & 1u) cu_sigmoid(be, y[j], (int64_t)n * w[j]->rows);
+        }
         return;
     }
     gemv_params p = {y[0], x, w[0]->data, n, (int)total, (int)w[0]->cols, 1, 0};
     p.nw = count;
+    p.sig = sigmoid_mask;
     for (int j = 0; j < count; j++) {
         p.ws[j] = w[j]->data;
         p.ys[j] = y[j];
@@ -1324,7 +1334,6 @@ typedef struct ew_params {
     float L;            /* swiglu limit */
 } ew_params;
 
-static __device__ __forceinline__ float sigmoidf_dev(float x) { return 1.f / (1.f + expf(-x)); }
 static __device__ __forceinline__ float siluf_dev(float x) { return x / (1.f + expf(-x)); }
 
 /* Both launched for PDL: they wait for the previous kernel before touching memory. */

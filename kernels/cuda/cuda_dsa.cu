@@ -528,10 +528,11 @@ static __host__ __device__ size_t mla_smem_carve(void *smem, const mla_dev_param
  * key rows of head h. Block (h, column block cb) owns the 256 columns [256 cb, +256): lane l of
  * every warp reads 8 consecutive columns (one 16-byte load) at 256 cb + 8 l, so a warp reads 512
  * contiguous bytes of a row; warp w takes rows d = w, w + 8, ..., ABS1_U of them in flight per
- * step (2 blocks per head at kvl 512: 128 blocks, ~64 KB of loads in flight each; one block per
- * head with 2 columns per lane kept 16 KB in flight on 64 SMs and ran at ~0.7 TB/s). The 8
+ * step (2 blocks per head at kvl 512: 128 blocks, ~128 KB of loads in flight each, dn = 256 in
+ * two steps; one block per head with 2 columns per lane kept 16 KB in flight on 64 SMs and ran at
+ * ~0.7 TB/s). The 8
  * warps' partial sums are added in warp order (deterministic). */
-enum { ABS1_THREADS = 256, ABS1_WARPS = ABS1_THREADS / 32, ABS1_MAX_K = 4 /* kvl <= 1024 */, ABS1_U = 8,
+enum { ABS1_THREADS = 256, ABS1_WARPS = ABS1_THREADS / 32, ABS1_MAX_K = 4 /* kvl <= 1024 */, ABS1_U = 16,
        OUT1_ROWS = 64 /* value rows per output1 block */ };
 
 /* 8 consecutive 16-bit elements: one 16-byte load, then their fp32 values. */
@@ -604,7 +605,9 @@ template <typename T>
 static __global__ void __launch_bounds__(ABS1_THREADS) mla_output1_kernel(mla_dev_params p) {
     extern __shared__ float4 smem_f4[];
     float *ol = (float *)smem_f4;           /* [kvl] */
-    float *ws = ol + p.kvl;                 /* [nsplit] merge weights */
+    float *ws = ol + p.kvl;                 /* [nsplit] merge weights of the nonempty splits */
+    __shared__ int act[MLA_MAX_SPLIT];      /* their split indices, in order */
+    __shared__ int nact;
     const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, wp = tid >> 5, kvl = p.kvl, ns = p.nsplit;
     const int K = kvl / 256;
     const float *pb = p.part + (size_t)h * ns * (kvl + 2);
@@ -627,16 +630,32 @@ static __global__ void __launch_bounds__(ABS1_THREADS) mla_output1_kernel(mla_de
         }
         L = cu_warp_sum(L);
         const float inv = 1.f / L;
+        /* the splits with a nonzero weight, compacted in split order (ballot + popc) */
+        int base = 0;
 #pragma unroll
-        for (int j = 0; j < MLA_MAX_SPLIT / 32; j++)
-            if (lane + 32 * j < ns) ws[lane + 32 * j] = e[j] * inv;
+        for (int j = 0; j < MLA_MAX_SPLIT / 32; j++) {
+            const bool on = lane + 32 * j < ns && e[j] != 0.f;
+            const unsigned bal = __ballot_sync(0xffffffffu, on);
+            if (on) {
+                const int k = base + __popc(bal & ((1u << lane) - 1u));
+                act[k] = lane + 32 * j;
+                ws[k] = e[j] * inv;
+            }
+            base += __popc(bal);
+        }
+        if (lane == 0) nact = base;
     }
     __syncthreads();
-    for (int c = tid; c < kvl; c += ABS1_THREADS) {
+    const int na = nact;
+    for (int c = tid; c < kvl; c += ABS1_THREADS) { /* every split's load issued before the sum */
         float a = 0.f;
-        for (int s = 0; s < ns; s++) {
-            const float w = ws[s];
-            if (w != 0.f) a += w * pb[(size_t)s * (kvl + 2) + 2 + c];
+        for (int k0 = 0; k0 < na; k0 += 8) {
+            float v[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++) v[u] = k0 + u < na ? pb[(size_t)act[k0 + u] * (kvl + 2) + 2 + c] : 0.f;
+#pragma unroll
+            for (int u = 0; u < 8; u++)
+                if (k0 + u < na) a += ws[k0 + u] * v[u];
         }
         ol[c] = a;
     }

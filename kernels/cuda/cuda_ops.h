@@ -152,7 +152,8 @@ mt_status cu_weight_random(mt_backend *be, mt_dtype dt, int64_t rows, int64_t co
 
 void cu_embed(mt_backend *be, float *out, const mt_weight *table, const int32_t *ids, int n);
 void cu_matmul(mt_backend *be, float *y, const float *x, const mt_weight *w, int n);
-void cu_matmul_multi(mt_backend *be, float *const *y, const float *x, const mt_weight *const *w, int count, int n);
+void cu_matmul_multi(mt_backend *be, float *const *y, const float *x, const mt_weight *const *w, int count, int n,
+                     unsigned sigmoid_mask);
 void cu_rmsnorm(mt_backend *be, float *out, const float *x, const float *w, int n, int d, float eps);
 void cu_layernorm(mt_backend *be, float *out, const float *x, const float *w, const float *b, int n,
                   int d, float eps);

@@ -51,7 +51,7 @@ static void dsa_project(const glm_layer *l, mt_backend *be, const float *h, cons
      * weights; then the ones of the normed q_a output */
     const mt_weight *wh[5] = { &w->q_a, &w->kv_a, &w->ik, &w->igate, &w->iw };
     float *yh[5] = { x->qr, x->lat, x->ki, x->gs, x->iw };
-    glm_matmul_multi(be, yh, h, wh, w->has_indexer ? 5 : 2, n);
+    glm_matmul_multi(be, yh, h, wh, w->has_indexer ? 5 : 2, n, 0u);
     op->rmsnorm(be, x->qr, x->qr, w->q_a_norm, n, c->q_lora_rank, c->rms_norm_eps);
     op->matmul(be, x->q, x->qr, &w->q_b, n);
     op->rmsnorm(be, x->lat, x->lat, w->kv_a_norm, n, c->kv_lora_rank, c->rms_norm_eps);

@@ -205,14 +205,18 @@ static inline float *const *glm_rtab(const mt_step *s, int k) {
     return (float *const *)(s->rtab + (size_t)k * (size_t)s->rcap);
 }
 
-/* y[j] = x . w[j]^T for j < count (<= 6), one backend launch where it offers matmul_multi. */
+/* y[j] = x . w[j]^T for j < count (<= 6), then sigmoid over the y[j] of bit j of sigmoid_mask;
+ * one backend launch where it offers matmul_multi. */
 static inline void glm_matmul_multi(mt_backend *be, float *const *y, const float *x, const mt_weight *const *w,
-                                    int count, int n) {
+                                    int count, int n, unsigned sigmoid_mask) {
     if (be->ops->matmul_multi) {
-        be->ops->matmul_multi(be, y, x, w, count, n);
+        be->ops->matmul_multi(be, y, x, w, count, n, sigmoid_mask);
         return;
     }
-    for (int j = 0; j < count; j++) be->ops->matmul(be, y[j], x, w[j], n);
+    for (int j = 0; j < count; j++) {
+        be->ops->matmul(be, y[j], x, w[j], n);
+        if (sigmoid_mask >> j & 1u) be->ops->sigmoid(be, y[j], (int64_t)n * w[j]->rows);
+    }
 }
 
 /* glm_weights.c */

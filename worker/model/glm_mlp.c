@@ -8,7 +8,7 @@ static void swiglu_mlp(mt_backend *be, const mt_expert *e, const float *h, float
                        float L, float *g, float *u) {
     const mt_weight *gu[2] = { &e->gate, &e->up };
     float *y[2] = { g, u };
-    glm_matmul_multi(be, y, h, gu, 2, n);
+    glm_matmul_multi(be, y, h, gu, 2, n, 0u);
     be->ops->swiglu(be, g, g, u, n, I, L);
     be->ops->matmul(be, out, g, &e->down, n);
 }
