@@ -62,15 +62,6 @@ typedef struct mt_router_params {
 } mt_router_params;
 
 /* KDA decay gate parameters. */
-/* Where a fused sublayer output goes instead of to its out buffer (matmul_hc_post,
- * moe_experts_shared): the highway X [n, S, H] updated by hc_post with that output as a, and
- * post [n, S], comb [n, S, S] (H is the output width). */
-typedef struct mt_hc_post_to {
-    float *X;
-    const float *post, *comb;
-    int S;
-} mt_hc_post_to;
-
 /* The three conv steps of a KDA layer in the rows form (kda_conv3_rows): q, k, v. */
 typedef struct mt_kda_conv3 {
     float *out[3];                 /* [n, C] each */
@@ -230,10 +221,6 @@ typedef struct mt_backend_ops {
     void (*embed)(mt_backend *be, float *out, const mt_weight *table, const int32_t *ids, int n);
     /* y[n, w.rows] = x[n, w.cols] . w^T, fp32 accumulation. y must not alias x. */
     void (*matmul)(mt_backend *be, float *y, const float *x, const mt_weight *w, int n);
-    /* Optional (NULL: not offered): t->X updated by hc_post with a = matmul(x, w) [n, w.rows] as
-     * the sublayer output, a itself not stored; false, nothing done, for a shape the backend does
-     * not fuse (the caller then runs matmul and hc_post). */
-    bool (*matmul_hc_post)(mt_backend *be, const mt_hc_post_to *t, const float *x, const mt_weight *w, int n);
     /* Optional (NULL: not offered): y[j] = matmul(x, w[j]) for j < count <= 6, the same x, and
      * then y[j] = sigmoid(y[j]) where bit j of sigmoid_mask is set: as those matmul and sigmoid
      * calls, in one launch where the backend can. */
@@ -262,11 +249,10 @@ typedef struct mt_backend_ops {
     /* Optional (NULL: not offered): out[n, H] = shared(x) + the routed sum above, `shared` an
      * expert shaped like the routed ones, fused where the backend can (the CUDA GEMV path: the
      * shared expert as one more slot). Returns false, having done nothing, for a shape it does
-     * not fuse; the caller then runs the shared expert and moe_experts itself. With post_to
-     * (may be NULL) the sum is not written to out but applied to post_to->X by hc_post. */
+     * not fuse; the caller then runs the shared expert and moe_experts itself. */
     bool (*moe_experts_shared)(mt_backend *be, float *out, const float *x, const int32_t *idx,
                                const float *weights, const mt_expert *experts, const mt_expert *shared,
-                               int n, int top_k, int H, int I, float L, const mt_hc_post_to *post_to);
+                               int n, int top_k, int H, int I, float L);
 
     /* ---- KDA ---- */
     /* Causal depthwise conv + SiLU over time: out[n, C], x[n, C], state[C, K-1] (the previous K-1

@@ -434,46 +434,6 @@ TEST_F(CudaOps, MatmulMultiMatchesCpu) {
     }
 }
 
-// matmul_hc_post: a sublayer's last matmul with hc_post fused into its stores (the fp32 GEMV
-// rows: 1, 2), against the CPU's matmul then hc_post; declined (false, X untouched) where the
-// GEMV would be the tensor-core or short-row form.
-TEST_F(CudaOps, MatmulHcPostMatchesCpu) {
-    Worst worst{"matmul_hc_post"};
-    ASSERT_TRUE(gpu_->ops->matmul_hc_post);
-    struct C { int rows, cols, S; mt_dtype dt; };
-    for (const C &cs : {C{4096, 8192, 4, MT_BF16}, C{4096, 16384, 4, MT_BF16}, C{4096, 12288, 4, MT_BF16},
-                        C{64, 40, 2, MT_F32}, C{100, 256, 3, MT_F16}, C{4096, 128, 4, MT_BF16}}) {
-        auto w = MakeWeight(cs.dt, cs.rows, cs.cols, 2.f / std::sqrt((float)cs.cols));
-        const int H = cs.rows, S = cs.S;
-        const mt_hc_params hp = {S, H, 1e-6f, 1e-6f, 20};
-        for (int n : {1, 2, 3}) {
-            std::vector<float> x = Rand((size_t)n * cs.cols), a((size_t)n * H);
-            std::vector<float> X = Rand((size_t)n * S * H), post = Rand((size_t)n * S, 0.f, 2.f);
-            std::vector<float> comb = Rand((size_t)n * S * S, 0.f, 1.f), Xw = X;
-            cpu_->ops->matmul(cpu_, a.data(), x.data(), &w->cpu, n);
-            cpu_->ops->hc_post(cpu_, Xw.data(), a.data(), post.data(), comb.data(), &hp, n);
-            float *gx = Put(gpu_, x), *gX = Put(gpu_, X), *gp = Put(gpu_, post), *gc = Put(gpu_, comb);
-            const mt_hc_post_to to = {gX, gp, gc, S};
-            const bool fused = gpu_->ops->matmul_hc_post(gpu_, &to, gx, &w->gpu, n);
-            const std::string where = Shape({{"n", n}, {"rows", cs.rows}, {"cols", cs.cols}, {"S", S}}) + " " + DtName(cs.dt);
-            if (n <= 2 && cs.rows >= 1024 && cs.cols != 128) { /* the decode shapes (K = 128: short rows) */
-                EXPECT_TRUE(fused) << where;
-            }
-            if (n == 3 && cs.rows >= 1024) {
-                EXPECT_FALSE(fused) << where << " (tensor-core GEMV)";
-            }
-            if (fused) {
-                const double e = RelErr(Get(gpu_, gX, Xw.size()), Xw);
-                worst.See(e, where);
-                EXPECT_LE(e, 1e-5) << where;
-            } else {
-                EXPECT_EQ(Get(gpu_, gX, X.size()), X) << where << ": declined, X untouched";
-            }
-            for (void *q : {(void *)gx, (void *)gX, (void *)gp, (void *)gc}) Drop(gpu_, q);
-        }
-    }
-}
-
 TEST_F(CudaOps, MatmulTermsKnob) {
     Worst worst1{"matmul tc1"}, worst1r{"matmul tc1/16"}, worst0{"matmul fp32"};
     mt_backend *one = BackendWithTerms(1), *fp32 = BackendWithTerms(0);
@@ -852,7 +812,7 @@ TEST_F(CudaMoe, ExpertsWithSharedMatchCpu) {
             cpu_->ops->moe_experts(cpu_, want.data(), x.data(), idx.data(), wts.data(), ex.cpu.data(), n, k, H, I, L);
             float *gx = Put(gpu_, x), *gw = Put(gpu_, wts), *go = Put(gpu_, Rand((size_t)n * H));
             int32_t *gi = Put(gpu_, idx);
-            const bool fused = gpu_->ops->moe_experts_shared(gpu_, go, gx, gi, gw, ex.gpu.data(), &sh.gpu[0], n, k, H, I, L, nullptr);
+            const bool fused = gpu_->ops->moe_experts_shared(gpu_, go, gx, gi, gw, ex.gpu.data(), &sh.gpu[0], n, k, H, I, L);
             if (n <= 4) {
                 EXPECT_TRUE(fused) << "n=" << n << ": the GEMV path must take the shared expert";
             }
@@ -872,22 +832,6 @@ TEST_F(CudaMoe, ExpertsWithSharedMatchCpu) {
                                       (fused ? " fused" : " composed");
             worst.See(e, where);
             EXPECT_LE(e, MoeTol(s.dt, n)) << where;
-            // With post_to: the sum goes into the highway through hc_post (S = 4) instead of out.
-            if (n <= 4) {
-                const int S = 4;
-                const mt_hc_params hp = {S, H, 1e-6f, 1e-6f, 20};
-                std::vector<float> X = Rand((size_t)n * S * H), post = Rand((size_t)n * S, 0.f, 2.f);
-                std::vector<float> comb = Rand((size_t)n * S * S, 0.f, 1.f), Xw = X;
-                cpu_->ops->hc_post(cpu_, Xw.data(), want.data(), post.data(), comb.data(), &hp, n);
-                float *gX = Put(gpu_, X), *gp = Put(gpu_, post), *gc = Put(gpu_, comb);
-                const mt_hc_post_to to = {gX, gp, gc, S};
-                EXPECT_TRUE(gpu_->ops->moe_experts_shared(gpu_, go, gx, gi, gw, ex.gpu.data(), &sh.gpu[0], n, k, H, I, L, &to))
-                    << where;
-                const double ex2 = RelErr(Get(gpu_, gX, Xw.size()), Xw);
-                worst.See(ex2, where + " hc_post");
-                EXPECT_LE(ex2, MoeTol(s.dt, n)) << where << " hc_post";
-                for (void *q : {(void *)gX, (void *)gp, (void *)gc}) Drop(gpu_, q);
-            }
             for (void *p : {(void *)gx, (void *)gw, (void *)go, (void *)gi}) Drop(gpu_, p);
         }
         // A shared expert of another width is declined, nothing written.
@@ -897,7 +841,7 @@ TEST_F(CudaMoe, ExpertsWithSharedMatchCpu) {
             float *gx = Put(gpu_, Rand(s.H)), *go = Put(gpu_, before), *gw = Put(gpu_, Rand(s.k, 0.1f, 1.f));
             int32_t *gi = Put(gpu_, RandIdx(1, s.k, s.E));
             EXPECT_FALSE(gpu_->ops->moe_experts_shared(gpu_, go, gx, gi, gw, ex.gpu.data(), &wide.gpu[0], 1, s.k, s.H,
-                                                       s.I, 10.f, nullptr));
+                                                       s.I, 10.f));
             EXPECT_EQ(Get(gpu_, go, before.size()), before);
             for (void *p : {(void *)gx, (void *)gw, (void *)go, (void *)gi}) Drop(gpu_, p);
         }

@@ -292,7 +292,6 @@ static const mt_backend_ops cu_ops = {
     .mla_sparse_rows = cu_mla_sparse_rows,
     .embed = cu_embed,
     .matmul = cu_matmul,
-    .matmul_hc_post = cu_matmul_hc_post,
     .matmul_multi = cu_matmul_multi,
     .rmsnorm = cu_rmsnorm,
     .layernorm = cu_layernorm,

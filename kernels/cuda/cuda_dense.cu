@@ -146,8 +146,6 @@ typedef struct gemv_params {
     int wrows[GEMV_MAX_W];
     int wt0[GEMV_MAX_W + 1];
     unsigned sig;    /* bit j: weight j's outputs go through a sigmoid before they are stored */
-    mt_hc_post_to post; /* post.X != NULL (one weight): each output a goes into hc_post of
-                           post.X's column instead of y (cu_matmul_hc_post) */
 } gemv_params;
 
 
@@ -261,10 +259,7 @@ static __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(const gemv_pa
             }
         if (ks == 1) { /* uniform over the block */
             const int r = lane / NB, i = lane % NB;
-            if (lane < R * NB && i < p.n && row0 + r < rows) {
-                if (p.post.X) cu_hc_post_elem(p.post, rows, i, row0 + r, mine);
-                else y[(int64_t)i * rows + row0 + r] = sig ? sigmoidf_dev(mine) : mine;
-            }
+            if (lane < R * NB && i < p.n && row0 + r < rows) y[(int64_t)i * rows + row0 + r] = sig ? sigmoidf_dev(mine) : mine;
             continue;
         }
         if (tile != t0) __syncthreads(); /* the previous tile's sums are read */
@@ -277,8 +272,7 @@ static __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(const gemv_pa
             if (i < p.n && row < rows) {
                 float sum = 0.f;
                 for (int q = 0; q < ks; q++) sum += red[g * ks + q][e];
-                if (p.post.X) cu_hc_post_elem(p.post, rows, i, row, sum);
-                else y[(int64_t)i * rows + row] = sig ? sigmoidf_dev(sum) : sum;
+                y[(int64_t)i * rows + row] = sig ? sigmoidf_dev(sum) : sum;
             }
         }
     }
@@ -1050,22 +1044,6 @@ extern "C" void cu_matmul(mt_backend *be, float *y, const float *x, const mt_wei
         cu_prof_mark(be, "matmul (tiled fp32)");
     }
     cu_op_status(be, "matmul", st);
-}
-
-/* hc_post fused into the sublayer's last matmul: for the rows the fp32 GEMV takes (n <= 2, not
- * the short-row form), each output goes straight into the highway (cu_hc_post_elem), so the step
- * has no hc_post kernel after it (~2.7 us of latency each, 8 a bench-4L step); else false. */
-extern "C" bool cu_matmul_hc_post(mt_backend *be, const mt_hc_post_to *t, const float *x, const mt_weight *w, int n) {
-    MT_ASSERT(w->dtype == MT_F32 || w->dtype == MT_F16 || w->dtype == MT_BF16);
-    if (n < 1 || n > GEMV_MAX_N || t->S < 1 || t->S > 4 || w->rows <= 0 || w->rows > INT_MAX || w->cols > INT_MAX)
-        return false;
-    gemv_params p = {NULL, x, w->data, n, (int)w->rows, (int)w->cols, 1, 0};
-    if (gemv_tc_ok(&p, w->dtype) || gemv_shortk_ok(&p, w->dtype)) return false;
-    p.post = *t;
-    const mt_status st = gemv_launch(&p, w->dtype, ((cu_backend *)be)->n_sm, cu_stream(be));
-    cu_prof_mark(be, "matmul_hc_post (GEMV, fp32)");
-    cu_op_status(be, "matmul_hc_post", st);
-    return true;
 }
 
 /* y[j] = x . w[j]^T for count weights of the same columns and dtype: for the rows the fp32 GEMV

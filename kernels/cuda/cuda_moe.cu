@@ -470,7 +470,6 @@ typedef struct moe_gemv_params {
      * n * slots rows, pair i * slots + k. */
     const void *sg, *su, *sd;
     int slots;
-    mt_hc_post_to post;       /* post.X != NULL: each row's sum goes into hc_post of post.X, not out */
 } moe_gemv_params;
 
 static __device__ __forceinline__ const mt_expert *moe_expert(const moe_gemv_params &p, int pair) {
@@ -621,8 +620,7 @@ static __global__ void __launch_bounds__(MOE_DN_MAX_THREADS) moe_down_kernel(con
         float v = p.sd ? moe_red[p.top_k * R + r] : *o; /* the shared expert's row, then the routed */
         for (int k = 0; k < p.top_k; k++)
             v = __fadd_rn(v, __fmul_rn(p.wts[i * p.top_k + k], moe_red[k * R + r]));
-        if (p.post.X) cu_hc_post_elem(p.post, p.H, i, row0 + r, v);
-        else *o = v;
+        *o = v;
     }
 }
 
@@ -1031,7 +1029,7 @@ static mt_status moe_grouped_chunk(mt_backend *be, const moe_table *t, float *ou
  * not NULL (cu_moe_experts_shared has checked that this shape takes the GEMV path). */
 static void moe_experts_run(mt_backend *be, float *out, const float *x, const int32_t *idx, const float *weights,
                             const mt_expert *experts, const mt_expert *shared, int n, int top_k, int H, int I,
-                            float L, const mt_hc_post_to *post_to) {
+                            float L) {
     cu_backend *cb = (cu_backend *)be;
     MT_ASSERT(n >= 0 && top_k >= 1 && top_k <= MOE_MAX_TOPK && H > 0 && I > 0);
     if (n == 0) return;
@@ -1086,11 +1084,10 @@ static void moe_experts_run(mt_backend *be, float *out, const float *x, const in
                                       cu_aligned16(shared->down.data)));
         moe_gemv_params p = {out, h, x, idx, weights, t->dev, t->count, n, top_k, H, I, L,
                              shared ? shared->gate.data : NULL, shared ? shared->up.data : NULL,
-                             shared ? shared->down.data : NULL, slots, {}};
-        if (post_to) p.post = *post_to;
+                             shared ? shared->down.data : NULL, slots};
         return cu_op_status(be, "moe_experts", moe_gemv_launch(&p, dt, vec, cb->stream));
     }
-    MT_ASSERT(!shared && !post_to);
+    MT_ASSERT(!shared);
 
     /* hidx lives in the host scratch that the chunks also stage into: keep a private copy. */
     int32_t *all = (int32_t *)malloc(sizeof(int32_t) * (size_t)P);
@@ -1111,7 +1108,7 @@ static void moe_experts_run(mt_backend *be, float *out, const float *x, const in
 extern "C" void cu_moe_experts(mt_backend *be, float *out, const float *x, const int32_t *idx,
                                const float *weights, const mt_expert *experts, int n, int top_k,
                                int H, int I, float L) {
-    moe_experts_run(be, out, x, idx, weights, experts, NULL, n, top_k, H, I, L, NULL);
+    moe_experts_run(be, out, x, idx, weights, experts, NULL, n, top_k, H, I, L);
 }
 
 /* Few rows (the GEMV path): the shared expert rides as slot top_k of the routed experts' two
@@ -1122,7 +1119,7 @@ extern "C" void cu_moe_experts(mt_backend *be, float *out, const float *x, const
  * the grouped and batched paths and for a shared expert not shaped like a routed one. */
 extern "C" bool cu_moe_experts_shared(mt_backend *be, float *out, const float *x, const int32_t *idx,
                                       const float *weights, const mt_expert *experts, const mt_expert *shared,
-                                      int n, int top_k, int H, int I, float L, const mt_hc_post_to *post_to) {
+                                      int n, int top_k, int H, int I, float L) {
     cu_backend *cb = (cu_backend *)be;
     if (n < 1 || n > MOE_GEMV_MAX_ROWS || top_k + 1 > MOE_DN_MAX_THREADS / 32) return false;
     if (n >= moe_grouped_min_rows() && n <= moe_grouped_max_rows() && cb->moe_grouped) return false;
@@ -1130,7 +1127,6 @@ extern "C" bool cu_moe_experts_shared(mt_backend *be, float *out, const float *x
     const mt_weight *g = &shared->gate, *u = &shared->up, *d = &shared->down;
     if (g->dtype != dt || u->dtype != dt || d->dtype != dt || !g->data || !u->data || !d->data) return false;
     if (g->rows != I || g->cols != H || u->rows != I || u->cols != H || d->rows != H || d->cols != I) return false;
-    if (post_to && (post_to->S < 1 || post_to->S > 4)) return false;
-    moe_experts_run(be, out, x, idx, weights, experts, shared, n, top_k, H, I, L, post_to);
+    moe_experts_run(be, out, x, idx, weights, experts, shared, n, top_k, H, I, L);
     return true;
 }

@@ -152,7 +152,6 @@ mt_status cu_weight_random(mt_backend *be, mt_dtype dt, int64_t rows, int64_t co
 
 void cu_embed(mt_backend *be, float *out, const mt_weight *table, const int32_t *ids, int n);
 void cu_matmul(mt_backend *be, float *y, const float *x, const mt_weight *w, int n);
-bool cu_matmul_hc_post(mt_backend *be, const mt_hc_post_to *t, const float *x, const mt_weight *w, int n);
 void cu_matmul_multi(mt_backend *be, float *const *y, const float *x, const mt_weight *const *w, int count, int n,
                      unsigned sigmoid_mask);
 void cu_rmsnorm(mt_backend *be, float *out, const float *x, const float *w, int n, int d, float eps);
@@ -170,7 +169,7 @@ void cu_moe_experts(mt_backend *be, float *out, const float *x, const int32_t *i
                     float L);
 bool cu_moe_experts_shared(mt_backend *be, float *out, const float *x, const int32_t *idx, const float *weights,
                            const mt_expert *experts, const mt_expert *shared, int n, int top_k, int H, int I,
-                           float L, const mt_hc_post_to *post_to);
+                           float L);
 
 void cu_conv1d_silu(mt_backend *be, float *out, const float *x, float *state, const float *w, int n,
                     int C, int K);
@@ -299,29 +298,6 @@ template <typename T> __device__ __forceinline__ T cu_warp_sum(T v) {
 
 /* Sum of v over the block (blockDim.x a multiple of 32, <= 1024), returned to every thread.
  * red: __shared__ T[32]. Ends with a barrier, so red may be reused by the next call. */
-/* hc_post of one highway column as a fused epilogue (cu_matmul_hc_post, the MoE down kernel):
- * X[i][s][d] = post[i][s] * a + sum_r comb[i][r][s] X[i][r][d] for s < S <= 4, with a the
- * sublayer's output at (i, d): the operations of cuda_hc.cu's hc_post kernels, in their order.
- * The caller's thread is the only one touching column d of row i. */
-__device__ __forceinline__ void cu_hc_post_elem(const mt_hc_post_to &t, int H, int64_t i, int d, float a) {
-    const int S = t.S;
-    float *x = t.X + i * S * H + d;
-    const float *C = t.comb + i * S * S, *po = t.post + i * S;
-    float col[4];
-#pragma unroll
-    for (int r = 0; r < 4; r++)
-        if (r < S) col[r] = x[(int64_t)r * H];
-#pragma unroll
-    for (int s = 0; s < 4; s++) {
-        if (s >= S) break;
-        float v = __fmul_rn(po[s], a);
-#pragma unroll
-        for (int r = 0; r < 4; r++)
-            if (r < S) v = __fadd_rn(v, __fmul_rn(C[r * S + s], col[r]));
-        x[(int64_t)s * H] = v;
-    }
-}
-
 template <typename T> __device__ __forceinline__ T cu_block_sum(T v, T *red) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     v = cu_warp_sum(v);

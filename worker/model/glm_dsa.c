@@ -107,7 +107,7 @@ static mt_status dsa_forward_rows(const glm_layer *l, mt_step *step, const float
     }
     const mt_mla_params mp = dsa_mla_params(c, NULL, step->rt_cap);
     op->mla_sparse_rows(be, x.o, x.q, pc.latent, bts, &w->kv_b, scr->sel, scr->nsel, glm_max_sel(c), pos, n, &mp);
-    glm_out_matmul(step, out, x.o, &w->o, n);
+    op->matmul(be, out, x.o, &w->o, n);
     return MT_OK;
 }
 
@@ -160,6 +160,6 @@ mt_status glm_dsa_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
 
     const mt_mla_params mp = dsa_mla_params(c, dp, st->cap);
     op->mla_sparse(be, x.o, x.q, pc.latent, bt, &w->kv_b, scr->sel, scr->nsel, glm_max_sel(c), t0, n, &mp);
-    glm_out_matmul(step, out, x.o, &w->o, n);
+    op->matmul(be, out, x.o, &w->o, n);
     return MT_OK;
 }

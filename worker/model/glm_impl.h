@@ -134,10 +134,6 @@ struct mt_step {
     /* Expert census (benchmarks): when set, each MoE layer marks the experts its rows chose in
      * census[layer * n_routed_experts + e] (host; reads the routing back, so eager steps only). */
     uint8_t *census;
-    /* Set by the layer around a sublayer: where its output may go instead of out (hc_post fused
-     * into the output's producer, glm_out_matmul / the MoE); post_done says it went there. */
-    const mt_hc_post_to *post_to;
-    bool post_done;
 };
 
 struct glm_model {
@@ -221,17 +217,6 @@ static inline void glm_matmul_multi(mt_backend *be, float *const *y, const float
         be->ops->matmul(be, y[j], x, w[j], n);
         if (sigmoid_mask >> j & 1u) be->ops->sigmoid(be, y[j], (int64_t)n * w[j]->rows);
     }
-}
-
-/* The sublayer's output producer: out = x . w^T, or, when the layer passed step->post_to and the
- * backend fuses it, the highway updated by hc_post with that output instead (step->post_done). */
-static inline void glm_out_matmul(mt_step *step, float *out, const float *x, const mt_weight *w, int n) {
-    mt_backend *be = step->be;
-    if (step->post_to && be->ops->matmul_hc_post && be->ops->matmul_hc_post(be, step->post_to, x, w, n)) {
-        step->post_done = true;
-        return;
-    }
-    be->ops->matmul(be, out, x, w, n);
 }
 
 /* glm_weights.c */

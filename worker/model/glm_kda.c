@@ -62,6 +62,6 @@ mt_status glm_kda_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
 
     op->matmul(be, gate, lo_g, &w->g_b, n);
     op->gated_rmsnorm(be, raw, o, gate, w->o_norm, (int64_t)n * nh, dk, c->rms_norm_eps);
-    glm_out_matmul(step, out, raw, &w->o, n);
+    op->matmul(be, out, raw, &w->o, n);
     return MT_OK;
 }

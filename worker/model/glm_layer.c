@@ -108,25 +108,16 @@ static mt_status layer_forward(const mt_layer *ml, glm_layer_state **sts, int ns
     glm_scratch *scr = step->scr;
     MT_ASSERT(n <= scr->rows);
     const mt_hc_params hp = { c->hc_mult, c->hidden_size, c->rms_norm_eps, c->hc_eps, c->hc_sinkhorn_iters };
-    /* each sublayer's output goes through hc_post into X: fused into its last producer where the
-     * backend can (step->post_to; post_done then says so), else here */
-    const mt_hc_post_to post_to = { X, scr->post, scr->comb, c->hc_mult };
     hc_pre_norm(be, scr, X, &l->hc[0], l->in_norm, &hp, n);
-    step->post_to = &post_to;
-    step->post_done = false;
     mt_status s = c->layer_types[ml->index] == GLM_MIXER_KDA
                       ? glm_kda_forward(l, sts, nst, step, scr->h, scr->a, n)
                       : glm_dsa_forward(l, sts, nst, step, scr->h, scr->a, n);
-    step->post_to = NULL;
     if (s != MT_OK) return s;
-    if (!step->post_done) be->ops->hc_post(be, X, scr->a, scr->post, scr->comb, &hp, n);
+    be->ops->hc_post(be, X, scr->a, scr->post, scr->comb, &hp, n);
 
     hc_pre_norm(be, scr, X, &l->hc[1], l->post_norm, &hp, n);
-    step->post_to = &post_to;
-    step->post_done = false;
     glm_mlp_forward(l, step, scr->h, scr->a, n);
-    step->post_to = NULL;
-    if (!step->post_done) be->ops->hc_post(be, X, scr->a, scr->post, scr->comb, &hp, n);
+    be->ops->hc_post(be, X, scr->a, scr->post, scr->comb, &hp, n);
     return MT_OK;
 }
 

@@ -4,16 +4,13 @@
 
 #include "worker/model/glm_impl.h"
 
-/* step: the dense MLP's down matmul may take the layer's hc_post (glm_out_matmul); NULL for the
- * shared expert, whose output the routed experts add to. */
-static void swiglu_mlp(mt_backend *be, mt_step *step, const mt_expert *e, const float *h, float *out, int n, int I,
+static void swiglu_mlp(mt_backend *be, const mt_expert *e, const float *h, float *out, int n, int I,
                        float L, float *g, float *u) {
     const mt_weight *gu[2] = { &e->gate, &e->up };
     float *y[2] = { g, u };
     glm_matmul_multi(be, y, h, gu, 2, n, 0u);
     be->ops->swiglu(be, g, g, u, n, I, L);
-    if (step) glm_out_matmul(step, out, g, &e->down, n);
-    else be->ops->matmul(be, out, g, &e->down, n);
+    be->ops->matmul(be, out, g, &e->down, n);
 }
 
 void glm_mlp_forward(const glm_layer *l, mt_step *step, const float *h, float *out, int n) {
@@ -23,7 +20,7 @@ void glm_mlp_forward(const glm_layer *l, mt_step *step, const float *h, float *o
     glm_scratch *scr = step->scr;
     float *g = scr->buf[0], *u = scr->buf[1], *logits = scr->buf[2];
     if (!w->sparse) {
-        swiglu_mlp(be, step, &w->dense, h, out, n, c->intermediate_size, c->swiglu_limit, g, u);
+        swiglu_mlp(be, &w->dense, h, out, n, c->intermediate_size, c->swiglu_limit, g, u);
         return;
     }
     be->ops->matmul(be, logits, h, &w->router, n);
@@ -36,12 +33,10 @@ void glm_mlp_forward(const glm_layer *l, mt_step *step, const float *h, float *o
     const int H = c->hidden_size, I = c->moe_intermediate_size, k = c->num_experts_per_tok;
     /* out = shared expert + the routed ones: fused by the backend where it can, else the shared
      * expert first and the routed experts accumulating into out (the same sum, in that order). */
-    if (be->ops->moe_experts_shared && be->ops->moe_experts_shared(be, out, h, scr->idx, scr->wts, w->experts,
-                                                                    &w->shared, n, k, H, I, c->swiglu_limit,
-                                                                    step->post_to)) {
-        step->post_done = step->post_to != NULL;
-    } else {
-        swiglu_mlp(be, NULL, &w->shared, h, out, n, I * c->n_shared_experts, c->swiglu_limit, g, u);
+    if (!be->ops->moe_experts_shared ||
+        !be->ops->moe_experts_shared(be, out, h, scr->idx, scr->wts, w->experts, &w->shared, n, k, H, I,
+                                     c->swiglu_limit)) {
+        swiglu_mlp(be, &w->shared, h, out, n, I * c->n_shared_experts, c->swiglu_limit, g, u);
         be->ops->moe_experts(be, out, h, scr->idx, scr->wts, w->experts, n, k, H, I, c->swiglu_limit);
     }
     if (step->census) { /* which experts this step reads (benchmark floors) */
