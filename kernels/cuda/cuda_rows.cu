@@ -22,13 +22,10 @@ typedef struct conv_rows_params {
     int n, C, K;
 } conv_rows_params;
 
-static __global__ void conv_rows_kernel(conv_rows_params p) {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x, i = blockIdx.y;
-    if (c >= p.C) return;
-    const int P = p.K - 1;
-    float *st = p.states[i] + (size_t)c * P;
-    const float xv = p.x[(size_t)i * p.C + c];
-    const float *wc = p.w + (size_t)c * p.K;
+/* One channel's conv step: silu(w . (st ++ xv)) with st [K-1] oldest first, then st shifted (the
+ * oldest dropped, xv appended). Shared by conv_rows_kernel and conv3_rows_kernel. */
+static __device__ __forceinline__ float conv_step(float *st, float xv, const float *wc, int K) {
+    const int P = K - 1;
     float hist[ROWS_MAX_K];
     float a = 0.f;
 #pragma unroll
@@ -38,10 +35,17 @@ static __global__ void conv_rows_kernel(conv_rows_params p) {
             a += wc[k] * hist[k];
         }
     a += wc[P] * xv;
-    p.out[(size_t)i * p.C + c] = a / (1.f + expf(-a));
 #pragma unroll
-    for (int k = 0; k < ROWS_MAX_K - 1; k++) /* shift: drop the oldest, append x */
+    for (int k = 0; k < ROWS_MAX_K - 1; k++)
         if (k < P) st[k] = k + 1 < P ? hist[k + 1] : xv;
+    return a / (1.f + expf(-a));
+}
+
+static __global__ void conv_rows_kernel(conv_rows_params p) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x, i = blockIdx.y;
+    if (c >= p.C) return;
+    p.out[(size_t)i * p.C + c] = conv_step(p.states[i] + (size_t)c * (p.K - 1), p.x[(size_t)i * p.C + c],
+                                           p.w + (size_t)c * p.K, p.K);
 }
 
 extern "C" void cu_conv1d_silu_rows(mt_backend *be, float *out, const float *x, float *const *states,
@@ -68,26 +72,10 @@ static __global__ void __launch_bounds__(1024) conv3_rows_kernel(const conv3_par
     __shared__ float red[32];
     const int h = blockIdx.x, j = blockIdx.y, i = blockIdx.z, t = threadIdx.x, c = h * p.dk + t;
     const bool own = t < p.dk; /* the block is dk rounded up to whole warps */
-    const int P = p.K - 1;
     float y = 0.f;
-    if (own) {
-        float *st = p.c.states[j][i] + (size_t)c * P;
-        const float xv = p.c.x[j][(size_t)i * p.C + c];
-        const float *wc = p.c.w[j] + (size_t)c * p.K;
-        float hist[ROWS_MAX_K];
-        float a = 0.f;
-#pragma unroll
-        for (int k = 0; k < ROWS_MAX_K - 1; k++)
-            if (k < P) {
-                hist[k] = st[k];
-                a += wc[k] * hist[k];
-            }
-        a += wc[P] * xv;
-        y = a / (1.f + expf(-a));
-#pragma unroll
-        for (int k = 0; k < ROWS_MAX_K - 1; k++)
-            if (k < P) st[k] = k + 1 < P ? hist[k + 1] : xv;
-    }
+    if (own)
+        y = conv_step(p.c.states[j][i] + (size_t)c * (p.K - 1), p.c.x[j][(size_t)i * p.C + c],
+                      p.c.w[j] + (size_t)c * p.K, p.K);
     if (j < 2) { /* block-uniform */
         float ss = y * y;
         ss = cu_warp_sum(ss);
