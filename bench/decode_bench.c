@@ -8,7 +8,10 @@
  * Prints one table and writes it as JSON (--json FILE).
  *
  *   decode_bench [--steps N] [--context N] [--json FILE] [--bf16-peak-tflops 790] [--op-profile 1]
- * (--op-profile 1: per-op times of one more prefill of each length, after the table's runs.)
+ *                [--profile N]
+ * (--op-profile 1: per-op times of one more prefill of each length, after the table's runs.
+ *  --profile N: only N engine-path decode steps between cudaProfilerStart/Stop, for
+ *  `ncu --profile-from-start off ...`; tools/dev/ncu_summary.py sums the kernels.)
  */
 #include <cuda_profiler_api.h>
 #include <cuda_runtime_api.h>
