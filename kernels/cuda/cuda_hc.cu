@@ -703,7 +703,9 @@ template <bool NORM> static const void *hc_pre_dec_pick(mt_dtype dt, int n) {
 }
 
 /* Whether the split kernel takes it: the shape also fits the cluster kernel, whole 32-vector
- * blocks of columns, H in float4 and within the last block's registers, aligned norm_w. */
+ * blocks of columns, at most HCS_MAX_BLOCKS of them (the last block's lanes hold two blocks'
+ * partials each: 16-bit fn at S*H <= 16384), H in float4 and within the last block's registers,
+ * aligned norm_w. */
 static bool hc_pre_split_ok(const mt_weight *fn, int S, int H, const float *norm_w) {
     const int64_t cpb = 32LL * (fn->dtype == MT_F32 ? 4 : 8), SH = (int64_t)S * H;
     return SH % cpb == 0 && SH / cpb <= HCS_MAX_BLOCKS && H % 4 == 0 && H / 4 <= HCS_MAX_H4 &&
