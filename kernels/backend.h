@@ -330,6 +330,9 @@ mt_backend *mt_cpu_backend_new(int n_threads);
  * weight class is in mask (bit 1 << mt_wcls) are rounded to bf16 first, emulating single-rounding
  * tensor-core GEMMs; 0 (the default) computes exactly. Process-wide. */
 void mt_cpu_set_round_x(uint32_t mask);
+/* The precision of that rounding: significant bits kept, 8 (bf16, the default) .. 24 (none); 11
+ * is fp16's (its exponent range not modelled). Process-wide. */
+void mt_cpu_set_round_bits(int bits);
 
 /* Destroys any backend; NULL is fine. */
 static inline void mt_backend_free(mt_backend *be) {

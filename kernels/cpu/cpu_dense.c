@@ -43,17 +43,31 @@ static float dot(const float *a, const float *b, int64_t n) {
     return (s0 + s1) + (s2 + s3);
 }
 
-static uint32_t g_round_x; /* mt_cpu_set_round_x */
+static uint32_t g_round_x;       /* mt_cpu_set_round_x */
+static int g_round_bits = 8;     /* mt_cpu_set_round_bits: significant bits kept (8: bf16) */
 
 void mt_cpu_set_round_x(uint32_t mask) { g_round_x = mask; }
+void mt_cpu_set_round_bits(int bits) { g_round_bits = bits < 2 ? 2 : bits > 24 ? 24 : bits; }
+
+/* f rounded to g_round_bits significant bits, to nearest even (8 is mt_f32_to_bf16's rounding);
+ * fp32's exponent range kept (fp16's narrower one is not modelled). */
+static float round_bits(float f) {
+    if (g_round_bits >= 24) return f;
+    union { uint32_t u; float f; } v = { .f = f };
+    if ((v.u & 0x7f800000u) == 0x7f800000u) return f; /* inf, NaN */
+    const int sh = 24 - g_round_bits;
+    v.u += (1u << (sh - 1)) - 1u + ((v.u >> sh) & 1u);
+    v.u &= ~((1u << sh) - 1u);
+    return v.f;
+}
 
 void cpu_matmul(mt_backend *be, float *y, const float *x, const mt_weight *w, int n) {
     const int64_t out = w->rows, in = w->cols;
     float *xr = NULL;
-    if (g_round_x & (1u << w->cls)) { /* research hook: x as a single-rounding bf16 GEMM sees it */
+    if (g_round_x & (1u << w->cls)) { /* research hook: x as a single-rounding GEMM sees it */
         xr = malloc(sizeof(float) * (size_t)n * (size_t)in);
         MT_ASSERT(xr);
-        for (int64_t i = 0; i < (int64_t)n * in; i++) xr[i] = mt_bf16_to_f32(mt_f32_to_bf16(x[i]));
+        for (int64_t i = 0; i < (int64_t)n * in; i++) xr[i] = round_bits(x[i]);
         x = xr;
     }
     /* Blocks of 4 weight rows per thread step keep each x row hot for 4 outputs. */

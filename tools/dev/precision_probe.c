@@ -7,10 +7,15 @@
  * GPU model test being 99% and 0.999.
  *
  *   precision_probe DIR [DIR ...]   (e.g. tests/fixtures/tiny_a tests/fixtures/tiny_b)
+ *   precision_probe --bits DIR [DIR ...]
+ * --bits: every matmul's activations rounded to 8, 9, .. 16 significant bits instead (8 = bf16,
+ * 11 = fp16's mantissa; a bf16 high part plus an fp8 e4m3 low part carries about 12): how much
+ * precision a single tensor-core pass would need to meet the bar.
  */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "kernels/backend.h"
 #include "worker/model/glm_model.h"
@@ -52,14 +57,18 @@ static void compare(const float *ref, const float *got, int n, int V, double *to
 }
 
 int main(int argc, char **argv) {
-    if (argc < 2) {
-        fprintf(stderr, "usage: precision_probe DIR [DIR ...]\n");
+    const bool bits = argc > 1 && !strcmp(argv[1], "--bits");
+    if (argc < 2 + bits) {
+        fprintf(stderr, "usage: precision_probe [--bits] DIR [DIR ...]\n");
         return 2;
     }
     mt_backend *be = mt_cpu_backend_new(0);
     const uint32_t all = (1u << MT_WCLS_N) - 1;
-    printf("| model | activations rounded to bf16 before | top-1 agreement | worst cosine |\n|---|---|---:|---:|\n");
-    for (int d = 1; d < argc; d++) {
+    if (bits)
+        printf("| model | every matmul's activations rounded to | top-1 agreement | worst cosine |\n|---|---|---:|---:|\n");
+    else
+        printf("| model | activations rounded to bf16 before | top-1 agreement | worst cosine |\n|---|---|---:|---:|\n");
+    for (int d = 1 + bits; d < argc; d++) {
         glm_model *m = NULL;
         mt_error err = { "" };
         if (glm_model_load(argv[d], be, NULL, &m, &err) != MT_OK) {
@@ -70,7 +79,16 @@ int main(int argc, char **argv) {
         int32_t toks[70];
         for (int i = 0; i < n; i++) toks[i] = (int32_t)((i * 7919u + 13u) % (unsigned)V);
         float *ref = logits_of(m, toks, n, 0);
-        for (int pass = 0; pass < 2 * MT_WCLS_N + 1; pass++) {
+        for (int b = 8; bits && b <= 16; b++) {
+            mt_cpu_set_round_bits(b);
+            float *got = logits_of(m, toks, n, all);
+            double top1, cosw;
+            compare(ref, got, n, V, &top1, &cosw);
+            printf("| %s | %d significant bits | %.2f%% | %.6f |\n", argv[d], b, top1, cosw);
+            free(got);
+        }
+        mt_cpu_set_round_bits(8);
+        for (int pass = 0; !bits && pass < 2 * MT_WCLS_N + 1; pass++) {
             /* each class alone, then every class but one, then all */
             const int c = pass % MT_WCLS_N;
             const uint32_t mask = pass == 2 * MT_WCLS_N ? all : pass < MT_WCLS_N ? 1u << c : all & ~(1u << c);
