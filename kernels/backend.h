@@ -333,6 +333,10 @@ void mt_cpu_set_round_x(uint32_t mask);
 /* The precision of that rounding: significant bits kept, 8 (bf16, the default) .. 24 (none); 11
  * is fp16's (its exponent range not modelled). Process-wide. */
 void mt_cpu_set_round_bits(int bits);
+/* Instead of that rounding: x as a bf16 high part times the weights plus its remainder as fp8 e4m3
+ * times the weights as e4m3 (one scale per row each): a two-part GEMM whose low part runs on fp8
+ * tensor cores. Process-wide. */
+void mt_cpu_set_round_fp8lo(bool on);
 
 /* Destroys any backend; NULL is fine. */
 static inline void mt_backend_free(mt_backend *be) {

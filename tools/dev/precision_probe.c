@@ -8,9 +8,11 @@
  *
  *   precision_probe DIR [DIR ...]   (e.g. tests/fixtures/tiny_a tests/fixtures/tiny_b)
  *   precision_probe --bits DIR [DIR ...]
+ *   precision_probe --fp8lo DIR [DIR ...]
  * --bits: every matmul's activations rounded to 8, 9, .. 16 significant bits instead (8 = bf16,
  * 11 = fp16's mantissa; a bf16 high part plus an fp8 e4m3 low part carries about 12): how much
- * precision a single tensor-core pass would need to meet the bar.
+ * precision a single tensor-core pass would need to meet the bar. --fp8lo: every matmul as a bf16
+ * high part plus an fp8 e4m3 low part (mt_cpu_set_round_fp8lo), against the exact run.
  */
 #include <math.h>
 #include <stdio.h>
@@ -57,9 +59,10 @@ static void compare(const float *ref, const float *got, int n, int V, double *to
 }
 
 int main(int argc, char **argv) {
-    const bool bits = argc > 1 && !strcmp(argv[1], "--bits");
+    const bool fp8lo = argc > 1 && !strcmp(argv[1], "--fp8lo");
+    const bool bits = fp8lo || (argc > 1 && !strcmp(argv[1], "--bits"));
     if (argc < 2 + bits) {
-        fprintf(stderr, "usage: precision_probe [--bits] DIR [DIR ...]\n");
+        fprintf(stderr, "usage: precision_probe [--bits | --fp8lo] DIR [DIR ...]\n");
         return 2;
     }
     mt_backend *be = mt_cpu_backend_new(0);
@@ -79,7 +82,16 @@ int main(int argc, char **argv) {
         int32_t toks[70];
         for (int i = 0; i < n; i++) toks[i] = (int32_t)((i * 7919u + 13u) % (unsigned)V);
         float *ref = logits_of(m, toks, n, 0);
-        for (int b = 8; bits && b <= 16; b++) {
+        if (fp8lo) {
+            mt_cpu_set_round_fp8lo(true);
+            float *got = logits_of(m, toks, n, all);
+            mt_cpu_set_round_fp8lo(false);
+            double top1, cosw;
+            compare(ref, got, n, V, &top1, &cosw);
+            printf("| %s | bf16 high + fp8 e4m3 low (weights e4m3 for the low part) | %.2f%% | %.6f |\n", argv[d], top1, cosw);
+            free(got);
+        }
+        for (int b = 8; bits && !fp8lo && b <= 16; b++) {
             mt_cpu_set_round_bits(b);
             float *got = logits_of(m, toks, n, all);
             double top1, cosw;
