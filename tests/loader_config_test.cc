@@ -311,6 +311,27 @@ TEST(GlmConfig, PresetBench4L) {
     }
 }
 
+// The GPU model test's wider random model: real head sizes at hidden 512, validated.
+TEST(GlmConfig, PresetTestWide) {
+    glm_config c;
+    mt_error err = {};
+    ASSERT_EQ(glm_config_preset("test-wide", &c, &err), MT_OK) << err.msg;
+    EXPECT_EQ(c.hidden_size, 512);
+    EXPECT_EQ(c.vocab_size, 2048);
+    EXPECT_EQ(c.linear_head_dim, 128);
+    EXPECT_EQ(c.qk_nope_head_dim, 256);
+    EXPECT_EQ(c.v_head_dim, 256);
+    EXPECT_EQ(c.kv_lora_rank, 512);
+    EXPECT_EQ(c.index_head_dim, 128);
+    EXPECT_EQ(c.n_routed_experts, 64);
+    EXPECT_EQ(c.num_experts_per_tok, 8);
+    EXPECT_EQ(c.index_topk, 128);
+    EXPECT_EQ(c.layer_types[1], GLM_MIXER_DSA);
+    EXPECT_EQ(c.layer_types[2], GLM_MIXER_DSA);
+    EXPECT_EQ(c.indexer_types[2], GLM_INDEXER_SHARED);
+    EXPECT_EQ(c.mlp_layer_types[1], GLM_MLP_SPARSE);
+}
+
 TEST(GlmConfig, UnknownPreset) {
     glm_config c;
     memset(&c, 0x5a, sizeof c);

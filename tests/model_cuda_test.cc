@@ -101,15 +101,8 @@ TEST_F(ModelCuda, FixturesMatchCpu) {
 // latent, indexer heads of 128), more experts, prompts past index_topk.
 TEST_F(ModelCuda, WiderRandomModelMatchesCpu) {
     glm_config c;
-    glm_config_default(&c);
-    c.vocab_size = 2048; c.hidden_size = 512; c.intermediate_size = 1024; c.moe_intermediate_size = 256;
-    c.num_hidden_layers = 4; c.num_attention_heads = 4; c.num_key_value_heads = 4;
-    c.linear_num_heads = 4; c.n_routed_experts = 64; c.num_experts_per_tok = 8; c.n_group = 8; c.topk_group = 4;
-    c.index_topk = 128; c.index_kpool = 16; c.index_n_heads = 8;
-    glm_config_default_layers(&c);
-    c.mlp_layer_types[1] = GLM_MLP_SPARSE;
-    c.layer_types[1] = GLM_MIXER_DSA; c.layer_types[2] = GLM_MIXER_DSA; c.indexer_types[2] = GLM_INDEXER_SHARED;
     mt_error err{};
+    ASSERT_EQ(glm_config_preset("test-wide", &c, &err), MT_OK) << err.msg;
     // Same seed, same weights on both backends (made in each backend's memory).
     glm_model *mg = nullptr, *mc = nullptr;
     ASSERT_EQ(glm_model_new_random(&c, 9, gpu_, nullptr, &mg, &err), MT_OK) << err.msg;

@@ -6,7 +6,8 @@
  * and all. Prints top-1 agreement and the worst logit cosine against the exact run, the bar of the
  * GPU model test being 99% and 0.999.
  *
- *   precision_probe DIR [DIR ...]   (e.g. tests/fixtures/tiny_a tests/fixtures/tiny_b)
+ *   precision_probe DIR [DIR ...]   (e.g. tests/fixtures/tiny_a tests/fixtures/tiny_b random:test-wide)
+ * (random:PRESET: that config preset with random weights, seed 9, as model_cuda_test makes it.)
  *   precision_probe --bits DIR [DIR ...]
  *   precision_probe --fp8lo DIR [DIR ...]
  * --bits: every matmul's activations rounded to 8, 9, .. 16 significant bits instead (8 = bf16,
@@ -74,12 +75,19 @@ int main(int argc, char **argv) {
     for (int d = 1 + bits; d < argc; d++) {
         glm_model *m = NULL;
         mt_error err = { "" };
-        if (glm_model_load(argv[d], be, NULL, &m, &err) != MT_OK) {
+        glm_config rc;
+        if (!strncmp(argv[d], "random:", 7)) { /* a config preset with random weights (seed 9) */
+            if (glm_config_preset(argv[d] + 7, &rc, &err) != MT_OK || glm_model_new_random(&rc, 9, be, NULL, &m, &err) != MT_OK) {
+                fprintf(stderr, "precision_probe: %s\n", err.msg);
+                return 1;
+            }
+        } else if (glm_model_load(argv[d], be, NULL, &m, &err) != MT_OK) {
             fprintf(stderr, "precision_probe: %s\n", err.msg);
             return 1;
         }
-        const int V = glm_model_config(m)->vocab_size, n = 70;
-        int32_t toks[70];
+        /* 70 positions, 300 for a random model (past test-wide's index_topk, as model_cuda_test) */
+        const int V = glm_model_config(m)->vocab_size, n = strncmp(argv[d], "random:", 7) ? 70 : 300;
+        int32_t toks[300];
         for (int i = 0; i < n; i++) toks[i] = (int32_t)((i * 7919u + 13u) % (unsigned)V);
         float *ref = logits_of(m, toks, n, 0);
         if (fp8lo) {
