@@ -112,9 +112,15 @@ typedef struct mt_paged {
     int64_t row;          /* floats per position */
 } mt_paged;
 
-/* Position t of a paged cache whose block table bt is host-readable (the CPU backend, tests,
- * host code over a downloaded table). */
-static inline float *mt_paged_at(mt_paged c, const int32_t *bt, int64_t t) {
+/* Position t of a paged cache through its block table bt: row t % page of page bt[t / page]. On
+ * the host (the CPU backend, tests, host code over a downloaded table) and, compiled by nvcc, in
+ * CUDA kernels over a device table. */
+#ifdef __CUDACC__
+#define MT_HOST_DEVICE __host__ __device__
+#else
+#define MT_HOST_DEVICE
+#endif
+static inline MT_HOST_DEVICE float *mt_paged_at(mt_paged c, const int32_t *bt, int64_t t) {
     return c.base + ((int64_t)bt[t / c.page] * c.page + t % c.page) * c.row;
 }
 

@@ -381,6 +381,17 @@ __device__ __forceinline__ void cu_pdl_trigger(void) {
 }
 
 static inline __host__ __device__ bool cu_aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+
+/* This block's share of dst[0, row) = src: threads strided over the grid's x, float4 accesses when
+ * vec4 (row % 4 == 0, both 16-byte aligned). The paged cache writes (copy_rows_at, copy_rows_to). */
+static __device__ __forceinline__ void cu_copy_row_x(float *dst, const float *src, int64_t row, bool vec4) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x, e0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (vec4) {
+        for (int64_t e = e0; e < row / 4; e += stride) ((float4 *)dst)[e] = ((const float4 *)src)[e];
+    } else {
+        for (int64_t e = e0; e < row; e += stride) dst[e] = src[e];
+    }
+}
 #endif /* __CUDACC__ */
 
 /* cuda_moe_grouped.cu: moe_experts (same contract as cu_moe_experts) grouped by expert on the

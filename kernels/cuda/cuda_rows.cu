@@ -111,16 +111,7 @@ typedef struct copy_to_params {
 /* Block = (a stretch of columns, row i); the row's page is looked up once. */
 static __global__ void copy_rows_to_kernel(copy_to_params p) {
     const int i = blockIdx.y;
-    const int64_t t = p.pos[i], row = p.dst.row;
-    float *dst = p.dst.base + ((int64_t)p.bts[i][t / p.dst.page] * p.dst.page + t % p.dst.page) * row;
-    const float *src = p.src + (int64_t)i * row;
-    if (p.vec4) {
-        for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < row / 4; e += (int64_t)gridDim.x * blockDim.x)
-            ((float4 *)dst)[e] = ((const float4 *)src)[e];
-    } else {
-        for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < row; e += (int64_t)gridDim.x * blockDim.x)
-            dst[e] = src[e];
-    }
+    cu_copy_row_x(mt_paged_at(p.dst, p.bts[i], p.pos[i]), p.src + (int64_t)i * p.dst.row, p.dst.row, p.vec4);
 }
 
 extern "C" void cu_copy_rows_to(mt_backend *be, mt_paged dst, const int32_t *const *bts, const int32_t *pos,

@@ -120,16 +120,8 @@ typedef struct rows_at_params {
  * copied (float4 when aligned: a row of row floats starts 16-byte aligned on a page of such rows). */
 static __global__ void copy_rows_at_kernel(rows_at_params p) {
     const int i = p.i0 + (int)blockIdx.y;
-    const int64_t t = (int64_t)(p.pos ? *p.pos : p.t0) + i, row = p.dst.row;
-    float *dst = p.dst.base + ((int64_t)p.bt[t / p.dst.page] * p.dst.page + t % p.dst.page) * row;
-    const float *src = p.src + (int64_t)i * row;
-    if (p.vec4) {
-        for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < row / 4; e += (int64_t)gridDim.x * blockDim.x)
-            ((float4 *)dst)[e] = ((const float4 *)src)[e];
-    } else {
-        for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < row; e += (int64_t)gridDim.x * blockDim.x)
-            dst[e] = src[e];
-    }
+    const int64_t t = (int64_t)(p.pos ? *p.pos : p.t0) + i;
+    cu_copy_row_x(mt_paged_at(p.dst, p.bt, t), p.src + (int64_t)i * p.dst.row, p.dst.row, p.vec4);
 }
 
 extern "C" void cu_copy_rows_at(mt_backend *be, mt_paged dst, const int32_t *bt, int t0, const int32_t *pos,
