@@ -89,6 +89,11 @@ static int moe_grouped_max_rows(void) {
     return m;
 }
 
+/* Whether n rows go to the grouped device kernels (cu_moe_experts_grouped). */
+static bool moe_takes_grouped(const cu_backend *cb, int n) {
+    return n >= moe_grouped_min_rows() && n <= moe_grouped_max_rows() && cb->moe_grouped;
+}
+
 /* Grouped-path scratch per chunk (before the batched path's padding). Each chunk rereads the
  * weights of the experts it routes to (all of them at prefill sizes: 14.5 GB per layer at the real
  * shapes), so fewer chunks pay: 2 GB keeps 4096 rows of the real shapes in one chunk. */
@@ -1041,7 +1046,7 @@ static void moe_experts_run(mt_backend *be, float *out, const float *x, const in
      * (the grouped gate/up and down grids also have a block per (tile, expert) of all E experts,
      * most of which exit at once at a few rows). Larger batches (prefill) keep the batched GEMMs,
      * which were faster at 128 rows (3.73 vs 4.36 ms, kernels_cuda_moe_grouped_test on an H200). */
-    if (!shared && n >= moe_grouped_min_rows() && n <= moe_grouped_max_rows() && cb->moe_grouped) {
+    if (!shared && moe_takes_grouped(cb, n)) {
         cu_moe_experts_grouped(be, out, x, idx, weights, experts, n, top_k, H, I, L);
         return;
     }
@@ -1122,7 +1127,7 @@ extern "C" bool cu_moe_experts_shared(mt_backend *be, float *out, const float *x
                                       int n, int top_k, int H, int I, float L) {
     cu_backend *cb = (cu_backend *)be;
     if (n < 1 || n > MOE_GEMV_MAX_ROWS || top_k + 1 > MOE_DN_MAX_THREADS / 32) return false;
-    if (n >= moe_grouped_min_rows() && n <= moe_grouped_max_rows() && cb->moe_grouped) return false;
+    if (moe_takes_grouped(cb, n)) return false;
     const mt_dtype dt = experts[0].gate.dtype;
     const mt_weight *g = &shared->gate, *u = &shared->up, *d = &shared->down;
     if (g->dtype != dt || u->dtype != dt || d->dtype != dt || !g->data || !u->data || !d->data) return false;
