@@ -50,6 +50,24 @@ struct Rng {
     }
 };
 
+// n rows of k distinct experts each, uniform over [0, E) (k <= E), from Rng(seed).
+inline std::vector<int32_t> DistinctIdx(uint64_t seed, int n, int k, int E) {
+    Rng r(seed);
+    std::vector<int32_t> idx((size_t)n * k);
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < k; j++) {
+            int32_t e;
+            bool dup;
+            do {
+                e = (int32_t)(r.Next() % E);
+                dup = false;
+                for (int q = 0; q < j; q++) dup |= idx[(size_t)i * k + q] == e;
+            } while (dup);
+            idx[(size_t)i * k + j] = e;
+        }
+    return idx;
+}
+
 // Worst relative error seen by one test, printed at its end.
 struct Worst {
     std::string op;

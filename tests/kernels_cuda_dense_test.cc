@@ -714,22 +714,7 @@ class CudaMoe : public CudaOps {
         return ex;
     }
     // Distinct random experts per row.
-    static std::vector<int32_t> RandIdx(int n, int k, int E) {
-        Rng r(NextSeed());
-        std::vector<int32_t> idx((size_t)n * k);
-        for (int i = 0; i < n; i++)
-            for (int j = 0; j < k; j++) {
-                int32_t e;
-                bool dup;
-                do {
-                    e = (int32_t)(r.Next() % E);
-                    dup = false;
-                    for (int q = 0; q < j; q++) dup |= idx[(size_t)i * k + q] == e;
-                } while (dup);
-                idx[(size_t)i * k + j] = e;
-            }
-        return idx;
-    }
+    static std::vector<int32_t> RandIdx(int n, int k, int E) { return DistinctIdx(NextSeed(), n, k, E); }
     // out += experts on both backends from the same idx/weights (uploaded); relative error.
     // On the CUDA backend gpu (default gpu_; another one shares gpu_'s memory: same device).
     static double Run(const Experts &ex, const std::vector<int32_t> &idx, int n, int k, int H, int I, float L,

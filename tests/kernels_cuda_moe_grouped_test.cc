@@ -111,22 +111,7 @@ class CudaMoeGrouped : public ::testing::Test {
     }
 
     // Distinct random experts per row, from [0, E).
-    static std::vector<int32_t> RandIdx(int n, int k, int E) {
-        Rng r(NextSeed());
-        std::vector<int32_t> idx((size_t)n * k);
-        for (int i = 0; i < n; i++)
-            for (int j = 0; j < k; j++) {
-                int32_t e;
-                bool dup;
-                do {
-                    e = (int32_t)(r.Next() % E);
-                    dup = false;
-                    for (int q = 0; q < j; q++) dup |= idx[(size_t)i * k + q] == e;
-                } while (dup);
-                idx[(size_t)i * k + j] = e;
-            }
-        return idx;
-    }
+    static std::vector<int32_t> RandIdx(int n, int k, int E) { return DistinctIdx(NextSeed(), n, k, E); }
 
     template <class T> static T *Put(mt_backend *be, const std::vector<T> &h) {
         T *p = (T *)be->ops->alloc(be, h.size() * sizeof(T));
