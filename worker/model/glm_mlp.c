@@ -40,7 +40,7 @@ void glm_mlp_forward(const glm_layer *l, mt_step *step, const float *h, float *o
         be->ops->moe_experts(be, out, h, scr->idx, scr->wts, w->experts, n, k, H, I, c->swiglu_limit);
     }
     if (step->census) { /* which experts this step reads (benchmark floors) */
-        const int k = c->num_experts_per_tok, E = c->n_routed_experts;
+        const int E = c->n_routed_experts;
         int32_t *idx = malloc(sizeof(int32_t) * (size_t)n * k);
         if (!idx) return;
         be->ops->download(be, idx, scr->idx, sizeof(int32_t) * (size_t)n * k);
