@@ -38,9 +38,10 @@
 
 /* ============================ dependent launch ============================ */
 
-/* A decode step is a chain of ~140 short kernels, and between two of them the GPU drains one grid
- * before it starts the next. The decode-path kernels of cuda_dense.cu, cuda_hc.cu and cuda_moe.cu
- * go through cu_launch_pdl (programmatic dependent launch): such a kernel may start while the
+/* A decode step is a chain of ~75 short kernels, and between two of them the GPU drains one grid
+ * before it starts the next. The decode-path kernels (cuda_dense.cu, cuda_hc.cu, cuda_moe.cu; the
+ * rows-form, KDA and MLA decode kernels through cu_launch_pdl_k, cuda_ops.h) go through
+ * cu_launch_pdl (programmatic dependent launch): such a kernel may start while the
  * previous kernel of the stream is still running. It first does what depends on no earlier
  * kernel (a GEMV issues its first weight loads), then cu_pdl_wait() (griddepcontrol.wait: every
  * earlier kernel has finished and its writes are visible) before it reads an activation or
@@ -1425,6 +1426,8 @@ static __device__ __forceinline__ void argmax_block(float &v, int &i) {
 
 /* Grid (nchunk, n): the best of one chunk of one row. */
 static __global__ void argmax_chunk_kernel(const argmax_params p) {
+    cu_pdl_wait(); /* launched for PDL (cu_launch_pdl_k) */
+    cu_pdl_trigger();
     const int row = blockIdx.y, c = blockIdx.x;
     const float *l = p.logits + (int64_t)row * p.V;
     const int lo = c * ARGMAX_CHUNK, hi = lo + ARGMAX_CHUNK < p.V ? lo + ARGMAX_CHUNK : p.V;
@@ -1450,6 +1453,8 @@ static __global__ void argmax_chunk_kernel(const argmax_params p) {
 
 /* One block per row over its chunk winners. */
 static __global__ void argmax_final_kernel(const argmax_params p) {
+    cu_pdl_wait(); /* launched for PDL (cu_launch_pdl_k) */
+    cu_pdl_trigger();
     const int row = blockIdx.x;
     float bv = -INFINITY;
     int bi = INT_MAX;
@@ -1463,9 +1468,9 @@ static __global__ void argmax_final_kernel(const argmax_params p) {
 }
 
 static mt_status argmax_launch(const argmax_params *p, cudaStream_t s) {
-    argmax_chunk_kernel<<<dim3((unsigned)p->nchunk, (unsigned)p->n), ARGMAX_THREADS, 0, s>>>(*p);
+    cu_launch_pdl_k(argmax_chunk_kernel, dim3((unsigned)p->nchunk, (unsigned)p->n), dim3(ARGMAX_THREADS), 0, s, *p);
     MT_CUDA_CHECK_LAUNCH();
-    argmax_final_kernel<<<(unsigned)p->n, 32, 0, s>>>(*p);
+    cu_launch_pdl_k(argmax_final_kernel, dim3((unsigned)p->n), dim3(32), 0, s, *p);
     MT_CUDA_CHECK_LAUNCH();
     return MT_OK;
 }

@@ -166,6 +166,8 @@ static __device__ __forceinline__ uint32_t score_key(float s) {
  * pool is kept in ascending order, exactly as the CPU (which sorts only when it drops some).
  * (3) The kept pools' positions, then the tail, go to sel. */
 static __global__ void __launch_bounds__(SEL_THREADS) dsa_select_kernel(select_params p) {
+    cu_pdl_wait(); /* launched for PDL (cu_launch_pdl_k) */
+    cu_pdl_trigger();
     extern __shared__ float4 smem_f4[];
     select_smem sm;
     select_smem_carve(smem_f4, &p, &sm);
@@ -341,7 +343,7 @@ static mt_status dsa_select_launch(mt_backend *be, const select_params *p) {
     }
     mt_status st = dsa_smem_opt_in((const void *)dsa_select_kernel, smem);
     if (st != MT_OK) return st;
-    dsa_select_kernel<<<p->n, SEL_THREADS, smem, cu_stream(be)>>>(*p);
+    cu_launch_pdl_k(dsa_select_kernel, dim3(p->n), dim3(SEL_THREADS), smem, cu_stream(be), *p);
     cu_check_launch(be, "dsa_select");
     return MT_OK;
 }
@@ -553,6 +555,8 @@ template <typename T> static __device__ __forceinline__ void load8(const void *b
 
 template <typename T>
 static __global__ void __launch_bounds__(ABS1_THREADS) mla_absorb1_kernel(mla_dev_params p) {
+    cu_pdl_wait(); /* launched for PDL (cu_launch_pdl_k) */
+    cu_pdl_trigger();
     __shared__ float qs[1024];                    /* [dn] (the launch checks dn <= 1024) */
     __shared__ float part[ABS1_WARPS][256];       /* per warp, this block's columns */
     const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, wp = tid >> 5, kvl = p.kvl;
@@ -603,6 +607,8 @@ static __global__ void __launch_bounds__(ABS1_THREADS) mla_absorb1_kernel(mla_de
  * redoes the small merge from L2. */
 template <typename T>
 static __global__ void __launch_bounds__(ABS1_THREADS) mla_output1_kernel(mla_dev_params p) {
+    cu_pdl_wait(); /* launched for PDL (cu_launch_pdl_k) */
+    cu_pdl_trigger();
     extern __shared__ float4 smem_f4[];
     float *ol = (float *)smem_f4;           /* [kvl] */
     float *ws = ol + p.kvl;                 /* [nsplit] merge weights of the nonempty splits */
@@ -711,6 +717,8 @@ template <int U, typename F> static __device__ __forceinline__ void mla_copy4(fl
 }
 
 static __global__ void __launch_bounds__(MLA_THREADS) mla_attend_kernel(mla_dev_params p) {
+    cu_pdl_wait(); /* launched for PDL (cu_launch_pdl_k) */
+    cu_pdl_trigger();
     extern __shared__ float4 smem_f4[];
     mla_smem sm;
     mla_smem_carve(smem_f4, &p, &sm);
@@ -1740,8 +1748,8 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
             mla_gemm_tc_launch(be, &b, false);
         } else if (dec1) {
             const dim3 g1(p->Hq, p->kvl / 256);
-            if (p->kv_dtype == MT_BF16) mla_absorb1_kernel<__nv_bfloat16><<<g1, ABS1_THREADS, 0, cu_stream(be)>>>(b);
-            else mla_absorb1_kernel<__half><<<g1, ABS1_THREADS, 0, cu_stream(be)>>>(b);
+            if (p->kv_dtype == MT_BF16) cu_launch_pdl_k(mla_absorb1_kernel<__nv_bfloat16>, dim3(g1), dim3(ABS1_THREADS), 0, cu_stream(be), b);
+            else cu_launch_pdl_k(mla_absorb1_kernel<__half>, dim3(g1), dim3(ABS1_THREADS), 0, cu_stream(be), b);
         } else {
             const dim3 ga(p->Hq, (p->kvl + ABS_THREADS - 1) / ABS_THREADS, (b.nb + ABS_Q - 1) / ABS_Q);
             mla_absorb_kernel<<<ga, ABS_THREADS, abs_smem, cu_stream(be)>>>(b);
@@ -1750,7 +1758,7 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
         const dim3 gt(b.nb, p->Hq / p->hg, p->nsplit);
         if (tc && p->kvl == 256) mla_attend_tc_kernel<4><<<gt, 4 * 32, tc_smem, cu_stream(be)>>>(b);
         else if (tc) mla_attend_tc_kernel<8><<<gt, 8 * 32, tc_smem, cu_stream(be)>>>(b);
-        else if (!wide) mla_attend_kernel<<<gt, MLA_THREADS, att_smem, cu_stream(be)>>>(b);
+        else if (!wide) cu_launch_pdl_k(mla_attend_kernel, dim3(gt), dim3(MLA_THREADS), att_smem, cu_stream(be), b);
         else if (p->kvl == 256) mla_attend_wide_kernel<1><<<gt, MLAW_THREADS, wide_smem, cu_stream(be)>>>(b);
         else mla_attend_wide_kernel<2><<<gt, MLAW_THREADS, wide_smem, cu_stream(be)>>>(b);
         cu_check_launch(be, "mla_sparse (attend)");
@@ -1761,8 +1769,8 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
         } else if (dec1) {
             const size_t o1 = sizeof(float) * ((size_t)p->kvl + MLA_MAX_SPLIT);
             const dim3 g1(p->Hq, (p->dv + OUT1_ROWS - 1) / OUT1_ROWS);
-            if (p->kv_dtype == MT_BF16) mla_output1_kernel<__nv_bfloat16><<<g1, ABS1_THREADS, o1, cu_stream(be)>>>(b);
-            else mla_output1_kernel<__half><<<g1, ABS1_THREADS, o1, cu_stream(be)>>>(b);
+            if (p->kv_dtype == MT_BF16) cu_launch_pdl_k(mla_output1_kernel<__nv_bfloat16>, dim3(g1), dim3(ABS1_THREADS), o1, cu_stream(be), b);
+            else cu_launch_pdl_k(mla_output1_kernel<__half>, dim3(g1), dim3(ABS1_THREADS), o1, cu_stream(be), b);
         } else {
             const dim3 go(p->Hq, (b.nb + OUT_Q - 1) / OUT_Q);
             mla_output_kernel<<<go, MLA_THREADS, out_smem, cu_stream(be)>>>(b);

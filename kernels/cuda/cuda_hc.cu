@@ -874,6 +874,8 @@ typedef struct hc_head_params {
 } hc_head_params;
 
 static __global__ void hc_head_kernel(const hc_head_params p) {
+    cu_pdl_wait(); /* launched for PDL (cu_launch_pdl_k) */
+    cu_pdl_trigger();
     const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= p.n * p.H) return;
     const int64_t i = t / p.H;
@@ -900,7 +902,7 @@ static mt_status hc_post_launch(hc_post_params *p, cudaStream_t s) {
 }
 
 static mt_status hc_head_launch(const hc_head_params *p, cudaStream_t s) {
-    hc_head_kernel<<<hc_grid(p->n * p->H), HC_EW_THREADS, 0, s>>>(*p);
+    cu_launch_pdl_k(hc_head_kernel, dim3(hc_grid(p->n * p->H)), dim3(HC_EW_THREADS), 0, s, *p);
     MT_CUDA_CHECK_LAUNCH();
     return MT_OK;
 }

@@ -116,6 +116,8 @@ typedef struct gate_params {
 } gate_params;
 
 static __global__ void kda_gate_kernel(gate_params p) {
+    cu_pdl_wait(); /* launched for PDL (cu_launch_pdl_k) */
+    cu_pdl_trigger();
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
     for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < p.count; e += stride) {
         const int c = (int)(e % p.D);
@@ -129,7 +131,7 @@ static __global__ void kda_gate_kernel(gate_params p) {
 static void kda_gate_launch(mt_backend *be, const gate_params *p) {
     int64_t blocks = (p->count + EW_BLOCK - 1) / EW_BLOCK;
     if (blocks > 65536) blocks = 65536;
-    kda_gate_kernel<<<(unsigned)blocks, EW_BLOCK, 0, cu_stream(be)>>>(*p);
+    cu_launch_pdl_k(kda_gate_kernel, dim3((unsigned)blocks), dim3(EW_BLOCK), 0, cu_stream(be), *p);
     cu_check_launch(be, "kda_gate");
 }
 
@@ -259,6 +261,8 @@ enum {
 
 /* 80 registers with 3 blocks a SM, no spills (a dk = 128 specialisation spilled at that cap) */
 static __global__ void __launch_bounds__(DEC_THREADS, 3) kda_decode_kernel(delta_params p) {
+    cu_pdl_wait(); /* launched for PDL (cu_launch_pdl_k) */
+    cu_pdl_trigger();
     const int dk = p.dk, nblk = (dk + DEC_COLS - 1) / DEC_COLS;
     const int h = blockIdx.x / nblk, j0 = (blockIdx.x - h * nblk) * DEC_COLS;
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
@@ -364,7 +368,7 @@ static void kda_recurrent_launch(mt_backend *be, const delta_params *p) {
     if ((p->n == 1 || rows) && p->dk % 4 == 0 && aligned && kda_decode_enabled()) {
         const int64_t blocks = (int64_t)p->nh * ((p->dk + DEC_COLS - 1) / DEC_COLS);
         MT_ASSERT(blocks <= 0x7fffffff && (!rows || p->n <= 65535));
-        kda_decode_kernel<<<dim3((unsigned)blocks, rows ? p->n : 1), DEC_THREADS, 0, cu_stream(be)>>>(*p);
+        cu_launch_pdl_k(kda_decode_kernel, dim3(dim3((unsigned)blocks, rows ? p->n : 1)), dim3(DEC_THREADS), 0, cu_stream(be), *p);
         cu_check_launch(be, rows ? "kda_recurrent_rows (decode)" : "kda_recurrent (decode)");
         return;
     }
@@ -409,6 +413,8 @@ enum { GNORM_WARPS = 8 };
 /* One warp per row. */
 enum { GNORM_PER = 8 }; /* elements a lane holds in the register form: d <= 256 */
 static __global__ void gated_rmsnorm_kernel(gnorm_params p) {
+    cu_pdl_wait(); /* launched for PDL (cu_launch_pdl_k) */
+    cu_pdl_trigger();
     const int64_t r = (int64_t)blockIdx.x * GNORM_WARPS + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (r >= p.rows) return;
@@ -445,7 +451,7 @@ static __global__ void gated_rmsnorm_kernel(gnorm_params p) {
 
 static void gated_rmsnorm_launch(mt_backend *be, const gnorm_params *p) {
     const int64_t blocks = (p->rows + GNORM_WARPS - 1) / GNORM_WARPS;
-    gated_rmsnorm_kernel<<<(unsigned)blocks, GNORM_WARPS * 32, 0, cu_stream(be)>>>(*p);
+    cu_launch_pdl_k(gated_rmsnorm_kernel, dim3((unsigned)blocks), dim3(GNORM_WARPS * 32), 0, cu_stream(be), *p);
     cu_check_launch(be, "gated_rmsnorm");
 }
 

@@ -380,6 +380,14 @@ __device__ __forceinline__ void cu_pdl_trigger(void) {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
+/* k<<<grid, block, smem, s>>>(p) launched for PDL: the kernel must cu_pdl_wait() before it reads
+ * what an earlier kernel wrote, or writes anything. A launch error is left for cudaGetLastError
+ * (cu_check_launch, MT_CUDA_CHECK_LAUNCH), as with <<<>>>. */
+template <typename P>
+static inline void cu_launch_pdl_k(void (*k)(P), dim3 grid, dim3 block, size_t smem, cudaStream_t s, P p) {
+    (void)cu_launch_pdl((const void *)k, grid, block, smem, s, &p);
+}
+
 static inline __host__ __device__ bool cu_aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
 /* This block's share of dst[0, row) = src: threads strided over the grid's x, float4 accesses when

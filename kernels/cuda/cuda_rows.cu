@@ -69,6 +69,8 @@ typedef struct conv3_params {
 } conv3_params;
 
 static __global__ void __launch_bounds__(1024) conv3_rows_kernel(const conv3_params p) {
+    cu_pdl_wait(); /* launched for PDL (cu_launch_pdl_k) */
+    cu_pdl_trigger();
     __shared__ float red[32];
     const int h = blockIdx.x, j = blockIdx.y, i = blockIdx.z, t = threadIdx.x, c = h * p.dk + t;
     const bool own = t < p.dk; /* the block is dk rounded up to whole warps */
@@ -93,8 +95,8 @@ extern "C" void cu_kda_conv3_rows(mt_backend *be, const mt_kda_conv3 *c, int n, 
     MT_ASSERT(n >= 0 && C > 0 && K >= 1 && K <= ROWS_MAX_K && dk >= 1 && dk <= 1024 && C % dk == 0);
     if (n == 0) return;
     const conv3_params p = { *c, n, C, K, dk, eps, q_scale };
-    conv3_rows_kernel<<<dim3((unsigned)(C / dk), 3, (unsigned)n), (unsigned)((dk + 31) / 32 * 32), 0,
-                        cu_stream(be)>>>(p);
+    cu_launch_pdl_k(conv3_rows_kernel, dim3((unsigned)(C / dk), 3, (unsigned)n), dim3((unsigned)((dk + 31) / 32 * 32)), 0,
+                    cu_stream(be), p);
     cu_check_launch(be, "kda_conv3_rows");
 }
 
@@ -110,6 +112,8 @@ typedef struct copy_to_params {
 
 /* Block = (a stretch of columns, row i); the row's page is looked up once. */
 static __global__ void copy_rows_to_kernel(copy_to_params p) {
+    cu_pdl_wait(); /* launched for PDL (cu_launch_pdl_k) */
+    cu_pdl_trigger();
     const int i = blockIdx.y;
     cu_copy_row_x(mt_paged_at(p.dst, p.bts[i], p.pos[i]), p.src + (int64_t)i * p.dst.row, p.dst.row, p.vec4);
 }
@@ -121,7 +125,7 @@ extern "C" void cu_copy_rows_to(mt_backend *be, mt_paged dst, const int32_t *con
     copy_to_params p = { dst, bts, pos, src, false };
     p.vec4 = dst.row % 4 == 0 && cu_aligned16(dst.base) && cu_aligned16(src);
     const int64_t per = p.vec4 ? dst.row / 4 : dst.row, bx = (per + ROWS_BLOCK - 1) / ROWS_BLOCK;
-    copy_rows_to_kernel<<<dim3((unsigned)(bx < 64 ? bx : 64), n), ROWS_BLOCK, 0, cu_stream(be)>>>(p);
+    cu_launch_pdl_k(copy_rows_to_kernel, dim3(dim3((unsigned)(bx < 64 ? bx : 64), n)), dim3(ROWS_BLOCK), 0, cu_stream(be), p);
     cu_check_launch(be, "copy_rows_to");
 }
 
@@ -139,6 +143,8 @@ typedef struct pool_rows_params {
 /* The same softmax-weighted sum as cuda_dsa.cu's pool key, in the CPU's order. The pool's kpool
  * members are consecutive rows of one page (page is a multiple of kpool). */
 static __global__ void pool_keys_rows_kernel(pool_rows_params p) {
+    cu_pdl_wait(); /* launched for PDL (cu_launch_pdl_k) */
+    cu_pdl_trigger();
     const int d = blockIdx.x * blockDim.x + threadIdx.x, i = blockIdx.y;
     const int t = p.pos[i];
     if (d >= p.id || (t + 1) % p.kpool != 0) return;
@@ -164,6 +170,6 @@ extern "C" void cu_dsa_pool_keys_rows(mt_backend *be, mt_paged pool_keys, mt_pag
     MT_ASSERT(ki.page == gs.page && pool_keys.page > 0 && ki.page == pool_keys.page * kpool);
     if (n <= 0) return;
     const pool_rows_params p = { pool_keys, ki, gs, bts, ape, pos, kpool, id };
-    pool_keys_rows_kernel<<<dim3((id + ROWS_BLOCK - 1) / ROWS_BLOCK, n), ROWS_BLOCK, 0, cu_stream(be)>>>(p);
+    cu_launch_pdl_k(pool_keys_rows_kernel, dim3(dim3((id + ROWS_BLOCK - 1) / ROWS_BLOCK, n)), dim3(ROWS_BLOCK), 0, cu_stream(be), p);
     cu_check_launch(be, "dsa_pool_keys_rows");
 }

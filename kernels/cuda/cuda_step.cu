@@ -71,6 +71,8 @@ typedef struct embed_dev_params {
 enum { EMBED_THREADS = 128, EMBED_PER = 8 };
 template <mt_dtype DT>
 static __global__ void embed_dev_kernel(embed_dev_params p) {
+    cu_pdl_wait(); /* launched for PDL (cu_launch_pdl_k) */
+    cu_pdl_trigger();
     const int i = blockIdx.y, d0 = (blockIdx.x * EMBED_THREADS + threadIdx.x) * EMBED_PER;
     int id = p.ids[i];
     if (id < 0 || id >= p.V) id = 0; /* validated on the host before the upload; never read out of bounds */
@@ -97,9 +99,9 @@ extern "C" void cu_embed_dev(mt_backend *be, float *out, const mt_weight *table,
     cudaStream_t s = cu_stream(be);
     const dim3 g((unsigned)((p.H + EMBED_THREADS * EMBED_PER - 1) / (EMBED_THREADS * EMBED_PER)), (unsigned)n);
     switch (table->dtype) {
-    case MT_F32: embed_dev_kernel<MT_F32><<<g, EMBED_THREADS, 0, s>>>(p); break;
-    case MT_F16: embed_dev_kernel<MT_F16><<<g, EMBED_THREADS, 0, s>>>(p); break;
-    default: embed_dev_kernel<MT_BF16><<<g, EMBED_THREADS, 0, s>>>(p); break;
+    case MT_F32: cu_launch_pdl_k(embed_dev_kernel<MT_F32>, dim3(g), dim3(EMBED_THREADS), 0, s, p); break;
+    case MT_F16: cu_launch_pdl_k(embed_dev_kernel<MT_F16>, dim3(g), dim3(EMBED_THREADS), 0, s, p); break;
+    default: cu_launch_pdl_k(embed_dev_kernel<MT_BF16>, dim3(g), dim3(EMBED_THREADS), 0, s, p); break;
     }
     cu_check_launch(be, "embed_dev");
 }

@@ -48,16 +48,16 @@ static void dsa_project(const glm_layer *l, mt_backend *be, const float *h, cons
     const glm_dsa_w *w = &l->dsa;
     const mt_backend_ops *op = be->ops;
     /* every projection of h together: q_a, kv_a, and the indexer's keys, gate scores and head
-     * weights; then the ones of the normed q_a output */
+     * weights; then the ones of the normed q_a output together: q_b and the indexer's queries */
     const mt_weight *wh[5] = { &w->q_a, &w->kv_a, &w->ik, &w->igate, &w->iw };
     float *yh[5] = { x->qr, x->lat, x->ki, x->gs, x->iw };
     glm_matmul_multi(be, yh, h, wh, w->has_indexer ? 5 : 2, n, 0u);
     op->rmsnorm(be, x->qr, x->qr, w->q_a_norm, n, c->q_lora_rank, c->rms_norm_eps);
-    op->matmul(be, x->q, x->qr, &w->q_b, n);
+    const mt_weight *wq[2] = { &w->q_b, &w->iq };
+    float *yq[2] = { x->q, x->qi };
+    glm_matmul_multi(be, yq, x->qr, wq, w->has_indexer ? 2 : 1, n, 0u);
     op->rmsnorm(be, x->lat, x->lat, w->kv_a_norm, n, c->kv_lora_rank, c->rms_norm_eps);
-    if (!w->has_indexer) return;
-    op->layernorm(be, x->ki, x->ki, w->ik_norm_w, w->ik_norm_b, n, c->index_head_dim, 1e-6f);
-    op->matmul(be, x->qi, x->qr, &w->iq, n);
+    if (w->has_indexer) op->layernorm(be, x->ki, x->ki, w->ik_norm_w, w->ik_norm_b, n, c->index_head_dim, 1e-6f);
 }
 
 /* Selection and sparse-MLA parameters; t0_dev and t_cap as kernels/backend.h says per form. */

@@ -24,10 +24,12 @@ mt_status glm_kda_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
     const bool rows = step->rtab != NULL; /* the rows form, even for n == 1 (a graph bucket) */
     MT_ASSERT(rows ? nst == n : nst == 1);
 
-    /* q, k, v projections together (o and g hold k and v's until the conv), then each conv */
-    const mt_weight *proj[3] = { &w->q, &w->k, &w->v };
-    float *dst[3] = { q, k, v }, *pre[3] = { raw, o, g };
-    glm_matmul_multi(be, pre, h, proj, 3, n, 0u);
+    /* Every projection of h together: q, k, v (o and g hold k and v's until the conv), and the
+     * three small ones, f_a, b (its sigmoid, beta, with it) and g_a (g_b's input waits in lo_g);
+     * then each conv. */
+    const mt_weight *proj[6] = { &w->q, &w->k, &w->v, &w->f_a, &w->b, &w->g_a };
+    float *dst[3] = { q, k, v }, *pre[6] = { raw, o, g, lo, beta, lo_g };
+    glm_matmul_multi(be, pre, h, proj, 6, n, 1u << 4);
     const float q_scale = 1.f / sqrtf((float)dk);
     if (rows && op->kda_conv3_rows) { /* the three convs and two norms in one backend op */
         mt_kda_conv3 cv;
@@ -48,11 +50,6 @@ mt_status glm_kda_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
     }
 
     mt_kda_gate_params gp = { nh, dk, c->has_linear_lower_bound, c->linear_lower_bound };
-    /* the three small projections of h together: f_a, b (its sigmoid, beta, with it), g_a (g_b's
-     * input waits in lo_g) */
-    const mt_weight *small[3] = { &w->f_a, &w->b, &w->g_a };
-    float *sy[3] = { lo, beta, lo_g };
-    glm_matmul_multi(be, sy, h, small, 3, n, 1u << 1);
     op->matmul(be, raw, lo, &w->f_b, n);
     op->kda_gate(be, g, raw, w->dt_bias, w->A_log, &gp, n);
 
