@@ -204,6 +204,10 @@ typedef struct mt_backend_ops {
      * g, o [n, nh, dk], beta [n, nh]. */
     void (*kda_recurrent_rows)(mt_backend *be, float *o, const float *q, const float *k, const float *v,
                                const float *g, const float *beta, float *const *states, int n, int nh, int dk);
+    /* Optional (NULL: not offered): copy_rows_to(dst[j], src[j]) for j < count <= 4, the same bts,
+     * pos and n, in one launch where the backend can. */
+    void (*copy_rows_to_n)(mt_backend *be, const mt_paged *dst, const float *const *src, int count,
+                           const int32_t *const *bts, const int32_t *pos, int n);
     /* Each row's cache write: src[i, dst.row] becomes position pos[i] of dst through bts[i]. */
     void (*copy_rows_to)(mt_backend *be, mt_paged dst, const int32_t *const *bts, const int32_t *pos,
                          const float *src, int n);
@@ -265,6 +269,12 @@ typedef struct mt_backend_ops {
      * inputs, oldest first; updated), w[C, K]. */
     void (*conv1d_silu)(mt_backend *be, float *out, const float *x, float *state, const float *w,
                         int n, int C, int K);
+    /* Optional (NULL: not offered): g = kda_gate(f_in . f_b^T) and gate = g_in . g_b^T, as matmul,
+     * kda_gate and matmul would give, in one launch where the backend can. f_in [n, f_b.cols],
+     * g_in [n, g_b.cols]; g [n, nh*dk] (f_b.rows), gate [n, g_b.rows]. */
+    void (*kda_gates)(mt_backend *be, float *g, float *gate, const float *f_in, const float *g_in,
+                      const mt_weight *f_b, const mt_weight *g_b, const float *dt_bias, const float *A_log,
+                      const mt_kda_gate_params *p, int n);
     /* g[n, nh*dk] = gate(f[n, nh*dk] + dt_bias) with A_log[nh]; g may alias f. */
     void (*kda_gate)(mt_backend *be, float *g, const float *f, const float *dt_bias,
                      const float *A_log, const mt_kda_gate_params *p, int n);

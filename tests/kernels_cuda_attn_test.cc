@@ -248,6 +248,46 @@ TEST_F(CudaAttn, KdaGateMatchesCpu) {
         }
 }
 
+// kda_gates (the decay gate's and the output gate's projections, fused at decode) against the CPU
+// composition matmul, kda_gate, matmul: the real shapes (K = 128 -> 64 x 128) at 1 and 2 rows
+// (one fused launch) and 5 rows (the unfused path), with and without the lower bound.
+TEST_F(CudaAttn, KdaGatesMatchCpuComposition) {
+    ASSERT_NE(gpu_->ops->kda_gates, nullptr);
+    const int K = 128;
+    for (bool lb : {false, true})
+        for (int n : {1, 2, 5}) {
+            mt_kda_gate_params p = {64, 128, lb, -5.f};
+            const int D = p.nh * p.dk;
+            std::vector<float> wf = Rand((size_t)D * K, 0.3f), wg = Rand((size_t)D * K, 0.3f);
+            std::vector<uint16_t> hf(wf.size()), hg(wg.size());
+            for (size_t i = 0; i < wf.size(); i++) {
+                hf[i] = mt_f32_to_bf16(wf[i]);
+                hg[i] = mt_f32_to_bf16(wg[i]);
+            }
+            mt_weight cf, cg, gf, gg;
+            ASSERT_EQ(cpu_->ops->weight(cpu_, hf.data(), MT_BF16, D, K, &cf), MT_OK);
+            ASSERT_EQ(cpu_->ops->weight(cpu_, hg.data(), MT_BF16, D, K, &cg), MT_OK);
+            ASSERT_EQ(gpu_->ops->weight(gpu_, hf.data(), MT_BF16, D, K, &gf), MT_OK);
+            ASSERT_EQ(gpu_->ops->weight(gpu_, hg.data(), MT_BF16, D, K, &gg), MT_OK);
+            std::vector<float> fin = Rand((size_t)n * K), gin = Rand((size_t)n * K), bias = Rand(D), A = Rand(p.nh);
+            std::vector<float> f_cpu((size_t)n * D), g_cpu((size_t)n * D), gate_cpu((size_t)n * D);
+            cpu_->ops->matmul(cpu_, f_cpu.data(), fin.data(), &cf, n);
+            cpu_->ops->kda_gate(cpu_, g_cpu.data(), f_cpu.data(), bias.data(), A.data(), &p, n);
+            cpu_->ops->matmul(cpu_, gate_cpu.data(), gin.data(), &cg, n);
+            Buf<float> dfin(gpu_, fin), dgin(gpu_, gin), db(gpu_, bias), dA(gpu_, A);
+            Buf<float> dg(gpu_, Rand((size_t)n * D)), dgate(gpu_, Rand((size_t)n * D));
+            gpu_->ops->kda_gates(gpu_, dg.get(), dgate.get(), dfin.get(), dgin.get(), &gf, &gg, db.get(), dA.get(), &p, n);
+            const double eg = RelErr(dg.Get(), g_cpu), et = RelErr(dgate.Get(), gate_cpu);
+            std::printf("[kda_gates] lower_bound=%d n=%d: g rel %.2e, gate rel %.2e\n", lb, n, eg, et);
+            EXPECT_LE(eg, kRelTol);
+            EXPECT_LE(et, kRelTol);
+            cpu_->ops->weight_free(cpu_, &cf);
+            cpu_->ops->weight_free(cpu_, &cg);
+            gpu_->ops->weight_free(gpu_, &gf);
+            gpu_->ops->weight_free(gpu_, &gg);
+        }
+}
+
 // The real model's heads (64 of 128); decode carries the state over several calls.
 TEST_F(CudaAttn, KdaRecurrentRealShapes) {
     for (int n : {1, 63, 200}) CheckDelta(false, n, 64, 128, 1.f, n == 1 ? 3 : 1);
@@ -727,13 +767,16 @@ TEST_F(CudaAttn, DsaPagedWritesAndRowsMatchCpu) {
     Buf<const int32_t *> dbts(gpu_, std::vector<const int32_t *>{dbtA.get(), dbtB.get(), dbtC.get()});
     const std::vector<float> rl = Rand((size_t)n * kvl), rk = Rand((size_t)n * id), rg = Rand((size_t)n * id);
     Buf<float> drl(gpu_, rl), drk(gpu_, rk), drg(gpu_, rg);
-    for (auto [c, g, src, dsrc] : {std::tuple{cl, gl, &rl, drl.get()}, {cki, gki, &rk, drk.get()}, {cgs, ggs, &rg, drg.get()}}) {
+    // the GPU writes the three caches in one copy_rows_to_n, as the model does
+    for (auto [c, src] : {std::pair{cl, &rl}, {cki, &rk}, {cgs, &rg}})
         cpu_->ops->copy_rows_to(cpu_, c, bts.data(), pos.data(), src->data(), n);
-        gpu_->ops->copy_rows_to(gpu_, g, dbts.get(), dpos.get(), dsrc, n);
-    }
+    ASSERT_NE(gpu_->ops->copy_rows_to_n, nullptr);
+    const mt_paged gdst[3] = {gl, gki, ggs};
+    const float *gsrc[3] = {drl.get(), drk.get(), drg.get()};
+    gpu_->ops->copy_rows_to_n(gpu_, gdst, gsrc, 3, dbts.get(), dpos.get(), n);
     cpu_->ops->dsa_pool_keys_rows(cpu_, cpk, cki, cgs, bts.data(), ape.data(), pos.data(), n, kp);
     gpu_->ops->dsa_pool_keys_rows(gpu_, gpk, gki, ggs, dbts.get(), dape.get(), dpos.get(), n, kp);
-    check_pools("copy_rows_to, dsa_pool_keys_rows");
+    check_pools("copy_rows_to(_n), dsa_pool_keys_rows");
     // The GPU's pool keys from here on are the CPU's, so that both select over the same keys.
     dpk.Put(pk);
 

@@ -147,6 +147,14 @@ typedef struct gemv_params {
     int wrows[GEMV_MAX_W];
     int wt0[GEMV_MAX_W + 1];
     unsigned sig;    /* bit j: weight j's outputs go through a sigmoid before they are stored */
+    /* gemv_shortk_kernel over nw == 2 weights (cu_kda_gates): weight j's input xs[j], its blocks
+     * [wt0[j], wt0[j + 1]); weight 0's outputs through the KDA gate with gate_bias [rows0] and
+     * gate_alog [rows0 / gate_dk] when gate_alog is set */
+    const float *xs[2];
+    const float *gate_bias, *gate_alog;
+    int gate_dk;
+    bool gate_lb;
+    float gate_lbv;
 } gemv_params;
 
 
@@ -290,12 +298,28 @@ template <mt_dtype DT, int NB, int G>
 static __global__ void __launch_bounds__(GEMV_THREADS) gemv_shortk_kernel(const gemv_params p) {
     constexpr int V = cu_wvec<DT>::n, RPW = 32 / G * NK_U; /* rows a warp */
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane / G, gl = lane % G;
-    const int nv = p.cols / V, row0 = (blockIdx.x * GEMV_WARPS + warp) * RPW;
+    const int nv = p.cols / V;
+    /* the block's weight (two with cu_kda_gates) */
+    const void *w = p.w;
+    const float *x = p.x;
+    float *y = p.y;
+    int rows = p.rows, blk = blockIdx.x;
+    bool gate = false;
+    if (p.nw == 2) {
+        const int j = blk >= p.wt0[1];
+        w = p.ws[j];
+        x = p.xs[j];
+        y = p.ys[j];
+        rows = p.wrows[j];
+        blk -= p.wt0[j];
+        gate = j == 0 && p.gate_alog;
+    }
+    const int row0 = (blk * GEMV_WARPS + warp) * RPW;
     cu_wstream<DT, true> wr[NK_U];
 #pragma unroll
     for (int u = 0; u < NK_U; u++) {
         const int row = row0 + u * (32 / G) + g;
-        if (gl < nv && row < p.rows) wr[u].load(p.w, (int64_t)row * p.cols + (int64_t)gl * V);
+        if (gl < nv && row < rows) wr[u].load(w, (int64_t)row * p.cols + (int64_t)gl * V);
         else wr[u].zero();
     }
     cu_pdl_wait(); /* x is the previous kernel's output */
@@ -303,7 +327,7 @@ static __global__ void __launch_bounds__(GEMV_THREADS) gemv_shortk_kernel(const 
     float xv[NB][V];
 #pragma unroll
     for (int i = 0; i < NB; i++) {
-        if (i < p.n && gl < nv) cu_xload_ro<V>(p.x + (int64_t)i * p.cols + (int64_t)gl * V, xv[i]);
+        if (i < p.n && gl < nv) cu_xload_ro<V>(x + (int64_t)i * p.cols + (int64_t)gl * V, xv[i]);
         else
 #pragma unroll
             for (int j = 0; j < V; j++) xv[i][j] = 0.f;
@@ -320,14 +344,16 @@ static __global__ void __launch_bounds__(GEMV_THREADS) gemv_shortk_kernel(const 
             for (int j = 0; j < V; j++) a = fmaf(wf[j], xv[i][j], a);
 #pragma unroll
             for (int o = G / 2; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
-            if (gl == 0 && i < p.n && row < p.rows) p.y[(int64_t)i * p.rows + row] = a;
+            if (gl == 0 && i < p.n && row < rows)
+                y[(int64_t)i * rows + row] =
+                    gate ? cu_kda_gate_value(a, p.gate_bias[row], p.gate_alog[row / p.gate_dk], p.gate_lb, p.gate_lbv) : a;
         }
     }
 }
 
 template <mt_dtype DT, int NB> static mt_status gemv_shortk_launch_nb(const gemv_params *p, int G, cudaStream_t s) {
     const int rpb = GEMV_WARPS * (32 / G) * NK_U;
-    const dim3 grid((unsigned)((p->rows + rpb - 1) / rpb));
+    const dim3 grid(p->nw == 2 ? (unsigned)p->wt0[2] : (unsigned)((p->rows + rpb - 1) / rpb));
     const void *k = G <= 2 ? (const void *)gemv_shortk_kernel<DT, NB, 2>
                     : G <= 4 ? (const void *)gemv_shortk_kernel<DT, NB, 4>
                     : G <= 8 ? (const void *)gemv_shortk_kernel<DT, NB, 8> : (const void *)gemv_shortk_kernel<DT, NB, 16>;
@@ -340,7 +366,8 @@ template <mt_dtype DT> static mt_status gemv_shortk_launch_dt(const gemv_params 
     return p->n <= 1 ? gemv_shortk_launch_nb<DT, 1>(p, G, s) : gemv_shortk_launch_nb<DT, 2>(p, G, s);
 }
 
-/* Whether the short-row kernel takes it: n <= 2 rows of x, cols 2..16 vectors, aligned, one weight. */
+/* Whether the short-row kernel takes it: n <= 2 rows of x, cols 2..16 vectors, aligned, one weight
+ * (cu_kda_gates checks its two itself). */
 static bool gemv_shortk_ok(const gemv_params *p, mt_dtype dt) {
     const int V = dt == MT_F32 ? 4 : 8;
     return p->nw < 2 && p->n <= 2 && p->cols % V == 0 && p->cols / V >= 2 && p->cols / V <= 16 &&
@@ -1081,6 +1108,53 @@ extern "C" void cu_matmul_multi(mt_backend *be, float *const *y, const float *x,
     const mt_status st = gemv_launch(&p, w[0]->dtype, ((cu_backend *)be)->n_sm, cu_stream(be));
     cu_prof_mark(be, "matmul_multi (GEMV, fp32)");
     cu_op_status(be, "matmul_multi", st);
+}
+
+/* g = kda_gate(f_in . f_b^T), gate = g_in . g_b^T: for the rows the short-row GEMV takes (decode:
+ * n <= 2, K = 128), one gemv_shortk_kernel launch whose blocks [0, wt0[1]) are f_b's, with the gate
+ * as their epilogue, and the rest g_b's (a KDA layer's three small launches, f_b, kda_gate, g_b, of
+ * ~3 us each, become one); otherwise matmul, kda_gate in place, matmul. */
+extern "C" void cu_kda_gates(mt_backend *be, float *g, float *gate, const float *f_in, const float *g_in,
+                             const mt_weight *f_b, const mt_weight *g_b, const float *dt_bias, const float *A_log,
+                             const mt_kda_gate_params *gp, int n) {
+    MT_ASSERT(n >= 0 && f_b->rows == (int64_t)gp->nh * gp->dk);
+    if (n == 0) return;
+    gemv_params p = {};
+    p.n = n;
+    p.cols = (int)f_b->cols;
+    p.w = f_b->data;
+    p.x = f_in;
+    bool fuse = f_b->dtype == g_b->dtype && f_b->cols == g_b->cols && f_b->rows <= INT_MAX && g_b->rows <= INT_MAX &&
+                cu_aligned16(g_b->data) && cu_aligned16(g_in) && f_b->dtype != MT_F32;
+    fuse = fuse && gemv_shortk_ok(&p, f_b->dtype);
+    if (!fuse) {
+        cu_matmul(be, g, f_in, f_b, n);
+        cu_kda_gate(be, g, g, dt_bias, A_log, gp, n);
+        cu_matmul(be, gate, g_in, g_b, n);
+        return;
+    }
+    const int nv = p.cols / cu_wvec<MT_BF16>::n;
+    int G = 2;
+    while (G < nv) G *= 2;
+    const int rpb = GEMV_WARPS * (32 / G) * NK_U;
+    p.nw = 2;
+    const mt_weight *ws[2] = {f_b, g_b};
+    float *ys[2] = {g, gate};
+    const float *xs[2] = {f_in, g_in};
+    p.wt0[0] = 0;
+    for (int j = 0; j < 2; j++) {
+        p.ws[j] = ws[j]->data;
+        p.ys[j] = ys[j];
+        p.xs[j] = xs[j];
+        p.wrows[j] = (int)ws[j]->rows;
+        p.wt0[j + 1] = p.wt0[j] + (p.wrows[j] + rpb - 1) / rpb;
+    }
+    p.gate_bias = dt_bias;
+    p.gate_alog = A_log;
+    p.gate_dk = gp->dk;
+    p.gate_lb = gp->has_lower_bound;
+    p.gate_lbv = gp->lower_bound;
+    cu_op_status(be, "kda_gates", gemv_shortk_launch(&p, f_b->dtype, cu_stream(be)));
 }
 
 /* ================================ norms ================================ */

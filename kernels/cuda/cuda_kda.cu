@@ -121,10 +121,7 @@ static __global__ void kda_gate_kernel(gate_params p) {
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
     for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < p.count; e += stride) {
         const int c = (int)(e % p.D);
-        const float a = expf(p.A_log[c / p.dk]);
-        const float x = p.f[e] + p.dt_bias[c];
-        p.g[e] = p.has_lower_bound ? p.lower_bound * kda_sigmoid(a * x)
-                                   : -a * (x > 20.f ? x : log1pf(expf(x)));
+        p.g[e] = cu_kda_gate_value(p.f[e], p.dt_bias[c], p.A_log[c / p.dk], p.has_lower_bound, p.lower_bound);
     }
 }
 

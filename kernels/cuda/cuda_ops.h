@@ -173,6 +173,8 @@ bool cu_moe_experts_shared(mt_backend *be, float *out, const float *x, const int
 
 void cu_conv1d_silu(mt_backend *be, float *out, const float *x, float *state, const float *w, int n,
                     int C, int K);
+void cu_kda_gates(mt_backend *be, float *g, float *gate, const float *f_in, const float *g_in, const mt_weight *f_b,
+                  const mt_weight *g_b, const float *dt_bias, const float *A_log, const mt_kda_gate_params *p, int n);
 void cu_kda_gate(mt_backend *be, float *g, const float *f, const float *dt_bias, const float *A_log,
                  const mt_kda_gate_params *p, int n);
 void cu_kda_recurrent(mt_backend *be, float *o, const float *q, const float *k, const float *v,
@@ -209,6 +211,8 @@ void cu_kda_recurrent_rows(mt_backend *be, float *o, const float *q, const float
                            const float *g, const float *beta, float *const *states, int n, int nh, int dk);
 void cu_copy_rows_to(mt_backend *be, mt_paged dst, const int32_t *const *bts, const int32_t *pos,
                      const float *src, int n);
+void cu_copy_rows_to_n(mt_backend *be, const mt_paged *dst, const float *const *src, int count,
+                       const int32_t *const *bts, const int32_t *pos, int n);
 void cu_dsa_pool_keys_rows(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs,
                            const int32_t *const *bts, const float *ape, const int32_t *pos, int n, int kpool);
 void cu_dsa_select_rows(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi, const float *w,
@@ -378,6 +382,15 @@ template <int V> __device__ __forceinline__ void cu_xload_ro(const float *x, flo
 __device__ __forceinline__ void cu_pdl_wait(void) { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void cu_pdl_trigger(void) {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+/* The KDA decay gate of one element (MODEL.md "KDA mixer"): f the projection, bias its dt_bias,
+ * a_log its head's A_log. kda_gate_kernel (cuda_kda.cu) and the short-row GEMV's epilogue
+ * (cu_kda_gates, cuda_dense.cu) both take it from here. */
+static __device__ __forceinline__ float cu_kda_gate_value(float f, float bias, float a_log, bool has_lower_bound,
+                                                          float lower_bound) {
+    const float a = expf(a_log), x = f + bias;
+    return has_lower_bound ? lower_bound * (1.f / (1.f + expf(-(a * x)))) : -a * (x > 20.f ? x : log1pf(expf(x)));
 }
 
 /* k<<<grid, block, smem, s>>>(p) launched for PDL: the kernel must cu_pdl_wait() before it reads

@@ -102,31 +102,49 @@ extern "C" void cu_kda_conv3_rows(mt_backend *be, const mt_kda_conv3 *c, int n, 
 
 /* ---- copy_rows_to: src[i] becomes position pos[i] of the paged cache dst through bts[i] ---- */
 
+enum { COPY_TO_MAX = 4 };
+
 typedef struct copy_to_params {
-    mt_paged dst;                /* [n_pages, page, row] */
-    const int32_t *const *bts;   /* [n] block tables */
-    const int32_t *pos;          /* [n] */
-    const float *src;            /* [n, row] */
-    bool vec4;                   /* row % 4 == 0, dst.base and src 16-byte aligned */
+    mt_paged dst[COPY_TO_MAX];           /* [n_pages, page, row] each */
+    const float *src[COPY_TO_MAX];       /* [n, dst[j].row] */
+    bool vec4[COPY_TO_MAX];              /* row % 4 == 0, dst.base and src 16-byte aligned */
+    const int32_t *const *bts;           /* [n] block tables */
+    const int32_t *pos;                  /* [n] */
 } copy_to_params;
 
-/* Block = (a stretch of columns, row i); the row's page is looked up once. */
+/* Block = (a stretch of columns, row i, cache j); the row's page is looked up once. */
 static __global__ void copy_rows_to_kernel(copy_to_params p) {
     cu_pdl_wait(); /* launched for PDL (cu_launch_pdl_k) */
     cu_pdl_trigger();
-    const int i = blockIdx.y;
-    cu_copy_row_x(mt_paged_at(p.dst, p.bts[i], p.pos[i]), p.src + (int64_t)i * p.dst.row, p.dst.row, p.vec4);
+    const int i = blockIdx.y, j = blockIdx.z;
+    const mt_paged d = p.dst[j];
+    cu_copy_row_x(mt_paged_at(d, p.bts[i], p.pos[i]), p.src[j] + (int64_t)i * d.row, d.row, p.vec4[j]);
+}
+
+extern "C" void cu_copy_rows_to_n(mt_backend *be, const mt_paged *dst, const float *const *src, int count,
+                                  const int32_t *const *bts, const int32_t *pos, int n) {
+    MT_ASSERT(count >= 0 && count <= COPY_TO_MAX && n <= 65535);
+    if (n <= 0 || count == 0) return;
+    copy_to_params p = {};
+    p.bts = bts;
+    p.pos = pos;
+    int64_t bx = 1;
+    for (int j = 0; j < count; j++) {
+        MT_ASSERT(dst[j].page > 0 && dst[j].row > 0);
+        p.dst[j] = dst[j];
+        p.src[j] = src[j];
+        p.vec4[j] = dst[j].row % 4 == 0 && cu_aligned16(dst[j].base) && cu_aligned16(src[j]);
+        const int64_t per = p.vec4[j] ? dst[j].row / 4 : dst[j].row, b = (per + ROWS_BLOCK - 1) / ROWS_BLOCK;
+        if (b > bx) bx = b;
+    }
+    cu_launch_pdl_k(copy_rows_to_kernel, dim3((unsigned)(bx < 64 ? bx : 64), n, count), dim3(ROWS_BLOCK), 0,
+                    cu_stream(be), p);
+    cu_check_launch(be, "copy_rows_to");
 }
 
 extern "C" void cu_copy_rows_to(mt_backend *be, mt_paged dst, const int32_t *const *bts, const int32_t *pos,
                                 const float *src, int n) {
-    MT_ASSERT(dst.page > 0 && dst.row > 0 && n <= 65535);
-    if (n <= 0) return;
-    copy_to_params p = { dst, bts, pos, src, false };
-    p.vec4 = dst.row % 4 == 0 && cu_aligned16(dst.base) && cu_aligned16(src);
-    const int64_t per = p.vec4 ? dst.row / 4 : dst.row, bx = (per + ROWS_BLOCK - 1) / ROWS_BLOCK;
-    cu_launch_pdl_k(copy_rows_to_kernel, dim3(dim3((unsigned)(bx < 64 ? bx : 64), n)), dim3(ROWS_BLOCK), 0, cu_stream(be), p);
-    cu_check_launch(be, "copy_rows_to");
+    cu_copy_rows_to_n(be, &dst, &src, 1, bts, pos, n);
 }
 
 /* ---- dsa_pool_keys_rows: thread = (row i, channel d); the pool pos[i] completes, if any ---- */

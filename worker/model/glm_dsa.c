@@ -93,10 +93,16 @@ static mt_status dsa_forward_rows(const glm_layer *l, mt_step *step, const float
     const dsa_bufs x = dsa_bufs_of(scr);
 
     dsa_project(l, be, h, &x, n);
-    op->copy_rows_to(be, pc.latent, bts, pos, x.lat, n);
+    /* this step's cache rows: the latent, and for a full layer its indexer keys and gate scores */
+    const mt_paged cd[3] = { pc.latent, pc.ki, pc.gs };
+    const float *cs[3] = { x.lat, x.ki, x.gs };
+    const int nc = w->has_indexer ? 3 : 1;
+    if (op->copy_rows_to_n) {
+        op->copy_rows_to_n(be, cd, cs, nc, bts, pos, n);
+    } else {
+        for (int j = 0; j < nc; j++) op->copy_rows_to(be, cd[j], bts, pos, cs[j], n);
+    }
     if (w->has_indexer) {
-        op->copy_rows_to(be, pc.ki, bts, pos, x.ki, n);
-        op->copy_rows_to(be, pc.gs, bts, pos, x.gs, n);
         op->dsa_pool_keys_rows(be, pc.pk, pc.ki, pc.gs, bts, w->ape, pos, n, c->index_kpool);
         const mt_dsa_select_params sp = dsa_select_params(c, NULL, step->rt_cap);
         op->dsa_select_rows(be, scr->sel, scr->nsel, x.qi, x.iw, pc.pk, bts, pos, n, &sp);

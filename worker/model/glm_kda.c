@@ -49,15 +49,20 @@ mt_status glm_kda_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
         op->l2norm(be, k, (int64_t)n * nh, dk, 1e-6f, 1.f);
     }
 
+    /* the decay gate and the output gate's projection (fused where the backend offers it) */
     mt_kda_gate_params gp = { nh, dk, c->has_linear_lower_bound, c->linear_lower_bound };
-    op->matmul(be, raw, lo, &w->f_b, n);
-    op->kda_gate(be, g, raw, w->dt_bias, w->A_log, &gp, n);
+    if (op->kda_gates) {
+        op->kda_gates(be, g, gate, lo, lo_g, &w->f_b, &w->g_b, w->dt_bias, w->A_log, &gp, n);
+    } else {
+        op->matmul(be, raw, lo, &w->f_b, n);
+        op->kda_gate(be, g, raw, w->dt_bias, w->A_log, &gp, n);
+        op->matmul(be, gate, lo_g, &w->g_b, n);
+    }
 
     if (!rows && n == 1) op->kda_recurrent(be, o, q, k, v, g, beta, sts[0]->rec, 1, nh, dk);
     else if (!rows) op->kda_chunked(be, o, q, k, v, g, beta, sts[0]->rec, n, nh, dk);
     else op->kda_recurrent_rows(be, o, q, k, v, g, beta, glm_rtab(step, GLM_R_REC), n, nh, dk);
 
-    op->matmul(be, gate, lo_g, &w->g_b, n);
     op->gated_rmsnorm(be, raw, o, gate, w->o_norm, (int64_t)n * nh, dk, c->rms_norm_eps);
     op->matmul(be, out, raw, &w->o, n);
     return MT_OK;
