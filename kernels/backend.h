@@ -324,6 +324,12 @@ typedef struct mt_backend_ops {
     void (*hc_pre_norm)(mt_backend *be, float *h, float *y, float *post, float *comb, const float *X,
                         const mt_weight *fn, const float *base, const float *scale, const float *norm_w,
                         const mt_hc_params *p, int n);
+    /* Optional (NULL: not offered): hc_post(X, a, post, comb), then hc_pre_norm(h, y, post, comb,
+     * X, fn, ...) of the next site, as the two ops would give (post and comb are read as the
+     * first's and written as the second's), in one launch where the backend can. */
+    void (*hc_post_pre_norm)(mt_backend *be, float *X, const float *a, float *h, float *y, float *post, float *comb,
+                             const mt_weight *fn, const float *base, const float *scale, const float *norm_w,
+                             const mt_hc_params *p, int n);
     /* X[s] = post[s] * a + sum_r comb[r][s] * X[r], in place; a[n, H]. */
     void (*hc_post)(mt_backend *be, float *X, const float *a, const float *post, const float *comb,
                     const mt_hc_params *p, int n);

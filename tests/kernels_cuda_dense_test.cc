@@ -980,6 +980,33 @@ TEST_F(CudaOps, HyperConnections) {
                     Drop(gpu_, gh);
                 }
 
+                // hc_post_pre_norm (the split kernel's POST form for the decode shapes) against the
+                // CPU's hc_post, hc_pre and rmsnorm: X', h, post and comb.
+                {
+                    std::vector<float> a = Rand((size_t)n * H), po = Rand((size_t)n * Sn, 0.f, 2.f);
+                    std::vector<float> cm = Rand((size_t)n * Sn * Sn, 0.f, 1.f), Xc = X, nw = Rand(H, 0.5f, 1.5f);
+                    std::vector<float> yc((size_t)n * H), hc((size_t)n * H), pc = po, cc = cm;
+                    cpu_->ops->hc_post(cpu_, Xc.data(), a.data(), po.data(), cm.data(), &p, n);
+                    cpu_->ops->hc_pre(cpu_, yc.data(), pc.data(), cc.data(), Xc.data(), &fn->cpu, base.data(),
+                                      scale.data(), &p, n);
+                    cpu_->ops->rmsnorm(cpu_, hc.data(), yc.data(), nw.data(), n, H, p.rms_eps);
+                    float *gX2 = Put(gpu_, X), *ga = Put(gpu_, a), *gpo = Put(gpu_, po), *gcm = Put(gpu_, cm);
+                    float *gnw = Put(gpu_, nw), *gh = (float *)gpu_->ops->alloc(gpu_, hc.size() * 4);
+                    ASSERT_TRUE(gpu_->ops->hc_post_pre_norm);
+                    gpu_->ops->hc_post_pre_norm(gpu_, gX2, ga, gh, gy, gpo, gcm, &fn->gpu, gb, gs, gnw, &p, n);
+                    const double eX = RelErr(Get(gpu_, gX2, Xc.size()), Xc);
+                    const double eh = RelErr(Get(gpu_, gh, hc.size()), hc);
+                    const double ep3 = RelErr(Get(gpu_, gpo, pc.size()), pc);
+                    const double ec3 = RelErr(Get(gpu_, gcm, cc.size()), cc);
+                    worst.See(std::max({eX, eh, ep3, ec3}), "hc_post_pre_norm " + where);
+                    EXPECT_LE(eX, 1e-6) << "hc_post_pre_norm X " << where;
+                    EXPECT_LE(eh, 1e-5) << "hc_post_pre_norm h " << where;
+                    EXPECT_LE(ep3, 1e-5) << "hc_post_pre_norm post " << where;
+                    EXPECT_LE(ec3, 1e-5) << "hc_post_pre_norm comb " << where;
+                    for (void *q : {(void *)gX2, (void *)ga, (void *)gpo, (void *)gcm, (void *)gnw, (void *)gh})
+                        Drop(gpu_, q);
+                }
+
                 // hc_post in place from fresh a/post/comb, then hc_head.
                 std::vector<float> a = Rand((size_t)n * H), po = Rand((size_t)n * Sn, 0.f, 2.f);
                 std::vector<float> cm = Rand((size_t)n * Sn * Sn, 0.f, 1.f), Xw = X;

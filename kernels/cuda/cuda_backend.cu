@@ -313,6 +313,7 @@ static const mt_backend_ops cu_ops = {
     .mla_sparse = cu_mla_sparse,
     .hc_pre = cu_hc_pre,
     .hc_pre_norm = cu_hc_pre_norm,
+    .hc_post_pre_norm = cu_hc_post_pre_norm,
     .hc_post = cu_hc_post,
     .hc_head = cu_hc_head,
     .argmax = cu_argmax,

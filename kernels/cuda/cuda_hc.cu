@@ -461,9 +461,18 @@ typedef struct hc_split_params {
     float *part;          /* [blocks, NB, HC_DEC_MIX] partial fn . X */
     double *part_ss;      /* [blocks, NB] partial X^2 */
     unsigned *count;      /* arrival counter, 0 between calls */
+    const float *a;       /* POST (cu_hc_post_pre_norm): [n, H] the sublayer output; p.post and
+                             p.comb hold the previous hc_pre's on entry */
 } hc_split_params;
 
-template <mt_dtype DT, int NB, bool NORM>
+/* POST: hc_post first, in the same kernel (cu_hc_post_pre_norm). A block then takes the same 32 V
+ * columns of X's S*H but as 32 V / S consecutive d of every stream (lane l: stream l / (32 / S)),
+ * so that it holds whole columns (r = 0..S-1) of the highway: it makes X'[s][d] = post[s] a[d] +
+ * sum_r comb[r][s] X[r][d] (hc_post_vec_kernel's operations, in its order) from the old post and
+ * comb, dots X' instead of X, and its first warp writes X' back once the block's eight dot warps
+ * have read X (a named barrier); no other block touches those columns. The last block's collapse
+ * reads X' from L2 (each writer fences before the arrival). */
+template <mt_dtype DT, int NB, bool NORM, bool POST>
 static __global__ void __launch_bounds__(HCS_THREADS) hc_pre_split_kernel(const hc_split_params q) {
     constexpr int V = cu_wvec<DT>::n, ES = DT == MT_F32 ? 4 : 2;
     const hc_pre_params &p = q.p;
@@ -473,7 +482,9 @@ static __global__ void __launch_bounds__(HCS_THREADS) hc_pre_split_kernel(const 
     __shared__ bool last;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, tid = threadIdx.x;
     const int S = p.S, H = p.H, SH = S * H, mix = (2 + S) * S, b = blockIdx.x;
-    const int64_t c = (int64_t)b * 32 * V + (int64_t)lane * V; /* this lane's first column */
+    /* this lane's first column of S*H; POST: stream sl, d = dl */
+    const int lps = POST ? 32 / S : 32, sl = POST ? lane / lps : 0, dl = POST ? (b * lps + lane % lps) * V : 0;
+    const int64_t c = POST ? (int64_t)sl * H + dl : (int64_t)b * 32 * V + (int64_t)lane * V;
     const char *fn = (const char *)p.fn;
 
     /* fn does not depend on the previous kernel: its lines into L2 before the PDL wait; the ninth
@@ -498,14 +509,57 @@ static __global__ void __launch_bounds__(HCS_THREADS) hc_pre_split_kernel(const 
             if (k < mix) cu_wload<DT, V>(p.fn, (int64_t)k * SH + c, wf[j]);
         }
         float xv[NB][V];
+        if constexpr (POST) {
 #pragma unroll
-        for (int i = 0; i < NB; i++)
+            for (int i = 0; i < NB; i++) {
+                float col[HC_DEC_MAX_S][V], ad[V];
 #pragma unroll
-            for (int v = 0; v < V; v += 4) {
-                float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
-                if (i < p.n) f = __ldg((const float4 *)(p.X + (int64_t)i * SH + c + v));
-                xv[i][v] = f.x; xv[i][v + 1] = f.y; xv[i][v + 2] = f.z; xv[i][v + 3] = f.w;
+                for (int v = 0; v < V; v += 4) {
+                    float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
+                    if (i < p.n) f = __ldg((const float4 *)(q.a + (int64_t)i * H + dl + v));
+                    ad[v] = f.x; ad[v + 1] = f.y; ad[v + 2] = f.z; ad[v + 3] = f.w;
+#pragma unroll
+                    for (int r = 0; r < HC_DEC_MAX_S; r++) {
+                        f = make_float4(0.f, 0.f, 0.f, 0.f);
+                        if (i < p.n && r < S) f = __ldg((const float4 *)(p.X + (int64_t)i * SH + (int64_t)r * H + dl + v));
+                        col[r][v] = f.x; col[r][v + 1] = f.y; col[r][v + 2] = f.z; col[r][v + 3] = f.w;
+                    }
+                }
+                const float po = i < p.n ? p.post[i * S + sl] : 0.f;
+                float cm[HC_DEC_MAX_S];
+#pragma unroll
+                for (int r = 0; r < HC_DEC_MAX_S; r++) cm[r] = i < p.n && r < S ? p.comb[(i * S + r) * S + sl] : 0.f;
+#pragma unroll
+                for (int v = 0; v < V; v++) {
+                    float x = __fmul_rn(po, ad[v]);
+#pragma unroll
+                    for (int r = 0; r < HC_DEC_MAX_S; r++)
+                        if (r < S) x = __fadd_rn(x, __fmul_rn(cm[r], col[r][v]));
+                    xv[i][v] = x;
+                }
             }
+            /* every dot warp has read X (and the old post, comb): the first writes X' */
+            asm volatile("bar.sync 1, %0;" ::"r"(32 * HCS_WARPS));
+            if (warp == 0) {
+#pragma unroll
+                for (int i = 0; i < NB; i++)
+#pragma unroll
+                    for (int v = 0; v < V; v += 4)
+                        if (i < p.n)
+                            *(float4 *)(p.X + (int64_t)i * SH + c + v) =
+                                make_float4(xv[i][v], xv[i][v + 1], xv[i][v + 2], xv[i][v + 3]);
+                __threadfence(); /* X' before the arrival */
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < NB; i++)
+#pragma unroll
+                for (int v = 0; v < V; v += 4) {
+                    float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
+                    if (i < p.n) f = __ldg((const float4 *)(p.X + (int64_t)i * SH + c + v));
+                    xv[i][v] = f.x; xv[i][v + 1] = f.y; xv[i][v + 2] = f.z; xv[i][v + 3] = f.w;
+                }
+        }
 #pragma unroll
         for (int j = 0; j < HCS_KPW; j++) {
             const int k = warp + HCS_WARPS * j;
@@ -712,15 +766,15 @@ static bool hc_pre_split_ok(const mt_weight *fn, int S, int H, const float *norm
            (!norm_w || cu_aligned16(norm_w));
 }
 
-template <mt_dtype DT, bool NORM> static const void *hc_pre_split_fn(int n) {
-    if (n <= 1) return (const void *)hc_pre_split_kernel<DT, 1, NORM>;
-    if (n <= 2) return (const void *)hc_pre_split_kernel<DT, 2, NORM>;
-    return (const void *)hc_pre_split_kernel<DT, 4, NORM>;
+template <mt_dtype DT, bool NORM, bool POST> static const void *hc_pre_split_fn(int n) {
+    if (n <= 1) return (const void *)hc_pre_split_kernel<DT, 1, NORM, POST>;
+    if (n <= 2) return (const void *)hc_pre_split_kernel<DT, 2, NORM, POST>;
+    return (const void *)hc_pre_split_kernel<DT, 4, NORM, POST>;
 }
 
-template <bool NORM> static const void *hc_pre_split_pick(mt_dtype dt, int n) {
-    return dt == MT_F32 ? hc_pre_split_fn<MT_F32, NORM>(n)
-           : dt == MT_F16 ? hc_pre_split_fn<MT_F16, NORM>(n) : hc_pre_split_fn<MT_BF16, NORM>(n);
+template <bool NORM, bool POST> static const void *hc_pre_split_pick(mt_dtype dt, int n) {
+    return dt == MT_F32 ? hc_pre_split_fn<MT_F32, NORM, POST>(n)
+           : dt == MT_F16 ? hc_pre_split_fn<MT_F16, NORM, POST>(n) : hc_pre_split_fn<MT_BF16, NORM, POST>(n);
 }
 
 /* MT_CUDA_HC_SPLIT=0 (read once) keeps decode on the cluster kernel, for comparison. */
@@ -731,16 +785,20 @@ static bool hc_split_on(void) {
 
 static size_t align_up(size_t b, size_t a) { return (b + a - 1) / a * a; }
 
-static mt_status hc_pre_dec_launch(mt_backend *be, hc_pre_params *p, mt_dtype dt, const mt_weight *fn) {
+/* a: the fused hc_post's input (the split kernel's POST form; the caller checked
+ * hc_post_pre_split_ok), else NULL. */
+static mt_status hc_pre_dec_launch(mt_backend *be, hc_pre_params *p, mt_dtype dt, const mt_weight *fn,
+                                   const float *a = NULL) {
     const cudaStream_t s = cu_stream(be);
-    if (hc_split_on() && hc_pre_split_ok(fn, p->S, p->H, p->norm_w)) {
+    if (a || (hc_split_on() && hc_pre_split_ok(fn, p->S, p->H, p->norm_w))) {
         const int blocks = (int)((int64_t)p->S * p->H / (32 * (dt == MT_F32 ? 4 : 8)));
         const int nb = p->n <= 1 ? 1 : p->n <= 2 ? 2 : 4;
         const size_t pf = align_up((size_t)blocks * nb * HC_DEC_MIX * sizeof(float), 16);
         char *scr = (char *)cu_scratch(be, CU_SCRATCH_DENSE, pf + (size_t)blocks * nb * sizeof(double));
         if (!scr) return MT_ERR_NOMEM;
-        hc_split_params q = {*p, (float *)scr, (double *)(scr + pf), ((cu_backend *)be)->counters};
-        const void *k = p->h ? hc_pre_split_pick<true>(dt, p->n) : hc_pre_split_pick<false>(dt, p->n);
+        hc_split_params q = {*p, (float *)scr, (double *)(scr + pf), ((cu_backend *)be)->counters, a};
+        const void *k = a ? hc_pre_split_pick<true, true>(dt, p->n)
+                        : p->h ? hc_pre_split_pick<true, false>(dt, p->n) : hc_pre_split_pick<false, false>(dt, p->n);
         MT_CUDA_CHECK(cu_launch_pdl(k, dim3(blocks), dim3(HCS_THREADS), 0, s, &q));
         return MT_OK;
     }
@@ -791,6 +849,29 @@ extern "C" void cu_hc_pre_norm(mt_backend *be, float *h, float *y, float *post, 
     }
     cu_hc_pre(be, y, post, comb, X, fn, base, scale, p, n);
     cu_rmsnorm(be, h, y, norm_w, n, p->H, p->rms_eps);
+}
+
+/* Whether the split kernel's POST form takes it: the hc_pre_norm split shape, a stream's lanes a
+ * whole share of the warp (S divides 32), aligned X and a. */
+static bool hc_post_pre_split_ok(const mt_weight *fn, const float *X, const float *a, int S, int H, int n,
+                                 const float *norm_w) {
+    return hc_split_on() && hc_pre_dec_ok(fn, X, S, H, n, true) && hc_pre_split_ok(fn, S, H, norm_w) && 32 % S == 0 &&
+           cu_aligned16(a) && norm_w;
+}
+
+extern "C" void cu_hc_post_pre_norm(mt_backend *be, float *X, const float *a, float *h, float *y, float *post,
+                                    float *comb, const mt_weight *fn, const float *base, const float *scale,
+                                    const float *norm_w, const mt_hc_params *p, int n) {
+    hc_pre_check(fn, p, n);
+    if (n == 0) return;
+    if (hc_post_pre_split_ok(fn, X, a, p->S, p->H, n, norm_w)) {
+        hc_pre_params q = {y, post, comb, X, NULL, fn->data, base, scale, n, p->S, p->H, p->rms_eps, p->hc_eps,
+                           p->sinkhorn_iters, h, norm_w};
+        cu_op_status(be, "hc_post_pre_norm", hc_pre_dec_launch(be, &q, fn->dtype, fn, a));
+        return;
+    }
+    cu_hc_post(be, X, a, post, comb, p, n);
+    cu_hc_pre_norm(be, h, y, post, comb, X, fn, base, scale, norm_w, p, n);
 }
 
 /* ---- hc_post, hc_head ---- */

@@ -200,6 +200,9 @@ void cu_hc_pre_norm(mt_backend *be, float *h, float *y, float *post, float *comb
                     const mt_hc_params *p, int n);
 void cu_hc_post(mt_backend *be, float *X, const float *a, const float *post, const float *comb,
                 const mt_hc_params *p, int n);
+void cu_hc_post_pre_norm(mt_backend *be, float *X, const float *a, float *h, float *y, float *post, float *comb,
+                         const mt_weight *fn, const float *base, const float *scale, const float *norm_w,
+                         const mt_hc_params *p, int n);
 void cu_hc_head(mt_backend *be, float *z, const float *X, int n, int S, int H);
 
 /* The rows form of batched decode (kernels/backend.h): cuda_rows.cu, and beside their

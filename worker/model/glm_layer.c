@@ -113,9 +113,14 @@ static mt_status layer_forward(const mt_layer *ml, glm_layer_state **sts, int ns
                       ? glm_kda_forward(l, sts, nst, step, scr->h, scr->a, n)
                       : glm_dsa_forward(l, sts, nst, step, scr->h, scr->a, n);
     if (s != MT_OK) return s;
-    be->ops->hc_post(be, X, scr->a, scr->post, scr->comb, &hp, n);
-
-    hc_pre_norm(be, scr, X, &l->hc[1], l->post_norm, &hp, n);
+    /* the mixer's hc_post and the MLP site's hc_pre, fused where the backend offers it */
+    if (be->ops->hc_post_pre_norm) {
+        be->ops->hc_post_pre_norm(be, X, scr->a, scr->h, scr->y, scr->post, scr->comb, &l->hc[1].fn, l->hc[1].base,
+                                  l->hc[1].scale, l->post_norm, &hp, n);
+    } else {
+        be->ops->hc_post(be, X, scr->a, scr->post, scr->comb, &hp, n);
+        hc_pre_norm(be, scr, X, &l->hc[1], l->post_norm, &hp, n);
+    }
     glm_mlp_forward(l, step, scr->h, scr->a, n);
     be->ops->hc_post(be, X, scr->a, scr->post, scr->comb, &hp, n);
     return MT_OK;
