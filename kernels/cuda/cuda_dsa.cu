@@ -555,12 +555,19 @@ template <typename T> static __device__ __forceinline__ void load8(const void *b
 
 template <typename T>
 static __global__ void __launch_bounds__(ABS1_THREADS) mla_absorb1_kernel(mla_dev_params p) {
-    cu_pdl_wait(); /* launched for PDL (cu_launch_pdl_k) */
-    cu_pdl_trigger();
     __shared__ float qs[1024];                    /* [dn] (the launch checks dn <= 1024) */
     __shared__ float part[ABS1_WARPS][256];       /* per warp, this block's columns */
     const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, wp = tid >> 5, kvl = p.kvl;
     const int col = blockIdx.y * 256 + lane * 8;
+    /* The block's weight lines (dn rows x 512 bytes) into L2 while the kernel before runs: they
+     * depend on no kernel (launched for PDL, cu_launch_pdl_k; prefetches, as the loads themselves
+     * would be scheduled after the wait). */
+    for (int e = tid; e < p.dn * 4; e += ABS1_THREADS)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"((const char *)p.kv_b +
+                                                      (((size_t)h * (p.dn + p.dv) + e / 4) * kvl + blockIdx.y * 256 +
+                                                       (e % 4) * 64) * sizeof(T)));
+    cu_pdl_wait();
+    cu_pdl_trigger();
     for (int d = tid; d < p.dn; d += ABS1_THREADS) qs[d] = p.q[(size_t)h * p.dn + d];
     __syncthreads();
     float acc[8];
@@ -607,14 +614,22 @@ static __global__ void __launch_bounds__(ABS1_THREADS) mla_absorb1_kernel(mla_de
  * redoes the small merge from L2. */
 template <typename T>
 static __global__ void __launch_bounds__(ABS1_THREADS) mla_output1_kernel(mla_dev_params p) {
-    cu_pdl_wait(); /* launched for PDL (cu_launch_pdl_k) */
-    cu_pdl_trigger();
     extern __shared__ float4 smem_f4[];
     float *ol = (float *)smem_f4;           /* [kvl] */
     float *ws = ol + p.kvl;                 /* [nsplit] merge weights of the nonempty splits */
     __shared__ int act[MLA_MAX_SPLIT];      /* their split indices, in order */
     __shared__ int nact;
     const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, wp = tid >> 5, kvl = p.kvl, ns = p.nsplit;
+    {   /* the block's value rows (OUT1_ROWS x kvl) into L2 before the wait, as in mla_absorb1_kernel */
+        const int lines = (int)((size_t)kvl * sizeof(T) / 128);
+        const size_t vr0 = (size_t)h * (p.dn + p.dv) + p.dn + (size_t)blockIdx.y * OUT1_ROWS;
+        for (int e = tid; e < OUT1_ROWS * lines; e += ABS1_THREADS)
+            if (blockIdx.y * OUT1_ROWS + e / lines < p.dv)
+                asm volatile("prefetch.global.L2 [%0];" ::"l"((const char *)p.kv_b +
+                                                              ((vr0 + e / lines) * kvl) * sizeof(T) + (size_t)(e % lines) * 128));
+    }
+    cu_pdl_wait(); /* launched for PDL (cu_launch_pdl_k) */
+    cu_pdl_trigger();
     const int K = kvl / 256;
     const float *pb = p.part + (size_t)h * ns * (kvl + 2);
     if (wp == 0) {

@@ -258,8 +258,6 @@ enum {
 
 /* 80 registers with 3 blocks a SM, no spills (a dk = 128 specialisation spilled at that cap) */
 static __global__ void __launch_bounds__(DEC_THREADS, 3) kda_decode_kernel(delta_params p) {
-    cu_pdl_wait(); /* launched for PDL (cu_launch_pdl_k) */
-    cu_pdl_trigger();
     const int dk = p.dk, nblk = (dk + DEC_COLS - 1) / DEC_COLS;
     const int h = blockIdx.x / nblk, j0 = (blockIdx.x - h * nblk) * DEC_COLS;
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
@@ -273,6 +271,15 @@ static __global__ void __launch_bounds__(DEC_THREADS, 3) kda_decode_kernel(delta
 
     const int row = blockIdx.y; /* rows form: input row `row` on states[row]; else 0 */
     float4 *S = reinterpret_cast<float4 *>((p.states ? p.states[row] : p.state) + (size_t)h * dk * dk) + (j >> 2);
+    /* The state slice (dk rows x 256 bytes) into L2 while the kernel before runs: no kernel of
+     * this step writes it before us (the pointer tables are uploaded before the step). Launched
+     * for PDL (cu_launch_pdl_k); prefetches, as the loads would be scheduled after the wait. */
+    for (int e = tid; e < dk * 2; e += DEC_THREADS)
+        if (j0 + (e & 1) * 32 < dk)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"((const char *)(S - (j >> 2)) + ((size_t)(e >> 1) * dk + j0) * 4 +
+                                                          (e & 1) * 128));
+    cu_pdl_wait();
+    cu_pdl_trigger();
     float4 s[DEC_ROWS];
 #pragma unroll
     for (int r = 0; r < DEC_ROWS; r++) {

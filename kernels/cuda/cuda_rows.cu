@@ -69,11 +69,18 @@ typedef struct conv3_params {
 } conv3_params;
 
 static __global__ void __launch_bounds__(1024) conv3_rows_kernel(const conv3_params p) {
-    cu_pdl_wait(); /* launched for PDL (cu_launch_pdl_k) */
-    cu_pdl_trigger();
     __shared__ float red[32];
     const int h = blockIdx.x, j = blockIdx.y, i = blockIdx.z, t = threadIdx.x, c = h * p.dk + t;
     const bool own = t < p.dk; /* the block is dk rounded up to whole warps */
+    /* the channel's conv state (last written by the previous step) and weights into L2 while the
+     * kernel before runs (launched for PDL, cu_launch_pdl_k; the pointer tables are uploaded
+     * before the step) */
+    if (own) {
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(p.c.states[j][i] + (size_t)c * (p.K - 1)));
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(p.c.w[j] + (size_t)c * p.K));
+    }
+    cu_pdl_wait();
+    cu_pdl_trigger();
     float y = 0.f;
     if (own)
         y = conv_step(p.c.states[j][i] + (size_t)c * (p.K - 1), p.c.x[j][(size_t)i * p.C + c],
