@@ -335,6 +335,9 @@ typedef struct mt_backend_ops {
                     const mt_hc_params *p, int n);
     /* z[n, H] = mean_s X[n, s, :]. */
     void (*hc_head)(mt_backend *be, float *z, const float *X, int n, int S, int H);
+    /* Optional (NULL: not offered): z = rmsnorm(hc_head(X)) * w with eps, as hc_head then rmsnorm
+     * would give, in one launch where the backend can. */
+    void (*hc_head_norm)(mt_backend *be, float *z, const float *X, const float *w, int n, int S, int H, float eps);
 
     /* ---- sampling ---- */
     /* out (host)[n] = argmax of logits[n, V] (lowest index on ties). */

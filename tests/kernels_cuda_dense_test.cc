@@ -1022,6 +1022,17 @@ TEST_F(CudaOps, HyperConnections) {
                 const double ez = RelErr(Get(gpu_, gy, z.size()), z);
                 worst.See(ez, "hc_head " + where);
                 EXPECT_LE(ez, 1e-6) << "hc_head " << where;
+                {   // hc_head_norm against the CPU's hc_head + rmsnorm
+                    std::vector<float> nw = Rand(H, 0.5f, 1.5f), zn((size_t)n * H);
+                    cpu_->ops->rmsnorm(cpu_, zn.data(), z.data(), nw.data(), n, H, p.rms_eps);
+                    float *gnw = Put(gpu_, nw);
+                    ASSERT_TRUE(gpu_->ops->hc_head_norm);
+                    gpu_->ops->hc_head_norm(gpu_, gy, gX, gnw, n, Sn, H, p.rms_eps);
+                    const double en = RelErr(Get(gpu_, gy, zn.size()), zn);
+                    worst.See(en, "hc_head_norm " + where);
+                    EXPECT_LE(en, 1e-6) << "hc_head_norm " << where;
+                    Drop(gpu_, gnw);
+                }
                 for (void *q : {(void *)gX, (void *)gb, (void *)gs, (void *)gy, (void *)gp, (void *)gc, (void *)ga,
                                 (void *)gpo, (void *)gcm})
                     Drop(gpu_, q);

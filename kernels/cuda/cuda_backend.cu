@@ -316,6 +316,7 @@ static const mt_backend_ops cu_ops = {
     .hc_post_pre_norm = cu_hc_post_pre_norm,
     .hc_post = cu_hc_post,
     .hc_head = cu_hc_head,
+    .hc_head_norm = cu_hc_head_norm,
     .argmax = cu_argmax,
 };
 

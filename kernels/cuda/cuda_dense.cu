@@ -1168,6 +1168,9 @@ typedef struct norm_params {
     int d;
     float eps;
     float scale;     /* l2norm */
+    int hs;          /* rmsnorm of hc_head (cu_hc_head_norm): x is the mean of hs streams of [n, hs, d]
+                        at hx; 0 otherwise */
+    const float *hx;
 } norm_params;
 
 enum norm_kind { NORM_RMS, NORM_LAYER, NORM_L2 };
@@ -1215,7 +1218,22 @@ static __global__ void __launch_bounds__(1024) norm_vec_kernel(const norm_params
 #pragma unroll
     for (int q = 0; q < NORM_VPT; q++) {
         const int j = t + q * nt;
-        v[q] = ok && j < d4 ? *(const float4 *)(x + 4 * j) : make_float4(0.f, 0.f, 0.f, 0.f);
+        v[q] = ok && j < d4 && !p.hs ? *(const float4 *)(x + 4 * j) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    if (KIND == NORM_RMS && p.hs) { /* x = hc_head(X): the streams summed in order, / S (cpu_hc.c) */
+        const float *X = p.hx + (ok ? row : 0) * p.hs * p.d;
+#pragma unroll
+        for (int q = 0; q < NORM_VPT; q++) {
+            const int j = t + q * nt;
+            if (!ok || j >= d4) continue;
+            float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+            for (int s = 0; s < p.hs; s++) {
+                const float4 e = *(const float4 *)(X + (int64_t)s * p.d + 4 * j);
+                a.x += e.x; a.y += e.y; a.z += e.z; a.w += e.w;
+            }
+            const float S = (float)p.hs;
+            v[q] = make_float4(a.x / S, a.y / S, a.z / S, a.w / S);
+        }
     }
     float r;
     double mean = 0;
@@ -1346,6 +1364,30 @@ template <int KIND> static mt_status norm_vec_launch(norm_params *q, cudaStream_
     return MT_OK;
 }
 
+/* z[n, H] = rmsnorm(hc_head(X)) * w: norm_vec_kernel reading the S streams of X instead of a
+ * row (one kernel for the head's two; the final norm of a decode step). The shapes the
+ * register-resident kernel takes (H % 4 == 0, aligned); else hc_head, then rmsnorm. */
+extern "C" void cu_hc_head_norm(mt_backend *be, float *z, const float *X, const float *w, int n, int S, int H,
+                                float eps) {
+    MT_ASSERT(n >= 0 && S >= 1 && H > 0);
+    if (n == 0) return;
+    norm_params p = {};
+    p.out = z;
+    p.x = X; /* alignment checks only */
+    p.w = w;
+    p.n = n;
+    p.d = H;
+    p.eps = eps;
+    p.hs = S;
+    p.hx = X;
+    if (!norm_vec_ok(&p, NORM_RMS) || n > INT_MAX) {
+        cu_hc_head(be, z, X, n, S, H);
+        cu_rmsnorm(be, z, z, w, n, H, eps);
+        return;
+    }
+    cu_op_status(be, "hc_head_norm", norm_vec_launch<NORM_RMS>(&p, cu_stream(be)));
+}
+
 static mt_status norm_launch(const norm_params *p, norm_kind kind, cudaStream_t s) {
     const bool vec = norm_vec_ok(p, kind);
     /* grid.x is at most 2^31 - 1 (the warp form covers 8 rows a block) */
@@ -1472,6 +1514,7 @@ typedef struct argmax_params {
     float *part_v;        /* [n, nchunk] best value per chunk */
     int32_t *part_i;      /* [n, nchunk] its index */
     int32_t *out;         /* [n] device */
+    unsigned *count;      /* arrival counter (cb->counters[1]), 0 between calls */
     int n, V, nchunk;
 } argmax_params;
 
@@ -1498,7 +1541,9 @@ static __device__ __forceinline__ void argmax_block(float &v, int &i) {
         if (argmax_better(sv[w], si[w], v, i)) { v = sv[w]; i = si[w]; }
 }
 
-/* Grid (nchunk, n): the best of one chunk of one row. */
+/* Grid (nchunk, n): the best of one chunk of one row; the last block to arrive (an arrival
+ * counter it returns to 0) then takes each row's best over its chunks, a warp a row, in chunk
+ * order: one kernel where a second would wait a launch. */
 static __global__ void argmax_chunk_kernel(const argmax_params p) {
     cu_pdl_wait(); /* launched for PDL (cu_launch_pdl_k) */
     cu_pdl_trigger();
@@ -1519,32 +1564,38 @@ static __global__ void argmax_chunk_kernel(const argmax_params p) {
         if (j < hi && argmax_better(v[u], j, bv, bi)) { bv = v[u]; bi = j; }
     }
     argmax_block(bv, bi);
+    __shared__ bool last;
     if (threadIdx.x == 0) {
         p.part_v[(int64_t)row * p.nchunk + c] = bv;
         p.part_i[(int64_t)row * p.nchunk + c] = bi;
+        __threadfence(); /* the partial before the arrival */
+        last = atomicAdd(p.count, 1u) == gridDim.x * gridDim.y - 1;
     }
-}
-
-/* One block per row over its chunk winners. */
-static __global__ void argmax_final_kernel(const argmax_params p) {
-    cu_pdl_wait(); /* launched for PDL (cu_launch_pdl_k) */
-    cu_pdl_trigger();
-    const int row = blockIdx.x;
-    float bv = -INFINITY;
-    int bi = INT_MAX;
-    for (int c = threadIdx.x; c < p.nchunk; c += blockDim.x) {
-        const float v = p.part_v[(int64_t)row * p.nchunk + c];
-        const int i = p.part_i[(int64_t)row * p.nchunk + c];
-        if (argmax_better(v, i, bv, bi)) { bv = v; bi = i; }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const int lane = threadIdx.x & 31;
+    for (int r = threadIdx.x >> 5; r < p.n; r += ARGMAX_THREADS / 32) {
+        float rv = -INFINITY;
+        int ri = INT_MAX;
+        for (int k = lane; k < p.nchunk; k += 32) { /* ascending chunks a lane, then the butterfly */
+            const float v = __ldcg(p.part_v + (int64_t)r * p.nchunk + k);
+            const int i = __ldcg(p.part_i + (int64_t)r * p.nchunk + k);
+            if (argmax_better(v, i, rv, ri)) { rv = v; ri = i; }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, rv, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, ri, o);
+            if (argmax_better(ov, oi, rv, ri)) { rv = ov; ri = oi; }
+        }
+        if (lane == 0) p.out[r] = ri == INT_MAX ? 0 : ri; /* all NaN: index 0, like the CPU */
     }
-    argmax_block(bv, bi);
-    if (threadIdx.x == 0) p.out[row] = bi == INT_MAX ? 0 : bi; /* all NaN: index 0, like the CPU */
+    if (threadIdx.x == 0) *p.count = 0u; /* every block has arrived: ready for the next call */
 }
 
 static mt_status argmax_launch(const argmax_params *p, cudaStream_t s) {
     cu_launch_pdl_k(argmax_chunk_kernel, dim3((unsigned)p->nchunk, (unsigned)p->n), dim3(ARGMAX_THREADS), 0, s, *p);
-    MT_CUDA_CHECK_LAUNCH();
-    cu_launch_pdl_k(argmax_final_kernel, dim3((unsigned)p->n), dim3(32), 0, s, *p);
     MT_CUDA_CHECK_LAUNCH();
     return MT_OK;
 }
@@ -1563,6 +1614,7 @@ extern "C" void cu_argmax(mt_backend *be, int32_t *out, const float *logits, int
     p.part_v = (float *)scr;
     p.part_i = (int32_t *)(scr + np * 4);
     p.out = (int32_t *)(scr + np * 8);
+    p.count = ((cu_backend *)be)->counters + 1;
     mt_status st = argmax_launch(&p, cu_stream(be));
     if (st == MT_OK)
         MT_CUDA_(cudaMemcpyAsync(out, p.out, (size_t)n * 4, cudaMemcpyDeviceToHost, cu_stream(be)),

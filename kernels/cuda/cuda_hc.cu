@@ -590,6 +590,22 @@ static __global__ void __launch_bounds__(HCS_THREADS) hc_pre_split_kernel(const 
 
     /* ---- the last block ---- */
     __threadfence();
+    /* One row of H <= 4096: the highway columns the collapse needs are loaded now, beside the
+     * partials' loads below, instead of one more L2 round trip after them. */
+    constexpr int XE = NB == 1 ? 4 : 1; /* float4 a thread and stream */
+    const int H4 = H / 4;
+    const bool xe_on = NB == 1 && H4 <= XE * 32 * HCS_WARPS;
+    float4 xe[HC_DEC_MAX_S][XE];
+    if (NB == 1 && xe_on && warp < HCS_WARPS) {
+#pragma unroll
+        for (int s = 0; s < HC_DEC_MAX_S; s++)
+#pragma unroll
+            for (int u = 0; u < XE; u++) {
+                const int d4 = tid + u * 32 * HCS_WARPS;
+                xe[s][u] = s < S && d4 < H4 ? __ldcg((const float4 *)(p.X + (int64_t)s * H) + d4)
+                                            : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+    }
     /* norm_w now, beside the partials' loads below, rather than one more round trip at the end
      * (up to 2 rows: at 4 the registers would spill) */
     constexpr bool EARLY_W = NORM && NB <= 2;
@@ -664,7 +680,6 @@ static __global__ void __launch_bounds__(HCS_THREADS) hc_pre_split_kernel(const 
         return;
     }
     /* y[i][d] = sum_s pre[i][s] X[i][s][d] (the CPU's order), 4 d a thread per step */
-    const int H4 = H / 4;
     float4 y[NB][HCS_PER];
 #pragma unroll
     for (int i = 0; i < NB; i++)
@@ -676,7 +691,10 @@ static __global__ void __launch_bounds__(HCS_THREADS) hc_pre_split_kernel(const 
                 float4 xs[HC_DEC_MAX_S];
 #pragma unroll
                 for (int s = 0; s < HC_DEC_MAX_S; s++)
-                    if (s < S) xs[s] = __ldcg((const float4 *)(p.X + (int64_t)i * SH + (int64_t)s * H) + d4);
+                    if (s < S) {
+                        if (xe_on && u < XE) xs[s] = xe[s][u < XE ? u : 0];
+                        else xs[s] = __ldcg((const float4 *)(p.X + (int64_t)i * SH + (int64_t)s * H) + d4);
+                    }
 #pragma unroll
                 for (int s = 0; s < HC_DEC_MAX_S; s++)
                     if (s < S) {

@@ -72,7 +72,7 @@ typedef struct cu_backend {
                                    this stay off the tensor cores (cuda_dense.cu) */
     struct cu_prof *prof;       /* op timing (mt_cuda_profile); NULL when off */
     /* [CU_COUNTERS] device, zeroed at creation: arrival counters of kernels whose last block
-     * finishes the op (cuda_hc.cu's hc_pre_split_kernel: counters[0]); each such kernel returns
+     * finishes the op (cuda_hc.cu's hc_pre_split_kernel: counters[0]; cuda_dense.cu's argmax: [1]); each such kernel returns
      * its counter to 0 before it exits. */
     unsigned *counters;
 } cu_backend;
@@ -161,6 +161,7 @@ void cu_swiglu(mt_backend *be, float *out, const float *gate, const float *up, i
 void cu_sigmoid(mt_backend *be, float *x, int64_t count);
 void cu_l2norm(mt_backend *be, float *x, int64_t n, int d, float eps, float scale);
 void cu_argmax(mt_backend *be, int32_t *out, const float *logits, int n, int V);
+void cu_hc_head_norm(mt_backend *be, float *z, const float *X, const float *w, int n, int S, int H, float eps);
 
 void cu_moe_route(mt_backend *be, int32_t *idx, float *weights, const float *logits,
                   const float *bias, const mt_router_params *p, int n);

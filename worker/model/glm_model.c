@@ -476,8 +476,12 @@ static void highway_from_tokens(glm_model *m, const int32_t *tokens, int n) {
 static void head_logits(glm_model *m, const float *X, int rows, float *logits_host) {
     mt_backend *be = m->be;
     const glm_config *c = &m->cfg;
-    be->ops->hc_head(be, m->z, X, rows, c->hc_mult, c->hidden_size);
-    be->ops->rmsnorm(be, m->z, m->z, m->norm, rows, c->hidden_size, c->rms_norm_eps);
+    if (be->ops->hc_head_norm) {
+        be->ops->hc_head_norm(be, m->z, X, m->norm, rows, c->hc_mult, c->hidden_size, c->rms_norm_eps);
+    } else {
+        be->ops->hc_head(be, m->z, X, rows, c->hc_mult, c->hidden_size);
+        be->ops->rmsnorm(be, m->z, m->z, m->norm, rows, c->hidden_size, c->rms_norm_eps);
+    }
     be->ops->matmul(be, m->logits, m->z, &m->lm_head, rows);
     if (logits_host)
         be->ops->download(be, logits_host, m->logits, sizeof(float) * (size_t)rows * c->vocab_size);
