@@ -41,9 +41,8 @@ typedef struct pool_params {
     const int32_t *pos;  /* graph form: pool (*pos+1)/kpool - 1 when *pos completes it, else none */
 } pool_params;
 
-/* One thread per (pool, channel): softmax over the kpool members of gs + ape, then the weighted
- * sum of ki, in the CPU's order. Adjacent threads are adjacent channels (coalesced). The members
- * are consecutive rows of one page (page is a multiple of kpool): one block-table lookup. */
+/* One thread per (pool, channel): cu_pool_key (cuda_ops.h). Adjacent threads are adjacent
+ * channels (coalesced). */
 static __global__ void dsa_pool_keys_kernel(pool_params p) {
     if (p.pos) { /* one pool, decided at run time */
         const int t = *p.pos;
@@ -53,22 +52,7 @@ static __global__ void dsa_pool_keys_kernel(pool_params p) {
     }
     const int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= (int64_t)(p.p1 - p.p0) * p.id) return;
-    const int pool = p.p0 + (int)(e / p.id), d = (int)(e % p.id);
-    const int t0 = pool * p.kpool, page = p.ki.page, ppp = p.pool_keys.page;
-    const int64_t r0 = (int64_t)p.bt[t0 / page] * page + t0 % page;
-    const float *gs = p.gs.base + r0 * p.id + d, *ki = p.ki.base + r0 * p.id + d;
-    float m = -INFINITY, sum = 0.f, acc = 0.f;
-    for (int j = 0; j < p.kpool; j++) {
-        const float v = gs[(size_t)j * p.id] + p.ape[(size_t)j * p.id + d];
-        if (v > m) m = v;
-    }
-    for (int j = 0; j < p.kpool; j++)
-        sum += expf(gs[(size_t)j * p.id] + p.ape[(size_t)j * p.id + d] - m);
-    for (int j = 0; j < p.kpool; j++) {
-        const float wj = expf(gs[(size_t)j * p.id] + p.ape[(size_t)j * p.id + d] - m);
-        acc += wj / sum * ki[(size_t)j * p.id];
-    }
-    p.pool_keys.base[((int64_t)p.bt[pool / ppp] * ppp + pool % ppp) * p.id + d] = acc;
+    cu_pool_key(p.pool_keys, p.ki, p.gs, p.bt, p.ape, p.p0 + (int)(e / p.id), (int)(e % p.id), p.kpool);
 }
 
 static void dsa_pool_keys_launch(mt_backend *be, const pool_params *p) {

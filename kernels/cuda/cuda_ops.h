@@ -407,6 +407,24 @@ static inline void cu_launch_pdl_k(void (*k)(P), dim3 grid, dim3 block, size_t s
 
 static inline __host__ __device__ bool cu_aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
+/* Pool key `pool`, channel d (MODEL.md, the DSA indexer): the softmax over the pool's kpool members
+ * of gs + ape, weighting their ki, in cpu_dsa.c's order, written through bt. The members are
+ * consecutive rows of one page (page is a multiple of kpool). dsa_pool_keys_kernel (cuda_dsa.cu)
+ * and pool_keys_rows_kernel (cuda_rows.cu) both run it. */
+static __device__ __forceinline__ void cu_pool_key(mt_paged pool_keys, mt_paged ki, mt_paged gs, const int32_t *bt,
+                                                   const float *ape, int pool, int d, int kpool) {
+    const int64_t id = ki.row, t0 = (int64_t)pool * kpool;
+    const float *g = mt_paged_at(gs, bt, t0) + d, *k = mt_paged_at(ki, bt, t0) + d, *a = ape + d;
+    float m = -INFINITY, sum = 0.f, acc = 0.f;
+    for (int j = 0; j < kpool; j++) {
+        const float v = g[j * id] + a[j * id];
+        if (v > m) m = v;
+    }
+    for (int j = 0; j < kpool; j++) sum += expf(g[j * id] + a[j * id] - m);
+    for (int j = 0; j < kpool; j++) acc += expf(g[j * id] + a[j * id] - m) / sum * k[j * id];
+    mt_paged_at(pool_keys, bt, pool)[d] = acc;
+}
+
 /* This block's share of dst[0, row) = src: threads strided over the grid's x, float4 accesses when
  * vec4 (row % 4 == 0, both 16-byte aligned). The paged cache writes (copy_rows_at, copy_rows_to). */
 static __device__ __forceinline__ void cu_copy_row_x(float *dst, const float *src, int64_t row, bool vec4) {

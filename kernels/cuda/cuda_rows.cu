@@ -165,26 +165,14 @@ typedef struct pool_rows_params {
     int kpool, id;
 } pool_rows_params;
 
-/* The same softmax-weighted sum as cuda_dsa.cu's pool key, in the CPU's order. The pool's kpool
- * members are consecutive rows of one page (page is a multiple of kpool). */
+/* Row i's position pos[i] completes a pool when (pos + 1) % kpool == 0: its key (cu_pool_key). */
 static __global__ void pool_keys_rows_kernel(pool_rows_params p) {
     cu_pdl_wait(); /* launched for PDL (cu_launch_pdl_k) */
     cu_pdl_trigger();
     const int d = blockIdx.x * blockDim.x + threadIdx.x, i = blockIdx.y;
     const int t = p.pos[i];
     if (d >= p.id || (t + 1) % p.kpool != 0) return;
-    const int pool = t / p.kpool, t0 = pool * p.kpool, page = p.ki.page, ppp = p.pool_keys.page;
-    const int32_t *bt = p.bts[i];
-    const int64_t r0 = (int64_t)bt[t0 / page] * page + t0 % page; /* row of the pool's first member */
-    const float *gs = p.gs.base + r0 * p.id, *ki = p.ki.base + r0 * p.id;
-    float m = -INFINITY, sum = 0.f, acc = 0.f;
-    for (int j = 0; j < p.kpool; j++) m = fmaxf(m, gs[(size_t)j * p.id + d] + p.ape[(size_t)j * p.id + d]);
-    for (int j = 0; j < p.kpool; j++) sum += expf(gs[(size_t)j * p.id + d] + p.ape[(size_t)j * p.id + d] - m);
-    for (int j = 0; j < p.kpool; j++) {
-        const float wj = expf(gs[(size_t)j * p.id + d] + p.ape[(size_t)j * p.id + d] - m);
-        acc += wj / sum * ki[(size_t)j * p.id + d];
-    }
-    p.pool_keys.base[((int64_t)bt[pool / ppp] * ppp + pool % ppp) * p.id + d] = acc;
+    cu_pool_key(p.pool_keys, p.ki, p.gs, p.bts[i], p.ape, t / p.kpool, d, p.kpool);
 }
 
 extern "C" void cu_dsa_pool_keys_rows(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs,
