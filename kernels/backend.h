@@ -325,8 +325,9 @@ typedef struct mt_backend_ops {
                         const mt_weight *fn, const float *base, const float *scale, const float *norm_w,
                         const mt_hc_params *p, int n);
     /* Optional (NULL: not offered): hc_post(X, a, post, comb), then hc_pre_norm(h, y, post, comb,
-     * X, fn, ...) of the next site, as the two ops would give (post and comb are read as the
-     * first's and written as the second's), in one launch where the backend can. */
+     * X, fn, ...) of the next site: the function of the two ops (post and comb are read as the
+     * first's and written as the second's; a fused form may add its sums in another order), in
+     * one launch where the backend can. */
     void (*hc_post_pre_norm)(mt_backend *be, float *X, const float *a, float *h, float *y, float *post, float *comb,
                              const mt_weight *fn, const float *base, const float *scale, const float *norm_w,
                              const mt_hc_params *p, int n);

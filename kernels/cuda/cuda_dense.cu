@@ -1380,7 +1380,7 @@ extern "C" void cu_hc_head_norm(mt_backend *be, float *z, const float *X, const 
     p.eps = eps;
     p.hs = S;
     p.hx = X;
-    if (!norm_vec_ok(&p, NORM_RMS) || n > INT_MAX) {
+    if (!norm_vec_ok(&p, NORM_RMS)) {
         cu_hc_head(be, z, X, n, S, H);
         cu_rmsnorm(be, z, z, w, n, H, eps);
         return;

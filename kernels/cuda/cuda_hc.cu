@@ -521,7 +521,9 @@ static __global__ void __launch_bounds__(HCS_THREADS) hc_pre_split_kernel(const 
 #pragma unroll
                     for (int r = 0; r < HC_DEC_MAX_S; r++) {
                         f = make_float4(0.f, 0.f, 0.f, 0.f);
-                        if (i < p.n && r < S) f = __ldg((const float4 *)(p.X + (int64_t)i * SH + (int64_t)r * H + dl + v));
+                        /* coherent loads: this kernel writes X (ld.global.nc is for data read-only
+                         * for the whole kernel) */
+                        if (i < p.n && r < S) f = __ldcg((const float4 *)(p.X + (int64_t)i * SH + (int64_t)r * H + dl + v));
                         col[r][v] = f.x; col[r][v + 1] = f.y; col[r][v + 2] = f.z; col[r][v + 3] = f.w;
                     }
                 }
@@ -539,7 +541,7 @@ static __global__ void __launch_bounds__(HCS_THREADS) hc_pre_split_kernel(const 
                 }
             }
             /* every dot warp has read X (and the old post, comb): the first writes X' */
-            asm volatile("bar.sync 1, %0;" ::"r"(32 * HCS_WARPS));
+            asm volatile("bar.sync 1, %0;" ::"r"(32 * HCS_WARPS) : "memory");
             if (warp == 0) {
 #pragma unroll
                 for (int i = 0; i < NB; i++)
