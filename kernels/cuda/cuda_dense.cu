@@ -123,9 +123,6 @@ extern "C" void cu_embed(mt_backend *be, float *out, const mt_weight *table, con
     cu_prof_mark(be, "embed");
 }
 
-/* The sigmoid of the element-wise op and of the GEMV epilogue: the CPU's formula. */
-static __device__ __forceinline__ float sigmoidf_dev(float x) { return 1.f / (1.f + expf(-x)); }
-
 /* ================================ matmul ================================ */
 
 enum { GEMV_THREADS = 256, GEMV_WARPS = GEMV_THREADS / 32, GEMV_MAX_N = 8, GEMV_R = 2, GEMV_U = 4, GEMV_MAX_W = 6 };
@@ -148,8 +145,8 @@ typedef struct gemv_params {
     int wt0[GEMV_MAX_W + 1];
     unsigned sig;    /* bit j: weight j's outputs go through a sigmoid before they are stored */
     /* gemv_shortk_kernel over nw == 2 weights (cu_kda_gates): weight j's input xs[j], its blocks
-     * [wt0[j], wt0[j + 1]); weight 0's outputs through the KDA gate with gate_bias [rows0] and
-     * gate_alog [rows0 / gate_dk] when gate_alog is set */
+     * [wt0[j], wt0[j + 1]) (set by the launcher); weight 0's outputs through the KDA gate with
+     * gate_bias [rows0] and gate_alog [rows0 / gate_dk] when gate_alog is set */
     const float *xs[2];
     const float *gate_bias, *gate_alog;
     int gate_dk;
@@ -268,7 +265,7 @@ static __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(const gemv_pa
             }
         if (ks == 1) { /* uniform over the block */
             const int r = lane / NB, i = lane % NB;
-            if (lane < R * NB && i < p.n && row0 + r < rows) y[(int64_t)i * rows + row0 + r] = sig ? sigmoidf_dev(mine) : mine;
+            if (lane < R * NB && i < p.n && row0 + r < rows) y[(int64_t)i * rows + row0 + r] = sig ? cu_sigmoidf(mine) : mine;
             continue;
         }
         if (tile != t0) __syncthreads(); /* the previous tile's sums are read */
@@ -281,7 +278,7 @@ static __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(const gemv_pa
             if (i < p.n && row < rows) {
                 float sum = 0.f;
                 for (int q = 0; q < ks; q++) sum += red[g * ks + q][e];
-                y[(int64_t)i * rows + row] = sig ? sigmoidf_dev(sum) : sum;
+                y[(int64_t)i * rows + row] = sig ? cu_sigmoidf(sum) : sum;
             }
         }
     }
@@ -353,11 +350,15 @@ static __global__ void __launch_bounds__(GEMV_THREADS) gemv_shortk_kernel(const 
 
 template <mt_dtype DT, int NB> static mt_status gemv_shortk_launch_nb(const gemv_params *p, int G, cudaStream_t s) {
     const int rpb = GEMV_WARPS * (32 / G) * NK_U;
-    const dim3 grid(p->nw == 2 ? (unsigned)p->wt0[2] : (unsigned)((p->rows + rpb - 1) / rpb));
     const void *k = G <= 2 ? (const void *)gemv_shortk_kernel<DT, NB, 2>
                     : G <= 4 ? (const void *)gemv_shortk_kernel<DT, NB, 4>
                     : G <= 8 ? (const void *)gemv_shortk_kernel<DT, NB, 8> : (const void *)gemv_shortk_kernel<DT, NB, 16>;
     gemv_params q = *p;
+    if (q.nw == 2) { /* each weight its own whole blocks */
+        q.wt0[0] = 0;
+        for (int j = 0; j < 2; j++) q.wt0[j + 1] = q.wt0[j] + (q.wrows[j] + rpb - 1) / rpb;
+    }
+    const dim3 grid(q.nw == 2 ? (unsigned)q.wt0[2] : (unsigned)((q.rows + rpb - 1) / rpb));
     MT_CUDA_CHECK(cu_launch_pdl(k, grid, dim3(GEMV_THREADS), 0, s, &q));
     return MT_OK;
 }
@@ -1133,21 +1134,15 @@ extern "C" void cu_kda_gates(mt_backend *be, float *g, float *gate, const float 
         cu_matmul(be, gate, g_in, g_b, n);
         return;
     }
-    const int nv = p.cols / cu_wvec<MT_BF16>::n;
-    int G = 2;
-    while (G < nv) G *= 2;
-    const int rpb = GEMV_WARPS * (32 / G) * NK_U;
     p.nw = 2;
     const mt_weight *ws[2] = {f_b, g_b};
     float *ys[2] = {g, gate};
     const float *xs[2] = {f_in, g_in};
-    p.wt0[0] = 0;
     for (int j = 0; j < 2; j++) {
         p.ws[j] = ws[j]->data;
         p.ys[j] = ys[j];
         p.xs[j] = xs[j];
         p.wrows[j] = (int)ws[j]->rows;
-        p.wt0[j + 1] = p.wt0[j] + (p.wrows[j] + rpb - 1) / rpb;
     }
     p.gate_bias = dt_bias;
     p.gate_alog = A_log;
@@ -1470,7 +1465,7 @@ static __global__ void sigmoid_kernel(const ew_params p) {
     cu_pdl_trigger();
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < p.count; i += stride)
-        p.out[i] = sigmoidf_dev(p.a[i]);
+        p.out[i] = cu_sigmoidf(p.a[i]);
 }
 
 static unsigned ew_grid(int64_t count) {
@@ -1523,15 +1518,20 @@ static __device__ __forceinline__ bool argmax_better(float v, int i, float bv, i
     return v > bv || (v == bv && i < bi);
 }
 
-static __device__ __forceinline__ void argmax_block(float &v, int &i) {
-    __shared__ float sv[32];
-    __shared__ int si[32];
+/* The warp's best (v, i) in every lane. */
+static __device__ __forceinline__ void argmax_warp(float &v, int &i) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
         const float ov = __shfl_xor_sync(0xffffffffu, v, o);
         const int oi = __shfl_xor_sync(0xffffffffu, i, o);
         if (argmax_better(ov, oi, v, i)) { v = ov; i = oi; }
     }
+}
+
+static __device__ __forceinline__ void argmax_block(float &v, int &i) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    argmax_warp(v, i);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (lane == 0) { sv[warp] = v; si[warp] = i; }
     __syncthreads();
@@ -1564,16 +1564,12 @@ static __global__ void argmax_chunk_kernel(const argmax_params p) {
         if (j < hi && argmax_better(v[u], j, bv, bi)) { bv = v[u]; bi = j; }
     }
     argmax_block(bv, bi);
-    __shared__ bool last;
     if (threadIdx.x == 0) {
         p.part_v[(int64_t)row * p.nchunk + c] = bv;
         p.part_i[(int64_t)row * p.nchunk + c] = bi;
         __threadfence(); /* the partial before the arrival */
-        last = atomicAdd(p.count, 1u) == gridDim.x * gridDim.y - 1;
     }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
+    if (!cu_arrives_last(p.count, gridDim.x * gridDim.y)) return;
     const int lane = threadIdx.x & 31;
     for (int r = threadIdx.x >> 5; r < p.n; r += ARGMAX_THREADS / 32) {
         float rv = -INFINITY;
@@ -1583,12 +1579,7 @@ static __global__ void argmax_chunk_kernel(const argmax_params p) {
             const int i = __ldcg(p.part_i + (int64_t)r * p.nchunk + k);
             if (argmax_better(v, i, rv, ri)) { rv = v; ri = i; }
         }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, rv, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, ri, o);
-            if (argmax_better(ov, oi, rv, ri)) { rv = ov; ri = oi; }
-        }
+        argmax_warp(rv, ri);
         if (lane == 0) p.out[r] = ri == INT_MAX ? 0 : ri; /* all NaN: index 0, like the CPU */
     }
     if (threadIdx.x == 0) *p.count = 0u; /* every block has arrived: ready for the next call */

@@ -46,8 +46,6 @@ typedef struct hc_pre_params {
     const float *norm_w;
 } hc_pre_params;
 
-static __device__ __forceinline__ float hc_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
-
 /* comb of one row on one warp (S*S <= 32; 4 x 4 in the real model): lane a*S+b holds C[a][b];
  * softmax over each row, then the Sinkhorn iterations, every row or column sum gathering its S
  * values by shuffles and adding them in ascending index (the CPU's order), with no block barrier.
@@ -106,27 +104,21 @@ static __device__ void hc_comb_thread(float *comb, const float *mc, float r, con
 #pragma unroll
         for (int b = 0; b < HC_REG_S; b++) C[a][b] = a < S && b < S ? e[b] / sum + hc_eps : 0.f; /* padding: 0 */
     }
+    /* each row (cols false) or each column of C over (its sum + hc_eps), summed in index order */
+    auto scale_lines = [&](bool cols) {
+#pragma unroll
+        for (int u = 0; u < HC_REG_S; u++) {
+            float t = 0.f;
+#pragma unroll
+            for (int v = 0; v < HC_REG_S; v++) t += cols ? C[v][u] : C[u][v];
+            const float inv = __fdividef(1.f, t + hc_eps);
+#pragma unroll
+            for (int v = 0; v < HC_REG_S; v++) (cols ? C[v][u] : C[u][v]) *= inv;
+        }
+    };
     for (int it = 0; it < iters; it++) {
-        if (it > 0) {
-#pragma unroll
-            for (int a = 0; a < HC_REG_S; a++) {
-                float rs = 0.f;
-#pragma unroll
-                for (int b = 0; b < HC_REG_S; b++) rs += C[a][b];
-                const float inv = __fdividef(1.f, rs + hc_eps);
-#pragma unroll
-                for (int b = 0; b < HC_REG_S; b++) C[a][b] *= inv;
-            }
-        }
-#pragma unroll
-        for (int b = 0; b < HC_REG_S; b++) {
-            float cs = 0.f;
-#pragma unroll
-            for (int a = 0; a < HC_REG_S; a++) cs += C[a][b];
-            const float inv = __fdividef(1.f, cs + hc_eps);
-#pragma unroll
-            for (int a = 0; a < HC_REG_S; a++) C[a][b] *= inv;
-        }
+        if (it > 0) scale_lines(false);
+        scale_lines(true);
     }
 #pragma unroll
     for (int a = 0; a < HC_REG_S; a++)
@@ -156,9 +148,9 @@ static __global__ void __launch_bounds__(HC_MIX_THREADS) hc_pre_mix_kernel(const
     const float *base = p.base, *scale = p.scale;
     if (S * S <= 32) {
         if (tid < S) {
-            pre[tid] = hc_sigmoid(__fadd_rn(__fmul_rn(__fmul_rn(m[tid], r), scale[0]), base[tid])) + p.hc_eps;
+            pre[tid] = cu_sigmoidf(__fadd_rn(__fmul_rn(__fmul_rn(m[tid], r), scale[0]), base[tid])) + p.hc_eps;
             p.post[(int64_t)i * S + tid] =
-                2.f * hc_sigmoid(__fadd_rn(__fmul_rn(__fmul_rn(m[S + tid], r), scale[1]), base[S + tid]));
+                2.f * cu_sigmoidf(__fadd_rn(__fmul_rn(__fmul_rn(m[S + tid], r), scale[1]), base[S + tid]));
         }
         if (tid < 32) hc_comb_warp(p.comb + (int64_t)i * S * S, m + 2 * S, r, base + 2 * S, scale[2], S, p.hc_eps,
                                    p.sinkhorn_iters);
@@ -167,9 +159,9 @@ static __global__ void __launch_bounds__(HC_MIX_THREADS) hc_pre_mix_kernel(const
         const bool own = tid < S * S;        /* this thread owns C[a][b] */
         const int a = tid / S, b = tid % S;
         if (tid < S) {
-            pre[tid] = hc_sigmoid(__fadd_rn(__fmul_rn(__fmul_rn(m[tid], r), scale[0]), base[tid])) + p.hc_eps;
+            pre[tid] = cu_sigmoidf(__fadd_rn(__fmul_rn(__fmul_rn(m[tid], r), scale[0]), base[tid])) + p.hc_eps;
             p.post[(int64_t)i * S + tid] =
-                2.f * hc_sigmoid(__fadd_rn(__fmul_rn(__fmul_rn(m[S + tid], r), scale[1]), base[S + tid]));
+                2.f * cu_sigmoidf(__fadd_rn(__fmul_rn(__fmul_rn(m[S + tid], r), scale[1]), base[S + tid]));
         }
         if (own) C[tid] = __fadd_rn(__fmul_rn(__fmul_rn(m[2 * S + tid], r), scale[2]), base[2 * S + tid]);
         __syncthreads();
@@ -390,10 +382,10 @@ hc_pre_dec_kernel(const hc_pre_params p) {
         const float *m = m_s + i * HC_DEC_MIX;
         const float r = r_s[i];
         pre_s[i * HC_DEC_MAX_S + s] =
-            hc_sigmoid(__fadd_rn(__fmul_rn(__fmul_rn(m[s], r), p.scale[0]), p.base[s])) + p.hc_eps;
+            cu_sigmoidf(__fadd_rn(__fmul_rn(__fmul_rn(m[s], r), p.scale[0]), p.base[s])) + p.hc_eps;
         if (rank == 0 && i < p.n)
             p.post[(int64_t)i * S + s] =
-                2.f * hc_sigmoid(__fadd_rn(__fmul_rn(__fmul_rn(m[S + s], r), p.scale[1]), p.base[S + s]));
+                2.f * cu_sigmoidf(__fadd_rn(__fmul_rn(__fmul_rn(m[S + s], r), p.scale[1]), p.base[S + s]));
     }
     __syncthreads();
     /* y[i][d] = sum_s pre[i][s] X[i][s][d] over this block's d, in the CPU's order; with NORM the
@@ -479,7 +471,6 @@ static __global__ void __launch_bounds__(HCS_THREADS) hc_pre_split_kernel(const 
     __shared__ float m_s[NB * HC_DEC_MIX];
     __shared__ float r_s[NB], pre_s[NB * HC_DEC_MAX_S], r_y[NB];
     __shared__ double red[HCS_WARPS][NB];
-    __shared__ bool last;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, tid = threadIdx.x;
     const int S = p.S, H = p.H, SH = S * H, mix = (2 + S) * S, b = blockIdx.x;
     /* this lane's first column of S*H; POST: stream sl, d = dl */
@@ -585,13 +576,9 @@ static __global__ void __launch_bounds__(HCS_THREADS) hc_pre_split_kernel(const 
             }
         if (lane == 0) __threadfence(); /* the partials before the arrival */
     }
-    __syncthreads();
-    if (tid == 0) last = atomicAdd(q.count, 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
+    if (!cu_arrives_last(q.count, gridDim.x)) return;
 
     /* ---- the last block ---- */
-    __threadfence();
     /* One row of H <= 4096: the highway columns the collapse needs are loaded now, beside the
      * partials' loads below, instead of one more L2 round trip after them. */
     constexpr int XE = NB == 1 ? 4 : 1; /* float4 a thread and stream */
@@ -669,10 +656,10 @@ static __global__ void __launch_bounds__(HCS_THREADS) hc_pre_split_kernel(const 
         const float *m = m_s + i * HC_DEC_MIX;
         const float r = r_s[i];
         pre_s[i * HC_DEC_MAX_S + s] =
-            hc_sigmoid(__fadd_rn(__fmul_rn(__fmul_rn(m[s], r), p.scale[0]), p.base[s])) + p.hc_eps;
+            cu_sigmoidf(__fadd_rn(__fmul_rn(__fmul_rn(m[s], r), p.scale[0]), p.base[s])) + p.hc_eps;
         if (i < p.n)
             p.post[(int64_t)i * S + s] =
-                2.f * hc_sigmoid(__fadd_rn(__fmul_rn(__fmul_rn(m[S + s], r), p.scale[1]), p.base[S + s]));
+                2.f * cu_sigmoidf(__fadd_rn(__fmul_rn(__fmul_rn(m[S + s], r), p.scale[1]), p.base[S + s]));
     }
     __syncthreads();
     if (warp == HCS_WARPS) { /* the Sinkhorn of row `lane`, beside the collapse */

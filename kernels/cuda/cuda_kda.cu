@@ -23,8 +23,6 @@ enum {
     EW_BLOCK = 256,
 };
 
-static __device__ __forceinline__ float kda_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
-
 /* ------------------------------------------------------------------------------------------ */
 /* conv1d_silu                                                                                  */
 
@@ -444,7 +442,7 @@ static __global__ void gated_rmsnorm_kernel(gnorm_params p) {
         const float rs = 1.f / sqrtf(ss / (float)p.d + p.eps);
 #pragma unroll
         for (int u = 0; u < GNORM_PER; u++)
-            if (lane + 32 * u < p.d) y[lane + 32 * u] = wv[u] * (xv[u] * rs) * kda_sigmoid(gv[u]);
+            if (lane + 32 * u < p.d) y[lane + 32 * u] = wv[u] * (xv[u] * rs) * cu_sigmoidf(gv[u]);
         return;
     }
     float ss = 0.f;
@@ -452,7 +450,7 @@ static __global__ void gated_rmsnorm_kernel(gnorm_params p) {
 #pragma unroll
     for (int m = 16; m > 0; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
     const float rs = 1.f / sqrtf(ss / (float)p.d + p.eps);
-    for (int j = lane; j < p.d; j += 32) y[j] = p.w[j] * (x[j] * rs) * kda_sigmoid(gt[j]);
+    for (int j = lane; j < p.d; j += 32) y[j] = p.w[j] * (x[j] * rs) * cu_sigmoidf(gt[j]);
 }
 
 static void gated_rmsnorm_launch(mt_backend *be, const gnorm_params *p) {

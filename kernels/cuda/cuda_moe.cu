@@ -111,8 +111,6 @@ typedef struct route_params {
     float scaling;
 } route_params;
 
-static __device__ __forceinline__ float route_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
-
 /* Dynamic shared memory per warp: s[E], c[E], gscore[G], sel_w[top_k] floats, sel_i[top_k] ints,
  * mask[E], gmask[G] bytes. */
 static __host__ __device__ size_t route_smem_per_warp(int E, int G, int top_k) {
@@ -151,14 +149,14 @@ static __global__ void route_kernel(const route_params p) {
         for (int j = 0; j < ROUTE_PER_LANE; j++) {
             const int e = lane + 32 * j;
             if (e < E) {
-                s[e] = route_sigmoid(lv[j]);
+                s[e] = cu_sigmoidf(lv[j]);
                 c[e] = s[e] + bb[j];
             }
         }
     } else {
 #pragma unroll 4
         for (int e = lane; e < E; e += 32) {
-            s[e] = route_sigmoid(l[e]);
+            s[e] = cu_sigmoidf(l[e]);
             c[e] = s[e] + p.bias[e];
         }
     }

@@ -298,6 +298,23 @@ template <int V> __device__ __forceinline__ void cu_xload(const float *x, float 
     }
 }
 
+/* Whether this block is the last of the grid's `total` blocks to arrive at *count, for a kernel
+ * whose last block finishes the op from the others' partial results (each writer fences its
+ * writes before calling). Every thread of the block calls it; the last block then sees every
+ * block's fenced writes, and returns *count to 0 once it has read what it needs (the counters of
+ * cu_backend.counters are 0 between calls). */
+static __device__ __forceinline__ bool cu_arrives_last(unsigned *count, unsigned total) {
+    __shared__ bool last;
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(count, 1u) == total - 1;
+    __syncthreads();
+    if (last) __threadfence();
+    return last;
+}
+
+/* The logistic sigmoid, the CPU's formula (cpu_sigmoidf): every kernel's sigmoid. */
+static __device__ __forceinline__ float cu_sigmoidf(float x) { return 1.f / (1.f + expf(-x)); }
+
 template <typename T> __device__ __forceinline__ T cu_warp_sum(T v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -394,7 +411,7 @@ __device__ __forceinline__ void cu_pdl_trigger(void) {
 static __device__ __forceinline__ float cu_kda_gate_value(float f, float bias, float a_log, bool has_lower_bound,
                                                           float lower_bound) {
     const float a = expf(a_log), x = f + bias;
-    return has_lower_bound ? lower_bound * (1.f / (1.f + expf(-(a * x)))) : -a * (x > 20.f ? x : log1pf(expf(x)));
+    return has_lower_bound ? lower_bound * cu_sigmoidf(a * x) : -a * (x > 20.f ? x : log1pf(expf(x)));
 }
 
 /* k<<<grid, block, smem, s>>>(p) launched for PDL: the kernel must cu_pdl_wait() before it reads

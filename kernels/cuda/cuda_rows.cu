@@ -86,12 +86,7 @@ static __global__ void __launch_bounds__(1024) conv3_rows_kernel(const conv3_par
         y = conv_step(p.c.states[j][i] + (size_t)c * (p.K - 1), p.c.x[j][(size_t)i * p.C + c],
                       p.c.w[j] + (size_t)c * p.K, p.K);
     if (j < 2) { /* block-uniform */
-        float ss = y * y;
-        ss = cu_warp_sum(ss);
-        if ((t & 31) == 0) red[t >> 5] = ss;
-        __syncthreads();
-        ss = 0.f;
-        for (int w = 0; w < (int)(blockDim.x >> 5); w++) ss += red[w];
+        const float ss = cu_block_sum(y * y, red);
         y *= (j == 0 ? p.q_scale : 1.f) / sqrtf(ss + p.eps);
     }
     if (own) p.c.out[j][(size_t)i * p.C + c] = y;
