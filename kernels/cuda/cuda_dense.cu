@@ -8,7 +8,7 @@
  * GEMV (gemv_tc_kernel): one mma.sync m16n8k16 multiplies a 16-row weight tile by all n <= 8
  * inputs, x entering as three bf16 parts (24 significant bits, fp32-grade results), so x is read
  * once per 16 rows and n = 8 costs what n = 1 does. Other calls take the fp32 GEMV
- * (gemv_kernel): a warp streams 16-byte weight vectors of two rows for all n input rows, several
+ * (gemv_kernel): a warp streams 16-byte weight vectors of 4 rows (2 from 5 inputs) for all n input rows, several
  * loads in flight per lane, and short wide weights split K over up to 8 warps of a block so that
  * the grid always has work for every multiprocessor. Fixed-order reductions finish each dot
  * product. Many rows (prefill) on a bf16/fp16 weight with at least 512 outputs: the tensor cores
@@ -125,14 +125,24 @@ extern "C" void cu_embed(mt_backend *be, float *out, const mt_weight *table, con
 
 /* ================================ matmul ================================ */
 
-enum { GEMV_THREADS = 256, GEMV_WARPS = GEMV_THREADS / 32, GEMV_MAX_N = 8, GEMV_R = 2, GEMV_U = 4, GEMV_MAX_W = 6 };
+enum { GEMV_THREADS = 256, GEMV_WARPS = GEMV_THREADS / 32, GEMV_MAX_N = 8, GEMV_LOADS = 8, GEMV_MAX_W = 6 };
+
+/* Rows a warp of gemv_kernel (R) for NB input rows; it keeps GEMV_LOADS / R chunks of each row
+ * in flight. Every x vector a lane loads from L1 serves R rows: with fp32 x that is 2 / R bytes
+ * of L1 traffic a weight byte per input row, and it is that traffic, not the weight's, that held
+ * the GEMV below a plain read. H200, kernels_cuda_dense_test DecodeTimings, the 15 decode shapes
+ * at one row: R = 2 (4 chunks) 466.8 us = 93.4% of the copy bandwidth, R = 4 441.9 us = 98.6%
+ * (n = 2: 548.3 -> 499.6 us); R = 8 at one row 439.7 us, but 78 registers and slower small
+ * shapes; decode_bench's engine path 1.297 / 1.289 -> 1.264 / 1.282 ms (same machine, alternate
+ * runs). The accumulators (R x NB) bound R as NB grows. */
+static constexpr __host__ __device__ int gemv_r(int nb) { return nb <= 4 ? 4 : 2; }
 
 typedef struct gemv_params {
     float *y;        /* [n, rows] fp32 */
     const float *x;  /* [n, cols] fp32 */
     const void *w;   /* [rows, cols] dtype */
     int n, rows, cols;
-    int ksplit;      /* GEMV: warps sharing one group of GEMV_R rows (1, 2, 4 or 8) */
+    int ksplit;      /* GEMV: warps sharing one group of gemv_r(NB) rows (1, 2, 4 or 8) */
     int persist;     /* GEMV: 0, block b takes tile b; 1, the grid is persistent and block b takes
                         the contiguous tiles [b T / grid, (b + 1) T / grid) of the T tiles */
     int ahead;       /* tensor-core GEMV: chunks a warp prefetches into L2 ahead of its loads */
@@ -157,8 +167,8 @@ typedef struct gemv_params {
 
 /* The weight is a list of chunks per row: chunk c holds the load units (V elements each) 32c ..
  * 32c + 31, lane l taking unit 32c + l, so one warp load is 512 contiguous bytes (VEC, bf16). A
- * warp owns a group of GEMV_R rows and the chunks s, s + ksplit, s + 2 ksplit, ... of them, s its
- * slice among the ksplit warps of the group; each step it issues GEMV_U chunks x GEMV_R rows of
+ * warp owns a group of R = gemv_r(NB) rows and the chunks s, s + ksplit, s + 2 ksplit, ... of them, s its
+ * slice among the ksplit warps of the group; each step it issues GEMV_LOADS / R chunks x R rows of
  * loads (8 x 16 bytes per lane in flight) before the first use. Short, wide weights split K over
  * 2-8 warps (the partial sums meet in shared memory, in slice order); tall ones keep a group per
  * warp with no barrier. Grid: ceil(groups / (8 / ksplit)) blocks of 8 warps. Each output is a
@@ -168,7 +178,7 @@ typedef struct gemv_params {
  * themselves land after the wait in the SASS, whatever their place in the source). */
 template <mt_dtype DT, int NB, bool VEC>
 static __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(const gemv_params p) {
-    constexpr int R = GEMV_R, U = GEMV_U, V = cu_wstream<DT, VEC>::V;
+    constexpr int R = gemv_r(NB), U = GEMV_LOADS / R, V = cu_wstream<DT, VEC>::V;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int ks = p.ksplit, per_block = GEMV_WARPS / ks, s = warp % ks;
     const int nv = p.cols / V, nch = (nv + 31) >> 5;
@@ -212,9 +222,9 @@ static __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(const gemv_pa
 
     if constexpr (VEC) {
         /* The first step's 32 lines of 128 bytes (U chunks x R rows x 512 bytes) into L2, lane l
-         * taking line l % 4 of chunk l / 8, row (l / 4) % 2: issued before the PDL wait, which
+         * taking line l % 4 of chunk (l / 4) / R, row (l / 4) % R: issued before the PDL wait, which
          * ptxas would otherwise schedule ahead of the loads below (see gemv_tc_kernel). */
-        const int u = lane >> 3, r = (lane >> 2) & 1, v = (s + u * ks) * 32 + 8 * (lane & 3);
+        const int u = (lane >> 2) / R, r = (lane >> 2) % R, v = (s + u * ks) * 32 + 8 * (lane & 3);
         if (v < nv && row0 + r < rows && (s + u * ks) < nch)
             asm volatile("prefetch.global.L2 [%0];" ::"l"((const char *)w +
                                                           ((int64_t)(row0 + r) * p.cols + (int64_t)v * V) *
@@ -411,8 +421,8 @@ static int gemv_blocks_per_sm(void) {
  * multiprocessor (64: two waves of the 4 resident 8-warp blocks per SM that its registers allow
  * at one row, each wave keeping ~128 KB of loads in flight per SM), while every slice still gets
  * at least two chunks. */
-static int gemv_ksplit(int rows, int nch, int n_sm) {
-    const int64_t groups = (rows + GEMV_R - 1) / GEMV_R, want = (int64_t)n_sm * gemv_warps_per_sm();
+static int gemv_ksplit(int rows, int R, int nch, int n_sm) {
+    const int64_t groups = (rows + R - 1) / R, want = (int64_t)n_sm * gemv_warps_per_sm();
     int ks = 1;
     while (ks < GEMV_WARPS && groups * ks < want && 2 * ks <= nch) ks *= 2;
     return ks;
@@ -421,14 +431,15 @@ static int gemv_ksplit(int rows, int nch, int n_sm) {
 template <mt_dtype DT, int NB>
 static mt_status gemv_launch_nb(gemv_params *p, bool vec, int n_sm, cudaStream_t s) {
     const int V = vec ? cu_wvec<DT>::n : 1;
-    p->ksplit = gemv_ksplit(p->rows, (p->cols / V + 31) / 32, n_sm); /* several weights: their total rows */
-    const int64_t groups = (p->rows + GEMV_R - 1) / GEMV_R, per_block = GEMV_WARPS / p->ksplit;
+    constexpr int R = gemv_r(NB);
+    p->ksplit = gemv_ksplit(p->rows, R, (p->cols / V + 31) / 32, n_sm); /* several weights: their total rows */
+    const int64_t groups = (p->rows + R - 1) / R, per_block = GEMV_WARPS / p->ksplit;
     int64_t tiles = (groups + per_block - 1) / per_block;
     const int64_t cap = (int64_t)n_sm * gemv_blocks_per_sm();
     if (p->nw >= 2) { /* each weight its own whole tiles */
         p->wt0[0] = 0;
         for (int j = 0; j < p->nw; j++)
-            p->wt0[j + 1] = p->wt0[j] + (int)((((int64_t)p->wrows[j] + GEMV_R - 1) / GEMV_R + per_block - 1) / per_block);
+            p->wt0[j + 1] = p->wt0[j] + (int)((((int64_t)p->wrows[j] + R - 1) / R + per_block - 1) / per_block);
         tiles = p->wt0[p->nw];
     }
     p->persist = p->nw < 2 && cap > 0 && tiles > cap;
