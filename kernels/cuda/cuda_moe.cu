@@ -482,12 +482,9 @@ static __device__ __forceinline__ const mt_expert *moe_expert(const moe_gemv_par
 }
 
 
-/* Rows per block and chunks per step: gate/up 4 rows x 2 matrices x 2 chunks, down 4 rows x 2
- * chunks: 16 and 8 loads of 16 bytes per lane in flight before the first use. Each x (h) vector
- * a lane loads serves all R rows (8 products for gate/up), which keeps its L1 traffic below the
- * weight's (as in cuda_dense.cu's gemv_r). H200, CudaMoe.DecodeTimings, down at 2 -> 4 rows: 4 rows
- * of input 87.7 -> 96.4% of copy, 8 rows 91.0 -> 92.5%; batch 1 unchanged (decode_bench). */
-enum { MOE_GU_R = 4, MOE_GU_U = 2, MOE_DN_R = 4, MOE_DN_U = 2 };
+/* Rows per block and chunks per step: gate/up 4 rows x 2 matrices x 2 chunks, down 2 rows x 4
+ * chunks: 16 and 8 loads of 16 bytes per lane in flight before the first use. */
+enum { MOE_GU_R = 4, MOE_GU_U = 2, MOE_DN_R = 2, MOE_DN_U = 4 };
 
 /* Grid (ceil(I / R), n * top_k): rows [R*blockIdx.x, +R) of h for pair blockIdx.y. A row is a
  * list of chunks of 32 load units (lane l takes unit 32c + l: 512 contiguous bytes per warp load
