@@ -8,10 +8,10 @@
  * GEMV (gemv_tc_kernel): one mma.sync m16n8k16 multiplies a 16-row weight tile by all n <= 8
  * inputs, x entering as three bf16 parts (24 significant bits, fp32-grade results), so x is read
  * once per 16 rows and n = 8 costs what n = 1 does. Other calls take the fp32 GEMV
- * (gemv_kernel): a warp streams 16-byte weight vectors of 4 rows (2 from 5 inputs) for all n input rows, several
- * loads in flight per lane, and short wide weights split K over up to 8 warps of a block so that
- * the grid always has work for every multiprocessor. Fixed-order reductions finish each dot
- * product. Many rows (prefill) on a bf16/fp16 weight with at least 512 outputs: the tensor cores
+ * (gemv_kernel): a warp streams 16-byte weight vectors of 4 rows (2 from 5 inputs) for all n
+ * input rows, several loads in flight per lane, and short wide weights split K over up to 8 warps
+ * of a block so that the grid always has work for every multiprocessor. Fixed-order reductions
+ * finish each dot product. Many rows (prefill) on a bf16/fp16 weight with at least 512 outputs: the tensor cores
  * through cuBLAS (cu_gemm_tc, fp32 accumulation). x is split into 16-bit parts of
  * the weight's type, x ~ hi + lo (cu_split16, into CU_SCRATCH_GEMM), and y = w.hi + w.lo: 16
  * significant bits of x for bf16, ~2e-6 relative error, twice the tensor-core work. With
@@ -167,11 +167,11 @@ typedef struct gemv_params {
 
 /* The weight is a list of chunks per row: chunk c holds the load units (V elements each) 32c ..
  * 32c + 31, lane l taking unit 32c + l, so one warp load is 512 contiguous bytes (VEC, bf16). A
- * warp owns a group of R = gemv_r(NB) rows and the chunks s, s + ksplit, s + 2 ksplit, ... of them, s its
- * slice among the ksplit warps of the group; each step it issues GEMV_LOADS / R chunks x R rows of
- * loads (8 x 16 bytes per lane in flight) before the first use. Short, wide weights split K over
- * 2-8 warps (the partial sums meet in shared memory, in slice order); tall ones keep a group per
- * warp with no barrier. Grid: ceil(groups / (8 / ksplit)) blocks of 8 warps. Each output is a
+ * warp owns a group of R = gemv_r(NB) rows and the chunks s, s + ksplit, s + 2 ksplit, ... of
+ * them, s its slice among the ksplit warps of the group; each step it issues GEMV_LOADS / R
+ * chunks x R rows of loads (8 x 16 bytes per lane in flight) before the first use. Short, wide
+ * weights split K over 2-8 warps (the partial sums meet in shared memory, in slice order); tall
+ * ones keep a group per warp with no barrier. Grid: ceil(groups / (8 / ksplit)) blocks of 8 warps. Each output is a
  * per-lane running sum in chunk order, a fixed butterfly over the lanes, then the slices in
  * order: deterministic for a given shape. Launched for PDL: the first step's weight lines are
  * prefetched into L2 before waiting for the previous kernel (they depend on none; the loads
