@@ -11,8 +11,8 @@
  * (gemv_kernel): a warp streams 16-byte weight vectors of 4 rows (2 from 5 inputs) for all n
  * input rows, several loads in flight per lane, and short wide weights split K over up to 8 warps
  * of a block so that the grid always has work for every multiprocessor. Fixed-order reductions
- * finish each dot product. Many rows (prefill) on a bf16/fp16 weight with at least 512 outputs: the tensor cores
- * through cuBLAS (cu_gemm_tc, fp32 accumulation). x is split into 16-bit parts of
+ * finish each dot product. Many rows (prefill) on a bf16/fp16 weight with at least 512 outputs:
+ * the tensor cores through cuBLAS (cu_gemm_tc, fp32 accumulation). x is split into 16-bit parts of
  * the weight's type, x ~ hi + lo (cu_split16, into CU_SCRATCH_GEMM), and y = w.hi + w.lo: 16
  * significant bits of x for bf16, ~2e-6 relative error, twice the tensor-core work. With
  * MT_CUDA_TC_TERMS=1, x is rounded once (hi only): half the work, ~1.5e-3 relative error for
