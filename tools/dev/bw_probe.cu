@@ -31,8 +31,14 @@ static __device__ __forceinline__ float4 ld_stream(const float4 *p) {
     return v;
 }
 
-/* n4 float4 of x; sink keeps the loads alive (written only if the impossible sum appears) */
-template <int U> static __global__ void __launch_bounds__(256) read_kernel(const float4 *x, size_t n4, float *sink) {
+/* n4 float4 of x, grid-stride, U loads in flight a thread; sink keeps the loads alive (written
+ * only if the impossible sum appears). PDL: the dependent-launch wait first (the chain study). */
+template <int U, bool PDL = false>
+static __global__ void __launch_bounds__(256) read_kernel(const float4 *x, size_t n4, float *sink) {
+    if (PDL) {
+        asm volatile("griddepcontrol.wait;" ::: "memory");
+        asm volatile("griddepcontrol.launch_dependents;");
+    }
     const size_t stride = (size_t)gridDim.x * blockDim.x;
     float acc = 0.f;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += stride * U) {
@@ -197,31 +203,16 @@ static __global__ void __launch_bounds__(256) gemv_lin_kernel(const uint4 *w, co
     }
 }
 
-/* Streaming form with PDL: a fixed grid, grid-stride, the wait first. */
-template <int U> static __global__ void __launch_bounds__(256) read_pdl_kernel(const float4 *x, size_t n4, float *sink) {
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;");
-    const size_t stride = (size_t)gridDim.x * blockDim.x;
-    float acc = 0.f;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += stride * U) {
-        float4 v[U];
-#pragma unroll
-        for (int u = 0; u < U; u++) v[u] = i + u * stride < n4 ? ld_stream(x + i + u * stride) : make_float4(0, 0, 0, 0);
-#pragma unroll
-        for (int u = 0; u < U; u++) acc += v[u].x + v[u].y + v[u].z + v[u].w;
-    }
-    if (acc == 1.2345e-30f) *sink = acc;
-}
-
 static float *xg, *yg; /* the gemv-like chain's x [4096] and y (allocated before any capture) */
 
-/* Back-to-back reads of `mb` MiB each, cycling over copies of at least 512 MiB in all (so each
- * comes from memory), captured in one graph of `count` kernels as a decode step is: the cost of
- * a kernel boundary at the decode projections' sizes. mode 0: one-shot grid (U = 8), plain
- * launches; 1: the same with PDL; 2: streaming grid of 4 blocks/SM (U = 4) with PDL; 3: one-shot
- * with PDL at U = 4 (half the bytes in flight a thread); 4: one-shot U = 8 with PDL held to 4
- * blocks a multiprocessor (48 KB of unused dynamic shared memory a block), as the GEMV's
- * registers hold it. */
+/* Back-to-back reads of `mb` MiB each, cycling over copies in 2 GiB (so each comes from memory),
+ * captured in one graph of 64 kernels as a decode step is: the cost of a kernel boundary at the
+ * decode projections' sizes. Modes: 0 one-shot grid (U = 8), plain launches; 1 the same with PDL;
+ * 2 streaming grid of 4 blocks/SM (U = 4) with PDL; 3 one-shot with PDL at U = 4 (half the bytes
+ * in flight a thread); 4 one-shot U = 8 with PDL held to 4 blocks a multiprocessor (48 KB of
+ * unused dynamic shared memory a block), as the GEMV's registers hold it; 5-7 gemv_like STEP 0-2;
+ * 8-9 gemv_like STEP 0 and 2 without the L2 prefetch; 10-11 gemv_lin with and without its line
+ * prefetch; 12 gemv_like STEP 0 with the rows spread. */
 static double chain_gbs(char *base, size_t copies, size_t mb, int mode, int n_sm, float *sink) {
     const size_t bytes = mb << 20, n4 = bytes / 16;
     const int count = 64;
@@ -244,11 +235,11 @@ static double chain_gbs(char *base, size_t copies, size_t mb, int mode, int n_sm
         const void *k;
         if (mode == 2) {
             cfg.gridDim = dim3(4 * n_sm);
-            k = (const void *)read_pdl_kernel<4>;
+            k = (const void *)read_kernel<4, true>;
         } else if (mode == 3) {
             cfg.gridDim = dim3((unsigned)((n4 + 256 * 4 - 1) / (256 * 4)));
             k = (const void *)read_once_kernel<4, true>;
-        } else if (mode >= 10) { /* gemv_lin over [rows, 4096] bf16 */
+        } else if (mode >= 10 && mode < 12) { /* gemv_lin over [rows, 4096] bf16 */
             const int rows = (int)(bytes / 8192);
             cfg.gridDim = dim3((unsigned)(rows / 4));
             void *gargs[4] = {(void *)&x, (void *)&xg, (void *)&yg, (void *)&rows};
@@ -263,7 +254,8 @@ static double chain_gbs(char *base, size_t copies, size_t mb, int mode, int n_sm
                 : mode == 6 ? (const void *)gemv_like_kernel<1>
                 : mode == 7 ? (const void *)gemv_like_kernel<2>
                 : mode == 8 ? (const void *)gemv_like_kernel<0, false, false>
-                            : (const void *)gemv_like_kernel<2, false, false>;
+                : mode == 9 ? (const void *)gemv_like_kernel<2, false, false>
+                            : (const void *)gemv_like_kernel<0, true>;
             CK(cudaLaunchKernelExC(&cfg, k, gargs));
             continue;
         } else if (mode == 4) {
@@ -380,11 +372,11 @@ extern "C" int bw_probe_main(int argc, char **argv) {
     for (int si = 0; si < 4; si++) {
         const size_t mb = sizes[si], copies = (2 * bytes) / (mb << 20);
         printf("chain of 64 reads of %3zu MiB in a graph:", mb);
-        const char *names[12] = {"one-shot", "one-shot+PDL", "streaming 4/SM+PDL", "one-shot+PDL U=4",
+        const char *names[13] = {"one-shot", "one-shot+PDL", "streaming 4/SM+PDL", "one-shot+PDL U=4",
                                  "one-shot+PDL <=4/SM", "gemv loads", "gemv +x,fma", "gemv +ksum,y",
                                  "gemv loads, no L2 prefetch", "gemv whole, no L2 prefetch",
-                                 "gemv block-linear +line PF", "gemv block-linear"};
-        for (int mode = 0; mode < 12; mode++) {
+                                 "gemv block-linear +line PF", "gemv block-linear", "gemv loads, rows spread"};
+        for (int mode = 0; mode < 13; mode++) {
             const double gbs = chain_gbs((char *)x, copies, mb, mode, prop.multiProcessorCount, sink);
             printf("  %s %.1f GB/s (%.1f%%)", names[mode], gbs, 100.0 * gbs / copy_gbs);
         }
