@@ -704,42 +704,42 @@ static __global__ void __launch_bounds__(HCS_THREADS) hc_pre_split_kernel(const 
                 const int d4 = tid + u * 32 * HCS_WARPS;
                 if (i < p.n && d4 < H4) ((float4 *)(p.y + (int64_t)i * H))[d4] = y[i][u];
             }
-        return;
-    }
-    /* h = y * rms(y) * w: a double sum over the first 8 warps (a named barrier: the ninth is in
-     * its Sinkhorn) */
-#pragma unroll
-    for (int i = 0; i < NB; i++) {
-        double ss = 0;
-#pragma unroll
-        for (int u = 0; u < HCS_PER; u++)
-            ss += (double)y[i][u].x * y[i][u].x + (double)y[i][u].y * y[i][u].y + (double)y[i][u].z * y[i][u].z +
-                  (double)y[i][u].w * y[i][u].w;
-        ss = cu_warp_sum(ss);
-        if (lane == 0) red[warp][i] = ss;
-    }
-    asm volatile("bar.sync 1, %0;" ::"r"(32 * HCS_WARPS));
-    if (tid < NB) {
-        double a = 0;
-        for (int w = 0; w < HCS_WARPS; w++) a += red[w][tid];
-        r_y[tid] = 1.f / sqrtf((float)(a / H) + p.rms_eps);
-    }
-    asm volatile("bar.sync 1, %0;" ::"r"(32 * HCS_WARPS));
-#pragma unroll
-    for (int u = 0; u < HCS_PER; u++) {
-        const int d4 = tid + u * 32 * HCS_WARPS;
-        if (d4 >= H4) continue;
-        const float4 w = EARLY_W ? nw[EARLY_W ? u : 0] : __ldg((const float4 *)p.norm_w + d4);
+    } else { /* NORM */
+        /* h = y * rms(y) * w: a double sum over the first 8 warps (a named barrier: the ninth is in
+         * its Sinkhorn) */
 #pragma unroll
         for (int i = 0; i < NB; i++) {
-            if (i >= p.n) continue;
-            const float r = r_y[i];
-            float4 o;
-            o.x = __fmul_rn(__fmul_rn(y[i][u].x, r), w.x);
-            o.y = __fmul_rn(__fmul_rn(y[i][u].y, r), w.y);
-            o.z = __fmul_rn(__fmul_rn(y[i][u].z, r), w.z);
-            o.w = __fmul_rn(__fmul_rn(y[i][u].w, r), w.w);
-            ((float4 *)(p.h + (int64_t)i * H))[d4] = o;
+            double ss = 0;
+#pragma unroll
+            for (int u = 0; u < HCS_PER; u++)
+                ss += (double)y[i][u].x * y[i][u].x + (double)y[i][u].y * y[i][u].y + (double)y[i][u].z * y[i][u].z +
+                      (double)y[i][u].w * y[i][u].w;
+            ss = cu_warp_sum(ss);
+            if (lane == 0) red[warp][i] = ss;
+        }
+        asm volatile("bar.sync 1, %0;" ::"r"(32 * HCS_WARPS));
+        if (tid < NB) {
+            double a = 0;
+            for (int w = 0; w < HCS_WARPS; w++) a += red[w][tid];
+            r_y[tid] = 1.f / sqrtf((float)(a / H) + p.rms_eps);
+        }
+        asm volatile("bar.sync 1, %0;" ::"r"(32 * HCS_WARPS));
+#pragma unroll
+        for (int u = 0; u < HCS_PER; u++) {
+            const int d4 = tid + u * 32 * HCS_WARPS;
+            if (d4 >= H4) continue;
+            const float4 w = EARLY_W ? nw[EARLY_W ? u : 0] : __ldg((const float4 *)p.norm_w + d4);
+#pragma unroll
+            for (int i = 0; i < NB; i++) {
+                if (i >= p.n) continue;
+                const float r = r_y[i];
+                float4 o;
+                o.x = __fmul_rn(__fmul_rn(y[i][u].x, r), w.x);
+                o.y = __fmul_rn(__fmul_rn(y[i][u].y, r), w.y);
+                o.z = __fmul_rn(__fmul_rn(y[i][u].z, r), w.z);
+                o.w = __fmul_rn(__fmul_rn(y[i][u].w, r), w.w);
+                ((float4 *)(p.h + (int64_t)i * H))[d4] = o;
+            }
         }
     }
 }
