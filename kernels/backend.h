@@ -360,9 +360,10 @@ void mt_cpu_set_round_x(uint32_t mask);
  * is fp16's (its exponent range not modelled). Process-wide. */
 void mt_cpu_set_round_bits(int bits);
 /* Instead of that rounding: x as a bf16 high part times the weights plus its remainder as fp8 e4m3
- * times the weights as e4m3 (one scale per row each): a two-part GEMM whose low part runs on fp8
- * tensor cores. Process-wide. */
-void mt_cpu_set_round_fp8lo(bool on);
+ * times the weights as e4m3: a two-part GEMM whose low part runs on fp8 tensor cores. mode 0 off,
+ * 1 one scale per row (of the weight and of x's remainder), 2 one scale per matrix (the weight's,
+ * and the call's remainder: the scalar scales every fp8 GEMM takes). Process-wide. */
+void mt_cpu_set_round_fp8lo(int mode);
 
 /* Destroys any backend; NULL is fine. */
 static inline void mt_backend_free(mt_backend *be) {

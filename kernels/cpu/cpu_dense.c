@@ -46,11 +46,11 @@ static float dot(const float *a, const float *b, int64_t n) {
 static uint32_t g_round_x;       /* mt_cpu_set_round_x */
 static int g_round_bits = 8;     /* mt_cpu_set_round_bits: significant bits kept (8: bf16) */
 
-static bool g_round_fp8lo;       /* mt_cpu_set_round_fp8lo */
+static int g_round_fp8lo;        /* mt_cpu_set_round_fp8lo: 0 off, 1 row scales, 2 matrix scales */
 
 void mt_cpu_set_round_x(uint32_t mask) { g_round_x = mask; }
 void mt_cpu_set_round_bits(int bits) { g_round_bits = bits < 2 ? 2 : bits > 24 ? 24 : bits; }
-void mt_cpu_set_round_fp8lo(bool on) { g_round_fp8lo = on; }
+void mt_cpu_set_round_fp8lo(int mode) { g_round_fp8lo = mode == 1 || mode == 2 ? mode : 0; }
 
 /* v as fp8 e4m3 holds it: 4 significant bits to nearest even, normals from 2^-6, subnormals in
  * steps of 2^-9, saturating at 448. */
@@ -64,10 +64,15 @@ static float e4m3(float v) {
     return t.f;
 }
 
-/* dst[k] = e4m3(src[k] / s) * s with s = max|src| / 448 (one scale per row, as fp8 GEMMs take). */
-static void fp8_row(float *dst, const float *src, int64_t k) {
+static float amax(const float *src, int64_t k) {
     float mx = 0.f;
     for (int64_t j = 0; j < k; j++) mx = fmaxf(mx, fabsf(src[j]));
+    return mx;
+}
+
+/* dst[k] = e4m3(src[k] / s) * s with s = mx / 448 (mx: the row's max |src| for a scale per row, or
+ * the whole matrix's for one scale). */
+static void fp8_row(float *dst, const float *src, int64_t k, float mx) {
     const float sc = mx > 0.f ? mx / 448.f : 1.f;
     for (int64_t j = 0; j < k; j++) dst[j] = e4m3(src[j] / sc) * sc;
 }
@@ -85,8 +90,9 @@ static float round_bits(float f) {
 }
 
 /* Research hook, fp8 low part: y = x_hi . w + x_lo . w8, x_hi = bf16(x), x_lo = x - x_hi as fp8
- * e4m3 with a scale per row, w8 each weight row as e4m3 with a scale per row: a bf16 GEMM plus an
- * fp8 one at twice the rate, as a faster two-part prefill GEMM would compute. */
+ * e4m3, w8 the weight as e4m3, each with a scale per row (g_round_fp8lo 1) or one scale per
+ * matrix (2): a bf16 GEMM plus an fp8 one at twice the rate, as a faster two-part prefill GEMM
+ * would compute. */
 static void matmul_fp8lo(mt_backend *be, float *y, const float *x, const mt_weight *w, int n) {
     const int64_t out = w->rows, in = w->cols;
     float *hi = malloc(sizeof(float) * (size_t)n * (size_t)in), *lo = malloc(sizeof(float) * (size_t)n * (size_t)in);
@@ -95,7 +101,22 @@ static void matmul_fp8lo(mt_backend *be, float *y, const float *x, const mt_weig
         hi[i] = mt_bf16_to_f32(mt_f32_to_bf16(x[i]));
         lo[i] = x[i] - hi[i];
     }
-    for (int i = 0; i < n; i++) fp8_row(lo + (size_t)i * in, lo + (size_t)i * in, in);
+    const bool per_row = g_round_fp8lo == 1;
+    const float lo_mx = per_row ? 0.f : amax(lo, (int64_t)n * in);
+    for (int i = 0; i < n; i++) {
+        float *r = lo + (size_t)i * in;
+        fp8_row(r, r, in, per_row ? amax(r, in) : lo_mx);
+    }
+    float w_mx = 0.f; /* the weight's max |w| (one scale for the matrix) */
+    if (!per_row) {
+        float *row = malloc(sizeof(float) * (size_t)in);
+        MT_ASSERT(row);
+        for (int64_t o = 0; o < out; o++) {
+            cpu_weight_row(w, o, row);
+            w_mx = fmaxf(w_mx, amax(row, in));
+        }
+        free(row);
+    }
 #pragma omp parallel num_threads(be->n_threads) if (out * in * n > CPU_PAR_MIN_WORK)
     {
         float *row = malloc(sizeof(float) * (size_t)in * 2), *row8 = row + in;
@@ -103,7 +124,7 @@ static void matmul_fp8lo(mt_backend *be, float *y, const float *x, const mt_weig
 #pragma omp for schedule(static)
         for (int64_t o = 0; o < out; o++) {
             cpu_weight_row(w, o, row);
-            fp8_row(row8, row, in);
+            fp8_row(row8, row, in, per_row ? amax(row, in) : w_mx);
             for (int i = 0; i < n; i++)
                 y[(size_t)i * out + o] = dot(hi + (size_t)i * in, row, in) + dot(lo + (size_t)i * in, row8, in);
         }

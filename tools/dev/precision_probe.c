@@ -10,10 +10,12 @@
  * (random:PRESET: that config preset with random weights, seed 9, as model_cuda_test makes it.)
  *   precision_probe --bits DIR [DIR ...]
  *   precision_probe --fp8lo DIR [DIR ...]
+ *   precision_probe --fp8lo-tensor DIR [DIR ...]
  * --bits: every matmul's activations rounded to 8, 9, .. 16 significant bits instead (8 = bf16,
  * 11 = fp16's mantissa; a bf16 high part plus an fp8 e4m3 low part carries about 12): how much
  * precision a single tensor-core pass would need to meet the bar. --fp8lo: every matmul as a bf16
- * high part plus an fp8 e4m3 low part (mt_cpu_set_round_fp8lo), against the exact run.
+ * high part plus an fp8 e4m3 low part (mt_cpu_set_round_fp8lo), against the exact run, with a
+ * scale per row of the weight and of the remainder; --fp8lo-tensor: one scale per matrix.
  */
 #include <math.h>
 #include <stdio.h>
@@ -60,10 +62,11 @@ static void compare(const float *ref, const float *got, int n, int V, double *to
 }
 
 int main(int argc, char **argv) {
-    const bool fp8lo = argc > 1 && !strcmp(argv[1], "--fp8lo");
+    /* --fp8lo: scales per row; --fp8lo-tensor: one scale per matrix */
+    const int fp8lo = argc > 1 && !strcmp(argv[1], "--fp8lo") ? 1 : argc > 1 && !strcmp(argv[1], "--fp8lo-tensor") ? 2 : 0;
     const bool bits = fp8lo || (argc > 1 && !strcmp(argv[1], "--bits"));
     if (argc < 2 + bits) {
-        fprintf(stderr, "usage: precision_probe [--bits | --fp8lo] DIR [DIR ...]\n");
+        fprintf(stderr, "usage: precision_probe [--bits | --fp8lo | --fp8lo-tensor] DIR [DIR ...]\n");
         return 2;
     }
     mt_backend *be = mt_cpu_backend_new(0);
@@ -91,12 +94,13 @@ int main(int argc, char **argv) {
         for (int i = 0; i < n; i++) toks[i] = (int32_t)((i * 7919u + 13u) % (unsigned)V);
         float *ref = logits_of(m, toks, n, 0);
         if (fp8lo) {
-            mt_cpu_set_round_fp8lo(true);
+            mt_cpu_set_round_fp8lo(fp8lo);
             float *got = logits_of(m, toks, n, all);
-            mt_cpu_set_round_fp8lo(false);
+            mt_cpu_set_round_fp8lo(0);
             double top1, cosw;
             compare(ref, got, n, V, &top1, &cosw);
-            printf("| %s | bf16 high + fp8 e4m3 low (weights e4m3 for the low part) | %.2f%% | %.6f |\n", argv[d], top1, cosw);
+            printf("| %s | bf16 high + fp8 e4m3 low (weights e4m3 for the low part; scales per %s) | %.2f%% | %.6f |\n",
+                   argv[d], fp8lo == 1 ? "row" : "matrix", top1, cosw);
             free(got);
         }
         for (int b = 8; bits && !fp8lo && b <= 16; b++) {
