@@ -171,9 +171,9 @@ typedef struct gemv_params {
  * them, s its slice among the ksplit warps of the group; each step it issues GEMV_LOADS / R
  * chunks x R rows of loads (8 x 16 bytes per lane in flight) before the first use. Short, wide
  * weights split K over 2-8 warps (the partial sums meet in shared memory, in slice order); tall
- * ones keep a group per warp with no barrier. Grid: ceil(groups / (8 / ksplit)) blocks of 8 warps. Each output is a
- * per-lane running sum in chunk order, a fixed butterfly over the lanes, then the slices in
- * order: deterministic for a given shape. Launched for PDL: the first step's weight lines are
+ * ones keep a group per warp with no barrier. Grid: ceil(groups / (8 / ksplit)) blocks of 8
+ * warps. Each output is a per-lane running sum in chunk order, a fixed butterfly over the lanes,
+ * then the slices in order: deterministic for a given shape. Launched for PDL: the first step's weight lines are
  * prefetched into L2 before waiting for the previous kernel (they depend on none; the loads
  * themselves land after the wait in the SASS, whatever their place in the source). */
 template <mt_dtype DT, int NB, bool VEC>
@@ -1520,7 +1520,7 @@ typedef struct argmax_params {
     float *part_v;        /* [n, nchunk] best value per chunk */
     int32_t *part_i;      /* [n, nchunk] its index */
     int32_t *out;         /* [n] device */
-    unsigned *count;      /* arrival counter (cb->counters[1]), 0 between calls */
+    unsigned *count;      /* arrival counter (CU_COUNTER_ARGMAX), 0 between calls */
     int n, V, nchunk;
 } argmax_params;
 
@@ -1616,7 +1616,7 @@ extern "C" void cu_argmax(mt_backend *be, int32_t *out, const float *logits, int
     p.part_v = (float *)scr;
     p.part_i = (int32_t *)(scr + np * 4);
     p.out = (int32_t *)(scr + np * 8);
-    p.count = ((cu_backend *)be)->counters + 1;
+    p.count = ((cu_backend *)be)->counters + CU_COUNTER_ARGMAX;
     mt_status st = argmax_launch(&p, cu_stream(be));
     if (st == MT_OK)
         MT_CUDA_(cudaMemcpyAsync(out, p.out, (size_t)n * 4, cudaMemcpyDeviceToHost, cu_stream(be)),

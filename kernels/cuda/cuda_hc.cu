@@ -803,7 +803,8 @@ static mt_status hc_pre_dec_launch(mt_backend *be, hc_pre_params *p, mt_dtype dt
         const size_t pf = align_up((size_t)blocks * nb * HC_DEC_MIX * sizeof(float), 16);
         char *scr = (char *)cu_scratch(be, CU_SCRATCH_DENSE, pf + (size_t)blocks * nb * sizeof(double));
         if (!scr) return MT_ERR_NOMEM;
-        hc_split_params q = {*p, (float *)scr, (double *)(scr + pf), ((cu_backend *)be)->counters, a};
+        hc_split_params q = {*p, (float *)scr, (double *)(scr + pf),
+                             ((cu_backend *)be)->counters + CU_COUNTER_HC_PRE, a};
         const void *k = a ? hc_pre_split_pick<true, true>(dt, p->n)
                         : p->h ? hc_pre_split_pick<true, false>(dt, p->n) : hc_pre_split_pick<false, false>(dt, p->n);
         MT_CUDA_CHECK(cu_launch_pdl(k, dim3(blocks), dim3(HCS_THREADS), 0, s, &q));

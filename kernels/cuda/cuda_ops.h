@@ -35,6 +35,9 @@ typedef struct cu_buf {
  * order, so later ops may reuse the same slot. */
 enum { CU_SCRATCH_DENSE, CU_SCRATCH_ATTN, CU_SCRATCH_GEMM, CU_SCRATCH_N };
 enum { CU_COUNTERS = 16 };
+/* Which of cu_backend.counters each last-block-finishes kernel owns: cuda_hc.cu's
+ * hc_pre_split_kernel, cuda_dense.cu's argmax_chunk_kernel. */
+enum { CU_COUNTER_HC_PRE = 0, CU_COUNTER_ARGMAX = 1 };
 
 /* cuBLAS workspace per backend (NVIDIA's recommendation for Hopper: 32 MiB). */
 #define CU_BLAS_WS_BYTES ((size_t)32 << 20)
@@ -72,8 +75,7 @@ typedef struct cu_backend {
                                    this stay off the tensor cores (cuda_dense.cu) */
     struct cu_prof *prof;       /* op timing (mt_cuda_profile); NULL when off */
     /* [CU_COUNTERS] device, zeroed at creation: arrival counters of kernels whose last block
-     * finishes the op (cuda_hc.cu's hc_pre_split_kernel: counters[0]; cuda_dense.cu's argmax: [1]); each such kernel returns
-     * its counter to 0 before it exits. */
+     * finishes the op (CU_COUNTER_*); each such kernel returns its counter to 0 before it exits. */
     unsigned *counters;
 } cu_backend;
 
