@@ -142,6 +142,10 @@ typedef struct mt_backend_ops {
     void *(*alloc)(mt_backend *be, size_t bytes);             /* zeroed; NULL on OOM */
     void (*free)(mt_backend *be, void *p);                    /* NULL ok */
     void (*upload)(mt_backend *be, void *dst, const void *host_src, size_t bytes);
+    /* Optional (NULL: use upload): upload in the backend's order of work. Ops issued later see
+     * the data and host_src may be reused on return, but the call need not wait for the copy
+     * itself (a decode step's small tables then cost no round trip of their own). */
+    void (*upload_async)(mt_backend *be, void *dst, const void *host_src, size_t bytes);
     void (*download)(mt_backend *be, void *host_dst, const void *src, size_t bytes);
     void (*copy)(mt_backend *be, void *dst, const void *src, size_t bytes);
     void (*zero)(mt_backend *be, void *p, size_t bytes);

@@ -195,6 +195,22 @@ static void cu_upload(mt_backend *be, void *dst, const void *host_src, size_t by
     CU_RECORD(be, cudaStreamSynchronize(cb->stream));
 }
 
+/* From pageable memory cudaMemcpyAsync returns once host_src is staged for the DMA, so the
+ * buffer may be reused at once; from page-locked memory it would read host_src later, so that
+ * case keeps upload's wait. */
+static void cu_upload_async(mt_backend *be, void *dst, const void *host_src, size_t bytes) {
+    cu_backend *cb = cb_of(be);
+    if (!bytes) return;
+    cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, host_src) != cudaSuccess || a.type != cudaMemoryTypeUnregistered) {
+        (void)cudaGetLastError();
+        cu_upload(be, dst, host_src, bytes);
+        return;
+    }
+    route_forget(cb, dst, bytes);
+    CU_RECORD(be, cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, cb->stream));
+}
+
 static void cu_download(mt_backend *be, void *host_dst, const void *src, size_t bytes) {
     cu_backend *cb = cb_of(be);
     if (!bytes) return;
@@ -267,6 +283,7 @@ static const mt_backend_ops cu_ops = {
     .alloc = cu_alloc,
     .free = cu_free,
     .upload = cu_upload,
+    .upload_async = cu_upload_async,
     .download = cu_download,
     .copy = cu_copy,
     .zero = cu_zero,

@@ -1,5 +1,6 @@
 /* worker/model/glm_model.c: the GLM model runtime: loading, scratch, sequences, and the forward
  * pass (embedding into an S-stream fp32 highway, the decoder layers, the mean-of-streams head). */
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -677,6 +678,11 @@ static void rows_upload(glm_model *m, glm_seq **seqs, const int32_t *tokens, int
     const glm_config *c = &m->cfg;
     const int L = c->num_hidden_layers, S = c->hc_mult, cap = m->rcap;
     mt_backend *be = m->be;
+    void (*up)(mt_backend *, void *, const void *, size_t) = be->ops->upload_async ? be->ops->upload_async
+                                                                                   : be->ops->upload;
+    /* h_rtab mirrors d_rtab (both start zeroed; only this function writes either), so only the
+     * span of entries that changed goes up: none while the batch keeps its sequences. */
+    size_t lo = SIZE_MAX, hi = 0;
     for (int i = 0; i < B; i++) {
         glm_seq *s = i < n ? seqs[i] : m->pad_seq;
         const int32_t tok = i < n ? tokens[i] : 0;
@@ -684,14 +690,19 @@ static void rows_upload(glm_model *m, glm_seq **seqs, const int32_t *tokens, int
         for (int j = 0; j < S; j++) m->h_rtok[(size_t)i * S + j] = tok;
         for (int l = 0; l < L; l++) {
             const glm_layer_state *st = (const glm_layer_state *)s->states[l];
-            void **t = m->h_rtab + (size_t)l * GLM_R_KINDS * cap + i;
             void *const ptrs[GLM_R_KINDS] = { st->conv[0], st->conv[1], st->conv[2], st->rec, (void *)s->d_bt };
-            for (int k = 0; k < GLM_R_KINDS; k++) t[(size_t)k * cap] = ptrs[k];
+            for (int k = 0; k < GLM_R_KINDS; k++) {
+                const size_t e = ((size_t)l * GLM_R_KINDS + k) * cap + i;
+                if (m->h_rtab[e] == ptrs[k]) continue;
+                m->h_rtab[e] = ptrs[k];
+                if (e < lo) lo = e;
+                if (e > hi) hi = e;
+            }
         }
     }
-    be->ops->upload(be, m->d_rtok, m->h_rtok, sizeof(int32_t) * (size_t)B * S);
-    be->ops->upload(be, m->d_rpos, m->h_rpos, sizeof(int32_t) * (size_t)B);
-    be->ops->upload(be, m->d_rtab, m->h_rtab, sizeof(void *) * (size_t)L * GLM_R_KINDS * cap);
+    up(be, m->d_rtok, m->h_rtok, sizeof(int32_t) * (size_t)B * S);
+    up(be, m->d_rpos, m->h_rpos, sizeof(int32_t) * (size_t)B);
+    if (lo <= hi) up(be, m->d_rtab + lo, m->h_rtab + lo, sizeof(void *) * (hi - lo + 1));
 }
 
 /* One batched step of B rows from the uploaded tables, through every layer's decode_multi_seq
