@@ -1190,15 +1190,17 @@ enum norm_kind { NORM_RMS, NORM_LAYER, NORM_L2 };
  * double sums follow cpu_dense.c as the scalar kernels below do; only the order of the partial
  * sums differs. Launched for PDL (the input is the previous kernel's output). */
 enum { NORM_VPT = 4, NORM_WARP_MAX = 32 * 4 * NORM_VPT, NORM_ROW_MAX = 1024 * 4 * NORM_VPT,
-       NORM_WARP_ROWS = 8 };
+       NORM_WARP_ROWS = 8, NORM_HEAD_MAX_S = 4, NORM_HEAD_THREADS = 512 /* hc_head_norm's form */ };
 
 template <typename T, bool BLOCK> static __device__ __forceinline__ T norm_sum(T v, T *red) {
     if constexpr (BLOCK) return cu_block_sum(v, red);
     else return cu_warp_sum(v);
 }
 
-template <int KIND, bool BLOCK>
-static __global__ void __launch_bounds__(1024) norm_vec_kernel(const norm_params p) {
+/* HEAD: rmsnorm of hc_head(X) (p.hs streams at p.hx; cu_hc_head_norm), at most NORM_HEAD_THREADS
+ * threads so that the S x NORM_VPT loads fit in registers. */
+template <int KIND, bool BLOCK, bool HEAD = false>
+static __global__ void __launch_bounds__(HEAD ? NORM_HEAD_THREADS : 1024) norm_vec_kernel(const norm_params p) {
     __shared__ double redd[32];
     __shared__ float redf[32];
     const int64_t row = BLOCK ? (int64_t)blockIdx.x
@@ -1224,20 +1226,26 @@ static __global__ void __launch_bounds__(1024) norm_vec_kernel(const norm_params
 #pragma unroll
     for (int q = 0; q < NORM_VPT; q++) {
         const int j = t + q * nt;
-        v[q] = ok && j < d4 && !p.hs ? *(const float4 *)(x + 4 * j) : make_float4(0.f, 0.f, 0.f, 0.f);
+        v[q] = ok && j < d4 && !HEAD ? *(const float4 *)(x + 4 * j) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    if (KIND == NORM_RMS && p.hs) { /* x = hc_head(X): the streams summed in order, / S (cpu_hc.c) */
+    if constexpr (HEAD) { /* x = hc_head(X): the streams summed in order, / S (cpu_hc.c) */
         const float *X = p.hx + (ok ? row : 0) * p.hs * p.d;
+        float4 e[NORM_VPT][NORM_HEAD_MAX_S]; /* every load issued before the first sum: one L2 round trip */
+#pragma unroll
+        for (int q = 0; q < NORM_VPT; q++)
+#pragma unroll
+            for (int s = 0; s < NORM_HEAD_MAX_S; s++) {
+                const int j = t + q * nt;
+                e[q][s] = ok && j < d4 && s < p.hs ? *(const float4 *)(X + (int64_t)s * p.d + 4 * j)
+                                                   : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+        const float S = (float)p.hs;
 #pragma unroll
         for (int q = 0; q < NORM_VPT; q++) {
-            const int j = t + q * nt;
-            if (!ok || j >= d4) continue;
             float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-            for (int s = 0; s < p.hs; s++) {
-                const float4 e = *(const float4 *)(X + (int64_t)s * p.d + 4 * j);
-                a.x += e.x; a.y += e.y; a.z += e.z; a.w += e.w;
-            }
-            const float S = (float)p.hs;
+#pragma unroll
+            for (int s = 0; s < NORM_HEAD_MAX_S; s++)
+                if (s < p.hs) { a.x += e[q][s].x; a.y += e[q][s].y; a.z += e[q][s].z; a.w += e[q][s].w; }
             v[q] = make_float4(a.x / S, a.y / S, a.z / S, a.w / S);
         }
     }
@@ -1386,12 +1394,15 @@ extern "C" void cu_hc_head_norm(mt_backend *be, float *z, const float *X, const 
     p.eps = eps;
     p.hs = S;
     p.hx = X;
-    if (!norm_vec_ok(&p, NORM_RMS)) {
+    const int per = (H / 4 + NORM_VPT - 1) / NORM_VPT, t = (per + 31) / 32 * 32; /* threads to hold a row */
+    if (S > NORM_HEAD_MAX_S || H <= NORM_WARP_MAX || t > NORM_HEAD_THREADS || !norm_vec_ok(&p, NORM_RMS)) {
         cu_hc_head(be, z, X, n, S, H);
         cu_rmsnorm(be, z, z, w, n, H, eps);
         return;
     }
-    cu_op_status(be, "hc_head_norm", norm_vec_launch<NORM_RMS>(&p, cu_stream(be)));
+    (void)cu_launch_pdl((const void *)norm_vec_kernel<NORM_RMS, true, true>, dim3((unsigned)n), dim3(t), 0,
+                        cu_stream(be), &p);
+    cu_check_launch(be, "hc_head_norm");
 }
 
 static mt_status norm_launch(const norm_params *p, norm_kind kind, cudaStream_t s) {
