@@ -74,6 +74,9 @@ typedef struct mt_kda_gate_params {
     int nh, dk;
     bool has_lower_bound; /* g = lb * sigmoid(exp(A_log) * f), else -exp(A_log) * softplus(f) */
     float lower_bound;
+    /* kda_gates only: the op issued just before it neither writes what kda_gates reads nor touches
+     * what it writes, so a backend may run the two at once (the ops after still see both done) */
+    bool beside_previous;
 } mt_kda_gate_params;
 
 /* Hyper-connection parameters for one site. */
@@ -201,7 +204,7 @@ typedef struct mt_backend_ops {
     /* Optional (NULL: not offered): a KDA layer's three conv steps and its q, k l2norms at once:
      * for j < 3, c->out[j] = conv1d_silu_rows(c->x[j], c->states[j], c->w[j]); then out[0] and
      * out[1] l2-normalised per head of dk (l2norm with eps, scale q_scale for out[0], 1 for
-     * out[1]). C = heads x dk. */
+     * out[1]). C = heads x dk. out[j] may be x[j] (in place). */
     void (*kda_conv3_rows)(mt_backend *be, const mt_kda_conv3 *c, int n, int C, int K, int dk, float eps,
                            float q_scale);
     /* One delta-rule step per row, as kda_recurrent with n = 1 on states[i] [nh, dk, dk]; q, k, v,

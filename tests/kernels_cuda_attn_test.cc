@@ -176,7 +176,7 @@ TEST_F(CudaAttn, Conv1dSiluMatchesCpuAndCarriesState) {
 
 // kda_conv3_rows (the rows form's three conv steps and q, k l2norms in one launch) against the
 // CPU's conv1d_silu per row and l2norm, each row on its own states (pointer tables on the GPU),
-// over consecutive steps so the states carry.
+// over consecutive steps so the states carry; the second step in place (out = x).
 TEST_F(CudaAttn, KdaConv3RowsMatchesCpuComposition) {
     ASSERT_TRUE(gpu_->ops->kda_conv3_rows);
     struct Shape { int C, K, dk, n; };
@@ -199,10 +199,11 @@ TEST_F(CudaAttn, KdaConv3RowsMatchesCpuComposition) {
         for (int step = 0; step < 3; step++) {
             std::vector<std::vector<float>> x(3), want(3, std::vector<float>((size_t)n * C));
             std::vector<std::unique_ptr<Buf<float>>> dx, dout;
+            const bool in_place = step == 1; /* out[j] == x[j], as the model's rows form calls it */
             for (int j = 0; j < 3; j++) {
                 x[j] = Rand((size_t)n * C);
                 dx.push_back(std::make_unique<Buf<float>>(gpu_, x[j]));
-                dout.push_back(std::make_unique<Buf<float>>(gpu_, Rand((size_t)n * C)));
+                dout.push_back(std::make_unique<Buf<float>>(gpu_, in_place ? x[j] : Rand((size_t)n * C)));
                 for (int i = 0; i < n; i++)
                     cpu_->ops->conv1d_silu(cpu_, want[j].data() + (size_t)i * C, x[j].data() + (size_t)i * C,
                                            st_cpu[j * n + i].data(), w[j].data(), 1, C, K);
@@ -214,7 +215,7 @@ TEST_F(CudaAttn, KdaConv3RowsMatchesCpuComposition) {
             float *const *tabs[3] = {t0.get(), t1.get(), t2.get()};
             for (int j = 0; j < 3; j++) {
                 cv.out[j] = dout[j]->get();
-                cv.x[j] = dx[j]->get();
+                cv.x[j] = in_place ? dout[j]->get() : dx[j]->get();
                 cv.states[j] = tabs[j];
                 cv.w[j] = dw[j]->get();
             }
@@ -281,6 +282,15 @@ TEST_F(CudaAttn, KdaGatesMatchCpuComposition) {
             std::printf("[kda_gates] lower_bound=%d n=%d: g rel %.2e, gate rel %.2e\n", lb, n, eg, et);
             EXPECT_LE(eg, kRelTol);
             EXPECT_LE(et, kRelTol);
+            // beside_previous (the model's rows form after in-place convs): the same results, with
+            // an unrelated kernel (an l2norm on other memory) just before it.
+            Buf<float> dg2(gpu_, Rand((size_t)n * D)), dgate2(gpu_, Rand((size_t)n * D)), other(gpu_, Rand(4096));
+            gpu_->ops->l2norm(gpu_, other.get(), 32, 128, 1e-6f, 1.f);
+            mt_kda_gate_params pb = p;
+            pb.beside_previous = true;
+            gpu_->ops->kda_gates(gpu_, dg2.get(), dgate2.get(), dfin.get(), dgin.get(), &gf, &gg, db.get(), dA.get(), &pb, n);
+            EXPECT_EQ(dg2.Get(), dg.Get()) << "beside_previous n=" << n;
+            EXPECT_EQ(dgate2.Get(), dgate.Get()) << "beside_previous n=" << n;
             cpu_->ops->weight_free(cpu_, &cf);
             cpu_->ops->weight_free(cpu_, &cg);
             gpu_->ops->weight_free(gpu_, &gf);

@@ -162,6 +162,9 @@ typedef struct gemv_params {
     int gate_dk;
     bool gate_lb;
     float gate_lbv;
+    /* gemv_shortk_kernel: wait for the previous kernel only before exiting, not before reading
+     * (cu_kda_gates with beside_previous: its inputs are older than that kernel) */
+    bool late_wait;
 } gemv_params;
 
 
@@ -329,7 +332,9 @@ static __global__ void __launch_bounds__(GEMV_THREADS) gemv_shortk_kernel(const 
         if (gl < nv && row < rows) wr[u].load(w, (int64_t)row * p.cols + (int64_t)gl * V);
         else wr[u].zero();
     }
-    cu_pdl_wait(); /* x is the previous kernel's output */
+    /* x is the previous kernel's output, or with late_wait an older one's: that kernel has passed
+     * its own wait, so its predecessor has finished and its writes are visible */
+    if (!p.late_wait) cu_pdl_wait();
     cu_pdl_trigger();
     float xv[NB][V];
 #pragma unroll
@@ -356,6 +361,8 @@ static __global__ void __launch_bounds__(GEMV_THREADS) gemv_shortk_kernel(const 
                     gate ? cu_kda_gate_value(a, p.gate_bias[row], p.gate_alog[row / p.gate_dk], p.gate_lb, p.gate_lbv) : a;
         }
     }
+    /* late_wait: the kernel ends after the previous one, so the kernels after see both done */
+    if (p.late_wait) cu_pdl_wait();
 }
 
 template <mt_dtype DT, int NB> static mt_status gemv_shortk_launch_nb(const gemv_params *p, int G, cudaStream_t s) {
@@ -1160,6 +1167,7 @@ extern "C" void cu_kda_gates(mt_backend *be, float *g, float *gate, const float 
     p.gate_dk = gp->dk;
     p.gate_lb = gp->has_lower_bound;
     p.gate_lbv = gp->lower_bound;
+    p.late_wait = gp->beside_previous;
     cu_op_status(be, "kda_gates", gemv_shortk_launch(&p, f_b->dtype, cu_stream(be)));
 }
 

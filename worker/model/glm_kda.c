@@ -24,14 +24,15 @@ mt_status glm_kda_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
     const bool rows = step->rtab != NULL; /* the rows form, even for n == 1 (a graph bucket) */
     MT_ASSERT(rows ? nst == n : nst == 1);
 
-    /* Every projection of h together: q, k, v (o and g hold k and v's until the conv), and the
-     * three small ones, f_a, b (its sigmoid, beta, with it) and g_a (g_b's input waits in lo_g);
-     * then each conv. */
+    /* Every projection of h together: q, k, v (raw, o and g hold them until the conv, or with the
+     * fused rows op q, k, v themselves, which it convolves in place), and the three small ones,
+     * f_a, b (its sigmoid, beta, with it) and g_a (g_b's input waits in lo_g); then each conv. */
+    const bool conv3 = rows && op->kda_conv3_rows;
     const mt_weight *proj[6] = { &w->q, &w->k, &w->v, &w->f_a, &w->b, &w->g_a };
-    float *dst[3] = { q, k, v }, *pre[6] = { raw, o, g, lo, beta, lo_g };
+    float *dst[3] = { q, k, v }, *pre[6] = { conv3 ? q : raw, conv3 ? k : o, conv3 ? v : g, lo, beta, lo_g };
     glm_matmul_multi(be, pre, h, proj, 6, n, 1u << 4);
     const float q_scale = 1.f / sqrtf((float)dk);
-    if (rows && op->kda_conv3_rows) { /* the three convs and two norms in one backend op */
+    if (conv3) { /* the three convs and two norms in one backend op */
         mt_kda_conv3 cv;
         for (int j = 0; j < 3; j++) {
             cv.out[j] = dst[j];
@@ -50,7 +51,9 @@ mt_status glm_kda_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
     }
 
     /* the decay gate and the output gate's projection (fused where the backend offers it) */
-    mt_kda_gate_params gp = { nh, dk, c->has_linear_lower_bound, c->linear_lower_bound };
+    /* After the in-place convs the gates read (lo, lo_g) and write (g, gate) nothing they touch:
+     * the backend may run the two together. */
+    mt_kda_gate_params gp = { nh, dk, c->has_linear_lower_bound, c->linear_lower_bound, conv3 };
     if (op->kda_gates) {
         op->kda_gates(be, g, gate, lo, lo_g, &w->f_b, &w->g_b, w->dt_bias, w->A_log, &gp, n);
     } else {
