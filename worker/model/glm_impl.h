@@ -155,10 +155,12 @@ struct glm_model {
     bool fail_next_capture;    /* test hook: invalidate the next capture */
     /* Batched decode (glm_decode_multi), rows form: tables in backend memory, host mirrors. */
     int rcap;                  /* rows per pass (= scr.rows) */
-    int32_t *d_rtok;           /* [rcap * S] token of each highway row */
-    int32_t *d_rpos;           /* [rcap] */
+    /* [rcap * (1 + S)]: for a pass of B rows, the B positions, then the B * S tokens of the
+     * highway rows (glm_model.c rows_upload, rows_body), so one upload carries both; a bucket's graph
+     * holds the addresses of its own B */
+    int32_t *d_rrow;
     void **d_rtab;             /* [L * GLM_R_KINDS * rcap] */
-    int32_t *h_rtok, *h_rpos;
+    int32_t *h_rrow;
     void **h_rtab;
     int rt_cap;                /* largest capacity of any sequence made so far (graph sizing) */
     /* Decode graphs per bucket of rows (1, 2, 4, ... rcap), captured for rt_cap; pad rows of a

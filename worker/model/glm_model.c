@@ -62,13 +62,11 @@ static mt_status model_init(glm_model *m, uint64_t random_seed, bool random, mt_
     /* rows form of batched decode: one pass takes at most the scratch rows */
     const size_t tab = (size_t)c->num_hidden_layers * GLM_R_KINDS * (size_t)rows;
     m->rcap = rows;
-    m->d_rtok = be->ops->alloc(be, sizeof(int32_t) * (size_t)rows * c->hc_mult);
-    m->d_rpos = be->ops->alloc(be, sizeof(int32_t) * (size_t)rows);
+    m->d_rrow = be->ops->alloc(be, sizeof(int32_t) * (size_t)rows * (1 + c->hc_mult));
     m->d_rtab = be->ops->alloc(be, sizeof(void *) * tab);
-    m->h_rtok = calloc((size_t)rows * c->hc_mult, sizeof(int32_t));
-    m->h_rpos = calloc((size_t)rows, sizeof(int32_t));
+    m->h_rrow = calloc((size_t)rows * (1 + c->hc_mult), sizeof(int32_t));
     m->h_rtab = calloc(tab, sizeof(void *));
-    if (!m->d_rtok || !m->d_rpos || !m->d_rtab || !m->h_rtok || !m->h_rpos || !m->h_rtab)
+    if (!m->d_rrow || !m->d_rtab || !m->h_rrow || !m->h_rtab)
         return mt_errorf(err, MT_ERR_NOMEM, "out of memory for the batched-decode tables");
     for (int i = 0; i < c->num_hidden_layers; i++)
         m->graph_stale_on_new_sequence |= m->layers[i].base.caps.graph_stale_on_new_sequence;
@@ -137,11 +135,9 @@ void glm_model_free(glm_model *m) {
         be->ops->graph_free(be, m->shared_graph);
         for (int b = 0; b < GLM_BUCKETS; b++) be->ops->graph_free(be, m->bucket_graph[b]);
     }
-    be->ops->free(be, m->d_rtok);
-    be->ops->free(be, m->d_rpos);
+    be->ops->free(be, m->d_rrow);
     be->ops->free(be, m->d_rtab);
-    free(m->h_rtok);
-    free(m->h_rpos);
+    free(m->h_rrow);
     free(m->h_rtab);
     free(m->census);
     st_close(m->ar);
@@ -686,8 +682,8 @@ static void rows_upload(glm_model *m, glm_seq **seqs, const int32_t *tokens, int
     for (int i = 0; i < B; i++) {
         glm_seq *s = i < n ? seqs[i] : m->pad_seq;
         const int32_t tok = i < n ? tokens[i] : 0;
-        m->h_rpos[i] = i < n ? s->len : 0;
-        for (int j = 0; j < S; j++) m->h_rtok[(size_t)i * S + j] = tok;
+        m->h_rrow[i] = i < n ? s->len : 0;
+        for (int j = 0; j < S; j++) m->h_rrow[B + (size_t)i * S + j] = tok;
         for (int l = 0; l < L; l++) {
             const glm_layer_state *st = (const glm_layer_state *)s->states[l];
             void *const ptrs[GLM_R_KINDS] = { st->conv[0], st->conv[1], st->conv[2], st->rec, (void *)s->d_bt };
@@ -700,8 +696,7 @@ static void rows_upload(glm_model *m, glm_seq **seqs, const int32_t *tokens, int
             }
         }
     }
-    up(be, m->d_rtok, m->h_rtok, sizeof(int32_t) * (size_t)B * S);
-    up(be, m->d_rpos, m->h_rpos, sizeof(int32_t) * (size_t)B);
+    up(be, m->d_rrow, m->h_rrow, sizeof(int32_t) * (size_t)B * (1 + S));
     if (lo <= hi) up(be, m->d_rtab + lo, m->h_rtab + lo, sizeof(void *) * (hi - lo + 1));
 }
 
@@ -712,11 +707,11 @@ static mt_status rows_body(glm_model *m, glm_seq **seqs, int n, int B, mt_layer_
     const glm_config *c = &m->cfg;
     mt_backend *be = m->be;
     const int L = c->num_hidden_layers;
-    mt_step step = { .be = be, .t0 = -1, .scr = &m->scr, .rpos = m->d_rpos, .rcap = m->rcap,
+    mt_step step = { .be = be, .t0 = -1, .scr = &m->scr, .rpos = m->d_rrow, .rcap = m->rcap,
                      .rt_cap = m->rt_cap, .census = m->census };
     if (m->census) memset(m->census, 0, (size_t)L * c->n_routed_experts);
     m->scr.sel_n = 0;
-    be->ops->embed_dev(be, m->X, &m->embed, m->d_rtok, B * c->hc_mult);
+    be->ops->embed_dev(be, m->X, &m->embed, m->d_rrow + B, B * c->hc_mult);
     for (int l = 0; l < L; l++) {
         for (int i = 0; i < B; i++) sts[i] = (i < n ? seqs[i] : m->pad_seq)->states[l];
         step.rtab = m->d_rtab + (size_t)l * GLM_R_KINDS * m->rcap;
