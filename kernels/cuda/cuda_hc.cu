@@ -440,11 +440,13 @@ hc_pre_dec_kernel(const hc_pre_params p) {
  * The cluster kernel above keeps the whole op on 8 multiprocessors and crosses the cluster 2-3
  * times: ~13 us a call (18 with the norm) on the H200, 8 calls a bench-4L step. Here block b of
  * S*H / (32 V) (64 at the real shape) dots its 32 V columns of fn's (2+S)S rows with X (warp w:
- * rows w, w + 8, w + 16; lane l one 16-byte vector) and writes the partial sums; the last block to
- * arrive (an arrival counter, reset by that block for the next call) adds the partials in block
- * order (deterministic), then makes pre and post, collapses y over all of H with float4 loads,
- * and with NORM writes h = rmsnorm(y) * norm_w instead of y; its ninth warp runs each row's
- * Sinkhorn (hc_comb_thread, one lane a row) meanwhile, so the norm never waits for it. */
+ * rows w, w + 8, w + 16; lane l one 16-byte vector) and writes the partial sums; then one block
+ * (by default a second launch of the kernel, phase 2 after a programmatic boundary; with
+ * MT_CUDA_HC_TWO=0 the last block to arrive, by an arrival counter it resets for the next call)
+ * adds the partials in block order (deterministic), makes pre and post, collapses y over all of
+ * H with float4 loads, and with NORM writes h = rmsnorm(y) * norm_w instead of y; its ninth warp
+ * runs each row's Sinkhorn (hc_comb_thread, one lane a row) meanwhile, so the norm never waits
+ * for it. */
 enum { HCS_WARPS = 8, HCS_THREADS = 32 * (HCS_WARPS + 1), HCS_KPW = 3, HCS_MAX_BLOCKS = 64,
        HCS_MAX_H4 = 2048 /* H <= 8192 */, HCS_PER = HCS_MAX_H4 / (32 * HCS_WARPS) /* float4 a thread */ };
 
@@ -455,6 +457,11 @@ typedef struct hc_split_params {
     unsigned *count;      /* arrival counter, 0 between calls */
     const float *a;       /* POST (cu_hc_post_pre_norm): [n, H] the sublayer output; p.post and
                              p.comb hold the previous hc_pre's on entry */
+    int phase;            /* 0: the whole op, the last block to arrive finishing; 1: the dot
+                             products only; 2: the finish only, one block over nblk blocks'
+                             partials (HC_SPLIT_TWO: two kernels, so a PDL boundary replaces
+                             the fences and the arrival) */
+    int nblk;
 } hc_split_params;
 
 /* POST: hc_post first, in the same kernel (cu_hc_post_pre_norm). A block then takes the same 32 V
@@ -480,19 +487,23 @@ static __global__ void __launch_bounds__(HCS_THREADS) hc_pre_split_kernel(const 
 
     /* fn does not depend on the previous kernel: its lines into L2 before the PDL wait; the ninth
      * warp prefetches this block's share of norm_w for the last block */
-    if (warp < HCS_WARPS) {
+    if (q.phase == 2) { /* the finish alone: all of norm_w */
+        if (NORM)
+            for (int d = tid * 32; d < H; d += HCS_THREADS * 32)
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(p.norm_w + d));
+    } else if (warp < HCS_WARPS) {
 #pragma unroll
         for (int j = 0; j < HCS_KPW; j++) {
             const int k = warp + HCS_WARPS * j;
             if (k < mix) asm volatile("prefetch.global.L2 [%0];" ::"l"(fn + ((int64_t)k * SH + c) * ES));
         }
-    } else if (NORM) {
+    } else if (NORM && q.phase == 0) {
         const int per = (H + gridDim.x - 1) / gridDim.x, d = b * per + lane * 32;
         if (lane * 32 < per && d < H) asm volatile("prefetch.global.L2 [%0];" ::"l"(p.norm_w + d));
     }
     cu_pdl_wait(); /* X is the previous kernel's output */
     cu_pdl_trigger();
-    if (warp < HCS_WARPS) {
+    if (warp < HCS_WARPS && q.phase != 2) {
         float wf[HCS_KPW][V];
 #pragma unroll
         for (int j = 0; j < HCS_KPW; j++) {
@@ -541,7 +552,7 @@ static __global__ void __launch_bounds__(HCS_THREADS) hc_pre_split_kernel(const 
                         if (i < p.n)
                             *(float4 *)(p.X + (int64_t)i * SH + c + v) =
                                 make_float4(xv[i][v], xv[i][v + 1], xv[i][v + 2], xv[i][v + 3]);
-                __threadfence(); /* X' before the arrival */
+                if (q.phase == 0) __threadfence(); /* X' before the arrival */
             }
         } else {
 #pragma unroll
@@ -574,9 +585,10 @@ static __global__ void __launch_bounds__(HCS_THREADS) hc_pre_split_kernel(const 
                 ss = cu_warp_sum(ss);
                 if (lane == 0) q.part_ss[(int64_t)b * NB + i] = ss;
             }
-        if (lane == 0) __threadfence(); /* the partials before the arrival */
+        if (lane == 0 && q.phase == 0) __threadfence(); /* the partials before the arrival */
     }
-    if (!cu_arrives_last(q.count, gridDim.x)) return;
+    if (q.phase == 1) return; /* the finish kernel reads the partials after this kernel ends */
+    if (q.phase == 0 && !cu_arrives_last(q.count, gridDim.x)) return;
 
     /* ---- the last block ---- */
     /* One row of H <= 4096: the highway columns the collapse needs are loaded now, beside the
@@ -611,7 +623,7 @@ static __global__ void __launch_bounds__(HCS_THREADS) hc_pre_split_kernel(const 
      * per block. */
     {
         constexpr int PPW = (NB * HC_DEC_MIX + NB + HCS_WARPS) / (HCS_WARPS + 1), BPL = HCS_MAX_BLOCKS / 32;
-        const int npair = NB * mix + NB, nblk = (int)gridDim.x;
+        const int npair = NB * mix + NB, nblk = q.phase == 2 ? q.nblk : (int)gridDim.x;
         float v[PPW][BPL];
         double vd[BPL];
         const int dpair = npair - NB; /* pairs >= dpair are X^2 sums */
@@ -650,7 +662,7 @@ static __global__ void __launch_bounds__(HCS_THREADS) hc_pre_split_kernel(const 
         }
     }
     __syncthreads();
-    if (tid == 0) *q.count = 0u; /* every block has arrived: ready for the next call */
+    if (tid == 0 && q.phase == 0) *q.count = 0u; /* every block has arrived: ready for the next call */
     if (tid < NB * S) {
         const int i = tid / S, s = tid % S;
         const float *m = m_s + i * HC_DEC_MIX;
@@ -790,6 +802,16 @@ static bool hc_split_on(void) {
     return on;
 }
 
+/* The split kernel runs as two launches (phase 1, the dot products on every block; phase 2, the
+ * finish on one block) unless MT_CUDA_HC_TWO=0 (read once): the last-block form's fences, arrival
+ * and re-read of the partials cost more than a programmatic kernel boundary (H200 decode_bench,
+ * the two forms alternating in one call: the step's GPU time 1.175 / 1.174 / 1.175 ms fused,
+ * 1.168 / 1.169 / 1.169 ms as two launches). */
+static bool hc_two(void) {
+    static const bool on = !(getenv("MT_CUDA_HC_TWO") && !strcmp(getenv("MT_CUDA_HC_TWO"), "0"));
+    return on;
+}
+
 static size_t align_up(size_t b, size_t a) { return (b + a - 1) / a * a; }
 
 /* a: the fused hc_post's input (the split kernel's POST form; the caller checked
@@ -804,10 +826,14 @@ static mt_status hc_pre_dec_launch(mt_backend *be, hc_pre_params *p, mt_dtype dt
         char *scr = (char *)cu_scratch(be, CU_SCRATCH_DENSE, pf + (size_t)blocks * nb * sizeof(double));
         if (!scr) return MT_ERR_NOMEM;
         hc_split_params q = {*p, (float *)scr, (double *)(scr + pf),
-                             ((cu_backend *)be)->counters + CU_COUNTER_HC_PRE, a};
+                             ((cu_backend *)be)->counters + CU_COUNTER_HC_PRE, a, hc_two() ? 1 : 0, blocks};
         const void *k = a ? hc_pre_split_pick<true, true>(dt, p->n)
                         : p->h ? hc_pre_split_pick<true, false>(dt, p->n) : hc_pre_split_pick<false, false>(dt, p->n);
         MT_CUDA_CHECK(cu_launch_pdl(k, dim3(blocks), dim3(HCS_THREADS), 0, s, &q));
+        if (q.phase == 1) {
+            q.phase = 2;
+            MT_CUDA_CHECK(cu_launch_pdl(k, dim3(1), dim3(HCS_THREADS), 0, s, &q));
+        }
         return MT_OK;
     }
     const void *k = p->h ? hc_pre_dec_pick<true>(dt, p->n) : hc_pre_dec_pick<false>(dt, p->n);
