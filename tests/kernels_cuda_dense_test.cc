@@ -236,6 +236,37 @@ TEST_F(CudaOps, TableAndMemory) {
     Drop(gpu_, nullptr);
 }
 
+// upload_async: the host buffer may be rewritten as soon as the call returns (pageable memory is
+// staged before it returns; page-locked memory takes upload's wait), and the ops after it see the
+// data, at a decode table's size and at 4 MB.
+TEST_F(CudaOps, UploadAsyncKeepsWhatTheHostHadAtTheCall) {
+    ASSERT_NE(gpu_->ops->upload_async, nullptr);
+    for (size_t n : {(size_t)40, (size_t)1 << 20}) {
+        for (bool pinned : {false, true}) {
+            float *h = nullptr;
+            std::vector<float> pageable;
+            if (pinned) {
+                ASSERT_EQ(cudaMallocHost((void **)&h, n * sizeof(float)), cudaSuccess);
+            } else {
+                pageable.resize(n);
+                h = pageable.data();
+            }
+            const std::vector<float> want = Rand(n);
+            std::copy(want.begin(), want.end(), h);
+            float *a = (float *)gpu_->ops->alloc(gpu_, n * sizeof(float));
+            float *b = (float *)gpu_->ops->alloc(gpu_, n * sizeof(float));
+            ASSERT_TRUE(a && b);
+            gpu_->ops->upload_async(gpu_, a, h, n * sizeof(float));
+            std::fill(h, h + n, -1.f); /* reused at once */
+            gpu_->ops->copy(gpu_, b, a, n * sizeof(float));
+            EXPECT_EQ(Get(gpu_, b, n), want) << "n=" << n << (pinned ? " page-locked" : " pageable");
+            Drop(gpu_, a);
+            Drop(gpu_, b);
+            if (pinned) cudaFreeHost(h);
+        }
+    }
+}
+
 TEST_F(CudaOps, Embed) {
     Worst worst{"embed"};
     for (mt_dtype dt : {MT_BF16, MT_F16, MT_F32}) {
