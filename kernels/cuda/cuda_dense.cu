@@ -176,9 +176,10 @@ typedef struct gemv_params {
  * weights split K over 2-8 warps (the partial sums meet in shared memory, in slice order); tall
  * ones keep a group per warp with no barrier. Grid: ceil(groups / (8 / ksplit)) blocks of 8
  * warps. Each output is a per-lane running sum in chunk order, a fixed butterfly over the lanes,
- * then the slices in order: deterministic for a given shape. Launched for PDL: the first step's weight lines are
- * prefetched into L2 before waiting for the previous kernel (they depend on none; the loads
- * themselves land after the wait in the SASS, whatever their place in the source). */
+ * then the slices in order: deterministic for a given shape. Launched for PDL: the first step's
+ * weight lines are prefetched into L2 before waiting for the previous kernel (they depend on
+ * none; the loads themselves land after the wait in the SASS, whatever their place in the
+ * source). */
 template <mt_dtype DT, int NB, bool VEC>
 static __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(const gemv_params p) {
     constexpr int R = gemv_r(NB), U = GEMV_LOADS / R, V = cu_wstream<DT, VEC>::V;
@@ -1182,9 +1183,8 @@ typedef struct norm_params {
     int d;
     float eps;
     float scale;     /* l2norm */
-    int hs;          /* rmsnorm of hc_head (cu_hc_head_norm): x is the mean of hs streams of [n, hs, d]
-                        at hx; 0 otherwise */
-    const float *hx;
+    int hs;          /* norm_vec_kernel's HEAD form (cu_hc_head_norm): x is [n, hs, d], normalised is
+                        the mean of its hs streams */
 } norm_params;
 
 enum norm_kind { NORM_RMS, NORM_LAYER, NORM_L2 };
@@ -1205,7 +1205,7 @@ template <typename T, bool BLOCK> static __device__ __forceinline__ T norm_sum(T
     else return cu_warp_sum(v);
 }
 
-/* HEAD: rmsnorm of hc_head(X) (p.hs streams at p.hx; cu_hc_head_norm), at most NORM_HEAD_THREADS
+/* HEAD: rmsnorm of hc_head(x) (p.hs streams at p.x; cu_hc_head_norm), at most NORM_HEAD_THREADS
  * threads so that the S x NORM_VPT loads fit in registers. */
 template <int KIND, bool BLOCK, bool HEAD = false>
 static __global__ void __launch_bounds__(HEAD ? NORM_HEAD_THREADS : 1024) norm_vec_kernel(const norm_params p) {
@@ -1237,7 +1237,7 @@ static __global__ void __launch_bounds__(HEAD ? NORM_HEAD_THREADS : 1024) norm_v
         v[q] = ok && j < d4 && !HEAD ? *(const float4 *)(x + 4 * j) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
     if constexpr (HEAD) { /* x = hc_head(X): the streams summed in order, / S (cpu_hc.c) */
-        const float *X = p.hx + (ok ? row : 0) * p.hs * p.d;
+        const float *X = p.x + (ok ? row : 0) * p.hs * p.d;
         float4 e[NORM_VPT][NORM_HEAD_MAX_S]; /* every load issued before the first sum: one L2 round trip */
 #pragma unroll
         for (int q = 0; q < NORM_VPT; q++)
@@ -1395,13 +1395,12 @@ extern "C" void cu_hc_head_norm(mt_backend *be, float *z, const float *X, const 
     if (n == 0) return;
     norm_params p = {};
     p.out = z;
-    p.x = X; /* alignment checks only */
+    p.x = X;
     p.w = w;
     p.n = n;
     p.d = H;
     p.eps = eps;
     p.hs = S;
-    p.hx = X;
     const int per = (H / 4 + NORM_VPT - 1) / NORM_VPT, t = (per + 31) / 32 * 32; /* threads to hold a row */
     if (S > NORM_HEAD_MAX_S || H <= NORM_WARP_MAX || t > NORM_HEAD_THREADS || !norm_vec_ok(&p, NORM_RMS)) {
         cu_hc_head(be, z, X, n, S, H);

@@ -459,7 +459,7 @@ typedef struct hc_split_params {
                              p.comb hold the previous hc_pre's on entry */
     int phase;            /* 0: the whole op, the last block to arrive finishing; 1: the dot
                              products only; 2: the finish only, one block over nblk blocks'
-                             partials (HC_SPLIT_TWO: two kernels, so a PDL boundary replaces
+                             partials (hc_two: two launches, so a programmatic boundary replaces
                              the fences and the arrival) */
     int nblk;
 } hc_split_params;
@@ -469,8 +469,9 @@ typedef struct hc_split_params {
  * so that it holds whole columns (r = 0..S-1) of the highway: it makes X'[s][d] = post[s] a[d] +
  * sum_r comb[r][s] X[r][d] (hc_post_vec_kernel's operations, in its order) from the old post and
  * comb, dots X' instead of X, and its first warp writes X' back once the block's eight dot warps
- * have read X (a named barrier); no other block touches those columns. The last block's collapse
- * reads X' from L2 (each writer fences before the arrival). */
+ * have read X (a named barrier); no other block touches those columns. The finishing block's
+ * collapse reads X' from L2 (written by phase 1's kernel, which has ended; in the fused form each
+ * writer fences before the arrival). */
 template <mt_dtype DT, int NB, bool NORM, bool POST>
 static __global__ void __launch_bounds__(HCS_THREADS) hc_pre_split_kernel(const hc_split_params q) {
     constexpr int V = cu_wvec<DT>::n, ES = DT == MT_F32 ? 4 : 2;
@@ -485,8 +486,8 @@ static __global__ void __launch_bounds__(HCS_THREADS) hc_pre_split_kernel(const 
     const int64_t c = POST ? (int64_t)sl * H + dl : (int64_t)b * 32 * V + (int64_t)lane * V;
     const char *fn = (const char *)p.fn;
 
-    /* fn does not depend on the previous kernel: its lines into L2 before the PDL wait; the ninth
-     * warp prefetches this block's share of norm_w for the last block */
+    /* fn does not depend on the previous kernel: its lines into L2 before the PDL wait; norm_w for
+     * the finishing block, by phase 2 itself or, fused, a share by each block's ninth warp */
     if (q.phase == 2) { /* the finish alone: all of norm_w */
         if (NORM)
             for (int d = tid * 32; d < H; d += HCS_THREADS * 32)
@@ -590,7 +591,7 @@ static __global__ void __launch_bounds__(HCS_THREADS) hc_pre_split_kernel(const 
     if (q.phase == 1) return; /* the finish kernel reads the partials after this kernel ends */
     if (q.phase == 0 && !cu_arrives_last(q.count, gridDim.x)) return;
 
-    /* ---- the last block ---- */
+    /* ---- the finishing block (phase 2, or the last to arrive) ---- */
     /* One row of H <= 4096: the highway columns the collapse needs are loaded now, beside the
      * partials' loads below, instead of one more L2 round trip after them. */
     constexpr int XE = NB == 1 ? 4 : 1; /* float4 a thread and stream */

@@ -50,9 +50,9 @@ mt_status glm_kda_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
         op->l2norm(be, k, (int64_t)n * nh, dk, 1e-6f, 1.f);
     }
 
-    /* the decay gate and the output gate's projection (fused where the backend offers it) */
-    /* After the in-place convs the gates read (lo, lo_g) and write (g, gate) nothing they touch:
-     * the backend may run the two together. */
+    /* the decay gate and the output gate's projection (fused where the backend offers it); after
+     * the in-place convs they read (lo, lo_g) and write (g, gate) nothing the convs touch, so the
+     * backend may run the two together */
     mt_kda_gate_params gp = { nh, dk, c->has_linear_lower_bound, c->linear_lower_bound, conv3 };
     if (op->kda_gates) {
         op->kda_gates(be, g, gate, lo, lo_g, &w->f_b, &w->g_b, w->dt_bias, w->A_log, &gp, n);
