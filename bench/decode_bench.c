@@ -22,8 +22,53 @@
 #include "bench/bench_util.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
+#include "worker/engine/engine.h"
 #include "worker/loader/glm_config.h"
 #include "worker/model/glm_model.h"
+
+/* Times the token callbacks of one engine request: from token `warm` to token warm + steps. */
+typedef struct engine_clock {
+    int count, warm, steps;
+    double t0, t1;
+} engine_clock;
+
+static void engine_on_tokens(void *user, uint64_t id, const eng_sample_result *t, int n) {
+    (void)id;
+    (void)t;
+    engine_clock *k = user;
+    for (int i = 0; i < n; i++) {
+        k->count++;
+        if (k->count == k->warm) k->t0 = mt_now();
+        if (k->count == k->warm + k->steps) k->t1 = mt_now();
+    }
+}
+
+/* ms a token of one plain greedy request (a 64-token prompt) through eng_step, run_ahead on or
+ * off, after 8 warm-up tokens (the bucket graph's eager step and capture among them). */
+static double engine_ms(glm_model *m, bool run_ahead, const int32_t *prompt, int steps, uint64_t *ahead_steps) {
+    mt_error err = { "" };
+    eng_params p = eng_default_params();
+    p.run_ahead = run_ahead;
+    p.max_context = 64 + steps + 16;
+    engine_clock k = { 0, 8, steps, 0, 0 };
+    eng_callbacks cb = { .user = &k, .on_tokens = engine_on_tokens };
+    eng_engine *e = NULL;
+    if (eng_new(m, &p, &cb, &e, &err) != MT_OK) { fprintf(stderr, "decode_bench: %s\n", err.msg); exit(1); }
+    eng_request r = eng_default_request();
+    r.prompt = prompt;
+    r.n_prompt = 64;
+    r.max_new_tokens = k.warm + steps + 1;
+    r.ignore_eos = true;
+    if (eng_submit(e, 1, &r, 0, &err) != MT_OK) { fprintf(stderr, "decode_bench: %s\n", err.msg); exit(1); }
+    while (eng_has_work(e))
+        if (eng_step(e, NULL) != MT_OK) { fprintf(stderr, "decode_bench: engine step failed\n"); exit(1); }
+    eng_stats st;
+    eng_get_stats(e, &st);
+    if (ahead_steps) *ahead_steps = st.ahead_steps;
+    eng_free(e);
+    if (k.count < k.warm + steps) { fprintf(stderr, "decode_bench: the engine gave %d tokens\n", k.count); exit(1); }
+    return (k.t1 - k.t0) * 1e3 / steps;
+}
 
 int main(int argc, char **argv) {
     int steps = 32, context = 4096 + 64, profile = 0, op_profile = 0;
@@ -143,11 +188,11 @@ int main(int argc, char **argv) {
     }
     const int graphed = glm_seq_has_graph(s);
     const double ms_tok = ms_mode[0], ms_graph = ms_mode[1];
-    /* The engine's path: the same sequence through glm_decode_multi (its bucket-1 graph) with the
-     * greedy token taken on the device, as the engine does for plain greedy requests. */
+    /* The model's batched path: the same sequence through glm_decode_multi (its bucket-1 graph)
+     * with the greedy token taken on the device and read back before the next step. */
     glm_model_set_decode_graphs(m, true);
     bench_decode_steps(be, m, &s, &tok, 1, 3); /* eager (sizes the bucket), capture, replay */
-    const double ms_engine = bench_decode_steps(be, m, &s, &tok, 1, steps);
+    const double ms_readback = bench_decode_steps(be, m, &s, &tok, 1, steps);
     const int engine_graphed = glm_model_has_bucket_graph(m, 1);
     /* The same replays with no token read back between them (the token is held): the host queues
      * step after step and the GPU runs them back to back, so this is the step's time on the GPU
@@ -160,6 +205,10 @@ int main(int argc, char **argv) {
     const double ms_engine_gpu = (mt_now() - a_gpu) * 1e3 / steps;
     const double floor_ms = step_bytes / (bw * 1e9) * 1e3;
     glm_seq_free(s);
+    /* The engine itself (eng_step, one greedy request): running ahead (its default) and not */
+    uint64_t ahead_steps = 0;
+    const double ms_engine = engine_ms(m, true, toks, steps, &ahead_steps);
+    const double ms_engine_plain = engine_ms(m, false, toks, steps, NULL);
 
     printf("metrale decode_bench: bench-4L (4 layers: 3 KDA + 1 DSA, 1 dense + 3 MoE), batch 1, CUDA backend\n");
     printf("  random weights made on the GPU in %.2f s\n", t_make);
@@ -171,8 +220,12 @@ int main(int argc, char **argv) {
     printf("| decode, eager                   | %8.3f ms  | %5.1f%% of the floor            |\n", ms_tok, 100 * floor_ms / ms_tok);
     printf("| decode, CUDA graph%s            | %8.3f ms  | %5.1f%% of the floor (goal 80%%) |\n", graphed ? "  " : " (no!)",
            ms_graph, 100 * floor_ms / ms_graph);
-    printf("| decode, engine path (bucket graph%s, argmax on the GPU) | %8.3f ms | %5.1f%% of the floor |\n",
+    printf("| decode, engine (eng_step: bucket graph%s, argmax on the GPU, run ahead) | %8.3f ms | %5.1f%% of the floor (goal 80%%) |\n",
            engine_graphed ? "" : " NOT captured", ms_engine, 100 * floor_ms / ms_engine);
+    printf("| decode, engine with run_ahead off (token read back before the next step) | %8.3f ms | %5.1f%% of the floor |\n",
+           ms_engine_plain, 100 * floor_ms / ms_engine_plain);
+    printf("| glm_decode_multi + glm_last_argmax a step (token read back each step) | %8.3f ms | %5.1f%% of the floor |\n",
+           ms_readback, 100 * floor_ms / ms_readback);
     printf("| the same replays, no token read back between them (GPU time a step) | %8.3f ms | %5.1f%% of the floor |\n",
            ms_engine_gpu, 100 * floor_ms / ms_engine_gpu);
     for (int k = 0; k < 2; k++)
@@ -185,10 +238,12 @@ int main(int argc, char **argv) {
                        "\"decode_eager_ms\": %.4f, \"decode_eager_fraction_of_floor\": %.4f, "
                        "\"decode_graph_ms\": %.4f, \"decode_graph_fraction_of_floor\": %.4f, "
                        "\"decode_engine_path_ms\": %.4f, \"decode_engine_path_fraction_of_floor\": %.4f, "
-                       "\"decode_replays_no_readback_ms\": %.4f, \"prefill_512_tok_s\": %.1f, \"prefill_512_fraction_of_peak\": %.5f, "
+                       "\"decode_engine_no_run_ahead_ms\": %.4f, \"decode_multi_readback_ms\": %.4f, "
+                       "\"engine_ahead_steps\": %llu, \"decode_replays_no_readback_ms\": %.4f, \"prefill_512_tok_s\": %.1f, \"prefill_512_fraction_of_peak\": %.5f, "
                        "\"prefill_4096_tok_s\": %.1f, \"prefill_4096_fraction_of_peak\": %.5f, \"steps\": %d}\n",
                     bw, step_bytes, floor_ms, ms_tok, floor_ms / ms_tok, ms_graph, floor_ms / ms_graph, ms_engine,
-                    floor_ms / ms_engine, ms_engine_gpu, pf_tps[0], pf_frac[0], pf_tps[1], pf_frac[1], steps);
+                    floor_ms / ms_engine, ms_engine_plain, ms_readback, (unsigned long long)ahead_steps,
+                    ms_engine_gpu, pf_tps[0], pf_frac[0], pf_tps[1], pf_frac[1], steps);
             fclose(f);
         }
     }

@@ -26,6 +26,10 @@ extern "C" {
 
 typedef struct mt_backend mt_backend;
 
+/* download_begin / download_end (below): the most bytes one ticket carries, and how many
+ * tickets stay readable at once. */
+enum { MT_TICKET_BYTES = 16384, MT_TICKETS = 4 };
+
 /* A captured sequence of ops (a CUDA graph); opaque, owned by the backend that made it. */
 typedef struct mt_graph mt_graph;
 
@@ -150,6 +154,14 @@ typedef struct mt_backend_ops {
      * itself (a decode step's small tables then cost no round trip of their own). */
     void (*upload_async)(mt_backend *be, void *dst, const void *host_src, size_t bytes);
     void (*download)(mt_backend *be, void *host_dst, const void *src, size_t bytes);
+    /* Optional (both or neither; NULL: use download): reading a small result back without
+     * draining the backend's queue. download_begin queues a copy of src[bytes] (at most
+     * MT_TICKET_BYTES) behind the work queued so far and returns its ticket; download_end waits
+     * for that copy only (work queued after the begin goes on running) and writes the bytes to
+     * host_dst. A ticket stays readable, any number of times, until MT_TICKETS more begins;
+     * download_end of an older one is MT_ERR_STATE. */
+    int64_t (*download_begin)(mt_backend *be, const void *src, size_t bytes);
+    mt_status (*download_end)(mt_backend *be, int64_t ticket, void *host_dst, size_t bytes);
     void (*copy)(mt_backend *be, void *dst, const void *src, size_t bytes);
     void (*zero)(mt_backend *be, void *p, size_t bytes);
     /* Makes a weight usable by this backend from host data (the CPU backend keeps a view of the
@@ -350,6 +362,10 @@ typedef struct mt_backend_ops {
     /* ---- sampling ---- */
     /* out (host)[n] = argmax of logits[n, V] (lowest index on ties). */
     void (*argmax)(mt_backend *be, int32_t *out, const float *logits, int n, int V);
+    /* Optional (NULL: not offered): the same argmax left in backend memory, each row's index
+     * written rep times, out[i * rep + j] for j < rep (a decode step's token table, one entry per
+     * hyper-connection stream), so the next step can take it as input without a round trip. */
+    void (*argmax_dev)(mt_backend *be, int32_t *out, int rep, const float *logits, int n, int V);
 } mt_backend_ops;
 
 struct mt_backend {

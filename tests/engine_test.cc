@@ -70,7 +70,7 @@ std::vector<int32_t> DirectGreedy(glm_model *m, const std::vector<int32_t> &prom
 }
 
 struct Engine {
-    explicit Engine(glm_model *m, eng_params p = eng_default_params()) {
+    explicit Engine(glm_model *m, eng_params p = eng_default_params()) : run_ahead(p.run_ahead) {
         p.now_ms = [](void *u) { return static_cast<Engine *>(u)->now; };
         p.clock_user = this;
         eng_callbacks cb = {};
@@ -108,14 +108,16 @@ struct Engine {
         if (msg) *msg = err.msg;
         return st;
     }
-    // One step; checks that no sequence got more than one token in it.
+    // One step; checks that no sequence got more than one token in it (two when it ran ahead: a
+    // step that ends the run-ahead reports the step in flight and then decodes one more).
     void Step() {
         step_tokens.clear();
         int n = -1;
         ASSERT_EQ(eng_step(e, &n), MT_OK);
         int sum = 0;
         for (auto &kv : step_tokens) {
-            EXPECT_EQ(kv.second, 1) << "id " << kv.first;
+            EXPECT_LE(kv.second, run_ahead ? 2 : 1) << "id " << kv.first;
+            EXPECT_GE(kv.second, 1) << "id " << kv.first;
             sum += kv.second;
         }
         EXPECT_EQ(n, sum);
@@ -130,6 +132,7 @@ struct Engine {
         return s;
     }
     eng_engine *e = nullptr;
+    bool run_ahead;
     uint64_t now = 1000000;
     std::map<uint64_t, Result> results;
     std::map<uint64_t, int> step_tokens;
@@ -336,6 +339,64 @@ TEST(Engine, StopTokenEndsAndIsIncluded) {
     EXPECT_EQ(E.results[2].reason, ENG_FINISH_LENGTH);
     EXPECT_EQ(E.results[2].tokens, greedy);
     EXPECT_EQ(E.Stats().sequences_finished, 2u);
+}
+
+// Greedy batches run ahead (step k + 1 queued on the device's tokens of step k before the host
+// reads them) give the tokens, finishes and pool state of step-by-step decoding, through a stop
+// token met while the next step is in flight, sequences of different lengths ending in
+// different steps, a request arriving mid-run, an abort and a deadline between steps.
+TEST(Engine, RunAheadGivesTheTokensOfStepByStep) {
+    Model M;
+    const std::vector<int32_t> p1 = Prompt(8, 3), p2 = Prompt(5, 7), p3 = Prompt(11, 2), p4 = Prompt(6, 9);
+    const std::vector<int32_t> g1 = DirectGreedy(M.m, p1, 20);
+    const int32_t stop = g1[6];  // ends sequence 1 at its first occurrence, at index <= 6
+    struct Run {
+        std::map<uint64_t, Result> results;
+        eng_stats stats;
+    };
+    auto run = [&](bool ahead) {
+        eng_params p = eng_default_params();
+        p.run_ahead = ahead;
+        Engine E(M.m, p);
+        eng_request r = Req(20);
+        const int32_t stops[] = { stop };
+        r.stop_ids = stops;
+        r.n_stop = 1;
+        EXPECT_EQ(E.Submit(1, p1, r), MT_OK);
+        EXPECT_EQ(E.Submit(2, p2, Req(9)), MT_OK);
+        EXPECT_EQ(E.Submit(3, p3, Req(25)), MT_OK);
+        EXPECT_EQ(E.Submit(6, p4, Req(30), E.now + 1000), MT_OK);  // deadline at step 14
+        for (int step = 0; step < 200 && eng_has_work(E.e); step++) {
+            if (step == 5) EXPECT_EQ(E.Submit(4, p4, Req(12)), MT_OK);
+            if (step == 10) EXPECT_EQ(eng_abort(E.e, 3, ENG_FINISH_CANCELLED, nullptr), MT_OK);
+            if (step == 14) E.now += 1000;
+            E.Step();
+        }
+        EXPECT_FALSE(eng_has_work(E.e));
+        Run out{ E.results, E.Stats() };
+        return out;
+    };
+    const Run off = run(false), on = run(true);
+    EXPECT_EQ(off.stats.ahead_steps, 0u);
+    EXPECT_GT(on.stats.ahead_steps, 5u);
+    for (uint64_t id : { 1, 2, 3, 4, 6 }) {
+        const Result &a = off.results.at(id), &b = on.results.at(id);
+        EXPECT_EQ(b.tokens, a.tokens) << "id " << id;
+        EXPECT_EQ(b.finishes, 1) << "id " << id;
+        EXPECT_EQ(b.reason, a.reason) << "id " << id;
+        EXPECT_EQ(b.completion_tokens, a.completion_tokens) << "id " << id;
+    }
+    size_t first = 0;
+    while (g1[first] != stop) first++;
+    EXPECT_EQ(on.results.at(1).reason, ENG_FINISH_STOP);
+    EXPECT_EQ(on.results.at(1).tokens, std::vector<int32_t>(g1.begin(), g1.begin() + first + 1));
+    EXPECT_EQ(on.results.at(2).tokens, DirectGreedy(M.m, p2, 9));
+    EXPECT_EQ(on.results.at(4).tokens, DirectGreedy(M.m, p4, 12));
+    EXPECT_EQ(on.results.at(3).reason, ENG_FINISH_CANCELLED);
+    EXPECT_EQ(on.results.at(6).reason, ENG_FINISH_CANCELLED);
+    EXPECT_EQ(on.stats.cache_bytes_in_use, 0u);
+    EXPECT_EQ(on.stats.pages_free, off.stats.pages_free);
+    EXPECT_EQ(on.stats.slots_free, on.stats.slots_total - on.stats.prefix_entries);
 }
 
 // tiny_a with eos_token_id set: a copy of its config beside a link to its weights.

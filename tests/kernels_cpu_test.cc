@@ -64,6 +64,30 @@ TEST_F(CpuOps, MatmulOnEveryWeightDtype) {
     }
 }
 
+// A ticket is what src held at download_begin, readable until MT_TICKETS more begins.
+TEST_F(CpuOps, DownloadTicketsKeepTheirBytes) {
+    int32_t src[3];
+    std::vector<int64_t> t;
+    for (int k = 0; k < MT_TICKETS + 1; k++) {
+        src[0] = k, src[1] = 10 * k, src[2] = 100 * k;
+        t.push_back(be_->ops->download_begin(be_, src, sizeof src));
+    }
+    int32_t got[3];
+    EXPECT_EQ(be_->ops->download_end(be_, t[0], got, sizeof got), MT_ERR_STATE);
+    for (int k = 1; k <= MT_TICKETS; k++) {
+        ASSERT_EQ(be_->ops->download_end(be_, t[k], got, sizeof got), MT_OK);
+        EXPECT_EQ(got[0], k);
+        EXPECT_EQ(got[2], 100 * k);
+    }
+    float logits[2 * 5] = { 0, 3, 1, 3, 2, /* tie: the lowest index */ 9, 0, 0, 0, 10 };
+    int32_t table[2 * 4];
+    be_->ops->argmax_dev(be_, table, 4, logits, 2, 5);
+    for (int j = 0; j < 4; j++) {
+        EXPECT_EQ(table[j], 1);
+        EXPECT_EQ(table[4 + j], 4);
+    }
+}
+
 TEST_F(CpuOps, KdaChunkedEqualsRecurrent) {
     struct Shape { int n, nh, dk; float gscale; };
     // n not a multiple of the chunk, several chunks, the real head size, strong and weak decay.

@@ -267,6 +267,37 @@ TEST_F(CudaOps, UploadAsyncKeepsWhatTheHostHadAtTheCall) {
     }
 }
 
+// A ticket holds what src had when it was queued (later work may overwrite src), stays readable
+// for MT_TICKETS begins and any number of reads, and is refused after.
+TEST_F(CudaOps, DownloadTicketsKeepTheirBytes) {
+    const int n = 1000;
+    int32_t *d = (int32_t *)gpu_->ops->alloc(gpu_, sizeof(int32_t) * n);
+    ASSERT_NE(d, nullptr);
+    std::vector<int64_t> tickets;
+    std::vector<std::vector<int32_t>> want;
+    for (int k = 0; k < MT_TICKETS + 2; k++) {
+        std::vector<int32_t> v(n);
+        for (int i = 0; i < n; i++) v[i] = k * 100000 + i;
+        gpu_->ops->upload_async(gpu_, d, v.data(), sizeof(int32_t) * n);
+        tickets.push_back(gpu_->ops->download_begin(gpu_, d, sizeof(int32_t) * n));
+        want.push_back(v);
+    }
+    std::vector<int32_t> got(n);
+    for (int k = 0; k < MT_TICKETS + 2; k++) {
+        const mt_status st = gpu_->ops->download_end(gpu_, tickets[k], got.data(), sizeof(int32_t) * n);
+        if (k < 2) {
+            EXPECT_EQ(st, MT_ERR_STATE) << "ticket " << k;
+            continue;
+        }
+        ASSERT_EQ(st, MT_OK) << "ticket " << k;
+        EXPECT_EQ(got, want[k]) << "ticket " << k;
+        ASSERT_EQ(gpu_->ops->download_end(gpu_, tickets[k], got.data(), sizeof(int32_t) * n), MT_OK);
+        EXPECT_EQ(got, want[k]) << "ticket " << k << ", read again";
+    }
+    EXPECT_EQ(gpu_->ops->download_end(gpu_, tickets.back() + 1, got.data(), 4), MT_ERR_STATE);
+    Drop(gpu_, d);
+}
+
 TEST_F(CudaOps, Embed) {
     Worst worst{"embed"};
     for (mt_dtype dt : {MT_BF16, MT_F16, MT_F32}) {
@@ -676,6 +707,20 @@ TEST_F(CudaOps, Argmax) {
         float *gl = Put(gpu_, l);
         gpu_->ops->argmax(gpu_, got.data(), gl, s.n, s.V);
         EXPECT_EQ(got, want) << Shape({{"n", s.n}, {"V", s.V}});
+        // argmax_dev: the same indices, each written rep times, left on the device; read back
+        // through a download ticket
+        for (int rep : {1, 4}) {
+            int32_t *d = (int32_t *)gpu_->ops->alloc(gpu_, sizeof(int32_t) * (size_t)s.n * rep);
+            ASSERT_NE(d, nullptr);
+            gpu_->ops->argmax_dev(gpu_, d, rep, gl, s.n, s.V);
+            const int64_t t = gpu_->ops->download_begin(gpu_, d, sizeof(int32_t) * (size_t)s.n * rep);
+            std::vector<int32_t> table((size_t)s.n * rep, -1);
+            ASSERT_EQ(gpu_->ops->download_end(gpu_, t, table.data(), table.size() * sizeof(int32_t)), MT_OK);
+            for (int i = 0; i < s.n; i++)
+                for (int j = 0; j < rep; j++)
+                    EXPECT_EQ(table[(size_t)i * rep + j], want[i]) << Shape({{"n", s.n}, {"V", s.V}, {"rep", rep}});
+            Drop(gpu_, d);
+        }
         Drop(gpu_, gl);
     }
     float *gl = Put(gpu_, Rand(154880));

@@ -11,6 +11,7 @@
 #include <vector>
 
 extern "C" {
+#include "tests/run_ahead_check.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "worker/loader/glm_config.h"
@@ -207,6 +208,21 @@ TEST_F(ModelCuda, BatchedDecodeEqualsEachAlone) {
         }
         glm_model_free(m);
     }
+}
+
+// glm_decode_greedy's device chain against reading each step's tokens, graphs on (buckets with
+// pad rows) and off.
+TEST_F(ModelCuda, GreedyRunAheadEqualsReadingEachStep) {
+    for (const char *name : {"tiny_a", "tiny_b", "tiny_c"})
+        for (bool graphs : {true, false}) {
+            std::string dir = std::string("tests/fixtures/") + name;
+            glm_model *m = nullptr;
+            mt_error err{};
+            ASSERT_EQ(glm_model_load(dir.c_str(), gpu_, nullptr, &m, &err), MT_OK) << err.msg;
+            glm_model_set_decode_graphs(m, graphs);
+            CheckRunAhead(m, (std::string(name) + (graphs ? " (graphs)" : " (eager)")).c_str());
+            glm_model_free(m);
+        }
 }
 
 // Batched decode through the bucket graphs: sequences join and leave between steps, so a step of

@@ -10,6 +10,7 @@
 #include <vector>
 
 extern "C" {
+#include "tests/run_ahead_check.h"
 #include "kernels/backend.h"
 #include "worker/loader/glm_config.h"
 #include "worker/loader/safetensors.h"
@@ -37,6 +38,8 @@ class ModelLayer : public ::testing::Test {
     glm_model *m_ = nullptr;
     int V_ = 0;
 };
+
+TEST_F(ModelLayer, GreedyRunAheadEqualsReadingEachStep) { CheckRunAhead(m_, "tiny_a (CPU)"); }
 
 TEST_F(ModelLayer, CapabilitiesByKind) {
     ASSERT_EQ(glm_model_n_layers(m_), 4);

@@ -54,6 +54,7 @@ typedef struct worker_opts {
     int prefill_budget;          /* 0: the engine's default */
     int graph_max_batch;         /* 0: the model's default */
     bool no_preempt;             /* admit only with pages for the whole length instead */
+    bool no_run_ahead;           /* greedy batches read each step's tokens before the next */
     double router_timeout;      /* seconds of router silence before exiting */
     bool verbose;
 } worker_opts;
@@ -139,7 +140,7 @@ static void usage(FILE *f) {
             "usage: metrale-worker --model DIR --router ENDPOINT --id N [--backend cpu|cuda|auto]\n"
             "                      [--device N] [--max-sequences N] [--max-context N] [--threads N]\n"
             "                      [--router-timeout S] [--cache-budget-mb N] [--prefill-budget N]\n"
-            "                      [--graph-max-batch N] [--no-preempt] [--verbose]\n"
+            "                      [--graph-max-batch N] [--no-preempt] [--no-run-ahead] [--verbose]\n"
             "  Serves the checkpoint in DIR to the router at ENDPOINT (ipc:// or tcp://127.0.0.1:) as worker N.\n"
             "  --model: a checkpoint folder, or random:tiny / random:bench-4L (random weights, for benchmarks).\n"
             "  --backend: cpu (default), cuda (GPU --device, default 0), or auto (cuda when a GPU is usable).\n"
@@ -152,7 +153,9 @@ static void usage(FILE *f) {
             "  and a running one that runs out of cache pages is preempted (its state recomputed later);\n"
             "  --graph-max-batch: decode steps of up to N sequences replay CUDA graphs (buckets 1, 2, 4, ...;\n"
             "  default 64), larger ones run eagerly; --no-preempt: admit a request only when pages for its\n"
-            "  whole length are free (nothing is ever preempted; fewer run together).\n");
+            "  whole length are free (nothing is ever preempted; fewer run together); --no-run-ahead: a batch\n"
+            "  of greedy requests reads each step's tokens before queuing the next (by default the next step\n"
+            "  is queued on the device's own tokens first, so the GPU does not wait for the host).\n");
 }
 
 /* ---- sending ---- */
@@ -507,6 +510,7 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); return 1; }
         if (!strcmp(a, "--verbose")) { o->verbose = true; continue; }
         if (!strcmp(a, "--no-preempt")) { o->no_preempt = true; continue; }
+        if (!strcmp(a, "--no-run-ahead")) { o->no_run_ahead = true; continue; }
         if (!v) { fprintf(stderr, "error: %s needs a value\n", a); usage(stderr); return -1; }
         int rc = 0;
         if (!strcmp(a, "--model")) o->model = v;
@@ -613,6 +617,7 @@ int main(int argc, char **argv) {
     ep.max_context = w.o.max_context;
     if (w.o.prefill_budget > 0) ep.prefill_budget = w.o.prefill_budget;
     ep.preempt = !w.o.no_preempt;
+    ep.run_ahead = !w.o.no_run_ahead;
     if (plan_memory(&w, be, &ep, &err) != MT_OK) {
         mt_log(MT_LOG_ERROR, "worker %d: %s", w.o.id, err.msg);
         goto done;

@@ -8,6 +8,13 @@
 #include "common/mt_rand.h"
 #include "kernels/cpu/cpu_ops.h"
 
+/* The backend object: mt_backend first, then the tickets' ring (download_begin). */
+typedef struct cpu_backend {
+    mt_backend base;
+    int64_t next_ticket;
+    unsigned char ring[MT_TICKETS][MT_TICKET_BYTES];
+} cpu_backend;
+
 static void cpu_destroy(mt_backend *be) { free(be); }
 
 static void *cpu_alloc(mt_backend *be, size_t bytes) {
@@ -20,6 +27,23 @@ static void cpu_memcpy(mt_backend *be, void *dst, const void *src, size_t bytes)
     if (bytes) memcpy(dst, src, bytes);
 }
 static void cpu_zero(mt_backend *be, void *p, size_t bytes) { (void)be; memset(p, 0, bytes); }
+
+/* Work is done when its call returns, so a ticket is a copy taken at the begin. */
+static int64_t cpu_download_begin(mt_backend *be, const void *src, size_t bytes) {
+    cpu_backend *cb = (cpu_backend *)be;
+    MT_ASSERT(bytes <= MT_TICKET_BYTES);
+    const int64_t t = cb->next_ticket++;
+    if (bytes) memcpy(cb->ring[t % MT_TICKETS], src, bytes);
+    return t;
+}
+
+static mt_status cpu_download_end(mt_backend *be, int64_t ticket, void *host_dst, size_t bytes) {
+    cpu_backend *cb = (cpu_backend *)be;
+    if (ticket < 0 || ticket >= cb->next_ticket || ticket < cb->next_ticket - MT_TICKETS) return MT_ERR_STATE;
+    MT_ASSERT(bytes <= MT_TICKET_BYTES);
+    if (bytes) memcpy(host_dst, cb->ring[ticket % MT_TICKETS], bytes);
+    return MT_OK;
+}
 static void cpu_sync(mt_backend *be) { (void)be; }
 
 static mt_status cpu_weight(mt_backend *be, const void *host, mt_dtype dt, int64_t rows, int64_t cols,
@@ -68,6 +92,8 @@ static const mt_backend_ops cpu_ops = {
     .free = cpu_free,
     .upload = cpu_memcpy,
     .download = cpu_memcpy,
+    .download_begin = cpu_download_begin,
+    .download_end = cpu_download_end,
     .copy = cpu_memcpy,
     .zero = cpu_zero,
     .weight = cpu_weight,
@@ -105,11 +131,13 @@ static const mt_backend_ops cpu_ops = {
     .hc_post = cpu_hc_post,
     .hc_head = cpu_hc_head,
     .argmax = cpu_argmax,
+    .argmax_dev = cpu_argmax_dev,
 };
 
 mt_backend *mt_cpu_backend_new(int n_threads) {
-    mt_backend *be = calloc(1, sizeof *be);
-    if (!be) return NULL;
+    cpu_backend *cb = calloc(1, sizeof *cb);
+    if (!cb) return NULL;
+    mt_backend *be = &cb->base;
     be->ops = &cpu_ops;
     if (n_threads <= 0) {
         long n = sysconf(_SC_NPROCESSORS_ONLN);

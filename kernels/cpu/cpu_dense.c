@@ -218,13 +218,17 @@ void cpu_l2norm(mt_backend *be, float *x, int64_t n, int d, float eps, float sca
     }
 }
 
-void cpu_argmax(mt_backend *be, int32_t *out, const float *logits, int n, int V) {
+void cpu_argmax_dev(mt_backend *be, int32_t *out, int rep, const float *logits, int n, int V) {
     (void)be;
     for (int i = 0; i < n; i++) {
         const float *l = logits + (size_t)i * V;
         int best = 0;
         for (int v = 1; v < V; v++)
             if (l[v] > l[best]) best = v;
-        out[i] = best;
+        for (int j = 0; j < rep; j++) out[(size_t)i * rep + j] = best;
     }
+}
+
+void cpu_argmax(mt_backend *be, int32_t *out, const float *logits, int n, int V) {
+    cpu_argmax_dev(be, out, 1, logits, n, V);
 }

@@ -21,6 +21,7 @@ void cpu_swiglu(mt_backend *be, float *out, const float *gate, const float *up, 
 void cpu_sigmoid(mt_backend *be, float *x, int64_t count);
 void cpu_l2norm(mt_backend *be, float *x, int64_t n, int d, float eps, float scale);
 void cpu_argmax(mt_backend *be, int32_t *out, const float *logits, int n, int V);
+void cpu_argmax_dev(mt_backend *be, int32_t *out, int rep, const float *logits, int n, int V);
 
 void cpu_moe_route(mt_backend *be, int32_t *idx, float *weights, const float *logits,
                    const float *bias, const mt_router_params *p, int n);

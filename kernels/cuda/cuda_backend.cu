@@ -147,6 +147,9 @@ static void cu_destroy(mt_backend *be) {
     if (cb->blas) MT_CUBLAS_WARN(cublasDestroy(cb->blas));
     if (cb->blas_ws) MT_CUDA_WARN(cudaFree(cb->blas_ws));
     if (cb->counters) MT_CUDA_WARN(cudaFree(cb->counters));
+    for (int i = 0; i < MT_TICKETS; i++)
+        if (cb->tk_done[i]) MT_CUDA_WARN(cudaEventDestroy(cb->tk_done[i]));
+    if (cb->tk_ring) MT_CUDA_WARN(cudaFreeHost(cb->tk_ring));
     MT_CUDA_WARN(cudaStreamDestroy(cb->stream));
     free(cb->prof);
     free(cb);
@@ -218,6 +221,33 @@ static void cu_download(mt_backend *be, void *host_dst, const void *src, size_t 
     CU_RECORD(be, cudaStreamSynchronize(cb->stream));
 }
 
+/* The copy lands in the ticket's page-locked slot (a copy into pageable memory would wait for
+ * the whole queue), and the slot's event marks its completion. */
+static int64_t cu_download_begin(mt_backend *be, const void *src, size_t bytes) {
+    cu_backend *cb = cb_of(be);
+    MT_ASSERT(bytes <= MT_TICKET_BYTES);
+    const int64_t t = cb->tk_next++;
+    const int slot = (int)(t % MT_TICKETS);
+    if (bytes)
+        CU_RECORD(be, cudaMemcpyAsync(cb->tk_ring + (size_t)slot * MT_TICKET_BYTES, src, bytes,
+                                      cudaMemcpyDeviceToHost, cb->stream));
+    CU_RECORD(be, cudaEventRecord(cb->tk_done[slot], cb->stream));
+    return t;
+}
+
+static mt_status cu_download_end(mt_backend *be, int64_t ticket, void *host_dst, size_t bytes) {
+    cu_backend *cb = cb_of(be);
+    if (ticket < 0 || ticket >= cb->tk_next || ticket < cb->tk_next - MT_TICKETS) return MT_ERR_STATE;
+    MT_ASSERT(bytes <= MT_TICKET_BYTES);
+    const int slot = (int)(ticket % MT_TICKETS);
+    MT_CUDA_(cudaEventSynchronize(cb->tk_done[slot]), "cudaEventSynchronize(ticket)", {
+        cu_fail(be, mt_st_);
+        return mt_st_;
+    });
+    if (bytes) memcpy(host_dst, cb->tk_ring + (size_t)slot * MT_TICKET_BYTES, bytes);
+    return cb->sticky;
+}
+
 static void cu_copy(mt_backend *be, void *dst, const void *src, size_t bytes) {
     cu_backend *cb = cb_of(be);
     if (!bytes) return;
@@ -285,6 +315,8 @@ static const mt_backend_ops cu_ops = {
     .upload = cu_upload,
     .upload_async = cu_upload_async,
     .download = cu_download,
+    .download_begin = cu_download_begin,
+    .download_end = cu_download_end,
     .copy = cu_copy,
     .zero = cu_zero,
     .weight = cu_weight,
@@ -335,6 +367,7 @@ static const mt_backend_ops cu_ops = {
     .hc_head = cu_hc_head,
     .hc_head_norm = cu_hc_head_norm,
     .argmax = cu_argmax,
+    .argmax_dev = cu_argmax_dev,
 };
 
 extern "C" mt_backend *mt_cuda_backend_new(int device, mt_error *err) {
@@ -396,7 +429,16 @@ extern "C" mt_backend *mt_cuda_backend_new(int device, mt_error *err) {
     }
     if ((e = cudaMalloc(&cb->counters, sizeof(unsigned) * CU_COUNTERS)) != cudaSuccess ||
         (e = cudaMemset(cb->counters, 0, sizeof(unsigned) * CU_COUNTERS)) != cudaSuccess ||
+        (e = cudaMallocHost(&cb->tk_ring, (size_t)MT_TICKETS * MT_TICKET_BYTES)) != cudaSuccess ||
         (e = cudaDeviceSynchronize()) != cudaSuccess) {
+        (void)cudaGetLastError();
+        mt_errorf(err, MT_ERR_BACKEND, "CUDA device %d: %s", device, cudaGetErrorString(e));
+        cu_destroy(&cb->base);
+        return NULL;
+    }
+    for (int i = 0; i < MT_TICKETS && e == cudaSuccess; i++)
+        e = cudaEventCreateWithFlags(&cb->tk_done[i], cudaEventDisableTiming);
+    if (e != cudaSuccess) {
         (void)cudaGetLastError();
         mt_errorf(err, MT_ERR_BACKEND, "CUDA device %d: %s", device, cudaGetErrorString(e));
         cu_destroy(&cb->base);

@@ -1537,7 +1537,8 @@ typedef struct argmax_params {
     const float *logits;  /* [n, V] fp32 */
     float *part_v;        /* [n, nchunk] best value per chunk */
     int32_t *part_i;      /* [n, nchunk] its index */
-    int32_t *out;         /* [n] device */
+    int32_t *out;         /* [n, rep] device: each row's index rep times */
+    int rep;
     unsigned *count;      /* arrival counter (CU_COUNTER_ARGMAX), 0 between calls */
     int n, V, nchunk;
 } argmax_params;
@@ -1609,7 +1610,7 @@ static __global__ void argmax_chunk_kernel(const argmax_params p) {
             if (argmax_better(v, i, rv, ri)) { rv = v; ri = i; }
         }
         argmax_warp(rv, ri);
-        if (lane == 0) p.out[r] = ri == INT_MAX ? 0 : ri; /* all NaN: index 0, like the CPU */
+        if (lane < p.rep) p.out[(int64_t)r * p.rep + lane] = ri == INT_MAX ? 0 : ri; /* all NaN: 0, as the CPU */
     }
     if (threadIdx.x == 0) *p.count = 0u; /* every block has arrived: ready for the next call */
 }
@@ -1620,24 +1621,42 @@ static mt_status argmax_launch(const argmax_params *p, cudaStream_t s) {
     return MT_OK;
 }
 
-extern "C" void cu_argmax(mt_backend *be, int32_t *out, const float *logits, int n, int V) {
-    MT_ASSERT(n >= 0 && V > 0 && n <= 65535);
-    if (n == 0) return;
+/* out: device [n, rep], or NULL for the scratch (returned; NULL on OOM). */
+static int32_t *argmax_to(mt_backend *be, int32_t *out, int rep, const float *logits, int n, int V, mt_status *st) {
     argmax_params p;
     p.logits = logits;
     p.n = n;
     p.V = V;
+    p.rep = rep;
     p.nchunk = (V + ARGMAX_CHUNK - 1) / ARGMAX_CHUNK;
     const size_t np = (size_t)n * p.nchunk;
     char *scr = (char *)cu_scratch(be, CU_SCRATCH_DENSE, np * 8 + (size_t)n * 4 + 16);
-    if (!scr) return;
+    *st = MT_ERR_NOMEM;
+    if (!scr) return NULL;
     p.part_v = (float *)scr;
     p.part_i = (int32_t *)(scr + np * 4);
-    p.out = (int32_t *)(scr + np * 8);
+    p.out = out ? out : (int32_t *)(scr + np * 8);
     p.count = ((cu_backend *)be)->counters + CU_COUNTER_ARGMAX;
-    mt_status st = argmax_launch(&p, cu_stream(be));
+    *st = argmax_launch(&p, cu_stream(be));
+    return p.out;
+}
+
+extern "C" void cu_argmax_dev(mt_backend *be, int32_t *out, int rep, const float *logits, int n, int V) {
+    MT_ASSERT(n >= 0 && V > 0 && n <= 65535 && rep >= 1 && rep <= 32 && out);
+    if (n == 0) return;
+    mt_status st;
+    argmax_to(be, out, rep, logits, n, V, &st);
+    cu_op_status(be, "argmax_dev", st);
+}
+
+extern "C" void cu_argmax(mt_backend *be, int32_t *out, const float *logits, int n, int V) {
+    MT_ASSERT(n >= 0 && V > 0 && n <= 65535);
+    if (n == 0) return;
+    mt_status st;
+    const int32_t *dev = argmax_to(be, NULL, 1, logits, n, V, &st);
+    if (!dev) return; /* cu_scratch logged and recorded it */
     if (st == MT_OK)
-        MT_CUDA_(cudaMemcpyAsync(out, p.out, (size_t)n * 4, cudaMemcpyDeviceToHost, cu_stream(be)),
+        MT_CUDA_(cudaMemcpyAsync(out, dev, (size_t)n * 4, cudaMemcpyDeviceToHost, cu_stream(be)),
                  "cudaMemcpyAsync(out, argmax)", st = mt_st_);
     if (st == MT_OK)
         MT_CUDA_(cudaStreamSynchronize(cu_stream(be)), "cudaStreamSynchronize(argmax)", st = mt_st_);

@@ -77,6 +77,11 @@ typedef struct cu_backend {
     /* [CU_COUNTERS] device, zeroed at creation: arrival counters of kernels whose last block
      * finishes the op (CU_COUNTER_*); each such kernel returns its counter to 0 before it exits. */
     unsigned *counters;
+    /* download_begin's tickets: ticket t lands in slot t % MT_TICKETS of a page-locked ring
+     * (MT_TICKET_BYTES a slot) when event tk_done[slot] completes. Made at creation. */
+    unsigned char *tk_ring;
+    cudaEvent_t tk_done[MT_TICKETS];
+    int64_t tk_next;
 } cu_backend;
 
 static inline cudaStream_t cu_stream(mt_backend *be) { return ((cu_backend *)be)->stream; }
@@ -163,6 +168,7 @@ void cu_swiglu(mt_backend *be, float *out, const float *gate, const float *up, i
 void cu_sigmoid(mt_backend *be, float *x, int64_t count);
 void cu_l2norm(mt_backend *be, float *x, int64_t n, int d, float eps, float scale);
 void cu_argmax(mt_backend *be, int32_t *out, const float *logits, int n, int V);
+void cu_argmax_dev(mt_backend *be, int32_t *out, int rep, const float *logits, int n, int V);
 void cu_hc_head_norm(mt_backend *be, float *z, const float *X, const float *w, int n, int S, int H, float eps);
 
 void cu_moe_route(mt_backend *be, int32_t *idx, float *weights, const float *logits,

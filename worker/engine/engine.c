@@ -48,6 +48,14 @@ struct eng_engine {
     int n_running;
     eng_seq **batch;             /* [max_sequences] scratch: the sequences of one decode */
     float *logits;               /* [max_sequences, vocab] host */
+    /* A greedy step queued and not yet read (run_ahead; glm_decode_greedy): its rows' sequences in
+     * order, a row NULL once its sequence is freed (compact), and the ticket of its tokens. */
+    eng_seq **ahead;             /* [max_sequences] */
+    int n_ahead;                 /* 0: none in flight */
+    int64_t ahead_ticket;
+    int32_t *ahead_tok;          /* [max_sequences] */
+    glm_seq **gs;                /* [max_sequences] scratch */
+    uint64_t ahead_steps;
     eng_prefix *prefixes;        /* [n_prefixes] kept prefixes, unordered */
     int n_prefixes, cap_prefixes;
     size_t prefix_bytes;
@@ -56,6 +64,18 @@ struct eng_engine {
     uint64_t finished, aborted, tokens, steps, preemptions;
 };
 
+static void ahead_collect(eng_engine *e);
+
+/* A sequence about to end from outside the step (abort, deadline) first gets the token of the
+ * step in flight, as it would have had without running ahead. */
+static void ahead_settle(eng_engine *e, const eng_seq *s) {
+    for (int i = 0; i < e->n_ahead; i++)
+        if (e->ahead[i] == s) {
+            ahead_collect(e);
+            return;
+        }
+}
+
 eng_request eng_default_request(void) {
     return (eng_request){ .sampling = eng_sample_default_params(), .max_new_tokens = 16 };
 }
@@ -63,7 +83,7 @@ eng_request eng_default_request(void) {
 eng_params eng_default_params(void) {
     return (eng_params){ .max_sequences = 16, .max_waiting = 1024, .max_context = 4096,
                          .prefill_budget = 2048, .prefix_cache_bytes = (size_t)256 << 20,
-                         .prefix_block = 64, .preempt = true };
+                         .prefix_block = 64, .preempt = true, .run_ahead = true };
 }
 
 static uint64_t realtime_ms(void *user) {
@@ -100,7 +120,11 @@ mt_status eng_new(glm_model *m, const eng_params *params, const eng_callbacks *c
     e->running = malloc(sizeof(eng_seq *) * (size_t)p.max_sequences);
     e->batch = malloc(sizeof(eng_seq *) * (size_t)p.max_sequences);
     e->logits = malloc(sizeof(float) * (size_t)p.max_sequences * (size_t)e->vocab);
-    if (!e->sampler || !e->waiting || !e->running || !e->batch || !e->logits) goto fail;
+    e->ahead = malloc(sizeof(eng_seq *) * (size_t)p.max_sequences);
+    e->ahead_tok = malloc(sizeof(int32_t) * (size_t)p.max_sequences);
+    e->gs = malloc(sizeof(glm_seq *) * (size_t)p.max_sequences);
+    if (!e->sampler || !e->waiting || !e->running || !e->batch || !e->logits || !e->ahead || !e->ahead_tok || !e->gs)
+        goto fail;
     *out = e;
     return MT_OK;
 fail:
@@ -141,6 +165,9 @@ void eng_free(eng_engine *e) {
     free(e->running);
     free(e->batch);
     free(e->logits);
+    free(e->ahead);
+    free(e->ahead_tok);
+    free(e->gs);
     free(e);
 }
 
@@ -239,12 +266,18 @@ static void seq_end(eng_engine *e, eng_seq *s, eng_finish reason, const char *me
     }
 }
 
-/* Drops ended sequences from arr[0, *n), keeping the order of the rest. */
+/* Drops ended sequences from arr[0, *n), keeping the order of the rest (and a queued step's row
+ * of a dropped one: its token goes nowhere). */
 static void compact(eng_engine *e, eng_seq **arr, int *n) {
     int k = 0;
     for (int i = 0; i < *n; i++) {
-        if (arr[i]->done) seq_destroy(e, arr[i]);
-        else arr[k++] = arr[i];
+        if (!arr[i]->done) {
+            arr[k++] = arr[i];
+            continue;
+        }
+        for (int j = 0; j < e->n_ahead; j++)
+            if (e->ahead[j] == arr[i]) e->ahead[j] = NULL;
+        seq_destroy(e, arr[i]);
     }
     *n = k;
 }
@@ -254,13 +287,15 @@ mt_status eng_abort(eng_engine *e, uint64_t id, eng_finish reason, const char *m
     int at;
     eng_seq *s = find_live(e, id, &waiting, &at);
     if (!s) return MT_ERR_NOT_FOUND;
-    seq_end(e, s, reason, message);
+    ahead_settle(e, s);
+    if (!s->done) seq_end(e, s, reason, message); /* else that token ended it (stop or length) */
     if (waiting) compact(e, e->waiting, &e->n_waiting);
     else compact(e, e->running, &e->n_running);
     return MT_OK;
 }
 
 void eng_abort_all(eng_engine *e, eng_finish reason, const char *message) {
+    ahead_collect(e);
     for (int i = 0; i < e->n_waiting; i++)
         if (!e->waiting[i]->done) seq_end(e, e->waiting[i], reason, message);
     for (int i = 0; i < e->n_running; i++)
@@ -311,8 +346,9 @@ static void expire(eng_engine *e) {
     bool any = false;
     for (int i = 0; i < e->n_waiting + e->n_running; i++) {
         eng_seq *s = i < e->n_waiting ? e->waiting[i] : e->running[i - e->n_waiting];
-        if (s->deadline_ms && now >= s->deadline_ms) {
-            seq_end(e, s, ENG_FINISH_CANCELLED, "deadline exceeded");
+        if (s->deadline_ms && now >= s->deadline_ms && !s->done) {
+            ahead_settle(e, s);
+            if (!s->done) seq_end(e, s, ENG_FINISH_CANCELLED, "deadline exceeded");
             any = true;
         }
     }
@@ -584,12 +620,100 @@ static void decode_running(eng_engine *e, eng_seq **batch, int n, float *logits,
     free(tok);
 }
 
+/* ---- running ahead (eng_params.run_ahead) ---- */
+
+/* Reads the queued greedy step's tokens (waiting for that step only) and reports each to its
+ * sequence; rows whose sequence ended since are dropped. A failed read ends the step's sequences. */
+static void ahead_collect(eng_engine *e) {
+    const int n = e->n_ahead;
+    if (n == 0) return;
+    e->n_ahead = 0;
+    const mt_status st = glm_greedy_tokens(e->m, e->ahead_ticket, e->ahead_tok, n);
+    for (int i = 0; i < n; i++) {
+        eng_seq *s = e->ahead[i];
+        if (!s || s->done) continue;
+        if (st != MT_OK) seq_end(e, s, ENG_FINISH_ERROR, "reading a decode step's tokens back failed");
+        else emit(e, s, &(eng_sample_result){ .token = e->ahead_tok[i] });
+    }
+}
+
+/* A batch may leave its tokens on the device when nothing else wants the step's boundary: every
+ * running sequence is in it (none is part way through its prefill), all plain greedy, nobody is
+ * waiting to be admitted, and the model can (one pass of at most glm_model_ahead_rows). */
+static bool ahead_start_ok(eng_engine *e, int n) {
+    if (!e->p.run_ahead || n != e->n_running || e->n_waiting > 0 || n > glm_model_ahead_rows(e->m)) return false;
+    for (int i = 0; i < n; i++)
+        if (!plain_greedy(e->batch[i])) return false;
+    return true;
+}
+
+/* Step k + 1 may be queued on step k's device tokens (before they are read) when the batch goes
+ * on unchanged: the same sequences in the same order, none ended, none reaching max_new_tokens
+ * with token k, nobody waiting, and each has its page for the next token without evicting or
+ * preempting anything (that work waits for a step boundary). */
+static bool ahead_next_ok(eng_engine *e) {
+    if (!e->p.run_ahead || e->n_waiting > 0 || e->n_ahead != e->n_running) return false;
+    for (int i = 0; i < e->n_running; i++) {
+        const eng_seq *s = e->running[i];
+        if (e->ahead[i] != s || s->done || !s->gs || s->prefilled != s->n_feed || !plain_greedy(s) ||
+            s->n_gen + 1 >= s->req.max_new_tokens)
+            return false;
+    }
+    mt_error err = { "" };
+    for (int i = 0; i < e->n_running; i++)
+        if (glm_seq_reserve(e->running[i]->gs, 1, &err) != MT_OK) return false;
+    return true;
+}
+
+/* Queues one greedy step of e->batch[0, n) (tokens: their pending tokens; NULL: the device's
+ * tokens of the step in flight) and records it as the step in flight. */
+static mt_status ahead_queue(eng_engine *e, eng_seq **batch, int n, bool from_device) {
+    for (int i = 0; i < n; i++) {
+        e->gs[i] = batch[i]->gs;
+        e->ahead_tok[i] = batch[i]->pending;
+    }
+    mt_error err = { "" };
+    int64_t ticket = -1;
+    const mt_status st = glm_decode_greedy(e->m, e->gs, from_device ? NULL : e->ahead_tok, n, &ticket, &err);
+    if (st != MT_OK) {
+        mt_log(MT_LOG_WARN, "engine: greedy step of %d sequences not run ahead (%s)", n, err.msg);
+        return st;
+    }
+    if (from_device) e->ahead_steps++;
+    memmove(e->ahead, batch, sizeof(eng_seq *) * (size_t)n);
+    e->n_ahead = n;
+    e->ahead_ticket = ticket;
+    return MT_OK;
+}
+
 mt_status eng_step(eng_engine *e, int *n_tokens) {
     const uint64_t tokens0 = e->tokens;
     if (n_tokens) *n_tokens = 0;
     if (!eng_has_work(e)) return MT_OK;
     e->steps++;
     expire(e);
+    if (e->n_ahead > 0) {
+        /* the last step's tokens are still on the device: while the batch goes on unchanged, the
+         * next step is queued on them before the host reads them (then reports them) */
+        const int n = e->n_ahead;
+        const int64_t prev = e->ahead_ticket;
+        if (ahead_next_ok(e) && ahead_queue(e, e->running, n, true) == MT_OK) {
+            /* step k + 1 is in flight for the same rows; read and report step k's tokens */
+            const int64_t next = e->ahead_ticket;
+            e->ahead_ticket = prev;
+            ahead_collect(e);
+            e->n_ahead = n;
+            e->ahead_ticket = next;
+            compact(e, e->running, &e->n_running); /* rows of sequences that ended at k are dropped */
+            if (n_tokens) *n_tokens = (int)(e->tokens - tokens0);
+            return MT_OK;
+        }
+        /* the batch changes here (or must meet a step boundary): step k's tokens are read and
+         * reported, then the step goes on as usual from the host's tokens, so the rows that go on
+         * get two tokens in this step and the device's queue stays one step ahead */
+        ahead_collect(e);
+        compact(e, e->running, &e->n_running);
+    }
     /* the sequences whose prompt was complete before this step decode; the prefill work comes
      * after (a sequence whose prompt completes this step got its first token from the prefill) */
     /* each needs a page for its next token when it crosses into a new one; oldest first, so a
@@ -607,6 +731,12 @@ mt_status eng_step(eng_engine *e, int *n_tokens) {
         bool greedy = n <= ENG_GREEDY_MAX;
         for (int i = 0; i < n && greedy; i++) greedy = plain_greedy(e->batch[i]);
         int32_t tok[ENG_GREEDY_MAX];
+        if (greedy && ahead_start_ok(e, n) && ahead_queue(e, e->batch, n, false) == MT_OK) {
+            /* its tokens are read (and reported) at the next step, after that step is queued;
+             * there is nothing to admit (ahead_start_ok) */
+            if (n_tokens) *n_tokens = (int)(e->tokens - tokens0);
+            return MT_OK;
+        }
         decode_running(e, e->batch, n, e->logits, greedy ? tok : NULL);
         for (int i = 0; i < n; i++) {
             eng_seq *s = e->batch[i];
@@ -629,7 +759,7 @@ void eng_get_stats(const eng_engine *e, eng_stats *out) {
     *out = (eng_stats){ .running = e->n_running, .waiting = e->n_waiting,
                         .live_sequences = e->n_running + e->n_waiting, .cache_bytes_in_use = held,
                         .sequences_finished = e->finished, .sequences_aborted = e->aborted,
-                        .tokens_generated = e->tokens, .steps = e->steps,
+                        .tokens_generated = e->tokens, .steps = e->steps, .ahead_steps = e->ahead_steps,
                         .prefix_hits = e->prefix_hits, .prefix_misses = e->prefix_misses,
                         .prefix_cache_bytes = e->prefix_bytes, .prefix_entries = e->n_prefixes,
                         .preemptions = e->preemptions,

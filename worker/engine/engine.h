@@ -102,6 +102,11 @@ typedef struct eng_params {
      * length (prompt + max_new_tokens) mapped at once, so nothing is ever preempted, at the price
      * of fewer sequences running together. */
     bool preempt;
+    /* true (default): a batch of plain greedy sequences runs ahead of the host where the model
+     * can (glm_model_ahead_rows): step k + 1 is queued on the device's own tokens of step k before
+     * the host reads them, so the device does not wait for the host between steps. A row whose
+     * sequence ended at token k drops its token k + 1. */
+    bool run_ahead;
     /* Wall clock in Unix milliseconds, for deadlines. NULL: CLOCK_REALTIME. */
     uint64_t (*now_ms)(void *user);
     void *clock_user;
@@ -122,6 +127,7 @@ typedef struct eng_stats {
     int slots_free, slots_total; /* the model's state slot pool */
     uint64_t tokens_generated;
     uint64_t steps;              /* eng_step calls that did work */
+    uint64_t ahead_steps;        /* decode steps queued on the device's tokens (run_ahead) */
     uint64_t prefix_hits;        /* admissions that reused a kept prefix */
     uint64_t prefix_misses;      /* admissions (prefix reuse on) that found none */
     size_t prefix_cache_bytes;   /* held by kept prefixes (not in cache_bytes_in_use) */

@@ -150,6 +150,7 @@ struct glm_model {
     float *logits;             /* [rows, V] */
     int32_t *d_step;           /* [2] backend memory: token id, position (graph-form decode) */
     bool graph_stale_on_new_sequence; /* some layer's capability: graphs belong to a sequence */
+    bool prestage_needs_token; /* some layer's decode_prestage_needs_token: no run-ahead */
     mt_graph *shared_graph;    /* the decode graph when no layer ties it to a sequence */
     uint64_t shared_epoch;     /* backend graph_epoch when shared_graph was recorded */
     bool fail_next_capture;    /* test hook: invalidate the next capture */
@@ -163,6 +164,15 @@ struct glm_model {
     int32_t *h_rrow;
     void **h_rtab;
     int rt_cap;                /* largest capacity of any sequence made so far (graph sizing) */
+    /* Greedy steps run ahead (glm_decode_greedy): the last one's tokens sit in d_rrow for its B
+     * rows (argmax_dev wrote them there) and ride ticket `ticket` back to the host. */
+    struct glm_ahead {
+        bool valid;            /* d_rrow holds the last greedy step's outputs as inputs */
+        int n, B;              /* its sequences and the rows its pass used */
+        int64_t ticket;
+        glm_seq **seqs;        /* [rcap] its sequences, in order */
+    } ahead;
+    int32_t *h_tok;            /* [rcap * S] host: a ticket's token table */
     /* Decode graphs per bucket of rows (1, 2, 4, ... rcap), captured for rt_cap; pad rows of a
      * bucket run on pad_seq (one slot and one page, made with the pools; pad rows all write its
      * position 0, and their outputs are dropped). */

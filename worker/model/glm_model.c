@@ -66,10 +66,14 @@ static mt_status model_init(glm_model *m, uint64_t random_seed, bool random, mt_
     m->d_rtab = be->ops->alloc(be, sizeof(void *) * tab);
     m->h_rrow = calloc((size_t)rows * (1 + c->hc_mult), sizeof(int32_t));
     m->h_rtab = calloc(tab, sizeof(void *));
-    if (!m->d_rrow || !m->d_rtab || !m->h_rrow || !m->h_rtab)
+    m->h_tok = calloc((size_t)rows * c->hc_mult, sizeof(int32_t));
+    m->ahead.seqs = calloc((size_t)rows, sizeof(glm_seq *));
+    if (!m->d_rrow || !m->d_rtab || !m->h_rrow || !m->h_rtab || !m->h_tok || !m->ahead.seqs)
         return mt_errorf(err, MT_ERR_NOMEM, "out of memory for the batched-decode tables");
-    for (int i = 0; i < c->num_hidden_layers; i++)
+    for (int i = 0; i < c->num_hidden_layers; i++) {
         m->graph_stale_on_new_sequence |= m->layers[i].base.caps.graph_stale_on_new_sequence;
+        m->prestage_needs_token |= m->layers[i].base.caps.decode_prestage_needs_token;
+    }
     return MT_OK;
 }
 
@@ -139,6 +143,8 @@ void glm_model_free(glm_model *m) {
     be->ops->free(be, m->d_rtab);
     free(m->h_rrow);
     free(m->h_rtab);
+    free(m->h_tok);
+    free(m->ahead.seqs);
     free(m->census);
     st_close(m->ar);
     free(m);
@@ -383,6 +389,8 @@ void glm_seq_free(glm_seq *s) {
     if (!s) return;
     glm_model *m = s->m;
     mt_backend *be = m->be;
+    for (int i = 0; i < m->ahead.n && m->ahead.valid; i++) /* its address may come back for another */
+        if (m->ahead.seqs[i] == s) m->ahead.valid = false;
     if (be->ops->graph_free) be->ops->graph_free(be, s->graph);
     for (int i = 0; i < m->cfg.num_hidden_layers; i++)
         if (s->states[i]) mt_layer_release_state(&m->layers[i].base, s->states[i]);
@@ -669,7 +677,8 @@ mt_status glm_decode(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_
 
 /* Fills and uploads the rows tables for B rows: rows [0, n) are seqs[i] at its next position,
  * rows [n, B) pad a graph bucket with position 0 of m->pad_seq (their outputs are dropped; pad
- * rows all write the pad sequence's state, which is scratch). */
+ * rows all write the pad sequence's state, which is scratch). tokens NULL: the token table is
+ * already in d_rrow (the last greedy step's argmax put it there), so only the positions go up. */
 static void rows_upload(glm_model *m, glm_seq **seqs, const int32_t *tokens, int n, int B) {
     const glm_config *c = &m->cfg;
     const int L = c->num_hidden_layers, S = c->hc_mult, cap = m->rcap;
@@ -681,9 +690,9 @@ static void rows_upload(glm_model *m, glm_seq **seqs, const int32_t *tokens, int
     size_t lo = SIZE_MAX, hi = 0;
     for (int i = 0; i < B; i++) {
         glm_seq *s = i < n ? seqs[i] : m->pad_seq;
-        const int32_t tok = i < n ? tokens[i] : 0;
         m->h_rrow[i] = i < n ? s->len : 0;
-        for (int j = 0; j < S; j++) m->h_rrow[B + (size_t)i * S + j] = tok;
+        if (tokens)
+            for (int j = 0; j < S; j++) m->h_rrow[B + (size_t)i * S + j] = i < n ? tokens[i] : 0;
         for (int l = 0; l < L; l++) {
             const glm_layer_state *st = (const glm_layer_state *)s->states[l];
             void *const ptrs[GLM_R_KINDS] = { st->conv[0], st->conv[1], st->conv[2], st->rec, (void *)s->d_bt };
@@ -696,7 +705,7 @@ static void rows_upload(glm_model *m, glm_seq **seqs, const int32_t *tokens, int
             }
         }
     }
-    up(be, m->d_rrow, m->h_rrow, sizeof(int32_t) * (size_t)B * (1 + S));
+    up(be, m->d_rrow, m->h_rrow, sizeof(int32_t) * (size_t)B * (tokens ? 1 + S : 1));
     if (lo <= hi) up(be, m->d_rtab + lo, m->h_rtab + lo, sizeof(void *) * (hi - lo + 1));
 }
 
@@ -739,11 +748,22 @@ static int bucket_of(int n) {
     return b;
 }
 
+/* The n tokens of ticket t (a greedy step's token table of n rows, S entries a row) into
+ * m->h_tok[0, n). */
+static mt_status ticket_tokens(glm_model *m, int64_t t, int n) {
+    const int S = m->cfg.hc_mult;
+    mt_status st = m->be->ops->download_end(m->be, t, m->h_tok, sizeof(int32_t) * (size_t)n * S);
+    for (int i = 0; i < n && st == MT_OK; i++) m->h_tok[i] = m->h_tok[(size_t)i * S]; /* i <= i * S */
+    return st;
+}
+
 /* Rows [0, n), n <= m->rcap: the hooks of every sequence around one step, run through the
  * bucket's graph when graphs are on (captured on the bucket's second use, after an eager step
- * has sized the scratch; recaptured when a longer sequence raised rt_cap), else eagerly. */
+ * has sized the scratch; recaptured when a longer sequence raised rt_cap), else eagerly.
+ * tokens NULL: the inputs are the last greedy step's outputs, left in d_rrow (m->ahead). *B_out:
+ * the rows the pass ran (n, or the bucket's size). */
 static mt_status decode_rows(glm_model *m, glm_seq **seqs, const int32_t *tokens, int n, float *logits,
-                             mt_error *err) {
+                             int *B_out, mt_error *err) {
     const glm_config *c = &m->cfg;
     mt_backend *be = m->be;
     const int L = c->num_hidden_layers, b = bucket_of(n);
@@ -752,10 +772,18 @@ static mt_status decode_rows(glm_model *m, glm_seq **seqs, const int32_t *tokens
                      (1 << b) <= m->rcap && m->bucket_failures[b] < GLM_MAX_CAPTURE_FAILURES;
     if (use_graph && (1 << b) > n && !pad_ensure(m)) use_graph = false; /* no room for the pad: eager */
     const int B = use_graph ? 1 << b : n;
+    *B_out = B;
+    if (!tokens && B != m->ahead.B) { /* the table sits where a pass of ahead.B rows has it: read it */
+        mt_status st = ticket_tokens(m, m->ahead.ticket, n);
+        if (st != MT_OK) return mt_errorf(err, st, "batched decode: the last step's tokens are lost");
+        tokens = m->h_tok;
+    }
+    m->ahead.valid = false; /* this step's inputs consume (or overwrite) the table */
     for (int i = 0; i < n; i++)
         for (int l = 0; l < L; l++) {
             const mt_layer *ml = &m->layers[l].base;
-            mt_status st = mt_layer_decode_prestage(ml, seqs[i]->states[l], tokens[i]);
+            /* a token on the device only: -1 (no layer here reads it; see glm_decode_greedy) */
+            mt_status st = mt_layer_decode_prestage(ml, seqs[i]->states[l], tokens ? tokens[i] : -1);
             if (st != MT_OK) return mt_errorf(err, st, "batched decode: sequence %d layer %d prestage failed", i, l);
             if (mt_layer_check_replay_room(ml, seqs[i]->states[l], seqs[i]->len, 1) != MT_OK)
                 return mt_errorf(err, MT_ERR_FULL, "batched decode: sequence %d layer %d (%s) has no room at %d", i,
@@ -802,11 +830,12 @@ static mt_status decode_rows(glm_model *m, glm_seq **seqs, const int32_t *tokens
     return MT_OK;
 }
 
-mt_status glm_decode_multi(glm_model *m, glm_seq **seqs, const int32_t *tokens, int n, float *logits,
-                           mt_error *err) {
+/* glm_decode_multi; tokens NULL (glm_decode_greedy, one pass): the table in d_rrow. */
+static mt_status decode_multi(glm_model *m, glm_seq **seqs, const int32_t *tokens, int n, float *logits,
+                              int *B_out, mt_error *err) {
     if (n < 1) return mt_errorf(err, MT_ERR_INVALID, "no sequences to decode");
     for (int i = 0; i < n; i++) {
-        if (tokens[i] < 0 || tokens[i] >= m->cfg.vocab_size)
+        if (tokens && (tokens[i] < 0 || tokens[i] >= m->cfg.vocab_size))
             return mt_errorf(err, MT_ERR_INVALID, "token %d of sequence %d is outside the vocabulary [0, %d)",
                              tokens[i], i, m->cfg.vocab_size);
         if (seqs[i]->m != m) return mt_errorf(err, MT_ERR_INVALID, "sequence %d belongs to another model", i);
@@ -824,12 +853,61 @@ mt_status glm_decode_multi(glm_model *m, glm_seq **seqs, const int32_t *tokens, 
             return mt_errorf(err, MT_ERR_UNSUPPORTED, "layer %d (%s) cannot decode several sequences at once",
                              i, m->layers[i].base.kind);
     const int rows = m->rcap, V = m->cfg.vocab_size;
+    MT_ASSERT(tokens || n <= rows);
     for (int done = 0; done < n; done += rows) {
         const int k = n - done < rows ? n - done : rows;
-        mt_status st = decode_rows(m, seqs + done, tokens + done, k, logits ? logits + (size_t)done * V : NULL, err);
+        mt_status st = decode_rows(m, seqs + done, tokens ? tokens + done : NULL, k,
+                                   logits ? logits + (size_t)done * V : NULL, B_out, err);
         if (st != MT_OK) return st;
     }
     return MT_OK;
+}
+
+mt_status glm_decode_multi(glm_model *m, glm_seq **seqs, const int32_t *tokens, int n, float *logits,
+                           mt_error *err) {
+    int B;
+    if (!tokens) return mt_errorf(err, MT_ERR_INVALID, "no tokens to decode");
+    return decode_multi(m, seqs, tokens, n, logits, &B, err);
+}
+
+int glm_model_ahead_rows(const glm_model *m) {
+    const mt_backend_ops *o = m->be->ops;
+    if (!o->argmax_dev || !o->download_begin || !o->download_end || m->prestage_needs_token) return 0;
+    const int by_ticket = MT_TICKET_BYTES / (int)(sizeof(int32_t) * (size_t)m->cfg.hc_mult);
+    return m->rcap < by_ticket ? m->rcap : by_ticket;
+}
+
+mt_status glm_decode_greedy(glm_model *m, glm_seq **seqs, const int32_t *tokens, int n, int64_t *ticket,
+                            mt_error *err) {
+    if (n < 1 || n > glm_model_ahead_rows(m))
+        return mt_errorf(err, MT_ERR_INVALID, "greedy decode of %d sequences: this model and backend take 1 to %d",
+                         n, glm_model_ahead_rows(m));
+    if (!tokens) {
+        bool same = m->ahead.valid && m->ahead.n == n;
+        for (int i = 0; i < n && same; i++) same = m->ahead.seqs[i] == seqs[i];
+        if (!same)
+            return mt_errorf(err, MT_ERR_INVALID,
+                             "greedy decode from the device's tokens needs the last greedy step's sequences, in order");
+    }
+    int B = 0;
+    mt_status st = decode_multi(m, seqs, tokens, n, NULL, &B, err);
+    if (st != MT_OK) return st;
+    mt_backend *be = m->be;
+    const int S = m->cfg.hc_mult;
+    int32_t *table = m->d_rrow + B; /* where a pass of B rows reads its tokens */
+    be->ops->argmax_dev(be, table, S, m->logits, n, m->cfg.vocab_size);
+    m->ahead = (struct glm_ahead){ .valid = true, .n = n, .B = B, .seqs = m->ahead.seqs,
+                                   .ticket = be->ops->download_begin(be, table, sizeof(int32_t) * (size_t)n * S) };
+    memcpy(m->ahead.seqs, seqs, sizeof(glm_seq *) * (size_t)n);
+    *ticket = m->ahead.ticket;
+    return MT_OK;
+}
+
+mt_status glm_greedy_tokens(glm_model *m, int64_t ticket, int32_t *out, int n) {
+    if (n < 1 || n > glm_model_ahead_rows(m)) return MT_ERR_INVALID;
+    mt_status st = ticket_tokens(m, ticket, n);
+    if (st == MT_OK) memcpy(out, m->h_tok, sizeof(int32_t) * (size_t)n);
+    return st;
 }
 
 int glm_model_batch_rows(const glm_model *m) { return m->rcap; }

@@ -35,6 +35,9 @@ typedef struct mt_layer_caps {
     bool decode_graph_unsupported;
     bool decode_rollback_unsupported;
     bool supports_replay_tail_split;
+    /* decode_prestage reads its token argument: the model then never runs a greedy step from a
+     * token that is only on the device (glm_decode_greedy), where the prestage gets -1 */
+    bool decode_prestage_needs_token;
 } mt_layer_caps;
 
 typedef struct mt_layer_ops {
