@@ -486,17 +486,24 @@ static __device__ __forceinline__ const mt_expert *moe_expert(const moe_gemv_par
  * chunks: 16 and 8 loads of 16 bytes per lane in flight before the first use. */
 enum { MOE_GU_R = 4, MOE_GU_U = 2, MOE_DN_R = 2, MOE_DN_U = 4 };
 
-/* Grid (ceil(I / R), n * top_k): rows [R*blockIdx.x, +R) of h for pair blockIdx.y. A row is a
- * list of chunks of 32 load units (lane l takes unit 32c + l: 512 contiguous bytes per warp load
- * for bf16); warp w takes chunks w, w + 8, ..., U of them per step for gate and up of all R rows.
- * The per-lane running sums go through a butterfly, then thread r adds the 8 warps' in order and
- * applies swiglu. Launched for PDL (idx is the router's output). */
+/* Grid (ceil(I / R), n * slots): rows [R*blockIdx.x, +R) of h for one (row, slot) pair per
+ * blockIdx.y, a row's shared-expert slot first. A row is a list of chunks of 32 load units (lane
+ * l takes unit 32c + l: 512 contiguous bytes per warp load for bf16); warp w takes chunks w, w + 8,
+ * ..., U of them per step for gate and up of all R rows. The per-lane running sums go through a
+ * butterfly, then thread r adds the 8 warps' in order and applies swiglu. Launched for PDL (idx
+ * is the router's output). The shared expert's blocks depend on no router output (x is older than
+ * the router: its kernels waited for x's before they let this one launch), so they stream their
+ * weights while the router finishes, and wait only before exiting (this grid's end must still
+ * imply the router's); being first in the grid, they are in the first wave. */
 template <mt_dtype DT, bool VEC>
 static __global__ void __launch_bounds__(MOE_THREADS) moe_gateup_kernel(const moe_gemv_params p) {
     constexpr int R = MOE_GU_R, U = MOE_GU_U, V = cu_wstream<DT, VEC>::V;
-    cu_pdl_wait();
+    const int i = blockIdx.y / p.slots, ks = blockIdx.y % p.slots;
+    const int k = p.sd ? (ks == 0 ? p.top_k : ks - 1) : ks; /* slot top_k (shared) first */
+    const int pair = i * p.slots + k, row0 = blockIdx.x * R;
+    const bool early = k >= p.top_k;
+    if (!early) cu_pdl_wait();
     cu_pdl_trigger();
-    const int pair = blockIdx.y, row0 = blockIdx.x * R, i = pair / p.slots, k = pair % p.slots;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const void *wg = p.sg, *wu = p.su;
     if (k < p.top_k) {
@@ -559,6 +566,7 @@ static __global__ void __launch_bounds__(MOE_THREADS) moe_gateup_kernel(const mo
         const float g = fminf(a, p.L), u = fminf(fmaxf(b, -p.L), p.L);
         p.h[(int64_t)pair * p.I + row0 + r] = g / (1.f + expf(-g)) * u;
     }
+    if (early) cu_pdl_wait();
 }
 
 /* Grid (ceil(H / R), n): out rows [R*blockIdx.x, +R) of row blockIdx.y. Warp w takes the slots
@@ -572,29 +580,39 @@ template <mt_dtype DT, bool VEC>
 static __global__ void __launch_bounds__(MOE_DN_MAX_THREADS) moe_down_kernel(const moe_gemv_params p) {
     constexpr int R = MOE_DN_R, U = MOE_DN_U, V = cu_wstream<DT, VEC>::V;
     extern __shared__ float moe_red[];
-    cu_pdl_wait();
-    cu_pdl_trigger();
     const int i = blockIdx.y, row0 = blockIdx.x * R;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nv = p.I / V, nch = (nv + 31) >> 5;
+    cu_wstream<DT, VEC> d[U][R];
+    auto load = [&](const void *wd, int c0) {
+#pragma unroll
+        for (int q = 0; q < U; q++) {
+            const int v = (c0 + q) * 32 + lane;
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                if (v < nv && row0 + r < p.H) d[q][r].load(wd, (int64_t)(row0 + r) * p.I + (int64_t)v * V);
+                else d[q][r].zero();
+            }
+        }
+    };
+    auto slot_weight = [&](int k) {
+        return k < p.top_k ? moe_expert(p, i * p.top_k + k)->down.data : p.sd;
+    };
+    /* The first slot's first step before the wait: the weights depend only on idx, which the
+     * router wrote before moe_gateup_kernel (which waited for it) let this kernel launch; h is
+     * what the wait is for. */
+    if (warp < p.slots) load(slot_weight(warp), 0);
+    cu_pdl_wait();
+    cu_pdl_trigger();
     for (int k = warp; k < p.slots; k += (int)(blockDim.x >> 5)) {
         const int pair = i * p.slots + k;
-        const void *wd = k < p.top_k ? moe_expert(p, i * p.top_k + k)->down.data : p.sd;
+        const void *wd = slot_weight(k);
         const float *h = p.h + (int64_t)pair * p.I;
         float acc[R];
 #pragma unroll
         for (int r = 0; r < R; r++) acc[r] = 0.f;
         for (int c0 = 0; c0 < nch; c0 += U) {
-            cu_wstream<DT, VEC> d[U][R];
-#pragma unroll
-            for (int q = 0; q < U; q++) {
-                const int v = (c0 + q) * 32 + lane;
-#pragma unroll
-                for (int r = 0; r < R; r++) {
-                    if (v < nv && row0 + r < p.H) d[q][r].load(wd, (int64_t)(row0 + r) * p.I + (int64_t)v * V);
-                    else d[q][r].zero();
-                }
-            }
+            if (c0 > 0 || k != warp) load(wd, c0);
 #pragma unroll
             for (int q = 0; q < U; q++) {
                 const int v = (c0 + q) * 32 + lane;
