@@ -15,13 +15,9 @@
  * Inputs: uniform random, q/k l2-normalised on the host (q then scaled by dk^-0.5), g = -softplus(z)
  * with z uniform in [-5, 5) so g in (-5, 0), beta uniform in (0.02, 0.98), initial state non-zero.
  *
- *   kda_bench [--json FILE] [--dump DIR] [--reps N] [--dec-variants LIST]
+ *   kda_bench [--json FILE] [--dump DIR] [--reps N]
  * --json: one JSON object per line (rows of the table). --dump: a small case (T=300, 4 heads) with
- * its inputs and our outputs as raw fp32 files, for kda_fla_bench.py --check DIR. --dec-variants: the
- * decode forms to check and time at each batch size (comma-separated, cu_kda_decode_variant: 0 the
- * general recurrent kernel, 1 the default, 2.. the alternatives in cuda_kda.cu), each on fresh
- * state; form 1's row keeps the name decode_B<B>, the others are decode_B<B>_v<form>. Without it,
- * one row decode_B<B> of the form MT_CUDA_KDA_DECODE selects. */
+ * its inputs and our outputs as raw fp32 files, for kda_fla_bench.py --check DIR. */
 #include <cuda_runtime_api.h>
 #include <math.h>
 #include <stdint.h>
@@ -50,7 +46,6 @@ static mt_backend *g_be;
 static void *g_flush;   /* L2 flush buffer */
 static int g_reps = 30;
 static FILE *g_json;
-enum { MAX_DEC_VARIANTS = 8 };
 
 /* Fails on a CUDA error or a failure the backend recorded. */
 static void check_backend(const char *what) {
@@ -327,23 +322,10 @@ static void emit(const char *row, const char *op, int B, int T, int H, double ms
 
 int main(int argc, char **argv) {
     const char *json = NULL, *dump = NULL;
-    int variants[MAX_DEC_VARIANTS], nvar = 0;
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--json")) json = argv[i + 1];
         else if (!strcmp(argv[i], "--dump")) dump = argv[i + 1];
         else if (!strcmp(argv[i], "--reps")) g_reps = atoi(argv[i + 1]);
-        else if (!strcmp(argv[i], "--dec-variants")) {
-            for (const char *c = argv[i + 1]; *c && nvar < MAX_DEC_VARIANTS;) {
-                char *end;
-                const long v = strtol(c, &end, 10);
-                if (end == c || v < 0 || v > 4) {
-                    fprintf(stderr, "kda_bench: --dec-variants: bad list %s (forms 0..4)\n", argv[i + 1]);
-                    return 2;
-                }
-                variants[nvar++] = (int)v;
-                c = *end == ',' ? end + 1 : end;
-            }
-        }
         else { fprintf(stderr, "kda_bench: unknown option %s\n", argv[i]); return 2; }
     }
     if (g_reps < 20) g_reps = 20;
@@ -433,10 +415,7 @@ int main(int argc, char **argv) {
         host_free(&h);
     }
 
-    /* decode: B sequences x 64 heads, one token; each form in `variants` on the same inputs */
-    const int var0 = cu_kda_decode_variant();
-    const int listed = nvar > 0;
-    if (!listed) variants[nvar++] = var0;
+    /* decode: B sequences x 64 heads, one token */
     const int batches[2] = {32, 256};
     for (int bi = 0; bi < 2; bi++) {
         const int B = batches[bi], nh = B * NH;
@@ -449,39 +428,30 @@ int main(int argc, char **argv) {
         const int hc = 256;
         float *o = xmalloc(cnt), *st = xmalloc(sc);
         float *o_ref = xmalloc((size_t)2 * hc * DK), *s_ref = xmalloc((size_t)2 * hc * DK * DK);
+        poison(d.o, cnt);
+        run(g_be->ops->kda_recurrent, &d, 1, nh);
+        check_backend("decode");
+        g_be->ops->download(g_be, o, d.o, cnt * 4);
+        g_be->ops->download(g_be, st, d.state, sc * 4);
         host_step(&h, 0, hc, o_ref, s_ref);
         host_step(&h, nh - hc, nh, o_ref + (size_t)hc * DK, s_ref + (size_t)hc * DK * DK);
-        for (int vi = 0; vi < nvar; vi++) {
-            const int var = variants[vi];
-            cu_kda_decode_variant_set(var);
-            char tag[16] = "";
-            if (listed && var != 1) snprintf(tag, sizeof tag, "_v%d", var);
-            g_be->ops->upload(g_be, d.state, h.state, sc * 4);
-            poison(d.o, cnt);
-            run(g_be->ops->kda_recurrent, &d, 1, nh);
-            check_backend("decode");
-            g_be->ops->download(g_be, o, d.o, cnt * 4);
-            g_be->ops->download(g_be, st, d.state, sc * 4);
-            size_t b1, b2;
-            const size_t bad_o = count_bad(o, cnt), bad_s = count_bad(st, sc);
-            double e1 = rel_err(o, o_ref, (size_t)hc * DK, &b1);
-            double e2 = rel_err(o + cnt - (size_t)hc * DK, o_ref + (size_t)hc * DK, (size_t)hc * DK, &b2);
-            char name[64];
-            snprintf(name, sizeof name, "decode B=%d%s o vs float64 host", B, tag);
-            report_check(name, e1 > e2 ? e1 : e2, bad_o, 1e-4);
-            e1 = rel_err(st, s_ref, (size_t)hc * DK * DK, &b1);
-            e2 = rel_err(st + sc - (size_t)hc * DK * DK, s_ref + (size_t)hc * DK * DK, (size_t)hc * DK * DK, &b2);
-            snprintf(name, sizeof name, "decode B=%d%s state vs float64 host", B, tag);
-            report_check(name, e1 > e2 ? e1 : e2, bad_s, 1e-4);
-
-            const double ms = time_ms(g_be->ops->kda_recurrent, &d, 1, nh, g_reps * 4);
-            char row[32], op[32];
-            snprintf(row, sizeof row, "decode_B%d%s", B, tag);
-            snprintf(op, sizeof op, "kda_recurrent%s", tag);
-            emit(row, op, B, 1, NH, ms, 2.0 * (double)sc * 4, bw);
-        }
-        cu_kda_decode_variant_set(var0);
+        size_t b1, b2;
+        const size_t bad_o = count_bad(o, cnt), bad_s = count_bad(st, sc);
+        double e1 = rel_err(o, o_ref, (size_t)hc * DK, &b1);
+        double e2 = rel_err(o + cnt - (size_t)hc * DK, o_ref + (size_t)hc * DK, (size_t)hc * DK, &b2);
+        char name[64];
+        snprintf(name, sizeof name, "decode B=%d o vs float64 host", B);
+        report_check(name, e1 > e2 ? e1 : e2, bad_o, 1e-4);
+        e1 = rel_err(st, s_ref, (size_t)hc * DK * DK, &b1);
+        e2 = rel_err(st + sc - (size_t)hc * DK * DK, s_ref + (size_t)hc * DK * DK, (size_t)hc * DK * DK, &b2);
+        snprintf(name, sizeof name, "decode B=%d state vs float64 host", B);
+        report_check(name, e1 > e2 ? e1 : e2, bad_s, 1e-4);
         free(o); free(st); free(o_ref); free(s_ref);
+
+        const double ms = time_ms(g_be->ops->kda_recurrent, &d, 1, nh, g_reps * 4);
+        char row[32];
+        snprintf(row, sizeof row, "decode_B%d", B);
+        emit(row, "kda_recurrent", B, 1, NH, ms, 2.0 * (double)sc * 4, bw);
         dev_free(&d);
         host_free(&h);
     }

@@ -36,7 +36,6 @@ extern "C" {
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
 }
-#include "kernels/cuda/cuda_ops.h" // cu_kda_decode_variant(_set): the decode forms
 
 namespace {
 
@@ -312,25 +311,6 @@ TEST_F(CudaAttn, KdaRecurrentSmallShapes) {
     CheckDelta(false, 1, 2, 48, 0.2f, 2);
     CheckDelta(false, 1, 5, 100, 1.f, 3);
     CheckDelta(false, 1, 2, 50, 1.f, 2);
-}
-
-// Every form of the single-state n == 1 step (cu_kda_decode_variant, cuda_kda.cu) against the
-// CPU: the real model's heads, 1024 of them so the persistent forms walk several items a block
-// (and the bulk form refills its stages), head dims that leave partial 64- and 32-column items
-// (96, 100, 48, 16), the state carried over consecutive calls.
-TEST_F(CudaAttn, KdaDecodeFormsMatchCpu) {
-    const int form0 = cu_kda_decode_variant();
-    for (int form = 0; form <= 4; form++) {
-        cu_kda_decode_variant_set(form);
-        std::printf("[kda decode form %d]\n", form);
-        CheckDelta(false, 1, 64, 128, 1.f, 3);
-        CheckDelta(false, 1, 1024, 128, 1.f, 2);
-        CheckDelta(false, 1, 40, 96, 0.5f, 2);
-        CheckDelta(false, 1, 5, 100, 1.f, 2);
-        CheckDelta(false, 1, 7, 48, 0.2f, 2);
-        CheckDelta(false, 1, 3, 16, 4.f, 2);
-    }
-    cu_kda_decode_variant_set(form0);
 }
 
 // kda_chunked runs on the tensor cores by default (two-part bf16 operands, cuda_kda_chunk.cu).

@@ -244,47 +244,19 @@ kda_recurrent_kernel(delta_params p) {
  *   u = k^T S', w = q^T S', qk = q.k     (one reduction: shuffle over sub, shared over warps)
  *   delta = beta (v - u), S'' = S' + k delta^T, o = q^T S'' = w + qk delta
  * so a step costs a single reduction barrier. Requires dk % 4 == 0 and 16-byte aligned state, v,
- * o (cu_kda_recurrent falls back to kda_recurrent_kernel otherwise).
- *
- * Forms of the single-state step, chosen at run time (cu_kda_decode_variant; the rows form is
- * always form 1), for measuring on the decode bench's shapes:
- *   1 kda_decode_kernel: the above, one block per (head, 64 columns) item.
- *   2 kda_decode_persist_kernel: the same thread layout, persistent (grid = resident blocks),
- *     each block walking items i, i + grid, ...; while on one item it prefetches the next item's
- *     state slice and inputs into L2, so the DRAM reads of the next item overlap this item's
- *     reduction and stores, and no block launch ramp/tail repeats every wave.
- *   3 kda_decode_bulk_kernel: persistent, the state slice and inputs of the next items copied to
- *     shared memory by the TMA (cp.async.bulk, mbarrier completion) TMA_STAGES - 1 items ahead
- *     of the one computed: bytes in flight no longer bounded by registers.
- *   4 kda_decode_cols_kernel<32, 128, 6>: form 1 with 32-column items (half the bytes a block), so
- *     the last blocks to finish hold half the work. */
-template <int COLS, int THREADS> struct dec_geom {
-    static constexpr int GROUPS = COLS / 4;          /* float4 column groups = lanes per row */
-    static constexpr int SUBS = 32 / GROUPS;         /* rows a warp instruction covers */
-    static constexpr int WARPS = THREADS / 32;
-    static constexpr int PASS = THREADS / GROUPS;    /* rows covered per pass: 16 */
-    static constexpr int ROWS = KDA_MAX_DK / PASS;   /* rows per thread: 8 */
-    static constexpr int LINES = COLS / 32;          /* 128-byte lines per row of the slice */
-    static constexpr int LINE_SHIFT = LINES == 2 ? 1 : 0;
-    static_assert(COLS % 32 == 0 && COLS <= 64 && THREADS % 32 == 0 && KDA_MAX_DK % PASS == 0, "decode geometry");
-};
+ * o (cu_kda_recurrent falls back to kda_recurrent_kernel otherwise). */
 enum {
     DEC_THREADS = 256,
-    DEC_COLS = 64,                               /* value columns per block (item), forms 1-3 */
+    DEC_COLS = 64,                               /* value columns per block */
     DEC_GROUPS = DEC_COLS / 4,                   /* float4 column groups = 16 lanes */
     DEC_WARPS = DEC_THREADS / 32,
     DEC_PASS = DEC_THREADS / DEC_GROUPS,         /* rows covered per pass: 16 */
     DEC_ROWS = KDA_MAX_DK / DEC_PASS,            /* rows per thread: 8 */
-    DEC_COLS_FINE = 32,                          /* form 4 */
-    DEC_THREADS_FINE = 128,
 };
-/* 80 registers with 3 blocks a SM, no spills (a dk = 128 specialisation spilled at that cap; 4
- * blocks a SM spill 112 bytes and stream at 66% of the copy bandwidth instead of 85%). Form 4:
- * the same registers a thread at 6 blocks of 128. */
-enum { DEC_BLOCKS_PER_SM = 3 };
 
-/* Form 1 (the default). Forms 2-4 share its math through dec_finish below; this one is kept as
- * written, not instantiated from there, so its code stays what was measured. */
+/* 80 registers with 3 blocks a SM, no spills (a dk = 128 specialisation spilled at that cap; 4
+ * blocks a SM spill 112 bytes and stream at 66% of the copy bandwidth instead of 85%) */
+enum { DEC_BLOCKS_PER_SM = 3 };
 static __global__ void __launch_bounds__(DEC_THREADS, DEC_BLOCKS_PER_SM) kda_decode_kernel(delta_params p) {
     const int dk = p.dk, nblk = (dk + DEC_COLS - 1) / DEC_COLS;
     const int h = blockIdx.x / nblk, j0 = (blockIdx.x - h * nblk) * DEC_COLS;
@@ -380,368 +352,14 @@ static __global__ void __launch_bounds__(DEC_THREADS, DEC_BLOCKS_PER_SM) kda_dec
             make_float4(wq.x + qk * d.x, wq.y + qk * d.y, wq.z + qk * d.z, wq.w + qk * d.w);
 }
 
-/* prefetch.global.L2 of the rows of a (head, COLS columns) state slice: Sh = the head's state
- * [dk, dk], j0 the item's first column. */
-template <int COLS, int THREADS>
-static __device__ __forceinline__ void dec_prefetch_slice(const float *Sh, int dk, int j0, int tid) {
-    using G = dec_geom<COLS, THREADS>;
-    for (int e = tid; e < dk * G::LINES; e += THREADS)
-        if (j0 + (e & (G::LINES - 1)) * 32 < dk)
-            asm volatile("prefetch.global.L2 [%0];" ::"l"((const char *)Sh + ((size_t)(e >> G::LINE_SHIFT) * dk + j0) * 4 +
-                                                          (e & (G::LINES - 1)) * 128));
-}
-
-/* The step on a thread's rows once they are loaded: s = its rows of the slice (zeros past dk or
- * for columns past dk), v4 its columns of v, b = beta. Decay, partial sums, the block reduction
- * (one barrier; after_barrier() runs right after it), delta, the rank-1 update and streaming
- * stores of the new rows through S (the thread's column group at row 0, ld4 float4 a row) and of
- * o (at the thread's columns). qs, ks: q, k of the head, zeros past dk; es = exp(g), or g itself
- * when G_RAW (zeros past dk either way: exp(0) only multiplies rows that are zero). */
-template <int COLS, int THREADS, bool G_RAW, typename F>
-static __device__ __forceinline__ void dec_finish(float4 (&s)[dec_geom<COLS, THREADS>::ROWS], float4 *S, int ld4,
-                                                  float *o, float4 v4, float b, const float *qs, const float *ks,
-                                                  const float *es, float4 (*red_u)[COLS / 4],
-                                                  float4 (*red_w)[COLS / 4], float *red_qk, int dk, bool jok,
-                                                  F after_barrier) {
-    using G = dec_geom<COLS, THREADS>;
-    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
-    const int c4 = lane & (G::GROUPS - 1), sub = lane / G::GROUPS;
-    const int rbase = G::SUBS * w + sub;
-    float4 u = make_float4(0.f, 0.f, 0.f, 0.f), wq = u;
-    float qk = 0.f;
-#pragma unroll
-    for (int r = 0; r < G::ROWS; r++) {
-        const int i = rbase + G::PASS * r;
-        const float e = G_RAW ? expf(es[i]) : es[i], kk = ks[i], qq = qs[i];
-        s[r].x *= e; s[r].y *= e; s[r].z *= e; s[r].w *= e;
-        u.x += kk * s[r].x; u.y += kk * s[r].y; u.z += kk * s[r].z; u.w += kk * s[r].w;
-        wq.x += qq * s[r].x; wq.y += qq * s[r].y; wq.z += qq * s[r].z; wq.w += qq * s[r].w;
-        qk += qq * kk;
-    }
-    /* the row groups of a warp: lanes l, l ^ GROUPS, ... (same sums either way round) */
-#pragma unroll
-    for (int m = 16; m >= G::GROUPS; m >>= 1) {
-        u.x += __shfl_xor_sync(0xffffffffu, u.x, m);
-        u.y += __shfl_xor_sync(0xffffffffu, u.y, m);
-        u.z += __shfl_xor_sync(0xffffffffu, u.z, m);
-        u.w += __shfl_xor_sync(0xffffffffu, u.w, m);
-        wq.x += __shfl_xor_sync(0xffffffffu, wq.x, m);
-        wq.y += __shfl_xor_sync(0xffffffffu, wq.y, m);
-        wq.z += __shfl_xor_sync(0xffffffffu, wq.z, m);
-        wq.w += __shfl_xor_sync(0xffffffffu, wq.w, m);
-        qk += __shfl_xor_sync(0xffffffffu, qk, m);
-    }
-    if (sub == 0) {
-        red_u[w][c4] = u;
-        red_w[w][c4] = wq;
-    }
-    if (lane == 0) red_qk[w] = qk;
-    __syncthreads();
-    after_barrier();
-    u = red_u[0][c4];
-    wq = red_w[0][c4];
-    qk = red_qk[0];
-#pragma unroll
-    for (int ww = 1; ww < G::WARPS; ww++) { /* same order in every thread: deterministic */
-        const float4 a = red_u[ww][c4], c = red_w[ww][c4];
-        u.x += a.x; u.y += a.y; u.z += a.z; u.w += a.w;
-        wq.x += c.x; wq.y += c.y; wq.z += c.z; wq.w += c.w;
-        qk += red_qk[ww];
-    }
-    const float4 d = make_float4(b * (v4.x - u.x), b * (v4.y - u.y), b * (v4.z - u.z),
-                                 b * (v4.w - u.w));
-    if (!jok) return; /* no barrier follows */
-#pragma unroll
-    for (int r = 0; r < G::ROWS; r++) {
-        const int i = rbase + G::PASS * r;
-        if (i < dk) {
-            const float kk = ks[i];
-            s[r].x += kk * d.x; s[r].y += kk * d.y; s[r].z += kk * d.z; s[r].w += kk * d.w;
-            __stcs(S + (size_t)i * ld4, s[r]);
-        }
-    }
-    if (w == 0 && sub == 0)
-        *reinterpret_cast<float4 *>(o) = make_float4(wq.x + qk * d.x, wq.y + qk * d.y, wq.z + qk * d.z, wq.w + qk * d.w);
-}
-
-/* Form 4: form 1 with COLS value columns an item, written over dec_finish. */
-template <int COLS, int THREADS, int MIN_BLOCKS>
-static __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_cols_kernel(delta_params p) {
-    using G = dec_geom<COLS, THREADS>;
-    const int dk = p.dk, nblk = (dk + COLS - 1) / COLS;
-    const int h = blockIdx.x / nblk, j0 = (blockIdx.x - h * nblk) * COLS;
-    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
-    const int c4 = lane & (G::GROUPS - 1), sub = lane / G::GROUPS;
-    const int j = j0 + 4 * c4, rbase = G::SUBS * w + sub;
-    const bool jok = j < dk; /* dk % 4 == 0: the whole group is in range */
-    const int ld4 = dk >> 2;
-    __shared__ float qs[KDA_MAX_DK], ks[KDA_MAX_DK], es[KDA_MAX_DK];
-    __shared__ float4 red_u[G::WARPS][G::GROUPS], red_w[G::WARPS][G::GROUPS];
-    __shared__ float red_qk[G::WARPS];
-
-    const int row = blockIdx.y; /* rows form: input row `row` on states[row]; else 0 */
-    float *Sh = (p.states ? p.states[row] : p.state) + (size_t)h * dk * dk;
-    float4 *S = reinterpret_cast<float4 *>(Sh) + (j >> 2);
-    /* The state slice into L2 while the kernel before runs: no kernel of this step writes it
-     * before us (the pointer tables are uploaded before the step). Launched for PDL
-     * (cu_launch_pdl_k); prefetches, as the loads would be scheduled after the wait. */
-    dec_prefetch_slice<COLS, THREADS>(Sh, dk, j0, tid);
-    cu_pdl_wait();
-    cu_pdl_trigger();
-    float4 s[G::ROWS];
-#pragma unroll
-    for (int r = 0; r < G::ROWS; r++) {
-        const int i = rbase + G::PASS * r; /* < KDA_MAX_DK */
-        s[r] = (i < dk && jok) ? __ldcs(S + (size_t)i * ld4) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    const size_t off = ((size_t)row * p.nh + h) * dk;
-    const float4 v4 = jok ? *reinterpret_cast<const float4 *>(p.v + off + j)
-                          : make_float4(0.f, 0.f, 0.f, 0.f);
-    const float b = p.beta[(size_t)row * p.nh + h];
-    for (int t = tid; t < KDA_MAX_DK; t += THREADS) { /* rows past dk read zeros */
-        const bool ok = t < dk;
-        qs[t] = ok ? p.q[off + t] : 0.f;
-        ks[t] = ok ? p.k[off + t] : 0.f;
-        es[t] = ok ? expf(p.g[off + t]) : 0.f;
-    }
-    __syncthreads();
-    dec_finish<COLS, THREADS, false>(s, S, ld4, p.o + off + j, v4, b, qs, ks, es, red_u, red_w, red_qk, dk, jok,
-                                     [] {});
-}
-
-/* Form 2: form 1 made persistent. Items (head, 64 columns) i = blockIdx.x + it * gridDim.x, all
- * of the single state (not the rows form). The step inputs and reduction buffers alternate by
- * item parity, so one item's writes never wait for the previous item's readers: the item's
- * barriers are those of form 1. */
-static __global__ void __launch_bounds__(DEC_THREADS, DEC_BLOCKS_PER_SM) kda_decode_persist_kernel(delta_params p) {
-    using G = dec_geom<DEC_COLS, DEC_THREADS>;
-    const int dk = p.dk, nblk = (dk + DEC_COLS - 1) / DEC_COLS, ld4 = dk >> 2, nitems = p.nh * nblk;
-    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
-    const int c4 = lane & (G::GROUPS - 1), sub = lane / G::GROUPS;
-    const int rbase = G::SUBS * w + sub;
-    __shared__ float qs[2][KDA_MAX_DK], ks[2][KDA_MAX_DK], es[2][KDA_MAX_DK];
-    __shared__ float4 red_u[2][G::WARPS][G::GROUPS], red_w[2][G::WARPS][G::GROUPS];
-    __shared__ float red_qk[2][G::WARPS];
-
-    {
-        const int h = blockIdx.x / nblk;
-        dec_prefetch_slice<DEC_COLS, DEC_THREADS>(p.state + (size_t)h * dk * dk, dk, (blockIdx.x - h * nblk) * DEC_COLS,
-                                                  tid);
-    }
-    cu_pdl_wait();
-    cu_pdl_trigger();
-    for (int item = blockIdx.x, it = 0; item < nitems; item += gridDim.x, it++) {
-        const int buf = it & 1;
-        const int h = item / nblk, j0 = (item - h * nblk) * DEC_COLS, j = j0 + 4 * c4;
-        const bool jok = j < dk;
-        float4 *S = reinterpret_cast<float4 *>(p.state + (size_t)h * dk * dk) + (j >> 2);
-        const size_t off = (size_t)h * dk;
-        float4 s[G::ROWS];
-#pragma unroll
-        for (int r = 0; r < G::ROWS; r++) {
-            const int i = rbase + G::PASS * r;
-            s[r] = (i < dk && jok) ? __ldcs(S + (size_t)i * ld4) : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-        const float4 v4 = jok ? *reinterpret_cast<const float4 *>(p.v + off + j) : make_float4(0.f, 0.f, 0.f, 0.f);
-        const float b = p.beta[h];
-        float qv = 0.f, kv = 0.f, gv = 0.f;
-        if (tid < dk) {
-            qv = p.q[off + tid];
-            kv = p.k[off + tid];
-            gv = p.g[off + tid];
-        }
-        /* the next item: its slice, then its q, k, g rows (512 bytes each), v columns, beta */
-        const int next = item + gridDim.x;
-        if (next < nitems) {
-            const int hn = next / nblk, jn = (next - hn * nblk) * DEC_COLS;
-            dec_prefetch_slice<DEC_COLS, DEC_THREADS>(p.state + (size_t)hn * dk * dk, dk, jn, tid);
-            const size_t offn = (size_t)hn * dk;
-            const int lines = (dk + 31) >> 5; /* 128-byte lines of a q/k/g row */
-            if (tid < 3 * lines) {
-                const float *base = tid < lines ? p.q : tid < 2 * lines ? p.k : p.g;
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(base + offn + 32 * (tid % lines)));
-            } else if (tid < 3 * lines + 2) {
-                if (jn + 32 * (tid - 3 * lines) < dk)
-                    asm volatile("prefetch.global.L2 [%0];" ::"l"(p.v + offn + jn + 32 * (tid - 3 * lines)));
-            } else if (tid == 3 * lines + 2) {
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(p.beta + hn));
-            }
-        }
-        if (tid < KDA_MAX_DK) { /* rows past dk read zeros */
-            qs[buf][tid] = qv;
-            ks[buf][tid] = kv;
-            es[buf][tid] = tid < dk ? expf(gv) : 0.f;
-        }
-        __syncthreads();
-        dec_finish<DEC_COLS, DEC_THREADS, false>(s, S, ld4, p.o + off + j, v4, b, qs[buf], ks[buf], es[buf],
-                                                 red_u[buf], red_w[buf], red_qk[buf], dk, jok, [] {});
-    }
-}
-
-/* Form 3: persistent, the TMA feeding shared memory. A stage holds one item: its state slice
- * (dk rows of up to 64 columns, row stride 64 floats), then q, k, g of the head and the item's v
- * columns, all arriving on the stage's mbarrier (transaction bytes). Warp 0 issues an item's copies
- * (one bulk copy a row); the stage of item it - 1 is refilled with item it - 1 + TMA_STAGES right
- * after item it's reduction barrier, when every thread is done with it. The new state leaves by
- * streaming stores from registers, as in form 1. */
-enum {
-    TMA_STAGES = 3,
-    TMA_SLICE = KDA_MAX_DK * DEC_COLS,                  /* floats of the state part of a stage */
-    TMA_STAGE = TMA_SLICE + 3 * KDA_MAX_DK + DEC_COLS,  /* floats: + q, k, g, v */
-};
-
-static __device__ __forceinline__ uint32_t smem_addr(const void *p) {
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-static __device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity) {
-    uint32_t done;
-    do {
-        asm volatile("{\n\t.reg .pred p;\n\t"
-                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-                     "selp.u32 %0, 1, 0, p;\n\t}"
-                     : "=r"(done)
-                     : "r"(smem_addr(bar)), "r"(parity)
-                     : "memory");
-    } while (!done);
-}
-
-static __device__ __forceinline__ void bulk_g2s(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     smem_addr(dst)),
-                 "l"(src), "r"(bytes), "r"(smem_addr(bar))
-                 : "memory");
-}
-
-/* Warp 0: the copies of item `item` into `stage` (byte counts are multiples of 16: dk % 4 == 0). */
-static __device__ __forceinline__ void bulk_issue(const delta_params &p, float *stage, uint64_t *bar, int item,
-                                                  int nblk) {
-    const int lane = threadIdx.x & 31, dk = p.dk;
-    const int h = item / nblk, j0 = (item - h * nblk) * DEC_COLS;
-    const int cols = dk - j0 < DEC_COLS ? dk - j0 : DEC_COLS;
-    if (lane == 0) {
-        const uint32_t bytes = (uint32_t)(dk * cols + 3 * dk + cols) * 4;
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
-                     : "memory");
-    }
-    __syncwarp();
-    const float *Sg = p.state + (size_t)h * dk * dk + j0;
-    for (int r = lane; r < dk; r += 32) bulk_g2s(stage + r * DEC_COLS, Sg + (size_t)r * dk, cols * 4, bar);
-    const size_t off = (size_t)h * dk;
-    if (lane < 3) bulk_g2s(stage + TMA_SLICE + lane * KDA_MAX_DK, (lane == 0 ? p.q : lane == 1 ? p.k : p.g) + off,
-                           dk * 4, bar);
-    else if (lane == 3) bulk_g2s(stage + TMA_SLICE + 3 * KDA_MAX_DK, p.v + off + j0, cols * 4, bar);
-}
-
-static __global__ void __launch_bounds__(DEC_THREADS) kda_decode_bulk_kernel(delta_params p) {
-    using G = dec_geom<DEC_COLS, DEC_THREADS>;
-    extern __shared__ __align__(128) float stages[]; /* [TMA_STAGES][TMA_STAGE] */
-    __shared__ __align__(8) uint64_t full[TMA_STAGES];
-    __shared__ float4 red_u[2][G::WARPS][G::GROUPS], red_w[2][G::WARPS][G::GROUPS];
-    __shared__ float red_qk[2][G::WARPS];
-    const int dk = p.dk, nblk = (dk + DEC_COLS - 1) / DEC_COLS, ld4 = dk >> 2, nitems = p.nh * nblk;
-    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
-    const int c4 = lane & (G::GROUPS - 1), sub = lane / G::GROUPS;
-    const int rbase = G::SUBS * w + sub;
-    const int my_items = (nitems - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x; /* grid <= nitems */
-
-    /* q, k, g past dk are never copied: zeros once, for the partial sums over all 128 rows */
-    for (int e = tid; e < TMA_STAGES * 3 * KDA_MAX_DK; e += DEC_THREADS) {
-        const int st = e / (3 * KDA_MAX_DK), x = e - st * 3 * KDA_MAX_DK;
-        if (x % KDA_MAX_DK >= dk) stages[st * TMA_STAGE + TMA_SLICE + x] = 0.f;
-    }
-    if (tid == 0) {
-        for (int st = 0; st < TMA_STAGES; st++)
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&full[st])) : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    {
-        const int h = blockIdx.x / nblk;
-        dec_prefetch_slice<DEC_COLS, DEC_THREADS>(p.state + (size_t)h * dk * dk, dk, (blockIdx.x - h * nblk) * DEC_COLS,
-                                                  tid);
-    }
-    __syncthreads();
-    cu_pdl_wait();
-    cu_pdl_trigger();
-    if (w == 0)
-        for (int st = 0; st < TMA_STAGES && st < my_items; st++)
-            bulk_issue(p, stages + st * TMA_STAGE, &full[st], blockIdx.x + st * gridDim.x, nblk);
-    float b = p.beta[blockIdx.x / nblk];
-    for (int it = 0; it < my_items; it++) {
-        const int item = blockIdx.x + it * gridDim.x;
-        const int h = item / nblk, j0 = (item - h * nblk) * DEC_COLS, j = j0 + 4 * c4;
-        const bool jok = j < dk;
-        const int nx = item + gridDim.x;
-        const float bn = it + 1 < my_items ? p.beta[nx / nblk] : 0.f; /* used by the next item */
-        const int st = it % TMA_STAGES;
-        const float *stage = stages + st * TMA_STAGE;
-        mbar_wait(&full[st], (uint32_t)(it / TMA_STAGES) & 1);
-        float4 s[G::ROWS];
-#pragma unroll
-        for (int r = 0; r < G::ROWS; r++) {
-            const int i = rbase + G::PASS * r;
-            s[r] = (i < dk && jok) ? *reinterpret_cast<const float4 *>(stage + i * DEC_COLS + 4 * c4)
-                                   : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-        const float4 v4 = jok ? *reinterpret_cast<const float4 *>(stage + TMA_SLICE + 3 * KDA_MAX_DK + 4 * c4)
-                              : make_float4(0.f, 0.f, 0.f, 0.f);
-        float4 *S = reinterpret_cast<float4 *>(p.state + (size_t)h * dk * dk) + (j >> 2);
-        const int buf = it & 1;
-        dec_finish<DEC_COLS, DEC_THREADS, true>(
-            s, S, ld4, p.o + (size_t)h * dk + j, v4, b, stage + TMA_SLICE, stage + TMA_SLICE + KDA_MAX_DK,
-            stage + TMA_SLICE + 2 * KDA_MAX_DK, red_u[buf], red_w[buf], red_qk[buf], dk, jok, [&] {
-                /* every thread is past item it - 1: its stage takes item it - 1 + TMA_STAGES */
-                const int ref = it - 1 + TMA_STAGES;
-                if (w == 0 && it >= 1 && ref < my_items) {
-                    const int sr = (it - 1) % TMA_STAGES;
-                    bulk_issue(p, stages + sr * TMA_STAGE, &full[sr], blockIdx.x + ref * gridDim.x, nblk);
-                }
-            });
-        b = bn;
-    }
-}
-
-/* Which decode form runs for single-state n == 1 steps: MT_CUDA_KDA_DECODE (read once) = 0 forces
- * kda_recurrent_kernel for n == 1 too (rows form included), 1 (default) .. 4 the forms above;
- * anything else is 1. cu_kda_decode_variant_set overrides it (bench/kda_bench.c). */
-static int g_dec_variant = -1;
-
-extern "C" int cu_kda_decode_variant(void) {
-    if (g_dec_variant < 0) {
+/* MT_CUDA_KDA_DECODE=0 forces kda_recurrent_kernel for n == 1 too (read once). */
+static bool kda_decode_enabled(void) {
+    static int mode = -1;
+    if (mode < 0) {
         const char *env = getenv("MT_CUDA_KDA_DECODE");
-        const int v = env && *env ? atoi(env) : 1;
-        g_dec_variant = v >= 0 && v <= 4 ? v : 1;
+        mode = !(env && !strcmp(env, "0"));
     }
-    return g_dec_variant;
-}
-
-extern "C" void cu_kda_decode_variant_set(int v) { g_dec_variant = v >= 0 && v <= 4 ? v : 1; }
-
-/* Blocks of a persistent decode form resident on the current device (0 if unknown): occupancy
- * times SMs, queried once per form and device (the bulk form's shared memory limit raised then). */
-enum { DEC_MAX_DEVICES = 16 };
-static int dec_resident(int form) {
-    static int cache[2][DEC_MAX_DEVICES];
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return 0;
-    int *c = dev < DEC_MAX_DEVICES ? &cache[form == 3][dev] : NULL;
-    if (c && *c) return *c;
-    int sms = 0, occ = 0;
-    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return 0;
-    cudaError_t e;
-    if (form == 3) {
-        const int smem = TMA_STAGES * TMA_STAGE * (int)sizeof(float);
-        e = cudaFuncSetAttribute(kda_decode_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-        if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kda_decode_bulk_kernel, DEC_THREADS, smem);
-    } else {
-        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kda_decode_persist_kernel, DEC_THREADS, 0);
-    }
-    if (e != cudaSuccess) {
-        (void)cudaGetLastError();
-        return 0;
-    }
-    if (c) *c = occ * sms;
-    return occ * sms;
+    return mode != 0;
 }
 
 /* Single sequence: n steps on state. Rows form (p->states): n rows, one step each on its own state,
@@ -751,30 +369,11 @@ static void kda_recurrent_launch(mt_backend *be, const delta_params *p) {
     const bool rows = p->states != NULL;
     const bool aligned =
         (((uintptr_t)(rows ? NULL : p->state) | (uintptr_t)p->v | (uintptr_t)p->o) & 15) == 0;
-    const int form = cu_kda_decode_variant();
-    if ((p->n == 1 || rows) && p->dk % 4 == 0 && aligned && form != 0) {
+    if ((p->n == 1 || rows) && p->dk % 4 == 0 && aligned && kda_decode_enabled()) {
         const int64_t blocks = (int64_t)p->nh * ((p->dk + DEC_COLS - 1) / DEC_COLS);
         MT_ASSERT(blocks <= 0x7fffffff && (!rows || p->n <= 65535));
-        const char *what = rows ? "kda_recurrent_rows (decode)" : "kda_recurrent (decode)";
-        const bool bulk_ok = ((uintptr_t)p->q | (uintptr_t)p->k | (uintptr_t)p->g) % 16 == 0;
-        const int resident = rows || form == 1 || form == 4 ? 0 : dec_resident(form);
-        if (!rows && form == 4) {
-            const int64_t fine = (int64_t)p->nh * ((p->dk + DEC_COLS_FINE - 1) / DEC_COLS_FINE);
-            MT_ASSERT(fine <= 0x7fffffff);
-            cu_launch_pdl_k(kda_decode_cols_kernel<DEC_COLS_FINE, DEC_THREADS_FINE, 2 * DEC_BLOCKS_PER_SM>,
-                            dim3((unsigned)fine), dim3(DEC_THREADS_FINE), 0, cu_stream(be), *p);
-        } else if (resident > 0 && form == 2) {
-            const int grid = blocks < resident ? (int)blocks : resident;
-            cu_launch_pdl_k(kda_decode_persist_kernel, dim3(grid), dim3(DEC_THREADS), 0, cu_stream(be), *p);
-        } else if (resident > 0 && form == 3 && bulk_ok) {
-            const int grid = blocks < resident ? (int)blocks : resident;
-            cu_launch_pdl_k(kda_decode_bulk_kernel, dim3(grid), dim3(DEC_THREADS),
-                            (size_t)TMA_STAGES * TMA_STAGE * sizeof(float), cu_stream(be), *p);
-        } else {
-            cu_launch_pdl_k(kda_decode_kernel,
-                            dim3(dim3((unsigned)blocks, rows ? p->n : 1)), dim3(DEC_THREADS), 0, cu_stream(be), *p);
-        }
-        cu_check_launch(be, what);
+        cu_launch_pdl_k(kda_decode_kernel, dim3(dim3((unsigned)blocks, rows ? p->n : 1)), dim3(DEC_THREADS), 0, cu_stream(be), *p);
+        cu_check_launch(be, rows ? "kda_recurrent_rows (decode)" : "kda_recurrent (decode)");
         return;
     }
     const dim3 grid(p->nh, (p->dk + REC_COLS - 1) / REC_COLS, rows ? p->n : 1);

@@ -188,13 +188,6 @@ void cu_kda_gate(mt_backend *be, float *g, const float *f, const float *dt_bias,
                  const mt_kda_gate_params *p, int n);
 void cu_kda_recurrent(mt_backend *be, float *o, const float *q, const float *k, const float *v,
                       const float *g, const float *beta, float *state, int n, int nh, int dk);
-/* The form of the n == 1 single-state recurrent step (cuda_kda.cu, where the forms are described):
- * 0 the general recurrent kernel, 1 the decode kernel (default), 2 persistent with L2 prefetch,
- * 3 persistent fed by TMA bulk copies, 4 32-column blocks. Starts as MT_CUDA_KDA_DECODE (default 1);
- * _set changes it for later calls (bench/kda_bench.c --dec-variants, tests). Values outside 0..4
- * mean 1. */
-int cu_kda_decode_variant(void);
-void cu_kda_decode_variant_set(int v);
 void cu_kda_chunked(mt_backend *be, float *o, const float *q, const float *k, const float *v,
                     const float *g, const float *beta, float *state, int n, int nh, int dk);
 void cu_gated_rmsnorm(mt_backend *be, float *out, const float *o, const float *gate, const float *w,
