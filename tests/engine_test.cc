@@ -367,8 +367,12 @@ TEST(Engine, RunAheadGivesTheTokensOfStepByStep) {
         EXPECT_EQ(E.Submit(3, p3, Req(25)), MT_OK);
         EXPECT_EQ(E.Submit(6, p4, Req(30), E.now + 1000), MT_OK);  // deadline at step 14
         for (int step = 0; step < 200 && eng_has_work(E.e); step++) {
-            if (step == 5) EXPECT_EQ(E.Submit(4, p4, Req(12)), MT_OK);
-            if (step == 10) EXPECT_EQ(eng_abort(E.e, 3, ENG_FINISH_CANCELLED, nullptr), MT_OK);
+            if (step == 5) {
+                EXPECT_EQ(E.Submit(4, p4, Req(12)), MT_OK);
+            }
+            if (step == 10) {
+                EXPECT_EQ(eng_abort(E.e, 3, ENG_FINISH_CANCELLED, nullptr), MT_OK);
+            }
             if (step == 14) E.now += 1000;
             E.Step();
         }
