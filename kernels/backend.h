@@ -48,10 +48,6 @@ typedef struct mt_weight {
     int64_t rows, cols;
     bool owned;           /* the backend allocated data (weight_free releases it) */
     uint8_t cls;          /* mt_wcls */
-    /* weight_lowp's 8-bit copy for the low part of two-part products and its scale per row, in
-     * backend memory (weight_free releases them); NULL: none */
-    const void *lo8;
-    const float *lo8_scale;
 } mt_weight;
 
 /* One routed or shared expert: SwiGLU MLP with gate/up [I, H] and down [H, I]. */
@@ -178,10 +174,6 @@ typedef struct mt_backend_ops {
     mt_status (*weight_random)(mt_backend *be, mt_dtype dt, int64_t rows, int64_t cols, uint64_t key,
                                float mean, float std, mt_weight *out);
     void (*weight_free)(mt_backend *be, mt_weight *w);
-    /* Optional (NULL: not offered): adds to w what makes its many-row products cheaper at the same
-     * accuracy (the CUDA backend: an e4m3 copy for the low part of the two-part prefill GEMMs,
-     * cuda_fp8.cu), now, so that the memory plan sees it. MT_OK also when it adds nothing. */
-    mt_status (*weight_lowp)(mt_backend *be, mt_weight *w);
     void (*sync)(mt_backend *be);
     /* Memory the backend can still allocate, and its total (bytes). For the start-up memory plan. */
     mt_status (*mem_info)(mt_backend *be, size_t *free_bytes, size_t *total_bytes);

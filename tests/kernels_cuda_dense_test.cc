@@ -529,45 +529,6 @@ TEST_F(CudaOps, MatmulTermsKnob) {
     mt_backend_free(bad);
 }
 
-// weight_lowp: bf16 weights whose rows and columns are multiples of 16 get an e4m3 copy, and their
-// many-row products take x's low part in fp8 (cuda_fp8.cu) within the two-part path's tolerance
-// against the CPU; other weights (odd shapes, fp16, fp32) get nothing and keep their paths; with
-// MT_CUDA_FP8LO=0 nothing is added.
-TEST_F(CudaOps, MatmulLowPartInFp8) {
-    ASSERT_NE(gpu_->ops->weight_lowp, nullptr);
-    Worst worst{"matmul tc, e4m3 low part"};
-    struct S { int rows, cols; };
-    for (const S &s : {S{4096, 4096}, S{2048, 4096}, S{4096, 2048}, S{288, 4096}, S{16384, 1536}, S{512, 16}}) {
-        auto w = MakeWeight(MT_BF16, s.rows, s.cols, 2.f / std::sqrt((float)s.cols));
-        ASSERT_EQ(gpu_->ops->weight_lowp(gpu_, &w->gpu), MT_OK);
-        ASSERT_NE(w->gpu.lo8, nullptr);
-        ASSERT_NE(w->gpu.lo8_scale, nullptr);
-        for (int n : {9, 33, 130}) {
-            const std::string where = Shape({{"n", n}, {"rows", s.rows}, {"cols", s.cols}});
-            const double e = MatmulErr(cpu_, gpu_, w->cpu, w->gpu, n);
-            worst.See(e, where);
-            EXPECT_LE(e, 1e-4) << where;
-        }
-        // a few rows stay on the GEMV (the bf16 weight), untouched by the copy
-        const double e1 = MatmulErr(cpu_, gpu_, w->cpu, w->gpu, 3);
-        EXPECT_LE(e1, 1e-5) << Shape({{"n", 3}, {"rows", s.rows}, {"cols", s.cols}});
-    }
-    for (mt_dtype dt : {MT_BF16, MT_F16, MT_F32}) {
-        auto w = MakeWeight(dt, dt == MT_BF16 ? 3000 : 1024, dt == MT_BF16 ? 1537 : 1024, 0.03f);
-        ASSERT_EQ(gpu_->ops->weight_lowp(gpu_, &w->gpu), MT_OK);
-        EXPECT_EQ(w->gpu.lo8, nullptr) << DtName(dt);
-    }
-    setenv("MT_CUDA_FP8LO", "0", 1);
-    mt_error err{};
-    mt_backend *off = mt_cuda_backend_new(0, &err);
-    unsetenv("MT_CUDA_FP8LO");
-    ASSERT_NE(off, nullptr) << err.msg;
-    auto w = MakeWeight(MT_BF16, 1024, 1024, 0.03f);
-    ASSERT_EQ(off->ops->weight_lowp(off, &w->gpu), MT_OK);
-    EXPECT_EQ(w->gpu.lo8, nullptr);
-    mt_backend_free(off);
-}
-
 // Timings of the backend's path (tensor cores, x in two parts, for n > 8) and, for n > 8, of the
 // one-part tensor-core path (MT_CUDA_TC_TERMS=1) and the fp32 tiled kernel (=0).
 // Outputs narrower than 512 rows (fp32 by default) also on the tensor cores in two parts

@@ -143,7 +143,6 @@ static void cu_destroy(mt_backend *be) {
     for (int i = 0; i < CU_SCRATCH_N; i++)
         if (cb->scratch[i].p) MT_CUDA_WARN(cudaFree(cb->scratch[i].p));
     cu_moe_cache_free(cb);
-    cu_fp8_free(cb);
     cu_moe_grouped_free(cb);
     if (cb->blas) MT_CUBLAS_WARN(cublasDestroy(cb->blas));
     if (cb->blas_ws) MT_CUDA_WARN(cudaFree(cb->blas_ws));
@@ -297,8 +296,6 @@ fail:
 static void cu_weight_free(mt_backend *be, mt_weight *w) {
     if (!w) return;
     if (w->data) CU_RECORD(be, cudaFree((void *)w->data));
-    if (w->lo8) CU_RECORD(be, cudaFree((void *)w->lo8));
-    if (w->lo8_scale) CU_RECORD(be, cudaFree((void *)w->lo8_scale));
     memset(w, 0, sizeof *w);
 }
 
@@ -325,7 +322,6 @@ static const mt_backend_ops cu_ops = {
     .weight = cu_weight,
     .weight_random = cu_weight_random,
     .weight_free = cu_weight_free,
-    .weight_lowp = cu_weight_lowp,
     .sync = cu_sync,
     .mem_info = cu_mem_info,
     .graph_begin = cu_graph_begin,
@@ -416,7 +412,6 @@ extern "C" mt_backend *mt_cuda_backend_new(int device, mt_error *err) {
     cb->moe_batched = !(getenv("MT_CUDA_MOE_BATCHED") && !strcmp(getenv("MT_CUDA_MOE_BATCHED"), "0"));
     cb->narrow = !(getenv("MT_CUDA_NARROW") && !strcmp(getenv("MT_CUDA_NARROW"), "0"));
     cb->moe_grouped = !(getenv("MT_CUDA_MOE_GROUPED") && !strcmp(getenv("MT_CUDA_MOE_GROUPED"), "0"));
-    cb->fp8lo = !(getenv("MT_CUDA_FP8LO") && !strcmp(getenv("MT_CUDA_FP8LO"), "0"));
     /* Every matmul of more than GEMV_MAX_N rows goes to the tensor cores (two-part split, ~3e-6
      * relative): the fp32 narrow/tiled kernels took 40% of a batch-64 decode step (batch_bench:
      * 66% of the floor with tensor cores, 40% without). MT_CUDA_TC_MIN_ROWS=512 keeps outputs

@@ -1041,11 +1041,9 @@ static bool matmul_use_tc(const cu_backend *cb, const mt_weight *w, int n) {
 }
 
 /* y = x . w^T with x split into tc_terms 16-bit parts [hi; lo] (CU_SCRATCH_GEMM): y = w.hi, then
- * y += w.lo; or, for a weight with an e4m3 copy (weight_lowp), the low product in fp8
- * (cuda_fp8.cu). */
+ * y += w.lo. */
 static mt_status matmul_tc(cu_backend *cb, float *y, const float *x, const mt_weight *w, int n) {
     const int N = (int)w->rows, K = (int)w->cols, T = cb->tc_terms;
-    if (T == 2 && w->lo8 && cb->fp8lo && cu_aligned16(x)) return cu_matmul_lowp(cb, y, x, w, n); /* lo in e4m3 */
     const size_t part = sizeof(uint16_t) * (size_t)n * (size_t)K;
     char *x16 = (char *)cu_scratch(&cb->base, CU_SCRATCH_GEMM, part * (size_t)T);
     if (!x16) return MT_ERR_NOMEM; /* logged */

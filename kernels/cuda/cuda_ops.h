@@ -82,10 +82,6 @@ typedef struct cu_backend {
     unsigned char *tk_ring;
     cudaEvent_t tk_done[MT_TICKETS];
     int64_t tk_next;
-    /* The fp8 low part of two-part prefill GEMMs (cuda_fp8.cu): fp8lo = MT_CUDA_FP8LO at creation
-     * (default 1; 0 keeps two bf16 parts); fp8 = the cuBLASLt state, made at first use. */
-    bool fp8lo;
-    struct cu_fp8 *fp8;
 } cu_backend;
 
 static inline cudaStream_t cu_stream(mt_backend *be) { return ((cu_backend *)be)->stream; }
@@ -171,13 +167,6 @@ void cu_layernorm(mt_backend *be, float *out, const float *x, const float *w, co
 void cu_swiglu(mt_backend *be, float *out, const float *gate, const float *up, int n, int I, float L);
 void cu_sigmoid(mt_backend *be, float *x, int64_t count);
 void cu_l2norm(mt_backend *be, float *x, int64_t n, int d, float eps, float scale);
-/* cuda_fp8.cu: weight_lowp (an e4m3 copy of a bf16 weight with a scale per row, for weights whose
- * shape cu_fp8_shape_ok takes, when fp8lo and two-part products are on); the many-row product
- * through it (y = w . x^T, x split into a bf16 high and an e4m3 low part); the state's release. */
-mt_status cu_weight_lowp(mt_backend *be, mt_weight *w);
-bool cu_fp8_shape_ok(const mt_weight *w);
-mt_status cu_matmul_lowp(cu_backend *cb, float *y, const float *x, const mt_weight *w, int n);
-void cu_fp8_free(cu_backend *cb);
 void cu_argmax(mt_backend *be, int32_t *out, const float *logits, int n, int V);
 void cu_argmax_dev(mt_backend *be, int32_t *out, int rep, const float *logits, int n, int V);
 void cu_hc_head_norm(mt_backend *be, float *z, const float *X, const float *w, int n, int S, int H, float eps);

@@ -109,13 +109,6 @@ static mt_status bind_w(binder *b, mt_weight *w, const char *fmt, ...) {
         if (st != MT_OK) return mt_errorf(b->err, st, "%s: cannot place tensor %s on the backend", t->file, t->name);
     }
     if (st == MT_OK) w->cls = wcls_of(b->name);
-    /* the dense projections' cheaper many-row products (an e4m3 copy for the prefill GEMMs' low
-     * part on CUDA); not the experts' (their grouped GEMMs take two bf16 parts), the embedding's
-     * or the head's (one row a prefill) */
-    mt_backend *be = b->m->be;
-    if (st == MT_OK && be->ops->weight_lowp && !strstr(b->name, ".experts.") && !strstr(b->name, "shared_experts") &&
-        !strstr(b->name, "embed_tokens") && !strstr(b->name, "lm_head") && (st = be->ops->weight_lowp(be, w)) != MT_OK)
-        return mt_errorf(b->err, st, "%s: no memory for its 8-bit copy", b->name);
     return st;
 }
 
