@@ -1,7 +1,8 @@
 /* bench/batch_bench.c: the issue-5 decode-throughput benchmark. In one run on one GPU: the device
  * copy bandwidth (the reference), then bench-4L (real per-layer shapes, random bf16 weights made
  * on the GPU) decoding B sequences at once through glm_decode_multi, for each batch size B:
- *   - tokens/s with the bucket graphs, and eagerly;
+ *   - tokens/s with the bucket graphs, and eagerly, greedy on the device and run ahead as the
+ *     engine runs greedy batches (glm_decode_greedy: step k + 1 queued before token k is read);
  *   - the bytes a step must read: every dense weight, B embedding rows, the routed experts the
  *     batch touches (counted from the routing of a census step, glm_model_set_expert_census),
  *     each sequence's KDA state (read and written) and the DSA cache rows it attends or scores;
@@ -119,11 +120,11 @@ int main(int argc, char **argv) {
         bench_decode_steps(be, m, s, tok, B, 1);
         res[k].touched = glm_model_expert_census(m);
         glm_model_set_expert_census(m, false);
-        res[k].eager_ms = bench_decode_steps(be, m, s, tok, B, steps);
+        res[k].eager_ms = bench_decode_ahead(be, m, s, tok, B, steps);
         glm_model_set_decode_graphs(m, true);
         bench_decode_steps(be, m, s, tok, B, 2);
         res[k].graphed = glm_model_has_bucket_graph(m, B);
-        res[k].graph_ms = bench_decode_steps(be, m, s, tok, B, steps);
+        res[k].graph_ms = bench_decode_ahead(be, m, s, tok, B, steps);
         res[k].B = B;
         if (op_profile) {
             char title[64];
@@ -142,7 +143,7 @@ int main(int argc, char **argv) {
         free(logits);
     }
 
-    printf("metrale batch_bench: bench-4L batched decode (glm_decode_multi), prompts of %d tokens, CUDA backend\n", prompt);
+    printf("metrale batch_bench: bench-4L batched decode (glm_decode_greedy, run ahead), prompts of %d tokens, CUDA backend\n", prompt);
     printf("device copy bandwidth %.0f GB/s (cudaMemcpy D2D, read + write), same run\n", bw);
     printf("| batch | experts touched | bytes/step | floor ms | graph ms | tok/s (graph) | of floor | eager ms | tok/s (eager) |\n");
     printf("|------:|----------------:|-----------:|---------:|---------:|--------------:|---------:|---------:|--------------:|\n");

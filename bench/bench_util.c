@@ -68,6 +68,27 @@ void bench_count_weights(const glm_config *c, bench_weights *out) {
     if (moe_layers > 0) out->expert_bytes /= (double)moe_layers * c->n_routed_experts;
 }
 
+double bench_decode_ahead(mt_backend *be, glm_model *m, glm_seq **s, int32_t *tok, int B, int steps) {
+    if (glm_model_ahead_rows(m) < B || steps < 1) return bench_decode_steps(be, m, s, tok, B, steps);
+    mt_error err = { "" };
+    int64_t prev = -1, next = -1;
+    be->ops->sync(be);
+    const double a = mt_now();
+    mt_status st = glm_decode_greedy(m, s, tok, B, &prev, &err);
+    for (int i = 1; i < steps && st == MT_OK; i++) {
+        st = glm_decode_greedy(m, s, NULL, B, &next, &err); /* step i on step i - 1's device tokens */
+        if (st == MT_OK) st = glm_greedy_tokens(m, prev, tok, B);
+        prev = next;
+    }
+    if (st == MT_OK) st = glm_greedy_tokens(m, prev, tok, B);
+    if (st != MT_OK) {
+        fprintf(stderr, "bench: %s\n", err.msg[0] ? err.msg : mt_status_str(st));
+        exit(1);
+    }
+    be->ops->sync(be);
+    return (mt_now() - a) * 1e3 / steps;
+}
+
 double bench_decode_steps(mt_backend *be, glm_model *m, glm_seq **s, int32_t *tok, int B, int steps) {
     mt_error err = { "" };
     be->ops->sync(be);

@@ -29,5 +29,10 @@ struct glm_seq;
 struct mt_backend;
 double bench_decode_steps(struct mt_backend *be, struct glm_model *m, struct glm_seq **s, int32_t *tok, int B,
                           int steps);
+/* The same steps run ahead, as the engine runs greedy batches (glm_decode_greedy: step k + 1 is
+ * queued on step k's device tokens before the host reads them); bench_decode_steps where the
+ * model cannot (more rows than glm_model_ahead_rows). */
+double bench_decode_ahead(struct mt_backend *be, struct glm_model *m, struct glm_seq **s, int32_t *tok, int B,
+                          int steps);
 
 #endif /* MT_BENCH_UTIL_H */
