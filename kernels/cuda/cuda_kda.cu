@@ -19,7 +19,7 @@
 enum {
     KDA_MAX_DK = 128, /* head dim bound of the recurrent kernels (state slice on chip) */
     CONV_MAX_K = 8,   /* conv kernel bound (register history) */
-    CONV_TSEG = 16,   /* time steps per thread in conv1d_silu, all loaded before the first sum */
+    CONV_TSEG = 64,   /* time steps per thread in conv1d_silu */
     EW_BLOCK = 256,
 };
 
@@ -35,10 +35,7 @@ typedef struct conv_params {
 } conv_params;
 
 /* Thread = (channel c, time segment of CONV_TSEG steps). The K-1 inputs before the segment come
- * from x or, before time 0, from the state; they slide through a register window. The segment's
- * inputs are all loaded first (a warp's load is 32 adjacent channels of one step): with one load
- * in flight a step, 64-step segments left prefill's convs latency-bound (1.74 ms for the 9 of a
- * 4096-token bench-4L prefill). */
+ * from x or, before time 0, from the state; they slide through a register window. */
 static __global__ void conv1d_silu_kernel(conv_params p) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= p.C) return;
@@ -52,14 +49,8 @@ static __global__ void conv1d_silu_kernel(conv_params p) {
         hist[k] = 0.f;
         if (k < P) hist[k] = pos < 0 ? p.state[(size_t)c * P + (pos + P)] : p.x[(size_t)pos * p.C + c];
     }
-    float xs[CONV_TSEG];
-#pragma unroll
-    for (int u = 0; u < CONV_TSEG; u++) xs[u] = ta + u < tb ? __ldg(p.x + (size_t)(ta + u) * p.C + c) : 0.f;
-#pragma unroll
-    for (int u = 0; u < CONV_TSEG; u++) {
-        const int t = ta + u;
-        if (t >= tb) break;
-        const float xv = xs[u];
+    for (int t = ta; t < tb; t++) {
+        const float xv = p.x[(size_t)t * p.C + c];
         float a = 0.f;
 #pragma unroll
         for (int k = 0; k < CONV_MAX_K; k++) {
@@ -90,7 +81,6 @@ static __global__ void conv_state_kernel(conv_params p) {
 }
 
 static void conv1d_silu_launch(mt_backend *be, const conv_params *p) {
-    MT_ASSERT((p->n + CONV_TSEG - 1) / CONV_TSEG <= 65535);
     const dim3 grid((p->C + EW_BLOCK - 1) / EW_BLOCK, (p->n + CONV_TSEG - 1) / CONV_TSEG);
     conv1d_silu_kernel<<<grid, EW_BLOCK, 0, cu_stream(be)>>>(*p);
     cu_check_launch(be, "conv1d_silu");
