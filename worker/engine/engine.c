@@ -637,11 +637,17 @@ static void ahead_collect(eng_engine *e) {
     }
 }
 
+/* Nobody can be admitted before a running sequence ends: none waits, or every running place is
+ * taken (admission also stops there). */
+static bool admission_idle(const eng_engine *e) {
+    return e->n_waiting == 0 || e->n_running >= e->p.max_sequences;
+}
+
 /* A batch may leave its tokens on the device when nothing else wants the step's boundary: every
- * running sequence is in it (none is part way through its prefill), all plain greedy, nobody is
- * waiting to be admitted, and the model can (one pass of at most glm_model_ahead_rows). */
+ * running sequence is in it (none is part way through its prefill), all plain greedy, nobody can
+ * be admitted, and the model can (one pass of at most glm_model_ahead_rows). */
 static bool ahead_start_ok(eng_engine *e, int n) {
-    if (!e->p.run_ahead || n != e->n_running || e->n_waiting > 0 || n > glm_model_ahead_rows(e->m)) return false;
+    if (!e->p.run_ahead || n != e->n_running || !admission_idle(e) || n > glm_model_ahead_rows(e->m)) return false;
     for (int i = 0; i < n; i++)
         if (!plain_greedy(e->batch[i])) return false;
     return true;
@@ -649,10 +655,10 @@ static bool ahead_start_ok(eng_engine *e, int n) {
 
 /* Step k + 1 may be queued on step k's device tokens (before they are read) when the batch goes
  * on unchanged: the same sequences in the same order, none ended, none reaching max_new_tokens
- * with token k, nobody waiting, and each has its page for the next token without evicting or
- * preempting anything (that work waits for a step boundary). */
+ * with token k, nobody who could be admitted, and each has its page for the next token without
+ * evicting or preempting anything (that work waits for a step boundary). */
 static bool ahead_next_ok(eng_engine *e) {
-    if (!e->p.run_ahead || e->n_waiting > 0 || e->n_ahead != e->n_running) return false;
+    if (!e->p.run_ahead || !admission_idle(e) || e->n_ahead != e->n_running) return false;
     for (int i = 0; i < e->n_running; i++) {
         const eng_seq *s = e->running[i];
         if (e->ahead[i] != s || s->done || !s->gs || s->prefilled != s->n_feed || !plain_greedy(s) ||
@@ -733,7 +739,7 @@ mt_status eng_step(eng_engine *e, int *n_tokens) {
         int32_t tok[ENG_GREEDY_MAX];
         if (greedy && ahead_start_ok(e, n) && ahead_queue(e, e->batch, n, false) == MT_OK) {
             /* its tokens are read (and reported) at the next step, after that step is queued;
-             * there is nothing to admit (ahead_start_ok) */
+             * nobody can be admitted (ahead_start_ok) */
             if (n_tokens) *n_tokens = (int)(e->tokens - tokens0);
             return MT_OK;
         }
