@@ -4,8 +4,10 @@
  * the driver compares: tokens/s over the run, time to first token, and the per-token latency
  * (the interval between consecutive tokens of a stream).
  *
- *   serving_direct --model DIR --streams C [--max-new N] [--prompt-len P] [--backend cpu|cuda]
- *                  [--threads N]
+ *   serving_direct --model DIR|random:PRESET --streams C [--max-new N] [--prompt-len P]
+ *                  [--backend cpu|cuda] [--threads N] [--run-ahead 0|1]
+ * (random:PRESET, e.g. random:bench-4L: glm_config_preset's shapes with random weights made by the
+ *  backend; --run-ahead 0: eng_params.run_ahead off, for comparison.)
  *
  * Stream i's prompt is token (i * 7 + k) % vocab for k < P, greedy, ignore_eos, max_new N; all C
  * are submitted at t = 0 with max_sequences = C (the worker runs with --max-sequences C too).
@@ -18,6 +20,7 @@
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "worker/engine/engine.h"
+#include "worker/loader/glm_config.h"
 #include "worker/model/glm_model.h"
 
 typedef struct stream_rec {
@@ -66,7 +69,7 @@ static int cmp_double(const void *a, const void *b) {
 
 int main(int argc, char **argv) {
     const char *model = NULL, *backend = "cpu";
-    int streams = 1, max_new = 32, plen = 16, threads = 0;
+    int streams = 1, max_new = 32, plen = 16, threads = 0, run_ahead = 1;
     for (int i = 1; i + 1 < argc; i += 2) {
         const char *a = argv[i], *v = argv[i + 1];
         if (!strcmp(a, "--model")) model = v;
@@ -75,6 +78,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--max-new")) max_new = atoi(v);
         else if (!strcmp(a, "--prompt-len")) plen = atoi(v);
         else if (!strcmp(a, "--threads")) threads = atoi(v);
+        else if (!strcmp(a, "--run-ahead")) run_ahead = atoi(v);
         else { fprintf(stderr, "serving_direct: unknown option %s\n", a); return 2; }
     }
     if (!model || streams < 1 || max_new < 2 || plen < 1) {
@@ -92,11 +96,21 @@ int main(int argc, char **argv) {
     b.gaps = malloc(sizeof(double) * b.cap_gaps);
     int rc = 1;
     if (!be || !prompt || !b.s || !b.gaps) { fprintf(stderr, "serving_direct: %s\n", err.msg[0] ? err.msg : "out of memory"); goto done; }
-    if (glm_model_load(model, be, NULL, &m, &err) != MT_OK) { fprintf(stderr, "serving_direct: %s\n", err.msg); goto done; }
+    if (!strncmp(model, "random:", 7)) {
+        glm_config c;
+        if (glm_config_preset(model + 7, &c, &err) != MT_OK || glm_model_new_random(&c, 1, be, NULL, &m, &err) != MT_OK) {
+            fprintf(stderr, "serving_direct: %s\n", err.msg);
+            goto done;
+        }
+    } else if (glm_model_load(model, be, NULL, &m, &err) != MT_OK) {
+        fprintf(stderr, "serving_direct: %s\n", err.msg);
+        goto done;
+    }
     const int V = glm_model_config(m)->vocab_size;
     eng_params ep = eng_default_params();
     ep.max_sequences = streams;
     ep.max_context = plen + max_new;
+    ep.run_ahead = run_ahead != 0;
     eng_callbacks cb = { .user = &b, .on_tokens = on_tokens, .on_finished = on_finished };
     if (eng_new(m, &ep, &cb, &e, &err) != MT_OK) { fprintf(stderr, "serving_direct: %s\n", err.msg); goto done; }
 
@@ -132,9 +146,9 @@ int main(int argc, char **argv) {
     qsort(b.gaps, b.n_gaps, sizeof(double), cmp_double);
     const double p50 = b.n_gaps ? b.gaps[b.n_gaps / 2] : 0, p99 = b.n_gaps ? b.gaps[(size_t)(0.99 * (b.n_gaps - 1))] : 0;
     printf("{\"streams\": %d, \"tokens\": %ld, \"wall_s\": %.6f, \"tok_per_s\": %.3f, \"ttft_ms\": %.3f, "
-           "\"itl_ms\": %.3f, \"itl_p50_ms\": %.3f, \"itl_p99_ms\": %.3f, \"backend\": \"%s\"}\n",
+           "\"itl_ms\": %.3f, \"itl_p50_ms\": %.3f, \"itl_p99_ms\": %.3f, \"backend\": \"%s\", \"run_ahead\": %d}\n",
            streams, tokens, wall, tokens / wall, 1e3 * ttft / streams, 1e3 * itl / streams, 1e3 * p50, 1e3 * p99,
-           backend);
+           backend, run_ahead != 0);
     rc = tokens == (long)streams * max_new ? 0 : 1;
     if (rc) fprintf(stderr, "serving_direct: %ld tokens, expected %ld\n", tokens, (long)streams * max_new);
 done:
