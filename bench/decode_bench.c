@@ -48,7 +48,7 @@ static void engine_on_tokens(void *user, uint64_t id, const eng_sample_result *t
 static double engine_ms(glm_model *m, bool run_ahead, const int32_t *prompt, int steps, uint64_t *ahead_steps) {
     mt_error err = { "" };
     eng_params p = eng_default_params();
-    p.run_ahead = run_ahead;
+    p.run_ahead = run_ahead ? ENG_RUN_AHEAD_ALWAYS : ENG_RUN_AHEAD_OFF;
     p.max_context = 64 + steps + 16;
     engine_clock k = { 0, 8, steps, 0, 0 };
     eng_callbacks cb = { .user = &k, .on_tokens = engine_on_tokens };

@@ -7,7 +7,7 @@
  *   serving_direct --model DIR|random:PRESET --streams C [--max-new N] [--prompt-len P]
  *                  [--backend cpu|cuda] [--threads N] [--run-ahead 0|1]
  * (random:PRESET, e.g. random:bench-4L: glm_config_preset's shapes with random weights made by the
- *  backend; --run-ahead 0: eng_params.run_ahead off, for comparison.)
+ *  backend; --run-ahead 0: eng_params.run_ahead off, for comparison; 1, the default: AUTO.)
  *
  * Stream i's prompt is token (i * 7 + k) % vocab for k < P, greedy, ignore_eos, max_new N; all C
  * are submitted at t = 0 with max_sequences = C (the worker runs with --max-sequences C too).
@@ -110,7 +110,7 @@ int main(int argc, char **argv) {
     eng_params ep = eng_default_params();
     ep.max_sequences = streams;
     ep.max_context = plen + max_new;
-    ep.run_ahead = run_ahead != 0;
+    ep.run_ahead = run_ahead ? ENG_RUN_AHEAD_AUTO : ENG_RUN_AHEAD_OFF;
     eng_callbacks cb = { .user = &b, .on_tokens = on_tokens, .on_finished = on_finished };
     if (eng_new(m, &ep, &cb, &e, &err) != MT_OK) { fprintf(stderr, "serving_direct: %s\n", err.msg); goto done; }
 

@@ -141,6 +141,9 @@ typedef struct mt_mla_params {
 
 typedef struct mt_backend_ops {
     const char *name;
+    /* Ops return once their work is queued, not done (a device's stream): the host can prepare
+     * the next work while it runs. false: each op has done its work when it returns. */
+    bool queued;
 
     /* ---- lifetime ---- */
     void (*destroy)(mt_backend *be);                          /* frees be itself */

@@ -11,7 +11,6 @@
 #include <vector>
 
 extern "C" {
-#include "tests/run_ahead_check.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "worker/loader/glm_config.h"
@@ -19,6 +18,8 @@ extern "C" {
 #include "worker/loader/safetensors.h"
 #include "worker/model/glm_model.h"
 }
+
+#include "tests/run_ahead_check.h"
 
 namespace {
 
@@ -211,7 +212,7 @@ TEST_F(ModelCuda, BatchedDecodeEqualsEachAlone) {
 }
 
 // glm_decode_greedy's device chain against reading each step's tokens, graphs on (buckets with
-// pad rows) and off.
+// pad rows, and a pass that changes its row count inside the chain) and off.
 TEST_F(ModelCuda, GreedyRunAheadEqualsReadingEachStep) {
     for (const char *name : {"tiny_a", "tiny_b", "tiny_c"})
         for (bool graphs : {true, false}) {
@@ -220,7 +221,7 @@ TEST_F(ModelCuda, GreedyRunAheadEqualsReadingEachStep) {
             mt_error err{};
             ASSERT_EQ(glm_model_load(dir.c_str(), gpu_, nullptr, &m, &err), MT_OK) << err.msg;
             glm_model_set_decode_graphs(m, graphs);
-            CheckRunAhead(m, (std::string(name) + (graphs ? " (graphs)" : " (eager)")).c_str());
+            CheckRunAhead(m, (std::string(name) + (graphs ? " (graphs)" : " (eager)")).c_str(), graphs);
             glm_model_free(m);
         }
 }

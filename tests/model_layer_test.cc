@@ -10,13 +10,14 @@
 #include <vector>
 
 extern "C" {
-#include "tests/run_ahead_check.h"
 #include "kernels/backend.h"
 #include "worker/loader/glm_config.h"
 #include "worker/loader/safetensors.h"
 #include "worker/model/glm_model.h"
 #include "worker/model/layer.h"
 }
+
+#include "tests/run_ahead_check.h"
 
 namespace {
 

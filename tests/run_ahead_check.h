@@ -13,9 +13,11 @@
 // Greedy steps run ahead (each step after the first takes its tokens from the device, and the
 // host reads step k's tokens only after step k + 1 is queued) give the tokens of the plain path
 // (glm_decode_multi, then glm_last_argmax) on twin sequences, step for step, over steps that
-// cross bucket sizes when graphs are on; the device chain refuses other sequences or another
-// order; a ticket MT_TICKETS steps old can no longer be read.
-inline void CheckRunAhead(glm_model *m, const char *name) {
+// cross bucket sizes when graphs are on; flip_graphs: graphs go off for step 3 and on again for
+// step 4 inside the chain, so a pass changes its row count (bucket of 8, then 5 rows, then 8) and
+// must take the chain's tokens from the ticket. The device chain refuses other sequences, another
+// order, or a sequence decoded alone since; a ticket MT_TICKETS steps old can no longer be read.
+inline void CheckRunAhead(glm_model *m, const char *name, bool flip_graphs = false) {
     const int V = glm_model_config(m)->vocab_size, nq = 5, steps = 12;
     ASSERT_GE(glm_model_ahead_rows(m), nq) << name;
     mt_error err{};
@@ -42,6 +44,7 @@ inline void CheckRunAhead(glm_model *m, const char *name) {
     for (int t = 0; t < steps; t++) {
         const int n = t < 6 ? nq : nq - 2;
         const bool restart = t == 0 || t == 6;
+        if (flip_graphs && (t == 3 || t == 4)) glm_model_set_decode_graphs(m, t == 4);
         int64_t ticket = -1;
         ASSERT_EQ(glm_decode_greedy(m, a, restart ? ta.data() : nullptr, n, &ticket, &err), MT_OK)
             << name << " step " << t << ": " << err.msg;
@@ -66,6 +69,10 @@ inline void CheckRunAhead(glm_model *m, const char *name) {
     ASSERT_EQ(glm_decode_greedy(m, a, tb.data(), nq - 2, &ticket, &err), MT_OK) << err.msg;
     glm_seq *swapped[2] = { a[1], a[0] };
     EXPECT_EQ(glm_decode_greedy(m, swapped, nullptr, 2, &ticket, &err), MT_ERR_INVALID) << name;
+    ASSERT_EQ(glm_decode_greedy(m, a, tb.data(), 2, &ticket, &err), MT_OK) << err.msg;
+    std::vector<float> logits(V);
+    ASSERT_EQ(glm_decode(m, a[1], 7, logits.data(), &err), MT_OK) << err.msg; // a[1] leaves the chain
+    EXPECT_EQ(glm_decode_greedy(m, a, nullptr, 2, &ticket, &err), MT_ERR_INVALID) << name;
     for (int q = 0; q < nq; q++) {
         glm_seq_free(a[q]);
         glm_seq_free(b[q]);

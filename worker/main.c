@@ -155,7 +155,8 @@ static void usage(FILE *f) {
             "  default 64), larger ones run eagerly; --no-preempt: admit a request only when pages for its\n"
             "  whole length are free (nothing is ever preempted; fewer run together); --no-run-ahead: a batch\n"
             "  of greedy requests reads each step's tokens before queuing the next (by default the next step\n"
-            "  is queued on the device's own tokens first, so the GPU does not wait for the host).\n");
+            "  is queued on the device's own tokens first, so the GPU does not wait for the host; the CPU backend\n"
+            "  never runs ahead, as it would only delay each token by a step).\n");
 }
 
 /* ---- sending ---- */
@@ -617,7 +618,7 @@ int main(int argc, char **argv) {
     ep.max_context = w.o.max_context;
     if (w.o.prefill_budget > 0) ep.prefill_budget = w.o.prefill_budget;
     ep.preempt = !w.o.no_preempt;
-    ep.run_ahead = !w.o.no_run_ahead;
+    ep.run_ahead = w.o.no_run_ahead ? ENG_RUN_AHEAD_OFF : ENG_RUN_AHEAD_AUTO;
     if (plan_memory(&w, be, &ep, &err) != MT_OK) {
         mt_log(MT_LOG_ERROR, "worker %d: %s", w.o.id, err.msg);
         goto done;

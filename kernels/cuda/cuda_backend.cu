@@ -309,6 +309,7 @@ static mt_status cu_mem_info(mt_backend *be, size_t *free_bytes, size_t *total_b
 
 static const mt_backend_ops cu_ops = {
     .name = "cuda",
+    .queued = true,
     .destroy = cu_destroy,
     .alloc = cu_alloc,
     .free = cu_free,

@@ -46,7 +46,10 @@
  * kernel (a GEMV issues its first weight loads), then cu_pdl_wait() (griddepcontrol.wait: every
  * earlier kernel has finished and its writes are visible) before it reads an activation or
  * writes anything, then cu_pdl_trigger() (griddepcontrol.launch_dependents) so that the next such
- * kernel may start in turn; every block passes both. Stream capture keeps the overlap as
+ * kernel may start in turn; every block passes both. (Exceptions read, before their wait, only
+ * what kernels two or more back wrote, which the previous kernel's own wait made complete:
+ * moe_gateup_kernel's shared-expert blocks and gemv_shortk_kernel's late_wait, which both wait
+ * before exiting, and moe_down_kernel's first weight loads, found through the router's indices.) Stream capture keeps the overlap as
  * programmatic edges of the graph. MT_CUDA_PDL=0 (read once) launches them plainly, for
  * comparison; the waits then return at once. cu_launch_pdl, cu_pdl_on, cu_pdl_wait and cu_pdl_trigger are
  * declared in cuda_ops.h. */

@@ -493,8 +493,9 @@ enum { MOE_GU_R = 4, MOE_GU_U = 2, MOE_DN_R = 2, MOE_DN_U = 4 };
  * butterfly, then thread r adds the 8 warps' in order and applies swiglu. Launched for PDL (idx
  * is the router's output). The shared expert's blocks depend on no router output (x is older than
  * the router: its kernels waited for x's before they let this one launch), so they stream their
- * weights while the router finishes, and wait only before exiting (this grid's end must still
- * imply the router's); being first in the grid, they are in the first wave. */
+ * weights while the router finishes; they wait before exiting all the same, so that this grid's
+ * end implies the router's whatever the routed blocks do (top_k >= 1 makes it so today). A row's
+ * shared-expert blocks come first among its blocks: row 0's are in the first wave. */
 template <mt_dtype DT, bool VEC>
 static __global__ void __launch_bounds__(MOE_THREADS) moe_gateup_kernel(const moe_gemv_params p) {
     constexpr int R = MOE_GU_R, U = MOE_GU_U, V = cu_wstream<DT, VEC>::V;

@@ -53,6 +53,7 @@ struct eng_engine {
     eng_seq **ahead;             /* [max_sequences] */
     int n_ahead;                 /* 0: none in flight */
     int64_t ahead_ticket;
+    bool ahead_on;               /* run_ahead resolved for this model's backend */
     int32_t *ahead_tok;          /* [max_sequences] */
     glm_seq **gs;                /* [max_sequences] scratch */
     uint64_t ahead_steps;
@@ -66,8 +67,9 @@ struct eng_engine {
 
 static void ahead_collect(eng_engine *e);
 
-/* A sequence about to end from outside the step (abort, deadline) first gets the token of the
- * step in flight, as it would have had without running ahead. */
+/* A sequence about to end at its deadline first gets the token of the step in flight (computed
+ * before the deadline passed), as it would have had without running ahead. An abort drops that
+ * row instead: nobody waits for the token, and the abort should not wait for the device. */
 static void ahead_settle(eng_engine *e, const eng_seq *s) {
     for (int i = 0; i < e->n_ahead; i++)
         if (e->ahead[i] == s) {
@@ -83,7 +85,7 @@ eng_request eng_default_request(void) {
 eng_params eng_default_params(void) {
     return (eng_params){ .max_sequences = 16, .max_waiting = 1024, .max_context = 4096,
                          .prefill_budget = 2048, .prefix_cache_bytes = (size_t)256 << 20,
-                         .prefix_block = 64, .preempt = true, .run_ahead = true };
+                         .prefix_block = 64, .preempt = true, .run_ahead = ENG_RUN_AHEAD_AUTO };
 }
 
 static uint64_t realtime_ms(void *user) {
@@ -111,6 +113,7 @@ mt_status eng_new(glm_model *m, const eng_params *params, const eng_callbacks *c
     if (!e) goto fail;
     e->m = m;
     e->p = p;
+    e->ahead_on = p.run_ahead == ENG_RUN_AHEAD_ALWAYS || (p.run_ahead == ENG_RUN_AHEAD_AUTO && glm_model_backend_queues(m));
     if (cb) e->cb = *cb;
     e->vocab = c->vocab_size;
     e->eos = c->eos_token_id;
@@ -287,15 +290,13 @@ mt_status eng_abort(eng_engine *e, uint64_t id, eng_finish reason, const char *m
     int at;
     eng_seq *s = find_live(e, id, &waiting, &at);
     if (!s) return MT_ERR_NOT_FOUND;
-    ahead_settle(e, s);
-    if (!s->done) seq_end(e, s, reason, message); /* else that token ended it (stop or length) */
+    seq_end(e, s, reason, message); /* its row of a step in flight goes at the compaction */
     if (waiting) compact(e, e->waiting, &e->n_waiting);
     else compact(e, e->running, &e->n_running);
     return MT_OK;
 }
 
 void eng_abort_all(eng_engine *e, eng_finish reason, const char *message) {
-    ahead_collect(e);
     for (int i = 0; i < e->n_waiting; i++)
         if (!e->waiting[i]->done) seq_end(e, e->waiting[i], reason, message);
     for (int i = 0; i < e->n_running; i++)
@@ -647,7 +648,7 @@ static bool admission_idle(const eng_engine *e) {
  * running sequence is in it (none is part way through its prefill), all plain greedy, nobody can
  * be admitted, and the model can (one pass of at most glm_model_ahead_rows). */
 static bool ahead_start_ok(eng_engine *e, int n) {
-    if (!e->p.run_ahead || n != e->n_running || !admission_idle(e) || n > glm_model_ahead_rows(e->m)) return false;
+    if (!e->ahead_on || n != e->n_running || !admission_idle(e) || n > glm_model_ahead_rows(e->m)) return false;
     for (int i = 0; i < n; i++)
         if (!plain_greedy(e->batch[i])) return false;
     return true;
@@ -658,7 +659,7 @@ static bool ahead_start_ok(eng_engine *e, int n) {
  * with token k, nobody who could be admitted, and each has its page for the next token without
  * evicting or preempting anything (that work waits for a step boundary). */
 static bool ahead_next_ok(eng_engine *e) {
-    if (!e->p.run_ahead || !admission_idle(e) || e->n_ahead != e->n_running) return false;
+    if (!e->ahead_on || !admission_idle(e) || e->n_ahead != e->n_running) return false;
     for (int i = 0; i < e->n_running; i++) {
         const eng_seq *s = e->running[i];
         if (e->ahead[i] != s || s->done || !s->gs || s->prefilled != s->n_feed || !plain_greedy(s) ||

@@ -79,6 +79,8 @@ typedef struct eng_callbacks {
     void (*on_finished)(void *user, uint64_t id, const eng_finish_info *fin);
 } eng_callbacks;
 
+typedef enum eng_run_ahead { ENG_RUN_AHEAD_OFF, ENG_RUN_AHEAD_AUTO, ENG_RUN_AHEAD_ALWAYS } eng_run_ahead;
+
 typedef struct eng_params {
     int max_sequences;           /* running at once (model sequences allocated), default 16 */
     int max_waiting;             /* submitted but not admitted, default 1024 */
@@ -102,11 +104,13 @@ typedef struct eng_params {
      * length (prompt + max_new_tokens) mapped at once, so nothing is ever preempted, at the price
      * of fewer sequences running together. */
     bool preempt;
-    /* true (default): a batch of plain greedy sequences runs ahead of the host where the model
-     * can (glm_model_ahead_rows): step k + 1 is queued on the device's own tokens of step k before
-     * the host reads them, so the device does not wait for the host between steps. A row whose
-     * sequence ended at token k drops its token k + 1. */
-    bool run_ahead;
+    /* A batch of plain greedy sequences may run ahead of the host where the model can
+     * (glm_model_ahead_rows): step k + 1 is queued on the device's own tokens of step k before the
+     * host reads them, so the device does not wait for the host between steps. A row whose
+     * sequence ended at token k drops its token k + 1. ENG_RUN_AHEAD_AUTO (default): where the
+     * backend queues its work (glm_model_backend_queues: the GPU; on the CPU it would only delay
+     * each token by a step); ALWAYS: on any backend (tests); OFF: never. */
+    eng_run_ahead run_ahead;
     /* Wall clock in Unix milliseconds, for deadlines. NULL: CLOCK_REALTIME. */
     uint64_t (*now_ms)(void *user);
     void *clock_user;

@@ -281,6 +281,13 @@ mt_status glm_model_ensure_pools(glm_model *m, mt_error *err) {
     return m->n_slots > 0 ? MT_OK : pools_default(m, err);
 }
 
+/* s's state moves outside the greedy chain (or s goes away): the device's token table is no
+ * longer the next input of the chain's sequences. */
+static void ahead_forget(glm_model *m, const glm_seq *s) {
+    for (int i = 0; i < m->ahead.n && m->ahead.valid; i++)
+        if (m->ahead.seqs[i] == s) m->ahead.valid = false;
+}
+
 static void unmap_blocks(glm_seq *s, int from) {
     glm_model *m = s->m;
     for (int b = from; b < s->n_blocks; b++) {
@@ -309,7 +316,10 @@ mt_status glm_seq_reserve(glm_seq *s, int n, mt_error *err) {
         s->h_bt[b] = p;
     }
     s->n_blocks = need;
-    m->be->ops->upload(m->be, s->d_bt + first, s->h_bt + first, sizeof(int32_t) * (size_t)(need - first));
+    /* in the backend's order of work: a step in flight reads only the blocks before `first` */
+    void (*up)(mt_backend *, void *, const void *, size_t) = m->be->ops->upload_async ? m->be->ops->upload_async
+                                                                                      : m->be->ops->upload;
+    up(m->be, s->d_bt + first, s->h_bt + first, sizeof(int32_t) * (size_t)(need - first));
     return MT_OK;
 }
 
@@ -389,8 +399,7 @@ void glm_seq_free(glm_seq *s) {
     if (!s) return;
     glm_model *m = s->m;
     mt_backend *be = m->be;
-    for (int i = 0; i < m->ahead.n && m->ahead.valid; i++) /* its address may come back for another */
-        if (m->ahead.seqs[i] == s) m->ahead.valid = false;
+    ahead_forget(m, s); /* its address may come back for another sequence */
     if (be->ops->graph_free) be->ops->graph_free(be, s->graph);
     for (int i = 0; i < m->cfg.num_hidden_layers; i++)
         if (s->states[i]) mt_layer_release_state(&m->layers[i].base, s->states[i]);
@@ -417,6 +426,7 @@ size_t glm_model_seq_bytes(const glm_model *m, int max_tokens) {
 mt_status glm_seq_copy_prefix(glm_model *m, const glm_seq *src, glm_seq *dst, mt_error *err) {
     if (src->m != m || dst->m != m) return mt_errorf(err, MT_ERR_INVALID, "sequences of another model");
     if (dst->len != 0) return mt_errorf(err, MT_ERR_STATE, "destination sequence is not fresh (%d tokens)", dst->len);
+    ahead_forget(m, dst);
     if (src->len > dst->cap)
         return mt_errorf(err, MT_ERR_FULL, "%d positions do not fit a sequence of %d", src->len, dst->cap);
     /* DSA caches: src's full pages are mapped into dst too (shared, counted); a partly filled last
@@ -539,6 +549,7 @@ static mt_status check_tokens(const glm_model *m, const glm_seq *s, const int32_
 
 mt_status glm_prefill(glm_model *m, glm_seq *s, const int32_t *tokens, int n, float *logits,
                       bool all_logits, mt_error *err) {
+    ahead_forget(m, s);
     mt_status st = check_tokens(m, s, tokens, n, err);
     if (st == MT_OK) st = glm_seq_reserve(s, n, err);
     if (st != MT_OK) return st;
@@ -655,6 +666,7 @@ static mt_status decode_graph(glm_model *m, glm_seq *s, int32_t token, float *lo
 }
 
 mt_status glm_decode(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_error *err) {
+    ahead_forget(m, s);
     if (s->len < s->cap) { /* a full sequence is refused below, by check_tokens or check_replay_room */
         mt_status st = glm_seq_reserve(s, 1, err);
         if (st != MT_OK) return st;
@@ -869,6 +881,8 @@ mt_status glm_decode_multi(glm_model *m, glm_seq **seqs, const int32_t *tokens, 
     if (!tokens) return mt_errorf(err, MT_ERR_INVALID, "no tokens to decode");
     return decode_multi(m, seqs, tokens, n, logits, &B, err);
 }
+
+bool glm_model_backend_queues(const glm_model *m) { return m->be->ops->queued; }
 
 int glm_model_ahead_rows(const glm_model *m) {
     const mt_backend_ops *o = m->be->ops;
