@@ -2,9 +2,13 @@
  * bandwidth (the reference ceiling), then the bench-4L model (MISSION.md: GLM-5.3-Flash's real
  * per-layer shapes, 4 layers, random bf16 weights made on the GPU from a seed) at batch 1:
  *   - decode: ms per token, the bytes a step must read (weights it touches + recurrent state),
- *     and the fraction of the bandwidth floor (bytes / measured copy bandwidth) reached;
+ *     and the fraction of the bandwidth floor (bytes / measured copy bandwidth) reached, for the
+ *     engine itself (eng_step, one greedy request, with its bucket graph and running ahead: the
+ *     goal's row; and with run_ahead off), for the model calls under it (glm_decode_multi then
+ *     glm_last_argmax; the same replays with no token read back: the GPU's time a step), and
+ *     for glm_decode (one sequence's own path, logits to the host) eager and with its graph;
  *   - prefill of 512 and 4096 tokens: tokens/s and the fraction of the bf16 tensor peak reached
- *     (FLOPs: 2 x the parameters each token touches, plus attention and KDA).
+ *     (FLOPs: 2 x the parameters each token touches; attention and KDA not counted).
  * Prints one table and writes it as JSON (--json FILE).
  *
  *   decode_bench [--steps N] [--context N] [--json FILE] [--bf16-peak-tflops 790] [--op-profile 1]
@@ -217,8 +221,8 @@ int main(int argc, char **argv) {
     printf("| device copy bandwidth           | %7.0f GB/s | (read + write, cudaMemcpy D2D) |\n", bw);
     printf("| bytes a decode step must read   | %8.3f GB  | weights touched + KDA state    |\n", step_bytes / 1e9);
     printf("| bandwidth floor per token       | %8.3f ms  | bytes / copy bandwidth         |\n", floor_ms);
-    printf("| decode, eager                   | %8.3f ms  | %5.1f%% of the floor            |\n", ms_tok, 100 * floor_ms / ms_tok);
-    printf("| decode, CUDA graph%s            | %8.3f ms  | %5.1f%% of the floor (goal 80%%) |\n", graphed ? "  " : " (no!)",
+    printf("| glm_decode, eager (logits to the host) | %8.3f ms  | %5.1f%% of the floor |\n", ms_tok, 100 * floor_ms / ms_tok);
+    printf("| glm_decode, its own CUDA graph%s (logits to the host) | %8.3f ms  | %5.1f%% of the floor |\n", graphed ? "" : " (NOT captured)",
            ms_graph, 100 * floor_ms / ms_graph);
     printf("| decode, engine (eng_step: bucket graph%s, argmax on the GPU, run ahead) | %8.3f ms | %5.1f%% of the floor (goal 80%%) |\n",
            engine_graphed ? "" : " NOT captured", ms_engine, 100 * floor_ms / ms_engine);
