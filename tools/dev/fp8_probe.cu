@@ -59,13 +59,29 @@ static __global__ void bf16_to_f32_kernel(float *o, const __nv_bfloat16 *x, size
         o[i] = __bfloat162float(x[i]);
 }
 
+/* The block's max |.| (mx) and sum of squares (ss) of a row over its threads' parts: s[r] = the
+ * e4m3 scale max / 448 (1 for a zero row), rowmag[r] = the row's norm; returns s[r]. */
+static __device__ float row_scale(float mx, float ss, int r, float *s, float *rowmag) {
+    __shared__ float red[2][32];
+    for (int o = 16; o; o >>= 1) {
+        mx = fmaxf(mx, __shfl_xor_sync(~0u, mx, o));
+        ss += __shfl_xor_sync(~0u, ss, o);
+    }
+    if ((threadIdx.x & 31) == 0) { red[0][threadIdx.x >> 5] = mx; red[1][threadIdx.x >> 5] = ss; }
+    __syncthreads();
+    mx = 0.f; ss = 0.f;
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) { mx = fmaxf(mx, red[0][w]); ss += red[1][w]; }
+    const float sc = mx > 0.f ? mx / 448.f : 1.f;
+    if (threadIdx.x == 0) { s[r] = sc; rowmag[r] = sqrtf(ss); }
+    return sc;
+}
+
 /* One block a row: hi = bf16(x); lo = x - hi, as bf16 (lo16) and as e4m3 of lo / s (lo8) with s =
  * max|lo| / 448 (s[r], 1 when the row's lo is 0); rowmag[r] = |x_row|. */
 static __global__ void split_kernel(__nv_bfloat16 *hi, __nv_bfloat16 *lo16, __nv_fp8_e4m3 *lo8, float *s,
                                     float *rowmag, const float *x, int K) {
     const int r = blockIdx.x;
     const float *xr = x + (size_t)r * K;
-    __shared__ float red[2][32];
     float mx = 0.f, ss = 0.f;
     for (int j = threadIdx.x; j < K; j += blockDim.x) {
         const float v = xr[j];
@@ -76,16 +92,7 @@ static __global__ void split_kernel(__nv_bfloat16 *hi, __nv_bfloat16 *lo16, __nv
         mx = fmaxf(mx, fabsf(l));
         ss += v * v;
     }
-    for (int o = 16; o; o >>= 1) {
-        mx = fmaxf(mx, __shfl_xor_sync(~0u, mx, o));
-        ss += __shfl_xor_sync(~0u, ss, o);
-    }
-    if ((threadIdx.x & 31) == 0) { red[0][threadIdx.x >> 5] = mx; red[1][threadIdx.x >> 5] = ss; }
-    __syncthreads();
-    mx = 0.f; ss = 0.f;
-    for (int w = 0; w < (int)(blockDim.x >> 5); w++) { mx = fmaxf(mx, red[0][w]); ss += red[1][w]; }
-    const float sc = mx > 0.f ? mx / 448.f : 1.f;
-    if (threadIdx.x == 0) { s[r] = sc; rowmag[r] = sqrtf(ss); }
+    const float sc = row_scale(mx, ss, r, s, rowmag);
     for (int j = threadIdx.x; j < K; j += blockDim.x) {
         const float l = xr[j] - __bfloat162float(hi[(size_t)r * K + j]);
         lo8[(size_t)r * K + j] = __nv_fp8_e4m3(l / sc);
@@ -95,23 +102,13 @@ static __global__ void split_kernel(__nv_bfloat16 *hi, __nv_bfloat16 *lo16, __nv
 /* W bf16 [N, K] -> e4m3 of W / s with s = max|W_row| / 448 per row; rowmag = |W_row|. */
 static __global__ void w8_kernel(__nv_fp8_e4m3 *w8, float *s, float *rowmag, const __nv_bfloat16 *w, int K) {
     const int r = blockIdx.x;
-    __shared__ float red[2][32];
     float mx = 0.f, ss = 0.f;
     for (int j = threadIdx.x; j < K; j += blockDim.x) {
         const float v = __bfloat162float(w[(size_t)r * K + j]);
         mx = fmaxf(mx, fabsf(v));
         ss += v * v;
     }
-    for (int o = 16; o; o >>= 1) {
-        mx = fmaxf(mx, __shfl_xor_sync(~0u, mx, o));
-        ss += __shfl_xor_sync(~0u, ss, o);
-    }
-    if ((threadIdx.x & 31) == 0) { red[0][threadIdx.x >> 5] = mx; red[1][threadIdx.x >> 5] = ss; }
-    __syncthreads();
-    mx = 0.f; ss = 0.f;
-    for (int w = 0; w < (int)(blockDim.x >> 5); w++) { mx = fmaxf(mx, red[0][w]); ss += red[1][w]; }
-    const float sc = mx > 0.f ? mx / 448.f : 1.f;
-    if (threadIdx.x == 0) { s[r] = sc; rowmag[r] = sqrtf(ss); }
+    const float sc = row_scale(mx, ss, r, s, rowmag);
     for (int j = threadIdx.x; j < K; j += blockDim.x)
         w8[(size_t)r * K + j] = __nv_fp8_e4m3(__bfloat162float(w[(size_t)r * K + j]) / sc);
 }
