@@ -54,6 +54,7 @@ typedef struct serve_opts {
     /* scheduler policy, passed to every worker when given (metrale-worker checks them) */
     const char *prefill_budget, *graph_max_batch, *cache_budget_mb;
     bool no_preempt;
+    bool no_run_ahead;
 } serve_opts;
 
 static double now_s(void) {
@@ -66,7 +67,8 @@ static void usage(FILE *f) {
     fprintf(f,
             "usage: metrale-serve [--model DIR] [--listen HOST:PORT] [--workers N] [--backend auto|cpu|cuda]\n"
             "                     [--max-sequences N] [--max-context N] [--threads N] [--queue N] [--drain-timeout S]\n"
-            "                     [--prefill-budget N] [--graph-max-batch N] [--cache-budget-mb N] [--no-preempt]\n"
+"                     [--prefill-budget N] [--graph-max-batch N] [--cache-budget-mb N] [--no-preempt]\n"
+            "                     [--no-run-ahead]\n"
             "  Starts the gRPC router on --listen (default 127.0.0.1:50051) and N workers serving DIR\n"
             "  (default: a small random checkpoint made once under .cache/cpu-small). --backend auto uses\n"
             "  one worker per GPU when there are GPUs, else one CPU worker. SIGTERM or Ctrl-C drains and stops.\n"
@@ -199,6 +201,7 @@ static pid_t start_worker(int i) {
     if (g_o.graph_max_batch) { argv[k++] = "--graph-max-batch"; argv[k++] = (char *)g_o.graph_max_batch; }
     if (g_o.cache_budget_mb) { argv[k++] = "--cache-budget-mb"; argv[k++] = (char *)g_o.cache_budget_mb; }
     if (g_o.no_preempt) argv[k++] = "--no-preempt";
+    if (g_o.no_run_ahead) argv[k++] = "--no-run-ahead";
     argv[k] = NULL;
     g_workers[i].worker = i;
     g_workers[i].restart_at = 0;
@@ -246,6 +249,7 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); return 1; }
         if (!strcmp(a, "--no-preempt")) { o->no_preempt = true; continue; }
+        if (!strcmp(a, "--no-run-ahead")) { o->no_run_ahead = true; continue; }
         if (!v) { fprintf(stderr, "metrale-serve: %s needs a value\n", a); usage(stderr); return -1; }
         int rc = 0;
         if (!strcmp(a, "--model")) o->model = v;
