@@ -298,6 +298,45 @@ TEST_F(CudaOps, DownloadTicketsKeepTheirBytes) {
     Drop(gpu_, d);
 }
 
+// download_end waits for its own copy and for nothing queued after it: a ticket begun behind ~20
+// prefill matmuls still returns the bytes uploaded just before it (so the end waited for the copy),
+// and a ticket read while such work is queued behind it leaves that work running (the stream is
+// not drained).
+TEST_F(CudaOps, DownloadEndWaitsForItsCopyOnly) {
+    const int n = 256, rows = 4096;
+    auto w = MakeWeight(MT_BF16, 12288, 4096, 0.01f);
+    float *x = Put(gpu_, Rand((size_t)rows * 4096));
+    float *y = (float *)gpu_->ops->alloc(gpu_, sizeof(float) * (size_t)rows * 12288);
+    int32_t *d = (int32_t *)gpu_->ops->alloc(gpu_, sizeof(int32_t) * n);
+    ASSERT_TRUE(x && y && d);
+    gpu_->ops->matmul(gpu_, y, x, &w->gpu, rows); /* sizes the scratch (a first call may synchronise) */
+    gpu_->ops->sync(gpu_);
+    std::vector<int32_t> v(n), got(n, -1);
+    auto queue_work = [&] {
+        for (int k = 0; k < 20; k++) gpu_->ops->matmul(gpu_, y, x, &w->gpu, rows);
+    };
+    // behind the work: the end must wait for this copy
+    queue_work();
+    for (int i = 0; i < n; i++) v[i] = 7 * i + 1;
+    gpu_->ops->upload_async(gpu_, d, v.data(), sizeof(int32_t) * n);
+    int64_t t = gpu_->ops->download_begin(gpu_, d, sizeof(int32_t) * n);
+    ASSERT_EQ(gpu_->ops->download_end(gpu_, t, got.data(), sizeof(int32_t) * n), MT_OK);
+    EXPECT_EQ(got, v);
+    // before the work: the end must not wait for it
+    for (int i = 0; i < n; i++) v[i] = 3 * i + 2;
+    gpu_->ops->upload_async(gpu_, d, v.data(), sizeof(int32_t) * n);
+    t = gpu_->ops->download_begin(gpu_, d, sizeof(int32_t) * n);
+    queue_work();
+    ASSERT_EQ(gpu_->ops->download_end(gpu_, t, got.data(), sizeof(int32_t) * n), MT_OK);
+    EXPECT_EQ(got, v);
+    EXPECT_EQ(cudaStreamQuery(cu_stream(gpu_)), cudaErrorNotReady) << "download_end drained the work queued after it";
+    (void)cudaGetLastError(); /* "not ready" is no failure of the backend's later checks */
+    gpu_->ops->sync(gpu_);
+    Drop(gpu_, x);
+    Drop(gpu_, y);
+    Drop(gpu_, d);
+}
+
 TEST_F(CudaOps, Embed) {
     Worst worst{"embed"};
     for (mt_dtype dt : {MT_BF16, MT_F16, MT_F32}) {
