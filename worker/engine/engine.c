@@ -47,6 +47,8 @@ struct eng_engine {
     eng_seq **running;           /* [max_sequences] */
     int n_running;
     eng_seq **batch;             /* [max_sequences] scratch: the sequences of one decode */
+    glm_seq **gs;                /* [max_sequences] scratch: a decode's model sequences (batch_inputs) */
+    int32_t *tok;                /* [max_sequences] scratch: their tokens in, or a ticket's out */
     float *logits;               /* [max_sequences, vocab] host */
     /* A greedy step queued and not yet read (run_ahead; glm_decode_greedy): its rows' sequences in
      * order, a row NULL once its sequence is freed (compact), and the ticket of its tokens. */
@@ -54,8 +56,6 @@ struct eng_engine {
     int n_ahead;                 /* 0: none in flight */
     int64_t ahead_ticket;
     bool ahead_on;               /* run_ahead resolved for this model's backend */
-    int32_t *ahead_tok;          /* [max_sequences] */
-    glm_seq **gs;                /* [max_sequences] scratch */
     uint64_t ahead_steps;
     eng_prefix *prefixes;        /* [n_prefixes] kept prefixes, unordered */
     int n_prefixes, cap_prefixes;
@@ -124,9 +124,9 @@ mt_status eng_new(glm_model *m, const eng_params *params, const eng_callbacks *c
     e->batch = malloc(sizeof(eng_seq *) * (size_t)p.max_sequences);
     e->logits = malloc(sizeof(float) * (size_t)p.max_sequences * (size_t)e->vocab);
     e->ahead = malloc(sizeof(eng_seq *) * (size_t)p.max_sequences);
-    e->ahead_tok = malloc(sizeof(int32_t) * (size_t)p.max_sequences);
+    e->tok = malloc(sizeof(int32_t) * (size_t)p.max_sequences);
     e->gs = malloc(sizeof(glm_seq *) * (size_t)p.max_sequences);
-    if (!e->sampler || !e->waiting || !e->running || !e->batch || !e->logits || !e->ahead || !e->ahead_tok || !e->gs)
+    if (!e->sampler || !e->waiting || !e->running || !e->batch || !e->logits || !e->ahead || !e->tok || !e->gs)
         goto fail;
     *out = e;
     return MT_OK;
@@ -169,7 +169,7 @@ void eng_free(eng_engine *e) {
     free(e->batch);
     free(e->logits);
     free(e->ahead);
-    free(e->ahead_tok);
+    free(e->tok);
     free(e->gs);
     free(e);
 }
@@ -580,23 +580,24 @@ static void admit(eng_engine *e) {
  * CPU, tests/model_cuda_test.cc BatchedDecodeEqualsEachAlone on the GPU). If the batch is refused
  * (a bad token or a full sequence, which admission should make impossible), each sequence
  * decodes alone so only the bad one fails. */
+/* The model's inputs for b[0, k) (k <= max_sequences): their sequences in e->gs, their pending
+ * tokens in e->tok. */
+static void batch_inputs(eng_engine *e, eng_seq **b, int k) {
+    for (int i = 0; i < k; i++) {
+        e->gs[i] = b[i]->gs;
+        e->tok[i] = b[i]->pending;
+    }
+}
+
 static void decode_running(eng_engine *e, eng_seq **batch, int n, float *logits, int32_t *greedy) {
     if (greedy) logits = NULL; /* the tokens come from glm_last_argmax below */
-    glm_seq **gs = malloc(sizeof *gs * (size_t)n);
-    int32_t *tok = malloc(sizeof *tok * (size_t)n);
     const int rows = glm_model_batch_rows(e->m); /* one model pass; glm_last_argmax sees its rows */
     for (int c0 = 0; c0 < n; c0 += rows) {
         const int k = n - c0 < rows ? n - c0 : rows;
         eng_seq **b = batch + c0;
-        mt_status st = MT_ERR_NOMEM;
         mt_error err = { "" };
-        if (gs && tok) {
-            for (int i = 0; i < k; i++) {
-                gs[i] = b[i]->gs;
-                tok[i] = b[i]->pending;
-            }
-            st = glm_decode_multi(e->m, gs, tok, k, logits ? logits + (size_t)c0 * e->vocab : NULL, &err);
-        }
+        batch_inputs(e, b, k);
+        mt_status st = glm_decode_multi(e->m, e->gs, e->tok, k, logits ? logits + (size_t)c0 * e->vocab : NULL, &err);
         if (st == MT_OK && greedy) st = glm_last_argmax(e->m, k, greedy + c0);
         if (st == MT_OK) {
             for (int i = 0; i < k; i++) b[i]->st = MT_OK;
@@ -617,8 +618,6 @@ static void decode_running(eng_engine *e, eng_seq **batch, int n, float *logits,
             if (b[i]->st == MT_OK && greedy) b[i]->st = glm_last_argmax(e->m, 1, greedy + c0 + i);
         }
     }
-    free(gs);
-    free(tok);
 }
 
 /* ---- running ahead (eng_params.run_ahead) ---- */
@@ -629,12 +628,12 @@ static void ahead_collect(eng_engine *e) {
     const int n = e->n_ahead;
     if (n == 0) return;
     e->n_ahead = 0;
-    const mt_status st = glm_greedy_tokens(e->m, e->ahead_ticket, e->ahead_tok, n);
+    const mt_status st = glm_greedy_tokens(e->m, e->ahead_ticket, e->tok, n);
     for (int i = 0; i < n; i++) {
         eng_seq *s = e->ahead[i];
         if (!s || s->done) continue;
         if (st != MT_OK) seq_end(e, s, ENG_FINISH_ERROR, "reading a decode step's tokens back failed");
-        else emit(e, s, &(eng_sample_result){ .token = e->ahead_tok[i] });
+        else emit(e, s, &(eng_sample_result){ .token = e->tok[i] });
     }
 }
 
@@ -675,13 +674,10 @@ static bool ahead_next_ok(eng_engine *e) {
 /* Queues one greedy step of e->batch[0, n) (tokens: their pending tokens; NULL: the device's
  * tokens of the step in flight) and records it as the step in flight. */
 static mt_status ahead_queue(eng_engine *e, eng_seq **batch, int n, bool from_device) {
-    for (int i = 0; i < n; i++) {
-        e->gs[i] = batch[i]->gs;
-        e->ahead_tok[i] = batch[i]->pending;
-    }
+    batch_inputs(e, batch, n);
     mt_error err = { "" };
     int64_t ticket = -1;
-    const mt_status st = glm_decode_greedy(e->m, e->gs, from_device ? NULL : e->ahead_tok, n, &ticket, &err);
+    const mt_status st = glm_decode_greedy(e->m, e->gs, from_device ? NULL : e->tok, n, &ticket, &err);
     if (st != MT_OK) {
         mt_log(MT_LOG_WARN, "engine: greedy step of %d sequences not run ahead (%s)", n, err.msg);
         return st;

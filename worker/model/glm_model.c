@@ -281,6 +281,12 @@ mt_status glm_model_ensure_pools(glm_model *m, mt_error *err) {
     return m->n_slots > 0 ? MT_OK : pools_default(m, err);
 }
 
+/* An upload in the backend's order of work, without a round trip where the backend offers one
+ * (upload_async). */
+static void upload_ordered(mt_backend *be, void *dst, const void *src, size_t bytes) {
+    (be->ops->upload_async ? be->ops->upload_async : be->ops->upload)(be, dst, src, bytes);
+}
+
 /* s's state moves outside the greedy chain (or s goes away): the device's token table is no
  * longer the next input of the chain's sequences. */
 static void ahead_forget(glm_model *m, const glm_seq *s) {
@@ -317,9 +323,7 @@ mt_status glm_seq_reserve(glm_seq *s, int n, mt_error *err) {
     }
     s->n_blocks = need;
     /* in the backend's order of work: a step in flight reads only the blocks before `first` */
-    void (*up)(mt_backend *, void *, const void *, size_t) = m->be->ops->upload_async ? m->be->ops->upload_async
-                                                                                      : m->be->ops->upload;
-    up(m->be, s->d_bt + first, s->h_bt + first, sizeof(int32_t) * (size_t)(need - first));
+    upload_ordered(m->be, s->d_bt + first, s->h_bt + first, sizeof(int32_t) * (size_t)(need - first));
     return MT_OK;
 }
 
@@ -695,8 +699,6 @@ static void rows_upload(glm_model *m, glm_seq **seqs, const int32_t *tokens, int
     const glm_config *c = &m->cfg;
     const int L = c->num_hidden_layers, S = c->hc_mult, cap = m->rcap;
     mt_backend *be = m->be;
-    void (*up)(mt_backend *, void *, const void *, size_t) = be->ops->upload_async ? be->ops->upload_async
-                                                                                   : be->ops->upload;
     /* h_rtab mirrors d_rtab (both start zeroed; only this function writes either), so only the
      * span of entries that changed goes up: none while the batch keeps its sequences. */
     size_t lo = SIZE_MAX, hi = 0;
@@ -717,8 +719,8 @@ static void rows_upload(glm_model *m, glm_seq **seqs, const int32_t *tokens, int
             }
         }
     }
-    up(be, m->d_rrow, m->h_rrow, sizeof(int32_t) * (size_t)B * (tokens ? 1 + S : 1));
-    if (lo <= hi) up(be, m->d_rtab + lo, m->h_rtab + lo, sizeof(void *) * (hi - lo + 1));
+    upload_ordered(be, m->d_rrow, m->h_rrow, sizeof(int32_t) * (size_t)B * (tokens ? 1 + S : 1));
+    if (lo <= hi) upload_ordered(be, m->d_rtab + lo, m->h_rtab + lo, sizeof(void *) * (hi - lo + 1));
 }
 
 /* One batched step of B rows from the uploaded tables, through every layer's decode_multi_seq
