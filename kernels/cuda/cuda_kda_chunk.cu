@@ -18,7 +18,7 @@
  *       as bf16 planes to the chunk's record.
  *     kc_state_kernel, one block per (head, 64 value columns), chunks in sequence: the state slice
  *       [128, 64] stays in fp32 registers; per chunk four small GEMMs read the record through
- *       cp.async (prefetched a phase ahead): X = KX S0 and Y = QX S0; delta = Tb (V - X);
+ *       bulk copies (a phase ahead): X = KX S0 and Y = QX S0; delta = Tb (V - X);
  *       o = Y + B delta; S = e^{G_L} S + KL^T delta.
  *   Every tensor-core operand x is split into bf16 parts x = hi + lo (hi = bf16(x),
  *   lo = bf16(x - hi)) and a product a b is hi_a hi_b + hi_a lo_b + lo_a hi_b: 16 significant bits,
@@ -347,21 +347,26 @@ enum {
     KC_COLS = 64,                 /* value columns per kc_state_kernel block */
     KC_SEG_CHUNKS = 64,           /* chunks per segment: bounds the record scratch (4096 steps,
                                      nh * 8.2 MiB at 64 chunks) */
-    /* chunk record (bf16 units; offsets multiples of 8 = 16 bytes, for cp.async) */
+    /* chunk record (bf16 units; offsets multiples of 8 = 16 bytes). The planes are stored
+     * swizzled (kc_swz) so that the state kernel copies each of its two sets with whole-plane
+     * bulk copies into unpadded shared rows and still reads them without bank conflicts; each
+     * set is contiguous, its hi planes first (single rounding copies only those). */
     KC_PLANE = KDA_CHUNK * KDA_MAX_DK, /* [64, 128] plane */
     KC_SMALL = KDA_CHUNK * KDA_CHUNK,  /* [64, 64] plane */
-    KC_KXH = 0,                   /* KX = k e^G        [64 steps, 128 channels] hi, then lo */
-    KC_KXL = KC_KXH + KC_PLANE,
-    KC_QXH = KC_KXL + KC_PLANE,   /* QX = q e^G        [64, 128] */
-    KC_QXL = KC_QXH + KC_PLANE,
-    KC_KLH = KC_QXL + KC_PLANE,   /* KL = k e^{G_L-G}  [64, 128] */
-    KC_KLL = KC_KLH + KC_PLANE,
-    KC_TBH = KC_KLL + KC_PLANE,   /* Tb = (I + diag(beta) A)^-1 diag(beta)  [64 i, 64 j], lower */
-    KC_TBL = KC_TBH + KC_SMALL,
-    KC_AQH = KC_TBL + KC_SMALL,   /* B (q k^T with decay) [64 i, 64 j], lower with diagonal */
-    KC_AQL = KC_AQH + KC_SMALL,
-    KC_EGL = KC_AQL + KC_SMALL,   /* e^{G_L} [128] fp32 (256 bf16 slots) */
-    KC_REC = KC_EGL + 2 * KDA_MAX_DK,
+    KC_KXH = 0,                   /* set A: KX = k e^G  [64 steps, 128 channels] */
+    KC_QXH = KC_KXH + KC_PLANE,   /*        QX = q e^G  [64, 128] */
+    KC_KXL = KC_QXH + KC_PLANE,   /*        lo parts */
+    KC_QXL = KC_KXL + KC_PLANE,
+    KC_EGL = KC_QXL + KC_PLANE,   /* set B: e^{G_L} [128] fp32 (256 bf16 slots) */
+    KC_KLH = KC_EGL + 2 * KDA_MAX_DK, /*    KL = k e^{G_L-G}  [64, 128] */
+    KC_TBH = KC_KLH + KC_PLANE,   /*        Tb = (I + diag(beta) A)^-1 diag(beta)  [64 i, 64 j], lower */
+    KC_AQH = KC_TBH + KC_SMALL,   /*        B (q k^T with decay) [64 i, 64 j], lower with diagonal */
+    KC_KLL = KC_AQH + KC_SMALL,   /*        lo parts */
+    KC_TBL = KC_KLL + KC_PLANE,
+    KC_AQL = KC_TBL + KC_SMALL,
+    KC_REC = KC_AQL + KC_SMALL,
+    KC_SETA_HI = 2 * KC_PLANE,    /* set A's hi planes; TERMS 2: twice that */
+    KC_SETB_HI = KC_KLL - KC_EGL, /* set B's e^{G_L} and hi planes; TERMS 2: KC_REC - KC_EGL */
     /* kc_intra_kernel shared memory (floats): the item's buffer, then small arrays */
     KI_LDF = KDA_MAX_DK + 8,      /* [64, 128] fp32 rows 8 banks apart: the float2 fragment reads of
                                      a half warp (4 rows x 4 column pairs) hit 32 distinct banks */
@@ -381,26 +386,27 @@ enum {
     KI_GL = KI_EL + 4 * KDA_MAX_DK,    /* G_L [128] */
     KI_BT = KI_GL + KDA_MAX_DK,        /* beta [64] */
     KI_FLOATS = KI_BT + KDA_CHUNK,     /* 28608 floats = 114432 bytes: two blocks per SM */
-    /* kc_state_kernel shared memory (bf16 units); rows padded by 8 (16 bytes) so the 8 row
-     * addresses of an ldmatrix fall in distinct bank groups */
-    KS_LDA = KDA_MAX_DK + 8,      /* [64, 128] planes: 272-byte rows */
+    /* kc_state_kernel shared memory (bf16 units): sets A (read by P1) and B (read by P3, P4) as
+     * in the record (swizzled, unpadded); then the kernel's own planes, rows padded by 8 (16
+     * bytes) so the 8 row addresses of an ldmatrix fall in distinct bank groups */
     KS_LDB = KDA_CHUNK + 8,       /* [*, 64] planes: 144-byte rows */
-    KS_KXH = 0,                   /* set A (read by P1 only) */
-    KS_KXL = KS_KXH + KDA_CHUNK * KS_LDA,
-    KS_QXH = KS_KXL + KDA_CHUNK * KS_LDA,
-    KS_QXL = KS_QXH + KDA_CHUNK * KS_LDA,
-    KS_KLH = KS_QXL + KDA_CHUNK * KS_LDA, /* set B (read by P3, P4) */
-    KS_KLL = KS_KLH + KDA_CHUNK * KS_LDA,
-    KS_TBH = KS_KLL + KDA_CHUNK * KS_LDA,
-    KS_TBL = KS_TBH + KDA_CHUNK * KS_LDB,
-    KS_AQH = KS_TBL + KDA_CHUNK * KS_LDB,
-    KS_AQL = KS_AQH + KDA_CHUNK * KS_LDB,
-    KS_EGL = KS_AQL + KDA_CHUNK * KS_LDB, /* [128] fp32 */
-    KS_SH = KS_EGL + 2 * KDA_MAX_DK,      /* S0 [128 d, 64 columns] hi, lo: the B operand of P1 */
+    KS_KXH = KC_KXH,              /* set A */
+    KS_QXH = KC_QXH,
+    KS_KXL = KC_KXL,
+    KS_QXL = KC_QXL,
+    KS_EGL = KC_EGL,              /* set B: [128] fp32 */
+    KS_KLH = KC_KLH,
+    KS_TBH = KC_TBH,
+    KS_AQH = KC_AQH,
+    KS_KLL = KC_KLL,
+    KS_TBL = KC_TBL,
+    KS_AQL = KC_AQL,
+    KS_SH = KC_REC,                       /* S0 [128 d, 64 columns] hi, lo: the B operand of P1 */
     KS_SL = KS_SH + KDA_MAX_DK * KS_LDB,
     KS_RH = KS_SL + KDA_MAX_DK * KS_LDB,  /* R = V - X [64 j, 64 columns], then delta */
     KS_RL = KS_RH + KDA_CHUNK * KS_LDB,
-    KS_BF16 = KS_RL + KDA_CHUNK * KS_LDB, /* 98560 bf16 = 197120 bytes */
+    KS_BAR = KS_RL + KDA_CHUNK * KS_LDB,  /* two mbarriers (sets A, B): 8 bf16 slots */
+    KS_BF16 = KS_BAR + 8,                 /* 93448 bf16 = 186896 bytes */
 };
 
 /* The intra-chunk products use one reference per 16-step sub-block and channel,
@@ -496,14 +502,22 @@ static __device__ __forceinline__ void kc_ldsm4t(uint32_t r[4], const __nv_bfloa
  *     (r0 = k0, c0 = m0; gives a[0..3] of rows m0.., k k0..)
  *   B, storage [k][n] (row-major B), .trans: row r0 + (l & 7) + ((l >> 3) & 1) * 8, col c0 + (l >> 4) * 8
  *     (r0 = k0, c0 = n0; gives b0, b1 of columns n0.. in r[0], r[1] and of n0 + 8.. in r[2], r[3]) */
-static __device__ __forceinline__ const __nv_bfloat16 *kc_at_a(const __nv_bfloat16 *s, int ld, int r0, int c0, int l) {
-    return s + (r0 + (l & 15)) * ld + c0 + (l >> 4) * 8;
-}
-static __device__ __forceinline__ const __nv_bfloat16 *kc_at_at(const __nv_bfloat16 *s, int ld, int r0, int c0, int l) {
-    return s + (r0 + (l & 7) + (l >> 4) * 8) * ld + c0 + ((l >> 3) & 1) * 8;
-}
 static __device__ __forceinline__ const __nv_bfloat16 *kc_at_b(const __nv_bfloat16 *s, int ld, int r0, int c0, int l) {
     return s + (r0 + (l & 7) + ((l >> 3) & 1) * 8) * ld + c0 + (l >> 4) * 8;
+}
+
+/* Swizzled record planes (rows of rl = 64 or 128 bf16): the 16-byte piece c8 = col / 8 of row r
+ * lies at piece c8 ^ (r & 7), so the 8 consecutive rows of an ldmatrix hit 8 distinct bank
+ * groups with no padding. */
+static __host__ __device__ __forceinline__ int kc_swz(int rl, int r, int col) {
+    return r * rl + ((((col >> 3) ^ (r & 7))) << 3) + (col & 7);
+}
+/* Addresses of A fragments (row-major A; A^T stored, .trans) on a swizzled plane, by the rules above */
+static __device__ __forceinline__ const __nv_bfloat16 *kc_sw_a(const __nv_bfloat16 *s, int rl, int r0, int c0, int l) {
+    return s + kc_swz(rl, r0 + (l & 15), c0 + (l >> 4) * 8);
+}
+static __device__ __forceinline__ const __nv_bfloat16 *kc_sw_at(const __nv_bfloat16 *s, int rl, int r0, int c0, int l) {
+    return s + kc_swz(rl, r0 + (l & 7) + (l >> 4) * 8, c0 + ((l >> 3) & 1) * 8);
 }
 
 /* A fragment (rows p, p + 8 ld; columns 0..1 and 8..9 from p) from fp32 shared memory, split. */
@@ -527,6 +541,37 @@ static __device__ __forceinline__ void kc_prefetch_l2(const void *gmem) {
 }
 static __device__ __forceinline__ void kc_cp_commit(void) { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 static __device__ __forceinline__ void kc_cp_wait_all(void) { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+/* Bulk copies (the copy engine, cp.async.bulk) that complete on a shared-memory mbarrier. A
+ * barrier's phase completes once its single arrival (kc_mbar_expect, with the phase's byte count)
+ * is in and all those bytes have landed; bytes may land before the arrival (the count goes
+ * negative meanwhile). */
+static __device__ __forceinline__ uint32_t kc_saddr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+static __device__ __forceinline__ void kc_mbar_init(uint64_t *bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(kc_saddr(bar)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+static __device__ __forceinline__ void kc_mbar_expect(uint64_t *bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(kc_saddr(bar)), "r"(bytes) : "memory");
+}
+static __device__ __forceinline__ void kc_mbar_wait(uint64_t *bar, uint32_t parity) {
+    asm volatile("{\n"
+                 ".reg .pred done;\n"
+                 "KC_WAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra KC_WAIT;\n"
+                 "}\n" ::"r"(kc_saddr(bar)),
+                 "r"(parity)
+                 : "memory");
+}
+/* Bulk copy of `bytes` (a multiple of 16, both ends 16-byte aligned) completing on bar. The fence
+ * orders this thread's earlier generic accesses of shared memory before the copy's writes. */
+static __device__ __forceinline__ void kc_bulk(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(kc_saddr(dst)),
+                 "l"(src), "r"(bytes), "r"(kc_saddr(bar))
+                 : "memory");
+}
 
 /* ---- kc_intra_kernel ----
  * One block of 256 threads per item (chunk c of the segment, head h). Steps:
@@ -681,7 +726,7 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
 
     /* 4: factors in place, record planes. Thread: 8 consecutive channels of a row. */
     for (int e = tid; e < KDA_CHUNK * KDA_MAX_DK / 8; e += KC_THREADS) {
-        const int i = e >> 4, d = (e & 15) * 8, x = i * KI_LDF + d, o = i * KDA_MAX_DK + d;
+        const int i = e >> 4, d = (e & 15) * 8, x = i * KI_LDF + d, o = kc_swz(KDA_MAX_DK, i, d);
         float4 k0 = *reinterpret_cast<const float4 *>(Ks + x), k1 = *reinterpret_cast<const float4 *>(Ks + x + 4);
         float4 q0 = *reinterpret_cast<const float4 *>(Qs + x), q1 = *reinterpret_cast<const float4 *>(Qs + x + 4);
         const float4 g0 = *reinterpret_cast<const float4 *>(Gs + x), g1 = *reinterpret_cast<const float4 *>(Gs + x + 4);
@@ -861,7 +906,7 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
 
     /* 7: Tb, B, e^{G_L} */
     for (int e = tid; e < KDA_CHUNK * KDA_CHUNK / 2; e += KC_THREADS) {
-        const int i = e >> 5, j = (e & 31) * 2, o = i * KDA_CHUNK + j;
+        const int i = e >> 5, j = (e & 31) * 2, o = kc_swz(KDA_CHUNK, i, j);
         uint32_t hi, lw;
         kc_split2(Ts[i * KI_LDM + j] * bts[j], Ts[i * KI_LDM + j + 1] * bts[j + 1], &hi, &lw);
         *reinterpret_cast<uint32_t *>(rec + KC_TBH + o) = hi;
@@ -889,27 +934,21 @@ static __global__ void __launch_bounds__(KC_THREADS, 2) kc_intra_kernel(chunk_pa
 }
 
 /* ---- kc_state_kernel ----
- * Block = (64 value columns j0.., head h), 256 threads (8 warps), one block per SM (197 KB of
+ * Block = (64 value columns j0.., head h), 256 threads (8 warps), one block per SM (187 KB of
  * shared memory). The state slice S [128 d, 64 columns] lives in fp32 registers: warp w holds
- * rows 16w..16w+15 as the accumulators of 8 n8 tiles. Per chunk (record planes through cp.async;
- * set A = KX, QX is loaded during the previous chunk's P3-P4, set B = KL, Tb, B, e^{G_L} during
- * this chunk's P1-P2; the records two chunks ahead and v one chunk ahead are prefetched to L2 and
- * v of the next chunk is loaded to registers after P2):
+ * rows 16w..16w+15 as the accumulators of 8 n8 tiles. Per chunk (the record's two sets by bulk
+ * copies, a few per set, each completing on the set's mbarrier: set A = KX, QX is loaded during
+ * the previous chunk's P3-P4, set B = KL, Tb, B, e^{G_L} during this chunk's P1-P2; the records
+ * two chunks ahead and v one chunk ahead are prefetched to L2 and v of the next chunk is loaded
+ * to registers after P2). Bulk copies replaced per-thread 16-byte cp.async (32 a thread and
+ * chunk, padded rows): the state kernel went from 0.428 to 0.343 ms at 4096 x 64 x 128 on the
+ * H200 (docs/bench/2026-11-29-h200-session8.md); one bulk copy per row was slower (0.500 ms).
  *   P1 X = KX S0, Y = QX S0       [64, 64] each, K = 128 (S0 = bf16 hi/lo copy of S in smem)
  *   P2 R = V - X                   to smem (bf16 hi/lo)
  *   P3 delta = Tb R                [64, 64], K = 64 (Tb lower: k blocks <= the row block)
  *   P4 o = Y + B delta, stored;    S = e^{G_L} S + KL^T delta  [128, 64], K = 64; S0 = bf16(S)
  * Warp tile of P1-P4a: rows 16 rb.. (rb = w / 2: the two warps of a scheduler differ in rb, which
  * evens out the triangular P3/P4a), columns 32 ch.. (ch = w % 2) of the block's 64. */
-static __device__ __forceinline__ void kc_copy_rows(__nv_bfloat16 *dst, int ldd, const __nv_bfloat16 *src,
-                                                    int cols, int tid) {
-    const int per_row = cols / 8; /* 16-byte pieces */
-    for (int e = tid; e < KDA_CHUNK * per_row; e += KC_THREADS) {
-        const int r = e / per_row, c8 = (e % per_row) * 8;
-        kc_cp16(dst + r * ldd + c8, src + r * cols + c8);
-    }
-}
-
 /* Part `part` of `parts` of the 128-byte lines of rec[off, off + len) (bf16 units) into L2. */
 static __device__ __forceinline__ void kc_prefetch_range(const __nv_bfloat16 *rec, int off, int len, int part,
                                                          int parts, int tid) {
@@ -922,41 +961,27 @@ static __device__ __forceinline__ void kc_prefetch_range(const __nv_bfloat16 *re
  * kernel reads, into L2 two chunks ahead of its cp.async loads. */
 template <int TERMS>
 static __device__ __forceinline__ void kc_prefetch_rec(const __nv_bfloat16 *rec, int part, int parts, int tid) {
-    if (TERMS > 1) {
-        kc_prefetch_range(rec, 0, KC_REC, part, parts, tid);
-    } else {
-        kc_prefetch_range(rec, KC_KXH, KC_PLANE, part, parts, tid);
-        kc_prefetch_range(rec, KC_QXH, KC_PLANE, part, parts, tid);
-        kc_prefetch_range(rec, KC_KLH, KC_PLANE, part, parts, tid);
-        kc_prefetch_range(rec, KC_TBH, KC_SMALL, part, parts, tid);
-        kc_prefetch_range(rec, KC_AQH, KC_SMALL, part, parts, tid);
-        kc_prefetch_range(rec, KC_EGL, 2 * KDA_MAX_DK, part, parts, tid);
-    }
+    kc_prefetch_range(rec, KC_KXH, TERMS * KC_SETA_HI, part, parts, tid);
+    kc_prefetch_range(rec, KC_EGL, TERMS > 1 ? KC_REC - KC_EGL : KC_SETB_HI, part, parts, tid);
+}
+
+/* Sets A and B of a record into shared memory: a bulk copy per plane, issued by lanes of warp
+ * 0, whose lane 0 also arrives on the set's barrier with the byte count. */
+template <int TERMS>
+static __device__ __forceinline__ void kc_load_set_a(__nv_bfloat16 *sb, const __nv_bfloat16 *rec, uint64_t *bar, int tid) {
+    if (tid == 0) kc_mbar_expect(bar, TERMS * KC_SETA_HI * 2);
+    if (tid < 2 * TERMS) kc_bulk(sb + KS_KXH + tid * KC_PLANE, rec + KC_KXH + tid * KC_PLANE, KC_PLANE * 2, bar);
 }
 
 template <int TERMS>
-static __device__ __forceinline__ void kc_load_set_a(__nv_bfloat16 *sb, const __nv_bfloat16 *rec, int tid) {
-    kc_copy_rows(sb + KS_KXH, KS_LDA, rec + KC_KXH, KDA_MAX_DK, tid);
-    kc_copy_rows(sb + KS_QXH, KS_LDA, rec + KC_QXH, KDA_MAX_DK, tid);
-    if (TERMS > 1) {
-        kc_copy_rows(sb + KS_KXL, KS_LDA, rec + KC_KXL, KDA_MAX_DK, tid);
-        kc_copy_rows(sb + KS_QXL, KS_LDA, rec + KC_QXL, KDA_MAX_DK, tid);
+static __device__ __forceinline__ void kc_load_set_b(__nv_bfloat16 *sb, const __nv_bfloat16 *rec, uint64_t *bar, int tid) {
+    /* pieces: e^{G_L} with KL hi; Tb hi, B hi; (KL lo; Tb lo, B lo) */
+    if (tid == 0) kc_mbar_expect(bar, (TERMS > 1 ? KC_REC - KC_EGL : KC_SETB_HI) * 2);
+    if (tid < 3 * TERMS) {
+        const int a = tid == 0 ? KC_EGL : tid == 1 ? KC_TBH : tid == 2 ? KC_AQH : tid == 3 ? KC_KLL : tid == 4 ? KC_TBL : KC_AQL;
+        const int b = tid == 0 ? KC_TBH : tid == 1 ? KC_AQH : tid == 2 ? KC_KLL : tid == 3 ? KC_TBL : tid == 4 ? KC_AQL : KC_REC;
+        kc_bulk(sb + a, rec + a, (b - a) * 2, bar);
     }
-    kc_cp_commit();
-}
-
-template <int TERMS>
-static __device__ __forceinline__ void kc_load_set_b(__nv_bfloat16 *sb, const __nv_bfloat16 *rec, int tid) {
-    kc_copy_rows(sb + KS_KLH, KS_LDA, rec + KC_KLH, KDA_MAX_DK, tid);
-    kc_copy_rows(sb + KS_TBH, KS_LDB, rec + KC_TBH, KDA_CHUNK, tid);
-    kc_copy_rows(sb + KS_AQH, KS_LDB, rec + KC_AQH, KDA_CHUNK, tid);
-    if (TERMS > 1) {
-        kc_copy_rows(sb + KS_KLL, KS_LDA, rec + KC_KLL, KDA_MAX_DK, tid);
-        kc_copy_rows(sb + KS_TBL, KS_LDB, rec + KC_TBL, KDA_CHUNK, tid);
-        kc_copy_rows(sb + KS_AQL, KS_LDB, rec + KC_AQL, KDA_CHUNK, tid);
-    }
-    if (tid < KDA_MAX_DK / 4) kc_cp16(sb + KS_EGL + 8 * tid, rec + KC_EGL + 8 * tid);
-    kc_cp_commit();
 }
 
 /* The state registers (rows 16w + g8 (+8), columns 8nt + 2c4 (+1)) to the S0 planes. */
@@ -1009,7 +1034,13 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_kernel(chunk_pa
     float *Sg = p.state + (size_t)h * dk * dk;
 
     const int ncb = gridDim.x;
-    kc_load_set_a<TERMS>(sb, rec0, tid);
+    uint64_t *barA = reinterpret_cast<uint64_t *>(sb + KS_BAR), *barB = barA + 1;
+    if (tid == 0) {
+        kc_mbar_init(barA);
+        kc_mbar_init(barB);
+    }
+    __syncthreads();
+    kc_load_set_a<TERMS>(sb, rec0, barA, tid);
     if (p.nck > 1) kc_prefetch_rec<TERMS>(rec0 + KC_REC, blockIdx.x, ncb, tid);
     float S[8][4];
 #pragma unroll
@@ -1026,9 +1057,9 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_kernel(chunk_pa
     for (int c = 0; c < p.nck; c++) {
         const int t0 = p.t0 + c * KDA_CHUNK, Lc = p.n - t0 < KDA_CHUNK ? p.n - t0 : KDA_CHUNK;
         const __nv_bfloat16 *rec = rec0 + (size_t)c * KC_REC;
-        kc_cp_wait_all();
+        kc_mbar_wait(barA, c & 1);
         __syncthreads(); /* set A(c) and S0 in place; sets B and R free (P4 of c-1 is done) */
-        kc_load_set_b<TERMS>(sb, rec, tid);
+        kc_load_set_b<TERMS>(sb, rec, barB, tid);
         if (c + 2 < p.nck) kc_prefetch_rec<TERMS>(rec + 2 * KC_REC, blockIdx.x, ncb, tid);
         if (tid < 2 * KDA_CHUNK && t0 + 2 * KDA_CHUNK + (tid >> 1) < p.n && j0 + 32 * (tid & 1) < dk)
             kc_prefetch_l2(p.v + ((size_t)(t0 + 2 * KDA_CHUNK + (tid >> 1)) * p.nh + h) * dk + j0 + 32 * (tid & 1));
@@ -1042,11 +1073,11 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_kernel(chunk_pa
 #pragma unroll 2
         for (int ks = 0; ks < KDA_MAX_DK / 16; ks++) {
             uint32_t kh[4], kl[4], qh[4], ql[4];
-            kc_ldsm4(kh, kc_at_a(sb + KS_KXH, KS_LDA, 16 * rb, 16 * ks, l));
-            kc_ldsm4(qh, kc_at_a(sb + KS_QXH, KS_LDA, 16 * rb, 16 * ks, l));
+            kc_ldsm4(kh, kc_sw_a(sb + KS_KXH, KDA_MAX_DK, 16 * rb, 16 * ks, l));
+            kc_ldsm4(qh, kc_sw_a(sb + KS_QXH, KDA_MAX_DK, 16 * rb, 16 * ks, l));
             if (TERMS > 1) {
-                kc_ldsm4(kl, kc_at_a(sb + KS_KXL, KS_LDA, 16 * rb, 16 * ks, l));
-                kc_ldsm4(ql, kc_at_a(sb + KS_QXL, KS_LDA, 16 * rb, 16 * ks, l));
+                kc_ldsm4(kl, kc_sw_a(sb + KS_KXL, KDA_MAX_DK, 16 * rb, 16 * ks, l));
+                kc_ldsm4(ql, kc_sw_a(sb + KS_QXL, KDA_MAX_DK, 16 * rb, 16 * ks, l));
             }
             uint32_t bh[2][4], bl[2][4];
 #pragma unroll
@@ -1068,9 +1099,9 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_kernel(chunk_pa
                 *reinterpret_cast<uint32_t *>(sb + KS_RL + o) = lw;
             }
         if (c + 1 < p.nck) kc_load_v(p, vr, t0 + KDA_CHUNK, h, j0, rb, ch, g8, c4);
-        kc_cp_wait_all();
+        kc_mbar_wait(barB, c & 1);
         __syncthreads(); /* set B(c) and R in place; set A is free */
-        if (c + 1 < p.nck) kc_load_set_a<TERMS>(sb, rec + KC_REC, tid);
+        if (c + 1 < p.nck) kc_load_set_a<TERMS>(sb, rec + KC_REC, barA, tid);
 
         /* P3: delta = Tb R over k blocks 0..rb */
         float D[4][4];
@@ -1080,8 +1111,8 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_kernel(chunk_pa
             for (int r = 0; r < 4; r++) D[nt][r] = 0.f;
         for (int ks = 0; ks <= rb; ks++) {
             uint32_t th[4], tl[4];
-            kc_ldsm4(th, kc_at_a(sb + KS_TBH, KS_LDB, 16 * rb, 16 * ks, l));
-            if (TERMS > 1) kc_ldsm4(tl, kc_at_a(sb + KS_TBL, KS_LDB, 16 * rb, 16 * ks, l));
+            kc_ldsm4(th, kc_sw_a(sb + KS_TBH, KDA_CHUNK, 16 * rb, 16 * ks, l));
+            if (TERMS > 1) kc_ldsm4(tl, kc_sw_a(sb + KS_TBL, KDA_CHUNK, 16 * rb, 16 * ks, l));
             uint32_t bh[2][4], bl[2][4];
 #pragma unroll
             for (int np = 0; np < 2; np++) {
@@ -1106,8 +1137,8 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_kernel(chunk_pa
         /* P4a: o = Y + B delta over k blocks 0..rb */
         for (int ks = 0; ks <= rb; ks++) {
             uint32_t ah[4], al[4];
-            kc_ldsm4(ah, kc_at_a(sb + KS_AQH, KS_LDB, 16 * rb, 16 * ks, l));
-            if (TERMS > 1) kc_ldsm4(al, kc_at_a(sb + KS_AQL, KS_LDB, 16 * rb, 16 * ks, l));
+            kc_ldsm4(ah, kc_sw_a(sb + KS_AQH, KDA_CHUNK, 16 * rb, 16 * ks, l));
+            if (TERMS > 1) kc_ldsm4(al, kc_sw_a(sb + KS_AQL, KDA_CHUNK, 16 * rb, 16 * ks, l));
             uint32_t bh[2][4], bl[2][4];
 #pragma unroll
             for (int np = 0; np < 2; np++) {
@@ -1146,8 +1177,8 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_kernel(chunk_pa
 #pragma unroll
         for (int ks = 0; ks < KDA_CHUNK / 16; ks++) {
             uint32_t ah[4], al[4];
-            kc_ldsm4t(ah, kc_at_at(sb + KS_KLH, KS_LDA, 16 * ks, 16 * w, l));
-            if (TERMS > 1) kc_ldsm4t(al, kc_at_at(sb + KS_KLL, KS_LDA, 16 * ks, 16 * w, l));
+            kc_ldsm4t(ah, kc_sw_at(sb + KS_KLH, KDA_MAX_DK, 16 * ks, 16 * w, l));
+            if (TERMS > 1) kc_ldsm4t(al, kc_sw_at(sb + KS_KLL, KDA_MAX_DK, 16 * ks, 16 * w, l));
             uint32_t bh[4][4], bl[4][4];
 #pragma unroll
             for (int np = 0; np < 4; np++) {
