@@ -379,6 +379,7 @@ enum {
     KI_AQ = KI_M + KDA_CHUNK * KI_LDM, /* B                [64, KI_LDM] */
     KI_T = KI_AQ + KDA_CHUNK * KI_LDM, /* T = (I + M)^-1   [64, KI_LDM] */
     KI_Z = KI_T + KDA_CHUNK * KI_LDM,  /* round products   [3, 16, 16] */
+    KI_P = KI_Z + 3 * 16 * 16,         /* step 5's split units: [8 warps, 16 values, 32 lanes], below KI_BUF */
     KI_R = KI_BUF,                     /* sub-block references R [4, 128] */
     KI_E = KI_R + 4 * KDA_MAX_DK,      /* e^{R_I - R_J}, I > J [6, 128] */
     KI_ER = KI_E + 6 * KDA_MAX_DK,     /* e^{R_J} [4, 128] */
@@ -408,6 +409,8 @@ enum {
     KS_BAR = KS_RL + KDA_CHUNK * KS_LDB,  /* two mbarriers (sets A, B): 8 bf16 slots */
     KS_BF16 = KS_BAR + 8,                 /* 93448 bf16 = 186896 bytes */
 };
+
+static_assert(KI_P + 8 * 16 * 32 <= KI_BUF, "step 5's partial sums overlap the small arrays");
 
 /* The intra-chunk products use one reference per 16-step sub-block and channel,
  * R = (max G + min G) / 2 over the sub-block, and factor e^{G_i - G_j} =
@@ -645,6 +648,21 @@ static __device__ __forceinline__ void kc_intra_load(const chunk_params &p, floa
     if (tid < KDA_CHUNK) bts[tid] = tid < Lc ? p.beta[(size_t)(t0 + tid) * p.nh + h] : 0.f;
 }
 
+/* Step 5's accumulators of unit u (sub-block I, J) to M = diag(beta) A (strictly lower) and B
+ * (lower with the diagonal), in shared memory. */
+static __device__ __forceinline__ void kc_unit_store(float *Ms, float *Aq, const float *bts, int u, const float (*acc)[2][4],
+                                                     int g8, int c4) {
+    const int I = u >= 6 ? 3 : u >= 3 ? 2 : u >= 1 ? 1 : 0, J = u - I * (I + 1) / 2;
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const int i = 16 * I + g8 + 8 * (r >> 1), j = 16 * J + 8 * nt + 2 * c4 + (r & 1);
+            Ms[i * KI_LDM + j] = (I > J || j < i) ? bts[i] * acc[0][nt][r] : 0.f;
+            Aq[i * KI_LDM + j] = (I > J || j <= i) ? acc[1][nt][r] : 0.f;
+        }
+}
+
 /* Steps 2-7 of item `item`, whose k, q, g and beta are in buf and bts (all threads see them). */
 static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, float *sm, float *buf, const float *bts,
                                                      int item, int tid) {
@@ -772,7 +790,11 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
     __syncthreads();
 
     /* 5: sub-block products. Unit u -> (I, J): 0 (0,0) 1 (1,0) 2 (1,1) 3 (2,0) 4 (2,1) 5 (2,2)
-     * 6 (3,0) 7 (3,1) 8 (3,2) 9 (3,3); warp w takes units w and w + 8. acc[slot][A or B][n8 tile]. */
+     * 6 (3,0) 7 (3,1) 8 (3,2) 9 (3,3). Slot 0: warp w takes unit w (warp 7: unit 9) whole; slot 1:
+     * units 7 and 8, which 6b needs last, are split by channel quarters (two k steps) over warps
+     * 0-3 and 4-7, whose partial sums are added in a fixed order later (kc_unit_reduce): no warp
+     * does more than 1.25 units (two whole units a warp took twice as long as the rest).
+     * acc[slot][A or B][n8 tile]. */
     const int g8 = lane >> 2, c4 = lane & 3;
     float acc[2][2][2][4];
 #pragma unroll
@@ -786,11 +808,12 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
     if (!fallback) {
 #pragma unroll
         for (int s = 0; s < 2; s++) {
-            const int u = w + 8 * s;
-            if (u < 10) {
+            const int u = s ? 7 + (w >> 2) : w == 7 ? 9 : w;
+            const int ks0 = s ? 2 * (w & 3) : 0, ks1 = s ? ks0 + 2 : KDA_MAX_DK / 16;
+            {
                 const int I = u >= 6 ? 3 : u >= 3 ? 2 : u >= 1 ? 1 : 0, J = u - I * (I + 1) / 2;
                 const float *ep = I > J ? Es + (I * (I - 1) / 2 + J) * KDA_MAX_DK : NULL;
-                for (int ks = 0; ks < KDA_MAX_DK / 16; ks++) {
+                for (int ks = ks0; ks < ks1; ks++) {
                     const int d0 = 16 * ks + 2 * c4;
                     uint32_t kh[4], kl[4], qh[4], ql[4];
                     kc_frag_a_f32(Ks + (16 * I + g8) * KI_LDF + d0, KI_LDF, kh, kl);
@@ -850,21 +873,14 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
                 Aq[i * KI_LDM + jj] = (live && jj <= i) ? fb[x][y] : 0.f;
             }
     } else {
+        kc_unit_store(Ms, Aq, bts, w == 7 ? 9 : w, acc[0], g8, c4);
+        float *pp = sm + KI_P + (w * 16) * 32 + lane; /* slot 1's partial sums, lane-minor */
 #pragma unroll
-        for (int s = 0; s < 2; s++) {
-            const int u = w + 8 * s;
-            if (u < 10) {
-                const int I = u >= 6 ? 3 : u >= 3 ? 2 : u >= 1 ? 1 : 0, J = u - I * (I + 1) / 2;
+        for (int m = 0; m < 2; m++)
 #pragma unroll
-                for (int nt = 0; nt < 2; nt++)
+            for (int nt = 0; nt < 2; nt++)
 #pragma unroll
-                    for (int r = 0; r < 4; r++) {
-                        const int i = 16 * I + g8 + 8 * (r >> 1), j = 16 * J + 8 * nt + 2 * c4 + (r & 1);
-                        Ms[i * KI_LDM + j] = (I > J || j < i) ? bts[i] * acc[s][0][nt][r] : 0.f;
-                        Aq[i * KI_LDM + j] = (I > J || j <= i) ? acc[s][1][nt][r] : 0.f;
-                    }
-            }
-        }
+                for (int r = 0; r < 4; r++) pp[(8 * m + 4 * nt + r) * 32] = acc[1][m][nt][r];
     }
     __syncthreads();
 
@@ -872,16 +888,39 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
      * and split the sum over j by j mod 4; the part that owns row i (i mod 4) writes it. */
     {
         const int b = tid >> 6, m = (tid >> 2) & 15, part = tid & 3, col = 16 * b + m;
+        float t[4]; /* T rows 16b + part + 4q of column col: this thread's, kept in registers */
+#pragma unroll
+        for (int q = 0; q < 4; q++) t[q] = 0.f;
+#pragma unroll
         for (int r = 0; r < 16; r++) {
-            const int i = 16 * b + r;
+            const float *mrow = Ms + (16 * b + r) * KI_LDM + 16 * b + part;
             float a = 0.f;
-            for (int jj = part; jj < r; jj += 4) a += Ms[i * KI_LDM + 16 * b + jj] * Ts[(16 * b + jj) * KI_LDM + col];
+#pragma unroll
+            for (int q = 0; q < 4; q++)
+                if (part + 4 * q < r) a += mrow[4 * q] * t[q];
             a += __shfl_xor_sync(0xffffffffu, a, 1);
             a += __shfl_xor_sync(0xffffffffu, a, 2);
-            if ((r & 3) == part) Ts[i * KI_LDM + col] = r < m ? 0.f : (r == m ? 1.f : 0.f) - a;
+            if ((r & 3) == part) t[r >> 2] = r < m ? 0.f : (r == m ? 1.f : 0.f) - a;
         }
+#pragma unroll
+        for (int q = 0; q < 4; q++) Ts[(16 * b + part + 4 * q) * KI_LDM + col] = t[q];
     }
     __syncthreads();
+    /* units 7 and 8 (M is read from 6b's block row 3 on, past two more barriers) */
+    if (!fallback && (w & 3) == 0) {
+        float sum[2][2][4];
+        const float *pp = sm + KI_P + (w * 16) * 32 + lane;
+#pragma unroll
+        for (int m = 0; m < 2; m++)
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                for (int r = 0; r < 4; r++) {
+                    const int v = (8 * m + 4 * nt + r) * 32;
+                    sum[m][nt][r] = ((pp[v] + pp[v + 512]) + pp[v + 1024]) + pp[v + 1536];
+                }
+        kc_unit_store(Ms, Aq, bts, 7 + (w >> 2), sum, g8, c4);
+    }
     /* 6b: block rows 1..3. Thread: row rr, column cc of a 16 x 16 block. */
     {
         const int rr = tid >> 4, cc = tid & 15;
