@@ -921,23 +921,31 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
                 }
         kc_unit_store(Ms, Aq, bts, 7 + (w >> 2), sum, g8, c4);
     }
-    /* 6b: block rows 1..3. Thread: row rr, column cc of a 16 x 16 block. */
+    /* 6b: block rows 1..3. Thread: row rr, column cc of a 16 x 16 block. Unrolled, with four
+     * partial sums a dot product: the row's products for the J blocks are independent chains
+     * rather than one dependent chain of up to 48 adds. T_II is lower triangular (zeros above
+     * its diagonal from 6a), so its product runs over all 16 columns. */
     {
         const int rr = tid >> 4, cc = tid & 15;
+#pragma unroll
         for (int I = 1; I < 4; I++) {
+#pragma unroll
             for (int J = 0; J < I; J++) {
-                float z = 0.f;
+                float z[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
                 for (int K = J; K < I; K++)
 #pragma unroll
                     for (int x = 0; x < 16; x++)
-                        z += Ms[(16 * I + rr) * KI_LDM + 16 * K + x] * Ts[(16 * K + x) * KI_LDM + 16 * J + cc];
-                Zs[(16 * J + rr) * 16 + cc] = z;
+                        z[x & 3] += Ms[(16 * I + rr) * KI_LDM + 16 * K + x] * Ts[(16 * K + x) * KI_LDM + 16 * J + cc];
+                Zs[(16 * J + rr) * 16 + cc] = (z[0] + z[1]) + (z[2] + z[3]);
             }
             __syncthreads();
+#pragma unroll
             for (int J = 0; J < I; J++) {
-                float t = 0.f;
-                for (int x = 0; x <= rr; x++) t += Ts[(16 * I + rr) * KI_LDM + 16 * I + x] * Zs[(16 * J + x) * 16 + cc];
-                Ts[(16 * I + rr) * KI_LDM + 16 * J + cc] = -t;
+                float t[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int x = 0; x < 16; x++) t[x & 3] += Ts[(16 * I + rr) * KI_LDM + 16 * I + x] * Zs[(16 * J + x) * 16 + cc];
+                Ts[(16 * I + rr) * KI_LDM + 16 * J + cc] = -((t[0] + t[1]) + (t[2] + t[3]));
             }
             __syncthreads();
         }
