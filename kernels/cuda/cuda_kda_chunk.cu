@@ -411,6 +411,7 @@ enum {
 };
 
 static_assert(KI_P + 8 * 16 * 32 <= KI_BUF, "step 5's partial sums overlap the small arrays");
+static_assert(KI_BT % 4 == 0 && KI_LDM % 4 == 0 && KI_T % 4 == 0 && KI_AQ % 4 == 0, "step 7 reads float4");
 
 /* The intra-chunk products use one reference per 16-step sub-block and channel,
  * R = (max G + min G) / 2 over the sub-block, and factor e^{G_i - G_j} =
@@ -952,15 +953,13 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
     }
 
     /* 7: Tb, B, e^{G_L} */
-    for (int e = tid; e < KDA_CHUNK * KDA_CHUNK / 2; e += KC_THREADS) {
-        const int i = e >> 5, j = (e & 31) * 2, o = kc_swz(KDA_CHUNK, i, j);
-        uint32_t hi, lw;
-        kc_split2(Ts[i * KI_LDM + j] * bts[j], Ts[i * KI_LDM + j + 1] * bts[j + 1], &hi, &lw);
-        *reinterpret_cast<uint32_t *>(rec + KC_TBH + o) = hi;
-        if (lo) *reinterpret_cast<uint32_t *>(rec + KC_TBL + o) = lw;
-        kc_split2(Aq[i * KI_LDM + j], Aq[i * KI_LDM + j + 1], &hi, &lw);
-        *reinterpret_cast<uint32_t *>(rec + KC_AQH + o) = hi;
-        if (lo) *reinterpret_cast<uint32_t *>(rec + KC_AQL + o) = lw;
+    for (int e = tid; e < KDA_CHUNK * KDA_CHUNK / 8; e += KC_THREADS) { /* a 16-byte piece each */
+        const int i = e >> 3, j = (e & 7) * 8, o = kc_swz(KDA_CHUNK, i, j);
+        const float4 *t4 = reinterpret_cast<const float4 *>(Ts + i * KI_LDM + j);
+        const float4 *a4 = reinterpret_cast<const float4 *>(Aq + i * KI_LDM + j);
+        const float4 *b4 = reinterpret_cast<const float4 *>(bts + j);
+        kc_store8(rec + KC_TBH + o, lo ? rec + KC_TBL + o : NULL, kc_mul4(t4[0], b4[0]), kc_mul4(t4[1], b4[1]));
+        kc_store8(rec + KC_AQH + o, lo ? rec + KC_AQL + o : NULL, a4[0], a4[1]);
     }
     if (tid < KDA_MAX_DK) reinterpret_cast<float *>(rec + KC_EGL)[tid] = expf(GLs[tid]);
 }
