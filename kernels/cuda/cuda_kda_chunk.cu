@@ -793,7 +793,7 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
     /* 5: sub-block products. Unit u -> (I, J): 0 (0,0) 1 (1,0) 2 (1,1) 3 (2,0) 4 (2,1) 5 (2,2)
      * 6 (3,0) 7 (3,1) 8 (3,2) 9 (3,3). Slot 0: warp w takes unit w (warp 7: unit 9) whole; slot 1:
      * units 7 and 8, which 6b needs last, are split by channel quarters (two k steps) over warps
-     * 0-3 and 4-7, whose partial sums are added in a fixed order later (kc_unit_reduce): no warp
+     * 0-3 and 4-7, whose partial sums warps 0 and 4 add in a fixed order after 6a: no warp
      * does more than 1.25 units (two whole units a warp took twice as long as the rest).
      * acc[slot][A or B][n8 tile]. */
     const int g8 = lane >> 2, c4 = lane & 3;
