@@ -371,8 +371,8 @@ enum {
     KI_LDF = KDA_MAX_DK + 8,      /* [64, 128] fp32 rows 8 banks apart: the float2 fragment reads of
                                      a half warp (4 rows x 4 column pairs) hit 32 distinct banks */
     KI_LDM = KDA_CHUNK + 4,       /* [64, 64] fp32 matrices */
-    KI_K = 0,                     /* in a buffer: k, then KP  [64, KI_LDF] */
-    KI_Q = KI_K + KDA_CHUNK * KI_LDF, /* q, then QP        [64, KI_LDF] */
+    KI_K = 0,                     /* in a buffer: k, then KP split in pairs (kc_pack8) [64, KI_LDF] */
+    KI_Q = KI_K + KDA_CHUNK * KI_LDF, /* q, then QP split in pairs  [64, KI_LDF] */
     KI_G = KI_Q + KDA_CHUNK * KI_LDF, /* g, G, then KN     [64, KI_LDF] */
     KI_BUF = KI_G + KDA_CHUNK * KI_LDF,
     KI_M = 0,                     /* after the products, over k/q/g: M = diag(beta) A [64, KI_LDM] */
@@ -524,16 +524,29 @@ static __device__ __forceinline__ const __nv_bfloat16 *kc_sw_at(const __nv_bfloa
     return s + kc_swz(rl, r0 + (l & 7) + (l >> 4) * 8, c0 + ((l >> 3) & 1) * 8);
 }
 
-/* A fragment (rows p, p + 8 ld; columns 0..1 and 8..9 from p) from fp32 shared memory, split. */
-static __device__ __forceinline__ void kc_frag_a_f32(const float *p, int ld, uint32_t hi[4], uint32_t lo[4]) {
-    const float2 x0 = *reinterpret_cast<const float2 *>(p);
-    const float2 x1 = *reinterpret_cast<const float2 *>(p + 8 * ld);
-    const float2 x2 = *reinterpret_cast<const float2 *>(p + 8);
-    const float2 x3 = *reinterpret_cast<const float2 *>(p + 8 * ld + 8);
-    kc_split2(x0.x, x0.y, &hi[0], &lo[0]);
-    kc_split2(x1.x, x1.y, &hi[1], &lo[1]);
-    kc_split2(x2.x, x2.y, &hi[2], &lo[2]);
-    kc_split2(x3.x, x3.y, &hi[3], &lo[3]);
+/* 8 consecutive fp32 values x0..x7 at p (16-byte aligned), in place, as their split pairs: the 8
+ * bytes of values 2m, 2m + 1 become (bf16 hi of both, bf16 lo of both), the two A-fragment
+ * registers that pair gives (kc_frag_a_packed). */
+static __device__ __forceinline__ void kc_pack8(float *p, float4 a, float4 b) {
+    uint4 u, v;
+    kc_split2(a.x, a.y, &u.x, &u.y);
+    kc_split2(a.z, a.w, &u.z, &u.w);
+    kc_split2(b.x, b.y, &v.x, &v.y);
+    kc_split2(b.z, b.w, &v.z, &v.w);
+    *reinterpret_cast<uint4 *>(p) = u;
+    *reinterpret_cast<uint4 *>(p + 4) = v;
+}
+/* A fragment (rows p, p + 8 ld; columns 0..1 and 8..9 from p) from a kc_pack8 plane: one 8-byte
+ * load per register pair, no conversion. */
+static __device__ __forceinline__ void kc_frag_a_packed(const float *p, int ld, uint32_t hi[4], uint32_t lo[4]) {
+    const uint2 x0 = *reinterpret_cast<const uint2 *>(p);
+    const uint2 x1 = *reinterpret_cast<const uint2 *>(p + 8 * ld);
+    const uint2 x2 = *reinterpret_cast<const uint2 *>(p + 8);
+    const uint2 x3 = *reinterpret_cast<const uint2 *>(p + 8 * ld + 8);
+    hi[0] = x0.x, lo[0] = x0.y;
+    hi[1] = x1.x, lo[1] = x1.y;
+    hi[2] = x2.x, lo[2] = x2.y;
+    hi[3] = x3.x, lo[3] = x3.y;
 }
 
 static __device__ __forceinline__ void kc_cp16(void *smem, const void *gmem) {
@@ -588,8 +601,9 @@ static __device__ __forceinline__ void kc_bulk(void *dst, const void *src, uint3
  *     sub-block); record planes (bf16 hi/lo) KX = KP e^R, QX = QP e^R, KL = KN e^{G_L - R}: two
  *     exponentials a value. Where e^R or e^{G_L - R} underflows, the true value is below e^-27
  *     (the factors are within e^+-60). Fallback: KX = k e^G, QX = q e^G, KL = k e^{G_L - G}.
- *   5 (no fallback) the 10 sub-block pairs J <= I on the tensor cores, one warp each (warps 0, 1
- *     take a second):  A_IJ = KP_I (E_IJ KN_J)^T,  B_IJ = QP_I (E_IJ KN_J)^T  (K = 128 channels);
+ *     KP and QP stay in place already split (kc_pack8), for step 5's A fragments.
+ *   5 (no fallback) the 10 sub-block pairs J <= I on the tensor cores (a unit and a quarter a
+ *     warp, see there):  A_IJ = KP_I (E_IJ KN_J)^T,  B_IJ = QP_I (E_IJ KN_J)^T  (K = 128 channels);
  *     then M = diag(beta) A (strictly lower) and B (lower with the diagonal) over the dead k/q/g
  *   6 T = (I + M)^-1: the four diagonal 16 x 16 blocks by forward substitution (no barrier: the
  *     thread that writes T row i of a column is the only one that reads it), then block rows
@@ -760,10 +774,8 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
             k1 = kc_mul4(k1, ep1);
             q0 = kc_mul4(q0, ep0);
             q1 = kc_mul4(q1, ep1);
-            *reinterpret_cast<float4 *>(Ks + x) = k0;
-            *reinterpret_cast<float4 *>(Ks + x + 4) = k1;
-            *reinterpret_cast<float4 *>(Qs + x) = q0;
-            *reinterpret_cast<float4 *>(Qs + x + 4) = q1;
+            kc_pack8(Ks + x, k0, k1); /* step 5's A operands, split once here */
+            kc_pack8(Qs + x, q0, q1);
             *reinterpret_cast<float4 *>(Gs + x) = kn0;
             *reinterpret_cast<float4 *>(Gs + x + 4) = kn1;
             const float4 er0 = *reinterpret_cast<const float4 *>(ERs + r), er1 = *reinterpret_cast<const float4 *>(ERs + r + 4);
@@ -817,8 +829,8 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
                 for (int ks = ks0; ks < ks1; ks++) {
                     const int d0 = 16 * ks + 2 * c4;
                     uint32_t kh[4], kl[4], qh[4], ql[4];
-                    kc_frag_a_f32(Ks + (16 * I + g8) * KI_LDF + d0, KI_LDF, kh, kl);
-                    kc_frag_a_f32(Qs + (16 * I + g8) * KI_LDF + d0, KI_LDF, qh, ql);
+                    kc_frag_a_packed(Ks + (16 * I + g8) * KI_LDF + d0, KI_LDF, kh, kl);
+                    kc_frag_a_packed(Qs + (16 * I + g8) * KI_LDF + d0, KI_LDF, qh, ql);
                     float2 e0 = make_float2(1.f, 1.f), e1 = e0;
                     if (ep) {
                         e0 = *reinterpret_cast<const float2 *>(ep + d0);
