@@ -29,6 +29,8 @@ typedef struct mt_backend mt_backend;
 /* download_begin / download_end (below): the most bytes one ticket carries, and how many
  * tickets stay readable at once. */
 enum { MT_TICKET_BYTES = 16384, MT_TICKETS = 4 };
+/* Whether ticket t can still be read when the next begin would get ticket `next`. */
+static inline bool mt_ticket_readable(int64_t t, int64_t next) { return t >= 0 && t < next && t >= next - MT_TICKETS; }
 
 /* A captured sequence of ops (a CUDA graph); opaque, owned by the backend that made it. */
 typedef struct mt_graph mt_graph;

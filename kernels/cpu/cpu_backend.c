@@ -39,7 +39,7 @@ static int64_t cpu_download_begin(mt_backend *be, const void *src, size_t bytes)
 
 static mt_status cpu_download_end(mt_backend *be, int64_t ticket, void *host_dst, size_t bytes) {
     cpu_backend *cb = (cpu_backend *)be;
-    if (ticket < 0 || ticket >= cb->next_ticket || ticket < cb->next_ticket - MT_TICKETS) return MT_ERR_STATE;
+    if (!mt_ticket_readable(ticket, cb->next_ticket)) return MT_ERR_STATE;
     MT_ASSERT(bytes <= MT_TICKET_BYTES);
     if (bytes) memcpy(host_dst, cb->ring[ticket % MT_TICKETS], bytes);
     return MT_OK;

@@ -237,7 +237,7 @@ static int64_t cu_download_begin(mt_backend *be, const void *src, size_t bytes) 
 
 static mt_status cu_download_end(mt_backend *be, int64_t ticket, void *host_dst, size_t bytes) {
     cu_backend *cb = cb_of(be);
-    if (ticket < 0 || ticket >= cb->tk_next || ticket < cb->tk_next - MT_TICKETS) return MT_ERR_STATE;
+    if (!mt_ticket_readable(ticket, cb->tk_next)) return MT_ERR_STATE;
     MT_ASSERT(bytes <= MT_TICKET_BYTES);
     const int slot = (int)(ticket % MT_TICKETS);
     MT_CUDA_(cudaEventSynchronize(cb->tk_done[slot]), "cudaEventSynchronize(ticket)", {
@@ -371,6 +371,14 @@ static const mt_backend_ops cu_ops = {
     .argmax_dev = cu_argmax_dev,
 };
 
+/* The tickets' completion events (download_begin); cu_destroy frees those made. */
+static cudaError_t tk_events_create(cu_backend *cb) {
+    cudaError_t e = cudaSuccess;
+    for (int i = 0; i < MT_TICKETS && e == cudaSuccess; i++)
+        e = cudaEventCreateWithFlags(&cb->tk_done[i], cudaEventDisableTiming);
+    return e;
+}
+
 extern "C" mt_backend *mt_cuda_backend_new(int device, mt_error *err) {
     int count = 0;
     cudaError_t e = cudaGetDeviceCount(&count);
@@ -431,15 +439,7 @@ extern "C" mt_backend *mt_cuda_backend_new(int device, mt_error *err) {
     if ((e = cudaMalloc(&cb->counters, sizeof(unsigned) * CU_COUNTERS)) != cudaSuccess ||
         (e = cudaMemset(cb->counters, 0, sizeof(unsigned) * CU_COUNTERS)) != cudaSuccess ||
         (e = cudaMallocHost(&cb->tk_ring, (size_t)MT_TICKETS * MT_TICKET_BYTES)) != cudaSuccess ||
-        (e = cudaDeviceSynchronize()) != cudaSuccess) {
-        (void)cudaGetLastError();
-        mt_errorf(err, MT_ERR_BACKEND, "CUDA device %d: %s", device, cudaGetErrorString(e));
-        cu_destroy(&cb->base);
-        return NULL;
-    }
-    for (int i = 0; i < MT_TICKETS && e == cudaSuccess; i++)
-        e = cudaEventCreateWithFlags(&cb->tk_done[i], cudaEventDisableTiming);
-    if (e != cudaSuccess) {
+        (e = tk_events_create(cb)) != cudaSuccess || (e = cudaDeviceSynchronize()) != cudaSuccess) {
         (void)cudaGetLastError();
         mt_errorf(err, MT_ERR_BACKEND, "CUDA device %d: %s", device, cudaGetErrorString(e));
         cu_destroy(&cb->base);
