@@ -574,12 +574,6 @@ static void admit(eng_engine *e) {
  * model pass (glm_model_batch_rows) at a time. */
 #define ENG_GREEDY_MAX 1024
 
-/* One token for every running sequence, all through the model's batched decode (one pass over
- * the weights for all of them; replayed from the bucket graph of that many rows where the backend
- * has graphs: a single sequence is a bucket of 1). Batched equals alone on both backends (tests/model_layer_test.cc on the
- * CPU, tests/model_cuda_test.cc BatchedDecodeEqualsEachAlone on the GPU). If the batch is refused
- * (a bad token or a full sequence, which admission should make impossible), each sequence
- * decodes alone so only the bad one fails. */
 /* The model's inputs for b[0, k) (k <= max_sequences): their sequences in e->gs, their pending
  * tokens in e->tok. */
 static void batch_inputs(eng_engine *e, eng_seq **b, int k) {
@@ -589,6 +583,12 @@ static void batch_inputs(eng_engine *e, eng_seq **b, int k) {
     }
 }
 
+/* One token for every running sequence, all through the model's batched decode (one pass over
+ * the weights for all of them; replayed from the bucket graph of that many rows where the backend
+ * has graphs: a single sequence is a bucket of 1). Batched equals alone on both backends (tests/model_layer_test.cc on the
+ * CPU, tests/model_cuda_test.cc BatchedDecodeEqualsEachAlone on the GPU). If the batch is refused
+ * (a bad token or a full sequence, which admission should make impossible), each sequence
+ * decodes alone so only the bad one fails. */
 static void decode_running(eng_engine *e, eng_seq **batch, int n, float *logits, int32_t *greedy) {
     if (greedy) logits = NULL; /* the tokens come from glm_last_argmax below */
     const int rows = glm_model_batch_rows(e->m); /* one model pass; glm_last_argmax sees its rows */
@@ -622,19 +622,25 @@ static void decode_running(eng_engine *e, eng_seq **batch, int n, float *logits,
 
 /* ---- running ahead (eng_params.run_ahead) ---- */
 
-/* Reads the queued greedy step's tokens (waiting for that step only) and reports each to its
- * sequence; rows whose sequence ended since are dropped. A failed read ends the step's sequences. */
-static void ahead_collect(eng_engine *e) {
-    const int n = e->n_ahead;
-    if (n == 0) return;
-    e->n_ahead = 0;
-    const mt_status st = glm_greedy_tokens(e->m, e->ahead_ticket, e->tok, n);
+/* Reads the tokens of a queued greedy step of rows e->ahead[0, n) (waiting for that step only)
+ * and reports each to its sequence; rows whose sequence ended since are dropped. A failed read
+ * ends the step's sequences. */
+static void ahead_report(eng_engine *e, int n, int64_t ticket) {
+    const mt_status st = glm_greedy_tokens(e->m, ticket, e->tok, n);
     for (int i = 0; i < n; i++) {
         eng_seq *s = e->ahead[i];
         if (!s || s->done) continue;
         if (st != MT_OK) seq_end(e, s, ENG_FINISH_ERROR, "reading a decode step's tokens back failed");
         else emit(e, s, &(eng_sample_result){ .token = e->tok[i] });
     }
+}
+
+/* The step in flight's tokens, reported; none is in flight after. */
+static void ahead_collect(eng_engine *e) {
+    const int n = e->n_ahead;
+    if (n == 0) return;
+    e->n_ahead = 0;
+    ahead_report(e, n, e->ahead_ticket);
 }
 
 /* Nobody can be admitted before a running sequence ends: none waits, or every running place is
@@ -701,12 +707,7 @@ mt_status eng_step(eng_engine *e, int *n_tokens) {
         const int n = e->n_ahead;
         const int64_t prev = e->ahead_ticket;
         if (ahead_next_ok(e) && ahead_queue(e, e->running, n, true) == MT_OK) {
-            /* step k + 1 is in flight for the same rows; read and report step k's tokens */
-            const int64_t next = e->ahead_ticket;
-            e->ahead_ticket = prev;
-            ahead_collect(e);
-            e->n_ahead = n;
-            e->ahead_ticket = next;
+            ahead_report(e, n, prev); /* step k's tokens; step k + 1 is in flight for the same rows */
             compact(e, e->running, &e->n_running); /* rows of sequences that ended at k are dropped */
             if (n_tokens) *n_tokens = (int)(e->tokens - tokens0);
             return MT_OK;
