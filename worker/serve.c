@@ -67,7 +67,7 @@ static void usage(FILE *f) {
     fprintf(f,
             "usage: metrale-serve [--model DIR] [--listen HOST:PORT] [--workers N] [--backend auto|cpu|cuda]\n"
             "                     [--max-sequences N] [--max-context N] [--threads N] [--queue N] [--drain-timeout S]\n"
-"                     [--prefill-budget N] [--graph-max-batch N] [--cache-budget-mb N] [--no-preempt]\n"
+            "                     [--prefill-budget N] [--graph-max-batch N] [--cache-budget-mb N] [--no-preempt]\n"
             "                     [--no-run-ahead]\n"
             "  Starts the gRPC router on --listen (default 127.0.0.1:50051) and N workers serving DIR\n"
             "  (default: a small random checkpoint made once under .cache/cpu-small). --backend auto uses\n"

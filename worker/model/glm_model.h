@@ -120,10 +120,11 @@ mt_status glm_last_argmax(glm_model *m, int n, int32_t *out);
  * row's argmax where the logits are, leaving it there as the next greedy step's input; *ticket
  * reads them. tokens NULL: this step's inputs are the last greedy step's outputs, which needs the
  * same sequences in the same order with no other batched decode between and none of them
- * prefilled, decoded alone, copied into or freed since (MT_ERR_INVALID otherwise), so the host can queue step k + 1 before it reads token k. glm_greedy_tokens waits
- * for that step only (later steps go on running) and writes its n tokens to out; a ticket stays
- * readable until MT_TICKETS more greedy steps. n: 1 .. glm_model_ahead_rows, which is 0 when the
- * backend cannot leave the argmax on the device or a layer's prestage needs the token. */
+ * prefilled, decoded alone, copied into or freed since (MT_ERR_INVALID otherwise), so the host
+ * can queue step k + 1 before it reads token k. glm_greedy_tokens waits for that step only (later
+ * steps go on running) and writes its n tokens to out; a ticket stays readable until MT_TICKETS
+ * more greedy steps. n: 1 .. glm_model_ahead_rows, which is 0 when the backend cannot leave the
+ * argmax on the device or a layer's prestage needs the token. */
 int glm_model_ahead_rows(const glm_model *m);
 /* Whether the backend queues its work (mt_backend_ops.queued): only then does running ahead let
  * the host work while the device does. */
