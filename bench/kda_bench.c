@@ -9,7 +9,10 @@
  *     nh = B * 64 heads (heads are independent and their states contiguous, so this is the same
  *     work as B sequences); state bytes per step = B*64*128*128*4 read + the same written.
  * Timing (as triton.testing.do_bench): per rep, a 256 MB memset clears L2, then device events on
- * the backend's stream around one call; warm-up first; the median of the reps.
+ * the backend's stream around one call; warm-up first; the median of the reps. The decode rows are
+ * also timed in steady state (*_steady: DEC_CHAIN calls back to back between two events, no flush,
+ * as a run of decode steps meets the state), and beside them a cudaMemcpy of the same bytes timed
+ * both ways (copy_B*: what each way of timing allows a plain copy of that size).
  * Checks before timing: chunked (each form) against recurrent on the prefill inputs, decode against
  * a float64 host reference, every output element written (outputs poisoned with NaN first).
  * Inputs: uniform random, q/k l2-normalised on the host (q then scaled by dk^-0.5), g = -softplus(z)
@@ -40,7 +43,8 @@
         }                                                                                     \
     } while (0)
 
-enum { NH = 64, DK = 128, T_PREFILL = 4096, FLUSH_BYTES = 256 << 20 };
+enum { NH = 64, DK = 128, T_PREFILL = 4096, FLUSH_BYTES = 256 << 20,
+       DEC_CHAIN = 20 /* decode calls back to back in a steady-state rep */ };
 
 static mt_backend *g_be;
 static void *g_flush;   /* L2 flush buffer */
@@ -156,28 +160,59 @@ static int cmp_float(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-/* Median ms of one call, do_bench style (L2 flush, events around the call). */
-static double time_ms(kda_fn fn, const kda_dev *d, int n, int nh, int reps) {
+/* One timed call: a kernel of ours (fn), or, with fn NULL, a cudaMemcpy of `bytes` from src to dst
+ * (the same bytes a decode step moves, timed the same way: the harness's own reference). */
+typedef struct timed_call {
+    kda_fn fn;
+    const kda_dev *d;
+    int n, nh;
+    void *dst;
+    const void *src;
+    size_t bytes;
+} timed_call;
+
+static void call_once(const timed_call *c) {
+    if (c->fn) run(c->fn, c->d, c->n, c->nh);
+    else CK(cudaMemcpyAsync(c->dst, c->src, c->bytes, cudaMemcpyDeviceToDevice, cu_stream(g_be)));
+}
+
+static double median_of(float *ms, int reps) {
+    qsort(ms, reps, sizeof(float), cmp_float);
+    return reps & 1 ? ms[reps / 2] : 0.5 * (ms[reps / 2 - 1] + ms[reps / 2]);
+}
+
+/* Median ms of one call. chain == 0: do_bench style, per rep a 256 MB memset clears L2, then
+ * events around one call. chain > 0: steady state, `chain` calls back to back between two events
+ * (no flush; what a call leaves in L2 is what the next one meets, as in a run of decode steps),
+ * per-call ms of each rep. */
+static double time_call(const timed_call *c, int reps, int chain) {
     cudaStream_t s = cu_stream(g_be);
-    for (int i = 0; i < 3; i++) run(fn, d, n, nh);
+    for (int i = 0; i < 3; i++) call_once(c);
     check_backend("warm-up");
     cudaEvent_t *ev = malloc(sizeof(cudaEvent_t) * 2 * reps);
     float *ms = malloc(sizeof(float) * reps);
     for (int i = 0; i < 2 * reps; i++) CK(cudaEventCreate(&ev[i]));
     for (int r = 0; r < reps; r++) {
-        CK(cudaMemsetAsync(g_flush, r & 0xff, FLUSH_BYTES, s));
+        if (chain == 0) CK(cudaMemsetAsync(g_flush, r & 0xff, FLUSH_BYTES, s));
         CK(cudaEventRecord(ev[2 * r], s));
-        run(fn, d, n, nh);
+        for (int i = 0; i < (chain ? chain : 1); i++) call_once(c);
         CK(cudaEventRecord(ev[2 * r + 1], s));
     }
     check_backend("timing");
-    for (int r = 0; r < reps; r++) CK(cudaEventElapsedTime(&ms[r], ev[2 * r], ev[2 * r + 1]));
-    qsort(ms, reps, sizeof(float), cmp_float);
-    const double med = reps & 1 ? ms[reps / 2] : 0.5 * (ms[reps / 2 - 1] + ms[reps / 2]);
+    for (int r = 0; r < reps; r++) {
+        CK(cudaEventElapsedTime(&ms[r], ev[2 * r], ev[2 * r + 1]));
+        if (chain) ms[r] /= (float)chain;
+    }
+    const double med = median_of(ms, reps);
     for (int i = 0; i < 2 * reps; i++) cudaEventDestroy(ev[i]);
     free(ev);
     free(ms);
     return med;
+}
+
+static double time_ms(kda_fn fn, const kda_dev *d, int n, int nh, int reps) {
+    const timed_call c = {fn, d, n, nh, NULL, NULL, 0};
+    return time_call(&c, reps, 0);
 }
 
 static double copy_bandwidth_gbs(void) {
@@ -448,10 +483,22 @@ int main(int argc, char **argv) {
         report_check(name, e1 > e2 ? e1 : e2, bad_s, 1e-4);
         free(o); free(st); free(o_ref); free(s_ref);
 
-        const double ms = time_ms(g_be->ops->kda_recurrent, &d, 1, nh, g_reps * 4);
-        char row[32];
+        const timed_call kc = {g_be->ops->kda_recurrent, &d, 1, nh, NULL, NULL, 0};
+        const double ms = time_call(&kc, g_reps * 4, 0), ms_steady = time_call(&kc, g_reps, DEC_CHAIN);
+        /* the same bytes through cudaMemcpy, timed both ways: what the harness itself allows */
+        void *dst = dalloc(sc * 4);
+        const timed_call cc = {NULL, NULL, 0, 0, dst, d.state, sc * 4};
+        const double ms_copy = time_call(&cc, g_reps * 4, 0), ms_copy_steady = time_call(&cc, g_reps, DEC_CHAIN);
+        g_be->ops->free(g_be, dst);
+        char row[48];
         snprintf(row, sizeof row, "decode_B%d", B);
         emit(row, "kda_recurrent", B, 1, NH, ms, 2.0 * (double)sc * 4, bw);
+        snprintf(row, sizeof row, "decode_B%d_steady", B);
+        emit(row, "kda_recurrent", B, 1, NH, ms_steady, 2.0 * (double)sc * 4, bw);
+        snprintf(row, sizeof row, "copy_B%d", B);
+        emit(row, "cudaMemcpy", B, 1, NH, ms_copy, 2.0 * (double)sc * 4, bw);
+        snprintf(row, sizeof row, "copy_B%d_steady", B);
+        emit(row, "cudaMemcpy", B, 1, NH, ms_copy_steady, 2.0 * (double)sc * 4, bw);
         dev_free(&d);
         host_free(&h);
     }
