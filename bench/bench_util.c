@@ -56,6 +56,7 @@ static void count_tensor(const glm_tensor_spec *s, void *user) {
     } else {
         x->w->dense_bytes += bytes;
         x->w->touched_params += n;
+        if (strstr(s->name, "lm_head")) x->w->head_params += n;
     }
 }
 

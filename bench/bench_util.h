@@ -17,6 +17,7 @@ typedef struct bench_weights {
     double expert_bytes;   /* one routed expert of one layer (gate + up + down) */
     double embed_row_bytes;/* one embedding row */
     double touched_params; /* parameters one token touches (top_k experts, no embedding): FLOPs / 2 */
+    double head_params;    /* lm_head's parameters (within touched_params; 0 when tied) */
 } bench_weights;
 
 void bench_count_weights(const glm_config *c, bench_weights *out);

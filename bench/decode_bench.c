@@ -8,7 +8,9 @@
  *     glm_last_argmax; the same replays with no token read back: the GPU's time a step), and
  *     for glm_decode (one sequence's own path, logits to the host) eager and with its graph;
  *   - prefill of 512 and 4096 tokens: tokens/s and the fraction of the bf16 tensor peak reached
- *     (FLOPs: 2 x the parameters each token touches; attention and KDA not counted).
+ *     (FLOPs: what the prefill performs, prefill_flops; until 2026-11-29's ninth session this
+ *     counted lm_head for every token, which glm_prefill runs for the last one only, and so
+ *     overstated the fraction by ~1.4x).
  * Prints one table and writes it as JSON (--json FILE).
  *
  *   decode_bench [--steps N] [--context N] [--json FILE] [--bf16-peak-tflops 790] [--op-profile 1]
@@ -72,6 +74,25 @@ static double engine_ms(glm_model *m, bool run_ahead, const int32_t *prompt, int
     eng_free(e);
     if (k.count < k.warm + steps) { fprintf(stderr, "decode_bench: the engine gave %d tokens\n", k.count); exit(1); }
     return (k.t1 - k.t0) * 1e3 / steps;
+}
+
+/* FLOPs of a prefill of n tokens as glm_prefill runs it (the last position's logits only): 2 per
+ * parameter each token touches, lm_head for one row; plus each DSA layer's attention, 2 (qk_nope +
+ * v_head) per head for every position a query attends, the indexer's selection (MODEL.md:
+ * min(index_topk / kpool, complete pools) pools of kpool, plus the tail when
+ * index_kpool_always_select_tail). Not counted: the indexer's scores and the KDA state products
+ * (6 dk^2 a head a token in the recurrent form: ~0.7% of the total at bench-4L's 4096). */
+static double prefill_flops(const glm_config *c, const bench_weights *bc, int n) {
+    double f = 2.0 * (bc->touched_params - bc->head_params) * n + 2.0 * c->vocab_size * (double)c->hidden_size;
+    int n_dsa = 0;
+    for (int l = 0; l < c->num_hidden_layers; l++) n_dsa += c->layer_types[l] == GLM_MIXER_DSA;
+    const int kp = c->index_kpool, cap = c->index_topk / c->index_kpool;
+    double keys = 0;
+    for (int t = 0; t < n; t++) {
+        const int pools = (t + 1) / kp < cap ? (t + 1) / kp : cap;
+        keys += (double)pools * kp + (c->index_kpool_always_select_tail ? (t + 1) % kp : 0);
+    }
+    return f + n_dsa * keys * c->num_attention_heads * 2.0 * (c->qk_nope_head_dim + c->v_head_dim);
 }
 
 int main(int argc, char **argv) {
@@ -138,7 +159,7 @@ int main(int argc, char **argv) {
 
     /* prefill 512 and 4096 tokens, each on a fresh sequence, after a warm-up */
     const int plens[2] = { 512, 4096 };
-    double pf_tps[2] = { 0, 0 }, pf_frac[2] = { 0, 0 };
+    double pf_tps[2] = { 0, 0 }, pf_frac[2] = { 0, 0 }, pf_flops[2] = { 0, 0 };
     for (int k = 0; k < 2; k++) {
         for (int rep = 0; rep < 2; rep++) {
             if (glm_seq_new(m, plens[k] + 1, &s, &err) != MT_OK) { fprintf(stderr, "%s\n", err.msg); return 1; }
@@ -150,8 +171,8 @@ int main(int argc, char **argv) {
             glm_seq_free(s);
             pf_tps[k] = plens[k] / dt;
         }
-        /* 2 FLOPs per touched parameter per token; attention/KDA terms are small beside it here. */
-        pf_frac[k] = pf_tps[k] * 2.0 * bc.touched_params / (peak_tflops * 1e12);
+        pf_flops[k] = prefill_flops(&c, &bc, plens[k]);
+        pf_frac[k] = pf_tps[k] / plens[k] * pf_flops[k] / (peak_tflops * 1e12);
     }
     /* --op-profile 1: one more prefill of each length with every op synchronised and timed
      * (mt_cuda_profile), after the timed runs. */
@@ -233,8 +254,8 @@ int main(int argc, char **argv) {
     printf("| the same replays, no token read back between them (GPU time a step) | %8.3f ms | %5.1f%% of the floor |\n",
            ms_engine_gpu, 100 * floor_ms / ms_engine_gpu);
     for (int k = 0; k < 2; k++)
-        printf("| prefill %4d tokens             | %8.0f tok/s | %5.2f%% of %.0f TFLOP/s bf16    |\n", plens[k], pf_tps[k],
-               100 * pf_frac[k], peak_tflops);
+        printf("| prefill %4d tokens (%.1f TFLOP) | %8.0f tok/s | %5.2f%% of %.0f TFLOP/s bf16    |\n", plens[k],
+               pf_flops[k] / 1e12, pf_tps[k], 100 * pf_frac[k], peak_tflops);
     if (json) {
         FILE *f = fopen(json, "w");
         if (f) {
@@ -244,10 +265,11 @@ int main(int argc, char **argv) {
                        "\"decode_engine_path_ms\": %.4f, \"decode_engine_path_fraction_of_floor\": %.4f, "
                        "\"decode_engine_no_run_ahead_ms\": %.4f, \"decode_multi_readback_ms\": %.4f, "
                        "\"engine_ahead_steps\": %llu, \"decode_replays_no_readback_ms\": %.4f, \"prefill_512_tok_s\": %.1f, \"prefill_512_fraction_of_peak\": %.5f, "
-                       "\"prefill_4096_tok_s\": %.1f, \"prefill_4096_fraction_of_peak\": %.5f, \"steps\": %d}\n",
+                       "\"prefill_4096_tok_s\": %.1f, \"prefill_4096_fraction_of_peak\": %.5f, \"prefill_512_flops\": %.4g, "
+                       "\"prefill_4096_flops\": %.4g, \"steps\": %d}\n",
                     bw, step_bytes, floor_ms, ms_tok, floor_ms / ms_tok, ms_graph, floor_ms / ms_graph, ms_engine,
                     floor_ms / ms_engine, ms_engine_plain, ms_readback, (unsigned long long)ahead_steps,
-                    ms_engine_gpu, pf_tps[0], pf_frac[0], pf_tps[1], pf_frac[1], steps);
+                    ms_engine_gpu, pf_tps[0], pf_frac[0], pf_tps[1], pf_frac[1], pf_flops[0], pf_flops[1], steps);
             fclose(f);
         }
     }
