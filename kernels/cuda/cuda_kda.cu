@@ -244,7 +244,12 @@ kda_recurrent_kernel(delta_params p) {
  *   u = k^T S', w = q^T S', qk = q.k     (one reduction: shuffle over sub, shared over warps)
  *   delta = beta (v - u), S'' = S' + k delta^T, o = q^T S'' = w + qk delta
  * so a step costs a single reduction barrier. Requires dk % 4 == 0 and 16-byte aligned state, v,
- * o (cu_kda_recurrent falls back to kda_recurrent_kernel otherwise). */
+ * o (cu_kda_recurrent falls back to kda_recurrent_kernel otherwise).
+ * The state is loaded with plain (cache-all, ld.global.ca) loads and stored streaming
+ * (st.global.cs): on the H200 at B = 32 x 64 heads that moved it 2% faster than streaming loads
+ * (ld.global.cs), flushed or back to back; read-only (.nc), last-use (.lu), evict-first policy and
+ * 256-byte L2 prefetch loads were no better, plain stores 6% slower
+ * (docs/bench/2026-11-29-h200-session9.md, calls 4-5). */
 enum {
     DEC_THREADS = 256,
     DEC_COLS = 64,                               /* value columns per block */
@@ -284,7 +289,7 @@ static __global__ void __launch_bounds__(DEC_THREADS, DEC_BLOCKS_PER_SM) kda_dec
 #pragma unroll
     for (int r = 0; r < DEC_ROWS; r++) {
         const int i = rbase + DEC_PASS * r; /* < KDA_MAX_DK */
-        s[r] = (i < dk && jok) ? __ldcs(S + (size_t)i * ld4) : make_float4(0.f, 0.f, 0.f, 0.f);
+        s[r] = (i < dk && jok) ? __ldca(S + (size_t)i * ld4) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
     const size_t off = ((size_t)row * p.nh + h) * dk;
     const float4 v4 = jok ? *reinterpret_cast<const float4 *>(p.v + off + j)
