@@ -97,6 +97,9 @@ static double prefill_flops(const glm_config *c, const bench_weights *bc, int n)
 
 int main(int argc, char **argv) {
     int steps = 32, context = 4096 + 64, profile = 0, op_profile = 0;
+    /* The bf16 peak the prefill is measured against: what cuBLAS reaches on a large bf16 GEMM on
+     * the H200 (773 TFLOP/s at 4096 x 12288 x 4096, tools/dev/fp8_probe, session 7), not the
+     * datasheet's 989 (dense, at the top boost clock); against that one the fractions are 0.8x. */
     double peak_tflops = 790;
     const char *json = NULL;
     for (int i = 1; i + 1 < argc; i += 2) {
