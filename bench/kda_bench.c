@@ -232,12 +232,11 @@ static double copy_bandwidth_gbs(void) {
         CK(cudaEventSynchronize(e1));
         if (r >= 0) CK(cudaEventElapsedTime(&ms[r], e0, e1));
     }
-    qsort(ms, reps, sizeof(float), cmp_float);
     cudaEventDestroy(e0);
     cudaEventDestroy(e1);
     g_be->ops->free(g_be, a);
     g_be->ops->free(g_be, b);
-    return 2.0 * (double)bytes / (0.5 * (ms[reps / 2 - 1] + ms[reps / 2]) * 1e-3) / 1e9;
+    return 2.0 * (double)bytes / (median_of(ms, reps) * 1e-3) / 1e9;
 }
 
 /* ---- checks ---- */
