@@ -123,7 +123,49 @@ static __global__ void kda_gate_kernel(gate_params p) {
     }
 }
 
+/* Many rows (prefill): block = one row, thread = float4 groups tid, tid + 256, ... (up to
+ * GATE_VEC of them, loaded before the first is used), one A_log per group (dk % 4 == 0). The
+ * grid-stride form above did a 64-bit division per element with one load in flight a thread: 190
+ * us for 4096 x 8192 on the H200, where the bytes take ~65; this form 85 us
+ * (docs/bench/2026-11-29-h200-session9.md, call 11). */
+enum { GATE_VEC = 8, GATE_ROW_MIN = 64 /* rows from which the row form runs */ };
+
+static __global__ void __launch_bounds__(EW_BLOCK) kda_gate_rows_kernel(gate_params p) {
+    cu_pdl_wait(); /* launched for PDL (cu_launch_pdl_k) */
+    cu_pdl_trigger();
+    const int D4 = p.D >> 2, dk4 = p.dk >> 2;
+    const float4 *f = reinterpret_cast<const float4 *>(p.f) + (size_t)blockIdx.x * D4;
+    float4 *g = reinterpret_cast<float4 *>(p.g) + (size_t)blockIdx.x * D4;
+    const float4 *bias = reinterpret_cast<const float4 *>(p.dt_bias);
+    for (int c0 = threadIdx.x; c0 < D4; c0 += GATE_VEC * EW_BLOCK) {
+        float4 x[GATE_VEC];
+#pragma unroll
+        for (int u = 0; u < GATE_VEC; u++) {
+            const int c = c0 + u * EW_BLOCK;
+            x[u] = c < D4 ? f[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int u = 0; u < GATE_VEC; u++) {
+            const int c = c0 + u * EW_BLOCK;
+            if (c >= D4) break;
+            const float4 b = bias[c];
+            const float al = p.A_log[c / dk4];
+            g[c] = make_float4(cu_kda_gate_value(x[u].x, b.x, al, p.has_lower_bound, p.lower_bound),
+                               cu_kda_gate_value(x[u].y, b.y, al, p.has_lower_bound, p.lower_bound),
+                               cu_kda_gate_value(x[u].z, b.z, al, p.has_lower_bound, p.lower_bound),
+                               cu_kda_gate_value(x[u].w, b.w, al, p.has_lower_bound, p.lower_bound));
+        }
+    }
+}
+
 static void kda_gate_launch(mt_backend *be, const gate_params *p) {
+    const int64_t rows = p->count / p->D;
+    if (rows >= GATE_ROW_MIN && rows <= 0x7fffffff && p->D % 4 == 0 && p->dk % 4 == 0 &&
+        cu_aligned16(p->f) && cu_aligned16(p->g) && cu_aligned16(p->dt_bias)) {
+        cu_launch_pdl_k(kda_gate_rows_kernel, dim3((unsigned)rows), dim3(EW_BLOCK), 0, cu_stream(be), *p);
+        cu_check_launch(be, "kda_gate");
+        return;
+    }
     int64_t blocks = (p->count + EW_BLOCK - 1) / EW_BLOCK;
     if (blocks > 65536) blocks = 65536;
     cu_launch_pdl_k(kda_gate_kernel, dim3((unsigned)blocks), dim3(EW_BLOCK), 0, cu_stream(be), *p);
