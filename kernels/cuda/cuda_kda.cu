@@ -35,16 +35,20 @@ typedef struct conv_params {
 } conv_params;
 
 /* Thread = (channel c, time segment of CONV_TSEG steps). The K-1 inputs before the segment come
- * from x or, before time 0, from the state; they slide through a register window. */
-static __global__ void conv1d_silu_kernel(conv_params p) {
+ * from x or, before time 0, from the state; they slide through a register window. KT > 0: the
+ * kernel size known at compile time (the model's 4), which takes the window's bounds tests out of
+ * every step: with them the kernel was issue-bound (SM throughput 70%, DRAM 30% at 4096 x 8192 on
+ * the H200: 177 us where the bytes take ~65; docs/bench/2026-11-29-h200-session9.md, call 13). */
+template <int KT> static __global__ void conv1d_silu_kernel(conv_params p) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= p.C) return;
-    const int P = p.K - 1, ta = blockIdx.y * CONV_TSEG;
+    const int K = KT > 0 ? KT : p.K;
+    const int P = K - 1, ta = blockIdx.y * CONV_TSEG;
     const int tb = ta + CONV_TSEG < p.n ? ta + CONV_TSEG : p.n;
     float wk[CONV_MAX_K], hist[CONV_MAX_K];
 #pragma unroll
     for (int k = 0; k < CONV_MAX_K; k++) {
-        wk[k] = k < p.K ? p.w[(size_t)c * p.K + k] : 0.f;
+        wk[k] = k < K ? p.w[(size_t)c * K + k] : 0.f;
         const int pos = ta - P + k; /* hist[k] = input at time ta - P + k */
         hist[k] = 0.f;
         if (k < P) hist[k] = pos < 0 ? p.state[(size_t)c * P + (pos + P)] : p.x[(size_t)pos * p.C + c];
@@ -82,7 +86,8 @@ static __global__ void conv_state_kernel(conv_params p) {
 
 static void conv1d_silu_launch(mt_backend *be, const conv_params *p) {
     const dim3 grid((p->C + EW_BLOCK - 1) / EW_BLOCK, (p->n + CONV_TSEG - 1) / CONV_TSEG);
-    conv1d_silu_kernel<<<grid, EW_BLOCK, 0, cu_stream(be)>>>(*p);
+    if (p->K == 4) conv1d_silu_kernel<4><<<grid, EW_BLOCK, 0, cu_stream(be)>>>(*p);
+    else conv1d_silu_kernel<0><<<grid, EW_BLOCK, 0, cu_stream(be)>>>(*p);
     cu_check_launch(be, "conv1d_silu");
     if (p->K > 1) {
         conv_state_kernel<<<(p->C + EW_BLOCK - 1) / EW_BLOCK, EW_BLOCK, 0, cu_stream(be)>>>(*p);
