@@ -91,18 +91,39 @@ typedef struct embed_params {
     int32_t ids[EMBED_CHUNK];  /* [n] rows of table */
 } embed_params;
 
-template <mt_dtype DT> static __global__ void embed_kernel(const __grid_constant__ embed_params p) {
+/* V: elements a load; cu_wvec<DT>::n (16-byte weight loads, 16-byte output stores) when H is a
+ * multiple of it and the table and output are 16-byte aligned, else 1. Element loads of 2 bytes
+ * made a 4096-token prefill's embedding 0.38 ms on the H200, 16-byte loads 0.26 ms (eight launches of
+ * 512 rows; docs/bench/2026-11-29-h200-session9.md, call 16). */
+template <mt_dtype DT, int V> static __global__ void embed_kernel(const __grid_constant__ embed_params p) {
     const int i = blockIdx.x;
     const int64_t base = (int64_t)p.ids[i] * p.H;
     float *o = p.out + (int64_t)i * p.H;
-    for (int d = threadIdx.x; d < p.H; d += blockDim.x) o[d] = cu_wget<DT>(p.table, base + d);
+    for (int d = threadIdx.x * V; d < p.H; d += blockDim.x * V) {
+        float v[V];
+        cu_wload<DT, V>(p.table, base + d, v);
+        if constexpr (V % 4 == 0) {
+#pragma unroll
+            for (int j = 0; j < V; j += 4) *(float4 *)(o + d + j) = make_float4(v[j], v[j + 1], v[j + 2], v[j + 3]);
+        } else {
+#pragma unroll
+            for (int j = 0; j < V; j++) o[d + j] = v[j];
+        }
+    }
+}
+
+template <mt_dtype DT> static void embed_launch_t(const embed_params *p, cudaStream_t s) {
+    constexpr int V = cu_wvec<DT>::n;
+    const bool vec = p->H % V == 0 && cu_aligned16(p->table) && cu_aligned16(p->out);
+    if (vec) embed_kernel<DT, V><<<p->n, EMBED_THREADS, 0, s>>>(*p);
+    else embed_kernel<DT, 1><<<p->n, EMBED_THREADS, 0, s>>>(*p);
 }
 
 static mt_status embed_launch(const embed_params *p, mt_dtype dt, cudaStream_t s) {
     switch (dt) {
-    case MT_F32: embed_kernel<MT_F32><<<p->n, EMBED_THREADS, 0, s>>>(*p); break;
-    case MT_F16: embed_kernel<MT_F16><<<p->n, EMBED_THREADS, 0, s>>>(*p); break;
-    default: embed_kernel<MT_BF16><<<p->n, EMBED_THREADS, 0, s>>>(*p); break;
+    case MT_F32: embed_launch_t<MT_F32>(p, s); break;
+    case MT_F16: embed_launch_t<MT_F16>(p, s); break;
+    default: embed_launch_t<MT_BF16>(p, s); break;
     }
     MT_CUDA_CHECK_LAUNCH();
     return MT_OK;
