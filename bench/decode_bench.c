@@ -76,12 +76,15 @@ static double engine_ms(glm_model *m, bool run_ahead, const int32_t *prompt, int
     return (k.t1 - k.t0) * 1e3 / steps;
 }
 
-/* FLOPs of a prefill of n tokens as glm_prefill runs it (the last position's logits only): 2 per
- * parameter each token touches, lm_head for one row; plus each DSA layer's attention, 2 (qk_nope +
- * v_head) per head for every position a query attends, the indexer's selection (MODEL.md:
- * min(index_topk / kpool, complete pools) pools of kpool, plus the tail when
- * index_kpool_always_select_tail). Not counted: the indexer's scores and the KDA state products
- * (6 dk^2 a head a token in the recurrent form: ~0.7% of the total at bench-4L's 4096). */
+/* The model's FLOPs for a prefill of n tokens as glm_prefill runs it (the last position's logits
+ * only): 2 per parameter each token touches, lm_head for one row; plus each DSA layer's attention
+ * in the model's form (MODEL.md: q_h . k_h over qk_nope, p v_h over v_head: 2 (qk_nope + v_head)
+ * per head) for every position a query attends under the indexer's selection (min(index_topk /
+ * kpool, complete pools) pools of kpool, plus the tail when index_kpool_always_select_tail). The
+ * absorbed form the kernels run does 4 kv_lora per head and position there, twice this at
+ * bench-4L: the count is the model's, the smaller. Not counted: the indexer's scores, the KDA state
+ * products (6 dk^2 a head a token in the recurrent form: ~0.7% at bench-4L's 4096), and queries
+ * that select nothing (tail off, t < kpool - 1), which attend every earlier position. */
 static double prefill_flops(const glm_config *c, const bench_weights *bc, int n) {
     double f = 2.0 * (bc->touched_params - bc->head_params) * n + 2.0 * c->vocab_size * (double)c->hidden_size;
     int n_dsa = 0;

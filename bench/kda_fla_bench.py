@@ -113,8 +113,9 @@ def bench_fla(args):
                     emit(out, {"impl": "fla", "kind": "time", "row": f"decode_B{B}_steady",
                                "op": "fused_recurrent_kda", "B": B, "T": 1, "H": NH, "K": DK, "dtype": dlabel,
                                "ms": ms, "state_bytes": sb, "state_gbs": sb / (ms * 1e-3) / 1e9})
-                except Exception as e:  # the flushed row above stands on its own
-                    print(f"fla decode_B{B}_steady: {e}", file=sys.stderr)
+                except Exception as e:  # the flushed row above stands on its own; say why this one is missing
+                    emit(out, {"impl": "fla", "kind": "check", "name": f"decode_B{B}_steady not timed",
+                               "error": str(e)[:200], "ok": False})
                 del q, k, v, g, beta, h0
                 torch.cuda.empty_cache()
         if args.check:

@@ -133,7 +133,7 @@ static __global__ void kda_gate_kernel(gate_params p) {
  * grid-stride form above did a 64-bit division per element with one load in flight a thread: 190
  * us for 4096 x 8192 on the H200, where the bytes take ~65; this form 85 us
  * (docs/bench/2026-11-29-h200-session9.md, call 11). */
-enum { GATE_VEC = 8, GATE_ROW_MIN = 64 /* rows from which the row form runs */ };
+enum { GATE_VEC = 8, GATE_ROW_MIN = 64 /* rows from which the row form runs (rows of 1024+) */ };
 
 static __global__ void __launch_bounds__(EW_BLOCK) kda_gate_rows_kernel(gate_params p) {
     cu_pdl_wait(); /* launched for PDL (cu_launch_pdl_k) */
@@ -165,7 +165,7 @@ static __global__ void __launch_bounds__(EW_BLOCK) kda_gate_rows_kernel(gate_par
 
 static void kda_gate_launch(mt_backend *be, const gate_params *p) {
     const int64_t rows = p->count / p->D;
-    if (rows >= GATE_ROW_MIN && rows <= 0x7fffffff && p->D % 4 == 0 && p->dk % 4 == 0 &&
+    if (rows >= GATE_ROW_MIN && rows <= 0x7fffffff && p->D / 4 >= EW_BLOCK && p->dk % 4 == 0 &&
         cu_aligned16(p->f) && cu_aligned16(p->g) && cu_aligned16(p->dt_bias)) {
         cu_launch_pdl_k(kda_gate_rows_kernel, dim3((unsigned)rows), dim3(EW_BLOCK), 0, cu_stream(be), *p);
         cu_check_launch(be, "kda_gate");
