@@ -8,9 +8,9 @@
  *     glm_last_argmax; the same replays with no token read back: the GPU's time a step), and
  *     for glm_decode (one sequence's own path, logits to the host) eager and with its graph;
  *   - prefill of 512 and 4096 tokens: tokens/s and the fraction of the bf16 tensor peak reached
- *     (FLOPs: what the prefill performs, prefill_flops; until 2026-11-29's ninth session this
- *     counted lm_head for every token, which glm_prefill runs for the last one only, and so
- *     overstated the fraction by ~1.4x).
+ *     (FLOPs: the model's for the prefill as glm_prefill runs it, prefill_flops; until
+ *     2026-11-29's ninth session this counted lm_head for every token, which glm_prefill runs for
+ *     the last one only, and so overstated the fraction by ~1.4x).
  * Prints one table and writes it as JSON (--json FILE).
  *
  *   decode_bench [--steps N] [--context N] [--json FILE] [--bf16-peak-tflops 790] [--op-profile 1]

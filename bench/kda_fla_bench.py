@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 
 NH, DK, T_PREFILL = 64, 128, 4096
@@ -89,9 +90,8 @@ def bench_fla(args):
             e1.record()
             e1.synchronize()
             times.append(e0.elapsed_time(e1) / chain)
-        times.sort()
         del graph
-        return times[len(times) // 2] if reps % 2 else 0.5 * (times[reps // 2 - 1] + times[reps // 2])
+        return statistics.median(times)
 
     dtypes = [("bf16", torch.bfloat16)] + ([("fp32", torch.float32)] if args.fp32 else [])
     rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()
