@@ -14,7 +14,9 @@
  * left by the memset and no gap between calls; our kernel's programmatic launch also lets a call's
  * L2 prefetch overlap the previous call's tail, which cudaMemcpy and fla's graph replays do not get;
  * in the engine the kernel before it is another layer's), and beside them a cudaMemcpy of the same
- * bytes timed both ways (copy_B*: what each way of timing allows a plain copy of that size).
+ * bytes timed both ways (copy_B*: what each way of timing allows a plain copy of that size). A
+ * third way (*_clean): a read-only pass over the 256 MB buffer instead of the memset, so L2 is
+ * cold but holds no dirty lines whose write-back the timed call would pay for.
  * Checks before timing: chunked (each form) against recurrent on the prefill inputs, decode against
  * a float64 host reference, every output element written (outputs poisoned with NaN first).
  * Inputs: uniform random, q/k l2-normalised on the host (q then scaled by dk^-0.5), g = -softplus(z)
@@ -185,7 +187,13 @@ static double median_of(float *ms, int reps) {
 
 /* Median ms of one call. chain == 0: do_bench style, per rep a 256 MB memset clears L2, then
  * events around one call. chain > 0: `chain` calls back to back between two events (no flush;
- * what a call leaves in L2 is what the next one meets), per-call ms of each rep. */
+ * what a call leaves in L2 is what the next one meets), per-call ms of each rep. chain == CLEAN:
+ * per rep a read-only pass over the flush buffer (an argmax of it, one int written per row)
+ * clears L2 and leaves it clean, then events around one call: the call finds none of its bytes
+ * in L2 and no one else's dirty lines to write back (the memset leaves up to the L2's size of
+ * them, and their write-back lands in the timed call). */
+enum { CLEAN = -1, CLEAN_ROWS = 256 };
+static int32_t *g_clean_out; /* [CLEAN_ROWS] device */
 static double time_call(const timed_call *c, int reps, int chain) {
     cudaStream_t s = cu_stream(g_be);
     for (int i = 0; i < 3; i++) call_once(c);
@@ -195,14 +203,16 @@ static double time_call(const timed_call *c, int reps, int chain) {
     for (int i = 0; i < 2 * reps; i++) CK(cudaEventCreate(&ev[i]));
     for (int r = 0; r < reps; r++) {
         if (chain == 0) CK(cudaMemsetAsync(g_flush, r & 0xff, FLUSH_BYTES, s));
+        if (chain == CLEAN)
+            g_be->ops->argmax_dev(g_be, g_clean_out, 1, g_flush, CLEAN_ROWS, FLUSH_BYTES / 4 / CLEAN_ROWS);
         CK(cudaEventRecord(ev[2 * r], s));
-        for (int i = 0; i < (chain ? chain : 1); i++) call_once(c);
+        for (int i = 0; i < (chain > 0 ? chain : 1); i++) call_once(c);
         CK(cudaEventRecord(ev[2 * r + 1], s));
     }
     check_backend("timing");
     for (int r = 0; r < reps; r++) {
         CK(cudaEventElapsedTime(&ms[r], ev[2 * r], ev[2 * r + 1]));
-        if (chain) ms[r] /= (float)chain;
+        if (chain > 0) ms[r] /= (float)chain;
     }
     const double med = median_of(ms, reps);
     for (int i = 0; i < 2 * reps; i++) cudaEventDestroy(ev[i]);
@@ -373,6 +383,8 @@ int main(int argc, char **argv) {
     CK(cudaGetDeviceProperties(&prop, 0));
     printf("kda_bench (ours, CUDA backend) on %s, %d reps per shape, median\n", prop.name, g_reps);
     g_flush = dalloc(FLUSH_BYTES);
+    CK(cudaMemsetAsync(g_flush, 0, FLUSH_BYTES, cu_stream(g_be)));
+    g_clean_out = dalloc(sizeof(int32_t) * CLEAN_ROWS);
 
     const double bw = copy_bandwidth_gbs();
     printf("  device copy bandwidth %.0f GB/s (cudaMemcpy D2D 2 GiB, read + write)\n", bw);
@@ -486,24 +498,31 @@ int main(int argc, char **argv) {
 
         const timed_call kc = {g_be->ops->kda_recurrent, &d, 1, nh, NULL, NULL, 0};
         const double ms = time_call(&kc, g_reps * 4, 0), ms_steady = time_call(&kc, g_reps, DEC_CHAIN);
+        const double ms_clean = time_call(&kc, g_reps * 4, CLEAN);
         /* the same bytes through cudaMemcpy, timed both ways: what the harness itself allows */
         void *dst = dalloc(sc * 4);
         const timed_call cc = {NULL, NULL, 0, 0, dst, d.state, sc * 4};
         const double ms_copy = time_call(&cc, g_reps * 4, 0), ms_copy_steady = time_call(&cc, g_reps, DEC_CHAIN);
+        const double ms_copy_clean = time_call(&cc, g_reps * 4, CLEAN);
         g_be->ops->free(g_be, dst);
         char row[48];
         snprintf(row, sizeof row, "decode_B%d", B);
         emit(row, "kda_recurrent", B, 1, NH, ms, 2.0 * (double)sc * 4, bw);
         snprintf(row, sizeof row, "decode_B%d_steady", B);
         emit(row, "kda_recurrent", B, 1, NH, ms_steady, 2.0 * (double)sc * 4, bw);
+        snprintf(row, sizeof row, "decode_B%d_clean", B);
+        emit(row, "kda_recurrent", B, 1, NH, ms_clean, 2.0 * (double)sc * 4, bw);
         snprintf(row, sizeof row, "copy_B%d", B);
         emit(row, "cudaMemcpy", B, 1, NH, ms_copy, 2.0 * (double)sc * 4, bw);
         snprintf(row, sizeof row, "copy_B%d_steady", B);
         emit(row, "cudaMemcpy", B, 1, NH, ms_copy_steady, 2.0 * (double)sc * 4, bw);
+        snprintf(row, sizeof row, "copy_B%d_clean", B);
+        emit(row, "cudaMemcpy", B, 1, NH, ms_copy_clean, 2.0 * (double)sc * 4, bw);
         dev_free(&d);
         host_free(&h);
     }
     g_be->ops->free(g_be, g_flush);
+    g_be->ops->free(g_be, g_clean_out);
     if (g_json) fclose(g_json);
     mt_backend_free(g_be);
     if (g_fail) fprintf(stderr, "kda_bench: a check FAILED\n");

@@ -619,9 +619,11 @@ TEST_F(CudaAttnMla, MlaSparseSmallShapes) {
         {32, 8, 8, 256, 0, 300, 20, MT_F16, true},     // two passes, the second of 44 rows
         {64, 16, 16, 512, 70, 20, 64, MT_BF16, true},  // 2 head groups, many splits, some empty
         {96, 8, 8, 512, 5, 40, 200, MT_F32, true},     // 3 head groups, rows < a tile (t < 32)
-        // with it the tensor-core absorb and output (bf16 kv_b, dn % 32, dv % 64 == 0)
-        {32, 32, 64, 256, 40, 37, 30, MT_BF16, true},    // one K step, a partial row tile
-        {64, 64, 128, 512, 100, 70, 90, MT_BF16, true},  // two row tiles, the second partial
+        // with it the absorb and output through cuBLAS (bf16 kv_b; odd dims on purpose)
+        {32, 32, 64, 256, 40, 37, 30, MT_BF16, true},
+        {64, 64, 128, 512, 100, 70, 90, MT_BF16, true},
+        {32, 22, 40, 256, 40, 37, 30, MT_BF16, true},    // dn not a multiple of 4: the split's scalar form
+        {32, 20, 12, 512, 0, 300, 20, MT_BF16, true},    // two passes, the second of 44 rows
     });
 }
 

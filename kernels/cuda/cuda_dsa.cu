@@ -3,6 +3,7 @@
  * plus the tail, and sparse MLA in the latent space (weight absorption). Three tiers per op
  * (STYLE.md 7): static kernels, a static launcher that picks the grid, and the exported cu_* op
  * that checks shapes and dtypes. */
+#include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <math.h>
@@ -1467,113 +1468,38 @@ static __global__ void __launch_bounds__(NW * 32, 1) mla_attend_tc_kernel(mla_de
  * C_h[M, N] = A_h[M, K] B_h:
  *   absorb  qa[i, h, :] = q[i, h, :] W_k[h]        A = q (rows i), B = W_k[h] [K = dn][N = kvl]
  *   output  out[i, h, :] = ol[i, h, :] W_v[h]^T    A = ol (rows i), B = W_v[h] [N = dv][K = kvl]
- * A is fp32, split into hi + lo (two mma terms; the bf16 weight is exact, so ~1e-5 relative as
- * the attend). Block = (64 columns, 64 rows, head), 4 warps of 32 x 32, K in steps of 32 through
- * shared memory (A converted on the way in). The output's ol is the merged, normalised latent
- * output (mla_merge_kernel), written over qa. */
-enum {
-    MLAG_BM = 64, MLAG_BN = 64, MLAG_BK = 32, MLAG_THREADS = 128,
-    MLAG_LDA = MLAG_BK + 8,  /* bf16 row stride of the A tiles (80 bytes: conflict-free ldmatrix) */
-    MLAG_LDKN = MLAG_BN + 8, /* bf16 row stride of a [BK][BN] B tile (144 bytes) */
-    MLAG_LDNK = MLAG_BK + 8, /* bf16 row stride of a [BN][BK] B tile (80 bytes) */
-};
+ * through cuBLAS: A is fp32, split into bf16 hi and lo planes (cu_split16, blocked, in
+ * CU_SCRATCH_GEMM; the bf16 weight is exact, so ~1e-5 relative as the attend), then per part one
+ * strided-batched GEMM over the heads, the lo part accumulating (beta 1). It replaced a mma.sync
+ * kernel of 64 x 64 tiles that converted A on the way in: 4096-token prefill of bench-4L on the
+ * H200, absorb 1.33 -> 1.09 ms, output 1.29 -> 1.00 ms (docs/bench/2026-11-30-h200-session10.md).
+ * The output's ol is the merged, normalised latent output (mla_merge_kernel), written over qa.
+ * cuBLAS is column-major: row-major C_h [nb, N] (ldc) is C_h^T [N, nb]; A_h [nb, K] (lda) is
+ * A_h^T [K, nb]; the absorb's W_k [K = dn, N = kvl] row-major is [N, K] column-major (op N), the
+ * output's W_v [N = dv, K = kvl] is [K, N] (op T). */
+enum { MLAG_THREADS = 128 /* mla_merge_kernel */ };
 
-typedef struct mlag_params {
-    float *c;                /* head h's C at c + h * c_h, rows ldc apart: [M, N] */
-    const float *a;          /* head h's A at a + h * a_h, rows lda apart: [M, K] */
-    const __nv_bfloat16 *b;  /* head h's B at b + h * b_h, rows ldb apart: [K, N] (b_kn) or [N, K] */
-    int M, N, K, ldb;
-    int64_t lda, ldc, a_h, c_h, b_h;
-    bool b_kn;
-} mlag_params;
-
-static __global__ void __launch_bounds__(MLAG_THREADS) mla_gemm_tc_kernel(mlag_params p) {
-    __shared__ __align__(16) __nv_bfloat16 a_hi[MLAG_BM * MLAG_LDA], a_lo[MLAG_BM * MLAG_LDA];
-    __shared__ __align__(16) __nv_bfloat16 b_s[MLAG_BN * MLAG_LDNK]; /* >= MLAG_BK * MLAG_LDKN */
-    const int tid = threadIdx.x, lane = tid & 31, wp = tid >> 5, g = lane >> 2, q4 = lane & 3, mi = lane >> 3;
-    const int n0 = blockIdx.x * MLAG_BN, m0 = blockIdx.y * MLAG_BM, h = blockIdx.z;
-    const int wm = 32 * (wp & 1), wn = 32 * (wp >> 1); /* this warp's rows, columns in the tile */
-    const float *a = p.a + h * p.a_h;
-    const __nv_bfloat16 *b = p.b + h * p.b_h;
-    float acc[2][4][4];
-#pragma unroll
-    for (int mb = 0; mb < 2; mb++)
-#pragma unroll
-        for (int nb = 0; nb < 4; nb++)
-#pragma unroll
-            for (int x = 0; x < 4; x++) acc[mb][nb][x] = 0.f;
-
-    for (int k0 = 0; k0 < p.K; k0 += MLAG_BK) {
-        /* A: 64 rows x 32 fp32 as 512 float4, 4 a thread; rows past M are zero */
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const int e = tid + MLAG_THREADS * j, r = e >> 3, c4 = e & 7;
-            uint2 hi = make_uint2(0u, 0u), lo = make_uint2(0u, 0u);
-            if (m0 + r < p.M) {
-                const float4 v = *(const float4 *)(a + (size_t)(m0 + r) * p.lda + k0 + 4 * c4);
-                mlat_split2(v.x, v.y, &hi.x, &lo.x);
-                mlat_split2(v.z, v.w, &hi.y, &lo.y);
-            }
-            *(uint2 *)(a_hi + r * MLAG_LDA + 4 * c4) = hi;
-            *(uint2 *)(a_lo + r * MLAG_LDA + 4 * c4) = lo;
-        }
-        /* B: 32 x 64 bf16 either way, as 256 16-byte chunks, 2 a thread */
-#pragma unroll
-        for (int j = 0; j < 2; j++) {
-            const int e = tid + MLAG_THREADS * j;
-            if (p.b_kn) {
-                const int r = e >> 3, ch = e & 7; /* k row r, columns n0 + 8ch .. */
-                *(uint4 *)(b_s + r * MLAG_LDKN + 8 * ch) =
-                    *(const uint4 *)(b + (size_t)(k0 + r) * p.ldb + n0 + 8 * ch);
-            } else {
-                const int r = e >> 2, ch = e & 3; /* n row r, columns k0 + 8ch .. */
-                *(uint4 *)(b_s + r * MLAG_LDNK + 8 * ch) =
-                    *(const uint4 *)(b + (size_t)(n0 + r) * p.ldb + k0 + 8 * ch);
-            }
-        }
-        __syncthreads();
-#pragma unroll
-        for (int kk = 0; kk < MLAG_BK / 16; kk++) {
-            uint32_t ah[2][4], al[2][4], bf[2][4]; /* bf[np]: n8 tiles 2np (regs 0, 1), 2np+1 (2, 3) */
-#pragma unroll
-            for (int mb = 0; mb < 2; mb++) {
-                const int r = wm + 16 * mb + (lane & 7) + 8 * (mi & 1), c = 16 * kk + 8 * (mi >> 1);
-                mlat_ldsm4(ah[mb], a_hi + r * MLAG_LDA + c);
-                mlat_ldsm4(al[mb], a_lo + r * MLAG_LDA + c);
-            }
-#pragma unroll
-            for (int np = 0; np < 2; np++) {
-                if (p.b_kn) { /* [k][n]: transposed 8x8 loads, as the attend's P V */
-                    const int r = 16 * kk + (lane & 7) + 8 * (mi & 1), c = wn + 16 * np + 8 * (mi >> 1);
-                    mlat_ldsm4_t(bf[np], b_s + r * MLAG_LDKN + c);
-                } else {      /* [n][k]: as the attend's scores */
-                    const int r = wn + 16 * np + (lane & 7) + 8 * (mi >> 1), c = 16 * kk + 8 * (mi & 1);
-                    mlat_ldsm4(bf[np], b_s + r * MLAG_LDNK + c);
-                }
-            }
-#pragma unroll
-            for (int mb = 0; mb < 2; mb++)
-#pragma unroll
-                for (int nb = 0; nb < 4; nb++)
-                    mlat_mma(acc[mb][nb], al[mb], bf[nb >> 1][2 * (nb & 1)], bf[nb >> 1][2 * (nb & 1) + 1]);
-#pragma unroll
-            for (int mb = 0; mb < 2; mb++)
-#pragma unroll
-                for (int nb = 0; nb < 4; nb++)
-                    mlat_mma(acc[mb][nb], ah[mb], bf[nb >> 1][2 * (nb & 1)], bf[nb >> 1][2 * (nb & 1) + 1]);
-        }
-        __syncthreads(); /* before the next step overwrites the tiles */
+static mt_status mla_gemm_blas(mt_backend *be, const mla_dev_params *b, bool output) {
+    cu_backend *cb = (cu_backend *)be;
+    const int nb = b->nb, Hq = b->Hq, K = output ? b->kvl : b->dn, N = output ? b->dv : b->kvl;
+    const size_t plane = (size_t)nb * Hq * K;
+    __nv_bfloat16 *a16 = (__nv_bfloat16 *)cu_scratch(be, CU_SCRATCH_GEMM, 2 * plane * sizeof(__nv_bfloat16));
+    if (!a16) return MT_ERR_NOMEM;
+    mt_status st = cu_split16(a16, output ? b->qa : b->q, NULL, (int64_t)nb * Hq, K, MT_BF16, 2, false,
+                              cu_stream(be));
+    if (st != MT_OK) return st;
+    const __nv_bfloat16 *w = (const __nv_bfloat16 *)b->kv_b + (output ? (size_t)b->dn * b->kvl : 0);
+    const long long w_h = (long long)(b->dn + b->dv) * b->kvl;
+    float *c = output ? b->out : b->qa;
+    const float one = 1.f;
+    for (int t = 0; t < 2; t++) {
+        const float beta = t ? 1.f : 0.f;
+        MT_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+            cb->blas, output ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, N, nb, K, &one, w, CUDA_R_16BF, b->kvl,
+            w_h, a16 + t * plane, CUDA_R_16BF, Hq * K, K, &beta, c, CUDA_R_32F, Hq * N, N, Hq,
+            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     }
-    float *c = p.c + h * p.c_h;
-#pragma unroll
-    for (int mb = 0; mb < 2; mb++)
-#pragma unroll
-        for (int nb = 0; nb < 4; nb++) {
-            const int r = m0 + wm + 16 * mb + g, col = n0 + wn + 8 * nb + 2 * q4;
-            if (r < p.M) *(float2 *)(c + (size_t)r * p.ldc + col) = make_float2(acc[mb][nb][0], acc[mb][nb][1]);
-            if (r + 8 < p.M)
-                *(float2 *)(c + (size_t)(r + 8) * p.ldc + col) = make_float2(acc[mb][nb][2], acc[mb][nb][3]);
-        }
+    return MT_OK;
 }
 
 /* ol[i, h, :] (over p.qa, no longer needed) = the splits of (row i, head h) merged and
@@ -1594,41 +1520,6 @@ static __global__ void __launch_bounds__(MLAG_THREADS) mla_merge_kernel(mla_dev_
         }
         ol[c] = a * inv;
     }
-}
-
-/* Launches mla_gemm_tc_kernel for one batch b of query rows: the absorb (qa = q W_k) or, with
- * `output`, out = ol W_v^T with ol in b->qa. Checked by the caller. */
-static void mla_gemm_tc_launch(mt_backend *be, const mla_dev_params *b, bool output) {
-    const __nv_bfloat16 *kv = (const __nv_bfloat16 *)b->kv_b;
-    mlag_params g;
-    g.M = b->nb;
-    g.ldb = b->kvl;
-    g.b_h = (int64_t)(b->dn + b->dv) * b->kvl;
-    if (!output) {
-        g.c = b->qa;
-        g.a = b->q;
-        g.b = kv;                              /* key rows 0 .. dn-1 of each head: [dn, kvl] */
-        g.N = b->kvl;
-        g.K = b->dn;
-        g.lda = (int64_t)b->Hq * b->dn;
-        g.ldc = (int64_t)b->Hq * b->kvl;
-        g.a_h = b->dn;
-        g.c_h = b->kvl;
-        g.b_kn = true;
-    } else {
-        g.c = b->out;
-        g.a = b->qa;
-        g.b = kv + (size_t)b->dn * b->kvl;     /* value rows dn .. dn+dv-1 of each head: [dv, kvl] */
-        g.N = b->dv;
-        g.K = b->kvl;
-        g.lda = (int64_t)b->Hq * b->kvl;
-        g.ldc = (int64_t)b->Hq * b->dv;
-        g.a_h = b->kvl;
-        g.c_h = b->dv;
-        g.b_kn = false;
-    }
-    const dim3 grid(g.N / MLAG_BN, (g.M + MLAG_BM - 1) / MLAG_BM, b->Hq);
-    mla_gemm_tc_kernel<<<grid, MLAG_THREADS, 0, cu_stream(be)>>>(g);
 }
 
 /* Picks heads per block (the largest of 8, 4, 2, 1 dividing Hq) and the splits: enough blocks for
@@ -1681,9 +1572,8 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
     const bool tc = n >= MLAT_MIN_ROWS && !force_old && !force_wide && shape32 && !p->t0_dev && !p->pos_rows &&
                     tc_smem <= lim;
     const bool wide = !tc && n > 1 && !force_old && shape32 && wide_smem <= lim;
-    /* with it, the absorb and output on the tensor cores too: a bf16 kv_b, dims in whole tiles */
-    const bool tcg = tc && p->kv_dtype == MT_BF16 && p->dn % MLAG_BK == 0 && p->kvl % MLAG_BN == 0 &&
-                     p->dv % MLAG_BN == 0 && cu_aligned16(p->kv_b) && cu_aligned16(p->q) && cu_aligned16(p->out);
+    /* with it, the absorb and output through cuBLAS (mla_gemm_blas) when kv_b is bf16 */
+    const bool tcg = tc && p->kv_dtype == MT_BF16;
     mla_plan(be, p, nb_max, rows_max, wide || tc); /* MLAT_HB == MLAW_HB: the same plan */
     /* scratch: [lat16 (tc only): (t0+n) * kvl floats of room] [qa] [part]; lat16 first keeps qa
      * and part where they were, 16-byte aligned */
@@ -1744,7 +1634,7 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
         const bool dec1 = b.nb == 1 && p->kvl % 256 == 0 && p->kvl <= 256 * ABS1_MAX_K && p->dn <= 1024 &&
                           (p->kv_dtype == MT_BF16 || p->kv_dtype == MT_F16) && cu_aligned16(p->kv_b);
         if (tcg) {
-            mla_gemm_tc_launch(be, &b, false);
+            if ((st = mla_gemm_blas(be, &b, false)) != MT_OK) return st;
         } else if (dec1) {
             const dim3 g1(p->Hq, p->kvl / 256);
             if (p->kv_dtype == MT_BF16) cu_launch_pdl_k(mla_absorb1_kernel<__nv_bfloat16>, dim3(g1), dim3(ABS1_THREADS), 0, cu_stream(be), b);
@@ -1764,7 +1654,7 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
         if (tcg) {
             mla_merge_kernel<<<dim3(p->Hq, b.nb), MLAG_THREADS, 0, cu_stream(be)>>>(b);
             cu_check_launch(be, "mla_sparse (merge)");
-            mla_gemm_tc_launch(be, &b, true);
+            if ((st = mla_gemm_blas(be, &b, true)) != MT_OK) return st;
         } else if (dec1) {
             const size_t o1 = sizeof(float) * ((size_t)p->kvl + MLA_MAX_SPLIT);
             const dim3 g1(p->Hq, (p->dv + OUT1_ROWS - 1) / OUT1_ROWS);
