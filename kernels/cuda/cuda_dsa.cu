@@ -1473,21 +1473,25 @@ static __global__ void __launch_bounds__(NW * 32, 1) mla_attend_tc_kernel(mla_de
  * strided-batched GEMM over the heads, the lo part accumulating (beta 1). It replaced a mma.sync
  * kernel of 64 x 64 tiles that converted A on the way in: 4096-token prefill of bench-4L on the
  * H200, absorb 1.33 -> 1.09 ms, output 1.29 -> 1.00 ms (docs/bench/2026-11-30-h200-session10.md).
- * The output's ol is the merged, normalised latent output (mla_merge_kernel), written over qa.
+ * The output's A is the merged, normalised latent output, split as it is merged
+ * (mla_merge_split_kernel).
  * cuBLAS is column-major: row-major C_h [nb, N] (ldc) is C_h^T [N, nb]; A_h [nb, K] (lda) is
  * A_h^T [K, nb]; the absorb's W_k [K = dn, N = kvl] row-major is [N, K] column-major (op N), the
  * output's W_v [N = dv, K = kvl] is [K, N] (op T). */
-enum { MLAG_THREADS = 128 /* mla_merge_kernel */ };
+enum { MLAG_THREADS = 128 /* mla_merge_split_kernel */ };
 
-static mt_status mla_gemm_blas(mt_backend *be, const mla_dev_params *b, bool output) {
+/* The bf16 hi and lo planes of the GEMMs' A in CU_SCRATCH_GEMM: [2][nb * Hq][K], sized for the
+ * larger of the two K so that the output's call does not grow (and synchronise) it again. */
+static __nv_bfloat16 *mla_a16(mt_backend *be, const mla_dev_params *b) {
+    const size_t k = (size_t)(b->dn > b->kvl ? b->dn : b->kvl);
+    return (__nv_bfloat16 *)cu_scratch(be, CU_SCRATCH_GEMM, 2 * (size_t)b->nb * b->Hq * k * sizeof(__nv_bfloat16));
+}
+
+/* C = (hi + lo) B per head, a16 = the planes [2][nb * Hq][K]. */
+static mt_status mla_gemm_blas(mt_backend *be, const mla_dev_params *b, bool output, const __nv_bfloat16 *a16) {
     cu_backend *cb = (cu_backend *)be;
     const int nb = b->nb, Hq = b->Hq, K = output ? b->kvl : b->dn, N = output ? b->dv : b->kvl;
     const size_t plane = (size_t)nb * Hq * K;
-    __nv_bfloat16 *a16 = (__nv_bfloat16 *)cu_scratch(be, CU_SCRATCH_GEMM, 2 * plane * sizeof(__nv_bfloat16));
-    if (!a16) return MT_ERR_NOMEM;
-    mt_status st = cu_split16(a16, output ? b->qa : b->q, NULL, (int64_t)nb * Hq, K, MT_BF16, 2, false,
-                              cu_stream(be));
-    if (st != MT_OK) return st;
     const __nv_bfloat16 *w = (const __nv_bfloat16 *)b->kv_b + (output ? (size_t)b->dn * b->kvl : 0);
     const long long w_h = (long long)(b->dn + b->dv) * b->kvl;
     float *c = output ? b->out : b->qa;
@@ -1502,23 +1506,31 @@ static mt_status mla_gemm_blas(mt_backend *be, const mla_dev_params *b, bool out
     return MT_OK;
 }
 
-/* ol[i, h, :] (over p.qa, no longer needed) = the splits of (row i, head h) merged and
- * normalised, exactly as mla_output_kernel merges them. Block = (head h, row i). */
-static __global__ void __launch_bounds__(MLAG_THREADS) mla_merge_kernel(mla_dev_params p) {
+/* ol[i, h, :] = the splits of (row i, head h) merged and normalised, exactly as
+ * mla_output_kernel merges them, written straight as the output GEMM's bf16 hi and lo planes
+ * (a16 [2][nb * Hq][kvl]): no fp32 ol and no split pass over it. Block = (head h, row i); a
+ * thread takes column pairs (8-byte loads of the partial sums: their rows are kvl + 2 floats;
+ * kvl is 256 or 512 on this path). */
+static __global__ void __launch_bounds__(MLAG_THREADS) mla_merge_split_kernel(mla_dev_params p,
+                                                                              __nv_bfloat16 *a16) {
     const int h = blockIdx.x, i = blockIdx.y, kvl = p.kvl, ns = p.nsplit;
-    const float *pb = p.part + ((size_t)i * p.Hq + h) * ns * (kvl + 2);
+    const size_t rs = (size_t)kvl + 2;
+    const float *pb = p.part + ((size_t)i * p.Hq + h) * ns * rs;
     float M = -INFINITY, L = 0.f;
-    for (int s = 0; s < ns; s++) M = fmaxf(M, pb[(size_t)s * (kvl + 2)]);
-    for (int s = 0; s < ns; s++) L += expf(pb[(size_t)s * (kvl + 2)] - M) * pb[(size_t)s * (kvl + 2) + 1];
+    for (int s = 0; s < ns; s++) M = fmaxf(M, pb[s * rs]);
+    for (int s = 0; s < ns; s++) L += expf(pb[s * rs] - M) * pb[s * rs + 1];
     const float inv = 1.f / L;
-    float *ol = p.qa + ((size_t)i * p.Hq + h) * kvl;
-    for (int c = threadIdx.x; c < kvl; c += MLAG_THREADS) {
-        float a = 0.f;
+    const size_t o = ((size_t)i * p.Hq + h) * kvl, plane = (size_t)p.nb * p.Hq * kvl;
+    __nv_bfloat16 *hi = a16 + o, *lo = a16 + plane + o;
+    for (int c = 2 * threadIdx.x; c < kvl; c += 2 * MLAG_THREADS) {
+        float a0 = 0.f, a1 = 0.f;
         for (int s = 0; s < ns; s++) {
-            const float *ps = pb + (size_t)s * (kvl + 2);
-            a += expf(ps[0] - M) * ps[2 + c];
+            const float e = expf(pb[s * rs] - M);
+            const float2 v = *(const float2 *)(pb + s * rs + 2 + c);
+            a0 += e * v.x;
+            a1 += e * v.y;
         }
-        ol[c] = a * inv;
+        mlat_split2(a0 * inv, a1 * inv, (uint32_t *)(hi + c), (uint32_t *)(lo + c));
     }
 }
 
@@ -1633,8 +1645,12 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
         /* one query row with a 16-bit kv_b: the vectorised decode kernels */
         const bool dec1 = b.nb == 1 && p->kvl % 256 == 0 && p->kvl <= 256 * ABS1_MAX_K && p->dn <= 1024 &&
                           (p->kv_dtype == MT_BF16 || p->kv_dtype == MT_F16) && cu_aligned16(p->kv_b);
+        __nv_bfloat16 *a16 = NULL;
         if (tcg) {
-            if ((st = mla_gemm_blas(be, &b, false)) != MT_OK) return st;
+            if (!(a16 = mla_a16(be, &b))) return MT_ERR_NOMEM;
+            if ((st = cu_split16(a16, b.q, NULL, (int64_t)b.nb * p->Hq, p->dn, MT_BF16, 2, false, cu_stream(be))) != MT_OK ||
+                (st = mla_gemm_blas(be, &b, false, a16)) != MT_OK)
+                return st;
         } else if (dec1) {
             const dim3 g1(p->Hq, p->kvl / 256);
             if (p->kv_dtype == MT_BF16) cu_launch_pdl_k(mla_absorb1_kernel<__nv_bfloat16>, dim3(g1), dim3(ABS1_THREADS), 0, cu_stream(be), b);
@@ -1652,9 +1668,9 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
         else mla_attend_wide_kernel<2><<<gt, MLAW_THREADS, wide_smem, cu_stream(be)>>>(b);
         cu_check_launch(be, "mla_sparse (attend)");
         if (tcg) {
-            mla_merge_kernel<<<dim3(p->Hq, b.nb), MLAG_THREADS, 0, cu_stream(be)>>>(b);
+            mla_merge_split_kernel<<<dim3(p->Hq, b.nb), MLAG_THREADS, 0, cu_stream(be)>>>(b, a16);
             cu_check_launch(be, "mla_sparse (merge)");
-            if ((st = mla_gemm_blas(be, &b, true)) != MT_OK) return st;
+            if ((st = mla_gemm_blas(be, &b, true, a16)) != MT_OK) return st;
         } else if (dec1) {
             const size_t o1 = sizeof(float) * ((size_t)p->kvl + MLA_MAX_SPLIT);
             const dim3 g1(p->Hq, (p->dv + OUT1_ROWS - 1) / OUT1_ROWS);
