@@ -494,7 +494,8 @@ TEST_F(CudaOps, Matmul) {
 // matmul_multi: several weights sharing x in one launch (the fp32 GEMV rows) or one matmul each,
 // a sigmoid on the outputs of a mask; every output against the CPU's matmul (and sigmoid). Sets of the decode shapes (a KDA layer's
 // q/k/v and f_a/b/g_a, the DSA projections of h, a dense gate/up) and odd sizes (partial tiles,
-// the element-wise path, rows of 1), at 1, 2 rows (one launch) and 3, 9 (one matmul each).
+// the element-wise path, rows of 1), at 1, 2 rows (one launch), 3 (one matmul each) and 9, 40
+// (16-bit weights on the tensor cores: x split once for the whole set).
 TEST_F(CudaOps, MatmulMultiMatchesCpu) {
     Worst worst{"matmul_multi"};
     ASSERT_TRUE(gpu_->ops->matmul_multi);
@@ -507,7 +508,7 @@ TEST_F(CudaOps, MatmulMultiMatchesCpu) {
         const int count = (int)set.rows.size(), cols = set.cols;
         std::vector<std::unique_ptr<Weight>> ws;
         for (int r : set.rows) ws.push_back(MakeWeight(set.dt, r, cols, 2.f / std::sqrt((float)cols)));
-        for (int n : {1, 2, 3, 9}) {
+        for (int n : {1, 2, 3, 9, 40}) {
             std::vector<float> x = Rand((size_t)n * cols);
             float *gx = Put(gpu_, x);
             std::vector<float *> gy;
@@ -1050,14 +1051,15 @@ TEST_F(CudaOps, HyperConnections) {
     struct S { int S_, H; };
     // hc_pre: n <= 4 with S <= 4 and S*H a multiple of 8 load vectors takes the one-cluster
     // kernel (4 x 4096, 2 x 64, 3 x 256, 1 x 512); S*H = 400, n > 4 and S = 6 the GEMV + one-block
-    // form (S = 6: its block-wide Sinkhorn, S*S > 32). hc_post: float4 accesses for S <= 4 (every
+    // form: the row in registers for S <= 4 (hc_pre_rows_kernel; n = 300: many blocks), S = 6 the
+    // older kernel with its block-wide Sinkhorn (S*S > 32). hc_post: float4 accesses for S <= 4 (every
     // shape here but S = 6, which takes the scalar kernel).
     for (const S &s : {S{4, 4096}, S{2, 64}, S{4, 100}, S{3, 256}, S{1, 512}, S{6, 20}}) {
         const int Sn = s.S_, H = s.H, mix = (2 + Sn) * Sn, SH = Sn * H;
         const mt_hc_params p = {Sn, H, 1e-6f, 1e-6f, 20};
         for (mt_dtype dt : {MT_BF16, MT_F32}) {
             auto fn = MakeWeight(dt, mix, SH, 2.f / std::sqrt((float)SH));
-            for (int n : {1, 2, 3, 4, 5, 9, 40}) {
+            for (int n : {1, 2, 3, 4, 5, 9, 40, 300}) {
                 std::vector<float> X = Rand((size_t)n * SH, -2.f, 2.f), base = Rand(mix), scale = Rand(3, 0.5f, 1.5f);
                 std::vector<float> y((size_t)n * H), post((size_t)n * Sn), comb((size_t)n * Sn * Sn);
                 cpu_->ops->hc_pre(cpu_, y.data(), post.data(), comb.data(), X.data(), &fn->cpu, base.data(),

@@ -1064,16 +1064,19 @@ static bool matmul_use_tc(const cu_backend *cb, const mt_weight *w, int n) {
            w->cols > 0;
 }
 
-/* y = x . w^T with x split into tc_terms 16-bit parts [hi; lo] (CU_SCRATCH_GEMM): y = w.hi, then
- * y += w.lo. */
-static mt_status matmul_tc(cu_backend *cb, float *y, const float *x, const mt_weight *w, int n) {
-    const int N = (int)w->rows, K = (int)w->cols, T = cb->tc_terms;
+/* y[j] = x . w[j]^T for count weights of x's columns and one dtype, with x split once into
+ * tc_terms 16-bit parts [hi; lo] (CU_SCRATCH_GEMM): y[j] = w[j].hi, then y[j] += w[j].lo. */
+static mt_status matmul_tc(cu_backend *cb, float *const *y, const float *x, const mt_weight *const *w, int count,
+                           int n) {
+    const int K = (int)w[0]->cols, T = cb->tc_terms;
     const size_t part = sizeof(uint16_t) * (size_t)n * (size_t)K;
     char *x16 = (char *)cu_scratch(&cb->base, CU_SCRATCH_GEMM, part * (size_t)T);
     if (!x16) return MT_ERR_NOMEM; /* logged */
-    mt_status st = cu_split16(x16, x, NULL, n, K, w->dtype, T, false, cb->stream);
-    for (int t = 0; t < T && st == MT_OK; t++)
-        st = cu_gemm_tc(cb, y, x16 + part * (size_t)t, w->data, w->dtype, n, N, K, t ? 1.f : 0.f);
+    mt_status st = cu_split16(x16, x, NULL, n, K, w[0]->dtype, T, false, cb->stream);
+    for (int j = 0; j < count; j++)
+        for (int t = 0; t < T && st == MT_OK; t++)
+            st = cu_gemm_tc(cb, y[j], x16 + part * (size_t)t, w[j]->data, w[j]->dtype, n, (int)w[j]->rows, K,
+                            t ? 1.f : 0.f);
     return st;
 }
 
@@ -1096,7 +1099,7 @@ extern "C" void cu_matmul(mt_backend *be, float *y, const float *x, const mt_wei
             cu_prof_mark(be, "matmul (GEMV, fp32)");
         }
     } else if (matmul_use_tc(cb, w, n)) {
-        st = matmul_tc(cb, y, x, w, n);
+        st = matmul_tc(cb, &y, x, &w, 1, n);
         cu_prof_mark(be, "matmul (tensor cores)");
     } else if (cb->narrow && w->rows <= NARROW_MAX_ROWS && w->cols > 0) {
         gemv_params p = {y, x, w->data, n, (int)w->rows, (int)w->cols, 1, 0};
@@ -1135,6 +1138,21 @@ extern "C" void cu_matmul_multi(mt_backend *be, float *const *y, const float *x,
         total += wj->rows;
     }
     if (!fuse || total > INT_MAX || w[0]->cols > INT_MAX) {
+        /* prefill: every weight on the tensor cores, one dtype: x is split once for all of them
+         * (a KDA layer's six projections of the same h split it six times before) */
+        cu_backend *cb = (cu_backend *)be;
+        bool tc = count >= 2 && n > GEMV_MAX_N && w[0]->cols <= INT_MAX;
+        for (int j = 0; tc && j < count; j++)
+            tc = matmul_use_tc(cb, w[j], n) && w[j]->dtype == w[0]->dtype && w[j]->cols == w[0]->cols &&
+                 w[j]->rows <= INT_MAX;
+        if (tc) {
+            mt_status st = matmul_tc(cb, y, x, w, count, n);
+            cu_prof_mark(be, "matmul (tensor cores)");
+            for (int j = 0; j < count && st == MT_OK; j++)
+                if (sigmoid_mask >> j & 1u) cu_sigmoid(be, y[j], (int64_t)n * w[j]->rows);
+            cu_op_status(be, "matmul_multi", st);
+            return;
+        }
         for (int j = 0; j < count; j++) {
             cu_matmul(be, y[j], x, w[j], n);
             if (sigmoid_mask >> j & 1u) cu_sigmoid(be, y[j], (int64_t)n * w[j]->rows);
