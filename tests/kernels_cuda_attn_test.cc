@@ -624,6 +624,7 @@ TEST_F(CudaAttnMla, MlaSparseSmallShapes) {
         {64, 64, 128, 512, 100, 70, 90, MT_BF16, true},
         {32, 22, 40, 256, 40, 37, 30, MT_BF16, true},    // dn not a multiple of 4: the split's scalar form
         {32, 20, 12, 512, 0, 300, 20, MT_BF16, true},    // two passes, the second of 44 rows
+        {64, 32, 64, 512, 100, 200, 90, MT_BF16, true},  // one split: the attend writes the output's A
     });
 }
 

@@ -343,6 +343,8 @@ struct cu_moe_cache {
     moe_table t[MOE_CACHE_MAX];
     int n;                  /* used entries */
     int next;               /* entry reused when full */
+    /* Page-locked (cudaHostAlloc), so the read-back and the staging copies are plain DMA rather
+     * than a driver copy through its own bounce buffer; both are waited for before reuse. */
     int32_t *host_idx;      /* [host_cap] read-back indices and grouped-path staging */
     size_t host_cap;
     unsigned char *stage;   /* [stage_cap] batched-path staging (moe_grouped_chunk_batched) */
@@ -356,8 +358,8 @@ extern "C" void cu_moe_cache_free(cu_backend *cb) {
         if (mc->t[k].dev) MT_CUDA_WARN(cudaFree(mc->t[k].dev));
         free(mc->t[k].copy);
     }
-    free(mc->host_idx);
-    free(mc->stage);
+    if (mc->host_idx) MT_CUDA_WARN(cudaFreeHost(mc->host_idx));
+    if (mc->stage) MT_CUDA_WARN(cudaFreeHost(mc->stage));
     free(mc);
     cb->moe = NULL;
 }
@@ -436,23 +438,38 @@ static const moe_table *moe_table_get(cu_backend *cb, const mt_expert *experts, 
     return t;
 }
 
+/* Page-locked host scratch of at least `bytes` in *buf (capacity *cap), grown without keeping
+ * the old contents (every user fills it afresh; its copies were waited for); NULL on failure. */
+static void *moe_host_grow(void **buf, size_t *cap, size_t bytes) {
+    if (*cap >= bytes) return *buf;
+    if (*buf) MT_CUDA_WARN(cudaFreeHost(*buf));
+    *buf = NULL;
+    *cap = 0;
+    if (cudaHostAlloc(buf, bytes, cudaHostAllocDefault) != cudaSuccess) {
+        (void)cudaGetLastError();
+        *buf = NULL;
+        mt_log(MT_LOG_ERROR, "cuda backend: moe_experts: cudaHostAlloc of %zu bytes failed", bytes);
+        return NULL;
+    }
+    *cap = bytes;
+    return *buf;
+}
+
 /* Host int32 scratch of at least `count` entries; NULL on OOM. */
 static int32_t *moe_host_ints(struct cu_moe_cache *mc, size_t count) {
-    if (mc->host_cap >= count) return mc->host_idx;
-    int32_t *p = (int32_t *)realloc(mc->host_idx, sizeof(int32_t) * count);
-    if (!p) return NULL;
-    mc->host_idx = p;
-    mc->host_cap = count;
+    void *b = mc->host_idx;
+    size_t cap = mc->host_cap * sizeof(int32_t);
+    int32_t *p = (int32_t *)moe_host_grow(&b, &cap, sizeof(int32_t) * count);
+    mc->host_idx = (int32_t *)b;
+    mc->host_cap = cap / sizeof(int32_t);
     return p;
 }
 
-/* Host bytes of at least `bytes` (16-byte aligned, malloc); NULL on OOM. */
+/* Host bytes of at least `bytes` (page-aligned); NULL on OOM. */
 static unsigned char *moe_host_bytes(struct cu_moe_cache *mc, size_t bytes) {
-    if (mc->stage_cap >= bytes) return mc->stage;
-    unsigned char *p = (unsigned char *)realloc(mc->stage, bytes);
-    if (!p) return NULL;
-    mc->stage = p;
-    mc->stage_cap = bytes;
+    void *b = mc->stage;
+    unsigned char *p = (unsigned char *)moe_host_grow(&b, &mc->stage_cap, bytes);
+    mc->stage = (unsigned char *)b;
     return p;
 }
 
