@@ -863,8 +863,10 @@ TEST_F(CudaMoe, ExpertsSmallShapes) {
     mt_backend *one = BackendWithTerms(1), *fp32 = BackendWithTerms(0);
     ASSERT_TRUE(one && fp32);
     struct S { int E, k, H, I; };
-    // H, I multiples of 8 take the 16-byte paths; 36/20 the element-wise ones.
-    for (const S &s : {S{16, 4, 64, 32}, S{16, 4, 36, 20}, S{40, 8, 256, 96}}) {
+    // H, I multiples of 8 take the 16-byte paths; 36/20 the element-wise ones. 8 experts at 300
+    // rows: ~150 pairs an expert, so the batched path's size classes fall on both sides of its
+    // second stream's cut (cuda_moe.cu, moe_on_side); the others alternate between the streams.
+    for (const S &s : {S{16, 4, 64, 32}, S{16, 4, 36, 20}, S{40, 8, 256, 96}, S{8, 4, 64, 32}}) {
         for (mt_dtype dt : {MT_BF16, MT_F16, MT_F32}) {
             Experts ex = MakeExperts(dt, s.E, s.E, s.H, s.I);
             for (int n : {1, 3, 8, 9, 40, 300}) {

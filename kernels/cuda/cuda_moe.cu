@@ -26,7 +26,8 @@
  *     few sizes (moe_pad; padding rows repeat a real row and are never combined) and the experts
  *     of one size share a cublasGemmBatchedEx call (gate and up together, then down), so the
  *     whole GPU streams the experts' weights at once instead of one small GEMM at a time (H200,
- *     real shapes, 512 rows: 3.1 ms against 13.2; 4096 rows: 6.8 ms against 12.1). fp32 experts (or
+ *     real shapes, 512 rows: 3.1 ms against 13.2; 4096 rows: 6.8 ms against 12.1). Some classes
+ *     run on a second stream (moe_on_side), beside the others. fp32 experts (or
  *     MT_CUDA_TC_TERMS=0): the tiled fp32 GEMM (cu_gemm) runs grouped: gate/up for every
  *     expert's rows in one launch, swiglu, down in one launch.
  *     A combine kernel then adds the slots in order. Rows are processed in chunks that bound the
@@ -349,6 +350,15 @@ struct cu_moe_cache {
     size_t host_cap;
     unsigned char *stage;   /* [stage_cap] batched-path staging (moe_grouped_chunk_batched) */
     size_t stage_cap;
+    /* The batched path's second stream (moe_side_get): a cuBLAS handle of its own with its own
+     * workspace on a high-priority stream, and the events that fork it from and join it to the
+     * backend's stream. side_state: 0 not made yet, 1 ready, -1 off (MT_CUDA_MOE_SIDE=0, or making
+     * it failed). */
+    int side_state;
+    cudaStream_t side;
+    cublasHandle_t side_blas;
+    void *side_ws;
+    cudaEvent_t side_fork, side_join;
 };
 
 extern "C" void cu_moe_cache_free(cu_backend *cb) {
@@ -358,6 +368,11 @@ extern "C" void cu_moe_cache_free(cu_backend *cb) {
         if (mc->t[k].dev) MT_CUDA_WARN(cudaFree(mc->t[k].dev));
         free(mc->t[k].copy);
     }
+    if (mc->side_blas) MT_CUBLAS_WARN(cublasDestroy(mc->side_blas));
+    if (mc->side_ws) MT_CUDA_WARN(cudaFree(mc->side_ws));
+    if (mc->side_fork) MT_CUDA_WARN(cudaEventDestroy(mc->side_fork));
+    if (mc->side_join) MT_CUDA_WARN(cudaEventDestroy(mc->side_join));
+    if (mc->side) MT_CUDA_WARN(cudaStreamDestroy(mc->side));
     if (mc->host_idx) MT_CUDA_WARN(cudaFreeHost(mc->host_idx));
     if (mc->stage) MT_CUDA_WARN(cudaFreeHost(mc->stage));
     free(mc);
@@ -832,14 +847,57 @@ static int moe_pad(int c) {
 /* One cublasGemmBatchedEx over `count` problems y_j[rows, N] = x16_j[rows, K] . w_j[N, K]^T (the
  * layout of cu_gemm_tc); dA/dB/dC: device pointer arrays. On a cuBLAS refusal (logged once) the
  * problems run one by one from the host copies hA/hB/hC, and later chunks take the per-expert path. */
-static mt_status moe_gemm_batched(cu_backend *cb, const void *const *dA, const void *const *dB,
-                                  void *const *dC, const void *const *hA, const void *const *hB,
-                                  const void *const *hC, int count, int rows, int N, int K, mt_dtype dt) {
+/* The side stream of the batched path, made on first use; false when it is off (logged once if
+ * making it failed: the batched GEMMs then all run on the backend's stream, as before). */
+static mt_status moe_side_make(struct cu_moe_cache *mc) {
+    int least = 0, greatest = 0;
+    MT_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    MT_CUDA_CHECK(cudaStreamCreateWithPriority(&mc->side, cudaStreamNonBlocking, greatest));
+    MT_CUDA_CHECK(cudaEventCreateWithFlags(&mc->side_fork, cudaEventDisableTiming));
+    MT_CUDA_CHECK(cudaEventCreateWithFlags(&mc->side_join, cudaEventDisableTiming));
+    MT_CUBLAS_CHECK(cublasCreate(&mc->side_blas));
+    MT_CUBLAS_CHECK(cublasSetStream(mc->side_blas, mc->side));
+    MT_CUDA_CHECK(cudaMalloc(&mc->side_ws, CU_BLAS_WS_BYTES));
+    MT_CUBLAS_CHECK(cublasSetWorkspace(mc->side_blas, mc->side_ws, CU_BLAS_WS_BYTES));
+    MT_CUBLAS_CHECK(cublasSetPointerMode(mc->side_blas, CUBLAS_POINTER_MODE_HOST));
+    return MT_OK;
+}
+
+static bool moe_side_get(cu_backend *cb) {
+    struct cu_moe_cache *mc = cb->moe;
+    if (mc->side_state == 0) {
+        if (!cb->moe_side) {
+            mc->side_state = -1;
+        } else if (moe_side_make(mc) != MT_OK) { /* logged at the failing call */
+            (void)cudaGetLastError();
+            mt_log(MT_LOG_WARN, "cuda backend: moe_experts: no second stream; the batched GEMMs run on one");
+            mc->side_state = -1;
+        } else {
+            mc->side_state = 1;
+        }
+    }
+    return mc->side_state > 0;
+}
+
+/* Which padded size classes of a call run on the side stream: SIDE_PE (128) padded pairs an
+ * expert or fewer, while the largest class is bigger: the small classes stream their experts'
+ * weights (bandwidth-bound) beside the large ones' arithmetic. When every class is that small (a
+ * 512-token prefill), every other class instead: two streams of weight reads fill each other's
+ * last waves. Measured on the H200 (docs/bench/2026-11-30-h200-session10.md, calls 5-7; the
+ * gate/up and down GEMMs of bench-4L's three MoE layers): 4096 tokens 22.26 -> 21.24 ms, 512
+ * tokens 10.42 -> 10.05 ms. */
+enum { SIDE_PE = 128 };
+static bool moe_on_side(int pe, int max_pe, int cls) { return max_pe > SIDE_PE ? pe <= SIDE_PE : (cls & 1) != 0; }
+
+static mt_status moe_gemm_batched(cu_backend *cb, cublasHandle_t blas, const void *const *dA,
+                                  const void *const *dB, void *const *dC, const void *const *hA,
+                                  const void *const *hB, const void *const *hC, int count, int rows, int N, int K,
+                                  mt_dtype dt) {
     const cudaDataType ty = dt == MT_BF16 ? CUDA_R_16BF : CUDA_R_16F;
     const float one = 1.f, zero = 0.f;
     if (cb->moe_batched) {
         const cublasStatus_t rc =
-            cublasGemmBatchedEx(cb->blas, CUBLAS_OP_T, CUBLAS_OP_N, N, rows, K, &one, dA, ty, K, dB, ty, K,
+            cublasGemmBatchedEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, N, rows, K, &one, dA, ty, K, dB, ty, K,
                                 &zero, dC, CUDA_R_32F, N, count, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
         if (rc == CUBLAS_STATUS_SUCCESS) return MT_OK;
         mt_log(MT_LOG_WARN, "cuda backend: moe_experts: cublasGemmBatchedEx failed (%s); "
@@ -953,24 +1011,38 @@ static mt_status moe_grouped_chunk_batched(mt_backend *be, const moe_table *t, f
     void *const *dCgu = dp + 4 * nact;
     const void *const *dAd = dAgu + 6 * nact, *const *dBd = dAgu + 7 * nact;
     void *const *dCd = dp + 8 * nact;
-    for (int a = 0; a < nact && st == MT_OK;) {
-        const int pe = ps[order[a] + 1] - ps[order[a]];
-        int b = a;
-        while (b < nact && ps[order[b] + 1] - ps[order[b]] == pe) b++;
-        st = moe_gemm_batched(cb, dAgu + 2 * a, dBgu + 2 * a, dCgu + 2 * a, Agu + 2 * a, Bgu + 2 * a,
-                              Cgu + 2 * a, 2 * (b - a), T * pe, I, H, dt);
-        a = b;
-    }
-    if (st != MT_OK) return st;
-    cu_prof_mark(be, "moe_experts (gate/up GEMMs)");
-    moe_swiglu_split_params sp = {H16, G, U, Ppad, I, L};
-    if ((st = moe_swiglu_split_launch(&sp, dt, T, cb->stream)) != MT_OK) return st;
-    for (int a = 0; a < nact && st == MT_OK;) {
-        const int pe = ps[order[a] + 1] - ps[order[a]];
-        int b = a;
-        while (b < nact && ps[order[b] + 1] - ps[order[b]] == pe) b++;
-        st = moe_gemm_batched(cb, dAd + a, dBd + a, dCd + a, Ad + a, Bd + a, Cd + a, b - a, T * pe, H, I, dt);
-        a = b;
+    /* Each matrix's classes, ascending, on the two streams (moe_on_side); the side stream starts
+     * after what the backend's stream has queued and the backend's stream waits for it after. */
+    const bool side = nact > 1 && moe_side_get(cb);
+    struct cu_moe_cache *mc = cb->moe;
+    const int max_pe = ps[order[nact - 1] + 1] - ps[order[nact - 1]];
+    for (int mat = 0; mat < 2 && st == MT_OK; mat++) {
+        if (mat == 1) {
+            cu_prof_mark(be, "moe_experts (gate/up GEMMs)");
+            moe_swiglu_split_params sp = {H16, G, U, Ppad, I, L};
+            if ((st = moe_swiglu_split_launch(&sp, dt, T, cb->stream)) != MT_OK) return st;
+        }
+        if (side) {
+            MT_CUDA_CHECK(cudaEventRecord(mc->side_fork, cb->stream));
+            MT_CUDA_CHECK(cudaStreamWaitEvent(mc->side, mc->side_fork, 0));
+        }
+        for (int a = 0, cls = 0; a < nact && st == MT_OK; cls++) {
+            const int pe = ps[order[a] + 1] - ps[order[a]];
+            int b = a;
+            while (b < nact && ps[order[b] + 1] - ps[order[b]] == pe) b++;
+            cublasHandle_t h = side && moe_on_side(pe, max_pe, cls) ? mc->side_blas : cb->blas;
+            if (mat == 0)
+                st = moe_gemm_batched(cb, h, dAgu + 2 * a, dBgu + 2 * a, dCgu + 2 * a, Agu + 2 * a, Bgu + 2 * a,
+                                      Cgu + 2 * a, 2 * (b - a), T * pe, I, H, dt);
+            else
+                st = moe_gemm_batched(cb, h, dAd + a, dBd + a, dCd + a, Ad + a, Bd + a, Cd + a, b - a, T * pe, H,
+                                      I, dt);
+            a = b;
+        }
+        if (side) { /* joined even after a failure: nothing may run past the side's writes */
+            MT_CUDA_CHECK(cudaEventRecord(mc->side_join, mc->side));
+            MT_CUDA_CHECK(cudaStreamWaitEvent(cb->stream, mc->side_join, 0));
+        }
     }
     if (st != MT_OK) return st;
     cu_prof_mark(be, "moe_experts (down GEMMs)");

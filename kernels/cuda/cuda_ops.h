@@ -69,6 +69,8 @@ typedef struct cu_backend {
      *   narrow       MT_CUDA_NARROW: matmuls of at most 32 output rows (mHC mix) on the
      *                narrow fp32 kernel (cuda_dense.cu); 0: the tiled fp32 GEMM. */
     bool moe_batched;
+    bool moe_side;              /* MT_CUDA_MOE_SIDE (default 1): the batched MoE GEMMs' small size
+                                   classes on a second stream (cuda_moe.cu, moe_on_side) */
     bool moe_grouped;           /* MT_CUDA_MOE_GROUPED (default 1): 9..64 rows on the grouped kernels */
     bool narrow;
     int tc_min_rows;            /* MT_CUDA_TC_MIN_ROWS (default 1): matmul outputs narrower than
