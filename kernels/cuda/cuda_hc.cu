@@ -45,6 +45,9 @@ typedef struct hc_pre_params {
      * y is not written; NULL otherwise */
     float *h;
     const float *norm_w;
+    /* prefill with the mix on hcm_kernel: m is the sum of mk k-slice partials [mk][n][HCM_LD]
+     * (added in slice order by hc_pre_rows_kernel); 0: m as above */
+    int mk;
 } hc_pre_params;
 
 /* comb of one row on one warp (S*S <= 32; 4 x 4 in the real model): lane a*S+b holds C[a][b];
@@ -204,6 +207,93 @@ static __global__ void __launch_bounds__(HC_MIX_THREADS) hc_pre_mix_kernel(const
     }
 }
 
+/* The prefill mix m = X fn^T on the tensor cores, without a pass that splits X first: warp =
+ * (16 rows, one k-slice of the S*H columns); per 16 columns each lane loads its A fragment's
+ * eight fp32 values of X straight from memory (float2 pairs), splits them into bf16 hi + lo
+ * (the bf16 fn is exact: two mma terms, ~1e-5 relative, as the backend's two-part GEMMs) and
+ * multiplies by fn's rows from L2 (786 KB at the real shapes). k-slices give the GPU enough warps
+ * (4096 rows: 256 row tiles x 8 slices); their partials [mk][n][HCM_LD] are added in slice order
+ * by hc_pre_rows_kernel. Replaces cu_matmul's split + two cuBLAS GEMMs, which moved ~800 MB a call
+ * for a 24 x 16384 weight at 4096 rows: on the H200, 8 calls of a 4096-token prefill 2.08 ->
+ * 1.20 ms (150 us a call; X alone is 268 MB, 63 us at the copy rate). */
+enum { HCM_LD = 32 /* mix outputs, padded: four n8 tiles */, HCM_WARPS = 4,
+       HCM_UNROLL = 4 /* k steps a load batch (8 measured no faster) */ };
+
+struct hcm_params {
+    float *mp;              /* [mk][n][HCM_LD] */
+    const float *X;         /* [n, K] */
+    const __nv_bfloat16 *fn; /* [mix, K] */
+    int n, K, mix, kc;      /* kc: columns a slice (a multiple of 16) */
+};
+
+static __device__ __forceinline__ void hcm_mma(float *c, const uint32_t *a, uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+static __device__ __forceinline__ void hcm_split(float2 v, uint32_t *hi, uint32_t *lo) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(v.x, v.y);
+    const float2 hf = __bfloat1622float2(h);
+    const __nv_bfloat162 l = __floats2bfloat162_rn(v.x - hf.x, v.y - hf.y);
+    *hi = *reinterpret_cast<const uint32_t *>(&h);
+    *lo = *reinterpret_cast<const uint32_t *>(&l);
+}
+
+template <int NT> /* n8 tiles of outputs: ceil(mix / 8) */
+static __global__ void __launch_bounds__(HCM_WARPS * 32) hcm_kernel(const hcm_params p) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q4 = lane & 3;
+    const int64_t r0 = ((int64_t)blockIdx.x * HCM_WARPS + (threadIdx.x >> 5)) * 16;
+    const int slice = blockIdx.y, kb = slice * p.kc, ke = kb + p.kc < p.K ? kb + p.kc : p.K;
+    if (r0 >= p.n) return; /* no barrier in this kernel */
+    const int64_t ra = r0 + g < p.n ? r0 + g : p.n - 1, rb = r0 + g + 8 < p.n ? r0 + g + 8 : p.n - 1;
+    const float *xa = p.X + ra * p.K + 2 * q4, *xb = p.X + rb * p.K + 2 * q4;
+    const uint32_t *w[NT]; /* fn row 8t + g at column 2 q4, as bf16 pairs; rows past mix read row 0 */
+#pragma unroll
+    for (int t = 0; t < NT; t++)
+        w[t] = reinterpret_cast<const uint32_t *>(p.fn + (int64_t)(8 * t + g < p.mix ? 8 * t + g : 0) * p.K + 2 * q4);
+    float acc[NT][4];
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+    for (int k = kb; k < ke; k += 16 * HCM_UNROLL) {
+        float2 xv[HCM_UNROLL][4];
+        uint32_t bv[HCM_UNROLL][NT][2];
+#pragma unroll
+        for (int u = 0; u < HCM_UNROLL; u++) {
+            const int kk = k + 16 * u;
+            const bool in = kk < ke;
+            xv[u][0] = in ? *reinterpret_cast<const float2 *>(xa + kk) : make_float2(0.f, 0.f);
+            xv[u][1] = in ? *reinterpret_cast<const float2 *>(xb + kk) : make_float2(0.f, 0.f);
+            xv[u][2] = in ? *reinterpret_cast<const float2 *>(xa + kk + 8) : make_float2(0.f, 0.f);
+            xv[u][3] = in ? *reinterpret_cast<const float2 *>(xb + kk + 8) : make_float2(0.f, 0.f);
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                bv[u][t][0] = in ? __ldg(w[t] + kk / 2) : 0u;
+                bv[u][t][1] = in ? __ldg(w[t] + kk / 2 + 4) : 0u;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < HCM_UNROLL; u++) {
+            uint32_t ah[4], al[4];
+#pragma unroll
+            for (int j = 0; j < 4; j++) hcm_split(xv[u][j], &ah[j], &al[j]);
+#pragma unroll
+            for (int t = 0; t < NT; t++) hcm_mma(acc[t], al, bv[u][t][0], bv[u][t][1]);
+#pragma unroll
+            for (int t = 0; t < NT; t++) hcm_mma(acc[t], ah, bv[u][t][0], bv[u][t][1]);
+        }
+    }
+    float *mp = p.mp + ((int64_t)slice * p.n + r0) * HCM_LD;
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        const int c = 8 * t + 2 * q4;
+        if (r0 + g < p.n) *reinterpret_cast<float2 *>(mp + (int64_t)g * HCM_LD + c) = make_float2(acc[t][0], acc[t][1]);
+        if (r0 + g + 8 < p.n)
+            *reinterpret_cast<float2 *>(mp + (int64_t)(g + 8) * HCM_LD + c) = make_float2(acc[t][2], acc[t][3]);
+    }
+}
+
 /* The prefill form for S <= HC_REG_S, H % 4 == 0, S*H <= 16384 (the real model: 4 x 4096) and a
  * 16-byte aligned X, y: one block per row that holds the row in registers, so X is read from
  * memory once (hc_pre_mix_kernel reads it twice and waits on its Sinkhorn: 0.29 ms a call at
@@ -214,6 +304,7 @@ static __global__ void __launch_bounds__(HC_MIX_THREADS) hc_pre_mix_kernel(const
 enum { HCR_THREADS = 256, HCR_KPT = 4 /* column groups a thread: S*H <= 256 * 4 * 4 * 4 */ };
 static __global__ void __launch_bounds__(HCR_THREADS) hc_pre_rows_kernel(const hc_pre_params p) {
     __shared__ double red[32];
+    __shared__ float msum[HCM_LD];
     const int i = blockIdx.x, S = p.S, H4 = p.H / 4, tid = threadIdx.x;
     const float4 *x = reinterpret_cast<const float4 *>(p.X + (int64_t)i * S * p.H);
     float4 v[HCR_KPT][HC_REG_S];
@@ -223,6 +314,12 @@ static __global__ void __launch_bounds__(HCR_THREADS) hc_pre_rows_kernel(const h
 #pragma unroll
         for (int s = 0; s < HC_REG_S; s++)
             if (s < S && tid + k * HCR_THREADS < H4) v[k][s] = x[(int64_t)s * H4 + tid + k * HCR_THREADS];
+    if (p.mk > 0 && tid < (2 + S) * S) { /* the mix's k-slice partials, in slice order (after the
+                                            row's loads are out: their latencies overlap) */
+        float a = 0.f;
+        for (int k = 0; k < p.mk; k++) a += p.m[((int64_t)k * p.n + i) * HCM_LD + tid];
+        msum[tid] = a;
+    }
 #pragma unroll
     for (int k = 0; k < HCR_KPT; k++)
 #pragma unroll
@@ -230,9 +327,9 @@ static __global__ void __launch_bounds__(HCR_THREADS) hc_pre_rows_kernel(const h
             if (s < S && tid + k * HCR_THREADS < H4)
                 ss += (double)v[k][s].x * v[k][s].x + (double)v[k][s].y * v[k][s].y +
                       ((double)v[k][s].z * v[k][s].z + (double)v[k][s].w * v[k][s].w);
-    ss = cu_block_sum(ss, red);
+    ss = cu_block_sum(ss, red); /* its barriers also publish msum */
     const float r = 1.f / sqrtf((float)(ss / (S * p.H)) + p.rms_eps);
-    const float *m = p.m + (int64_t)i * (2 + S) * S;
+    const float *m = p.mk > 0 ? msum : p.m + (int64_t)i * (2 + S) * S;
     float pre[HC_REG_S];
 #pragma unroll
     for (int s = 0; s < HC_REG_S; s++)
@@ -258,6 +355,22 @@ static __global__ void __launch_bounds__(HCR_THREADS) hc_pre_rows_kernel(const h
             }
         y[tid + k * HCR_THREADS] = a;
     }
+}
+
+/* hcm_kernel takes a bf16 fn of at most 32 rows and S*H a multiple of 16 (whole k steps; rows of
+ * X and fn 8-byte aligned) over many rows (fewer take the GEMV-style paths anyway). */
+static bool hcm_ok(const mt_weight *fn, const float *X, int S, int H) {
+    return fn->dtype == MT_BF16 && (2 + S) * S <= HCM_LD && (S * H) % 16 == 0 && ((uintptr_t)X & 7u) == 0 &&
+           ((uintptr_t)fn->data & 3u) == 0;
+}
+
+/* k-slices: enough warps for ~16 a multiprocessor (4096 rows: 8), at most 16, slices of >= 256. */
+static int hcm_slices(int n, int K, int n_sm) {
+    const int64_t tiles = (n + 15) / 16;
+    int64_t mk = ((int64_t)n_sm * 16 + tiles - 1) / tiles;
+    if (mk > 16) mk = 16;
+    if (mk > K / 256) mk = K / 256;
+    return mk < 1 ? 1 : (int)mk;
 }
 
 static bool hc_pre_rows_ok(const hc_pre_params *p) {
@@ -922,6 +1035,20 @@ extern "C" void cu_hc_pre(mt_backend *be, float *y, float *post, float *comb, co
                        p->sinkhorn_iters, NULL, NULL};
     if (hc_pre_dec_ok(fn, X, S, H, n, false)) {
         cu_op_status(be, "hc_pre", hc_pre_dec_launch(be, &q, fn->dtype, fn));
+        return;
+    }
+    if (hc_pre_rows_ok(&q) && hcm_ok(fn, X, S, H)) { /* the mix on hcm_kernel, X split on the fly */
+        const int K = S * H, mk = hcm_slices(n, K, ((cu_backend *)be)->n_sm > 0 ? ((cu_backend *)be)->n_sm : 132), kc = (K / mk + 15) / 16 * 16;
+        float *mp = (float *)cu_scratch(be, CU_SCRATCH_DENSE, sizeof(float) * (size_t)mk * n * HCM_LD);
+        if (!mp) return;
+        const hcm_params hp = {mp, X, (const __nv_bfloat16 *)fn->data, n, K, mix, kc};
+        const dim3 grid((unsigned)((n + 16 * HCM_WARPS - 1) / (16 * HCM_WARPS)), (unsigned)((K + kc - 1) / kc));
+        if (mix <= 24) hcm_kernel<3><<<grid, HCM_WARPS * 32, 0, cu_stream(be)>>>(hp);
+        else hcm_kernel<4><<<grid, HCM_WARPS * 32, 0, cu_stream(be)>>>(hp);
+        cu_check_launch(be, "hc_pre (mix)");
+        q.m = mp;
+        q.mk = (int)grid.y;
+        cu_op_status(be, "hc_pre", hc_pre_launch(&q, cu_stream(be)));
         return;
     }
     float *m = (float *)cu_scratch(be, CU_SCRATCH_DENSE, sizeof(float) * (size_t)n * mix);
