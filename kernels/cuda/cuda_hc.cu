@@ -212,10 +212,11 @@ static __global__ void __launch_bounds__(HC_MIX_THREADS) hc_pre_mix_kernel(const
  * eight fp32 values of X straight from memory (float2 pairs), splits them into bf16 hi + lo
  * (the bf16 fn is exact: two mma terms, ~1e-5 relative, as the backend's two-part GEMMs) and
  * multiplies by fn's rows from L2 (786 KB at the real shapes). k-slices give the GPU enough warps
- * (4096 rows: 256 row tiles x 8 slices); their partials [mk][n][HCM_LD] are added in slice order
+ * (4096 rows: 256 row tiles x 16 slices); their partials [mk][n][HCM_LD] are added in slice order
  * by hc_pre_rows_kernel. Replaces cu_matmul's split + two cuBLAS GEMMs, which moved ~800 MB a call
  * for a 24 x 16384 weight at 4096 rows: on the H200, 8 calls of a 4096-token prefill 2.08 ->
- * 1.20 ms (150 us a call; X alone is 268 MB, 63 us at the copy rate). */
+ * 1.20 ms with 8 k-slices (150 us a call; X alone is 268 MB, 63 us at the copy rate), ~1.1 ms
+ * with 16. */
 enum { HCM_LD = 32 /* mix outputs, padded: four n8 tiles */, HCM_WARPS = 4,
        HCM_UNROLL = 4 /* k steps a load batch (8 measured no faster) */ };
 
@@ -364,12 +365,14 @@ static bool hcm_ok(const mt_weight *fn, const float *X, int S, int H) {
            ((uintptr_t)fn->data & 3u) == 0;
 }
 
-/* k-slices: enough warps for ~16 a multiprocessor (4096 rows: 8), at most 16, slices of >= 256. */
+/* k-slices: ~32 warps a multiprocessor, at most 32 slices of >= 512 columns. H200, the 8 calls of
+ * a prefill (docs/bench/2026-11-30-h200-session10.md, call 11): 4096 rows with 4 / 8 / 16 / 32
+ * slices 1.78 / 1.21 / 1.10 / 1.17 ms; 512 rows with 16 / 32 slices 0.47 / 0.28 ms. */
 static int hcm_slices(int n, int K, int n_sm) {
     const int64_t tiles = (n + 15) / 16;
-    int64_t mk = ((int64_t)n_sm * 16 + tiles - 1) / tiles;
-    if (mk > 16) mk = 16;
-    if (mk > K / 256) mk = K / 256;
+    int64_t mk = (int64_t)n_sm * 32 / tiles;
+    if (mk > 32) mk = 32;
+    if (mk > K / 512) mk = K / 512;
     return mk < 1 ? 1 : (int)mk;
 }
 
@@ -1038,7 +1041,8 @@ extern "C" void cu_hc_pre(mt_backend *be, float *y, float *post, float *comb, co
         return;
     }
     if (hc_pre_rows_ok(&q) && hcm_ok(fn, X, S, H)) { /* the mix on hcm_kernel, X split on the fly */
-        const int K = S * H, mk = hcm_slices(n, K, ((cu_backend *)be)->n_sm > 0 ? ((cu_backend *)be)->n_sm : 132), kc = (K / mk + 15) / 16 * 16;
+        const int K = S * H, mk = hcm_slices(n, K, ((cu_backend *)be)->n_sm > 0 ? ((cu_backend *)be)->n_sm : 132),
+                  kc = (K / mk + 15) / 16 * 16;
         float *mp = (float *)cu_scratch(be, CU_SCRATCH_DENSE, sizeof(float) * (size_t)mk * n * HCM_LD);
         if (!mp) return;
         const hcm_params hp = {mp, X, (const __nv_bfloat16 *)fn->data, n, K, mix, kc};
