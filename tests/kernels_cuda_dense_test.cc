@@ -415,7 +415,8 @@ TEST_F(CudaOps, Matmul) {
     // Real projections (4096x4096, expert/shared 2048x4096 and 4096x2048, router 288x4096, hc fn
     // 24x16384), and odd sizes that take the element-wise (unvectorised) paths and edge tiles;
     // at most 32 rows (17, 32, 8 here) take the narrow kernel for n > 8.
-    // Rows of 2..16 load vectors (KDA gates' K = 128, 64, 16, 48) take the short-row GEMV at n <= 2.
+    // Rows of 2..16 load vectors (KDA gates' K = 128, 64, 16, 48) take the short-row GEMV at n <= 2;
+    // on the tensor cores K <= 512 with n >= K takes one GEMM over (hi | lo) and a doubled weight.
     const S shapes[] = {{4096, 4096}, {2048, 4096}, {4096, 2048}, {288, 4096}, {24, 16384},
                         {37, 100}, {130, 36}, {3000, 1537}, {600, 36}, {17, 1001}, {32, 300}, {8, 4100},
                         {8192, 128}, {4096, 64}, {1000, 16}, {777, 48}, {5, 128}};
