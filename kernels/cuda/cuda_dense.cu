@@ -1158,7 +1158,8 @@ extern "C" void cu_matmul(mt_backend *be, float *y, const float *x, const mt_wei
 /* y[j] = x . w[j]^T for count weights of the same columns and dtype: for the rows the fp32 GEMV
  * takes (n <= 2 at the default knobs), one gemv_kernel launch over all of them (decode's q/k/v
  * projections of a KDA layer: 3 launches of ~21 us at ~3.25 TB/s, each with its own ramp and
- * tail, become one); otherwise one cu_matmul each. */
+ * tail, become one); for many rows with every weight on the tensor cores, one split of x for all
+ * of them (matmul_tc); otherwise one cu_matmul each. */
 extern "C" void cu_matmul_multi(mt_backend *be, float *const *y, const float *x, const mt_weight *const *w,
                                 int count, int n, unsigned sigmoid_mask) {
     MT_ASSERT(count >= 0 && n >= 0);

@@ -10,9 +10,10 @@
  * eight in rank order (so all hold the same m and rms factor); then each block collapses its
  * eighth of H, and block 0 writes post and, last, comb (hc_comb_thread: the Sinkhorn in one
  * thread's registers). Launched for PDL (cuda_dense.cu's cu_launch_pdl), as is hc_post's float4 form.
- * Otherwise (prefill): the (2+S)S projection through cu_matmul (weight bandwidth) and one block
- * per row for the rms factor, sigmoids, softmax, Sinkhorn and the collapse (hc_pre_rows_kernel,
- * the row held in registers, where S <= 4 and the shapes allow; else hc_pre_mix_kernel).
+ * Otherwise (prefill): the (2+S)S projection (hcm_kernel, tensor cores with X split in registers,
+ * for a bf16 fn and the shapes it takes; else cu_matmul) and one block per row for the rms
+ * factor, sigmoids, softmax, Sinkhorn and the collapse (hc_pre_rows_kernel, the row held in
+ * registers, where S <= 4 and the shapes allow; else hc_pre_mix_kernel).
  * hc_post: one thread per (row, 4 consecutive d) when S <= 4 and H % 4 == 0 (float4 accesses),
  * else one thread per (row, d); hc_head one thread per (row, d). */
 #include <cooperative_groups.h>
@@ -1041,12 +1042,14 @@ extern "C" void cu_hc_pre(mt_backend *be, float *y, float *post, float *comb, co
         return;
     }
     if (hc_pre_rows_ok(&q) && hcm_ok(fn, X, S, H)) { /* the mix on hcm_kernel, X split on the fly */
+        /* slices of kc columns (a multiple of 16, rounded up: at most mk of them); the scratch is
+         * sized by the count actually launched */
         const int K = S * H, mk = hcm_slices(n, K, ((cu_backend *)be)->n_sm > 0 ? ((cu_backend *)be)->n_sm : 132),
-                  kc = (K / mk + 15) / 16 * 16;
-        float *mp = (float *)cu_scratch(be, CU_SCRATCH_DENSE, sizeof(float) * (size_t)mk * n * HCM_LD);
+                  kc = ((K + mk - 1) / mk + 15) / 16 * 16, slices = (K + kc - 1) / kc;
+        float *mp = (float *)cu_scratch(be, CU_SCRATCH_DENSE, sizeof(float) * (size_t)slices * n * HCM_LD);
         if (!mp) return;
         const hcm_params hp = {mp, X, (const __nv_bfloat16 *)fn->data, n, K, mix, kc};
-        const dim3 grid((unsigned)((n + 16 * HCM_WARPS - 1) / (16 * HCM_WARPS)), (unsigned)((K + kc - 1) / kc));
+        const dim3 grid((unsigned)((n + 16 * HCM_WARPS - 1) / (16 * HCM_WARPS)), (unsigned)slices);
         if (mix <= 24) hcm_kernel<3><<<grid, HCM_WARPS * 32, 0, cu_stream(be)>>>(hp);
         else hcm_kernel<4><<<grid, HCM_WARPS * 32, 0, cu_stream(be)>>>(hp);
         cu_check_launch(be, "hc_pre (mix)");

@@ -844,11 +844,8 @@ static int moe_pad(int c) {
     return (c + step - 1) / step * step;
 }
 
-/* One cublasGemmBatchedEx over `count` problems y_j[rows, N] = x16_j[rows, K] . w_j[N, K]^T (the
- * layout of cu_gemm_tc); dA/dB/dC: device pointer arrays. On a cuBLAS refusal (logged once) the
- * problems run one by one from the host copies hA/hB/hC, and later chunks take the per-expert path. */
-/* The side stream of the batched path, made on first use; false when it is off (logged once if
- * making it failed: the batched GEMMs then all run on the backend's stream, as before). */
+/* The batched path's side stream, handle, workspace and events (freed by cu_moe_cache_free, also
+ * after a partial failure here). */
 static mt_status moe_side_make(struct cu_moe_cache *mc) {
     int least = 0, greatest = 0;
     MT_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
@@ -863,6 +860,8 @@ static mt_status moe_side_make(struct cu_moe_cache *mc) {
     return MT_OK;
 }
 
+/* Whether the side stream is there, made on first use; false when it is off (logged once if
+ * making it failed: the batched GEMMs then all run on the backend's stream, as before). */
 static bool moe_side_get(cu_backend *cb) {
     struct cu_moe_cache *mc = cb->moe;
     if (mc->side_state == 0) {
@@ -889,6 +888,10 @@ static bool moe_side_get(cu_backend *cb) {
 enum { SIDE_PE = 128 };
 static bool moe_on_side(int pe, int max_pe, int cls) { return max_pe > SIDE_PE ? pe <= SIDE_PE : (cls & 1) != 0; }
 
+/* One cublasGemmBatchedEx on `blas` (the backend's handle or the side stream's) over `count`
+ * problems y_j[rows, N] = x16_j[rows, K] . w_j[N, K]^T (the layout of cu_gemm_tc); dA/dB/dC: device
+ * pointer arrays. On a cuBLAS refusal (logged once) the problems run one by one on the backend's
+ * stream from the host copies hA/hB/hC, and later chunks take the per-expert path. */
 static mt_status moe_gemm_batched(cu_backend *cb, cublasHandle_t blas, const void *const *dA,
                                   const void *const *dB, void *const *dC, const void *const *hA,
                                   const void *const *hB, const void *const *hC, int count, int rows, int N, int K,
@@ -1040,8 +1043,13 @@ static mt_status moe_grouped_chunk_batched(mt_backend *be, const moe_table *t, f
             a = b;
         }
         if (side) { /* joined even after a failure: nothing may run past the side's writes */
-            MT_CUDA_CHECK(cudaEventRecord(mc->side_join, mc->side));
-            MT_CUDA_CHECK(cudaStreamWaitEvent(cb->stream, mc->side_join, 0));
+            if (cudaEventRecord(mc->side_join, mc->side) != cudaSuccess ||
+                cudaStreamWaitEvent(cb->stream, mc->side_join, 0) != cudaSuccess) {
+                (void)cudaGetLastError();
+                MT_CUDA_CHECK(cudaStreamSynchronize(mc->side)); /* the join by hand */
+                mt_log(MT_LOG_ERROR, "cuda backend: moe_experts: joining the side stream failed");
+                return MT_ERR_BACKEND;
+            }
         }
     }
     if (st != MT_OK) return st;
