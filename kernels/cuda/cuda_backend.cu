@@ -155,16 +155,19 @@ static void cu_destroy(mt_backend *be) {
     free(cb);
 }
 
-/* The cuBLAS handle of cu_gemm_tc: on cb's stream, with a workspace of its own (cublasSetStream
- * resets the workspace, so it comes second). Partial state is freed by cu_destroy. */
-static mt_status cu_blas_init(cu_backend *cb) {
-    MT_CUBLAS_CHECK(cublasCreate(&cb->blas));
-    MT_CUBLAS_CHECK(cublasSetStream(cb->blas, cb->stream));
-    MT_CUDA_CHECK(cudaMalloc(&cb->blas_ws, CU_BLAS_WS_BYTES));
-    MT_CUBLAS_CHECK(cublasSetWorkspace(cb->blas, cb->blas_ws, CU_BLAS_WS_BYTES));
-    MT_CUBLAS_CHECK(cublasSetPointerMode(cb->blas, CUBLAS_POINTER_MODE_HOST));
+/* A cuBLAS handle on `stream` with a workspace of its own (cublasSetStream resets the workspace,
+ * so it comes second), host pointer mode. Partial state is left for the caller to free. */
+extern "C" mt_status cu_blas_make(struct cublasContext **blas, void **ws, cudaStream_t stream) {
+    MT_CUBLAS_CHECK(cublasCreate(blas));
+    MT_CUBLAS_CHECK(cublasSetStream(*blas, stream));
+    MT_CUDA_CHECK(cudaMalloc(ws, CU_BLAS_WS_BYTES));
+    MT_CUBLAS_CHECK(cublasSetWorkspace(*blas, *ws, CU_BLAS_WS_BYTES));
+    MT_CUBLAS_CHECK(cublasSetPointerMode(*blas, CUBLAS_POINTER_MODE_HOST));
     return MT_OK;
 }
+
+/* The cuBLAS handle of cu_gemm_tc, on cb's stream. Partial state is freed by cu_destroy. */
+static mt_status cu_blas_init(cu_backend *cb) { return cu_blas_make(&cb->blas, &cb->blas_ws, cb->stream); }
 
 /* ---- memory ---- */
 

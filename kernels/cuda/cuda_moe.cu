@@ -852,12 +852,7 @@ static mt_status moe_side_make(struct cu_moe_cache *mc) {
     MT_CUDA_CHECK(cudaStreamCreateWithPriority(&mc->side, cudaStreamNonBlocking, greatest));
     MT_CUDA_CHECK(cudaEventCreateWithFlags(&mc->side_fork, cudaEventDisableTiming));
     MT_CUDA_CHECK(cudaEventCreateWithFlags(&mc->side_join, cudaEventDisableTiming));
-    MT_CUBLAS_CHECK(cublasCreate(&mc->side_blas));
-    MT_CUBLAS_CHECK(cublasSetStream(mc->side_blas, mc->side));
-    MT_CUDA_CHECK(cudaMalloc(&mc->side_ws, CU_BLAS_WS_BYTES));
-    MT_CUBLAS_CHECK(cublasSetWorkspace(mc->side_blas, mc->side_ws, CU_BLAS_WS_BYTES));
-    MT_CUBLAS_CHECK(cublasSetPointerMode(mc->side_blas, CUBLAS_POINTER_MODE_HOST));
-    return MT_OK;
+    return cu_blas_make(&mc->side_blas, &mc->side_ws, mc->side);
 }
 
 /* Whether the side stream is there, made on first use; false when it is off (logged once if

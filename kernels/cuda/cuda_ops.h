@@ -39,7 +39,7 @@ enum { CU_COUNTERS = 16 };
  * hc_pre_split_kernel, cuda_dense.cu's argmax_chunk_kernel. */
 enum { CU_COUNTER_HC_PRE = 0, CU_COUNTER_ARGMAX = 1 };
 
-/* cuBLAS workspace per backend (NVIDIA's recommendation for Hopper: 32 MiB). */
+/* cuBLAS workspace per handle (NVIDIA's recommendation for Hopper: 32 MiB). */
 #define CU_BLAS_WS_BYTES ((size_t)32 << 20)
 
 /* The CUDA backend object: mt_backend first. */
@@ -143,6 +143,10 @@ mt_status cu_split16(void *out /* [terms * M, K] dt */, const float *x /* [*, K]
                      int terms, bool interleave, cudaStream_t s);
 mt_status cu_gemm_tc(cu_backend *cb, float *y /* [M, N] */, const void *x16 /* [M, K] dt */,
                      const void *w /* [N, K] dt */, mt_dtype dt, int M, int N, int K, float beta);
+/* cuda_backend.cu: a cuBLAS handle on `stream` with its own CU_BLAS_WS_BYTES workspace (*ws),
+ * host pointer mode (cb->blas; cuda_moe.cu's side stream). On failure (logged) whatever was made
+ * is left in *blas, *ws for the caller to free. */
+mt_status cu_blas_make(struct cublasContext **blas, void **ws, cudaStream_t stream);
 
 /* cuda_step.cu: graphs and the run-time-position ops of the graph form of decode. */
 mt_status cu_graph_begin(mt_backend *be);
