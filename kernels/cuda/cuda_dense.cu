@@ -571,15 +571,6 @@ static __device__ __forceinline__ void gemv_tc_split(float a, float b, uint32_t 
     l = *(const uint32_t *)&ll;
 }
 
-/* c[16x8] += a[16x16] b[16x8]: bf16 in, fp32 accumulators (fragments as above). */
-static __device__ __forceinline__ void gemv_tc_mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                                   uint32_t a3, uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 /* Grid: ceil(tiles / (8 / ksplit)) blocks of 8 warps; warp w of block b owns tile
  * b * (8 / ksplit) + w / ksplit (rows [16 tile, +16)) and slice w % ksplit of its chunks. At most
  * 128 registers a thread (two blocks per multiprocessor or more). */
@@ -635,11 +626,11 @@ static __global__ void __launch_bounds__(GEMV_THREADS, 2) gemv_tc_kernel(const g
                 uint32_t h0, m0, l0, h1, m1, l1;
                 gemv_tc_split(xv.x, xv.y, h0, m0, l0);
                 gemv_tc_split(xv.z, xv.w, h1, m1, l1);
-                const uint32_t a0 = q ? w[j][0].z : w[j][0].x, a1 = q ? w[j][1].z : w[j][1].x;
-                const uint32_t a2 = q ? w[j][0].w : w[j][0].y, a3 = q ? w[j][1].w : w[j][1].y;
-                gemv_tc_mma(al, a0, a1, a2, a3, l0, l1);
-                gemv_tc_mma(am, a0, a1, a2, a3, m0, m1);
-                gemv_tc_mma(ah, a0, a1, a2, a3, h0, h1);
+                const uint32_t a[4] = {q ? w[j][0].z : w[j][0].x, q ? w[j][1].z : w[j][1].x,
+                                       q ? w[j][0].w : w[j][0].y, q ? w[j][1].w : w[j][1].y};
+                cu_mma_bf16(al, a, l0, l1);
+                cu_mma_bf16(am, a, m0, m1);
+                cu_mma_bf16(ah, a, h0, h1);
             }
         }
 #pragma unroll

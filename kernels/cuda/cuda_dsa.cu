@@ -1159,16 +1159,6 @@ static __host__ __device__ size_t mlat_smem_bytes(int nw) {
            2 * (size_t)2 * MLAT_HB * MLAT_LDS + sizeof(float) * MLAT_HB;
 }
 
-/* (a, b) as bf16 pairs hi = round(a, b) and lo = round((a, b) - hi); a in the low half, which is
- * the lower k index of an mma fragment register. */
-static __device__ __forceinline__ void mlat_split2(float a, float b, uint32_t *hi, uint32_t *lo) {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-    const float2 hf = __bfloat1622float2(h);
-    const __nv_bfloat162 l = __floats2bfloat162_rn(a - hf.x, b - hf.y);
-    *hi = *(const uint32_t *)&h;
-    *lo = *(const uint32_t *)&l;
-}
-
 /* lat16 [T, 2, kvl]: row r is (hi, lo) of position r's latent row, gathered from the pages through
  * bt (so the attend kernel reads lat16 by position, contiguous). One thread per 4 values (kvl % 4
  * == 0: every latent row is 16-byte aligned in an aligned pool). */
@@ -1182,18 +1172,10 @@ static __global__ void __launch_bounds__(MLAT_SPLIT_THREADS) mla_split_kernel(__
     const int64_t src = ((int64_t)__ldg(bt + r / latent.page) * latent.page + r % latent.page) * kvl + c;
     const float4 v = *(const float4 *)(latent.base + src);
     uint2 hi, lo;
-    mlat_split2(v.x, v.y, &hi.x, &lo.x);
-    mlat_split2(v.z, v.w, &hi.y, &lo.y);
+    cu_split_bf16x2(v.x, v.y, &hi.x, &lo.x);
+    cu_split_bf16x2(v.z, v.w, &hi.y, &lo.y);
     *(uint2 *)(lat16 + (size_t)r * 2 * kvl + c) = hi;
     *(uint2 *)(lat16 + (size_t)r * 2 * kvl + kvl + c) = lo;
-}
-
-/* c[16x8] += a[16x16] b[16x8], bf16 in, fp32 accumulate (PTX fragment layouts). */
-static __device__ __forceinline__ void mlat_mma(float *c, const uint32_t *a, uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 /* Four 8x8 bf16 matrices; lane l gives the address of row l % 8 of matrix l / 8. */
@@ -1273,7 +1255,7 @@ static __global__ void __launch_bounds__(NW * 32, 1) mla_attend_tc_kernel(mla_de
                 for (int j = 0; j < 4; j++) {
                     const int hh = 16 * mb + g + 8 * (j & 1), c = 16 * kb + 2 * q4 + 8 * (j >> 1);
                     const float2 v = *(const float2 *)(qsrc + (size_t)hh * KVL + c);
-                    mlat_split2(v.x, v.y, &qh[mb][kb][j], &ql[mb][kb][j]);
+                    cu_split_bf16x2(v.x, v.y, &qh[mb][kb][j], &ql[mb][kb][j]);
                 }
     }
     /* O fragments: o[mb][nb] holds heads 16mb + g (+8), columns c0 + 8nb + 2q4 (+1). */
@@ -1327,17 +1309,17 @@ static __global__ void __launch_bounds__(NW * 32, 1) mla_attend_tc_kernel(mla_de
                 for (int mb = 0; mb < 2; mb++)
 #pragma unroll
                     for (int nb = 0; nb < 4; nb++)
-                        mlat_mma(s[mb][nb], ql[mb][kb], bh[nb >> 1][2 * (nb & 1)], bh[nb >> 1][2 * (nb & 1) + 1]);
+                        cu_mma_bf16(s[mb][nb], ql[mb][kb], bh[nb >> 1][2 * (nb & 1)], bh[nb >> 1][2 * (nb & 1) + 1]);
 #pragma unroll
                 for (int mb = 0; mb < 2; mb++)
 #pragma unroll
                     for (int nb = 0; nb < 4; nb++)
-                        mlat_mma(s[mb][nb], qh[mb][kb], bl[nb >> 1][2 * (nb & 1)], bl[nb >> 1][2 * (nb & 1) + 1]);
+                        cu_mma_bf16(s[mb][nb], qh[mb][kb], bl[nb >> 1][2 * (nb & 1)], bl[nb >> 1][2 * (nb & 1) + 1]);
 #pragma unroll
                 for (int mb = 0; mb < 2; mb++)
 #pragma unroll
                     for (int nb = 0; nb < 4; nb++)
-                        mlat_mma(s[mb][nb], qh[mb][kb], bh[nb >> 1][2 * (nb & 1)], bh[nb >> 1][2 * (nb & 1) + 1]);
+                        cu_mma_bf16(s[mb][nb], qh[mb][kb], bh[nb >> 1][2 * (nb & 1)], bh[nb >> 1][2 * (nb & 1) + 1]);
             }
 #pragma unroll
             for (int mb = 0; mb < 2; mb++)
@@ -1392,8 +1374,8 @@ static __global__ void __launch_bounds__(NW * 32, 1) mla_attend_tc_kernel(mla_de
 #pragma unroll
             for (int e = 0; e < E; e += 4) {
                 uint2 hi, lo;
-                mlat_split2(sv[e], sv[e + 1], &hi.x, &lo.x);
-                mlat_split2(sv[e + 2], sv[e + 3], &hi.y, &lo.y);
+                cu_split_bf16x2(sv[e], sv[e + 1], &hi.x, &lo.x);
+                cu_split_bf16x2(sv[e + 2], sv[e + 3], &hi.y, &lo.y);
                 *(uint2 *)(ph + hs * LDS + rs + e) = hi;
                 *(uint2 *)(pl + hs * LDS + rs + e) = lo;
             }
@@ -1434,17 +1416,17 @@ static __global__ void __launch_bounds__(NW * 32, 1) mla_attend_tc_kernel(mla_de
                 for (int mb = 0; mb < 2; mb++)
 #pragma unroll
                     for (int j = 0; j < 4; j++)
-                        mlat_mma(o[mb][4 * nq + j], al[mb], bh[j >> 1][2 * (j & 1)], bh[j >> 1][2 * (j & 1) + 1]);
+                        cu_mma_bf16(o[mb][4 * nq + j], al[mb], bh[j >> 1][2 * (j & 1)], bh[j >> 1][2 * (j & 1) + 1]);
 #pragma unroll
                 for (int mb = 0; mb < 2; mb++)
 #pragma unroll
                     for (int j = 0; j < 4; j++)
-                        mlat_mma(o[mb][4 * nq + j], ah[mb], bl[j >> 1][2 * (j & 1)], bl[j >> 1][2 * (j & 1) + 1]);
+                        cu_mma_bf16(o[mb][4 * nq + j], ah[mb], bl[j >> 1][2 * (j & 1)], bl[j >> 1][2 * (j & 1) + 1]);
 #pragma unroll
                 for (int mb = 0; mb < 2; mb++)
 #pragma unroll
                     for (int j = 0; j < 4; j++)
-                        mlat_mma(o[mb][4 * nq + j], ah[mb], bh[j >> 1][2 * (j & 1)], bh[j >> 1][2 * (j & 1) + 1]);
+                        cu_mma_bf16(o[mb][4 * nq + j], ah[mb], bh[j >> 1][2 * (j & 1)], bh[j >> 1][2 * (j & 1) + 1]);
             }
         }
         /* No barrier here: sp is rewritten only after the barrier above has seen every read of it,
@@ -1465,7 +1447,7 @@ static __global__ void __launch_bounds__(NW * 32, 1) mla_attend_tc_kernel(mla_de
 #pragma unroll
                 for (int nb = 0; nb < 8; nb++) {
                     const int c = 8 * nb + 2 * q4;
-                    mlat_split2(o[mb][nb][2 * hf] * inv, o[mb][nb][2 * hf + 1] * inv,
+                    cu_split_bf16x2(o[mb][nb][2 * hf] * inv, o[mb][nb][2 * hf + 1] * inv,
                                 (uint32_t *)(oh + (size_t)hh * KVL + c), (uint32_t *)(ol + (size_t)hh * KVL + c));
                 }
             }
@@ -1555,7 +1537,7 @@ static __global__ void __launch_bounds__(MLAG_THREADS) mla_merge_split_kernel(ml
             a0 += e * v.x;
             a1 += e * v.y;
         }
-        mlat_split2(a0 * inv, a1 * inv, (uint32_t *)(hi + c), (uint32_t *)(lo + c));
+        cu_split_bf16x2(a0 * inv, a1 * inv, (uint32_t *)(hi + c), (uint32_t *)(lo + c));
     }
 }
 

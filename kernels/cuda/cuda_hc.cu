@@ -228,21 +228,6 @@ struct hcm_params {
     int n, K, mix, kc;      /* kc: columns a slice (a multiple of 16) */
 };
 
-static __device__ __forceinline__ void hcm_mma(float *c, const uint32_t *a, uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-static __device__ __forceinline__ void hcm_split(float2 v, uint32_t *hi, uint32_t *lo) {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(v.x, v.y);
-    const float2 hf = __bfloat1622float2(h);
-    const __nv_bfloat162 l = __floats2bfloat162_rn(v.x - hf.x, v.y - hf.y);
-    *hi = *reinterpret_cast<const uint32_t *>(&h);
-    *lo = *reinterpret_cast<const uint32_t *>(&l);
-}
-
 template <int NT> /* n8 tiles of outputs: ceil(mix / 8) */
 static __global__ void __launch_bounds__(HCM_WARPS * 32) hcm_kernel(const hcm_params p) {
     const int lane = threadIdx.x & 31, g = lane >> 2, q4 = lane & 3;
@@ -279,11 +264,11 @@ static __global__ void __launch_bounds__(HCM_WARPS * 32) hcm_kernel(const hcm_pa
         for (int u = 0; u < HCM_UNROLL; u++) {
             uint32_t ah[4], al[4];
 #pragma unroll
-            for (int j = 0; j < 4; j++) hcm_split(xv[u][j], &ah[j], &al[j]);
+            for (int j = 0; j < 4; j++) cu_split_bf16x2(xv[u][j].x, xv[u][j].y, &ah[j], &al[j]);
 #pragma unroll
-            for (int t = 0; t < NT; t++) hcm_mma(acc[t], al, bv[u][t][0], bv[u][t][1]);
+            for (int t = 0; t < NT; t++) cu_mma_bf16(acc[t], al, bv[u][t][0], bv[u][t][1]);
 #pragma unroll
-            for (int t = 0; t < NT; t++) hcm_mma(acc[t], ah, bv[u][t][0], bv[u][t][1]);
+            for (int t = 0; t < NT; t++) cu_mma_bf16(acc[t], ah, bv[u][t][0], bv[u][t][1]);
         }
     }
     float *mp = p.mp + ((int64_t)slice * p.n + r0) * HCM_LD;

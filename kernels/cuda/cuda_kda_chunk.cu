@@ -423,21 +423,6 @@ static_assert(KI_BT % 4 == 0 && KI_LDM % 4 == 0 && KI_T % 4 == 0 && KI_AQ % 4 ==
 
 /* ---- device helpers ---- */
 
-static __device__ __forceinline__ uint32_t kc_bf162_bits(__nv_bfloat162 v) {
-    uint32_t u;
-    memcpy(&u, &v, sizeof u);
-    return u;
-}
-
-/* (a, b) -> hi = bf16x2(a, b) (a in the low half: the lower column index), lo = bf16x2 of the
- * rounding remainders. */
-static __device__ __forceinline__ void kc_split2(float a, float b, uint32_t *hi, uint32_t *lo) {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-    const float2 hf = __bfloat1622float2(h);
-    *hi = kc_bf162_bits(h);
-    *lo = kc_bf162_bits(__floats2bfloat162_rn(a - hf.x, b - hf.y));
-}
-
 static __device__ __forceinline__ float4 kc_exp4(float4 a) {
     return make_float4(__expf(a.x), __expf(a.y), __expf(a.z), __expf(a.w));
 }
@@ -446,16 +431,6 @@ static __device__ __forceinline__ float4 kc_sub4(float4 a, float4 b) {
 }
 static __device__ __forceinline__ float4 kc_mul4(float4 a, float4 b) {
     return make_float4(a.x * b.x, a.y * b.y, a.z * b.z, a.w * b.w);
-}
-
-/* D += A B for one m16n8k16 tile, bf16 operands, fp32 accumulators. Fragments (PTX ISA, lane =
- * 4 g + c): a[0] (row g, k 2c..2c+1), a[1] (row g+8), a[2] (row g, k +8), a[3] (row g+8, k +8);
- * b0 (k 2c..2c+1, column g), b1 (k +8); d[0..1] (row g, columns 2c..2c+1), d[2..3] (row g+8). */
-static __device__ __forceinline__ void kc_mma(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 /* The split product of one k step: d[nt] += a b_nt = al bh + ah bl + ah bh (TERMS 2; TERMS 1:
@@ -469,19 +444,19 @@ static __device__ __forceinline__ void kc_mma_tiles(float (*d1)[4], const uint32
     if (TERMS > 1) {
 #pragma unroll
         for (int nt = 0; nt < N; nt++) {
-            kc_mma(d1[nt], a1l, bh[nt >> 1][2 * (nt & 1)], bh[nt >> 1][2 * (nt & 1) + 1]);
-            if (a2h) kc_mma(d2[nt], a2l, bh[nt >> 1][2 * (nt & 1)], bh[nt >> 1][2 * (nt & 1) + 1]);
+            cu_mma_bf16(d1[nt], a1l, bh[nt >> 1][2 * (nt & 1)], bh[nt >> 1][2 * (nt & 1) + 1]);
+            if (a2h) cu_mma_bf16(d2[nt], a2l, bh[nt >> 1][2 * (nt & 1)], bh[nt >> 1][2 * (nt & 1) + 1]);
         }
 #pragma unroll
         for (int nt = 0; nt < N; nt++) {
-            kc_mma(d1[nt], a1h, bl[nt >> 1][2 * (nt & 1)], bl[nt >> 1][2 * (nt & 1) + 1]);
-            if (a2h) kc_mma(d2[nt], a2h, bl[nt >> 1][2 * (nt & 1)], bl[nt >> 1][2 * (nt & 1) + 1]);
+            cu_mma_bf16(d1[nt], a1h, bl[nt >> 1][2 * (nt & 1)], bl[nt >> 1][2 * (nt & 1) + 1]);
+            if (a2h) cu_mma_bf16(d2[nt], a2h, bl[nt >> 1][2 * (nt & 1)], bl[nt >> 1][2 * (nt & 1) + 1]);
         }
     }
 #pragma unroll
     for (int nt = 0; nt < N; nt++) {
-        kc_mma(d1[nt], a1h, bh[nt >> 1][2 * (nt & 1)], bh[nt >> 1][2 * (nt & 1) + 1]);
-        if (a2h) kc_mma(d2[nt], a2h, bh[nt >> 1][2 * (nt & 1)], bh[nt >> 1][2 * (nt & 1) + 1]);
+        cu_mma_bf16(d1[nt], a1h, bh[nt >> 1][2 * (nt & 1)], bh[nt >> 1][2 * (nt & 1) + 1]);
+        if (a2h) cu_mma_bf16(d2[nt], a2h, bh[nt >> 1][2 * (nt & 1)], bh[nt >> 1][2 * (nt & 1) + 1]);
     }
 }
 
@@ -529,10 +504,10 @@ static __device__ __forceinline__ const __nv_bfloat16 *kc_sw_at(const __nv_bfloa
  * registers that pair gives (kc_frag_a_packed). */
 static __device__ __forceinline__ void kc_pack8(float *p, float4 a, float4 b) {
     uint4 u, v;
-    kc_split2(a.x, a.y, &u.x, &u.y);
-    kc_split2(a.z, a.w, &u.z, &u.w);
-    kc_split2(b.x, b.y, &v.x, &v.y);
-    kc_split2(b.z, b.w, &v.z, &v.w);
+    cu_split_bf16x2(a.x, a.y, &u.x, &u.y);
+    cu_split_bf16x2(a.z, a.w, &u.z, &u.w);
+    cu_split_bf16x2(b.x, b.y, &v.x, &v.y);
+    cu_split_bf16x2(b.z, b.w, &v.z, &v.w);
     *reinterpret_cast<uint4 *>(p) = u;
     *reinterpret_cast<uint4 *>(p + 4) = v;
 }
@@ -615,10 +590,10 @@ static __device__ __forceinline__ void kc_bulk(void *dst, const void *src, uint3
 /* 8 consecutive values as bf16 hi (and lo, when lo != NULL) at 16-byte aligned addresses. */
 static __device__ __forceinline__ void kc_store8(__nv_bfloat16 *hi, __nv_bfloat16 *lo, float4 a, float4 b) {
     uint4 h, l;
-    kc_split2(a.x, a.y, &h.x, &l.x);
-    kc_split2(a.z, a.w, &h.y, &l.y);
-    kc_split2(b.x, b.y, &h.z, &l.z);
-    kc_split2(b.z, b.w, &h.w, &l.w);
+    cu_split_bf16x2(a.x, a.y, &h.x, &l.x);
+    cu_split_bf16x2(a.z, a.w, &h.y, &l.y);
+    cu_split_bf16x2(b.x, b.y, &h.z, &l.z);
+    cu_split_bf16x2(b.z, b.w, &h.w, &l.w);
     *reinterpret_cast<uint4 *>(hi) = h;
     if (lo) *reinterpret_cast<uint4 *>(lo) = l;
 }
@@ -842,24 +817,24 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
                         const float *kn = Gs + (16 * J + 8 * nt + g8) * KI_LDF + d0;
                         const float2 b0 = *reinterpret_cast<const float2 *>(kn);
                         const float2 b1 = *reinterpret_cast<const float2 *>(kn + 8);
-                        kc_split2(b0.x * e0.x, b0.y * e0.y, &bh[nt][0], &bl[nt][0]);
-                        kc_split2(b1.x * e1.x, b1.y * e1.y, &bh[nt][1], &bl[nt][1]);
+                        cu_split_bf16x2(b0.x * e0.x, b0.y * e0.y, &bh[nt][0], &bl[nt][0]);
+                        cu_split_bf16x2(b1.x * e1.x, b1.y * e1.y, &bh[nt][1], &bl[nt][1]);
                     }
                     /* three passes over the 4 accumulators: no mma waits on the one just before */
 #pragma unroll
                     for (int nt = 0; nt < 2; nt++) {
-                        kc_mma(acc[s][0][nt], kl, bh[nt][0], bh[nt][1]);
-                        kc_mma(acc[s][1][nt], ql, bh[nt][0], bh[nt][1]);
+                        cu_mma_bf16(acc[s][0][nt], kl, bh[nt][0], bh[nt][1]);
+                        cu_mma_bf16(acc[s][1][nt], ql, bh[nt][0], bh[nt][1]);
                     }
 #pragma unroll
                     for (int nt = 0; nt < 2; nt++) {
-                        kc_mma(acc[s][0][nt], kh, bl[nt][0], bl[nt][1]);
-                        kc_mma(acc[s][1][nt], qh, bl[nt][0], bl[nt][1]);
+                        cu_mma_bf16(acc[s][0][nt], kh, bl[nt][0], bl[nt][1]);
+                        cu_mma_bf16(acc[s][1][nt], qh, bl[nt][0], bl[nt][1]);
                     }
 #pragma unroll
                     for (int nt = 0; nt < 2; nt++) {
-                        kc_mma(acc[s][0][nt], kh, bh[nt][0], bh[nt][1]);
-                        kc_mma(acc[s][1][nt], qh, bh[nt][0], bh[nt][1]);
+                        cu_mma_bf16(acc[s][0][nt], kh, bh[nt][0], bh[nt][1]);
+                        cu_mma_bf16(acc[s][1][nt], qh, bh[nt][0], bh[nt][1]);
                     }
                 }
             }
@@ -1050,7 +1025,7 @@ static __device__ __forceinline__ void kc_state_to_smem(__nv_bfloat16 *sb, const
         for (int hf = 0; hf < 2; hf++) {
             const int o = (16 * w + g8 + 8 * hf) * KS_LDB + 8 * nt + 2 * c4;
             uint32_t hi, lw;
-            kc_split2(S[nt][2 * hf], S[nt][2 * hf + 1], &hi, &lw);
+            cu_split_bf16x2(S[nt][2 * hf], S[nt][2 * hf + 1], &hi, &lw);
             *reinterpret_cast<uint32_t *>(sb + KS_SH + o) = hi;
             *reinterpret_cast<uint32_t *>(sb + KS_SL + o) = lw;
         }
@@ -1152,7 +1127,7 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_kernel(chunk_pa
             for (int hf = 0; hf < 2; hf++) {
                 const int o = (16 * rb + g8 + 8 * hf) * KS_LDB + 32 * ch + 8 * nt + 2 * c4;
                 uint32_t hi, lw;
-                kc_split2(vr[nt][2 * hf] - X[nt][2 * hf], vr[nt][2 * hf + 1] - X[nt][2 * hf + 1], &hi, &lw);
+                cu_split_bf16x2(vr[nt][2 * hf] - X[nt][2 * hf], vr[nt][2 * hf + 1] - X[nt][2 * hf + 1], &hi, &lw);
                 *reinterpret_cast<uint32_t *>(sb + KS_RH + o) = hi;
                 *reinterpret_cast<uint32_t *>(sb + KS_RL + o) = lw;
             }
@@ -1186,7 +1161,7 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_kernel(chunk_pa
             for (int hf = 0; hf < 2; hf++) {
                 const int o = (16 * rb + g8 + 8 * hf) * KS_LDB + 32 * ch + 8 * nt + 2 * c4;
                 uint32_t hi, lw;
-                kc_split2(D[nt][2 * hf], D[nt][2 * hf + 1], &hi, &lw);
+                cu_split_bf16x2(D[nt][2 * hf], D[nt][2 * hf + 1], &hi, &lw);
                 *reinterpret_cast<uint32_t *>(sb + KS_RH + o) = hi;
                 *reinterpret_cast<uint32_t *>(sb + KS_RL + o) = lw;
             }

@@ -348,6 +348,28 @@ template <typename T> __device__ __forceinline__ T cu_block_sum(T v, T *red) {
     return s;
 }
 
+/* c[16x8] += a[16x16] b[16x8] for one mma.sync m16n8k16 tile, bf16 operands, fp32 accumulators.
+ * PTX fragments (lane = 4 g + q): a[0] (row g, k 2q..2q+1), a[1] (row g+8), a[2] (row g, k +8),
+ * a[3] (row g+8, k +8); b0 (k 2q..2q+1, column g), b1 (k +8); c[0..1] (row g, columns 2q..2q+1),
+ * c[2..3] (row g+8). */
+static __device__ __forceinline__ void cu_mma_bf16(float *c, const uint32_t *a, uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* (a, b) as bf16 pairs hi = round(a, b) and lo = round((a, b) - hi), a in the low half (the lower
+ * k index of an mma fragment register): the two-part split of the hand-written tensor-core
+ * kernels (cuda_dsa.cu, cuda_hc.cu, cuda_kda_chunk.cu). */
+static __device__ __forceinline__ void cu_split_bf16x2(float a, float b, uint32_t *hi, uint32_t *lo) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    const float2 hf = __bfloat1622float2(h);
+    const __nv_bfloat162 l = __floats2bfloat162_rn(a - hf.x, b - hf.y);
+    *hi = *reinterpret_cast<const uint32_t *>(&h);
+    *lo = *reinterpret_cast<const uint32_t *>(&l);
+}
+
 /* v rounded to the 16-bit type DT (BF16 or F16) and back, and its 16-bit pattern: the two-part
  * split x = hi + lo of the tensor-core GEMM paths (cuda_dense.cu, cuda_moe.cu). */
 template <mt_dtype DT> static __device__ __forceinline__ float cu_round16(float v) {
