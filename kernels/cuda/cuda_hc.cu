@@ -51,6 +51,19 @@ typedef struct hc_pre_params {
     int mk;
 } hc_pre_params;
 
+/* The mHC's three mixes from a row's fn . X entry m and rms factor r, as cpu_hc.c computes them
+ * (each product and sum rounded in that order): pre = sigmoid(m r scale0 + base) + hc_eps,
+ * post = 2 sigmoid(m r scale1 + base), and comb's logits m r scale2 + base before its softmax. */
+static __device__ __forceinline__ float hc_logit(float m, float r, float scale, float base) {
+    return __fadd_rn(__fmul_rn(__fmul_rn(m, r), scale), base);
+}
+static __device__ __forceinline__ float hc_pre_of(float m, float r, float scale0, float base, float hc_eps) {
+    return cu_sigmoidf(hc_logit(m, r, scale0, base)) + hc_eps;
+}
+static __device__ __forceinline__ float hc_post_of(float m, float r, float scale1, float base) {
+    return 2.f * cu_sigmoidf(hc_logit(m, r, scale1, base));
+}
+
 /* comb of one row on one warp (S*S <= 32; 4 x 4 in the real model): lane a*S+b holds C[a][b];
  * softmax over each row, then the Sinkhorn iterations, every row or column sum gathering its S
  * values by shuffles and adding them in ascending index (the CPU's order), with no block barrier.
@@ -60,7 +73,7 @@ static __device__ void hc_comb_warp(float *comb, const float *mc, float r, const
                                     int S, float hc_eps, int iters) {
     const int lane = threadIdx.x & 31, a = lane < S * S ? lane / S : 0, b = lane < S * S ? lane % S : 0;
     float c = 0.f;
-    if (lane < S * S) c = __fadd_rn(__fmul_rn(__fmul_rn(mc[lane], r), scale2), base2[lane]);
+    if (lane < S * S) c = hc_logit(mc[lane], r, scale2, base2[lane]);
     float mx = -INFINITY;
     for (int k = 0; k < S; k++) mx = fmaxf(mx, __shfl_sync(0xffffffffu, c, a * S + k));
     const float e = expf(c - mx);
@@ -96,7 +109,7 @@ static __device__ void hc_comb_thread(float *comb, const float *mc, float r, con
         for (int b = 0; b < HC_REG_S; b++) {
             C[a][b] = 0.f;
             if (a < S && b < S) {
-                C[a][b] = __fadd_rn(__fmul_rn(__fmul_rn(mc[a * S + b], r), scale2), base2[a * S + b]);
+                C[a][b] = hc_logit(mc[a * S + b], r, scale2, base2[a * S + b]);
                 mx = fmaxf(mx, C[a][b]);
             }
         }
@@ -151,24 +164,18 @@ static __global__ void __launch_bounds__(HC_MIX_THREADS) hc_pre_mix_kernel(const
     const float r = 1.f / sqrtf((float)(ss / SH) + p.rms_eps);
     const float *m = p.m + (int64_t)i * (2 + S) * S;
     const float *base = p.base, *scale = p.scale;
+    if (tid < S) {
+        pre[tid] = hc_pre_of(m[tid], r, scale[0], base[tid], p.hc_eps);
+        p.post[(int64_t)i * S + tid] = hc_post_of(m[S + tid], r, scale[1], base[S + tid]);
+    }
     if (S * S <= 32) {
-        if (tid < S) {
-            pre[tid] = cu_sigmoidf(__fadd_rn(__fmul_rn(__fmul_rn(m[tid], r), scale[0]), base[tid])) + p.hc_eps;
-            p.post[(int64_t)i * S + tid] =
-                2.f * cu_sigmoidf(__fadd_rn(__fmul_rn(__fmul_rn(m[S + tid], r), scale[1]), base[S + tid]));
-        }
         if (tid < 32) hc_comb_warp(p.comb + (int64_t)i * S * S, m + 2 * S, r, base + 2 * S, scale[2], S, p.hc_eps,
                                    p.sinkhorn_iters);
         __syncthreads(); /* pre[] for the collapse below */
     } else {
         const bool own = tid < S * S;        /* this thread owns C[a][b] */
         const int a = tid / S, b = tid % S;
-        if (tid < S) {
-            pre[tid] = cu_sigmoidf(__fadd_rn(__fmul_rn(__fmul_rn(m[tid], r), scale[0]), base[tid])) + p.hc_eps;
-            p.post[(int64_t)i * S + tid] =
-                2.f * cu_sigmoidf(__fadd_rn(__fmul_rn(__fmul_rn(m[S + tid], r), scale[1]), base[S + tid]));
-        }
-        if (own) C[tid] = __fadd_rn(__fmul_rn(__fmul_rn(m[2 * S + tid], r), scale[2]), base[2 * S + tid]);
+        if (own) C[tid] = hc_logit(m[2 * S + tid], r, scale[2], base[2 * S + tid]);
         __syncthreads();
         /* softmax over each row */
         float v = 0.f;
@@ -320,10 +327,9 @@ static __global__ void __launch_bounds__(HCR_THREADS) hc_pre_rows_kernel(const h
     float pre[HC_REG_S];
 #pragma unroll
     for (int s = 0; s < HC_REG_S; s++)
-        pre[s] = s < S ? cu_sigmoidf(__fadd_rn(__fmul_rn(__fmul_rn(m[s], r), p.scale[0]), p.base[s])) + p.hc_eps : 0.f;
+        pre[s] = s < S ? hc_pre_of(m[s], r, p.scale[0], p.base[s], p.hc_eps) : 0.f;
     if (tid < S)
-        p.post[(int64_t)i * S + tid] =
-            2.f * cu_sigmoidf(__fadd_rn(__fmul_rn(__fmul_rn(m[S + tid], r), p.scale[1]), p.base[S + tid]));
+        p.post[(int64_t)i * S + tid] = hc_post_of(m[S + tid], r, p.scale[1], p.base[S + tid]);
     if (tid == 0)
         hc_comb_thread(p.comb + (int64_t)i * S * S, m + 2 * S, r, p.base + 2 * S, p.scale[2], S, p.hc_eps,
                        p.sinkhorn_iters);
@@ -546,11 +552,9 @@ hc_pre_dec_kernel(const hc_pre_params p) {
         const int i = tid / S, s = tid % S;
         const float *m = m_s + i * HC_DEC_MIX;
         const float r = r_s[i];
-        pre_s[i * HC_DEC_MAX_S + s] =
-            cu_sigmoidf(__fadd_rn(__fmul_rn(__fmul_rn(m[s], r), p.scale[0]), p.base[s])) + p.hc_eps;
+        pre_s[i * HC_DEC_MAX_S + s] = hc_pre_of(m[s], r, p.scale[0], p.base[s], p.hc_eps);
         if (rank == 0 && i < p.n)
-            p.post[(int64_t)i * S + s] =
-                2.f * cu_sigmoidf(__fadd_rn(__fmul_rn(__fmul_rn(m[S + s], r), p.scale[1]), p.base[S + s]));
+            p.post[(int64_t)i * S + s] = hc_post_of(m[S + s], r, p.scale[1], p.base[S + s]);
     }
     __syncthreads();
     /* y[i][d] = sum_s pre[i][s] X[i][s][d] over this block's d, in the CPU's order; with NORM the
@@ -833,11 +837,9 @@ static __global__ void __launch_bounds__(HCS_THREADS) hc_pre_split_kernel(const 
         const int i = tid / S, s = tid % S;
         const float *m = m_s + i * HC_DEC_MIX;
         const float r = r_s[i];
-        pre_s[i * HC_DEC_MAX_S + s] =
-            cu_sigmoidf(__fadd_rn(__fmul_rn(__fmul_rn(m[s], r), p.scale[0]), p.base[s])) + p.hc_eps;
+        pre_s[i * HC_DEC_MAX_S + s] = hc_pre_of(m[s], r, p.scale[0], p.base[s], p.hc_eps);
         if (i < p.n)
-            p.post[(int64_t)i * S + s] =
-                2.f * cu_sigmoidf(__fadd_rn(__fmul_rn(__fmul_rn(m[S + s], r), p.scale[1]), p.base[S + s]));
+            p.post[(int64_t)i * S + s] = hc_post_of(m[S + s], r, p.scale[1], p.base[S + s]);
     }
     __syncthreads();
     if (warp == HCS_WARPS) { /* the Sinkhorn of row `lane`, beside the collapse */
