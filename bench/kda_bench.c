@@ -505,19 +505,16 @@ int main(int argc, char **argv) {
         const double ms_copy = time_call(&cc, g_reps * 4, 0), ms_copy_steady = time_call(&cc, g_reps, DEC_CHAIN);
         const double ms_copy_clean = time_call(&cc, g_reps * 4, CLEAN);
         g_be->ops->free(g_be, dst);
-        char row[48];
-        snprintf(row, sizeof row, "decode_B%d", B);
-        emit(row, "kda_recurrent", B, 1, NH, ms, 2.0 * (double)sc * 4, bw);
-        snprintf(row, sizeof row, "decode_B%d_steady", B);
-        emit(row, "kda_recurrent", B, 1, NH, ms_steady, 2.0 * (double)sc * 4, bw);
-        snprintf(row, sizeof row, "decode_B%d_clean", B);
-        emit(row, "kda_recurrent", B, 1, NH, ms_clean, 2.0 * (double)sc * 4, bw);
-        snprintf(row, sizeof row, "copy_B%d", B);
-        emit(row, "cudaMemcpy", B, 1, NH, ms_copy, 2.0 * (double)sc * 4, bw);
-        snprintf(row, sizeof row, "copy_B%d_steady", B);
-        emit(row, "cudaMemcpy", B, 1, NH, ms_copy_steady, 2.0 * (double)sc * 4, bw);
-        snprintf(row, sizeof row, "copy_B%d_clean", B);
-        emit(row, "cudaMemcpy", B, 1, NH, ms_copy_clean, 2.0 * (double)sc * 4, bw);
+        const struct { const char *kind, *suffix, *op; double ms; } rows[] = {
+            {"decode", "", "kda_recurrent", ms},       {"decode", "_steady", "kda_recurrent", ms_steady},
+            {"decode", "_clean", "kda_recurrent", ms_clean}, {"copy", "", "cudaMemcpy", ms_copy},
+            {"copy", "_steady", "cudaMemcpy", ms_copy_steady}, {"copy", "_clean", "cudaMemcpy", ms_copy_clean},
+        };
+        for (size_t r = 0; r < sizeof rows / sizeof rows[0]; r++) {
+            char row[48];
+            snprintf(row, sizeof row, "%s_B%d%s", rows[r].kind, B, rows[r].suffix);
+            emit(row, rows[r].op, B, 1, NH, rows[r].ms, 2.0 * (double)sc * 4, bw);
+        }
         dev_free(&d);
         host_free(&h);
     }
