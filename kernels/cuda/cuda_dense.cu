@@ -1076,9 +1076,10 @@ enum { MATMUL_LOWK = 512 };
 static mt_status matmul_tc_lowk(cu_backend *cb, float *y, const float *x, const mt_weight *w, int n) {
     const int N = (int)w->rows, K = (int)w->cols;
     const size_t bx = sizeof(uint16_t) * (size_t)n * 2 * K, bw = sizeof(uint16_t) * (size_t)N * 2 * K;
-    char *buf = (char *)cu_scratch(&cb->base, CU_SCRATCH_GEMM, ((bx + 255) & ~(size_t)255) + bw);
+    const size_t wo = (bx + 255) & ~(size_t)255; /* the weight's offset, 256-byte aligned */
+    char *buf = (char *)cu_scratch(&cb->base, CU_SCRATCH_GEMM, wo + bw);
     if (!buf) return MT_ERR_NOMEM; /* logged */
-    uint16_t *x16 = (uint16_t *)buf, *w2 = (uint16_t *)(buf + ((bx + 255) & ~(size_t)255));
+    uint16_t *x16 = (uint16_t *)buf, *w2 = (uint16_t *)(buf + wo);
     mt_status st = cu_split16(x16, x, NULL, n, K, w->dtype, 2, true, cb->stream);
     if (st != MT_OK) return st;
     const int64_t count = (int64_t)N * K;

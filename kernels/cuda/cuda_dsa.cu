@@ -1544,7 +1544,7 @@ static __global__ void __launch_bounds__(MLAG_THREADS) mla_merge_split_kernel(ml
 /* Picks heads per block (the largest of 8, 4, 2, 1 dividing Hq) and the splits: enough blocks for
  * about two per multiprocessor, no more splits than tiles in the longest selection. */
 static void mla_plan(mt_backend *be, mla_dev_params *p, int nb_max, int rows_max, bool wide) {
-    const int sms = ((cu_backend *)be)->n_sm > 0 ? ((cu_backend *)be)->n_sm : 132;
+    const int sms = cu_sms((const cu_backend *)be);
     int hg = MLA_MAX_HG;
     while (p->Hq % hg != 0) hg /= 2;
     if (wide) hg = MLAW_HB; /* mla_attend_wide_kernel: one block per multiprocessor */

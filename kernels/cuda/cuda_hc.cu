@@ -1031,7 +1031,7 @@ extern "C" void cu_hc_pre(mt_backend *be, float *y, float *post, float *comb, co
     if (hc_pre_rows_ok(&q) && hcm_ok(fn, X, S, H)) { /* the mix on hcm_kernel, X split on the fly */
         /* slices of kc columns (a multiple of 16, rounded up: at most mk of them); the scratch is
          * sized by the count actually launched */
-        const int K = S * H, mk = hcm_slices(n, K, ((cu_backend *)be)->n_sm > 0 ? ((cu_backend *)be)->n_sm : 132),
+        const int K = S * H, mk = hcm_slices(n, K, cu_sms((const cu_backend *)be)),
                   kc = ((K + mk - 1) / mk + 15) / 16 * 16, slices = (K + kc - 1) / kc;
         float *mp = (float *)cu_scratch(be, CU_SCRATCH_DENSE, sizeof(float) * (size_t)slices * n * HCM_LD);
         if (!mp) return;

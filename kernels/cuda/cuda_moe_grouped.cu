@@ -319,7 +319,7 @@ static mt_status moeg_launch(cu_backend *cb, const moeg_params *p, mt_dtype dt, 
     MT_CUDA_CHECK_LAUNCH();
     cu_prof_mark(&cb->base, "moe_experts_grouped (down)");
     const int64_t blocks = ((int64_t)p->n * p->H + MOEG_THREADS - 1) / MOEG_THREADS;
-    const int64_t cap = (int64_t)(cb->n_sm > 0 ? cb->n_sm : 132) * 8;
+    const int64_t cap = (int64_t)cu_sms(cb) * 8;
     moeg_combine_kernel<<<(unsigned)(blocks < cap ? blocks : cap), MOEG_THREADS, 0, s>>>(*p);
     MT_CUDA_CHECK_LAUNCH();
     return MT_OK;

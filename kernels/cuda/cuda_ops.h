@@ -87,6 +87,8 @@ typedef struct cu_backend {
 } cu_backend;
 
 static inline cudaStream_t cu_stream(mt_backend *be) { return ((cu_backend *)be)->stream; }
+/* Multiprocessors for grid sizing (132, an H100/H200's, if the device did not say). */
+static inline int cu_sms(const cu_backend *cb) { return cb->n_sm > 0 ? cb->n_sm : 132; }
 /* Records a launch/runtime failure (logged by the caller) so the model can notice at sync. */
 void cu_fail(mt_backend *be, mt_status st);
 /* Checks cudaGetLastError after a launch; logs with the op name and records failure. */
