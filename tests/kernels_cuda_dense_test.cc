@@ -952,6 +952,36 @@ TEST_F(CudaMoe, ExpertsWithSharedMatchCpu) {
     }
 }
 
+// The wgmma form of a prefill's experts (cuda_moe_wg.cu: bf16, two parts, H % 128 == 0, I % 64 ==
+// 0) beside the batched cuBLAS form it replaced (MT_CUDA_MOE_WG=0), both against the CPU. Experts
+// with 0, 1 and a few pairs (n = 9 of 64 experts), row tiles of every width up to 256 and experts
+// of more than 256 rows cut in two or three (8 experts all taken by each of n rows), the real
+// widths with 64 k-stages (the ring wraps 16 times), and both swiglu clamps.
+TEST_F(CudaMoe, ExpertsWgmmaMatchCpu) {
+    Worst worst{"moe_experts wgmma"}, worst_old{"moe_experts batched"};
+    setenv("MT_CUDA_MOE_WG", "0", 1);
+    mt_backend *old = BackendWithTerms(2);
+    unsetenv("MT_CUDA_MOE_WG");
+    ASSERT_TRUE(old);
+    struct S { int E, k, H, I, n; };
+    for (const S &s : {S{64, 4, 256, 128, 9}, S{64, 4, 256, 128, 40}, S{16, 4, 128, 64, 300}, S{8, 8, 128, 192, 13},
+                       S{8, 8, 128, 64, 300}, S{8, 8, 256, 128, 100}, S{8, 8, 4096, 2048, 140}}) {
+        Experts ex = MakeExperts(MT_BF16, s.E, s.E, s.H, s.I);
+        for (float L : {10.f, 0.5f}) {
+            if (s.H == 4096 && L != 10.f) continue;
+            const std::vector<int32_t> idx = RandIdx(s.n, s.k, s.E);
+            const std::string where = Shape({{"E", s.E}, {"k", s.k}, {"H", s.H}, {"I", s.I}, {"n", s.n}}) +
+                                      " L=" + std::to_string(L);
+            const double e = Run(ex, idx, s.n, s.k, s.H, s.I, L), eo = Run(ex, idx, s.n, s.k, s.H, s.I, L, old);
+            worst.See(e, where);
+            worst_old.See(eo, where);
+            EXPECT_LE(e, MoeTol(MT_BF16, s.n)) << where;
+            EXPECT_LE(eo, MoeTol(MT_BF16, s.n)) << where << " batched";
+        }
+    }
+    mt_backend_free(old);
+}
+
 TEST_F(CudaMoe, ExpertsRealShapes) {
     Worst worst{"moe_experts"};
     const int E = 288, k = 8, H = 4096, I = 2048;
@@ -1011,19 +1041,27 @@ TEST_F(CudaMoe, ExpertsRealShapes) {
         worst.See(el, "one GEMM per expert n=24");
         EXPECT_LE(el, MoeTol(MT_BF16, 24)) << "one GEMM per expert n=24";
     }
+    setenv("MT_CUDA_MOE_WG", "0", 1);
+    mt_backend *batched = BackendWithTerms(2);
+    unsetenv("MT_CUDA_MOE_WG");
+    ASSERT_TRUE(batched);
     for (int n : {512, 4096}) {
         std::vector<int32_t> idx = RandIdx(n, k, E);
         float *gx = Put(gpu_, Rand((size_t)n * H)), *gw = Put(gpu_, Rand((size_t)n * k, 0.1f, 1.f));
         float *go = Put(gpu_, Rand((size_t)n * H));
         int32_t *gi = Put(gpu_, idx);
         const double flops = 2.0 * n * k * 3 * H * I;
-        const double tb = TimeGpu([&] { gpu_->ops->moe_experts(gpu_, go, gx, gi, gw, ex.gpu.data(), n, k, H, I, 10.f); }, 3);
-        const double tl = TimeGpu([&] { loop->ops->moe_experts(loop, go, gx, gi, gw, ex.gpu.data(), n, k, H, I, 10.f); }, 3, loop);
-        std::printf("[ timing   ] moe_experts n=%d top-8 of 288, 4096x2048 bf16, 2 parts: batched GEMMs %.2f ms "
-                    "(%.1f TFLOP/s), one GEMM per expert %.2f ms (%.1f TFLOP/s)\n",
-                    n, tb * 1e3, flops / tb / 1e12, tl * 1e3, flops / tl / 1e12);
+        double t[3];
+        mt_backend *bes[3] = {gpu_, batched, loop};
+        for (int b = 0; b < 3; b++)
+            t[b] = TimeGpu([&] { bes[b]->ops->moe_experts(bes[b], go, gx, gi, gw, ex.gpu.data(), n, k, H, I, 10.f); },
+                           3, bes[b]);
+        std::printf("[ timing   ] moe_experts n=%d top-8 of 288, 4096x2048 bf16, 2 parts: wgmma %.2f ms (%.1f TFLOP/s), "
+                    "batched GEMMs %.2f ms (%.1f TFLOP/s), one GEMM per expert %.2f ms (%.1f TFLOP/s)\n",
+                    n, t[0] * 1e3, flops / t[0] / 1e12, t[1] * 1e3, flops / t[1] / 1e12, t[2] * 1e3, flops / t[2] / 1e12);
         for (void *p : {(void *)gx, (void *)gw, (void *)go, (void *)gi}) Drop(gpu_, p);
     }
+    mt_backend_free(batched);
     mt_backend_free(loop);
     {
         const int n = 512;

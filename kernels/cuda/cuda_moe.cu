@@ -338,6 +338,8 @@ typedef struct moe_table {
     mt_expert *copy;        /* [cap] host copy of host[0, count), to revalidate */
     mt_expert *dev;         /* [cap] device copy */
     bool vec_ok;            /* every weight base 16-byte aligned */
+    void *wg_maps;          /* [cap][3] device TMA maps of the wgmma path (cu_moe_wg_maps) */
+    int wg_count;           /* experts wg_maps describes: == count when current */
 } moe_table;
 
 struct cu_moe_cache {
@@ -366,6 +368,7 @@ extern "C" void cu_moe_cache_free(cu_backend *cb) {
     if (!mc) return;
     for (int k = 0; k < mc->n; k++) {
         if (mc->t[k].dev) MT_CUDA_WARN(cudaFree(mc->t[k].dev));
+        if (mc->t[k].wg_maps) MT_CUDA_WARN(cudaFree(mc->t[k].wg_maps));
         free(mc->t[k].copy);
     }
     if (mc->side_blas) MT_CUBLAS_WARN(cublasDestroy(mc->side_blas));
@@ -420,7 +423,9 @@ static const moe_table *moe_table_get(cu_backend *cb, const mt_expert *experts, 
     if (need > t->cap) {
         MT_CUDA_(cudaStreamSynchronize(cb->stream), "cudaStreamSynchronize(moe table)", *st = mt_st_; return NULL);
         if (t->dev) MT_CUDA_WARN(cudaFree(t->dev));
+        if (t->wg_maps) MT_CUDA_WARN(cudaFree(t->wg_maps));
         free(t->copy);
+        t->wg_maps = NULL;
         t->dev = NULL;
         t->copy = NULL;
         t->cap = t->count = 0;
@@ -438,6 +443,7 @@ static const moe_table *moe_table_get(cu_backend *cb, const mt_expert *experts, 
     }
     memcpy(t->copy, experts, sizeof(mt_expert) * (size_t)need);
     t->count = 0;
+    t->wg_count = 0;
     /* Stream-ordered after every queued kernel that reads the old table. */
     MT_CUDA_(cudaMemcpyAsync(t->dev, t->copy, sizeof(mt_expert) * (size_t)need, cudaMemcpyHostToDevice,
                              cb->stream),
@@ -1054,6 +1060,81 @@ static mt_status moe_grouped_chunk_batched(mt_backend *be, const moe_table *t, f
     return moe_combine_launch(&cp, cb->stream);
 }
 
+/* The wgmma form of a chunk (cu_moe_wg_ok; cuda_moe_wg.cu): ci, start as for the batched form,
+ * no padding. x's rows gathered in sorted order and split (X16 [2P, H], parts interleaved); one
+ * launch gives h's parts (H16 [2P, I]) with swiglu applied, one gives down's sum per pair (D [P,
+ * H], in X16's place), and the combine reads one row a pair. An expert's rows go in tiles of at
+ * most 256 (as even as possible), each against every 64 columns of gate/up and 128 of down;
+ * tiles in order of expert, then columns, then rows, so a weight tile's readers run together.
+ * Staging (host, copied as one): the gate/up tiles, the down tiles (4 ints each), gather[P],
+ * inv[P]. */
+enum { MOE_WG_ROWS = 256, MOE_WG_GU = 64, MOE_WG_DN = 128 };
+static mt_status moe_grouped_chunk_wg(mt_backend *be, const moe_table *tc, float *out, const float *x,
+                                      const int32_t *ci, const int32_t *start, const float *weights, int r0,
+                                      int r1, int top_k, int H, int I, float L) {
+    cu_backend *cb = (cu_backend *)be;
+    moe_table *t = (moe_table *)tc; /* its map cache is the table's own state */
+    const int P = (r1 - r0) * top_k, E = t->count;
+    mt_status st = MT_OK;
+    if (t->wg_count != t->count) {
+        if ((st = cu_moe_wg_maps(t->copy, t->count, t->cap, &t->wg_maps, cb->stream)) != MT_OK) return st;
+        t->wg_count = t->count;
+    }
+    int64_t chunks = 0; /* (expert, row tile) pairs */
+    for (int e = 0; e < E; e++) {
+        const int rows = 2 * (start[e + 1] - start[e]);
+        chunks += (rows + MOE_WG_ROWS - 1) / MOE_WG_ROWS;
+    }
+    const int64_t ngu = chunks * (I / MOE_WG_GU), ndn = chunks * (H / MOE_WG_DN);
+    MT_ASSERT(ngu + ndn <= INT_MAX / 4 && (int64_t)2 * P * H <= INT_MAX);
+    const size_t nI = sizeof(int32_t) * (4 * (size_t)(ngu + ndn) + 2 * (size_t)P);
+    int32_t *hs = (int32_t *)moe_host_bytes(cb->moe, nI + sizeof(int32_t) * (size_t)E);
+    if (!hs) return MT_ERR_NOMEM;
+    int32_t *tgu = hs, *tdn = tgu + 4 * ngu, *gather = tdn + 4 * ndn, *inv = gather + P, *pos = inv + P;
+    int32_t *wgu = tgu, *wdn = tdn;
+    for (int e = 0; e < E; e++) {
+        const int rows = 2 * (start[e + 1] - start[e]);
+        if (rows == 0) continue;
+        const int nch = (rows + MOE_WG_ROWS - 1) / MOE_WG_ROWS, per = 2 * ((rows / 2 + nch - 1) / nch);
+        for (int n0 = 0; n0 < I; n0 += MOE_WG_GU)
+            for (int r = 0; r < rows; r += per, wgu += 4) {
+                wgu[0] = e, wgu[1] = n0, wgu[2] = 2 * start[e] + r, wgu[3] = rows - r < per ? rows - r : per;
+            }
+        for (int n0 = 0; n0 < H; n0 += MOE_WG_DN)
+            for (int r = 0; r < rows; r += per, wdn += 4) {
+                wdn[0] = e, wdn[1] = n0, wdn[2] = 2 * start[e] + r, wdn[3] = rows - r < per ? rows - r : per;
+            }
+    }
+    MT_ASSERT(wgu == tdn && wdn == gather);
+    for (int e = 0; e < E; e++) pos[e] = start[e];
+    for (int q = 0; q < P; q++) { /* stable: pairs of one expert keep their order */
+        const int at = pos[ci[q]]++;
+        gather[at] = r0 + q / top_k;
+        inv[q] = at;
+    }
+
+    const size_t bX = align16(sizeof(uint16_t) * 2 * (size_t)P * H), bH = align16(sizeof(uint16_t) * 2 * (size_t)P * I);
+    char *scr = (char *)cu_scratch(be, CU_SCRATCH_DENSE, bX + bH + nI);
+    if (!scr) return MT_ERR_NOMEM;
+    uint16_t *X16 = (uint16_t *)scr, *H16 = (uint16_t *)(scr + bX);
+    float *D = (float *)scr; /* [P, H] fp32: X16's bytes, spent by then */
+    int32_t *dst = (int32_t *)(scr + bX + bH), *dgather = dst + 4 * (ngu + ndn), *dinv = dgather + P;
+    MT_CUDA_CHECK(cudaMemcpyAsync(dst, hs, nI, cudaMemcpyHostToDevice, cb->stream));
+    MT_CUDA_CHECK(cudaStreamSynchronize(cb->stream)); /* the staging is reused by the next chunk */
+    cu_prof_mark(be, "moe_experts (sort, staging)");
+
+    st = cu_split16(X16, x, dgather, P, H, MT_BF16, 2, true, cb->stream);
+    if (st == MT_OK)
+        st = cu_moe_wg_gemm(t->wg_maps, dst, (int)ngu, X16, 2 * (int64_t)P, H, H16, I, false, L, cb->stream);
+    if (st != MT_OK) return st;
+    cu_prof_mark(be, "moe_experts (gate/up GEMMs)");
+    st = cu_moe_wg_gemm(t->wg_maps, dst + 4 * ngu, (int)ndn, H16, 2 * (int64_t)P, I, D, H, true, L, cb->stream);
+    if (st != MT_OK) return st;
+    cu_prof_mark(be, "moe_experts (down GEMMs)");
+    moe_combine_params cp = {out + (int64_t)r0 * H, D, dinv, weights + (int64_t)r0 * top_k, r1 - r0, top_k, H, 1};
+    return moe_combine_launch(&cp, cb->stream);
+}
+
 /* Rows [r0, r1) of the grouped path; hidx = all of idx on the host; T: tensor-core parts of x
  * (cu_backend.tc_terms), 0 for the fp32 kernel. */
 static mt_status moe_grouped_chunk(mt_backend *be, const moe_table *t, float *out, const float *x,
@@ -1075,6 +1156,8 @@ static mt_status moe_grouped_chunk(mt_backend *be, const moe_table *t, float *ou
     const int32_t *ci = hidx + (int64_t)r0 * top_k;
     for (int q = 0; q < P; q++) start[ci[q] + 1]++;
     for (int e = 0; e < E; e++) start[e + 1] += start[e];
+    if (T == 2 && cu_moe_wg_ok(cb, dt, H, I))
+        return moe_grouped_chunk_wg(be, t, out, x, ci, start, weights, r0, r1, top_k, H, I, L);
     if (T > 0 && cb->moe_batched)
         return moe_grouped_chunk_batched(be, t, out, x, ci, start, weights, r0, r1, top_k, H, I, L, dt, T);
     int ntiles = 0;

@@ -72,6 +72,8 @@ typedef struct cu_backend {
     bool moe_side;              /* MT_CUDA_MOE_SIDE (default 1): the batched MoE GEMMs' small size
                                    classes on a second stream (cuda_moe.cu, moe_on_side) */
     bool moe_grouped;           /* MT_CUDA_MOE_GROUPED (default 1): 9..64 rows on the grouped kernels */
+    bool moe_wg;                /* MT_CUDA_MOE_WG (default 1): a prefill's experts on the wgmma
+                                   kernel of cuda_moe_wg.cu where it applies (cu_moe_wg_ok) */
     bool narrow;
     int tc_min_rows;            /* MT_CUDA_TC_MIN_ROWS (default 1): matmul outputs narrower than
                                    this stay off the tensor cores (cuda_dense.cu) */
@@ -245,6 +247,21 @@ void cu_mla_sparse_rows(mt_backend *be, float *out, const float *q, mt_paged lat
 /* cuda_moe.cu: asserts the experts [0, count) share dtype and shape ([I, H] gate/up, [H, I] down)
  * and have their data; used by both MoE paths. */
 void cu_moe_check_experts(const mt_expert *ex, int count, int H, int I);
+
+/* cuda_moe_wg.cu: a prefill's expert GEMMs on wgmma (see there).
+ *   cu_moe_wg_ok: whether it takes these experts (cb->moe_wg, two-part split, bf16, sm_90,
+ *     H % 128 == 0, I % 64 == 0).
+ *   cu_moe_wg_maps: the TMA maps of experts [0, count) (gate, up, down each) into *dev (device,
+ *     allocated for cap >= count experts when NULL, else reused: it holds cap * 3 maps);
+ *     synchronises s.
+ *   cu_moe_wg_gemm: one launch over ntiles tiles [ntiles][4] (expert, n0, row0, rows) (device,
+ *     16-byte aligned) of x16 [xrows, K] bf16 (pairs' hi/lo parts interleaved); down == false:
+ *     gate/up with swiglu, out = h's parts [xrows, ldo = I] bf16; down: out = [xrows / 2, ldo = H]
+ *     fp32, each pair's parts summed. */
+bool cu_moe_wg_ok(const cu_backend *cb, mt_dtype dt, int H, int I);
+mt_status cu_moe_wg_maps(const mt_expert *ex, int count, int cap, void **dev, cudaStream_t s);
+mt_status cu_moe_wg_gemm(const void *wmaps, const int32_t *tiles, int ntiles, const void *x16, int64_t xrows, int K,
+                         void *out, int ldo, bool down, float L, cudaStream_t s);
 
 /* cuda_dense.cu: programmatic dependent launch of kernel(*params) on s (see there), and whether it
  * is on (MT_CUDA_PDL). */
