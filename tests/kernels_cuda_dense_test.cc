@@ -956,7 +956,9 @@ TEST_F(CudaMoe, ExpertsWithSharedMatchCpu) {
 // 0) beside the batched cuBLAS form it replaced (MT_CUDA_MOE_WG=0), both against the CPU. Experts
 // with 0, 1 and a few pairs (n = 9 of 64 experts), row tiles of every width up to 256 and experts
 // of more than 256 rows cut in two or three (8 experts all taken by each of n rows), the real
-// widths with 64 k-stages (the ring wraps 16 times), and both swiglu clamps.
+// widths with 64 k-stages (the ring wraps 16 times), and both swiglu clamps; then one set with each
+// expert's gate and up exchanged, so that up lies below gate in memory (the kernel's gate/up tensor
+// map starts at the lower of the two).
 TEST_F(CudaMoe, ExpertsWgmmaMatchCpu) {
     Worst worst{"moe_experts wgmma"}, worst_old{"moe_experts batched"};
     setenv("MT_CUDA_MOE_WG", "0", 1);
@@ -978,6 +980,17 @@ TEST_F(CudaMoe, ExpertsWgmmaMatchCpu) {
             EXPECT_LE(e, MoeTol(MT_BF16, s.n)) << where;
             EXPECT_LE(eo, MoeTol(MT_BF16, s.n)) << where << " batched";
         }
+    }
+    {
+        const int E = 16, k = 4, H = 128, I = 64, n = 300;
+        Experts ex = MakeExperts(MT_BF16, E, E, H, I);
+        for (int e = 0; e < E; e++) {
+            std::swap(ex.cpu[e].gate, ex.cpu[e].up);
+            std::swap(ex.gpu[e].gate, ex.gpu[e].up);
+        }
+        const double e = Run(ex, RandIdx(n, k, E), n, k, H, I, 0.5f);
+        worst.See(e, "gate/up exchanged");
+        EXPECT_LE(e, MoeTol(MT_BF16, n)) << "gate/up exchanged";
     }
     mt_backend_free(old);
 }

@@ -338,7 +338,7 @@ typedef struct moe_table {
     mt_expert *copy;        /* [cap] host copy of host[0, count), to revalidate */
     mt_expert *dev;         /* [cap] device copy */
     bool vec_ok;            /* every weight base 16-byte aligned */
-    void *wg_maps;          /* [cap][3] device TMA maps of the wgmma path (cu_moe_wg_maps) */
+    void *wg_maps;          /* [cap][2] device TMA maps of the wgmma path (cu_moe_wg_maps) */
     int wg_count;           /* experts wg_maps describes: == count when current */
 } moe_table;
 
@@ -1096,13 +1096,14 @@ static mt_status moe_grouped_chunk_wg(mt_backend *be, const moe_table *tc, float
         const int rows = 2 * (start[e + 1] - start[e]);
         if (rows == 0) continue;
         const int nch = (rows + MOE_WG_ROWS - 1) / MOE_WG_ROWS, per = 2 * ((rows / 2 + nch - 1) / nch);
+        const int ex = 2 * e + ((const char *)t->copy[e].up.data < (const char *)t->copy[e].gate.data);
         for (int n0 = 0; n0 < I; n0 += MOE_WG_GU)
             for (int r = 0; r < rows; r += per, wgu += 4) {
-                wgu[0] = e, wgu[1] = n0, wgu[2] = 2 * start[e] + r, wgu[3] = rows - r < per ? rows - r : per;
+                wgu[0] = ex, wgu[1] = n0, wgu[2] = 2 * start[e] + r, wgu[3] = rows - r < per ? rows - r : per;
             }
         for (int n0 = 0; n0 < H; n0 += MOE_WG_DN)
             for (int r = 0; r < rows; r += per, wdn += 4) {
-                wdn[0] = e, wdn[1] = n0, wdn[2] = 2 * start[e] + r, wdn[3] = rows - r < per ? rows - r : per;
+                wdn[0] = ex, wdn[1] = n0, wdn[2] = 2 * start[e] + r, wdn[3] = rows - r < per ? rows - r : per;
             }
     }
     MT_ASSERT(wgu == tdn && wdn == gather);
@@ -1125,10 +1126,12 @@ static mt_status moe_grouped_chunk_wg(mt_backend *be, const moe_table *tc, float
 
     st = cu_split16(X16, x, dgather, P, H, MT_BF16, 2, true, cb->stream);
     if (st == MT_OK)
-        st = cu_moe_wg_gemm(t->wg_maps, dst, (int)ngu, X16, 2 * (int64_t)P, H, H16, I, false, L, cb->stream);
+        st = cu_moe_wg_gemm(t->wg_maps, dst, (int)ngu, X16, 2 * (int64_t)P, H, H16, I, false, L, cb->n_sm,
+                            cb->stream);
     if (st != MT_OK) return st;
     cu_prof_mark(be, "moe_experts (gate/up GEMMs)");
-    st = cu_moe_wg_gemm(t->wg_maps, dst + 4 * ngu, (int)ndn, H16, 2 * (int64_t)P, I, D, H, true, L, cb->stream);
+    st = cu_moe_wg_gemm(t->wg_maps, dst + 4 * ngu, (int)ndn, H16, 2 * (int64_t)P, I, D, H, true, L, cb->n_sm,
+                        cb->stream);
     if (st != MT_OK) return st;
     cu_prof_mark(be, "moe_experts (down GEMMs)");
     moe_combine_params cp = {out + (int64_t)r0 * H, D, dinv, weights + (int64_t)r0 * top_k, r1 - r0, top_k, H, 1};
@@ -1156,7 +1159,7 @@ static mt_status moe_grouped_chunk(mt_backend *be, const moe_table *t, float *ou
     const int32_t *ci = hidx + (int64_t)r0 * top_k;
     for (int q = 0; q < P; q++) start[ci[q] + 1]++;
     for (int e = 0; e < E; e++) start[e + 1] += start[e];
-    if (T == 2 && cu_moe_wg_ok(cb, dt, H, I))
+    if (T == 2 && t->vec_ok && cu_moe_wg_ok(cb, dt, H, I))
         return moe_grouped_chunk_wg(be, t, out, x, ci, start, weights, r0, r1, top_k, H, I, L);
     if (T > 0 && cb->moe_batched)
         return moe_grouped_chunk_batched(be, t, out, x, ci, start, weights, r0, r1, top_k, H, I, L, dt, T);

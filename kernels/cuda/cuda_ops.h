@@ -251,17 +251,18 @@ void cu_moe_check_experts(const mt_expert *ex, int count, int H, int I);
 /* cuda_moe_wg.cu: a prefill's expert GEMMs on wgmma (see there).
  *   cu_moe_wg_ok: whether it takes these experts (cb->moe_wg, two-part split, bf16, sm_90,
  *     H % 128 == 0, I % 64 == 0).
- *   cu_moe_wg_maps: the TMA maps of experts [0, count) (gate, up, down each) into *dev (device,
- *     allocated for cap >= count experts when NULL, else reused: it holds cap * 3 maps);
- *     synchronises s.
- *   cu_moe_wg_gemm: one launch over ntiles tiles [ntiles][4] (expert, n0, row0, rows) (device,
- *     16-byte aligned) of x16 [xrows, K] bf16 (pairs' hi/lo parts interleaved); down == false:
+ *   cu_moe_wg_maps: the TMA maps of experts [0, count) (gate/up together, down) into *dev
+ *     (device, allocated for cap >= count experts when NULL, else reused: it holds cap * 2 maps);
+ *     weights 16-byte aligned; synchronises s.
+ *   cu_moe_wg_gemm: one persistent launch (a CTA on each of at most sms multiprocessors) over
+ *     ntiles tiles [ntiles][4] (2 expert + swap, n0, row0, rows) (device, 16-byte aligned; swap:
+ *     the expert's up lies below its gate) of x16 [xrows, K] bf16 (pairs' hi/lo parts interleaved); down == false:
  *     gate/up with swiglu, out = h's parts [xrows, ldo = I] bf16; down: out = [xrows / 2, ldo = H]
  *     fp32, each pair's parts summed. */
 bool cu_moe_wg_ok(const cu_backend *cb, mt_dtype dt, int H, int I);
 mt_status cu_moe_wg_maps(const mt_expert *ex, int count, int cap, void **dev, cudaStream_t s);
 mt_status cu_moe_wg_gemm(const void *wmaps, const int32_t *tiles, int ntiles, const void *x16, int64_t xrows, int K,
-                         void *out, int ldo, bool down, float L, cudaStream_t s);
+                         void *out, int ldo, bool down, float L, int sms, cudaStream_t s);
 
 /* cuda_dense.cu: programmatic dependent launch of kernel(*params) on s (see there), and whether it
  * is on (MT_CUDA_PDL). */
