@@ -38,10 +38,11 @@
 
 enum {
     WG_BK = 64,                              /* K a stage: one 128-byte swizzled row of bf16 */
+    WG_ROW = 2 * WG_BK,                      /* its bytes, the swizzle width */
     WG_BW = 128,                             /* weight rows a tile (2 warpgroups of 64) */
     WG_NMAX = 256,                           /* token rows a tile (wgmma N) */
     WG_NBOX = WG_NMAX / 32,                  /* x16 maps: boxes of 32, 64, .. 256 rows */
-    WG_STAGES = 4,
+    WG_STAGES = 4,                           /* 8 stages of 32 were slower (H200, session 11) */
     WG_A_BYTES = WG_BW * 2 * WG_BK,          /* 16 KB: [128 rows][64] */
     WG_B_BYTES = WG_NMAX * 2 * WG_BK,        /* 32 KB */
     WG_STAGE_BYTES = WG_A_BYTES + WG_B_BYTES,
@@ -81,7 +82,8 @@ static __device__ __forceinline__ void moe_wg_tile(uint8_t *sm, uint64_t *full, 
         for (int i = 0; i < N / 2; i++) cu_wg_reg_fence(d[i]);
         cu_wg_fence();
 #pragma unroll
-        for (int k = 0; k < WG_BK / 16; k++) cu_wgmma_bf16<N>(d, cu_wg_desc(a + 32 * k), cu_wg_desc(b + 32 * k));
+        for (int k = 0; k < WG_BK / 16; k++)
+            cu_wgmma_bf16<N>(d, cu_wg_desc<WG_ROW>(a + 32 * k), cu_wg_desc<WG_ROW>(b + 32 * k));
         cu_wg_commit();
 #pragma unroll
         for (int i = 0; i < N / 2; i++) cu_wg_reg_fence(d[i]);

@@ -66,12 +66,15 @@ static __device__ __forceinline__ void cu_tma_load_4d(void *dst, const void *map
 }
 
 /* ---- warpgroup MMA ---- */
-/* Descriptor of a K-major, 128-byte-swizzled operand starting at p (see the file comment):
- * start address >> 4 in bits 0-13, leading offset 1 (unused by this layout), stride 1024 bytes
- * between 8-row groups in bits 32-45, swizzle mode 1 (128 bytes) in bits 62-63. */
-static __device__ __forceinline__ uint64_t cu_wg_desc(const void *p) {
-    return (uint64_t)((cu_smem_addr(p) & 0x3FFFFu) >> 4) | (uint64_t)1 << 16 | (uint64_t)(1024 >> 4) << 32 |
-           (uint64_t)1 << 62;
+/* Descriptor of a K-major operand starting at p whose rows are ROW bytes (128, 64 or 32), swizzled
+ * at that width (the file comment's layout, for 128): start address >> 4 in bits 0-13, leading
+ * offset 1 (unused by these layouts), stride 8 ROW bytes between 8-row groups in bits 32-45,
+ * swizzle mode (1: 128 bytes, 2: 64, 3: 32) in bits 62-63. */
+template <int ROW> static __device__ __forceinline__ uint64_t cu_wg_desc(const void *p) {
+    static_assert(ROW == 128 || ROW == 64 || ROW == 32, "swizzle width");
+    constexpr uint64_t mode = ROW == 128 ? 1 : ROW == 64 ? 2 : 3;
+    return (uint64_t)((cu_smem_addr(p) & 0x3FFFFu) >> 4) | (uint64_t)1 << 16 | (uint64_t)(8 * ROW >> 4) << 32 |
+           mode << 62;
 }
 static __device__ __forceinline__ void cu_wg_fence(void) { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 static __device__ __forceinline__ void cu_wg_commit(void) {
