@@ -992,6 +992,27 @@ TEST_F(CudaMoe, ExpertsWgmmaMatchCpu) {
         worst.See(e, "gate/up exchanged");
         EXPECT_LE(e, MoeTol(MT_BF16, n)) << "gate/up exchanged";
     }
+    // Indices straight from the GPU router: the wgmma path then sorts them on the device without
+    // reading them back.
+    {
+        const int E = 64, k = 8, H = 256, I = 128, n = 300;
+        Experts ex = MakeExperts(MT_BF16, E, E, H, I);
+        const mt_router_params rp = {E, 1, 1, k, true, 2.5f};
+        std::vector<float> logits = Rand((size_t)n * E, -4.f, 4.f), bias = Rand(E, -0.1f, 0.1f);
+        std::vector<float> x = Rand((size_t)n * H), want = Rand((size_t)n * H);
+        float *gl = Put(gpu_, logits), *gb = Put(gpu_, bias), *gx = Put(gpu_, x), *go = Put(gpu_, want);
+        int32_t *gi = (int32_t *)gpu_->ops->alloc(gpu_, (size_t)n * k * sizeof(int32_t));
+        float *gw = (float *)gpu_->ops->alloc(gpu_, (size_t)n * k * sizeof(float));
+        gpu_->ops->moe_route(gpu_, gi, gw, gl, gb, &rp, n);
+        gpu_->ops->moe_experts(gpu_, go, gx, gi, gw, ex.gpu.data(), n, k, H, I, 10.f);
+        std::vector<int32_t> idx = Get(gpu_, gi, (size_t)n * k);
+        std::vector<float> wts = Get(gpu_, gw, (size_t)n * k);
+        cpu_->ops->moe_experts(cpu_, want.data(), x.data(), idx.data(), wts.data(), ex.cpu.data(), n, k, H, I, 10.f);
+        const double e = RelErr(Get(gpu_, go, want.size()), want);
+        worst.See(e, "routed n=300");
+        EXPECT_LE(e, MoeTol(MT_BF16, n)) << "routed n=300";
+        for (void *p : {(void *)gl, (void *)gb, (void *)gx, (void *)go, (void *)gi, (void *)gw}) Drop(gpu_, p);
+    }
     mt_backend_free(old);
 }
 

@@ -1060,84 +1060,6 @@ static mt_status moe_grouped_chunk_batched(mt_backend *be, const moe_table *t, f
     return moe_combine_launch(&cp, cb->stream);
 }
 
-/* The wgmma form of a chunk (cu_moe_wg_ok; cuda_moe_wg.cu): ci, start as for the batched form,
- * no padding. x's rows gathered in sorted order and split (X16 [2P, H], parts interleaved); one
- * launch gives h's parts (H16 [2P, I]) with swiglu applied, one gives down's sum per pair (D [P,
- * H], in X16's place), and the combine reads one row a pair. An expert's rows go in tiles of at
- * most 256 (as even as possible), each against every 64 columns of gate/up and 128 of down;
- * tiles in order of expert, then columns, then rows, so a weight tile's readers run together.
- * Staging (host, copied as one): the gate/up tiles, the down tiles (4 ints each), gather[P],
- * inv[P]. */
-enum { MOE_WG_ROWS = 256, MOE_WG_GU = 64, MOE_WG_DN = 128 };
-static mt_status moe_grouped_chunk_wg(mt_backend *be, const moe_table *tc, float *out, const float *x,
-                                      const int32_t *ci, const int32_t *start, const float *weights, int r0,
-                                      int r1, int top_k, int H, int I, float L) {
-    cu_backend *cb = (cu_backend *)be;
-    moe_table *t = (moe_table *)tc; /* its map cache is the table's own state */
-    const int P = (r1 - r0) * top_k, E = t->count;
-    mt_status st = MT_OK;
-    if (t->wg_count != t->count) {
-        if ((st = cu_moe_wg_maps(t->copy, t->count, t->cap, &t->wg_maps, cb->stream)) != MT_OK) return st;
-        t->wg_count = t->count;
-    }
-    int64_t chunks = 0; /* (expert, row tile) pairs */
-    for (int e = 0; e < E; e++) {
-        const int rows = 2 * (start[e + 1] - start[e]);
-        chunks += (rows + MOE_WG_ROWS - 1) / MOE_WG_ROWS;
-    }
-    const int64_t ngu = chunks * (I / MOE_WG_GU), ndn = chunks * (H / MOE_WG_DN);
-    MT_ASSERT(ngu + ndn <= INT_MAX / 4 && (int64_t)2 * P * H <= INT_MAX);
-    const size_t nI = sizeof(int32_t) * (4 * (size_t)(ngu + ndn) + 2 * (size_t)P);
-    int32_t *hs = (int32_t *)moe_host_bytes(cb->moe, nI + sizeof(int32_t) * (size_t)E);
-    if (!hs) return MT_ERR_NOMEM;
-    int32_t *tgu = hs, *tdn = tgu + 4 * ngu, *gather = tdn + 4 * ndn, *inv = gather + P, *pos = inv + P;
-    int32_t *wgu = tgu, *wdn = tdn;
-    for (int e = 0; e < E; e++) {
-        const int rows = 2 * (start[e + 1] - start[e]);
-        if (rows == 0) continue;
-        const int nch = (rows + MOE_WG_ROWS - 1) / MOE_WG_ROWS, per = 2 * ((rows / 2 + nch - 1) / nch);
-        const int ex = 2 * e + ((const char *)t->copy[e].up.data < (const char *)t->copy[e].gate.data);
-        for (int n0 = 0; n0 < I; n0 += MOE_WG_GU)
-            for (int r = 0; r < rows; r += per, wgu += 4) {
-                wgu[0] = ex, wgu[1] = n0, wgu[2] = 2 * start[e] + r, wgu[3] = rows - r < per ? rows - r : per;
-            }
-        for (int n0 = 0; n0 < H; n0 += MOE_WG_DN)
-            for (int r = 0; r < rows; r += per, wdn += 4) {
-                wdn[0] = ex, wdn[1] = n0, wdn[2] = 2 * start[e] + r, wdn[3] = rows - r < per ? rows - r : per;
-            }
-    }
-    MT_ASSERT(wgu == tdn && wdn == gather);
-    for (int e = 0; e < E; e++) pos[e] = start[e];
-    for (int q = 0; q < P; q++) { /* stable: pairs of one expert keep their order */
-        const int at = pos[ci[q]]++;
-        gather[at] = r0 + q / top_k;
-        inv[q] = at;
-    }
-
-    const size_t bX = align16(sizeof(uint16_t) * 2 * (size_t)P * H), bH = align16(sizeof(uint16_t) * 2 * (size_t)P * I);
-    char *scr = (char *)cu_scratch(be, CU_SCRATCH_DENSE, bX + bH + nI);
-    if (!scr) return MT_ERR_NOMEM;
-    uint16_t *X16 = (uint16_t *)scr, *H16 = (uint16_t *)(scr + bX);
-    float *D = (float *)scr; /* [P, H] fp32: X16's bytes, spent by then */
-    int32_t *dst = (int32_t *)(scr + bX + bH), *dgather = dst + 4 * (ngu + ndn), *dinv = dgather + P;
-    MT_CUDA_CHECK(cudaMemcpyAsync(dst, hs, nI, cudaMemcpyHostToDevice, cb->stream));
-    MT_CUDA_CHECK(cudaStreamSynchronize(cb->stream)); /* the staging is reused by the next chunk */
-    cu_prof_mark(be, "moe_experts (sort, staging)");
-
-    st = cu_split16(X16, x, dgather, P, H, MT_BF16, 2, true, cb->stream);
-    if (st == MT_OK)
-        st = cu_moe_wg_gemm(t->wg_maps, dst, (int)ngu, X16, 2 * (int64_t)P, H, H16, I, false, L, cb->n_sm,
-                            cb->stream);
-    if (st != MT_OK) return st;
-    cu_prof_mark(be, "moe_experts (gate/up GEMMs)");
-    st = cu_moe_wg_gemm(t->wg_maps, dst + 4 * ngu, (int)ndn, H16, 2 * (int64_t)P, I, D, H, true, L, cb->n_sm,
-                        cb->stream);
-    if (st != MT_OK) return st;
-    cu_prof_mark(be, "moe_experts (down GEMMs)");
-    moe_combine_params cp = {out + (int64_t)r0 * H, D, dinv, weights + (int64_t)r0 * top_k, r1 - r0, top_k, H, 1};
-    return moe_combine_launch(&cp, cb->stream);
-}
-
 /* Rows [r0, r1) of the grouped path; hidx = all of idx on the host; T: tensor-core parts of x
  * (cu_backend.tc_terms), 0 for the fp32 kernel. */
 static mt_status moe_grouped_chunk(mt_backend *be, const moe_table *t, float *out, const float *x,
@@ -1159,8 +1081,6 @@ static mt_status moe_grouped_chunk(mt_backend *be, const moe_table *t, float *ou
     const int32_t *ci = hidx + (int64_t)r0 * top_k;
     for (int q = 0; q < P; q++) start[ci[q] + 1]++;
     for (int e = 0; e < E; e++) start[e + 1] += start[e];
-    if (T == 2 && t->vec_ok && cu_moe_wg_ok(cb, dt, H, I))
-        return moe_grouped_chunk_wg(be, t, out, x, ci, start, weights, r0, r1, top_k, H, I, L);
     if (T > 0 && cb->moe_batched)
         return moe_grouped_chunk_batched(be, t, out, x, ci, start, weights, r0, r1, top_k, H, I, L, dt, T);
     int ntiles = 0;
@@ -1227,6 +1147,72 @@ static mt_status moe_grouped_chunk(mt_backend *be, const moe_table *t, float *ou
 
 /* cu_moe_experts, with the shared expert as one more slot of the GEMV kernels when `shared` is
  * not NULL (cu_moe_experts_shared has checked that this shape takes the GEMV path). */
+enum { MOE_WG_MAX_E = 1024 }; /* cu_moe_wg_plan's one block */
+
+/* The wgmma form (cu_moe_wg_ok; cuda_moe_wg.cu), planned on the device, so that indices from the
+ * router never cross to the host. Per chunk of rows: cu_moe_wg_plan sorts the pairs by expert and
+ * writes the tiles (an expert's rows in tiles of at most 256, as even as possible, each against
+ * every 64 columns of gate/up and 128 of down, in order of expert, then columns, then rows, so a
+ * weight tile's readers run together); x's rows gathered in sorted order and split (X16 [2P, H],
+ * parts interleaved); one launch gives h's parts (H16 [2P, I]) with swiglu applied, one gives
+ * down's sum per pair (D [P, H], in X16's place), and the combine reads one row a pair. */
+static mt_status moe_experts_wg(mt_backend *be, const moe_table *tc, float *out, const float *x, const int32_t *idx,
+                                const float *weights, int n, int top_k, int H, int I, float L) {
+    cu_backend *cb = (cu_backend *)be;
+    moe_table *t = (moe_table *)tc; /* its map cache is the table's own state */
+    mt_status st = MT_OK;
+    if (t->wg_count != t->count) {
+        if ((st = cu_moe_wg_maps(t->copy, t->count, t->cap, &t->wg_maps, cb->stream)) != MT_OK) return st;
+        t->wg_count = t->count;
+    }
+    const int E = t->count;
+    const size_t per_pair = sizeof(uint16_t) * 4 * ((size_t)H + I) + 2 * sizeof(int32_t);
+    const size_t fit = MOE_CHUNK_BYTES / (per_pair * (size_t)top_k);
+    const int rows = fit < 1 ? 1 : fit > (size_t)n ? n : (int)fit;
+    for (int r0 = 0; r0 < n && st == MT_OK; r0 += rows) {
+        const int r1 = r0 + rows < n ? r0 + rows : n, P = (r1 - r0) * top_k;
+        const size_t tg = cu_moe_wg_max_tiles(P, E, I, false), td = cu_moe_wg_max_tiles(P, E, H, true);
+        MT_ASSERT(tg + td <= (size_t)INT_MAX / 4 && (int64_t)2 * P * H <= INT_MAX);
+        const size_t bX = align16(sizeof(uint16_t) * 2 * (size_t)P * H), bH = align16(sizeof(uint16_t) * 2 * (size_t)P * I);
+        const size_t bG = align16(sizeof(int32_t) * (size_t)P), bT = 4 * sizeof(int32_t) * (tg + td);
+        char *scr = (char *)cu_scratch(be, CU_SCRATCH_DENSE, bX + bH + 2 * bG + bT + 16);
+        if (!scr) return MT_ERR_NOMEM;
+        uint16_t *X16 = (uint16_t *)scr, *H16 = (uint16_t *)(scr + bX);
+        float *D = (float *)scr; /* [P, H] fp32: X16's bytes, spent by then */
+        int32_t *gather = (int32_t *)(scr + bX + bH), *inv = (int32_t *)(scr + bX + bH + bG);
+        int32_t *tgu = (int32_t *)(scr + bX + bH + 2 * bG), *tdn = tgu + 4 * tg, *nt = tdn + 4 * td;
+        st = cu_moe_wg_plan(idx + (size_t)r0 * top_k, t->dev, P, top_k, E, r0, H, I, gather, inv, tgu, tdn, nt,
+                            cb->stream);
+        cu_prof_mark(be, "moe_experts (plan)");
+        if (st == MT_OK) st = cu_split16(X16, x, gather, P, H, MT_BF16, 2, true, cb->stream);
+        if (st == MT_OK)
+            st = cu_moe_wg_gemm(t->wg_maps, tgu, nt, (int)tg, X16, 2 * (int64_t)P, H, H16, I, false, L, cb->n_sm,
+                                cb->stream);
+        cu_prof_mark(be, "moe_experts (gate/up GEMMs)");
+        if (st == MT_OK)
+            st = cu_moe_wg_gemm(t->wg_maps, tdn, nt + 1, (int)td, H16, 2 * (int64_t)P, I, D, H, true, L, cb->n_sm,
+                                cb->stream);
+        cu_prof_mark(be, "moe_experts (down GEMMs)");
+        moe_combine_params cp = {out + (int64_t)r0 * H, D, inv, weights + (int64_t)r0 * top_k, r1 - r0, top_k, H, 1};
+        if (st == MT_OK) st = moe_combine_launch(&cp, cb->stream);
+    }
+    return st;
+}
+
+/* idx [P] read back into the host scratch (*hidx); *mx: its largest entry (each asserted >= 0). */
+static mt_status moe_read_idx(cu_backend *cb, const int32_t *idx, int P, int32_t **hidx, int *mx) {
+    if (!(*hidx = moe_host_ints(cb->moe, (size_t)P))) return MT_ERR_NOMEM;
+    MT_CUDA_(cudaMemcpyAsync(*hidx, idx, sizeof(int32_t) * (size_t)P, cudaMemcpyDeviceToHost, cb->stream),
+             "cudaMemcpyAsync(idx)", return mt_st_);
+    MT_CUDA_(cudaStreamSynchronize(cb->stream), "cudaStreamSynchronize(idx)", return mt_st_);
+    *mx = -1;
+    for (int q = 0; q < P; q++) {
+        MT_ASSERT((*hidx)[q] >= 0);
+        if ((*hidx)[q] > *mx) *mx = (*hidx)[q];
+    }
+    return MT_OK;
+}
+
 static void moe_experts_run(mt_backend *be, float *out, const float *x, const int32_t *idx, const float *weights,
                             const mt_expert *experts, const mt_expert *shared, int n, int top_k, int H, int I,
                             float L) {
@@ -1251,28 +1237,24 @@ static void moe_experts_run(mt_backend *be, float *out, const float *x, const in
     if (!cb->moe && !(cb->moe = (struct cu_moe_cache *)calloc(1, sizeof *cb->moe)))
         return cu_op_status(be, "moe_experts", MT_ERR_NOMEM);
 
-    /* How many table entries the indices can reach; read idx back when the router did not say. */
+    /* How many table entries the indices can reach; read idx back when the router did not say, or
+     * for the host-sorted paths (not the wgmma one, which sorts on the device). */
     const bool routed = cb->route_idx == idx && cb->route_len >= P;
+    const mt_dtype dt = experts[0].gate.dtype;
+    const bool wg = grouped && cu_moe_wg_ok(cb, dt, H, I);
     int32_t *hidx = NULL;
-    int need = routed ? cb->route_experts : 0;
-    if (grouped || !routed) {
-        if (!(hidx = moe_host_ints(cb->moe, (size_t)P)))
-            return cu_op_status(be, "moe_experts", MT_ERR_NOMEM);
-        MT_CUDA_(cudaMemcpyAsync(hidx, idx, sizeof(int32_t) * (size_t)P, cudaMemcpyDeviceToHost, cb->stream),
-                 "cudaMemcpyAsync(idx)", return cu_op_status(be, "moe_experts", mt_st_));
-        MT_CUDA_(cudaStreamSynchronize(cb->stream), "cudaStreamSynchronize(idx)",
-                 return cu_op_status(be, "moe_experts", mt_st_));
-        int mx = -1;
-        for (int q = 0; q < P; q++) {
-            MT_ASSERT(hidx[q] >= 0);
-            if (hidx[q] > mx) mx = hidx[q];
-        }
+    int need = routed ? cb->route_experts : 0, mx = -1;
+    if ((grouped && !(wg && routed)) || !routed) {
+        if ((st = moe_read_idx(cb, idx, P, &hidx, &mx)) != MT_OK) return cu_op_status(be, "moe_experts", st);
         if (!routed) need = mx + 1;
         MT_ASSERT(mx < need);
     }
     const moe_table *t = moe_table_get(cb, experts, need, H, I, &st);
     if (!t) return cu_op_status(be, "moe_experts", st);
-    const mt_dtype dt = experts[0].gate.dtype;
+    if (wg && t->vec_ok && t->count <= MOE_WG_MAX_E)
+        return cu_op_status(be, "moe_experts", moe_experts_wg(be, t, out, x, idx, weights, n, top_k, H, I, L));
+    if (grouped && !hidx && (st = moe_read_idx(cb, idx, P, &hidx, &mx)) != MT_OK)
+        return cu_op_status(be, "moe_experts", st);
 
     if (!grouped) {
         const int slots = top_k + (shared != NULL);

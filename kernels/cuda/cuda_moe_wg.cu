@@ -56,9 +56,9 @@ typedef struct moe_wg_xmaps {
 
 typedef struct moe_wg_params {
     const CUtensorMap *wmaps; /* [E][2] gate/up (4-D), down (64-row boxes): cu_moe_wg_maps */
-    const int4 *tiles;        /* [ntiles] (2 expert + swap, n0, row0, rows): rows even, <= WG_NMAX;
+    const int4 *tiles;        /* [*ntiles] (2 expert + swap, n0, row0, rows): rows even, <= WG_NMAX;
                                  swap: up lies below gate (the 4-D map's first matrix is up) */
-    int ntiles;
+    const int32_t *ntiles;    /* device: written by moe_wg_plan_kernel */
     void *out;
     int ldo;                  /* out's row stride: I (gate/up) or H (down) */
     int kblocks;              /* K / WG_BK */
@@ -133,7 +133,7 @@ static __global__ void __launch_bounds__(WG_THREADS, 1)
     extern __shared__ uint8_t wg_smem_raw[];
     uint8_t *sm = (uint8_t *)(((uintptr_t)wg_smem_raw + 1023) & ~(uintptr_t)1023);
     uint64_t *full = (uint64_t *)(sm + WG_STAGES * WG_STAGE_BYTES), *empty = full + WG_STAGES;
-    const int wg = threadIdx.x >> 7;
+    const int wg = threadIdx.x >> 7, ntiles = *p.ntiles;
     if (threadIdx.x == 0) {
         for (int s = 0; s < WG_STAGES; s++) {
             cu_mbar_init(&full[s], 1);
@@ -147,7 +147,7 @@ static __global__ void __launch_bounds__(WG_THREADS, 1)
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
         if (threadIdx.x != 0) return;
         int it = 0;
-        for (int ti = blockIdx.x; ti < p.ntiles; ti += gridDim.x) {
+        for (int ti = blockIdx.x; ti < ntiles; ti += gridDim.x) {
             const int4 tile = p.tiles[ti];
             const int e = tile.x >> 1, n0 = tile.y, row0 = tile.z, box = (tile.w + 31) / 32 - 1;
             const CUtensorMap *wmap = p.wmaps + 2 * e + p.down, *xmap = &xm.m[box];
@@ -170,7 +170,7 @@ static __global__ void __launch_bounds__(WG_THREADS, 1)
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
     const int c = wg - 1;
     int it = 0;
-    for (int ti = blockIdx.x; ti < p.ntiles; ti += gridDim.x) {
+    for (int ti = blockIdx.x; ti < ntiles; ti += gridDim.x) {
         const int4 tile = p.tiles[ti];
         switch (moe_wg_nt(tile.w)) {
 #define WG_CASE(k) \
@@ -181,6 +181,132 @@ static __global__ void __launch_bounds__(WG_THREADS, 1)
         default: break;
         }
     }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* The plan of a call, on the device (no host round trip): the pairs sorted by expert (stable,
+ * so each expert's pairs keep their order), and both tile lists. One block of 32 warps, each
+ * owning a stretch of the pairs in order: it counts its stretch per expert (shared atomics:
+ * order-free), thread e scans expert e's counts over the warps into each warp's first slot after
+ * the exclusive scans of the pairs and of the row chunks over the experts (an expert's 2c rows
+ * in ceil(2c / WG_NMAX) chunks, as even as possible); each warp then places its pairs (ranked
+ * among equal experts by a match, 32 at a step) and thread e writes expert e's tiles: gate/up at
+ * (chunk offset) * I / 64, in order of columns then chunk, down likewise at * H / 128; the
+ * experts' table gives each tile's swap bit. (One warp placing every pair took 0.6 ms at 32768
+ * pairs: a chain of dependent steps.) */
+enum { WG_PLAN_THREADS = 1024 };
+
+typedef struct moe_wg_plan_params {
+    const int32_t *idx;       /* [P] the expert of each (row, slot) pair */
+    const mt_expert *ex;      /* [E] device: which of gate and up lies lower (the tiles' swap) */
+    int P, top_k, E, r0, I, H;
+    int32_t *gather, *inv;    /* [P]: sorted slot -> row r0 + q / top_k; pair q -> sorted slot */
+    int4 *tgu, *tdn;          /* tiles (cu_moe_wg_gemm's format) */
+    int32_t *ntiles;          /* [2]: gate/up, down */
+} moe_wg_plan_params;
+
+/* Exclusive block-wide scan of v (both parts) over the 1024 threads; *total gets the sums. */
+static __device__ int2 wg_scan2(int2 v, int2 *total) {
+    __shared__ int2 ws[WG_PLAN_THREADS / 32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int2 inc = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int a = __shfl_up_sync(0xffffffffu, inc.x, o), b = __shfl_up_sync(0xffffffffu, inc.y, o);
+        if (lane >= o) inc.x += a, inc.y += b;
+    }
+    if (lane == 31) ws[warp] = inc;
+    __syncthreads();
+    if (warp == 0) {
+        int2 w = ws[lane], wi = w;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int a = __shfl_up_sync(0xffffffffu, wi.x, o), b = __shfl_up_sync(0xffffffffu, wi.y, o);
+            if (lane >= o) wi.x += a, wi.y += b;
+        }
+        ws[lane] = make_int2(wi.x - w.x, wi.y - w.y); /* exclusive */
+        if (lane == 31) *total = wi;
+    }
+    __syncthreads();
+    const int2 base = ws[warp];
+    return make_int2(base.x + inc.x - v.x, base.y + inc.y - v.y);
+}
+
+static __global__ void __launch_bounds__(WG_PLAN_THREADS) moe_wg_plan_kernel(moe_wg_plan_params p) {
+    extern __shared__ int wcnt[]; /* [32 warps][E]: each warp's count of an expert, then its cursor */
+    __shared__ int2 tot;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int seg = (p.P + 32 * 32 - 1) / (32 * 32) * 32; /* pairs a warp: its own stretch, in order */
+    const int q0 = warp * seg, q1 = min(q0 + seg, p.P);
+    for (int i = tid; i < 32 * p.E; i += WG_PLAN_THREADS) wcnt[i] = 0;
+    __syncthreads();
+    for (int q = q0 + lane; q < q1; q += 32) {
+        const int e = p.idx[q];
+        if ((unsigned)e < (unsigned)p.E) atomicAdd(&wcnt[warp * p.E + e], 1);
+    }
+    __syncthreads();
+    int c = 0;
+    if (tid < p.E)
+        for (int w = 0; w < 32; w++) c += wcnt[w * p.E + tid];
+    const int rows = 2 * c, nch = (rows + WG_NMAX - 1) / WG_NMAX;
+    const int2 ex = wg_scan2(make_int2(c, nch), &tot); /* first pair, first chunk of expert tid */
+    if (tid < p.E)
+        for (int w = 0, run = ex.x; w < 32; w++) { /* warp w's first slot for expert tid */
+            const int k = wcnt[w * p.E + tid];
+            wcnt[w * p.E + tid] = run;
+            run += k;
+        }
+    __syncthreads();
+    /* each warp places its pairs: pos = its cursor of the expert + rank among equal lanes */
+    int *cur = wcnt + warp * p.E;
+    for (int base = q0; base < q1; base += 32) {
+        const int q = base + lane, e = q < q1 ? p.idx[q] : -1;
+        const bool ok = (unsigned)e < (unsigned)p.E;
+        const unsigned same = __match_any_sync(0xffffffffu, ok ? e : -1);
+        const int rank = __popc(same & ((1u << lane) - 1u));
+        const int pos = ok ? cur[e] + rank : 0;
+        __syncwarp();
+        if (ok && rank == 0) cur[e] += __popc(same);
+        __syncwarp();
+        if (ok) p.gather[pos] = p.r0 + q / p.top_k;
+        if (q < q1) p.inv[q] = pos; /* an index outside [0, E) (never from the router) reads slot 0 */
+    }
+    if (nch > 0) {
+        const int per = 2 * ((c + nch - 1) / nch), row0 = 2 * ex.x, ng = p.I / (WG_BW / 2), nd = p.H / WG_BW;
+        const int ew = 2 * tid + ((const char *)p.ex[tid].up.data < (const char *)p.ex[tid].gate.data);
+        int4 *g = p.tgu + (size_t)ex.y * ng, *d = p.tdn + (size_t)ex.y * nd;
+        for (int n = 0; n < ng; n++)
+            for (int r = 0; r < rows; r += per) *g++ = make_int4(ew, n * (WG_BW / 2), row0 + r, min(per, rows - r));
+        for (int n = 0; n < nd; n++)
+            for (int r = 0; r < rows; r += per) *d++ = make_int4(ew, n * WG_BW, row0 + r, min(per, rows - r));
+    }
+    if (tid == 0) {
+        p.ntiles[0] = tot.y * (p.I / (WG_BW / 2));
+        p.ntiles[1] = tot.y * (p.H / WG_BW);
+    }
+}
+
+extern "C" size_t cu_moe_wg_max_tiles(int P, int E, int cols, bool down) {
+    return ((size_t)(2 * (size_t)P + WG_NMAX - 1) / WG_NMAX + (size_t)E) * (size_t)(cols / (down ? WG_BW : WG_BW / 2));
+}
+
+extern "C" mt_status cu_moe_wg_plan(const int32_t *idx, const mt_expert *ex, int P, int top_k, int E, int r0, int H,
+                                    int I, int32_t *gather, int32_t *inv, int32_t *tgu, int32_t *tdn, int32_t *ntiles,
+                                    cudaStream_t s) {
+    MT_ASSERT(E >= 1 && E <= WG_PLAN_THREADS && P >= 1);
+    const moe_wg_plan_params p = {idx, ex, P, top_k, E, r0, I, H, gather, inv, (int4 *)tgu, (int4 *)tdn, ntiles};
+    const size_t smem = sizeof(int) * 32 * (size_t)E;
+    static const bool attr = [] {
+        return cudaFuncSetAttribute(moe_wg_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)(sizeof(int) * 32 * WG_PLAN_THREADS)) == cudaSuccess;
+    }();
+    if (!attr) {
+        mt_log(MT_LOG_ERROR, "cuda backend: moe_experts: the plan kernel's shared memory refused");
+        return MT_ERR_BACKEND;
+    }
+    moe_wg_plan_kernel<<<1, WG_PLAN_THREADS, smem, s>>>(p);
+    MT_CUDA_CHECK_LAUNCH();
+    return MT_OK;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -271,10 +397,10 @@ extern "C" mt_status cu_moe_wg_maps(const mt_expert *ex, int count, int cap, voi
     return st;
 }
 
-extern "C" mt_status cu_moe_wg_gemm(const void *wmaps, const int32_t *tiles, int ntiles, const void *x16,
-                                    int64_t xrows, int K, void *out, int ldo, bool down, float L, int sms,
-                                    cudaStream_t s) {
-    if (ntiles == 0) return MT_OK;
+extern "C" mt_status cu_moe_wg_gemm(const void *wmaps, const int32_t *tiles, const int32_t *ntiles, int max_tiles,
+                                    const void *x16, int64_t xrows, int K, void *out, int ldo, bool down, float L,
+                                    int sms, cudaStream_t s) {
+    if (max_tiles == 0) return MT_OK;
     static const bool attr = [] {
         return cudaFuncSetAttribute(moe_wg_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, WG_SMEM) ==
                cudaSuccess;
@@ -292,7 +418,7 @@ extern "C" mt_status cu_moe_wg_gemm(const void *wmaps, const int32_t *tiles, int
         }
     const moe_wg_params p = {(const CUtensorMap *)wmaps, (const int4 *)tiles, ntiles, out, ldo, K / WG_BK,
                              down ? 1 : 0, L};
-    const int grid = ntiles < sms ? ntiles : sms;
+    const int grid = max_tiles < sms ? max_tiles : sms;
     moe_wg_kernel<<<(unsigned)grid, WG_THREADS, WG_SMEM, s>>>(xm, p);
     MT_CUDA_CHECK_LAUNCH();
     return MT_OK;
