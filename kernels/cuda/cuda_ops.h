@@ -4,6 +4,7 @@
  *   cuda_moe.cu       router, experts (GEMV, batched                    GEMV and GEMMs), norms, swiglu,
  *                     GEMMs)                                            sigmoid, l2norm, argmax, PDL
  *   cuda_moe_grouped.cu  experts grouped on the device   cuda_hc.cu     hyper-connections, head mean
+ *   cuda_moe_wg.cu    prefill experts on wgmma + TMA     cuda_wgmma.h   sm_90a wgmma/TMA/mbarrier helpers
  *   cuda_kda.cu       conv, gate, recurrent delta rule,  cuda_kda_chunk.cu  chunked delta rule
  *                     gated norm                                          (tensor cores)
  *   cuda_dsa.cu       pool keys, select, sparse MLA      cuda_rows.cu   rows-form conv, cache writes,
