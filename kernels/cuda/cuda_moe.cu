@@ -346,6 +346,7 @@ typedef struct moe_table {
     bool vec_ok;            /* every weight base 16-byte aligned */
     void *wg_maps;          /* [cap][2] device TMA maps of the wgmma path (cu_moe_wg_maps) */
     int wg_count;           /* experts wg_maps describes: == count when current */
+    bool wg_off;            /* making the maps failed: the batched path takes this table */
 } moe_table;
 
 struct cu_moe_cache {
@@ -450,6 +451,7 @@ static const moe_table *moe_table_get(cu_backend *cb, const mt_expert *experts, 
     memcpy(t->copy, experts, sizeof(mt_expert) * (size_t)need);
     t->count = 0;
     t->wg_count = 0;
+    t->wg_off = false;
     /* Stream-ordered after every queued kernel that reads the old table. */
     MT_CUDA_(cudaMemcpyAsync(t->dev, t->copy, sizeof(mt_expert) * (size_t)need, cudaMemcpyHostToDevice,
                              cb->stream),
@@ -1155,6 +1157,24 @@ static mt_status moe_grouped_chunk(mt_backend *be, const moe_table *t, float *ou
  * not NULL (cu_moe_experts_shared has checked that this shape takes the GEMV path). */
 enum { MOE_WG_MAX_E = 1024 }; /* cu_moe_wg_plan's one block */
 
+/* Whether the wgmma form can take table t: its weights 16-byte aligned, at most MOE_WG_MAX_E
+ * experts, and its TMA maps made (now, when stale). A failure to make them is logged once and
+ * leaves the table to the batched path until it changes. */
+static bool moe_wg_ready(cu_backend *cb, const moe_table *tc) {
+    moe_table *t = (moe_table *)tc; /* its map cache is the table's own state */
+    if (!t->vec_ok || t->count > MOE_WG_MAX_E || t->wg_off) return false;
+    if (t->wg_count != t->count) {
+        if (cu_moe_wg_maps(t->copy, t->count, t->cap, &t->wg_maps, cb->stream) != MT_OK) {
+            (void)cudaGetLastError();
+            mt_log(MT_LOG_WARN, "cuda backend: moe_experts: no TMA maps for these experts; batched GEMMs instead");
+            t->wg_off = true;
+            return false;
+        }
+        t->wg_count = t->count;
+    }
+    return true;
+}
+
 /* The wgmma form (cu_moe_wg_ok; cuda_moe_wg.cu), planned on the device, so that indices from the
  * router never cross to the host. Per chunk of rows: cu_moe_wg_plan sorts the pairs by expert and
  * writes the tiles (an expert's rows in tiles of at most 256, as even as possible, each against
@@ -1165,14 +1185,11 @@ enum { MOE_WG_MAX_E = 1024 }; /* cu_moe_wg_plan's one block */
 static mt_status moe_experts_wg(mt_backend *be, const moe_table *tc, float *out, const float *x, const int32_t *idx,
                                 const float *weights, int n, int top_k, int H, int I, float L) {
     cu_backend *cb = (cu_backend *)be;
-    moe_table *t = (moe_table *)tc; /* its map cache is the table's own state */
+    const moe_table *t = tc;
     mt_status st = MT_OK;
-    if (t->wg_count != t->count) {
-        if ((st = cu_moe_wg_maps(t->copy, t->count, t->cap, &t->wg_maps, cb->stream)) != MT_OK) return st;
-        t->wg_count = t->count;
-    }
     const int E = t->count;
-    const size_t per_pair = sizeof(uint16_t) * 4 * ((size_t)H + I) + 2 * sizeof(int32_t);
+    /* X16 (D in its place) and H16, gather and inv; the tile lists are small beside them */
+    const size_t per_pair = sizeof(uint16_t) * 2 * ((size_t)H + I) + 2 * sizeof(int32_t);
     const size_t fit = MOE_CHUNK_BYTES / (per_pair * (size_t)top_k);
     const int rows = fit < 1 ? 1 : fit > (size_t)n ? n : (int)fit;
     for (int r0 = 0; r0 < n && st == MT_OK; r0 += rows) {
@@ -1257,10 +1274,12 @@ static void moe_experts_run(mt_backend *be, float *out, const float *x, const in
     }
     const moe_table *t = moe_table_get(cb, experts, need, H, I, &st);
     if (!t) return cu_op_status(be, "moe_experts", st);
-    if (wg && t->vec_ok && t->count <= MOE_WG_MAX_E)
+    if (wg && moe_wg_ready(cb, t))
         return cu_op_status(be, "moe_experts", moe_experts_wg(be, t, out, x, idx, weights, n, top_k, H, I, L));
-    if (grouped && !hidx && (st = moe_read_idx(cb, idx, P, &hidx, &mx)) != MT_OK)
-        return cu_op_status(be, "moe_experts", st);
+    if (grouped && !hidx) { /* routed, but the wgmma form declined: the host sort needs idx */
+        if ((st = moe_read_idx(cb, idx, P, &hidx, &mx)) != MT_OK) return cu_op_status(be, "moe_experts", st);
+        MT_ASSERT(mx < need);
+    }
 
     if (!grouped) {
         const int slots = top_k + (shared != NULL);

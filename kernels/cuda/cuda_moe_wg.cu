@@ -30,6 +30,7 @@
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kernels/cuda/cuda_check.h"
@@ -280,6 +281,7 @@ static __global__ void __launch_bounds__(WG_PLAN_THREADS) moe_wg_plan_kernel(moe
         for (int n = 0; n < nd; n++)
             for (int r = 0; r < rows; r += per) *d++ = make_int4(ew, n * WG_BW, row0 + r, min(per, rows - r));
     }
+    for (int q = tot.x + tid; q < p.P; q += WG_PLAN_THREADS) p.gather[q] = p.r0; /* slots of invalid pairs */
     if (tid == 0) {
         p.ntiles[0] = tot.y * (p.I / (WG_BW / 2));
         p.ntiles[1] = tot.y * (p.H / WG_BW);
@@ -373,7 +375,8 @@ extern "C" bool cu_moe_wg_ok(const cu_backend *cb, mt_dtype dt, int H, int I) {
 }
 
 extern "C" mt_status cu_moe_wg_maps(const mt_expert *ex, int count, int cap, void **dev, cudaStream_t s) {
-    CUtensorMap *h = (CUtensorMap *)malloc(sizeof(CUtensorMap) * 2 * (size_t)count);
+    /* 64-byte aligned, as the encoder wants its map (malloc promises 16) */
+    CUtensorMap *h = (CUtensorMap *)aligned_alloc(128, sizeof(CUtensorMap) * 2 * (size_t)count);
     if (!h) return MT_ERR_NOMEM;
     for (int e = 0; e < count; e++)
         if (!wg_encode_gate_up(&h[2 * e], &ex[e]) ||
