@@ -850,6 +850,24 @@ class CudaMoe : public CudaOps {
         Drop(gpu_, gi);
         return e;
     }
+    // The same with indices from the CUDA backend's own router over `logits` [n, E] (so
+    // moe_experts may skip reading them back); the CPU then runs on the indices and weights it
+    // chose, read back.
+    static double RunRouted(const Experts &ex, const std::vector<float> &logits, int n, int k, int E, int H, int I) {
+        const mt_router_params rp = {E, 1, 1, k, true, 2.5f};
+        std::vector<float> bias = Rand(E, -0.1f, 0.1f), x = Rand((size_t)n * H), want = Rand((size_t)n * H);
+        float *gl = Put(gpu_, logits), *gb = Put(gpu_, bias), *gx = Put(gpu_, x), *go = Put(gpu_, want);
+        int32_t *gi = (int32_t *)gpu_->ops->alloc(gpu_, (size_t)n * k * sizeof(int32_t));
+        float *gw = (float *)gpu_->ops->alloc(gpu_, (size_t)n * k * sizeof(float));
+        gpu_->ops->moe_route(gpu_, gi, gw, gl, gb, &rp, n);
+        gpu_->ops->moe_experts(gpu_, go, gx, gi, gw, ex.gpu.data(), n, k, H, I, 10.f);
+        std::vector<int32_t> idx = Get(gpu_, gi, (size_t)n * k);
+        std::vector<float> wts = Get(gpu_, gw, (size_t)n * k);
+        cpu_->ops->moe_experts(cpu_, want.data(), x.data(), idx.data(), wts.data(), ex.cpu.data(), n, k, H, I, 10.f);
+        const double e = RelErr(Get(gpu_, go, want.size()), want);
+        for (void *p : {(void *)gl, (void *)gb, (void *)gx, (void *)go, (void *)gi, (void *)gw}) Drop(gpu_, p);
+        return e;
+    }
 };
 
 // The grouped (n > 8) path on bf16/fp16 experts runs on the tensor cores (cuda_moe.cu).
@@ -1001,21 +1019,9 @@ TEST_F(CudaMoe, ExpertsWgmmaMatchCpu) {
     {
         const int E = 64, k = 8, H = 256, I = 128, n = 300;
         Experts ex = MakeExperts(MT_BF16, E, E, H, I);
-        const mt_router_params rp = {E, 1, 1, k, true, 2.5f};
-        std::vector<float> logits = Rand((size_t)n * E, -4.f, 4.f), bias = Rand(E, -0.1f, 0.1f);
-        std::vector<float> x = Rand((size_t)n * H), want = Rand((size_t)n * H);
-        float *gl = Put(gpu_, logits), *gb = Put(gpu_, bias), *gx = Put(gpu_, x), *go = Put(gpu_, want);
-        int32_t *gi = (int32_t *)gpu_->ops->alloc(gpu_, (size_t)n * k * sizeof(int32_t));
-        float *gw = (float *)gpu_->ops->alloc(gpu_, (size_t)n * k * sizeof(float));
-        gpu_->ops->moe_route(gpu_, gi, gw, gl, gb, &rp, n);
-        gpu_->ops->moe_experts(gpu_, go, gx, gi, gw, ex.gpu.data(), n, k, H, I, 10.f);
-        std::vector<int32_t> idx = Get(gpu_, gi, (size_t)n * k);
-        std::vector<float> wts = Get(gpu_, gw, (size_t)n * k);
-        cpu_->ops->moe_experts(cpu_, want.data(), x.data(), idx.data(), wts.data(), ex.cpu.data(), n, k, H, I, 10.f);
-        const double e = RelErr(Get(gpu_, go, want.size()), want);
+        const double e = RunRouted(ex, Rand((size_t)n * E, -4.f, 4.f), n, k, E, H, I);
         worst.See(e, "routed n=300");
         EXPECT_LE(e, MoeTol(MT_BF16, n)) << "routed n=300";
-        for (void *p : {(void *)gl, (void *)gb, (void *)gx, (void *)go, (void *)gi, (void *)gw}) Drop(gpu_, p);
     }
     mt_backend_free(old);
 }
@@ -1032,27 +1038,16 @@ TEST_F(CudaMoe, ExpertsRealShapes) {
     }
     // Indices straight from the GPU router (moe_experts then skips reading them back), then the
     // same experts table with two entries swapped: the cached device copy must follow.
-    const mt_router_params rp = {E, 1, 1, k, true, 2.5f};
     for (int n : {1, 3, 12}) {
         for (int swap = 0; swap < 2; swap++) {
             if (swap) std::swap(ex.gpu[0], ex.gpu[287]), std::swap(ex.cpu[0], ex.cpu[287]);
-            std::vector<float> logits = Rand((size_t)n * E, -4.f, 4.f), bias = Rand(E, -0.1f, 0.1f);
+            std::vector<float> logits = Rand((size_t)n * E, -4.f, 4.f);
             // Make expert 0 and 287 likely picks.
             for (int i = 0; i < n; i++) logits[(size_t)i * E] = logits[(size_t)i * E + 287] = 8.f;
-            std::vector<float> x = Rand((size_t)n * H), want = Rand((size_t)n * H);
-            float *gl = Put(gpu_, logits), *gb = Put(gpu_, bias), *gx = Put(gpu_, x), *go = Put(gpu_, want);
-            int32_t *gi = (int32_t *)gpu_->ops->alloc(gpu_, (size_t)n * k * sizeof(int32_t));
-            float *gw = (float *)gpu_->ops->alloc(gpu_, (size_t)n * k * sizeof(float));
-            gpu_->ops->moe_route(gpu_, gi, gw, gl, gb, &rp, n);
-            gpu_->ops->moe_experts(gpu_, go, gx, gi, gw, ex.gpu.data(), n, k, H, I, 10.f);
-            std::vector<int32_t> idx = Get(gpu_, gi, (size_t)n * k);
-            std::vector<float> wts = Get(gpu_, gw, (size_t)n * k);
-            cpu_->ops->moe_experts(cpu_, want.data(), x.data(), idx.data(), wts.data(), ex.cpu.data(), n, k, H, I, 10.f);
-            const double e = RelErr(Get(gpu_, go, want.size()), want);
+            const double e = RunRouted(ex, logits, n, k, E, H, I);
             const std::string where = "routed " + Shape({{"n", n}, {"swap", swap}});
             worst.See(e, where);
             EXPECT_LE(e, MoeTol(MT_BF16, n)) << where;
-            for (void *p : {(void *)gl, (void *)gb, (void *)gx, (void *)go, (void *)gi, (void *)gw}) Drop(gpu_, p);
         }
     }
     // Decode timing: one row, 8 experts of 3 x 4096 x 2048 bf16.
