@@ -11,7 +11,7 @@
  *   D^T [128 weight rows, N token rows] = W[rows, K] . x16[rows, K]^T
  * the weight rows as wgmma's M (two consumer warpgroups of 64), the token rows as its N (a
  * multiple of 16 from 16 to 256, so an expert's rows need no padding beyond 16), K in stages of
- * 64 through a 4-deep ring of shared memory that a producer warp fills by TMA. Persistent: a CTA
+ * 64 through a 4-deep ring of shared memory that a producer thread fills by TMA. Persistent: a CTA
  * a multiprocessor walks the tiles (blockIdx.x, + gridDim.x, ...), and the ring runs on across
  * tiles, so the next tile's loads overlap this one's last MMAs and its epilogue, which works
  * from registers:
@@ -21,8 +21,10 @@
  *     map over (k, 8 rows, the two matrices, 8-row blocks) whose matrix stride is the distance
  *     from the lower of gate and up to the other (the tile's `swap` says which is first). It sums
  *     each pair's two parts (hi + lo, as moe_swiglu_split_kernel), applies swiglu and writes h's
- *     bf16 parts into out [2P, I]. (Sixteen 8-row 2-D boxes a stage instead made gate/up 1.5x
- *     slower on the H200.)
+ *     bf16 parts into out [2P, I]. (Measured on the H200, session 11: sixteen 8-row 2-D boxes a
+ *     stage instead made gate/up 1.5x slower; gate and up as two 2-D boxes would save ~1 ms of
+ *     the box's cost, but every handover of up to the gate warpgroup tried, through shared
+ *     memory or L2, made gate/up 1.1-1.25x slower.)
  *   down (down = 1): rows n0 .. n0+127 of down; each pair's hi + lo sum is written as one fp32
  *     row of out [P, H] (the combine then reads one row a pair).
  * Deterministic: fixed tiles, no atomics. */
