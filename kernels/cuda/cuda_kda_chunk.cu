@@ -33,6 +33,7 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/cuda_wgmma.h"
 
 enum {
     KDA_MAX_DK = 128, /* head dim bound (state slice on chip; the tensor-core form pads to it) */
@@ -534,36 +535,10 @@ static __device__ __forceinline__ void kc_prefetch_l2(const void *gmem) {
 static __device__ __forceinline__ void kc_cp_commit(void) { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 static __device__ __forceinline__ void kc_cp_wait_all(void) { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
-/* Bulk copies (the copy engine, cp.async.bulk) that complete on a shared-memory mbarrier. A
- * barrier's phase completes once its single arrival (kc_mbar_expect, with the phase's byte count)
- * is in and all those bytes have landed; bytes may land before the arrival (the count goes
- * negative meanwhile). */
-static __device__ __forceinline__ uint32_t kc_saddr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
-static __device__ __forceinline__ void kc_mbar_init(uint64_t *bar) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(kc_saddr(bar)) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-static __device__ __forceinline__ void kc_mbar_expect(uint64_t *bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(kc_saddr(bar)), "r"(bytes) : "memory");
-}
-static __device__ __forceinline__ void kc_mbar_wait(uint64_t *bar, uint32_t parity) {
-    asm volatile("{\n"
-                 ".reg .pred done;\n"
-                 "KC_WAIT:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-                 "@!done bra KC_WAIT;\n"
-                 "}\n" ::"r"(kc_saddr(bar)),
-                 "r"(parity)
-                 : "memory");
-}
-/* Bulk copy of `bytes` (a multiple of 16, both ends 16-byte aligned) completing on bar. The fence
- * orders this thread's earlier generic accesses of shared memory before the copy's writes. */
-static __device__ __forceinline__ void kc_bulk(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(kc_saddr(dst)),
-                 "l"(src), "r"(bytes), "r"(kc_saddr(bar))
-                 : "memory");
-}
+/* Bulk copies (the copy engine, cuda_wgmma.h's cu_bulk_load) complete on a shared-memory
+ * mbarrier of one arrival: a phase completes once that arrival (cu_mbar_arrive_tx, with the
+ * phase's byte count) is in and all those bytes have landed; bytes may land before the arrival
+ * (the count goes negative meanwhile). */
 
 /* ---- kc_intra_kernel ----
  * One block of 256 threads per item (chunk c of the segment, head h). Steps:
@@ -1002,18 +977,18 @@ static __device__ __forceinline__ void kc_prefetch_rec(const __nv_bfloat16 *rec,
  * 0, whose lane 0 also arrives on the set's barrier with the byte count. */
 template <int TERMS>
 static __device__ __forceinline__ void kc_load_set_a(__nv_bfloat16 *sb, const __nv_bfloat16 *rec, uint64_t *bar, int tid) {
-    if (tid == 0) kc_mbar_expect(bar, TERMS * KC_SETA_HI * 2);
-    if (tid < 2 * TERMS) kc_bulk(sb + KS_KXH + tid * KC_PLANE, rec + KC_KXH + tid * KC_PLANE, KC_PLANE * 2, bar);
+    if (tid == 0) cu_mbar_arrive_tx(bar, TERMS * KC_SETA_HI * 2);
+    if (tid < 2 * TERMS) cu_bulk_load(sb + KS_KXH + tid * KC_PLANE, rec + KC_KXH + tid * KC_PLANE, KC_PLANE * 2, bar);
 }
 
 template <int TERMS>
 static __device__ __forceinline__ void kc_load_set_b(__nv_bfloat16 *sb, const __nv_bfloat16 *rec, uint64_t *bar, int tid) {
     /* pieces: e^{G_L} with KL hi; Tb hi, B hi; (KL lo; Tb lo, B lo) */
-    if (tid == 0) kc_mbar_expect(bar, (TERMS > 1 ? KC_REC - KC_EGL : KC_SETB_HI) * 2);
+    if (tid == 0) cu_mbar_arrive_tx(bar, (TERMS > 1 ? KC_REC - KC_EGL : KC_SETB_HI) * 2);
     if (tid < 3 * TERMS) {
         const int a = tid == 0 ? KC_EGL : tid == 1 ? KC_TBH : tid == 2 ? KC_AQH : tid == 3 ? KC_KLL : tid == 4 ? KC_TBL : KC_AQL;
         const int b = tid == 0 ? KC_TBH : tid == 1 ? KC_AQH : tid == 2 ? KC_KLL : tid == 3 ? KC_TBL : tid == 4 ? KC_AQL : KC_REC;
-        kc_bulk(sb + a, rec + a, (b - a) * 2, bar);
+        cu_bulk_load(sb + a, rec + a, (b - a) * 2, bar);
     }
 }
 
@@ -1069,8 +1044,9 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_kernel(chunk_pa
     const int ncb = gridDim.x;
     uint64_t *barA = reinterpret_cast<uint64_t *>(sb + KS_BAR), *barB = barA + 1;
     if (tid == 0) {
-        kc_mbar_init(barA);
-        kc_mbar_init(barB);
+        cu_mbar_init(barA, 1);
+        cu_mbar_init(barB, 1);
+        cu_mbar_init_fence();
     }
     __syncthreads();
     kc_load_set_a<TERMS>(sb, rec0, barA, tid);
@@ -1090,7 +1066,7 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_kernel(chunk_pa
     for (int c = 0; c < p.nck; c++) {
         const int t0 = p.t0 + c * KDA_CHUNK, Lc = p.n - t0 < KDA_CHUNK ? p.n - t0 : KDA_CHUNK;
         const __nv_bfloat16 *rec = rec0 + (size_t)c * KC_REC;
-        kc_mbar_wait(barA, c & 1);
+        cu_mbar_wait(barA, c & 1);
         __syncthreads(); /* set A(c) and S0 in place; sets B and R free (P4 of c-1 is done) */
         kc_load_set_b<TERMS>(sb, rec, barB, tid);
         if (c + 2 < p.nck) kc_prefetch_rec<TERMS>(rec + 2 * KC_REC, blockIdx.x, ncb, tid);
@@ -1132,7 +1108,7 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_kernel(chunk_pa
                 *reinterpret_cast<uint32_t *>(sb + KS_RL + o) = lw;
             }
         if (c + 1 < p.nck) kc_load_v(p, vr, t0 + KDA_CHUNK, h, j0, rb, ch, g8, c4);
-        kc_mbar_wait(barB, c & 1);
+        cu_mbar_wait(barB, c & 1);
         __syncthreads(); /* set B(c) and R in place; set A is free */
         if (c + 1 < p.nck) kc_load_set_a<TERMS>(sb, rec + KC_REC, barA, tid);
 

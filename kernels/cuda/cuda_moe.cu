@@ -345,8 +345,8 @@ typedef struct moe_table {
     mt_expert *dev;         /* [cap] device copy */
     bool vec_ok;            /* every weight base 16-byte aligned */
     void *wg_maps;          /* [cap][2] device TMA maps of the wgmma path (cu_moe_wg_maps) */
-    int wg_count;           /* experts wg_maps describes: == count when current */
-    bool wg_off;            /* making the maps failed: the batched path takes this table */
+    int wg_state;           /* wg_maps: 0 not made for this content, 1 made, -1 making them failed
+                               (the batched path takes this table until it changes) */
 } moe_table;
 
 struct cu_moe_cache {
@@ -450,8 +450,7 @@ static const moe_table *moe_table_get(cu_backend *cb, const mt_expert *experts, 
     }
     memcpy(t->copy, experts, sizeof(mt_expert) * (size_t)need);
     t->count = 0;
-    t->wg_count = 0;
-    t->wg_off = false;
+    t->wg_state = 0;
     /* Stream-ordered after every queued kernel that reads the old table. */
     MT_CUDA_(cudaMemcpyAsync(t->dev, t->copy, sizeof(mt_expert) * (size_t)need, cudaMemcpyHostToDevice,
                              cb->stream),
@@ -1153,26 +1152,22 @@ static mt_status moe_grouped_chunk(mt_backend *be, const moe_table *t, float *ou
     return moe_combine_launch(&cp, cb->stream);
 }
 
-/* cu_moe_experts, with the shared expert as one more slot of the GEMV kernels when `shared` is
- * not NULL (cu_moe_experts_shared has checked that this shape takes the GEMV path). */
-enum { MOE_WG_MAX_E = 1024 }; /* cu_moe_wg_plan's one block */
-
-/* Whether the wgmma form can take table t: its weights 16-byte aligned, at most MOE_WG_MAX_E
+/* Whether the wgmma form can take table t: its weights 16-byte aligned, at most CU_MOE_WG_MAX_E
  * experts, and its TMA maps made (now, when stale). A failure to make them is logged once and
  * leaves the table to the batched path until it changes. */
 static bool moe_wg_ready(cu_backend *cb, const moe_table *tc) {
     moe_table *t = (moe_table *)tc; /* its map cache is the table's own state */
-    if (!t->vec_ok || t->count > MOE_WG_MAX_E || t->wg_off) return false;
-    if (t->wg_count != t->count) {
+    if (!t->vec_ok || t->count > CU_MOE_WG_MAX_E) return false;
+    if (t->wg_state == 0) {
         if (cu_moe_wg_maps(t->copy, t->count, t->cap, &t->wg_maps, cb->stream) != MT_OK) {
             (void)cudaGetLastError();
             mt_log(MT_LOG_WARN, "cuda backend: moe_experts: no TMA maps for these experts; batched GEMMs instead");
-            t->wg_off = true;
-            return false;
+            t->wg_state = -1;
+        } else {
+            t->wg_state = 1;
         }
-        t->wg_count = t->count;
     }
-    return true;
+    return t->wg_state > 0;
 }
 
 /* The wgmma form (cu_moe_wg_ok; cuda_moe_wg.cu), planned on the device, so that indices from the
@@ -1182,10 +1177,9 @@ static bool moe_wg_ready(cu_backend *cb, const moe_table *tc) {
  * weight tile's readers run together); x's rows gathered in sorted order and split (X16 [2P, H],
  * parts interleaved); one launch gives h's parts (H16 [2P, I]) with swiglu applied, one gives
  * down's sum per pair (D [P, H], in X16's place), and the combine reads one row a pair. */
-static mt_status moe_experts_wg(mt_backend *be, const moe_table *tc, float *out, const float *x, const int32_t *idx,
+static mt_status moe_experts_wg(mt_backend *be, const moe_table *t, float *out, const float *x, const int32_t *idx,
                                 const float *weights, int n, int top_k, int H, int I, float L) {
     cu_backend *cb = (cu_backend *)be;
-    const moe_table *t = tc;
     mt_status st = MT_OK;
     const int E = t->count;
     /* X16 (D in its place) and H16, gather and inv; the tile lists are small beside them */
@@ -1236,6 +1230,8 @@ static mt_status moe_read_idx(cu_backend *cb, const int32_t *idx, int P, int32_t
     return MT_OK;
 }
 
+/* cu_moe_experts, with the shared expert as one more slot of the GEMV kernels when `shared` is
+ * not NULL (cu_moe_experts_shared has checked that this shape takes the GEMV path). */
 static void moe_experts_run(mt_backend *be, float *out, const float *x, const int32_t *idx, const float *weights,
                             const mt_expert *experts, const mt_expert *shared, int n, int top_k, int H, int I,
                             float L) {

@@ -41,7 +41,6 @@
 
 enum {
     WG_BK = 64,                              /* K a stage: one 128-byte swizzled row of bf16 */
-    WG_ROW = 2 * WG_BK,                      /* its bytes, the swizzle width */
     WG_BW = 128,                             /* weight rows a tile (2 warpgroups of 64) */
     WG_NMAX = 256,                           /* token rows a tile (wgmma N) */
     WG_NBOX = WG_NMAX / 32,                  /* x16 maps: boxes of 32, 64, .. 256 rows */
@@ -86,7 +85,7 @@ static __device__ __forceinline__ void moe_wg_tile(uint8_t *sm, uint64_t *full, 
         cu_wg_fence();
 #pragma unroll
         for (int k = 0; k < WG_BK / 16; k++)
-            cu_wgmma_bf16<N>(d, cu_wg_desc<WG_ROW>(a + 32 * k), cu_wg_desc<WG_ROW>(b + 32 * k));
+            cu_wgmma_bf16<N>(d, cu_wg_desc(a + 32 * k), cu_wg_desc(b + 32 * k));
         cu_wg_commit();
 #pragma unroll
         for (int i = 0; i < N / 2; i++) cu_wg_reg_fence(d[i]);
@@ -197,7 +196,7 @@ static __global__ void __launch_bounds__(WG_THREADS, 1)
  * (chunk offset) * I / 64, in order of columns then chunk, down likewise at * H / 128; the
  * experts' table gives each tile's swap bit. (One warp placing every pair took 0.6 ms at 32768
  * pairs: a chain of dependent steps.) */
-enum { WG_PLAN_THREADS = 1024 };
+enum { WG_PLAN_THREADS = CU_MOE_WG_MAX_E }; /* a thread an expert */
 
 typedef struct moe_wg_plan_params {
     const int32_t *idx;       /* [P] the expert of each (row, slot) pair */

@@ -256,14 +256,15 @@ void cu_moe_check_experts(const mt_expert *ex, int count, int H, int I);
  *     (device, allocated for cap >= count experts when NULL, else reused: it holds cap * 2 maps);
  *     weights 16-byte aligned; synchronises s.
  *   cu_moe_wg_plan: one launch that sorts P (row, slot) pairs (idx [P] device, experts < E <=
- *     1024, ex the device table, rows from r0) by expert into gather/inv [P] and writes both tile
- *     lists (tgu, tdn: at most cu_moe_wg_max_tiles tiles of 4 ints, 16-byte aligned) and their
- *     lengths ntiles[2], all on the device.
+ *     CU_MOE_WG_MAX_E, its one block's threads; ex the device table; rows from r0) by expert
+ *     into gather/inv [P] and writes both tile lists (tgu, tdn: at most cu_moe_wg_max_tiles
+ *     tiles of 4 ints, 16-byte aligned) and their lengths ntiles[2], all on the device.
  *   cu_moe_wg_gemm: one persistent launch (a CTA on each of at most sms multiprocessors) over the
  *     *ntiles (device, <= max_tiles) tiles of `tiles` (2 expert + swap, n0, row0, rows; swap:
  *     the expert's up lies below its gate) of x16 [xrows, K]
  *     bf16 (pairs' hi/lo parts interleaved); down == false: gate/up with swiglu, out = h's parts
  *     [xrows, ldo = I] bf16; down: out = [xrows / 2, ldo = H] fp32, each pair's parts summed. */
+enum { CU_MOE_WG_MAX_E = 1024 };
 bool cu_moe_wg_ok(const cu_backend *cb, mt_dtype dt, int H, int I);
 mt_status cu_moe_wg_maps(const mt_expert *ex, int count, int cap, void **dev, cudaStream_t s);
 size_t cu_moe_wg_max_tiles(int P, int E, int cols, bool down);

@@ -1,7 +1,7 @@
-/* kernels/cuda/cuda_wgmma.h: Hopper (sm_90a) primitives for the tensor-core kernels that feed
- * the warpgroup MMA from TMA loads: mbarriers, 2-D tensor loads, shared-memory matrix
- * descriptors, and wgmma.mma_async for bf16 x bf16 -> fp32 with both operands in shared memory.
- * Owner: the CUDA backend (first user: cuda_moe_wg.cu).
+/* kernels/cuda/cuda_wgmma.h: Hopper (sm_90a) primitives for the kernels that fill shared memory
+ * with the copy engine and feed the warpgroup MMA: mbarriers, bulk and tensor (TMA) loads,
+ * shared-memory matrix descriptors, and wgmma.mma_async for bf16 x bf16 -> fp32 with both
+ * operands in shared memory. Owner: the CUDA backend (users: cuda_moe_wg.cu, cuda_kda_chunk.cu).
  *
  * Operand layout (the only one these helpers describe): a tile of rows x 64 bf16, K-major, as a
  * TMA box {64, rows} with CU_TENSOR_MAP_SWIZZLE_128B writes it: row r at byte 128 r, its 16-byte
@@ -47,6 +47,17 @@ static __device__ __forceinline__ void cu_mbar_wait(uint64_t *bar, unsigned pari
                  : "memory");
 }
 
+/* ---- bulk copy of `bytes` (a multiple of 16, both ends 16-byte aligned) from global memory,
+ * completing on bar. The fence orders this thread's earlier generic accesses of shared memory
+ * before the copy's writes. ---- */
+static __device__ __forceinline__ void cu_bulk_load(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                     cu_smem_addr(dst)),
+                 "l"(src), "r"(bytes), "r"(cu_smem_addr(bar))
+                 : "memory");
+}
+
 /* ---- TMA: box at (c0 = inner coordinate, c1 = row) of a 2-D tensor map into dst, completing
  * its bytes on bar. The map lives in global or parameter memory (generic address). ---- */
 static __device__ __forceinline__ void cu_tma_load_2d(void *dst, const void *map, uint64_t *bar, int c0, int c1) {
@@ -66,15 +77,12 @@ static __device__ __forceinline__ void cu_tma_load_4d(void *dst, const void *map
 }
 
 /* ---- warpgroup MMA ---- */
-/* Descriptor of a K-major operand starting at p whose rows are ROW bytes (128, 64 or 32), swizzled
- * at that width (the file comment's layout, for 128): start address >> 4 in bits 0-13, leading
- * offset 1 (unused by these layouts), stride 8 ROW bytes between 8-row groups in bits 32-45,
- * swizzle mode (1: 128 bytes, 2: 64, 3: 32) in bits 62-63. */
-template <int ROW> static __device__ __forceinline__ uint64_t cu_wg_desc(const void *p) {
-    static_assert(ROW == 128 || ROW == 64 || ROW == 32, "swizzle width");
-    constexpr uint64_t mode = ROW == 128 ? 1 : ROW == 64 ? 2 : 3;
-    return (uint64_t)((cu_smem_addr(p) & 0x3FFFFu) >> 4) | (uint64_t)1 << 16 | (uint64_t)(8 * ROW >> 4) << 32 |
-           mode << 62;
+/* Descriptor of a K-major, 128-byte-swizzled operand starting at p (see the file comment):
+ * start address >> 4 in bits 0-13, leading offset 1 (unused by this layout), stride 1024 bytes
+ * between 8-row groups in bits 32-45, swizzle mode 1 (128 bytes) in bits 62-63. */
+static __device__ __forceinline__ uint64_t cu_wg_desc(const void *p) {
+    return (uint64_t)((cu_smem_addr(p) & 0x3FFFFu) >> 4) | (uint64_t)1 << 16 | (uint64_t)(1024 >> 4) << 32 |
+           (uint64_t)1 << 62;
 }
 static __device__ __forceinline__ void cu_wg_fence(void) { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 static __device__ __forceinline__ void cu_wg_commit(void) {
