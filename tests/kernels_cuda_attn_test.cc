@@ -298,9 +298,59 @@ TEST_F(CudaAttn, KdaGatesMatchCpuComposition) {
         }
 }
 
-// The real model's heads (64 of 128); decode carries the state over several calls.
+// The real model's heads (64 of 128); decode carries the state over several calls. Decode of
+// 320 and 2048 heads (5 and 32 sequences' worth) takes the ring kernel (two items or more a
+// multiprocessor), 64 the per-block one.
 TEST_F(CudaAttn, KdaRecurrentRealShapes) {
     for (int n : {1, 63, 200}) CheckDelta(false, n, 64, 128, 1.f, n == 1 ? 3 : 1);
+    CheckDelta(false, 1, 320, 128, 1.f, 3);
+    CheckDelta(false, 1, 2048, 128, 1.f, 2);
+}
+
+// kda_recurrent_rows: each row one step on its own state (pointer table on the GPU) against the
+// CPU's kda_recurrent with n = 1 per row, over consecutive steps so the states carry. 1 and 3
+// rows of 64 heads take the per-block decode kernel, 5 and 33 the ring kernel; dk = 64 and 100
+// (rows of 400 bytes) the ring kernel's other head sizes.
+TEST_F(CudaAttn, KdaRecurrentRowsMatchCpu) {
+    ASSERT_TRUE(gpu_->ops->kda_recurrent_rows);
+    struct Shape { int n, nh, dk; };
+    for (Shape sh : {Shape{1, 64, 128}, Shape{3, 64, 128}, Shape{5, 64, 128}, Shape{33, 64, 128},
+                     Shape{9, 40, 64}, Shape{7, 45, 100}}) {
+        const int n = sh.n, nh = sh.nh, dk = sh.dk;
+        const size_t per = (size_t)nh * dk * dk;
+        std::vector<std::vector<float>> st_cpu(n);
+        std::vector<std::unique_ptr<Buf<float>>> st_gpu;
+        std::vector<float *> tab;
+        for (int r = 0; r < n; r++) {
+            st_cpu[r] = Rand(per, 0.1f);
+            st_gpu.push_back(std::make_unique<Buf<float>>(gpu_, st_cpu[r]));
+            tab.push_back(st_gpu.back()->get());
+        }
+        Buf<float *> dtab(gpu_, tab);
+        for (int step = 0; step < 2; step++) {
+            DeltaIn in = MakeDelta(n, nh, dk, 1.f);
+            const size_t T = (size_t)n * nh * dk;
+            std::vector<float> o_cpu(T);
+            for (int r = 0; r < n; r++) {
+                const size_t at = (size_t)r * nh * dk;
+                cpu_->ops->kda_recurrent(cpu_, o_cpu.data() + at, in.q.data() + at, in.k.data() + at,
+                                         in.v.data() + at, in.g.data() + at, in.beta.data() + (size_t)r * nh,
+                                         st_cpu[r].data(), 1, nh, dk);
+            }
+            Buf<float> q(gpu_, in.q), k(gpu_, in.k), v(gpu_, in.v), g(gpu_, in.g), beta(gpu_, in.beta);
+            Buf<float> o(gpu_, Rand(T));
+            gpu_->ops->kda_recurrent_rows(gpu_, o.get(), q.get(), k.get(), v.get(), g.get(), beta.get(), dtab.get(),
+                                          n, nh, dk);
+            gpu_->ops->sync(gpu_);
+            const double eo = RelErr(o.Get(), o_cpu);
+            double es = 0;
+            for (int r = 0; r < n; r++) es = std::max(es, RelErr(st_gpu[r]->Get(), st_cpu[r]));
+            std::printf("[kda_recurrent_rows] n=%d nh=%d dk=%d step %d: o rel %.2e, worst state rel %.2e\n", n, nh,
+                        dk, step, eo, es);
+            EXPECT_LE(eo, kRelTol) << "o, n=" << n << " nh=" << nh << " dk=" << dk << " step " << step;
+            EXPECT_LE(es, kRelTol) << "states, n=" << n << " nh=" << nh << " dk=" << dk << " step " << step;
+        }
+    }
 }
 
 TEST_F(CudaAttn, KdaRecurrentSmallShapes) {
@@ -311,6 +361,10 @@ TEST_F(CudaAttn, KdaRecurrentSmallShapes) {
     CheckDelta(false, 1, 2, 48, 0.2f, 2);
     CheckDelta(false, 1, 5, 100, 1.f, 3);
     CheckDelta(false, 1, 2, 50, 1.f, 2);
+    // enough heads for the ring kernel: small, odd-sized and non-power-of-two heads
+    CheckDelta(false, 1, 600, 16, 4.f, 2);
+    CheckDelta(false, 1, 300, 100, 1.f, 2);
+    CheckDelta(false, 1, 270, 48, 0.2f, 2);
 }
 
 // kda_chunked runs on the tensor cores by default (two-part bf16 operands, cuda_kda_chunk.cu).
