@@ -299,8 +299,7 @@ TEST_F(CudaAttn, KdaGatesMatchCpuComposition) {
 }
 
 // The real model's heads (64 of 128); decode carries the state over several calls. Decode of
-// 320 and 2048 heads (5 and 32 sequences' worth) takes the ring kernel (two items or more a
-// multiprocessor), 64 the per-block one.
+// 320 and 2048 heads (5 and 32 sequences' worth) runs the decode kernel in several waves.
 TEST_F(CudaAttn, KdaRecurrentRealShapes) {
     for (int n : {1, 63, 200}) CheckDelta(false, n, 64, 128, 1.f, n == 1 ? 3 : 1);
     CheckDelta(false, 1, 320, 128, 1.f, 3);
@@ -308,9 +307,9 @@ TEST_F(CudaAttn, KdaRecurrentRealShapes) {
 }
 
 // kda_recurrent_rows: each row one step on its own state (pointer table on the GPU) against the
-// CPU's kda_recurrent with n = 1 per row, over consecutive steps so the states carry. 1 and 3
-// rows of 64 heads take the per-block decode kernel, 5 and 33 the ring kernel; dk = 64 and 100
-// (rows of 400 bytes) the ring kernel's other head sizes.
+// CPU's kda_recurrent with n = 1 per row, over consecutive steps so the states carry: 1 to 33
+// rows of the real heads (up to 17 waves of the decode kernel), and dk = 64 and 100 (one and two
+// value-column blocks, the second partial).
 TEST_F(CudaAttn, KdaRecurrentRowsMatchCpu) {
     ASSERT_TRUE(gpu_->ops->kda_recurrent_rows);
     struct Shape { int n, nh, dk; };
@@ -361,7 +360,7 @@ TEST_F(CudaAttn, KdaRecurrentSmallShapes) {
     CheckDelta(false, 1, 2, 48, 0.2f, 2);
     CheckDelta(false, 1, 5, 100, 1.f, 3);
     CheckDelta(false, 1, 2, 50, 1.f, 2);
-    // enough heads for the ring kernel: small, odd-sized and non-power-of-two heads
+    // many heads (several waves) of small, odd-sized and non-power-of-two head dims
     CheckDelta(false, 1, 600, 16, 4.f, 2);
     CheckDelta(false, 1, 300, 100, 1.f, 2);
     CheckDelta(false, 1, 270, 48, 0.2f, 2);

@@ -15,7 +15,6 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_ops.h"
-#include "kernels/cuda/cuda_wgmma.h"
 
 enum {
     KDA_MAX_DK = 128, /* head dim bound of the recurrent kernels (state slice on chip) */
@@ -405,226 +404,28 @@ static __global__ void __launch_bounds__(DEC_THREADS, DEC_BLOCKS_PER_SM) kda_dec
             make_float4(wq.x + qk * d.x, wq.y + qk * d.y, wq.z + qk * d.z, wq.w + qk * d.w);
 }
 
-/* ---- decode over many heads: a ring of whole head states ----
- * kda_decode_kernel's blocks each load, reduce, then store, so a block has bytes in flight only
- * in its first phase; at B = 32 x 64 heads it moved the state at 87.8% of the copy bandwidth after
- * do_bench's memset flush, where a cudaMemcpy of the same bytes reached 92.9% (docs/bench/
- * 2026-11-30-h200-session11.md). Here one persistent block a multiprocessor streams: a producer
- * thread copies each item's state (the head's dk x dk fp32, contiguous) and its q, k, g, v rows
- * into the next stage of a DR_STAGES ring by bulk copies completing on the stage's mbarrier, up
- * to DR_STAGES - 1 items ahead of 16 consumer warps. Item = (row, head), in order of memory;
- * block b takes items b, b + grid, ... Consumer thread (warp w, lane) owns columns 4 lane.. of
- * rows w + 16 r (r < 8): a warp reads one whole 512-byte row of the stage per load. Per item:
- *   partial u, w, qk over its rows -> shared; barrier A (the stage is free: the producer refills
- *   it); warp 0 sums the 16 warps per column group in a fixed order, writes o and delta;
- *   barrier B; every thread updates its rows and stores them streaming (as kda_decode_kernel).
- * The state copies of a block's first items are issued before the programmatic wait (no kernel of
- * the step writes the state), q, k, g, v after it. Needs dk % 4 == 0 and 16-byte aligned state
- * rows, q, k, g, v, o (the launcher checks the bases; device allocations are 256-byte aligned).
- * Shared memory: DR_STAGES x (dk^2 + 4 dk) floats, 198 KB at dk = 128, plus 16.5 KB static. */
-enum {
-    DR_STAGES = 3,
-    DR_WARPS = 16,                            /* consumer warps; warp DR_WARPS is the producer */
-    DR_THREADS = (DR_WARPS + 1) * 32,
-    DR_ROWS = KDA_MAX_DK / DR_WARPS,          /* rows per consumer thread: 8 */
-    DR_BAR = 1,                               /* named barrier of the 512 consumer threads */
-};
-
-static __device__ __forceinline__ void dr_consumer_sync(void) {
-    asm volatile("bar.sync %0, %1;" ::"r"((int)DR_BAR), "r"((int)DR_WARPS * 32) : "memory");
-}
-
-/* Item `it`'s row and head, its state and the offset of its input rows. */
-struct dr_item {
-    float *S;
-    size_t off;
-};
-static __device__ __forceinline__ dr_item dr_locate(const delta_params &p, int it) {
-    const int row = p.states ? it / p.nh : 0, h = it - row * p.nh;
-    float *base = p.states ? p.states[row] : p.state;
-    return dr_item{base + (size_t)h * p.dk * p.dk, ((size_t)row * p.nh + h) * p.dk};
-}
-
-typedef struct dr_params {
-    delta_params p;
-    int nitems; /* (row, head) items: nh, or n * nh in the rows form */
-} dr_params;
-
-static __global__ void __launch_bounds__(DR_THREADS, 1) kda_decode_ring_kernel(dr_params dp) {
-    const delta_params &p = dp.p;
-    const int nitems = dp.nitems;
-    extern __shared__ float4 dr_smem[];
-    __shared__ uint64_t full[DR_STAGES], empty[DR_STAGES];
-    __shared__ float4 red_u[DR_WARPS][32], red_w[DR_WARPS][32], dsh[32];
-    __shared__ float red_qk[DR_WARPS];
-    const int dk = p.dk, tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
-    const int sst = dk * dk + 4 * dk; /* floats a stage: state, q, k, g, v */
-    float *ring = reinterpret_cast<float *>(dr_smem);
-    if (tid == 0) {
-        for (int s = 0; s < DR_STAGES; s++) {
-            cu_mbar_init(&full[s], 1);
-            cu_mbar_init(&empty[s], 1);
-        }
-        cu_mbar_init_fence();
-    }
-    __syncthreads();
-
-    if (w == DR_WARPS) { /* producer */
-        if (lane != 0) return;
-        const uint32_t sbytes = (uint32_t)dk * dk * 4, rbytes = (uint32_t)dk * 4;
-        int k = 0;
-        for (int it = blockIdx.x; it < nitems; it += gridDim.x, k++) {
-            const int s = k % DR_STAGES;
-            if (k >= DR_STAGES) cu_mbar_wait(&empty[s], (k / DR_STAGES - 1) & 1);
-            const dr_item x = dr_locate(p, it);
-            float *st = ring + (size_t)s * sst;
-            cu_mbar_arrive_tx(&full[s], sbytes + 4 * rbytes);
-            cu_bulk_load(st, x.S, sbytes, &full[s]);
-            /* the rows come from earlier kernels: the first items' after the wait */
-            if (k < DR_STAGES - 1 && it + (int)gridDim.x < nitems) continue;
-            if (k < DR_STAGES) {
-                cu_pdl_wait();
-                cu_pdl_trigger();
-                for (int k0 = 0, i0 = blockIdx.x; k0 <= k; k0++, i0 += gridDim.x) {
-                    const dr_item y = dr_locate(p, i0);
-                    float *sy = ring + (size_t)k0 * sst + (size_t)dk * dk;
-                    cu_bulk_load(sy, p.q + y.off, rbytes, &full[k0]);
-                    cu_bulk_load(sy + dk, p.k + y.off, rbytes, &full[k0]);
-                    cu_bulk_load(sy + 2 * dk, p.g + y.off, rbytes, &full[k0]);
-                    cu_bulk_load(sy + 3 * dk, p.v + y.off, rbytes, &full[k0]);
-                }
-                continue;
-            }
-            float *sy = st + (size_t)dk * dk;
-            cu_bulk_load(sy, p.q + x.off, rbytes, &full[s]);
-            cu_bulk_load(sy + dk, p.k + x.off, rbytes, &full[s]);
-            cu_bulk_load(sy + 2 * dk, p.g + x.off, rbytes, &full[s]);
-            cu_bulk_load(sy + 3 * dk, p.v + x.off, rbytes, &full[s]);
-        }
-        return;
-    }
-
-    /* consumers */
-    cu_pdl_wait(); /* beta comes from an earlier kernel */
-    cu_pdl_trigger();
-    const bool jok = 4 * lane < dk;
-    int k = 0;
-    for (int it = blockIdx.x; it < nitems; it += gridDim.x, k++) {
-        const int s = k % DR_STAGES;
-        const dr_item x = dr_locate(p, it);
-        const int bh = (int)(x.off / dk);
-        const float b = w == 0 ? p.beta[bh] : 0.f;
-        cu_mbar_wait(&full[s], (k / DR_STAGES) & 1);
-        const float *st = ring + (size_t)s * sst, *qs = st + dk * dk, *ks = qs + dk, *gs = ks + dk;
-        const float4 v4 = w == 0 && jok ? reinterpret_cast<const float4 *>(gs + dk)[lane]
-                                        : make_float4(0.f, 0.f, 0.f, 0.f);
-        float4 sr[DR_ROWS], u = make_float4(0.f, 0.f, 0.f, 0.f), wq = u;
-        float kr[DR_ROWS], qk = 0.f;
-#pragma unroll
-        for (int r = 0; r < DR_ROWS; r++) {
-            const int i = w + DR_WARPS * r;
-            sr[r] = make_float4(0.f, 0.f, 0.f, 0.f);
-            kr[r] = 0.f;
-            if (i < dk) {
-                const float e = expf(gs[i]), kk = ks[i], qq = qs[i];
-                kr[r] = kk;
-                if (jok) {
-                    sr[r] = reinterpret_cast<const float4 *>(st + (size_t)i * dk)[lane];
-                    sr[r].x *= e; sr[r].y *= e; sr[r].z *= e; sr[r].w *= e;
-                }
-                u.x += kk * sr[r].x; u.y += kk * sr[r].y; u.z += kk * sr[r].z; u.w += kk * sr[r].w;
-                wq.x += qq * sr[r].x; wq.y += qq * sr[r].y; wq.z += qq * sr[r].z; wq.w += qq * sr[r].w;
-                qk += qq * kk;
-            }
-        }
-        red_u[w][lane] = u;
-        red_w[w][lane] = wq;
-        if (lane == 0) red_qk[w] = qk;
-        dr_consumer_sync(); /* A: partials written; every read of the stage done */
-        if (tid == 0) cu_mbar_arrive(&empty[s]);
-        if (w == 0) {
-            u = red_u[0][lane];
-            wq = red_w[0][lane];
-            qk = red_qk[0];
-#pragma unroll
-            for (int ww = 1; ww < DR_WARPS; ww++) { /* fixed order: deterministic */
-                const float4 a = red_u[ww][lane], c = red_w[ww][lane];
-                u.x += a.x; u.y += a.y; u.z += a.z; u.w += a.w;
-                wq.x += c.x; wq.y += c.y; wq.z += c.z; wq.w += c.w;
-                qk += red_qk[ww];
-            }
-            const float4 d = make_float4(b * (v4.x - u.x), b * (v4.y - u.y), b * (v4.z - u.z), b * (v4.w - u.w));
-            dsh[lane] = d;
-            if (jok)
-                *reinterpret_cast<float4 *>(p.o + x.off + 4 * lane) =
-                    make_float4(wq.x + qk * d.x, wq.y + qk * d.y, wq.z + qk * d.z, wq.w + qk * d.w);
-        }
-        dr_consumer_sync(); /* B: delta in dsh */
-        if (!jok) continue;
-        const float4 d = dsh[lane];
-        float4 *S = reinterpret_cast<float4 *>(x.S) + lane;
-#pragma unroll
-        for (int r = 0; r < DR_ROWS; r++) {
-            const int i = w + DR_WARPS * r;
-            if (i < dk) {
-                sr[r].x += kr[r] * d.x; sr[r].y += kr[r] * d.y; sr[r].z += kr[r] * d.z; sr[r].w += kr[r] * d.w;
-                __stcs(S + (size_t)i * (dk >> 2), sr[r]);
-            }
-        }
-    }
-}
-
-/* MT_CUDA_KDA_DECODE picks the n == 1 / rows-form kernel: 0 forces kda_recurrent_kernel (read
- * once), 1 kda_decode_kernel everywhere; unset (2), kda_decode_ring_kernel where it applies. */
-static int kda_decode_mode(void) {
+/* MT_CUDA_KDA_DECODE=0 forces kda_recurrent_kernel for n == 1 too (read once). */
+static bool kda_decode_enabled(void) {
     static int mode = -1;
     if (mode < 0) {
         const char *env = getenv("MT_CUDA_KDA_DECODE");
-        mode = env && (!strcmp(env, "0") || !strcmp(env, "1")) ? env[0] - '0' : 2;
+        mode = !(env && !strcmp(env, "0"));
     }
-    return mode;
-}
-
-/* Bytes of kda_decode_ring_kernel's dynamic shared memory at head dim dk. */
-static size_t dr_smem_bytes(int dk) { return (size_t)DR_STAGES * ((size_t)dk * dk + 4 * (size_t)dk) * sizeof(float); }
-
-/* Whether the ring kernel takes a decode of `nitems` (row, head) items: enough items for two a
- * multiprocessor (below that a block a head-half of kda_decode_kernel spreads wider), dk % 4 == 0
- * and 16-byte aligned bases (bulk copies). Opts in to its shared memory once. */
-static bool dr_applies(mt_backend *be, const delta_params *p, int64_t nitems) {
-    static int smem_ok = -1;
-    if (kda_decode_mode() != 2 || p->dk % 4 || nitems < 2 * (int64_t)cu_sms((cu_backend *)be)) return false;
-    if (!cu_aligned16(p->q) || !cu_aligned16(p->k) || !cu_aligned16(p->g) || !cu_aligned16(p->v) ||
-        !cu_aligned16(p->o) || (p->state && !cu_aligned16(p->state)))
-        return false;
-    if (smem_ok < 0)
-        smem_ok = cudaFuncSetAttribute(kda_decode_ring_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       (int)dr_smem_bytes(KDA_MAX_DK)) == cudaSuccess;
-    return smem_ok == 1;
+    return mode != 0;
 }
 
 /* Single sequence: n steps on state. Rows form (p->states): n rows, one step each on its own state,
  * laid out as n single steps (grid y or z = row); device allocations keep the states 16-byte
- * aligned, which the decode kernels need (checked for the single state only). */
+ * aligned, which the decode kernel needs (checked for the single state only). */
 static void kda_recurrent_launch(mt_backend *be, const delta_params *p) {
     const bool rows = p->states != NULL;
     const bool aligned =
         (((uintptr_t)(rows ? NULL : p->state) | (uintptr_t)p->v | (uintptr_t)p->o) & 15) == 0;
-    const char *op = rows ? "kda_recurrent_rows (decode)" : "kda_recurrent (decode)";
-    if ((p->n == 1 || rows) && p->dk % 4 == 0 && aligned && kda_decode_mode() != 0) {
-        const int64_t nitems = (int64_t)p->nh * (rows ? p->n : 1);
-        MT_ASSERT(nitems <= 0x7fffffff);
-        if (dr_applies(be, p, nitems)) {
-            const int64_t sms = cu_sms((cu_backend *)be), grid = nitems < sms ? nitems : sms;
-            cu_launch_pdl_k(kda_decode_ring_kernel, dim3((unsigned)grid), dim3(DR_THREADS), dr_smem_bytes(p->dk),
-                            cu_stream(be), dr_params{*p, (int)nitems});
-            cu_check_launch(be, op);
-            return;
-        }
+    if ((p->n == 1 || rows) && p->dk % 4 == 0 && aligned && kda_decode_enabled()) {
         const int64_t blocks = (int64_t)p->nh * ((p->dk + DEC_COLS - 1) / DEC_COLS);
         MT_ASSERT(blocks <= 0x7fffffff && (!rows || p->n <= 65535));
         cu_launch_pdl_k(kda_decode_kernel, dim3(dim3((unsigned)blocks, rows ? p->n : 1)), dim3(DEC_THREADS), 0, cu_stream(be), *p);
-        cu_check_launch(be, op);
+        cu_check_launch(be, rows ? "kda_recurrent_rows (decode)" : "kda_recurrent (decode)");
         return;
     }
     const dim3 grid(p->nh, (p->dk + REC_COLS - 1) / REC_COLS, rows ? p->n : 1);
