@@ -12,8 +12,9 @@
  * thread's registers). Launched for PDL (cuda_dense.cu's cu_launch_pdl), as is hc_post's float4 form.
  * Otherwise (prefill): the (2+S)S projection (hcm_kernel, tensor cores with X split in registers,
  * for a bf16 fn and the shapes it takes; else cu_matmul) and one block per row for the rms
- * factor, sigmoids, softmax, Sinkhorn and the collapse (hc_pre_rows_kernel, the row held in
- * registers, where S <= 4 and the shapes allow; else hc_pre_mix_kernel).
+ * factor, sigmoids and the collapse (hc_pre_rows_kernel, the row held in registers, where S <= 4
+ * and the shapes allow; comb's softmax and Sinkhorn then a thread a row, hc_comb_rows_kernel;
+ * else hc_pre_mix_kernel, all of it).
  * hc_post: one thread per (row, 4 consecutive d) when S <= 4 and H % 4 == 0 (float4 accesses),
  * else one thread per (row, d); hc_head one thread per (row, d). */
 #include <cooperative_groups.h>
@@ -99,8 +100,10 @@ static __device__ void hc_comb_warp(float *comb, const float *mc, float r, const
  * division; 8 an iteration instead of 32 divisions). IEEE reciprocals (__frcp_rn) kept the
  * 20-iteration chain at several microseconds on one thread. */
 enum { HC_REG_S = 4 };
-static __device__ void hc_comb_thread(float *comb, const float *mc, float r, const float *base2, float scale2,
-                                      int S, float hc_eps, int iters) {
+/* From the S x S logits (row-major, logit(a * S + b), all read before comb is written, so comb
+ * may be where they come from): softmax over each row, then the Sinkhorn. */
+template <typename F>
+static __device__ __forceinline__ void hc_comb_thread_f(float *comb, F logit, int S, float hc_eps, int iters) {
     float C[HC_REG_S][HC_REG_S];
 #pragma unroll
     for (int a = 0; a < HC_REG_S; a++) {
@@ -109,7 +112,7 @@ static __device__ void hc_comb_thread(float *comb, const float *mc, float r, con
         for (int b = 0; b < HC_REG_S; b++) {
             C[a][b] = 0.f;
             if (a < S && b < S) {
-                C[a][b] = hc_logit(mc[a * S + b], r, scale2, base2[a * S + b]);
+                C[a][b] = logit(a * S + b);
                 mx = fmaxf(mx, C[a][b]);
             }
         }
@@ -143,6 +146,12 @@ static __device__ void hc_comb_thread(float *comb, const float *mc, float r, con
 #pragma unroll
         for (int b = 0; b < HC_REG_S; b++)
             if (a < S && b < S) comb[a * S + b] = C[a][b];
+}
+
+/* comb of one row from its fn . X entries mc before the rms factor r (base2 = base + 2S). */
+static __device__ void hc_comb_thread(float *comb, const float *mc, float r, const float *base2, float scale2,
+                                      int S, float hc_eps, int iters) {
+    hc_comb_thread_f(comb, [&](int e) { return hc_logit(mc[e], r, scale2, base2[e]); }, S, hc_eps, iters);
 }
 
 /* One block per row. The S x S work is spread over the first S*S threads, one matrix element
@@ -293,8 +302,8 @@ static __global__ void __launch_bounds__(HCM_WARPS * 32) hcm_kernel(const hcm_pa
  * memory once (hc_pre_mix_kernel reads it twice and waits on its Sinkhorn: 0.29 ms a call at
  * 4096 x 4 x 4096 on the H200, ~0.9 TB/s). Thread t holds, for its column groups d4 = t + k * 256,
  * the float4 X[s][4 d4 ..] of every stream s; the sum of squares (double) goes over the block,
- * then every thread computes pre itself (it needs only m, r and base) and collapses its columns
- * while thread 0 runs the Sinkhorn (hc_comb_thread, as the decode kernels): no barrier waits on it. */
+ * then every thread computes pre itself (it needs only m, r and base) and collapses its columns;
+ * the first S*S threads write comb's logits, whose softmax and Sinkhorn hc_comb_rows_kernel runs. */
 enum { HCR_THREADS = 256, HCR_KPT = 4 /* column groups a thread: S*H <= 256 * 4 * 4 * 4 */ };
 static __global__ void __launch_bounds__(HCR_THREADS) hc_pre_rows_kernel(const hc_pre_params p) {
     __shared__ double red[32];
@@ -330,9 +339,8 @@ static __global__ void __launch_bounds__(HCR_THREADS) hc_pre_rows_kernel(const h
         pre[s] = s < S ? hc_pre_of(m[s], r, p.scale[0], p.base[s], p.hc_eps) : 0.f;
     if (tid < S)
         p.post[(int64_t)i * S + tid] = hc_post_of(m[S + tid], r, p.scale[1], p.base[S + tid]);
-    if (tid == 0)
-        hc_comb_thread(p.comb + (int64_t)i * S * S, m + 2 * S, r, p.base + 2 * S, p.scale[2], S, p.hc_eps,
-                       p.sinkhorn_iters);
+    if (tid < S * S) /* comb's logits; hc_comb_rows_kernel finishes comb */
+        p.comb[(int64_t)i * S * S + tid] = hc_logit(m[2 * S + tid], r, p.scale[2], p.base[2 * S + tid]);
     float4 *y = reinterpret_cast<float4 *>(p.y + (int64_t)i * p.H);
 #pragma unroll
     for (int k = 0; k < HCR_KPT; k++) {
@@ -348,6 +356,19 @@ static __global__ void __launch_bounds__(HCR_THREADS) hc_pre_rows_kernel(const h
             }
         y[tid + k * HCR_THREADS] = a;
     }
+}
+
+/* comb of every row from the logits hc_pre_rows_kernel left in it, in place: a thread a row. Apart
+ * from the rows kernel, whose blocks would otherwise each hold their multiprocessor slot through
+ * one thread's serial Sinkhorn: H200, the 8 calls of a 4096-token prefill, hc_pre 1.27-1.30 ms
+ * with the Sinkhorn in the rows kernel, 0.94 with none at all (timing only), 1.02-1.05 with this
+ * kernel after it (docs/bench/2026-11-30-h200-session12.md, calls 6-7). */
+enum { HCC_THREADS = 128 };
+static __global__ void __launch_bounds__(HCC_THREADS) hc_comb_rows_kernel(const hc_pre_params p) {
+    const int64_t i = (int64_t)blockIdx.x * HCC_THREADS + threadIdx.x;
+    if (i >= p.n) return;
+    float *c = p.comb + i * p.S * p.S;
+    hc_comb_thread_f(c, [&](int e) { return c[e]; }, p.S, p.hc_eps, p.sinkhorn_iters);
 }
 
 /* hcm_kernel takes a bf16 fn of at most 32 rows and S*H a multiple of 16 (whole k steps; rows of
@@ -374,8 +395,11 @@ static bool hc_pre_rows_ok(const hc_pre_params *p) {
 }
 
 static mt_status hc_pre_launch(const hc_pre_params *p, cudaStream_t s) {
-    if (hc_pre_rows_ok(p)) hc_pre_rows_kernel<<<(unsigned)p->n, HCR_THREADS, 0, s>>>(*p);
-    else hc_pre_mix_kernel<<<(unsigned)p->n, HC_MIX_THREADS, 0, s>>>(*p);
+    if (hc_pre_rows_ok(p)) {
+        hc_pre_rows_kernel<<<(unsigned)p->n, HCR_THREADS, 0, s>>>(*p);
+        MT_CUDA_CHECK_LAUNCH();
+        hc_comb_rows_kernel<<<(unsigned)((p->n + HCC_THREADS - 1) / HCC_THREADS), HCC_THREADS, 0, s>>>(*p);
+    } else hc_pre_mix_kernel<<<(unsigned)p->n, HC_MIX_THREADS, 0, s>>>(*p);
     MT_CUDA_CHECK_LAUNCH();
     return MT_OK;
 }

@@ -38,10 +38,17 @@ typedef struct conv_params {
  * from x or, before time 0, from the state; they slide through a register window. KT > 0: the
  * kernel size known at compile time (the model's 4), which takes the window's bounds tests out of
  * every step: with them the kernel was issue-bound (SM throughput 70%, DRAM 30% at 4096 x 8192 on
- * the H200: 177 us where the bytes take ~65; docs/bench/2026-11-29-h200-session9.md, call 13). */
+ * the H200: 177 us where the bytes take ~65; docs/bench/2026-11-29-h200-session9.md, call 13).
+ * The inputs are loaded CONV_BATCH steps at a time before any of their outputs is stored (x and
+ * out never alias: cu_conv1d_silu asserts it), so a thread has that many loads in flight rather
+ * than one: the 9 calls of a 4096-token prefill 0.98 -> 0.85 ms on the H200 (16 steps: 0.83;
+ * docs/bench/2026-11-30-h200-session12.md, call 7). */
+enum { CONV_BATCH = 8 };
 template <int KT> static __global__ void conv1d_silu_kernel(conv_params p) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= p.C) return;
+    const float *__restrict__ x = p.x;
+    float *__restrict__ out = p.out;
     const int K = KT > 0 ? KT : p.K;
     const int P = K - 1, ta = blockIdx.y * CONV_TSEG;
     const int tb = ta + CONV_TSEG < p.n ? ta + CONV_TSEG : p.n;
@@ -51,21 +58,28 @@ template <int KT> static __global__ void conv1d_silu_kernel(conv_params p) {
         wk[k] = k < K ? p.w[(size_t)c * K + k] : 0.f;
         const int pos = ta - P + k; /* hist[k] = input at time ta - P + k */
         hist[k] = 0.f;
-        if (k < P) hist[k] = pos < 0 ? p.state[(size_t)c * P + (pos + P)] : p.x[(size_t)pos * p.C + c];
+        if (k < P) hist[k] = pos < 0 ? p.state[(size_t)c * P + (pos + P)] : x[(size_t)pos * p.C + c];
     }
-    for (int t = ta; t < tb; t++) {
-        const float xv = p.x[(size_t)t * p.C + c];
-        float a = 0.f;
+    for (int t0 = ta; t0 < tb; t0 += CONV_BATCH) {
+        float xb[CONV_BATCH];
 #pragma unroll
-        for (int k = 0; k < CONV_MAX_K; k++) {
-            if (k < P) a += wk[k] * hist[k];
-            else if (k == P) a += wk[k] * xv;
-        }
-        p.out[(size_t)t * p.C + c] = a / (1.f + expf(-a));
+        for (int u = 0; u < CONV_BATCH; u++) xb[u] = t0 + u < tb ? x[(size_t)(t0 + u) * p.C + c] : 0.f;
 #pragma unroll
-        for (int k = 0; k < CONV_MAX_K - 1; k++) {
-            if (k < P - 1) hist[k] = hist[k + 1];
-            else if (k == P - 1) hist[k] = xv;
+        for (int u = 0; u < CONV_BATCH; u++) {
+            if (t0 + u >= tb) break;
+            const float xv = xb[u];
+            float a = 0.f;
+#pragma unroll
+            for (int k = 0; k < CONV_MAX_K; k++) {
+                if (k < P) a += wk[k] * hist[k];
+                else if (k == P) a += wk[k] * xv;
+            }
+            out[(size_t)(t0 + u) * p.C + c] = a / (1.f + expf(-a));
+#pragma unroll
+            for (int k = 0; k < CONV_MAX_K - 1; k++) {
+                if (k < P - 1) hist[k] = hist[k + 1];
+                else if (k == P - 1) hist[k] = xv;
+            }
         }
     }
 }
