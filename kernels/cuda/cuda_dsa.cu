@@ -434,7 +434,7 @@ typedef struct mla_dev_params {
      * gathered from the pages and split into bf16 hi, lo, in scratch */
     const __nv_bfloat16 *lat16; /* [t0+n, 2, kvl]: row r = (hi, lo) of position r's latent row */
     /* with the absorb/output through cuBLAS and one split: the attend writes its normalised
-     * output straight as the output GEMM's bf16 planes [2][nb * Hq][kvl] (no part, no merge) */
+     * output straight as the output GEMM's bf16 parts [nb * Hq][2 kvl] (no part, no merge) */
     __nv_bfloat16 *o16;
 } mla_dev_params;
 
@@ -1436,8 +1436,7 @@ static __global__ void __launch_bounds__(NW * 32, 1) mla_attend_tc_kernel(mla_de
         __syncthreads(); /* every warp's reads of corr_s for the last tile are done */
         if (tid % TPH == 0) corr_s[hs] = 1.f / l_run;
         __syncthreads();
-        const size_t plane = (size_t)p.nb * p.Hq * KVL;
-        __nv_bfloat16 *oh = p.o16 + ((size_t)i * p.Hq + h0) * KVL + c0, *ol = oh + plane;
+        __nv_bfloat16 *oh = p.o16 + ((size_t)i * p.Hq + h0) * 2 * KVL + c0, *ol = oh + KVL; /* (hi | lo) rows */
 #pragma unroll
         for (int mb = 0; mb < 2; mb++)
 #pragma unroll
@@ -1448,7 +1447,7 @@ static __global__ void __launch_bounds__(NW * 32, 1) mla_attend_tc_kernel(mla_de
                 for (int nb = 0; nb < 8; nb++) {
                     const int c = 8 * nb + 2 * q4;
                     cu_split_bf16x2(o[mb][nb][2 * hf] * inv, o[mb][nb][2 * hf + 1] * inv,
-                                (uint32_t *)(oh + (size_t)hh * KVL + c), (uint32_t *)(ol + (size_t)hh * KVL + c));
+                                (uint32_t *)(oh + (size_t)hh * 2 * KVL + c), (uint32_t *)(ol + (size_t)hh * 2 * KVL + c));
                 }
             }
         return;
@@ -1475,47 +1474,84 @@ static __global__ void __launch_bounds__(NW * 32, 1) mla_attend_tc_kernel(mla_de
  * C_h[M, N] = A_h[M, K] B_h:
  *   absorb  qa[i, h, :] = q[i, h, :] W_k[h]        A = q (rows i), B = W_k[h] [K = dn][N = kvl]
  *   output  out[i, h, :] = ol[i, h, :] W_v[h]^T    A = ol (rows i), B = W_v[h] [N = dv][K = kvl]
- * through cuBLAS: A is fp32, split into bf16 hi and lo planes (cu_split16, blocked, in
- * CU_SCRATCH_GEMM; the bf16 weight is exact, so ~1e-5 relative as the attend), then per part one
- * strided-batched GEMM over the heads, the lo part accumulating (beta 1). It replaced a mma.sync
- * kernel of 64 x 64 tiles that converted A on the way in: 4096-token prefill of bench-4L on the
- * H200, absorb 1.33 -> 1.09 ms, output 1.29 -> 1.00 ms (docs/bench/2026-11-30-h200-session10.md).
+ * through cuBLAS: A is fp32, split into bf16 hi and lo parts (the bf16 weight is exact, so ~1e-5
+ * relative as the attend) laid side by side in each row, A16 [nb * Hq][2K] = (hi | lo), and the
+ * weight duplicated along K (W2, made once a call): one strided-batched GEMM over K' = 2K per
+ * head gives C = hi B + lo B with C written once. (Two GEMMs, the lo part accumulating with beta
+ * 1, wrote C, read it and wrote it again, and each ran its short K = 256 or 512 through its own
+ * prologue and epilogue.) It replaced a mma.sync kernel of 64 x 64 tiles that converted A on the
+ * way in: 4096-token prefill of bench-4L on the H200, absorb 1.33 -> 1.09 ms, output 1.29 ->
+ * 1.00 ms (docs/bench/2026-11-30-h200-session10.md) as two GEMMs.
  * The output's A is the merged, normalised latent output, split as it is merged
- * (mla_merge_split_kernel).
- * cuBLAS is column-major: row-major C_h [nb, N] (ldc) is C_h^T [N, nb]; A_h [nb, K] (lda) is
- * A_h^T [K, nb]; the absorb's W_k [K = dn, N = kvl] row-major is [N, K] column-major (op N), the
- * output's W_v [N = dv, K = kvl] is [K, N] (op T). */
-enum { MLAG_THREADS = 128 /* mla_merge_split_kernel */ };
+ * (mla_merge_split_kernel), or written so by the attend itself (p.o16).
+ * cuBLAS is column-major: row-major C_h [nb, N] (ldc) is C_h^T [N, nb]; A16_h [nb, 2K] (lda) is
+ * A16_h^T [2K, nb]; the absorb's W2_k [2 dn, kvl] row-major is [kvl, 2 dn] column-major (op N),
+ * the output's W2_v [dv, 2 kvl] is [2 kvl, dv] (op T). */
+enum { MLAG_THREADS = 128 /* mla_merge_split_kernel */, MLAD_THREADS = 256 /* mla_dup_kernel */ };
 
-/* The bf16 hi and lo planes of the GEMMs' A in CU_SCRATCH_GEMM: [2][nb * Hq][K], sized for the
- * larger of the two K so that the output's call does not grow (and synchronise) it again. */
-static __nv_bfloat16 *mla_a16(mt_backend *be, const mla_dev_params *b) {
-    const size_t k = (size_t)(b->dn > b->kvl ? b->dn : b->kvl);
-    return (__nv_bfloat16 *)cu_scratch(be, CU_SCRATCH_GEMM, 2 * (size_t)b->nb * b->Hq * k * sizeof(__nv_bfloat16));
+/* The GEMMs' operands in CU_SCRATCH_GEMM: a16 [nb_max * Hq][2 max(dn, kvl)] (sized for the larger
+ * K so that no pass grows, and synchronises, it again), then wk2 [Hq][2 dn][kvl] and
+ * wv2 [Hq][dv][2 kvl], each 256-byte aligned. */
+typedef struct mla_gemm_buf {
+    __nv_bfloat16 *a16, *wk2, *wv2;
+} mla_gemm_buf;
+
+static size_t mla_align256(size_t b) { return (b + 255) & ~(size_t)255; }
+
+/* W2 from kv_b (per head h: W_k rows [h (dn + dv), + dn), W_v the next dv), 8 bf16 a thread:
+ * e < Hq 2 dn kvl / 8 for wk2 (row k' of head h is W_k row k' mod dn), the rest for wv2 (row n of
+ * head h is W_v row n twice over). kvl % 8 == 0. */
+static __global__ void __launch_bounds__(MLAD_THREADS) mla_dup_kernel(mla_gemm_buf g, const __nv_bfloat16 *kv_b,
+                                                                     int Hq, int dn, int dv, int kvl) {
+    const int64_t e = (int64_t)blockIdx.x * MLAD_THREADS + threadIdx.x, nk = (int64_t)Hq * 2 * dn * kvl / 8;
+    const int64_t nv = (int64_t)Hq * dv * 2 * kvl / 8;
+    const int64_t hrows = (int64_t)(dn + dv);
+    if (e < nk) {
+        const int64_t x = 8 * e, h = x / (2 * (int64_t)dn * kvl), r = x - h * 2 * dn * kvl;
+        const int kr = (int)(r / kvl), c = (int)(r - (int64_t)kr * kvl);
+        *(uint4 *)(g.wk2 + x) = *(const uint4 *)(kv_b + (h * hrows + kr % dn) * kvl + c);
+    } else if (e < nk + nv) {
+        const int64_t x = 8 * (e - nk), h = x / ((int64_t)dv * 2 * kvl), r = x - h * dv * 2 * kvl;
+        const int n = (int)(r / (2 * kvl)), c = (int)(r - (int64_t)n * 2 * kvl);
+        *(uint4 *)(g.wv2 + x) = *(const uint4 *)(kv_b + (h * hrows + dn + n) * kvl + c % kvl);
+    }
 }
 
-/* C = (hi + lo) B per head, a16 = the planes [2][nb * Hq][K]. */
-static mt_status mla_gemm_blas(mt_backend *be, const mla_dev_params *b, bool output, const __nv_bfloat16 *a16) {
+/* Carves CU_SCRATCH_GEMM for passes of up to nb_max rows and makes W2 (once a call). */
+static mt_status mla_gemm_prep(mt_backend *be, const mla_dev_params *p, int nb_max, mla_gemm_buf *g) {
+    const size_t k = (size_t)(p->dn > p->kvl ? p->dn : p->kvl);
+    const size_t a_b = mla_align256(sizeof(__nv_bfloat16) * (size_t)nb_max * p->Hq * 2 * k);
+    const size_t wk_b = mla_align256(sizeof(__nv_bfloat16) * (size_t)p->Hq * 2 * p->dn * p->kvl);
+    const size_t wv_b = sizeof(__nv_bfloat16) * (size_t)p->Hq * p->dv * 2 * p->kvl;
+    char *buf = (char *)cu_scratch(be, CU_SCRATCH_GEMM, a_b + wk_b + wv_b);
+    if (!buf) return MT_ERR_NOMEM; /* logged */
+    *g = (mla_gemm_buf){(__nv_bfloat16 *)buf, (__nv_bfloat16 *)(buf + a_b), (__nv_bfloat16 *)(buf + a_b + wk_b)};
+    const int64_t items = ((int64_t)p->Hq * 2 * p->dn * p->kvl + (int64_t)p->Hq * p->dv * 2 * p->kvl) / 8;
+    mla_dup_kernel<<<(unsigned)((items + MLAD_THREADS - 1) / MLAD_THREADS), MLAD_THREADS, 0, cu_stream(be)>>>(
+        *g, (const __nv_bfloat16 *)p->kv_b, p->Hq, p->dn, p->dv, p->kvl);
+    MT_CUDA_CHECK_LAUNCH();
+    return MT_OK;
+}
+
+/* C = (hi + lo) B per head: one GEMM over K' = 2K (see above). */
+static mt_status mla_gemm_blas(mt_backend *be, const mla_dev_params *b, bool output, const mla_gemm_buf *g) {
     cu_backend *cb = (cu_backend *)be;
     const int nb = b->nb, Hq = b->Hq, K = output ? b->kvl : b->dn, N = output ? b->dv : b->kvl;
-    const size_t plane = (size_t)nb * Hq * K;
-    const __nv_bfloat16 *w = (const __nv_bfloat16 *)b->kv_b + (output ? (size_t)b->dn * b->kvl : 0);
-    const long long w_h = (long long)(b->dn + b->dv) * b->kvl;
+    const __nv_bfloat16 *w = output ? g->wv2 : g->wk2;
+    const int ldw = output ? 2 * b->kvl : b->kvl;
+    const long long w_h = 2LL * K * N; /* a head's W2 */
     float *c = output ? b->out : b->qa;
-    const float one = 1.f;
-    for (int t = 0; t < 2; t++) {
-        const float beta = t ? 1.f : 0.f;
-        MT_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
-            cb->blas, output ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, N, nb, K, &one, w, CUDA_R_16BF, b->kvl,
-            w_h, a16 + t * plane, CUDA_R_16BF, Hq * K, K, &beta, c, CUDA_R_32F, Hq * N, N, Hq,
-            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    }
+    const float one = 1.f, zero = 0.f;
+    MT_CUBLAS_CHECK(cublasGemmStridedBatchedEx(cb->blas, output ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, N, nb, 2 * K,
+                                               &one, w, CUDA_R_16BF, ldw, w_h, g->a16, CUDA_R_16BF, Hq * 2 * K, 2 * K,
+                                               &zero, c, CUDA_R_32F, Hq * N, N, Hq, CUBLAS_COMPUTE_32F,
+                                               CUBLAS_GEMM_DEFAULT));
     return MT_OK;
 }
 
 /* ol[i, h, :] = the splits of (row i, head h) merged and normalised, exactly as
- * mla_output_kernel merges them, written straight as the output GEMM's bf16 hi and lo planes
- * (a16 [2][nb * Hq][kvl]): no fp32 ol and no split pass over it. Block = (head h, row i); a
+ * mla_output_kernel merges them, written straight as the output GEMM's bf16 hi and lo parts
+ * (a16 [nb * Hq][2 kvl], (hi | lo) a row): no fp32 ol and no split pass over it. Block = (head h, row i); a
  * thread takes column pairs (8-byte loads of the partial sums: their rows are kvl + 2 floats;
  * kvl is 256 or 512 on this path). */
 static __global__ void __launch_bounds__(MLAG_THREADS) mla_merge_split_kernel(mla_dev_params p,
@@ -1527,8 +1563,7 @@ static __global__ void __launch_bounds__(MLAG_THREADS) mla_merge_split_kernel(ml
     for (int s = 0; s < ns; s++) M = fmaxf(M, pb[s * rs]);
     for (int s = 0; s < ns; s++) L += expf(pb[s * rs] - M) * pb[s * rs + 1];
     const float inv = 1.f / L;
-    const size_t o = ((size_t)i * p.Hq + h) * kvl, plane = (size_t)p.nb * p.Hq * kvl;
-    __nv_bfloat16 *hi = a16 + o, *lo = a16 + plane + o;
+    __nv_bfloat16 *hi = a16 + ((size_t)i * p.Hq + h) * 2 * kvl, *lo = hi + kvl;
     for (int c = 2 * threadIdx.x; c < kvl; c += 2 * MLAG_THREADS) {
         float a0 = 0.f, a1 = 0.f;
         for (int s = 0; s < ns; s++) {
@@ -1592,7 +1627,7 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
                     tc_smem <= lim;
     const bool wide = !tc && n > 1 && !force_old && shape32 && wide_smem <= lim;
     /* with it, the absorb and output through cuBLAS (mla_gemm_blas) when kv_b is bf16 */
-    const bool tcg = tc && p->kv_dtype == MT_BF16;
+    const bool tcg = tc && p->kv_dtype == MT_BF16 && cu_aligned16(p->kv_b); /* mla_dup_kernel's 16-byte loads */
     mla_plan(be, p, nb_max, rows_max, wide || tc); /* MLAT_HB == MLAW_HB: the same plan */
     /* scratch: [lat16 (tc only): (t0+n) * kvl floats of room] [qa] [part]; lat16 first keeps qa
      * and part where they were, 16-byte aligned */
@@ -1637,6 +1672,8 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
     }
     if ((st = dsa_smem_opt_in((const void *)mla_output_kernel, out_smem)) != MT_OK) return st;
 
+    mla_gemm_buf gb = {NULL, NULL, NULL};
+    if (tcg && (st = mla_gemm_prep(be, p, nb_max, &gb)) != MT_OK) return st;
     mla_dev_params b = *p;
     for (int b0 = 0; b0 < n; b0 += MLA_BATCH) {
         b.nb = n - b0 < MLA_BATCH ? n - b0 : MLA_BATCH;
@@ -1652,13 +1689,11 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
         /* one query row with a 16-bit kv_b: the vectorised decode kernels */
         const bool dec1 = b.nb == 1 && p->kvl % 256 == 0 && p->kvl <= 256 * ABS1_MAX_K && p->dn <= 1024 &&
                           (p->kv_dtype == MT_BF16 || p->kv_dtype == MT_F16) && cu_aligned16(p->kv_b);
-        __nv_bfloat16 *a16 = NULL;
         b.o16 = NULL;
         if (tcg) {
-            if (!(a16 = mla_a16(be, &b))) return MT_ERR_NOMEM;
-            if (p->nsplit == 1) b.o16 = a16; /* the attend writes the output GEMM's A itself */
-            if ((st = cu_split16(a16, b.q, NULL, (int64_t)b.nb * p->Hq, p->dn, MT_BF16, 2, false, cu_stream(be))) != MT_OK ||
-                (st = mla_gemm_blas(be, &b, false, a16)) != MT_OK)
+            if (p->nsplit == 1) b.o16 = gb.a16; /* the attend writes the output GEMM's A itself */
+            if ((st = cu_split16(gb.a16, b.q, NULL, (int64_t)b.nb * p->Hq, p->dn, MT_BF16, 2, true, cu_stream(be))) != MT_OK ||
+                (st = mla_gemm_blas(be, &b, false, &gb)) != MT_OK)
                 return st;
         } else if (dec1) {
             const dim3 g1(p->Hq, p->kvl / 256);
@@ -1678,10 +1713,10 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
         cu_check_launch(be, "mla_sparse (attend)");
         if (tcg) {
             if (!b.o16) {
-                mla_merge_split_kernel<<<dim3(p->Hq, b.nb), MLAG_THREADS, 0, cu_stream(be)>>>(b, a16);
+                mla_merge_split_kernel<<<dim3(p->Hq, b.nb), MLAG_THREADS, 0, cu_stream(be)>>>(b, gb.a16);
                 cu_check_launch(be, "mla_sparse (merge)");
             }
-            if ((st = mla_gemm_blas(be, &b, true, a16)) != MT_OK) return st;
+            if ((st = mla_gemm_blas(be, &b, true, &gb)) != MT_OK) return st;
         } else if (dec1) {
             const size_t o1 = sizeof(float) * ((size_t)p->kvl + MLA_MAX_SPLIT);
             const dim3 g1(p->Hq, (p->dv + OUT1_ROWS - 1) / OUT1_ROWS);
