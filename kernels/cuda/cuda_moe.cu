@@ -344,7 +344,7 @@ typedef struct moe_table {
     mt_expert *copy;        /* [cap] host copy of host[0, count), to revalidate */
     mt_expert *dev;         /* [cap] device copy */
     bool vec_ok;            /* every weight base 16-byte aligned */
-    void *wg_maps;          /* [cap][2] device TMA maps of the wgmma path (cu_moe_wg_maps) */
+    void *wg_maps;          /* [cap][3] device TMA maps of the wgmma path (cu_moe_wg_maps) */
     int wg_state;           /* wg_maps: 0 not made for this content, 1 made, -1 making them failed
                                (the batched path takes this table until it changes) */
 } moe_table;
@@ -1172,9 +1172,9 @@ static bool moe_wg_ready(cu_backend *cb, const moe_table *tc) {
 
 /* The wgmma form (cu_moe_wg_ok; cuda_moe_wg.cu), planned on the device, so that indices from the
  * router never cross to the host. Per chunk of rows: cu_moe_wg_plan sorts the pairs by expert and
- * writes the tiles (an expert's rows in tiles of at most 256, as even as possible, each against
- * every 64 columns of gate/up and 128 of down, in order of expert, then columns, then rows, so a
- * weight tile's readers run together); x's rows gathered in sorted order and split (X16 [2P, H],
+ * writes the tiles (an expert's rows in tiles of at most 128 for gate/up and 256 for down, as even
+ * as possible, each against every 128 columns of gate/up or down, in order of expert, then
+ * columns, then rows, so a weight tile's readers run together); x's rows gathered in sorted order and split (X16 [2P, H],
  * parts interleaved); one launch gives h's parts (H16 [2P, I]) with swiglu applied, one gives
  * down's sum per pair (D [P, H], in X16's place), and the combine reads one row a pair. */
 static mt_status moe_experts_wg(mt_backend *be, const moe_table *t, float *out, const float *x, const int32_t *idx,
@@ -1198,7 +1198,7 @@ static mt_status moe_experts_wg(mt_backend *be, const moe_table *t, float *out, 
         float *D = (float *)scr; /* [P, H] fp32: X16's bytes, spent by then */
         int32_t *gather = (int32_t *)(scr + bX + bH), *inv = (int32_t *)(scr + bX + bH + bG);
         int32_t *tgu = (int32_t *)(scr + bX + bH + 2 * bG), *tdn = tgu + 4 * tg, *nt = tdn + 4 * td;
-        st = cu_moe_wg_plan(idx + (size_t)r0 * top_k, t->dev, P, top_k, E, r0, H, I, gather, inv, tgu, tdn, nt,
+        st = cu_moe_wg_plan(idx + (size_t)r0 * top_k, P, top_k, E, r0, H, I, gather, inv, tgu, tdn, nt,
                             cb->stream);
         cu_prof_mark(be, "moe_experts (plan)");
         if (st == MT_OK) st = cu_split16(X16, x, gather, P, H, MT_BF16, 2, true, cb->stream);

@@ -7,26 +7,23 @@
  * lo at 2q + 1, the pairs sorted by expert, expert e's at [2 start[e], 2 start[e + 1])), so that
  * both parts of a pair meet in one thread's accumulators (adjacent columns below).
  *
- * A tile is (expert e, 128 weight rows from n0, up to 256 of e's x16 rows from row0):
- *   D^T [128 weight rows, N token rows] = W[rows, K] . x16[rows, K]^T
- * the weight rows as wgmma's M (two consumer warpgroups of 64), the token rows as its N (a
- * multiple of 16 from 16 to 256, so an expert's rows need no padding beyond 16), K in stages of
- * 64 through a 4-deep ring of shared memory that a producer thread fills by TMA. Persistent: a CTA
- * a multiprocessor walks the tiles (blockIdx.x, + gridDim.x, ...), and the ring runs on across
- * tiles, so the next tile's loads overlap this one's last MMAs and its epilogue, which works
- * from registers:
- *   gate/up (down = 0): warpgroup c covers output columns n0 + 32 c .. + 31; its rows 16 w .. 16 w
- *     + 7 are gate rows n0 + 32 c + 8 w .., rows 16 w + 8 .. the up rows of the same columns, so
- *     each thread holds gate and up of its columns. One TMA box a warpgroup loads them so: a 4-D
- *     map over (k, 8 rows, the two matrices, 8-row blocks) whose matrix stride is the distance
- *     from the lower of gate and up to the other (the tile's `swap` says which is first). It sums
- *     each pair's two parts (hi + lo, as moe_swiglu_split_kernel), applies swiglu and writes h's
- *     bf16 parts into out [2P, I]. (Measured on the H200, session 11: sixteen 8-row 2-D boxes a
- *     stage instead made gate/up 1.5x slower; gate and up as two 2-D boxes would save ~1 ms of
- *     the box's cost, but every handover of up to the gate warpgroup tried, through shared
- *     memory or L2, made gate/up 1.1-1.25x slower.)
- *   down (down = 1): rows n0 .. n0+127 of down; each pair's hi + lo sum is written as one fp32
- *     row of out [P, H] (the combine then reads one row a pair).
+ * A tile is (expert e, 128 output columns from n0, up to NMAX of e's x16 rows from row0):
+ *   D^T [rows of W, N token rows] = W[rows, K] . x16[rows, K]^T
+ * the weight rows as wgmma's M (each consumer warpgroup 64 output columns), the token rows as its
+ * N (a multiple of 16, so an expert's rows need no padding beyond 16), K in stages of 64 through a
+ * 4-deep ring of shared memory that a producer thread fills by TMA (2-D boxes of 64 weight rows,
+ * one box of token rows). Persistent: a CTA a multiprocessor walks the tiles (blockIdx.x,
+ * + gridDim.x, ...), and the ring runs on across tiles, so the next tile's loads overlap this
+ * one's last MMAs and its epilogue, which works from registers:
+ *   gate/up (down = 0; NMAX = 128): warpgroup c multiplies its 64 gate rows and its 64 up rows
+ *     (columns n0 + 64 c ..) into two accumulators, so each thread holds gate and up of the same
+ *     columns and pairs. It sums each pair's two parts (hi + lo, as moe_swiglu_split_kernel),
+ *     applies swiglu and writes h's bf16 parts into out [2P, I]. (Session 11 interleaved gate and
+ *     up rows in 8-row blocks through one 4-D TMA box into one accumulator, N <= 256; on the H200
+ *     the two accumulators made the 4096-token prefill's gate/up 13.24-13.26 -> 12.26-12.32 ms,
+ *     docs/bench/2026-11-30-h200-session12.md, call 10.)
+ *   down (down = 1; NMAX = 256): rows n0 .. n0+127 of down; each pair's hi + lo sum is written as
+ *     one fp32 row of out [P, H] (the combine then reads one row a pair).
  * Deterministic: fixed tiles, no atomics. */
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -41,25 +38,27 @@
 
 enum {
     WG_BK = 64,                              /* K a stage: one 128-byte swizzled row of bf16 */
-    WG_BW = 128,                             /* weight rows a tile (2 warpgroups of 64) */
-    WG_NMAX = 256,                           /* token rows a tile (wgmma N) */
+    WG_BW = 128,                             /* output rows a tile: 2 warpgroups of 64 */
+    WG_NMAX = 256,                           /* token rows a down tile (wgmma N) */
+    WG_NMAX_GU = 128,                        /* token rows a gate/up tile (two accumulators) */
     WG_NBOX = WG_NMAX / 32,                  /* x16 maps: boxes of 32, 64, .. 256 rows */
     WG_STAGES = 4,                           /* 8 stages of 32 were slower (H200, session 11) */
-    WG_A_BYTES = WG_BW * 2 * WG_BK,          /* 16 KB: [128 rows][64] */
-    WG_B_BYTES = WG_NMAX * 2 * WG_BK,        /* 32 KB */
-    WG_STAGE_BYTES = WG_A_BYTES + WG_B_BYTES,
+    WG_ROWS_BYTES = 64 * 2 * WG_BK,          /* 8 KB: one box of 64 weight rows */
+    WG_A_BYTES = 4 * WG_ROWS_BYTES,          /* gate/up: 32 KB of weights; down uses half */
+    WG_STAGE_BYTES = WG_A_BYTES + WG_NMAX_GU * 2 * WG_BK, /* 48 KB either way */
     WG_THREADS = 384,                        /* producer + 2 consumer warpgroups */
     WG_SMEM = WG_STAGES * WG_STAGE_BYTES + 1024 /* alignment */ + 2 * WG_STAGES * 8 /* barriers */,
 };
+static_assert(WG_A_BYTES / 2 + WG_NMAX * 2 * WG_BK == WG_STAGE_BYTES, "down's stage is gate/up's");
 
 typedef struct moe_wg_xmaps {
     CUtensorMap m[WG_NBOX]; /* x16, box b of 32 (b + 1) rows: the smallest that covers N */
 } moe_wg_xmaps;
 
 typedef struct moe_wg_params {
-    const CUtensorMap *wmaps; /* [E][2] gate/up (4-D), down (64-row boxes): cu_moe_wg_maps */
-    const int4 *tiles;        /* [*ntiles] (2 expert + swap, n0, row0, rows): rows even, <= WG_NMAX;
-                                 swap: up lies below gate (the 4-D map's first matrix is up) */
+    const CUtensorMap *wmaps; /* [E][3] gate, up, down, boxes of 64 rows: cu_moe_wg_maps */
+    const int4 *tiles;        /* [*ntiles] (expert, n0, row0, rows): rows even, <= WG_NMAX_GU
+                                 (gate/up) or WG_NMAX (down) */
     const int32_t *ntiles;    /* device: written by moe_wg_plan_kernel */
     void *out;
     int ldo;                  /* out's row stride: I (gate/up) or H (down) */
@@ -69,53 +68,72 @@ typedef struct moe_wg_params {
 } moe_wg_params;
 
 /* One tile's main loop and epilogue on consumer warpgroup c at N token rows; it counts the ring's
- * stages across tiles (as the producer does). */
-template <int N>
+ * stages across tiles (as the producer does). GU: gate and up, each 64 rows of the stage (this
+ * warpgroup's gate box, then its up box), into two accumulators; else down's 64 rows into one. */
+template <int N, bool GU>
 static __device__ __forceinline__ void moe_wg_tile(uint8_t *sm, uint64_t *full, uint64_t *empty, const moe_wg_params &p,
-                                                   int c, int n0, int row0, int rows, bool swap, int &it) {
-    float d[N / 2];
+                                                   int c, int n0, int row0, int rows, int &it) {
+    float d[N / 2], du[GU ? N / 2 : 1];
 #pragma unroll
     for (int i = 0; i < N / 2; i++) d[i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < (GU ? N / 2 : 1); i++) du[i] = 0.f;
     for (int kb = 0; kb < p.kblocks; kb++, it++) {
         const int s = it % WG_STAGES;
         cu_mbar_wait(&full[s], (unsigned)(it / WG_STAGES) & 1u);
-        const uint8_t *a = sm + s * WG_STAGE_BYTES + c * (WG_A_BYTES / 2), *b = sm + s * WG_STAGE_BYTES + WG_A_BYTES;
+        const uint8_t *st = sm + s * WG_STAGE_BYTES;
+        const uint8_t *a = st + c * (GU ? 2 : 1) * WG_ROWS_BYTES, *b = st + (GU ? WG_A_BYTES : WG_A_BYTES / 2);
 #pragma unroll
         for (int i = 0; i < N / 2; i++) cu_wg_reg_fence(d[i]);
+        if (GU)
+#pragma unroll
+            for (int i = 0; i < N / 2; i++) cu_wg_reg_fence(du[i]);
         cu_wg_fence();
 #pragma unroll
-        for (int k = 0; k < WG_BK / 16; k++)
+        for (int k = 0; k < WG_BK / 16; k++) {
             cu_wgmma_bf16<N>(d, cu_wg_desc(a + 32 * k), cu_wg_desc(b + 32 * k));
+            if (GU) cu_wgmma_bf16<N>(du, cu_wg_desc(a + WG_ROWS_BYTES + 32 * k), cu_wg_desc(b + 32 * k));
+        }
         cu_wg_commit();
 #pragma unroll
         for (int i = 0; i < N / 2; i++) cu_wg_reg_fence(d[i]);
+        if (GU)
+#pragma unroll
+            for (int i = 0; i < N / 2; i++) cu_wg_reg_fence(du[i]);
         cu_wg_wait<1>(); /* the previous stage's MMAs are done: give it back */
         if (kb > 0 && (threadIdx.x & 127) == 0) cu_mbar_arrive(&empty[(it - 1) % WG_STAGES]);
     }
     cu_wg_wait<0>();
 #pragma unroll
     for (int i = 0; i < N / 2; i++) cu_wg_reg_fence(d[i]);
+    if (GU)
+#pragma unroll
+        for (int i = 0; i < N / 2; i++) cu_wg_reg_fence(du[i]);
     if ((threadIdx.x & 127) == 0) cu_mbar_arrive(&empty[(it - 1) % WG_STAGES]);
 
-    /* d[4j + h] (h = 0, 1: row r, 2, 3: row r + 8) at token rows 8j + 2 (lane % 4) + (h & 1):
-     * pair q = 4j + lane % 4, its hi part in d[4j + 2h'], its lo part beside it */
+    /* d[4j + h] (h = 0, 1: output row r, 2, 3: row r + 8; r = 16 w + lane / 4 of the warpgroup's
+     * 64) at token rows 8j + 2 (lane % 4) + (h & 1): pair q = 4j + lane % 4, its hi part in
+     * d[4j + 2h'], its lo part beside it; du likewise for up */
     const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3, pairs = rows >> 1;
-    if (!p.down) {
-        const int col = n0 + 32 * c + 8 * w + (lane >> 2);
+    const int col = n0 + 64 * c + 16 * w + (lane >> 2);
+    if (GU) {
         uint16_t *o = (uint16_t *)p.out + (size_t)row0 * p.ldo + col;
 #pragma unroll
         for (int j = 0; j < N / 8; j++) {
             const int q = 4 * j + (lane & 3);
-            if (q < pairs) {
-                const float a = __fadd_rn(d[4 * j], d[4 * j + 1]), b = __fadd_rn(d[4 * j + 2], d[4 * j + 3]);
-                const float g = fminf(swap ? b : a, p.L), u = fminf(fmaxf(swap ? a : b, -p.L), p.L);
-                const float h = g / (1.f + expf(-g)) * u;
-                o[(size_t)2 * q * p.ldo] = cu_bits16<MT_BF16>(h);
-                o[(size_t)(2 * q + 1) * p.ldo] = cu_bits16<MT_BF16>(h - cu_round16<MT_BF16>(h));
-            }
+            if (q < pairs)
+#pragma unroll
+                for (int hh = 0; hh < 2; hh++) {
+                    if (col + 8 * hh >= p.ldo) continue; /* a last tile of 64 columns: WG 1 past I */
+                    const float gv = __fadd_rn(d[4 * j + 2 * hh], d[4 * j + 2 * hh + 1]);
+                    const float uv = __fadd_rn(du[4 * j + 2 * hh], du[4 * j + 2 * hh + 1]);
+                    const float g = fminf(gv, p.L), u = fminf(fmaxf(uv, -p.L), p.L);
+                    const float h = g / (1.f + expf(-g)) * u;
+                    o[(size_t)2 * q * p.ldo + 8 * hh] = cu_bits16<MT_BF16>(h);
+                    o[(size_t)(2 * q + 1) * p.ldo + 8 * hh] = cu_bits16<MT_BF16>(h - cu_round16<MT_BF16>(h));
+                }
         }
     } else {
-        const int col = n0 + 64 * c + 16 * w + (lane >> 2);
         float *o = (float *)p.out + (size_t)(row0 >> 1) * p.ldo + col;
 #pragma unroll
         for (int j = 0; j < N / 8; j++) {
@@ -148,23 +166,26 @@ static __global__ void __launch_bounds__(WG_THREADS, 1)
     if (wg == 0) { /* producer: one thread issues every load */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
         if (threadIdx.x != 0) return;
+        const int abytes = p.down ? WG_A_BYTES / 2 : WG_A_BYTES;
         int it = 0;
         for (int ti = blockIdx.x; ti < ntiles; ti += gridDim.x) {
             const int4 tile = p.tiles[ti];
-            const int e = tile.x >> 1, n0 = tile.y, row0 = tile.z, box = (tile.w + 31) / 32 - 1;
-            const CUtensorMap *wmap = p.wmaps + 2 * e + p.down, *xmap = &xm.m[box];
-            const unsigned bytes = WG_A_BYTES + (unsigned)(box + 1) * 32 * 2 * WG_BK;
+            const int e = tile.x, n0 = tile.y, row0 = tile.z, box = (tile.w + 31) / 32 - 1;
+            const CUtensorMap *wmap = p.wmaps + 3 * e, *xmap = &xm.m[box];
+            const unsigned bytes = (unsigned)abytes + (unsigned)(box + 1) * 32 * 2 * WG_BK;
             for (int kb = 0; kb < p.kblocks; kb++, it++) {
                 const int s = it % WG_STAGES;
                 if (it >= WG_STAGES) cu_mbar_wait(&empty[s], (unsigned)(it / WG_STAGES - 1) & 1u);
                 uint8_t *st = sm + s * WG_STAGE_BYTES;
                 cu_mbar_arrive_tx(&full[s], bytes);
-                for (int h = 0; h < 2; h++) /* each consumer warpgroup's 64 weight rows */
+                for (int h = 0; h < 2; h++) /* each consumer warpgroup's 64 output rows */
                     if (p.down)
-                        cu_tma_load_2d(st + h * (WG_A_BYTES / 2), wmap, &full[s], kb * WG_BK, n0 + 64 * h);
-                    else /* blocks of 8 columns from n0 + 32 h, both matrices */
-                        cu_tma_load_4d(st + h * (WG_A_BYTES / 2), wmap, &full[s], kb * WG_BK, 0, 0, n0 / 8 + 4 * h);
-                cu_tma_load_2d(st + WG_A_BYTES, xmap, &full[s], kb * WG_BK, row0);
+                        cu_tma_load_2d(st + h * WG_ROWS_BYTES, wmap + 2, &full[s], kb * WG_BK, n0 + 64 * h);
+                    else { /* its gate rows, then its up rows, of the same 64 columns */
+                        cu_tma_load_2d(st + 2 * h * WG_ROWS_BYTES, wmap, &full[s], kb * WG_BK, n0 + 64 * h);
+                        cu_tma_load_2d(st + (2 * h + 1) * WG_ROWS_BYTES, wmap + 1, &full[s], kb * WG_BK, n0 + 64 * h);
+                    }
+                cu_tma_load_2d(st + abytes, xmap, &full[s], kb * WG_BK, row0);
             }
         }
         return;
@@ -174,14 +195,21 @@ static __global__ void __launch_bounds__(WG_THREADS, 1)
     int it = 0;
     for (int ti = blockIdx.x; ti < ntiles; ti += gridDim.x) {
         const int4 tile = p.tiles[ti];
-        switch (moe_wg_nt(tile.w)) {
+        if (p.down) switch (moe_wg_nt(tile.w)) {
 #define WG_CASE(k) \
-    case k: moe_wg_tile<16 * k>(sm, full, empty, p, c, tile.y, tile.z, tile.w, tile.x & 1, it); break;
+    case k: moe_wg_tile<16 * k, false>(sm, full, empty, p, c, tile.y, tile.z, tile.w, it); break;
             WG_CASE(1) WG_CASE(2) WG_CASE(3) WG_CASE(4) WG_CASE(5) WG_CASE(6) WG_CASE(7) WG_CASE(8)
             WG_CASE(9) WG_CASE(10) WG_CASE(11) WG_CASE(12) WG_CASE(13) WG_CASE(14) WG_CASE(15) WG_CASE(16)
 #undef WG_CASE
-        default: break;
-        }
+            default: break;
+            }
+        else switch (moe_wg_nt(tile.w)) {
+#define WG_CASE(k) \
+    case k: moe_wg_tile<16 * k, true>(sm, full, empty, p, c, tile.y, tile.z, tile.w, it); break;
+            WG_CASE(1) WG_CASE(2) WG_CASE(3) WG_CASE(4) WG_CASE(5) WG_CASE(6) WG_CASE(7) WG_CASE(8)
+#undef WG_CASE
+            default: break;
+            }
     }
 }
 
@@ -191,16 +219,15 @@ static __global__ void __launch_bounds__(WG_THREADS, 1)
  * owning a stretch of the pairs in order: it counts its stretch per expert (shared atomics:
  * order-free), thread e scans expert e's counts over the warps into each warp's first slot after
  * the exclusive scans of the pairs and of the row chunks over the experts (an expert's 2c rows
- * in ceil(2c / WG_NMAX) chunks, as even as possible); each warp then places its pairs (ranked
- * among equal experts by a match, 32 at a step) and thread e writes expert e's tiles: gate/up at
- * (chunk offset) * I / 64, in order of columns then chunk, down likewise at * H / 128; the
- * experts' table gives each tile's swap bit. (One warp placing every pair took 0.6 ms at 32768
- * pairs: a chain of dependent steps.) */
+ * in ceil(2c / NMAX) chunks, as even as possible, NMAX WG_NMAX_GU for gate/up and WG_NMAX for
+ * down); each warp then places its pairs (ranked among equal experts by a match, 32 at a step)
+ * and thread e writes expert e's tiles: gate/up at (chunk offset) * ceil(I / 128), in order of
+ * columns then chunk, down likewise at * H / 128. (One warp placing every pair took 0.6 ms at
+ * 32768 pairs: a chain of dependent steps.) */
 enum { WG_PLAN_THREADS = CU_MOE_WG_MAX_E }; /* a thread an expert */
 
 typedef struct moe_wg_plan_params {
     const int32_t *idx;       /* [P] the expert of each (row, slot) pair */
-    const mt_expert *ex;      /* [E] device: which of gate and up lies lower (the tiles' swap) */
     int P, top_k, E, r0, I, H;
     int32_t *gather, *inv;    /* [P]: sorted slot -> row r0 + q / top_k; pair q -> sorted slot */
     int4 *tgu, *tdn;          /* tiles (cu_moe_wg_gemm's format) */
@@ -236,7 +263,7 @@ static __device__ int2 wg_scan2(int2 v, int2 *total) {
 
 static __global__ void __launch_bounds__(WG_PLAN_THREADS) moe_wg_plan_kernel(moe_wg_plan_params p) {
     extern __shared__ int wcnt[]; /* [32 warps][E]: each warp's count of an expert, then its cursor */
-    __shared__ int2 tot;
+    __shared__ int2 tot, totd;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int seg = (p.P + 32 * 32 - 1) / (32 * 32) * 32; /* pairs a warp: its own stretch, in order */
     const int q0 = warp * seg, q1 = min(q0 + seg, p.P);
@@ -250,8 +277,10 @@ static __global__ void __launch_bounds__(WG_PLAN_THREADS) moe_wg_plan_kernel(moe
     int c = 0;
     if (tid < p.E)
         for (int w = 0; w < 32; w++) c += wcnt[w * p.E + tid];
-    const int rows = 2 * c, nch = (rows + WG_NMAX - 1) / WG_NMAX;
-    const int2 ex = wg_scan2(make_int2(c, nch), &tot); /* first pair, first chunk of expert tid */
+    const int rows = 2 * c, nch = (rows + WG_NMAX_GU - 1) / WG_NMAX_GU, nchd = (rows + WG_NMAX - 1) / WG_NMAX;
+    const int2 ex = wg_scan2(make_int2(c, nch), &tot); /* first pair, first gate/up chunk of expert tid */
+    __syncthreads(); /* every read of the scan's shared partials is done */
+    const int exd = wg_scan2(make_int2(nchd, 0), &totd).x; /* its first down chunk */
     if (tid < p.E)
         for (int w = 0, run = ex.x; w < 32; w++) { /* warp w's first slot for expert tid */
             const int k = wcnt[w * p.E + tid];
@@ -274,30 +303,31 @@ static __global__ void __launch_bounds__(WG_PLAN_THREADS) moe_wg_plan_kernel(moe
         if (q < q1) p.inv[q] = pos; /* an index outside [0, E) (never from the router) reads slot 0 */
     }
     if (nch > 0) {
-        const int per = 2 * ((c + nch - 1) / nch), row0 = 2 * ex.x, ng = p.I / (WG_BW / 2), nd = p.H / WG_BW;
-        const int ew = 2 * tid + ((const char *)p.ex[tid].up.data < (const char *)p.ex[tid].gate.data);
-        int4 *g = p.tgu + (size_t)ex.y * ng, *d = p.tdn + (size_t)ex.y * nd;
+        const int per = 2 * ((c + nch - 1) / nch), perd = 2 * ((c + nchd - 1) / nchd), row0 = 2 * ex.x;
+        const int ng = (p.I + WG_BW - 1) / WG_BW, nd = p.H / WG_BW;
+        int4 *g = p.tgu + (size_t)ex.y * ng, *d = p.tdn + (size_t)exd * nd;
         for (int n = 0; n < ng; n++)
-            for (int r = 0; r < rows; r += per) *g++ = make_int4(ew, n * (WG_BW / 2), row0 + r, min(per, rows - r));
+            for (int r = 0; r < rows; r += per) *g++ = make_int4(tid, n * WG_BW, row0 + r, min(per, rows - r));
         for (int n = 0; n < nd; n++)
-            for (int r = 0; r < rows; r += per) *d++ = make_int4(ew, n * WG_BW, row0 + r, min(per, rows - r));
+            for (int r = 0; r < rows; r += perd) *d++ = make_int4(tid, n * WG_BW, row0 + r, min(perd, rows - r));
     }
     for (int q = tot.x + tid; q < p.P; q += WG_PLAN_THREADS) p.gather[q] = p.r0; /* slots of invalid pairs */
     if (tid == 0) {
-        p.ntiles[0] = tot.y * (p.I / (WG_BW / 2));
-        p.ntiles[1] = tot.y * (p.H / WG_BW);
+        p.ntiles[0] = tot.y * ((p.I + WG_BW - 1) / WG_BW);
+        p.ntiles[1] = totd.x * (p.H / WG_BW);
     }
 }
 
 extern "C" size_t cu_moe_wg_max_tiles(int P, int E, int cols, bool down) {
-    return ((size_t)(2 * (size_t)P + WG_NMAX - 1) / WG_NMAX + (size_t)E) * (size_t)(cols / (down ? WG_BW : WG_BW / 2));
+    const size_t nmax = down ? WG_NMAX : WG_NMAX_GU;
+    return ((2 * (size_t)P + nmax - 1) / nmax + (size_t)E) * (size_t)((cols + WG_BW - 1) / WG_BW);
 }
 
-extern "C" mt_status cu_moe_wg_plan(const int32_t *idx, const mt_expert *ex, int P, int top_k, int E, int r0, int H,
+extern "C" mt_status cu_moe_wg_plan(const int32_t *idx, int P, int top_k, int E, int r0, int H,
                                     int I, int32_t *gather, int32_t *inv, int32_t *tgu, int32_t *tdn, int32_t *ntiles,
                                     cudaStream_t s) {
     MT_ASSERT(E >= 1 && E <= WG_PLAN_THREADS && P >= 1);
-    const moe_wg_plan_params p = {idx, ex, P, top_k, E, r0, I, H, gather, inv, (int4 *)tgu, (int4 *)tdn, ntiles};
+    const moe_wg_plan_params p = {idx, P, top_k, E, r0, I, H, gather, inv, (int4 *)tgu, (int4 *)tdn, ntiles};
     const size_t smem = sizeof(int) * 32 * (size_t)E;
     static const bool attr = [] {
         return cudaFuncSetAttribute(moe_wg_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -348,18 +378,6 @@ static bool wg_encode(CUtensorMap *m, const void *base, int64_t rows, int64_t co
     return wg_encode_nd(m, base, 2, dims, strides, box);
 }
 
-/* gate and up [I, H] of one expert as (k, row in block, matrix, block of 8 rows), the lower of
- * the two first; boxes {WG_BK, 8, 2, 4}: one consumer warpgroup's 64 interleaved rows. */
-static bool wg_encode_gate_up(CUtensorMap *m, const mt_expert *ex) {
-    const char *g = (const char *)ex->gate.data, *u = (const char *)ex->up.data;
-    const char *lo = u < g ? u : g, *hi = u < g ? g : u;
-    const int64_t I = ex->gate.rows, H = ex->gate.cols;
-    const cuuint64_t dims[4] = {(cuuint64_t)H, 8, 2, (cuuint64_t)(I / 8)};
-    const cuuint64_t strides[3] = {(cuuint64_t)H * 2, (cuuint64_t)(hi - lo), (cuuint64_t)H * 2 * 8};
-    const cuuint32_t box[4] = {WG_BK, 8, 2, 4};
-    return wg_encode_nd(m, lo, 4, dims, strides, box);
-}
-
 extern "C" bool cu_moe_wg_ok(const cu_backend *cb, mt_dtype dt, int H, int I) {
     static const int arch = [] {
         int dev = 0, major = 0, minor = 0;
@@ -371,29 +389,30 @@ extern "C" bool cu_moe_wg_ok(const cu_backend *cb, mt_dtype dt, int H, int I) {
         }
         return 10 * major + minor;
     }();
-    return cb->moe_wg && cb->tc_terms == 2 && dt == MT_BF16 && arch == 90 && H % WG_BW == 0 &&
-           I % (WG_BW / 2) == 0 && wg_encode_fn() != NULL;
+    return cb->moe_wg && cb->tc_terms == 2 && dt == MT_BF16 && arch == 90 && H % WG_BW == 0 && I % 64 == 0 &&
+           wg_encode_fn() != NULL;
 }
 
 extern "C" mt_status cu_moe_wg_maps(const mt_expert *ex, int count, int cap, void **dev, cudaStream_t s) {
     /* 64-byte aligned, as the encoder wants its map (malloc promises 16) */
-    CUtensorMap *h = (CUtensorMap *)aligned_alloc(128, sizeof(CUtensorMap) * 2 * (size_t)count);
+    CUtensorMap *h = (CUtensorMap *)aligned_alloc(128, sizeof(CUtensorMap) * 3 * (size_t)count);
     if (!h) return MT_ERR_NOMEM;
     for (int e = 0; e < count; e++)
-        if (!wg_encode_gate_up(&h[2 * e], &ex[e]) ||
-            !wg_encode(&h[2 * e + 1], ex[e].down.data, ex[e].down.rows, ex[e].down.cols, WG_BW / 2)) {
+        if (!wg_encode(&h[3 * e], ex[e].gate.data, ex[e].gate.rows, ex[e].gate.cols, 64) ||
+            !wg_encode(&h[3 * e + 1], ex[e].up.data, ex[e].up.rows, ex[e].up.cols, 64) ||
+            !wg_encode(&h[3 * e + 2], ex[e].down.data, ex[e].down.rows, ex[e].down.cols, 64)) {
             free(h);
             mt_log(MT_LOG_ERROR, "cuda backend: moe_experts: cuTensorMapEncodeTiled failed (expert %d)", e);
             return MT_ERR_BACKEND;
         }
     mt_status st = MT_OK;
-    if (!*dev && cudaMalloc(dev, sizeof(CUtensorMap) * 2 * (size_t)cap) != cudaSuccess) {
+    if (!*dev && cudaMalloc(dev, sizeof(CUtensorMap) * 3 * (size_t)cap) != cudaSuccess) {
         (void)cudaGetLastError();
         *dev = NULL;
         st = MT_ERR_NOMEM;
     }
     if (st == MT_OK) {
-        MT_CUDA_(cudaMemcpyAsync(*dev, h, sizeof(CUtensorMap) * 2 * (size_t)count, cudaMemcpyHostToDevice, s),
+        MT_CUDA_(cudaMemcpyAsync(*dev, h, sizeof(CUtensorMap) * 3 * (size_t)count, cudaMemcpyHostToDevice, s),
                  "cudaMemcpyAsync(moe tensor maps)", st = mt_st_);
         if (st == MT_OK) MT_CUDA_(cudaStreamSynchronize(s), "cudaStreamSynchronize(moe tensor maps)", st = mt_st_);
     }

@@ -67,15 +67,6 @@ static __device__ __forceinline__ void cu_tma_load_2d(void *dst, const void *map
                  : "memory");
 }
 
-/* The same for a 4-D map, coordinates (c0 = inner, c1, c2, c3). */
-static __device__ __forceinline__ void cu_tma_load_4d(void *dst, const void *map, uint64_t *bar, int c0, int c1, int c2,
-                                                      int c3) {
-    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, "
-                 "%5}], [%6];\n" ::"r"(cu_smem_addr(dst)),
-                 "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(cu_smem_addr(bar))
-                 : "memory");
-}
-
 /* ---- warpgroup MMA ---- */
 /* Descriptor of a K-major, 128-byte-swizzled operand starting at p (see the file comment):
  * start address >> 4 in bits 0-13, leading offset 1 (unused by this layout), stride 1024 bytes
