@@ -973,8 +973,9 @@ TEST_F(CudaMoe, ExpertsWithSharedMatchCpu) {
 // The wgmma form of a prefill's experts (cuda_moe_wg.cu: sm_90, bf16, two parts, more than 64 rows,
 // H % 128 == 0, I % 64 == 0) beside the batched cuBLAS form it replaced (MT_CUDA_MOE_WG=0), both
 // against the CPU. Row tiles of every kind: experts with no pairs and with one (256 experts, 200
-// pairs), widths N of 16 .. 64, 208, 224, 240 and 256 (8 experts all taken by each row: 2n rows an
-// expert), an expert of 600 rows cut in three, the real widths with 64 k-stages (the ring wraps 16
+// pairs), 8 experts all taken by each row (2n rows an expert: down tiles of 208 .. 256 rows,
+// gate/up ones of two halves), an expert of 600 rows cut in three (down) or five (gate/up), I = 64
+// and 192 (a last gate/up tile of 64 columns), the real widths with 64 k-stages (the ring wraps 16
 // times), both swiglu clamps; then one set with each expert's gate and up exchanged (up below gate
 // in memory), and indices straight from the GPU router (sorted on the device, never read back).
 TEST_F(CudaMoe, ExpertsWgmmaMatchCpu) {

@@ -1132,7 +1132,7 @@ static __global__ void __launch_bounds__(MLAW_THREADS, 1) mla_attend_wide_kernel
  * double-buffered) and meets the others only at the two barriers around the softmax. O stays in
  * registers (64 a thread); (max, sum, acc) per split into p.part as the fp32 kernels write them,
  * merged by the same output kernel, or, with one split and the cuBLAS output (p.o16), acc / sum
- * straight to the output GEMM's bf16 planes (no part, no merge: the merge took 0.69 ms of a 4096-token prefill on the H200).
+ * straight as the output GEMM's bf16 (hi | lo) rows (no part, no merge: the merge took 0.69 ms of a 4096-token prefill on the H200).
  * Precision: bf16 mma.sync m16n8k16 with fp32 accumulation, where each fp32 operand (qa, the latent
  * rows, P) is split into x = hi + lo (bf16 each) and each product taken as hi*hi + hi*lo + lo*hi
  * (lo*lo is ~2^-18 of it): ~1e-5 relative. Single bf16 rounding gives ~1e-3 on the output, over
@@ -1432,7 +1432,7 @@ static __global__ void __launch_bounds__(NW * 32, 1) mla_attend_tc_kernel(mla_de
         /* No barrier here: sp is rewritten only after the barrier above has seen every read of it,
          * and P, corr only after the next one. */
     }
-    if (p.o16) { /* one split (l_run > 0: a split has at least one row): acc / l as hi, lo planes */
+    if (p.o16) { /* one split (l_run > 0: a split has at least one row): acc / l as (hi | lo) rows */
         __syncthreads(); /* every warp's reads of corr_s for the last tile are done */
         if (tid % TPH == 0) corr_s[hs] = 1.f / l_run;
         __syncthreads();
