@@ -361,7 +361,7 @@ static __global__ void __launch_bounds__(HCR_THREADS) hc_pre_rows_kernel(const h
 /* comb of every row from the logits hc_pre_rows_kernel left in it, in place: a thread a row. Apart
  * from the rows kernel, whose blocks would otherwise each hold their multiprocessor slot through
  * one thread's serial Sinkhorn: H200, the 8 calls of a 4096-token prefill, hc_pre 1.27-1.30 ms
- * with the Sinkhorn in the rows kernel, 0.94 with none at all (timing only), 1.02-1.05 with this
+ * with the Sinkhorn in the rows kernel, 0.94 with none at all (timing only), 1.01-1.05 with this
  * kernel after it (docs/bench/2026-11-30-h200-session12.md, calls 6-7). */
 enum { HCC_THREADS = 128 };
 static __global__ void __launch_bounds__(HCC_THREADS) hc_comb_rows_kernel(const hc_pre_params p) {
