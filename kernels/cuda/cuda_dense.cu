@@ -1546,15 +1546,25 @@ typedef struct ew_params {
 
 static __device__ __forceinline__ float siluf_dev(float x) { return x / (1.f + expf(-x)); }
 
-/* Both launched for PDL: they wait for the previous kernel before touching memory. */
-static __global__ void swiglu_kernel(const ew_params p) {
+static __device__ __forceinline__ float swiglu_dev(float a, float b, float L) {
+    return siluf_dev(fminf(a, L)) * fminf(fmaxf(b, -L), L);
+}
+
+/* Both launched for PDL: they wait for the previous kernel before touching memory. V = 4: float4
+ * accesses (count % 4 == 0, 16-byte aligned arrays), so a thread has 4x the bytes in flight of the
+ * scalar form, which kept a 4096-token prefill's 4 calls at ~60% of the copy rate. */
+template <int V> static __global__ void swiglu_kernel(const ew_params p) {
     cu_pdl_wait();
     cu_pdl_trigger();
-    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < p.count; i += stride) {
-        const float g = fminf(p.a[i], p.L);
-        const float u = fminf(fmaxf(p.b[i], -p.L), p.L);
-        p.out[i] = siluf_dev(g) * u;
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x, n = p.count / V;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        if constexpr (V == 4) {
+            const float4 a = reinterpret_cast<const float4 *>(p.a)[i], b = reinterpret_cast<const float4 *>(p.b)[i];
+            reinterpret_cast<float4 *>(p.out)[i] = make_float4(swiglu_dev(a.x, b.x, p.L), swiglu_dev(a.y, b.y, p.L),
+                                                               swiglu_dev(a.z, b.z, p.L), swiglu_dev(a.w, b.w, p.L));
+        } else {
+            p.out[i] = swiglu_dev(p.a[i], p.b[i], p.L);
+        }
     }
 }
 
@@ -1572,7 +1582,11 @@ static unsigned ew_grid(int64_t count) {
 }
 
 static mt_status swiglu_launch(ew_params *p, cudaStream_t s) {
-    MT_CUDA_CHECK(cu_launch_pdl((const void *)swiglu_kernel, dim3(ew_grid(p->count)), dim3(EW_THREADS), 0, s, p));
+    const bool v4 = p->count % 4 == 0 && cu_aligned16(p->out) && cu_aligned16(p->a) && cu_aligned16(p->b);
+    if (v4)
+        MT_CUDA_CHECK(cu_launch_pdl((const void *)swiglu_kernel<4>, dim3(ew_grid(p->count / 4)), dim3(EW_THREADS), 0, s, p));
+    else
+        MT_CUDA_CHECK(cu_launch_pdl((const void *)swiglu_kernel<1>, dim3(ew_grid(p->count)), dim3(EW_THREADS), 0, s, p));
     return MT_OK;
 }
 
