@@ -729,6 +729,46 @@ typedef struct moe_combine_params {
     int terms;            /* 1 or 2 */
 } moe_combine_params;
 
+/* The model's form (top_k 8, H % 4 == 0, 16-byte aligned out and D): a thread takes 4 columns of a
+ * row and issues its 8 pairs' float4 loads together (the general loop below leaves one pair's load
+ * in flight at a time); the same sums in the same order. */
+enum { MOE_COMBINE_K = 8 };
+template <int T> static __global__ void moe_combine8_kernel(const moe_combine_params p) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x, H4 = p.H / 4;
+    const int32_t *__restrict__ inv = p.inv;
+    const float *__restrict__ D = p.D, *__restrict__ wts = p.wts;
+    float4 *__restrict__ out = reinterpret_cast<float4 *>(p.out);
+    for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < p.rows * H4; t += stride) {
+        const int64_t i = t / H4, d4 = t - i * H4;
+        float4 dt[MOE_COMBINE_K][T];
+        float w[MOE_COMBINE_K];
+#pragma unroll
+        for (int k = 0; k < MOE_COMBINE_K; k++) {
+            const int64_t pair = i * MOE_COMBINE_K + k;
+            const float4 *dr = reinterpret_cast<const float4 *>(D + (int64_t)__ldg(inv + pair) * T * p.H) + d4;
+#pragma unroll
+            for (int u = 0; u < T; u++) dt[k][u] = dr[u * H4];
+            w[k] = __ldg(wts + pair);
+        }
+        float4 v = out[t];
+#pragma unroll
+        for (int k = 0; k < MOE_COMBINE_K; k++) {
+            float4 dot = dt[k][0];
+            if (T == 2) {
+                dot.x = __fadd_rn(dot.x, dt[k][T - 1].x);
+                dot.y = __fadd_rn(dot.y, dt[k][T - 1].y);
+                dot.z = __fadd_rn(dot.z, dt[k][T - 1].z);
+                dot.w = __fadd_rn(dot.w, dt[k][T - 1].w);
+            }
+            v.x = __fadd_rn(v.x, __fmul_rn(w[k], dot.x));
+            v.y = __fadd_rn(v.y, __fmul_rn(w[k], dot.y));
+            v.z = __fadd_rn(v.z, __fmul_rn(w[k], dot.z));
+            v.w = __fadd_rn(v.w, __fmul_rn(w[k], dot.w));
+        }
+        out[t] = v;
+    }
+}
+
 static __global__ void moe_combine_kernel(const moe_combine_params p) {
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
     for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < p.rows * p.H; t += stride) {
@@ -788,8 +828,16 @@ static mt_status moe_swiglu_split_launch(const moe_swiglu_split_params *p, mt_dt
 }
 
 static mt_status moe_combine_launch(const moe_combine_params *p, cudaStream_t s) {
-    const int64_t blocks = (p->rows * p->H + 255) / 256;
-    moe_combine_kernel<<<(unsigned)(blocks < 65536 ? blocks : 65536), 256, 0, s>>>(*p);
+    if (p->top_k == MOE_COMBINE_K && p->H % 4 == 0 && cu_aligned16(p->out) && cu_aligned16(p->D) &&
+        (p->terms == 1 || p->terms == 2)) {
+        const int64_t blocks = (p->rows * (p->H / 4) + 255) / 256;
+        const unsigned g = (unsigned)(blocks < 65536 ? blocks : 65536);
+        if (p->terms == 2) moe_combine8_kernel<2><<<g, 256, 0, s>>>(*p);
+        else moe_combine8_kernel<1><<<g, 256, 0, s>>>(*p);
+    } else {
+        const int64_t blocks = (p->rows * p->H + 255) / 256;
+        moe_combine_kernel<<<(unsigned)(blocks < 65536 ? blocks : 65536), 256, 0, s>>>(*p);
+    }
     MT_CUDA_CHECK_LAUNCH();
     return MT_OK;
 }
