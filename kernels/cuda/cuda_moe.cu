@@ -754,7 +754,7 @@ template <int T> static __global__ void moe_combine8_kernel(const moe_combine_pa
 #pragma unroll
         for (int k = 0; k < MOE_COMBINE_K; k++) {
             float4 dot = dt[k][0];
-            if (T == 2) {
+            if constexpr (T == 2) {
                 dot.x = __fadd_rn(dot.x, dt[k][T - 1].x);
                 dot.y = __fadd_rn(dot.y, dt[k][T - 1].y);
                 dot.z = __fadd_rn(dot.z, dt[k][T - 1].z);

@@ -360,22 +360,14 @@ static PFN_cuTensorMapEncodeTiled_v12000 wg_encode_fn(void) {
     return fn;
 }
 
-/* A bf16 tensor of `rank` dimensions (dims[0] innermost, strides in bytes of dims 1..), boxes
- * with WG_BK inner elements, 128-byte swizzle. */
-static bool wg_encode_nd(CUtensorMap *m, const void *base, int rank, const cuuint64_t *dims,
-                         const cuuint64_t *strides, const cuuint32_t *box) {
+/* A row-major bf16 [rows, cols] matrix, boxes of {WG_BK, box_rows}, 128-byte swizzle. */
+static bool wg_encode(CUtensorMap *m, const void *base, int64_t rows, int64_t cols, int box_rows) {
     PFN_cuTensorMapEncodeTiled_v12000 fn = wg_encode_fn();
-    const cuuint32_t estr[4] = {1, 1, 1, 1};
-    return fn && fn(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank, (void *)base, dims, strides, box, estr,
+    const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows}, strides[1] = {(cuuint64_t)cols * 2};
+    const cuuint32_t box[2] = {WG_BK, (cuuint32_t)box_rows}, estr[2] = {1, 1};
+    return fn && fn(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void *)base, dims, strides, box, estr,
                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                     CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
-/* A row-major bf16 [rows, cols] matrix, boxes of {WG_BK, box_rows}. */
-static bool wg_encode(CUtensorMap *m, const void *base, int64_t rows, int64_t cols, int box_rows) {
-    const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows}, strides[1] = {(cuuint64_t)cols * 2};
-    const cuuint32_t box[2] = {WG_BK, (cuuint32_t)box_rows};
-    return wg_encode_nd(m, base, 2, dims, strides, box);
 }
 
 extern "C" bool cu_moe_wg_ok(const cu_backend *cb, mt_dtype dt, int H, int I) {
