@@ -1,0 +1,362 @@
+/* tools/dev/kda_dec_probe.cu: shapes of the KDA decode step (kernels/cuda/cuda_kda.cu,
+ * kda_decode_kernel) side by side, for finding what holds B = 32 below the copy rate after
+ * do_bench's memset flush (docs/bench/2026-11-30-h200-session13.md). Standalone (no backend): nh = B * 64 heads of 128 x 128 fp32 state,
+ * one step; each variant is timed as bench/kda_bench.c times the op (a 256 MB memset, then
+ * events around one call; median), and so is a cudaMemcpy of the same bytes. A development
+ * tool, not a benchmark of record: its figures are compared with each other in one run.
+ *   bazel build //tools/dev:kda_dec_probe; kda_dec_probe [B...]   (default B = 32 256)
+ * The kernels here have the production arithmetic but not its rows form or programmatic launch,
+ * and the compiler spills some of them and not others (ptxas -v): when a shape wins here, build
+ * it into the real kernel and A/B that with bench/kda_bench (session 13: the 128-thread shape
+ * that read 1.4-1.8 points faster here gained nothing there). */
+#include <cooperative_groups.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <algorithm>
+#include <vector>
+
+#define CK(x)                                                                               \
+    do {                                                                                    \
+        cudaError_t e_ = (x);                                                               \
+        if (e_ != cudaSuccess) {                                                            \
+            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+            exit(1);                                                                        \
+        }                                                                                   \
+    } while (0)
+
+enum { DK = 128, FLUSH = 256 << 20 };
+
+struct prm {
+    float *o, *state;
+    const float *q, *k, *v, *g, *beta;
+    int nh;
+};
+
+/* The production kernel's arithmetic with its shape as parameters: T threads, COLS value columns
+ * a block (G = COLS / 4 float4 groups), R rows a thread; PF: the L2 prefetch prologue (0 none,
+ * 1 a prefetch.global.L2 per 128-byte line as in production, 2 a bulk L2 prefetch per row's
+ * segment, 3 one bulk L2 prefetch of 32 KB of the head a block); REV: blocks in reverse order. */
+template <int T, int COLS, int MINB, int PF, bool REV>
+__global__ void __launch_bounds__(T, MINB) dec_kernel(prm p) {
+    constexpr int G = COLS / 4, PASS = T / G, R = DK / PASS, W = T / 32, SUBS = 32 / G;
+    const int nblk = DK / COLS, bid = REV ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int h = bid / nblk, j0 = (bid - h * nblk) * COLS;
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, c4 = lane % G, sub = lane / G;
+    const int j = j0 + 4 * c4, rbase = SUBS * w + sub;
+    __shared__ float qs[DK], ks[DK], es[DK];
+    __shared__ float4 red_u[W][G], red_w[W][G];
+    __shared__ float red_qk[W];
+    float4 *S = reinterpret_cast<float4 *>(p.state + (size_t)h * DK * DK) + (j >> 2);
+    const char *hb = (const char *)(p.state + (size_t)h * DK * DK);
+    if (PF == 2)
+        for (int r = tid; r < DK; r += T)
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(hb + ((size_t)r * DK + j0) * 4), "r"(COLS * 4)
+                         : "memory");
+    if (PF == 3 && tid == 0)
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(hb + (size_t)(j0 / COLS) * (DK * DK * 4 / nblk)),
+                     "r"(DK * DK * 4 / nblk)
+                     : "memory");
+    if (PF == 1)
+        for (int e = tid; e < DK * (COLS / 32); e += T)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"((const char *)(p.state + (size_t)h * DK * DK) +
+                                                          ((size_t)(e / (COLS / 32)) * DK + j0) * 4 + (e % (COLS / 32)) * 128));
+    float4 s[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) s[r] = __ldca(S + (size_t)(rbase + PASS * r) * (DK / 4));
+    const size_t off = (size_t)h * DK;
+    const float4 v4 = *reinterpret_cast<const float4 *>(p.v + off + j);
+    const float b = p.beta[h];
+    if (tid < DK) {
+        qs[tid] = p.q[off + tid];
+        ks[tid] = p.k[off + tid];
+        es[tid] = expf(p.g[off + tid]);
+    }
+    __syncthreads();
+    float4 u = make_float4(0.f, 0.f, 0.f, 0.f), wq = u;
+    float qk = 0.f;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const int i = rbase + PASS * r;
+        const float e = es[i], kk = ks[i], qq = qs[i];
+        s[r].x *= e; s[r].y *= e; s[r].z *= e; s[r].w *= e;
+        u.x += kk * s[r].x; u.y += kk * s[r].y; u.z += kk * s[r].z; u.w += kk * s[r].w;
+        wq.x += qq * s[r].x; wq.y += qq * s[r].y; wq.z += qq * s[r].z; wq.w += qq * s[r].w;
+        qk += qq * kk;
+    }
+#pragma unroll
+    for (int m = G; m < 32; m *= 2) {
+        u.x += __shfl_xor_sync(0xffffffffu, u.x, m);
+        u.y += __shfl_xor_sync(0xffffffffu, u.y, m);
+        u.z += __shfl_xor_sync(0xffffffffu, u.z, m);
+        u.w += __shfl_xor_sync(0xffffffffu, u.w, m);
+        wq.x += __shfl_xor_sync(0xffffffffu, wq.x, m);
+        wq.y += __shfl_xor_sync(0xffffffffu, wq.y, m);
+        wq.z += __shfl_xor_sync(0xffffffffu, wq.z, m);
+        wq.w += __shfl_xor_sync(0xffffffffu, wq.w, m);
+        qk += __shfl_xor_sync(0xffffffffu, qk, m);
+    }
+    if (sub == 0) {
+        red_u[w][c4] = u;
+        red_w[w][c4] = wq;
+    }
+    if (lane == 0) red_qk[w] = qk;
+    __syncthreads();
+    u = red_u[0][c4];
+    wq = red_w[0][c4];
+    qk = red_qk[0];
+#pragma unroll
+    for (int ww = 1; ww < W; ww++) {
+        const float4 a = red_u[ww][c4], c = red_w[ww][c4];
+        u.x += a.x; u.y += a.y; u.z += a.z; u.w += a.w;
+        wq.x += c.x; wq.y += c.y; wq.z += c.z; wq.w += c.w;
+        qk += red_qk[ww];
+    }
+    const float4 d = make_float4(b * (v4.x - u.x), b * (v4.y - u.y), b * (v4.z - u.z), b * (v4.w - u.w));
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const int i = rbase + PASS * r;
+        const float kk = ks[i];
+        s[r].x += kk * d.x; s[r].y += kk * d.y; s[r].z += kk * d.z; s[r].w += kk * d.w;
+        __stcs(S + (size_t)i * (DK / 4), s[r]);
+    }
+    if (w == 0 && sub == 0)
+        *reinterpret_cast<float4 *>(p.o + off + j) =
+            make_float4(wq.x + qk * d.x, wq.y + qk * d.y, wq.z + qk * d.z, wq.w + qk * d.w);
+}
+
+
+/* Cluster pair: block = (head, row half), all 128 columns, so a block reads 32 KB of contiguous
+ * state; the two halves' partial sums meet through distributed shared memory. 128 threads: lane
+ * = column group (4 columns), warp w takes rows 64 half + w + 4 r. */
+template <int PF>
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(128, 5) dec_pair_kernel(prm p) {
+    namespace cg = cooperative_groups;
+    constexpr int T = 128, W = 4, R = 16;
+    cg::cluster_group cl = cg::this_cluster();
+    const int h = blockIdx.x >> 1, half = (int)cl.block_rank();
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, j = 4 * lane, r0 = 64 * half + w;
+    __shared__ float qs[DK], ks[DK], es[DK];
+    __shared__ float4 red_u[W][32], red_w[W][32];
+    __shared__ float red_qk[W];
+    __shared__ float4 part_u[32], part_w[32];
+    __shared__ float part_qk;
+    const char *hb = (const char *)(p.state + (size_t)h * DK * DK) + (size_t)half * 32768;
+    if (PF == 1)
+        for (int e = tid; e < 256; e += T) asm volatile("prefetch.global.L2 [%0];" ::"l"(hb + 128 * e));
+    float4 *S = reinterpret_cast<float4 *>(p.state + (size_t)h * DK * DK) + lane;
+    float4 s[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) s[r] = __ldca(S + (size_t)(r0 + 4 * r) * (DK / 4));
+    const size_t off = (size_t)h * DK;
+    if (tid < DK) {
+        qs[tid] = p.q[off + tid];
+        ks[tid] = p.k[off + tid];
+        es[tid] = expf(p.g[off + tid]);
+    }
+    __syncthreads();
+    float4 u = make_float4(0.f, 0.f, 0.f, 0.f), wq = u;
+    float qk = 0.f;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const int i = r0 + 4 * r;
+        const float e = es[i], kk = ks[i], qq = qs[i];
+        s[r].x *= e; s[r].y *= e; s[r].z *= e; s[r].w *= e;
+        u.x += kk * s[r].x; u.y += kk * s[r].y; u.z += kk * s[r].z; u.w += kk * s[r].w;
+        wq.x += qq * s[r].x; wq.y += qq * s[r].y; wq.z += qq * s[r].z; wq.w += qq * s[r].w;
+        qk += qq * kk;
+    }
+    red_u[w][lane] = u;
+    red_w[w][lane] = wq;
+    if (lane == 0) red_qk[w] = qk;
+    __syncthreads();
+    if (w == 0) {
+        u = red_u[0][lane];
+        wq = red_w[0][lane];
+        qk = red_qk[0];
+#pragma unroll
+        for (int ww = 1; ww < W; ww++) {
+            const float4 a = red_u[ww][lane], c = red_w[ww][lane];
+            u.x += a.x; u.y += a.y; u.z += a.z; u.w += a.w;
+            wq.x += c.x; wq.y += c.y; wq.z += c.z; wq.w += c.w;
+            qk += red_qk[ww];
+        }
+        part_u[lane] = u;
+        part_w[lane] = wq;
+        if (lane == 0) part_qk = qk;
+    }
+    cl.sync();
+    {
+        const float4 *pu0 = cl.map_shared_rank(part_u, 0), *pu1 = cl.map_shared_rank(part_u, 1);
+        const float4 *pw0 = cl.map_shared_rank(part_w, 0), *pw1 = cl.map_shared_rank(part_w, 1);
+        const float a0 = *cl.map_shared_rank(&part_qk, 0), a1 = *cl.map_shared_rank(&part_qk, 1);
+        const float4 x0 = pu0[lane], x1 = pu1[lane], y0 = pw0[lane], y1 = pw1[lane];
+        u = make_float4(x0.x + x1.x, x0.y + x1.y, x0.z + x1.z, x0.w + x1.w);
+        wq = make_float4(y0.x + y1.x, y0.y + y1.y, y0.z + y1.z, y0.w + y1.w);
+        qk = a0 + a1;
+    }
+    const float4 v4 = *reinterpret_cast<const float4 *>(p.v + off + j);
+    const float b = p.beta[h];
+    const float4 d = make_float4(b * (v4.x - u.x), b * (v4.y - u.y), b * (v4.z - u.z), b * (v4.w - u.w));
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const int i = r0 + 4 * r;
+        const float kk = ks[i];
+        s[r].x += kk * d.x; s[r].y += kk * d.y; s[r].z += kk * d.z; s[r].w += kk * d.w;
+        __stcs(S + (size_t)i * (DK / 4), s[r]);
+    }
+    if (half == 0 && w == 0)
+        *reinterpret_cast<float4 *>(p.o + off + j) =
+            make_float4(wq.x + qk * d.x, wq.y + qk * d.y, wq.z + qk * d.z, wq.w + qk * d.w);
+    cl.sync(); /* the partner may still read our partial sums */
+}
+
+typedef void (*kfn)(prm);
+struct variant {
+    const char *name;
+    kfn k;
+    int threads, cols;
+};
+
+#define V(T, C, M, PF, RV) {#T "t " #C "c " #M "b pf" #PF " rev" #RV, dec_kernel<T, C, M, PF, RV>, T, C}
+static const variant g_var[] = {
+    V(256, 64, 3, 1, false), /* kda_decode_kernel's shape (its first row is the others' reference) */
+    V(256, 64, 3, 0, false),
+    V(256, 64, 3, 1, true),
+    V(256, 64, 3, 2, false),
+    V(256, 64, 3, 3, false),
+    V(256, 64, 2, 1, false),
+    V(128, 64, 4, 1, false),
+    V(128, 64, 5, 1, false),
+    V(128, 64, 5, 0, false),
+    V(128, 64, 5, 2, false),
+    V(128, 64, 5, 3, false),
+    V(128, 64, 6, 1, false),
+    V(256, 128, 2, 1, false),
+    V(512, 128, 1, 1, false),
+    V(128, 32, 8, 1, false),
+    {"pair 128t 128c pf1", dec_pair_kernel<1>, 128, 64},
+    {"pair 128t 128c pf0", dec_pair_kernel<0>, 128, 64},
+};
+
+static float median(std::vector<float> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+}
+
+int main(int argc, char **argv) {
+    std::vector<int> bs;
+    for (int i = 1; i < argc; i++) bs.push_back(atoi(argv[i]));
+    if (bs.empty()) bs = {32, 256};
+    cudaStream_t s;
+    CK(cudaStreamCreate(&s));
+    void *flush, *ca, *cb;
+    CK(cudaMalloc(&flush, FLUSH));
+    const size_t cbytes = (size_t)2 << 30;
+    CK(cudaMalloc(&ca, cbytes));
+    CK(cudaMalloc(&cb, cbytes));
+    CK(cudaMemsetAsync(ca, 1, cbytes, s));
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    std::vector<float> cm;
+    for (int r = -2; r < 20; r++) {
+        CK(cudaEventRecord(e0, s));
+        CK(cudaMemcpyAsync(r & 1 ? ca : cb, r & 1 ? cb : ca, cbytes, cudaMemcpyDeviceToDevice, s));
+        CK(cudaEventRecord(e1, s));
+        CK(cudaEventSynchronize(e1));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        if (r >= 0) cm.push_back(ms);
+    }
+    const double copy_gbs = 2.0 * cbytes / (median(cm) * 1e-3) / 1e9;
+    CK(cudaFree(ca));
+    CK(cudaFree(cb));
+    printf("copy %.1f GB/s (2 GB cudaMemcpy, read + written)\n", copy_gbs);
+
+    for (int B : bs) {
+        const int nh = B * 64;
+        const size_t sc = (size_t)nh * DK * DK, cnt = (size_t)nh * DK;
+        std::vector<float> hs(sc), hq(cnt), hk(cnt), hv(cnt), hg(cnt), hb(nh);
+        srand(1);
+        auto U = [] { return (float)rand() / RAND_MAX; };
+        for (auto &x : hs) x = U() - 0.5f;
+        for (size_t i = 0; i < cnt; i++) {
+            hq[i] = (U() - 0.5f) * 0.1f;
+            hk[i] = (U() - 0.5f) * 0.1f;
+            hv[i] = U() - 0.5f;
+            hg[i] = -U();
+        }
+        for (auto &x : hb) x = U();
+        float *st0, *st, *o, *q, *k, *v, *g, *be, *dst;
+        CK(cudaMalloc(&st0, sc * 4));
+        CK(cudaMalloc(&st, sc * 4));
+        CK(cudaMalloc(&dst, sc * 4));
+        CK(cudaMalloc(&o, cnt * 4));
+        for (float **pp : {&q, &k, &v, &g}) CK(cudaMalloc(pp, cnt * 4));
+        CK(cudaMalloc(&be, nh * 4));
+        CK(cudaMemcpy(st0, hs.data(), sc * 4, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(q, hq.data(), cnt * 4, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(k, hk.data(), cnt * 4, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(v, hv.data(), cnt * 4, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(g, hg.data(), cnt * 4, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(be, hb.data(), nh * 4, cudaMemcpyHostToDevice));
+        const prm p = {o, st, q, k, v, g, be, nh};
+        const double bytes = 2.0 * sc * 4;
+        std::vector<float> ref_s(sc), ref_o(cnt), got_s(sc), got_o(cnt);
+        const int reps = 200;
+        /* mode 0: memset flush; 1: back to back (20 calls between events) */
+        auto time_it = [&](auto &&call, int mode) {
+            for (int i = 0; i < 3; i++) call();
+            std::vector<float> ms;
+            for (int r = 0; r < (mode ? 30 : reps); r++) {
+                if (mode == 0) CK(cudaMemsetAsync(flush, r & 0xff, FLUSH, s));
+                CK(cudaEventRecord(e0, s));
+                for (int i = 0; i < (mode ? 20 : 1); i++) call();
+                CK(cudaEventRecord(e1, s));
+                CK(cudaEventSynchronize(e1));
+                float t;
+                CK(cudaEventElapsedTime(&t, e0, e1));
+                ms.push_back(mode ? t / 20 : t);
+            }
+            return median(ms);
+        };
+        auto frac = [&](float ms) { return bytes / (ms * 1e-3) / 1e9 / copy_gbs; };
+        const float mc = time_it([&] { CK(cudaMemcpyAsync(dst, st0, sc * 4, cudaMemcpyDeviceToDevice, s)); }, 0);
+        const float mcs = time_it([&] { CK(cudaMemcpyAsync(dst, st0, sc * 4, cudaMemcpyDeviceToDevice, s)); }, 1);
+        printf("B=%d (%.0f MB moved): cudaMemcpy flush %.2f us %.1f%%  back-to-back %.2f us %.1f%%\n", B, bytes / 1e6,
+               mc * 1e3, 100 * frac(mc), mcs * 1e3, 100 * frac(mcs));
+        for (size_t vi = 0; vi < sizeof g_var / sizeof g_var[0]; vi++) {
+            const variant &va = g_var[vi];
+            const int grid = nh * (DK / va.cols);
+            CK(cudaMemcpy(st, st0, sc * 4, cudaMemcpyDeviceToDevice));
+            va.k<<<grid, va.threads, 0, s>>>(p);
+            CK(cudaStreamSynchronize(s));
+            CK(cudaGetLastError());
+            CK(cudaMemcpy(got_s.data(), st, sc * 4, cudaMemcpyDeviceToHost));
+            CK(cudaMemcpy(got_o.data(), o, cnt * 4, cudaMemcpyDeviceToHost));
+            double es = 0, eo = 0;
+            if (vi == 0) {
+                ref_s = got_s;
+                ref_o = got_o;
+            } else {
+                for (size_t i = 0; i < sc; i++) es = fmax(es, fabs(got_s[i] - ref_s[i]));
+                for (size_t i = 0; i < cnt; i++) eo = fmax(eo, fabs(got_o[i] - ref_o[i]));
+            }
+            auto call = [&] { va.k<<<grid, va.threads, 0, s>>>(p); };
+            cudaFuncAttributes fa;
+            CK(cudaFuncGetAttributes(&fa, va.k));
+            int occ = 0;
+            CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, va.k, va.threads, 0));
+            const float m0 = time_it(call, 0), m1 = time_it(call, 1);
+            printf("  %-26s regs %3d spill %3zu occ %d grid %6d: flush %.2f us %.1f%%  b2b %.2f us %.1f%%  "
+                   "maxdiff s %.1e o %.1e\n",
+                   va.name, fa.numRegs, fa.localSizeBytes, occ, grid, m0 * 1e3, 100 * frac(m0), m1 * 1e3,
+                   100 * frac(m1), es, eo);
+        }
+        for (float *x : {st0, st, dst, o, q, k, v, g, be}) CK(cudaFree(x));
+    }
+    return 0;
+}
