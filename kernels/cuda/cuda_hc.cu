@@ -233,9 +233,13 @@ static __global__ void __launch_bounds__(HC_MIX_THREADS) hc_pre_mix_kernel(const
  * by hc_pre_rows_kernel. Replaces cu_matmul's split + two cuBLAS GEMMs, which moved ~800 MB a call
  * for a 24 x 16384 weight at 4096 rows: on the H200, 8 calls of a 4096-token prefill 2.08 ->
  * 1.20 ms with 8 k-slices (150 us a call; X alone is 268 MB, 63 us at the copy rate), ~1.1 ms
- * with 16. */
+ * with 16. A warp takes two 16-row tiles (HCM_TILES), so each fn fragment it loads (six
+ * 4-byte loads a lane and k step, more requests than X's four) serves 32 rows: 1.08-1.12 -> 0.79-0.80
+ * ms (session 13, docs/bench/2026-11-30-h200-session13.md; the slice count stays as for one
+ * tile: doubling it with the warps' rows cost hc_pre_rows_kernel, which sums the slices, 0.25 ms). */
 enum { HCM_LD = 32 /* mix outputs, padded: four n8 tiles */, HCM_WARPS = 4,
-       HCM_UNROLL = 4 /* k steps a load batch (8 measured no faster) */ };
+       HCM_TILES = 2 /* m16 row tiles a warp: each fn fragment it loads serves both */,
+       HCM_UNROLL = 2 /* k steps a load batch */ };
 
 struct hcm_params {
     float *mp;              /* [mk][n][HCM_LD] */
@@ -246,30 +250,42 @@ struct hcm_params {
 
 template <int NT> /* n8 tiles of outputs: ceil(mix / 8) */
 static __global__ void __launch_bounds__(HCM_WARPS * 32) hcm_kernel(const hcm_params p) {
+    constexpr int MT = HCM_TILES, UN = HCM_UNROLL;
     const int lane = threadIdx.x & 31, g = lane >> 2, q4 = lane & 3;
-    const int64_t r0 = ((int64_t)blockIdx.x * HCM_WARPS + (threadIdx.x >> 5)) * 16;
+    const int64_t r0 = ((int64_t)blockIdx.x * HCM_WARPS + (threadIdx.x >> 5)) * 16 * MT;
     const int slice = blockIdx.y, kb = slice * p.kc, ke = kb + p.kc < p.K ? kb + p.kc : p.K;
     if (r0 >= p.n) return; /* no barrier in this kernel */
-    const int64_t ra = r0 + g < p.n ? r0 + g : p.n - 1, rb = r0 + g + 8 < p.n ? r0 + g + 8 : p.n - 1;
-    const float *xa = p.X + ra * p.K + 2 * q4, *xb = p.X + rb * p.K + 2 * q4;
+    const float *xr[MT][2]; /* rows r0 + 16 m + g (+ 8), clamped to the last row */
+#pragma unroll
+    for (int m = 0; m < MT; m++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int64_t r = r0 + 16 * m + 8 * h + g;
+            xr[m][h] = p.X + (r < p.n ? r : p.n - 1) * p.K + 2 * q4;
+        }
     const uint32_t *w[NT]; /* fn row 8t + g at column 2 q4, as bf16 pairs; rows past mix read row 0 */
 #pragma unroll
     for (int t = 0; t < NT; t++)
         w[t] = reinterpret_cast<const uint32_t *>(p.fn + (int64_t)(8 * t + g < p.mix ? 8 * t + g : 0) * p.K + 2 * q4);
-    float acc[NT][4];
+    float acc[MT][NT][4];
 #pragma unroll
-    for (int t = 0; t < NT; t++) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
-    for (int k = kb; k < ke; k += 16 * HCM_UNROLL) {
-        float2 xv[HCM_UNROLL][4];
-        uint32_t bv[HCM_UNROLL][NT][2];
+    for (int m = 0; m < MT; m++)
 #pragma unroll
-        for (int u = 0; u < HCM_UNROLL; u++) {
+        for (int t = 0; t < NT; t++) acc[m][t][0] = acc[m][t][1] = acc[m][t][2] = acc[m][t][3] = 0.f;
+    for (int k = kb; k < ke; k += 16 * UN) {
+        float2 xv[UN][MT][4];
+        uint32_t bv[UN][NT][2];
+#pragma unroll
+        for (int u = 0; u < UN; u++) {
             const int kk = k + 16 * u;
             const bool in = kk < ke;
-            xv[u][0] = in ? *reinterpret_cast<const float2 *>(xa + kk) : make_float2(0.f, 0.f);
-            xv[u][1] = in ? *reinterpret_cast<const float2 *>(xb + kk) : make_float2(0.f, 0.f);
-            xv[u][2] = in ? *reinterpret_cast<const float2 *>(xa + kk + 8) : make_float2(0.f, 0.f);
-            xv[u][3] = in ? *reinterpret_cast<const float2 *>(xb + kk + 8) : make_float2(0.f, 0.f);
+#pragma unroll
+            for (int m = 0; m < MT; m++) {
+                xv[u][m][0] = in ? *reinterpret_cast<const float2 *>(xr[m][0] + kk) : make_float2(0.f, 0.f);
+                xv[u][m][1] = in ? *reinterpret_cast<const float2 *>(xr[m][1] + kk) : make_float2(0.f, 0.f);
+                xv[u][m][2] = in ? *reinterpret_cast<const float2 *>(xr[m][0] + kk + 8) : make_float2(0.f, 0.f);
+                xv[u][m][3] = in ? *reinterpret_cast<const float2 *>(xr[m][1] + kk + 8) : make_float2(0.f, 0.f);
+            }
 #pragma unroll
             for (int t = 0; t < NT; t++) {
                 bv[u][t][0] = in ? __ldg(w[t] + kk / 2) : 0u;
@@ -277,23 +293,29 @@ static __global__ void __launch_bounds__(HCM_WARPS * 32) hcm_kernel(const hcm_pa
             }
         }
 #pragma unroll
-        for (int u = 0; u < HCM_UNROLL; u++) {
-            uint32_t ah[4], al[4];
+        for (int u = 0; u < UN; u++)
 #pragma unroll
-            for (int j = 0; j < 4; j++) cu_split_bf16x2(xv[u][j].x, xv[u][j].y, &ah[j], &al[j]);
+            for (int m = 0; m < MT; m++) {
+                uint32_t ah[4], al[4];
 #pragma unroll
-            for (int t = 0; t < NT; t++) cu_mma_bf16(acc[t], al, bv[u][t][0], bv[u][t][1]);
+                for (int j = 0; j < 4; j++) cu_split_bf16x2(xv[u][m][j].x, xv[u][m][j].y, &ah[j], &al[j]);
 #pragma unroll
-            for (int t = 0; t < NT; t++) cu_mma_bf16(acc[t], ah, bv[u][t][0], bv[u][t][1]);
-        }
+                for (int t = 0; t < NT; t++) cu_mma_bf16(acc[m][t], al, bv[u][t][0], bv[u][t][1]);
+#pragma unroll
+                for (int t = 0; t < NT; t++) cu_mma_bf16(acc[m][t], ah, bv[u][t][0], bv[u][t][1]);
+            }
     }
-    float *mp = p.mp + ((int64_t)slice * p.n + r0) * HCM_LD;
 #pragma unroll
-    for (int t = 0; t < NT; t++) {
-        const int c = 8 * t + 2 * q4;
-        if (r0 + g < p.n) *reinterpret_cast<float2 *>(mp + (int64_t)g * HCM_LD + c) = make_float2(acc[t][0], acc[t][1]);
-        if (r0 + g + 8 < p.n)
-            *reinterpret_cast<float2 *>(mp + (int64_t)(g + 8) * HCM_LD + c) = make_float2(acc[t][2], acc[t][3]);
+    for (int m = 0; m < MT; m++) {
+        const int64_t rm = r0 + 16 * m;
+        float *mp = p.mp + ((int64_t)slice * p.n + rm) * HCM_LD;
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            const int c = 8 * t + 2 * q4;
+            if (rm + g < p.n) *reinterpret_cast<float2 *>(mp + (int64_t)g * HCM_LD + c) = make_float2(acc[m][t][0], acc[m][t][1]);
+            if (rm + g + 8 < p.n)
+                *reinterpret_cast<float2 *>(mp + (int64_t)(g + 8) * HCM_LD + c) = make_float2(acc[m][t][2], acc[m][t][3]);
+        }
     }
 }
 
@@ -378,9 +400,10 @@ static bool hcm_ok(const mt_weight *fn, const float *X, int S, int H) {
            ((uintptr_t)fn->data & 3u) == 0;
 }
 
-/* k-slices: ~32 warps a multiprocessor, at most 32 slices of >= 512 columns. H200, the 8 calls of
- * a prefill (docs/bench/2026-11-30-h200-session10.md, call 11): 4096 rows with 4 / 8 / 16 / 32
- * slices 1.78 / 1.21 / 1.10 / 1.17 ms; 512 rows with 16 / 32 slices 0.47 / 0.28 ms. */
+/* k-slices: ~32 16-row tiles a multiprocessor (~16 warps of HCM_TILES), at most 32 slices of >= 512
+ * columns. H200, the 8 calls of a prefill with a tile a warp (docs/bench/2026-11-30-h200-session10.md,
+ * call 11): 4096 rows with 4 / 8 / 16 / 32 slices 1.78 / 1.21 / 1.10 / 1.17 ms; 512 rows with 16 /
+ * 32 slices 0.47 / 0.28 ms. */
 static int hcm_slices(int n, int K, int n_sm) {
     const int64_t tiles = (n + 15) / 16;
     int64_t mk = (int64_t)n_sm * 32 / tiles;
@@ -1060,7 +1083,8 @@ extern "C" void cu_hc_pre(mt_backend *be, float *y, float *post, float *comb, co
         float *mp = (float *)cu_scratch(be, CU_SCRATCH_DENSE, sizeof(float) * (size_t)slices * n * HCM_LD);
         if (!mp) return;
         const hcm_params hp = {mp, X, (const __nv_bfloat16 *)fn->data, n, K, mix, kc};
-        const dim3 grid((unsigned)((n + 16 * HCM_WARPS - 1) / (16 * HCM_WARPS)), (unsigned)slices);
+        const int rows = 16 * HCM_TILES * HCM_WARPS; /* a block's */
+        const dim3 grid((unsigned)((n + rows - 1) / rows), (unsigned)slices);
         if (mix <= 24) hcm_kernel<3><<<grid, HCM_WARPS * 32, 0, cu_stream(be)>>>(hp);
         else hcm_kernel<4><<<grid, HCM_WARPS * 32, 0, cu_stream(be)>>>(hp);
         cu_check_launch(be, "hc_pre (mix)");
