@@ -1126,8 +1126,9 @@ TEST_F(CudaOps, HyperConnections) {
     struct S { int S_, H; };
     // hc_pre: n <= 4 with S <= 4 and S*H a multiple of 8 load vectors takes the one-cluster
     // kernel (4 x 4096, 2 x 64, 3 x 256, 1 x 512); S*H = 400, n > 4 and S = 6 the GEMV + one-block
-    // form: the row in registers for S <= 4 (hc_pre_rows_kernel; n = 300: many blocks; n = 2150:
-    // the mix's k-slices do not divide S*H evenly on 132 multiprocessors), S = 6 the
+    // form: the row in registers for S <= 4 (hc_pre_rows_kernel; n = 20, 29: the mix's second
+    // 16-row tile of a warp partly filled; n = 300: many blocks; n = 2150: the mix's k-slices do
+    // not divide S*H evenly on 132 multiprocessors), S = 6 the
     // older kernel with its block-wide Sinkhorn (S*S > 32). hc_post: float4 accesses for S <= 4 (every
     // shape here but S = 6, which takes the scalar kernel).
     for (const S &s : {S{4, 4096}, S{2, 64}, S{4, 100}, S{3, 256}, S{1, 512}, S{6, 20}}) {
@@ -1135,7 +1136,7 @@ TEST_F(CudaOps, HyperConnections) {
         const mt_hc_params p = {Sn, H, 1e-6f, 1e-6f, 20};
         for (mt_dtype dt : {MT_BF16, MT_F32}) {
             auto fn = MakeWeight(dt, mix, SH, 2.f / std::sqrt((float)SH));
-            for (int n : {1, 2, 3, 4, 5, 9, 40, 300, 2150}) {
+            for (int n : {1, 2, 3, 4, 5, 9, 20, 29, 40, 300, 2150}) {
                 std::vector<float> X = Rand((size_t)n * SH, -2.f, 2.f), base = Rand(mix), scale = Rand(3, 0.5f, 1.5f);
                 std::vector<float> y((size_t)n * H), post((size_t)n * Sn), comb((size_t)n * Sn * Sn);
                 cpu_->ops->hc_pre(cpu_, y.data(), post.data(), comb.data(), X.data(), &fn->cpu, base.data(),

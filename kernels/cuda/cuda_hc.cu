@@ -225,21 +225,20 @@ static __global__ void __launch_bounds__(HC_MIX_THREADS) hc_pre_mix_kernel(const
 }
 
 /* The prefill mix m = X fn^T on the tensor cores, without a pass that splits X first: warp =
- * (16 rows, one k-slice of the S*H columns); per 16 columns each lane loads its A fragment's
- * eight fp32 values of X straight from memory (float2 pairs), splits them into bf16 hi + lo
+ * (2 x 16 rows, one k-slice of the S*H columns); per 16 columns and row tile each lane loads its A
+ * fragment's eight fp32 values of X straight from memory (float2 pairs), splits them into bf16 hi + lo
  * (the bf16 fn is exact: two mma terms, ~1e-5 relative, as the backend's two-part GEMMs) and
  * multiplies by fn's rows from L2 (786 KB at the real shapes). k-slices give the GPU enough warps
- * (4096 rows: 256 row tiles x 16 slices); their partials [mk][n][HCM_LD] are added in slice order
+ * (4096 rows: 256 row tiles, 128 warps, x 8 slices); their partials [mk][n][HCM_LD] are added in slice order
  * by hc_pre_rows_kernel. Replaces cu_matmul's split + two cuBLAS GEMMs, which moved ~800 MB a call
  * for a 24 x 16384 weight at 4096 rows: on the H200, 8 calls of a 4096-token prefill 2.08 ->
  * 1.20 ms with 8 k-slices (150 us a call; X alone is 268 MB, 63 us at the copy rate), ~1.1 ms
- * with 16. A warp takes two 16-row tiles (HCM_TILES), so each fn fragment it loads (six
- * 4-byte loads a lane and k step, more requests than X's four) serves 32 rows: 1.08-1.12 -> 0.79-0.80
- * ms (session 13, docs/bench/2026-11-30-h200-session13.md; the slice count stays as for one
- * tile: doubling it with the warps' rows cost hc_pre_rows_kernel, which sums the slices, 0.25 ms). */
+ * with 16. A warp takes two 16-row tiles (HCM_TILES), so each fn fragment it loads (for NT = 3,
+ * six 4-byte loads a lane and k step, more requests than X's four) serves 32 rows: 1.08-1.12 -> 0.79-0.80
+ * ms at 16 slices (session 13, docs/bench/2026-11-30-h200-session13.md; see hcm_slices). */
 enum { HCM_LD = 32 /* mix outputs, padded: four n8 tiles */, HCM_WARPS = 4,
        HCM_TILES = 2 /* m16 row tiles a warp: each fn fragment it loads serves both */,
-       HCM_UNROLL = 2 /* k steps a load batch */ };
+       HCM_UNROLL = 2 /* k steps a load batch (4 was slower with two tiles) */ };
 
 struct hcm_params {
     float *mp;              /* [mk][n][HCM_LD] */
@@ -400,13 +399,16 @@ static bool hcm_ok(const mt_weight *fn, const float *X, int S, int H) {
            ((uintptr_t)fn->data & 3u) == 0;
 }
 
-/* k-slices: ~32 16-row tiles a multiprocessor (~16 warps of HCM_TILES), at most 32 slices of >= 512
- * columns. H200, the 8 calls of a prefill with a tile a warp (docs/bench/2026-11-30-h200-session10.md,
- * call 11): 4096 rows with 4 / 8 / 16 / 32 slices 1.78 / 1.21 / 1.10 / 1.17 ms; 512 rows with 16 /
- * 32 slices 0.47 / 0.28 ms. */
+/* k-slices: ~16 16-row tiles a multiprocessor (~8 warps of HCM_TILES), at most 32 slices of >= 512
+ * columns. The count is a trade: more slices feed the mix more warps, and hc_pre_rows_kernel sums
+ * each row's slices in order before it can finish the row. H200, the 8 calls of a 4096-token
+ * prefill (docs/bench/2026-11-30-h200-session13.md, call 14), mix + rows kernel: 4 / 8 / 16 slices
+ * 2.19-2.28 / 1.75-1.78 / 1.90-1.95 ms. With a tile a warp (session 10, call 11), the mix alone:
+ * 4 / 8 / 16 / 32 slices 1.78 / 1.21 / 1.10 / 1.17 ms; 512 rows with 16 / 32 slices 0.47 / 0.28 ms
+ * (512 rows still take 32). */
 static int hcm_slices(int n, int K, int n_sm) {
     const int64_t tiles = (n + 15) / 16;
-    int64_t mk = (int64_t)n_sm * 32 / tiles;
+    int64_t mk = (int64_t)n_sm * 16 / tiles;
     if (mk > 32) mk = 32;
     if (mk > K / 512) mk = K / 512;
     return mk < 1 ? 1 : (int)mk;
