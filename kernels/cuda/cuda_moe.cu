@@ -1311,7 +1311,7 @@ static void moe_experts_run(mt_backend *be, float *out, const float *x, const in
     const bool wg = grouped && cu_moe_wg_ok(cb, dt, H, I);
     int32_t *hidx = NULL;
     int need = routed ? cb->route_experts : 0, mx = -1;
-    if ((grouped && !(wg && routed)) || !routed) {
+    if (!routed || (grouped && !wg)) {
         if ((st = moe_read_idx(cb, idx, P, &hidx, &mx)) != MT_OK) return cu_op_status(be, "moe_experts", st);
         if (!routed) need = mx + 1;
         MT_ASSERT(mx < need);
