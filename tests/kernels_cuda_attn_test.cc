@@ -678,6 +678,10 @@ TEST_F(CudaAttnMla, MlaSparseSmallShapes) {
         {32, 22, 40, 256, 40, 37, 30, MT_BF16, true},    // dn not a multiple of 4: the split's scalar form
         {32, 20, 12, 512, 0, 300, 20, MT_BF16, true},    // two passes, the second of 44 rows
         {64, 32, 64, 512, 100, 200, 90, MT_BF16, true},  // one split: the attend writes the output's A
+        // kvl 512 with heads in 64s runs the wgmma attend (cuda_mla_wg.cu); the cases above with
+        // 64 heads and kvl 512 do too; these add a second head group and rows short of a tile
+        {128, 8, 8, 512, 5, 40, 200, MT_F32, true},
+        {128, 16, 16, 512, 60, 33, 50, MT_BF16, true},
     });
 }
 
@@ -713,26 +717,33 @@ TEST_F(CudaAttnMla, MlaSparsePrefillOldVsNew) {
     };
     const char *prev = getenv("MT_MLA_ATTEND");
     const std::string saved = prev ? prev : "";
-    setenv("MT_MLA_ATTEND", "wide", 1);
-    const double ms_old = WarmMs(run);
-    const std::vector<float> out_old = dout.Get();
-    unsetenv("MT_MLA_ATTEND");
-    const double ms_new = WarmMs(run);
-    const std::vector<float> out_new = dout.Get();
+    // MT_MLA_ATTEND: "wide" the fp32 kernel, "mma" mla_attend_tc_kernel, unset the wgmma kernel
+    auto with = [&](const char *mode, double *ms) {
+        if (mode) setenv("MT_MLA_ATTEND", mode, 1);
+        else unsetenv("MT_MLA_ATTEND");
+        *ms = WarmMs(run);
+        return dout.Get();
+    };
+    double ms_old, ms_mma, ms_new;
+    const std::vector<float> out_old = with("wide", &ms_old), out_mma = with("mma", &ms_mma),
+                             out_new = with(nullptr, &ms_new);
     // The three kernels apart (absorb, attend, output), each synchronised: one profiled call each.
-    setenv("MT_MLA_ATTEND", "wide", 1);
-    mt_cuda_profile(gpu_, true, "mla_sparse prefill, fp32 wide attend");
-    run();
-    mt_cuda_profile(gpu_, false, "mla_sparse prefill, fp32 wide attend");
-    unsetenv("MT_MLA_ATTEND");
-    mt_cuda_profile(gpu_, true, "mla_sparse prefill, tensor-core attend");
-    run();
-    mt_cuda_profile(gpu_, false, "mla_sparse prefill, tensor-core attend");
+    for (const char *mode : {"wide", "mma", "wg"}) {
+        if (std::string(mode) == "wg") unsetenv("MT_MLA_ATTEND");
+        else setenv("MT_MLA_ATTEND", mode, 1);
+        const std::string what = std::string("mla_sparse prefill, attend ") + mode;
+        mt_cuda_profile(gpu_, true, what.c_str());
+        run();
+        mt_cuda_profile(gpu_, false, what.c_str());
+    }
     if (prev) setenv("MT_MLA_ATTEND", saved.c_str(), 1);
-    const double e = RelErr(out_new, out_old);
-    std::printf("[mla_sparse prefill] Hq=%d kvl=%d t0=%d n=%d sel=%d, paged: fp32 wide %.3f ms, tensor cores %.3f ms "
-                "(%.1fx), rel %.2e\n", Hq, kvl, t0, n, max_sel, ms_old, ms_new, ms_old / ms_new, e);
+    else unsetenv("MT_MLA_ATTEND");
+    const double e = RelErr(out_new, out_old), e_mma = RelErr(out_mma, out_old);
+    std::printf("[mla_sparse prefill] Hq=%d kvl=%d t0=%d n=%d sel=%d, paged: fp32 wide %.3f ms, mma.sync %.3f ms "
+                "(rel %.2e), wgmma %.3f ms (rel %.2e; %.2fx mma.sync)\n",
+                Hq, kvl, t0, n, max_sel, ms_old, ms_mma, e_mma, ms_new, e, ms_mma / ms_new);
     EXPECT_LE(e, kRelTol);
+    EXPECT_LE(e_mma, kRelTol);
     gpu_->ops->weight_free(gpu_, &w_gpu);
 }
 

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/cuda_mla.h"
 #include "kernels/cuda/cuda_ops.h"
 
 /* Dynamic shared memory above 48 KB needs the kernel's limit raised first. */
@@ -410,33 +411,6 @@ enum {
     OUT_RB = 4,          /* output: value rows per warp pass */
 };
 
-typedef struct mla_dev_params {
-    float *out;              /* [nb, Hq, dv] (this batch) */
-    const float *q;          /* [nb, Hq, dn] */
-    mt_paged latent;         /* [n_pages, page, kvl]: the latent cache pool (row == kvl) */
-    const int32_t *bt;       /* the sequence's block table, covering positions [0, t0+nb) */
-    const void *kv_b;        /* [Hq*(dn+dv), kvl], dtype kv_dtype */
-    mt_dtype kv_dtype;
-    const int32_t *sel;      /* [nb, max_sel] */
-    const int32_t *nsel;     /* [nb] */
-    float *qa;               /* [nb, Hq, kvl] scratch */
-    float *part;             /* [nb, Hq, nsplit, kvl + 2] scratch: max, sum, acc[kvl] per split */
-    int max_sel, t0, nb, Hq, dn, dv, kvl;
-    int hg, nsplit;          /* heads per attend block, splits of the selected rows */
-    float scale;
-    const int32_t *t0_dev;   /* graph form: positions are *t0_dev + t0 + i (t0 = batch offset) */
-    int t_cap;               /* graph form: bound on every position (plans the splits) */
-    /* rows form (batched decode): query i is at position pos_rows[i] of the sequence whose block
-     * table is bt_rows[i] (device tables [nb] of this batch); t0, t0_dev and bt are then unused */
-    const int32_t *pos_rows;
-    const int32_t *const *bt_rows;
-    /* tensor-core attend (prefill, eager, one sequence): the latent rows of positions [0, t0+n)
-     * gathered from the pages and split into bf16 hi, lo, in scratch */
-    const __nv_bfloat16 *lat16; /* [t0+n, 2, kvl]: row r = (hi, lo) of position r's latent row */
-    /* with the absorb/output through cuBLAS and one split: the attend writes its normalised
-     * output straight as the output GEMM's bf16 parts [nb * Hq][2 kvl] (no part, no merge) */
-    __nv_bfloat16 *o16;
-} mla_dev_params;
 
 /* Query i's position and block table, in every form. */
 static __device__ __forceinline__ int mla_pos(const mla_dev_params &p, int i) {
@@ -1625,6 +1599,10 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
     const bool force_old = env && strcmp(env, "old") == 0, force_wide = env && strcmp(env, "wide") == 0;
     const bool tc = n >= MLAT_MIN_ROWS && !force_old && !force_wide && shape32 && !p->t0_dev && !p->pos_rows &&
                     tc_smem <= lim;
+    /* of those, kvl 512 with heads in 64s on wgmma (cuda_mla_wg.cu); MT_MLA_ATTEND=mma keeps
+     * mla_attend_tc_kernel (for comparison) */
+    const bool wgk = tc && p->kvl == 512 && p->Hq % 64 == 0 && !(env && strcmp(env, "mma") == 0) &&
+                     mla_wg_smem_bytes() <= lim;
     const bool wide = !tc && n > 1 && !force_old && shape32 && wide_smem <= lim;
     /* with it, the absorb and output through cuBLAS (mla_gemm_blas) when kv_b is bf16 */
     const bool tcg = tc && p->kv_dtype == MT_BF16 && cu_aligned16(p->kv_b); /* mla_dup_kernel's 16-byte loads */
@@ -1665,6 +1643,7 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
         else st = dsa_smem_opt_in((const void *)mla_attend_wide_kernel<2>, wide_smem);
         if (st != MT_OK) return st;
     }
+    if (wgk) MT_CUDA_CHECK(mla_wg_opt_in());
     if (tc) {
         if (p->kvl == 256) st = dsa_smem_opt_in((const void *)mla_attend_tc_kernel<4>, tc_smem);
         else st = dsa_smem_opt_in((const void *)mla_attend_tc_kernel<8>, tc_smem);
@@ -1705,7 +1684,8 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
         }
         cu_check_launch(be, "mla_sparse (absorb)");
         const dim3 gt(b.nb, p->Hq / p->hg, p->nsplit);
-        if (tc && p->kvl == 256) mla_attend_tc_kernel<4><<<gt, 4 * 32, tc_smem, cu_stream(be)>>>(b);
+        if (wgk) mla_wg_launch(&b, cu_stream(be));
+        else if (tc && p->kvl == 256) mla_attend_tc_kernel<4><<<gt, 4 * 32, tc_smem, cu_stream(be)>>>(b);
         else if (tc) mla_attend_tc_kernel<8><<<gt, 8 * 32, tc_smem, cu_stream(be)>>>(b);
         else if (!wide) cu_launch_pdl_k(mla_attend_kernel, dim3(gt), dim3(MLA_THREADS), att_smem, cu_stream(be), b);
         else if (p->kvl == 256) mla_attend_wide_kernel<1><<<gt, MLAW_THREADS, wide_smem, cu_stream(be)>>>(b);

@@ -1,7 +1,8 @@
 /* kernels/cuda/cuda_wgmma.h: Hopper (sm_90a) primitives for the kernels that fill shared memory
  * with the copy engine and feed the warpgroup MMA: mbarriers, bulk and tensor (TMA) loads,
- * shared-memory matrix descriptors, and wgmma.mma_async for bf16 x bf16 -> fp32 with both
- * operands in shared memory. Owner: the CUDA backend (users: cuda_moe_wg.cu, cuda_kda_chunk.cu).
+ * shared-memory matrix descriptors, cluster primitives, and wgmma.mma_async for bf16 x bf16 ->
+ * fp32 with both operands in shared memory (and one form with A in registers). Owner: the CUDA
+ * backend (users: cuda_moe_wg.cu, cuda_kda_chunk.cu, cuda_mla_wg.cu).
  *
  * Operand layout (the only one these helpers describe): a tile of rows x 64 bf16, K-major, as a
  * TMA box {64, rows} with CU_TENSOR_MAP_SWIZZLE_128B writes it: row r at byte 128 r, its 16-byte
@@ -75,6 +76,68 @@ static __device__ __forceinline__ uint64_t cu_wg_desc(const void *p) {
     return (uint64_t)((cu_smem_addr(p) & 0x3FFFFu) >> 4) | (uint64_t)1 << 16 | (uint64_t)(1024 >> 4) << 32 |
            (uint64_t)1 << 62;
 }
+/* Descriptor of an MN-major (transposed), 128-byte-swizzled operand at p: rows of 64 bf16 along
+ * N (or M) in the swizzled tile layout of the file comment, read as K = the tile's rows (k16 step j
+ * at 2048 j bytes in), N = its 64 columns, then further 64-column tiles `lbo` bytes apart (bits
+ * 16-29); 8-row (k) groups 1024 bytes apart (bits 32-45). For a tile written once for a K-major
+ * product (rows x columns) and used again with rows as K (scores, then P times the same rows). */
+static __device__ __forceinline__ uint64_t cu_wg_desc_mn(const void *p, uint32_t lbo) {
+    return (uint64_t)((cu_smem_addr(p) & 0x3FFFFu) >> 4) | (uint64_t)((lbo >> 4) & 0x3FFFu) << 16 |
+           (uint64_t)(1024 >> 4) << 32 | (uint64_t)1 << 62;
+}
+
+/* ---- thread block clusters: rank, the peer's copy of a shared variable, remote mbarrier
+ * arrivals and stores, cluster-scope waits, and the cluster barrier ---- */
+static __device__ __forceinline__ unsigned cu_cluster_rank(void) {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+/* The shared::cluster address of the variable at local p in CTA `rank` of the cluster. */
+static __device__ __forceinline__ uint32_t cu_cluster_map(const void *p, unsigned rank) {
+    uint32_t r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(cu_smem_addr(p)), "r"(rank));
+    return r;
+}
+static __device__ __forceinline__ void cu_cluster_st4(uint32_t addr, float4 v) {
+    asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(v.x), "f"(v.y), "f"(v.z),
+                 "f"(v.w)
+                 : "memory");
+}
+/* A store into the shared memory of a CTA of the cluster that completes its 16 bytes on that CTA's
+ * mbarrier bar (the waiter's arrive_tx counts them): no fence, no arrival. */
+static __device__ __forceinline__ void cu_cluster_st_async4(uint32_t addr, float4 v, uint32_t bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(
+                     addr),
+                 "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(bar)
+                 : "memory");
+}
+/* Arrives on a (possibly remote) mbarrier, releasing this thread's earlier writes cluster-wide. */
+static __device__ __forceinline__ void cu_cluster_arrive(uint32_t bar_addr) {
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(bar_addr) : "memory");
+}
+/* cu_mbar_wait with acquire at cluster scope: sees what the remote arrivers released. */
+static __device__ __forceinline__ void cu_mbar_wait_cluster(uint64_t *bar, unsigned parity) {
+    asm volatile("{\n.reg .pred done;\n"
+                 "WAITC:\n"
+                 "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAITC;\n}\n" ::"r"(cu_smem_addr(bar)),
+                 "r"(parity)
+                 : "memory");
+}
+/* The cluster barrier in two halves: arrive (releasing this thread's earlier writes, remote ones
+ * included) and wait (acquiring everybody's); every thread of every CTA of the cluster. */
+static __device__ __forceinline__ void cu_cluster_arrive_all(void) {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+}
+static __device__ __forceinline__ void cu_cluster_wait_all(void) {
+    asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+/* Every thread of every CTA of the cluster (also a CTA barrier). */
+static __device__ __forceinline__ void cu_cluster_sync(void) {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
 static __device__ __forceinline__ void cu_wg_fence(void) { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 static __device__ __forceinline__ void cu_wg_commit(void) {
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
@@ -84,6 +147,7 @@ template <int N> static __device__ __forceinline__ void cu_wg_wait(void) {
 }
 /* Keeps the compiler from moving accesses of an accumulator across the asynchronous MMAs. */
 static __device__ __forceinline__ void cu_wg_reg_fence(float &r) { asm volatile("" : "+f"(r)::"memory"); }
+static __device__ __forceinline__ void cu_wg_reg_fence_u(uint32_t &r) { asm volatile("" : "+r"(r)::"memory"); }
 
 /* d[64, N] += A[64, 16] B[N, 16]^T, A and B from descriptors (cu_wg_desc), d as in the file
  * comment. */
@@ -104,6 +168,17 @@ template <> __device__ __forceinline__ void cu_wgmma_bf16<32>(float *d, uint64_t
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
                    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
                  : "l"(a), "l"(b), "r"(1));
+}
+/* The same with d overwritten (scale-d 0) where acc == 0: no zeroing of d by ordinary instructions,
+ * which would serialize the wgmmas in flight. */
+static __device__ __forceinline__ void cu_wgmma_bf16_32(float *d, uint64_t a, uint64_t b, int acc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+                 "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                 : "l"(a), "l"(b), "r"(acc));
 }
 template <> __device__ __forceinline__ void cu_wgmma_bf16<48>(float *d, uint64_t a, uint64_t b) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %26, 0;\n"
@@ -391,6 +466,43 @@ template <> __device__ __forceinline__ void cu_wgmma_bf16<256>(float *d, uint64_
                    "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
                    "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
                  : "l"(a), "l"(b), "r"(1));
+}
+
+/* d[64, 256] += A[64, 16] B[16, 256] with A from registers and B MN-major (cu_wg_desc_mn). Warp w
+ * of the warpgroup gives rows 16 w .. 16 w + 15 of A as the m16n8k16 A fragment: a[0] = (row g,
+ * k 2q, 2q + 1), a[1] = (row g + 8, the same k), a[2] = (row g, k 2q + 8, 2q + 9), a[3] = (row
+ * g + 8, those k); g = lane / 4, q = lane % 4, the lower k in the low half. That is the layout of
+ * an accumulator's columns 16 j .. 16 j + 15 (file comment), d[8 j + 2 i], d[8 j + 2 i + 1] as
+ * a[i], so a product's scores feed the next product without shared memory. */
+static __device__ __forceinline__ void cu_wgmma_bf16_ra256_mn(float *d, const uint32_t *a, uint64_t b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+                 "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+                 "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+                 "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+                 "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+                 "}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+                   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+                   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+                   "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+                   "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+                   "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+                   "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+                   "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+                   "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+                   "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+                   "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
 }
 
 #endif /* MT_CUDA_WGMMA_H */
