@@ -37,7 +37,6 @@ typedef struct mla_dev_params {
     /* with the absorb/output through cuBLAS and one split: the attend writes its normalised
      * output straight as the output GEMM's bf16 parts [nb * Hq][2 kvl] (no part, no merge) */
     __nv_bfloat16 *o16;
-    int dbg; /* TEMPORARY: cuda_mla_wg.cu's timing knobs (MT_MLA_WG_DBG) */
 } mla_dev_params;
 
 /* The prefill attend of cuda_mla_wg.cu: usable for this pass's shape (kvl 512, Hq % 64 == 0,

@@ -67,6 +67,16 @@ template <int N> static __device__ __forceinline__ void mw_wait(void) {
 static __device__ __forceinline__ void mw_proxy_fence(void) {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
+/* Turns at the tensor cores: warpgroup wg waits for its turn (barrier 3 + wg: its 128 threads and
+ * the other warpgroup's arrival), issues its products, and hands the turn over. */
+static __device__ __forceinline__ void mw_turn_wait(int wg) {
+    if (wg == 0) asm volatile("bar.sync 3, 256;\n" ::: "memory");
+    else asm volatile("bar.sync 4, 256;\n" ::: "memory");
+}
+static __device__ __forceinline__ void mw_turn_pass(int wg) {
+    if (wg == 0) asm volatile("bar.arrive 4, 256;\n" ::: "memory");
+    else asm volatile("bar.arrive 3, 256;\n" ::: "memory");
+}
 /* The 128 threads of warpgroup wg (named barrier 1 + wg). */
 static __device__ __forceinline__ void mw_wg_sync(int wg) {
     if (wg == 0) asm volatile("bar.sync 1, 128;\n" ::: "memory");
@@ -179,19 +189,22 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
      * serialize the wgmmas). */
     auto run = [&](auto sc_tag) {
         constexpr bool SC = decltype(sc_tag)::value;
-        for (int tt = wg, u = 0; tt < ntiles; tt += 2, u++) {
-            const int rows = tile_rows(tt);
-            const uint8_t *lt = tiles + (tt % MW_STAGES) * MW_T_STAGE;
+        /* Tiles tt = wg, wg + 2, .. (step u = tt / 2). The products go out in blocks, each in
+         * this warpgroup's turn at the tensor cores: P Lat of tile tt - 2 and the scores of tile
+         * tt. The turns alternate between the warpgroups (with two tiles at least), so one's
+         * exchange and softmax run while the other's products do. */
+        const bool turns = ntiles >= 2;
+        float s[16];
+        auto issue_scores = [&](int tt, int u) {
             /* groups so far: tiles wg, wg + 2, then one a step (the refill of tile tt + 2 at
              * step u >= 1): tile tt is the newest from step 2 on */
             if (u < 2) mw_wait<1>();
             else mw_wait<0>();
             mw_proxy_fence(); /* this thread's zero rows, for the async proxy */
             mw_wg_sync(wg);   /* everybody's copies */
-            float s[16];
-            if (SC && !(p.dbg & 1)) { /* the partial scores over this CTA's columns */
-#pragma unroll
-                for (int x = 0; x < 16; x++) cu_wg_reg_fence(s[x]);
+            if (SC) { /* the partial scores over this CTA's columns */
+                const uint8_t *lt = tiles + (tt % MW_STAGES) * MW_T_STAGE;
+                /* (no register fence on s: the first product overwrites it) */
                 cu_wg_fence();
 #pragma unroll
                 for (int c = 0; c < 4; c++)
@@ -204,6 +217,14 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
                     }
                 cu_wg_commit();
             }
+        };
+        if (turns && wg == 1) mw_turn_pass(1); /* warpgroup 0 goes first */
+        if (turns) mw_turn_wait(wg);
+        for (int tt = wg, u = 0; tt < ntiles; tt += 2, u++) {
+            const int rows = tile_rows(tt);
+            const uint8_t *lt = tiles + (tt % MW_STAGES) * MW_T_STAGE;
+            issue_scores(tt, u); /* in the turn that issued P Lat of tile tt - 2 */
+            if (turns) mw_turn_pass(wg);
             cu_wg_wait<0>(); /* the scores, and P Lat of this warpgroup's last tile */
 #pragma unroll
             for (int x = 0; x < 16; x++) cu_wg_reg_fence(s[x]);
@@ -211,13 +232,13 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
             for (int x = 0; x < 2 * MW_COLS / 4; x++) cu_wg_reg_fence(o[x]);
             float sc[16];
 #pragma unroll
-            for (int x = 0; x < 16; x++) sc[x] = SC && !(p.dbg & 1) ? s[x] : 0.f;
+            for (int x = 0; x < 16; x++) sc[x] = SC ? s[x] : 0.f;
             /* S = own + the peer's partial: the peer's warpgroup wg stores into xw[u % 2] here
              * and this one into the peer's. A buffer is written again two steps later, after the
              * peer has the partial of the step between, which this side stores only after reading
              * the buffer (each thread its own 64 bytes). */
             const int xb = u & 1;
-            if (SC && !(p.dbg & 8)) {
+            if (SC) {
                 const uint32_t dst = peer_xs + (uint32_t)(xb * MW_X_BUF);
 #pragma unroll
                 for (int v = 0; v < 4; v++)
@@ -226,12 +247,12 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
             }
             /* refill: tile tt + 2 into the stage of tile tt - 2 (its P Lat is done), then the
              * positions of tile tt + 4 */
-            if (u >= 1 && tt + 2 < ntiles && !(p.dbg & 4)) {
+            if (u >= 1 && tt + 2 < ntiles) {
                 mw_stage(tiles + ((tt + 2) % MW_STAGES) * MW_T_STAGE, p.lat16, pn, c0, wt);
                 if (tt + 4 < ntiles) mw_positions(pn, srow, m, sb + (tt + 4) * MW_R, tile_rows(tt + 4), wt);
             }
             mw_commit();
-            if (SC && !(p.dbg & 8)) {
+            if (SC) {
                 cu_mbar_wait_cluster(&fw[xb], (unsigned)(u >> 1) & 1u);
                 if (wt == 0) cu_mbar_arrive_tx(&fw[xb], MW_X_BUF); /* armed for step u + 2 */
                 const float4 *src = (const float4 *)(xw + (xb * 128 + wt) * 16);
@@ -288,9 +309,10 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
                 }
 #pragma unroll
             for (int x = 0; x < 2 * MW_COLS / 4; x++) cu_wg_reg_fence(o[x]);
+            if (turns) mw_turn_wait(wg);
             cu_wg_fence();
 #pragma unroll
-            for (int kk = 0; kk < 2 && !(p.dbg & 2); kk++) {
+            for (int kk = 0; kk < 2; kk++) {
                 const uint64_t bh = cu_wg_desc_mn(lt + kk * 16 * 128, MW_T_CHUNK),
                                bl = cu_wg_desc_mn(lt + MW_R * 128 + kk * 16 * 128, MW_T_CHUNK);
                 cu_wgmma_bf16_ra256_mn(o, pl[kk], bh);
@@ -299,6 +321,10 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
             }
             cu_wg_commit();
         }
+        if (turns) mw_turn_pass(wg);
+        /* every turn handed over was taken: one is left over for warpgroup 0 when the tiles are
+         * even in number, for warpgroup 1 when odd */
+        if (turns && wg == (ntiles & 1)) mw_turn_wait(wg);
         cu_wg_wait<0>();
 #pragma unroll
         for (int x = 0; x < 2 * MW_COLS / 4; x++) cu_wg_reg_fence(o[x]);
@@ -375,7 +401,5 @@ cudaError_t mla_wg_opt_in(void) {
 
 void mla_wg_launch(const mla_dev_params *b, cudaStream_t s) {
     const dim3 grid(2 * (unsigned)b->nb, (unsigned)(b->Hq / MW_HEADS), (unsigned)b->nsplit);
-    mla_dev_params bb = *b; /* TEMPORARY knobs */
-    bb.dbg = getenv("MT_MLA_WG_DBG") ? atoi(getenv("MT_MLA_WG_DBG")) : 0;
-    mla_attend_wg_kernel<<<grid, MW_THREADS, MW_SMEM, s>>>(bb);
+    mla_attend_wg_kernel<<<grid, MW_THREADS, MW_SMEM, s>>>(*b);
 }

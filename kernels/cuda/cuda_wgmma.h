@@ -86,8 +86,8 @@ static __device__ __forceinline__ uint64_t cu_wg_desc_mn(const void *p, uint32_t
            (uint64_t)(1024 >> 4) << 32 | (uint64_t)1 << 62;
 }
 
-/* ---- thread block clusters: rank, the peer's copy of a shared variable, remote mbarrier
- * arrivals and stores, cluster-scope waits, and the cluster barrier ---- */
+/* ---- thread block clusters: rank, the address of a variable in another CTA, stores there that
+ * complete on its mbarrier, cluster-scope waits, and the cluster barrier ---- */
 static __device__ __forceinline__ unsigned cu_cluster_rank(void) {
     unsigned r;
     asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
@@ -99,11 +99,6 @@ static __device__ __forceinline__ uint32_t cu_cluster_map(const void *p, unsigne
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(cu_smem_addr(p)), "r"(rank));
     return r;
 }
-static __device__ __forceinline__ void cu_cluster_st4(uint32_t addr, float4 v) {
-    asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(v.x), "f"(v.y), "f"(v.z),
-                 "f"(v.w)
-                 : "memory");
-}
 /* A store into the shared memory of a CTA of the cluster that completes its 16 bytes on that CTA's
  * mbarrier bar (the waiter's arrive_tx counts them): no fence, no arrival. */
 static __device__ __forceinline__ void cu_cluster_st_async4(uint32_t addr, float4 v, uint32_t bar) {
@@ -111,10 +106,6 @@ static __device__ __forceinline__ void cu_cluster_st_async4(uint32_t addr, float
                      addr),
                  "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(bar)
                  : "memory");
-}
-/* Arrives on a (possibly remote) mbarrier, releasing this thread's earlier writes cluster-wide. */
-static __device__ __forceinline__ void cu_cluster_arrive(uint32_t bar_addr) {
-    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(bar_addr) : "memory");
 }
 /* cu_mbar_wait with acquire at cluster scope: sees what the remote arrivers released. */
 static __device__ __forceinline__ void cu_mbar_wait_cluster(uint64_t *bar, unsigned parity) {
@@ -124,14 +115,6 @@ static __device__ __forceinline__ void cu_mbar_wait_cluster(uint64_t *bar, unsig
                  "@!done bra WAITC;\n}\n" ::"r"(cu_smem_addr(bar)),
                  "r"(parity)
                  : "memory");
-}
-/* The cluster barrier in two halves: arrive (releasing this thread's earlier writes, remote ones
- * included) and wait (acquiring everybody's); every thread of every CTA of the cluster. */
-static __device__ __forceinline__ void cu_cluster_arrive_all(void) {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-}
-static __device__ __forceinline__ void cu_cluster_wait_all(void) {
-    asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 /* Every thread of every CTA of the cluster (also a CTA barrier). */
 static __device__ __forceinline__ void cu_cluster_sync(void) {
