@@ -39,9 +39,8 @@ typedef struct mla_dev_params {
     __nv_bfloat16 *o16;
 } mla_dev_params;
 
-/* The prefill attend of cuda_mla_wg.cu: usable for this pass's shape (kvl 512, Hq % 64 == 0,
- * the split latent rows p->lat16 present)? Its dynamic shared memory in bytes. */
-bool mla_wg_usable(const mla_dev_params *p);
+/* The prefill attend of cuda_mla_wg.cu (kvl 512, Hq % 64 == 0, p->lat16 and p->qa 16-byte
+ * aligned): its dynamic shared memory in bytes. */
 size_t mla_wg_smem_bytes(void);
 /* Launches it for the pass's b->nb rows (grid 2 nb x Hq / 64 x nsplit, clusters of 2); the caller
  * has raised the kernel's shared memory limit (mla_wg_opt_in) and checks the launch. */

@@ -21,7 +21,10 @@
  * leaves room for 4 stages.
  *
  * Precision as mla_attend_tc_kernel: every fp32 operand x = hi + lo (bf16 each), products as
- * hi*hi + hi*lo + lo*hi with fp32 accumulation (three wgmmas a k step).
+ * hi*hi + hi*lo + lo*hi with fp32 accumulation: per k step of the scores one wgmma of N = 64
+ * takes Qhi against the tile's hi and lo rows (they lie one after the other), one of N = 32 Qlo
+ * against the hi rows (the query, the A operand, is read from shared memory once per wgmma: the
+ * wider one halves that traffic, which bounds this kernel with the B operands).
  *
  * Shared memory of a CTA (1024-byte aligned parts; 16-byte units of a 128-byte row swizzled by
  * row % 8, the layout cu_wg_desc describes):
@@ -194,7 +197,7 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
          * tt. The turns alternate between the warpgroups (with two tiles at least), so one's
          * exchange and softmax run while the other's products do. */
         const bool turns = ntiles >= 2;
-        float s[16];
+        float s[16], s2[32]; /* lo*hi; hi*hi in s2[0..15] and hi*lo in s2[16..31] (the same entries) */
         auto issue_scores = [&](int tt, int u) {
             /* groups so far: tiles wg, wg + 2, then one a step (the refill of tile tt + 2 at
              * step u >= 1): tile tt is the newest from step 2 on */
@@ -211,9 +214,8 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
 #pragma unroll
                     for (int j = 0; j < 4; j++) {
                         const uint8_t *qh = qs + c * (MW_HEADS * 128) + 32 * j, *tb = lt + c * MW_T_CHUNK + 32 * j;
+                        cu_wgmma_bf16_64(s2, cu_wg_desc(qh), cu_wg_desc(tb), c | j);            /* hi (hi | lo) */
                         cu_wgmma_bf16_32(s, cu_wg_desc(qh + MW_Q_PART), cu_wg_desc(tb), c | j); /* lo hi */
-                        cu_wgmma_bf16<32>(s, cu_wg_desc(qh), cu_wg_desc(tb + MW_R * 128));      /* hi lo */
-                        cu_wgmma_bf16<32>(s, cu_wg_desc(qh), cu_wg_desc(tb));                   /* hi hi */
                     }
                 cu_wg_commit();
             }
@@ -229,10 +231,12 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
 #pragma unroll
             for (int x = 0; x < 16; x++) cu_wg_reg_fence(s[x]);
 #pragma unroll
+            for (int x = 0; x < 32; x++) cu_wg_reg_fence(s2[x]);
+#pragma unroll
             for (int x = 0; x < 2 * MW_COLS / 4; x++) cu_wg_reg_fence(o[x]);
             float sc[16];
 #pragma unroll
-            for (int x = 0; x < 16; x++) sc[x] = SC ? s[x] : 0.f;
+            for (int x = 0; x < 16; x++) sc[x] = SC ? s2[x] + s2[x + 16] + s[x] : 0.f;
             /* S = own + the peer's partial: the peer's warpgroup wg stores into xw[u % 2] here
              * and this one into the peer's. A buffer is written again two steps later, after the
              * peer has the partial of the step between, which this side stores only after reading
@@ -387,10 +391,6 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
         }
     }
     cu_cluster_sync(); /* the peer's stores into this CTA's shared memory all landed before it exits */
-}
-
-bool mla_wg_usable(const mla_dev_params *p) {
-    return p->kvl == MW_KVL && p->Hq % MW_HEADS == 0 && p->lat16 && cu_aligned16(p->qa);
 }
 
 size_t mla_wg_smem_bytes(void) { return MW_SMEM; }
