@@ -686,8 +686,9 @@ TEST_F(CudaAttnMla, MlaSparseSmallShapes) {
 }
 
 // The real prefill shape (one pass of 256 rows, ~2063 selected each) over shuffled pages: the
-// tensor-core attend kernel against the fp32 wide one (MT_MLA_ATTEND=wide), GPU against GPU (the
-// CPU reference would take too long); both times printed.
+// tensor-core attend kernels (wgmma by default, mma.sync with MT_MLA_ATTEND=mma) against the fp32
+// wide one (MT_MLA_ATTEND=wide), GPU against GPU (the CPU reference would take too long); the
+// three times printed.
 TEST_F(CudaAttnMla, MlaSparsePrefillOldVsNew) {
     const int Hq = 64, dn = 256, dv = 256, kvl = 512, t0 = 3000, n = 256, max_sel = 2063;
     mt_mla_params p = {Hq, dn, dv, kvl, 1.f / std::sqrt((float)dn)};

@@ -391,7 +391,8 @@ extern "C" void cu_dsa_select_rows(mt_backend *be, int32_t *sel, int32_t *nsel, 
  *   absorb  qa[i, h] = W_k[h]^T q[i, h]                 (each kv_b key row read once per 8 rows)
  *   attend  per (row, group of hg heads, split of the selected rows): scores against the latent
  *           rows, an online softmax, and the unnormalised latent sum; (max, sum, acc) per split
- *           (fp32 for decode and a few rows; on the tensor cores for prefill, mla_attend_tc_kernel)
+ *           (fp32 for decode and a few rows; on the tensor cores for prefill: kv_lora 512 with
+ *           heads in 64s on wgmma, cuda_mla_wg.cu, else mla_attend_tc_kernel on mma.sync)
  *   output  merge the splits, normalise, o[i, h] = W_v[h] ol  (each value row read once per 8 rows)
  * Splitting the selected rows gives decode (one row, 64 heads) enough blocks for the GPU. */
 
@@ -1588,8 +1589,8 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
     const int rows_max = p->max_sel > last ? p->max_sel : last;
     /* The attend kernel: prefill (n >= MLAT_MIN_ROWS of one sequence, eager) on the tensor cores,
      * a few rows on the fp32 wide kernel (32 heads a block), where the shape allows; else, and for
-     * one row, the per-8-heads kernel. MT_MLA_ATTEND=wide or =old forces the fp32 ones (for
-     * comparison). */
+     * one row, the per-8-heads kernel. MT_MLA_ATTEND=wide or =old forces the fp32 ones, =mma the
+     * mma.sync tensor-core kernel over the wgmma one (for comparison). */
     const size_t lim = (size_t)dsa_smem_max();
     const size_t wide_smem = sizeof(float) * mlaw_smem_floats(p->kvl);
     const size_t tc_smem = mlat_smem_bytes(p->kvl / MLAT_COLS);

@@ -9,6 +9,8 @@
  *                     gated norm                                          (tensor cores)
  *   cuda_dsa.cu       pool keys, select, sparse MLA      cuda_rows.cu   rows-form conv, cache writes,
  *                     (paged caches)                                    pool keys (batched decode)
+ *   cuda_mla_wg.cu    sparse MLA prefill attend on       cuda_mla.h     sparse MLA pass parameters
+ *                     wgmma (2-CTA clusters)
  *   cuda_step.cu      graphs, run-time-position ops      cuda_random.cu random weights
  * Every launch is followed by MT_CUDA_CHECK_LAUNCH-style checking; ops return void per the table,
  * so a failed launch is logged and recorded in the backend's sticky error (cu_backend_error). */
