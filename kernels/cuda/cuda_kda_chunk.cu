@@ -486,11 +486,14 @@ static __device__ __forceinline__ const __nv_bfloat16 *kc_at_b(const __nv_bfloat
     return s + (r0 + (l & 7) + ((l >> 3) & 1) * 8) * ld + c0 + (l >> 4) * 8;
 }
 
-/* Swizzled record planes (rows of rl = 64 or 128 bf16): the 16-byte piece c8 = col / 8 of row r
- * lies at piece c8 ^ (r & 7), so the 8 consecutive rows of an ldmatrix hit 8 distinct bank
- * groups with no padding. */
+/* Swizzled record planes (64 rows of rl = 64 or 128 bf16), stored as 64-column chunks of 64
+ * rows of 128 bytes: the 16-byte piece c8 = (col % 64) / 8 of row r lies at piece c8 ^ (r & 7),
+ * so the 8 consecutive rows of an ldmatrix hit 8 distinct bank groups with no padding, and each
+ * chunk is the 128-byte-swizzled tile the warpgroup MMA reads (cuda_wgmma.h). (rl is the row
+ * length; the layout does not depend on it.) */
 static __host__ __device__ __forceinline__ int kc_swz(int rl, int r, int col) {
-    return r * rl + ((((col >> 3) ^ (r & 7))) << 3) + (col & 7);
+    (void)rl;
+    return (col >> 6) * (KDA_CHUNK * 64) + r * 64 + ((((col >> 3) & 7) ^ (r & 7)) << 3) + (col & 7);
 }
 /* Addresses of A fragments (row-major A; A^T stored, .trans) on a swizzled plane, by the rules above */
 static __device__ __forceinline__ const __nv_bfloat16 *kc_sw_a(const __nv_bfloat16 *s, int rl, int r0, int c0, int l) {
@@ -914,14 +917,18 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
         }
     }
 
-    /* 7: Tb, B, e^{G_L} */
+    /* 7: Tb, B, e^{G_L}; the 16 x 16 blocks above the diagonal block row, never computed, stored
+     * as zeros (kc_state_wg_kernel multiplies whole planes) */
     for (int e = tid; e < KDA_CHUNK * KDA_CHUNK / 8; e += KC_THREADS) { /* a 16-byte piece each */
         const int i = e >> 3, j = (e & 7) * 8, o = kc_swz(KDA_CHUNK, i, j);
         const float4 *t4 = reinterpret_cast<const float4 *>(Ts + i * KI_LDM + j);
         const float4 *a4 = reinterpret_cast<const float4 *>(Aq + i * KI_LDM + j);
         const float4 *b4 = reinterpret_cast<const float4 *>(bts + j);
-        kc_store8(rec + KC_TBH + o, lo ? rec + KC_TBL + o : NULL, kc_mul4(t4[0], b4[0]), kc_mul4(t4[1], b4[1]));
-        kc_store8(rec + KC_AQH + o, lo ? rec + KC_AQL + o : NULL, a4[0], a4[1]);
+        const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
+        const bool up = (j >> 4) > (i >> 4);
+        kc_store8(rec + KC_TBH + o, lo ? rec + KC_TBL + o : NULL, up ? z : kc_mul4(t4[0], b4[0]),
+                  up ? z : kc_mul4(t4[1], b4[1]));
+        kc_store8(rec + KC_AQH + o, lo ? rec + KC_AQL + o : NULL, up ? z : a4[0], up ? z : a4[1]);
     }
     if (tid < KDA_MAX_DK) reinterpret_cast<float *>(rec + KC_EGL)[tid] = expf(GLs[tid]);
 }
@@ -1208,6 +1215,244 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_kernel(chunk_pa
         }
 }
 
+/* ---- kc_state_wg_kernel (two-part arithmetic only) ----
+ * kc_state_kernel's function on the warpgroup MMA. Block = (64 value columns j0.., head h), two
+ * warpgroups; the state slice S [128 d, 64 columns] in fp32 registers as warpgroup wg's m64n64
+ * accumulator over rows 64 wg.. (cuda_wgmma.h's layout). Every operand is read from shared memory:
+ * the record planes as stored (64-column chunks of 128-byte swizzled rows, kc_swz), S0, R and
+ * delta as [rows][64] tiles of the same swizzle, read MN-major as B (and KL MN-major as the A of
+ * KL^T). Per chunk, three terms a product (lo hi, hi lo, hi hi):
+ *   P1 warpgroup 0: X = KX S0, warpgroup 1: Y = QX S0        [64, 64], K = 128
+ *   P2 warpgroup 0: R = V - X to shared memory (bf16 hi, lo)
+ *   P3 warpgroup 0: delta = Tb R (the planes' upper blocks are zero)   K = 64
+ *   P4 warpgroup 1: o = Y + B delta, stored; both: S = e^{G_L} S + KL^T delta over their rows
+ * The record's sets load as in kc_state_kernel (set A during P3-P4 of the chunk before, set B
+ * during P1-P2), set B plane by plane to 1024-byte aligned places. */
+enum {
+    KW_SA = 0,                                   /* KX hi, QX hi, KX lo, QX lo: 16 KB each */
+    KW_EGL = 64 * 1024,                          /* e^{G_L} [128] fp32 */
+    KW_KLH = 65 * 1024, KW_TBH = 81 * 1024, KW_AQH = 89 * 1024,
+    KW_KLL = 97 * 1024, KW_TBL = 113 * 1024, KW_AQL = 121 * 1024,
+    KW_S0H = 129 * 1024, KW_S0L = 145 * 1024,    /* [128 d][64] */
+    KW_RH = 161 * 1024, KW_RL = 169 * 1024,      /* [64 steps][64] */
+    KW_DH = 177 * 1024, KW_DL = 185 * 1024,
+    KW_BAR = 193 * 1024,
+    KW_SMEM = KW_BAR + 16 + 1024 /* alignment */,
+};
+
+/* Byte offset of element (r, col < 64) of a [rows][64] bf16 tile with 128-byte swizzled rows. */
+static __device__ __forceinline__ int kw_off(int r, int col) {
+    return r * 128 + (((col >> 3) ^ (r & 7)) << 4) + (col & 7) * 2;
+}
+
+/* An m64n64 accumulator of fp32 pairs into a [rows][64] tile as bf16 hi and lo (row r0 + its
+ * row in the tile); entries x, x + 1 are adjacent columns. */
+static __device__ __forceinline__ void kw_store_split(uint8_t *hi, uint8_t *lo, const float *acc, int r0, int wt) {
+    const int w = wt >> 5, g = (wt & 31) >> 2, q4 = wt & 3;
+#pragma unroll
+    for (int x = 0; x < 32; x += 2) {
+        const int r = r0 + 16 * w + g + 8 * ((x >> 1) & 1), col = 8 * (x >> 2) + 2 * q4;
+        uint32_t h2, l2;
+        cu_split_bf16x2(acc[x], acc[x + 1], &h2, &l2);
+        *reinterpret_cast<uint32_t *>(hi + kw_off(r, col)) = h2;
+        *reinterpret_cast<uint32_t *>(lo + kw_off(r, col)) = l2;
+    }
+}
+
+/* v of the chunk at step t0 at accumulator positions (rows = steps), zero past the end and dk. */
+static __device__ __forceinline__ void kw_load_v(const chunk_params &p, float *vr, int t0, int h, int j0, int wt) {
+    const int Lc = p.n - t0 < KDA_CHUNK ? p.n - t0 : KDA_CHUNK, dk = p.dk;
+    const int w = wt >> 5, g = (wt & 31) >> 2, q4 = wt & 3;
+#pragma unroll
+    for (int x = 0; x < 32; x += 2) {
+        const int i = 16 * w + g + 8 * ((x >> 1) & 1), col = j0 + 8 * (x >> 2) + 2 * q4;
+        float2 v = make_float2(0.f, 0.f);
+        if (i < Lc) {
+            const float *vp = p.v + ((size_t)(t0 + i) * p.nh + h) * dk + col;
+            if (p.vec2) {
+                if (col < dk) v = *reinterpret_cast<const float2 *>(vp);
+            } else {
+                if (col < dk) v.x = vp[0];
+                if (col + 1 < dk) v.y = vp[1];
+            }
+        }
+        vr[x] = v.x;
+        vr[x + 1] = v.y;
+    }
+}
+
+static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_wg_kernel(chunk_params p) {
+    extern __shared__ uint8_t kw_raw[];
+    uint8_t *sm = (uint8_t *)(((uintptr_t)kw_raw + 1023) & ~(uintptr_t)1023);
+    const int j0 = blockIdx.x * KC_COLS, h = blockIdx.y, tid = threadIdx.x, wg = tid >> 7, wt = tid & 127;
+    const int w = wt >> 5, g = (wt & 31) >> 2, q4 = wt & 3, dk = p.dk, ncb = gridDim.x;
+    const __nv_bfloat16 *rec0 = p.rec + (size_t)h * p.nck * KC_REC;
+    float *Sg = p.state + (size_t)h * dk * dk;
+    uint64_t *barA = reinterpret_cast<uint64_t *>(sm + KW_BAR), *barB = barA + 1;
+    const float *sEGL = reinterpret_cast<const float *>(sm + KW_EGL);
+    auto load_a = [&](const __nv_bfloat16 *rec) {
+        if (tid == 0) cu_mbar_arrive_tx(barA, 4 * KC_PLANE * 2);
+        if (tid < 4) cu_bulk_load(sm + KW_SA + tid * KC_PLANE * 2, rec + KC_KXH + tid * KC_PLANE, KC_PLANE * 2, barA);
+    };
+    auto load_b = [&](const __nv_bfloat16 *rec) {
+        if (tid == 0) cu_mbar_arrive_tx(barB, (KC_REC - KC_EGL) * 2);
+        if (tid < 7) {
+            const int src = tid == 0 ? KC_EGL : tid == 1 ? KC_KLH : tid == 2 ? KC_TBH : tid == 3 ? KC_AQH
+                          : tid == 4 ? KC_KLL : tid == 5 ? KC_TBL : KC_AQL;
+            const int len = tid == 0 ? KC_KLH - KC_EGL : tid == 1 || tid == 4 ? KC_PLANE : KC_SMALL;
+            const int dst = tid == 0 ? KW_EGL : tid == 1 ? KW_KLH : tid == 2 ? KW_TBH : tid == 3 ? KW_AQH
+                          : tid == 4 ? KW_KLL : tid == 5 ? KW_TBL : KW_AQL;
+            cu_bulk_load(sm + dst, rec + src, len * 2, barB);
+        }
+    };
+    if (tid == 0) {
+        cu_mbar_init(barA, 1);
+        cu_mbar_init(barB, 1);
+        cu_mbar_init_fence();
+    }
+    __syncthreads();
+    load_a(rec0);
+    if (p.nck > 1) kc_prefetch_rec<2>(rec0 + KC_REC, blockIdx.x, ncb, tid);
+    /* S entry x: row d = 64 wg + 16 w + g + 8 ((x >> 1) & 1), column j0 + 8 (x >> 2) + 2 q4 + (x & 1) */
+    float S[32];
+#pragma unroll
+    for (int x = 0; x < 32; x++) {
+        const int d = 64 * wg + 16 * w + g + 8 * ((x >> 1) & 1), col = j0 + 8 * (x >> 2) + 2 * q4 + (x & 1);
+        S[x] = (d < dk && col < dk) ? Sg[(size_t)d * dk + col] : 0.f;
+    }
+    kw_store_split(sm + KW_S0H, sm + KW_S0L, S, 64 * wg, wt);
+    cu_proxy_fence_async();
+    float vr[32]; /* warpgroup 0: v of the current chunk, loaded a chunk ahead */
+    if (wg == 0) kw_load_v(p, vr, p.t0, h, j0, wt);
+
+    for (int c = 0; c < p.nck; c++) {
+        const int t0 = p.t0 + c * KDA_CHUNK, Lc = p.n - t0 < KDA_CHUNK ? p.n - t0 : KDA_CHUNK;
+        const __nv_bfloat16 *rec = rec0 + (size_t)c * KC_REC;
+        cu_mbar_wait(barA, c & 1);
+        __syncthreads(); /* set A(c) and S0 in place; set B, R, delta free (P3, P4 of c - 1 done) */
+        load_b(rec);
+        if (c + 2 < p.nck) kc_prefetch_rec<2>(rec + 2 * KC_REC, blockIdx.x, ncb, tid);
+        if (tid < 2 * KDA_CHUNK && t0 + 2 * KDA_CHUNK + (tid >> 1) < p.n && j0 + 32 * (tid & 1) < dk)
+            kc_prefetch_l2(p.v + ((size_t)(t0 + 2 * KDA_CHUNK + (tid >> 1)) * p.nh + h) * dk + j0 + 32 * (tid & 1));
+
+        /* P1: X (warpgroup 0) or Y (1) = [KX | QX] S0 */
+        float XY[32];
+        {
+            const uint8_t *ah = sm + KW_SA + wg * KC_PLANE * 2, *al = ah + 2 * KC_PLANE * 2;
+            cu_wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < KDA_MAX_DK / 16; ks++) {
+                const int ao = (ks >> 2) * (KDA_CHUNK * 128) + 32 * (ks & 3);
+                const uint64_t bh = cu_wg_desc_mn(sm + KW_S0H + ks * 2048, 8192), bl = cu_wg_desc_mn(sm + KW_S0L + ks * 2048, 8192);
+                cu_wgmma_bf16_64t<0, 1>(XY, cu_wg_desc(al + ao), bh, ks);
+                cu_wgmma_bf16_64t<0, 1>(XY, cu_wg_desc(ah + ao), bl, 1);
+                cu_wgmma_bf16_64t<0, 1>(XY, cu_wg_desc(ah + ao), bh, 1);
+            }
+            cu_wg_commit();
+            cu_wg_wait<0>();
+#pragma unroll
+            for (int x = 0; x < 32; x++) cu_wg_reg_fence(XY[x]);
+        }
+        /* P2 */
+        if (wg == 0) {
+            float r[32];
+#pragma unroll
+            for (int x = 0; x < 32; x++) r[x] = vr[x] - XY[x];
+            kw_store_split(sm + KW_RH, sm + KW_RL, r, 0, wt);
+            cu_proxy_fence_async();
+            if (c + 1 < p.nck) kw_load_v(p, vr, t0 + KDA_CHUNK, h, j0, wt);
+        }
+        cu_mbar_wait(barB, c & 1);
+        __syncthreads(); /* set B(c) and R in place; set A is free */
+        if (c + 1 < p.nck) load_a(rec + KC_REC);
+
+        /* P3: delta = Tb R (warpgroup 0) */
+        if (wg == 0) {
+            float D[32];
+            cu_wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < KDA_CHUNK / 16; ks++) {
+                const uint64_t th = cu_wg_desc(sm + KW_TBH + 32 * ks), tl = cu_wg_desc(sm + KW_TBL + 32 * ks);
+                const uint64_t bh = cu_wg_desc_mn(sm + KW_RH + ks * 2048, 8192), bl = cu_wg_desc_mn(sm + KW_RL + ks * 2048, 8192);
+                cu_wgmma_bf16_64t<0, 1>(D, tl, bh, ks);
+                cu_wgmma_bf16_64t<0, 1>(D, th, bl, 1);
+                cu_wgmma_bf16_64t<0, 1>(D, th, bh, 1);
+            }
+            cu_wg_commit();
+            cu_wg_wait<0>();
+#pragma unroll
+            for (int x = 0; x < 32; x++) cu_wg_reg_fence(D[x]);
+            kw_store_split(sm + KW_DH, sm + KW_DL, D, 0, wt);
+            cu_proxy_fence_async();
+        }
+        __syncthreads(); /* delta in place */
+
+        /* P4: o = Y + B delta (warpgroup 1); S = e^{G_L} S + KL^T delta over this warpgroup's rows */
+#pragma unroll
+        for (int x = 0; x < 32; x++) S[x] *= sEGL[64 * wg + 16 * w + g + 8 * ((x >> 1) & 1)];
+#pragma unroll
+        for (int x = 0; x < 32; x++) cu_wg_reg_fence(S[x]);
+        /* KL^T: the plane's chunk of rows d in 64 wg.., read MN-major (M = d, K = steps) */
+        auto kl_delta = [&] {
+#pragma unroll
+            for (int ks = 0; ks < KDA_CHUNK / 16; ks++) {
+                const uint64_t ah = cu_wg_desc_mn(sm + KW_KLH + wg * 8192 + ks * 2048, 8192),
+                               al = cu_wg_desc_mn(sm + KW_KLL + wg * 8192 + ks * 2048, 8192);
+                const uint64_t bh = cu_wg_desc_mn(sm + KW_DH + ks * 2048, 8192), bl = cu_wg_desc_mn(sm + KW_DL + ks * 2048, 8192);
+                cu_wgmma_bf16_64t<1, 1>(S, al, bh, 1);
+                cu_wgmma_bf16_64t<1, 1>(S, ah, bl, 1);
+                cu_wgmma_bf16_64t<1, 1>(S, ah, bh, 1);
+            }
+        };
+        if (wg == 1) { /* (each warpgroup's products in one straight run: no wgmma in a branch of it) */
+            cu_wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < KDA_CHUNK / 16; ks++) {
+                const uint64_t ah = cu_wg_desc(sm + KW_AQH + 32 * ks), al = cu_wg_desc(sm + KW_AQL + 32 * ks);
+                const uint64_t bh = cu_wg_desc_mn(sm + KW_DH + ks * 2048, 8192), bl = cu_wg_desc_mn(sm + KW_DL + ks * 2048, 8192);
+                cu_wgmma_bf16_64t<0, 1>(XY, al, bh, 1);
+                cu_wgmma_bf16_64t<0, 1>(XY, ah, bl, 1);
+                cu_wgmma_bf16_64t<0, 1>(XY, ah, bh, 1);
+            }
+            kl_delta();
+            cu_wg_commit();
+            cu_wg_wait<0>();
+        } else {
+            cu_wg_fence();
+            kl_delta();
+            cu_wg_commit();
+            cu_wg_wait<0>();
+        }
+#pragma unroll
+        for (int x = 0; x < 32; x++) cu_wg_reg_fence(S[x]);
+#pragma unroll
+        for (int x = 0; x < 32; x++) cu_wg_reg_fence(XY[x]);
+        if (wg == 1) {
+#pragma unroll
+            for (int x = 0; x < 32; x += 2) {
+                const int i = 16 * w + g + 8 * ((x >> 1) & 1), col = j0 + 8 * (x >> 2) + 2 * q4;
+                if (i < Lc && col < dk) {
+                    float *op = p.o + ((size_t)(t0 + i) * p.nh + h) * dk + col;
+                    if (p.vec2) {
+                        *reinterpret_cast<float2 *>(op) = make_float2(XY[x], XY[x + 1]);
+                    } else {
+                        op[0] = XY[x];
+                        if (col + 1 < dk) op[1] = XY[x + 1];
+                    }
+                }
+            }
+        }
+        kw_store_split(sm + KW_S0H, sm + KW_S0L, S, 64 * wg, wt); /* S0 of the next chunk */
+        cu_proxy_fence_async();
+    }
+
+#pragma unroll
+    for (int x = 0; x < 32; x++) {
+        const int d = 64 * wg + 16 * w + g + 8 * ((x >> 1) & 1), col = j0 + 8 * (x >> 2) + 2 * q4 + (x & 1);
+        if (d < dk && col < dk) Sg[(size_t)d * dk + col] = S[x];
+    }
+}
+
 /* MT_CUDA_KDA_CHUNK_ONLY=intra or =state (a benchmarking aid, read per call): launch only that
  * kernel of the tensor-core form, to time it apart. The outputs are then wrong. */
 static int kc_only(void) {
@@ -1231,8 +1476,12 @@ static mt_status kc_launch(mt_backend *be, const chunk_params *p0) {
 
     const size_t smem_i = (size_t)KI_FLOATS * sizeof(float), smem_s = (size_t)KS_BF16 * sizeof(__nv_bfloat16);
     MT_CUDA_CHECK(cudaFuncSetAttribute(kc_intra_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_i));
-    void (*state_kernel)(chunk_params) = p.terms > 1 ? kc_state_kernel<2> : kc_state_kernel<1>;
-    MT_CUDA_CHECK(cudaFuncSetAttribute(state_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_s));
+    /* two-part arithmetic on kc_state_wg_kernel (MT_KDA_STATE=mma: kc_state_kernel, for comparison) */
+    const char *st_env = getenv("MT_KDA_STATE");
+    const bool wgs = p.terms > 1 && !(st_env && !strcmp(st_env, "mma"));
+    void (*state_kernel)(chunk_params) = wgs ? kc_state_wg_kernel : p.terms > 1 ? kc_state_kernel<2> : kc_state_kernel<1>;
+    const size_t smem_st = wgs ? (size_t)KW_SMEM : smem_s;
+    MT_CUDA_CHECK(cudaFuncSetAttribute(state_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_st));
     const int only = kc_only();
     for (int c0 = 0; c0 < nck_all; c0 += seg) {
         p.t0 = c0 * KDA_CHUNK;
@@ -1242,7 +1491,7 @@ static mt_status kc_launch(mt_backend *be, const chunk_params *p0) {
             cu_check_launch(be, "kda_chunked (intra)");
         }
         if (only != 1) {
-            state_kernel<<<dim3((p.dk + KC_COLS - 1) / KC_COLS, p.nh), KC_THREADS, smem_s, cu_stream(be)>>>(p);
+            state_kernel<<<dim3((p.dk + KC_COLS - 1) / KC_COLS, p.nh), KC_THREADS, smem_st, cu_stream(be)>>>(p);
             cu_check_launch(be, "kda_chunked (state)");
         }
     }
