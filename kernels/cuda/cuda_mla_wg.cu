@@ -67,9 +67,6 @@ static __device__ __forceinline__ void mw_commit(void) { asm volatile("cp.async.
 template <int N> static __device__ __forceinline__ void mw_wait(void) {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
-static __device__ __forceinline__ void mw_proxy_fence(void) {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
 /* Turns at the tensor cores: warpgroup wg waits for its turn (barrier 3 + wg: its 128 threads and
  * the other warpgroup's arrival), issues its products, and hands the turn over. */
 static __device__ __forceinline__ void mw_turn_wait(int wg) {
@@ -173,7 +170,7 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
             *(uint2 *)(qs + MW_Q_PART + off) = lo;
         }
     }
-    mw_proxy_fence();
+    cu_proxy_fence_async();
     cu_cluster_sync(); /* the query slice written; the barriers armed; the peer CTA running */
 
     float *xw = xs + wg * 2 * (MW_X_BUF / 4); /* this warpgroup's two buffers */
@@ -203,7 +200,7 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
              * step u >= 1): tile tt is the newest from step 2 on */
             if (u < 2) mw_wait<1>();
             else mw_wait<0>();
-            mw_proxy_fence(); /* this thread's zero rows, for the async proxy */
+            cu_proxy_fence_async(); /* this thread's zero rows, for the async proxy */
             mw_wg_sync(wg);   /* everybody's copies */
             if (SC) { /* the partial scores over this CTA's columns */
                 const uint8_t *lt = tiles + (tt % MW_STAGES) * MW_T_STAGE;
@@ -214,8 +211,8 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
 #pragma unroll
                     for (int j = 0; j < 4; j++) {
                         const uint8_t *qh = qs + c * (MW_HEADS * 128) + 32 * j, *tb = lt + c * MW_T_CHUNK + 32 * j;
-                        cu_wgmma_bf16_64(s2, cu_wg_desc(qh), cu_wg_desc(tb), c | j);            /* hi (hi | lo) */
-                        cu_wgmma_bf16_32(s, cu_wg_desc(qh + MW_Q_PART), cu_wg_desc(tb), c | j); /* lo hi */
+                        cu_wgmma_bf16<64>(s2, cu_wg_desc(qh), cu_wg_desc(tb), c | j);            /* hi (hi | lo) */
+                        cu_wgmma_bf16<32>(s, cu_wg_desc(qh + MW_Q_PART), cu_wg_desc(tb), c | j); /* lo hi */
                     }
                 cu_wg_commit();
             }

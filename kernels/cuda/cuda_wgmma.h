@@ -139,28 +139,18 @@ static __device__ __forceinline__ void cu_wg_reg_fence(float &r) { asm volatile(
 static __device__ __forceinline__ void cu_wg_reg_fence_u(uint32_t &r) { asm volatile("" : "+r"(r)::"memory"); }
 
 /* d[64, N] += A[64, 16] B[N, 16]^T, A and B from descriptors (cu_wg_desc), d as in the file
- * comment. */
-template <int N> __device__ __forceinline__ void cu_wgmma_bf16(float *d, uint64_t a, uint64_t b);
-template <> __device__ __forceinline__ void cu_wgmma_bf16<16>(float *d, uint64_t a, uint64_t b) {
+ * comment; with acc == 0, d = A B^T (d's old values unread: no zeroing by ordinary instructions,
+ * which would serialize the wgmmas in flight). */
+template <int N> __device__ __forceinline__ void cu_wgmma_bf16(float *d, uint64_t a, uint64_t b, int acc = 1);
+template <> __device__ __forceinline__ void cu_wgmma_bf16<16>(float *d, uint64_t a, uint64_t b, int acc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {"
                  "%0, %1, %2, %3, %4, %5, %6, %7"
                  "}, %8, %9, p, 1, 1, 0, 0;\n}\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-                 : "l"(a), "l"(b), "r"(1));
+                 : "l"(a), "l"(b), "r"(acc));
 }
-template <> __device__ __forceinline__ void cu_wgmma_bf16<32>(float *d, uint64_t a, uint64_t b) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
-                 "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-                 : "l"(a), "l"(b), "r"(1));
-}
-/* The same with d overwritten (scale-d 0) where acc == 0: no zeroing of d by ordinary instructions,
- * which would serialize the wgmmas in flight. */
-static __device__ __forceinline__ void cu_wgmma_bf16_32(float *d, uint64_t a, uint64_t b, int acc) {
+template <> __device__ __forceinline__ void cu_wgmma_bf16<32>(float *d, uint64_t a, uint64_t b, int acc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
                  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
@@ -169,7 +159,7 @@ static __device__ __forceinline__ void cu_wgmma_bf16_32(float *d, uint64_t a, ui
                    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
                  : "l"(a), "l"(b), "r"(acc));
 }
-template <> __device__ __forceinline__ void cu_wgmma_bf16<48>(float *d, uint64_t a, uint64_t b) {
+template <> __device__ __forceinline__ void cu_wgmma_bf16<48>(float *d, uint64_t a, uint64_t b, int acc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %26, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 {"
                  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
@@ -178,22 +168,9 @@ template <> __device__ __forceinline__ void cu_wgmma_bf16<48>(float *d, uint64_t
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
                    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
                    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
-                 : "l"(a), "l"(b), "r"(1));
+                 : "l"(a), "l"(b), "r"(acc));
 }
-template <> __device__ __forceinline__ void cu_wgmma_bf16<64>(float *d, uint64_t a, uint64_t b) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-                 "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                 : "l"(a), "l"(b), "r"(1));
-}
-/* cu_wgmma_bf16<64> with d overwritten (scale-d 0) where acc == 0. */
-static __device__ __forceinline__ void cu_wgmma_bf16_64(float *d, uint64_t a, uint64_t b, int acc) {
+template <> __device__ __forceinline__ void cu_wgmma_bf16<64>(float *d, uint64_t a, uint64_t b, int acc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
                  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
@@ -205,7 +182,7 @@ static __device__ __forceinline__ void cu_wgmma_bf16_64(float *d, uint64_t a, ui
                    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
                  : "l"(a), "l"(b), "r"(acc));
 }
-template <> __device__ __forceinline__ void cu_wgmma_bf16<80>(float *d, uint64_t a, uint64_t b) {
+template <> __device__ __forceinline__ void cu_wgmma_bf16<80>(float *d, uint64_t a, uint64_t b, int acc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 {"
                  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
@@ -217,9 +194,9 @@ template <> __device__ __forceinline__ void cu_wgmma_bf16<80>(float *d, uint64_t
                    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
                    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
                    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
-                 : "l"(a), "l"(b), "r"(1));
+                 : "l"(a), "l"(b), "r"(acc));
 }
-template <> __device__ __forceinline__ void cu_wgmma_bf16<96>(float *d, uint64_t a, uint64_t b) {
+template <> __device__ __forceinline__ void cu_wgmma_bf16<96>(float *d, uint64_t a, uint64_t b, int acc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 {"
                  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
@@ -232,9 +209,9 @@ template <> __device__ __forceinline__ void cu_wgmma_bf16<96>(float *d, uint64_t
                    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
                    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
                    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
-                 : "l"(a), "l"(b), "r"(1));
+                 : "l"(a), "l"(b), "r"(acc));
 }
-template <> __device__ __forceinline__ void cu_wgmma_bf16<112>(float *d, uint64_t a, uint64_t b) {
+template <> __device__ __forceinline__ void cu_wgmma_bf16<112>(float *d, uint64_t a, uint64_t b, int acc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %58, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n112k16.f32.bf16.bf16 {"
                  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
@@ -249,9 +226,9 @@ template <> __device__ __forceinline__ void cu_wgmma_bf16<112>(float *d, uint64_
                    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
                    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
                    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55])
-                 : "l"(a), "l"(b), "r"(1));
+                 : "l"(a), "l"(b), "r"(acc));
 }
-template <> __device__ __forceinline__ void cu_wgmma_bf16<128>(float *d, uint64_t a, uint64_t b) {
+template <> __device__ __forceinline__ void cu_wgmma_bf16<128>(float *d, uint64_t a, uint64_t b, int acc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
                  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
@@ -267,9 +244,9 @@ template <> __device__ __forceinline__ void cu_wgmma_bf16<128>(float *d, uint64_
                    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
                    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
                    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-                 : "l"(a), "l"(b), "r"(1));
+                 : "l"(a), "l"(b), "r"(acc));
 }
-template <> __device__ __forceinline__ void cu_wgmma_bf16<144>(float *d, uint64_t a, uint64_t b) {
+template <> __device__ __forceinline__ void cu_wgmma_bf16<144>(float *d, uint64_t a, uint64_t b, int acc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %74, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n144k16.f32.bf16.bf16 {"
                  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
@@ -287,9 +264,9 @@ template <> __device__ __forceinline__ void cu_wgmma_bf16<144>(float *d, uint64_
                    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
                    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
                    "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71])
-                 : "l"(a), "l"(b), "r"(1));
+                 : "l"(a), "l"(b), "r"(acc));
 }
-template <> __device__ __forceinline__ void cu_wgmma_bf16<160>(float *d, uint64_t a, uint64_t b) {
+template <> __device__ __forceinline__ void cu_wgmma_bf16<160>(float *d, uint64_t a, uint64_t b, int acc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %82, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n160k16.f32.bf16.bf16 {"
                  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
@@ -308,9 +285,9 @@ template <> __device__ __forceinline__ void cu_wgmma_bf16<160>(float *d, uint64_
                    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
                    "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
                    "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79])
-                 : "l"(a), "l"(b), "r"(1));
+                 : "l"(a), "l"(b), "r"(acc));
 }
-template <> __device__ __forceinline__ void cu_wgmma_bf16<176>(float *d, uint64_t a, uint64_t b) {
+template <> __device__ __forceinline__ void cu_wgmma_bf16<176>(float *d, uint64_t a, uint64_t b, int acc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %90, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n176k16.f32.bf16.bf16 {"
                  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
@@ -331,9 +308,9 @@ template <> __device__ __forceinline__ void cu_wgmma_bf16<176>(float *d, uint64_
                    "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
                    "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
                    "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87])
-                 : "l"(a), "l"(b), "r"(1));
+                 : "l"(a), "l"(b), "r"(acc));
 }
-template <> __device__ __forceinline__ void cu_wgmma_bf16<192>(float *d, uint64_t a, uint64_t b) {
+template <> __device__ __forceinline__ void cu_wgmma_bf16<192>(float *d, uint64_t a, uint64_t b, int acc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 {"
                  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
@@ -355,9 +332,9 @@ template <> __device__ __forceinline__ void cu_wgmma_bf16<192>(float *d, uint64_
                    "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
                    "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
                    "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
-                 : "l"(a), "l"(b), "r"(1));
+                 : "l"(a), "l"(b), "r"(acc));
 }
-template <> __device__ __forceinline__ void cu_wgmma_bf16<208>(float *d, uint64_t a, uint64_t b) {
+template <> __device__ __forceinline__ void cu_wgmma_bf16<208>(float *d, uint64_t a, uint64_t b, int acc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %106, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n208k16.f32.bf16.bf16 {"
                  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
@@ -381,9 +358,9 @@ template <> __device__ __forceinline__ void cu_wgmma_bf16<208>(float *d, uint64_
                    "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
                    "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
                    "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103])
-                 : "l"(a), "l"(b), "r"(1));
+                 : "l"(a), "l"(b), "r"(acc));
 }
-template <> __device__ __forceinline__ void cu_wgmma_bf16<224>(float *d, uint64_t a, uint64_t b) {
+template <> __device__ __forceinline__ void cu_wgmma_bf16<224>(float *d, uint64_t a, uint64_t b, int acc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %114, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n224k16.f32.bf16.bf16 {"
                  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
@@ -408,9 +385,9 @@ template <> __device__ __forceinline__ void cu_wgmma_bf16<224>(float *d, uint64_
                    "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
                    "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
                    "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111])
-                 : "l"(a), "l"(b), "r"(1));
+                 : "l"(a), "l"(b), "r"(acc));
 }
-template <> __device__ __forceinline__ void cu_wgmma_bf16<240>(float *d, uint64_t a, uint64_t b) {
+template <> __device__ __forceinline__ void cu_wgmma_bf16<240>(float *d, uint64_t a, uint64_t b, int acc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %122, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n240k16.f32.bf16.bf16 {"
                  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
@@ -437,9 +414,9 @@ template <> __device__ __forceinline__ void cu_wgmma_bf16<240>(float *d, uint64_
                    "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
                    "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
                    "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119])
-                 : "l"(a), "l"(b), "r"(1));
+                 : "l"(a), "l"(b), "r"(acc));
 }
-template <> __device__ __forceinline__ void cu_wgmma_bf16<256>(float *d, uint64_t a, uint64_t b) {
+template <> __device__ __forceinline__ void cu_wgmma_bf16<256>(float *d, uint64_t a, uint64_t b, int acc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
                  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
@@ -467,7 +444,7 @@ template <> __device__ __forceinline__ void cu_wgmma_bf16<256>(float *d, uint64_
                    "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
                    "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
                    "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-                 : "l"(a), "l"(b), "r"(1));
+                 : "l"(a), "l"(b), "r"(acc));
 }
 
 /* d[64, 256] += A[64, 16] B[16, 256] with A from registers and B MN-major (cu_wg_desc_mn). Warp w
