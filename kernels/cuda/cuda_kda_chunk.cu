@@ -19,7 +19,8 @@
  *     kc_state_kernel, one block per (head, 64 value columns), chunks in sequence: the state slice
  *       [128, 64] stays in fp32 registers; per chunk four small GEMMs read the record through
  *       bulk copies (a phase ahead): X = KX S0 and Y = QX S0; delta = Tb (V - X);
- *       o = Y + B delta; S = e^{G_L} S + KL^T delta.
+ *       o = Y + B delta; S = e^{G_L} S + KL^T delta. With two bf16 parts the same walk runs on
+ *       the warpgroup MMA (kc_state_wg_kernel; MT_KDA_STATE=mma keeps the mma.sync kernel).
  *   Every tensor-core operand x is split into bf16 parts x = hi + lo (hi = bf16(x),
  *   lo = bf16(x - hi)) and a product a b is hi_a hi_b + hi_a lo_b + lo_a hi_b: 16 significant bits,
  *   ~1e-5 relative error against the CPU twin (single bf16 rounding, tc_terms 1: ~4e-3, twice the
