@@ -918,8 +918,8 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
         }
     }
 
-    /* 7: Tb, B, e^{G_L}; the 16 x 16 blocks above the diagonal block row, never computed, stored
-     * as zeros (kc_state_wg_kernel multiplies whole planes) */
+    /* 7: Tb, B, e^{G_L}; the 16 x 16 blocks above the diagonal block row stored as zeros,
+     * explicitly (T and B are zero there already): kc_state_wg_kernel multiplies whole planes */
     for (int e = tid; e < KDA_CHUNK * KDA_CHUNK / 8; e += KC_THREADS) { /* a 16-byte piece each */
         const int i = e >> 3, j = (e & 7) * 8, o = kc_swz(KDA_CHUNK, i, j);
         const float4 *t4 = reinterpret_cast<const float4 *>(Ts + i * KI_LDM + j);
@@ -974,7 +974,7 @@ static __device__ __forceinline__ void kc_prefetch_range(const __nv_bfloat16 *re
 }
 
 /* This block's share (the ncb blocks of a head split it) of the planes of a record that the state
- * kernel reads, into L2 two chunks ahead of its cp.async loads. */
+ * kernel reads, into L2 two chunks ahead of its bulk copies. */
 template <int TERMS>
 static __device__ __forceinline__ void kc_prefetch_rec(const __nv_bfloat16 *rec, int part, int parts, int tid) {
     kc_prefetch_range(rec, KC_KXH, TERMS * KC_SETA_HI, part, parts, tid);

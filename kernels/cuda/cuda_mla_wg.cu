@@ -200,8 +200,8 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
              * step u >= 1): tile tt is the newest from step 2 on */
             if (u < 2) mw_wait<1>();
             else mw_wait<0>();
-            cu_proxy_fence_async(); /* this thread's zero rows, for the async proxy */
-            mw_wg_sync(wg);   /* everybody's copies */
+            cu_proxy_fence_async(); /* this thread's copies and zero rows, for the async proxy */
+            mw_wg_sync(wg);         /* everybody's */
             if (SC) { /* the partial scores over this CTA's columns */
                 const uint8_t *lt = tiles + (tt % MW_STAGES) * MW_T_STAGE;
                 /* (no register fence on s: the first product overwrites it) */
@@ -246,8 +246,9 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
                     cu_cluster_st_async4(dst + 16 * v, make_float4(sc[4 * v], sc[4 * v + 1], sc[4 * v + 2], sc[4 * v + 3]),
                                          peer_full + 8 * xb);
             }
-            /* refill: tile tt + 2 into the stage of tile tt - 2 (its P Lat is done), then the
-             * positions of tile tt + 4 */
+            /* refill: tile tt + 2 into the stage of tile tt - 2 (its P Lat, this warpgroup's, is
+             * done: a wgmma completes for the whole warpgroup, so this thread's wait above covers
+             * every warp's reads), then the positions of tile tt + 4 */
             if (u >= 1 && tt + 2 < ntiles) {
                 mw_stage(tiles + ((tt + 2) % MW_STAGES) * MW_T_STAGE, p.lat16, pn, c0, wt);
                 if (tt + 4 < ntiles) mw_positions(pn, srow, m, sb + (tt + 4) * MW_R, tile_rows(tt + 4), wt);

@@ -4,10 +4,10 @@
  * fp32 with both operands in shared memory (and one form with A in registers). Owner: the CUDA
  * backend (users: cuda_moe_wg.cu, cuda_kda_chunk.cu, cuda_mla_wg.cu).
  *
- * Operand layout (the only one these helpers describe): a tile of rows x 64 bf16, K-major, as a
- * TMA box {64, rows} with CU_TENSOR_MAP_SWIZZLE_128B writes it: row r at byte 128 r, its 16-byte
- * chunk c at chunk c ^ (r % 8); 8-row groups 1024 bytes apart; the tile 1024-byte aligned. The
- * k16 step j of such a tile starts 32 j bytes in.
+ * Operand layout: a tile of rows x 64 bf16 as a TMA box {64, rows} with CU_TENSOR_MAP_SWIZZLE_128B
+ * writes it: row r at byte 128 r, its 16-byte chunk c at chunk c ^ (r % 8); 8-row groups 1024 bytes
+ * apart; the tile 1024-byte aligned. Read K-major (cu_wg_desc), the k16 step j of such a tile
+ * starts 32 j bytes in; read MN-major (cu_wg_desc_mn), the tile's rows are K, step j 2048 j bytes in.
  *
  * Accumulators of cu_wgmma_bf16<N> (m64nNk16, 128 threads): thread t of the warpgroup holds
  * d[i], i < N / 2, at row 16 (t / 32) + (t % 32) / 4 + 8 ((i / 2) % 2), column
@@ -26,7 +26,8 @@ static __device__ __forceinline__ uint32_t cu_smem_addr(const void *p) {
 static __device__ __forceinline__ void cu_mbar_init(uint64_t *bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(cu_smem_addr(bar)), "r"(count) : "memory");
 }
-/* Makes the inits visible to the async proxy (TMA) before first use. */
+/* Makes the inits visible to the async proxy (TMA) and to the cluster's other CTAs (their st.async
+ * and copies complete on these barriers) before first use. */
 static __device__ __forceinline__ void cu_mbar_init_fence(void) {
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
