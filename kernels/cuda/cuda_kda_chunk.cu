@@ -1295,15 +1295,20 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_wg_kernel(chunk
         if (tid == 0) cu_mbar_arrive_tx(barA, 4 * KC_PLANE * 2);
         if (tid < 4) cu_bulk_load(sm + KW_SA + tid * KC_PLANE * 2, rec + KC_KXH + tid * KC_PLANE, KC_PLANE * 2, barA);
     };
+    /* Set B, a piece a thread (e^{G_L}, KL, Tb, B hi, then KL, Tb, B lo). The piece is chosen by
+     * selects, not branches: a form whose choice compiled as branches (warp 0 diverging before
+     * the chunk's wgmmas) made the walk 7% slower on the H200 (0.314 against 0.293 ms, same run;
+     * docs/bench/2026-11-30-h200-session14.md call 15). */
     auto load_b = [&](const __nv_bfloat16 *rec) {
         if (tid == 0) cu_mbar_arrive_tx(barB, (KC_REC - KC_EGL) * 2);
-        if (tid < 7) {
-            const int src = tid == 0 ? KC_EGL : tid == 1 ? KC_KLH : tid == 2 ? KC_TBH : tid == 3 ? KC_AQH
-                          : tid == 4 ? KC_KLL : tid == 5 ? KC_TBL : KC_AQL;
-            const int len = tid == 0 ? KC_KLH - KC_EGL : tid == 1 || tid == 4 ? KC_PLANE : KC_SMALL;
-            const int dst = tid == 0 ? KW_EGL : tid == 1 ? KW_KLH : tid == 2 ? KW_TBH : tid == 3 ? KW_AQH
-                          : tid == 4 ? KW_KLL : tid == 5 ? KW_TBL : KW_AQL;
-            cu_bulk_load(sm + dst, rec + src, len * 2, barB);
+        const int k = tid;
+        if (k < 7) {
+            const int src = k == 0 ? KC_EGL : k == 1 ? KC_KLH : k == 2 ? KC_TBH : k == 3 ? KC_AQH
+                          : k == 4 ? KC_KLL : k == 5 ? KC_TBL : KC_AQL;
+            const int len = k == 0 ? KC_KLH - KC_EGL : k == 1 || k == 4 ? KC_PLANE : KC_SMALL;
+            const int dst = k == 0 ? KW_EGL : k == 1 ? KW_KLH : k == 2 ? KW_TBH : k == 3 ? KW_AQH
+                          : k == 4 ? KW_KLL : k == 5 ? KW_TBL : KW_AQL;
+            cu_bulk_load(sm + dst, rec + src, (uint32_t)len * 2, barB);
         }
     };
     if (tid == 0) {
