@@ -929,13 +929,6 @@ static __host__ __device__ size_t mlaw_smem_floats(int kvl) {
            (size_t)MLAW_R * MLAW_HB + 3 * (size_t)MLAW_HB;
 }
 
-static __device__ __forceinline__ void mlaw_cp16(void *s, const void *g) {
-    const unsigned sa = (unsigned)__cvta_generic_to_shared(s);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(g) : "memory");
-}
-static __device__ __forceinline__ void mlaw_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-static __device__ __forceinline__ void mlaw_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 template <int J>
 static __global__ void __launch_bounds__(MLAW_THREADS, 1) mla_attend_wide_kernel(mla_dev_params p) {
@@ -986,10 +979,10 @@ static __global__ void __launch_bounds__(MLAW_THREADS, 1) mla_attend_wide_kernel
         const int64_t off = lane < rows ? mla_row_off(p, bt, m > 0 ? srow[sb + lane] : sb + lane) : 0;
         for (int e = tid; e < rows * K4; e += MLAW_THREADS) { /* r is uniform across the warp */
             const int r = e / K4, k = e % K4;
-            mlaw_cp16(lat + r * LD + 4 * k, latp + __shfl_sync(0xffffffffu, off, r) + 4 * k);
+            cu_cp_async16(lat + r * LD + 4 * k, latp + __shfl_sync(0xffffffffu, off, r) + 4 * k);
         }
     }
-    mlaw_commit();
+    cu_cp_async_commit();
     __syncthreads(); /* qa, m, l */
     int buf = 0;
     for (int s0 = sb; s0 < se; s0 += R) {
@@ -1001,12 +994,12 @@ static __global__ void __launch_bounds__(MLAW_THREADS, 1) mla_attend_wide_kernel
             const int64_t off = lane < nrows ? mla_row_off(p, bt, m > 0 ? srow[nx + lane] : nx + lane) : 0;
             for (int e = tid; e < nrows * K4; e += MLAW_THREADS) {
                 const int r = e / K4, k = e % K4;
-                mlaw_cp16(dst + r * LD + 4 * k, latp + __shfl_sync(0xffffffffu, off, r) + 4 * k);
+                cu_cp_async16(dst + r * LD + 4 * k, latp + __shfl_sync(0xffffffffu, off, r) + 4 * k);
             }
-            mlaw_commit();
-            mlaw_wait<1>();
+            cu_cp_async_commit();
+            cu_cp_async_wait<1>();
         } else {
-            mlaw_wait<0>();
+            cu_cp_async_wait<0>();
         }
         __syncthreads(); /* this tile visible to all */
         const float *L = lat + buf * R * LD;
@@ -1183,14 +1176,14 @@ static __device__ __forceinline__ void mlat_stage(__nv_bfloat16 *dst, const __nv
         __nv_bfloat16 *d = dst + r * MLAT_LDH + 8 * ch;
         if (r < rows) {
             const __nv_bfloat16 *src = lat16 + (size_t)pos * 2 * kvl + c0 + 8 * ch;
-            mlaw_cp16(d, src);
-            mlaw_cp16(d + MLAT_R * MLAT_LDH, src + kvl);
+            cu_cp_async16(d, src);
+            cu_cp_async16(d + MLAT_R * MLAT_LDH, src + kvl);
         } else {
             *(uint4 *)d = make_uint4(0u, 0u, 0u, 0u);
             *(uint4 *)(d + MLAT_R * MLAT_LDH) = make_uint4(0u, 0u, 0u, 0u);
         }
     }
-    mlaw_commit();
+    cu_cp_async_commit();
 }
 
 template <int NW>
@@ -1254,9 +1247,9 @@ static __global__ void __launch_bounds__(NW * 32, 1) mla_attend_tc_kernel(mla_de
         if (s0 + R < se) {
             const int nx = s0 + R, nrows = se - nx < R ? se - nx : R;
             mlat_stage(vt + (buf ^ 1) * VT, p.lat16, srow, m, nx, nrows, c0, KVL, lane);
-            mlaw_wait<1>();
+            cu_cp_async_wait<1>();
         } else {
-            mlaw_wait<0>();
+            cu_cp_async_wait<0>();
         }
         __syncwarp(); /* the warp's copies and zero rows of this tile landed */
         const __nv_bfloat16 *vh = vt + buf * VT, *vl = vh + R * LDH;

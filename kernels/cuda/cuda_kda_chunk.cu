@@ -487,21 +487,20 @@ static __device__ __forceinline__ const __nv_bfloat16 *kc_at_b(const __nv_bfloat
     return s + (r0 + (l & 7) + ((l >> 3) & 1) * 8) * ld + c0 + (l >> 4) * 8;
 }
 
-/* Swizzled record planes (64 rows of rl = 64 or 128 bf16), stored as 64-column chunks of 64
- * rows of 128 bytes: the 16-byte piece c8 = (col % 64) / 8 of row r lies at piece c8 ^ (r & 7),
- * so the 8 consecutive rows of an ldmatrix hit 8 distinct bank groups with no padding, and each
- * chunk is the 128-byte-swizzled tile the warpgroup MMA reads (cuda_wgmma.h). (rl is the row
- * length; the layout does not depend on it.) */
-static __host__ __device__ __forceinline__ int kc_swz(int rl, int r, int col) {
-    (void)rl;
+/* Swizzled record planes (64 rows of 64 or 128 bf16), stored as 64-column chunks of 64 rows of
+ * 128 bytes: the 16-byte piece c8 = (col % 64) / 8 of row r lies at piece c8 ^ (r & 7), so the 8
+ * consecutive rows of an ldmatrix hit 8 distinct bank groups with no padding, and each chunk is
+ * the 128-byte-swizzled tile the warpgroup MMA reads (cuda_wgmma.h). The place of an element
+ * does not depend on the plane's row length. */
+static __host__ __device__ __forceinline__ int kc_swz(int r, int col) {
     return (col >> 6) * (KDA_CHUNK * 64) + r * 64 + ((((col >> 3) & 7) ^ (r & 7)) << 3) + (col & 7);
 }
 /* Addresses of A fragments (row-major A; A^T stored, .trans) on a swizzled plane, by the rules above */
-static __device__ __forceinline__ const __nv_bfloat16 *kc_sw_a(const __nv_bfloat16 *s, int rl, int r0, int c0, int l) {
-    return s + kc_swz(rl, r0 + (l & 15), c0 + (l >> 4) * 8);
+static __device__ __forceinline__ const __nv_bfloat16 *kc_sw_a(const __nv_bfloat16 *s, int r0, int c0, int l) {
+    return s + kc_swz(r0 + (l & 15), c0 + (l >> 4) * 8);
 }
-static __device__ __forceinline__ const __nv_bfloat16 *kc_sw_at(const __nv_bfloat16 *s, int rl, int r0, int c0, int l) {
-    return s + kc_swz(rl, r0 + (l & 7) + (l >> 4) * 8, c0 + ((l >> 3) & 1) * 8);
+static __device__ __forceinline__ const __nv_bfloat16 *kc_sw_at(const __nv_bfloat16 *s, int r0, int c0, int l) {
+    return s + kc_swz(r0 + (l & 7) + (l >> 4) * 8, c0 + ((l >> 3) & 1) * 8);
 }
 
 /* 8 consecutive fp32 values x0..x7 at p (16-byte aligned), in place, as their split pairs: the 8
@@ -529,15 +528,9 @@ static __device__ __forceinline__ void kc_frag_a_packed(const float *p, int ld, 
     hi[3] = x3.x, lo[3] = x3.y;
 }
 
-static __device__ __forceinline__ void kc_cp16(void *smem, const void *gmem) {
-    const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-}
 static __device__ __forceinline__ void kc_prefetch_l2(const void *gmem) {
     asm volatile("prefetch.global.L2 [%0];\n" ::"l"(gmem));
 }
-static __device__ __forceinline__ void kc_cp_commit(void) { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-static __device__ __forceinline__ void kc_cp_wait_all(void) { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 /* Bulk copies (the copy engine, cuda_wgmma.h's cu_bulk_load) complete on a shared-memory
  * mbarrier of one arrival: a phase completes once that arrival (cu_mbar_arrive_tx, with the
@@ -588,9 +581,9 @@ static __device__ __forceinline__ void kc_intra_load(const chunk_params &p, floa
             const int i = e >> 5, d = (e & 31) * 4, x = i * KI_LDF + d;
             if (i < Lc && d < dk) {
                 const size_t off = ((size_t)(t0 + i) * p.nh + h) * dk + d;
-                kc_cp16(Ks + x, p.k + off);
-                kc_cp16(Qs + x, p.q + off);
-                kc_cp16(Gs + x, p.g + off);
+                cu_cp_async16(Ks + x, p.k + off);
+                cu_cp_async16(Qs + x, p.q + off);
+                cu_cp_async16(Gs + x, p.g + off);
             } else {
                 const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
                 *reinterpret_cast<float4 *>(Ks + x) = z;
@@ -598,7 +591,7 @@ static __device__ __forceinline__ void kc_intra_load(const chunk_params &p, floa
                 *reinterpret_cast<float4 *>(Gs + x) = z;
             }
         }
-        kc_cp_commit();
+        cu_cp_async_commit();
     } else {
         for (int e = tid; e < KDA_CHUNK * KDA_MAX_DK; e += KC_THREADS) {
             const int i = e >> 7, d = e & 127;
@@ -713,7 +706,7 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
 
     /* 4: factors in place, record planes. Thread: 8 consecutive channels of a row. */
     for (int e = tid; e < KDA_CHUNK * KDA_MAX_DK / 8; e += KC_THREADS) {
-        const int i = e >> 4, d = (e & 15) * 8, x = i * KI_LDF + d, o = kc_swz(KDA_MAX_DK, i, d);
+        const int i = e >> 4, d = (e & 15) * 8, x = i * KI_LDF + d, o = kc_swz(i, d);
         float4 k0 = *reinterpret_cast<const float4 *>(Ks + x), k1 = *reinterpret_cast<const float4 *>(Ks + x + 4);
         float4 q0 = *reinterpret_cast<const float4 *>(Qs + x), q1 = *reinterpret_cast<const float4 *>(Qs + x + 4);
         const float4 g0 = *reinterpret_cast<const float4 *>(Gs + x), g1 = *reinterpret_cast<const float4 *>(Gs + x + 4);
@@ -921,7 +914,7 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
     /* 7: Tb, B, e^{G_L}; the 16 x 16 blocks above the diagonal block row stored as zeros,
      * explicitly (T and B are zero there already): kc_state_wg_kernel multiplies whole planes */
     for (int e = tid; e < KDA_CHUNK * KDA_CHUNK / 8; e += KC_THREADS) { /* a 16-byte piece each */
-        const int i = e >> 3, j = (e & 7) * 8, o = kc_swz(KDA_CHUNK, i, j);
+        const int i = e >> 3, j = (e & 7) * 8, o = kc_swz(i, j);
         const float4 *t4 = reinterpret_cast<const float4 *>(Ts + i * KI_LDM + j);
         const float4 *a4 = reinterpret_cast<const float4 *>(Aq + i * KI_LDM + j);
         const float4 *b4 = reinterpret_cast<const float4 *>(bts + j);
@@ -944,7 +937,7 @@ static __global__ void __launch_bounds__(KC_THREADS, 2) kc_intra_kernel(chunk_pa
     float *sm = reinterpret_cast<float *>(kc_smem4);
     const int tid = threadIdx.x, item = blockIdx.x + p.nck * blockIdx.y;
     kc_intra_load(p, sm, sm + KI_BT, item, tid);
-    kc_cp_wait_all();
+    cu_cp_async_wait<0>();
     __syncthreads();
     kc_intra_item(p, sm, sm, sm + KI_BT, item, tid);
 }
@@ -1090,11 +1083,11 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_kernel(chunk_pa
 #pragma unroll 2
         for (int ks = 0; ks < KDA_MAX_DK / 16; ks++) {
             uint32_t kh[4], kl[4], qh[4], ql[4];
-            kc_ldsm4(kh, kc_sw_a(sb + KS_KXH, KDA_MAX_DK, 16 * rb, 16 * ks, l));
-            kc_ldsm4(qh, kc_sw_a(sb + KS_QXH, KDA_MAX_DK, 16 * rb, 16 * ks, l));
+            kc_ldsm4(kh, kc_sw_a(sb + KS_KXH, 16 * rb, 16 * ks, l));
+            kc_ldsm4(qh, kc_sw_a(sb + KS_QXH, 16 * rb, 16 * ks, l));
             if (TERMS > 1) {
-                kc_ldsm4(kl, kc_sw_a(sb + KS_KXL, KDA_MAX_DK, 16 * rb, 16 * ks, l));
-                kc_ldsm4(ql, kc_sw_a(sb + KS_QXL, KDA_MAX_DK, 16 * rb, 16 * ks, l));
+                kc_ldsm4(kl, kc_sw_a(sb + KS_KXL, 16 * rb, 16 * ks, l));
+                kc_ldsm4(ql, kc_sw_a(sb + KS_QXL, 16 * rb, 16 * ks, l));
             }
             uint32_t bh[2][4], bl[2][4];
 #pragma unroll
@@ -1128,8 +1121,8 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_kernel(chunk_pa
             for (int r = 0; r < 4; r++) D[nt][r] = 0.f;
         for (int ks = 0; ks <= rb; ks++) {
             uint32_t th[4], tl[4];
-            kc_ldsm4(th, kc_sw_a(sb + KS_TBH, KDA_CHUNK, 16 * rb, 16 * ks, l));
-            if (TERMS > 1) kc_ldsm4(tl, kc_sw_a(sb + KS_TBL, KDA_CHUNK, 16 * rb, 16 * ks, l));
+            kc_ldsm4(th, kc_sw_a(sb + KS_TBH, 16 * rb, 16 * ks, l));
+            if (TERMS > 1) kc_ldsm4(tl, kc_sw_a(sb + KS_TBL, 16 * rb, 16 * ks, l));
             uint32_t bh[2][4], bl[2][4];
 #pragma unroll
             for (int np = 0; np < 2; np++) {
@@ -1154,8 +1147,8 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_kernel(chunk_pa
         /* P4a: o = Y + B delta over k blocks 0..rb */
         for (int ks = 0; ks <= rb; ks++) {
             uint32_t ah[4], al[4];
-            kc_ldsm4(ah, kc_sw_a(sb + KS_AQH, KDA_CHUNK, 16 * rb, 16 * ks, l));
-            if (TERMS > 1) kc_ldsm4(al, kc_sw_a(sb + KS_AQL, KDA_CHUNK, 16 * rb, 16 * ks, l));
+            kc_ldsm4(ah, kc_sw_a(sb + KS_AQH, 16 * rb, 16 * ks, l));
+            if (TERMS > 1) kc_ldsm4(al, kc_sw_a(sb + KS_AQL, 16 * rb, 16 * ks, l));
             uint32_t bh[2][4], bl[2][4];
 #pragma unroll
             for (int np = 0; np < 2; np++) {
@@ -1194,8 +1187,8 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_kernel(chunk_pa
 #pragma unroll
         for (int ks = 0; ks < KDA_CHUNK / 16; ks++) {
             uint32_t ah[4], al[4];
-            kc_ldsm4t(ah, kc_sw_at(sb + KS_KLH, KDA_MAX_DK, 16 * ks, 16 * w, l));
-            if (TERMS > 1) kc_ldsm4t(al, kc_sw_at(sb + KS_KLL, KDA_MAX_DK, 16 * ks, 16 * w, l));
+            kc_ldsm4t(ah, kc_sw_at(sb + KS_KLH, 16 * ks, 16 * w, l));
+            if (TERMS > 1) kc_ldsm4t(al, kc_sw_at(sb + KS_KLL, 16 * ks, 16 * w, l));
             uint32_t bh[4][4], bl[4][4];
 #pragma unroll
             for (int np = 0; np < 4; np++) {

@@ -60,13 +60,6 @@ enum {
     MW_SMEM = 2 * MW_Q_PART + MW_STAGES * MW_T_STAGE + MW_WG * 2 * MW_X_BUF + MW_WG * 2 * 8 + 1024 /* alignment */,
 };
 
-static __device__ __forceinline__ void mw_cp16(void *s, const void *g) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(cu_smem_addr(s)), "l"(g) : "memory");
-}
-static __device__ __forceinline__ void mw_commit(void) { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> static __device__ __forceinline__ void mw_wait(void) {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 /* Turns at the tensor cores: warpgroup wg waits for its turn (barrier 3 + wg: its 128 threads and
  * the other warpgroup's arrival), issues its products, and hands the turn over. */
 static __device__ __forceinline__ void mw_turn_wait(int wg) {
@@ -106,8 +99,8 @@ static __device__ __forceinline__ void mw_stage(uint8_t *dst, const __nv_bfloat1
         uint8_t *d = dst + (u >> 3) * MW_T_CHUNK + r * 128 + (((u & 7) ^ (r & 7)) << 4);
         if (pos[k] >= 0) {
             const __nv_bfloat16 *src = lat16 + (size_t)pos[k] * 2 * MW_KVL + c0 + 8 * u;
-            mw_cp16(d, src);
-            mw_cp16(d + MW_R * 128, src + MW_KVL);
+            cu_cp_async16(d, src);
+            cu_cp_async16(d + MW_R * 128, src + MW_KVL);
         } else {
             *(uint4 *)d = make_uint4(0u, 0u, 0u, 0u);
             *(uint4 *)(d + MW_R * 128) = make_uint4(0u, 0u, 0u, 0u);
@@ -152,7 +145,7 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
         if (tt < ntiles) mw_positions(pn, srow, m, sb + tt * MW_R, tile_rows(tt), wt);
         if (j < 2) {
             if (tt < ntiles) mw_stage(tiles + (tt % MW_STAGES) * MW_T_STAGE, p.lat16, pn, c0, wt);
-            mw_commit();
+            cu_cp_async_commit();
         }
     }
     /* this CTA's query slice, split: thread t takes float4 e = t + 256 k of [64 heads][64 float4] */
@@ -198,8 +191,8 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
         auto issue_scores = [&](int tt, int u) {
             /* groups so far: tiles wg, wg + 2, then one a step (the refill of tile tt + 2 at
              * step u >= 1): tile tt is the newest from step 2 on */
-            if (u < 2) mw_wait<1>();
-            else mw_wait<0>();
+            if (u < 2) cu_cp_async_wait<1>();
+            else cu_cp_async_wait<0>();
             cu_proxy_fence_async(); /* this thread's copies and zero rows, for the async proxy */
             mw_wg_sync(wg);         /* everybody's */
             if (SC) { /* the partial scores over this CTA's columns */
@@ -253,7 +246,7 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
                 mw_stage(tiles + ((tt + 2) % MW_STAGES) * MW_T_STAGE, p.lat16, pn, c0, wt);
                 if (tt + 4 < ntiles) mw_positions(pn, srow, m, sb + (tt + 4) * MW_R, tile_rows(tt + 4), wt);
             }
-            mw_commit();
+            cu_cp_async_commit();
             if (SC) {
                 cu_mbar_wait_cluster(&fw[xb], (unsigned)(u >> 1) & 1u);
                 if (wt == 0) cu_mbar_arrive_tx(&fw[xb], MW_X_BUF); /* armed for step u + 2 */

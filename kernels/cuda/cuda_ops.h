@@ -378,6 +378,20 @@ template <typename T> __device__ __forceinline__ T cu_block_sum(T v, T *red) {
     return s;
 }
 
+/* cp.async of 16 bytes, global to shared, through L2 only (.cg); both ends 16-byte aligned. The
+ * copies a thread issued since its last commit form a group; wait<N> returns once at most N of its
+ * groups are still in flight (their data then visible to this thread only: a barrier shares it). */
+static __device__ __forceinline__ void cu_cp_async16(void *smem, const void *gmem) {
+    const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+static __device__ __forceinline__ void cu_cp_async_commit(void) {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N> static __device__ __forceinline__ void cu_cp_async_wait(void) {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 /* c[16x8] += a[16x16] b[16x8] for one mma.sync m16n8k16 tile, bf16 operands, fp32 accumulators.
  * PTX fragments (lane = 4 g + q): a[0] (row g, k 2q..2q+1), a[1] (row g+8), a[2] (row g, k +8),
  * a[3] (row g+8, k +8); b0 (k 2q..2q+1, column g), b1 (k +8); c[0..1] (row g, columns 2q..2q+1),

@@ -49,11 +49,17 @@ static __device__ __forceinline__ void cu_mbar_wait(uint64_t *bar, unsigned pari
                  : "memory");
 }
 
+/* Orders this thread's earlier generic writes of shared memory before later async-proxy reads
+ * (wgmma operands, bulk copies). */
+static __device__ __forceinline__ void cu_proxy_fence_async(void) {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
 /* ---- bulk copy of `bytes` (a multiple of 16, both ends 16-byte aligned) from global memory,
  * completing on bar. The fence orders this thread's earlier generic accesses of shared memory
  * before the copy's writes. ---- */
 static __device__ __forceinline__ void cu_bulk_load(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    cu_proxy_fence_async();
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
                      cu_smem_addr(dst)),
                  "l"(src), "r"(bytes), "r"(cu_smem_addr(bar))
@@ -67,12 +73,6 @@ static __device__ __forceinline__ void cu_tma_load_2d(void *dst, const void *map
                  "[%4];\n" ::"r"(cu_smem_addr(dst)),
                  "l"(map), "r"(c0), "r"(c1), "r"(cu_smem_addr(bar))
                  : "memory");
-}
-
-/* Orders this thread's earlier generic writes of shared memory before later async-proxy reads
- * (wgmma operands, bulk copies). */
-static __device__ __forceinline__ void cu_proxy_fence_async(void) {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
 /* ---- warpgroup MMA ---- */
