@@ -1638,7 +1638,7 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
         if (st != MT_OK) return st;
     }
     if (wgk) MT_CUDA_CHECK(mla_wg_opt_in());
-    if (tc) {
+    if (tc && !wgk) {
         if (p->kvl == 256) st = dsa_smem_opt_in((const void *)mla_attend_tc_kernel<4>, tc_smem);
         else st = dsa_smem_opt_in((const void *)mla_attend_tc_kernel<8>, tc_smem);
         if (st != MT_OK) return st;
