@@ -373,7 +373,7 @@ enum {
     KI_LDF = KDA_MAX_DK + 8,      /* [64, 128] fp32 rows 8 banks apart: the float2 fragment reads of
                                      a half warp (4 rows x 4 column pairs) hit 32 distinct banks */
     KI_LDM = KDA_CHUNK + 4,       /* [64, 64] fp32 matrices */
-    KI_K = 0,                     /* in a buffer: k, then KP split in pairs (kc_pack8) [64, KI_LDF] */
+    KI_K = 0,                     /* in a buffer: k, then KP split in pairs (kc_pack4) [64, KI_LDF] */
     KI_Q = KI_K + KDA_CHUNK * KI_LDF, /* q, then QP split in pairs  [64, KI_LDF] */
     KI_G = KI_Q + KDA_CHUNK * KI_LDF, /* g, G, then KN     [64, KI_LDF] */
     KI_BUF = KI_G + KDA_CHUNK * KI_LDF,
@@ -503,19 +503,16 @@ static __device__ __forceinline__ const __nv_bfloat16 *kc_sw_at(const __nv_bfloa
     return s + kc_swz(r0 + (l & 7) + (l >> 4) * 8, c0 + ((l >> 3) & 1) * 8);
 }
 
-/* 8 consecutive fp32 values x0..x7 at p (16-byte aligned), in place, as their split pairs: the 8
+/* 4 consecutive fp32 values x0..x3 at p (16-byte aligned), in place, as their split pairs: the 8
  * bytes of values 2m, 2m + 1 become (bf16 hi of both, bf16 lo of both), the two A-fragment
  * registers that pair gives (kc_frag_a_packed). */
-static __device__ __forceinline__ void kc_pack8(float *p, float4 a, float4 b) {
-    uint4 u, v;
+static __device__ __forceinline__ void kc_pack4(float *p, float4 a) {
+    uint4 u;
     cu_split_bf16x2(a.x, a.y, &u.x, &u.y);
     cu_split_bf16x2(a.z, a.w, &u.z, &u.w);
-    cu_split_bf16x2(b.x, b.y, &v.x, &v.y);
-    cu_split_bf16x2(b.z, b.w, &v.z, &v.w);
     *reinterpret_cast<uint4 *>(p) = u;
-    *reinterpret_cast<uint4 *>(p + 4) = v;
 }
-/* A fragment (rows p, p + 8 ld; columns 0..1 and 8..9 from p) from a kc_pack8 plane: one 8-byte
+/* A fragment (rows p, p + 8 ld; columns 0..1 and 8..9 from p) from a kc_pack4 plane: one 8-byte
  * load per register pair, no conversion. */
 static __device__ __forceinline__ void kc_frag_a_packed(const float *p, int ld, uint32_t hi[4], uint32_t lo[4]) {
     const uint2 x0 = *reinterpret_cast<const uint2 *>(p);
@@ -548,7 +545,7 @@ static __device__ __forceinline__ void kc_prefetch_l2(const void *gmem) {
  *     sub-block); record planes (bf16 hi/lo) KX = KP e^R, QX = QP e^R, KL = KN e^{G_L - R}: two
  *     exponentials a value. Where e^R or e^{G_L - R} underflows, the true value is below e^-27
  *     (the factors are within e^+-60). Fallback: KX = k e^G, QX = q e^G, KL = k e^{G_L - G}.
- *     KP and QP stay in place already split (kc_pack8), for step 5's A fragments.
+ *     KP and QP stay in place already split (kc_pack4), for step 5's A fragments.
  *   5 (no fallback) the 10 sub-block pairs J <= I on the tensor cores (a unit and a quarter a
  *     warp, see there):  A_IJ = KP_I (E_IJ KN_J)^T,  B_IJ = QP_I (E_IJ KN_J)^T  (K = 128 channels);
  *     then M = diag(beta) A (strictly lower) and B (lower with the diagonal) over the dead k/q/g
@@ -559,39 +556,42 @@ static __device__ __forceinline__ void kc_prefetch_l2(const void *gmem) {
  * Rows past the chunk's end: k = q = g = beta = 0, so their KX, QX, KL, A, B rows are zero and
  * Tb's rows and columns there are zero (beta = 0): the state kernel needs no masking but v and o. */
 
-/* 8 consecutive values as bf16 hi (and lo, when lo != NULL) at 16-byte aligned addresses. */
-static __device__ __forceinline__ void kc_store8(__nv_bfloat16 *hi, __nv_bfloat16 *lo, float4 a, float4 b) {
-    uint4 h, l;
+/* 4 consecutive values as bf16 hi (and lo, when lo != NULL) at 8-byte aligned addresses. */
+static __device__ __forceinline__ void kc_store4(__nv_bfloat16 *hi, __nv_bfloat16 *lo, float4 a) {
+    uint2 h, l;
     cu_split_bf16x2(a.x, a.y, &h.x, &l.x);
     cu_split_bf16x2(a.z, a.w, &h.y, &l.y);
-    cu_split_bf16x2(b.x, b.y, &h.z, &l.z);
-    cu_split_bf16x2(b.z, b.w, &h.w, &l.w);
-    *reinterpret_cast<uint4 *>(hi) = h;
-    if (lo) *reinterpret_cast<uint4 *>(lo) = l;
+    *reinterpret_cast<uint2 *>(hi) = h;
+    if (lo) *reinterpret_cast<uint2 *>(lo) = l;
 }
 
-/* Step 1 of item `item` into buffer buf (k, q, g) and bts (beta): cp.async (one commit group)
- * when p.vec4, else plain loads. */
+/* Step 1 of item `item` into buffer buf (k, q, g) and bts (beta). With p.vec4, cp.async in two
+ * commit groups, g first: steps 2-3 need only g, so they run while k and q land; else plain loads. */
 static __device__ __forceinline__ void kc_intra_load(const chunk_params &p, float *buf, float *bts, int item, int tid) {
     const int c = item % p.nck, h = item / p.nck, dk = p.dk, t0 = p.t0 + c * KDA_CHUNK;
     const int Lc = p.n - t0 < KDA_CHUNK ? p.n - t0 : KDA_CHUNK;
     float *Ks = buf + KI_K, *Qs = buf + KI_Q, *Gs = buf + KI_G;
     if (p.vec4) {
-        for (int e = tid; e < KDA_CHUNK * KDA_MAX_DK / 4; e += KC_THREADS) {
-            const int i = e >> 5, d = (e & 31) * 4, x = i * KI_LDF + d;
-            if (i < Lc && d < dk) {
+        const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int part = 0; part < 2; part++) {
+            for (int e = tid; e < KDA_CHUNK * KDA_MAX_DK / 4; e += KC_THREADS) {
+                const int i = e >> 5, d = (e & 31) * 4, x = i * KI_LDF + d;
                 const size_t off = ((size_t)(t0 + i) * p.nh + h) * dk + d;
-                cu_cp_async16(Ks + x, p.k + off);
-                cu_cp_async16(Qs + x, p.q + off);
-                cu_cp_async16(Gs + x, p.g + off);
-            } else {
-                const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
-                *reinterpret_cast<float4 *>(Ks + x) = z;
-                *reinterpret_cast<float4 *>(Qs + x) = z;
-                *reinterpret_cast<float4 *>(Gs + x) = z;
+                const bool live = i < Lc && d < dk;
+                if (part == 0) {
+                    if (live) cu_cp_async16(Gs + x, p.g + off);
+                    else *reinterpret_cast<float4 *>(Gs + x) = z;
+                } else if (live) {
+                    cu_cp_async16(Ks + x, p.k + off);
+                    cu_cp_async16(Qs + x, p.q + off);
+                } else {
+                    *reinterpret_cast<float4 *>(Ks + x) = z;
+                    *reinterpret_cast<float4 *>(Qs + x) = z;
+                }
             }
+            cu_cp_async_commit();
         }
-        cu_cp_async_commit();
     } else {
         for (int e = tid; e < KDA_CHUNK * KDA_MAX_DK; e += KC_THREADS) {
             const int i = e >> 7, d = e & 127;
@@ -625,7 +625,8 @@ static __device__ __forceinline__ void kc_unit_store(float *Ms, float *Aq, const
         }
 }
 
-/* Steps 2-7 of item `item`, whose k, q, g and beta are in buf and bts (all threads see them). */
+/* Steps 2-7 of item `item`, whose g and beta are in buf and bts (all threads see them); k and q
+ * may still be landing (kc_intra_load's second cp.async group: waited for after step 3's factors). */
 static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, float *sm, float *buf, const float *bts,
                                                      int item, int tid) {
     float *Ks = buf + KI_K, *Qs = buf + KI_Q, *Gs = buf + KI_G;
@@ -676,7 +677,9 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
     for (int x = 0; x < 4; x++)
 #pragma unroll
         for (int y = 0; y < 4; y++) fa[x][y] = fb[x][y] = 0.f;
+    cu_cp_async_wait<0>(); /* k and q (kc_intra_load's second group) */
     if (fallback) {
+        __syncthreads(); /* (fallback is the same in every thread) */
         for (int d = 0; d < KDA_MAX_DK; d++) {
             float gi[4], ki[4], qi[4];
 #pragma unroll
@@ -704,48 +707,38 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
     }
     __syncthreads(); /* factors visible; the fallback's reads of raw k, q, G are done */
 
-    /* 4: factors in place, record planes. Thread: 8 consecutive channels of a row. */
-    for (int e = tid; e < KDA_CHUNK * KDA_MAX_DK / 8; e += KC_THREADS) {
-        const int i = e >> 4, d = (e & 15) * 8, x = i * KI_LDF + d, o = kc_swz(i, d);
-        float4 k0 = *reinterpret_cast<const float4 *>(Ks + x), k1 = *reinterpret_cast<const float4 *>(Ks + x + 4);
-        float4 q0 = *reinterpret_cast<const float4 *>(Qs + x), q1 = *reinterpret_cast<const float4 *>(Qs + x + 4);
-        const float4 g0 = *reinterpret_cast<const float4 *>(Gs + x), g1 = *reinterpret_cast<const float4 *>(Gs + x + 4);
-        float4 kx0, kx1, qx0, qx1, kl0, kl1;
+    /* 4: factors in place, record planes. Thread: 4 consecutive channels of a row, so a warp's
+     * 16-byte accesses cover one 512-byte row with no bank conflict (8 channels a thread, 32
+     * bytes apart a lane, took two wavefronts per quarter warp: half of this step's shared
+     * traffic, by ncu). */
+    for (int e = tid; e < KDA_CHUNK * KDA_MAX_DK / 4; e += KC_THREADS) {
+        const int i = e >> 5, d = (e & 31) * 4, x = i * KI_LDF + d, o = kc_swz(i, d);
+        float4 k0 = *reinterpret_cast<const float4 *>(Ks + x), q0 = *reinterpret_cast<const float4 *>(Qs + x);
+        const float4 g0 = *reinterpret_cast<const float4 *>(Gs + x);
+        float4 kx0, qx0, kl0;
         if (!fallback) {
             const int r = (i >> 4) * KDA_MAX_DK + d;
-            const float4 r0 = *reinterpret_cast<const float4 *>(Rs + r), r1 = *reinterpret_cast<const float4 *>(Rs + r + 4);
-            const float4 ep0 = kc_exp4(kc_sub4(g0, r0)), ep1 = kc_exp4(kc_sub4(g1, r1));
-            const float4 en0 = kc_exp4(kc_sub4(r0, g0)), en1 = kc_exp4(kc_sub4(r1, g1));
-            const float4 kn0 = kc_mul4(k0, en0), kn1 = kc_mul4(k1, en1);
+            const float4 r0 = *reinterpret_cast<const float4 *>(Rs + r);
+            const float4 ep0 = kc_exp4(kc_sub4(g0, r0)), en0 = kc_exp4(kc_sub4(r0, g0));
+            const float4 kn0 = kc_mul4(k0, en0);
             k0 = kc_mul4(k0, ep0);
-            k1 = kc_mul4(k1, ep1);
             q0 = kc_mul4(q0, ep0);
-            q1 = kc_mul4(q1, ep1);
-            kc_pack8(Ks + x, k0, k1); /* step 5's A operands, split once here */
-            kc_pack8(Qs + x, q0, q1);
+            kc_pack4(Ks + x, k0); /* step 5's A operands, split once here */
+            kc_pack4(Qs + x, q0);
             *reinterpret_cast<float4 *>(Gs + x) = kn0;
-            *reinterpret_cast<float4 *>(Gs + x + 4) = kn1;
-            const float4 er0 = *reinterpret_cast<const float4 *>(ERs + r), er1 = *reinterpret_cast<const float4 *>(ERs + r + 4);
-            const float4 el0 = *reinterpret_cast<const float4 *>(ELs + r), el1 = *reinterpret_cast<const float4 *>(ELs + r + 4);
+            const float4 er0 = *reinterpret_cast<const float4 *>(ERs + r), el0 = *reinterpret_cast<const float4 *>(ELs + r);
             kx0 = kc_mul4(k0, er0);
-            kx1 = kc_mul4(k1, er1);
             qx0 = kc_mul4(q0, er0);
-            qx1 = kc_mul4(q1, er1);
             kl0 = kc_mul4(kn0, el0);
-            kl1 = kc_mul4(kn1, el1);
         } else {
-            const float4 gl0 = *reinterpret_cast<const float4 *>(GLs + d), gl1 = *reinterpret_cast<const float4 *>(GLs + d + 4);
-            const float4 eg0 = kc_exp4(g0), eg1 = kc_exp4(g1);
+            const float4 gl0 = *reinterpret_cast<const float4 *>(GLs + d), eg0 = kc_exp4(g0);
             kx0 = kc_mul4(k0, eg0);
-            kx1 = kc_mul4(k1, eg1);
             qx0 = kc_mul4(q0, eg0);
-            qx1 = kc_mul4(q1, eg1);
             kl0 = kc_mul4(k0, kc_exp4(kc_sub4(gl0, g0)));
-            kl1 = kc_mul4(k1, kc_exp4(kc_sub4(gl1, g1)));
         }
-        kc_store8(rec + KC_KXH + o, lo ? rec + KC_KXL + o : NULL, kx0, kx1);
-        kc_store8(rec + KC_QXH + o, lo ? rec + KC_QXL + o : NULL, qx0, qx1);
-        kc_store8(rec + KC_KLH + o, lo ? rec + KC_KLL + o : NULL, kl0, kl1);
+        kc_store4(rec + KC_KXH + o, lo ? rec + KC_KXL + o : NULL, kx0);
+        kc_store4(rec + KC_QXH + o, lo ? rec + KC_QXL + o : NULL, qx0);
+        kc_store4(rec + KC_KLH + o, lo ? rec + KC_KLL + o : NULL, kl0);
     }
     __syncthreads();
 
@@ -913,16 +906,15 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
 
     /* 7: Tb, B, e^{G_L}; the 16 x 16 blocks above the diagonal block row stored as zeros,
      * explicitly (T and B are zero there already): kc_state_wg_kernel multiplies whole planes */
-    for (int e = tid; e < KDA_CHUNK * KDA_CHUNK / 8; e += KC_THREADS) { /* a 16-byte piece each */
-        const int i = e >> 3, j = (e & 7) * 8, o = kc_swz(i, j);
-        const float4 *t4 = reinterpret_cast<const float4 *>(Ts + i * KI_LDM + j);
-        const float4 *a4 = reinterpret_cast<const float4 *>(Aq + i * KI_LDM + j);
-        const float4 *b4 = reinterpret_cast<const float4 *>(bts + j);
+    for (int e = tid; e < KDA_CHUNK * KDA_CHUNK / 4; e += KC_THREADS) { /* 4 values each (see step 4) */
+        const int i = e >> 4, j = (e & 15) * 4, o = kc_swz(i, j);
         const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
         const bool up = (j >> 4) > (i >> 4);
-        kc_store8(rec + KC_TBH + o, lo ? rec + KC_TBL + o : NULL, up ? z : kc_mul4(t4[0], b4[0]),
-                  up ? z : kc_mul4(t4[1], b4[1]));
-        kc_store8(rec + KC_AQH + o, lo ? rec + KC_AQL + o : NULL, up ? z : a4[0], up ? z : a4[1]);
+        const float4 t4 = *reinterpret_cast<const float4 *>(Ts + i * KI_LDM + j);
+        const float4 a4 = *reinterpret_cast<const float4 *>(Aq + i * KI_LDM + j);
+        const float4 b4 = *reinterpret_cast<const float4 *>(bts + j);
+        kc_store4(rec + KC_TBH + o, lo ? rec + KC_TBL + o : NULL, up ? z : kc_mul4(t4, b4));
+        kc_store4(rec + KC_AQH + o, lo ? rec + KC_AQL + o : NULL, up ? z : a4);
     }
     if (tid < KDA_MAX_DK) reinterpret_cast<float *>(rec + KC_EGL)[tid] = expf(GLs[tid]);
 }
@@ -937,7 +929,7 @@ static __global__ void __launch_bounds__(KC_THREADS, 2) kc_intra_kernel(chunk_pa
     float *sm = reinterpret_cast<float *>(kc_smem4);
     const int tid = threadIdx.x, item = blockIdx.x + p.nck * blockIdx.y;
     kc_intra_load(p, sm, sm + KI_BT, item, tid);
-    cu_cp_async_wait<0>();
+    cu_cp_async_wait<1>(); /* g (kc_intra_item waits for k and q after step 3's factors) */
     __syncthreads();
     kc_intra_item(p, sm, sm, sm + KI_BT, item, tid);
 }
