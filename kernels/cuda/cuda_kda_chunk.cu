@@ -1212,19 +1212,24 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_kernel(chunk_pa
  *   P2 warpgroup 0: R = V - X to shared memory (bf16 hi, lo)
  *   P3 warpgroup 0: delta = Tb R (the planes' upper blocks are zero)   K = 64
  *   P4 warpgroup 1: o = Y + B delta, stored; both: S = e^{G_L} S + KL^T delta over their rows
- * The record's sets load as in kc_state_kernel (set A during P3-P4 of the chunk before, set B
- * during P1-P2), set B plane by plane to 1024-byte aligned places. */
+ * The record loads in three parts, each on an mbarrier of its own: set A (KX, QX) during P3-P4 of
+ * the chunk before; Tb and B into one of two buffers, a chunk ahead (with set A), so P3 never waits
+ * for them; e^{G_L} and KL during P1-P3 (P4 reads them). All to 1024-byte aligned places. With one
+ * set B on one barrier issued at P1 (Tb, B and KL together), the walk waited for its copies before
+ * P3 in 11% of its stall samples (ncu). */
 enum {
     KW_SA = 0,                                   /* KX hi, QX hi, KX lo, QX lo: 16 KB each */
     KW_EGL = 64 * 1024,                          /* e^{G_L} [128] fp32 */
-    KW_KLH = 65 * 1024, KW_TBH = 81 * 1024, KW_AQH = 89 * 1024,
-    KW_KLL = 97 * 1024, KW_TBL = 113 * 1024, KW_AQL = 121 * 1024,
-    KW_S0H = 129 * 1024, KW_S0L = 145 * 1024,    /* [128 d][64] */
-    KW_RH = 161 * 1024, KW_RL = 169 * 1024,      /* [64 steps][64] */
-    KW_DH = 177 * 1024, KW_DL = 185 * 1024,
-    KW_BAR = 193 * 1024,
-    KW_SMEM = KW_BAR + 16 + 1024 /* alignment */,
+    KW_KLH = 65 * 1024, KW_KLL = 81 * 1024,
+    KW_TB = 97 * 1024,                           /* two buffers of 32 KB: Tb hi, B hi, Tb lo, B lo */
+    KW_TBUF = 32 * 1024, KW_TBH = 0, KW_AQH = 8 * 1024, KW_TBL = 16 * 1024, KW_AQL = 24 * 1024,
+    KW_S0H = 161 * 1024, KW_S0L = 177 * 1024,    /* [128 d][64] */
+    KW_RH = 193 * 1024, KW_RL = 201 * 1024,      /* [64 steps][64] */
+    KW_DH = 209 * 1024, KW_DL = 217 * 1024,
+    KW_BAR = 225 * 1024,                         /* sets A, B (e^{G_L}, KL), Tb/B buffers 0, 1 */
+    KW_SMEM = KW_BAR + 32 + 1024 /* alignment */,
 };
+static_assert(KC_AQH == KC_TBH + KC_SMALL && KC_AQL == KC_TBL + KC_SMALL, "Tb and B planes adjacent in the record");
 
 /* Byte offset of element (r, col < 64) of a [rows][64] bf16 tile with 128-byte swizzled rows. */
 static __device__ __forceinline__ int kw_off(int r, int col) {
@@ -1274,35 +1279,43 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_wg_kernel(chunk
     const int w = wt >> 5, g = (wt & 31) >> 2, q4 = wt & 3, dk = p.dk, ncb = gridDim.x;
     const __nv_bfloat16 *rec0 = p.rec + (size_t)h * p.nck * KC_REC;
     float *Sg = p.state + (size_t)h * dk * dk;
-    uint64_t *barA = reinterpret_cast<uint64_t *>(sm + KW_BAR), *barB = barA + 1;
+    uint64_t *barA = reinterpret_cast<uint64_t *>(sm + KW_BAR), *barB = barA + 1, *barT = barA + 2;
     const float *sEGL = reinterpret_cast<const float *>(sm + KW_EGL);
     auto load_a = [&](const __nv_bfloat16 *rec) {
         if (tid == 0) cu_mbar_arrive_tx(barA, 4 * KC_PLANE * 2);
         if (tid < 4) cu_bulk_load(sm + KW_SA + tid * KC_PLANE * 2, rec + KC_KXH + tid * KC_PLANE, KC_PLANE * 2, barA);
     };
-    /* Set B, a piece a thread (e^{G_L}, KL, Tb, B hi, then KL, Tb, B lo). The piece is chosen by
-     * selects, not branches: a form whose choice compiled as branches (warp 0 diverging before
-     * the chunk's wgmmas) made the walk 7% slower on the H200 (0.314 against 0.293 ms, same run;
-     * docs/bench/2026-11-30-h200-session14.md call 15). */
+    /* e^{G_L} and KL hi, lo: a piece a thread. The piece is chosen by selects, not branches: a form
+     * whose choice compiled as branches (warp 0 diverging before the chunk's wgmmas) made the walk
+     * 7% slower on the H200 (0.314 against 0.293 ms, same run; docs/bench/2026-11-30-h200-session14.md
+     * call 15). */
     auto load_b = [&](const __nv_bfloat16 *rec) {
-        if (tid == 0) cu_mbar_arrive_tx(barB, (KC_REC - KC_EGL) * 2);
+        if (tid == 0) cu_mbar_arrive_tx(barB, (KC_KLH - KC_EGL + 2 * KC_PLANE) * 2);
         const int k = tid;
-        if (k < 7) {
-            const int src = k == 0 ? KC_EGL : k == 1 ? KC_KLH : k == 2 ? KC_TBH : k == 3 ? KC_AQH
-                          : k == 4 ? KC_KLL : k == 5 ? KC_TBL : KC_AQL;
-            const int len = k == 0 ? KC_KLH - KC_EGL : k == 1 || k == 4 ? KC_PLANE : KC_SMALL;
-            const int dst = k == 0 ? KW_EGL : k == 1 ? KW_KLH : k == 2 ? KW_TBH : k == 3 ? KW_AQH
-                          : k == 4 ? KW_KLL : k == 5 ? KW_TBL : KW_AQL;
+        if (k < 3) {
+            const int src = k == 0 ? KC_EGL : k == 1 ? KC_KLH : KC_KLL;
+            const int len = k == 0 ? KC_KLH - KC_EGL : KC_PLANE;
+            const int dst = k == 0 ? KW_EGL : k == 1 ? KW_KLH : KW_KLL;
             cu_bulk_load(sm + dst, rec + src, (uint32_t)len * 2, barB);
         }
+    };
+    /* Tb and B (hi planes adjacent in the record, lo planes too) into buffer b */
+    auto load_t = [&](const __nv_bfloat16 *rec, int b) {
+        if (tid == 0) cu_mbar_arrive_tx(barT + b, 4 * KC_SMALL * 2);
+        if (tid < 2)
+            cu_bulk_load(sm + KW_TB + b * KW_TBUF + (tid ? KW_TBL : KW_TBH), rec + (tid ? KC_TBL : KC_TBH),
+                         2 * KC_SMALL * 2, barT + b);
     };
     if (tid == 0) {
         cu_mbar_init(barA, 1);
         cu_mbar_init(barB, 1);
+        cu_mbar_init(barT, 1);
+        cu_mbar_init(barT + 1, 1);
         cu_mbar_init_fence();
     }
     __syncthreads();
     load_a(rec0);
+    load_t(rec0, 0);
     if (p.nck > 1) kc_prefetch_rec<2>(rec0 + KC_REC, blockIdx.x, ncb, tid);
     /* S entry x: row d = 64 wg + 16 w + g + 8 ((x >> 1) & 1), column j0 + 8 (x >> 2) + 2 q4 + (x & 1) */
     float S[32];
@@ -1319,8 +1332,9 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_wg_kernel(chunk
     for (int c = 0; c < p.nck; c++) {
         const int t0 = p.t0 + c * KDA_CHUNK, Lc = p.n - t0 < KDA_CHUNK ? p.n - t0 : KDA_CHUNK;
         const __nv_bfloat16 *rec = rec0 + (size_t)c * KC_REC;
+        const uint8_t *tb = sm + KW_TB + (c & 1) * KW_TBUF; /* Tb(c), B(c) */
         cu_mbar_wait(barA, c & 1);
-        __syncthreads(); /* set A(c) and S0 in place; set B, R, delta free (P3, P4 of c - 1 done) */
+        __syncthreads(); /* set A(c) and S0 in place; e^{G_L}, KL, R, delta free (P3, P4 of c - 1 done) */
         load_b(rec);
         if (c + 2 < p.nck) kc_prefetch_rec<2>(rec + 2 * KC_REC, blockIdx.x, ncb, tid);
         if (tid < 2 * KDA_CHUNK && t0 + 2 * KDA_CHUNK + (tid >> 1) < p.n && j0 + 32 * (tid & 1) < dk)
@@ -1353,9 +1367,12 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_wg_kernel(chunk
             cu_proxy_fence_async();
             if (c + 1 < p.nck) kw_load_v(p, vr, t0 + KDA_CHUNK, h, j0, wt);
         }
-        cu_mbar_wait(barB, c & 1);
-        __syncthreads(); /* set B(c) and R in place; set A is free */
-        if (c + 1 < p.nck) load_a(rec + KC_REC);
+        cu_mbar_wait(barT + (c & 1), (c >> 1) & 1);
+        __syncthreads(); /* Tb(c) and R in place; set A and the other Tb buffer (c - 1's) are free */
+        if (c + 1 < p.nck) {
+            load_a(rec + KC_REC);
+            load_t(rec + KC_REC, (c + 1) & 1);
+        }
 
         /* P3: delta = Tb R (warpgroup 0) */
         if (wg == 0) {
@@ -1363,7 +1380,7 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_wg_kernel(chunk
             cu_wg_fence();
 #pragma unroll
             for (int ks = 0; ks < KDA_CHUNK / 16; ks++) {
-                const uint64_t th = cu_wg_desc(sm + KW_TBH + 32 * ks), tl = cu_wg_desc(sm + KW_TBL + 32 * ks);
+                const uint64_t th = cu_wg_desc(tb + KW_TBH + 32 * ks), tl = cu_wg_desc(tb + KW_TBL + 32 * ks);
                 const uint64_t bh = cu_wg_desc_mn(sm + KW_RH + ks * 2048, 8192), bl = cu_wg_desc_mn(sm + KW_RL + ks * 2048, 8192);
                 cu_wgmma_bf16_64t<0, 1>(D, tl, bh, ks);
                 cu_wgmma_bf16_64t<0, 1>(D, th, bl, 1);
@@ -1377,6 +1394,7 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_wg_kernel(chunk
             cu_proxy_fence_async();
         }
         __syncthreads(); /* delta in place */
+        cu_mbar_wait(barB, c & 1); /* e^{G_L} and KL */
 
         /* P4: o = Y + B delta (warpgroup 1); S = e^{G_L} S + KL^T delta over this warpgroup's rows */
 #pragma unroll
@@ -1399,7 +1417,7 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_wg_kernel(chunk
             cu_wg_fence();
 #pragma unroll
             for (int ks = 0; ks < KDA_CHUNK / 16; ks++) {
-                const uint64_t ah = cu_wg_desc(sm + KW_AQH + 32 * ks), al = cu_wg_desc(sm + KW_AQL + 32 * ks);
+                const uint64_t ah = cu_wg_desc(tb + KW_AQH + 32 * ks), al = cu_wg_desc(tb + KW_AQL + 32 * ks);
                 const uint64_t bh = cu_wg_desc_mn(sm + KW_DH + ks * 2048, 8192), bl = cu_wg_desc_mn(sm + KW_DL + ks * 2048, 8192);
                 cu_wgmma_bf16_64t<0, 1>(XY, al, bh, 1);
                 cu_wgmma_bf16_64t<0, 1>(XY, ah, bl, 1);
