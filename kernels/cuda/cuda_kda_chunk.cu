@@ -413,6 +413,7 @@ enum {
 };
 
 static_assert(KI_P + 8 * 16 * 32 <= KI_BUF, "step 5's partial sums overlap the small arrays");
+static_assert(KC_THREADS == 2 * KDA_MAX_DK && KC_THREADS == 8 * 32, "kc_intra_kernel's steps 1-2 map 256 threads");
 static_assert(KI_BT % 4 == 0 && KI_LDM % 4 == 0 && KI_T % 4 == 0 && KI_AQ % 4 == 0, "step 7 reads float4");
 
 /* The intra-chunk products use one reference per 16-step sub-block and channel,
@@ -427,6 +428,16 @@ static_assert(KI_BT % 4 == 0 && KI_LDM % 4 == 0 && KI_T % 4 == 0 && KI_AQ % 4 ==
 
 static __device__ __forceinline__ float4 kc_exp4(float4 a) {
     return make_float4(__expf(a.x), __expf(a.y), __expf(a.z), __expf(a.w));
+}
+/* __expf's arithmetic (ex2 of x log2 e) without its guard for subnormal results (flushed to zero
+ * here): equal to __expf wherever e^x is a normal float, as for every |x| <= 87. */
+static __device__ __forceinline__ float kc_exp_n(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+    return y;
+}
+static __device__ __forceinline__ float4 kc_exp4_n(float4 a) {
+    return make_float4(kc_exp_n(a.x), kc_exp_n(a.y), kc_exp_n(a.z), kc_exp_n(a.w));
 }
 static __device__ __forceinline__ float4 kc_sub4(float4 a, float4 b) {
     return make_float4(a.x - b.x, a.y - b.y, a.z - b.z, a.w - b.w);
@@ -572,26 +583,31 @@ static __device__ __forceinline__ void kc_intra_load(const chunk_params &p, floa
     const int Lc = p.n - t0 < KDA_CHUNK ? p.n - t0 : KDA_CHUNK;
     float *Ks = buf + KI_K, *Qs = buf + KI_Q, *Gs = buf + KI_G;
     if (p.vec4) {
+        /* thread: channels d..d+3 of rows i0 + 8 r (r < 8): one source pointer a tensor, stepped */
         const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
+        const int d = (tid & 31) * 4, i0 = tid >> 5;
+        const size_t o0 = ((size_t)(t0 + i0) * p.nh + h) * dk + d, step = (size_t)8 * p.nh * dk;
+        const float *gp = p.g + o0;
 #pragma unroll
-        for (int part = 0; part < 2; part++) {
-            for (int e = tid; e < KDA_CHUNK * KDA_MAX_DK / 4; e += KC_THREADS) {
-                const int i = e >> 5, d = (e & 31) * 4, x = i * KI_LDF + d;
-                const size_t off = ((size_t)(t0 + i) * p.nh + h) * dk + d;
-                const bool live = i < Lc && d < dk;
-                if (part == 0) {
-                    if (live) cu_cp_async16(Gs + x, p.g + off);
-                    else *reinterpret_cast<float4 *>(Gs + x) = z;
-                } else if (live) {
-                    cu_cp_async16(Ks + x, p.k + off);
-                    cu_cp_async16(Qs + x, p.q + off);
-                } else {
-                    *reinterpret_cast<float4 *>(Ks + x) = z;
-                    *reinterpret_cast<float4 *>(Qs + x) = z;
-                }
-            }
-            cu_cp_async_commit();
+        for (int r = 0; r < KDA_CHUNK / 8; r++) {
+            const int x = (i0 + 8 * r) * KI_LDF + d;
+            if (i0 + 8 * r < Lc && d < dk) cu_cp_async16(Gs + x, gp + r * step);
+            else *reinterpret_cast<float4 *>(Gs + x) = z;
         }
+        cu_cp_async_commit();
+        const float *kp = p.k + o0, *qp = p.q + o0;
+#pragma unroll
+        for (int r = 0; r < KDA_CHUNK / 8; r++) {
+            const int x = (i0 + 8 * r) * KI_LDF + d;
+            if (i0 + 8 * r < Lc && d < dk) {
+                cu_cp_async16(Ks + x, kp + r * step);
+                cu_cp_async16(Qs + x, qp + r * step);
+            } else {
+                *reinterpret_cast<float4 *>(Ks + x) = z;
+                *reinterpret_cast<float4 *>(Qs + x) = z;
+            }
+        }
+        cu_cp_async_commit();
     } else {
         for (int e = tid; e < KDA_CHUNK * KDA_MAX_DK; e += KC_THREADS) {
             const int i = e >> 7, d = e & 127;
@@ -638,27 +654,40 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
     const bool lo = p.terms > 1;
     int bad = 0;
 
-    /* 2: cumulative log-decay, sub-block references, the fallback test */
-    if (tid < KDA_MAX_DK) {
+    /* 2: cumulative log-decay, sub-block references, the fallback test. Thread: channel d, steps
+     * 32 hf.. (sub-blocks 2 hf, 2 hf + 1). The second half first adds up the first half's 32 steps
+     * in the same order, so G is the sequential sum either way (that chain's loads are
+     * independent); every thread keeps its 32 values of G and stores them after the barrier, once
+     * the second half has read the first half's g. */
+    float gs[32];
+    {
+        const int d = tid & (KDA_MAX_DK - 1), hf = tid / KDA_MAX_DK;
         float acc = 0.f;
-        for (int J = 0; J < 4; J++) {
+        if (hf) {
+#pragma unroll
+            for (int r = 0; r < 32; r++) acc = Gs[r * KI_LDF + d] + acc;
+        }
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const int J = 2 * hf + j;
             float mx = -INFINITY, mn = INFINITY;
 #pragma unroll
             for (int r = 0; r < 16; r++) {
-                float *gp = Gs + (16 * J + r) * KI_LDF + tid;
-                const float gv = *gp;
+                const float gv = Gs[(16 * J + r) * KI_LDF + d];
                 bad |= gv > 0.f;
                 acc = gv + acc;
-                *gp = acc;
+                gs[16 * j + r] = acc;
                 mx = fmaxf(mx, acc);
                 mn = fminf(mn, acc);
             }
-            Rs[J * KDA_MAX_DK + tid] = 0.5f * (mx + mn);
+            Rs[J * KDA_MAX_DK + d] = 0.5f * (mx + mn);
             bad |= !(mx - mn <= KC_SPAN_MAX); /* NaN spans too */
         }
-        GLs[tid] = acc; /* = G at the chunk's last step: rows past the end add g = 0 */
+        if (hf) GLs[d] = acc; /* = G at the chunk's last step: rows past the end add g = 0 */
     }
     const bool fallback = __syncthreads_or(bad) != 0;
+#pragma unroll
+    for (int r = 0; r < 32; r++) Gs[(32 * (tid / KDA_MAX_DK) + r) * KI_LDF + (tid & (KDA_MAX_DK - 1))] = gs[r];
 
     /* 3: factors; (fallback) A, B exactly. Fallback thread tile: rows 4ti..4ti+3, columns
      * tc + 16y (y < 4); warp w only has rows <= 8w+7, so it skips the column blocks above. */
@@ -719,7 +748,8 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
         if (!fallback) {
             const int r = (i >> 4) * KDA_MAX_DK + d;
             const float4 r0 = *reinterpret_cast<const float4 *>(Rs + r);
-            const float4 ep0 = kc_exp4(kc_sub4(g0, r0)), en0 = kc_exp4(kc_sub4(r0, g0));
+            /* |G - R| <= KC_SPAN_MAX / 2 here: normal results, kc_exp4_n is exact __expf */
+            const float4 ep0 = kc_exp4_n(kc_sub4(g0, r0)), en0 = kc_exp4_n(kc_sub4(r0, g0));
             const float4 kn0 = kc_mul4(k0, en0);
             k0 = kc_mul4(k0, ep0);
             q0 = kc_mul4(q0, ep0);
