@@ -373,6 +373,7 @@ enum {
     KI_LDF = KDA_MAX_DK + 8,      /* [64, 128] fp32 rows 8 banks apart: the float2 fragment reads of
                                      a half warp (4 rows x 4 column pairs) hit 32 distinct banks */
     KI_LDM = KDA_CHUNK + 4,       /* [64, 64] fp32 matrices */
+    KI_LDZ = 24,                  /* 6b's Z blocks: the 4 rows of a B fragment 24 floats apart fall in distinct banks */
     KI_K = 0,                     /* in a buffer: k, then KP split in pairs (kc_pack4) [64, KI_LDF] */
     KI_Q = KI_K + KDA_CHUNK * KI_LDF, /* q, then QP split in pairs  [64, KI_LDF] */
     KI_G = KI_Q + KDA_CHUNK * KI_LDF, /* g, G, then KN     [64, KI_LDF] */
@@ -380,7 +381,7 @@ enum {
     KI_M = 0,                     /* after the products, over k/q/g: M = diag(beta) A [64, KI_LDM] */
     KI_AQ = KI_M + KDA_CHUNK * KI_LDM, /* B                [64, KI_LDM] */
     KI_T = KI_AQ + KDA_CHUNK * KI_LDM, /* T = (I + M)^-1   [64, KI_LDM] */
-    KI_Z = KI_T + KDA_CHUNK * KI_LDM,  /* round products   [3, 16, 16] */
+    KI_Z = KI_T + KDA_CHUNK * KI_LDM,  /* 6b's Z blocks [4, 16, KI_LDZ], over KI_P once it is read */
     KI_P = KI_Z + 3 * 16 * 16,         /* step 5's split units: [8 warps, 16 values, 32 lanes], below KI_BUF */
     KI_R = KI_BUF,                     /* sub-block references R [4, 128] */
     KI_E = KI_R + 4 * KDA_MAX_DK,      /* e^{R_I - R_J}, I > J [6, 128] */
@@ -413,6 +414,7 @@ enum {
 };
 
 static_assert(KI_P + 8 * 16 * 32 <= KI_BUF, "step 5's partial sums overlap the small arrays");
+static_assert(KI_Z + 4 * 16 * KI_LDZ <= KI_BUF, "6b's Z blocks overlap the small arrays");
 static_assert(KC_THREADS == 2 * KDA_MAX_DK && KC_THREADS == 8 * 32, "kc_intra_kernel's steps 1-2 map 256 threads");
 static_assert(KI_BT % 4 == 0 && KI_LDM % 4 == 0 && KI_T % 4 == 0 && KI_AQ % 4 == 0, "step 7 reads float4");
 
@@ -544,6 +546,47 @@ static __device__ __forceinline__ void kc_prefetch_l2(const void *gmem) {
  * mbarrier of one arrival: a phase completes once that arrival (cu_mbar_arrive_tx, with the
  * phase's byte count) is in and all those bytes have landed; bytes may land before the arrival
  * (the count goes negative meanwhile). */
+
+/* tf32 parts of x: hi = x rounded to tf32, lo = the rest rounded to tf32 (x = hi + lo to ~2^-22) */
+static __device__ __forceinline__ void kc_split_tf32(float x, uint32_t *hi, uint32_t *lo) {
+    uint32_t h, l;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(h) : "f"(x));
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(l) : "f"(x - __uint_as_float(h)));
+    *hi = h;
+    *lo = l;
+}
+static __device__ __forceinline__ void kc_mma_tf32(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+/* acc (a 16 x 8 tile in the mma C layout) += A [16 x 16] B [16 x 8], fp32 in shared memory (row
+ * strides lda, ldb), on the tensor cores in three tf32 terms (lo hi, hi lo, hi hi: the product of
+ * the lo parts, ~2^-22 relative, is the only one dropped). */
+static __device__ __forceinline__ void kc_tf32_blk(float acc[4], const float *A, int lda, const float *B, int ldb, int lane) {
+    const int g8 = lane >> 2, c4 = lane & 3;
+#pragma unroll
+    for (int kk = 0; kk < 16; kk += 8) {
+        const float av[4] = {A[g8 * lda + kk + c4], A[(g8 + 8) * lda + kk + c4], A[g8 * lda + kk + c4 + 4],
+                             A[(g8 + 8) * lda + kk + c4 + 4]};
+        const float bv[2] = {B[(kk + c4) * ldb + g8], B[(kk + c4 + 4) * ldb + g8]};
+        uint32_t ah[4], al[4], bh[2], bl[2];
+#pragma unroll
+        for (int q = 0; q < 4; q++) kc_split_tf32(av[q], &ah[q], &al[q]);
+#pragma unroll
+        for (int q = 0; q < 2; q++) kc_split_tf32(bv[q], &bh[q], &bl[q]);
+        kc_mma_tf32(acc, al, bh);
+        kc_mma_tf32(acc, ah, bl);
+        kc_mma_tf32(acc, ah, bh);
+    }
+}
+/* A 16 x 8 tile in the mma C layout, times s, to shared memory at p (row stride ld). */
+static __device__ __forceinline__ void kc_tile_store(float *p, int ld, const float acc[4], float s, int lane) {
+    const int g8 = lane >> 2, c4 = lane & 3;
+    *reinterpret_cast<float2 *>(p + g8 * ld + 2 * c4) = make_float2(s * acc[0], s * acc[1]);
+    *reinterpret_cast<float2 *>(p + (g8 + 8) * ld + 2 * c4) = make_float2(s * acc[2], s * acc[3]);
+}
 
 /* ---- kc_intra_kernel ----
  * One block of 256 threads per item (chunk c of the segment, head h). Steps:
@@ -867,6 +910,21 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
     }
     __syncthreads();
 
+    /* units 7 and 8 (M31, M32: off the diagonal, which 6a reads; 6b reads them past its barrier) */
+    if (!fallback && (w & 3) == 0) {
+        float sum[2][2][4];
+        const float *pp = sm + KI_P + (w * 16) * 32 + lane;
+#pragma unroll
+        for (int m = 0; m < 2; m++)
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                for (int r = 0; r < 4; r++) {
+                    const int v = (8 * m + 4 * nt + r) * 32;
+                    sum[m][nt][r] = ((pp[v] + pp[v + 512]) + pp[v + 1024]) + pp[v + 1536];
+                }
+        kc_unit_store(Ms, Aq, bts, 7 + (w >> 2), sum, g8, c4);
+    }
     /* 6a: diagonal blocks of T. Thread (block b, column m of it, part): parts are adjacent lanes
      * and split the sum over j by j mod 4; the part that owns row i (i mod 4) writes it. */
     {
@@ -889,49 +947,44 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
         for (int q = 0; q < 4; q++) Ts[(16 * b + part + 4 * q) * KI_LDM + col] = t[q];
     }
     __syncthreads();
-    /* units 7 and 8 (M is read from 6b's block row 3 on, past two more barriers) */
-    if (!fallback && (w & 3) == 0) {
-        float sum[2][2][4];
-        const float *pp = sm + KI_P + (w * 16) * 32 + lane;
-#pragma unroll
-        for (int m = 0; m < 2; m++)
-#pragma unroll
-            for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-                for (int r = 0; r < 4; r++) {
-                    const int v = (8 * m + 4 * nt + r) * 32;
-                    sum[m][nt][r] = ((pp[v] + pp[v + 512]) + pp[v + 1024]) + pp[v + 1536];
-                }
-        kc_unit_store(Ms, Aq, bts, 7 + (w >> 2), sum, g8, c4);
-    }
-    /* 6b: block rows 1..3. Thread: row rr, column cc of a 16 x 16 block. Unrolled, with four
-     * partial sums a dot product: the row's products for the J blocks are independent chains
-     * rather than one dependent chain of up to 48 adds. T_II is lower triangular (zeros above
-     * its diagonal from 6a), so its product runs over all 16 columns. */
+    /* 6b: the blocks below the diagonal, by doubling: T10 = -T11 (M10 T00) and T32 = -T33 (M32 T22)
+     * (the two 32 x 32 diagonal blocks), then the lower-left 32 x 32 quarter
+     * T_{2+i, j} = -sum_k T_{2+i, 2+k} Z_{2+k, j} with Z_{2+i, j} = sum_{k >= j} M_{2+i, k} T_{k j}.
+     * Each product stage on the tensor cores (kc_tf32_blk, fp32-accurate), a 16 x 8 tile a warp:
+     * four barriers instead of six, and no per-element shared loads (the CUDA-core form took 14%
+     * of the kernel's stall samples, by ncu). Z in Zs [4][16][KI_LDZ]. */
     {
-        const int rr = tid >> 4, cc = tid & 15;
-#pragma unroll
-        for (int I = 1; I < 4; I++) {
-#pragma unroll
-            for (int J = 0; J < I; J++) {
-                float z[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                for (int K = J; K < I; K++)
-#pragma unroll
-                    for (int x = 0; x < 16; x++)
-                        z[x & 3] += Ms[(16 * I + rr) * KI_LDM + 16 * K + x] * Ts[(16 * K + x) * KI_LDM + 16 * J + cc];
-                Zs[(16 * J + rr) * 16 + cc] = (z[0] + z[1]) + (z[2] + z[3]);
-            }
-            __syncthreads();
-#pragma unroll
-            for (int J = 0; J < I; J++) {
-                float t[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                for (int x = 0; x < 16; x++) t[x & 3] += Ts[(16 * I + rr) * KI_LDM + 16 * I + x] * Zs[(16 * J + x) * 16 + cc];
-                Ts[(16 * I + rr) * KI_LDM + 16 * J + cc] = -((t[0] + t[1]) + (t[2] + t[3]));
-            }
-            __syncthreads();
+        const int nt = w & 1, z = w >> 1; /* output tile: columns 8 nt.. of block z */
+        float acc[4];
+        if (w < 4) { /* level 1, Z: z = 0: Z10 = M10 T00, z = 1: Z32 = M32 T22 */
+            const int r0 = 16 * (1 + 2 * z), c0 = 32 * z;
+            acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
+            kc_tf32_blk(acc, Ms + r0 * KI_LDM + c0, KI_LDM, Ts + c0 * KI_LDM + c0 + 8 * nt, KI_LDM, lane);
+            kc_tile_store(Zs + z * 16 * KI_LDZ + 8 * nt, KI_LDZ, acc, 1.f, lane);
         }
+        __syncthreads();
+        if (w < 4) { /* level 1, T: T10 = -T11 Z10, T32 = -T33 Z32 */
+            const int r0 = 16 * (1 + 2 * z);
+            acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
+            kc_tf32_blk(acc, Ts + r0 * KI_LDM + r0, KI_LDM, Zs + z * 16 * KI_LDZ + 8 * nt, KI_LDZ, lane);
+            kc_tile_store(Ts + r0 * KI_LDM + 32 * z + 8 * nt, KI_LDM, acc, -1.f, lane);
+        }
+        __syncthreads();
+        const int i = z >> 1, j = z & 1; /* level 2: block (2 + i, j) */
+        acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
+#pragma unroll
+        for (int k = 0; k < 2; k++) /* Z_{2+i, j} = sum_{k >= j} M_{2+i, k} T_{k j} */
+            if (k >= j)
+                kc_tf32_blk(acc, Ms + 16 * (2 + i) * KI_LDM + 16 * k, KI_LDM, Ts + 16 * k * KI_LDM + 16 * j + 8 * nt, KI_LDM, lane);
+        kc_tile_store(Zs + z * 16 * KI_LDZ + 8 * nt, KI_LDZ, acc, 1.f, lane);
+        __syncthreads();
+        acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
+#pragma unroll
+        for (int k = 0; k < 2; k++) /* T_{2+i, j} = -sum_{k <= i} T_{2+i, 2+k} Z_{2+k, j} */
+            if (k <= i)
+                kc_tf32_blk(acc, Ts + 16 * (2 + i) * KI_LDM + 16 * (2 + k), KI_LDM, Zs + (2 * k + j) * 16 * KI_LDZ + 8 * nt, KI_LDZ, lane);
+        kc_tile_store(Ts + 16 * (2 + i) * KI_LDM + 16 * j + 8 * nt, KI_LDM, acc, -1.f, lane);
+        __syncthreads();
     }
 
     /* 7: Tb, B, e^{G_L}; the 16 x 16 blocks above the diagonal block row stored as zeros,
