@@ -370,12 +370,13 @@ enum {
     KC_SETA_HI = 2 * KC_PLANE,    /* set A's hi planes; TERMS 2: twice that */
     KC_SETB_HI = KC_KLL - KC_EGL, /* set B's e^{G_L} and hi planes; TERMS 2: KC_REC - KC_EGL */
     /* kc_intra_kernel shared memory (floats): the item's buffer, then small arrays */
-    KI_LDF = KDA_MAX_DK + 8,      /* [64, 128] fp32 rows 8 banks apart: the float2 fragment reads of
-                                     a half warp (4 rows x 4 column pairs) hit 32 distinct banks */
+    KI_LDF = KDA_MAX_DK,          /* [64, 128] fp32 rows, unpadded, odd rows' halves of 64 bytes
+                                     swapped (kc_fx): step 5's 16-byte reads of two adjacent rows
+                                     (a quarter warp) fall in opposite bank halves */
     KI_LDM = KDA_CHUNK + 4,       /* [64, 64] fp32 matrices */
     KI_LDZ = 24,                  /* 6b's Z blocks: the 4 rows of a B fragment 24 floats apart fall in distinct banks */
-    KI_K = 0,                     /* in a buffer: k, then KP split in pairs (kc_pack4) [64, KI_LDF] */
-    KI_Q = KI_K + KDA_CHUNK * KI_LDF, /* q, then QP split in pairs  [64, KI_LDF] */
+    KI_K = 0,                     /* in a buffer: k, then KP split (kc_pack4)  [64, KI_LDF] */
+    KI_Q = KI_K + KDA_CHUNK * KI_LDF, /* q, then QP split (kc_pack4)  [64, KI_LDF] */
     KI_G = KI_Q + KDA_CHUNK * KI_LDF, /* g, G, then KN     [64, KI_LDF] */
     KI_BUF = KI_G + KDA_CHUNK * KI_LDF,
     KI_M = 0,                     /* after the products, over k/q/g: M = diag(beta) A [64, KI_LDM] */
@@ -389,7 +390,7 @@ enum {
     KI_EL = KI_ER + 4 * KDA_MAX_DK,    /* e^{G_L - R_J} [4, 128] */
     KI_GL = KI_EL + 4 * KDA_MAX_DK,    /* G_L [128] */
     KI_BT = KI_GL + KDA_MAX_DK,        /* beta [64] */
-    KI_FLOATS = KI_BT + KDA_CHUNK,     /* 28608 floats = 114432 bytes: two blocks per SM */
+    KI_FLOATS = KI_BT + KDA_CHUNK,     /* 27072 floats = 108288 bytes: two blocks per SM */
     /* kc_state_kernel shared memory (bf16 units): sets A (read by P1) and B (read by P3, P4) as
      * in the record (swizzled, unpadded); then the kernel's own planes, rows padded by 8 (16
      * bytes) so the 8 row addresses of an ldmatrix fall in distinct bank groups */
@@ -516,26 +517,20 @@ static __device__ __forceinline__ const __nv_bfloat16 *kc_sw_at(const __nv_bfloa
     return s + kc_swz(r0 + (l & 7) + (l >> 4) * 8, c0 + ((l >> 3) & 1) * 8);
 }
 
-/* 4 consecutive fp32 values x0..x3 at p (16-byte aligned), in place, as their split pairs: the 8
- * bytes of values 2m, 2m + 1 become (bf16 hi of both, bf16 lo of both), the two A-fragment
- * registers that pair gives (kc_frag_a_packed). */
+/* Place of element (row i, channel d) of kc_intra_kernel's [64, 128] fp32 buffers (k, q, g and
+ * what replaces them): odd rows have their two 64-byte halves of each 128 bytes swapped. */
+static __device__ __forceinline__ int kc_fx(int i, int d) {
+    return i * KI_LDF + (d ^ ((i & 1) << 4));
+}
+
+/* 4 consecutive fp32 values x0..x3 at p (16-byte aligned), in place, as bf16 parts
+ * (hi x0 x1, hi x2 x3, lo x0 x1, lo x2 x3): one 16-byte load gives the hi and the lo B fragment of
+ * step 5 (whose k order pairs channels 4 c4.. of a 16-channel step, see there). */
 static __device__ __forceinline__ void kc_pack4(float *p, float4 a) {
     uint4 u;
-    cu_split_bf16x2(a.x, a.y, &u.x, &u.y);
-    cu_split_bf16x2(a.z, a.w, &u.z, &u.w);
+    cu_split_bf16x2(a.x, a.y, &u.x, &u.z);
+    cu_split_bf16x2(a.z, a.w, &u.y, &u.w);
     *reinterpret_cast<uint4 *>(p) = u;
-}
-/* A fragment (rows p, p + 8 ld; columns 0..1 and 8..9 from p) from a kc_pack4 plane: one 8-byte
- * load per register pair, no conversion. */
-static __device__ __forceinline__ void kc_frag_a_packed(const float *p, int ld, uint32_t hi[4], uint32_t lo[4]) {
-    const uint2 x0 = *reinterpret_cast<const uint2 *>(p);
-    const uint2 x1 = *reinterpret_cast<const uint2 *>(p + 8 * ld);
-    const uint2 x2 = *reinterpret_cast<const uint2 *>(p + 8);
-    const uint2 x3 = *reinterpret_cast<const uint2 *>(p + 8 * ld + 8);
-    hi[0] = x0.x, lo[0] = x0.y;
-    hi[1] = x1.x, lo[1] = x1.y;
-    hi[2] = x2.x, lo[2] = x2.y;
-    hi[3] = x3.x, lo[3] = x3.y;
 }
 
 static __device__ __forceinline__ void kc_prefetch_l2(const void *gmem) {
@@ -633,7 +628,7 @@ static __device__ __forceinline__ void kc_intra_load(const chunk_params &p, floa
         const float *gp = p.g + o0;
 #pragma unroll
         for (int r = 0; r < KDA_CHUNK / 8; r++) {
-            const int x = (i0 + 8 * r) * KI_LDF + d;
+            const int x = kc_fx(i0 + 8 * r, d);
             if (i0 + 8 * r < Lc && d < dk) cu_cp_async16(Gs + x, gp + r * step);
             else *reinterpret_cast<float4 *>(Gs + x) = z;
         }
@@ -641,7 +636,7 @@ static __device__ __forceinline__ void kc_intra_load(const chunk_params &p, floa
         const float *kp = p.k + o0, *qp = p.q + o0;
 #pragma unroll
         for (int r = 0; r < KDA_CHUNK / 8; r++) {
-            const int x = (i0 + 8 * r) * KI_LDF + d;
+            const int x = kc_fx(i0 + 8 * r, d);
             if (i0 + 8 * r < Lc && d < dk) {
                 cu_cp_async16(Ks + x, kp + r * step);
                 cu_cp_async16(Qs + x, qp + r * step);
@@ -661,16 +656,16 @@ static __device__ __forceinline__ void kc_intra_load(const chunk_params &p, floa
                 qv = p.q[off];
                 gv = p.g[off];
             }
-            Ks[i * KI_LDF + d] = kv;
-            Qs[i * KI_LDF + d] = qv;
-            Gs[i * KI_LDF + d] = gv;
+            Ks[kc_fx(i, d)] = kv;
+            Qs[kc_fx(i, d)] = qv;
+            Gs[kc_fx(i, d)] = gv;
         }
     }
     if (tid < KDA_CHUNK) bts[tid] = tid < Lc ? p.beta[(size_t)(t0 + tid) * p.nh + h] : 0.f;
 }
 
-/* Step 5's accumulators of unit u (sub-block I, J) to M = diag(beta) A (strictly lower) and B
- * (lower with the diagonal), in shared memory. */
+/* Step 5's accumulators of unit u (sub-block I, J), the transposed tiles (rows j, columns i), to
+ * M = diag(beta) A (strictly lower) and B (lower with the diagonal), in shared memory. */
 static __device__ __forceinline__ void kc_unit_store(float *Ms, float *Aq, const float *bts, int u, const float (*acc)[2][4],
                                                      int g8, int c4) {
     const int I = u >= 6 ? 3 : u >= 3 ? 2 : u >= 1 ? 1 : 0, J = u - I * (I + 1) / 2;
@@ -678,7 +673,7 @@ static __device__ __forceinline__ void kc_unit_store(float *Ms, float *Aq, const
     for (int nt = 0; nt < 2; nt++)
 #pragma unroll
         for (int r = 0; r < 4; r++) {
-            const int i = 16 * I + g8 + 8 * (r >> 1), j = 16 * J + 8 * nt + 2 * c4 + (r & 1);
+            const int i = 16 * I + 8 * nt + 2 * c4 + (r & 1), j = 16 * J + g8 + 8 * (r >> 1);
             Ms[i * KI_LDM + j] = (I > J || j < i) ? bts[i] * acc[0][nt][r] : 0.f;
             Aq[i * KI_LDM + j] = (I > J || j <= i) ? acc[1][nt][r] : 0.f;
         }
@@ -708,7 +703,7 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
         float acc = 0.f;
         if (hf) {
 #pragma unroll
-            for (int r = 0; r < 32; r++) acc = Gs[r * KI_LDF + d] + acc;
+            for (int r = 0; r < 32; r++) acc = Gs[kc_fx(r, d)] + acc;
         }
 #pragma unroll
         for (int j = 0; j < 2; j++) {
@@ -716,7 +711,7 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
             float mx = -INFINITY, mn = INFINITY;
 #pragma unroll
             for (int r = 0; r < 16; r++) {
-                const float gv = Gs[(16 * J + r) * KI_LDF + d];
+                const float gv = Gs[kc_fx(16 * J + r, d)];
                 bad |= gv > 0.f;
                 acc = gv + acc;
                 gs[16 * j + r] = acc;
@@ -730,7 +725,7 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
     }
     const bool fallback = __syncthreads_or(bad) != 0;
 #pragma unroll
-    for (int r = 0; r < 32; r++) Gs[(32 * (tid / KDA_MAX_DK) + r) * KI_LDF + (tid & (KDA_MAX_DK - 1))] = gs[r];
+    for (int r = 0; r < 32; r++) Gs[kc_fx(32 * (tid / KDA_MAX_DK) + r, tid & (KDA_MAX_DK - 1))] = gs[r];
 
     /* 3: factors; (fallback) A, B exactly. Fallback thread tile: rows 4ti..4ti+3, columns
      * tc + 16y (y < 4); warp w only has rows <= 8w+7, so it skips the column blocks above. */
@@ -757,15 +752,15 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
 #pragma unroll
             for (int x = 0; x < 4; x++) {
                 const int i = 4 * ti + x;
-                gi[x] = Gs[i * KI_LDF + d];
-                ki[x] = Ks[i * KI_LDF + d];
-                qi[x] = Qs[i * KI_LDF + d];
+                gi[x] = Gs[kc_fx(i, d)];
+                ki[x] = Ks[kc_fx(i, d)];
+                qi[x] = Qs[kc_fx(i, d)];
             }
 #pragma unroll
             for (int y = 0; y < 4; y++) {
                 if (y > ymax) break;
                 const int jj = tc + 16 * y;
-                const float gj = Gs[jj * KI_LDF + d], kj = Ks[jj * KI_LDF + d];
+                const float gj = Gs[kc_fx(jj, d)], kj = Ks[kc_fx(jj, d)];
 #pragma unroll
                 for (int x = 0; x < 4; x++) {
                     /* e^{G_i - G_j} <= 1 where kept (j <= i); above the diagonal it may be inf
@@ -784,7 +779,7 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
      * bytes apart a lane, took two wavefronts per quarter warp: half of this step's shared
      * traffic, by ncu). */
     for (int e = tid; e < KDA_CHUNK * KDA_MAX_DK / 4; e += KC_THREADS) {
-        const int i = e >> 5, d = (e & 31) * 4, x = i * KI_LDF + d, o = kc_swz(i, d);
+        const int i = e >> 5, d = (e & 31) * 4, x = kc_fx(i, d), o = kc_swz(i, d);
         float4 k0 = *reinterpret_cast<const float4 *>(Ks + x), q0 = *reinterpret_cast<const float4 *>(Qs + x);
         const float4 g0 = *reinterpret_cast<const float4 *>(Gs + x);
         float4 kx0, qx0, kl0;
@@ -796,7 +791,7 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
             const float4 kn0 = kc_mul4(k0, en0);
             k0 = kc_mul4(k0, ep0);
             q0 = kc_mul4(q0, ep0);
-            kc_pack4(Ks + x, k0); /* step 5's A operands, split once here */
+            kc_pack4(Ks + x, k0); /* step 5's B operands, split once here */
             kc_pack4(Qs + x, q0);
             *reinterpret_cast<float4 *>(Gs + x) = kn0;
             const float4 er0 = *reinterpret_cast<const float4 *>(ERs + r), el0 = *reinterpret_cast<const float4 *>(ELs + r);
@@ -840,39 +835,41 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
                 const int I = u >= 6 ? 3 : u >= 3 ? 2 : u >= 1 ? 1 : 0, J = u - I * (I + 1) / 2;
                 const float *ep = I > J ? Es + (I * (I - 1) / 2 + J) * KDA_MAX_DK : NULL;
                 for (int ks = ks0; ks < ks1; ks++) {
-                    const int d0 = 16 * ks + 2 * c4;
-                    uint32_t kh[4], kl[4], qh[4], ql[4];
-                    kc_frag_a_packed(Ks + (16 * I + g8) * KI_LDF + d0, KI_LDF, kh, kl);
-                    kc_frag_a_packed(Qs + (16 * I + g8) * KI_LDF + d0, KI_LDF, qh, ql);
-                    float2 e0 = make_float2(1.f, 1.f), e1 = e0;
-                    if (ep) {
-                        e0 = *reinterpret_cast<const float2 *>(ep + d0);
-                        e1 = *reinterpret_cast<const float2 *>(ep + d0 + 8);
-                    }
-                    uint32_t bh[2][2], bl[2][2];
+                    /* k order within the step: the mma's k pairs c4 and c4 + 4 are channels
+                     * 16 ks + 4 c4 + (0, 1) and + (2, 3), both operands alike */
+                    const int d0 = 16 * ks + 4 * c4;
+                    uint32_t kf[2][4], qf[2][4]; /* B: KP_I, QP_I rows 8 nt + g8: hi b0 b1, lo b0 b1 */
 #pragma unroll
                     for (int nt = 0; nt < 2; nt++) {
-                        const float *kn = Gs + (16 * J + 8 * nt + g8) * KI_LDF + d0;
-                        const float2 b0 = *reinterpret_cast<const float2 *>(kn);
-                        const float2 b1 = *reinterpret_cast<const float2 *>(kn + 8);
-                        cu_split_bf16x2(b0.x * e0.x, b0.y * e0.y, &bh[nt][0], &bl[nt][0]);
-                        cu_split_bf16x2(b1.x * e1.x, b1.y * e1.y, &bh[nt][1], &bl[nt][1]);
+                        const uint4 ku = *reinterpret_cast<const uint4 *>(Ks + kc_fx(16 * I + 8 * nt + g8, d0));
+                        const uint4 qu = *reinterpret_cast<const uint4 *>(Qs + kc_fx(16 * I + 8 * nt + g8, d0));
+                        kf[nt][0] = ku.x, kf[nt][1] = ku.y, kf[nt][2] = ku.z, kf[nt][3] = ku.w;
+                        qf[nt][0] = qu.x, qf[nt][1] = qu.y, qf[nt][2] = qu.z, qf[nt][3] = qu.w;
                     }
+                    const float4 e4 = ep ? *reinterpret_cast<const float4 *>(ep + d0) : make_float4(1.f, 1.f, 1.f, 1.f);
+                    /* A: E_IJ KN_J, rows g8 and g8 + 8 of sub-block J */
+                    const float4 n0 = *reinterpret_cast<const float4 *>(Gs + kc_fx(16 * J + g8, d0));
+                    const float4 n1 = *reinterpret_cast<const float4 *>(Gs + kc_fx(16 * J + g8 + 8, d0));
+                    uint32_t ah[4], al[4];
+                    cu_split_bf16x2(n0.x * e4.x, n0.y * e4.y, &ah[0], &al[0]);
+                    cu_split_bf16x2(n1.x * e4.x, n1.y * e4.y, &ah[1], &al[1]);
+                    cu_split_bf16x2(n0.z * e4.z, n0.w * e4.w, &ah[2], &al[2]);
+                    cu_split_bf16x2(n1.z * e4.z, n1.w * e4.w, &ah[3], &al[3]);
                     /* three passes over the 4 accumulators: no mma waits on the one just before */
 #pragma unroll
                     for (int nt = 0; nt < 2; nt++) {
-                        cu_mma_bf16(acc[s][0][nt], kl, bh[nt][0], bh[nt][1]);
-                        cu_mma_bf16(acc[s][1][nt], ql, bh[nt][0], bh[nt][1]);
+                        cu_mma_bf16(acc[s][0][nt], al, kf[nt][0], kf[nt][1]);
+                        cu_mma_bf16(acc[s][1][nt], al, qf[nt][0], qf[nt][1]);
                     }
 #pragma unroll
                     for (int nt = 0; nt < 2; nt++) {
-                        cu_mma_bf16(acc[s][0][nt], kh, bl[nt][0], bl[nt][1]);
-                        cu_mma_bf16(acc[s][1][nt], qh, bl[nt][0], bl[nt][1]);
+                        cu_mma_bf16(acc[s][0][nt], ah, kf[nt][2], kf[nt][3]);
+                        cu_mma_bf16(acc[s][1][nt], ah, qf[nt][2], qf[nt][3]);
                     }
 #pragma unroll
                     for (int nt = 0; nt < 2; nt++) {
-                        cu_mma_bf16(acc[s][0][nt], kh, bh[nt][0], bh[nt][1]);
-                        cu_mma_bf16(acc[s][1][nt], qh, bh[nt][0], bh[nt][1]);
+                        cu_mma_bf16(acc[s][0][nt], ah, kf[nt][0], kf[nt][1]);
+                        cu_mma_bf16(acc[s][1][nt], ah, qf[nt][0], qf[nt][1]);
                     }
                 }
             }
