@@ -812,8 +812,8 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
 
     /* 5: sub-block products. Unit u -> (I, J): 0 (0,0) 1 (1,0) 2 (1,1) 3 (2,0) 4 (2,1) 5 (2,2)
      * 6 (3,0) 7 (3,1) 8 (3,2) 9 (3,3). Slot 0: warp w takes unit w (warp 7: unit 9) whole; slot 1:
-     * units 7 and 8, which 6b needs last, are split by channel quarters (two k steps) over warps
-     * 0-3 and 4-7, whose partial sums warps 0 and 4 add in a fixed order after 6a: no warp
+     * units 7 and 8 (M31, M32) are split by channel quarters (two k steps) over warps
+     * 0-3 and 4-7, whose partial sums warps 0 and 4 add in a fixed order beside 6a: no warp
      * does more than 1.25 units (two whole units a warp took twice as long as the rest).
      * acc[slot][A or B][n8 tile]. */
     const int g8 = lane >> 2, c4 = lane & 3;
@@ -877,14 +877,8 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
     }
     __syncthreads(); /* k/q/g are dead from here: M, B, T, Z take their place */
 
-    for (int e = tid; e < KDA_CHUNK * KDA_CHUNK; e += KC_THREADS) {
-        const int i = e >> 6, j = e & 63;
-        if ((j >> 4) > (i >> 4)) { /* blocks above the diagonal */
-            Ms[i * KI_LDM + j] = 0.f;
-            Aq[i * KI_LDM + j] = 0.f;
-            Ts[i * KI_LDM + j] = 0.f;
-        }
-    }
+    /* (M, B and T are never written above the block diagonal: 6a reads M's diagonal blocks below
+     * their diagonal, 6b reads the blocks on and below it, and step 7 stores zeros there) */
     if (fallback) {
 #pragma unroll
         for (int x = 0; x < 4; x++)
@@ -985,7 +979,7 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
     }
 
     /* 7: Tb, B, e^{G_L}; the 16 x 16 blocks above the diagonal block row stored as zeros,
-     * explicitly (T and B are zero there already): kc_state_wg_kernel multiplies whole planes */
+     * explicitly (T and B are not written there): kc_state_wg_kernel multiplies whole planes */
     for (int e = tid; e < KDA_CHUNK * KDA_CHUNK / 4; e += KC_THREADS) { /* 4 values each (see step 4) */
         const int i = e >> 4, j = (e & 15) * 4, o = kc_swz(i, j);
         const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
