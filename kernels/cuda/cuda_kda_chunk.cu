@@ -901,10 +901,11 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
     }
     __syncthreads();
 
-    /* units 7 and 8 (M31, M32: off the diagonal, which 6a reads; 6b reads them past its barrier) */
-    if (!fallback && (w & 3) == 0) {
+    /* units 7 and 8 (M31, M32: off the diagonal, which 6a reads; 6b reads them past its barrier),
+     * by warps 2 and 6, which 6a leaves idle */
+    if (!fallback && (w & 3) == 2) {
         float sum[2][2][4];
-        const float *pp = sm + KI_P + (w * 16) * 32 + lane;
+        const float *pp = sm + KI_P + ((w & 4) * 16) * 32 + lane;
 #pragma unroll
         for (int m = 0; m < 2; m++)
 #pragma unroll
@@ -916,26 +917,25 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
                 }
         kc_unit_store(Ms, Aq, bts, 7 + (w >> 2), sum, g8, c4);
     }
-    /* 6a: diagonal blocks of T. Thread (block b, column m of it, part): parts are adjacent lanes
-     * and split the sum over j by j mod 4; the part that owns row i (i mod 4) writes it. */
-    {
-        const int b = tid >> 6, m = (tid >> 2) & 15, part = tid & 3, col = 16 * b + m;
-        float t[4]; /* T rows 16b + part + 4q of column col: this thread's, kept in registers */
+    /* 6a: diagonal blocks of T, T_bb = (I + M_bb)^-1, by columns: thread (block b, column m) of
+     * warps 0-1 walks down the column, T_rm = [r == m] - sum_{j<r} M_rj T_jm, adding each new entry's
+     * products into the running sums of the rows below at once, so a step's dependent chain is one
+     * multiply-add and one subtraction (four threads a column with shuffles had four adds and two
+     * shuffles a step). */
+    if (tid < 64) {
+        const int b = tid >> 4, m = tid & 15;
+        const float *Mb = Ms + 16 * b * KI_LDM + 16 * b;
+        float run[16], t[16];
 #pragma unroll
-        for (int q = 0; q < 4; q++) t[q] = 0.f;
+        for (int r = 0; r < 16; r++) run[r] = 0.f;
 #pragma unroll
-        for (int r = 0; r < 16; r++) {
-            const float *mrow = Ms + (16 * b + r) * KI_LDM + 16 * b + part;
-            float a = 0.f;
+        for (int j = 0; j < 16; j++) {
+            t[j] = j < m ? 0.f : (j == m ? 1.f : 0.f) - run[j];
 #pragma unroll
-            for (int q = 0; q < 4; q++)
-                if (part + 4 * q < r) a += mrow[4 * q] * t[q];
-            a += __shfl_xor_sync(0xffffffffu, a, 1);
-            a += __shfl_xor_sync(0xffffffffu, a, 2);
-            if ((r & 3) == part) t[r >> 2] = r < m ? 0.f : (r == m ? 1.f : 0.f) - a;
+            for (int r = j + 1; r < 16; r++) run[r] += Mb[r * KI_LDM + j] * t[j];
         }
 #pragma unroll
-        for (int q = 0; q < 4; q++) Ts[(16 * b + part + 4 * q) * KI_LDM + col] = t[q];
+        for (int r = 0; r < 16; r++) Ts[(16 * b + r) * KI_LDM + 16 * b + m] = t[r];
     }
     __syncthreads();
     /* 6b: the blocks below the diagonal, by doubling: T10 = -T11 (M10 T00) and T32 = -T33 (M32 T22)
