@@ -1033,7 +1033,7 @@ static __device__ __forceinline__ void kc_prefetch_range(const __nv_bfloat16 *re
 }
 
 /* This block's share (the ncb blocks of a head split it) of the planes of a record that the state
- * kernel reads, into L2 two chunks ahead of its bulk copies. */
+ * kernel reads, into L2 ahead of its bulk copies (kc_state_kernel: two chunks; kc_state_wg_kernel: one). */
 template <int TERMS>
 static __device__ __forceinline__ void kc_prefetch_rec(const __nv_bfloat16 *rec, int part, int parts, int tid) {
     kc_prefetch_range(rec, KC_KXH, TERMS * KC_SETA_HI, part, parts, tid);
@@ -1390,7 +1390,8 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_wg_kernel(chunk
     __syncthreads();
     load_a(rec0);
     load_t(rec0, 0);
-    if (p.nck > 1) kc_prefetch_rec<2>(rec0 + KC_REC, blockIdx.x, ncb, tid);
+    /* the record of the next chunk is prefetched into L2 a chunk ahead of its copies: two, three and
+     * four chunks ahead took 0.291, 0.301 and 0.318 ms against 0.285 (docs/bench/2026-11-30-h200-session15.md) */
     /* S entry x: row d = 64 wg + 16 w + g + 8 ((x >> 1) & 1), column j0 + 8 (x >> 2) + 2 q4 + (x & 1) */
     float S[32];
 #pragma unroll
@@ -1410,7 +1411,7 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_wg_kernel(chunk
         cu_mbar_wait(barA, c & 1);
         __syncthreads(); /* set A(c) and S0 in place; e^{G_L}, KL, R, delta free (P3, P4 of c - 1 done) */
         load_b(rec);
-        if (c + 2 < p.nck) kc_prefetch_rec<2>(rec + 2 * KC_REC, blockIdx.x, ncb, tid);
+        if (c + 1 < p.nck) kc_prefetch_rec<2>(rec + KC_REC, blockIdx.x, ncb, tid);
         if (tid < 2 * KDA_CHUNK && t0 + 2 * KDA_CHUNK + (tid >> 1) < p.n && j0 + 32 * (tid & 1) < dk)
             kc_prefetch_l2(p.v + ((size_t)(t0 + 2 * KDA_CHUNK + (tid >> 1)) * p.nh + h) * dk + j0 + 32 * (tid & 1));
 
