@@ -14,7 +14,8 @@
  *     kc_intra_kernel, one block per (chunk, head), all in parallel: everything that does not
  *       depend on the state: G, KX/QX/KL, the intra-chunk A and B (16 x 16 sub-blocks on the
  *       tensor cores with the decay factored per sub-block, see there), the WY inverse
- *       Tb = (I + diag(beta) A)^-1 diag(beta) in fp32 (blocked forward substitution); writes them
+ *       Tb = (I + diag(beta) A)^-1 diag(beta) to fp32 accuracy (diagonal blocks by substitution,
+ *       the rest by doubling on tf32 tensor cores in three terms); writes them
  *       as bf16 planes to the chunk's record.
  *     kc_state_kernel, one block per (head, 64 value columns), chunks in sequence: the state slice
  *       [128, 64] stays in fp32 registers; per chunk four small GEMMs read the record through
@@ -594,13 +595,13 @@ static __device__ __forceinline__ void kc_tile_store(float *p, int ld, const flo
  *     sub-block); record planes (bf16 hi/lo) KX = KP e^R, QX = QP e^R, KL = KN e^{G_L - R}: two
  *     exponentials a value. Where e^R or e^{G_L - R} underflows, the true value is below e^-27
  *     (the factors are within e^+-60). Fallback: KX = k e^G, QX = q e^G, KL = k e^{G_L - G}.
- *     KP and QP stay in place already split (kc_pack4), for step 5's A fragments.
+ *     KP and QP stay in place already split (kc_pack4), for step 5's B fragments.
  *   5 (no fallback) the 10 sub-block pairs J <= I on the tensor cores (a unit and a quarter a
  *     warp, see there):  A_IJ = KP_I (E_IJ KN_J)^T,  B_IJ = QP_I (E_IJ KN_J)^T  (K = 128 channels);
  *     then M = diag(beta) A (strictly lower) and B (lower with the diagonal) over the dead k/q/g
- *   6 T = (I + M)^-1: the four diagonal 16 x 16 blocks by forward substitution (no barrier: the
- *     thread that writes T row i of a column is the only one that reads it), then block rows
- *     I = 1..3: T_IJ = -T_II sum_{K=J}^{I-1} M_IK T_KJ
+ *   6 T = (I + M)^-1: (6a) the four diagonal 16 x 16 blocks by forward substitution, a thread a
+ *     column; (6b) the blocks below by doubling: the two 32 x 32 diagonal blocks' lower-left
+ *     blocks, then the 64 x 64 matrix's lower-left quarter, T_BA = -T_B (M_BA T_A)
  *   7 record planes Tb = T diag(beta), B (bf16 hi/lo) and e^{G_L}
  * Rows past the chunk's end: k = q = g = beta = 0, so their KX, QX, KL, A, B rows are zero and
  * Tb's rows and columns there are zero (beta = 0): the state kernel needs no masking but v and o. */
