@@ -9,8 +9,8 @@
  * Two implementations, chosen by the backend's tc_terms (MT_CUDA_TC_TERMS, cuda_ops.h):
  *   tc_terms 0: kda_chunked_kernel, fp32 on the CUDA cores, one block per (head, 64 value
  *     columns) walking the chunks in sequence (the reference form; 8 ms at 4096 x 64 x 128).
- *   tc_terms 1 or 2 (default 2): two kernels on the tensor cores (bf16 mma.sync m16n8k16, fp32
- *     accumulation) through a scratch of per-chunk records:
+ *   tc_terms 1 or 2 (default 2): two kernels on the tensor cores (bf16 mma.sync m16n8k16 and
+ *     wgmma, tf32 m16n8k8 in the inverse; fp32 accumulation) through a scratch of per-chunk records:
  *     kc_intra_kernel, one block per (chunk, head), all in parallel: everything that does not
  *       depend on the state: G, KX/QX/KL, the intra-chunk A and B (16 x 16 sub-blocks on the
  *       tensor cores with the decay factored per sub-block, see there), the WY inverse
@@ -351,7 +351,7 @@ enum {
     KC_SEG_CHUNKS = 64,           /* chunks per segment: bounds the record scratch (4096 steps,
                                      nh * 8.2 MiB at 64 chunks) */
     /* chunk record (bf16 units; offsets multiples of 8 = 16 bytes). The planes are stored
-     * swizzled (kc_swz) so that the state kernel copies each of its two sets with whole-plane
+     * swizzled (kc_swz) so that the state kernels copy their parts of it with whole-plane
      * bulk copies into unpadded shared rows and still reads them without bank conflicts; each
      * set is contiguous, its hi planes first (single rounding copies only those). */
     KC_PLANE = KDA_CHUNK * KDA_MAX_DK, /* [64, 128] plane */
@@ -383,7 +383,8 @@ enum {
     KI_M = 0,                     /* after the products, over k/q/g: M = diag(beta) A [64, KI_LDM] */
     KI_AQ = KI_M + KDA_CHUNK * KI_LDM, /* B                [64, KI_LDM] */
     KI_T = KI_AQ + KDA_CHUNK * KI_LDM, /* T = (I + M)^-1   [64, KI_LDM] */
-    KI_Z = KI_T + KDA_CHUNK * KI_LDM,  /* 6b's Z blocks [4, 16, KI_LDZ], over KI_P once it is read */
+    KI_Z = KI_T + KDA_CHUNK * KI_LDM,  /* 6b's Z blocks [4, 16, KI_LDZ]: blocks 2-3 lie over KI_P,
+                                          written past the barrier after P's last read */
     KI_P = KI_Z + 3 * 16 * 16,         /* step 5's split units: [8 warps, 16 values, 32 lanes], below KI_BUF */
     KI_R = KI_BUF,                     /* sub-block references R [4, 128] */
     KI_E = KI_R + 4 * KDA_MAX_DK,      /* e^{R_I - R_J}, I > J [6, 128] */
@@ -814,7 +815,7 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
     /* 5: sub-block products. Unit u -> (I, J): 0 (0,0) 1 (1,0) 2 (1,1) 3 (2,0) 4 (2,1) 5 (2,2)
      * 6 (3,0) 7 (3,1) 8 (3,2) 9 (3,3). Slot 0: warp w takes unit w (warp 7: unit 9) whole; slot 1:
      * units 7 and 8 (M31, M32) are split by channel quarters (two k steps) over warps
-     * 0-3 and 4-7, whose partial sums warps 0 and 4 add in a fixed order beside 6a: no warp
+     * 0-3 and 4-7, whose partial sums warps 2 and 6 add in a fixed order beside 6a: no warp
      * does more than 1.25 units (two whole units a warp took twice as long as the rest).
      * acc[slot][A or B][n8 tile]. */
     const int g8 = lane >> 2, c4 = lane & 3;
@@ -878,8 +879,9 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
     }
     __syncthreads(); /* k/q/g are dead from here: M, B, T, Z take their place */
 
-    /* (M, B and T are never written above the block diagonal: 6a reads M's diagonal blocks below
-     * their diagonal, 6b reads the blocks on and below it, and step 7 stores zeros there) */
+    /* (No zero fill above the block diagonal: only the fallback writes M and B there. 6a reads M's
+     * diagonal blocks below their diagonal, 6b the blocks on and below it, and step 7 stores zeros
+     * there whatever it reads) */
     if (fallback) {
 #pragma unroll
         for (int x = 0; x < 4; x++)
@@ -1391,8 +1393,6 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_wg_kernel(chunk
     __syncthreads();
     load_a(rec0);
     load_t(rec0, 0);
-    /* the record of the next chunk is prefetched into L2 a chunk ahead of its copies: two, three and
-     * four chunks ahead took 0.291, 0.301 and 0.318 ms against 0.285 (docs/bench/2026-11-30-h200-session15.md) */
     /* S entry x: row d = 64 wg + 16 w + g + 8 ((x >> 1) & 1), column j0 + 8 (x >> 2) + 2 q4 + (x & 1) */
     float S[32];
 #pragma unroll
@@ -1412,6 +1412,9 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_wg_kernel(chunk
         cu_mbar_wait(barA, c & 1);
         __syncthreads(); /* set A(c) and S0 in place; e^{G_L}, KL, R, delta free (P3, P4 of c - 1 done) */
         load_b(rec);
+        /* the next chunk's record into L2, ahead of its copies (set A and Tb, B after P2 here; e^{G_L}
+         * and KL at the next chunk's top). Two, three and four chunks ahead took 0.291, 0.301 and
+         * 0.318 ms against 0.285 (docs/bench/2026-11-30-h200-session15.md) */
         if (c + 1 < p.nck) kc_prefetch_rec<2>(rec + KC_REC, blockIdx.x, ncb, tid);
         if (tid < 2 * KDA_CHUNK && t0 + 2 * KDA_CHUNK + (tid >> 1) < p.n && j0 + 32 * (tid & 1) < dk)
             kc_prefetch_l2(p.v + ((size_t)(t0 + 2 * KDA_CHUNK + (tid >> 1)) * p.nh + h) * dk + j0 + 32 * (tid & 1));
