@@ -694,18 +694,18 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
     const bool lo = p.terms > 1;
     int bad = 0;
 
-    /* 2: cumulative log-decay, sub-block references, the fallback test. Thread: channel d, steps
+    /* 2: cumulative log-decay, sub-block references, the fallback test. Thread: channel gd, steps
      * 32 hf.. (sub-blocks 2 hf, 2 hf + 1). The second half first adds up the first half's 32 steps
      * in the same order, so G is the sequential sum either way (that chain's loads are
      * independent); every thread keeps its 32 values of G and stores them after the barrier, once
      * the second half has read the first half's g. */
     float gs[32];
+    const int gd = tid & (KDA_MAX_DK - 1), hf = tid / KDA_MAX_DK; /* channel, half of the steps */
     {
-        const int d = tid & (KDA_MAX_DK - 1), hf = tid / KDA_MAX_DK;
         float acc = 0.f;
         if (hf) {
 #pragma unroll
-            for (int r = 0; r < 32; r++) acc = Gs[kc_fx(r, d)] + acc;
+            for (int r = 0; r < 32; r++) acc = Gs[kc_fx(r, gd)] + acc;
         }
 #pragma unroll
         for (int j = 0; j < 2; j++) {
@@ -713,21 +713,21 @@ static __device__ __forceinline__ void kc_intra_item(const chunk_params &p, floa
             float mx = -INFINITY, mn = INFINITY;
 #pragma unroll
             for (int r = 0; r < 16; r++) {
-                const float gv = Gs[kc_fx(16 * J + r, d)];
+                const float gv = Gs[kc_fx(16 * J + r, gd)];
                 bad |= gv > 0.f;
                 acc = gv + acc;
                 gs[16 * j + r] = acc;
                 mx = fmaxf(mx, acc);
                 mn = fminf(mn, acc);
             }
-            Rs[J * KDA_MAX_DK + d] = 0.5f * (mx + mn);
+            Rs[J * KDA_MAX_DK + gd] = 0.5f * (mx + mn);
             bad |= !(mx - mn <= KC_SPAN_MAX); /* NaN spans too */
         }
-        if (hf) GLs[d] = acc; /* = G at the chunk's last step: rows past the end add g = 0 */
+        if (hf) GLs[gd] = acc; /* = G at the chunk's last step: rows past the end add g = 0 */
     }
     const bool fallback = __syncthreads_or(bad) != 0;
 #pragma unroll
-    for (int r = 0; r < 32; r++) Gs[kc_fx(32 * (tid / KDA_MAX_DK) + r, tid & (KDA_MAX_DK - 1))] = gs[r];
+    for (int r = 0; r < 32; r++) Gs[kc_fx(32 * hf + r, gd)] = gs[r];
 
     /* 3: factors; (fallback) A, B exactly. Fallback thread tile: rows 4ti..4ti+3, columns
      * tc + 16y (y < 4); warp w only has rows <= 8w+7, so it skips the column blocks above. */
