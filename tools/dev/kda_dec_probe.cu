@@ -8,7 +8,8 @@
  * The kernels here have the production arithmetic but not its rows form or programmatic launch,
  * and the compiler spills some of them and not others (ptxas -v): when a shape wins here, build
  * it into the real kernel and A/B that with bench/kda_bench (session 13: the 128-thread shape
- * that read 1.4-1.8 points faster here gained nothing there). */
+ * that read 1.4-1.8 points faster here gained nothing there; session 16: staging the slice in
+ * shared memory by cp.async, dec_smem_kernel, read 1-9 points slower than the register forms). */
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 #include <math.h>
@@ -39,17 +40,21 @@ struct prm {
  * a block (G = COLS / 4 float4 groups), R rows a thread; PF: the L2 prefetch prologue (0 none,
  * 1 a prefetch.global.L2 per 128-byte line as in production, 2 a bulk L2 prefetch per row's
  * segment, 3 one bulk L2 prefetch of 32 KB of the head a block); REV: blocks in reverse order. */
-template <int T, int COLS, int MINB, int PF, bool REV>
-__global__ void __launch_bounds__(T, MINB) dec_kernel(prm p) {
+template <int T, int COLS, int PF, bool REV, bool BL, bool PDL = false>
+__device__ __forceinline__ void dec_item(const prm &p, int bid) {
     constexpr int G = COLS / 4, PASS = T / G, R = DK / PASS, W = T / 32, SUBS = 32 / G;
-    const int nblk = DK / COLS, bid = REV ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int nblk = DK / COLS;
     const int h = bid / nblk, j0 = (bid - h * nblk) * COLS;
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, c4 = lane % G, sub = lane / G;
     const int j = j0 + 4 * c4, rbase = SUBS * w + sub;
     __shared__ float qs[DK], ks[DK], es[DK];
     __shared__ float4 red_u[W][G], red_w[W][G];
     __shared__ float red_qk[W];
-    float4 *S = reinterpret_cast<float4 *>(p.state + (size_t)h * DK * DK) + (j >> 2);
+    /* BL: the blocked layout (timing only): a head's state as DK / COLS slabs of DK rows x COLS
+     * columns, so a block's slice is one contiguous 32 KB */
+    constexpr int LD4 = BL ? COLS / 4 : DK / 4;
+    float4 *S = BL ? reinterpret_cast<float4 *>(p.state + (size_t)h * DK * DK + (size_t)(j0 / COLS) * DK * COLS) + c4
+                   : reinterpret_cast<float4 *>(p.state + (size_t)h * DK * DK) + (j >> 2);
     const char *hb = (const char *)(p.state + (size_t)h * DK * DK);
     if (PF == 2)
         for (int r = tid; r < DK; r += T)
@@ -59,13 +64,17 @@ __global__ void __launch_bounds__(T, MINB) dec_kernel(prm p) {
         asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(hb + (size_t)(j0 / COLS) * (DK * DK * 4 / nblk)),
                      "r"(DK * DK * 4 / nblk)
                      : "memory");
-    if (PF == 1)
+    if (PF == 1 && BL)
+        for (int e = tid; e < DK * (COLS / 32); e += T)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"((const char *)(S - c4) + 128 * e));
+    if (PF == 1 && !BL)
         for (int e = tid; e < DK * (COLS / 32); e += T)
             asm volatile("prefetch.global.L2 [%0];" ::"l"((const char *)(p.state + (size_t)h * DK * DK) +
                                                           ((size_t)(e / (COLS / 32)) * DK + j0) * 4 + (e % (COLS / 32)) * 128));
+    if (PDL) asm volatile("griddepcontrol.wait;\ngriddepcontrol.launch_dependents;\n" ::: "memory");
     float4 s[R];
 #pragma unroll
-    for (int r = 0; r < R; r++) s[r] = __ldca(S + (size_t)(rbase + PASS * r) * (DK / 4));
+    for (int r = 0; r < R; r++) s[r] = __ldca(S + (size_t)(rbase + PASS * r) * LD4);
     const size_t off = (size_t)h * DK;
     const float4 v4 = *reinterpret_cast<const float4 *>(p.v + off + j);
     const float b = p.beta[h];
@@ -120,11 +129,32 @@ __global__ void __launch_bounds__(T, MINB) dec_kernel(prm p) {
         const int i = rbase + PASS * r;
         const float kk = ks[i];
         s[r].x += kk * d.x; s[r].y += kk * d.y; s[r].z += kk * d.z; s[r].w += kk * d.w;
-        __stcs(S + (size_t)i * (DK / 4), s[r]);
+        __stcs(S + (size_t)i * LD4, s[r]);
     }
     if (w == 0 && sub == 0)
         *reinterpret_cast<float4 *>(p.o + off + j) =
             make_float4(wq.x + qk * d.x, wq.y + qk * d.y, wq.z + qk * d.z, wq.w + qk * d.w);
+}
+
+template <int T, int COLS, int MINB, int PF, bool REV, bool BL = false>
+__global__ void __launch_bounds__(T, MINB) dec_kernel(prm p) {
+    dec_item<T, COLS, PF, REV, BL>(p, REV ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
+}
+
+/* PDL: the kernel launched with programmatic stream serialization (variant.pdl) and, with W,
+ * waiting and triggering as kda_decode_kernel does (after its L2 prefetch) */
+template <int T, int COLS, int MINB, bool W>
+__global__ void __launch_bounds__(T, MINB) dec_pdl_kernel(prm p) {
+    dec_item<T, COLS, 1, false, false, W>(p, blockIdx.x);
+}
+
+/* The last TAIL 64-column items as two 32-column items each (a shorter last wave): grid =
+ * 2 nh + TAIL blocks, the halves last. */
+template <int TAIL>
+__global__ void __launch_bounds__(256, 3) dec_tail_kernel(prm p) {
+    const int full = 2 * p.nh - TAIL;
+    if ((int)blockIdx.x < full) dec_item<256, 64, 1, false, false>(p, blockIdx.x);
+    else dec_item<256, 32, 1, false, false>(p, 4 * p.nh - 2 * TAIL + (blockIdx.x - full));
 }
 
 
@@ -213,16 +243,117 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(128, 5) dec_pair_ker
     cl.sync(); /* the partner may still read our partial sums */
 }
 
+/* Staged through shared memory (session 16): the block's state slice (DK rows x COLS columns)
+ * lands in dynamic shared memory by per-thread 16-byte cp.async (L1 bypassed), so the bytes in
+ * flight are bounded by shared memory (6 blocks of 32 KB a multiprocessor) rather than by
+ * registers (3 blocks of 32 KB in kda_decode_kernel). Both passes read the slice from shared
+ * memory; the arithmetic and its order are the register kernel's, so results match bit for bit.
+ * L2H: cp.async's L2::256B prefetch hint. */
+template <int T, int COLS, int MINB, bool L2H>
+__global__ void __launch_bounds__(T, MINB) dec_smem_kernel(prm p) {
+    constexpr int G = COLS / 4, PASS = T / G, R = DK / PASS, W = T / 32, SUBS = 32 / G;
+    static_assert(T >= DK, "a thread a row of q, k, g");
+    extern __shared__ float4 sst[]; /* [DK][G] */
+    const int nblk = DK / COLS, h = blockIdx.x / nblk, j0 = (blockIdx.x - h * nblk) * COLS;
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, c4 = lane % G, sub = lane / G;
+    const int j = j0 + 4 * c4, rbase = SUBS * w + sub;
+    __shared__ float qs[DK], ks[DK], es[DK];
+    __shared__ float4 red_u[W][G], red_w[W][G];
+    __shared__ float red_qk[W];
+    float4 *S = reinterpret_cast<float4 *>(p.state + (size_t)h * DK * DK) + (j0 >> 2);
+    /* chunk e = tid + T * n: row e / G = tid / G + PASS * n, column group tid % G */
+    unsigned dst = (unsigned)__cvta_generic_to_shared(sst + tid);
+    const float4 *src = S + (size_t)(tid / G) * (DK / 4) + tid % G;
+#pragma unroll 4
+    for (int n = 0; n < R; n++, dst += T * 16, src += PASS * (DK / 4)) {
+        if (L2H)
+            asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+        else
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    const size_t off = (size_t)h * DK;
+    const float4 v4 = *reinterpret_cast<const float4 *>(p.v + off + j);
+    const float b = p.beta[h];
+    if (tid < DK) {
+        qs[tid] = p.q[off + tid];
+        ks[tid] = p.k[off + tid];
+        es[tid] = expf(p.g[off + tid]);
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    __syncthreads();
+    float4 u = make_float4(0.f, 0.f, 0.f, 0.f), wq = u;
+    float qk = 0.f;
+#pragma unroll 8
+    for (int r = 0; r < R; r++) {
+        const int i = rbase + PASS * r;
+        const float e = es[i], kk = ks[i], qq = qs[i];
+        float4 t = sst[i * G + c4];
+        t.x *= e; t.y *= e; t.z *= e; t.w *= e;
+        u.x += kk * t.x; u.y += kk * t.y; u.z += kk * t.z; u.w += kk * t.w;
+        wq.x += qq * t.x; wq.y += qq * t.y; wq.z += qq * t.z; wq.w += qq * t.w;
+        qk += qq * kk;
+    }
+#pragma unroll
+    for (int m = G; m < 32; m *= 2) {
+        u.x += __shfl_xor_sync(0xffffffffu, u.x, m);
+        u.y += __shfl_xor_sync(0xffffffffu, u.y, m);
+        u.z += __shfl_xor_sync(0xffffffffu, u.z, m);
+        u.w += __shfl_xor_sync(0xffffffffu, u.w, m);
+        wq.x += __shfl_xor_sync(0xffffffffu, wq.x, m);
+        wq.y += __shfl_xor_sync(0xffffffffu, wq.y, m);
+        wq.z += __shfl_xor_sync(0xffffffffu, wq.z, m);
+        wq.w += __shfl_xor_sync(0xffffffffu, wq.w, m);
+        qk += __shfl_xor_sync(0xffffffffu, qk, m);
+    }
+    if (sub == 0) {
+        red_u[w][c4] = u;
+        red_w[w][c4] = wq;
+    }
+    if (lane == 0) red_qk[w] = qk;
+    __syncthreads();
+    u = red_u[0][c4];
+    wq = red_w[0][c4];
+    qk = red_qk[0];
+#pragma unroll
+    for (int ww = 1; ww < W; ww++) {
+        const float4 a = red_u[ww][c4], c = red_w[ww][c4];
+        u.x += a.x; u.y += a.y; u.z += a.z; u.w += a.w;
+        wq.x += c.x; wq.y += c.y; wq.z += c.z; wq.w += c.w;
+        qk += red_qk[ww];
+    }
+    const float4 d = make_float4(b * (v4.x - u.x), b * (v4.y - u.y), b * (v4.z - u.z), b * (v4.w - u.w));
+#pragma unroll 8
+    for (int r = 0; r < R; r++) {
+        const int i = rbase + PASS * r;
+        const float e = es[i], kk = ks[i];
+        float4 t = sst[i * G + c4];
+        t.x *= e; t.y *= e; t.z *= e; t.w *= e;
+        t.x += kk * d.x; t.y += kk * d.y; t.z += kk * d.z; t.w += kk * d.w;
+        __stcs(S + (size_t)i * (DK / 4) + c4, t);
+    }
+    if (w == 0 && sub == 0)
+        *reinterpret_cast<float4 *>(p.o + off + j) =
+            make_float4(wq.x + qk * d.x, wq.y + qk * d.y, wq.z + qk * d.z, wq.w + qk * d.w);
+}
+
 typedef void (*kfn)(prm);
 struct variant {
     const char *name;
     kfn k;
     int threads, cols;
+    int smem;  /* dynamic shared memory bytes (the staged forms) */
+    int extra; /* blocks beyond nh * DK / cols (the tail forms) */
+    int pdl;   /* launched with programmatic stream serialization */
 };
 
-#define V(T, C, M, PF, RV) {#T "t " #C "c " #M "b pf" #PF " rev" #RV, dec_kernel<T, C, M, PF, RV>, T, C}
+#define V(T, C, M, PF, RV) {#T "t " #C "c " #M "b pf" #PF " rev" #RV, dec_kernel<T, C, M, PF, RV>, T, C, 0, 0, 0}
+#define VB(T, C, M) {#T "t " #C "c " #M "b blocked (timing)", dec_kernel<T, C, M, 1, false, true>, T, C, 0, 0, 0}
+#define VS(T, C, M, H) {"smem " #T "t " #C "c " #M "b l2h" #H, dec_smem_kernel<T, C, M, H>, T, C, DK * C * 4, 0, 0}
 static const variant g_var[] = {
     V(256, 64, 3, 1, false), /* kda_decode_kernel's shape (its first row is the others' reference) */
+    VB(256, 64, 3),
+    VB(128, 64, 5),
     V(256, 64, 3, 0, false),
     V(256, 64, 3, 1, true),
     V(256, 64, 3, 2, false),
@@ -230,6 +361,12 @@ static const variant g_var[] = {
     V(256, 64, 2, 1, false),
     V(128, 64, 4, 1, false),
     V(128, 64, 5, 1, false),
+    VS(128, 64, 6, false),
+    VS(128, 64, 6, true),
+    VS(256, 64, 6, false),
+    VS(256, 64, 6, true),
+    VS(128, 32, 10, false),
+    VS(128, 32, 10, true),
     V(128, 64, 5, 0, false),
     V(128, 64, 5, 2, false),
     V(128, 64, 5, 3, false),
@@ -237,9 +374,35 @@ static const variant g_var[] = {
     V(256, 128, 2, 1, false),
     V(512, 128, 1, 1, false),
     V(128, 32, 8, 1, false),
-    {"pair 128t 128c pf1", dec_pair_kernel<1>, 128, 64},
-    {"pair 128t 128c pf0", dec_pair_kernel<0>, 128, 64},
+    {"pair 128t 128c pf1", dec_pair_kernel<1>, 128, 64, 0, 0, 0},
+    {"pair 128t 128c pf0", dec_pair_kernel<0>, 128, 64, 0, 0, 0},
+    {"128t 64c 5b pdl attr", dec_pdl_kernel<128, 64, 5, false>, 128, 64, 0, 0, 1},
+    {"128t 64c 5b pdl attr+wait", dec_pdl_kernel<128, 64, 5, true>, 128, 64, 0, 0, 1},
+    {"256t 64c 3b pdl attr", dec_pdl_kernel<256, 64, 3, false>, 256, 64, 0, 0, 1},
+    {"256t 64c 3b pdl attr+wait", dec_pdl_kernel<256, 64, 3, true>, 256, 64, 0, 0, 1},
+    {"tail: last 132 items halved", dec_tail_kernel<132>, 256, 64, 0, 132, 0},
+    {"tail: last 264 items halved", dec_tail_kernel<264>, 256, 64, 0, 264, 0},
+    {"tail: last 396 items halved", dec_tail_kernel<396>, 256, 64, 0, 396, 0},
+    {"tail: last 792 items halved", dec_tail_kernel<792>, 256, 64, 0, 792, 0},
 };
+
+static void launch(const variant &va, int grid, cudaStream_t s, prm p) {
+    if (!va.pdl) {
+        va.k<<<grid, va.threads, va.smem, s>>>(p);
+        return;
+    }
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(va.threads);
+    cfg.dynamicSmemBytes = va.smem;
+    cfg.stream = s;
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = at;
+    cfg.numAttrs = 1;
+    CK(cudaLaunchKernelEx(&cfg, va.k, p));
+}
 
 static float median(std::vector<float> v) {
     std::sort(v.begin(), v.end());
@@ -330,9 +493,9 @@ int main(int argc, char **argv) {
                mc * 1e3, 100 * frac(mc), mcs * 1e3, 100 * frac(mcs));
         for (size_t vi = 0; vi < sizeof g_var / sizeof g_var[0]; vi++) {
             const variant &va = g_var[vi];
-            const int grid = nh * (DK / va.cols);
+            const int grid = nh * (DK / va.cols) + va.extra;
             CK(cudaMemcpy(st, st0, sc * 4, cudaMemcpyDeviceToDevice));
-            va.k<<<grid, va.threads, 0, s>>>(p);
+            launch(va, grid, s, p);
             CK(cudaStreamSynchronize(s));
             CK(cudaGetLastError());
             CK(cudaMemcpy(got_s.data(), st, sc * 4, cudaMemcpyDeviceToHost));
@@ -345,11 +508,11 @@ int main(int argc, char **argv) {
                 for (size_t i = 0; i < sc; i++) es = fmax(es, fabs(got_s[i] - ref_s[i]));
                 for (size_t i = 0; i < cnt; i++) eo = fmax(eo, fabs(got_o[i] - ref_o[i]));
             }
-            auto call = [&] { va.k<<<grid, va.threads, 0, s>>>(p); };
+            auto call = [&] { launch(va, grid, s, p); };
             cudaFuncAttributes fa;
             CK(cudaFuncGetAttributes(&fa, va.k));
             int occ = 0;
-            CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, va.k, va.threads, 0));
+            CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, va.k, va.threads, va.smem));
             const float m0 = time_it(call, 0), m1 = time_it(call, 1);
             printf("  %-26s regs %3d spill %3zu occ %d grid %6d: flush %.2f us %.1f%%  b2b %.2f us %.1f%%  "
                    "maxdiff s %.1e o %.1e\n",
