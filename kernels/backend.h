@@ -293,6 +293,11 @@ typedef struct mt_backend_ops {
      * inputs, oldest first; updated), w[C, K]. */
     void (*conv1d_silu)(mt_backend *be, float *out, const float *x, float *state, const float *w,
                         int n, int C, int K);
+    /* Optional (NULL: not offered): conv1d_silu, then out l2-normalised per group of dk channels
+     * (as l2norm(out, n * C / dk, dk, eps, scale)), in one pass where the backend can. C % dk == 0,
+     * out != x. Returns false, having done nothing, for a shape it does not fuse. */
+    bool (*conv1d_silu_l2norm)(mt_backend *be, float *out, const float *x, float *state, const float *w,
+                               int n, int C, int K, int dk, float eps, float scale);
     /* Optional (NULL: not offered): g = kda_gate(f_in . f_b^T) and gate = g_in . g_b^T, as matmul,
      * kda_gate and matmul would give, in one launch where the backend can. f_in [n, f_b.cols],
      * g_in [n, g_b.cols]; g [n, nh*dk] (f_b.rows), gate [n, g_b.rows]. */

@@ -1,9 +1,9 @@
 // tests/kernels_cuda_attn_test.cc: the CUDA backend's attention-side ops (KDA: conv1d_silu,
-// kda_gate, kda_recurrent, kda_chunked, gated_rmsnorm; DSA over paged caches: dsa_pool_keys(_at),
-// dsa_select, mla_sparse, the cache writes and the rows forms) against the CPU backend, their
-// reference, on fresh random inputs over a grid of shapes that includes the real model's (64 KDA
-// heads of 128; MLA kv_lora 512 with 64 heads of 256/256 over ~3000 positions; indexer 32 heads of
-// 128, kpool 16, 128 pools).
+// conv1d_silu_l2norm, kda_gate, kda_recurrent, kda_chunked, gated_rmsnorm; DSA over paged caches:
+// dsa_pool_keys(_at), dsa_select, mla_sparse, the cache writes and the rows forms) against the CPU
+// backend, their reference, on fresh random inputs over a grid of shapes that includes the real
+// model's (64 KDA heads of 128; MLA kv_lora 512 with 64 heads of 256/256 over ~3000 positions;
+// indexer 32 heads of 128, kpool 16, 128 pools).
 //
 // Tolerances: fp32 math in both, summed in different orders, so ||gpu - cpu|| / ||cpu|| <= 1e-4
 // for every float output (the conv state is a copy and must match exactly). Selections: counts
@@ -175,6 +175,42 @@ TEST_F(CudaAttn, Conv1dSiluMatchesCpuAndCarriesState) {
 }
 
 // kda_conv3_rows (the rows form's three conv steps and q, k l2norms in one launch) against the
+// conv1d_silu_l2norm (the q and k of a prefill): against the CPU's conv1d_silu then l2norm, over
+// consecutive calls so the state carries (n < K-1 keeps part of it; stretches of 32 steps, the
+// last partial): the real heads, small heads of 16, 20, 32 and 64, K from 2 to 4, both scales;
+// a head wider than the kernel takes (256) is refused and leaves out and the state alone.
+TEST_F(CudaAttn, Conv1dSiluL2normMatchesCpuComposition) {
+    ASSERT_TRUE(gpu_->ops->conv1d_silu_l2norm);
+    struct Shape { int C, K, dk; };
+    for (Shape s : {Shape{8192, 4, 128}, Shape{96, 3, 32}, Shape{48, 4, 16}, Shape{60, 3, 20}, Shape{256, 2, 64}}) {
+        std::vector<float> w = Rand((size_t)s.C * s.K, 0.5f), st0 = Rand((size_t)s.C * (s.K - 1));
+        std::vector<float> st_cpu = st0;
+        Buf<float> dw(gpu_, w), st_gpu(gpu_, st0);
+        int call = 0;
+        for (int n : {1, 63, 200, 2, 1, 130}) {
+            const float scale = call++ % 2 ? 1.f : 1.f / std::sqrt((float)s.dk);
+            std::vector<float> x = Rand((size_t)n * s.C), want((size_t)n * s.C);
+            cpu_->ops->conv1d_silu(cpu_, want.data(), x.data(), st_cpu.data(), w.data(), n, s.C, s.K);
+            cpu_->ops->l2norm(cpu_, want.data(), (int64_t)n * (s.C / s.dk), s.dk, 1e-6f, scale);
+            Buf<float> dx(gpu_, x), dout(gpu_, Rand((size_t)n * s.C));
+            ASSERT_TRUE(gpu_->ops->conv1d_silu_l2norm(gpu_, dout.get(), dx.get(), st_gpu.get(), dw.get(), n, s.C, s.K,
+                                                       s.dk, 1e-6f, scale));
+            const double eo = RelErr(dout.Get(), want);
+            std::printf("[conv1d_silu_l2norm] C=%d K=%d dk=%d n=%d: out rel %.2e\n", s.C, s.K, s.dk, n, eo);
+            EXPECT_LE(eo, kRelTol) << "C=" << s.C << " K=" << s.K << " dk=" << s.dk << " n=" << n;
+            EXPECT_EQ(st_gpu.Get(), st_cpu) << "state, C=" << s.C << " K=" << s.K << " n=" << n;
+        }
+    }
+    {
+        const int C = 512, K = 4, dk = 256, n = 40;
+        const std::vector<float> st0 = Rand((size_t)C * (K - 1)), out0 = Rand((size_t)n * C);
+        Buf<float> dw(gpu_, Rand((size_t)C * K, 0.5f)), st(gpu_, st0), dx(gpu_, Rand((size_t)n * C)), dout(gpu_, out0);
+        EXPECT_FALSE(gpu_->ops->conv1d_silu_l2norm(gpu_, dout.get(), dx.get(), st.get(), dw.get(), n, C, K, dk, 1e-6f, 1.f));
+        EXPECT_EQ(dout.Get(), out0);
+        EXPECT_EQ(st.Get(), st0);
+    }
+}
+
 // CPU's conv1d_silu per row and l2norm, each row on its own states (pointer tables on the GPU),
 // over consecutive steps so the states carry; the second step in place (out = x).
 TEST_F(CudaAttn, KdaConv3RowsMatchesCpuComposition) {

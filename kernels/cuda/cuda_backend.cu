@@ -356,6 +356,7 @@ static const mt_backend_ops cu_ops = {
     .moe_experts = cu_moe_experts,
     .moe_experts_shared = cu_moe_experts_shared,
     .conv1d_silu = cu_conv1d_silu,
+    .conv1d_silu_l2norm = cu_conv1d_silu_l2norm,
     .kda_gates = cu_kda_gates,
     .kda_gate = cu_kda_gate,
     .kda_recurrent = cu_kda_recurrent,

@@ -118,6 +118,86 @@ extern "C" void cu_conv1d_silu(mt_backend *be, float *out, const float *x, float
     conv1d_silu_launch(be, &p);
 }
 
+/* conv1d_silu_l2norm: the conv of a KDA head's channels over a stretch of time steps into shared
+ * memory, then each step's head row l2-normalised from there (the q and k of a prefill: the
+ * separate l2norm pass read and wrote both again). Block = (head h, CN_TSEG steps), a thread a
+ * channel for the conv (conv1d_silu_kernel's arithmetic, loads CONV_BATCH steps ahead), a warp a
+ * step's row for the norm (sum of squares in float, a lane's channels in order then the warp's
+ * butterfly; the CPU's l2norm sums in float too), so the row's stores are a warp's consecutive
+ * floats. dk <= CN_MAX_DK (the shared stretch is CN_TSEG x dk floats, 16 KB at 128). */
+enum { CN_TSEG = 32, CN_MAX_DK = 128, CN_BLOCKS_PER_SM = 12 /* 1536 threads: 40 registers */ };
+template <int KT> static __global__ void __launch_bounds__(CN_MAX_DK, CN_BLOCKS_PER_SM) conv_norm_kernel(conv_params p, int dk, float eps,
+                                                                                       float scale) {
+    __shared__ float ys[CN_TSEG * CN_MAX_DK];
+    const int h = blockIdx.x, t = threadIdx.x, c = h * dk + t;
+    const float *__restrict__ x = p.x;
+    const int K = KT > 0 ? KT : p.K;
+    const int P = K - 1, ta = blockIdx.y * CN_TSEG;
+    const int tb = ta + CN_TSEG < p.n ? ta + CN_TSEG : p.n;
+    if (t < dk) {
+        float wk[CONV_MAX_K], hist[CONV_MAX_K];
+#pragma unroll
+        for (int k = 0; k < CONV_MAX_K; k++) {
+            wk[k] = k < K ? p.w[(size_t)c * K + k] : 0.f;
+            const int pos = ta - P + k; /* hist[k] = input at time ta - P + k */
+            hist[k] = 0.f;
+            if (k < P) hist[k] = pos < 0 ? p.state[(size_t)c * P + (pos + P)] : x[(size_t)pos * p.C + c];
+        }
+        for (int t0 = ta; t0 < tb; t0 += CONV_BATCH) {
+            float xb[CONV_BATCH];
+#pragma unroll
+            for (int u = 0; u < CONV_BATCH; u++) xb[u] = t0 + u < tb ? x[(size_t)(t0 + u) * p.C + c] : 0.f;
+#pragma unroll
+            for (int u = 0; u < CONV_BATCH; u++) {
+                if (t0 + u >= tb) break;
+                const float xv = xb[u];
+                float a = 0.f;
+#pragma unroll
+                for (int k = 0; k < CONV_MAX_K; k++) {
+                    if (k < P) a += wk[k] * hist[k];
+                    else if (k == P) a += wk[k] * xv;
+                }
+                ys[(t0 + u - ta) * dk + t] = a / (1.f + expf(-a));
+#pragma unroll
+                for (int k = 0; k < CONV_MAX_K - 1; k++) {
+                    if (k < P - 1) hist[k] = hist[k + 1];
+                    else if (k == P - 1) hist[k] = xv;
+                }
+            }
+        }
+    }
+    __syncthreads();
+    const int lane = t & 31, nw = blockDim.x >> 5;
+    for (int u = t >> 5; u < tb - ta; u += nw) {
+        const float *y = ys + u * dk;
+        float ss = 0.f;
+        for (int j = lane; j < dk; j += 32) ss = fmaf(y[j], y[j], ss);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        const float r = scale / sqrtf(ss + eps);
+        float *o = p.out + (size_t)(ta + u) * p.C + (size_t)h * dk;
+        for (int j = lane; j < dk; j += 32) o[j] = __fmul_rn(y[j], r);
+    }
+}
+
+extern "C" bool cu_conv1d_silu_l2norm(mt_backend *be, float *out, const float *x, float *state, const float *w, int n,
+                                      int C, int K, int dk, float eps, float scale) {
+    MT_ASSERT(n >= 0 && C > 0 && K >= 1 && K <= CONV_MAX_K && dk > 0 && C % dk == 0);
+    MT_ASSERT(out != x); /* stretches of one channel run in parallel and read earlier inputs */
+    if (dk > CN_MAX_DK) return false;
+    if (n == 0) return true;
+    const conv_params p = {out, x, state, w, n, C, K};
+    const dim3 grid((unsigned)(C / dk), (unsigned)((n + CN_TSEG - 1) / CN_TSEG)), block((unsigned)((dk + 31) / 32 * 32));
+    if (K == 4) conv_norm_kernel<4><<<grid, block, 0, cu_stream(be)>>>(p, dk, eps, scale);
+    else conv_norm_kernel<0><<<grid, block, 0, cu_stream(be)>>>(p, dk, eps, scale);
+    cu_check_launch(be, "conv1d_silu_l2norm");
+    if (K > 1) {
+        conv_state_kernel<<<(C + EW_BLOCK - 1) / EW_BLOCK, EW_BLOCK, 0, cu_stream(be)>>>(p);
+        cu_check_launch(be, "conv1d_silu (state)");
+    }
+    return true;
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* kda_gate                                                                                     */
 

@@ -195,6 +195,8 @@ bool cu_moe_experts_shared(mt_backend *be, float *out, const float *x, const int
 
 void cu_conv1d_silu(mt_backend *be, float *out, const float *x, float *state, const float *w, int n,
                     int C, int K);
+bool cu_conv1d_silu_l2norm(mt_backend *be, float *out, const float *x, float *state, const float *w, int n,
+                           int C, int K, int dk, float eps, float scale);
 void cu_kda_gates(mt_backend *be, float *g, float *gate, const float *f_in, const float *g_in, const mt_weight *f_b,
                   const mt_weight *g_b, const float *dt_bias, const float *A_log, const mt_kda_gate_params *p, int n);
 void cu_kda_gate(mt_backend *be, float *g, const float *f, const float *dt_bias, const float *A_log,

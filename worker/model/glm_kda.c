@@ -43,11 +43,15 @@ mt_status glm_kda_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
         op->kda_conv3_rows(be, &cv, n, D, K, dk, 1e-6f, q_scale);
     } else {
         for (int j = 0; j < 3; j++) {
+            /* q and k: the conv and their l2norm in one pass where the backend fuses them */
+            const float scale = j == 0 ? q_scale : 1.f;
+            if (!rows && j < 2 && op->conv1d_silu_l2norm &&
+                op->conv1d_silu_l2norm(be, dst[j], pre[j], sts[0]->conv[j], w->conv[j], n, D, K, dk, 1e-6f, scale))
+                continue;
             if (!rows) op->conv1d_silu(be, dst[j], pre[j], sts[0]->conv[j], w->conv[j], n, D, K);
             else op->conv1d_silu_rows(be, dst[j], pre[j], glm_rtab(step, GLM_R_CONV0 + j), w->conv[j], n, D, K);
+            if (j < 2) op->l2norm(be, dst[j], (int64_t)n * nh, dk, 1e-6f, scale);
         }
-        op->l2norm(be, q, (int64_t)n * nh, dk, 1e-6f, q_scale);
-        op->l2norm(be, k, (int64_t)n * nh, dk, 1e-6f, 1.f);
     }
 
     /* the decay gate and the output gate's projection (fused where the backend offers it); after
