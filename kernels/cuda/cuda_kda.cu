@@ -44,14 +44,12 @@ typedef struct conv_params {
  * than one: the 9 calls of a 4096-token prefill 0.98 -> 0.85 ms on the H200 (16 steps: 0.83;
  * docs/bench/2026-11-30-h200-session12.md, call 7). */
 enum { CONV_BATCH = 8 };
-template <int KT> static __global__ void conv1d_silu_kernel(conv_params p) {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= p.C) return;
-    const float *__restrict__ x = p.x;
-    float *__restrict__ out = p.out;
+/* Channel c's conv + SiLU over steps [ta, tb): put(t, y) takes each output, in order of t. */
+template <int KT, typename Put>
+static __device__ __forceinline__ void conv_stretch(const conv_params &p, const float *__restrict__ x, int c, int ta,
+                                                    int tb, Put put) {
     const int K = KT > 0 ? KT : p.K;
-    const int P = K - 1, ta = blockIdx.y * CONV_TSEG;
-    const int tb = ta + CONV_TSEG < p.n ? ta + CONV_TSEG : p.n;
+    const int P = K - 1;
     float wk[CONV_MAX_K], hist[CONV_MAX_K];
 #pragma unroll
     for (int k = 0; k < CONV_MAX_K; k++) {
@@ -74,7 +72,7 @@ template <int KT> static __global__ void conv1d_silu_kernel(conv_params p) {
                 if (k < P) a += wk[k] * hist[k];
                 else if (k == P) a += wk[k] * xv;
             }
-            out[(size_t)(t0 + u) * p.C + c] = a / (1.f + expf(-a));
+            put(t0 + u, a / (1.f + expf(-a)));
 #pragma unroll
             for (int k = 0; k < CONV_MAX_K - 1; k++) {
                 if (k < P - 1) hist[k] = hist[k + 1];
@@ -82,6 +80,15 @@ template <int KT> static __global__ void conv1d_silu_kernel(conv_params p) {
             }
         }
     }
+}
+
+template <int KT> static __global__ void conv1d_silu_kernel(conv_params p) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= p.C) return;
+    float *__restrict__ out = p.out;
+    const int ta = blockIdx.y * CONV_TSEG, tb = ta + CONV_TSEG < p.n ? ta + CONV_TSEG : p.n;
+    const int C = p.C;
+    conv_stretch<KT>(p, p.x, c, ta, tb, [=](int t, float y) { out[(size_t)t * C + c] = y; });
 }
 
 /* New state[c] = the last K-1 inputs of (old state ++ x). One thread per channel, ascending, so
@@ -121,51 +128,18 @@ extern "C" void cu_conv1d_silu(mt_backend *be, float *out, const float *x, float
 /* conv1d_silu_l2norm: the conv of a KDA head's channels over a stretch of time steps into shared
  * memory, then each step's head row l2-normalised from there (the q and k of a prefill: the
  * separate l2norm pass read and wrote both again). Block = (head h, CN_TSEG steps), a thread a
- * channel for the conv (conv1d_silu_kernel's arithmetic, loads CONV_BATCH steps ahead), a warp a
+ * channel for the conv (conv_stretch, as conv1d_silu_kernel: loads CONV_BATCH steps ahead), a warp a
  * step's row for the norm (sum of squares in float, a lane's channels in order then the warp's
  * butterfly; the CPU's l2norm sums in float too), so the row's stores are a warp's consecutive
  * floats. dk <= CN_MAX_DK (the shared stretch is CN_TSEG x dk floats, 16 KB at 128). */
 enum { CN_TSEG = 32, CN_MAX_DK = 128, CN_BLOCKS_PER_SM = 12 /* 1536 threads: 40 registers */ };
-template <int KT> static __global__ void __launch_bounds__(CN_MAX_DK, CN_BLOCKS_PER_SM) conv_norm_kernel(conv_params p, int dk, float eps,
-                                                                                       float scale) {
+template <int KT>
+static __global__ void __launch_bounds__(CN_MAX_DK, CN_BLOCKS_PER_SM)
+    conv_norm_kernel(conv_params p, int dk, float eps, float scale) {
     __shared__ float ys[CN_TSEG * CN_MAX_DK];
-    const int h = blockIdx.x, t = threadIdx.x, c = h * dk + t;
-    const float *__restrict__ x = p.x;
-    const int K = KT > 0 ? KT : p.K;
-    const int P = K - 1, ta = blockIdx.y * CN_TSEG;
-    const int tb = ta + CN_TSEG < p.n ? ta + CN_TSEG : p.n;
-    if (t < dk) {
-        float wk[CONV_MAX_K], hist[CONV_MAX_K];
-#pragma unroll
-        for (int k = 0; k < CONV_MAX_K; k++) {
-            wk[k] = k < K ? p.w[(size_t)c * K + k] : 0.f;
-            const int pos = ta - P + k; /* hist[k] = input at time ta - P + k */
-            hist[k] = 0.f;
-            if (k < P) hist[k] = pos < 0 ? p.state[(size_t)c * P + (pos + P)] : x[(size_t)pos * p.C + c];
-        }
-        for (int t0 = ta; t0 < tb; t0 += CONV_BATCH) {
-            float xb[CONV_BATCH];
-#pragma unroll
-            for (int u = 0; u < CONV_BATCH; u++) xb[u] = t0 + u < tb ? x[(size_t)(t0 + u) * p.C + c] : 0.f;
-#pragma unroll
-            for (int u = 0; u < CONV_BATCH; u++) {
-                if (t0 + u >= tb) break;
-                const float xv = xb[u];
-                float a = 0.f;
-#pragma unroll
-                for (int k = 0; k < CONV_MAX_K; k++) {
-                    if (k < P) a += wk[k] * hist[k];
-                    else if (k == P) a += wk[k] * xv;
-                }
-                ys[(t0 + u - ta) * dk + t] = a / (1.f + expf(-a));
-#pragma unroll
-                for (int k = 0; k < CONV_MAX_K - 1; k++) {
-                    if (k < P - 1) hist[k] = hist[k + 1];
-                    else if (k == P - 1) hist[k] = xv;
-                }
-            }
-        }
-    }
+    const int h = blockIdx.x, t = threadIdx.x;
+    const int ta = blockIdx.y * CN_TSEG, tb = ta + CN_TSEG < p.n ? ta + CN_TSEG : p.n;
+    if (t < dk) conv_stretch<KT>(p, p.x, h * dk + t, ta, tb, [&](int s, float y) { ys[(s - ta) * dk + t] = y; });
     __syncthreads();
     const int lane = t & 31, nw = blockDim.x >> 5;
     for (int u = t >> 5; u < tb - ta; u += nw) {
