@@ -40,6 +40,41 @@ struct prm {
  * a block (G = COLS / 4 float4 groups), R rows a thread; PF: the L2 prefetch prologue (0 none,
  * 1 a prefetch.global.L2 per 128-byte line as in production, 2 a bulk L2 prefetch per row's
  * segment, 3 one bulk L2 prefetch of 32 KB of the head a block); REV: blocks in reverse order. */
+/* The block's sums of u, w (a float4 of columns each) and qk: over the warp's row parities (lanes
+ * c4 + G m), then over the W warps in order through shared memory; every thread gets its columns'. */
+template <int W, int G>
+__device__ __forceinline__ void dec_reduce(float4 &u, float4 &wq, float &qk, float4 (*red_u)[G], float4 (*red_w)[G],
+                                           float *red_qk, int lane, int w, int c4, int sub) {
+#pragma unroll
+    for (int m = G; m < 32; m *= 2) {
+        u.x += __shfl_xor_sync(0xffffffffu, u.x, m);
+        u.y += __shfl_xor_sync(0xffffffffu, u.y, m);
+        u.z += __shfl_xor_sync(0xffffffffu, u.z, m);
+        u.w += __shfl_xor_sync(0xffffffffu, u.w, m);
+        wq.x += __shfl_xor_sync(0xffffffffu, wq.x, m);
+        wq.y += __shfl_xor_sync(0xffffffffu, wq.y, m);
+        wq.z += __shfl_xor_sync(0xffffffffu, wq.z, m);
+        wq.w += __shfl_xor_sync(0xffffffffu, wq.w, m);
+        qk += __shfl_xor_sync(0xffffffffu, qk, m);
+    }
+    if (sub == 0) {
+        red_u[w][c4] = u;
+        red_w[w][c4] = wq;
+    }
+    if (lane == 0) red_qk[w] = qk;
+    __syncthreads();
+    u = red_u[0][c4];
+    wq = red_w[0][c4];
+    qk = red_qk[0];
+#pragma unroll
+    for (int ww = 1; ww < W; ww++) {
+        const float4 a = red_u[ww][c4], c = red_w[ww][c4];
+        u.x += a.x; u.y += a.y; u.z += a.z; u.w += a.w;
+        wq.x += c.x; wq.y += c.y; wq.z += c.z; wq.w += c.w;
+        qk += red_qk[ww];
+    }
+}
+
 template <int T, int COLS, int PF, bool REV, bool BL, bool PDL = false>
 __device__ __forceinline__ void dec_item(const prm &p, int bid) {
     constexpr int G = COLS / 4, PASS = T / G, R = DK / PASS, W = T / 32, SUBS = 32 / G;
@@ -95,34 +130,7 @@ __device__ __forceinline__ void dec_item(const prm &p, int bid) {
         wq.x += qq * s[r].x; wq.y += qq * s[r].y; wq.z += qq * s[r].z; wq.w += qq * s[r].w;
         qk += qq * kk;
     }
-#pragma unroll
-    for (int m = G; m < 32; m *= 2) {
-        u.x += __shfl_xor_sync(0xffffffffu, u.x, m);
-        u.y += __shfl_xor_sync(0xffffffffu, u.y, m);
-        u.z += __shfl_xor_sync(0xffffffffu, u.z, m);
-        u.w += __shfl_xor_sync(0xffffffffu, u.w, m);
-        wq.x += __shfl_xor_sync(0xffffffffu, wq.x, m);
-        wq.y += __shfl_xor_sync(0xffffffffu, wq.y, m);
-        wq.z += __shfl_xor_sync(0xffffffffu, wq.z, m);
-        wq.w += __shfl_xor_sync(0xffffffffu, wq.w, m);
-        qk += __shfl_xor_sync(0xffffffffu, qk, m);
-    }
-    if (sub == 0) {
-        red_u[w][c4] = u;
-        red_w[w][c4] = wq;
-    }
-    if (lane == 0) red_qk[w] = qk;
-    __syncthreads();
-    u = red_u[0][c4];
-    wq = red_w[0][c4];
-    qk = red_qk[0];
-#pragma unroll
-    for (int ww = 1; ww < W; ww++) {
-        const float4 a = red_u[ww][c4], c = red_w[ww][c4];
-        u.x += a.x; u.y += a.y; u.z += a.z; u.w += a.w;
-        wq.x += c.x; wq.y += c.y; wq.z += c.z; wq.w += c.w;
-        qk += red_qk[ww];
-    }
+    dec_reduce<W, G>(u, wq, qk, red_u, red_w, red_qk, lane, w, c4, sub);
     const float4 d = make_float4(b * (v4.x - u.x), b * (v4.y - u.y), b * (v4.z - u.z), b * (v4.w - u.w));
 #pragma unroll
     for (int r = 0; r < R; r++) {
@@ -294,34 +302,7 @@ __global__ void __launch_bounds__(T, MINB) dec_smem_kernel(prm p) {
         wq.x += qq * t.x; wq.y += qq * t.y; wq.z += qq * t.z; wq.w += qq * t.w;
         qk += qq * kk;
     }
-#pragma unroll
-    for (int m = G; m < 32; m *= 2) {
-        u.x += __shfl_xor_sync(0xffffffffu, u.x, m);
-        u.y += __shfl_xor_sync(0xffffffffu, u.y, m);
-        u.z += __shfl_xor_sync(0xffffffffu, u.z, m);
-        u.w += __shfl_xor_sync(0xffffffffu, u.w, m);
-        wq.x += __shfl_xor_sync(0xffffffffu, wq.x, m);
-        wq.y += __shfl_xor_sync(0xffffffffu, wq.y, m);
-        wq.z += __shfl_xor_sync(0xffffffffu, wq.z, m);
-        wq.w += __shfl_xor_sync(0xffffffffu, wq.w, m);
-        qk += __shfl_xor_sync(0xffffffffu, qk, m);
-    }
-    if (sub == 0) {
-        red_u[w][c4] = u;
-        red_w[w][c4] = wq;
-    }
-    if (lane == 0) red_qk[w] = qk;
-    __syncthreads();
-    u = red_u[0][c4];
-    wq = red_w[0][c4];
-    qk = red_qk[0];
-#pragma unroll
-    for (int ww = 1; ww < W; ww++) {
-        const float4 a = red_u[ww][c4], c = red_w[ww][c4];
-        u.x += a.x; u.y += a.y; u.z += a.z; u.w += a.w;
-        wq.x += c.x; wq.y += c.y; wq.z += c.z; wq.w += c.w;
-        qk += red_qk[ww];
-    }
+    dec_reduce<W, G>(u, wq, qk, red_u, red_w, red_qk, lane, w, c4, sub);
     const float4 d = make_float4(b * (v4.x - u.x), b * (v4.y - u.y), b * (v4.z - u.z), b * (v4.w - u.w));
 #pragma unroll 8
     for (int r = 0; r < R; r++) {
