@@ -158,7 +158,7 @@ extern "C" bool cu_conv1d_silu_l2norm(mt_backend *be, float *out, const float *x
                                       int C, int K, int dk, float eps, float scale) {
     MT_ASSERT(n >= 0 && C > 0 && K >= 1 && K <= CONV_MAX_K && dk > 0 && C % dk == 0);
     MT_ASSERT(out != x); /* stretches of one channel run in parallel and read earlier inputs */
-    if (dk > CN_MAX_DK) return false;
+    if (dk > CN_MAX_DK || (n + CN_TSEG - 1) / CN_TSEG > 65535 /* grid.y */) return false;
     if (n == 0) return true;
     const conv_params p = {out, x, state, w, n, C, K};
     const dim3 grid((unsigned)(C / dk), (unsigned)((n + CN_TSEG - 1) / CN_TSEG)), block((unsigned)((dk + 31) / 32 * 32));
