@@ -699,20 +699,20 @@ TEST_F(CudaAttnMla, MlaSparseSmallShapes) {
         {4, 24, 20, 72, 100, 50, 40, MT_F32, true},
         {6, 16, 8, 1000, 10, 9, 7, MT_BF16, true},   // 2 heads per block, wide latent
         {8, 16, 16, 64, 300, 3, 100, MT_F16, true},  // many splits, some of them empty
-        {2, 8, 8, 32, 0, 300, 20, MT_F32, true},     // more rows than one pass (256)
+        {2, 8, 8, 32, 0, 1100, 20, MT_F32, true},    // more rows than one pass (1024)
         // the wide fp32 attend kernel (Hq % 32 == 0, kvl 256 or 512, 2 .. 15 rows)
         {64, 16, 16, 512, 70, 5, 64, MT_F32, true},
         {32, 16, 16, 256, 40, 9, 30, MT_F32, true},
         // the tensor-core prefill attend kernel (the same shapes, >= 16 rows)
         {32, 16, 16, 256, 40, 37, 30, MT_F32, true},   // splits, partial tiles, uniform rows
-        {32, 8, 8, 256, 0, 300, 20, MT_F16, true},     // two passes, the second of 44 rows
+        {32, 8, 8, 256, 0, 1100, 20, MT_F16, true},    // two passes, the second of 76 rows
         {64, 16, 16, 512, 70, 20, 64, MT_BF16, true},  // 2 head groups, many splits, some empty
         {96, 8, 8, 512, 5, 40, 200, MT_F32, true},     // 3 head groups, rows < a tile (t < 32)
         // with it the absorb and output through cuBLAS (bf16 kv_b; odd dims on purpose)
         {32, 32, 64, 256, 40, 37, 30, MT_BF16, true},
         {64, 64, 128, 512, 100, 70, 90, MT_BF16, true},
         {32, 22, 40, 256, 40, 37, 30, MT_BF16, true},    // dn not a multiple of 4: the split's scalar form
-        {32, 20, 12, 512, 0, 300, 20, MT_BF16, true},    // two passes, the second of 44 rows
+        {32, 20, 12, 512, 0, 1100, 20, MT_BF16, true},   // two passes, the second of 76 rows
         {64, 32, 64, 512, 100, 200, 90, MT_BF16, true},  // one split: the attend writes the output's A
         // kvl 512 with heads in 64s runs the wgmma attend (cuda_mla_wg.cu); the cases above with
         // 64 heads and kvl 512 do too; these add a second head group and rows short of a tile
@@ -721,7 +721,7 @@ TEST_F(CudaAttnMla, MlaSparseSmallShapes) {
     });
 }
 
-// The real prefill shape (one pass of 256 rows, ~2063 selected each) over shuffled pages: the
+// A real prefill pass's shape (256 rows, ~2063 selected each) over shuffled pages: the
 // tensor-core attend kernels (wgmma by default, mma.sync with MT_MLA_ATTEND=mma) against the fp32
 // wide one (MT_MLA_ATTEND=wide), GPU against GPU (the CPU reference would take too long); the
 // three times printed.
