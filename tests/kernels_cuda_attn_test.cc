@@ -174,7 +174,6 @@ TEST_F(CudaAttn, Conv1dSiluMatchesCpuAndCarriesState) {
     }
 }
 
-// kda_conv3_rows (the rows form's three conv steps and q, k l2norms in one launch) against the
 // conv1d_silu_l2norm (the q and k of a prefill): against the CPU's conv1d_silu then l2norm, over
 // consecutive calls so the state carries (n < K-1 keeps part of it; stretches of 32 steps, the
 // last partial): the real heads, small heads of 16, 20, 32 and 64, K from 2 to 4, both scales;
@@ -211,6 +210,7 @@ TEST_F(CudaAttn, Conv1dSiluL2normMatchesCpuComposition) {
     }
 }
 
+// kda_conv3_rows (the rows form's three conv steps and q, k l2norms in one launch) against the
 // CPU's conv1d_silu per row and l2norm, each row on its own states (pointer tables on the GPU),
 // over consecutive steps so the states carry; the second step in place (out = x).
 TEST_F(CudaAttn, KdaConv3RowsMatchesCpuComposition) {
@@ -721,10 +721,10 @@ TEST_F(CudaAttnMla, MlaSparseSmallShapes) {
     });
 }
 
-// A real prefill pass's shape (256 rows, ~2063 selected each) over shuffled pages: the
-// tensor-core attend kernels (wgmma by default, mma.sync with MT_MLA_ATTEND=mma) against the fp32
-// wide one (MT_MLA_ATTEND=wide), GPU against GPU (the CPU reference would take too long); the
-// three times printed.
+// A quarter of a real prefill pass (256 of its 1024 rows, ~2063 selected each) over shuffled
+// pages: the tensor-core attend kernels (wgmma by default, mma.sync with MT_MLA_ATTEND=mma)
+// against the fp32 wide one (MT_MLA_ATTEND=wide), GPU against GPU (the CPU reference would take
+// too long); the three times printed.
 TEST_F(CudaAttnMla, MlaSparsePrefillOldVsNew) {
     const int Hq = 64, dn = 256, dv = 256, kvl = 512, t0 = 3000, n = 256, max_sel = 2063;
     mt_mla_params p = {Hq, dn, dv, kvl, 1.f / std::sqrt((float)dn)};

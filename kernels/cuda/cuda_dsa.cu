@@ -397,7 +397,8 @@ extern "C" void cu_dsa_select_rows(mt_backend *be, int32_t *sel, int32_t *nsel, 
  * Splitting the selected rows gives decode (one row, 64 heads) enough blocks for the GPU. */
 
 enum {
-    /* query rows per pass (bounds the scratch: ~0.3 GB at 64 heads of kv_lora 512). H200, 4096-token
+    /* query rows per pass (bounds the scratch: ~0.27 GB of qa and partials plus the GEMMs' 128 MB
+     * of bf16 rows at 64 heads of kv_lora 512, within the worker's reserve). H200, 4096-token
      * prefill (docs/bench/2026-11-30-h200-session16.md, call 13): absorb + output GEMMs 1.47-1.80 ms
      * in passes of 256, 1.18 of 512, 1.01 of 1024; the attend the same */
     MLA_BATCH = 1024,

@@ -93,7 +93,7 @@ template <int KT> static __global__ void conv1d_silu_kernel(conv_params p) {
 
 /* New state[c] = the last K-1 inputs of (old state ++ x). One thread per channel, ascending, so
  * the old entries it still needs (index j + n > j) are read before being overwritten. Runs after
- * conv1d_silu_kernel, which reads the old state. */
+ * conv1d_silu_kernel or conv_norm_kernel, which read the old state. */
 static __global__ void conv_state_kernel(conv_params p) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= p.C) return;
