@@ -933,7 +933,6 @@ static __host__ __device__ size_t mlaw_smem_floats(int kvl) {
            (size_t)MLAW_R * MLAW_HB + 3 * (size_t)MLAW_HB;
 }
 
-
 template <int J>
 static __global__ void __launch_bounds__(MLAW_THREADS, 1) mla_attend_wide_kernel(mla_dev_params p) {
     constexpr int KVL = 256 * J, LD = KVL + 4, K4 = KVL / 4, HB = MLAW_HB, R = MLAW_R, SLD = R + 1;

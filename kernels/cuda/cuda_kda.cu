@@ -105,15 +105,20 @@ static __global__ void conv_state_kernel(conv_params p) {
     }
 }
 
+/* The state update after a conv over p->n steps (either conv kernel): nothing to keep at K = 1. */
+static void conv_state_launch(mt_backend *be, const conv_params *p) {
+    if (p->K > 1) {
+        conv_state_kernel<<<(p->C + EW_BLOCK - 1) / EW_BLOCK, EW_BLOCK, 0, cu_stream(be)>>>(*p);
+        cu_check_launch(be, "conv1d_silu (state)");
+    }
+}
+
 static void conv1d_silu_launch(mt_backend *be, const conv_params *p) {
     const dim3 grid((p->C + EW_BLOCK - 1) / EW_BLOCK, (p->n + CONV_TSEG - 1) / CONV_TSEG);
     if (p->K == 4) conv1d_silu_kernel<4><<<grid, EW_BLOCK, 0, cu_stream(be)>>>(*p);
     else conv1d_silu_kernel<0><<<grid, EW_BLOCK, 0, cu_stream(be)>>>(*p);
     cu_check_launch(be, "conv1d_silu");
-    if (p->K > 1) {
-        conv_state_kernel<<<(p->C + EW_BLOCK - 1) / EW_BLOCK, EW_BLOCK, 0, cu_stream(be)>>>(*p);
-        cu_check_launch(be, "conv1d_silu (state)");
-    }
+    conv_state_launch(be, p);
 }
 
 extern "C" void cu_conv1d_silu(mt_backend *be, float *out, const float *x, float *state,
@@ -146,9 +151,7 @@ static __global__ void __launch_bounds__(CN_MAX_DK, CN_BLOCKS_PER_SM)
         const float *y = ys + u * dk;
         float ss = 0.f;
         for (int j = lane; j < dk; j += 32) ss = fmaf(y[j], y[j], ss);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        const float r = scale / sqrtf(ss + eps);
+        const float r = scale / sqrtf(cu_warp_sum(ss) + eps);
         float *o = p.out + (size_t)(ta + u) * p.C + (size_t)h * dk;
         for (int j = lane; j < dk; j += 32) o[j] = __fmul_rn(y[j], r);
     }
@@ -165,10 +168,7 @@ extern "C" bool cu_conv1d_silu_l2norm(mt_backend *be, float *out, const float *x
     if (K == 4) conv_norm_kernel<4><<<grid, block, 0, cu_stream(be)>>>(p, dk, eps, scale);
     else conv_norm_kernel<0><<<grid, block, 0, cu_stream(be)>>>(p, dk, eps, scale);
     cu_check_launch(be, "conv1d_silu_l2norm");
-    if (K > 1) {
-        conv_state_kernel<<<(C + EW_BLOCK - 1) / EW_BLOCK, EW_BLOCK, 0, cu_stream(be)>>>(p);
-        cu_check_launch(be, "conv1d_silu (state)");
-    }
+    conv_state_launch(be, &p);
     return true;
 }
 

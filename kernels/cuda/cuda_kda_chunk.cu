@@ -1076,26 +1076,46 @@ static __device__ __forceinline__ void kc_state_to_smem(__nv_bfloat16 *sb, const
         }
 }
 
+/* v of head h at step t0 + i, columns col and col + 1 (col even): zero past the chunk's end Lc
+ * and past dk. */
+static __device__ __forceinline__ float2 kc_v2(const chunk_params &p, int t0, int Lc, int h, int i, int col) {
+    float2 x = make_float2(0.f, 0.f);
+    if (i < Lc) {
+        const float *vp = p.v + ((size_t)(t0 + i) * p.nh + h) * p.dk + col;
+        if (p.vec2) {
+            if (col < p.dk) x = *reinterpret_cast<const float2 *>(vp);
+        } else {
+            if (col < p.dk) x.x = vp[0];
+            if (col + 1 < p.dk) x.y = vp[1];
+        }
+    }
+    return x;
+}
+/* o of head h at step t0 + i, columns col and col + 1 (col even) = (a, b), where inside the
+ * chunk's Lc steps and dk. */
+static __device__ __forceinline__ void kc_o2(const chunk_params &p, int t0, int Lc, int h, int i, int col, float a,
+                                             float b) {
+    if (i < Lc && col < p.dk) {
+        float *op = p.o + ((size_t)(t0 + i) * p.nh + h) * p.dk + col;
+        if (p.vec2) {
+            *reinterpret_cast<float2 *>(op) = make_float2(a, b);
+        } else {
+            op[0] = a;
+            if (col + 1 < p.dk) op[1] = b;
+        }
+    }
+}
+
 /* v of the chunk starting at step t0 at the P1-P2 tile positions of this thread: rows
  * 16rb + g8 (+8), columns j0 + 32ch + 8nt + 2c4 (+1); zero past the end and past dk. */
 static __device__ __forceinline__ void kc_load_v(const chunk_params &p, float vr[4][4], int t0, int h, int j0,
                                                  int rb, int ch, int g8, int c4) {
-    const int Lc = p.n - t0 < KDA_CHUNK ? p.n - t0 : KDA_CHUNK, dk = p.dk;
+    const int Lc = p.n - t0 < KDA_CHUNK ? p.n - t0 : KDA_CHUNK;
 #pragma unroll
     for (int nt = 0; nt < 4; nt++)
 #pragma unroll
         for (int hf = 0; hf < 2; hf++) {
-            const int i = 16 * rb + g8 + 8 * hf, col = j0 + 32 * ch + 8 * nt + 2 * c4;
-            float2 x = make_float2(0.f, 0.f);
-            if (i < Lc) {
-                const float *vp = p.v + ((size_t)(t0 + i) * p.nh + h) * dk + col;
-                if (p.vec2) {
-                    if (col < dk) x = *reinterpret_cast<const float2 *>(vp);
-                } else {
-                    if (col < dk) x.x = vp[0];
-                    if (col + 1 < dk) x.y = vp[1];
-                }
-            }
+            const float2 x = kc_v2(p, t0, Lc, h, 16 * rb + g8 + 8 * hf, j0 + 32 * ch + 8 * nt + 2 * c4);
             vr[nt][2 * hf] = x.x;
             vr[nt][2 * hf + 1] = x.y;
         }
@@ -1229,18 +1249,9 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_kernel(chunk_pa
 #pragma unroll
         for (int nt = 0; nt < 4; nt++)
 #pragma unroll
-            for (int hf = 0; hf < 2; hf++) {
-                const int i = 16 * rb + g8 + 8 * hf, col = j0 + 32 * ch + 8 * nt + 2 * c4;
-                if (i < Lc && col < dk) {
-                    float *op = p.o + ((size_t)(t0 + i) * p.nh + h) * dk + col;
-                    if (p.vec2) {
-                        *reinterpret_cast<float2 *>(op) = make_float2(Y[nt][2 * hf], Y[nt][2 * hf + 1]);
-                    } else {
-                        op[0] = Y[nt][2 * hf];
-                        if (col + 1 < dk) op[1] = Y[nt][2 * hf + 1];
-                    }
-                }
-            }
+            for (int hf = 0; hf < 2; hf++)
+                kc_o2(p, t0, Lc, h, 16 * rb + g8 + 8 * hf, j0 + 32 * ch + 8 * nt + 2 * c4, Y[nt][2 * hf],
+                      Y[nt][2 * hf + 1]);
 
         /* P4b: S = e^{G_L} S + KL^T delta, rows 16w.. */
         {
@@ -1329,21 +1340,11 @@ static __device__ __forceinline__ void kw_store_split(uint8_t *hi, uint8_t *lo, 
 
 /* v of the chunk at step t0 at accumulator positions (rows = steps), zero past the end and dk. */
 static __device__ __forceinline__ void kw_load_v(const chunk_params &p, float *vr, int t0, int h, int j0, int wt) {
-    const int Lc = p.n - t0 < KDA_CHUNK ? p.n - t0 : KDA_CHUNK, dk = p.dk;
+    const int Lc = p.n - t0 < KDA_CHUNK ? p.n - t0 : KDA_CHUNK;
     const int w = wt >> 5, g = (wt & 31) >> 2, q4 = wt & 3;
 #pragma unroll
     for (int x = 0; x < 32; x += 2) {
-        const int i = 16 * w + g + 8 * ((x >> 1) & 1), col = j0 + 8 * (x >> 2) + 2 * q4;
-        float2 v = make_float2(0.f, 0.f);
-        if (i < Lc) {
-            const float *vp = p.v + ((size_t)(t0 + i) * p.nh + h) * dk + col;
-            if (p.vec2) {
-                if (col < dk) v = *reinterpret_cast<const float2 *>(vp);
-            } else {
-                if (col < dk) v.x = vp[0];
-                if (col + 1 < dk) v.y = vp[1];
-            }
-        }
+        const float2 v = kc_v2(p, t0, Lc, h, 16 * w + g + 8 * ((x >> 1) & 1), j0 + 8 * (x >> 2) + 2 * q4);
         vr[x] = v.x;
         vr[x + 1] = v.y;
     }
@@ -1517,18 +1518,8 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_wg_kernel(chunk
         for (int x = 0; x < 32; x++) cu_wg_reg_fence(XY[x]);
         if (wg == 1) {
 #pragma unroll
-            for (int x = 0; x < 32; x += 2) {
-                const int i = 16 * w + g + 8 * ((x >> 1) & 1), col = j0 + 8 * (x >> 2) + 2 * q4;
-                if (i < Lc && col < dk) {
-                    float *op = p.o + ((size_t)(t0 + i) * p.nh + h) * dk + col;
-                    if (p.vec2) {
-                        *reinterpret_cast<float2 *>(op) = make_float2(XY[x], XY[x + 1]);
-                    } else {
-                        op[0] = XY[x];
-                        if (col + 1 < dk) op[1] = XY[x + 1];
-                    }
-                }
-            }
+            for (int x = 0; x < 32; x += 2)
+                kc_o2(p, t0, Lc, h, 16 * w + g + 8 * ((x >> 1) & 1), j0 + 8 * (x >> 2) + 2 * q4, XY[x], XY[x + 1]);
         }
         kw_store_split(sm + KW_S0H, sm + KW_S0L, S, 64 * wg, wt); /* S0 of the next chunk */
         cu_proxy_fence_async();

@@ -171,17 +171,23 @@ template <> __device__ __forceinline__ void cu_wgmma_bf16<48>(float *d, uint64_t
                    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
                  : "l"(a), "l"(b), "r"(acc));
 }
-template <> __device__ __forceinline__ void cu_wgmma_bf16<64>(float *d, uint64_t a, uint64_t b, int acc) {
+/* d[64, 64] (+)= A[64, 16] B[16, 64] with either operand MN-major (TA, TB = 1: cu_wg_desc_mn) or
+ * K-major (0: cu_wg_desc); d overwritten where acc == 0. */
+template <int TA, int TB>
+static __device__ __forceinline__ void cu_wgmma_bf16_64t(float *d, uint64_t a, uint64_t b, int acc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
                  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
                  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-                 "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 "}, %32, %33, p, 1, 1, %35, %36;\n}\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
                    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
                    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
                    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                 : "l"(a), "l"(b), "r"(acc));
+                 : "l"(a), "l"(b), "r"(acc), "n"(TA), "n"(TB));
+}
+template <> __device__ __forceinline__ void cu_wgmma_bf16<64>(float *d, uint64_t a, uint64_t b, int acc) {
+    cu_wgmma_bf16_64t<0, 0>(d, a, b, acc);
 }
 template <> __device__ __forceinline__ void cu_wgmma_bf16<80>(float *d, uint64_t a, uint64_t b, int acc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
@@ -483,22 +489,6 @@ static __device__ __forceinline__ void cu_wgmma_bf16_ra256_mn(float *d, const ui
                    "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
                    "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
-}
-
-/* d[64, 64] (+)= A[64, 16] B[16, 64] with either operand MN-major (TA, TB = 1: cu_wg_desc_mn) or
- * K-major (0: cu_wg_desc); d overwritten where acc == 0. */
-template <int TA, int TB>
-static __device__ __forceinline__ void cu_wgmma_bf16_64t(float *d, uint64_t a, uint64_t b, int acc) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-                 "}, %32, %33, p, 1, 1, %35, %36;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                 : "l"(a), "l"(b), "r"(acc), "n"(TA), "n"(TB));
 }
 
 #endif /* MT_CUDA_WGMMA_H */
