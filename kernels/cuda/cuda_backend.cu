@@ -56,6 +56,29 @@ void cu_prof_mark(mt_backend *be, const char *what) {
     p->last = mt_now();
 }
 
+extern "C" int mt_cuda_profile_take(mt_backend *be, mt_cuda_op_time *rows, int max, double *total_ms) {
+    cu_backend *cb = cb_of(be);
+    struct cu_prof *p = cb->prof;
+    if (total_ms) *total_ms = 0;
+    if (!p) return 0;
+    cu_prof_mark(be, "(after the last op)");
+    cb->prof = NULL;
+    double total = 0;
+    for (int k = 0; k < p->n; k++) total += p->sec[k];
+    if (total_ms) *total_ms = total * 1e3;
+    bool used[PROF_MAX] = {false};
+    for (int r = 0; r < p->n && r < max; r++) { /* selection: PROF_MAX rows at most */
+        int best = -1;
+        for (int k = 0; k < p->n; k++)
+            if (!used[k] && (best < 0 || p->sec[k] > p->sec[best])) best = k;
+        used[best] = true;
+        rows[r] = mt_cuda_op_time{p->name[best], p->sec[best] * 1e3, p->calls[best]};
+    }
+    const int n = p->n;
+    free(p);
+    return n;
+}
+
 extern "C" void mt_cuda_profile(mt_backend *be, bool on, const char *title) {
     cu_backend *cb = cb_of(be);
     if (on) {
@@ -65,24 +88,15 @@ extern "C" void mt_cuda_profile(mt_backend *be, bool on, const char *title) {
         cb->prof->last = mt_now();
         return;
     }
-    struct cu_prof *p = cb->prof;
-    if (!p) return;
-    cu_prof_mark(be, "(after the last op)");
-    cb->prof = NULL;
+    mt_cuda_op_time rows[PROF_MAX];
     double total = 0;
-    for (int k = 0; k < p->n; k++) total += p->sec[k];
-    printf("op profile: %s: %.2f ms (each op synchronised)\n", title ? title : "", total * 1e3);
-    bool used[PROF_MAX] = {false};
-    for (int r = 0; r < p->n; r++) {
-        int best = -1;
-        for (int k = 0; k < p->n; k++)
-            if (!used[k] && (best < 0 || p->sec[k] > p->sec[best])) best = k;
-        used[best] = true;
-        printf("  %9.3f ms %5.1f%% %6ld  %s\n", p->sec[best] * 1e3, total > 0 ? 100 * p->sec[best] / total : 0.,
-               p->calls[best], p->name[best]);
-    }
+    const int n = mt_cuda_profile_take(be, rows, PROF_MAX, &total);
+    if (n == 0) return;
+    printf("op profile: %s: %.2f ms (each op synchronised)\n", title ? title : "", total);
+    for (int r = 0; r < n; r++)
+        printf("  %9.3f ms %5.1f%% %6ld  %s\n", rows[r].ms, total > 0 ? 100 * rows[r].ms / total : 0., rows[r].calls,
+               rows[r].name);
     fflush(stdout);
-    free(p);
 }
 
 void cu_check_launch(mt_backend *be, const char *op) {

@@ -32,6 +32,18 @@ mt_backend *mt_cuda_backend_new(int device, mt_error *err);
  * expensive first, under `title` to stdout and stops. Not for timed runs. */
 void mt_cuda_profile(mt_backend *be, bool on, const char *title);
 
+/* One op's row of that table: its name (static storage), total ms and calls. */
+typedef struct mt_cuda_op_time {
+    const char *name;
+    double ms;
+    long calls;
+} mt_cuda_op_time;
+
+/* mt_cuda_profile(be, false, ..) that fills rows instead of printing: up to max of them, most
+ * expensive first. Returns how many ops were timed (0 when the profile was not on); *total_ms
+ * (may be NULL) gets the sum over all of them. */
+int mt_cuda_profile_take(mt_backend *be, mt_cuda_op_time *rows, int max, double *total_ms);
+
 #ifdef __cplusplus
 }
 #endif
