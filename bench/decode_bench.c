@@ -198,7 +198,6 @@ int main(int argc, char **argv) {
         mt_cuda_profile(be, true, NULL);
         if (glm_prefill(m, s, toks, plens[1], logits, false, &err) != MT_OK) { fprintf(stderr, "%s\n", err.msg); return 1; }
         pf_nops = mt_cuda_profile_take(be, pf_ops, PF_OPS, &pf_ops_total);
-        if (pf_nops > PF_OPS) pf_nops = PF_OPS;
         glm_seq_free(s);
     }
     /* --op-profile 1: one more prefill of each length with every op synchronised and timed

@@ -718,8 +718,9 @@ TEST_F(CudaAttnMla, MlaSparseSmallShapes) {
         // 64 heads and kvl 512 do too; these add a second head group and rows short of a tile
         {128, 8, 8, 512, 5, 40, 200, MT_F32, true},
         {128, 16, 16, 512, 60, 33, 50, MT_BF16, true},
-        // and across two passes (1024 rows, then 76). A pass of 1024 rows always plans one split
-        // (mla_plan: 1024 row blocks already fill two waves), so no pass merges splits here
+        // and across two passes (1024 rows, then 76). A call of more than 1024 rows always plans
+        // one split (mla_plan: its 1024 x heads / group blocks are already more than two a
+        // multiprocessor), so no pass of such a call merges splits
         {64, 8, 8, 512, 30, 1100, 100, MT_BF16, true},
     });
 }

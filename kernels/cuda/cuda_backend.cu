@@ -74,7 +74,7 @@ extern "C" int mt_cuda_profile_take(mt_backend *be, mt_cuda_op_time *rows, int m
         used[best] = true;
         rows[r] = mt_cuda_op_time{p->name[best], p->sec[best] * 1e3, p->calls[best]};
     }
-    const int n = p->n;
+    const int n = p->n < max ? p->n : max;
     free(p);
     return n;
 }

@@ -40,8 +40,8 @@ typedef struct mt_cuda_op_time {
 } mt_cuda_op_time;
 
 /* mt_cuda_profile(be, false, ..) that fills rows instead of printing: up to max of them, most
- * expensive first. Returns how many ops were timed (0 when the profile was not on); *total_ms
- * (may be NULL) gets the sum over all of them. */
+ * expensive first. Returns how many rows it filled (0 when the profile was not on); *total_ms
+ * (may be NULL) gets the sum over every op timed, filled or not. */
 int mt_cuda_profile_take(mt_backend *be, mt_cuda_op_time *rows, int max, double *total_ms);
 
 #ifdef __cplusplus

@@ -31,7 +31,7 @@
 enum { DK = 128, FLUSH = 256 << 20 };
 
 struct prm {
-    float *o, *state;
+    float *o, *state, *state_out; /* state_out: where the OOP variants write the new state */
     const float *q, *k, *v, *g, *beta;
     int nh;
 };
@@ -75,7 +75,7 @@ __device__ __forceinline__ void dec_reduce(float4 &u, float4 &wq, float &qk, flo
     }
 }
 
-template <int T, int COLS, int PF, bool REV, bool BL, bool PDL = false>
+template <int T, int COLS, int PF, bool REV, bool BL, bool PDL = false, bool OOP = false>
 __device__ __forceinline__ void dec_item(const prm &p, int bid) {
     constexpr int G = COLS / 4, PASS = T / G, R = DK / PASS, W = T / 32, SUBS = 32 / G;
     const int nblk = DK / COLS;
@@ -137,11 +137,20 @@ __device__ __forceinline__ void dec_item(const prm &p, int bid) {
         const int i = rbase + PASS * r;
         const float kk = ks[i];
         s[r].x += kk * d.x; s[r].y += kk * d.y; s[r].z += kk * d.z; s[r].w += kk * d.w;
-        __stcs(S + (size_t)i * LD4, s[r]);
+        float4 *So = OOP ? S + (p.state_out - p.state) / 4 : S; /* the same offsets in the other buffer */
+        __stcs(So + (size_t)i * LD4, s[r]);
     }
     if (w == 0 && sub == 0)
         *reinterpret_cast<float4 *>(p.o + off + j) =
             make_float4(wq.x + qk * d.x, wq.y + qk * d.y, wq.z + qk * d.z, wq.w + qk * d.w);
+}
+
+/* OOP: the new state written to another buffer (p.state_out) instead of in place, as
+ * flash-linear-attention's fused_recurrent writes its final state: does reading and writing
+ * the same lines cost the in-place kernel against a copy? (session 17) */
+template <int T, int COLS, int MINB>
+__global__ void __launch_bounds__(T, MINB) dec_oop_kernel(prm p) {
+    dec_item<T, COLS, 1, false, false, false, true>(p, blockIdx.x);
 }
 
 template <int T, int COLS, int MINB, int PF, bool REV, bool BL = false>
@@ -365,6 +374,8 @@ static const variant g_var[] = {
     {"tail: last 264 items halved", dec_tail_kernel<264>, 256, 64, 0, 264, 0},
     {"tail: last 396 items halved", dec_tail_kernel<396>, 256, 64, 0, 396, 0},
     {"tail: last 792 items halved", dec_tail_kernel<792>, 256, 64, 0, 792, 0},
+    {"256t 64c 3b out of place", dec_oop_kernel<256, 64, 3>, 256, 64, 0, 0, 0},
+    {"128t 64c 5b out of place", dec_oop_kernel<128, 64, 5>, 128, 64, 0, 0, 0},
 };
 
 static void launch(const variant &va, int grid, cudaStream_t s, prm p) {
@@ -447,7 +458,9 @@ int main(int argc, char **argv) {
         CK(cudaMemcpy(v, hv.data(), cnt * 4, cudaMemcpyHostToDevice));
         CK(cudaMemcpy(g, hg.data(), cnt * 4, cudaMemcpyHostToDevice));
         CK(cudaMemcpy(be, hb.data(), nh * 4, cudaMemcpyHostToDevice));
-        const prm p = {o, st, q, k, v, g, be, nh};
+        float *st2;
+        CK(cudaMalloc(&st2, sc * 4));
+        const prm p = {o, st, st2, q, k, v, g, be, nh};
         const double bytes = 2.0 * sc * 4;
         std::vector<float> ref_s(sc), ref_o(cnt), got_s(sc), got_o(cnt);
         const int reps = 200;
@@ -479,7 +492,8 @@ int main(int argc, char **argv) {
             launch(va, grid, s, p);
             CK(cudaStreamSynchronize(s));
             CK(cudaGetLastError());
-            CK(cudaMemcpy(got_s.data(), st, sc * 4, cudaMemcpyDeviceToHost));
+            const bool oop = strstr(va.name, "out of place") != NULL;
+            CK(cudaMemcpy(got_s.data(), oop ? st2 : st, sc * 4, cudaMemcpyDeviceToHost));
             CK(cudaMemcpy(got_o.data(), o, cnt * 4, cudaMemcpyDeviceToHost));
             double es = 0, eo = 0;
             if (vi == 0) {
@@ -500,7 +514,7 @@ int main(int argc, char **argv) {
                    va.name, fa.numRegs, fa.localSizeBytes, occ, grid, m0 * 1e3, 100 * frac(m0), m1 * 1e3,
                    100 * frac(m1), es, eo);
         }
-        for (float *x : {st0, st, dst, o, q, k, v, g, be}) CK(cudaFree(x));
+        for (float *x : {st0, st, st2, dst, o, q, k, v, g, be}) CK(cudaFree(x));
     }
     return 0;
 }
