@@ -79,6 +79,24 @@ static double engine_ms(glm_model *m, bool run_ahead, const int32_t *prompt, int
     return (k.t1 - k.t0) * 1e3 / steps;
 }
 
+/* One more prefill of n tokens on a fresh sequence with every op synchronised and timed
+ * (mt_cuda_profile): the table printed under `title` when rows is NULL, else the max costliest
+ * ops into rows (returns how many; *total_ms: the sum over every op). Exits on failure, as main's
+ * other runs do. */
+static int profiled_prefill(glm_model *m, mt_backend *be, const int32_t *toks, int n, float *logits,
+                            const char *title, mt_cuda_op_time *rows, int max, double *total_ms) {
+    mt_error err = { "" };
+    glm_seq *s = NULL;
+    if (glm_seq_new(m, n + 1, &s, &err) != MT_OK) { fprintf(stderr, "%s\n", err.msg); exit(1); }
+    mt_cuda_profile(be, true, title);
+    if (glm_prefill(m, s, toks, n, logits, false, &err) != MT_OK) { fprintf(stderr, "%s\n", err.msg); exit(1); }
+    int got = 0;
+    if (rows) got = mt_cuda_profile_take(be, rows, max, total_ms);
+    else mt_cuda_profile(be, false, title);
+    glm_seq_free(s);
+    return got;
+}
+
 enum { PF_OPS = 8 };                /* ops named when the prefill misses its goal */
 static const double PF_GOAL = 0.50; /* issue 3: prefill >= 50% of bf16 peak at 4096 tokens */
 
@@ -193,23 +211,13 @@ int main(int argc, char **argv) {
     int pf_nops = 0;
     double pf_ops_total = 0;
     const double pf_ms = plens[1] / pf_tps[1] * 1e3, pf_goal_ms = pf_flops[1] / (PF_GOAL * peak_tflops * 1e12) * 1e3;
-    if (pf_frac[1] < PF_GOAL) {
-        if (glm_seq_new(m, plens[1] + 1, &s, &err) != MT_OK) { fprintf(stderr, "%s\n", err.msg); return 1; }
-        mt_cuda_profile(be, true, NULL);
-        if (glm_prefill(m, s, toks, plens[1], logits, false, &err) != MT_OK) { fprintf(stderr, "%s\n", err.msg); return 1; }
-        pf_nops = mt_cuda_profile_take(be, pf_ops, PF_OPS, &pf_ops_total);
-        glm_seq_free(s);
-    }
+    if (pf_frac[1] < PF_GOAL) pf_nops = profiled_prefill(m, be, toks, plens[1], logits, NULL, pf_ops, PF_OPS, &pf_ops_total);
     /* --op-profile 1: one more prefill of each length with every op synchronised and timed
      * (mt_cuda_profile), after the timed runs. */
     for (int k = 0; op_profile && k < 2; k++) {
-        if (glm_seq_new(m, plens[k] + 1, &s, &err) != MT_OK) { fprintf(stderr, "%s\n", err.msg); return 1; }
         char title[64];
         snprintf(title, sizeof title, "prefill %d tokens", plens[k]);
-        mt_cuda_profile(be, true, title);
-        if (glm_prefill(m, s, toks, plens[k], logits, false, &err) != MT_OK) { fprintf(stderr, "%s\n", err.msg); return 1; }
-        mt_cuda_profile(be, false, title);
-        glm_seq_free(s);
+        profiled_prefill(m, be, toks, plens[k], logits, title, NULL, 0, NULL);
     }
 
     /* decode: prefill 64 tokens, warm up 4 steps, then time steps */

@@ -99,8 +99,6 @@ TEST_F(ModelCuda, FixturesMatchCpu) {
     for (const char *name : {"tiny_a", "tiny_b", "tiny_c"}) CompareDir(std::string("tests/fixtures/") + name, Tokens(70, 300, 5));
 }
 
-// A wider random model: real head sizes (KDA heads of 128, MLA heads of 256/256 over a 512
-// latent, indexer heads of 128), more experts, prompts past index_topk.
 // The same random weights (seed 9) made in each backend's memory, 300 tokens teacher-forced.
 void CompareRandom(const char *what, const glm_config &c, mt_backend *gpu, mt_backend *cpu) {
     mt_error err{};
@@ -115,6 +113,8 @@ void CompareRandom(const char *what, const glm_config &c, mt_backend *gpu, mt_ba
     glm_model_free(mc);
 }
 
+// A wider random model: real head sizes (KDA heads of 128, MLA heads of 256/256 over a 512
+// latent, indexer heads of 128), more experts, prompts past index_topk.
 TEST_F(ModelCuda, WiderRandomModelMatchesCpu) {
     glm_config c;
     mt_error err{};

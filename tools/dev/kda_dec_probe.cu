@@ -19,14 +19,7 @@
 #include <algorithm>
 #include <vector>
 
-#define CK(x)                                                                               \
-    do {                                                                                    \
-        cudaError_t e_ = (x);                                                               \
-        if (e_ != cudaSuccess) {                                                            \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            exit(1);                                                                        \
-        }                                                                                   \
-    } while (0)
+#include "tools/dev/probe_check.h"
 
 enum { DK = 128, FLUSH = 256 << 20 };
 

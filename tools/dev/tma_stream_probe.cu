@@ -25,15 +25,7 @@
 #include <vector>
 
 #include "kernels/cuda/cuda_wgmma.h"
-
-#define CK(x)                                                                               \
-    do {                                                                                    \
-        cudaError_t e_ = (x);                                                               \
-        if (e_ != cudaSuccess) {                                                            \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            exit(1);                                                                        \
-        }                                                                                   \
-    } while (0)
+#include "tools/dev/probe_check.h"
 
 enum { K = 4096, ROWS = 4096 /* gate and up of one expert, 2048 each */, BK = 64, BOX = 64 * BK * 2,
        STAGES = 4, STAGE = 4 * BOX, TILE_ROWS = 256 };
