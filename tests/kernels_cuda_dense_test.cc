@@ -36,7 +36,7 @@
 
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
-#include "kernels/cuda/cuda_ops.h" // cu_moe_experts_grouped (DecodeTimings), cu_moe_wg_pairs
+#include "kernels/cuda/cuda_ops.h" // cu_moe_experts_grouped (DecodeTimings)
 
 namespace {
 
@@ -1025,42 +1025,6 @@ TEST_F(CudaMoe, ExpertsWgmmaMatchCpu) {
         EXPECT_LE(e, MoeTol(MT_BF16, n)) << "routed n=300";
     }
     mt_backend_free(old);
-}
-
-// The gate/up of a wgmma prefill in 2-CTA clusters (cu_moe_wg_pairs: an expert's two chunks share
-// each weight box, multicast by TMA), beside the one-CTA form (MT_CUDA_MOE_MC=0), both against the
-// CPU: an expert with one pair (its chunk's partner has no rows), experts of three chunks made
-// four, a last tile of 64 columns (I = 192), and the real widths.
-TEST_F(CudaMoe, ExpertsWgmmaPairsMatchCpu) {
-    int major = 0;
-    ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
-    if (major != 9) GTEST_SKIP() << "the wgmma path is for sm_90 (this device: sm_" << major << "x)";
-    Worst worst{"moe_experts pairs"}, worst_one{"moe_experts one CTA"};
-    setenv("MT_CUDA_MOE_MC", "0", 1);
-    mt_backend *one = BackendWithTerms(2);
-    unsetenv("MT_CUDA_MOE_MC");
-    ASSERT_TRUE(one);
-    struct S { int E, k, H, I, n; bool lone; };
-    for (const S &s : {S{16, 2, 128, 192, 1100, true}, S{16, 2, 256, 128, 1100, false}, S{8, 8, 128, 64, 300, false},
-                       S{8, 8, 4096, 2048, 140, false}}) {
-        ASSERT_TRUE(cu_moe_wg_pairs((const cu_backend *)gpu_, s.n * s.k, s.E)) << "the shape must take pairs";
-        ASSERT_FALSE(cu_moe_wg_pairs((const cu_backend *)one, s.n * s.k, s.E));
-        Experts ex = MakeExperts(MT_BF16, s.E, s.E, s.H, s.I);
-        std::vector<int32_t> idx = RandIdx(s.n, s.k, s.E);
-        if (s.lone) // rows pick two of experts 0..14, and row 0 also expert 15: its only pair
-            for (int i = 0; i < s.n; i++) {
-                idx[(size_t)2 * i] = i % 15;
-                idx[(size_t)2 * i + 1] = i ? (i % 15 + 1 + (i / 15) % 14) % 15 : 15;
-            }
-        const std::string where = Shape({{"E", s.E}, {"k", s.k}, {"H", s.H}, {"I", s.I}, {"n", s.n}}) +
-                                  (s.lone ? " with a lone pair" : "");
-        const double e = Run(ex, idx, s.n, s.k, s.H, s.I, 10.f), eo = Run(ex, idx, s.n, s.k, s.H, s.I, 10.f, one);
-        worst.See(e, where);
-        worst_one.See(eo, where);
-        EXPECT_LE(e, MoeTol(MT_BF16, s.n)) << where;
-        EXPECT_LE(eo, MoeTol(MT_BF16, s.n)) << where << " one CTA";
-    }
-    mt_backend_free(one);
 }
 
 TEST_F(CudaMoe, ExpertsRealShapes) {

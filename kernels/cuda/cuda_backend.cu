@@ -441,7 +441,6 @@ extern "C" mt_backend *mt_cuda_backend_new(int device, mt_error *err) {
     cb->moe_grouped = !(getenv("MT_CUDA_MOE_GROUPED") && !strcmp(getenv("MT_CUDA_MOE_GROUPED"), "0"));
     cb->moe_side = !(getenv("MT_CUDA_MOE_SIDE") && !strcmp(getenv("MT_CUDA_MOE_SIDE"), "0"));
     cb->moe_wg = !(getenv("MT_CUDA_MOE_WG") && !strcmp(getenv("MT_CUDA_MOE_WG"), "0"));
-    cb->moe_mc = !(getenv("MT_CUDA_MOE_MC") && !strcmp(getenv("MT_CUDA_MOE_MC"), "0"));
     /* Every matmul of more than GEMV_MAX_N rows goes to the tensor cores (two-part split, ~3e-6
      * relative): the fp32 narrow/tiled kernels took 40% of a batch-64 decode step (batch_bench:
      * 66% of the floor with tensor cores, 40% without). MT_CUDA_TC_MIN_ROWS=512 keeps outputs

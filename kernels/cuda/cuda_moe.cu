@@ -1246,18 +1246,17 @@ static mt_status moe_experts_wg(mt_backend *be, const moe_table *t, float *out, 
         float *D = (float *)scr; /* [P, H] fp32: X16's bytes, spent by then */
         int32_t *gather = (int32_t *)(scr + bX + bH), *inv = (int32_t *)(scr + bX + bH + bG);
         int32_t *tgu = (int32_t *)(scr + bX + bH + 2 * bG), *tdn = tgu + 4 * tg, *nt = tdn + 4 * td;
-        const bool pairs = cu_moe_wg_pairs(cb, P, E);
-        st = cu_moe_wg_plan(idx + (size_t)r0 * top_k, P, top_k, E, r0, H, I, pairs, gather, inv, tgu, tdn, nt,
+        st = cu_moe_wg_plan(idx + (size_t)r0 * top_k, P, top_k, E, r0, H, I, gather, inv, tgu, tdn, nt,
                             cb->stream);
         cu_prof_mark(be, "moe_experts (plan)");
         if (st == MT_OK) st = cu_split16(X16, x, gather, P, H, MT_BF16, 2, true, cb->stream);
         if (st == MT_OK)
-            st = cu_moe_wg_gemm(t->wg_maps, tgu, nt, (int)tg, X16, 2 * (int64_t)P, H, H16, I, false, pairs, L,
-                                cb->n_sm, cb->stream);
+            st = cu_moe_wg_gemm(t->wg_maps, tgu, nt, (int)tg, X16, 2 * (int64_t)P, H, H16, I, false, L, cb->n_sm,
+                                cb->stream);
         cu_prof_mark(be, "moe_experts (gate/up GEMMs)");
         if (st == MT_OK)
-            st = cu_moe_wg_gemm(t->wg_maps, tdn, nt + 1, (int)td, H16, 2 * (int64_t)P, I, D, H, true, false, L,
-                                cb->n_sm, cb->stream);
+            st = cu_moe_wg_gemm(t->wg_maps, tdn, nt + 1, (int)td, H16, 2 * (int64_t)P, I, D, H, true, L, cb->n_sm,
+                                cb->stream);
         cu_prof_mark(be, "moe_experts (down GEMMs)");
         moe_combine_params cp = {out + (int64_t)r0 * H, D, inv, weights + (int64_t)r0 * top_k, r1 - r0, top_k, H, 1};
         if (st == MT_OK) st = moe_combine_launch(&cp, cb->stream);

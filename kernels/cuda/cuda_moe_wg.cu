@@ -67,21 +67,10 @@ typedef struct moe_wg_params {
     float L;                  /* swiglu limit */
 } moe_wg_params;
 
-/* A consumer warpgroup gives stage s back: to its own CTA's producer, and in a pair (MC) to both
- * CTAs' producers, since each writes half of every stage of both. */
-template <bool MC> static __device__ __forceinline__ void moe_wg_release(uint64_t *empty, int s) {
-    if (MC) {
-        cu_mbar_arrive_cluster(cu_cluster_map(&empty[s], 0));
-        cu_mbar_arrive_cluster(cu_cluster_map(&empty[s], 1));
-    } else {
-        cu_mbar_arrive(&empty[s]);
-    }
-}
-
 /* One tile's main loop and epilogue on consumer warpgroup c at N token rows; it counts the ring's
  * stages across tiles (as the producer does). GU: gate and up, each 64 rows of the stage (this
  * warpgroup's gate box, then its up box), into two accumulators; else down's 64 rows into one. */
-template <int N, bool GU, bool MC>
+template <int N, bool GU>
 static __device__ __forceinline__ void moe_wg_tile(uint8_t *sm, uint64_t *full, uint64_t *empty, const moe_wg_params &p,
                                                    int c, int n0, int row0, int rows, int &it) {
     float d[N / 2], du[GU ? N / 2 : 1];
@@ -112,7 +101,7 @@ static __device__ __forceinline__ void moe_wg_tile(uint8_t *sm, uint64_t *full, 
 #pragma unroll
             for (int i = 0; i < N / 2; i++) cu_wg_reg_fence(du[i]);
         cu_wg_wait<1>(); /* the previous stage's MMAs are done: give it back */
-        if (kb > 0 && (threadIdx.x & 127) == 0) moe_wg_release<MC>(empty, (it - 1) % WG_STAGES);
+        if (kb > 0 && (threadIdx.x & 127) == 0) cu_mbar_arrive(&empty[(it - 1) % WG_STAGES]);
     }
     cu_wg_wait<0>();
 #pragma unroll
@@ -120,7 +109,7 @@ static __device__ __forceinline__ void moe_wg_tile(uint8_t *sm, uint64_t *full, 
     if (GU)
 #pragma unroll
         for (int i = 0; i < N / 2; i++) cu_wg_reg_fence(du[i]);
-    if ((threadIdx.x & 127) == 0) moe_wg_release<MC>(empty, (it - 1) % WG_STAGES);
+    if ((threadIdx.x & 127) == 0) cu_mbar_arrive(&empty[(it - 1) % WG_STAGES]);
 
     /* d[4j + h] (h = 0, 1: output row r, 2, 3: row r + 8; r = 16 w + lane / 4 of the warpgroup's
      * 64) at token rows 8j + 2 (lane % 4) + (h & 1): pair q = 4j + lane % 4, its hi part in
@@ -159,98 +148,56 @@ static __device__ __forceinline__ void moe_wg_tile(uint8_t *sm, uint64_t *full, 
 
 static __device__ __forceinline__ int moe_wg_nt(int rows) { return (rows + 15) >> 4; } /* N / 16 */
 
-/* A pair's tile with no token rows (MC: the partner of an expert's odd chunk): its weight stages
- * still arrive, since they are the partner's too; each is waited for and given back. */
-template <bool MC>
-static __device__ __forceinline__ void moe_wg_skip(uint64_t *full, uint64_t *empty, int kblocks, int &it) {
-    for (int kb = 0; kb < kblocks; kb++, it++) {
-        const int s = it % WG_STAGES;
-        cu_mbar_wait(&full[s], (unsigned)(it / WG_STAGES) & 1u);
-        if ((threadIdx.x & 127) == 0) moe_wg_release<MC>(empty, s);
-    }
-}
-
-/* The kernel. MC (gate/up only, a cluster of two CTAs): work item w is the tile pair (2w, 2w + 1),
- * the same expert and columns over two chunks of its rows (cu_moe_wg_plan with pair_gu). Each
- * CTA's producer loads its half of the stage's weight boxes (CTA r: consumer warpgroup r's gate
- * and up boxes) once into both CTAs' rings (TMA multicast) and its own token rows into its own;
- * so a weight box crosses from L2 once, not once a chunk. Each CTA's full barrier expects the
- * whole stage (32 KB of weights, half of them the partner's, and its rows); each empty barrier
- * takes the arrivals of both CTAs' consumers, as both producers write every slot. */
-template <bool MC>
-static __device__ __forceinline__ void moe_wg_body(const moe_wg_xmaps &xm, const moe_wg_params &p) {
+static __global__ void __launch_bounds__(WG_THREADS, 1)
+    moe_wg_kernel(const __grid_constant__ moe_wg_xmaps xm, const moe_wg_params p) {
     extern __shared__ uint8_t wg_smem_raw[];
     uint8_t *sm = (uint8_t *)(((uintptr_t)wg_smem_raw + 1023) & ~(uintptr_t)1023);
     uint64_t *full = (uint64_t *)(sm + WG_STAGES * WG_STAGE_BYTES), *empty = full + WG_STAGES;
     const int wg = threadIdx.x >> 7, ntiles = *p.ntiles;
-    const unsigned rank = MC ? cu_cluster_rank() : 0u;
-    /* work items: tiles, or tile pairs (ntiles is even then) */
-    const int first = MC ? (int)(blockIdx.x >> 1) : (int)blockIdx.x, step = MC ? (int)(gridDim.x >> 1) : (int)gridDim.x;
-    const int nwork = MC ? ntiles >> 1 : ntiles;
     if (threadIdx.x == 0) {
         for (int s = 0; s < WG_STAGES; s++) {
             cu_mbar_init(&full[s], 1);
-            cu_mbar_init(&empty[s], MC ? 4 : 2);
+            cu_mbar_init(&empty[s], 2);
         }
         cu_mbar_init_fence();
     }
-    if (MC)
-        cu_cluster_sync(); /* the partner's barriers are armed before anything lands on them */
-    else
-        __syncthreads();
+    __syncthreads();
 
     if (wg == 0) { /* producer: one thread issues every load */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-        if (threadIdx.x == 0) {
-            const int abytes = p.down ? WG_A_BYTES / 2 : WG_A_BYTES;
-            int it = 0;
-            for (int w = first; w < nwork; w += step) {
-                const int4 tile = p.tiles[MC ? 2 * w + (int)rank : w];
-                if (!MC && tile.w == 0) continue;
-                const int e = tile.x, n0 = tile.y, row0 = tile.z, box = tile.w > 0 ? (tile.w + 31) / 32 - 1 : 0;
-                const CUtensorMap *wmap = p.wmaps + 3 * e, *xmap = &xm.m[box];
-                const unsigned bytes = (unsigned)abytes + (tile.w > 0 ? (unsigned)(box + 1) * 32 * 2 * WG_BK : 0u);
-                for (int kb = 0; kb < p.kblocks; kb++, it++) {
-                    const int s = it % WG_STAGES;
-                    if (it >= WG_STAGES) cu_mbar_wait(&empty[s], (unsigned)(it / WG_STAGES - 1) & 1u);
-                    uint8_t *st = sm + s * WG_STAGE_BYTES;
-                    cu_mbar_arrive_tx(&full[s], bytes);
-                    if (MC) { /* this CTA's half: warpgroup `rank`'s gate and up rows, into both */
-                        cu_tma_load_2d_mc(st + 2 * rank * WG_ROWS_BYTES, wmap, &full[s], kb * WG_BK, n0 + 64 * (int)rank, 3);
-                        cu_tma_load_2d_mc(st + (2 * rank + 1) * WG_ROWS_BYTES, wmap + 1, &full[s], kb * WG_BK,
-                                          n0 + 64 * (int)rank, 3);
-                    } else {
-                        for (int h = 0; h < 2; h++) /* each consumer warpgroup's 64 output rows */
-                            if (p.down)
-                                cu_tma_load_2d(st + h * WG_ROWS_BYTES, wmap + 2, &full[s], kb * WG_BK, n0 + 64 * h);
-                            else { /* its gate rows, then its up rows, of the same 64 columns */
-                                cu_tma_load_2d(st + 2 * h * WG_ROWS_BYTES, wmap, &full[s], kb * WG_BK, n0 + 64 * h);
-                                cu_tma_load_2d(st + (2 * h + 1) * WG_ROWS_BYTES, wmap + 1, &full[s], kb * WG_BK,
-                                               n0 + 64 * h);
-                            }
+        if (threadIdx.x != 0) return;
+        const int abytes = p.down ? WG_A_BYTES / 2 : WG_A_BYTES;
+        int it = 0;
+        for (int ti = blockIdx.x; ti < ntiles; ti += gridDim.x) {
+            const int4 tile = p.tiles[ti];
+            const int e = tile.x, n0 = tile.y, row0 = tile.z, box = (tile.w + 31) / 32 - 1;
+            const CUtensorMap *wmap = p.wmaps + 3 * e, *xmap = &xm.m[box];
+            const unsigned bytes = (unsigned)abytes + (unsigned)(box + 1) * 32 * 2 * WG_BK;
+            for (int kb = 0; kb < p.kblocks; kb++, it++) {
+                const int s = it % WG_STAGES;
+                if (it >= WG_STAGES) cu_mbar_wait(&empty[s], (unsigned)(it / WG_STAGES - 1) & 1u);
+                uint8_t *st = sm + s * WG_STAGE_BYTES;
+                cu_mbar_arrive_tx(&full[s], bytes);
+                for (int h = 0; h < 2; h++) /* each consumer warpgroup's 64 output rows */
+                    if (p.down)
+                        cu_tma_load_2d(st + h * WG_ROWS_BYTES, wmap + 2, &full[s], kb * WG_BK, n0 + 64 * h);
+                    else { /* its gate rows, then its up rows, of the same 64 columns */
+                        cu_tma_load_2d(st + 2 * h * WG_ROWS_BYTES, wmap, &full[s], kb * WG_BK, n0 + 64 * h);
+                        cu_tma_load_2d(st + (2 * h + 1) * WG_ROWS_BYTES, wmap + 1, &full[s], kb * WG_BK, n0 + 64 * h);
                     }
-                    if (tile.w > 0) cu_tma_load_2d(st + abytes, xmap, &full[s], kb * WG_BK, row0);
-                }
+                cu_tma_load_2d(st + abytes, xmap, &full[s], kb * WG_BK, row0);
             }
-        }
-        if (MC) {
-            __syncwarp();
-            cu_cluster_sync(); /* neither CTA exits while the other may still write into it */
         }
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
     const int c = wg - 1;
     int it = 0;
-    for (int w = first; w < nwork; w += step) {
-        const int4 tile = p.tiles[MC ? 2 * w + (int)rank : w];
-        if (tile.w == 0) {
-            if (MC) moe_wg_skip<MC>(full, empty, p.kblocks, it);
-            continue;
-        }
-        if (!MC && p.down) switch (moe_wg_nt(tile.w)) {
+    for (int ti = blockIdx.x; ti < ntiles; ti += gridDim.x) {
+        const int4 tile = p.tiles[ti];
+        if (p.down) switch (moe_wg_nt(tile.w)) {
 #define WG_CASE(k) \
-    case k: moe_wg_tile<16 * k, false, false>(sm, full, empty, p, c, tile.y, tile.z, tile.w, it); break;
+    case k: moe_wg_tile<16 * k, false>(sm, full, empty, p, c, tile.y, tile.z, tile.w, it); break;
             WG_CASE(1) WG_CASE(2) WG_CASE(3) WG_CASE(4) WG_CASE(5) WG_CASE(6) WG_CASE(7) WG_CASE(8)
             WG_CASE(9) WG_CASE(10) WG_CASE(11) WG_CASE(12) WG_CASE(13) WG_CASE(14) WG_CASE(15) WG_CASE(16)
 #undef WG_CASE
@@ -258,22 +205,12 @@ static __device__ __forceinline__ void moe_wg_body(const moe_wg_xmaps &xm, const
             }
         else switch (moe_wg_nt(tile.w)) {
 #define WG_CASE(k) \
-    case k: moe_wg_tile<16 * k, true, MC>(sm, full, empty, p, c, tile.y, tile.z, tile.w, it); break;
+    case k: moe_wg_tile<16 * k, true>(sm, full, empty, p, c, tile.y, tile.z, tile.w, it); break;
             WG_CASE(1) WG_CASE(2) WG_CASE(3) WG_CASE(4) WG_CASE(5) WG_CASE(6) WG_CASE(7) WG_CASE(8)
 #undef WG_CASE
             default: break;
             }
     }
-    if (MC) cu_cluster_sync();
-}
-
-static __global__ void __launch_bounds__(WG_THREADS, 1)
-    moe_wg_kernel(const __grid_constant__ moe_wg_xmaps xm, const moe_wg_params p) {
-    moe_wg_body<false>(xm, p);
-}
-static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(WG_THREADS, 1)
-    moe_wg_mc_kernel(const __grid_constant__ moe_wg_xmaps xm, const moe_wg_params p) {
-    moe_wg_body<true>(xm, p);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -292,7 +229,6 @@ enum { WG_PLAN_THREADS = CU_MOE_WG_MAX_E }; /* a thread an expert */
 typedef struct moe_wg_plan_params {
     const int32_t *idx;       /* [P] the expert of each (row, slot) pair */
     int P, top_k, E, r0, I, H;
-    int pair_gu;              /* gate/up: an even number of chunks an expert (cu_moe_wg_gemm's pairs) */
     int32_t *gather, *inv;    /* [P]: sorted slot -> row r0 + q / top_k; pair q -> sorted slot */
     int4 *tgu, *tdn;          /* tiles (cu_moe_wg_gemm's format) */
     int32_t *ntiles;          /* [2]: gate/up, down */
@@ -341,8 +277,7 @@ static __global__ void __launch_bounds__(WG_PLAN_THREADS) moe_wg_plan_kernel(moe
     int c = 0;
     if (tid < p.E)
         for (int w = 0; w < 32; w++) c += wcnt[w * p.E + tid];
-    const int rows = 2 * c, nch1 = (rows + WG_NMAX_GU - 1) / WG_NMAX_GU, nchd = (rows + WG_NMAX - 1) / WG_NMAX;
-    const int nch = p.pair_gu ? nch1 + (nch1 & 1) : nch1;
+    const int rows = 2 * c, nch = (rows + WG_NMAX_GU - 1) / WG_NMAX_GU, nchd = (rows + WG_NMAX - 1) / WG_NMAX;
     const int2 ex = wg_scan2(make_int2(c, nch), &tot); /* first pair, first gate/up chunk of expert tid */
     __syncthreads(); /* every read of the scan's shared partials is done */
     const int exd = wg_scan2(make_int2(nchd, 0), &totd).x; /* its first down chunk */
@@ -371,15 +306,10 @@ static __global__ void __launch_bounds__(WG_PLAN_THREADS) moe_wg_plan_kernel(moe
         const int per = 2 * ((c + nch - 1) / nch), perd = 2 * ((c + nchd - 1) / nchd), row0 = 2 * ex.x;
         const int ng = (p.I + WG_BW - 1) / WG_BW, nd = p.H / WG_BW;
         int4 *g = p.tgu + (size_t)ex.y * ng, *d = p.tdn + (size_t)exd * nd;
-        /* exactly nch (nchd) tiles a column block, as counted: a chunk past the rows (c = 1 in
-         * pairs, or ceil(c / ceil(c / nch)) < nch, which takes thousands of pairs an expert) is a
-         * tile of no rows, which the kernel skips */
         for (int n = 0; n < ng; n++)
-            for (int r = 0; r < nch; r++)
-                *g++ = make_int4(tid, n * WG_BW, row0 + min(r * per, rows), max(0, min(per, rows - r * per)));
+            for (int r = 0; r < rows; r += per) *g++ = make_int4(tid, n * WG_BW, row0 + r, min(per, rows - r));
         for (int n = 0; n < nd; n++)
-            for (int r = 0; r < nchd; r++)
-                *d++ = make_int4(tid, n * WG_BW, row0 + min(r * perd, rows), max(0, min(perd, rows - r * perd)));
+            for (int r = 0; r < rows; r += perd) *d++ = make_int4(tid, n * WG_BW, row0 + r, min(perd, rows - r));
     }
     for (int q = tot.x + tid; q < p.P; q += WG_PLAN_THREADS) p.gather[q] = p.r0; /* slots of invalid pairs */
     if (tid == 0) {
@@ -390,16 +320,14 @@ static __global__ void __launch_bounds__(WG_PLAN_THREADS) moe_wg_plan_kernel(moe
 
 extern "C" size_t cu_moe_wg_max_tiles(int P, int E, int cols, bool down) {
     const size_t nmax = down ? WG_NMAX : WG_NMAX_GU;
-    /* an expert's chunks: ceil(2c / nmax) <= 2c / nmax + 1, one more for gate/up's pairs */
-    return ((2 * (size_t)P + nmax - 1) / nmax + (size_t)E * (down ? 1 : 2)) * (size_t)((cols + WG_BW - 1) / WG_BW);
+    return ((2 * (size_t)P + nmax - 1) / nmax + (size_t)E) * (size_t)((cols + WG_BW - 1) / WG_BW);
 }
 
 extern "C" mt_status cu_moe_wg_plan(const int32_t *idx, int P, int top_k, int E, int r0, int H,
-                                    int I, bool pair_gu, int32_t *gather, int32_t *inv, int32_t *tgu, int32_t *tdn,
-                                    int32_t *ntiles, cudaStream_t s) {
+                                    int I, int32_t *gather, int32_t *inv, int32_t *tgu, int32_t *tdn, int32_t *ntiles,
+                                    cudaStream_t s) {
     MT_ASSERT(E >= 1 && E <= WG_PLAN_THREADS && P >= 1);
-    const moe_wg_plan_params p = {idx, P, top_k, E, r0, I, H, pair_gu ? 1 : 0, gather, inv, (int4 *)tgu, (int4 *)tdn,
-                                  ntiles};
+    const moe_wg_plan_params p = {idx, P, top_k, E, r0, I, H, gather, inv, (int4 *)tgu, (int4 *)tdn, ntiles};
     const size_t smem = sizeof(int) * 32 * (size_t)E;
     static const bool attr = [] {
         return cudaFuncSetAttribute(moe_wg_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -484,38 +412,10 @@ extern "C" mt_status cu_moe_wg_maps(const mt_expert *ex, int count, int cap, voi
     return st;
 }
 
-/* How many clusters of moe_wg_mc_kernel run at once (0: none, or its shared memory refused). */
-static int wg_mc_clusters(void) {
-    static const int n = [] {
-        if (cudaFuncSetAttribute(moe_wg_mc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, WG_SMEM) !=
-            cudaSuccess) {
-            (void)cudaGetLastError();
-            return 0;
-        }
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(2);
-        cfg.blockDim = dim3(WG_THREADS);
-        cfg.dynamicSmemBytes = WG_SMEM;
-        int c = 0;
-        if (cudaOccupancyMaxActiveClusters(&c, (void *)moe_wg_mc_kernel, &cfg) != cudaSuccess) {
-            (void)cudaGetLastError();
-            c = 0;
-        }
-        mt_log(MT_LOG_INFO, "cuda backend: moe_experts: gate/up tile pairs on %d 2-CTA clusters at once", c);
-        return c;
-    }();
-    return n;
-}
-
-extern "C" bool cu_moe_wg_pairs(const cu_backend *cb, int P, int E) {
-    return cb->moe_mc && 2 * (int64_t)P >= (int64_t)WG_NMAX_GU * E && wg_mc_clusters() > 0;
-}
-
 extern "C" mt_status cu_moe_wg_gemm(const void *wmaps, const int32_t *tiles, const int32_t *ntiles, int max_tiles,
-                                    const void *x16, int64_t xrows, int K, void *out, int ldo, bool down, bool pairs,
-                                    float L, int sms, cudaStream_t s) {
+                                    const void *x16, int64_t xrows, int K, void *out, int ldo, bool down, float L,
+                                    int sms, cudaStream_t s) {
     if (max_tiles == 0) return MT_OK;
-    MT_ASSERT(!(pairs && down));
     static const bool attr = [] {
         return cudaFuncSetAttribute(moe_wg_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, WG_SMEM) ==
                cudaSuccess;
@@ -533,15 +433,8 @@ extern "C" mt_status cu_moe_wg_gemm(const void *wmaps, const int32_t *tiles, con
         }
     const moe_wg_params p = {(const CUtensorMap *)wmaps, (const int4 *)tiles, ntiles, out, ldo, K / WG_BK,
                              down ? 1 : 0, L};
-    if (pairs) { /* a cluster a tile pair, as many as run at once */
-        const int clusters = wg_mc_clusters(), most = (max_tiles + 1) / 2;
-        MT_ASSERT(clusters > 0);
-        const int grid = 2 * (most < clusters ? most : clusters);
-        moe_wg_mc_kernel<<<(unsigned)grid, WG_THREADS, WG_SMEM, s>>>(xm, p);
-    } else {
-        const int grid = max_tiles < sms ? max_tiles : sms;
-        moe_wg_kernel<<<(unsigned)grid, WG_THREADS, WG_SMEM, s>>>(xm, p);
-    }
+    const int grid = max_tiles < sms ? max_tiles : sms;
+    moe_wg_kernel<<<(unsigned)grid, WG_THREADS, WG_SMEM, s>>>(xm, p);
     MT_CUDA_CHECK_LAUNCH();
     return MT_OK;
 }

@@ -77,8 +77,6 @@ typedef struct cu_backend {
     bool moe_grouped;           /* MT_CUDA_MOE_GROUPED (default 1): 9..64 rows on the grouped kernels */
     bool moe_wg;                /* MT_CUDA_MOE_WG (default 1): a prefill's experts on the wgmma
                                    kernel of cuda_moe_wg.cu where it applies (cu_moe_wg_ok) */
-    bool moe_mc;                /* MT_CUDA_MOE_MC (default 1): its gate/up in 2-CTA clusters that
-                                   share each weight box, where cu_moe_wg_pairs says so */
     bool narrow;
     int tc_min_rows;            /* MT_CUDA_TC_MIN_ROWS (default 1): matmul outputs narrower than
                                    this stay off the tensor cores (cuda_dense.cu) */
@@ -261,29 +259,22 @@ void cu_moe_check_experts(const mt_expert *ex, int count, int H, int I);
  *   cu_moe_wg_maps: the TMA maps of experts [0, count) (gate, up, down: boxes of 64 rows) into
  *     *dev (device, allocated for cap >= count experts when NULL, else reused: it holds cap * 3
  *     maps); weights 16-byte aligned; synchronises s.
- *   cu_moe_wg_pairs: whether a gate/up call over P pairs and E experts takes tile pairs (a
- *     2-CTA cluster a pair, each weight box multicast to both): cb->moe_mc, at least 128 rows
- *     an expert on average (two chunks: pairs to share a box), and the cluster kernel runs.
  *   cu_moe_wg_plan: one launch that sorts P (row, slot) pairs (idx [P] device, experts < E <=
  *     CU_MOE_WG_MAX_E, its one block's threads; rows from r0) by expert into gather/inv [P] and
  *     writes both tile lists (tgu, tdn: at most cu_moe_wg_max_tiles tiles of 4 ints, 16-byte
- *     aligned) and their lengths ntiles[2], all on the device; pair_gu: each expert's gate/up
- *     chunks made even in number, so tiles 2w and 2w + 1 share expert and columns.
+ *     aligned) and their lengths ntiles[2], all on the device.
  *   cu_moe_wg_gemm: one persistent launch (a CTA on each of at most sms multiprocessors) over the
  *     *ntiles (device, <= max_tiles) tiles of `tiles` (expert, n0, row0, rows) of x16 [xrows, K]
  *     bf16 (pairs' hi/lo parts interleaved); down == false: gate/up with swiglu, out = h's parts
- *     [xrows, ldo = I] bf16; down: out = [xrows / 2, ldo = H] fp32, each pair's parts summed;
- *     pairs (gate/up, tiles planned with pair_gu): the 2-CTA cluster form. */
+ *     [xrows, ldo = I] bf16; down: out = [xrows / 2, ldo = H] fp32, each pair's parts summed. */
 enum { CU_MOE_WG_MAX_E = 1024 };
 bool cu_moe_wg_ok(const cu_backend *cb, mt_dtype dt, int H, int I);
 mt_status cu_moe_wg_maps(const mt_expert *ex, int count, int cap, void **dev, cudaStream_t s);
 size_t cu_moe_wg_max_tiles(int P, int E, int cols, bool down);
-bool cu_moe_wg_pairs(const cu_backend *cb, int P, int E);
-mt_status cu_moe_wg_plan(const int32_t *idx, int P, int top_k, int E, int r0, int H, int I, bool pair_gu,
+mt_status cu_moe_wg_plan(const int32_t *idx, int P, int top_k, int E, int r0, int H, int I,
                          int32_t *gather, int32_t *inv, int32_t *tgu, int32_t *tdn, int32_t *ntiles, cudaStream_t s);
 mt_status cu_moe_wg_gemm(const void *wmaps, const int32_t *tiles, const int32_t *ntiles, int max_tiles, const void *x16,
-                         int64_t xrows, int K, void *out, int ldo, bool down, bool pairs, float L, int sms,
-                         cudaStream_t s);
+                         int64_t xrows, int K, void *out, int ldo, bool down, float L, int sms, cudaStream_t s);
 
 /* cuda_dense.cu: programmatic dependent launch of kernel(*params) on s (see there), and whether it
  * is on (MT_CUDA_PDL). */

@@ -75,16 +75,6 @@ static __device__ __forceinline__ void cu_tma_load_2d(void *dst, const void *map
                  : "memory");
 }
 
-/* The same box written at dst's offset into the shared memory of every CTA of the cluster named
- * in `mask` (bit r: rank r), completing its bytes on the barrier at bar's offset in each. */
-static __device__ __forceinline__ void cu_tma_load_2d_mc(void *dst, const void *map, uint64_t *bar, int c0, int c1,
-                                                         uint16_t mask) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-                 " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(cu_smem_addr(dst)),
-                 "l"(map), "r"(c0), "r"(c1), "r"(cu_smem_addr(bar)), "h"(mask)
-                 : "memory");
-}
-
 /* ---- warpgroup MMA ---- */
 /* Descriptor of a K-major, 128-byte-swizzled operand starting at p (see the file comment):
  * start address >> 4 in bits 0-13, leading offset 1 (unused by this layout), stride 1024 bytes
@@ -132,13 +122,6 @@ static __device__ __forceinline__ void cu_mbar_wait_cluster(uint64_t *bar, unsig
                  "@!done bra WAITC;\n}\n" ::"r"(cu_smem_addr(bar)),
                  "r"(parity)
                  : "memory");
-}
-/* An arrival on the mbarrier at shared::cluster address addr (cu_cluster_map: this CTA's or
- * another's), released at CTA scope only: enough to hand back a ring slot whose reads (wgmma's)
- * are complete, and far cheaper than .release.cluster, which waits for this thread's earlier
- * writes to reach cluster scope (made the clustered MoE gate/up 2x slower, session 18). */
-static __device__ __forceinline__ void cu_mbar_arrive_cluster(uint32_t addr) {
-    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(addr) : "memory");
 }
 /* Every thread of every CTA of the cluster (also a CTA barrier). */
 static __device__ __forceinline__ void cu_cluster_sync(void) {
