@@ -9,7 +9,9 @@
  * and the compiler spills some of them and not others (ptxas -v): when a shape wins here, build
  * it into the real kernel and A/B that with bench/kda_bench (session 13: the 128-thread shape
  * that read 1.4-1.8 points faster here gained nothing there; session 16: staging the slice in
- * shared memory by cp.async, dec_smem_kernel, read 1-9 points slower than the register forms). */
+ * shared memory by cp.async, dec_smem_kernel, read 1-9 points slower than the register forms;
+ * session 18: L2 prefetch of a later block's slice, dec_ahead_kernel, and dropping the slice's L2
+ * lines before the in-place stores, dec_disc_kernel, both slower). */
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 #include <math.h>
@@ -68,7 +70,7 @@ __device__ __forceinline__ void dec_reduce(float4 &u, float4 &wq, float &qk, flo
     }
 }
 
-template <int T, int COLS, int PF, bool REV, bool BL, bool PDL = false, bool OOP = false>
+template <int T, int COLS, int PF, bool REV, bool BL, bool PDL = false, bool OOP = false, int AH = 0, bool DISC = false>
 __device__ __forceinline__ void dec_item(const prm &p, int bid) {
     constexpr int G = COLS / 4, PASS = T / G, R = DK / PASS, W = T / 32, SUBS = 32 / G;
     const int nblk = DK / COLS;
@@ -99,6 +101,25 @@ __device__ __forceinline__ void dec_item(const prm &p, int bid) {
         for (int e = tid; e < DK * (COLS / 32); e += T)
             asm volatile("prefetch.global.L2 [%0];" ::"l"((const char *)(p.state + (size_t)h * DK * DK) +
                                                           ((size_t)(e / (COLS / 32)) * DK + j0) * 4 + (e % (COLS / 32)) * 128));
+    /* PF 4 / 5 (session 18): the slice of item bid + AH into L2 (5: with the evict_last
+     * priority), and a block of the first AH its own, so that the block which takes this one's
+     * place about AH items later finds its slice in L2: DRAM reads run ahead of the registers */
+    if (PF >= 4) {
+        const int nitems = p.nh * nblk;
+        for (int pass = bid < AH ? 0 : 1; pass < 2; pass++) {
+            const int b2 = pass ? bid + AH : bid;
+            if (b2 >= nitems) break;
+            const int h2 = b2 / nblk, j2 = (b2 - h2 * nblk) * COLS;
+            const char *base = (const char *)(p.state + (size_t)h2 * DK * DK);
+            for (int e = tid; e < DK * (COLS / 32); e += T) {
+                const char *a = base + ((size_t)(e / (COLS / 32)) * DK + j2) * 4 + (e % (COLS / 32)) * 128;
+                if (PF == 5)
+                    asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(a));
+                else
+                    asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+            }
+        }
+    }
     if (PDL) asm volatile("griddepcontrol.wait;\ngriddepcontrol.launch_dependents;\n" ::: "memory");
     float4 s[R];
 #pragma unroll
@@ -125,6 +146,16 @@ __device__ __forceinline__ void dec_item(const prm &p, int bid) {
     }
     dec_reduce<W, G>(u, wq, qk, red_u, red_w, red_qk, lane, w, c4, sub);
     const float4 d = make_float4(b * (v4.x - u.x), b * (v4.y - u.y), b * (v4.z - u.z), b * (v4.w - u.w));
+    /* DISC (session 18): the slice's L2 lines dropped (no write-back) once read into registers,
+     * so the in-place stores allocate fresh lines, as the out-of-place stores do; a lane at
+     * the start of each 128-byte line drops it, the warp's stores follow the __syncwarp */
+    if (DISC && !BL && COLS % 32 == 0) {
+        if ((c4 & 7) == 0)
+#pragma unroll
+            for (int r = 0; r < R; r++)
+                asm volatile("discard.global.L2 [%0], 128;" ::"l"(S + (size_t)(rbase + PASS * r) * LD4) : "memory");
+        __syncwarp();
+    }
 #pragma unroll
     for (int r = 0; r < R; r++) {
         const int i = rbase + PASS * r;
@@ -149,6 +180,18 @@ __global__ void __launch_bounds__(T, MINB) dec_oop_kernel(prm p) {
 template <int T, int COLS, int MINB, int PF, bool REV, bool BL = false>
 __global__ void __launch_bounds__(T, MINB) dec_kernel(prm p) {
     dec_item<T, COLS, PF, REV, BL>(p, REV ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
+}
+
+/* The slice's L2 lines discarded before the in-place stores: see dec_item */
+template <int T, int COLS, int MINB>
+__global__ void __launch_bounds__(T, MINB) dec_disc_kernel(prm p) {
+    dec_item<T, COLS, 1, false, false, false, false, 0, true>(p, blockIdx.x);
+}
+
+/* Prefetch ahead (PF 4, 5 with evict_last): see dec_item */
+template <int T, int COLS, int MINB, int PF, int AH>
+__global__ void __launch_bounds__(T, MINB) dec_ahead_kernel(prm p) {
+    dec_item<T, COLS, PF, false, false, false, false, AH>(p, blockIdx.x);
 }
 
 /* PDL: the kernel launched with programmatic stream serialization (variant.pdl) and, with W,
@@ -332,6 +375,7 @@ struct variant {
 
 #define V(T, C, M, PF, RV) {#T "t " #C "c " #M "b pf" #PF " rev" #RV, dec_kernel<T, C, M, PF, RV>, T, C, 0, 0, 0}
 #define VB(T, C, M) {#T "t " #C "c " #M "b blocked (timing)", dec_kernel<T, C, M, 1, false, true>, T, C, 0, 0, 0}
+#define VA(T, C, M, PF, AH) {#T "t " #C "c " #M "b pf" #PF " ahead " #AH, dec_ahead_kernel<T, C, M, PF, AH>, T, C, 0, 0, 0}
 #define VS(T, C, M, H) {"smem " #T "t " #C "c " #M "b l2h" #H, dec_smem_kernel<T, C, M, H>, T, C, DK * C * 4, 0, 0}
 static const variant g_var[] = {
     V(256, 64, 3, 1, false), /* kda_decode_kernel's shape (its first row is the others' reference) */
@@ -369,6 +413,11 @@ static const variant g_var[] = {
     {"tail: last 792 items halved", dec_tail_kernel<792>, 256, 64, 0, 792, 0},
     {"256t 64c 3b out of place", dec_oop_kernel<256, 64, 3>, 256, 64, 0, 0, 0},
     {"128t 64c 5b out of place", dec_oop_kernel<128, 64, 5>, 128, 64, 0, 0, 0},
+    VA(256, 64, 3, 4, 132), VA(256, 64, 3, 4, 264), VA(256, 64, 3, 4, 396), VA(256, 64, 3, 4, 792),
+    VA(256, 64, 3, 5, 264), VA(256, 64, 3, 5, 396),
+    VA(128, 64, 5, 4, 330), VA(128, 64, 5, 4, 660), VA(128, 64, 5, 5, 660),
+    {"256t 64c 3b discard", dec_disc_kernel<256, 64, 3>, 256, 64, 0, 0, 0},
+    {"128t 64c 5b discard", dec_disc_kernel<128, 64, 5>, 128, 64, 0, 0, 0},
 };
 
 static void launch(const variant &va, int grid, cudaStream_t s, prm p) {
