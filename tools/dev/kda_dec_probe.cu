@@ -70,6 +70,20 @@ __device__ __forceinline__ void dec_reduce(float4 &u, float4 &wq, float &qk, flo
     }
 }
 
+/* Head h's slice from column j0 (DK rows x COLS columns, row-major state) into L2, a 128-byte
+ * line a prefetch, spread over the block's T threads; EL: with the evict_last priority. */
+template <int T, int COLS, bool EL>
+__device__ __forceinline__ void dec_prefetch_slice(const prm &p, int h, int j0, int tid) {
+    const char *base = (const char *)(p.state + (size_t)h * DK * DK);
+    for (int e = tid; e < DK * (COLS / 32); e += T) {
+        const char *a = base + ((size_t)(e / (COLS / 32)) * DK + j0) * 4 + (e % (COLS / 32)) * 128;
+        if (EL)
+            asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(a));
+        else
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+    }
+}
+
 template <int T, int COLS, int PF, bool REV, bool BL, bool PDL = false, bool OOP = false, int AH = 0, bool DISC = false>
 __device__ __forceinline__ void dec_item(const prm &p, int bid) {
     constexpr int G = COLS / 4, PASS = T / G, R = DK / PASS, W = T / 32, SUBS = 32 / G;
@@ -97,10 +111,7 @@ __device__ __forceinline__ void dec_item(const prm &p, int bid) {
     if (PF == 1 && BL)
         for (int e = tid; e < DK * (COLS / 32); e += T)
             asm volatile("prefetch.global.L2 [%0];" ::"l"((const char *)(S - c4) + 128 * e));
-    if (PF == 1 && !BL)
-        for (int e = tid; e < DK * (COLS / 32); e += T)
-            asm volatile("prefetch.global.L2 [%0];" ::"l"((const char *)(p.state + (size_t)h * DK * DK) +
-                                                          ((size_t)(e / (COLS / 32)) * DK + j0) * 4 + (e % (COLS / 32)) * 128));
+    if (PF == 1 && !BL) dec_prefetch_slice<T, COLS, false>(p, h, j0, tid);
     /* PF 4 / 5 (session 18): the slice of item bid + AH into L2 (5: with the evict_last
      * priority), and a block of the first AH its own, so that the block which takes this one's
      * place about AH items later finds its slice in L2: DRAM reads run ahead of the registers */
@@ -109,15 +120,8 @@ __device__ __forceinline__ void dec_item(const prm &p, int bid) {
         for (int pass = bid < AH ? 0 : 1; pass < 2; pass++) {
             const int b2 = pass ? bid + AH : bid;
             if (b2 >= nitems) break;
-            const int h2 = b2 / nblk, j2 = (b2 - h2 * nblk) * COLS;
-            const char *base = (const char *)(p.state + (size_t)h2 * DK * DK);
-            for (int e = tid; e < DK * (COLS / 32); e += T) {
-                const char *a = base + ((size_t)(e / (COLS / 32)) * DK + j2) * 4 + (e % (COLS / 32)) * 128;
-                if (PF == 5)
-                    asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(a));
-                else
-                    asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
-            }
+            const int h2 = b2 / nblk;
+            dec_prefetch_slice<T, COLS, PF == 5>(p, h2, (b2 - h2 * nblk) * COLS, tid);
         }
     }
     if (PDL) asm volatile("griddepcontrol.wait;\ngriddepcontrol.launch_dependents;\n" ::: "memory");
