@@ -850,6 +850,19 @@ class CudaMoe : public CudaOps {
         Drop(gpu_, gi);
         return e;
     }
+    // out += experts on two CUDA backends (sharing gpu_'s memory) from the same inputs: the
+    // relative error of a's output against b's.
+    static double Between(const Experts &ex, const std::vector<int32_t> &idx, int n, int k, int H, int I, float L,
+                          mt_backend *a, mt_backend *b) {
+        const std::vector<float> x = Rand((size_t)n * H), wts = Rand((size_t)n * k, 0.05f, 1.f), o = Rand((size_t)n * H);
+        float *gx = Put(gpu_, x), *gw = Put(gpu_, wts), *ga = Put(gpu_, o), *gb = Put(gpu_, o);
+        int32_t *gi = Put(gpu_, idx);
+        a->ops->moe_experts(a, ga, gx, gi, gw, ex.gpu.data(), n, k, H, I, L);
+        b->ops->moe_experts(b, gb, gx, gi, gw, ex.gpu.data(), n, k, H, I, L);
+        const double e = RelErr(Get(a, ga, o.size()), Get(b, gb, o.size()));
+        for (void *p : {(void *)gx, (void *)gw, (void *)ga, (void *)gb, (void *)gi}) Drop(gpu_, p);
+        return e;
+    }
     // The same with indices from the CUDA backend's own router over `logits` [n, E] (so
     // moe_experts may skip reading them back); the CPU then runs on the indices and weights it
     // chose, read back.
@@ -970,9 +983,11 @@ TEST_F(CudaMoe, ExpertsWithSharedMatchCpu) {
     }
 }
 
-// The wgmma form of a prefill's experts (cuda_moe_wg.cu: sm_90, bf16, two parts, more than 64 rows,
+// The wgmma form of a prefill's experts (cuda_moe_wg.cu: sm_90, bf16, more than 64 rows,
 // H % 128 == 0, I % 64 == 0) beside the batched cuBLAS form it replaced (MT_CUDA_MOE_WG=0), both
-// against the CPU. Row tiles of every kind: experts with no pairs and with one (256 experts, 200
+// against the CPU, with x in two parts (the default) and rounded once (MT_CUDA_TC_TERMS=1: against
+// the CPU at that rounding's tolerance, and against the batched form rounding at the same points
+// to 1e-4, which no misplaced row or column passes). Row tiles of every kind: experts with no pairs and with one (256 experts, 200
 // pairs), 8 experts all taken by each row (2n rows an expert: down tiles of 208 .. 256 rows,
 // gate/up ones of two halves), an expert of 600 rows cut in three (down) or five (gate/up), I = 64
 // and 192 (a last gate/up tile of 64 columns), the real widths with 64 k-stages (the ring wraps 16
@@ -982,11 +997,13 @@ TEST_F(CudaMoe, ExpertsWgmmaMatchCpu) {
     int major = 0;
     ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
     if (major != 9) GTEST_SKIP() << "the wgmma path is for sm_90 (this device: sm_" << major << "x)";
-    Worst worst{"moe_experts wgmma"}, worst_old{"moe_experts batched"};
+    Worst worst{"moe_experts wgmma"}, worst_old{"moe_experts batched"}, worst1{"moe_experts wgmma, 1 term"},
+        worst1_old{"moe_experts wgmma, 1 term, against batched"};
     setenv("MT_CUDA_MOE_WG", "0", 1);
-    mt_backend *old = BackendWithTerms(2);
+    mt_backend *old = BackendWithTerms(2), *old1 = BackendWithTerms(1);
     unsetenv("MT_CUDA_MOE_WG");
-    ASSERT_TRUE(old);
+    mt_backend *one = BackendWithTerms(1);
+    ASSERT_TRUE(old && old1 && one);
     struct S { int E, k, H, I, n; };
     for (const S &s : {S{256, 2, 256, 128, 100}, S{64, 4, 256, 128, 100}, S{16, 4, 256, 128, 100},
                        S{16, 4, 128, 64, 300}, S{8, 8, 128, 192, 104}, S{8, 8, 128, 64, 112}, S{8, 8, 256, 128, 120},
@@ -1002,6 +1019,12 @@ TEST_F(CudaMoe, ExpertsWgmmaMatchCpu) {
             worst_old.See(eo, where);
             EXPECT_LE(e, MoeTol(MT_BF16, s.n)) << where;
             EXPECT_LE(eo, MoeTol(MT_BF16, s.n)) << where << " batched";
+            const double e1 = Run(ex, idx, s.n, s.k, s.H, s.I, L, one);
+            const double d1 = Between(ex, idx, s.n, s.k, s.H, s.I, L, one, old1);
+            worst1.See(e1, where);
+            worst1_old.See(d1, where);
+            EXPECT_LE(e1, MoeTol(MT_BF16, s.n, 1)) << where << " 1 term";
+            EXPECT_LE(d1, 1e-4) << where << " 1 term, against the batched form";
         }
     }
     {
@@ -1011,9 +1034,12 @@ TEST_F(CudaMoe, ExpertsWgmmaMatchCpu) {
             std::swap(ex.cpu[e].gate, ex.cpu[e].up);
             std::swap(ex.gpu[e].gate, ex.gpu[e].up);
         }
-        const double e = Run(ex, RandIdx(n, k, E), n, k, H, I, 0.5f);
+        const std::vector<int32_t> idx = RandIdx(n, k, E);
+        const double e = Run(ex, idx, n, k, H, I, 0.5f), d1 = Between(ex, idx, n, k, H, I, 0.5f, one, old1);
         worst.See(e, "gate/up exchanged");
+        worst1_old.See(d1, "gate/up exchanged");
         EXPECT_LE(e, MoeTol(MT_BF16, n)) << "gate/up exchanged";
+        EXPECT_LE(d1, 1e-4) << "gate/up exchanged, 1 term, against the batched form";
     }
     // Indices straight from the GPU router: the wgmma path then sorts them on the device without
     // reading them back.
@@ -1025,6 +1051,8 @@ TEST_F(CudaMoe, ExpertsWgmmaMatchCpu) {
         EXPECT_LE(e, MoeTol(MT_BF16, n)) << "routed n=300";
     }
     mt_backend_free(old);
+    mt_backend_free(old1);
+    mt_backend_free(one);
 }
 
 TEST_F(CudaMoe, ExpertsRealShapes) {

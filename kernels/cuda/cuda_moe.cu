@@ -16,8 +16,9 @@
  *     no host synchronisation: per (row, slot) h = swiglu(gate x, up x), then per row
  *     out += sum_k w_k down_k h_k, slots added in order. 16-byte weight loads, 8-16 of them in
  *     flight per lane; both launched for PDL (cuda_dense.cu's cu_launch_pdl), as is the router.
- *   - Many rows (prefill) on an sm_90 device with bf16 experts and the two-part split (the
- *     default; cu_moe_wg_ok, MT_CUDA_MOE_WG=0 turns it off): the wgmma kernels of cuda_moe_wg.cu
+ *   - Many rows (prefill) on an sm_90 device with bf16 experts on the tensor cores (the two-part
+ *     split by default, or single rounding; cu_moe_wg_ok, MT_CUDA_MOE_WG=0 turns it off): the
+ *     wgmma kernels of cuda_moe_wg.cu
  *     (moe_experts_wg): the pairs sorted and the tiles planned on the device, x split, gate/up
  *     with swiglu in one persistent launch, down in another, the combine. Indices from the
  *     router are never read back. H200, bench-4L's 4096-token prefill, session 11: MoE GEMMs
@@ -1222,14 +1223,15 @@ static bool moe_wg_ready(cu_backend *cb, const moe_table *tc) {
  * router never cross to the host. Per chunk of rows: cu_moe_wg_plan sorts the pairs by expert and
  * writes the tiles (an expert's rows in tiles of at most 128 for gate/up and 256 for down, as even
  * as possible, each against every 128 columns of gate/up or down, in order of expert, then
- * columns, then rows, so a weight tile's readers run together); x's rows gathered in sorted order and split (X16 [2P, H],
- * parts interleaved); one launch gives h's parts (H16 [2P, I]) with swiglu applied, one gives
- * down's sum per pair (D [P, H], in X16's place), and the combine reads one row a pair. */
+ * columns, then rows, so a weight tile's readers run together); x's rows gathered in sorted order and split (X16 [T P, H],
+ * T = tc_terms parts interleaved); one launch gives h's parts (H16 [T P, I]) with swiglu applied, one gives
+ * down's sum per pair (D [P, H], in X16's place: its bytes are sized for two parts), and the
+ * combine reads one row a pair. */
 static mt_status moe_experts_wg(mt_backend *be, const moe_table *t, float *out, const float *x, const int32_t *idx,
                                 const float *weights, int n, int top_k, int H, int I, float L) {
     cu_backend *cb = (cu_backend *)be;
     mt_status st = MT_OK;
-    const int E = t->count;
+    const int E = t->count, T = cb->tc_terms; /* 1 or 2: cu_moe_wg_ok */
     /* X16 (D in its place) and H16, gather and inv; the tile lists are small beside them */
     const size_t per_pair = sizeof(uint16_t) * 2 * ((size_t)H + I) + 2 * sizeof(int32_t);
     const size_t fit = MOE_CHUNK_BYTES / (per_pair * (size_t)top_k);
@@ -1246,16 +1248,16 @@ static mt_status moe_experts_wg(mt_backend *be, const moe_table *t, float *out, 
         float *D = (float *)scr; /* [P, H] fp32: X16's bytes, spent by then */
         int32_t *gather = (int32_t *)(scr + bX + bH), *inv = (int32_t *)(scr + bX + bH + bG);
         int32_t *tgu = (int32_t *)(scr + bX + bH + 2 * bG), *tdn = tgu + 4 * tg, *nt = tdn + 4 * td;
-        st = cu_moe_wg_plan(idx + (size_t)r0 * top_k, P, top_k, E, r0, H, I, gather, inv, tgu, tdn, nt,
+        st = cu_moe_wg_plan(idx + (size_t)r0 * top_k, P, top_k, E, r0, H, I, T, gather, inv, tgu, tdn, nt,
                             cb->stream);
         cu_prof_mark(be, "moe_experts (plan)");
-        if (st == MT_OK) st = cu_split16(X16, x, gather, P, H, MT_BF16, 2, true, cb->stream);
+        if (st == MT_OK) st = cu_split16(X16, x, gather, P, H, MT_BF16, T, true, cb->stream);
         if (st == MT_OK)
-            st = cu_moe_wg_gemm(t->wg_maps, tgu, nt, (int)tg, X16, 2 * (int64_t)P, H, H16, I, false, L, cb->n_sm,
+            st = cu_moe_wg_gemm(t->wg_maps, tgu, nt, (int)tg, X16, (int64_t)T * P, H, H16, I, false, T, L, cb->n_sm,
                                 cb->stream);
         cu_prof_mark(be, "moe_experts (gate/up GEMMs)");
         if (st == MT_OK)
-            st = cu_moe_wg_gemm(t->wg_maps, tdn, nt + 1, (int)td, H16, 2 * (int64_t)P, I, D, H, true, L, cb->n_sm,
+            st = cu_moe_wg_gemm(t->wg_maps, tdn, nt + 1, (int)td, H16, (int64_t)T * P, I, D, H, true, T, L, cb->n_sm,
                                 cb->stream);
         cu_prof_mark(be, "moe_experts (down GEMMs)");
         moe_combine_params cp = {out + (int64_t)r0 * H, D, inv, weights + (int64_t)r0 * top_k, r1 - r0, top_k, H, 1};

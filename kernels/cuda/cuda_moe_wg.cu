@@ -5,7 +5,9 @@
  *
  * The rows: x split into bf16 hi and lo parts, interleaved (x16 [2P, K]: pair q's hi at row 2q,
  * lo at 2q + 1, the pairs sorted by expert, expert e's at [2 start[e], 2 start[e + 1])), so that
- * both parts of a pair meet in one thread's accumulators (adjacent columns below).
+ * both parts of a pair meet in one thread's accumulators (adjacent columns below). With the
+ * backend's single rounding (tc_terms 1, MT_CUDA_TC_TERMS=1) x16 is [P, K], hi only, a row a pair:
+ * the same tiles and main loop over half the rows, an epilogue that takes each column as a pair.
  *
  * A tile is (expert e, 128 output columns from n0, up to NMAX of e's x16 rows from row0):
  *   D^T [rows of W, N token rows] = W[rows, K] . x16[rows, K]^T
@@ -57,15 +59,22 @@ typedef struct moe_wg_xmaps {
 
 typedef struct moe_wg_params {
     const CUtensorMap *wmaps; /* [E][3] gate, up, down, boxes of 64 rows: cu_moe_wg_maps */
-    const int4 *tiles;        /* [*ntiles] (expert, n0, row0, rows): rows even, <= WG_NMAX_GU
+    const int4 *tiles;        /* [*ntiles] (expert, n0, row0, rows): rows a multiple of terms, <= WG_NMAX_GU
                                  (gate/up) or WG_NMAX (down) */
     const int32_t *ntiles;    /* device: written by moe_wg_plan_kernel */
     void *out;
     int ldo;                  /* out's row stride: I (gate/up) or H (down) */
     int kblocks;              /* K / WG_BK */
     int down;
+    int terms;                /* 16-bit parts of x a pair: 2 (rows 2q, 2q + 1) or 1 (row q) */
     float L;                  /* swiglu limit */
 } moe_wg_params;
+
+/* h = silu(min(g, L)) * clamp(u, -L, L), as cu_swiglu */
+static __device__ __forceinline__ float moe_wg_swiglu(float gv, float uv, float L) {
+    const float g = fminf(gv, L), u = fminf(fmaxf(uv, -L), L);
+    return g / (1.f + expf(-g)) * u;
+}
 
 /* One tile's main loop and epilogue on consumer warpgroup c at N token rows; it counts the ring's
  * stages across tiles (as the producer does). GU: gate and up, each 64 rows of the stage (this
@@ -116,6 +125,25 @@ static __device__ __forceinline__ void moe_wg_tile(uint8_t *sm, uint64_t *full, 
      * d[4j + 2h'], its lo part beside it; du likewise for up */
     const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3, pairs = rows >> 1;
     const int col = n0 + 64 * c + 16 * w + (lane >> 2);
+    if (p.terms == 1) { /* one part: d[4j + 2hh + t] is pair 8j + 2 (lane % 4) + t at column col + 8hh */
+#pragma unroll
+        for (int j = 0; j < N / 8; j++)
+#pragma unroll
+            for (int hh = 0; hh < 2; hh++)
+#pragma unroll
+                for (int t = 0; t < 2; t++) {
+                    const int q = 8 * j + 2 * (lane & 3) + t;
+                    if (q >= rows) continue;
+                    if (GU) {
+                        if (col + 8 * hh >= p.ldo) continue;
+                        const float h = moe_wg_swiglu(d[4 * j + 2 * hh + t], du[4 * j + 2 * hh + t], p.L);
+                        ((uint16_t *)p.out)[(size_t)(row0 + q) * p.ldo + col + 8 * hh] = cu_bits16<MT_BF16>(h);
+                    } else {
+                        ((float *)p.out)[(size_t)(row0 + q) * p.ldo + col + 8 * hh] = d[4 * j + 2 * hh + t];
+                    }
+                }
+        return;
+    }
     if (GU) {
         uint16_t *o = (uint16_t *)p.out + (size_t)row0 * p.ldo + col;
 #pragma unroll
@@ -125,10 +153,8 @@ static __device__ __forceinline__ void moe_wg_tile(uint8_t *sm, uint64_t *full, 
 #pragma unroll
                 for (int hh = 0; hh < 2; hh++) {
                     if (col + 8 * hh >= p.ldo) continue; /* a last tile of 64 columns: WG 1 past I */
-                    const float gv = __fadd_rn(d[4 * j + 2 * hh], d[4 * j + 2 * hh + 1]);
-                    const float uv = __fadd_rn(du[4 * j + 2 * hh], du[4 * j + 2 * hh + 1]);
-                    const float g = fminf(gv, p.L), u = fminf(fmaxf(uv, -p.L), p.L);
-                    const float h = g / (1.f + expf(-g)) * u;
+                    const float h = moe_wg_swiglu(__fadd_rn(d[4 * j + 2 * hh], d[4 * j + 2 * hh + 1]),
+                                                  __fadd_rn(du[4 * j + 2 * hh], du[4 * j + 2 * hh + 1]), p.L);
                     o[(size_t)2 * q * p.ldo + 8 * hh] = cu_bits16<MT_BF16>(h);
                     o[(size_t)(2 * q + 1) * p.ldo + 8 * hh] = cu_bits16<MT_BF16>(h - cu_round16<MT_BF16>(h));
                 }
@@ -218,8 +244,8 @@ static __global__ void __launch_bounds__(WG_THREADS, 1)
  * so each expert's pairs keep their order), and both tile lists. One block of 32 warps, each
  * owning a stretch of the pairs in order: it counts its stretch per expert (shared atomics:
  * order-free), thread e scans expert e's counts over the warps into each warp's first slot after
- * the exclusive scans of the pairs and of the row chunks over the experts (an expert's 2c rows
- * in ceil(2c / NMAX) chunks, as even as possible, NMAX WG_NMAX_GU for gate/up and WG_NMAX for
+ * the exclusive scans of the pairs and of the row chunks over the experts (an expert's terms * c
+ * rows in ceil(terms * c / NMAX) chunks, as even as possible, NMAX WG_NMAX_GU for gate/up and WG_NMAX for
  * down); each warp then places its pairs (ranked among equal experts by a match, 32 at a step)
  * and thread e writes expert e's tiles: gate/up at (chunk offset) * ceil(I / 128), in order of
  * columns then chunk, down likewise at * H / 128. (One warp placing every pair took 0.6 ms at
@@ -228,7 +254,7 @@ enum { WG_PLAN_THREADS = CU_MOE_WG_MAX_E }; /* a thread an expert */
 
 typedef struct moe_wg_plan_params {
     const int32_t *idx;       /* [P] the expert of each (row, slot) pair */
-    int P, top_k, E, r0, I, H;
+    int P, top_k, E, r0, I, H, terms; /* terms: x16's rows a pair (moe_wg_params.terms) */
     int32_t *gather, *inv;    /* [P]: sorted slot -> row r0 + q / top_k; pair q -> sorted slot */
     int4 *tgu, *tdn;          /* tiles (cu_moe_wg_gemm's format) */
     int32_t *ntiles;          /* [2]: gate/up, down */
@@ -277,7 +303,7 @@ static __global__ void __launch_bounds__(WG_PLAN_THREADS) moe_wg_plan_kernel(moe
     int c = 0;
     if (tid < p.E)
         for (int w = 0; w < 32; w++) c += wcnt[w * p.E + tid];
-    const int rows = 2 * c, nch = (rows + WG_NMAX_GU - 1) / WG_NMAX_GU, nchd = (rows + WG_NMAX - 1) / WG_NMAX;
+    const int rows = p.terms * c, nch = (rows + WG_NMAX_GU - 1) / WG_NMAX_GU, nchd = (rows + WG_NMAX - 1) / WG_NMAX;
     const int2 ex = wg_scan2(make_int2(c, nch), &tot); /* first pair, first gate/up chunk of expert tid */
     __syncthreads(); /* every read of the scan's shared partials is done */
     const int exd = wg_scan2(make_int2(nchd, 0), &totd).x; /* its first down chunk */
@@ -303,7 +329,8 @@ static __global__ void __launch_bounds__(WG_PLAN_THREADS) moe_wg_plan_kernel(moe
         if (q < q1) p.inv[q] = pos; /* an index outside [0, E) (never from the router) reads slot 0 */
     }
     if (nch > 0) {
-        const int per = 2 * ((c + nch - 1) / nch), perd = 2 * ((c + nchd - 1) / nchd), row0 = 2 * ex.x;
+        const int per = p.terms * ((c + nch - 1) / nch), perd = p.terms * ((c + nchd - 1) / nchd);
+        const int row0 = p.terms * ex.x;
         const int ng = (p.I + WG_BW - 1) / WG_BW, nd = p.H / WG_BW;
         int4 *g = p.tgu + (size_t)ex.y * ng, *d = p.tdn + (size_t)exd * nd;
         for (int n = 0; n < ng; n++)
@@ -324,10 +351,10 @@ extern "C" size_t cu_moe_wg_max_tiles(int P, int E, int cols, bool down) {
 }
 
 extern "C" mt_status cu_moe_wg_plan(const int32_t *idx, int P, int top_k, int E, int r0, int H,
-                                    int I, int32_t *gather, int32_t *inv, int32_t *tgu, int32_t *tdn, int32_t *ntiles,
+                                    int I, int terms, int32_t *gather, int32_t *inv, int32_t *tgu, int32_t *tdn, int32_t *ntiles,
                                     cudaStream_t s) {
-    MT_ASSERT(E >= 1 && E <= WG_PLAN_THREADS && P >= 1);
-    const moe_wg_plan_params p = {idx, P, top_k, E, r0, I, H, gather, inv, (int4 *)tgu, (int4 *)tdn, ntiles};
+    MT_ASSERT(E >= 1 && E <= WG_PLAN_THREADS && P >= 1 && (terms == 1 || terms == 2));
+    const moe_wg_plan_params p = {idx, P, top_k, E, r0, I, H, terms, gather, inv, (int4 *)tgu, (int4 *)tdn, ntiles};
     const size_t smem = sizeof(int) * 32 * (size_t)E;
     static const bool attr = [] {
         return cudaFuncSetAttribute(moe_wg_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -381,7 +408,7 @@ extern "C" bool cu_moe_wg_ok(const cu_backend *cb, mt_dtype dt, int H, int I) {
         }
         return 10 * major + minor;
     }();
-    return cb->moe_wg && cb->tc_terms == 2 && dt == MT_BF16 && arch == 90 && H % WG_BW == 0 && I % 64 == 0 &&
+    return cb->moe_wg && cb->tc_terms >= 1 && dt == MT_BF16 && arch == 90 && H % WG_BW == 0 && I % 64 == 0 &&
            wg_encode_fn() != NULL;
 }
 
@@ -413,8 +440,9 @@ extern "C" mt_status cu_moe_wg_maps(const mt_expert *ex, int count, int cap, voi
 }
 
 extern "C" mt_status cu_moe_wg_gemm(const void *wmaps, const int32_t *tiles, const int32_t *ntiles, int max_tiles,
-                                    const void *x16, int64_t xrows, int K, void *out, int ldo, bool down, float L,
-                                    int sms, cudaStream_t s) {
+                                    const void *x16, int64_t xrows, int K, void *out, int ldo, bool down, int terms,
+                                    float L, int sms, cudaStream_t s) {
+    MT_ASSERT(terms == 1 || terms == 2);
     if (max_tiles == 0) return MT_OK;
     static const bool attr = [] {
         return cudaFuncSetAttribute(moe_wg_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, WG_SMEM) ==
@@ -432,7 +460,7 @@ extern "C" mt_status cu_moe_wg_gemm(const void *wmaps, const int32_t *tiles, con
             return MT_ERR_BACKEND;
         }
     const moe_wg_params p = {(const CUtensorMap *)wmaps, (const int4 *)tiles, ntiles, out, ldo, K / WG_BK,
-                             down ? 1 : 0, L};
+                             down ? 1 : 0, terms, L};
     const int grid = max_tiles < sms ? max_tiles : sms;
     moe_wg_kernel<<<(unsigned)grid, WG_THREADS, WG_SMEM, s>>>(xm, p);
     MT_CUDA_CHECK_LAUNCH();

@@ -254,27 +254,29 @@ void cu_mla_sparse_rows(mt_backend *be, float *out, const float *q, mt_paged lat
 void cu_moe_check_experts(const mt_expert *ex, int count, int H, int I);
 
 /* cuda_moe_wg.cu: a prefill's expert GEMMs on wgmma (see there).
- *   cu_moe_wg_ok: whether it takes these experts (cb->moe_wg, two-part split, bf16, sm_90,
- *     H % 128 == 0, I % 64 == 0).
+ *   cu_moe_wg_ok: whether it takes these experts (cb->moe_wg, tensor cores (tc_terms 1 or 2),
+ *     bf16, sm_90, H % 128 == 0, I % 64 == 0).
  *   cu_moe_wg_maps: the TMA maps of experts [0, count) (gate, up, down: boxes of 64 rows) into
  *     *dev (device, allocated for cap >= count experts when NULL, else reused: it holds cap * 3
  *     maps); weights 16-byte aligned; synchronises s.
  *   cu_moe_wg_plan: one launch that sorts P (row, slot) pairs (idx [P] device, experts < E <=
  *     CU_MOE_WG_MAX_E, its one block's threads; rows from r0) by expert into gather/inv [P] and
- *     writes both tile lists (tgu, tdn: at most cu_moe_wg_max_tiles tiles of 4 ints, 16-byte
+ *     writes both tile lists over x16's terms rows a pair (tgu, tdn: at most cu_moe_wg_max_tiles tiles of 4 ints, 16-byte
  *     aligned) and their lengths ntiles[2], all on the device.
  *   cu_moe_wg_gemm: one persistent launch (a CTA on each of at most sms multiprocessors) over the
  *     *ntiles (device, <= max_tiles) tiles of `tiles` (expert, n0, row0, rows) of x16 [xrows, K]
- *     bf16 (pairs' hi/lo parts interleaved); down == false: gate/up with swiglu, out = h's parts
- *     [xrows, ldo = I] bf16; down: out = [xrows / 2, ldo = H] fp32, each pair's parts summed. */
+ *     bf16 (terms 2: pairs' hi/lo parts interleaved; 1: a row a pair); down == false: gate/up
+ *     with swiglu, out = h's parts [xrows, ldo = I] bf16 (as x16's); down: out =
+ *     [xrows / terms, ldo = H] fp32, each pair's parts summed. */
 enum { CU_MOE_WG_MAX_E = 1024 };
 bool cu_moe_wg_ok(const cu_backend *cb, mt_dtype dt, int H, int I);
 mt_status cu_moe_wg_maps(const mt_expert *ex, int count, int cap, void **dev, cudaStream_t s);
 size_t cu_moe_wg_max_tiles(int P, int E, int cols, bool down);
-mt_status cu_moe_wg_plan(const int32_t *idx, int P, int top_k, int E, int r0, int H, int I,
+mt_status cu_moe_wg_plan(const int32_t *idx, int P, int top_k, int E, int r0, int H, int I, int terms,
                          int32_t *gather, int32_t *inv, int32_t *tgu, int32_t *tdn, int32_t *ntiles, cudaStream_t s);
 mt_status cu_moe_wg_gemm(const void *wmaps, const int32_t *tiles, const int32_t *ntiles, int max_tiles, const void *x16,
-                         int64_t xrows, int K, void *out, int ldo, bool down, float L, int sms, cudaStream_t s);
+                         int64_t xrows, int K, void *out, int ldo, bool down, int terms, float L, int sms,
+                         cudaStream_t s);
 
 /* cuda_dense.cu: programmatic dependent launch of kernel(*params) on s (see there), and whether it
  * is on (MT_CUDA_PDL). */
