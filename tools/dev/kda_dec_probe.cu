@@ -37,6 +37,23 @@ struct prm {
  * a block (G = COLS / 4 float4 groups), R rows a thread; PF: the L2 prefetch prologue (0 none,
  * 1 a prefetch.global.L2 per 128-byte line as in production, 2 a bulk L2 prefetch per row's
  * segment, 3 one bulk L2 prefetch of 32 KB of the head a block); REV: blocks in reverse order. */
+/* The per-warp partial sums in shared memory (red_*[warp][g]) summed over the W warps in order,
+ * for column group g: the same order in every thread, so deterministic. */
+template <int W, int G>
+__device__ __forceinline__ void dec_sum_warps(const float4 (*red_u)[G], const float4 (*red_w)[G], const float *red_qk,
+                                              int g, float4 &u, float4 &wq, float &qk) {
+    u = red_u[0][g];
+    wq = red_w[0][g];
+    qk = red_qk[0];
+#pragma unroll
+    for (int ww = 1; ww < W; ww++) {
+        const float4 a = red_u[ww][g], c = red_w[ww][g];
+        u.x += a.x; u.y += a.y; u.z += a.z; u.w += a.w;
+        wq.x += c.x; wq.y += c.y; wq.z += c.z; wq.w += c.w;
+        qk += red_qk[ww];
+    }
+}
+
 /* The block's sums of u, w (a float4 of columns each) and qk: over the warp's row parities (lanes
  * c4 + G m), then over the W warps in order through shared memory; every thread gets its columns'. */
 template <int W, int G>
@@ -60,16 +77,7 @@ __device__ __forceinline__ void dec_reduce(float4 &u, float4 &wq, float &qk, flo
     }
     if (lane == 0) red_qk[w] = qk;
     __syncthreads();
-    u = red_u[0][c4];
-    wq = red_w[0][c4];
-    qk = red_qk[0];
-#pragma unroll
-    for (int ww = 1; ww < W; ww++) {
-        const float4 a = red_u[ww][c4], c = red_w[ww][c4];
-        u.x += a.x; u.y += a.y; u.z += a.z; u.w += a.w;
-        wq.x += c.x; wq.y += c.y; wq.z += c.z; wq.w += c.w;
-        qk += red_qk[ww];
-    }
+    dec_sum_warps<W, G>(red_u, red_w, red_qk, c4, u, wq, qk);
 }
 
 /* u = k^T S', w = q^T S' (a float4 of columns each) and qk = q.k over the thread's R rows, with
@@ -88,6 +96,20 @@ __device__ __forceinline__ void dec_accumulate(float4 *s, const float *qs, const
         u.x += kk * s[r].x; u.y += kk * s[r].y; u.z += kk * s[r].z; u.w += kk * s[r].w;
         wq.x += qq * s[r].x; wq.y += qq * s[r].y; wq.z += qq * s[r].z; wq.w += qq * s[r].w;
         qk += qq * kk;
+    }
+}
+
+/* Head h's step inputs: v's columns j.. j+3 and beta into registers, q, k and e = exp(g) into
+ * shared memory (threads below DK; the caller's barrier publishes them). */
+__device__ __forceinline__ void dec_stage(const prm &p, int h, int j, int tid, float *qs, float *ks, float *es,
+                                          float4 &v4, float &b) {
+    const size_t off = (size_t)h * DK;
+    v4 = *reinterpret_cast<const float4 *>(p.v + off + j);
+    b = p.beta[h];
+    if (tid < DK) {
+        qs[tid] = p.q[off + tid];
+        ks[tid] = p.k[off + tid];
+        es[tid] = expf(p.g[off + tid]);
     }
 }
 
@@ -150,13 +172,9 @@ __device__ __forceinline__ void dec_item(const prm &p, int bid) {
 #pragma unroll
     for (int r = 0; r < R; r++) s[r] = __ldca(S + (size_t)(rbase + PASS * r) * LD4);
     const size_t off = (size_t)h * DK;
-    const float4 v4 = *reinterpret_cast<const float4 *>(p.v + off + j);
-    const float b = p.beta[h];
-    if (tid < DK) {
-        qs[tid] = p.q[off + tid];
-        ks[tid] = p.k[off + tid];
-        es[tid] = expf(p.g[off + tid]);
-    }
+    float4 v4;
+    float b;
+    dec_stage(p, h, j, tid, qs, ks, es, v4, b);
     __syncthreads();
     float4 u, wq;
     float qk;
@@ -341,32 +359,15 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(128, 5) dec_pair_ker
         es[tid] = expf(p.g[off + tid]);
     }
     __syncthreads();
-    float4 u = make_float4(0.f, 0.f, 0.f, 0.f), wq = u;
-    float qk = 0.f;
-#pragma unroll
-    for (int r = 0; r < R; r++) {
-        const int i = r0 + 4 * r;
-        const float e = es[i], kk = ks[i], qq = qs[i];
-        s[r].x *= e; s[r].y *= e; s[r].z *= e; s[r].w *= e;
-        u.x += kk * s[r].x; u.y += kk * s[r].y; u.z += kk * s[r].z; u.w += kk * s[r].w;
-        wq.x += qq * s[r].x; wq.y += qq * s[r].y; wq.z += qq * s[r].z; wq.w += qq * s[r].w;
-        qk += qq * kk;
-    }
+    float4 u, wq;
+    float qk;
+    dec_accumulate<R, 4>(s, qs, ks, es, r0, u, wq, qk);
     red_u[w][lane] = u;
     red_w[w][lane] = wq;
     if (lane == 0) red_qk[w] = qk;
     __syncthreads();
     if (w == 0) {
-        u = red_u[0][lane];
-        wq = red_w[0][lane];
-        qk = red_qk[0];
-#pragma unroll
-        for (int ww = 1; ww < W; ww++) {
-            const float4 a = red_u[ww][lane], c = red_w[ww][lane];
-            u.x += a.x; u.y += a.y; u.z += a.z; u.w += a.w;
-            wq.x += c.x; wq.y += c.y; wq.z += c.z; wq.w += c.w;
-            qk += red_qk[ww];
-        }
+        dec_sum_warps<W, 32>(red_u, red_w, red_qk, lane, u, wq, qk);
         part_u[lane] = u;
         part_w[lane] = wq;
         if (lane == 0) part_qk = qk;
@@ -427,13 +428,9 @@ __global__ void __launch_bounds__(T, MINB) dec_smem_kernel(prm p) {
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
     const size_t off = (size_t)h * DK;
-    const float4 v4 = *reinterpret_cast<const float4 *>(p.v + off + j);
-    const float b = p.beta[h];
-    if (tid < DK) {
-        qs[tid] = p.q[off + tid];
-        ks[tid] = p.k[off + tid];
-        es[tid] = expf(p.g[off + tid]);
-    }
+    float4 v4;
+    float b;
+    dec_stage(p, h, j, tid, qs, ks, es, v4, b);
     asm volatile("cp.async.wait_all;" ::: "memory");
     __syncthreads();
     float4 u = make_float4(0.f, 0.f, 0.f, 0.f), wq = u;
