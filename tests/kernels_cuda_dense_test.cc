@@ -854,7 +854,8 @@ class CudaMoe : public CudaOps {
     // relative error of a's output against b's.
     static double Between(const Experts &ex, const std::vector<int32_t> &idx, int n, int k, int H, int I, float L,
                           mt_backend *a, mt_backend *b) {
-        const std::vector<float> x = Rand((size_t)n * H), wts = Rand((size_t)n * k, 0.05f, 1.f), o = Rand((size_t)n * H);
+        const std::vector<float> x = Rand((size_t)n * H), wts = Rand((size_t)n * k, 0.05f, 1.f);
+        const std::vector<float> o = Rand((size_t)n * H);
         float *gx = Put(gpu_, x), *gw = Put(gpu_, wts), *ga = Put(gpu_, o), *gb = Put(gpu_, o);
         int32_t *gi = Put(gpu_, idx);
         a->ops->moe_experts(a, ga, gx, gi, gw, ex.gpu.data(), n, k, H, I, L);
@@ -987,8 +988,8 @@ TEST_F(CudaMoe, ExpertsWithSharedMatchCpu) {
 // H % 128 == 0, I % 64 == 0) beside the batched cuBLAS form it replaced (MT_CUDA_MOE_WG=0), both
 // against the CPU, with x in two parts (the default) and rounded once (MT_CUDA_TC_TERMS=1: against
 // the CPU at that rounding's tolerance, and against the batched form rounding at the same points
-// to 1e-4, which no misplaced row or column passes). Row tiles of every kind: experts with no pairs and with one (256 experts, 200
-// pairs), 8 experts all taken by each row (2n rows an expert: down tiles of 208 .. 256 rows,
+// to 1e-4, which no misplaced row or column passes). Row tiles of every kind: experts with no
+// pairs and with one (256 experts, 200 pairs), 8 experts all taken by each row (2n rows an expert: down tiles of 208 .. 256 rows,
 // gate/up ones of two halves), an expert of 600 rows cut in three (down) or five (gate/up), I = 64
 // and 192 (a last gate/up tile of 64 columns), the real widths with 64 k-stages (the ring wraps 16
 // times), both swiglu clamps; then one set with each expert's gate and up exchanged (up below gate

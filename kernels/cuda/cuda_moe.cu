@@ -1223,10 +1223,10 @@ static bool moe_wg_ready(cu_backend *cb, const moe_table *tc) {
  * router never cross to the host. Per chunk of rows: cu_moe_wg_plan sorts the pairs by expert and
  * writes the tiles (an expert's rows in tiles of at most 128 for gate/up and 256 for down, as even
  * as possible, each against every 128 columns of gate/up or down, in order of expert, then
- * columns, then rows, so a weight tile's readers run together); x's rows gathered in sorted order and split (X16 [T P, H],
- * T = tc_terms parts interleaved); one launch gives h's parts (H16 [T P, I]) with swiglu applied, one gives
- * down's sum per pair (D [P, H], in X16's place: its bytes are sized for two parts), and the
- * combine reads one row a pair. */
+ * columns, then rows, so a weight tile's readers run together); x's rows gathered in sorted
+ * order and split (X16 [T P, H], T = tc_terms parts interleaved); one launch gives h's parts
+ * (H16 [T P, I]) with swiglu applied, one gives down's sum per pair (D [P, H], in X16's place:
+ * its bytes are sized for two parts), and the combine reads one row a pair. */
 static mt_status moe_experts_wg(mt_backend *be, const moe_table *t, float *out, const float *x, const int32_t *idx,
                                 const float *weights, int n, int top_k, int H, int I, float L) {
     cu_backend *cb = (cu_backend *)be;

@@ -245,8 +245,8 @@ static __global__ void __launch_bounds__(WG_THREADS, 1)
  * owning a stretch of the pairs in order: it counts its stretch per expert (shared atomics:
  * order-free), thread e scans expert e's counts over the warps into each warp's first slot after
  * the exclusive scans of the pairs and of the row chunks over the experts (an expert's terms * c
- * rows in ceil(terms * c / NMAX) chunks, as even as possible, NMAX WG_NMAX_GU for gate/up and WG_NMAX for
- * down); each warp then places its pairs (ranked among equal experts by a match, 32 at a step)
+ * rows in ceil(terms * c / NMAX) chunks, as even as possible, NMAX WG_NMAX_GU for gate/up and
+ * WG_NMAX for down); each warp then places its pairs (ranked among equal experts by a match, 32 at a step)
  * and thread e writes expert e's tiles: gate/up at (chunk offset) * ceil(I / 128), in order of
  * columns then chunk, down likewise at * H / 128. (One warp placing every pair took 0.6 ms at
  * 32768 pairs: a chain of dependent steps.) */
@@ -351,8 +351,8 @@ extern "C" size_t cu_moe_wg_max_tiles(int P, int E, int cols, bool down) {
 }
 
 extern "C" mt_status cu_moe_wg_plan(const int32_t *idx, int P, int top_k, int E, int r0, int H,
-                                    int I, int terms, int32_t *gather, int32_t *inv, int32_t *tgu, int32_t *tdn, int32_t *ntiles,
-                                    cudaStream_t s) {
+                                    int I, int terms, int32_t *gather, int32_t *inv, int32_t *tgu, int32_t *tdn,
+                                    int32_t *ntiles, cudaStream_t s) {
     MT_ASSERT(E >= 1 && E <= WG_PLAN_THREADS && P >= 1 && (terms == 1 || terms == 2));
     const moe_wg_plan_params p = {idx, P, top_k, E, r0, I, H, terms, gather, inv, (int4 *)tgu, (int4 *)tdn, ntiles};
     const size_t smem = sizeof(int) * 32 * (size_t)E;

@@ -261,8 +261,8 @@ void cu_moe_check_experts(const mt_expert *ex, int count, int H, int I);
  *     maps); weights 16-byte aligned; synchronises s.
  *   cu_moe_wg_plan: one launch that sorts P (row, slot) pairs (idx [P] device, experts < E <=
  *     CU_MOE_WG_MAX_E, its one block's threads; rows from r0) by expert into gather/inv [P] and
- *     writes both tile lists over x16's terms rows a pair (tgu, tdn: at most cu_moe_wg_max_tiles tiles of 4 ints, 16-byte
- *     aligned) and their lengths ntiles[2], all on the device.
+ *     writes both tile lists over x16's terms rows a pair (tgu, tdn: at most cu_moe_wg_max_tiles
+ *     tiles of 4 ints, 16-byte aligned) and their lengths ntiles[2], all on the device.
  *   cu_moe_wg_gemm: one persistent launch (a CTA on each of at most sms multiprocessors) over the
  *     *ntiles (device, <= max_tiles) tiles of `tiles` (expert, n0, row0, rows) of x16 [xrows, K]
  *     bf16 (terms 2: pairs' hi/lo parts interleaved; 1: a row a pair); down == false: gate/up
