@@ -1,4 +1,4 @@
-/* tools/dev/tma_stream_probe.cu: how fast TMA can stream the wgmma MoE kernel's weight boxes
+/* lab/tma_stream_probe.cu: how fast TMA can stream the wgmma MoE kernel's weight boxes
  * (kernels/cuda/cuda_moe_wg.cu) from DRAM, with the products taken out. Session 17 took the
  * gate/up launch apart: its weight stream alone, with the MMAs, is as slow as the whole launch, and
  * DRAM ran at 60% of the copy rate there (docs/bench/2026-11-30-h200-session17.md). The question
@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "kernels/cuda/cuda_wgmma.h"
-#include "tools/dev/probe_check.h"
+#include "lab/probe_check.h"
 
 enum { K = 4096, ROWS = 4096 /* gate and up of one expert, 2048 each */, BK = 64, BOX = 64 * BK * 2,
        STAGES = 4, STAGE = 4 * BOX, TILE_ROWS = 256 };

@@ -15,7 +15,7 @@ Debian's libdw.so.1 and the libelf, liblzma and libbz2 it pulls, carried in a fo
         --cuda-graph-trace=node -t cuda decode_bench --steps 8 --profile 4
     LD_LIBRARY_PATH=LIBS $H/linux-desktop-glibc_2_11_3-x64/QdstrmImporter -i /tmp/rep.qdstrm
     $H/target-linux-x64/nsys stats --report cuda_gpu_trace --format csv -o $OUT/trace /tmp/rep.nsys-rep
-Then here:  tools/dev/nsys_step.py trace_cuda_gpu_trace.csv[.gz] [STEP]
+Then here:  lab/nsys_step.py trace_cuda_gpu_trace.csv[.gz] [STEP]
 (STEP: which step to list, default the second; a step starts at each embed_dev kernel.)
 """
 import csv

@@ -1,4 +1,4 @@
-/* tools/dev/gemm_algo_probe.cu: do other cuBLASLt algorithms run the prefill's two-part GEMMs
+/* lab/gemm_algo_probe.cu: do other cuBLASLt algorithms run the prefill's two-part GEMMs
  * faster than cublasGemmEx's default choice, on a GPU that a prefill holds at its power cap
  * (docs/bench/2026-11-30-h200-session18.md)? For each bench-4L projection shape at M rows
  * (W bf16 [N, K], x split into bf16 hi and lo [M, K], y fp32 [M, N]), the backend's form
@@ -18,7 +18,7 @@
 #include <cstring>
 #include <vector>
 
-#include "tools/dev/probe_check.h"
+#include "lab/probe_check.h"
 
 #define CBL(x)                                                                                     \
     do {                                                                                           \

@@ -1,4 +1,4 @@
-/* tools/dev/bw_probe.cu: how fast can a kernel only READ device memory, beside the copy bandwidth
+/* lab/bw_probe.cu: how fast can a kernel only READ device memory, beside the copy bandwidth
  * (cudaMemcpy D2D, read + write) that the benches take as their reference? The decode GEMVs and
  * the MoE experts only read their weights, so this is their ceiling; the gap between it and the
  * copy figure says how far above "100% of copy" a weight stream could go.

@@ -4,7 +4,7 @@ profile from bench/decode_bench --profile N), largest first.
 
     ncu --clock-control none --cache-control none --profile-from-start off \
         --metrics gpu__time_duration.sum --csv BIN --profile 1 > p.csv
-    tools/dev/ncu_summary.py p.csv
+    lab/ncu_summary.py p.csv
 
 (--cache-control none: ncu otherwise flushes the caches before every kernel, which makes the
 small kernels of a step read from memory what the real step finds in L2.)

@@ -1,4 +1,4 @@
-/* tools/dev/kda_dec_probe.cu: shapes of the KDA decode step (kernels/cuda/cuda_kda.cu,
+/* lab/kda_dec_probe.cu: shapes of the KDA decode step (kernels/cuda/cuda_kda.cu,
  * kda_decode_kernel) side by side, for finding what holds B = 32 below the copy rate after
  * do_bench's memset flush (docs/bench/2026-11-30-h200-session13.md). Standalone (no backend): nh = B * 64 heads of 128 x 128 fp32 state,
  * one step; each variant is timed as bench/kda_bench.c times the op (a 256 MB memset, then
@@ -23,7 +23,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "tools/dev/probe_check.h"
+#include "lab/probe_check.h"
 
 enum { DK = 128, FLUSH = 256 << 20 };
 

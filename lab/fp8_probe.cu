@@ -1,4 +1,4 @@
-/* tools/dev/fp8_probe.cu: can the low part of a two-part prefill GEMM run in fp8 on this GPU, and
+/* lab/fp8_probe.cu: can the low part of a two-part prefill GEMM run in fp8 on this GPU, and
  * what does it cost and give? For x fp32 [M, K] and a bf16 weight W [N, K] (prefill shapes of
  * bench-4L), in one run:
  *   - reference: y = x . W^T by cuBLAS SGEMM in fp32 (W widened exactly), the pedantic math mode;
@@ -23,7 +23,7 @@
 #include <cstring>
 #include <vector>
 
-#include "tools/dev/probe_check.h"
+#include "lab/probe_check.h"
 
 #define CB(x)                                                                                      \
     do {                                                                                           \
