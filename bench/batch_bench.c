@@ -22,7 +22,7 @@
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "worker/loader/glm_config.h"
-#include "worker/model/glm_model.h"
+#include "worker/model/glm/glm_model.h"
 
 #define MAX_BATCHES 16
 

@@ -9,7 +9,7 @@
 
 #include "kernels/backend.h"
 #include "worker/loader/glm_manifest.h"
-#include "worker/model/glm_model.h"
+#include "worker/model/glm/glm_model.h"
 
 double bench_copy_bandwidth_gbs(void) {
     const size_t bytes = (size_t)4 << 30;

@@ -33,7 +33,7 @@
 #include "kernels/cuda/cuda_backend.h"
 #include "worker/engine/engine.h"
 #include "worker/loader/glm_config.h"
-#include "worker/model/glm_model.h"
+#include "worker/model/glm/glm_model.h"
 
 /* Times the token callbacks of one engine request: from token `warm` to token warm + steps. */
 typedef struct engine_clock {
@@ -62,7 +62,7 @@ static double engine_ms(glm_model *m, bool run_ahead, const int32_t *prompt, int
     engine_clock k = { 0, 8, steps, 0, 0 };
     eng_callbacks cb = { .user = &k, .on_tokens = engine_on_tokens };
     eng_engine *e = NULL;
-    if (eng_new(m, &p, &cb, &e, &err) != MT_OK) { fprintf(stderr, "decode_bench: %s\n", err.msg); exit(1); }
+    if (eng_new(glm_model_as_model(m), &p, &cb, &e, &err) != MT_OK) { fprintf(stderr, "decode_bench: %s\n", err.msg); exit(1); }
     eng_request r = eng_default_request();
     r.prompt = prompt;
     r.n_prompt = 64;

@@ -20,8 +20,7 @@
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "worker/engine/engine.h"
-#include "worker/loader/glm_config.h"
-#include "worker/model/glm_model.h"
+#include "worker/model/model.h"
 
 typedef struct stream_rec {
     double first, last;   /* token arrival times */
@@ -88,7 +87,7 @@ int main(int argc, char **argv) {
     }
     mt_error err = { "" };
     mt_backend *be = !strcmp(backend, "cuda") ? mt_cuda_backend_new(0, &err) : mt_cpu_backend_new(threads);
-    glm_model *m = NULL;
+    mt_model *m = NULL;
     eng_engine *e = NULL;
     int32_t *prompt = malloc(sizeof(int32_t) * (size_t)plen);
     bench b = { .s = calloc((size_t)streams + 1, sizeof(stream_rec)) };
@@ -96,17 +95,11 @@ int main(int argc, char **argv) {
     b.gaps = malloc(sizeof(double) * b.cap_gaps);
     int rc = 1;
     if (!be || !prompt || !b.s || !b.gaps) { fprintf(stderr, "serving_direct: %s\n", err.msg[0] ? err.msg : "out of memory"); goto done; }
-    if (!strncmp(model, "random:", 7)) {
-        glm_config c;
-        if (glm_config_preset(model + 7, &c, &err) != MT_OK || glm_model_new_random(&c, 1, be, NULL, &m, &err) != MT_OK) {
-            fprintf(stderr, "serving_direct: %s\n", err.msg);
-            goto done;
-        }
-    } else if (glm_model_load(model, be, NULL, &m, &err) != MT_OK) {
+    if (mt_model_load(model, be, NULL, &m, &err) != MT_OK) {
         fprintf(stderr, "serving_direct: %s\n", err.msg);
         goto done;
     }
-    const int V = glm_model_config(m)->vocab_size;
+    const int V = mt_model_describe(m).vocab_size;
     eng_params ep = eng_default_params();
     ep.max_sequences = streams;
     ep.max_context = plen + max_new;
@@ -153,7 +146,7 @@ int main(int argc, char **argv) {
     if (rc) fprintf(stderr, "serving_direct: %ld tokens, expected %ld\n", tokens, (long)streams * max_new);
 done:
     eng_free(e);
-    glm_model_free(m);
+    mt_model_free(m);
     mt_backend_free(be);
     free(prompt);
     free(b.s);

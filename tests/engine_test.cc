@@ -17,7 +17,7 @@
 
 #include "kernels/backend.h"
 #include "worker/engine/engine.h"
-#include "worker/model/glm_model.h"
+#include "worker/model/glm/glm_model.h"
 
 namespace {
 
@@ -97,7 +97,7 @@ struct Engine {
             r.completion_tokens = f->completion_tokens;
         };
         mt_error err = { "" };
-        EXPECT_EQ(eng_new(m, &p, &cb, &e, &err), MT_OK) << err.msg;
+        EXPECT_EQ(eng_new(glm_model_as_model(m), &p, &cb, &e, &err), MT_OK) << err.msg;
     }
     ~Engine() { eng_free(e); }
     mt_status Submit(uint64_t id, const std::vector<int32_t> &prompt, eng_request r = eng_default_request(),
@@ -819,7 +819,7 @@ TEST(Engine, ParamsAreChecked) {
     p.max_sequences = 0;
     eng_engine *e = nullptr;
     mt_error err = { "" };
-    EXPECT_EQ(eng_new(M.m, &p, nullptr, &e, &err), MT_ERR_INVALID);
+    EXPECT_EQ(eng_new(glm_model_as_model(M.m), &p, nullptr, &e, &err), MT_ERR_INVALID);
     EXPECT_EQ(e, nullptr);
     EXPECT_NE(std::string(err.msg).find("max_sequences"), std::string::npos);
     eng_free(nullptr);

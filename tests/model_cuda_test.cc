@@ -16,7 +16,7 @@ extern "C" {
 #include "worker/loader/glm_config.h"
 #include "worker/loader/glm_manifest.h"
 #include "worker/loader/safetensors.h"
-#include "worker/model/glm_model.h"
+#include "worker/model/glm/glm_model.h"
 }
 
 #include "tests/run_ahead_check.h"

@@ -10,7 +10,7 @@
 extern "C" {
 #include "kernels/backend.h"
 #include "worker/loader/safetensors.h"
-#include "worker/model/glm_model.h"
+#include "worker/model/glm/glm_model.h"
 }
 
 namespace {

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
-#include "worker/model/glm_model.h"
+#include "worker/model/glm/glm_model.h"
 
 // Greedy steps run ahead (each step after the first takes its tokens from the device, and the
 // host reads step k's tokens only after step k + 1 is queued) give the tokens of the plain path

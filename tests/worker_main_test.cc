@@ -18,7 +18,7 @@
 #include "common/mt.h"
 #include "kernels/backend.h"
 #include "proto/metrale/internal/v1/worker.pb-c.h"
-#include "worker/model/glm_model.h"
+#include "worker/model/glm/glm_model.h"
 
 namespace {
 

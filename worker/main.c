@@ -36,8 +36,7 @@
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "worker/engine/engine.h"
-#include "worker/loader/glm_config.h"
-#include "worker/model/glm_model.h"
+#include "worker/model/model.h"
 
 #define HEARTBEAT_S 0.5
 #define ROUTER_SILENCE_S 10.0   /* default --router-timeout */
@@ -61,7 +60,7 @@ typedef struct worker_opts {
 
 typedef struct worker {
     worker_opts o;
-    glm_model *m;
+    mt_model *m;
     eng_engine *eng;
     const char *backend_name;   /* "cpu" or "cuda" */
     /* engine thread only */
@@ -95,9 +94,10 @@ static void on_signal(int sig) {
  * request waits while the pools are short; a running one that runs out is preempted and resumed,
  * never failed. Logged as one line: the split, and how many tokens and sequences fit. */
 static mt_status plan_memory(worker *w, mt_backend *be, eng_params *ep, mt_error *err) {
-    glm_model *m = w->m;
-    const size_t page_b = glm_model_page_bytes(m), slot_b = glm_model_slot_bytes(m);
-    const int page = glm_model_page_tokens(m);
+    mt_model *m = w->m;
+    const mt_model_info info = mt_model_describe(m);
+    const size_t page_b = info.page_bytes, slot_b = info.slot_bytes;
+    const int page = info.page_tokens;
     const int prefix_slots = ep->prefix_cache_bytes ? (ep->max_sequences + 1) / 2 : 0;
     const int slots = ep->max_sequences + prefix_slots + 1;
     const int full = (w->o.max_context + page - 1) / page; /* pages of one full-context sequence */
@@ -121,7 +121,7 @@ static mt_status plan_memory(worker *w, mt_backend *be, eng_params *ep, mt_error
     long long pages = page_b ? (long long)((pools - (size_t)slots * slot_b) / page_b) : 1;
     if (pages > want_pages) pages = want_pages;
     if (pages > INT32_MAX / 2) pages = INT32_MAX / 2;
-    mt_status st = glm_model_set_pools(m, (int)pages, slots, err);
+    mt_status st = mt_model_set_pools(m, (int)pages, slots, err);
     if (st != MT_OK) return st;
     ep->cache_budget_bytes = 0; /* the pools are the budget */
     mt_log(MT_LOG_INFO,
@@ -193,14 +193,14 @@ static void check_link(worker *w) {
 
 /* Engine thread. */
 static void send_hello(worker *w) {
-    const glm_config *c = glm_model_config(w->m);
+    const mt_model_info info = mt_model_describe(w->m);
     Metrale__V1__ModelInfo mi = METRALE__V1__MODEL_INFO__INIT;
-    mi.model_type = "glm5_next";
-    mi.vocab_size = (uint32_t)c->vocab_size;
+    mi.model_type = (char *)info.arch;
+    mi.vocab_size = (uint32_t)info.vocab_size;
     mi.max_context = (uint32_t)w->o.max_context;
-    mi.num_layers = (uint32_t)c->num_hidden_layers;
-    mi.hidden_size = (uint32_t)c->hidden_size;
-    mi.eos_token_id = c->eos_token_id;
+    mi.num_layers = (uint32_t)info.n_layers;
+    mi.hidden_size = (uint32_t)info.hidden_size;
+    mi.eos_token_id = info.eos_token_id;
     mi.backend = (char *)w->backend_name;
     Metrale__Internal__V1__Hello h = METRALE__INTERNAL__V1__HELLO__INIT;
     h.worker_id = (uint32_t)w->o.id;
@@ -217,7 +217,7 @@ static void send_hello(worker *w) {
     if (st == MT_OK) {
         w->last_hello = mt_now();
         mt_log(MT_LOG_INFO, "worker %d: hello sent to %s (%s, vocab %d, context %d, %d sequences)", w->o.id,
-               w->o.router, w->backend_name, c->vocab_size, w->o.max_context, w->o.max_sequences);
+               w->o.router, w->backend_name, info.vocab_size, w->o.max_context, w->o.max_sequences);
     } else {
         w->next_hello = mt_now() + HELLO_RETRY_S;
         mt_log(MT_LOG_DEBUG, "worker %d: hello not sent: %s", w->o.id, err.msg);
@@ -600,16 +600,9 @@ int main(int argc, char **argv) {
     }
     /* --model random:PRESET (tiny, bench-4L): random weights made on the backend from a fixed seed,
      * for benchmarks of the real shapes without a checkpoint file */
-    glm_model_params mp = glm_model_default_params();
+    mt_model_params mp = mt_model_default_params();
     if (w.o.graph_max_batch > 0) mp.graph_max_rows = w.o.graph_max_batch;
-    if (!strncmp(w.o.model, "random:", 7)) {
-        glm_config cfg;
-        if (glm_config_preset(w.o.model + 7, &cfg, &err) != MT_OK ||
-            glm_model_new_random(&cfg, 1, be, &mp, &w.m, &err) != MT_OK) {
-            mt_log(MT_LOG_ERROR, "worker %d: %s", w.o.id, err.msg);
-            goto done;
-        }
-    } else if (glm_model_load(w.o.model, be, &mp, &w.m, &err) != MT_OK) {
+    if (mt_model_load(w.o.model, be, &mp, &w.m, &err) != MT_OK) {
         mt_log(MT_LOG_ERROR, "worker %d: %s", w.o.id, err.msg);
         goto done;
     }
@@ -634,9 +627,9 @@ int main(int argc, char **argv) {
         mt_log(MT_LOG_ERROR, "worker %d: %s", w.o.id, err.msg);
         goto done;
     }
-    const glm_config *c = glm_model_config(w.m);
-    mt_log(MT_LOG_INFO, "worker %d: loaded %s (%d layers, hidden %d, vocab %d) on %s in %.2f s", w.o.id, w.o.model,
-           c->num_hidden_layers, c->hidden_size, c->vocab_size, w.backend_name, mt_now() - t0);
+    const mt_model_info mi = mt_model_describe(w.m);
+    mt_log(MT_LOG_INFO, "worker %d: loaded %s (%s, %d layers, hidden %d, vocab %d) on %s in %.2f s", w.o.id, w.o.model,
+           mi.arch, mi.n_layers, mi.hidden_size, mi.vocab_size, w.backend_name, mt_now() - t0);
 
     w.last_rx = w.next_hello = mt_now();
     publish_stats(&w);
@@ -678,7 +671,7 @@ done:
         eng_abort_all(w.eng, ENG_FINISH_CANCELLED, "worker shutting down");
     eng_free(w.eng);
     mt_wire_close(w.wire);
-    glm_model_free(w.m);
+    mt_model_free(w.m);
     mt_backend_free(be);
     return rc;
 }

@@ -10,7 +10,7 @@
 
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
-#include "worker/model/glm_model.h"
+#include "worker/model/glm/glm_model.h"
 
 static void usage(FILE *f) {
     fprintf(f, "usage: metrale-generate --model DIR --prompt ID,ID,... [--max-new N] [--threads N]\n"

@@ -12,7 +12,7 @@ typedef struct eng_seq {
     uint64_t deadline_ms;        /* 0 = none */
     eng_request req;             /* prompt and stop_ids point into this arena */
     eng_rng rng;
-    glm_seq *gs;                 /* model state; NULL while waiting */
+    mt_seq *gs;                 /* model state; NULL while waiting */
     int32_t *tokens;             /* [n_prompt + max_new_tokens]: prompt, then generated */
     int n_gen;
     int prefilled;               /* tokens fed so far; < n_feed while its prefill is spread over
@@ -31,13 +31,14 @@ typedef struct eng_seq {
 typedef struct eng_prefix {
     int32_t *tokens;             /* [len] */
     int len;
-    glm_seq *snap;               /* a sequence of capacity len, at len */
-    size_t bytes;                /* glm_seq_bytes(snap) */
+    mt_seq *snap;               /* a sequence of capacity len, at len */
+    size_t bytes;                /* mt_seq_bytes(snap) */
     uint64_t last_used;          /* e->steps when last hit or made */
 } eng_prefix;
 
 struct eng_engine {
-    glm_model *m;
+    mt_model *m;
+    mt_model_info info;          /* the model, as described at eng_new */
     eng_params p;
     eng_callbacks cb;
     int vocab, eos;
@@ -47,10 +48,11 @@ struct eng_engine {
     eng_seq **running;           /* [max_sequences] */
     int n_running;
     eng_seq **batch;             /* [max_sequences] scratch: the sequences of one decode */
-    glm_seq **gs;                /* [max_sequences] scratch: a decode's model sequences (batch_inputs) */
+    mt_seq **gs;                /* [max_sequences] scratch: a decode's model sequences (batch_inputs) */
+    mt_batch_part *parts;        /* [max_sequences] scratch: a decode's plan (decode_parts) */
     int32_t *tok;                /* [max_sequences] scratch: their tokens in, or a ticket's out */
     float *logits;               /* [max_sequences, vocab] host */
-    /* A greedy step queued and not yet read (run_ahead; glm_decode_greedy): its rows' sequences in
+    /* A greedy step queued and not yet read (run_ahead; mt_model_decode_ahead): its rows' sequences in
      * order, a row NULL once its sequence is freed (compact), and the ticket of its tokens. */
     eng_seq **ahead;             /* [max_sequences] */
     int n_ahead;                 /* 0: none in flight */
@@ -95,7 +97,7 @@ static uint64_t realtime_ms(void *user) {
     return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
 }
 
-mt_status eng_new(glm_model *m, const eng_params *params, const eng_callbacks *cb, eng_engine **out,
+mt_status eng_new(mt_model *m, const eng_params *params, const eng_callbacks *cb, eng_engine **out,
                   mt_error *err) {
     *out = NULL;
     eng_params p = params ? *params : eng_default_params();
@@ -106,17 +108,17 @@ mt_status eng_new(glm_model *m, const eng_params *params, const eng_callbacks *c
                          "(>= 2), prefill_budget %d (>= 0)",
                          p.max_sequences, p.max_waiting, p.max_context, p.prefill_budget);
     if (!p.now_ms) p.now_ms = realtime_ms;
-    mt_status pst = glm_model_ensure_pools(m, err); /* admission counts free slots and pages */
+    mt_status pst = mt_model_ensure_pools(m, err); /* admission counts free slots and pages */
     if (pst != MT_OK) return pst;
-    const glm_config *c = glm_model_config(m);
     eng_engine *e = calloc(1, sizeof *e);
     if (!e) goto fail;
     e->m = m;
+    e->info = mt_model_describe(m);
     e->p = p;
-    e->ahead_on = p.run_ahead == ENG_RUN_AHEAD_ALWAYS || (p.run_ahead == ENG_RUN_AHEAD_AUTO && glm_model_backend_queues(m));
+    e->ahead_on = p.run_ahead == ENG_RUN_AHEAD_ALWAYS || (p.run_ahead == ENG_RUN_AHEAD_AUTO && e->info.backend_queues);
     if (cb) e->cb = *cb;
-    e->vocab = c->vocab_size;
-    e->eos = c->eos_token_id;
+    e->vocab = e->info.vocab_size;
+    e->eos = e->info.eos_token_id;
     e->sampler = eng_sampler_new(e->vocab);
     /* room for the preempted running sequences too, which go back to the head of the queue */
     e->waiting = malloc(sizeof(eng_seq *) * (size_t)(p.max_waiting + p.max_sequences + 1));
@@ -125,8 +127,9 @@ mt_status eng_new(glm_model *m, const eng_params *params, const eng_callbacks *c
     e->logits = malloc(sizeof(float) * (size_t)p.max_sequences * (size_t)e->vocab);
     e->ahead = malloc(sizeof(eng_seq *) * (size_t)p.max_sequences);
     e->tok = malloc(sizeof(int32_t) * (size_t)p.max_sequences);
-    e->gs = malloc(sizeof(glm_seq *) * (size_t)p.max_sequences);
-    if (!e->sampler || !e->waiting || !e->running || !e->batch || !e->logits || !e->ahead || !e->tok || !e->gs)
+    e->gs = malloc(sizeof(mt_seq *) * (size_t)p.max_sequences);
+    e->parts = malloc(sizeof(mt_batch_part) * (size_t)p.max_sequences);
+    if (!e->sampler || !e->waiting || !e->running || !e->batch || !e->logits || !e->ahead || !e->tok || !e->gs || !e->parts)
         goto fail;
     *out = e;
     return MT_OK;
@@ -140,7 +143,7 @@ static void seq_release(eng_engine *e, eng_seq *s) {
     if (!s->gs) return;
     e->cache_bytes -= s->charged;
     s->charged = 0;
-    glm_seq_free(s->gs);
+    mt_seq_free(s->gs);
     s->gs = NULL;
 }
 
@@ -152,7 +155,7 @@ static void seq_destroy(eng_engine *e, eng_seq *s) {
 static void prefix_drop(eng_engine *e, int i) {
     eng_prefix *p = &e->prefixes[i];
     e->prefix_bytes -= p->bytes;
-    glm_seq_free(p->snap);
+    mt_seq_free(p->snap);
     free(p->tokens);
     e->prefixes[i] = e->prefixes[--e->n_prefixes];
 }
@@ -171,6 +174,7 @@ void eng_free(eng_engine *e) {
     free(e->ahead);
     free(e->tok);
     free(e->gs);
+    free(e->parts);
     free(e);
 }
 
@@ -196,12 +200,12 @@ static mt_status check_request(const eng_engine *e, const eng_request *r, mt_err
     if (r->top_logprobs < 0 || r->top_logprobs > ENG_TOP_LOGPROBS_MAX)
         return mt_errorf(err, MT_ERR_INVALID, "top_logprobs must be in [0, %d], got %d", ENG_TOP_LOGPROBS_MAX,
                          r->top_logprobs);
-    const int len = r->n_prompt + r->max_new_tokens, page = glm_model_page_tokens(e->m);
-    const int pages_total = glm_model_pages_total(e->m);
-    if (glm_model_page_bytes(e->m) > 0 && pages_total > 0 && (len + page - 1) / page > pages_total - 1)
+    const int len = r->n_prompt + r->max_new_tokens, page = e->info.page_tokens;
+    const int pages_total = mt_model_pool_stats(e->m).pages_total;
+    if (e->info.page_bytes > 0 && pages_total > 0 && (len + page - 1) / page > pages_total - 1)
         return mt_errorf(err, MT_ERR_FULL, "a sequence of %d tokens needs %d cache pages, more than the %d there are",
                          len, (len + page - 1) / page, pages_total - 1);
-    const size_t need = glm_model_seq_bytes(e->m, r->n_prompt + r->max_new_tokens);
+    const size_t need = mt_model_seq_bytes_max(e->m, r->n_prompt + r->max_new_tokens);
     if (e->p.cache_budget_bytes && need > e->p.cache_budget_bytes)
         return mt_errorf(err, MT_ERR_FULL, "a sequence of %d tokens needs %zu bytes of state, over the cache budget of %zu",
                          r->n_prompt + r->max_new_tokens, need, e->p.cache_budget_bytes);
@@ -394,14 +398,14 @@ static bool prefix_evict_one(eng_engine *e) {
 static void prefix_keep(eng_engine *e, eng_seq *s) {
     const int len = s->snap_at;
     if (prefix_kept(e, s->tokens, len)) return;
-    glm_seq *snap = NULL;
+    mt_seq *snap = NULL;
     mt_error err = { "" };
-    if (glm_seq_new(e->m, len, &snap, &err) != MT_OK) return;
-    if (glm_seq_copy_prefix(e->m, s->gs, snap, &err) != MT_OK || glm_seq_bytes(snap) > e->p.prefix_cache_bytes) {
-        glm_seq_free(snap);
+    if (mt_seq_new(e->m, len, &snap, &err) != MT_OK) return;
+    if (mt_seq_copy_prefix(e->m, s->gs, snap, &err) != MT_OK || mt_seq_bytes(snap) > e->p.prefix_cache_bytes) {
+        mt_seq_free(snap);
         return;
     }
-    const size_t bytes = glm_seq_bytes(snap); /* its slot and its pages (shared with s) */
+    const size_t bytes = mt_seq_bytes(snap); /* its slot and its pages (shared with s) */
     while (e->prefix_bytes + bytes > e->p.prefix_cache_bytes && prefix_evict_one(e)) {}
     int32_t *tokens = malloc(sizeof(int32_t) * (size_t)len);
     if (e->n_prefixes == e->cap_prefixes) {
@@ -414,7 +418,7 @@ static void prefix_keep(eng_engine *e, eng_seq *s) {
     }
     if (!tokens || e->n_prefixes == e->cap_prefixes) {
         free(tokens);
-        glm_seq_free(snap);
+        mt_seq_free(snap);
         return;
     }
     memcpy(tokens, s->tokens, sizeof(int32_t) * (size_t)len);
@@ -462,7 +466,7 @@ static bool make_room(eng_engine *e, eng_seq *s, int n) {
     int self = -1;
     for (int i = 0; i < e->n_running; i++)
         if (e->running[i] == s) self = i;
-    while (glm_seq_reserve(s->gs, n, &err) != MT_OK) {
+    while (mt_seq_reserve(s->gs, n, &err) != MT_OK) {
         if (prefix_evict_one(e)) continue;
         int victim = -1;
         for (int i = e->n_running - 1; i > self && victim < 0; i--)
@@ -487,7 +491,9 @@ static void prefill_some(eng_engine *e, eng_seq *s, int *budget) {
         preempt(e, s);
         return;
     }
-    s->st = glm_prefill(e->m, s->gs, s->tokens + s->prefilled, k, last && !resumed ? logits : NULL, false, &s->err);
+    const mt_batch_part part = { .kind = MT_PART_PREFILL, .seq = s->gs, .tokens = s->tokens + s->prefilled, .n = k,
+                                 .logits = last && !resumed ? logits : NULL };
+    s->st = mt_model_forward(e->m, &(mt_batch){ &part, 1 }, &s->err);
     if (s->st != MT_OK) {
         seq_end(e, s, ENG_FINISH_ERROR, s->err.msg);
         return;
@@ -509,7 +515,7 @@ static void prefix_start(eng_engine *e, eng_seq *s) {
     const int at = (s->req.n_prompt - 1) / e->p.prefix_block * e->p.prefix_block;
     const int i = prefix_find(e, s);
     mt_error err = { "" };
-    if (i >= 0 && glm_seq_copy_prefix(e->m, e->prefixes[i].snap, s->gs, &err) == MT_OK) {
+    if (i >= 0 && mt_seq_copy_prefix(e->m, e->prefixes[i].snap, s->gs, &err) == MT_OK) {
         s->prefilled = e->prefixes[i].len;
         e->prefixes[i].last_used = e->steps;
         e->prefix_hits++;
@@ -536,29 +542,29 @@ static void admit(eng_engine *e) {
         eng_seq *s = e->waiting[taken];
         const int cap = s->req.n_prompt + s->req.max_new_tokens;
         /* FIFO: the head waits for room rather than letting later, smaller requests pass it */
-        if (e->p.cache_budget_bytes && e->cache_bytes + glm_model_seq_bytes(e->m, cap) > e->p.cache_budget_bytes) break;
+        if (e->p.cache_budget_bytes && e->cache_bytes + mt_model_seq_bytes_max(e->m, cap) > e->p.cache_budget_bytes) break;
         /* a slot: kept prefixes hold some, and give them up for a request */
-        while (glm_model_slots_free(e->m) == 0 && prefix_evict_one(e)) {}
-        if (glm_model_slots_free(e->m) == 0) break;
+        while (mt_model_pool_stats(e->m).slots_free == 0 && prefix_evict_one(e)) {}
+        if (mt_model_pool_stats(e->m).slots_free == 0) break;
         /* and pages for its prefill and first token, so it does not give way as soon as it starts */
-        if (glm_model_page_bytes(e->m) > 0) {
-            const int page = glm_model_page_tokens(e->m);
+        if (e->info.page_bytes > 0) {
+            const int page = e->info.page_tokens;
             const int len = e->p.preempt ? s->n_feed + 1 : s->req.n_prompt + s->req.max_new_tokens;
             const int need = (len + page - 1) / page;
-            while (glm_model_pages_free(e->m) < need && prefix_evict_one(e)) {}
-            if (glm_model_pages_free(e->m) < need && e->n_running > 0) break; /* alone, it may preempt nothing */
+            while (mt_model_pool_stats(e->m).pages_free < need && prefix_evict_one(e)) {}
+            if (mt_model_pool_stats(e->m).pages_free < need && e->n_running > 0) break; /* alone, it may preempt nothing */
         }
         taken++;
-        if ((s->st = glm_seq_new(e->m, cap, &s->gs, &s->err)) != MT_OK) {
+        if ((s->st = mt_seq_new(e->m, cap, &s->gs, &s->err)) != MT_OK) {
             seq_end(e, s, ENG_FINISH_ERROR, s->err.msg);
             seq_destroy(e, s);
             continue;
         }
-        s->charged = glm_model_seq_bytes(e->m, cap);
+        s->charged = mt_model_seq_bytes_max(e->m, cap);
         e->cache_bytes += s->charged;
         e->running[e->n_running++] = s;
         prefix_start(e, s);
-        if (!e->p.preempt && glm_seq_reserve(s->gs, cap - glm_seq_len(s->gs), &s->err) != MT_OK) {
+        if (!e->p.preempt && mt_seq_reserve(s->gs, cap - mt_seq_len(s->gs), &s->err) != MT_OK) {
             preempt(e, s); /* its whole length does not fit after all: back to the queue */
             break;
         }
@@ -570,10 +576,6 @@ static void admit(eng_engine *e) {
     requeue_preempted(e);
 }
 
-/* Batches of at most this many plain greedy sequences take their tokens with glm_last_argmax, one
- * model pass (glm_model_batch_rows) at a time. */
-#define ENG_GREEDY_MAX 1024
-
 /* The model's inputs for b[0, k) (k <= max_sequences): their sequences in e->gs, their pending
  * tokens in e->tok. */
 static void batch_inputs(eng_engine *e, eng_seq **b, int k) {
@@ -583,22 +585,33 @@ static void batch_inputs(eng_engine *e, eng_seq **b, int k) {
     }
 }
 
+/* Batches of at most this many plain greedy sequences take their tokens back from the model
+ * instead of their logits. */
+#define ENG_GREEDY_MAX 1024
+
+/* The decode parts of b[0, k), one row each: the pending token, and either the logits (row i of
+ * logits) or the greedy token (greedy[i]) taken where the logits are. */
+static void decode_parts(eng_engine *e, eng_seq **b, int k, float *logits, int32_t *greedy) {
+    for (int i = 0; i < k; i++)
+        e->parts[i] = (mt_batch_part){ .kind = MT_PART_DECODE, .seq = b[i]->gs, .tokens = &b[i]->pending, .n = 1,
+                                       .logits = logits ? logits + (size_t)i * e->vocab : NULL,
+                                       .argmax = greedy ? greedy + i : NULL };
+}
+
 /* One token for every running sequence, all through the model's batched decode (one pass over
- * the weights for all of them; replayed from the bucket graph of that many rows where the backend
- * has graphs: a single sequence is a bucket of 1). Batched equals alone on both backends (tests/model_layer_test.cc on the
- * CPU, tests/model_cuda_test.cc BatchedDecodeEqualsEachAlone on the GPU). If the batch is refused
+ * the weights for all of them, batch_rows at a time; replayed from the bucket graph of that many
+ * rows where the backend has graphs: a single sequence is a bucket of 1). If the batch is refused
  * (a bad token or a full sequence, which admission should make impossible), each sequence
  * decodes alone so only the bad one fails. */
 static void decode_running(eng_engine *e, eng_seq **batch, int n, float *logits, int32_t *greedy) {
-    if (greedy) logits = NULL; /* the tokens come from glm_last_argmax below */
-    const int rows = glm_model_batch_rows(e->m); /* one model pass; glm_last_argmax sees its rows */
+    if (greedy) logits = NULL; /* the tokens come back instead of the logits */
+    const int rows = e->info.batch_rows;
     for (int c0 = 0; c0 < n; c0 += rows) {
         const int k = n - c0 < rows ? n - c0 : rows;
         eng_seq **b = batch + c0;
         mt_error err = { "" };
-        batch_inputs(e, b, k);
-        mt_status st = glm_decode_multi(e->m, e->gs, e->tok, k, logits ? logits + (size_t)c0 * e->vocab : NULL, &err);
-        if (st == MT_OK && greedy) st = glm_last_argmax(e->m, k, greedy + c0);
+        decode_parts(e, b, k, logits ? logits + (size_t)c0 * e->vocab : NULL, greedy ? greedy + c0 : NULL);
+        mt_status st = mt_model_forward(e->m, &(mt_batch){ e->parts, k }, &err);
         if (st == MT_OK) {
             for (int i = 0; i < k; i++) b[i]->st = MT_OK;
             continue;
@@ -608,14 +621,14 @@ static void decode_running(eng_engine *e, eng_seq **batch, int n, float *logits,
             b[0]->err = err;
             continue;
         }
-        /* refused before any sequence moved (glm_decode_multi checks everything first, and one
-         * chunk is one pass): each decodes alone, so only the bad one fails */
+        /* refused before any sequence moved (the model checks every row of a pass first): each
+         * decodes alone, so only the bad one fails */
         mt_log(MT_LOG_WARN, "engine: batched decode of %d sequences refused (%s); decoding them one by one",
                k, err.msg[0] ? err.msg : mt_status_str(st));
         for (int i = 0; i < k; i++) {
-            b[i]->st = glm_decode(e->m, b[i]->gs, b[i]->pending,
-                                  logits ? logits + (size_t)(c0 + i) * e->vocab : NULL, &b[i]->err);
-            if (b[i]->st == MT_OK && greedy) b[i]->st = glm_last_argmax(e->m, 1, greedy + c0 + i);
+            decode_parts(e, b + i, 1, logits ? logits + (size_t)(c0 + i) * e->vocab : NULL,
+                         greedy ? greedy + c0 + i : NULL);
+            b[i]->st = mt_model_forward(e->m, &(mt_batch){ e->parts, 1 }, &b[i]->err);
         }
     }
 }
@@ -626,7 +639,7 @@ static void decode_running(eng_engine *e, eng_seq **batch, int n, float *logits,
  * and reports each to its sequence; rows whose sequence ended since are dropped. A failed read
  * ends the step's sequences. */
 static void ahead_report(eng_engine *e, int n, int64_t ticket) {
-    const mt_status st = glm_greedy_tokens(e->m, ticket, e->tok, n);
+    const mt_status st = mt_model_ahead_tokens(e->m, ticket, e->tok, n);
     for (int i = 0; i < n; i++) {
         eng_seq *s = e->ahead[i];
         if (!s || s->done) continue;
@@ -651,9 +664,9 @@ static bool admission_idle(const eng_engine *e) {
 
 /* A batch may leave its tokens on the device when nothing else wants the step's boundary: every
  * running sequence is in it (none is part way through its prefill), all plain greedy, nobody can
- * be admitted, and the model can (one pass of at most glm_model_ahead_rows). */
+ * be admitted, and the model can (one pass of at most info.ahead_rows). */
 static bool ahead_start_ok(eng_engine *e, int n) {
-    if (!e->ahead_on || n != e->n_running || !admission_idle(e) || n > glm_model_ahead_rows(e->m)) return false;
+    if (!e->ahead_on || n != e->n_running || !admission_idle(e) || n > e->info.ahead_rows) return false;
     for (int i = 0; i < n; i++)
         if (!plain_greedy(e->batch[i])) return false;
     return true;
@@ -673,7 +686,7 @@ static bool ahead_next_ok(eng_engine *e) {
     }
     mt_error err = { "" };
     for (int i = 0; i < e->n_running; i++)
-        if (glm_seq_reserve(e->running[i]->gs, 1, &err) != MT_OK) return false;
+        if (mt_seq_reserve(e->running[i]->gs, 1, &err) != MT_OK) return false;
     return true;
 }
 
@@ -683,7 +696,7 @@ static mt_status ahead_queue(eng_engine *e, eng_seq **batch, int n, bool from_de
     batch_inputs(e, batch, n);
     mt_error err = { "" };
     int64_t ticket = -1;
-    const mt_status st = glm_decode_greedy(e->m, e->gs, from_device ? NULL : e->tok, n, &ticket, &err);
+    const mt_status st = mt_model_decode_ahead(e->m, e->gs, from_device ? NULL : e->tok, n, &ticket, &err);
     if (st != MT_OK) {
         mt_log(MT_LOG_WARN, "engine: greedy step of %d sequences not run ahead (%s)", n, err.msg);
         return st;
@@ -759,7 +772,7 @@ bool eng_has_work(const eng_engine *e) { return e->n_waiting + e->n_running > 0;
 
 void eng_get_stats(const eng_engine *e, eng_stats *out) {
     size_t held = 0; /* pool memory the running sequences hold now */
-    for (int i = 0; i < e->n_running; i++) held += glm_seq_bytes(e->running[i]->gs);
+    for (int i = 0; i < e->n_running; i++) held += mt_seq_bytes(e->running[i]->gs);
     *out = (eng_stats){ .running = e->n_running, .waiting = e->n_waiting,
                         .live_sequences = e->n_running + e->n_waiting, .cache_bytes_in_use = held,
                         .sequences_finished = e->finished, .sequences_aborted = e->aborted,
@@ -767,6 +780,6 @@ void eng_get_stats(const eng_engine *e, eng_stats *out) {
                         .prefix_hits = e->prefix_hits, .prefix_misses = e->prefix_misses,
                         .prefix_cache_bytes = e->prefix_bytes, .prefix_entries = e->n_prefixes,
                         .preemptions = e->preemptions,
-                        .pages_free = glm_model_pages_free(e->m), .pages_total = glm_model_pages_total(e->m),
-                        .slots_free = glm_model_slots_free(e->m), .slots_total = glm_model_slots_total(e->m) };
+                        .pages_free = mt_model_pool_stats(e->m).pages_free, .pages_total = mt_model_pool_stats(e->m).pages_total,
+                        .slots_free = mt_model_pool_stats(e->m).slots_free, .slots_total = mt_model_pool_stats(e->m).slots_total };
 }

@@ -31,7 +31,7 @@
 
 #include "common/mt.h"
 #include "worker/engine/sampler.h"
-#include "worker/model/glm_model.h"
+#include "worker/model/model.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -105,10 +105,10 @@ typedef struct eng_params {
      * of fewer sequences running together. */
     bool preempt;
     /* A batch of plain greedy sequences may run ahead of the host where the model can
-     * (glm_model_ahead_rows): step k + 1 is queued on the device's own tokens of step k before the
+     * (mt_model_info.ahead_rows): step k + 1 is queued on the device's own tokens of step k before the
      * host reads them, so the device does not wait for the host between steps. A row whose
      * sequence ended at token k drops its token k + 1. ENG_RUN_AHEAD_AUTO (default): where the
-     * backend queues its work (glm_model_backend_queues: the GPU; on the CPU it would only delay
+     * backend queues its work (mt_model_info.backend_queues: the GPU; on the CPU it would only delay
      * each token by a step); ALWAYS: on any backend (tests); OFF: never. */
     eng_run_ahead run_ahead;
     /* Wall clock in Unix milliseconds, for deadlines. NULL: CLOCK_REALTIME. */
@@ -122,7 +122,7 @@ typedef struct eng_stats {
     int running;                 /* sequences holding model state */
     int waiting;
     int live_sequences;          /* running + waiting */
-    size_t cache_bytes_in_use;   /* pool memory the running sequences hold (glm_seq_bytes: slot and
+    size_t cache_bytes_in_use;   /* pool memory the running sequences hold (mt_seq_bytes: slot and
                                   * mapped pages) */
     uint64_t sequences_finished; /* ended by LENGTH or STOP */
     uint64_t sequences_aborted;  /* ended by eng_abort, a deadline or an error */
@@ -142,7 +142,7 @@ typedef struct eng_engine eng_engine;
 
 /* The engine borrows the model (which must outlive it) and copies params and callbacks.
  * On error *out is NULL. */
-mt_status eng_new(glm_model *m, const eng_params *params, const eng_callbacks *cb, eng_engine **out,
+mt_status eng_new(mt_model *m, const eng_params *params, const eng_callbacks *cb, eng_engine **out,
                   mt_error *err);
 /* Frees every sequence without callbacks. NULL ok. */
 void eng_free(eng_engine *e);

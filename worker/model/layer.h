@@ -23,7 +23,7 @@ extern "C" {
 typedef struct mt_layer mt_layer;
 typedef struct mt_layer_state mt_layer_state;
 /* The model's per-step context (backend, positions, scratch, the shared DSA selection); defined
- * by the model that owns the layers (worker/model/glm_impl.h for GLM). */
+ * by the model that owns the layers (worker/model/glm/glm_impl.h for GLM). */
 typedef struct mt_step mt_step;
 
 typedef struct mt_layer_caps {

@@ -1,16 +1,13 @@
-/* worker/model/glm_model.c: the GLM model runtime: loading, scratch, sequences, and the forward
+/* worker/model/glm/glm_model.c: the GLM model runtime: loading, scratch, sequences, and the forward
  * pass (embedding into an S-stream fp32 highway, the decoder layers, the mean-of-streams head). */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "worker/model/glm_impl.h"
+#include "worker/model/glm/glm_impl.h"
 
-glm_model_params glm_model_default_params(void) {
-    return (glm_model_params){ .prefill_chunk = 256, .decode_graphs = true, .device_positions = false,
-                               .graph_max_rows = 64 };
-}
+glm_model_params glm_model_default_params(void) { return mt_model_default_params(); }
 
 static void scratch_free(mt_backend *be, glm_scratch *s) {
     float **f[] = { &s->y, &s->h, &s->a, &s->post, &s->comb, &s->wts };
@@ -56,7 +53,7 @@ static mt_status model_init(glm_model *m, uint64_t random_seed, bool random, mt_
     m->X = be->ops->alloc(be, sizeof(float) * rows * SH);
     m->z = be->ops->alloc(be, sizeof(float) * rows * (size_t)c->hidden_size);
     m->logits = be->ops->alloc(be, sizeof(float) * rows * (size_t)c->vocab_size);
-    m->d_step = be->ops->alloc(be, 2 * sizeof(int32_t));
+    m->d_step = be->ops->alloc(be, sizeof(int32_t) * GLM_VERIFY_MAX * (size_t)(c->hc_mult + 1));
     if (!m->X || !m->z || !m->logits || !m->d_step)
         return mt_errorf(err, MT_ERR_NOMEM, "out of memory for activations");
     /* rows form of batched decode: one pass takes at most the scratch rows */
@@ -70,16 +67,18 @@ static mt_status model_init(glm_model *m, uint64_t random_seed, bool random, mt_
     m->ahead.seqs = calloc((size_t)rows, sizeof(glm_seq *));
     if (!m->d_rrow || !m->d_rtab || !m->h_rrow || !m->h_rtab || !m->h_tok || !m->ahead.seqs)
         return mt_errorf(err, MT_ERR_NOMEM, "out of memory for the batched-decode tables");
-    for (int i = 0; i < c->num_hidden_layers; i++) {
-        m->graph_stale_on_new_sequence |= m->layers[i].base.caps.graph_stale_on_new_sequence;
-        m->prestage_needs_token |= m->layers[i].base.caps.decode_prestage_needs_token;
-    }
+    if (c->hc_mult > 8) return mt_errorf(err, MT_ERR_UNSUPPORTED, "hc_mult %d: at most 8 streams", c->hc_mult);
+    if (!(m->layer_list = malloc(sizeof *m->layer_list * (size_t)c->num_hidden_layers)))
+        return mt_errorf(err, MT_ERR_NOMEM, "out of memory");
+    for (int i = 0; i < c->num_hidden_layers; i++) m->layer_list[i] = &m->layers[i].base;
+    rt_runner_init(&m->runner, be, m->layer_list, c->num_hidden_layers);
     return MT_OK;
 }
 
 static glm_model *model_new(mt_backend *be, const glm_model_params *params) {
     glm_model *m = calloc(1, sizeof *m);
     if (!m) return NULL;
+    m->base.ops = &glm_model_iface;
     m->be = be;
     m->params = params ? *params : glm_model_default_params();
     if (m->params.prefill_chunk < 1) m->params.prefill_chunk = 1;
@@ -135,10 +134,9 @@ void glm_model_free(glm_model *m) {
     be->ops->free(be, m->z);
     be->ops->free(be, m->logits);
     be->ops->free(be, m->d_step);
-    if (be->ops->graph_free) {
-        be->ops->graph_free(be, m->shared_graph);
-        for (int b = 0; b < GLM_BUCKETS; b++) be->ops->graph_free(be, m->bucket_graph[b]);
-    }
+    rt_slot_release(&m->runner, &m->shared);
+    for (int b = 0; b < GLM_BUCKETS; b++) rt_slot_release(&m->runner, &m->bucket[b]);
+    free(m->layer_list);
     be->ops->free(be, m->d_rrow);
     be->ops->free(be, m->d_rtab);
     free(m->h_rrow);
@@ -175,26 +173,15 @@ size_t glm_model_slot_bytes(const glm_model *m) {
     return b;
 }
 
-int glm_model_pages_free(const glm_model *m) { return m->n_free_pages; }
-int glm_model_slots_free(const glm_model *m) { return m->n_free_slots; }
-int glm_model_pages_total(const glm_model *m) { return m->n_pages; }
-int glm_model_slots_total(const glm_model *m) { return m->n_slots; }
+int glm_model_pages_free(const glm_model *m) { return m->pages.n_free; }
+int glm_model_slots_free(const glm_model *m) { return m->slots.n_free; }
+int glm_model_pages_total(const glm_model *m) { return m->pages.n; }
+int glm_model_slots_total(const glm_model *m) { return m->slots.n; }
 
 static void pools_release(glm_model *m) {
-    mt_backend *be = m->be;
-    for (int i = 0; i < m->cfg.num_hidden_layers; i++) {
-        glm_layer *l = &m->layers[i];
-        float **p[] = { &l->pg_latent, &l->pg_ki, &l->pg_gs, &l->pg_pk, &l->sl_conv, &l->sl_rec };
-        for (size_t k = 0; k < sizeof p / sizeof p[0]; k++) {
-            be->ops->free(be, *p[k]);
-            *p[k] = NULL;
-        }
-    }
-    free(m->page_ref);
-    free(m->free_pages);
-    free(m->free_slots);
-    m->page_ref = m->free_pages = m->free_slots = NULL;
-    m->n_pages = m->n_slots = m->n_free_pages = m->n_free_slots = 0;
+    for (int i = 0; i < m->cfg.num_hidden_layers; i++) glm_layer_pools_free(&m->layers[i]);
+    rt_id_pool_release(&m->pages);
+    rt_id_pool_release(&m->slots);
 }
 
 /* The pad sequence of the bucket graphs (one slot, one page at position 0); made when the pools
@@ -215,15 +202,8 @@ static bool pad_ensure(glm_model *m) {
 
 /* Frees every recorded decode graph but the sequences' own (bucket graphs and the shared one). */
 static void graphs_release(glm_model *m) {
-    mt_backend *be = m->be;
-    if (!be->ops->graph_free) return;
-    be->ops->graph_free(be, m->shared_graph);
-    m->shared_graph = NULL;
-    for (int b = 0; b < GLM_BUCKETS; b++) {
-        be->ops->graph_free(be, m->bucket_graph[b]);
-        m->bucket_graph[b] = NULL;
-        m->bucket_warm[b] = false;
-    }
+    rt_slot_release(&m->runner, &m->shared);
+    for (int b = 0; b < GLM_BUCKETS; b++) rt_slot_release(&m->runner, &m->bucket[b]);
 }
 
 mt_status glm_model_set_pools(glm_model *m, int n_pages, int n_slots, mt_error *err) {
@@ -238,34 +218,13 @@ mt_status glm_model_set_pools(glm_model *m, int n_pages, int n_slots, mt_error *
     pools_release(m);
     mt_backend *be = m->be;
     const glm_config *c = &m->cfg;
-    bool ok = (m->page_ref = calloc((size_t)n_pages, sizeof(int32_t))) &&
-              (m->free_pages = malloc(sizeof(int32_t) * (size_t)n_pages)) &&
-              (m->free_slots = malloc(sizeof(int32_t) * (size_t)n_slots));
-    for (int i = 0; ok && i < c->num_hidden_layers; i++) {
-        glm_layer *l = &m->layers[i];
-        if (c->layer_types[i] == GLM_MIXER_KDA) {
-            const size_t rec = (size_t)c->linear_num_heads * c->linear_head_dim * c->linear_head_dim;
-            ok = (l->sl_conv = be->ops->alloc(be, sizeof(float) * (size_t)n_slots * 3 * glm_layer_conv_floats(l))) &&
-                 (l->sl_rec = be->ops->alloc(be, sizeof(float) * (size_t)n_slots * rec));
-        } else {
-            const size_t rows = (size_t)n_pages * l->page, id = (size_t)c->index_head_dim;
-            ok = (l->pg_latent = be->ops->alloc(be, sizeof(float) * rows * c->kv_lora_rank)) != NULL;
-            if (ok && l->dsa.has_indexer)
-                ok = (l->pg_ki = be->ops->alloc(be, sizeof(float) * rows * id)) &&
-                     (l->pg_gs = be->ops->alloc(be, sizeof(float) * rows * id)) &&
-                     (l->pg_pk = be->ops->alloc(be, sizeof(float) * (rows / (size_t)c->index_kpool) * id));
-        }
-    }
+    bool ok = rt_id_pool_init(&m->pages, n_pages) == MT_OK && rt_id_pool_init(&m->slots, n_slots) == MT_OK;
+    for (int i = 0; ok && i < c->num_hidden_layers; i++) ok = glm_layer_pools_alloc(&m->layers[i], n_pages, n_slots);
     if (!ok) {
         pools_release(m);
         return mt_errorf(err, MT_ERR_NOMEM, "out of memory for %d pages and %d slots (%zu + %zu bytes)", n_pages,
                          n_slots, (size_t)n_pages * glm_model_page_bytes(m), (size_t)n_slots * glm_model_slot_bytes(m));
     }
-    /* stacks popped from the end: pages and slots are handed out in ascending order */
-    for (int i = 0; i < n_pages; i++) m->free_pages[i] = n_pages - 1 - i;
-    for (int i = 0; i < n_slots; i++) m->free_slots[i] = n_slots - 1 - i;
-    m->n_pages = m->n_free_pages = n_pages;
-    m->n_slots = m->n_free_slots = n_slots;
     if (be->ops->graph_begin) pad_ensure(m); /* the graph pad's slot and page, before any request's */
     return MT_OK;
 }
@@ -278,7 +237,7 @@ static mt_status pools_default(glm_model *m, mt_error *err) {
 }
 
 mt_status glm_model_ensure_pools(glm_model *m, mt_error *err) {
-    return m->n_slots > 0 ? MT_OK : pools_default(m, err);
+    return m->slots.n > 0 ? MT_OK : pools_default(m, err);
 }
 
 /* An upload in the backend's order of work, without a round trip where the backend offers one
@@ -294,15 +253,6 @@ static void ahead_forget(glm_model *m, const glm_seq *s) {
         if (m->ahead.seqs[i] == s) m->ahead.valid = false;
 }
 
-static void unmap_blocks(glm_seq *s, int from) {
-    glm_model *m = s->m;
-    for (int b = from; b < s->n_blocks; b++) {
-        const int32_t p = s->h_bt[b];
-        if (--m->page_ref[p] == 0) m->free_pages[m->n_free_pages++] = p;
-    }
-    if (from < s->n_blocks) s->n_blocks = from;
-}
-
 mt_status glm_seq_reserve(glm_seq *s, int n, mt_error *err) {
     glm_model *m = s->m;
     const int page = glm_model_page_tokens(m);
@@ -311,79 +261,43 @@ mt_status glm_seq_reserve(glm_seq *s, int n, mt_error *err) {
                          s->cap - s->len, n);
     if (!first_dsa(m)) return MT_OK; /* no paged layer */
     const int need = (s->len + n + page - 1) / page;
-    if (need <= s->n_blocks) return MT_OK;
-    if (need - s->n_blocks > m->n_free_pages)
+    if (rt_bt_map(&s->bt, m->be, &m->pages, need) != MT_OK)
         return mt_errorf(err, MT_ERR_FULL, "out of cache pages: %d more needed for %d tokens, %d free of %d",
-                         need - s->n_blocks, n, m->n_free_pages, m->n_pages);
-    const int first = s->n_blocks;
-    for (int b = first; b < need; b++) {
-        const int32_t p = m->free_pages[--m->n_free_pages];
-        m->page_ref[p] = 1;
-        s->h_bt[b] = p;
-    }
-    s->n_blocks = need;
-    /* in the backend's order of work: a step in flight reads only the blocks before `first` */
-    upload_ordered(m->be, s->d_bt + first, s->h_bt + first, sizeof(int32_t) * (size_t)(need - first));
+                         need - s->bt.n_blocks, n, m->pages.n_free, m->pages.n);
     return MT_OK;
 }
 
-int glm_seq_pages(const glm_seq *s) { return s ? s->n_blocks : 0; }
+int glm_seq_pages(const glm_seq *s) { return s ? s->bt.n_blocks : 0; }
 
-/* Points every layer state of s at its slot and block table. */
+/* Points every layer state of s at its slot and block table; a fresh slot's state is zero, as a
+ * sequence's first step expects. */
 static void bind_states(glm_seq *s) {
     glm_model *m = s->m;
-    for (int i = 0; i < m->cfg.num_hidden_layers; i++) {
-        const glm_layer *l = &m->layers[i];
-        glm_layer_state *st = (glm_layer_state *)s->states[i];
-        if (m->cfg.layer_types[i] == GLM_MIXER_KDA) {
-            const size_t cf = glm_layer_conv_floats(l);
-            const size_t rec = (size_t)m->cfg.linear_num_heads * m->cfg.linear_head_dim * m->cfg.linear_head_dim;
-            for (int j = 0; j < 3; j++) st->conv[j] = l->sl_conv + ((size_t)s->slot * 3 + j) * cf;
-            st->rec = l->sl_rec + (size_t)s->slot * rec;
-        } else {
-            st->bt = s->d_bt;
-        }
-    }
-}
-
-/* A fresh slot's state is zero, as a sequence's first step expects. */
-static void zero_slot(glm_seq *s) {
-    glm_model *m = s->m;
-    for (int i = 0; i < m->cfg.num_hidden_layers; i++) {
-        const glm_layer *l = &m->layers[i];
-        if (m->cfg.layer_types[i] != GLM_MIXER_KDA) continue;
-        const glm_layer_state *st = (const glm_layer_state *)s->states[i];
-        m->be->ops->zero(m->be, st->conv[0], sizeof(float) * 3 * glm_layer_conv_floats(l));
-        m->be->ops->zero(m->be, st->rec, glm_layer_slot_bytes(l) - sizeof(float) * 3 * glm_layer_conv_floats(l));
-    }
+    for (int i = 0; i < m->cfg.num_hidden_layers; i++)
+        glm_layer_bind_state(&m->layers[i], (glm_layer_state *)s->states[i], s->slot, s->bt.dev);
+    glm_layers_zero_slot(m->layers, m->cfg.num_hidden_layers, s->slot);
 }
 
 mt_status glm_seq_new(glm_model *m, int max_tokens, glm_seq **out, mt_error *err) {
     *out = NULL;
     if (max_tokens < 1) return mt_errorf(err, MT_ERR_INVALID, "max_tokens must be >= 1, got %d", max_tokens);
-    if (m->n_slots == 0) {
+    if (m->slots.n == 0) {
         mt_status st = pools_default(m, err);
         if (st != MT_OK) return st;
     }
-    if (m->n_free_slots == 0)
-        return mt_errorf(err, MT_ERR_FULL, "no free sequence slot (all %d in use)", m->n_slots);
+    if (m->slots.n_free == 0) return mt_errorf(err, MT_ERR_FULL, "no free sequence slot (all %d in use)", m->slots.n);
     glm_seq *s = calloc(1, sizeof *s);
     const int L = m->cfg.num_hidden_layers;
     const int max_blocks = max_tokens / glm_model_page_tokens(m) + 1;
-    if (!s || !(s->states = calloc((size_t)L, sizeof *s->states)) ||
-        !(s->h_bt = calloc((size_t)max_blocks, sizeof(int32_t))) ||
-        !(s->d_bt = m->be->ops->alloc(m->be, sizeof(int32_t) * (size_t)max_blocks))) {
-        if (s) {
-            free(s->states);
-            free(s->h_bt);
-        }
+    if (!s || !(s->states = calloc((size_t)L, sizeof *s->states)) || rt_bt_init(&s->bt, m->be, max_blocks) != MT_OK) {
+        if (s) free(s->states);
         free(s);
         return mt_errorf(err, MT_ERR_NOMEM, "out of memory for a sequence");
     }
+    s->base.model = &m->base;
     s->m = m;
     s->cap = max_tokens;
-    s->max_blocks = max_blocks;
-    s->slot = m->free_slots[--m->n_free_slots];
+    s->slot = rt_id_take(&m->slots);
     m->n_seqs++;
     for (int i = 0; i < L; i++) {
         mt_status st = mt_layer_alloc_state(&m->layers[i].base, max_tokens, &s->states[i], err);
@@ -393,7 +307,6 @@ mt_status glm_seq_new(glm_model *m, int max_tokens, glm_seq **out, mt_error *err
         }
     }
     bind_states(s);
-    zero_slot(s);
     if (max_tokens > m->rt_cap) m->rt_cap = max_tokens; /* batched-decode graphs are sized by it */
     *out = s;
     return MT_OK;
@@ -402,23 +315,21 @@ mt_status glm_seq_new(glm_model *m, int max_tokens, glm_seq **out, mt_error *err
 void glm_seq_free(glm_seq *s) {
     if (!s) return;
     glm_model *m = s->m;
-    mt_backend *be = m->be;
     ahead_forget(m, s); /* its address may come back for another sequence */
-    if (be->ops->graph_free) be->ops->graph_free(be, s->graph);
+    rt_slot_release(&m->runner, &s->graph);
+    for (int k = 0; k <= GLM_VERIFY_MAX; k++) rt_slot_release(&m->runner, &s->verify[k]);
     for (int i = 0; i < m->cfg.num_hidden_layers; i++)
         if (s->states[i]) mt_layer_release_state(&m->layers[i].base, s->states[i]);
-    unmap_blocks(s, 0);
-    m->free_slots[m->n_free_slots++] = s->slot;
+    rt_bt_release(&s->bt, m->be, &m->pages);
+    rt_id_drop(&m->slots, s->slot);
     m->n_seqs--;
-    be->ops->free(be, s->d_bt);
-    free(s->h_bt);
     free(s->states);
     free(s);
 }
 
 int glm_seq_len(const glm_seq *s) { return s->len; }
 size_t glm_seq_bytes(const glm_seq *s) {
-    return s ? glm_model_slot_bytes(s->m) + (size_t)s->n_blocks * glm_model_page_bytes(s->m) : 0;
+    return s ? glm_model_slot_bytes(s->m) + (size_t)s->bt.n_blocks * glm_model_page_bytes(s->m) : 0;
 }
 
 size_t glm_model_seq_bytes(const glm_model *m, int max_tokens) {
@@ -427,49 +338,34 @@ size_t glm_model_seq_bytes(const glm_model *m, int max_tokens) {
     return b;
 }
 
+/* Three kinds of per-sequence state move to dst: paged (src's full pages are mapped into dst too,
+ * shared and counted; a partly filled last page is copied into a page of dst's own, since dst will
+ * write the rest of it), slots (recurrent state copied slot to slot), and aux state (each layer
+ * that has it: snapshot of src, restored into dst). */
 mt_status glm_seq_copy_prefix(glm_model *m, const glm_seq *src, glm_seq *dst, mt_error *err) {
     if (src->m != m || dst->m != m) return mt_errorf(err, MT_ERR_INVALID, "sequences of another model");
     if (dst->len != 0) return mt_errorf(err, MT_ERR_STATE, "destination sequence is not fresh (%d tokens)", dst->len);
     ahead_forget(m, dst);
     if (src->len > dst->cap)
         return mt_errorf(err, MT_ERR_FULL, "%d positions do not fit a sequence of %d", src->len, dst->cap);
-    /* DSA caches: src's full pages are mapped into dst too (shared, counted); a partly filled last
-     * page is copied into a page of dst's own, since dst will write the rest of it. */
     const int page = glm_model_page_tokens(m), full = src->len / page, part = src->len % page != 0;
-    if (first_dsa(m) && part && m->n_free_pages < 1)
-        return mt_errorf(err, MT_ERR_FULL, "out of cache pages for a copied prefix");
-    unmap_blocks(dst, 0);
-    for (int b = 0; b < full && first_dsa(m); b++) {
-        dst->h_bt[b] = src->h_bt[b];
-        m->page_ref[src->h_bt[b]]++;
+    if (first_dsa(m)) {
+        if (rt_bt_share(&dst->bt, m->be, &m->pages, &src->bt, full, part) != MT_OK)
+            return mt_errorf(err, MT_ERR_FULL, "out of cache pages for a copied prefix");
+        if (part) glm_layers_copy_page(m->layers, m->cfg.num_hidden_layers, src->bt.host[full], dst->bt.host[full]);
     }
-    dst->n_blocks = first_dsa(m) ? full : 0;
-    if (first_dsa(m) && part) {
-        const int32_t p = m->free_pages[--m->n_free_pages], q = src->h_bt[full];
-        m->page_ref[p] = 1;
-        dst->h_bt[full] = p;
-        dst->n_blocks = full + 1;
-        for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
-            const glm_layer *ly = &m->layers[l];
-            if (m->cfg.layer_types[l] == GLM_MIXER_KDA) continue;
-            const size_t lat = (size_t)page * m->cfg.kv_lora_rank, idr = (size_t)page * m->cfg.index_head_dim;
-            const size_t pk = (size_t)(page / m->cfg.index_kpool) * m->cfg.index_head_dim;
-            m->be->ops->copy(m->be, ly->pg_latent + p * lat, ly->pg_latent + q * lat, sizeof(float) * lat);
-            if (!ly->dsa.has_indexer) continue;
-            m->be->ops->copy(m->be, ly->pg_ki + p * idr, ly->pg_ki + q * idr, sizeof(float) * idr);
-            m->be->ops->copy(m->be, ly->pg_gs + p * idr, ly->pg_gs + q * idr, sizeof(float) * idr);
-            m->be->ops->copy(m->be, ly->pg_pk + p * pk, ly->pg_pk + q * pk, sizeof(float) * pk);
-        }
-    }
-    if (dst->n_blocks) m->be->ops->upload(m->be, dst->d_bt, dst->h_bt, sizeof(int32_t) * (size_t)dst->n_blocks);
+    glm_layers_copy_slot(m->layers, m->cfg.num_hidden_layers, src->slot, dst->slot);
     for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
+        const mt_layer *ml = &m->layers[l].base;
         glm_layer_state *d = (glm_layer_state *)dst->states[l];
-        if (m->cfg.layer_types[l] == GLM_MIXER_KDA) {
-            mt_status st = glm_layer_copy_state(&m->layers[l], (const glm_layer_state *)src->states[l], d, src->len, err);
-            if (st != MT_OK) return st;
-        } else {
-            d->len = src->len;
-        }
+        d->len = src->len;
+        if (!mt_layer_has_aux_state(ml)) continue;
+        void *snap = NULL;
+        size_t n = 0;
+        mt_status st = mt_layer_snapshot_aux(ml, src->states[l], &snap, &n, err);
+        if (st == MT_OK) st = mt_layer_restore_aux(ml, dst->states[l], snap, n, err);
+        free(snap);
+        if (st != MT_OK) return st;
     }
     dst->len = src->len;
     return MT_OK;
@@ -507,7 +403,8 @@ static void head_logits(glm_model *m, const float *X, int rows, float *logits_ho
 }
 
 /* Rows [0, n) of the highway through every layer, then the head for the rows whose logits are
- * wanted ([first, n)), downloaded into logits_host. decode selects the layers' decode path. */
+ * wanted ([first, n)), downloaded into logits_host. decode selects the layers' decode path (one
+ * row) or decode_batched (n rows: a verify). */
 static mt_status forward(glm_model *m, glm_seq *s, const int32_t *tokens, int n, bool decode,
                          int first, float *logits_host) {
     const glm_config *c = &m->cfg;
@@ -528,8 +425,9 @@ static mt_status forward(glm_model *m, glm_seq *s, const int32_t *tokens, int n,
     }
     for (int l = 0; l < c->num_hidden_layers; l++) {
         const mt_layer *ml = &m->layers[l].base;
-        mt_status st = decode ? mt_layer_decode(ml, s->states[l], &step, m->X)
-                              : mt_layer_prefill(ml, s->states[l], &step, m->X, n);
+        mt_status st = !decode ? mt_layer_prefill(ml, s->states[l], &step, m->X, n)
+                       : n == 1 ? mt_layer_decode(ml, s->states[l], &step, m->X)
+                                : mt_layer_decode_batched(ml, s->states[l], &step, m->X, n);
         if (st != MT_OK) return st;
     }
     s->len += n;
@@ -572,121 +470,103 @@ mt_status glm_prefill(glm_model *m, glm_seq *s, const int32_t *tokens, int n, fl
     return MT_OK;
 }
 
-/* The graph form of one decode step: the token and position come from m->d_step (backend
- * memory), so the same recorded ops serve every step. Leaves the logits in m->logits. */
-static mt_status decode_body_dev(glm_model *m, glm_seq *s) {
-    const glm_config *c = &m->cfg;
+/* ---- one sequence in the graph form: a decode row, or k rows of a verify ---- */
+
+/* Where the positions start in m->d_step (after the highway rows' tokens). */
+static int32_t *step_positions(const glm_model *m) { return m->d_step + (size_t)GLM_VERIFY_MAX * m->cfg.hc_mult; }
+
+typedef struct seq_step_ctx {
+    glm_model *m;
+    glm_seq *s;
+    int k;
+} seq_step_ctx;
+
+/* The graph form of one step of k rows of s: the tokens and positions come from m->d_step (backend
+ * memory), so the same recorded ops serve every step. Leaves the logits in m->logits. One row is
+ * each layer's decode, k rows its decode_batched. */
+static mt_status seq_step_body(void *ctx) {
+    const seq_step_ctx *c = ctx;
+    glm_model *m = c->m;
+    glm_seq *s = c->s;
     mt_backend *be = m->be;
-    const int S = c->hc_mult, H = c->hidden_size;
-    mt_step step = { .be = be, .t0 = s->len, .scr = &m->scr, .d_pos = m->d_step + 1 };
+    const int S = m->cfg.hc_mult, H = m->cfg.hidden_size, L = m->cfg.num_hidden_layers;
+    mt_step step = { .be = be, .t0 = s->len, .scr = &m->scr, .d_pos = step_positions(m) };
     m->scr.sel_n = 0;
-    be->ops->embed_dev(be, m->z, &m->embed, m->d_step, 1);
-    for (int j = 0; j < S; j++) be->ops->copy(be, m->X + (size_t)j * H, m->z, sizeof(float) * H);
-    for (int l = 0; l < c->num_hidden_layers; l++) {
-        mt_status st = mt_layer_decode(&m->layers[l].base, s->states[l], &step, m->X);
+    if (c->k == 1) {
+        be->ops->embed_dev(be, m->z, &m->embed, m->d_step, 1);
+        for (int j = 0; j < S; j++) be->ops->copy(be, m->X + (size_t)j * H, m->z, sizeof(float) * H);
+    } else {
+        be->ops->embed_dev(be, m->X, &m->embed, m->d_step, c->k * S);
+    }
+    for (int l = 0; l < L; l++) {
+        const mt_layer *ml = &m->layers[l].base;
+        mt_status st = c->k == 1 ? mt_layer_decode(ml, s->states[l], &step, m->X)
+                                 : mt_layer_decode_batched(ml, s->states[l], &step, m->X, c->k);
         if (st != MT_OK) return st;
     }
-    head_logits(m, m->X, 1, NULL);
+    head_logits(m, m->X, c->k, NULL);
     return MT_OK;
 }
 
-/* Records the step into a graph; NULL (and the layers rearmed) when the capture fails. */
-/* Records body(m, ctx) into a graph: NULL when the body or the capture fails (the backend is
- * usable again; the caller rearms the layers). Shared by the per-sequence and the bucket graphs. */
-static mt_graph *record(glm_model *m, mt_status (*body)(glm_model *m, void *ctx), void *ctx) {
+/* k rows of s through the graph runner: the hooks around the step, and the sequence's (or, when
+ * no layer ties graphs to a sequence, the model's) graph of k rows. */
+static mt_status seq_step(glm_model *m, glm_seq *s, const int32_t *tokens, int k, float *logits, mt_error *err) {
     mt_backend *be = m->be;
-    if (be->ops->graph_begin(be) != MT_OK) return NULL;
-    mt_status st = body(m, ctx);
-    if (m->fail_next_capture) { /* test hook: a host sync is not capturable */
-        m->fail_next_capture = false;
-        be->ops->sync(be);
+    const int S = m->cfg.hc_mult, pos = s->len;
+    int32_t host[GLM_VERIFY_MAX * (8 + 1)];
+    const size_t n_host = (size_t)GLM_VERIFY_MAX * (S + 1);
+    MT_ASSERT(S <= 8 && k >= 1 && k <= GLM_VERIFY_MAX);
+    memset(host, 0, sizeof(int32_t) * n_host);
+    for (int i = 0; i < k; i++) {
+        if (k == 1) host[0] = tokens[0];
+        else
+            for (int j = 0; j < S; j++) host[(size_t)i * S + j] = tokens[i];
+        host[(size_t)GLM_VERIFY_MAX * S + i] = pos + i;
     }
-    mt_graph *g = NULL;
-    mt_status end = be->ops->graph_end(be, &g);
-    if (st == MT_OK && end == MT_OK && g) return g;
-    if (g) be->ops->graph_free(be, g);
-    return NULL;
+    be->ops->upload(be, m->d_step, host, sizeof(int32_t) * n_host);
+    mt_layer_state *const *states = s->states;
+    const rt_rows rows = { .states = &states, .seq_len = &pos, .tokens = tokens, .n = 1, .k = k };
+    mt_status st = rt_hooks_before(&m->runner, &rows, err);
+    if (st != MT_OK) return st;
+    rt_slot *slot = k > 1 ? &s->verify[k] : m->runner.plan.per_sequence ? &s->graph : &m->shared;
+    seq_step_ctx ctx = { m, s, k };
+    st = rt_run_step(&m->runner, slot, m->params.decode_graphs, 0, &rows, seq_step_body, &ctx,
+                     k > 1 ? "verify" : "decode");
+    if (st != MT_OK) return mt_errorf(err, st, "decode of %d rows at position %d failed: %s", k, pos, mt_status_str(st));
+    if ((st = rt_hooks_after(&m->runner, &rows, err)) != MT_OK) return st;
+    s->len += k;
+    if (logits) be->ops->download(be, logits, m->logits, sizeof(float) * (size_t)k * m->cfg.vocab_size);
+    return MT_OK;
 }
 
-static mt_status decode_body_cb(glm_model *m, void *s) { return decode_body_dev(m, s); }
-
-static mt_graph *capture(glm_model *m, glm_seq *s) {
-    mt_graph *g = record(m, decode_body_cb, s);
-    if (!g)
-        for (int l = 0; l < m->cfg.num_hidden_layers; l++)
-            mt_layer_decode_prestage_rearm(&m->layers[l].base, s->states[l]);
-    return g;
-}
-
-/* The backend's graph epoch: a graph recorded under another value points at replaced scratch. */
-static uint64_t graph_epoch(const glm_model *m) {
-    return m->be->ops->graph_epoch ? m->be->ops->graph_epoch(m->be) : 0;
-}
-
-static mt_status decode_graph(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_error *err) {
-    mt_backend *be = m->be;
-    const int L = m->cfg.num_hidden_layers, pos = s->len;
-    /* prestage: host work while the token is on the host */
-    const int32_t host_step[2] = { token, pos };
-    be->ops->upload(be, m->d_step, host_step, sizeof host_step);
-    for (int l = 0; l < L; l++) {
-        mt_status st = mt_layer_decode_prestage(&m->layers[l].base, s->states[l], token);
-        if (st != MT_OK) return mt_errorf(err, st, "decode at position %d: layer %d prestage failed", pos, l);
-    }
-    for (int l = 0; l < L; l++)
-        if (mt_layer_check_replay_room(&m->layers[l].base, s->states[l], pos, 1) != MT_OK)
-            return mt_errorf(err, MT_ERR_FULL, "decode at position %d: layer %d (%s) has no room to replay the step",
-                             pos, l, m->layers[l].base.kind);
-    const bool use_graph = m->params.decode_graphs && be->ops->graph_begin &&
-                           s->capture_failures < GLM_MAX_CAPTURE_FAILURES;
-    mt_graph **slot = m->graph_stale_on_new_sequence ? &s->graph : &m->shared_graph;
-    uint64_t *slot_epoch = m->graph_stale_on_new_sequence ? &s->graph_epoch : &m->shared_epoch;
-    if (use_graph && *slot && *slot_epoch != graph_epoch(m)) { /* a prefill grew the scratch since */
-        be->ops->graph_free(be, *slot);
-        *slot = NULL;
-    }
-    if (use_graph && !*slot && s->graph_warm) {
-        *slot_epoch = graph_epoch(m);
-        if (!(*slot = capture(m, s))) {
-            s->capture_failures++;
-            mt_log(MT_LOG_WARN, "decode graph capture failed at position %d (%d of %d); this step runs eagerly",
-                   pos, s->capture_failures, GLM_MAX_CAPTURE_FAILURES);
-        }
-    }
-    if (use_graph && *slot) {
-        mt_status st = be->ops->graph_launch(be, *slot);
-        if (st != MT_OK) return mt_errorf(err, st, "decode at position %d: graph launch failed", pos);
-        for (int l = 0; l < L; l++)
-            if ((st = mt_layer_sync_replayed_step(&m->layers[l].base, s->states[l], pos, 1)) != MT_OK)
-                return mt_errorf(err, st, "decode at position %d: layer %d lost track of its cache", pos, l);
-    } else {
-        mt_status st = decode_body_dev(m, s);
-        if (st != MT_OK) return mt_errorf(err, st, "decode failed at position %d: %s", pos, mt_status_str(st));
-        s->graph_warm = true;
-    }
-    s->len++;
-    if (logits) be->ops->download(be, logits, m->logits, sizeof(float) * (size_t)m->cfg.vocab_size);
+/* k rows of s: the graph form when the backend captures (or device_positions asks for it), else
+ * the eager layers' decode (k = 1) or decode_batched. */
+static mt_status decode_seq(glm_model *m, glm_seq *s, const int32_t *tokens, int k, float *logits, mt_error *err) {
+    ahead_forget(m, s);
+    if (k < 1 || k > GLM_VERIFY_MAX)
+        return mt_errorf(err, MT_ERR_INVALID, "a decode step of one sequence takes 1 to %d rows, got %d", GLM_VERIFY_MAX, k);
+    for (int i = 0; i < k; i++)
+        if (tokens[i] < 0 || tokens[i] >= m->cfg.vocab_size)
+            return mt_errorf(err, MT_ERR_INVALID, "token %d at index %d is outside the vocabulary [0, %d)", tokens[i], i,
+                             m->cfg.vocab_size);
+    if (s->len + k > s->cap)
+        return mt_errorf(err, MT_ERR_FULL, "sequence of %d tokens has room for %d more, asked for %d", s->len,
+                         s->cap - s->len, k);
+    mt_status st = glm_seq_reserve(s, k, err);
+    if (st != MT_OK) return st;
+    const bool graph_form = m->params.device_positions || (m->params.decode_graphs && m->runner.plan.graphs);
+    if (graph_form) return seq_step(m, s, tokens, k, logits, err);
+    if ((st = forward(m, s, tokens, k, true, 0, logits)) != MT_OK)
+        return mt_errorf(err, st, "decode failed at position %d: %s", s->len, mt_status_str(st));
     return MT_OK;
 }
 
 mt_status glm_decode(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_error *err) {
-    ahead_forget(m, s);
-    if (s->len < s->cap) { /* a full sequence is refused below, by check_tokens or check_replay_room */
-        mt_status st = glm_seq_reserve(s, 1, err);
-        if (st != MT_OK) return st;
-    }
-    const bool graph_form = m->params.device_positions || (m->params.decode_graphs && m->be->ops->graph_begin);
-    if (graph_form) {
-        if (token < 0 || token >= m->cfg.vocab_size)
-            return mt_errorf(err, MT_ERR_INVALID, "token %d at index 0 is outside the vocabulary [0, %d)", token,
-                             m->cfg.vocab_size);
-        return decode_graph(m, s, token, logits, err); /* room: check_replay_room */
-    }
-    mt_status st = check_tokens(m, s, &token, 1, err);
-    if (st != MT_OK) return st;
-    if ((st = forward(m, s, &token, 1, true, 0, logits)) != MT_OK)
-        return mt_errorf(err, st, "decode failed at position %d: %s", s->len, mt_status_str(st));
-    return MT_OK;
+    return decode_seq(m, s, &token, 1, logits, err);
+}
+
+mt_status glm_decode_verify(glm_model *m, glm_seq *s, const int32_t *tokens, int k, float *logits, mt_error *err) {
+    return decode_seq(m, s, tokens, k, logits, err);
 }
 
 /* ---- batched decode: the rows form, with graphs per bucket of rows ---- */
@@ -709,7 +589,7 @@ static void rows_upload(glm_model *m, glm_seq **seqs, const int32_t *tokens, int
             for (int j = 0; j < S; j++) m->h_rrow[B + (size_t)i * S + j] = i < n ? tokens[i] : 0;
         for (int l = 0; l < L; l++) {
             const glm_layer_state *st = (const glm_layer_state *)s->states[l];
-            void *const ptrs[GLM_R_KINDS] = { st->conv[0], st->conv[1], st->conv[2], st->rec, (void *)s->d_bt };
+            void *const ptrs[GLM_R_KINDS] = { st->conv[0], st->conv[1], st->conv[2], st->rec, (void *)s->bt.dev };
             for (int k = 0; k < GLM_R_KINDS; k++) {
                 const size_t e = ((size_t)l * GLM_R_KINDS + k) * cap + i;
                 if (m->h_rtab[e] == ptrs[k]) continue;
@@ -746,14 +626,15 @@ static mt_status rows_body(glm_model *m, glm_seq **seqs, int n, int B, mt_layer_
 }
 
 typedef struct rows_ctx {
+    glm_model *m;
     glm_seq **seqs;
     int n, B;
     mt_layer_state **sts;
 } rows_ctx;
 
-static mt_status rows_body_cb(glm_model *m, void *ctx) {
+static mt_status rows_body_cb(void *ctx) {
     const rows_ctx *r = ctx;
-    return rows_body(m, r->seqs, r->n, r->B, r->sts);
+    return rows_body(r->m, r->seqs, r->n, r->B, r->sts);
 }
 
 static int bucket_of(int n) {
@@ -771,19 +652,19 @@ static mt_status ticket_tokens(glm_model *m, int64_t t, int n) {
     return st;
 }
 
-/* Rows [0, n), n <= m->rcap: the hooks of every sequence around one step, run through the
- * bucket's graph when graphs are on (captured on the bucket's second use, after an eager step
- * has sized the scratch; recaptured when a longer sequence raised rt_cap), else eagerly.
- * tokens NULL: the inputs are the last greedy step's outputs, left in d_rrow (m->ahead). *B_out:
- * the rows the pass ran (n, or the bucket's size). */
+/* Rows [0, n), n <= m->rcap: one step through the graph runner, with the hooks of every
+ * sequence around it, replaying the bucket's graph when graphs are on (captured on the bucket's
+ * second use; recaptured when a longer sequence raised rt_cap), else eagerly. tokens NULL: the
+ * inputs are the last greedy step's outputs, left in d_rrow (m->ahead). *B_out: the rows the pass
+ * ran (n, or the bucket's size). */
 static mt_status decode_rows(glm_model *m, glm_seq **seqs, const int32_t *tokens, int n, float *logits,
                              int *B_out, mt_error *err) {
     const glm_config *c = &m->cfg;
     mt_backend *be = m->be;
-    const int L = c->num_hidden_layers, b = bucket_of(n);
-    bool use_graph = m->params.decode_graphs && be->ops->graph_begin && !m->census && b < GLM_BUCKETS &&
-                     (1 << b) <= m->params.graph_max_rows &&
-                     (1 << b) <= m->rcap && m->bucket_failures[b] < GLM_MAX_CAPTURE_FAILURES;
+    const int b = bucket_of(n);
+    bool use_graph = m->params.decode_graphs && m->runner.plan.graphs && !m->census && b < GLM_BUCKETS &&
+                     (1 << b) <= m->params.graph_max_rows && (1 << b) <= m->rcap &&
+                     m->bucket[b].failures < RT_MAX_CAPTURE_FAILURES;
     if (use_graph && (1 << b) > n && !pad_ensure(m)) use_graph = false; /* no room for the pad: eager */
     const int B = use_graph ? 1 << b : n;
     *B_out = B;
@@ -793,53 +674,38 @@ static mt_status decode_rows(glm_model *m, glm_seq **seqs, const int32_t *tokens
         tokens = m->h_tok;
     }
     m->ahead.valid = false; /* this step's inputs consume (or overwrite) the table */
-    for (int i = 0; i < n; i++)
-        for (int l = 0; l < L; l++) {
-            const mt_layer *ml = &m->layers[l].base;
-            /* a token on the device only: -1 (no layer here reads it; see glm_decode_greedy) */
-            mt_status st = mt_layer_decode_prestage(ml, seqs[i]->states[l], tokens ? tokens[i] : -1);
-            if (st != MT_OK) return mt_errorf(err, st, "batched decode: sequence %d layer %d prestage failed", i, l);
-            if (mt_layer_check_replay_room(ml, seqs[i]->states[l], seqs[i]->len, 1) != MT_OK)
-                return mt_errorf(err, MT_ERR_FULL, "batched decode: sequence %d layer %d (%s) has no room at %d", i,
-                                 l, ml->kind, seqs[i]->len);
-        }
     mt_layer_state **sts = malloc(sizeof *sts * (size_t)B);
-    if (!sts) return mt_errorf(err, MT_ERR_NOMEM, "out of memory");
-    rows_upload(m, seqs, tokens, n, B);
-    mt_status st = MT_OK;
-    if (use_graph && m->bucket_graph[b] &&
-        (m->bucket_tcap[b] != m->rt_cap || m->bucket_epoch[b] != graph_epoch(m))) {
-        /* sized for shorter sequences, or recorded over scratch a prefill has since replaced */
-        be->ops->graph_free(be, m->bucket_graph[b]);
-        m->bucket_graph[b] = NULL;
+    mt_layer_state ***per_seq = malloc(sizeof *per_seq * (size_t)n);
+    int *lens = malloc(sizeof *lens * (size_t)n);
+    if (!sts || !per_seq || !lens) {
+        free(sts);
+        free(per_seq);
+        free(lens);
+        return mt_errorf(err, MT_ERR_NOMEM, "out of memory");
     }
-    if (use_graph && !m->bucket_graph[b] && m->bucket_warm[b]) {
-        rows_ctx rc = { seqs, n, B, sts };
-        if ((m->bucket_graph[b] = record(m, rows_body_cb, &rc))) {
-            m->bucket_tcap[b] = m->rt_cap;
-            m->bucket_epoch[b] = graph_epoch(m);
-        } else {
-            for (int i = 0; i < n; i++)
-                for (int l = 0; l < L; l++) mt_layer_decode_prestage_rearm(&m->layers[l].base, seqs[i]->states[l]);
-            m->bucket_failures[b]++;
-            mt_log(MT_LOG_WARN, "batched decode graph capture for %d rows failed (%d of %d); this step runs eagerly", B,
-                   m->bucket_failures[b], GLM_MAX_CAPTURE_FAILURES);
-        }
+    for (int i = 0; i < n; i++) {
+        per_seq[i] = seqs[i]->states;
+        lens[i] = seqs[i]->len;
     }
-    if (use_graph && m->bucket_graph[b]) {
-        st = be->ops->graph_launch(be, m->bucket_graph[b]);
-    } else {
-        st = rows_body(m, seqs, n, B, sts);
-        if (use_graph && st == MT_OK) m->bucket_warm[b] = true;
+    /* a token on the device only: -1 (no layer reads it then; see glm_decode_greedy) */
+    const rt_rows rows = { .states = (mt_layer_state *const *const *)per_seq, .seq_len = lens, .tokens = tokens,
+                           .n = n, .k = 1 };
+    mt_status st = rt_hooks_before(&m->runner, &rows, err);
+    if (st == MT_OK) {
+        rows_upload(m, seqs, tokens, n, B);
+        rows_ctx rc = { m, seqs, n, B, sts };
+        char what[64];
+        snprintf(what, sizeof what, "batched decode of %d rows", B);
+        st = rt_run_step(&m->runner, &m->bucket[b < GLM_BUCKETS ? b : 0], use_graph, m->rt_cap, &rows, rows_body_cb,
+                         &rc, what);
+        if (st != MT_OK) st = mt_errorf(err, st, "batched decode of %d sequences failed: %s", n, mt_status_str(st));
+        else st = rt_hooks_after(&m->runner, &rows, err);
     }
     free(sts);
-    if (st != MT_OK) return mt_errorf(err, st, "batched decode of %d sequences failed: %s", n, mt_status_str(st));
-    for (int i = 0; i < n; i++) {
-        for (int l = 0; l < L; l++)
-            if ((st = mt_layer_sync_replayed_step(&m->layers[l].base, seqs[i]->states[l], seqs[i]->len, 1)) != MT_OK)
-                return mt_errorf(err, st, "batched decode: sequence %d layer %d lost track of its cache", i, l);
-        seqs[i]->len++;
-    }
+    free(per_seq);
+    free(lens);
+    if (st != MT_OK) return st;
+    for (int i = 0; i < n; i++) seqs[i]->len++;
     if (logits) be->ops->download(be, logits, m->logits, sizeof(float) * (size_t)n * c->vocab_size);
     return MT_OK;
 }
@@ -888,7 +754,7 @@ bool glm_model_backend_queues(const glm_model *m) { return m->be->ops->queued; }
 
 int glm_model_ahead_rows(const glm_model *m) {
     const mt_backend_ops *o = m->be->ops;
-    if (!o->argmax_dev || !o->download_begin || !o->download_end || m->prestage_needs_token) return 0;
+    if (!o->argmax_dev || !o->download_begin || !o->download_end || m->runner.plan.prestage_needs_token) return 0;
     const int by_ticket = MT_TICKET_BYTES / (int)(sizeof(int32_t) * (size_t)m->cfg.hc_mult);
     return m->rcap < by_ticket ? m->rcap : by_ticket;
 }
@@ -949,15 +815,15 @@ int glm_model_expert_census(const glm_model *m) {
 
 bool glm_model_has_bucket_graph(const glm_model *m, int n) {
     const int b = bucket_of(n);
-    return b < GLM_BUCKETS && m->bucket_graph[b] != NULL;
+    return b < GLM_BUCKETS && m->bucket[b].graph != NULL;
 }
 
-void glm_model_fail_next_capture(glm_model *m) { m->fail_next_capture = true; }
+void glm_model_fail_next_capture(glm_model *m) { m->runner.fail_next_capture = true; }
 
 void glm_model_set_decode_graphs(glm_model *m, bool on) { m->params.decode_graphs = on; }
 
 bool glm_seq_has_graph(const glm_seq *s) {
-    return (s->m->graph_stale_on_new_sequence ? s->graph : s->m->shared_graph) != NULL;
+    return (s->m->runner.plan.per_sequence ? s->graph.graph : s->m->shared.graph) != NULL;
 }
 
 int32_t glm_argmax(const float *logits, int vocab) {

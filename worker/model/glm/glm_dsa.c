@@ -1,4 +1,4 @@
-/* worker/model/glm_dsa.c: the DSA mixer (MODEL.md "DSA mixer"): MLA without RoPE whose latent c
+/* worker/model/glm/glm_dsa.c: the DSA mixer (MODEL.md "DSA mixer"): MLA without RoPE whose latent c
  * is the KV cache, attending only over the positions its indexer selects. A "full" layer runs
  * its own indexer (keys, gate scores and pool keys cached per sequence, in the layer's pages that the
  * sequence's block table maps, as the latent is) and leaves its selection
@@ -7,7 +7,7 @@
  * form, when the step carries pointer tables). */
 #include <math.h>
 
-#include "worker/model/glm_impl.h"
+#include "worker/model/glm/glm_impl.h"
 
 /* The layer's paged caches (kernels/backend.h mt_paged), shared by every sequence; a sequence
  * reaches its rows through its block table. */
@@ -146,9 +146,8 @@ mt_status glm_dsa_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
     if (w->has_indexer) {
         op->copy_rows_at(be, pc.ki, bt, t0, dp, x.ki, n);
         op->copy_rows_at(be, pc.gs, bt, t0, dp, x.gs, n);
-        if (dp) {
-            MT_ASSERT(n == 1);
-            op->dsa_pool_keys_at(be, pc.pk, pc.ki, pc.gs, bt, w->ape, dp, kp);
+        if (dp) { /* the graph form: row i at position dp[i] (consecutive positions) */
+            for (int i = 0; i < n; i++) op->dsa_pool_keys_at(be, pc.pk, pc.ki, pc.gs, bt, w->ape, dp + i, kp);
         } else {
             const int p0 = t0 / kp, p1 = (t0 + n) / kp; /* pools completed by these rows */
             if (p1 > p0) op->dsa_pool_keys(be, pc.pk, pc.ki, pc.gs, bt, w->ape, p0, p1, kp);

@@ -1,4 +1,4 @@
-/* worker/model/glm_impl.h: internals of the GLM model runtime, shared by its files:
+/* worker/model/glm/glm_impl.h: internals of the GLM model runtime, shared by its files:
  * glm_weights.c (binding), glm_kda.c / glm_dsa.c (mixers), glm_mlp.c, glm_layer.c (the decoder
  * layer: hyper-connections around mixer and MLP), glm_model.c (embedding, head, sequences).
  * Shapes use the notation of MODEL.md. All float * live in backend memory. */
@@ -8,8 +8,12 @@
 #include "kernels/backend.h"
 #include "worker/loader/glm_config.h"
 #include "worker/loader/safetensors.h"
-#include "worker/model/glm_model.h"
+#include "worker/model/glm/glm_model.h"
 #include "worker/model/layer.h"
+#include "worker/model/model.h"
+#include "worker/runtime/block_table.h"
+#include "worker/runtime/graph_runner.h"
+#include "worker/runtime/id_pool.h"
 
 #define GLM_BUCKETS 10          /* decode graph buckets 1, 2, 4, ..., 512 */
 #define GLM_PAGE 64             /* positions per DSA cache page (before rounding to kpool) */
@@ -125,7 +129,7 @@ struct mt_step {
     glm_scratch *scr;
     /* Graph form (decode): the position as the ops read it at run time, in backend memory; NULL
      * in the eager form, where ops take t0 as an argument. */
-    const int32_t *d_pos;
+    const int32_t *d_pos;      /* [rows]: the step's consecutive positions, d_pos[i] = d_pos[0] + i */
     /* Rows form (batched decode): positions [n] and this layer's pointer tables (kind k at
      * rtab + k * rcap), backend memory; rt_cap bounds every position. NULL otherwise. */
     const int32_t *rpos;
@@ -137,6 +141,7 @@ struct mt_step {
 };
 
 struct glm_model {
+    mt_model base;             /* the model interface (model.h); first member */
     glm_config cfg;
     glm_model_params params;
     mt_backend *be;
@@ -144,16 +149,16 @@ struct glm_model {
     mt_weight embed, lm_head;  /* [V, H] */
     float *norm;               /* [H] */
     glm_layer *layers;         /* [num_hidden_layers] */
+    const mt_layer **layer_list; /* [num_hidden_layers] &layers[i].base, for the graph runner */
+    rt_runner runner;          /* graphs and the layers' graph hooks */
     glm_scratch scr;
     float *X;                  /* highway [rows, S, H] */
     float *z;                  /* [rows, H] */
     float *logits;             /* [rows, V] */
-    int32_t *d_step;           /* [2] backend memory: token id, position (graph-form decode) */
-    bool graph_stale_on_new_sequence; /* some layer's capability: graphs belong to a sequence */
-    bool prestage_needs_token; /* some layer's decode_prestage_needs_token: no run-ahead */
-    mt_graph *shared_graph;    /* the decode graph when no layer ties it to a sequence */
-    uint64_t shared_epoch;     /* backend graph_epoch when shared_graph was recorded */
-    bool fail_next_capture;    /* test hook: invalidate the next capture */
+    /* graph-form decode of one sequence: [GLM_VERIFY_MAX * S] tokens of the highway rows, then
+     * [GLM_VERIFY_MAX] positions, backend memory */
+    int32_t *d_step;
+    rt_slot shared;            /* the decode graph when no layer ties it to a sequence */
     /* Batched decode (glm_decode_multi), rows form: tables in backend memory, host mirrors. */
     int rcap;                  /* rows per pass (= scr.rows) */
     /* [rcap * (1 + S)]: for a pass of B rows, the B positions, then the B * S tokens of the
@@ -173,43 +178,30 @@ struct glm_model {
         glm_seq **seqs;        /* [rcap] its sequences, in order */
     } ahead;
     int32_t *h_tok;            /* [rcap * S] host: a ticket's token table */
-    /* Decode graphs per bucket of rows (1, 2, 4, ... rcap), captured for rt_cap; pad rows of a
-     * bucket run on pad_seq (one slot and one page, made with the pools; pad rows all write its
-     * position 0, and their outputs are dropped). */
-    mt_graph *bucket_graph[GLM_BUCKETS];
-    int bucket_tcap[GLM_BUCKETS];
-    uint64_t bucket_epoch[GLM_BUCKETS];
-    int bucket_failures[GLM_BUCKETS];
-    bool bucket_warm[GLM_BUCKETS];
+    /* Decode graphs per bucket of rows (1, 2, 4, ... rcap), sized by rt_cap; pad rows of a bucket
+     * run on pad_seq (one slot and one page, made with the pools; pad rows all write its position
+     * 0, and their outputs are dropped). */
+    rt_slot bucket[GLM_BUCKETS];
     glm_seq *pad_seq;
-    /* Pools (glm_model_set_pools): pages for the DSA caches and slots for the KDA state, shared by
-     * every sequence; a page may be mapped by several sequences (a shared prompt prefix). */
-    int n_pages, n_slots;      /* 0 until the pools are made */
-    int32_t *page_ref;         /* [n_pages] sequences mapping each page */
-    int32_t *free_pages;       /* [n_pages] stack of unmapped page ids; n_free_pages of them */
-    int n_free_pages;
-    int32_t *free_slots;       /* [n_slots] stack; n_free_slots */
-    int n_free_slots;
+    /* Pools: page ids for the DSA caches and slot ids for the KDA state (the memory behind them is
+     * each layer's pg_* and sl_*), shared by every sequence; a page may be mapped by several
+     * sequences (a shared prompt prefix). Empty (n == 0) until made. */
+    rt_id_pool pages, slots;
     int n_seqs;                /* live sequences (the pools cannot be remade under them) */
     uint8_t *census;           /* [L * E] host, NULL unless glm_model_set_expert_census */
 };
 
 struct glm_seq {
+    mt_seq base;               /* the model interface (model.h); first member */
     glm_model *m;
     int cap, len;
     int slot;                  /* KDA state slot */
-    int n_blocks, max_blocks;  /* blocks mapped to pages, capacity of the table (cap / page + 1) */
-    int32_t *h_bt;             /* [max_blocks] block table, host copy */
-    int32_t *d_bt;             /* [max_blocks] backend copy (what the DSA ops read) */
+    rt_block_table bt;         /* its pages: [cap / page + 1] blocks */
     mt_layer_state **states;   /* [num_hidden_layers] */
-    mt_graph *graph;           /* this sequence's decode graph (graph_stale_on_new_sequence) */
-    uint64_t graph_epoch;      /* backend graph_epoch when graph was recorded */
-    int capture_failures;      /* after GLM_MAX_CAPTURE_FAILURES the sequence stays eager */
-    bool graph_warm;           /* one graph-form step ran eagerly: scratch is sized, so the
-                                * next step can be captured without an allocation inside it */
+    rt_slot graph;             /* this sequence's decode graph (runner.plan.per_sequence) */
+    rt_slot verify[GLM_VERIFY_MAX + 1]; /* its verify graphs, by rows (2 .. GLM_VERIFY_MAX) */
 };
 
-#define GLM_MAX_CAPTURE_FAILURES 3
 #define GLM_SEL_MULTI (-1)
 
 /* Table of kind k (GLM_R_*) of the step's layer, rows form. */
@@ -231,6 +223,9 @@ static inline void glm_matmul_multi(mt_backend *be, float *const *y, const float
     }
 }
 
+/* glm_entry.c: the model interface (worker/model/model.h) over this model. */
+extern const mt_model_ops glm_model_iface;
+
 /* glm_weights.c */
 mt_status glm_weights_bind(glm_model *m, mt_error *err);
 mt_status glm_weights_random(glm_model *m, uint64_t seed, mt_error *err);
@@ -239,12 +234,16 @@ void glm_weights_release(glm_model *m);
 /* glm_layer.c: fills l->base (ops, caps) for layer index i. */
 void glm_layer_init(glm_layer *l, const glm_config *cfg, mt_backend *be, int i);
 int glm_scratch_width(const glm_config *cfg);
-mt_status glm_layer_copy_state(const glm_layer *l, const glm_layer_state *src, glm_layer_state *dst,
-                               int len, mt_error *err);
+/* glm_state.c: the pooled per-sequence state memory of the layers (pages, slots). */
+bool glm_layer_pools_alloc(glm_layer *l, int n_pages, int n_slots); /* false: out of memory */
+void glm_layer_pools_free(glm_layer *l);
+void glm_layer_bind_state(const glm_layer *l, glm_layer_state *st, int slot, const int32_t *bt);
+void glm_layers_copy_page(const glm_layer *ls, int n, int32_t from, int32_t to);
+void glm_layers_copy_slot(const glm_layer *ls, int n, int from, int to);
+void glm_layers_zero_slot(const glm_layer *ls, int n, int slot);
 size_t glm_layer_state_bytes(const glm_layer *l, int max_tokens);
 size_t glm_layer_slot_bytes(const glm_layer *l);  /* KDA layers; 0 for DSA */
 size_t glm_layer_page_bytes(const glm_layer *l);  /* DSA layers; 0 for KDA */
-size_t glm_layer_conv_floats(const glm_layer *l);
 int glm_max_sel(const glm_config *cfg);
 
 /* Mixers and MLP: h[n, H] -> out[n, H]. The mixers take nst == 1 state for n consecutive

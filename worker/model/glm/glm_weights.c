@@ -1,4 +1,4 @@
-/* worker/model/glm_weights.c: binds checkpoint tensors to the layers' weight structs. The whole
+/* worker/model/glm/glm_weights.c: binds checkpoint tensors to the layers' weight structs. The whole
  * manifest (glm_manifest.h) is checked first, so a missing tensor or a wrong shape is reported by
  * name before anything is uploaded; matrices become backend weights (views on the CPU), vectors
  * are converted to fp32 backend buffers. */
@@ -9,7 +9,7 @@
 
 #include "common/mt_rand.h"
 #include "worker/loader/glm_manifest.h"
-#include "worker/model/glm_impl.h"
+#include "worker/model/glm/glm_impl.h"
 
 typedef struct check_ctx {
     const st_archive *ar;

@@ -1,11 +1,11 @@
-/* worker/model/glm_layer.c: the GLM decoder layer behind the layer contract (layer.h): the
+/* worker/model/glm/glm_layer.c: the GLM decoder layer behind the layer contract (layer.h): the
  * attention site (hyper-connection, input_layernorm, KDA or DSA mixer) then the MLP site
  * (hyper-connection, post_attention_layernorm, dense MLP or MoE). Also the per-sequence state,
  * the DSA graph hooks and the DSA indexer-cache aux state. */
 #include <stdlib.h>
 #include <string.h>
 
-#include "worker/model/glm_impl.h"
+#include "worker/model/glm/glm_impl.h"
 
 static const glm_layer *as_glm(const mt_layer *l) { return (const glm_layer *)l; }
 
@@ -39,41 +39,6 @@ int glm_scratch_width(const glm_config *c) {
 static void release_state(const mt_layer *ml, mt_layer_state *base) {
     (void)ml;
     free(base);
-}
-
-/* Backend bytes of one KDA slot of layer l (conv state of q, k, v and the recurrent state); 0 for a
- * DSA layer. */
-size_t glm_layer_slot_bytes(const glm_layer *l) {
-    const glm_config *c = l->cfg;
-    if (c->layer_types[l->base.index] != GLM_MIXER_KDA) return 0;
-    return sizeof(float) * (3 * glm_layer_conv_floats(l) + (size_t)c->linear_num_heads * c->linear_head_dim * c->linear_head_dim);
-}
-
-/* Floats of one conv state (q, k or v) of a KDA layer: [D, K-1], at least 1 (K = 1 keeps no history). */
-size_t glm_layer_conv_floats(const glm_layer *l) {
-    const glm_config *c = l->cfg;
-    const size_t D = (size_t)c->linear_num_heads * c->linear_head_dim;
-    const size_t P = (size_t)(c->linear_conv_kernel_dim - 1);
-    return D * P > 0 ? D * P : 1;
-}
-
-/* Backend bytes of one page of layer l (page positions of the latent cache, and for a layer with
- * its own indexer the keys, gate scores and pool keys); 0 for a KDA layer. */
-size_t glm_layer_page_bytes(const glm_layer *l) {
-    const glm_config *c = l->cfg;
-    if (c->layer_types[l->base.index] == GLM_MIXER_KDA) return 0;
-    const size_t pg = (size_t)l->page, id = (size_t)c->index_head_dim;
-    size_t n = pg * (size_t)c->kv_lora_rank;
-    if (l->dsa.has_indexer) n += 2 * pg * id + pg / (size_t)c->index_kpool * id;
-    return sizeof(float) * n;
-}
-
-/* Backend bytes a max_tokens sequence takes in layer l at most: its slot, or the pages of its
- * positions. */
-size_t glm_layer_state_bytes(const glm_layer *l, int max_tokens) {
-    if (l->cfg->layer_types[l->base.index] == GLM_MIXER_KDA) return glm_layer_slot_bytes(l);
-    const size_t blocks = ((size_t)max_tokens + (size_t)l->page - 1) / (size_t)l->page;
-    return blocks * glm_layer_page_bytes(l);
 }
 
 static mt_status alloc_state(const mt_layer *ml, int max_tokens, mt_layer_state **out, mt_error *err) {
@@ -185,12 +150,11 @@ static mt_status dsa_bt_download(const glm_layer *l, const glm_layer_state *st, 
     return MT_OK;
 }
 
-/* Blocks b, b+1, ... that sit on consecutive pages (bt[b+k] == bt[b] + k) and, with other = a second
- * table, on consecutive pages there too: the rows of such a run are one stretch of memory in each.
- * Returns the run's length in blocks (>= 1), up to nb - b. */
-static int dsa_run(const int32_t *bt, const int32_t *other, int b, int nb) {
+/* Blocks b, b+1, ... that sit on consecutive pages (bt[b+k] == bt[b] + k): the rows of such a run
+ * are one stretch of memory. Returns the run's length in blocks (>= 1), up to nb - b. */
+static int dsa_run(const int32_t *bt, int b, int nb) {
     int k = 1;
-    while (b + k < nb && bt[b + k] == bt[b] + k && (!other || other[b + k] == other[b] + k)) k++;
+    while (b + k < nb && bt[b + k] == bt[b] + k) k++;
     return k;
 }
 
@@ -202,31 +166,11 @@ static void dsa_paged_transfer(mt_backend *be, mt_paged c, const int32_t *bt, in
     const int nb = (int)((count + c.page - 1) / c.page);
     const size_t rb = sizeof(float) * (size_t)c.row;
     for (int b = 0; b < nb;) {
-        const int k = dsa_run(bt, NULL, b, nb);
+        const int k = dsa_run(bt, b, nb);
         const int64_t r0 = (int64_t)b * c.page, r1 = (int64_t)(b + k) * c.page < count ? (int64_t)(b + k) * c.page : count;
         float *dev = mt_paged_at(c, bt, r0);
         if (to_host) be->ops->download(be, to_host + (size_t)r0 * rb, dev, (size_t)(r1 - r0) * rb);
         else be->ops->upload(be, dev, from_host + (size_t)r0 * rb, (size_t)(r1 - r0) * rb);
-        b += k;
-    }
-}
-
-/* Rows [0, count) of the paged cache c from the pages of src_bt to those of dst_bt (host copies),
- * one copy per run of blocks consecutive in both; a block both tables map to the same page (a
- * shared prefix) is already in place. */
-static void dsa_paged_copy(mt_backend *be, mt_paged c, const int32_t *src_bt, const int32_t *dst_bt, int64_t count) {
-    const int nb = (int)((count + c.page - 1) / c.page);
-    for (int b = 0; b < nb;) {
-        if (src_bt[b] == dst_bt[b]) {
-            b++;
-            continue;
-        }
-        int k = dsa_run(src_bt, dst_bt, b, nb);
-        for (int j = 1; j < k; j++) /* stop before a shared page */
-            if (src_bt[b + j] == dst_bt[b + j]) k = j;
-        const int64_t r0 = (int64_t)b * c.page, r1 = (int64_t)(b + k) * c.page < count ? (int64_t)(b + k) * c.page : count;
-        be->ops->copy(be, mt_paged_at(c, dst_bt, r0), mt_paged_at(c, src_bt, r0),
-                      sizeof(float) * (size_t)(r1 - r0) * (size_t)c.row);
         b += k;
     }
 }
@@ -313,47 +257,6 @@ static mt_status dsa_restore_aux(const mt_layer *ml, mt_layer_state *base, const
     dsa_paged_transfer(be, pk, bt, hd.len / kp, NULL, h + 2 * kb);
     free(bt);
     st->len = hd.len;
-    return MT_OK;
-}
-
-/* Makes dst (a fresh state) hold src's first len positions: KDA conv and recurrent state (src
- * must be exactly at len: they are not positional); DSA: the MLA latent rows and, for a full layer,
- * the indexer cache (keys, gate scores, pool keys), copied on the device page by page between the
- * two block tables. The model maps dst's blocks of [0, len) before the call; a block both tables
- * map to the same page (a shared prefix) is left as it is. */
-mt_status glm_layer_copy_state(const glm_layer *l, const glm_layer_state *src, glm_layer_state *dst,
-                               int len, mt_error *err) {
-    const glm_config *c = l->cfg;
-    mt_backend *be = l->be;
-    const mt_layer *ml = &l->base;
-    if (len > dst->cap) return mt_errorf(err, MT_ERR_FULL, "layer %d: %d positions exceed capacity %d", ml->index, len, dst->cap);
-    if (c->layer_types[ml->index] == GLM_MIXER_KDA) {
-        const size_t D = (size_t)c->linear_num_heads * c->linear_head_dim;
-        const size_t P = (size_t)(c->linear_conv_kernel_dim - 1);
-        for (int j = 0; j < 3; j++) be->ops->copy(be, dst->conv[j], src->conv[j], sizeof(float) * D * P);
-        be->ops->copy(be, dst->rec, src->rec,
-                      sizeof(float) * (size_t)c->linear_num_heads * c->linear_head_dim * c->linear_head_dim);
-        return MT_OK;
-    }
-    if (src->len != len) return mt_errorf(err, MT_ERR_STATE, "layer %d: source at %d positions, not %d", ml->index, src->len, len);
-    const int nb = (len + l->page - 1) / l->page;
-    int32_t *sbt = NULL, *dbt = NULL;
-    mt_status s = dsa_bt_download(l, src, nb, &sbt, err);
-    if (s == MT_OK) s = dsa_bt_download(l, dst, nb, &dbt, err);
-    if (s == MT_OK && nb > 0) {
-        dsa_paged_copy(be, (mt_paged){ l->pg_latent, l->page, c->kv_lora_rank }, sbt, dbt, len);
-        if (l->dsa.has_indexer) {
-            mt_paged ki, gs, pk;
-            dsa_index_caches(l, &ki, &gs, &pk);
-            dsa_paged_copy(be, ki, sbt, dbt, len);
-            dsa_paged_copy(be, gs, sbt, dbt, len);
-            dsa_paged_copy(be, pk, sbt, dbt, len / c->index_kpool);
-        }
-    }
-    free(sbt);
-    free(dbt);
-    if (s != MT_OK) return s;
-    dst->len = len;
     return MT_OK;
 }
 

@@ -1,8 +1,8 @@
-/* worker/model/glm_mlp.c: the MLP site's sublayer: a dense SwiGLU MLP, or the MoE (router over
+/* worker/model/glm/glm_mlp.c: the MLP site's sublayer: a dense SwiGLU MLP, or the MoE (router over
  * the routed experts plus the shared expert), with the swiglu_limit clamp. */
 #include <stdlib.h>
 
-#include "worker/model/glm_impl.h"
+#include "worker/model/glm/glm_impl.h"
 
 static void swiglu_mlp(mt_backend *be, const mt_expert *e, const float *h, float *out, int n, int I,
                        float L, float *g, float *u) {

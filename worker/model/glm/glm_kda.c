@@ -1,4 +1,4 @@
-/* worker/model/glm_kda.c: the KDA mixer (MODEL.md "KDA mixer"): projections, causal conv + SiLU
+/* worker/model/glm/glm_kda.c: the KDA mixer (MODEL.md "KDA mixer"): projections, causal conv + SiLU
  * with the conv state, l2norm, decay gate, the delta rule (chunked for several rows of one
  * sequence, recurrent for one row), gated output norm and o_proj.
  *
@@ -8,7 +8,7 @@
  * own state through the step's pointer tables (glm_rtab), so no op is issued per sequence. */
 #include <math.h>
 
-#include "worker/model/glm_impl.h"
+#include "worker/model/glm/glm_impl.h"
 
 mt_status glm_kda_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt_step *step,
                           const float *h, float *out, int n) {

@@ -1,5 +1,8 @@
-/* worker/model/glm_model.h: the GLM-5.3 (glm5_next) text model runtime: load a checkpoint onto a
- * backend, keep per-sequence state, prefill a prompt and decode one token at a time.
+/* worker/model/glm/glm_model.h: the GLM-5.3 (glm5_next) model: load a checkpoint onto a backend,
+ * keep per-sequence state, prefill a prompt, decode one token at a time, many sequences at once,
+ * or k rows of one sequence (a speculative verify). The engine reaches it only through the model
+ * interface (worker/model/model.h; glm_model_as_model); this header is for the model's own tests,
+ * tools and benchmarks.
  *
  * Ownership: a glm_model owns its weights (views or device copies) and the checkpoint mapping; it
  * must outlive every glm_seq made from it. The backend is borrowed and must outlive the model.
@@ -13,6 +16,7 @@
 #include "common/mt.h"
 #include "kernels/backend.h"
 #include "worker/loader/glm_config.h"
+#include "worker/model/model.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -21,16 +25,8 @@ extern "C" {
 typedef struct glm_model glm_model;
 typedef struct glm_seq glm_seq;
 
-typedef struct glm_model_params {
-    int prefill_chunk;   /* rows per prefill pass (bounds scratch memory), default 256 */
-    int pool_pages, pool_slots; /* pools made at the first glm_seq_new when glm_model_set_pools was
-                                 * not called (0: GLM_DEFAULT_POOL_PAGES / _SLOTS) */
-    int graph_max_rows;  /* batched decode steps of more rows run eagerly (default 64: the
-                          * grouped MoE, which a graph can hold, covers 9..64 rows) */
-    bool decode_graphs;  /* decode through a captured graph when the backend can (default true) */
-    bool device_positions; /* decode in the graph form (positions read from backend memory) even
-                            * without a graph; default false. For tests of the graph form. */
-} glm_model_params;
+/* The model's options: mt_model_params (worker/model/model.h). */
+typedef mt_model_params glm_model_params;
 
 glm_model_params glm_model_default_params(void);
 
@@ -110,6 +106,22 @@ void glm_model_set_decode_graphs(glm_model *m, bool on);
  * serves any sequences. The layers' graph hooks run per sequence around the step. */
 mt_status glm_decode_multi(glm_model *m, glm_seq **seqs, const int32_t *tokens, int n, float *logits,
                            mt_error *err);
+
+/* k rows of one sequence in one step (the speculative verify): tokens[k] at positions len ..
+ * len + k - 1, through each layer's decode_batched and the graph runner's hooks; with graphs on,
+ * the step replays the sequence's graph of k rows (captured on its second use). logits (host)
+ * [k, vocab] when not NULL. k = 1 is glm_decode. 1 <= k <= GLM_VERIFY_MAX. On an input error the
+ * sequence is unchanged. */
+#define GLM_VERIFY_MAX 8
+mt_status glm_decode_verify(glm_model *m, glm_seq *s, const int32_t *tokens, int k, float *logits, mt_error *err);
+
+/* The model interface of m (its first member); the model interface's destroy frees m. */
+mt_model *glm_model_as_model(glm_model *m);
+/* mt_model_load's entries for glm5_next (worker/model/model.c). */
+mt_status glm_model_open(const char *dir, mt_backend *be, const mt_model_params *params, mt_model **out,
+                         mt_error *err);
+mt_status glm_model_open_random(const char *preset, mt_backend *be, const mt_model_params *params,
+                                mt_model **out, mt_error *err);
 
 /* Greedy tokens of the last decode step's first n rows (glm_decode: n = 1; glm_decode_multi of at
  * most the scratch rows: its rows), taken where the logits are (on the device for a GPU

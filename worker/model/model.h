@@ -1,0 +1,194 @@
+/* worker/model/model.h: the model interface, the only part of a model the engine sees.
+ *
+ * A model is a table of operations (mt_model_ops) over an opaque handle: describe it, size and
+ * hold per-sequence state, run a batch plan (prefill chunks and decode rows), run greedy decode
+ * ahead of the host, and the drafter's entries. One architecture is one folder under
+ * worker/model/ that fills this table (worker/model/glm/ for glm5_next) and one line of the
+ * registry (model.c), chosen by config.json's model_type.
+ *
+ * Ownership: a model owns its weights and its state pools; every mt_seq made from it must be
+ * freed before the model. The backend is borrowed and must outlive the model. Thread-safety: one
+ * thread at a time per model (the engine thread). A call that fails leaves the model and its
+ * sequences as they were, unless its comment says otherwise.
+ */
+#ifndef MT_MODEL_H
+#define MT_MODEL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/mt.h"
+#include "kernels/backend.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct mt_model mt_model;
+typedef struct mt_seq mt_seq;
+
+/* Options of any model; each architecture reads the ones that apply to it. */
+typedef struct mt_model_params {
+    int prefill_chunk;     /* rows per prefill pass (bounds scratch memory), default 256 */
+    int pool_pages, pool_slots; /* pools made at the first seq_new when set_pools was not called
+                                 * (0: the architecture's default) */
+    int graph_max_rows;    /* batched decode steps of more rows run eagerly (default 64) */
+    bool decode_graphs;    /* decode through captured graphs when the backend can (default true) */
+    bool device_positions; /* decode in the graph form (positions read from backend memory) even
+                            * without a graph; default false. For tests of the graph form. */
+} mt_model_params;
+
+mt_model_params mt_model_default_params(void);
+
+/* What the engine plans with. */
+typedef struct mt_model_info {
+    const char *arch;      /* config.json model_type, e.g. "glm5_next" */
+    int vocab_size;
+    int eos_token_id;      /* -1: none */
+    int n_layers, hidden_size;
+    int page_tokens;       /* positions per cache page */
+    size_t page_bytes;     /* one page of every paged layer; 0: no paged state */
+    size_t slot_bytes;     /* one slot of every recurrent layer */
+    int batch_rows;        /* rows one batched decode pass takes; more take several passes */
+    int ahead_rows;        /* most rows of a greedy step run ahead (0: the model cannot) */
+    bool backend_queues;   /* the backend queues its work (only then does running ahead pay) */
+    bool multi_seq;        /* every layer decodes one row for each of many sequences in one pass */
+    bool rollback;         /* every layer can drop rows past a length (rejected drafts) */
+    bool has_drafter;      /* draft entries are offered */
+} mt_model_info;
+
+typedef struct mt_pool_stats {
+    int pages_free, pages_total;
+    int slots_free, slots_total;
+} mt_pool_stats;
+
+/* One part of a batch plan: n tokens of one sequence.
+ *   MT_PART_PREFILL: a prompt chunk (any n >= 1, run in prefill_chunk passes);
+ *   MT_PART_DECODE: k = n >= 1 decode rows (k > 1: a speculative verify of k tokens). The
+ *   decode parts of one row each go through the model together in one batched pass when the
+ *   model is multi_seq.
+ * logits (host) when not NULL: [n, vocab] when all_logits, else the last row's [vocab].
+ * argmax (host) when not NULL: the greedy token of each of the n rows, taken where the logits are
+ * (decode parts only). */
+typedef enum mt_part_kind { MT_PART_PREFILL, MT_PART_DECODE } mt_part_kind;
+
+typedef struct mt_batch_part {
+    mt_part_kind kind;
+    mt_seq *seq;
+    const int32_t *tokens; /* host [n] */
+    int n;
+    float *logits;
+    bool all_logits;
+    int32_t *argmax;
+} mt_batch_part;
+
+typedef struct mt_batch {
+    const mt_batch_part *parts;
+    int n_parts;
+} mt_batch;
+
+typedef struct mt_model_ops {
+    void (*destroy)(mt_model *m);
+    void (*describe)(const mt_model *m, mt_model_info *out);
+
+    /* ---- state pools ---- */
+    /* Sizes the pools (no sequence may be alive): n_pages cache pages, n_slots recurrent slots. */
+    mt_status (*set_pools)(mt_model *m, int n_pages, int n_slots, mt_error *err);
+    /* Makes the default pools when none are made yet. */
+    mt_status (*ensure_pools)(mt_model *m, mt_error *err);
+    void (*pool_stats)(const mt_model *m, mt_pool_stats *out);
+    /* Pool memory a sequence of max_tokens positions holds at most. */
+    size_t (*seq_bytes_max)(const mt_model *m, int max_tokens);
+
+    /* ---- sequences ---- */
+    /* A sequence of at most max_tokens positions: takes a slot (MT_ERR_FULL when none is free). */
+    mt_status (*seq_new)(mt_model *m, int max_tokens, mt_seq **out, mt_error *err);
+    void (*seq_free)(mt_seq *s); /* NULL ok */
+    /* Maps pages for n more positions; MT_ERR_FULL, with nothing changed, when short. */
+    mt_status (*seq_reserve)(mt_seq *s, int n, mt_error *err);
+    int (*seq_len)(const mt_seq *s);
+    size_t (*seq_bytes)(const mt_seq *s); /* pool memory it holds now; 0 for NULL */
+    /* dst, fresh, continues exactly where src is (prefix reuse). On error dst must be freed. */
+    mt_status (*seq_copy_prefix)(mt_model *m, const mt_seq *src, mt_seq *dst, mt_error *err);
+
+    /* ---- compute ---- */
+    /* Runs every part of the plan: the one-row decode parts together, then the verify parts,
+     * then the prefill parts. A part refused for its input (a bad token, no room, a sequence
+     * twice among the decode rows) leaves the parts not yet run unchanged, so a plan of one kind
+     * of part is refused whole; the error names the part. */
+    mt_status (*forward)(mt_model *m, const mt_batch *b, mt_error *err);
+    /* Greedy decode that runs ahead of the host: one token for each of n sequences, the argmax
+     * left on the device as the next step's input; tokens NULL takes the last greedy step's
+     * outputs as inputs (the same sequences, in order, untouched since). *ticket reads the
+     * tokens back with ahead_tokens, waiting for that step only. n <= info.ahead_rows. */
+    mt_status (*decode_ahead)(mt_model *m, mt_seq **seqs, const int32_t *tokens, int n, int64_t *ticket,
+                              mt_error *err);
+    mt_status (*ahead_tokens)(mt_model *m, int64_t ticket, int32_t *out, int n);
+
+    /* ---- drafter (NULL: the model has none) ---- */
+    /* One token through the drafter after the target's step on s: its logits (host) [vocab]. */
+    mt_status (*draft)(mt_model *m, mt_seq *s, int32_t token, float *logits, mt_error *err);
+} mt_model_ops;
+
+/* The first member of every architecture's model and sequence structs. */
+struct mt_model {
+    const mt_model_ops *ops;
+};
+struct mt_seq {
+    mt_model *model;
+};
+
+/* Loads the checkpoint in dir (config.json and safetensors) with the architecture its model_type
+ * names (the registry in model.c), or, for dir "random:PRESET", a model of that preset's shapes
+ * with random weights made on the backend (benchmarks). On error *out is NULL and err says why. */
+mt_status mt_model_load(const char *dir, mt_backend *be, const mt_model_params *params, mt_model **out,
+                        mt_error *err);
+
+static inline void mt_model_free(mt_model *m) {
+    if (m) m->ops->destroy(m);
+}
+static inline mt_model_info mt_model_describe(const mt_model *m) {
+    mt_model_info i;
+    m->ops->describe(m, &i);
+    return i;
+}
+static inline mt_pool_stats mt_model_pool_stats(const mt_model *m) {
+    mt_pool_stats p;
+    m->ops->pool_stats(m, &p);
+    return p;
+}
+static inline mt_status mt_model_set_pools(mt_model *m, int n_pages, int n_slots, mt_error *err) {
+    return m->ops->set_pools(m, n_pages, n_slots, err);
+}
+static inline mt_status mt_model_ensure_pools(mt_model *m, mt_error *err) { return m->ops->ensure_pools(m, err); }
+static inline size_t mt_model_seq_bytes_max(const mt_model *m, int max_tokens) {
+    return m->ops->seq_bytes_max(m, max_tokens);
+}
+static inline mt_status mt_seq_new(mt_model *m, int max_tokens, mt_seq **out, mt_error *err) {
+    return m->ops->seq_new(m, max_tokens, out, err);
+}
+static inline void mt_seq_free(mt_seq *s) {
+    if (s) s->model->ops->seq_free(s);
+}
+static inline mt_status mt_seq_reserve(mt_seq *s, int n, mt_error *err) { return s->model->ops->seq_reserve(s, n, err); }
+static inline int mt_seq_len(const mt_seq *s) { return s->model->ops->seq_len(s); }
+static inline size_t mt_seq_bytes(const mt_seq *s) { return s ? s->model->ops->seq_bytes(s) : 0; }
+static inline mt_status mt_seq_copy_prefix(mt_model *m, const mt_seq *src, mt_seq *dst, mt_error *err) {
+    return m->ops->seq_copy_prefix(m, src, dst, err);
+}
+static inline mt_status mt_model_forward(mt_model *m, const mt_batch *b, mt_error *err) {
+    return m->ops->forward(m, b, err);
+}
+static inline mt_status mt_model_decode_ahead(mt_model *m, mt_seq **seqs, const int32_t *tokens, int n,
+                                              int64_t *ticket, mt_error *err) {
+    return m->ops->decode_ahead(m, seqs, tokens, n, ticket, err);
+}
+static inline mt_status mt_model_ahead_tokens(mt_model *m, int64_t ticket, int32_t *out, int n) {
+    return m->ops->ahead_tokens(m, ticket, out, n);
+}
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MT_MODEL_H */
