@@ -20,6 +20,7 @@ extern "C" {
 }
 
 #include "tests/run_ahead_check.h"
+#include "tests/verify_check.h"
 
 namespace {
 
@@ -239,6 +240,21 @@ TEST_F(ModelCuda, GreedyRunAheadEqualsReadingEachStep) {
             ASSERT_EQ(glm_model_load(dir.c_str(), gpu_, nullptr, &m, &err), MT_OK) << err.msg;
             glm_model_set_decode_graphs(m, graphs);
             CheckRunAhead(m, (std::string(name) + (graphs ? " (graphs)" : " (eager)")).c_str(), graphs);
+            glm_model_free(m);
+        }
+}
+
+// k rows of one sequence through the verify entry (the graph runner, a graph per width captured on
+// its second use and replayed on the third) equal k single decodes on the GPU, graphs on and off.
+TEST_F(ModelCuda, VerifyRowsEqualKSingleDecodes) {
+    for (const char *name : {"tiny_a", "tiny_b", "tiny_c"})
+        for (bool graphs : {true, false}) {
+            std::string dir = std::string("tests/fixtures/") + name;
+            glm_model *m = nullptr;
+            mt_error err{};
+            ASSERT_EQ(glm_model_load(dir.c_str(), gpu_, nullptr, &m, &err), MT_OK) << err.msg;
+            glm_model_set_decode_graphs(m, graphs);
+            CheckVerifyEqualsSingles(m, (std::string(name) + (graphs ? " (graphs)" : " (eager)")).c_str(), 1e-3);
             glm_model_free(m);
         }
 }

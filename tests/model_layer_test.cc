@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <vector>
 
 extern "C" {
@@ -18,6 +19,7 @@ extern "C" {
 }
 
 #include "tests/run_ahead_check.h"
+#include "tests/verify_check.h"
 
 namespace {
 
@@ -350,3 +352,26 @@ TEST(ModelRandom, SeededAndValidated) {
     EXPECT_EQ(m, nullptr);
     mt_backend_free(be);
 }
+
+// k rows of one sequence through the verify entry equal k single decodes, eagerly and in the graph
+// form (positions read from backend memory, the path a captured graph takes, through the graph
+// runner and its hooks).
+class VerifyRows : public ::testing::TestWithParam<std::tuple<const char *, bool>> {};
+
+TEST_P(VerifyRows, EqualKSingleDecodes) {
+    const char *fixture = std::get<0>(GetParam());
+    const bool device_positions = std::get<1>(GetParam());
+    mt_backend *be = mt_cpu_backend_new(0);
+    glm_model_params mp = glm_model_default_params();
+    mp.device_positions = device_positions;
+    glm_model *m = nullptr;
+    mt_error err{};
+    const std::string dir = std::string("tests/fixtures/") + fixture;
+    ASSERT_EQ(glm_model_load(dir.c_str(), be, &mp, &m, &err), MT_OK) << err.msg;
+    CheckVerifyEqualsSingles(m, (std::string(fixture) + (device_positions ? " (graph form)" : " (eager)")).c_str(), 1e-5);
+    glm_model_free(m);
+    mt_backend_free(be);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, VerifyRows,
+                         ::testing::Combine(::testing::Values("tiny_a", "tiny_b", "tiny_c"), ::testing::Bool()));
