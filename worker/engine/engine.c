@@ -3,6 +3,8 @@
  * the struct, its prompt-then-generated token history and its stop ids), freed at once. */
 #include "worker/engine/engine.h"
 
+#include "worker/runtime/prefix_cache.h"
+
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -27,15 +29,6 @@ typedef struct eng_seq {
     mt_error err;
 } eng_seq;
 
-/* A kept prefix: the model state after tokens[0, len) of some earlier prompt. */
-typedef struct eng_prefix {
-    int32_t *tokens;             /* [len] */
-    int len;
-    mt_seq *snap;               /* a sequence of capacity len, at len */
-    size_t bytes;                /* mt_seq_bytes(snap) */
-    uint64_t last_used;          /* e->steps when last hit or made */
-} eng_prefix;
-
 struct eng_engine {
     mt_model *m;
     mt_model_info info;          /* the model, as described at eng_new */
@@ -59,10 +52,7 @@ struct eng_engine {
     int64_t ahead_ticket;
     bool ahead_on;               /* run_ahead resolved for this model's backend */
     uint64_t ahead_steps;
-    eng_prefix *prefixes;        /* [n_prefixes] kept prefixes, unordered */
-    int n_prefixes, cap_prefixes;
-    size_t prefix_bytes;
-    uint64_t prefix_hits, prefix_misses;
+    rt_prefix_cache prefixes;    /* kept prompt prefixes, clocked by steps */
     size_t cache_bytes;
     uint64_t finished, aborted, tokens, steps, preemptions;
 };
@@ -114,6 +104,7 @@ mt_status eng_new(mt_model *m, const eng_params *params, const eng_callbacks *cb
     if (!e) goto fail;
     e->m = m;
     e->info = mt_model_describe(m);
+    rt_prefix_cache_init(&e->prefixes, m, p.prefix_cache_bytes);
     e->p = p;
     e->ahead_on = p.run_ahead == ENG_RUN_AHEAD_ALWAYS || (p.run_ahead == ENG_RUN_AHEAD_AUTO && e->info.backend_queues);
     if (cb) e->cb = *cb;
@@ -152,18 +143,9 @@ static void seq_destroy(eng_engine *e, eng_seq *s) {
     free(s);
 }
 
-static void prefix_drop(eng_engine *e, int i) {
-    eng_prefix *p = &e->prefixes[i];
-    e->prefix_bytes -= p->bytes;
-    mt_seq_free(p->snap);
-    free(p->tokens);
-    e->prefixes[i] = e->prefixes[--e->n_prefixes];
-}
-
 void eng_free(eng_engine *e) {
     if (!e) return;
-    while (e->n_prefixes > 0) prefix_drop(e, e->n_prefixes - 1);
-    free(e->prefixes);
+    rt_prefix_cache_release(&e->prefixes);
     for (int i = 0; i < e->n_waiting; i++) seq_destroy(e, e->waiting[i]);
     for (int i = 0; i < e->n_running; i++) seq_destroy(e, e->running[i]);
     eng_sampler_free(e->sampler);
@@ -362,70 +344,6 @@ static void expire(eng_engine *e) {
     compact(e, e->running, &e->n_running);
 }
 
-/* ---- prefix reuse ---- */
-
-/* The longest kept prefix of s's prompt that leaves at least one prompt token; -1 when none. */
-static int prefix_find(const eng_engine *e, const eng_seq *s) {
-    int best = -1;
-    for (int i = 0; i < e->n_prefixes; i++) {
-        const eng_prefix *p = &e->prefixes[i];
-        if (p->len < s->req.n_prompt && (best < 0 || p->len > e->prefixes[best].len) &&
-            !memcmp(p->tokens, s->tokens, sizeof(int32_t) * (size_t)p->len))
-            best = i;
-    }
-    return best;
-}
-
-static bool prefix_kept(const eng_engine *e, const int32_t *tokens, int len) {
-    for (int i = 0; i < e->n_prefixes; i++)
-        if (e->prefixes[i].len == len && !memcmp(e->prefixes[i].tokens, tokens, sizeof(int32_t) * (size_t)len))
-            return true;
-    return false;
-}
-
-/* Drops the least recently used kept prefix; false when none is kept. */
-static bool prefix_evict_one(eng_engine *e) {
-    if (e->n_prefixes == 0) return false;
-    int lru = 0;
-    for (int i = 1; i < e->n_prefixes; i++)
-        if (e->prefixes[i].last_used < e->prefixes[lru].last_used) lru = i;
-    prefix_drop(e, lru);
-    return true;
-}
-
-/* Keeps s's state (now exactly at s->snap_at) as a prefix, evicting the least recently used
- * ones to stay within prefix_cache_bytes. Best effort: any failure just keeps nothing. */
-static void prefix_keep(eng_engine *e, eng_seq *s) {
-    const int len = s->snap_at;
-    if (prefix_kept(e, s->tokens, len)) return;
-    mt_seq *snap = NULL;
-    mt_error err = { "" };
-    if (mt_seq_new(e->m, len, &snap, &err) != MT_OK) return;
-    if (mt_seq_copy_prefix(e->m, s->gs, snap, &err) != MT_OK || mt_seq_bytes(snap) > e->p.prefix_cache_bytes) {
-        mt_seq_free(snap);
-        return;
-    }
-    const size_t bytes = mt_seq_bytes(snap); /* its slot and its pages (shared with s) */
-    while (e->prefix_bytes + bytes > e->p.prefix_cache_bytes && prefix_evict_one(e)) {}
-    int32_t *tokens = malloc(sizeof(int32_t) * (size_t)len);
-    if (e->n_prefixes == e->cap_prefixes) {
-        const int cap = e->cap_prefixes ? 2 * e->cap_prefixes : 16;
-        eng_prefix *grown = realloc(e->prefixes, sizeof *grown * (size_t)cap);
-        if (grown) {
-            e->prefixes = grown;
-            e->cap_prefixes = cap;
-        }
-    }
-    if (!tokens || e->n_prefixes == e->cap_prefixes) {
-        free(tokens);
-        mt_seq_free(snap);
-        return;
-    }
-    memcpy(tokens, s->tokens, sizeof(int32_t) * (size_t)len);
-    e->prefixes[e->n_prefixes++] = (eng_prefix){ tokens, len, snap, bytes, e->steps };
-    e->prefix_bytes += bytes;
-}
-
 /* ---- room in the pools: prefix eviction, then preemption ---- */
 
 
@@ -467,7 +385,7 @@ static bool make_room(eng_engine *e, eng_seq *s, int n) {
     for (int i = 0; i < e->n_running; i++)
         if (e->running[i] == s) self = i;
     while (mt_seq_reserve(s->gs, n, &err) != MT_OK) {
-        if (prefix_evict_one(e)) continue;
+        if (rt_prefix_evict_one(&e->prefixes)) continue;
         int victim = -1;
         for (int i = e->n_running - 1; i > self && victim < 0; i--)
             if (!e->running[i]->done && e->running[i]->gs) victim = i;
@@ -500,7 +418,7 @@ static void prefill_some(eng_engine *e, eng_seq *s, int *budget) {
     }
     s->prefilled += k;
     *budget -= k;
-    if (s->snap_at > 0 && s->prefilled == s->snap_at) prefix_keep(e, s);
+    if (s->snap_at > 0 && s->prefilled == s->snap_at) rt_prefix_keep(&e->prefixes, s->gs, s->tokens, s->snap_at, e->steps);
     if (last) {
         if (!resumed) sample_emit(e, s, logits); /* a resumed one decodes its pending token next */
     } else if (*budget > 0) {
@@ -513,16 +431,10 @@ static void prefill_some(eng_engine *e, eng_seq *s, int *budget) {
 static void prefix_start(eng_engine *e, eng_seq *s) {
     if (!e->p.prefix_cache_bytes) return;
     const int at = (s->req.n_prompt - 1) / e->p.prefix_block * e->p.prefix_block;
-    const int i = prefix_find(e, s);
+    const int i = rt_prefix_find(&e->prefixes, s->tokens, s->req.n_prompt);
     mt_error err = { "" };
-    if (i >= 0 && mt_seq_copy_prefix(e->m, e->prefixes[i].snap, s->gs, &err) == MT_OK) {
-        s->prefilled = e->prefixes[i].len;
-        e->prefixes[i].last_used = e->steps;
-        e->prefix_hits++;
-    } else {
-        if (i >= 0) mt_log(MT_LOG_WARN, "engine: prefix reuse failed (%s); prefilling in full", err.msg);
-        e->prefix_misses++;
-    }
+    s->prefilled = rt_prefix_restore(&e->prefixes, i, s->gs, e->steps, &err);
+    if (i >= 0 && s->prefilled == 0) mt_log(MT_LOG_WARN, "engine: prefix reuse failed (%s); prefilling in full", err.msg);
     s->snap_at = at > s->prefilled && s->n_gen == 0 ? at : 0;
 }
 
@@ -544,14 +456,14 @@ static void admit(eng_engine *e) {
         /* FIFO: the head waits for room rather than letting later, smaller requests pass it */
         if (e->p.cache_budget_bytes && e->cache_bytes + mt_model_seq_bytes_max(e->m, cap) > e->p.cache_budget_bytes) break;
         /* a slot: kept prefixes hold some, and give them up for a request */
-        while (mt_model_pool_stats(e->m).slots_free == 0 && prefix_evict_one(e)) {}
+        while (mt_model_pool_stats(e->m).slots_free == 0 && rt_prefix_evict_one(&e->prefixes)) {}
         if (mt_model_pool_stats(e->m).slots_free == 0) break;
         /* and pages for its prefill and first token, so it does not give way as soon as it starts */
         if (e->info.page_bytes > 0) {
             const int page = e->info.page_tokens;
             const int len = e->p.preempt ? s->n_feed + 1 : s->req.n_prompt + s->req.max_new_tokens;
             const int need = (len + page - 1) / page;
-            while (mt_model_pool_stats(e->m).pages_free < need && prefix_evict_one(e)) {}
+            while (mt_model_pool_stats(e->m).pages_free < need && rt_prefix_evict_one(&e->prefixes)) {}
             if (mt_model_pool_stats(e->m).pages_free < need && e->n_running > 0) break; /* alone, it may preempt nothing */
         }
         taken++;
@@ -777,8 +689,8 @@ void eng_get_stats(const eng_engine *e, eng_stats *out) {
                         .live_sequences = e->n_running + e->n_waiting, .cache_bytes_in_use = held,
                         .sequences_finished = e->finished, .sequences_aborted = e->aborted,
                         .tokens_generated = e->tokens, .steps = e->steps, .ahead_steps = e->ahead_steps,
-                        .prefix_hits = e->prefix_hits, .prefix_misses = e->prefix_misses,
-                        .prefix_cache_bytes = e->prefix_bytes, .prefix_entries = e->n_prefixes,
+                        .prefix_hits = e->prefixes.hits, .prefix_misses = e->prefixes.misses,
+                        .prefix_cache_bytes = e->prefixes.bytes, .prefix_entries = e->prefixes.n,
                         .preemptions = e->preemptions,
                         .pages_free = mt_model_pool_stats(e->m).pages_free, .pages_total = mt_model_pool_stats(e->m).pages_total,
                         .slots_free = mt_model_pool_stats(e->m).slots_free, .slots_total = mt_model_pool_stats(e->m).slots_total };
