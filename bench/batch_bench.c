@@ -1,4 +1,4 @@
-/* bench/batch_bench.c: the issue-5 decode-throughput benchmark. In one run on one GPU: the device
+/* bench/batch_bench.c: the batched decode-throughput benchmark. In one run on one GPU: the device
  * copy bandwidth (the reference), then bench-4L (real per-layer shapes, random bf16 weights made
  * on the GPU) decoding B sequences at once through glm_decode_multi, for each batch size B:
  *   - tokens/s with the bucket graphs, and eagerly, greedy on the device and run ahead as the

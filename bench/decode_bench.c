@@ -1,6 +1,6 @@
-/* bench/decode_bench.c: the issue-3 benchmark. In one run on one GPU it measures the device copy
- * bandwidth (the reference ceiling), then the bench-4L model (MISSION.md: GLM-5.3-Flash's real
- * per-layer shapes, 4 layers, random bf16 weights made on the GPU from a seed) at batch 1:
+/* bench/decode_bench.c: batch-1 decode and prefill. In one run on one GPU it measures the device
+ * copy bandwidth (the reference ceiling), then the bench-4L model (docs/PERF.md: GLM-5.3-Flash's
+ * real per-layer shapes, 4 layers, random bf16 weights made on the GPU from a seed) at batch 1:
  *   - decode: ms per token, the bytes a step must read (weights it touches + recurrent state),
  *     and the fraction of the bandwidth floor (bytes / measured copy bandwidth) reached, for the
  *     engine itself (eng_step, one greedy request, with its bucket graph and running ahead: the
@@ -8,9 +8,8 @@
  *     glm_last_argmax; the same replays with no token read back: the GPU's time a step), and
  *     for glm_decode (one sequence's own path, logits to the host) eager and with its graph;
  *   - prefill of 512 and 4096 tokens: tokens/s and the fraction of the bf16 tensor peak reached
- *     (FLOPs: the model's for the prefill as glm_prefill runs it, prefill_flops; until
- *     2026-11-29's ninth session this counted lm_head for every token, which glm_prefill runs for
- *     the last one only, and so overstated the fraction by ~1.4x).
+ *     (FLOPs: the model's for the prefill as glm_prefill runs it, prefill_flops: lm_head for the
+ *     last position only, as glm_prefill computes it).
  * When the 4096-token prefill misses its goal (50% of the peak), one more prefill of 4096 tokens
  * runs with every op synchronised and timed (mt_cuda_profile_take), and the table is followed by
  * the time the goal allows and the ops that take the most: which kernels hold it back, by how much.
@@ -20,7 +19,7 @@
  *                [--profile N]
  * (--op-profile 1: per-op times of one more prefill of each length, after the table's runs.
  *  --profile N: only N engine-path decode steps between cudaProfilerStart/Stop, for
- *  `ncu --profile-from-start off ...`; tools/dev/ncu_summary.py sums the kernels.)
+ *  `ncu --profile-from-start off ...`; lab/ncu_summary.py sums the kernels.)
  */
 #include <cuda_profiler_api.h>
 #include <cuda_runtime_api.h>
@@ -98,17 +97,18 @@ static int profiled_prefill(glm_model *m, mt_backend *be, const int32_t *toks, i
 }
 
 enum { PF_OPS = 8 };                /* ops named when the prefill misses its goal */
-static const double PF_GOAL = 0.50; /* issue 3: prefill >= 50% of bf16 peak at 4096 tokens */
+static const double PF_GOAL = 0.50; /* the goal: prefill >= 50% of bf16 peak at 4096 tokens */
 
 /* The model's FLOPs for a prefill of n tokens as glm_prefill runs it (the last position's logits
  * only): 2 per parameter each token touches, lm_head for one row; plus each DSA layer's attention
- * in the model's form (MODEL.md: q_h . k_h over qk_nope, p v_h over v_head: 2 (qk_nope + v_head)
- * per head) for every position a query attends under the indexer's selection (min(index_topk /
- * kpool, complete pools) pools of kpool, plus the tail when index_kpool_always_select_tail). The
- * absorbed form the kernels run does 4 kv_lora per head and position there, twice this at
- * bench-4L: the count is the model's, the smaller. Not counted: the indexer's scores, the KDA state
- * products (6 dk^2 a head a token in the recurrent form: ~0.7% at bench-4L's 4096), and queries
- * that select nothing (tail off, t < kpool - 1), which attend every earlier position. */
+ * in the model's form (docs/MODEL.md: q_h . k_h over qk_nope, p v_h over v_head: 2 (qk_nope +
+ * v_head) per head) for every position a query attends under the indexer's selection
+ * (min(index_topk / kpool, complete pools) pools of kpool, plus the tail when
+ * index_kpool_always_select_tail). The absorbed form the kernels run does 4 kv_lora per head and
+ * position there, twice this at bench-4L: the count is the model's, the smaller. Not counted: the
+ * indexer's scores, the KDA state products (6 dk^2 a head a token in the recurrent form: ~0.7% at
+ * bench-4L's 4096), and queries that select nothing (tail off, t < kpool - 1), which attend every
+ * earlier position. */
 static double prefill_flops(const glm_config *c, const bench_weights *bc, int n) {
     double f = 2.0 * (bc->touched_params - bc->head_params) * n + 2.0 * c->vocab_size * (double)c->hidden_size;
     int n_dsa = 0;
@@ -125,7 +125,7 @@ static double prefill_flops(const glm_config *c, const bench_weights *bc, int n)
 int main(int argc, char **argv) {
     int steps = 32, context = 4096 + 64, profile = 0, op_profile = 0;
     /* The bf16 peak the prefill is measured against: what cuBLAS reaches on a large bf16 GEMM on
-     * the H200 (773 TFLOP/s at 4096 x 12288 x 4096, tools/dev/fp8_probe, session 7), not the
+     * the H200 (773 TFLOP/s at 4096 x 12288 x 4096, lab/fp8_probe, docs/PERF.md), not the
      * datasheet's 989 (dense, at the top boost clock); against that one the fractions are 0.8x. */
     double peak_tflops = 790;
     const char *json = NULL;

@@ -1,5 +1,5 @@
 /* bench/kda_bench.c: our KDA delta-rule kernels (CUDA backend: kda_chunked, kda_recurrent) on the
- * shapes of issue 3, timed the way bench/kda_fla_bench.py times flash-linear-attention's Triton
+ * model's shapes, timed the way bench/kda_fla_bench.py times flash-linear-attention's Triton
  * kernels (bench/kda_bench.sh runs both and prints one table):
  *   - device copy bandwidth (cudaMemcpy D2D, bytes read + written / time), the decode reference;
  *   - prefill: kda_chunked, 64 heads of 128, 4096 tokens, one sequence (for information: its two

@@ -1,6 +1,6 @@
 #!/usr/bin/python3
 """openloop_bench: time to first token and inter-token latency under an open-loop load of mixed
-prompt lengths, through the real metrale-router and a metrale-worker (issue 5's proof).
+prompt lengths, through the real metrale-router and a metrale-worker (figures: docs/PERF.md).
 
 Open loop: request i arrives at a Poisson time of the offered rate, whether or not earlier ones
 have finished (a closed loop would slow its arrivals when the server slows, hiding queueing).

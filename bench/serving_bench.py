@@ -1,6 +1,6 @@
 #!/usr/bin/python3
 """serving_bench: what the router + ZeroMQ path costs, measured against the engine called
-directly, at 1, 16 and 64 concurrent streams, in one run (issue 4's proof).
+directly, at 1, 16 and 64 concurrent streams, in one run (figures: docs/PERF.md).
 
 For each concurrency C, back to back on the same machine and model:
   direct  bazel-bin/bench/serving_direct: C streams submitted to worker/engine in-process;

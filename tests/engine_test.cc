@@ -683,7 +683,7 @@ TEST(Engine, CacheBudgetQueuesInsteadOfFailing) {
     EXPECT_NE(msg.find("cache budget"), std::string::npos) << msg;
 }
 
-// Pools (issue 5): with too few cache pages for every running sequence's growth, a sequence that
+// Pools: with too few cache pages for every running sequence's growth, a sequence that
 // needs a new page preempts the newest running one (which gives its pages and slot back, waits
 // at the head of the queue, is prefilled again from its prompt and generated tokens, and decodes
 // on). Every request still completes with the plain greedy tokens, preemptions happened, and the

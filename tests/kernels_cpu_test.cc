@@ -1,5 +1,6 @@
-// The CPU backend's ops on their own: each against a direct (naive) formulation of MODEL.md, and
-// the chunked KDA form against the recurrent one over shapes that include the real model's head.
+// The CPU backend's ops on their own: each against a direct (naive) formulation of docs/MODEL.md,
+// and the chunked KDA form against the recurrent one over shapes that include the real model's
+// head.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -173,7 +174,7 @@ TEST_F(CpuOps, DsaSelectTakesCompletePoolsAndTail) {
     EXPECT_EQ(nsel[0], 0);
 }
 
-// ---- paged DSA caches (issue 5) ----
+// ---- paged DSA caches ----
 
 // Positions [0, count) of a paged cache gathered into a contiguous [count, row].
 std::vector<float> Gather(mt_paged c, const std::vector<int32_t> &bt, int64_t count) {

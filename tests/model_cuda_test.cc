@@ -1,5 +1,5 @@
-// The whole GLM model on the CUDA backend against the CPU backend, teacher-forced (ORACLE.md "How
-// to compare"): top-1 agreement at >= 99% of positions and logit cosine >= 0.999 at every
+// The whole GLM model on the CUDA backend against the CPU backend, teacher-forced (the same
+// tokens fed to both): top-1 agreement at >= 99% of positions and logit cosine >= 0.999 at every
 // position, on the transformers fixtures and on a wider random model. Skips without a GPU.
 #include <gtest/gtest.h>
 

@@ -1,5 +1,5 @@
 // Whole-model check of the CPU runtime against transformers' glm5_next (tests/oracle/
-// make_fixtures.py, ORACLE.md): every logit of every position within 2e-3 of the reference and
+// make_fixtures.py, docs/MODEL.md): every logit of every position within 2e-3 of the reference and
 // the same 24 greedy tokens, for three tiny configs that cover every branch of the model.
 #include <gtest/gtest.h>
 

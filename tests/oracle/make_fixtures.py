@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Makes the transformers reference fixtures for the CPU runtime test (ORACLE.md).
+"""Makes the transformers reference fixtures for the CPU runtime test (tests/model_oracle_test.cc).
 
 Runs where transformers' glm5_next exists (the GPU machine: transformers 5.17, torch 2.11):
 
@@ -40,9 +40,9 @@ BASE = dict(
     eos_token_id=None, tie_word_embeddings=False,
 )
 
-# Every branch ORACLE.md lists: KDA/DSA in different orders, a shared indexer right after a full
-# one, dense and sparse MLPs, n_group > 1, tail on and off, lower bound a number and null, conv
-# kernels 3 and 4, hc_mult 2 and 4, prompts shorter and longer than index_topk.
+# Every branch of the model (docs/MODEL.md): KDA/DSA in different orders, a shared indexer right
+# after a full one, dense and sparse MLPs, n_group > 1, tail on and off, lower bound a number and
+# null, conv kernels 3 and 4, hc_mult 2 and 4, prompts shorter and longer than index_topk.
 CONFIGS = {
     "tiny_a": dict(
         num_hidden_layers=4,
