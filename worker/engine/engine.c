@@ -3,6 +3,7 @@
  * the struct, its prompt-then-generated token history and its stop ids), freed at once. */
 #include "worker/engine/engine.h"
 
+#include "worker/engine/sched.h"
 #include "worker/runtime/prefix_cache.h"
 
 #include <stdlib.h>
@@ -386,9 +387,9 @@ static bool make_room(eng_engine *e, eng_seq *s, int n) {
         if (e->running[i] == s) self = i;
     while (mt_seq_reserve(s->gs, n, &err) != MT_OK) {
         if (rt_prefix_evict_one(&e->prefixes)) continue;
-        int victim = -1;
-        for (int i = e->n_running - 1; i > self && victim < 0; i--)
-            if (!e->running[i]->done && e->running[i]->gs) victim = i;
+        bool holds[e->n_running > 0 ? e->n_running : 1];
+        for (int i = 0; i < e->n_running; i++) holds[i] = !e->running[i]->done && e->running[i]->gs;
+        const int victim = sched_victim(holds, e->n_running, self);
         if (victim < 0 || !e->p.preempt) return false;
         preempt(e, e->running[victim]);
     }
@@ -401,8 +402,7 @@ static bool make_room(eng_engine *e, eng_seq *s, int n) {
  * preempting newer sequences cannot cure preempts s itself. */
 static void prefill_some(eng_engine *e, eng_seq *s, int *budget) {
     const int rem = s->n_feed - s->prefilled;
-    int k = rem < *budget ? rem : *budget;
-    if (s->snap_at > s->prefilled && s->prefilled + k > s->snap_at) k = s->snap_at - s->prefilled;
+    const int k = sched_prefill_chunk(s->n_feed, s->prefilled, *budget, s->snap_at);
     float *logits = e->logits; /* row 0: the step's decode has already used these rows */
     const bool last = k == rem, resumed = s->n_gen > 0;
     if (!make_room(e, s, k)) {
@@ -430,12 +430,11 @@ static void prefill_some(eng_engine *e, eng_seq *s, int *budget) {
  * boundary to keep from this prompt is chosen. */
 static void prefix_start(eng_engine *e, eng_seq *s) {
     if (!e->p.prefix_cache_bytes) return;
-    const int at = (s->req.n_prompt - 1) / e->p.prefix_block * e->p.prefix_block;
     const int i = rt_prefix_find(&e->prefixes, s->tokens, s->req.n_prompt);
     mt_error err = { "" };
     s->prefilled = rt_prefix_restore(&e->prefixes, i, s->gs, e->steps, &err);
     if (i >= 0 && s->prefilled == 0) mt_log(MT_LOG_WARN, "engine: prefix reuse failed (%s); prefilling in full", err.msg);
-    s->snap_at = at > s->prefilled && s->n_gen == 0 ? at : 0;
+    s->snap_at = sched_prefix_boundary(s->req.n_prompt, e->p.prefix_block, s->prefilled, s->n_gen);
 }
 
 /* Prefill work of one step, at most prefill_budget prompt tokens (at least one): first the
@@ -453,19 +452,17 @@ static void admit(eng_engine *e) {
     while (budget > 0 && taken < e->n_waiting && e->n_running < e->p.max_sequences) {
         eng_seq *s = e->waiting[taken];
         const int cap = s->req.n_prompt + s->req.max_new_tokens;
-        /* FIFO: the head waits for room rather than letting later, smaller requests pass it */
-        if (e->p.cache_budget_bytes && e->cache_bytes + mt_model_seq_bytes_max(e->m, cap) > e->p.cache_budget_bytes) break;
-        /* a slot: kept prefixes hold some, and give them up for a request */
-        while (mt_model_pool_stats(e->m).slots_free == 0 && rt_prefix_evict_one(&e->prefixes)) {}
-        if (mt_model_pool_stats(e->m).slots_free == 0) break;
-        /* and pages for its prefill and first token, so it does not give way as soon as it starts */
-        if (e->info.page_bytes > 0) {
-            const int page = e->info.page_tokens;
-            const int len = e->p.preempt ? s->n_feed + 1 : s->req.n_prompt + s->req.max_new_tokens;
-            const int need = (len + page - 1) / page;
-            while (mt_model_pool_stats(e->m).pages_free < need && rt_prefix_evict_one(&e->prefixes)) {}
-            if (mt_model_pool_stats(e->m).pages_free < need && e->n_running > 0) break; /* alone, it may preempt nothing */
+        const sched_req r = { s->n_feed, s->req.n_prompt, s->req.max_new_tokens, mt_model_seq_bytes_max(e->m, cap) };
+        sched_verdict v;
+        for (;;) { /* kept prefixes hold slots and pages, and give them up for a request */
+            const mt_pool_stats ps = mt_model_pool_stats(e->m);
+            const sched_room room = { e->cache_bytes, e->p.cache_budget_bytes, ps.slots_free, ps.pages_free,
+                                      e->info.page_tokens, e->info.page_bytes > 0, e->n_running };
+            v = sched_admit(&room, &r, e->p.preempt, e->prefixes.n > 0);
+            if (v != SCHED_EVICT) break;
+            rt_prefix_evict_one(&e->prefixes);
         }
+        if (v != SCHED_ADMIT) break;
         taken++;
         if ((s->st = mt_seq_new(e->m, cap, &s->gs, &s->err)) != MT_OK) {
             seq_end(e, s, ENG_FINISH_ERROR, s->err.msg);

@@ -1,0 +1,65 @@
+/* worker/engine/sched.h: the scheduler's decisions, apart from carrying them out. Each function
+ * looks at a small view of the engine's state and answers one question (may this request be
+ * admitted now, how many prompt tokens does this prefill take, which sequence gives way); the
+ * engine (engine.c) acts on the answer: it allocates, evicts kept prefixes, preempts and calls the
+ * model. No function here touches a sequence, a pool or the model.
+ */
+#ifndef ENG_SCHED_H
+#define ENG_SCHED_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* What admission looks at. */
+typedef struct sched_room {
+    size_t cache_bytes;        /* charged to the running sequences */
+    size_t cache_budget;       /* 0: no byte budget */
+    int slots_free, pages_free;
+    int page_tokens;           /* positions per page; pages matter only when paged */
+    bool paged;
+    int n_running;
+} sched_room;
+
+/* A waiting request as admission sees it. */
+typedef struct sched_req {
+    int n_feed;                /* tokens its prefill feeds */
+    int n_prompt, max_new_tokens;
+    size_t bytes_max;          /* pool memory its whole length holds at most */
+} sched_req;
+
+typedef enum sched_verdict {
+    SCHED_ADMIT,               /* it may start now */
+    SCHED_WAIT,                /* it waits: so does every later one (FIFO) */
+    SCHED_EVICT,               /* short of a slot or pages that a kept prefix holds: evict one, ask again */
+} sched_verdict;
+
+/* Whether r may start: within the byte budget, with a slot, and with pages for its prefill and
+ * first token (preempt) or for its whole length (!preempt). Short of a slot or pages, it asks for
+ * a kept prefix to go (can_evict: one is kept) before it waits; a request alone may start short
+ * of pages (it can preempt nobody, so it gives way itself if it must). FIFO: the head of the
+ * queue waits for room rather than letting later, smaller requests pass it. */
+sched_verdict sched_admit(const sched_room *room, const sched_req *r, bool preempt, bool can_evict);
+
+/* Prompt tokens the next prefill chunk of a sequence takes: what remains of it (n_feed -
+ * prefilled), at most the step's budget, and stopping at snap_at (a prefix boundary to keep)
+ * when it lies inside the chunk. */
+int sched_prefill_chunk(int n_feed, int prefilled, int budget, int snap_at);
+
+/* The prompt position to keep as a prefix snapshot: the last multiple of block that leaves at
+ * least one prompt token, when it lies past what is already there (prefilled) and the sequence
+ * is new (no generated tokens); 0 = none. */
+int sched_prefix_boundary(int n_prompt, int block, int prefilled, int n_gen);
+
+/* The running sequence that gives way when sequence `self` (an index into running order) cannot
+ * get pages: the newest one admitted after self that still holds state (holds[i]); -1 when none,
+ * since an older sequence never gives way for a newer one. */
+int sched_victim(const bool *holds, int n_running, int self);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* ENG_SCHED_H */
