@@ -87,7 +87,7 @@ static void on_signal(int sig) {
     g_stop = 1;
 }
 
-/* The start-up memory plan (issue 5): what the backend has free after the weights, less a reserve
+/* The start-up memory plan: what the backend has free after the weights, less a reserve
  * for activations, scratch and graphs, goes to the model's two pools: slots (one per running
  * sequence, per kept prefix, and the graph pad) and pages (the DSA caches), no more pages than every
  * slot at full context could use. --cache-budget-mb gives the pools a fixed size instead. A

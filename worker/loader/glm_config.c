@@ -4,7 +4,7 @@
  * the same defaults, the same __post_init__ derivation of the per-layer lists (layer_types,
  * mlp_layer_types, indexer_types from index_topk_pattern or index_topk_freq /
  * index_skip_topk_offset, the linear_attn_config override), plus the checks the runtime needs
- * (MODEL.md). JSON is parsed with json-c; every message names the source and the field.
+ * (docs/MODEL.md). JSON is parsed with json-c; every message names the source and the field.
  */
 #include "worker/loader/glm_config.h"
 
@@ -755,8 +755,7 @@ mt_status glm_config_preset(const char *name, glm_config *cfg, mt_error *err) {
         glm_config_default_layers(&c);
         for (int i = 1; i < 4; i++) c.mlp_layer_types[i] = GLM_MLP_SPARSE;
     } else if (name && !strcmp(name, "test-wide")) {
-        /* The wider random model of the GPU model test (tests/model_cuda_test.cc) and of
-         * tools/dev/precision_probe: real head sizes (KDA heads of 128, MLA heads of 256/256 over a
+        /* The wider random model of the GPU model test (tests/model_cuda_test.cc): real head sizes (KDA heads of 128, MLA heads of 256/256 over a
          * 512 latent, indexer heads of 128) at hidden 512, 64 experts, a shared indexer. */
         c.vocab_size = 2048; c.hidden_size = 512; c.intermediate_size = 1024; c.moe_intermediate_size = 256;
         c.num_hidden_layers = 4; c.num_attention_heads = 4; c.num_key_value_heads = 4;

@@ -84,7 +84,7 @@ mt_status glm_config_load(const char *path, glm_config *cfg, mt_error *err);
 /* Parses config JSON text (same rules as glm_config_load; "where" names the source in messages). */
 mt_status glm_config_parse(const char *json_text, const char *where, glm_config *cfg, mt_error *err);
 
-/* Checks the invariants the runtime relies on (MODEL.md); err names the field. */
+/* Checks the invariants the runtime relies on (docs/MODEL.md); err names the field. */
 mt_status glm_config_validate(const glm_config *cfg, mt_error *err);
 
 /* Writes cfg as a flat text config.json ("model_type": "glm5_next_text") that glm_config_load
@@ -92,7 +92,7 @@ mt_status glm_config_validate(const glm_config *cfg, mt_error *err);
 mt_status glm_config_save(const glm_config *cfg, const char *path, mt_error *err);
 
 /* Presets for tools and benchmarks: "tiny" (hidden 64, a few hundred vocab, every layer kind) and
- * "bench-4L" (MISSION.md: real per-layer dims, 3 KDA + 1 DSA, 1 dense + 3 MoE). */
+ * "bench-4L" (GLM-5.3-Flash's real per-layer dims, 3 KDA + 1 DSA, 1 dense + 3 MoE). */
 mt_status glm_config_preset(const char *name, glm_config *cfg, mt_error *err);
 
 #ifdef __cplusplus

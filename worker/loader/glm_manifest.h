@@ -1,5 +1,5 @@
 /* worker/loader/glm_manifest.h: every text-model tensor a glm5_next checkpoint holds for a config,
- * with its exact name (MODEL.md, "Checkpoint layout"), dtype and shape.
+ * with its exact name (docs/MODEL.md, "Checkpoint tensors"), dtype and shape.
  *
  * Owner: the model loader. The one place that knows checkpoint names: the weight binder checks a
  * checkpoint against it, and tools/mkckpt writes random checkpoints from it, so the two cannot

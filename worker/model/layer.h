@@ -1,6 +1,6 @@
-/* worker/model/layer.h: the layer contract of the engine (MISSION.md, "The engine contract").
+/* worker/model/layer.h: the layer contract of the engine.
  *
- * A model is a list of layers behind this one interface: a table of operations (STYLE.md 3), NULL
+ * A model is a list of layers behind this one interface: a table of operations, NULL
  * meaning "use the default" (documented per slot), plus capability flags the model plans with.
  * Per-sequence state is an mt_layer_state (each layer kind embeds it first in its own state
  * struct). All calls run on the engine thread; a layer and its states are not thread-safe.

@@ -1,4 +1,4 @@
-/* worker/model/glm/glm_dsa.c: the DSA mixer (MODEL.md "DSA mixer"): MLA without RoPE whose latent c
+/* worker/model/glm/glm_dsa.c: the DSA mixer (docs/MODEL.md, "DSA mixer"): MLA without RoPE whose latent c
  * is the KV cache, attending only over the positions its indexer selects. A "full" layer runs
  * its own indexer (keys, gate scores and pool keys cached per sequence, in the layer's pages that the
  * sequence's block table maps, as the latent is) and leaves its selection

@@ -1,7 +1,7 @@
 /* worker/model/glm/glm_impl.h: internals of the GLM model runtime, shared by its files:
  * glm_weights.c (binding), glm_kda.c / glm_dsa.c (mixers), glm_mlp.c, glm_layer.c (the decoder
  * layer: hyper-connections around mixer and MLP), glm_model.c (embedding, head, sequences).
- * Shapes use the notation of MODEL.md. All float * live in backend memory. */
+ * Shapes use the notation of docs/MODEL.md. All float * live in backend memory. */
 #ifndef GLM_IMPL_H
 #define GLM_IMPL_H
 
@@ -73,7 +73,7 @@ typedef struct glm_layer {
     glm_kda_w kda;
     glm_dsa_w dsa;
     glm_mlp_w mlp;
-    /* Pools of per-sequence state (issue 5), made by the model (glm_model_set_pools) and shared by
+    /* Pools of per-sequence state, made by the model (glm_model_set_pools) and shared by
      * its sequences. DSA: page p holds `page` consecutive positions of whichever sequence's block
      * table maps one of its blocks to p: position t of a sequence is row t % page of page
      * bt[t / page]. page is a multiple of index_kpool, so a page also holds whole pools' keys. */

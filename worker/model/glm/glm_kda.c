@@ -1,4 +1,4 @@
-/* worker/model/glm/glm_kda.c: the KDA mixer (MODEL.md "KDA mixer"): projections, causal conv + SiLU
+/* worker/model/glm/glm_kda.c: the KDA mixer (docs/MODEL.md, "KDA mixer"): projections, causal conv + SiLU
  * with the conv state, l2norm, decay gate, the delta rule (chunked for several rows of one
  * sequence, recurrent for one row), gated output norm and o_proj.
  *

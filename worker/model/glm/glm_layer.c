@@ -291,7 +291,7 @@ void glm_layer_init(glm_layer *l, const glm_config *cfg, mt_backend *be, int i) 
         l->base.ops = &kda_layer_ops;
         l->base.kind = "glm.kda";
         /* Recurrent state cannot be rewound by length; the state is per-sequence memory, so a
-         * captured graph (issue 3) belongs to one sequence. */
+         * captured graph belongs to one sequence. */
         l->base.caps = (mt_layer_caps){ .is_ssm_layer = true, .decode_rollback_unsupported = true,
                                         .graph_stale_on_new_sequence = true,
                                         .decode_verify_multi_unsupported = true };

@@ -44,7 +44,7 @@ void glm_model_free(glm_model *m);
 const glm_config *glm_model_config(const glm_model *m);
 mt_backend *glm_model_backend(const glm_model *m);
 
-/* ---- pools (issue 5) ----
+/* ---- pools ----
  * Sequence state lives in two pools the model owns, made once: pages, each holding
  * glm_model_page_tokens positions of every DSA layer's caches (MLA latent, indexer keys, gate
  * scores, pool keys), mapped to a sequence through its block table as it grows, and shared
