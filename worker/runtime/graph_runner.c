@@ -34,8 +34,8 @@ mt_status rt_hooks_before(const rt_runner *r, const rt_rows *rows, mt_error *err
                                      ly->kind, rows->seq_len[i] + j);
             }
             if (mt_layer_check_replay_room(ly, st, rows->seq_len[i], rows->k) != MT_OK)
-                return mt_errorf(err, MT_ERR_FULL, "sequence %d layer %d (%s) has no room for %d rows at %d", i, l,
-                                 ly->kind, rows->k, rows->seq_len[i]);
+                return mt_errorf(err, MT_ERR_FULL, "sequence %d layer %d (%s) has no room to replay %d rows at %d", i,
+                                 l, ly->kind, rows->k, rows->seq_len[i]);
         }
     return MT_OK;
 }

@@ -528,6 +528,8 @@ static mt_status seq_step(glm_model *m, glm_seq *s, const int32_t *tokens, int k
     const rt_rows rows = { .states = &states, .seq_len = &pos, .tokens = tokens, .n = 1, .k = k };
     mt_status st = rt_hooks_before(&m->runner, &rows, err);
     if (st != MT_OK) return st;
+    if (pos + k > s->cap) /* no layer tracks a cache here: the capacity still bounds the step */
+        return mt_errorf(err, MT_ERR_FULL, "decode at position %d: no room to replay %d rows (capacity %d)", pos, k, s->cap);
     rt_slot *slot = k > 1 ? &s->verify[k] : m->runner.plan.per_sequence ? &s->graph : &m->shared;
     seq_step_ctx ctx = { m, s, k };
     st = rt_run_step(&m->runner, slot, m->params.decode_graphs, 0, &rows, seq_step_body, &ctx,
@@ -549,13 +551,16 @@ static mt_status decode_seq(glm_model *m, glm_seq *s, const int32_t *tokens, int
         if (tokens[i] < 0 || tokens[i] >= m->cfg.vocab_size)
             return mt_errorf(err, MT_ERR_INVALID, "token %d at index %d is outside the vocabulary [0, %d)", tokens[i], i,
                              m->cfg.vocab_size);
+    if (s->len + k <= s->cap) { /* past the capacity: refused by the hooks (graph form) or below */
+        mt_status st = glm_seq_reserve(s, k, err);
+        if (st != MT_OK) return st;
+    }
+    const bool graph_form = m->params.device_positions || (m->params.decode_graphs && m->runner.plan.graphs);
+    if (graph_form) return seq_step(m, s, tokens, k, logits, err);
     if (s->len + k > s->cap)
         return mt_errorf(err, MT_ERR_FULL, "sequence of %d tokens has room for %d more, asked for %d", s->len,
                          s->cap - s->len, k);
-    mt_status st = glm_seq_reserve(s, k, err);
-    if (st != MT_OK) return st;
-    const bool graph_form = m->params.device_positions || (m->params.decode_graphs && m->runner.plan.graphs);
-    if (graph_form) return seq_step(m, s, tokens, k, logits, err);
+    mt_status st;
     if ((st = forward(m, s, tokens, k, true, 0, logits)) != MT_OK)
         return mt_errorf(err, st, "decode failed at position %d: %s", s->len, mt_status_str(st));
     return MT_OK;
