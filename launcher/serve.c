@@ -1,4 +1,4 @@
-/* worker/serve.c: metrale-serve, the one-line start of the service: the router and N workers.
+/* launcher/serve.c: metrale-serve, the one-line start of the service: the router and N workers.
  *
  *   metrale-serve [--model DIR] [--listen HOST:PORT] [--workers N] [--backend auto|cpu|cuda]
  *                 [--max-sequences N] [--max-context N] [--threads N] [--queue N] [--drain-timeout S]
@@ -9,16 +9,18 @@
  * (/dev/nvidia0..), one worker per GPU, and otherwise runs one CPU worker with every core.
  *
  * Processes: the router (bazel-bin/router/metrale-router) binds an ipc:// socket private to this
- * run; workers (bazel-bin/worker/metrale-worker) connect to it. The binaries are found next to
- * this one (override with METRALE_ROUTER_BIN, METRALE_WORKER_BIN, METRALE_MKCKPT_BIN). Each child
- * runs in its own process group and gets SIGTERM if this process dies.
+ * run; workers (bazel-bin/worker/metrale-worker) connect to it. The binaries are found beside this
+ * one's folder in the same bazel-bin tree (this one is bazel-bin/launcher/metrale-serve); override
+ * with METRALE_ROUTER_BIN, METRALE_WORKER_BIN, METRALE_MKCKPT_BIN. Each child runs in its own
+ * process group and gets SIGTERM if this process dies.
  *
  * Signals: the first SIGTERM / SIGINT is forwarded to the router, which drains (health
  * NOT_SERVING, running streams finish up to --drain-timeout) and tells the workers to shut down;
  * workers still alive WORKER_EXIT_S after the router are sent SIGTERM, then SIGKILL. A second
  * signal sends SIGTERM to everyone, a third SIGKILL. A worker that dies while serving (killed, or
- * a non-zero exit) is started again after RESTART_DELAY_S (the router counts it as a restart); if the router dies, everything
- * stops. Exit status: the router's (0 after a clean drain), 1 on failure, 2 on bad arguments.
+ * a non-zero exit) is started again after RESTART_DELAY_S (the router counts it as a restart); if
+ * the router dies, everything stops. Exit status: the router's (0 after a clean drain), 1 on
+ * failure, 2 on bad arguments.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -77,7 +79,7 @@ static void usage(FILE *f) {
 
 /* ---- paths ---- */
 
-static char g_bindir[PATH_MAX]; /* the bazel-bin root: this binary is <root>/worker/metrale-serve */
+static char g_bindir[PATH_MAX]; /* the bazel-bin root: this binary is <root>/launcher/metrale-serve */
 
 static void find_bindir(void) {
     char exe[PATH_MAX];
