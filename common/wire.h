@@ -19,16 +19,12 @@
 #include <stddef.h>
 
 #include "common/mt.h"
+#include "common/wire_limits.h"
 #include "proto/metrale/internal/v1/worker.pb-c.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-#define MT_WIRE_VERSION 1
-#define MT_WIRE_HWM 10000
-#define MT_WIRE_PEER_MAX 64
-#define MT_WIRE_DEALER_SEND_MS 500
 
 typedef Metrale__Internal__V1__Envelope mt_envelope;
 

@@ -38,7 +38,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/wire_limits.h"
+
 #define MAX_WORKERS 64
+_Static_assert(MAX_WORKERS <= MT_WIRE_WORKERS_MAX, "the router takes fewer workers than the launcher starts");
 #define RESTART_DELAY_S 1.0
 #define WORKER_EXIT_S 10.0
 #define KILL_AFTER_S 5.0
@@ -259,12 +262,12 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         else if (!strcmp(a, "--backend")) o->backend = v;
         else if (!strcmp(a, "--queue")) o->queue = v;
         else if (!strcmp(a, "--drain-timeout")) o->drain_timeout = v;
-        else if (!strcmp(a, "--prefill-budget")) rc = parse_int(a, o->prefill_budget = v, 1, 1 << 24, &(int){ 0 });
+        else if (!strcmp(a, "--prefill-budget")) rc = parse_int(a, o->prefill_budget = v, 1, MT_WIRE_CONTEXT_MAX, &(int){ 0 });
         else if (!strcmp(a, "--graph-max-batch")) rc = parse_int(a, o->graph_max_batch = v, 1, 4096, &(int){ 0 });
         else if (!strcmp(a, "--cache-budget-mb")) rc = parse_int(a, o->cache_budget_mb = v, 0, 1 << 30, &(int){ 0 });
         else if (!strcmp(a, "--workers")) rc = parse_int(a, v, 1, MAX_WORKERS, &o->workers);
         else if (!strcmp(a, "--max-sequences")) rc = parse_int(a, v, 1, 4096, &o->max_sequences);
-        else if (!strcmp(a, "--max-context")) rc = parse_int(a, v, 2, 1 << 24, &o->max_context);
+        else if (!strcmp(a, "--max-context")) rc = parse_int(a, v, 2, MT_WIRE_CONTEXT_MAX, &o->max_context);
         else if (!strcmp(a, "--threads")) rc = parse_int(a, v, 0, 4096, &o->threads);
         else { fprintf(stderr, "metrale-serve: unknown option %s\n", a); usage(stderr); return -1; }
         if (rc) return -1;

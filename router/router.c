@@ -76,7 +76,7 @@ struct rtr_router {
     double next_tick;
     drain_phase phase;
     double phase_deadline;
-    bool worker_gone[RTR_WORKERS_MAX]; /* DRAIN_WORKERS: index in workers.w[] has left */
+    bool worker_gone[MT_WIRE_WORKERS_MAX]; /* DRAIN_WORKERS: index in workers.w[] has left */
     /* counters for GetStats */
     uint32_t running;
     uint64_t requests_total, requests_rejected;
@@ -89,7 +89,7 @@ rtr_router_params rtr_router_default_params(void) {
         .workers_endpoint = "ipc:///tmp/metrale-workers.sock",
         .queue_capacity = 1024,
         .drain_timeout_s = 30,
-        .dead_after_s = 2.5,
+        .dead_after_s = MT_WIRE_WORKER_DEAD_S,
         .workers_exit_s = 3,
         .drain_fd = -1,
     };
@@ -384,8 +384,8 @@ static void on_envelope(rtr_router *r, const char *peer, envelope *env, double n
                 mt_log(MT_LOG_WARN, "router: message from %s, which has not said Hello; asking for one", peer);
                 r->last_unknown_log = now;
             }
-            /* A worker that outlived a router restart keeps sending heartbeats (one per 0.5 s,
-             * which bounds these replies) without a Hello: ask for one. */
+            /* A worker that outlived a router restart keeps sending heartbeats (one per
+             * MT_WIRE_HEARTBEAT_S, which bounds these replies) without a Hello: ask for one. */
             if (!known && env->body_case == METRALE__INTERNAL__V1__ENVELOPE__BODY_HEARTBEAT) {
                 Metrale__Internal__V1__Heartbeat hb = METRALE__INTERNAL__V1__HEARTBEAT__INIT;
                 hb.seq = ++r->heartbeat_seq;
@@ -447,10 +447,10 @@ static void send_heartbeats(rtr_router *r) {
 static void tick(rtr_router *r, double now) {
     if (now >= r->next_heartbeat) {
         send_heartbeats(r);
-        r->next_heartbeat = now + RTR_HEARTBEAT_S;
+        r->next_heartbeat = now + MT_WIRE_HEARTBEAT_S;
     }
-    rtr_worker *dead[RTR_WORKERS_MAX];
-    size_t ndead = rtr_workers_expire(&r->workers, now, dead, RTR_WORKERS_MAX);
+    rtr_worker *dead[MT_WIRE_WORKERS_MAX];
+    size_t ndead = rtr_workers_expire(&r->workers, now, dead, MT_WIRE_WORKERS_MAX);
     for (size_t i = 0; i < ndead; i++) {
         mt_log(MT_LOG_WARN, "router: worker %s silent for %.1f s: dead", dead[i]->peer, now - dead[i]->last_heard);
         fail_worker_streams(r, dead[i], "died", true);
@@ -597,7 +597,7 @@ static void on_get_model_info(rtr_router *r, rtr_call *call) {
 
 static void on_get_stats(rtr_router *r, rtr_call *call) {
     Metrale__V1__Stats st = METRALE__V1__STATS__INIT;
-    Metrale__V1__WorkerStats ws[RTR_WORKERS_MAX], *wp[RTR_WORKERS_MAX];
+    Metrale__V1__WorkerStats ws[MT_WIRE_WORKERS_MAX], *wp[MT_WIRE_WORKERS_MAX];
     st.queued = (uint32_t)rtr_admission_len(&r->queue);
     st.active_streams = r->running;
     st.requests_total = r->requests_total;

@@ -11,7 +11,7 @@
  * Malformed or unexpected messages are logged and dropped.
  *
  * Threads: the engine thread runs the loop (receive, eng_step, send tokens); a heartbeat thread
- * sends the Heartbeat every HEARTBEAT_S from a stats snapshot the engine thread refreshes, so the
+ * sends the Heartbeat every MT_WIRE_HEARTBEAT_S from a stats snapshot the engine thread refreshes, so the
  * router hears from a worker busy in a long step (a long CPU prefill takes seconds). They share
  * the DEALER under sock_mu (a mutex is the full barrier ZeroMQ asks for when a socket is used by
  * more than one thread). The heartbeat thread stops beating when the engine thread has made no
@@ -39,13 +39,10 @@
 #include "worker/loader/glm_config.h"
 #include "worker/model/glm_model.h"
 
-#define HEARTBEAT_S 0.5
-#define ROUTER_SILENCE_S 10.0   /* default --router-timeout */
 #define RECV_BATCH 256          /* envelopes handled per loop iteration at most */
 #define IDLE_WAIT_MS 50         /* longest wait for a message when idle (holds sock_mu) */
 #define HELLO_RETRY_S 0.5
 #define STALL_S 120.0           /* engine-thread silence after which heartbeats stop */
-#define HELLO_WANTED_QUIET_S 2.0 /* hello_wanted this soon after a Hello is its in-flight echo */
 
 typedef struct worker_opts {
     const char *model, *router, *backend;
@@ -234,7 +231,7 @@ static void publish_stats(worker *w) {
     pthread_mutex_unlock(&w->stats_mu);
 }
 
-/* Heartbeat thread: one Heartbeat every HEARTBEAT_S while linked and the engine thread lives. */
+/* Heartbeat thread: one Heartbeat every MT_WIRE_HEARTBEAT_S while linked and the engine thread lives. */
 static void *heartbeat_main(void *arg) {
     worker *w = arg;
     double next = mt_now();
@@ -247,7 +244,7 @@ static void *heartbeat_main(void *arg) {
         if (stop) return NULL;
         const double now = mt_now();
         if (now >= next) {
-            next = now + HEARTBEAT_S;
+            next = now + MT_WIRE_HEARTBEAT_S;
             if (now - progress_at > STALL_S) {
                 mt_log(MT_LOG_ERROR, "worker %d: engine thread stuck for %.0f s; heartbeats stop", w->o.id,
                        now - progress_at);
@@ -347,14 +344,20 @@ static void on_finished(void *user, uint64_t id, const eng_finish_info *f) {
 
 /* ---- receiving ---- */
 
+/* The router checks top_logprobs against the wire limit; the engine's results must hold that many. */
+_Static_assert(MT_WIRE_TOP_LOGPROBS_MAX <= ENG_TOP_LOGPROBS_MAX, "top_logprobs of the wire exceed the engine's");
+
 /* Builds the engine's request from a Submit's GenerateRequest; ids and stop ids are copied into
  * the caller's buffers (n entries each). MT_ERR_INVALID with a message on what the engine cannot
- * express (ids above INT32_MAX, top_logprobs above the limit, prompt text). */
+ * express (ids above INT32_MAX, counts above the wire limits, prompt text). */
 static mt_status request_from_proto(const Metrale__V1__GenerateRequest *g, int32_t *prompt, int32_t *stops,
                                     eng_request *r, mt_error *err) {
     *r = eng_default_request();
     if (g->prompt_text && g->prompt_text[0])
         return mt_errorf(err, MT_ERR_INVALID, "prompt_text is not supported (no tokenizer yet)");
+    if (g->n_prompt_token_ids > MT_WIRE_CONTEXT_MAX)
+        return mt_errorf(err, MT_ERR_INVALID, "prompt of %zu tokens: at most %d", g->n_prompt_token_ids,
+                         MT_WIRE_CONTEXT_MAX);
     for (size_t i = 0; i < g->n_prompt_token_ids; i++) {
         if (g->prompt_token_ids[i] > INT32_MAX)
             return mt_errorf(err, MT_ERR_INVALID, "prompt token %u at index %zu is outside the vocabulary",
@@ -363,8 +366,8 @@ static mt_status request_from_proto(const Metrale__V1__GenerateRequest *g, int32
     }
     r->prompt = prompt;
     r->n_prompt = (int)g->n_prompt_token_ids;
-    if (g->top_logprobs > ENG_TOP_LOGPROBS_MAX)
-        return mt_errorf(err, MT_ERR_INVALID, "top_logprobs must be <= %d, got %u", ENG_TOP_LOGPROBS_MAX,
+    if (g->top_logprobs > MT_WIRE_TOP_LOGPROBS_MAX)
+        return mt_errorf(err, MT_ERR_INVALID, "top_logprobs must be <= %d, got %u", MT_WIRE_TOP_LOGPROBS_MAX,
                          g->top_logprobs);
     r->logprobs = g->logprobs;
     r->top_logprobs = (int)g->top_logprobs;
@@ -384,6 +387,9 @@ static mt_status request_from_proto(const Metrale__V1__GenerateRequest *g, int32
     r->max_new_tokens = 0; /* required: the engine says so when missing */
     if (st) {
         r->max_new_tokens = st->max_new_tokens > INT32_MAX ? INT32_MAX : (int)st->max_new_tokens;
+        if (st->n_stop_token_ids > MT_WIRE_STOP_TOKENS_MAX)
+            return mt_errorf(err, MT_ERR_INVALID, "%zu stop tokens: at most %d", st->n_stop_token_ids,
+                             MT_WIRE_STOP_TOKENS_MAX);
         for (size_t i = 0; i < st->n_stop_token_ids; i++) {
             if (st->stop_token_ids[i] > INT32_MAX)
                 return mt_errorf(err, MT_ERR_INVALID, "stop token %u at index %zu is outside the vocabulary",
@@ -444,7 +450,7 @@ static bool on_envelope(worker *w, mt_envelope *env) {
         return false;
     case METRALE__INTERNAL__V1__ENVELOPE__BODY_HEARTBEAT:
         /* The router does not know us (it restarted): our streams are gone; Hello again. */
-        if (env->heartbeat->hello_wanted && mt_now() - w->last_hello > HELLO_WANTED_QUIET_S) {
+        if (env->heartbeat->hello_wanted && mt_now() - w->last_hello > MT_WIRE_HELLO_WANTED_QUIET_S) {
             pthread_mutex_lock(&w->sock_mu);
             const bool was_linked = w->linked; /* else a Hello is on its way already */
             if (was_linked) {
@@ -505,7 +511,7 @@ static int parse_int(const char *flag, const char *v, int lo, int *out) {
 
 static int parse_args(int argc, char **argv, worker_opts *o) {
     *o = (worker_opts){ .backend = "cpu", .id = -1, .max_sequences = 16, .max_context = 4096,
-                        .router_timeout = ROUTER_SILENCE_S };
+                        .router_timeout = MT_WIRE_ROUTER_SILENCE_S };
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); return 1; }
@@ -522,8 +528,8 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
         else if (!strcmp(a, "--max-sequences")) rc = parse_int(a, v, 1, &o->max_sequences);
         else if (!strcmp(a, "--max-context")) {
             rc = parse_int(a, v, 2, &o->max_context);
-            if (!rc && o->max_context > (1 << 24)) { /* page and token arithmetic stays in int */
-                fprintf(stderr, "error: --max-context must be at most %d, got %d\n", 1 << 24, o->max_context);
+            if (!rc && o->max_context > MT_WIRE_CONTEXT_MAX) {
+                fprintf(stderr, "error: --max-context must be at most %d, got %d\n", MT_WIRE_CONTEXT_MAX, o->max_context);
                 rc = -1;
             }
         }
