@@ -39,7 +39,7 @@ mt_status rtr_workers_hello(rtr_workers *reg, const char *peer, const Metrale__I
         return mt_errorf(err, MT_ERR_INVALID, "Hello from %s: vocab_size %u, max_context %u must be > 0", peer,
                          m->vocab_size, m->max_context);
     char want[MT_WIRE_PEER_MAX];
-    snprintf(want, sizeof want, "w%u", hello->worker_id);
+    mt_wire_identity(hello->worker_id, want);
     if (strcmp(want, peer))
         return mt_errorf(err, MT_ERR_INVALID, "Hello with worker_id %u from identity \"%s\" (expected \"%s\")",
                          hello->worker_id, peer, want);
