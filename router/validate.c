@@ -69,7 +69,8 @@ static mt_status check_request_id(const char *id, mt_error *err) {
     if (n == 0) return mt_errorf(err, MT_ERR_INVALID, "request_id is empty: must be 1..%d printable characters",
                                  MT_WIRE_REQUEST_ID_MAX);
     if (n > MT_WIRE_REQUEST_ID_MAX)
-        return mt_errorf(err, MT_ERR_INVALID, "request_id has %zu characters: must be 1..%d", n, MT_WIRE_REQUEST_ID_MAX);
+        return mt_errorf(err, MT_ERR_INVALID, "request_id has %zu characters: must be 1..%d", n,
+                         MT_WIRE_REQUEST_ID_MAX);
     for (size_t i = 0; i < n; i++) {
         unsigned char c = (unsigned char)id[i];
         if (c < 0x20 || c > 0x7e)
