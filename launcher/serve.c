@@ -9,10 +9,10 @@
  * (/dev/nvidia0..), one worker per GPU, and otherwise runs one CPU worker with every core.
  *
  * Processes: the router (bazel-bin/router/metrale-router) binds an ipc:// socket private to this
- * run; workers (bazel-bin/worker/metrale-worker) connect to it. The binaries are found beside this
- * one's folder in the same bazel-bin tree (this one is bazel-bin/launcher/metrale-serve); override
- * with METRALE_ROUTER_BIN, METRALE_WORKER_BIN, METRALE_MKCKPT_BIN. Each child runs in its own
- * process group and gets SIGTERM if this process dies.
+ * run; workers (bazel-bin/worker/metrale-worker) connect to it. The binaries are found in the
+ * bazel-bin tree this one is in (bazel-bin/launcher/metrale-serve), or else in its own folder (a
+ * folder of copied binaries); METRALE_ROUTER_BIN, METRALE_WORKER_BIN and METRALE_MKCKPT_BIN name
+ * others. Each child runs in its own process group and gets SIGTERM if this process dies.
  *
  * Signals: the first SIGTERM / SIGINT is forwarded to the router, which drains (health
  * NOT_SERVING, running streams finish up to --drain-timeout) and tells the workers to shut down;
@@ -82,24 +82,34 @@ static void usage(FILE *f) {
 
 /* ---- paths ---- */
 
-static char g_bindir[PATH_MAX]; /* the bazel-bin root: this binary is <root>/launcher/metrale-serve */
+static char g_exedir[PATH_MAX]; /* this binary's folder: <bazel-bin>/launcher, or a bundle's bin/ */
+static char g_bindir[PATH_MAX]; /* the bazel-bin root, the folder above g_exedir */
 
 static void find_bindir(void) {
     char exe[PATH_MAX];
     ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
     if (n <= 0) {
+        strcpy(g_exedir, ".");
         strcpy(g_bindir, ".");
         return;
     }
     exe[n] = 0;
-    char *d = dirname(dirname(exe));
-    snprintf(g_bindir, sizeof g_bindir, "%s", d);
+    snprintf(g_exedir, sizeof g_exedir, "%s", dirname(exe)); /* dirname writes into exe */
+    snprintf(g_bindir, sizeof g_bindir, "%s", dirname(exe));
 }
 
+/* The binary rel (e.g. "router/metrale-router"): the environment variable env when set, else
+ * <bazel-bin>/rel, else the same name in this binary's own folder (a folder of copied binaries);
+ * when neither exists, the bazel-bin path, which the failing exec then names. */
 static const char *bin_path(const char *env, const char *rel, char *buf, size_t len) {
     const char *e = getenv(env);
     if (e && *e) return e;
     snprintf(buf, len, "%s/%s", g_bindir, rel);
+    if (access(buf, X_OK) == 0) return buf;
+    const char *name = strrchr(rel, '/');
+    char own[PATH_MAX + 64];
+    snprintf(own, sizeof own, "%s/%s", g_exedir, name ? name + 1 : rel);
+    if (access(own, X_OK) == 0) snprintf(buf, len, "%s", own);
     return buf;
 }
 
