@@ -1,10 +1,10 @@
 /* common/mt.h: the status type, error messages, dtypes, assertions and logging shared by every
  * metrale module (router, worker, kernels, tools).
  *
- * Conventions (STYLE.md 4, 5): a function that can fail returns mt_status (0 = ok, negative =
- * error) and, when it takes an mt_error *, writes a one-line human message there naming what was
- * wrong (file, tensor, field). A call that fails leaves its outputs untouched unless its header
- * says otherwise. Bugs abort through MT_ASSERT; bad input never does.
+ * Conventions: a function that can fail returns mt_status (0 = ok, negative = error) and, when it
+ * takes an mt_error *, writes a one-line human message there naming what was wrong (file, tensor,
+ * field). A call that fails leaves its outputs untouched unless its header says otherwise. Bugs
+ * abort through MT_ASSERT; bad input never does.
  */
 #ifndef MT_H
 #define MT_H
@@ -41,7 +41,8 @@ typedef struct mt_error {
 mt_status mt_errorf(mt_error *err, mt_status st, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
-/* Element types of tensors in checkpoints and buffers. Append-only (STYLE.md 13). */
+/* Element types of tensors in checkpoints and buffers. Append-only: a value keeps its meaning for
+ * good, and a removed one stays as a comment. */
 typedef enum mt_dtype {
     MT_F32 = 0,
     MT_F16 = 1,

@@ -3,6 +3,7 @@
 #include "common/wire.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <zmq.h>
@@ -150,4 +151,94 @@ int mt_wire_fd(mt_wire_sock *s) {
     size_t len = sizeof fd;
     zmq_getsockopt(s->sock, ZMQ_FD, &fd, &len);
     return fd;
+}
+
+void mt_wire_identity(uint32_t worker_id, char out[MT_WIRE_PEER_MAX]) {
+    snprintf(out, MT_WIRE_PEER_MAX, "w%u", worker_id);
+}
+
+/* ---- building messages ---- */
+
+/* Starts m as an envelope of the given body, pointing at m->body's member for it. */
+static mt_envelope *wrap(mt_wire_msg *m, Metrale__Internal__V1__Envelope__BodyCase body) {
+    m->env = (mt_envelope)METRALE__INTERNAL__V1__ENVELOPE__INIT;
+    m->env.body_case = body;
+    switch (body) {
+    case METRALE__INTERNAL__V1__ENVELOPE__BODY_HELLO: m->env.hello = &m->body.hello; break;
+    case METRALE__INTERNAL__V1__ENVELOPE__BODY_HEARTBEAT: m->env.heartbeat = &m->body.heartbeat; break;
+    case METRALE__INTERNAL__V1__ENVELOPE__BODY_SUBMIT: m->env.submit = &m->body.submit; break;
+    case METRALE__INTERNAL__V1__ENVELOPE__BODY_ABORT: m->env.abort = &m->body.abort; break;
+    case METRALE__INTERNAL__V1__ENVELOPE__BODY_TOKENS: m->env.tokens = &m->body.tokens; break;
+    case METRALE__INTERNAL__V1__ENVELOPE__BODY_FINISHED: m->env.finished = &m->body.finished; break;
+    case METRALE__INTERNAL__V1__ENVELOPE__BODY_SHUTDOWN: m->env.shutdown = &m->body.shutdown; break;
+    default: MT_ASSERT(!"an envelope body this side does not know");
+    }
+    return &m->env;
+}
+
+mt_envelope *mt_wire_hello(mt_wire_msg *m, uint32_t worker_id, uint32_t max_sequences,
+                           Metrale__V1__ModelInfo *model) {
+    Metrale__Internal__V1__Hello *h = &m->body.hello;
+    *h = (Metrale__Internal__V1__Hello)METRALE__INTERNAL__V1__HELLO__INIT;
+    h->worker_id = worker_id;
+    h->model = model;
+    h->max_sequences = max_sequences;
+    return wrap(m, METRALE__INTERNAL__V1__ENVELOPE__BODY_HELLO);
+}
+
+mt_envelope *mt_wire_heartbeat(mt_wire_msg *m, uint64_t seq, Metrale__V1__WorkerStats *stats, bool hello_wanted) {
+    Metrale__Internal__V1__Heartbeat *hb = &m->body.heartbeat;
+    *hb = (Metrale__Internal__V1__Heartbeat)METRALE__INTERNAL__V1__HEARTBEAT__INIT;
+    hb->seq = seq;
+    hb->stats = stats;
+    hb->hello_wanted = hello_wanted;
+    return wrap(m, METRALE__INTERNAL__V1__ENVELOPE__BODY_HEARTBEAT);
+}
+
+mt_envelope *mt_wire_submit(mt_wire_msg *m, uint64_t id, Metrale__V1__GenerateRequest *request,
+                            uint64_t deadline_unix_ms) {
+    Metrale__Internal__V1__Submit *s = &m->body.submit;
+    *s = (Metrale__Internal__V1__Submit)METRALE__INTERNAL__V1__SUBMIT__INIT;
+    s->id = id;
+    s->request = request;
+    s->deadline_unix_ms = deadline_unix_ms;
+    return wrap(m, METRALE__INTERNAL__V1__ENVELOPE__BODY_SUBMIT);
+}
+
+mt_envelope *mt_wire_abort(mt_wire_msg *m, uint64_t id, Metrale__V1__FinishReason reason) {
+    Metrale__Internal__V1__Abort *a = &m->body.abort;
+    *a = (Metrale__Internal__V1__Abort)METRALE__INTERNAL__V1__ABORT__INIT;
+    a->id = id;
+    a->reason = reason;
+    return wrap(m, METRALE__INTERNAL__V1__ENVELOPE__BODY_ABORT);
+}
+
+mt_envelope *mt_wire_tokens(mt_wire_msg *m, uint64_t id, Metrale__V1__GeneratedToken **tokens, size_t n) {
+    Metrale__Internal__V1__Tokens *t = &m->body.tokens;
+    *t = (Metrale__Internal__V1__Tokens)METRALE__INTERNAL__V1__TOKENS__INIT;
+    t->id = id;
+    t->n_tokens = n;
+    t->tokens = tokens;
+    return wrap(m, METRALE__INTERNAL__V1__ENVELOPE__BODY_TOKENS);
+}
+
+mt_envelope *mt_wire_finished(mt_wire_msg *m, uint64_t id, Metrale__V1__FinishReason reason, uint32_t prompt_tokens,
+                              uint32_t completion_tokens, const char *message) {
+    m->usage = (Metrale__V1__Usage)METRALE__V1__USAGE__INIT;
+    m->usage.prompt_tokens = prompt_tokens;
+    m->usage.completion_tokens = completion_tokens;
+    m->final = (Metrale__V1__Final)METRALE__V1__FINAL__INIT;
+    m->final.finish_reason = reason;
+    m->final.usage = &m->usage;
+    m->final.error_message = (char *)(message ? message : ""); /* protobuf-c's char *; only read */
+    Metrale__Internal__V1__Finished *f = &m->body.finished;
+    *f = (Metrale__Internal__V1__Finished)METRALE__INTERNAL__V1__FINISHED__INIT;
+    f->id = id;
+    f->final = &m->final;
+    return wrap(m, METRALE__INTERNAL__V1__ENVELOPE__BODY_FINISHED);
+}
+
+mt_envelope *mt_wire_shutdown(mt_wire_msg *m) {
+    m->body.shutdown = (Metrale__Internal__V1__Shutdown)METRALE__INTERNAL__V1__SHUTDOWN__INIT;
+    return wrap(m, METRALE__INTERNAL__V1__ENVELOPE__BODY_SHUTDOWN);
 }

@@ -3,7 +3,10 @@
 # or gRPC of its own): metrale-serve --backend cuda over a fixture checkpoint, one greedy Generate
 # through Python grpcio with stubs made elsewhere (protoc + grpc_python_plugin), compared with
 # metrale-generate --backend cuda on the same prompt. BUNDLE is a ../shared/tools/gpu-bundle
-# folder holding metrale-serve, metrale-router, metrale-worker and metrale-generate.
+# folder holding metrale-serve, metrale-router, metrale-worker and metrale-generate:
+#   gpu-bundle BUNDLE bazel-bin/launcher/metrale-serve bazel-bin/router/metrale-router \
+#     bazel-bin/worker/metrale-worker bazel-bin/worker/cli/metrale-generate
+# metrale-serve finds the other two beside itself in BUNDLE/bin.
 set -u
 bundle=$1 stubs=$2 model=${3:-tests/fixtures/tiny_a} addr=127.0.0.1:50077
 lib=$bundle/lib

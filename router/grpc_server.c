@@ -21,6 +21,8 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include "common/wire_limits.h"
+
 #define REQUEST_SLOTS 8 /* grpc_server_request_call posted at once */
 
 static const char *const METHOD_PATHS[RTR_METHOD_COUNT] = {
@@ -101,7 +103,7 @@ struct rtr_grpc {
 };
 
 rtr_grpc_params rtr_grpc_default_params(void) {
-    return (rtr_grpc_params){.listen = "127.0.0.1:0", .max_message_bytes = 16u << 20};
+    return (rtr_grpc_params){.listen = "127.0.0.1:0", .max_message_bytes = MT_WIRE_REQUEST_BYTES_MAX};
 }
 
 /* ---- the completion-queue thread: forwards, nothing else ---- */

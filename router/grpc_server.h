@@ -66,7 +66,7 @@ typedef struct rtr_grpc_handlers {
 
 typedef struct rtr_grpc_params {
     const char *listen;        /* "127.0.0.1:50051"; port 0 picks a free one */
-    size_t max_message_bytes;  /* largest request accepted; default 16 MiB */
+    size_t max_message_bytes;  /* largest request accepted; default MT_WIRE_REQUEST_BYTES_MAX */
 } rtr_grpc_params;
 
 rtr_grpc_params rtr_grpc_default_params(void);

@@ -36,8 +36,6 @@
 #define WIRE_BATCH 1024       /* envelopes handled before looking at gRPC again */
 #define DEADLINE_SLACK_S 0.1  /* a worker ending a sequence this close to its deadline ended it for the deadline */
 
-typedef Metrale__Internal__V1__Envelope envelope;
-
 typedef enum stream_state { ST_QUEUED, ST_RUNNING, ST_ABORTING } stream_state;
 
 typedef struct rtr_stream {
@@ -50,7 +48,7 @@ typedef struct rtr_stream {
     double deadline;                   /* mt_now() clock; INFINITY = none */
     uint64_t deadline_unix_ms;
     double abort_since;
-    envelope **pending;                /* owned Tokens envelopes not yet sent, in order */
+    mt_envelope **pending;             /* owned Tokens envelopes not yet sent, in order */
     size_t npending, cap_pending;
     rtr_qnode qnode;
     struct rtr_stream *hnext;          /* id hash chain */
@@ -76,7 +74,7 @@ struct rtr_router {
     double next_tick;
     drain_phase phase;
     double phase_deadline;
-    bool worker_gone[RTR_WORKERS_MAX]; /* DRAIN_WORKERS: index in workers.w[] has left */
+    bool worker_gone[MT_WIRE_WORKERS_MAX]; /* DRAIN_WORKERS: index in workers.w[] has left */
     /* counters for GetStats */
     uint32_t running;
     uint64_t requests_total, requests_rejected;
@@ -89,7 +87,7 @@ rtr_router_params rtr_router_default_params(void) {
         .workers_endpoint = "ipc:///tmp/metrale-workers.sock",
         .queue_capacity = 1024,
         .drain_timeout_s = 30,
-        .dead_after_s = 2.5,
+        .dead_after_s = MT_WIRE_WORKER_DEAD_S,
         .workers_exit_s = 3,
         .drain_fd = -1,
     };
@@ -167,7 +165,7 @@ static void stream_end_call(rtr_stream *s, grpc_status_code code, const char *de
 
 /* ---- wire ---- */
 
-static mt_status send_env(rtr_router *r, rtr_worker *w, envelope *env) {
+static mt_status send_env(rtr_router *r, rtr_worker *w, mt_envelope *env) {
     mt_error err;
     mt_status st = mt_wire_send(r->wire, w->peer, env, &err);
     if (st) {
@@ -178,13 +176,8 @@ static mt_status send_env(rtr_router *r, rtr_worker *w, envelope *env) {
 }
 
 static void send_abort(rtr_router *r, rtr_stream *s, Metrale__V1__FinishReason reason) {
-    Metrale__Internal__V1__Abort ab = METRALE__INTERNAL__V1__ABORT__INIT;
-    ab.id = s->id;
-    ab.reason = reason;
-    envelope env = METRALE__INTERNAL__V1__ENVELOPE__INIT;
-    env.body_case = METRALE__INTERNAL__V1__ENVELOPE__BODY_ABORT;
-    env.abort = &ab;
-    send_env(r, s->worker, &env);
+    mt_wire_msg m;
+    send_env(r, s->worker, mt_wire_abort(&m, s->id, reason));
 }
 
 /* The client side of a submitted stream is over: tell the worker, wait for its Finished. */
@@ -208,14 +201,8 @@ static void stream_client_gone(rtr_router *r, rtr_stream *s, double now) {
 }
 
 static mt_status stream_submit(rtr_router *r, rtr_stream *s, rtr_worker *w) {
-    Metrale__Internal__V1__Submit sub = METRALE__INTERNAL__V1__SUBMIT__INIT;
-    sub.id = s->id;
-    sub.request = s->req;
-    sub.deadline_unix_ms = s->deadline_unix_ms;
-    envelope env = METRALE__INTERNAL__V1__ENVELOPE__INIT;
-    env.body_case = METRALE__INTERNAL__V1__ENVELOPE__BODY_SUBMIT;
-    env.submit = &sub;
-    mt_status st = send_env(r, w, &env);
+    mt_wire_msg m;
+    mt_status st = send_env(r, w, mt_wire_submit(&m, s->id, s->req, s->deadline_unix_ms));
     if (st) return st;
     metrale__v1__generate_request__free_unpacked(s->req, NULL);
     s->req = NULL;
@@ -318,7 +305,7 @@ static void on_hello(rtr_router *r, const char *peer, const Metrale__Internal__V
     update_health(r);
 }
 
-static void on_tokens(rtr_router *r, rtr_worker *w, envelope *env) {
+static void on_tokens(rtr_router *r, rtr_worker *w, mt_envelope *env) {
     rtr_stream *s = stream_find(r, env->tokens->id);
     if (!s || s->worker != w || s->state != ST_RUNNING || !s->call || env->tokens->n_tokens == 0) {
         mt_wire_free(env);
@@ -326,7 +313,7 @@ static void on_tokens(rtr_router *r, rtr_worker *w, envelope *env) {
     }
     if (s->npending == s->cap_pending) {
         size_t cap = s->cap_pending ? 2 * s->cap_pending : 8;
-        envelope **p = realloc(s->pending, cap * sizeof *p);
+        mt_envelope **p = realloc(s->pending, cap * sizeof *p);
         if (!p) {
             mt_wire_free(env);
             stream_end_call(s, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
@@ -359,7 +346,7 @@ static void on_finished(rtr_router *r, rtr_worker *w, const Metrale__Internal__V
     stream_free(r, s);
 }
 
-static void on_envelope(rtr_router *r, const char *peer, envelope *env, double now) {
+static void on_envelope(rtr_router *r, const char *peer, mt_envelope *env, double now) {
     if (env->body_case == METRALE__INTERNAL__V1__ENVELOPE__BODY_HELLO) {
         on_hello(r, peer, env->hello, now);
         mt_wire_free(env);
@@ -384,16 +371,11 @@ static void on_envelope(rtr_router *r, const char *peer, envelope *env, double n
                 mt_log(MT_LOG_WARN, "router: message from %s, which has not said Hello; asking for one", peer);
                 r->last_unknown_log = now;
             }
-            /* A worker that outlived a router restart keeps sending heartbeats (one per 0.5 s,
-             * which bounds these replies) without a Hello: ask for one. */
+            /* A worker that outlived a router restart keeps sending heartbeats (one per
+             * MT_WIRE_HEARTBEAT_S, which bounds these replies) without a Hello: ask for one. */
             if (!known && env->body_case == METRALE__INTERNAL__V1__ENVELOPE__BODY_HEARTBEAT) {
-                Metrale__Internal__V1__Heartbeat hb = METRALE__INTERNAL__V1__HEARTBEAT__INIT;
-                hb.seq = ++r->heartbeat_seq;
-                hb.hello_wanted = true;
-                envelope reply = METRALE__INTERNAL__V1__ENVELOPE__INIT;
-                reply.body_case = METRALE__INTERNAL__V1__ENVELOPE__BODY_HEARTBEAT;
-                reply.heartbeat = &hb;
-                mt_wire_send(r->wire, peer, &reply, NULL);
+                mt_wire_msg reply;
+                mt_wire_send(r->wire, peer, mt_wire_heartbeat(&reply, ++r->heartbeat_seq, NULL, true), NULL);
             }
             mt_wire_free(env);
             return;
@@ -419,7 +401,7 @@ static void on_envelope(rtr_router *r, const char *peer, envelope *env, double n
 static bool drain_wire(rtr_router *r) {
     for (int i = 0; i < WIRE_BATCH; i++) {
         char peer[MT_WIRE_PEER_MAX];
-        envelope *env;
+        mt_envelope *env;
         mt_error err;
         mt_status st = mt_wire_recv(r->wire, 0, peer, &env, &err);
         if (st == MT_ERR_NOT_FOUND) return false;
@@ -435,22 +417,19 @@ static bool drain_wire(rtr_router *r) {
 /* ---- timers ---- */
 
 static void send_heartbeats(rtr_router *r) {
-    Metrale__Internal__V1__Heartbeat hb = METRALE__INTERNAL__V1__HEARTBEAT__INIT;
-    hb.seq = ++r->heartbeat_seq;
-    envelope env = METRALE__INTERNAL__V1__ENVELOPE__INIT;
-    env.body_case = METRALE__INTERNAL__V1__ENVELOPE__BODY_HEARTBEAT;
-    env.heartbeat = &hb;
+    mt_wire_msg m;
+    mt_envelope *env = mt_wire_heartbeat(&m, ++r->heartbeat_seq, NULL, false);
     for (size_t i = 0; i < r->workers.n; i++)
-        if (r->workers.w[i]->alive) send_env(r, r->workers.w[i], &env);
+        if (r->workers.w[i]->alive) send_env(r, r->workers.w[i], env);
 }
 
 static void tick(rtr_router *r, double now) {
     if (now >= r->next_heartbeat) {
         send_heartbeats(r);
-        r->next_heartbeat = now + RTR_HEARTBEAT_S;
+        r->next_heartbeat = now + MT_WIRE_HEARTBEAT_S;
     }
-    rtr_worker *dead[RTR_WORKERS_MAX];
-    size_t ndead = rtr_workers_expire(&r->workers, now, dead, RTR_WORKERS_MAX);
+    rtr_worker *dead[MT_WIRE_WORKERS_MAX];
+    size_t ndead = rtr_workers_expire(&r->workers, now, dead, MT_WIRE_WORKERS_MAX);
     for (size_t i = 0; i < ndead; i++) {
         mt_log(MT_LOG_WARN, "router: worker %s silent for %.1f s: dead", dead[i]->peer, now - dead[i]->last_heard);
         fail_worker_streams(r, dead[i], "died", true);
@@ -496,13 +475,11 @@ static void drain_step(rtr_router *r, double now) {
             stream_end_call(s, GRPC_STATUS_UNAVAILABLE, "server shut down before the stream finished");
             stream_client_gone(r, s, now);
         }
-        envelope env = METRALE__INTERNAL__V1__ENVELOPE__INIT;
-        Metrale__Internal__V1__Shutdown sd = METRALE__INTERNAL__V1__SHUTDOWN__INIT;
-        env.body_case = METRALE__INTERNAL__V1__ENVELOPE__BODY_SHUTDOWN;
-        env.shutdown = &sd;
+        mt_wire_msg m;
+        mt_envelope *env = mt_wire_shutdown(&m);
         for (size_t i = 0; i < r->workers.n; i++) {
             rtr_worker *w = r->workers.w[i];
-            r->worker_gone[i] = !w->alive || send_env(r, w, &env) != MT_OK;
+            r->worker_gone[i] = !w->alive || send_env(r, w, env) != MT_OK;
         }
         mt_log(MT_LOG_INFO, "router: workers told to shut down");
         r->phase = DRAIN_WORKERS;
@@ -510,15 +487,12 @@ static void drain_step(rtr_router *r, double now) {
     }
     if (r->phase == DRAIN_WORKERS) {
         /* A worker has left once a send to it fails (ZMQ_ROUTER_MANDATORY: its pipe is gone). */
-        Metrale__Internal__V1__Heartbeat hb = METRALE__INTERNAL__V1__HEARTBEAT__INIT;
-        envelope env = METRALE__INTERNAL__V1__ENVELOPE__INIT;
-        env.body_case = METRALE__INTERNAL__V1__ENVELOPE__BODY_HEARTBEAT;
-        env.heartbeat = &hb;
         bool all_gone = true;
         for (size_t i = 0; i < r->workers.n; i++) {
             if (r->worker_gone[i]) continue;
-            hb.seq = ++r->heartbeat_seq;
-            if (mt_wire_send(r->wire, r->workers.w[i]->peer, &env, NULL) != MT_OK) r->worker_gone[i] = true;
+            mt_wire_msg m;
+            mt_envelope *env = mt_wire_heartbeat(&m, ++r->heartbeat_seq, NULL, false);
+            if (mt_wire_send(r->wire, r->workers.w[i]->peer, env, NULL) != MT_OK) r->worker_gone[i] = true;
             else all_gone = false;
         }
         if (all_gone || now >= r->phase_deadline) {
@@ -597,7 +571,7 @@ static void on_get_model_info(rtr_router *r, rtr_call *call) {
 
 static void on_get_stats(rtr_router *r, rtr_call *call) {
     Metrale__V1__Stats st = METRALE__V1__STATS__INIT;
-    Metrale__V1__WorkerStats ws[RTR_WORKERS_MAX], *wp[RTR_WORKERS_MAX];
+    Metrale__V1__WorkerStats ws[MT_WIRE_WORKERS_MAX], *wp[MT_WIRE_WORKERS_MAX];
     st.queued = (uint32_t)rtr_admission_len(&r->queue);
     st.active_streams = r->running;
     st.requests_total = r->requests_total;

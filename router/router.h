@@ -37,7 +37,7 @@ typedef struct rtr_router_params {
     const char *workers_endpoint; /* ZeroMQ endpoint the workers connect to, "ipc:///tmp/m.sock" */
     size_t queue_capacity;        /* admitted requests waiting for a worker; default 1024 */
     double drain_timeout_s;       /* how long running streams may finish after drain; default 30 */
-    double dead_after_s;          /* worker silence that makes it dead; default 2.5 */
+    double dead_after_s;          /* worker silence that makes it dead; default MT_WIRE_WORKER_DEAD_S */
     double workers_exit_s;        /* how long to wait for workers to leave after Shutdown; default 3 */
     int drain_fd;                 /* readable => begin draining (a signalfd or pipe); -1 = none.
                                      The router reads it (up to 512 bytes) but does not close it. */

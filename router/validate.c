@@ -24,6 +24,8 @@ typedef struct scalar_rule {
 #define SAMPLING(f) IN_SAMPLING, offsetof(Metrale__V1__SamplingParams, f)
 #define STOPPING(f) IN_STOPPING, offsetof(Metrale__V1__StoppingCriteria, f)
 #define REQUEST(f) IN_REQUEST, offsetof(Metrale__V1__GenerateRequest, f)
+#define STR_(x) #x
+#define STR(x) STR_(x) /* a limit's digits, for the "allowed" text */
 
 static const scalar_rule SCALAR_RULES[] = {
     {"sampling.temperature", SAMPLING(temperature), F32, 0, 100, "0 (greedy) or in (0, 100]"},
@@ -34,7 +36,7 @@ static const scalar_rule SCALAR_RULES[] = {
     {"sampling.presence_penalty", SAMPLING(presence_penalty), F32, -2, 2, "in [-2, 2]"},
     {"sampling.frequency_penalty", SAMPLING(frequency_penalty), F32, -2, 2, "in [-2, 2]"},
     {"stopping.max_new_tokens", STOPPING(max_new_tokens), U32, 1, UINT32_MAX, ">= 1 (stopping is required)"},
-    {"top_logprobs", REQUEST(top_logprobs), U32, 0, RTR_TOP_LOGPROBS_MAX, "<= 20"},
+    {"top_logprobs", REQUEST(top_logprobs), U32, 0, MT_WIRE_TOP_LOGPROBS_MAX, "<= " STR(MT_WIRE_TOP_LOGPROBS_MAX)},
 };
 
 static const void *owner_of(const Metrale__V1__GenerateRequest *req, field_owner o) {
@@ -65,9 +67,10 @@ static mt_status check_scalar(const Metrale__V1__GenerateRequest *req, const sca
 static mt_status check_request_id(const char *id, mt_error *err) {
     size_t n = id ? strlen(id) : 0;
     if (n == 0) return mt_errorf(err, MT_ERR_INVALID, "request_id is empty: must be 1..%d printable characters",
-                                 RTR_REQUEST_ID_MAX);
-    if (n > RTR_REQUEST_ID_MAX)
-        return mt_errorf(err, MT_ERR_INVALID, "request_id has %zu characters: must be 1..%d", n, RTR_REQUEST_ID_MAX);
+                                 MT_WIRE_REQUEST_ID_MAX);
+    if (n > MT_WIRE_REQUEST_ID_MAX)
+        return mt_errorf(err, MT_ERR_INVALID, "request_id has %zu characters: must be 1..%d", n,
+                         MT_WIRE_REQUEST_ID_MAX);
     for (size_t i = 0; i < n; i++) {
         unsigned char c = (unsigned char)id[i];
         if (c < 0x20 || c > 0x7e)
@@ -113,9 +116,9 @@ mt_status rtr_validate_generate(const Metrale__V1__GenerateRequest *req, const r
                          (unsigned long long)s->seed);
 
     const Metrale__V1__StoppingCriteria *stop = req->stopping; /* non-NULL: max_new_tokens >= 1 passed */
-    if (stop->n_stop_token_ids > RTR_STOP_TOKENS_MAX)
+    if (stop->n_stop_token_ids > MT_WIRE_STOP_TOKENS_MAX)
         return mt_errorf(err, MT_ERR_INVALID, "stopping.stop_token_ids has %zu entries: at most %d",
-                         stop->n_stop_token_ids, RTR_STOP_TOKENS_MAX);
+                         stop->n_stop_token_ids, MT_WIRE_STOP_TOKENS_MAX);
     if ((st = check_tokens("stopping.stop_token_ids", stop->stop_token_ids, stop->n_stop_token_ids, lim, err)))
         return st;
     if (lim && (uint64_t)req->n_prompt_token_ids + stop->max_new_tokens > lim->max_context)

@@ -2,7 +2,8 @@
  *
  * The checks are a table (validate.c): each row names the field as the client spells it
  * ("sampling.top_p") and the allowed range, so the message a client gets says which field is wrong,
- * what was sent and what is allowed. The ranges are those documented in proto/metrale/v1/metrale.proto.
+ * what was sent and what is allowed. The ranges are those documented in proto/metrale/v1/metrale.proto;
+ * the size limits (request_id, top_logprobs, stop_token_ids) are common/wire_limits.h's.
  *
  * Pure functions: no allocation, no global state; any thread.
  */
@@ -12,15 +13,12 @@
 #include <stdint.h>
 
 #include "common/mt.h"
+#include "common/wire_limits.h"
 #include "proto/metrale/v1/metrale.pb-c.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-#define RTR_REQUEST_ID_MAX 128   /* request_id: 1..128 printable ASCII characters */
-#define RTR_TOP_LOGPROBS_MAX 20  /* top_logprobs <= 20 */
-#define RTR_STOP_TOKENS_MAX 64   /* stopping.stop_token_ids: at most 64 entries */
 
 /* The served model's limits, from the workers' Hello (see workers.h). */
 typedef struct rtr_model_limits {

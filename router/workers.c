@@ -7,7 +7,7 @@
 #include <string.h>
 
 rtr_workers_params rtr_workers_default_params(void) {
-    return (rtr_workers_params){.dead_after_s = 2.5};
+    return (rtr_workers_params){.dead_after_s = MT_WIRE_WORKER_DEAD_S};
 }
 
 void rtr_workers_init(rtr_workers *reg, rtr_workers_params params) {
@@ -39,14 +39,14 @@ mt_status rtr_workers_hello(rtr_workers *reg, const char *peer, const Metrale__I
         return mt_errorf(err, MT_ERR_INVALID, "Hello from %s: vocab_size %u, max_context %u must be > 0", peer,
                          m->vocab_size, m->max_context);
     char want[MT_WIRE_PEER_MAX];
-    snprintf(want, sizeof want, "w%u", hello->worker_id);
+    mt_wire_identity(hello->worker_id, want);
     if (strcmp(want, peer))
         return mt_errorf(err, MT_ERR_INVALID, "Hello with worker_id %u from identity \"%s\" (expected \"%s\")",
                          hello->worker_id, peer, want);
     rtr_worker *w = rtr_workers_find(reg, peer);
     if (!w) {
-        if (reg->n == RTR_WORKERS_MAX)
-            return mt_errorf(err, MT_ERR_FULL, "Hello from %s: already %d workers", peer, RTR_WORKERS_MAX);
+        if (reg->n == MT_WIRE_WORKERS_MAX)
+            return mt_errorf(err, MT_ERR_FULL, "Hello from %s: already %d workers", peer, MT_WIRE_WORKERS_MAX);
         if (!(w = calloc(1, sizeof *w))) return mt_errorf(err, MT_ERR_NOMEM, "out of memory for worker %s", peer);
         copy_str(w->peer, sizeof w->peer, peer);
         reg->w[reg->n++] = w;

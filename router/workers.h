@@ -4,7 +4,7 @@
  *
  * Liveness: every message from a worker refreshes it; a worker silent for longer than
  * params.dead_after_s is declared dead by rtr_workers_expire. The router sends its own heartbeats
- * (worker.proto Heartbeat) every RTR_HEARTBEAT_S; this module only keeps the book.
+ * (worker.proto Heartbeat) every MT_WIRE_HEARTBEAT_S; this module only keeps the book.
  *
  * Load: in_flight counts the sequences the router has submitted to a worker and not yet seen
  * Finished for (aborted ones included, since the worker holds them until it says Finished).
@@ -28,9 +28,6 @@
 extern "C" {
 #endif
 
-#define RTR_HEARTBEAT_S 0.5   /* both ways */
-#define RTR_WORKERS_MAX 256
-
 typedef struct rtr_worker {
     char peer[MT_WIRE_PEER_MAX]; /* ZeroMQ identity, "w<id>" */
     uint32_t id;                 /* Hello.worker_id */
@@ -50,14 +47,14 @@ typedef struct rtr_worker {
 } rtr_worker;
 
 typedef struct rtr_workers_params {
-    double dead_after_s; /* silence that makes a worker dead; default 2.5 */
+    double dead_after_s; /* silence that makes a worker dead; default MT_WIRE_WORKER_DEAD_S */
 } rtr_workers_params;
 
 rtr_workers_params rtr_workers_default_params(void);
 
 typedef struct rtr_workers {
     rtr_workers_params params;
-    rtr_worker *w[RTR_WORKERS_MAX]; /* owned */
+    rtr_worker *w[MT_WIRE_WORKERS_MAX]; /* owned */
     size_t n;
     uint64_t picks;
     uint32_t restarts;              /* Hellos from a worker already known */
@@ -75,7 +72,7 @@ rtr_worker *rtr_workers_find(rtr_workers *reg, const char *peer);
  * restarts counted when the entry existed). The caller must first end the streams it had on
  * that worker. MT_ERR_INVALID (registry unchanged) for a Hello without a model, with a zero
  * vocab or context, or from an identity that is not "w<worker_id>"; MT_ERR_FULL when
- * RTR_WORKERS_MAX entries exist. */
+ * MT_WIRE_WORKERS_MAX entries exist. */
 mt_status rtr_workers_hello(rtr_workers *reg, const char *peer, const Metrale__Internal__V1__Hello *hello,
                             double now, rtr_worker **out, mt_error *err);
 

@@ -27,9 +27,9 @@ while [ $# -gt 0 ]; do
 done
 
 scripts/install-deps.sh
-bazel build //worker:metrale-serve //router:metrale-router //worker:metrale-worker //tools:mkckpt
+bazel build //launcher:metrale-serve //router:metrale-router //worker:metrale-worker //tools:mkckpt
 
-bazel-bin/worker/metrale-serve --listen "$listen" "${serve_args[@]}" &
+bazel-bin/launcher/metrale-serve --listen "$listen" "${serve_args[@]}" &
 serve=$!
 trap 'kill -TERM $serve 2>/dev/null; wait $serve' INT TERM
 client=(/usr/bin/python3 tools/metrale_client.py --addr "$listen")

@@ -1,6 +1,6 @@
 // common/wire over real ZeroMQ sockets: envelopes round-trip ROUTER <-> DEALER, ROUTER_MANDATORY
 // reports an unknown peer, foreign versions and garbage frames are refused without harm, and only
-// internal endpoints are accepted.
+// internal endpoints are accepted. The message builders fill every field they are given.
 #include <gtest/gtest.h>
 #include <zmq.h>
 
@@ -22,15 +22,12 @@ TEST(Wire, RoundTripBothWays) {
     mt_wire_sock *r = nullptr, *d = nullptr;
     mt_error err{};
     ASSERT_EQ(mt_wire_open(MT_WIRE_ROUTER, ep.c_str(), nullptr, &r, &err), MT_OK) << err.msg;
-    ASSERT_EQ(mt_wire_open(MT_WIRE_DEALER, ep.c_str(), "w7", &d, &err), MT_OK) << err.msg;
+    char identity[MT_WIRE_PEER_MAX];
+    mt_wire_identity(7, identity);
+    ASSERT_EQ(mt_wire_open(MT_WIRE_DEALER, ep.c_str(), identity, &d, &err), MT_OK) << err.msg;
 
-    Metrale__Internal__V1__Hello hello = METRALE__INTERNAL__V1__HELLO__INIT;
-    hello.worker_id = 7;
-    hello.max_sequences = 32;
-    mt_envelope env = METRALE__INTERNAL__V1__ENVELOPE__INIT;
-    env.body_case = METRALE__INTERNAL__V1__ENVELOPE__BODY_HELLO;
-    env.hello = &hello;
-    ASSERT_EQ(mt_wire_send(d, nullptr, &env, &err), MT_OK) << err.msg;
+    mt_wire_msg hello;
+    ASSERT_EQ(mt_wire_send(d, nullptr, mt_wire_hello(&hello, 7, 32, nullptr), &err), MT_OK) << err.msg;
     char peer[MT_WIRE_PEER_MAX];
     mt_envelope *got = nullptr;
     ASSERT_EQ(mt_wire_recv(r, 2000, peer, &got, &err), MT_OK) << err.msg;
@@ -41,19 +38,17 @@ TEST(Wire, RoundTripBothWays) {
     EXPECT_EQ(got->version, (uint32_t)MT_WIRE_VERSION);
     mt_wire_free(got);
 
-    Metrale__Internal__V1__Abort abort_msg = METRALE__INTERNAL__V1__ABORT__INIT;
-    abort_msg.id = 42;
-    mt_envelope back = METRALE__INTERNAL__V1__ENVELOPE__INIT;
-    back.body_case = METRALE__INTERNAL__V1__ENVELOPE__BODY_ABORT;
-    back.abort = &abort_msg;
-    ASSERT_EQ(mt_wire_send(r, "w7", &back, &err), MT_OK) << err.msg;
+    mt_wire_msg abort_msg;
+    mt_envelope *back = mt_wire_abort(&abort_msg, 42, METRALE__V1__FINISH_REASON__FINISH_REASON_CANCELLED);
+    ASSERT_EQ(mt_wire_send(r, "w7", back, &err), MT_OK) << err.msg;
     ASSERT_EQ(mt_wire_recv(d, 2000, nullptr, &got, &err), MT_OK) << err.msg;
     ASSERT_EQ(got->body_case, METRALE__INTERNAL__V1__ENVELOPE__BODY_ABORT);
     EXPECT_EQ(got->abort->id, 42u);
+    EXPECT_EQ(got->abort->reason, METRALE__V1__FINISH_REASON__FINISH_REASON_CANCELLED);
     mt_wire_free(got);
 
     // ROUTER_MANDATORY: an unknown peer is an error, not a silent drop.
-    EXPECT_EQ(mt_wire_send(r, "w99", &back, &err), MT_ERR_NOT_FOUND);
+    EXPECT_EQ(mt_wire_send(r, "w99", back, &err), MT_ERR_NOT_FOUND);
     EXPECT_NE(std::string(err.msg).find("w99"), std::string::npos) << err.msg;
     // Nothing waiting: a timeout, not an error.
     EXPECT_EQ(mt_wire_recv(d, 10, nullptr, &got, &err), MT_ERR_NOT_FOUND);
@@ -96,6 +91,87 @@ TEST(Wire, RefusesForeignVersionsAndGarbageThenKeepsWorking) {
     zmq_close(raw);
     zmq_ctx_term(ctx);
     mt_wire_close(r);
+}
+
+// Packs env as mt_wire_send would and decodes it again.
+mt_envelope *Reencode(mt_envelope *env) {
+    env->version = MT_WIRE_VERSION;
+    std::string buf(metrale__internal__v1__envelope__get_packed_size(env), '\0');
+    metrale__internal__v1__envelope__pack(env, reinterpret_cast<uint8_t *>(&buf[0]));
+    return metrale__internal__v1__envelope__unpack(nullptr, buf.size(), reinterpret_cast<const uint8_t *>(buf.data()));
+}
+
+TEST(Wire, BuildersFillEveryField) {
+    mt_wire_msg m;
+    char peer[MT_WIRE_PEER_MAX];
+    mt_wire_identity(4294967295u, peer);
+    EXPECT_STREQ(peer, "w4294967295");
+
+    Metrale__V1__ModelInfo mi = METRALE__V1__MODEL_INFO__INIT;
+    mi.vocab_size = 300;
+    mi.backend = const_cast<char *>("cpu");
+    mt_envelope *e = Reencode(mt_wire_hello(&m, 3, 16, &mi));
+    ASSERT_NE(e, nullptr);
+    ASSERT_EQ(e->body_case, METRALE__INTERNAL__V1__ENVELOPE__BODY_HELLO);
+    EXPECT_EQ(e->hello->worker_id, 3u);
+    EXPECT_EQ(e->hello->max_sequences, 16u);
+    ASSERT_NE(e->hello->model, nullptr);
+    EXPECT_EQ(e->hello->model->vocab_size, 300u);
+    EXPECT_STREQ(e->hello->model->backend, "cpu");
+    mt_wire_free(e);
+
+    Metrale__V1__WorkerStats ws = METRALE__V1__WORKER_STATS__INIT;
+    ws.live_sequences = 5;
+    e = Reencode(mt_wire_heartbeat(&m, 9, &ws, false));
+    ASSERT_EQ(e->body_case, METRALE__INTERNAL__V1__ENVELOPE__BODY_HEARTBEAT);
+    EXPECT_EQ(e->heartbeat->seq, 9u);
+    ASSERT_NE(e->heartbeat->stats, nullptr);
+    EXPECT_EQ(e->heartbeat->stats->live_sequences, 5u);
+    EXPECT_FALSE(e->heartbeat->hello_wanted);
+    mt_wire_free(e);
+    e = Reencode(mt_wire_heartbeat(&m, 10, nullptr, true));
+    EXPECT_EQ(e->heartbeat->stats, nullptr);
+    EXPECT_TRUE(e->heartbeat->hello_wanted);
+    mt_wire_free(e);
+
+    Metrale__V1__GenerateRequest req = METRALE__V1__GENERATE_REQUEST__INIT;
+    req.request_id = const_cast<char *>("r1");
+    e = Reencode(mt_wire_submit(&m, 77, &req, 1234));
+    ASSERT_EQ(e->body_case, METRALE__INTERNAL__V1__ENVELOPE__BODY_SUBMIT);
+    EXPECT_EQ(e->submit->id, 77u);
+    EXPECT_EQ(e->submit->deadline_unix_ms, 1234u);
+    ASSERT_NE(e->submit->request, nullptr);
+    EXPECT_STREQ(e->submit->request->request_id, "r1");
+    mt_wire_free(e);
+
+    Metrale__V1__GeneratedToken t0 = METRALE__V1__GENERATED_TOKEN__INIT, t1 = METRALE__V1__GENERATED_TOKEN__INIT;
+    t0.token_id = 11;
+    t1.token_id = 12;
+    Metrale__V1__GeneratedToken *toks[] = {&t0, &t1};
+    e = Reencode(mt_wire_tokens(&m, 78, toks, 2));
+    ASSERT_EQ(e->body_case, METRALE__INTERNAL__V1__ENVELOPE__BODY_TOKENS);
+    EXPECT_EQ(e->tokens->id, 78u);
+    ASSERT_EQ(e->tokens->n_tokens, 2u);
+    EXPECT_EQ(e->tokens->tokens[1]->token_id, 12u);
+    mt_wire_free(e);
+
+    e = Reencode(mt_wire_finished(&m, 79, METRALE__V1__FINISH_REASON__FINISH_REASON_ERROR, 4, 2, "out of pages"));
+    ASSERT_EQ(e->body_case, METRALE__INTERNAL__V1__ENVELOPE__BODY_FINISHED);
+    EXPECT_EQ(e->finished->id, 79u);
+    ASSERT_NE(e->finished->final, nullptr);
+    EXPECT_EQ(e->finished->final->finish_reason, METRALE__V1__FINISH_REASON__FINISH_REASON_ERROR);
+    EXPECT_STREQ(e->finished->final->error_message, "out of pages");
+    ASSERT_NE(e->finished->final->usage, nullptr);
+    EXPECT_EQ(e->finished->final->usage->prompt_tokens, 4u);
+    EXPECT_EQ(e->finished->final->usage->completion_tokens, 2u);
+    mt_wire_free(e);
+    e = Reencode(mt_wire_finished(&m, 80, METRALE__V1__FINISH_REASON__FINISH_REASON_LENGTH, 1, 1, nullptr));
+    EXPECT_STREQ(e->finished->final->error_message, "");
+    mt_wire_free(e);
+
+    e = Reencode(mt_wire_shutdown(&m));
+    EXPECT_EQ(e->body_case, METRALE__INTERNAL__V1__ENVELOPE__BODY_SHUTDOWN);
+    mt_wire_free(e);
 }
 
 TEST(Wire, OnlyInternalEndpoints) {

@@ -83,10 +83,10 @@ TEST(RouterWorkers, SilentWorkerDiesAndHelloRevivesIt) {
     rtr_worker *a = hello(&g.r, "w0", Hello(0, 8), 100.0);
     hello(&g.r, "w1", Hello(1, 8), 100.0);
     a->in_flight = 5;
-    rtr_worker *dead[RTR_WORKERS_MAX];
+    rtr_worker *dead[MT_WIRE_WORKERS_MAX];
     EXPECT_EQ(rtr_workers_heard(&g.r, "w1", 102.0)->id, 1u);
-    EXPECT_EQ(rtr_workers_expire(&g.r, 102.5, dead, RTR_WORKERS_MAX), 0u);  // exactly 2.5 s: still alive
-    ASSERT_EQ(rtr_workers_expire(&g.r, 102.6, dead, RTR_WORKERS_MAX), 1u);
+    EXPECT_EQ(rtr_workers_expire(&g.r, 102.5, dead, MT_WIRE_WORKERS_MAX), 0u);  // exactly 2.5 s: still alive
+    ASSERT_EQ(rtr_workers_expire(&g.r, 102.6, dead, MT_WIRE_WORKERS_MAX), 1u);
     EXPECT_EQ(dead[0], a);
     EXPECT_FALSE(a->alive);
     EXPECT_EQ(a->in_flight, 0u);
@@ -108,8 +108,8 @@ TEST(RouterWorkers, LimitsAreTheTightestLiveOnes) {
     ASSERT_TRUE(rtr_workers_limits(&g.r, &lim));
     EXPECT_EQ(lim.vocab_size, 300u);
     EXPECT_EQ(lim.max_context, 1024u);
-    rtr_worker *dead[RTR_WORKERS_MAX];
-    EXPECT_EQ(rtr_workers_expire(&g.r, 10, dead, RTR_WORKERS_MAX), 2u);
+    rtr_worker *dead[MT_WIRE_WORKERS_MAX];
+    EXPECT_EQ(rtr_workers_expire(&g.r, 10, dead, MT_WIRE_WORKERS_MAX), 2u);
     ASSERT_TRUE(rtr_workers_limits(&g.r, &lim));  // none live: the last Hello's
     EXPECT_EQ(lim.vocab_size, 500u);
     EXPECT_EQ(rtr_workers_any_live(&g.r), nullptr);

@@ -19,7 +19,7 @@ import grpc
 from harness import SERVING, Cluster, Collector, metrale_pb2, request, wait_for
 
 
-HEARTBEAT_S = 0.5
+HEARTBEAT_S = 0.5  # MT_WIRE_HEARTBEAT_S (common/wire_limits.h)
 
 
 def settled(cluster):

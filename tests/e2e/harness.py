@@ -6,8 +6,8 @@ Stubs are generated from proto/ at import time into a temp dir with Debian's pro
 grpc_python_plugin (protobuf-compiler-grpc), or grpc_tools.protoc where that exists.
 
 Paths are relative to the Bazel runfiles root (the working directory of `bazel test`); outside
-Bazel, run from the workspace root after `bazel build //router/... //worker/...`: missing
-runfiles paths fall back to bazel-bin/.
+Bazel, run from the workspace root after `bazel build //router/... //worker/... //launcher/...`:
+missing runfiles paths fall back to bazel-bin/.
 """
 
 import atexit
@@ -26,6 +26,7 @@ import grpc
 PROTOS = ["proto/metrale/v1/metrale.proto", "proto/grpc/health/v1/health.proto"]
 ROUTER_BIN = "router/metrale-router"
 WORKER_BIN = "worker/metrale-worker"
+LAUNCHER_BIN = "launcher/metrale-serve"
 GENERATE_BIN = "worker/cli/metrale-generate"
 MODEL_DIR = "tests/fixtures/tiny_a"
 

@@ -1,4 +1,4 @@
-/* worker/serve.c: metrale-serve, the one-line start of the service: the router and N workers.
+/* launcher/serve.c: metrale-serve, the one-line start of the service: the router and N workers.
  *
  *   metrale-serve [--model DIR] [--listen HOST:PORT] [--workers N] [--backend auto|cpu|cuda]
  *                 [--max-sequences N] [--max-context N] [--threads N] [--queue N] [--drain-timeout S]
@@ -9,16 +9,18 @@
  * (/dev/nvidia0..), one worker per GPU, and otherwise runs one CPU worker with every core.
  *
  * Processes: the router (bazel-bin/router/metrale-router) binds an ipc:// socket private to this
- * run; workers (bazel-bin/worker/metrale-worker) connect to it. The binaries are found next to
- * this one (override with METRALE_ROUTER_BIN, METRALE_WORKER_BIN, METRALE_MKCKPT_BIN). Each child
- * runs in its own process group and gets SIGTERM if this process dies.
+ * run; workers (bazel-bin/worker/metrale-worker) connect to it. The binaries are found in the
+ * bazel-bin tree this one is in (bazel-bin/launcher/metrale-serve), or else in its own folder (a
+ * folder of copied binaries); METRALE_ROUTER_BIN, METRALE_WORKER_BIN and METRALE_MKCKPT_BIN name
+ * others. Each child runs in its own process group and gets SIGTERM if this process dies.
  *
  * Signals: the first SIGTERM / SIGINT is forwarded to the router, which drains (health
  * NOT_SERVING, running streams finish up to --drain-timeout) and tells the workers to shut down;
  * workers still alive WORKER_EXIT_S after the router are sent SIGTERM, then SIGKILL. A second
  * signal sends SIGTERM to everyone, a third SIGKILL. A worker that dies while serving (killed, or
- * a non-zero exit) is started again after RESTART_DELAY_S (the router counts it as a restart); if the router dies, everything
- * stops. Exit status: the router's (0 after a clean drain), 1 on failure, 2 on bad arguments.
+ * a non-zero exit) is started again after RESTART_DELAY_S (the router counts it as a restart); if
+ * the router dies, everything stops. Exit status: the router's (0 after a clean drain), 1 on
+ * failure, 2 on bad arguments.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -36,7 +38,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/wire_limits.h"
+
 #define MAX_WORKERS 64
+_Static_assert(MAX_WORKERS <= MT_WIRE_WORKERS_MAX, "the router takes fewer workers than the launcher starts");
 #define RESTART_DELAY_S 1.0
 #define WORKER_EXIT_S 10.0
 #define KILL_AFTER_S 5.0
@@ -77,24 +82,34 @@ static void usage(FILE *f) {
 
 /* ---- paths ---- */
 
-static char g_bindir[PATH_MAX]; /* the bazel-bin root: this binary is <root>/worker/metrale-serve */
+static char g_exedir[PATH_MAX]; /* this binary's folder: <bazel-bin>/launcher, or a bundle's bin/ */
+static char g_bindir[PATH_MAX]; /* the bazel-bin root, the folder above g_exedir */
 
 static void find_bindir(void) {
     char exe[PATH_MAX];
     ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
     if (n <= 0) {
+        strcpy(g_exedir, ".");
         strcpy(g_bindir, ".");
         return;
     }
     exe[n] = 0;
-    char *d = dirname(dirname(exe));
-    snprintf(g_bindir, sizeof g_bindir, "%s", d);
+    snprintf(g_exedir, sizeof g_exedir, "%s", dirname(exe)); /* dirname writes into exe */
+    snprintf(g_bindir, sizeof g_bindir, "%s", dirname(exe));
 }
 
+/* The binary rel (e.g. "router/metrale-router"): the environment variable env when set, else
+ * <bazel-bin>/rel, else the same name in this binary's own folder (a folder of copied binaries);
+ * when neither exists, the bazel-bin path, which the failing exec then names. */
 static const char *bin_path(const char *env, const char *rel, char *buf, size_t len) {
     const char *e = getenv(env);
     if (e && *e) return e;
     snprintf(buf, len, "%s/%s", g_bindir, rel);
+    if (access(buf, X_OK) == 0) return buf;
+    const char *name = strrchr(rel, '/');
+    char own[PATH_MAX + 64];
+    snprintf(own, sizeof own, "%s/%s", g_exedir, name ? name + 1 : rel);
+    if (access(own, X_OK) == 0) snprintf(buf, len, "%s", own);
     return buf;
 }
 
@@ -257,12 +272,13 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         else if (!strcmp(a, "--backend")) o->backend = v;
         else if (!strcmp(a, "--queue")) o->queue = v;
         else if (!strcmp(a, "--drain-timeout")) o->drain_timeout = v;
-        else if (!strcmp(a, "--prefill-budget")) rc = parse_int(a, o->prefill_budget = v, 1, 1 << 24, &(int){ 0 });
+        else if (!strcmp(a, "--prefill-budget"))
+            rc = parse_int(a, o->prefill_budget = v, 1, MT_WIRE_CONTEXT_MAX, &(int){ 0 });
         else if (!strcmp(a, "--graph-max-batch")) rc = parse_int(a, o->graph_max_batch = v, 1, 4096, &(int){ 0 });
         else if (!strcmp(a, "--cache-budget-mb")) rc = parse_int(a, o->cache_budget_mb = v, 0, 1 << 30, &(int){ 0 });
         else if (!strcmp(a, "--workers")) rc = parse_int(a, v, 1, MAX_WORKERS, &o->workers);
         else if (!strcmp(a, "--max-sequences")) rc = parse_int(a, v, 1, 4096, &o->max_sequences);
-        else if (!strcmp(a, "--max-context")) rc = parse_int(a, v, 2, 1 << 24, &o->max_context);
+        else if (!strcmp(a, "--max-context")) rc = parse_int(a, v, 2, MT_WIRE_CONTEXT_MAX, &o->max_context);
         else if (!strcmp(a, "--threads")) rc = parse_int(a, v, 0, 4096, &o->threads);
         else { fprintf(stderr, "metrale-serve: unknown option %s\n", a); usage(stderr); return -1; }
         if (rc) return -1;

@@ -1,0 +1,364 @@
+/* worker/loop.c: see loop.h. Every call into the engine, the model and the backend
+ * constructors of the worker process is in this file. */
+#include "worker/loop.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/wire_limits.h"
+#include "kernels/backend.h"
+#include "kernels/cuda/cuda_backend.h"
+#include "worker/engine/engine.h"
+#include "worker/model/model.h"
+#include "worker/transport.h"
+
+#define IDLE_WAIT_MS 50 /* longest wait for a message when idle (holds the socket's mutex) */
+
+/* The router checks top_logprobs against the wire limit; the engine's results must hold that many. */
+_Static_assert(MT_WIRE_TOP_LOGPROBS_MAX <= ENG_TOP_LOGPROBS_MAX, "top_logprobs of the wire exceed the engine's");
+
+struct wkr_loop {
+    wkr_params p;
+    mt_backend *be;
+    mt_model *m;
+    eng_engine *eng;
+    wkr_transport *t;
+    const char *backend_name;  /* "cpu" or "cuda" */
+    Metrale__V1__ModelInfo info; /* the Hello's model; the transport borrows it */
+    bool quiet;                /* dropping sequences: their callbacks send nothing */
+};
+
+wkr_params wkr_default_params(void) {
+    return (wkr_params){ .backend = "cpu", .id = -1, .max_sequences = 16, .max_context = 4096,
+                         .router_timeout = MT_WIRE_ROUTER_SILENCE_S };
+}
+
+/* ---- start-up ---- */
+
+/* The backend named by the options; "auto" falls back to the CPU when no GPU is usable. */
+static mt_backend *open_backend(wkr_loop *l, mt_error *err) {
+    const wkr_params *o = &l->p;
+    if (strcmp(o->backend, "cpu")) {
+        mt_backend *be = mt_cuda_backend_new(o->device, err);
+        if (be) {
+            l->backend_name = "cuda";
+            return be;
+        }
+        if (!strcmp(o->backend, "cuda")) return NULL;
+        mt_log(MT_LOG_INFO, "worker %d: no usable GPU (%s); using the CPU backend", o->id, err->msg);
+    }
+    l->backend_name = "cpu";
+    mt_backend *be = mt_cpu_backend_new(o->threads);
+    if (!be) mt_errorf(err, MT_ERR_NOMEM, "out of memory for the CPU backend");
+    return be;
+}
+
+/* The start-up memory plan: what the backend has free after the weights, less a reserve for
+ * activations, scratch and graphs, goes to the model's two pools: slots (one per running
+ * sequence, per kept prefix, and the graph pad) and pages (the DSA caches), no more pages than every
+ * slot at full context could use. --cache-budget-mb gives the pools a fixed size instead. A
+ * request waits while the pools are short; a running one that runs out is preempted and resumed,
+ * never failed. Logged as one line: the split, and how many tokens and sequences fit. */
+static mt_status plan_memory(wkr_loop *l, eng_params *ep, mt_error *err) {
+    mt_model *m = l->m;
+    mt_backend *be = l->be;
+    const mt_model_info mi = mt_model_describe(m);
+    const size_t page_b = mi.page_bytes, slot_b = mi.slot_bytes;
+    const int page = mi.page_tokens;
+    const int prefix_slots = ep->prefix_cache_bytes ? (ep->max_sequences + 1) / 2 : 0;
+    const int slots = ep->max_sequences + prefix_slots + 1;
+    const int full = (l->p.max_context + page - 1) / page; /* pages of one full-context sequence */
+    const long long want_pages = (long long)full * slots + 1;
+    size_t free_b = 0, total_b = 0, pools;
+    const bool gpu = strcmp(be->ops->name, "cpu") != 0;
+    size_t reserve = 0;
+    if (l->p.cache_budget_mb > 0) {
+        pools = (size_t)l->p.cache_budget_mb << 20;
+    } else if (be->ops->mem_info && be->ops->mem_info(be, &free_b, &total_b) == MT_OK) {
+        /* GPU: keep a tenth (at least 2 GiB) for activations, scratch and graphs; CPU: half */
+        reserve = gpu ? (free_b / 10 > ((size_t)2 << 30) ? free_b / 10 : ((size_t)2 << 30)) : free_b / 2;
+        pools = free_b > reserve ? free_b - reserve : 0;
+    } else {
+        pools = (size_t)want_pages * page_b + (size_t)slots * slot_b;
+    }
+    if (pools < (size_t)slots * slot_b + (page_b ? page_b * (size_t)(full + 1) : 0))
+        return mt_errorf(err, MT_ERR_NOMEM,
+                         "memory plan: %zu MiB for the pools cannot hold %d slots of %zu KiB and one %d-token sequence",
+                         pools >> 20, slots, slot_b >> 10, l->p.max_context);
+    long long pages = page_b ? (long long)((pools - (size_t)slots * slot_b) / page_b) : 1;
+    if (pages > want_pages) pages = want_pages;
+    if (pages > INT32_MAX / 2) pages = INT32_MAX / 2;
+    mt_status st = mt_model_set_pools(m, (int)pages, slots, err);
+    if (st != MT_OK) return st;
+    ep->cache_budget_bytes = 0; /* the pools are the budget */
+    mt_log(MT_LOG_INFO,
+           "worker %d: memory plan: %zu MiB free of %zu MiB, %zu MiB kept for activations and graphs; pools: "
+           "%lld pages of %d tokens (%zu KiB each, %zu MiB) = %lld tokens of DSA cache, %d slots (%zu KiB each, "
+           "%zu MiB) = %d running sequences + %d kept prefixes + 1 graph pad; %lld full %d-token sequences fit",
+           l->p.id, free_b >> 20, total_b >> 20, reserve >> 20, pages, page, page_b >> 10,
+           (size_t)(pages * (long long)page_b) >> 20, pages * page, slots, slot_b >> 10,
+           ((size_t)slots * slot_b) >> 20, ep->max_sequences, prefix_slots, page_b ? pages / full : (long long)slots,
+           l->p.max_context);
+    return MT_OK;
+}
+
+/* --model: a checkpoint folder (the architecture from its config.json), or random:PRESET (tiny,
+ * bench-4L): random weights made on the backend from a fixed seed, for benchmarks of the real
+ * shapes without a checkpoint file. */
+static mt_status load_model(wkr_loop *l, mt_error *err) {
+    mt_model_params mp = mt_model_default_params();
+    if (l->p.graph_max_batch > 0) mp.graph_max_rows = l->p.graph_max_batch;
+    return mt_model_load(l->p.model, l->be, &mp, &l->m, err);
+}
+
+static void on_tokens(void *user, uint64_t id, const eng_sample_result *toks, int n);
+static void on_finished(void *user, uint64_t id, const eng_finish_info *f);
+
+mt_status wkr_loop_new(const wkr_params *p, wkr_loop **out, mt_error *err) {
+    *out = NULL;
+    wkr_loop *l = calloc(1, sizeof *l);
+    if (!l) return mt_errorf(err, MT_ERR_NOMEM, "out of memory for the worker");
+    l->p = *p;
+    mt_status st;
+    const double t0 = mt_now();
+    mt_error be_err = { "" };
+    if (!(l->be = open_backend(l, &be_err))) {
+        st = mt_errorf(err, MT_ERR_BACKEND, "%s backend: %s", p->backend, be_err.msg);
+        goto fail;
+    }
+    if ((st = load_model(l, err)) != MT_OK) goto fail;
+    eng_params ep = eng_default_params();
+    ep.max_sequences = p->max_sequences;
+    ep.max_context = p->max_context;
+    if (p->prefill_budget > 0) ep.prefill_budget = p->prefill_budget;
+    ep.preempt = !p->no_preempt;
+    ep.run_ahead = p->no_run_ahead ? ENG_RUN_AHEAD_OFF : ENG_RUN_AHEAD_AUTO;
+    if ((st = plan_memory(l, &ep, err)) != MT_OK) goto fail;
+    eng_callbacks cb = { .user = l, .on_tokens = on_tokens, .on_finished = on_finished };
+    if ((st = eng_new(l->m, &ep, &cb, &l->eng, err)) != MT_OK) goto fail;
+
+    const mt_model_info mi = mt_model_describe(l->m);
+    l->info = (Metrale__V1__ModelInfo)METRALE__V1__MODEL_INFO__INIT;
+    l->info.model_type = (char *)mi.arch;
+    l->info.vocab_size = (uint32_t)mi.vocab_size;
+    l->info.max_context = (uint32_t)p->max_context;
+    l->info.num_layers = (uint32_t)mi.n_layers;
+    l->info.hidden_size = (uint32_t)mi.hidden_size;
+    l->info.eos_token_id = mi.eos_token_id;
+    l->info.backend = (char *)l->backend_name;
+    wkr_transport_params tp = { .router = p->router, .worker_id = (uint32_t)p->id,
+                                .max_sequences = (uint32_t)p->max_sequences, .model = &l->info };
+    if ((st = wkr_transport_new(&tp, &l->t, err)) != MT_OK) goto fail;
+    mt_log(MT_LOG_INFO, "worker %d: loaded %s (%s, %d layers, hidden %d, vocab %d) on %s in %.2f s", p->id, p->model,
+           mi.arch, mi.n_layers, mi.hidden_size, mi.vocab_size, l->backend_name, mt_now() - t0);
+    *out = l;
+    return MT_OK;
+fail:
+    wkr_loop_free(l);
+    return st;
+}
+
+void wkr_loop_free(wkr_loop *l) {
+    if (!l) return;
+    if (l->eng) /* Finished(CANCELLED) for each live sequence while the router is reachable */
+        eng_abort_all(l->eng, ENG_FINISH_CANCELLED, "worker shutting down");
+    eng_free(l->eng);
+    wkr_transport_free(l->t);
+    mt_model_free(l->m);
+    mt_backend_free(l->be);
+    free(l);
+}
+
+/* ---- engine -> router ---- */
+
+static void on_tokens(void *user, uint64_t id, const eng_sample_result *toks, int n) {
+    wkr_loop *l = user;
+    if (l->quiet || !l->t) return;
+    Metrale__V1__GeneratedToken gt[n];
+    Metrale__V1__GeneratedToken *gtp[n];
+    Metrale__V1__TokenLogprob lp[n][ENG_TOP_LOGPROBS_MAX];
+    Metrale__V1__TokenLogprob *lpp[n][ENG_TOP_LOGPROBS_MAX];
+    for (int i = 0; i < n; i++) {
+        gt[i] = (Metrale__V1__GeneratedToken)METRALE__V1__GENERATED_TOKEN__INIT;
+        gt[i].token_id = (uint32_t)toks[i].token;
+        gt[i].logprob = toks[i].logprob; /* 0 (not serialised) unless asked for */
+        for (int k = 0; k < toks[i].n_top; k++) {
+            lp[i][k] = (Metrale__V1__TokenLogprob)METRALE__V1__TOKEN_LOGPROB__INIT;
+            lp[i][k].token_id = (uint32_t)toks[i].top_ids[k];
+            lp[i][k].logprob = toks[i].top_logprobs[k];
+            lpp[i][k] = &lp[i][k];
+        }
+        gt[i].n_top_logprobs = (size_t)toks[i].n_top;
+        gt[i].top_logprobs = toks[i].n_top ? lpp[i] : NULL;
+        gtp[i] = &gt[i];
+    }
+    wkr_transport_send_tokens(l->t, id, gtp, (size_t)n);
+}
+
+/* eng_finish has the values of metrale.v1.FinishReason. */
+static void on_finished(void *user, uint64_t id, const eng_finish_info *f) {
+    wkr_loop *l = user;
+    if (f->reason == ENG_FINISH_ERROR)
+        mt_log(MT_LOG_WARN, "worker %d: sequence %llu failed: %s", l->p.id, (unsigned long long)id, f->message);
+    if (l->quiet || !l->t) return;
+    wkr_transport_send_finished(l->t, id, (Metrale__V1__FinishReason)f->reason, (uint32_t)f->prompt_tokens,
+                                (uint32_t)f->completion_tokens, f->message);
+}
+
+/* Engine thread: publishes the engine's counters for the heartbeats and marks progress. */
+static void publish_stats(wkr_loop *l) {
+    eng_stats st;
+    eng_get_stats(l->eng, &st);
+    Metrale__V1__WorkerStats ws = METRALE__V1__WORKER_STATS__INIT;
+    ws.live_sequences = (uint32_t)st.live_sequences;
+    ws.cache_bytes_in_use = st.cache_bytes_in_use;
+    ws.cache_bytes_baseline = 0; /* only per-sequence state is counted; none with no sequence */
+    ws.sequences_finished = st.sequences_finished;
+    ws.sequences_aborted = st.sequences_aborted;
+    ws.prefix_hits = st.prefix_hits;
+    ws.prefix_misses = st.prefix_misses;
+    ws.prefix_cache_bytes = st.prefix_cache_bytes;
+    ws.preemptions = st.preemptions;
+    ws.cache_pages_free = (uint32_t)st.pages_free;
+    ws.cache_pages_total = (uint32_t)st.pages_total;
+    ws.slots_free = (uint32_t)st.slots_free;
+    ws.slots_total = (uint32_t)st.slots_total;
+    wkr_transport_publish(l->t, &ws);
+}
+
+/* After a lost link the router's streams are gone: drop every live sequence without sending. */
+static void drop_sequences(wkr_loop *l) {
+    eng_stats st;
+    eng_get_stats(l->eng, &st);
+    if (st.live_sequences) mt_log(MT_LOG_WARN, "worker %d: dropping %d sequences", l->p.id, st.live_sequences);
+    l->quiet = true;
+    eng_abort_all(l->eng, ENG_FINISH_CANCELLED, "router unreachable");
+    l->quiet = false;
+}
+
+/* ---- router -> engine ---- */
+
+/* Copies n token ids into out; MT_ERR_INVALID naming what (e.g. "prompt token") for an id the
+ * engine's int32 cannot hold, which no vocabulary reaches. */
+static mt_status ids_from_proto(const char *what, const uint32_t *ids, size_t n, int32_t *out, mt_error *err) {
+    for (size_t i = 0; i < n; i++) {
+        if (ids[i] > INT32_MAX)
+            return mt_errorf(err, MT_ERR_INVALID, "%s %u at index %zu is outside the vocabulary", what, ids[i], i);
+        out[i] = (int32_t)ids[i];
+    }
+    return MT_OK;
+}
+
+/* Builds the engine's request from a Submit's GenerateRequest; ids and stop ids are copied into
+ * the caller's buffers (n entries each). MT_ERR_INVALID with a message on what the engine cannot
+ * express (ids above INT32_MAX, counts above the wire limits, prompt text). */
+static mt_status request_from_proto(const Metrale__V1__GenerateRequest *g, int32_t *prompt, int32_t *stops,
+                                    eng_request *r, mt_error *err) {
+    *r = eng_default_request();
+    if (g->prompt_text && g->prompt_text[0])
+        return mt_errorf(err, MT_ERR_INVALID, "prompt_text is not supported (no tokenizer yet)");
+    if (g->n_prompt_token_ids > MT_WIRE_CONTEXT_MAX)
+        return mt_errorf(err, MT_ERR_INVALID, "prompt of %zu tokens: at most %d", g->n_prompt_token_ids,
+                         MT_WIRE_CONTEXT_MAX);
+    mt_status st = ids_from_proto("prompt token", g->prompt_token_ids, g->n_prompt_token_ids, prompt, err);
+    if (st != MT_OK) return st;
+    r->prompt = prompt;
+    r->n_prompt = (int)g->n_prompt_token_ids;
+    if (g->top_logprobs > MT_WIRE_TOP_LOGPROBS_MAX)
+        return mt_errorf(err, MT_ERR_INVALID, "top_logprobs must be <= %d, got %u", MT_WIRE_TOP_LOGPROBS_MAX,
+                         g->top_logprobs);
+    r->logprobs = g->logprobs;
+    r->top_logprobs = (int)g->top_logprobs;
+    const Metrale__V1__SamplingParams *s = g->sampling;
+    if (s) { /* the API's "0 = off" encoding */
+        r->sampling.temperature = s->temperature;
+        r->sampling.top_k = s->top_k;
+        r->sampling.top_p = s->top_p == 0.0f ? 1.0f : s->top_p;
+        r->sampling.min_p = s->min_p;
+        r->sampling.repetition_penalty = s->repetition_penalty == 0.0f ? 1.0f : s->repetition_penalty;
+        r->sampling.presence_penalty = s->presence_penalty;
+        r->sampling.frequency_penalty = s->frequency_penalty;
+        r->has_seed = s->has_seed;
+        r->seed = s->seed;
+    }
+    const Metrale__V1__StoppingCriteria *stop = g->stopping;
+    r->max_new_tokens = 0; /* required: the engine says so when missing */
+    if (stop) {
+        r->max_new_tokens = stop->max_new_tokens > INT32_MAX ? INT32_MAX : (int)stop->max_new_tokens;
+        if (stop->n_stop_token_ids > MT_WIRE_STOP_TOKENS_MAX)
+            return mt_errorf(err, MT_ERR_INVALID, "%zu stop tokens: at most %d", stop->n_stop_token_ids,
+                             MT_WIRE_STOP_TOKENS_MAX);
+        st = ids_from_proto("stop token", stop->stop_token_ids, stop->n_stop_token_ids, stops, err);
+        if (st != MT_OK) return st;
+        r->stop_ids = stops;
+        r->n_stop = (int)stop->n_stop_token_ids;
+        r->ignore_eos = stop->ignore_eos;
+    }
+    return MT_OK;
+}
+
+static void on_submit(void *user, uint64_t id, const Metrale__V1__GenerateRequest *g, uint64_t deadline_unix_ms) {
+    wkr_loop *l = user;
+    const size_t n_stop = g->stopping ? g->stopping->n_stop_token_ids : 0;
+    int32_t *buf = malloc(sizeof(int32_t) * (g->n_prompt_token_ids + n_stop + 1));
+    mt_error err = { "" };
+    eng_request r;
+    mt_status st = !buf ? mt_errorf(&err, MT_ERR_NOMEM, "worker: out of memory for a request")
+                        : request_from_proto(g, buf, buf + g->n_prompt_token_ids, &r, &err);
+    if (st == MT_OK) st = eng_submit(l->eng, id, &r, deadline_unix_ms, &err);
+    free(buf);
+    if (st == MT_OK) {
+        mt_log(MT_LOG_DEBUG, "worker %d: submit %llu: %zu prompt tokens", l->p.id, (unsigned long long)id,
+               g->n_prompt_token_ids);
+        return;
+    }
+    mt_log(MT_LOG_WARN, "worker %d: submit %llu refused: %s", l->p.id, (unsigned long long)id, err.msg);
+    if (strstr(err.msg, "already live")) return; /* answering would end the live one's stream */
+    wkr_transport_send_finished(l->t, id, METRALE__V1__FINISH_REASON__FINISH_REASON_ERROR,
+                                (uint32_t)g->n_prompt_token_ids, 0, err.msg);
+}
+
+static eng_finish finish_from_proto(Metrale__V1__FinishReason r) {
+    switch (r) {
+    case METRALE__V1__FINISH_REASON__FINISH_REASON_LENGTH: return ENG_FINISH_LENGTH;
+    case METRALE__V1__FINISH_REASON__FINISH_REASON_STOP: return ENG_FINISH_STOP;
+    case METRALE__V1__FINISH_REASON__FINISH_REASON_ERROR: return ENG_FINISH_ERROR;
+    default: return ENG_FINISH_CANCELLED;
+    }
+}
+
+static void on_abort(void *user, uint64_t id, Metrale__V1__FinishReason reason) {
+    wkr_loop *l = user;
+    if (eng_abort(l->eng, id, finish_from_proto(reason), "aborted by the router") != MT_OK)
+        mt_log(MT_LOG_DEBUG, "worker %d: abort of %llu, which is not live", l->p.id, (unsigned long long)id);
+}
+
+/* ---- the loop ---- */
+
+mt_status wkr_loop_run(wkr_loop *l, const volatile sig_atomic_t *stop, mt_error *err) {
+    const wkr_handlers h = { .user = l, .on_submit = on_submit, .on_abort = on_abort };
+    publish_stats(l);
+    mt_status st = wkr_transport_start_heartbeats(l->t, err);
+    if (st != MT_OK) return st;
+    bool shutdown = false, silent = false;
+    while (!*stop && !shutdown) {
+        if (wkr_transport_take_link_lost(l->t)) drop_sequences(l);
+        wkr_transport_hello_if_due(l->t);
+        shutdown = wkr_transport_receive(l->t, eng_has_work(l->eng) ? 0 : IDLE_WAIT_MS, &h);
+        if (shutdown || *stop) break;
+        /* checked right after draining the socket, so a long step cannot look like silence */
+        if (wkr_transport_router_silent(l->t, l->p.router_timeout)) {
+            silent = true;
+            break;
+        }
+        if (eng_has_work(l->eng)) eng_step(l->eng, NULL);
+        publish_stats(l);
+    }
+    wkr_transport_stop_heartbeats(l->t);
+    if (silent)
+        return mt_errorf(err, MT_ERR_IO, "nothing from the router for %.1f s; exiting", l->p.router_timeout);
+    mt_log(MT_LOG_INFO, "worker %d: exiting (%s; %llu malformed or unexpected messages dropped)", l->p.id,
+           shutdown ? "shutdown" : "signal", (unsigned long long)wkr_transport_dropped(l->t));
+    return MT_OK;
+}

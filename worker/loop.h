@@ -1,0 +1,71 @@
+/* worker/loop.h: the worker's engine side. wkr_loop_new makes the backend, loads the model, plans
+ * the memory of its state pools and makes the engine; wkr_loop_run then runs the engine thread's
+ * loop: receive the router's messages (worker/transport.h), hand Submit and Abort to the engine,
+ * step it, and send every token it reports as Tokens and every end as Finished.
+ *
+ * This is the one file of the worker process that calls the engine (eng_*), the model and its
+ * loader (glm_*) and the backend constructors; the transport and main know none of them.
+ *
+ * Protocol, as the router sees it: a Hello (the model and max_sequences) once linked; one Tokens
+ * per sequence per engine step; Finished after a sequence's last Tokens (also after an Abort, so
+ * the router knows the state is freed); a Submit the engine refuses is answered at once with
+ * Finished(ERROR, why). When the link is lost (transport.h) every live sequence is dropped without
+ * a word, since the router's streams are gone.
+ *
+ * Threads: one loop belongs to the thread that calls wkr_loop_new (the engine thread); the
+ * transport adds the heartbeat thread while wkr_loop_run runs.
+ */
+#ifndef WKR_LOOP_H
+#define WKR_LOOP_H
+
+#include <signal.h>
+#include <stdbool.h>
+
+#include "common/mt.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* What metrale-worker's options set (worker/main.c states each one for the user). */
+typedef struct wkr_params {
+    const char *model;       /* checkpoint folder, or random:PRESET (random weights); borrowed */
+    const char *router;      /* ZeroMQ endpoint of the router; borrowed */
+    const char *backend;     /* "cpu", "cuda" or "auto" (cuda when a GPU is usable); borrowed */
+    int id;                  /* worker id, >= 0 */
+    int device;              /* GPU ordinal for cuda */
+    int max_sequences;       /* running sequences at once; default 16 */
+    int max_context;         /* prompt + new tokens per request; default 4096 */
+    int threads;             /* CPU backend threads; 0 = all cores */
+    long cache_budget_mb;    /* the state pools; 0: the backend's free memory less a reserve */
+    int prefill_budget;      /* prompt tokens prefilled per step; 0: the engine's default */
+    int graph_max_batch;     /* largest decode batch replayed as a CUDA graph; 0: the model's default */
+    bool no_preempt;         /* admit only with pages for the whole length instead of preempting */
+    bool no_run_ahead;       /* greedy batches read each step's tokens before the next */
+    double router_timeout;   /* seconds of router silence before exiting; default MT_WIRE_ROUTER_SILENCE_S */
+} wkr_params;
+
+/* The defaults above; model, router and id (-1) are left for the caller. */
+wkr_params wkr_default_params(void);
+
+typedef struct wkr_loop wkr_loop;
+
+/* Makes the backend, the model, its pools and the engine, and connects to the router (not yet
+ * linked: wkr_loop_run says Hello). p is copied; the strings it points to must outlive the loop.
+ * NULL *out and a message in err on failure, nothing left behind. */
+mt_status wkr_loop_new(const wkr_params *p, wkr_loop **out, mt_error *err);
+
+/* Runs until *stop is set (a signal handler sets it), the router says Shutdown, or the router is
+ * silent for router_timeout. MT_OK on Shutdown or *stop; MT_ERR_IO when the router fell silent or
+ * the heartbeat thread could not start (err says which). Live sequences stay live: wkr_loop_free
+ * ends them. */
+mt_status wkr_loop_run(wkr_loop *l, const volatile sig_atomic_t *stop, mt_error *err);
+
+/* Ends every live sequence with Finished(CANCELLED) while the router is reachable, then frees the
+ * engine, the link, the model and the backend. NULL ok. */
+void wkr_loop_free(wkr_loop *l);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* WKR_LOOP_H */
