@@ -12,7 +12,7 @@ void cpu_weight_row(const mt_weight *w, int64_t r, float *dst) {
     mt_to_f32(dst, (const char *)w->data + (size_t)r * (size_t)w->cols * es, w->dtype, (size_t)w->cols);
 }
 
-void cpu_embed(mt_backend *be, float *out, const mt_weight *table, const int32_t *ids, int n) {
+static void cpu_embed(mt_backend *be, float *out, const mt_weight *table, const int32_t *ids, int n) {
     (void)be;
     for (int i = 0; i < n; i++) {
         MT_ASSERT(ids[i] >= 0 && ids[i] < table->rows);
@@ -21,8 +21,8 @@ void cpu_embed(mt_backend *be, float *out, const mt_weight *table, const int32_t
 }
 
 /* Row by row: consecutive positions may sit on different pages. */
-void cpu_copy_rows_at(mt_backend *be, mt_paged dst, const int32_t *bt, int t0, const int32_t *pos,
-                      const float *src, int n) {
+static void cpu_copy_rows_at(mt_backend *be, mt_paged dst, const int32_t *bt, int t0, const int32_t *pos,
+                             const float *src, int n) {
     (void)be;
     if (pos) t0 = *pos; /* host memory on this backend */
     MT_ASSERT(t0 >= 0 && n >= 0 && dst.page > 0 && dst.row > 0);
@@ -43,7 +43,7 @@ static float dot(const float *a, const float *b, int64_t n) {
     return (s0 + s1) + (s2 + s3);
 }
 
-void cpu_matmul(mt_backend *be, float *y, const float *x, const mt_weight *w, int n) {
+static void cpu_matmul(mt_backend *be, float *y, const float *x, const mt_weight *w, int n) {
     const int64_t out = w->rows, in = w->cols;
     /* Blocks of 4 weight rows per thread step keep each x row hot for 4 outputs. */
 #pragma omp parallel num_threads(be->n_threads) if (out * in * n > CPU_PAR_MIN_WORK)
@@ -62,7 +62,7 @@ void cpu_matmul(mt_backend *be, float *y, const float *x, const mt_weight *w, in
     }
 }
 
-void cpu_rmsnorm(mt_backend *be, float *out, const float *x, const float *w, int n, int d, float eps) {
+static void cpu_rmsnorm(mt_backend *be, float *out, const float *x, const float *w, int n, int d, float eps) {
     (void)be;
     for (int i = 0; i < n; i++) {
         const float *xi = x + (size_t)i * d;
@@ -74,8 +74,8 @@ void cpu_rmsnorm(mt_backend *be, float *out, const float *x, const float *w, int
     }
 }
 
-void cpu_layernorm(mt_backend *be, float *out, const float *x, const float *w, const float *b, int n,
-                   int d, float eps) {
+static void cpu_layernorm(mt_backend *be, float *out, const float *x, const float *w, const float *b, int n,
+                          int d, float eps) {
     (void)be;
     for (int i = 0; i < n; i++) {
         const float *xi = x + (size_t)i * d;
@@ -90,7 +90,7 @@ void cpu_layernorm(mt_backend *be, float *out, const float *x, const float *w, c
     }
 }
 
-void cpu_swiglu(mt_backend *be, float *out, const float *gate, const float *up, int n, int I, float L) {
+static void cpu_swiglu(mt_backend *be, float *out, const float *gate, const float *up, int n, int I, float L) {
     (void)be;
     for (int64_t i = 0; i < (int64_t)n * I; i++) {
         const float g = fminf(gate[i], L);
@@ -99,12 +99,12 @@ void cpu_swiglu(mt_backend *be, float *out, const float *gate, const float *up, 
     }
 }
 
-void cpu_sigmoid(mt_backend *be, float *x, int64_t count) {
+static void cpu_sigmoid(mt_backend *be, float *x, int64_t count) {
     (void)be;
     for (int64_t i = 0; i < count; i++) x[i] = cpu_sigmoidf(x[i]);
 }
 
-void cpu_l2norm(mt_backend *be, float *x, int64_t n, int d, float eps, float scale) {
+static void cpu_l2norm(mt_backend *be, float *x, int64_t n, int d, float eps, float scale) {
     (void)be;
     for (int64_t i = 0; i < n; i++) {
         float *xi = x + (size_t)i * d;
@@ -115,7 +115,7 @@ void cpu_l2norm(mt_backend *be, float *x, int64_t n, int d, float eps, float sca
     }
 }
 
-void cpu_argmax_dev(mt_backend *be, int32_t *out, int rep, const float *logits, int n, int V) {
+static void cpu_argmax_dev(mt_backend *be, int32_t *out, int rep, const float *logits, int n, int V) {
     (void)be;
     for (int i = 0; i < n; i++) {
         const float *l = logits + (size_t)i * V;
@@ -126,6 +126,20 @@ void cpu_argmax_dev(mt_backend *be, int32_t *out, int rep, const float *logits, 
     }
 }
 
-void cpu_argmax(mt_backend *be, int32_t *out, const float *logits, int n, int V) {
+static void cpu_argmax(mt_backend *be, int32_t *out, const float *logits, int n, int V) {
     cpu_argmax_dev(be, out, 1, logits, n, V);
+}
+
+void cpu_dense_fill(mt_backend_ops *t) {
+    t->embed = cpu_embed;
+    t->embed_dev = cpu_embed; /* host memory: ids are already readable */
+    t->copy_rows_at = cpu_copy_rows_at;
+    t->matmul = cpu_matmul;
+    t->rmsnorm = cpu_rmsnorm;
+    t->layernorm = cpu_layernorm;
+    t->swiglu = cpu_swiglu;
+    t->sigmoid = cpu_sigmoid;
+    t->l2norm = cpu_l2norm;
+    t->argmax = cpu_argmax;
+    t->argmax_dev = cpu_argmax_dev;
 }
