@@ -68,7 +68,7 @@ class ModelCuda : public ::testing::Test {
   protected:
     void SetUp() override {
         mt_error err{};
-        gpu_ = mt_cuda_backend_new(0, &err);
+        gpu_ = mt_cuda_backend_new(0, nullptr, &err);
         if (!gpu_) GTEST_SKIP() << "no CUDA GPU on this host (" << err.msg << "); skipping";
         cpu_ = mt_cpu_backend_new(0);
     }

@@ -2,6 +2,7 @@
  *
  *   metrale-worker --model DIR --router ipc:///PATH --id N [--backend cpu|cuda|auto] [--device N]
  *                  [--max-sequences N] [--max-context N] [--threads N] [--router-timeout S] [--verbose]
+ *                  [--numerics exact|bf16]
  *
  * Protocol (proto/metrale/internal/v1/worker.proto): on start, Hello (the model and
  * max_sequences); then Submit / Abort / Shutdown / Heartbeat from the router, and from here one
@@ -55,6 +56,7 @@ typedef struct worker_opts {
     int graph_max_batch;         /* 0: the model's default */
     bool no_preempt;             /* admit only with pages for the whole length instead */
     bool no_run_ahead;           /* greedy batches read each step's tokens before the next */
+    mt_numerics numerics;        /* the CUDA backend's prefill GEMM numerics */
     double router_timeout;      /* seconds of router silence before exiting */
     bool verbose;
 } worker_opts;
@@ -141,6 +143,7 @@ static void usage(FILE *f) {
             "                      [--device N] [--max-sequences N] [--max-context N] [--threads N]\n"
             "                      [--router-timeout S] [--cache-budget-mb N] [--prefill-budget N]\n"
             "                      [--graph-max-batch N] [--no-preempt] [--no-run-ahead] [--verbose]\n"
+            "                      [--numerics exact|bf16]\n"
             "  Serves the checkpoint in DIR to the router at ENDPOINT (ipc:// or tcp://127.0.0.1:) as worker N.\n"
             "  --model: a checkpoint folder, or random:tiny / random:bench-4L (random weights, for benchmarks).\n"
             "  --backend: cpu (default), cuda (GPU --device, default 0), or auto (cuda when a GPU is usable).\n"
@@ -156,7 +159,9 @@ static void usage(FILE *f) {
             "  whole length are free (nothing is ever preempted; fewer run together); --no-run-ahead: a batch\n"
             "  of greedy requests reads each step's tokens before queuing the next (by default the next step\n"
             "  is queued on the device's own tokens first, so the GPU does not wait for the host; the CPU backend\n"
-            "  never runs ahead, as it would only delay each token by a step).\n");
+            "  never runs ahead, as it would only delay each token by a step); --numerics (GPU): how prefill\n"
+            "  GEMMs take the activations, exact (default: two bf16 parts, the GPU's logits match the CPU's)\n"
+            "  or bf16 (rounded once: faster, ~1e-3 relative error, near-tied router choices may flip).\n");
 }
 
 /* ---- sending ---- */
@@ -505,7 +510,7 @@ static int parse_int(const char *flag, const char *v, int lo, int *out) {
 
 static int parse_args(int argc, char **argv, worker_opts *o) {
     *o = (worker_opts){ .backend = "cpu", .id = -1, .max_sequences = 16, .max_context = 4096,
-                        .router_timeout = ROUTER_SILENCE_S };
+                        .router_timeout = ROUTER_SILENCE_S, .numerics = MT_NUMERICS_EXACT };
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); return 1; }
@@ -535,6 +540,12 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
         else if (!strcmp(a, "--threads")) rc = parse_int(a, v, 0, &o->threads);
         else if (!strcmp(a, "--prefill-budget")) rc = parse_int(a, v, 1, &o->prefill_budget);
         else if (!strcmp(a, "--graph-max-batch")) rc = parse_int(a, v, 1, &o->graph_max_batch);
+        else if (!strcmp(a, "--numerics")) {
+            if (!mt_numerics_parse(v, &o->numerics) || o->numerics == MT_NUMERICS_FP32) {
+                fprintf(stderr, "error: --numerics must be exact or bf16, got \"%s\"\n", v);
+                return -1;
+            }
+        }
         else if (!strcmp(a, "--router-timeout")) {
             char *end;
             o->router_timeout = strtod(v, &end);
@@ -563,7 +574,9 @@ static int parse_args(int argc, char **argv, worker_opts *o) {
 static mt_backend *open_backend(worker *w, mt_error *err) {
     const worker_opts *o = &w->o;
     if (strcmp(o->backend, "cpu")) {
-        mt_backend *be = mt_cuda_backend_new(o->device, err);
+        mt_cuda_params cp = mt_cuda_default_params();
+        cp.numerics = o->numerics;
+        mt_backend *be = mt_cuda_backend_new(o->device, &cp, err);
         if (be) {
             w->backend_name = "cuda";
             return be;

@@ -397,7 +397,55 @@ static cudaError_t tk_events_create(cu_backend *cb) {
     return e;
 }
 
-extern "C" mt_backend *mt_cuda_backend_new(int device, mt_error *err) {
+extern "C" const char *mt_numerics_name(mt_numerics v) {
+    return v == MT_NUMERICS_EXACT ? "exact" : v == MT_NUMERICS_BF16 ? "bf16" : v == MT_NUMERICS_FP32 ? "fp32" : "?";
+}
+
+extern "C" bool mt_numerics_parse(const char *name, mt_numerics *out) {
+    for (int v = MT_NUMERICS_EXACT; v <= MT_NUMERICS_FP32; v++)
+        if (name && !strcmp(name, mt_numerics_name((mt_numerics)v))) {
+            *out = (mt_numerics)v;
+            return true;
+        }
+    return false;
+}
+
+extern "C" mt_cuda_params mt_cuda_default_params(void) {
+    mt_cuda_params p;
+    memset(&p, 0, sizeof p);
+    p.numerics = MT_NUMERICS_EXACT;
+    p.narrow = true;
+    p.moe_batched = true;
+    p.moe_wg = true;
+    p.moe_grouped_min_rows = CU_MOE_GROUPED_MIN_ROWS;
+    p.moe_grouped_max_rows = CU_MOE_GROUPED_MAX_ROWS;
+    p.mla_attend = MT_CUDA_MLA_ATTEND_AUTO;
+    p.kda_chunk_kernels = MT_CUDA_KDA_CHUNK_BOTH;
+    return p;
+}
+
+/* MT_ERR_INVALID, naming the field, for params out of range (cuda_backend.h). */
+static mt_status params_check(const mt_cuda_params *p, mt_error *err) {
+    if (p->numerics < MT_NUMERICS_EXACT || p->numerics > MT_NUMERICS_FP32)
+        return mt_errorf(err, MT_ERR_INVALID, "mt_cuda_params.numerics: %d is not an mt_numerics", (int)p->numerics);
+    if (p->moe_grouped_min_rows < 2 || p->moe_grouped_min_rows > CU_MOE_GEMV_MAX_ROWS + 1)
+        return mt_errorf(err, MT_ERR_INVALID, "mt_cuda_params.moe_grouped_min_rows: %d is not in 2..%d",
+                         p->moe_grouped_min_rows, CU_MOE_GEMV_MAX_ROWS + 1);
+    if (p->moe_grouped_max_rows != 0 && p->moe_grouped_max_rows <= CU_MOE_GEMV_MAX_ROWS)
+        return mt_errorf(err, MT_ERR_INVALID, "mt_cuda_params.moe_grouped_max_rows: %d is neither 0 nor above %d",
+                         p->moe_grouped_max_rows, CU_MOE_GEMV_MAX_ROWS);
+    if (p->mla_attend < MT_CUDA_MLA_ATTEND_AUTO || p->mla_attend > MT_CUDA_MLA_ATTEND_WIDE)
+        return mt_errorf(err, MT_ERR_INVALID, "mt_cuda_params.mla_attend: %d is not an mt_cuda_mla_attend",
+                         (int)p->mla_attend);
+    if (p->kda_chunk_kernels < MT_CUDA_KDA_CHUNK_BOTH || p->kda_chunk_kernels > MT_CUDA_KDA_CHUNK_STATE)
+        return mt_errorf(err, MT_ERR_INVALID, "mt_cuda_params.kda_chunk_kernels: %d is not an "
+                         "mt_cuda_kda_chunk_kernels", (int)p->kda_chunk_kernels);
+    return MT_OK;
+}
+
+extern "C" mt_backend *mt_cuda_backend_new(int device, const mt_cuda_params *params, mt_error *err) {
+    const mt_cuda_params prm = params ? *params : mt_cuda_default_params();
+    if (params_check(&prm, err) != MT_OK) return NULL;
     int count = 0;
     cudaError_t e = cudaGetDeviceCount(&count);
     if (e != cudaSuccess) {
@@ -425,37 +473,9 @@ extern "C" mt_backend *mt_cuda_backend_new(int device, mt_error *err) {
     cb->device = device;
     cb->sticky = MT_OK;
     cb->n_sm = prop.multiProcessorCount;
-    /* Tensor-core matmul precision (cuda_dense.cu): 16-bit parts of x, 0 = fp32 kernels only. */
-    cb->tc_terms = 2;
-    if (const char *env = getenv("MT_CUDA_TC_TERMS")) {
-        if (strcmp(env, "0") && strcmp(env, "1") && strcmp(env, "2")) {
-            mt_errorf(err, MT_ERR_INVALID, "MT_CUDA_TC_TERMS=%s: expected 0, 1 or 2", env);
-            cu_destroy(&cb->base);
-            return NULL;
-        }
-        cb->tc_terms = env[0] - '0';
-    }
-    /* Prefill switches (cuda_ops.h): on unless the variable is "0". */
-    cb->moe_batched = !(getenv("MT_CUDA_MOE_BATCHED") && !strcmp(getenv("MT_CUDA_MOE_BATCHED"), "0"));
-    cb->narrow = !(getenv("MT_CUDA_NARROW") && !strcmp(getenv("MT_CUDA_NARROW"), "0"));
-    cb->moe_grouped = !(getenv("MT_CUDA_MOE_GROUPED") && !strcmp(getenv("MT_CUDA_MOE_GROUPED"), "0"));
-    cb->moe_side = !(getenv("MT_CUDA_MOE_SIDE") && !strcmp(getenv("MT_CUDA_MOE_SIDE"), "0"));
-    cb->moe_wg = !(getenv("MT_CUDA_MOE_WG") && !strcmp(getenv("MT_CUDA_MOE_WG"), "0"));
-    /* Every matmul of more than GEMV_MAX_N rows goes to the tensor cores (two-part split, ~3e-6
-     * relative): the fp32 narrow/tiled kernels took 40% of a batch-64 decode step (batch_bench:
-     * 66% of the floor with tensor cores, 40% without). MT_CUDA_TC_MIN_ROWS=512 keeps outputs
-     * narrower than 512 (router, mHC mix, gates) on the fp32 kernels, as before. */
-    cb->tc_min_rows = 1;
-    if (const char *env = getenv("MT_CUDA_TC_MIN_ROWS")) {
-        char *end = NULL;
-        const long v = strtol(env, &end, 10);
-        if (end == env || *end || v < 1 || v > INT_MAX) {
-            mt_errorf(err, MT_ERR_INVALID, "MT_CUDA_TC_MIN_ROWS=%s: expected a positive integer", env);
-            cu_destroy(&cb->base);
-            return NULL;
-        }
-        cb->tc_min_rows = (int)v;
-    }
+    cb->params = prm;
+    cb->tc_terms = prm.numerics == MT_NUMERICS_EXACT ? 2 : prm.numerics == MT_NUMERICS_BF16 ? 1 : 0;
+    cb->moe_batched = prm.moe_batched;
     if ((e = cudaMalloc(&cb->counters, sizeof(unsigned) * CU_COUNTERS)) != cudaSuccess ||
         (e = cudaMemset(cb->counters, 0, sizeof(unsigned) * CU_COUNTERS)) != cudaSuccess ||
         (e = cudaMallocHost(&cb->tk_ring, (size_t)MT_TICKETS * MT_TICKET_BYTES)) != cudaSuccess ||

@@ -11,17 +11,16 @@
  * (gemv_kernel): a warp streams 16-byte weight vectors of 4 rows (2 from 5 inputs) for all n
  * input rows, several loads in flight per lane, and short wide weights split K over up to 8 warps
  * of a block so that the grid always has work for every multiprocessor. Fixed-order reductions
- * finish each dot product. Many rows (prefill) on a bf16/fp16 weight with at least 512 outputs:
- * the tensor cores through cuBLAS (cu_gemm_tc, fp32 accumulation). x is split into 16-bit parts of
- * the weight's type, x ~ hi + lo (cu_split16, into CU_SCRATCH_GEMM), and y = w.hi + w.lo: 16
- * significant bits of x for bf16, ~2e-6 relative error, twice the tensor-core work. With
- * MT_CUDA_TC_TERMS=1, x is rounded once (hi only): half the work, ~1.5e-3 relative error for
- * bf16, which flips enough router/indexer choices downstream to fail the whole-model comparison
- * with the CPU. Otherwise (F32 weights, narrow outputs such as the router's or the mHC mix, or
- * MT_CUDA_TC_TERMS=0): at most 32 outputs (the mHC mix, 24 x 16384), a narrow fp32 kernel where a
- * warp owns whole input rows (MT_CUDA_NARROW=0 turns it off); wider, a 64 x 128 x 16 tiled fp32
- * GEMM (cu_gemm), which the MoE reuses in grouped form. All are deterministic: the summation
- * order depends only on the shape.
+ * finish each dot product. Many rows (prefill) on a bf16/fp16 weight: the tensor cores through
+ * cuBLAS (cu_gemm_tc, fp32 accumulation). x is split into 16-bit parts of the weight's type,
+ * x ~ hi + lo (cu_split16, into CU_SCRATCH_GEMM), and y = w.hi + w.lo: 16 significant bits of x
+ * for bf16, ~2e-6 relative error, twice the tensor-core work (MT_NUMERICS_EXACT). With
+ * MT_NUMERICS_BF16, x is rounded once (hi only): half the work, ~1.5e-3 relative error for bf16,
+ * which flips enough router/indexer choices downstream to fail the whole-model comparison with
+ * the CPU. Otherwise (F32 weights, or MT_NUMERICS_FP32): at most 32 outputs (the mHC mix,
+ * 24 x 16384), a narrow fp32 kernel where a warp owns whole input rows (mt_cuda_params.narrow
+ * false: not used); wider, a 64 x 128 x 16 tiled fp32 GEMM (cu_gemm), which the MoE reuses in
+ * grouped form. All are deterministic: the summation order depends only on the shape.
  *
  * Decode-path kernels (GEMV, norms, swiglu, sigmoid) are launched for programmatic dependent
  * launch (cu_launch_pdl, below); the norms keep few rows in registers (norm_vec_kernel). */
@@ -50,16 +49,8 @@
  * what kernels two or more back wrote, which the previous kernel's own wait made complete:
  * moe_gateup_kernel's shared-expert blocks and gemv_shortk_kernel's late_wait, which both wait
  * before exiting, and moe_down_kernel's first weight loads, found through the router's indices.) Stream capture keeps the overlap as
- * programmatic edges of the graph. MT_CUDA_PDL=0 (read once) launches them plainly, for
- * comparison; the waits then return at once. cu_launch_pdl, cu_pdl_on, cu_pdl_wait and cu_pdl_trigger are
- * declared in cuda_ops.h. */
-extern "C" bool cu_pdl_on(void) {
-    static const bool on = [] {
-        const char *v = getenv("MT_CUDA_PDL");
-        return !(v && !strcmp(v, "0"));
-    }();
-    return on;
-}
+ * programmatic edges of the graph. cu_launch_pdl, cu_pdl_wait and cu_pdl_trigger are declared in
+ * cuda_ops.h. */
 
 /* kernel(*params): one kernel taking one parameter struct by value. Returns the launch's error. */
 extern "C" cudaError_t cu_launch_pdl(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t s,
@@ -73,7 +64,7 @@ extern "C" cudaError_t cu_launch_pdl(const void *kernel, dim3 grid, dim3 block, 
     cfg.dynamicSmemBytes = smem;
     cfg.stream = s;
     cfg.attrs = attr;
-    cfg.numAttrs = cu_pdl_on() ? 1 : 0;
+    cfg.numAttrs = 1;
     void *args[1] = {params};
     return cudaLaunchKernelExC(&cfg, kernel, args);
 }
@@ -431,33 +422,22 @@ static mt_status gemv_shortk_launch(const gemv_params *p, mt_dtype dt, cudaStrea
     }
 }
 
-/* Launch knobs, read once, for measuring the grid choice (the defaults are what decode uses):
- *   MT_CUDA_GEMV_WARPS=w   split K until the grid has w warps per multiprocessor (default 64)
- *   MT_CUDA_GEMV_BLOCKS=b  a persistent grid of at most b blocks per multiprocessor, each over
- *                          contiguous tiles (default 0: one tile per block, as many blocks)
+/* The grid choice:
+ *   GEMV_WARPS_PER_SM   split K until the grid has this many warps per multiprocessor
+ *   GEMV_BLOCKS_PER_SM  0: one tile per block, as many blocks; b > 0: a persistent grid of at most b
+ *                       blocks per multiprocessor, each over contiguous tiles (gemv_kernel's
+ *                       p.persist form, measured slower)
  * H200, bench-4L decode shapes as graphs (kernels_cuda_dense_test DecodeTimings), sum of one
  * call of each of 15 shapes: warps 32 475.6 us, 64 470.8, 16 470.8; blocks 2 483.8, 3 539.9.
- * decode_bench graph: warps 32 2.255 / 2.239 ms, 64 2.223, blocks 2 2.251 (noise ~0.02 ms).
- * The persistent form is kept for measuring only; the tests run the default. */
-static int gemv_knob(const char *name, int dflt) {
-    const char *v = getenv(name);
-    return v && atoi(v) >= 0 ? atoi(v) : dflt;
-}
-static int gemv_warps_per_sm(void) {
-    static const int w = gemv_knob("MT_CUDA_GEMV_WARPS", 64);
-    return w > 0 ? w : 64;
-}
-static int gemv_blocks_per_sm(void) {
-    static const int b = gemv_knob("MT_CUDA_GEMV_BLOCKS", 0);
-    return b;
-}
+ * decode_bench graph: warps 32 2.255 / 2.239 ms, 64 2.223, blocks 2 2.251 (noise ~0.02 ms). */
+enum { GEMV_WARPS_PER_SM = 64, GEMV_BLOCKS_PER_SM = 0 };
 
-/* Warps per row group: split K until the grid has about gemv_warps_per_sm() warps per
+/* Warps per row group: split K until the grid has about GEMV_WARPS_PER_SM warps per
  * multiprocessor (64: two waves of the 4 resident 8-warp blocks per SM that its registers allow
  * at one row, each wave keeping ~128 KB of loads in flight per SM), while every slice still gets
  * at least two chunks. */
 static int gemv_ksplit(int rows, int R, int nch, int n_sm) {
-    const int64_t groups = (rows + R - 1) / R, want = (int64_t)n_sm * gemv_warps_per_sm();
+    const int64_t groups = (rows + R - 1) / R, want = (int64_t)n_sm * GEMV_WARPS_PER_SM;
     int ks = 1;
     while (ks < GEMV_WARPS && groups * ks < want && 2 * ks <= nch) ks *= 2;
     return ks;
@@ -470,7 +450,7 @@ static mt_status gemv_launch_nb(gemv_params *p, bool vec, int n_sm, cudaStream_t
     p->ksplit = gemv_ksplit(p->rows, R, (p->cols / V + 31) / 32, n_sm); /* several weights: their total rows */
     const int64_t groups = (p->rows + R - 1) / R, per_block = GEMV_WARPS / p->ksplit;
     int64_t tiles = (groups + per_block - 1) / per_block;
-    const int64_t cap = (int64_t)n_sm * gemv_blocks_per_sm();
+    const int64_t cap = (int64_t)n_sm * GEMV_BLOCKS_PER_SM;
     if (p->nw >= 2) { /* each weight its own whole tiles */
         p->wt0[0] = 0;
         for (int j = 0; j < p->nw; j++)
@@ -531,7 +511,9 @@ static mt_status gemv_launch(gemv_params *p, mt_dtype dt, int n_sm, cudaStream_t
  * warp loads one chunk into registers (8 x 16 bytes per lane; one buffer keeps the kernel at 113
  * registers, two blocks per SM; a second register buffer spilled at 128). p.ahead > 0 also
  * prefetches into L2 the chunk p.ahead steps ahead (one prefetch.global.L2 per lane: its 32
- * lines), the first ones before the PDL wait; measured no faster (below), so off by default.
+ * lines), the first ones before the PDL wait; measured no faster, so GEMV_TC_AHEAD is 0 (at 2,
+ * n = 1: 3-9% slower on lm_head, gate/up, q/k/v, q_b, shared down, within 1% on kda o, dsa o,
+ * 2-9% faster on the down, shared gate/up and dsa q_a shapes; the sums below).
  * Slices meet in shared memory in slice order; every sum's order depends only on the shape:
  * deterministic. Needs cols % 8 == 0 and 16-byte aligned w and x (gemv_tc_ok).
  *
@@ -658,34 +640,18 @@ static __global__ void __launch_bounds__(GEMV_THREADS, 2) gemv_tc_kernel(const g
     if (ok1 && i0 + 1 < p.n) y0[p.rows + 8] = sum[3];
 }
 
-/* Launch knobs, read once (the defaults are what decode uses), for measuring:
- *   MT_CUDA_GEMV_TC=0|1|2    0: the fp32 GEMV only; 1 (default): the tensor-core GEMV for bf16
- *                            weights of at least GEMV_TC_MIN_ROWS rows at n >= GEMV_TC_MIN_N;
- *                            2: for every bf16 weight at every n
- *   MT_CUDA_GEMV_TC_KSPLIT=k warps per tile (1, 2, 4, 8); default 0: gemv_tc_ksplit
- *   MT_CUDA_GEMV_TC_AHEAD=a  chunks prefetched into L2 ahead of the loads (0..4, default 0; at 2,
- *                            n = 1: 3-9% slower on lm_head, gate/up, q/k/v, q_b, shared down,
- *                            within 1% on kda o, dsa o, 2-9% faster on the down, shared gate/up
- *                            and dsa q_a shapes) */
-static int gemv_tc_mode(void) {
-    static const int m = gemv_knob("MT_CUDA_GEMV_TC", 1);
-    return m;
-}
-
-/* Whether the tensor-core GEMV takes this call (see gemv_tc_mode and the measurements above).
- * Fewer rows stay on the fp32 kernel by default (a 16-row tile per block gives them fewer blocks
- * than multiprocessors), as do n = 1, 2 (the fp32 kernel streams faster there). */
+/* Whether the tensor-core GEMV takes this call (see the measurements above): bf16 weights of at
+ * least GEMV_TC_MIN_ROWS rows at n >= GEMV_TC_MIN_N. Fewer rows stay on the fp32 kernel (a 16-row
+ * tile per block gives them fewer blocks than multiprocessors), as do n = 1, 2 (the fp32 kernel
+ * streams faster there). */
 static bool gemv_tc_ok(const gemv_params *p, mt_dtype dt) {
-    const int mode = gemv_tc_mode();
-    return mode > 0 && dt == MT_BF16 && p->n <= GEMV_MAX_N && p->cols % 8 == 0 && cu_aligned16(p->w) &&
-           cu_aligned16(p->x) && (mode >= 2 || (p->rows >= GEMV_TC_MIN_ROWS && p->n >= GEMV_TC_MIN_N));
+    return dt == MT_BF16 && p->n <= GEMV_MAX_N && p->cols % 8 == 0 && cu_aligned16(p->w) && cu_aligned16(p->x) &&
+           p->rows >= GEMV_TC_MIN_ROWS && p->n >= GEMV_TC_MIN_N;
 }
 
 /* Warps per tile: 8 (fine-grained blocks, 16 rows each, so the last wave is short and a block's
  * loads cover 2 KB of each row at a time), halved while a warp would get fewer than 2 chunks. */
 static int gemv_tc_ksplit(int cols) {
-    static const int forced = gemv_knob("MT_CUDA_GEMV_TC_KSPLIT", 0);
-    if (forced == 1 || forced == 2 || forced == 4 || forced == 8) return forced;
     const int nch = (cols + 32 * GEMV_TC_J - 1) / (32 * GEMV_TC_J);
     int ks = GEMV_WARPS;
     while (ks > 1 && nch < 2 * ks) ks /= 2;
@@ -693,10 +659,9 @@ static int gemv_tc_ksplit(int cols) {
 }
 
 static mt_status gemv_tc_launch(gemv_params *p, cudaStream_t s) {
-    static const int ahead = gemv_knob("MT_CUDA_GEMV_TC_AHEAD", GEMV_TC_AHEAD);
     p->ksplit = gemv_tc_ksplit(p->cols);
     p->persist = 0;
-    p->ahead = ahead < 4 ? ahead : 4;
+    p->ahead = GEMV_TC_AHEAD;
     const int64_t tiles = (p->rows + GEMV_TC_TILE - 1) / GEMV_TC_TILE, per_block = GEMV_WARPS / p->ksplit;
     const dim3 grid((unsigned)((tiles + per_block - 1) / per_block));
     MT_CUDA_CHECK(cu_launch_pdl((const void *)gemv_tc_kernel, grid, dim3(GEMV_THREADS), 0, s, p));
@@ -711,8 +676,8 @@ static mt_status gemv_tc_launch(gemv_params *p, cudaStream_t s) {
  * lane l takes columns 4l + 128j of each stage, so the x loads are 16-byte and coalesced. Each
  * output is a per-lane running sum over its columns in order, then a fixed butterfly over the
  * lanes (lane 0's result is stored): deterministic for a given shape. H200: 24 x 16384 at 512
- * rows 187 us (tiled 1414), at 4096 rows 306 us (tiled 1420); the two-part tensor-core path would
- * take 55 / 216 us (MT_CUDA_TC_MIN_ROWS=1) at ~3e-6 instead of ~1e-7 relative error. */
+ * rows 187 us (tiled 1414), at 4096 rows 306 us (tiled 1420); the two-part tensor-core path, which
+ * bf16 weights take, 55 / 216 us at ~3e-6 instead of ~1e-7 relative error. */
 enum { NARROW_THREADS = 128, NARROW_WARPS = NARROW_THREADS / 32, NARROW_KC = 256, NARROW_MAX_ROWS = 32 };
 
 template <mt_dtype DT, int NW, int R>
@@ -1050,12 +1015,12 @@ extern "C" mt_status cu_gemm_tc(cu_backend *cb, float *y, const void *x16, const
     return MT_OK;
 }
 
-/* Outputs narrower than cb->tc_min_rows (512 unless MT_CUDA_TC_MIN_ROWS says otherwise) stay on
- * the fp32 kernels: they are cheap, and they feed discrete or sensitive choices (router top-k
- * over 288 experts, the mHC mix of 24, per-head gates). */
+/* Every matmul of more than GEMV_MAX_N rows on a 16-bit weight, narrow outputs too (router, mHC mix,
+ * per-head gates): the two-part split keeps ~3e-6 relative error, and the fp32 narrow/tiled
+ * kernels took 40% of a batch-64 decode step (batch_bench: 66% of the floor with tensor cores,
+ * 40% without). */
 static bool matmul_use_tc(const cu_backend *cb, const mt_weight *w, int n) {
-    return cb->tc_terms > 0 && n > GEMV_MAX_N && w->dtype != MT_F32 && w->rows >= cb->tc_min_rows &&
-           w->cols > 0;
+    return cb->tc_terms > 0 && n > GEMV_MAX_N && w->dtype != MT_F32 && w->rows > 0 && w->cols > 0;
 }
 
 /* w2[r, :] = (w[r, :], w[r, :]) for a [N, K] 16-bit weight: one thread a 16-bit element. */
@@ -1130,7 +1095,7 @@ extern "C" void cu_matmul(mt_backend *be, float *y, const float *x, const mt_wei
     } else if (matmul_use_tc(cb, w, n)) {
         st = matmul_tc(cb, &y, x, &w, 1, n);
         cu_prof_mark(be, "matmul (tensor cores)");
-    } else if (cb->narrow && w->rows <= NARROW_MAX_ROWS && w->cols > 0) {
+    } else if (cb->params.narrow && w->rows <= NARROW_MAX_ROWS && w->cols > 0) {
         gemv_params p = {y, x, w->data, n, (int)w->rows, (int)w->cols, 1, 0};
         st = narrow_launch(&p, w->dtype, cu_stream(be));
         cu_prof_mark(be, "matmul (narrow fp32)");

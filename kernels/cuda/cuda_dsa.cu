@@ -1585,22 +1585,21 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
     const int rows_max = p->max_sel > last ? p->max_sel : last;
     /* The attend kernel: prefill (n >= MLAT_MIN_ROWS of one sequence, eager) on the tensor cores,
      * a few rows on the fp32 wide kernel (32 heads a block), where the shape allows; else, and for
-     * one row, the per-8-heads kernel. MT_MLA_ATTEND=wide or =old forces the fp32 ones, =mma the
-     * mma.sync tensor-core kernel over the wgmma one (for comparison). */
+     * one row, the per-8-heads kernel. mt_cuda_params.mla_attend: MT_CUDA_MLA_ATTEND_WIDE forces the
+     * fp32 wide kernel, _MMA the mma.sync tensor-core kernel over the wgmma one (for comparison). */
     const size_t lim = (size_t)dsa_smem_max();
     const size_t wide_smem = sizeof(float) * mlaw_smem_floats(p->kvl);
     const size_t tc_smem = mlat_smem_bytes(p->kvl / MLAT_COLS);
-    const char *env = getenv("MT_MLA_ATTEND");
+    const mt_cuda_mla_attend mode = ((const cu_backend *)be)->params.mla_attend;
     /* kvl 256 or 512 and an aligned pool: every latent row is 16-byte aligned for cp.async */
     const bool shape32 = p->Hq % MLAW_HB == 0 && (p->kvl == 256 || p->kvl == 512) && cu_aligned16(p->latent.base);
-    const bool force_old = env && strcmp(env, "old") == 0, force_wide = env && strcmp(env, "wide") == 0;
-    const bool tc = n >= MLAT_MIN_ROWS && !force_old && !force_wide && shape32 && !p->t0_dev && !p->pos_rows &&
-                    tc_smem <= lim;
-    /* of those, kvl 512 with heads in 64s on wgmma (cuda_mla_wg.cu); MT_MLA_ATTEND=mma keeps
+    const bool force_wide = mode == MT_CUDA_MLA_ATTEND_WIDE;
+    const bool tc = n >= MLAT_MIN_ROWS && !force_wide && shape32 && !p->t0_dev && !p->pos_rows && tc_smem <= lim;
+    /* of those, kvl 512 with heads in 64s on wgmma (cuda_mla_wg.cu); MT_CUDA_MLA_ATTEND_MMA keeps
      * mla_attend_tc_kernel (for comparison) */
-    const bool wgk = tc && p->kvl == 512 && p->Hq % 64 == 0 && !(env && strcmp(env, "mma") == 0) &&
+    const bool wgk = tc && p->kvl == 512 && p->Hq % 64 == 0 && mode != MT_CUDA_MLA_ATTEND_MMA &&
                      mla_wg_smem_bytes() <= lim;
-    const bool wide = !tc && n > 1 && !force_old && shape32 && wide_smem <= lim;
+    const bool wide = !tc && n > 1 && shape32 && wide_smem <= lim;
     /* with it, the absorb and output through cuBLAS (mla_gemm_blas) when kv_b is bf16 */
     const bool tcg = tc && p->kv_dtype == MT_BF16 && cu_aligned16(p->kv_b); /* mla_dup_kernel's 16-byte loads */
     mla_plan(be, p, nb_max, rows_max, wide || tc); /* MLAT_HB == MLAW_HB: the same plan */

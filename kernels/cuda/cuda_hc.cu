@@ -659,8 +659,8 @@ hc_pre_dec_kernel(const hc_pre_params p) {
  * times: ~13 us a call (18 with the norm) on the H200, 8 calls a bench-4L step. Here block b of
  * S*H / (32 V) (64 at the real shape) dots its 32 V columns of fn's (2+S)S rows with X (warp w:
  * rows w, w + 8, w + 16; lane l one 16-byte vector) and writes the partial sums; then one block
- * (by default a second launch of the kernel, phase 2 after a programmatic boundary; with
- * MT_CUDA_HC_TWO=0 the last block to arrive, by an arrival counter it resets for the next call)
+ * (a second launch of the kernel, phase 2 after a programmatic boundary; with HCS_FIRST_PHASE 0
+ * the last block to arrive, by an arrival counter it resets for the next call)
  * adds the partials in block order (deterministic), makes pre and post, collapses y over all of
  * H with float4 loads, and with NORM writes h = rmsnorm(y) * norm_w instead of y; its ninth warp
  * runs each row's Sinkhorn (hc_comb_thread, one lane a row) meanwhile, so the norm never waits
@@ -1013,21 +1013,12 @@ template <bool NORM, bool POST> static const void *hc_pre_split_pick(mt_dtype dt
            : dt == MT_F16 ? hc_pre_split_fn<MT_F16, NORM, POST>(n) : hc_pre_split_fn<MT_BF16, NORM, POST>(n);
 }
 
-/* MT_CUDA_HC_SPLIT=0 (read once) keeps decode on the cluster kernel, for comparison. */
-static bool hc_split_on(void) {
-    static const bool on = !(getenv("MT_CUDA_HC_SPLIT") && !strcmp(getenv("MT_CUDA_HC_SPLIT"), "0"));
-    return on;
-}
-
-/* The split kernel runs as two launches (phase 1, the dot products on every block; phase 2, the
- * finish on one block) unless MT_CUDA_HC_TWO=0 (read once): the last-block form's fences, arrival
- * and re-read of the partials cost more than a programmatic kernel boundary (H200 decode_bench,
- * the two forms alternating in one call: the step's GPU time 1.175 / 1.174 / 1.175 ms fused,
- * 1.168 / 1.169 / 1.169 ms as two launches). */
-static bool hc_two(void) {
-    static const bool on = !(getenv("MT_CUDA_HC_TWO") && !strcmp(getenv("MT_CUDA_HC_TWO"), "0"));
-    return on;
-}
+/* The split kernel's first launch: phase 1 (HCS_FIRST_PHASE 1), the dot products on every block,
+ * then phase 2, the finish on one block, as a second launch; phase 0 would be one launch whose
+ * last block finishes, but its fences, arrival and re-read of the partials cost more than a
+ * programmatic kernel boundary (H200 decode_bench, the two forms alternating in one run: the
+ * step's GPU time 1.175 / 1.174 / 1.175 ms fused, 1.168 / 1.169 / 1.169 ms as two launches). */
+enum { HCS_FIRST_PHASE = 1 };
 
 static size_t align_up(size_t b, size_t a) { return (b + a - 1) / a * a; }
 
@@ -1036,14 +1027,14 @@ static size_t align_up(size_t b, size_t a) { return (b + a - 1) / a * a; }
 static mt_status hc_pre_dec_launch(mt_backend *be, hc_pre_params *p, mt_dtype dt, const mt_weight *fn,
                                    const float *a = NULL) {
     const cudaStream_t s = cu_stream(be);
-    if (a || (hc_split_on() && hc_pre_split_ok(fn, p->S, p->H, p->norm_w))) {
+    if (a || hc_pre_split_ok(fn, p->S, p->H, p->norm_w)) {
         const int blocks = (int)((int64_t)p->S * p->H / (32 * (dt == MT_F32 ? 4 : 8)));
         const int nb = p->n <= 1 ? 1 : p->n <= 2 ? 2 : 4;
         const size_t pf = align_up((size_t)blocks * nb * HC_DEC_MIX * sizeof(float), 16);
         char *scr = (char *)cu_scratch(be, CU_SCRATCH_DENSE, pf + (size_t)blocks * nb * sizeof(double));
         if (!scr) return MT_ERR_NOMEM;
         hc_split_params q = {*p, (float *)scr, (double *)(scr + pf),
-                             ((cu_backend *)be)->counters + CU_COUNTER_HC_PRE, a, hc_two() ? 1 : 0, blocks};
+                             ((cu_backend *)be)->counters + CU_COUNTER_HC_PRE, a, HCS_FIRST_PHASE, blocks};
         const void *k = a ? hc_pre_split_pick<true, true>(dt, p->n)
                         : p->h ? hc_pre_split_pick<true, false>(dt, p->n) : hc_pre_split_pick<false, false>(dt, p->n);
         MT_CUDA_CHECK(cu_launch_pdl(k, dim3(blocks), dim3(HCS_THREADS), 0, s, &q));
@@ -1124,7 +1115,7 @@ extern "C" void cu_hc_pre_norm(mt_backend *be, float *h, float *y, float *post, 
  * whole share of the warp (S divides 32), aligned X and a. */
 static bool hc_post_pre_split_ok(const mt_weight *fn, const float *X, const float *a, int S, int H, int n,
                                  const float *norm_w) {
-    return hc_split_on() && hc_pre_dec_ok(fn, X, S, H, n, true) && hc_pre_split_ok(fn, S, H, norm_w) && 32 % S == 0 &&
+    return hc_pre_dec_ok(fn, X, S, H, n, true) && hc_pre_split_ok(fn, S, H, norm_w) && 32 % S == 0 &&
            cu_aligned16(a) && norm_w;
 }
 

@@ -472,16 +472,6 @@ static __global__ void __launch_bounds__(DEC_THREADS, DEC_BLOCKS_PER_SM) kda_dec
             make_float4(wq.x + qk * d.x, wq.y + qk * d.y, wq.z + qk * d.z, wq.w + qk * d.w);
 }
 
-/* MT_CUDA_KDA_DECODE=0 forces kda_recurrent_kernel for n == 1 too (read once). */
-static bool kda_decode_enabled(void) {
-    static int mode = -1;
-    if (mode < 0) {
-        const char *env = getenv("MT_CUDA_KDA_DECODE");
-        mode = !(env && !strcmp(env, "0"));
-    }
-    return mode != 0;
-}
-
 /* Single sequence: n steps on state. Rows form (p->states): n rows, one step each on its own state,
  * laid out as n single steps (grid y or z = row); device allocations keep the states 16-byte
  * aligned, which the decode kernel needs (checked for the single state only). */
@@ -489,7 +479,7 @@ static void kda_recurrent_launch(mt_backend *be, const delta_params *p) {
     const bool rows = p->states != NULL;
     const bool aligned =
         (((uintptr_t)(rows ? NULL : p->state) | (uintptr_t)p->v | (uintptr_t)p->o) & 15) == 0;
-    if ((p->n == 1 || rows) && p->dk % 4 == 0 && aligned && kda_decode_enabled()) {
+    if ((p->n == 1 || rows) && p->dk % 4 == 0 && aligned) {
         const int64_t blocks = (int64_t)p->nh * ((p->dk + DEC_COLS - 1) / DEC_COLS);
         MT_ASSERT(blocks <= 0x7fffffff && (!rows || p->n <= 65535));
         cu_launch_pdl_k(kda_decode_kernel, dim3(dim3((unsigned)blocks, rows ? p->n : 1)), dim3(DEC_THREADS), 0, cu_stream(be), *p);

@@ -6,7 +6,7 @@
  *   delta = (I + diag(beta) A)^-1 diag(beta) (V - KX S0),  KX = k e^G, QX = q e^G
  *   o = QX S0 + B delta,  S = diag(e^{G_L}) S0 + KL^T delta,  KL = k e^{G_L - G}
  *
- * Two implementations, chosen by the backend's tc_terms (MT_CUDA_TC_TERMS, cuda_ops.h):
+ * Two implementations, chosen by the backend's tc_terms (mt_cuda_params.numerics, cuda_ops.h):
  *   tc_terms 0: kda_chunked_kernel, fp32 on the CUDA cores, one block per (head, 64 value
  *     columns) walking the chunks in sequence (the reference form; 8 ms at 4096 x 64 x 128).
  *   tc_terms 1 or 2 (default 2): two kernels on the tensor cores (bf16 mma.sync m16n8k16 and
@@ -21,7 +21,7 @@
  *       [128, 64] stays in fp32 registers; per chunk four small GEMMs read the record through
  *       bulk copies (a phase ahead): X = KX S0 and Y = QX S0; delta = Tb (V - X);
  *       o = Y + B delta; S = e^{G_L} S + KL^T delta. With two bf16 parts the same walk runs on
- *       the warpgroup MMA (kc_state_wg_kernel; MT_KDA_STATE=mma keeps the mma.sync kernel).
+ *       the warpgroup MMA (kc_state_wg_kernel; with one part, kc_state_kernel on mma.sync).
  *   Every tensor-core operand x is split into bf16 parts x = hi + lo (hi = bf16(x),
  *   lo = bf16(x - hi)) and a product a b is hi_a hi_b + hi_a lo_b + lo_a hi_b: 16 significant bits,
  *   ~1e-5 relative error against the CPU twin (single bf16 rounding, tc_terms 1: ~4e-3, twice the
@@ -1532,14 +1532,6 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_wg_kernel(chunk
     }
 }
 
-/* MT_CUDA_KDA_CHUNK_ONLY=intra or =state (a benchmarking aid, read per call): launch only that
- * kernel of the tensor-core form, to time it apart. The outputs are then wrong. */
-static int kc_only(void) {
-    const char *env = getenv("MT_CUDA_KDA_CHUNK_ONLY");
-    if (!env) return 0;
-    return !strcmp(env, "intra") ? 1 : !strcmp(env, "state") ? 2 : 0;
-}
-
 /* Segments of at most KC_SEG_CHUNKS chunks: the intra kernel over all of a segment's chunks, then
  * the state kernel walks them. The records live in the backend's attention scratch. */
 static mt_status kc_launch(mt_backend *be, const chunk_params *p0) {
@@ -1555,21 +1547,21 @@ static mt_status kc_launch(mt_backend *be, const chunk_params *p0) {
 
     const size_t smem_i = (size_t)KI_FLOATS * sizeof(float), smem_s = (size_t)KS_BF16 * sizeof(__nv_bfloat16);
     MT_CUDA_CHECK(cudaFuncSetAttribute(kc_intra_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_i));
-    /* two-part arithmetic on kc_state_wg_kernel (MT_KDA_STATE=mma: kc_state_kernel, for comparison) */
-    const char *st_env = getenv("MT_KDA_STATE");
-    const bool wgs = p.terms > 1 && !(st_env && !strcmp(st_env, "mma"));
-    void (*state_kernel)(chunk_params) = wgs ? kc_state_wg_kernel : p.terms > 1 ? kc_state_kernel<2> : kc_state_kernel<1>;
+    /* two-part arithmetic on kc_state_wg_kernel, one part on kc_state_kernel */
+    const bool wgs = p.terms > 1;
+    void (*state_kernel)(chunk_params) = wgs ? kc_state_wg_kernel : kc_state_kernel<1>;
     const size_t smem_st = wgs ? (size_t)KW_SMEM : smem_s;
     MT_CUDA_CHECK(cudaFuncSetAttribute(state_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_st));
-    const int only = kc_only();
+    /* mt_cuda_params.kda_chunk_kernels: one kernel alone, to time it apart (outputs wrong) */
+    const mt_cuda_kda_chunk_kernels only = cb->params.kda_chunk_kernels;
     for (int c0 = 0; c0 < nck_all; c0 += seg) {
         p.t0 = c0 * KDA_CHUNK;
         p.nck = nck_all - c0 < seg ? nck_all - c0 : seg;
-        if (only != 2) {
+        if (only != MT_CUDA_KDA_CHUNK_STATE) {
             kc_intra_kernel<<<dim3(p.nck, p.nh), KC_THREADS, smem_i, cu_stream(be)>>>(p);
             cu_check_launch(be, "kda_chunked (intra)");
         }
-        if (only != 1) {
+        if (only != MT_CUDA_KDA_CHUNK_INTRA) {
             state_kernel<<<dim3((p.dk + KC_COLS - 1) / KC_COLS, p.nh), KC_THREADS, smem_st, cu_stream(be)>>>(p);
             cu_check_launch(be, "kda_chunked (state)");
         }

@@ -10,14 +10,15 @@
  * keyed by the host pointer and revalidated against a host copy on every call, covering experts
  * [0, E) where E is the router's n_experts when idx is the last moe_route output (no read-back),
  * else 1 + the largest index read back from idx.
- *   - Decode batches of MOE_GROUPED_MIN (5) to MOE_GROUPED_MAX_ROWS rows: the grouped device
- *     kernels of cuda_moe_grouped.cu (each touched expert streamed once; moe_grouped_min_rows).
+ *   - Decode batches of mt_cuda_params.moe_grouped_min_rows (5) to moe_grouped_max_rows (64) rows:
+ *     the grouped device kernels of cuda_moe_grouped.cu (each touched expert streamed once;
+ *     moe_takes_grouped).
  *   - Fewer rows (decode): two GEMV kernels over the selected experts only,
  *     no host synchronisation: per (row, slot) h = swiglu(gate x, up x), then per row
  *     out += sum_k w_k down_k h_k, slots added in order. 16-byte weight loads, 8-16 of them in
  *     flight per lane; both launched for PDL (cuda_dense.cu's cu_launch_pdl), as is the router.
  *   - Many rows (prefill) on an sm_90 device with bf16 experts on the tensor cores (the two-part
- *     split by default, or single rounding; cu_moe_wg_ok, MT_CUDA_MOE_WG=0 turns it off): the
+ *     split by default, or single rounding; cu_moe_wg_ok, mt_cuda_params.moe_wg false turns it off): the
  *     wgmma kernels of cuda_moe_wg.cu
  *     (moe_experts_wg): the pairs sorted and the tiles planned on the device, x split, gate/up
  *     with swiglu in one persistent launch, down in another, the combine. Indices from the
@@ -28,14 +29,14 @@
  *     (cu_split16, interleaved: hi and lo of a pair on adjacent rows, so each expert's rows stay
  *     contiguous), one tensor-core GEMM per expert and matrix (cu_gemm_tc) gives the parts'
  *     gate and up, a kernel sums the parts, applies swiglu in fp32 and splits h again, one GEMM
- *     per expert gives down's parts, which the combine sums. By default (MT_CUDA_MOE_BATCHED)
+ *     per expert gives down's parts, which the combine sums. By default (mt_cuda_params.moe_batched)
  *     the per-expert GEMMs become a few batched ones: each expert's rows are padded to one of a
  *     few sizes (moe_pad; padding rows repeat a real row and are never combined) and the experts
  *     of one size share a cublasGemmBatchedEx call (gate and up together, then down), so the
  *     whole GPU streams the experts' weights at once instead of one small GEMM at a time (H200,
  *     real shapes, 512 rows: 3.1 ms against 13.2; 4096 rows: 6.8 ms against 12.1). Some classes
  *     run on a second stream (moe_on_side), beside the others. fp32 experts (or
- *     MT_CUDA_TC_TERMS=0): the tiled fp32 GEMM (cu_gemm) runs grouped: gate/up for every
+ *     MT_NUMERICS_FP32): the tiled fp32 GEMM (cu_gemm) runs grouped: gate/up for every
  *     expert's rows in one launch, swiglu, down in one launch.
  *     A combine kernel then adds the slots in order. Rows are processed in chunks that bound the
  *     scratch memory (every chunk reads every expert it routes to once).
@@ -57,16 +58,15 @@ enum {
     ROUTE_PER_LANE = 16,      /* router candidates per lane kept in registers: E <= 512 */
     MOE_THREADS = 256,
     MOE_WARPS = MOE_THREADS / 32,
-    MOE_GEMV_MAX_ROWS = 8,
-    MOE_GROUPED_MAX_ROWS = 64,
+    MOE_GEMV_MAX_ROWS = CU_MOE_GEMV_MAX_ROWS,
     MOE_MAX_TOPK = 64,
     MOE_DN_MAX_THREADS = 512, /* moe_down_kernel: up to 16 warps, one slot each */
     MOE_CACHE_MAX = 1024,     /* expert tables kept; beyond, the oldest slot is reused */
 };
-/* The fewest rows sent to the grouped device kernels (cu_moe_experts_grouped): MOE_GROUPED_MIN
- * unless MT_CUDA_MOE_GROUPED_MIN (2..MOE_GEMV_MAX_ROWS + 1, read once) says otherwise; fewer rows
- * take the per-(row, slot) GEMV kernels. Measured on an H200 (real shapes, top-8 of 288, each
- * expert its own weights):
+/* The grouped device kernels (cu_moe_experts_grouped) take mt_cuda_params.moe_grouped_min_rows
+ * (default CU_MOE_GROUPED_MIN_ROWS, 5) to moe_grouped_max_rows (default 64) rows; fewer rows take
+ * the per-(row, slot) GEMV kernels. The default minimum, measured on an H200 (real shapes, top-8 of
+ * 288, each expert its own weights):
  *   kernels_cuda_dense_test CudaMoe.DecodeTimings (graphs, random routing), us per call, GEMV
  *   kernels against grouped: n = 1 101 / 163, 2 192 / 239, 4 373 / 379, 8 734 / 582;
  *   batch_bench (bench-4L, real routing, graph ms per step): batch 2 2.276 / 2.425, 4 2.891 /
@@ -74,32 +74,13 @@ enum {
  * The grouped kernels cost ~60 us more a call (4 kernels; gate/up and down grids of a block per
  * (tile, expert) over all 288 experts) and read an expert once however many rows chose it, the
  * GEMV kernels ~12 us per (row, slot) pair: the lines cross between 4 and 8 rows (~4.7 by linear
- * interpolation of the batch_bench gaps), so 5. Batched decode pads to 1, 2, 4, 8, ... rows. */
-enum { MOE_GROUPED_MIN = 5 };
-static int moe_grouped_min_rows(void) {
-    static const int m = [] {
-        const char *v = getenv("MT_CUDA_MOE_GROUPED_MIN");
-        const int k = v ? atoi(v) : 0;
-        return k >= 2 && k <= MOE_GEMV_MAX_ROWS + 1 ? k : (int)MOE_GROUPED_MIN;
-    }();
-    return m;
-}
-
-/* The most rows sent there: MOE_GROUPED_MAX_ROWS unless MT_CUDA_MOE_GROUPED_MAX (>= 9, read once)
- * says otherwise. Beyond, the batched GEMMs, faster at 128 rows (3.73 vs 4.36 ms a layer) but they
+ * interpolation of the batch_bench gaps), so 5. Batched decode pads to 1, 2, 4, 8, ... rows.
+ * Beyond the maximum, the batched GEMMs, faster at 128 rows (3.73 vs 4.36 ms a layer) but they
  * read the routing back, so a step that uses them cannot be a graph. */
-static int moe_grouped_max_rows(void) {
-    static const int m = [] {
-        const char *v = getenv("MT_CUDA_MOE_GROUPED_MAX");
-        const int k = v ? atoi(v) : 0;
-        return k > MOE_GEMV_MAX_ROWS ? k : (int)MOE_GROUPED_MAX_ROWS;
-    }();
-    return m;
-}
 
 /* Whether n rows go to the grouped device kernels (cu_moe_experts_grouped). */
 static bool moe_takes_grouped(const cu_backend *cb, int n) {
-    return n >= moe_grouped_min_rows() && n <= moe_grouped_max_rows() && cb->moe_grouped;
+    return n >= cb->params.moe_grouped_min_rows && n <= cb->params.moe_grouped_max_rows;
 }
 
 /* Grouped-path scratch per chunk (before the batched path's padding). Each chunk rereads the
@@ -362,8 +343,7 @@ struct cu_moe_cache {
     size_t stage_cap;
     /* The batched path's second stream (moe_side_get): a cuBLAS handle of its own with its own
      * workspace on a high-priority stream, and the events that fork it from and join it to the
-     * backend's stream. side_state: 0 not made yet, 1 ready, -1 off (MT_CUDA_MOE_SIDE=0, or making
-     * it failed). */
+     * backend's stream. side_state: 0 not made yet, 1 ready, -1 off (making it failed). */
     int side_state;
     cudaStream_t side;
     cublasHandle_t side_blas;
@@ -922,9 +902,7 @@ static mt_status moe_side_make(struct cu_moe_cache *mc) {
 static bool moe_side_get(cu_backend *cb) {
     struct cu_moe_cache *mc = cb->moe;
     if (mc->side_state == 0) {
-        if (!cb->moe_side) {
-            mc->side_state = -1;
-        } else if (moe_side_make(mc) != MT_OK) { /* logged at the failing call */
+        if (moe_side_make(mc) != MT_OK) { /* logged at the failing call */
             (void)cudaGetLastError();
             mt_log(MT_LOG_WARN, "cuda backend: moe_experts: no second stream; the batched GEMMs run on one");
             mc->side_state = -1;
@@ -1289,7 +1267,7 @@ static void moe_experts_run(mt_backend *be, float *out, const float *x, const in
     MT_ASSERT(n >= 0 && top_k >= 1 && top_k <= MOE_MAX_TOPK && H > 0 && I > 0);
     if (n == 0) return;
     MT_ASSERT((int64_t)n * top_k <= INT_MAX / 2);
-    /* Decode batches of moe_grouped_min_rows()..MOE_GROUPED_MAX_ROWS rows: grouped on the device
+    /* Decode batches of moe_grouped_min_rows..moe_grouped_max_rows rows: grouped on the device
      * (cuda_moe_grouped.cu), each touched expert streamed once at 91-100% of copy bandwidth and
      * no host sync, so the step can be a graph. Fewer rows take the per-(row, slot) GEMV kernels
      * below, which reread an expert that several rows chose but launch 2 kernels instead of 4

@@ -6,7 +6,7 @@
  * The rows: x split into bf16 hi and lo parts, interleaved (x16 [2P, K]: pair q's hi at row 2q,
  * lo at 2q + 1, the pairs sorted by expert, expert e's at [2 start[e], 2 start[e + 1])), so that
  * both parts of a pair meet in one thread's accumulators (adjacent columns below). With the
- * backend's single rounding (tc_terms 1, MT_CUDA_TC_TERMS=1) x16 is [P, K], hi only, a row a pair:
+ * backend's single rounding (tc_terms 1, MT_NUMERICS_BF16) x16 is [P, K], hi only, a row a pair:
  * the same tiles and main loop over half the rows, an epilogue that takes each column as a pair.
  *
  * A tile is (expert e, 128 output columns from n0, up to NMAX of e's x16 rows from row0):
@@ -408,8 +408,8 @@ extern "C" bool cu_moe_wg_ok(const cu_backend *cb, mt_dtype dt, int H, int I) {
         }
         return 10 * major + minor;
     }();
-    return cb->moe_wg && cb->tc_terms >= 1 && dt == MT_BF16 && arch == 90 && H % WG_BW == 0 && I % 64 == 0 &&
-           wg_encode_fn() != NULL;
+    return cb->params.moe_wg && cb->tc_terms >= 1 && dt == MT_BF16 && arch == 90 && H % WG_BW == 0 &&
+           I % 64 == 0 && wg_encode_fn() != NULL;
 }
 
 extern "C" mt_status cu_moe_wg_maps(const mt_expert *ex, int count, int cap, void **dev, cudaStream_t s) {

@@ -20,6 +20,7 @@
 #include <cuda_runtime_api.h>
 
 #include "kernels/backend.h"
+#include "kernels/cuda/cuda_backend.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -41,6 +42,12 @@ enum { CU_COUNTERS = 16 };
 /* Which of cu_backend.counters each last-block-finishes kernel owns: cuda_hc.cu's
  * hc_pre_split_kernel, cuda_dense.cu's argmax_chunk_kernel. */
 enum { CU_COUNTER_HC_PRE = 0, CU_COUNTER_ARGMAX = 1 };
+
+/* moe_experts' row classes (cuda_moe.cu): the per-(row, slot) GEMV kernels take at most
+ * CU_MOE_GEMV_MAX_ROWS rows; the grouped kernels' default range (mt_cuda_params) starts where they
+ * overtake those (5 rows, measured on an H200, cuda_moe.cu) and ends where the GEMMs, which read the
+ * routing back and so cannot be captured, are faster but not yet needed (64: decode batches). */
+enum { CU_MOE_GEMV_MAX_ROWS = 8, CU_MOE_GROUPED_MIN_ROWS = 5, CU_MOE_GROUPED_MAX_ROWS = 64 };
 
 /* cuBLAS workspace per handle (NVIDIA's recommendation for Hopper: 32 MiB). */
 #define CU_BLAS_WS_BYTES ((size_t)32 << 20)
@@ -64,22 +71,10 @@ typedef struct cu_backend {
      * workspace, made in mt_cuda_backend_new, destroyed in destroy. */
     struct cublasContext *blas; /* owned cublasHandle_t */
     void *blas_ws;              /* [CU_BLAS_WS_BYTES] device, owned */
-    int tc_terms;               /* 16-bit parts of x on the tensor cores: 2 (default), 1, or 0 =
-                                   fp32 kernels only; MT_CUDA_TC_TERMS at creation */
-    /* Prefill switches, read at creation (cuda_backend.cu); 1 unless the variable says 0:
-     *   moe_batched  MT_CUDA_MOE_BATCHED: the tensor-core MoE runs as a few batched GEMMs over
-     *                experts padded to a common row count (cuda_moe.cu); 0: one GEMM per expert.
-     *   narrow       MT_CUDA_NARROW: matmuls of at most 32 output rows (mHC mix) on the
-     *                narrow fp32 kernel (cuda_dense.cu); 0: the tiled fp32 GEMM. */
-    bool moe_batched;
-    bool moe_side;              /* MT_CUDA_MOE_SIDE (default 1): the batched MoE GEMMs' small size
-                                   classes on a second stream (cuda_moe.cu, moe_on_side) */
-    bool moe_grouped;           /* MT_CUDA_MOE_GROUPED (default 1): 9..64 rows on the grouped kernels */
-    bool moe_wg;                /* MT_CUDA_MOE_WG (default 1): a prefill's experts on the wgmma
-                                   kernel of cuda_moe_wg.cu where it applies (cu_moe_wg_ok) */
-    bool narrow;
-    int tc_min_rows;            /* MT_CUDA_TC_MIN_ROWS (default 1): matmul outputs narrower than
-                                   this stay off the tensor cores (cuda_dense.cu) */
+    mt_cuda_params params;      /* as given at creation (cuda_backend.h) */
+    int tc_terms;               /* 16-bit parts of x on the tensor cores (params.numerics): 2 (EXACT),
+                                   1 (BF16), 0 (FP32: the fp32 kernels only) */
+    bool moe_batched;           /* params.moe_batched, until cuBLAS refuses a batched GEMM (cuda_moe.cu) */
     struct cu_prof *prof;       /* op timing (mt_cuda_profile); NULL when off */
     /* [CU_COUNTERS] device, zeroed at creation: arrival counters of kernels whose last block
      * finishes the op (CU_COUNTER_*); each such kernel returns its counter to 0 before it exits. */
@@ -278,10 +273,8 @@ mt_status cu_moe_wg_gemm(const void *wmaps, const int32_t *tiles, const int32_t 
                          int64_t xrows, int K, void *out, int ldo, bool down, int terms, float L, int sms,
                          cudaStream_t s);
 
-/* cuda_dense.cu: programmatic dependent launch of kernel(*params) on s (see there), and whether it
- * is on (MT_CUDA_PDL). */
+/* cuda_dense.cu: programmatic dependent launch of kernel(*params) on s (see there). */
 cudaError_t cu_launch_pdl(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t s, void *params);
-bool cu_pdl_on(void);
 
 #ifdef __cplusplus
 }
