@@ -324,70 +324,36 @@ static mt_status cu_mem_info(mt_backend *be, size_t *free_bytes, size_t *total_b
     return MT_OK;
 }
 
-static const mt_backend_ops cu_ops = {
-    .name = "cuda",
-    .queued = true,
-    .destroy = cu_destroy,
-    .alloc = cu_alloc,
-    .free = cu_free,
-    .upload = cu_upload,
-    .upload_async = cu_upload_async,
-    .download = cu_download,
-    .download_begin = cu_download_begin,
-    .download_end = cu_download_end,
-    .copy = cu_copy,
-    .zero = cu_zero,
-    .weight = cu_weight,
-    .weight_random = cu_weight_random,
-    .weight_free = cu_weight_free,
-    .sync = cu_sync,
-    .mem_info = cu_mem_info,
-    .graph_begin = cu_graph_begin,
-    .graph_end = cu_graph_end,
-    .graph_launch = cu_graph_launch,
-    .graph_free = cu_graph_free,
-    .graph_epoch = cu_graph_epoch,
-    .embed_dev = cu_embed_dev,
-    .copy_rows_at = cu_copy_rows_at,
-    .dsa_pool_keys_at = cu_dsa_pool_keys_at,
-    .conv1d_silu_rows = cu_conv1d_silu_rows,
-    .kda_conv3_rows = cu_kda_conv3_rows,
-    .kda_recurrent_rows = cu_kda_recurrent_rows,
-    .copy_rows_to_n = cu_copy_rows_to_n,
-    .copy_rows_to = cu_copy_rows_to,
-    .dsa_pool_keys_rows = cu_dsa_pool_keys_rows,
-    .dsa_select_rows = cu_dsa_select_rows,
-    .mla_sparse_rows = cu_mla_sparse_rows,
-    .embed = cu_embed,
-    .matmul = cu_matmul,
-    .matmul_multi = cu_matmul_multi,
-    .rmsnorm = cu_rmsnorm,
-    .layernorm = cu_layernorm,
-    .swiglu = cu_swiglu,
-    .sigmoid = cu_sigmoid,
-    .l2norm = cu_l2norm,
-    .moe_route = cu_moe_route,
-    .moe_experts = cu_moe_experts,
-    .moe_experts_shared = cu_moe_experts_shared,
-    .conv1d_silu = cu_conv1d_silu,
-    .conv1d_silu_l2norm = cu_conv1d_silu_l2norm,
-    .kda_gates = cu_kda_gates,
-    .kda_gate = cu_kda_gate,
-    .kda_recurrent = cu_kda_recurrent,
-    .kda_chunked = cu_kda_chunked,
-    .gated_rmsnorm = cu_gated_rmsnorm,
-    .dsa_pool_keys = cu_dsa_pool_keys,
-    .dsa_select = cu_dsa_select,
-    .mla_sparse = cu_mla_sparse,
-    .hc_pre = cu_hc_pre,
-    .hc_pre_norm = cu_hc_pre_norm,
-    .hc_post_pre_norm = cu_hc_post_pre_norm,
-    .hc_post = cu_hc_post,
-    .hc_head = cu_hc_head,
-    .hc_head_norm = cu_hc_head_norm,
-    .argmax = cu_argmax,
-    .argmax_dev = cu_argmax_dev,
-};
+/* The backend's own slots; the op families' come from their fillers (cuda_ops.h). */
+static void cu_fill(mt_backend_ops *t) {
+    *t = mt_backend_ops{};
+    t->name = "cuda";
+    t->queued = true;
+    t->destroy = cu_destroy;
+    t->alloc = cu_alloc;
+    t->free = cu_free;
+    t->upload = cu_upload;
+    t->upload_async = cu_upload_async;
+    t->download = cu_download;
+    t->download_begin = cu_download_begin;
+    t->download_end = cu_download_end;
+    t->copy = cu_copy;
+    t->zero = cu_zero;
+    t->weight = cu_weight;
+    t->weight_free = cu_weight_free;
+    t->sync = cu_sync;
+    t->mem_info = cu_mem_info;
+    t->graph_epoch = cu_graph_epoch;
+    cu_dense_fill(t);
+    cu_moe_fill(t);
+    cu_kda_fill(t);
+    cu_kda_chunk_fill(t);
+    cu_dsa_fill(t);
+    cu_hc_fill(t);
+    cu_rows_fill(t);
+    cu_step_fill(t);
+    cu_random_fill(t);
+}
 
 /* The tickets' completion events (download_begin); cu_destroy frees those made. */
 static cudaError_t tk_events_create(cu_backend *cb) {
@@ -468,7 +434,8 @@ extern "C" mt_backend *mt_cuda_backend_new(int device, const mt_cuda_params *par
         (e = cudaGetDeviceProperties(&prop, device)) != cudaSuccess ||
         (e = cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking)) != cudaSuccess)
         goto fail;
-    cb->base.ops = &cu_ops;
+    cu_fill(&cb->ops);
+    cb->base.ops = &cb->ops;
     cb->base.n_threads = 1;
     cb->device = device;
     cb->sticky = MT_OK;

@@ -123,7 +123,7 @@ static mt_status embed_launch(const embed_params *p, mt_dtype dt, cudaStream_t s
     return MT_OK;
 }
 
-extern "C" void cu_embed(mt_backend *be, float *out, const mt_weight *table, const int32_t *ids, int n) {
+static void cu_embed(mt_backend *be, float *out, const mt_weight *table, const int32_t *ids, int n) {
     MT_ASSERT(table->cols > 0 && table->cols <= INT_MAX);
     for (int i0 = 0; i0 < n; i0 += EMBED_CHUNK) {
         embed_params p;
@@ -1074,7 +1074,7 @@ static mt_status matmul_tc(cu_backend *cb, float *const *y, const float *x, cons
     return st;
 }
 
-extern "C" void cu_matmul(mt_backend *be, float *y, const float *x, const mt_weight *w, int n) {
+static void cu_matmul(mt_backend *be, float *y, const float *x, const mt_weight *w, int n) {
     MT_ASSERT(w->dtype == MT_F32 || w->dtype == MT_F16 || w->dtype == MT_BF16);
     MT_ASSERT(w->rows <= INT_MAX && w->cols <= INT_MAX && n >= 0);
     if (n == 0 || w->rows == 0) return;
@@ -1120,8 +1120,8 @@ extern "C" void cu_matmul(mt_backend *be, float *y, const float *x, const mt_wei
  * projections of a KDA layer: 3 launches of ~21 us at ~3.25 TB/s, each with its own ramp and
  * tail, become one); for many rows with every weight on the tensor cores, one split of x for all
  * of them (matmul_tc); otherwise one cu_matmul each. */
-extern "C" void cu_matmul_multi(mt_backend *be, float *const *y, const float *x, const mt_weight *const *w,
-                                int count, int n, unsigned sigmoid_mask) {
+static void cu_matmul_multi(mt_backend *be, float *const *y, const float *x, const mt_weight *const *w,
+                            int count, int n, unsigned sigmoid_mask) {
     MT_ASSERT(count >= 0 && n >= 0);
     bool fuse = count >= 2 && count <= GEMV_MAX_W && n >= 1 && n <= GEMV_MAX_N && cu_aligned16(x);
     int64_t total = 0;
@@ -1144,13 +1144,13 @@ extern "C" void cu_matmul_multi(mt_backend *be, float *const *y, const float *x,
             mt_status st = matmul_tc(cb, y, x, w, count, n);
             cu_prof_mark(be, "matmul (tensor cores)");
             for (int j = 0; j < count && st == MT_OK; j++)
-                if (sigmoid_mask >> j & 1u) cu_sigmoid(be, y[j], (int64_t)n * w[j]->rows);
+                if (sigmoid_mask >> j & 1u) be->ops->sigmoid(be, y[j], (int64_t)n * w[j]->rows);
             cu_op_status(be, "matmul_multi", st);
             return;
         }
         for (int j = 0; j < count; j++) {
             cu_matmul(be, y[j], x, w[j], n);
-            if (sigmoid_mask >> j & 1u) cu_sigmoid(be, y[j], (int64_t)n * w[j]->rows);
+            if (sigmoid_mask >> j & 1u) be->ops->sigmoid(be, y[j], (int64_t)n * w[j]->rows);
         }
         return;
     }
@@ -1171,9 +1171,9 @@ extern "C" void cu_matmul_multi(mt_backend *be, float *const *y, const float *x,
  * n <= 2, K = 128), one gemv_shortk_kernel launch whose blocks [0, wt0[1]) are f_b's, with the gate
  * as their epilogue, and the rest g_b's (a KDA layer's three small launches, f_b, kda_gate, g_b, of
  * ~3 us each, become one); otherwise matmul, kda_gate in place, matmul. */
-extern "C" void cu_kda_gates(mt_backend *be, float *g, float *gate, const float *f_in, const float *g_in,
-                             const mt_weight *f_b, const mt_weight *g_b, const float *dt_bias, const float *A_log,
-                             const mt_kda_gate_params *gp, int n) {
+static void cu_kda_gates(mt_backend *be, float *g, float *gate, const float *f_in, const float *g_in,
+                         const mt_weight *f_b, const mt_weight *g_b, const float *dt_bias, const float *A_log,
+                         const mt_kda_gate_params *gp, int n) {
     MT_ASSERT(n >= 0 && f_b->rows == (int64_t)gp->nh * gp->dk);
     if (n == 0) return;
     gemv_params p = {};
@@ -1186,7 +1186,7 @@ extern "C" void cu_kda_gates(mt_backend *be, float *g, float *gate, const float 
     fuse = fuse && gemv_shortk_ok(&p, f_b->dtype);
     if (!fuse) {
         cu_matmul(be, g, f_in, f_b, n);
-        cu_kda_gate(be, g, g, dt_bias, A_log, gp, n);
+        be->ops->kda_gate(be, g, g, dt_bias, A_log, gp, n);
         cu_matmul(be, gate, g_in, g_b, n);
         return;
     }
@@ -1426,8 +1426,8 @@ template <int KIND> static mt_status norm_vec_launch(norm_params *q, cudaStream_
 /* z[n, H] = rmsnorm(hc_head(X)) * w: norm_vec_kernel reading the S streams of X instead of a
  * row (one kernel for the head's two; the final norm of a decode step). The shapes the
  * register-resident kernel takes (H % 4 == 0, aligned); else hc_head, then rmsnorm. */
-extern "C" void cu_hc_head_norm(mt_backend *be, float *z, const float *X, const float *w, int n, int S, int H,
-                                float eps) {
+static void cu_hc_head_norm(mt_backend *be, float *z, const float *X, const float *w, int n, int S, int H,
+                            float eps) {
     MT_ASSERT(n >= 0 && S >= 1 && H > 0);
     if (n == 0) return;
     norm_params p = {};
@@ -1440,8 +1440,8 @@ extern "C" void cu_hc_head_norm(mt_backend *be, float *z, const float *X, const 
     p.hs = S;
     const int per = (H / 4 + NORM_VPT - 1) / NORM_VPT, t = (per + 31) / 32 * 32; /* threads to hold a row */
     if (S > NORM_HEAD_MAX_S || H <= NORM_WARP_MAX || t > NORM_HEAD_THREADS || !norm_vec_ok(&p, NORM_RMS)) {
-        cu_hc_head(be, z, X, n, S, H);
-        cu_rmsnorm(be, z, z, w, n, H, eps);
+        be->ops->hc_head(be, z, X, n, S, H);
+        be->ops->rmsnorm(be, z, z, w, n, H, eps);
         return;
     }
     (void)cu_launch_pdl((const void *)norm_vec_kernel<NORM_RMS, true, true>, dim3((unsigned)n), dim3(t), 0,
@@ -1477,23 +1477,23 @@ static mt_status norm_launch(const norm_params *p, norm_kind kind, cudaStream_t 
     return MT_OK;
 }
 
-extern "C" void cu_rmsnorm(mt_backend *be, float *out, const float *x, const float *w, int n, int d,
-                           float eps) {
+static void cu_rmsnorm(mt_backend *be, float *out, const float *x, const float *w, int n, int d,
+                       float eps) {
     MT_ASSERT(n >= 0 && d > 0);
     if (n == 0) return;
     norm_params p = {out, x, w, NULL, n, d, eps, 1.f};
     cu_op_status(be, "rmsnorm", norm_launch(&p, NORM_RMS, cu_stream(be)));
 }
 
-extern "C" void cu_layernorm(mt_backend *be, float *out, const float *x, const float *w,
-                             const float *b, int n, int d, float eps) {
+static void cu_layernorm(mt_backend *be, float *out, const float *x, const float *w,
+                         const float *b, int n, int d, float eps) {
     MT_ASSERT(n >= 0 && d > 0 && w && b);
     if (n == 0) return;
     norm_params p = {out, x, w, b, n, d, eps, 1.f};
     cu_op_status(be, "layernorm", norm_launch(&p, NORM_LAYER, cu_stream(be)));
 }
 
-extern "C" void cu_l2norm(mt_backend *be, float *x, int64_t n, int d, float eps, float scale) {
+static void cu_l2norm(mt_backend *be, float *x, int64_t n, int d, float eps, float scale) {
     MT_ASSERT(n >= 0 && d > 0);
     if (n == 0) return;
     norm_params p = {x, NULL, NULL, NULL, n, d, eps, scale};
@@ -1563,15 +1563,15 @@ static mt_status sigmoid_launch(ew_params *p, cudaStream_t s) {
     return MT_OK;
 }
 
-extern "C" void cu_swiglu(mt_backend *be, float *out, const float *gate, const float *up, int n, int I,
-                          float L) {
+static void cu_swiglu(mt_backend *be, float *out, const float *gate, const float *up, int n, int I,
+                      float L) {
     MT_ASSERT(n >= 0 && I >= 0);
     ew_params p = {out, gate, up, (int64_t)n * I, L};
     if (p.count == 0) return;
     cu_op_status(be, "swiglu", swiglu_launch(&p, cu_stream(be)));
 }
 
-extern "C" void cu_sigmoid(mt_backend *be, float *x, int64_t count) {
+static void cu_sigmoid(mt_backend *be, float *x, int64_t count) {
     MT_ASSERT(count >= 0);
     if (count == 0) return;
     ew_params p = {x, x, NULL, count, 0.f};
@@ -1692,7 +1692,7 @@ static int32_t *argmax_to(mt_backend *be, int32_t *out, int rep, const float *lo
     return p.out;
 }
 
-extern "C" void cu_argmax_dev(mt_backend *be, int32_t *out, int rep, const float *logits, int n, int V) {
+static void cu_argmax_dev(mt_backend *be, int32_t *out, int rep, const float *logits, int n, int V) {
     MT_ASSERT(n >= 0 && V > 0 && n <= 65535 && rep >= 1 && rep <= 32 && out);
     if (n == 0) return;
     mt_status st;
@@ -1700,7 +1700,7 @@ extern "C" void cu_argmax_dev(mt_backend *be, int32_t *out, int rep, const float
     cu_op_status(be, "argmax_dev", st);
 }
 
-extern "C" void cu_argmax(mt_backend *be, int32_t *out, const float *logits, int n, int V) {
+static void cu_argmax(mt_backend *be, int32_t *out, const float *logits, int n, int V) {
     MT_ASSERT(n >= 0 && V > 0 && n <= 65535);
     if (n == 0) return;
     mt_status st;
@@ -1712,4 +1712,19 @@ extern "C" void cu_argmax(mt_backend *be, int32_t *out, const float *logits, int
     if (st == MT_OK)
         MT_CUDA_(cudaStreamSynchronize(cu_stream(be)), "cudaStreamSynchronize(argmax)", st = mt_st_);
     cu_op_status(be, "argmax", st);
+}
+
+extern "C" void cu_dense_fill(mt_backend_ops *t) {
+    t->embed = cu_embed;
+    t->matmul = cu_matmul;
+    t->matmul_multi = cu_matmul_multi;
+    t->kda_gates = cu_kda_gates;
+    t->hc_head_norm = cu_hc_head_norm;
+    t->rmsnorm = cu_rmsnorm;
+    t->layernorm = cu_layernorm;
+    t->l2norm = cu_l2norm;
+    t->swiglu = cu_swiglu;
+    t->sigmoid = cu_sigmoid;
+    t->argmax = cu_argmax;
+    t->argmax_dev = cu_argmax_dev;
 }

@@ -71,15 +71,15 @@ static pool_params pool_setup(mt_paged pool_keys, mt_paged ki, mt_paged gs, cons
     return (pool_params){pool_keys, ki, gs, bt, ape, p0, p1, kpool, id, pos};
 }
 
-extern "C" void cu_dsa_pool_keys(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs, const int32_t *bt,
-                                 const float *ape, int p0, int p1, int kpool) {
+static void cu_dsa_pool_keys(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs, const int32_t *bt,
+                             const float *ape, int p0, int p1, int kpool) {
     const pool_params p = pool_setup(pool_keys, ki, gs, bt, ape, p0, p1, kpool, NULL);
     if (p1 == p0) return;
     dsa_pool_keys_launch(be, &p);
 }
 
-extern "C" void cu_dsa_pool_keys_at(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs,
-                                    const int32_t *bt, const float *ape, const int32_t *pos, int kpool) {
+static void cu_dsa_pool_keys_at(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs,
+                                const int32_t *bt, const float *ape, const int32_t *pos, int kpool) {
     MT_ASSERT(pos);
     const pool_params p = pool_setup(pool_keys, ki, gs, bt, ape, 0, 1, kpool, pos); /* grid sized for one pool */
     dsa_pool_keys_launch(be, &p);
@@ -368,17 +368,17 @@ static select_params select_setup(int32_t *sel, int32_t *nsel, const float *qi, 
     return sp;
 }
 
-extern "C" void cu_dsa_select(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi,
-                              const float *w, mt_paged pool_keys, const int32_t *bt, int t0, int n,
-                              const mt_dsa_select_params *p) {
+static void cu_dsa_select(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi,
+                          const float *w, mt_paged pool_keys, const int32_t *bt, int t0, int n,
+                          const mt_dsa_select_params *p) {
     if (n == 0) return;
     const select_params sp = select_setup(sel, nsel, qi, w, pool_keys, bt, t0, n, p, NULL, NULL);
     cu_op_status(be, "dsa_select", dsa_select_launch(be, &sp));
 }
 
-extern "C" void cu_dsa_select_rows(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi,
-                                   const float *w, mt_paged pool_keys, const int32_t *const *bts,
-                                   const int32_t *pos, int n, const mt_dsa_select_params *p) {
+static void cu_dsa_select_rows(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi,
+                               const float *w, mt_paged pool_keys, const int32_t *const *bts,
+                               const int32_t *pos, int n, const mt_dsa_select_params *p) {
     MT_ASSERT(p->t_cap > 0 && bts && pos);
     if (n == 0) return;
     const select_params sp = select_setup(sel, nsel, qi, w, pool_keys, NULL, 0, n, p, pos, bts);
@@ -1746,20 +1746,29 @@ static mla_dev_params mla_setup(float *out, const float *q, mt_paged latent, con
     return dp;
 }
 
-extern "C" void cu_mla_sparse(mt_backend *be, float *out, const float *q, mt_paged latent, const int32_t *bt,
-                              const mt_weight *kv_b, const int32_t *sel, const int32_t *nsel,
-                              int max_sel, int t0, int n, const mt_mla_params *p) {
+static void cu_mla_sparse(mt_backend *be, float *out, const float *q, mt_paged latent, const int32_t *bt,
+                          const mt_weight *kv_b, const int32_t *sel, const int32_t *nsel,
+                          int max_sel, int t0, int n, const mt_mla_params *p) {
     mla_dev_params dp = mla_setup(out, q, latent, bt, kv_b, sel, nsel, max_sel, t0, n, p, NULL, NULL);
     if (n == 0) return;
     cu_op_status(be, "mla_sparse", mla_sparse_launch(be, &dp, n));
 }
 
-extern "C" void cu_mla_sparse_rows(mt_backend *be, float *out, const float *q, mt_paged latent,
-                                   const int32_t *const *bts, const mt_weight *kv_b, const int32_t *sel,
-                                   const int32_t *nsel, int max_sel, const int32_t *pos, int n,
-                                   const mt_mla_params *p) {
+static void cu_mla_sparse_rows(mt_backend *be, float *out, const float *q, mt_paged latent,
+                               const int32_t *const *bts, const mt_weight *kv_b, const int32_t *sel,
+                               const int32_t *nsel, int max_sel, const int32_t *pos, int n,
+                               const mt_mla_params *p) {
     MT_ASSERT(p->t_cap > 0 && pos && bts);
     mla_dev_params dp = mla_setup(out, q, latent, NULL, kv_b, sel, nsel, max_sel, 0, n, p, pos, bts);
     if (n == 0) return;
     cu_op_status(be, "mla_sparse_rows", mla_sparse_launch(be, &dp, n));
+}
+
+extern "C" void cu_dsa_fill(mt_backend_ops *t) {
+    t->dsa_pool_keys = cu_dsa_pool_keys;
+    t->dsa_pool_keys_at = cu_dsa_pool_keys_at;
+    t->dsa_select = cu_dsa_select;
+    t->dsa_select_rows = cu_dsa_select_rows;
+    t->mla_sparse = cu_mla_sparse;
+    t->mla_sparse_rows = cu_mla_sparse_rows;
 }

@@ -1056,9 +1056,9 @@ static void hc_pre_check(const mt_weight *fn, const mt_hc_params *p, int n) {
     MT_ASSERT(fn->dtype == MT_F32 || fn->dtype == MT_F16 || fn->dtype == MT_BF16);
 }
 
-extern "C" void cu_hc_pre(mt_backend *be, float *y, float *post, float *comb, const float *X,
-                          const mt_weight *fn, const float *base, const float *scale,
-                          const mt_hc_params *p, int n) {
+static void cu_hc_pre(mt_backend *be, float *y, float *post, float *comb, const float *X,
+                      const mt_weight *fn, const float *base, const float *scale,
+                      const mt_hc_params *p, int n) {
     hc_pre_check(fn, p, n);
     const int S = p->S, H = p->H, mix = (2 + S) * S;
     if (n == 0) return;
@@ -1088,7 +1088,7 @@ extern "C" void cu_hc_pre(mt_backend *be, float *y, float *post, float *comb, co
     }
     float *m = (float *)cu_scratch(be, CU_SCRATCH_DENSE, sizeof(float) * (size_t)n * mix);
     if (!m) return;
-    cu_matmul(be, m, X, fn, n); /* records its own failure */
+    be->ops->matmul(be, m, X, fn, n); /* records its own failure */
     q.m = m;
     cu_op_status(be, "hc_pre", hc_pre_launch(&q, cu_stream(be)));
 }
@@ -1096,9 +1096,9 @@ extern "C" void cu_hc_pre(mt_backend *be, float *y, float *post, float *comb, co
 /* hc_pre, then h = rmsnorm(y) * norm_w (eps p->rms_eps): for a few rows one cluster launch that
  * never writes y (the norm's own kernel was ~4.5 us of latency per sublayer); otherwise the two
  * ops, y as their buffer. */
-extern "C" void cu_hc_pre_norm(mt_backend *be, float *h, float *y, float *post, float *comb, const float *X,
-                               const mt_weight *fn, const float *base, const float *scale, const float *norm_w,
-                               const mt_hc_params *p, int n) {
+static void cu_hc_pre_norm(mt_backend *be, float *h, float *y, float *post, float *comb, const float *X,
+                           const mt_weight *fn, const float *base, const float *scale, const float *norm_w,
+                           const mt_hc_params *p, int n) {
     hc_pre_check(fn, p, n);
     if (n == 0) return;
     if (hc_pre_dec_ok(fn, X, p->S, p->H, n, true)) {
@@ -1108,7 +1108,7 @@ extern "C" void cu_hc_pre_norm(mt_backend *be, float *h, float *y, float *post, 
         return;
     }
     cu_hc_pre(be, y, post, comb, X, fn, base, scale, p, n);
-    cu_rmsnorm(be, h, y, norm_w, n, p->H, p->rms_eps);
+    be->ops->rmsnorm(be, h, y, norm_w, n, p->H, p->rms_eps);
 }
 
 /* Whether the split kernel's POST form takes it: the hc_pre_norm split shape, a stream's lanes a
@@ -1119,9 +1119,9 @@ static bool hc_post_pre_split_ok(const mt_weight *fn, const float *X, const floa
            cu_aligned16(a) && norm_w;
 }
 
-extern "C" void cu_hc_post_pre_norm(mt_backend *be, float *X, const float *a, float *h, float *y, float *post,
-                                    float *comb, const mt_weight *fn, const float *base, const float *scale,
-                                    const float *norm_w, const mt_hc_params *p, int n) {
+static void cu_hc_post_pre_norm(mt_backend *be, float *X, const float *a, float *h, float *y, float *post,
+                                float *comb, const mt_weight *fn, const float *base, const float *scale,
+                                const float *norm_w, const mt_hc_params *p, int n) {
     hc_pre_check(fn, p, n);
     if (n == 0) return;
     if (hc_post_pre_split_ok(fn, X, a, p->S, p->H, n, norm_w)) {
@@ -1130,7 +1130,7 @@ extern "C" void cu_hc_post_pre_norm(mt_backend *be, float *X, const float *a, fl
         cu_op_status(be, "hc_post_pre_norm", hc_pre_dec_launch(be, &q, fn->dtype, fn, a));
         return;
     }
-    cu_hc_post(be, X, a, post, comb, p, n);
+    be->ops->hc_post(be, X, a, post, comb, p, n);
     cu_hc_pre_norm(be, h, y, post, comb, X, fn, base, scale, norm_w, p, n);
 }
 
@@ -1248,8 +1248,8 @@ static mt_status hc_head_launch(const hc_head_params *p, cudaStream_t s) {
     return MT_OK;
 }
 
-extern "C" void cu_hc_post(mt_backend *be, float *X, const float *a, const float *post,
-                           const float *comb, const mt_hc_params *p, int n) {
+static void cu_hc_post(mt_backend *be, float *X, const float *a, const float *post,
+                       const float *comb, const mt_hc_params *p, int n) {
     MT_ASSERT(p->S >= 1 && p->S <= HC_MAX_S && p->H > 0 && n >= 0);
     MT_ASSERT((int64_t)n * p->H / HC_EW_THREADS < INT_MAX);
     if (n == 0) return;
@@ -1257,10 +1257,18 @@ extern "C" void cu_hc_post(mt_backend *be, float *X, const float *a, const float
     cu_op_status(be, "hc_post", hc_post_launch(&q, cu_stream(be)));
 }
 
-extern "C" void cu_hc_head(mt_backend *be, float *z, const float *X, int n, int S, int H) {
+static void cu_hc_head(mt_backend *be, float *z, const float *X, int n, int S, int H) {
     MT_ASSERT(S >= 1 && H > 0 && n >= 0);
     MT_ASSERT((int64_t)n * H / HC_EW_THREADS < INT_MAX);
     if (n == 0) return;
     hc_head_params q = {z, X, n, S, H};
     cu_op_status(be, "hc_head", hc_head_launch(&q, cu_stream(be)));
+}
+
+extern "C" void cu_hc_fill(mt_backend_ops *t) {
+    t->hc_pre = cu_hc_pre;
+    t->hc_pre_norm = cu_hc_pre_norm;
+    t->hc_post_pre_norm = cu_hc_post_pre_norm;
+    t->hc_post = cu_hc_post;
+    t->hc_head = cu_hc_head;
 }

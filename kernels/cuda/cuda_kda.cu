@@ -121,8 +121,8 @@ static void conv1d_silu_launch(mt_backend *be, const conv_params *p) {
     conv_state_launch(be, p);
 }
 
-extern "C" void cu_conv1d_silu(mt_backend *be, float *out, const float *x, float *state,
-                               const float *w, int n, int C, int K) {
+static void cu_conv1d_silu(mt_backend *be, float *out, const float *x, float *state,
+                           const float *w, int n, int C, int K) {
     MT_ASSERT(n >= 0 && C > 0 && K >= 1 && K <= CONV_MAX_K);
     MT_ASSERT(out != x); /* segments of one channel run in parallel and read earlier inputs */
     if (n == 0) return;
@@ -157,8 +157,8 @@ static __global__ void __launch_bounds__(CN_MAX_DK, CN_BLOCKS_PER_SM)
     }
 }
 
-extern "C" bool cu_conv1d_silu_l2norm(mt_backend *be, float *out, const float *x, float *state, const float *w, int n,
-                                      int C, int K, int dk, float eps, float scale) {
+static bool cu_conv1d_silu_l2norm(mt_backend *be, float *out, const float *x, float *state, const float *w, int n,
+                                  int C, int K, int dk, float eps, float scale) {
     MT_ASSERT(n >= 0 && C > 0 && K >= 1 && K <= CONV_MAX_K && dk > 0 && C % dk == 0);
     MT_ASSERT(out != x); /* stretches of one channel run in parallel and read earlier inputs */
     if (dk > CN_MAX_DK || (n + CN_TSEG - 1) / CN_TSEG > 65535 /* grid.y */) return false;
@@ -245,8 +245,8 @@ static void kda_gate_launch(mt_backend *be, const gate_params *p) {
     cu_check_launch(be, "kda_gate");
 }
 
-extern "C" void cu_kda_gate(mt_backend *be, float *g, const float *f, const float *dt_bias,
-                            const float *A_log, const mt_kda_gate_params *p, int n) {
+static void cu_kda_gate(mt_backend *be, float *g, const float *f, const float *dt_bias,
+                        const float *A_log, const mt_kda_gate_params *p, int n) {
     MT_ASSERT(n >= 0 && p->nh > 0 && p->dk > 0);
     if (n == 0) return;
     const gate_params gp = {g, f, dt_bias, A_log, (int64_t)n * p->nh * p->dk, p->nh * p->dk, p->dk,
@@ -491,18 +491,18 @@ static void kda_recurrent_launch(mt_backend *be, const delta_params *p) {
     cu_check_launch(be, "kda_recurrent");
 }
 
-extern "C" void cu_kda_recurrent(mt_backend *be, float *o, const float *q, const float *k,
-                                 const float *v, const float *g, const float *beta, float *state,
-                                 int n, int nh, int dk) {
+static void cu_kda_recurrent(mt_backend *be, float *o, const float *q, const float *k,
+                             const float *v, const float *g, const float *beta, float *state,
+                             int n, int nh, int dk) {
     MT_ASSERT(n >= 0 && nh > 0 && dk > 0 && dk <= KDA_MAX_DK);
     if (n == 0) return;
     const delta_params p = {o, q, k, v, g, beta, state, n, nh, dk, NULL};
     kda_recurrent_launch(be, &p);
 }
 
-extern "C" void cu_kda_recurrent_rows(mt_backend *be, float *o, const float *q, const float *k,
-                                      const float *v, const float *g, const float *beta,
-                                      float *const *states, int n, int nh, int dk) {
+static void cu_kda_recurrent_rows(mt_backend *be, float *o, const float *q, const float *k,
+                                  const float *v, const float *g, const float *beta,
+                                  float *const *states, int n, int nh, int dk) {
     MT_ASSERT(n >= 0 && nh > 0 && dk > 0 && dk <= KDA_MAX_DK && states);
     if (n == 0) return;
     const delta_params p = {o, q, k, v, g, beta, NULL, n, nh, dk, states};
@@ -569,10 +569,19 @@ static void gated_rmsnorm_launch(mt_backend *be, const gnorm_params *p) {
     cu_check_launch(be, "gated_rmsnorm");
 }
 
-extern "C" void cu_gated_rmsnorm(mt_backend *be, float *out, const float *o, const float *gate,
-                                 const float *w, int64_t rows, int d, float eps) {
+static void cu_gated_rmsnorm(mt_backend *be, float *out, const float *o, const float *gate,
+                             const float *w, int64_t rows, int d, float eps) {
     MT_ASSERT(rows >= 0 && d > 0 && (rows + GNORM_WARPS - 1) / GNORM_WARPS < 0x7fffffff);
     if (rows == 0) return;
     const gnorm_params p = {out, o, gate, w, rows, d, eps};
     gated_rmsnorm_launch(be, &p);
+}
+
+extern "C" void cu_kda_fill(mt_backend_ops *t) {
+    t->conv1d_silu = cu_conv1d_silu;
+    t->conv1d_silu_l2norm = cu_conv1d_silu_l2norm;
+    t->kda_gate = cu_kda_gate;
+    t->kda_recurrent = cu_kda_recurrent;
+    t->kda_recurrent_rows = cu_kda_recurrent_rows;
+    t->gated_rmsnorm = cu_gated_rmsnorm;
 }

@@ -1569,9 +1569,9 @@ static mt_status kc_launch(mt_backend *be, const chunk_params *p0) {
     return MT_OK;
 }
 
-extern "C" void cu_kda_chunked(mt_backend *be, float *o, const float *q, const float *k,
-                               const float *v, const float *g, const float *beta, float *state,
-                               int n, int nh, int dk) {
+static void cu_kda_chunked(mt_backend *be, float *o, const float *q, const float *k,
+                           const float *v, const float *g, const float *beta, float *state,
+                           int n, int nh, int dk) {
     MT_ASSERT(n >= 0 && nh > 0 && nh <= 65535 && dk > 0 && dk <= KDA_MAX_DK);
     if (n == 0) return;
     chunk_params p;
@@ -1588,4 +1588,8 @@ extern "C" void cu_kda_chunked(mt_backend *be, float *o, const float *q, const f
     p.dk = dk;
     const bool tc = ((const cu_backend *)be)->tc_terms > 0;
     cu_op_status(be, "kda_chunked", tc ? kc_launch(be, &p) : kda_chunked_launch(be, &p));
+}
+
+extern "C" void cu_kda_chunk_fill(mt_backend_ops *t) {
+    t->kda_chunked = cu_kda_chunked;
 }

@@ -297,8 +297,8 @@ static mt_status route_launch(route_params *p, cudaStream_t s) {
     return MT_OK;
 }
 
-extern "C" void cu_moe_route(mt_backend *be, int32_t *idx, float *weights, const float *logits,
-                             const float *bias, const mt_router_params *p, int n) {
+static void cu_moe_route(mt_backend *be, int32_t *idx, float *weights, const float *logits,
+                         const float *bias, const mt_router_params *p, int n) {
     const int E = p->n_experts, G = p->n_group;
     MT_ASSERT(E > 0 && G > 0 && E % G == 0 && E / G >= 2);
     MT_ASSERT(p->topk_group >= 1 && p->topk_group <= G);
@@ -1166,7 +1166,7 @@ static mt_status moe_grouped_chunk(mt_backend *be, const moe_table *t, float *ou
     gp.dtype = dt;
     mt_status st = cu_gemm(&gp, cb->stream);
     if (st != MT_OK) return st;
-    cu_swiglu(be, G, G, U, P, I, L);
+    be->ops->swiglu(be, G, G, U, P, I, L);
     gp.y[0] = D;
     gp.y[1] = NULL;
     gp.x = G;
@@ -1336,9 +1336,9 @@ static void moe_experts_run(mt_backend *be, float *out, const float *x, const in
     cu_op_status(be, "moe_experts", st);
 }
 
-extern "C" void cu_moe_experts(mt_backend *be, float *out, const float *x, const int32_t *idx,
-                               const float *weights, const mt_expert *experts, int n, int top_k,
-                               int H, int I, float L) {
+static void cu_moe_experts(mt_backend *be, float *out, const float *x, const int32_t *idx,
+                           const float *weights, const mt_expert *experts, int n, int top_k,
+                           int H, int I, float L) {
     moe_experts_run(be, out, x, idx, weights, experts, NULL, n, top_k, H, I, L);
 }
 
@@ -1348,9 +1348,9 @@ extern "C" void cu_moe_experts(mt_backend *be, float *out, const float *x, const
  * the routed kernels' rate). Its output row starts each row's sum, then the routed slots in
  * order: the CPU's order (out = shared, then += each slot). Declines (false, nothing done) for
  * the grouped and batched paths and for a shared expert not shaped like a routed one. */
-extern "C" bool cu_moe_experts_shared(mt_backend *be, float *out, const float *x, const int32_t *idx,
-                                      const float *weights, const mt_expert *experts, const mt_expert *shared,
-                                      int n, int top_k, int H, int I, float L) {
+static bool cu_moe_experts_shared(mt_backend *be, float *out, const float *x, const int32_t *idx,
+                                  const float *weights, const mt_expert *experts, const mt_expert *shared,
+                                  int n, int top_k, int H, int I, float L) {
     cu_backend *cb = (cu_backend *)be;
     if (n < 1 || n > MOE_GEMV_MAX_ROWS || top_k + 1 > MOE_DN_MAX_THREADS / 32) return false;
     if (moe_takes_grouped(cb, n)) return false;
@@ -1360,4 +1360,10 @@ extern "C" bool cu_moe_experts_shared(mt_backend *be, float *out, const float *x
     if (g->rows != I || g->cols != H || u->rows != I || u->cols != H || d->rows != H || d->cols != I) return false;
     moe_experts_run(be, out, x, idx, weights, experts, shared, n, top_k, H, I, L);
     return true;
+}
+
+extern "C" void cu_moe_fill(mt_backend_ops *t) {
+    t->moe_route = cu_moe_route;
+    t->moe_experts = cu_moe_experts;
+    t->moe_experts_shared = cu_moe_experts_shared;
 }

@@ -1,5 +1,6 @@
-/* kernels/cuda/cuda_ops.h: internal to the CUDA backend. Same signatures as the mt_backend_ops
- * slots (kernels/backend.h); cuda_backend.cu fills the table. Op families, one file each:
+/* kernels/cuda/cuda_ops.h: internal to the CUDA backend. Each op family's file keeps its ops static
+ * and exports a filler for its slots of the table (kernels/backend.h); cuda_backend.cu builds the
+ * table from them. Op families, one file each:
  *   cuda_backend.cu   memory, weights, table, scratch    cuda_dense.cu  embed, matmul (GEMV, tensor-core
  *   cuda_moe.cu       router, experts (GEMV, batched                    GEMV and GEMMs), norms, swiglu,
  *                     GEMMs)                                            sigmoid, l2norm, argmax, PDL
@@ -55,6 +56,7 @@ enum { CU_MOE_GEMV_MAX_ROWS = 8, CU_MOE_GROUPED_MIN_ROWS = 5, CU_MOE_GROUPED_MAX
 /* The CUDA backend object: mt_backend first. */
 typedef struct cu_backend {
     mt_backend base;
+    mt_backend_ops ops;        /* the table base.ops points at (cuda_backend.cu, cu_fill) */
     int device;
     cudaStream_t stream;
     mt_status sticky;          /* first failure seen by an op; MT_OK otherwise */
@@ -150,99 +152,22 @@ mt_status cu_gemm_tc(cu_backend *cb, float *y /* [M, N] */, const void *x16 /* [
  * is left in *blas, *ws for the caller to free. */
 mt_status cu_blas_make(struct cublasContext **blas, void **ws, cudaStream_t stream);
 
-/* cuda_step.cu: graphs and the run-time-position ops of the graph form of decode. */
-mt_status cu_graph_begin(mt_backend *be);
-mt_status cu_graph_end(mt_backend *be, mt_graph **out);
-mt_status cu_graph_launch(mt_backend *be, mt_graph *g);
-void cu_graph_free(mt_backend *be, mt_graph *g);
-void cu_embed_dev(mt_backend *be, float *out, const mt_weight *table, const int32_t *ids, int n);
-void cu_copy_rows_at(mt_backend *be, mt_paged dst, const int32_t *bt, int t0, const int32_t *pos,
-                     const float *src, int n);
-void cu_dsa_pool_keys_at(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs, const int32_t *bt,
-                         const float *ape, const int32_t *pos, int kpool);
-
-/* cuda_random.cu: the weight_random slot. */
-mt_status cu_weight_random(mt_backend *be, mt_dtype dt, int64_t rows, int64_t cols, uint64_t key,
-                           float mean, float std, mt_weight *out);
-
-void cu_embed(mt_backend *be, float *out, const mt_weight *table, const int32_t *ids, int n);
-void cu_matmul(mt_backend *be, float *y, const float *x, const mt_weight *w, int n);
-void cu_matmul_multi(mt_backend *be, float *const *y, const float *x, const mt_weight *const *w, int count, int n,
-                     unsigned sigmoid_mask);
-void cu_rmsnorm(mt_backend *be, float *out, const float *x, const float *w, int n, int d, float eps);
-void cu_layernorm(mt_backend *be, float *out, const float *x, const float *w, const float *b, int n,
-                  int d, float eps);
-void cu_swiglu(mt_backend *be, float *out, const float *gate, const float *up, int n, int I, float L);
-void cu_sigmoid(mt_backend *be, float *x, int64_t count);
-void cu_l2norm(mt_backend *be, float *x, int64_t n, int d, float eps, float scale);
-void cu_argmax(mt_backend *be, int32_t *out, const float *logits, int n, int V);
-void cu_argmax_dev(mt_backend *be, int32_t *out, int rep, const float *logits, int n, int V);
-void cu_hc_head_norm(mt_backend *be, float *z, const float *X, const float *w, int n, int S, int H, float eps);
-
-void cu_moe_route(mt_backend *be, int32_t *idx, float *weights, const float *logits,
-                  const float *bias, const mt_router_params *p, int n);
-void cu_moe_experts(mt_backend *be, float *out, const float *x, const int32_t *idx,
-                    const float *weights, const mt_expert *experts, int n, int top_k, int H, int I,
-                    float L);
-bool cu_moe_experts_shared(mt_backend *be, float *out, const float *x, const int32_t *idx, const float *weights,
-                           const mt_expert *experts, const mt_expert *shared, int n, int top_k, int H, int I,
-                           float L);
-
-void cu_conv1d_silu(mt_backend *be, float *out, const float *x, float *state, const float *w, int n,
-                    int C, int K);
-bool cu_conv1d_silu_l2norm(mt_backend *be, float *out, const float *x, float *state, const float *w, int n,
-                           int C, int K, int dk, float eps, float scale);
-void cu_kda_gates(mt_backend *be, float *g, float *gate, const float *f_in, const float *g_in, const mt_weight *f_b,
-                  const mt_weight *g_b, const float *dt_bias, const float *A_log, const mt_kda_gate_params *p, int n);
-void cu_kda_gate(mt_backend *be, float *g, const float *f, const float *dt_bias, const float *A_log,
-                 const mt_kda_gate_params *p, int n);
-void cu_kda_recurrent(mt_backend *be, float *o, const float *q, const float *k, const float *v,
-                      const float *g, const float *beta, float *state, int n, int nh, int dk);
-void cu_kda_chunked(mt_backend *be, float *o, const float *q, const float *k, const float *v,
-                    const float *g, const float *beta, float *state, int n, int nh, int dk);
-void cu_gated_rmsnorm(mt_backend *be, float *out, const float *o, const float *gate, const float *w,
-                      int64_t rows, int d, float eps);
-
-void cu_dsa_pool_keys(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs, const int32_t *bt,
-                      const float *ape, int p0, int p1, int kpool);
-void cu_dsa_select(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi, const float *w,
-                   mt_paged pool_keys, const int32_t *bt, int t0, int n, const mt_dsa_select_params *p);
-void cu_mla_sparse(mt_backend *be, float *out, const float *q, mt_paged latent, const int32_t *bt,
-                   const mt_weight *kv_b, const int32_t *sel, const int32_t *nsel, int max_sel,
-                   int t0, int n, const mt_mla_params *p);
-
-void cu_hc_pre(mt_backend *be, float *y, float *post, float *comb, const float *X,
-               const mt_weight *fn, const float *base, const float *scale, const mt_hc_params *p,
-               int n);
-void cu_hc_pre_norm(mt_backend *be, float *h, float *y, float *post, float *comb, const float *X,
-                    const mt_weight *fn, const float *base, const float *scale, const float *norm_w,
-                    const mt_hc_params *p, int n);
-void cu_hc_post(mt_backend *be, float *X, const float *a, const float *post, const float *comb,
-                const mt_hc_params *p, int n);
-void cu_hc_post_pre_norm(mt_backend *be, float *X, const float *a, float *h, float *y, float *post, float *comb,
-                         const mt_weight *fn, const float *base, const float *scale, const float *norm_w,
-                         const mt_hc_params *p, int n);
-void cu_hc_head(mt_backend *be, float *z, const float *X, int n, int S, int H);
-
-/* The rows form of batched decode (kernels/backend.h): cuda_rows.cu, and beside their
- * single-sequence kernels in cuda_kda.cu (delta rule) and cuda_dsa.cu (select, sparse MLA). */
-void cu_conv1d_silu_rows(mt_backend *be, float *out, const float *x, float *const *states, const float *w,
-                         int n, int C, int K);
-void cu_kda_conv3_rows(mt_backend *be, const mt_kda_conv3 *c, int n, int C, int K, int dk, float eps, float q_scale);
-void cu_kda_recurrent_rows(mt_backend *be, float *o, const float *q, const float *k, const float *v,
-                           const float *g, const float *beta, float *const *states, int n, int nh, int dk);
-void cu_copy_rows_to(mt_backend *be, mt_paged dst, const int32_t *const *bts, const int32_t *pos,
-                     const float *src, int n);
-void cu_copy_rows_to_n(mt_backend *be, const mt_paged *dst, const float *const *src, int count,
-                       const int32_t *const *bts, const int32_t *pos, int n);
-void cu_dsa_pool_keys_rows(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs,
-                           const int32_t *const *bts, const float *ape, const int32_t *pos, int n, int kpool);
-void cu_dsa_select_rows(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi, const float *w,
-                        mt_paged pool_keys, const int32_t *const *bts, const int32_t *pos, int n,
-                        const mt_dsa_select_params *p);
-void cu_mla_sparse_rows(mt_backend *be, float *out, const float *q, mt_paged latent,
-                        const int32_t *const *bts, const mt_weight *kv_b, const int32_t *sel,
-                        const int32_t *nsel, int max_sel, const int32_t *pos, int n, const mt_mla_params *p);
+/* The op families' fillers: each sets its file's slots of the table (the ops themselves are static
+ * in their files; kernels/backend.h is the one place an op's signature is written). cuda_backend.cu
+ * builds a backend's table from its own slots (memory, lifetime) and these. */
+void cu_dense_fill(mt_backend_ops *t);      /* cuda_dense.cu: embed, matmul(_multi), norms, swiglu,
+                                               sigmoid, l2norm, argmax(_dev), and the fused kda_gates
+                                               and hc_head_norm, which run its GEMV and norm kernels */
+void cu_moe_fill(mt_backend_ops *t);        /* cuda_moe.cu: moe_route, moe_experts(_shared) */
+void cu_kda_fill(mt_backend_ops *t);        /* cuda_kda.cu: conv1d_silu(_l2norm), kda_gate,
+                                               kda_recurrent(_rows), gated_rmsnorm */
+void cu_kda_chunk_fill(mt_backend_ops *t);  /* cuda_kda_chunk.cu: kda_chunked */
+void cu_dsa_fill(mt_backend_ops *t);        /* cuda_dsa.cu: dsa_pool_keys(_at), dsa_select(_rows),
+                                               mla_sparse(_rows) */
+void cu_hc_fill(mt_backend_ops *t);         /* cuda_hc.cu: hc_pre(_norm), hc_post(_pre_norm), hc_head */
+void cu_rows_fill(mt_backend_ops *t);       /* cuda_rows.cu: the rows-form conv, cache writes, pool keys */
+void cu_step_fill(mt_backend_ops *t);       /* cuda_step.cu: graphs, embed_dev, copy_rows_at */
+void cu_random_fill(mt_backend_ops *t);     /* cuda_random.cu: weight_random */
 
 /* cuda_moe.cu: asserts the experts [0, count) share dtype and shape ([I, H] gate/up, [H, I] down)
  * and have their data; used by both MoE paths. */
