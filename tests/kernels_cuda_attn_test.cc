@@ -722,7 +722,7 @@ TEST_F(CudaAttnMla, MlaSparseSmallShapes) {
         {32, 22, 40, 256, 40, 37, 30, MT_BF16, true},    // dn not a multiple of 4: the split's scalar form
         {32, 20, 12, 512, 0, 1100, 20, MT_BF16, true},   // two passes, the second of 76 rows
         {64, 32, 64, 512, 100, 200, 90, MT_BF16, true},  // one split: the attend writes the output's A
-        // kvl 512 with heads in 64s runs the wgmma attend (cuda_mla_wg.cu); the cases above with
+        // kvl 512 with heads in 64s runs the wgmma attend (cuda_dsa_mla_wg.cu); the cases above with
         // 64 heads and kvl 512 do too; these add a second head group and rows short of a tile
         {128, 8, 8, 512, 5, 40, 200, MT_F32, true},
         {128, 16, 16, 512, 60, 33, 50, MT_BF16, true},

@@ -35,41 +35,6 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_ops.h"
 
-/* ============================ dependent launch ============================ */
-
-/* A decode step is a chain of ~75 short kernels, and between two of them the GPU drains one grid
- * before it starts the next. The decode-path kernels (cuda_dense.cu, cuda_hc.cu, cuda_moe.cu; the
- * rows-form, KDA and MLA decode kernels through cu_launch_pdl_k, cuda_ops.h) go through
- * cu_launch_pdl (programmatic dependent launch): such a kernel may start while the
- * previous kernel of the stream is still running. It first does what depends on no earlier
- * kernel (a GEMV issues its first weight loads), then cu_pdl_wait() (griddepcontrol.wait: every
- * earlier kernel has finished and its writes are visible) before it reads an activation or
- * writes anything, then cu_pdl_trigger() (griddepcontrol.launch_dependents) so that the next such
- * kernel may start in turn; every block passes both. (Exceptions read, before their wait, only
- * what kernels two or more back wrote, which the previous kernel's own wait made complete:
- * moe_gateup_kernel's shared-expert blocks and gemv_shortk_kernel's late_wait, which both wait
- * before exiting, and moe_down_kernel's first weight loads, found through the router's indices.) Stream capture keeps the overlap as
- * programmatic edges of the graph. cu_launch_pdl, cu_pdl_wait and cu_pdl_trigger are declared in
- * cuda_ops.h. */
-
-/* kernel(*params): one kernel taking one parameter struct by value. Returns the launch's error. */
-extern "C" cudaError_t cu_launch_pdl(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t s,
-                                     void *params) {
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = block;
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = s;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    void *args[1] = {params};
-    return cudaLaunchKernelExC(&cfg, kernel, args);
-}
-
-
 /* ================================ embed ================================ */
 
 enum { EMBED_CHUNK = 4096, EMBED_THREADS = 256 };
@@ -1544,10 +1509,7 @@ static __global__ void sigmoid_kernel(const ew_params p) {
         p.out[i] = cu_sigmoidf(p.a[i]);
 }
 
-static unsigned ew_grid(int64_t count) {
-    const int64_t b = (count + EW_THREADS - 1) / EW_THREADS;
-    return (unsigned)(b < EW_MAX_GRID ? b : EW_MAX_GRID);
-}
+static unsigned ew_grid(int64_t count) { return cu_grid_1d(count, EW_THREADS, EW_MAX_GRID); }
 
 static mt_status swiglu_launch(ew_params *p, cudaStream_t s) {
     const bool v4 = p->count % 4 == 0 && cu_aligned16(p->out) && cu_aligned16(p->a) && cu_aligned16(p->b);

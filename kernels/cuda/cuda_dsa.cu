@@ -12,24 +12,9 @@
 #include <string.h>
 
 #include "kernels/cuda/cuda_check.h"
-#include "kernels/cuda/cuda_mla.h"
+#include "kernels/cuda/cuda_dsa_mla.h"
 #include "kernels/cuda/cuda_ops.h"
 
-/* Dynamic shared memory above 48 KB needs the kernel's limit raised first. */
-static mt_status dsa_smem_opt_in(const void *kernel, size_t bytes) {
-    if (bytes <= 48 * 1024) return MT_OK;
-    MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
-    return MT_OK;
-}
-
-/* Largest dynamic shared memory a block may opt in to on the current device. */
-static int dsa_smem_max(void) {
-    int dev = 0, v = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
-        return 48 * 1024;
-    return v;
-}
 
 /* ------------------------------------------------------------------------------------------ */
 /* dsa_pool_keys                                                                                */
@@ -322,12 +307,12 @@ static __global__ void __launch_bounds__(SEL_THREADS) dsa_select_kernel(select_p
 
 static mt_status dsa_select_launch(mt_backend *be, const select_params *p) {
     const size_t smem = select_smem_carve(NULL, p, NULL);
-    if (smem > (size_t)dsa_smem_max()) {
+    if (smem > (size_t)cu_smem_max()) {
         mt_log(MT_LOG_ERROR, "dsa_select: %d candidate pools need %zu bytes of shared memory, over the "
                "device's limit", p->max_cand, smem);
         return MT_ERR_UNSUPPORTED;
     }
-    mt_status st = dsa_smem_opt_in((const void *)dsa_select_kernel, smem);
+    mt_status st = cu_smem_opt_in((const void *)dsa_select_kernel, smem);
     if (st != MT_OK) return st;
     cu_launch_pdl_k(dsa_select_kernel, dim3(p->n), dim3(SEL_THREADS), smem, cu_stream(be), *p);
     cu_check_launch(be, "dsa_select");
@@ -392,7 +377,7 @@ static void cu_dsa_select_rows(mt_backend *be, int32_t *sel, int32_t *nsel, cons
  *   attend  per (row, group of hg heads, split of the selected rows): scores against the latent
  *           rows, an online softmax, and the unnormalised latent sum; (max, sum, acc) per split
  *           (fp32 for decode and a few rows; on the tensor cores for prefill: kv_lora 512 with
- *           heads in 64s on wgmma, cuda_mla_wg.cu, else mla_attend_tc_kernel on mma.sync)
+ *           heads in 64s on wgmma, cuda_dsa_mla_wg.cu, else mla_attend_tc_kernel on mma.sync)
  *   output  merge the splits, normalise, o[i, h] = W_v[h] ol  (each value row read once per 8 rows)
  * Splitting the selected rows gives decode (one row, 64 heads) enough blocks for the GPU. */
 
@@ -1467,8 +1452,6 @@ typedef struct mla_gemm_buf {
     __nv_bfloat16 *a16, *wk2, *wv2;
 } mla_gemm_buf;
 
-static size_t mla_align256(size_t b) { return (b + 255) & ~(size_t)255; }
-
 /* W2 from kv_b (per head h: W_k rows [h (dn + dv), + dn), W_v the next dv), 8 bf16 a thread:
  * e < Hq 2 dn kvl / 8 for wk2 (row k' of head h is W_k row k' mod dn), the rest for wv2 (row n of
  * head h is W_v row n twice over). kvl % 8 == 0. */
@@ -1491,8 +1474,8 @@ static __global__ void __launch_bounds__(MLAD_THREADS) mla_dup_kernel(mla_gemm_b
 /* Carves CU_SCRATCH_GEMM for passes of up to nb_max rows and makes W2 (once a call). */
 static mt_status mla_gemm_prep(mt_backend *be, const mla_dev_params *p, int nb_max, mla_gemm_buf *g) {
     const size_t k = (size_t)(p->dn > p->kvl ? p->dn : p->kvl);
-    const size_t a_b = mla_align256(sizeof(__nv_bfloat16) * (size_t)nb_max * p->Hq * 2 * k);
-    const size_t wk_b = mla_align256(sizeof(__nv_bfloat16) * (size_t)p->Hq * 2 * p->dn * p->kvl);
+    const size_t a_b = cu_align_up(sizeof(__nv_bfloat16) * (size_t)nb_max * p->Hq * 2 * k, 256);
+    const size_t wk_b = cu_align_up(sizeof(__nv_bfloat16) * (size_t)p->Hq * 2 * p->dn * p->kvl, 256);
     const size_t wv_b = sizeof(__nv_bfloat16) * (size_t)p->Hq * p->dv * 2 * p->kvl;
     char *buf = (char *)cu_scratch(be, CU_SCRATCH_GEMM, a_b + wk_b + wv_b);
     if (!buf) return MT_ERR_NOMEM; /* logged */
@@ -1587,7 +1570,7 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
      * a few rows on the fp32 wide kernel (32 heads a block), where the shape allows; else, and for
      * one row, the per-8-heads kernel. mt_cuda_params.mla_attend: MT_CUDA_MLA_ATTEND_WIDE forces the
      * fp32 wide kernel, _MMA the mma.sync tensor-core kernel over the wgmma one (for comparison). */
-    const size_t lim = (size_t)dsa_smem_max();
+    const size_t lim = (size_t)cu_smem_max();
     const size_t wide_smem = sizeof(float) * mlaw_smem_floats(p->kvl);
     const size_t tc_smem = mlat_smem_bytes(p->kvl / MLAT_COLS);
     const mt_cuda_mla_attend mode = ((const cu_backend *)be)->params.mla_attend;
@@ -1595,7 +1578,7 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
     const bool shape32 = p->Hq % MLAW_HB == 0 && (p->kvl == 256 || p->kvl == 512) && cu_aligned16(p->latent.base);
     const bool force_wide = mode == MT_CUDA_MLA_ATTEND_WIDE;
     const bool tc = n >= MLAT_MIN_ROWS && !force_wide && shape32 && !p->t0_dev && !p->pos_rows && tc_smem <= lim;
-    /* of those, kvl 512 with heads in 64s on wgmma (cuda_mla_wg.cu); MT_CUDA_MLA_ATTEND_MMA keeps
+    /* of those, kvl 512 with heads in 64s on wgmma (cuda_dsa_mla_wg.cu); MT_CUDA_MLA_ATTEND_MMA keeps
      * mla_attend_tc_kernel (for comparison) */
     const bool wgk = tc && p->kvl == 512 && p->Hq % 64 == 0 && mode != MT_CUDA_MLA_ATTEND_MMA &&
                      mla_wg_smem_bytes() <= lim;
@@ -1632,20 +1615,20 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
         return MT_ERR_UNSUPPORTED;
     }
     mt_status st;
-    if ((st = dsa_smem_opt_in((const void *)mla_absorb_kernel, abs_smem)) != MT_OK) return st;
-    if ((st = dsa_smem_opt_in((const void *)mla_attend_kernel, att_smem)) != MT_OK) return st;
+    if ((st = cu_smem_opt_in((const void *)mla_absorb_kernel, abs_smem)) != MT_OK) return st;
+    if ((st = cu_smem_opt_in((const void *)mla_attend_kernel, att_smem)) != MT_OK) return st;
     if (wide) {
-        if (p->kvl == 256) st = dsa_smem_opt_in((const void *)mla_attend_wide_kernel<1>, wide_smem);
-        else st = dsa_smem_opt_in((const void *)mla_attend_wide_kernel<2>, wide_smem);
+        if (p->kvl == 256) st = cu_smem_opt_in((const void *)mla_attend_wide_kernel<1>, wide_smem);
+        else st = cu_smem_opt_in((const void *)mla_attend_wide_kernel<2>, wide_smem);
         if (st != MT_OK) return st;
     }
     if (wgk) MT_CUDA_CHECK(mla_wg_opt_in());
     if (tc && !wgk) {
-        if (p->kvl == 256) st = dsa_smem_opt_in((const void *)mla_attend_tc_kernel<4>, tc_smem);
-        else st = dsa_smem_opt_in((const void *)mla_attend_tc_kernel<8>, tc_smem);
+        if (p->kvl == 256) st = cu_smem_opt_in((const void *)mla_attend_tc_kernel<4>, tc_smem);
+        else st = cu_smem_opt_in((const void *)mla_attend_tc_kernel<8>, tc_smem);
         if (st != MT_OK) return st;
     }
-    if ((st = dsa_smem_opt_in((const void *)mla_output_kernel, out_smem)) != MT_OK) return st;
+    if ((st = cu_smem_opt_in((const void *)mla_output_kernel, out_smem)) != MT_OK) return st;
 
     mla_gemm_buf gb = {NULL, NULL, NULL};
     if (tcg && (st = mla_gemm_prep(be, p, nb_max, &gb)) != MT_OK) return st;

@@ -1020,8 +1020,6 @@ template <bool NORM, bool POST> static const void *hc_pre_split_pick(mt_dtype dt
  * step's GPU time 1.175 / 1.174 / 1.175 ms fused, 1.168 / 1.169 / 1.169 ms as two launches). */
 enum { HCS_FIRST_PHASE = 1 };
 
-static size_t align_up(size_t b, size_t a) { return (b + a - 1) / a * a; }
-
 /* a: the fused hc_post's input (the split kernel's POST form; the caller checked
  * hc_post_pre_split_ok), else NULL. */
 static mt_status hc_pre_dec_launch(mt_backend *be, hc_pre_params *p, mt_dtype dt, const mt_weight *fn,
@@ -1030,7 +1028,7 @@ static mt_status hc_pre_dec_launch(mt_backend *be, hc_pre_params *p, mt_dtype dt
     if (a || hc_pre_split_ok(fn, p->S, p->H, p->norm_w)) {
         const int blocks = (int)((int64_t)p->S * p->H / (32 * (dt == MT_F32 ? 4 : 8)));
         const int nb = p->n <= 1 ? 1 : p->n <= 2 ? 2 : 4;
-        const size_t pf = align_up((size_t)blocks * nb * HC_DEC_MIX * sizeof(float), 16);
+        const size_t pf = cu_align_up((size_t)blocks * nb * HC_DEC_MIX * sizeof(float), 16);
         char *scr = (char *)cu_scratch(be, CU_SCRATCH_DENSE, pf + (size_t)blocks * nb * sizeof(double));
         if (!scr) return MT_ERR_NOMEM;
         hc_split_params q = {*p, (float *)scr, (double *)(scr + pf),
@@ -1226,7 +1224,7 @@ static __global__ void hc_head_kernel(const hc_head_params p) {
     p.z[t] = a / (float)p.S;
 }
 
-static unsigned hc_grid(int64_t count) { return (unsigned)((count + HC_EW_THREADS - 1) / HC_EW_THREADS); }
+static unsigned hc_grid(int64_t count) { return cu_grid_1d(count, HC_EW_THREADS, 0); }
 
 enum { HC_POST_VEC_THREADS = 64 }; /* 16 blocks for one row of 4096: spread over the SMs */
 

@@ -823,8 +823,6 @@ static mt_status moe_combine_launch(const moe_combine_params *p, cudaStream_t s)
     return MT_OK;
 }
 
-static size_t align16(size_t b) { return (b + 15) / 16 * 16; }
-
 /* Bytes of grouped-path scratch per (row, slot) pair: T > 0 tensor-core parts, 0 fp32. */
 static size_t moe_pair_bytes(int H, int I, int T) {
     if (T == 0) return sizeof(float) * (2 * (size_t)I + H) + 2 * sizeof(int32_t) + 16;
@@ -842,9 +840,9 @@ static mt_status moe_grouped_chunk_tc(mt_backend *be, const moe_table *t, float 
     cu_backend *cb = (cu_backend *)be;
     const int P = (r1 - r0) * top_k, E = t->count;
     const size_t fw = (size_t)(2 * I > H ? 2 * I : H), sw = (size_t)(H > I ? H : I);
-    const size_t bF = align16(sizeof(float) * (size_t)P * T * fw);
-    const size_t bS = align16(sizeof(uint16_t) * (size_t)P * T * sw);
-    char *scr = (char *)cu_scratch(be, CU_SCRATCH_DENSE, bF + bS + align16(nI));
+    const size_t bF = cu_align_up(sizeof(float) * (size_t)P * T * fw, 16);
+    const size_t bS = cu_align_up(sizeof(uint16_t) * (size_t)P * T * sw, 16);
+    char *scr = (char *)cu_scratch(be, CU_SCRATCH_DENSE, bF + bS + cu_align_up(nI, 16));
     if (!scr) return MT_ERR_NOMEM;
     float *G = (float *)scr, *U = G + (size_t)P * T * I, *D = G;   /* D after G, U are spent */
     uint16_t *X16 = (uint16_t *)(scr + bF), *H16 = X16;             /* H after X is spent */
@@ -1007,9 +1005,9 @@ static mt_status moe_grouped_chunk_batched(mt_backend *be, const moe_table *t, f
         for (int sl = pos[e]; sl < ps[e + 1]; sl++) gather[sl] = gather[ps[e]];
 
     const size_t fw = (size_t)(2 * I > H ? 2 * I : H), sw = (size_t)(H > I ? H : I);
-    const size_t bF = align16(sizeof(float) * (size_t)Ppad * T * fw);
-    const size_t bS = align16(sizeof(uint16_t) * (size_t)Ppad * T * sw);
-    char *scr = (char *)cu_scratch(be, CU_SCRATCH_DENSE, bF + bS + align16(nI));
+    const size_t bF = cu_align_up(sizeof(float) * (size_t)Ppad * T * fw, 16);
+    const size_t bS = cu_align_up(sizeof(uint16_t) * (size_t)Ppad * T * sw, 16);
+    char *scr = (char *)cu_scratch(be, CU_SCRATCH_DENSE, bF + bS + cu_align_up(nI, 16));
     if (!scr) return MT_ERR_NOMEM;
     float *G = (float *)scr, *U = G + (size_t)Ppad * T * I, *D = G;   /* D after G, U are spent */
     uint16_t *X16 = (uint16_t *)(scr + bF), *H16 = X16;               /* H after X is spent */
@@ -1133,11 +1131,12 @@ static mt_status moe_grouped_chunk(mt_backend *be, const moe_table *t, float *ou
         inv[q] = at;
     }
 
-    const size_t nI = sizeof(int32_t) * (2 * (size_t)P + 3 * (size_t)ntiles), bI = align16(nI);
+    const size_t nI = sizeof(int32_t) * (2 * (size_t)P + 3 * (size_t)ntiles), bI = cu_align_up(nI, 16);
     if (T > 0)
         return moe_grouped_chunk_tc(be, t, out, x, gather, nI, start, weights, r0, r1, top_k, H, I, L, dt, T);
 
-    const size_t bG = align16(sizeof(float) * (size_t)P * I), bD = align16(sizeof(float) * (size_t)P * H);
+    const size_t bG = cu_align_up(sizeof(float) * (size_t)P * I, 16);
+    const size_t bD = cu_align_up(sizeof(float) * (size_t)P * H, 16);
     char *scr = (char *)cu_scratch(be, CU_SCRATCH_DENSE, 2 * bG + bD + bI);
     if (!scr) return MT_ERR_NOMEM;
     float *G = (float *)scr, *U = (float *)(scr + bG), *D = (float *)(scr + 2 * bG);
@@ -1218,8 +1217,9 @@ static mt_status moe_experts_wg(mt_backend *be, const moe_table *t, float *out, 
         const int r1 = r0 + rows < n ? r0 + rows : n, P = (r1 - r0) * top_k;
         const size_t tg = cu_moe_wg_max_tiles(P, E, I, false), td = cu_moe_wg_max_tiles(P, E, H, true);
         MT_ASSERT(tg + td <= (size_t)INT_MAX / 4 && (int64_t)2 * P * H <= INT_MAX);
-        const size_t bX = align16(sizeof(uint16_t) * 2 * (size_t)P * H), bH = align16(sizeof(uint16_t) * 2 * (size_t)P * I);
-        const size_t bG = align16(sizeof(int32_t) * (size_t)P), bT = 4 * sizeof(int32_t) * (tg + td);
+        const size_t bX = cu_align_up(sizeof(uint16_t) * 2 * (size_t)P * H, 16);
+        const size_t bH = cu_align_up(sizeof(uint16_t) * 2 * (size_t)P * I, 16);
+        const size_t bG = cu_align_up(sizeof(int32_t) * (size_t)P, 16), bT = 4 * sizeof(int32_t) * (tg + td);
         char *scr = (char *)cu_scratch(be, CU_SCRATCH_DENSE, bX + bH + 2 * bG + bT + 16);
         if (!scr) return MT_ERR_NOMEM;
         uint16_t *X16 = (uint16_t *)scr, *H16 = (uint16_t *)(scr + bX);

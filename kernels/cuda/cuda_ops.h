@@ -1,20 +1,28 @@
-/* kernels/cuda/cuda_ops.h: internal to the CUDA backend. Each op family's file keeps its ops static
- * and exports a filler for its slots of the table (kernels/backend.h); cuda_backend.cu builds the
- * table from them. Op families, one file each:
- *   cuda_backend.cu   memory, weights, table, scratch    cuda_dense.cu  embed, matmul (GEMV, tensor-core
- *   cuda_moe.cu       router, experts (GEMV, batched                    GEMV and GEMMs), norms, swiglu,
- *                     GEMMs)                                            sigmoid, l2norm, argmax, PDL
- *   cuda_moe_grouped.cu  experts grouped on the device   cuda_hc.cu     hyper-connections, head mean
- *   cuda_moe_wg.cu    prefill experts on wgmma + TMA     cuda_wgmma.h   sm_90a wgmma/TMA/mbarrier helpers
- *   cuda_kda.cu       conv, gate, recurrent delta rule,  cuda_kda_chunk.cu  chunked delta rule
- *                     gated norm                                          (tensor cores)
- *   cuda_dsa.cu       pool keys, select, sparse MLA      cuda_rows.cu   rows-form conv, cache writes,
- *                     (paged caches)                                    pool keys (batched decode)
- *   cuda_mla_wg.cu    sparse MLA prefill attend on       cuda_mla.h     sparse MLA pass parameters
- *                     wgmma (2-CTA clusters)
- *   cuda_step.cu      graphs, run-time-position ops      cuda_random.cu random weights
- * Every launch is followed by MT_CUDA_CHECK_LAUNCH-style checking; ops return void per the table,
- * so a failed launch is logged and recorded in the backend's sticky error (cu_backend_error). */
+/* kernels/cuda/cuda_ops.h: internal to the CUDA backend: the backend object (cu_backend), the op
+ * families' fillers, the helpers the families share, and the device helpers of every kernel file.
+ * Each family's files keep their ops static and export a filler for their slots of the table
+ * (kernels/backend.h); cuda_backend.cu builds the table from them. Files by family (one
+ * cuda_library each in BUILD):
+ *   core     cuda_backend.cu   the object, memory, weights, params, the table
+ *            cuda_core.cu      launch checks, op timing, PDL launch, scratch, cuBLAS handles
+ *            cuda_launch.h     launch and launch-check helpers; cuda_check.h, the check macros
+ *   dense    cuda_dense.cu     embed, matmul (GEMV, tensor-core GEMV, cuBLAS and fp32 GEMMs),
+ *                              norms, swiglu, sigmoid, l2norm, argmax; kda_gates, hc_head_norm
+ *   MoE      cuda_moe.cu       router, experts (GEMV, batched GEMMs); the dispatch
+ *            cuda_moe_grouped.cu  decode experts grouped on the device
+ *            cuda_moe_wg.cu    prefill experts on wgmma + TMA
+ *   KDA      cuda_kda.cu       conv, gate, recurrent delta rule, gated norm
+ *            cuda_kda_chunk.cu chunked delta rule (tensor cores)
+ *   DSA/MLA  cuda_dsa.cu       pool keys, select, sparse MLA (paged caches)
+ *            cuda_dsa_mla_wg.cu  sparse MLA prefill attend on wgmma (2-CTA clusters)
+ *            cuda_dsa_mla.h    sparse MLA pass parameters
+ *   hc       cuda_hc.cu        hyper-connections, head mean
+ *   rows     cuda_rows.cu      rows-form conv, cache writes, pool keys (batched decode)
+ *            cuda_step.cu      graphs, run-time-position ops (graph form of decode)
+ *            cuda_random.cu    random weights
+ *   cuda_wgmma.h: sm_90a wgmma/TMA/mbarrier/cluster primitives (MoE, KDA, DSA/MLA)
+ * Every launch is followed by a launch check (cuda_launch.h); ops return void per the table, so a
+ * failed launch is logged and recorded in the backend's sticky status (cu_backend.sticky). */
 #ifndef MT_CUDA_OPS_H
 #define MT_CUDA_OPS_H
 
@@ -22,6 +30,7 @@
 
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/cuda_launch.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -91,20 +100,12 @@ typedef struct cu_backend {
 static inline cudaStream_t cu_stream(mt_backend *be) { return ((cu_backend *)be)->stream; }
 /* Multiprocessors for grid sizing (132, an H100/H200's, if the device did not say). */
 static inline int cu_sms(const cu_backend *cb) { return cb->n_sm > 0 ? cb->n_sm : 132; }
-/* Records a launch/runtime failure (logged by the caller) so the model can notice at sync. */
-void cu_fail(mt_backend *be, mt_status st);
-/* Checks cudaGetLastError after a launch; logs with the op name and records failure. */
-void cu_check_launch(mt_backend *be, const char *op);
-/* Records a failed status from a launcher (already logged at the failing call) with the op name. */
-void cu_op_status(mt_backend *be, const char *op, mt_status st);
-/* Op timing (mt_cuda_profile): when on, synchronises the stream and charges the time since the
- * previous mark to `what`. cu_op_status and cu_check_launch mark with their op name. No-op when
- * off or while the stream is being captured. */
-void cu_prof_mark(mt_backend *be, const char *what);
 /* Device scratch of at least `bytes` in slot `slot` (CU_SCRATCH_*), valid until the op returns.
  * Growing synchronises the stream first (pending kernels may still read the old buffer). NULL on
  * OOM (logged, recorded in sticky). */
 void *cu_scratch(mt_backend *be, int slot, size_t bytes);
+/* b rounded up to a multiple of a: the offsets of the pieces an op carves from its scratch. */
+static inline size_t cu_align_up(size_t b, size_t a) { return (b + a - 1) / a * a; }
 /* cuda_moe.cu: frees the expert-table cache (destroy). */
 void cu_moe_cache_free(cu_backend *cb);
 
@@ -198,8 +199,6 @@ mt_status cu_moe_wg_gemm(const void *wmaps, const int32_t *tiles, const int32_t 
                          int64_t xrows, int K, void *out, int ldo, bool down, int terms, float L, int sms,
                          cudaStream_t s);
 
-/* cuda_dense.cu: programmatic dependent launch of kernel(*params) on s (see there). */
-cudaError_t cu_launch_pdl(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t s, void *params);
 
 #ifdef __cplusplus
 }
@@ -400,13 +399,6 @@ template <int V> __device__ __forceinline__ void cu_xload_ro(const float *x, flo
     }
 }
 
-/* Programmatic dependent launch (cuda_dense.cu): a kernel started by cu_launch_pdl waits here
- * before it reads an activation or writes anything, and lets the next one start after. */
-__device__ __forceinline__ void cu_pdl_wait(void) { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void cu_pdl_trigger(void) {
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
-
 /* The KDA decay gate of one element (MODEL.md "KDA mixer"): f the projection, bias its dt_bias,
  * a_log its head's A_log. kda_gate_kernel (cuda_kda.cu) and the short-row GEMV's epilogue
  * (cu_kda_gates, cuda_dense.cu) both take it from here. */
@@ -414,14 +406,6 @@ static __device__ __forceinline__ float cu_kda_gate_value(float f, float bias, f
                                                           float lower_bound) {
     const float a = expf(a_log), x = f + bias;
     return has_lower_bound ? lower_bound * cu_sigmoidf(a * x) : -a * (x > 20.f ? x : log1pf(expf(x)));
-}
-
-/* k<<<grid, block, smem, s>>>(p) launched for PDL: the kernel must cu_pdl_wait() before it reads
- * what an earlier kernel wrote, or writes anything. A launch error is left for cudaGetLastError
- * (cu_check_launch, MT_CUDA_CHECK_LAUNCH), as with <<<>>>. */
-template <typename P>
-static inline void cu_launch_pdl_k(void (*k)(P), dim3 grid, dim3 block, size_t smem, cudaStream_t s, P p) {
-    (void)cu_launch_pdl((const void *)k, grid, block, smem, s, &p);
 }
 
 static inline __host__ __device__ bool cu_aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }

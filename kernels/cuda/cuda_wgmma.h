@@ -2,7 +2,7 @@
  * with the copy engine and feed the warpgroup MMA: mbarriers, bulk and tensor (TMA) loads,
  * shared-memory matrix descriptors, cluster primitives, and wgmma.mma_async for bf16 x bf16 ->
  * fp32 with both operands in shared memory (and one form with A in registers). Owner: the CUDA
- * backend (users: cuda_moe_wg.cu, cuda_kda_chunk.cu, cuda_mla_wg.cu).
+ * backend (users: cuda_moe_wg.cu, cuda_kda_chunk.cu, cuda_dsa_mla_wg.cu).
  *
  * Operand layout: a tile of rows x 64 bf16 as a TMA box {64, rows} with CU_TENSOR_MAP_SWIZZLE_128B
  * writes it: row r at byte 128 r, its 16-byte chunk c at chunk c ^ (r % 8); 8-row groups 1024 bytes
