@@ -1114,21 +1114,24 @@ TEST_F(CudaMoe, ExpertsRealShapes) {
     batched_p.moe_wg = false;
     mt_backend *batched = BackendWith(batched_p);
     ASSERT_TRUE(batched);
-    for (int n : {512, 4096}) {
+    // Seconds per moe_experts call of n fresh rows on each of bes (reps[b] timed calls each).
+    auto time3 = [&](int n, mt_backend *const (&bes)[3], const int (&reps)[3], double (&t)[3]) {
         std::vector<int32_t> idx = RandIdx(n, k, E);
         float *gx = Put(gpu_, Rand((size_t)n * H)), *gw = Put(gpu_, Rand((size_t)n * k, 0.1f, 1.f));
         float *go = Put(gpu_, Rand((size_t)n * H));
         int32_t *gi = Put(gpu_, idx);
-        const double flops = 2.0 * n * k * 3 * H * I;
-        double t[3];
-        mt_backend *bes[3] = {gpu_, batched, loop};
         for (int b = 0; b < 3; b++)
             t[b] = TimeGpu([&] { bes[b]->ops->moe_experts(bes[b], go, gx, gi, gw, ex.gpu.data(), n, k, H, I, 10.f); },
-                           3, bes[b]);
+                           reps[b], bes[b]);
+        for (void *p : {(void *)gx, (void *)gw, (void *)go, (void *)gi}) Drop(gpu_, p);
+    };
+    for (int n : {512, 4096}) {
+        const double flops = 2.0 * n * k * 3 * H * I;
+        double t[3];
+        time3(n, {gpu_, batched, loop}, {3, 3, 3}, t);
         std::printf("[ timing   ] moe_experts n=%d top-8 of 288, 4096x2048 bf16, 2 parts: wgmma %.2f ms (%.1f TFLOP/s), "
                     "batched GEMMs %.2f ms (%.1f TFLOP/s), one GEMM per expert %.2f ms (%.1f TFLOP/s)\n",
                     n, t[0] * 1e3, flops / t[0] / 1e12, t[1] * 1e3, flops / t[1] / 1e12, t[2] * 1e3, flops / t[2] / 1e12);
-        for (void *p : {(void *)gx, (void *)gw, (void *)go, (void *)gi}) Drop(gpu_, p);
     }
     mt_backend_free(batched);
     mt_backend_free(loop);
@@ -1137,21 +1140,13 @@ TEST_F(CudaMoe, ExpertsRealShapes) {
         mt_backend *one = BackendWith(WithNumerics(MT_NUMERICS_BF16));
         mt_backend *fp32 = BackendWith(WithNumerics(MT_NUMERICS_FP32));
         ASSERT_TRUE(one && fp32);
-        std::vector<int32_t> idx = RandIdx(n, k, E);
-        float *gx = Put(gpu_, Rand((size_t)n * H)), *gw = Put(gpu_, Rand((size_t)n * k, 0.1f, 1.f));
-        float *go = Put(gpu_, Rand((size_t)n * H));
-        int32_t *gi = Put(gpu_, idx);
         const double flops = 2.0 * n * k * 3 * H * I;
         double t[3];
-        mt_backend *bes[3] = {gpu_, one, fp32};
-        for (int b = 0; b < 3; b++)
-            t[b] = TimeGpu([&] { bes[b]->ops->moe_experts(bes[b], go, gx, gi, gw, ex.gpu.data(), n, k, H, I, 10.f); },
-                           b == 2 ? 2 : 5, bes[b]);
+        time3(n, {gpu_, one, fp32}, {5, 5, 2}, t);
         std::printf("[ timing   ] moe_experts n=%d top-8 of 288, 4096x2048 bf16: tensor cores 2 parts %.2f ms "
                     "(%.1f TFLOP/s), 1 part %.2f ms (%.1f TFLOP/s), fp32 kernel %.2f ms (%.1f TFLOP/s)\n",
                     n, t[0] * 1e3, flops / t[0] / 1e12, t[1] * 1e3, flops / t[1] / 1e12, t[2] * 1e3,
                     flops / t[2] / 1e12);
-        for (void *p : {(void *)gx, (void *)gw, (void *)go, (void *)gi}) Drop(gpu_, p);
         mt_backend_free(one);
         mt_backend_free(fp32);
     }
