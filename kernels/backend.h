@@ -1,4 +1,4 @@
-/* kernels/backend.h: the backend interface, a table of operations (STYLE.md 3) that the model
+/* kernels/backend.h: the backend interface, a table of operations (one slot per op) that the model
  * runtime calls for every piece of arithmetic. One implementation per device: kernels/cpu/ (the
  * reference, fp32 math on bf16/fp16/fp32 weights) and kernels/cuda/ (later).
  *
@@ -57,7 +57,7 @@ typedef struct mt_expert {
     mt_weight gate, up, down;
 } mt_expert;
 
-/* MoE router parameters (MODEL.md "MLP and MoE"). */
+/* MoE router parameters (docs/MODEL.md "MLP and MoE"). */
 typedef struct mt_router_params {
     int n_experts;        /* E */
     int n_group;          /* E % n_group == 0, >= 2 experts per group */
@@ -106,7 +106,7 @@ typedef struct mt_dsa_select_params {
     int t_cap;
 } mt_dsa_select_params;
 
-/* A paged cache (issue 5): a pool of pages shared by many sequences, each page holding `page`
+/* A paged cache: a pool of pages shared by many sequences, each page holding `page`
  * consecutive positions of whichever sequence maps one of its blocks to it. A sequence's block
  * table bt (int32, backend memory) maps its block b, positions [b*page, (b+1)*page), to page bt[b];
  * position t of the sequence is then row t % page of page bt[t / page]:

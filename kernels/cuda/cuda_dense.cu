@@ -1,6 +1,6 @@
 /* kernels/cuda/cuda_dense.cu: embedding, matmul on bf16/fp16/fp32 weights with fp32 accumulation,
  * RMSNorm, LayerNorm, SwiGLU, sigmoid, l2norm, argmax: the same functions as kernels/cpu/
- * cpu_dense.c. Three tiers per op (STYLE.md 7): kernels, a launcher that picks the grid, the
+ * cpu_dense.c. Three tiers per op: kernels, a launcher that picks the grid, the
  * exported op that checks shapes.
  *
  * Matmul has three paths. Few rows (decode, n <= GEMV_MAX_N): a GEMV (bandwidth-bound on the
@@ -42,7 +42,7 @@ enum { EMBED_CHUNK = 4096, EMBED_THREADS = 256 };
 /* ids travel by value (they are host memory), EMBED_CHUNK rows per launch: 16 KB of parameters,
  * within the 32 KB that CUDA 12.1+ allows. A 4096-token prefill looks up 16384 ids (each token
  * once a stream, glm_model.c): 4 launches, 0.20 ms on the H200, against 32 launches of 512 rows
- * and 0.27 ms (session 17). */
+ * and 0.27 ms. */
 typedef struct embed_params {
     float *out;                /* [n, H] fp32 */
     const void *table;         /* [V, H] dtype */
@@ -53,7 +53,7 @@ typedef struct embed_params {
 /* V: elements a load; cu_wvec<DT>::n (16-byte weight loads, 16-byte output stores) when H is a
  * multiple of it and the table and output are 16-byte aligned, else 1. Element loads of 2 bytes
  * made a 4096-token prefill's embedding 0.38 ms on the H200, 16-byte loads 0.26 ms (eight launches of
- * 512 rows; docs/bench/2026-11-29-h200-session9.md, call 16). */
+ * 512 rows). */
 template <mt_dtype DT, int V> static __global__ void embed_kernel(const __grid_constant__ embed_params p) {
     const int i = blockIdx.x;
     const int64_t base = (int64_t)p.ids[i] * p.H;
@@ -1003,8 +1003,7 @@ static __global__ void dup_k_kernel(uint16_t *w2, const uint16_t *w, int64_t N, 
  * interleaved into rows (hi | lo), the weight duplicated along K into the same scratch, so y is
  * written once instead of written, read and written again by the lo part (at K = 128 the two-part
  * form is bound by that output traffic: the KDA gates' second projections, [4096, 8192] fp32; on
- * the H200 the prefill's tensor-core matmuls took 0.5-0.85 ms less at 4096 tokens, session 10's
- * call 13). The duplicate is made per call (a few MB): no cache to go stale. */
+ * the H200 the prefill's tensor-core matmuls took 0.5-0.85 ms less at 4096 tokens). The duplicate is made per call (a few MB): no cache to go stale. */
 enum { MATMUL_LOWK = 512 };
 static mt_status matmul_tc_lowk(cu_backend *cb, float *y, const float *x, const mt_weight *w, int n) {
     const int N = (int)w->rows, K = (int)w->cols;

@@ -1,8 +1,8 @@
 /* kernels/cuda/cuda_dsa.cu: the DSA ops on the GPU, computing the same functions as
  * kernels/cpu/cpu_dsa.c: pooled indexer keys, the head-weighted ReLU pool scores with pool top-k
- * plus the tail, and sparse MLA in the latent space (weight absorption). Three tiers per op
- * (STYLE.md 7): static kernels, a static launcher that picks the grid, and the exported cu_* op
- * that checks shapes and dtypes. */
+ * plus the tail, and sparse MLA in the latent space (weight absorption). Three tiers per op:
+ * static kernels, a static launcher that picks the grid, and the op that checks shapes and
+ * dtypes. */
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -384,8 +384,8 @@ static void cu_dsa_select_rows(mt_backend *be, int32_t *sel, int32_t *nsel, cons
 enum {
     /* query rows per pass (bounds the scratch: ~0.27 GB of qa and partials plus the GEMMs' 128 MB
      * of bf16 rows at 64 heads of kv_lora 512, within the worker's reserve). H200, 4096-token
-     * prefill (docs/bench/2026-11-30-h200-session16.md, call 13): absorb + output GEMMs 1.47-1.80 ms
-     * in passes of 256, 1.18 of 512, 1.01 of 1024; the attend the same */
+     * prefill: absorb + output GEMMs 1.47-1.80 ms in passes of 256, 1.18 of 512, 1.01 of 1024;
+     * the attend the same */
     MLA_BATCH = 1024,
     MLA_MAX_HG = 8,      /* heads per attend block, sharing each latent tile */
     MLA_ROWS = 32,       /* latent rows per tile */
@@ -1437,7 +1437,7 @@ static __global__ void __launch_bounds__(NW * 32, 1) mla_attend_tc_kernel(mla_de
  * 1, wrote C, read it and wrote it again, and each ran its short K = 256 or 512 through its own
  * prologue and epilogue.) It replaced a mma.sync kernel of 64 x 64 tiles that converted A on the
  * way in: 4096-token prefill of bench-4L on the H200, absorb 1.33 -> 1.09 ms, output 1.29 ->
- * 1.00 ms (docs/bench/2026-11-30-h200-session10.md) as two GEMMs.
+ * 1.00 ms (H200) as two GEMMs.
  * The output's A is the merged, normalised latent output, split as it is merged
  * (mla_merge_split_kernel), or written so by the attend itself (p.o16).
  * cuBLAS is column-major: row-major C_h [nb, N] (ldc) is C_h^T [N, nb]; A16_h [nb, 2K] (lda) is

@@ -9,7 +9,7 @@
  * blocks exchange their partial sums through distributed shared memory, and every block adds the
  * eight in rank order (so all hold the same m and rms factor); then each block collapses its
  * eighth of H, and block 0 writes post and, last, comb (hc_comb_thread: the Sinkhorn in one
- * thread's registers). Launched for PDL (cuda_dense.cu's cu_launch_pdl), as is hc_post's float4 form.
+ * thread's registers). Launched for PDL (cu_launch_pdl, cuda_launch.h), as is hc_post's float4 form.
  * Otherwise (prefill): the (2+S)S projection (hcm_kernel, tensor cores with X split in registers,
  * for a bf16 fn and the shapes it takes; else cu_matmul) and one block per row for the rms
  * factor, sigmoids and the collapse (hc_pre_rows_kernel, the row held in registers, where S <= 4
@@ -235,7 +235,7 @@ static __global__ void __launch_bounds__(HC_MIX_THREADS) hc_pre_mix_kernel(const
  * 1.20 ms with 8 k-slices (150 us a call; X alone is 268 MB, 63 us at the copy rate), ~1.1 ms
  * with 16. A warp takes two 16-row tiles (HCM_TILES), so each fn fragment it loads (for NT = 3,
  * six 4-byte loads a lane and k step, more requests than X's four) serves 32 rows: 1.08-1.12 -> 0.79-0.80
- * ms at 16 slices (session 13, docs/bench/2026-11-30-h200-session13.md; see hcm_slices). */
+ * ms at 16 slices (H200; see hcm_slices). */
 enum { HCM_LD = 32 /* mix outputs, padded: four n8 tiles */, HCM_WARPS = 4,
        HCM_TILES = 2 /* m16 row tiles a warp: each fn fragment it loads serves both */,
        HCM_UNROLL = 2 /* k steps a load batch (4 was slower with two tiles) */ };
@@ -383,7 +383,7 @@ static __global__ void __launch_bounds__(HCR_THREADS) hc_pre_rows_kernel(const h
  * from the rows kernel, whose blocks would otherwise each hold their multiprocessor slot through
  * one thread's serial Sinkhorn: H200, the 8 calls of a 4096-token prefill, hc_pre 1.27-1.30 ms
  * with the Sinkhorn in the rows kernel, 0.94 with none at all (timing only), 1.01-1.05 with this
- * kernel after it (docs/bench/2026-11-30-h200-session12.md, calls 6-7). */
+ * kernel after it. */
 enum { HCC_THREADS = 128 };
 static __global__ void __launch_bounds__(HCC_THREADS) hc_comb_rows_kernel(const hc_pre_params p) {
     const int64_t i = (int64_t)blockIdx.x * HCC_THREADS + threadIdx.x;
@@ -402,10 +402,9 @@ static bool hcm_ok(const mt_weight *fn, const float *X, int S, int H) {
 /* k-slices: ~16 16-row tiles a multiprocessor (~8 warps of HCM_TILES), at most 32 slices of >= 512
  * columns. The count is a trade: more slices feed the mix more warps, and hc_pre_rows_kernel sums
  * each row's slices in order before it can finish the row. H200, the 8 calls of a 4096-token
- * prefill (docs/bench/2026-11-30-h200-session13.md, call 14), mix + rows kernel: 4 / 8 / 16 slices
- * 2.19-2.28 / 1.75-1.78 / 1.90-1.95 ms. With a tile a warp (session 10, call 11), the mix alone:
- * 4 / 8 / 16 / 32 slices 1.78 / 1.21 / 1.10 / 1.17 ms; 512 rows with 16 / 32 slices 0.47 / 0.28 ms
- * (512 rows still take 32). */
+ * prefill, mix + rows kernel: 4 / 8 / 16 slices 2.19-2.28 / 1.75-1.78 / 1.90-1.95 ms. With a tile
+ * a warp, the mix alone: 4 / 8 / 16 / 32 slices 1.78 / 1.21 / 1.10 / 1.17 ms; 512 rows with 16 /
+ * 32 slices 0.47 / 0.28 ms (512 rows still take 32). */
 static int hcm_slices(int n, int K, int n_sm) {
     const int64_t tiles = (n + 15) / 16;
     int64_t mk = (int64_t)n_sm * 16 / tiles;
@@ -677,8 +676,8 @@ typedef struct hc_split_params {
                              p.comb hold the previous hc_pre's on entry */
     int phase;            /* 0: the whole op, the last block to arrive finishing; 1: the dot
                              products only; 2: the finish only, one block over nblk blocks'
-                             partials (hc_two: two launches, so a programmatic boundary replaces
-                             the fences and the arrival) */
+                             partials (HCS_FIRST_PHASE 1: two launches, so a programmatic
+                             boundary replaces the fences and the arrival) */
     int nblk;
 } hc_split_params;
 

@@ -1,8 +1,8 @@
 /* kernels/cuda/cuda_kda.cu: the KDA (Kimi Delta Attention) mixer's ops on the GPU, computing the
  * same functions as kernels/cpu/cpu_kda.c: causal depthwise conv with state + SiLU, the decay
  * gate, the recurrent delta rule (decode) and the gated output norm; the chunked delta rule
- * (prefill) is cuda_kda_chunk.cu. Three tiers per op (STYLE.md 7): static kernels, a static
- * launcher that picks the grid, and the exported cu_* op that checks shapes.
+ * (prefill) is cuda_kda_chunk.cu. Three tiers per op: static kernels, a static launcher that
+ * picks the grid, and the op that checks shapes.
  *
  * The delta rule's value columns are independent of each other (row i of the state decays by
  * exp(g[i]) for every column; u, delta and o are per column), so the recurrent kernels give one
@@ -38,11 +38,10 @@ typedef struct conv_params {
  * from x or, before time 0, from the state; they slide through a register window. KT > 0: the
  * kernel size known at compile time (the model's 4), which takes the window's bounds tests out of
  * every step: with them the kernel was issue-bound (SM throughput 70%, DRAM 30% at 4096 x 8192 on
- * the H200: 177 us where the bytes take ~65; docs/bench/2026-11-29-h200-session9.md, call 13).
+ * the H200: 177 us where the bytes take ~65).
  * The inputs are loaded CONV_BATCH steps at a time before any of their outputs is stored (x and
  * out never alias: cu_conv1d_silu asserts it), so a thread has that many loads in flight rather
- * than one: the 9 calls of a 4096-token prefill 0.98 -> 0.85 ms on the H200 (16 steps: 0.83;
- * docs/bench/2026-11-30-h200-session12.md, call 7). */
+ * than one: the 9 calls of a 4096-token prefill 0.98 -> 0.85 ms on the H200 (16 steps: 0.83). */
 enum { CONV_BATCH = 8 };
 /* Channel c's conv + SiLU over steps [ta, tb): put(t, y) takes each output, in order of t. */
 template <int KT, typename Put>
@@ -199,8 +198,7 @@ static __global__ void kda_gate_kernel(gate_params p) {
 /* Many rows (prefill): block = one row, thread = float4 groups tid, tid + 256, ... (up to
  * GATE_VEC of them, loaded before the first is used), one A_log per group (dk % 4 == 0). The
  * grid-stride form above did a 64-bit division per element with one load in flight a thread: 190
- * us for 4096 x 8192 on the H200, where the bytes take ~65; this form 85 us
- * (docs/bench/2026-11-29-h200-session9.md, call 11). */
+ * us for 4096 x 8192 on the H200, where the bytes take ~65; this form 85 us. */
 enum { GATE_VEC = 8, GATE_ROW_MIN = 64 /* rows from which the row form runs (rows of 1024+) */ };
 
 static __global__ void __launch_bounds__(EW_BLOCK) kda_gate_rows_kernel(gate_params p) {
@@ -363,8 +361,7 @@ kda_recurrent_kernel(delta_params p) {
  * The state is loaded with plain (cache-all, ld.global.ca) loads and stored streaming
  * (st.global.cs): on the H200 at B = 32 x 64 heads that moved it 2% faster than streaming loads
  * (ld.global.cs), flushed or back to back; read-only (.nc), last-use (.lu), evict-first policy and
- * 256-byte L2 prefetch loads were no better, plain stores 6% slower
- * (docs/bench/2026-11-29-h200-session9.md, calls 4-5). */
+ * 256-byte L2 prefetch loads were no better, plain stores 6% slower. */
 enum {
     DEC_THREADS = 256,
     DEC_COLS = 64,                               /* value columns per block */

@@ -1020,7 +1020,7 @@ static __global__ void __launch_bounds__(KC_THREADS, 2) kc_intra_kernel(chunk_pa
  * two chunks ahead and v one chunk ahead are prefetched to L2 and v of the next chunk is loaded
  * to registers after P2). Bulk copies replaced per-thread 16-byte cp.async (32 a thread and
  * chunk, padded rows): the state kernel went from 0.428 to 0.343 ms at 4096 x 64 x 128 on the
- * H200 (docs/bench/2026-11-29-h200-session8.md); one bulk copy per row was slower (0.500 ms).
+ * H200; one bulk copy per row was slower (0.500 ms).
  *   P1 X = KX S0, Y = QX S0       [64, 64] each, K = 128 (S0 = bf16 hi/lo copy of S in smem)
  *   P2 R = V - X                   to smem (bf16 hi/lo)
  *   P3 delta = Tb R                [64, 64], K = 64 (Tb lower: k blocks <= the row block)
@@ -1365,8 +1365,7 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_wg_kernel(chunk
     };
     /* e^{G_L} and KL hi, lo: a piece a thread. The piece is chosen by selects, not branches: a form
      * whose choice compiled as branches (warp 0 diverging before the chunk's wgmmas) made the walk
-     * 7% slower on the H200 (0.314 against 0.293 ms, same run; docs/bench/2026-11-30-h200-session14.md
-     * call 15). */
+     * 7% slower on the H200 (0.314 against 0.293 ms, same run). */
     auto load_b = [&](const __nv_bfloat16 *rec) {
         if (tid == 0) cu_mbar_arrive_tx(barB, (KC_KLH - KC_EGL + 2 * KC_PLANE) * 2);
         const int k = tid;
@@ -1415,7 +1414,7 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_wg_kernel(chunk
         load_b(rec);
         /* the next chunk's record into L2, ahead of its copies (set A and Tb, B after P2 here; e^{G_L}
          * and KL at the next chunk's top). Two, three and four chunks ahead took 0.291, 0.301 and
-         * 0.318 ms against 0.285 (docs/bench/2026-11-30-h200-session15.md) */
+         * 0.318 ms against 0.285 on the H200 */
         if (c + 1 < p.nck) kc_prefetch_rec<2>(rec + KC_REC, blockIdx.x, ncb, tid);
         if (tid < 2 * KDA_CHUNK && t0 + 2 * KDA_CHUNK + (tid >> 1) < p.n && j0 + 32 * (tid & 1) < dk)
             kc_prefetch_l2(p.v + ((size_t)(t0 + 2 * KDA_CHUNK + (tid >> 1)) * p.nh + h) * dk + j0 + 32 * (tid & 1));

@@ -16,13 +16,13 @@
  *   - Fewer rows (decode): two GEMV kernels over the selected experts only,
  *     no host synchronisation: per (row, slot) h = swiglu(gate x, up x), then per row
  *     out += sum_k w_k down_k h_k, slots added in order. 16-byte weight loads, 8-16 of them in
- *     flight per lane; both launched for PDL (cuda_dense.cu's cu_launch_pdl), as is the router.
+ *     flight per lane; both launched for PDL (cu_launch_pdl, cuda_launch.h), as is the router.
  *   - Many rows (prefill) on an sm_90 device with bf16 experts on the tensor cores (the two-part
  *     split by default, or single rounding; cu_moe_wg_ok, mt_cuda_params.moe_wg false turns it off): the
  *     wgmma kernels of cuda_moe_wg.cu
  *     (moe_experts_wg): the pairs sorted and the tiles planned on the device, x split, gate/up
  *     with swiglu in one persistent launch, down in another, the combine. Indices from the
- *     router are never read back. H200, bench-4L's 4096-token prefill, session 11: MoE GEMMs
+ *     router are never read back. H200, bench-4L's 4096-token prefill: MoE GEMMs
  *     21.8 -> 19.6 ms, the host sort and staging (0.8 ms) -> a 0.3 ms device plan.
  *   - Many rows (prefill) otherwise: idx is read back, the (row, slot) pairs are sorted by expert, then
  *     bf16/fp16 experts: the sorted x rows are gathered and split into tc_terms 16-bit parts
@@ -915,8 +915,8 @@ static bool moe_side_get(cu_backend *cb) {
  * expert or fewer, while the largest class is bigger: the small classes stream their experts'
  * weights (bandwidth-bound) beside the large ones' arithmetic. When every class is that small (a
  * 512-token prefill), every other class instead: two streams of weight reads fill each other's
- * last waves. Measured on the H200 (docs/bench/2026-11-30-h200-session10.md, calls 5-7; the
- * gate/up and down GEMMs of bench-4L's three MoE layers): 4096 tokens 22.26 -> 21.24 ms, 512
+ * last waves. Measured on the H200 (the gate/up and down GEMMs of bench-4L's three MoE layers):
+ * 4096 tokens 22.26 -> 21.24 ms, 512
  * tokens 10.42 -> 10.05 ms. */
 enum { SIDE_PE = 128 };
 static bool moe_on_side(int pe, int max_pe, int cls) { return max_pe > SIDE_PE ? pe <= SIDE_PE : (cls & 1) != 0; }

@@ -399,7 +399,7 @@ template <int V> __device__ __forceinline__ void cu_xload_ro(const float *x, flo
     }
 }
 
-/* The KDA decay gate of one element (MODEL.md "KDA mixer"): f the projection, bias its dt_bias,
+/* The KDA decay gate of one element (docs/MODEL.md "KDA mixer"): f the projection, bias its dt_bias,
  * a_log its head's A_log. kda_gate_kernel (cuda_kda.cu) and the short-row GEMV's epilogue
  * (cu_kda_gates, cuda_dense.cu) both take it from here. */
 static __device__ __forceinline__ float cu_kda_gate_value(float f, float bias, float a_log, bool has_lower_bound,
@@ -410,7 +410,7 @@ static __device__ __forceinline__ float cu_kda_gate_value(float f, float bias, f
 
 static inline __host__ __device__ bool cu_aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
-/* Pool key `pool`, channel d (MODEL.md, the DSA indexer): the softmax over the pool's kpool members
+/* Pool key `pool`, channel d (docs/MODEL.md, the DSA indexer): the softmax over the pool's kpool members
  * of gs + ape, weighting their ki, in cpu_dsa.c's order, written through bt. The members are
  * consecutive rows of one page (page is a multiple of kpool). dsa_pool_keys_kernel (cuda_dsa.cu)
  * and pool_keys_rows_kernel (cuda_rows.cu) both run it. */

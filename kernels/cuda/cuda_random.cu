@@ -1,6 +1,6 @@
 /* kernels/cuda/cuda_random.cu: random weights made on the device (backend slot weight_random),
  * bit-identical to the CPU backend's (common/mt_rand.h), so the bench-4L benchmark's ~48 GB of
- * weights need no file and no host copy. Three tiers (STYLE.md 7). */
+ * weights need no file and no host copy. Three tiers: kernel, launcher, the op. */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 

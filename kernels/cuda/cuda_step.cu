@@ -1,7 +1,7 @@
 /* kernels/cuda/cuda_step.cu: what the graph form of decode needs from the CUDA backend: stream
  * capture into CUDA graphs, and the ops that read a run-time position or token id from device
  * memory instead of a kernel argument (a captured graph replays its kernel arguments as they
- * were at capture). Three tiers per op (STYLE.md 7). */
+ * were at capture). Three tiers per op: static kernels, a launcher, the op. */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
