@@ -100,9 +100,9 @@ typedef struct cu_backend {
 static inline cudaStream_t cu_stream(mt_backend *be) { return ((cu_backend *)be)->stream; }
 /* Multiprocessors for grid sizing (132, an H100/H200's, if the device did not say). */
 static inline int cu_sms(const cu_backend *cb) { return cb->n_sm > 0 ? cb->n_sm : 132; }
-/* Device scratch of at least `bytes` in slot `slot` (CU_SCRATCH_*), valid until the op returns.
- * Growing synchronises the stream first (pending kernels may still read the old buffer). NULL on
- * OOM (logged, recorded in sticky). */
+/* cuda_core.cu: device scratch of at least `bytes` in slot `slot` (CU_SCRATCH_*), valid until the
+ * op returns. Growing synchronises the stream first (pending kernels may still read the old
+ * buffer). NULL on OOM (logged, recorded in sticky). */
 void *cu_scratch(mt_backend *be, int slot, size_t bytes);
 /* b rounded up to a multiple of a: the offsets of the pieces an op carves from its scratch. */
 static inline size_t cu_align_up(size_t b, size_t a) { return (b + a - 1) / a * a; }
@@ -148,7 +148,7 @@ mt_status cu_split16(void *out /* [terms * M, K] dt */, const float *x /* [*, K]
                      int terms, bool interleave, cudaStream_t s);
 mt_status cu_gemm_tc(cu_backend *cb, float *y /* [M, N] */, const void *x16 /* [M, K] dt */,
                      const void *w /* [N, K] dt */, mt_dtype dt, int M, int N, int K, float beta);
-/* cuda_backend.cu: a cuBLAS handle on `stream` with its own CU_BLAS_WS_BYTES workspace (*ws),
+/* cuda_core.cu: a cuBLAS handle on `stream` with its own CU_BLAS_WS_BYTES workspace (*ws),
  * host pointer mode (cb->blas; cuda_moe.cu's side stream). On failure (logged) whatever was made
  * is left in *blas, *ws for the caller to free. */
 mt_status cu_blas_make(struct cublasContext **blas, void **ws, cudaStream_t stream);
