@@ -17,6 +17,8 @@
 
 static cu_backend *cb_of(mt_backend *be) { return (cu_backend *)be; }
 
+extern "C" struct CUstream_st *mt_cuda_backend_stream(mt_backend *be) { return cb_of(be)->stream; }
+
 void cu_fail(mt_backend *be, mt_status st) {
     cu_backend *cb = cb_of(be);
     if (st != MT_OK && cb->sticky == MT_OK) cb->sticky = st;
