@@ -17,6 +17,8 @@
 
 static cu_backend *cb_of(mt_backend *be) { return (cu_backend *)be; }
 
+extern "C" struct CUstream_st *mt_cuda_backend_stream(mt_backend *be) { return cb_of(be)->stream; }
+
 static uint64_t cu_graph_epoch(mt_backend *be) { return cb_of(be)->scratch_epoch; }
 
 /* Forgets the last router output when [p, p + bytes) may have overwritten it (bytes 0: always). */

@@ -83,6 +83,11 @@ mt_cuda_params mt_cuda_default_params(void);
  * mt_backend_free; one thread at a time may use it. */
 mt_backend *mt_cuda_backend_new(int device, const mt_cuda_params *params, mt_error *err);
 
+/* The backend's stream (a cudaStream_t, declared here without the CUDA headers), for code that
+ * queues its own work in the backend's order (communicators, benchmarks). Owned by the backend;
+ * valid until it is destroyed. */
+struct CUstream_st *mt_cuda_backend_stream(mt_backend *be);
+
 /* Per-op wall time, for finding prefill costs without a profiler. on: starts (or restarts) the
  * count; every op then synchronises the stream when it ends and is charged the time since the
  * previous op ended (so host work between ops lands on the next op). off: prints the table, most

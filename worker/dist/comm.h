@@ -1,5 +1,5 @@
 /* worker/dist/comm.h: the communicator of a tensor-parallel worker group, a table of collective
- * operations over the N ranks of one host (ranks 0..N-1, one process each).
+ * operations (STYLE.md 3) over the N ranks of one host (ranks 0..N-1, one process each).
  *
  * Two implementations, each with its own constructor header:
  *   worker/dist/comm_host.h  CPU worker processes, over shared memory; host buffers.
