@@ -20,6 +20,7 @@ typedef struct mt_arch {
 
 static const mt_arch kArchs[] = {
     { "glm5_next", glm_model_open, glm_model_open_random },
+    { "glm5_next_text", glm_model_open, glm_model_open_random }, /* its text model's config alone */
 };
 
 /* config.json's model_type into out[cap]. */

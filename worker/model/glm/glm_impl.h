@@ -245,7 +245,7 @@ extern const mt_model_ops glm_model_iface;
 /* lcfg and the vocab slice from cfg and the communicator; MT_ERR_INVALID names the dimension that
  * the group's size does not divide. */
 mt_status glm_shard_plan(glm_model *m, mt_error *err);
-/* All-reduce of buf[count] (backend memory) over the group; a no-op on one rank. */
+/* All-reduce of buf[count] (backend memory) over the group; nothing without a communicator. */
 mt_status glm_all_reduce(mt_comm *comm, float *buf, size_t count);
 /* The rank-local id of a token in the vocab-parallel embedding: its row in this rank's slice, or
  * v_n (a zero row) when another rank holds it. The token itself on one rank. */

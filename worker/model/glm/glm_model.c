@@ -48,7 +48,7 @@ static mt_status model_init(glm_model *m, uint64_t random_seed, bool random, mt_
     if (!m->layers) return mt_errorf(err, MT_ERR_NOMEM, "out of memory");
     for (int i = 0; i < c->num_hidden_layers; i++) {
         glm_layer_init(&m->layers[i], &m->lcfg, be, i);
-        m->layers[i].comm = m->tp_size > 1 ? m->comm : NULL;
+        m->layers[i].comm = m->comm;
     }
     s = random ? glm_weights_random(m, random_seed, err) : glm_weights_bind(m, err);
     if (s != MT_OK) return s;
@@ -393,6 +393,12 @@ int glm_model_n_layers(const glm_model *m) { return m->cfg.num_hidden_layers; }
 const mt_layer *glm_model_layer(const glm_model *m, int i) { return &m->layers[i].base; }
 mt_layer_state *glm_seq_state(glm_seq *s, int i) { return s->states[i]; }
 
+/* The embedding's rows summed over the ranks of a vocab-parallel embedding (each rank looked up
+ * its own rows and zeros for the others'); nothing on one rank. */
+static mt_status embed_reduce(glm_model *m, float *buf, size_t count) {
+    return m->tp_size > 1 ? glm_all_reduce(m->comm, buf, count) : MT_OK;
+}
+
 /* X[i, s] = embedding of host token i for every stream s: one lookup into z, then S row copies
  * per token (the decode paths, where n is small). */
 static mt_status highway_from_tokens(glm_model *m, const int32_t *tokens, int n) {
@@ -405,7 +411,7 @@ static mt_status highway_from_tokens(glm_model *m, const int32_t *tokens, int n)
     }
     be->ops->embed(be, m->z, &m->embed, local ? local : tokens, n);
     free(local);
-    mt_status st = glm_all_reduce(m->comm, m->z, (size_t)n * H); /* vocab-parallel rows */
+    mt_status st = embed_reduce(m, m->z, (size_t)n * H);
     for (int i = 0; i < n && st == MT_OK; i++)
         for (int j = 0; j < S; j++)
             be->ops->copy(be, m->X + ((size_t)i * S + j) * H, m->z + (size_t)i * H, sizeof(float) * H);
@@ -450,7 +456,7 @@ static mt_status forward(glm_model *m, glm_seq *s, const int32_t *tokens, int n,
             for (int j = 0; j < S; j++) rep[(size_t)i * S + j] = glm_token_local(m, tokens[i]);
         be->ops->embed(be, m->X, &m->embed, rep, n * S);
         free(rep);
-        est = glm_all_reduce(m->comm, m->X, (size_t)n * S * H); /* vocab-parallel rows */
+        est = embed_reduce(m, m->X, (size_t)n * S * H);
     } else {
         est = highway_from_tokens(m, tokens, n);
     }
@@ -527,11 +533,11 @@ static mt_status seq_step_body(void *ctx) {
     mt_status est;
     if (c->k == 1) {
         be->ops->embed_dev(be, m->z, &m->embed, m->d_step, 1);
-        est = glm_all_reduce(m->comm, m->z, (size_t)H); /* vocab-parallel rows */
+        est = embed_reduce(m, m->z, (size_t)H);
         for (int j = 0; j < S; j++) be->ops->copy(be, m->X + (size_t)j * H, m->z, sizeof(float) * H);
     } else {
         be->ops->embed_dev(be, m->X, &m->embed, m->d_step, c->k * S);
-        est = glm_all_reduce(m->comm, m->X, (size_t)c->k * S * H);
+        est = embed_reduce(m, m->X, (size_t)c->k * S * H);
     }
     if (est != MT_OK) return est;
     for (int l = 0; l < L; l++) {
@@ -655,7 +661,7 @@ static mt_status rows_body(glm_model *m, glm_seq **seqs, int n, int B, mt_layer_
     if (m->census) memset(m->census, 0, (size_t)L * c->n_routed_experts);
     m->scr.sel_n = 0;
     be->ops->embed_dev(be, m->X, &m->embed, m->d_rrow + B, B * c->hc_mult);
-    mt_status est = glm_all_reduce(m->comm, m->X, (size_t)B * c->hc_mult * c->hidden_size); /* vocab-parallel rows */
+    mt_status est = embed_reduce(m, m->X, (size_t)B * c->hc_mult * c->hidden_size);
     if (est != MT_OK) return est;
     for (int l = 0; l < L; l++) {
         for (int i = 0; i < B; i++) sts[i] = (i < n ? seqs[i] : m->pad_seq)->states[l];

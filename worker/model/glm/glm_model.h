@@ -115,6 +115,10 @@ mt_status glm_decode_multi(glm_model *m, glm_seq **seqs, const int32_t *tokens, 
 #define GLM_VERIFY_MAX 8
 mt_status glm_decode_verify(glm_model *m, glm_seq *s, const int32_t *tokens, int k, float *logits, mt_error *err);
 
+/* What loading read from the checkpoint, for tensor parallelism's accounting: bytes of the split
+ * tensors this rank read and their whole size, and bytes of the replicated ones. */
+void glm_model_load_bytes(const glm_model *m, size_t *split_read, size_t *split_total, size_t *replicated);
+
 /* The model interface of m (its first member); the model interface's destroy frees m. */
 mt_model *glm_model_as_model(glm_model *m);
 /* mt_model_load's entries for glm5_next (worker/model/model.c). */

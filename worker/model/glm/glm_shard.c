@@ -46,7 +46,7 @@ mt_status glm_shard_plan(glm_model *m, mt_error *err) {
 }
 
 mt_status glm_all_reduce(mt_comm *comm, float *buf, size_t count) {
-    if (!comm || comm->size == 1) return MT_OK;
+    if (!comm) return MT_OK; /* a one-rank communicator still runs: its path is the group's */
     return comm->ops->all_reduce_sum(comm, buf, count);
 }
 
@@ -63,4 +63,10 @@ mt_status glm_gather_logits(glm_model *m, int rows) {
             be->ops->copy(be, m->logits + (size_t)i * V + (size_t)r * m->v_n, m->logits_gather + (size_t)r * part + (size_t)i * m->v_n,
                           sizeof(float) * (size_t)m->v_n);
     return MT_OK;
+}
+
+void glm_model_load_bytes(const glm_model *m, size_t *split_read, size_t *split_total, size_t *replicated) {
+    *split_read = m->bytes_sharded_read;
+    *split_total = m->bytes_sharded_total;
+    *replicated = m->bytes_replicated;
 }
