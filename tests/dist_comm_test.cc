@@ -6,6 +6,7 @@
 
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -22,10 +23,18 @@
 
 namespace {
 
-// A fresh group name per call: the test's pid, a tag and a counter.
+// A fresh group name per call: random bits drawn once per process (pids repeat across the PID
+// namespaces of sandboxed test runs, which share /dev/shm), a tag and a counter.
 std::string FreshName(const char *tag) {
+    static const uint64_t nonce = [] {
+        uint64_t v = 0;
+        if (getrandom(&v, sizeof v, 0) != (ssize_t)sizeof v) v = (uint64_t)getpid() ^ (uint64_t)(mt_now() * 1e9);
+        return v;
+    }();
     static int n = 0;
-    return "mt-test-" + std::to_string(getpid()) + "-" + tag + "-" + std::to_string(n++);
+    char hex[17];
+    snprintf(hex, sizeof hex, "%016llx", (unsigned long long)nonce);
+    return std::string("mt-test-") + hex + "-" + tag + "-" + std::to_string(n++);
 }
 
 bool ShmExists(const std::string &name) {

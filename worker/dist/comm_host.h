@@ -8,8 +8,9 @@
  * returns once every rank has joined. Rank 0 then unlinks the file: it exists only while the
  * group forms, so a group that dies later leaves nothing behind. A file left by a group that died
  * while forming is ignored by joiners (its creator is gone) and replaced by the next rank 0 of
- * that name, which also removes temporary files of dead creators. Names should still be unique
- * per group (the launcher's pid in it, say): two live groups of one name would meet.
+ * that name, which also removes temporary files of dead creators. Names must still be unique per
+ * group, across containers that share /dev/shm too (a random number in it, not only a pid): two
+ * live groups of one name would meet.
  *
  * Waiting blocks the process (a futex on a shared word), so more ranks than cores work. A wait
  * wakes every poll_s to check its peers: a peer that exited or was killed (zombie or reaped), or
