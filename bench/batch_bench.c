@@ -11,6 +11,10 @@
  *
  *   batch_bench [--batches 1,8,32,64,128] [--prompt 256] [--steps 16] [--json FILE] [--op-profile 1]
  *               [--graph-max-rows N]  (bucket graphs up to N rows; the model's default is 64)
+ *               [--moe-grouped-max N] (the grouped MoE decode kernels up to N rows, beyond which
+ *                                      the MoE reads the routing back and a step is no graph;
+ *                                      mt_cuda_params.moe_grouped_max_rows, default 64)
+ *               [--numerics exact|bf16|fp32] (the CUDA backend's; default exact)
  * (--op-profile 1: per-op times of one more eager step of each batch, every op synchronised.)
  */
 #include <cuda_runtime_api.h>
@@ -65,6 +69,7 @@ static double step_bytes(const glm_config *c, const bench_weights *w, int B, dou
 int main(int argc, char **argv) {
     int batches[MAX_BATCHES] = { 1, 8, 32, 64, 128 }, nb = 5, prompt = 256, steps = 16, op_profile = 0, graph_max = 0;
     const char *json = NULL;
+    mt_cuda_params cp = mt_cuda_default_params();
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--batches")) nb = parse_list(argv[i + 1], batches, MAX_BATCHES);
         else if (!strcmp(argv[i], "--prompt")) prompt = atoi(argv[i + 1]);
@@ -72,10 +77,17 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--json")) json = argv[i + 1];
         else if (!strcmp(argv[i], "--op-profile")) op_profile = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--graph-max-rows")) graph_max = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--moe-grouped-max")) cp.moe_grouped_max_rows = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--numerics")) {
+            if (!mt_numerics_parse(argv[i + 1], &cp.numerics)) {
+                fprintf(stderr, "batch_bench: --numerics must be exact, bf16 or fp32, got %s\n", argv[i + 1]);
+                return 2;
+            }
+        }
         else { fprintf(stderr, "batch_bench: unknown option %s\n", argv[i]); return 2; }
     }
     mt_error err = { "" };
-    mt_backend *be = mt_cuda_backend_new(0, &err);
+    mt_backend *be = mt_cuda_backend_new(0, &cp, &err);
     if (!be) { fprintf(stderr, "batch_bench: %s\n", err.msg); return 1; }
     const double bw = bench_copy_bandwidth_gbs();
     glm_config c;

@@ -16,8 +16,9 @@
  * Prints one table and writes it as JSON (--json FILE).
  *
  *   decode_bench [--steps N] [--context N] [--json FILE] [--bf16-peak-tflops 790] [--op-profile 1]
- *                [--profile N]
- * (--op-profile 1: per-op times of one more prefill of each length, after the table's runs.
+ *                [--profile N] [--numerics exact|bf16|fp32]
+ * (--numerics: the CUDA backend's mt_numerics (default exact).
+ *  --op-profile 1: per-op times of one more prefill of each length, after the table's runs.
  *  --profile N: only N engine-path decode steps between cudaProfilerStart/Stop, for
  *  `ncu --profile-from-start off ...`; lab/ncu_summary.py sums the kernels.)
  */
@@ -129,6 +130,7 @@ int main(int argc, char **argv) {
      * datasheet's 989 (dense, at the top boost clock); against that one the fractions are 0.8x. */
     double peak_tflops = 790;
     const char *json = NULL;
+    mt_cuda_params cp = mt_cuda_default_params();
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--steps")) steps = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--context")) context = atoi(argv[i + 1]);
@@ -136,10 +138,16 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--bf16-peak-tflops")) peak_tflops = atof(argv[i + 1]);
         else if (!strcmp(argv[i], "--profile")) profile = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--op-profile")) op_profile = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--numerics")) {
+            if (!mt_numerics_parse(argv[i + 1], &cp.numerics)) {
+                fprintf(stderr, "decode_bench: --numerics must be exact, bf16 or fp32, got %s\n", argv[i + 1]);
+                return 2;
+            }
+        }
         else { fprintf(stderr, "decode_bench: unknown option %s\n", argv[i]); return 2; }
     }
     mt_error err = { "" };
-    mt_backend *be = mt_cuda_backend_new(0, &err);
+    mt_backend *be = mt_cuda_backend_new(0, &cp, &err);
     if (!be) { fprintf(stderr, "decode_bench: %s\n", err.msg); return 1; }
     const double bw = bench_copy_bandwidth_gbs();
     glm_config c;

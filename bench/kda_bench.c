@@ -3,7 +3,8 @@
  * kernels (bench/kda_bench.sh runs both and prints one table):
  *   - device copy bandwidth (cudaMemcpy D2D, bytes read + written / time), the decode reference;
  *   - prefill: kda_chunked, 64 heads of 128, 4096 tokens, one sequence (for information: its two
- *     tensor-core kernels apart, its single-rounding (MT_CUDA_TC_TERMS=1) and fp32 (=0) forms, and
+ *     tensor-core kernels apart, its single-rounding (MT_NUMERICS_BF16) and fp32 (MT_NUMERICS_FP32)
+ *     forms, each on a backend made with those params (the buffers are the first backend's), and
  *     kda_recurrent on the same inputs);
  *   - decode of B sequences, one token each (B = 32, 256): kda_recurrent with n = 1 and
  *     nh = B * 64 heads (heads are independent and their states contiguous, so this is the same
@@ -22,9 +23,10 @@
  * Inputs: uniform random, q/k l2-normalised on the host (q then scaled by dk^-0.5), g = -softplus(z)
  * with z uniform in [-5, 5) so g in (-5, 0), beta uniform in (0.02, 0.98), initial state non-zero.
  *
- *   kda_bench [--json FILE] [--dump DIR] [--reps N]
+ *   kda_bench [--json FILE] [--dump DIR] [--reps N] [--numerics exact|bf16|fp32]
  * --json: one JSON object per line (rows of the table). --dump: a small case (T=300, 4 heads) with
- * its inputs and our outputs as raw fp32 files, for kda_fla_bench.py --check DIR. */
+ * its inputs and our outputs as raw fp32 files, for kda_fla_bench.py --check DIR. --numerics: the
+ * backend's for every row but the other precisions' (default exact). */
 #include <cuda_runtime_api.h>
 #include <math.h>
 #include <stdint.h>
@@ -51,6 +53,7 @@ enum { NH = 64, DK = 128, T_PREFILL = 4096, FLUSH_BYTES = 256 << 20,
        DEC_CHAIN = 20 /* decode calls back to back in a steady-state rep */ };
 
 static mt_backend *g_be;
+static mt_numerics g_numerics = MT_NUMERICS_EXACT;
 static void *g_flush;   /* L2 flush buffer */
 static int g_reps = 30;
 static FILE *g_json;
@@ -366,18 +369,48 @@ static void emit(const char *row, const char *op, int B, int T, int H, double ms
                 state_bytes, gbs, bw);
 }
 
+/* A CUDA backend on device 0 with g_numerics' params changed to numerics v and kernels k; exits on
+ * failure. */
+static mt_backend *backend_with(mt_numerics v, mt_cuda_kda_chunk_kernels k) {
+    mt_cuda_params p = mt_cuda_default_params();
+    p.numerics = v;
+    p.kda_chunk_kernels = k;
+    mt_error err = {""};
+    mt_backend *be = mt_cuda_backend_new(0, &p, &err);
+    if (!be) {
+        fprintf(stderr, "kda_bench: %s\n", err.msg);
+        exit(1);
+    }
+    return be;
+}
+
+/* time_ms of kda_chunked on a backend made with numerics v and kernels k in g_be's place, beside it
+ * on the same device (g_be's buffers serve it). */
+static double time_chunked_with(mt_numerics v, mt_cuda_kda_chunk_kernels k, const kda_dev *d) {
+    mt_backend *const be0 = g_be;
+    g_be = backend_with(v, k);
+    const double ms = time_ms(g_be->ops->kda_chunked, d, T_PREFILL, NH, g_reps);
+    mt_backend_free(g_be);
+    g_be = be0;
+    return ms;
+}
+
 int main(int argc, char **argv) {
     const char *json = NULL, *dump = NULL;
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--json")) json = argv[i + 1];
         else if (!strcmp(argv[i], "--dump")) dump = argv[i + 1];
         else if (!strcmp(argv[i], "--reps")) g_reps = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--numerics")) {
+            if (!mt_numerics_parse(argv[i + 1], &g_numerics)) {
+                fprintf(stderr, "kda_bench: --numerics must be exact, bf16 or fp32, got %s\n", argv[i + 1]);
+                return 2;
+            }
+        }
         else { fprintf(stderr, "kda_bench: unknown option %s\n", argv[i]); return 2; }
     }
     if (g_reps < 20) g_reps = 20;
-    mt_error err = {""};
-    g_be = mt_cuda_backend_new(0, &err);
-    if (!g_be) { fprintf(stderr, "kda_bench: %s\n", err.msg); return 1; }
+    g_be = backend_with(g_numerics, MT_CUDA_KDA_CHUNK_BOTH);
     if (json && !(g_json = fopen(json, "w"))) { fprintf(stderr, "kda_bench: cannot write %s\n", json); return 1; }
     struct cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
@@ -417,14 +450,14 @@ int main(int argc, char **argv) {
         report_check("prefill o: chunked vs recurrent", rel_err(o_c, o_r, cnt, &unused), bad_o, 1e-3);
         report_check("prefill state: chunked vs recurrent", rel_err(s_c, s_r, sc, &bad), bad_s, 1e-3);
 
-        /* kda_chunked's other precisions (cuda_kda_chunk.cu), switched through the backend's
-         * tc_terms (MT_CUDA_TC_TERMS at creation): 1 = single bf16 rounding on the tensor cores,
-         * 0 = the fp32 kernel. Each against the same recurrent run, then timed. */
-        cu_backend *cb = (cu_backend *)g_be;
-        const int terms0 = cb->tc_terms;
+        /* kda_chunked's other precisions (cuda_kda_chunk.cu), each on a backend made with that
+         * numerics in g_be's place: t 1 = MT_NUMERICS_BF16 (single bf16 rounding on the tensor
+         * cores), 0 = MT_NUMERICS_FP32 (the fp32 kernel). Each against the same recurrent run,
+         * then timed. */
+        mt_backend *const be0 = g_be;
         double ms_mode[2] = {0, 0};
         for (int t = 1; t >= 0; t--) {
-            cb->tc_terms = t;
+            g_be = backend_with(t ? MT_NUMERICS_BF16 : MT_NUMERICS_FP32, MT_CUDA_KDA_CHUNK_BOTH);
             g_be->ops->upload(g_be, d.state, h.state, sc * 4);
             poison(d.o, cnt);
             run(g_be->ops->kda_chunked, &d, T_PREFILL, NH);
@@ -438,22 +471,21 @@ int main(int argc, char **argv) {
             snprintf(name, sizeof name, "prefill state: chunked %s vs recurrent", t ? "1-term" : "fp32");
             report_check(name, rel_err(s_c, s_r, sc, &bad), count_bad(s_c, sc), tol);
             ms_mode[t] = time_ms(g_be->ops->kda_chunked, &d, T_PREFILL, NH, g_reps);
+            mt_backend_free(g_be);
+            g_be = be0;
         }
-        cb->tc_terms = terms0;
         free(o_c); free(o_r); free(s_c); free(s_r);
 
         const double ms_c = time_ms(g_be->ops->kda_chunked, &d, T_PREFILL, NH, g_reps);
         emit("prefill_chunked", "kda_chunked", 1, T_PREFILL, NH, ms_c, 0, bw);
-        printf("  %-22s %.1f us per 64-token chunk (MT_CUDA_TC_TERMS=%d)\n", "", ms_c * 1e3 / (T_PREFILL / 64), terms0);
-        /* the tensor-core form's two kernels apart (MT_CUDA_KDA_CHUNK_ONLY: outputs invalid) */
-        if (terms0 > 0) {
-            setenv("MT_CUDA_KDA_CHUNK_ONLY", "intra", 1);
+        printf("  %-22s %.1f us per 64-token chunk (numerics %s)\n", "", ms_c * 1e3 / (T_PREFILL / 64),
+               mt_numerics_name(g_numerics));
+        /* the tensor-core form's two kernels apart (mt_cuda_params.kda_chunk_kernels: outputs wrong) */
+        if (g_numerics != MT_NUMERICS_FP32) {
             emit("prefill_chunked_intra", "kda_chunked intra", 1, T_PREFILL, NH,
-                 time_ms(g_be->ops->kda_chunked, &d, T_PREFILL, NH, g_reps), 0, bw);
-            setenv("MT_CUDA_KDA_CHUNK_ONLY", "state", 1);
+                 time_chunked_with(g_numerics, MT_CUDA_KDA_CHUNK_INTRA, &d), 0, bw);
             emit("prefill_chunked_state", "kda_chunked state", 1, T_PREFILL, NH,
-                 time_ms(g_be->ops->kda_chunked, &d, T_PREFILL, NH, g_reps), 0, bw);
-            unsetenv("MT_CUDA_KDA_CHUNK_ONLY");
+                 time_chunked_with(g_numerics, MT_CUDA_KDA_CHUNK_STATE, &d), 0, bw);
         }
         emit("prefill_chunked_1term", "kda_chunked 1-term", 1, T_PREFILL, NH, ms_mode[1], 0, bw);
         emit("prefill_chunked_fp32", "kda_chunked fp32", 1, T_PREFILL, NH, ms_mode[0], 0, bw);

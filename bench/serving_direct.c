@@ -86,7 +86,7 @@ int main(int argc, char **argv) {
         return 2;
     }
     mt_error err = { "" };
-    mt_backend *be = !strcmp(backend, "cuda") ? mt_cuda_backend_new(0, &err) : mt_cpu_backend_new(threads);
+    mt_backend *be = !strcmp(backend, "cuda") ? mt_cuda_backend_new(0, NULL, &err) : mt_cpu_backend_new(threads);
     mt_model *m = NULL;
     eng_engine *e = NULL;
     int32_t *prompt = malloc(sizeof(int32_t) * (size_t)plen);

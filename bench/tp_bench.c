@@ -209,7 +209,7 @@ static int rank_main(int rank, const opts *o, const char *group) {
     }
 
     rank_ctx r = {.host = host};
-    if (!(r.be = mt_cuda_backend_new(rank, &err))) {
+    if (!(r.be = mt_cuda_backend_new(rank, NULL, &err))) {
         fprintf(stderr, "tp_bench rank %d: %s\n", rank, err.msg);
         return 1;
     }

@@ -1,4 +1,4 @@
-/* kernels/backend.h: the backend interface, a table of operations (STYLE.md 3) that the model
+/* kernels/backend.h: the backend interface, a table of operations (one slot per op) that the model
  * runtime calls for every piece of arithmetic. One implementation per device: kernels/cpu/ (the
  * reference, fp32 math on bf16/fp16/fp32 weights) and kernels/cuda/ (later).
  *
@@ -57,7 +57,7 @@ typedef struct mt_expert {
     mt_weight gate, up, down;
 } mt_expert;
 
-/* MoE router parameters (MODEL.md "MLP and MoE"). */
+/* MoE router parameters (docs/MODEL.md "MLP and MoE"). */
 typedef struct mt_router_params {
     int n_experts;        /* E */
     int n_group;          /* E % n_group == 0, >= 2 experts per group */
@@ -106,7 +106,7 @@ typedef struct mt_dsa_select_params {
     int t_cap;
 } mt_dsa_select_params;
 
-/* A paged cache (issue 5): a pool of pages shared by many sequences, each page holding `page`
+/* A paged cache: a pool of pages shared by many sequences, each page holding `page`
  * consecutive positions of whichever sequence maps one of its blocks to it. A sequence's block
  * table bt (int32, backend memory) maps its block b, positions [b*page, (b+1)*page), to page bt[b];
  * position t of the sequence is then row t % page of page bt[t / page]:
@@ -385,18 +385,6 @@ struct mt_backend {
 
 /* The CPU backend (kernels/cpu/). n_threads <= 0 means all online cores. NULL on OOM. */
 mt_backend *mt_cpu_backend_new(int n_threads);
-/* Research hook of the CPU backend (tools/dev/precision_probe): the activations of matmuls whose
- * weight class is in mask (bit 1 << mt_wcls) are rounded to bf16 first, emulating single-rounding
- * tensor-core GEMMs; 0 (the default) computes exactly. Process-wide. */
-void mt_cpu_set_round_x(uint32_t mask);
-/* The precision of that rounding: significant bits kept, 8 (bf16, the default) .. 24 (none); 11
- * is fp16's (its exponent range not modelled). Process-wide. */
-void mt_cpu_set_round_bits(int bits);
-/* Instead of that rounding: x as a bf16 high part times the weights plus its remainder as fp8 e4m3
- * times the weights as e4m3: a two-part GEMM whose low part runs on fp8 tensor cores. mode 0 off,
- * 1 one scale per row (of the weight and of x's remainder), 2 one scale per matrix (the weight's,
- * and the call's remainder: the scalar scales every fp8 GEMM takes). Process-wide. */
-void mt_cpu_set_round_fp8lo(int mode);
 
 /* Destroys any backend; NULL is fine. */
 static inline void mt_backend_free(mt_backend *be) {

@@ -1,6 +1,6 @@
 /* lab/gemm_algo_probe.cu: do other cuBLASLt algorithms run the prefill's two-part GEMMs
  * faster than cublasGemmEx's default choice, on a GPU that a prefill holds at its power cap
- * (docs/bench/2026-11-30-h200-session18.md)? For each bench-4L projection shape at M rows
+ * (docs/PERF.md, "Power")? For each bench-4L projection shape at M rows
  * (W bf16 [N, K], x split into bf16 hi and lo [M, K], y fp32 [M, N]), the backend's form
  * (cu_gemm_tc: y = W.hi, then y += W.lo, cublasGemmEx with CUBLAS_GEMM_DEFAULT) beside the same
  * pair of products through cublasLtMatmul with each of the top heuristic algorithms. Each form

@@ -1,17 +1,17 @@
 /* lab/kda_dec_probe.cu: shapes of the KDA decode step (kernels/cuda/cuda_kda.cu,
  * kda_decode_kernel) side by side, for finding what holds B = 32 below the copy rate after
- * do_bench's memset flush (docs/bench/2026-11-30-h200-session13.md). Standalone (no backend): nh = B * 64 heads of 128 x 128 fp32 state,
+ * do_bench's memset flush (docs/PERF.md). Standalone (no backend): nh = B * 64 heads of 128 x 128 fp32 state,
  * one step; each variant is timed as bench/kda_bench.c times the op (a 256 MB memset, then
  * events around one call; median), and so is a cudaMemcpy of the same bytes. A development
  * tool, not a benchmark of record: its figures are compared with each other in one run.
- *   bazel build //tools/dev:kda_dec_probe; kda_dec_probe [B...]   (default B = 32 256)
+ *   nvcc -arch=sm_90a -I. lab/kda_dec_probe.cu -o kda_dec_probe; kda_dec_probe [B...]   (default B = 32 256)
  * The kernels here have the production arithmetic but not its rows form or programmatic launch,
  * and the compiler spills some of them and not others (ptxas -v): when a shape wins here, build
- * it into the real kernel and A/B that with bench/kda_bench (session 13: the 128-thread shape
- * that read 1.4-1.8 points faster here gained nothing there; session 16: staging the slice in
+ * it into the real kernel and A/B that with bench/kda_bench (the 128-thread shape
+ * that read 1.4-1.8 points faster here gained nothing there; staging the slice in
  * shared memory by cp.async, dec_smem_kernel, read 1-9 points slower than the register forms;
- * session 18: L2 prefetch of a later block's slice, dec_ahead_kernel, and dropping the slice's L2
- * lines before the in-place stores, dec_disc_kernel, both slower; session 19: persistent CTAs
+ * L2 prefetch of a later block's slice, dec_ahead_kernel, and dropping the slice's L2
+ * lines before the in-place stores, dec_disc_kernel, both slower; persistent CTAs
  * loading the next item into registers while computing one, dec_persist_kernel, 74-82% at B = 32
  * flushed against the production shape's 87.7%). */
 #include <cooperative_groups.h>
@@ -155,7 +155,7 @@ __device__ __forceinline__ void dec_item(const prm &p, int bid) {
         for (int e = tid; e < DK * (COLS / 32); e += T)
             asm volatile("prefetch.global.L2 [%0];" ::"l"((const char *)(S - c4) + 128 * e));
     if (PF == 1 && !BL) dec_prefetch_slice<T, COLS, false>(p, h, j0, tid);
-    /* PF 4 / 5 (session 18): the slice of item bid + AH into L2 (5: with the evict_last
+    /* PF 4 / 5: the slice of item bid + AH into L2 (5: with the evict_last
      * priority), and a block of the first AH its own, so that the block which takes this one's
      * place about AH items later finds its slice in L2: DRAM reads run ahead of the registers */
     if (PF >= 4) {
@@ -181,7 +181,7 @@ __device__ __forceinline__ void dec_item(const prm &p, int bid) {
     dec_accumulate<R, PASS>(s, qs, ks, es, rbase, u, wq, qk);
     dec_reduce<W, G>(u, wq, qk, red_u, red_w, red_qk, lane, w, c4, sub);
     const float4 d = make_float4(b * (v4.x - u.x), b * (v4.y - u.y), b * (v4.z - u.z), b * (v4.w - u.w));
-    /* DISC (session 18): the slice's L2 lines dropped (no write-back) once read into registers,
+    /* DISC: the slice's L2 lines dropped (no write-back) once read into registers,
      * so the in-place stores allocate fresh lines, as the out-of-place stores do; a lane at
      * the start of each 128-byte line drops it, the warp's stores follow the __syncwarp */
     if (DISC && !BL && COLS % 32 == 0) {
@@ -206,7 +206,7 @@ __device__ __forceinline__ void dec_item(const prm &p, int bid) {
 
 /* OOP: the new state written to another buffer (p.state_out) instead of in place, as
  * flash-linear-attention's fused_recurrent writes its final state: does reading and writing
- * the same lines cost the in-place kernel against a copy? (session 17) */
+ * the same lines cost the in-place kernel against a copy? */
 template <int T, int COLS, int MINB>
 __global__ void __launch_bounds__(T, MINB) dec_oop_kernel(prm p) {
     dec_item<T, COLS, 1, false, false, false, true>(p, blockIdx.x);
@@ -246,7 +246,7 @@ __global__ void __launch_bounds__(256, 3) dec_tail_kernel(prm p) {
 }
 
 
-/* Persistent and software-pipelined (session 19): grid = MINB CTAs a multiprocessor, each walking
+/* Persistent and software-pipelined: grid = MINB CTAs a multiprocessor, each walking
  * items blockIdx.x, + gridDim.x, ...; the next item's slice (and its q, k, g, v, beta) is loaded
  * into a second register set before this item's reductions and stores, so a CTA keeps a slice in
  * flight while it computes, and no block launches or drains between items. q, k, e are staged
@@ -398,7 +398,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(128, 5) dec_pair_ker
     cl.sync(); /* the partner may still read our partial sums */
 }
 
-/* Staged through shared memory (session 16): the block's state slice (DK rows x COLS columns)
+/* Staged through shared memory: the block's state slice (DK rows x COLS columns)
  * lands in dynamic shared memory by per-thread 16-byte cp.async (L1 bypassed), so the bytes in
  * flight are bounded by shared memory (6 blocks of 32 KB a multiprocessor) rather than by
  * registers (3 blocks of 32 KB in kda_decode_kernel). Both passes read the slice from shared

@@ -1,6 +1,6 @@
 /* lab/probe_check.h: CK(call), the development probes' check of a CUDA runtime call: on an
  * error, prints file:line, the call and the error, and exits (the probes have nothing to unwind).
- * Owner: tools/dev (fp8_probe.cu, kda_dec_probe.cu, tma_stream_probe.cu). */
+ * Owner: lab (fp8_probe.cu, kda_dec_probe.cu, tma_stream_probe.cu). */
 #ifndef MT_TOOLS_DEV_PROBE_CHECK_H
 #define MT_TOOLS_DEV_PROBE_CHECK_H
 

@@ -1,7 +1,7 @@
 /* lab/tma_stream_probe.cu: how fast TMA can stream the wgmma MoE kernel's weight boxes
- * (kernels/cuda/cuda_moe_wg.cu) from DRAM, with the products taken out. Session 17 took the
+ * (kernels/cuda/cuda_moe_wg.cu) from DRAM, with the products taken out. Taken apart, the
  * gate/up launch apart: its weight stream alone, with the MMAs, is as slow as the whole launch, and
- * DRAM ran at 60% of the copy rate there (docs/bench/2026-11-30-h200-session17.md). The question
+ * DRAM ran at 60% of the copy rate there (docs/PERF.md). The question
  * here: is it the boxes' layout (64 rows of 128 bytes, 8 KB apart, as a row-major [rows, 4096]
  * bf16 weight gives them) or the consumer's pace?
  *
@@ -13,7 +13,7 @@
  * Layouts: row-major (a 2-D map over [rows, 4096]) or tiled ([K / 64][rows][64], each box one
  * contiguous 8 KB, through a 3-D map). Timed with events, median of 5; the GB/s count every byte
  * the ring receives and, apart, the distinct bytes (what DRAM must supply at least).
- *   bazel build //tools/dev:tma_stream_probe; tma_stream_probe [experts]   (default 64) */
+ *   nvcc -arch=sm_90a -I. lab/tma_stream_probe.cu -o tma_stream_probe; tma_stream_probe [experts]   (default 64) */
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>

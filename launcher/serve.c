@@ -2,6 +2,7 @@
  *
  *   metrale-serve [--model DIR] [--listen HOST:PORT] [--workers N] [--backend auto|cpu|cuda]
  *                 [--max-sequences N] [--max-context N] [--threads N] [--queue N] [--drain-timeout S]
+ *                 [--numerics exact|bf16]
  *
  * With no --model it serves a small random checkpoint made here once (tools/mkckpt with
  * tools/configs/cpu-small.json into .cache/cpu-small, as scripts/run.sh does), so it runs on any
@@ -58,6 +59,7 @@ typedef struct serve_opts {
     int workers, max_sequences, max_context, threads;
     /* scheduler policy, passed to every worker when given (metrale-worker checks them) */
     const char *prefill_budget, *graph_max_batch, *cache_budget_mb;
+    const char *numerics;  /* GPU prefill GEMM numerics, passed to every worker when given */
     bool no_preempt;
     bool no_run_ahead;
 } serve_opts;
@@ -73,11 +75,11 @@ static void usage(FILE *f) {
             "usage: metrale-serve [--model DIR] [--listen HOST:PORT] [--workers N] [--backend auto|cpu|cuda]\n"
             "                     [--max-sequences N] [--max-context N] [--threads N] [--queue N] [--drain-timeout S]\n"
             "                     [--prefill-budget N] [--graph-max-batch N] [--cache-budget-mb N] [--no-preempt]\n"
-            "                     [--no-run-ahead]\n"
+            "                     [--no-run-ahead] [--numerics exact|bf16]\n"
             "  Starts the gRPC router on --listen (default 127.0.0.1:50051) and N workers serving DIR\n"
             "  (default: a small random checkpoint made once under .cache/cpu-small). --backend auto uses\n"
             "  one worker per GPU when there are GPUs, else one CPU worker. SIGTERM or Ctrl-C drains and stops.\n"
-            "  The scheduler options go to every worker (metrale-worker --help says what they do).\n");
+            "  The scheduler options and --numerics go to every worker (metrale-worker --help says what they do).\n");
 }
 
 /* ---- paths ---- */
@@ -217,6 +219,7 @@ static pid_t start_worker(int i) {
     if (g_o.cache_budget_mb) { argv[k++] = "--cache-budget-mb"; argv[k++] = (char *)g_o.cache_budget_mb; }
     if (g_o.no_preempt) argv[k++] = "--no-preempt";
     if (g_o.no_run_ahead) argv[k++] = "--no-run-ahead";
+    if (g_o.numerics) { argv[k++] = "--numerics"; argv[k++] = (char *)g_o.numerics; }
     argv[k] = NULL;
     g_workers[i].worker = i;
     g_workers[i].restart_at = 0;
@@ -280,6 +283,13 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         else if (!strcmp(a, "--max-sequences")) rc = parse_int(a, v, 1, 4096, &o->max_sequences);
         else if (!strcmp(a, "--max-context")) rc = parse_int(a, v, 2, MT_WIRE_CONTEXT_MAX, &o->max_context);
         else if (!strcmp(a, "--threads")) rc = parse_int(a, v, 0, 4096, &o->threads);
+        else if (!strcmp(a, "--numerics")) {
+            o->numerics = v;
+            if (strcmp(v, "exact") && strcmp(v, "bf16")) {
+                fprintf(stderr, "metrale-serve: --numerics must be exact or bf16, got %s\n", v);
+                rc = -1;
+            }
+        }
         else { fprintf(stderr, "metrale-serve: unknown option %s\n", a); usage(stderr); return -1; }
         if (rc) return -1;
         i++;

@@ -62,7 +62,7 @@ class DistCommNccl : public ::testing::Test {
         const std::string why = NoGpuReason();
         if (!why.empty()) GTEST_SKIP() << "no GPU: " << why;
         mt_error err{};
-        be_ = mt_cuda_backend_new(0, &err);
+        be_ = mt_cuda_backend_new(0, NULL, &err);
         ASSERT_NE(be_, nullptr) << err.msg;
     }
     void TearDown() override { mt_backend_free(be_); }

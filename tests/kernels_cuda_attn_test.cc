@@ -74,7 +74,7 @@ class CudaAttn : public ::testing::Test {
         std::string why = NoGpuReason();
         if (!why.empty()) GTEST_SKIP() << "no CUDA GPU on this host (" << why << "); skipping";
         mt_error err = {};
-        gpu_ = mt_cuda_backend_new(0, &err);
+        gpu_ = mt_cuda_backend_new(0, nullptr, &err);
         ASSERT_NE(gpu_, nullptr) << "mt_cuda_backend_new: " << err.msg;
         cpu_ = mt_cpu_backend_new(0);
         ASSERT_NE(cpu_, nullptr);
@@ -144,6 +144,19 @@ class CudaAttn : public ::testing::Test {
         for (int r = 0; r < reps; r++) run();
         gpu_->ops->sync(gpu_);
         return (mt_now() - t_start) * 1e3 / reps;
+    }
+    // f() with gpu_ replaced by a CUDA backend made with p, synchronised after (buffers of the
+    // default gpu_ are device memory of the same device, so the other backend uses them as they are).
+    template <typename F>
+    void WithParams(const mt_cuda_params &p, F f) {
+        mt_error err = {};
+        mt_backend *be = mt_cuda_backend_new(0, &p, &err);
+        ASSERT_NE(be, nullptr) << "mt_cuda_backend_new: " << err.msg;
+        std::swap(be, gpu_);
+        f();
+        gpu_->ops->sync(gpu_);
+        std::swap(be, gpu_);
+        mt_backend_free(be);
     }
     mt_backend *cpu_ = nullptr, *gpu_ = nullptr;
     std::mt19937 rng_{20240611};
@@ -419,25 +432,20 @@ TEST_F(CudaAttn, KdaChunkedSmallShapes) {
     CheckDelta(true, 64 * 64 + 100, 2, 128, 1.f, 1); // more chunks than one segment of records
 }
 
-// The other precisions of kda_chunked, chosen by MT_CUDA_TC_TERMS at backend creation: 0 = the
-// fp32 kernel (bound 1e-4), 1 = single bf16 rounding on the tensor cores (~4e-3; bound 2e-2).
+// The other precisions of kda_chunked, chosen by the backend's numerics: MT_NUMERICS_FP32 = the
+// fp32 kernel (bound 1e-4), MT_NUMERICS_BF16 = single bf16 rounding on the tensor cores (~4e-3;
+// bound 2e-2).
 TEST_F(CudaAttn, KdaChunkedPrecisionModes) {
-    const char *prev = getenv("MT_CUDA_TC_TERMS");
-    const std::string saved = prev ? prev : "";
-    for (const char *mode : {"0", "1"}) {
-        setenv("MT_CUDA_TC_TERMS", mode, 1);
-        mt_error err = {};
-        mt_backend *be = mt_cuda_backend_new(0, &err);
-        ASSERT_NE(be, nullptr) << "mt_cuda_backend_new: " << err.msg;
-        std::swap(be, gpu_);
-        std::printf("[kda_chunked] MT_CUDA_TC_TERMS=%s\n", mode);
-        CheckDelta(true, 200, 8, 128, 1.f, 2, mode[0] == '0' ? kRelTol : 2e-2);
-        CheckDelta(true, 70, 2, 37, 4.f, 1, mode[0] == '0' ? kRelTol : 2e-2);
-        std::swap(be, gpu_);
-        mt_backend_free(be);
+    for (mt_numerics v : {MT_NUMERICS_FP32, MT_NUMERICS_BF16}) {
+        mt_cuda_params p = mt_cuda_default_params();
+        p.numerics = v;
+        std::printf("[kda_chunked] numerics %s\n", mt_numerics_name(v));
+        const double tol = v == MT_NUMERICS_FP32 ? kRelTol : 2e-2;
+        WithParams(p, [&] {
+            CheckDelta(true, 200, 8, 128, 1.f, 2, tol);
+            CheckDelta(true, 70, 2, 37, 4.f, 1, tol);
+        });
     }
-    if (prev) setenv("MT_CUDA_TC_TERMS", saved.c_str(), 1);
-    else unsetenv("MT_CUDA_TC_TERMS");
 }
 
 TEST_F(CudaAttn, GatedRmsnormMatchesCpu) {
@@ -714,7 +722,7 @@ TEST_F(CudaAttnMla, MlaSparseSmallShapes) {
         {32, 22, 40, 256, 40, 37, 30, MT_BF16, true},    // dn not a multiple of 4: the split's scalar form
         {32, 20, 12, 512, 0, 1100, 20, MT_BF16, true},   // two passes, the second of 76 rows
         {64, 32, 64, 512, 100, 200, 90, MT_BF16, true},  // one split: the attend writes the output's A
-        // kvl 512 with heads in 64s runs the wgmma attend (cuda_mla_wg.cu); the cases above with
+        // kvl 512 with heads in 64s runs the wgmma attend (cuda_dsa_mla_wg.cu); the cases above with
         // 64 heads and kvl 512 do too; these add a second head group and rows short of a tile
         {128, 8, 8, 512, 5, 40, 200, MT_F32, true},
         {128, 16, 16, 512, 60, 33, 50, MT_BF16, true},
@@ -726,8 +734,8 @@ TEST_F(CudaAttnMla, MlaSparseSmallShapes) {
 }
 
 // A quarter of a real prefill pass (256 of its 1024 rows, ~2063 selected each) over shuffled
-// pages: the tensor-core attend kernels (wgmma by default, mma.sync with MT_MLA_ATTEND=mma)
-// against the fp32 wide one (MT_MLA_ATTEND=wide), GPU against GPU (the CPU reference would take
+// pages: the tensor-core attend kernels (wgmma by default, mma.sync with MT_CUDA_MLA_ATTEND_MMA)
+// against the fp32 wide one (MT_CUDA_MLA_ATTEND_WIDE), GPU against GPU (the CPU reference would take
 // too long); the three times printed.
 TEST_F(CudaAttnMla, MlaSparsePrefillOldVsNew) {
     const int Hq = 64, dn = 256, dv = 256, kvl = 512, t0 = 3000, n = 256, max_sel = 2063;
@@ -756,29 +764,27 @@ TEST_F(CudaAttnMla, MlaSparsePrefillOldVsNew) {
         gpu_->ops->mla_sparse(gpu_, dout.get(), dq.get(), {dlat.get(), kPage, kvl}, dbt.get(), &w_gpu, dsel.get(),
                               dnsel.get(), max_sel, t0, n, &p);
     };
-    const char *prev = getenv("MT_MLA_ATTEND");
-    const std::string saved = prev ? prev : "";
-    // MT_MLA_ATTEND: "wide" the fp32 kernel, "mma" mla_attend_tc_kernel, unset the wgmma kernel
-    auto with = [&](const char *mode, double *ms) {
-        if (mode) setenv("MT_MLA_ATTEND", mode, 1);
-        else unsetenv("MT_MLA_ATTEND");
-        *ms = WarmMs(run);
+    // params.mla_attend: WIDE the fp32 kernel, MMA mla_attend_tc_kernel, AUTO (the default
+    // backend) the wgmma kernel; each timed, then its three kernels apart (absorb, attend,
+    // output), each synchronised: one profiled call.
+    auto with = [&](mt_cuda_mla_attend mode, const char *name, double *ms) {
+        mt_cuda_params prm = mt_cuda_default_params();
+        prm.mla_attend = mode;
+        auto measure = [&] {
+            *ms = WarmMs(run);
+            const std::string what = std::string("mla_sparse prefill, attend ") + name;
+            mt_cuda_profile(gpu_, true, what.c_str());
+            run();
+            mt_cuda_profile(gpu_, false, what.c_str());
+        };
+        if (mode == MT_CUDA_MLA_ATTEND_AUTO) measure();
+        else WithParams(prm, measure);
         return dout.Get();
     };
     double ms_old, ms_mma, ms_new;
-    const std::vector<float> out_old = with("wide", &ms_old), out_mma = with("mma", &ms_mma),
-                             out_new = with(nullptr, &ms_new);
-    // The three kernels apart (absorb, attend, output), each synchronised: one profiled call each.
-    for (const char *mode : {"wide", "mma", "wg"}) {
-        if (std::string(mode) == "wg") unsetenv("MT_MLA_ATTEND");
-        else setenv("MT_MLA_ATTEND", mode, 1);
-        const std::string what = std::string("mla_sparse prefill, attend ") + mode;
-        mt_cuda_profile(gpu_, true, what.c_str());
-        run();
-        mt_cuda_profile(gpu_, false, what.c_str());
-    }
-    if (prev) setenv("MT_MLA_ATTEND", saved.c_str(), 1);
-    else unsetenv("MT_MLA_ATTEND");
+    const std::vector<float> out_old = with(MT_CUDA_MLA_ATTEND_WIDE, "wide", &ms_old),
+                             out_mma = with(MT_CUDA_MLA_ATTEND_MMA, "mma", &ms_mma),
+                             out_new = with(MT_CUDA_MLA_ATTEND_AUTO, "wg", &ms_new);
     const double e = RelErr(out_new, out_old), e_mma = RelErr(out_mma, out_old);
     std::printf("[mla_sparse prefill] Hq=%d kvl=%d t0=%d n=%d sel=%d, paged: fp32 wide %.3f ms, mma.sync %.3f ms "
                 "(rel %.2e), wgmma %.3f ms (rel %.2e; %.2fx mma.sync)\n",

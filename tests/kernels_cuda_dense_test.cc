@@ -14,7 +14,7 @@
 //     bf16 parts (24 significant bits, as fp32), under the same 1e-5
 //   matmul, moe_experts on the tensor cores    1e-4 (n > 8 on bf16/fp16 weights; x enters as two
 //     16-bit parts hi + lo, 16 significant bits: typically ~3e-6 for bf16)
-//   the same with MT_CUDA_TC_TERMS=1           1e-2 (x rounded once: typically ~1.5e-3 for bf16);
+//   the same with MT_NUMERICS_BF16             1e-2 (x rounded once: typically ~1.5e-3 for bf16);
 //     matmul also against the CPU fed the same rounded x: 1e-4 (only the fp32 sums differ)
 //   router weights                             1e-6
 // Each test prints the worst error it saw ("[ metric ]" lines), and a few ops print GPU timings.
@@ -62,7 +62,7 @@ class CudaOps : public ::testing::Test {
     static void SetUpTestSuite() {
         if (!NoGpuReason().empty()) return;
         mt_error err{};
-        gpu_ = mt_cuda_backend_new(0, &err);
+        gpu_ = mt_cuda_backend_new(0, nullptr, &err);
         if (!gpu_) gpu_err_ = err.msg;
         cpu_ = mt_cpu_backend_new(0);
     }
@@ -206,7 +206,7 @@ const char *DtName(mt_dtype dt) { return mt_dtype_name(dt); }
 TEST(CudaBackendNew, SaysWhyWithoutGpu) {
     if (NoGpuReason().empty()) GTEST_SKIP() << "a GPU is present; this checks the no-GPU path";
     mt_error err{};
-    mt_backend *be = mt_cuda_backend_new(0, &err);
+    mt_backend *be = mt_cuda_backend_new(0, nullptr, &err);
     EXPECT_EQ(be, nullptr);
     EXPECT_NE(std::string(err.msg), "");
     mt_backend_free(be);
@@ -376,14 +376,20 @@ std::vector<float> RoundTo16(std::vector<float> x, mt_dtype dt) {
     return x;
 }
 
-// A CUDA backend made with MT_CUDA_TC_TERMS=terms (0: fp32 kernels only; 1: x rounded once).
-mt_backend *BackendWithTerms(int terms) {
-    setenv("MT_CUDA_TC_TERMS", std::to_string(terms).c_str(), 1);
+// A CUDA backend made with params p.
+mt_backend *BackendWith(const mt_cuda_params &p) {
     mt_error err{};
-    mt_backend *be = mt_cuda_backend_new(0, &err);
-    unsetenv("MT_CUDA_TC_TERMS");
+    mt_backend *be = mt_cuda_backend_new(0, &p, &err);
     EXPECT_NE(be, nullptr) << err.msg;
     return be;
+}
+
+// The default params with numerics v (MT_NUMERICS_BF16: x rounded once; MT_NUMERICS_FP32: the fp32
+// kernels only).
+mt_cuda_params WithNumerics(mt_numerics v) {
+    mt_cuda_params p = mt_cuda_default_params();
+    p.numerics = v;
+    return p;
 }
 
 // y on both backends for one weight and n fresh input rows: the relative error against the CPU
@@ -448,8 +454,7 @@ TEST_F(CudaOps, Matmul) {
     // warps, a tall or a 1-chunk-wide weight), bf16 at 1, 3 and 8 rows (the tensor-core GEMV at 3
     // and 8 from 1024 rows: K split over 1, 4 or 8 warps), then shapes that give the tensor-core GEMV a
     // partial last 16-row tile, a partial 32-column k-block (cols % 32 == 8: one lane of four
-    // in range) and a partial chunk (cols 200: 6 of 8 k-blocks; 8: one lane of one k-block);
-    // MT_CUDA_GEMV_TC=2 sends the short ones and n = 1 there too.
+    // in range) and a partial chunk (cols 200: 6 of 8 k-blocks; 8: one lane of one k-block).
     for (const S &s : {S{8192, 4096}, S{4096, 8192}, S{4096, 12288}, S{16384, 1536}, S{8192, 128},
                        S{1536, 4096}, S{512, 4096}, S{128, 4096}, S{64, 4096}, S{32, 4096},
                        S{2050, 4104}, S{1030, 200}, S{1031, 8}, S{37, 1000}}) {
@@ -489,9 +494,6 @@ TEST_F(CudaOps, Matmul) {
     }
 }
 
-// MT_CUDA_TC_TERMS=1: x rounded once to the weight's type. 1e-2 against the CPU's fp32 x, 1e-4
-// against the CPU fed the rounded x (this pins the GEMM's layout: only the sums' order differs).
-// MT_CUDA_TC_TERMS=0: the fp32 kernels, 1e-5 at any n.
 // matmul_multi: several weights sharing x in one launch (the fp32 GEMV rows) or one matmul each,
 // a sigmoid on the outputs of a mask; every output against the CPU's matmul (and sigmoid). Sets of the decode shapes (a KDA layer's
 // q/k/v and f_a/b/g_a, the DSA projections of h, a dense gate/up) and odd sizes (partial tiles,
@@ -537,9 +539,13 @@ TEST_F(CudaOps, MatmulMultiMatchesCpu) {
     }
 }
 
+// MT_NUMERICS_BF16: x rounded once to the weight's type. 1e-2 against the CPU's fp32 x, 1e-4
+// against the CPU fed the rounded x (this pins the GEMM's layout: only the sums' order differs).
+// MT_NUMERICS_FP32: the fp32 kernels, 1e-5 at any n. A numerics outside the enum is refused.
 TEST_F(CudaOps, MatmulTermsKnob) {
     Worst worst1{"matmul tc1"}, worst1r{"matmul tc1/16"}, worst0{"matmul fp32"};
-    mt_backend *one = BackendWithTerms(1), *fp32 = BackendWithTerms(0);
+    mt_backend *one = BackendWith(WithNumerics(MT_NUMERICS_BF16));
+    mt_backend *fp32 = BackendWith(WithNumerics(MT_NUMERICS_FP32));
     ASSERT_TRUE(one && fp32);
     struct S { int rows, cols; };
     for (mt_dtype dt : {MT_BF16, MT_F16}) {
@@ -561,28 +567,25 @@ TEST_F(CudaOps, MatmulTermsKnob) {
     }
     mt_backend_free(one);
     mt_backend_free(fp32);
-    setenv("MT_CUDA_TC_TERMS", "3", 1);
+    const mt_cuda_params bad_p = WithNumerics((mt_numerics)3);
     mt_error err{};
-    mt_backend *bad = mt_cuda_backend_new(0, &err);
-    unsetenv("MT_CUDA_TC_TERMS");
+    mt_backend *bad = mt_cuda_backend_new(0, &bad_p, &err);
     EXPECT_EQ(bad, nullptr);
-    EXPECT_NE(std::string(err.msg).find("MT_CUDA_TC_TERMS"), std::string::npos) << err.msg;
+    EXPECT_NE(std::string(err.msg).find("numerics"), std::string::npos) << err.msg;
     mt_backend_free(bad);
 }
 
 // Timings of the backend's path (tensor cores, x in two parts, for n > 8) and, for n > 8, of the
-// one-part tensor-core path (MT_CUDA_TC_TERMS=1) and the fp32 tiled kernel (=0).
-// Outputs narrower than 512 rows (fp32 by default) also on the tensor cores in two parts
-// (MT_CUDA_TC_MIN_ROWS=1) and, at most 32 rows, on the tiled kernel (MT_CUDA_NARROW=0).
+// one-part tensor-core path (MT_NUMERICS_BF16) and the fp32 kernels (MT_NUMERICS_FP32: narrow or
+// tiled). Outputs narrower than 512 rows also on the tensor cores in two parts (the default path)
+// and, at most 32 rows, on the tiled fp32 kernel instead of the narrow one (params.narrow false).
 TEST_F(CudaOps, MatmulTimings) {
-    mt_backend *one = BackendWithTerms(1), *fp32 = BackendWithTerms(0);
+    mt_backend *one = BackendWith(WithNumerics(MT_NUMERICS_BF16));
+    mt_backend *fp32 = BackendWith(WithNumerics(MT_NUMERICS_FP32));
     ASSERT_TRUE(one && fp32);
-    setenv("MT_CUDA_TC_MIN_ROWS", "1", 1);
-    mt_backend *tcall = BackendWithTerms(2);
-    unsetenv("MT_CUDA_TC_MIN_ROWS");
-    setenv("MT_CUDA_NARROW", "0", 1);
-    mt_backend *tiled = BackendWithTerms(2);
-    unsetenv("MT_CUDA_NARROW");
+    mt_cuda_params tiled_p = WithNumerics(MT_NUMERICS_FP32);
+    tiled_p.narrow = false;
+    mt_backend *tcall = BackendWith(mt_cuda_default_params()), *tiled = BackendWith(tiled_p);
     ASSERT_TRUE(tcall && tiled);
     struct S { int n, rows, cols; };
     const S shapes[] = {{1, 154880, 4096}, {1, 4096, 4096}, {1, 2048, 4096}, {8, 4096, 4096},
@@ -610,22 +613,22 @@ TEST_F(CudaOps, MatmulTimings) {
                     flops / t / 1e12);
         if (tc) {
             const double t1 = TimeGpu([&] { one->ops->matmul(one, y, x, &w->gpu, s.n); }, 20, one);
-            std::printf("[ timing   ]   1 part (MT_CUDA_TC_TERMS=1): %.1f us, %.2f TFLOP/s\n", t1 * 1e6,
+            std::printf("[ timing   ]   1 part (MT_NUMERICS_BF16): %.1f us, %.2f TFLOP/s\n", t1 * 1e6,
                         flops / t1 / 1e12);
         }
         if (s.n > 8 && (double)s.n * s.rows * s.cols <= 1.1e11) {
             const double t32 = TimeGpu([&] { fp32->ops->matmul(fp32, y, x, &w->gpu, s.n); }, 3, fp32);
-            std::printf("[ timing   ]   fp32 kernel (MT_CUDA_TC_TERMS=0): %.1f us, %.2f TFLOP/s\n", t32 * 1e6,
+            std::printf("[ timing   ]   fp32 kernel (MT_NUMERICS_FP32): %.1f us, %.2f TFLOP/s\n", t32 * 1e6,
                         flops / t32 / 1e12);
         }
         if (s.n > 8 && !tc) {
             const double ttc = TimeGpu([&] { tcall->ops->matmul(tcall, y, x, &w->gpu, s.n); }, 5, tcall);
-            std::printf("[ timing   ]   tensor cores, 2 parts (MT_CUDA_TC_MIN_ROWS=1): %.1f us, %.2f TFLOP/s\n",
+            std::printf("[ timing   ]   tensor cores, 2 parts (default): %.1f us, %.2f TFLOP/s\n",
                         ttc * 1e6, flops / ttc / 1e12);
             if (s.rows <= 32) {
                 const double tt = TimeGpu([&] { tiled->ops->matmul(tiled, y, x, &w->gpu, s.n); }, 3, tiled);
-                std::printf("[ timing   ]   tiled fp32 kernel (MT_CUDA_NARROW=0): %.1f us, %.2f TFLOP/s\n", tt * 1e6,
-                            flops / tt / 1e12);
+                std::printf("[ timing   ]   tiled fp32 kernel (MT_NUMERICS_FP32, narrow off): %.1f us, %.2f TFLOP/s\n",
+                            tt * 1e6, flops / tt / 1e12);
             }
         }
         Drop(gpu_, x);
@@ -886,14 +889,15 @@ class CudaMoe : public CudaOps {
 
 // The grouped (n > 8) path on bf16/fp16 experts runs on the tensor cores (cuda_moe.cu).
 bool MoeOnTensorCores(mt_dtype dt, int n) { return n > 8 && dt != MT_F32; }
-// Tolerance of moe_experts on backend terms (MT_CUDA_TC_TERMS; 2 = default).
-double MoeTol(mt_dtype dt, int n, int terms = 2) {
-    return !MoeOnTensorCores(dt, n) || terms == 0 ? 1e-5 : terms == 2 ? 1e-4 : 1e-2;
+// Tolerance of moe_experts on a backend of numerics v.
+double MoeTol(mt_dtype dt, int n, mt_numerics v = MT_NUMERICS_EXACT) {
+    return !MoeOnTensorCores(dt, n) || v == MT_NUMERICS_FP32 ? 1e-5 : v == MT_NUMERICS_EXACT ? 1e-4 : 1e-2;
 }
 
 TEST_F(CudaMoe, ExpertsSmallShapes) {
     Worst worst{"moe_experts"}, worst_tc{"moe tc"}, worst_tc1{"moe tc1"};
-    mt_backend *one = BackendWithTerms(1), *fp32 = BackendWithTerms(0);
+    mt_backend *one = BackendWith(WithNumerics(MT_NUMERICS_BF16));
+    mt_backend *fp32 = BackendWith(WithNumerics(MT_NUMERICS_FP32));
     ASSERT_TRUE(one && fp32);
     struct S { int E, k, H, I; };
     // H, I multiples of 8 take the 16-byte paths; 36/20 the element-wise ones. 8 experts at 300
@@ -909,11 +913,13 @@ TEST_F(CudaMoe, ExpertsSmallShapes) {
                                               " L=" + std::to_string(L) + " " + DtName(dt);
                     (MoeOnTensorCores(dt, n) ? worst_tc : worst).See(e, where);
                     EXPECT_LE(e, MoeTol(dt, n)) << where;
-                    if (n == 40 || n == 300) { // the MT_CUDA_TC_TERMS knob
-                        for (int terms : {1, 0}) {
-                            const double et = Run(ex, RandIdx(n, s.k, s.E), n, s.k, s.H, s.I, L, terms ? one : fp32);
-                            (terms ? worst_tc1 : worst).See(et, where + " terms=" + std::to_string(terms));
-                            EXPECT_LE(et, MoeTol(dt, n, terms)) << where << " terms=" << terms;
+                    if (n == 40 || n == 300) { // the other numerics
+                        for (mt_numerics v : {MT_NUMERICS_BF16, MT_NUMERICS_FP32}) {
+                            const bool bf16 = v == MT_NUMERICS_BF16;
+                            const double et = Run(ex, RandIdx(n, s.k, s.E), n, s.k, s.H, s.I, L, bf16 ? one : fp32);
+                            const std::string wv = where + " numerics=" + mt_numerics_name(v);
+                            (bf16 ? worst_tc1 : worst).See(et, wv);
+                            EXPECT_LE(et, MoeTol(dt, n, v)) << wv;
                         }
                     }
                 }
@@ -985,8 +991,8 @@ TEST_F(CudaMoe, ExpertsWithSharedMatchCpu) {
 }
 
 // The wgmma form of a prefill's experts (cuda_moe_wg.cu: sm_90, bf16, more than 64 rows,
-// H % 128 == 0, I % 64 == 0) beside the batched cuBLAS form it replaced (MT_CUDA_MOE_WG=0), both
-// against the CPU, with x in two parts (the default) and rounded once (MT_CUDA_TC_TERMS=1: against
+// H % 128 == 0, I % 64 == 0) beside the batched cuBLAS form it replaced (params.moe_wg false), both
+// against the CPU, with x in two parts (the default) and rounded once (MT_NUMERICS_BF16: against
 // the CPU at that rounding's tolerance, and against the batched form rounding at the same points
 // to 1e-4, which no misplaced row or column passes). Row tiles of every kind: experts with no
 // pairs and with one (256 experts, 200 pairs), 8 experts all taken by each row (2n rows an expert: down tiles of 208 .. 256 rows,
@@ -1000,10 +1006,10 @@ TEST_F(CudaMoe, ExpertsWgmmaMatchCpu) {
     if (major != 9) GTEST_SKIP() << "the wgmma path is for sm_90 (this device: sm_" << major << "x)";
     Worst worst{"moe_experts wgmma"}, worst_old{"moe_experts batched"}, worst1{"moe_experts wgmma, 1 term"},
         worst1_old{"moe_experts wgmma, 1 term, against batched"};
-    setenv("MT_CUDA_MOE_WG", "0", 1);
-    mt_backend *old = BackendWithTerms(2), *old1 = BackendWithTerms(1);
-    unsetenv("MT_CUDA_MOE_WG");
-    mt_backend *one = BackendWithTerms(1);
+    mt_cuda_params old_p = mt_cuda_default_params(), old1_p = WithNumerics(MT_NUMERICS_BF16);
+    old_p.moe_wg = old1_p.moe_wg = false;
+    mt_backend *old = BackendWith(old_p), *old1 = BackendWith(old1_p);
+    mt_backend *one = BackendWith(WithNumerics(MT_NUMERICS_BF16));
     ASSERT_TRUE(old && old1 && one);
     struct S { int E, k, H, I, n; };
     for (const S &s : {S{256, 2, 256, 128, 100}, S{64, 4, 256, 128, 100}, S{16, 4, 256, 128, 100},
@@ -1024,7 +1030,7 @@ TEST_F(CudaMoe, ExpertsWgmmaMatchCpu) {
             const double d1 = Between(ex, idx, s.n, s.k, s.H, s.I, L, one, old1);
             worst1.See(e1, where);
             worst1_old.See(d1, where);
-            EXPECT_LE(e1, MoeTol(MT_BF16, s.n, 1)) << where << " 1 term";
+            EXPECT_LE(e1, MoeTol(MT_BF16, s.n, MT_NUMERICS_BF16)) << where << " 1 term";
             EXPECT_LE(d1, 1e-4) << where << " 1 term, against the batched form";
         }
     }
@@ -1092,59 +1098,55 @@ TEST_F(CudaMoe, ExpertsRealShapes) {
     }
     // Prefill timing: 512 rows over all 288 experts (10 distinct weight sets, each expert's
     // still read from memory: 3 x 16.8 MB per expert does not stay in L2), on the default path
-    // (tensor cores, x in 2 parts, batched GEMMs), MT_CUDA_TC_TERMS=1 and the fp32 grouped kernel;
-    // then the default path against one GEMM per expert (MT_CUDA_MOE_BATCHED=0, checked at 24
+    // (tensor cores, x in 2 parts, batched GEMMs), MT_NUMERICS_BF16 and the fp32 grouped kernel;
+    // then the default path against one GEMM per expert (params.moe_batched false, checked at 24
     // rows) at 512 and 4096 rows.
-    setenv("MT_CUDA_MOE_BATCHED", "0", 1);
-    mt_backend *loop = BackendWithTerms(2); // unsets only MT_CUDA_TC_TERMS
-    unsetenv("MT_CUDA_MOE_BATCHED");
+    mt_cuda_params loop_p = mt_cuda_default_params();
+    loop_p.moe_batched = false;
+    mt_backend *loop = BackendWith(loop_p);
     ASSERT_TRUE(loop);
     {
         const double el = Run(ex, RandIdx(24, k, E), 24, k, H, I, 10.f, loop);
         worst.See(el, "one GEMM per expert n=24");
         EXPECT_LE(el, MoeTol(MT_BF16, 24)) << "one GEMM per expert n=24";
     }
-    setenv("MT_CUDA_MOE_WG", "0", 1);
-    mt_backend *batched = BackendWithTerms(2);
-    unsetenv("MT_CUDA_MOE_WG");
+    mt_cuda_params batched_p = mt_cuda_default_params();
+    batched_p.moe_wg = false;
+    mt_backend *batched = BackendWith(batched_p);
     ASSERT_TRUE(batched);
-    for (int n : {512, 4096}) {
+    // Seconds per moe_experts call of n fresh rows on each of bes (reps[b] timed calls each).
+    auto time3 = [&](int n, mt_backend *const (&bes)[3], const int (&reps)[3], double (&t)[3]) {
         std::vector<int32_t> idx = RandIdx(n, k, E);
         float *gx = Put(gpu_, Rand((size_t)n * H)), *gw = Put(gpu_, Rand((size_t)n * k, 0.1f, 1.f));
         float *go = Put(gpu_, Rand((size_t)n * H));
         int32_t *gi = Put(gpu_, idx);
-        const double flops = 2.0 * n * k * 3 * H * I;
-        double t[3];
-        mt_backend *bes[3] = {gpu_, batched, loop};
         for (int b = 0; b < 3; b++)
             t[b] = TimeGpu([&] { bes[b]->ops->moe_experts(bes[b], go, gx, gi, gw, ex.gpu.data(), n, k, H, I, 10.f); },
-                           3, bes[b]);
+                           reps[b], bes[b]);
+        for (void *p : {(void *)gx, (void *)gw, (void *)go, (void *)gi}) Drop(gpu_, p);
+    };
+    for (int n : {512, 4096}) {
+        const double flops = 2.0 * n * k * 3 * H * I;
+        double t[3];
+        time3(n, {gpu_, batched, loop}, {3, 3, 3}, t);
         std::printf("[ timing   ] moe_experts n=%d top-8 of 288, 4096x2048 bf16, 2 parts: wgmma %.2f ms (%.1f TFLOP/s), "
                     "batched GEMMs %.2f ms (%.1f TFLOP/s), one GEMM per expert %.2f ms (%.1f TFLOP/s)\n",
                     n, t[0] * 1e3, flops / t[0] / 1e12, t[1] * 1e3, flops / t[1] / 1e12, t[2] * 1e3, flops / t[2] / 1e12);
-        for (void *p : {(void *)gx, (void *)gw, (void *)go, (void *)gi}) Drop(gpu_, p);
     }
     mt_backend_free(batched);
     mt_backend_free(loop);
     {
         const int n = 512;
-        mt_backend *one = BackendWithTerms(1), *fp32 = BackendWithTerms(0);
+        mt_backend *one = BackendWith(WithNumerics(MT_NUMERICS_BF16));
+        mt_backend *fp32 = BackendWith(WithNumerics(MT_NUMERICS_FP32));
         ASSERT_TRUE(one && fp32);
-        std::vector<int32_t> idx = RandIdx(n, k, E);
-        float *gx = Put(gpu_, Rand((size_t)n * H)), *gw = Put(gpu_, Rand((size_t)n * k, 0.1f, 1.f));
-        float *go = Put(gpu_, Rand((size_t)n * H));
-        int32_t *gi = Put(gpu_, idx);
         const double flops = 2.0 * n * k * 3 * H * I;
         double t[3];
-        mt_backend *bes[3] = {gpu_, one, fp32};
-        for (int b = 0; b < 3; b++)
-            t[b] = TimeGpu([&] { bes[b]->ops->moe_experts(bes[b], go, gx, gi, gw, ex.gpu.data(), n, k, H, I, 10.f); },
-                           b == 2 ? 2 : 5, bes[b]);
+        time3(n, {gpu_, one, fp32}, {5, 5, 2}, t);
         std::printf("[ timing   ] moe_experts n=%d top-8 of 288, 4096x2048 bf16: tensor cores 2 parts %.2f ms "
                     "(%.1f TFLOP/s), 1 part %.2f ms (%.1f TFLOP/s), fp32 kernel %.2f ms (%.1f TFLOP/s)\n",
                     n, t[0] * 1e3, flops / t[0] / 1e12, t[1] * 1e3, flops / t[1] / 1e12, t[2] * 1e3,
                     flops / t[2] / 1e12);
-        for (void *p : {(void *)gx, (void *)gw, (void *)go, (void *)gi}) Drop(gpu_, p);
         mt_backend_free(one);
         mt_backend_free(fp32);
     }
@@ -1272,8 +1274,6 @@ TEST_F(CudaOps, HyperConnections) {
 // of at least 256 MB in all, beyond the 60 MB L2, so they come from memory as in a real step.
 // Prints microseconds per call and weight bytes per second against the device copy bandwidth
 // (read + write, as decode_bench measures it). Checks only that every graph was made and ran.
-// MT_CUDA_GEMV_TC=0 (or 2) in the environment times the fp32 GEMV (or the tensor-core one on
-// every shape) instead of the default choice (the knob is read once per process).
 TEST_F(CudaOps, DecodeTimings) {
     mt_backend *be = gpu_;
     ASSERT_NE(be->ops->graph_begin, nullptr);
@@ -1359,7 +1359,7 @@ TEST_F(CudaOps, DecodeTimings) {
 
 // The routed experts at 1, 2, 4 and 8 rows (batched decode, top-8 of 288, 4096 x 2048 bf16), as
 // graphs (see CudaOps.DecodeTimings): the backend's path (per (row, slot) GEMV kernels below
-// MT_CUDA_MOE_GROUPED_MIN rows) and the grouped kernels (cu_moe_experts_grouped) on the same
+// params.moe_grouped_min_rows rows) and the grouped kernels (cu_moe_experts_grouped) on the same
 // routing; bytes are those of the distinct experts the rows chose (the floor). Also the router.
 TEST_F(CudaMoe, DecodeTimings) {
     mt_backend *be = gpu_;

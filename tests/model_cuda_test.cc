@@ -69,7 +69,7 @@ class ModelCuda : public ::testing::Test {
   protected:
     void SetUp() override {
         mt_error err{};
-        gpu_ = mt_cuda_backend_new(0, &err);
+        gpu_ = mt_cuda_backend_new(0, nullptr, &err);
         if (!gpu_) GTEST_SKIP() << "no CUDA GPU on this host (" << err.msg << "); skipping";
         cpu_ = mt_cpu_backend_new(0);
     }
@@ -124,7 +124,7 @@ TEST_F(ModelCuda, WiderRandomModelMatchesCpu) {
 }
 
 // With 64 attention heads over the 512-wide latent, the prefill's sparse attend runs on the
-// real model's kernel (cuda_mla_wg.cu: heads in 64s, kv_lora 512), which no 4-head model reaches.
+// real model's kernel (cuda_dsa_mla_wg.cu: heads in 64s, kv_lora 512), which no 4-head model reaches.
 TEST_F(ModelCuda, WiderRandomModel64HeadsMatchesCpu) {
     glm_config c;
     mt_error err{};

@@ -31,7 +31,7 @@ struct wkr_loop {
 
 wkr_params wkr_default_params(void) {
     return (wkr_params){ .backend = "cpu", .id = -1, .max_sequences = 16, .max_context = 4096,
-                         .router_timeout = MT_WIRE_ROUTER_SILENCE_S };
+                         .router_timeout = MT_WIRE_ROUTER_SILENCE_S, .numerics = MT_NUMERICS_EXACT };
 }
 
 /* ---- start-up ---- */
@@ -40,7 +40,9 @@ wkr_params wkr_default_params(void) {
 static mt_backend *open_backend(wkr_loop *l, mt_error *err) {
     const wkr_params *o = &l->p;
     if (strcmp(o->backend, "cpu")) {
-        mt_backend *be = mt_cuda_backend_new(o->device, err);
+        mt_cuda_params cp = mt_cuda_default_params();
+        cp.numerics = o->numerics;
+        mt_backend *be = mt_cuda_backend_new(o->device, &cp, err);
         if (be) {
             l->backend_name = "cuda";
             return be;

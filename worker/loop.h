@@ -22,6 +22,7 @@
 #include <stdbool.h>
 
 #include "common/mt.h"
+#include "kernels/cuda/cuda_backend.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -43,6 +44,7 @@ typedef struct wkr_params {
     bool no_preempt;         /* admit only with pages for the whole length instead of preempting */
     bool no_run_ahead;       /* greedy batches read each step's tokens before the next */
     double router_timeout;   /* seconds of router silence before exiting; default MT_WIRE_ROUTER_SILENCE_S */
+    mt_numerics numerics;    /* the CUDA backend's prefill GEMMs; default MT_NUMERICS_EXACT */
 } wkr_params;
 
 /* The defaults above; model, router and id (-1) are left for the caller. */

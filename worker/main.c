@@ -2,6 +2,7 @@
  *
  *   metrale-worker --model DIR --router ipc:///PATH --id N [--backend cpu|cuda|auto] [--device N]
  *                  [--max-sequences N] [--max-context N] [--threads N] [--router-timeout S] [--verbose]
+ *                  [--numerics exact|bf16]
  *
  * This file parses the options and sets the process up (log level, signals, exit status); the
  * engine side and its loop are worker/loop.h, the router link and the heartbeat thread
@@ -36,6 +37,7 @@ static void usage(FILE *f) {
             "                      [--device N] [--max-sequences N] [--max-context N] [--threads N]\n"
             "                      [--router-timeout S] [--cache-budget-mb N] [--prefill-budget N]\n"
             "                      [--graph-max-batch N] [--no-preempt] [--no-run-ahead] [--verbose]\n"
+            "                      [--numerics exact|bf16]\n"
             "  Serves the checkpoint in DIR to the router at ENDPOINT (ipc:// or tcp://127.0.0.1:) as worker N.\n"
             "  --model: a checkpoint folder, or random:tiny / random:bench-4L (random weights, for benchmarks).\n"
             "  --backend: cpu (default), cuda (GPU --device, default 0), or auto (cuda when a GPU is usable).\n"
@@ -51,7 +53,9 @@ static void usage(FILE *f) {
             "  whole length are free (nothing is ever preempted; fewer run together); --no-run-ahead: a batch\n"
             "  of greedy requests reads each step's tokens before queuing the next (by default the next step\n"
             "  is queued on the device's own tokens first, so the GPU does not wait for the host; the CPU backend\n"
-            "  never runs ahead, as it would only delay each token by a step).\n");
+            "  never runs ahead, as it would only delay each token by a step); --numerics (GPU): how prefill\n"
+            "  GEMMs round their activations: exact (default; two bf16 parts, matching the CPU's fp32) or bf16\n"
+            "  (rounded once, as most engines do: faster, less exact).\n");
 }
 
 /* ---- options ---- */
@@ -82,6 +86,12 @@ static int parse_args(int argc, char **argv, wkr_params *o, bool *verbose) {
         int rc = 0;
         if (!strcmp(a, "--model")) o->model = v;
         else if (!strcmp(a, "--router")) o->router = v;
+        else if (!strcmp(a, "--numerics")) {
+            if (!mt_numerics_parse(v, &o->numerics) || o->numerics == MT_NUMERICS_FP32) {
+                fprintf(stderr, "error: --numerics must be exact or bf16, got \"%s\"\n", v);
+                return -1;
+            }
+        }
         else if (!strcmp(a, "--backend")) o->backend = v;
         else if (!strcmp(a, "--id")) rc = parse_int(a, v, 0, &o->id);
         else if (!strcmp(a, "--device")) rc = parse_int(a, v, 0, &o->device);

@@ -8,9 +8,11 @@
 #include "common/mt_rand.h"
 #include "kernels/cpu/cpu_ops.h"
 
-/* The backend object: mt_backend first, then the tickets' ring (download_begin). */
+/* The backend object: mt_backend first, then its table (base.ops points at it) and the tickets'
+ * ring (download_begin). */
 typedef struct cpu_backend {
     mt_backend base;
+    mt_backend_ops ops;
     int64_t next_ticket;
     unsigned char ring[MT_TICKETS][MT_TICKET_BYTES];
 } cpu_backend;
@@ -85,60 +87,39 @@ static mt_status cpu_mem_info(mt_backend *be, size_t *free_bytes, size_t *total_
     return MT_OK;
 }
 
-static const mt_backend_ops cpu_ops = {
-    .name = "cpu",
-    .destroy = cpu_destroy,
-    .alloc = cpu_alloc,
-    .free = cpu_free,
-    .upload = cpu_memcpy,
-    .download = cpu_memcpy,
-    .download_begin = cpu_download_begin,
-    .download_end = cpu_download_end,
-    .copy = cpu_memcpy,
-    .zero = cpu_zero,
-    .weight = cpu_weight,
-    .weight_random = cpu_weight_random,
-    .weight_free = cpu_weight_free,
-    .sync = cpu_sync,
-    .mem_info = cpu_mem_info,
-    .embed_dev = cpu_embed, /* host memory: ids are already readable */
-    .copy_rows_at = cpu_copy_rows_at,
-    .dsa_pool_keys_at = cpu_dsa_pool_keys_at,
-    .conv1d_silu_rows = cpu_conv1d_silu_rows,
-    .kda_recurrent_rows = cpu_kda_recurrent_rows,
-    .copy_rows_to = cpu_copy_rows_to,
-    .dsa_pool_keys_rows = cpu_dsa_pool_keys_rows,
-    .dsa_select_rows = cpu_dsa_select_rows,
-    .mla_sparse_rows = cpu_mla_sparse_rows,
-    .embed = cpu_embed,
-    .matmul = cpu_matmul,
-    .rmsnorm = cpu_rmsnorm,
-    .layernorm = cpu_layernorm,
-    .swiglu = cpu_swiglu,
-    .sigmoid = cpu_sigmoid,
-    .l2norm = cpu_l2norm,
-    .moe_route = cpu_moe_route,
-    .moe_experts = cpu_moe_experts,
-    .conv1d_silu = cpu_conv1d_silu,
-    .kda_gate = cpu_kda_gate,
-    .kda_recurrent = cpu_kda_recurrent,
-    .kda_chunked = cpu_kda_chunked,
-    .gated_rmsnorm = cpu_gated_rmsnorm,
-    .dsa_pool_keys = cpu_dsa_pool_keys,
-    .dsa_select = cpu_dsa_select,
-    .mla_sparse = cpu_mla_sparse,
-    .hc_pre = cpu_hc_pre,
-    .hc_post = cpu_hc_post,
-    .hc_head = cpu_hc_head,
-    .argmax = cpu_argmax,
-    .argmax_dev = cpu_argmax_dev,
-};
+/* The backend's own slots; the op families' come from their fillers (cpu_ops.h). */
+static void cpu_fill(mt_backend_ops *t) {
+    *t = (mt_backend_ops){
+        .name = "cpu",
+        .destroy = cpu_destroy,
+        .alloc = cpu_alloc,
+        .free = cpu_free,
+        .upload = cpu_memcpy,
+        .download = cpu_memcpy,
+        .download_begin = cpu_download_begin,
+        .download_end = cpu_download_end,
+        .copy = cpu_memcpy,
+        .zero = cpu_zero,
+        .weight = cpu_weight,
+        .weight_random = cpu_weight_random,
+        .weight_free = cpu_weight_free,
+        .sync = cpu_sync,
+        .mem_info = cpu_mem_info,
+    };
+    cpu_dense_fill(t);
+    cpu_moe_fill(t);
+    cpu_kda_fill(t);
+    cpu_dsa_fill(t);
+    cpu_hc_fill(t);
+    cpu_rows_fill(t);
+}
 
 mt_backend *mt_cpu_backend_new(int n_threads) {
     cpu_backend *cb = calloc(1, sizeof *cb);
     if (!cb) return NULL;
     mt_backend *be = &cb->base;
-    be->ops = &cpu_ops;
+    cpu_fill(&cb->ops);
+    be->ops = &cb->ops;
     if (n_threads <= 0) {
         long n = sysconf(_SC_NPROCESSORS_ONLN);
         n_threads = n > 0 ? (int)n : 1;

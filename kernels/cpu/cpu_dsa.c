@@ -11,8 +11,8 @@
 
 /* The members of pool p are positions [p*kpool, (p+1)*kpool): consecutive rows of one page, since
  * page is a multiple of kpool. */
-void cpu_dsa_pool_keys(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs, const int32_t *bt,
-                       const float *ape, int p0, int p1, int kpool) {
+static void cpu_dsa_pool_keys(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs, const int32_t *bt,
+                              const float *ape, int p0, int p1, int kpool) {
     (void)be;
     const int id = (int)ki.row;
     MT_ASSERT(p0 >= 0 && p1 >= p0 && kpool > 0 && id > 0 && gs.row == id && pool_keys.row == id);
@@ -49,14 +49,14 @@ static int scored_cmp(const void *a, const void *b) {
     return x->pool - y->pool;
 }
 
-void cpu_dsa_pool_keys_at(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs, const int32_t *bt,
-                          const float *ape, const int32_t *pos, int kpool) {
+static void cpu_dsa_pool_keys_at(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs, const int32_t *bt,
+                                 const float *ape, const int32_t *pos, int kpool) {
     const int t = *pos;
     if ((t + 1) % kpool == 0) cpu_dsa_pool_keys(be, pool_keys, ki, gs, bt, ape, t / kpool, t / kpool + 1, kpool);
 }
 
-void cpu_dsa_select(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi, const float *w,
-                    mt_paged pool_keys, const int32_t *bt, int t0, int n, const mt_dsa_select_params *p) {
+static void cpu_dsa_select(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi, const float *w,
+                           mt_paged pool_keys, const int32_t *bt, int t0, int n, const mt_dsa_select_params *p) {
     if (p->t0_dev) t0 = *p->t0_dev; /* host memory on this backend */
     MT_ASSERT(pool_keys.row == p->id && pool_keys.page > 0);
     const float qscale = 1.f / sqrtf((float)p->id), wscale = 1.f / sqrtf((float)p->ih);
@@ -94,9 +94,9 @@ void cpu_dsa_select(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi
     }
 }
 
-void cpu_mla_sparse(mt_backend *be, float *out, const float *q, mt_paged latent, const int32_t *bt,
-                    const mt_weight *kv_b, const int32_t *sel, const int32_t *nsel, int max_sel,
-                    int t0, int n, const mt_mla_params *p) {
+static void cpu_mla_sparse(mt_backend *be, float *out, const float *q, mt_paged latent, const int32_t *bt,
+                           const mt_weight *kv_b, const int32_t *sel, const int32_t *nsel, int max_sel,
+                           int t0, int n, const mt_mla_params *p) {
     if (p->t0_dev) t0 = *p->t0_dev;
     const int dn = p->dn, dv = p->dv, kvl = p->kvl;
     MT_ASSERT(latent.row == kvl && latent.page > 0);
@@ -151,4 +151,11 @@ void cpu_mla_sparse(mt_backend *be, float *out, const float *q, mt_paged latent,
         free(ol);
         free(sc);
     }
+}
+
+void cpu_dsa_fill(mt_backend_ops *t) {
+    t->dsa_pool_keys = cpu_dsa_pool_keys;
+    t->dsa_pool_keys_at = cpu_dsa_pool_keys_at;
+    t->dsa_select = cpu_dsa_select;
+    t->mla_sparse = cpu_mla_sparse;
 }

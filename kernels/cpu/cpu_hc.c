@@ -7,9 +7,9 @@
 
 #include "kernels/cpu/cpu_ops.h"
 
-void cpu_hc_pre(mt_backend *be, float *y, float *post, float *comb, const float *X,
-                const mt_weight *fn, const float *base, const float *scale, const mt_hc_params *p,
-                int n) {
+static void cpu_hc_pre(mt_backend *be, float *y, float *post, float *comb, const float *X,
+                       const mt_weight *fn, const float *base, const float *scale, const mt_hc_params *p,
+                       int n) {
     const int S = p->S, H = p->H, SH = S * H, mix = (2 + S) * S;
     MT_ASSERT(fn->rows == mix && fn->cols == SH);
     float *fnf = malloc(sizeof(float) * (size_t)mix * SH); /* fn as fp32, shared by all rows */
@@ -66,8 +66,8 @@ void cpu_hc_pre(mt_backend *be, float *y, float *post, float *comb, const float 
     free(fnf);
 }
 
-void cpu_hc_post(mt_backend *be, float *X, const float *a, const float *post, const float *comb,
-                 const mt_hc_params *p, int n) {
+static void cpu_hc_post(mt_backend *be, float *X, const float *a, const float *post, const float *comb,
+                        const mt_hc_params *p, int n) {
     (void)be;
     const int S = p->S, H = p->H;
     float *col = malloc(sizeof(float) * (size_t)S);
@@ -86,7 +86,7 @@ void cpu_hc_post(mt_backend *be, float *X, const float *a, const float *post, co
     free(col);
 }
 
-void cpu_hc_head(mt_backend *be, float *z, const float *X, int n, int S, int H) {
+static void cpu_hc_head(mt_backend *be, float *z, const float *X, int n, int S, int H) {
     (void)be;
     for (int i = 0; i < n; i++)
         for (int d = 0; d < H; d++) {
@@ -94,4 +94,10 @@ void cpu_hc_head(mt_backend *be, float *z, const float *X, int n, int S, int H) 
             for (int s = 0; s < S; s++) a += X[((size_t)i * S + s) * H + d];
             z[(size_t)i * H + d] = a / (float)S;
         }
+}
+
+void cpu_hc_fill(mt_backend_ops *t) {
+    t->hc_pre = cpu_hc_pre;
+    t->hc_post = cpu_hc_post;
+    t->hc_head = cpu_hc_head;
 }

@@ -9,8 +9,8 @@
 
 #define KDA_CHUNK 64
 
-void cpu_conv1d_silu(mt_backend *be, float *out, const float *x, float *state, const float *w, int n,
-                     int C, int K) {
+static void cpu_conv1d_silu(mt_backend *be, float *out, const float *x, float *state, const float *w, int n,
+                            int C, int K) {
     (void)be;
     const int P = K - 1; /* history kept per channel */
     float *h = malloc(sizeof(float) * (size_t)(P + n));
@@ -29,8 +29,8 @@ void cpu_conv1d_silu(mt_backend *be, float *out, const float *x, float *state, c
     free(h);
 }
 
-void cpu_kda_gate(mt_backend *be, float *g, const float *f, const float *dt_bias, const float *A_log,
-                  const mt_kda_gate_params *p, int n) {
+static void cpu_kda_gate(mt_backend *be, float *g, const float *f, const float *dt_bias, const float *A_log,
+                         const mt_kda_gate_params *p, int n) {
     (void)be;
     const int D = p->nh * p->dk;
     for (int t = 0; t < n; t++)
@@ -44,8 +44,8 @@ void cpu_kda_gate(mt_backend *be, float *g, const float *f, const float *dt_bias
         }
 }
 
-void cpu_kda_recurrent(mt_backend *be, float *o, const float *q, const float *k, const float *v,
-                       const float *g, const float *beta, float *state, int n, int nh, int dk) {
+static void cpu_kda_recurrent(mt_backend *be, float *o, const float *q, const float *k, const float *v,
+                              const float *g, const float *beta, float *state, int n, int nh, int dk) {
 #pragma omp parallel for num_threads(be->n_threads) schedule(static) if ((int64_t)n * nh * dk * dk * 4 > CPU_PAR_MIN_WORK)
     for (int h = 0; h < nh; h++) {
         float *S = state + (size_t)h * dk * dk;
@@ -127,8 +127,8 @@ static void kda_chunk_head(float *S, const float *q, const float *k, const float
     }
 }
 
-void cpu_kda_chunked(mt_backend *be, float *o, const float *q, const float *k, const float *v,
-                     const float *g, const float *beta, float *state, int n, int nh, int dk) {
+static void cpu_kda_chunked(mt_backend *be, float *o, const float *q, const float *k, const float *v,
+                            const float *g, const float *beta, float *state, int n, int nh, int dk) {
 #pragma omp parallel for num_threads(be->n_threads) schedule(static) if ((int64_t)n * nh * dk * (KDA_CHUNK + dk) * 2 > CPU_PAR_MIN_WORK)
     for (int h = 0; h < nh; h++) {
         float *G = malloc(sizeof(float) * (size_t)KDA_CHUNK * dk * 2 + sizeof(float) * (size_t)dk);
@@ -143,8 +143,8 @@ void cpu_kda_chunked(mt_backend *be, float *o, const float *q, const float *k, c
     }
 }
 
-void cpu_gated_rmsnorm(mt_backend *be, float *out, const float *o, const float *gate, const float *w,
-                       int64_t rows, int d, float eps) {
+static void cpu_gated_rmsnorm(mt_backend *be, float *out, const float *o, const float *gate, const float *w,
+                              int64_t rows, int d, float eps) {
     (void)be;
     for (int64_t r = 0; r < rows; r++) {
         const float *x = o + (size_t)r * d, *gt = gate + (size_t)r * d;
@@ -153,4 +153,12 @@ void cpu_gated_rmsnorm(mt_backend *be, float *out, const float *o, const float *
         const float rs = 1.f / sqrtf(ss / (float)d + eps);
         for (int j = 0; j < d; j++) out[(size_t)r * d + j] = w[j] * (x[j] * rs) * cpu_sigmoidf(gt[j]);
     }
+}
+
+void cpu_kda_fill(mt_backend_ops *t) {
+    t->conv1d_silu = cpu_conv1d_silu;
+    t->kda_gate = cpu_kda_gate;
+    t->kda_recurrent = cpu_kda_recurrent;
+    t->kda_chunked = cpu_kda_chunked;
+    t->gated_rmsnorm = cpu_gated_rmsnorm;
 }

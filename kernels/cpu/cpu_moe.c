@@ -15,8 +15,8 @@ static int argmax_masked(const float *v, const unsigned char *mask, int n) {
     return best;
 }
 
-void cpu_moe_route(mt_backend *be, int32_t *idx, float *weights, const float *logits,
-                   const float *bias, const mt_router_params *p, int n) {
+static void cpu_moe_route(mt_backend *be, int32_t *idx, float *weights, const float *logits,
+                          const float *bias, const mt_router_params *p, int n) {
     (void)be;
     const int E = p->n_experts, G = p->n_group, per = E / G;
     float *s = malloc(sizeof(float) * (size_t)E * 2 + sizeof(float) * (size_t)G);
@@ -83,9 +83,9 @@ static void expert_row(const mt_expert *ex, const float *x, float *u, int H, int
     }
 }
 
-void cpu_moe_experts(mt_backend *be, float *out, const float *x, const int32_t *idx,
-                     const float *weights, const mt_expert *experts, int n, int top_k, int H, int I,
-                     float L) {
+static void cpu_moe_experts(mt_backend *be, float *out, const float *x, const int32_t *idx,
+                            const float *weights, const mt_expert *experts, int n, int top_k, int H, int I,
+                            float L) {
     /* Every (row, slot) pair is independent: threads fill tmp, then one pass adds the pairs in
      * slot order, so the sum does not depend on the thread count. */
     const int pairs = n * top_k;
@@ -109,4 +109,9 @@ void cpu_moe_experts(mt_backend *be, float *out, const float *x, const int32_t *
         for (int d = 0; d < H; d++) o[d] += w * tmp[(size_t)pi * H + d];
     }
     free(tmp);
+}
+
+void cpu_moe_fill(mt_backend_ops *t) {
+    t->moe_route = cpu_moe_route;
+    t->moe_experts = cpu_moe_experts;
 }

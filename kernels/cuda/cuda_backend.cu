@@ -1,7 +1,7 @@
-/* kernels/cuda/cuda_backend.cu: the CUDA backend's object, memory, weights and op table
- * (kernels/backend.h). One device, one non-blocking stream; every op is enqueued on it, and
- * upload/download/sync wait for it. A failing CUDA call is logged where it happens and recorded
- * in the backend's sticky status (cu_backend.sticky). */
+/* kernels/cuda/cuda_backend.cu: the CUDA backend's object, memory, weights, params and op table
+ * (kernels/backend.h; the op families fill their slots, cuda_ops.h). One device, one non-blocking
+ * stream; every op is enqueued on it, and upload/download/sync wait for it. A failing CUDA call is
+ * logged where it happens and recorded in the backend's sticky status (cu_backend.sticky). */
 #include <cublas_v2.h>
 #include <limits.h>
 #include <stdio.h>
@@ -19,128 +19,7 @@ static cu_backend *cb_of(mt_backend *be) { return (cu_backend *)be; }
 
 extern "C" struct CUstream_st *mt_cuda_backend_stream(mt_backend *be) { return cb_of(be)->stream; }
 
-void cu_fail(mt_backend *be, mt_status st) {
-    cu_backend *cb = cb_of(be);
-    if (st != MT_OK && cb->sticky == MT_OK) cb->sticky = st;
-}
-
-/* ---- op timing (mt_cuda_profile) ---- */
-
-enum { PROF_MAX = 96 };
-
-struct cu_prof {
-    double last;                  /* mt_now() at the previous mark */
-    int n;
-    const char *name[PROF_MAX];
-    double sec[PROF_MAX];
-    long calls[PROF_MAX];
-};
-
-void cu_prof_mark(mt_backend *be, const char *what) {
-    cu_backend *cb = cb_of(be);
-    struct cu_prof *p = cb->prof;
-    if (!p) return;
-    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(cb->stream, &cs) != cudaSuccess || cs != cudaStreamCaptureStatusNone) {
-        (void)cudaGetLastError();
-        return;
-    }
-    MT_CUDA_WARN(cudaStreamSynchronize(cb->stream));
-    const double now = mt_now();
-    int k = 0;
-    while (k < p->n && strcmp(p->name[k], what)) k++;
-    if (k == p->n) {
-        if (p->n == PROF_MAX) k = PROF_MAX - 1; /* full: lump into the last entry */
-        else p->name[p->n++] = what;
-    }
-    p->sec[k] += now - p->last;
-    p->calls[k]++;
-    p->last = mt_now();
-}
-
-extern "C" int mt_cuda_profile_take(mt_backend *be, mt_cuda_op_time *rows, int max, double *total_ms) {
-    cu_backend *cb = cb_of(be);
-    struct cu_prof *p = cb->prof;
-    if (total_ms) *total_ms = 0;
-    if (!p) return 0;
-    cu_prof_mark(be, "(after the last op)");
-    cb->prof = NULL;
-    double total = 0;
-    for (int k = 0; k < p->n; k++) total += p->sec[k];
-    if (total_ms) *total_ms = total * 1e3;
-    bool used[PROF_MAX] = {false};
-    for (int r = 0; r < p->n && r < max; r++) { /* selection: PROF_MAX rows at most */
-        int best = -1;
-        for (int k = 0; k < p->n; k++)
-            if (!used[k] && (best < 0 || p->sec[k] > p->sec[best])) best = k;
-        used[best] = true;
-        rows[r] = mt_cuda_op_time{p->name[best], p->sec[best] * 1e3, p->calls[best]};
-    }
-    const int n = p->n < max ? p->n : max;
-    free(p);
-    return n;
-}
-
-extern "C" void mt_cuda_profile(mt_backend *be, bool on, const char *title) {
-    cu_backend *cb = cb_of(be);
-    if (on) {
-        if (!cb->prof && !(cb->prof = (struct cu_prof *)calloc(1, sizeof *cb->prof))) return;
-        memset(cb->prof, 0, sizeof *cb->prof);
-        MT_CUDA_WARN(cudaStreamSynchronize(cb->stream));
-        cb->prof->last = mt_now();
-        return;
-    }
-    mt_cuda_op_time rows[PROF_MAX];
-    double total = 0;
-    const int n = mt_cuda_profile_take(be, rows, PROF_MAX, &total);
-    if (n == 0) return;
-    printf("op profile: %s: %.2f ms (each op synchronised)\n", title ? title : "", total);
-    for (int r = 0; r < n; r++)
-        printf("  %9.3f ms %5.1f%% %6ld  %s\n", rows[r].ms, total > 0 ? 100 * rows[r].ms / total : 0., rows[r].calls,
-               rows[r].name);
-    fflush(stdout);
-}
-
-void cu_check_launch(mt_backend *be, const char *op) {
-    cu_prof_mark(be, op);
-    cudaError_t e = cudaGetLastError();
-    if (e == cudaSuccess) return;
-    mt_log(MT_LOG_ERROR, "cuda backend: %s: kernel launch failed: %s", op, cudaGetErrorString(e));
-    cu_fail(be, MT_ERR_BACKEND);
-}
-
-void cu_op_status(mt_backend *be, const char *op, mt_status st) {
-    cu_prof_mark(be, op);
-    if (st == MT_OK) return;
-    mt_log(MT_LOG_ERROR, "cuda backend: %s failed: %s", op, mt_status_str(st));
-    cu_fail(be, st);
-}
-
 static uint64_t cu_graph_epoch(mt_backend *be) { return cb_of(be)->scratch_epoch; }
-
-void *cu_scratch(mt_backend *be, int slot, size_t bytes) {
-    cu_backend *cb = cb_of(be);
-    MT_ASSERT(slot >= 0 && slot < CU_SCRATCH_N);
-    cu_buf *b = &cb->scratch[slot];
-    if (b->bytes >= bytes && b->p) return b->p;
-    /* Kernels queued earlier may still use the old buffer. */
-    CU_RECORD(be, cudaStreamSynchronize(cb->stream));
-    if (b->p) MT_CUDA_WARN(cudaFree(b->p));
-    b->p = NULL;
-    b->bytes = 0;
-    cb->scratch_epoch++; /* graphs recorded over the old buffer are stale (cu_graph_epoch) */
-    size_t want = bytes < ((size_t)1 << 20) ? ((size_t)1 << 20) : bytes + bytes / 4;
-    void *p = NULL;
-    if (cudaMalloc(&p, want) != cudaSuccess) {
-        (void)cudaGetLastError();
-        mt_log(MT_LOG_ERROR, "cuda backend: out of device memory for %zu bytes of scratch", want);
-        cu_fail(be, MT_ERR_NOMEM);
-        return NULL;
-    }
-    b->p = p;
-    b->bytes = want;
-    return p;
-}
 
 /* Forgets the last router output when [p, p + bytes) may have overwritten it (bytes 0: always). */
 static void route_forget(cu_backend *cb, const void *p, size_t bytes) {
@@ -169,17 +48,6 @@ static void cu_destroy(mt_backend *be) {
     MT_CUDA_WARN(cudaStreamDestroy(cb->stream));
     free(cb->prof);
     free(cb);
-}
-
-/* A cuBLAS handle on `stream` with a workspace of its own (cublasSetStream resets the workspace,
- * so it comes second), host pointer mode. Partial state is left for the caller to free. */
-extern "C" mt_status cu_blas_make(struct cublasContext **blas, void **ws, cudaStream_t stream) {
-    MT_CUBLAS_CHECK(cublasCreate(blas));
-    MT_CUBLAS_CHECK(cublasSetStream(*blas, stream));
-    MT_CUDA_CHECK(cudaMalloc(ws, CU_BLAS_WS_BYTES));
-    MT_CUBLAS_CHECK(cublasSetWorkspace(*blas, *ws, CU_BLAS_WS_BYTES));
-    MT_CUBLAS_CHECK(cublasSetPointerMode(*blas, CUBLAS_POINTER_MODE_HOST));
-    return MT_OK;
 }
 
 /* The cuBLAS handle of cu_gemm_tc, on cb's stream. Partial state is freed by cu_destroy. */
@@ -326,70 +194,36 @@ static mt_status cu_mem_info(mt_backend *be, size_t *free_bytes, size_t *total_b
     return MT_OK;
 }
 
-static const mt_backend_ops cu_ops = {
-    .name = "cuda",
-    .queued = true,
-    .destroy = cu_destroy,
-    .alloc = cu_alloc,
-    .free = cu_free,
-    .upload = cu_upload,
-    .upload_async = cu_upload_async,
-    .download = cu_download,
-    .download_begin = cu_download_begin,
-    .download_end = cu_download_end,
-    .copy = cu_copy,
-    .zero = cu_zero,
-    .weight = cu_weight,
-    .weight_random = cu_weight_random,
-    .weight_free = cu_weight_free,
-    .sync = cu_sync,
-    .mem_info = cu_mem_info,
-    .graph_begin = cu_graph_begin,
-    .graph_end = cu_graph_end,
-    .graph_launch = cu_graph_launch,
-    .graph_free = cu_graph_free,
-    .graph_epoch = cu_graph_epoch,
-    .embed_dev = cu_embed_dev,
-    .copy_rows_at = cu_copy_rows_at,
-    .dsa_pool_keys_at = cu_dsa_pool_keys_at,
-    .conv1d_silu_rows = cu_conv1d_silu_rows,
-    .kda_conv3_rows = cu_kda_conv3_rows,
-    .kda_recurrent_rows = cu_kda_recurrent_rows,
-    .copy_rows_to_n = cu_copy_rows_to_n,
-    .copy_rows_to = cu_copy_rows_to,
-    .dsa_pool_keys_rows = cu_dsa_pool_keys_rows,
-    .dsa_select_rows = cu_dsa_select_rows,
-    .mla_sparse_rows = cu_mla_sparse_rows,
-    .embed = cu_embed,
-    .matmul = cu_matmul,
-    .matmul_multi = cu_matmul_multi,
-    .rmsnorm = cu_rmsnorm,
-    .layernorm = cu_layernorm,
-    .swiglu = cu_swiglu,
-    .sigmoid = cu_sigmoid,
-    .l2norm = cu_l2norm,
-    .moe_route = cu_moe_route,
-    .moe_experts = cu_moe_experts,
-    .moe_experts_shared = cu_moe_experts_shared,
-    .conv1d_silu = cu_conv1d_silu,
-    .conv1d_silu_l2norm = cu_conv1d_silu_l2norm,
-    .kda_gates = cu_kda_gates,
-    .kda_gate = cu_kda_gate,
-    .kda_recurrent = cu_kda_recurrent,
-    .kda_chunked = cu_kda_chunked,
-    .gated_rmsnorm = cu_gated_rmsnorm,
-    .dsa_pool_keys = cu_dsa_pool_keys,
-    .dsa_select = cu_dsa_select,
-    .mla_sparse = cu_mla_sparse,
-    .hc_pre = cu_hc_pre,
-    .hc_pre_norm = cu_hc_pre_norm,
-    .hc_post_pre_norm = cu_hc_post_pre_norm,
-    .hc_post = cu_hc_post,
-    .hc_head = cu_hc_head,
-    .hc_head_norm = cu_hc_head_norm,
-    .argmax = cu_argmax,
-    .argmax_dev = cu_argmax_dev,
-};
+/* The backend's own slots; the op families' come from their fillers (cuda_ops.h). */
+static void cu_fill(mt_backend_ops *t) {
+    *t = mt_backend_ops{};
+    t->name = "cuda";
+    t->queued = true;
+    t->destroy = cu_destroy;
+    t->alloc = cu_alloc;
+    t->free = cu_free;
+    t->upload = cu_upload;
+    t->upload_async = cu_upload_async;
+    t->download = cu_download;
+    t->download_begin = cu_download_begin;
+    t->download_end = cu_download_end;
+    t->copy = cu_copy;
+    t->zero = cu_zero;
+    t->weight = cu_weight;
+    t->weight_free = cu_weight_free;
+    t->sync = cu_sync;
+    t->mem_info = cu_mem_info;
+    t->graph_epoch = cu_graph_epoch;
+    cu_dense_fill(t);
+    cu_moe_fill(t);
+    cu_kda_fill(t);
+    cu_kda_chunk_fill(t);
+    cu_dsa_fill(t);
+    cu_hc_fill(t);
+    cu_rows_fill(t);
+    cu_step_fill(t);
+    cu_random_fill(t);
+}
 
 /* The tickets' completion events (download_begin); cu_destroy frees those made. */
 static cudaError_t tk_events_create(cu_backend *cb) {
@@ -399,7 +233,55 @@ static cudaError_t tk_events_create(cu_backend *cb) {
     return e;
 }
 
-extern "C" mt_backend *mt_cuda_backend_new(int device, mt_error *err) {
+extern "C" const char *mt_numerics_name(mt_numerics v) {
+    return v == MT_NUMERICS_EXACT ? "exact" : v == MT_NUMERICS_BF16 ? "bf16" : v == MT_NUMERICS_FP32 ? "fp32" : "?";
+}
+
+extern "C" bool mt_numerics_parse(const char *name, mt_numerics *out) {
+    for (int v = MT_NUMERICS_EXACT; v <= MT_NUMERICS_FP32; v++)
+        if (name && !strcmp(name, mt_numerics_name((mt_numerics)v))) {
+            *out = (mt_numerics)v;
+            return true;
+        }
+    return false;
+}
+
+extern "C" mt_cuda_params mt_cuda_default_params(void) {
+    mt_cuda_params p;
+    memset(&p, 0, sizeof p);
+    p.numerics = MT_NUMERICS_EXACT;
+    p.narrow = true;
+    p.moe_batched = true;
+    p.moe_wg = true;
+    p.moe_grouped_min_rows = CU_MOE_GROUPED_MIN_ROWS;
+    p.moe_grouped_max_rows = CU_MOE_GROUPED_MAX_ROWS;
+    p.mla_attend = MT_CUDA_MLA_ATTEND_AUTO;
+    p.kda_chunk_kernels = MT_CUDA_KDA_CHUNK_BOTH;
+    return p;
+}
+
+/* MT_ERR_INVALID, naming the field, for params out of range (cuda_backend.h). */
+static mt_status params_check(const mt_cuda_params *p, mt_error *err) {
+    if (p->numerics < MT_NUMERICS_EXACT || p->numerics > MT_NUMERICS_FP32)
+        return mt_errorf(err, MT_ERR_INVALID, "mt_cuda_params.numerics: %d is not an mt_numerics", (int)p->numerics);
+    if (p->moe_grouped_min_rows < 2 || p->moe_grouped_min_rows > CU_MOE_GEMV_MAX_ROWS + 1)
+        return mt_errorf(err, MT_ERR_INVALID, "mt_cuda_params.moe_grouped_min_rows: %d is not in 2..%d",
+                         p->moe_grouped_min_rows, CU_MOE_GEMV_MAX_ROWS + 1);
+    if (p->moe_grouped_max_rows != 0 && p->moe_grouped_max_rows <= CU_MOE_GEMV_MAX_ROWS)
+        return mt_errorf(err, MT_ERR_INVALID, "mt_cuda_params.moe_grouped_max_rows: %d is neither 0 nor above %d",
+                         p->moe_grouped_max_rows, CU_MOE_GEMV_MAX_ROWS);
+    if (p->mla_attend < MT_CUDA_MLA_ATTEND_AUTO || p->mla_attend > MT_CUDA_MLA_ATTEND_WIDE)
+        return mt_errorf(err, MT_ERR_INVALID, "mt_cuda_params.mla_attend: %d is not an mt_cuda_mla_attend",
+                         (int)p->mla_attend);
+    if (p->kda_chunk_kernels < MT_CUDA_KDA_CHUNK_BOTH || p->kda_chunk_kernels > MT_CUDA_KDA_CHUNK_STATE)
+        return mt_errorf(err, MT_ERR_INVALID, "mt_cuda_params.kda_chunk_kernels: %d is not an "
+                         "mt_cuda_kda_chunk_kernels", (int)p->kda_chunk_kernels);
+    return MT_OK;
+}
+
+extern "C" mt_backend *mt_cuda_backend_new(int device, const mt_cuda_params *params, mt_error *err) {
+    const mt_cuda_params prm = params ? *params : mt_cuda_default_params();
+    if (params_check(&prm, err) != MT_OK) return NULL;
     int count = 0;
     cudaError_t e = cudaGetDeviceCount(&count);
     if (e != cudaSuccess) {
@@ -422,42 +304,15 @@ extern "C" mt_backend *mt_cuda_backend_new(int device, mt_error *err) {
         (e = cudaGetDeviceProperties(&prop, device)) != cudaSuccess ||
         (e = cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking)) != cudaSuccess)
         goto fail;
-    cb->base.ops = &cu_ops;
+    cu_fill(&cb->ops);
+    cb->base.ops = &cb->ops;
     cb->base.n_threads = 1;
     cb->device = device;
     cb->sticky = MT_OK;
     cb->n_sm = prop.multiProcessorCount;
-    /* Tensor-core matmul precision (cuda_dense.cu): 16-bit parts of x, 0 = fp32 kernels only. */
-    cb->tc_terms = 2;
-    if (const char *env = getenv("MT_CUDA_TC_TERMS")) {
-        if (strcmp(env, "0") && strcmp(env, "1") && strcmp(env, "2")) {
-            mt_errorf(err, MT_ERR_INVALID, "MT_CUDA_TC_TERMS=%s: expected 0, 1 or 2", env);
-            cu_destroy(&cb->base);
-            return NULL;
-        }
-        cb->tc_terms = env[0] - '0';
-    }
-    /* Prefill switches (cuda_ops.h): on unless the variable is "0". */
-    cb->moe_batched = !(getenv("MT_CUDA_MOE_BATCHED") && !strcmp(getenv("MT_CUDA_MOE_BATCHED"), "0"));
-    cb->narrow = !(getenv("MT_CUDA_NARROW") && !strcmp(getenv("MT_CUDA_NARROW"), "0"));
-    cb->moe_grouped = !(getenv("MT_CUDA_MOE_GROUPED") && !strcmp(getenv("MT_CUDA_MOE_GROUPED"), "0"));
-    cb->moe_side = !(getenv("MT_CUDA_MOE_SIDE") && !strcmp(getenv("MT_CUDA_MOE_SIDE"), "0"));
-    cb->moe_wg = !(getenv("MT_CUDA_MOE_WG") && !strcmp(getenv("MT_CUDA_MOE_WG"), "0"));
-    /* Every matmul of more than GEMV_MAX_N rows goes to the tensor cores (two-part split, ~3e-6
-     * relative): the fp32 narrow/tiled kernels took 40% of a batch-64 decode step (batch_bench:
-     * 66% of the floor with tensor cores, 40% without). MT_CUDA_TC_MIN_ROWS=512 keeps outputs
-     * narrower than 512 (router, mHC mix, gates) on the fp32 kernels, as before. */
-    cb->tc_min_rows = 1;
-    if (const char *env = getenv("MT_CUDA_TC_MIN_ROWS")) {
-        char *end = NULL;
-        const long v = strtol(env, &end, 10);
-        if (end == env || *end || v < 1 || v > INT_MAX) {
-            mt_errorf(err, MT_ERR_INVALID, "MT_CUDA_TC_MIN_ROWS=%s: expected a positive integer", env);
-            cu_destroy(&cb->base);
-            return NULL;
-        }
-        cb->tc_min_rows = (int)v;
-    }
+    cb->params = prm;
+    cb->tc_terms = prm.numerics == MT_NUMERICS_EXACT ? 2 : prm.numerics == MT_NUMERICS_BF16 ? 1 : 0;
+    cb->moe_batched = prm.moe_batched;
     if ((e = cudaMalloc(&cb->counters, sizeof(unsigned) * CU_COUNTERS)) != cudaSuccess ||
         (e = cudaMemset(cb->counters, 0, sizeof(unsigned) * CU_COUNTERS)) != cudaSuccess ||
         (e = cudaMallocHost(&cb->tk_ring, (size_t)MT_TICKETS * MT_TICKET_BYTES)) != cudaSuccess ||

@@ -1,7 +1,12 @@
-/* kernels/cuda/cuda_backend.h: the CUDA backend (issue 3, in progress): every op of
- * kernels/backend.h on one GPU, bf16/fp16/fp32 weights in device memory, fp32 activations at the
- * interface, one stream. Buffers from ->alloc are device memory; ->upload/->download copy and
- * synchronise. Thread-safety: one thread at a time per backend object. */
+/* kernels/cuda/cuda_backend.h: the CUDA backend: every op of kernels/backend.h on one GPU,
+ * bf16/fp16/fp32 weights in device memory, fp32 activations at the interface, one stream. Buffers
+ * from ->alloc are device memory; ->upload/->download copy and synchronise. Thread-safety: one
+ * thread at a time per backend object.
+ *
+ * Numerics: matmul and moe_experts on bf16/fp16 weights with more than 8 rows (prefill) run on the
+ * tensor cores (cuBLAS or the wgmma kernels) with fp32 accumulation, the activations entering as
+ * mt_cuda_params.numerics says; decode-sized calls (at most 8 rows) and F32 weights stay on the
+ * fp32 kernels (the bf16 tensor-core GEMV of 3-8 rows splits x into three parts: fp32-grade). */
 #ifndef MT_CUDA_BACKEND_H
 #define MT_CUDA_BACKEND_H
 
@@ -11,20 +16,72 @@
 extern "C" {
 #endif
 
-/* NULL with err set when no usable device (CI hosts have the toolkit but no GPU) or on OOM.
- *
- * Numerics: matmul and moe_experts on bf16/fp16 weights with more than 8 rows (prefill) run on
- * the tensor cores through cuBLAS, with fp32 accumulation. The fp32 activations enter as two
- * 16-bit parts of the weight's type, x ~ hi + lo (16 significant bits for bf16; ~2e-6 relative
- * error against the CPU's fp32 sums). The environment variable MT_CUDA_TC_TERMS, read here,
- * trades that: 2 (default) as described; 1 rounds x once (half the tensor-core work, ~1.5e-3
- * relative error for bf16: enough to flip router/indexer choices and fail the whole-model
- * comparison); 0 keeps every matmul on the fp32 kernels (slow, within 1e-5 of the CPU). matmul
- * stays fp32 for F32 weights, for n <= 8 (decode) and for outputs narrower than 512 rows
- * (router, mHC mix, per-head gates; MT_CUDA_TC_MIN_ROWS=N moves that bound, for measuring). A
- * value other than 0, 1, 2 fails with MT_ERR_INVALID. MT_CUDA_MOE_BATCHED=0 and MT_CUDA_NARROW=0
- * turn off two prefill paths (cuda_ops.h) for comparison. */
-mt_backend *mt_cuda_backend_new(int device, mt_error *err);
+/* How the fp32 activations of matmul and moe_experts enter the tensor cores, for bf16/fp16 weights
+ * and more than 8 rows (prefill; fewer rows, decode, and F32 weights always take the fp32 kernels). */
+typedef enum mt_numerics {
+    /* Two 16-bit parts of the weight's type, x ~ hi + lo: 16 significant bits for bf16, ~2e-6
+     * relative error against the CPU's fp32 sums (the GPU's logits match the CPU's). */
+    MT_NUMERICS_EXACT,
+    /* x rounded to the weight's type once: half the tensor-core work, ~1.5e-3 relative error for
+     * bf16, enough to flip near-tied router/indexer choices (the whole-model comparison with the
+     * CPU then fails on the random test models). */
+    MT_NUMERICS_BF16,
+    /* No tensor cores: every matmul on the fp32 kernels (slow; within 1e-5 of the CPU). */
+    MT_NUMERICS_FP32,
+} mt_numerics;
+
+/* "exact", "bf16" or "fp32" (static storage). */
+const char *mt_numerics_name(mt_numerics v);
+/* The mt_numerics called name (as mt_numerics_name spells it); false when none is. */
+bool mt_numerics_parse(const char *name, mt_numerics *out);
+
+/* The kernel that attends in a prefill's sparse MLA (mla_sparse, n >= 64 rows of one sequence;
+ * cuda_dsa.cu). */
+typedef enum mt_cuda_mla_attend {
+    MT_CUDA_MLA_ATTEND_AUTO,   /* kv_lora 512 with heads in 64s on wgmma, other shapes on mma.sync */
+    MT_CUDA_MLA_ATTEND_MMA,    /* mma.sync's kernel instead of the wgmma one */
+    MT_CUDA_MLA_ATTEND_WIDE,   /* the fp32 kernel (no tensor cores) */
+} mt_cuda_mla_attend;
+
+/* Which kernels of the tensor-core kda_chunked run (cuda_kda_chunk.cu): both, or one alone to time
+ * it apart, leaving the outputs wrong. */
+typedef enum mt_cuda_kda_chunk_kernels {
+    MT_CUDA_KDA_CHUNK_BOTH,
+    MT_CUDA_KDA_CHUNK_INTRA,   /* kc_intra_kernel only (timing; outputs wrong) */
+    MT_CUDA_KDA_CHUNK_STATE,   /* the state kernel only (timing; outputs wrong) */
+} mt_cuda_kda_chunk_kernels;
+
+/* The CUDA backend's options: start from mt_cuda_default_params(), which is what the product
+ * runs, and change fields. Every field but numerics chooses between paths that compute
+ * the same function (to the stated precision), for tests and benchmarks that compare them. */
+typedef struct mt_cuda_params {
+    mt_numerics numerics;      /* default MT_NUMERICS_EXACT */
+    /* Matmuls of at most 32 output rows that stay on the fp32 kernels (MT_NUMERICS_FP32, F32
+     * weights): true (default) the narrow kernel, a warp owning whole input rows; false the tiled
+     * fp32 GEMM. */
+    bool narrow;
+    /* Tensor-core MoE (more than 8 rows, the cuBLAS form): true (default) a few batched GEMMs over
+     * experts padded to a common row count; false one GEMM per expert. */
+    bool moe_batched;
+    /* true (default): a prefill's experts on the wgmma kernel (cuda_moe_wg.cu) where it applies
+     * (sm_90, bf16, H % 128 == 0, I % 64 == 0, not MT_NUMERICS_FP32); false: the cuBLAS form. */
+    bool moe_wg;
+    /* moe_experts of n rows with min <= n <= max runs grouped by expert on the device
+     * (cuda_moe_grouped.cu; graph-capturable, each chosen expert read once); fewer rows take the
+     * per-(row, slot) GEMV kernels, more the GEMMs (which read the routing back, so no graph).
+     * min 2..9 (default 5), max 0 (never grouped) or 9..INT_MAX (default 64). */
+    int moe_grouped_min_rows, moe_grouped_max_rows;
+    mt_cuda_mla_attend mla_attend;            /* default MT_CUDA_MLA_ATTEND_AUTO */
+    mt_cuda_kda_chunk_kernels kda_chunk_kernels; /* default MT_CUDA_KDA_CHUNK_BOTH */
+} mt_cuda_params;
+
+mt_cuda_params mt_cuda_default_params(void);
+
+/* A CUDA backend on device `device` with options params (NULL: mt_cuda_default_params()), copied.
+ * NULL with err set when no usable device (CI hosts have the toolkit but no GPU), on OOM, or for
+ * params out of range (MT_ERR_INVALID, naming the field). The caller frees it with
+ * mt_backend_free; one thread at a time may use it. */
+mt_backend *mt_cuda_backend_new(int device, const mt_cuda_params *params, mt_error *err);
 
 /* The backend's stream (a cudaStream_t, declared here without the CUDA headers), for code that
  * queues its own work in the backend's order (communicators, benchmarks). Owned by the backend;

@@ -1,5 +1,5 @@
 /* kernels/cuda/cuda_check.h: the one macro family that checks every CUDA runtime, cuBLAS and NCCL
- * call (STYLE.md 6). On failure each macro logs one line naming the call (its source text), the
+ * call. On failure each macro logs one line naming the call (its source text), the
  * library's error string, file and line, then returns or jumps with MT_ERR_BACKEND:
  *
  *   MT_CUDA_CHECK(cudaMemsetAsync(p, 0, n, s));       // return MT_ERR_BACKEND from the caller

@@ -1,6 +1,6 @@
 /* kernels/cuda/cuda_dense.cu: embedding, matmul on bf16/fp16/fp32 weights with fp32 accumulation,
  * RMSNorm, LayerNorm, SwiGLU, sigmoid, l2norm, argmax: the same functions as kernels/cpu/
- * cpu_dense.c. Three tiers per op (STYLE.md 7): kernels, a launcher that picks the grid, the
+ * cpu_dense.c. Three tiers per op: kernels, a launcher that picks the grid, the
  * exported op that checks shapes.
  *
  * Matmul has three paths. Few rows (decode, n <= GEMV_MAX_N): a GEMV (bandwidth-bound on the
@@ -11,17 +11,16 @@
  * (gemv_kernel): a warp streams 16-byte weight vectors of 4 rows (2 from 5 inputs) for all n
  * input rows, several loads in flight per lane, and short wide weights split K over up to 8 warps
  * of a block so that the grid always has work for every multiprocessor. Fixed-order reductions
- * finish each dot product. Many rows (prefill) on a bf16/fp16 weight with at least 512 outputs:
- * the tensor cores through cuBLAS (cu_gemm_tc, fp32 accumulation). x is split into 16-bit parts of
- * the weight's type, x ~ hi + lo (cu_split16, into CU_SCRATCH_GEMM), and y = w.hi + w.lo: 16
- * significant bits of x for bf16, ~2e-6 relative error, twice the tensor-core work. With
- * MT_CUDA_TC_TERMS=1, x is rounded once (hi only): half the work, ~1.5e-3 relative error for
- * bf16, which flips enough router/indexer choices downstream to fail the whole-model comparison
- * with the CPU. Otherwise (F32 weights, narrow outputs such as the router's or the mHC mix, or
- * MT_CUDA_TC_TERMS=0): at most 32 outputs (the mHC mix, 24 x 16384), a narrow fp32 kernel where a
- * warp owns whole input rows (MT_CUDA_NARROW=0 turns it off); wider, a 64 x 128 x 16 tiled fp32
- * GEMM (cu_gemm), which the MoE reuses in grouped form. All are deterministic: the summation
- * order depends only on the shape.
+ * finish each dot product. Many rows (prefill) on a bf16/fp16 weight: the tensor cores through
+ * cuBLAS (cu_gemm_tc, fp32 accumulation). x is split into 16-bit parts of the weight's type,
+ * x ~ hi + lo (cu_split16, into CU_SCRATCH_GEMM), and y = w.hi + w.lo: 16 significant bits of x
+ * for bf16, ~2e-6 relative error, twice the tensor-core work (MT_NUMERICS_EXACT). With
+ * MT_NUMERICS_BF16, x is rounded once (hi only): half the work, ~1.5e-3 relative error for bf16,
+ * which flips enough router/indexer choices downstream to fail the whole-model comparison with
+ * the CPU. Otherwise (F32 weights, or MT_NUMERICS_FP32): at most 32 outputs (the mHC mix,
+ * 24 x 16384), a narrow fp32 kernel where a warp owns whole input rows (mt_cuda_params.narrow
+ * false: not used); wider, a 64 x 128 x 16 tiled fp32 GEMM (cu_gemm), which the MoE reuses in
+ * grouped form. All are deterministic: the summation order depends only on the shape.
  *
  * Decode-path kernels (GEMV, norms, swiglu, sigmoid) are launched for programmatic dependent
  * launch (cu_launch_pdl, below); the norms keep few rows in registers (norm_vec_kernel). */
@@ -36,49 +35,6 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_ops.h"
 
-/* ============================ dependent launch ============================ */
-
-/* A decode step is a chain of ~75 short kernels, and between two of them the GPU drains one grid
- * before it starts the next. The decode-path kernels (cuda_dense.cu, cuda_hc.cu, cuda_moe.cu; the
- * rows-form, KDA and MLA decode kernels through cu_launch_pdl_k, cuda_ops.h) go through
- * cu_launch_pdl (programmatic dependent launch): such a kernel may start while the
- * previous kernel of the stream is still running. It first does what depends on no earlier
- * kernel (a GEMV issues its first weight loads), then cu_pdl_wait() (griddepcontrol.wait: every
- * earlier kernel has finished and its writes are visible) before it reads an activation or
- * writes anything, then cu_pdl_trigger() (griddepcontrol.launch_dependents) so that the next such
- * kernel may start in turn; every block passes both. (Exceptions read, before their wait, only
- * what kernels two or more back wrote, which the previous kernel's own wait made complete:
- * moe_gateup_kernel's shared-expert blocks and gemv_shortk_kernel's late_wait, which both wait
- * before exiting, and moe_down_kernel's first weight loads, found through the router's indices.) Stream capture keeps the overlap as
- * programmatic edges of the graph. MT_CUDA_PDL=0 (read once) launches them plainly, for
- * comparison; the waits then return at once. cu_launch_pdl, cu_pdl_on, cu_pdl_wait and cu_pdl_trigger are
- * declared in cuda_ops.h. */
-extern "C" bool cu_pdl_on(void) {
-    static const bool on = [] {
-        const char *v = getenv("MT_CUDA_PDL");
-        return !(v && !strcmp(v, "0"));
-    }();
-    return on;
-}
-
-/* kernel(*params): one kernel taking one parameter struct by value. Returns the launch's error. */
-extern "C" cudaError_t cu_launch_pdl(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t s,
-                                     void *params) {
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = block;
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = s;
-    cfg.attrs = attr;
-    cfg.numAttrs = cu_pdl_on() ? 1 : 0;
-    void *args[1] = {params};
-    return cudaLaunchKernelExC(&cfg, kernel, args);
-}
-
-
 /* ================================ embed ================================ */
 
 enum { EMBED_CHUNK = 4096, EMBED_THREADS = 256 };
@@ -86,7 +42,7 @@ enum { EMBED_CHUNK = 4096, EMBED_THREADS = 256 };
 /* ids travel by value (they are host memory), EMBED_CHUNK rows per launch: 16 KB of parameters,
  * within the 32 KB that CUDA 12.1+ allows. A 4096-token prefill looks up 16384 ids (each token
  * once a stream, glm_model.c): 4 launches, 0.20 ms on the H200, against 32 launches of 512 rows
- * and 0.27 ms (session 17). */
+ * and 0.27 ms. */
 typedef struct embed_params {
     float *out;                /* [n, H] fp32 */
     const void *table;         /* [V, H] dtype */
@@ -97,7 +53,7 @@ typedef struct embed_params {
 /* V: elements a load; cu_wvec<DT>::n (16-byte weight loads, 16-byte output stores) when H is a
  * multiple of it and the table and output are 16-byte aligned, else 1. Element loads of 2 bytes
  * made a 4096-token prefill's embedding 0.38 ms on the H200, 16-byte loads 0.26 ms (eight launches of
- * 512 rows; docs/bench/2026-11-29-h200-session9.md, call 16). */
+ * 512 rows). */
 template <mt_dtype DT, int V> static __global__ void embed_kernel(const __grid_constant__ embed_params p) {
     const int i = blockIdx.x;
     const int64_t base = (int64_t)p.ids[i] * p.H;
@@ -132,7 +88,7 @@ static mt_status embed_launch(const embed_params *p, mt_dtype dt, cudaStream_t s
     return MT_OK;
 }
 
-extern "C" void cu_embed(mt_backend *be, float *out, const mt_weight *table, const int32_t *ids, int n) {
+static void cu_embed(mt_backend *be, float *out, const mt_weight *table, const int32_t *ids, int n) {
     MT_ASSERT(table->cols > 0 && table->cols <= INT_MAX);
     for (int i0 = 0; i0 < n; i0 += EMBED_CHUNK) {
         embed_params p;
@@ -431,33 +387,22 @@ static mt_status gemv_shortk_launch(const gemv_params *p, mt_dtype dt, cudaStrea
     }
 }
 
-/* Launch knobs, read once, for measuring the grid choice (the defaults are what decode uses):
- *   MT_CUDA_GEMV_WARPS=w   split K until the grid has w warps per multiprocessor (default 64)
- *   MT_CUDA_GEMV_BLOCKS=b  a persistent grid of at most b blocks per multiprocessor, each over
- *                          contiguous tiles (default 0: one tile per block, as many blocks)
+/* The grid choice:
+ *   GEMV_WARPS_PER_SM   split K until the grid has this many warps per multiprocessor
+ *   GEMV_BLOCKS_PER_SM  0: one tile per block, as many blocks; b > 0: a persistent grid of at most b
+ *                       blocks per multiprocessor, each over contiguous tiles (gemv_kernel's
+ *                       p.persist form, measured slower)
  * H200, bench-4L decode shapes as graphs (kernels_cuda_dense_test DecodeTimings), sum of one
  * call of each of 15 shapes: warps 32 475.6 us, 64 470.8, 16 470.8; blocks 2 483.8, 3 539.9.
- * decode_bench graph: warps 32 2.255 / 2.239 ms, 64 2.223, blocks 2 2.251 (noise ~0.02 ms).
- * The persistent form is kept for measuring only; the tests run the default. */
-static int gemv_knob(const char *name, int dflt) {
-    const char *v = getenv(name);
-    return v && atoi(v) >= 0 ? atoi(v) : dflt;
-}
-static int gemv_warps_per_sm(void) {
-    static const int w = gemv_knob("MT_CUDA_GEMV_WARPS", 64);
-    return w > 0 ? w : 64;
-}
-static int gemv_blocks_per_sm(void) {
-    static const int b = gemv_knob("MT_CUDA_GEMV_BLOCKS", 0);
-    return b;
-}
+ * decode_bench graph: warps 32 2.255 / 2.239 ms, 64 2.223, blocks 2 2.251 (noise ~0.02 ms). */
+enum { GEMV_WARPS_PER_SM = 64, GEMV_BLOCKS_PER_SM = 0 };
 
-/* Warps per row group: split K until the grid has about gemv_warps_per_sm() warps per
+/* Warps per row group: split K until the grid has about GEMV_WARPS_PER_SM warps per
  * multiprocessor (64: two waves of the 4 resident 8-warp blocks per SM that its registers allow
  * at one row, each wave keeping ~128 KB of loads in flight per SM), while every slice still gets
  * at least two chunks. */
 static int gemv_ksplit(int rows, int R, int nch, int n_sm) {
-    const int64_t groups = (rows + R - 1) / R, want = (int64_t)n_sm * gemv_warps_per_sm();
+    const int64_t groups = (rows + R - 1) / R, want = (int64_t)n_sm * GEMV_WARPS_PER_SM;
     int ks = 1;
     while (ks < GEMV_WARPS && groups * ks < want && 2 * ks <= nch) ks *= 2;
     return ks;
@@ -470,7 +415,7 @@ static mt_status gemv_launch_nb(gemv_params *p, bool vec, int n_sm, cudaStream_t
     p->ksplit = gemv_ksplit(p->rows, R, (p->cols / V + 31) / 32, n_sm); /* several weights: their total rows */
     const int64_t groups = (p->rows + R - 1) / R, per_block = GEMV_WARPS / p->ksplit;
     int64_t tiles = (groups + per_block - 1) / per_block;
-    const int64_t cap = (int64_t)n_sm * gemv_blocks_per_sm();
+    const int64_t cap = (int64_t)n_sm * GEMV_BLOCKS_PER_SM;
     if (p->nw >= 2) { /* each weight its own whole tiles */
         p->wt0[0] = 0;
         for (int j = 0; j < p->nw; j++)
@@ -531,7 +476,9 @@ static mt_status gemv_launch(gemv_params *p, mt_dtype dt, int n_sm, cudaStream_t
  * warp loads one chunk into registers (8 x 16 bytes per lane; one buffer keeps the kernel at 113
  * registers, two blocks per SM; a second register buffer spilled at 128). p.ahead > 0 also
  * prefetches into L2 the chunk p.ahead steps ahead (one prefetch.global.L2 per lane: its 32
- * lines), the first ones before the PDL wait; measured no faster (below), so off by default.
+ * lines), the first ones before the PDL wait; measured no faster, so GEMV_TC_AHEAD is 0 (at 2,
+ * n = 1: 3-9% slower on lm_head, gate/up, q/k/v, q_b, shared down, within 1% on kda o, dsa o,
+ * 2-9% faster on the down, shared gate/up and dsa q_a shapes; the sums below).
  * Slices meet in shared memory in slice order; every sum's order depends only on the shape:
  * deterministic. Needs cols % 8 == 0 and 16-byte aligned w and x (gemv_tc_ok).
  *
@@ -658,34 +605,18 @@ static __global__ void __launch_bounds__(GEMV_THREADS, 2) gemv_tc_kernel(const g
     if (ok1 && i0 + 1 < p.n) y0[p.rows + 8] = sum[3];
 }
 
-/* Launch knobs, read once (the defaults are what decode uses), for measuring:
- *   MT_CUDA_GEMV_TC=0|1|2    0: the fp32 GEMV only; 1 (default): the tensor-core GEMV for bf16
- *                            weights of at least GEMV_TC_MIN_ROWS rows at n >= GEMV_TC_MIN_N;
- *                            2: for every bf16 weight at every n
- *   MT_CUDA_GEMV_TC_KSPLIT=k warps per tile (1, 2, 4, 8); default 0: gemv_tc_ksplit
- *   MT_CUDA_GEMV_TC_AHEAD=a  chunks prefetched into L2 ahead of the loads (0..4, default 0; at 2,
- *                            n = 1: 3-9% slower on lm_head, gate/up, q/k/v, q_b, shared down,
- *                            within 1% on kda o, dsa o, 2-9% faster on the down, shared gate/up
- *                            and dsa q_a shapes) */
-static int gemv_tc_mode(void) {
-    static const int m = gemv_knob("MT_CUDA_GEMV_TC", 1);
-    return m;
-}
-
-/* Whether the tensor-core GEMV takes this call (see gemv_tc_mode and the measurements above).
- * Fewer rows stay on the fp32 kernel by default (a 16-row tile per block gives them fewer blocks
- * than multiprocessors), as do n = 1, 2 (the fp32 kernel streams faster there). */
+/* Whether the tensor-core GEMV takes this call (see the measurements above): bf16 weights of at
+ * least GEMV_TC_MIN_ROWS rows at n >= GEMV_TC_MIN_N. Fewer rows stay on the fp32 kernel (a 16-row
+ * tile per block gives them fewer blocks than multiprocessors), as do n = 1, 2 (the fp32 kernel
+ * streams faster there). */
 static bool gemv_tc_ok(const gemv_params *p, mt_dtype dt) {
-    const int mode = gemv_tc_mode();
-    return mode > 0 && dt == MT_BF16 && p->n <= GEMV_MAX_N && p->cols % 8 == 0 && cu_aligned16(p->w) &&
-           cu_aligned16(p->x) && (mode >= 2 || (p->rows >= GEMV_TC_MIN_ROWS && p->n >= GEMV_TC_MIN_N));
+    return dt == MT_BF16 && p->n <= GEMV_MAX_N && p->cols % 8 == 0 && cu_aligned16(p->w) && cu_aligned16(p->x) &&
+           p->rows >= GEMV_TC_MIN_ROWS && p->n >= GEMV_TC_MIN_N;
 }
 
 /* Warps per tile: 8 (fine-grained blocks, 16 rows each, so the last wave is short and a block's
  * loads cover 2 KB of each row at a time), halved while a warp would get fewer than 2 chunks. */
 static int gemv_tc_ksplit(int cols) {
-    static const int forced = gemv_knob("MT_CUDA_GEMV_TC_KSPLIT", 0);
-    if (forced == 1 || forced == 2 || forced == 4 || forced == 8) return forced;
     const int nch = (cols + 32 * GEMV_TC_J - 1) / (32 * GEMV_TC_J);
     int ks = GEMV_WARPS;
     while (ks > 1 && nch < 2 * ks) ks /= 2;
@@ -693,10 +624,9 @@ static int gemv_tc_ksplit(int cols) {
 }
 
 static mt_status gemv_tc_launch(gemv_params *p, cudaStream_t s) {
-    static const int ahead = gemv_knob("MT_CUDA_GEMV_TC_AHEAD", GEMV_TC_AHEAD);
     p->ksplit = gemv_tc_ksplit(p->cols);
     p->persist = 0;
-    p->ahead = ahead < 4 ? ahead : 4;
+    p->ahead = GEMV_TC_AHEAD;
     const int64_t tiles = (p->rows + GEMV_TC_TILE - 1) / GEMV_TC_TILE, per_block = GEMV_WARPS / p->ksplit;
     const dim3 grid((unsigned)((tiles + per_block - 1) / per_block));
     MT_CUDA_CHECK(cu_launch_pdl((const void *)gemv_tc_kernel, grid, dim3(GEMV_THREADS), 0, s, p));
@@ -711,8 +641,8 @@ static mt_status gemv_tc_launch(gemv_params *p, cudaStream_t s) {
  * lane l takes columns 4l + 128j of each stage, so the x loads are 16-byte and coalesced. Each
  * output is a per-lane running sum over its columns in order, then a fixed butterfly over the
  * lanes (lane 0's result is stored): deterministic for a given shape. H200: 24 x 16384 at 512
- * rows 187 us (tiled 1414), at 4096 rows 306 us (tiled 1420); the two-part tensor-core path would
- * take 55 / 216 us (MT_CUDA_TC_MIN_ROWS=1) at ~3e-6 instead of ~1e-7 relative error. */
+ * rows 187 us (tiled 1414), at 4096 rows 306 us (tiled 1420); the two-part tensor-core path, which
+ * bf16 weights take, 55 / 216 us at ~3e-6 instead of ~1e-7 relative error. */
 enum { NARROW_THREADS = 128, NARROW_WARPS = NARROW_THREADS / 32, NARROW_KC = 256, NARROW_MAX_ROWS = 32 };
 
 template <mt_dtype DT, int NW, int R>
@@ -1050,12 +980,12 @@ extern "C" mt_status cu_gemm_tc(cu_backend *cb, float *y, const void *x16, const
     return MT_OK;
 }
 
-/* Outputs narrower than cb->tc_min_rows (512 unless MT_CUDA_TC_MIN_ROWS says otherwise) stay on
- * the fp32 kernels: they are cheap, and they feed discrete or sensitive choices (router top-k
- * over 288 experts, the mHC mix of 24, per-head gates). */
+/* Every matmul of more than GEMV_MAX_N rows on a 16-bit weight, narrow outputs too (router, mHC mix,
+ * per-head gates): the two-part split keeps ~3e-6 relative error, and the fp32 narrow/tiled
+ * kernels took 40% of a batch-64 decode step (batch_bench: 66% of the floor with tensor cores,
+ * 40% without). */
 static bool matmul_use_tc(const cu_backend *cb, const mt_weight *w, int n) {
-    return cb->tc_terms > 0 && n > GEMV_MAX_N && w->dtype != MT_F32 && w->rows >= cb->tc_min_rows &&
-           w->cols > 0;
+    return cb->tc_terms > 0 && n > GEMV_MAX_N && w->dtype != MT_F32 && w->rows > 0 && w->cols > 0;
 }
 
 /* w2[r, :] = (w[r, :], w[r, :]) for a [N, K] 16-bit weight: one thread a 16-bit element. */
@@ -1073,8 +1003,7 @@ static __global__ void dup_k_kernel(uint16_t *w2, const uint16_t *w, int64_t N, 
  * interleaved into rows (hi | lo), the weight duplicated along K into the same scratch, so y is
  * written once instead of written, read and written again by the lo part (at K = 128 the two-part
  * form is bound by that output traffic: the KDA gates' second projections, [4096, 8192] fp32; on
- * the H200 the prefill's tensor-core matmuls took 0.5-0.85 ms less at 4096 tokens, session 10's
- * call 13). The duplicate is made per call (a few MB): no cache to go stale. */
+ * the H200 the prefill's tensor-core matmuls took 0.5-0.85 ms less at 4096 tokens). The duplicate is made per call (a few MB): no cache to go stale. */
 enum { MATMUL_LOWK = 512 };
 static mt_status matmul_tc_lowk(cu_backend *cb, float *y, const float *x, const mt_weight *w, int n) {
     const int N = (int)w->rows, K = (int)w->cols;
@@ -1109,7 +1038,7 @@ static mt_status matmul_tc(cu_backend *cb, float *const *y, const float *x, cons
     return st;
 }
 
-extern "C" void cu_matmul(mt_backend *be, float *y, const float *x, const mt_weight *w, int n) {
+static void cu_matmul(mt_backend *be, float *y, const float *x, const mt_weight *w, int n) {
     MT_ASSERT(w->dtype == MT_F32 || w->dtype == MT_F16 || w->dtype == MT_BF16);
     MT_ASSERT(w->rows <= INT_MAX && w->cols <= INT_MAX && n >= 0);
     if (n == 0 || w->rows == 0) return;
@@ -1130,7 +1059,7 @@ extern "C" void cu_matmul(mt_backend *be, float *y, const float *x, const mt_wei
     } else if (matmul_use_tc(cb, w, n)) {
         st = matmul_tc(cb, &y, x, &w, 1, n);
         cu_prof_mark(be, "matmul (tensor cores)");
-    } else if (cb->narrow && w->rows <= NARROW_MAX_ROWS && w->cols > 0) {
+    } else if (cb->params.narrow && w->rows <= NARROW_MAX_ROWS && w->cols > 0) {
         gemv_params p = {y, x, w->data, n, (int)w->rows, (int)w->cols, 1, 0};
         st = narrow_launch(&p, w->dtype, cu_stream(be));
         cu_prof_mark(be, "matmul (narrow fp32)");
@@ -1155,8 +1084,8 @@ extern "C" void cu_matmul(mt_backend *be, float *y, const float *x, const mt_wei
  * projections of a KDA layer: 3 launches of ~21 us at ~3.25 TB/s, each with its own ramp and
  * tail, become one); for many rows with every weight on the tensor cores, one split of x for all
  * of them (matmul_tc); otherwise one cu_matmul each. */
-extern "C" void cu_matmul_multi(mt_backend *be, float *const *y, const float *x, const mt_weight *const *w,
-                                int count, int n, unsigned sigmoid_mask) {
+static void cu_matmul_multi(mt_backend *be, float *const *y, const float *x, const mt_weight *const *w,
+                            int count, int n, unsigned sigmoid_mask) {
     MT_ASSERT(count >= 0 && n >= 0);
     bool fuse = count >= 2 && count <= GEMV_MAX_W && n >= 1 && n <= GEMV_MAX_N && cu_aligned16(x);
     int64_t total = 0;
@@ -1179,13 +1108,13 @@ extern "C" void cu_matmul_multi(mt_backend *be, float *const *y, const float *x,
             mt_status st = matmul_tc(cb, y, x, w, count, n);
             cu_prof_mark(be, "matmul (tensor cores)");
             for (int j = 0; j < count && st == MT_OK; j++)
-                if (sigmoid_mask >> j & 1u) cu_sigmoid(be, y[j], (int64_t)n * w[j]->rows);
+                if (sigmoid_mask >> j & 1u) be->ops->sigmoid(be, y[j], (int64_t)n * w[j]->rows);
             cu_op_status(be, "matmul_multi", st);
             return;
         }
         for (int j = 0; j < count; j++) {
             cu_matmul(be, y[j], x, w[j], n);
-            if (sigmoid_mask >> j & 1u) cu_sigmoid(be, y[j], (int64_t)n * w[j]->rows);
+            if (sigmoid_mask >> j & 1u) be->ops->sigmoid(be, y[j], (int64_t)n * w[j]->rows);
         }
         return;
     }
@@ -1206,9 +1135,9 @@ extern "C" void cu_matmul_multi(mt_backend *be, float *const *y, const float *x,
  * n <= 2, K = 128), one gemv_shortk_kernel launch whose blocks [0, wt0[1]) are f_b's, with the gate
  * as their epilogue, and the rest g_b's (a KDA layer's three small launches, f_b, kda_gate, g_b, of
  * ~3 us each, become one); otherwise matmul, kda_gate in place, matmul. */
-extern "C" void cu_kda_gates(mt_backend *be, float *g, float *gate, const float *f_in, const float *g_in,
-                             const mt_weight *f_b, const mt_weight *g_b, const float *dt_bias, const float *A_log,
-                             const mt_kda_gate_params *gp, int n) {
+static void cu_kda_gates(mt_backend *be, float *g, float *gate, const float *f_in, const float *g_in,
+                         const mt_weight *f_b, const mt_weight *g_b, const float *dt_bias, const float *A_log,
+                         const mt_kda_gate_params *gp, int n) {
     MT_ASSERT(n >= 0 && f_b->rows == (int64_t)gp->nh * gp->dk);
     if (n == 0) return;
     gemv_params p = {};
@@ -1221,7 +1150,7 @@ extern "C" void cu_kda_gates(mt_backend *be, float *g, float *gate, const float 
     fuse = fuse && gemv_shortk_ok(&p, f_b->dtype);
     if (!fuse) {
         cu_matmul(be, g, f_in, f_b, n);
-        cu_kda_gate(be, g, g, dt_bias, A_log, gp, n);
+        be->ops->kda_gate(be, g, g, dt_bias, A_log, gp, n);
         cu_matmul(be, gate, g_in, g_b, n);
         return;
     }
@@ -1461,8 +1390,8 @@ template <int KIND> static mt_status norm_vec_launch(norm_params *q, cudaStream_
 /* z[n, H] = rmsnorm(hc_head(X)) * w: norm_vec_kernel reading the S streams of X instead of a
  * row (one kernel for the head's two; the final norm of a decode step). The shapes the
  * register-resident kernel takes (H % 4 == 0, aligned); else hc_head, then rmsnorm. */
-extern "C" void cu_hc_head_norm(mt_backend *be, float *z, const float *X, const float *w, int n, int S, int H,
-                                float eps) {
+static void cu_hc_head_norm(mt_backend *be, float *z, const float *X, const float *w, int n, int S, int H,
+                            float eps) {
     MT_ASSERT(n >= 0 && S >= 1 && H > 0);
     if (n == 0) return;
     norm_params p = {};
@@ -1475,8 +1404,8 @@ extern "C" void cu_hc_head_norm(mt_backend *be, float *z, const float *X, const 
     p.hs = S;
     const int per = (H / 4 + NORM_VPT - 1) / NORM_VPT, t = (per + 31) / 32 * 32; /* threads to hold a row */
     if (S > NORM_HEAD_MAX_S || H <= NORM_WARP_MAX || t > NORM_HEAD_THREADS || !norm_vec_ok(&p, NORM_RMS)) {
-        cu_hc_head(be, z, X, n, S, H);
-        cu_rmsnorm(be, z, z, w, n, H, eps);
+        be->ops->hc_head(be, z, X, n, S, H);
+        be->ops->rmsnorm(be, z, z, w, n, H, eps);
         return;
     }
     (void)cu_launch_pdl((const void *)norm_vec_kernel<NORM_RMS, true, true>, dim3((unsigned)n), dim3(t), 0,
@@ -1512,23 +1441,23 @@ static mt_status norm_launch(const norm_params *p, norm_kind kind, cudaStream_t 
     return MT_OK;
 }
 
-extern "C" void cu_rmsnorm(mt_backend *be, float *out, const float *x, const float *w, int n, int d,
-                           float eps) {
+static void cu_rmsnorm(mt_backend *be, float *out, const float *x, const float *w, int n, int d,
+                       float eps) {
     MT_ASSERT(n >= 0 && d > 0);
     if (n == 0) return;
     norm_params p = {out, x, w, NULL, n, d, eps, 1.f};
     cu_op_status(be, "rmsnorm", norm_launch(&p, NORM_RMS, cu_stream(be)));
 }
 
-extern "C" void cu_layernorm(mt_backend *be, float *out, const float *x, const float *w,
-                             const float *b, int n, int d, float eps) {
+static void cu_layernorm(mt_backend *be, float *out, const float *x, const float *w,
+                         const float *b, int n, int d, float eps) {
     MT_ASSERT(n >= 0 && d > 0 && w && b);
     if (n == 0) return;
     norm_params p = {out, x, w, b, n, d, eps, 1.f};
     cu_op_status(be, "layernorm", norm_launch(&p, NORM_LAYER, cu_stream(be)));
 }
 
-extern "C" void cu_l2norm(mt_backend *be, float *x, int64_t n, int d, float eps, float scale) {
+static void cu_l2norm(mt_backend *be, float *x, int64_t n, int d, float eps, float scale) {
     MT_ASSERT(n >= 0 && d > 0);
     if (n == 0) return;
     norm_params p = {x, NULL, NULL, NULL, n, d, eps, scale};
@@ -1579,10 +1508,7 @@ static __global__ void sigmoid_kernel(const ew_params p) {
         p.out[i] = cu_sigmoidf(p.a[i]);
 }
 
-static unsigned ew_grid(int64_t count) {
-    const int64_t b = (count + EW_THREADS - 1) / EW_THREADS;
-    return (unsigned)(b < EW_MAX_GRID ? b : EW_MAX_GRID);
-}
+static unsigned ew_grid(int64_t count) { return cu_grid_1d(count, EW_THREADS, EW_MAX_GRID); }
 
 static mt_status swiglu_launch(ew_params *p, cudaStream_t s) {
     const bool v4 = p->count % 4 == 0 && cu_aligned16(p->out) && cu_aligned16(p->a) && cu_aligned16(p->b);
@@ -1598,15 +1524,15 @@ static mt_status sigmoid_launch(ew_params *p, cudaStream_t s) {
     return MT_OK;
 }
 
-extern "C" void cu_swiglu(mt_backend *be, float *out, const float *gate, const float *up, int n, int I,
-                          float L) {
+static void cu_swiglu(mt_backend *be, float *out, const float *gate, const float *up, int n, int I,
+                      float L) {
     MT_ASSERT(n >= 0 && I >= 0);
     ew_params p = {out, gate, up, (int64_t)n * I, L};
     if (p.count == 0) return;
     cu_op_status(be, "swiglu", swiglu_launch(&p, cu_stream(be)));
 }
 
-extern "C" void cu_sigmoid(mt_backend *be, float *x, int64_t count) {
+static void cu_sigmoid(mt_backend *be, float *x, int64_t count) {
     MT_ASSERT(count >= 0);
     if (count == 0) return;
     ew_params p = {x, x, NULL, count, 0.f};
@@ -1727,7 +1653,7 @@ static int32_t *argmax_to(mt_backend *be, int32_t *out, int rep, const float *lo
     return p.out;
 }
 
-extern "C" void cu_argmax_dev(mt_backend *be, int32_t *out, int rep, const float *logits, int n, int V) {
+static void cu_argmax_dev(mt_backend *be, int32_t *out, int rep, const float *logits, int n, int V) {
     MT_ASSERT(n >= 0 && V > 0 && n <= 65535 && rep >= 1 && rep <= 32 && out);
     if (n == 0) return;
     mt_status st;
@@ -1735,7 +1661,7 @@ extern "C" void cu_argmax_dev(mt_backend *be, int32_t *out, int rep, const float
     cu_op_status(be, "argmax_dev", st);
 }
 
-extern "C" void cu_argmax(mt_backend *be, int32_t *out, const float *logits, int n, int V) {
+static void cu_argmax(mt_backend *be, int32_t *out, const float *logits, int n, int V) {
     MT_ASSERT(n >= 0 && V > 0 && n <= 65535);
     if (n == 0) return;
     mt_status st;
@@ -1747,4 +1673,19 @@ extern "C" void cu_argmax(mt_backend *be, int32_t *out, const float *logits, int
     if (st == MT_OK)
         MT_CUDA_(cudaStreamSynchronize(cu_stream(be)), "cudaStreamSynchronize(argmax)", st = mt_st_);
     cu_op_status(be, "argmax", st);
+}
+
+extern "C" void cu_dense_fill(mt_backend_ops *t) {
+    t->embed = cu_embed;
+    t->matmul = cu_matmul;
+    t->matmul_multi = cu_matmul_multi;
+    t->kda_gates = cu_kda_gates;
+    t->hc_head_norm = cu_hc_head_norm;
+    t->rmsnorm = cu_rmsnorm;
+    t->layernorm = cu_layernorm;
+    t->l2norm = cu_l2norm;
+    t->swiglu = cu_swiglu;
+    t->sigmoid = cu_sigmoid;
+    t->argmax = cu_argmax;
+    t->argmax_dev = cu_argmax_dev;
 }

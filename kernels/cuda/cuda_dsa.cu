@@ -1,8 +1,8 @@
 /* kernels/cuda/cuda_dsa.cu: the DSA ops on the GPU, computing the same functions as
  * kernels/cpu/cpu_dsa.c: pooled indexer keys, the head-weighted ReLU pool scores with pool top-k
- * plus the tail, and sparse MLA in the latent space (weight absorption). Three tiers per op
- * (STYLE.md 7): static kernels, a static launcher that picks the grid, and the exported cu_* op
- * that checks shapes and dtypes. */
+ * plus the tail, and sparse MLA in the latent space (weight absorption). Three tiers per op:
+ * static kernels, a static launcher that picks the grid, and the op that checks shapes and
+ * dtypes. */
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -12,24 +12,9 @@
 #include <string.h>
 
 #include "kernels/cuda/cuda_check.h"
-#include "kernels/cuda/cuda_mla.h"
+#include "kernels/cuda/cuda_dsa_mla.h"
 #include "kernels/cuda/cuda_ops.h"
 
-/* Dynamic shared memory above 48 KB needs the kernel's limit raised first. */
-static mt_status dsa_smem_opt_in(const void *kernel, size_t bytes) {
-    if (bytes <= 48 * 1024) return MT_OK;
-    MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
-    return MT_OK;
-}
-
-/* Largest dynamic shared memory a block may opt in to on the current device. */
-static int dsa_smem_max(void) {
-    int dev = 0, v = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
-        return 48 * 1024;
-    return v;
-}
 
 /* ------------------------------------------------------------------------------------------ */
 /* dsa_pool_keys                                                                                */
@@ -71,15 +56,15 @@ static pool_params pool_setup(mt_paged pool_keys, mt_paged ki, mt_paged gs, cons
     return (pool_params){pool_keys, ki, gs, bt, ape, p0, p1, kpool, id, pos};
 }
 
-extern "C" void cu_dsa_pool_keys(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs, const int32_t *bt,
-                                 const float *ape, int p0, int p1, int kpool) {
+static void cu_dsa_pool_keys(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs, const int32_t *bt,
+                             const float *ape, int p0, int p1, int kpool) {
     const pool_params p = pool_setup(pool_keys, ki, gs, bt, ape, p0, p1, kpool, NULL);
     if (p1 == p0) return;
     dsa_pool_keys_launch(be, &p);
 }
 
-extern "C" void cu_dsa_pool_keys_at(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs,
-                                    const int32_t *bt, const float *ape, const int32_t *pos, int kpool) {
+static void cu_dsa_pool_keys_at(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs,
+                                const int32_t *bt, const float *ape, const int32_t *pos, int kpool) {
     MT_ASSERT(pos);
     const pool_params p = pool_setup(pool_keys, ki, gs, bt, ape, 0, 1, kpool, pos); /* grid sized for one pool */
     dsa_pool_keys_launch(be, &p);
@@ -322,12 +307,12 @@ static __global__ void __launch_bounds__(SEL_THREADS) dsa_select_kernel(select_p
 
 static mt_status dsa_select_launch(mt_backend *be, const select_params *p) {
     const size_t smem = select_smem_carve(NULL, p, NULL);
-    if (smem > (size_t)dsa_smem_max()) {
+    if (smem > (size_t)cu_smem_max()) {
         mt_log(MT_LOG_ERROR, "dsa_select: %d candidate pools need %zu bytes of shared memory, over the "
                "device's limit", p->max_cand, smem);
         return MT_ERR_UNSUPPORTED;
     }
-    mt_status st = dsa_smem_opt_in((const void *)dsa_select_kernel, smem);
+    mt_status st = cu_smem_opt_in((const void *)dsa_select_kernel, smem);
     if (st != MT_OK) return st;
     cu_launch_pdl_k(dsa_select_kernel, dim3(p->n), dim3(SEL_THREADS), smem, cu_stream(be), *p);
     cu_check_launch(be, "dsa_select");
@@ -368,17 +353,17 @@ static select_params select_setup(int32_t *sel, int32_t *nsel, const float *qi, 
     return sp;
 }
 
-extern "C" void cu_dsa_select(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi,
-                              const float *w, mt_paged pool_keys, const int32_t *bt, int t0, int n,
-                              const mt_dsa_select_params *p) {
+static void cu_dsa_select(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi,
+                          const float *w, mt_paged pool_keys, const int32_t *bt, int t0, int n,
+                          const mt_dsa_select_params *p) {
     if (n == 0) return;
     const select_params sp = select_setup(sel, nsel, qi, w, pool_keys, bt, t0, n, p, NULL, NULL);
     cu_op_status(be, "dsa_select", dsa_select_launch(be, &sp));
 }
 
-extern "C" void cu_dsa_select_rows(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi,
-                                   const float *w, mt_paged pool_keys, const int32_t *const *bts,
-                                   const int32_t *pos, int n, const mt_dsa_select_params *p) {
+static void cu_dsa_select_rows(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi,
+                               const float *w, mt_paged pool_keys, const int32_t *const *bts,
+                               const int32_t *pos, int n, const mt_dsa_select_params *p) {
     MT_ASSERT(p->t_cap > 0 && bts && pos);
     if (n == 0) return;
     const select_params sp = select_setup(sel, nsel, qi, w, pool_keys, NULL, 0, n, p, pos, bts);
@@ -392,15 +377,15 @@ extern "C" void cu_dsa_select_rows(mt_backend *be, int32_t *sel, int32_t *nsel, 
  *   attend  per (row, group of hg heads, split of the selected rows): scores against the latent
  *           rows, an online softmax, and the unnormalised latent sum; (max, sum, acc) per split
  *           (fp32 for decode and a few rows; on the tensor cores for prefill: kv_lora 512 with
- *           heads in 64s on wgmma, cuda_mla_wg.cu, else mla_attend_tc_kernel on mma.sync)
+ *           heads in 64s on wgmma, cuda_dsa_mla_wg.cu, else mla_attend_tc_kernel on mma.sync)
  *   output  merge the splits, normalise, o[i, h] = W_v[h] ol  (each value row read once per 8 rows)
  * Splitting the selected rows gives decode (one row, 64 heads) enough blocks for the GPU. */
 
 enum {
     /* query rows per pass (bounds the scratch: ~0.27 GB of qa and partials plus the GEMMs' 128 MB
      * of bf16 rows at 64 heads of kv_lora 512, within the worker's reserve). H200, 4096-token
-     * prefill (docs/bench/2026-11-30-h200-session16.md, call 13): absorb + output GEMMs 1.47-1.80 ms
-     * in passes of 256, 1.18 of 512, 1.01 of 1024; the attend the same */
+     * prefill: absorb + output GEMMs 1.47-1.80 ms in passes of 256, 1.18 of 512, 1.01 of 1024;
+     * the attend the same */
     MLA_BATCH = 1024,
     MLA_MAX_HG = 8,      /* heads per attend block, sharing each latent tile */
     MLA_ROWS = 32,       /* latent rows per tile */
@@ -1452,7 +1437,7 @@ static __global__ void __launch_bounds__(NW * 32, 1) mla_attend_tc_kernel(mla_de
  * 1, wrote C, read it and wrote it again, and each ran its short K = 256 or 512 through its own
  * prologue and epilogue.) It replaced a mma.sync kernel of 64 x 64 tiles that converted A on the
  * way in: 4096-token prefill of bench-4L on the H200, absorb 1.33 -> 1.09 ms, output 1.29 ->
- * 1.00 ms (docs/bench/2026-11-30-h200-session10.md) as two GEMMs.
+ * 1.00 ms (H200) as two GEMMs.
  * The output's A is the merged, normalised latent output, split as it is merged
  * (mla_merge_split_kernel), or written so by the attend itself (p.o16).
  * cuBLAS is column-major: row-major C_h [nb, N] (ldc) is C_h^T [N, nb]; A16_h [nb, 2K] (lda) is
@@ -1466,8 +1451,6 @@ enum { MLAG_THREADS = 128 /* mla_merge_split_kernel */, MLAD_THREADS = 256 /* ml
 typedef struct mla_gemm_buf {
     __nv_bfloat16 *a16, *wk2, *wv2;
 } mla_gemm_buf;
-
-static size_t mla_align256(size_t b) { return (b + 255) & ~(size_t)255; }
 
 /* W2 from kv_b (per head h: W_k rows [h (dn + dv), + dn), W_v the next dv), 8 bf16 a thread:
  * e < Hq 2 dn kvl / 8 for wk2 (row k' of head h is W_k row k' mod dn), the rest for wv2 (row n of
@@ -1491,8 +1474,8 @@ static __global__ void __launch_bounds__(MLAD_THREADS) mla_dup_kernel(mla_gemm_b
 /* Carves CU_SCRATCH_GEMM for passes of up to nb_max rows and makes W2 (once a call). */
 static mt_status mla_gemm_prep(mt_backend *be, const mla_dev_params *p, int nb_max, mla_gemm_buf *g) {
     const size_t k = (size_t)(p->dn > p->kvl ? p->dn : p->kvl);
-    const size_t a_b = mla_align256(sizeof(__nv_bfloat16) * (size_t)nb_max * p->Hq * 2 * k);
-    const size_t wk_b = mla_align256(sizeof(__nv_bfloat16) * (size_t)p->Hq * 2 * p->dn * p->kvl);
+    const size_t a_b = cu_align_up(sizeof(__nv_bfloat16) * (size_t)nb_max * p->Hq * 2 * k, 256);
+    const size_t wk_b = cu_align_up(sizeof(__nv_bfloat16) * (size_t)p->Hq * 2 * p->dn * p->kvl, 256);
     const size_t wv_b = sizeof(__nv_bfloat16) * (size_t)p->Hq * p->dv * 2 * p->kvl;
     char *buf = (char *)cu_scratch(be, CU_SCRATCH_GEMM, a_b + wk_b + wv_b);
     if (!buf) return MT_ERR_NOMEM; /* logged */
@@ -1585,22 +1568,21 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
     const int rows_max = p->max_sel > last ? p->max_sel : last;
     /* The attend kernel: prefill (n >= MLAT_MIN_ROWS of one sequence, eager) on the tensor cores,
      * a few rows on the fp32 wide kernel (32 heads a block), where the shape allows; else, and for
-     * one row, the per-8-heads kernel. MT_MLA_ATTEND=wide or =old forces the fp32 ones, =mma the
-     * mma.sync tensor-core kernel over the wgmma one (for comparison). */
-    const size_t lim = (size_t)dsa_smem_max();
+     * one row, the per-8-heads kernel. mt_cuda_params.mla_attend: MT_CUDA_MLA_ATTEND_WIDE forces the
+     * fp32 wide kernel, _MMA the mma.sync tensor-core kernel over the wgmma one (for comparison). */
+    const size_t lim = (size_t)cu_smem_max();
     const size_t wide_smem = sizeof(float) * mlaw_smem_floats(p->kvl);
     const size_t tc_smem = mlat_smem_bytes(p->kvl / MLAT_COLS);
-    const char *env = getenv("MT_MLA_ATTEND");
+    const mt_cuda_mla_attend mode = ((const cu_backend *)be)->params.mla_attend;
     /* kvl 256 or 512 and an aligned pool: every latent row is 16-byte aligned for cp.async */
     const bool shape32 = p->Hq % MLAW_HB == 0 && (p->kvl == 256 || p->kvl == 512) && cu_aligned16(p->latent.base);
-    const bool force_old = env && strcmp(env, "old") == 0, force_wide = env && strcmp(env, "wide") == 0;
-    const bool tc = n >= MLAT_MIN_ROWS && !force_old && !force_wide && shape32 && !p->t0_dev && !p->pos_rows &&
-                    tc_smem <= lim;
-    /* of those, kvl 512 with heads in 64s on wgmma (cuda_mla_wg.cu); MT_MLA_ATTEND=mma keeps
+    const bool force_wide = mode == MT_CUDA_MLA_ATTEND_WIDE;
+    const bool tc = n >= MLAT_MIN_ROWS && !force_wide && shape32 && !p->t0_dev && !p->pos_rows && tc_smem <= lim;
+    /* of those, kvl 512 with heads in 64s on wgmma (cuda_dsa_mla_wg.cu); MT_CUDA_MLA_ATTEND_MMA keeps
      * mla_attend_tc_kernel (for comparison) */
-    const bool wgk = tc && p->kvl == 512 && p->Hq % 64 == 0 && !(env && strcmp(env, "mma") == 0) &&
+    const bool wgk = tc && p->kvl == 512 && p->Hq % 64 == 0 && mode != MT_CUDA_MLA_ATTEND_MMA &&
                      mla_wg_smem_bytes() <= lim;
-    const bool wide = !tc && n > 1 && !force_old && shape32 && wide_smem <= lim;
+    const bool wide = !tc && n > 1 && shape32 && wide_smem <= lim;
     /* with it, the absorb and output through cuBLAS (mla_gemm_blas) when kv_b is bf16 */
     const bool tcg = tc && p->kv_dtype == MT_BF16 && cu_aligned16(p->kv_b); /* mla_dup_kernel's 16-byte loads */
     mla_plan(be, p, nb_max, rows_max, wide || tc); /* MLAT_HB == MLAW_HB: the same plan */
@@ -1633,20 +1615,20 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
         return MT_ERR_UNSUPPORTED;
     }
     mt_status st;
-    if ((st = dsa_smem_opt_in((const void *)mla_absorb_kernel, abs_smem)) != MT_OK) return st;
-    if ((st = dsa_smem_opt_in((const void *)mla_attend_kernel, att_smem)) != MT_OK) return st;
+    if ((st = cu_smem_opt_in((const void *)mla_absorb_kernel, abs_smem)) != MT_OK) return st;
+    if ((st = cu_smem_opt_in((const void *)mla_attend_kernel, att_smem)) != MT_OK) return st;
     if (wide) {
-        if (p->kvl == 256) st = dsa_smem_opt_in((const void *)mla_attend_wide_kernel<1>, wide_smem);
-        else st = dsa_smem_opt_in((const void *)mla_attend_wide_kernel<2>, wide_smem);
+        if (p->kvl == 256) st = cu_smem_opt_in((const void *)mla_attend_wide_kernel<1>, wide_smem);
+        else st = cu_smem_opt_in((const void *)mla_attend_wide_kernel<2>, wide_smem);
         if (st != MT_OK) return st;
     }
     if (wgk) MT_CUDA_CHECK(mla_wg_opt_in());
     if (tc && !wgk) {
-        if (p->kvl == 256) st = dsa_smem_opt_in((const void *)mla_attend_tc_kernel<4>, tc_smem);
-        else st = dsa_smem_opt_in((const void *)mla_attend_tc_kernel<8>, tc_smem);
+        if (p->kvl == 256) st = cu_smem_opt_in((const void *)mla_attend_tc_kernel<4>, tc_smem);
+        else st = cu_smem_opt_in((const void *)mla_attend_tc_kernel<8>, tc_smem);
         if (st != MT_OK) return st;
     }
-    if ((st = dsa_smem_opt_in((const void *)mla_output_kernel, out_smem)) != MT_OK) return st;
+    if ((st = cu_smem_opt_in((const void *)mla_output_kernel, out_smem)) != MT_OK) return st;
 
     mla_gemm_buf gb = {NULL, NULL, NULL};
     if (tcg && (st = mla_gemm_prep(be, p, nb_max, &gb)) != MT_OK) return st;
@@ -1747,20 +1729,29 @@ static mla_dev_params mla_setup(float *out, const float *q, mt_paged latent, con
     return dp;
 }
 
-extern "C" void cu_mla_sparse(mt_backend *be, float *out, const float *q, mt_paged latent, const int32_t *bt,
-                              const mt_weight *kv_b, const int32_t *sel, const int32_t *nsel,
-                              int max_sel, int t0, int n, const mt_mla_params *p) {
+static void cu_mla_sparse(mt_backend *be, float *out, const float *q, mt_paged latent, const int32_t *bt,
+                          const mt_weight *kv_b, const int32_t *sel, const int32_t *nsel,
+                          int max_sel, int t0, int n, const mt_mla_params *p) {
     mla_dev_params dp = mla_setup(out, q, latent, bt, kv_b, sel, nsel, max_sel, t0, n, p, NULL, NULL);
     if (n == 0) return;
     cu_op_status(be, "mla_sparse", mla_sparse_launch(be, &dp, n));
 }
 
-extern "C" void cu_mla_sparse_rows(mt_backend *be, float *out, const float *q, mt_paged latent,
-                                   const int32_t *const *bts, const mt_weight *kv_b, const int32_t *sel,
-                                   const int32_t *nsel, int max_sel, const int32_t *pos, int n,
-                                   const mt_mla_params *p) {
+static void cu_mla_sparse_rows(mt_backend *be, float *out, const float *q, mt_paged latent,
+                               const int32_t *const *bts, const mt_weight *kv_b, const int32_t *sel,
+                               const int32_t *nsel, int max_sel, const int32_t *pos, int n,
+                               const mt_mla_params *p) {
     MT_ASSERT(p->t_cap > 0 && pos && bts);
     mla_dev_params dp = mla_setup(out, q, latent, NULL, kv_b, sel, nsel, max_sel, 0, n, p, pos, bts);
     if (n == 0) return;
     cu_op_status(be, "mla_sparse_rows", mla_sparse_launch(be, &dp, n));
+}
+
+extern "C" void cu_dsa_fill(mt_backend_ops *t) {
+    t->dsa_pool_keys = cu_dsa_pool_keys;
+    t->dsa_pool_keys_at = cu_dsa_pool_keys_at;
+    t->dsa_select = cu_dsa_select;
+    t->dsa_select_rows = cu_dsa_select_rows;
+    t->mla_sparse = cu_mla_sparse;
+    t->mla_sparse_rows = cu_mla_sparse_rows;
 }

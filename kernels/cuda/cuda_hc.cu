@@ -9,7 +9,7 @@
  * blocks exchange their partial sums through distributed shared memory, and every block adds the
  * eight in rank order (so all hold the same m and rms factor); then each block collapses its
  * eighth of H, and block 0 writes post and, last, comb (hc_comb_thread: the Sinkhorn in one
- * thread's registers). Launched for PDL (cuda_dense.cu's cu_launch_pdl), as is hc_post's float4 form.
+ * thread's registers). Launched for PDL (cu_launch_pdl, cuda_launch.h), as is hc_post's float4 form.
  * Otherwise (prefill): the (2+S)S projection (hcm_kernel, tensor cores with X split in registers,
  * for a bf16 fn and the shapes it takes; else cu_matmul) and one block per row for the rms
  * factor, sigmoids and the collapse (hc_pre_rows_kernel, the row held in registers, where S <= 4
@@ -235,7 +235,7 @@ static __global__ void __launch_bounds__(HC_MIX_THREADS) hc_pre_mix_kernel(const
  * 1.20 ms with 8 k-slices (150 us a call; X alone is 268 MB, 63 us at the copy rate), ~1.1 ms
  * with 16. A warp takes two 16-row tiles (HCM_TILES), so each fn fragment it loads (for NT = 3,
  * six 4-byte loads a lane and k step, more requests than X's four) serves 32 rows: 1.08-1.12 -> 0.79-0.80
- * ms at 16 slices (session 13, docs/bench/2026-11-30-h200-session13.md; see hcm_slices). */
+ * ms at 16 slices (H200; see hcm_slices). */
 enum { HCM_LD = 32 /* mix outputs, padded: four n8 tiles */, HCM_WARPS = 4,
        HCM_TILES = 2 /* m16 row tiles a warp: each fn fragment it loads serves both */,
        HCM_UNROLL = 2 /* k steps a load batch (4 was slower with two tiles) */ };
@@ -383,7 +383,7 @@ static __global__ void __launch_bounds__(HCR_THREADS) hc_pre_rows_kernel(const h
  * from the rows kernel, whose blocks would otherwise each hold their multiprocessor slot through
  * one thread's serial Sinkhorn: H200, the 8 calls of a 4096-token prefill, hc_pre 1.27-1.30 ms
  * with the Sinkhorn in the rows kernel, 0.94 with none at all (timing only), 1.01-1.05 with this
- * kernel after it (docs/bench/2026-11-30-h200-session12.md, calls 6-7). */
+ * kernel after it. */
 enum { HCC_THREADS = 128 };
 static __global__ void __launch_bounds__(HCC_THREADS) hc_comb_rows_kernel(const hc_pre_params p) {
     const int64_t i = (int64_t)blockIdx.x * HCC_THREADS + threadIdx.x;
@@ -402,10 +402,9 @@ static bool hcm_ok(const mt_weight *fn, const float *X, int S, int H) {
 /* k-slices: ~16 16-row tiles a multiprocessor (~8 warps of HCM_TILES), at most 32 slices of >= 512
  * columns. The count is a trade: more slices feed the mix more warps, and hc_pre_rows_kernel sums
  * each row's slices in order before it can finish the row. H200, the 8 calls of a 4096-token
- * prefill (docs/bench/2026-11-30-h200-session13.md, call 14), mix + rows kernel: 4 / 8 / 16 slices
- * 2.19-2.28 / 1.75-1.78 / 1.90-1.95 ms. With a tile a warp (session 10, call 11), the mix alone:
- * 4 / 8 / 16 / 32 slices 1.78 / 1.21 / 1.10 / 1.17 ms; 512 rows with 16 / 32 slices 0.47 / 0.28 ms
- * (512 rows still take 32). */
+ * prefill, mix + rows kernel: 4 / 8 / 16 slices 2.19-2.28 / 1.75-1.78 / 1.90-1.95 ms. With a tile
+ * a warp, the mix alone: 4 / 8 / 16 / 32 slices 1.78 / 1.21 / 1.10 / 1.17 ms; 512 rows with 16 /
+ * 32 slices 0.47 / 0.28 ms (512 rows still take 32). */
 static int hcm_slices(int n, int K, int n_sm) {
     const int64_t tiles = (n + 15) / 16;
     int64_t mk = (int64_t)n_sm * 16 / tiles;
@@ -659,8 +658,8 @@ hc_pre_dec_kernel(const hc_pre_params p) {
  * times: ~13 us a call (18 with the norm) on the H200, 8 calls a bench-4L step. Here block b of
  * S*H / (32 V) (64 at the real shape) dots its 32 V columns of fn's (2+S)S rows with X (warp w:
  * rows w, w + 8, w + 16; lane l one 16-byte vector) and writes the partial sums; then one block
- * (by default a second launch of the kernel, phase 2 after a programmatic boundary; with
- * MT_CUDA_HC_TWO=0 the last block to arrive, by an arrival counter it resets for the next call)
+ * (a second launch of the kernel, phase 2 after a programmatic boundary; with HCS_FIRST_PHASE 0
+ * the last block to arrive, by an arrival counter it resets for the next call)
  * adds the partials in block order (deterministic), makes pre and post, collapses y over all of
  * H with float4 loads, and with NORM writes h = rmsnorm(y) * norm_w instead of y; its ninth warp
  * runs each row's Sinkhorn (hc_comb_thread, one lane a row) meanwhile, so the norm never waits
@@ -677,8 +676,8 @@ typedef struct hc_split_params {
                              p.comb hold the previous hc_pre's on entry */
     int phase;            /* 0: the whole op, the last block to arrive finishing; 1: the dot
                              products only; 2: the finish only, one block over nblk blocks'
-                             partials (hc_two: two launches, so a programmatic boundary replaces
-                             the fences and the arrival) */
+                             partials (HCS_FIRST_PHASE 1: two launches, so a programmatic
+                             boundary replaces the fences and the arrival) */
     int nblk;
 } hc_split_params;
 
@@ -1013,37 +1012,26 @@ template <bool NORM, bool POST> static const void *hc_pre_split_pick(mt_dtype dt
            : dt == MT_F16 ? hc_pre_split_fn<MT_F16, NORM, POST>(n) : hc_pre_split_fn<MT_BF16, NORM, POST>(n);
 }
 
-/* MT_CUDA_HC_SPLIT=0 (read once) keeps decode on the cluster kernel, for comparison. */
-static bool hc_split_on(void) {
-    static const bool on = !(getenv("MT_CUDA_HC_SPLIT") && !strcmp(getenv("MT_CUDA_HC_SPLIT"), "0"));
-    return on;
-}
-
-/* The split kernel runs as two launches (phase 1, the dot products on every block; phase 2, the
- * finish on one block) unless MT_CUDA_HC_TWO=0 (read once): the last-block form's fences, arrival
- * and re-read of the partials cost more than a programmatic kernel boundary (H200 decode_bench,
- * the two forms alternating in one call: the step's GPU time 1.175 / 1.174 / 1.175 ms fused,
- * 1.168 / 1.169 / 1.169 ms as two launches). */
-static bool hc_two(void) {
-    static const bool on = !(getenv("MT_CUDA_HC_TWO") && !strcmp(getenv("MT_CUDA_HC_TWO"), "0"));
-    return on;
-}
-
-static size_t align_up(size_t b, size_t a) { return (b + a - 1) / a * a; }
+/* The split kernel's first launch: phase 1 (HCS_FIRST_PHASE 1), the dot products on every block,
+ * then phase 2, the finish on one block, as a second launch; phase 0 would be one launch whose
+ * last block finishes, but its fences, arrival and re-read of the partials cost more than a
+ * programmatic kernel boundary (H200 decode_bench, the two forms alternating in one run: the
+ * step's GPU time 1.175 / 1.174 / 1.175 ms fused, 1.168 / 1.169 / 1.169 ms as two launches). */
+enum { HCS_FIRST_PHASE = 1 };
 
 /* a: the fused hc_post's input (the split kernel's POST form; the caller checked
  * hc_post_pre_split_ok), else NULL. */
 static mt_status hc_pre_dec_launch(mt_backend *be, hc_pre_params *p, mt_dtype dt, const mt_weight *fn,
                                    const float *a = NULL) {
     const cudaStream_t s = cu_stream(be);
-    if (a || (hc_split_on() && hc_pre_split_ok(fn, p->S, p->H, p->norm_w))) {
+    if (a || hc_pre_split_ok(fn, p->S, p->H, p->norm_w)) {
         const int blocks = (int)((int64_t)p->S * p->H / (32 * (dt == MT_F32 ? 4 : 8)));
         const int nb = p->n <= 1 ? 1 : p->n <= 2 ? 2 : 4;
-        const size_t pf = align_up((size_t)blocks * nb * HC_DEC_MIX * sizeof(float), 16);
+        const size_t pf = cu_align_up((size_t)blocks * nb * HC_DEC_MIX * sizeof(float), 16);
         char *scr = (char *)cu_scratch(be, CU_SCRATCH_DENSE, pf + (size_t)blocks * nb * sizeof(double));
         if (!scr) return MT_ERR_NOMEM;
         hc_split_params q = {*p, (float *)scr, (double *)(scr + pf),
-                             ((cu_backend *)be)->counters + CU_COUNTER_HC_PRE, a, hc_two() ? 1 : 0, blocks};
+                             ((cu_backend *)be)->counters + CU_COUNTER_HC_PRE, a, HCS_FIRST_PHASE, blocks};
         const void *k = a ? hc_pre_split_pick<true, true>(dt, p->n)
                         : p->h ? hc_pre_split_pick<true, false>(dt, p->n) : hc_pre_split_pick<false, false>(dt, p->n);
         MT_CUDA_CHECK(cu_launch_pdl(k, dim3(blocks), dim3(HCS_THREADS), 0, s, &q));
@@ -1065,9 +1053,9 @@ static void hc_pre_check(const mt_weight *fn, const mt_hc_params *p, int n) {
     MT_ASSERT(fn->dtype == MT_F32 || fn->dtype == MT_F16 || fn->dtype == MT_BF16);
 }
 
-extern "C" void cu_hc_pre(mt_backend *be, float *y, float *post, float *comb, const float *X,
-                          const mt_weight *fn, const float *base, const float *scale,
-                          const mt_hc_params *p, int n) {
+static void cu_hc_pre(mt_backend *be, float *y, float *post, float *comb, const float *X,
+                      const mt_weight *fn, const float *base, const float *scale,
+                      const mt_hc_params *p, int n) {
     hc_pre_check(fn, p, n);
     const int S = p->S, H = p->H, mix = (2 + S) * S;
     if (n == 0) return;
@@ -1097,7 +1085,7 @@ extern "C" void cu_hc_pre(mt_backend *be, float *y, float *post, float *comb, co
     }
     float *m = (float *)cu_scratch(be, CU_SCRATCH_DENSE, sizeof(float) * (size_t)n * mix);
     if (!m) return;
-    cu_matmul(be, m, X, fn, n); /* records its own failure */
+    be->ops->matmul(be, m, X, fn, n); /* records its own failure */
     q.m = m;
     cu_op_status(be, "hc_pre", hc_pre_launch(&q, cu_stream(be)));
 }
@@ -1105,9 +1093,9 @@ extern "C" void cu_hc_pre(mt_backend *be, float *y, float *post, float *comb, co
 /* hc_pre, then h = rmsnorm(y) * norm_w (eps p->rms_eps): for a few rows one cluster launch that
  * never writes y (the norm's own kernel was ~4.5 us of latency per sublayer); otherwise the two
  * ops, y as their buffer. */
-extern "C" void cu_hc_pre_norm(mt_backend *be, float *h, float *y, float *post, float *comb, const float *X,
-                               const mt_weight *fn, const float *base, const float *scale, const float *norm_w,
-                               const mt_hc_params *p, int n) {
+static void cu_hc_pre_norm(mt_backend *be, float *h, float *y, float *post, float *comb, const float *X,
+                           const mt_weight *fn, const float *base, const float *scale, const float *norm_w,
+                           const mt_hc_params *p, int n) {
     hc_pre_check(fn, p, n);
     if (n == 0) return;
     if (hc_pre_dec_ok(fn, X, p->S, p->H, n, true)) {
@@ -1117,20 +1105,20 @@ extern "C" void cu_hc_pre_norm(mt_backend *be, float *h, float *y, float *post, 
         return;
     }
     cu_hc_pre(be, y, post, comb, X, fn, base, scale, p, n);
-    cu_rmsnorm(be, h, y, norm_w, n, p->H, p->rms_eps);
+    be->ops->rmsnorm(be, h, y, norm_w, n, p->H, p->rms_eps);
 }
 
 /* Whether the split kernel's POST form takes it: the hc_pre_norm split shape, a stream's lanes a
  * whole share of the warp (S divides 32), aligned X and a. */
 static bool hc_post_pre_split_ok(const mt_weight *fn, const float *X, const float *a, int S, int H, int n,
                                  const float *norm_w) {
-    return hc_split_on() && hc_pre_dec_ok(fn, X, S, H, n, true) && hc_pre_split_ok(fn, S, H, norm_w) && 32 % S == 0 &&
+    return hc_pre_dec_ok(fn, X, S, H, n, true) && hc_pre_split_ok(fn, S, H, norm_w) && 32 % S == 0 &&
            cu_aligned16(a) && norm_w;
 }
 
-extern "C" void cu_hc_post_pre_norm(mt_backend *be, float *X, const float *a, float *h, float *y, float *post,
-                                    float *comb, const mt_weight *fn, const float *base, const float *scale,
-                                    const float *norm_w, const mt_hc_params *p, int n) {
+static void cu_hc_post_pre_norm(mt_backend *be, float *X, const float *a, float *h, float *y, float *post,
+                                float *comb, const mt_weight *fn, const float *base, const float *scale,
+                                const float *norm_w, const mt_hc_params *p, int n) {
     hc_pre_check(fn, p, n);
     if (n == 0) return;
     if (hc_post_pre_split_ok(fn, X, a, p->S, p->H, n, norm_w)) {
@@ -1139,7 +1127,7 @@ extern "C" void cu_hc_post_pre_norm(mt_backend *be, float *X, const float *a, fl
         cu_op_status(be, "hc_post_pre_norm", hc_pre_dec_launch(be, &q, fn->dtype, fn, a));
         return;
     }
-    cu_hc_post(be, X, a, post, comb, p, n);
+    be->ops->hc_post(be, X, a, post, comb, p, n);
     cu_hc_pre_norm(be, h, y, post, comb, X, fn, base, scale, norm_w, p, n);
 }
 
@@ -1235,7 +1223,7 @@ static __global__ void hc_head_kernel(const hc_head_params p) {
     p.z[t] = a / (float)p.S;
 }
 
-static unsigned hc_grid(int64_t count) { return (unsigned)((count + HC_EW_THREADS - 1) / HC_EW_THREADS); }
+static unsigned hc_grid(int64_t count) { return cu_grid_1d(count, HC_EW_THREADS, 0); }
 
 enum { HC_POST_VEC_THREADS = 64 }; /* 16 blocks for one row of 4096: spread over the SMs */
 
@@ -1257,8 +1245,8 @@ static mt_status hc_head_launch(const hc_head_params *p, cudaStream_t s) {
     return MT_OK;
 }
 
-extern "C" void cu_hc_post(mt_backend *be, float *X, const float *a, const float *post,
-                           const float *comb, const mt_hc_params *p, int n) {
+static void cu_hc_post(mt_backend *be, float *X, const float *a, const float *post,
+                       const float *comb, const mt_hc_params *p, int n) {
     MT_ASSERT(p->S >= 1 && p->S <= HC_MAX_S && p->H > 0 && n >= 0);
     MT_ASSERT((int64_t)n * p->H / HC_EW_THREADS < INT_MAX);
     if (n == 0) return;
@@ -1266,10 +1254,18 @@ extern "C" void cu_hc_post(mt_backend *be, float *X, const float *a, const float
     cu_op_status(be, "hc_post", hc_post_launch(&q, cu_stream(be)));
 }
 
-extern "C" void cu_hc_head(mt_backend *be, float *z, const float *X, int n, int S, int H) {
+static void cu_hc_head(mt_backend *be, float *z, const float *X, int n, int S, int H) {
     MT_ASSERT(S >= 1 && H > 0 && n >= 0);
     MT_ASSERT((int64_t)n * H / HC_EW_THREADS < INT_MAX);
     if (n == 0) return;
     hc_head_params q = {z, X, n, S, H};
     cu_op_status(be, "hc_head", hc_head_launch(&q, cu_stream(be)));
+}
+
+extern "C" void cu_hc_fill(mt_backend_ops *t) {
+    t->hc_pre = cu_hc_pre;
+    t->hc_pre_norm = cu_hc_pre_norm;
+    t->hc_post_pre_norm = cu_hc_post_pre_norm;
+    t->hc_post = cu_hc_post;
+    t->hc_head = cu_hc_head;
 }

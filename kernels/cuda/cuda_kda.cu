@@ -1,8 +1,8 @@
 /* kernels/cuda/cuda_kda.cu: the KDA (Kimi Delta Attention) mixer's ops on the GPU, computing the
  * same functions as kernels/cpu/cpu_kda.c: causal depthwise conv with state + SiLU, the decay
  * gate, the recurrent delta rule (decode) and the gated output norm; the chunked delta rule
- * (prefill) is cuda_kda_chunk.cu. Three tiers per op (STYLE.md 7): static kernels, a static
- * launcher that picks the grid, and the exported cu_* op that checks shapes.
+ * (prefill) is cuda_kda_chunk.cu. Three tiers per op: static kernels, a static launcher that
+ * picks the grid, and the op that checks shapes.
  *
  * The delta rule's value columns are independent of each other (row i of the state decays by
  * exp(g[i]) for every column; u, delta and o are per column), so the recurrent kernels give one
@@ -38,11 +38,10 @@ typedef struct conv_params {
  * from x or, before time 0, from the state; they slide through a register window. KT > 0: the
  * kernel size known at compile time (the model's 4), which takes the window's bounds tests out of
  * every step: with them the kernel was issue-bound (SM throughput 70%, DRAM 30% at 4096 x 8192 on
- * the H200: 177 us where the bytes take ~65; docs/bench/2026-11-29-h200-session9.md, call 13).
+ * the H200: 177 us where the bytes take ~65).
  * The inputs are loaded CONV_BATCH steps at a time before any of their outputs is stored (x and
  * out never alias: cu_conv1d_silu asserts it), so a thread has that many loads in flight rather
- * than one: the 9 calls of a 4096-token prefill 0.98 -> 0.85 ms on the H200 (16 steps: 0.83;
- * docs/bench/2026-11-30-h200-session12.md, call 7). */
+ * than one: the 9 calls of a 4096-token prefill 0.98 -> 0.85 ms on the H200 (16 steps: 0.83). */
 enum { CONV_BATCH = 8 };
 /* Channel c's conv + SiLU over steps [ta, tb): put(t, y) takes each output, in order of t. */
 template <int KT, typename Put>
@@ -121,8 +120,8 @@ static void conv1d_silu_launch(mt_backend *be, const conv_params *p) {
     conv_state_launch(be, p);
 }
 
-extern "C" void cu_conv1d_silu(mt_backend *be, float *out, const float *x, float *state,
-                               const float *w, int n, int C, int K) {
+static void cu_conv1d_silu(mt_backend *be, float *out, const float *x, float *state,
+                           const float *w, int n, int C, int K) {
     MT_ASSERT(n >= 0 && C > 0 && K >= 1 && K <= CONV_MAX_K);
     MT_ASSERT(out != x); /* segments of one channel run in parallel and read earlier inputs */
     if (n == 0) return;
@@ -157,8 +156,8 @@ static __global__ void __launch_bounds__(CN_MAX_DK, CN_BLOCKS_PER_SM)
     }
 }
 
-extern "C" bool cu_conv1d_silu_l2norm(mt_backend *be, float *out, const float *x, float *state, const float *w, int n,
-                                      int C, int K, int dk, float eps, float scale) {
+static bool cu_conv1d_silu_l2norm(mt_backend *be, float *out, const float *x, float *state, const float *w, int n,
+                                  int C, int K, int dk, float eps, float scale) {
     MT_ASSERT(n >= 0 && C > 0 && K >= 1 && K <= CONV_MAX_K && dk > 0 && C % dk == 0);
     MT_ASSERT(out != x); /* stretches of one channel run in parallel and read earlier inputs */
     if (dk > CN_MAX_DK || (n + CN_TSEG - 1) / CN_TSEG > 65535 /* grid.y */) return false;
@@ -199,8 +198,7 @@ static __global__ void kda_gate_kernel(gate_params p) {
 /* Many rows (prefill): block = one row, thread = float4 groups tid, tid + 256, ... (up to
  * GATE_VEC of them, loaded before the first is used), one A_log per group (dk % 4 == 0). The
  * grid-stride form above did a 64-bit division per element with one load in flight a thread: 190
- * us for 4096 x 8192 on the H200, where the bytes take ~65; this form 85 us
- * (docs/bench/2026-11-29-h200-session9.md, call 11). */
+ * us for 4096 x 8192 on the H200, where the bytes take ~65; this form 85 us. */
 enum { GATE_VEC = 8, GATE_ROW_MIN = 64 /* rows from which the row form runs (rows of 1024+) */ };
 
 static __global__ void __launch_bounds__(EW_BLOCK) kda_gate_rows_kernel(gate_params p) {
@@ -245,8 +243,8 @@ static void kda_gate_launch(mt_backend *be, const gate_params *p) {
     cu_check_launch(be, "kda_gate");
 }
 
-extern "C" void cu_kda_gate(mt_backend *be, float *g, const float *f, const float *dt_bias,
-                            const float *A_log, const mt_kda_gate_params *p, int n) {
+static void cu_kda_gate(mt_backend *be, float *g, const float *f, const float *dt_bias,
+                        const float *A_log, const mt_kda_gate_params *p, int n) {
     MT_ASSERT(n >= 0 && p->nh > 0 && p->dk > 0);
     if (n == 0) return;
     const gate_params gp = {g, f, dt_bias, A_log, (int64_t)n * p->nh * p->dk, p->nh * p->dk, p->dk,
@@ -363,8 +361,7 @@ kda_recurrent_kernel(delta_params p) {
  * The state is loaded with plain (cache-all, ld.global.ca) loads and stored streaming
  * (st.global.cs): on the H200 at B = 32 x 64 heads that moved it 2% faster than streaming loads
  * (ld.global.cs), flushed or back to back; read-only (.nc), last-use (.lu), evict-first policy and
- * 256-byte L2 prefetch loads were no better, plain stores 6% slower
- * (docs/bench/2026-11-29-h200-session9.md, calls 4-5). */
+ * 256-byte L2 prefetch loads were no better, plain stores 6% slower. */
 enum {
     DEC_THREADS = 256,
     DEC_COLS = 64,                               /* value columns per block */
@@ -472,16 +469,6 @@ static __global__ void __launch_bounds__(DEC_THREADS, DEC_BLOCKS_PER_SM) kda_dec
             make_float4(wq.x + qk * d.x, wq.y + qk * d.y, wq.z + qk * d.z, wq.w + qk * d.w);
 }
 
-/* MT_CUDA_KDA_DECODE=0 forces kda_recurrent_kernel for n == 1 too (read once). */
-static bool kda_decode_enabled(void) {
-    static int mode = -1;
-    if (mode < 0) {
-        const char *env = getenv("MT_CUDA_KDA_DECODE");
-        mode = !(env && !strcmp(env, "0"));
-    }
-    return mode != 0;
-}
-
 /* Single sequence: n steps on state. Rows form (p->states): n rows, one step each on its own state,
  * laid out as n single steps (grid y or z = row); device allocations keep the states 16-byte
  * aligned, which the decode kernel needs (checked for the single state only). */
@@ -489,7 +476,7 @@ static void kda_recurrent_launch(mt_backend *be, const delta_params *p) {
     const bool rows = p->states != NULL;
     const bool aligned =
         (((uintptr_t)(rows ? NULL : p->state) | (uintptr_t)p->v | (uintptr_t)p->o) & 15) == 0;
-    if ((p->n == 1 || rows) && p->dk % 4 == 0 && aligned && kda_decode_enabled()) {
+    if ((p->n == 1 || rows) && p->dk % 4 == 0 && aligned) {
         const int64_t blocks = (int64_t)p->nh * ((p->dk + DEC_COLS - 1) / DEC_COLS);
         MT_ASSERT(blocks <= 0x7fffffff && (!rows || p->n <= 65535));
         cu_launch_pdl_k(kda_decode_kernel, dim3(dim3((unsigned)blocks, rows ? p->n : 1)), dim3(DEC_THREADS), 0, cu_stream(be), *p);
@@ -501,18 +488,18 @@ static void kda_recurrent_launch(mt_backend *be, const delta_params *p) {
     cu_check_launch(be, "kda_recurrent");
 }
 
-extern "C" void cu_kda_recurrent(mt_backend *be, float *o, const float *q, const float *k,
-                                 const float *v, const float *g, const float *beta, float *state,
-                                 int n, int nh, int dk) {
+static void cu_kda_recurrent(mt_backend *be, float *o, const float *q, const float *k,
+                             const float *v, const float *g, const float *beta, float *state,
+                             int n, int nh, int dk) {
     MT_ASSERT(n >= 0 && nh > 0 && dk > 0 && dk <= KDA_MAX_DK);
     if (n == 0) return;
     const delta_params p = {o, q, k, v, g, beta, state, n, nh, dk, NULL};
     kda_recurrent_launch(be, &p);
 }
 
-extern "C" void cu_kda_recurrent_rows(mt_backend *be, float *o, const float *q, const float *k,
-                                      const float *v, const float *g, const float *beta,
-                                      float *const *states, int n, int nh, int dk) {
+static void cu_kda_recurrent_rows(mt_backend *be, float *o, const float *q, const float *k,
+                                  const float *v, const float *g, const float *beta,
+                                  float *const *states, int n, int nh, int dk) {
     MT_ASSERT(n >= 0 && nh > 0 && dk > 0 && dk <= KDA_MAX_DK && states);
     if (n == 0) return;
     const delta_params p = {o, q, k, v, g, beta, NULL, n, nh, dk, states};
@@ -579,10 +566,19 @@ static void gated_rmsnorm_launch(mt_backend *be, const gnorm_params *p) {
     cu_check_launch(be, "gated_rmsnorm");
 }
 
-extern "C" void cu_gated_rmsnorm(mt_backend *be, float *out, const float *o, const float *gate,
-                                 const float *w, int64_t rows, int d, float eps) {
+static void cu_gated_rmsnorm(mt_backend *be, float *out, const float *o, const float *gate,
+                             const float *w, int64_t rows, int d, float eps) {
     MT_ASSERT(rows >= 0 && d > 0 && (rows + GNORM_WARPS - 1) / GNORM_WARPS < 0x7fffffff);
     if (rows == 0) return;
     const gnorm_params p = {out, o, gate, w, rows, d, eps};
     gated_rmsnorm_launch(be, &p);
+}
+
+extern "C" void cu_kda_fill(mt_backend_ops *t) {
+    t->conv1d_silu = cu_conv1d_silu;
+    t->conv1d_silu_l2norm = cu_conv1d_silu_l2norm;
+    t->kda_gate = cu_kda_gate;
+    t->kda_recurrent = cu_kda_recurrent;
+    t->kda_recurrent_rows = cu_kda_recurrent_rows;
+    t->gated_rmsnorm = cu_gated_rmsnorm;
 }

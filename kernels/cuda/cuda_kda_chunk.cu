@@ -6,7 +6,7 @@
  *   delta = (I + diag(beta) A)^-1 diag(beta) (V - KX S0),  KX = k e^G, QX = q e^G
  *   o = QX S0 + B delta,  S = diag(e^{G_L}) S0 + KL^T delta,  KL = k e^{G_L - G}
  *
- * Two implementations, chosen by the backend's tc_terms (MT_CUDA_TC_TERMS, cuda_ops.h):
+ * Two implementations, chosen by the backend's tc_terms (mt_cuda_params.numerics, cuda_ops.h):
  *   tc_terms 0: kda_chunked_kernel, fp32 on the CUDA cores, one block per (head, 64 value
  *     columns) walking the chunks in sequence (the reference form; 8 ms at 4096 x 64 x 128).
  *   tc_terms 1 or 2 (default 2): two kernels on the tensor cores (bf16 mma.sync m16n8k16 and
@@ -21,7 +21,7 @@
  *       [128, 64] stays in fp32 registers; per chunk four small GEMMs read the record through
  *       bulk copies (a phase ahead): X = KX S0 and Y = QX S0; delta = Tb (V - X);
  *       o = Y + B delta; S = e^{G_L} S + KL^T delta. With two bf16 parts the same walk runs on
- *       the warpgroup MMA (kc_state_wg_kernel; MT_KDA_STATE=mma keeps the mma.sync kernel).
+ *       the warpgroup MMA (kc_state_wg_kernel; with one part, kc_state_kernel on mma.sync).
  *   Every tensor-core operand x is split into bf16 parts x = hi + lo (hi = bf16(x),
  *   lo = bf16(x - hi)) and a product a b is hi_a hi_b + hi_a lo_b + lo_a hi_b: 16 significant bits,
  *   ~1e-5 relative error against the CPU twin (single bf16 rounding, tc_terms 1: ~4e-3, twice the
@@ -1020,7 +1020,7 @@ static __global__ void __launch_bounds__(KC_THREADS, 2) kc_intra_kernel(chunk_pa
  * two chunks ahead and v one chunk ahead are prefetched to L2 and v of the next chunk is loaded
  * to registers after P2). Bulk copies replaced per-thread 16-byte cp.async (32 a thread and
  * chunk, padded rows): the state kernel went from 0.428 to 0.343 ms at 4096 x 64 x 128 on the
- * H200 (docs/bench/2026-11-29-h200-session8.md); one bulk copy per row was slower (0.500 ms).
+ * H200; one bulk copy per row was slower (0.500 ms).
  *   P1 X = KX S0, Y = QX S0       [64, 64] each, K = 128 (S0 = bf16 hi/lo copy of S in smem)
  *   P2 R = V - X                   to smem (bf16 hi/lo)
  *   P3 delta = Tb R                [64, 64], K = 64 (Tb lower: k blocks <= the row block)
@@ -1365,8 +1365,7 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_wg_kernel(chunk
     };
     /* e^{G_L} and KL hi, lo: a piece a thread. The piece is chosen by selects, not branches: a form
      * whose choice compiled as branches (warp 0 diverging before the chunk's wgmmas) made the walk
-     * 7% slower on the H200 (0.314 against 0.293 ms, same run; docs/bench/2026-11-30-h200-session14.md
-     * call 15). */
+     * 7% slower on the H200 (0.314 against 0.293 ms, same run). */
     auto load_b = [&](const __nv_bfloat16 *rec) {
         if (tid == 0) cu_mbar_arrive_tx(barB, (KC_KLH - KC_EGL + 2 * KC_PLANE) * 2);
         const int k = tid;
@@ -1415,7 +1414,7 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_wg_kernel(chunk
         load_b(rec);
         /* the next chunk's record into L2, ahead of its copies (set A and Tb, B after P2 here; e^{G_L}
          * and KL at the next chunk's top). Two, three and four chunks ahead took 0.291, 0.301 and
-         * 0.318 ms against 0.285 (docs/bench/2026-11-30-h200-session15.md) */
+         * 0.318 ms against 0.285 on the H200 */
         if (c + 1 < p.nck) kc_prefetch_rec<2>(rec + KC_REC, blockIdx.x, ncb, tid);
         if (tid < 2 * KDA_CHUNK && t0 + 2 * KDA_CHUNK + (tid >> 1) < p.n && j0 + 32 * (tid & 1) < dk)
             kc_prefetch_l2(p.v + ((size_t)(t0 + 2 * KDA_CHUNK + (tid >> 1)) * p.nh + h) * dk + j0 + 32 * (tid & 1));
@@ -1532,14 +1531,6 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_wg_kernel(chunk
     }
 }
 
-/* MT_CUDA_KDA_CHUNK_ONLY=intra or =state (a benchmarking aid, read per call): launch only that
- * kernel of the tensor-core form, to time it apart. The outputs are then wrong. */
-static int kc_only(void) {
-    const char *env = getenv("MT_CUDA_KDA_CHUNK_ONLY");
-    if (!env) return 0;
-    return !strcmp(env, "intra") ? 1 : !strcmp(env, "state") ? 2 : 0;
-}
-
 /* Segments of at most KC_SEG_CHUNKS chunks: the intra kernel over all of a segment's chunks, then
  * the state kernel walks them. The records live in the backend's attention scratch. */
 static mt_status kc_launch(mt_backend *be, const chunk_params *p0) {
@@ -1555,21 +1546,21 @@ static mt_status kc_launch(mt_backend *be, const chunk_params *p0) {
 
     const size_t smem_i = (size_t)KI_FLOATS * sizeof(float), smem_s = (size_t)KS_BF16 * sizeof(__nv_bfloat16);
     MT_CUDA_CHECK(cudaFuncSetAttribute(kc_intra_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_i));
-    /* two-part arithmetic on kc_state_wg_kernel (MT_KDA_STATE=mma: kc_state_kernel, for comparison) */
-    const char *st_env = getenv("MT_KDA_STATE");
-    const bool wgs = p.terms > 1 && !(st_env && !strcmp(st_env, "mma"));
-    void (*state_kernel)(chunk_params) = wgs ? kc_state_wg_kernel : p.terms > 1 ? kc_state_kernel<2> : kc_state_kernel<1>;
+    /* two-part arithmetic on kc_state_wg_kernel, one part on kc_state_kernel */
+    const bool wgs = p.terms > 1;
+    void (*state_kernel)(chunk_params) = wgs ? kc_state_wg_kernel : kc_state_kernel<1>;
     const size_t smem_st = wgs ? (size_t)KW_SMEM : smem_s;
     MT_CUDA_CHECK(cudaFuncSetAttribute(state_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_st));
-    const int only = kc_only();
+    /* mt_cuda_params.kda_chunk_kernels: one kernel alone, to time it apart (outputs wrong) */
+    const mt_cuda_kda_chunk_kernels only = cb->params.kda_chunk_kernels;
     for (int c0 = 0; c0 < nck_all; c0 += seg) {
         p.t0 = c0 * KDA_CHUNK;
         p.nck = nck_all - c0 < seg ? nck_all - c0 : seg;
-        if (only != 2) {
+        if (only != MT_CUDA_KDA_CHUNK_STATE) {
             kc_intra_kernel<<<dim3(p.nck, p.nh), KC_THREADS, smem_i, cu_stream(be)>>>(p);
             cu_check_launch(be, "kda_chunked (intra)");
         }
-        if (only != 1) {
+        if (only != MT_CUDA_KDA_CHUNK_INTRA) {
             state_kernel<<<dim3((p.dk + KC_COLS - 1) / KC_COLS, p.nh), KC_THREADS, smem_st, cu_stream(be)>>>(p);
             cu_check_launch(be, "kda_chunked (state)");
         }
@@ -1577,9 +1568,9 @@ static mt_status kc_launch(mt_backend *be, const chunk_params *p0) {
     return MT_OK;
 }
 
-extern "C" void cu_kda_chunked(mt_backend *be, float *o, const float *q, const float *k,
-                               const float *v, const float *g, const float *beta, float *state,
-                               int n, int nh, int dk) {
+static void cu_kda_chunked(mt_backend *be, float *o, const float *q, const float *k,
+                           const float *v, const float *g, const float *beta, float *state,
+                           int n, int nh, int dk) {
     MT_ASSERT(n >= 0 && nh > 0 && nh <= 65535 && dk > 0 && dk <= KDA_MAX_DK);
     if (n == 0) return;
     chunk_params p;
@@ -1596,4 +1587,8 @@ extern "C" void cu_kda_chunked(mt_backend *be, float *o, const float *q, const f
     p.dk = dk;
     const bool tc = ((const cu_backend *)be)->tc_terms > 0;
     cu_op_status(be, "kda_chunked", tc ? kc_launch(be, &p) : kda_chunked_launch(be, &p));
+}
+
+extern "C" void cu_kda_chunk_fill(mt_backend_ops *t) {
+    t->kda_chunked = cu_kda_chunked;
 }

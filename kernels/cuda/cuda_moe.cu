@@ -10,32 +10,33 @@
  * keyed by the host pointer and revalidated against a host copy on every call, covering experts
  * [0, E) where E is the router's n_experts when idx is the last moe_route output (no read-back),
  * else 1 + the largest index read back from idx.
- *   - Decode batches of MOE_GROUPED_MIN (5) to MOE_GROUPED_MAX_ROWS rows: the grouped device
- *     kernels of cuda_moe_grouped.cu (each touched expert streamed once; moe_grouped_min_rows).
+ *   - Decode batches of mt_cuda_params.moe_grouped_min_rows (5) to moe_grouped_max_rows (64) rows:
+ *     the grouped device kernels of cuda_moe_grouped.cu (each touched expert streamed once;
+ *     moe_takes_grouped).
  *   - Fewer rows (decode): two GEMV kernels over the selected experts only,
  *     no host synchronisation: per (row, slot) h = swiglu(gate x, up x), then per row
  *     out += sum_k w_k down_k h_k, slots added in order. 16-byte weight loads, 8-16 of them in
- *     flight per lane; both launched for PDL (cuda_dense.cu's cu_launch_pdl), as is the router.
+ *     flight per lane; both launched for PDL (cu_launch_pdl, cuda_launch.h), as is the router.
  *   - Many rows (prefill) on an sm_90 device with bf16 experts on the tensor cores (the two-part
- *     split by default, or single rounding; cu_moe_wg_ok, MT_CUDA_MOE_WG=0 turns it off): the
+ *     split by default, or single rounding; cu_moe_wg_ok, mt_cuda_params.moe_wg false turns it off): the
  *     wgmma kernels of cuda_moe_wg.cu
  *     (moe_experts_wg): the pairs sorted and the tiles planned on the device, x split, gate/up
  *     with swiglu in one persistent launch, down in another, the combine. Indices from the
- *     router are never read back. H200, bench-4L's 4096-token prefill, session 11: MoE GEMMs
+ *     router are never read back. H200, bench-4L's 4096-token prefill: MoE GEMMs
  *     21.8 -> 19.6 ms, the host sort and staging (0.8 ms) -> a 0.3 ms device plan.
  *   - Many rows (prefill) otherwise: idx is read back, the (row, slot) pairs are sorted by expert, then
  *     bf16/fp16 experts: the sorted x rows are gathered and split into tc_terms 16-bit parts
  *     (cu_split16, interleaved: hi and lo of a pair on adjacent rows, so each expert's rows stay
  *     contiguous), one tensor-core GEMM per expert and matrix (cu_gemm_tc) gives the parts'
  *     gate and up, a kernel sums the parts, applies swiglu in fp32 and splits h again, one GEMM
- *     per expert gives down's parts, which the combine sums. By default (MT_CUDA_MOE_BATCHED)
+ *     per expert gives down's parts, which the combine sums. By default (mt_cuda_params.moe_batched)
  *     the per-expert GEMMs become a few batched ones: each expert's rows are padded to one of a
  *     few sizes (moe_pad; padding rows repeat a real row and are never combined) and the experts
  *     of one size share a cublasGemmBatchedEx call (gate and up together, then down), so the
  *     whole GPU streams the experts' weights at once instead of one small GEMM at a time (H200,
  *     real shapes, 512 rows: 3.1 ms against 13.2; 4096 rows: 6.8 ms against 12.1). Some classes
  *     run on a second stream (moe_on_side), beside the others. fp32 experts (or
- *     MT_CUDA_TC_TERMS=0): the tiled fp32 GEMM (cu_gemm) runs grouped: gate/up for every
+ *     MT_NUMERICS_FP32): the tiled fp32 GEMM (cu_gemm) runs grouped: gate/up for every
  *     expert's rows in one launch, swiglu, down in one launch.
  *     A combine kernel then adds the slots in order. Rows are processed in chunks that bound the
  *     scratch memory (every chunk reads every expert it routes to once).
@@ -57,16 +58,15 @@ enum {
     ROUTE_PER_LANE = 16,      /* router candidates per lane kept in registers: E <= 512 */
     MOE_THREADS = 256,
     MOE_WARPS = MOE_THREADS / 32,
-    MOE_GEMV_MAX_ROWS = 8,
-    MOE_GROUPED_MAX_ROWS = 64,
+    MOE_GEMV_MAX_ROWS = CU_MOE_GEMV_MAX_ROWS,
     MOE_MAX_TOPK = 64,
     MOE_DN_MAX_THREADS = 512, /* moe_down_kernel: up to 16 warps, one slot each */
     MOE_CACHE_MAX = 1024,     /* expert tables kept; beyond, the oldest slot is reused */
 };
-/* The fewest rows sent to the grouped device kernels (cu_moe_experts_grouped): MOE_GROUPED_MIN
- * unless MT_CUDA_MOE_GROUPED_MIN (2..MOE_GEMV_MAX_ROWS + 1, read once) says otherwise; fewer rows
- * take the per-(row, slot) GEMV kernels. Measured on an H200 (real shapes, top-8 of 288, each
- * expert its own weights):
+/* The grouped device kernels (cu_moe_experts_grouped) take mt_cuda_params.moe_grouped_min_rows
+ * (default CU_MOE_GROUPED_MIN_ROWS, 5) to moe_grouped_max_rows (default 64) rows; fewer rows take
+ * the per-(row, slot) GEMV kernels. The default minimum, measured on an H200 (real shapes, top-8 of
+ * 288, each expert its own weights):
  *   kernels_cuda_dense_test CudaMoe.DecodeTimings (graphs, random routing), us per call, GEMV
  *   kernels against grouped: n = 1 101 / 163, 2 192 / 239, 4 373 / 379, 8 734 / 582;
  *   batch_bench (bench-4L, real routing, graph ms per step): batch 2 2.276 / 2.425, 4 2.891 /
@@ -74,32 +74,13 @@ enum {
  * The grouped kernels cost ~60 us more a call (4 kernels; gate/up and down grids of a block per
  * (tile, expert) over all 288 experts) and read an expert once however many rows chose it, the
  * GEMV kernels ~12 us per (row, slot) pair: the lines cross between 4 and 8 rows (~4.7 by linear
- * interpolation of the batch_bench gaps), so 5. Batched decode pads to 1, 2, 4, 8, ... rows. */
-enum { MOE_GROUPED_MIN = 5 };
-static int moe_grouped_min_rows(void) {
-    static const int m = [] {
-        const char *v = getenv("MT_CUDA_MOE_GROUPED_MIN");
-        const int k = v ? atoi(v) : 0;
-        return k >= 2 && k <= MOE_GEMV_MAX_ROWS + 1 ? k : (int)MOE_GROUPED_MIN;
-    }();
-    return m;
-}
-
-/* The most rows sent there: MOE_GROUPED_MAX_ROWS unless MT_CUDA_MOE_GROUPED_MAX (>= 9, read once)
- * says otherwise. Beyond, the batched GEMMs, faster at 128 rows (3.73 vs 4.36 ms a layer) but they
+ * interpolation of the batch_bench gaps), so 5. Batched decode pads to 1, 2, 4, 8, ... rows.
+ * Beyond the maximum, the batched GEMMs, faster at 128 rows (3.73 vs 4.36 ms a layer) but they
  * read the routing back, so a step that uses them cannot be a graph. */
-static int moe_grouped_max_rows(void) {
-    static const int m = [] {
-        const char *v = getenv("MT_CUDA_MOE_GROUPED_MAX");
-        const int k = v ? atoi(v) : 0;
-        return k > MOE_GEMV_MAX_ROWS ? k : (int)MOE_GROUPED_MAX_ROWS;
-    }();
-    return m;
-}
 
 /* Whether n rows go to the grouped device kernels (cu_moe_experts_grouped). */
 static bool moe_takes_grouped(const cu_backend *cb, int n) {
-    return n >= moe_grouped_min_rows() && n <= moe_grouped_max_rows() && cb->moe_grouped;
+    return n >= cb->params.moe_grouped_min_rows && n <= cb->params.moe_grouped_max_rows;
 }
 
 /* Grouped-path scratch per chunk (before the batched path's padding). Each chunk rereads the
@@ -316,8 +297,8 @@ static mt_status route_launch(route_params *p, cudaStream_t s) {
     return MT_OK;
 }
 
-extern "C" void cu_moe_route(mt_backend *be, int32_t *idx, float *weights, const float *logits,
-                             const float *bias, const mt_router_params *p, int n) {
+static void cu_moe_route(mt_backend *be, int32_t *idx, float *weights, const float *logits,
+                         const float *bias, const mt_router_params *p, int n) {
     const int E = p->n_experts, G = p->n_group;
     MT_ASSERT(E > 0 && G > 0 && E % G == 0 && E / G >= 2);
     MT_ASSERT(p->topk_group >= 1 && p->topk_group <= G);
@@ -362,8 +343,7 @@ struct cu_moe_cache {
     size_t stage_cap;
     /* The batched path's second stream (moe_side_get): a cuBLAS handle of its own with its own
      * workspace on a high-priority stream, and the events that fork it from and join it to the
-     * backend's stream. side_state: 0 not made yet, 1 ready, -1 off (MT_CUDA_MOE_SIDE=0, or making
-     * it failed). */
+     * backend's stream. side_state: 0 not made yet, 1 ready, -1 off (making it failed). */
     int side_state;
     cudaStream_t side;
     cublasHandle_t side_blas;
@@ -843,8 +823,6 @@ static mt_status moe_combine_launch(const moe_combine_params *p, cudaStream_t s)
     return MT_OK;
 }
 
-static size_t align16(size_t b) { return (b + 15) / 16 * 16; }
-
 /* Bytes of grouped-path scratch per (row, slot) pair: T > 0 tensor-core parts, 0 fp32. */
 static size_t moe_pair_bytes(int H, int I, int T) {
     if (T == 0) return sizeof(float) * (2 * (size_t)I + H) + 2 * sizeof(int32_t) + 16;
@@ -862,9 +840,9 @@ static mt_status moe_grouped_chunk_tc(mt_backend *be, const moe_table *t, float 
     cu_backend *cb = (cu_backend *)be;
     const int P = (r1 - r0) * top_k, E = t->count;
     const size_t fw = (size_t)(2 * I > H ? 2 * I : H), sw = (size_t)(H > I ? H : I);
-    const size_t bF = align16(sizeof(float) * (size_t)P * T * fw);
-    const size_t bS = align16(sizeof(uint16_t) * (size_t)P * T * sw);
-    char *scr = (char *)cu_scratch(be, CU_SCRATCH_DENSE, bF + bS + align16(nI));
+    const size_t bF = cu_align_up(sizeof(float) * (size_t)P * T * fw, 16);
+    const size_t bS = cu_align_up(sizeof(uint16_t) * (size_t)P * T * sw, 16);
+    char *scr = (char *)cu_scratch(be, CU_SCRATCH_DENSE, bF + bS + cu_align_up(nI, 16));
     if (!scr) return MT_ERR_NOMEM;
     float *G = (float *)scr, *U = G + (size_t)P * T * I, *D = G;   /* D after G, U are spent */
     uint16_t *X16 = (uint16_t *)(scr + bF), *H16 = X16;             /* H after X is spent */
@@ -922,9 +900,7 @@ static mt_status moe_side_make(struct cu_moe_cache *mc) {
 static bool moe_side_get(cu_backend *cb) {
     struct cu_moe_cache *mc = cb->moe;
     if (mc->side_state == 0) {
-        if (!cb->moe_side) {
-            mc->side_state = -1;
-        } else if (moe_side_make(mc) != MT_OK) { /* logged at the failing call */
+        if (moe_side_make(mc) != MT_OK) { /* logged at the failing call */
             (void)cudaGetLastError();
             mt_log(MT_LOG_WARN, "cuda backend: moe_experts: no second stream; the batched GEMMs run on one");
             mc->side_state = -1;
@@ -939,8 +915,8 @@ static bool moe_side_get(cu_backend *cb) {
  * expert or fewer, while the largest class is bigger: the small classes stream their experts'
  * weights (bandwidth-bound) beside the large ones' arithmetic. When every class is that small (a
  * 512-token prefill), every other class instead: two streams of weight reads fill each other's
- * last waves. Measured on the H200 (docs/bench/2026-11-30-h200-session10.md, calls 5-7; the
- * gate/up and down GEMMs of bench-4L's three MoE layers): 4096 tokens 22.26 -> 21.24 ms, 512
+ * last waves. Measured on the H200 (the gate/up and down GEMMs of bench-4L's three MoE layers):
+ * 4096 tokens 22.26 -> 21.24 ms, 512
  * tokens 10.42 -> 10.05 ms. */
 enum { SIDE_PE = 128 };
 static bool moe_on_side(int pe, int max_pe, int cls) { return max_pe > SIDE_PE ? pe <= SIDE_PE : (cls & 1) != 0; }
@@ -1029,9 +1005,9 @@ static mt_status moe_grouped_chunk_batched(mt_backend *be, const moe_table *t, f
         for (int sl = pos[e]; sl < ps[e + 1]; sl++) gather[sl] = gather[ps[e]];
 
     const size_t fw = (size_t)(2 * I > H ? 2 * I : H), sw = (size_t)(H > I ? H : I);
-    const size_t bF = align16(sizeof(float) * (size_t)Ppad * T * fw);
-    const size_t bS = align16(sizeof(uint16_t) * (size_t)Ppad * T * sw);
-    char *scr = (char *)cu_scratch(be, CU_SCRATCH_DENSE, bF + bS + align16(nI));
+    const size_t bF = cu_align_up(sizeof(float) * (size_t)Ppad * T * fw, 16);
+    const size_t bS = cu_align_up(sizeof(uint16_t) * (size_t)Ppad * T * sw, 16);
+    char *scr = (char *)cu_scratch(be, CU_SCRATCH_DENSE, bF + bS + cu_align_up(nI, 16));
     if (!scr) return MT_ERR_NOMEM;
     float *G = (float *)scr, *U = G + (size_t)Ppad * T * I, *D = G;   /* D after G, U are spent */
     uint16_t *X16 = (uint16_t *)(scr + bF), *H16 = X16;               /* H after X is spent */
@@ -1155,11 +1131,12 @@ static mt_status moe_grouped_chunk(mt_backend *be, const moe_table *t, float *ou
         inv[q] = at;
     }
 
-    const size_t nI = sizeof(int32_t) * (2 * (size_t)P + 3 * (size_t)ntiles), bI = align16(nI);
+    const size_t nI = sizeof(int32_t) * (2 * (size_t)P + 3 * (size_t)ntiles), bI = cu_align_up(nI, 16);
     if (T > 0)
         return moe_grouped_chunk_tc(be, t, out, x, gather, nI, start, weights, r0, r1, top_k, H, I, L, dt, T);
 
-    const size_t bG = align16(sizeof(float) * (size_t)P * I), bD = align16(sizeof(float) * (size_t)P * H);
+    const size_t bG = cu_align_up(sizeof(float) * (size_t)P * I, 16);
+    const size_t bD = cu_align_up(sizeof(float) * (size_t)P * H, 16);
     char *scr = (char *)cu_scratch(be, CU_SCRATCH_DENSE, 2 * bG + bD + bI);
     if (!scr) return MT_ERR_NOMEM;
     float *G = (float *)scr, *U = (float *)(scr + bG), *D = (float *)(scr + 2 * bG);
@@ -1188,7 +1165,7 @@ static mt_status moe_grouped_chunk(mt_backend *be, const moe_table *t, float *ou
     gp.dtype = dt;
     mt_status st = cu_gemm(&gp, cb->stream);
     if (st != MT_OK) return st;
-    cu_swiglu(be, G, G, U, P, I, L);
+    be->ops->swiglu(be, G, G, U, P, I, L);
     gp.y[0] = D;
     gp.y[1] = NULL;
     gp.x = G;
@@ -1240,8 +1217,9 @@ static mt_status moe_experts_wg(mt_backend *be, const moe_table *t, float *out, 
         const int r1 = r0 + rows < n ? r0 + rows : n, P = (r1 - r0) * top_k;
         const size_t tg = cu_moe_wg_max_tiles(P, E, I, false), td = cu_moe_wg_max_tiles(P, E, H, true);
         MT_ASSERT(tg + td <= (size_t)INT_MAX / 4 && (int64_t)2 * P * H <= INT_MAX);
-        const size_t bX = align16(sizeof(uint16_t) * 2 * (size_t)P * H), bH = align16(sizeof(uint16_t) * 2 * (size_t)P * I);
-        const size_t bG = align16(sizeof(int32_t) * (size_t)P), bT = 4 * sizeof(int32_t) * (tg + td);
+        const size_t bX = cu_align_up(sizeof(uint16_t) * 2 * (size_t)P * H, 16);
+        const size_t bH = cu_align_up(sizeof(uint16_t) * 2 * (size_t)P * I, 16);
+        const size_t bG = cu_align_up(sizeof(int32_t) * (size_t)P, 16), bT = 4 * sizeof(int32_t) * (tg + td);
         char *scr = (char *)cu_scratch(be, CU_SCRATCH_DENSE, bX + bH + 2 * bG + bT + 16);
         if (!scr) return MT_ERR_NOMEM;
         uint16_t *X16 = (uint16_t *)scr, *H16 = (uint16_t *)(scr + bX);
@@ -1289,7 +1267,7 @@ static void moe_experts_run(mt_backend *be, float *out, const float *x, const in
     MT_ASSERT(n >= 0 && top_k >= 1 && top_k <= MOE_MAX_TOPK && H > 0 && I > 0);
     if (n == 0) return;
     MT_ASSERT((int64_t)n * top_k <= INT_MAX / 2);
-    /* Decode batches of moe_grouped_min_rows()..MOE_GROUPED_MAX_ROWS rows: grouped on the device
+    /* Decode batches of moe_grouped_min_rows..moe_grouped_max_rows rows: grouped on the device
      * (cuda_moe_grouped.cu), each touched expert streamed once at 91-100% of copy bandwidth and
      * no host sync, so the step can be a graph. Fewer rows take the per-(row, slot) GEMV kernels
      * below, which reread an expert that several rows chose but launch 2 kernels instead of 4
@@ -1358,9 +1336,9 @@ static void moe_experts_run(mt_backend *be, float *out, const float *x, const in
     cu_op_status(be, "moe_experts", st);
 }
 
-extern "C" void cu_moe_experts(mt_backend *be, float *out, const float *x, const int32_t *idx,
-                               const float *weights, const mt_expert *experts, int n, int top_k,
-                               int H, int I, float L) {
+static void cu_moe_experts(mt_backend *be, float *out, const float *x, const int32_t *idx,
+                           const float *weights, const mt_expert *experts, int n, int top_k,
+                           int H, int I, float L) {
     moe_experts_run(be, out, x, idx, weights, experts, NULL, n, top_k, H, I, L);
 }
 
@@ -1370,9 +1348,9 @@ extern "C" void cu_moe_experts(mt_backend *be, float *out, const float *x, const
  * the routed kernels' rate). Its output row starts each row's sum, then the routed slots in
  * order: the CPU's order (out = shared, then += each slot). Declines (false, nothing done) for
  * the grouped and batched paths and for a shared expert not shaped like a routed one. */
-extern "C" bool cu_moe_experts_shared(mt_backend *be, float *out, const float *x, const int32_t *idx,
-                                      const float *weights, const mt_expert *experts, const mt_expert *shared,
-                                      int n, int top_k, int H, int I, float L) {
+static bool cu_moe_experts_shared(mt_backend *be, float *out, const float *x, const int32_t *idx,
+                                  const float *weights, const mt_expert *experts, const mt_expert *shared,
+                                  int n, int top_k, int H, int I, float L) {
     cu_backend *cb = (cu_backend *)be;
     if (n < 1 || n > MOE_GEMV_MAX_ROWS || top_k + 1 > MOE_DN_MAX_THREADS / 32) return false;
     if (moe_takes_grouped(cb, n)) return false;
@@ -1382,4 +1360,10 @@ extern "C" bool cu_moe_experts_shared(mt_backend *be, float *out, const float *x
     if (g->rows != I || g->cols != H || u->rows != I || u->cols != H || d->rows != H || d->cols != I) return false;
     moe_experts_run(be, out, x, idx, weights, experts, shared, n, top_k, H, I, L);
     return true;
+}
+
+extern "C" void cu_moe_fill(mt_backend_ops *t) {
+    t->moe_route = cu_moe_route;
+    t->moe_experts = cu_moe_experts;
+    t->moe_experts_shared = cu_moe_experts_shared;
 }

@@ -460,12 +460,11 @@ static int moeg_need_from_idx(cu_backend *cb, const int32_t *idx, int64_t P, mt_
     return mx + 1;
 }
 
-static size_t moeg_align(size_t b) { return (b + 255) / 256 * 256; }
-
 /* Scratch bytes for chunks of `pairs` pairs: start[E + 1], list[pairs], h[pairs, I], d[pairs, H]. */
 static size_t moeg_scratch_bytes(int E, int64_t pairs, int H, int I) {
-    return moeg_align(sizeof(int32_t) * ((size_t)E + 1)) + moeg_align(sizeof(int32_t) * (size_t)pairs) +
-           moeg_align(sizeof(float) * (size_t)pairs * I) + moeg_align(sizeof(float) * (size_t)pairs * H);
+    return cu_align_up(sizeof(int32_t) * ((size_t)E + 1), 256) + cu_align_up(sizeof(int32_t) * (size_t)pairs, 256) +
+           cu_align_up(sizeof(float) * (size_t)pairs * I, 256) +
+           cu_align_up(sizeof(float) * (size_t)pairs * H, 256);
 }
 
 /* The op under moeg_reg.mu. */
@@ -521,9 +520,9 @@ static mt_status moeg_experts(cu_backend *cb, float *out, const float *x, const 
     const bool vec = t->vec_ok && H % V == 0 && I % V == 0 && cu_aligned16(x);
     moeg_params p = {};
     p.start = (int32_t *)scr;
-    p.list = (int32_t *)(scr + moeg_align(sizeof(int32_t) * ((size_t)need + 1)));
-    p.h = (float *)((char *)p.list + moeg_align(sizeof(int32_t) * (size_t)chunk_pairs));
-    p.d = (float *)((char *)p.h + moeg_align(sizeof(float) * (size_t)chunk_pairs * I));
+    p.list = (int32_t *)(scr + cu_align_up(sizeof(int32_t) * ((size_t)need + 1), 256));
+    p.h = (float *)((char *)p.list + cu_align_up(sizeof(int32_t) * (size_t)chunk_pairs, 256));
+    p.d = (float *)((char *)p.h + cu_align_up(sizeof(float) * (size_t)chunk_pairs * I, 256));
     p.w = t->dev;
     p.E = need;
     p.top_k = top_k;

@@ -6,7 +6,7 @@
  * The rows: x split into bf16 hi and lo parts, interleaved (x16 [2P, K]: pair q's hi at row 2q,
  * lo at 2q + 1, the pairs sorted by expert, expert e's at [2 start[e], 2 start[e + 1])), so that
  * both parts of a pair meet in one thread's accumulators (adjacent columns below). With the
- * backend's single rounding (tc_terms 1, MT_CUDA_TC_TERMS=1) x16 is [P, K], hi only, a row a pair:
+ * backend's single rounding (tc_terms 1, MT_NUMERICS_BF16) x16 is [P, K], hi only, a row a pair:
  * the same tiles and main loop over half the rows, an epilogue that takes each column as a pair.
  *
  * A tile is (expert e, 128 output columns from n0, up to NMAX of e's x16 rows from row0):
@@ -20,10 +20,10 @@
  *   gate/up (down = 0; NMAX = 128): warpgroup c multiplies its 64 gate rows and its 64 up rows
  *     (columns n0 + 64 c ..) into two accumulators, so each thread holds gate and up of the same
  *     columns and pairs. It sums each pair's two parts (hi + lo, as moe_swiglu_split_kernel),
- *     applies swiglu and writes h's bf16 parts into out [2P, I]. (Session 11 interleaved gate and
- *     up rows in 8-row blocks through one 4-D TMA box into one accumulator, N <= 256; on the H200
- *     the two accumulators made the 4096-token prefill's gate/up 13.24-13.26 -> 12.26-12.32 ms,
- *     docs/bench/2026-11-30-h200-session12.md, call 10.)
+ *     applies swiglu and writes h's bf16 parts into out [2P, I]. (Against gate and up rows
+ *     interleaved in 8-row blocks through one 4-D TMA box into one accumulator, N <= 256, the two
+ *     accumulators made the 4096-token prefill's gate/up 13.24-13.26 -> 12.26-12.32 ms on the
+ *     H200.)
  *   down (down = 1; NMAX = 256): rows n0 .. n0+127 of down; each pair's hi + lo sum is written as
  *     one fp32 row of out [P, H] (the combine then reads one row a pair).
  * Deterministic: fixed tiles, no atomics. */
@@ -44,7 +44,7 @@ enum {
     WG_NMAX = 256,                           /* token rows a down tile (wgmma N) */
     WG_NMAX_GU = 128,                        /* token rows a gate/up tile (two accumulators) */
     WG_NBOX = WG_NMAX / 32,                  /* x16 maps: boxes of 32, 64, .. 256 rows */
-    WG_STAGES = 4,                           /* 8 stages of 32 were slower (H200, session 11) */
+    WG_STAGES = 4,                           /* 8 stages of 32 were slower (H200) */
     WG_ROWS_BYTES = 64 * 2 * WG_BK,          /* 8 KB: one box of 64 weight rows */
     WG_A_BYTES = 4 * WG_ROWS_BYTES,          /* gate/up: 32 KB of weights; down uses half */
     WG_STAGE_BYTES = WG_A_BYTES + WG_NMAX_GU * 2 * WG_BK, /* 48 KB either way */
@@ -408,8 +408,8 @@ extern "C" bool cu_moe_wg_ok(const cu_backend *cb, mt_dtype dt, int H, int I) {
         }
         return 10 * major + minor;
     }();
-    return cb->moe_wg && cb->tc_terms >= 1 && dt == MT_BF16 && arch == 90 && H % WG_BW == 0 && I % 64 == 0 &&
-           wg_encode_fn() != NULL;
+    return cb->params.moe_wg && cb->tc_terms >= 1 && dt == MT_BF16 && arch == 90 && H % WG_BW == 0 &&
+           I % 64 == 0 && wg_encode_fn() != NULL;
 }
 
 extern "C" mt_status cu_moe_wg_maps(const mt_expert *ex, int count, int cap, void **dev, cudaStream_t s) {

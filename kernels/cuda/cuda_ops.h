@@ -1,25 +1,36 @@
-/* kernels/cuda/cuda_ops.h: internal to the CUDA backend. Same signatures as the mt_backend_ops
- * slots (kernels/backend.h); cuda_backend.cu fills the table. Op families, one file each:
- *   cuda_backend.cu   memory, weights, table, scratch    cuda_dense.cu  embed, matmul (GEMV, tensor-core
- *   cuda_moe.cu       router, experts (GEMV, batched                    GEMV and GEMMs), norms, swiglu,
- *                     GEMMs)                                            sigmoid, l2norm, argmax, PDL
- *   cuda_moe_grouped.cu  experts grouped on the device   cuda_hc.cu     hyper-connections, head mean
- *   cuda_moe_wg.cu    prefill experts on wgmma + TMA     cuda_wgmma.h   sm_90a wgmma/TMA/mbarrier helpers
- *   cuda_kda.cu       conv, gate, recurrent delta rule,  cuda_kda_chunk.cu  chunked delta rule
- *                     gated norm                                          (tensor cores)
- *   cuda_dsa.cu       pool keys, select, sparse MLA      cuda_rows.cu   rows-form conv, cache writes,
- *                     (paged caches)                                    pool keys (batched decode)
- *   cuda_mla_wg.cu    sparse MLA prefill attend on       cuda_mla.h     sparse MLA pass parameters
- *                     wgmma (2-CTA clusters)
- *   cuda_step.cu      graphs, run-time-position ops      cuda_random.cu random weights
- * Every launch is followed by MT_CUDA_CHECK_LAUNCH-style checking; ops return void per the table,
- * so a failed launch is logged and recorded in the backend's sticky error (cu_backend_error). */
+/* kernels/cuda/cuda_ops.h: internal to the CUDA backend: the backend object (cu_backend), the op
+ * families' fillers, the helpers the families share, and the device helpers of every kernel file.
+ * Each family's files keep their ops static and export a filler for their slots of the table
+ * (kernels/backend.h); cuda_backend.cu builds the table from them. Files by family (one
+ * cuda_library each in BUILD):
+ *   core     cuda_backend.cu   the object, memory, weights, params, the table
+ *            cuda_core.cu      launch checks, op timing, PDL launch, scratch, cuBLAS handles
+ *            cuda_launch.h     launch and launch-check helpers; cuda_check.h, the check macros
+ *   dense    cuda_dense.cu     embed, matmul (GEMV, tensor-core GEMV, cuBLAS and fp32 GEMMs),
+ *                              norms, swiglu, sigmoid, l2norm, argmax; kda_gates, hc_head_norm
+ *   MoE      cuda_moe.cu       router, experts (GEMV, batched GEMMs); the dispatch
+ *            cuda_moe_grouped.cu  decode experts grouped on the device
+ *            cuda_moe_wg.cu    prefill experts on wgmma + TMA
+ *   KDA      cuda_kda.cu       conv, gate, recurrent delta rule, gated norm
+ *            cuda_kda_chunk.cu chunked delta rule (tensor cores)
+ *   DSA/MLA  cuda_dsa.cu       pool keys, select, sparse MLA (paged caches)
+ *            cuda_dsa_mla_wg.cu  sparse MLA prefill attend on wgmma (2-CTA clusters)
+ *            cuda_dsa_mla.h    sparse MLA pass parameters
+ *   hc       cuda_hc.cu        hyper-connections, head mean
+ *   rows     cuda_rows.cu      rows-form conv, cache writes, pool keys (batched decode)
+ *            cuda_step.cu      graphs, run-time-position ops (graph form of decode)
+ *            cuda_random.cu    random weights
+ *   cuda_wgmma.h: sm_90a wgmma/TMA/mbarrier/cluster primitives (MoE, KDA, DSA/MLA)
+ * Every launch is followed by a launch check (cuda_launch.h); ops return void per the table, so a
+ * failed launch is logged and recorded in the backend's sticky status (cu_backend.sticky). */
 #ifndef MT_CUDA_OPS_H
 #define MT_CUDA_OPS_H
 
 #include <cuda_runtime_api.h>
 
 #include "kernels/backend.h"
+#include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/cuda_launch.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -42,12 +53,19 @@ enum { CU_COUNTERS = 16 };
  * hc_pre_split_kernel, cuda_dense.cu's argmax_chunk_kernel. */
 enum { CU_COUNTER_HC_PRE = 0, CU_COUNTER_ARGMAX = 1 };
 
+/* moe_experts' row classes (cuda_moe.cu): the per-(row, slot) GEMV kernels take at most
+ * CU_MOE_GEMV_MAX_ROWS rows; the grouped kernels' default range (mt_cuda_params) starts where they
+ * overtake those (5 rows, measured on an H200, cuda_moe.cu) and ends where the GEMMs, which read the
+ * routing back and so cannot be captured, are faster but not yet needed (64: decode batches). */
+enum { CU_MOE_GEMV_MAX_ROWS = 8, CU_MOE_GROUPED_MIN_ROWS = 5, CU_MOE_GROUPED_MAX_ROWS = 64 };
+
 /* cuBLAS workspace per handle (NVIDIA's recommendation for Hopper: 32 MiB). */
 #define CU_BLAS_WS_BYTES ((size_t)32 << 20)
 
 /* The CUDA backend object: mt_backend first. */
 typedef struct cu_backend {
     mt_backend base;
+    mt_backend_ops ops;        /* the table base.ops points at (cuda_backend.cu, cu_fill) */
     int device;
     cudaStream_t stream;
     mt_status sticky;          /* first failure seen by an op; MT_OK otherwise */
@@ -64,22 +82,10 @@ typedef struct cu_backend {
      * workspace, made in mt_cuda_backend_new, destroyed in destroy. */
     struct cublasContext *blas; /* owned cublasHandle_t */
     void *blas_ws;              /* [CU_BLAS_WS_BYTES] device, owned */
-    int tc_terms;               /* 16-bit parts of x on the tensor cores: 2 (default), 1, or 0 =
-                                   fp32 kernels only; MT_CUDA_TC_TERMS at creation */
-    /* Prefill switches, read at creation (cuda_backend.cu); 1 unless the variable says 0:
-     *   moe_batched  MT_CUDA_MOE_BATCHED: the tensor-core MoE runs as a few batched GEMMs over
-     *                experts padded to a common row count (cuda_moe.cu); 0: one GEMM per expert.
-     *   narrow       MT_CUDA_NARROW: matmuls of at most 32 output rows (mHC mix) on the
-     *                narrow fp32 kernel (cuda_dense.cu); 0: the tiled fp32 GEMM. */
-    bool moe_batched;
-    bool moe_side;              /* MT_CUDA_MOE_SIDE (default 1): the batched MoE GEMMs' small size
-                                   classes on a second stream (cuda_moe.cu, moe_on_side) */
-    bool moe_grouped;           /* MT_CUDA_MOE_GROUPED (default 1): 9..64 rows on the grouped kernels */
-    bool moe_wg;                /* MT_CUDA_MOE_WG (default 1): a prefill's experts on the wgmma
-                                   kernel of cuda_moe_wg.cu where it applies (cu_moe_wg_ok) */
-    bool narrow;
-    int tc_min_rows;            /* MT_CUDA_TC_MIN_ROWS (default 1): matmul outputs narrower than
-                                   this stay off the tensor cores (cuda_dense.cu) */
+    mt_cuda_params params;      /* as given at creation (cuda_backend.h) */
+    int tc_terms;               /* 16-bit parts of x on the tensor cores (params.numerics): 2 (EXACT),
+                                   1 (BF16), 0 (FP32: the fp32 kernels only) */
+    bool moe_batched;           /* params.moe_batched, until cuBLAS refuses a batched GEMM (cuda_moe.cu) */
     struct cu_prof *prof;       /* op timing (mt_cuda_profile); NULL when off */
     /* [CU_COUNTERS] device, zeroed at creation: arrival counters of kernels whose last block
      * finishes the op (CU_COUNTER_*); each such kernel returns its counter to 0 before it exits. */
@@ -94,20 +100,12 @@ typedef struct cu_backend {
 static inline cudaStream_t cu_stream(mt_backend *be) { return ((cu_backend *)be)->stream; }
 /* Multiprocessors for grid sizing (132, an H100/H200's, if the device did not say). */
 static inline int cu_sms(const cu_backend *cb) { return cb->n_sm > 0 ? cb->n_sm : 132; }
-/* Records a launch/runtime failure (logged by the caller) so the model can notice at sync. */
-void cu_fail(mt_backend *be, mt_status st);
-/* Checks cudaGetLastError after a launch; logs with the op name and records failure. */
-void cu_check_launch(mt_backend *be, const char *op);
-/* Records a failed status from a launcher (already logged at the failing call) with the op name. */
-void cu_op_status(mt_backend *be, const char *op, mt_status st);
-/* Op timing (mt_cuda_profile): when on, synchronises the stream and charges the time since the
- * previous mark to `what`. cu_op_status and cu_check_launch mark with their op name. No-op when
- * off or while the stream is being captured. */
-void cu_prof_mark(mt_backend *be, const char *what);
-/* Device scratch of at least `bytes` in slot `slot` (CU_SCRATCH_*), valid until the op returns.
- * Growing synchronises the stream first (pending kernels may still read the old buffer). NULL on
- * OOM (logged, recorded in sticky). */
+/* cuda_core.cu: device scratch of at least `bytes` in slot `slot` (CU_SCRATCH_*), valid until the
+ * op returns. Growing synchronises the stream first (pending kernels may still read the old
+ * buffer). NULL on OOM (logged, recorded in sticky). */
 void *cu_scratch(mt_backend *be, int slot, size_t bytes);
+/* b rounded up to a multiple of a: the offsets of the pieces an op carves from its scratch. */
+static inline size_t cu_align_up(size_t b, size_t a) { return (b + a - 1) / a * a; }
 /* cuda_moe.cu: frees the expert-table cache (destroy). */
 void cu_moe_cache_free(cu_backend *cb);
 
@@ -150,104 +148,27 @@ mt_status cu_split16(void *out /* [terms * M, K] dt */, const float *x /* [*, K]
                      int terms, bool interleave, cudaStream_t s);
 mt_status cu_gemm_tc(cu_backend *cb, float *y /* [M, N] */, const void *x16 /* [M, K] dt */,
                      const void *w /* [N, K] dt */, mt_dtype dt, int M, int N, int K, float beta);
-/* cuda_backend.cu: a cuBLAS handle on `stream` with its own CU_BLAS_WS_BYTES workspace (*ws),
+/* cuda_core.cu: a cuBLAS handle on `stream` with its own CU_BLAS_WS_BYTES workspace (*ws),
  * host pointer mode (cb->blas; cuda_moe.cu's side stream). On failure (logged) whatever was made
  * is left in *blas, *ws for the caller to free. */
 mt_status cu_blas_make(struct cublasContext **blas, void **ws, cudaStream_t stream);
 
-/* cuda_step.cu: graphs and the run-time-position ops of the graph form of decode. */
-mt_status cu_graph_begin(mt_backend *be);
-mt_status cu_graph_end(mt_backend *be, mt_graph **out);
-mt_status cu_graph_launch(mt_backend *be, mt_graph *g);
-void cu_graph_free(mt_backend *be, mt_graph *g);
-void cu_embed_dev(mt_backend *be, float *out, const mt_weight *table, const int32_t *ids, int n);
-void cu_copy_rows_at(mt_backend *be, mt_paged dst, const int32_t *bt, int t0, const int32_t *pos,
-                     const float *src, int n);
-void cu_dsa_pool_keys_at(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs, const int32_t *bt,
-                         const float *ape, const int32_t *pos, int kpool);
-
-/* cuda_random.cu: the weight_random slot. */
-mt_status cu_weight_random(mt_backend *be, mt_dtype dt, int64_t rows, int64_t cols, uint64_t key,
-                           float mean, float std, mt_weight *out);
-
-void cu_embed(mt_backend *be, float *out, const mt_weight *table, const int32_t *ids, int n);
-void cu_matmul(mt_backend *be, float *y, const float *x, const mt_weight *w, int n);
-void cu_matmul_multi(mt_backend *be, float *const *y, const float *x, const mt_weight *const *w, int count, int n,
-                     unsigned sigmoid_mask);
-void cu_rmsnorm(mt_backend *be, float *out, const float *x, const float *w, int n, int d, float eps);
-void cu_layernorm(mt_backend *be, float *out, const float *x, const float *w, const float *b, int n,
-                  int d, float eps);
-void cu_swiglu(mt_backend *be, float *out, const float *gate, const float *up, int n, int I, float L);
-void cu_sigmoid(mt_backend *be, float *x, int64_t count);
-void cu_l2norm(mt_backend *be, float *x, int64_t n, int d, float eps, float scale);
-void cu_argmax(mt_backend *be, int32_t *out, const float *logits, int n, int V);
-void cu_argmax_dev(mt_backend *be, int32_t *out, int rep, const float *logits, int n, int V);
-void cu_hc_head_norm(mt_backend *be, float *z, const float *X, const float *w, int n, int S, int H, float eps);
-
-void cu_moe_route(mt_backend *be, int32_t *idx, float *weights, const float *logits,
-                  const float *bias, const mt_router_params *p, int n);
-void cu_moe_experts(mt_backend *be, float *out, const float *x, const int32_t *idx,
-                    const float *weights, const mt_expert *experts, int n, int top_k, int H, int I,
-                    float L);
-bool cu_moe_experts_shared(mt_backend *be, float *out, const float *x, const int32_t *idx, const float *weights,
-                           const mt_expert *experts, const mt_expert *shared, int n, int top_k, int H, int I,
-                           float L);
-
-void cu_conv1d_silu(mt_backend *be, float *out, const float *x, float *state, const float *w, int n,
-                    int C, int K);
-bool cu_conv1d_silu_l2norm(mt_backend *be, float *out, const float *x, float *state, const float *w, int n,
-                           int C, int K, int dk, float eps, float scale);
-void cu_kda_gates(mt_backend *be, float *g, float *gate, const float *f_in, const float *g_in, const mt_weight *f_b,
-                  const mt_weight *g_b, const float *dt_bias, const float *A_log, const mt_kda_gate_params *p, int n);
-void cu_kda_gate(mt_backend *be, float *g, const float *f, const float *dt_bias, const float *A_log,
-                 const mt_kda_gate_params *p, int n);
-void cu_kda_recurrent(mt_backend *be, float *o, const float *q, const float *k, const float *v,
-                      const float *g, const float *beta, float *state, int n, int nh, int dk);
-void cu_kda_chunked(mt_backend *be, float *o, const float *q, const float *k, const float *v,
-                    const float *g, const float *beta, float *state, int n, int nh, int dk);
-void cu_gated_rmsnorm(mt_backend *be, float *out, const float *o, const float *gate, const float *w,
-                      int64_t rows, int d, float eps);
-
-void cu_dsa_pool_keys(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs, const int32_t *bt,
-                      const float *ape, int p0, int p1, int kpool);
-void cu_dsa_select(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi, const float *w,
-                   mt_paged pool_keys, const int32_t *bt, int t0, int n, const mt_dsa_select_params *p);
-void cu_mla_sparse(mt_backend *be, float *out, const float *q, mt_paged latent, const int32_t *bt,
-                   const mt_weight *kv_b, const int32_t *sel, const int32_t *nsel, int max_sel,
-                   int t0, int n, const mt_mla_params *p);
-
-void cu_hc_pre(mt_backend *be, float *y, float *post, float *comb, const float *X,
-               const mt_weight *fn, const float *base, const float *scale, const mt_hc_params *p,
-               int n);
-void cu_hc_pre_norm(mt_backend *be, float *h, float *y, float *post, float *comb, const float *X,
-                    const mt_weight *fn, const float *base, const float *scale, const float *norm_w,
-                    const mt_hc_params *p, int n);
-void cu_hc_post(mt_backend *be, float *X, const float *a, const float *post, const float *comb,
-                const mt_hc_params *p, int n);
-void cu_hc_post_pre_norm(mt_backend *be, float *X, const float *a, float *h, float *y, float *post, float *comb,
-                         const mt_weight *fn, const float *base, const float *scale, const float *norm_w,
-                         const mt_hc_params *p, int n);
-void cu_hc_head(mt_backend *be, float *z, const float *X, int n, int S, int H);
-
-/* The rows form of batched decode (kernels/backend.h): cuda_rows.cu, and beside their
- * single-sequence kernels in cuda_kda.cu (delta rule) and cuda_dsa.cu (select, sparse MLA). */
-void cu_conv1d_silu_rows(mt_backend *be, float *out, const float *x, float *const *states, const float *w,
-                         int n, int C, int K);
-void cu_kda_conv3_rows(mt_backend *be, const mt_kda_conv3 *c, int n, int C, int K, int dk, float eps, float q_scale);
-void cu_kda_recurrent_rows(mt_backend *be, float *o, const float *q, const float *k, const float *v,
-                           const float *g, const float *beta, float *const *states, int n, int nh, int dk);
-void cu_copy_rows_to(mt_backend *be, mt_paged dst, const int32_t *const *bts, const int32_t *pos,
-                     const float *src, int n);
-void cu_copy_rows_to_n(mt_backend *be, const mt_paged *dst, const float *const *src, int count,
-                       const int32_t *const *bts, const int32_t *pos, int n);
-void cu_dsa_pool_keys_rows(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs,
-                           const int32_t *const *bts, const float *ape, const int32_t *pos, int n, int kpool);
-void cu_dsa_select_rows(mt_backend *be, int32_t *sel, int32_t *nsel, const float *qi, const float *w,
-                        mt_paged pool_keys, const int32_t *const *bts, const int32_t *pos, int n,
-                        const mt_dsa_select_params *p);
-void cu_mla_sparse_rows(mt_backend *be, float *out, const float *q, mt_paged latent,
-                        const int32_t *const *bts, const mt_weight *kv_b, const int32_t *sel,
-                        const int32_t *nsel, int max_sel, const int32_t *pos, int n, const mt_mla_params *p);
+/* The op families' fillers: each sets its file's slots of the table (the ops themselves are static
+ * in their files; kernels/backend.h is the one place an op's signature is written). cuda_backend.cu
+ * builds a backend's table from its own slots (memory, lifetime) and these. */
+void cu_dense_fill(mt_backend_ops *t);      /* cuda_dense.cu: embed, matmul(_multi), norms, swiglu,
+                                               sigmoid, l2norm, argmax(_dev), and the fused kda_gates
+                                               and hc_head_norm, which run its GEMV and norm kernels */
+void cu_moe_fill(mt_backend_ops *t);        /* cuda_moe.cu: moe_route, moe_experts(_shared) */
+void cu_kda_fill(mt_backend_ops *t);        /* cuda_kda.cu: conv1d_silu(_l2norm), kda_gate,
+                                               kda_recurrent(_rows), gated_rmsnorm */
+void cu_kda_chunk_fill(mt_backend_ops *t);  /* cuda_kda_chunk.cu: kda_chunked */
+void cu_dsa_fill(mt_backend_ops *t);        /* cuda_dsa.cu: dsa_pool_keys(_at), dsa_select(_rows),
+                                               mla_sparse(_rows) */
+void cu_hc_fill(mt_backend_ops *t);         /* cuda_hc.cu: hc_pre(_norm), hc_post(_pre_norm), hc_head */
+void cu_rows_fill(mt_backend_ops *t);       /* cuda_rows.cu: the rows-form conv, cache writes, pool keys */
+void cu_step_fill(mt_backend_ops *t);       /* cuda_step.cu: graphs, embed_dev, copy_rows_at */
+void cu_random_fill(mt_backend_ops *t);     /* cuda_random.cu: weight_random */
 
 /* cuda_moe.cu: asserts the experts [0, count) share dtype and shape ([I, H] gate/up, [H, I] down)
  * and have their data; used by both MoE paths. */
@@ -278,10 +199,6 @@ mt_status cu_moe_wg_gemm(const void *wmaps, const int32_t *tiles, const int32_t 
                          int64_t xrows, int K, void *out, int ldo, bool down, int terms, float L, int sms,
                          cudaStream_t s);
 
-/* cuda_dense.cu: programmatic dependent launch of kernel(*params) on s (see there), and whether it
- * is on (MT_CUDA_PDL). */
-cudaError_t cu_launch_pdl(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t s, void *params);
-bool cu_pdl_on(void);
 
 #ifdef __cplusplus
 }
@@ -482,14 +399,7 @@ template <int V> __device__ __forceinline__ void cu_xload_ro(const float *x, flo
     }
 }
 
-/* Programmatic dependent launch (cuda_dense.cu): a kernel started by cu_launch_pdl waits here
- * before it reads an activation or writes anything, and lets the next one start after. */
-__device__ __forceinline__ void cu_pdl_wait(void) { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void cu_pdl_trigger(void) {
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
-
-/* The KDA decay gate of one element (MODEL.md "KDA mixer"): f the projection, bias its dt_bias,
+/* The KDA decay gate of one element (docs/MODEL.md "KDA mixer"): f the projection, bias its dt_bias,
  * a_log its head's A_log. kda_gate_kernel (cuda_kda.cu) and the short-row GEMV's epilogue
  * (cu_kda_gates, cuda_dense.cu) both take it from here. */
 static __device__ __forceinline__ float cu_kda_gate_value(float f, float bias, float a_log, bool has_lower_bound,
@@ -498,17 +408,9 @@ static __device__ __forceinline__ float cu_kda_gate_value(float f, float bias, f
     return has_lower_bound ? lower_bound * cu_sigmoidf(a * x) : -a * (x > 20.f ? x : log1pf(expf(x)));
 }
 
-/* k<<<grid, block, smem, s>>>(p) launched for PDL: the kernel must cu_pdl_wait() before it reads
- * what an earlier kernel wrote, or writes anything. A launch error is left for cudaGetLastError
- * (cu_check_launch, MT_CUDA_CHECK_LAUNCH), as with <<<>>>. */
-template <typename P>
-static inline void cu_launch_pdl_k(void (*k)(P), dim3 grid, dim3 block, size_t smem, cudaStream_t s, P p) {
-    (void)cu_launch_pdl((const void *)k, grid, block, smem, s, &p);
-}
-
 static inline __host__ __device__ bool cu_aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
-/* Pool key `pool`, channel d (MODEL.md, the DSA indexer): the softmax over the pool's kpool members
+/* Pool key `pool`, channel d (docs/MODEL.md, the DSA indexer): the softmax over the pool's kpool members
  * of gs + ape, weighting their ki, in cpu_dsa.c's order, written through bt. The members are
  * consecutive rows of one page (page is a multiple of kpool). dsa_pool_keys_kernel (cuda_dsa.cu)
  * and pool_keys_rows_kernel (cuda_rows.cu) both run it. */

@@ -1,6 +1,6 @@
 /* kernels/cuda/cuda_random.cu: random weights made on the device (backend slot weight_random),
  * bit-identical to the CPU backend's (common/mt_rand.h), so the bench-4L benchmark's ~48 GB of
- * weights need no file and no host copy. Three tiers (STYLE.md 7). */
+ * weights need no file and no host copy. Three tiers: kernel, launcher, the op. */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -33,8 +33,8 @@ static void rand_fill_launch(mt_backend *be, const rand_params *p) {
     cu_check_launch(be, "weight_random");
 }
 
-extern "C" mt_status cu_weight_random(mt_backend *be, mt_dtype dt, int64_t rows, int64_t cols,
-                                      uint64_t key, float mean, float std, mt_weight *out) {
+static mt_status cu_weight_random(mt_backend *be, mt_dtype dt, int64_t rows, int64_t cols,
+                                  uint64_t key, float mean, float std, mt_weight *out) {
     MT_ASSERT(dt == MT_F32 || dt == MT_F16 || dt == MT_BF16);
     MT_ASSERT(rows >= 0 && cols >= 0);
     const uint64_t n = (uint64_t)rows * (uint64_t)cols;
@@ -54,4 +54,8 @@ extern "C" mt_status cu_weight_random(mt_backend *be, mt_dtype dt, int64_t rows,
              return mt_st_);
     *out = (mt_weight){ p, dt, rows, cols, true };
     return MT_OK;
+}
+
+extern "C" void cu_random_fill(mt_backend_ops *t) {
+    t->weight_random = cu_weight_random;
 }

@@ -48,8 +48,8 @@ static __global__ void conv_rows_kernel(conv_rows_params p) {
                                            p.w + (size_t)c * p.K, p.K);
 }
 
-extern "C" void cu_conv1d_silu_rows(mt_backend *be, float *out, const float *x, float *const *states,
-                                    const float *w, int n, int C, int K) {
+static void cu_conv1d_silu_rows(mt_backend *be, float *out, const float *x, float *const *states,
+                                const float *w, int n, int C, int K) {
     MT_ASSERT(n >= 0 && C > 0 && K >= 1 && K <= ROWS_MAX_K);
     if (n == 0) return;
     const conv_rows_params p = { out, x, states, w, n, C, K };
@@ -92,8 +92,8 @@ static __global__ void __launch_bounds__(1024) conv3_rows_kernel(const conv3_par
     if (own) p.c.out[j][(size_t)i * p.C + c] = y;
 }
 
-extern "C" void cu_kda_conv3_rows(mt_backend *be, const mt_kda_conv3 *c, int n, int C, int K, int dk, float eps,
-                                  float q_scale) {
+static void cu_kda_conv3_rows(mt_backend *be, const mt_kda_conv3 *c, int n, int C, int K, int dk, float eps,
+                              float q_scale) {
     MT_ASSERT(n >= 0 && C > 0 && K >= 1 && K <= ROWS_MAX_K && dk >= 1 && dk <= 1024 && C % dk == 0);
     if (n == 0) return;
     const conv3_params p = { *c, n, C, K, dk, eps, q_scale };
@@ -123,8 +123,8 @@ static __global__ void copy_rows_to_kernel(copy_to_params p) {
     cu_copy_row_x(mt_paged_at(d, p.bts[i], p.pos[i]), p.src[j] + (int64_t)i * d.row, d.row, p.vec4[j]);
 }
 
-extern "C" void cu_copy_rows_to_n(mt_backend *be, const mt_paged *dst, const float *const *src, int count,
-                                  const int32_t *const *bts, const int32_t *pos, int n) {
+static void cu_copy_rows_to_n(mt_backend *be, const mt_paged *dst, const float *const *src, int count,
+                              const int32_t *const *bts, const int32_t *pos, int n) {
     MT_ASSERT(count >= 0 && count <= COPY_TO_MAX && n <= 65535);
     if (n <= 0 || count == 0) return;
     copy_to_params p = {};
@@ -144,8 +144,8 @@ extern "C" void cu_copy_rows_to_n(mt_backend *be, const mt_paged *dst, const flo
     cu_check_launch(be, "copy_rows_to");
 }
 
-extern "C" void cu_copy_rows_to(mt_backend *be, mt_paged dst, const int32_t *const *bts, const int32_t *pos,
-                                const float *src, int n) {
+static void cu_copy_rows_to(mt_backend *be, mt_paged dst, const int32_t *const *bts, const int32_t *pos,
+                            const float *src, int n) {
     cu_copy_rows_to_n(be, &dst, &src, 1, bts, pos, n);
 }
 
@@ -170,9 +170,9 @@ static __global__ void pool_keys_rows_kernel(pool_rows_params p) {
     cu_pool_key(p.pool_keys, p.ki, p.gs, p.bts[i], p.ape, t / p.kpool, d, p.kpool);
 }
 
-extern "C" void cu_dsa_pool_keys_rows(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs,
-                                      const int32_t *const *bts, const float *ape, const int32_t *pos, int n,
-                                      int kpool) {
+static void cu_dsa_pool_keys_rows(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs,
+                                  const int32_t *const *bts, const float *ape, const int32_t *pos, int n,
+                                  int kpool) {
     const int id = (int)ki.row;
     MT_ASSERT(kpool > 0 && id > 0 && gs.row == id && pool_keys.row == id && n <= 65535);
     MT_ASSERT(ki.page == gs.page && pool_keys.page > 0 && ki.page == pool_keys.page * kpool);
@@ -180,4 +180,12 @@ extern "C" void cu_dsa_pool_keys_rows(mt_backend *be, mt_paged pool_keys, mt_pag
     const pool_rows_params p = { pool_keys, ki, gs, bts, ape, pos, kpool, id };
     cu_launch_pdl_k(pool_keys_rows_kernel, dim3(dim3((id + ROWS_BLOCK - 1) / ROWS_BLOCK, n)), dim3(ROWS_BLOCK), 0, cu_stream(be), p);
     cu_check_launch(be, "dsa_pool_keys_rows");
+}
+
+extern "C" void cu_rows_fill(mt_backend_ops *t) {
+    t->conv1d_silu_rows = cu_conv1d_silu_rows;
+    t->kda_conv3_rows = cu_kda_conv3_rows;
+    t->copy_rows_to_n = cu_copy_rows_to_n;
+    t->copy_rows_to = cu_copy_rows_to;
+    t->dsa_pool_keys_rows = cu_dsa_pool_keys_rows;
 }

@@ -1,7 +1,7 @@
 /* kernels/cuda/cuda_step.cu: what the graph form of decode needs from the CUDA backend: stream
  * capture into CUDA graphs, and the ops that read a run-time position or token id from device
  * memory instead of a kernel argument (a captured graph replays its kernel arguments as they
- * were at capture). Three tiers per op (STYLE.md 7). */
+ * were at capture). Three tiers per op: static kernels, a launcher, the op. */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -14,12 +14,12 @@ struct mt_graph {
     cudaGraphExec_t exec;
 };
 
-extern "C" mt_status cu_graph_begin(mt_backend *be) {
+static mt_status cu_graph_begin(mt_backend *be) {
     MT_CUDA_CHECK(cudaStreamBeginCapture(cu_stream(be), cudaStreamCaptureModeThreadLocal));
     return MT_OK;
 }
 
-extern "C" mt_status cu_graph_end(mt_backend *be, mt_graph **out) {
+static mt_status cu_graph_end(mt_backend *be, mt_graph **out) {
     *out = NULL;
     cudaGraph_t g = NULL;
     cudaError_t e = cudaStreamEndCapture(cu_stream(be), &g);
@@ -44,12 +44,12 @@ fail:
     return st;
 }
 
-extern "C" mt_status cu_graph_launch(mt_backend *be, mt_graph *g) {
+static mt_status cu_graph_launch(mt_backend *be, mt_graph *g) {
     MT_CUDA_CHECK(cudaGraphLaunch(g->exec, cu_stream(be)));
     return MT_OK;
 }
 
-extern "C" void cu_graph_free(mt_backend *be, mt_graph *g) {
+static void cu_graph_free(mt_backend *be, mt_graph *g) {
     (void)be;
     if (!g) return;
     MT_CUDA_WARN(cudaGraphExecDestroy(g->exec));
@@ -93,7 +93,7 @@ static __global__ void embed_dev_kernel(embed_dev_params p) {
         if (d0 + u < p.H) p.out[(size_t)i * p.H + d0 + u] = v[u];
 }
 
-extern "C" void cu_embed_dev(mt_backend *be, float *out, const mt_weight *table, const int32_t *ids, int n) {
+static void cu_embed_dev(mt_backend *be, float *out, const mt_weight *table, const int32_t *ids, int n) {
     if (n <= 0) return;
     embed_dev_params p = { out, table->data, ids, n, (int)table->cols, (int)table->rows };
     cudaStream_t s = cu_stream(be);
@@ -126,8 +126,8 @@ static __global__ void copy_rows_at_kernel(rows_at_params p) {
     cu_copy_row_x(mt_paged_at(p.dst, p.bt, t), p.src + (int64_t)i * p.dst.row, p.dst.row, p.vec4);
 }
 
-extern "C" void cu_copy_rows_at(mt_backend *be, mt_paged dst, const int32_t *bt, int t0, const int32_t *pos,
-                                const float *src, int n) {
+static void cu_copy_rows_at(mt_backend *be, mt_paged dst, const int32_t *bt, int t0, const int32_t *pos,
+                            const float *src, int n) {
     MT_ASSERT(n >= 0 && t0 >= 0 && dst.page > 0 && dst.row > 0 && bt);
     rows_at_params p = { dst, bt, src, pos, t0, 0, false };
     p.vec4 = dst.row % 4 == 0 && cu_aligned16(dst.base) && cu_aligned16(src);
@@ -137,4 +137,13 @@ extern "C" void cu_copy_rows_at(mt_backend *be, mt_paged dst, const int32_t *bt,
         copy_rows_at_kernel<<<dim3((unsigned)(bx < 64 ? bx : 64), (unsigned)rows), 256, 0, cu_stream(be)>>>(p);
         cu_check_launch(be, "copy_rows_at");
     }
+}
+
+extern "C" void cu_step_fill(mt_backend_ops *t) {
+    t->graph_begin = cu_graph_begin;
+    t->graph_end = cu_graph_end;
+    t->graph_launch = cu_graph_launch;
+    t->graph_free = cu_graph_free;
+    t->embed_dev = cu_embed_dev;
+    t->copy_rows_at = cu_copy_rows_at;
 }

@@ -1,4 +1,4 @@
-/* kernels/cuda/scale.cu: see scale.h. Three tiers (STYLE.md 7): kernel, launcher, exported op. */
+/* kernels/cuda/scale.cu: see scale.h. Three tiers: kernel, launcher, exported op. */
 #include "kernels/cuda/scale.h"
 
 #include "kernels/cuda/cuda_check.h"

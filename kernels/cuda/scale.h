@@ -1,5 +1,6 @@
 /* kernels/cuda/scale.h: y = a * x over fp32 device arrays. The smallest CUDA op; it exists to
- * prove the nvcc build path end to end and to be copied when writing a new op (STYLE.md 7). */
+ * prove the nvcc build path end to end and to be copied when writing a new op (three tiers:
+ * kernel, launcher, exported op). */
 #ifndef MT_CUDA_SCALE_H
 #define MT_CUDA_SCALE_H
 

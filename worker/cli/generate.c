@@ -73,7 +73,7 @@ int main(int argc, char **argv) {
     if (!ids) return 2;
 
     mt_error err = { "" };
-    mt_backend *be = !strcmp(backend, "cuda") ? mt_cuda_backend_new(0, &err) : mt_cpu_backend_new(threads);
+    mt_backend *be = !strcmp(backend, "cuda") ? mt_cuda_backend_new(0, NULL, &err) : mt_cpu_backend_new(threads);
     glm_model *m = NULL;
     glm_seq *seq = NULL;
     float *logits = NULL;

@@ -755,8 +755,9 @@ mt_status glm_config_preset(const char *name, glm_config *cfg, mt_error *err) {
         glm_config_default_layers(&c);
         for (int i = 1; i < 4; i++) c.mlp_layer_types[i] = GLM_MLP_SPARSE;
     } else if (name && !strcmp(name, "test-wide")) {
-        /* The wider random model of the GPU model test (tests/model_cuda_test.cc): real head sizes (KDA heads of 128, MLA heads of 256/256 over a
-         * 512 latent, indexer heads of 128) at hidden 512, 64 experts, a shared indexer. */
+        /* The wider random model of the GPU model test (tests/model_cuda_test.cc): real head
+         * sizes (KDA heads of 128, MLA heads of 256/256 over a 512 latent, indexer heads of 128) at
+         * hidden 512, 64 experts, a shared indexer. */
         c.vocab_size = 2048; c.hidden_size = 512; c.intermediate_size = 1024; c.moe_intermediate_size = 256;
         c.num_hidden_layers = 4; c.num_attention_heads = 4; c.num_key_value_heads = 4;
         c.linear_num_heads = 4; c.n_routed_experts = 64; c.num_experts_per_tok = 8; c.n_group = 8; c.topk_group = 4;

@@ -27,6 +27,8 @@ extern "C" {
 
 typedef struct mt_model mt_model;
 typedef struct mt_seq mt_seq;
+/* A communicator of a tensor-parallel group (worker/dist/comm.h). */
+typedef struct mt_comm mt_comm;
 
 /* Options of any model; each architecture reads the ones that apply to it. */
 typedef struct mt_model_params {
@@ -37,6 +39,10 @@ typedef struct mt_model_params {
     bool decode_graphs;    /* decode through captured graphs when the backend can (default true) */
     bool device_positions; /* decode in the graph form (positions read from backend memory) even
                             * without a graph; default false. For tests of the graph form. */
+    /* Tensor parallelism: this process is rank comm->rank of comm->size and loads its shard of
+     * the weights and state; the layers' partial sums are all-reduced over comm. NULL: the whole
+     * model (one rank). Borrowed; it must outlive the model. */
+    mt_comm *comm;
 } mt_model_params;
 
 mt_model_params mt_model_default_params(void);
@@ -56,6 +62,7 @@ typedef struct mt_model_info {
     bool multi_seq;        /* every layer decodes one row for each of many sequences in one pass */
     bool rollback;         /* every layer can drop rows past a length (rejected drafts) */
     bool has_drafter;      /* draft entries are offered */
+    int tp_rank, tp_size;  /* the shard this process holds */
 } mt_model_info;
 
 typedef struct mt_pool_stats {

@@ -34,6 +34,8 @@ static void iface_describe(const mt_model *mm, mt_model_info *out) {
         .multi_seq = m->runner.plan.multi_seq,
         .rollback = m->runner.plan.rollback,
         .has_drafter = false,
+        .tp_rank = m->tp_rank,
+        .tp_size = m->tp_size,
     };
 }
 

@@ -14,6 +14,7 @@
 #include "worker/runtime/block_table.h"
 #include "worker/runtime/graph_runner.h"
 #include "worker/runtime/id_pool.h"
+#include "worker/dist/comm.h"
 
 #define GLM_BUCKETS 10          /* decode graph buckets 1, 2, 4, ..., 512 */
 #define GLM_PAGE 64             /* positions per DSA cache page (before rounding to kpool) */
@@ -65,7 +66,8 @@ typedef struct glm_mlp_w {
 /* One decoder layer: the generic mt_layer first, then its weights. */
 typedef struct glm_layer {
     mt_layer base;
-    const glm_config *cfg;
+    const glm_config *cfg;     /* the rank's shard of the config (glm_model.lcfg) */
+    mt_comm *comm;             /* the partial sums of mixer and MLP are all-reduced over it; NULL: one rank */
     mt_backend *be;            /* the model's; states are allocated outside any step */
     glm_hc_w hc[2];            /* attention site, MLP site */
     float *in_norm;            /* input_layernorm [H] */
@@ -142,7 +144,20 @@ struct mt_step {
 
 struct glm_model {
     mt_model base;             /* the model interface (model.h); first member */
-    glm_config cfg;
+    glm_config cfg;            /* the checkpoint's config: the whole model */
+    /* Tensor parallelism (glm_shard.c): this rank's shard. lcfg is cfg with the split dimensions
+     * divided by tp_size (heads, intermediate sizes); the layers compute with it. Vocab rows
+     * [v_lo, v_lo + v_n) of the embedding and lm_head live here. */
+    glm_config lcfg;
+    mt_comm *comm;             /* NULL: one rank */
+    int tp_rank, tp_size;
+    int v_lo, v_n;
+    float *logits_local;       /* [rows, v_n] this rank's logits (tp_size > 1) */
+    float *logits_gather;      /* [tp_size, rows, v_n] every rank's (tp_size > 1) */
+    void **kept_host;          /* host copies the backend's weights view (sliced columns on the CPU) */
+    int n_kept_host, cap_kept_host;
+    size_t bytes_sharded_read, bytes_sharded_total; /* split tensors: read by this rank, in all */
+    size_t bytes_replicated;   /* tensors every rank reads whole */
     glm_model_params params;
     mt_backend *be;
     st_archive *ar;
@@ -225,6 +240,21 @@ static inline void glm_matmul_multi(mt_backend *be, float *const *y, const float
 
 /* glm_entry.c: the model interface (worker/model/model.h) over this model. */
 extern const mt_model_ops glm_model_iface;
+
+/* glm_shard.c: tensor parallelism. */
+/* lcfg and the vocab slice from cfg and the communicator; MT_ERR_INVALID names the dimension that
+ * the group's size does not divide. */
+mt_status glm_shard_plan(glm_model *m, mt_error *err);
+/* All-reduce of buf[count] (backend memory) over the group; a no-op on one rank. */
+mt_status glm_all_reduce(mt_comm *comm, float *buf, size_t count);
+/* The rank-local id of a token in the vocab-parallel embedding: its row in this rank's slice, or
+ * v_n (a zero row) when another rank holds it. The token itself on one rank. */
+static inline int32_t glm_token_local(const glm_model *m, int32_t t) {
+    if (m->tp_size == 1) return t;
+    return t >= m->v_lo && t < m->v_lo + m->v_n ? t - m->v_lo : m->v_n;
+}
+/* The vocab-parallel head's logits [rows, v_n] of every rank into m->logits [rows, vocab]. */
+mt_status glm_gather_logits(glm_model *m, int rows);
 
 /* glm_weights.c */
 mt_status glm_weights_bind(glm_model *m, mt_error *err);

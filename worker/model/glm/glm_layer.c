@@ -77,6 +77,7 @@ static mt_status layer_forward(const mt_layer *ml, glm_layer_state **sts, int ns
     mt_status s = c->layer_types[ml->index] == GLM_MIXER_KDA
                       ? glm_kda_forward(l, sts, nst, step, scr->h, scr->a, n)
                       : glm_dsa_forward(l, sts, nst, step, scr->h, scr->a, n);
+    if (s == MT_OK) s = glm_all_reduce(l->comm, scr->a, (size_t)n * c->hidden_size); /* heads' partial sums */
     if (s != MT_OK) return s;
     /* the mixer's hc_post and the MLP site's hc_pre, fused where the backend offers it */
     if (be->ops->hc_post_pre_norm) {
@@ -87,6 +88,7 @@ static mt_status layer_forward(const mt_layer *ml, glm_layer_state **sts, int ns
         hc_pre_norm(be, scr, X, &l->hc[1], l->post_norm, &hp, n);
     }
     glm_mlp_forward(l, step, scr->h, scr->a, n);
+    if ((s = glm_all_reduce(l->comm, scr->a, (size_t)n * c->hidden_size)) != MT_OK) return s; /* intermediate's */
     be->ops->hc_post(be, X, scr->a, scr->post, scr->comb, &hp, n);
     return MT_OK;
 }

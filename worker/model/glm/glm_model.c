@@ -42,13 +42,22 @@ static mt_status scratch_alloc(mt_backend *be, const glm_config *c, int rows, gl
 static mt_status model_init(glm_model *m, uint64_t random_seed, bool random, mt_error *err) {
     const glm_config *c = &m->cfg;
     mt_backend *be = m->be;
+    mt_status s = glm_shard_plan(m, err);
+    if (s != MT_OK) return s;
     m->layers = calloc((size_t)c->num_hidden_layers, sizeof(glm_layer));
     if (!m->layers) return mt_errorf(err, MT_ERR_NOMEM, "out of memory");
-    for (int i = 0; i < c->num_hidden_layers; i++) glm_layer_init(&m->layers[i], &m->cfg, be, i);
-    mt_status s = random ? glm_weights_random(m, random_seed, err) : glm_weights_bind(m, err);
+    for (int i = 0; i < c->num_hidden_layers; i++) {
+        glm_layer_init(&m->layers[i], &m->lcfg, be, i);
+        m->layers[i].comm = m->tp_size > 1 ? m->comm : NULL;
+    }
+    s = random ? glm_weights_random(m, random_seed, err) : glm_weights_bind(m, err);
     if (s != MT_OK) return s;
+    if (m->tp_size > 1)
+        mt_log(MT_LOG_INFO, "tensor-parallel rank %d of %d: read %.1f MiB of the split tensors' %.1f MiB, and %.1f MiB "
+               "of replicated ones", m->tp_rank, m->tp_size, m->bytes_sharded_read / 1048576.0,
+               m->bytes_sharded_total / 1048576.0, m->bytes_replicated / 1048576.0);
     const int rows = m->params.prefill_chunk;
-    if ((s = scratch_alloc(be, c, rows, &m->scr, err)) != MT_OK) return s;
+    if ((s = scratch_alloc(be, &m->lcfg, rows, &m->scr, err)) != MT_OK) return s;
     const size_t SH = (size_t)c->hc_mult * c->hidden_size;
     m->X = be->ops->alloc(be, sizeof(float) * rows * SH);
     m->z = be->ops->alloc(be, sizeof(float) * rows * (size_t)c->hidden_size);
@@ -56,6 +65,10 @@ static mt_status model_init(glm_model *m, uint64_t random_seed, bool random, mt_
     m->d_step = be->ops->alloc(be, sizeof(int32_t) * GLM_VERIFY_MAX * (size_t)(c->hc_mult + 1));
     if (!m->X || !m->z || !m->logits || !m->d_step)
         return mt_errorf(err, MT_ERR_NOMEM, "out of memory for activations");
+    if (m->tp_size > 1 &&
+        (!(m->logits_local = be->ops->alloc(be, sizeof(float) * rows * (size_t)m->v_n)) ||
+         !(m->logits_gather = be->ops->alloc(be, sizeof(float) * rows * (size_t)m->v_n * m->tp_size))))
+        return mt_errorf(err, MT_ERR_NOMEM, "out of memory for the vocab-parallel logits");
     /* rows form of batched decode: one pass takes at most the scratch rows */
     const size_t tab = (size_t)c->num_hidden_layers * GLM_R_KINDS * (size_t)rows;
     m->rcap = rows;
@@ -81,6 +94,7 @@ static glm_model *model_new(mt_backend *be, const glm_model_params *params) {
     m->base.ops = &glm_model_iface;
     m->be = be;
     m->params = params ? *params : glm_model_default_params();
+    m->comm = m->params.comm;
     if (m->params.prefill_chunk < 1) m->params.prefill_chunk = 1;
     if (m->params.graph_max_rows < 1) m->params.graph_max_rows = 64;
     return m;
@@ -134,6 +148,10 @@ void glm_model_free(glm_model *m) {
     be->ops->free(be, m->z);
     be->ops->free(be, m->logits);
     be->ops->free(be, m->d_step);
+    be->ops->free(be, m->logits_local);
+    be->ops->free(be, m->logits_gather);
+    for (int i = 0; i < m->n_kept_host; i++) free(m->kept_host[i]);
+    free(m->kept_host);
     rt_slot_release(&m->runner, &m->shared);
     for (int b = 0; b < GLM_BUCKETS; b++) rt_slot_release(&m->runner, &m->bucket[b]);
     free(m->layer_list);
@@ -377,18 +395,27 @@ mt_layer_state *glm_seq_state(glm_seq *s, int i) { return s->states[i]; }
 
 /* X[i, s] = embedding of host token i for every stream s: one lookup into z, then S row copies
  * per token (the decode paths, where n is small). */
-static void highway_from_tokens(glm_model *m, const int32_t *tokens, int n) {
+static mt_status highway_from_tokens(glm_model *m, const int32_t *tokens, int n) {
     mt_backend *be = m->be;
     const int S = m->cfg.hc_mult, H = m->cfg.hidden_size;
-    be->ops->embed(be, m->z, &m->embed, tokens, n);
-    for (int i = 0; i < n; i++)
+    int32_t *local = NULL;
+    if (m->tp_size > 1) {
+        if (!(local = malloc(sizeof(int32_t) * (size_t)n))) return MT_ERR_NOMEM;
+        for (int i = 0; i < n; i++) local[i] = glm_token_local(m, tokens[i]);
+    }
+    be->ops->embed(be, m->z, &m->embed, local ? local : tokens, n);
+    free(local);
+    mt_status st = glm_all_reduce(m->comm, m->z, (size_t)n * H); /* vocab-parallel rows */
+    for (int i = 0; i < n && st == MT_OK; i++)
         for (int j = 0; j < S; j++)
             be->ops->copy(be, m->X + ((size_t)i * S + j) * H, m->z + (size_t)i * H, sizeof(float) * H);
+    return st;
 }
 
-/* The head over highway rows X[rows, S, H]: mean of streams, final norm, lm_head into m->logits;
- * downloaded into logits_host when not NULL. */
-static void head_logits(glm_model *m, const float *X, int rows, float *logits_host) {
+/* The head over highway rows X[rows, S, H]: mean of streams, final norm, lm_head into m->logits
+ * (on several ranks: each rank's vocab slice, then gathered); downloaded into logits_host when
+ * not NULL. */
+static mt_status head_logits(glm_model *m, const float *X, int rows, float *logits_host) {
     mt_backend *be = m->be;
     const glm_config *c = &m->cfg;
     if (be->ops->hc_head_norm) {
@@ -397,9 +424,11 @@ static void head_logits(glm_model *m, const float *X, int rows, float *logits_ho
         be->ops->hc_head(be, m->z, X, rows, c->hc_mult, c->hidden_size);
         be->ops->rmsnorm(be, m->z, m->z, m->norm, rows, c->hidden_size, c->rms_norm_eps);
     }
-    be->ops->matmul(be, m->logits, m->z, &m->lm_head, rows);
-    if (logits_host)
+    be->ops->matmul(be, m->tp_size > 1 ? m->logits_local : m->logits, m->z, &m->lm_head, rows);
+    mt_status st = glm_gather_logits(m, rows);
+    if (st == MT_OK && logits_host)
         be->ops->download(be, logits_host, m->logits, sizeof(float) * (size_t)rows * c->vocab_size);
+    return st;
 }
 
 /* Rows [0, n) of the highway through every layer, then the head for the rows whose logits are
@@ -415,14 +444,17 @@ static mt_status forward(glm_model *m, glm_seq *s, const int32_t *tokens, int n,
     /* X[i, s] = embedding of token i for every stream s. Prefill looks each token up S times
      * straight into X (one op, where n*S row copies cost a launch each); decode keeps its copies. */
     int32_t *rep = decode ? NULL : malloc(sizeof(int32_t) * (size_t)n * S);
+    mt_status est;
     if (rep) {
         for (int i = 0; i < n; i++)
-            for (int j = 0; j < S; j++) rep[(size_t)i * S + j] = tokens[i];
+            for (int j = 0; j < S; j++) rep[(size_t)i * S + j] = glm_token_local(m, tokens[i]);
         be->ops->embed(be, m->X, &m->embed, rep, n * S);
         free(rep);
+        est = glm_all_reduce(m->comm, m->X, (size_t)n * S * H); /* vocab-parallel rows */
     } else {
-        highway_from_tokens(m, tokens, n);
+        est = highway_from_tokens(m, tokens, n);
     }
+    if (est != MT_OK) return est;
     for (int l = 0; l < c->num_hidden_layers; l++) {
         const mt_layer *ml = &m->layers[l].base;
         mt_status st = !decode ? mt_layer_prefill(ml, s->states[l], &step, m->X, n)
@@ -432,7 +464,7 @@ static mt_status forward(glm_model *m, glm_seq *s, const int32_t *tokens, int n,
     }
     s->len += n;
     /* decode always leaves its logits in m->logits (glm_last_argmax reads them there) */
-    if ((logits_host || decode) && first < n) head_logits(m, m->X + (size_t)first * S * H, n - first, logits_host);
+    if ((logits_host || decode) && first < n) return head_logits(m, m->X + (size_t)first * S * H, n - first, logits_host);
     return MT_OK;
 }
 
@@ -492,20 +524,23 @@ static mt_status seq_step_body(void *ctx) {
     const int S = m->cfg.hc_mult, H = m->cfg.hidden_size, L = m->cfg.num_hidden_layers;
     mt_step step = { .be = be, .t0 = s->len, .scr = &m->scr, .d_pos = step_positions(m) };
     m->scr.sel_n = 0;
+    mt_status est;
     if (c->k == 1) {
         be->ops->embed_dev(be, m->z, &m->embed, m->d_step, 1);
+        est = glm_all_reduce(m->comm, m->z, (size_t)H); /* vocab-parallel rows */
         for (int j = 0; j < S; j++) be->ops->copy(be, m->X + (size_t)j * H, m->z, sizeof(float) * H);
     } else {
         be->ops->embed_dev(be, m->X, &m->embed, m->d_step, c->k * S);
+        est = glm_all_reduce(m->comm, m->X, (size_t)c->k * S * H);
     }
+    if (est != MT_OK) return est;
     for (int l = 0; l < L; l++) {
         const mt_layer *ml = &m->layers[l].base;
         mt_status st = c->k == 1 ? mt_layer_decode(ml, s->states[l], &step, m->X)
                                  : mt_layer_decode_batched(ml, s->states[l], &step, m->X, c->k);
         if (st != MT_OK) return st;
     }
-    head_logits(m, m->X, c->k, NULL);
-    return MT_OK;
+    return head_logits(m, m->X, c->k, NULL);
 }
 
 /* k rows of s through the graph runner: the hooks around the step, and the sequence's (or, when
@@ -518,9 +553,9 @@ static mt_status seq_step(glm_model *m, glm_seq *s, const int32_t *tokens, int k
     MT_ASSERT(S <= 8 && k >= 1 && k <= GLM_VERIFY_MAX);
     memset(host, 0, sizeof(int32_t) * n_host);
     for (int i = 0; i < k; i++) {
-        if (k == 1) host[0] = tokens[0];
+        if (k == 1) host[0] = glm_token_local(m, tokens[0]);
         else
-            for (int j = 0; j < S; j++) host[(size_t)i * S + j] = tokens[i];
+            for (int j = 0; j < S; j++) host[(size_t)i * S + j] = glm_token_local(m, tokens[i]);
         host[(size_t)GLM_VERIFY_MAX * S + i] = pos + i;
     }
     be->ops->upload(be, m->d_step, host, sizeof(int32_t) * n_host);
@@ -591,7 +626,7 @@ static void rows_upload(glm_model *m, glm_seq **seqs, const int32_t *tokens, int
         glm_seq *s = i < n ? seqs[i] : m->pad_seq;
         m->h_rrow[i] = i < n ? s->len : 0;
         if (tokens)
-            for (int j = 0; j < S; j++) m->h_rrow[B + (size_t)i * S + j] = i < n ? tokens[i] : 0;
+            for (int j = 0; j < S; j++) m->h_rrow[B + (size_t)i * S + j] = i < n ? glm_token_local(m, tokens[i]) : 0;
         for (int l = 0; l < L; l++) {
             const glm_layer_state *st = (const glm_layer_state *)s->states[l];
             void *const ptrs[GLM_R_KINDS] = { st->conv[0], st->conv[1], st->conv[2], st->rec, (void *)s->bt.dev };
@@ -620,14 +655,15 @@ static mt_status rows_body(glm_model *m, glm_seq **seqs, int n, int B, mt_layer_
     if (m->census) memset(m->census, 0, (size_t)L * c->n_routed_experts);
     m->scr.sel_n = 0;
     be->ops->embed_dev(be, m->X, &m->embed, m->d_rrow + B, B * c->hc_mult);
+    mt_status est = glm_all_reduce(m->comm, m->X, (size_t)B * c->hc_mult * c->hidden_size); /* vocab-parallel rows */
+    if (est != MT_OK) return est;
     for (int l = 0; l < L; l++) {
         for (int i = 0; i < B; i++) sts[i] = (i < n ? seqs[i] : m->pad_seq)->states[l];
         step.rtab = m->d_rtab + (size_t)l * GLM_R_KINDS * m->rcap;
         mt_status st = mt_layer_decode_multi_seq(&m->layers[l].base, sts, B, &step, m->X);
         if (st != MT_OK) return st;
     }
-    head_logits(m, m->X, B, NULL);
-    return MT_OK;
+    return head_logits(m, m->X, B, NULL);
 }
 
 typedef struct rows_ctx {
@@ -759,7 +795,10 @@ bool glm_model_backend_queues(const glm_model *m) { return m->be->ops->queued; }
 
 int glm_model_ahead_rows(const glm_model *m) {
     const mt_backend_ops *o = m->be->ops;
-    if (!o->argmax_dev || !o->download_begin || !o->download_end || m->runner.plan.prestage_needs_token) return 0;
+    /* several ranks: the device's argmax would be a global id where the next step reads a rank's */
+    if (!o->argmax_dev || !o->download_begin || !o->download_end || m->runner.plan.prestage_needs_token ||
+        m->tp_size > 1)
+        return 0;
     const int by_ticket = MT_TICKET_BYTES / (int)(sizeof(int32_t) * (size_t)m->cfg.hc_mult);
     return m->rcap < by_ticket ? m->rcap : by_ticket;
 }

@@ -26,9 +26,15 @@ static void check_one(const glm_tensor_spec *s, void *user) {
 
 /* Where weights come from: the checkpoint archive, or (random) mean + std * N(0,1) drawn from
  * mt_rand_key(seed, name) at the manifest's dtype and scale, made in the backend's memory. */
+/* How a tensor is split across the ranks of a tensor-parallel group (glm_shard.c): kept whole,
+ * or rank r takes the r-th of tp_size equal parts of its first dimension (rows; for a vector its
+ * elements, for the KDA conv [D, 1, K] its D) or of its last (the input columns of a matrix). */
+typedef enum shard { WHOLE, ROWS, COLS } shard;
+
 typedef struct binder {
     glm_model *m;
     mt_error *err;
+    shard sh;                /* of the next bind */
     char name[192];
     bool random;
     uint64_t seed;
@@ -57,10 +63,20 @@ static int64_t spec_count(const glm_tensor_spec *s) {
     return n;
 }
 
+/* A random matrix's shard. On several ranks each rank draws its own part from a key of its own:
+ * random sharded models are for measuring speed, not for comparing ranks' outputs. */
 static mt_status bind_w_random(binder *b, mt_weight *w) {
     const glm_tensor_spec *s = spec_of(b);
-    mt_status st = b->m->be->ops->weight_random(b->m->be, s->dtype, s->shape[0], spec_count(s) / s->shape[0],
-                                                mt_rand_key(b->seed, s->name), s->mean, s->std, w);
+    const glm_model *m = b->m;
+    int64_t rows = s->shape[0], cols = spec_count(s) / s->shape[0];
+    uint64_t key = mt_rand_key(b->seed, s->name);
+    if (b->sh != WHOLE && m->tp_size > 1) {
+        if (b->sh == ROWS) rows /= m->tp_size;
+        else cols /= m->tp_size;
+        key = mt_rand_key(key, m->tp_rank == 0 ? "rank0" : "rank");
+        key += (uint64_t)m->tp_rank;
+    }
+    mt_status st = b->m->be->ops->weight_random(b->m->be, s->dtype, rows, cols, key, s->mean, s->std, w);
     if (st != MT_OK) return mt_errorf(b->err, st, "cannot make random tensor %s on the backend", s->name);
     return MT_OK;
 }
@@ -69,11 +85,16 @@ static mt_status bind_w_random(binder *b, mt_weight *w) {
 static float *random_vector(const binder *b, size_t *n) {
     const glm_tensor_spec *s = spec_of(b);
     *n = (size_t)spec_count(s);
+    size_t lo = 0;
+    if (b->sh == ROWS && b->m->tp_size > 1) {
+        *n /= (size_t)b->m->tp_size;
+        lo = *n * (size_t)b->m->tp_rank;
+    }
     float *v = malloc(sizeof(float) * (*n ? *n : 1));
     if (!v) return NULL;
     const uint64_t key = mt_rand_key(b->seed, s->name);
     for (size_t i = 0; i < *n; i++) {
-        v[i] = s->mean + s->std * mt_rand_normal(key, i);
+        v[i] = s->mean + s->std * mt_rand_normal(key, lo + i);
         if (s->dtype == MT_BF16) v[i] = mt_bf16_to_f32(mt_f32_to_bf16(v[i]));
     }
     return v;
@@ -93,6 +114,52 @@ static uint8_t wcls_of(const char *name) {
     return MT_WCLS_OTHER;
 }
 
+/* Keeps a host buffer for the model's lifetime (a backend weight that views it), or frees it now
+ * (one that copied it). */
+static mt_status keep_host(glm_model *m, void *buf, const mt_weight *w) {
+    if (w->owned) {
+        free(buf);
+        return MT_OK;
+    }
+    if (m->n_kept_host == m->cap_kept_host) {
+        const int cap = m->cap_kept_host ? 2 * m->cap_kept_host : 64;
+        void **grown = realloc(m->kept_host, sizeof *grown * (size_t)cap);
+        if (!grown) return MT_ERR_NOMEM;
+        m->kept_host = grown;
+        m->cap_kept_host = cap;
+    }
+    m->kept_host[m->n_kept_host++] = buf;
+    return MT_OK;
+}
+
+/* This rank's part of matrix t [rows, cols] made a backend weight: whole, a run of rows (read in
+ * place), or a run of columns (gathered row by row into a host buffer). Counts the bytes read. */
+static mt_status place_shard(binder *b, const st_tensor *t, int64_t rows, int64_t cols, mt_weight *w) {
+    glm_model *m = b->m;
+    const size_t es = mt_dtype_size(t->dtype), N = (size_t)m->tp_size, r = (size_t)m->tp_rank;
+    if (b->sh == WHOLE || N == 1) {
+        if (b->sh == WHOLE) m->bytes_replicated += t->nbytes;
+        else m->bytes_sharded_read += t->nbytes, m->bytes_sharded_total += t->nbytes;
+        return m->be->ops->weight(m->be, t->data, t->dtype, rows, cols, w);
+    }
+    m->bytes_sharded_total += t->nbytes;
+    m->bytes_sharded_read += t->nbytes / N;
+    if (b->sh == ROWS)
+        return m->be->ops->weight(m->be, (const char *)t->data + r * (size_t)(rows / N) * cols * es, t->dtype,
+                                  rows / (int64_t)N, cols, w);
+    const size_t lc = (size_t)cols / N, rb = lc * es;
+    char *buf = malloc(rb * (size_t)rows + 1);
+    if (!buf) return MT_ERR_NOMEM;
+    for (int64_t i = 0; i < rows; i++)
+        memcpy(buf + (size_t)i * rb, (const char *)t->data + ((size_t)i * cols + r * lc) * es, rb);
+    mt_status st = m->be->ops->weight(m->be, buf, t->dtype, rows, (int64_t)lc, w);
+    if (st != MT_OK) {
+        free(buf);
+        return st;
+    }
+    return keep_host(m, buf, w);
+}
+
 static mt_status bind_w(binder *b, mt_weight *w, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static mt_status bind_w(binder *b, mt_weight *w, const char *fmt, ...) {
     va_list ap;
@@ -105,7 +172,7 @@ static mt_status bind_w(binder *b, mt_weight *w, const char *fmt, ...) {
     } else {
         int64_t cols = 1;
         for (int i = 1; i < t->ndim; i++) cols *= t->shape[i];
-        st = b->m->be->ops->weight(b->m->be, t->data, t->dtype, t->shape[0], cols, w);
+        st = place_shard(b, t, t->shape[0], cols, w);
         if (st != MT_OK) return mt_errorf(b->err, st, "%s: cannot place tensor %s on the backend", t->file, t->name);
     }
     if (st == MT_OK) w->cls = wcls_of(b->name);
@@ -124,7 +191,18 @@ static mt_status bind_v(binder *b, float **v, const char *fmt, ...) {
         host = random_vector(b, &n);
     } else {
         n = t->nbytes / mt_dtype_size(t->dtype);
-        if ((host = malloc(sizeof(float) * (n ? n : 1)))) mt_to_f32(host, t->data, t->dtype, n);
+        size_t lo = 0;
+        glm_model *m = b->m;
+        if (b->sh == ROWS && m->tp_size > 1) {
+            n /= (size_t)m->tp_size;
+            lo = n * (size_t)m->tp_rank;
+            m->bytes_sharded_total += t->nbytes;
+            m->bytes_sharded_read += t->nbytes / (size_t)m->tp_size;
+        } else {
+            m->bytes_replicated += t->nbytes;
+        }
+        if ((host = malloc(sizeof(float) * (n ? n : 1))))
+            mt_to_f32(host, (const char *)t->data + lo * mt_dtype_size(t->dtype), t->dtype, n);
     }
     float *dev = b->m->be->ops->alloc(b->m->be, sizeof(float) * (n ? n : 1));
     if (!host || !dev) {
@@ -141,9 +219,12 @@ static mt_status bind_v(binder *b, float **v, const char *fmt, ...) {
 #define TRY(x) do { mt_status s_ = (x); if (s_ != MT_OK) return s_; } while (0)
 
 static mt_status bind_mlp(binder *b, mt_expert *e, const char *pre) {
+    b->sh = ROWS;
     TRY(bind_w(b, &e->gate, "%sgate_proj.weight", pre));
     TRY(bind_w(b, &e->up, "%sup_proj.weight", pre));
+    b->sh = COLS;
     TRY(bind_w(b, &e->down, "%sdown_proj.weight", pre));
+    b->sh = WHOLE;
     return MT_OK;
 }
 
@@ -162,28 +243,41 @@ static mt_status bind_layer(binder *b, glm_layer *l, int i) {
     if (c->layer_types[i] == GLM_MIXER_KDA) {
         glm_kda_w *k = &l->kda;
         static const char qkv[3] = { 'q', 'k', 'v' };
+        b->sh = ROWS; /* the heads */
         TRY(bind_w(b, &k->q, "%sself_attn.q_proj.weight", p));
         TRY(bind_w(b, &k->k, "%sself_attn.k_proj.weight", p));
         TRY(bind_w(b, &k->v, "%sself_attn.v_proj.weight", p));
         for (int j = 0; j < 3; j++) TRY(bind_v(b, &k->conv[j], "%sself_attn.%c_conv1d.weight", p, qkv[j]));
+        b->sh = WHOLE;
         TRY(bind_w(b, &k->f_a, "%sself_attn.f_a_proj.weight", p));
+        b->sh = ROWS;
         TRY(bind_w(b, &k->f_b, "%sself_attn.f_b_proj.weight", p));
         TRY(bind_v(b, &k->dt_bias, "%sself_attn.dt_bias", p));
         TRY(bind_v(b, &k->A_log, "%sself_attn.A_log", p));
         TRY(bind_w(b, &k->b, "%sself_attn.b_proj.weight", p));
+        b->sh = WHOLE;
         TRY(bind_w(b, &k->g_a, "%sself_attn.g_a_proj.weight", p));
+        b->sh = ROWS;
         TRY(bind_w(b, &k->g_b, "%sself_attn.g_b_proj.weight", p));
+        b->sh = WHOLE;
         TRY(bind_v(b, &k->o_norm, "%sself_attn.o_norm.weight", p));
+        b->sh = COLS;
         TRY(bind_w(b, &k->o, "%sself_attn.o_proj.weight", p));
+        b->sh = WHOLE;
     } else {
         glm_dsa_w *d = &l->dsa;
         TRY(bind_w(b, &d->q_a, "%sself_attn.q_a_proj.weight", p));
         TRY(bind_v(b, &d->q_a_norm, "%sself_attn.q_a_layernorm.weight", p));
+        b->sh = ROWS; /* the query heads */
         TRY(bind_w(b, &d->q_b, "%sself_attn.q_b_proj.weight", p));
+        b->sh = WHOLE;
         TRY(bind_w(b, &d->kv_a, "%sself_attn.kv_a_proj_with_mqa.weight", p));
         TRY(bind_v(b, &d->kv_a_norm, "%sself_attn.kv_a_layernorm.weight", p));
+        b->sh = ROWS;
         TRY(bind_w(b, &d->kv_b, "%sself_attn.kv_b_proj.weight", p));
+        b->sh = COLS;
         TRY(bind_w(b, &d->o, "%sself_attn.o_proj.weight", p));
+        b->sh = WHOLE;
         d->has_indexer = c->indexer_types[i] == GLM_INDEXER_FULL;
         if (d->has_indexer) {
             TRY(bind_w(b, &d->iq, "%sself_attn.indexer.wq_b.weight", p));
@@ -213,15 +307,55 @@ static mt_status bind_layer(binder *b, glm_layer *l, int i) {
     return bind_mlp(b, &mw->shared, mp);
 }
 
+/* The embedding. On several ranks: this rank's vocab rows [v_lo, v_lo + v_n) and one zero row
+ * after them, which the ids of other ranks' rows look up (glm_token_local), so the sum over ranks
+ * of each rank's lookup is the embedding. */
+static mt_status bind_embed(binder *b) {
+    glm_model *m = b->m;
+    static const char *name = "model.language_model.embed_tokens.weight";
+    if (m->tp_size == 1) return bind_w(b, &m->embed, "%s", name);
+    snprintf(b->name, sizeof b->name, "%s", name);
+    const size_t H = (size_t)m->cfg.hidden_size, rows = (size_t)m->v_n;
+    mt_backend *be = m->be;
+    mt_status st;
+    if (b->random) {
+        const glm_tensor_spec *sp = spec_of(b);
+        const size_t es = mt_dtype_size(sp->dtype);
+        st = be->ops->weight_random(be, sp->dtype, (int64_t)rows + 1, (int64_t)H,
+                                    mt_rand_key(b->seed, name) + (uint64_t)m->tp_rank + 1, sp->mean, sp->std, &m->embed);
+        if (st == MT_OK) be->ops->zero(be, (char *)m->embed.data + rows * H * es, H * es);
+    } else {
+        const st_tensor *t = st_find(m->ar, name);
+        MT_ASSERT(t);
+        const size_t es = mt_dtype_size(t->dtype);
+        char *buf = malloc((rows + 1) * H * es);
+        if (!buf) return mt_errorf(b->err, MT_ERR_NOMEM, "out of memory for the embedding's rows");
+        memcpy(buf, (const char *)t->data + (size_t)m->v_lo * H * es, rows * H * es);
+        memset(buf + rows * H * es, 0, H * es);
+        m->bytes_sharded_total += t->nbytes;
+        m->bytes_sharded_read += rows * H * es;
+        st = be->ops->weight(be, buf, t->dtype, (int64_t)rows + 1, (int64_t)H, &m->embed);
+        if (st == MT_OK) st = keep_host(m, buf, &m->embed);
+        else free(buf);
+    }
+    if (st != MT_OK) return mt_errorf(b->err, st, "cannot place this rank's rows of %s on the backend", name);
+    m->embed.cls = wcls_of(name);
+    return MT_OK;
+}
+
 static mt_status bind_all(binder *bp) {
     binder b = *bp;
     glm_model *m = b.m;
-    TRY(bind_w(&b, &m->embed, "model.language_model.embed_tokens.weight"));
+    TRY(bind_embed(&b));
     if (m->cfg.tie_word_embeddings) {
         m->lm_head = m->embed;
+        m->lm_head.rows = m->v_n; /* without the zero row of a vocab-parallel embedding */
         m->lm_head.cls = MT_WCLS_HEAD;
+    } else {
+        b.sh = ROWS; /* vocab-parallel */
+        TRY(bind_w(&b, &m->lm_head, "lm_head.weight"));
+        b.sh = WHOLE;
     }
-    else TRY(bind_w(&b, &m->lm_head, "lm_head.weight"));
     TRY(bind_v(&b, &m->norm, "model.language_model.norm.weight"));
     for (int i = 0; i < m->cfg.num_hidden_layers; i++) TRY(bind_layer(&b, &m->layers[i], i));
     return MT_OK;

@@ -1,4 +1,4 @@
-/* kernels/cuda/cuda_mla_wg.cu: the sparse MLA attend of prefill on the warpgroup MMA (sm_90a), for
+/* kernels/cuda/cuda_dsa_mla_wg.cu: the sparse MLA attend of prefill on the warpgroup MMA (sm_90a), for
  * kv_lora 512 and heads in groups of 64 (the real model's shape; cuda_dsa.cu plans the pass and
  * keeps mla_attend_tc_kernel for the other shapes). Same function as mla_attend_tc_kernel: per
  * query row i, 64 heads and a split of its selected latent rows, the scores s = qa . lat, an online
@@ -41,7 +41,7 @@
 
 #include <type_traits>
 
-#include "kernels/cuda/cuda_mla.h"
+#include "kernels/cuda/cuda_dsa_mla.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_wgmma.h"
 

@@ -1,8 +1,8 @@
-/* kernels/cuda/cuda_mla.h: internal to the CUDA backend's sparse MLA (owner: cuda_dsa.cu, which
- * plans and launches the op; cuda_mla_wg.cu holds its prefill attend on wgmma). The parameters of
+/* kernels/cuda/cuda_dsa_mla.h: internal to the CUDA backend's sparse MLA (owner: cuda_dsa.cu, which
+ * plans and launches the op; cuda_dsa_mla_wg.cu holds its prefill attend on wgmma). The parameters of
  * one pass of query rows, shared by every attend, absorb and output kernel of the op. */
-#ifndef MT_CUDA_MLA_H
-#define MT_CUDA_MLA_H
+#ifndef MT_CUDA_DSA_MLA_H
+#define MT_CUDA_DSA_MLA_H
 
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
@@ -39,7 +39,7 @@ typedef struct mla_dev_params {
     __nv_bfloat16 *o16;
 } mla_dev_params;
 
-/* The prefill attend of cuda_mla_wg.cu (kvl 512, Hq % 64 == 0, p->lat16 and p->qa 16-byte
+/* The prefill attend of cuda_dsa_mla_wg.cu (kvl 512, Hq % 64 == 0, p->lat16 and p->qa 16-byte
  * aligned): its dynamic shared memory in bytes. */
 size_t mla_wg_smem_bytes(void);
 /* Launches it for the pass's b->nb rows (grid 2 nb x Hq / 64 x nsplit, clusters of 2); the caller
@@ -47,4 +47,4 @@ size_t mla_wg_smem_bytes(void);
 cudaError_t mla_wg_opt_in(void);
 void mla_wg_launch(const mla_dev_params *b, cudaStream_t s);
 
-#endif /* MT_CUDA_MLA_H */
+#endif /* MT_CUDA_DSA_MLA_H */
