@@ -34,7 +34,10 @@ typedef struct nc_comm {
     pthread_mutex_t mu;
     pthread_cond_t wake;        /* the watchdog's sleep; signalled to stop it */
     ncclComm_t nccl;            /* NULL once aborted (under mu) */
-    cudaEvent_t done;           /* recorded after every collective (watchdog on) */
+    /* Recorded after every collective (watchdog on): done by eager calls, done_graph by the event
+     * nodes of captured ones (an event recorded inside a capture is never recorded eagerly). */
+    cudaEvent_t done, done_graph;
+    double pending_since[2];    /* watchdog: when done / done_graph was first seen pending; 0: not */
     float *one;                 /* [1] device: the barrier's all-reduce */
     pthread_t dog;
     bool dog_running, stop;     /* stop under mu */
@@ -116,14 +119,15 @@ static mt_status nc_enter(nc_comm *c, const char *op) {
 }
 
 /* After a collective: the event the watchdog reads, recorded on the stream, or inside a capture
- * as an event node of the graph (cudaEventRecordExternal), so every replay records it too. */
+ * as an event node of the graph (cudaEventRecordExternal, done_graph), so every replay records it
+ * too. */
 static mt_status nc_mark(nc_comm *c, const char *op) {
     if (!c->p.watchdog) return MT_OK;
     enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
     mt_status st = MT_OK;
     MT_CUDA_CHECK_GOTO(cudaStreamIsCapturing(c->stream, &cs), st, fail);
     if (cs == cudaStreamCaptureStatusActive)
-        MT_CUDA_CHECK_GOTO(cudaEventRecordWithFlags(c->done, c->stream, cudaEventRecordExternal), st, fail);
+        MT_CUDA_CHECK_GOTO(cudaEventRecordWithFlags(c->done_graph, c->stream, cudaEventRecordExternal), st, fail);
     else
         MT_CUDA_CHECK_GOTO(cudaEventRecord(c->done, c->stream), st, fail);
     return MT_OK;
@@ -136,7 +140,6 @@ fail:
 static void *nc_watchdog(void *arg) {
     nc_comm *c = (nc_comm *)arg;
     MT_CUDA_WARN(cudaSetDevice(c->device));
-    double pending_since = 0;
     pthread_mutex_lock(&c->mu);
     while (!c->stop) {
         struct timespec until;
@@ -156,22 +159,26 @@ static void *nc_watchdog(void *arg) {
             nc_abort(c, msg);
             continue;
         }
-        const cudaError_t e = cudaEventQuery(c->done);
-        const double now = mt_now();
-        if (e == cudaErrorNotReady) {
-            if (pending_since == 0) pending_since = now;
-            else if (now - pending_since > c->p.timeout_s) {
-                snprintf(msg, sizeof msg,
-                         "watchdog: a collective has been pending on the device for %.1f s (a peer died or stopped "
-                         "calling); communicator aborted",
-                         now - pending_since);
-                nc_abort(c, msg);
+        const cudaEvent_t evs[2] = {c->done, c->done_graph};
+        for (int k = 0; k < 2 && !atomic_load(&c->broken); k++) {
+            const cudaError_t e = cudaEventQuery(evs[k]);
+            const double now = mt_now();
+            if (e == cudaErrorNotReady) {
+                if (c->pending_since[k] == 0) {
+                    c->pending_since[k] = now;
+                } else if (now - c->pending_since[k] > c->p.timeout_s) {
+                    snprintf(msg, sizeof msg,
+                             "watchdog: a collective%s has been pending on the device for %.1f s (a peer died or "
+                             "stopped calling); communicator aborted",
+                             k ? " replayed from a graph" : "", now - c->pending_since[k]);
+                    nc_abort(c, msg);
+                }
+            } else {
+                /* Done, never recorded, or unreadable just now (a capture holding it): nothing is
+                 * known to wait. */
+                if (e != cudaSuccess) (void)cudaGetLastError();
+                c->pending_since[k] = 0;
             }
-        } else {
-            /* Done, never recorded, or unreadable just now (recorded by a capture in progress):
-             * nothing is known to wait. */
-            if (e != cudaSuccess) (void)cudaGetLastError();
-            pending_since = 0;
         }
     }
     pthread_mutex_unlock(&c->mu);
@@ -308,6 +315,7 @@ static void nc_destroy(mt_comm *cm) {
     pthread_mutex_unlock(&c->mu);
     if (c->one) c->be->ops->free(c->be, c->one);
     if (c->done) MT_CUDA_WARN(cudaEventDestroy(c->done));
+    if (c->done_graph) MT_CUDA_WARN(cudaEventDestroy(c->done_graph));
     pthread_cond_destroy(&c->wake);
     pthread_mutex_destroy(&c->mu);
     free(c);
@@ -402,6 +410,7 @@ mt_comm *mt_comm_nccl_new(const mt_comm_nccl_id *id, int rank, int size, mt_back
     MT_CUDA_CHECK_GOTO(cudaStreamGetDevice(c->stream, &c->device), st, cuda_fail);
     MT_CUDA_CHECK_GOTO(cudaSetDevice(c->device), st, cuda_fail);
     MT_CUDA_CHECK_GOTO(cudaEventCreateWithFlags(&c->done, cudaEventDisableTiming), st, cuda_fail);
+    MT_CUDA_CHECK_GOTO(cudaEventCreateWithFlags(&c->done_graph, cudaEventDisableTiming), st, cuda_fail);
     if (!(c->one = (float *)be->ops->alloc(be, sizeof(float)))) {
         mt_errorf(err, MT_ERR_NOMEM, "comm nccl: out of device memory");
         goto fail;
