@@ -137,6 +137,7 @@ TEST_F(DistCommNccl, SizeOneIsIdentityEagerAndInAGraph) {
     }
     usleep(300 * 1000);  // the watchdog reads the event recorded by the replays
     EXPECT_EQ(mt_comm_barrier(c), MT_OK) << c->err.msg;
+    EXPECT_EQ(mt_comm_check(c), MT_OK) << c->err.msg;
     be_->ops->graph_free(be_, g);
     mt_comm_free(c);
     be_->ops->free(be_, buf);
@@ -160,6 +161,7 @@ TEST_F(DistCommNccl, WatchdogAbortsACollectiveStuckOnTheDevice) {
     EXPECT_LT(mt_now() - t0, 0.2) << "the call waited for the device";
     be_->ops->sync(be_);  // the host function ends; the aborted collective does nothing
     const double took = mt_now() - t0;
+    EXPECT_EQ(mt_comm_check(c), MT_ERR_STATE);
     EXPECT_EQ(mt_comm_all_reduce_sum(c, buf, 1024), MT_ERR_STATE);
     EXPECT_TRUE(strstr(c->err.msg, "pending on the device")) << c->err.msg;
     EXPECT_LT(took, 5.0);

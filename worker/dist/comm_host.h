@@ -16,7 +16,8 @@
  * wakes every poll_s to check its peers: a peer that exited or was killed (zombie or reaped), or
  * that destroyed its communicator, fails the call within about poll_s, and a call that waits
  * longer than timeout_s fails naming the ranks it waited for. The rank that finds a failure marks
- * the group failed, which ends the other ranks' waits at once.
+ * the group failed, which ends the other ranks' waits at once. check looks at the peers too, so a
+ * rank between collectives learns of a death without waiting for one.
  *
  * all_reduce_sum is deterministic and bit-identical on every rank: each rank copies its buffer
  * into its own slot, and every rank sums the slots in rank order 0..N-1 in fp32, one element

@@ -284,6 +284,14 @@ fail:
     return st;
 }
 
+/* The failure the watchdog or an earlier call found; nothing is asked of NCCL. */
+static mt_status nc_check(mt_comm *cm) {
+    nc_comm *c = nc_of(cm);
+    mt_status st = nc_enter(c, "check");
+    if (st == MT_OK) pthread_mutex_unlock(&c->mu);
+    return st;
+}
+
 static void nc_destroy(mt_comm *cm) {
     nc_comm *c = nc_of(cm);
     if (!c) return;
@@ -328,6 +336,7 @@ static const mt_comm_ops nc_ops = {
     .all_gather = nc_all_gather,
     .broadcast = nc_broadcast,
     .barrier = nc_barrier,
+    .check = nc_check,
 };
 
 /* ---- ids and forming the group ---- */

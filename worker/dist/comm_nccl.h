@@ -31,6 +31,9 @@
  * toward its time, so timeout_s must exceed the longest stretch of work a step queues ahead of a
  * collective (seconds; the default is 30 s).
  *
+ * check reports what the watchdog or an earlier call found (it asks nothing of NCCL): the model
+ * calls it before replaying a graph that holds collectives.
+ *
  * Graphs: run a collective of each size eagerly before capturing it (NCCL sets up a connection
  * the first time an algorithm needs it, which a capture cannot hold; the graph runner's first use
  * of a bucket is eager). A graph that recorded collectives holds this communicator's NCCL
