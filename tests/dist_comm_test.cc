@@ -6,6 +6,7 @@
 
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -22,10 +23,18 @@
 
 namespace {
 
-// A fresh group name per call: the test's pid, a tag and a counter.
+// A fresh group name per call: random bits drawn once per process (pids repeat across the PID
+// namespaces of sandboxed test runs, which share /dev/shm), a tag and a counter.
 std::string FreshName(const char *tag) {
+    static const uint64_t nonce = [] {
+        uint64_t v = 0;
+        if (getrandom(&v, sizeof v, 0) != (ssize_t)sizeof v) v = (uint64_t)getpid() ^ (uint64_t)(mt_now() * 1e9);
+        return v;
+    }();
     static int n = 0;
-    return "mt-test-" + std::to_string(getpid()) + "-" + tag + "-" + std::to_string(n++);
+    char hex[17];
+    snprintf(hex, sizeof hex, "%016llx", (unsigned long long)nonce);
+    return std::string("mt-test-") + hex + "-" + tag + "-" + std::to_string(n++);
 }
 
 bool ShmExists(const std::string &name) {
@@ -159,6 +168,7 @@ TEST(DistCommHost, SizeOneIsTrivial) {
     EXPECT_EQ(0, memcmp(x.data(), y.data(), x.size() * 4));
     EXPECT_EQ(mt_comm_broadcast(c, y.data(), 4, 1), MT_ERR_INVALID);
     EXPECT_EQ(mt_comm_barrier(c), MT_OK);
+    EXPECT_EQ(mt_comm_check(c), MT_OK);
     mt_comm_free(c);
     mt_comm_free(nullptr);
 }
@@ -340,6 +350,7 @@ TEST(DistCommHost, KilledPeerFailsTheOthersQuickly) {
         volatile double failed_at[MAXR];
         volatile int status[MAXR];
         volatile int next_status[MAXR];
+        volatile int check_status[MAXR];
         char why[MAXR][MSG];
     };
     Shared<Out> out;
@@ -360,6 +371,7 @@ TEST(DistCommHost, KilledPeerFailsTheOthersQuickly) {
                     out->status[rank] = st;
                     snprintf(out->why[rank], MSG, "%s", c->err.msg);
                     out->next_status[rank] = mt_comm_barrier(c);
+                    out->check_status[rank] = mt_comm_check(c);
                     break;
                 }
                 __atomic_add_fetch(&out->iters[rank], 1, __ATOMIC_SEQ_CST);
@@ -383,6 +395,7 @@ TEST(DistCommHost, KilledPeerFailsTheOthersQuickly) {
         EXPECT_LT(after, 2.0) << "rank " << r;
         EXPECT_TRUE(strstr(out->why[r], "rank 2") != nullptr) << out->why[r];
         EXPECT_EQ(out->next_status[r], MT_ERR_STATE) << "rank " << r;
+        EXPECT_EQ(out->check_status[r], MT_ERR_STATE) << "rank " << r;
         printf("[ info     ] rank %d failed %.3f s after the kill: %s\n", r, after, out->why[r]);
     }
     EXPECT_FALSE(ShmExists(name));
@@ -418,6 +431,43 @@ TEST(DistCommHost, PeerThatLeavesFailsTheOthers) {
     EXPECT_EQ(out->status, MT_ERR_BACKEND);
     EXPECT_LT(out->took, 1.0);
     EXPECT_TRUE(strstr(out->why, "left the group") != nullptr) << out->why;
+}
+
+TEST(DistCommHost, CheckFindsADeadPeerBetweenCollectives) {
+    struct Out : Report {
+        volatile int first, second, checked;
+        volatile double took;
+        char why[MSG];
+    };
+    Shared<Out> out;
+    const std::string name = FreshName("check");
+    auto codes = RunRanks(2, [&](int rank) {
+        mt_error err{};
+        mt_comm_host_params p = Params(4096, 30.0);
+        mt_comm *c = mt_comm_host_new(name.c_str(), rank, 2, &p, &err);
+        CHILD_CHECK(out.p, rank, c, "%s", err.msg);
+        CHILD_CHECK(out.p, rank, mt_comm_barrier(c) == MT_OK, "%s", c->err.msg);
+        if (rank == 1) {
+            while (!__atomic_load_n(&out->checked, __ATOMIC_SEQ_CST)) usleep(1000);
+            _exit(0);  // gone without destroying its communicator, as a crash would
+        }
+        CHILD_CHECK(out.p, rank, mt_comm_check(c) == MT_OK, "%s", c->err.msg);
+        __atomic_store_n(&out->checked, 1, __ATOMIC_SEQ_CST);
+        const double t0 = mt_now();
+        mt_status st;
+        while ((st = mt_comm_check(c)) == MT_OK && mt_now() - t0 < 2.0) usleep(1000);
+        out->took = mt_now() - t0;
+        out->first = st;
+        snprintf(out->why, MSG, "%s", c->err.msg);
+        out->second = mt_comm_check(c);
+        mt_comm_free(c);
+        return 0;
+    });
+    ExpectAllOk(codes, out.p, "check");
+    EXPECT_EQ(out->first, MT_ERR_BACKEND);
+    EXPECT_LT(out->took, 1.0);
+    EXPECT_TRUE(strstr(out->why, "rank 1") && strstr(out->why, "died")) << out->why;
+    EXPECT_EQ(out->second, MT_ERR_STATE);
 }
 
 TEST(DistCommHost, TimeoutIsReported) {

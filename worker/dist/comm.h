@@ -58,6 +58,10 @@ typedef struct mt_comm_ops {
     /* Returns once every rank has entered its barrier. NCCL: also drains the backend's stream, so
      * it cannot be used inside a CUDA graph capture. */
     mt_status (*barrier)(mt_comm *c);
+    /* Whether the group is whole, without communicating: MT_OK, or the failure as a collective
+     * would report it (err set). Cheap; for work that must not start on a broken group, such as
+     * replaying a CUDA graph that holds the communicator's collectives. */
+    mt_status (*check)(mt_comm *c);
 } mt_comm_ops;
 
 struct mt_comm {
@@ -83,6 +87,7 @@ static inline mt_status mt_comm_broadcast(mt_comm *c, void *buf, size_t bytes, i
     return c->ops->broadcast(c, buf, bytes, root);
 }
 static inline mt_status mt_comm_barrier(mt_comm *c) { return c->ops->barrier(c); }
+static inline mt_status mt_comm_check(mt_comm *c) { return c->ops->check(c); }
 
 #ifdef __cplusplus
 }

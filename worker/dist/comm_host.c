@@ -314,6 +314,14 @@ static mt_status hc_barrier(mt_comm *cm) {
     return hc_round(c, "barrier");
 }
 
+/* The known failure, or one found now among the peers (a dead or departed rank). */
+static mt_status hc_check(mt_comm *cm) {
+    hc_comm *c = hc_of(cm);
+    mt_status st = hc_enter(c, "check");
+    if (st != MT_OK || c->base.size == 1) return st;
+    return hc_check_peers(c, "check");
+}
+
 static void hc_destroy(mt_comm *cm) {
     hc_comm *c = hc_of(cm);
     if (!c) return;
@@ -336,6 +344,7 @@ static const mt_comm_ops hc_ops = {
     .all_gather = hc_all_gather,
     .broadcast = hc_broadcast,
     .barrier = hc_barrier,
+    .check = hc_check,
 };
 
 /* ---- forming the group ---- */

@@ -8,14 +8,16 @@
  * returns once every rank has joined. Rank 0 then unlinks the file: it exists only while the
  * group forms, so a group that dies later leaves nothing behind. A file left by a group that died
  * while forming is ignored by joiners (its creator is gone) and replaced by the next rank 0 of
- * that name, which also removes temporary files of dead creators. Names should still be unique
- * per group (the launcher's pid in it, say): two live groups of one name would meet.
+ * that name, which also removes temporary files of dead creators. Names must still be unique per
+ * group, across containers that share /dev/shm too (a random number in it, not only a pid): two
+ * live groups of one name would meet.
  *
  * Waiting blocks the process (a futex on a shared word), so more ranks than cores work. A wait
  * wakes every poll_s to check its peers: a peer that exited or was killed (zombie or reaped), or
  * that destroyed its communicator, fails the call within about poll_s, and a call that waits
  * longer than timeout_s fails naming the ranks it waited for. The rank that finds a failure marks
- * the group failed, which ends the other ranks' waits at once.
+ * the group failed, which ends the other ranks' waits at once. check looks at the peers too, so a
+ * rank between collectives learns of a death without waiting for one.
  *
  * all_reduce_sum is deterministic and bit-identical on every rank: each rank copies its buffer
  * into its own slot, and every rank sums the slots in rank order 0..N-1 in fp32, one element
