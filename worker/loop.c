@@ -9,6 +9,9 @@
 #include "common/wire_limits.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
+#include "worker/dist/comm_host.h"
+#include "worker/dist/comm_nccl.h"
+#include "worker/dist/tp_model.h"
 #include "worker/engine/engine.h"
 #include "worker/model/model.h"
 #include "worker/transport.h"
@@ -21,6 +24,7 @@ _Static_assert(MT_WIRE_TOP_LOGPROBS_MAX <= ENG_TOP_LOGPROBS_MAX, "top_logprobs o
 struct wkr_loop {
     wkr_params p;
     mt_backend *be;
+    mt_comm *ctl, *data;       /* the group's communicators (tp > 0); data may be ctl */
     mt_model *m;
     eng_engine *eng;
     wkr_transport *t;
@@ -111,7 +115,51 @@ static mt_status plan_memory(wkr_loop *l, eng_params *ep, mt_error *err) {
 static mt_status load_model(wkr_loop *l, mt_error *err) {
     mt_model_params mp = mt_model_default_params();
     if (l->p.graph_max_batch > 0) mp.graph_max_rows = l->p.graph_max_batch;
+    mp.comm = l->data;
     return mt_model_load(l->p.model, l->be, &mp, &l->m, err);
+}
+
+/* Joins the group (tp > 0): the host communicator `group`, and on a GPU an NCCL one whose id rank
+ * 0 makes and hands to the others over the host one. */
+static mt_status join_group(wkr_loop *l, mt_error *err) {
+    const wkr_params *p = &l->p;
+    if (p->tp <= 0) return MT_OK;
+    if (!p->group) return mt_errorf(err, MT_ERR_INVALID, "a tensor-parallel rank needs its group's name");
+    if (!(l->ctl = mt_comm_host_new(p->group, p->rank, p->tp, NULL, err))) return MT_ERR_BACKEND;
+    if (!strcmp(l->backend_name, "cpu")) {
+        l->data = l->ctl;
+        return MT_OK;
+    }
+    char hex[MT_COMM_NCCL_ID_HEX] = "";
+    mt_status st = p->rank == 0 ? mt_comm_nccl_id_new(hex, sizeof hex, err) : MT_OK;
+    if (st == MT_OK && mt_comm_broadcast(l->ctl, hex, sizeof hex, 0) != MT_OK)
+        st = mt_errorf(err, MT_ERR_BACKEND, "handing out the NCCL id: %s", l->ctl->err.msg);
+    mt_comm_nccl_id id;
+    if (st == MT_OK) st = mt_comm_nccl_id_parse(hex, &id, err);
+    if (st == MT_OK && !(l->data = mt_comm_nccl_new(&id, p->rank, p->tp, l->be, NULL, err))) st = MT_ERR_BACKEND;
+    return st;
+}
+
+static void group_free(wkr_loop *l) {
+    if (l->data != l->ctl) mt_comm_free(l->data);
+    mt_comm_free(l->ctl);
+    l->data = l->ctl = NULL;
+}
+
+mt_status wkr_follow(const wkr_params *p, mt_error *err) {
+    wkr_loop l = { .p = *p };
+    mt_status st;
+    mt_error be_err = { "" };
+    if (!(l.be = open_backend(&l, &be_err))) return mt_errorf(err, MT_ERR_BACKEND, "%s backend: %s", p->backend, be_err.msg);
+    if ((st = join_group(&l, err)) == MT_OK && (st = load_model(&l, err)) == MT_OK) {
+        mt_log(MT_LOG_INFO, "worker %d: rank %d of %d loaded %s on %s; following rank 0", p->id, p->rank, p->tp,
+               p->model, l.backend_name);
+        st = mt_tp_follow(l.m, l.ctl, err);
+    }
+    mt_model_free(l.m);
+    group_free(&l);
+    mt_backend_free(l.be);
+    return st;
 }
 
 static void on_tokens(void *user, uint64_t id, const eng_sample_result *toks, int n);
@@ -129,7 +177,8 @@ mt_status wkr_loop_new(const wkr_params *p, wkr_loop **out, mt_error *err) {
         st = mt_errorf(err, MT_ERR_BACKEND, "%s backend: %s", p->backend, be_err.msg);
         goto fail;
     }
-    if ((st = load_model(l, err)) != MT_OK) goto fail;
+    if ((st = join_group(l, err)) != MT_OK || (st = load_model(l, err)) != MT_OK) goto fail;
+    if (l->ctl && (st = mt_tp_leader_new(l->m, l->ctl, &l->m, err)) != MT_OK) goto fail;
     eng_params ep = eng_default_params();
     ep.max_sequences = p->max_sequences;
     ep.max_context = p->max_context;
@@ -168,6 +217,7 @@ void wkr_loop_free(wkr_loop *l) {
     eng_free(l->eng);
     wkr_transport_free(l->t);
     mt_model_free(l->m);
+    group_free(l);
     mt_backend_free(l->be);
     free(l);
 }
@@ -343,8 +393,13 @@ mt_status wkr_loop_run(wkr_loop *l, const volatile sig_atomic_t *stop, mt_error 
     publish_stats(l);
     mt_status st = wkr_transport_start_heartbeats(l->t, err);
     if (st != MT_OK) return st;
-    bool shutdown = false, silent = false;
+    bool shutdown = false, silent = false, broken = false;
     while (!*stop && !shutdown) {
+        /* a rank of the group that died takes the group out at once, busy or idle */
+        if (l->ctl && mt_comm_check(l->ctl) != MT_OK) {
+            broken = true;
+            break;
+        }
         if (wkr_transport_take_link_lost(l->t)) drop_sequences(l);
         wkr_transport_hello_if_due(l->t);
         shutdown = wkr_transport_receive(l->t, eng_has_work(l->eng) ? 0 : IDLE_WAIT_MS, &h);
@@ -358,6 +413,8 @@ mt_status wkr_loop_run(wkr_loop *l, const volatile sig_atomic_t *stop, mt_error 
         publish_stats(l);
     }
     wkr_transport_stop_heartbeats(l->t);
+    if (broken)
+        return mt_errorf(err, MT_ERR_BACKEND, "tensor-parallel group %s: %s; exiting", l->p.group, l->ctl->err.msg);
     if (silent)
         return mt_errorf(err, MT_ERR_IO, "nothing from the router for %.1f s; exiting", l->p.router_timeout);
     mt_log(MT_LOG_INFO, "worker %d: exiting (%s; %llu malformed or unexpected messages dropped)", l->p.id,

@@ -45,6 +45,12 @@ typedef struct wkr_params {
     bool no_run_ahead;       /* greedy batches read each step's tokens before the next */
     double router_timeout;   /* seconds of router silence before exiting; default MT_WIRE_ROUTER_SILENCE_S */
     mt_numerics numerics;    /* the CUDA backend's prefill GEMMs; default MT_NUMERICS_EXACT */
+    /* Tensor parallelism: tp > 0 makes this process rank `rank` of a group of tp ranks on this
+     * host, named group (a shared-memory communicator for the group's control and, on the CPU,
+     * its partial sums; NCCL for those on GPUs, its id handed out by rank 0). Rank 0 talks to
+     * the router; the other ranks follow it (wkr_follow). 0: no group. */
+    int tp, rank;
+    const char *group;       /* borrowed */
 } wkr_params;
 
 /* The defaults above; model, router and id (-1) are left for the caller. */
@@ -66,6 +72,11 @@ mt_status wkr_loop_run(wkr_loop *l, const volatile sig_atomic_t *stop, mt_error 
 /* Ends every live sequence with Finished(CANCELLED) while the router is reachable, then frees the
  * engine, the link, the model and the backend. NULL ok. */
 void wkr_loop_free(wkr_loop *l);
+
+/* A rank > 0 of a tensor-parallel group: makes the backend, joins the group, loads its shard and
+ * runs every call rank 0 makes (worker/dist/tp_model.h) until rank 0 stops (MT_OK, also when *stop
+ * is set: the group then fails on rank 0's next call) or the group fails (a rank died: the error). */
+mt_status wkr_follow(const wkr_params *p, mt_error *err);
 
 #ifdef __cplusplus
 }

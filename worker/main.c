@@ -37,7 +37,7 @@ static void usage(FILE *f) {
             "                      [--device N] [--max-sequences N] [--max-context N] [--threads N]\n"
             "                      [--router-timeout S] [--cache-budget-mb N] [--prefill-budget N]\n"
             "                      [--graph-max-batch N] [--no-preempt] [--no-run-ahead] [--verbose]\n"
-            "                      [--numerics exact|bf16]\n"
+            "                      [--numerics exact|bf16] [--tp N --rank R --group NAME]\n"
             "  Serves the checkpoint in DIR to the router at ENDPOINT (ipc:// or tcp://127.0.0.1:) as worker N.\n"
             "  --model: a checkpoint folder, or random:tiny / random:bench-4L (random weights, for benchmarks).\n"
             "  --backend: cpu (default), cuda (GPU --device, default 0), or auto (cuda when a GPU is usable).\n"
@@ -55,7 +55,9 @@ static void usage(FILE *f) {
             "  is queued on the device's own tokens first, so the GPU does not wait for the host; the CPU backend\n"
             "  never runs ahead, as it would only delay each token by a step); --numerics (GPU): how prefill\n"
             "  GEMMs round their activations: exact (default; two bf16 parts, matching the CPU's fp32) or bf16\n"
-            "  (rounded once, as most engines do: faster, less exact).\n");
+            "  (rounded once, as most engines do: faster, less exact). --tp N --rank R --group NAME: this\n"
+            "  process is rank R of a tensor-parallel group of N ranks on this host (metrale-serve --tp\n"
+            "  starts them); rank 0 talks to the router, the others follow it.\n");
 }
 
 /* ---- options ---- */
@@ -86,6 +88,9 @@ static int parse_args(int argc, char **argv, wkr_params *o, bool *verbose) {
         int rc = 0;
         if (!strcmp(a, "--model")) o->model = v;
         else if (!strcmp(a, "--router")) o->router = v;
+        else if (!strcmp(a, "--tp")) rc = parse_int(a, v, 1, &o->tp);
+        else if (!strcmp(a, "--rank")) rc = parse_int(a, v, 0, &o->rank);
+        else if (!strcmp(a, "--group")) o->group = v;
         else if (!strcmp(a, "--numerics")) {
             if (!mt_numerics_parse(v, &o->numerics) || o->numerics == MT_NUMERICS_FP32) {
                 fprintf(stderr, "error: --numerics must be exact or bf16, got \"%s\"\n", v);
@@ -124,6 +129,10 @@ static int parse_args(int argc, char **argv, wkr_params *o, bool *verbose) {
         if (rc) return -1;
         i++;
     }
+    if (o->tp > 0 && (o->rank >= o->tp || !o->group)) {
+        fprintf(stderr, "error: --tp N needs --rank in [0, N) and --group NAME, got rank %d\n", o->rank);
+        return -1;
+    }
     if (!o->model || !o->router || o->id < 0) {
         fprintf(stderr, "error: --model, --router and --id are required\n");
         usage(stderr);
@@ -151,6 +160,11 @@ int main(int argc, char **argv) {
     signal(SIGPIPE, SIG_IGN);
 
     mt_error err = { "" };
+    if (p.tp > 0 && p.rank > 0) { /* a follower of a tensor-parallel group: no router link */
+        mt_status st = wkr_follow(&p, &err);
+        if (st != MT_OK) mt_log(MT_LOG_ERROR, "worker %d rank %d: %s", p.id, p.rank, err.msg);
+        return st == MT_OK ? 0 : 1;
+    }
     wkr_loop *l = NULL;
     mt_status st = wkr_loop_new(&p, &l, &err);
     if (st == MT_OK) st = wkr_loop_run(l, &g_stop, &err);
