@@ -2,30 +2,183 @@
  * (peer identity, envelope bytes), a DEALER message one frame. */
 #include "common/wire.h"
 
+#include <dirent.h>
 #include <errno.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <zmq.h>
 
+#define ZAP_ENDPOINT "inproc://zeromq.zap.01" /* where libzmq looks for a ZAP handler (RFC 27) */
+#define EVENTS_ENDPOINT "inproc://mt-wire-events"
+#define LOG_EVERY_S 1.0 /* handshake failures and refused keys: one log line a second at most */
+
 struct mt_wire_sock {
     void *ctx;           /* owned: one context per socket keeps ownership simple */
     void *sock;
     mt_wire_kind kind;
+    /* ROUTER: the socket monitor's events (PAIR), and failed handshakes whose disconnect has
+     * not been seen yet (a failed handshake closes its connection too; that one is no peer's). */
+    void *events;
+    int unmatched_failures;
+    double last_failure_log;
+    /* ROUTER with curve_clients: the ZAP handler, its socket owned by zap_thread. */
+    void *zap;
+    pthread_t zap_thread;
+    bool zap_running;
+    uint8_t (*clients)[32];
+    size_t n_clients;
 };
+
+mt_wire_params mt_wire_default_params(void) { return (mt_wire_params){ 0 }; }
 
 static bool endpoint_internal(const char *ep) {
     return !strncmp(ep, "ipc://", 6) || !strncmp(ep, "tcp://127.0.0.1:", 16) ||
            !strncmp(ep, "inproc://", 9);
 }
 
-mt_status mt_wire_open(mt_wire_kind kind, const char *endpoint, const char *identity,
-                       mt_wire_sock **out, mt_error *err) {
+/* A z85 key of MT_WIRE_KEY_Z85 characters that decodes into bin[32] (NULL: only checked). */
+static bool key_ok(const char *z85, uint8_t *bin) {
+    uint8_t tmp[32];
+    return z85 && strlen(z85) == MT_WIRE_KEY_Z85 && zmq_z85_decode(bin ? bin : tmp, z85) != NULL;
+}
+
+/* ---- ZAP: admits the CURVE clients whose public key is listed ---- */
+
+/* Receives one multi-frame request into f[] (up to cap frames; extra frames are dropped). The
+ * frame count kept, or -1 when the context is shutting down. */
+static int zap_recv(void *rep, zmq_msg_t *f, int cap) {
+    int n = 0, more = 1;
+    while (more) {
+        zmq_msg_t m;
+        zmq_msg_init(&m);
+        if (zmq_msg_recv(&m, rep, 0) < 0) {
+            zmq_msg_close(&m);
+            if (zmq_errno() == EINTR) continue;
+            for (int i = 0; i < n && i < cap; i++) zmq_msg_close(&f[i]);
+            return -1; /* ETERM: mt_wire_close shut the context down */
+        }
+        more = zmq_msg_more(&m);
+        if (n < cap) f[n] = m;
+        else zmq_msg_close(&m);
+        n++;
+    }
+    return n < cap ? n : cap;
+}
+
+static void *zap_main(void *arg) {
+    mt_wire_sock *s = arg;
+    double last_log = 0;
+    for (;;) {
+        /* version, request id, domain, address, identity, mechanism, credentials... */
+        zmq_msg_t f[8];
+        const int n = zap_recv(s->zap, f, 8);
+        if (n < 0) break;
+        const char *status = "400", *text = "public key not authorized";
+        if (n >= 7 && zmq_msg_size(&f[5]) == 5 && !memcmp(zmq_msg_data(&f[5]), "CURVE", 5) &&
+            zmq_msg_size(&f[6]) == 32) {
+            for (size_t i = 0; i < s->n_clients; i++) {
+                if (!memcmp(zmq_msg_data(&f[6]), s->clients[i], 32)) {
+                    status = "200";
+                    text = "OK";
+                }
+            }
+            if (*status != '2' && mt_now() - last_log >= LOG_EVERY_S) {
+                char z85[MT_WIRE_KEY_Z85 + 1];
+                zmq_z85_encode(z85, zmq_msg_data(&f[6]), 32);
+                mt_log(MT_LOG_WARN, "wire: refused a worker connection with CURVE key %s (not an authorized key)", z85);
+                last_log = mt_now();
+            }
+        } else {
+            status = "500";
+            text = "not a CURVE request";
+        }
+        /* reply: version, request id, status code, status text, user id, metadata */
+        const char *frames[6] = { "1.0", NULL, status, text, "", "" };
+        for (int i = 0; i < 6; i++) {
+            const int flags = i < 5 ? ZMQ_SNDMORE : 0;
+            if (i == 1) zmq_send(s->zap, n > 1 ? zmq_msg_data(&f[1]) : "", n > 1 ? zmq_msg_size(&f[1]) : 0, flags);
+            else zmq_send(s->zap, frames[i], strlen(frames[i]), flags);
+        }
+        for (int i = 0; i < n; i++) zmq_msg_close(&f[i]);
+    }
+    zmq_close(s->zap);
+    return NULL;
+}
+
+/* Binds the ZAP handler with the clients' keys and starts its thread. */
+static mt_status zap_start(mt_wire_sock *s, const mt_wire_params *p, mt_error *err) {
+    if (!(s->clients = calloc(p->n_curve_clients ? p->n_curve_clients : 1, sizeof *s->clients)))
+        return mt_errorf(err, MT_ERR_NOMEM, "wire: out of memory for %zu keys", p->n_curve_clients);
+    for (size_t i = 0; i < p->n_curve_clients; i++)
+        if (!key_ok(p->curve_clients[i], s->clients[i]))
+            return mt_errorf(err, MT_ERR_INVALID, "wire: authorized key %zu is not a %d-character z85 key", i + 1,
+                             MT_WIRE_KEY_Z85);
+    s->n_clients = p->n_curve_clients;
+    int zero = 0;
+    if (!(s->zap = zmq_socket(s->ctx, ZMQ_REP)) || zmq_setsockopt(s->zap, ZMQ_LINGER, &zero, sizeof zero) ||
+        zmq_bind(s->zap, ZAP_ENDPOINT))
+        return mt_errorf(err, MT_ERR_IO, "wire: ZAP handler: %s", zmq_strerror(zmq_errno()));
+    if (pthread_create(&s->zap_thread, NULL, zap_main, s))
+        return mt_errorf(err, MT_ERR_IO, "wire: cannot start the ZAP thread");
+    s->zap_running = true; /* the thread owns s->zap from here on */
+    return MT_OK;
+}
+
+/* ---- sockets ---- */
+
+/* ROUTER: the monitor of connection closes and failed handshakes, read with a PAIR socket. */
+static mt_status events_start(mt_wire_sock *s, mt_error *err) {
+    const int events = ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL |
+                       ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH;
+    int zero = 0;
+    if (zmq_socket_monitor(s->sock, EVENTS_ENDPOINT, events) || !(s->events = zmq_socket(s->ctx, ZMQ_PAIR)) ||
+        zmq_setsockopt(s->events, ZMQ_LINGER, &zero, sizeof zero) || zmq_connect(s->events, EVENTS_ENDPOINT))
+        return mt_errorf(err, MT_ERR_IO, "wire: socket monitor: %s", zmq_strerror(zmq_errno()));
+    return MT_OK;
+}
+
+static mt_status set_curve(mt_wire_sock *s, const mt_wire_params *p, mt_error *err) {
+    if (!mt_wire_has_curve())
+        return mt_errorf(err, MT_ERR_STATE, "wire: CURVE keys given, but this libzmq has no CURVE");
+    if (!key_ok(p->curve_secret_key, NULL))
+        return mt_errorf(err, MT_ERR_INVALID, "wire: the CURVE secret key is not a %d-character z85 key",
+                         MT_WIRE_KEY_Z85);
+    const size_t klen = MT_WIRE_KEY_Z85 + 1; /* z85 text with its NUL */
+    if (s->kind == MT_WIRE_ROUTER) {
+        int one = 1;
+        if (zmq_setsockopt(s->sock, ZMQ_CURVE_SERVER, &one, sizeof one) ||
+            zmq_setsockopt(s->sock, ZMQ_CURVE_SECRETKEY, p->curve_secret_key, klen))
+            return mt_errorf(err, MT_ERR_IO, "wire: CURVE server: %s", zmq_strerror(zmq_errno()));
+        if (!p->curve_clients) return MT_OK; /* no ZAP handler: libzmq admits every CURVE client */
+        if (zmq_setsockopt(s->sock, ZMQ_ZAP_DOMAIN, "metrale", 7))
+            return mt_errorf(err, MT_ERR_IO, "wire: ZAP domain: %s", zmq_strerror(zmq_errno()));
+        return zap_start(s, p, err);
+    }
+    if (!key_ok(p->curve_server_key, NULL))
+        return mt_errorf(err, MT_ERR_INVALID, "wire: the router's CURVE public key is %s",
+                         p->curve_server_key ? "not a 40-character z85 key" : "missing");
+    char pub[MT_WIRE_KEY_Z85 + 1];
+    mt_status st = mt_wire_key_public(p->curve_secret_key, pub, err);
+    if (st) return st;
+    if (zmq_setsockopt(s->sock, ZMQ_CURVE_SERVERKEY, p->curve_server_key, klen) ||
+        zmq_setsockopt(s->sock, ZMQ_CURVE_PUBLICKEY, pub, klen) ||
+        zmq_setsockopt(s->sock, ZMQ_CURVE_SECRETKEY, p->curve_secret_key, klen))
+        return mt_errorf(err, MT_ERR_IO, "wire: CURVE client: %s", zmq_strerror(zmq_errno()));
+    return MT_OK;
+}
+
+mt_status mt_wire_open(mt_wire_kind kind, const char *endpoint, const mt_wire_params *params, mt_wire_sock **out,
+                       mt_error *err) {
     *out = NULL;
-    if (!endpoint || !endpoint_internal(endpoint))
-        return mt_errorf(err, MT_ERR_INVALID, "wire: endpoint \"%s\" is not internal (ipc:// or tcp://127.0.0.1:)",
-                         endpoint ? endpoint : "(null)");
-    if (kind == MT_WIRE_DEALER && (!identity || !*identity || strlen(identity) >= MT_WIRE_PEER_MAX))
+    const mt_wire_params p = params ? *params : mt_wire_default_params();
+    const bool curve = p.curve_secret_key != NULL;
+    if (!endpoint || !(endpoint_internal(endpoint) || (curve && !strncmp(endpoint, "tcp://", 6))))
+        return mt_errorf(err, MT_ERR_INVALID,
+                         "wire: endpoint \"%s\" is not internal (ipc:// or tcp://127.0.0.1:); another host's "
+                         "tcp:// endpoint needs CURVE keys", endpoint ? endpoint : "(null)");
+    if (kind == MT_WIRE_DEALER && (!p.identity || !*p.identity || strlen(p.identity) >= MT_WIRE_PEER_MAX))
         return mt_errorf(err, MT_ERR_INVALID, "wire: a DEALER needs an identity of 1..%d bytes", MT_WIRE_PEER_MAX - 1);
     mt_wire_sock *s = calloc(1, sizeof *s);
     if (!s) return mt_errorf(err, MT_ERR_NOMEM, "wire: out of memory");
@@ -37,14 +190,24 @@ mt_status mt_wire_open(mt_wire_kind kind, const char *endpoint, const char *iden
     if (zmq_setsockopt(s->sock, ZMQ_SNDHWM, &hwm, sizeof hwm) || zmq_setsockopt(s->sock, ZMQ_RCVHWM, &hwm, sizeof hwm) ||
         zmq_setsockopt(s->sock, ZMQ_LINGER, &zero, sizeof zero))
         goto fail;
+    if (curve && (st = set_curve(s, &p, err)) != MT_OK) {
+        mt_wire_close(s);
+        return st;
+    }
+    st = MT_ERR_IO;
     if (kind == MT_WIRE_ROUTER) {
         if (zmq_setsockopt(s->sock, ZMQ_ROUTER_MANDATORY, &one, sizeof one)) goto fail;
+        if ((st = events_start(s, err)) != MT_OK) {
+            mt_wire_close(s);
+            return st;
+        }
+        st = MT_ERR_IO;
         if (zmq_bind(s->sock, endpoint)) goto fail;
     } else {
         /* A DEALER send waits up to MT_WIRE_DEALER_SEND_MS for the connection (right after
          * connect, or while the router restarts) instead of failing at once. */
         int snd_ms = MT_WIRE_DEALER_SEND_MS;
-        if (zmq_setsockopt(s->sock, ZMQ_ROUTING_ID, identity, strlen(identity)) ||
+        if (zmq_setsockopt(s->sock, ZMQ_ROUTING_ID, p.identity, strlen(p.identity)) ||
             zmq_setsockopt(s->sock, ZMQ_IMMEDIATE, &one, sizeof one) ||
             zmq_setsockopt(s->sock, ZMQ_SNDTIMEO, &snd_ms, sizeof snd_ms))
             goto fail;
@@ -62,8 +225,153 @@ fail:
 void mt_wire_close(mt_wire_sock *s) {
     if (!s) return;
     if (s->sock) zmq_close(s->sock);
+    if (s->events) zmq_close(s->events);
+    if (s->zap_running) {
+        zmq_ctx_shutdown(s->ctx); /* the ZAP thread's receive fails with ETERM; it closes its socket */
+        pthread_join(s->zap_thread, NULL);
+    } else if (s->zap) {
+        zmq_close(s->zap);
+    }
     if (s->ctx) zmq_ctx_term(s->ctx);
+    free(s->clients);
     free(s);
+}
+
+void mt_wire_endpoint(mt_wire_sock *s, char *out, size_t len) {
+    if (!len) return;
+    size_t n = len;
+    if (zmq_getsockopt(s->sock, ZMQ_LAST_ENDPOINT, out, &n)) out[0] = 0;
+    out[len - 1] = 0;
+}
+
+int mt_wire_event_fd(mt_wire_sock *s) {
+    int fd = -1;
+    size_t len = sizeof fd;
+    if (!s->events || zmq_getsockopt(s->events, ZMQ_FD, &fd, &len)) return -1;
+    return fd;
+}
+
+int mt_wire_take_disconnects(mt_wire_sock *s) {
+    if (!s->events) return 0;
+    int closed = 0;
+    for (;;) {
+        /* an event is two frames: 6 bytes (uint16 event, uint32 value), then the endpoint */
+        zmq_msg_t m;
+        zmq_msg_init(&m);
+        if (zmq_msg_recv(&m, s->events, ZMQ_DONTWAIT) < 0) {
+            zmq_msg_close(&m);
+            break;
+        }
+        uint16_t event = 0;
+        if (zmq_msg_size(&m) >= 2) memcpy(&event, zmq_msg_data(&m), 2);
+        const bool more = zmq_msg_more(&m);
+        zmq_msg_close(&m);
+        if (more) {
+            zmq_msg_init(&m);
+            zmq_msg_recv(&m, s->events, 0); /* the second frame follows the first at once */
+            zmq_msg_close(&m);
+        }
+        if (event == ZMQ_EVENT_DISCONNECTED) {
+            if (s->unmatched_failures > 0) s->unmatched_failures--;
+            else closed++;
+        } else {
+            s->unmatched_failures++;
+            const double now = mt_now();
+            if (now - s->last_failure_log >= LOG_EVERY_S) {
+                const bool auth = event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH;
+                mt_log(MT_LOG_WARN, "wire: a worker connection failed its handshake (%s)",
+                       auth ? "its CURVE key is not authorized" : "missing or wrong CURVE keys, or not a metrale worker");
+                s->last_failure_log = now;
+            }
+        }
+    }
+    return closed;
+}
+
+/* ---- keys ---- */
+
+bool mt_wire_has_curve(void) { return zmq_has("curve") != 0; }
+
+mt_status mt_wire_keypair(char *pub, char *secret, mt_error *err) {
+    if (!mt_wire_has_curve() || zmq_curve_keypair(pub, secret))
+        return mt_errorf(err, MT_ERR_STATE, "wire: this libzmq cannot make CURVE keys (%s)", zmq_strerror(zmq_errno()));
+    return MT_OK;
+}
+
+mt_status mt_wire_key_public(const char *secret, char *pub, mt_error *err) {
+    if (!mt_wire_has_curve()) return mt_errorf(err, MT_ERR_STATE, "wire: this libzmq has no CURVE");
+    if (!key_ok(secret, NULL) || zmq_curve_public(pub, secret))
+        return mt_errorf(err, MT_ERR_INVALID, "wire: not a %d-character z85 secret key", MT_WIRE_KEY_Z85);
+    return MT_OK;
+}
+
+mt_status mt_wire_key_read(const char *path, char *key, mt_error *err) {
+    FILE *f = fopen(path, "r");
+    if (!f) return mt_errorf(err, MT_ERR_IO, "wire: key file %s: %s", path, strerror(errno));
+    char buf[256];
+    const size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    const char *a = buf;
+    while (*a == ' ' || *a == '\t' || *a == '\n' || *a == '\r') a++;
+    size_t len = strlen(a);
+    while (len && (a[len - 1] == ' ' || a[len - 1] == '\t' || a[len - 1] == '\n' || a[len - 1] == '\r')) len--;
+    if (len != MT_WIRE_KEY_Z85)
+        return mt_errorf(err, MT_ERR_INVALID, "wire: key file %s: not one %d-character z85 key", path, MT_WIRE_KEY_Z85);
+    memcpy(key, a, len);
+    key[len] = 0;
+    if (!key_ok(key, NULL))
+        return mt_errorf(err, MT_ERR_INVALID, "wire: key file %s: not a z85 key", path);
+    return MT_OK;
+}
+
+static int name_cmp(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+mt_status mt_wire_keys_read_dir(const char *dir, char (**keys)[MT_WIRE_KEY_Z85 + 1], size_t *n, mt_error *err) {
+    *keys = NULL;
+    *n = 0;
+    DIR *d = opendir(dir);
+    if (!d) return mt_errorf(err, MT_ERR_IO, "wire: key folder %s: %s", dir, strerror(errno));
+    char **names = NULL;
+    size_t count = 0, cap = 0;
+    mt_status st = MT_OK;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        const size_t len = strlen(e->d_name);
+        if (len <= 4 || strcmp(e->d_name + len - 4, ".pub")) continue;
+        if (count == cap) {
+            char **more = realloc(names, (cap = cap ? 2 * cap : 8) * sizeof *names);
+            if (!more) { st = MT_ERR_NOMEM; break; }
+            names = more;
+        }
+        if (!(names[count] = strdup(e->d_name))) { st = MT_ERR_NOMEM; break; }
+        count++;
+    }
+    closedir(d);
+    char (*out)[MT_WIRE_KEY_Z85 + 1] = NULL;
+    if (st) {
+        mt_errorf(err, st, "wire: out of memory reading %s", dir);
+    } else if (!count) {
+        st = mt_errorf(err, MT_ERR_NOT_FOUND, "wire: key folder %s holds no *.pub key", dir);
+    } else if (!(out = calloc(count, sizeof *out))) {
+        st = mt_errorf(err, MT_ERR_NOMEM, "wire: out of memory reading %s", dir);
+    } else {
+        qsort(names, count, sizeof *names, name_cmp);
+        for (size_t i = 0; i < count && !st; i++) {
+            char path[4096];
+            snprintf(path, sizeof path, "%s/%s", dir, names[i]);
+            st = mt_wire_key_read(path, out[i], err);
+        }
+    }
+    for (size_t i = 0; i < count; i++) free(names[i]);
+    free(names);
+    if (st) {
+        free(out);
+        return st;
+    }
+    *keys = out;
+    *n = count;
+    return MT_OK;
 }
 
 mt_status mt_wire_send(mt_wire_sock *s, const char *peer, mt_envelope *env, mt_error *err) {

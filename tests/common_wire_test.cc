@@ -1,10 +1,15 @@
 // common/wire over real ZeroMQ sockets: envelopes round-trip ROUTER <-> DEALER, ROUTER_MANDATORY
 // reports an unknown peer, foreign versions and garbage frames are refused without harm, and only
-// internal endpoints are accepted. The message builders fill every field they are given.
+// internal endpoints are accepted without CURVE. The message builders fill every field they are
+// given. A closed connection shows as a connection event, after which a send to its peer fails.
+// CURVE: a worker with the router's key gets through, one without it or with a wrong one never
+// delivers a message, and with authorized keys only the listed workers do.
 #include <gtest/gtest.h>
 #include <zmq.h>
 
 #include <string>
+
+#include <unistd.h>
 
 extern "C" {
 #include "common/wire.h"
@@ -24,7 +29,9 @@ TEST(Wire, RoundTripBothWays) {
     ASSERT_EQ(mt_wire_open(MT_WIRE_ROUTER, ep.c_str(), nullptr, &r, &err), MT_OK) << err.msg;
     char identity[MT_WIRE_PEER_MAX];
     mt_wire_identity(7, identity);
-    ASSERT_EQ(mt_wire_open(MT_WIRE_DEALER, ep.c_str(), identity, &d, &err), MT_OK) << err.msg;
+    mt_wire_params dp = mt_wire_default_params();
+    dp.identity = identity;
+    ASSERT_EQ(mt_wire_open(MT_WIRE_DEALER, ep.c_str(), &dp, &d, &err), MT_OK) << err.msg;
 
     mt_wire_msg hello;
     ASSERT_EQ(mt_wire_send(d, nullptr, mt_wire_hello(&hello, 7, 32, nullptr), &err), MT_OK) << err.msg;
@@ -174,13 +181,191 @@ TEST(Wire, BuildersFillEveryField) {
     mt_wire_free(e);
 }
 
-TEST(Wire, OnlyInternalEndpoints) {
+TEST(Wire, OnlyInternalEndpointsWithoutCurve) {
     mt_wire_sock *s = nullptr;
     mt_error err{};
     EXPECT_EQ(mt_wire_open(MT_WIRE_ROUTER, "tcp://0.0.0.0:5555", nullptr, &s, &err), MT_ERR_INVALID);
     EXPECT_NE(std::string(err.msg).find("not internal"), std::string::npos) << err.msg;
-    EXPECT_EQ(mt_wire_open(MT_WIRE_DEALER, "ipc:///tmp/x.sock", "", &s, &err), MT_ERR_INVALID);
+    mt_wire_params dp = mt_wire_default_params();
+    dp.identity = "";
+    EXPECT_EQ(mt_wire_open(MT_WIRE_DEALER, "ipc:///tmp/x.sock", &dp, &s, &err), MT_ERR_INVALID);
     EXPECT_EQ(s, nullptr);
+    if (!mt_wire_has_curve()) GTEST_SKIP() << "this libzmq has no CURVE";
+    char pub[MT_WIRE_KEY_Z85 + 1], sec[MT_WIRE_KEY_Z85 + 1];
+    ASSERT_EQ(mt_wire_keypair(pub, sec, &err), MT_OK) << err.msg;
+    mt_wire_params rp = mt_wire_default_params();
+    rp.curve_secret_key = sec;
+    ASSERT_EQ(mt_wire_open(MT_WIRE_ROUTER, "tcp://0.0.0.0:*", &rp, &s, &err), MT_OK) << err.msg;
+    char ep[256];
+    mt_wire_endpoint(s, ep, sizeof ep);
+    EXPECT_EQ(std::string(ep).rfind("tcp://0.0.0.0:", 0), 0u) << ep;
+    EXPECT_EQ(std::string(ep).find('*'), std::string::npos) << ep;
+    mt_wire_close(s);
+    rp.curve_secret_key = "not a key";
+    EXPECT_EQ(mt_wire_open(MT_WIRE_ROUTER, "tcp://0.0.0.0:*", &rp, &s, &err), MT_ERR_INVALID);
+    EXPECT_EQ(s, nullptr);
+}
+
+// Sends a Hello from d; whether the router r receives it within ms.
+bool HelloGetsThrough(mt_wire_sock *d, mt_wire_sock *r, int ms) {
+    mt_wire_msg hello;
+    mt_error err{};
+    mt_wire_send(d, nullptr, mt_wire_hello(&hello, 7, 4, nullptr), &err);
+    char peer[MT_WIRE_PEER_MAX];
+    mt_envelope *got = nullptr;
+    if (mt_wire_recv(r, ms, peer, &got, &err) != MT_OK) return false;
+    mt_wire_free(got);
+    return true;
+}
+
+TEST(Wire, ConnectionClosedShowsAsAnEventAndSendsFail) {
+    const std::string ep = Endpoint();
+    mt_wire_sock *r = nullptr, *d = nullptr;
+    mt_error err{};
+    ASSERT_EQ(mt_wire_open(MT_WIRE_ROUTER, ep.c_str(), nullptr, &r, &err), MT_OK) << err.msg;
+    EXPECT_GE(mt_wire_event_fd(r), 0);
+    mt_wire_params dp = mt_wire_default_params();
+    dp.identity = "w7";
+    ASSERT_EQ(mt_wire_open(MT_WIRE_DEALER, ep.c_str(), &dp, &d, &err), MT_OK) << err.msg;
+    EXPECT_EQ(mt_wire_event_fd(d), -1);
+    ASSERT_TRUE(HelloGetsThrough(d, r, 2000));
+    EXPECT_EQ(mt_wire_take_disconnects(r), 0);
+    mt_wire_msg m;
+    EXPECT_EQ(mt_wire_send(r, "w7", mt_wire_heartbeat(&m, 1, nullptr, false), &err), MT_OK) << err.msg;
+    const double t0 = mt_now();
+    mt_wire_close(d);
+    int closed = 0;
+    while (closed == 0 && mt_now() - t0 < 2) {
+        closed += mt_wire_take_disconnects(r);
+        usleep(1000);
+    }
+    EXPECT_EQ(closed, 1);
+    mt_status st = MT_OK;
+    while (st == MT_OK && mt_now() - t0 < 2) {
+        st = mt_wire_send(r, "w7", mt_wire_heartbeat(&m, 2, nullptr, false), &err);
+        if (st == MT_OK) usleep(1000);
+    }
+    EXPECT_EQ(st, MT_ERR_NOT_FOUND);
+    EXPECT_LT(mt_now() - t0, 0.5) << "the closed connection took this long to show";
+    mt_wire_close(r);
+}
+
+TEST(Wire, KeysWriteReadAndDerive) {
+    if (!mt_wire_has_curve()) GTEST_SKIP() << "this libzmq has no CURVE";
+    char pub[MT_WIRE_KEY_Z85 + 1], sec[MT_WIRE_KEY_Z85 + 1], derived[MT_WIRE_KEY_Z85 + 1], back[MT_WIRE_KEY_Z85 + 1];
+    mt_error err{};
+    ASSERT_EQ(mt_wire_keypair(pub, sec, &err), MT_OK) << err.msg;
+    ASSERT_EQ(mt_wire_key_public(sec, derived, &err), MT_OK) << err.msg;
+    EXPECT_STREQ(derived, pub);
+    char tmpl[] = "/tmp/mt_keys_XXXXXX";
+    const std::string dir = mkdtemp(tmpl);
+    const std::string a = dir + "/a.pub", b = dir + "/b.pub", other = dir + "/a.key";
+    FILE *f = fopen(a.c_str(), "w");
+    fprintf(f, "  %s\n", pub);
+    fclose(f);
+    ASSERT_EQ(mt_wire_key_read(a.c_str(), back, &err), MT_OK) << err.msg;
+    EXPECT_STREQ(back, pub);
+    f = fopen(other.c_str(), "w");
+    fprintf(f, "%s\n", sec);
+    fclose(f);
+    char (*keys)[MT_WIRE_KEY_Z85 + 1] = nullptr;
+    size_t n = 0;
+    ASSERT_EQ(mt_wire_keys_read_dir(dir.c_str(), &keys, &n, &err), MT_OK) << err.msg;
+    ASSERT_EQ(n, 1u);  // only *.pub files
+    EXPECT_STREQ(keys[0], pub);
+    free(keys);
+    f = fopen(b.c_str(), "w");
+    fprintf(f, "too short\n");
+    fclose(f);
+    EXPECT_EQ(mt_wire_keys_read_dir(dir.c_str(), &keys, &n, &err), MT_ERR_INVALID);
+    EXPECT_NE(std::string(err.msg).find("b.pub"), std::string::npos) << err.msg;
+    EXPECT_EQ(keys, nullptr);
+    EXPECT_EQ(mt_wire_key_read((dir + "/none").c_str(), back, &err), MT_ERR_IO);
+    unlink(a.c_str());
+    unlink(b.c_str());
+    unlink(other.c_str());
+    EXPECT_EQ(mt_wire_keys_read_dir(dir.c_str(), &keys, &n, &err), MT_ERR_NOT_FOUND);
+    rmdir(dir.c_str());
+}
+
+struct KeyPair {
+    char pub[MT_WIRE_KEY_Z85 + 1], sec[MT_WIRE_KEY_Z85 + 1];
+    KeyPair() {
+        mt_error err{};
+        EXPECT_EQ(mt_wire_keypair(pub, sec, &err), MT_OK) << err.msg;
+    }
+};
+
+// A CURVE router on tcp://127.0.0.1:* with `clients` (nullptr: any); its bound endpoint in ep.
+mt_wire_sock *CurveRouter(const KeyPair &k, const char *const *clients, size_t n, std::string *ep) {
+    mt_wire_params rp = mt_wire_default_params();
+    rp.curve_secret_key = k.sec;
+    rp.curve_clients = clients;
+    rp.n_curve_clients = n;
+    mt_wire_sock *r = nullptr;
+    mt_error err{};
+    EXPECT_EQ(mt_wire_open(MT_WIRE_ROUTER, "tcp://127.0.0.1:*", &rp, &r, &err), MT_OK) << err.msg;
+    char buf[256] = "";
+    if (r) mt_wire_endpoint(r, buf, sizeof buf);
+    *ep = buf;
+    return r;
+}
+
+mt_wire_sock *Dealer(const std::string &ep, const char *server_key, const char *secret) {
+    mt_wire_params dp = mt_wire_default_params();
+    dp.identity = "w7";
+    dp.curve_server_key = server_key;
+    dp.curve_secret_key = secret;
+    mt_wire_sock *d = nullptr;
+    mt_error err{};
+    EXPECT_EQ(mt_wire_open(MT_WIRE_DEALER, ep.c_str(), &dp, &d, &err), MT_OK) << err.msg;
+    return d;
+}
+
+TEST(Wire, CurveAdmitsOnlyTheRightKeys) {
+    if (!mt_wire_has_curve()) GTEST_SKIP() << "this libzmq has no CURVE";
+    KeyPair router, worker, stranger;
+    std::string ep;
+    mt_wire_sock *r = CurveRouter(router, nullptr, 0, &ep);
+    ASSERT_NE(r, nullptr);
+    mt_wire_sock *good = Dealer(ep, router.pub, worker.sec);
+    EXPECT_TRUE(HelloGetsThrough(good, r, 3000));
+    mt_wire_close(good);
+    mt_wire_sock *plain = Dealer(ep, nullptr, nullptr);
+    EXPECT_FALSE(HelloGetsThrough(plain, r, 500)) << "a worker without keys got through";
+    mt_wire_close(plain);
+    mt_wire_sock *wrong = Dealer(ep, stranger.pub, worker.sec);
+    EXPECT_FALSE(HelloGetsThrough(wrong, r, 500)) << "a worker with a wrong router key got through";
+    mt_wire_close(wrong);
+    // The failed handshakes closed their connections too; those do not count as a peer's.
+    usleep(100 * 1000);
+    EXPECT_EQ(mt_wire_take_disconnects(r), 1) << "only the first worker's connection was a peer's";
+    good = Dealer(ep, router.pub, worker.sec);
+    EXPECT_TRUE(HelloGetsThrough(good, r, 3000));
+    mt_wire_close(good);
+    int closed = 0;
+    for (int i = 0; i < 1000 && !closed; i++) {
+        closed = mt_wire_take_disconnects(r);
+        usleep(1000);
+    }
+    EXPECT_EQ(closed, 1);
+    mt_wire_close(r);
+}
+
+TEST(Wire, CurveAuthorizedKeysAdmitOnlyThoseWorkers) {
+    if (!mt_wire_has_curve()) GTEST_SKIP() << "this libzmq has no CURVE";
+    KeyPair router, worker, stranger;
+    const char *clients[] = { worker.pub };
+    std::string ep;
+    mt_wire_sock *r = CurveRouter(router, clients, 1, &ep);
+    ASSERT_NE(r, nullptr);
+    mt_wire_sock *listed = Dealer(ep, router.pub, worker.sec);
+    EXPECT_TRUE(HelloGetsThrough(listed, r, 3000));
+    mt_wire_close(listed);
+    mt_wire_sock *unlisted = Dealer(ep, router.pub, stranger.sec);
+    EXPECT_FALSE(HelloGetsThrough(unlisted, r, 500)) << "a worker whose key is not listed got through";
+    mt_wire_close(unlisted);
+    mt_wire_close(r);  // joins the ZAP thread
 }
 
 }  // namespace

@@ -42,7 +42,11 @@ mt_status wkr_transport_new(const wkr_transport_params *p, wkr_transport **out, 
     metrale__v1__worker_stats__init(&t->stats);
     char identity[MT_WIRE_PEER_MAX];
     mt_wire_identity(p->worker_id, identity);
-    mt_status st = mt_wire_open(MT_WIRE_DEALER, p->router, identity, &t->wire, err);
+    mt_wire_params wp = mt_wire_default_params();
+    wp.identity = identity;
+    wp.curve_server_key = p->curve_server_key;
+    wp.curve_secret_key = p->curve_secret_key;
+    mt_status st = mt_wire_open(MT_WIRE_DEALER, p->router, &wp, &t->wire, err);
     if (st != MT_OK) goto fail;
     t->last_rx = t->next_hello = t->progress_at = mt_now();
     *out = t;

@@ -38,10 +38,14 @@ extern "C" {
 typedef struct wkr_transport wkr_transport;
 
 typedef struct wkr_transport_params {
-    const char *router;            /* endpoint, ipc:// or tcp://127.0.0.1:; borrowed, like model */
+    const char *router;            /* endpoint: ipc://, tcp://127.0.0.1:, or with CURVE any tcp://;
+                                      borrowed, like model */
     uint32_t worker_id;            /* identity "w<worker_id>"; in the Hello and every log line */
     uint32_t max_sequences;        /* in the Hello */
     Metrale__V1__ModelInfo *model; /* in the Hello; borrowed: must outlive the transport */
+    /* CURVE (common/wire.h), z85 keys, both or neither; read when the socket opens */
+    const char *curve_server_key;  /* the router's public key */
+    const char *curve_secret_key;  /* this worker's secret key */
 } wkr_transport_params;
 
 /* The router's requests, as the engine thread acts on them. Called from wkr_transport_receive,
