@@ -2,6 +2,7 @@
  *
  *   metrale-router --listen 127.0.0.1:PORT --workers-endpoint ipc:///tmp/x.sock
  *                  [--queue N] [--drain-timeout S]
+ *                  [--curve-secret-key FILE [--curve-authorized-keys DIR]]
  *
  * SIGTERM or SIGINT drains (router.h) and exits 0. Exit 2 on bad arguments, 1 when the router
  * cannot start or its loop fails. The only place that exits.
@@ -16,15 +17,22 @@
 #include <unistd.h>
 
 #include "common/mt.h"
+#include "common/wire.h"
 #include "router/router.h"
 
 static void usage(FILE *f) {
     fprintf(f,
             "usage: metrale-router --listen HOST:PORT --workers-endpoint ENDPOINT [--queue N] [--drain-timeout S]\n"
+            "                      [--curve-secret-key FILE [--curve-authorized-keys DIR]]\n"
             "  --listen HOST:PORT          gRPC address (port 0: any free port, printed at start)\n"
-            "  --workers-endpoint ENDPOINT ZeroMQ endpoint the workers connect to (ipc:// or tcp://127.0.0.1:)\n"
+            "  --workers-endpoint ENDPOINT ZeroMQ endpoint the workers connect to: ipc:// or tcp://127.0.0.1:PORT,\n"
+            "                              or with CURVE any tcp://ADDRESS:PORT (port *: any free port, printed)\n"
             "  --queue N                   admitted requests that may wait for a worker (default 1024)\n"
-            "  --drain-timeout S           seconds running streams may finish after SIGTERM (default 30)\n");
+            "  --drain-timeout S           seconds running streams may finish after SIGTERM (default 30)\n"
+            "  --curve-secret-key FILE     encrypt the workers' link with ZeroMQ CURVE; FILE holds the router's\n"
+            "                              secret key (metrale-keygen); workers need its public key\n"
+            "  --curve-authorized-keys DIR admit only the workers whose public key is a *.pub file in DIR\n"
+            "                              (default: any worker that has the router's public key)\n");
 }
 
 static int parse_size(const char *s, size_t *out) {
@@ -48,6 +56,7 @@ static int parse_seconds(const char *s, double *out) {
 int main(int argc, char **argv) {
     rtr_router_params p = rtr_router_default_params();
     bool have_listen = false, have_ep = false;
+    const char *secret_file = NULL, *clients_dir = NULL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -71,6 +80,10 @@ int main(int argc, char **argv) {
                 fprintf(stderr, "metrale-router: --queue %s: must be an integer in [0, 1000000]\n", v);
                 return 2;
             }
+        } else if (!strcmp(a, "--curve-secret-key")) {
+            secret_file = v;
+        } else if (!strcmp(a, "--curve-authorized-keys")) {
+            clients_dir = v;
         } else if (!strcmp(a, "--drain-timeout")) {
             if (parse_seconds(v, &p.drain_timeout_s)) {
                 fprintf(stderr, "metrale-router: --drain-timeout %s: must be seconds in [0, 86400]\n", v);
@@ -86,6 +99,30 @@ int main(int argc, char **argv) {
         fprintf(stderr, "metrale-router: --listen and --workers-endpoint are required\n");
         usage(stderr);
         return 2;
+    }
+    if (clients_dir && !secret_file) {
+        fprintf(stderr, "metrale-router: --curve-authorized-keys needs --curve-secret-key\n");
+        return 2;
+    }
+    mt_error err;
+    char secret[MT_WIRE_KEY_Z85 + 1], pub[MT_WIRE_KEY_Z85 + 1];
+    char (*clients)[MT_WIRE_KEY_Z85 + 1] = NULL;
+    const char **client_ptrs = NULL;
+    size_t nclients = 0;
+    if (secret_file) {
+        if (mt_wire_key_read(secret_file, secret, &err) || mt_wire_key_public(secret, pub, &err) ||
+            (clients_dir && mt_wire_keys_read_dir(clients_dir, &clients, &nclients, &err))) {
+            fprintf(stderr, "metrale-router: %s\n", err.msg);
+            return 2;
+        }
+        if (nclients && !(client_ptrs = calloc(nclients, sizeof *client_ptrs))) {
+            fprintf(stderr, "metrale-router: out of memory\n");
+            return 1;
+        }
+        for (size_t i = 0; i < nclients; i++) client_ptrs[i] = clients[i];
+        p.curve_secret_key = secret;
+        p.curve_clients = client_ptrs;
+        p.n_curve_clients = nclients; /* a folder without keys was refused above */
     }
 
     /* Block the signals before any thread exists (gRPC starts some), so all of them inherit the
@@ -106,14 +143,21 @@ int main(int argc, char **argv) {
     }
     p.drain_fd = sfd;
 
-    mt_error err;
     rtr_router *r = rtr_router_create(&p, &err);
+    free(client_ptrs);
+    free(clients);
     if (!r) {
         fprintf(stderr, "metrale-router: %s\n", err.msg);
         close(sfd);
         return 1;
     }
-    mt_log(MT_LOG_INFO, "router: listening on port %d, workers at %s", rtr_router_port(r), p.workers_endpoint);
+    char ep[512];
+    rtr_router_workers_endpoint(r, ep, sizeof ep);
+    mt_log(MT_LOG_INFO, "router: listening on port %d, workers at %s", rtr_router_port(r), ep);
+    if (secret_file)
+        mt_log(MT_LOG_INFO, "router: CURVE on the workers' link; router public key %s; %s", pub,
+               clients_dir ? "only the workers with an authorized key are admitted"
+                           : "any worker with this public key is admitted");
     mt_status st = rtr_router_run(r, &err);
     if (st) fprintf(stderr, "metrale-router: %s\n", err.msg);
     rtr_router_free(r);

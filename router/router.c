@@ -4,6 +4,8 @@
  *   QUEUED   validated, waiting in the admission queue (or going straight to a worker);
  *   RUNNING  submitted to `worker`; Tokens accumulate in `pending` until the call can send;
  *            Finished sends the rest with the final message and the OK status, and ends it;
+ *            the request is kept until the first Tokens, so that a stream whose worker dies
+ *            before then goes back to the queue (QUEUED again) for another worker;
  *   ABORTING the client is gone (cancel, disconnect, deadline, shutdown) after submission:
  *            the worker got Abort; the stream waits (without a call) for the worker's Finished,
  *            which frees the worker's slot; a worker that never answers is given up on after
@@ -35,6 +37,10 @@
 #define DRAIN_TICK_MS 10      /* while draining: how often drain progress is checked */
 #define WIRE_BATCH 1024       /* envelopes handled before looking at gRPC again */
 #define DEADLINE_SLACK_S 0.1  /* a worker ending a sequence this close to its deadline ended it for the deadline */
+#define PROBE_WINDOW_S 0.5    /* after a connection closed: how long the workers are probed */
+#define PROBE_MS 10           /* ... and how often (a send to a gone worker fails at once) */
+#define REQUEUES_MAX 2        /* a stream goes back to the queue at most this often (a request
+                                 that kills every worker it reaches must not go round forever) */
 
 typedef enum stream_state { ST_QUEUED, ST_RUNNING, ST_ABORTING } stream_state;
 
@@ -43,8 +49,10 @@ typedef struct rtr_stream {
     stream_state state;
     rtr_call *call;                    /* NULL once the client side is over */
     char *request_id;                  /* owned copy, echoed in responses */
-    Metrale__V1__GenerateRequest *req; /* owned until submitted */
+    Metrale__V1__GenerateRequest *req; /* owned until the worker's first Tokens */
     rtr_worker *worker;                /* RUNNING, ABORTING */
+    bool got_tokens;                   /* RUNNING: the worker sent Tokens */
+    int requeues;                      /* times it went back to the queue from a lost worker */
     double deadline;                   /* mt_now() clock; INFINITY = none */
     uint64_t deadline_unix_ms;
     double abort_since;
@@ -72,12 +80,13 @@ struct rtr_router {
     uint64_t heartbeat_seq;
     double next_heartbeat;
     double next_tick;
+    double probe_until, next_probe; /* probing the workers after a connection closed */
     drain_phase phase;
     double phase_deadline;
     bool worker_gone[MT_WIRE_WORKERS_MAX]; /* DRAIN_WORKERS: index in workers.w[] has left */
     /* counters for GetStats */
     uint32_t running;
-    uint64_t requests_total, requests_rejected;
+    uint64_t requests_total, requests_rejected, streams_requeued;
     double last_unknown_log;
 };
 
@@ -165,12 +174,15 @@ static void stream_end_call(rtr_stream *s, grpc_status_code code, const char *de
 
 /* ---- wire ---- */
 
+/* A send that finds no connection (MT_ERR_NOT_FOUND) marks the worker gone; the event loop
+ * declares it dead (reap_gone) outside whatever scan made the send. */
 static mt_status send_env(rtr_router *r, rtr_worker *w, mt_envelope *env) {
     mt_error err;
     mt_status st = mt_wire_send(r->wire, w->peer, env, &err);
     if (st) {
-        if (w->reachable) mt_log(MT_LOG_WARN, "router: %s", err.msg);
+        if (w->reachable && w->alive) mt_log(MT_LOG_WARN, "router: %s", err.msg);
         w->reachable = false; /* picked again once it is heard from */
+        if (st == MT_ERR_NOT_FOUND) w->gone = true;
     }
     return st;
 }
@@ -204,8 +216,7 @@ static mt_status stream_submit(rtr_router *r, rtr_stream *s, rtr_worker *w) {
     mt_wire_msg m;
     mt_status st = send_env(r, w, mt_wire_submit(&m, s->id, s->req, s->deadline_unix_ms));
     if (st) return st;
-    metrale__v1__generate_request__free_unpacked(s->req, NULL);
-    s->req = NULL;
+    s->got_tokens = false;
     s->worker = w;
     s->state = ST_RUNNING;
     w->in_flight++;
@@ -271,30 +282,62 @@ static void stream_flush(rtr_stream *s, const Metrale__V1__Final *fin) {
 
 /* ---- worker messages ---- */
 
-/* Ends every stream on w: a dead or restarted worker's sequences are gone. */
-static void fail_worker_streams(rtr_router *r, rtr_worker *w, const char *why, bool tell_worker) {
+static void update_health(rtr_router *r) {
+    rtr_health_set_serving(&r->health, r->phase == RUNNING && rtr_workers_live(&r->workers) > 0);
+}
+
+/* w is dead (gone, silent) or restarted, and its sequences with it: declares it dead, and gives
+ * each of its streams that has had no Tokens yet back to the queue (at its front, oldest first)
+ * while a live worker can take it (or w itself is coming back: back); every other stream of w
+ * ends UNAVAILABLE. tell_worker: w may still run (a hang), so it gets Abort for each sequence. */
+static void worker_lost(rtr_router *r, rtr_worker *w, const char *why, bool tell_worker, bool back) {
+    if (!back) rtr_workers_mark_dead(w);
+    const bool others = back || rtr_workers_live(&r->workers) > 0;
     char msg[160];
     snprintf(msg, sizeof msg, "worker %s %s", w->peer, why);
+    int requeued = 0, failed = 0;
     rtr_stream *next;
-    for (rtr_stream *s = r->streams; s; s = next) {
+    for (rtr_stream *s = r->streams; s; s = next) { /* newest first */
         next = s->next;
         if (s->worker != w || s->state == ST_QUEUED) continue;
         /* A worker that is only frozen frees the sequence when it wakes up. */
         if (tell_worker && s->state == ST_RUNNING)
             send_abort(r, s, METRALE__V1__FINISH_REASON__FINISH_REASON_ERROR);
+        if (s->state == ST_RUNNING && s->call && !s->got_tokens && s->req && others && s->requeues < REQUEUES_MAX) {
+            s->state = ST_QUEUED;
+            s->worker = NULL;
+            s->requeues++;
+            r->running--;
+            r->streams_requeued++;
+            rtr_admission_push_front(&r->queue, &s->qnode);
+            requeued++;
+            continue;
+        }
+        failed += s->call != NULL;
         stream_end_call(s, GRPC_STATUS_UNAVAILABLE, msg);
         stream_free(r, s);
     }
-    w->in_flight = 0;
+    if (requeued || failed)
+        mt_log(MT_LOG_WARN, "router: worker %s %s: %d streams back in the queue, %d ended UNAVAILABLE", w->peer,
+               why, requeued, failed);
+    if (!back) update_health(r);
 }
 
-static void update_health(rtr_router *r) {
-    rtr_health_set_serving(&r->health, r->phase == RUNNING && rtr_workers_live(&r->workers) > 0);
+/* Declares dead the live workers that a send found gone (their connection closed). */
+static void reap_gone(rtr_router *r) {
+    for (size_t i = 0; i < r->workers.n; i++) {
+        rtr_worker *w = r->workers.w[i];
+        if (!w->alive || !w->gone) continue;
+        /* after Shutdown (draining) the workers are expected to leave */
+        mt_log(r->phase == RUNNING || r->phase == DRAIN_STREAMS ? MT_LOG_WARN : MT_LOG_INFO,
+               "router: worker %s: its connection closed: dead", w->peer);
+        worker_lost(r, w, "died", false, false);
+    }
 }
 
 static void on_hello(rtr_router *r, const char *peer, const Metrale__Internal__V1__Hello *h, double now) {
     rtr_worker *w = rtr_workers_find(&r->workers, peer);
-    if (w && w->alive) fail_worker_streams(r, w, "restarted", false);
+    if (w && w->alive) worker_lost(r, w, "restarted", false, true);
     mt_error err;
     if (rtr_workers_hello(&r->workers, peer, h, now, &w, &err)) {
         mt_log(MT_LOG_WARN, "router: %s", err.msg);
@@ -310,6 +353,11 @@ static void on_tokens(rtr_router *r, rtr_worker *w, mt_envelope *env) {
     if (!s || s->worker != w || s->state != ST_RUNNING || !s->call || env->tokens->n_tokens == 0) {
         mt_wire_free(env);
         return;
+    }
+    if (!s->got_tokens) { /* from here on the stream cannot move to another worker */
+        s->got_tokens = true;
+        metrale__v1__generate_request__free_unpacked(s->req, NULL);
+        s->req = NULL;
     }
     if (s->npending == s->cap_pending) {
         size_t cap = s->cap_pending ? 2 * s->cap_pending : 8;
@@ -355,10 +403,15 @@ static void on_envelope(rtr_router *r, const char *peer, mt_envelope *env, doubl
     rtr_worker *w = rtr_workers_heard(&r->workers, peer, now);
     if (!w) {
         rtr_worker *known = rtr_workers_find(&r->workers, peer);
-        if (known && env->body_case == METRALE__INTERNAL__V1__ENVELOPE__BODY_HEARTBEAT) {
-            /* Declared dead, yet alive (it was frozen or cut off): live again, with the model of
-             * its last Hello. Its old sequences were aborted when it was declared dead. */
+        mt_wire_msg probe;
+        if (known && env->body_case == METRALE__INTERNAL__V1__ENVELOPE__BODY_HEARTBEAT &&
+            mt_wire_send(r->wire, peer, mt_wire_heartbeat(&probe, ++r->heartbeat_seq, NULL, false), NULL) == MT_OK) {
+            /* Declared dead, yet alive (it was frozen or cut off) and connected (a Heartbeat
+             * that a worker sent before it died finds no connection to answer): live again,
+             * with the model of its last Hello. Its old sequences were aborted when it was
+             * declared dead. */
             known->alive = true;
+            known->gone = false;
             known->reachable = true;
             known->last_heard = now;
             known->in_flight = 0;
@@ -432,9 +485,8 @@ static void tick(rtr_router *r, double now) {
     size_t ndead = rtr_workers_expire(&r->workers, now, dead, MT_WIRE_WORKERS_MAX);
     for (size_t i = 0; i < ndead; i++) {
         mt_log(MT_LOG_WARN, "router: worker %s silent for %.1f s: dead", dead[i]->peer, now - dead[i]->last_heard);
-        fail_worker_streams(r, dead[i], "died", true);
+        worker_lost(r, dead[i], "died", true, false);
     }
-    if (ndead) update_health(r);
 
     rtr_stream *next;
     for (rtr_stream *s = r->streams; s; s = next) {
@@ -577,6 +629,7 @@ static void on_get_stats(rtr_router *r, rtr_call *call) {
     st.requests_total = r->requests_total;
     st.requests_rejected = r->requests_rejected;
     st.worker_restarts = r->workers.restarts;
+    st.streams_requeued = r->streams_requeued;
     for (size_t i = 0; i < r->workers.n; i++) {
         ws[i] = r->workers.w[i]->stats;
         ws[i].worker_id = r->workers.w[i]->id;
@@ -630,7 +683,11 @@ rtr_router *rtr_router_create(const rtr_router_params *params, mt_error *err) {
     rtr_workers_init(&r->workers, wp);
     rtr_admission_init(&r->queue, params->queue_capacity);
     rtr_health_init(&r->health);
-    if (mt_wire_open(MT_WIRE_ROUTER, params->workers_endpoint, NULL, &r->wire, err)) goto fail;
+    mt_wire_params wire = mt_wire_default_params();
+    wire.curve_secret_key = params->curve_secret_key;
+    wire.curve_clients = params->curve_clients;
+    wire.n_curve_clients = params->n_curve_clients;
+    if (mt_wire_open(MT_WIRE_ROUTER, params->workers_endpoint, &wire, &r->wire, err)) goto fail;
     rtr_grpc_params gp = rtr_grpc_default_params();
     gp.listen = params->listen;
     rtr_grpc_handlers h = {
@@ -650,18 +707,22 @@ fail:
 
 int rtr_router_port(const rtr_router *r) { return r->port; }
 
+void rtr_router_workers_endpoint(const rtr_router *r, char *out, size_t len) { mt_wire_endpoint(r->wire, out, len); }
+
 mt_status rtr_router_run(rtr_router *r, mt_error *err) {
     bool more_wire = false;
     while (r->phase != STOPPED) {
-        struct pollfd fds[3] = {
+        struct pollfd fds[4] = {
             {.fd = rtr_grpc_fd(r->grpc), .events = POLLIN},
             {.fd = mt_wire_fd(r->wire), .events = POLLIN},
+            {.fd = mt_wire_event_fd(r->wire), .events = POLLIN},
             {.fd = r->p.drain_fd, .events = POLLIN},
         };
         int timeout = more_wire ? 0 : r->phase == RUNNING ? TICK_MS : DRAIN_TICK_MS;
-        if (poll(fds, r->p.drain_fd >= 0 ? 3 : 2, timeout) < 0 && errno != EINTR)
+        if (mt_now() < r->probe_until && timeout > PROBE_MS) timeout = PROBE_MS;
+        if (poll(fds, r->p.drain_fd >= 0 ? 4 : 3, timeout) < 0 && errno != EINTR)
             return mt_errorf(err, MT_ERR_IO, "router: poll: %s", strerror(errno));
-        if (r->p.drain_fd >= 0 && (fds[2].revents & POLLIN)) {
+        if (r->p.drain_fd >= 0 && (fds[3].revents & POLLIN)) {
             char buf[512];
             if (read(r->p.drain_fd, buf, sizeof buf) < 0 && errno != EAGAIN && errno != EINTR)
                 mt_log(MT_LOG_WARN, "router: reading the drain descriptor: %s", strerror(errno));
@@ -670,11 +731,26 @@ mt_status rtr_router_run(rtr_router *r, mt_error *err) {
         rtr_grpc_dispatch(r->grpc);
         drain_wire(r);
         double now = mt_now();
+        /* A connection closed: some worker exited or was killed. Its last messages (a stream that
+         * finished just before) are read first, then every worker is probed with a Heartbeat
+         * until the closed one's send fails; a send fails as soon as ZeroMQ has dropped the
+         * connection's pipe, which follows the event by well under PROBE_MS. */
+        if (mt_wire_take_disconnects(r->wire) > 0) {
+            r->probe_until = now + PROBE_WINDOW_S;
+            r->next_probe = now;
+        }
+        if (now < r->probe_until && now >= r->next_probe) {
+            drain_wire(r);
+            send_heartbeats(r);
+            r->next_probe = now + PROBE_MS * 1e-3;
+        }
+        reap_gone(r);
         if (now >= r->next_tick) { /* scans every stream: on a timer, not on every wake-up */
             tick(r, now);
             if (r->phase != RUNNING) drain_step(r, now);
             r->next_tick = now + (r->phase == RUNNING ? TICK_MS : DRAIN_TICK_MS) * 1e-3;
         }
+        reap_gone(r); /* a send in tick found one gone */
         if (r->phase != STOPPED) dispatch_queue(r);
         /* Last: a receive that finds nothing re-arms the edge-triggered ZMQ_FD. */
         more_wire = drain_wire(r);

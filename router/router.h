@@ -8,8 +8,12 @@
  *     RESOURCE_EXHAUSTED; draining or no live worker: UNAVAILABLE;
  *   - a passed deadline: DEADLINE_EXCEEDED, and the worker gets Abort; a client that cancels or
  *     disconnects: the worker gets Abort (it frees the sequence and still answers Finished);
- *   - a worker silent for dead_after_s is dead: its streams end UNAVAILABLE, the others go on;
- *     a worker that speaks again (Hello or Heartbeat) is live again and counts as a restart;
+ *   - a worker is dead when its connection closes (it exited or was killed: noticed within
+ *     milliseconds, common/wire.h) or when it is silent for dead_after_s (a hang). Its streams
+ *     that have had no token yet go back to the front of the queue for another live worker (at
+ *     most REQUEUES_MAX times each, router.c); the others end UNAVAILABLE; the other workers'
+ *     streams go on. A worker that speaks again (Hello or Heartbeat) is live again and counts as
+ *     a restart;
  *     an unknown worker's Heartbeat (it outlived a router restart) is answered with a Heartbeat
  *     whose hello_wanted is set;
  *   - rtr_router_drain (SIGTERM in main): health NOT_SERVING, new requests UNAVAILABLE, admitted
@@ -41,6 +45,12 @@ typedef struct rtr_router_params {
     double workers_exit_s;        /* how long to wait for workers to leave after Shutdown; default 3 */
     int drain_fd;                 /* readable => begin draining (a signalfd or pipe); -1 = none.
                                      The router reads it (up to 512 bytes) but does not close it. */
+    /* CURVE on the workers' endpoint (common/wire.h); z85 keys, borrowed until create returns.
+     * Required for a tcp:// endpoint other than 127.0.0.1. */
+    const char *curve_secret_key;      /* the router's secret key; NULL = no CURVE */
+    const char *const *curve_clients;  /* the workers' public keys it admits; NULL = any worker
+                                          that has the router's public key */
+    size_t n_curve_clients;
 } rtr_router_params;
 
 rtr_router_params rtr_router_default_params(void);
@@ -50,6 +60,9 @@ rtr_router *rtr_router_create(const rtr_router_params *params, mt_error *err);
 
 /* The bound gRPC port. */
 int rtr_router_port(const rtr_router *r);
+
+/* The workers' endpoint as bound (a wildcard port resolved), into out (truncated to len). */
+void rtr_router_workers_endpoint(const rtr_router *r, char *out, size_t len);
 
 /* Runs until a drain completes. MT_OK after a clean drain; an error only when the event loop
  * itself fails (poll). */

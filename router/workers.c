@@ -56,6 +56,7 @@ mt_status rtr_workers_hello(rtr_workers *reg, const char *peer, const Metrale__I
     w->id = hello->worker_id;
     w->alive = true;
     w->reachable = true;
+    w->gone = false;
     w->last_heard = now;
     w->max_sequences = hello->max_sequences ? hello->max_sequences : 1;
     w->in_flight = 0;
@@ -119,14 +120,18 @@ rtr_worker *rtr_workers_pick(rtr_workers *reg) {
     return best;
 }
 
+void rtr_workers_mark_dead(rtr_worker *w) {
+    w->alive = false;
+    w->in_flight = 0;
+    w->stats.live_sequences = 0;
+}
+
 size_t rtr_workers_expire(rtr_workers *reg, double now, rtr_worker **dead, size_t cap) {
     size_t k = 0;
     for (size_t i = 0; i < reg->n; i++) {
         rtr_worker *w = reg->w[i];
         if (!w->alive || now - w->last_heard <= reg->params.dead_after_s) continue;
-        w->alive = false;
-        w->in_flight = 0;
-        w->stats.live_sequences = 0;
+        rtr_workers_mark_dead(w);
         if (k < cap) dead[k++] = w;
     }
     return k;

@@ -3,8 +3,11 @@
  * after being declared dead reuses its entry (and counts as a restart).
  *
  * Liveness: every message from a worker refreshes it; a worker silent for longer than
- * params.dead_after_s is declared dead by rtr_workers_expire. The router sends its own heartbeats
- * (worker.proto Heartbeat) every MT_WIRE_HEARTBEAT_S; this module only keeps the book.
+ * params.dead_after_s is declared dead by rtr_workers_expire (a worker that hangs). A worker whose
+ * connection closed (it exited or was killed) is marked `gone` by the router when a send to it
+ * finds no connection, and declared dead with rtr_workers_mark_dead at once. The router sends its
+ * own heartbeats (worker.proto Heartbeat) every MT_WIRE_HEARTBEAT_S; this module only keeps the
+ * book.
  *
  * Load: in_flight counts the sequences the router has submitted to a worker and not yet seen
  * Finished for (aborted ones included, since the worker holds them until it says Finished).
@@ -33,6 +36,7 @@ typedef struct rtr_worker {
     uint32_t id;                 /* Hello.worker_id */
     bool alive;
     bool reachable;              /* false after a send to it failed, until it is heard from again */
+    bool gone;                   /* a send found its connection closed; cleared by its next Hello */
     double last_heard;           /* mt_now() of its last message */
     uint32_t max_sequences;      /* from Hello; at least 1 */
     uint32_t in_flight;          /* submitted, Finished not yet seen */
@@ -85,6 +89,9 @@ void rtr_workers_set_stats(rtr_worker *w, const Metrale__V1__WorkerStats *stats)
 
 /* The live, reachable worker with room and the lowest load, or NULL. Marks it picked. */
 rtr_worker *rtr_workers_pick(rtr_workers *reg);
+
+/* Declares w dead: not alive, in_flight and its live_sequences reset to 0. */
+void rtr_workers_mark_dead(rtr_worker *w);
 
 /* Declares dead every live worker silent for longer than dead_after_s at time now. Writes the
  * newly dead ones to dead[] (up to cap) and returns how many. Their in_flight is reset to 0. */

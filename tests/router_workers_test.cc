@@ -1,4 +1,5 @@
-// router/workers: Hello checks, least-loaded picks with round-robin ties, liveness, restarts, limits.
+// router/workers: Hello checks, least-loaded picks with round-robin ties, liveness (silence and a
+// closed connection), restarts, limits.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -98,6 +99,25 @@ TEST(RouterWorkers, SilentWorkerDiesAndHelloRevivesIt) {
     EXPECT_TRUE(a->alive);
     EXPECT_EQ(g.r.restarts, 1u);
     EXPECT_EQ(rtr_workers_live(&g.r), 2u);
+}
+
+TEST(RouterWorkers, GoneWorkerIsDeadAtOnceAndItsHelloRevivesIt) {
+    Reg g;
+    rtr_worker *a = hello(&g.r, "w0", Hello(0, 8), 100.0);
+    hello(&g.r, "w1", Hello(1, 8), 100.0);
+    a->in_flight = 3;
+    a->stats.live_sequences = 3;
+    a->gone = true;  // a send found its connection closed
+    rtr_workers_mark_dead(a);
+    EXPECT_FALSE(a->alive);
+    EXPECT_EQ(a->in_flight, 0u);
+    EXPECT_EQ(a->stats.live_sequences, 0u);
+    EXPECT_EQ(rtr_workers_live(&g.r), 1u);
+    EXPECT_EQ(rtr_workers_pick(&g.r)->id, 1u);  // never picked while dead
+    EXPECT_EQ(hello(&g.r, "w0", Hello(0, 8), 101.0), a);  // the group started again
+    EXPECT_TRUE(a->alive);
+    EXPECT_FALSE(a->gone);
+    EXPECT_EQ(g.r.restarts, 1u);
 }
 
 TEST(RouterWorkers, LimitsAreTheTightestLiveOnes) {
