@@ -32,6 +32,13 @@
  * Hello again. */
 #define MT_WIRE_HELLO_WANTED_QUIET_S 2.0
 
+/* ---- processes ---- */
+
+/* metrale-worker's exit status when it cannot start (the model does not load, the group's size
+ * does not divide it, the group cannot form, the backend is missing): a launcher that sees it
+ * does not restart the worker's group without end (launcher/serve.c). */
+#define MT_WIRE_EXIT_STARTUP 3
+
 /* ---- sizes ---- */
 
 /* Workers one router serves at once (its registry); a launcher starts no more. */

@@ -16,6 +16,7 @@
 #include <zmq.h>
 
 #include "common/mt.h"
+#include "common/wire_limits.h"
 #include "kernels/backend.h"
 #include "proto/metrale/internal/v1/worker.pb-c.h"
 #include "worker/model/glm/glm_model.h"
@@ -488,7 +489,7 @@ TEST(WorkerMain, MemoryPlanSizesThePools) {
     }
     int st;
     waitpid(pid, &st, 0);
-    EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1);
+    EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == MT_WIRE_EXIT_STARTUP);
 }
 
 TEST(WorkerMain, ExitsWhenTheRouterFallsSilent) {
@@ -519,8 +520,14 @@ TEST(WorkerMain, BadArgumentsExitTwo) {
     EXPECT_EQ(run({ "--model", kModel, "--router", "ipc:///tmp/x", "--id", "x" }), 2);
     EXPECT_EQ(run({ "--model", kModel, "--router", "ipc:///tmp/x", "--id", "1", "--backend", "tpu" }), 2);
     EXPECT_EQ(run({ "--model", kModel, "--router", "ipc:///tmp/x", "--id", "1", "--bogus", "1" }), 2);
-    EXPECT_EQ(run({ "--model", "/no/such/dir", "--router", "ipc:///tmp/x", "--id", "1" }), 1);
-    EXPECT_EQ(run({ "--model", kModel, "--router", "tcp://10.1.2.3:5555", "--id", "1" }), 1);
+    EXPECT_EQ(run({ "--model", kModel, "--router", "ipc:///tmp/x", "--id", "1", "--curve-server-key", "/no/such" }),
+              2);
+    EXPECT_EQ(run({ "--model", kModel, "--router", "ipc:///tmp/x", "--id", "1", "--tp", "2", "--rank", "2",
+                    "--group", "g" }), 2);
+    // Start-up failures: MT_WIRE_EXIT_STARTUP, so a launcher does not restart them without end.
+    EXPECT_EQ(run({ "--model", "/no/such/dir", "--router", "ipc:///tmp/x", "--id", "1" }), MT_WIRE_EXIT_STARTUP);
+    // Another host's tcp:// endpoint without CURVE keys is refused.
+    EXPECT_EQ(run({ "--model", kModel, "--router", "tcp://10.1.2.3:5555", "--id", "1" }), MT_WIRE_EXIT_STARTUP);
     EXPECT_EQ(run({ "--help" }), 0);
 }
 

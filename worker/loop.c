@@ -146,14 +146,16 @@ static void group_free(wkr_loop *l) {
     l->data = l->ctl = NULL;
 }
 
-mt_status wkr_follow(const wkr_params *p, mt_error *err) {
+mt_status wkr_follow(const wkr_params *p, bool *started, mt_error *err) {
     wkr_loop l = { .p = *p };
     mt_status st;
     mt_error be_err = { "" };
+    *started = false;
     if (!(l.be = open_backend(&l, &be_err))) return mt_errorf(err, MT_ERR_BACKEND, "%s backend: %s", p->backend, be_err.msg);
     if ((st = join_group(&l, err)) == MT_OK && (st = load_model(&l, err)) == MT_OK) {
         mt_log(MT_LOG_INFO, "worker %d: rank %d of %d loaded %s on %s; following rank 0", p->id, p->rank, p->tp,
                p->model, l.backend_name);
+        *started = true;
         st = mt_tp_follow(l.m, l.ctl, err);
     }
     mt_model_free(l.m);
@@ -199,7 +201,8 @@ mt_status wkr_loop_new(const wkr_params *p, wkr_loop **out, mt_error *err) {
     l->info.eos_token_id = mi.eos_token_id;
     l->info.backend = (char *)l->backend_name;
     wkr_transport_params tp = { .router = p->router, .worker_id = (uint32_t)p->id,
-                                .max_sequences = (uint32_t)p->max_sequences, .model = &l->info };
+                                .max_sequences = (uint32_t)p->max_sequences, .model = &l->info,
+                                .curve_server_key = p->curve_server_key, .curve_secret_key = p->curve_secret_key };
     if ((st = wkr_transport_new(&tp, &l->t, err)) != MT_OK) goto fail;
     mt_log(MT_LOG_INFO, "worker %d: loaded %s (%s, %d layers, hidden %d, vocab %d) on %s in %.2f s", p->id, p->model,
            mi.arch, mi.n_layers, mi.hidden_size, mi.vocab_size, l->backend_name, mt_now() - t0);
@@ -210,8 +213,13 @@ fail:
     return st;
 }
 
+/* Whether this is rank 0 of a group that lost a rank. Its sequences died with the group: the
+ * router learns it from this worker's exit, not from Finished messages. */
+static bool group_broken(wkr_loop *l) { return l->ctl && mt_comm_check(l->ctl) != MT_OK; }
+
 void wkr_loop_free(wkr_loop *l) {
     if (!l) return;
+    if (group_broken(l)) l->quiet = true;
     if (l->eng) /* Finished(CANCELLED) for each live sequence while the router is reachable */
         eng_abort_all(l->eng, ENG_FINISH_CANCELLED, "worker shutting down");
     eng_free(l->eng);
@@ -251,8 +259,11 @@ static void on_tokens(void *user, uint64_t id, const eng_sample_result *toks, in
 /* eng_finish has the values of metrale.v1.FinishReason. */
 static void on_finished(void *user, uint64_t id, const eng_finish_info *f) {
     wkr_loop *l = user;
-    if (f->reason == ENG_FINISH_ERROR)
+    if (f->reason == ENG_FINISH_ERROR) {
         mt_log(MT_LOG_WARN, "worker %d: sequence %llu failed: %s", l->p.id, (unsigned long long)id, f->message);
+        /* a step that failed because a rank died: the group is gone, and so is the sequence */
+        if (group_broken(l)) l->quiet = true;
+    }
     if (l->quiet || !l->t) return;
     wkr_transport_send_finished(l->t, id, (Metrale__V1__FinishReason)f->reason, (uint32_t)f->prompt_tokens,
                                 (uint32_t)f->completion_tokens, f->message);

@@ -51,6 +51,9 @@ typedef struct wkr_params {
      * the router; the other ranks follow it (wkr_follow). 0: no group. */
     int tp, rank;
     const char *group;       /* borrowed */
+    /* CURVE to a router on another host (common/wire.h): z85 keys, both or neither; borrowed */
+    const char *curve_server_key; /* the router's public key */
+    const char *curve_secret_key; /* this worker's secret key */
 } wkr_params;
 
 /* The defaults above; model, router and id (-1) are left for the caller. */
@@ -63,20 +66,24 @@ typedef struct wkr_loop wkr_loop;
  * NULL *out and a message in err on failure, nothing left behind. */
 mt_status wkr_loop_new(const wkr_params *p, wkr_loop **out, mt_error *err);
 
-/* Runs until *stop is set (a signal handler sets it), the router says Shutdown, or the router is
- * silent for router_timeout. MT_OK on Shutdown or *stop; MT_ERR_IO when the router fell silent or
- * the heartbeat thread could not start (err says which). Live sequences stay live: wkr_loop_free
+/* Runs until *stop is set (a signal handler sets it), the router says Shutdown, the router is
+ * silent for router_timeout, or (rank 0 of a group) a rank of the group died. MT_OK on Shutdown or
+ * *stop; MT_ERR_IO when the router fell silent or the heartbeat thread could not start,
+ * MT_ERR_BACKEND when the group broke (err says which). Live sequences stay live: wkr_loop_free
  * ends them. */
 mt_status wkr_loop_run(wkr_loop *l, const volatile sig_atomic_t *stop, mt_error *err);
 
 /* Ends every live sequence with Finished(CANCELLED) while the router is reachable, then frees the
- * engine, the link, the model and the backend. NULL ok. */
+ * engine, the link, the model and the backend. A rank 0 whose group broke (a rank died) sends
+ * nothing for its sequences: they died with the group, and the router, seeing this worker go,
+ * gives them to another group or ends them UNAVAILABLE. NULL ok. */
 void wkr_loop_free(wkr_loop *l);
 
 /* A rank > 0 of a tensor-parallel group: makes the backend, joins the group, loads its shard and
- * runs every call rank 0 makes (worker/dist/tp_model.h) until rank 0 stops (MT_OK, also when *stop
- * is set: the group then fails on rank 0's next call) or the group fails (a rank died: the error). */
-mt_status wkr_follow(const wkr_params *p, mt_error *err);
+ * runs every call rank 0 makes (worker/dist/tp_model.h) until rank 0 stops (MT_OK) or the group
+ * fails (a rank died: the error). *started says whether it got as far as following (false: a
+ * start-up failure). Signals do not stop it: it ends with rank 0. */
+mt_status wkr_follow(const wkr_params *p, bool *started, mt_error *err);
 
 #ifdef __cplusplus
 }

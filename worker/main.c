@@ -2,7 +2,8 @@
  *
  *   metrale-worker --model DIR --router ipc:///PATH --id N [--backend cpu|cuda|auto] [--device N]
  *                  [--max-sequences N] [--max-context N] [--threads N] [--router-timeout S] [--verbose]
- *                  [--numerics exact|bf16]
+ *                  [--numerics exact|bf16] [--tp N --rank R --group NAME]
+ *                  [--curve-server-key FILE --curve-secret-key FILE]
  *
  * This file parses the options and sets the process up (log level, signals, exit status); the
  * engine side and its loop are worker/loop.h, the router link and the heartbeat thread
@@ -10,8 +11,10 @@
  *
  * Lifetime: exits 0 on Shutdown, SIGTERM or SIGINT (live sequences end with Finished(CANCELLED)
  * while the router is reachable), 1 when the router has been silent for --router-timeout (default
- * MT_WIRE_ROUTER_SILENCE_S, 10 s: it died) or on a start-up error, 2 on bad options. Only main
- * exits.
+ * MT_WIRE_ROUTER_SILENCE_S, 10 s: it died) or its tensor-parallel group broke (a rank died),
+ * MT_WIRE_EXIT_STARTUP (3) when it cannot start (the model, the backend, the group), 2 on bad
+ * options. A rank > 0 of a group exits 0 when rank 0 stops and 1 when the group breaks; signals do
+ * not stop it. Only main exits.
  */
 #include <errno.h>
 #include <signal.h>
@@ -21,6 +24,7 @@
 #include <string.h>
 
 #include "common/mt.h"
+#include "common/wire.h"
 #include "common/wire_limits.h"
 #include "worker/loop.h"
 
@@ -38,7 +42,9 @@ static void usage(FILE *f) {
             "                      [--router-timeout S] [--cache-budget-mb N] [--prefill-budget N]\n"
             "                      [--graph-max-batch N] [--no-preempt] [--no-run-ahead] [--verbose]\n"
             "                      [--numerics exact|bf16] [--tp N --rank R --group NAME]\n"
-            "  Serves the checkpoint in DIR to the router at ENDPOINT (ipc:// or tcp://127.0.0.1:) as worker N.\n"
+            "                      [--curve-server-key FILE --curve-secret-key FILE]\n"
+            "  Serves the checkpoint in DIR to the router at ENDPOINT (ipc://, tcp://127.0.0.1:, or tcp://HOST:PORT\n"
+            "  of another host with the CURVE keys) as worker N.\n"
             "  --model: a checkpoint folder, or random:tiny / random:bench-4L (random weights, for benchmarks).\n"
             "  --backend: cpu (default), cuda (GPU --device, default 0), or auto (cuda when a GPU is usable).\n"
             "  --max-sequences: running sequences at once (default 16); --max-context: prompt + new tokens\n"
@@ -57,7 +63,9 @@ static void usage(FILE *f) {
             "  GEMMs round their activations: exact (default; two bf16 parts, matching the CPU's fp32) or bf16\n"
             "  (rounded once, as most engines do: faster, less exact). --tp N --rank R --group NAME: this\n"
             "  process is rank R of a tensor-parallel group of N ranks on this host (metrale-serve --tp\n"
-            "  starts them); rank 0 talks to the router, the others follow it.\n");
+            "  starts them); rank 0 talks to the router, the others follow it. --curve-server-key FILE\n"
+            "  --curve-secret-key FILE: encrypt the router link with ZeroMQ CURVE (FILE: a z85 key as\n"
+            "  metrale-keygen writes it): the router's public key and this worker's secret key.\n");
 }
 
 /* ---- options ---- */
@@ -72,6 +80,17 @@ static int parse_int(const char *flag, const char *v, int lo, int *out) {
     }
     *out = (int)x;
     return 0;
+}
+
+/* The CURVE keys read from the files named by the options; wkr_params points into them. */
+static char g_server_key[MT_WIRE_KEY_Z85 + 1], g_secret_key[MT_WIRE_KEY_Z85 + 1];
+
+/* Reads the key file of flag into key; -1 (said on stderr) when it cannot. */
+static int read_key(const char *flag, const char *path, char *key) {
+    mt_error err = { "" };
+    if (mt_wire_key_read(path, key, &err) == MT_OK) return 0;
+    fprintf(stderr, "error: %s: %s\n", flag, err.msg);
+    return -1;
 }
 
 /* Fills o (and *verbose) from argv: 0, 1 after --help, -1 (said on stderr) on bad options. */
@@ -91,6 +110,8 @@ static int parse_args(int argc, char **argv, wkr_params *o, bool *verbose) {
         else if (!strcmp(a, "--tp")) rc = parse_int(a, v, 1, &o->tp);
         else if (!strcmp(a, "--rank")) rc = parse_int(a, v, 0, &o->rank);
         else if (!strcmp(a, "--group")) o->group = v;
+        else if (!strcmp(a, "--curve-server-key")) rc = read_key(a, v, (char *)(o->curve_server_key = g_server_key));
+        else if (!strcmp(a, "--curve-secret-key")) rc = read_key(a, v, (char *)(o->curve_secret_key = g_secret_key));
         else if (!strcmp(a, "--numerics")) {
             if (!mt_numerics_parse(v, &o->numerics) || o->numerics == MT_NUMERICS_FP32) {
                 fprintf(stderr, "error: --numerics must be exact or bf16, got \"%s\"\n", v);
@@ -133,6 +154,10 @@ static int parse_args(int argc, char **argv, wkr_params *o, bool *verbose) {
         fprintf(stderr, "error: --tp N needs --rank in [0, N) and --group NAME, got rank %d\n", o->rank);
         return -1;
     }
+    if (!o->curve_server_key != !o->curve_secret_key) {
+        fprintf(stderr, "error: --curve-server-key and --curve-secret-key go together\n");
+        return -1;
+    }
     if (!o->model || !o->router || o->id < 0) {
         fprintf(stderr, "error: --model, --router and --id are required\n");
         usage(stderr);
@@ -161,13 +186,18 @@ int main(int argc, char **argv) {
 
     mt_error err = { "" };
     if (p.tp > 0 && p.rank > 0) { /* a follower of a tensor-parallel group: no router link */
-        mt_status st = wkr_follow(&p, &err);
+        bool started = false;
+        mt_status st = wkr_follow(&p, &started, &err);
         if (st != MT_OK) mt_log(MT_LOG_ERROR, "worker %d rank %d: %s", p.id, p.rank, err.msg);
-        return st == MT_OK ? 0 : 1;
+        return st == MT_OK ? 0 : started ? 1 : MT_WIRE_EXIT_STARTUP;
     }
     wkr_loop *l = NULL;
     mt_status st = wkr_loop_new(&p, &l, &err);
-    if (st == MT_OK) st = wkr_loop_run(l, &g_stop, &err);
+    if (st != MT_OK) {
+        mt_log(MT_LOG_ERROR, "worker %d: cannot start: %s", p.id, err.msg);
+        return MT_WIRE_EXIT_STARTUP;
+    }
+    st = wkr_loop_run(l, &g_stop, &err);
     if (st != MT_OK) mt_log(MT_LOG_ERROR, "worker %d: %s", p.id, err.msg);
     wkr_loop_free(l);
     return st == MT_OK ? 0 : 1;
