@@ -1,27 +1,47 @@
-/* launcher/serve.c: metrale-serve, the one-line start of the service: the router and N workers.
+/* launcher/serve.c: metrale-serve, the one-line start of the service: the router and its worker
+ * groups.
  *
- *   metrale-serve [--model DIR] [--listen HOST:PORT] [--workers N] [--backend auto|cpu|cuda]
- *                 [--max-sequences N] [--max-context N] [--threads N] [--queue N] [--drain-timeout S]
- *                 [--numerics exact|bf16]
+ *   metrale-serve [--model DIR] [--listen HOST:PORT] [--workers G] [--tp N]
+ *                 [--backend auto|cpu|cuda] [--max-sequences N] [--max-context N] [--threads N]
+ *                 [--queue N] [--drain-timeout S] [--numerics exact|bf16] [--router ENDPOINT
+ *                 [--first-id K] [--curve-server-key FILE --curve-secret-key FILE]]
  *
  * With no --model it serves a small random checkpoint made here once (tools/mkckpt with
  * tools/configs/cpu-small.json into .cache/cpu-small, as scripts/run.sh does), so it runs on any
  * machine. --backend auto (the default) gives each worker a GPU when there are any
  * (/dev/nvidia0..), one worker per GPU, and otherwise runs one CPU worker with every core.
  *
+ * Groups: G worker groups of N ranks each (--tp N, default 1: plain single workers). Group g is
+ * worker g (--first-id K: K + g); its rank r runs metrale-worker --id g --tp N --rank r --group
+ * NAME, NAME unique to this launcher (pid and a random number), the group and the start. GPUs: the
+ * devices of CUDA_VISIBLE_DEVICES (all GPUs when unset), in order, cut into G consecutive lists of
+ * N; rank r of group g takes the r-th device of list g, passed as --device g*N + r (its index
+ * among the visible devices). With --tp 1 and more workers than GPUs, worker g takes device
+ * g % GPUs as before.
+ *
  * Processes: the router (bazel-bin/router/metrale-router) binds an ipc:// socket private to this
- * run; workers (bazel-bin/worker/metrale-worker) connect to it. The binaries are found in the
- * bazel-bin tree this one is in (bazel-bin/launcher/metrale-serve), or else in its own folder (a
- * folder of copied binaries); METRALE_ROUTER_BIN, METRALE_WORKER_BIN and METRALE_MKCKPT_BIN name
- * others. Each child runs in its own process group and gets SIGTERM if this process dies.
+ * run; workers (bazel-bin/worker/metrale-worker) connect to it. With --router ENDPOINT no router
+ * is started: the groups connect to the router at ENDPOINT (on another host: tcp://HOST:PORT with
+ * the CURVE keys, which go to every rank). The binaries are found in the bazel-bin tree this one
+ * is in (bazel-bin/launcher/metrale-serve), or else in its own folder (a folder of copied
+ * binaries); METRALE_ROUTER_BIN, METRALE_WORKER_BIN and METRALE_MKCKPT_BIN name others. Each child
+ * runs in its own process group and gets SIGTERM if this process dies.
  *
  * Signals: the first SIGTERM / SIGINT is forwarded to the router, which drains (health
- * NOT_SERVING, running streams finish up to --drain-timeout) and tells the workers to shut down;
- * workers still alive WORKER_EXIT_S after the router are sent SIGTERM, then SIGKILL. A second
- * signal sends SIGTERM to everyone, a third SIGKILL. A worker that dies while serving (killed, or
- * a non-zero exit) is started again after RESTART_DELAY_S (the router counts it as a restart); if
- * the router dies, everything stops. Exit status: the router's (0 after a clean drain), 1 on
- * failure, 2 on bad arguments.
+ * NOT_SERVING, running streams finish up to --drain-timeout) and tells the workers to shut down
+ * (without a router here, the workers get SIGTERM); workers still alive WORKER_EXIT_S after the
+ * router are sent SIGTERM, then SIGKILL. A second signal sends SIGTERM to everyone, a third
+ * SIGKILL. If the router dies, everything stops.
+ *
+ * Faults: when any rank of a group exits while serving (killed, or a non-zero exit; rank 0 exiting
+ * 0 was told to stop), the group's other ranks get SIGTERM at once and SIGKILL GROUP_KILL_S later,
+ * and the whole group starts again, under a new name, RESTART_DELAY_S after its last rank is gone
+ * (the router counts it as a restart); the other groups keep serving. A start that fails (a rank
+ * exits MT_WIRE_EXIT_STARTUP, e.g. N does not divide the model, or the group dies within
+ * QUICK_FAIL_S of starting) counts; after STARTUP_FAILURES_MAX of them in a row the group is given
+ * up, and when no group is left the service stops. Exit status: the router's (0 after a clean
+ * drain; 0 without a router after a signal), 1 on failure (no group can serve), 2 on bad
+ * arguments.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -41,27 +61,45 @@
 
 #include "common/wire_limits.h"
 
-#define MAX_WORKERS 64
+#define MAX_WORKERS 64     /* groups */
+#define MAX_TP 64          /* ranks of a group (worker/dist/comm_host.h: MT_COMM_HOST_MAX_RANKS) */
+#define MAX_RANKS 256      /* worker processes in all */
 _Static_assert(MAX_WORKERS <= MT_WIRE_WORKERS_MAX, "the router takes fewer workers than the launcher starts");
 #define RESTART_DELAY_S 1.0
 #define WORKER_EXIT_S 10.0
 #define KILL_AFTER_S 5.0
+#define GROUP_KILL_S 0.5         /* a group's surviving ranks: SIGTERM, then SIGKILL this much later */
+#define QUICK_FAIL_S 5.0         /* a group that dies this soon after starting failed to start */
+#define STARTUP_FAILURES_MAX 3   /* start-up failures in a row before a group is given up */
 
-typedef struct child {
-    pid_t pid;             /* 0 when not running */
-    int worker;            /* worker id, -1 for the router */
-    double restart_at;     /* when a dead worker starts again; 0 = not scheduled */
-    int exits;
-} child;
+/* One worker group: N ranks that live and die together. */
+typedef struct group {
+    int index;             /* 0 .. workers-1 */
+    int id;                /* --id of its ranks: --first-id + index */
+    pid_t pid[MAX_TP];     /* 0 when not running */
+    unsigned gen;          /* starts so far; part of the group's name */
+    char name[96];         /* the communicator's name for this start */
+    double started_at;
+    double restart_at;     /* when it starts again; 0 = not scheduled */
+    bool down;             /* a rank exited: the others are being stopped */
+    double kill_at;        /* down: SIGKILL for the ranks left then */
+    bool failed;           /* down because of a failure (it starts again) */
+    bool startup_failed;   /* ... and the failure was at start-up */
+    int startup_failures;  /* in a row */
+    bool given_up;
+    char why[128];         /* the first exit of this start */
+} group;
 
 typedef struct serve_opts {
     const char *model, *listen, *backend, *queue, *drain_timeout;
-    int workers, max_sequences, max_context, threads;
+    int workers, tp, first_id, max_sequences, max_context, threads;
     /* scheduler policy, passed to every worker when given (metrale-worker checks them) */
     const char *prefill_budget, *graph_max_batch, *cache_budget_mb;
     const char *numerics;  /* GPU prefill GEMM numerics, passed to every worker when given */
     bool no_preempt;
     bool no_run_ahead;
+    const char *router;    /* a router elsewhere: start none, connect the groups there */
+    const char *curve_server_key, *curve_secret_key; /* key files, passed to every worker */
 } serve_opts;
 
 static double now_s(void) {
@@ -72,13 +110,24 @@ static double now_s(void) {
 
 static void usage(FILE *f) {
     fprintf(f,
-            "usage: metrale-serve [--model DIR] [--listen HOST:PORT] [--workers N] [--backend auto|cpu|cuda]\n"
+            "usage: metrale-serve [--model DIR] [--listen HOST:PORT] [--workers G] [--tp N] [--backend auto|cpu|cuda]\n"
             "                     [--max-sequences N] [--max-context N] [--threads N] [--queue N] [--drain-timeout S]\n"
             "                     [--prefill-budget N] [--graph-max-batch N] [--cache-budget-mb N] [--no-preempt]\n"
             "                     [--no-run-ahead] [--numerics exact|bf16]\n"
-            "  Starts the gRPC router on --listen (default 127.0.0.1:50051) and N workers serving DIR\n"
+            "                     [--router ENDPOINT [--first-id K]\n"
+            "                      [--curve-server-key FILE --curve-secret-key FILE]]\n"
+            "  Starts the gRPC router on --listen (default 127.0.0.1:50051) and G worker groups serving DIR\n"
             "  (default: a small random checkpoint made once under .cache/cpu-small). --backend auto uses\n"
             "  one worker per GPU when there are GPUs, else one CPU worker. SIGTERM or Ctrl-C drains and stops.\n"
+            "  --tp N: each group is N worker processes sharing one model replica (tensor parallel; default 1).\n"
+            "  GPUs: the devices of CUDA_VISIBLE_DEVICES (all GPUs when unset) are cut into G consecutive lists\n"
+            "  of N; rank r of group g takes the r-th device of list g (--device g*N+r); G defaults to GPUs / N.\n"
+            "  A group whose rank dies is stopped whole and started again; one that fails to start 3 times in a\n"
+            "  row (e.g. N does not divide the model) is given up.\n"
+            "  --router ENDPOINT: start no router; the groups serve the router at ENDPOINT (another host's\n"
+            "  tcp://HOST:PORT needs --curve-server-key (its public key) and --curve-secret-key (this host's\n"
+            "  secret key), from metrale-keygen); --first-id K: the groups are workers K, K+1, ... (ids unique\n"
+            "  per router).\n"
             "  The scheduler options and --numerics go to every worker (metrale-worker --help says what they do).\n");
 }
 
@@ -115,11 +164,23 @@ static const char *bin_path(const char *env, const char *rel, char *buf, size_t 
     return buf;
 }
 
+/* The GPUs the workers can see: none without /dev/nvidia<N> devices; else the entries of
+ * CUDA_VISIBLE_DEVICES when it is set (empty: none), or every device. */
 static int count_gpus(void) {
     glob_t g;
     if (glob("/dev/nvidia[0-9]*", 0, NULL, &g) != 0) return 0;
     int n = (int)g.gl_pathc;
     globfree(&g);
+    const char *vis = getenv("CUDA_VISIBLE_DEVICES");
+    if (vis) {
+        n = 0;
+        for (const char *p = vis; *p;) {
+            const char *comma = strchr(p, ',');
+            const size_t len = comma ? (size_t)(comma - p) : strlen(p);
+            n += len > 0;
+            p += len + (comma != NULL);
+        }
+    }
     return n;
 }
 
@@ -184,7 +245,9 @@ static const char *default_model(void) {
 static serve_opts g_o;
 static char g_endpoint[PATH_MAX + 16], g_sock[PATH_MAX];
 static int g_ngpu;
-static child g_router = { .worker = -1 }, g_workers[MAX_WORKERS];
+static unsigned g_nonce; /* random, in every group's name: names unique across hosts sharing /dev/shm */
+static pid_t g_router;   /* 0 when not running (or never: --router) */
+static group g_groups[MAX_WORKERS];
 
 static pid_t start_router(void) {
     char buf[PATH_MAX + 64];
@@ -199,51 +262,139 @@ static pid_t start_router(void) {
     if (g_o.queue) { argv[k++] = "--queue"; argv[k++] = (char *)g_o.queue; }
     if (g_o.drain_timeout) { argv[k++] = "--drain-timeout"; argv[k++] = (char *)g_o.drain_timeout; }
     argv[k] = NULL;
-    return g_router.pid = spawn(argv);
+    return g_router = spawn(argv);
 }
 
-static pid_t start_worker(int i) {
-    char buf[PATH_MAX + 64], id[16], dev[16], seqs[16], ctx[16], thr[16];
+/* The --device of rank r of group g (see the top of this file). */
+static int device_of(int g, int r) {
+    if (g_ngpu <= 0) return 0;
+    return g_o.tp == 1 ? g % g_ngpu : g * g_o.tp + r;
+}
+
+static pid_t start_rank(group *gr, int r) {
+    char buf[PATH_MAX + 64], id[16], dev[16], seqs[16], ctx[16], thr[16], tp[16], rank[16];
     const char *bin = bin_path("METRALE_WORKER_BIN", "worker/metrale-worker", buf, sizeof buf);
-    snprintf(id, sizeof id, "%d", i);
-    snprintf(dev, sizeof dev, "%d", g_ngpu > 0 ? i % g_ngpu : 0);
+    snprintf(id, sizeof id, "%d", gr->id);
+    snprintf(dev, sizeof dev, "%d", device_of(gr->index, r));
     snprintf(seqs, sizeof seqs, "%d", g_o.max_sequences);
     snprintf(ctx, sizeof ctx, "%d", g_o.max_context);
     snprintf(thr, sizeof thr, "%d", g_o.threads);
-    char *argv[32] = { (char *)bin, "--model", (char *)g_o.model, "--router", g_endpoint, "--id", id,
+    snprintf(tp, sizeof tp, "%d", g_o.tp);
+    snprintf(rank, sizeof rank, "%d", r);
+    const char *router = g_o.router ? g_o.router : g_endpoint;
+    char *argv[48] = { (char *)bin, "--model", (char *)g_o.model, "--router", (char *)router, "--id", id,
                        "--backend", (char *)g_o.backend, "--device", dev, "--max-sequences", seqs,
                        "--max-context", ctx, "--threads", thr };
     int k = 17;
+    if (g_o.tp > 1) {
+        argv[k++] = "--tp"; argv[k++] = tp;
+        argv[k++] = "--rank"; argv[k++] = rank;
+        argv[k++] = "--group"; argv[k++] = gr->name;
+    }
     if (g_o.prefill_budget) { argv[k++] = "--prefill-budget"; argv[k++] = (char *)g_o.prefill_budget; }
     if (g_o.graph_max_batch) { argv[k++] = "--graph-max-batch"; argv[k++] = (char *)g_o.graph_max_batch; }
     if (g_o.cache_budget_mb) { argv[k++] = "--cache-budget-mb"; argv[k++] = (char *)g_o.cache_budget_mb; }
     if (g_o.no_preempt) argv[k++] = "--no-preempt";
     if (g_o.no_run_ahead) argv[k++] = "--no-run-ahead";
     if (g_o.numerics) { argv[k++] = "--numerics"; argv[k++] = (char *)g_o.numerics; }
+    if (g_o.curve_server_key) {
+        argv[k++] = "--curve-server-key"; argv[k++] = (char *)g_o.curve_server_key;
+        argv[k++] = "--curve-secret-key"; argv[k++] = (char *)g_o.curve_secret_key;
+    }
     argv[k] = NULL;
-    g_workers[i].worker = i;
-    g_workers[i].restart_at = 0;
-    return g_workers[i].pid = spawn(argv);
+    return gr->pid[r] = spawn(argv);
 }
 
-static void signal_all(int sig, bool router) {
-    if (router && g_router.pid > 0) kill(g_router.pid, sig);
-    for (int i = 0; i < g_o.workers; i++)
-        if (g_workers[i].pid > 0) kill(g_workers[i].pid, sig);
+static void signal_group(group *gr, int sig) {
+    for (int r = 0; r < g_o.tp; r++)
+        if (gr->pid[r] > 0) kill(gr->pid[r], sig);
 }
 
-static int live_children(void) {
-    int n = g_router.pid > 0;
-    for (int i = 0; i < g_o.workers; i++) n += g_workers[i].pid > 0;
+static int live_ranks(const group *gr) {
+    int n = 0;
+    for (int r = 0; r < g_o.tp; r++) n += gr->pid[r] > 0;
     return n;
 }
 
-static void describe_exit(const char *who, int id, int st) {
-    char name[32];
-    if (id >= 0) snprintf(name, sizeof name, "%s %d", who, id);
-    else snprintf(name, sizeof name, "%s", who);
-    if (WIFEXITED(st)) fprintf(stderr, "metrale-serve: %s exited with status %d\n", name, WEXITSTATUS(st));
-    else if (WIFSIGNALED(st)) fprintf(stderr, "metrale-serve: %s killed by signal %d\n", name, WTERMSIG(st));
+/* Starts every rank of the group under a fresh name. -1 when a fork failed (the ranks started
+ * are stopped again, as after any failure). */
+static int start_group(group *gr, double now) {
+    gr->gen++;
+    snprintf(gr->name, sizeof gr->name, "metrale-%d-%08x-g%d-%u", (int)getpid(), g_nonce, gr->index, gr->gen);
+    gr->started_at = now;
+    gr->restart_at = 0;
+    gr->down = gr->failed = gr->startup_failed = false;
+    gr->why[0] = 0;
+    for (int r = 0; r < g_o.tp; r++) {
+        if (start_rank(gr, r) < 0) {
+            gr->pid[r] = 0;
+            gr->down = gr->failed = true;
+            gr->kill_at = now;
+            snprintf(gr->why, sizeof gr->why, "rank %d could not be started", r);
+            signal_group(gr, SIGKILL);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static void signal_all(int sig, bool router) {
+    if (router && g_router > 0) kill(g_router, sig);
+    for (int g = 0; g < g_o.workers; g++) signal_group(&g_groups[g], sig);
+}
+
+static int live_children(void) {
+    int n = g_router > 0;
+    for (int g = 0; g < g_o.workers; g++) n += live_ranks(&g_groups[g]);
+    return n;
+}
+
+/* "exited with status 3", "killed by signal 9" */
+static void describe_status(int st, char *out, size_t len) {
+    if (WIFEXITED(st)) snprintf(out, len, "exited with status %d", WEXITSTATUS(st));
+    else if (WIFSIGNALED(st)) snprintf(out, len, "killed by signal %d", WTERMSIG(st));
+    else snprintf(out, len, "ended (status 0x%x)", st);
+}
+
+/* Rank r of gr ended with status st. */
+static void on_rank_exit(group *gr, int r, int st, bool stopping, double now) {
+    gr->pid[r] = 0;
+    char what[64], who[64];
+    describe_status(st, what, sizeof what);
+    if (g_o.tp > 1) snprintf(who, sizeof who, "worker %d rank %d", gr->id, r);
+    else snprintf(who, sizeof who, "worker %d", gr->id);
+    fprintf(stderr, "metrale-serve: %s %s\n", who, what);
+    if (WIFEXITED(st) && WEXITSTATUS(st) == MT_WIRE_EXIT_STARTUP) gr->startup_failed = true;
+    if (gr->down || stopping) return;
+    /* The first rank of this start to end: the group cannot serve without it. Rank 0 exiting 0
+     * was told to stop (Shutdown, a signal); anything else is a failure. */
+    gr->down = true;
+    gr->failed = !(r == 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    gr->kill_at = now + GROUP_KILL_S;
+    snprintf(gr->why, sizeof gr->why, "%s %s", who, what);
+    if (now - gr->started_at < QUICK_FAIL_S) gr->startup_failed = true;
+    if (live_ranks(gr) > 0) {
+        fprintf(stderr, "metrale-serve: stopping the rest of worker group %d\n", gr->id);
+        signal_group(gr, SIGTERM);
+    }
+}
+
+/* A group that is down and has no rank left: schedules its restart, or gives it up. */
+static void settle_group(group *gr, bool stopping, double now) {
+    if (!gr->down || live_ranks(gr) > 0) return;
+    gr->down = false;
+    if (!gr->failed || stopping) return;
+    gr->startup_failures = gr->startup_failed ? gr->startup_failures + 1 : 0;
+    if (gr->startup_failures >= STARTUP_FAILURES_MAX) {
+        gr->given_up = true;
+        fprintf(stderr,
+                "metrale-serve: worker group %d failed to start %d times in a row (last: %s); giving up on it "
+                "(the worker's own message above says why)\n",
+                gr->id, gr->startup_failures, gr->why);
+        return;
+    }
+    gr->restart_at = now + RESTART_DELAY_S;
+    fprintf(stderr, "metrale-serve: restarting worker group %d in %.0f s (%s)\n", gr->id, RESTART_DELAY_S, gr->why);
 }
 
 /* ---- main ---- */
@@ -261,7 +412,7 @@ static int parse_int(const char *flag, const char *v, int lo, int hi, int *out) 
 }
 
 static int parse_args(int argc, char **argv, serve_opts *o) {
-    *o = (serve_opts){ .listen = "127.0.0.1:50051", .backend = "auto", .workers = 0, .max_sequences = 16,
+    *o = (serve_opts){ .listen = "127.0.0.1:50051", .backend = "auto", .workers = 0, .tp = 1, .max_sequences = 16,
                        .max_context = 4096, .threads = 0 };
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -280,6 +431,11 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         else if (!strcmp(a, "--graph-max-batch")) rc = parse_int(a, o->graph_max_batch = v, 1, 4096, &(int){ 0 });
         else if (!strcmp(a, "--cache-budget-mb")) rc = parse_int(a, o->cache_budget_mb = v, 0, 1 << 30, &(int){ 0 });
         else if (!strcmp(a, "--workers")) rc = parse_int(a, v, 1, MAX_WORKERS, &o->workers);
+        else if (!strcmp(a, "--tp")) rc = parse_int(a, v, 1, MAX_TP, &o->tp);
+        else if (!strcmp(a, "--first-id")) rc = parse_int(a, v, 0, INT_MAX - MAX_WORKERS, &o->first_id);
+        else if (!strcmp(a, "--router")) o->router = v;
+        else if (!strcmp(a, "--curve-server-key")) o->curve_server_key = v;
+        else if (!strcmp(a, "--curve-secret-key")) o->curve_secret_key = v;
         else if (!strcmp(a, "--max-sequences")) rc = parse_int(a, v, 1, 4096, &o->max_sequences);
         else if (!strcmp(a, "--max-context")) rc = parse_int(a, v, 2, MT_WIRE_CONTEXT_MAX, &o->max_context);
         else if (!strcmp(a, "--threads")) rc = parse_int(a, v, 0, 4096, &o->threads);
@@ -298,6 +454,15 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         fprintf(stderr, "metrale-serve: --backend must be auto, cpu or cuda, got %s\n", o->backend);
         return -1;
     }
+    if (!o->curve_server_key != !o->curve_secret_key) {
+        fprintf(stderr, "metrale-serve: --curve-server-key and --curve-secret-key go together\n");
+        return -1;
+    }
+    if (o->curve_server_key && !o->router) {
+        fprintf(stderr, "metrale-serve: the CURVE keys are for a router elsewhere (--router ENDPOINT); the router "
+                        "started here listens on a private ipc:// socket\n");
+        return -1;
+    }
     return 0;
 }
 
@@ -307,19 +472,37 @@ int main(int argc, char **argv) {
     find_bindir();
     g_ngpu = strcmp(g_o.backend, "cpu") ? count_gpus() : 0;
     if (!strcmp(g_o.backend, "cuda") && g_ngpu == 0)
-        fprintf(stderr, "metrale-serve: --backend cuda but no /dev/nvidia* device; workers will fail to start\n");
+        fprintf(stderr, "metrale-serve: --backend cuda but no visible GPU; workers will fail to start\n");
     const bool gpu = g_ngpu > 0;
-    if (!g_o.workers) g_o.workers = gpu ? g_ngpu : 1;
+    if (!g_o.workers) g_o.workers = gpu && g_ngpu >= g_o.tp ? g_ngpu / g_o.tp : 1;
+    if (g_o.workers * g_o.tp > MAX_RANKS) {
+        fprintf(stderr, "metrale-serve: --workers %d --tp %d makes %d worker processes; at most %d\n", g_o.workers,
+                g_o.tp, g_o.workers * g_o.tp, MAX_RANKS);
+        return 2;
+    }
+    if (gpu && g_o.tp > 1 && g_o.workers * g_o.tp > g_ngpu) {
+        fprintf(stderr, "metrale-serve: %d groups of %d ranks need %d GPUs, and %d are visible\n", g_o.workers,
+                g_o.tp, g_o.workers * g_o.tp, g_ngpu);
+        return 2;
+    }
     if (!gpu) {
-        if (g_o.threads == 0) { /* share the cores between CPU workers */
+        const int procs = g_o.workers * g_o.tp;
+        if (g_o.threads == 0) { /* share the cores between CPU worker processes */
             long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
-            g_o.threads = ncpu > g_o.workers ? (int)(ncpu / g_o.workers) : 1;
+            g_o.threads = ncpu > procs ? (int)(ncpu / procs) : 1;
         }
         /* The CPU kernels' OpenMP regions are short; spinning threads cost more than they save when
          * the router, the client and the workers share the cores (measured 8x slower decode on a
          * busy 2-core host). A value set by the user wins. */
         setenv("OMP_WAIT_POLICY", "passive", 0);
     }
+    unsigned seed = (unsigned)getpid() ^ (unsigned)(now_s() * 1e9);
+    FILE *ur = fopen("/dev/urandom", "rb");
+    if (ur) {
+        if (fread(&seed, sizeof seed, 1, ur) != 1) seed ^= (unsigned)clock();
+        fclose(ur);
+    }
+    g_nonce = seed;
 
     /* signals are taken synchronously with sigtimedwait; children start with an empty mask */
     sigset_t set;
@@ -330,27 +513,35 @@ int main(int argc, char **argv) {
     sigprocmask(SIG_BLOCK, &set, NULL);
 
     if (!g_o.model && !(g_o.model = default_model())) return 1;
-    snprintf(g_sock, sizeof g_sock, "/tmp/metrale-serve-%d.sock", (int)getpid());
-    snprintf(g_endpoint, sizeof g_endpoint, "ipc://%s", g_sock);
-    unlink(g_sock);
-
-    if (start_router() < 0) return 1;
-    for (int i = 0; i < g_o.workers; i++)
-        if (start_worker(i) < 0) {
+    if (!g_o.router) {
+        snprintf(g_sock, sizeof g_sock, "/tmp/metrale-serve-%d.sock", (int)getpid());
+        snprintf(g_endpoint, sizeof g_endpoint, "ipc://%s", g_sock);
+        unlink(g_sock);
+        if (start_router() < 0) return 1;
+    }
+    const double t0 = now_s();
+    for (int g = 0; g < g_o.workers; g++) {
+        g_groups[g] = (group){ .index = g, .id = g_o.first_id + g };
+        if (start_group(&g_groups[g], t0) < 0) {
             signal_all(SIGKILL, true);
             return 1;
         }
-    fprintf(stderr,
-            "metrale-serve: gRPC on %s; %d %s worker%s serving %s (workers at %s); Ctrl-C stops\n"
-            "metrale-serve: try  tools/metrale_client.py --addr %s --prompt 1,2,3,4 --max-new 16\n",
-            g_o.listen, g_o.workers, gpu ? "GPU" : "CPU", g_o.workers > 1 ? "s" : "", g_o.model, g_endpoint,
-            g_o.listen);
+    }
+    char ranks[48] = "";
+    if (g_o.tp > 1) snprintf(ranks, sizeof ranks, " of %d ranks", g_o.tp);
+    fprintf(stderr, "metrale-serve: %s%s; %d %s worker%s%s serving %s; Ctrl-C stops\n",
+            g_o.router ? "workers for the router at " : "gRPC on ", g_o.router ? g_o.router : g_o.listen,
+            g_o.workers, gpu ? "GPU" : "CPU", g_o.tp > 1 ? " group" : "", g_o.workers > 1 ? "s" : "", g_o.model);
+    if (ranks[0]) fprintf(stderr, "metrale-serve: each group has %d ranks\n", g_o.tp);
+    if (!g_o.router)
+        fprintf(stderr, "metrale-serve: try  tools/metrale_client.py --addr %s --prompt 1,2,3,4 --max-new 16\n",
+                g_o.listen);
 
-    int signals = 0, router_status = 1;
+    int signals = 0, status = 1;
     bool stopping = false;
     double router_gone_at = 0, last_escalation = 0;
-    while (live_children() > 0) {
-        struct timespec ts = { 0, 200 * 1000 * 1000 };
+    while (live_children() > 0 || (!stopping && !g_router && g_o.router)) {
+        struct timespec ts = { 0, 100 * 1000 * 1000 };
         int sig = sigtimedwait(&set, NULL, &ts);
         const double now = now_s();
         if (sig == SIGTERM || sig == SIGINT) {
@@ -359,8 +550,13 @@ int main(int argc, char **argv) {
             last_escalation = now;
             if (signals == 1) {
                 fprintf(stderr, "metrale-serve: draining (signal again to stop at once)\n");
-                if (g_router.pid > 0) kill(g_router.pid, SIGTERM);
-                else signal_all(SIGTERM, false);
+                if (g_router > 0) {
+                    kill(g_router, SIGTERM);
+                } else {
+                    signal_all(SIGTERM, false);
+                    router_gone_at = now; /* no router to wait for: the workers' exit is timed from now */
+                    status = 0;
+                }
             } else {
                 signal_all(signals == 2 ? SIGTERM : SIGKILL, true);
             }
@@ -369,41 +565,53 @@ int main(int argc, char **argv) {
         int st;
         pid_t pid;
         while ((pid = waitpid(-1, &st, WNOHANG)) > 0) {
-            if (pid == g_router.pid) {
-                g_router.pid = 0;
+            if (pid == g_router) {
+                g_router = 0;
                 router_gone_at = now;
-                router_status = WIFEXITED(st) ? WEXITSTATUS(st) : 1;
-                describe_exit("router", -1, st);
+                status = WIFEXITED(st) ? WEXITSTATUS(st) : 1;
+                char what[64];
+                describe_status(st, what, sizeof what);
+                fprintf(stderr, "metrale-serve: router %s\n", what);
                 if (!stopping) {
                     fprintf(stderr, "metrale-serve: the router died; stopping the workers\n");
                     stopping = true;
                     signal_all(SIGTERM, false);
-                    router_status = router_status ? router_status : 1;
+                    status = status ? status : 1;
                 }
                 continue;
             }
-            for (int i = 0; i < g_o.workers; i++) {
-                if (g_workers[i].pid != pid) continue;
-                g_workers[i].pid = 0;
-                g_workers[i].exits++;
-                describe_exit("worker", i, st);
-                /* exit 0 means told to (Shutdown or a signal): only a crash or a kill restarts */
-                if (!stopping && !(WIFEXITED(st) && WEXITSTATUS(st) == 0)) {
-                    g_workers[i].restart_at = now + RESTART_DELAY_S;
-                    fprintf(stderr, "metrale-serve: restarting worker %d in %.0f s\n", i, RESTART_DELAY_S);
-                }
-            }
+            for (int g = 0; g < g_o.workers; g++)
+                for (int r = 0; r < g_o.tp; r++)
+                    if (g_groups[g].pid[r] == pid) on_rank_exit(&g_groups[g], r, st, stopping, now);
         }
-        if (!stopping)
-            for (int i = 0; i < g_o.workers; i++)
-                if (!g_workers[i].pid && g_workers[i].restart_at && now >= g_workers[i].restart_at) start_worker(i);
+        int serving = 0;
+        for (int g = 0; g < g_o.workers; g++) {
+            group *gr = &g_groups[g];
+            if (gr->down && now >= gr->kill_at) signal_group(gr, SIGKILL);
+            settle_group(gr, stopping, now);
+            if (!stopping && !gr->given_up && !gr->down && !live_ranks(gr) && gr->restart_at && now >= gr->restart_at)
+                start_group(gr, now);
+            serving += !gr->given_up;
+        }
+        if (!stopping && serving == 0) {
+            fprintf(stderr, "metrale-serve: no worker group can serve; stopping\n");
+            stopping = true;
+            last_escalation = now;
+            if (g_router > 0) kill(g_router, SIGTERM);
+            else router_gone_at = now;
+            status = 1;
+            signals = 1; /* a signal from here on escalates */
+        }
         /* escalation: workers that outlive the router, and anyone after the signals */
-        if (stopping && !g_router.pid && router_gone_at && now - router_gone_at > WORKER_EXIT_S) {
+        if (stopping && !g_router && router_gone_at && now - router_gone_at > WORKER_EXIT_S) {
             signal_all(now - router_gone_at > WORKER_EXIT_S + KILL_AFTER_S ? SIGKILL : SIGTERM, false);
         }
         if (signals >= 2 && now - last_escalation > KILL_AFTER_S) signal_all(SIGKILL, true);
     }
-    unlink(g_sock);
+    int given_up = 0;
+    for (int g = 0; g < g_o.workers; g++) given_up += g_groups[g].given_up;
+    if (given_up == g_o.workers) status = 1;
+    if (g_sock[0]) unlink(g_sock);
     fprintf(stderr, "metrale-serve: stopped\n");
-    return router_status;
+    return status;
 }

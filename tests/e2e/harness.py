@@ -205,6 +205,107 @@ class Cluster:
         return False
 
 
+def children(pid):
+    """Pids of the processes whose parent is pid."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % d) as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # the command name (in parentheses) may hold spaces: the parent pid follows the last ')'
+        if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
+            out.append(int(d))
+    return out
+
+
+def cmdline(pid):
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0")]
+    except OSError:
+        return []
+
+
+class Launcher:
+    """metrale-serve with the given arguments (the router on a free port), its output in a log
+    file. Use as a context manager; on exit it gets SIGTERM, and whatever is left is killed."""
+
+    def __init__(self, args, model=MODEL_DIR):
+        self.dir = tempfile.mkdtemp(prefix="metrale-serve-")
+        self.log_path = os.path.join(self.dir, "serve.log")
+        self.channel = None
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen([path(LAUNCHER_BIN), "--model", path(model), "--listen", "127.0.0.1:0",
+                                          "--backend", "cpu"] + list(args), stdout=log, stderr=subprocess.STDOUT)
+
+    def log(self):
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def _port(self):
+        if self.proc.poll() is not None:
+            raise AssertionError("metrale-serve exited with %d at start:\n%s" % (self.proc.returncode, self.log()))
+        m = re.search(r"listening on port (\d+)", self.log())
+        return int(m.group(1)) if m else None
+
+    def connect(self, workers, timeout=30):
+        """Waits for the router and `workers` live workers; sets self.gen and self.health."""
+        port = wait_for(self._port, timeout, "the router to log its port")
+        self.addr = "127.0.0.1:%d" % port
+        self.channel = grpc.insecure_channel(self.addr)
+        self.gen = metrale_pb2_grpc.GenerationStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        wait_for(lambda: len(self.live_workers()) >= workers, timeout, "%d live workers" % workers, step=0.05)
+
+    def stats(self):
+        return self.gen.GetStats(metrale_pb2.StatsRequest(), timeout=5)
+
+    def live_workers(self):
+        return [w for w in self.stats().workers if w.alive]
+
+    def ranks(self):
+        """{(worker id, rank): pid} of the running metrale-worker children (rank 0 without --tp)."""
+        out = {}
+        for pid in children(self.proc.pid):
+            args = cmdline(pid)
+            if not args or not args[0].endswith("metrale-worker"):
+                continue
+            opt = dict(zip(args[1:], args[2:]))  # each option with the argument after it
+            out[(int(opt["--id"]), int(opt.get("--rank", 0)))] = pid
+        return out
+
+    def close(self):
+        if self.channel is not None:
+            self.channel.close()
+        if self.proc.poll() is None:
+            kids = children(self.proc.pid)
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                for pid in kids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            sys.stderr.write("---- metrale-serve ----\n" + self.log()[-12000:] + "\n")
+        self.close()
+        return False
+
+
 class Collector:
     """Runs one Generate stream on a thread and records its tokens, final message and status."""
 
@@ -216,6 +317,7 @@ class Collector:
         self.code = None
         self.details = None
         self.first_token = threading.Event()
+        self.first_token_at = None  # time.monotonic() of the first tokens
         self.done = threading.Event()
         self.ended_at = None
         self.call = stub.Generate(req, timeout=timeout)
@@ -228,7 +330,8 @@ class Collector:
             for resp in self.call:
                 self.responses.append(resp)
                 self.tokens.extend(t.token_id for t in resp.tokens)
-                if resp.tokens:
+                if resp.tokens and self.first_token_at is None:
+                    self.first_token_at = time.monotonic()
                     self.first_token.set()
                 if resp.HasField("final"):
                     self.final = resp.final

@@ -14,33 +14,8 @@ import unittest
 
 import grpc
 
-from harness import (LAUNCHER_BIN, MODEL_DIR, SERVING, health_pb2, health_pb2_grpc, metrale_pb2,
-                     metrale_pb2_grpc, path, request, wait_for)
-
-
-def children(pid):
-    """Pids of the processes whose parent is pid."""
-    out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open("/proc/%s/stat" % d) as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # the command name (in parentheses) may hold spaces: the parent pid follows the last ')'
-        if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
-            out.append(int(d))
-    return out
-
-
-def cmdline(pid):
-    try:
-        with open("/proc/%d/cmdline" % pid, "rb") as f:
-            return f.read().split(b"\0")
-    except OSError:
-        return []
+from harness import (LAUNCHER_BIN, MODEL_DIR, SERVING, children, cmdline, health_pb2, health_pb2_grpc,
+                     metrale_pb2, metrale_pb2_grpc, path, request, wait_for)
 
 
 class LauncherTest(unittest.TestCase):
@@ -97,8 +72,8 @@ class LauncherTest(unittest.TestCase):
             self.assertEqual(len(first), 8)
 
             kids = children(self.serve.pid)
-            workers = [p for p in kids if any(a.endswith(b"metrale-worker") for a in cmdline(p)[:1])]
-            routers = [p for p in kids if any(a.endswith(b"metrale-router") for a in cmdline(p)[:1])]
+            workers = [p for p in kids if any(a.endswith("metrale-worker") for a in cmdline(p)[:1])]
+            routers = [p for p in kids if any(a.endswith("metrale-router") for a in cmdline(p)[:1])]
             self.assertEqual((len(workers), len(routers)), (1, 1), "children: %s" % kids)
             os.kill(workers[0], signal.SIGKILL)
             wait_for(lambda: self.gen.GetStats(metrale_pb2.StatsRequest(), timeout=5).worker_restarts >= 1, 30,
