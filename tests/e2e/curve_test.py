@@ -2,19 +2,22 @@
 CURVE server that admits one worker key (--curve-authorized-keys), a worker holding the router's
 public key and an admitted key of its own serves a request; workers without keys, with a wrong
 router key, or with a key the router does not list never get their Hello through (the router does
-not list them) and exit when the router stays silent. Keys come from metrale-keygen."""
+not list them) and exit when the router stays silent. metrale-serve --router starts a group of two
+ranks for such a router, with the keys and --first-id, and stops it on SIGTERM. Keys come from
+metrale-keygen."""
 
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import unittest
 
 import grpc
 
-from harness import (MODEL_DIR, ROUTER_BIN, WORKER_BIN, Collector, metrale_pb2, metrale_pb2_grpc, path,
-                     request, wait_for)
+from harness import (LAUNCHER_BIN, MODEL_DIR, ROUTER_BIN, WORKER_BIN, Collector, metrale_pb2, metrale_pb2_grpc,
+                     path, request, wait_for)
 
 KEYGEN_BIN = "tools/metrale-keygen"
 
@@ -65,14 +68,12 @@ class CurveTest(unittest.TestCase):
             self.dump()
             raise
 
-    def _run(self):
-        router_key = self.keygen("keys", "router")
-        worker_key = self.keygen("authorized", "worker")  # authorized/worker.pub is the one admitted key
-        stranger_key = self.keygen("keys", "stranger")
-        self.assertEqual(oct(os.stat(router_key + ".key").st_mode & 0o777), "0o600")
-        router, router_log = self.spawn("router", [
-            path(ROUTER_BIN), "--listen", "127.0.0.1:0", "--workers-endpoint", "tcp://127.0.0.1:*",
-            "--curve-secret-key", router_key + ".key", "--curve-authorized-keys", os.path.join(self.dir, "authorized")])
+    def start_router(self, router_key, authorized):
+        args = [path(ROUTER_BIN), "--listen", "127.0.0.1:0", "--workers-endpoint", "tcp://127.0.0.1:*",
+                "--curve-secret-key", router_key + ".key"]
+        if authorized:
+            args += ["--curve-authorized-keys", os.path.join(self.dir, authorized)]
+        router, router_log = self.spawn("router", args)
 
         def endpoints():
             if router.poll() is not None:
@@ -82,7 +83,35 @@ class CurveTest(unittest.TestCase):
             return m.groups() if m else None
         port, self.endpoint = wait_for(endpoints, 10, "the router to log its endpoints")
         self.channel = grpc.insecure_channel("127.0.0.1:" + port)
-        gen = metrale_pb2_grpc.GenerationStub(self.channel)
+        return metrale_pb2_grpc.GenerationStub(self.channel), router_log
+
+    def test_a_group_on_another_host(self):
+        try:
+            router_key = self.keygen("keys", "router")
+            host_key = self.keygen("keys", "host")
+            gen, _ = self.start_router(router_key, None)  # any worker with the router's key
+            serve, _ = self.spawn("serve", [
+                path(LAUNCHER_BIN), "--router", self.endpoint, "--first-id", "5", "--tp", "2", "--workers", "1",
+                "--threads", "1", "--backend", "cpu", "--model", path(MODEL_DIR),
+                "--curve-server-key", router_key + ".pub", "--curve-secret-key", host_key + ".key"])
+            live = lambda: [w.worker_id for w in gen.GetStats(metrale_pb2.StatsRequest(), timeout=5).workers
+                            if w.alive]
+            wait_for(lambda: live() == [5], 20, "group 5 to say Hello through CURVE")
+            s = Collector(gen, request("remote", [1, 2, 3], 8)).wait(30)
+            self.assertEqual((s.code, len(s.tokens)), (grpc.StatusCode.OK, 8), s.details)
+            serve.send_signal(signal.SIGTERM)
+            self.assertEqual(serve.wait(20), 0)
+            wait_for(lambda: live() == [], 5, "the router to see group 5 go")
+        except BaseException:
+            self.dump()
+            raise
+
+    def _run(self):
+        router_key = self.keygen("keys", "router")
+        worker_key = self.keygen("authorized", "worker")  # authorized/worker.pub is the one admitted key
+        stranger_key = self.keygen("keys", "stranger")
+        self.assertEqual(oct(os.stat(router_key + ".key").st_mode & 0o777), "0o600")
+        gen, router_log = self.start_router(router_key, "authorized")
 
         good, _ = self.worker(0, (router_key + ".pub", worker_key + ".key"))
         wait_for(lambda: [w.worker_id for w in gen.GetStats(metrale_pb2.StatsRequest(), timeout=5).workers] == [0],

@@ -25,7 +25,7 @@ from harness import GENERATE_BIN, MODEL_DIR, Collector, Launcher, metrale_pb2, p
 MAX_NEW = 24
 PROMPTS = [[1, 2, 3], [42], [5, 17, 99, 123, 250, 7, 7, 7, 64, 1, 2, 3], [299, 0, 150], [200, 100, 50, 25, 12, 6]]
 LONG_DECODE = 400   # tokens of a stream that is still running when the rank dies
-LONG_PROMPT = 2500  # tokens of a prompt still in its prefill when the rank dies (~0.5 s alone)
+LONG_PROMPT = 3000  # tokens of a prompt still in its prefill when the rank dies (~0.6 s alone here)
 
 
 def cli_greedy(prompt, max_new):
@@ -106,17 +106,16 @@ class TpGroupTest(unittest.TestCase):
         return streams
 
     def kill_mid_stream(self, svc, victim, rank, tag, seeds):
-        """Two decoding streams (one a group), then four long prompts (two a group); SIGKILL of
-        `rank` of worker group `victim` while the prompts are in prefill. Returns the figures."""
+        """Two decoding streams, then two long prompts (one of each a group); SIGKILL of `rank` of
+        worker group `victim` while the prompts are in prefill."""
         st0 = svc.stats()
         self.assertEqual(st0.active_streams, 0)
         decode = []
         for i, p in enumerate((1, 2)):  # the second goes to the other group: the first is in flight
             decode += self.submit_in_order(svc, [request("%s-decode-%d" % (tag, i), [p, 2, 3], LONG_DECODE)])
             self.assertTrue(decode[-1].first_token.wait(30), "no first token")
-        prompts = {seeds[i]: long_prompt(seeds[i]) for i in range(4)}
+        prompts = {seed: long_prompt(seed) for seed in seeds}
         fresh = self.submit_in_order(svc, [request("%s-prefill-%d" % (tag, s), prompts[s], 8) for s in seeds])
-        time.sleep(0.05)  # the Submits reach the workers
         pid = svc.ranks()[(victim, rank)]
         started = [s for s in decode + fresh if s.tokens]
         back = Comeback(svc, victim, st0.worker_restarts)
@@ -141,9 +140,9 @@ class TpGroupTest(unittest.TestCase):
         for s, p in zip(decode, (1, 2)):
             if s is not lost[0]:  # the other group's stream: all its tokens, as one process makes them
                 self.check_ok(s, self.want_long_decode[p])
-        for s in fresh:  # two of them moved to the surviving group
+        for s in fresh:  # one of them moved to the surviving group
             self.check_ok(s, n=8)
-        self.assertEqual(svc.stats().streams_requeued - st0.streams_requeued, 2)
+        self.assertEqual(svc.stats().streams_requeued - st0.streams_requeued, 1)
         self.assertIsNotNone(requeued_at, "no stream was put back in the queue")
         lost_s = lost[0].ended_at - killed_at
         requeue_s = requeued_at - killed_at
@@ -185,8 +184,8 @@ class TpGroupTest(unittest.TestCase):
                 self.check_ok(s.wait(60), want)
             wait_for(lambda: all(w.sequences_finished > 0 for w in svc.stats().workers), 5, "both groups to serve")
 
-            self.kill_mid_stream(svc, victim=1, rank=1, tag="follower", seeds=(1, 2, 3, 4))
-            self.kill_mid_stream(svc, victim=0, rank=0, tag="leader", seeds=(5, 6, 7, 8))
+            self.kill_mid_stream(svc, victim=1, rank=1, tag="follower", seeds=(1, 2))
+            self.kill_mid_stream(svc, victim=0, rank=0, tag="leader", seeds=(3, 4))
 
             svc.proc.send_signal(signal.SIGTERM)
             self.assertEqual(svc.proc.wait(30), 0)
