@@ -16,8 +16,8 @@
  * NAME, NAME unique to this launcher (pid and a random number), the group and the start. GPUs: the
  * devices of CUDA_VISIBLE_DEVICES (all GPUs when unset), in order, cut into G consecutive lists of
  * N; rank r of group g takes the r-th device of list g, passed as --device g*N + r (its index
- * among the visible devices). With --tp 1 and more workers than GPUs, worker g takes device
- * g % GPUs as before.
+ * among the visible devices). With --tp 1, worker g takes device g % GPUs (more workers than
+ * GPUs share them).
  *
  * Processes: the router (bazel-bin/router/metrale-router) binds an ipc:// socket private to this
  * run; workers (bazel-bin/worker/metrale-worker) connect to it. With --router ENDPOINT no router
@@ -527,12 +527,10 @@ int main(int argc, char **argv) {
             return 1;
         }
     }
-    char ranks[48] = "";
-    if (g_o.tp > 1) snprintf(ranks, sizeof ranks, " of %d ranks", g_o.tp);
     fprintf(stderr, "metrale-serve: %s%s; %d %s worker%s%s serving %s; Ctrl-C stops\n",
             g_o.router ? "workers for the router at " : "gRPC on ", g_o.router ? g_o.router : g_o.listen,
             g_o.workers, gpu ? "GPU" : "CPU", g_o.tp > 1 ? " group" : "", g_o.workers > 1 ? "s" : "", g_o.model);
-    if (ranks[0]) fprintf(stderr, "metrale-serve: each group has %d ranks\n", g_o.tp);
+    if (g_o.tp > 1) fprintf(stderr, "metrale-serve: each group has %d ranks\n", g_o.tp);
     if (!g_o.router)
         fprintf(stderr, "metrale-serve: try  tools/metrale_client.py --addr %s --prompt 1,2,3,4 --max-new 16\n",
                 g_o.listen);
