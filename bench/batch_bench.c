@@ -70,6 +70,12 @@ int main(int argc, char **argv) {
     int batches[MAX_BATCHES] = { 1, 8, 32, 64, 128 }, nb = 5, prompt = 256, steps = 16, op_profile = 0, graph_max = 0;
     const char *json = NULL;
     mt_cuda_params cp = mt_cuda_default_params();
+    bool nccl = false; /* --nccl (no value): the layers' all-reduces through a one-rank NCCL communicator */
+    for (int i = 1, k = 1; i <= argc; i++) { /* takes --nccl out of argv */
+        if (i < argc && !strcmp(argv[i], "--nccl")) nccl = true;
+        else argv[k++] = argv[i];
+        if (i == argc) argc = k - 1;
+    }
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--batches")) nb = parse_list(argv[i + 1], batches, MAX_BATCHES);
         else if (!strcmp(argv[i], "--prompt")) prompt = atoi(argv[i + 1]);
@@ -95,6 +101,8 @@ int main(int argc, char **argv) {
     bench_weights w;
     bench_count_weights(&c, &w);
     glm_model_params mp = glm_model_default_params(); /* 256 scratch rows: batches up to 256 */
+    if (nccl && !(mp.comm = bench_nccl_one_rank(be, &err))) { fprintf(stderr, "batch_bench: %s\n", err.msg); return 1; }
+    if (nccl) printf("the layers' partial sums go through a one-rank NCCL communicator (--nccl)\n");
     if (graph_max > 0) mp.graph_max_rows = graph_max;
     glm_model *m = NULL;
     if (glm_model_new_random(&c, 1, be, &mp, &m, &err) != MT_OK) { fprintf(stderr, "%s\n", err.msg); return 1; }

@@ -1,6 +1,8 @@
 /* bench/bench_util.c: see bench_util.h. */
 #include "bench/bench_util.h"
 
+#include "worker/dist/comm_nccl.h"
+
 #include <cuda_runtime_api.h>
 #include <string.h>
 
@@ -101,4 +103,11 @@ double bench_decode_steps(mt_backend *be, glm_model *m, glm_seq **s, int32_t *to
         }
     be->ops->sync(be);
     return (mt_now() - a) * 1e3 / steps;
+}
+
+struct mt_comm *bench_nccl_one_rank(struct mt_backend *be, mt_error *err) {
+    char hex[MT_COMM_NCCL_ID_HEX];
+    mt_comm_nccl_id id;
+    if (mt_comm_nccl_id_new(hex, sizeof hex, err) != MT_OK || mt_comm_nccl_id_parse(hex, &id, err) != MT_OK) return NULL;
+    return mt_comm_nccl_new(&id, 0, 1, be, NULL, err);
 }

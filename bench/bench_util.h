@@ -5,6 +5,8 @@
 
 #include <stdint.h>
 
+#include "common/mt.h"
+
 #include "worker/loader/glm_config.h"
 
 /* cudaMemcpy device-to-device of 4 GiB, 10 times after a warm-up: (read + write) GB/s; 0 when the
@@ -35,5 +37,9 @@ double bench_decode_steps(struct mt_backend *be, struct glm_model *m, struct glm
  * model cannot (more rows than glm_model_ahead_rows). */
 double bench_decode_ahead(struct mt_backend *be, struct glm_model *m, struct glm_seq **s, int32_t *tok, int B,
                           int steps);
+
+/* A one-rank NCCL communicator on be (a CUDA backend): the tensor-parallel path of a group of
+ * one, for --nccl. NULL on failure (err says why). */
+struct mt_comm *bench_nccl_one_rank(struct mt_backend *be, mt_error *err);
 
 #endif /* MT_BENCH_UTIL_H */

@@ -131,6 +131,12 @@ int main(int argc, char **argv) {
     double peak_tflops = 790;
     const char *json = NULL;
     mt_cuda_params cp = mt_cuda_default_params();
+    bool nccl = false; /* --nccl (no value): the layers' all-reduces through a one-rank NCCL communicator */
+    for (int i = 1, k = 1; i <= argc; i++) { /* takes --nccl out of argv */
+        if (i < argc && !strcmp(argv[i], "--nccl")) nccl = true;
+        else argv[k++] = argv[i];
+        if (i == argc) argc = k - 1;
+    }
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--steps")) steps = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--context")) context = atoi(argv[i + 1]);
@@ -166,6 +172,8 @@ int main(int argc, char **argv) {
 
     glm_model_params mp = glm_model_default_params();
     mp.prefill_chunk = 4096;
+    if (nccl && !(mp.comm = bench_nccl_one_rank(be, &err))) { fprintf(stderr, "decode_bench: %s\n", err.msg); return 1; }
+    if (nccl) printf("  the layers' partial sums go through a one-rank NCCL communicator (--nccl)\n");
     glm_model *m = NULL;
     double t0 = mt_now();
     if (glm_model_new_random(&c, 1, be, &mp, &m, &err) != MT_OK) { fprintf(stderr, "%s\n", err.msg); return 1; }
