@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -218,7 +219,8 @@ TEST_P(TpGroup, GivesTheTokensAndLogitsOfOneProcess) {
     double mx = 0;
     for (float v : ref.logits) mx = std::fmax(mx, std::fabs(v));
     for (int n : {1, 2, 4}) {
-        const std::string group = "mt_tp_test_" + std::to_string(getpid()) + "_" + std::to_string(n) + "_" + GetParam();
+        // random bits, not the pid: sandboxed test runs share /dev/shm but not pid namespaces
+        const std::string group = "mt_tp_test_" + std::to_string(std::random_device{}()) + "_" + std::to_string(n);
         const std::string out = TestTmpDir() + "/tp_out_" + std::to_string(n);
         std::vector<pid_t> pids;
         for (int r = 0; r < n; r++) {
@@ -253,7 +255,7 @@ INSTANTIATE_TEST_SUITE_P(Models, TpGroup, ::testing::Values("tiny_a", "tiny_c", 
 // A group whose size does not divide the model's split dimensions is refused with the numbers.
 TEST(TpGroupRefused, SizeMustDivide) {
     mt_error err{};
-    mt_comm *c = mt_comm_host_new(("mt_tp_refuse_" + std::to_string(getpid())).c_str(), 0, 1, nullptr, &err);
+    mt_comm *c = mt_comm_host_new(("mt_tp_refuse_" + std::to_string(std::random_device{}())).c_str(), 0, 1, nullptr, &err);
     ASSERT_NE(c, nullptr) << err.msg;
     c->size = 3;  // as a rank of a group of 3 would see it (no call is made before the refusal)
     mt_backend *be = mt_cpu_backend_new(1);
