@@ -39,6 +39,22 @@ double bench_copy_bandwidth_gbs(void) {
     return 2.0 * bytes * reps / (ms * 1e-3) / 1e9; /* read + write */
 }
 
+/* The split tensors by a part of their names (glm_weights.c's bind_layer, bind_mlp, bind_all). */
+static const char *const g_split_parts[] = {
+    ".self_attn.q_proj.", ".self_attn.k_proj.", ".self_attn.v_proj.", /* KDA: its heads */
+    "_conv1d.", ".f_b_proj.", ".g_b_proj.", ".self_attn.b_proj.", ".dt_bias", ".A_log",
+    ".q_b_proj.", ".kv_b_proj.",                                         /* MLA: its query heads */
+    ".self_attn.o_proj.",                                                /* those heads' columns */
+    "gate_proj.", "up_proj.", "down_proj.",                              /* every MLP's intermediate */
+    "embed_tokens", "lm_head",                                           /* vocab rows */
+};
+
+bool bench_tensor_is_split(const char *name) {
+    for (size_t i = 0; i < sizeof g_split_parts / sizeof g_split_parts[0]; i++)
+        if (strstr(name, g_split_parts[i])) return true;
+    return false;
+}
+
 typedef struct count_ctx {
     const glm_config *c;
     bench_weights *w;
@@ -49,6 +65,9 @@ static void count_tensor(const glm_tensor_spec *s, void *user) {
     double n = 1;
     for (int i = 0; i < s->ndim; i++) n *= (double)s->shape[i];
     const double bytes = n * (double)mt_dtype_size(s->dtype);
+    const bool split = bench_tensor_is_split(s->name);
+    if (split) x->w->split_bytes += bytes;
+    else x->w->replicated_bytes += bytes;
     if (strstr(s->name, ".mlp.experts.")) {
         /* every (layer, expert) is alike: summed here, divided into one expert's bytes below */
         x->w->touched_params += n * x->c->num_experts_per_tok / x->c->n_routed_experts;
@@ -57,6 +76,8 @@ static void count_tensor(const glm_tensor_spec *s, void *user) {
         x->w->embed_row_bytes = bytes / (double)s->shape[0];
     } else {
         x->w->dense_bytes += bytes;
+        if (split) x->w->dense_split_bytes += bytes;
+        else x->w->dense_repl_bytes += bytes;
         x->w->touched_params += n;
         if (strstr(s->name, "lm_head")) x->w->head_params += n;
     }
@@ -69,6 +90,33 @@ void bench_count_weights(const glm_config *c, bench_weights *out) {
     int moe_layers = 0;
     for (int l = 0; l < c->num_hidden_layers; l++) moe_layers += c->mlp_layer_types[l] == GLM_MLP_SPARSE;
     if (moe_layers > 0) out->expert_bytes /= (double)moe_layers * c->n_routed_experts;
+}
+
+double bench_kda_state_bytes(const glm_config *c) {
+    double b = 0;
+    for (int l = 0; l < c->num_hidden_layers; l++)
+        if (c->layer_types[l] == GLM_MIXER_KDA) b += 2.0 * c->linear_num_heads * (double)c->linear_head_dim * c->linear_head_dim * 4;
+    return b;
+}
+
+double bench_dsa_cache_bytes(const glm_config *c, int len) {
+    double b = 0;
+    const int max_sel = c->index_topk + (c->index_kpool_always_select_tail ? c->index_kpool - 1 : 0);
+    for (int l = 0; l < c->num_hidden_layers; l++) {
+        if (c->layer_types[l] == GLM_MIXER_KDA) continue;
+        const int rows = len + 1 < max_sel ? len + 1 : max_sel;
+        b += (double)rows * c->kv_lora_rank * 4;                                 /* attended latent rows */
+        if (c->indexer_types[l] == GLM_INDEXER_FULL)
+            b += (double)((len + 1) / c->index_kpool) * c->index_head_dim * 4; /* pool keys scored */
+    }
+    return b;
+}
+
+double bench_rank_step_bytes(const bench_weights *w, int tp, int B, double experts_touched, double kda_row,
+                             double dsa_row) {
+    const double N = tp;
+    return w->dense_repl_bytes + w->dense_split_bytes / N + B * w->embed_row_bytes / N +
+           experts_touched * w->expert_bytes / N + B * (kda_row / N + dsa_row);
 }
 
 double bench_decode_ahead(mt_backend *be, glm_model *m, glm_seq **s, int32_t *tok, int B, int steps) {
