@@ -16,8 +16,7 @@
  * state, the replicated weights and the DSA cache reads whole; the whole model's at N = 1) over
  * rank 0's copy bandwidth, and each batch's step has its collectives timed alone
  * (bench_comm_step_ms: the same calls, same sizes, replayed in a CUDA graph of their own) and given
- * as a share of the graph step's time. On more than one rank the model does not run ahead
- * (glm_model_ahead_rows is 0 there), so each step's tokens are read back before the next.
+ * as a share of the graph step's time. Every rank runs its greedy steps ahead, as rank 0 does.
  *
  *   batch_bench [--batches 1,8,32,64,128] [--prompt 256] [--steps 16] [--json FILE] [--op-profile 1]
  *               [--tp N | --nccl]
@@ -164,7 +163,7 @@ static int batch_rank(bench_rank *r, void *user) {
     if (r->rank != 0) return 0;
 
     printf("metrale batch_bench: bench-4L batched decode (glm_decode_greedy, %s), prompts of %d tokens, CUDA backend\n",
-           tp > 1 ? "not run ahead: the model cannot on several ranks; each step's tokens read back" : "run ahead", prompt);
+           "run ahead", prompt);
     printf("device copy bandwidth %.0f GB/s (cudaMemcpy D2D, read + write%s), same run\n", bw, tp > 1 ? ", rank 0's GPU" : "");
     if (r->comm)
         printf("tensor parallel over %d rank%s (NCCL, one process a GPU), times of rank 0; bytes and floor are per rank: 1/%d of\n"
