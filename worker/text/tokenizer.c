@@ -224,6 +224,58 @@ static void trie_free(tok_trie *tr) {
 
 /* ---- sections of tokenizer.json ------------------------------------------------------------- */
 
+/* Unicode White_Space: what \s matches in the library's regex engine (Oniguruma). PCRE2's \s
+ * with UCP also matches U+180E, which left White_Space in Unicode 6.3, so patterns spell it out. */
+static const char WHITE_SPACE[] = "\\t-\\r\\x{20}\\x{85}\\x{a0}\\x{1680}\\x{2000}-\\x{200a}"
+                                  "\\x{2028}\\x{2029}\\x{202f}\\x{205f}\\x{3000}";
+
+/* Copies pattern with \s and \S replaced by WHITE_SPACE classes. Returns NULL when out of memory
+ * or when \S stands inside a class (*bad set then), which has no plain spelling. */
+static char *spell_white_space(const char *p, size_t len, bool *bad) {
+    size_t cap = len * (sizeof WHITE_SPACE + 4) + 1, o = 0;
+    char *out = malloc(cap);
+    bool in_class = false;
+    *bad = false;
+    if (!out) return NULL;
+    for (size_t i = 0; i < len; i++) {
+        char c = p[i];
+        if (c == '\\' && i + 1 < len) {
+            char d = p[++i];
+            if (d == 's' || d == 'S') {
+                if (in_class && d == 'S') {
+                    *bad = true;
+                    free(out);
+                    return NULL;
+                }
+                o += (size_t)sprintf(out + o, in_class ? "%s" : d == 's' ? "[%s]" : "[^%s]", WHITE_SPACE);
+            } else {
+                out[o++] = c;
+                out[o++] = d;
+            }
+            continue;
+        }
+        if (!in_class && c == '[') {
+            in_class = true;
+            out[o++] = c;
+            if (i + 1 < len && p[i + 1] == '^') out[o++] = p[++i];
+            if (i + 1 < len && p[i + 1] == ']') out[o++] = p[++i]; /* a leading ] is literal */
+            continue;
+        }
+        if (in_class && c == '[' && i + 1 < len && p[i + 1] == ':') { /* [:alpha:] */
+            const char *end = strstr(p + i, ":]");
+            size_t n = end && (size_t)(end - p) < len ? (size_t)(end - p) + 2 - i : 1;
+            memcpy(out + o, p + i, n);
+            o += n;
+            i += n - 1;
+            continue;
+        }
+        if (in_class && c == ']') in_class = false;
+        out[o++] = c;
+    }
+    out[o] = 0;
+    return out;
+}
+
 static mt_status compile_regex(tok_tokenizer *t, const char *pattern, size_t len, bool literal,
                                const char *what, mt_error *err) {
     if (t->n_split == TOK_MAX_SPLITS)
@@ -232,7 +284,18 @@ static mt_status compile_regex(tok_tokenizer *t, const char *pattern, size_t len
     int ec;
     PCRE2_SIZE eo;
     uint32_t opts = PCRE2_UTF | PCRE2_UCP | (literal ? PCRE2_LITERAL : 0);
+    char *spelled = NULL;
+    if (!literal) {
+        bool bad;
+        if (!(spelled = spell_white_space(pattern, len, &bad)))
+            return bad ? mt_errorf(err, MT_ERR_UNSUPPORTED, "pre_tokenizer: %s regex has \\S inside "
+                                   "a class, which is not supported", what)
+                       : mt_errorf(err, MT_ERR_NOMEM, "out of memory");
+        pattern = spelled;
+        len = strlen(spelled);
+    }
     pcre2_code *re = pcre2_compile((PCRE2_SPTR)pattern, len, opts, &ec, &eo, NULL);
+    free(spelled);
     if (!re) {
         PCRE2_UCHAR msg[256];
         pcre2_get_error_message(ec, msg, sizeof msg);
