@@ -15,7 +15,8 @@ Output: gzip'd JSON lines. The first is a header {"library", "unicode", "counts"
       plus "dec" / "dec_skip" (decode of ids with skip_special_tokens false / true) only when
       they differ from what the test derives: the post-processor's text + TEXT, and TEXT;
   {"fx": F, "dec_ids": [...], "dec": TEXT, "dec_skip": TEXT}
-F names the fixture directory under tests/fixtures (glm_tok or glm_tok_flags).
+F names the fixture directory under tests/fixtures (glm_tok or glm_tok_flags), or a variant of
+glm_tok that the header's "variants" describes (fields of tokenizer.json replaced).
 """
 import argparse
 import gzip
@@ -23,6 +24,7 @@ import json
 import os
 import random
 import sys
+import tempfile
 import unicodedata
 
 import tokenizers
@@ -33,6 +35,16 @@ N_ENC = 10000        # strings encoded with glm_tok
 N_ENC_FLAGS = 1500   # strings encoded with glm_tok_flags
 N_DEC = 3000         # id lists decoded with glm_tok
 N_DEC_FLAGS = 300    # id lists decoded with glm_tok_flags
+N_ENC_VARIANT = 500  # strings encoded with each variant below
+N_DEC_VARIANT = 50
+
+# Variants of glm_tok for the options the fixtures do not use: field (dotted path) -> new value.
+# The test builds the same files from the header.
+VARIANTS = {
+    "glm_tok+ignore_merges": {"model.ignore_merges": True},
+    "glm_tok+gpt2_regex": {"pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False,
+                                             "trim_offsets": True, "use_regex": True}},
+}
 
 # Blocks of many scripts (first, last code point); only assigned code points are drawn.
 SCRIPTS = {
@@ -263,6 +275,23 @@ def decode_case(rng, tok, gen, byte_ids, i):
     return [x for x in ids if rng.random() < 0.8]
 
 
+def load(fixtures, fx):
+    base, plus, _ = fx.partition("+")
+    path = os.path.join(fixtures, base, "tokenizer.json")
+    if not plus:
+        return Tokenizer.from_file(path)
+    with open(path) as f:
+        d = json.load(f)
+    for field, value in VARIANTS[fx].items():
+        parent, _, key = field.rpartition(".")
+        (d[parent] if parent else d)[key] = value
+    with tempfile.TemporaryDirectory() as tmp:
+        p = os.path.join(tmp, "tokenizer.json")
+        with open(p, "w") as f:
+            json.dump(d, f)
+        return Tokenizer.from_file(p)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--fixtures", default="tests/fixtures")
@@ -273,8 +302,10 @@ def main():
     rng = random.Random(SEED)
     lines = []
     counts = {}
-    for fx, n_enc, n_dec in [("glm_tok", N_ENC, N_DEC), ("glm_tok_flags", N_ENC_FLAGS, N_DEC_FLAGS)]:
-        tok = Tokenizer.from_file(os.path.join(a.fixtures, fx, "tokenizer.json"))
+    runs = [("glm_tok", N_ENC, N_DEC), ("glm_tok_flags", N_ENC_FLAGS, N_DEC_FLAGS)]
+    runs += [(v, N_ENC_VARIANT, N_DEC_VARIANT) for v in VARIANTS]
+    for fx, n_enc, n_dec in runs:
+        tok = load(a.fixtures, fx)
         added = [t.content for t in tok.get_added_tokens_decoder().values()]
         vocab_words = sorted(tok.decode([i]) for i in range(2000) if tok.decode([i]).strip().isalpha())
         gen = Gen(rng, vocab_words, added)
@@ -298,7 +329,7 @@ def main():
                           "dec_skip": tok.decode(ids, skip_special_tokens=True)})
         counts[fx] = {"encode": n_enc, "decode": n_dec}
     header = {"library": f"tokenizers {tokenizers.__version__}",
-              "unicode": unicodedata.unidata_version, "counts": counts}
+              "unicode": unicodedata.unidata_version, "counts": counts, "variants": VARIANTS}
     with gzip.GzipFile(a.out, "wb", mtime=0) as f:
         for rec in [header] + lines:
             f.write((json.dumps(rec, ensure_ascii=False, separators=(",", ":")) + "\n").encode())

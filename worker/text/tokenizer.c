@@ -300,7 +300,7 @@ static mt_status compile_regex(tok_tokenizer *t, const char *pattern, size_t len
         PCRE2_UCHAR msg[256];
         pcre2_get_error_message(ec, msg, sizeof msg);
         return mt_errorf(err, MT_ERR_UNSUPPORTED, "pre_tokenizer: %s regex does not compile with "
-                         "PCRE2 at offset %zu: %s", what, (size_t)eo, (const char *)msg);
+                         "PCRE2 (offset %zu, \\s spelled out): %s", what, (size_t)eo, (const char *)msg);
     }
     /* The JIT is optional: without one (or when it refuses) the interpreter runs the pattern. */
     t->split_jit = pcre2_jit_compile(re, PCRE2_JIT_COMPLETE) == 0 && (t->n_split == 0 || t->split_jit);
@@ -637,7 +637,6 @@ static mt_status parse_tokenizer_json(tok_tokenizer *t, const char *path, mt_err
         return mt_errorf(err, errno == ENOENT ? MT_ERR_NOT_FOUND : MT_ERR_IO, "%s: cannot read or "
                          "parse: %s", path, json_util_get_last_err() ? json_util_get_last_err() : "");
     mt_status rc = MT_OK;
-    char where[600];
     mt_error sub;
     if (!json_object_is_type(root, json_type_object)) {
         rc = mt_errorf(&sub, MT_ERR_INVALID, "not a JSON object");
@@ -669,10 +668,7 @@ static mt_status parse_tokenizer_json(tok_tokenizer *t, const char *path, mt_err
     }
 done:
     json_object_put(root);
-    if (rc != MT_OK) {
-        snprintf(where, sizeof where, "%s", path);
-        mt_errorf(err, rc, "%s: %s", where, sub.msg);
-    }
+    if (rc != MT_OK) mt_errorf(err, rc, "%s: %s", path, sub.msg);
     return rc;
 }
 

@@ -10,7 +10,8 @@
  *   - pre_tokenizer: ByteLevel (add_prefix_space false; with use_regex true it splits with GPT-2's
  *     pattern), or a Sequence of Split pieces (a regex, behavior Isolated, not inverted) ending
  *     in that ByteLevel; the regexes run with PCRE2 in UTF mode with Unicode properties (UCP),
- *     JIT-compiled when the library has a JIT;
+ *     JIT-compiled when the library has a JIT, with \s read as Unicode White_Space as the
+ *     library's engine (Oniguruma) reads it;
  *   - added_tokens with every option (special, single_word, lstrip, rstrip, normalized);
  *   - post_processor: null, ByteLevel, TemplateProcessing (its single-sequence form is used), or
  *     a Sequence of those;
@@ -75,7 +76,8 @@ mt_status tok_load(const char *dir, tok_tokenizer **out, mt_error *err);
 mt_status tok_load_file(const char *path, tok_tokenizer **out, mt_error *err);
 void tok_free(tok_tokenizer *t); /* NULL ok */
 
-/* Encoder workspace for t (about 2 MiB: the word cache). NULL on out of memory. */
+/* Encoder workspace for t: the word cache (1.2 MiB) and the regex stack as it grows (at most
+ * 8 MiB). NULL on out of memory. */
 tok_encoder *tok_encoder_new(const tok_tokenizer *t);
 void tok_encoder_free(tok_encoder *e); /* NULL ok */
 
