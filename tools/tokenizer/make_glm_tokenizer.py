@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Builds the small GLM-style tokenizer the tokenizer tests use (tests/fixtures/glm_tok/).
 
-    python3 tools/tokenizer/make_glm_tokenizer.py [--src DIR] [--out DIR]
+    python3 tools/tokenizer/make_glm_tokenizer.py [--src DIR] [--out DIR] [--vocab N]
 
 Needs the `tokenizers` library (PyPI) and Debian's python3.11-doc, whose reStructuredText sources
 (/usr/share/doc/python3.11/html/_sources, PSF license) are the training text. The result has the
@@ -10,7 +10,8 @@ the learned vocabulary, a `[gMASK]<sop>` prefix from TemplateProcessing, the Byt
 
 Writes, under --out (default tests/fixtures):
   glm_tok/tokenizer.json, tokenizer_config.json, generation_config.json
-      the fixture: 6000 learned ids, then the added tokens; two eos ids (<|endoftext|>, <|user|>)
+      the fixture: 6000 learned ids (--vocab; the tests expect 6000), then the added tokens;
+      two eos ids (<|endoftext|>, <|user|>)
   glm_tok_flags/tokenizer.json (+ the same two configs)
       the same model with extra added tokens that use lstrip, rstrip, single_word and
       normalized, for the tests of those options
@@ -53,7 +54,7 @@ def training_files(src):
     return files
 
 
-def build(src):
+def build(src, vocab=VOCAB):
     tok = Tokenizer(models.BPE(dropout=None, unk_token=None, fuse_unk=False, byte_fallback=False))
     tok.normalizer = None
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -61,7 +62,7 @@ def build(src):
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, min_frequency=2, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab, min_frequency=2, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   special_tokens=[])
     tok.train(training_files(src), trainer)
@@ -129,8 +130,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--src", default="/usr/share/doc/python3.11/html/_sources")
     ap.add_argument("--out", default="tests/fixtures")
+    ap.add_argument("--vocab", type=int, default=VOCAB, help="learned ids (a larger one for benches)")
     a = ap.parse_args()
-    tok = build(a.src)
+    tok = build(a.src, a.vocab)
     write_dir(tok, os.path.join(a.out, "glm_tok"))
     add_flag_tokens(tok)
     write_dir(tok, os.path.join(a.out, "glm_tok_flags"))
