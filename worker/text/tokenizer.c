@@ -453,7 +453,9 @@ static mt_status parse_model(tok_tokenizer *t, json_object *m, json_object *adde
                                           "end_of_word_suffix"};
     for (size_t i = 0; i < sizeof refused / sizeof *refused; i++) {
         json_object *v = jget(m, refused[i]);
-        if (!jnull(v) && !(json_object_is_type(v, json_type_double) && json_object_get_double(v) == 0.0))
+        bool zero = (json_object_is_type(v, json_type_double) || json_object_is_type(v, json_type_int)) &&
+                    json_object_get_double(v) == 0.0; /* dropout 0 is no dropout */
+        if (!jnull(v) && !zero)
             return mt_errorf(err, MT_ERR_UNSUPPORTED, "model: %s is set; it is not supported",
                              refused[i]);
     }
