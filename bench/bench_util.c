@@ -1,15 +1,19 @@
 /* bench/bench_util.c: see bench_util.h. */
 #include "bench/bench_util.h"
 
-#include "worker/dist/comm_nccl.h"
-
 #include <cuda_runtime_api.h>
-#include <string.h>
-
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "kernels/backend.h"
+#include "kernels/cuda/cuda_backend.h"
+#include "worker/dist/comm_host.h"
+#include "worker/dist/comm_nccl.h"
 #include "worker/loader/glm_manifest.h"
 #include "worker/model/glm/glm_model.h"
 
@@ -39,6 +43,22 @@ double bench_copy_bandwidth_gbs(void) {
     return 2.0 * bytes * reps / (ms * 1e-3) / 1e9; /* read + write */
 }
 
+/* The split tensors by a part of their names (glm_weights.c's bind_layer, bind_mlp, bind_all). */
+static const char *const g_split_parts[] = {
+    ".self_attn.q_proj.", ".self_attn.k_proj.", ".self_attn.v_proj.", /* KDA: its heads */
+    "_conv1d.", ".f_b_proj.", ".g_b_proj.", ".self_attn.b_proj.", ".dt_bias", ".A_log",
+    ".q_b_proj.", ".kv_b_proj.",                                         /* MLA: its query heads */
+    ".self_attn.o_proj.",                                                /* those heads' columns */
+    "gate_proj.", "up_proj.", "down_proj.",                              /* every MLP's intermediate */
+    "embed_tokens", "lm_head",                                           /* vocab rows */
+};
+
+bool bench_tensor_is_split(const char *name) {
+    for (size_t i = 0; i < sizeof g_split_parts / sizeof g_split_parts[0]; i++)
+        if (strstr(name, g_split_parts[i])) return true;
+    return false;
+}
+
 typedef struct count_ctx {
     const glm_config *c;
     bench_weights *w;
@@ -49,6 +69,9 @@ static void count_tensor(const glm_tensor_spec *s, void *user) {
     double n = 1;
     for (int i = 0; i < s->ndim; i++) n *= (double)s->shape[i];
     const double bytes = n * (double)mt_dtype_size(s->dtype);
+    const bool split = bench_tensor_is_split(s->name);
+    if (split) x->w->split_bytes += bytes;
+    else x->w->replicated_bytes += bytes;
     if (strstr(s->name, ".mlp.experts.")) {
         /* every (layer, expert) is alike: summed here, divided into one expert's bytes below */
         x->w->touched_params += n * x->c->num_experts_per_tok / x->c->n_routed_experts;
@@ -57,6 +80,8 @@ static void count_tensor(const glm_tensor_spec *s, void *user) {
         x->w->embed_row_bytes = bytes / (double)s->shape[0];
     } else {
         x->w->dense_bytes += bytes;
+        if (split) x->w->dense_split_bytes += bytes;
+        else x->w->dense_repl_bytes += bytes;
         x->w->touched_params += n;
         if (strstr(s->name, "lm_head")) x->w->head_params += n;
     }
@@ -71,11 +96,39 @@ void bench_count_weights(const glm_config *c, bench_weights *out) {
     if (moe_layers > 0) out->expert_bytes /= (double)moe_layers * c->n_routed_experts;
 }
 
-double bench_decode_ahead(mt_backend *be, glm_model *m, glm_seq **s, int32_t *tok, int B, int steps) {
-    if (glm_model_ahead_rows(m) < B || steps < 1) return bench_decode_steps(be, m, s, tok, B, steps);
+double bench_kda_state_bytes(const glm_config *c) {
+    double b = 0;
+    for (int l = 0; l < c->num_hidden_layers; l++)
+        if (c->layer_types[l] == GLM_MIXER_KDA) b += 2.0 * c->linear_num_heads * (double)c->linear_head_dim * c->linear_head_dim * 4;
+    return b;
+}
+
+double bench_dsa_cache_bytes(const glm_config *c, int len) {
+    double b = 0;
+    const int max_sel = c->index_topk + (c->index_kpool_always_select_tail ? c->index_kpool - 1 : 0);
+    for (int l = 0; l < c->num_hidden_layers; l++) {
+        if (c->layer_types[l] == GLM_MIXER_KDA) continue;
+        const int rows = len + 1 < max_sel ? len + 1 : max_sel;
+        b += (double)rows * c->kv_lora_rank * 4;                                 /* attended latent rows */
+        if (c->indexer_types[l] == GLM_INDEXER_FULL)
+            b += (double)((len + 1) / c->index_kpool) * c->index_head_dim * 4; /* pool keys scored */
+    }
+    return b;
+}
+
+double bench_rank_step_bytes(const bench_weights *w, int tp, int B, double experts_touched, double kda_row,
+                             double dsa_row) {
+    const double N = tp;
+    return w->dense_repl_bytes + w->dense_split_bytes / N + B * w->embed_row_bytes / N +
+           experts_touched * w->expert_bytes / N + B * (kda_row / N + dsa_row);
+}
+
+double bench_decode_ahead(const bench_rank *r, glm_model *m, glm_seq **s, int32_t *tok, int B, int steps) {
+    if (glm_model_ahead_rows(m) < B || steps < 1) return bench_decode_steps(r, m, s, tok, B, steps);
+    mt_backend *be = r->be;
     mt_error err = { "" };
     int64_t prev = -1, next = -1;
-    be->ops->sync(be);
+    bench_sync(r);
     const double a = mt_now();
     mt_status st = glm_decode_greedy(m, s, tok, B, &prev, &err);
     for (int i = 1; i < steps && st == MT_OK; i++) {
@@ -85,29 +138,274 @@ double bench_decode_ahead(mt_backend *be, glm_model *m, glm_seq **s, int32_t *to
     }
     if (st == MT_OK) st = glm_greedy_tokens(m, prev, tok, B);
     if (st != MT_OK) {
-        fprintf(stderr, "bench: %s\n", err.msg[0] ? err.msg : mt_status_str(st));
+        fprintf(stderr, "bench rank %d: %s\n", r->rank, err.msg[0] ? err.msg : mt_status_str(st));
         exit(1);
     }
     be->ops->sync(be);
     return (mt_now() - a) * 1e3 / steps;
 }
 
-double bench_decode_steps(mt_backend *be, glm_model *m, glm_seq **s, int32_t *tok, int B, int steps) {
+double bench_decode_steps(const bench_rank *r, glm_model *m, glm_seq **s, int32_t *tok, int B, int steps) {
+    mt_backend *be = r->be;
     mt_error err = { "" };
-    be->ops->sync(be);
+    bench_sync(r);
     const double a = mt_now();
     for (int i = 0; i < steps; i++)
         if (glm_decode_multi(m, s, tok, B, NULL, &err) != MT_OK || glm_last_argmax(m, B, tok) != MT_OK) {
-            fprintf(stderr, "bench: %s\n", err.msg);
+            fprintf(stderr, "bench rank %d: %s\n", r->rank, err.msg);
             exit(1);
         }
     be->ops->sync(be);
     return (mt_now() - a) * 1e3 / steps;
 }
 
-struct mt_comm *bench_nccl_one_rank(struct mt_backend *be, mt_error *err) {
-    char hex[MT_COMM_NCCL_ID_HEX];
+/* ---- the group ---- */
+
+static void group_failed(const bench_rank *r, const char *what, const mt_comm *c) {
+    fprintf(stderr, "bench rank %d: %s: %s\n", r->rank, what, c->err.msg[0] ? c->err.msg : "the group failed");
+    exit(1);
+}
+
+void bench_sync(const bench_rank *r) {
+    r->be->ops->sync(r->be);
+    if (r->host && mt_comm_barrier(r->host) != MT_OK) group_failed(r, "barrier", r->host);
+}
+
+void bench_agree(const bench_rank *r, void *buf, size_t bytes) {
+    if (r->host && mt_comm_broadcast(r->host, buf, bytes, 0) != MT_OK) group_failed(r, "broadcast", r->host);
+}
+
+/* One step's collectives, as the model calls them (see the header); the count of calls. */
+static int comm_step_calls(mt_comm *comm, float *send, float *recv, const glm_config *c, const int *rows,
+                           int n_pass, mt_status *st) {
+    const size_t H = (size_t)c->hidden_size, S = (size_t)c->hc_mult, vn = (size_t)c->vocab_size / (size_t)comm->size;
+    const bool tp = comm->size > 1;
+    int calls = 0;
+    *st = MT_OK;
+    for (int p = 0; p < n_pass && *st == MT_OK; p++) {
+        const size_t B = (size_t)rows[p];
+        if (tp) *st = mt_comm_all_reduce_sum(comm, send, B * S * H), calls++;       /* embed_reduce */
+        for (int l = 0; l < 2 * c->num_hidden_layers && *st == MT_OK; l++)
+            *st = mt_comm_all_reduce_sum(comm, send, B * H), calls++;               /* mixer's, MLP's */
+        if (tp && *st == MT_OK) *st = mt_comm_all_gather(comm, send, recv, B * vn), calls++; /* the head */
+    }
+    return calls;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+double bench_comm_step_ms(const bench_rank *r, const glm_config *c, const int *rows, int n_pass, int *calls) {
+    enum { ROUNDS = 5, REPLAYS = 20 };
+    *calls = 0;
+    if (!r->comm || n_pass < 1) return -1;
+    mt_backend *be = r->be;
+    mt_comm *comm = r->comm;
+    size_t send_n = 1, recv_n = 1;
+    for (int p = 0; p < n_pass; p++) {
+        const size_t B = (size_t)rows[p], a = B * (size_t)c->hc_mult * c->hidden_size;
+        const size_t g = B * (size_t)(c->vocab_size / comm->size);
+        if (a > send_n) send_n = a;
+        if (g > send_n) send_n = g;
+        if (g * (size_t)comm->size > recv_n) recv_n = g * (size_t)comm->size;
+    }
+    float *send = be->ops->alloc(be, sizeof(float) * send_n), *recv = be->ops->alloc(be, sizeof(float) * recv_n);
+    /* every rank goes on or none does: a lone rank's collectives would wait for the others */
+    float failed = !send || !recv;
+    if (r->host && mt_comm_all_reduce_sum(r->host, &failed, 1) != MT_OK) group_failed(r, "all-reduce", r->host);
+    mt_status st = MT_OK;
+    for (int w = 0; w < 2 && !failed && st == MT_OK; w++) *calls = comm_step_calls(comm, send, recv, c, rows, n_pass, &st);
+    if (st != MT_OK) group_failed(r, "collective", comm);
+    mt_graph *g = NULL;
+    if (!failed && be->ops->graph_begin && be->ops->graph_begin(be) == MT_OK) {
+        comm_step_calls(comm, send, recv, c, rows, n_pass, &st);
+        if (be->ops->graph_end(be, &g) != MT_OK || st != MT_OK) g = NULL;
+    }
+    failed = failed || !g;
+    if (r->host && mt_comm_all_reduce_sum(r->host, &failed, 1) != MT_OK) group_failed(r, "all-reduce", r->host);
+    double ms = -1;
+    if (!failed) {
+        cudaStream_t stream = (cudaStream_t)mt_cuda_backend_stream(be);
+        cudaEvent_t e0 = NULL, e1 = NULL;
+        double round_ms[ROUNDS];
+        bool ok = cudaEventCreate(&e0) == cudaSuccess && cudaEventCreate(&e1) == cudaSuccess;
+        /* the events fail alike on every rank or the replays below go on without them */
+        for (int k = -1; k < ROUNDS; k++) {
+            if (mt_comm_check(comm) != MT_OK) group_failed(r, "replay", comm);
+            bench_sync(r);
+            if (ok) ok = cudaEventRecord(e0, stream) == cudaSuccess;
+            for (int i = 0; i < REPLAYS; i++)
+                if (be->ops->graph_launch(be, g) != MT_OK) group_failed(r, "graph replay", comm);
+            if (ok) ok = cudaEventRecord(e1, stream) == cudaSuccess && cudaEventSynchronize(e1) == cudaSuccess;
+            float t = 0;
+            if (ok) ok = cudaEventElapsedTime(&t, e0, e1) == cudaSuccess;
+            if (k >= 0) round_ms[k] = (double)t / REPLAYS;
+        }
+        be->ops->sync(be);
+        if (ok) {
+            qsort(round_ms, ROUNDS, sizeof(double), cmp_double);
+            ms = round_ms[ROUNDS / 2];
+        }
+        if (e0) cudaEventDestroy(e0);
+        if (e1) cudaEventDestroy(e1);
+    }
+    if (g) be->ops->graph_free(be, g);
+    be->ops->free(be, send);
+    be->ops->free(be, recv);
+    return ms;
+}
+
+/* A group name no other live group has: random bits (runs in other containers may share
+ * /dev/shm, but not the pid namespace). */
+static void group_name(char *out, size_t n) {
+    unsigned long long x = 0;
+    if (getrandom(&x, sizeof x, GRND_NONBLOCK) != (ssize_t)sizeof x)
+        x = (unsigned long long)(mt_now() * 1e9) ^ ((unsigned long long)getpid() << 32);
+    snprintf(out, n, "metrale-bench-%016llx", x);
+}
+
+/* One rank's run: the group, fn, and the group's teardown; the exit status. */
+static int rank_run(const char *prog, const char *group, int rank, int tp, const mt_cuda_params *cp, bench_rank_fn fn,
+                    void *user) {
+    bench_rank r = { .rank = rank, .size = tp > 0 ? tp : 1 };
+    mt_error err = { "" };
+    char hex[MT_COMM_NCCL_ID_HEX] = { 0 };
     mt_comm_nccl_id id;
-    if (mt_comm_nccl_id_new(hex, sizeof hex, err) != MT_OK || mt_comm_nccl_id_parse(hex, &id, err) != MT_OK) return NULL;
-    return mt_comm_nccl_new(&id, 0, 1, be, NULL, err);
+    int rc = 1;
+    if (tp == 0) { /* no group */
+        if (!(r.be = mt_cuda_backend_new(0, cp, &err))) {
+            fprintf(stderr, "%s: %s\n", prog, err.msg);
+            return 1;
+        }
+        rc = fn(&r, user);
+        mt_backend_free(r.be);
+        return rc;
+    }
+    mt_comm_host_params hp = mt_comm_host_default_params();
+    hp.timeout_s = 600; /* between barriers the ranks run the same work; a dead peer is seen at once */
+    if (!(r.host = mt_comm_host_new(group, rank, tp, &hp, &err))) {
+        fprintf(stderr, "%s rank %d: %s\n", prog, rank, err.msg);
+        return 1;
+    }
+    int devices = 0;
+    const cudaError_t ce = cudaGetDeviceCount(&devices);
+    if (ce != cudaSuccess || devices < tp) {
+        if (rank == 0) {
+            if (ce != cudaSuccess) fprintf(stderr, "%s: --tp %d: no usable GPU (%s)\n", prog, tp, cudaGetErrorString(ce));
+            else fprintf(stderr, "%s: --tp %d needs %d GPUs (one a rank), %d visible\n", prog, tp, tp, devices);
+        }
+        goto out;
+    }
+    /* rank 0 makes the NCCL id and hands it out, as a launcher would; an empty id: it failed */
+    if (rank == 0 && mt_comm_nccl_id_new(hex, sizeof hex, &err) != MT_OK) {
+        fprintf(stderr, "%s: %s\n", prog, err.msg);
+        hex[0] = 0;
+    }
+    if (mt_comm_broadcast(r.host, hex, sizeof hex, 0) != MT_OK) {
+        fprintf(stderr, "%s rank %d: handing out the NCCL id: %s\n", prog, rank, r.host->err.msg);
+        goto out;
+    }
+    if (!hex[0] || mt_comm_nccl_id_parse(hex, &id, &err) != MT_OK) {
+        if (hex[0]) fprintf(stderr, "%s rank %d: %s\n", prog, rank, err.msg);
+        goto out;
+    }
+    if (!(r.be = mt_cuda_backend_new(rank, cp, &err))) {
+        fprintf(stderr, "%s rank %d: %s\n", prog, rank, err.msg);
+        goto out;
+    }
+    if (!(r.comm = mt_comm_nccl_new(&id, rank, tp, r.be, NULL, &err))) {
+        fprintf(stderr, "%s rank %d: %s\n", prog, rank, err.msg);
+        goto out;
+    }
+    rc = fn(&r, user);
+    if (rc == 0) { /* no rank frees its communicator while a peer may still use it */
+        r.be->ops->sync(r.be);
+        if (mt_comm_barrier(r.host) != MT_OK) {
+            fprintf(stderr, "%s rank %d: the final barrier: %s\n", prog, rank, r.host->err.msg);
+            rc = 1;
+        }
+    }
+out:
+    mt_comm_free(r.comm);
+    mt_backend_free(r.be);
+    mt_comm_free(r.host);
+    return rc;
+}
+
+/* The GPUs a process sees, counted in a child of its own (this process must make no CUDA call
+ * before it forks the ranks); -1 when the child could not tell. */
+static int visible_gpus(void) {
+    fflush(NULL);
+    const pid_t p = fork();
+    if (p == 0) {
+        int n = 0;
+        _exit(cudaGetDeviceCount(&n) == cudaSuccess ? (n < 200 ? n : 200) : 255);
+    }
+    int ws = 0;
+    if (p < 0 || waitpid(p, &ws, 0) != p || !WIFEXITED(ws) || WEXITSTATUS(ws) == 255) return -1;
+    return WEXITSTATUS(ws);
+}
+
+int bench_run_ranks(const char *prog, int tp, const mt_cuda_params *cp, bench_rank_fn fn, void *user) {
+    if (tp < 0 || tp > MT_COMM_HOST_MAX_RANKS) {
+        fprintf(stderr, "%s: --tp %d: 1 to %d ranks\n", prog, tp, MT_COMM_HOST_MAX_RANKS);
+        return 2;
+    }
+    char group[64];
+    group_name(group, sizeof group);
+    if (tp <= 1) return rank_run(prog, group, 0, tp, cp, fn, user);
+    /* No CUDA call here: the ranks are forked, and a CUDA context does not survive a fork. */
+    const int gpus = visible_gpus();
+    if (gpus >= 0 && gpus < tp) { /* -1: each rank checks for itself */
+        fprintf(stderr, "%s: --tp %d needs %d GPUs (one a rank), %d visible\n", prog, tp, tp, gpus);
+        return 2;
+    }
+    pid_t pids[MT_COMM_HOST_MAX_RANKS];
+    int started = 0, worst = 0;
+    fflush(NULL);
+    for (; started < tp; started++) {
+        const pid_t p = fork();
+        if (p == 0) {
+            if (started > 0) {
+                if (!freopen("/dev/null", "w", stdout)) fprintf(stderr, "%s rank %d: stdout stays open\n", prog, started);
+                mt_log_set_level(MT_LOG_WARN);
+            }
+            const int rc = rank_run(prog, group, started, tp, cp, fn, user);
+            fflush(NULL);
+            _exit(rc);
+        }
+        if (p < 0) {
+            perror("fork");
+            worst = 1;
+            break;
+        }
+        pids[started] = p;
+    }
+    /* Reap the ranks; the first that fails ends the others, which would wait on it, and its exit
+     * status is returned. */
+    int left = started;
+    bool ended = worst != 0;
+    if (ended)
+        for (int i = 0; i < started; i++) kill(pids[i], SIGTERM);
+    while (left > 0) {
+        int ws = 0;
+        const pid_t p = waitpid(-1, &ws, 0);
+        if (p < 0) break;
+        int rank = -1;
+        for (int i = 0; i < started; i++)
+            if (pids[i] == p) rank = i, pids[i] = 0;
+        if (rank < 0) continue;
+        left--;
+        const int code = WIFEXITED(ws) ? WEXITSTATUS(ws) : 128 + WTERMSIG(ws);
+        if (code && !ended) { /* its status is the run's: the others' are from being ended */
+            fprintf(stderr, "%s: rank %d exited with %d; ending the other ranks\n", prog, rank, code);
+            for (int i = 0; i < started; i++)
+                if (pids[i] > 0) kill(pids[i], SIGTERM);
+            ended = true;
+            worst = code;
+        }
+    }
+    return worst;
 }

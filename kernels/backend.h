@@ -50,6 +50,9 @@ typedef struct mt_weight {
     int64_t rows, cols;
     bool owned;           /* the backend allocated data (weight_free releases it) */
     uint8_t cls;          /* mt_wcls */
+    /* Embedding tables (embed, embed_dev): the rows are ids [row0, row0 + rows) of a larger
+     * vocabulary; other ids read as zeros (a vocab-parallel shard). 0 for every other weight. */
+    int64_t row0;
 } mt_weight;
 
 /* One routed or shared expert: SwiGLU MLP with gate/up [I, H] and down [H, I]. */
@@ -197,7 +200,8 @@ typedef struct mt_backend_ops {
     uint64_t (*graph_epoch)(mt_backend *be);
 
     /* ---- positions in backend memory (the graph form of decode) ---- */
-    /* out[n, H] = table[ids[i]] with ids in backend memory. */
+    /* out[n, H] = table[ids[i]] with ids in backend memory (row ids[i] - table.row0; zeros for an
+     * id outside the table's rows). */
     void (*embed_dev)(mt_backend *be, float *out, const mt_weight *table, const int32_t *ids, int n);
     /* The cache write of one sequence: row i of src[n, dst.row] becomes position t0 + i of the paged
      * cache dst through the block table bt (rows may cross pages). Graph form: with pos set (backend
@@ -251,7 +255,8 @@ typedef struct mt_backend_ops {
                             const int32_t *nsel, int max_sel, const int32_t *pos, int n, const mt_mla_params *p);
 
     /* ---- dense ---- */
-    /* out[n, H] = table[ids[i]] ; ids on the host, each < table.rows. */
+    /* out[n, H] = table[ids[i]] ; ids on the host (row ids[i] - table.row0; zeros for an id
+     * outside the table's rows). */
     void (*embed)(mt_backend *be, float *out, const mt_weight *table, const int32_t *ids, int n);
     /* y[n, w.rows] = x[n, w.cols] . w^T, fp32 accumulation. y must not alias x. */
     void (*matmul)(mt_backend *be, float *y, const float *x, const mt_weight *w, int n);

@@ -2,7 +2,8 @@
 // thread each, joined by the shared-memory host communicator) run one model replica, rank 0
 // driving it through the leader model and the engine, the other ranks following. Every group must
 // give the greedy tokens of the whole model in one process, and logits within 1e-5 of its largest
-// logit, through prefill, chunked prefill, batched decode, prefix reuse and preemption; and each
+// logit, through prefill, chunked prefill, batched decode, prefix reuse, preemption and greedy
+// steps run ahead of the host; and each
 // rank must read about 1/N of the split tensors' bytes.
 #include <gtest/gtest.h>
 
@@ -37,7 +38,7 @@ std::string TestTmpDir() {
 struct Outcome {
     std::vector<float> logits;                  // direct model calls: prefill, then decode rows
     std::vector<std::vector<int32_t>> tokens;   // engine requests' greedy tokens
-    uint64_t prefix_hits = 0, preemptions = 0;
+    uint64_t prefix_hits = 0, preemptions = 0, ahead_steps = 0;
 };
 
 void OnTokens(void *user, uint64_t id, const eng_sample_result *t, int n) {
@@ -88,7 +89,7 @@ bool Workload(mt_model *m, Outcome *o) {
     ep.max_context = 96;
     ep.prefill_budget = 16;
     ep.prefix_block = 16;
-    ep.run_ahead = ENG_RUN_AHEAD_OFF;
+    ep.run_ahead = ENG_RUN_AHEAD_ALWAYS; /* greedy steps queued on the last step's device tokens */
     eng_callbacks cb = { o, OnTokens, OnFinished };
     eng_engine *e = nullptr;
     if (eng_new(m, &ep, &cb, &e, &err)) return fprintf(stderr, "%s\n", err.msg), false;
@@ -113,6 +114,7 @@ bool Workload(mt_model *m, Outcome *o) {
     eng_get_stats(e, &st);
     o->prefix_hits = st.prefix_hits;
     o->preemptions = st.preemptions;
+    o->ahead_steps = st.ahead_steps;
     eng_free(e);
     return true;
 }
@@ -132,6 +134,7 @@ bool WriteOutcome(const std::string &path, const Outcome &o) {
     }
     fwrite(&o.prefix_hits, sizeof o.prefix_hits, 1, f);
     fwrite(&o.preemptions, sizeof o.preemptions, 1, f);
+    fwrite(&o.ahead_steps, sizeof o.ahead_steps, 1, f);
     return fclose(f) == 0;
 }
 
@@ -150,7 +153,8 @@ bool ReadOutcome(const std::string &path, Outcome *o) {
         ok = ok && fread(t.data(), sizeof(int32_t), k, f) == k;
     }
     ok = ok && fread(&o->prefix_hits, sizeof o->prefix_hits, 1, f) == 1 &&
-         fread(&o->preemptions, sizeof o->preemptions, 1, f) == 1;
+         fread(&o->preemptions, sizeof o->preemptions, 1, f) == 1 &&
+         fread(&o->ahead_steps, sizeof o->ahead_steps, 1, f) == 1;
     fclose(f);
     return ok;
 }
@@ -216,6 +220,7 @@ TEST_P(TpGroup, GivesTheTokensAndLogitsOfOneProcess) {
     }
     ASSERT_GT(ref.prefix_hits, 0u) << "the workload must reuse a prefix";
     ASSERT_GT(ref.preemptions, 0u) << "the workload must preempt";
+    ASSERT_GT(ref.ahead_steps, 0u) << "the workload must run greedy steps ahead";
     double mx = 0;
     for (float v : ref.logits) mx = std::fmax(mx, std::fabs(v));
     for (int n : {1, 2, 4}) {
@@ -240,13 +245,15 @@ TEST_P(TpGroup, GivesTheTokensAndLogitsOfOneProcess) {
         EXPECT_EQ(got.tokens, ref.tokens) << GetParam() << " TP=" << n;
         EXPECT_EQ(got.prefix_hits, ref.prefix_hits);
         EXPECT_EQ(got.preemptions, ref.preemptions);
+        EXPECT_EQ(got.ahead_steps, ref.ahead_steps);
         ASSERT_EQ(got.logits.size(), ref.logits.size());
         double worst = 0;
         for (size_t i = 0; i < ref.logits.size(); i++) worst = std::fmax(worst, std::fabs(got.logits[i] - ref.logits[i]));
         EXPECT_LE(worst / mx, 1e-5) << GetParam() << " TP=" << n;
         printf("%s TP=%d: %zu requests' tokens identical, worst |logit diff| / max|logit| %.2e, %llu prefix hits, "
-               "%llu preemptions\n", GetParam(), n, got.tokens.size(), worst / mx, (unsigned long long)got.prefix_hits,
-               (unsigned long long)got.preemptions);
+               "%llu preemptions, %llu steps run ahead\n", GetParam(), n, got.tokens.size(), worst / mx,
+               (unsigned long long)got.prefix_hits, (unsigned long long)got.preemptions,
+               (unsigned long long)got.ahead_steps);
     }
 }
 

@@ -15,8 +15,9 @@ void cpu_weight_row(const mt_weight *w, int64_t r, float *dst) {
 static void cpu_embed(mt_backend *be, float *out, const mt_weight *table, const int32_t *ids, int n) {
     (void)be;
     for (int i = 0; i < n; i++) {
-        MT_ASSERT(ids[i] >= 0 && ids[i] < table->rows);
-        cpu_weight_row(table, ids[i], out + (size_t)i * table->cols);
+        const int64_t r = (int64_t)ids[i] - table->row0;
+        if (r >= 0 && r < table->rows) cpu_weight_row(table, r, out + (size_t)i * table->cols);
+        else memset(out + (size_t)i * table->cols, 0, sizeof(float) * (size_t)table->cols); /* another shard's */
     }
 }
 

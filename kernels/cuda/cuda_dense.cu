@@ -56,11 +56,16 @@ typedef struct embed_params {
  * 512 rows). */
 template <mt_dtype DT, int V> static __global__ void embed_kernel(const __grid_constant__ embed_params p) {
     const int i = blockIdx.x;
-    const int64_t base = (int64_t)p.ids[i] * p.H;
+    const int64_t base = (int64_t)p.ids[i] * p.H; /* p.ids[i] < 0: another shard's row, zeros */
     float *o = p.out + (int64_t)i * p.H;
     for (int d = threadIdx.x * V; d < p.H; d += blockDim.x * V) {
         float v[V];
-        cu_wload<DT, V>(p.table, base + d, v);
+        if (p.ids[i] >= 0) {
+            cu_wload<DT, V>(p.table, base + d, v);
+        } else {
+#pragma unroll
+            for (int j = 0; j < V; j++) v[j] = 0.f;
+        }
         if constexpr (V % 4 == 0) {
 #pragma unroll
             for (int j = 0; j < V; j += 4) *(float4 *)(o + d + j) = make_float4(v[j], v[j + 1], v[j + 2], v[j + 3]);
@@ -97,8 +102,8 @@ static void cu_embed(mt_backend *be, float *out, const mt_weight *table, const i
         p.table = table->data;
         p.out = out + (int64_t)i0 * p.H;
         for (int i = 0; i < p.n; i++) {
-            MT_ASSERT(ids[i0 + i] >= 0 && ids[i0 + i] < table->rows);
-            p.ids[i] = ids[i0 + i];
+            const int64_t r = (int64_t)ids[i0 + i] - table->row0;
+            p.ids[i] = r >= 0 && r < table->rows ? (int32_t)r : -1; /* -1: another shard's, zeros */
         }
         mt_status st = embed_launch(&p, table->dtype, cu_stream(be));
         if (st != MT_OK) return cu_op_status(be, "embed", st);

@@ -62,7 +62,8 @@ typedef struct embed_dev_params {
     float *out;          /* [n, H] */
     const void *table;   /* [V, H] of dtype */
     const int32_t *ids;  /* [n] device */
-    int n, H, V;
+    int n, H, V;         /* V: the table's rows */
+    int64_t row0;        /* the table's first id */
 } embed_dev_params;
 
 /* Block (column block, row i): thread t copies EMBED_PER consecutive elements of the row, all
@@ -74,15 +75,15 @@ static __global__ void embed_dev_kernel(embed_dev_params p) {
     cu_pdl_wait(); /* launched for PDL (cu_launch_pdl_k) */
     cu_pdl_trigger();
     const int i = blockIdx.y, d0 = (blockIdx.x * EMBED_THREADS + threadIdx.x) * EMBED_PER;
-    int id = p.ids[i];
-    if (id < 0 || id >= p.V) id = 0; /* validated on the host before the upload; never read out of bounds */
+    const int64_t id = p.ids[i] - p.row0;
+    const bool mine = id >= 0 && id < p.V; /* else another shard's row: zeros */
     float v[EMBED_PER];
 #pragma unroll
     for (int u = 0; u < EMBED_PER; u++) {
         const int d = d0 + u;
         const size_t k = (size_t)id * p.H + d;
         v[u] = 0.f;
-        if (d < p.H) {
+        if (mine && d < p.H) {
             if (DT == MT_BF16) v[u] = __bfloat162float(((const __nv_bfloat16 *)p.table)[k]);
             else if (DT == MT_F16) v[u] = __half2float(((const __half *)p.table)[k]);
             else v[u] = ((const float *)p.table)[k];
@@ -95,7 +96,7 @@ static __global__ void embed_dev_kernel(embed_dev_params p) {
 
 static void cu_embed_dev(mt_backend *be, float *out, const mt_weight *table, const int32_t *ids, int n) {
     if (n <= 0) return;
-    embed_dev_params p = { out, table->data, ids, n, (int)table->cols, (int)table->rows };
+    embed_dev_params p = { out, table->data, ids, n, (int)table->cols, (int)table->rows, table->row0 };
     cudaStream_t s = cu_stream(be);
     const dim3 g((unsigned)((p.H + EMBED_THREADS * EMBED_PER - 1) / (EMBED_THREADS * EMBED_PER)), (unsigned)n);
     switch (table->dtype) {

@@ -15,6 +15,8 @@ typedef enum tp_op {
     TP_SEQ_RESERVE,            /* id, a = n */
     TP_SEQ_COPY_PREFIX,        /* id = dst, a = src */
     TP_FORWARD,                /* a = parts; payload: tp_part[a], then every part's tokens */
+    TP_DECODE_AHEAD,           /* a = n, b = 1: the tokens are the last greedy step's (on the
+                                * device); payload: n sequence ids, then (b = 0) n tokens */
 } tp_op;
 
 typedef struct tp_header {
@@ -104,6 +106,17 @@ static mt_status apply(mt_model *m, tp_table *t, const tp_header *h, const char 
         }
         mt_status st = mt_model_forward(m, &(mt_batch){ parts, n }, err);
         free(parts);
+        return st;
+    }
+    case TP_DECODE_AHEAD: {
+        const int n = (int)h->a;
+        const int32_t *ids = (const int32_t *)payload;
+        mt_seq **seqs = malloc(sizeof *seqs * (size_t)n);
+        if (!seqs) return mt_errorf(err, MT_ERR_NOMEM, "out of memory for a greedy step of %d rows", n);
+        for (int i = 0; i < n; i++) seqs[i] = table_get(t, ids[i]);
+        int64_t ticket; /* rank 0 reads the tokens; here they only feed the next step */
+        mt_status st = mt_model_decode_ahead(m, seqs, h->b ? NULL : ids + n, n, &ticket, err);
+        free(seqs);
         return st;
     }
     default: return mt_errorf(err, MT_ERR_INVALID, "tensor-parallel call %d is not known", h->op);
@@ -306,13 +319,37 @@ static mt_status leader_forward(mt_model *m, const mt_batch *b, mt_error *err) {
 
 static mt_status leader_decode_ahead(mt_model *m, mt_seq **seqs, const int32_t *tokens, int n, int64_t *ticket,
                                      mt_error *err) {
-    (void)m, (void)seqs, (void)tokens, (void)n, (void)ticket;
-    return mt_errorf(err, MT_ERR_UNSUPPORTED, "greedy decode does not run ahead on a tensor-parallel group");
+    tp_leader *l = as_leader(m);
+    if (n < 1) return mt_errorf(err, MT_ERR_INVALID, "a greedy step of %d rows", n);
+    const size_t bytes = sizeof(int32_t) * (size_t)n * (tokens ? 2 : 1);
+    if (bytes > l->buf_cap) {
+        char *g = realloc(l->buf, bytes);
+        if (!g) return mt_errorf(err, MT_ERR_NOMEM, "out of memory for a greedy step's call");
+        l->buf = g;
+        l->buf_cap = bytes;
+    }
+    mt_seq **local = malloc(sizeof *local * (size_t)n);
+    if (!local) return mt_errorf(err, MT_ERR_NOMEM, "out of memory for a greedy step's call");
+    int32_t *ids = (int32_t *)l->buf;
+    for (int i = 0; i < n; i++) {
+        if (!seqs[i] || seqs[i]->model != m) {
+            free(local);
+            return mt_errorf(err, MT_ERR_INVALID, "sequence %d belongs to another model", i);
+        }
+        ids[i] = as_tseq(seqs[i])->id;
+        local[i] = as_tseq(seqs[i])->local;
+    }
+    if (tokens) memcpy(ids + n, tokens, sizeof(int32_t) * (size_t)n);
+    tp_header h = { .op = TP_DECODE_AHEAD, .a = n, .b = tokens == NULL, .payload = (int64_t)bytes };
+    mt_status st = send_call(l, h, l->buf, err);
+    if (st == MT_OK) st = call(l, mt_model_decode_ahead(l->local, local, tokens, n, ticket, err), err);
+    free(local);
+    return st;
 }
 
+/* Rank 0 reads the tokens of its own step: the followers' are the same and stay where they are. */
 static mt_status leader_ahead_tokens(mt_model *m, int64_t ticket, int32_t *out, int n) {
-    (void)m, (void)ticket, (void)out, (void)n;
-    return MT_ERR_UNSUPPORTED;
+    return mt_model_ahead_tokens(as_leader(m)->local, ticket, out, n);
 }
 
 static const mt_model_ops leader_ops = {

@@ -9,8 +9,9 @@
  * fails (the worker then exits and its group is restarted).
  *
  * Only rank 0 reads logits and greedy tokens; the followers compute the same head (its gather is
- * a collective) into scratch. Queries (describe, pool stats, lengths) are answered by rank 0's
- * shard alone.
+ * a collective) into scratch, and run greedy steps ahead of the host as rank 0 does, each on its
+ * own device tokens. Queries (describe, pool stats, lengths) are answered by rank 0's shard
+ * alone.
  *
  * Ownership: the leader borrows the local model and the control communicator (both outlive it);
  * mt_model_free of the leader frees the local model too. One thread at a time.

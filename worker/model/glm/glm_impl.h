@@ -247,12 +247,6 @@ extern const mt_model_ops glm_model_iface;
 mt_status glm_shard_plan(glm_model *m, mt_error *err);
 /* All-reduce of buf[count] (backend memory) over the group; nothing without a communicator. */
 mt_status glm_all_reduce(mt_comm *comm, float *buf, size_t count);
-/* The rank-local id of a token in the vocab-parallel embedding: its row in this rank's slice, or
- * v_n (a zero row) when another rank holds it. The token itself on one rank. */
-static inline int32_t glm_token_local(const glm_model *m, int32_t t) {
-    if (m->tp_size == 1) return t;
-    return t >= m->v_lo && t < m->v_lo + m->v_n ? t - m->v_lo : m->v_n;
-}
 /* The vocab-parallel head's logits [rows, v_n] of every rank into m->logits [rows, vocab]. */
 mt_status glm_gather_logits(glm_model *m, int rows);
 

@@ -404,13 +404,7 @@ static mt_status embed_reduce(glm_model *m, float *buf, size_t count) {
 static mt_status highway_from_tokens(glm_model *m, const int32_t *tokens, int n) {
     mt_backend *be = m->be;
     const int S = m->cfg.hc_mult, H = m->cfg.hidden_size;
-    int32_t *local = NULL;
-    if (m->tp_size > 1) {
-        if (!(local = malloc(sizeof(int32_t) * (size_t)n))) return MT_ERR_NOMEM;
-        for (int i = 0; i < n; i++) local[i] = glm_token_local(m, tokens[i]);
-    }
-    be->ops->embed(be, m->z, &m->embed, local ? local : tokens, n);
-    free(local);
+    be->ops->embed(be, m->z, &m->embed, tokens, n);
     mt_status st = embed_reduce(m, m->z, (size_t)n * H);
     for (int i = 0; i < n && st == MT_OK; i++)
         for (int j = 0; j < S; j++)
@@ -453,7 +447,7 @@ static mt_status forward(glm_model *m, glm_seq *s, const int32_t *tokens, int n,
     mt_status est;
     if (rep) {
         for (int i = 0; i < n; i++)
-            for (int j = 0; j < S; j++) rep[(size_t)i * S + j] = glm_token_local(m, tokens[i]);
+            for (int j = 0; j < S; j++) rep[(size_t)i * S + j] = tokens[i];
         be->ops->embed(be, m->X, &m->embed, rep, n * S);
         free(rep);
         est = embed_reduce(m, m->X, (size_t)n * S * H);
@@ -559,9 +553,9 @@ static mt_status seq_step(glm_model *m, glm_seq *s, const int32_t *tokens, int k
     MT_ASSERT(S <= 8 && k >= 1 && k <= GLM_VERIFY_MAX);
     memset(host, 0, sizeof(int32_t) * n_host);
     for (int i = 0; i < k; i++) {
-        if (k == 1) host[0] = glm_token_local(m, tokens[0]);
+        if (k == 1) host[0] = tokens[0];
         else
-            for (int j = 0; j < S; j++) host[(size_t)i * S + j] = glm_token_local(m, tokens[i]);
+            for (int j = 0; j < S; j++) host[(size_t)i * S + j] = tokens[i];
         host[(size_t)GLM_VERIFY_MAX * S + i] = pos + i;
     }
     be->ops->upload(be, m->d_step, host, sizeof(int32_t) * n_host);
@@ -632,7 +626,7 @@ static void rows_upload(glm_model *m, glm_seq **seqs, const int32_t *tokens, int
         glm_seq *s = i < n ? seqs[i] : m->pad_seq;
         m->h_rrow[i] = i < n ? s->len : 0;
         if (tokens)
-            for (int j = 0; j < S; j++) m->h_rrow[B + (size_t)i * S + j] = i < n ? glm_token_local(m, tokens[i]) : 0;
+            for (int j = 0; j < S; j++) m->h_rrow[B + (size_t)i * S + j] = i < n ? tokens[i] : 0;
         for (int l = 0; l < L; l++) {
             const glm_layer_state *st = (const glm_layer_state *)s->states[l];
             void *const ptrs[GLM_R_KINDS] = { st->conv[0], st->conv[1], st->conv[2], st->rec, (void *)s->bt.dev };
@@ -801,10 +795,7 @@ bool glm_model_backend_queues(const glm_model *m) { return m->be->ops->queued; }
 
 int glm_model_ahead_rows(const glm_model *m) {
     const mt_backend_ops *o = m->be->ops;
-    /* several ranks: the device's argmax would be a global id where the next step reads a rank's */
-    if (!o->argmax_dev || !o->download_begin || !o->download_end || m->runner.plan.prestage_needs_token ||
-        m->tp_size > 1)
-        return 0;
+    if (!o->argmax_dev || !o->download_begin || !o->download_end || m->runner.plan.prestage_needs_token) return 0;
     const int by_ticket = MT_TICKET_BYTES / (int)(sizeof(int32_t) * (size_t)m->cfg.hc_mult);
     return m->rcap < by_ticket ? m->rcap : by_ticket;
 }

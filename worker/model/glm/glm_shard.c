@@ -6,8 +6,8 @@
  *     the indexer are replicated (one latent head; the indexer's top-k must agree on every rank);
  *   - MLP, shared expert and every routed expert: gate/up rows and down columns (the
  *     intermediate size); the router is replicated, so every rank routes alike;
- *   - embedding and lm_head: vocab rows; the embedding's rows of the other ranks read as zeros
- *     and the sum over ranks gives each row; the head's slices are gathered;
+ *   - embedding and lm_head: vocab rows; the embedding reads the other ranks' rows as zeros
+ *     (mt_weight.row0) and the sum over ranks gives each row; the head's slices are gathered;
  *   - hyper-connections and norms: replicated.
  * Each mixer's and MLP's output is then a partial sum, all-reduced before the hyper-connection
  * that follows it (glm_layer.c). */

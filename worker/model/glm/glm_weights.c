@@ -307,40 +307,16 @@ static mt_status bind_layer(binder *b, glm_layer *l, int i) {
     return bind_mlp(b, &mw->shared, mp);
 }
 
-/* The embedding. On several ranks: this rank's vocab rows [v_lo, v_lo + v_n) and one zero row
- * after them, which the ids of other ranks' rows look up (glm_token_local), so the sum over ranks
- * of each rank's lookup is the embedding. */
+/* The embedding: on several ranks this rank's vocab rows [v_lo, v_lo + v_n), which the lookups
+ * of other ranks' ids read as zeros (mt_weight.row0), so the sum over ranks of each rank's lookup
+ * is the embedding. */
 static mt_status bind_embed(binder *b) {
     glm_model *m = b->m;
-    static const char *name = "model.language_model.embed_tokens.weight";
-    if (m->tp_size == 1) return bind_w(b, &m->embed, "%s", name);
-    snprintf(b->name, sizeof b->name, "%s", name);
-    const size_t H = (size_t)m->cfg.hidden_size, rows = (size_t)m->v_n;
-    mt_backend *be = m->be;
-    mt_status st;
-    if (b->random) {
-        const glm_tensor_spec *sp = spec_of(b);
-        const size_t es = mt_dtype_size(sp->dtype);
-        st = be->ops->weight_random(be, sp->dtype, (int64_t)rows + 1, (int64_t)H,
-                                    mt_rand_key(b->seed, name) + (uint64_t)m->tp_rank + 1, sp->mean, sp->std, &m->embed);
-        if (st == MT_OK) be->ops->zero(be, (char *)m->embed.data + rows * H * es, H * es);
-    } else {
-        const st_tensor *t = st_find(m->ar, name);
-        MT_ASSERT(t);
-        const size_t es = mt_dtype_size(t->dtype);
-        char *buf = malloc((rows + 1) * H * es);
-        if (!buf) return mt_errorf(b->err, MT_ERR_NOMEM, "out of memory for the embedding's rows");
-        memcpy(buf, (const char *)t->data + (size_t)m->v_lo * H * es, rows * H * es);
-        memset(buf + rows * H * es, 0, H * es);
-        m->bytes_sharded_total += t->nbytes;
-        m->bytes_sharded_read += rows * H * es;
-        st = be->ops->weight(be, buf, t->dtype, (int64_t)rows + 1, (int64_t)H, &m->embed);
-        if (st == MT_OK) st = keep_host(m, buf, &m->embed);
-        else free(buf);
-    }
-    if (st != MT_OK) return mt_errorf(b->err, st, "cannot place this rank's rows of %s on the backend", name);
-    m->embed.cls = wcls_of(name);
-    return MT_OK;
+    b->sh = ROWS;
+    mt_status st = bind_w(b, &m->embed, "model.language_model.embed_tokens.weight");
+    b->sh = WHOLE;
+    m->embed.row0 = m->v_lo;
+    return st;
 }
 
 static mt_status bind_all(binder *bp) {
@@ -349,7 +325,7 @@ static mt_status bind_all(binder *bp) {
     TRY(bind_embed(&b));
     if (m->cfg.tie_word_embeddings) {
         m->lm_head = m->embed;
-        m->lm_head.rows = m->v_n; /* without the zero row of a vocab-parallel embedding */
+        m->lm_head.row0 = 0;
         m->lm_head.cls = MT_WCLS_HEAD;
     } else {
         b.sh = ROWS; /* vocab-parallel */
