@@ -10,7 +10,9 @@ PACKAGES=(
     bazel-bootstrap        # Bazel 4.2.3 (offline; see WORKSPACE)
     build-essential        # gcc/g++ 12, also nvcc's host compiler
     libjson-c-dev          # //third_party:json_c (model config, manifests)
+    libpcre2-dev           # //third_party:pcre2 (the tokenizer's regexes)
     libgtest-dev googletest # //third_party:gtest_main
+    zlib1g-dev             # //third_party:zlib (the tokenizer test's gzip'd goldens)
     python3 python3-numpy  # tools/ and test fixtures
     pkg-config
     # serving: router <-> worker messages and the public gRPC API
