@@ -14,6 +14,7 @@ PACKAGES=(
     libgtest-dev googletest # //third_party:gtest_main
     zlib1g-dev             # //third_party:zlib (the tokenizer test's gzip'd goldens)
     python3 python3-numpy  # tools/ and test fixtures
+    python3-venv           # tests/deploy: the pinned PyPI tools (Helm's engine, schemas, hadolint)
     pkg-config
     # serving: router <-> worker messages and the public gRPC API
     libzmq3-dev
