@@ -222,11 +222,7 @@ static int batch_rank(bench_rank *r, void *user) {
 int main(int argc, char **argv) {
     batch_opts o = { .batches = { 1, 8, 32, 64, 128 }, .nb = 5, .prompt = 256, .steps = 16, .cp = mt_cuda_default_params() };
     bool nccl = false, tp_given = false; /* --nccl (no value): --tp 1 */
-    for (int i = 1, k = 1; i <= argc; i++) { /* takes --nccl out of argv */
-        if (i < argc && !strcmp(argv[i], "--nccl")) nccl = true;
-        else argv[k++] = argv[i];
-        if (i == argc) argc = k - 1;
-    }
+    nccl = bench_take_flag(&argc, argv, "--nccl");
     for (int i = 1; i < argc; i += 2) {
         if (i + 1 >= argc) { fprintf(stderr, "batch_bench: %s needs a value\n", argv[i]); return 2; }
         if (!strcmp(argv[i], "--batches")) o.nb = parse_list(argv[i + 1], o.batches, MAX_BATCHES);

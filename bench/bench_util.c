@@ -409,3 +409,15 @@ int bench_run_ranks(const char *prog, int tp, const mt_cuda_params *cp, bench_ra
     }
     return worst;
 }
+
+bool bench_take_flag(int *argc, char **argv, const char *name) {
+    bool found = false;
+    int k = 1;
+    for (int i = 1; i < *argc; i++) {
+        if (!strcmp(argv[i], name)) found = true;
+        else argv[k++] = argv[i];
+    }
+    *argc = k;
+    argv[k] = NULL;
+    return found;
+}

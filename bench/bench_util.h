@@ -133,4 +133,7 @@ double bench_decode_steps(const bench_rank *r, struct glm_model *m, struct glm_s
 double bench_decode_ahead(const bench_rank *r, struct glm_model *m, struct glm_seq **s, int32_t *tok, int B,
                           int steps);
 
+/* Whether argv holds the flag `name` (no value); every occurrence is taken out of argv and *argc. */
+bool bench_take_flag(int *argc, char **argv, const char *name);
+
 #endif /* MT_BENCH_UTIL_H */

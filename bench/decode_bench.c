@@ -391,11 +391,7 @@ static int decode_rank(bench_rank *r, void *user) {
 int main(int argc, char **argv) {
     decode_opts o = { .steps = 32, .context = 4096 + 64, .peak_tflops = 790, .cp = mt_cuda_default_params() };
     bool nccl = false, tp_given = false; /* --nccl (no value): --tp 1 */
-    for (int i = 1, k = 1; i <= argc; i++) { /* takes --nccl out of argv */
-        if (i < argc && !strcmp(argv[i], "--nccl")) nccl = true;
-        else argv[k++] = argv[i];
-        if (i == argc) argc = k - 1;
-    }
+    nccl = bench_take_flag(&argc, argv, "--nccl");
     for (int i = 1; i < argc; i += 2) {
         if (i + 1 >= argc) { fprintf(stderr, "decode_bench: %s needs a value\n", argv[i]); return 2; }
         if (!strcmp(argv[i], "--steps")) o.steps = atoi(argv[i + 1]);
