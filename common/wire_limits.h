@@ -54,5 +54,10 @@
 #define MT_WIRE_REQUEST_ID_MAX 128   /* request_id: 1..128 printable ASCII characters */
 #define MT_WIRE_TOP_LOGPROBS_MAX 20  /* top_logprobs: at most 20 alternatives per token */
 #define MT_WIRE_STOP_TOKENS_MAX 64   /* stopping.stop_token_ids: at most 64 entries */
+#define MT_WIRE_STOP_STRINGS_MAX 16   /* stopping.stop: at most 16 strings */
+#define MT_WIRE_STOP_STRING_BYTES_MAX 256 /* each 1..256 bytes of UTF-8 */
+#define MT_WIRE_MESSAGES_MAX 4096     /* messages: at most 4096 chat turns */
+#define MT_WIRE_ROLE_BYTES_MAX 64     /* ChatMessage.role: 1..64 bytes */
+#define MT_WIRE_KWARGS_BYTES_MAX 65536 /* chat_template_kwargs: a JSON object of at most 64 KiB */
 
 #endif /* MT_WIRE_LIMITS_H */
