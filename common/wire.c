@@ -479,6 +479,8 @@ static mt_envelope *wrap(mt_wire_msg *m, Metrale__Internal__V1__Envelope__BodyCa
     case METRALE__INTERNAL__V1__ENVELOPE__BODY_TOKENS: m->env.tokens = &m->body.tokens; break;
     case METRALE__INTERNAL__V1__ENVELOPE__BODY_FINISHED: m->env.finished = &m->body.finished; break;
     case METRALE__INTERNAL__V1__ENVELOPE__BODY_SHUTDOWN: m->env.shutdown = &m->body.shutdown; break;
+    case METRALE__INTERNAL__V1__ENVELOPE__BODY_TOKENIZE_CALL: m->env.tokenize_call = &m->body.tokenize_call; break;
+    case METRALE__INTERNAL__V1__ENVELOPE__BODY_TOKENIZED: m->env.tokenized = &m->body.tokenized; break;
     default: MT_ASSERT(!"an envelope body this side does not know");
     }
     return &m->env;
@@ -521,29 +523,66 @@ mt_envelope *mt_wire_abort(mt_wire_msg *m, uint64_t id, Metrale__V1__FinishReaso
     return wrap(m, METRALE__INTERNAL__V1__ENVELOPE__BODY_ABORT);
 }
 
-mt_envelope *mt_wire_tokens(mt_wire_msg *m, uint64_t id, Metrale__V1__GeneratedToken **tokens, size_t n) {
+/* protobuf-c's strings are char *; the builders only read them. */
+static char *str_or_empty(const char *s) { return (char *)(s ? s : ""); }
+
+mt_envelope *mt_wire_tokens(mt_wire_msg *m, uint64_t id, Metrale__V1__GeneratedToken **tokens, size_t n,
+                            const char *text, Metrale__V1__GeneratedToken **prompt_lp, size_t n_prompt_lp) {
     Metrale__Internal__V1__Tokens *t = &m->body.tokens;
     *t = (Metrale__Internal__V1__Tokens)METRALE__INTERNAL__V1__TOKENS__INIT;
     t->id = id;
     t->n_tokens = n;
     t->tokens = tokens;
+    t->text = str_or_empty(text);
+    t->n_prompt_logprobs = n_prompt_lp;
+    t->prompt_logprobs = n_prompt_lp ? prompt_lp : NULL;
     return wrap(m, METRALE__INTERNAL__V1__ENVELOPE__BODY_TOKENS);
 }
 
-mt_envelope *mt_wire_finished(mt_wire_msg *m, uint64_t id, Metrale__V1__FinishReason reason, uint32_t prompt_tokens,
-                              uint32_t completion_tokens, const char *message) {
+mt_wire_end mt_wire_end_of(Metrale__V1__FinishReason reason) {
+    return (mt_wire_end){ .reason = reason, .stop_token_id = -1 };
+}
+
+mt_envelope *mt_wire_finished(mt_wire_msg *m, uint64_t id, const mt_wire_end *e) {
     m->usage = (Metrale__V1__Usage)METRALE__V1__USAGE__INIT;
-    m->usage.prompt_tokens = prompt_tokens;
-    m->usage.completion_tokens = completion_tokens;
+    m->usage.prompt_tokens = e->prompt_tokens;
+    m->usage.completion_tokens = e->completion_tokens;
     m->final = (Metrale__V1__Final)METRALE__V1__FINAL__INIT;
-    m->final.finish_reason = reason;
+    m->final.finish_reason = e->reason;
     m->final.usage = &m->usage;
-    m->final.error_message = (char *)(message ? message : ""); /* protobuf-c's char *; only read */
+    m->final.error_message = str_or_empty(e->message);
+    if (e->stop_string) {
+        m->final.stop_reason_case = METRALE__V1__FINAL__STOP_REASON_STOP_STRING;
+        m->final.stop_string = str_or_empty(e->stop_string);
+    } else if (e->stop_token_id >= 0) {
+        m->final.stop_reason_case = METRALE__V1__FINAL__STOP_REASON_STOP_TOKEN_ID;
+        m->final.stop_token_id = (uint32_t)e->stop_token_id;
+    }
     Metrale__Internal__V1__Finished *f = &m->body.finished;
     *f = (Metrale__Internal__V1__Finished)METRALE__INTERNAL__V1__FINISHED__INIT;
     f->id = id;
     f->final = &m->final;
+    f->text = str_or_empty(e->text);
+    f->invalid_argument = e->invalid_argument;
     return wrap(m, METRALE__INTERNAL__V1__ENVELOPE__BODY_FINISHED);
+}
+
+mt_envelope *mt_wire_tokenize_call(mt_wire_msg *m, uint64_t id, Metrale__V1__TokenizeRequest *request) {
+    Metrale__Internal__V1__TokenizeCall *c = &m->body.tokenize_call;
+    *c = (Metrale__Internal__V1__TokenizeCall)METRALE__INTERNAL__V1__TOKENIZE_CALL__INIT;
+    c->id = id;
+    c->request = request;
+    return wrap(m, METRALE__INTERNAL__V1__ENVELOPE__BODY_TOKENIZE_CALL);
+}
+
+mt_envelope *mt_wire_tokenized(mt_wire_msg *m, uint64_t id, Metrale__V1__TokenizeResponse *response,
+                               const char *error) {
+    Metrale__Internal__V1__Tokenized *t = &m->body.tokenized;
+    *t = (Metrale__Internal__V1__Tokenized)METRALE__INTERNAL__V1__TOKENIZED__INIT;
+    t->id = id;
+    t->response = response;
+    t->error = str_or_empty(error);
+    return wrap(m, METRALE__INTERNAL__V1__ENVELOPE__BODY_TOKENIZED);
 }
 
 mt_envelope *mt_wire_shutdown(mt_wire_msg *m) {

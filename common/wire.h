@@ -147,6 +147,8 @@ typedef struct mt_wire_msg {
         Metrale__Internal__V1__Tokens tokens;
         Metrale__Internal__V1__Finished finished;
         Metrale__Internal__V1__Shutdown shutdown;
+        Metrale__Internal__V1__TokenizeCall tokenize_call;
+        Metrale__Internal__V1__Tokenized tokenized;
     } body;
     Metrale__V1__Final final; /* Finished only */
     Metrale__V1__Usage usage; /* Finished only */
@@ -162,11 +164,31 @@ mt_envelope *mt_wire_submit(mt_wire_msg *m, uint64_t id, Metrale__V1__GenerateRe
                             uint64_t deadline_unix_ms);
 /* router -> worker: end sequence id; the worker still answers Finished. */
 mt_envelope *mt_wire_abort(mt_wire_msg *m, uint64_t id, Metrale__V1__FinishReason reason);
-/* worker -> router: tokens[n] of sequence id, in order. */
-mt_envelope *mt_wire_tokens(mt_wire_msg *m, uint64_t id, Metrale__V1__GeneratedToken **tokens, size_t n);
-/* worker -> router: sequence id ended, after its last Tokens; message NULL = none. */
-mt_envelope *mt_wire_finished(mt_wire_msg *m, uint64_t id, Metrale__V1__FinishReason reason, uint32_t prompt_tokens,
-                              uint32_t completion_tokens, const char *message);
+/* worker -> router: tokens[n] of sequence id, in order, and the text they complete (NULL = none);
+ * with echo, the first Tokens of a sequence also carries the prompt's logprobs (n_prompt_lp of
+ * them, positions 1 onwards). */
+mt_envelope *mt_wire_tokens(mt_wire_msg *m, uint64_t id, Metrale__V1__GeneratedToken **tokens, size_t n,
+                            const char *text, Metrale__V1__GeneratedToken **prompt_lp, size_t n_prompt_lp);
+
+/* How a sequence ended, for mt_wire_finished. Strings are borrowed; NULL = none. */
+typedef struct mt_wire_end {
+    Metrale__V1__FinishReason reason;
+    uint32_t prompt_tokens, completion_tokens;
+    const char *message;         /* error or cancel reason */
+    const char *text;            /* text held back until the end */
+    const char *stop_string;     /* STOP by this stop string */
+    int64_t stop_token_id;       /* STOP by this token id; -1 = none */
+    bool invalid_argument;       /* refused before it started: the client gets INVALID_ARGUMENT */
+} mt_wire_end;
+/* An end with reason and nothing else set (stop_token_id -1). */
+mt_wire_end mt_wire_end_of(Metrale__V1__FinishReason reason);
+/* worker -> router: sequence id ended, after its last Tokens. */
+mt_envelope *mt_wire_finished(mt_wire_msg *m, uint64_t id, const mt_wire_end *end);
+/* router -> worker: tokenize a request under id; the worker answers Tokenized. */
+mt_envelope *mt_wire_tokenize_call(mt_wire_msg *m, uint64_t id, Metrale__V1__TokenizeRequest *request);
+/* worker -> router: the answer to TokenizeCall id: response, or error (non-NULL, non-empty). */
+mt_envelope *mt_wire_tokenized(mt_wire_msg *m, uint64_t id, Metrale__V1__TokenizeResponse *response,
+                               const char *error);
 /* router -> worker: finish nothing new and exit. */
 mt_envelope *mt_wire_shutdown(mt_wire_msg *m);
 

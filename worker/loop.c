@@ -253,7 +253,7 @@ static void on_tokens(void *user, uint64_t id, const eng_sample_result *toks, in
         gt[i].top_logprobs = toks[i].n_top ? lpp[i] : NULL;
         gtp[i] = &gt[i];
     }
-    wkr_transport_send_tokens(l->t, id, gtp, (size_t)n);
+    wkr_transport_send_tokens(l->t, id, gtp, (size_t)n, NULL, NULL, 0);
 }
 
 /* eng_finish has the values of metrale.v1.FinishReason. */
@@ -265,8 +265,11 @@ static void on_finished(void *user, uint64_t id, const eng_finish_info *f) {
         if (group_broken(l)) l->quiet = true;
     }
     if (l->quiet || !l->t) return;
-    wkr_transport_send_finished(l->t, id, (Metrale__V1__FinishReason)f->reason, (uint32_t)f->prompt_tokens,
-                                (uint32_t)f->completion_tokens, f->message);
+    mt_wire_end end = mt_wire_end_of((Metrale__V1__FinishReason)f->reason);
+    end.prompt_tokens = (uint32_t)f->prompt_tokens;
+    end.completion_tokens = (uint32_t)f->completion_tokens;
+    end.message = f->message;
+    wkr_transport_send_finished(l->t, id, &end);
 }
 
 /* Engine thread: publishes the engine's counters for the heartbeats and marks progress. */
@@ -378,8 +381,16 @@ static void on_submit(void *user, uint64_t id, const Metrale__V1__GenerateReques
     }
     mt_log(MT_LOG_WARN, "worker %d: submit %llu refused: %s", l->p.id, (unsigned long long)id, err.msg);
     if (strstr(err.msg, "already live")) return; /* answering would end the live one's stream */
-    wkr_transport_send_finished(l->t, id, METRALE__V1__FINISH_REASON__FINISH_REASON_ERROR,
-                                (uint32_t)g->n_prompt_token_ids, 0, err.msg);
+    mt_wire_end end = mt_wire_end_of(METRALE__V1__FINISH_REASON__FINISH_REASON_ERROR);
+    end.prompt_tokens = (uint32_t)g->n_prompt_token_ids;
+    end.message = err.msg;
+    wkr_transport_send_finished(l->t, id, &end);
+}
+
+static void on_tokenize(void *user, uint64_t id, const Metrale__V1__TokenizeRequest *req) {
+    wkr_loop *l = user;
+    (void)req;
+    wkr_transport_send_tokenized(l->t, id, NULL, "this worker does not tokenize");
 }
 
 static eng_finish finish_from_proto(Metrale__V1__FinishReason r) {
@@ -400,7 +411,7 @@ static void on_abort(void *user, uint64_t id, Metrale__V1__FinishReason reason) 
 /* ---- the loop ---- */
 
 mt_status wkr_loop_run(wkr_loop *l, const volatile sig_atomic_t *stop, mt_error *err) {
-    const wkr_handlers h = { .user = l, .on_submit = on_submit, .on_abort = on_abort };
+    const wkr_handlers h = { .user = l, .on_submit = on_submit, .on_abort = on_abort, .on_tokenize = on_tokenize };
     publish_stats(l);
     mt_status st = wkr_transport_start_heartbeats(l->t, err);
     if (st != MT_OK) return st;

@@ -80,15 +80,21 @@ static void send_env(wkr_transport *t, mt_envelope *env) {
     pthread_mutex_unlock(&t->sock_mu);
 }
 
-void wkr_transport_send_tokens(wkr_transport *t, uint64_t id, Metrale__V1__GeneratedToken **tokens, size_t n) {
+void wkr_transport_send_tokens(wkr_transport *t, uint64_t id, Metrale__V1__GeneratedToken **tokens, size_t n,
+                               const char *text, Metrale__V1__GeneratedToken **prompt_lp, size_t n_prompt_lp) {
     mt_wire_msg m;
-    send_env(t, mt_wire_tokens(&m, id, tokens, n));
+    send_env(t, mt_wire_tokens(&m, id, tokens, n, text, prompt_lp, n_prompt_lp));
 }
 
-void wkr_transport_send_finished(wkr_transport *t, uint64_t id, Metrale__V1__FinishReason reason,
-                                 uint32_t prompt_tokens, uint32_t completion_tokens, const char *message) {
+void wkr_transport_send_finished(wkr_transport *t, uint64_t id, const mt_wire_end *end) {
     mt_wire_msg m;
-    send_env(t, mt_wire_finished(&m, id, reason, prompt_tokens, completion_tokens, message));
+    send_env(t, mt_wire_finished(&m, id, end));
+}
+
+void wkr_transport_send_tokenized(wkr_transport *t, uint64_t id, Metrale__V1__TokenizeResponse *response,
+                                  const char *error) {
+    mt_wire_msg m;
+    send_env(t, mt_wire_tokenized(&m, id, response, error));
 }
 
 bool wkr_transport_take_link_lost(wkr_transport *t) {
@@ -209,8 +215,9 @@ static bool on_envelope(wkr_transport *t, const mt_envelope *env, const wkr_hand
         const Metrale__Internal__V1__Submit *s = env->submit;
         if (!s->request) {
             mt_log(MT_LOG_WARN, "worker %u: submit %llu without a request", t->p.worker_id, (unsigned long long)s->id);
-            wkr_transport_send_finished(t, s->id, METRALE__V1__FINISH_REASON__FINISH_REASON_ERROR, 0, 0,
-                                        "worker: submit without a request");
+            mt_wire_end end = mt_wire_end_of(METRALE__V1__FINISH_REASON__FINISH_REASON_ERROR);
+            end.message = "worker: submit without a request";
+            wkr_transport_send_finished(t, s->id, &end);
             return false;
         }
         h->on_submit(h->user, s->id, s->request, s->deadline_unix_ms);
@@ -219,6 +226,15 @@ static bool on_envelope(wkr_transport *t, const mt_envelope *env, const wkr_hand
     case METRALE__INTERNAL__V1__ENVELOPE__BODY_ABORT:
         h->on_abort(h->user, env->abort->id, env->abort->reason);
         return false;
+    case METRALE__INTERNAL__V1__ENVELOPE__BODY_TOKENIZE_CALL: {
+        const Metrale__Internal__V1__TokenizeCall *c = env->tokenize_call;
+        if (!c->request) {
+            wkr_transport_send_tokenized(t, c->id, NULL, "worker: tokenize call without a request");
+            return false;
+        }
+        h->on_tokenize(h->user, c->id, c->request);
+        return false;
+    }
     case METRALE__INTERNAL__V1__ENVELOPE__BODY_HEARTBEAT:
         on_heartbeat(t, env->heartbeat);
         return false;

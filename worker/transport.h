@@ -58,6 +58,9 @@ typedef struct wkr_handlers {
                       uint64_t deadline_unix_ms);
     /* Abort: end sequence id for reason (it still gets its Finished). */
     void (*on_abort)(void *user, uint64_t id, Metrale__V1__FinishReason reason);
+    /* TokenizeCall: answer with wkr_transport_send_tokenized (a call without a request is
+     * answered by the transport). */
+    void (*on_tokenize)(void *user, uint64_t id, const Metrale__V1__TokenizeRequest *request);
 } wkr_handlers;
 
 /* Connects the DEALER (unlinked: the first wkr_transport_hello_if_due says Hello). The router
@@ -99,12 +102,17 @@ bool wkr_transport_router_silent(const wkr_transport *t, double timeout_s);
 /* Malformed or unexpected messages dropped so far. */
 uint64_t wkr_transport_dropped(const wkr_transport *t);
 
-/* Any thread, while linked (unlinked, nothing is sent): tokens[n] of sequence id, in order. */
-void wkr_transport_send_tokens(wkr_transport *t, uint64_t id, Metrale__V1__GeneratedToken **tokens, size_t n);
+/* Any thread, while linked (unlinked, nothing is sent): tokens[n] of sequence id, in order, the
+ * text they complete (NULL = none) and the prompt's logprobs (echo; n_prompt_lp 0 = none). */
+void wkr_transport_send_tokens(wkr_transport *t, uint64_t id, Metrale__V1__GeneratedToken **tokens, size_t n,
+                               const char *text, Metrale__V1__GeneratedToken **prompt_lp, size_t n_prompt_lp);
 
-/* Any thread, while linked: sequence id ended, after its last Tokens; message NULL = none. */
-void wkr_transport_send_finished(wkr_transport *t, uint64_t id, Metrale__V1__FinishReason reason,
-                                 uint32_t prompt_tokens, uint32_t completion_tokens, const char *message);
+/* Any thread, while linked: sequence id ended, after its last Tokens (common/wire.h). */
+void wkr_transport_send_finished(wkr_transport *t, uint64_t id, const mt_wire_end *end);
+
+/* Any thread, while linked: the answer to TokenizeCall id, response or error. */
+void wkr_transport_send_tokenized(wkr_transport *t, uint64_t id, Metrale__V1__TokenizeResponse *response,
+                                  const char *error);
 
 #ifdef __cplusplus
 }
