@@ -31,6 +31,9 @@ struct Result {
     eng_finish reason = ENG_FINISH_ERROR;
     std::string message;
     int prompt_tokens = -1, completion_tokens = -1;
+    std::vector<int> echo_pos;  // prompt logprobs: positions, logprobs, top ids
+    std::vector<float> echo_lp;
+    std::vector<std::vector<int32_t>> echo_top;
 };
 
 struct Model {
@@ -87,6 +90,15 @@ struct Engine {
                 r.top.emplace_back(t[i].top_ids, t[i].top_ids + t[i].n_top);
             }
             self->step_tokens[id]++;
+        };
+        cb.on_prompt_logprobs = [](void *u, uint64_t id, int first, const eng_sample_result *r, int n) {
+            Result &res = static_cast<Engine *>(u)->results[id];
+            EXPECT_TRUE(res.tokens.empty()) << "prompt logprobs after a token, id " << id;
+            for (int i = 0; i < n; i++) {
+                res.echo_pos.push_back(first + i);
+                res.echo_lp.push_back(r[i].logprob);
+                res.echo_top.emplace_back(r[i].top_ids, r[i].top_ids + r[i].n_top);
+            }
         };
         cb.on_finished = [](void *u, uint64_t id, const eng_finish_info *f) {
             Result &r = static_cast<Engine *>(u)->results[id];
@@ -181,6 +193,50 @@ TEST(Engine, GreedyEqualsDirectModel) {
     EXPECT_EQ(s.sequences_finished, 1u);
     EXPECT_EQ(s.tokens_generated, 12u);
     EXPECT_EQ(s.cache_bytes_in_use, 0u);
+}
+
+// Prompt logprobs: every prompt position after the first once, in order, equal to the log-softmax
+// of a whole-prompt prefill's logits; across chunks (a prompt longer than ENG_ECHO_CHUNK and a small
+// prefill budget), beside a prefix kept by an earlier request (not reused), and the generated
+// tokens unchanged.
+TEST(Engine, PromptLogprobsMatchAWholePrefill) {
+    Model M;
+    const int V = M.vocab();
+    const std::vector<int32_t> prompt = Prompt(ENG_ECHO_CHUNK + 70, 4);
+    glm_seq *gs = nullptr;
+    mt_error err = { "" };
+    ASSERT_EQ(glm_seq_new(M.m, (int)prompt.size(), &gs, &err), MT_OK) << err.msg;
+    std::vector<float> all((size_t)prompt.size() * V);
+    ASSERT_EQ(glm_prefill(M.m, gs, prompt.data(), (int)prompt.size(), all.data(), true, &err), MT_OK) << err.msg;
+    glm_seq_free(gs);
+    const std::vector<int32_t> want = DirectGreedy(M.m, prompt, 4);
+
+    eng_params p = eng_default_params();
+    p.prefill_budget = 100;
+    p.prefix_block = 64;
+    Engine E(M.m, p);
+    ASSERT_EQ(E.Submit(1, prompt, Req(2)), MT_OK);  // keeps a prefix of the same prompt
+    E.RunToEnd();
+    eng_request r = Req(4);
+    r.prompt_logprobs = true;
+    r.top_logprobs = 3;
+    ASSERT_EQ(E.Submit(2, prompt, r), MT_OK);
+    E.RunToEnd();
+    const Result &got = E.results[2];
+    EXPECT_EQ(got.tokens, want);
+    ASSERT_EQ(got.echo_pos.size(), prompt.size() - 1);
+    for (size_t i = 0; i < got.echo_pos.size(); i++) {
+        const int pos = got.echo_pos[i];
+        ASSERT_EQ(pos, (int)i + 1);
+        const float *l = all.data() + (size_t)(pos - 1) * V;
+        double mx = -INFINITY, sum = 0;
+        for (int v = 0; v < V; v++) mx = std::max(mx, (double)l[v]);
+        for (int v = 0; v < V; v++) sum += std::exp(l[v] - mx);
+        EXPECT_NEAR(got.echo_lp[i], l[prompt[pos]] - mx - std::log(sum), 2e-4) << "position " << pos;
+        ASSERT_EQ(got.echo_top[i].size(), 3u);
+        EXPECT_EQ(got.echo_top[i][0], glm_argmax(l, V)) << "position " << pos;
+    }
+    EXPECT_TRUE(E.results[1].echo_pos.empty());
 }
 
 TEST(Engine, SequencesJoiningAndLeavingMatchEachAlone) {

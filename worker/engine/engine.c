@@ -25,6 +25,7 @@ typedef struct eng_seq {
     size_t charged;              /* cache_bytes charged at admission (worst case of its length) */
     int snap_at;                 /* prompt position to keep as a prefix snapshot, 0 = none */
     int32_t pending;             /* last sampled token, fed by the next decode */
+    int echo_next;               /* prompt_logprobs: the next prompt position to report */
     bool done;                   /* ended; removed from its array at the next compaction */
     mt_status st;                /* of the last model call on it */
     mt_error err;
@@ -46,6 +47,7 @@ struct eng_engine {
     mt_batch_part *parts;        /* [max_sequences] scratch: a decode's plan (decode_parts) */
     int32_t *tok;                /* [max_sequences] scratch: their tokens in, or a ticket's out */
     float *logits;               /* [max_sequences, vocab] host */
+    float *echo_logits;          /* [ENG_ECHO_CHUNK, vocab] host, made at the first echo prefill */
     /* A greedy step queued and not yet read (run_ahead; mt_model_decode_ahead): its rows' sequences in
      * order, a row NULL once its sequence is freed (compact), and the ticket of its tokens. */
     eng_seq **ahead;             /* [max_sequences] */
@@ -154,6 +156,7 @@ void eng_free(eng_engine *e) {
     free(e->running);
     free(e->batch);
     free(e->logits);
+    free(e->echo_logits);
     free(e->ahead);
     free(e->tok);
     free(e->gs);
@@ -231,6 +234,7 @@ mt_status eng_submit(eng_engine *e, uint64_t id, const eng_request *req, uint64_
     memcpy(s->tokens, req->prompt, sizeof(int32_t) * (size_t)req->n_prompt);
     s->req.prompt = s->tokens;
     s->n_feed = req->n_prompt;
+    s->echo_next = 1;
     int32_t *stop = s->tokens + n_tok;
     if (req->n_stop) memcpy(stop, req->stop_ids, sizeof(int32_t) * (size_t)req->n_stop);
     s->req.stop_ids = req->n_stop ? stop : NULL;
@@ -396,26 +400,56 @@ static bool make_room(eng_engine *e, eng_seq *s, int n) {
     return true;
 }
 
+/* Reports the prompt logprobs that the k rows of echo_logits just fed from s->prefilled give: row j
+ * predicts position s->prefilled + j + 1. */
+static void echo_report(eng_engine *e, eng_seq *s, int k) {
+    eng_sample_result r[ENG_ECHO_CHUNK];
+    const int first = s->echo_next;
+    int n = 0;
+    for (int j = 0; j < k; j++) {
+        const int pos = s->prefilled + j + 1;
+        if (pos != s->echo_next || pos >= s->req.n_prompt) continue;
+        eng_score(e->sampler, e->echo_logits + (size_t)j * e->vocab, s->tokens[pos], s->req.top_logprobs, &r[n++]);
+        s->echo_next++;
+    }
+    if (n && e->cb.on_prompt_logprobs) e->cb.on_prompt_logprobs(e->cb.user, s->id, first, r, n);
+}
+
 /* Feeds up to *budget more tokens of s's prefill; when it is complete, samples its first token
  * (a sequence resuming after a preemption already has its pending token). An allocation or
  * prefill failure ends it with ERROR (freed at the next compaction); a shortage of pages that
  * preempting newer sequences cannot cure preempts s itself. */
 static void prefill_some(eng_engine *e, eng_seq *s, int *budget) {
     const int rem = s->n_feed - s->prefilled;
-    const int k = sched_prefill_chunk(s->n_feed, s->prefilled, *budget, s->snap_at);
+    int k = sched_prefill_chunk(s->n_feed, s->prefilled, *budget, s->snap_at);
     float *logits = e->logits; /* row 0: the step's decode has already used these rows */
+    /* prompt logprobs: every row's logits, for positions whose next prompt token is unreported */
+    const bool echo = s->req.prompt_logprobs && s->echo_next < s->req.n_prompt;
+    if (echo) {
+        if (k > ENG_ECHO_CHUNK) k = ENG_ECHO_CHUNK;
+        if (!e->echo_logits && !(e->echo_logits = malloc(sizeof(float) * ENG_ECHO_CHUNK * (size_t)e->vocab))) {
+            seq_end(e, s, ENG_FINISH_ERROR, "engine: out of memory for prompt logprobs");
+            return;
+        }
+    }
     const bool last = k == rem, resumed = s->n_gen > 0;
     if (!make_room(e, s, k)) {
         preempt(e, s);
         return;
     }
-    const mt_batch_part part = { .kind = MT_PART_PREFILL, .seq = s->gs, .tokens = s->tokens + s->prefilled, .n = k,
-                                 .logits = last && !resumed ? logits : NULL };
+    mt_batch_part part = { .kind = MT_PART_PREFILL, .seq = s->gs, .tokens = s->tokens + s->prefilled, .n = k,
+                           .logits = last && !resumed ? logits : NULL };
+    if (echo) {
+        part.logits = e->echo_logits;
+        part.all_logits = true;
+    }
     s->st = mt_model_forward(e->m, &(mt_batch){ &part, 1 }, &s->err);
     if (s->st != MT_OK) {
         seq_end(e, s, ENG_FINISH_ERROR, s->err.msg);
         return;
     }
+    if (echo) echo_report(e, s, k);
+    if (echo && last) memcpy(logits, e->echo_logits + (size_t)(k - 1) * e->vocab, sizeof(float) * (size_t)e->vocab);
     s->prefilled += k;
     *budget -= k;
     if (s->snap_at > 0 && s->prefilled == s->snap_at) rt_prefix_keep(&e->prefixes, s->gs, s->tokens, s->snap_at, e->steps);
@@ -429,7 +463,7 @@ static void prefill_some(eng_engine *e, eng_seq *s, int *budget) {
 /* A new sequence's start: the longest kept prefix of its prompt is copied in (a hit), and the
  * boundary to keep from this prompt is chosen. */
 static void prefix_start(eng_engine *e, eng_seq *s) {
-    if (!e->p.prefix_cache_bytes) return;
+    if (!e->p.prefix_cache_bytes || s->req.prompt_logprobs) return;
     const int i = rt_prefix_find(&e->prefixes, s->tokens, s->req.n_prompt);
     mt_error err = { "" };
     s->prefilled = rt_prefix_restore(&e->prefixes, i, s->gs, e->steps, &err);

@@ -59,7 +59,13 @@ typedef struct eng_request {
     bool ignore_eos;
     bool logprobs;               /* report each token's raw logprob */
     int top_logprobs;            /* [0, ENG_TOP_LOGPROBS_MAX] alternatives per token */
+    /* Report the logprob of every prompt token after the first (and top_logprobs alternatives)
+     * through on_prompt_logprobs. Such a sequence prefills its whole prompt (no prefix reuse), in
+     * chunks of at most ENG_ECHO_CHUNK tokens. */
+    bool prompt_logprobs;
 } eng_request;
+
+#define ENG_ECHO_CHUNK 128
 
 /* A request with no prompt, greedy, max_new_tokens 16. */
 eng_request eng_default_request(void);
@@ -75,6 +81,10 @@ typedef struct eng_callbacks {
     void *user;
     /* n tokens of sequence id, in order (n is 1 today). toks valid during the call. */
     void (*on_tokens)(void *user, uint64_t id, const eng_sample_result *toks, int n);
+    /* Prompt logprobs (prompt_logprobs): r[i] scores prompt position first + i (token = the prompt's
+     * token there, >= 1), in order over one or more calls, all before the sequence's first
+     * on_tokens; never repeated after a preemption. r valid during the call. NULL: not reported. */
+    void (*on_prompt_logprobs)(void *user, uint64_t id, int first, const eng_sample_result *r, int n);
     /* Sequence id ended; its state is already freed. Called exactly once per submitted id. */
     void (*on_finished)(void *user, uint64_t id, const eng_finish_info *fin);
 } eng_callbacks;

@@ -304,3 +304,13 @@ void eng_sample(eng_sampler *s, const eng_sample_params *p, eng_rng *rng, const 
     out->n_top = 0;
     if (want_logprob || n_top > 0) raw_logprobs(logits, V, out->token, want_logprob, n_top, out);
 }
+
+void eng_score(const eng_sampler *s, const float *logits, int32_t token, int n_top, eng_sample_result *out) {
+    const int V = s->vocab;
+    if (n_top < 0) n_top = 0;
+    if (n_top > ENG_TOP_LOGPROBS_MAX) n_top = ENG_TOP_LOGPROBS_MAX;
+    if (n_top > V) n_top = V;
+    out->token = token;
+    out->n_top = 0;
+    raw_logprobs(logits, V, token, true, n_top, out);
+}

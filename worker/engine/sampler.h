@@ -89,6 +89,10 @@ void eng_sampler_free(eng_sampler *s); /* NULL ok */
 void eng_sample(eng_sampler *s, const eng_sample_params *p, eng_rng *rng, const float *logits,
                 const eng_history *hist, bool want_logprob, int n_top, eng_sample_result *out);
 
+/* The raw log-softmax of token under logits[vocab] (host, not modified) and the n_top most likely
+ * ids, as eng_sample reports them, without sampling: out->token = token. For prompt logprobs. */
+void eng_score(const eng_sampler *s, const float *logits, int32_t token, int n_top, eng_sample_result *out);
+
 #ifdef __cplusplus
 }
 #endif
