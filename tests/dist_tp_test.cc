@@ -90,7 +90,10 @@ bool Workload(mt_model *m, Outcome *o) {
     ep.prefill_budget = 16;
     ep.prefix_block = 16;
     ep.run_ahead = ENG_RUN_AHEAD_ALWAYS; /* greedy steps queued on the last step's device tokens */
-    eng_callbacks cb = { o, OnTokens, OnFinished };
+    eng_callbacks cb = {};
+    cb.user = o;
+    cb.on_tokens = OnTokens;
+    cb.on_finished = OnFinished;
     eng_engine *e = nullptr;
     if (eng_new(m, &ep, &cb, &e, &err)) return fprintf(stderr, "%s\n", err.msg), false;
     const int n_req = 6;

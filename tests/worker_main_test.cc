@@ -20,6 +20,7 @@
 #include "kernels/backend.h"
 #include "proto/metrale/internal/v1/worker.pb-c.h"
 #include "worker/model/glm/glm_model.h"
+#include "worker/text/tokenizer.h"
 
 namespace {
 
@@ -53,7 +54,8 @@ std::vector<int32_t> DirectGreedy(const std::vector<int32_t> &prompt, int n) {
 // The router side: a ROUTER socket bound to a private ipc endpoint, and the worker process.
 class WorkerProc {
   public:
-    explicit WorkerProc(std::vector<std::string> extra = {}, uint32_t max_context = 256) : max_context_(max_context) {
+    explicit WorkerProc(std::vector<std::string> extra = {}, uint32_t max_context = 256, const char *model = kModel)
+        : max_context_(max_context) {
         char tmpl[] = "/tmp/worker_main_test_XXXXXX";
         dir_ = mkdtemp(tmpl);
         endpoint_ = "ipc://" + dir_ + "/w.sock";
@@ -63,7 +65,7 @@ class WorkerProc {
         zmq_setsockopt(sock_, ZMQ_ROUTER_MANDATORY, &one, sizeof one);
         zmq_setsockopt(sock_, ZMQ_LINGER, &zero, sizeof zero);
         EXPECT_EQ(zmq_bind(sock_, endpoint_.c_str()), 0) << zmq_strerror(zmq_errno());
-        std::vector<std::string> args = { kWorker, "--model", kModel, "--router", endpoint_, "--id", "3",
+        std::vector<std::string> args = { kWorker, "--model", model, "--router", endpoint_, "--id", "3",
                                           "--threads", "1", "--max-sequences", "4", "--max-context",
                                           std::to_string(max_context) };
         args.insert(args.end(), extra.begin(), extra.end());
@@ -162,6 +164,15 @@ class WorkerProc {
         e.submit = &s;
         Send(&e);
     }
+    void SubmitRequest(uint64_t id, Metrale__V1__GenerateRequest *g) {
+        Metrale__Internal__V1__Submit s = METRALE__INTERNAL__V1__SUBMIT__INIT;
+        s.id = id;
+        s.request = g;
+        Env e = METRALE__INTERNAL__V1__ENVELOPE__INIT;
+        e.body_case = METRALE__INTERNAL__V1__ENVELOPE__BODY_SUBMIT;
+        e.submit = &s;
+        Send(&e);
+    }
     void Abort(uint64_t id) {
         Metrale__Internal__V1__Abort a = METRALE__INTERNAL__V1__ABORT__INIT;
         a.id = id;
@@ -177,6 +188,13 @@ class WorkerProc {
         e.body_case = METRALE__INTERNAL__V1__ENVELOPE__BODY_SHUTDOWN;
         e.shutdown = &sd;
         Send(&e);
+    }
+    // Waits for the Hello and returns it (the caller frees it).
+    Env *Hello() {
+        Env *e = Recv(30000);
+        EXPECT_NE(e, nullptr) << "no Hello";
+        if (e) EXPECT_EQ(e->body_case, METRALE__INTERNAL__V1__ENVELOPE__BODY_HELLO);
+        return e;
     }
     // Waits for the Hello; checks what it says.
     void ExpectHello() {
@@ -230,6 +248,15 @@ struct Stream {
     Metrale__V1__FinishReason reason = METRALE__V1__FINISH_REASON__FINISH_REASON_UNSPECIFIED;
     uint32_t prompt_tokens = 0, completion_tokens = 0;
     std::string error;
+    std::string text;                      // Tokens.text pieces, then Finished.text
+    std::vector<std::string> pieces;
+    std::vector<std::string> bytes;        // each token's bytes
+    std::vector<uint32_t> echo_ids;        // prompt_logprobs
+    std::vector<float> echo_lp;
+    std::vector<std::string> echo_bytes;
+    std::string stop_string;
+    int64_t stop_token = -1;
+    bool invalid = false;
 };
 
 // Collects Tokens and Finished until every id in want has finished (or the time is up).
@@ -254,15 +281,31 @@ void Collect(WorkerProc &w, std::map<uint64_t, Stream> &out, const std::vector<u
             EXPECT_FALSE(s.finished) << "Tokens after Finished for " << e->tokens->id;
             s.batch_sizes.push_back(e->tokens->n_tokens);
             for (size_t i = 0; i < e->tokens->n_tokens; i++) {
-                s.tokens.push_back(e->tokens->tokens[i]->token_id);
-                s.logprobs.push_back(e->tokens->tokens[i]->logprob);
-                s.n_top.push_back(e->tokens->tokens[i]->n_top_logprobs);
+                const Metrale__V1__GeneratedToken *t = e->tokens->tokens[i];
+                s.tokens.push_back(t->token_id);
+                s.logprobs.push_back(t->logprob);
+                s.n_top.push_back(t->n_top_logprobs);
+                s.bytes.emplace_back((const char *)t->bytes.data, t->bytes.len);
+            }
+            const std::string piece = e->tokens->text ? e->tokens->text : "";
+            s.text += piece;
+            s.pieces.push_back(piece);
+            for (size_t i = 0; i < e->tokens->n_prompt_logprobs; i++) {
+                const Metrale__V1__GeneratedToken *t = e->tokens->prompt_logprobs[i];
+                s.echo_ids.push_back(t->token_id);
+                s.echo_lp.push_back(t->logprob);
+                s.echo_bytes.emplace_back((const char *)t->bytes.data, t->bytes.len);
             }
         } else if (e->body_case == METRALE__INTERNAL__V1__ENVELOPE__BODY_FINISHED) {
             Stream &s = out[e->finished->id];
             EXPECT_FALSE(s.finished) << "second Finished for " << e->finished->id;
             s.finished = true;
+            s.text += e->finished->text ? e->finished->text : "";
+            s.invalid = e->finished->invalid_argument;
             if (e->finished->final) {
+                const Metrale__V1__Final *f = e->finished->final;
+                if (f->stop_reason_case == METRALE__V1__FINAL__STOP_REASON_STOP_STRING) s.stop_string = f->stop_string;
+                if (f->stop_reason_case == METRALE__V1__FINAL__STOP_REASON_STOP_TOKEN_ID) s.stop_token = f->stop_token_id;
                 s.reason = e->finished->final->finish_reason;
                 s.error = e->finished->final->error_message ? e->finished->final->error_message : "";
                 if (e->finished->final->usage) {
@@ -529,6 +572,238 @@ TEST(WorkerMain, BadArgumentsExitTwo) {
     // Another host's tcp:// endpoint without CURVE keys is refused.
     EXPECT_EQ(run({ "--model", kModel, "--router", "tcp://10.1.2.3:5555", "--id", "1" }), MT_WIRE_EXIT_STARTUP);
     EXPECT_EQ(run({ "--help" }), 0);
+}
+
+
+// ---- text: a random model of the glm_tok fixture's vocabulary, with that tokenizer ----
+
+// Writes a random checkpoint of tests/fixtures/text_tiny/config.json (vocab 6016) with the
+// glm_tok tokenizer files (GLM-style added tokens, a chat template, eos ids 6000 and 6007) into a
+// fresh folder; returns it.
+std::string TextModel() {
+    char tmpl[] = "/tmp/worker_text_model_XXXXXX";
+    const std::string dir = mkdtemp(tmpl);
+    const std::string cmd = "tools/mkckpt --config tests/fixtures/text_tiny/config.json --out " + dir +
+                            " >/dev/null && cp tests/fixtures/glm_tok/*.json " + dir;
+    EXPECT_EQ(system(cmd.c_str()), 0) << cmd;
+    return dir;
+}
+
+struct Tokenizer {
+    Tokenizer(const std::string &dir) {
+        mt_error err;
+        EXPECT_EQ(tok_load(dir.c_str(), &t, &err), MT_OK) << err.msg;
+        e = tok_encoder_new(t);
+    }
+    ~Tokenizer() {
+        tok_encoder_free(e);
+        tok_free(t);
+    }
+    std::vector<uint32_t> Encode(const std::string &s, bool special) {
+        tok_ids ids = {};
+        mt_error err;
+        EXPECT_EQ(tok_encode(e, s.data(), s.size(), special, &ids, &err), MT_OK) << err.msg;
+        std::vector<uint32_t> out(ids.ids, ids.ids + ids.n);
+        tok_ids_free(&ids);
+        return out;
+    }
+    std::string Decode(const std::vector<uint32_t> &u, bool skip = true) {
+        std::vector<int32_t> v(u.begin(), u.end());
+        tok_text out = {};
+        mt_error err;
+        EXPECT_EQ(tok_decode(t, v.data(), v.size(), skip, &out, &err), MT_OK);
+        std::string r(out.s ? out.s : "", out.n);
+        tok_text_free(&out);
+        return r;
+    }
+    std::string Bytes(uint32_t id) {
+        size_t n = 0;
+        const uint8_t *b = tok_id_to_bytes(t, (int32_t)id, &n);
+        return b ? std::string((const char *)b, n) : std::string();
+    }
+    tok_tokenizer *t = nullptr;
+    tok_encoder *e = nullptr;
+};
+
+Metrale__V1__GenerateRequest TextRequest(const char *text, Metrale__V1__StoppingCriteria *st) {
+    Metrale__V1__GenerateRequest g = METRALE__V1__GENERATE_REQUEST__INIT;
+    g.request_id = (char *)"t";
+    g.prompt_text = (char *)text;
+    g.stopping = st;
+    return g;
+}
+
+bool ValidUtf8(const std::string &s) {
+    for (size_t i = 0; i < s.size();) {
+        const unsigned char c = s[i];
+        const int n = c < 0x80 ? 1 : c >= 0xc2 && c <= 0xdf ? 2 : c >= 0xe0 && c <= 0xef ? 3 : c >= 0xf0 && c <= 0xf4 ? 4 : 0;
+        if (!n || i + n > s.size()) return false;
+        for (int k = 1; k < n; k++)
+            if ((static_cast<unsigned char>(s[i + k]) & 0xc0) != 0x80) return false;
+        i += n;
+    }
+    return true;
+}
+
+// Text prompts, streamed text, stop strings, eos ids, echo, Tokenize, and refusals, through the
+// worker binary.
+TEST(WorkerText, TextInTextOut) {
+    const std::string dir = TextModel();
+    Tokenizer tk(dir);
+    WorkerProc w({}, 256, dir.c_str());
+    Env *h = w.Hello();
+    ASSERT_NE(h, nullptr);
+    ASSERT_NE(h->hello->model, nullptr);
+    EXPECT_TRUE(h->hello->model->has_tokenizer);
+    EXPECT_TRUE(h->hello->model->has_chat_template);
+    EXPECT_EQ(std::vector<uint32_t>(h->hello->model->eos_token_ids,
+                                    h->hello->model->eos_token_ids + h->hello->model->n_eos_token_ids),
+              (std::vector<uint32_t>{ 6000, 6007 }));
+    EXPECT_EQ(h->hello->model->eos_token_id, 6000);
+    metrale__internal__v1__envelope__free_unpacked(h, nullptr);
+
+    const char *text = "The quick brown fox, 3.14159 — ünïcödé 日本語 ✨ \n\tjumps.";
+    const std::vector<uint32_t> ids = tk.Encode(text, true);
+    Metrale__V1__StoppingCriteria st = METRALE__V1__STOPPING_CRITERIA__INIT;
+    st.max_new_tokens = 40;
+    st.ignore_eos = true;
+    Metrale__V1__GenerateRequest g = TextRequest(text, &st);
+    w.SubmitRequest(1, &g);                       // text
+    w.Submit(2, ids, 40);                         // the same ids (eos ids stop it)
+    Metrale__V1__GenerateRequest e = TextRequest(text, &st);
+    e.echo = true;
+    e.top_logprobs = 2;
+    w.SubmitRequest(3, &e);                       // prompt logprobs with bytes
+    std::map<uint64_t, Stream> got;
+    Collect(w, got, { 1, 2, 3 }, 30000);
+    const Stream &a = got[1];
+    EXPECT_EQ(a.prompt_tokens, ids.size());
+    ASSERT_EQ(a.tokens.size(), 40u);
+    EXPECT_EQ(a.reason, METRALE__V1__FINISH_REASON__FINISH_REASON_LENGTH);
+    EXPECT_EQ(a.text, tk.Decode(a.tokens));
+    for (const std::string &p : a.pieces) EXPECT_TRUE(ValidUtf8(p));
+    EXPECT_TRUE(a.bytes[0].empty());              // no logprobs asked: no bytes
+    // eos ids stop the request that does not ignore them; the tokens up to it are the same
+    const Stream &b = got[2];
+    ASSERT_FALSE(b.tokens.empty());
+    EXPECT_EQ(b.tokens, std::vector<uint32_t>(a.tokens.begin(), a.tokens.begin() + b.tokens.size()));
+    if (b.reason == METRALE__V1__FINISH_REASON__FINISH_REASON_STOP) {
+        EXPECT_TRUE(b.tokens.back() == 6000 || b.tokens.back() == 6007);
+        EXPECT_EQ(b.stop_token, (int64_t)b.tokens.back());
+    } else {
+        EXPECT_EQ(b.tokens, a.tokens);
+    }
+    const Stream &c = got[3];
+    EXPECT_EQ(c.tokens, a.tokens);
+    ASSERT_EQ(c.echo_ids, std::vector<uint32_t>(ids.begin() + 1, ids.end()));
+    for (size_t i = 0; i < c.echo_ids.size(); i++) {
+        EXPECT_LE(c.echo_lp[i], 0.0f);
+        EXPECT_EQ(c.echo_bytes[i], tk.Bytes(c.echo_ids[i]));
+    }
+    for (size_t i = 0; i < c.tokens.size(); i++) EXPECT_EQ(c.bytes[i], tk.Bytes(c.tokens[i]));
+
+    // a stop string from the middle of the text: the stream ends where it completes
+    ASSERT_GE(a.text.size(), 8u);
+    size_t at = a.text.size() / 2, len = 3;
+    while (at > 0 && (static_cast<unsigned char>(a.text[at]) & 0xc0) == 0x80) at--;
+    while (at + len < a.text.size() && (static_cast<unsigned char>(a.text[at + len]) & 0xc0) == 0x80) len++;
+    const std::string stop = a.text.substr(at, len);
+    const size_t first = a.text.find(stop);
+    char *stops[] = { (char *)"never\x01", (char *)stop.c_str() };
+    Metrale__V1__StoppingCriteria st2 = st;
+    st2.n_stop = 2;
+    st2.stop = stops;
+    Metrale__V1__GenerateRequest s1 = TextRequest(text, &st2), s2 = TextRequest(text, &st2);
+    w.SubmitRequest(4, &s1);
+    Metrale__V1__StoppingCriteria st3 = st2;
+    st3.include_stop_str = true;
+    s2.stopping = &st3;
+    w.SubmitRequest(5, &s2);
+    Collect(w, got, { 4, 5 }, 30000);
+    EXPECT_EQ(got[4].reason, METRALE__V1__FINISH_REASON__FINISH_REASON_STOP);
+    EXPECT_EQ(got[4].stop_string, stop);
+    EXPECT_EQ(got[4].text, a.text.substr(0, first));
+    EXPECT_EQ(got[5].text, a.text.substr(0, first + stop.size()));
+    EXPECT_EQ(got[4].tokens, std::vector<uint32_t>(a.tokens.begin(), a.tokens.begin() + got[4].tokens.size()));
+    EXPECT_EQ(got[4].completion_tokens, got[4].tokens.size());
+    // the token that completed it was the last one sent
+    EXPECT_EQ(tk.Decode(std::vector<uint32_t>(got[4].tokens.begin(), got[4].tokens.end() - 1)).find(stop),
+              std::string::npos);
+
+    // refusals: invalid UTF-8, too long once tokenized, bad kwargs for a chat
+    Metrale__V1__GenerateRequest bad = TextRequest("ok \xff\xfe", &st);
+    w.SubmitRequest(6, &bad);
+    std::string long_text;
+    for (int i = 0; i < 400; i++) long_text += "word ";
+    Metrale__V1__GenerateRequest big = TextRequest(long_text.c_str(), &st);
+    w.SubmitRequest(7, &big);
+    Metrale__V1__ChatMessage m1 = METRALE__V1__CHAT_MESSAGE__INIT;
+    m1.role = (char *)"user";
+    m1.content = (char *)"Hi";
+    Metrale__V1__ChatMessage *msgs[] = { &m1 };
+    Metrale__V1__GenerateRequest chat = TextRequest("", &st);
+    chat.n_messages = 1;
+    chat.messages = msgs;
+    chat.chat_template_kwargs = (char *)"[1, 2]";
+    w.SubmitRequest(8, &chat);
+    Collect(w, got, { 6, 7, 8 }, 30000);
+    for (uint64_t id : { 6, 7, 8 }) {
+        EXPECT_TRUE(got[id].invalid) << id;
+        EXPECT_TRUE(got[id].tokens.empty()) << id;
+        EXPECT_EQ(got[id].reason, METRALE__V1__FINISH_REASON__FINISH_REASON_ERROR) << id;
+    }
+    EXPECT_NE(got[6].error.find("UTF-8"), std::string::npos) << got[6].error;
+    EXPECT_NE(got[7].error.find("once tokenized"), std::string::npos) << got[7].error;
+    EXPECT_NE(got[8].error.find("chat"), std::string::npos) << got[8].error;
+
+    // Tokenize: messages give the rendered template's ids, no special tokens added
+    Metrale__V1__TokenizeRequest tr = METRALE__V1__TOKENIZE_REQUEST__INIT;
+    tr.n_messages = 1;
+    tr.messages = msgs;
+    Metrale__Internal__V1__TokenizeCall call = METRALE__INTERNAL__V1__TOKENIZE_CALL__INIT;
+    call.id = 9;
+    call.request = &tr;
+    Env env = METRALE__INTERNAL__V1__ENVELOPE__INIT;
+    env.body_case = METRALE__INTERNAL__V1__ENVELOPE__BODY_TOKENIZE_CALL;
+    env.tokenize_call = &call;
+    w.Send(&env);
+    Env *r = nullptr;
+    for (int i = 0; i < 50 && !r; i++) {
+        r = w.Recv(200);
+        if (r && r->body_case != METRALE__INTERNAL__V1__ENVELOPE__BODY_TOKENIZED) {
+            metrale__internal__v1__envelope__free_unpacked(r, nullptr);
+            r = nullptr;
+        }
+    }
+    ASSERT_NE(r, nullptr) << "no Tokenized";
+    EXPECT_EQ(r->tokenized->id, 9u);
+    EXPECT_STREQ(r->tokenized->error, "");
+    ASSERT_NE(r->tokenized->response, nullptr);
+    const std::string rendered = r->tokenized->response->prompt_text;
+    EXPECT_EQ(rendered.rfind("[gMASK]<sop><|user|>\nHi", 0), 0u) << rendered;
+    EXPECT_EQ(std::vector<uint32_t>(r->tokenized->response->token_ids,
+                                    r->tokenized->response->token_ids + r->tokenized->response->n_token_ids),
+              tk.Encode(rendered, false));
+    metrale__internal__v1__envelope__free_unpacked(r, nullptr);
+    w.Shutdown();
+    EXPECT_EQ(w.Wait(10), 0);
+    EXPECT_EQ(system(("rm -rf " + dir).c_str()), 0);
+}
+
+// A model folder without tokenizer.json serves ids only: text is refused with the reason.
+TEST(WorkerText, NoTokenizerRefusesText) {
+    WorkerProc w;
+    w.ExpectHello();
+    Metrale__V1__StoppingCriteria st = METRALE__V1__STOPPING_CRITERIA__INIT;
+    st.max_new_tokens = 4;
+    Metrale__V1__GenerateRequest g = TextRequest("hello", &st);
+    w.SubmitRequest(1, &g);
+    std::map<uint64_t, Stream> got;
+    Collect(w, got, { 1 }, 10000);
+    EXPECT_TRUE(got[1].invalid);
+    EXPECT_NE(got[1].error.find("no tokenizer"), std::string::npos) << got[1].error;
+    w.Shutdown();
+    EXPECT_EQ(w.Wait(10), 0);
 }
 
 }  // namespace

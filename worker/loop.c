@@ -14,6 +14,8 @@
 #include "worker/dist/tp_model.h"
 #include "worker/engine/engine.h"
 #include "worker/model/model.h"
+#include "worker/seq_text.h"
+#include "worker/text/text_model.h"
 #include "worker/transport.h"
 
 #define IDLE_WAIT_MS 50 /* longest wait for a message when idle (holds the socket's mutex) */
@@ -31,6 +33,11 @@ struct wkr_loop {
     const char *backend_name;  /* "cpu" or "cuda" */
     Metrale__V1__ModelInfo info; /* the Hello's model; the transport borrows it */
     bool quiet;                /* dropping sequences: their callbacks send nothing */
+    txt_model *text;           /* the tokenizer and chat template; NULL: ids only */
+    wkr_texts *texts;          /* the live sequences' text state */
+    int32_t *eos;              /* [n_eos] every id that ends a sequence unless ignore_eos */
+    uint32_t *eos_u32;         /* the same, for ModelInfo */
+    size_t n_eos;
 };
 
 wkr_params wkr_default_params(void) {
@@ -165,7 +172,35 @@ mt_status wkr_follow(const wkr_params *p, bool *started, mt_error *err) {
 }
 
 static void on_tokens(void *user, uint64_t id, const eng_sample_result *toks, int n);
+static void on_prompt_logprobs(void *user, uint64_t id, int first, const eng_sample_result *r, int n);
 static void on_finished(void *user, uint64_t id, const eng_finish_info *f);
+
+/* The text side of a checkpoint folder (random:PRESET models have none), and the eos list: the
+ * tokenizer's (generation_config.json, tokenizer_config.json), then config.json's when not among
+ * them; ids outside the vocabulary are dropped. */
+static mt_status load_text(wkr_loop *l, const mt_model_info *mi, mt_error *err) {
+    mt_status st = strncmp(l->p.model, "random:", 7) ? txt_model_load(l->p.model, &l->text, err) : MT_OK;
+    if (st != MT_OK) return st;
+    if (!(l->texts = wkr_texts_new(l->text ? txt_model_tokenizer(l->text) : NULL)))
+        return mt_errorf(err, MT_ERR_NOMEM, "out of memory for the worker");
+    const tok_special_ids sp = l->text ? tok_special(txt_model_tokenizer(l->text)) : (tok_special_ids){ .bos = -1 };
+    l->eos = malloc(sizeof *l->eos * (size_t)(sp.n_eos + 1));
+    l->eos_u32 = malloc(sizeof *l->eos_u32 * (size_t)(sp.n_eos + 1));
+    if (!l->eos || !l->eos_u32) return mt_errorf(err, MT_ERR_NOMEM, "out of memory for the worker");
+    for (int i = 0; i <= sp.n_eos; i++) {
+        const int32_t id = i < sp.n_eos ? sp.eos[i] : mi->eos_token_id;
+        bool seen = id < 0 || id >= mi->vocab_size;
+        for (size_t k = 0; k < l->n_eos && !seen; k++) seen = l->eos[k] == id;
+        if (seen) continue;
+        l->eos_u32[l->n_eos] = (uint32_t)id;
+        l->eos[l->n_eos++] = id;
+    }
+    if (l->text)
+        mt_log(MT_LOG_INFO, "worker %d: tokenizer of %d ids, %zu eos ids, chat template: %s", l->p.id,
+               tok_vocab_size(txt_model_tokenizer(l->text)), l->n_eos,
+               txt_model_has_chat(l->text) ? "yes" : txt_model_chat_error(l->text) ? "refused" : "none");
+    return MT_OK;
+}
 
 mt_status wkr_loop_new(const wkr_params *p, wkr_loop **out, mt_error *err) {
     *out = NULL;
@@ -188,17 +223,23 @@ mt_status wkr_loop_new(const wkr_params *p, wkr_loop **out, mt_error *err) {
     ep.preempt = !p->no_preempt;
     ep.run_ahead = p->no_run_ahead ? ENG_RUN_AHEAD_OFF : ENG_RUN_AHEAD_AUTO;
     if ((st = plan_memory(l, &ep, err)) != MT_OK) goto fail;
-    eng_callbacks cb = { .user = l, .on_tokens = on_tokens, .on_finished = on_finished };
+    eng_callbacks cb = { .user = l, .on_tokens = on_tokens, .on_prompt_logprobs = on_prompt_logprobs,
+                         .on_finished = on_finished };
     if ((st = eng_new(l->m, &ep, &cb, &l->eng, err)) != MT_OK) goto fail;
 
     const mt_model_info mi = mt_model_describe(l->m);
+    if ((st = load_text(l, &mi, err)) != MT_OK) goto fail;
     l->info = (Metrale__V1__ModelInfo)METRALE__V1__MODEL_INFO__INIT;
     l->info.model_type = (char *)mi.arch;
     l->info.vocab_size = (uint32_t)mi.vocab_size;
     l->info.max_context = (uint32_t)p->max_context;
     l->info.num_layers = (uint32_t)mi.n_layers;
     l->info.hidden_size = (uint32_t)mi.hidden_size;
-    l->info.eos_token_id = mi.eos_token_id;
+    l->info.eos_token_id = l->n_eos ? l->eos[0] : -1;
+    l->info.n_eos_token_ids = l->n_eos;
+    l->info.eos_token_ids = l->eos_u32;
+    l->info.has_tokenizer = l->text != NULL;
+    l->info.has_chat_template = l->text && txt_model_has_chat(l->text);
     l->info.backend = (char *)l->backend_name;
     wkr_transport_params tp = { .router = p->router, .worker_id = (uint32_t)p->id,
                                 .max_sequences = (uint32_t)p->max_sequences, .model = &l->info,
@@ -223,6 +264,10 @@ void wkr_loop_free(wkr_loop *l) {
     if (l->eng) /* Finished(CANCELLED) for each live sequence while the router is reachable */
         eng_abort_all(l->eng, ENG_FINISH_CANCELLED, "worker shutting down");
     eng_free(l->eng);
+    wkr_texts_free(l->texts);
+    txt_model_free(l->text);
+    free(l->eos);
+    free(l->eos_u32);
     wkr_transport_free(l->t);
     mt_model_free(l->m);
     group_free(l);
@@ -232,31 +277,101 @@ void wkr_loop_free(wkr_loop *l) {
 
 /* ---- engine -> router ---- */
 
+/* The bytes of token id (for a logprobs entry), or none. */
+static ProtobufCBinaryData token_bytes(const wkr_loop *l, int32_t id) {
+    size_t len = 0;
+    const uint8_t *b = l->text ? tok_id_to_bytes(txt_model_tokenizer(l->text), id, &len) : NULL;
+    return (ProtobufCBinaryData){ .len = b ? len : 0, .data = (uint8_t *)b };
+}
+
+/* Fills gt (and its alternatives lp[ENG_TOP_LOGPROBS_MAX] and their pointers) from r. */
+static void fill_token(const wkr_loop *l, const eng_sample_result *r, bool bytes, Metrale__V1__GeneratedToken *gt,
+                       Metrale__V1__TokenLogprob *lp, Metrale__V1__TokenLogprob **lpp) {
+    *gt = (Metrale__V1__GeneratedToken)METRALE__V1__GENERATED_TOKEN__INIT;
+    gt->token_id = (uint32_t)r->token;
+    gt->logprob = r->logprob; /* 0 (not serialised) unless asked for */
+    if (bytes) gt->bytes = token_bytes(l, r->token);
+    for (int k = 0; k < r->n_top; k++) {
+        lp[k] = (Metrale__V1__TokenLogprob)METRALE__V1__TOKEN_LOGPROB__INIT;
+        lp[k].token_id = (uint32_t)r->top_ids[k];
+        lp[k].logprob = r->top_logprobs[k];
+        if (bytes) lp[k].bytes = token_bytes(l, r->top_ids[k]);
+        lpp[k] = &lp[k];
+    }
+    gt->n_top_logprobs = (size_t)r->n_top;
+    gt->top_logprobs = r->n_top ? lpp : NULL;
+}
+
+/* The prompt logprobs s kept, as the first Tokens' prompt_logprobs: *n entries of one
+ * allocation (free() it), NULL when none or out of memory (then they are not sent). */
+static Metrale__V1__GeneratedToken **echo_tokens(const wkr_loop *l, const wkr_seq_text *s, size_t *n) {
+    *n = 0;
+    if (!s || !s->n_echo) return NULL;
+    const size_t k = (size_t)s->n_echo;
+    const size_t one = sizeof(Metrale__V1__GeneratedToken *) + sizeof(Metrale__V1__GeneratedToken) +
+                       ENG_TOP_LOGPROBS_MAX * (sizeof(Metrale__V1__TokenLogprob) + sizeof(Metrale__V1__TokenLogprob *));
+    uint8_t *mem = malloc(one * k);
+    if (!mem) {
+        mt_log(MT_LOG_WARN, "worker %d: out of memory for %zu prompt logprobs; not sent", l->p.id, k);
+        return NULL;
+    }
+    Metrale__V1__GeneratedToken **ptr = (Metrale__V1__GeneratedToken **)mem;
+    Metrale__V1__GeneratedToken *gt = (Metrale__V1__GeneratedToken *)(ptr + k);
+    Metrale__V1__TokenLogprob *lp = (Metrale__V1__TokenLogprob *)(gt + k);
+    Metrale__V1__TokenLogprob **lpp = (Metrale__V1__TokenLogprob **)(lp + k * ENG_TOP_LOGPROBS_MAX);
+    for (size_t i = 0; i < k; i++) {
+        fill_token(l, &s->echo[i], s->bytes, &gt[i], lp + i * ENG_TOP_LOGPROBS_MAX, lpp + i * ENG_TOP_LOGPROBS_MAX);
+        ptr[i] = &gt[i];
+    }
+    *n = k;
+    return ptr;
+}
+
 static void on_tokens(void *user, uint64_t id, const eng_sample_result *toks, int n) {
     wkr_loop *l = user;
     if (l->quiet || !l->t) return;
+    wkr_seq_text *s = wkr_texts_find(l->texts, id);
+    if (s && s->stopped) return; /* a stop string ended it: what the step made after goes nowhere */
     Metrale__V1__GeneratedToken gt[n];
     Metrale__V1__GeneratedToken *gtp[n];
     Metrale__V1__TokenLogprob lp[n][ENG_TOP_LOGPROBS_MAX];
     Metrale__V1__TokenLogprob *lpp[n][ENG_TOP_LOGPROBS_MAX];
+    tok_text piece = { 0 };
+    int sent = 0;
     for (int i = 0; i < n; i++) {
-        gt[i] = (Metrale__V1__GeneratedToken)METRALE__V1__GENERATED_TOKEN__INIT;
-        gt[i].token_id = (uint32_t)toks[i].token;
-        gt[i].logprob = toks[i].logprob; /* 0 (not serialised) unless asked for */
-        for (int k = 0; k < toks[i].n_top; k++) {
-            lp[i][k] = (Metrale__V1__TokenLogprob)METRALE__V1__TOKEN_LOGPROB__INIT;
-            lp[i][k].token_id = (uint32_t)toks[i].top_ids[k];
-            lp[i][k].logprob = toks[i].top_logprobs[k];
-            lpp[i][k] = &lp[i][k];
-        }
-        gt[i].n_top_logprobs = (size_t)toks[i].n_top;
-        gt[i].top_logprobs = toks[i].n_top ? lpp[i] : NULL;
+        fill_token(l, &toks[i], s && s->bytes, &gt[i], lp[i], lpp[i]);
         gtp[i] = &gt[i];
+        sent++;
+        if (!s) continue;
+        s->n_sent++;
+        s->last_token = toks[i].token;
+        int stop = -1;
+        mt_error err = { "" };
+        if (s->out && txt_out_push(s->out, toks[i].token, &piece, &stop, &err) != MT_OK)
+            mt_log(MT_LOG_WARN, "worker %d: sequence %llu: %s", l->p.id, (unsigned long long)id, err.msg);
+        if (stop >= 0) {
+            wkr_texts_mark_stopped(l->texts, s);
+            break;
+        }
     }
-    wkr_transport_send_tokens(l->t, id, gtp, (size_t)n, NULL, NULL, 0);
+    size_t n_echo = 0;
+    Metrale__V1__GeneratedToken **echo = echo_tokens(l, s, &n_echo);
+    if (s) s->n_echo = 0;
+    wkr_transport_send_tokens(l->t, id, gtp, (size_t)sent, piece.s, echo, n_echo);
+    free(echo);
+    tok_text_free(&piece);
 }
 
-/* eng_finish has the values of metrale.v1.FinishReason. */
+static void on_prompt_logprobs(void *user, uint64_t id, int first, const eng_sample_result *r, int n) {
+    wkr_loop *l = user;
+    (void)first; /* reported in order from position 1, once each */
+    wkr_seq_text *s = wkr_texts_find(l->texts, id);
+    mt_error err = { "" };
+    if (s && wkr_seq_text_echo(s, r, n, &err) != MT_OK) mt_log(MT_LOG_WARN, "worker %d: %s", l->p.id, err.msg);
+}
+
+/* eng_finish has the values of metrale.v1.FinishReason. A sequence a stop string ended (the loop
+ * aborted it after the step, or it ended on its own in the same step) ends STOP with that string. */
 static void on_finished(void *user, uint64_t id, const eng_finish_info *f) {
     wkr_loop *l = user;
     if (f->reason == ENG_FINISH_ERROR) {
@@ -264,12 +379,30 @@ static void on_finished(void *user, uint64_t id, const eng_finish_info *f) {
         /* a step that failed because a rank died: the group is gone, and so is the sequence */
         if (group_broken(l)) l->quiet = true;
     }
-    if (l->quiet || !l->t) return;
+    wkr_seq_text *s = wkr_texts_find(l->texts, id);
+    if (l->quiet || !l->t) {
+        wkr_texts_remove(l->texts, id);
+        return;
+    }
     mt_wire_end end = mt_wire_end_of((Metrale__V1__FinishReason)f->reason);
     end.prompt_tokens = (uint32_t)f->prompt_tokens;
-    end.completion_tokens = (uint32_t)f->completion_tokens;
+    end.completion_tokens = s ? (uint32_t)s->n_sent : (uint32_t)f->completion_tokens;
     end.message = f->message;
+    tok_text rest = { 0 };
+    if (s && s->out) {
+        mt_error err = { "" };
+        if (!s->stopped && txt_out_finish(s->out, &rest, &err) != MT_OK)
+            mt_log(MT_LOG_WARN, "worker %d: sequence %llu: %s", l->p.id, (unsigned long long)id, err.msg);
+        end.text = rest.s;
+        if ((end.stop_string = txt_out_stop_string(s->out))) {
+            end.reason = METRALE__V1__FINISH_REASON__FINISH_REASON_STOP;
+            end.message = NULL;
+        }
+    }
+    if (!end.stop_string && f->reason == ENG_FINISH_STOP && s) end.stop_token_id = s->last_token;
     wkr_transport_send_finished(l->t, id, &end);
+    tok_text_free(&rest);
+    wkr_texts_remove(l->texts, id);
 }
 
 /* Engine thread: publishes the engine's counters for the heartbeats and marks progress. */
@@ -305,6 +438,24 @@ static void drop_sequences(wkr_loop *l) {
 
 /* ---- router -> engine ---- */
 
+/* The prompt of a text or chat request (text, or msgs[n]) as ids: at most max_ids of them;
+ * rendered (may be NULL) gets the text encoded. MT_ERR_INVALID with the reason when the model has
+ * no tokenizer or the prompt cannot be tokenized. */
+static mt_status text_prompt_ids(wkr_loop *l, const char *text, Metrale__V1__ChatMessage *const *msgs, size_t n,
+                                 const char *kwargs, bool generation_prompt, int add_special, size_t max_ids,
+                                 tok_ids *ids, tok_text *rendered, mt_error *err) {
+    if (!l->text) return mt_errorf(err, MT_ERR_INVALID, "the model has no tokenizer: send prompt_token_ids");
+    chat_message *cm = n ? malloc(sizeof *cm * n) : NULL;
+    if (n && !cm) return mt_errorf(err, MT_ERR_NOMEM, "worker: out of memory for %zu messages", n);
+    for (size_t i = 0; i < n; i++) cm[i] = (chat_message){ .role = msgs[i]->role, .content = msgs[i]->content };
+    const txt_prompt p = { .text = n ? NULL : text, .text_len = n ? 0 : strlen(text), .msgs = cm, .n_msgs = n,
+                           .kwargs_json = kwargs, .add_generation_prompt = generation_prompt,
+                           .add_special_tokens = add_special };
+    mt_status st = txt_model_encode(l->text, &p, max_ids, ids, rendered, err);
+    free(cm);
+    return st;
+}
+
 /* Copies n token ids into out; MT_ERR_INVALID naming what (e.g. "prompt token") for an id the
  * engine's int32 cannot hold, which no vocabulary reaches. */
 static mt_status ids_from_proto(const char *what, const uint32_t *ids, size_t n, int32_t *out, mt_error *err) {
@@ -316,26 +467,48 @@ static mt_status ids_from_proto(const char *what, const uint32_t *ids, size_t n,
     return MT_OK;
 }
 
-/* Builds the engine's request from a Submit's GenerateRequest; ids and stop ids are copied into
- * the caller's buffers (n entries each). MT_ERR_INVALID with a message on what the engine cannot
- * express (ids above INT32_MAX, counts above the wire limits, prompt text). */
-static mt_status request_from_proto(const Metrale__V1__GenerateRequest *g, int32_t *prompt, int32_t *stops,
+/* What a Submit needs besides the engine's request: its prompt and stop ids, owned here. */
+typedef struct submit_buf {
+    tok_ids prompt;              /* the prompt's ids, from the request or its text */
+    int32_t *stops;              /* the request's stop ids, then the eos ids unless ignore_eos */
+} submit_buf;
+
+/* Builds the engine's request from a Submit's GenerateRequest into r, its arrays into b (the
+ * caller frees them). MT_ERR_INVALID with a message for what the engine cannot take: a text prompt
+ * the tokenizer refuses or that is too long once tokenized, ids above INT32_MAX, counts above the
+ * wire limits. */
+static mt_status request_from_proto(wkr_loop *l, const Metrale__V1__GenerateRequest *g, submit_buf *b,
                                     eng_request *r, mt_error *err) {
     *r = eng_default_request();
-    if (g->prompt_text && g->prompt_text[0])
-        return mt_errorf(err, MT_ERR_INVALID, "prompt_text is not supported (no tokenizer yet)");
-    if (g->n_prompt_token_ids > MT_WIRE_CONTEXT_MAX)
-        return mt_errorf(err, MT_ERR_INVALID, "prompt of %zu tokens: at most %d", g->n_prompt_token_ids,
-                         MT_WIRE_CONTEXT_MAX);
-    mt_status st = ids_from_proto("prompt token", g->prompt_token_ids, g->n_prompt_token_ids, prompt, err);
-    if (st != MT_OK) return st;
-    r->prompt = prompt;
-    r->n_prompt = (int)g->n_prompt_token_ids;
+    const Metrale__V1__StoppingCriteria *stop = g->stopping;
+    r->max_new_tokens = 0; /* required: the engine says so when missing */
+    if (stop) r->max_new_tokens = stop->max_new_tokens > INT32_MAX ? INT32_MAX : (int)stop->max_new_tokens;
+    mt_status st;
+    if ((g->prompt_text && g->prompt_text[0]) || g->n_messages) {
+        const long room = (long)l->p.max_context - r->max_new_tokens;
+        st = text_prompt_ids(l, g->prompt_text ? g->prompt_text : "", g->messages, g->n_messages,
+                             g->chat_template_kwargs, !g->no_generation_prompt,
+                             g->has_add_special_tokens ? g->add_special_tokens : -1,
+                             room > 0 ? (size_t)room : 1, &b->prompt, NULL, err);
+        if (st != MT_OK) return st;
+    } else {
+        if (g->n_prompt_token_ids > MT_WIRE_CONTEXT_MAX)
+            return mt_errorf(err, MT_ERR_INVALID, "prompt of %zu tokens: at most %d", g->n_prompt_token_ids,
+                             MT_WIRE_CONTEXT_MAX);
+        b->prompt.ids = malloc(sizeof(int32_t) * (g->n_prompt_token_ids + 1));
+        if (!b->prompt.ids) return mt_errorf(err, MT_ERR_NOMEM, "worker: out of memory for a request");
+        st = ids_from_proto("prompt token", g->prompt_token_ids, g->n_prompt_token_ids, b->prompt.ids, err);
+        if (st != MT_OK) return st;
+        b->prompt.n = g->n_prompt_token_ids;
+    }
+    r->prompt = b->prompt.ids;
+    r->n_prompt = (int)b->prompt.n;
     if (g->top_logprobs > MT_WIRE_TOP_LOGPROBS_MAX)
         return mt_errorf(err, MT_ERR_INVALID, "top_logprobs must be <= %d, got %u", MT_WIRE_TOP_LOGPROBS_MAX,
                          g->top_logprobs);
     r->logprobs = g->logprobs;
     r->top_logprobs = (int)g->top_logprobs;
+    r->prompt_logprobs = g->echo;
     const Metrale__V1__SamplingParams *s = g->sampling;
     if (s) { /* the API's "0 = off" encoding */
         r->sampling.temperature = s->temperature;
@@ -348,49 +521,92 @@ static mt_status request_from_proto(const Metrale__V1__GenerateRequest *g, int32
         r->has_seed = s->has_seed;
         r->seed = s->seed;
     }
-    const Metrale__V1__StoppingCriteria *stop = g->stopping;
-    r->max_new_tokens = 0; /* required: the engine says so when missing */
-    if (stop) {
-        r->max_new_tokens = stop->max_new_tokens > INT32_MAX ? INT32_MAX : (int)stop->max_new_tokens;
-        if (stop->n_stop_token_ids > MT_WIRE_STOP_TOKENS_MAX)
-            return mt_errorf(err, MT_ERR_INVALID, "%zu stop tokens: at most %d", stop->n_stop_token_ids,
-                             MT_WIRE_STOP_TOKENS_MAX);
-        st = ids_from_proto("stop token", stop->stop_token_ids, stop->n_stop_token_ids, stops, err);
-        if (st != MT_OK) return st;
-        r->stop_ids = stops;
-        r->n_stop = (int)stop->n_stop_token_ids;
-        r->ignore_eos = stop->ignore_eos;
+    const size_t n_user = stop ? stop->n_stop_token_ids : 0;
+    if (n_user > MT_WIRE_STOP_TOKENS_MAX)
+        return mt_errorf(err, MT_ERR_INVALID, "%zu stop tokens: at most %d", n_user, MT_WIRE_STOP_TOKENS_MAX);
+    if (!(b->stops = malloc(sizeof(int32_t) * (n_user + l->n_eos + 1))))
+        return mt_errorf(err, MT_ERR_NOMEM, "worker: out of memory for a request");
+    if (stop && (st = ids_from_proto("stop token", stop->stop_token_ids, n_user, b->stops, err)) != MT_OK) return st;
+    r->ignore_eos = stop && stop->ignore_eos;
+    size_t n_stop = n_user;
+    if (!r->ignore_eos) { /* the tokenizer's eos ids beside the model's own */
+        memcpy(b->stops + n_stop, l->eos, sizeof(int32_t) * l->n_eos);
+        n_stop += l->n_eos;
     }
+    r->stop_ids = b->stops;
+    r->n_stop = (int)n_stop;
     return MT_OK;
+}
+
+/* Refuses Submit id before it started: Finished(ERROR, why), INVALID_ARGUMENT for the client when
+ * the request itself is at fault. */
+static void refuse(wkr_loop *l, uint64_t id, uint32_t prompt_tokens, mt_status st, const char *why) {
+    mt_log(MT_LOG_WARN, "worker %d: submit %llu refused: %s", l->p.id, (unsigned long long)id, why);
+    mt_wire_end end = mt_wire_end_of(METRALE__V1__FINISH_REASON__FINISH_REASON_ERROR);
+    end.prompt_tokens = prompt_tokens;
+    end.message = why;
+    end.invalid_argument = st == MT_ERR_INVALID;
+    wkr_transport_send_finished(l->t, id, &end);
 }
 
 static void on_submit(void *user, uint64_t id, const Metrale__V1__GenerateRequest *g, uint64_t deadline_unix_ms) {
     wkr_loop *l = user;
-    const size_t n_stop = g->stopping ? g->stopping->n_stop_token_ids : 0;
-    int32_t *buf = malloc(sizeof(int32_t) * (g->n_prompt_token_ids + n_stop + 1));
-    mt_error err = { "" };
-    eng_request r;
-    mt_status st = !buf ? mt_errorf(&err, MT_ERR_NOMEM, "worker: out of memory for a request")
-                        : request_from_proto(g, buf, buf + g->n_prompt_token_ids, &r, &err);
-    if (st == MT_OK) st = eng_submit(l->eng, id, &r, deadline_unix_ms, &err);
-    free(buf);
-    if (st == MT_OK) {
-        mt_log(MT_LOG_DEBUG, "worker %d: submit %llu: %zu prompt tokens", l->p.id, (unsigned long long)id,
-               g->n_prompt_token_ids);
+    if (wkr_texts_find(l->texts, id)) { /* answering would end the live one's stream */
+        mt_log(MT_LOG_WARN, "worker %d: submit %llu refused: already live", l->p.id, (unsigned long long)id);
         return;
     }
-    mt_log(MT_LOG_WARN, "worker %d: submit %llu refused: %s", l->p.id, (unsigned long long)id, err.msg);
-    if (strstr(err.msg, "already live")) return; /* answering would end the live one's stream */
-    mt_wire_end end = mt_wire_end_of(METRALE__V1__FINISH_REASON__FINISH_REASON_ERROR);
-    end.prompt_tokens = (uint32_t)g->n_prompt_token_ids;
-    end.message = err.msg;
-    wkr_transport_send_finished(l->t, id, &end);
+    mt_error err = { "" };
+    submit_buf b = { 0 };
+    eng_request r;
+    mt_status st = request_from_proto(l, g, &b, &r, &err);
+    wkr_seq_text *s = NULL;
+    if (st == MT_OK) {
+        const Metrale__V1__StoppingCriteria *stop = g->stopping;
+        const txt_out_params tp = { .stops = stop ? (const char *const *)stop->stop : NULL,
+                                    .n_stops = stop ? stop->n_stop : 0,
+                                    .include_stop = stop && stop->include_stop_str,
+                                    .skip_special_tokens = g->has_skip_special_tokens ? g->skip_special_tokens : true };
+        st = wkr_texts_add(l->texts, id, &tp, g->logprobs || g->top_logprobs || g->echo, &s, &err);
+    }
+    if (st == MT_OK) st = eng_submit(l->eng, id, &r, deadline_unix_ms, &err);
+    const uint32_t n_prompt = (uint32_t)b.prompt.n;
+    tok_ids_free(&b.prompt);
+    free(b.stops);
+    if (st == MT_OK) {
+        mt_log(MT_LOG_DEBUG, "worker %d: submit %llu: %u prompt tokens", l->p.id, (unsigned long long)id, n_prompt);
+        return;
+    }
+    if (s) wkr_texts_remove(l->texts, id);
+    refuse(l, id, n_prompt, st, err.msg);
 }
 
+/* Tokenize: the ids Generate would feed for the same text or messages. */
 static void on_tokenize(void *user, uint64_t id, const Metrale__V1__TokenizeRequest *req) {
     wkr_loop *l = user;
-    (void)req;
-    wkr_transport_send_tokenized(l->t, id, NULL, "this worker does not tokenize");
+    tok_ids ids = { 0 };
+    tok_text rendered = { 0 };
+    mt_error err = { "" };
+    mt_status st = (!req->text || !req->text[0]) && !req->n_messages
+                       ? mt_errorf(&err, MT_ERR_INVALID, "nothing to tokenize: give text or messages")
+                       : text_prompt_ids(l, req->text ? req->text : "", req->messages, req->n_messages,
+                                         req->chat_template_kwargs, !req->no_generation_prompt,
+                                         req->has_add_special_tokens ? req->add_special_tokens : -1,
+                                         (size_t)MT_WIRE_CONTEXT_MAX, &ids, &rendered, &err);
+    uint32_t *u = st == MT_OK ? malloc(sizeof *u * (ids.n + 1)) : NULL;
+    if (st == MT_OK && !u) st = mt_errorf(&err, MT_ERR_NOMEM, "worker: out of memory for %zu ids", ids.n);
+    if (st == MT_OK) {
+        for (size_t i = 0; i < ids.n; i++) u[i] = (uint32_t)ids.ids[i];
+        Metrale__V1__TokenizeResponse resp = METRALE__V1__TOKENIZE_RESPONSE__INIT;
+        resp.n_token_ids = ids.n;
+        resp.token_ids = u;
+        resp.prompt_text = rendered.s ? rendered.s : (char *)"";
+        wkr_transport_send_tokenized(l->t, id, &resp, NULL);
+    } else {
+        wkr_transport_send_tokenized(l->t, id, NULL, err.msg);
+    }
+    free(u);
+    tok_ids_free(&ids);
+    tok_text_free(&rendered);
 }
 
 static eng_finish finish_from_proto(Metrale__V1__FinishReason r) {
@@ -409,6 +625,14 @@ static void on_abort(void *user, uint64_t id, Metrale__V1__FinishReason reason) 
 }
 
 /* ---- the loop ---- */
+
+/* Ends the sequences a stop string ended during the step (callbacks cannot call the engine). */
+static void end_stopped(wkr_loop *l) {
+    uint64_t ids[64];
+    size_t n;
+    while ((n = wkr_texts_take_stopped(l->texts, ids, 64)) > 0)
+        for (size_t i = 0; i < n; i++) eng_abort(l->eng, ids[i], ENG_FINISH_STOP, NULL); /* gone already: fine */
+}
 
 mt_status wkr_loop_run(wkr_loop *l, const volatile sig_atomic_t *stop, mt_error *err) {
     const wkr_handlers h = { .user = l, .on_submit = on_submit, .on_abort = on_abort, .on_tokenize = on_tokenize };
@@ -432,6 +656,7 @@ mt_status wkr_loop_run(wkr_loop *l, const volatile sig_atomic_t *stop, mt_error 
             break;
         }
         if (eng_has_work(l->eng)) eng_step(l->eng, NULL);
+        end_stopped(l);
         publish_stats(l);
     }
     wkr_transport_stop_heartbeats(l->t);
