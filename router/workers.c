@@ -129,11 +129,11 @@ void rtr_workers_set_stats(rtr_worker *w, const Metrale__V1__WorkerStats *s) {
     w->stats.slots_total = s->slots_total;
 }
 
-rtr_worker *rtr_workers_pick(rtr_workers *reg) {
+static rtr_worker *pick(rtr_workers *reg, bool need_room) {
     rtr_worker *best = NULL;
     for (size_t i = 0; i < reg->n; i++) {
         rtr_worker *w = reg->w[i];
-        if (!w->alive || !w->reachable || w->in_flight >= w->max_sequences) continue;
+        if (!w->alive || !w->reachable || (need_room && w->in_flight >= w->max_sequences)) continue;
         if (!best) { best = w; continue; }
         /* load = in_flight / max_sequences, compared without division */
         uint64_t a = (uint64_t)w->in_flight * best->max_sequences;
@@ -143,6 +143,10 @@ rtr_worker *rtr_workers_pick(rtr_workers *reg) {
     if (best) best->last_pick = ++reg->picks;
     return best;
 }
+
+rtr_worker *rtr_workers_pick(rtr_workers *reg) { return pick(reg, true); }
+
+rtr_worker *rtr_workers_pick_any(rtr_workers *reg) { return pick(reg, false); }
 
 void rtr_workers_mark_dead(rtr_worker *w) {
     w->alive = false;

@@ -93,6 +93,10 @@ void rtr_workers_set_stats(rtr_worker *w, const Metrale__V1__WorkerStats *stats)
 /* The live, reachable worker with room and the lowest load, or NULL. Marks it picked. */
 rtr_worker *rtr_workers_pick(rtr_workers *reg);
 
+/* The same for work that takes no sequence slot (a Tokenize call): the live, reachable worker
+ * with the lowest load, room or not, or NULL. Marks it picked. */
+rtr_worker *rtr_workers_pick_any(rtr_workers *reg);
+
 /* Declares w dead: not alive, in_flight and its live_sequences reset to 0. */
 void rtr_workers_mark_dead(rtr_worker *w);
 
