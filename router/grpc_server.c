@@ -31,6 +31,7 @@ static const char *const METHOD_PATHS[RTR_METHOD_COUNT] = {
     [RTR_METHOD_GET_STATS] = "/metrale.v1.Generation/GetStats",
     [RTR_METHOD_HEALTH_CHECK] = "/grpc.health.v1.Health/Check",
     [RTR_METHOD_HEALTH_WATCH] = "/grpc.health.v1.Health/Watch",
+    [RTR_METHOD_TOKENIZE] = "/metrale.v1.Generation/Tokenize",
 };
 
 const char *rtr_method_path(rtr_method m) {
@@ -76,6 +77,7 @@ struct rtr_call {
     char *pending_details;
     struct rtr_stream *stream;
     struct rtr_health_watch *watch;
+    struct rtr_tokenize *tokenize;
 };
 
 typedef struct event {
@@ -483,3 +485,5 @@ void rtr_call_set_stream(rtr_call *c, struct rtr_stream *s) { c->stream = s; }
 struct rtr_stream *rtr_call_stream(const rtr_call *c) { return c->stream; }
 void rtr_call_set_watch(rtr_call *c, struct rtr_health_watch *w) { c->watch = w; }
 struct rtr_health_watch *rtr_call_watch(const rtr_call *c) { return c->watch; }
+void rtr_call_set_tokenize(rtr_call *c, struct rtr_tokenize *t) { c->tokenize = t; }
+struct rtr_tokenize *rtr_call_tokenize(const rtr_call *c) { return c->tokenize; }

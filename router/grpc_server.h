@@ -40,6 +40,7 @@ typedef enum rtr_method {
     RTR_METHOD_GET_STATS = 2,      /* /metrale.v1.Generation/GetStats */
     RTR_METHOD_HEALTH_CHECK = 3,   /* /grpc.health.v1.Health/Check */
     RTR_METHOD_HEALTH_WATCH = 4,   /* /grpc.health.v1.Health/Watch, server-streaming */
+    RTR_METHOD_TOKENIZE = 5,       /* /metrale.v1.Generation/Tokenize */
     RTR_METHOD_COUNT
 } rtr_method;
 
@@ -52,6 +53,7 @@ typedef struct rtr_call rtr_call;
 struct rtr_router;
 struct rtr_stream;
 struct rtr_health_watch;
+struct rtr_tokenize;
 
 typedef struct rtr_grpc_handlers {
     struct rtr_router *router; /* passed back to every handler */
@@ -111,6 +113,8 @@ void rtr_call_set_stream(rtr_call *c, struct rtr_stream *s);
 struct rtr_stream *rtr_call_stream(const rtr_call *c);
 void rtr_call_set_watch(rtr_call *c, struct rtr_health_watch *w);
 struct rtr_health_watch *rtr_call_watch(const rtr_call *c);
+void rtr_call_set_tokenize(rtr_call *c, struct rtr_tokenize *t);
+struct rtr_tokenize *rtr_call_tokenize(const rtr_call *c);
 
 #ifdef __cplusplus
 }

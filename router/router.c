@@ -11,6 +11,17 @@
  *            which frees the worker's slot; a worker that never answers is given up on after
  *            ABORT_GIVE_UP_S.
  * Streams are in an id hash (for the worker's messages) and a list (for scans).
+ *
+ * Text: a stream's messages carry the text of the Tokens they batch, concatenated (each piece is
+ * whole UTF-8 characters), and the echo's prompt logprobs; the final message adds the text the
+ * worker held back (Finished.text). A Finished with invalid_argument (the worker refused the
+ * text: not UTF-8, too long once tokenized, a template that failed) ends the call
+ * INVALID_ARGUMENT instead.
+ *
+ * A Tokenize call is an rtr_tokenize entry: sent to the least loaded live worker (full or not:
+ * it takes no sequence slot) under an id of the streams' id space, answered when its Tokenized
+ * comes back, UNAVAILABLE when that worker is lost, DEADLINE_EXCEEDED past the client's deadline
+ * or TOKENIZE_TIMEOUT_S; a client that goes away drops the entry.
  */
 #include "router/router.h"
 
@@ -39,6 +50,7 @@
 #define DEADLINE_SLACK_S 0.1  /* a worker ending a sequence this close to its deadline ended it for the deadline */
 #define PROBE_WINDOW_S 0.5    /* after a connection closed: how long the workers are probed */
 #define PROBE_MS 10           /* ... and how often (a send to a gone worker fails at once) */
+#define TOKENIZE_TIMEOUT_S 10.0 /* a Tokenize call without a nearer deadline is answered by then */
 #define REQUEUES_MAX 2        /* a stream goes back to the queue at most this often (a request
                                  that kills every worker it reaches must not go round forever) */
 
@@ -63,6 +75,15 @@ typedef struct rtr_stream {
     struct rtr_stream *prev, *next;    /* all streams */
 } rtr_stream;
 
+/* A Tokenize call waiting for a worker's Tokenized. */
+typedef struct rtr_tokenize {
+    uint64_t id;                       /* TokenizeCall.id, from the streams' id space */
+    rtr_call *call;                    /* always set: the entry goes when its call is answered or gone */
+    rtr_worker *worker;
+    double deadline;                   /* mt_now() clock: the client's, at most TOKENIZE_TIMEOUT_S */
+    struct rtr_tokenize *prev, *next;
+} rtr_tokenize;
+
 typedef enum drain_phase { RUNNING, DRAIN_STREAMS, DRAIN_WORKERS, DRAIN_GRPC, STOPPED } drain_phase;
 
 struct rtr_router {
@@ -76,6 +97,7 @@ struct rtr_router {
     rtr_stream *buckets[STREAM_BUCKETS];
     rtr_stream *streams;
     size_t nstreams;
+    rtr_tokenize *tokenizes;           /* pending Tokenize calls (few and short: a list) */
     uint64_t next_id;
     uint64_t heartbeat_seq;
     double next_heartbeat;
@@ -243,16 +265,28 @@ static void dispatch_queue(rtr_router *r) {
     }
 }
 
-/* Sends what the stream holds: pending tokens, and when fin is set, the final message and the
- * OK status (which ends the stream). */
-static void stream_flush(rtr_stream *s, const Metrale__V1__Final *fin) {
+/* Sends what the stream holds: pending tokens, their text and prompt logprobs; and when fin is
+ * set, the final message (with tail, the text the worker held back until the end, after the
+ * pending text) and the OK status, which ends the stream. Each piece of text is whole UTF-8
+ * characters (the worker's promise), so their concatenation is valid UTF-8 too. */
+static void stream_flush(rtr_stream *s, const Metrale__V1__Final *fin, const char *tail) {
     if (!s->call) return;
     if (!fin && (s->npending == 0 || rtr_call_send_busy(s->call))) return;
-    size_t ntok = 0;
-    for (size_t i = 0; i < s->npending; i++) ntok += s->pending[i]->tokens->n_tokens;
+    size_t ntok = 0, nplp = 0, ntext = tail ? strlen(tail) : 0;
+    for (size_t i = 0; i < s->npending; i++) {
+        const Metrale__Internal__V1__Tokens *t = s->pending[i]->tokens;
+        ntok += t->n_tokens;
+        nplp += t->n_prompt_logprobs;
+        ntext += t->text ? strlen(t->text) : 0;
+    }
+    /* Small messages (the common case: one envelope of a few tokens) need no allocation. */
     Metrale__V1__GeneratedToken *one[16];
-    Metrale__V1__GeneratedToken **toks = ntok <= 16 ? one : malloc(ntok * sizeof *toks);
-    if (!toks) {
+    char small[256];
+    Metrale__V1__GeneratedToken **toks = ntok + nplp <= 16 ? one : malloc((ntok + nplp) * sizeof *toks);
+    char *text = ntext < sizeof small ? small : malloc(ntext + 1);
+    if (!toks || !text) {
+        if (toks != one) free(toks);
+        if (text != small) free(text);
         /* Keep the tokens; the next flush (send done or Finished) tries again. At the end,
          * rather than a final message that skips tokens, an error. */
         if (fin) {
@@ -261,13 +295,28 @@ static void stream_flush(rtr_stream *s, const Metrale__V1__Final *fin) {
         }
         return;
     }
-    size_t k = 0;
-    for (size_t i = 0; i < s->npending && k < ntok; i++)
-        for (size_t j = 0; j < s->pending[i]->tokens->n_tokens; j++) toks[k++] = s->pending[i]->tokens->tokens[j];
+    Metrale__V1__GeneratedToken **plp = toks + ntok;
+    size_t k = 0, kp = 0, kt = 0;
+    for (size_t i = 0; i < s->npending; i++) {
+        const Metrale__Internal__V1__Tokens *t = s->pending[i]->tokens;
+        for (size_t j = 0; j < t->n_tokens; j++) toks[k++] = t->tokens[j];
+        for (size_t j = 0; j < t->n_prompt_logprobs; j++) plp[kp++] = t->prompt_logprobs[j];
+        size_t n = t->text ? strlen(t->text) : 0;
+        if (n) memcpy(text + kt, t->text, n);
+        kt += n;
+    }
+    if (tail) {
+        memcpy(text + kt, tail, strlen(tail));
+        kt += strlen(tail);
+    }
+    text[kt] = '\0';
     Metrale__V1__GenerateResponse resp = METRALE__V1__GENERATE_RESPONSE__INIT;
     resp.request_id = s->request_id;
     resp.n_tokens = k;
     resp.tokens = toks;
+    resp.n_prompt_logprobs = kp;
+    resp.prompt_logprobs = plp;
+    resp.text = text;
     resp.final = (Metrale__V1__Final *)fin;
     if (fin) {
         rtr_call_finish(s->call, GRPC_STATUS_OK, NULL, &resp.base);
@@ -277,7 +326,39 @@ static void stream_flush(rtr_stream *s, const Metrale__V1__Final *fin) {
         rtr_call_send(s->call, &resp.base);
     }
     if (toks != one) free(toks);
+    if (text != small) free(text);
     stream_drop_pending(s);
+}
+
+/* ---- tokenize calls ---- */
+
+/* Detaches the call and frees the entry; a late Tokenized for it finds nothing. Alone: the
+ * client is gone (cancel, disconnect, shutdown). */
+static void tokenize_forget(rtr_router *r, rtr_tokenize *t) {
+    rtr_call_set_tokenize(t->call, NULL);
+    if (t->prev) t->prev->next = t->next;
+    else r->tokenizes = t->next;
+    if (t->next) t->next->prev = t->prev;
+    free(t);
+}
+
+/* Answers the call (code, details, and the response when OK) and frees the entry. */
+static void tokenize_end(rtr_router *r, rtr_tokenize *t, grpc_status_code code, const char *details,
+                         const ProtobufCMessage *resp) {
+    rtr_call_finish(t->call, code, details, resp);
+    tokenize_forget(r, t);
+}
+
+static void on_tokenized(rtr_router *r, rtr_worker *w, const Metrale__Internal__V1__Tokenized *tz) {
+    rtr_tokenize *t = r->tokenizes;
+    while (t && t->id != tz->id) t = t->next;
+    if (!t || t->worker != w) return; /* answered already (deadline, cancel) */
+    if (tz->error && tz->error[0]) {
+        tokenize_end(r, t, GRPC_STATUS_INVALID_ARGUMENT, tz->error, NULL);
+        return;
+    }
+    Metrale__V1__TokenizeResponse empty = METRALE__V1__TOKENIZE_RESPONSE__INIT;
+    tokenize_end(r, t, GRPC_STATUS_OK, NULL, tz->response ? &tz->response->base : &empty.base);
 }
 
 /* ---- worker messages ---- */
@@ -317,6 +398,11 @@ static void worker_lost(rtr_router *r, rtr_worker *w, const char *why, bool tell
         stream_end_call(s, GRPC_STATUS_UNAVAILABLE, msg);
         stream_free(r, s);
     }
+    rtr_tokenize *tnext;
+    for (rtr_tokenize *t = r->tokenizes; t; t = tnext) {
+        tnext = t->next;
+        if (t->worker == w) tokenize_end(r, t, GRPC_STATUS_UNAVAILABLE, msg, NULL);
+    }
     if (requeued || failed)
         mt_log(MT_LOG_WARN, "router: worker %s %s: %d streams back in the queue, %d ended UNAVAILABLE", w->peer,
                why, requeued, failed);
@@ -350,7 +436,9 @@ static void on_hello(rtr_router *r, const char *peer, const Metrale__Internal__V
 
 static void on_tokens(rtr_router *r, rtr_worker *w, mt_envelope *env) {
     rtr_stream *s = stream_find(r, env->tokens->id);
-    if (!s || s->worker != w || s->state != ST_RUNNING || !s->call || env->tokens->n_tokens == 0) {
+    const Metrale__Internal__V1__Tokens *t = env->tokens;
+    const bool empty = t->n_tokens == 0 && t->n_prompt_logprobs == 0 && !(t->text && t->text[0]);
+    if (!s || s->worker != w || s->state != ST_RUNNING || !s->call || empty) {
         mt_wire_free(env);
         return;
     }
@@ -372,7 +460,7 @@ static void on_tokens(rtr_router *r, rtr_worker *w, mt_envelope *env) {
         s->cap_pending = cap;
     }
     s->pending[s->npending++] = env;
-    stream_flush(s, NULL);
+    stream_flush(s, NULL, NULL);
 }
 
 static void on_finished(rtr_router *r, rtr_worker *w, const Metrale__Internal__V1__Finished *f) {
@@ -386,9 +474,18 @@ static void on_finished(rtr_router *r, rtr_worker *w, const Metrale__Internal__V
         if (f->final && f->final->finish_reason == METRALE__V1__FINISH_REASON__FINISH_REASON_CANCELLED &&
             mt_now() >= s->deadline - DEADLINE_SLACK_S) {
             stream_end_call(s, GRPC_STATUS_DEADLINE_EXCEEDED, "deadline exceeded");
+        } else if (f->invalid_argument) {
+            /* Refused before it started (text not UTF-8, too long once tokenized, a template
+             * that failed, no tokenizer): a bad request, like one the router refuses. */
+            const char *why = f->final && f->final->error_message && f->final->error_message[0]
+                                  ? f->final->error_message
+                                  : "the worker refused the request";
+            stream_drop_pending(s);
+            stream_end_call(s, GRPC_STATUS_INVALID_ARGUMENT, why);
+            r->requests_rejected++;
         } else {
             Metrale__V1__Final fallback = METRALE__V1__FINAL__INIT;
-            stream_flush(s, f->final ? f->final : &fallback);
+            stream_flush(s, f->final ? f->final : &fallback, f->text);
         }
     }
     stream_free(r, s);
@@ -443,6 +540,9 @@ static void on_envelope(rtr_router *r, const char *peer, mt_envelope *env, doubl
         return; /* on_tokens took env */
     case METRALE__INTERNAL__V1__ENVELOPE__BODY_FINISHED:
         on_finished(r, w, env->finished);
+        break;
+    case METRALE__INTERNAL__V1__ENVELOPE__BODY_TOKENIZED:
+        on_tokenized(r, w, env->tokenized);
         break;
     default:
         mt_log(MT_LOG_WARN, "router: unexpected message (body %d) from %s", (int)env->body_case, peer);
@@ -501,6 +601,14 @@ static void tick(rtr_router *r, double now) {
             stream_free(r, s);
         }
     }
+    rtr_tokenize *tnext;
+    for (rtr_tokenize *t = r->tokenizes; t; t = tnext) {
+        tnext = t->next;
+        if (now >= t->deadline)
+            tokenize_end(r, t, GRPC_STATUS_DEADLINE_EXCEEDED,
+                         now >= rtr_call_deadline(t->call) ? "deadline exceeded" : "the worker did not answer in time",
+                         NULL);
+    }
 }
 
 /* ---- draining ---- */
@@ -520,13 +628,16 @@ static size_t client_streams(const rtr_router *r) {
 }
 
 static void drain_step(rtr_router *r, double now) {
-    if (r->phase == DRAIN_STREAMS && (client_streams(r) == 0 || now >= r->phase_deadline)) {
+    if (r->phase == DRAIN_STREAMS && ((client_streams(r) == 0 && !r->tokenizes) || now >= r->phase_deadline)) {
         rtr_stream *next;
         for (rtr_stream *s = r->streams; s; s = next) {
             next = s->next;
             stream_end_call(s, GRPC_STATUS_UNAVAILABLE, "server shut down before the stream finished");
             stream_client_gone(r, s, now);
         }
+        while (r->tokenizes)
+            tokenize_end(r, r->tokenizes, GRPC_STATUS_UNAVAILABLE, "server shut down before the call was answered",
+                         NULL);
         mt_wire_msg m;
         mt_envelope *env = mt_wire_shutdown(&m);
         for (size_t i = 0; i < r->workers.n; i++) {
@@ -610,6 +721,51 @@ static void on_generate(rtr_router *r, rtr_call *call, const uint8_t *data, size
     }
 }
 
+static void on_tokenize(rtr_router *r, rtr_call *call, const uint8_t *data, size_t len) {
+    if (r->phase != RUNNING) {
+        rtr_call_finish(call, GRPC_STATUS_UNAVAILABLE, "server is shutting down", NULL);
+        return;
+    }
+    Metrale__V1__TokenizeRequest *req = metrale__v1__tokenize_request__unpack(NULL, len, data);
+    if (!req) {
+        rtr_call_finish(call, GRPC_STATUS_INVALID_ARGUMENT, "request is not a valid metrale.v1.TokenizeRequest", NULL);
+        return;
+    }
+    rtr_model_limits lim;
+    const bool have_lim = rtr_workers_limits(&r->workers, &lim);
+    mt_error err;
+    const double now = mt_now();
+    rtr_tokenize *t = NULL;
+    if (rtr_validate_tokenize(req, have_lim ? &lim : NULL, &err)) {
+        rtr_call_finish(call, GRPC_STATUS_INVALID_ARGUMENT, err.msg, NULL);
+    } else if (rtr_workers_live(&r->workers) == 0) {
+        rtr_call_finish(call, GRPC_STATUS_UNAVAILABLE, "no live worker", NULL);
+    } else if (now >= rtr_call_deadline(call)) {
+        rtr_call_finish(call, GRPC_STATUS_DEADLINE_EXCEEDED, "deadline exceeded before admission", NULL);
+    } else if (!(t = calloc(1, sizeof *t))) {
+        rtr_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory", NULL);
+    } else {
+        t->id = r->next_id++;
+        t->call = call;
+        t->deadline = fmin(rtr_call_deadline(call), now + TOKENIZE_TIMEOUT_S);
+        rtr_worker *w;
+        mt_wire_msg m;
+        mt_envelope *env = mt_wire_tokenize_call(&m, t->id, req);
+        while ((w = rtr_workers_pick_any(&r->workers)) && send_env(r, w, env) != MT_OK) {}
+        if (!w) {
+            free(t);
+            rtr_call_finish(call, GRPC_STATUS_UNAVAILABLE, "no live worker took the call", NULL);
+        } else {
+            t->worker = w;
+            t->next = r->tokenizes;
+            if (r->tokenizes) r->tokenizes->prev = t;
+            r->tokenizes = t;
+            rtr_call_set_tokenize(call, t);
+        }
+    }
+    metrale__v1__tokenize_request__free_unpacked(req, NULL);
+}
+
 static void on_get_model_info(rtr_router *r, rtr_call *call) {
     const rtr_worker *w = rtr_workers_any_live(&r->workers);
     if (!w) {
@@ -646,6 +802,7 @@ static void h_on_request(rtr_router *r, rtr_call *call, rtr_method m, const uint
     case RTR_METHOD_GENERATE: on_generate(r, call, data, len); break;
     case RTR_METHOD_GET_MODEL_INFO: on_get_model_info(r, call); break;
     case RTR_METHOD_GET_STATS: on_get_stats(r, call); break;
+    case RTR_METHOD_TOKENIZE: on_tokenize(r, call, data, len); break;
     case RTR_METHOD_HEALTH_CHECK: rtr_health_check(&r->health, call, data, len); break;
     case RTR_METHOD_HEALTH_WATCH: rtr_health_watch_start(&r->health, call, data, len); break;
     default: rtr_call_finish(call, GRPC_STATUS_UNIMPLEMENTED, "unknown method", NULL);
@@ -655,7 +812,7 @@ static void h_on_request(rtr_router *r, rtr_call *call, rtr_method m, const uint
 static void h_on_send_done(rtr_router *r, rtr_call *call, bool ok) {
     rtr_stream *s = rtr_call_stream(call);
     if (s) {
-        if (ok) stream_flush(s, NULL);
+        if (ok) stream_flush(s, NULL, NULL);
         return;
     }
     if (rtr_call_watch(call)) rtr_health_on_send_done(&r->health, call, ok);
@@ -665,6 +822,8 @@ static void h_on_done(rtr_router *r, rtr_call *call, bool cancelled) {
     (void)cancelled; /* a stream still attached here lost its client either way */
     rtr_stream *s = rtr_call_stream(call);
     if (s) stream_client_gone(r, s, mt_now());
+    rtr_tokenize *t = rtr_call_tokenize(call);
+    if (t) tokenize_forget(r, t);
     if (rtr_call_watch(call)) rtr_health_on_done(&r->health, call);
 }
 
@@ -761,6 +920,7 @@ mt_status rtr_router_run(rtr_router *r, mt_error *err) {
 void rtr_router_free(rtr_router *r) {
     if (!r) return;
     while (r->streams) stream_free(r, r->streams);
+    while (r->tokenizes) tokenize_forget(r, r->tokenizes);
     if (r->grpc) {
         rtr_grpc_shutdown(r->grpc);
         while (!rtr_grpc_shutdown_done(r->grpc)) {

@@ -16,6 +16,10 @@
  *     a restart;
  *     an unknown worker's Heartbeat (it outlived a router restart) is answered with a Heartbeat
  *     whose hello_wanted is set;
+ *   - Tokenize is answered by a worker (the least loaded live one): OK, INVALID_ARGUMENT with
+ *     the worker's reason, UNAVAILABLE when it is lost first, DEADLINE_EXCEEDED past the
+ *     client's deadline or 10 s; requests_total and requests_rejected count Generate calls
+ *     only (a Generate the worker refuses as invalid counts as rejected);
  *   - rtr_router_drain (SIGTERM in main): health NOT_SERVING, new requests UNAVAILABLE, admitted
  *     streams run up to drain_timeout_s (then end UNAVAILABLE), workers get Shutdown, the server
  *     stops and rtr_router_run returns MT_OK.

@@ -17,7 +17,10 @@ void rtr_workers_init(rtr_workers *reg, rtr_workers_params params) {
 
 void rtr_workers_free(rtr_workers *reg) {
     if (!reg) return;
-    for (size_t i = 0; i < reg->n; i++) free(reg->w[i]);
+    for (size_t i = 0; i < reg->n; i++) {
+        free(reg->w[i]->eos_ids);
+        free(reg->w[i]);
+    }
     reg->n = 0;
 }
 
@@ -43,11 +46,23 @@ mt_status rtr_workers_hello(rtr_workers *reg, const char *peer, const Metrale__I
     if (strcmp(want, peer))
         return mt_errorf(err, MT_ERR_INVALID, "Hello with worker_id %u from identity \"%s\" (expected \"%s\")",
                          hello->worker_id, peer, want);
+    /* The eos list first: past it nothing fails, so a failed Hello leaves the registry as it was. */
+    uint32_t *eos = NULL;
+    if (m->n_eos_token_ids > 0) {
+        if (!(eos = malloc(m->n_eos_token_ids * sizeof *eos)))
+            return mt_errorf(err, MT_ERR_NOMEM, "out of memory for worker %s", peer);
+        memcpy(eos, m->eos_token_ids, m->n_eos_token_ids * sizeof *eos);
+    }
     rtr_worker *w = rtr_workers_find(reg, peer);
     if (!w) {
-        if (reg->n == MT_WIRE_WORKERS_MAX)
+        if (reg->n == MT_WIRE_WORKERS_MAX) {
+            free(eos);
             return mt_errorf(err, MT_ERR_FULL, "Hello from %s: already %d workers", peer, MT_WIRE_WORKERS_MAX);
-        if (!(w = calloc(1, sizeof *w))) return mt_errorf(err, MT_ERR_NOMEM, "out of memory for worker %s", peer);
+        }
+        if (!(w = calloc(1, sizeof *w))) {
+            free(eos);
+            return mt_errorf(err, MT_ERR_NOMEM, "out of memory for worker %s", peer);
+        }
         copy_str(w->peer, sizeof w->peer, peer);
         reg->w[reg->n++] = w;
     } else {
@@ -67,13 +82,22 @@ mt_status rtr_workers_hello(rtr_workers *reg, const char *peer, const Metrale__I
     w->model.num_layers = m->num_layers;
     w->model.hidden_size = m->hidden_size;
     w->model.eos_token_id = m->eos_token_id;
+    free(w->eos_ids);
+    w->eos_ids = eos;
+    w->model.n_eos_token_ids = eos ? m->n_eos_token_ids : 0;
+    w->model.eos_token_ids = eos;
+    w->model.has_tokenizer = m->has_tokenizer;
+    w->model.has_chat_template = m->has_chat_template;
     copy_str(w->model_type, sizeof w->model_type, m->model_type);
     copy_str(w->backend, sizeof w->backend, m->backend);
     w->model.model_type = w->model_type;
     w->model.backend = w->backend;
     metrale__v1__worker_stats__init(&w->stats);
     w->stats.worker_id = w->id;
-    reg->last_limits = (rtr_model_limits){.vocab_size = m->vocab_size, .max_context = m->max_context};
+    reg->last_limits = (rtr_model_limits){.vocab_size = m->vocab_size,
+                                          .max_context = m->max_context,
+                                          .has_tokenizer = m->has_tokenizer,
+                                          .has_chat_template = m->has_tokenizer && m->has_chat_template};
     reg->have_limits = true;
     *out = w;
     return MT_OK;
@@ -105,11 +129,11 @@ void rtr_workers_set_stats(rtr_worker *w, const Metrale__V1__WorkerStats *s) {
     w->stats.slots_total = s->slots_total;
 }
 
-rtr_worker *rtr_workers_pick(rtr_workers *reg) {
+static rtr_worker *pick(rtr_workers *reg, bool need_room) {
     rtr_worker *best = NULL;
     for (size_t i = 0; i < reg->n; i++) {
         rtr_worker *w = reg->w[i];
-        if (!w->alive || !w->reachable || w->in_flight >= w->max_sequences) continue;
+        if (!w->alive || !w->reachable || (need_room && w->in_flight >= w->max_sequences)) continue;
         if (!best) { best = w; continue; }
         /* load = in_flight / max_sequences, compared without division */
         uint64_t a = (uint64_t)w->in_flight * best->max_sequences;
@@ -119,6 +143,10 @@ rtr_worker *rtr_workers_pick(rtr_workers *reg) {
     if (best) best->last_pick = ++reg->picks;
     return best;
 }
+
+rtr_worker *rtr_workers_pick(rtr_workers *reg) { return pick(reg, true); }
+
+rtr_worker *rtr_workers_pick_any(rtr_workers *reg) { return pick(reg, false); }
 
 void rtr_workers_mark_dead(rtr_worker *w) {
     w->alive = false;
@@ -145,12 +173,14 @@ size_t rtr_workers_live(const rtr_workers *reg) {
 
 bool rtr_workers_limits(const rtr_workers *reg, rtr_model_limits *out) {
     bool any = false;
-    rtr_model_limits lim = {0, 0};
+    rtr_model_limits lim = {0, 0, true, true};
     for (size_t i = 0; i < reg->n; i++) {
         const rtr_worker *w = reg->w[i];
         if (!w->alive) continue;
         if (!any || w->model.vocab_size < lim.vocab_size) lim.vocab_size = w->model.vocab_size;
         if (!any || w->model.max_context < lim.max_context) lim.max_context = w->model.max_context;
+        lim.has_tokenizer = lim.has_tokenizer && w->model.has_tokenizer;
+        lim.has_chat_template = lim.has_chat_template && w->model.has_tokenizer && w->model.has_chat_template;
         any = true;
     }
     if (!any) {

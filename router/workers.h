@@ -42,10 +42,12 @@ typedef struct rtr_worker {
     uint32_t in_flight;          /* submitted, Finished not yet seen */
     uint64_t last_pick;          /* tie-break for pick: least recently picked first */
     uint64_t hellos;
-    /* The model it serves, from Hello (strings copied, truncated to the buffers). */
+    /* The model it serves, from Hello (strings copied, truncated to the buffers; eos_token_ids
+     * copied into eos_ids, owned by the entry). */
     Metrale__V1__ModelInfo model;
     char model_type[64];
     char backend[16];
+    uint32_t *eos_ids;           /* owned; model.eos_token_ids points here */
     /* Its latest Heartbeat stats (scalars copied). */
     Metrale__V1__WorkerStats stats;
 } rtr_worker;
@@ -76,7 +78,8 @@ rtr_worker *rtr_workers_find(rtr_workers *reg, const char *peer);
  * restarts counted when the entry existed). The caller must first end the streams it had on
  * that worker. MT_ERR_INVALID (registry unchanged) for a Hello without a model, with a zero
  * vocab or context, or from an identity that is not "w<worker_id>"; MT_ERR_FULL when
- * MT_WIRE_WORKERS_MAX entries exist. */
+ * MT_WIRE_WORKERS_MAX entries exist; MT_ERR_NOMEM. The Hello is only read: the entry keeps
+ * copies of what it needs, so the caller may free the Hello after. */
 mt_status rtr_workers_hello(rtr_workers *reg, const char *peer, const Metrale__Internal__V1__Hello *hello,
                             double now, rtr_worker **out, mt_error *err);
 
@@ -90,6 +93,10 @@ void rtr_workers_set_stats(rtr_worker *w, const Metrale__V1__WorkerStats *stats)
 /* The live, reachable worker with room and the lowest load, or NULL. Marks it picked. */
 rtr_worker *rtr_workers_pick(rtr_workers *reg);
 
+/* The same for work that takes no sequence slot (a Tokenize call): the live, reachable worker
+ * with the lowest load, room or not, or NULL. Marks it picked. */
+rtr_worker *rtr_workers_pick_any(rtr_workers *reg);
+
 /* Declares w dead: not alive, in_flight and its live_sequences reset to 0. */
 void rtr_workers_mark_dead(rtr_worker *w);
 
@@ -99,8 +106,9 @@ size_t rtr_workers_expire(rtr_workers *reg, double now, rtr_worker **dead, size_
 
 size_t rtr_workers_live(const rtr_workers *reg);
 
-/* The tightest limits over the live workers; over the last Hello when none is live. false when
- * no Hello was ever received. */
+/* The tightest limits over the live workers (text served only when every one has a tokenizer,
+ * messages when every one has a chat template); over the last Hello when none is live. false
+ * when no Hello was ever received. */
 bool rtr_workers_limits(const rtr_workers *reg, rtr_model_limits *out);
 
 /* A live worker's entry whose model describes the service (the first live one), or NULL. */

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <vector>
 
 extern "C" {
 #include "router/workers.h"
@@ -148,4 +149,45 @@ TEST(RouterWorkers, StatsAreCopied) {
     EXPECT_EQ(a->stats.live_sequences, 3u);
     EXPECT_EQ(a->stats.cache_bytes_in_use, 1234u);
     EXPECT_EQ(a->stats.cache_bytes_baseline, 1000u);
+}
+
+TEST(RouterWorkers, KeepsTheTokenizerFlagsAndItsOwnEosList) {
+    Reg g;
+    {
+        Hello h(1, 2);
+        std::vector<uint32_t> eos{6000, 6007};
+        h.m.n_eos_token_ids = eos.size();
+        h.m.eos_token_ids = eos.data();
+        h.m.has_tokenizer = true;
+        h.m.has_chat_template = true;
+        hello(&g.r, "w1", std::move(h));
+        eos.assign(2, 0);  // the Hello's memory goes; the entry's copy stays
+    }
+    rtr_worker *w = rtr_workers_find(&g.r, "w1");
+    ASSERT_NE(w, nullptr);
+    ASSERT_EQ(w->model.n_eos_token_ids, 2u);
+    EXPECT_EQ(w->model.eos_token_ids[0], 6000u);
+    EXPECT_EQ(w->model.eos_token_ids[1], 6007u);
+    rtr_model_limits lim;
+    ASSERT_TRUE(rtr_workers_limits(&g.r, &lim));
+    EXPECT_TRUE(lim.has_tokenizer);
+    EXPECT_TRUE(lim.has_chat_template);
+    // a second worker without a chat template: messages are no longer served
+    Hello h2(2, 2);
+    h2.m.has_tokenizer = true;
+    hello(&g.r, "w2", std::move(h2));
+    ASSERT_TRUE(rtr_workers_limits(&g.r, &lim));
+    EXPECT_TRUE(lim.has_tokenizer);
+    EXPECT_FALSE(lim.has_chat_template);
+    // a restart of w1 without eos ids replaces (and frees) the old list
+    hello(&g.r, "w1", Hello(1, 2));
+    EXPECT_EQ(w->model.n_eos_token_ids, 0u);
+    EXPECT_EQ(w->model.eos_token_ids, nullptr);
+    ASSERT_TRUE(rtr_workers_limits(&g.r, &lim));
+    EXPECT_FALSE(lim.has_tokenizer);
+    // pick_any ignores room
+    w->in_flight = 2;
+    rtr_workers_find(&g.r, "w2")->in_flight = 2;
+    EXPECT_EQ(rtr_workers_pick(&g.r), nullptr);
+    EXPECT_NE(rtr_workers_pick_any(&g.r), nullptr);
 }

@@ -15,6 +15,7 @@ from harness import Cluster, Collector, metrale_pb2, request, wait_for
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 S = metrale_pb2.SamplingParams
 STOP = metrale_pb2.StoppingCriteria
+M = metrale_pb2.ChatMessage
 
 
 def bad_cases(vocab, ctx):
@@ -28,6 +29,8 @@ def bad_cases(vocab, ctx):
         ("request_id with a control char", R(request_id="a\x01b"), INVALID, "request_id"),
         ("request_id not ASCII", R(request_id="caf\u00e9"), INVALID, "request_id"),
         ("empty prompt", R(prompt_token_ids=[]), INVALID, "prompt_token_ids"),
+        ("ids and prompt_text", R(prompt_text="hello"), INVALID, "prompt_token_ids and prompt_text are set"),
+        ("ids and messages", R(messages=[M(role="user", content="hi")]), INVALID, "prompt_token_ids and messages"),
         ("token == vocab", R(prompt_token_ids=[1, vocab]), INVALID, "prompt_token_ids[1]"),
         ("token 2^32-1", R(prompt_token_ids=[2 ** 32 - 1]), INVALID, "vocab_size"),
         ("prompt longer than context", R(prompt_token_ids=[1] * (ctx + 1)), INVALID, "max_context"),
@@ -53,7 +56,15 @@ def bad_cases(vocab, ctx):
         ("seed without has_seed", R(sampling=S(temperature=1, seed=7)), INVALID, "sampling.has_seed"),
         ("top_logprobs 21", R(logprobs=True, top_logprobs=21), INVALID, "top_logprobs"),
         ("top_logprobs without logprobs", R(top_logprobs=5), INVALID, "logprobs"),
-        ("prompt_text before the tokenizer", R(prompt_text="hello"), INVALID, "prompt_text"),
+        # tests/fixtures/tiny_a has no tokenizer: ids only
+        ("prompt_text without a tokenizer", R(prompt_token_ids=[], prompt_text="hello"), INVALID,
+         "the model has no tokenizer"),
+        ("messages without a tokenizer", R(prompt_token_ids=[], messages=[M(role="user", content="hi")]), INVALID,
+         "no tokenizer"),
+        ("stop string without a tokenizer", R(stopping=STOP(max_new_tokens=4, stop=["x"])), INVALID,
+         "stopping.stop: the model has no tokenizer"),
+        ("17 stop strings", R(stopping=STOP(max_new_tokens=4, stop=["x"] * 17)), INVALID, "stopping.stop has 17"),
+        ("empty role", R(prompt_token_ids=[], messages=[M(role="", content="hi")]), INVALID, "messages[0].role"),
     ]
 
 
@@ -148,6 +159,14 @@ class BadRequestTest(unittest.TestCase):
             with self.assertRaises(grpc.RpcError) as e:
                 c.check("no.such.Service")
             self.assertEqual(e.exception.code(), grpc.StatusCode.NOT_FOUND)
+            # Tokenize: refused by the router for a model without a tokenizer, or a request with
+            # neither text nor messages
+            for req, text in [(metrale_pb2.TokenizeRequest(text="hello"), "no tokenizer"),
+                              (metrale_pb2.TokenizeRequest(), "neither text nor messages")]:
+                with self.assertRaises(grpc.RpcError) as e:
+                    c.gen.Tokenize(req, timeout=5)
+                self.assertEqual(e.exception.code(), INVALID)
+                self.assertIn(text, e.exception.details())
             # Random bytes and bit-flipped valid requests: any answer but a crash (or INTERNAL/UNKNOWN).
             rng = random.Random(4)
             valid = request("fuzz", [1, 2, 3, 4], 4, logprobs=True, top_logprobs=2).SerializeToString()
