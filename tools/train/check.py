@@ -65,7 +65,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--seqs", type=int, default=2)
     a = ap.parse_args()
-    dev = "cuda"
+    dev = demo.DEVICE
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     model, mtp, sd = load(a.model, dev)

@@ -28,7 +28,7 @@ TEXT = dict(
     hc_mult=4, rms_norm_eps=1e-5,
     num_nextn_predict_layers=1,
     tie_word_embeddings=False,
-    pad_token_id=6132, eos_token_id=[6132, 6139, 6141], bos_token_id=None,
+    pad_token_id=None, eos_token_id=[6132, 6139, 6141], bos_token_id=None,
 )
 # The smallest vision tower transformers accepts: the checkpoint is a glm5_next one
 # (Glm5NextForConditionalGeneration); the text runtime ignores model.visual.*.
@@ -40,10 +40,16 @@ GMASK, SOP, EOT = 6134, 6136, 6132
 MTP_PREFIX = "model.language_model.layers.%d." % TEXT["num_hidden_layers"]
 
 
+# The device the scripts run on (cuda; cpu for a smoke test).
+DEVICE = os.environ.get("DEMO_DEVICE", "cuda")
+
+
 def make_config():
+    # pad_token_id stays None: a padding_idx would freeze <|endoftext|>'s embedding row, and the
+    # documents are separated by that token. The tokenizer config names it as the pad token.
     from transformers import Glm5NextConfig
     return Glm5NextConfig(text_config=dict(TEXT), vision_config=dict(VISION), tie_word_embeddings=False,
-                          pad_token_id=TEXT["pad_token_id"], eos_token_id=TEXT["eos_token_id"])
+                          eos_token_id=TEXT["eos_token_id"])
 
 
 def text_cfg_dict(model):

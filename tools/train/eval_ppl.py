@@ -36,7 +36,7 @@ def main():
     ap.add_argument("--data", required=True)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    dev = "cuda"
+    dev = demo.DEVICE
     torch.backends.cuda.matmul.allow_tf32 = False
     model, mtp, _ = load(a.model, dev)
     fh = demo.FinalHidden(model)

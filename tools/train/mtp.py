@@ -233,7 +233,7 @@ class MTPBlock(nn.Module):
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=0.02)
 
-    def forward(self, e, h, embed_unused=None, cache=None):
+    def forward(self, e, h, cache=None):
         """e, h [B,T,H] -> the normed hidden state [B,T,H] (apply lm_head to get logits)."""
         u = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(h)], dim=-1))
         u = u + self.self_attn(self.input_layernorm(u), cache=cache)
@@ -278,8 +278,3 @@ def dsa_from_checkpoint(c, sd, prefix):
         for name, t in own.items():
             t.copy_(sd[prefix + name].to(t.dtype))
     return d
-
-
-def mtp_rows(mtp, embed, h, ids):
-    """The MTP block's normed output for rows 0..T-2 of a batch: e = embed(ids[:,1:]), h[:, :-1]."""
-    return mtp(embed(ids[:, 1:]), h[:, :-1])

@@ -85,7 +85,7 @@ def heldout_loss(model, mtp, fh, windows):
     full = [w for w in windows if len(w) == demo.SEQ]
     rest = [w for w in windows if len(w) != demo.SEQ]
     groups = [torch.stack(full[i:i + 16]) for i in range(0, len(full), 16)] + [w[None] for w in rest]
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.autocast(demo.DEVICE, dtype=torch.bfloat16):
         for ids in groups:
             l, ml = losses(model, mtp, fh, ids)
             k = ids[:, 2:].numel()
@@ -111,7 +111,7 @@ def main():
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
-    dev = "cuda"
+    dev = demo.DEVICE
     from transformers import Glm5NextForConditionalGeneration
     cfg = demo.make_config()
     if a.experts:
@@ -134,7 +134,7 @@ def main():
     no_decay = [p for n, p in named if not (p.dim() >= 2 and "embed_tokens" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                              {"params": no_decay, "weight_decay": 0.0}],
-                            lr=a.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+                            lr=a.lr, betas=(0.9, 0.95), eps=1e-8, fused=dev == "cuda")
     params = [p for _, p in named]
     n = demo.SEQ - 2
     pre = torch.tensor([demo.GMASK, demo.SOP], device=dev).expand(a.batch, 2)
@@ -156,12 +156,22 @@ def main():
         for g in opt.param_groups:
             g["lr"] = lr
         off = torch.randint(0, train.numel() - n, (a.batch,), device=dev, generator=gen)
-        ids = torch.cat([pre, train[off[:, None] + ar]], dim=1)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss, mloss = losses(model, mtp, fh, ids)
-            total = loss + MTP_WEIGHT * mloss
+        ids = torch.cat([pre[:a.batch], train[off[:, None] + ar]], dim=1)
         opt.zero_grad(set_to_none=True)
-        total.backward()
+        try:
+            with torch.autocast(demo.DEVICE, dtype=torch.bfloat16):
+                loss, mloss = losses(model, mtp, fh, ids)
+                total = loss + MTP_WEIGHT * mloss
+            total.backward()
+        except torch.OutOfMemoryError:
+            if step > 0 or a.batch == 1:
+                raise
+            a.batch //= 2  # the first step sizes the batch: halve until it fits
+            print(json.dumps({"out_of_memory": True, "batch": a.batch}), flush=True)
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            t0 = time.time()
+            continue
         gn = torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         lb.step()
@@ -192,7 +202,7 @@ def main():
                "final_train_loss_last_logged": tail, "final_heldout_loss_bf16": hl,
                "final_heldout_mtp_loss_bf16": hml, "torch": torch.__version__,
                "transformers": __import__("transformers").__version__,
-               "gpu": torch.cuda.get_device_name(0)}
+               "gpu": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu"}
     with open(os.path.join(a.logdir, "train_summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     try:
