@@ -1,10 +1,13 @@
 // The tokenizer (worker/text/tokenizer.h) against the Hugging Face `tokenizers` library, through
 // committed goldens: tests/fixtures/tok_goldens.jsonl.gz holds the library's ids and text for
-// 12,500 generated strings and 3,400 id lists on the two fixtures (glm_tok, glm_tok_flags) and
-// two variants of glm_tok (ignore_merges; the ByteLevel pre-tokenizer's own GPT-2 regex). The
-// goldens were made once with the library by tests/oracle/make_tokenizer_goldens.py (its header
-// says how and with which version); this test does not need the library or the network.
-// Every mismatch fails the test; the first ones are printed with the place they differ.
+// 22,500 generated strings and 4,600 id lists: 12,500 and 3,400 on the two fixtures (glm_tok,
+// glm_tok_flags) and two variants of glm_tok (ignore_merges; the ByteLevel pre-tokenizer's own
+// GPT-2 regex), and 10,000 and 1,200 on the demo model's tokenizer (models/glm5-next-demo, the
+// one the service ships; its tokenizer_config.json and generation_config.json are checked in
+// DemoModel below). The goldens were made once with the library by
+// tests/oracle/make_tokenizer_goldens.py (its header says how and with which version); this test
+// does not need the library or the network. Every mismatch fails the test; the first ones are
+// printed with the place they differ, and each tokenizer must have had its minimum of records.
 #include <gtest/gtest.h>
 #include <json-c/json.h>
 #include <stdlib.h>
@@ -22,7 +25,24 @@
 namespace {
 
 const char kGoldens[] = "tests/fixtures/tok_goldens.jsonl.gz";
-const char kPrefix[] = "[gMASK]<sop>";  // both fixtures' TemplateProcessing prefix
+const char kPrefix[] = "[gMASK]<sop>";  // every tokenizer's TemplateProcessing prefix
+const char kDemo[] = "models/glm5-next-demo";  // relative to the repository root
+
+// The least each tokenizer of the goldens must have: encoded strings, decoded id lists. A
+// tokenizer missing from the goldens, or with fewer records, fails the test.
+const std::map<std::string, std::pair<int, int>> kMinRecords = {
+    {"glm_tok", {10000, 3000}},
+    {"glm_tok_flags", {1500, 300}},
+    {"glm_tok+ignore_merges", {500, 50}},
+    {"glm_tok+gpt2_regex", {500, 50}},
+    {kDemo, {10000, 1000}},
+};
+
+// A record's "fx": a directory relative to the repository root when it contains "models/", else
+// one under tests/fixtures.
+std::string fixture_dir(const std::string &fx) {
+    return fx.find("models/") != std::string::npos ? fx : "tests/fixtures/" + fx;
+}
 
 struct Tok {
     tok_tokenizer *t = nullptr;
@@ -197,6 +217,7 @@ TEST(Tokenizer, MatchesLibraryGoldens) {
 
     Report rep;
     int line = 1, n_enc = 0, n_dec = 0, n_ids = 0;
+    std::map<std::string, std::pair<int, int>> seen;  // fx -> encoded, decoded
     while (gzgets(f, buf.data(), (int)buf.size())) {
         line++;
         json_object *rec = json_tokener_parse(buf.data());
@@ -206,11 +227,11 @@ TEST(Tokenizer, MatchesLibraryGoldens) {
         if (!k.t) {
             size_t plus = fx.find('+');  // a variant of a fixture: header "variants"
             if (plus == std::string::npos) {
-                load("tests/fixtures/" + fx, &k);
+                load(fixture_dir(fx), &k);
             } else {
                 json_object *fields = json_object_object_get(variants, fx.c_str());
                 ASSERT_NE(fields, nullptr) << fx << " is not among the header's variants";
-                std::string dir = write_variant("tests/fixtures/" + fx.substr(0, plus), fields);
+                std::string dir = write_variant(fixture_dir(fx.substr(0, plus)), fields);
                 load(dir, &k);
             }
         }
@@ -233,11 +254,13 @@ TEST(Tokenizer, MatchesLibraryGoldens) {
                                                                 : (special ? kPrefix : "") + text;
             want_skip = json_object_object_get_ex(rec, "dec_skip", &v) ? str_of(v) : text;
             n_enc++;
+            seen[fx].first++;
         } else {
             ids = ids_of(json_object_object_get(rec, "dec_ids"));
             want_dec = str_of(json_object_object_get(rec, "dec"));
             want_skip = str_of(json_object_object_get(rec, "dec_skip"));
             n_dec++;
+            seen[fx].second++;
         }
         n_ids += (int)ids.size();
         check_text(&rep, line, "decode", want_dec, decode(k.t, ids, false));
@@ -251,12 +274,51 @@ TEST(Tokenizer, MatchesLibraryGoldens) {
         json_object_put(rec);
     }
     gzclose(f);
+    json_object *counts = json_object_object_get(header, "counts");
+    for (const auto &[fx, n] : seen) {
+        printf("  %-24s %6d encoded strings, %5d decoded id lists\n", fx.c_str(), n.first, n.second);
+        json_object *c = json_object_object_get(counts, fx.c_str());  // what the header says
+        ASSERT_NE(c, nullptr) << fx << " is not in the header's counts";
+        EXPECT_EQ(n.first, json_object_get_int(json_object_object_get(c, "encode"))) << fx;
+        EXPECT_EQ(n.second, json_object_get_int(json_object_object_get(c, "decode"))) << fx;
+    }
+    for (const auto &[fx, min] : kMinRecords) {
+        auto it = seen.find(fx);
+        std::pair<int, int> n = it == seen.end() ? std::pair<int, int>(0, 0) : it->second;
+        EXPECT_GE(n.first, min.first) << fx << ": too few encoded strings in the goldens";
+        EXPECT_GE(n.second, min.second) << fx << ": too few decoded id lists in the goldens";
+    }
     json_object_put(header);
-    printf("checked %d encoded strings and %d decoded id lists (%d ids): %d mismatches\n", n_enc,
-           n_dec, n_ids, rep.mismatches);
-    EXPECT_GE(n_enc, 12500);
-    EXPECT_GE(n_dec, 3400);
+    printf("checked %d encoded strings and %d decoded id lists (%d ids) on %zu tokenizers: %d mismatches\n",
+           n_enc, n_dec, n_ids, seen.size(), rep.mismatches);
+    EXPECT_GE(n_enc, 22500);
+    EXPECT_GE(n_dec, 4600);
     EXPECT_EQ(rep.mismatches, 0);
+}
+
+// The demo model's configs: eos from generation_config.json (tokenizer_config.json's first), pad,
+// no bos, the chat template, and which added tokens are special.
+TEST(Tokenizer, DemoModel) {
+    Tok k;
+    load(kDemo, &k);
+    ASSERT_NE(k.t, nullptr);
+    tok_special_ids sp = tok_special(k.t);
+    ASSERT_EQ(sp.n_eos, 3);
+    EXPECT_EQ(sp.eos[0], tok_token_to_id(k.t, "<|endoftext|>"));
+    EXPECT_EQ(sp.eos[1], tok_token_to_id(k.t, "<|user|>"));
+    EXPECT_EQ(sp.eos[2], tok_token_to_id(k.t, "<|observation|>"));
+    EXPECT_EQ(sp.eos[0], 6132);
+    EXPECT_EQ(sp.bos, -1);
+    EXPECT_EQ(sp.pad, 6132);
+    ASSERT_NE(tok_chat_template(k.t), nullptr);
+    EXPECT_EQ(strncmp(tok_chat_template(k.t), "[gMASK]<sop>", 12), 0);
+    EXPECT_EQ(tok_vocab_size(k.t), 6144);
+    for (const char *t : {"<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>",
+                          "<|user|>", "<|assistant|>", "<|observation|>"})
+        EXPECT_TRUE(tok_is_special(k.t, tok_token_to_id(k.t, t))) << t;
+    EXPECT_FALSE(tok_is_special(k.t, tok_token_to_id(k.t, "<think>")));
+    EXPECT_FALSE(tok_is_special(k.t, tok_token_to_id(k.t, "</think>")));
+    EXPECT_EQ(tok_token_to_id(k.t, "</think>"), 6143);
 }
 
 class TokenizerFixture : public ::testing::Test {

@@ -4,19 +4,25 @@ for tests/tokenizer_test.cc, which checks the C tokenizer against them without t
 
     python3 tests/oracle/make_tokenizer_goldens.py [--out tests/fixtures/tok_goldens.jsonl.gz]
 
+Run from the repository root. Tokenizers: the fixtures glm_tok and glm_tok_flags, two variants of
+glm_tok, and the demo model's tokenizer (models/glm5-next-demo, the one the service ships).
+
 Needs the `tokenizers` library (PyPI; made with 0.23.3) and Python's unicodedata at Unicode 14.0
 (Python 3.11), the Unicode version of Debian 12's PCRE2: strings use only code points assigned
 in Unicode 14. Every string is generated here from a fixed seed (no outside text): scripts,
 emoji, whitespace runs, source code, numbers, added tokens written inside text, and for decoding
-random ids and ids whose bytes split characters.
+random ids and ids whose bytes split characters. The demo model's records come last and draw
+from their own seed (DEMO_SEED), so adding them left the records before them as they were.
 
 Output: gzip'd JSON lines. The first is a header {"library", "unicode", "counts"}; then
   {"fx": F, "enc": TEXT, "special": B, "ids": [...]}       encode(TEXT, add_special_tokens=B)
       plus "dec" / "dec_skip" (decode of ids with skip_special_tokens false / true) only when
       they differ from what the test derives: the post-processor's text + TEXT, and TEXT;
   {"fx": F, "dec_ids": [...], "dec": TEXT, "dec_skip": TEXT}
-F names the fixture directory under tests/fixtures (glm_tok or glm_tok_flags), or a variant of
-glm_tok that the header's "variants" describes (fields of tokenizer.json replaced).
+F names the fixture directory under tests/fixtures (glm_tok or glm_tok_flags), a variant of
+glm_tok that the header's "variants" describes (fields of tokenizer.json replaced), or, when it
+contains "models/", a directory relative to the repository root (models/glm5-next-demo).
+The header's "counts" gives each F's numbers of records.
 """
 import argparse
 import gzip
@@ -37,6 +43,11 @@ N_DEC = 3000         # id lists decoded with glm_tok
 N_DEC_FLAGS = 300    # id lists decoded with glm_tok_flags
 N_ENC_VARIANT = 500  # strings encoded with each variant below
 N_DEC_VARIANT = 50
+DEMO = "models/glm5-next-demo"  # the demo model's tokenizer, relative to the repository root
+DEMO_SEED = 20261205  # its own generator, so the records above stay as they were
+N_ENC_DEMO = 10000
+N_DEC_DEMO = 1200
+PREFIX = "[gMASK]<sop>"  # every tokenizer's TemplateProcessing prefix; the test assumes it
 
 # Variants of glm_tok for the options the fixtures do not use: field (dotted path) -> new value.
 # The test builds the same files from the header.
@@ -275,9 +286,9 @@ def decode_case(rng, tok, gen, byte_ids, i):
     return [x for x in ids if rng.random() < 0.8]
 
 
-def load(fixtures, fx):
+def load(fixtures, root, fx):
     base, plus, _ = fx.partition("+")
-    path = os.path.join(fixtures, base, "tokenizer.json")
+    path = os.path.join(root if "models/" in base else fixtures, base, "tokenizer.json")
     if not plus:
         return Tokenizer.from_file(path)
     with open(path) as f:
@@ -295,6 +306,7 @@ def load(fixtures, fx):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--fixtures", default="tests/fixtures")
+    ap.add_argument("--root", default=".", help="the repository root, for fixtures under models/")
     ap.add_argument("--out", default="tests/fixtures/tok_goldens.jsonl.gz")
     a = ap.parse_args()
     if unicodedata.unidata_version != "14.0.0":
@@ -302,14 +314,17 @@ def main():
     rng = random.Random(SEED)
     lines = []
     counts = {}
-    runs = [("glm_tok", N_ENC, N_DEC), ("glm_tok_flags", N_ENC_FLAGS, N_DEC_FLAGS)]
-    runs += [(v, N_ENC_VARIANT, N_DEC_VARIANT) for v in VARIANTS]
-    for fx, n_enc, n_dec in runs:
-        tok = load(a.fixtures, fx)
+    runs = [("glm_tok", N_ENC, N_DEC, rng), ("glm_tok_flags", N_ENC_FLAGS, N_DEC_FLAGS, rng)]
+    runs += [(v, N_ENC_VARIANT, N_DEC_VARIANT, rng) for v in VARIANTS]
+    runs += [(DEMO, N_ENC_DEMO, N_DEC_DEMO, random.Random(DEMO_SEED))]
+    for fx, n_enc, n_dec, rng in runs:
+        tok = load(a.fixtures, a.root, fx)
         added = [t.content for t in tok.get_added_tokens_decoder().values()]
         vocab_words = sorted(tok.decode([i]) for i in range(2000) if tok.decode([i]).strip().isalpha())
         gen = Gen(rng, vocab_words, added)
         prefix = tok.decode(tok.encode("", add_special_tokens=True).ids, skip_special_tokens=False)
+        if prefix != PREFIX:
+            sys.exit(f"{fx}: the post-processor adds {prefix!r}, the test expects {PREFIX!r}")
         for i in range(n_enc):
             s = gen.text(i)
             special = i % 3 != 2
