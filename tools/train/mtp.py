@@ -177,7 +177,8 @@ class Router(nn.Module):
 
     def forward(self, x):
         """x [N,H] -> dense weights [N,E] (zero where not chosen), chosen indices [N,k]."""
-        s = torch.sigmoid(F.linear(x.float(), self.weight.float()))
+        with torch.autocast(x.device.type, enabled=False):  # routing in fp32, as transformers does
+            s = torch.sigmoid(F.linear(x.float(), self.weight.float()))
         c = s + self.e_score_correction_bias.float()
         N = x.shape[0]
         gsc = c.view(N, self.G, self.E // self.G).topk(2, dim=-1).values.sum(-1)
@@ -189,7 +190,7 @@ class Router(nn.Module):
         if self.norm:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
         w = w * self.rsf
-        return torch.zeros_like(s).scatter(1, idx, w), idx
+        return torch.zeros_like(s).scatter(1, idx, w.to(s.dtype)), idx
 
 
 class MoE(nn.Module):
