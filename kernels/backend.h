@@ -274,6 +274,8 @@ typedef struct mt_backend_ops {
     void (*swiglu)(mt_backend *be, float *out, const float *gate, const float *up, int n, int I, float L);
     /* x[count] = sigmoid(x), in place. */
     void (*sigmoid)(mt_backend *be, float *x, int64_t count);
+    /* y[count] += x[count] (a plain residual). */
+    void (*add)(mt_backend *be, float *y, const float *x, int64_t count);
     /* x[n, d] /= sqrt(sum(x^2) + eps) per row of d, then *= scale. */
     void (*l2norm)(mt_backend *be, float *x, int64_t n, int d, float eps, float scale);
 

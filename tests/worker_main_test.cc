@@ -193,7 +193,9 @@ class WorkerProc {
     Env *Hello() {
         Env *e = Recv(30000);
         EXPECT_NE(e, nullptr) << "no Hello";
-        if (e) EXPECT_EQ(e->body_case, METRALE__INTERNAL__V1__ENVELOPE__BODY_HELLO);
+        if (e) {
+            EXPECT_EQ(e->body_case, METRALE__INTERNAL__V1__ENVELOPE__BODY_HELLO);
+        }
         return e;
     }
     // Waits for the Hello; checks what it says.

@@ -100,6 +100,11 @@ static void cpu_swiglu(mt_backend *be, float *out, const float *gate, const floa
     }
 }
 
+static void cpu_add(mt_backend *be, float *y, const float *x, int64_t count) {
+    (void)be;
+    for (int64_t i = 0; i < count; i++) y[i] += x[i];
+}
+
 static void cpu_sigmoid(mt_backend *be, float *x, int64_t count) {
     (void)be;
     for (int64_t i = 0; i < count; i++) x[i] = cpu_sigmoidf(x[i]);
@@ -140,6 +145,7 @@ void cpu_dense_fill(mt_backend_ops *t) {
     t->layernorm = cpu_layernorm;
     t->swiglu = cpu_swiglu;
     t->sigmoid = cpu_sigmoid;
+    t->add = cpu_add;
     t->l2norm = cpu_l2norm;
     t->argmax = cpu_argmax;
     t->argmax_dev = cpu_argmax_dev;

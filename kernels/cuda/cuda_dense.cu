@@ -1513,6 +1513,14 @@ static __global__ void sigmoid_kernel(const ew_params p) {
         p.out[i] = cu_sigmoidf(p.a[i]);
 }
 
+static __global__ void add_kernel(const ew_params p) {
+    cu_pdl_wait();
+    cu_pdl_trigger();
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < p.count; i += stride)
+        p.out[i] += p.a[i];
+}
+
 static unsigned ew_grid(int64_t count) { return cu_grid_1d(count, EW_THREADS, EW_MAX_GRID); }
 
 static mt_status swiglu_launch(ew_params *p, cudaStream_t s) {
@@ -1535,6 +1543,18 @@ static void cu_swiglu(mt_backend *be, float *out, const float *gate, const float
     ew_params p = {out, gate, up, (int64_t)n * I, L};
     if (p.count == 0) return;
     cu_op_status(be, "swiglu", swiglu_launch(&p, cu_stream(be)));
+}
+
+static mt_status add_launch(ew_params *p, cudaStream_t s) {
+    MT_CUDA_CHECK(cu_launch_pdl((const void *)add_kernel, dim3(ew_grid(p->count)), dim3(EW_THREADS), 0, s, p));
+    return MT_OK;
+}
+
+static void cu_add(mt_backend *be, float *y, const float *x, int64_t count) {
+    MT_ASSERT(count >= 0);
+    if (count == 0) return;
+    ew_params p = {y, x, NULL, count, 0.f};
+    cu_op_status(be, "add", add_launch(&p, cu_stream(be)));
 }
 
 static void cu_sigmoid(mt_backend *be, float *x, int64_t count) {
@@ -1691,6 +1711,7 @@ extern "C" void cu_dense_fill(mt_backend_ops *t) {
     t->l2norm = cu_l2norm;
     t->swiglu = cu_swiglu;
     t->sigmoid = cu_sigmoid;
+    t->add = cu_add;
     t->argmax = cu_argmax;
     t->argmax_dev = cu_argmax_dev;
 }

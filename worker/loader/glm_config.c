@@ -101,6 +101,7 @@ static const field k_fields[] = {
     FI(index_head_dim), FI(index_n_heads), FF(swiglu_limit), FI(linear_head_dim),
     FI(linear_num_heads), FI(linear_conv_kernel_dim), FI(hc_mult), FF(hc_eps),
     FI(hc_sinkhorn_iters), FI(index_kpool), FB(index_kpool_always_select_tail),
+    FI(num_nextn_predict_layers),
 };
 
 /* Reads an int (JSON integer in int32 range). */
@@ -554,6 +555,10 @@ mt_status glm_config_validate(const glm_config *c, mt_error *err) {
     if (c->hc_mult < 1) BAD("hc_mult is %d, must be >= 1", c->hc_mult);
     if (c->hc_sinkhorn_iters < 1) BAD("hc_sinkhorn_iters is %d, must be >= 1", c->hc_sinkhorn_iters);
     if (c->index_kpool < 1) BAD("index_kpool is %d, must be >= 1", c->index_kpool);
+    if (c->num_nextn_predict_layers < 0)
+        BAD("num_nextn_predict_layers is %d, must be >= 0", c->num_nextn_predict_layers);
+    if (c->num_nextn_predict_layers > 0 && c->num_hidden_layers >= GLM_MAX_LAYERS)
+        BAD("an MTP block needs num_hidden_layers < %d, got %d", GLM_MAX_LAYERS, c->num_hidden_layers);
     if (c->index_topk % c->index_kpool != 0)
         BAD("index_topk (%d) must be divisible by index_kpool (%d)", c->index_topk, c->index_kpool);
     if (c->qk_rope_head_dim > 0)

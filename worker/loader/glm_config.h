@@ -60,6 +60,8 @@ typedef struct glm_config {
     bool index_kpool_always_select_tail; /* true */
     int pad_token_id;            /* -1 when null */
     int eos_token_id;            /* -1 when null (first id when a list) */
+    int num_nextn_predict_layers; /* MTP blocks after the layers (0 when absent); the runtime uses
+                                  * the first, at layer index num_hidden_layers, when present */
     glm_mixer layer_types[GLM_MAX_LAYERS];
     glm_mlp mlp_layer_types[GLM_MAX_LAYERS];
     glm_indexer indexer_types[GLM_MAX_LAYERS];

@@ -3,7 +3,8 @@
  *
  * Owner: the model loader. The one place that knows checkpoint names: the weight binder checks a
  * checkpoint against it, and tools/mkckpt writes random checkpoints from it, so the two cannot
- * drift apart. The MTP block (layer num_hidden_layers) and vision tensors are not listed.
+ * drift apart. The MTP block (layer num_hidden_layers) has its own list; vision tensors are not
+ * listed.
  */
 #ifndef GLM_MANIFEST_H
 #define GLM_MANIFEST_H
@@ -27,6 +28,11 @@ typedef void (*glm_manifest_fn)(const glm_tensor_spec *spec, void *user);
 
 /* Calls fn once per tensor, in a fixed order (top level, then layer by layer). Returns the count. */
 int glm_manifest_foreach(const glm_config *cfg, glm_manifest_fn fn, void *user);
+
+/* The MTP block's tensors (docs/MODEL.md, "MTP block"), at layer index num_hidden_layers:
+ * eh_proj [H, 2H], enorm, hnorm, shared_head.norm, and a decoder layer with a DSA mixer, a full
+ * indexer and an MoE, without hyper-connections. Returns the count. */
+int glm_manifest_mtp_foreach(const glm_config *cfg, glm_manifest_fn fn, void *user);
 
 /* Bytes the manifest's tensors take at their stored dtypes. */
 uint64_t glm_manifest_bytes(const glm_config *cfg);

@@ -43,6 +43,9 @@ typedef struct mt_model_params {
      * the weights and state; the layers' partial sums are all-reduced over comm. NULL: the whole
      * model (one rank). Borrowed; it must outlive the model. */
     mt_comm *comm;
+    /* The model's drafter (an MTP block), when it has one, follows every sequence so that any
+     * step can draft (speculative decoding); default false. */
+    bool mtp;
 } mt_model_params;
 
 mt_model_params mt_model_default_params(void);
@@ -60,8 +63,8 @@ typedef struct mt_model_info {
     int ahead_rows;        /* most rows of a greedy step run ahead (0: the model cannot) */
     bool backend_queues;   /* the backend queues its work (only then does running ahead pay) */
     bool multi_seq;        /* every layer decodes one row for each of many sequences in one pass */
-    bool rollback;         /* every layer can drop rows past a length (rejected drafts) */
-    bool has_drafter;      /* draft entries are offered */
+    bool rollback;         /* seq_keep drops the rejected rows of a verify */
+    bool has_drafter;      /* draft is offered (params.mtp and a drafter in the checkpoint) */
     int tp_rank, tp_size;  /* the shard this process holds */
 } mt_model_info;
 
@@ -133,9 +136,14 @@ typedef struct mt_model_ops {
                               mt_error *err);
     mt_status (*ahead_tokens)(mt_model *m, int64_t ticket, int32_t *out, int n);
 
-    /* ---- drafter (NULL: the model has none) ---- */
-    /* One token through the drafter after the target's step on s: its logits (host) [vocab]. */
+    /* ---- speculative decoding (info.has_drafter, info.rollback) ---- */
+    /* One token through the drafter: the first call after a target step on s takes the token
+     * that follows the step's last row; each further call takes the token drafted from the last
+     * call's logits (the drafter's own state stands in for the target's). logits (host) [vocab]. */
     mt_status (*draft)(mt_model *m, mt_seq *s, int32_t token, float *logits, mt_error *err);
+    /* After a decode part of k rows of s (a verify), keeps its first keep rows (1 <= keep <= k):
+     * the others leave no trace in any layer's state or the drafter's. */
+    mt_status (*seq_keep)(mt_model *m, mt_seq *s, int keep, mt_error *err);
 } mt_model_ops;
 
 /* The first member of every architecture's model and sequence structs. */

@@ -14,6 +14,13 @@ static const glm_seq *cseq_of(const mt_seq *s) { return (const glm_seq *)s; }
 
 mt_model *glm_model_as_model(glm_model *m) { return &m->base; }
 
+static mt_status iface_draft(mt_model *m, mt_seq *s, int32_t token, float *logits, mt_error *err) {
+    return glm_mtp_draft(as_glm(m), seq_of(s), token, logits, err);
+}
+static mt_status iface_seq_keep(mt_model *m, mt_seq *s, int keep, mt_error *err) {
+    return glm_seq_keep(as_glm(m), seq_of(s), keep, err);
+}
+
 static void iface_destroy(mt_model *m) { glm_model_free(as_glm(m)); }
 
 static void iface_describe(const mt_model *mm, mt_model_info *out) {
@@ -32,8 +39,8 @@ static void iface_describe(const mt_model *mm, mt_model_info *out) {
         .ahead_rows = glm_model_ahead_rows(m),
         .backend_queues = glm_model_backend_queues(m),
         .multi_seq = m->runner.plan.multi_seq,
-        .rollback = m->runner.plan.rollback,
-        .has_drafter = false,
+        .rollback = m->mtp.on,
+        .has_drafter = m->mtp.on,
         .tp_rank = m->tp_rank,
         .tp_size = m->tp_size,
     };
@@ -172,7 +179,8 @@ const mt_model_ops glm_model_iface = {
     .forward = iface_forward,
     .decode_ahead = iface_decode_ahead,
     .ahead_tokens = iface_ahead_tokens,
-    .draft = NULL, /* the MTP block is not loaded */
+    .draft = iface_draft,
+    .seq_keep = iface_seq_keep,
 };
 
 mt_status glm_model_open(const char *dir, mt_backend *be, const mt_model_params *params, mt_model **out,

@@ -204,6 +204,21 @@ struct glm_model {
     rt_id_pool pages, slots;
     int n_seqs;                /* live sequences (the pools cannot be remade under them) */
     uint8_t *census;           /* [L * E] host, NULL unless glm_model_set_expert_census */
+    /* The MTP block (glm_mtp.c), when the checkpoint has one: its decoder layer is layers[L]
+     * (a DSA mixer with its own indexer and an MoE, no hyper-connections; its pages live beside
+     * the target's), eh_proj split into the embedding half and the hidden half. With
+     * params.mtp every sequence's drafter follows its target (glm_mtp_follow), so it can draft
+     * at any step. */
+    struct glm_mtp {
+        bool has;              /* the block is loaded */
+        bool on;               /* has && params.mtp: sequences carry drafter state */
+        mt_weight eh_e, eh_h;  /* [H, H] each: eh_proj's columns [0, H) and [H, 2H) */
+        float *enorm, *hnorm, *norm; /* [H]; norm = shared_head.norm */
+        float *hin;            /* [rows + 1, H] the drafter's hidden inputs of one pass */
+        float *e, *u, *t;      /* [rows, H] embeddings, residual, temporary */
+        int spare_slot;        /* a KDA slot kept for the state before a verify (-1: none) */
+    } mtp;
+    int n_state_layers;        /* layers with per-sequence state: L, plus 1 with the MTP block */
 };
 
 struct glm_seq {
@@ -215,6 +230,19 @@ struct glm_seq {
     mt_layer_state **states;   /* [num_hidden_layers] */
     rt_slot graph;             /* this sequence's decode graph (runner.plan.per_sequence) */
     rt_slot verify[GLM_VERIFY_MAX + 1]; /* its verify graphs, by rows (2 .. GLM_VERIFY_MAX) */
+    /* Drafter state (m->mtp.on): the drafter's rows are positions 0 .. its layer state's len - 1;
+     * row t takes the target's hidden state at t and the embedding of token t + 1, so after a
+     * target step it holds len - 1 rows and hp is the target's last row, waiting for the next
+     * token. draft() adds that row, then rows on its own residual u (speculative: n_spec of
+     * them, dropped by the next target step). */
+    float *hp, *u;             /* [H] backend: pending hidden row; the last draft's residual */
+    int n_spec;
+    /* The last multi-row decode (a verify), for glm_seq_keep: its first position and tokens, and
+     * what it changed that rows cannot be dropped from (KDA slot in mtp.spare_slot, hp). */
+    int v_pos, v_n;
+    int32_t v_tok[GLM_VERIFY_MAX];
+    float *v_hp;               /* [H] backend */
+    int v_mtp_len;
 };
 
 #define GLM_SEL_MULTI (-1)
@@ -238,6 +266,15 @@ static inline void glm_matmul_multi(mt_backend *be, float *const *y, const float
     }
 }
 
+/* glm_mtp.c: the MTP block (docs/MODEL.md, "MTP block"). */
+/* After a target pass over n consecutive rows of s at positions len - n .. len - 1 (s->len
+ * already advanced), whose highway rows are X[n, S, H] and tokens tokens[n]: the drafter takes
+ * the rows whose next token is now known (the pending row and rows 0 .. n - 2) and keeps the
+ * last row's hidden state pending. Drops speculative drafter rows first. */
+mt_status glm_mtp_follow(glm_model *m, glm_seq *s, const float *X, const int32_t *tokens, int n);
+/* The drafter's next row for s with token: logits (host) [vocab]. */
+mt_status glm_mtp_draft(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_error *err);
+
 /* glm_entry.c: the model interface (worker/model/model.h) over this model. */
 extern const mt_model_ops glm_model_iface;
 
@@ -249,6 +286,9 @@ mt_status glm_shard_plan(glm_model *m, mt_error *err);
 mt_status glm_all_reduce(mt_comm *comm, float *buf, size_t count);
 /* The vocab-parallel head's logits [rows, v_n] of every rank into m->logits [rows, vocab]. */
 mt_status glm_gather_logits(glm_model *m, int rows);
+/* lm_head over normed rows z [rows, H] into m->logits (gathered over the ranks), downloaded into
+ * logits_host when not NULL. */
+mt_status glm_logits_rows(glm_model *m, const float *z, int rows, float *logits_host);
 
 /* glm_weights.c */
 mt_status glm_weights_bind(glm_model *m, mt_error *err);

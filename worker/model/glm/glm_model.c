@@ -38,15 +38,45 @@ static mt_status scratch_alloc(mt_backend *be, const glm_config *c, int rows, gl
     return MT_OK;
 }
 
+/* Whether the MTP block is loaded: the checkpoint holds its tensors (random models: the config
+ * declares one). Its layer is index L: a DSA mixer with a full indexer and an MoE. */
+static mt_status mtp_plan(glm_model *m, bool random, mt_error *err) {
+    glm_config *c = &m->cfg;
+    const int L = c->num_hidden_layers;
+    bool has = c->num_nextn_predict_layers > 0;
+    if (!random) {
+        char name[96];
+        snprintf(name, sizeof name, "model.language_model.layers.%d.eh_proj.weight", L);
+        has = st_find(m->ar, name) != NULL;
+        if (!has && c->num_nextn_predict_layers > 0)
+            mt_log(MT_LOG_WARN, "the config declares %d MTP block(s) but the checkpoint holds none: no drafter",
+                   c->num_nextn_predict_layers);
+    }
+    m->mtp.spare_slot = -1;
+    m->n_state_layers = L;
+    if (!has) return MT_OK;
+    if (L >= GLM_MAX_LAYERS)
+        return mt_errorf(err, MT_ERR_UNSUPPORTED, "an MTP block after %d layers: at most %d layers in all", L,
+                         GLM_MAX_LAYERS);
+    c->layer_types[L] = GLM_MIXER_DSA;
+    c->mlp_layer_types[L] = GLM_MLP_SPARSE;
+    c->indexer_types[L] = GLM_INDEXER_FULL;
+    m->mtp.has = true;
+    m->mtp.on = m->params.mtp;
+    m->n_state_layers = L + 1;
+    return MT_OK;
+}
+
 /* Everything after the config and the weights' source are known: layers, weights, scratch. */
 static mt_status model_init(glm_model *m, uint64_t random_seed, bool random, mt_error *err) {
     const glm_config *c = &m->cfg;
     mt_backend *be = m->be;
-    mt_status s = glm_shard_plan(m, err);
+    mt_status s = mtp_plan(m, random, err);
+    if (s == MT_OK) s = glm_shard_plan(m, err);
     if (s != MT_OK) return s;
-    m->layers = calloc((size_t)c->num_hidden_layers, sizeof(glm_layer));
+    m->layers = calloc((size_t)m->n_state_layers, sizeof(glm_layer));
     if (!m->layers) return mt_errorf(err, MT_ERR_NOMEM, "out of memory");
-    for (int i = 0; i < c->num_hidden_layers; i++) {
+    for (int i = 0; i < m->n_state_layers; i++) {
         glm_layer_init(&m->layers[i], &m->lcfg, be, i);
         m->layers[i].comm = m->comm;
     }
@@ -65,6 +95,13 @@ static mt_status model_init(glm_model *m, uint64_t random_seed, bool random, mt_
     m->d_step = be->ops->alloc(be, sizeof(int32_t) * GLM_VERIFY_MAX * (size_t)(c->hc_mult + 1));
     if (!m->X || !m->z || !m->logits || !m->d_step)
         return mt_errorf(err, MT_ERR_NOMEM, "out of memory for activations");
+    if (m->mtp.on) {
+        const size_t rh = sizeof(float) * rows * (size_t)c->hidden_size;
+        struct glm_mtp *x = &m->mtp;
+        if (!(x->hin = be->ops->alloc(be, rh + sizeof(float) * c->hidden_size)) || !(x->e = be->ops->alloc(be, rh)) ||
+            !(x->u = be->ops->alloc(be, rh)) || !(x->t = be->ops->alloc(be, rh)))
+            return mt_errorf(err, MT_ERR_NOMEM, "out of memory for the drafter's activations");
+    }
     if (m->tp_size > 1 &&
         (!(m->logits_local = be->ops->alloc(be, sizeof(float) * rows * (size_t)m->v_n)) ||
          !(m->logits_gather = be->ops->alloc(be, sizeof(float) * rows * (size_t)m->v_n * m->tp_size))))
@@ -162,6 +199,10 @@ void glm_model_free(glm_model *m) {
     free(m->h_tok);
     free(m->ahead.seqs);
     free(m->census);
+    be->ops->free(be, m->mtp.hin);
+    be->ops->free(be, m->mtp.e);
+    be->ops->free(be, m->mtp.u);
+    be->ops->free(be, m->mtp.t);
     st_close(m->ar);
     free(m);
 }
@@ -172,7 +213,7 @@ mt_backend *glm_model_backend(const glm_model *m) { return m->be; }
 /* ---- pools: DSA pages and KDA slots ---- */
 
 static const glm_layer *first_dsa(const glm_model *m) {
-    for (int i = 0; i < m->cfg.num_hidden_layers; i++)
+    for (int i = 0; i < m->n_state_layers; i++)
         if (m->cfg.layer_types[i] != GLM_MIXER_KDA) return &m->layers[i];
     return NULL;
 }
@@ -181,13 +222,13 @@ int glm_model_page_tokens(const glm_model *m) { return m->layers[0].page; }
 
 size_t glm_model_page_bytes(const glm_model *m) {
     size_t b = 0;
-    for (int i = 0; i < m->cfg.num_hidden_layers; i++) b += glm_layer_page_bytes(&m->layers[i]);
+    for (int i = 0; i < m->n_state_layers; i++) b += glm_layer_page_bytes(&m->layers[i]);
     return b;
 }
 
 size_t glm_model_slot_bytes(const glm_model *m) {
     size_t b = 0;
-    for (int i = 0; i < m->cfg.num_hidden_layers; i++) b += glm_layer_slot_bytes(&m->layers[i]);
+    for (int i = 0; i < m->n_state_layers; i++) b += glm_layer_slot_bytes(&m->layers[i]);
     return b;
 }
 
@@ -197,7 +238,7 @@ int glm_model_pages_total(const glm_model *m) { return m->pages.n; }
 int glm_model_slots_total(const glm_model *m) { return m->slots.n; }
 
 static void pools_release(glm_model *m) {
-    for (int i = 0; i < m->cfg.num_hidden_layers; i++) glm_layer_pools_free(&m->layers[i]);
+    for (int i = 0; i < m->n_state_layers; i++) glm_layer_pools_free(&m->layers[i]);
     rt_id_pool_release(&m->pages);
     rt_id_pool_release(&m->slots);
 }
@@ -235,14 +276,16 @@ mt_status glm_model_set_pools(glm_model *m, int n_pages, int n_slots, mt_error *
     graphs_release(m); /* they hold addresses in the old pools */
     pools_release(m);
     mt_backend *be = m->be;
-    const glm_config *c = &m->cfg;
-    bool ok = rt_id_pool_init(&m->pages, n_pages) == MT_OK && rt_id_pool_init(&m->slots, n_slots) == MT_OK;
-    for (int i = 0; ok && i < c->num_hidden_layers; i++) ok = glm_layer_pools_alloc(&m->layers[i], n_pages, n_slots);
+    /* with the drafter, one more slot keeps a sequence's recurrent state across a verify */
+    const int slots = n_slots + (m->mtp.on ? 1 : 0);
+    bool ok = rt_id_pool_init(&m->pages, n_pages) == MT_OK && rt_id_pool_init(&m->slots, slots) == MT_OK;
+    for (int i = 0; ok && i < m->n_state_layers; i++) ok = glm_layer_pools_alloc(&m->layers[i], n_pages, slots);
     if (!ok) {
         pools_release(m);
         return mt_errorf(err, MT_ERR_NOMEM, "out of memory for %d pages and %d slots (%zu + %zu bytes)", n_pages,
                          n_slots, (size_t)n_pages * glm_model_page_bytes(m), (size_t)n_slots * glm_model_slot_bytes(m));
     }
+    m->mtp.spare_slot = m->mtp.on ? rt_id_take(&m->slots) : -1;
     if (be->ops->graph_begin) pad_ensure(m); /* the graph pad's slot and page, before any request's */
     return MT_OK;
 }
@@ -291,7 +334,7 @@ int glm_seq_pages(const glm_seq *s) { return s ? s->bt.n_blocks : 0; }
  * sequence's first step expects. */
 static void bind_states(glm_seq *s) {
     glm_model *m = s->m;
-    for (int i = 0; i < m->cfg.num_hidden_layers; i++)
+    for (int i = 0; i < m->n_state_layers; i++)
         glm_layer_bind_state(&m->layers[i], (glm_layer_state *)s->states[i], s->slot, s->bt.dev);
     glm_layers_zero_slot(m->layers, m->cfg.num_hidden_layers, s->slot);
 }
@@ -305,7 +348,7 @@ mt_status glm_seq_new(glm_model *m, int max_tokens, glm_seq **out, mt_error *err
     }
     if (m->slots.n_free == 0) return mt_errorf(err, MT_ERR_FULL, "no free sequence slot (all %d in use)", m->slots.n);
     glm_seq *s = calloc(1, sizeof *s);
-    const int L = m->cfg.num_hidden_layers;
+    const int L = m->n_state_layers;
     const int max_blocks = max_tokens / glm_model_page_tokens(m) + 1;
     if (!s || !(s->states = calloc((size_t)L, sizeof *s->states)) || rt_bt_init(&s->bt, m->be, max_blocks) != MT_OK) {
         if (s) free(s->states);
@@ -324,6 +367,14 @@ mt_status glm_seq_new(glm_model *m, int max_tokens, glm_seq **out, mt_error *err
             return st;
         }
     }
+    if (m->mtp.on) {
+        const size_t hb = sizeof(float) * (size_t)m->cfg.hidden_size;
+        if (!(s->hp = m->be->ops->alloc(m->be, hb)) || !(s->u = m->be->ops->alloc(m->be, hb)) ||
+            !(s->v_hp = m->be->ops->alloc(m->be, hb))) {
+            glm_seq_free(s);
+            return mt_errorf(err, MT_ERR_NOMEM, "out of memory for a sequence's drafter state");
+        }
+    }
     bind_states(s);
     if (max_tokens > m->rt_cap) m->rt_cap = max_tokens; /* batched-decode graphs are sized by it */
     *out = s;
@@ -336,8 +387,11 @@ void glm_seq_free(glm_seq *s) {
     ahead_forget(m, s); /* its address may come back for another sequence */
     rt_slot_release(&m->runner, &s->graph);
     for (int k = 0; k <= GLM_VERIFY_MAX; k++) rt_slot_release(&m->runner, &s->verify[k]);
-    for (int i = 0; i < m->cfg.num_hidden_layers; i++)
+    for (int i = 0; i < m->n_state_layers; i++)
         if (s->states[i]) mt_layer_release_state(&m->layers[i].base, s->states[i]);
+    m->be->ops->free(m->be, s->hp);
+    m->be->ops->free(m->be, s->u);
+    m->be->ops->free(m->be, s->v_hp);
     rt_bt_release(&s->bt, m->be, &m->pages);
     rt_id_drop(&m->slots, s->slot);
     m->n_seqs--;
@@ -352,13 +406,12 @@ size_t glm_seq_bytes(const glm_seq *s) {
 
 size_t glm_model_seq_bytes(const glm_model *m, int max_tokens) {
     size_t b = 0;
-    for (int i = 0; i < m->cfg.num_hidden_layers; i++) b += glm_layer_state_bytes(&m->layers[i], max_tokens);
+    for (int i = 0; i < m->n_state_layers; i++) b += glm_layer_state_bytes(&m->layers[i], max_tokens);
     return b;
 }
 
 /* Three kinds of per-sequence state move to dst: paged (src's full pages are mapped into dst too,
- * shared and counted; a partly filled last page is copied into a page of dst's own, since dst will
- * write the rest of it), slots (recurrent state copied slot to slot), and aux state (each layer
+ * shared and counted; a page dst will write more of is copied into a page of its own), slots (recurrent state copied slot to slot), and aux state (each layer
  * that has it: snapshot of src, restored into dst). */
 mt_status glm_seq_copy_prefix(glm_model *m, const glm_seq *src, glm_seq *dst, mt_error *err) {
     if (src->m != m || dst->m != m) return mt_errorf(err, MT_ERR_INVALID, "sequences of another model");
@@ -366,17 +419,22 @@ mt_status glm_seq_copy_prefix(glm_model *m, const glm_seq *src, glm_seq *dst, mt
     ahead_forget(m, dst);
     if (src->len > dst->cap)
         return mt_errorf(err, MT_ERR_FULL, "%d positions do not fit a sequence of %d", src->len, dst->cap);
-    const int page = glm_model_page_tokens(m), full = src->len / page, part = src->len % page != 0;
+    /* A page dst will still write is its own: past src's length, and with the drafter past its
+     * rows too (it lags the target by the pending row, which dst writes with its own next token). */
+    const int written = m->mtp.on ? ((glm_layer_state *)src->states[m->cfg.num_hidden_layers])->len - src->n_spec
+                                  : src->len;
+    const int page = glm_model_page_tokens(m), full = written / page, part = src->len > full * page;
     if (first_dsa(m)) {
         if (rt_bt_share(&dst->bt, m->be, &m->pages, &src->bt, full, part) != MT_OK)
             return mt_errorf(err, MT_ERR_FULL, "out of cache pages for a copied prefix");
-        if (part) glm_layers_copy_page(m->layers, m->cfg.num_hidden_layers, src->bt.host[full], dst->bt.host[full]);
+        if (part) glm_layers_copy_page(m->layers, m->n_state_layers, src->bt.host[full], dst->bt.host[full]);
     }
     glm_layers_copy_slot(m->layers, m->cfg.num_hidden_layers, src->slot, dst->slot);
-    for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
+    for (int l = 0; l < m->n_state_layers; l++) {
         const mt_layer *ml = &m->layers[l].base;
         glm_layer_state *d = (glm_layer_state *)dst->states[l];
-        d->len = src->len;
+        /* the drafter's rows: its committed ones (src drafts nothing while it is a kept prefix) */
+        d->len = l < m->cfg.num_hidden_layers ? src->len : ((glm_layer_state *)src->states[l])->len - src->n_spec;
         if (!mt_layer_has_aux_state(ml)) continue;
         void *snap = NULL;
         size_t n = 0;
@@ -386,6 +444,7 @@ mt_status glm_seq_copy_prefix(glm_model *m, const glm_seq *src, glm_seq *dst, mt
         if (st != MT_OK) return st;
     }
     dst->len = src->len;
+    if (m->mtp.on) m->be->ops->copy(m->be, dst->hp, src->hp, sizeof(float) * (size_t)m->cfg.hidden_size);
     return MT_OK;
 }
 
@@ -424,10 +483,15 @@ static mt_status head_logits(glm_model *m, const float *X, int rows, float *logi
         be->ops->hc_head(be, m->z, X, rows, c->hc_mult, c->hidden_size);
         be->ops->rmsnorm(be, m->z, m->z, m->norm, rows, c->hidden_size, c->rms_norm_eps);
     }
-    be->ops->matmul(be, m->tp_size > 1 ? m->logits_local : m->logits, m->z, &m->lm_head, rows);
+    return glm_logits_rows(m, m->z, rows, logits_host);
+}
+
+mt_status glm_logits_rows(glm_model *m, const float *z, int rows, float *logits_host) {
+    mt_backend *be = m->be;
+    be->ops->matmul(be, m->tp_size > 1 ? m->logits_local : m->logits, z, &m->lm_head, rows);
     mt_status st = glm_gather_logits(m, rows);
     if (st == MT_OK && logits_host)
-        be->ops->download(be, logits_host, m->logits, sizeof(float) * (size_t)rows * c->vocab_size);
+        be->ops->download(be, logits_host, m->logits, sizeof(float) * (size_t)rows * m->cfg.vocab_size);
     return st;
 }
 
@@ -484,6 +548,7 @@ static mt_status check_tokens(const glm_model *m, const glm_seq *s, const int32_
 mt_status glm_prefill(glm_model *m, glm_seq *s, const int32_t *tokens, int n, float *logits,
                       bool all_logits, mt_error *err) {
     ahead_forget(m, s);
+    s->v_n = 0;
     mt_status st = check_tokens(m, s, tokens, n, err);
     if (st == MT_OK) st = glm_seq_reserve(s, n, err);
     if (st != MT_OK) return st;
@@ -495,7 +560,8 @@ mt_status glm_prefill(glm_model *m, glm_seq *s, const int32_t *tokens, int n, fl
         int first = k;
         if (logits && all_logits) { dst = logits + (size_t)done * V; first = 0; }
         else if (logits && last) { dst = logits; first = k - 1; }
-        if ((st = forward(m, s, tokens + done, k, false, first, dst)) != MT_OK)
+        if ((st = forward(m, s, tokens + done, k, false, first, dst)) != MT_OK ||
+            (st = glm_mtp_follow(m, s, m->X, tokens + done, k)) != MT_OK)
             return mt_errorf(err, st, "prefill failed at position %d: %s", s->len, mt_status_str(st));
         done += k;
     }
@@ -576,6 +642,8 @@ static mt_status seq_step(glm_model *m, glm_seq *s, const int32_t *tokens, int k
     return MT_OK;
 }
 
+static void verify_mark(glm_model *m, glm_seq *s, const int32_t *tokens, int k);
+
 /* k rows of s: the graph form when the backend captures (or device_positions asks for it), else
  * the eager layers' decode (k = 1) or decode_batched. */
 static mt_status decode_seq(glm_model *m, glm_seq *s, const int32_t *tokens, int k, float *logits, mt_error *err) {
@@ -590,15 +658,58 @@ static mt_status decode_seq(glm_model *m, glm_seq *s, const int32_t *tokens, int
         mt_status st = glm_seq_reserve(s, k, err);
         if (st != MT_OK) return st;
     }
+    if (m->mtp.on) verify_mark(m, s, tokens, k);
     const bool graph_form = m->params.device_positions || (m->params.decode_graphs && m->runner.plan.graphs);
-    if (graph_form) return seq_step(m, s, tokens, k, logits, err);
-    if (s->len + k > s->cap)
-        return mt_errorf(err, MT_ERR_FULL, "sequence of %d tokens has room for %d more, asked for %d", s->len,
-                         s->cap - s->len, k);
     mt_status st;
-    if ((st = forward(m, s, tokens, k, true, 0, logits)) != MT_OK)
-        return mt_errorf(err, st, "decode failed at position %d: %s", s->len, mt_status_str(st));
+    if (graph_form) {
+        if ((st = seq_step(m, s, tokens, k, logits, err)) != MT_OK) return st;
+    } else {
+        if (s->len + k > s->cap)
+            return mt_errorf(err, MT_ERR_FULL, "sequence of %d tokens has room for %d more, asked for %d", s->len,
+                             s->cap - s->len, k);
+        if ((st = forward(m, s, tokens, k, true, 0, logits)) != MT_OK)
+            return mt_errorf(err, st, "decode failed at position %d: %s", s->len, mt_status_str(st));
+    }
+    if ((st = glm_mtp_follow(m, s, m->X, tokens, k)) != MT_OK)
+        return mt_errorf(err, st, "the drafter failed after position %d: %s", s->len - 1, mt_status_str(st));
     return MT_OK;
+}
+
+/* Before a decode of k rows of s with the drafter on: what glm_seq_keep needs to drop rows of it
+ * (the tokens, the recurrent state, the drafter's pending row and length). */
+static void verify_mark(glm_model *m, glm_seq *s, const int32_t *tokens, int k) {
+    s->v_pos = s->len;
+    s->v_n = k;
+    memcpy(s->v_tok, tokens, sizeof(int32_t) * (size_t)k);
+    if (k == 1) return;
+    glm_layers_copy_slot(m->layers, m->cfg.num_hidden_layers, s->slot, m->mtp.spare_slot);
+    m->be->ops->copy(m->be, s->v_hp, s->hp, sizeof(float) * (size_t)m->cfg.hidden_size);
+    s->v_mtp_len = ((glm_layer_state *)s->states[m->cfg.num_hidden_layers])->len - s->n_spec;
+}
+
+mt_status glm_seq_keep(glm_model *m, glm_seq *s, int keep, mt_error *err) {
+    if (!m->mtp.on) return mt_errorf(err, MT_ERR_UNSUPPORTED, "rows are dropped only with the drafter on");
+    if (s->v_n < 1 || s->len != s->v_pos + s->v_n)
+        return mt_errorf(err, MT_ERR_STATE, "the last step of the sequence was not a decode");
+    if (keep < 1 || keep > s->v_n)
+        return mt_errorf(err, MT_ERR_INVALID, "keep %d of a decode of %d rows", keep, s->v_n);
+    if (keep == s->v_n) return MT_OK;
+    /* Back to the state before the step: the paged layers' lengths, the recurrent slot, the
+     * drafter; then the kept rows again, which write the same rows and the kept recurrent state. */
+    const int L = m->cfg.num_hidden_layers;
+    ahead_forget(m, s);
+    for (int l = 0; l < L; l++) {
+        glm_layer_state *st = (glm_layer_state *)s->states[l];
+        if (m->cfg.layer_types[l] == GLM_MIXER_DSA) st->len = s->v_pos;
+    }
+    glm_layers_copy_slot(m->layers, L, m->mtp.spare_slot, s->slot);
+    ((glm_layer_state *)s->states[L])->len = s->v_mtp_len;
+    s->n_spec = 0;
+    m->be->ops->copy(m->be, s->hp, s->v_hp, sizeof(float) * (size_t)m->cfg.hidden_size);
+    s->len = s->v_pos;
+    int32_t tok[GLM_VERIFY_MAX];
+    memcpy(tok, s->v_tok, sizeof(int32_t) * (size_t)keep);
+    return decode_seq(m, s, tok, keep, NULL, err);
 }
 
 mt_status glm_decode(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_error *err) {
@@ -748,6 +859,11 @@ static mt_status decode_rows(glm_model *m, glm_seq **seqs, const int32_t *tokens
     if (st != MT_OK) return st;
     for (int i = 0; i < n; i++) seqs[i]->len++;
     if (logits) be->ops->download(be, logits, m->logits, sizeof(float) * (size_t)n * c->vocab_size);
+    for (int i = 0; i < n && m->mtp.on; i++) {
+        seqs[i]->v_n = 0;
+        if ((st = glm_mtp_follow(m, seqs[i], m->X + (size_t)i * c->hc_mult * c->hidden_size, &tokens[i], 1)) != MT_OK)
+            return mt_errorf(err, st, "the drafter failed after batched decode row %d: %s", i, mt_status_str(st));
+    }
     return MT_OK;
 }
 
@@ -796,6 +912,7 @@ bool glm_model_backend_queues(const glm_model *m) { return m->be->ops->queued; }
 int glm_model_ahead_rows(const glm_model *m) {
     const mt_backend_ops *o = m->be->ops;
     if (!o->argmax_dev || !o->download_begin || !o->download_end || m->runner.plan.prestage_needs_token) return 0;
+    if (m->mtp.on) return 0; /* the drafter follows each step with the tokens on the host */
     const int by_ticket = MT_TICKET_BYTES / (int)(sizeof(int32_t) * (size_t)m->cfg.hc_mult);
     return m->rcap < by_ticket ? m->rcap : by_ticket;
 }
@@ -872,4 +989,10 @@ int32_t glm_argmax(const float *logits, int vocab) {
     for (int v = 1; v < vocab; v++)
         if (logits[v] > logits[best]) best = v;
     return best;
+}
+
+bool glm_model_has_mtp(const glm_model *m) { return m->mtp.has; }
+bool glm_model_has_drafter(const glm_model *m) { return m->mtp.on; }
+mt_status glm_model_draft(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_error *err) {
+    return glm_mtp_draft(m, s, token, logits, err);
 }

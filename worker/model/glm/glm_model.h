@@ -115,6 +115,16 @@ mt_status glm_decode_multi(glm_model *m, glm_seq **seqs, const int32_t *tokens, 
 #define GLM_VERIFY_MAX 8
 mt_status glm_decode_verify(glm_model *m, glm_seq *s, const int32_t *tokens, int k, float *logits, mt_error *err);
 
+/* Speculative decoding with the MTP block (glm_mtp.c), when the checkpoint has one and
+ * params.mtp is set (glm_model_has_drafter): every sequence's drafter follows its target.
+ * glm_model_draft runs the drafter's next row with token (see mt_model_ops.draft) into logits
+ * (host) [vocab]. glm_seq_keep, after a glm_decode_verify of k rows, keeps the first keep of
+ * them: the state is then as if only those had been decoded. */
+bool glm_model_has_mtp(const glm_model *m);     /* the checkpoint's MTP block is loaded */
+bool glm_model_has_drafter(const glm_model *m); /* and sequences carry its state */
+mt_status glm_model_draft(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_error *err);
+mt_status glm_seq_keep(glm_model *m, glm_seq *s, int keep, mt_error *err);
+
 /* What loading read from the checkpoint, for tensor parallelism's accounting: bytes of the split
  * tensors this rank read and their whole size, and bytes of the replicated ones. */
 void glm_model_load_bytes(const glm_model *m, size_t *split_read, size_t *split_total, size_t *replicated);

@@ -233,7 +233,7 @@ static mt_status bind_layer(binder *b, glm_layer *l, int i) {
     char p[96], mp[128];
     snprintf(p, sizeof p, "model.language_model.layers.%d.", i);
     static const char *site[2] = { "attn", "ffn" };
-    for (int s = 0; s < 2; s++) {
+    for (int s = 0; s < 2 && i < c->num_hidden_layers; s++) { /* the MTP block has no hyper-connections */
         TRY(bind_w(b, &l->hc[s].fn, "%shc_%s_fn", p, site[s]));
         TRY(bind_v(b, &l->hc[s].base, "%shc_%s_base", p, site[s]));
         TRY(bind_v(b, &l->hc[s].scale, "%shc_%s_scale", p, site[s]));
@@ -307,6 +307,47 @@ static mt_status bind_layer(binder *b, glm_layer *l, int i) {
     return bind_mlp(b, &mw->shared, mp);
 }
 
+/* One half of eh_proj [H, 2H] (columns [c0, c0 + H)) as its own weight [H, H], so the block's
+ * input projection is two products of the two normed halves, without a concatenation. */
+static mt_status bind_eh_half(binder *b, mt_weight *w, const char *name, int c0) {
+    glm_model *m = b->m;
+    const int64_t H = m->cfg.hidden_size;
+    snprintf(b->name, sizeof b->name, "%s", name);
+    if (b->random) {
+        const glm_tensor_spec *s = spec_of(b);
+        mt_status st = m->be->ops->weight_random(m->be, s->dtype, H, H, mt_rand_key(mt_rand_key(b->seed, s->name),
+                                                 c0 ? "hidden" : "embedding"), s->mean, s->std, w);
+        return st == MT_OK ? MT_OK : mt_errorf(b->err, st, "cannot make random tensor %s on the backend", name);
+    }
+    const st_tensor *t = st_find(m->ar, name);
+    MT_ASSERT(t); /* the manifest check ran first */
+    const size_t es = mt_dtype_size(t->dtype), rb = (size_t)H * es;
+    char *buf = malloc(rb * (size_t)H);
+    if (!buf) return mt_errorf(b->err, MT_ERR_NOMEM, "out of memory for tensor %s", name);
+    for (int64_t r = 0; r < H; r++) memcpy(buf + (size_t)r * rb, (const char *)t->data + ((size_t)r * 2 * H + c0) * es, rb);
+    m->bytes_replicated += t->nbytes / 2;
+    mt_status st = m->be->ops->weight(m->be, buf, t->dtype, H, H, w);
+    if (st == MT_OK) st = keep_host(m, buf, w);
+    else free(buf);
+    return st == MT_OK ? MT_OK : mt_errorf(b->err, st, "%s: cannot place tensor %s on the backend", t->file, name);
+}
+
+/* The MTP block at layer index L (glm_manifest_mtp_foreach): eh_proj's halves, its norms, and
+ * its decoder layer (layers[L]), sharded like the target's layers. */
+static mt_status bind_mtp(binder *b) {
+    glm_model *m = b->m;
+    const int L = m->cfg.num_hidden_layers;
+    char p[96], name[160];
+    snprintf(p, sizeof p, "model.language_model.layers.%d.", L);
+    snprintf(name, sizeof name, "%seh_proj.weight", p);
+    TRY(bind_eh_half(b, &m->mtp.eh_e, name, 0));
+    TRY(bind_eh_half(b, &m->mtp.eh_h, name, m->cfg.hidden_size));
+    TRY(bind_v(b, &m->mtp.enorm, "%senorm.weight", p));
+    TRY(bind_v(b, &m->mtp.hnorm, "%shnorm.weight", p));
+    TRY(bind_v(b, &m->mtp.norm, "%sshared_head.norm.weight", p));
+    return bind_layer(b, &m->layers[L], L);
+}
+
 /* The embedding: on several ranks this rank's vocab rows [v_lo, v_lo + v_n), which the lookups
  * of other ranks' ids read as zeros (mt_weight.row0), so the sum over ranks of each rank's lookup
  * is the embedding. */
@@ -334,12 +375,13 @@ static mt_status bind_all(binder *bp) {
     }
     TRY(bind_v(&b, &m->norm, "model.language_model.norm.weight"));
     for (int i = 0; i < m->cfg.num_hidden_layers; i++) TRY(bind_layer(&b, &m->layers[i], i));
-    return MT_OK;
+    return m->mtp.has ? bind_mtp(&b) : MT_OK;
 }
 
 mt_status glm_weights_bind(glm_model *m, mt_error *err) {
     check_ctx cc = { m->ar, err, MT_OK };
     glm_manifest_foreach(&m->cfg, check_one, &cc);
+    if (cc.st == MT_OK && m->mtp.has) glm_manifest_mtp_foreach(&m->cfg, check_one, &cc);
     if (cc.st != MT_OK) return cc.st;
     binder b = { .m = m, .err = err };
     return bind_all(&b);
@@ -363,9 +405,11 @@ static void count_spec(const glm_tensor_spec *s, void *user) {
 mt_status glm_weights_random(glm_model *m, uint64_t seed, mt_error *err) {
     int n = 0;
     glm_manifest_foreach(&m->cfg, count_spec, &n);
+    if (m->mtp.has) glm_manifest_mtp_foreach(&m->cfg, count_spec, &n);
     spec_list l = { calloc((size_t)n, sizeof(glm_tensor_spec)), 0 };
     if (!l.v) return mt_errorf(err, MT_ERR_NOMEM, "out of memory for the manifest");
     glm_manifest_foreach(&m->cfg, collect_spec, &l);
+    if (m->mtp.has) glm_manifest_mtp_foreach(&m->cfg, collect_spec, &l);
     binder b = { .m = m, .err = err, .random = true, .seed = seed, .specs = l.v, .n_specs = l.n };
     mt_status st = bind_all(&b);
     free(l.v);
@@ -382,7 +426,12 @@ static void free_expert(mt_backend *be, mt_expert *e) {
 void glm_weights_release(glm_model *m) {
     mt_backend *be = m->be;
     if (!m->layers) return;
-    for (int i = 0; i < m->cfg.num_hidden_layers; i++) {
+    be->ops->weight_free(be, &m->mtp.eh_e);
+    be->ops->weight_free(be, &m->mtp.eh_h);
+    be->ops->free(be, m->mtp.enorm);
+    be->ops->free(be, m->mtp.hnorm);
+    be->ops->free(be, m->mtp.norm);
+    for (int i = 0; i < m->n_state_layers; i++) {
         glm_layer *l = &m->layers[i];
         for (int s = 0; s < 2; s++) {
             be->ops->weight_free(be, &l->hc[s].fn);

@@ -1,0 +1,106 @@
+/* worker/model/glm/glm_mtp.c: the MTP block, the model's own drafter (docs/MODEL.md, "MTP
+ * block"). Row t of a sequence's drafter takes h, the target's hidden state at position t before
+ * the final norm (the mean of the highway's streams), and e, the embedding of token t + 1:
+ *
+ *   u = eh_proj . [RMSNorm(e, enorm); RMSNorm(h, hnorm)]
+ *   u += DSA(RMSNorm(u, input_layernorm));  u += MoE(RMSNorm(u, post_attention_layernorm))
+ *   logits = lm_head . RMSNorm(u, shared_head.norm)
+ *
+ * with a plain residual and the block's own DSA caches (layers[L], paged like the target's DSA
+ * layers, row t at position t). Drafting k > 1 tokens feeds the block its own u as h (DeepSeek-V3's
+ * sequential MTP); those rows are speculative and the next target step drops them. */
+#include <string.h>
+
+#include "worker/model/glm/glm_impl.h"
+
+/* n drafter rows of s at its next positions: hidden inputs hin [n, H] (backend), tokens [n]
+ * (host). Keeps the last row's residual in s->u; logits (host) [vocab] of the last row when not
+ * NULL. */
+static mt_status mtp_rows(glm_model *m, glm_seq *s, const float *hin, const int32_t *tokens, int n,
+                          float *logits) {
+    mt_backend *be = m->be;
+    const mt_backend_ops *op = be->ops;
+    const glm_config *c = &m->cfg;
+    const int H = c->hidden_size, L = c->num_hidden_layers;
+    const float eps = c->rms_norm_eps;
+    const size_t nh = (size_t)n * H;
+    struct glm_mtp *x = &m->mtp;
+    glm_layer *l = &m->layers[L];
+    glm_layer_state *st = (glm_layer_state *)s->states[L];
+    mt_status rc;
+
+    op->embed(be, x->e, &m->embed, tokens, n);
+    if (m->tp_size > 1 && (rc = glm_all_reduce(m->comm, x->e, nh)) != MT_OK) return rc;
+    op->rmsnorm(be, x->e, x->e, x->enorm, n, H, eps);
+    op->rmsnorm(be, x->t, hin, x->hnorm, n, H, eps);
+    op->matmul(be, x->u, x->e, &x->eh_e, n);
+    op->matmul(be, x->e, x->t, &x->eh_h, n);
+    op->add(be, x->u, x->e, (int64_t)nh);
+
+    mt_step step = { .be = be, .t0 = st->len, .scr = &m->scr };
+    m->scr.sel_n = 0;
+    glm_layer_state *sts[1] = { st };
+    op->rmsnorm(be, x->t, x->u, l->in_norm, n, H, eps);
+    if ((rc = glm_dsa_forward(l, sts, 1, &step, x->t, x->e, n)) != MT_OK) return rc;
+    if ((rc = glm_all_reduce(l->comm, x->e, nh)) != MT_OK) return rc;
+    op->add(be, x->u, x->e, (int64_t)nh);
+    op->rmsnorm(be, x->t, x->u, l->post_norm, n, H, eps);
+    glm_mlp_forward(l, &step, x->t, x->e, n);
+    if ((rc = glm_all_reduce(l->comm, x->e, nh)) != MT_OK) return rc;
+    op->add(be, x->u, x->e, (int64_t)nh);
+
+    const float *last = x->u + (size_t)(n - 1) * H;
+    op->copy(be, s->u, last, sizeof(float) * H);
+    if (!logits) return MT_OK;
+    op->rmsnorm(be, x->t, last, x->norm, 1, H, eps);
+    return glm_logits_rows(m, x->t, 1, logits);
+}
+
+mt_status glm_mtp_follow(glm_model *m, glm_seq *s, const float *X, const int32_t *tokens, int n) {
+    if (!m->mtp.on) return MT_OK;
+    mt_backend *be = m->be;
+    const glm_config *c = &m->cfg;
+    const int H = c->hidden_size, a = s->len - n;
+    glm_layer_state *st = (glm_layer_state *)s->states[c->num_hidden_layers];
+    st->len -= s->n_spec;
+    s->n_spec = 0;
+    float *hin = m->mtp.hin;
+    be->ops->hc_head(be, hin + H, X, n, c->hc_mult, H); /* rows 1 .. n: this pass's hidden states */
+    mt_status rc = MT_OK;
+    if (st->len == a - 1) { /* the pending row, then rows 0 .. n - 2 */
+        be->ops->copy(be, hin, s->hp, sizeof(float) * H);
+        rc = mtp_rows(m, s, hin, tokens, n, NULL);
+    } else if (st->len == a) { /* the pending row was drafted already (or this is position 0) */
+        if (n > 1) rc = mtp_rows(m, s, hin + H, tokens + 1, n - 1, NULL);
+    } else {
+        return MT_ERR_STATE;
+    }
+    if (rc == MT_OK) be->ops->copy(be, s->hp, hin + (size_t)n * H, sizeof(float) * H);
+    return rc;
+}
+
+mt_status glm_mtp_draft(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_error *err) {
+    if (!m->mtp.on) return mt_errorf(err, MT_ERR_UNSUPPORTED, "the model has no drafter turned on");
+    const glm_config *c = &m->cfg;
+    if (token < 0 || token >= c->vocab_size)
+        return mt_errorf(err, MT_ERR_INVALID, "draft token %d is outside the vocabulary [0, %d)", token, c->vocab_size);
+    glm_layer_state *st = (glm_layer_state *)s->states[c->num_hidden_layers];
+    const int committed = st->len - s->n_spec;
+    const float *h;
+    if (s->n_spec == 0 && committed == s->len - 1) {
+        h = s->hp;                 /* the target's last row and the token that follows it */
+    } else if (committed == s->len) {
+        h = s->u;                  /* a speculative row on the drafter's own residual */
+        if (st->len + 1 > st->cap)
+            return mt_errorf(err, MT_ERR_FULL, "no room to draft past position %d (capacity %d)", st->len, st->cap);
+        mt_status rc = glm_seq_reserve(s, st->len + 1 - s->len, err);
+        if (rc != MT_OK) return rc;
+    } else {
+        return mt_errorf(err, MT_ERR_STATE, "the drafter holds %d rows for a sequence of %d", committed, s->len);
+    }
+    m->be->ops->copy(m->be, m->mtp.hin, h, sizeof(float) * c->hidden_size);
+    mt_status rc = mtp_rows(m, s, m->mtp.hin, &token, 1, logits);
+    if (rc != MT_OK) return mt_errorf(err, rc, "draft at position %d failed: %s", st->len - 1, mt_status_str(rc));
+    if (h == s->u) s->n_spec++;
+    return MT_OK;
+}
