@@ -1,0 +1,223 @@
+// The MTP block (worker/model/glm/glm_mtp.c) on the CPU against our PyTorch reference of it
+// (tools/train/mtp.py) and transformers' target, through tests/fixtures/mtp_a (made by
+// tests/oracle/make_mtp_fixtures.py: tiny_a plus an MTP block). Checked, every logit within 2e-3:
+//   - the drafter's row t (the target's hidden state at t and token t + 1) at every t, both when
+//     the target decodes token by token and when it prefills a prompt at once;
+//   - chains of three drafts fed the block's own residual (DeepSeek-V3's sequential MTP);
+//   - the target's own logits with the drafter following it.
+// And write-on-accept: after a verify of k rows of which keep are kept, the sequence continues
+// exactly (bitwise on the CPU) as one that decoded only those rows, drafter included.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+extern "C" {
+#include "kernels/backend.h"
+#include "worker/loader/safetensors.h"
+#include "worker/model/glm/glm_model.h"
+}
+
+namespace {
+
+const char kDir[] = "tests/fixtures/mtp_a";
+const float kTol = 2e-3f;
+
+struct Case {
+    int T = 0, V = 0, C = 0;
+    std::vector<int32_t> tokens, chain_t, chain_tokens;
+    std::vector<float> logits, chain_logits, target_logits;
+};
+
+template <typename T>
+std::vector<T> Take(st_archive *ar, const char *name) {
+    const st_tensor *t = st_find(ar, name);
+    EXPECT_NE(t, nullptr) << name;
+    if (!t) return {};
+    const T *p = static_cast<const T *>(t->data);
+    return std::vector<T>(p, p + t->nbytes / sizeof(T));
+}
+
+bool LoadCase(int k, Case *c) {
+    const std::string path = std::string(kDir) + "/mtp_case_" + std::to_string(k) + ".safetensors";
+    st_archive *ar = nullptr;
+    mt_error err{};
+    if (st_open_file(path.c_str(), &ar, &err) != MT_OK) {
+        ADD_FAILURE() << err.msg;
+        return false;
+    }
+    c->tokens = Take<int32_t>(ar, "tokens");
+    c->chain_t = Take<int32_t>(ar, "chain_t");
+    c->chain_tokens = Take<int32_t>(ar, "chain_tokens");
+    c->logits = Take<float>(ar, "logits");
+    c->chain_logits = Take<float>(ar, "chain_logits");
+    c->target_logits = Take<float>(ar, "target_logits");
+    st_close(ar);
+    c->T = (int)c->tokens.size();
+    c->C = (int)c->chain_t.size();
+    c->V = c->T ? (int)(c->target_logits.size() / c->T) : 0;
+    return c->T > 2 && c->C > 0 && c->V > 0 && c->logits.size() == (size_t)(c->T - 1) * c->V &&
+           c->chain_logits.size() == (size_t)c->C * 3 * c->V && c->chain_tokens.size() == (size_t)c->C * 3;
+}
+
+float MaxDiff(const float *a, const float *b, int n) {
+    float d = 0;
+    for (int i = 0; i < n; i++) d = std::max(d, std::fabs(a[i] - b[i]));
+    return d;
+}
+
+class Mtp : public ::testing::TestWithParam<int> {
+  protected:
+    void SetUp() override {
+        be_ = mt_cpu_backend_new(0);
+        ASSERT_NE(be_, nullptr);
+        glm_model_params p = glm_model_default_params();
+        p.mtp = true;
+        mt_error err{};
+        ASSERT_EQ(glm_model_load(kDir, be_, &p, &m_, &err), MT_OK) << err.msg;
+        ASSERT_TRUE(glm_model_has_mtp(m_));
+        ASSERT_TRUE(glm_model_has_drafter(m_));
+        ASSERT_TRUE(LoadCase(GetParam(), &c_));
+        ASSERT_EQ(c_.V, glm_model_config(m_)->vocab_size);
+    }
+    void TearDown() override {
+        glm_model_free(m_);
+        if (be_) be_->ops->destroy(be_);
+    }
+    glm_seq *NewSeq() {
+        glm_seq *s = nullptr;
+        mt_error err{};
+        EXPECT_EQ(glm_seq_new(m_, c_.T + 8, &s, &err), MT_OK) << err.msg;
+        return s;
+    }
+    std::vector<float> Draft(glm_seq *s, int32_t token) {
+        std::vector<float> l(c_.V);
+        mt_error err{};
+        EXPECT_EQ(glm_model_draft(m_, s, token, l.data(), &err), MT_OK) << err.msg;
+        return l;
+    }
+    mt_backend *be_ = nullptr;
+    glm_model *m_ = nullptr;
+    Case c_;
+};
+
+// Token by token: after the target decodes position t, the drafter's row t with token t + 1.
+TEST_P(Mtp, EveryRowWhileDecoding) {
+    glm_seq *s = NewSeq();
+    ASSERT_NE(s, nullptr);
+    const int V = c_.V;
+    std::vector<float> tl(V);
+    mt_error err{};
+    float worst = 0, worst_target = 0;
+    ASSERT_EQ(glm_prefill(m_, s, c_.tokens.data(), 1, tl.data(), false, &err), MT_OK) << err.msg;
+    worst_target = MaxDiff(tl.data(), &c_.target_logits[0], V);
+    for (int t = 0; t + 1 < c_.T; t++) {
+        std::vector<float> l = Draft(s, c_.tokens[t + 1]);
+        worst = std::max(worst, MaxDiff(l.data(), &c_.logits[(size_t)t * V], V));
+        ASSERT_EQ(glm_decode(m_, s, c_.tokens[t + 1], tl.data(), &err), MT_OK) << err.msg;
+        worst_target = std::max(worst_target, MaxDiff(tl.data(), &c_.target_logits[(size_t)(t + 1) * V], V));
+    }
+    printf("case %d: %d drafter rows, worst |diff| %.2e; target worst %.2e\n", GetParam(), c_.T - 1, worst,
+           worst_target);
+    EXPECT_LT(worst, kTol);
+    EXPECT_LT(worst_target, kTol);
+    glm_seq_free(s);
+}
+
+// A prompt prefilled at once (the drafter takes its rows in the same pass), then the chain of three
+// drafts from each chain's start row.
+TEST_P(Mtp, ChainsAfterAPrefill) {
+    const int V = c_.V;
+    for (int ci = 0; ci < c_.C; ci++) {
+        const int t0 = c_.chain_t[ci];
+        glm_seq *s = NewSeq();
+        ASSERT_NE(s, nullptr);
+        mt_error err{};
+        ASSERT_EQ(glm_prefill(m_, s, c_.tokens.data(), t0 + 1, nullptr, false, &err), MT_OK) << err.msg;
+        int32_t tok = c_.tokens[t0 + 1];
+        for (int j = 0; j < 3; j++) {
+            std::vector<float> l = Draft(s, tok);
+            const float d = MaxDiff(l.data(), &c_.chain_logits[((size_t)ci * 3 + j) * V], V);
+            EXPECT_LT(d, kTol) << "chain " << ci << " (row " << t0 << ") step " << j + 1;
+            tok = glm_argmax(l.data(), V);
+            EXPECT_EQ(tok, c_.chain_tokens[ci * 3 + j]) << "chain " << ci << " step " << j + 1;
+        }
+        glm_seq_free(s);
+    }
+}
+
+// Write-on-accept: a verify of k = 4 rows keeping 1..4, then two more decode steps with a draft
+// before each, against a sequence that decoded only the kept rows (in one step of keep rows, the
+// same arithmetic): the same logits, bit for bit.
+TEST_P(Mtp, KeptRowsContinueExactly) {
+    const int V = c_.V, t0 = c_.T / 2, k = 4;
+    ASSERT_LT(t0 + k + 3, c_.T);
+    const int32_t *tok = &c_.tokens[t0 + 1];  // verify rows: tokens t0 + 1 .. t0 + 4
+    for (int keep = 1; keep <= k; keep++) {
+        glm_seq *a = NewSeq(), *b = NewSeq();
+        ASSERT_TRUE(a && b);
+        mt_error err{};
+        ASSERT_EQ(glm_prefill(m_, a, c_.tokens.data(), t0 + 1, nullptr, false, &err), MT_OK) << err.msg;
+        ASSERT_EQ(glm_prefill(m_, b, c_.tokens.data(), t0 + 1, nullptr, false, &err), MT_OK) << err.msg;
+        // a: drafts (speculative rows of the drafter), a verify of k rows, keep
+        Draft(a, tok[0]);
+        Draft(a, 7);
+        Draft(a, 11);
+        ASSERT_EQ(glm_decode_verify(m_, a, tok, k, nullptr, &err), MT_OK) << err.msg;
+        ASSERT_EQ(glm_seq_keep(m_, a, keep, &err), MT_OK) << err.msg;
+        // b: the kept rows alone, in one step as well (so the same arithmetic)
+        ASSERT_EQ(glm_decode_verify(m_, b, tok, keep, nullptr, &err), MT_OK) << err.msg;
+        ASSERT_EQ(glm_seq_len(a), glm_seq_len(b));
+        for (int step = 0; step < 2; step++) {
+            const int32_t next = c_.tokens[t0 + 1 + keep + step];
+            std::vector<float> da = Draft(a, next), db = Draft(b, next);
+            EXPECT_EQ(MaxDiff(da.data(), db.data(), V), 0.f) << "keep " << keep << " draft " << step;
+            std::vector<float> la(V), lb(V);
+            ASSERT_EQ(glm_decode(m_, a, next, la.data(), &err), MT_OK) << err.msg;
+            ASSERT_EQ(glm_decode(m_, b, next, lb.data(), &err), MT_OK) << err.msg;
+            EXPECT_EQ(MaxDiff(la.data(), lb.data(), V), 0.f) << "keep " << keep << " decode " << step;
+        }
+        glm_seq_free(a);
+        glm_seq_free(b);
+    }
+}
+
+// Keep is refused where it has no meaning, and changes nothing.
+TEST_P(Mtp, KeepIsRefusedOutsideAVerify) {
+    glm_seq *s = NewSeq();
+    ASSERT_NE(s, nullptr);
+    mt_error err{};
+    ASSERT_EQ(glm_prefill(m_, s, c_.tokens.data(), 5, nullptr, false, &err), MT_OK) << err.msg;
+    EXPECT_EQ(glm_seq_keep(m_, s, 1, &err), MT_ERR_STATE);
+    ASSERT_EQ(glm_decode_verify(m_, s, &c_.tokens[5], 3, nullptr, &err), MT_OK) << err.msg;
+    EXPECT_EQ(glm_seq_keep(m_, s, 0, &err), MT_ERR_INVALID);
+    EXPECT_EQ(glm_seq_keep(m_, s, 4, &err), MT_ERR_INVALID);
+    EXPECT_EQ(glm_seq_len(s), 8);
+    EXPECT_EQ(glm_seq_keep(m_, s, 3, &err), MT_OK) << err.msg;
+    EXPECT_EQ(glm_seq_len(s), 8);
+    glm_seq_free(s);
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, Mtp, ::testing::Values(0, 1));
+
+// Without params.mtp the block is loaded but no sequence carries drafter state.
+TEST(MtpOff, LoadedButNotDrafting) {
+    mt_backend *be = mt_cpu_backend_new(0);
+    ASSERT_NE(be, nullptr);
+    glm_model *m = nullptr;
+    mt_error err{};
+    glm_model_params p = glm_model_default_params();
+    ASSERT_EQ(glm_model_load(kDir, be, &p, &m, &err), MT_OK) << err.msg;
+    EXPECT_TRUE(glm_model_has_mtp(m));
+    EXPECT_FALSE(glm_model_has_drafter(m));
+    glm_model_free(m);
+    // a checkpoint without the block: none
+    ASSERT_EQ(glm_model_load("tests/fixtures/tiny_a", be, &p, &m, &err), MT_OK) << err.msg;
+    EXPECT_FALSE(glm_model_has_mtp(m));
+    glm_model_free(m);
+    be->ops->destroy(be);
+}
+
+}  // namespace
