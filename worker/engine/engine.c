@@ -26,6 +26,8 @@ typedef struct eng_seq {
     int snap_at;                 /* prompt position to keep as a prefix snapshot, 0 = none */
     int32_t pending;             /* last sampled token, fed by the next decode */
     int echo_next;               /* prompt_logprobs: the next prompt position to report */
+    int k_step;                  /* drafts this step verifies (speculative decoding), 0: none */
+    int drafted, accepted;       /* draft tokens proposed for it, and accepted */
     bool done;                   /* ended; removed from its array at the next compaction */
     mt_status st;                /* of the last model call on it */
     mt_error err;
@@ -55,6 +57,8 @@ struct eng_engine {
     int64_t ahead_ticket;
     bool ahead_on;               /* run_ahead resolved for this model's backend */
     uint64_t ahead_steps;
+    float *draft_logits;         /* [vocab] host: the drafter's logits (spec_tokens > 0) */
+    uint64_t spec_steps, drafted, accepted;
     rt_prefix_cache prefixes;    /* kept prompt prefixes, clocked by steps */
     size_t cache_bytes;
     uint64_t finished, aborted, tokens, steps, preemptions;
@@ -101,6 +105,13 @@ mt_status eng_new(mt_model *m, const eng_params *params, const eng_callbacks *cb
                          "(>= 2), prefill_budget %d (>= 0)",
                          p.max_sequences, p.max_waiting, p.max_context, p.prefill_budget);
     if (!p.now_ms) p.now_ms = realtime_ms;
+    if (p.spec_tokens < 0 || p.spec_tokens > ENG_SPEC_MAX || p.spec_max_batch < 0)
+        return mt_errorf(err, MT_ERR_INVALID, "engine params: spec_tokens %d (0 .. %d), spec_max_batch %d (>= 0)",
+                         p.spec_tokens, ENG_SPEC_MAX, p.spec_max_batch);
+    if (p.spec_tokens > 0 && !(mt_model_describe(m).has_drafter && mt_model_describe(m).rollback)) {
+        mt_log(MT_LOG_WARN, "engine: speculative decoding is off: the model has no drafter");
+        p.spec_tokens = 0;
+    }
     mt_status pst = mt_model_ensure_pools(m, err); /* admission counts free slots and pages */
     if (pst != MT_OK) return pst;
     eng_engine *e = calloc(1, sizeof *e);
@@ -123,6 +134,7 @@ mt_status eng_new(mt_model *m, const eng_params *params, const eng_callbacks *cb
     e->tok = malloc(sizeof(int32_t) * (size_t)p.max_sequences);
     e->gs = malloc(sizeof(mt_seq *) * (size_t)p.max_sequences);
     e->parts = malloc(sizeof(mt_batch_part) * (size_t)p.max_sequences);
+    if (p.spec_tokens > 0 && !(e->draft_logits = malloc(sizeof(float) * (size_t)e->vocab))) goto fail;
     if (!e->sampler || !e->waiting || !e->running || !e->batch || !e->logits || !e->ahead || !e->tok || !e->gs || !e->parts)
         goto fail;
     *out = e;
@@ -161,6 +173,7 @@ void eng_free(eng_engine *e) {
     free(e->tok);
     free(e->gs);
     free(e->parts);
+    free(e->draft_logits);
     free(e);
 }
 
@@ -255,7 +268,8 @@ static void seq_end(eng_engine *e, eng_seq *s, eng_finish reason, const char *me
     else e->aborted++;
     if (e->cb.on_finished) {
         eng_finish_info fin = { .reason = reason, .prompt_tokens = s->req.n_prompt,
-                                .completion_tokens = s->n_gen, .message = message ? message : "" };
+                                .completion_tokens = s->n_gen, .message = message ? message : "",
+                                .draft_tokens = s->drafted, .accepted_tokens = s->accepted };
         e->cb.on_finished(e->cb.user, s->id, &fin);
     }
 }
@@ -651,6 +665,54 @@ static mt_status ahead_queue(eng_engine *e, eng_seq **batch, int n, bool from_de
     return MT_OK;
 }
 
+/* ---- speculative decoding (eng_params.spec_tokens) ---- */
+
+/* Drafts s verifies this step: spec_tokens for a plain greedy sequence while at most
+ * spec_max_batch decode (n_ready), fewer near max_new_tokens (a step gives at most k + 1). */
+static int spec_k(const eng_engine *e, const eng_seq *s, int n_ready) {
+    if (e->p.spec_tokens <= 0 || s->req.no_speculation || !plain_greedy(s)) return 0;
+    if (e->p.spec_max_batch > 0 && n_ready > e->p.spec_max_batch) return 0;
+    const int left = s->req.max_new_tokens - s->n_gen - 1;
+    return e->p.spec_tokens < left ? e->p.spec_tokens : left > 0 ? left : 0;
+}
+
+/* One speculative step of s (s->k_step = k > 0 drafts, pages for k + 1 rows mapped): k drafts,
+ * one verify of the pending token and the drafts, then the target's tokens up to and including
+ * the first that differs from its draft; the rows after it are dropped. */
+static void spec_step(eng_engine *e, eng_seq *s) {
+    const int k = s->k_step;
+    int32_t tok[ENG_SPEC_MAX + 1], greedy[ENG_SPEC_MAX + 1];
+    mt_error err = { "" };
+    tok[0] = s->pending;
+    for (int j = 1; j <= k; j++) {
+        if (mt_model_draft(e->m, s->gs, tok[j - 1], e->draft_logits, &err) != MT_OK) {
+            seq_end(e, s, ENG_FINISH_ERROR, err.msg);
+            return;
+        }
+        int32_t d = 0;
+        for (int v = 1; v < e->vocab; v++)
+            if (e->draft_logits[v] > e->draft_logits[d]) d = v;
+        if (e->p.spec_draft_hook) d = e->p.spec_draft_hook(e->p.spec_hook_user, s->id, s->n_gen - 1 + j, d);
+        tok[j] = d;
+    }
+    const mt_batch_part part = { .kind = MT_PART_DECODE, .seq = s->gs, .tokens = tok, .n = k + 1, .argmax = greedy };
+    if (mt_model_forward(e->m, &(mt_batch){ &part, 1 }, &err) != MT_OK) {
+        seq_end(e, s, ENG_FINISH_ERROR, err.msg);
+        return;
+    }
+    e->spec_steps++;
+    s->drafted += k;
+    e->drafted += (uint64_t)k;
+    int i = 0;
+    for (;; i++) { /* row i's token follows tok[0 .. i]; it is final, and draft i + 1 stands if equal */
+        emit(e, s, &(eng_sample_result){ .token = greedy[i] });
+        if (s->done || i == k || greedy[i] != tok[i + 1]) break;
+        s->accepted++;
+        e->accepted++;
+    }
+    if (!s->done && mt_seq_keep(e->m, s->gs, i + 1, &err) != MT_OK) seq_end(e, s, ENG_FINISH_ERROR, err.msg);
+}
+
 mt_status eng_step(eng_engine *e, int *n_tokens) {
     const uint64_t tokens0 = e->tokens;
     if (n_tokens) *n_tokens = 0;
@@ -678,14 +740,28 @@ mt_status eng_step(eng_engine *e, int *n_tokens) {
      * after (a sequence whose prompt completes this step got its first token from the prefill) */
     /* each needs a page for its next token when it crosses into a new one; oldest first, so a
      * shortage preempts the newest */
+    int n_ready = 0;
+    for (int i = 0; i < e->n_running; i++) {
+        const eng_seq *s = e->running[i];
+        n_ready += !s->done && s->gs && s->prefilled == s->n_feed;
+    }
     for (int i = 0; i < e->n_running; i++) {
         eng_seq *s = e->running[i];
-        if (!s->done && s->gs && s->prefilled == s->n_feed && !make_room(e, s, 1)) preempt(e, s);
+        if (s->done || !s->gs || s->prefilled != s->n_feed) continue;
+        /* speculation takes the pages of its extra rows only where they are free */
+        mt_error err = { "" };
+        s->k_step = spec_k(e, s, n_ready);
+        if (s->k_step > 0 && mt_seq_reserve(s->gs, s->k_step + 1, &err) != MT_OK) s->k_step = 0;
+        if (s->k_step == 0 && !make_room(e, s, 1)) preempt(e, s);
     }
     requeue_preempted(e);
     int n = 0;
-    for (int i = 0; i < e->n_running; i++)
-        if (e->running[i]->prefilled == e->running[i]->n_feed) e->batch[n++] = e->running[i];
+    for (int i = 0; i < e->n_running; i++) {
+        eng_seq *s = e->running[i];
+        if (s->prefilled != s->n_feed) continue;
+        if (s->k_step > 0 && !s->done) spec_step(e, s);
+        else e->batch[n++] = s;
+    }
     if (n > 0) {
         /* a batch of plain greedy requests takes its tokens on the device: no logits move */
         bool greedy = n <= ENG_GREEDY_MAX;
@@ -722,7 +798,8 @@ void eng_get_stats(const eng_engine *e, eng_stats *out) {
                         .tokens_generated = e->tokens, .steps = e->steps, .ahead_steps = e->ahead_steps,
                         .prefix_hits = e->prefixes.hits, .prefix_misses = e->prefixes.misses,
                         .prefix_cache_bytes = e->prefixes.bytes, .prefix_entries = e->prefixes.n,
-                        .preemptions = e->preemptions,
+                        .preemptions = e->preemptions, .spec_steps = e->spec_steps,
+                        .draft_tokens = e->drafted, .accepted_tokens = e->accepted,
                         .pages_free = mt_model_pool_stats(e->m).pages_free, .pages_total = mt_model_pool_stats(e->m).pages_total,
                         .slots_free = mt_model_pool_stats(e->m).slots_free, .slots_total = mt_model_pool_stats(e->m).slots_total };
 }

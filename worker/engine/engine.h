@@ -10,7 +10,8 @@
  *      fed in chunks over several steps, so running sequences keep getting a token every step;
  *      a sequence samples its first token from the prompt's last logits when its prompt completes.
  * Sequences join (3) and leave (after any token that ends them) between steps. Each sequence gets
- * at most one token per step; on_tokens reports it, and on_finished follows that sequence's last
+ * at most one token per step (up to spec_tokens + 1 with speculative decoding, each reported by
+ * its own on_tokens call); on_tokens reports it, and on_finished follows that sequence's last
  * token in the same step. A finished, aborted or expired sequence's state is freed before the
  * callback returns control to the engine.
  *
@@ -63,7 +64,10 @@ typedef struct eng_request {
      * through on_prompt_logprobs. Such a sequence prefills its whole prompt (no prefix reuse), in
      * chunks of at most ENG_ECHO_CHUNK tokens. */
     bool prompt_logprobs;
+    bool no_speculation;         /* decode without drafts even when eng_params.spec_tokens > 0 */
 } eng_request;
+
+#define ENG_SPEC_MAX 4
 
 #define ENG_ECHO_CHUNK 128
 
@@ -75,6 +79,8 @@ typedef struct eng_finish_info {
     int prompt_tokens;
     int completion_tokens;       /* tokens reported through on_tokens */
     const char *message;         /* "" unless ERROR or deadline; valid during the callback */
+    int draft_tokens;            /* speculative decoding: tokens drafted for the sequence */
+    int accepted_tokens;         /* of them, the ones the target agreed with */
 } eng_finish_info;
 
 typedef struct eng_callbacks {
@@ -121,6 +127,19 @@ typedef struct eng_params {
      * backend queues its work (mt_model_info.backend_queues: the GPU; on the CPU it would only delay
      * each token by a step); ALWAYS: on any backend (tests); OFF: never. */
     eng_run_ahead run_ahead;
+    /* Speculative decoding with the model's drafter (mt_model_info.has_drafter): each decode
+     * step of a sequence drafts spec_tokens tokens (0 = off, at most ENG_SPEC_MAX), verifies them
+     * and its pending token in one step of spec_tokens + 1 rows, and emits the longest prefix the
+     * target agrees with plus the target's own next token; the rejected rows leave no trace
+     * (mt_seq_keep). Plain greedy sequences only (others decode as usual), so the output is the
+     * one without speculation. Only while a decode step has at most spec_max_batch sequences
+     * (0 = any): above it batched decode gives more tokens a second. */
+    int spec_tokens;
+    int spec_max_batch;
+    /* Test hook: when set, each drafted token is replaced by what it returns; gen_index is the
+     * index among the sequence's generated tokens that the draft proposes. */
+    int32_t (*spec_draft_hook)(void *user, uint64_t id, int gen_index, int32_t drafted);
+    void *spec_hook_user;
     /* Wall clock in Unix milliseconds, for deadlines. NULL: CLOCK_REALTIME. */
     uint64_t (*now_ms)(void *user);
     void *clock_user;
@@ -146,6 +165,8 @@ typedef struct eng_stats {
     uint64_t prefix_misses;      /* admissions (prefix reuse on) that found none */
     size_t prefix_cache_bytes;   /* held by kept prefixes (not in cache_bytes_in_use) */
     int prefix_entries;
+    uint64_t spec_steps;         /* speculative decode steps (one verify each) */
+    uint64_t draft_tokens, accepted_tokens;
 } eng_stats;
 
 typedef struct eng_engine eng_engine;

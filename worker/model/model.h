@@ -202,6 +202,12 @@ static inline mt_status mt_model_decode_ahead(mt_model *m, mt_seq **seqs, const 
 static inline mt_status mt_model_ahead_tokens(mt_model *m, int64_t ticket, int32_t *out, int n) {
     return m->ops->ahead_tokens(m, ticket, out, n);
 }
+static inline mt_status mt_model_draft(mt_model *m, mt_seq *s, int32_t token, float *logits, mt_error *err) {
+    return m->ops->draft(m, s, token, logits, err);
+}
+static inline mt_status mt_seq_keep(mt_model *m, mt_seq *s, int keep, mt_error *err) {
+    return m->ops->seq_keep(m, s, keep, err);
+}
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,219 @@
+// Speculative decoding in the engine (eng_params.spec_tokens) on the CPU, with the MTP block of
+// tests/fixtures/mtp_a as the drafter: greedy output with K = 1..4 drafts a step is token for
+// token the output with K = 0, for many prompts at once, with prefix reuse and preemption forced;
+// forced acceptance (the drafter proposes the target's own next token) and forced rejection (it
+// proposes any other) leave the output the same, which proves both the commit and the rollback
+// of every layer's state; the counts of drafted and accepted tokens are reported.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <vector>
+
+#include "kernels/backend.h"
+#include "worker/engine/engine.h"
+#include "worker/model/glm/glm_model.h"
+
+namespace {
+
+const char kDir[] = "tests/fixtures/mtp_a";  // tiny_a (vocab 300, no EOS) with an MTP block
+const int kMaxNew = 96;
+
+struct Out {
+    std::vector<int32_t> tokens;
+    int finishes = 0, drafted = 0, accepted = 0;
+    eng_finish reason = ENG_FINISH_ERROR;
+};
+
+enum class Force { kNone, kAccept, kReject };
+
+struct Outputs {
+    std::map<uint64_t, Out> out;
+    eng_stats stats = {};
+};
+
+// The prompts: some share a 32-token prefix (prefix reuse), lengths 5 .. 47.
+std::vector<std::vector<int32_t>> Prompts(int n) {
+    std::vector<int32_t> common;
+    for (int i = 0; i < 32; i++) common.push_back((i * 37 + 11) % 300);
+    std::vector<std::vector<int32_t>> ps;
+    for (int r = 0; r < n; r++) {
+        std::vector<int32_t> p;
+        if (r % 3 == 0) p = common;
+        const int extra = 5 + (r * 7) % 16;
+        for (int i = 0; i < extra; i++) p.push_back((r * 101 + i * 13 + 7) % 300);
+        ps.push_back(p);
+    }
+    return ps;
+}
+
+struct Harness {
+    Force force = Force::kNone;
+    const Outputs *ref = nullptr;  // the K = 0 run, for the forcing hooks
+    Outputs run;
+};
+
+Outputs Generate(glm_model *m, int k, int max_seqs, int pages, Force force = Force::kNone, const Outputs *ref = nullptr) {
+    mt_error err = { "" };
+    EXPECT_EQ(glm_model_set_pools(m, pages, 64, &err), MT_OK) << err.msg;
+    Harness h;
+    h.force = force;
+    h.ref = ref;
+    eng_params p = eng_default_params();
+    p.max_sequences = max_seqs;
+    p.prefix_block = 16;
+    p.spec_tokens = k;
+    p.spec_max_batch = 0;
+    p.spec_hook_user = &h;
+    if (force != Force::kNone)
+        p.spec_draft_hook = [](void *u, uint64_t id, int gen_index, int32_t drafted) -> int32_t {
+            auto *hh = static_cast<Harness *>(u);
+            const std::vector<int32_t> &t = hh->ref->out.at(id).tokens;
+            if (gen_index >= (int)t.size()) return drafted;
+            return hh->force == Force::kAccept ? t[gen_index] : (t[gen_index] + 1) % 300;
+        };
+    eng_callbacks cb = {};
+    cb.user = &h;
+    cb.on_tokens = [](void *u, uint64_t id, const eng_sample_result *t, int n) {
+        Out &o = static_cast<Harness *>(u)->run.out[id];
+        EXPECT_EQ(o.finishes, 0);
+        for (int i = 0; i < n; i++) o.tokens.push_back(t[i].token);
+    };
+    cb.on_finished = [](void *u, uint64_t id, const eng_finish_info *f) {
+        Out &o = static_cast<Harness *>(u)->run.out[id];
+        o.finishes++;
+        o.reason = f->reason;
+        o.drafted = f->draft_tokens;
+        o.accepted = f->accepted_tokens;
+        EXPECT_EQ(f->completion_tokens, (int)o.tokens.size());
+    };
+    eng_engine *e = nullptr;
+    EXPECT_EQ(eng_new(glm_model_as_model(m), &p, &cb, &e, &err), MT_OK) << err.msg;
+    if (!e) return {};
+    const auto prompts = Prompts(12);
+    for (size_t i = 0; i < prompts.size(); i++) {
+        eng_request r = eng_default_request();
+        r.prompt = prompts[i].data();
+        r.n_prompt = (int)prompts[i].size();
+        r.max_new_tokens = kMaxNew;
+        r.ignore_eos = true;
+        EXPECT_EQ(eng_submit(e, i + 1, &r, 0, &err), MT_OK) << err.msg;
+    }
+    for (int guard = 0; eng_has_work(e) && guard < 100000; guard++) EXPECT_EQ(eng_step(e, nullptr), MT_OK);
+    eng_get_stats(e, &h.run.stats);
+    eng_free(e);
+    return h.run;
+}
+
+class Spec : public ::testing::Test {
+  protected:
+    void SetUp() override {
+        be_ = mt_cpu_backend_new(1);
+        glm_model_params p = glm_model_default_params();
+        p.mtp = true;
+        mt_error err = { "" };
+        ASSERT_EQ(glm_model_load(kDir, be_, &p, &m_, &err), MT_OK) << err.msg;
+    }
+    void TearDown() override {
+        glm_model_free(m_);
+        mt_backend_free(be_);
+    }
+    void ExpectSame(const Outputs &a, const Outputs &b, const char *what) {
+        ASSERT_EQ(a.out.size(), b.out.size()) << what;
+        for (const auto &[id, o] : a.out) {
+            const Out &r = b.out.at(id);
+            EXPECT_EQ(o.finishes, 1) << what << " id " << id;
+            EXPECT_EQ(o.reason, ENG_FINISH_LENGTH) << what << " id " << id;
+            EXPECT_EQ(o.tokens, r.tokens) << what << " id " << id;
+        }
+    }
+    mt_backend *be_ = nullptr;
+    glm_model *m_ = nullptr;
+};
+
+// K = 1..4 against K = 0, at batch 1 and 12, with roomy pools and with pools small enough that
+// running sequences are preempted; prefixes are reused in every run.
+TEST_F(Spec, GreedyOutputEqualsNoSpeculation) {
+    for (int batch : { 1, 12 }) {
+        for (int pages : { 256, 14 }) {
+            const Outputs ref = Generate(m_, 0, batch, pages);
+            EXPECT_EQ(ref.stats.spec_steps, 0u);
+            for (int k = 1; k <= ENG_SPEC_MAX; k++) {
+                const Outputs r = Generate(m_, k, batch, pages);
+                char what[96];
+                snprintf(what, sizeof what, "K=%d batch %d pages %d", k, batch, pages);
+                ExpectSame(r, ref, what);
+                EXPECT_GT(r.stats.spec_steps, 0u) << what;
+                EXPECT_GT(r.stats.prefix_hits, 0u) << what;
+                EXPECT_EQ(r.stats.prefix_hits, ref.stats.prefix_hits) << what;
+                if (pages == 14 && batch > 1) EXPECT_GT(r.stats.preemptions, 0u) << what;
+                printf("%s: %llu steps, %llu spec steps, drafted %llu, accepted %llu, %llu preemptions, %llu prefix hits\n",
+                       what, (unsigned long long)r.stats.steps, (unsigned long long)r.stats.spec_steps,
+                       (unsigned long long)r.stats.draft_tokens, (unsigned long long)r.stats.accepted_tokens,
+                       (unsigned long long)r.stats.preemptions, (unsigned long long)r.stats.prefix_hits);
+            }
+        }
+    }
+}
+
+// Forced acceptance: every draft is accepted (the commit path), in fewer steps; forced rejection:
+// none is (the rollback path). The output is K = 0's either way.
+TEST_F(Spec, ForcedAcceptanceAndRejection) {
+    const Outputs ref = Generate(m_, 0, 12, 256);
+    for (int k = 1; k <= ENG_SPEC_MAX; k++) {
+        const Outputs acc = Generate(m_, k, 12, 256, Force::kAccept, &ref);
+        ExpectSame(acc, ref, "forced acceptance");
+        const Outputs rej = Generate(m_, k, 12, 256, Force::kReject, &ref);
+        ExpectSame(rej, ref, "forced rejection");
+        for (const auto &[id, o] : acc.out) {
+            EXPECT_GT(o.drafted, 0) << "K=" << k << " id " << id;
+            EXPECT_EQ(o.accepted, o.drafted) << "K=" << k << " id " << id;
+            EXPECT_EQ(rej.out.at(id).accepted, 0) << "K=" << k << " id " << id;
+            EXPECT_GT(rej.out.at(id).drafted, 0) << "K=" << k << " id " << id;
+        }
+        EXPECT_LT(acc.stats.steps, ref.stats.steps) << "K=" << k;
+        EXPECT_EQ(acc.stats.accepted_tokens, acc.stats.draft_tokens);
+    }
+}
+
+// A request may opt out; a model without a drafter turns speculation off.
+TEST_F(Spec, OptOutAndNoDrafter) {
+    mt_error err = { "" };
+    eng_params p = eng_default_params();
+    p.spec_tokens = 2;
+    std::vector<int> drafted;
+    eng_callbacks cb = {};
+    cb.user = &drafted;
+    cb.on_finished = [](void *u, uint64_t, const eng_finish_info *f) {
+        static_cast<std::vector<int> *>(u)->push_back(f->draft_tokens);
+    };
+    eng_engine *e = nullptr;
+    ASSERT_EQ(eng_new(glm_model_as_model(m_), &p, &cb, &e, &err), MT_OK) << err.msg;
+    const std::vector<int32_t> prompt = { 1, 2, 3, 4, 5 };
+    eng_request r = eng_default_request();
+    r.prompt = prompt.data();
+    r.n_prompt = 5;
+    r.max_new_tokens = 12;
+    r.no_speculation = true;
+    ASSERT_EQ(eng_submit(e, 1, &r, 0, &err), MT_OK) << err.msg;
+    while (eng_has_work(e)) ASSERT_EQ(eng_step(e, nullptr), MT_OK);
+    eng_free(e);
+    ASSERT_EQ(drafted.size(), 1u);
+    EXPECT_EQ(drafted[0], 0);
+
+    glm_model *plain = nullptr;
+    ASSERT_EQ(glm_model_load("tests/fixtures/tiny_a", be_, nullptr, &plain, &err), MT_OK) << err.msg;
+    ASSERT_EQ(eng_new(glm_model_as_model(plain), &p, &cb, &e, &err), MT_OK) << err.msg;
+    r.no_speculation = false;
+    ASSERT_EQ(eng_submit(e, 2, &r, 0, &err), MT_OK) << err.msg;
+    while (eng_has_work(e)) ASSERT_EQ(eng_step(e, nullptr), MT_OK);
+    eng_stats st;
+    eng_get_stats(e, &st);
+    EXPECT_EQ(st.spec_steps, 0u);
+    eng_free(e);
+    glm_model_free(plain);
+
+    p.spec_tokens = ENG_SPEC_MAX + 1;
+    EXPECT_EQ(eng_new(glm_model_as_model(m_), &p, &cb, &e, &err), MT_ERR_INVALID);
+}
+
+}  // namespace
