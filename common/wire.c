@@ -558,6 +558,13 @@ mt_envelope *mt_wire_finished(mt_wire_msg *m, uint64_t id, const mt_wire_end *e)
         m->final.stop_reason_case = METRALE__V1__FINAL__STOP_REASON_STOP_TOKEN_ID;
         m->final.stop_token_id = (uint32_t)e->stop_token_id;
     }
+    if (e->verify_steps > 0) {
+        m->spec = (Metrale__V1__Speculation)METRALE__V1__SPECULATION__INIT;
+        m->spec.draft_tokens = e->draft_tokens;
+        m->spec.accepted_tokens = e->accepted_tokens;
+        m->spec.verify_steps = e->verify_steps;
+        m->final.speculation = &m->spec;
+    }
     Metrale__Internal__V1__Finished *f = &m->body.finished;
     *f = (Metrale__Internal__V1__Finished)METRALE__INTERNAL__V1__FINISHED__INIT;
     f->id = id;

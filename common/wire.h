@@ -152,6 +152,7 @@ typedef struct mt_wire_msg {
     } body;
     Metrale__V1__Final final; /* Finished only */
     Metrale__V1__Usage usage; /* Finished only */
+    Metrale__V1__Speculation spec; /* Finished only */
 } mt_wire_msg;
 
 /* worker -> router: the first message, and again whenever the link was lost. */
@@ -179,6 +180,7 @@ typedef struct mt_wire_end {
     const char *stop_string;     /* STOP by this stop string */
     int64_t stop_token_id;       /* STOP by this token id; -1 = none */
     bool invalid_argument;       /* refused before it started: the client gets INVALID_ARGUMENT */
+    uint32_t draft_tokens, accepted_tokens, verify_steps; /* speculative decoding; 0: none */
 } mt_wire_end;
 /* An end with reason and nothing else set (stop_token_id -1). */
 mt_wire_end mt_wire_end_of(Metrale__V1__FinishReason reason);

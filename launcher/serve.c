@@ -96,6 +96,7 @@ typedef struct serve_opts {
     /* scheduler policy, passed to every worker when given (metrale-worker checks them) */
     const char *prefill_budget, *graph_max_batch, *cache_budget_mb;
     const char *numerics;  /* GPU prefill GEMM numerics, passed to every worker when given */
+    const char *spec_tokens, *spec_max_batch; /* speculative decoding, passed to every worker */
     bool no_preempt;
     bool no_run_ahead;
     const char *router;    /* a router elsewhere: start none, connect the groups there */
@@ -114,6 +115,7 @@ static void usage(FILE *f) {
             "                     [--max-sequences N] [--max-context N] [--threads N] [--queue N] [--drain-timeout S]\n"
             "                     [--prefill-budget N] [--graph-max-batch N] [--cache-budget-mb N] [--no-preempt]\n"
             "                     [--no-run-ahead] [--numerics exact|bf16]\n"
+            "                     [--speculative-tokens K] [--speculative-max-batch B]\n"
             "                     [--router ENDPOINT [--first-id K]\n"
             "                      [--curve-server-key FILE --curve-secret-key FILE]]\n"
             "  Starts the gRPC router on --listen (default 127.0.0.1:50051) and G worker groups serving DIR\n"
@@ -128,7 +130,8 @@ static void usage(FILE *f) {
             "  tcp://HOST:PORT needs --curve-server-key (its public key) and --curve-secret-key (this host's\n"
             "  secret key), from metrale-keygen); --first-id K: the groups are workers K, K+1, ... (ids unique\n"
             "  per router).\n"
-            "  The scheduler options and --numerics go to every worker (metrale-worker --help says what they do).\n");
+            "  The scheduler options, --numerics and the speculative options go to every worker (metrale-worker\n"
+            "  --help says what they do).\n");
 }
 
 /* ---- paths ---- */
@@ -297,6 +300,8 @@ static pid_t start_rank(group *gr, int r) {
     if (g_o.no_preempt) argv[k++] = "--no-preempt";
     if (g_o.no_run_ahead) argv[k++] = "--no-run-ahead";
     if (g_o.numerics) { argv[k++] = "--numerics"; argv[k++] = (char *)g_o.numerics; }
+    if (g_o.spec_tokens) { argv[k++] = "--speculative-tokens"; argv[k++] = (char *)g_o.spec_tokens; }
+    if (g_o.spec_max_batch) { argv[k++] = "--speculative-max-batch"; argv[k++] = (char *)g_o.spec_max_batch; }
     if (g_o.curve_server_key) {
         argv[k++] = "--curve-server-key"; argv[k++] = (char *)g_o.curve_server_key;
         argv[k++] = "--curve-secret-key"; argv[k++] = (char *)g_o.curve_secret_key;
@@ -429,6 +434,9 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         else if (!strcmp(a, "--prefill-budget"))
             rc = parse_int(a, o->prefill_budget = v, 1, MT_WIRE_CONTEXT_MAX, &(int){ 0 });
         else if (!strcmp(a, "--graph-max-batch")) rc = parse_int(a, o->graph_max_batch = v, 1, 4096, &(int){ 0 });
+        else if (!strcmp(a, "--speculative-tokens")) rc = parse_int(a, o->spec_tokens = v, 0, 4, &(int){ 0 });
+        else if (!strcmp(a, "--speculative-max-batch"))
+            rc = parse_int(a, o->spec_max_batch = v, 0, 4096, &(int){ 0 });
         else if (!strcmp(a, "--cache-budget-mb")) rc = parse_int(a, o->cache_budget_mb = v, 0, 1 << 30, &(int){ 0 });
         else if (!strcmp(a, "--workers")) rc = parse_int(a, v, 1, MAX_WORKERS, &o->workers);
         else if (!strcmp(a, "--tp")) rc = parse_int(a, v, 1, MAX_TP, &o->tp);

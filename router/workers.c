@@ -123,6 +123,9 @@ void rtr_workers_set_stats(rtr_worker *w, const Metrale__V1__WorkerStats *s) {
     w->stats.prefix_misses = s->prefix_misses;
     w->stats.prefix_cache_bytes = s->prefix_cache_bytes;
     w->stats.preemptions = s->preemptions;
+    w->stats.speculative_steps = s->speculative_steps;
+    w->stats.draft_tokens = s->draft_tokens;
+    w->stats.accepted_tokens = s->accepted_tokens;
     w->stats.cache_pages_free = s->cache_pages_free;
     w->stats.cache_pages_total = s->cache_pages_total;
     w->stats.slots_free = s->slots_free;

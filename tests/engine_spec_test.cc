@@ -145,7 +145,9 @@ TEST_F(Spec, GreedyOutputEqualsNoSpeculation) {
                 EXPECT_GT(r.stats.spec_steps, 0u) << what;
                 EXPECT_GT(r.stats.prefix_hits, 0u) << what;
                 EXPECT_EQ(r.stats.prefix_hits, ref.stats.prefix_hits) << what;
-                if (pages == 14 && batch > 1) EXPECT_GT(r.stats.preemptions, 0u) << what;
+                if (pages == 14 && batch > 1) {
+                    EXPECT_GT(r.stats.preemptions, 0u) << what;
+                }
                 printf("%s: %llu steps, %llu spec steps, drafted %llu, accepted %llu, %llu preemptions, %llu prefix hits\n",
                        what, (unsigned long long)r.stats.steps, (unsigned long long)r.stats.spec_steps,
                        (unsigned long long)r.stats.draft_tokens, (unsigned long long)r.stats.accepted_tokens,

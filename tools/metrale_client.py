@@ -7,7 +7,7 @@ reason and the token counts; or chats, tokenizes, or prints the model info, stat
                             [--system "..."] [--chat-kwargs JSON] [--max-new 32]
                             [--temperature T] [--top-p P] [--top-k K] [--min-p P] [--seed N]
                             [--repetition-penalty R] [--presence-penalty P] [--frequency-penalty F]
-                            [--stop STR]... [--include-stop] [--stop-ids 5,6] [--ignore-eos]
+                            [--stop STR]... [--include-stop] [--stop-ids 5,6] [--ignore-eos] [--no-speculation]
                             [--logprobs N] [--echo] [--no-special] [--keep-special] [--timeout S]
     tools/metrale_client.py --tokenize (--text "..." | --chat [--system "..."])
     tools/metrale_client.py --info | --stats | --health
@@ -76,10 +76,18 @@ def stop_reason(f):
     return ""
 
 
+def speculation(f):
+    if not f.HasField("speculation") or not f.speculation.verify_steps:
+        return ""
+    s = f.speculation
+    return "; drafts accepted %d of %d, %.2f tokens a verify step" % (
+        s.accepted_tokens, s.draft_tokens, (s.accepted_tokens + s.verify_steps) / s.verify_steps)
+
+
 def final_line(f, metrale_pb2):
-    return "finish: %s%s (prompt %d tokens, completion %d)%s" % (
+    return "finish: %s%s (prompt %d tokens, completion %d%s)%s" % (
         metrale_pb2.FinishReason.Name(f.finish_reason), stop_reason(f), f.usage.prompt_tokens,
-        f.usage.completion_tokens, (": " + f.error_message) if f.error_message else "")
+        f.usage.completion_tokens, speculation(f), (": " + f.error_message) if f.error_message else "")
 
 
 def token_line(t):
@@ -145,6 +153,8 @@ def main():
     ap.add_argument("--include-stop", action="store_true", help="keep the matched stop string in the text")
     ap.add_argument("--stop-ids", type=ids, default=[], help="stop token ids, e.g. 5,6")
     ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument("--no-speculation", action="store_true",
+                    help="decode without speculative drafts where the server drafts")
     ap.add_argument("--logprobs", type=int, default=None, metavar="N",
                     help="print each token's logprob and its N most likely alternatives")
     ap.add_argument("--echo", action="store_true", help="print the prompt's logprobs (to stderr)")
@@ -217,7 +227,8 @@ def main():
                 stopping=metrale_pb2.StoppingCriteria(max_new_tokens=a.max_new, stop_token_ids=a.stop_ids,
                                                       ignore_eos=a.ignore_eos, stop=a.stop,
                                                       include_stop_str=a.include_stop),
-                logprobs=a.logprobs is not None, top_logprobs=a.logprobs or 0, echo=a.echo, **special)
+                logprobs=a.logprobs is not None, top_logprobs=a.logprobs or 0, echo=a.echo,
+                no_speculation=a.no_speculation, **special)
             if a.keep_special:
                 common.update(has_skip_special_tokens=True, skip_special_tokens=False)
 

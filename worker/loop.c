@@ -122,6 +122,7 @@ static mt_status plan_memory(wkr_loop *l, eng_params *ep, mt_error *err) {
 static mt_status load_model(wkr_loop *l, mt_error *err) {
     mt_model_params mp = mt_model_default_params();
     if (l->p.graph_max_batch > 0) mp.graph_max_rows = l->p.graph_max_batch;
+    mp.mtp = l->p.spec_tokens > 0;
     mp.comm = l->data;
     return mt_model_load(l->p.model, l->be, &mp, &l->m, err);
 }
@@ -222,6 +223,8 @@ mt_status wkr_loop_new(const wkr_params *p, wkr_loop **out, mt_error *err) {
     if (p->prefill_budget > 0) ep.prefill_budget = p->prefill_budget;
     ep.preempt = !p->no_preempt;
     ep.run_ahead = p->no_run_ahead ? ENG_RUN_AHEAD_OFF : ENG_RUN_AHEAD_AUTO;
+    ep.spec_tokens = p->spec_tokens;
+    ep.spec_max_batch = p->spec_max_batch;
     if ((st = plan_memory(l, &ep, err)) != MT_OK) goto fail;
     eng_callbacks cb = { .user = l, .on_tokens = on_tokens, .on_prompt_logprobs = on_prompt_logprobs,
                          .on_finished = on_finished };
@@ -387,6 +390,9 @@ static void on_finished(void *user, uint64_t id, const eng_finish_info *f) {
     mt_wire_end end = mt_wire_end_of((Metrale__V1__FinishReason)f->reason);
     end.prompt_tokens = (uint32_t)f->prompt_tokens;
     end.completion_tokens = s ? (uint32_t)s->n_sent : (uint32_t)f->completion_tokens;
+    end.draft_tokens = (uint32_t)f->draft_tokens;
+    end.accepted_tokens = (uint32_t)f->accepted_tokens;
+    end.verify_steps = (uint32_t)f->verify_steps;
     end.message = f->message;
     tok_text rest = { 0 };
     if (s && s->out) {
@@ -419,6 +425,9 @@ static void publish_stats(wkr_loop *l) {
     ws.prefix_misses = st.prefix_misses;
     ws.prefix_cache_bytes = st.prefix_cache_bytes;
     ws.preemptions = st.preemptions;
+    ws.speculative_steps = st.spec_steps;
+    ws.draft_tokens = st.draft_tokens;
+    ws.accepted_tokens = st.accepted_tokens;
     ws.cache_pages_free = (uint32_t)st.pages_free;
     ws.cache_pages_total = (uint32_t)st.pages_total;
     ws.slots_free = (uint32_t)st.slots_free;
@@ -509,6 +518,7 @@ static mt_status request_from_proto(wkr_loop *l, const Metrale__V1__GenerateRequ
     r->logprobs = g->logprobs;
     r->top_logprobs = (int)g->top_logprobs;
     r->prompt_logprobs = g->echo;
+    r->no_speculation = g->no_speculation;
     const Metrale__V1__SamplingParams *s = g->sampling;
     if (s) { /* the API's "0 = off" encoding */
         r->sampling.temperature = s->temperature;

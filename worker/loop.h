@@ -43,6 +43,10 @@ typedef struct wkr_params {
     int graph_max_batch;     /* largest decode batch replayed as a CUDA graph; 0: the model's default */
     bool no_preempt;         /* admit only with pages for the whole length instead of preempting */
     bool no_run_ahead;       /* greedy batches read each step's tokens before the next */
+    int spec_tokens;         /* speculative decoding with the checkpoint's MTP block: drafts a step
+                              * (0 = off, up to ENG_SPEC_MAX) */
+    int spec_max_batch;      /* speculate only while a decode step has at most this many sequences
+                              * (0 = any) */
     double router_timeout;   /* seconds of router silence before exiting; default MT_WIRE_ROUTER_SILENCE_S */
     mt_numerics numerics;    /* the CUDA backend's prefill GEMMs; default MT_NUMERICS_EXACT */
     /* Tensor parallelism: tp > 0 makes this process rank `rank` of a group of tp ranks on this

@@ -26,6 +26,7 @@
 #include "common/mt.h"
 #include "common/wire.h"
 #include "common/wire_limits.h"
+#include "worker/engine/engine.h"
 #include "worker/loop.h"
 
 static volatile sig_atomic_t g_stop;
@@ -42,6 +43,7 @@ static void usage(FILE *f) {
             "                      [--router-timeout S] [--cache-budget-mb N] [--prefill-budget N]\n"
             "                      [--graph-max-batch N] [--no-preempt] [--no-run-ahead] [--verbose]\n"
             "                      [--numerics exact|bf16] [--tp N --rank R --group NAME]\n"
+            "                      [--speculative-tokens K] [--speculative-max-batch B]\n"
             "                      [--curve-server-key FILE --curve-secret-key FILE]\n"
             "  Serves the checkpoint in DIR to the router at ENDPOINT (ipc://, tcp://127.0.0.1:, or tcp://HOST:PORT\n"
             "  of another host with the CURVE keys) as worker N.\n"
@@ -65,7 +67,11 @@ static void usage(FILE *f) {
             "  process is rank R of a tensor-parallel group of N ranks on this host (metrale-serve --tp\n"
             "  starts them); rank 0 talks to the router, the others follow it. --curve-server-key FILE\n"
             "  --curve-secret-key FILE: encrypt the router link with ZeroMQ CURVE (FILE: a z85 key as\n"
-            "  metrale-keygen writes it): the router's public key and this worker's secret key.\n");
+            "  metrale-keygen writes it): the router's public key and this worker's secret key.\n"
+            "  --speculative-tokens K: draft K tokens a step with the checkpoint's MTP block and verify them in\n"
+            "  one step (0 = off, the default; at most 4; greedy requests; a checkpoint without the block\n"
+            "  serves without); --speculative-max-batch B: only while a decode step has at most B sequences\n"
+            "  (default 0: any).\n");
 }
 
 /* ---- options ---- */
@@ -138,6 +144,14 @@ static int parse_args(int argc, char **argv, wkr_params *o, bool *verbose) {
         else if (!strcmp(a, "--threads")) rc = parse_int(a, v, 0, &o->threads);
         else if (!strcmp(a, "--prefill-budget")) rc = parse_int(a, v, 1, &o->prefill_budget);
         else if (!strcmp(a, "--graph-max-batch")) rc = parse_int(a, v, 1, &o->graph_max_batch);
+        else if (!strcmp(a, "--speculative-tokens")) {
+            rc = parse_int(a, v, 0, &o->spec_tokens);
+            if (!rc && o->spec_tokens > ENG_SPEC_MAX) {
+                fprintf(stderr, "error: --speculative-tokens must be at most %d, got %d\n", ENG_SPEC_MAX, o->spec_tokens);
+                rc = -1;
+            }
+        }
+        else if (!strcmp(a, "--speculative-max-batch")) rc = parse_int(a, v, 0, &o->spec_max_batch);
         else if (!strcmp(a, "--router-timeout")) {
             char *end;
             o->router_timeout = strtod(v, &end);

@@ -17,6 +17,8 @@ typedef enum tp_op {
     TP_FORWARD,                /* a = parts; payload: tp_part[a], then every part's tokens */
     TP_DECODE_AHEAD,           /* a = n, b = 1: the tokens are the last greedy step's (on the
                                 * device); payload: n sequence ids, then (b = 0) n tokens */
+    TP_DRAFT,                  /* id, a = token */
+    TP_SEQ_KEEP,               /* id, a = rows kept */
 } tp_op;
 
 typedef struct tp_header {
@@ -119,6 +121,17 @@ static mt_status apply(mt_model *m, tp_table *t, const tp_header *h, const char 
         free(seqs);
         return st;
     }
+    case TP_DRAFT: {
+        const size_t V = (size_t)mt_model_describe(m).vocab_size;
+        if (V > *scratch_cap) {
+            float *g = realloc(*scratch, sizeof(float) * V);
+            if (!g) return mt_errorf(err, MT_ERR_NOMEM, "out of memory for a draft's logits");
+            *scratch = g;
+            *scratch_cap = V;
+        }
+        return mt_model_draft(m, table_get(t, h->id), (int32_t)h->a, *scratch, err);
+    }
+    case TP_SEQ_KEEP: return mt_seq_keep(m, table_get(t, h->id), (int)h->a, err);
     default: return mt_errorf(err, MT_ERR_INVALID, "tensor-parallel call %d is not known", h->op);
     }
 }
@@ -352,6 +365,22 @@ static mt_status leader_ahead_tokens(mt_model *m, int64_t ticket, int32_t *out, 
     return mt_model_ahead_tokens(as_leader(m)->local, ticket, out, n);
 }
 
+static mt_status leader_draft(mt_model *m, mt_seq *seq, int32_t token, float *logits, mt_error *err) {
+    tp_leader *l = as_leader(m);
+    tp_header h = { .op = TP_DRAFT, .id = as_tseq(seq)->id, .a = token };
+    mt_status st = send_call(l, h, NULL, err);
+    if (st != MT_OK) return st;
+    return call(l, mt_model_draft(l->local, as_tseq(seq)->local, token, logits, err), err);
+}
+
+static mt_status leader_seq_keep(mt_model *m, mt_seq *seq, int keep, mt_error *err) {
+    tp_leader *l = as_leader(m);
+    tp_header h = { .op = TP_SEQ_KEEP, .id = as_tseq(seq)->id, .a = keep };
+    mt_status st = send_call(l, h, NULL, err);
+    if (st != MT_OK) return st;
+    return call(l, mt_seq_keep(l->local, as_tseq(seq)->local, keep, err), err);
+}
+
 static const mt_model_ops leader_ops = {
     .destroy = leader_destroy,
     .describe = leader_describe,
@@ -368,7 +397,8 @@ static const mt_model_ops leader_ops = {
     .forward = leader_forward,
     .decode_ahead = leader_decode_ahead,
     .ahead_tokens = leader_ahead_tokens,
-    .draft = NULL,
+    .draft = leader_draft,
+    .seq_keep = leader_seq_keep,
 };
 
 mt_status mt_tp_leader_new(mt_model *local, mt_comm *ctl, mt_model **out, mt_error *err) {

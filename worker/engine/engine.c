@@ -28,6 +28,7 @@ typedef struct eng_seq {
     int echo_next;               /* prompt_logprobs: the next prompt position to report */
     int k_step;                  /* drafts this step verifies (speculative decoding), 0: none */
     int drafted, accepted;       /* draft tokens proposed for it, and accepted */
+    int verified;                /* its speculative steps */
     bool done;                   /* ended; removed from its array at the next compaction */
     mt_status st;                /* of the last model call on it */
     mt_error err;
@@ -269,7 +270,8 @@ static void seq_end(eng_engine *e, eng_seq *s, eng_finish reason, const char *me
     if (e->cb.on_finished) {
         eng_finish_info fin = { .reason = reason, .prompt_tokens = s->req.n_prompt,
                                 .completion_tokens = s->n_gen, .message = message ? message : "",
-                                .draft_tokens = s->drafted, .accepted_tokens = s->accepted };
+                                .draft_tokens = s->drafted, .accepted_tokens = s->accepted,
+                                .verify_steps = s->verified };
         e->cb.on_finished(e->cb.user, s->id, &fin);
     }
 }
@@ -701,6 +703,7 @@ static void spec_step(eng_engine *e, eng_seq *s) {
         return;
     }
     e->spec_steps++;
+    s->verified++;
     s->drafted += k;
     e->drafted += (uint64_t)k;
     int i = 0;

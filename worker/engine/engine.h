@@ -81,6 +81,7 @@ typedef struct eng_finish_info {
     const char *message;         /* "" unless ERROR or deadline; valid during the callback */
     int draft_tokens;            /* speculative decoding: tokens drafted for the sequence */
     int accepted_tokens;         /* of them, the ones the target agreed with */
+    int verify_steps;            /* speculative steps it took */
 } eng_finish_info;
 
 typedef struct eng_callbacks {
