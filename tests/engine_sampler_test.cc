@@ -332,4 +332,96 @@ TEST(EngineSampler, ParamsCheckNamesTheField) {
     EXPECT_EQ(eng_sampler_new(0), nullptr);
 }
 
+
+
+// ---- speculative sampling ----
+
+// Chi-square statistic of counts against probabilities (bins with p > 0), and the critical value
+// of its distribution at p = 0.001 for df degrees of freedom (Wilson-Hilferty; z = 3.0902).
+double ChiSquare(const std::vector<long> &n, const std::vector<float> &p, long N, int *df) {
+    double x = 0;
+    *df = -1;
+    for (size_t v = 0; v < p.size(); v++) {
+        if (p[v] <= 0) {
+            EXPECT_EQ(n[v], 0) << "token " << v << " has no probability but came out";
+            continue;
+        }
+        const double e = (double)N * p[v];
+        x += (n[v] - e) * (n[v] - e) / e;
+        (*df)++;
+    }
+    return x;
+}
+
+double Critical001(int df) {
+    const double a = 2.0 / (9.0 * df);
+    return df * std::pow(1 - a + 3.0902 * std::sqrt(a), 3);
+}
+
+// eng_sample_probs is the distribution eng_sample draws from.
+TEST(EngineSpec, ProbsAreTheSamplersDistribution) {
+    const std::vector<float> l = { 1.0f, 0.5f, 0.0f, -0.5f, -1.0f, 2.0f, 1.5f, -2.0f };
+    eng_sample_params p = eng_sample_default_params();
+    p.temperature = 0.8f;
+    p.top_k = 6;
+    p.top_p = 0.9f;
+    const std::vector<int32_t> prompt = { 0, 5 }, gen = { 5, 6 };
+    const eng_history h = { prompt.data(), 2, gen.data(), 2 };
+    p.repetition_penalty = 1.2f;
+    p.presence_penalty = 0.3f;
+    Sampler s((int)l.size());
+    std::vector<float> probs(l.size());
+    eng_sample_probs(s.s, &p, l.data(), &h, probs.data());
+    eng_rng rng;
+    eng_rng_seed(&rng, 5);
+    const long N = 200000;
+    std::vector<long> n(l.size());
+    for (long i = 0; i < N; i++) n[Sample(s.s, p, &rng, l, &h).token]++;
+    int df;
+    const double x = ChiSquare(n, probs, N, &df);
+    EXPECT_LT(x, Critical001(df)) << "df " << df;
+    // greedy: one-hot on the penalised argmax
+    p.temperature = 0;
+    eng_sample_probs(s.s, &p, l.data(), &h, probs.data());
+    const int32_t g = Sample(s.s, p, &rng, l, &h).token;
+    for (size_t v = 0; v < l.size(); v++) EXPECT_EQ(probs[v], v == (size_t)g ? 1.0f : 0.0f);
+}
+
+// Draft from q, then eng_spec_verdict against p: the tokens that come out follow p (chi-square at
+// p > 0.001, fixed seed, 400,000 draws) for drafters near and far from the target, including one
+// that puts mass where p has none and one that misses tokens p has; the acceptance rate is
+// sum(min(p, q)).
+TEST(EngineSpec, VerdictOutputFollowsTheTarget) {
+    const std::vector<float> p = { 0.30f, 0.25f, 0.15f, 0.10f, 0.10f, 0.05f, 0.05f, 0.0f };
+    const std::vector<std::vector<float>> qs = {
+        { 0.30f, 0.25f, 0.15f, 0.10f, 0.10f, 0.05f, 0.05f, 0.0f },  // the target itself
+        { 0.10f, 0.10f, 0.10f, 0.10f, 0.10f, 0.10f, 0.10f, 0.30f },  // mass where p has none
+        { 0.0f, 0.0f, 0.5f, 0.5f, 0.0f, 0.0f, 0.0f, 0.0f },          // misses most of p
+        { 0.60f, 0.05f, 0.05f, 0.05f, 0.05f, 0.10f, 0.10f, 0.0f },
+    };
+    const int V = (int)p.size();
+    for (size_t qi = 0; qi < qs.size(); qi++) {
+        const std::vector<float> &q = qs[qi];
+        eng_rng rng;
+        eng_rng_seed(&rng, 1234 + qi);
+        const long N = 400000;
+        std::vector<long> n(V);
+        long accepted = 0;
+        for (long i = 0; i < N; i++) {
+            const int32_t d = eng_draw_probs(&rng, q.data(), V);
+            bool acc = false;
+            n[eng_spec_verdict(&rng, p.data(), q.data(), V, d, &acc)]++;
+            accepted += acc;
+        }
+        int df;
+        const double x = ChiSquare(n, p, N, &df);
+        EXPECT_LT(x, Critical001(df)) << "drafter " << qi << ", df " << df;
+        double overlap = 0;
+        for (int v = 0; v < V; v++) overlap += std::min(p[v], q[v]);
+        overlap = std::min(overlap, 1.0);
+        const double rate = (double)accepted / N, sd = std::sqrt(overlap * (1 - overlap) / N);
+        EXPECT_NEAR(rate, overlap, 5 * sd + 1e-4) << "drafter " << qi;
+    }
+}
+
 }  // namespace

@@ -1,6 +1,7 @@
 // Speculative decoding in the engine (eng_params.spec_tokens) on the CPU, with the MTP block of
 // tests/fixtures/mtp_a as the drafter: greedy output with K = 1..4 drafts a step is token for
-// token the output with K = 0, for many prompts at once, with prefix reuse and preemption forced;
+// token the output with K = 0, for many prompts at once, with prefix reuse and preemption forced,
+// and so is greedy with penalties (speculative sampling's path); seeded sampling is reproducible;
 // forced acceptance (the drafter proposes the target's own next token) and forced rejection (it
 // proposes any other) leave the output the same, which proves both the commit and the rollback
 // of every layer's state; the counts of drafted and accepted tokens are reported.
@@ -20,6 +21,7 @@ const int kMaxNew = 96;
 
 struct Out {
     std::vector<int32_t> tokens;
+    std::vector<float> logprobs;
     int finishes = 0, drafted = 0, accepted = 0;
     eng_finish reason = ENG_FINISH_ERROR;
 };
@@ -52,7 +54,8 @@ struct Harness {
     Outputs run;
 };
 
-Outputs Generate(glm_model *m, int k, int max_seqs, int pages, Force force = Force::kNone, const Outputs *ref = nullptr) {
+Outputs Generate(glm_model *m, int k, int max_seqs, int pages, Force force = Force::kNone, const Outputs *ref = nullptr,
+                 const eng_sample_params *sampling = nullptr, bool logprobs = false) {
     mt_error err = { "" };
     EXPECT_EQ(glm_model_set_pools(m, pages, 64, &err), MT_OK) << err.msg;
     Harness h;
@@ -76,7 +79,10 @@ Outputs Generate(glm_model *m, int k, int max_seqs, int pages, Force force = For
     cb.on_tokens = [](void *u, uint64_t id, const eng_sample_result *t, int n) {
         Out &o = static_cast<Harness *>(u)->run.out[id];
         EXPECT_EQ(o.finishes, 0);
-        for (int i = 0; i < n; i++) o.tokens.push_back(t[i].token);
+        for (int i = 0; i < n; i++) {
+            o.tokens.push_back(t[i].token);
+            o.logprobs.push_back(t[i].logprob);
+        }
     };
     cb.on_finished = [](void *u, uint64_t id, const eng_finish_info *f) {
         Out &o = static_cast<Harness *>(u)->run.out[id];
@@ -96,6 +102,13 @@ Outputs Generate(glm_model *m, int k, int max_seqs, int pages, Force force = For
         r.n_prompt = (int)prompts[i].size();
         r.max_new_tokens = kMaxNew;
         r.ignore_eos = true;
+        if (sampling) {
+            r.sampling = *sampling;
+            r.has_seed = true;
+            r.seed = 1000 + i;
+            r.logprobs = logprobs;
+            r.top_logprobs = logprobs ? 3 : 0;
+        }
         EXPECT_EQ(eng_submit(e, i + 1, &r, 0, &err), MT_OK) << err.msg;
     }
     for (int guard = 0; eng_has_work(e) && guard < 100000; guard++) EXPECT_EQ(eng_step(e, nullptr), MT_OK);
@@ -174,6 +187,43 @@ TEST_F(Spec, ForcedAcceptanceAndRejection) {
         }
         EXPECT_LT(acc.stats.steps, ref.stats.steps) << "K=" << k;
         EXPECT_EQ(acc.stats.accepted_tokens, acc.stats.draft_tokens);
+    }
+}
+
+// Greedy with penalties goes through speculative sampling's path (one-hot distributions, the
+// drafts counted as generated tokens by the penalties): still K = 0's tokens exactly, and the
+// reported logprobs are the target's.
+TEST_F(Spec, PenalisedGreedyEqualsNoSpeculation) {
+    eng_sample_params sp = eng_sample_default_params();
+    sp.repetition_penalty = 1.3f;
+    sp.presence_penalty = 0.5f;
+    sp.frequency_penalty = 0.2f;
+    const Outputs ref = Generate(m_, 0, 12, 256, Force::kNone, nullptr, &sp, true);
+    for (int k = 1; k <= ENG_SPEC_MAX; k++) {
+        const Outputs r = Generate(m_, k, 12, 256, Force::kNone, nullptr, &sp, true);
+        ExpectSame(r, ref, "penalised greedy");
+        EXPECT_GT(r.stats.spec_steps, 0u);
+        for (const auto &[id, o] : r.out) {
+            const std::vector<float> &l = ref.out.at(id).logprobs;
+            ASSERT_EQ(o.logprobs.size(), l.size());
+            for (size_t i = 0; i < l.size(); i++) EXPECT_NEAR(o.logprobs[i], l[i], 1e-4) << "id " << id << " token " << i;
+        }
+    }
+}
+
+// Sampled requests decode speculatively too: a seed gives the same tokens again (with the same
+// K), every stream is whole, and the logprobs are log-probabilities.
+TEST_F(Spec, SampledRunsAreReproducible) {
+    eng_sample_params sp = eng_sample_default_params();
+    sp.temperature = 0.9f;
+    sp.top_p = 0.95f;
+    for (int k : { 2, 4 }) {
+        const Outputs a = Generate(m_, k, 12, 256, Force::kNone, nullptr, &sp, true);
+        const Outputs b = Generate(m_, k, 12, 256, Force::kNone, nullptr, &sp, true);
+        ExpectSame(a, b, "seeded sampling");
+        EXPECT_GT(a.stats.spec_steps, 0u);
+        for (const auto &[id, o] : a.out)
+            for (float lp : o.logprobs) EXPECT_LE(lp, 0.f) << "id " << id;
     }
 }
 

@@ -59,6 +59,9 @@ struct eng_engine {
     bool ahead_on;               /* run_ahead resolved for this model's backend */
     uint64_t ahead_steps;
     float *draft_logits;         /* [vocab] host: the drafter's logits (spec_tokens > 0) */
+    float *spec_q;               /* [ENG_SPEC_MAX, vocab] the drafts' processed distributions */
+    float *spec_p;               /* [vocab] a verify row's processed distribution */
+    float *spec_logits;          /* [ENG_SPEC_MAX + 1, vocab] a verify's logits */
     uint64_t spec_steps, drafted, accepted;
     rt_prefix_cache prefixes;    /* kept prompt prefixes, clocked by steps */
     size_t cache_bytes;
@@ -135,7 +138,12 @@ mt_status eng_new(mt_model *m, const eng_params *params, const eng_callbacks *cb
     e->tok = malloc(sizeof(int32_t) * (size_t)p.max_sequences);
     e->gs = malloc(sizeof(mt_seq *) * (size_t)p.max_sequences);
     e->parts = malloc(sizeof(mt_batch_part) * (size_t)p.max_sequences);
-    if (p.spec_tokens > 0 && !(e->draft_logits = malloc(sizeof(float) * (size_t)e->vocab))) goto fail;
+    if (p.spec_tokens > 0 &&
+        (!(e->draft_logits = malloc(sizeof(float) * (size_t)e->vocab)) ||
+         !(e->spec_q = malloc(sizeof(float) * (size_t)ENG_SPEC_MAX * e->vocab)) ||
+         !(e->spec_p = malloc(sizeof(float) * (size_t)e->vocab)) ||
+         !(e->spec_logits = malloc(sizeof(float) * (size_t)(ENG_SPEC_MAX + 1) * e->vocab))))
+        goto fail;
     if (!e->sampler || !e->waiting || !e->running || !e->batch || !e->logits || !e->ahead || !e->tok || !e->gs || !e->parts)
         goto fail;
     *out = e;
@@ -175,6 +183,9 @@ void eng_free(eng_engine *e) {
     free(e->gs);
     free(e->parts);
     free(e->draft_logits);
+    free(e->spec_q);
+    free(e->spec_p);
+    free(e->spec_logits);
     free(e);
 }
 
@@ -672,7 +683,7 @@ static mt_status ahead_queue(eng_engine *e, eng_seq **batch, int n, bool from_de
 /* Drafts s verifies this step: spec_tokens for a plain greedy sequence while at most
  * spec_max_batch decode (n_ready), fewer near max_new_tokens (a step gives at most k + 1). */
 static int spec_k(const eng_engine *e, const eng_seq *s, int n_ready) {
-    if (e->p.spec_tokens <= 0 || s->req.no_speculation || !plain_greedy(s)) return 0;
+    if (e->p.spec_tokens <= 0 || s->req.no_speculation) return 0;
     if (e->p.spec_max_batch > 0 && n_ready > e->p.spec_max_batch) return 0;
     const int left = s->req.max_new_tokens - s->n_gen - 1;
     return e->p.spec_tokens < left ? e->p.spec_tokens : left > 0 ? left : 0;
@@ -680,10 +691,19 @@ static int spec_k(const eng_engine *e, const eng_seq *s, int n_ready) {
 
 /* One speculative step of s (s->k_step = k > 0 drafts, pages for k + 1 rows mapped): k drafts,
  * one verify of the pending token and the drafts, then the target's tokens up to and including
- * the first that differs from its draft; the rows after it are dropped. */
+ * the first that replaces its draft; the rows after it are dropped. Plain greedy sequences take
+ * the verify's argmax where the logits are and keep a draft equal to it. Others sample: draft j
+ * is drawn from the drafter's processed distribution q_j (the request's temperature, filters
+ * and penalties, the drafts before it counted as generated), row i of the verify gives the
+ * target's p_i the same way, and eng_spec_verdict keeps draft i + 1 or replaces it with a draw
+ * from the residual, so each token is distributed as the target's; after k kept drafts the last
+ * row's token is drawn from p_k. Reported logprobs are the target's. */
 static void spec_step(eng_engine *e, eng_seq *s) {
-    const int k = s->k_step;
-    int32_t tok[ENG_SPEC_MAX + 1], greedy[ENG_SPEC_MAX + 1];
+    const int k = s->k_step, V = e->vocab;
+    const bool greedy = plain_greedy(s);
+    int32_t tok[ENG_SPEC_MAX + 1], top[ENG_SPEC_MAX + 1];
+    int32_t *gen = s->tokens + s->req.n_prompt; /* drafts go after the generated tokens (room:
+                                                 * k < max_new_tokens - n_gen) as their history */
     mt_error err = { "" };
     tok[0] = s->pending;
     for (int j = 1; j <= k; j++) {
@@ -691,13 +711,23 @@ static void spec_step(eng_engine *e, eng_seq *s) {
             seq_end(e, s, ENG_FINISH_ERROR, err.msg);
             return;
         }
-        int32_t d = 0;
-        for (int v = 1; v < e->vocab; v++)
-            if (e->draft_logits[v] > e->draft_logits[d]) d = v;
+        int32_t d;
+        if (greedy) {
+            d = 0;
+            for (int v = 1; v < V; v++)
+                if (e->draft_logits[v] > e->draft_logits[d]) d = v;
+        } else {
+            const eng_history h = { s->tokens, s->req.n_prompt, gen, s->n_gen + j - 1 };
+            float *q = e->spec_q + (size_t)(j - 1) * V;
+            eng_sample_probs(e->sampler, &s->req.sampling, e->draft_logits, &h, q);
+            d = eng_draw_probs(&s->rng, q, V);
+        }
         if (e->p.spec_draft_hook) d = e->p.spec_draft_hook(e->p.spec_hook_user, s->id, s->n_gen - 1 + j, d);
-        tok[j] = d;
+        tok[j] = gen[s->n_gen + j - 1] = d;
     }
-    const mt_batch_part part = { .kind = MT_PART_DECODE, .seq = s->gs, .tokens = tok, .n = k + 1, .argmax = greedy };
+    const mt_batch_part part = { .kind = MT_PART_DECODE, .seq = s->gs, .tokens = tok, .n = k + 1,
+                                 .logits = greedy ? NULL : e->spec_logits, .all_logits = !greedy,
+                                 .argmax = greedy ? top : NULL };
     if (mt_model_forward(e->m, &(mt_batch){ &part, 1 }, &err) != MT_OK) {
         seq_end(e, s, ENG_FINISH_ERROR, err.msg);
         return;
@@ -707,9 +737,23 @@ static void spec_step(eng_engine *e, eng_seq *s) {
     s->drafted += k;
     e->drafted += (uint64_t)k;
     int i = 0;
-    for (;; i++) { /* row i's token follows tok[0 .. i]; it is final, and draft i + 1 stands if equal */
-        emit(e, s, &(eng_sample_result){ .token = greedy[i] });
-        if (s->done || i == k || greedy[i] != tok[i + 1]) break;
+    for (;; i++) { /* row i's token follows tok[0 .. i]; draft i + 1 stands if it is kept */
+        bool kept;
+        eng_sample_result r = { 0 };
+        if (greedy) {
+            r.token = top[i];
+            kept = i < k && top[i] == tok[i + 1];
+        } else {
+            const float *row = e->spec_logits + (size_t)i * V;
+            const eng_history h = { s->tokens, s->req.n_prompt, gen, s->n_gen };
+            eng_sample_probs(e->sampler, &s->req.sampling, row, &h, e->spec_p);
+            kept = false;
+            r.token = i < k ? eng_spec_verdict(&s->rng, e->spec_p, e->spec_q + (size_t)i * V, V, tok[i + 1], &kept)
+                            : eng_draw_probs(&s->rng, e->spec_p, V);
+            if (s->req.logprobs || s->req.top_logprobs > 0) eng_score(e->sampler, row, r.token, s->req.top_logprobs, &r);
+        }
+        emit(e, s, &r);
+        if (s->done || !kept) break;
         s->accepted++;
         e->accepted++;
     }

@@ -132,9 +132,10 @@ typedef struct eng_params {
      * step of a sequence drafts spec_tokens tokens (0 = off, at most ENG_SPEC_MAX), verifies them
      * and its pending token in one step of spec_tokens + 1 rows, and emits the longest prefix the
      * target agrees with plus the target's own next token; the rejected rows leave no trace
-     * (mt_seq_keep). Plain greedy sequences only (others decode as usual), so the output is the
-     * one without speculation. Only while a decode step has at most spec_max_batch sequences
-     * (0 = any): above it batched decode gives more tokens a second. */
+     * (mt_seq_keep). Greedy output is the one without speculation; sampled output (speculative
+     * sampling, engine.c spec_step) is distributed as without it, though a seed gives other
+     * tokens. Only while a decode step has at most spec_max_batch sequences (0 = any): above it
+     * batched decode gives more tokens a second. */
     int spec_tokens;
     int spec_max_batch;
     /* Test hook: when set, each drafted token is replaced by what it returns; gen_index is the

@@ -239,19 +239,38 @@ static int32_t argmax(const float *w, int V) {
 
 /* ---- sampling ---- */
 
+static int kept_candidates(eng_sampler *s, const eng_sample_params *p, int *n_out);
+
 static int32_t draw(eng_sampler *s, const eng_sample_params *p, eng_rng *rng) {
+    const eng_cand *c = s->cand;
+    int n = 0;
+    if (kept_candidates(s, p, &n) < 0) return argmax(s->work, s->vocab); /* nothing finite: greedy */
+    double kept = 0.0;
+    for (int i = 0; i < n; i++) kept += c[i].e;
+    const double u = eng_rng_uniform(rng) * kept;
+    double acc = 0.0;
+    for (int i = 0; i < n; i++) {
+        acc += c[i].e;
+        if (u < acc) return c[i].id;
+    }
+    return c[n - 1].id; /* u rounded up to kept */
+}
+
+/* The candidates a draw keeps from s->work, with their weights e (relative to the best) in
+ * s->cand[0, *n_out): temperature, top-k, top-p, min-p. -1 when nothing is finite. */
+static int kept_candidates(eng_sampler *s, const eng_sample_params *p, int *n_out) {
     const int V = s->vocab;
     eng_cand *c = s->cand;
     const float inv_t = 1.0f / p->temperature;
     for (int v = 0; v < V; v++) c[v] = (eng_cand){ .v = s->work[v] * inv_t, .id = v };
-    int n = V, sorted = 0; /* c[0, sorted) is in order */
+    int n = V, sorted = 0;
     if (p->top_k > 0 && p->top_k < n) {
         cand_top_sorted(c, n, p->top_k);
         n = sorted = p->top_k;
     }
     float mx = -INFINITY;
     for (int i = 0; i < n; i++) mx = fmaxf(mx, c[i].v);
-    if (!isfinite(mx)) return argmax(s->work, V); /* nothing finite: fall back to greedy */
+    if (!isfinite(mx)) return -1;
     double sum = 0.0;
     for (int i = 0; i < n; i++) sum += (c[i].e = exp((double)c[i].v - mx));
     if (p->top_p < 1.0f) {
@@ -280,15 +299,64 @@ static int32_t draw(eng_sampler *s, const eng_sample_params *p, eng_rng *rng) {
             if (c[i].e >= (double)p->min_p || c[i].v == mx) c[k++] = c[i];
         n = k;
     }
-    double kept = 0.0;
-    for (int i = 0; i < n; i++) kept += c[i].e;
-    const double u = eng_rng_uniform(rng) * kept;
-    double acc = 0.0;
-    for (int i = 0; i < n; i++) {
-        acc += c[i].e;
-        if (u < acc) return c[i].id;
+    *n_out = n;
+    return 0;
+}
+
+void eng_sample_probs(eng_sampler *s, const eng_sample_params *p, const float *logits, const eng_history *hist,
+                      float *probs) {
+    const int V = s->vocab;
+    for (int v = 0; v < V; v++) s->work[v] = finite_or_neg_inf(logits[v]);
+    apply_penalties(s, p, hist);
+    memset(probs, 0, sizeof(float) * (size_t)V);
+    int n = 0;
+    if (p->temperature <= 0.0f || kept_candidates(s, p, &n) < 0) {
+        probs[argmax(s->work, V)] = 1.0f;
+        return;
     }
-    return c[n - 1].id; /* u rounded up to kept */
+    double kept = 0.0;
+    for (int i = 0; i < n; i++) kept += s->cand[i].e;
+    for (int i = 0; i < n; i++) probs[s->cand[i].id] = (float)(s->cand[i].e / kept);
+}
+
+int32_t eng_draw_probs(eng_rng *rng, const float *probs, int vocab) {
+    double sum = 0.0;
+    int32_t last = 0;
+    for (int v = 0; v < vocab; v++)
+        if (probs[v] > 0.0f) {
+            sum += probs[v];
+            last = v;
+        }
+    const double u = eng_rng_uniform(rng) * sum;
+    double acc = 0.0;
+    for (int v = 0; v < vocab; v++) {
+        if (probs[v] <= 0.0f) continue;
+        acc += probs[v];
+        if (u < acc) return v;
+    }
+    return last; /* u rounded up to sum */
+}
+
+int32_t eng_spec_verdict(eng_rng *rng, const float *p, const float *q, int vocab, int32_t draft, bool *accepted) {
+    const double pd = p[draft], qd = q[draft];
+    *accepted = qd > 0.0 && (pd >= qd || eng_rng_uniform(rng) * qd < pd);
+    if (*accepted) return draft;
+    double sum = 0.0;
+    int32_t last = -1;
+    for (int v = 0; v < vocab; v++)
+        if (p[v] > q[v]) {
+            sum += (double)p[v] - q[v];
+            last = v;
+        }
+    if (last < 0) return eng_draw_probs(rng, p, vocab); /* p == q: no residual (a draft q never gives) */
+    const double u = eng_rng_uniform(rng) * sum;
+    double acc = 0.0;
+    for (int v = 0; v < vocab; v++) {
+        if (p[v] <= q[v]) continue;
+        acc += (double)p[v] - q[v];
+        if (u < acc) return v;
+    }
+    return last;
 }
 
 void eng_sample(eng_sampler *s, const eng_sample_params *p, eng_rng *rng, const float *logits,

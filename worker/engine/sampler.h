@@ -93,6 +93,19 @@ void eng_sample(eng_sampler *s, const eng_sample_params *p, eng_rng *rng, const 
  * ids, as eng_sample reports them, without sampling: out->token = token. For prompt logprobs. */
 void eng_score(const eng_sampler *s, const float *logits, int32_t token, int n_top, eng_sample_result *out);
 
+/* ---- speculative sampling ----
+ * The processed distribution eng_sample draws from (penalties, temperature, top-k, top-p, min-p)
+ * as probabilities probs[vocab] (zero outside what is kept; greedy: one-hot on the argmax). */
+void eng_sample_probs(eng_sampler *s, const eng_sample_params *p, const float *logits, const eng_history *hist,
+                      float *probs);
+/* A draw from probs[vocab] (non-negative, any sum > 0) with rng. */
+int32_t eng_draw_probs(eng_rng *rng, const float *probs, int vocab);
+/* Speculative sampling's verdict on a draft token drawn from q: kept with probability
+ * min(1, p[draft] / q[draft]) (*accepted true, returns draft); else a draw from the normalised
+ * residual max(0, p - q) (from p where that is all zero). The token that comes out is distributed
+ * exactly as p, whatever q is. p, q: [vocab] probabilities. */
+int32_t eng_spec_verdict(eng_rng *rng, const float *p, const float *q, int vocab, int32_t draft, bool *accepted);
+
 #ifdef __cplusplus
 }
 #endif
