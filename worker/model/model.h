@@ -155,8 +155,9 @@ struct mt_seq {
 };
 
 /* Loads the checkpoint in dir (config.json and safetensors) with the architecture its model_type
- * names (the registry in model.c), or, for dir "random:PRESET", a model of that preset's shapes
- * with random weights made on the backend (benchmarks). On error *out is NULL and err says why. */
+ * names (the registry in model.c), or, for dir "random:PRESET" ("random:PRESET+mtp": with an MTP
+ * block), a model of that preset's shapes with random weights made on the backend (benchmarks).
+ * On error *out is NULL and err says why. */
 mt_status mt_model_load(const char *dir, mt_backend *be, const mt_model_params *params, mt_model **out,
                         mt_error *err);
 

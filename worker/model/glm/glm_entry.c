@@ -2,6 +2,7 @@
  * engine's calls mapped onto glm_model.h. A batch plan runs its parts one after the other: the
  * decode parts of one row together through the batched decode (a pass of at most batch_rows rows
  * at a time), then every verify part (k rows of one sequence), then every prefill part. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -195,7 +196,14 @@ mt_status glm_model_open_random(const char *preset, mt_backend *be, const mt_mod
                                 mt_error *err) {
     *out = NULL;
     glm_config cfg;
-    mt_status st = glm_config_preset(preset, &cfg, err);
+    /* PRESET+mtp: the preset with an MTP block (random weights too) */
+    char name[64];
+    snprintf(name, sizeof name, "%s", preset);
+    const size_t n = strlen(name);
+    const bool mtp = n > 4 && !strcmp(name + n - 4, "+mtp");
+    if (mtp) name[n - 4] = 0;
+    mt_status st = glm_config_preset(name, &cfg, err);
+    if (mtp) cfg.num_nextn_predict_layers = 1;
     glm_model *m = NULL;
     if (st == MT_OK) st = glm_model_new_random(&cfg, 1, be, params, &m, err);
     *out = m ? &m->base : NULL;
