@@ -55,7 +55,8 @@ struct Harness {
 };
 
 Outputs Generate(glm_model *m, int k, int max_seqs, int pages, Force force = Force::kNone, const Outputs *ref = nullptr,
-                 const eng_sample_params *sampling = nullptr, bool logprobs = false) {
+                 const eng_sample_params *sampling = nullptr, bool logprobs = false, int n_prompts = 12,
+                 bool mixed = false) {
     mt_error err = { "" };
     EXPECT_EQ(glm_model_set_pools(m, pages, 64, &err), MT_OK) << err.msg;
     Harness h;
@@ -95,13 +96,14 @@ Outputs Generate(glm_model *m, int k, int max_seqs, int pages, Force force = For
     eng_engine *e = nullptr;
     EXPECT_EQ(eng_new(glm_model_as_model(m), &p, &cb, &e, &err), MT_OK) << err.msg;
     if (!e) return {};
-    const auto prompts = Prompts(12);
+    const auto prompts = Prompts(n_prompts);
     for (size_t i = 0; i < prompts.size(); i++) {
         eng_request r = eng_default_request();
         r.prompt = prompts[i].data();
         r.n_prompt = (int)prompts[i].size();
         r.max_new_tokens = kMaxNew;
         r.ignore_eos = true;
+        r.no_speculation = mixed && i % 2 == 1;
         if (sampling) {
             r.sampling = *sampling;
             r.has_seed = true;
@@ -187,6 +189,20 @@ TEST_F(Spec, ForcedAcceptanceAndRejection) {
         }
         EXPECT_LT(acc.stats.steps, ref.stats.steps) << "K=" << k;
         EXPECT_EQ(acc.stats.accepted_tokens, acc.stats.draft_tokens);
+    }
+}
+
+// Speculating and plain sequences in the same steps (every other request opts out), at batch
+// sizes around the decode buckets' edges (the plain rows go through batched decode together).
+TEST_F(Spec, MixedBatchesAtBucketEdges) {
+    for (int n : { 15, 16, 17, 33 }) {
+        const Outputs ref = Generate(m_, 0, n, 512, Force::kNone, nullptr, nullptr, false, n);
+        const Outputs r = Generate(m_, 3, n, 512, Force::kNone, nullptr, nullptr, false, n, true);
+        char what[48];
+        snprintf(what, sizeof what, "batch %d, half opted out", n);
+        ExpectSame(r, ref, what);
+        EXPECT_GT(r.stats.spec_steps, 0u) << what;
+        for (const auto &[id, o] : r.out) EXPECT_EQ(o.drafted == 0, (id - 1) % 2 == 1) << what << " id " << id;
     }
 }
 

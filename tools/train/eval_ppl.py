@@ -55,10 +55,12 @@ def main():
             n += k
             correct += int((logits[1:-1].argmax(-1) == w[2:]).sum())
             per_window.append({"tokens": int(w.numel()), "nll": s, "scored": k})
-            # MTP rows t = 1..len-3 (h at t and the embedding of w[t+1]) predict w[t+2]: the same
-            # stream tokens but the first one, which only the target predicts
+            # The drafter's rows t = 0..len-3 (h at t and the embedding of w[t+1]) in its own cache
+            # from row 0, as the runtime and training run it; rows t >= 1 predict stream tokens
+            # (w[t+2], t = 1..len-3): scored are the same stream tokens but the first, which only
+            # the target predicts
             h = fh.h[0]
-            z = mtp(lm.embed_tokens(w[2:-1])[None], h[None, 1:-2])[0]
+            z = mtp(lm.embed_tokens(w[1:-1])[None], h[None, :-2])[0][1:]
             ml = torch.log_softmax(model.lm_head(z).float(), -1)
             tgt = w[3:]
             m_nll += float(-ml.gather(1, tgt[:, None]).sum())
@@ -71,8 +73,8 @@ def main():
         "next_token_accuracy": correct / n,
         "mtp": {"token_after_next_accuracy": m_correct / m_n, "mean_nll_nats": m_nll / m_n,
                 "perplexity": math.exp(m_nll / m_n), "scored_tokens": m_n,
-                "rows": "window positions t = 1..len-3 (input: h at t, embedding of window[t+1]); "
-                        "target window[t+2]"},
+                "rows": "the drafter runs rows t = 0..len-3 of each window (input: h at t, embedding of "
+                        "window[t+1]; its cache from row 0); scored rows t = 1..len-3, target window[t+2]"},
         "computed_by": "transformers %s Glm5NextForConditionalGeneration, fp32, eager attention and "
                        "experts, whole-window forward (equal to one-token-at-a-time: check_report.json)"
                        % __import__("transformers").__version__,
