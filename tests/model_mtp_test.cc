@@ -6,8 +6,11 @@
 //   - chains of three drafts fed the block's own residual (DeepSeek-V3's sequential MTP);
 //   - the target's own logits with the drafter following it.
 // And write-on-accept: after a verify of k rows of which keep are kept, the sequence continues
-// exactly (bitwise on the CPU) as one that decoded only those rows, drafter included.
+// exactly (bitwise on the CPU) as one that decoded only those rows, drafter included. On the
+// trained demo model, the drafter's held-out NLL equals the reference's (heldout_ppl.json "mtp",
+// tools/train/eval_ppl.py) within 0.5%.
 #include <gtest/gtest.h>
+#include <json-c/json.h>
 
 #include <algorithm>
 #include <cmath>
@@ -218,6 +221,72 @@ TEST(MtpOff, LoadedButNotDrafting) {
     EXPECT_FALSE(glm_model_has_mtp(m));
     glm_model_free(m);
     be->ops->destroy(be);
+}
+
+// The demo model's drafter over the held-out windows of heldout_ppl.json (each window prefilled
+// at once; the drafter takes rows 0 .. len - 2 in the same passes), scored as eval_ppl.py scores
+// it: rows t = 1 .. len - 3 predict window[t + 2].
+TEST(MtpDemo, HeldoutNllEqualsTheReference) {
+    const char dir[] = "models/glm5-next-demo";
+    json_object *ref = json_object_from_file("models/glm5-next-demo/heldout_ppl.json");
+    ASSERT_NE(ref, nullptr);
+    json_object *mtp, *win, *ids, *v;
+    ASSERT_TRUE(json_object_object_get_ex(ref, "mtp", &mtp));
+    ASSERT_TRUE(json_object_object_get_ex(ref, "windows", &win));
+    ASSERT_TRUE(json_object_object_get_ex(ref, "stream_ids", &ids));
+    ASSERT_TRUE(json_object_object_get_ex(mtp, "mean_nll_nats", &v));
+    const double ref_nll = json_object_get_double(v);
+    ASSERT_TRUE(json_object_object_get_ex(mtp, "scored_tokens", &v));
+    const long ref_n = json_object_get_int64(v);
+    ASSERT_TRUE(json_object_object_get_ex(win, "seq", &v));
+    const int seq = json_object_get_int(v);
+    ASSERT_TRUE(json_object_object_get_ex(win, "prefix_ids", &v));
+    std::vector<int32_t> prefix;
+    for (size_t i = 0; i < json_object_array_length(v); i++)
+        prefix.push_back(json_object_get_int(json_object_array_get_idx(v, i)));
+    std::vector<int32_t> stream;
+    for (size_t i = 0; i < json_object_array_length(ids); i++)
+        stream.push_back(json_object_get_int(json_object_array_get_idx(ids, i)));
+    json_object_put(ref);
+
+    mt_backend *be = mt_cpu_backend_new(0);
+    ASSERT_NE(be, nullptr);
+    glm_model_params p = glm_model_default_params();
+    p.mtp = true;
+    glm_model *m = nullptr;
+    mt_error err{};
+    ASSERT_EQ(glm_model_load(dir, be, &p, &m, &err), MT_OK) << err.msg;
+    const int V = glm_model_config(m)->vocab_size;
+    std::vector<float> cap((size_t)seq * V);
+    double nll = 0;
+    long n = 0;
+    const size_t piece = (size_t)seq - prefix.size();
+    for (size_t at = 0; at < stream.size(); at += piece) {
+        std::vector<int32_t> w = prefix;
+        w.insert(w.end(), stream.begin() + at, stream.begin() + std::min(stream.size(), at + piece));
+        const int len = (int)w.size();
+        glm_seq *s = nullptr;
+        ASSERT_EQ(glm_seq_new(m, len, &s, &err), MT_OK) << err.msg;
+        glm_model_capture_drafter(m, cap.data(), seq);
+        ASSERT_EQ(glm_prefill(m, s, w.data(), len, nullptr, false, &err), MT_OK) << err.msg;
+        glm_model_capture_drafter(m, nullptr, 0);
+        for (int t = 1; t <= len - 3; t++) {
+            const float *l = &cap[(size_t)t * V];
+            double mx = -INFINITY, sum = 0;
+            for (int j = 0; j < V; j++) mx = std::max(mx, (double)l[j]);
+            for (int j = 0; j < V; j++) sum += std::exp((double)l[j] - mx);
+            nll += mx + std::log(sum) - l[w[t + 2]];
+            n++;
+        }
+        glm_seq_free(s);
+    }
+    glm_model_free(m);
+    be->ops->destroy(be);
+    EXPECT_EQ(n, ref_n);
+    const double mean = nll / (double)n;
+    printf("demo drafter held-out: mean NLL %.6f here, %.6f in heldout_ppl.json (perplexity %.3f / %.3f), %ld rows\n",
+           mean, ref_nll, std::exp(mean), std::exp(ref_nll), n);
+    EXPECT_LT(std::fabs(std::exp(mean) - std::exp(ref_nll)) / std::exp(ref_nll), 0.005);
 }
 
 }  // namespace

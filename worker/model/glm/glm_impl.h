@@ -217,6 +217,8 @@ struct glm_model {
         float *hin;            /* [rows + 1, H] the drafter's hidden inputs of one pass */
         float *e, *u, *t;      /* [rows, H] embeddings, residual, temporary */
         int spare_slot;        /* a KDA slot kept for the state before a verify (-1: none) */
+        float *capture;        /* glm_model_capture_drafter: host [capture_rows, vocab], or NULL */
+        int capture_rows;
     } mtp;
     int n_state_layers;        /* layers with per-sequence state: L, plus 1 with the MTP block */
 };

@@ -996,3 +996,7 @@ bool glm_model_has_drafter(const glm_model *m) { return m->mtp.on; }
 mt_status glm_model_draft(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_error *err) {
     return glm_mtp_draft(m, s, token, logits, err);
 }
+void glm_model_capture_drafter(glm_model *m, float *logits, int rows) {
+    m->mtp.capture = logits;
+    m->mtp.capture_rows = logits ? rows : 0;
+}

@@ -120,6 +120,9 @@ mt_status glm_decode_verify(glm_model *m, glm_seq *s, const int32_t *tokens, int
  * glm_model_draft runs the drafter's next row with token (see mt_model_ops.draft) into logits
  * (host) [vocab]. glm_seq_keep, after a glm_decode_verify of k rows, keeps the first keep of
  * them: the state is then as if only those had been decoded. */
+/* Tests: the drafter's logits of every row it takes at a position below rows go to logits (host)
+ * [rows, vocab] at row (the position) until the next call; NULL turns it off. */
+void glm_model_capture_drafter(glm_model *m, float *logits, int rows);
 bool glm_model_has_mtp(const glm_model *m);     /* the checkpoint's MTP block is loaded */
 bool glm_model_has_drafter(const glm_model *m); /* and sequences carry its state */
 mt_status glm_model_draft(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_error *err);

@@ -15,7 +15,7 @@
 
 /* n drafter rows of s at its next positions: hidden inputs hin [n, H] (backend), tokens [n]
  * (host). Keeps the last row's residual in s->u; logits (host) [vocab] of the last row when not
- * NULL. */
+ * NULL; every row's into glm_model_capture_drafter's buffer when one is set. */
 static mt_status mtp_rows(glm_model *m, glm_seq *s, const float *hin, const int32_t *tokens, int n,
                           float *logits) {
     mt_backend *be = m->be;
@@ -51,6 +51,11 @@ static mt_status mtp_rows(glm_model *m, glm_seq *s, const float *hin, const int3
 
     const float *last = x->u + (size_t)(n - 1) * H;
     op->copy(be, s->u, last, sizeof(float) * H);
+    const int t0 = st->len - n;
+    if (x->capture && t0 + n <= x->capture_rows) {
+        op->rmsnorm(be, x->t, x->u, x->norm, n, H, eps);
+        if ((rc = glm_logits_rows(m, x->t, n, x->capture + (size_t)t0 * c->vocab_size)) != MT_OK) return rc;
+    }
     if (!logits) return MT_OK;
     op->rmsnorm(be, x->t, last, x->norm, 1, H, eps);
     return glm_logits_rows(m, x->t, 1, logits);
