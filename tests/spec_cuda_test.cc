@@ -1,0 +1,204 @@
+// The drafter and speculative decoding on the GPU (CUDA backend, decode graphs on), with
+// tests/fixtures/mtp_a: the drafter's logits against the PyTorch reference (every row, and chains
+// of three) within 2e-3; a verify of 4 rows keeping 1..4 continues as a step of the kept rows;
+// the engine's greedy output with K = 1..3 (real, forced-accepted and forced-rejected drafts) is
+// K = 0's, at batch 1 and 8. Skips without a GPU.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <string>
+#include <vector>
+
+extern "C" {
+#include "kernels/backend.h"
+#include "kernels/cuda/cuda_backend.h"
+#include "worker/engine/engine.h"
+#include "worker/loader/safetensors.h"
+#include "worker/model/glm/glm_model.h"
+}
+
+namespace {
+
+const char kDir[] = "tests/fixtures/mtp_a";
+
+template <typename T>
+std::vector<T> Take(st_archive *ar, const char *name) {
+    const st_tensor *t = st_find(ar, name);
+    EXPECT_NE(t, nullptr) << name;
+    if (!t) return {};
+    const T *p = static_cast<const T *>(t->data);
+    return std::vector<T>(p, p + t->nbytes / sizeof(T));
+}
+
+float MaxDiff(const float *a, const float *b, int n) {
+    float d = 0;
+    for (int i = 0; i < n; i++) d = std::max(d, std::fabs(a[i] - b[i]));
+    return d;
+}
+
+class SpecGpu : public ::testing::Test {
+  protected:
+    void SetUp() override {
+        mt_error err{};
+        be_ = mt_cuda_backend_new(0, nullptr, &err);
+        if (!be_) GTEST_SKIP() << "no CUDA GPU on this host (" << err.msg << "); skipping";
+        glm_model_params p = glm_model_default_params();
+        p.mtp = true;
+        ASSERT_EQ(glm_model_load(kDir, be_, &p, &m_, &err), MT_OK) << err.msg;
+        V_ = glm_model_config(m_)->vocab_size;
+    }
+    void TearDown() override {
+        glm_model_free(m_);
+        mt_backend_free(be_);
+    }
+    std::vector<float> Draft(glm_seq *s, int32_t token) {
+        std::vector<float> l(V_);
+        mt_error err{};
+        EXPECT_EQ(glm_model_draft(m_, s, token, l.data(), &err), MT_OK) << err.msg;
+        return l;
+    }
+    mt_backend *be_ = nullptr;
+    glm_model *m_ = nullptr;
+    int V_ = 0;
+};
+
+TEST_F(SpecGpu, DrafterMatchesTheReference) {
+    for (int k = 0; k < 2; k++) {
+        const std::string path = std::string(kDir) + "/mtp_case_" + std::to_string(k) + ".safetensors";
+        st_archive *ar = nullptr;
+        mt_error err{};
+        ASSERT_EQ(st_open_file(path.c_str(), &ar, &err), MT_OK) << err.msg;
+        const auto tokens = Take<int32_t>(ar, "tokens");
+        const auto logits = Take<float>(ar, "logits");
+        const auto chain_t = Take<int32_t>(ar, "chain_t");
+        const auto chain_logits = Take<float>(ar, "chain_logits");
+        st_close(ar);
+        const int T = (int)tokens.size();
+        float worst = 0;
+        glm_seq *s = nullptr;
+        ASSERT_EQ(glm_seq_new(m_, T + 8, &s, &err), MT_OK) << err.msg;
+        ASSERT_EQ(glm_prefill(m_, s, tokens.data(), 1, nullptr, false, &err), MT_OK) << err.msg;
+        for (int t = 0; t + 1 < T; t++) {
+            worst = std::max(worst, MaxDiff(Draft(s, tokens[t + 1]).data(), &logits[(size_t)t * V_], V_));
+            ASSERT_EQ(glm_decode(m_, s, tokens[t + 1], nullptr, &err), MT_OK) << err.msg;
+        }
+        glm_seq_free(s);
+        for (size_t c = 0; c < chain_t.size(); c++) {
+            const int t0 = chain_t[c];
+            ASSERT_EQ(glm_seq_new(m_, T + 8, &s, &err), MT_OK) << err.msg;
+            ASSERT_EQ(glm_prefill(m_, s, tokens.data(), t0 + 1, nullptr, false, &err), MT_OK) << err.msg;
+            int32_t tok = tokens[t0 + 1];
+            for (int j = 0; j < 3; j++) {
+                const std::vector<float> l = Draft(s, tok);
+                worst = std::max(worst, MaxDiff(l.data(), &chain_logits[(c * 3 + j) * V_], V_));
+                tok = glm_argmax(l.data(), V_);
+            }
+            glm_seq_free(s);
+        }
+        printf("case %d: drafter worst |diff| %.2e on the GPU\n", k, worst);
+        EXPECT_LT(worst, 2e-3f);
+    }
+}
+
+TEST_F(SpecGpu, KeptRowsContinueAsAStepOfThem) {
+    std::vector<int32_t> prompt;
+    for (int i = 0; i < 40; i++) prompt.push_back((i * 37 + 5) % V_);
+    const int32_t tok[4] = { 11, 22, 33, 44 };
+    for (int keep = 1; keep <= 4; keep++) {
+        glm_seq *a = nullptr, *b = nullptr;
+        mt_error err{};
+        ASSERT_EQ(glm_seq_new(m_, 64, &a, &err), MT_OK) << err.msg;
+        ASSERT_EQ(glm_seq_new(m_, 64, &b, &err), MT_OK) << err.msg;
+        ASSERT_EQ(glm_prefill(m_, a, prompt.data(), 40, nullptr, false, &err), MT_OK) << err.msg;
+        ASSERT_EQ(glm_prefill(m_, b, prompt.data(), 40, nullptr, false, &err), MT_OK) << err.msg;
+        Draft(a, tok[0]);
+        Draft(a, 3);
+        ASSERT_EQ(glm_decode_verify(m_, a, tok, 4, nullptr, &err), MT_OK) << err.msg;
+        ASSERT_EQ(glm_seq_keep(m_, a, keep, &err), MT_OK) << err.msg;
+        ASSERT_EQ(glm_decode_verify(m_, b, tok, keep, nullptr, &err), MT_OK) << err.msg;
+        for (int step = 0; step < 3; step++) {
+            const int32_t next = (step * 13 + keep) % V_;
+            std::vector<float> da = Draft(a, next), db = Draft(b, next), la(V_), lb(V_);
+            EXPECT_LT(MaxDiff(da.data(), db.data(), V_), 1e-4f) << "keep " << keep << " step " << step;
+            ASSERT_EQ(glm_decode(m_, a, next, la.data(), &err), MT_OK) << err.msg;
+            ASSERT_EQ(glm_decode(m_, b, next, lb.data(), &err), MT_OK) << err.msg;
+            EXPECT_LT(MaxDiff(la.data(), lb.data(), V_), 1e-4f) << "keep " << keep << " step " << step;
+        }
+        glm_seq_free(a);
+        glm_seq_free(b);
+    }
+}
+
+struct Gen {
+    std::map<uint64_t, std::vector<int32_t>> out;
+    const std::map<uint64_t, std::vector<int32_t>> *ref = nullptr;
+    int force = 0;  // 0 none, 1 accept, 2 reject
+    eng_stats st = {};
+};
+
+Gen Generate(glm_model *m, int k, int batch, int force, const Gen *ref) {
+    Gen g;
+    g.ref = ref ? &ref->out : nullptr;
+    g.force = force;
+    eng_params p = eng_default_params();
+    p.max_sequences = batch;
+    p.spec_tokens = k;
+    p.spec_hook_user = &g;
+    if (force)
+        p.spec_draft_hook = [](void *u, uint64_t id, int i, int32_t d) -> int32_t {
+            auto *gg = static_cast<Gen *>(u);
+            const auto &t = gg->ref->at(id);
+            if (i >= (int)t.size()) return d;
+            return gg->force == 1 ? t[i] : (t[i] + 1) % 300;
+        };
+    eng_callbacks cb = {};
+    cb.user = &g;
+    cb.on_tokens = [](void *u, uint64_t id, const eng_sample_result *t, int n) {
+        for (int i = 0; i < n; i++) static_cast<Gen *>(u)->out[id].push_back(t[i].token);
+    };
+    eng_engine *e = nullptr;
+    mt_error err{};
+    EXPECT_EQ(eng_new(glm_model_as_model(m), &p, &cb, &e, &err), MT_OK) << err.msg;
+    if (!e) return g;
+    std::vector<std::vector<int32_t>> prompts;
+    for (int r = 0; r < batch; r++) {
+        std::vector<int32_t> pr;
+        for (int i = 0; i < 8 + 5 * r; i++) pr.push_back((r * 101 + i * 13 + 7) % 300);
+        prompts.push_back(pr);
+    }
+    for (int r = 0; r < batch; r++) {
+        eng_request q = eng_default_request();
+        q.prompt = prompts[r].data();
+        q.n_prompt = (int)prompts[r].size();
+        q.max_new_tokens = 64;
+        q.ignore_eos = true;
+        EXPECT_EQ(eng_submit(e, r + 1, &q, 0, &err), MT_OK) << err.msg;
+    }
+    while (eng_has_work(e)) EXPECT_EQ(eng_step(e, nullptr), MT_OK);
+    eng_get_stats(e, &g.st);
+    eng_free(e);
+    return g;
+}
+
+TEST_F(SpecGpu, EngineGreedyEqualsNoSpeculation) {
+    for (int batch : { 1, 8 }) {
+        const Gen ref = Generate(m_, 0, batch, 0, nullptr);
+        for (int k = 1; k <= 3; k++)
+            for (int force = 0; force <= 2; force++) {
+                const Gen g = Generate(m_, k, batch, force, &ref);
+                for (const auto &[id, t] : ref.out)
+                    EXPECT_EQ(g.out.at(id), t) << "batch " << batch << " K " << k << " force " << force << " id " << id;
+                EXPECT_GT(g.st.spec_steps, 0u);
+                if (force == 1) {
+                    EXPECT_EQ(g.st.accepted_tokens, g.st.draft_tokens);
+                }
+                if (force == 2) {
+                    EXPECT_EQ(g.st.accepted_tokens, 0u);
+                }
+            }
+    }
+}
+
+}  // namespace
