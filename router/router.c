@@ -6,6 +6,10 @@
  *            Finished sends the rest with the final message and the OK status, and ends it;
  *            the request is kept until the first Tokens, so that a stream whose worker dies
  *            before then goes back to the queue (QUEUED again) for another worker;
+ *            When a drain runs out of time the stream is cut: the worker gets Abort(CANCELLED)
+ *            and its Finished gives the final message (CANCELLED, the token counts) and OK; a
+ *            worker that does not answer within CUT_GRACE_S gets a final made here from what the
+ *            router counted;
  *   ABORTING the client is gone (cancel, disconnect, deadline, shutdown) after submission:
  *            the worker got Abort; the stream waits (without a call) for the worker's Finished,
  *            which frees the worker's slot; a worker that never answers is given up on after
@@ -51,6 +55,7 @@
 #define PROBE_WINDOW_S 0.5    /* after a connection closed: how long the workers are probed */
 #define PROBE_MS 10           /* ... and how often (a send to a gone worker fails at once) */
 #define TOKENIZE_TIMEOUT_S 10.0 /* a Tokenize call without a nearer deadline is answered by then */
+#define CUT_GRACE_S 1.0       /* a drain's cut streams wait this long for their worker's Finished */
 #define REQUEUES_MAX 2        /* a stream goes back to the queue at most this often (a request
                                  that kills every worker it reaches must not go round forever) */
 
@@ -64,6 +69,10 @@ typedef struct rtr_stream {
     Metrale__V1__GenerateRequest *req; /* owned until the worker's first Tokens */
     rtr_worker *worker;                /* RUNNING, ABORTING */
     bool got_tokens;                   /* RUNNING: the worker sent Tokens */
+    bool cut;                          /* RUNNING: the drain ran out; Abort sent, the call waits
+                                          for the worker's Finished */
+    uint32_t prompt_ids;               /* the request's prompt_token_ids (0 for text and chat) */
+    uint32_t completion_tokens;        /* tokens received from workers for the client */
     int requeues;                      /* times it went back to the queue from a lost worker */
     double deadline;                   /* mt_now() clock; INFINITY = none */
     uint64_t deadline_unix_ms;
@@ -84,7 +93,9 @@ typedef struct rtr_tokenize {
     struct rtr_tokenize *prev, *next;
 } rtr_tokenize;
 
-typedef enum drain_phase { RUNNING, DRAIN_STREAMS, DRAIN_WORKERS, DRAIN_GRPC, STOPPED } drain_phase;
+/* RUNNING -> DRAIN_STREAMS (streams finish) -> DRAIN_CUT (the drain timeout passed: the streams
+ * left are cut) -> DRAIN_WORKERS (Shutdown sent) -> DRAIN_GRPC -> STOPPED */
+typedef enum drain_phase { RUNNING, DRAIN_STREAMS, DRAIN_CUT, DRAIN_WORKERS, DRAIN_GRPC, STOPPED } drain_phase;
 
 struct rtr_router {
     rtr_router_params p;
@@ -145,6 +156,7 @@ static rtr_stream *stream_new(rtr_router *r, Metrale__V1__GenerateRequest *req, 
     s->state = ST_QUEUED;
     s->call = call;
     s->req = req;
+    s->prompt_ids = (uint32_t)req->n_prompt_token_ids;
     s->deadline = rtr_call_deadline(call);
     s->deadline_unix_ms = rtr_call_deadline_unix_ms(call);
     size_t b = bucket_of(s->id);
@@ -330,6 +342,20 @@ static void stream_flush(rtr_stream *s, const Metrale__V1__Final *fin, const cha
     stream_drop_pending(s);
 }
 
+/* Ends a cut stream's call with a final message made here, for a worker that did not answer its
+ * Abort: the tokens it holds, then FINISH_REASON_CANCELLED with the tokens the router passed on
+ * (the prompt's are known here only for an id prompt) and the OK status. */
+static void stream_end_cut(rtr_stream *s) {
+    Metrale__V1__Usage usage = METRALE__V1__USAGE__INIT;
+    usage.prompt_tokens = s->prompt_ids;
+    usage.completion_tokens = s->completion_tokens;
+    Metrale__V1__Final fin = METRALE__V1__FINAL__INIT;
+    fin.finish_reason = METRALE__V1__FINISH_REASON__FINISH_REASON_CANCELLED;
+    fin.usage = &usage;
+    fin.error_message = "server shut down: the drain timeout ran out";
+    stream_flush(s, &fin, NULL);
+}
+
 /* ---- tokenize calls ---- */
 
 /* Detaches the call and frees the entry; a late Tokenized for it finds nothing. Alone: the
@@ -384,7 +410,8 @@ static void worker_lost(rtr_router *r, rtr_worker *w, const char *why, bool tell
         /* A worker that is only frozen frees the sequence when it wakes up. */
         if (tell_worker && s->state == ST_RUNNING)
             send_abort(r, s, METRALE__V1__FINISH_REASON__FINISH_REASON_ERROR);
-        if (s->state == ST_RUNNING && s->call && !s->got_tokens && s->req && others && s->requeues < REQUEUES_MAX) {
+        if (s->state == ST_RUNNING && s->call && !s->got_tokens && s->req && !s->cut && others &&
+            s->requeues < REQUEUES_MAX) {
             s->state = ST_QUEUED;
             s->worker = NULL;
             s->requeues++;
@@ -394,6 +421,7 @@ static void worker_lost(rtr_router *r, rtr_worker *w, const char *why, bool tell
             requeued++;
             continue;
         }
+        if (s->cut && s->call) stream_end_cut(s); /* the drain ended it, not the death */
         failed += s->call != NULL;
         stream_end_call(s, GRPC_STATUS_UNAVAILABLE, msg);
         stream_free(r, s);
@@ -415,7 +443,7 @@ static void reap_gone(rtr_router *r) {
         rtr_worker *w = r->workers.w[i];
         if (!w->alive || !w->gone) continue;
         /* after Shutdown (draining) the workers are expected to leave */
-        mt_log(r->phase == RUNNING || r->phase == DRAIN_STREAMS ? MT_LOG_WARN : MT_LOG_INFO,
+        mt_log(r->phase < DRAIN_WORKERS ? MT_LOG_WARN : MT_LOG_INFO,
                "router: worker %s: its connection closed: dead", w->peer);
         worker_lost(r, w, "died", false, false);
     }
@@ -442,6 +470,7 @@ static void on_tokens(rtr_router *r, rtr_worker *w, mt_envelope *env) {
         mt_wire_free(env);
         return;
     }
+    s->completion_tokens += (uint32_t)t->n_tokens;
     if (!s->got_tokens) { /* from here on the stream cannot move to another worker */
         s->got_tokens = true;
         metrale__v1__generate_request__free_unpacked(s->req, NULL);
@@ -627,11 +656,42 @@ static size_t client_streams(const rtr_router *r) {
     return k;
 }
 
+/* The drain timeout passed: every stream still running is cut (Abort(CANCELLED); its worker's
+ * Finished ends it with a final message, see the top of this file); streams still queued and
+ * Tokenize calls end UNAVAILABLE (nothing was done for them: a client may retry elsewhere). */
+static void cut_streams(rtr_router *r, double now) {
+    size_t cut = 0;
+    rtr_stream *next;
+    for (rtr_stream *s = r->streams; s; s = next) {
+        next = s->next;
+        if (!s->call) continue;
+        if (s->state == ST_RUNNING) {
+            send_abort(r, s, METRALE__V1__FINISH_REASON__FINISH_REASON_CANCELLED);
+            s->cut = true;
+            cut++;
+        } else {
+            stream_end_call(s, GRPC_STATUS_UNAVAILABLE, "server shut down before the stream started");
+            stream_client_gone(r, s, now);
+        }
+    }
+    while (r->tokenizes)
+        tokenize_end(r, r->tokenizes, GRPC_STATUS_UNAVAILABLE, "server shut down before the call was answered", NULL);
+    mt_log(MT_LOG_WARN, "router: drain timeout (%.1f s) ran out: %zu streams cut", r->p.drain_timeout_s, cut);
+}
+
 static void drain_step(rtr_router *r, double now) {
-    if (r->phase == DRAIN_STREAMS && ((client_streams(r) == 0 && !r->tokenizes) || now >= r->phase_deadline)) {
+    const bool idle = client_streams(r) == 0 && !r->tokenizes;
+    if (r->phase == DRAIN_STREAMS && !idle && now >= r->phase_deadline) {
+        cut_streams(r, now);
+        r->phase = DRAIN_CUT;
+        r->phase_deadline = now + CUT_GRACE_S;
+    }
+    if ((r->phase == DRAIN_STREAMS && idle) ||
+        (r->phase == DRAIN_CUT && (client_streams(r) == 0 || now >= r->phase_deadline))) {
         rtr_stream *next;
         for (rtr_stream *s = r->streams; s; s = next) {
             next = s->next;
+            if (s->cut && s->call) stream_end_cut(s); /* its worker did not answer the Abort */
             stream_end_call(s, GRPC_STATUS_UNAVAILABLE, "server shut down before the stream finished");
             stream_client_gone(r, s, now);
         }

@@ -21,8 +21,10 @@
  *     client's deadline or 10 s; requests_total and requests_rejected count Generate calls
  *     only (a Generate the worker refuses as invalid counts as rejected);
  *   - rtr_router_drain (SIGTERM in main): health NOT_SERVING, new requests UNAVAILABLE, admitted
- *     streams run up to drain_timeout_s (then end UNAVAILABLE), workers get Shutdown, the server
- *     stops and rtr_router_run returns MT_OK.
+ *     streams run up to drain_timeout_s; then the ones still running are cut: their worker ends
+ *     them and they get a final message with FINISH_REASON_CANCELLED and their token counts, and
+ *     OK (the ones still queued end UNAVAILABLE); workers get Shutdown, the server stops and
+ *     rtr_router_run returns MT_OK.
  *
  * Threads: the thread that calls rtr_router_create must make every other call; it runs the event
  * loop in rtr_router_run. (grpc_server.c adds one thread that only forwards completions.)
