@@ -826,7 +826,22 @@ static void on_tokenize(rtr_router *r, rtr_call *call, const uint8_t *data, size
     metrale__v1__tokenize_request__free_unpacked(req, NULL);
 }
 
-static void on_get_model_info(rtr_router *r, rtr_call *call) {
+/* A request that must parse as type desc (an empty message: ModelInfoRequest, StatsRequest);
+ * false after answering INVALID_ARGUMENT when it does not. */
+static bool parses_as(rtr_call *call, const ProtobufCMessageDescriptor *desc, const uint8_t *data, size_t len) {
+    ProtobufCMessage *m = protobuf_c_message_unpack(desc, NULL, len, data);
+    if (m) {
+        protobuf_c_message_free_unpacked(m, NULL);
+        return true;
+    }
+    char msg[128];
+    snprintf(msg, sizeof msg, "request is not a valid %s", desc->name);
+    rtr_call_finish(call, GRPC_STATUS_INVALID_ARGUMENT, msg, NULL);
+    return false;
+}
+
+static void on_get_model_info(rtr_router *r, rtr_call *call, const uint8_t *data, size_t len) {
+    if (!parses_as(call, &metrale__v1__model_info_request__descriptor, data, len)) return;
     const rtr_worker *w = rtr_workers_any_live(&r->workers);
     if (!w) {
         rtr_call_finish(call, GRPC_STATUS_UNAVAILABLE, "no live worker", NULL);
@@ -837,7 +852,8 @@ static void on_get_model_info(rtr_router *r, rtr_call *call) {
     rtr_call_finish(call, GRPC_STATUS_OK, NULL, &info.base);
 }
 
-static void on_get_stats(rtr_router *r, rtr_call *call) {
+static void on_get_stats(rtr_router *r, rtr_call *call, const uint8_t *data, size_t len) {
+    if (!parses_as(call, &metrale__v1__stats_request__descriptor, data, len)) return;
     Metrale__V1__Stats st = METRALE__V1__STATS__INIT;
     Metrale__V1__WorkerStats ws[MT_WIRE_WORKERS_MAX], *wp[MT_WIRE_WORKERS_MAX];
     st.queued = (uint32_t)rtr_admission_len(&r->queue);
@@ -860,8 +876,8 @@ static void on_get_stats(rtr_router *r, rtr_call *call) {
 static void h_on_request(rtr_router *r, rtr_call *call, rtr_method m, const uint8_t *data, size_t len) {
     switch (m) {
     case RTR_METHOD_GENERATE: on_generate(r, call, data, len); break;
-    case RTR_METHOD_GET_MODEL_INFO: on_get_model_info(r, call); break;
-    case RTR_METHOD_GET_STATS: on_get_stats(r, call); break;
+    case RTR_METHOD_GET_MODEL_INFO: on_get_model_info(r, call, data, len); break;
+    case RTR_METHOD_GET_STATS: on_get_stats(r, call, data, len); break;
     case RTR_METHOD_TOKENIZE: on_tokenize(r, call, data, len); break;
     case RTR_METHOD_HEALTH_CHECK: rtr_health_check(&r->health, call, data, len); break;
     case RTR_METHOD_HEALTH_WATCH: rtr_health_watch_start(&r->health, call, data, len); break;

@@ -4,7 +4,9 @@
  * and streams each worker's tokens back to its client.
  *
  * Service behaviour (proto/metrale/v1/metrale.proto states the codes):
- *   - a malformed request: INVALID_ARGUMENT naming the field; a full admission queue:
+ *   - a malformed request: INVALID_ARGUMENT naming the field (bytes that are not the method's
+ *     request message too, GetModelInfo and GetStats included); no request message, or a second
+ *     one: UNIMPLEMENTED (grpc_server.h); a full admission queue:
  *     RESOURCE_EXHAUSTED; draining or no live worker: UNAVAILABLE;
  *   - a passed deadline: DEADLINE_EXCEEDED, and the worker gets Abort; a client that cancels or
  *     disconnects: the worker gets Abort (it frees the sequence and still answers Finished);
