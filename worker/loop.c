@@ -19,6 +19,7 @@
 #include "worker/transport.h"
 
 #define IDLE_WAIT_MS 50 /* longest wait for a message when idle (holds the socket's mutex) */
+#define PREFIX_PAGES_EVERY_S 0.1 /* eng_prefix_pages walks every mapped block: at most this often */
 
 /* The router checks top_logprobs against the wire limit; the engine's results must hold that many. */
 _Static_assert(MT_WIRE_TOP_LOGPROBS_MAX <= ENG_TOP_LOGPROBS_MAX, "top_logprobs of the wire exceed the engine's");
@@ -38,6 +39,8 @@ struct wkr_loop {
     int32_t *eos;              /* [n_eos] every id that ends a sequence unless ignore_eos */
     uint32_t *eos_u32;         /* the same, for ModelInfo */
     size_t n_eos;
+    int prefix_pages;          /* the last eng_prefix_pages, and when it was taken */
+    double prefix_pages_at;
 };
 
 wkr_params wkr_default_params(void) {
@@ -432,6 +435,14 @@ static void publish_stats(wkr_loop *l) {
     ws.cache_pages_total = (uint32_t)st.pages_total;
     ws.slots_free = (uint32_t)st.slots_free;
     ws.slots_total = (uint32_t)st.slots_total;
+    ws.slots_prefix = (uint32_t)st.prefix_entries;
+    const double now = mt_now();
+    if (now - l->prefix_pages_at >= PREFIX_PAGES_EVERY_S) {
+        const int pages = eng_prefix_pages(l->eng);
+        if (pages >= 0) l->prefix_pages = pages;
+        l->prefix_pages_at = now;
+    }
+    ws.pages_prefix = (uint32_t)l->prefix_pages;
     wkr_transport_publish(l->t, &ws);
 }
 

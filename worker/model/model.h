@@ -119,6 +119,9 @@ typedef struct mt_model_ops {
     mt_status (*seq_reserve)(mt_seq *s, int n, mt_error *err);
     int (*seq_len)(const mt_seq *s);
     size_t (*seq_bytes)(const mt_seq *s); /* pool memory it holds now; 0 for NULL */
+    /* The cache pages s maps, in block order: *pages points at the ids (valid until s next
+     * changes); returns how many. Shared pages appear in every sequence that maps them. */
+    int (*seq_pages)(const mt_seq *s, const int32_t **pages);
     /* dst, fresh, continues exactly where src is (prefix reuse). On error dst must be freed. */
     mt_status (*seq_copy_prefix)(mt_model *m, const mt_seq *src, mt_seq *dst, mt_error *err);
 
@@ -190,6 +193,7 @@ static inline void mt_seq_free(mt_seq *s) {
 static inline mt_status mt_seq_reserve(mt_seq *s, int n, mt_error *err) { return s->model->ops->seq_reserve(s, n, err); }
 static inline int mt_seq_len(const mt_seq *s) { return s->model->ops->seq_len(s); }
 static inline size_t mt_seq_bytes(const mt_seq *s) { return s ? s->model->ops->seq_bytes(s) : 0; }
+static inline int mt_seq_pages(const mt_seq *s, const int32_t **pages) { return s->model->ops->seq_pages(s, pages); }
 static inline mt_status mt_seq_copy_prefix(mt_model *m, const mt_seq *src, mt_seq *dst, mt_error *err) {
     return m->ops->seq_copy_prefix(m, src, dst, err);
 }
