@@ -31,7 +31,10 @@
  * NOT_SERVING, running streams finish up to --drain-timeout) and tells the workers to shut down
  * (without a router here, the workers get SIGTERM); workers still alive WORKER_EXIT_S after the
  * router are sent SIGTERM, then SIGKILL. A second signal sends SIGTERM to everyone, a third
- * SIGKILL. If the router dies, everything stops.
+ * SIGKILL. If the router dies (or exits unasked), the service is gone: the workers get SIGTERM
+ * and, ROUTER_DEATH_KILL_S later, SIGKILL, the router's socket file is removed, and this process
+ * exits non-zero as soon as they are reaped (well within a second), so that an orchestrator
+ * restarts the whole pod.
  *
  * Faults: when any rank of a group exits while serving (killed, or a non-zero exit; rank 0 exiting
  * 0 was told to stop), the group's other ranks get SIGTERM at once and SIGKILL GROUP_KILL_S later,
@@ -40,8 +43,8 @@
  * exits MT_WIRE_EXIT_STARTUP, e.g. N does not divide the model, or the group dies within
  * QUICK_FAIL_S of starting) counts; after STARTUP_FAILURES_MAX of them in a row the group is given
  * up, and when no group is left the service stops. Exit status: the router's (0 after a clean
- * drain; 0 without a router after a signal), 1 on failure (no group can serve), 2 on bad
- * arguments.
+ * drain; 0 without a router after a signal), 1 on failure (no group can serve; the router died:
+ * its own non-zero status, else 1), 2 on bad arguments.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -71,6 +74,7 @@ _Static_assert(MAX_WORKERS <= MT_WIRE_WORKERS_MAX, "the router takes fewer worke
 #define GROUP_KILL_S 0.5         /* a group's surviving ranks: SIGTERM, then SIGKILL this much later */
 #define QUICK_FAIL_S 5.0         /* a group that dies this soon after starting failed to start */
 #define STARTUP_FAILURES_MAX 3   /* start-up failures in a row before a group is given up */
+#define ROUTER_DEATH_KILL_S 0.5  /* the router died: the workers' SIGTERM, then SIGKILL this much later */
 
 /* One worker group: N ranks that live and die together. */
 typedef struct group {
@@ -546,6 +550,7 @@ int main(int argc, char **argv) {
     int signals = 0, status = 1;
     bool stopping = false;
     double router_gone_at = 0, last_escalation = 0;
+    bool router_died = false; /* it ended without being asked to: stop everything now */
     while (live_children() > 0 || (!stopping && !g_router && g_o.router)) {
         struct timespec ts = { 0, 100 * 1000 * 1000 };
         int sig = sigtimedwait(&set, NULL, &ts);
@@ -579,9 +584,11 @@ int main(int argc, char **argv) {
                 describe_status(st, what, sizeof what);
                 fprintf(stderr, "metrale-serve: router %s\n", what);
                 if (!stopping) {
-                    fprintf(stderr, "metrale-serve: the router died; stopping the workers\n");
+                    fprintf(stderr, "metrale-serve: the router died; stopping the workers and exiting\n");
                     stopping = true;
+                    router_died = true;
                     signal_all(SIGTERM, false);
+                    if (g_sock[0]) unlink(g_sock); /* its socket file: the router had no chance to */
                     status = status ? status : 1;
                 }
                 continue;
@@ -609,6 +616,7 @@ int main(int argc, char **argv) {
             signals = 1; /* a signal from here on escalates */
         }
         /* escalation: workers that outlive the router, and anyone after the signals */
+        if (router_died && now - router_gone_at > ROUTER_DEATH_KILL_S) signal_all(SIGKILL, false);
         if (stopping && !g_router && router_gone_at && now - router_gone_at > WORKER_EXIT_S) {
             signal_all(now - router_gone_at > WORKER_EXIT_S + KILL_AFTER_S ? SIGKILL : SIGTERM, false);
         }

@@ -6,7 +6,10 @@ metrale-serve), with the times printed:
   router's socket monitor sees the connection close; heartbeats alone would take 2.5 s); new
   requests are UNAVAILABLE until the group is back, then SERVING again;
 - kill -9 of one of two groups: its stream that had tokens ends UNAVAILABLE and its stream still
-  in prefill (no token yet) moves to the other group and completes, both within DEATH_BOUND_S.
+  in prefill (no token yet) moves to the other group and completes, both within DEATH_BOUND_S;
+- kill -9 of the router under metrale-serve: metrale-serve stops its workers (one of them frozen,
+  so that only SIGKILL ends it) and exits non-zero within 1.5 s (so that an orchestrator restarts
+  the pod), leaving no socket file and no process.
 """
 
 import os
@@ -17,8 +20,8 @@ import unittest
 
 import grpc
 
-from harness import (NOT_SERVING, SERVING, Cluster, Collector, Launcher, health_pb2, metrale_pb2, request,
-                     wait_for)
+from harness import (NOT_SERVING, SERVING, Cluster, Collector, Launcher, children, cmdline, health_pb2,
+                     metrale_pb2, request, wait_for)
 
 DEATH_BOUND_S = 0.2   # kill -9 to NOT_SERVING, to UNAVAILABLE, to a stream moved
 LONG_PROMPT = 3000    # tokens of a prompt still in its prefill at the kill (~0.6 s alone on one core)
@@ -145,6 +148,35 @@ class LauncherTest(SingleGroupMixin, unittest.TestCase):
             self.assertEqual(svc.stats().worker_restarts, 1)
             s = Collector(svc.gen, request("serve-back", [1, 2, 3], 4)).wait(30)
             self.assertEqual(s.code, grpc.StatusCode.OK, s.details)
+
+    def test_a_dead_router_ends_metrale_serve(self):
+        with Launcher(["--workers", "2", "--threads", "1"]) as svc:
+            svc.connect(2)
+            ctx = svc.gen.GetModelInfo(metrale_pb2.ModelInfoRequest(), timeout=5).max_context
+            busy = Collector(svc.gen, request("doomed", [1, 2, 3], ctx - 4))  # a worker with a live sequence
+            self.assertTrue(busy.first_token.wait(30))
+            kids = children(svc.proc.pid)
+            router = [p for p in kids if cmdline(p)[:1] and cmdline(p)[0].endswith("metrale-router")]
+            self.assertEqual(len(router), 1, kids)
+            args = cmdline(router[0])
+            sock = args[args.index("--workers-endpoint") + 1][len("ipc://"):]
+            self.assertTrue(os.path.exists(sock), sock)
+            # One worker cannot act on a SIGTERM (as one stuck in a long step): it must be killed.
+            os.kill(svc.ranks()[(1, 0)], signal.SIGSTOP)
+            killed_at = time.monotonic()
+            os.kill(router[0], signal.SIGKILL)
+            code = svc.proc.wait(10)
+            exit_s = time.monotonic() - killed_at
+            print("\nmetrale-serve: kill -9 of the router: exited %d after %.0f ms" % (code, exit_s * 1e3),
+                  flush=True)
+            self.assertNotEqual(code, 0)
+            self.assertLess(exit_s, 1.5)
+            self.assertIn("the router died", svc.log())
+            self.assertFalse(os.path.exists(sock), "the router's socket file is left behind")
+            left = [p for p in kids if os.path.exists("/proc/%d" % p) and cmdline(p)]
+            self.assertEqual(left, [], "children left running")
+            busy.wait(10)
+            self.assertEqual(busy.code, grpc.StatusCode.UNAVAILABLE)
 
 
 if __name__ == "__main__":
