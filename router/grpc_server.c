@@ -12,6 +12,7 @@
 #include <grpc/byte_buffer_reader.h>
 #include <grpc/grpc.h>
 #include <grpc/grpc_security.h>
+#include <grpc/support/log.h>
 #include <grpc/slice.h>
 #include <grpc/support/time.h>
 #include <math.h>
@@ -408,8 +409,17 @@ int rtr_grpc_fd(const rtr_grpc *g) { return g->efd; }
 
 /* ---- server ---- */
 
+/* gRPC's own log lines go through mt_log, so that they take the process's format. */
+static void grpc_log(gpr_log_func_args *a) {
+    const mt_log_level lvl = a->severity == GPR_LOG_SEVERITY_ERROR  ? MT_LOG_ERROR
+                             : a->severity == GPR_LOG_SEVERITY_INFO ? MT_LOG_INFO
+                                                                    : MT_LOG_DEBUG;
+    mt_log(lvl, "router: grpc: %s (%s:%d)", a->message, a->file, a->line);
+}
+
 rtr_grpc *rtr_grpc_create(const rtr_grpc_params *params, const rtr_grpc_handlers *handlers, int *port,
                           mt_error *err) {
+    gpr_set_log_function(grpc_log);
     rtr_grpc *g = calloc(1, sizeof *g);
     if (!g) {
         mt_errorf(err, MT_ERR_NOMEM, "router: out of memory");

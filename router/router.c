@@ -56,6 +56,8 @@
 #define PROBE_MS 10           /* ... and how often (a send to a gone worker fails at once) */
 #define TOKENIZE_TIMEOUT_S 10.0 /* a Tokenize call without a nearer deadline is answered by then */
 #define CUT_GRACE_S 1.0       /* a drain's cut streams wait this long for their worker's Finished */
+#define LOG_PROMPT_BYTES 1024 /* --log-prompts: prompt text logged at most (a record stays a short line) */
+#define LOG_PROMPT_IDS 256    /* ... and prompt ids */
 #define REQUEUES_MAX 2        /* a stream goes back to the queue at most this often (a request
                                  that kills every worker it reaches must not go round forever) */
 
@@ -76,6 +78,7 @@ typedef struct rtr_stream {
     int requeues;                      /* times it went back to the queue from a lost worker */
     double deadline;                   /* mt_now() clock; INFINITY = none */
     uint64_t deadline_unix_ms;
+    double admitted_at;                /* mt_now() of admission, for the records' times */
     double abort_since;
     mt_envelope **pending;             /* owned Tokens envelopes not yet sent, in order */
     size_t npending, cap_pending;
@@ -159,6 +162,7 @@ static rtr_stream *stream_new(rtr_router *r, Metrale__V1__GenerateRequest *req, 
     s->prompt_ids = (uint32_t)req->n_prompt_token_ids;
     s->deadline = rtr_call_deadline(call);
     s->deadline_unix_ms = rtr_call_deadline_unix_ms(call);
+    s->admitted_at = mt_now();
     size_t b = bucket_of(s->id);
     s->hnext = r->buckets[b];
     r->buckets[b] = s;
@@ -198,9 +202,148 @@ static rtr_stream *stream_of_qnode(rtr_qnode *n) {
     return (rtr_stream *)((char *)n - offsetof(rtr_stream, qnode));
 }
 
+/* ---- records (router.h: "Logs") ---- */
+
+static const char *status_name(grpc_status_code c) {
+    static const char *const names[] = {
+        "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
+        "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
+        "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED",
+    };
+    return (unsigned)c < sizeof names / sizeof names[0] ? names[c] : "UNKNOWN";
+}
+
+static const char *finish_name(Metrale__V1__FinishReason r) {
+    switch (r) {
+    case METRALE__V1__FINISH_REASON__FINISH_REASON_LENGTH: return "length";
+    case METRALE__V1__FINISH_REASON__FINISH_REASON_STOP: return "stop";
+    case METRALE__V1__FINISH_REASON__FINISH_REASON_CANCELLED: return "cancelled";
+    case METRALE__V1__FINISH_REASON__FINISH_REASON_ERROR: return "error";
+    default: return "unspecified";
+    }
+}
+
+static double ms_since(double t) { return (mt_now() - t) * 1e3; }
+
+/* The "finished" record of a stream whose client side ends now with code (details: why, for an
+ * error; fin: the final message sent, for OK). */
+static void log_finished(const rtr_stream *s, grpc_status_code code, const char *details,
+                         const Metrale__V1__Final *fin) {
+    const Metrale__V1__Usage *u = fin ? fin->usage : NULL;
+    const mt_log_field f[] = {
+        mt_logf_str("status", status_name(code)),
+        mt_logf_str("finish_reason", fin ? finish_name(fin->finish_reason) : NULL),
+        mt_logf_uint("prompt_tokens", u ? u->prompt_tokens : s->prompt_ids),
+        mt_logf_uint("completion_tokens", u ? u->completion_tokens : s->completion_tokens),
+        mt_logf_double("duration_ms", ms_since(s->admitted_at)),
+        mt_logf_str("worker", s->worker ? s->worker->peer : NULL),
+        mt_logf_int("requeues", s->requeues),
+        mt_logf_str("details", code == GRPC_STATUS_OK ? NULL : details),
+    };
+    mt_log_event(code == GRPC_STATUS_OK || code == GRPC_STATUS_CANCELLED ? MT_LOG_INFO : MT_LOG_WARN, "finished",
+                 s->request_id, f, sizeof f / sizeof f[0]);
+}
+
+/* The first byte of a valid cut of text at most max bytes long (not inside a UTF-8 character). */
+static size_t utf8_cut(const char *text, size_t max) {
+    size_t n = strlen(text);
+    if (n <= max) return n;
+    while (max > 0 && ((unsigned char)text[max] & 0xc0) == 0x80) max--;
+    return max;
+}
+
+/* The prompt of req for an admitted record (--log-prompts): its ids as a JSON array, its text, or
+ * its messages as a JSON array of {"role", "content"}, each cut to LOG_PROMPT_IDS ids or
+ * LOG_PROMPT_BYTES bytes (*cut says so). A malloc'ed string (JSON for ids and messages), NULL
+ * when out of memory. */
+static char *prompt_for_log(const Metrale__V1__GenerateRequest *req, bool *json, bool *cut) {
+    *cut = false;
+    *json = true;
+    char *out = NULL;
+    if (req->n_prompt_token_ids) {
+        const size_t n = req->n_prompt_token_ids < LOG_PROMPT_IDS ? req->n_prompt_token_ids : LOG_PROMPT_IDS;
+        *cut = n < req->n_prompt_token_ids;
+        if (!(out = malloc(12 * n + 3))) return NULL;
+        size_t k = 0;
+        out[k++] = '[';
+        for (size_t i = 0; i < n; i++) k += (size_t)sprintf(out + k, i ? ",%u" : "%u", req->prompt_token_ids[i]);
+        out[k++] = ']';
+        out[k] = '\0';
+        return out;
+    }
+    if (!req->n_messages) {
+        *json = false;
+        const char *t = req->prompt_text ? req->prompt_text : "";
+        const size_t n = utf8_cut(t, LOG_PROMPT_BYTES);
+        *cut = t[n] != '\0';
+        if ((out = malloc(n + 1))) {
+            memcpy(out, t, n);
+            out[n] = '\0';
+        }
+        return out;
+    }
+    size_t len = 2, cap = 256, left = LOG_PROMPT_BYTES;
+    if (!(out = malloc(cap))) return NULL;
+    strcpy(out, "[");
+    for (size_t i = 0; i < req->n_messages && left > 0; i++) {
+        const Metrale__V1__ChatMessage *m = req->messages[i];
+        const char *content = m->content ? m->content : "";
+        const size_t keep = utf8_cut(content, left);
+        *cut = *cut || content[keep] != '\0';
+        left -= keep;
+        char *piece = malloc(keep + 1);
+        char *role = mt_json_quote(m->role ? m->role : ""), *text = NULL;
+        if (piece) {
+            memcpy(piece, content, keep);
+            piece[keep] = '\0';
+            text = mt_json_quote(piece);
+        }
+        const size_t need = (role ? strlen(role) : 0) + (text ? strlen(text) : 0) + 32;
+        char *grown = len + need > cap ? realloc(out, cap = 2 * (len + need)) : out;
+        const bool ok = piece && role && text && grown;
+        if (ok) len += (size_t)sprintf(grown + len - 1, "%s{\"role\":%s,\"content\":%s}", i ? "," : "", role, text);
+        free(piece);
+        free(role);
+        free(text);
+        if (!ok) {
+            free(grown ? grown : out);
+            return NULL;
+        }
+        out = grown;
+    }
+    *cut = *cut || left == 0;
+    strcpy(out + len - 1, "]");
+    return out;
+}
+
+/* The "admitted" record: how the request came, and where it went (queued, or the worker). */
+static void log_admitted(const rtr_router *r, const rtr_stream *s, const Metrale__V1__GenerateRequest *req) {
+    bool json = false, cut = false;
+    char *prompt = r->p.log_prompts ? prompt_for_log(req, &json, &cut) : NULL;
+    const char *form = req->n_prompt_token_ids ? "ids" : req->n_messages ? "messages" : "text";
+    const mt_log_field f[] = {
+        mt_logf_uint("stream", s->id),
+        mt_logf_str("prompt_form", form),
+        mt_logf_uint("prompt_tokens", s->prompt_ids),
+        mt_logf_uint("prompt_bytes", req->prompt_text ? strlen(req->prompt_text) : 0),
+        mt_logf_uint("messages", req->n_messages),
+        mt_logf_uint("max_new_tokens", req->stopping ? req->stopping->max_new_tokens : 0),
+        isfinite(s->deadline) ? mt_logf_double("deadline_ms", (s->deadline - mt_now()) * 1e3)
+                              : mt_logf_json("deadline_ms", NULL), /* none: left out */
+        mt_logf_bool("queued", s->state == ST_QUEUED),
+        mt_logf_str("worker", s->worker ? s->worker->peer : NULL),
+        json ? mt_logf_json(req->n_prompt_token_ids ? "prompt_token_ids" : "prompt_messages", prompt)
+             : mt_logf_str("prompt_text", prompt),
+        mt_logf_json("prompt_truncated", prompt && cut ? "true" : NULL),
+    };
+    mt_log_event(MT_LOG_INFO, "admitted", s->request_id, f, sizeof f / sizeof f[0]);
+    free(prompt);
+}
+
 /* Ends the client side with a status (no-op when it is already over). */
 static void stream_end_call(rtr_stream *s, grpc_status_code code, const char *details) {
     if (!s->call) return;
+    log_finished(s, code, details, NULL);
     rtr_call_finish(s->call, code, details, NULL);
     rtr_call_set_stream(s->call, NULL);
     s->call = NULL;
@@ -239,6 +382,7 @@ static void stream_abort(rtr_router *r, rtr_stream *s, double now) {
 /* The client side is over (on_done, deadline, drain): abort or forget the stream. */
 static void stream_client_gone(rtr_router *r, rtr_stream *s, double now) {
     if (s->call) {
+        log_finished(s, GRPC_STATUS_CANCELLED, "the client went away", NULL);
         rtr_call_set_stream(s->call, NULL);
         s->call = NULL;
     }
@@ -331,6 +475,7 @@ static void stream_flush(rtr_stream *s, const Metrale__V1__Final *fin, const cha
     resp.text = text;
     resp.final = (Metrale__V1__Final *)fin;
     if (fin) {
+        log_finished(s, GRPC_STATUS_OK, NULL, fin);
         rtr_call_finish(s->call, GRPC_STATUS_OK, NULL, &resp.base);
         rtr_call_set_stream(s->call, NULL);
         s->call = NULL;
@@ -412,6 +557,9 @@ static void worker_lost(rtr_router *r, rtr_worker *w, const char *why, bool tell
             send_abort(r, s, METRALE__V1__FINISH_REASON__FINISH_REASON_ERROR);
         if (s->state == ST_RUNNING && s->call && !s->got_tokens && s->req && !s->cut && others &&
             s->requeues < REQUEUES_MAX) {
+            const mt_log_field f[] = { mt_logf_str("worker", w->peer), mt_logf_str("why", why),
+                                       mt_logf_int("requeues", s->requeues + 1) };
+            mt_log_event(MT_LOG_INFO, "requeued", s->request_id, f, sizeof f / sizeof f[0]);
             s->state = ST_QUEUED;
             s->worker = NULL;
             s->requeues++;
@@ -472,6 +620,12 @@ static void on_tokens(rtr_router *r, rtr_worker *w, mt_envelope *env) {
     }
     s->completion_tokens += (uint32_t)t->n_tokens;
     if (!s->got_tokens) { /* from here on the stream cannot move to another worker */
+        const mt_log_field f[] = {
+            mt_logf_double("ttft_ms", ms_since(s->admitted_at)),
+            mt_logf_str("worker", w->peer),
+            mt_logf_int("requeues", s->requeues),
+        };
+        mt_log_event(MT_LOG_INFO, "first_token", s->request_id, f, sizeof f / sizeof f[0]);
         s->got_tokens = true;
         metrale__v1__generate_request__free_unpacked(s->req, NULL);
         s->req = NULL;
@@ -729,20 +883,25 @@ static void drain_step(rtr_router *r, double now) {
 
 /* ---- gRPC handlers ---- */
 
-static void finish_rejected(rtr_router *r, rtr_call *call, grpc_status_code code, const char *msg) {
+/* Refuses a Generate before admission; request_id is NULL when the request did not parse. */
+static void finish_rejected(rtr_router *r, rtr_call *call, grpc_status_code code, const char *msg,
+                            const char *request_id) {
     r->requests_rejected++;
+    const mt_log_field f[] = { mt_logf_str("status", status_name(code)), mt_logf_str("details", msg) };
+    mt_log_event(MT_LOG_INFO, "rejected", request_id, f, sizeof f / sizeof f[0]);
     rtr_call_finish(call, code, msg, NULL);
 }
 
 static void on_generate(rtr_router *r, rtr_call *call, const uint8_t *data, size_t len) {
     r->requests_total++;
     if (r->phase != RUNNING) {
-        finish_rejected(r, call, GRPC_STATUS_UNAVAILABLE, "server is shutting down");
+        finish_rejected(r, call, GRPC_STATUS_UNAVAILABLE, "server is shutting down", NULL);
         return;
     }
     Metrale__V1__GenerateRequest *req = metrale__v1__generate_request__unpack(NULL, len, data);
     if (!req) {
-        finish_rejected(r, call, GRPC_STATUS_INVALID_ARGUMENT, "request is not a valid metrale.v1.GenerateRequest");
+        finish_rejected(r, call, GRPC_STATUS_INVALID_ARGUMENT, "request is not a valid metrale.v1.GenerateRequest",
+                        NULL);
         return;
     }
     rtr_model_limits lim;
@@ -760,25 +919,30 @@ static void on_generate(rtr_router *r, rtr_call *call, const uint8_t *data, size
         code = GRPC_STATUS_DEADLINE_EXCEEDED;
         msg = "deadline exceeded before admission";
     }
+    /* the record escapes the id; a refused one may be anything, so only a short one is named */
+    const char *rid = req->request_id && strlen(req->request_id) <= MT_WIRE_REQUEST_ID_MAX ? req->request_id : NULL;
     if (code != GRPC_STATUS_OK) {
+        finish_rejected(r, call, code, msg, rid);
         metrale__v1__generate_request__free_unpacked(req, NULL);
-        finish_rejected(r, call, code, msg);
         return;
     }
     rtr_stream *s = stream_new(r, req, call);
     if (!s) {
+        finish_rejected(r, call, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory", rid);
         metrale__v1__generate_request__free_unpacked(req, NULL);
-        finish_rejected(r, call, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
         return;
     }
-    if (rtr_admission_len(&r->queue) == 0 && submit_now(r, s)) return;
-    if (rtr_admission_push(&r->queue, &s->qnode) == MT_ERR_FULL) {
+    if (!(rtr_admission_len(&r->queue) == 0 && submit_now(r, s)) &&
+        rtr_admission_push(&r->queue, &s->qnode) == MT_ERR_FULL) {
         char m[96];
         snprintf(m, sizeof m, "admission queue full (%zu waiting)", rtr_admission_len(&r->queue));
-        stream_end_call(s, GRPC_STATUS_RESOURCE_EXHAUSTED, m);
+        rtr_call_set_stream(call, NULL);
+        s->call = NULL;
+        finish_rejected(r, call, GRPC_STATUS_RESOURCE_EXHAUSTED, m, s->request_id);
         stream_free(r, s);
-        r->requests_rejected++;
+        return;
     }
+    log_admitted(r, s, req);
 }
 
 static void on_tokenize(rtr_router *r, rtr_call *call, const uint8_t *data, size_t len) {

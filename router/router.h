@@ -28,12 +28,19 @@
  *     OK (the ones still queued end UNAVAILABLE); workers get Shutdown, the server stops and
  *     rtr_router_run returns MT_OK.
  *
+ * Logs (common/mt.h records, with the request id): each Generate's life, admitted (how it came:
+ * prompt size, max_new_tokens, queued or the worker it went to; the prompt itself only with
+ * log_prompts), first_token (time to it), requeued (its worker died before it), and finished
+ * (the gRPC status, the finish reason, prompt and completion tokens, the time it took); and
+ * rejected for one refused before admission.
+ *
  * Threads: the thread that calls rtr_router_create must make every other call; it runs the event
  * loop in rtr_router_run. (grpc_server.c adds one thread that only forwards completions.)
  */
 #ifndef RTR_ROUTER_H
 #define RTR_ROUTER_H
 
+#include <stdbool.h>
 #include <stddef.h>
 
 #include "common/mt.h"
@@ -59,6 +66,8 @@ typedef struct rtr_router_params {
     const char *const *curve_clients;  /* the workers' public keys it admits; NULL = any worker
                                           that has the router's public key */
     size_t n_curve_clients;
+    bool log_prompts;             /* the admitted records carry the prompt (text, or ids); default
+                                     false: prompts are never logged */
 } rtr_router_params;
 
 rtr_router_params rtr_router_default_params(void);

@@ -46,6 +46,12 @@ typedef struct mt_model_params {
     /* The model's drafter (an MTP block), when it has one, follows every sequence so that any
      * step can draft (speculative decoding); default false. */
     bool mtp;
+    /* Weight loading progress, called on the loading thread after the embedding and head, after
+     * each layer and after the drafter, while mt_model_load runs: done of total checkpoint bytes
+     * of the tensors to load (a tensor split across ranks counts whole), and read, the bytes
+     * this rank read of them. Not called for random weights. NULL (default): none. */
+    void (*on_load_progress)(void *user, uint64_t done, uint64_t total, uint64_t read);
+    void *load_progress_user;
 } mt_model_params;
 
 mt_model_params mt_model_default_params(void);
