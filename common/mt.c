@@ -1,12 +1,14 @@
 /* common/mt.c: see mt.h. */
 #include "common/mt.h"
 
+#include <errno.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 const char *mt_status_str(mt_status s) {
     switch (s) {
@@ -98,26 +100,289 @@ void mt_set_abort_hook(mt_abort_hook hook) { g_abort_hook = hook; }
 void mt_assert_fail(const char *cond, const char *file, int line) {
     char msg[512];
     snprintf(msg, sizeof msg, "MT_ASSERT(%s) failed at %s:%d", cond, file, line);
-    fprintf(stderr, "%s\n", msg);
+    mt_log(MT_LOG_ERROR, "%s", msg);
     if (g_abort_hook) g_abort_hook(msg);
     abort();
 }
 
-static mt_log_level g_log_level = MT_LOG_INFO;
-void mt_log_set_level(mt_log_level lvl) { g_log_level = lvl; }
+/* ---- logging ---- */
 
-void mt_log(mt_log_level lvl, const char *fmt, ...) {
-    static const char *names[] = { "D", "I", "W", "E" };
-    if (lvl < g_log_level) return;
-    char line[1024];
-    int n = snprintf(line, sizeof line, "[%s] ", names[lvl]);
+static mt_log_level g_log_level = MT_LOG_INFO;
+static mt_log_format g_log_format = MT_LOG_TEXT;
+static char g_component[64] = "", g_prefix[66] = "";
+
+void mt_log_set_level(mt_log_level lvl) { g_log_level = lvl; }
+void mt_log_set_format(mt_log_format fmt) { g_log_format = fmt; }
+mt_log_format mt_log_get_format(void) { return g_log_format; }
+
+bool mt_log_format_parse(const char *s, mt_log_format *out) {
+    if (!strcmp(s, "text")) *out = MT_LOG_TEXT;
+    else if (!strcmp(s, "json")) *out = MT_LOG_JSON;
+    else return false;
+    return true;
+}
+
+void mt_log_set_component(const char *component, const char *prefix) {
+    snprintf(g_component, sizeof g_component, "%s", component ? component : "");
+    if (prefix) snprintf(g_prefix, sizeof g_prefix, "%s", prefix);
+    else snprintf(g_prefix, sizeof g_prefix, "%s: ", g_component);
+}
+
+/* A line being built: on the stack while short, on the heap past that. On out of memory the
+ * line is cut (its end is lost, never the line). */
+typedef struct line_buf {
+    char *p;
+    size_t n, cap;
+    char stack[2048];
+} line_buf;
+
+static void lb_init(line_buf *b) {
+    b->p = b->stack;
+    b->n = 0;
+    b->cap = sizeof b->stack;
+}
+
+static bool lb_room(line_buf *b, size_t more) {
+    if (b->n + more + 2 <= b->cap) return true; /* + the newline and a NUL */
+    size_t cap = b->cap * 2;
+    while (cap < b->n + more + 2) cap *= 2;
+    char *p = b->p == b->stack ? malloc(cap) : realloc(b->p, cap);
+    if (!p) return false;
+    if (b->p == b->stack) memcpy(p, b->stack, b->n);
+    b->p = p;
+    b->cap = cap;
+    return true;
+}
+
+static void lb_put(line_buf *b, const char *s, size_t len) {
+    if (!lb_room(b, len)) return;
+    memcpy(b->p + b->n, s, len);
+    b->n += len;
+}
+
+static void lb_puts(line_buf *b, const char *s) { lb_put(b, s, strlen(s)); }
+
+static void lb_vprintf(line_buf *b, const char *fmt, va_list ap) {
+    va_list ap2;
+    va_copy(ap2, ap);
+    int len = vsnprintf(b->p + b->n, b->cap - b->n, fmt, ap);
+    if (len < 0) {
+        va_end(ap2);
+        return;
+    }
+    if ((size_t)len + 2 > b->cap - b->n) {
+        if (lb_room(b, (size_t)len)) vsnprintf(b->p + b->n, b->cap - b->n, fmt, ap2);
+        else len = (int)(b->cap - b->n) - 2; /* cut, as vsnprintf wrote it */
+    }
+    va_end(ap2);
+    b->n += (size_t)len;
+}
+
+static void lb_printf(line_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void lb_printf(line_buf *b, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(line + n, sizeof line - (size_t)n - 1, fmt, ap);
+    lb_vprintf(b, fmt, ap);
     va_end(ap);
-    size_t len = strlen(line);
-    line[len] = '\n';
-    fwrite(line, 1, len + 1, stderr);
+}
+
+/* The length of the valid UTF-8 sequence at s[0, n), or 0 when it is not one. */
+static size_t utf8_len(const unsigned char *s, size_t n) {
+    const unsigned c = s[0];
+    size_t len;
+    unsigned min;
+    if (c < 0x80) return 1;
+    if (c >= 0xc2 && c <= 0xdf) len = 2, min = 0x80;
+    else if (c >= 0xe0 && c <= 0xef) len = 3, min = 0x800;
+    else if (c >= 0xf0 && c <= 0xf4) len = 4, min = 0x10000;
+    else return 0;
+    if (len > n) return 0;
+    unsigned cp = c & (0x7f >> len);
+    for (size_t i = 1; i < len; i++) {
+        if ((s[i] & 0xc0) != 0x80) return 0;
+        cp = cp << 6 | (s[i] & 0x3f);
+    }
+    return cp >= min && cp <= 0x10ffff && !(cp >= 0xd800 && cp <= 0xdfff) ? len : 0;
+}
+
+/* s as the inside of a JSON string (quote, backslash and control characters escaped; a byte that
+ * is not valid UTF-8 becomes U+FFFD). */
+static void lb_json_str(line_buf *b, const char *str) {
+    const unsigned char *s = (const unsigned char *)str;
+    size_t n = strlen(str);
+    while (n) {
+        size_t run = 0; /* bytes that need no escape */
+        while (run < n && s[run] >= 0x20 && s[run] < 0x80 && s[run] != '"' && s[run] != '\\') run++;
+        lb_put(b, (const char *)s, run);
+        s += run, n -= run;
+        if (!n) break;
+        const unsigned c = s[0];
+        size_t len = 1;
+        if (c == '"') lb_puts(b, "\\\"");
+        else if (c == '\\') lb_puts(b, "\\\\");
+        else if (c == '\n') lb_puts(b, "\\n");
+        else if (c == '\r') lb_puts(b, "\\r");
+        else if (c == '\t') lb_puts(b, "\\t");
+        else if (c < 0x20) lb_printf(b, "\\u%04x", c);
+        else if ((len = utf8_len(s, n)) > 0) lb_put(b, (const char *)s, len);
+        else len = 1, lb_puts(b, "\\ufffd");
+        s += len, n -= len;
+    }
+}
+
+static void lb_time(line_buf *b) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    struct tm tm;
+    gmtime_r(&ts.tv_sec, &tm);
+    lb_printf(b, "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour,
+              tm.tm_min, tm.tm_sec, (int)(ts.tv_nsec / 1000000));
+}
+
+char *mt_json_quote(const char *s) {
+    line_buf b;
+    lb_init(&b);
+    lb_puts(&b, "\"");
+    lb_json_str(&b, s);
+    lb_puts(&b, "\"");
+    char *out = malloc(b.n + 1);
+    if (out) {
+        memcpy(out, b.p, b.n);
+        out[b.n] = '\0';
+    }
+    if (b.p != b.stack) free(b.p);
+    return out;
+}
+
+static const char *const LEVEL_CHAR[] = { "D", "I", "W", "E" };
+static const char *const LEVEL_NAME[] = { "debug", "info", "warn", "error" };
+
+/* The record's start: time, level, component and the request id when there is one. */
+static void lb_head(line_buf *b, mt_log_level lvl, const char *request_id) {
+    if (g_log_format == MT_LOG_JSON) {
+        lb_puts(b, "{\"time\":\"");
+        lb_time(b);
+        lb_printf(b, "\",\"level\":\"%s\",\"component\":\"", LEVEL_NAME[lvl]);
+        lb_json_str(b, g_component);
+        lb_puts(b, "\"");
+        if (request_id) {
+            lb_puts(b, ",\"request_id\":\"");
+            lb_json_str(b, request_id);
+            lb_puts(b, "\"");
+        }
+    } else {
+        lb_time(b);
+        lb_printf(b, " [%s] ", LEVEL_CHAR[lvl]);
+    }
+}
+
+/* Ends the line and writes it with one write(). */
+static void lb_emit(line_buf *b) {
+    if (g_log_format == MT_LOG_JSON) lb_puts(b, "}");
+    if (b->n + 1 > b->cap) b->n = b->cap - 1; /* lb_room keeps room for the newline */
+    b->p[b->n++] = '\n';
+    size_t off = 0;
+    while (off < b->n) {
+        const ssize_t w = write(STDERR_FILENO, b->p + off, b->n - off);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) break;
+        off += (size_t)w;
+    }
+    if (b->p != b->stack) free(b->p);
+}
+
+void mt_log(mt_log_level lvl, const char *fmt, ...) {
+    if (lvl < g_log_level) return;
+    line_buf b;
+    lb_init(&b);
+    lb_head(&b, lvl, NULL);
+    va_list ap;
+    va_start(ap, fmt);
+    if (g_log_format == MT_LOG_JSON) {
+        line_buf m;
+        lb_init(&m);
+        lb_vprintf(&m, fmt, ap);
+        m.p[m.n] = '\0';
+        const size_t np = strlen(g_prefix);
+        const char *msg = np && !strncmp(m.p, g_prefix, np) ? m.p + np : m.p;
+        lb_puts(&b, ",\"event\":\"log\",\"msg\":\"");
+        lb_json_str(&b, msg);
+        lb_puts(&b, "\"");
+        if (m.p != m.stack) free(m.p);
+    } else {
+        lb_vprintf(&b, fmt, ap);
+    }
+    va_end(ap);
+    lb_emit(&b);
+}
+
+/* A text value: as it is when it has no space, quote, '=' or control character; else quoted. */
+static void lb_text_str(line_buf *b, const char *s) {
+    bool plain = *s != '\0';
+    for (const char *p = s; *p && plain; p++) plain = (unsigned char)*p > 0x20 && *p != '"' && *p != '=';
+    if (plain) {
+        lb_puts(b, s);
+        return;
+    }
+    lb_puts(b, "\"");
+    lb_json_str(b, s);
+    lb_puts(b, "\"");
+}
+
+static void lb_number(line_buf *b, const mt_log_field *f) {
+    switch (f->kind) {
+    case MT_LOGF_INT: lb_printf(b, "%lld", (long long)f->i); break;
+    case MT_LOGF_UINT: lb_printf(b, "%llu", (unsigned long long)f->u); break;
+    case MT_LOGF_DOUBLE:
+        if (isfinite(f->d)) lb_printf(b, "%.6g", f->d);
+        else lb_puts(b, "null");
+        break;
+    case MT_LOGF_BOOL: lb_puts(b, f->b ? "true" : "false"); break;
+    default: break;
+    }
+}
+
+void mt_log_event(mt_log_level lvl, const char *event, const char *request_id, const mt_log_field *fields,
+                  size_t n) {
+    if (lvl < g_log_level) return;
+    const bool json = g_log_format == MT_LOG_JSON;
+    line_buf b;
+    lb_init(&b);
+    lb_head(&b, lvl, request_id);
+    if (json) {
+        lb_puts(&b, ",\"event\":\"");
+        lb_json_str(&b, event);
+        lb_puts(&b, "\"");
+    } else {
+        lb_printf(&b, "%s%s", g_prefix, event);
+        if (request_id) {
+            lb_puts(&b, " request_id=");
+            lb_text_str(&b, request_id);
+        }
+    }
+    for (size_t i = 0; i < n; i++) {
+        const mt_log_field *f = &fields[i];
+        if ((f->kind == MT_LOGF_STR || f->kind == MT_LOGF_JSON) && !f->s) continue;
+        if (json) {
+            lb_puts(&b, ",\"");
+            lb_json_str(&b, f->key);
+            lb_puts(&b, "\":");
+        } else {
+            lb_printf(&b, " %s=", f->key);
+        }
+        if (f->kind == MT_LOGF_STR && json) {
+            lb_puts(&b, "\"");
+            lb_json_str(&b, f->s);
+            lb_puts(&b, "\"");
+        } else if (f->kind == MT_LOGF_STR) {
+            lb_text_str(&b, f->s);
+        } else if (f->kind == MT_LOGF_JSON) {
+            lb_puts(&b, f->s);
+        } else {
+            lb_number(&b, f);
+        }
+    }
+    lb_emit(&b);
 }
 
 double mt_now(void) {

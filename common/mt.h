@@ -9,6 +9,7 @@
 #ifndef MT_H
 #define MT_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -82,10 +83,75 @@ void mt_assert_fail(const char *cond, const char *file, int line) __attribute__(
 #define MT_ASSERT(cond) \
     do { if (!(cond)) mt_assert_fail(#cond, __FILE__, __LINE__); } while (0)
 
-/* Logging to stderr with a level prefix. Thread-safe (one write per line). */
+/* Logging to stderr: one record a line, each line one write() (thread-safe; lines of several
+ * threads or processes sharing the descriptor do not interleave). Two formats:
+ *   MT_LOG_TEXT (the default):  2026-05-01T12:00:00.123Z [I] router: listening on port 50051
+ *   MT_LOG_JSON, one object a line:
+ *     {"time":"2026-05-01T12:00:00.123Z","level":"info","component":"router","event":"log",
+ *      "msg":"listening on port 50051"}
+ * time is RFC 3339 UTC with milliseconds; level is debug, info, warn or error; component names
+ * the process ("router", "worker 3", "serve"). A plain mt_log line is event "log" with its text
+ * in msg (less the process's own prefix, "router: ", which component says). mt_log_event writes a
+ * structured record: an event name, the request id when there is one, and typed fields; in text
+ * it reads "[I] router: finished request_id=r1 status=OK completion_tokens=8".
+ *
+ * The format, level and component are process-wide settings made once by main, before any
+ * thread logs; mt_log and mt_log_event may be called from any thread. */
 typedef enum mt_log_level { MT_LOG_DEBUG, MT_LOG_INFO, MT_LOG_WARN, MT_LOG_ERROR } mt_log_level;
+typedef enum mt_log_format { MT_LOG_TEXT = 0, MT_LOG_JSON = 1 } mt_log_format;
 void mt_log(mt_log_level lvl, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void mt_log_set_level(mt_log_level lvl);
+void mt_log_set_format(mt_log_format fmt);
+mt_log_format mt_log_get_format(void);
+/* "text" or "json" (the --log-format values); false for anything else. */
+bool mt_log_format_parse(const char *s, mt_log_format *out);
+/* component: the process's name in records; prefix: what its messages begin with ("router: "),
+ * left out of JSON msg (NULL: component followed by ": "). Both copied (truncated to 63 bytes). */
+void mt_log_set_component(const char *component, const char *prefix);
+
+/* A field of a structured record. Make them with the mt_logf_* constructors. */
+typedef enum mt_log_kind {
+    MT_LOGF_STR,    /* s, escaped; NULL s: the field is left out */
+    MT_LOGF_INT,    /* i */
+    MT_LOGF_UINT,   /* u */
+    MT_LOGF_DOUBLE, /* d; NaN and infinities are written null */
+    MT_LOGF_BOOL,   /* b */
+    MT_LOGF_JSON,   /* s, a JSON value (an array of ids) written as it is; NULL: left out */
+} mt_log_kind;
+typedef struct mt_log_field {
+    const char *key;
+    mt_log_kind kind;
+    const char *s;
+    int64_t i;
+    uint64_t u;
+    double d;
+    bool b;
+} mt_log_field;
+static inline mt_log_field mt_logf_str(const char *k, const char *v) {
+    return (mt_log_field){ .key = k, .kind = MT_LOGF_STR, .s = v };
+}
+static inline mt_log_field mt_logf_int(const char *k, int64_t v) {
+    return (mt_log_field){ .key = k, .kind = MT_LOGF_INT, .i = v };
+}
+static inline mt_log_field mt_logf_uint(const char *k, uint64_t v) {
+    return (mt_log_field){ .key = k, .kind = MT_LOGF_UINT, .u = v };
+}
+static inline mt_log_field mt_logf_double(const char *k, double v) {
+    return (mt_log_field){ .key = k, .kind = MT_LOGF_DOUBLE, .d = v };
+}
+static inline mt_log_field mt_logf_bool(const char *k, bool v) {
+    return (mt_log_field){ .key = k, .kind = MT_LOGF_BOOL, .b = v };
+}
+static inline mt_log_field mt_logf_json(const char *k, const char *v) {
+    return (mt_log_field){ .key = k, .kind = MT_LOGF_JSON, .s = v };
+}
+/* Writes one structured record (see above). request_id may be NULL; fields[n] are borrowed for
+ * the call. Strings are written as valid UTF-8 (a bad byte becomes U+FFFD). */
+void mt_log_event(mt_log_level lvl, const char *event, const char *request_id, const mt_log_field *fields,
+                  size_t n);
+/* s as a quoted JSON string, escaped as records escape strings, for a JSON value a caller builds
+ * (mt_logf_json). malloc'ed (the caller frees it); NULL when out of memory. */
+char *mt_json_quote(const char *s);
 
 /* Monotonic seconds. */
 double mt_now(void);

@@ -5,6 +5,7 @@
  *                 [--backend auto|cpu|cuda] [--max-sequences N] [--max-context N] [--threads N]
  *                 [--queue N] [--drain-timeout S] [--numerics exact|bf16] [--router ENDPOINT
  *                 [--first-id K] [--curve-server-key FILE --curve-secret-key FILE]]
+ *                 [--log-format text|json] [--log-prompts]
  *
  * With no --model it serves a small random checkpoint made here once (tools/mkckpt with
  * tools/configs/cpu-small.json into .cache/cpu-small, as scripts/run.sh does), so it runs on any
@@ -31,7 +32,10 @@
  * NOT_SERVING, running streams finish up to --drain-timeout) and tells the workers to shut down
  * (without a router here, the workers get SIGTERM); workers still alive WORKER_EXIT_S after the
  * router are sent SIGTERM, then SIGKILL. A second signal sends SIGTERM to everyone, a third
- * SIGKILL. If the router dies, everything stops.
+ * SIGKILL. If the router dies (or exits unasked), the service is gone: the workers get SIGTERM
+ * and, ROUTER_DEATH_KILL_S later, SIGKILL, the router's socket file is removed, and this process
+ * exits non-zero as soon as they are reaped (well within a second), so that an orchestrator
+ * restarts the whole pod.
  *
  * Faults: when any rank of a group exits while serving (killed, or a non-zero exit; rank 0 exiting
  * 0 was told to stop), the group's other ranks get SIGTERM at once and SIGKILL GROUP_KILL_S later,
@@ -40,8 +44,8 @@
  * exits MT_WIRE_EXIT_STARTUP, e.g. N does not divide the model, or the group dies within
  * QUICK_FAIL_S of starting) counts; after STARTUP_FAILURES_MAX of them in a row the group is given
  * up, and when no group is left the service stops. Exit status: the router's (0 after a clean
- * drain; 0 without a router after a signal), 1 on failure (no group can serve), 2 on bad
- * arguments.
+ * drain; 0 without a router after a signal), 1 on failure (no group can serve; the router died:
+ * its own non-zero status, else 1), 2 on bad arguments.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -59,6 +63,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/mt.h"
 #include "common/wire_limits.h"
 
 #define MAX_WORKERS 64     /* groups */
@@ -71,6 +76,7 @@ _Static_assert(MAX_WORKERS <= MT_WIRE_WORKERS_MAX, "the router takes fewer worke
 #define GROUP_KILL_S 0.5         /* a group's surviving ranks: SIGTERM, then SIGKILL this much later */
 #define QUICK_FAIL_S 5.0         /* a group that dies this soon after starting failed to start */
 #define STARTUP_FAILURES_MAX 3   /* start-up failures in a row before a group is given up */
+#define ROUTER_DEATH_KILL_S 0.5  /* the router died: the workers' SIGTERM, then SIGKILL this much later */
 
 /* One worker group: N ranks that live and die together. */
 typedef struct group {
@@ -101,6 +107,8 @@ typedef struct serve_opts {
     bool no_run_ahead;
     const char *router;    /* a router elsewhere: start none, connect the groups there */
     const char *curve_server_key, *curve_secret_key; /* key files, passed to every worker */
+    const char *log_format; /* --log-format, passed to the router and every worker when given */
+    bool log_prompts;       /* --log-prompts, passed to the router */
 } serve_opts;
 
 static double now_s(void) {
@@ -116,6 +124,7 @@ static void usage(FILE *f) {
             "                     [--prefill-budget N] [--graph-max-batch N] [--cache-budget-mb N] [--no-preempt]\n"
             "                     [--no-run-ahead] [--numerics exact|bf16]\n"
             "                     [--speculative-tokens K] [--speculative-max-batch B]\n"
+            "                     [--log-format text|json] [--log-prompts]\n"
             "                     [--router ENDPOINT [--first-id K]\n"
             "                      [--curve-server-key FILE --curve-secret-key FILE]]\n"
             "  Starts the gRPC router on --listen (default 127.0.0.1:50051) and G worker groups serving DIR\n"
@@ -131,7 +140,8 @@ static void usage(FILE *f) {
             "  secret key), from metrale-keygen); --first-id K: the groups are workers K, K+1, ... (ids unique\n"
             "  per router).\n"
             "  The scheduler options, --numerics and the speculative options go to every worker (metrale-worker\n"
-            "  --help says what they do).\n");
+            "  --help says what they do). --log-format text|json: every process's log lines as text (default)\n"
+            "  or one JSON object a line; --log-prompts: the router's admitted records carry the prompts.\n");
 }
 
 /* ---- paths ---- */
@@ -193,7 +203,7 @@ static pid_t spawn(char *const argv[]) {
     pid_t parent = getpid();
     pid_t pid = fork();
     if (pid < 0) {
-        fprintf(stderr, "metrale-serve: fork: %s\n", strerror(errno));
+        mt_log(MT_LOG_ERROR, "metrale-serve: fork: %s", strerror(errno));
         return -1;
     }
     if (pid == 0) {
@@ -204,7 +214,7 @@ static pid_t spawn(char *const argv[]) {
         sigemptyset(&none);
         sigprocmask(SIG_SETMASK, &none, NULL);
         execv(argv[0], argv);
-        fprintf(stderr, "metrale-serve: cannot run %s: %s\n", argv[0], strerror(errno));
+        mt_log(MT_LOG_ERROR, "metrale-serve: cannot run %s: %s", argv[0], strerror(errno));
         _exit(127);
     }
     setpgid(pid, pid);
@@ -228,18 +238,18 @@ static const char *default_model(void) {
     struct stat sc, sm;
     if (stat(cfg, &sc) != 0) {
         if (stat(".cache/cpu-small/config.json", &sm) == 0) return dir;
-        fprintf(stderr, "metrale-serve: no --model and no %s here; run from the repository root or pass --model\n",
+        mt_log(MT_LOG_ERROR, "metrale-serve: no --model and no %s here; run from the repository root or pass --model",
                 cfg);
         return NULL;
     }
     if (stat(".cache/cpu-small/config.json", &sm) == 0 && sm.st_mtime >= sc.st_mtime) return dir;
     char buf[PATH_MAX + 64];
     const char *mk = bin_path("METRALE_MKCKPT_BIN", "tools/mkckpt", buf, sizeof buf);
-    fprintf(stderr, "metrale-serve: making a small random checkpoint in %s (%s)\n", dir, cfg);
+    mt_log(MT_LOG_INFO, "metrale-serve: making a small random checkpoint in %s (%s)", dir, cfg);
     mkdir(".cache", 0755);
     char *argv[] = { (char *)mk, "--config", (char *)cfg, "--out", (char *)dir, "--seed", "1", NULL };
     if (run_wait(argv) != 0) {
-        fprintf(stderr, "metrale-serve: %s failed\n", mk);
+        mt_log(MT_LOG_ERROR, "metrale-serve: %s failed", mk);
         return NULL;
     }
     return dir;
@@ -264,6 +274,8 @@ static pid_t start_router(void) {
     argv[k++] = g_endpoint;
     if (g_o.queue) { argv[k++] = "--queue"; argv[k++] = (char *)g_o.queue; }
     if (g_o.drain_timeout) { argv[k++] = "--drain-timeout"; argv[k++] = (char *)g_o.drain_timeout; }
+    if (g_o.log_format) { argv[k++] = "--log-format"; argv[k++] = (char *)g_o.log_format; }
+    if (g_o.log_prompts) argv[k++] = "--log-prompts";
     argv[k] = NULL;
     return g_router = spawn(argv);
 }
@@ -306,6 +318,7 @@ static pid_t start_rank(group *gr, int r) {
         argv[k++] = "--curve-server-key"; argv[k++] = (char *)g_o.curve_server_key;
         argv[k++] = "--curve-secret-key"; argv[k++] = (char *)g_o.curve_secret_key;
     }
+    if (g_o.log_format) { argv[k++] = "--log-format"; argv[k++] = (char *)g_o.log_format; }
     argv[k] = NULL;
     return gr->pid[r] = spawn(argv);
 }
@@ -368,7 +381,7 @@ static void on_rank_exit(group *gr, int r, int st, bool stopping, double now) {
     describe_status(st, what, sizeof what);
     if (g_o.tp > 1) snprintf(who, sizeof who, "worker %d rank %d", gr->id, r);
     else snprintf(who, sizeof who, "worker %d", gr->id);
-    fprintf(stderr, "metrale-serve: %s %s\n", who, what);
+    mt_log(stopping ? MT_LOG_INFO : MT_LOG_WARN, "metrale-serve: %s %s", who, what);
     if (WIFEXITED(st) && WEXITSTATUS(st) == MT_WIRE_EXIT_STARTUP) gr->startup_failed = true;
     if (gr->down || stopping) return;
     /* The first rank of this start to end: the group cannot serve without it. Rank 0 exiting 0
@@ -379,7 +392,7 @@ static void on_rank_exit(group *gr, int r, int st, bool stopping, double now) {
     snprintf(gr->why, sizeof gr->why, "%s %s", who, what);
     if (now - gr->started_at < QUICK_FAIL_S) gr->startup_failed = true;
     if (live_ranks(gr) > 0) {
-        fprintf(stderr, "metrale-serve: stopping the rest of worker group %d\n", gr->id);
+        mt_log(MT_LOG_WARN, "metrale-serve: stopping the rest of worker group %d", gr->id);
         signal_group(gr, SIGTERM);
     }
 }
@@ -392,14 +405,14 @@ static void settle_group(group *gr, bool stopping, double now) {
     gr->startup_failures = gr->startup_failed ? gr->startup_failures + 1 : 0;
     if (gr->startup_failures >= STARTUP_FAILURES_MAX) {
         gr->given_up = true;
-        fprintf(stderr,
-                "metrale-serve: worker group %d failed to start %d times in a row (last: %s); giving up on it "
-                "(the worker's own message above says why)\n",
-                gr->id, gr->startup_failures, gr->why);
+        mt_log(MT_LOG_ERROR,
+               "metrale-serve: worker group %d failed to start %d times in a row (last: %s); giving up on it "
+               "(the worker's own message above says why)",
+               gr->id, gr->startup_failures, gr->why);
         return;
     }
     gr->restart_at = now + RESTART_DELAY_S;
-    fprintf(stderr, "metrale-serve: restarting worker group %d in %.0f s (%s)\n", gr->id, RESTART_DELAY_S, gr->why);
+    mt_log(MT_LOG_WARN, "metrale-serve: restarting worker group %d in %.0f s (%s)", gr->id, RESTART_DELAY_S, gr->why);
 }
 
 /* ---- main ---- */
@@ -424,6 +437,7 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); return 1; }
         if (!strcmp(a, "--no-preempt")) { o->no_preempt = true; continue; }
         if (!strcmp(a, "--no-run-ahead")) { o->no_run_ahead = true; continue; }
+        if (!strcmp(a, "--log-prompts")) { o->log_prompts = true; continue; }
         if (!v) { fprintf(stderr, "metrale-serve: %s needs a value\n", a); usage(stderr); return -1; }
         int rc = 0;
         if (!strcmp(a, "--model")) o->model = v;
@@ -442,6 +456,16 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         else if (!strcmp(a, "--tp")) rc = parse_int(a, v, 1, MAX_TP, &o->tp);
         else if (!strcmp(a, "--first-id")) rc = parse_int(a, v, 0, INT_MAX - MAX_WORKERS, &o->first_id);
         else if (!strcmp(a, "--router")) o->router = v;
+        else if (!strcmp(a, "--log-format")) {
+            mt_log_format fmt;
+            o->log_format = v;
+            if (mt_log_format_parse(v, &fmt)) {
+                mt_log_set_format(fmt);
+            } else {
+                fprintf(stderr, "metrale-serve: --log-format must be text or json, got %s\n", v);
+                rc = -1;
+            }
+        }
         else if (!strcmp(a, "--curve-server-key")) o->curve_server_key = v;
         else if (!strcmp(a, "--curve-secret-key")) o->curve_secret_key = v;
         else if (!strcmp(a, "--max-sequences")) rc = parse_int(a, v, 1, 4096, &o->max_sequences);
@@ -475,12 +499,13 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
 }
 
 int main(int argc, char **argv) {
+    mt_log_set_component("serve", "metrale-serve: ");
     int rc = parse_args(argc, argv, &g_o);
     if (rc) return rc > 0 ? 0 : 2;
     find_bindir();
     g_ngpu = strcmp(g_o.backend, "cpu") ? count_gpus() : 0;
     if (!strcmp(g_o.backend, "cuda") && g_ngpu == 0)
-        fprintf(stderr, "metrale-serve: --backend cuda but no visible GPU; workers will fail to start\n");
+        mt_log(MT_LOG_WARN, "metrale-serve: --backend cuda but no visible GPU; workers will fail to start");
     const bool gpu = g_ngpu > 0;
     if (!g_o.workers) g_o.workers = gpu && g_ngpu >= g_o.tp ? g_ngpu / g_o.tp : 1;
     if (g_o.workers * g_o.tp > MAX_RANKS) {
@@ -535,17 +560,18 @@ int main(int argc, char **argv) {
             return 1;
         }
     }
-    fprintf(stderr, "metrale-serve: %s%s; %d %s worker%s%s serving %s; Ctrl-C stops\n",
+    mt_log(MT_LOG_INFO, "metrale-serve: %s%s; %d %s worker%s%s serving %s; Ctrl-C stops",
             g_o.router ? "workers for the router at " : "gRPC on ", g_o.router ? g_o.router : g_o.listen,
             g_o.workers, gpu ? "GPU" : "CPU", g_o.tp > 1 ? " group" : "", g_o.workers > 1 ? "s" : "", g_o.model);
-    if (g_o.tp > 1) fprintf(stderr, "metrale-serve: each group has %d ranks\n", g_o.tp);
+    if (g_o.tp > 1) mt_log(MT_LOG_INFO, "metrale-serve: each group has %d ranks", g_o.tp);
     if (!g_o.router)
-        fprintf(stderr, "metrale-serve: try  tools/metrale_client.py --addr %s --prompt 1,2,3,4 --max-new 16\n",
+        mt_log(MT_LOG_INFO, "metrale-serve: try  tools/metrale_client.py --addr %s --prompt 1,2,3,4 --max-new 16",
                 g_o.listen);
 
     int signals = 0, status = 1;
     bool stopping = false;
     double router_gone_at = 0, last_escalation = 0;
+    bool router_died = false; /* it ended without being asked to: stop everything now */
     while (live_children() > 0 || (!stopping && !g_router && g_o.router)) {
         struct timespec ts = { 0, 100 * 1000 * 1000 };
         int sig = sigtimedwait(&set, NULL, &ts);
@@ -555,7 +581,7 @@ int main(int argc, char **argv) {
             stopping = true;
             last_escalation = now;
             if (signals == 1) {
-                fprintf(stderr, "metrale-serve: draining (signal again to stop at once)\n");
+                mt_log(MT_LOG_INFO, "metrale-serve: draining (signal again to stop at once)");
                 if (g_router > 0) {
                     kill(g_router, SIGTERM);
                 } else {
@@ -577,11 +603,13 @@ int main(int argc, char **argv) {
                 status = WIFEXITED(st) ? WEXITSTATUS(st) : 1;
                 char what[64];
                 describe_status(st, what, sizeof what);
-                fprintf(stderr, "metrale-serve: router %s\n", what);
+                mt_log(MT_LOG_INFO, "metrale-serve: router %s", what);
                 if (!stopping) {
-                    fprintf(stderr, "metrale-serve: the router died; stopping the workers\n");
+                    mt_log(MT_LOG_ERROR, "metrale-serve: the router died; stopping the workers and exiting");
                     stopping = true;
+                    router_died = true;
                     signal_all(SIGTERM, false);
+                    if (g_sock[0]) unlink(g_sock); /* its socket file: the router had no chance to */
                     status = status ? status : 1;
                 }
                 continue;
@@ -600,7 +628,7 @@ int main(int argc, char **argv) {
             serving += !gr->given_up;
         }
         if (!stopping && serving == 0) {
-            fprintf(stderr, "metrale-serve: no worker group can serve; stopping\n");
+            mt_log(MT_LOG_ERROR, "metrale-serve: no worker group can serve; stopping");
             stopping = true;
             last_escalation = now;
             if (g_router > 0) kill(g_router, SIGTERM);
@@ -609,6 +637,7 @@ int main(int argc, char **argv) {
             signals = 1; /* a signal from here on escalates */
         }
         /* escalation: workers that outlive the router, and anyone after the signals */
+        if (router_died && now - router_gone_at > ROUTER_DEATH_KILL_S) signal_all(SIGKILL, false);
         if (stopping && !g_router && router_gone_at && now - router_gone_at > WORKER_EXIT_S) {
             signal_all(now - router_gone_at > WORKER_EXIT_S + KILL_AFTER_S ? SIGKILL : SIGTERM, false);
         }
@@ -618,6 +647,6 @@ int main(int argc, char **argv) {
     for (int g = 0; g < g_o.workers; g++) given_up += g_groups[g].given_up;
     if (given_up == g_o.workers) status = 1;
     if (g_sock[0]) unlink(g_sock);
-    fprintf(stderr, "metrale-serve: stopped\n");
+    mt_log(MT_LOG_INFO, "metrale-serve: stopped");
     return status;
 }

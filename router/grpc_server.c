@@ -12,6 +12,7 @@
 #include <grpc/byte_buffer_reader.h>
 #include <grpc/grpc.h>
 #include <grpc/grpc_security.h>
+#include <grpc/support/log.h>
 #include <grpc/slice.h>
 #include <grpc/support/time.h>
 #include <math.h>
@@ -67,6 +68,7 @@ struct rtr_call {
     grpc_byte_buffer *recv_buf;
     grpc_byte_buffer *send_buf;   /* of the send in flight */
     grpc_byte_buffer *status_buf; /* last message of the finish batch */
+    bool got_request;         /* the one request message arrived (later receives are extras) */
     bool md_sent;             /* initial metadata went out */
     bool send_busy;
     bool finished;            /* rtr_call_finish was called */
@@ -146,6 +148,20 @@ static void start_batch(rtr_call *c, const grpc_op *ops, size_t n, rtr_tag *tag)
      * here is a bug in this file, not bad input. */
     MT_ASSERT(e == GRPC_CALL_OK);
     c->outstanding++;
+}
+
+/* Every method takes exactly one request message. A call with none, or with a second one, breaks
+ * the request cardinality, which gRPC answers UNIMPLEMENTED: grpc/grpc doc/statuscodes.md, "Request
+ * cardinality violation (method requires exactly one request but client sent some other number of
+ * requests) | UNIMPLEMENTED | Server". gRPC core leaves the check to the application: after the
+ * request, one more receive stays posted while the call is open, and it must end with the
+ * client's half-close (on_recv). */
+static void start_recv(rtr_call *c) {
+    grpc_op op;
+    memset(&op, 0, sizeof op);
+    op.op = GRPC_OP_RECV_MESSAGE;
+    op.data.recv_message.recv_message = &c->recv_buf;
+    start_batch(c, &op, 1, &c->t_recv);
 }
 
 static grpc_byte_buffer *pack(const ProtobufCMessage *m) {
@@ -298,30 +314,38 @@ static void on_new_call(rtr_grpc *g, request_slot *s, bool ok) {
         start_status(c, GRPC_STATUS_UNIMPLEMENTED, "unknown method");
         return;
     }
-    memset(&op, 0, sizeof op);
-    op.op = GRPC_OP_RECV_MESSAGE;
-    op.data.recv_message.recv_message = &c->recv_buf;
-    start_batch(c, &op, 1, &c->t_recv);
+    start_recv(c);
 }
 
 static void on_recv(rtr_grpc *g, rtr_call *c, bool ok) {
-    if (c->closed || c->finished) return;
-    if (!ok) return; /* the call broke; its close follows */
-    if (!c->recv_buf) {
-        rtr_call_finish(c, GRPC_STATUS_INVALID_ARGUMENT, "no request message", NULL);
+    grpc_byte_buffer *msg = c->recv_buf; /* NULL: the client half-closed */
+    c->recv_buf = NULL;
+    const bool live = ok && !c->closed && !c->finished; /* else the call broke or ended; its close follows */
+    if (!live || c->got_request) {
+        if (msg) grpc_byte_buffer_destroy(msg);
+        if (live && msg)
+            rtr_call_finish(c, GRPC_STATUS_UNIMPLEMENTED,
+                            "more than one request message on a call that takes exactly one (cardinality)", NULL);
+        return; /* a half-close after the request: as it should be */
+    }
+    if (!msg) {
+        rtr_call_finish(c, GRPC_STATUS_UNIMPLEMENTED,
+                        "no request message on a call that takes exactly one (cardinality)", NULL);
         return;
     }
+    c->got_request = true;
     grpc_byte_buffer_reader r;
-    if (!grpc_byte_buffer_reader_init(&r, c->recv_buf)) {
+    if (!grpc_byte_buffer_reader_init(&r, msg)) {
+        grpc_byte_buffer_destroy(msg);
         rtr_call_finish(c, GRPC_STATUS_INVALID_ARGUMENT, "request message could not be decompressed", NULL);
         return;
     }
     grpc_slice s = grpc_byte_buffer_reader_readall(&r);
     grpc_byte_buffer_reader_destroy(&r);
-    grpc_byte_buffer_destroy(c->recv_buf);
-    c->recv_buf = NULL;
+    grpc_byte_buffer_destroy(msg);
     g->h.on_request(g->h.router, c, (rtr_method)c->method, GRPC_SLICE_START_PTR(s), GRPC_SLICE_LENGTH(s));
     grpc_slice_unref(s);
+    if (!c->finished) start_recv(c); /* a stream, or an answer that waits: watch for a second request */
 }
 
 static void on_send(rtr_grpc *g, rtr_call *c, bool ok) {
@@ -385,8 +409,17 @@ int rtr_grpc_fd(const rtr_grpc *g) { return g->efd; }
 
 /* ---- server ---- */
 
+/* gRPC's own log lines go through mt_log, so that they take the process's format. */
+static void grpc_log(gpr_log_func_args *a) {
+    const mt_log_level lvl = a->severity == GPR_LOG_SEVERITY_ERROR  ? MT_LOG_ERROR
+                             : a->severity == GPR_LOG_SEVERITY_INFO ? MT_LOG_INFO
+                                                                    : MT_LOG_DEBUG;
+    mt_log(lvl, "router: grpc: %s (%s:%d)", a->message, a->file, a->line);
+}
+
 rtr_grpc *rtr_grpc_create(const rtr_grpc_params *params, const rtr_grpc_handlers *handlers, int *port,
                           mt_error *err) {
+    gpr_set_log_function(grpc_log);
     rtr_grpc *g = calloc(1, sizeof *g);
     if (!g) {
         mt_errorf(err, MT_ERR_NOMEM, "router: out of memory");

@@ -17,7 +17,10 @@
  *   on_done(call, cancelled)         once, last: the call is over (status sent, or the client
  *                                    cancelled, disconnected or its deadline passed). After
  *                                    on_done returns the handle is invalid; drop every pointer.
- * Unknown methods are answered UNIMPLEMENTED here and never reach the handlers.
+ * Unknown methods are answered UNIMPLEMENTED here and never reach the handlers, and so are calls
+ * that break the request cardinality (no request message, or a second one while the call is
+ * open: gRPC's doc/statuscodes.md gives UNIMPLEMENTED for it); for a second message the call is
+ * finished here, and the handlers learn of it from on_done.
  */
 #ifndef RTR_GRPC_SERVER_H
 #define RTR_GRPC_SERVER_H

@@ -3,6 +3,7 @@
  *   metrale-router --listen 127.0.0.1:PORT --workers-endpoint ipc:///tmp/x.sock
  *                  [--queue N] [--drain-timeout S]
  *                  [--curve-secret-key FILE [--curve-authorized-keys DIR]]
+ *                  [--log-format text|json] [--log-prompts]
  *
  * SIGTERM or SIGINT drains (router.h) and exits 0. Exit 2 on bad arguments, 1 when the router
  * cannot start or its loop fails. The only place that exits.
@@ -24,6 +25,7 @@ static void usage(FILE *f) {
     fprintf(f,
             "usage: metrale-router --listen HOST:PORT --workers-endpoint ENDPOINT [--queue N] [--drain-timeout S]\n"
             "                      [--curve-secret-key FILE [--curve-authorized-keys DIR]]\n"
+            "                      [--log-format text|json] [--log-prompts]\n"
             "  --listen HOST:PORT          gRPC address (port 0: any free port, printed at start)\n"
             "  --workers-endpoint ENDPOINT ZeroMQ endpoint the workers connect to: ipc:// or tcp://127.0.0.1:PORT,\n"
             "                              or with CURVE any tcp://ADDRESS:PORT (port *: any free port, printed)\n"
@@ -32,7 +34,9 @@ static void usage(FILE *f) {
             "  --curve-secret-key FILE     encrypt the workers' link with ZeroMQ CURVE; FILE holds the router's\n"
             "                              secret key (metrale-keygen); workers need its public key\n"
             "  --curve-authorized-keys DIR admit only the workers whose public key is a *.pub file in DIR\n"
-            "                              (default: any worker that has the router's public key)\n");
+            "                              (default: any worker that has the router's public key)\n"
+            "  --log-format text|json      log lines as text (default) or one JSON object a line (common/mt.h)\n"
+            "  --log-prompts               put the prompts in the log's admitted records (default: never)\n");
 }
 
 static int parse_size(const char *s, size_t *out) {
@@ -57,11 +61,16 @@ int main(int argc, char **argv) {
     rtr_router_params p = rtr_router_default_params();
     bool have_listen = false, have_ep = false;
     const char *secret_file = NULL, *clients_dir = NULL;
+    mt_log_set_component("router", "router: ");
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             usage(stdout);
             return 0;
+        }
+        if (!strcmp(a, "--log-prompts")) { /* logging: a flag, the one option without a value */
+            p.log_prompts = true;
+            continue;
         }
         if (i + 1 >= argc) {
             fprintf(stderr, "metrale-router: %s needs a value (or is an unknown option)\n", a);
@@ -80,6 +89,13 @@ int main(int argc, char **argv) {
                 fprintf(stderr, "metrale-router: --queue %s: must be an integer in [0, 1000000]\n", v);
                 return 2;
             }
+        } else if (!strcmp(a, "--log-format")) {
+            mt_log_format fmt;
+            if (!mt_log_format_parse(v, &fmt)) {
+                fprintf(stderr, "metrale-router: --log-format must be text or json, got %s\n", v);
+                return 2;
+            }
+            mt_log_set_format(fmt);
         } else if (!strcmp(a, "--curve-secret-key")) {
             secret_file = v;
         } else if (!strcmp(a, "--curve-authorized-keys")) {
@@ -147,7 +163,7 @@ int main(int argc, char **argv) {
     free(client_ptrs);
     free(clients);
     if (!r) {
-        fprintf(stderr, "metrale-router: %s\n", err.msg);
+        mt_log(MT_LOG_ERROR, "router: cannot start: %s", err.msg);
         close(sfd);
         return 1;
     }
@@ -159,7 +175,7 @@ int main(int argc, char **argv) {
                clients_dir ? "only the workers with an authorized key are admitted"
                            : "any worker with this public key is admitted");
     mt_status st = rtr_router_run(r, &err);
-    if (st) fprintf(stderr, "metrale-router: %s\n", err.msg);
+    if (st) mt_log(MT_LOG_ERROR, "%s", err.msg); /* "router: ..." */
     rtr_router_free(r);
     close(sfd);
     if (!st) mt_log(MT_LOG_INFO, "router: stopped");

@@ -6,6 +6,10 @@
  *            Finished sends the rest with the final message and the OK status, and ends it;
  *            the request is kept until the first Tokens, so that a stream whose worker dies
  *            before then goes back to the queue (QUEUED again) for another worker;
+ *            When a drain runs out of time the stream is cut: the worker gets Abort(CANCELLED)
+ *            and its Finished gives the final message (CANCELLED, the token counts) and OK; a
+ *            worker that does not answer within CUT_GRACE_S gets a final made here from what the
+ *            router counted;
  *   ABORTING the client is gone (cancel, disconnect, deadline, shutdown) after submission:
  *            the worker got Abort; the stream waits (without a call) for the worker's Finished,
  *            which frees the worker's slot; a worker that never answers is given up on after
@@ -51,6 +55,9 @@
 #define PROBE_WINDOW_S 0.5    /* after a connection closed: how long the workers are probed */
 #define PROBE_MS 10           /* ... and how often (a send to a gone worker fails at once) */
 #define TOKENIZE_TIMEOUT_S 10.0 /* a Tokenize call without a nearer deadline is answered by then */
+#define CUT_GRACE_S 1.0       /* a drain's cut streams wait this long for their worker's Finished */
+#define LOG_PROMPT_BYTES 1024 /* --log-prompts: prompt text logged at most (a record stays a short line) */
+#define LOG_PROMPT_IDS 256    /* ... and prompt ids */
 #define REQUEUES_MAX 2        /* a stream goes back to the queue at most this often (a request
                                  that kills every worker it reaches must not go round forever) */
 
@@ -64,9 +71,14 @@ typedef struct rtr_stream {
     Metrale__V1__GenerateRequest *req; /* owned until the worker's first Tokens */
     rtr_worker *worker;                /* RUNNING, ABORTING */
     bool got_tokens;                   /* RUNNING: the worker sent Tokens */
+    bool cut;                          /* RUNNING: the drain ran out; Abort sent, the call waits
+                                          for the worker's Finished */
+    uint32_t prompt_ids;               /* the request's prompt_token_ids (0 for text and chat) */
+    uint32_t completion_tokens;        /* tokens received from workers for the client */
     int requeues;                      /* times it went back to the queue from a lost worker */
     double deadline;                   /* mt_now() clock; INFINITY = none */
     uint64_t deadline_unix_ms;
+    double admitted_at;                /* mt_now() of admission, for the records' times */
     double abort_since;
     mt_envelope **pending;             /* owned Tokens envelopes not yet sent, in order */
     size_t npending, cap_pending;
@@ -84,7 +96,9 @@ typedef struct rtr_tokenize {
     struct rtr_tokenize *prev, *next;
 } rtr_tokenize;
 
-typedef enum drain_phase { RUNNING, DRAIN_STREAMS, DRAIN_WORKERS, DRAIN_GRPC, STOPPED } drain_phase;
+/* RUNNING -> DRAIN_STREAMS (streams finish) -> DRAIN_CUT (the drain timeout passed: the streams
+ * left are cut) -> DRAIN_WORKERS (Shutdown sent) -> DRAIN_GRPC -> STOPPED */
+typedef enum drain_phase { RUNNING, DRAIN_STREAMS, DRAIN_CUT, DRAIN_WORKERS, DRAIN_GRPC, STOPPED } drain_phase;
 
 struct rtr_router {
     rtr_router_params p;
@@ -145,8 +159,10 @@ static rtr_stream *stream_new(rtr_router *r, Metrale__V1__GenerateRequest *req, 
     s->state = ST_QUEUED;
     s->call = call;
     s->req = req;
+    s->prompt_ids = (uint32_t)req->n_prompt_token_ids;
     s->deadline = rtr_call_deadline(call);
     s->deadline_unix_ms = rtr_call_deadline_unix_ms(call);
+    s->admitted_at = mt_now();
     size_t b = bucket_of(s->id);
     s->hnext = r->buckets[b];
     r->buckets[b] = s;
@@ -186,9 +202,148 @@ static rtr_stream *stream_of_qnode(rtr_qnode *n) {
     return (rtr_stream *)((char *)n - offsetof(rtr_stream, qnode));
 }
 
+/* ---- records (router.h: "Logs") ---- */
+
+static const char *status_name(grpc_status_code c) {
+    static const char *const names[] = {
+        "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
+        "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
+        "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED",
+    };
+    return (unsigned)c < sizeof names / sizeof names[0] ? names[c] : "UNKNOWN";
+}
+
+static const char *finish_name(Metrale__V1__FinishReason r) {
+    switch (r) {
+    case METRALE__V1__FINISH_REASON__FINISH_REASON_LENGTH: return "length";
+    case METRALE__V1__FINISH_REASON__FINISH_REASON_STOP: return "stop";
+    case METRALE__V1__FINISH_REASON__FINISH_REASON_CANCELLED: return "cancelled";
+    case METRALE__V1__FINISH_REASON__FINISH_REASON_ERROR: return "error";
+    default: return "unspecified";
+    }
+}
+
+static double ms_since(double t) { return (mt_now() - t) * 1e3; }
+
+/* The "finished" record of a stream whose client side ends now with code (details: why, for an
+ * error; fin: the final message sent, for OK). */
+static void log_finished(const rtr_stream *s, grpc_status_code code, const char *details,
+                         const Metrale__V1__Final *fin) {
+    const Metrale__V1__Usage *u = fin ? fin->usage : NULL;
+    const mt_log_field f[] = {
+        mt_logf_str("status", status_name(code)),
+        mt_logf_str("finish_reason", fin ? finish_name(fin->finish_reason) : NULL),
+        mt_logf_uint("prompt_tokens", u ? u->prompt_tokens : s->prompt_ids),
+        mt_logf_uint("completion_tokens", u ? u->completion_tokens : s->completion_tokens),
+        mt_logf_double("duration_ms", ms_since(s->admitted_at)),
+        mt_logf_str("worker", s->worker ? s->worker->peer : NULL),
+        mt_logf_int("requeues", s->requeues),
+        mt_logf_str("details", code == GRPC_STATUS_OK ? NULL : details),
+    };
+    mt_log_event(code == GRPC_STATUS_OK || code == GRPC_STATUS_CANCELLED ? MT_LOG_INFO : MT_LOG_WARN, "finished",
+                 s->request_id, f, sizeof f / sizeof f[0]);
+}
+
+/* The first byte of a valid cut of text at most max bytes long (not inside a UTF-8 character). */
+static size_t utf8_cut(const char *text, size_t max) {
+    size_t n = strlen(text);
+    if (n <= max) return n;
+    while (max > 0 && ((unsigned char)text[max] & 0xc0) == 0x80) max--;
+    return max;
+}
+
+/* The prompt of req for an admitted record (--log-prompts): its ids as a JSON array, its text, or
+ * its messages as a JSON array of {"role", "content"}, each cut to LOG_PROMPT_IDS ids or
+ * LOG_PROMPT_BYTES bytes (*cut says so). A malloc'ed string (JSON for ids and messages), NULL
+ * when out of memory. */
+static char *prompt_for_log(const Metrale__V1__GenerateRequest *req, bool *json, bool *cut) {
+    *cut = false;
+    *json = true;
+    char *out = NULL;
+    if (req->n_prompt_token_ids) {
+        const size_t n = req->n_prompt_token_ids < LOG_PROMPT_IDS ? req->n_prompt_token_ids : LOG_PROMPT_IDS;
+        *cut = n < req->n_prompt_token_ids;
+        if (!(out = malloc(12 * n + 3))) return NULL;
+        size_t k = 0;
+        out[k++] = '[';
+        for (size_t i = 0; i < n; i++) k += (size_t)sprintf(out + k, i ? ",%u" : "%u", req->prompt_token_ids[i]);
+        out[k++] = ']';
+        out[k] = '\0';
+        return out;
+    }
+    if (!req->n_messages) {
+        *json = false;
+        const char *t = req->prompt_text ? req->prompt_text : "";
+        const size_t n = utf8_cut(t, LOG_PROMPT_BYTES);
+        *cut = t[n] != '\0';
+        if ((out = malloc(n + 1))) {
+            memcpy(out, t, n);
+            out[n] = '\0';
+        }
+        return out;
+    }
+    size_t len = 2, cap = 256, left = LOG_PROMPT_BYTES;
+    if (!(out = malloc(cap))) return NULL;
+    strcpy(out, "[");
+    for (size_t i = 0; i < req->n_messages && left > 0; i++) {
+        const Metrale__V1__ChatMessage *m = req->messages[i];
+        const char *content = m->content ? m->content : "";
+        const size_t keep = utf8_cut(content, left);
+        *cut = *cut || content[keep] != '\0';
+        left -= keep;
+        char *piece = malloc(keep + 1);
+        char *role = mt_json_quote(m->role ? m->role : ""), *text = NULL;
+        if (piece) {
+            memcpy(piece, content, keep);
+            piece[keep] = '\0';
+            text = mt_json_quote(piece);
+        }
+        const size_t need = (role ? strlen(role) : 0) + (text ? strlen(text) : 0) + 32;
+        char *grown = len + need > cap ? realloc(out, cap = 2 * (len + need)) : out;
+        const bool ok = piece && role && text && grown;
+        if (ok) len += (size_t)sprintf(grown + len - 1, "%s{\"role\":%s,\"content\":%s}", i ? "," : "", role, text);
+        free(piece);
+        free(role);
+        free(text);
+        if (!ok) {
+            free(grown ? grown : out);
+            return NULL;
+        }
+        out = grown;
+    }
+    *cut = *cut || left == 0;
+    strcpy(out + len - 1, "]");
+    return out;
+}
+
+/* The "admitted" record: how the request came, and where it went (queued, or the worker). */
+static void log_admitted(const rtr_router *r, const rtr_stream *s, const Metrale__V1__GenerateRequest *req) {
+    bool json = false, cut = false;
+    char *prompt = r->p.log_prompts ? prompt_for_log(req, &json, &cut) : NULL;
+    const char *form = req->n_prompt_token_ids ? "ids" : req->n_messages ? "messages" : "text";
+    const mt_log_field f[] = {
+        mt_logf_uint("stream", s->id),
+        mt_logf_str("prompt_form", form),
+        mt_logf_uint("prompt_tokens", s->prompt_ids),
+        mt_logf_uint("prompt_bytes", req->prompt_text ? strlen(req->prompt_text) : 0),
+        mt_logf_uint("messages", req->n_messages),
+        mt_logf_uint("max_new_tokens", req->stopping ? req->stopping->max_new_tokens : 0),
+        isfinite(s->deadline) ? mt_logf_double("deadline_ms", (s->deadline - mt_now()) * 1e3)
+                              : mt_logf_json("deadline_ms", NULL), /* none: left out */
+        mt_logf_bool("queued", s->state == ST_QUEUED),
+        mt_logf_str("worker", s->worker ? s->worker->peer : NULL),
+        json ? mt_logf_json(req->n_prompt_token_ids ? "prompt_token_ids" : "prompt_messages", prompt)
+             : mt_logf_str("prompt_text", prompt),
+        mt_logf_json("prompt_truncated", prompt && cut ? "true" : NULL),
+    };
+    mt_log_event(MT_LOG_INFO, "admitted", s->request_id, f, sizeof f / sizeof f[0]);
+    free(prompt);
+}
+
 /* Ends the client side with a status (no-op when it is already over). */
 static void stream_end_call(rtr_stream *s, grpc_status_code code, const char *details) {
     if (!s->call) return;
+    log_finished(s, code, details, NULL);
     rtr_call_finish(s->call, code, details, NULL);
     rtr_call_set_stream(s->call, NULL);
     s->call = NULL;
@@ -227,6 +382,7 @@ static void stream_abort(rtr_router *r, rtr_stream *s, double now) {
 /* The client side is over (on_done, deadline, drain): abort or forget the stream. */
 static void stream_client_gone(rtr_router *r, rtr_stream *s, double now) {
     if (s->call) {
+        log_finished(s, GRPC_STATUS_CANCELLED, "the client went away", NULL);
         rtr_call_set_stream(s->call, NULL);
         s->call = NULL;
     }
@@ -319,6 +475,7 @@ static void stream_flush(rtr_stream *s, const Metrale__V1__Final *fin, const cha
     resp.text = text;
     resp.final = (Metrale__V1__Final *)fin;
     if (fin) {
+        log_finished(s, GRPC_STATUS_OK, NULL, fin);
         rtr_call_finish(s->call, GRPC_STATUS_OK, NULL, &resp.base);
         rtr_call_set_stream(s->call, NULL);
         s->call = NULL;
@@ -328,6 +485,20 @@ static void stream_flush(rtr_stream *s, const Metrale__V1__Final *fin, const cha
     if (toks != one) free(toks);
     if (text != small) free(text);
     stream_drop_pending(s);
+}
+
+/* Ends a cut stream's call with a final message made here, for a worker that did not answer its
+ * Abort: the tokens it holds, then FINISH_REASON_CANCELLED with the tokens the router passed on
+ * (the prompt's are known here only for an id prompt) and the OK status. */
+static void stream_end_cut(rtr_stream *s) {
+    Metrale__V1__Usage usage = METRALE__V1__USAGE__INIT;
+    usage.prompt_tokens = s->prompt_ids;
+    usage.completion_tokens = s->completion_tokens;
+    Metrale__V1__Final fin = METRALE__V1__FINAL__INIT;
+    fin.finish_reason = METRALE__V1__FINISH_REASON__FINISH_REASON_CANCELLED;
+    fin.usage = &usage;
+    fin.error_message = "server shut down: the drain timeout ran out";
+    stream_flush(s, &fin, NULL);
 }
 
 /* ---- tokenize calls ---- */
@@ -384,7 +555,11 @@ static void worker_lost(rtr_router *r, rtr_worker *w, const char *why, bool tell
         /* A worker that is only frozen frees the sequence when it wakes up. */
         if (tell_worker && s->state == ST_RUNNING)
             send_abort(r, s, METRALE__V1__FINISH_REASON__FINISH_REASON_ERROR);
-        if (s->state == ST_RUNNING && s->call && !s->got_tokens && s->req && others && s->requeues < REQUEUES_MAX) {
+        if (s->state == ST_RUNNING && s->call && !s->got_tokens && s->req && !s->cut && others &&
+            s->requeues < REQUEUES_MAX) {
+            const mt_log_field f[] = { mt_logf_str("worker", w->peer), mt_logf_str("why", why),
+                                       mt_logf_int("requeues", s->requeues + 1) };
+            mt_log_event(MT_LOG_INFO, "requeued", s->request_id, f, sizeof f / sizeof f[0]);
             s->state = ST_QUEUED;
             s->worker = NULL;
             s->requeues++;
@@ -394,6 +569,7 @@ static void worker_lost(rtr_router *r, rtr_worker *w, const char *why, bool tell
             requeued++;
             continue;
         }
+        if (s->cut && s->call) stream_end_cut(s); /* the drain ended it, not the death */
         failed += s->call != NULL;
         stream_end_call(s, GRPC_STATUS_UNAVAILABLE, msg);
         stream_free(r, s);
@@ -415,7 +591,7 @@ static void reap_gone(rtr_router *r) {
         rtr_worker *w = r->workers.w[i];
         if (!w->alive || !w->gone) continue;
         /* after Shutdown (draining) the workers are expected to leave */
-        mt_log(r->phase == RUNNING || r->phase == DRAIN_STREAMS ? MT_LOG_WARN : MT_LOG_INFO,
+        mt_log(r->phase < DRAIN_WORKERS ? MT_LOG_WARN : MT_LOG_INFO,
                "router: worker %s: its connection closed: dead", w->peer);
         worker_lost(r, w, "died", false, false);
     }
@@ -442,7 +618,14 @@ static void on_tokens(rtr_router *r, rtr_worker *w, mt_envelope *env) {
         mt_wire_free(env);
         return;
     }
+    s->completion_tokens += (uint32_t)t->n_tokens;
     if (!s->got_tokens) { /* from here on the stream cannot move to another worker */
+        const mt_log_field f[] = {
+            mt_logf_double("ttft_ms", ms_since(s->admitted_at)),
+            mt_logf_str("worker", w->peer),
+            mt_logf_int("requeues", s->requeues),
+        };
+        mt_log_event(MT_LOG_INFO, "first_token", s->request_id, f, sizeof f / sizeof f[0]);
         s->got_tokens = true;
         metrale__v1__generate_request__free_unpacked(s->req, NULL);
         s->req = NULL;
@@ -627,11 +810,42 @@ static size_t client_streams(const rtr_router *r) {
     return k;
 }
 
+/* The drain timeout passed: every stream still running is cut (Abort(CANCELLED); its worker's
+ * Finished ends it with a final message, see the top of this file); streams still queued and
+ * Tokenize calls end UNAVAILABLE (nothing was done for them: a client may retry elsewhere). */
+static void cut_streams(rtr_router *r, double now) {
+    size_t cut = 0;
+    rtr_stream *next;
+    for (rtr_stream *s = r->streams; s; s = next) {
+        next = s->next;
+        if (!s->call) continue;
+        if (s->state == ST_RUNNING) {
+            send_abort(r, s, METRALE__V1__FINISH_REASON__FINISH_REASON_CANCELLED);
+            s->cut = true;
+            cut++;
+        } else {
+            stream_end_call(s, GRPC_STATUS_UNAVAILABLE, "server shut down before the stream started");
+            stream_client_gone(r, s, now);
+        }
+    }
+    while (r->tokenizes)
+        tokenize_end(r, r->tokenizes, GRPC_STATUS_UNAVAILABLE, "server shut down before the call was answered", NULL);
+    mt_log(MT_LOG_WARN, "router: drain timeout (%.1f s) ran out: %zu streams cut", r->p.drain_timeout_s, cut);
+}
+
 static void drain_step(rtr_router *r, double now) {
-    if (r->phase == DRAIN_STREAMS && ((client_streams(r) == 0 && !r->tokenizes) || now >= r->phase_deadline)) {
+    const bool idle = client_streams(r) == 0 && !r->tokenizes;
+    if (r->phase == DRAIN_STREAMS && !idle && now >= r->phase_deadline) {
+        cut_streams(r, now);
+        r->phase = DRAIN_CUT;
+        r->phase_deadline = now + CUT_GRACE_S;
+    }
+    if ((r->phase == DRAIN_STREAMS && idle) ||
+        (r->phase == DRAIN_CUT && (client_streams(r) == 0 || now >= r->phase_deadline))) {
         rtr_stream *next;
         for (rtr_stream *s = r->streams; s; s = next) {
             next = s->next;
+            if (s->cut && s->call) stream_end_cut(s); /* its worker did not answer the Abort */
             stream_end_call(s, GRPC_STATUS_UNAVAILABLE, "server shut down before the stream finished");
             stream_client_gone(r, s, now);
         }
@@ -669,20 +883,25 @@ static void drain_step(rtr_router *r, double now) {
 
 /* ---- gRPC handlers ---- */
 
-static void finish_rejected(rtr_router *r, rtr_call *call, grpc_status_code code, const char *msg) {
+/* Refuses a Generate before admission; request_id is NULL when the request did not parse. */
+static void finish_rejected(rtr_router *r, rtr_call *call, grpc_status_code code, const char *msg,
+                            const char *request_id) {
     r->requests_rejected++;
+    const mt_log_field f[] = { mt_logf_str("status", status_name(code)), mt_logf_str("details", msg) };
+    mt_log_event(MT_LOG_INFO, "rejected", request_id, f, sizeof f / sizeof f[0]);
     rtr_call_finish(call, code, msg, NULL);
 }
 
 static void on_generate(rtr_router *r, rtr_call *call, const uint8_t *data, size_t len) {
     r->requests_total++;
     if (r->phase != RUNNING) {
-        finish_rejected(r, call, GRPC_STATUS_UNAVAILABLE, "server is shutting down");
+        finish_rejected(r, call, GRPC_STATUS_UNAVAILABLE, "server is shutting down", NULL);
         return;
     }
     Metrale__V1__GenerateRequest *req = metrale__v1__generate_request__unpack(NULL, len, data);
     if (!req) {
-        finish_rejected(r, call, GRPC_STATUS_INVALID_ARGUMENT, "request is not a valid metrale.v1.GenerateRequest");
+        finish_rejected(r, call, GRPC_STATUS_INVALID_ARGUMENT, "request is not a valid metrale.v1.GenerateRequest",
+                        NULL);
         return;
     }
     rtr_model_limits lim;
@@ -700,25 +919,30 @@ static void on_generate(rtr_router *r, rtr_call *call, const uint8_t *data, size
         code = GRPC_STATUS_DEADLINE_EXCEEDED;
         msg = "deadline exceeded before admission";
     }
+    /* the record escapes the id; a refused one may be anything, so only a short one is named */
+    const char *rid = req->request_id && strlen(req->request_id) <= MT_WIRE_REQUEST_ID_MAX ? req->request_id : NULL;
     if (code != GRPC_STATUS_OK) {
+        finish_rejected(r, call, code, msg, rid);
         metrale__v1__generate_request__free_unpacked(req, NULL);
-        finish_rejected(r, call, code, msg);
         return;
     }
     rtr_stream *s = stream_new(r, req, call);
     if (!s) {
+        finish_rejected(r, call, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory", rid);
         metrale__v1__generate_request__free_unpacked(req, NULL);
-        finish_rejected(r, call, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
         return;
     }
-    if (rtr_admission_len(&r->queue) == 0 && submit_now(r, s)) return;
-    if (rtr_admission_push(&r->queue, &s->qnode) == MT_ERR_FULL) {
+    if (!(rtr_admission_len(&r->queue) == 0 && submit_now(r, s)) &&
+        rtr_admission_push(&r->queue, &s->qnode) == MT_ERR_FULL) {
         char m[96];
         snprintf(m, sizeof m, "admission queue full (%zu waiting)", rtr_admission_len(&r->queue));
-        stream_end_call(s, GRPC_STATUS_RESOURCE_EXHAUSTED, m);
+        rtr_call_set_stream(call, NULL);
+        s->call = NULL;
+        finish_rejected(r, call, GRPC_STATUS_RESOURCE_EXHAUSTED, m, s->request_id);
         stream_free(r, s);
-        r->requests_rejected++;
+        return;
     }
+    log_admitted(r, s, req);
 }
 
 static void on_tokenize(rtr_router *r, rtr_call *call, const uint8_t *data, size_t len) {
@@ -766,7 +990,22 @@ static void on_tokenize(rtr_router *r, rtr_call *call, const uint8_t *data, size
     metrale__v1__tokenize_request__free_unpacked(req, NULL);
 }
 
-static void on_get_model_info(rtr_router *r, rtr_call *call) {
+/* A request that must parse as type desc (an empty message: ModelInfoRequest, StatsRequest);
+ * false after answering INVALID_ARGUMENT when it does not. */
+static bool parses_as(rtr_call *call, const ProtobufCMessageDescriptor *desc, const uint8_t *data, size_t len) {
+    ProtobufCMessage *m = protobuf_c_message_unpack(desc, NULL, len, data);
+    if (m) {
+        protobuf_c_message_free_unpacked(m, NULL);
+        return true;
+    }
+    char msg[128];
+    snprintf(msg, sizeof msg, "request is not a valid %s", desc->name);
+    rtr_call_finish(call, GRPC_STATUS_INVALID_ARGUMENT, msg, NULL);
+    return false;
+}
+
+static void on_get_model_info(rtr_router *r, rtr_call *call, const uint8_t *data, size_t len) {
+    if (!parses_as(call, &metrale__v1__model_info_request__descriptor, data, len)) return;
     const rtr_worker *w = rtr_workers_any_live(&r->workers);
     if (!w) {
         rtr_call_finish(call, GRPC_STATUS_UNAVAILABLE, "no live worker", NULL);
@@ -777,7 +1016,8 @@ static void on_get_model_info(rtr_router *r, rtr_call *call) {
     rtr_call_finish(call, GRPC_STATUS_OK, NULL, &info.base);
 }
 
-static void on_get_stats(rtr_router *r, rtr_call *call) {
+static void on_get_stats(rtr_router *r, rtr_call *call, const uint8_t *data, size_t len) {
+    if (!parses_as(call, &metrale__v1__stats_request__descriptor, data, len)) return;
     Metrale__V1__Stats st = METRALE__V1__STATS__INIT;
     Metrale__V1__WorkerStats ws[MT_WIRE_WORKERS_MAX], *wp[MT_WIRE_WORKERS_MAX];
     st.queued = (uint32_t)rtr_admission_len(&r->queue);
@@ -800,8 +1040,8 @@ static void on_get_stats(rtr_router *r, rtr_call *call) {
 static void h_on_request(rtr_router *r, rtr_call *call, rtr_method m, const uint8_t *data, size_t len) {
     switch (m) {
     case RTR_METHOD_GENERATE: on_generate(r, call, data, len); break;
-    case RTR_METHOD_GET_MODEL_INFO: on_get_model_info(r, call); break;
-    case RTR_METHOD_GET_STATS: on_get_stats(r, call); break;
+    case RTR_METHOD_GET_MODEL_INFO: on_get_model_info(r, call, data, len); break;
+    case RTR_METHOD_GET_STATS: on_get_stats(r, call, data, len); break;
     case RTR_METHOD_TOKENIZE: on_tokenize(r, call, data, len); break;
     case RTR_METHOD_HEALTH_CHECK: rtr_health_check(&r->health, call, data, len); break;
     case RTR_METHOD_HEALTH_WATCH: rtr_health_watch_start(&r->health, call, data, len); break;

@@ -4,7 +4,9 @@
  * and streams each worker's tokens back to its client.
  *
  * Service behaviour (proto/metrale/v1/metrale.proto states the codes):
- *   - a malformed request: INVALID_ARGUMENT naming the field; a full admission queue:
+ *   - a malformed request: INVALID_ARGUMENT naming the field (bytes that are not the method's
+ *     request message too, GetModelInfo and GetStats included); no request message, or a second
+ *     one: UNIMPLEMENTED (grpc_server.h); a full admission queue:
  *     RESOURCE_EXHAUSTED; draining or no live worker: UNAVAILABLE;
  *   - a passed deadline: DEADLINE_EXCEEDED, and the worker gets Abort; a client that cancels or
  *     disconnects: the worker gets Abort (it frees the sequence and still answers Finished);
@@ -21,8 +23,16 @@
  *     client's deadline or 10 s; requests_total and requests_rejected count Generate calls
  *     only (a Generate the worker refuses as invalid counts as rejected);
  *   - rtr_router_drain (SIGTERM in main): health NOT_SERVING, new requests UNAVAILABLE, admitted
- *     streams run up to drain_timeout_s (then end UNAVAILABLE), workers get Shutdown, the server
- *     stops and rtr_router_run returns MT_OK.
+ *     streams run up to drain_timeout_s; then the ones still running are cut: their worker ends
+ *     them and they get a final message with FINISH_REASON_CANCELLED and their token counts, and
+ *     OK (the ones still queued end UNAVAILABLE); workers get Shutdown, the server stops and
+ *     rtr_router_run returns MT_OK.
+ *
+ * Logs (common/mt.h records, with the request id): each Generate's life, admitted (how it came:
+ * prompt size, max_new_tokens, queued or the worker it went to; the prompt itself only with
+ * log_prompts), first_token (time to it), requeued (its worker died before it), and finished
+ * (the gRPC status, the finish reason, prompt and completion tokens, the time it took); and
+ * rejected for one refused before admission.
  *
  * Threads: the thread that calls rtr_router_create must make every other call; it runs the event
  * loop in rtr_router_run. (grpc_server.c adds one thread that only forwards completions.)
@@ -30,6 +40,7 @@
 #ifndef RTR_ROUTER_H
 #define RTR_ROUTER_H
 
+#include <stdbool.h>
 #include <stddef.h>
 
 #include "common/mt.h"
@@ -55,6 +66,8 @@ typedef struct rtr_router_params {
     const char *const *curve_clients;  /* the workers' public keys it admits; NULL = any worker
                                           that has the router's public key */
     size_t n_curve_clients;
+    bool log_prompts;             /* the admitted records carry the prompt (text, or ids); default
+                                     false: prompts are never logged */
 } rtr_router_params;
 
 rtr_router_params rtr_router_default_params(void);

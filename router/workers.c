@@ -130,6 +130,8 @@ void rtr_workers_set_stats(rtr_worker *w, const Metrale__V1__WorkerStats *s) {
     w->stats.cache_pages_total = s->cache_pages_total;
     w->stats.slots_free = s->slots_free;
     w->stats.slots_total = s->slots_total;
+    w->stats.slots_prefix = s->slots_prefix;
+    w->stats.pages_prefix = s->pages_prefix;
 }
 
 static rtr_worker *pick(rtr_workers *reg, bool need_room) {

@@ -1,8 +1,12 @@
-// common/mt: status strings, error formatting, dtype sizes and conversions.
+// common/mt: status strings, error formatting, dtype sizes and conversions, log records.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <regex>
+#include <string>
 
 extern "C" {
 #include "common/mt.h"
@@ -59,4 +63,94 @@ TEST(Mt, DtypeSizes) {
     EXPECT_EQ(mt_dtype_size(MT_F16), 2u);
     EXPECT_EQ(mt_dtype_size(MT_I64), 8u);
     EXPECT_STREQ(mt_dtype_name(MT_BF16), "BF16");
+}
+
+// Runs f with stderr going to a temporary file; returns what was written there.
+template <class F> static std::string CaptureStderr(F f) {
+    FILE *tmp = tmpfile();
+    EXPECT_NE(tmp, nullptr);
+    fflush(stderr);
+    const int saved = dup(2);
+    dup2(fileno(tmp), 2);
+    f();
+    fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    std::string out;
+    rewind(tmp);
+    char buf[4096];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof buf, tmp)) > 0) out.append(buf, n);
+    fclose(tmp);
+    return out;
+}
+
+// The settings are process-wide: each test restores the defaults.
+struct LogSettings {
+    LogSettings(mt_log_format f) {
+        mt_log_set_format(f);
+        mt_log_set_component("router", "router: ");
+    }
+    ~LogSettings() {
+        mt_log_set_format(MT_LOG_TEXT);
+        mt_log_set_component("", "");
+    }
+};
+
+static const std::string kTime = R"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z)";
+
+TEST(MtLog, TextLinesStartWithTheTimeAndLevel) {
+    LogSettings s(MT_LOG_TEXT);
+    const std::string out = CaptureStderr([] {
+        mt_log(MT_LOG_WARN, "router: worker %s dead", "w1");
+        const mt_log_field f[] = { mt_logf_str("status", "OK"), mt_logf_str("details", "two words"),
+                                   mt_logf_uint("completion_tokens", 8), mt_logf_str("gone", nullptr) };
+        mt_log_event(MT_LOG_INFO, "finished", "r-1", f, 4);
+    });
+    EXPECT_TRUE(std::regex_match(out, std::regex(kTime + R"( \[W\] router: worker w1 dead\n)" + kTime +
+                                                 R"( \[I\] router: finished request_id=r-1 status=OK )"
+                                                 R"(details="two words" completion_tokens=8\n)")))
+        << out;
+}
+
+TEST(MtLog, JsonRecordsAreOneObjectALineWithEscapedStrings) {
+    LogSettings s(MT_LOG_JSON);
+    const std::string out = CaptureStderr([] {
+        mt_log(MT_LOG_INFO, "router: listening on port %d", 50051);
+        mt_log(MT_LOG_ERROR, "wire: \"quoted\" \\ tab\t nl\n ctl\x01");
+        const mt_log_field f[] = {
+            mt_logf_str("text", "caf\xc3\xa9 \xe4\xb8\xad bad\xff\xc3("), mt_logf_int("neg", -3),
+            mt_logf_double("ms", 1.5), mt_logf_double("nan", NAN), mt_logf_bool("queued", true),
+            mt_logf_json("ids", "[1,2]"), mt_logf_json("none", nullptr), mt_logf_str("none2", nullptr),
+        };
+        mt_log_event(MT_LOG_DEBUG, "dropped", "r", f, 8); // below the level: nothing
+        mt_log_event(MT_LOG_INFO, "admitted", "r\"1", f, 8);
+        mt_log_event(MT_LOG_INFO, "plain", nullptr, nullptr, 0);
+    });
+    const std::string t = R"(\{"time":")" + kTime + R"(",)";
+    const std::string want =
+        t + R"("level":"info","component":"router","event":"log","msg":"listening on port 50051"\}\n)" +
+        t + R"("level":"error","component":"router","event":"log","msg":"wire: \\"quoted\\" \\\\ tab\\t nl\\n ctl\\u0001"\}\n)" +
+        t + R"("level":"info","component":"router","request_id":"r\\"1","event":"admitted",)"
+            R"("text":"caf\xc3\xa9 \xe4\xb8\xad bad\\ufffd\\ufffd\(","neg":-3,"ms":1.5,"nan":null,"queued":true,)"
+            R"("ids":\[1,2\]\}\n)" +
+        t + R"("level":"info","component":"router","event":"plain"\}\n)";
+    EXPECT_TRUE(std::regex_match(out, std::regex(want))) << out;
+}
+
+TEST(MtLog, LongLinesAndQuoting) {
+    LogSettings s(MT_LOG_JSON);
+    const std::string big(10000, 'x');
+    const std::string out = CaptureStderr([&] { mt_log(MT_LOG_INFO, "%s", big.c_str()); });
+    EXPECT_NE(out.find("\"msg\":\"" + big + "\"}\n"), std::string::npos);
+    char *q = mt_json_quote("a\"b\\c\x02");
+    ASSERT_NE(q, nullptr);
+    EXPECT_STREQ(q, "\"a\\\"b\\\\c\\u0002\"");
+    free(q);
+    mt_log_format f = MT_LOG_TEXT;
+    EXPECT_TRUE(mt_log_format_parse("json", &f));
+    EXPECT_EQ(f, MT_LOG_JSON);
+    EXPECT_TRUE(mt_log_format_parse("text", &f));
+    EXPECT_EQ(f, MT_LOG_TEXT);
+    EXPECT_FALSE(mt_log_format_parse("xml", &f));
 }

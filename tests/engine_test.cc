@@ -662,8 +662,12 @@ TEST(Engine, PrefixReuseGivesColdTokensAndEvicts) {
         EXPECT_EQ(E.Stats().prefix_misses, 1u);
         EXPECT_EQ(E.Stats().prefix_entries, 1);  // kept at 64, the last block boundary of 110 - 1
         EXPECT_GT(E.Stats().prefix_cache_bytes, 0u);
+        EXPECT_EQ(eng_prefix_pages(E.e), 1);     // its one page, which only it holds
         ASSERT_EQ(E.Submit(2, b, Req(12)), MT_OK);
+        E.Step();
+        EXPECT_EQ(eng_prefix_pages(E.e), 0);     // shared with the running hit: the hit's page
         E.RunToEnd();
+        EXPECT_EQ(eng_prefix_pages(E.e), 1);
         EXPECT_EQ(E.Stats().prefix_hits, 1u);
         EXPECT_EQ(E.results[1].tokens, DirectGreedy(M.m, a, 12));
         EXPECT_EQ(E.results[2].tokens, DirectGreedy(M.m, b, 12));  // the hit equals a cold run

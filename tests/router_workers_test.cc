@@ -144,7 +144,11 @@ TEST(RouterWorkers, StatsAreCopied) {
     s.live_sequences = 3;
     s.cache_bytes_in_use = 1234;
     s.cache_bytes_baseline = 1000;
+    s.slots_prefix = 5;
+    s.pages_prefix = 11;
     rtr_workers_set_stats(a, &s);
+    EXPECT_EQ(a->stats.slots_prefix, 5u);
+    EXPECT_EQ(a->stats.pages_prefix, 11u);
     EXPECT_EQ(a->stats.worker_id, 7u);
     EXPECT_EQ(a->stats.live_sequences, 3u);
     EXPECT_EQ(a->stats.cache_bytes_in_use, 1234u);

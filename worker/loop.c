@@ -19,6 +19,7 @@
 #include "worker/transport.h"
 
 #define IDLE_WAIT_MS 50 /* longest wait for a message when idle (holds the socket's mutex) */
+#define PREFIX_PAGES_EVERY_S 0.1 /* eng_prefix_pages walks every mapped block: at most this often */
 
 /* The router checks top_logprobs against the wire limit; the engine's results must hold that many. */
 _Static_assert(MT_WIRE_TOP_LOGPROBS_MAX <= ENG_TOP_LOGPROBS_MAX, "top_logprobs of the wire exceed the engine's");
@@ -38,6 +39,8 @@ struct wkr_loop {
     int32_t *eos;              /* [n_eos] every id that ends a sequence unless ignore_eos */
     uint32_t *eos_u32;         /* the same, for ModelInfo */
     size_t n_eos;
+    int prefix_pages;          /* the last eng_prefix_pages, and when it was taken */
+    double prefix_pages_at;
 };
 
 wkr_params wkr_default_params(void) {
@@ -116,6 +119,34 @@ static mt_status plan_memory(wkr_loop *l, eng_params *ep, mt_error *err) {
     return MT_OK;
 }
 
+/* Weight loading as it goes: a "weights_progress" record at each tenth of the bytes or every
+ * LOAD_LOG_EVERY_S, whichever comes first, then "weights_loaded" (load_model). */
+typedef struct load_log {
+    double t0, last_at;
+    int last_tenth;
+    uint64_t read;             /* bytes this rank read so far */
+} load_log;
+
+#define LOAD_LOG_EVERY_S 5.0
+
+static void on_load_progress(void *user, uint64_t done, uint64_t total, uint64_t read) {
+    load_log *g = user;
+    g->read = read;
+    const double now = mt_now(), pct = total ? 100.0 * (double)done / (double)total : 100.0;
+    const int tenth = (int)(pct / 10);
+    if (tenth <= g->last_tenth && now - g->last_at < LOAD_LOG_EVERY_S) return;
+    g->last_tenth = tenth;
+    g->last_at = now;
+    const double s = now - g->t0;
+    const mt_log_field f[] = {
+        mt_logf_double("percent", pct < 100 ? pct : 100),
+        mt_logf_uint("bytes", read),
+        mt_logf_double("bytes_per_s", s > 0 ? (double)read / s : 0),
+        mt_logf_double("elapsed_s", s),
+    };
+    mt_log_event(MT_LOG_INFO, "weights_progress", NULL, f, sizeof f / sizeof f[0]);
+}
+
 /* --model: a checkpoint folder (the architecture from its config.json), or random:PRESET (tiny,
  * bench-4L): random weights made on the backend from a fixed seed, for benchmarks of the real
  * shapes without a checkpoint file. */
@@ -124,7 +155,22 @@ static mt_status load_model(wkr_loop *l, mt_error *err) {
     if (l->p.graph_max_batch > 0) mp.graph_max_rows = l->p.graph_max_batch;
     mp.mtp = l->p.spec_tokens > 0;
     mp.comm = l->data;
-    return mt_model_load(l->p.model, l->be, &mp, &l->m, err);
+    load_log g = { .t0 = mt_now(), .last_at = mt_now(), .last_tenth = -1 };
+    mp.on_load_progress = on_load_progress;
+    mp.load_progress_user = &g;
+    mt_status st = mt_model_load(l->p.model, l->be, &mp, &l->m, err);
+    if (st != MT_OK) return st;
+    const double s = mt_now() - g.t0;
+    const mt_log_field f[] = {
+        mt_logf_str("model", l->p.model),
+        mt_logf_double("percent", 100),
+        mt_logf_uint("bytes", g.read),
+        mt_logf_double("bytes_per_s", s > 0 ? (double)g.read / s : 0),
+        mt_logf_double("seconds", s),
+        mt_logf_str("backend", l->backend_name),
+    };
+    mt_log_event(MT_LOG_INFO, "weights_loaded", NULL, f, sizeof f / sizeof f[0]);
+    return MT_OK;
 }
 
 /* Joins the group (tp > 0): the host communicator `group`, and on a GPU an NCCL one whose id rank
@@ -432,6 +478,14 @@ static void publish_stats(wkr_loop *l) {
     ws.cache_pages_total = (uint32_t)st.pages_total;
     ws.slots_free = (uint32_t)st.slots_free;
     ws.slots_total = (uint32_t)st.slots_total;
+    ws.slots_prefix = (uint32_t)st.prefix_entries;
+    const double now = mt_now();
+    if (now - l->prefix_pages_at >= PREFIX_PAGES_EVERY_S) {
+        const int pages = eng_prefix_pages(l->eng);
+        if (pages >= 0) l->prefix_pages = pages;
+        l->prefix_pages_at = now;
+    }
+    ws.pages_prefix = (uint32_t)l->prefix_pages;
     wkr_transport_publish(l->t, &ws);
 }
 
@@ -550,8 +604,10 @@ static mt_status request_from_proto(wkr_loop *l, const Metrale__V1__GenerateRequ
 
 /* Refuses Submit id before it started: Finished(ERROR, why), INVALID_ARGUMENT for the client when
  * the request itself is at fault. */
-static void refuse(wkr_loop *l, uint64_t id, uint32_t prompt_tokens, mt_status st, const char *why) {
-    mt_log(MT_LOG_WARN, "worker %d: submit %llu refused: %s", l->p.id, (unsigned long long)id, why);
+static void refuse(wkr_loop *l, uint64_t id, const char *request_id, uint32_t prompt_tokens, mt_status st,
+                   const char *why) {
+    const mt_log_field f[] = { mt_logf_uint("stream", id), mt_logf_str("why", why) };
+    mt_log_event(MT_LOG_WARN, "refused", request_id, f, sizeof f / sizeof f[0]);
     mt_wire_end end = mt_wire_end_of(METRALE__V1__FINISH_REASON__FINISH_REASON_ERROR);
     end.prompt_tokens = prompt_tokens;
     end.message = why;
@@ -583,11 +639,12 @@ static void on_submit(void *user, uint64_t id, const Metrale__V1__GenerateReques
     tok_ids_free(&b.prompt);
     free(b.stops);
     if (st == MT_OK) {
-        mt_log(MT_LOG_DEBUG, "worker %d: submit %llu: %u prompt tokens", l->p.id, (unsigned long long)id, n_prompt);
+        const mt_log_field f[] = { mt_logf_uint("stream", id), mt_logf_uint("prompt_tokens", n_prompt) };
+        mt_log_event(MT_LOG_DEBUG, "submitted", g->request_id, f, sizeof f / sizeof f[0]);
         return;
     }
     if (s) wkr_texts_remove(l->texts, id);
-    refuse(l, id, n_prompt, st, err.msg);
+    refuse(l, id, g->request_id, n_prompt, st, err.msg);
 }
 
 /* Tokenize: the ids Generate would feed for the same text or messages. */

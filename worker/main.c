@@ -3,7 +3,7 @@
  *   metrale-worker --model DIR --router ipc:///PATH --id N [--backend cpu|cuda|auto] [--device N]
  *                  [--max-sequences N] [--max-context N] [--threads N] [--router-timeout S] [--verbose]
  *                  [--numerics exact|bf16] [--tp N --rank R --group NAME]
- *                  [--curve-server-key FILE --curve-secret-key FILE]
+ *                  [--curve-server-key FILE --curve-secret-key FILE] [--log-format text|json]
  *
  * This file parses the options and sets the process up (log level, signals, exit status); the
  * engine side and its loop are worker/loop.h, the router link and the heartbeat thread
@@ -44,7 +44,7 @@ static void usage(FILE *f) {
             "                      [--graph-max-batch N] [--no-preempt] [--no-run-ahead] [--verbose]\n"
             "                      [--numerics exact|bf16] [--tp N --rank R --group NAME]\n"
             "                      [--speculative-tokens K] [--speculative-max-batch B]\n"
-            "                      [--curve-server-key FILE --curve-secret-key FILE]\n"
+            "                      [--curve-server-key FILE --curve-secret-key FILE] [--log-format text|json]\n"
             "  Serves the checkpoint in DIR to the router at ENDPOINT (ipc://, tcp://127.0.0.1:, or tcp://HOST:PORT\n"
             "  of another host with the CURVE keys) as worker N.\n"
             "  --model: a checkpoint folder, or random:tiny / random:bench-4L (random weights, for benchmarks).\n"
@@ -71,7 +71,8 @@ static void usage(FILE *f) {
             "  --speculative-tokens K: draft K tokens a step with the checkpoint's MTP block and verify them in\n"
             "  one step (0 = off, the default; at most 4; greedy requests; a checkpoint without the block\n"
             "  serves without); --speculative-max-batch B: only while a decode step has at most B sequences\n"
-            "  (default 0: any).\n");
+            "  (default 0: any). --log-format: log lines as text (default) or one JSON object a line\n"
+            "  (component \"worker N\"; weight loading progress, sequences refused).\n");
 }
 
 /* ---- options ---- */
@@ -125,6 +126,14 @@ static int parse_args(int argc, char **argv, wkr_params *o, bool *verbose) {
             }
         }
         else if (!strcmp(a, "--backend")) o->backend = v;
+        else if (!strcmp(a, "--log-format")) {
+            mt_log_format fmt;
+            if (!mt_log_format_parse(v, &fmt)) {
+                fprintf(stderr, "error: --log-format must be text or json, got \"%s\"\n", v);
+                return -1;
+            }
+            mt_log_set_format(fmt);
+        }
         else if (!strcmp(a, "--id")) rc = parse_int(a, v, 0, &o->id);
         else if (!strcmp(a, "--device")) rc = parse_int(a, v, 0, &o->device);
         else if (!strcmp(a, "--max-sequences")) rc = parse_int(a, v, 1, &o->max_sequences);
@@ -190,6 +199,10 @@ int main(int argc, char **argv) {
     int rc = parse_args(argc, argv, &p, &verbose);
     if (rc) return rc > 0 ? 0 : 2;
     if (verbose) mt_log_set_level(MT_LOG_DEBUG);
+    char component[32], prefix[40];
+    snprintf(component, sizeof component, "worker %d", p.id);
+    snprintf(prefix, sizeof prefix, "worker %d: ", p.id);
+    mt_log_set_component(component, prefix);
 
     struct sigaction sa = { 0 };
     sa.sa_handler = on_signal;

@@ -1,7 +1,8 @@
 """Malformed requests, table-driven, mixed into valid traffic: each bad one is answered with the
 right code and a message naming the field, every valid stream completes, no worker restarts.
-Also: a full admission queue answers RESOURCE_EXHAUSTED while the admitted streams complete, and
-bytes that are not a request, an unknown method and an unknown health service get their codes."""
+Also: a full admission queue answers RESOURCE_EXHAUSTED while the admitted streams complete;
+bytes that are not a request, an unknown method and an unknown health service get their codes;
+and a call with no request message or two is UNIMPLEMENTED (gRPC's cardinality rule)."""
 
 import math
 import random
@@ -159,6 +160,14 @@ class BadRequestTest(unittest.TestCase):
             with self.assertRaises(grpc.RpcError) as e:
                 c.check("no.such.Service")
             self.assertEqual(e.exception.code(), grpc.StatusCode.NOT_FOUND)
+            # A body that is not the method's request message
+            for method, name in [("GetModelInfo", "ModelInfoRequest"), ("GetStats", "StatsRequest")]:
+                call = c.channel.unary_unary("/metrale.v1.Generation/" + method, request_serializer=lambda b: b,
+                                             response_deserializer=lambda b: b)
+                with self.assertRaises(grpc.RpcError) as e:
+                    call(b"\xff\xff\xff\xff", timeout=5)
+                self.assertEqual(e.exception.code(), INVALID, method)
+                self.assertIn(name, e.exception.details())
             # Tokenize: refused by the router for a model without a tokenizer, or a request with
             # neither text nor messages
             for req, text in [(metrale_pb2.TokenizeRequest(text="hello"), "no tokenizer"),
@@ -191,6 +200,47 @@ class BadRequestTest(unittest.TestCase):
             self.assertEqual(s.code, grpc.StatusCode.OK, s.details)
             self.assertEqual(c.stats().worker_restarts, 0)
             self.assertIsNone(c.router.poll())
+
+    def test_request_cardinality_violations_are_unimplemented(self):
+        """gRPC's doc/statuscodes.md: a method that takes one request but gets another number of them
+        is UNIMPLEMENTED. A second request message on a running Generate ends it so (and the worker
+        frees the sequence); none at all too; and on Health/Watch."""
+        with Cluster(workers=1) as c:
+            ctx = c.gen.GetModelInfo(metrale_pb2.ModelInfoRequest(), timeout=5).max_context
+            gen2 = c.channel.stream_stream("/metrale.v1.Generation/Generate",
+                                           request_serializer=metrale_pb2.GenerateRequest.SerializeToString,
+                                           response_deserializer=metrale_pb2.GenerateResponse.FromString)
+            first_token = threading.Event()
+
+            def two_requests():
+                yield request("twice", [1, 2, 3], ctx - 4)
+                first_token.wait(30)  # the first request is running when the second comes
+                yield request("twice-again", [4, 5, 6], 4)
+
+            call = gen2(two_requests(), timeout=30)
+            tokens = 0
+            with self.assertRaises(grpc.RpcError) as e:
+                for resp in call:
+                    tokens += len(resp.tokens)
+                    first_token.set()
+            self.assertEqual(e.exception.code(), grpc.StatusCode.UNIMPLEMENTED, e.exception.details())
+            self.assertIn("more than one request message", e.exception.details())
+            self.assertGreater(tokens, 0)
+            self.assertLess(tokens, ctx - 4)
+            with self.assertRaises(grpc.RpcError) as e:
+                list(gen2(iter(()), timeout=5))
+            self.assertEqual(e.exception.code(), grpc.StatusCode.UNIMPLEMENTED)
+            self.assertIn("no request message", e.exception.details())
+            watch2 = c.channel.stream_stream("/grpc.health.v1.Health/Watch", request_serializer=lambda b: b,
+                                             response_deserializer=lambda b: b)
+            with self.assertRaises(grpc.RpcError) as e:
+                list(watch2(iter([b"", b""]), timeout=5))
+            self.assertEqual(e.exception.code(), grpc.StatusCode.UNIMPLEMENTED)
+            # The cut stream's sequence is freed on the worker; the service goes on.
+            wait_for(lambda: c.stats().active_streams == 0, 5, "the stream to end in the router")
+            wait_for(lambda: all(w.live_sequences == 0 for w in c.live_workers()), 5, "the worker to free it")
+            s = Collector(c.gen, request("once", [1, 2, 3], 3)).wait(30)
+            self.assertEqual(s.code, grpc.StatusCode.OK, s.details)
 
     def test_full_queue_is_resource_exhausted(self):
         with Cluster(workers=1, queue=2, max_sequences=4) as c:

@@ -1,7 +1,8 @@
 """Cancellation, deadlines and a dying worker, through the real router and workers.
 
-- 200 streams cancelled mid-flight (some before their first token, most after a few): afterwards
-  no sequence is live and every worker's cache is back at its baseline (GetStats).
+- 200 streams cancelled mid-flight (some before their first token, most after a few; a fifth with
+  prompts long enough to keep a prefix): afterwards no sequence is live, every worker's cache is
+  back at its baseline, and every slot and page is free or a kept prefix's (GetStats).
 - A deadline that passes mid-stream ends it DEADLINE_EXCEEDED, and the worker frees the sequence.
 - kill -9 of one of two workers under load: its streams end UNAVAILABLE within 3 s, the other
   worker's streams all complete, health stays SERVING; a restarted worker counts as a restart.
@@ -22,13 +23,20 @@ from harness import SERVING, Cluster, Collector, metrale_pb2, request, wait_for
 HEARTBEAT_S = 0.5  # MT_WIRE_HEARTBEAT_S (common/wire_limits.h)
 
 
+def accounted(w):
+    """Every slot and page of an idle CPU worker is free or held by a kept prefix (no leak)."""
+    return (w.slots_free + w.slots_prefix == w.slots_total and w.slots_total > 0 and
+            w.cache_pages_free + w.pages_prefix == w.cache_pages_total and w.cache_pages_total > 0)
+
+
 def settled(cluster):
-    """All live workers report no sequence and their cache at baseline. Worker stats arrive with
-    heartbeats; callers that just changed something first wait for fresh ones (settle())."""
+    """All live workers report no sequence, their cache at baseline and every slot and page free
+    or a kept prefix's. Worker stats arrive with heartbeats; callers that just changed something
+    first wait for fresh ones (settle())."""
     st = cluster.stats()
     ws = [w for w in st.workers if w.alive]
     ok = ws and st.active_streams == 0 and st.queued == 0 and all(
-        w.live_sequences == 0 and w.cache_bytes_in_use == w.cache_bytes_baseline for w in ws)
+        w.live_sequences == 0 and w.cache_bytes_in_use == w.cache_bytes_baseline and accounted(w) for w in ws)
     return st if ok else None
 
 
@@ -47,7 +55,8 @@ class CancelTest(unittest.TestCase):
             for i in range(200):
                 # i % 4 == 0: cancelled at once (most are still queued); others after 1..3 tokens.
                 after = None if i % 4 == 0 else 1 + i % 3
-                streams.append(Collector(c.gen, request("cancel-%d" % i, [1 + i % 50, 2, 3], max_new),
+                prompt = [1 + i % 50, 2, 3] + ([4 + i % 7] * (64 + i % 40) if i % 5 == 0 else [])
+                streams.append(Collector(c.gen, request("cancel-%d" % i, prompt, max_new),
                                          cancel_after=after))
                 if after is None:
                     streams[-1].call.cancel()
@@ -60,6 +69,9 @@ class CancelTest(unittest.TestCase):
             for w in st.workers:
                 self.assertEqual(w.live_sequences, 0)
                 self.assertEqual(w.cache_bytes_in_use, w.cache_bytes_baseline)
+                self.assertTrue(accounted(w), w)
+            self.assertGreater(sum(w.slots_prefix for w in st.workers), 0, "no prefix was kept")
+            self.assertGreater(sum(w.pages_prefix for w in st.workers), 0, "no prefix holds a page")
             aborted = sum(w.sequences_aborted for w in st.workers) - sum(w.sequences_aborted for w in base.workers)
             self.assertGreater(aborted, 0, "no sequence was aborted on a worker: nothing was mid-flight")
             self.assertEqual(st.worker_restarts, 0)

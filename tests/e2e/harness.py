@@ -89,7 +89,7 @@ class Cluster:
     Worker i has id i and identity "w<i>". Logs go to files in self.dir (printed on failure)."""
 
     def __init__(self, workers=1, queue=None, drain_timeout=None, model=MODEL_DIR, max_sequences=None,
-                 worker_args=()):
+                 worker_args=(), router_args=()):
         # A unix socket path is limited to 107 bytes: keep the ipc endpoint short.
         base = tempfile.gettempdir()
         self.dir = tempfile.mkdtemp(prefix="metrale-e2e-", dir=base if len(base) <= 60 else "/tmp")
@@ -106,6 +106,7 @@ class Cluster:
             args += ["--queue", str(queue)]
         if drain_timeout is not None:
             args += ["--drain-timeout", str(drain_timeout)]
+        args += list(router_args)
         self.router = self._spawn("router", args)
         self.workers = {}
         self.channel = None

@@ -1,7 +1,8 @@
 """grpc.health.v1 Check and Watch through the router's life: NOT_SERVING with no worker, SERVING
 once one says Hello, NOT_SERVING when the only worker dies, SERVING when it comes back; SIGTERM:
 NOT_SERVING at once, new requests UNAVAILABLE, running streams finish, then the router and its
-workers exit 0; streams that outlive --drain-timeout end UNAVAILABLE."""
+workers exit 0; streams that outlive --drain-timeout end with a final message (CANCELLED, their
+token counts) and OK."""
 
 import signal
 import threading
@@ -115,21 +116,50 @@ class DrainTest(unittest.TestCase):
                 self.assertEqual(p.wait(10), 0, "worker %d exit code" % i)
             self.assertTrue(w.ended.wait(5), "the watch did not end with the server")
 
-    def test_streams_past_the_drain_timeout_end_unavailable(self):
+    def test_streams_past_the_drain_timeout_end_cancelled_with_their_counts(self):
         with Cluster(workers=1, drain_timeout=0.5) as c:
             max_new = self._long_request(c, "slow", 20)
-            streams = [Collector(c.gen, request("slow-%d" % i, [1 + i, 2], max_new)) for i in range(3)]
+            prompts = [[1 + i, 2] + [3] * i for i in range(3)]
+            streams = [Collector(c.gen, request("slow-%d" % i, p, max_new)) for i, p in enumerate(prompts)]
             for s in streams:
                 self.assertTrue(s.first_token.wait(30))
             t0 = time.monotonic()
             c.router.send_signal(signal.SIGTERM)
-            for s in streams:
+            for s, p in zip(streams, prompts):
                 s.wait(30)
-                self.assertEqual(s.code, grpc.StatusCode.UNAVAILABLE, s.details)
+                self.assertEqual(s.code, grpc.StatusCode.OK, s.details)
                 self.assertLess(s.ended_at - t0, 3)
+                self.assertIsNotNone(s.final, s.req.request_id)
+                self.assertTrue(s.responses[-1].HasField("final"))
+                self.assertEqual(s.final.finish_reason, metrale_pb2.FINISH_REASON_CANCELLED)
+                self.assertEqual(s.final.usage.prompt_tokens, len(p))
+                self.assertEqual(s.final.usage.completion_tokens, len(s.tokens))
+                self.assertGreater(len(s.tokens), 0)
+                self.assertLess(len(s.tokens), max_new)
             self.assertEqual(c.router.wait(20), 0)
             self.assertEqual(c.workers[0].wait(10), 0)
 
+    def test_cut_streams_of_a_frozen_worker_get_the_routers_counts(self):
+        """The worker does not answer the cut (SIGSTOP): after a grace of 1 s the router ends the
+        streams itself, with the tokens it passed on."""
+        with Cluster(workers=1, drain_timeout=0.5) as c:
+            max_new = self._long_request(c, "frozen", 20)
+            prompts = [[5 + i, 6, 7] for i in range(2)]
+            streams = [Collector(c.gen, request("frozen-%d" % i, p, max_new)) for i, p in enumerate(prompts)]
+            for s in streams:
+                self.assertTrue(s.first_token.wait(30))
+            c.workers[0].send_signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+            c.router.send_signal(signal.SIGTERM)
+            for s, p in zip(streams, prompts):
+                s.wait(30)
+                self.assertEqual(s.code, grpc.StatusCode.OK, s.details)
+                self.assertEqual(s.final.finish_reason, metrale_pb2.FINISH_REASON_CANCELLED)
+                self.assertEqual(s.final.usage.prompt_tokens, len(p))
+                self.assertEqual(s.final.usage.completion_tokens, len(s.tokens))
+                self.assertLess(s.ended_at - t0, 3)
+            c.workers[0].send_signal(signal.SIGCONT)
+            self.assertEqual(c.router.wait(20), 0)
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)

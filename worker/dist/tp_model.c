@@ -286,6 +286,7 @@ static mt_status leader_seq_reserve(mt_seq *seq, int n, mt_error *err) {
 
 static int leader_seq_len(const mt_seq *s) { return mt_seq_len(as_ctseq(s)->local); }
 static size_t leader_seq_bytes(const mt_seq *s) { return mt_seq_bytes(as_ctseq(s)->local); }
+static int leader_seq_pages(const mt_seq *s, const int32_t **pages) { return mt_seq_pages(as_ctseq(s)->local, pages); }
 
 static mt_status leader_seq_copy_prefix(mt_model *m, const mt_seq *src, mt_seq *dst, mt_error *err) {
     tp_leader *l = as_leader(m);
@@ -393,6 +394,7 @@ static const mt_model_ops leader_ops = {
     .seq_reserve = leader_seq_reserve,
     .seq_len = leader_seq_len,
     .seq_bytes = leader_seq_bytes,
+    .seq_pages = leader_seq_pages,
     .seq_copy_prefix = leader_seq_copy_prefix,
     .forward = leader_forward,
     .decode_ahead = leader_decode_ahead,

@@ -66,6 +66,8 @@ struct eng_engine {
     rt_prefix_cache prefixes;    /* kept prompt prefixes, clocked by steps */
     size_t cache_bytes;
     uint64_t finished, aborted, tokens, steps, preemptions;
+    uint8_t *page_marks;         /* [n_page_marks] eng_prefix_pages' scratch: pages seen */
+    int n_page_marks;
 };
 
 static void ahead_collect(eng_engine *e);
@@ -186,6 +188,7 @@ void eng_free(eng_engine *e) {
     free(e->spec_q);
     free(e->spec_p);
     free(e->spec_logits);
+    free(e->page_marks);
     free(e);
 }
 
@@ -835,6 +838,38 @@ mt_status eng_step(eng_engine *e, int *n_tokens) {
 }
 
 bool eng_has_work(const eng_engine *e) { return e->n_waiting + e->n_running > 0; }
+
+/* Marks the pages s maps in e->page_marks; returns how many were not marked yet. */
+static int mark_pages(eng_engine *e, const mt_seq *s) {
+    const int32_t *ids;
+    const int n = mt_seq_pages(s, &ids);
+    int fresh = 0;
+    for (int i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= e->n_page_marks || e->page_marks[ids[i]]) continue;
+        e->page_marks[ids[i]] = 1;
+        fresh++;
+    }
+    return fresh;
+}
+
+int eng_prefix_pages(eng_engine *e) {
+    const int total = mt_model_pool_stats(e->m).pages_total;
+    if (e->prefixes.n == 0 || total <= 0) return 0;
+    if (e->n_page_marks < total) {
+        uint8_t *m = realloc(e->page_marks, (size_t)total);
+        if (!m) return -1;
+        e->page_marks = m;
+        e->n_page_marks = total;
+    }
+    memset(e->page_marks, 0, (size_t)e->n_page_marks);
+    for (int i = 0; i < e->n_running; i++)
+        if (e->running[i]->gs) mark_pages(e, e->running[i]->gs);
+    for (int i = 0; i < e->n_waiting; i++)
+        if (e->waiting[i]->gs) mark_pages(e, e->waiting[i]->gs);
+    int only = 0;
+    for (int i = 0; i < e->prefixes.n; i++) only += mark_pages(e, e->prefixes.entries[i].snap);
+    return only;
+}
 
 void eng_get_stats(const eng_engine *e, eng_stats *out) {
     size_t held = 0; /* pool memory the running sequences hold now */

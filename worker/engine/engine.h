@@ -166,7 +166,7 @@ typedef struct eng_stats {
     uint64_t prefix_hits;        /* admissions that reused a kept prefix */
     uint64_t prefix_misses;      /* admissions (prefix reuse on) that found none */
     size_t prefix_cache_bytes;   /* held by kept prefixes (not in cache_bytes_in_use) */
-    int prefix_entries;
+    int prefix_entries;          /* kept prefixes; each holds one slot of the pool */
     uint64_t spec_steps;         /* speculative decode steps (one verify each) */
     uint64_t draft_tokens, accepted_tokens;
 } eng_stats;
@@ -202,6 +202,13 @@ mt_status eng_step(eng_engine *e, int *n_tokens);
 bool eng_has_work(const eng_engine *e);
 
 void eng_get_stats(const eng_engine *e, eng_stats *out);
+
+/* The cache pages only kept prefixes hold (dropping every kept prefix would free them; a page a
+ * prefix shares with a live sequence counts as the sequence's), for stats that account for every
+ * page. -1 when out of memory for its scratch. It walks every mapped block: call it seldom (the
+ * worker does at most every PREFIX_PAGES_EVERY_S, worker/loop.c), not every step. Each kept
+ * prefix also holds one slot: eng_stats.prefix_entries. */
+int eng_prefix_pages(eng_engine *e);
 
 #ifdef __cplusplus
 }

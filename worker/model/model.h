@@ -46,6 +46,12 @@ typedef struct mt_model_params {
     /* The model's drafter (an MTP block), when it has one, follows every sequence so that any
      * step can draft (speculative decoding); default false. */
     bool mtp;
+    /* Weight loading progress, called on the loading thread after the embedding and head, after
+     * each layer and after the drafter, while mt_model_load runs: done of total checkpoint bytes
+     * of the tensors to load (a tensor split across ranks counts whole), and read, the bytes
+     * this rank read of them. Not called for random weights. NULL (default): none. */
+    void (*on_load_progress)(void *user, uint64_t done, uint64_t total, uint64_t read);
+    void *load_progress_user;
 } mt_model_params;
 
 mt_model_params mt_model_default_params(void);
@@ -119,6 +125,9 @@ typedef struct mt_model_ops {
     mt_status (*seq_reserve)(mt_seq *s, int n, mt_error *err);
     int (*seq_len)(const mt_seq *s);
     size_t (*seq_bytes)(const mt_seq *s); /* pool memory it holds now; 0 for NULL */
+    /* The cache pages s maps, in block order: *pages points at the ids (valid until s next
+     * changes); returns how many. Shared pages appear in every sequence that maps them. */
+    int (*seq_pages)(const mt_seq *s, const int32_t **pages);
     /* dst, fresh, continues exactly where src is (prefix reuse). On error dst must be freed. */
     mt_status (*seq_copy_prefix)(mt_model *m, const mt_seq *src, mt_seq *dst, mt_error *err);
 
@@ -190,6 +199,7 @@ static inline void mt_seq_free(mt_seq *s) {
 static inline mt_status mt_seq_reserve(mt_seq *s, int n, mt_error *err) { return s->model->ops->seq_reserve(s, n, err); }
 static inline int mt_seq_len(const mt_seq *s) { return s->model->ops->seq_len(s); }
 static inline size_t mt_seq_bytes(const mt_seq *s) { return s ? s->model->ops->seq_bytes(s) : 0; }
+static inline int mt_seq_pages(const mt_seq *s, const int32_t **pages) { return s->model->ops->seq_pages(s, pages); }
 static inline mt_status mt_seq_copy_prefix(mt_model *m, const mt_seq *src, mt_seq *dst, mt_error *err) {
     return m->ops->seq_copy_prefix(m, src, dst, err);
 }

@@ -68,6 +68,10 @@ static void iface_seq_free(mt_seq *s) { glm_seq_free(seq_of(s)); }
 static mt_status iface_seq_reserve(mt_seq *s, int n, mt_error *err) { return glm_seq_reserve(seq_of(s), n, err); }
 static int iface_seq_len(const mt_seq *s) { return glm_seq_len(cseq_of(s)); }
 static size_t iface_seq_bytes(const mt_seq *s) { return glm_seq_bytes(cseq_of(s)); }
+static int iface_seq_pages(const mt_seq *s, const int32_t **pages) {
+    *pages = glm_seq_page_ids(cseq_of(s));
+    return glm_seq_pages(cseq_of(s));
+}
 static mt_status iface_seq_copy_prefix(mt_model *m, const mt_seq *src, mt_seq *dst, mt_error *err) {
     return glm_seq_copy_prefix(as_glm(m), cseq_of(src), seq_of(dst), err);
 }
@@ -176,6 +180,7 @@ const mt_model_ops glm_model_iface = {
     .seq_reserve = iface_seq_reserve,
     .seq_len = iface_seq_len,
     .seq_bytes = iface_seq_bytes,
+    .seq_pages = iface_seq_pages,
     .seq_copy_prefix = iface_seq_copy_prefix,
     .forward = iface_forward,
     .decode_ahead = iface_decode_ahead,

@@ -158,6 +158,7 @@ struct glm_model {
     int n_kept_host, cap_kept_host;
     size_t bytes_sharded_read, bytes_sharded_total; /* split tensors: read by this rank, in all */
     size_t bytes_replicated;   /* tensors every rank reads whole */
+    uint64_t bytes_to_load;    /* the checkpoint bytes of every tensor to bind (progress reports) */
     glm_model_params params;
     mt_backend *be;
     st_archive *ar;

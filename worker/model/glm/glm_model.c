@@ -400,6 +400,7 @@ void glm_seq_free(glm_seq *s) {
 }
 
 int glm_seq_len(const glm_seq *s) { return s->len; }
+const int32_t *glm_seq_page_ids(const glm_seq *s) { return s->bt.host; }
 size_t glm_seq_bytes(const glm_seq *s) {
     return s ? glm_model_slot_bytes(s->m) + (size_t)s->bt.n_blocks * glm_model_page_bytes(s->m) : 0;
 }

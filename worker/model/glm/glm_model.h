@@ -71,6 +71,8 @@ mt_status glm_seq_new(glm_model *m, int max_tokens, glm_seq **out, mt_error *err
  * can preempt instead). MT_ERR_FULL, with nothing changed, when the pool or the capacity is short. */
 mt_status glm_seq_reserve(glm_seq *s, int n, mt_error *err);
 int glm_seq_pages(const glm_seq *s);               /* pages mapped (shared ones included) */
+/* The page ids of its blocks, in order (glm_seq_pages of them); valid until s next changes. */
+const int32_t *glm_seq_page_ids(const glm_seq *s);
 void glm_seq_free(glm_seq *s);
 int glm_seq_len(const glm_seq *s);
 /* Pool memory the sequence holds now: its slot and its mapped pages (shared ones counted in

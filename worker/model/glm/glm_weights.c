@@ -15,6 +15,7 @@ typedef struct check_ctx {
     const st_archive *ar;
     mt_error *err;
     mt_status st;
+    uint64_t bytes;    /* of the tensors checked */
 } check_ctx;
 
 static void check_one(const glm_tensor_spec *s, void *user) {
@@ -22,6 +23,7 @@ static void check_one(const glm_tensor_spec *s, void *user) {
     if (c->st != MT_OK) return;
     const st_tensor *t;
     c->st = st_get(c->ar, s->name, s->ndim, s->shape, &t, c->err);
+    if (c->st == MT_OK) c->bytes += t->nbytes;
 }
 
 /* Where weights come from: the checkpoint archive, or (random) mean + std * N(0,1) drawn from
@@ -360,6 +362,14 @@ static mt_status bind_embed(binder *b) {
     return st;
 }
 
+/* Tells params.on_load_progress how far binding got (checkpoint weights only). */
+static void report_progress(const binder *b) {
+    const glm_model *m = b->m;
+    if (b->random || !m->params.on_load_progress || !m->bytes_to_load) return;
+    m->params.on_load_progress(m->params.load_progress_user, m->bytes_sharded_total + m->bytes_replicated,
+                               m->bytes_to_load, m->bytes_sharded_read + m->bytes_replicated);
+}
+
 static mt_status bind_all(binder *bp) {
     binder b = *bp;
     glm_model *m = b.m;
@@ -374,15 +384,24 @@ static mt_status bind_all(binder *bp) {
         b.sh = WHOLE;
     }
     TRY(bind_v(&b, &m->norm, "model.language_model.norm.weight"));
-    for (int i = 0; i < m->cfg.num_hidden_layers; i++) TRY(bind_layer(&b, &m->layers[i], i));
-    return m->mtp.has ? bind_mtp(&b) : MT_OK;
+    report_progress(&b);
+    for (int i = 0; i < m->cfg.num_hidden_layers; i++) {
+        TRY(bind_layer(&b, &m->layers[i], i));
+        report_progress(&b);
+    }
+    if (m->mtp.has) {
+        TRY(bind_mtp(&b));
+        report_progress(&b);
+    }
+    return MT_OK;
 }
 
 mt_status glm_weights_bind(glm_model *m, mt_error *err) {
-    check_ctx cc = { m->ar, err, MT_OK };
+    check_ctx cc = { m->ar, err, MT_OK, 0 };
     glm_manifest_foreach(&m->cfg, check_one, &cc);
     if (cc.st == MT_OK && m->mtp.has) glm_manifest_mtp_foreach(&m->cfg, check_one, &cc);
     if (cc.st != MT_OK) return cc.st;
+    m->bytes_to_load = cc.bytes;
     binder b = { .m = m, .err = err };
     return bind_all(&b);
 }
