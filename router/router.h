@@ -22,10 +22,13 @@
  *     only (a Generate the worker refuses as invalid counts as rejected);
  *   - rtr_router_drain (SIGTERM in main): health NOT_SERVING, new requests UNAVAILABLE, admitted
  *     streams run up to drain_timeout_s (then end UNAVAILABLE), workers get Shutdown, the server
- *     stops and rtr_router_run returns MT_OK.
+ *     stops and rtr_router_run returns MT_OK;
+ *   - with params.metrics_listen, the Prometheus metrics (router/metrics.h) are served over HTTP
+ *     until rtr_router_free, through the drain too.
  *
  * Threads: the thread that calls rtr_router_create must make every other call; it runs the event
- * loop in rtr_router_run. (grpc_server.c adds one thread that only forwards completions.)
+ * loop in rtr_router_run. (grpc_server.c adds one thread that only forwards completions;
+ * metrics.c one that answers scrapes from a copy of the metrics.)
  */
 #ifndef RTR_ROUTER_H
 #define RTR_ROUTER_H
@@ -55,6 +58,9 @@ typedef struct rtr_router_params {
     const char *const *curve_clients;  /* the workers' public keys it admits; NULL = any worker
                                           that has the router's public key */
     size_t n_curve_clients;
+    /* "HOST:PORT" where GET /metrics serves the Prometheus metrics (router/metrics.h; port 0:
+     * any free port); NULL = no endpoint. Borrowed until create returns. */
+    const char *metrics_listen;
 } rtr_router_params;
 
 rtr_router_params rtr_router_default_params(void);
@@ -64,6 +70,9 @@ rtr_router *rtr_router_create(const rtr_router_params *params, mt_error *err);
 
 /* The bound gRPC port. */
 int rtr_router_port(const rtr_router *r);
+
+/* The bound metrics port; 0 without params.metrics_listen. */
+int rtr_router_metrics_port(const rtr_router *r);
 
 /* The workers' endpoint as bound (a wildcard port resolved), into out (truncated to len). */
 void rtr_router_workers_endpoint(const rtr_router *r, char *out, size_t len);
