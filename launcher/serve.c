@@ -531,7 +531,9 @@ int main(int argc, char **argv) {
 
     if (!g_o.model && !(g_o.model = default_model())) return 1;
     if (!g_o.router) {
-        snprintf(g_sock, sizeof g_sock, "/tmp/metrale-serve-%d.sock", (int)getpid());
+        /* The pid alone is not unique: in a PID namespace (a container, Bazel's sandbox) every
+         * launcher may be pid 21, and /tmp may be shared. */
+        snprintf(g_sock, sizeof g_sock, "/tmp/metrale-serve-%d-%08x.sock", (int)getpid(), g_nonce);
         snprintf(g_endpoint, sizeof g_endpoint, "ipc://%s", g_sock);
         unlink(g_sock);
         if (start_router() < 0) return 1;
