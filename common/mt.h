@@ -17,6 +17,10 @@
 extern "C" {
 #endif
 
+/* The release: metrale_build_info's version label. Equals charts/metrale/Chart.yaml's appVersion
+ * (the image tag; tests/deploy/chart_test.py checks). */
+#define MT_VERSION "0.1.0"
+
 typedef enum mt_status {
     MT_OK = 0,
     MT_ERR_INVALID = -1,   /* bad argument or malformed input (config, request, tensor) */

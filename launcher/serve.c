@@ -3,8 +3,8 @@
  *
  *   metrale-serve [--model DIR] [--listen HOST:PORT] [--workers G] [--tp N]
  *                 [--backend auto|cpu|cuda] [--max-sequences N] [--max-context N] [--threads N]
- *                 [--queue N] [--drain-timeout S] [--numerics exact|bf16] [--router ENDPOINT
- *                 [--first-id K] [--curve-server-key FILE --curve-secret-key FILE]]
+ *                 [--queue N] [--drain-timeout S] [--metrics HOST:PORT] [--numerics exact|bf16]
+ *                 [--router ENDPOINT [--first-id K] [--curve-server-key FILE --curve-secret-key FILE]]
  *                 [--log-format text|json] [--log-prompts]
  *
  * With no --model it serves a small random checkpoint made here once (tools/mkckpt with
@@ -98,6 +98,7 @@ typedef struct group {
 
 typedef struct serve_opts {
     const char *model, *listen, *backend, *queue, *drain_timeout;
+    const char *metrics;   /* the router's --metrics HOST:PORT */
     int workers, tp, first_id, max_sequences, max_context, threads;
     /* scheduler policy, passed to every worker when given (metrale-worker checks them) */
     const char *prefill_budget, *graph_max_batch, *cache_budget_mb;
@@ -122,7 +123,7 @@ static void usage(FILE *f) {
             "usage: metrale-serve [--model DIR] [--listen HOST:PORT] [--workers G] [--tp N] [--backend auto|cpu|cuda]\n"
             "                     [--max-sequences N] [--max-context N] [--threads N] [--queue N] [--drain-timeout S]\n"
             "                     [--prefill-budget N] [--graph-max-batch N] [--cache-budget-mb N] [--no-preempt]\n"
-            "                     [--no-run-ahead] [--numerics exact|bf16]\n"
+            "                     [--no-run-ahead] [--numerics exact|bf16] [--metrics HOST:PORT]\n"
             "                     [--speculative-tokens K] [--speculative-max-batch B]\n"
             "                     [--log-format text|json] [--log-prompts]\n"
             "                     [--router ENDPOINT [--first-id K]\n"
@@ -135,6 +136,7 @@ static void usage(FILE *f) {
             "  of N; rank r of group g takes the r-th device of list g (--device g*N+r); G defaults to GPUs / N.\n"
             "  A group whose rank dies is stopped whole and started again; one that fails to start 3 times in a\n"
             "  row (e.g. N does not divide the model) is given up.\n"
+            "  --metrics HOST:PORT: the router serves Prometheus metrics at http://HOST:PORT/metrics.\n"
             "  --router ENDPOINT: start no router; the groups serve the router at ENDPOINT (another host's\n"
             "  tcp://HOST:PORT needs --curve-server-key (its public key) and --curve-secret-key (this host's\n"
             "  secret key), from metrale-keygen); --first-id K: the groups are workers K, K+1, ... (ids unique\n"
@@ -265,7 +267,7 @@ static group g_groups[MAX_WORKERS];
 static pid_t start_router(void) {
     char buf[PATH_MAX + 64];
     const char *bin = bin_path("METRALE_ROUTER_BIN", "router/metrale-router", buf, sizeof buf);
-    char *argv[16];
+    char *argv[32];
     int k = 0;
     argv[k++] = (char *)bin;
     argv[k++] = "--listen";
@@ -276,6 +278,7 @@ static pid_t start_router(void) {
     if (g_o.drain_timeout) { argv[k++] = "--drain-timeout"; argv[k++] = (char *)g_o.drain_timeout; }
     if (g_o.log_format) { argv[k++] = "--log-format"; argv[k++] = (char *)g_o.log_format; }
     if (g_o.log_prompts) argv[k++] = "--log-prompts";
+    if (g_o.metrics) { argv[k++] = "--metrics"; argv[k++] = (char *)g_o.metrics; }
     argv[k] = NULL;
     return g_router = spawn(argv);
 }
@@ -445,6 +448,7 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         else if (!strcmp(a, "--backend")) o->backend = v;
         else if (!strcmp(a, "--queue")) o->queue = v;
         else if (!strcmp(a, "--drain-timeout")) o->drain_timeout = v;
+        else if (!strcmp(a, "--metrics")) o->metrics = v;
         else if (!strcmp(a, "--prefill-budget"))
             rc = parse_int(a, o->prefill_budget = v, 1, MT_WIRE_CONTEXT_MAX, &(int){ 0 });
         else if (!strcmp(a, "--graph-max-batch")) rc = parse_int(a, o->graph_max_batch = v, 1, 4096, &(int){ 0 });
@@ -488,6 +492,11 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
     }
     if (!o->curve_server_key != !o->curve_secret_key) {
         fprintf(stderr, "metrale-serve: --curve-server-key and --curve-secret-key go together\n");
+        return -1;
+    }
+    if (o->metrics && o->router) {
+        fprintf(stderr, "metrale-serve: --metrics is the router's, and --router starts none here; give it to the "
+                        "router at %s\n", o->router);
         return -1;
     }
     if (o->curve_server_key && !o->router) {
@@ -547,7 +556,9 @@ int main(int argc, char **argv) {
 
     if (!g_o.model && !(g_o.model = default_model())) return 1;
     if (!g_o.router) {
-        snprintf(g_sock, sizeof g_sock, "/tmp/metrale-serve-%d.sock", (int)getpid());
+        /* The pid alone is not unique: in a PID namespace (a container, Bazel's sandbox) every
+         * launcher may be pid 21, and /tmp may be shared. */
+        snprintf(g_sock, sizeof g_sock, "/tmp/metrale-serve-%d-%08x.sock", (int)getpid(), g_nonce);
         snprintf(g_endpoint, sizeof g_endpoint, "ipc://%s", g_sock);
         unlink(g_sock);
         if (start_router() < 0) return 1;

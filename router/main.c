@@ -1,7 +1,7 @@
 /* router/main.c: the metrale-router process.
  *
  *   metrale-router --listen 127.0.0.1:PORT --workers-endpoint ipc:///tmp/x.sock
- *                  [--queue N] [--drain-timeout S]
+ *                  [--queue N] [--drain-timeout S] [--metrics HOST:PORT]
  *                  [--curve-secret-key FILE [--curve-authorized-keys DIR]]
  *                  [--log-format text|json] [--log-prompts]
  *
@@ -24,13 +24,15 @@
 static void usage(FILE *f) {
     fprintf(f,
             "usage: metrale-router --listen HOST:PORT --workers-endpoint ENDPOINT [--queue N] [--drain-timeout S]\n"
-            "                      [--curve-secret-key FILE [--curve-authorized-keys DIR]]\n"
+            "                      [--metrics HOST:PORT] [--curve-secret-key FILE [--curve-authorized-keys DIR]]\n"
             "                      [--log-format text|json] [--log-prompts]\n"
             "  --listen HOST:PORT          gRPC address (port 0: any free port, printed at start)\n"
             "  --workers-endpoint ENDPOINT ZeroMQ endpoint the workers connect to: ipc:// or tcp://127.0.0.1:PORT,\n"
             "                              or with CURVE any tcp://ADDRESS:PORT (port *: any free port, printed)\n"
             "  --queue N                   admitted requests that may wait for a worker (default 1024)\n"
             "  --drain-timeout S           seconds running streams may finish after SIGTERM (default 30)\n"
+            "  --metrics HOST:PORT         serve Prometheus metrics over HTTP at http://HOST:PORT/metrics\n"
+            "                              (port 0: any free port, printed at start)\n"
             "  --curve-secret-key FILE     encrypt the workers' link with ZeroMQ CURVE; FILE holds the router's\n"
             "                              secret key (metrale-keygen); workers need its public key\n"
             "  --curve-authorized-keys DIR admit only the workers whose public key is a *.pub file in DIR\n"
@@ -96,6 +98,8 @@ int main(int argc, char **argv) {
                 return 2;
             }
             mt_log_set_format(fmt);
+        } else if (!strcmp(a, "--metrics")) {
+            p.metrics_listen = v;
         } else if (!strcmp(a, "--curve-secret-key")) {
             secret_file = v;
         } else if (!strcmp(a, "--curve-authorized-keys")) {
@@ -170,6 +174,8 @@ int main(int argc, char **argv) {
     char ep[512];
     rtr_router_workers_endpoint(r, ep, sizeof ep);
     mt_log(MT_LOG_INFO, "router: listening on port %d, workers at %s", rtr_router_port(r), ep);
+    if (p.metrics_listen)
+        mt_log(MT_LOG_INFO, "router: metrics on port %d (GET /metrics)", rtr_router_metrics_port(r));
     if (secret_file)
         mt_log(MT_LOG_INFO, "router: CURVE on the workers' link; router public key %s; %s", pub,
                clients_dir ? "only the workers with an authorized key are admitted"

@@ -43,6 +43,7 @@
 #include "router/admission.h"
 #include "router/grpc_server.h"
 #include "router/health.h"
+#include "router/metrics.h"
 #include "router/validate.h"
 #include "router/workers.h"
 
@@ -75,6 +76,8 @@ typedef struct rtr_stream {
                                           for the worker's Finished */
     uint32_t prompt_ids;               /* the request's prompt_token_ids (0 for text and chat) */
     uint32_t completion_tokens;        /* tokens received from workers for the client */
+    double arrived, submitted;         /* mt_now() of its arrival and of its (last) submission */
+    double last_tokens;                /* mt_now() of the worker's latest Tokens */
     int requeues;                      /* times it went back to the queue from a lost worker */
     double deadline;                   /* mt_now() clock; INFINITY = none */
     uint64_t deadline_unix_ms;
@@ -108,6 +111,8 @@ struct rtr_router {
     rtr_workers workers;
     rtr_admission queue;
     rtr_health health;
+    rtr_metrics *metrics;
+    int metrics_port;                  /* 0: no endpoint */
     rtr_stream *buckets[STREAM_BUCKETS];
     rtr_stream *streams;
     size_t nstreams;
@@ -162,7 +167,7 @@ static rtr_stream *stream_new(rtr_router *r, Metrale__V1__GenerateRequest *req, 
     s->prompt_ids = (uint32_t)req->n_prompt_token_ids;
     s->deadline = rtr_call_deadline(call);
     s->deadline_unix_ms = rtr_call_deadline_unix_ms(call);
-    s->admitted_at = mt_now();
+    s->admitted_at = s->arrived = mt_now();
     size_t b = bucket_of(s->id);
     s->hnext = r->buckets[b];
     r->buckets[b] = s;
@@ -341,9 +346,10 @@ static void log_admitted(const rtr_router *r, const rtr_stream *s, const Metrale
 }
 
 /* Ends the client side with a status (no-op when it is already over). */
-static void stream_end_call(rtr_stream *s, grpc_status_code code, const char *details) {
+static void stream_end_call(rtr_router *r, rtr_stream *s, grpc_status_code code, const char *details) {
     if (!s->call) return;
     log_finished(s, code, details, NULL);
+    rtr_metrics_request_ended(r->metrics, code);
     rtr_call_finish(s->call, code, details, NULL);
     rtr_call_set_stream(s->call, NULL);
     s->call = NULL;
@@ -379,10 +385,13 @@ static void stream_abort(rtr_router *r, rtr_stream *s, double now) {
     stream_drop_pending(s);
 }
 
-/* The client side is over (on_done, deadline, drain): abort or forget the stream. */
+/* The client side is over (on_done, deadline, drain): abort or forget the stream. A call still
+ * attached lost its client without a status: cancelled, or its deadline passed. */
 static void stream_client_gone(rtr_router *r, rtr_stream *s, double now) {
     if (s->call) {
         log_finished(s, GRPC_STATUS_CANCELLED, "the client went away", NULL);
+        rtr_metrics_request_ended(r->metrics,
+                                  now >= s->deadline ? GRPC_STATUS_DEADLINE_EXCEEDED : GRPC_STATUS_CANCELLED);
         rtr_call_set_stream(s->call, NULL);
         s->call = NULL;
     }
@@ -395,6 +404,7 @@ static mt_status stream_submit(rtr_router *r, rtr_stream *s, rtr_worker *w) {
     mt_status st = send_env(r, w, mt_wire_submit(&m, s->id, s->req, s->deadline_unix_ms));
     if (st) return st;
     s->got_tokens = false;
+    s->submitted = mt_now();
     s->worker = w;
     s->state = ST_RUNNING;
     w->in_flight++;
@@ -425,7 +435,7 @@ static void dispatch_queue(rtr_router *r) {
  * set, the final message (with tail, the text the worker held back until the end, after the
  * pending text) and the OK status, which ends the stream. Each piece of text is whole UTF-8
  * characters (the worker's promise), so their concatenation is valid UTF-8 too. */
-static void stream_flush(rtr_stream *s, const Metrale__V1__Final *fin, const char *tail) {
+static void stream_flush(rtr_router *r, rtr_stream *s, const Metrale__V1__Final *fin, const char *tail) {
     if (!s->call) return;
     if (!fin && (s->npending == 0 || rtr_call_send_busy(s->call))) return;
     size_t ntok = 0, nplp = 0, ntext = tail ? strlen(tail) : 0;
@@ -446,7 +456,7 @@ static void stream_flush(rtr_stream *s, const Metrale__V1__Final *fin, const cha
         /* Keep the tokens; the next flush (send done or Finished) tries again. At the end,
          * rather than a final message that skips tokens, an error. */
         if (fin) {
-            stream_end_call(s, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
+            stream_end_call(r, s, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
             stream_drop_pending(s);
         }
         return;
@@ -476,6 +486,7 @@ static void stream_flush(rtr_stream *s, const Metrale__V1__Final *fin, const cha
     resp.final = (Metrale__V1__Final *)fin;
     if (fin) {
         log_finished(s, GRPC_STATUS_OK, NULL, fin);
+        rtr_metrics_request_ended(r->metrics, GRPC_STATUS_OK);
         rtr_call_finish(s->call, GRPC_STATUS_OK, NULL, &resp.base);
         rtr_call_set_stream(s->call, NULL);
         s->call = NULL;
@@ -490,7 +501,7 @@ static void stream_flush(rtr_stream *s, const Metrale__V1__Final *fin, const cha
 /* Ends a cut stream's call with a final message made here, for a worker that did not answer its
  * Abort: the tokens it holds, then FINISH_REASON_CANCELLED with the tokens the router passed on
  * (the prompt's are known here only for an id prompt) and the OK status. */
-static void stream_end_cut(rtr_stream *s) {
+static void stream_end_cut(rtr_router *r, rtr_stream *s) {
     Metrale__V1__Usage usage = METRALE__V1__USAGE__INIT;
     usage.prompt_tokens = s->prompt_ids;
     usage.completion_tokens = s->completion_tokens;
@@ -498,7 +509,7 @@ static void stream_end_cut(rtr_stream *s) {
     fin.finish_reason = METRALE__V1__FINISH_REASON__FINISH_REASON_CANCELLED;
     fin.usage = &usage;
     fin.error_message = "server shut down: the drain timeout ran out";
-    stream_flush(s, &fin, NULL);
+    stream_flush(r, s, &fin, NULL);
 }
 
 /* ---- tokenize calls ---- */
@@ -534,8 +545,19 @@ static void on_tokenized(rtr_router *r, rtr_worker *w, const Metrale__Internal__
 
 /* ---- worker messages ---- */
 
+static void publish_metrics(rtr_router *r) {
+    const rtr_metrics_load load = {
+        .waiting = (uint32_t)rtr_admission_len(&r->queue),
+        .running = r->running,
+        .requeued = r->streams_requeued,
+    };
+    rtr_metrics_publish(r->metrics, &load, &r->workers);
+}
+
+/* After a worker's liveness changed (and on the way: its metrics, at once). */
 static void update_health(rtr_router *r) {
     rtr_health_set_serving(&r->health, r->phase == RUNNING && rtr_workers_live(&r->workers) > 0);
+    publish_metrics(r);
 }
 
 /* w is dead (gone, silent) or restarted, and its sequences with it: declares it dead, and gives
@@ -569,9 +591,9 @@ static void worker_lost(rtr_router *r, rtr_worker *w, const char *why, bool tell
             requeued++;
             continue;
         }
-        if (s->cut && s->call) stream_end_cut(s); /* the drain ended it, not the death */
+        if (s->cut && s->call) stream_end_cut(r, s); /* the drain ended it, not the death */
         failed += s->call != NULL;
-        stream_end_call(s, GRPC_STATUS_UNAVAILABLE, msg);
+        stream_end_call(r, s, GRPC_STATUS_UNAVAILABLE, msg);
         stream_free(r, s);
     }
     rtr_tokenize *tnext;
@@ -614,6 +636,16 @@ static void on_tokens(rtr_router *r, rtr_worker *w, mt_envelope *env) {
     rtr_stream *s = stream_find(r, env->tokens->id);
     const Metrale__Internal__V1__Tokens *t = env->tokens;
     const bool empty = t->n_tokens == 0 && t->n_prompt_logprobs == 0 && !(t->text && t->text[0]);
+    if (s && s->worker == w && s->state != ST_QUEUED && t->n_tokens > 0) {
+        /* Counted whether or not the client is still there (an aborted stream's last tokens);
+         * the latencies only while it is. */
+        const double now = mt_now();
+        const bool first = s->last_tokens == 0;
+        const bool client = s->state == ST_RUNNING && s->call;
+        rtr_metrics_tokens(r->metrics, (uint32_t)t->n_tokens, first,
+                           client ? now - (first ? s->arrived : s->last_tokens) : -1);
+        s->last_tokens = now;
+    }
     if (!s || s->worker != w || s->state != ST_RUNNING || !s->call || empty) {
         mt_wire_free(env);
         return;
@@ -635,7 +667,7 @@ static void on_tokens(rtr_router *r, rtr_worker *w, mt_envelope *env) {
         mt_envelope **p = realloc(s->pending, cap * sizeof *p);
         if (!p) {
             mt_wire_free(env);
-            stream_end_call(s, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
+            stream_end_call(r, s, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
             stream_abort(r, s, mt_now());
             return;
         }
@@ -643,20 +675,32 @@ static void on_tokens(rtr_router *r, rtr_worker *w, mt_envelope *env) {
         s->cap_pending = cap;
     }
     s->pending[s->npending++] = env;
-    stream_flush(s, NULL, NULL);
+    stream_flush(r, s, NULL, NULL);
 }
 
 static void on_finished(rtr_router *r, rtr_worker *w, const Metrale__Internal__V1__Finished *f) {
     rtr_stream *s = stream_find(r, f->id);
     if (!s || s->worker != w || s->state == ST_QUEUED) return;
     if (w->in_flight > 0) w->in_flight--;
+    if (!f->invalid_argument) { /* recorded before the client hears of it */
+        const Metrale__V1__Final *fin = f->final;
+        const Metrale__V1__Usage *u = fin ? fin->usage : NULL;
+        const rtr_metrics_finish mf = {
+            .reason = fin ? fin->finish_reason : METRALE__V1__FINISH_REASON__FINISH_REASON_UNSPECIFIED,
+            .prompt_tokens = u ? u->prompt_tokens : 0,
+            .generation_tokens = u ? u->completion_tokens : 0,
+            .queue_s = s->submitted - s->arrived,
+            .e2e_s = mt_now() - s->arrived,
+        };
+        rtr_metrics_request_finished(r->metrics, &mf);
+    }
     if (s->state == ST_RUNNING && s->call) {
         /* The worker also knows the deadline and ends the sequence itself (CANCELLED), which may
          * beat our own check by a tick; the client must still see DEADLINE_EXCEEDED. The slack
          * covers the wall-clock to monotonic conversion. */
         if (f->final && f->final->finish_reason == METRALE__V1__FINISH_REASON__FINISH_REASON_CANCELLED &&
             mt_now() >= s->deadline - DEADLINE_SLACK_S) {
-            stream_end_call(s, GRPC_STATUS_DEADLINE_EXCEEDED, "deadline exceeded");
+            stream_end_call(r, s, GRPC_STATUS_DEADLINE_EXCEEDED, "deadline exceeded");
         } else if (f->invalid_argument) {
             /* Refused before it started (text not UTF-8, too long once tokenized, a template
              * that failed, no tokenizer): a bad request, like one the router refuses. */
@@ -664,11 +708,11 @@ static void on_finished(rtr_router *r, rtr_worker *w, const Metrale__Internal__V
                                   ? f->final->error_message
                                   : "the worker refused the request";
             stream_drop_pending(s);
-            stream_end_call(s, GRPC_STATUS_INVALID_ARGUMENT, why);
+            stream_end_call(r, s, GRPC_STATUS_INVALID_ARGUMENT, why);
             r->requests_rejected++;
         } else {
             Metrale__V1__Final fallback = METRALE__V1__FINAL__INIT;
-            stream_flush(s, f->final ? f->final : &fallback, f->text);
+            stream_flush(r, s, f->final ? f->final : &fallback, f->text);
         }
     }
     stream_free(r, s);
@@ -716,7 +760,10 @@ static void on_envelope(rtr_router *r, const char *peer, mt_envelope *env, doubl
     }
     switch (env->body_case) {
     case METRALE__INTERNAL__V1__ENVELOPE__BODY_HEARTBEAT:
-        if (env->heartbeat->stats) rtr_workers_set_stats(w, env->heartbeat->stats);
+        if (env->heartbeat->stats) {
+            rtr_workers_set_stats(w, env->heartbeat->stats);
+            publish_metrics(r);
+        }
         break;
     case METRALE__INTERNAL__V1__ENVELOPE__BODY_TOKENS:
         on_tokens(r, w, env);
@@ -775,7 +822,7 @@ static void tick(rtr_router *r, double now) {
     for (rtr_stream *s = r->streams; s; s = next) {
         next = s->next;
         if (s->call && now >= s->deadline) {
-            stream_end_call(s, GRPC_STATUS_DEADLINE_EXCEEDED, "deadline exceeded");
+            stream_end_call(r, s, GRPC_STATUS_DEADLINE_EXCEEDED, "deadline exceeded");
             stream_client_gone(r, s, now);
         } else if (s->state == ST_ABORTING && now - s->abort_since > ABORT_GIVE_UP_S) {
             mt_log(MT_LOG_WARN, "router: worker %s never finished aborted sequence %llu; giving up on it",
@@ -784,6 +831,7 @@ static void tick(rtr_router *r, double now) {
             stream_free(r, s);
         }
     }
+    publish_metrics(r);
     rtr_tokenize *tnext;
     for (rtr_tokenize *t = r->tokenizes; t; t = tnext) {
         tnext = t->next;
@@ -824,7 +872,7 @@ static void cut_streams(rtr_router *r, double now) {
             s->cut = true;
             cut++;
         } else {
-            stream_end_call(s, GRPC_STATUS_UNAVAILABLE, "server shut down before the stream started");
+            stream_end_call(r, s, GRPC_STATUS_UNAVAILABLE, "server shut down before the stream started");
             stream_client_gone(r, s, now);
         }
     }
@@ -845,8 +893,8 @@ static void drain_step(rtr_router *r, double now) {
         rtr_stream *next;
         for (rtr_stream *s = r->streams; s; s = next) {
             next = s->next;
-            if (s->cut && s->call) stream_end_cut(s); /* its worker did not answer the Abort */
-            stream_end_call(s, GRPC_STATUS_UNAVAILABLE, "server shut down before the stream finished");
+            if (s->cut && s->call) stream_end_cut(r, s); /* its worker did not answer the Abort */
+            stream_end_call(r, s, GRPC_STATUS_UNAVAILABLE, "server shut down before the stream finished");
             stream_client_gone(r, s, now);
         }
         while (r->tokenizes)
@@ -889,6 +937,7 @@ static void finish_rejected(rtr_router *r, rtr_call *call, grpc_status_code code
     r->requests_rejected++;
     const mt_log_field f[] = { mt_logf_str("status", status_name(code)), mt_logf_str("details", msg) };
     mt_log_event(MT_LOG_INFO, "rejected", request_id, f, sizeof f / sizeof f[0]);
+    rtr_metrics_request_ended(r->metrics, code);
     rtr_call_finish(call, code, msg, NULL);
 }
 
@@ -1052,7 +1101,7 @@ static void h_on_request(rtr_router *r, rtr_call *call, rtr_method m, const uint
 static void h_on_send_done(rtr_router *r, rtr_call *call, bool ok) {
     rtr_stream *s = rtr_call_stream(call);
     if (s) {
-        if (ok) stream_flush(s, NULL, NULL);
+        if (ok) stream_flush(r, s, NULL, NULL);
         return;
     }
     if (rtr_call_watch(call)) rtr_health_on_send_done(&r->health, call, ok);
@@ -1082,6 +1131,9 @@ rtr_router *rtr_router_create(const rtr_router_params *params, mt_error *err) {
     rtr_workers_init(&r->workers, wp);
     rtr_admission_init(&r->queue, params->queue_capacity);
     rtr_health_init(&r->health);
+    if (!(r->metrics = rtr_metrics_create(MT_VERSION, err))) goto fail;
+    if (params->metrics_listen && rtr_metrics_serve(r->metrics, params->metrics_listen, &r->metrics_port, err))
+        goto fail;
     mt_wire_params wire = mt_wire_default_params();
     wire.curve_secret_key = params->curve_secret_key;
     wire.curve_clients = params->curve_clients;
@@ -1099,12 +1151,15 @@ rtr_router *rtr_router_create(const rtr_router_params *params, mt_error *err) {
     return r;
 fail:
     mt_wire_close(r->wire);
+    rtr_metrics_free(r->metrics);
     rtr_workers_free(&r->workers);
     free(r);
     return NULL;
 }
 
 int rtr_router_port(const rtr_router *r) { return r->port; }
+
+int rtr_router_metrics_port(const rtr_router *r) { return r->metrics_port; }
 
 void rtr_router_workers_endpoint(const rtr_router *r, char *out, size_t len) { mt_wire_endpoint(r->wire, out, len); }
 
@@ -1171,6 +1226,7 @@ void rtr_router_free(rtr_router *r) {
         rtr_grpc_free(r->grpc);
     }
     rtr_health_free(&r->health);
+    rtr_metrics_free(r->metrics);
     mt_wire_close(r->wire);
     rtr_workers_free(&r->workers);
     free(r);

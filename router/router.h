@@ -28,6 +28,9 @@
  *     OK (the ones still queued end UNAVAILABLE); workers get Shutdown, the server stops and
  *     rtr_router_run returns MT_OK.
  *
+ *   - with params.metrics_listen, the Prometheus metrics (router/metrics.h) are served over HTTP
+ *     until rtr_router_free, through the drain too.
+ *
  * Logs (common/mt.h records, with the request id): each Generate's life, admitted (how it came:
  * prompt size, max_new_tokens, queued or the worker it went to; the prompt itself only with
  * log_prompts), first_token (time to it), requeued (its worker died before it), and finished
@@ -35,7 +38,8 @@
  * rejected for one refused before admission.
  *
  * Threads: the thread that calls rtr_router_create must make every other call; it runs the event
- * loop in rtr_router_run. (grpc_server.c adds one thread that only forwards completions.)
+ * loop in rtr_router_run. (grpc_server.c adds one thread that only forwards completions;
+ * metrics.c one that answers scrapes from a copy of the metrics.)
  */
 #ifndef RTR_ROUTER_H
 #define RTR_ROUTER_H
@@ -68,6 +72,9 @@ typedef struct rtr_router_params {
     size_t n_curve_clients;
     bool log_prompts;             /* the admitted records carry the prompt (text, or ids); default
                                      false: prompts are never logged */
+    /* "HOST:PORT" where GET /metrics serves the Prometheus metrics (router/metrics.h; port 0:
+     * any free port); NULL = no endpoint. Borrowed until create returns. */
+    const char *metrics_listen;
 } rtr_router_params;
 
 rtr_router_params rtr_router_default_params(void);
@@ -77,6 +84,9 @@ rtr_router *rtr_router_create(const rtr_router_params *params, mt_error *err);
 
 /* The bound gRPC port. */
 int rtr_router_port(const rtr_router *r);
+
+/* The bound metrics port; 0 without params.metrics_listen. */
+int rtr_router_metrics_port(const rtr_router *r);
 
 /* The workers' endpoint as bound (a wildcard port resolved), into out (truncated to len). */
 void rtr_router_workers_endpoint(const rtr_router *r, char *out, size_t len);

@@ -21,6 +21,8 @@ PACKAGES=(
     libprotobuf-c-dev protobuf-c-compiler
     libgrpc-dev protobuf-compiler protobuf-compiler-grpc  # protoc + grpc_python_plugin: e2e stubs
     python3-grpcio python3-protobuf   # end-to-end tests' gRPC client
+    libmicrohttpd-dev      # //third_party:microhttpd (the router's /metrics endpoint)
+    prometheus             # promtool: tests/e2e/metrics_test.py checks the /metrics text with it
 )
 
 missing=()

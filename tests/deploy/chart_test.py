@@ -5,14 +5,16 @@ renders it for the default values and every value set in charts/metrale/examples
 rendered object is validated against the Kubernetes 1.30 JSON schemas (kubernetes-validate,
 strict: unknown fields fail); the pods are checked for what the chart promises (one container
 running metrale-serve with GPUs = tp, gRPC probes, a read-only root filesystem, the drain
-budget...); the rendered metrale-serve arguments are given to the real metrale-serve, which must
-accept them; and invalid values must be refused, by the schema or by the templates.
+budget, the metrics port and its ServiceMonitor...); the rendered metrale-serve arguments are given
+to the real metrale-serve, which must accept them; invalid values must be refused, by the schema or
+by the templates; and the chart's appVersion is the version the router reports (MT_VERSION).
 
 Run through tests/deploy/pytools.sh (bazel test //tests/deploy:chart_test).
 """
 
 import glob
 import os
+import re
 import subprocess
 import unittest
 
@@ -24,6 +26,9 @@ CHART = "charts/metrale"
 KUBE_VERSION = "1.30.0"
 RELEASE, NAMESPACE = "metrale-test", "ml"
 SERVE_BIN = "launcher/metrale-serve"
+MT_H = "common/mt.h"
+# Objects of CRDs, which the Kubernetes schemas do not know; check_objects checks them.
+CRD_KINDS = {"ServiceMonitor"}
 GRPC_HEALTH_SERVICES = {"startupProbe": "", "livenessProbe": "", "readinessProbe": "metrale.v1.Generation"}
 
 
@@ -88,6 +93,8 @@ class ChartTest(unittest.TestCase):
                 objs = render(values)
                 self.assertGreaterEqual(len(objs), 2)
                 for o in objs:
+                    if o["kind"] in CRD_KINDS:
+                        continue
                     try:
                         kubernetes_validate.validate(o, KUBE_VERSION, strict=True)
                     except kubernetes_validate.ValidationError as e:
@@ -127,8 +134,21 @@ class ChartTest(unittest.TestCase):
         self.assertEqual(arg(args, "--backend"), v["backend"])
         self.assertEqual(arg(args, "--listen"), "0.0.0.0:%d" % v["serve"]["port"])
         self.assertEqual(float(arg(args, "--drain-timeout")), v["serve"]["drainTimeoutSeconds"])
-        (port,) = c["ports"]
-        self.assertEqual((port["name"], port["containerPort"]), ("grpc", v["serve"]["port"]))
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        mv = v["metrics"]
+        want_ports = {"grpc": v["serve"]["port"]}
+        if mv["enabled"]:
+            want_ports["metrics"] = mv["port"]
+        self.assertEqual(ports, want_ports)
+        self.assertEqual(arg(args, "--metrics"), "0.0.0.0:%d" % mv["port"] if mv["enabled"] else None)
+        ann = dep["spec"]["template"]["metadata"].get("annotations", {})
+        if mv["enabled"] and mv["podAnnotations"]:
+            want_ann = {"prometheus.io/scrape": "true", "prometheus.io/port": str(mv["port"]),
+                        "prometheus.io/path": "/metrics"}
+            want_ann.update(v["podAnnotations"])
+            self.assertEqual(ann, want_ann)
+        else:
+            self.assertEqual(ann, v["podAnnotations"])
 
         # GPUs: tp of them in requests and limits on the cuda backend, none on the cpu backend
         gpu = v["gpu"]["resourceName"]
@@ -204,13 +224,33 @@ class ChartTest(unittest.TestCase):
         svc = services.pop(fullname)
         want_port = {"name": "grpc", "port": v["service"]["port"], "targetPort": "grpc", "protocol": "TCP",
                      "appProtocol": "grpc"}
-        self.assertEqual(svc["spec"]["ports"], [want_port])
+        metrics_port = {"name": "metrics", "port": mv["port"], "targetPort": "metrics", "protocol": "TCP",
+                        "appProtocol": "http"}
+        self.assertEqual(svc["spec"]["ports"], [want_port] + ([metrics_port] if mv["enabled"] else []))
         self.assertEqual(svc["spec"]["selector"], spec["selector"]["matchLabels"])
         if v["headless"]["enabled"]:
             head = services.pop(fullname + "-headless")
             self.assertEqual(head["spec"]["clusterIP"], "None")
             self.assertEqual(head["spec"]["ports"], [want_port])
         self.assertEqual(services, {})
+
+        # a ServiceMonitor on request: the Service's pods, on its metrics port
+        monitors = by_kind(objs, "ServiceMonitor")
+        if mv["enabled"] and mv["serviceMonitor"]["enabled"]:
+            (sm,) = monitors
+            sm_v = mv["serviceMonitor"]
+            self.assertEqual(sm["apiVersion"], "monitoring.coreos.com/v1")
+            for k, val in sm_v["labels"].items():
+                self.assertEqual(sm["metadata"]["labels"][k], val)
+            self.assertEqual(sm["spec"]["selector"]["matchLabels"], spec["selector"]["matchLabels"])
+            self.assertEqual(sm["spec"]["namespaceSelector"], {"matchNames": [NAMESPACE]})
+            (ep,) = sm["spec"]["endpoints"]
+            want_ep = {"port": "metrics", "path": "/metrics", "interval": sm_v["interval"]}
+            if sm_v["scrapeTimeout"]:
+                want_ep["scrapeTimeout"] = sm_v["scrapeTimeout"]
+            self.assertEqual(ep, want_ep)
+        else:
+            self.assertEqual(monitors, [])
 
         pdbs = by_kind(objs, "PodDisruptionBudget")
         self.assertEqual(len(pdbs), 1 if v["podDisruptionBudget"]["enabled"] else 0)
@@ -247,18 +287,36 @@ class ChartTest(unittest.TestCase):
             ({"probes": {"startup": {"periodSeconds": 0}}}, "/probes/startup/periodSeconds"),
             ({"securityContext": {"runAsUser": 0}}, "/securityContext/runAsUser"),
             ({"shm": {"sizeLimit": "lots"}}, "/shm/sizeLimit"),
+            ({"metrics": {"port": 0}}, "/metrics/port"),
+            ({"metrics": {"serviceMonitor": {"interval": "often"}}}, "/metrics/serviceMonitor/interval"),
+            ({"metrics": {"scrape": True}}, "additional properties 'scrape'"),
             # by the templates
             ({"terminationGracePeriodSeconds": 40}, "terminationGracePeriodSeconds 40 is too short"),
             ({"serve": {"drainTimeoutSeconds": 100}, "terminationGracePeriodSeconds": 120}, "too short"),
             ({"podDisruptionBudget": {"minAvailable": 1}}, "not both"),
             ({"resources": {"limits": {"nvidia.com/gpu": 2}}}, "is set from tp"),
             ({"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}, "is above"),
+            ({"metrics": {"port": 50051}}, "metrics.port 50051 is serve.port"),
         ]
         for values, why in refused:
             with self.subTest(values=values):
                 with self.assertRaises((helm.HelmValuesError, helm.HelmRenderError)) as ctx:
                     render(values)
                 self.assertIn(why, str(ctx.exception))
+
+    def test_app_version_is_the_routers(self):
+        with open(os.path.join(CHART, "Chart.yaml")) as f:
+            app_version = yaml.safe_load(f)["appVersion"]
+        with open(path(MT_H)) as f:
+            m = re.search(r'#define MT_VERSION "([^"]+)"', f.read())
+        self.assertIsNotNone(m, "no MT_VERSION in " + MT_H)
+        self.assertEqual(m.group(1), app_version)
+
+    def test_metrics_can_be_turned_off(self):
+        values = {"metrics": {"enabled": False, "serviceMonitor": {"enabled": True}}}
+        objs = render(values)
+        self.check_objects(objs, merged(values))
+        self.assertEqual(by_kind(objs, "ServiceMonitor"), [])
 
     def test_lint_reports_invalid_values(self):
         report = helm.lint(CHART, {"tp": 0}, strict=True, kube_version="v" + KUBE_VERSION)

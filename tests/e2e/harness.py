@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 
 import grpc
 
@@ -89,7 +90,7 @@ class Cluster:
     Worker i has id i and identity "w<i>". Logs go to files in self.dir (printed on failure)."""
 
     def __init__(self, workers=1, queue=None, drain_timeout=None, model=MODEL_DIR, max_sequences=None,
-                 worker_args=(), router_args=()):
+                 worker_args=(), router_args=(), metrics=False):
         # A unix socket path is limited to 107 bytes: keep the ipc endpoint short.
         base = tempfile.gettempdir()
         self.dir = tempfile.mkdtemp(prefix="metrale-e2e-", dir=base if len(base) <= 60 else "/tmp")
@@ -107,12 +108,17 @@ class Cluster:
         if drain_timeout is not None:
             args += ["--drain-timeout", str(drain_timeout)]
         args += list(router_args)
+        if metrics:  # /metrics on a free port, logged like the gRPC one
+            args += ["--metrics", "127.0.0.1:0"]
         self.router = self._spawn("router", args)
         self.workers = {}
         self.channel = None
         try:
             self.port = wait_for(self._logged_port, 10, "the router to log its port")
             self.addr = "127.0.0.1:%d" % self.port
+            if metrics:
+                self.metrics_addr = "127.0.0.1:%d" % wait_for(
+                    lambda: logged_port(self.logs[0][1], rb"metrics on port (\d+)"), 10, "the metrics port")
             for i in range(workers):
                 self.start_worker(i)
             self.channel = grpc.insecure_channel(self.addr)
@@ -128,9 +134,11 @@ class Cluster:
     def _logged_port(self):
         if self.router.poll() is not None:
             raise AssertionError("the router exited with %d at start" % self.router.returncode)
-        with open(self.logs[0][1], "rb") as f:
-            m = re.search(rb"listening on port (\d+)", f.read())
-        return int(m.group(1)) if m else None
+        return logged_port(self.logs[0][1], rb"listening on port (\d+)")
+
+    def metrics(self):
+        """The router's /metrics, parsed (see parse_metrics)."""
+        return parse_metrics(scrape(self.metrics_addr))
 
     def _spawn(self, name, args):
         fn = os.path.join(self.dir, name + ".log")
@@ -204,6 +212,41 @@ class Cluster:
             self.dump_logs()
         self.close()
         return False
+
+
+def logged_port(log_path, pattern):
+    """The port a log line matching pattern (one group) names, or None."""
+    with open(log_path, "rb") as f:
+        m = re.search(pattern, f.read())
+    return int(m.group(1)) if m else None
+
+
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never a proxy
+
+
+def scrape(addr, path="/metrics", method="GET"):
+    """An HTTP request to http://addr/path; the body as text (an HTTPError for a status >= 400)."""
+    req = urllib.request.Request("http://%s%s" % (addr, path), method=method)
+    with _DIRECT.open(req, timeout=5) as r:
+        return r.read().decode()
+
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$')
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_metrics(text):
+    """Prometheus text format to {name: {frozenset of (label, value): float}}; comments skipped."""
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if not m:
+            raise AssertionError("not a sample line: %r" % line)
+        labels = frozenset(_LABEL.findall(m.group(2) or ""))
+        out.setdefault(m.group(1), {})[labels] = float(m.group(3))
+    return out
 
 
 def children(pid):

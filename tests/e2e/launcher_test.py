@@ -1,7 +1,8 @@
 """metrale-serve, the README's one-line start, as a user runs it: it finds the router and worker
 binaries beside its own folder in bazel-bin, starts them, and the service answers; a worker
-killed with SIGKILL is started again (the router counts a restart); SIGTERM drains and stops
-everything with exit status 0, leaving no process behind."""
+killed with SIGKILL is started again (the router counts a restart, in GetStats and on its --metrics
+endpoint, which metrale-serve passes on); SIGTERM drains and stops everything with exit status 0,
+leaving no process behind."""
 
 import os
 import re
@@ -15,7 +16,7 @@ import unittest
 import grpc
 
 from harness import (LAUNCHER_BIN, MODEL_DIR, SERVING, children, cmdline, health_pb2, health_pb2_grpc,
-                     metrale_pb2, metrale_pb2_grpc, path, request, wait_for)
+                     metrale_pb2, metrale_pb2_grpc, parse_metrics, path, request, scrape, wait_for)
 
 
 class LauncherTest(unittest.TestCase):
@@ -25,7 +26,8 @@ class LauncherTest(unittest.TestCase):
         with open(self.log_path, "wb") as log:
             # Port 0: the router binds a free port and logs it; the launcher's children share its stderr.
             self.serve = subprocess.Popen([path(LAUNCHER_BIN), "--model", path(MODEL_DIR), "--listen", "127.0.0.1:0",
-                                           "--workers", "1", "--threads", "1", "--backend", "cpu"],
+                                           "--workers", "1", "--threads", "1", "--backend", "cpu",
+                                           "--metrics", "127.0.0.1:0"],
                                           stdout=log, stderr=subprocess.STDOUT)
         self.channel = None
 
@@ -80,6 +82,10 @@ class LauncherTest(unittest.TestCase):
                      "the launcher to start the killed worker again")
             wait_for(lambda: len(self.live_workers()) == 1, 10, "one live worker")
             self.assertEqual(self.generate("launcher-2"), first)
+            metrics_port = int(re.search(r"metrics on port (\d+)", self.log()).group(1))
+            m = parse_metrics(scrape("127.0.0.1:%d" % metrics_port))
+            self.assertEqual(m["metrale_worker_restarts_total"], {frozenset(): 1.0})
+            self.assertEqual(m["metrale_requests_total"][frozenset({("code", "OK")})], 2.0)
 
             kids = children(self.serve.pid)
             self.serve.send_signal(signal.SIGTERM)

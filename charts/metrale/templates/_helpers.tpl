@@ -147,8 +147,24 @@ wait for workers that outlive the router (10 s) and its SIGTERM-to-SIGKILL step 
 {{- if not $s.runAhead }}
 - --no-run-ahead
 {{- end }}
+{{- if .Values.metrics.enabled }}
+- --metrics
+- {{ printf "0.0.0.0:%d" (int .Values.metrics.port) | quote }}
+{{- end }}
 {{- range $s.extraArgs }}
 - {{ . | quote }}
+{{- end }}
+{{- end }}
+
+{{/* The pod's annotations: podAnnotations, plus the prometheus.io ones for the metrics port
+(podAnnotations win). */}}
+{{- define "metrale.podAnnotations" -}}
+{{- $ann := deepCopy (default dict .Values.podAnnotations) }}
+{{- if and .Values.metrics.enabled .Values.metrics.podAnnotations }}
+{{- $ann = merge $ann (dict "prometheus.io/scrape" "true" "prometheus.io/port" (toString (int .Values.metrics.port)) "prometheus.io/path" "/metrics") }}
+{{- end }}
+{{- with $ann }}
+{{- toYaml . }}
 {{- end }}
 {{- end }}
 
