@@ -20,7 +20,9 @@
  * GPUs share them).
  *
  * Processes: the router (bazel-bin/router/metrale-router) binds an ipc:// socket private to this
- * run; workers (bazel-bin/worker/metrale-worker) connect to it. With --router ENDPOINT no router
+ * run, /tmp/metrale-<uid>/serve-<pid>.sock (the folder mode 0700, this user's: common/ipc.h; at
+ * start the stale sockets of earlier runs that died there are removed); workers
+ * (bazel-bin/worker/metrale-worker) connect to it. With --router ENDPOINT no router
  * is started: the groups connect to the router at ENDPOINT (on another host: tcp://HOST:PORT with
  * the CURVE keys, which go to every rank). The binaries are found in the bazel-bin tree this one
  * is in (bazel-bin/launcher/metrale-serve), or else in its own folder (a folder of copied
@@ -59,6 +61,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/ipc.h"
 #include "common/wire_limits.h"
 
 #define MAX_WORKERS 64     /* groups */
@@ -246,7 +249,7 @@ static const char *default_model(void) {
 }
 
 static serve_opts g_o;
-static char g_endpoint[PATH_MAX + 16], g_sock[PATH_MAX];
+static char g_endpoint[PATH_MAX + 16], g_sock[PATH_MAX], g_sockdir[64];
 static int g_ngpu;
 static unsigned g_nonce; /* random, in every group's name: names unique across hosts sharing /dev/shm */
 static pid_t g_router;   /* 0 when not running (or never: --router) */
@@ -522,9 +525,19 @@ int main(int argc, char **argv) {
 
     if (!g_o.model && !(g_o.model = default_model())) return 1;
     if (!g_o.router) {
-        snprintf(g_sock, sizeof g_sock, "/tmp/metrale-serve-%d.sock", (int)getpid());
+        /* One private folder per user (a unix socket path has at most 107 bytes: /tmp, not
+         * $TMPDIR); the router checks it again and binds only there (common/wire.h). */
+        snprintf(g_sockdir, sizeof g_sockdir, "/tmp/metrale-%u", (unsigned)geteuid());
+        mt_error err;
+        if (mt_ipc_dir_private(g_sockdir, &err)) {
+            fprintf(stderr, "metrale-serve: %s\n", err.msg);
+            return 1;
+        }
+        const int stale = mt_ipc_clear_stale_dir(g_sockdir, "serve-");
+        if (stale) fprintf(stderr, "metrale-serve: removed %d stale socket%s from %s\n", stale, stale > 1 ? "s" : "",
+                           g_sockdir);
+        snprintf(g_sock, sizeof g_sock, "%s/serve-%d.sock", g_sockdir, (int)getpid());
         snprintf(g_endpoint, sizeof g_endpoint, "ipc://%s", g_sock);
-        unlink(g_sock);
         if (start_router() < 0) return 1;
     }
     const double t0 = now_s();
