@@ -3,8 +3,10 @@
  *
  *   metrale-serve [--model DIR] [--listen HOST:PORT] [--workers G] [--tp N]
  *                 [--backend auto|cpu|cuda] [--max-sequences N] [--max-context N] [--threads N]
- *                 [--queue N] [--drain-timeout S] [--numerics exact|bf16] [--router ENDPOINT
- *                 [--first-id K] [--curve-server-key FILE --curve-secret-key FILE]]
+ *                 [--queue N] [--drain-timeout S] [--numerics exact|bf16]
+ *                 [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]] [--auth-token-file FILE]
+ *                 [--health-listen HOST:PORT]
+ *                 [--router ENDPOINT [--first-id K] [--curve-server-key FILE --curve-secret-key FILE]]
  *
  * With no --model it serves a small random checkpoint made here once (tools/mkckpt with
  * tools/configs/cpu-small.json into .cache/cpu-small, as scripts/run.sh does), so it runs on any
@@ -22,14 +24,16 @@
  * Processes: the router (bazel-bin/router/metrale-router) binds an ipc:// socket private to this
  * run, /tmp/metrale-<uid>/serve-<pid>.sock (the folder mode 0700, this user's: common/ipc.h; at
  * start the stale sockets of earlier runs that died there are removed); workers
- * (bazel-bin/worker/metrale-worker) connect to it. With --router ENDPOINT no router
+ * (bazel-bin/worker/metrale-worker) connect to it. The security options (--tls-*,
+ * --auth-token-file, --health-listen) go to the router as they are. With --router ENDPOINT no router
  * is started: the groups connect to the router at ENDPOINT (on another host: tcp://HOST:PORT with
  * the CURVE keys, which go to every rank). The binaries are found in the bazel-bin tree this one
  * is in (bazel-bin/launcher/metrale-serve), or else in its own folder (a folder of copied
  * binaries); METRALE_ROUTER_BIN, METRALE_WORKER_BIN and METRALE_MKCKPT_BIN name others. Each child
  * runs in its own process group and gets SIGTERM if this process dies.
  *
- * Signals: the first SIGTERM / SIGINT is forwarded to the router, which drains (health
+ * Signals: SIGHUP is forwarded to the router (it reads its TLS files and token file again). The
+ * first SIGTERM / SIGINT is forwarded to the router, which drains (health
  * NOT_SERVING, running streams finish up to --drain-timeout) and tells the workers to shut down
  * (without a router here, the workers get SIGTERM); workers still alive WORKER_EXIT_S after the
  * router are sent SIGTERM, then SIGKILL. A second signal sends SIGTERM to everyone, a third
@@ -104,6 +108,8 @@ typedef struct serve_opts {
     bool no_run_ahead;
     const char *router;    /* a router elsewhere: start none, connect the groups there */
     const char *curve_server_key, *curve_secret_key; /* key files, passed to every worker */
+    /* the gRPC port's security, passed to the router */
+    const char *tls_cert, *tls_key, *tls_client_ca, *auth_token_file, *health_listen;
 } serve_opts;
 
 static double now_s(void) {
@@ -119,6 +125,8 @@ static void usage(FILE *f) {
             "                     [--prefill-budget N] [--graph-max-batch N] [--cache-budget-mb N] [--no-preempt]\n"
             "                     [--no-run-ahead] [--numerics exact|bf16]\n"
             "                     [--speculative-tokens K] [--speculative-max-batch B]\n"
+            "                     [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]] [--auth-token-file FILE]\n"
+            "                     [--health-listen HOST:PORT]\n"
             "                     [--router ENDPOINT [--first-id K]\n"
             "                      [--curve-server-key FILE --curve-secret-key FILE]]\n"
             "  Starts the gRPC router on --listen (default 127.0.0.1:50051) and G worker groups serving DIR\n"
@@ -134,7 +142,9 @@ static void usage(FILE *f) {
             "  secret key), from metrale-keygen); --first-id K: the groups are workers K, K+1, ... (ids unique\n"
             "  per router).\n"
             "  The scheduler options, --numerics and the speculative options go to every worker (metrale-worker\n"
-            "  --help says what they do).\n");
+            "  --help says what they do). --tls-cert, --tls-key, --tls-client-ca (mutual TLS), --auth-token-file\n"
+            "  (a bearer token) and --health-listen (a plaintext health-only port) go to the router\n"
+            "  (metrale-router --help); SIGHUP makes it read the TLS files and the token file again.\n");
 }
 
 /* ---- paths ---- */
@@ -258,7 +268,7 @@ static group g_groups[MAX_WORKERS];
 static pid_t start_router(void) {
     char buf[PATH_MAX + 64];
     const char *bin = bin_path("METRALE_ROUTER_BIN", "router/metrale-router", buf, sizeof buf);
-    char *argv[16];
+    char *argv[32];
     int k = 0;
     argv[k++] = (char *)bin;
     argv[k++] = "--listen";
@@ -267,6 +277,11 @@ static pid_t start_router(void) {
     argv[k++] = g_endpoint;
     if (g_o.queue) { argv[k++] = "--queue"; argv[k++] = (char *)g_o.queue; }
     if (g_o.drain_timeout) { argv[k++] = "--drain-timeout"; argv[k++] = (char *)g_o.drain_timeout; }
+    if (g_o.tls_cert) { argv[k++] = "--tls-cert"; argv[k++] = (char *)g_o.tls_cert; }
+    if (g_o.tls_key) { argv[k++] = "--tls-key"; argv[k++] = (char *)g_o.tls_key; }
+    if (g_o.tls_client_ca) { argv[k++] = "--tls-client-ca"; argv[k++] = (char *)g_o.tls_client_ca; }
+    if (g_o.auth_token_file) { argv[k++] = "--auth-token-file"; argv[k++] = (char *)g_o.auth_token_file; }
+    if (g_o.health_listen) { argv[k++] = "--health-listen"; argv[k++] = (char *)g_o.health_listen; }
     argv[k] = NULL;
     return g_router = spawn(argv);
 }
@@ -447,6 +462,11 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         else if (!strcmp(a, "--router")) o->router = v;
         else if (!strcmp(a, "--curve-server-key")) o->curve_server_key = v;
         else if (!strcmp(a, "--curve-secret-key")) o->curve_secret_key = v;
+        else if (!strcmp(a, "--tls-cert")) o->tls_cert = v;
+        else if (!strcmp(a, "--tls-key")) o->tls_key = v;
+        else if (!strcmp(a, "--tls-client-ca")) o->tls_client_ca = v;
+        else if (!strcmp(a, "--auth-token-file")) o->auth_token_file = v;
+        else if (!strcmp(a, "--health-listen")) o->health_listen = v;
         else if (!strcmp(a, "--max-sequences")) rc = parse_int(a, v, 1, 4096, &o->max_sequences);
         else if (!strcmp(a, "--max-context")) rc = parse_int(a, v, 2, MT_WIRE_CONTEXT_MAX, &o->max_context);
         else if (!strcmp(a, "--threads")) rc = parse_int(a, v, 0, 4096, &o->threads);
@@ -467,6 +487,19 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
     }
     if (!o->curve_server_key != !o->curve_secret_key) {
         fprintf(stderr, "metrale-serve: --curve-server-key and --curve-secret-key go together\n");
+        return -1;
+    }
+    if (!o->tls_cert != !o->tls_key) {
+        fprintf(stderr, "metrale-serve: --tls-cert and --tls-key go together\n");
+        return -1;
+    }
+    if (o->tls_client_ca && !o->tls_cert) {
+        fprintf(stderr, "metrale-serve: --tls-client-ca needs --tls-cert and --tls-key\n");
+        return -1;
+    }
+    if (o->router && (o->tls_cert || o->auth_token_file || o->health_listen)) {
+        fprintf(stderr, "metrale-serve: --tls-*, --auth-token-file and --health-listen configure the router started "
+                        "here; with --router ENDPOINT give them to that router\n");
         return -1;
     }
     if (o->curve_server_key && !o->router) {
@@ -521,6 +554,7 @@ int main(int argc, char **argv) {
     sigaddset(&set, SIGTERM);
     sigaddset(&set, SIGINT);
     sigaddset(&set, SIGCHLD);
+    sigaddset(&set, SIGHUP);
     sigprocmask(SIG_BLOCK, &set, NULL);
 
     if (!g_o.model && !(g_o.model = default_model())) return 1;
@@ -563,6 +597,14 @@ int main(int argc, char **argv) {
         struct timespec ts = { 0, 100 * 1000 * 1000 };
         int sig = sigtimedwait(&set, NULL, &ts);
         const double now = now_s();
+        if (sig == SIGHUP) {
+            if (g_router > 0) {
+                fprintf(stderr, "metrale-serve: SIGHUP: the router reads its TLS files and token again\n");
+                kill(g_router, SIGHUP);
+            } else {
+                fprintf(stderr, "metrale-serve: SIGHUP ignored: no router runs here\n");
+            }
+        }
         if (sig == SIGTERM || sig == SIGINT) {
             signals++;
             stopping = true;

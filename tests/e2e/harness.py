@@ -86,10 +86,13 @@ class Cluster:
     """One router and n workers. Use as a context manager; on exit the router gets SIGTERM (a
     clean drain, so sanitizer builds report) and whatever is left is killed.
 
-    Worker i has id i and identity "w<i>". Logs go to files in self.dir (printed on failure)."""
+    Worker i has id i and identity "w<i>". Logs go to files in self.dir (printed on failure).
+
+    router_args go to the router as they are; connect(addr) makes the client channel (default:
+    plaintext) and metadata goes with the calls the harness makes (a bearer token)."""
 
     def __init__(self, workers=1, queue=None, drain_timeout=None, model=MODEL_DIR, max_sequences=None,
-                 worker_args=()):
+                 worker_args=(), router_args=(), connect=None, metadata=None):
         # A unix socket path is limited to 107 bytes: keep the ipc endpoint short.
         base = tempfile.gettempdir()
         self.dir = tempfile.mkdtemp(prefix="metrale-e2e-", dir=base if len(base) <= 60 else "/tmp")
@@ -97,6 +100,7 @@ class Cluster:
         self.model = model
         self.max_sequences = max_sequences
         self.worker_args = list(worker_args)
+        self.metadata = metadata
         self.logs = []
         # METRALE_E2E_ROUTER: another router build (e.g. one with -fsanitize=address).
         # Port 0: the router binds a free port and logs it (no race with other tests for a port).
@@ -106,7 +110,7 @@ class Cluster:
             args += ["--queue", str(queue)]
         if drain_timeout is not None:
             args += ["--drain-timeout", str(drain_timeout)]
-        self.router = self._spawn("router", args)
+        self.router = self._spawn("router", args + list(router_args))
         self.workers = {}
         self.channel = None
         try:
@@ -114,7 +118,7 @@ class Cluster:
             self.addr = "127.0.0.1:%d" % self.port
             for i in range(workers):
                 self.start_worker(i)
-            self.channel = grpc.insecure_channel(self.addr)
+            self.channel = (connect or grpc.insecure_channel)(self.addr)
             self.gen = metrale_pb2_grpc.GenerationStub(self.channel)
             self.health = health_pb2_grpc.HealthStub(self.channel)
             grpc.channel_ready_future(self.channel).result(timeout=10)
@@ -129,6 +133,15 @@ class Cluster:
             raise AssertionError("the router exited with %d at start" % self.router.returncode)
         with open(self.logs[0][1], "rb") as f:
             m = re.search(rb"listening on port (\d+)", f.read())
+        return int(m.group(1)) if m else None
+
+    def router_log(self):
+        with open(self.logs[0][1], "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def health_port(self):
+        """The --health-listen port the router logged, or None."""
+        m = re.search(r"health port (\d+)", self.router_log())
         return int(m.group(1)) if m else None
 
     def _spawn(self, name, args):
@@ -150,7 +163,7 @@ class Cluster:
                                       self.worker_cmd(i))
 
     def stats(self):
-        return self.gen.GetStats(metrale_pb2.StatsRequest(), timeout=5)
+        return self.gen.GetStats(metrale_pb2.StatsRequest(), timeout=5, metadata=self.metadata)
 
     def live_workers(self):
         return [w for w in self.stats().workers if w.alive]
