@@ -4,11 +4,14 @@
 
 #include <dirent.h>
 #include <errno.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <zmq.h>
+
+#include "common/ipc.h"
 
 #define ZAP_ENDPOINT "inproc://zeromq.zap.01" /* where libzmq looks for a ZAP handler (RFC 27) */
 #define EVENTS_ENDPOINT "inproc://mt-wire-events"
@@ -33,9 +36,37 @@ struct mt_wire_sock {
 
 mt_wire_params mt_wire_default_params(void) { return (mt_wire_params){ 0 }; }
 
+/* ipc://, inproc://, and tcp://127.0.0.1:PORT with nothing after the port (a connect endpoint
+ * "tcp://127.0.0.1:0;HOST:PORT" would reach another host from a loopback source address). */
 static bool endpoint_internal(const char *ep) {
-    return !strncmp(ep, "ipc://", 6) || !strncmp(ep, "tcp://127.0.0.1:", 16) ||
-           !strncmp(ep, "inproc://", 9);
+    if (!strncmp(ep, "ipc://", 6) || !strncmp(ep, "inproc://", 9)) return true;
+    static const char lo[] = "tcp://127.0.0.1:";
+    if (strncmp(ep, lo, sizeof lo - 1)) return false;
+    const char *port = ep + sizeof lo - 1;
+    if (!strcmp(port, "*")) return true;
+    if (!*port || strlen(port) > 5) return false;
+    for (const char *c = port; *c; c++)
+        if (*c < '0' || *c > '9') return false;
+    return true;
+}
+
+/* A ROUTER's ipc:// endpoint: a path in a private folder (made when missing), with a stale
+ * socket there removed (common/ipc.h). */
+static mt_status ipc_prepare(const char *endpoint, mt_error *err) {
+    const char *path = endpoint + 6;
+    if (!*path || *path == '@' || !strcmp(path, "*"))
+        return mt_errorf(err, MT_ERR_INVALID,
+                         "wire: endpoint \"%s\": name a socket path (an abstract or wildcard ipc socket has no "
+                         "folder to keep it private)", endpoint);
+    char dir[PATH_MAX];
+    if (strlen(path) >= sizeof dir) return mt_errorf(err, MT_ERR_INVALID, "wire: endpoint \"%s\" is too long", endpoint);
+    strcpy(dir, path);
+    char *slash = strrchr(dir, '/');
+    if (!slash) strcpy(dir, ".");
+    else if (slash == dir) dir[1] = 0; /* "/name": the root folder (refused below: not ours) */
+    else *slash = 0;
+    mt_status st = mt_ipc_dir_private(dir, err);
+    return st ? st : mt_ipc_clear_stale(path, err);
 }
 
 /* A z85 key of MT_WIRE_KEY_Z85 characters that decodes into bin[32] (NULL: only checked). */
@@ -180,6 +211,10 @@ mt_status mt_wire_open(mt_wire_kind kind, const char *endpoint, const mt_wire_pa
                          "tcp:// endpoint needs CURVE keys", endpoint ? endpoint : "(null)");
     if (kind == MT_WIRE_DEALER && (!p.identity || !*p.identity || strlen(p.identity) >= MT_WIRE_PEER_MAX))
         return mt_errorf(err, MT_ERR_INVALID, "wire: a DEALER needs an identity of 1..%d bytes", MT_WIRE_PEER_MAX - 1);
+    if (kind == MT_WIRE_ROUTER && !strncmp(endpoint, "ipc://", 6)) {
+        mt_status st = ipc_prepare(endpoint, err);
+        if (st) return st;
+    }
     mt_wire_sock *s = calloc(1, sizeof *s);
     if (!s) return mt_errorf(err, MT_ERR_NOMEM, "wire: out of memory");
     s->kind = kind;

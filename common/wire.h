@@ -3,8 +3,11 @@
  * per message. The router binds a ROUTER socket; each worker connects a DEALER whose identity is
  * "w<worker_id>" (mt_wire_identity). The limits both sides share are in common/wire_limits.h.
  *
- * Endpoints: ipc://, inproc:// and tcp://127.0.0.1: are internal and always accepted. Any other
- * tcp:// endpoint (a router reached by worker groups on other hosts) is accepted only with CURVE
+ * Endpoints: ipc://, inproc:// and tcp://127.0.0.1:PORT are internal and always accepted. A
+ * ROUTER binds ipc://DIR/NAME only when DIR is private to its user (mode 0700; made so when
+ * missing), and replaces a socket file there only when it is stale (common/ipc.h); another
+ * router's live socket is refused. Any other tcp:// endpoint (a router reached by worker groups
+ * on other hosts, or a loopback one with anything after its port) is accepted only with CURVE
  * (mt_wire_params): the ROUTER is then a CURVE server with its secret key, and a DEALER must hold
  * the router's public key (and a key pair of its own) to complete the handshake. Messages are
  * encrypted, and the workers know they talk to the holder of the router's secret key. With a list
@@ -68,8 +71,9 @@ typedef struct mt_wire_params {
 mt_wire_params mt_wire_default_params(void);
 
 /* ROUTER: binds endpoint. DEALER: connects to endpoint with p->identity. MT_ERR_INVALID for an
- * endpoint that is neither internal nor tcp:// with CURVE, a missing identity or a malformed key;
- * MT_ERR_STATE when CURVE is asked for and libzmq lacks it; MT_ERR_IO when ZeroMQ refuses. */
+ * endpoint that is neither internal nor tcp:// with CURVE, an ipc:// folder that is not private,
+ * a missing identity or a malformed key; MT_ERR_STATE when CURVE is asked for and libzmq lacks
+ * it, or another process listens on the ipc:// path; MT_ERR_IO when ZeroMQ refuses. */
 mt_status mt_wire_open(mt_wire_kind kind, const char *endpoint, const mt_wire_params *p, mt_wire_sock **out,
                        mt_error *err);
 void mt_wire_close(mt_wire_sock *s); /* NULL ok */

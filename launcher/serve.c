@@ -4,6 +4,8 @@
  *   metrale-serve [--model DIR] [--listen HOST:PORT] [--workers G] [--tp N]
  *                 [--backend auto|cpu|cuda] [--max-sequences N] [--max-context N] [--threads N]
  *                 [--queue N] [--drain-timeout S] [--metrics HOST:PORT] [--numerics exact|bf16]
+ *                 [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]] [--auth-token-file FILE]
+ *                 [--health-listen HOST:PORT]
  *                 [--router ENDPOINT [--first-id K] [--curve-server-key FILE --curve-secret-key FILE]]
  *                 [--log-format text|json] [--log-prompts]
  *
@@ -21,14 +23,18 @@
  * GPUs share them).
  *
  * Processes: the router (bazel-bin/router/metrale-router) binds an ipc:// socket private to this
- * run; workers (bazel-bin/worker/metrale-worker) connect to it. With --router ENDPOINT no router
+ * run, /tmp/metrale-<uid>/serve-<pid>.sock (the folder mode 0700, this user's: common/ipc.h; at
+ * start the stale sockets of earlier runs that died there are removed); workers
+ * (bazel-bin/worker/metrale-worker) connect to it. The security options (--tls-*,
+ * --auth-token-file, --health-listen) go to the router as they are. With --router ENDPOINT no router
  * is started: the groups connect to the router at ENDPOINT (on another host: tcp://HOST:PORT with
  * the CURVE keys, which go to every rank). The binaries are found in the bazel-bin tree this one
  * is in (bazel-bin/launcher/metrale-serve), or else in its own folder (a folder of copied
  * binaries); METRALE_ROUTER_BIN, METRALE_WORKER_BIN and METRALE_MKCKPT_BIN name others. Each child
  * runs in its own process group and gets SIGTERM if this process dies.
  *
- * Signals: the first SIGTERM / SIGINT is forwarded to the router, which drains (health
+ * Signals: SIGHUP is forwarded to the router (it reads its TLS files and token file again). The
+ * first SIGTERM / SIGINT is forwarded to the router, which drains (health
  * NOT_SERVING, running streams finish up to --drain-timeout) and tells the workers to shut down
  * (without a router here, the workers get SIGTERM); workers still alive WORKER_EXIT_S after the
  * router are sent SIGTERM, then SIGKILL. A second signal sends SIGTERM to everyone, a third
@@ -64,6 +70,7 @@
 #include <unistd.h>
 
 #include "common/mt.h"
+#include "common/ipc.h"
 #include "common/wire_limits.h"
 
 #define MAX_WORKERS 64     /* groups */
@@ -110,6 +117,8 @@ typedef struct serve_opts {
     const char *curve_server_key, *curve_secret_key; /* key files, passed to every worker */
     const char *log_format; /* --log-format, passed to the router and every worker when given */
     bool log_prompts;       /* --log-prompts, passed to the router */
+    /* the gRPC port's security, passed to the router */
+    const char *tls_cert, *tls_key, *tls_client_ca, *auth_token_file, *health_listen;
 } serve_opts;
 
 static double now_s(void) {
@@ -126,6 +135,8 @@ static void usage(FILE *f) {
             "                     [--no-run-ahead] [--numerics exact|bf16] [--metrics HOST:PORT]\n"
             "                     [--speculative-tokens K] [--speculative-max-batch B]\n"
             "                     [--log-format text|json] [--log-prompts]\n"
+            "                     [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]] [--auth-token-file FILE]\n"
+            "                     [--health-listen HOST:PORT]\n"
             "                     [--router ENDPOINT [--first-id K]\n"
             "                      [--curve-server-key FILE --curve-secret-key FILE]]\n"
             "  Starts the gRPC router on --listen (default 127.0.0.1:50051) and G worker groups serving DIR\n"
@@ -143,7 +154,10 @@ static void usage(FILE *f) {
             "  per router).\n"
             "  The scheduler options, --numerics and the speculative options go to every worker (metrale-worker\n"
             "  --help says what they do). --log-format text|json: every process's log lines as text (default)\n"
-            "  or one JSON object a line; --log-prompts: the router's admitted records carry the prompts.\n");
+            "  or one JSON object a line; --log-prompts: the router's admitted records carry the prompts.\n"
+            "  --tls-cert, --tls-key, --tls-client-ca (mutual TLS), --auth-token-file\n"
+            "  (a bearer token) and --health-listen (a plaintext health-only port) go to the router\n"
+            "  (metrale-router --help); SIGHUP makes it read the TLS files and the token file again.\n");
 }
 
 /* ---- paths ---- */
@@ -258,7 +272,7 @@ static const char *default_model(void) {
 }
 
 static serve_opts g_o;
-static char g_endpoint[PATH_MAX + 16], g_sock[PATH_MAX];
+static char g_endpoint[PATH_MAX + 16], g_sock[PATH_MAX], g_sockdir[64];
 static int g_ngpu;
 static unsigned g_nonce; /* random, in every group's name: names unique across hosts sharing /dev/shm */
 static pid_t g_router;   /* 0 when not running (or never: --router) */
@@ -279,6 +293,11 @@ static pid_t start_router(void) {
     if (g_o.log_format) { argv[k++] = "--log-format"; argv[k++] = (char *)g_o.log_format; }
     if (g_o.log_prompts) argv[k++] = "--log-prompts";
     if (g_o.metrics) { argv[k++] = "--metrics"; argv[k++] = (char *)g_o.metrics; }
+    if (g_o.tls_cert) { argv[k++] = "--tls-cert"; argv[k++] = (char *)g_o.tls_cert; }
+    if (g_o.tls_key) { argv[k++] = "--tls-key"; argv[k++] = (char *)g_o.tls_key; }
+    if (g_o.tls_client_ca) { argv[k++] = "--tls-client-ca"; argv[k++] = (char *)g_o.tls_client_ca; }
+    if (g_o.auth_token_file) { argv[k++] = "--auth-token-file"; argv[k++] = (char *)g_o.auth_token_file; }
+    if (g_o.health_listen) { argv[k++] = "--health-listen"; argv[k++] = (char *)g_o.health_listen; }
     argv[k] = NULL;
     return g_router = spawn(argv);
 }
@@ -472,6 +491,11 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         }
         else if (!strcmp(a, "--curve-server-key")) o->curve_server_key = v;
         else if (!strcmp(a, "--curve-secret-key")) o->curve_secret_key = v;
+        else if (!strcmp(a, "--tls-cert")) o->tls_cert = v;
+        else if (!strcmp(a, "--tls-key")) o->tls_key = v;
+        else if (!strcmp(a, "--tls-client-ca")) o->tls_client_ca = v;
+        else if (!strcmp(a, "--auth-token-file")) o->auth_token_file = v;
+        else if (!strcmp(a, "--health-listen")) o->health_listen = v;
         else if (!strcmp(a, "--max-sequences")) rc = parse_int(a, v, 1, 4096, &o->max_sequences);
         else if (!strcmp(a, "--max-context")) rc = parse_int(a, v, 2, MT_WIRE_CONTEXT_MAX, &o->max_context);
         else if (!strcmp(a, "--threads")) rc = parse_int(a, v, 0, 4096, &o->threads);
@@ -497,6 +521,19 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
     if (o->metrics && o->router) {
         fprintf(stderr, "metrale-serve: --metrics is the router's, and --router starts none here; give it to the "
                         "router at %s\n", o->router);
+        return -1;
+    }
+    if (!o->tls_cert != !o->tls_key) {
+        fprintf(stderr, "metrale-serve: --tls-cert and --tls-key go together\n");
+        return -1;
+    }
+    if (o->tls_client_ca && !o->tls_cert) {
+        fprintf(stderr, "metrale-serve: --tls-client-ca needs --tls-cert and --tls-key\n");
+        return -1;
+    }
+    if (o->router && (o->tls_cert || o->auth_token_file || o->health_listen)) {
+        fprintf(stderr, "metrale-serve: --tls-*, --auth-token-file and --health-listen configure the router started "
+                        "here; with --router ENDPOINT give them to that router\n");
         return -1;
     }
     if (o->curve_server_key && !o->router) {
@@ -552,15 +589,26 @@ int main(int argc, char **argv) {
     sigaddset(&set, SIGTERM);
     sigaddset(&set, SIGINT);
     sigaddset(&set, SIGCHLD);
+    sigaddset(&set, SIGHUP);
     sigprocmask(SIG_BLOCK, &set, NULL);
 
     if (!g_o.model && !(g_o.model = default_model())) return 1;
     if (!g_o.router) {
+        /* One private folder per user (a unix socket path has at most 107 bytes: /tmp, not
+         * $TMPDIR); the router checks it again and binds only there (common/wire.h). */
+        snprintf(g_sockdir, sizeof g_sockdir, "/tmp/metrale-%u", (unsigned)geteuid());
+        mt_error err;
+        if (mt_ipc_dir_private(g_sockdir, &err)) {
+            fprintf(stderr, "metrale-serve: %s\n", err.msg);
+            return 1;
+        }
+        const int stale = mt_ipc_clear_stale_dir(g_sockdir, "serve-");
+        if (stale) fprintf(stderr, "metrale-serve: removed %d stale socket%s from %s\n", stale, stale > 1 ? "s" : "",
+                           g_sockdir);
         /* The pid alone is not unique: in a PID namespace (a container, Bazel's sandbox) every
          * launcher may be pid 21, and /tmp may be shared. */
-        snprintf(g_sock, sizeof g_sock, "/tmp/metrale-serve-%d-%08x.sock", (int)getpid(), g_nonce);
+        snprintf(g_sock, sizeof g_sock, "%s/serve-%d-%08x.sock", g_sockdir, (int)getpid(), g_nonce);
         snprintf(g_endpoint, sizeof g_endpoint, "ipc://%s", g_sock);
-        unlink(g_sock);
         if (start_router() < 0) return 1;
     }
     const double t0 = now_s();
@@ -587,6 +635,14 @@ int main(int argc, char **argv) {
         struct timespec ts = { 0, 100 * 1000 * 1000 };
         int sig = sigtimedwait(&set, NULL, &ts);
         const double now = now_s();
+        if (sig == SIGHUP) {
+            if (g_router > 0) {
+                fprintf(stderr, "metrale-serve: SIGHUP: the router reads its TLS files and token again\n");
+                kill(g_router, SIGHUP);
+            } else {
+                fprintf(stderr, "metrale-serve: SIGHUP ignored: no router runs here\n");
+            }
+        }
         if (sig == SIGTERM || sig == SIGINT) {
             signals++;
             stopping = true;

@@ -4,6 +4,10 @@
  * thread pushes (tag, ok) to `events` and writes the eventfd; rtr_grpc_dispatch, on the owner's
  * thread, pops them and advances the call. A call is freed once its close was reported and no
  * batch of it is outstanding.
+ *
+ * The health port is a second grpc_server on the same completion queue, with request slots of its
+ * own that know they serve grpc.health.v1 only. Which port a call came in on is thus known from
+ * its slot, whatever the two ports' credentials.
  */
 #include "router/grpc_server.h"
 
@@ -14,6 +18,7 @@
 #include <grpc/grpc_security.h>
 #include <grpc/support/log.h>
 #include <grpc/slice.h>
+#include <grpc/support/alloc.h>
 #include <grpc/support/time.h>
 #include <math.h>
 #include <pthread.h>
@@ -23,8 +28,13 @@
 #include <unistd.h>
 
 #include "common/wire_limits.h"
+#include "router/auth.h"
+#include "router/tls.h"
 
-#define REQUEST_SLOTS 8 /* grpc_server_request_call posted at once */
+#define REQUEST_SLOTS 8 /* grpc_server_request_call posted at once on the serving port */
+#define HEALTH_SLOTS 2  /* ... and on the health port */
+#define NSLOTS (REQUEST_SLOTS + HEALTH_SLOTS)
+#define REFUSAL_LOG_S 1.0 /* refused tokens: one log line a second at most */
 
 static const char *const METHOD_PATHS[RTR_METHOD_COUNT] = {
     [RTR_METHOD_GENERATE] = "/metrale.v1.Generation/Generate",
@@ -50,6 +60,8 @@ typedef struct rtr_tag {
 
 typedef struct request_slot {
     rtr_tag tag;
+    grpc_server *server;      /* the one it is posted on */
+    bool health_only;         /* the health port's: only grpc.health.v1 is served */
     grpc_call *call;
     grpc_call_details details;
     grpc_metadata_array md;
@@ -90,14 +102,20 @@ typedef struct event {
 struct rtr_grpc {
     rtr_grpc_handlers h;
     grpc_server *server;
+    grpc_server *health_server; /* NULL without a health port */
+    int health_port;
     grpc_completion_queue *cq;
     pthread_t thread;
     bool thread_started;
     int efd;
-    request_slot slots[REQUEST_SLOTS];
+    request_slot slots[NSLOTS]; /* [0, REQUEST_SLOTS) the serving port's, the rest the health port's */
+    size_t nslots;
     rtr_tag shutdown_tag;
-    bool shutting_down, shutdown_notified;
+    bool shutting_down;
+    int shutdowns_pending;      /* servers whose shutdown has not been notified yet */
     size_t ncalls;
+    char *auth_token;           /* NULL: no token asked for */
+    double last_refusal_log;
     /* events: written by the cq thread, read by the owner; guarded by mu */
     pthread_mutex_t mu;
     event *events;
@@ -262,7 +280,7 @@ static void arm_slot(rtr_grpc *g, request_slot *s) {
     s->call = NULL;
     grpc_call_details_init(&s->details);
     grpc_metadata_array_init(&s->md);
-    grpc_call_error e = grpc_server_request_call(g->server, &s->call, &s->details, &s->md, g->cq, g->cq, &s->tag);
+    grpc_call_error e = grpc_server_request_call(s->server, &s->call, &s->details, &s->md, g->cq, g->cq, &s->tag);
     if (e != GRPC_CALL_OK) {
         mt_log(MT_LOG_ERROR, "router: grpc_server_request_call failed (%d)", (int)e);
         grpc_call_details_destroy(&s->details);
@@ -272,12 +290,38 @@ static void arm_slot(rtr_grpc *g, request_slot *s) {
     s->armed = true;
 }
 
+static bool is_health(int method) {
+    return method == RTR_METHOD_HEALTH_CHECK || method == RTR_METHOD_HEALTH_WATCH;
+}
+
+/* The status a call gets before it reaches the handlers (GRPC_STATUS_OK: none): the health
+ * port's calls other than health, and calls without the token (health calls never need it). */
+static grpc_status_code refusal(rtr_grpc *g, const request_slot *s, int method, const char **why) {
+    if (s->health_only && !is_health(method)) {
+        *why = "this port serves grpc.health.v1 only";
+        return GRPC_STATUS_UNIMPLEMENTED;
+    }
+    if (g->auth_token && !is_health(method) && !rtr_auth_metadata_ok(g->auth_token, &s->md)) {
+        *why = "missing or wrong bearer token (authorization: Bearer <token>)";
+        if (mt_now() - g->last_refusal_log >= REFUSAL_LOG_S) {
+            char *peer = grpc_call_get_peer(s->call);
+            mt_log(MT_LOG_WARN, "router: refused a call from %s: no valid bearer token", peer ? peer : "?");
+            gpr_free(peer);
+            g->last_refusal_log = mt_now();
+        }
+        return GRPC_STATUS_UNAUTHENTICATED;
+    }
+    return GRPC_STATUS_OK;
+}
+
 static void on_new_call(rtr_grpc *g, request_slot *s, bool ok) {
     s->armed = false;
     grpc_call *call = s->call;
     int method = -1;
     for (int m = 0; m < RTR_METHOD_COUNT; m++)
         if (ok && grpc_slice_str_cmp(s->details.method, METHOD_PATHS[m]) == 0) method = m;
+    const char *why = NULL;
+    const grpc_status_code refused = ok ? refusal(g, s, method, &why) : GRPC_STATUS_OK;
     double dl = ok ? deadline_mono(s->details.deadline) : INFINITY;
     uint64_t dl_ms = ok ? deadline_unix_ms(s->details.deadline) : 0;
     grpc_call_details_destroy(&s->details);
@@ -309,6 +353,11 @@ static void on_new_call(rtr_grpc *g, request_slot *s, bool ok) {
     op.data.recv_close_on_server.cancelled = &c->cancelled;
     start_batch(c, &op, 1, &c->t_close);
 
+    if (refused != GRPC_STATUS_OK) {
+        c->finished = true;
+        start_status(c, refused, why);
+        return;
+    }
     if (method < 0) {
         c->finished = true;
         start_status(c, GRPC_STATUS_UNIMPLEMENTED, "unknown method");
@@ -368,7 +417,7 @@ static void on_close(rtr_grpc *g, rtr_call *c, bool ok) {
 
 static void handle_event(rtr_grpc *g, rtr_tag *t, bool ok) {
     if (t->kind == TAG_SHUTDOWN) {
-        g->shutdown_notified = true;
+        g->shutdowns_pending--;
         return;
     }
     if (t->kind == TAG_NEW) {
@@ -417,6 +466,37 @@ static void grpc_log(gpr_log_func_args *a) {
     mt_log(lvl, "router: grpc: %s (%s:%d)", a->message, a->file, a->line);
 }
 
+/* A server on one address with the given credentials (released here); NULL + err if it cannot
+ * bind. Not started. */
+static grpc_server *make_server(rtr_grpc *g, const grpc_channel_args *args, const char *addr,
+                                grpc_server_credentials *creds, const char *what, int *bound, mt_error *err) {
+    grpc_server *srv = grpc_server_create(args, NULL);
+    grpc_server_register_completion_queue(srv, g->cq, NULL);
+    *bound = creds ? grpc_server_add_http2_port(srv, addr, creds) : 0;
+    if (creds) grpc_server_credentials_release(creds);
+    if (*bound <= 0) {
+        mt_errorf(err, MT_ERR_IO, "router: cannot listen on %s (%s)%s", addr, what,
+                  creds ? "" : ": its credentials could not be made");
+        grpc_server_destroy(srv); /* never started: no shutdown needed */
+        return NULL;
+    }
+    return srv;
+}
+
+/* Shuts down and cancels every server; returns once the queue drained their notifications (the
+ * completion-queue thread is not running). */
+static void shutdown_unthreaded(rtr_grpc *g) {
+    grpc_server *servers[2] = {g->server, g->health_server};
+    for (int i = 0; i < 2; i++) {
+        if (!servers[i]) continue;
+        grpc_server_shutdown_and_notify(servers[i], g->cq, &g->shutdown_tag);
+        grpc_server_cancel_all_calls(servers[i]);
+        grpc_event ev;
+        do ev = grpc_completion_queue_next(g->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+        while (!(ev.type == GRPC_OP_COMPLETE && ev.tag == &g->shutdown_tag));
+    }
+}
+
 rtr_grpc *rtr_grpc_create(const rtr_grpc_params *params, const rtr_grpc_handlers *handlers, int *port,
                           mt_error *err) {
     gpr_set_log_function(grpc_log);
@@ -430,7 +510,7 @@ rtr_grpc *rtr_grpc_create(const rtr_grpc_params *params, const rtr_grpc_handlers
     pthread_mutex_init(&g->mu, NULL);
     grpc_init();
     g->shutdown_tag.kind = TAG_SHUTDOWN;
-    for (int i = 0; i < REQUEST_SLOTS; i++) g->slots[i].tag = (rtr_tag){TAG_NEW, NULL, &g->slots[i]};
+    bool started = false;
 
     if ((g->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) < 0) {
         mt_errorf(err, MT_ERR_IO, "router: eventfd: %s", strerror(errno));
@@ -442,32 +522,37 @@ rtr_grpc *rtr_grpc_create(const rtr_grpc_params *params, const rtr_grpc_handlers
     };
     grpc_channel_args ch_args = {.num_args = sizeof args / sizeof args[0], .args = args};
     g->cq = grpc_completion_queue_create_for_next(NULL);
-    g->server = grpc_server_create(&ch_args, NULL);
-    grpc_server_register_completion_queue(g->server, g->cq, NULL);
-    grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
-    int bound = grpc_server_add_http2_port(g->server, params->listen, creds);
-    grpc_server_credentials_release(creds);
-    if (bound <= 0) {
-        mt_errorf(err, MT_ERR_IO, "router: cannot listen on %s", params->listen);
+    grpc_server_credentials *creds =
+        params->tls ? rtr_tls_server_credentials(params->tls) : grpc_insecure_server_credentials_create();
+    if (!(g->server = make_server(g, &ch_args, params->listen, creds, params->tls ? "TLS" : "plaintext", port, err)))
         goto fail;
+    if (params->health_listen) {
+        /* health requests are small: the default receive limit is plenty */
+        g->health_server = make_server(g, NULL, params->health_listen, grpc_insecure_server_credentials_create(),
+                                       "health, plaintext", &g->health_port, err);
+        if (!g->health_server) goto fail;
+    }
+    g->nslots = REQUEST_SLOTS + (g->health_server ? HEALTH_SLOTS : 0);
+    for (size_t i = 0; i < g->nslots; i++) {
+        request_slot *s = &g->slots[i];
+        s->tag = (rtr_tag){TAG_NEW, NULL, s};
+        s->health_only = i >= REQUEST_SLOTS;
+        s->server = s->health_only ? g->health_server : g->server;
     }
     grpc_server_start(g->server);
+    if (g->health_server) grpc_server_start(g->health_server);
+    started = true;
     if (pthread_create(&g->thread, NULL, cq_thread, g)) {
         mt_errorf(err, MT_ERR_IO, "router: cannot start the completion-queue thread");
-        /* started: shut down properly, draining the queue on this thread */
-        grpc_server_shutdown_and_notify(g->server, g->cq, &g->shutdown_tag);
-        grpc_server_cancel_all_calls(g->server);
-        grpc_event ev;
-        do ev = grpc_completion_queue_next(g->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
-        while (!(ev.type == GRPC_OP_COMPLETE && ev.tag == &g->shutdown_tag));
         goto fail;
     }
     g->thread_started = true;
-    for (int i = 0; i < REQUEST_SLOTS; i++) arm_slot(g, &g->slots[i]);
-    *port = bound;
+    for (size_t i = 0; i < g->nslots; i++) arm_slot(g, &g->slots[i]);
     return g;
 fail:
+    if (started) shutdown_unthreaded(g); /* drains the queue on this thread */
     if (g->server) grpc_server_destroy(g->server);
+    if (g->health_server) grpc_server_destroy(g->health_server);
     if (g->cq) {
         grpc_completion_queue_shutdown(g->cq);
         while (grpc_completion_queue_next(g->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type != GRPC_QUEUE_SHUTDOWN) {}
@@ -480,16 +565,31 @@ fail:
     return NULL;
 }
 
+int rtr_grpc_health_port(const rtr_grpc *g) { return g->health_port; }
+
+mt_status rtr_grpc_set_auth_token(rtr_grpc *g, const char *token) {
+    char *copy = NULL;
+    if (token && !(copy = strdup(token))) return MT_ERR_NOMEM;
+    rtr_auth_token_free(g->auth_token);
+    g->auth_token = copy;
+    return MT_OK;
+}
+
 void rtr_grpc_shutdown(rtr_grpc *g) {
     if (g->shutting_down) return;
     g->shutting_down = true;
+    g->shutdowns_pending = 1 + (g->health_server != NULL);
     grpc_server_shutdown_and_notify(g->server, g->cq, &g->shutdown_tag);
     grpc_server_cancel_all_calls(g->server);
+    if (g->health_server) {
+        grpc_server_shutdown_and_notify(g->health_server, g->cq, &g->shutdown_tag);
+        grpc_server_cancel_all_calls(g->health_server);
+    }
 }
 
 bool rtr_grpc_shutdown_done(const rtr_grpc *g) {
-    if (!g->shutting_down || !g->shutdown_notified || g->ncalls) return false;
-    for (int i = 0; i < REQUEST_SLOTS; i++)
+    if (!g->shutting_down || g->shutdowns_pending > 0 || g->ncalls) return false;
+    for (size_t i = 0; i < g->nslots; i++)
         if (g->slots[i].armed) return false;
     return true;
 }
@@ -498,6 +598,7 @@ void rtr_grpc_free(rtr_grpc *g) {
     if (!g) return;
     MT_ASSERT(rtr_grpc_shutdown_done(g));
     grpc_server_destroy(g->server);
+    if (g->health_server) grpc_server_destroy(g->health_server);
     grpc_completion_queue_shutdown(g->cq);
     pthread_join(g->thread, NULL);
     grpc_completion_queue_destroy(g->cq);
@@ -505,6 +606,7 @@ void rtr_grpc_free(rtr_grpc *g) {
     pthread_mutex_destroy(&g->mu);
     free(g->events);
     free(g->spare);
+    rtr_auth_token_free(g->auth_token);
     free(g);
     grpc_shutdown();
 }

@@ -21,6 +21,13 @@
  * that break the request cardinality (no request message, or a second one while the call is
  * open: gRPC's doc/statuscodes.md gives UNIMPLEMENTED for it); for a second message the call is
  * finished here, and the handlers learn of it from on_done.
+ *
+ * Security (docs/DESIGN.md "Security"): the serving port speaks TLS when params.tls is set
+ * (router/tls.h: reloadable certificates, optionally required client certificates), plaintext
+ * otherwise. With an auth token (rtr_grpc_set_auth_token) every call but grpc.health.v1's must
+ * carry "authorization: Bearer <token>" (router/auth.h) or is answered UNAUTHENTICATED here. The
+ * health port (params.health_listen) is plaintext and answers grpc.health.v1 only (any other
+ * method: UNIMPLEMENTED), so that probes without a certificate or token reach it.
  */
 #ifndef RTR_GRPC_SERVER_H
 #define RTR_GRPC_SERVER_H
@@ -69,17 +76,30 @@ typedef struct rtr_grpc_handlers {
     void (*on_done)(struct rtr_router *r, rtr_call *call, bool cancelled);
 } rtr_grpc_handlers;
 
+struct rtr_tls;
+
 typedef struct rtr_grpc_params {
     const char *listen;        /* "127.0.0.1:50051"; port 0 picks a free one */
     size_t max_message_bytes;  /* largest request accepted; default MT_WIRE_REQUEST_BYTES_MAX */
+    struct rtr_tls *tls;       /* TLS on the serving port (borrowed; must outlive the server, see
+                                  router/tls.h); NULL: plaintext */
+    const char *health_listen; /* a plaintext grpc.health.v1-only port; NULL: none */
 } rtr_grpc_params;
 
 rtr_grpc_params rtr_grpc_default_params(void);
 
-/* Initialises gRPC, binds, starts serving and the completion-queue thread. NULL + err on failure
- * (nothing left running). *port receives the bound port. */
+/* Initialises gRPC, binds (the serving port and the health port, if any), starts serving and the
+ * completion-queue thread. NULL + err on failure (nothing left running). *port receives the
+ * serving port as bound. */
 rtr_grpc *rtr_grpc_create(const rtr_grpc_params *params, const rtr_grpc_handlers *handlers, int *port,
                           mt_error *err);
+
+/* The health port as bound; 0 without one. */
+int rtr_grpc_health_port(const rtr_grpc *g);
+
+/* Asks every later call except grpc.health.v1's for "authorization: Bearer <token>" (copied);
+ * NULL asks for none. Calls already admitted are not affected. MT_ERR_NOMEM leaves the old one. */
+mt_status rtr_grpc_set_auth_token(rtr_grpc *g, const char *token);
 
 /* A descriptor that turns readable when events wait; then call rtr_grpc_dispatch. */
 int rtr_grpc_fd(const rtr_grpc *g);

@@ -1,12 +1,15 @@
 /* router/main.c: the metrale-router process.
  *
- *   metrale-router --listen 127.0.0.1:PORT --workers-endpoint ipc:///tmp/x.sock
+ *   metrale-router --listen 127.0.0.1:PORT --workers-endpoint ipc:///tmp/dir/x.sock
  *                  [--queue N] [--drain-timeout S] [--metrics HOST:PORT]
+ *                  [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]]
+ *                  [--auth-token-file FILE] [--health-listen HOST:PORT]
  *                  [--curve-secret-key FILE [--curve-authorized-keys DIR]]
  *                  [--log-format text|json] [--log-prompts]
  *
- * SIGTERM or SIGINT drains (router.h) and exits 0. Exit 2 on bad arguments, 1 when the router
- * cannot start or its loop fails. The only place that exits.
+ * SIGTERM or SIGINT drains (router.h) and exits 0; SIGHUP reads the TLS files and the token file
+ * again. Exit 2 on bad arguments, 1 when the router cannot start (a TLS or token file that fails
+ * its checks included) or its loop fails. The only place that exits.
  */
 #include <errno.h>
 #include <signal.h>
@@ -24,11 +27,23 @@
 static void usage(FILE *f) {
     fprintf(f,
             "usage: metrale-router --listen HOST:PORT --workers-endpoint ENDPOINT [--queue N] [--drain-timeout S]\n"
-            "                      [--metrics HOST:PORT] [--curve-secret-key FILE [--curve-authorized-keys DIR]]\n"
+            "                      [--metrics HOST:PORT]\n"
+            "                      [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]]\n"
+            "                      [--auth-token-file FILE] [--health-listen HOST:PORT]\n"
+            "                      [--curve-secret-key FILE [--curve-authorized-keys DIR]]\n"
             "                      [--log-format text|json] [--log-prompts]\n"
             "  --listen HOST:PORT          gRPC address (port 0: any free port, printed at start)\n"
-            "  --workers-endpoint ENDPOINT ZeroMQ endpoint the workers connect to: ipc:// or tcp://127.0.0.1:PORT,\n"
-            "                              or with CURVE any tcp://ADDRESS:PORT (port *: any free port, printed)\n"
+            "  --workers-endpoint ENDPOINT ZeroMQ endpoint the workers connect to: ipc://DIR/NAME (DIR private to\n"
+            "                              this user: made mode 0700 if missing), tcp://127.0.0.1:PORT, or with\n"
+            "                              CURVE any tcp://ADDRESS:PORT (port *: any free port, printed)\n"
+            "  --tls-cert FILE             serve gRPC over TLS with this PEM certificate chain (server's first)\n"
+            "  --tls-key FILE              ... and this PEM private key\n"
+            "  --tls-client-ca FILE        mutual TLS: clients must present a certificate signed by a CA in FILE\n"
+            "  --auth-token-file FILE      every call but grpc.health.v1's needs \"authorization: Bearer TOKEN\",\n"
+            "                              TOKEN the first line of FILE; others get UNAUTHENTICATED\n"
+            "  --health-listen HOST:PORT   also serve grpc.health.v1 alone, in plaintext, on this address (for\n"
+            "                              probes that carry no client certificate or token)\n"
+            "  SIGHUP reads the TLS files and the token file again: new connections and calls use them.\n"
             "  --queue N                   admitted requests that may wait for a worker (default 1024)\n"
             "  --drain-timeout S           seconds running streams may finish after SIGTERM (default 30)\n"
             "  --metrics HOST:PORT         serve Prometheus metrics over HTTP at http://HOST:PORT/metrics\n"
@@ -100,6 +115,16 @@ int main(int argc, char **argv) {
             mt_log_set_format(fmt);
         } else if (!strcmp(a, "--metrics")) {
             p.metrics_listen = v;
+        } else if (!strcmp(a, "--tls-cert")) {
+            p.tls_cert_file = v;
+        } else if (!strcmp(a, "--tls-key")) {
+            p.tls_key_file = v;
+        } else if (!strcmp(a, "--tls-client-ca")) {
+            p.tls_client_ca_file = v;
+        } else if (!strcmp(a, "--auth-token-file")) {
+            p.auth_token_file = v;
+        } else if (!strcmp(a, "--health-listen")) {
+            p.health_listen = v;
         } else if (!strcmp(a, "--curve-secret-key")) {
             secret_file = v;
         } else if (!strcmp(a, "--curve-authorized-keys")) {
@@ -118,6 +143,14 @@ int main(int argc, char **argv) {
     if (!have_listen || !have_ep) {
         fprintf(stderr, "metrale-router: --listen and --workers-endpoint are required\n");
         usage(stderr);
+        return 2;
+    }
+    if (!p.tls_cert_file != !p.tls_key_file) {
+        fprintf(stderr, "metrale-router: --tls-cert and --tls-key go together\n");
+        return 2;
+    }
+    if (p.tls_client_ca_file && !p.tls_cert_file) {
+        fprintf(stderr, "metrale-router: --tls-client-ca needs --tls-cert and --tls-key\n");
         return 2;
     }
     if (clients_dir && !secret_file) {
@@ -146,22 +179,29 @@ int main(int argc, char **argv) {
     }
 
     /* Block the signals before any thread exists (gRPC starts some), so all of them inherit the
-     * mask and the signals arrive only through the signalfd. */
-    sigset_t set;
-    sigemptyset(&set);
-    sigaddset(&set, SIGTERM);
-    sigaddset(&set, SIGINT);
-    if (sigprocmask(SIG_BLOCK, &set, NULL)) {
+     * mask and the signals arrive only through the signalfds: SIGTERM and SIGINT drain, SIGHUP
+     * reloads. */
+    sigset_t drain_set, hup_set, all;
+    sigemptyset(&drain_set);
+    sigaddset(&drain_set, SIGTERM);
+    sigaddset(&drain_set, SIGINT);
+    sigemptyset(&hup_set);
+    sigaddset(&hup_set, SIGHUP);
+    all = drain_set;
+    sigaddset(&all, SIGHUP);
+    if (sigprocmask(SIG_BLOCK, &all, NULL)) {
         perror("metrale-router: sigprocmask");
         return 1;
     }
     signal(SIGPIPE, SIG_IGN);
-    int sfd = signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC);
-    if (sfd < 0) {
+    int sfd = signalfd(-1, &drain_set, SFD_NONBLOCK | SFD_CLOEXEC);
+    int hfd = signalfd(-1, &hup_set, SFD_NONBLOCK | SFD_CLOEXEC);
+    if (sfd < 0 || hfd < 0) {
         perror("metrale-router: signalfd");
         return 1;
     }
     p.drain_fd = sfd;
+    p.reload_fd = hfd;
 
     rtr_router *r = rtr_router_create(&p, &err);
     free(client_ptrs);
@@ -169,6 +209,7 @@ int main(int argc, char **argv) {
     if (!r) {
         mt_log(MT_LOG_ERROR, "router: cannot start: %s", err.msg);
         close(sfd);
+        close(hfd);
         return 1;
     }
     char ep[512];
@@ -176,6 +217,8 @@ int main(int argc, char **argv) {
     mt_log(MT_LOG_INFO, "router: listening on port %d, workers at %s", rtr_router_port(r), ep);
     if (p.metrics_listen)
         mt_log(MT_LOG_INFO, "router: metrics on port %d (GET /metrics)", rtr_router_metrics_port(r));
+    if (p.health_listen)
+        mt_log(MT_LOG_INFO, "router: health port %d (grpc.health.v1 only, plaintext)", rtr_router_health_port(r));
     if (secret_file)
         mt_log(MT_LOG_INFO, "router: CURVE on the workers' link; router public key %s; %s", pub,
                clients_dir ? "only the workers with an authorized key are admitted"
@@ -184,6 +227,7 @@ int main(int argc, char **argv) {
     if (st) mt_log(MT_LOG_ERROR, "%s", err.msg); /* "router: ..." */
     rtr_router_free(r);
     close(sfd);
+    close(hfd);
     if (!st) mt_log(MT_LOG_INFO, "router: stopped");
     return st ? 1 : 0;
 }

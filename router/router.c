@@ -42,8 +42,10 @@
 #include "proto/metrale/v1/metrale.pb-c.h"
 #include "router/admission.h"
 #include "router/grpc_server.h"
+#include "router/auth.h"
 #include "router/health.h"
 #include "router/metrics.h"
+#include "router/tls.h"
 #include "router/validate.h"
 #include "router/workers.h"
 
@@ -107,6 +109,8 @@ struct rtr_router {
     rtr_router_params p;
     rtr_grpc *grpc;
     int port;
+    rtr_tls *tls;                      /* NULL: plaintext */
+    char *token_file;                  /* NULL: no bearer token */
     mt_wire_sock *wire;
     rtr_workers workers;
     rtr_admission queue;
@@ -134,12 +138,13 @@ struct rtr_router {
 rtr_router_params rtr_router_default_params(void) {
     return (rtr_router_params){
         .listen = "127.0.0.1:50051",
-        .workers_endpoint = "ipc:///tmp/metrale-workers.sock",
+        .workers_endpoint = "ipc:///tmp/metrale-router/workers.sock", /* the folder made 0700 */
         .queue_capacity = 1024,
         .drain_timeout_s = 30,
         .dead_after_s = MT_WIRE_WORKER_DEAD_S,
         .workers_exit_s = 3,
         .drain_fd = -1,
+        .reload_fd = -1,
     };
 }
 
@@ -1125,12 +1130,34 @@ rtr_router *rtr_router_create(const rtr_router_params *params, mt_error *err) {
         return NULL;
     }
     r->p = *params;
+    r->p.tls_cert_file = r->p.tls_key_file = r->p.tls_client_ca_file = r->p.auth_token_file = NULL; /* not kept */
+    r->p.health_listen = NULL;
     r->next_id = 1;
+    char *token = NULL;
     rtr_workers_params wp = rtr_workers_default_params();
     wp.dead_after_s = params->dead_after_s;
     rtr_workers_init(&r->workers, wp);
     rtr_admission_init(&r->queue, params->queue_capacity);
     rtr_health_init(&r->health);
+    /* The security files first: a bad one stops the start before anything is bound. */
+    if (!params->tls_cert_file != !params->tls_key_file || (params->tls_client_ca_file && !params->tls_cert_file)) {
+        mt_errorf(err, MT_ERR_INVALID, "router: TLS needs a certificate and a key file (and a client CA only with them)");
+        goto fail;
+    }
+    if (params->tls_cert_file) {
+        rtr_tls_params tp = rtr_tls_default_params();
+        tp.cert_file = params->tls_cert_file;
+        tp.key_file = params->tls_key_file;
+        tp.client_ca_file = params->tls_client_ca_file;
+        if (!(r->tls = rtr_tls_create(&tp, err))) goto fail;
+    }
+    if (params->auth_token_file) {
+        if (!(r->token_file = strdup(params->auth_token_file))) {
+            mt_errorf(err, MT_ERR_NOMEM, "router: out of memory");
+            goto fail;
+        }
+        if (rtr_auth_token_read(r->token_file, &token, err)) goto fail;
+    }
     if (!(r->metrics = rtr_metrics_create(MT_VERSION, err))) goto fail;
     if (params->metrics_listen && rtr_metrics_serve(r->metrics, params->metrics_listen, &r->metrics_port, err))
         goto fail;
@@ -1141,6 +1168,8 @@ rtr_router *rtr_router_create(const rtr_router_params *params, mt_error *err) {
     if (mt_wire_open(MT_WIRE_ROUTER, params->workers_endpoint, &wire, &r->wire, err)) goto fail;
     rtr_grpc_params gp = rtr_grpc_default_params();
     gp.listen = params->listen;
+    gp.tls = r->tls;
+    gp.health_listen = params->health_listen;
     rtr_grpc_handlers h = {
         .router = r,
         .on_request = h_on_request,
@@ -1148,16 +1177,67 @@ rtr_router *rtr_router_create(const rtr_router_params *params, mt_error *err) {
         .on_done = h_on_done,
     };
     if (!(r->grpc = rtr_grpc_create(&gp, &h, &r->port, err))) goto fail;
+    if (token && rtr_grpc_set_auth_token(r->grpc, token)) {
+        mt_errorf(err, MT_ERR_NOMEM, "router: out of memory");
+        goto fail;
+    }
+    rtr_auth_token_free(token);
+    if (r->tls) {
+        char d[600];
+        rtr_tls_describe(r->tls, d, sizeof d);
+        mt_log(MT_LOG_INFO, "router: TLS on the serving port: %s", d);
+    }
+    if (r->token_file)
+        mt_log(MT_LOG_INFO, "router: calls other than health need the bearer token of %s%s", r->token_file,
+               r->tls ? "" : " (without TLS it crosses the network in clear text)");
     return r;
 fail:
+    rtr_auth_token_free(token);
+    if (r->grpc) {
+        /* nothing was served yet: shut down at once */
+        rtr_grpc_shutdown(r->grpc);
+        while (!rtr_grpc_shutdown_done(r->grpc)) {
+            struct pollfd pfd = {.fd = rtr_grpc_fd(r->grpc), .events = POLLIN};
+            poll(&pfd, 1, 100);
+            rtr_grpc_dispatch(r->grpc);
+        }
+        rtr_grpc_free(r->grpc);
+    }
     mt_wire_close(r->wire);
     rtr_metrics_free(r->metrics);
     rtr_workers_free(&r->workers);
+    rtr_tls_free(r->tls);
+    free(r->token_file);
     free(r);
     return NULL;
 }
 
 int rtr_router_port(const rtr_router *r) { return r->port; }
+int rtr_router_health_port(const rtr_router *r) { return rtr_grpc_health_port(r->grpc); }
+
+void rtr_router_reload(rtr_router *r) {
+    mt_error err;
+    if (r->tls) {
+        if (rtr_tls_reload(r->tls, &err)) {
+            mt_log(MT_LOG_WARN, "router: TLS files not reloaded, the current certificate stays: %s", err.msg);
+        } else {
+            char d[600];
+            rtr_tls_describe(r->tls, d, sizeof d);
+            mt_log(MT_LOG_INFO, "router: TLS files reloaded; new connections get %s", d);
+        }
+    }
+    if (r->token_file) {
+        char *token = NULL;
+        if (rtr_auth_token_read(r->token_file, &token, &err))
+            mt_log(MT_LOG_WARN, "router: token not reloaded, the current one stays: %s", err.msg);
+        else if (rtr_grpc_set_auth_token(r->grpc, token))
+            mt_log(MT_LOG_WARN, "router: token not reloaded (out of memory), the current one stays");
+        else
+            mt_log(MT_LOG_INFO, "router: bearer token reloaded from %s", r->token_file);
+        rtr_auth_token_free(token);
+    }
+    if (!r->tls && !r->token_file) mt_log(MT_LOG_INFO, "router: reload asked for; no TLS files or token to reload");
+}
 
 int rtr_router_metrics_port(const rtr_router *r) { return r->metrics_port; }
 
@@ -1166,16 +1246,24 @@ void rtr_router_workers_endpoint(const rtr_router *r, char *out, size_t len) { m
 mt_status rtr_router_run(rtr_router *r, mt_error *err) {
     bool more_wire = false;
     while (r->phase != STOPPED) {
-        struct pollfd fds[4] = {
+        struct pollfd fds[5] = {
+            /* poll skips the negative descriptors (no drain or reload descriptor) */
             {.fd = rtr_grpc_fd(r->grpc), .events = POLLIN},
             {.fd = mt_wire_fd(r->wire), .events = POLLIN},
             {.fd = mt_wire_event_fd(r->wire), .events = POLLIN},
             {.fd = r->p.drain_fd, .events = POLLIN},
+            {.fd = r->p.reload_fd, .events = POLLIN},
         };
         int timeout = more_wire ? 0 : r->phase == RUNNING ? TICK_MS : DRAIN_TICK_MS;
         if (mt_now() < r->probe_until && timeout > PROBE_MS) timeout = PROBE_MS;
-        if (poll(fds, r->p.drain_fd >= 0 ? 4 : 3, timeout) < 0 && errno != EINTR)
+        if (poll(fds, 5, timeout) < 0 && errno != EINTR)
             return mt_errorf(err, MT_ERR_IO, "router: poll: %s", strerror(errno));
+        if (r->p.reload_fd >= 0 && (fds[4].revents & POLLIN)) {
+            char buf[512];
+            if (read(r->p.reload_fd, buf, sizeof buf) < 0 && errno != EAGAIN && errno != EINTR)
+                mt_log(MT_LOG_WARN, "router: reading the reload descriptor: %s", strerror(errno));
+            rtr_router_reload(r);
+        }
         if (r->p.drain_fd >= 0 && (fds[3].revents & POLLIN)) {
             char buf[512];
             if (read(r->p.drain_fd, buf, sizeof buf) < 0 && errno != EAGAIN && errno != EINTR)
@@ -1229,5 +1317,7 @@ void rtr_router_free(rtr_router *r) {
     rtr_metrics_free(r->metrics);
     mt_wire_close(r->wire);
     rtr_workers_free(&r->workers);
+    rtr_tls_free(r->tls); /* after rtr_grpc_free: gRPC no longer calls its fetcher */
+    free(r->token_file);
     free(r);
 }

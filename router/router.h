@@ -28,6 +28,10 @@
  *     OK (the ones still queued end UNAVAILABLE); workers get Shutdown, the server stops and
  *     rtr_router_run returns MT_OK.
  *
+ *   - security (grpc_server.h): TLS on the serving port, a bearer token on every call but
+ *     health's (UNAUTHENTICATED without it), a plaintext health-only port; rtr_router_reload
+ *     (SIGHUP in main) reads the TLS files and the token file again, and new connections and
+ *     calls use what it read; files that fail their checks leave the current ones in place.
  *   - with params.metrics_listen, the Prometheus metrics (router/metrics.h) are served over HTTP
  *     until rtr_router_free, through the drain too.
  *
@@ -57,13 +61,22 @@ typedef struct rtr_router rtr_router;
 
 typedef struct rtr_router_params {
     const char *listen;           /* gRPC address, "127.0.0.1:50051" (port 0: any free port) */
-    const char *workers_endpoint; /* ZeroMQ endpoint the workers connect to, "ipc:///tmp/m.sock" */
+    const char *workers_endpoint; /* ZeroMQ endpoint the workers connect to, "ipc:///tmp/dir/w.sock"
+                                     (the folder private: common/wire.h) */
     size_t queue_capacity;        /* admitted requests waiting for a worker; default 1024 */
     double drain_timeout_s;       /* how long running streams may finish after drain; default 30 */
     double dead_after_s;          /* worker silence that makes it dead; default MT_WIRE_WORKER_DEAD_S */
     double workers_exit_s;        /* how long to wait for workers to leave after Shutdown; default 3 */
     int drain_fd;                 /* readable => begin draining (a signalfd or pipe); -1 = none.
                                      The router reads it (up to 512 bytes) but does not close it. */
+    int reload_fd;                /* readable => rtr_router_reload (a signalfd for SIGHUP); -1 =
+                                     none. Read and kept open like drain_fd. */
+    /* The gRPC port's security (docs/DESIGN.md "Security"); paths are copied. */
+    const char *tls_cert_file;      /* PEM chain: with tls_key_file, TLS on the serving port */
+    const char *tls_key_file;       /* PEM private key of the certificate */
+    const char *tls_client_ca_file; /* with TLS: clients must present a certificate it signed */
+    const char *auth_token_file;    /* first line: the bearer token every call but health's needs */
+    const char *health_listen;      /* a plaintext grpc.health.v1-only address; NULL = none */
     /* CURVE on the workers' endpoint (common/wire.h); z85 keys, borrowed until create returns.
      * Required for a tcp:// endpoint other than 127.0.0.1. */
     const char *curve_secret_key;      /* the router's secret key; NULL = no CURVE */
@@ -82,8 +95,13 @@ rtr_router_params rtr_router_default_params(void);
 /* Binds the gRPC port and the workers' endpoint. NULL + err on failure (nothing left open). */
 rtr_router *rtr_router_create(const rtr_router_params *params, mt_error *err);
 
-/* The bound gRPC port. */
+/* The bound gRPC port; the bound health port (0 without one). */
 int rtr_router_port(const rtr_router *r);
+int rtr_router_health_port(const rtr_router *r);
+
+/* Reads the TLS files and the token file again (what reload_fd does); logs what changed, or why
+ * nothing did. */
+void rtr_router_reload(rtr_router *r);
 
 /* The bound metrics port; 0 without params.metrics_listen. */
 int rtr_router_metrics_port(const rtr_router *r);

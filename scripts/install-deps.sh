@@ -20,6 +20,8 @@ PACKAGES=(
     libzmq3-dev
     libprotobuf-c-dev protobuf-c-compiler
     libgrpc-dev protobuf-compiler protobuf-compiler-grpc  # protoc + grpc_python_plugin: e2e stubs
+    libssl-dev             # //third_party:openssl (the router checks its TLS files)
+    openssl                # tests/e2e/tls_test.py makes its certificates with it
     python3-grpcio python3-protobuf   # end-to-end tests' gRPC client
     libmicrohttpd-dev      # //third_party:microhttpd (the router's /metrics endpoint)
     prometheus             # promtool: tests/e2e/metrics_test.py checks the /metrics text with it

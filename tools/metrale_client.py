@@ -11,12 +11,19 @@ reason and the token counts; or chats, tokenizes, or prints the model info, stat
                             [--logprobs N] [--echo] [--no-special] [--keep-special] [--timeout S]
     tools/metrale_client.py --tokenize (--text "..." | --chat [--system "..."])
     tools/metrale_client.py --info | --stats | --health
+    any of them with [--tls | --tls-ca CA.crt] [--tls-cert C.crt --tls-key C.key]
+                     [--tls-server-name NAME] [--token-file FILE]
 
 --text sends prompt_text and streams the generated text to stdout as it arrives. --chat reads
 user lines from stdin (one turn a line, until end of input), keeps the conversation as messages
 and prints each assistant reply as it streams. --tokenize prints the ids (and, for a chat, the
 rendered prompt) the model would be fed. The text needs a model with a tokenizer (ModelInfo
 has_tokenizer; --info shows it).
+
+Security: --tls connects over TLS trusting the system's CAs, --tls-ca trusting FILE's;
+--tls-cert and --tls-key present a client certificate (mutual TLS); --tls-server-name checks the
+server's certificate for NAME instead of the address's host; --token-file sends
+"authorization: Bearer <token>" (the file's first line) with every call.
 
 Needs Debian's python3-grpcio and python3-protobuf; the Python stubs are generated from proto/ at
 start, into a temp dir, with Debian's protoc and grpc_python_plugin (protobuf-compiler-grpc), or
@@ -25,6 +32,7 @@ gRPC error (its code and message are printed), 2 on bad arguments.
 """
 
 import argparse
+import collections
 import json
 import os
 import shutil
@@ -125,6 +133,45 @@ def stream(stub, req, a, metrale_pb2, text_mode):
     return final, "".join(out)
 
 
+def read_file(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def open_channel(a, grpc):
+    """The channel --addr and the TLS and token options ask for."""
+    if a.tls or a.tls_ca or a.tls_cert:
+        creds = grpc.ssl_channel_credentials(read_file(a.tls_ca) if a.tls_ca else None,
+                                             read_file(a.tls_key) if a.tls_key else None,
+                                             read_file(a.tls_cert) if a.tls_cert else None)
+        opts = [("grpc.ssl_target_name_override", a.tls_server_name)] if a.tls_server_name else []
+        ch = grpc.secure_channel(a.addr, creds, options=opts)
+    else:
+        ch = grpc.insecure_channel(a.addr)
+    if not a.token_file:
+        return ch
+    with open(a.token_file) as f:
+        token = f.readline().strip()
+    md = ("authorization", "Bearer " + token)
+
+    class Details(collections.namedtuple("Details", ("method", "timeout", "metadata", "credentials",
+                                                     "wait_for_ready", "compression")), grpc.ClientCallDetails):
+        pass
+
+    class WithToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+        def _details(self, d):
+            return Details(d.method, d.timeout, list(d.metadata or []) + [md], d.credentials, d.wait_for_ready,
+                           d.compression)
+
+        def intercept_unary_unary(self, cont, d, req):
+            return cont(self._details(d), req)
+
+        def intercept_unary_stream(self, cont, d, req):
+            return cont(self._details(d), req)
+
+    return grpc.intercept_channel(ch, WithToken())
+
+
 def chat_messages(a, metrale_pb2):
     return [metrale_pb2.ChatMessage(role="system", content=a.system)] if a.system else []
 
@@ -164,12 +211,22 @@ def main():
                     help="keep special tokens in the streamed text (skip_special_tokens false)")
     ap.add_argument("--request-id", default="metrale-client")
     ap.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    ap.add_argument("--tls", action="store_true", help="TLS, trusting the system's CAs")
+    ap.add_argument("--tls-ca", default=None, metavar="FILE", help="TLS, trusting the CA certificates in FILE")
+    ap.add_argument("--tls-cert", default=None, metavar="FILE", help="mutual TLS: this client certificate")
+    ap.add_argument("--tls-key", default=None, metavar="FILE", help="... and its key")
+    ap.add_argument("--tls-server-name", default=None, metavar="NAME",
+                    help="the name the server's certificate must carry (default: --addr's host)")
+    ap.add_argument("--token-file", default=None, metavar="FILE",
+                    help="send the bearer token on the file's first line with every call")
     what = ap.add_mutually_exclusive_group()
     what.add_argument("--info", action="store_true", help="print the model info")
     what.add_argument("--stats", action="store_true", help="print the router and worker counters")
     what.add_argument("--health", action="store_true", help="print the health status")
     what.add_argument("--tokenize", action="store_true", help="print the token ids of --text or --chat")
     a = ap.parse_args()
+    if bool(a.tls_cert) != bool(a.tls_key):
+        ap.error("--tls-cert and --tls-key go together")
     if a.tokenize and a.text is None and not a.chat:
         ap.error("--tokenize needs --text or --chat")
     if (a.system is not None or a.chat_kwargs is not None) and not a.chat:
@@ -188,7 +245,7 @@ def main():
         from proto.grpc.health.v1 import health_pb2, health_pb2_grpc
         from proto.metrale.v1 import metrale_pb2, metrale_pb2_grpc
 
-        ch = grpc.insecure_channel(a.addr)
+        ch = open_channel(a, grpc)
         stub = metrale_pb2_grpc.GenerationStub(ch)
         special = {}
         if a.no_special:

@@ -5,8 +5,9 @@ renders it for the default values and every value set in charts/metrale/examples
 rendered object is validated against the Kubernetes 1.30 JSON schemas (kubernetes-validate,
 strict: unknown fields fail); the pods are checked for what the chart promises (one container
 running metrale-serve with GPUs = tp, gRPC probes, a read-only root filesystem, the drain
-budget, the metrics port and its ServiceMonitor...); the rendered metrale-serve arguments are given
-to the real metrale-serve, which must accept them; invalid values must be refused, by the schema or
+budget, the metrics port and its ServiceMonitor, with TLS the Secrets mounted, the options given
+and the probes on the plaintext health port...); the rendered metrale-serve arguments are given to
+the real metrale-serve, which must accept them; invalid values must be refused, by the schema or
 by the templates; and the chart's appVersion is the version the router reports (MT_VERSION).
 
 Run through tests/deploy/pytools.sh (bazel test //tests/deploy:chart_test).
@@ -136,9 +137,12 @@ class ChartTest(unittest.TestCase):
         self.assertEqual(float(arg(args, "--drain-timeout")), v["serve"]["drainTimeoutSeconds"])
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         mv = v["metrics"]
+        tls = v["tls"]["enabled"]
         want_ports = {"grpc": v["serve"]["port"]}
         if mv["enabled"]:
             want_ports["metrics"] = mv["port"]
+        if tls:
+            want_ports["health"] = v["serve"]["healthPort"]
         self.assertEqual(ports, want_ports)
         self.assertEqual(arg(args, "--metrics"), "0.0.0.0:%d" % mv["port"] if mv["enabled"] else None)
         ann = dep["spec"]["template"]["metadata"].get("annotations", {})
@@ -164,9 +168,11 @@ class ChartTest(unittest.TestCase):
                 cores = int(cpu_limit[:-1]) // 1000 if str(cpu_limit).endswith("m") else int(float(cpu_limit))
                 self.assertEqual(arg(args, "--threads"), str(max(1, cores // v["tp"])))
 
-        # gRPC probes on the serving port
+        # gRPC probes on the serving port, or with TLS on the plaintext health-only port (the
+        # kubelet's probes speak neither TLS nor tokens)
+        probe_port = v["serve"]["healthPort"] if tls else v["serve"]["port"]
         for probe, service in GRPC_HEALTH_SERVICES.items():
-            self.assertEqual(c[probe]["grpc"], {"port": v["serve"]["port"], "service": service}, probe)
+            self.assertEqual(c[probe]["grpc"], {"port": probe_port, "service": service}, probe)
         startup = c["startupProbe"]
         self.assertEqual(startup["periodSeconds"] * startup["failureThreshold"],
                          v["probes"]["startup"]["periodSeconds"] * v["probes"]["startup"]["failureThreshold"])
@@ -196,6 +202,35 @@ class ChartTest(unittest.TestCase):
         mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
         self.assertIn("emptyDir", vols[mounts["/tmp"]["name"]])
         self.assertEqual(vols[mounts["/dev/shm"]["name"]]["emptyDir"]["medium"], "Memory")
+
+        # TLS, mutual TLS and the token: each Secret mounted read-only as a whole folder (no
+        # subPath, so a rotated Secret reaches the files), and its file given to metrale-serve
+        secrets = {}
+        for mount in c["volumeMounts"]:
+            secret = vols[mount["name"]].get("secret")
+            if secret:
+                self.assertTrue(mount.get("readOnly"), mount)
+                self.assertNotIn("subPath", mount)
+                for item in secret["items"]:
+                    secrets[mount["mountPath"] + "/" + item["path"]] = (secret["secretName"], item["key"])
+        want = {}
+        if tls:
+            want[arg(args, "--tls-cert")] = (v["tls"]["secretName"], "tls.crt")
+            want[arg(args, "--tls-key")] = (v["tls"]["secretName"], "tls.key")
+            self.assertEqual(arg(args, "--health-listen"), "0.0.0.0:%d" % v["serve"]["healthPort"])
+        else:
+            for flag in ("--tls-cert", "--tls-key", "--tls-client-ca", "--health-listen"):
+                self.assertNotIn(flag, args)
+        if tls and v["tls"]["clientCA"]["enabled"]:
+            want[arg(args, "--tls-client-ca")] = (v["tls"]["clientCA"]["secretName"] or v["tls"]["secretName"],
+                                                  v["tls"]["clientCA"]["key"])
+        else:
+            self.assertNotIn("--tls-client-ca", args)
+        if v["auth"]["tokenSecret"]["name"]:
+            want[arg(args, "--auth-token-file")] = (v["auth"]["tokenSecret"]["name"], v["auth"]["tokenSecret"]["key"])
+        else:
+            self.assertNotIn("--auth-token-file", args)
+        self.assertEqual(secrets, want)
 
         # the model
         m, source = v["model"], v["model"]["source"]
@@ -290,10 +325,17 @@ class ChartTest(unittest.TestCase):
             ({"metrics": {"port": 0}}, "/metrics/port"),
             ({"metrics": {"serviceMonitor": {"interval": "often"}}}, "/metrics/serviceMonitor/interval"),
             ({"metrics": {"scrape": True}}, "additional properties 'scrape'"),
+            ({"tls": {"enabled": True}}, "/tls/secretName"),
+            ({"tls": {"enabled": True, "secretName": "Not_A_Name"}}, "/tls/secretName"),
+            ({"tls": {"certFile": "x"}}, "additional properties 'certFile'"),
+            ({"auth": {"tokenSecret": {"name": "t", "key": "a/b"}}}, "/auth/tokenSecret/key"),
+            ({"serve": {"healthPort": 0}}, "/serve/healthPort"),
             # by the templates
             ({"terminationGracePeriodSeconds": 40}, "terminationGracePeriodSeconds 40 is too short"),
             ({"serve": {"drainTimeoutSeconds": 100}, "terminationGracePeriodSeconds": 120}, "too short"),
             ({"podDisruptionBudget": {"minAvailable": 1}}, "not both"),
+            ({"tls": {"clientCA": {"enabled": True}}}, "needs tls.enabled"),
+            ({"tls": {"enabled": True, "secretName": "s"}, "serve": {"healthPort": 50051}}, "must differ"),
             ({"resources": {"limits": {"nvidia.com/gpu": 2}}}, "is set from tp"),
             ({"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}, "is above"),
             ({"metrics": {"port": 50051}}, "metrics.port 50051 is serve.port"),

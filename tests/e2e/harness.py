@@ -87,10 +87,13 @@ class Cluster:
     """One router and n workers. Use as a context manager; on exit the router gets SIGTERM (a
     clean drain, so sanitizer builds report) and whatever is left is killed.
 
-    Worker i has id i and identity "w<i>". Logs go to files in self.dir (printed on failure)."""
+    Worker i has id i and identity "w<i>". Logs go to files in self.dir (printed on failure).
+
+    router_args go to the router as they are; connect(addr) makes the client channel (default:
+    plaintext) and metadata goes with the calls the harness makes (a bearer token)."""
 
     def __init__(self, workers=1, queue=None, drain_timeout=None, model=MODEL_DIR, max_sequences=None,
-                 worker_args=(), router_args=(), metrics=False):
+                 worker_args=(), router_args=(), connect=None, metadata=None, metrics=False):
         # A unix socket path is limited to 107 bytes: keep the ipc endpoint short.
         base = tempfile.gettempdir()
         self.dir = tempfile.mkdtemp(prefix="metrale-e2e-", dir=base if len(base) <= 60 else "/tmp")
@@ -98,6 +101,7 @@ class Cluster:
         self.model = model
         self.max_sequences = max_sequences
         self.worker_args = list(worker_args)
+        self.metadata = metadata
         self.logs = []
         # METRALE_E2E_ROUTER: another router build (e.g. one with -fsanitize=address).
         # Port 0: the router binds a free port and logs it (no race with other tests for a port).
@@ -107,10 +111,9 @@ class Cluster:
             args += ["--queue", str(queue)]
         if drain_timeout is not None:
             args += ["--drain-timeout", str(drain_timeout)]
-        args += list(router_args)
         if metrics:  # /metrics on a free port, logged like the gRPC one
             args += ["--metrics", "127.0.0.1:0"]
-        self.router = self._spawn("router", args)
+        self.router = self._spawn("router", args + list(router_args))
         self.workers = {}
         self.channel = None
         try:
@@ -121,7 +124,7 @@ class Cluster:
                     lambda: logged_port(self.logs[0][1], rb"metrics on port (\d+)"), 10, "the metrics port")
             for i in range(workers):
                 self.start_worker(i)
-            self.channel = grpc.insecure_channel(self.addr)
+            self.channel = (connect or grpc.insecure_channel)(self.addr)
             self.gen = metrale_pb2_grpc.GenerationStub(self.channel)
             self.health = health_pb2_grpc.HealthStub(self.channel)
             grpc.channel_ready_future(self.channel).result(timeout=10)
@@ -139,6 +142,15 @@ class Cluster:
     def metrics(self):
         """The router's /metrics, parsed (see parse_metrics)."""
         return parse_metrics(scrape(self.metrics_addr))
+
+    def router_log(self):
+        with open(self.logs[0][1], "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def health_port(self):
+        """The --health-listen port the router logged, or None."""
+        m = re.search(r"health port (\d+)", self.router_log())
+        return int(m.group(1)) if m else None
 
     def _spawn(self, name, args):
         fn = os.path.join(self.dir, name + ".log")
@@ -159,7 +171,7 @@ class Cluster:
                                       self.worker_cmd(i))
 
     def stats(self):
-        return self.gen.GetStats(metrale_pb2.StatsRequest(), timeout=5)
+        return self.gen.GetStats(metrale_pb2.StatsRequest(), timeout=5, metadata=self.metadata)
 
     def live_workers(self):
         return [w for w in self.stats().workers if w.alive]

@@ -151,6 +151,22 @@ wait for workers that outlive the router (10 s) and its SIGTERM-to-SIGKILL step 
 - --metrics
 - {{ printf "0.0.0.0:%d" (int .Values.metrics.port) | quote }}
 {{- end }}
+{{- if .Values.tls.enabled }}
+- --tls-cert
+- /etc/metrale/tls/tls.crt
+- --tls-key
+- /etc/metrale/tls/tls.key
+{{- if .Values.tls.clientCA.enabled }}
+- --tls-client-ca
+- /etc/metrale/tls-client-ca/ca.crt
+{{- end }}
+- --health-listen
+- {{ printf "0.0.0.0:%d" (int $s.healthPort) | quote }}
+{{- end }}
+{{- if .Values.auth.tokenSecret.name }}
+- --auth-token-file
+- /etc/metrale/auth/token
+{{- end }}
 {{- range $s.extraArgs }}
 - {{ . | quote }}
 {{- end }}
@@ -165,6 +181,15 @@ wait for workers that outlive the router (10 s) and its SIGTERM-to-SIGKILL step 
 {{- end }}
 {{- with $ann }}
 {{- toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* The port the gRPC probes use: the plaintext health port with TLS, else the serving port. */}}
+{{- define "metrale.probePort" -}}
+{{- if .Values.tls.enabled }}
+{{- int .Values.serve.healthPort }}
+{{- else }}
+{{- int .Values.serve.port }}
 {{- end }}
 {{- end }}
 
