@@ -1067,6 +1067,7 @@ static void on_get_model_info(rtr_router *r, rtr_call *call, const uint8_t *data
     }
     Metrale__V1__ModelInfo info = w->model;
     info.workers = (uint32_t)rtr_workers_live(&r->workers);
+    info.version = (char *)MT_VERSION;
     rtr_call_finish(call, GRPC_STATUS_OK, NULL, &info.base);
 }
 

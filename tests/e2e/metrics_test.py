@@ -68,6 +68,8 @@ class MetricsTest(unittest.TestCase):
             with open(CHART) as f:
                 app_version = [ln.split(":", 1)[1].strip().strip('"') for ln in f if ln.startswith("appVersion:")][0]
             self.assertEqual(m["metrale_build_info"], {frozenset({("version", app_version)}): 1.0})
+            info = c.gen.GetModelInfo(metrale_pb2.ModelInfoRequest(), timeout=5)
+            self.assertEqual(info.version, app_version)
             self.assertEqual(value(m, "num_workers_live"), 1)
             self.assertEqual(value(m, "requests_total", code="OK"), 0)
             self.assertGreater(value(m, "cache_pages_capacity", worker="0"), 0)
