@@ -121,6 +121,16 @@ class ChartTest(unittest.TestCase):
             self.assertEqual(len(hpas), 1)
             self.assertEqual(hpas[0]["spec"]["scaleTargetRef"], {"apiVersion": "apps/v1", "kind": "Deployment",
                                                                  "name": fullname})
+            av = v["autoscaling"]
+            metric = hpas[0]["spec"]["metrics"]
+            if av["metrics"]:
+                self.assertEqual(metric, av["metrics"])
+            elif av.get("targetWaitingRequests") is not None:
+                self.assertEqual(metric, [{"type": "Pods", "pods": {
+                    "metric": {"name": "metrale_num_requests_waiting"},
+                    "target": {"type": "AverageValue", "averageValue": str(av["targetWaitingRequests"])}}}])
+            else:
+                self.assertEqual(metric[0]["resource"]["name"], "cpu")
         else:
             self.assertEqual(spec["replicas"], v["groups"])
             self.assertEqual(hpas, [])
@@ -338,6 +348,7 @@ class ChartTest(unittest.TestCase):
             ({"tls": {"enabled": True, "secretName": "s"}, "serve": {"healthPort": 50051}}, "must differ"),
             ({"resources": {"limits": {"nvidia.com/gpu": 2}}}, "is set from tp"),
             ({"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}, "is above"),
+            ({"autoscaling": {"targetWaitingRequests": 0}}, "/autoscaling/targetWaitingRequests"),
             ({"metrics": {"port": 50051}}, "metrics.port 50051 is serve.port"),
         ]
         for values, why in refused:
