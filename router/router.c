@@ -1124,6 +1124,19 @@ static void h_on_done(rtr_router *r, rtr_call *call, bool cancelled) {
 
 /* ---- life ---- */
 
+/* Shuts the gRPC servers down (cancelling what is left), waits for that, and frees them. */
+static void grpc_close(rtr_router *r) {
+    if (!r->grpc) return;
+    rtr_grpc_shutdown(r->grpc);
+    while (!rtr_grpc_shutdown_done(r->grpc)) {
+        struct pollfd pfd = {.fd = rtr_grpc_fd(r->grpc), .events = POLLIN};
+        poll(&pfd, 1, 100);
+        rtr_grpc_dispatch(r->grpc);
+    }
+    rtr_grpc_free(r->grpc);
+    r->grpc = NULL;
+}
+
 rtr_router *rtr_router_create(const rtr_router_params *params, mt_error *err) {
     rtr_router *r = calloc(1, sizeof *r);
     if (!r) {
@@ -1194,16 +1207,7 @@ rtr_router *rtr_router_create(const rtr_router_params *params, mt_error *err) {
     return r;
 fail:
     rtr_auth_token_free(token);
-    if (r->grpc) {
-        /* nothing was served yet: shut down at once */
-        rtr_grpc_shutdown(r->grpc);
-        while (!rtr_grpc_shutdown_done(r->grpc)) {
-            struct pollfd pfd = {.fd = rtr_grpc_fd(r->grpc), .events = POLLIN};
-            poll(&pfd, 1, 100);
-            rtr_grpc_dispatch(r->grpc);
-        }
-        rtr_grpc_free(r->grpc);
-    }
+    grpc_close(r); /* nothing was served yet: shut down at once */
     mt_wire_close(r->wire);
     rtr_metrics_free(r->metrics);
     rtr_workers_free(&r->workers);
@@ -1305,15 +1309,7 @@ void rtr_router_free(rtr_router *r) {
     if (!r) return;
     while (r->streams) stream_free(r, r->streams);
     while (r->tokenizes) tokenize_forget(r, r->tokenizes);
-    if (r->grpc) {
-        rtr_grpc_shutdown(r->grpc);
-        while (!rtr_grpc_shutdown_done(r->grpc)) {
-            struct pollfd pfd = {.fd = rtr_grpc_fd(r->grpc), .events = POLLIN};
-            poll(&pfd, 1, 100);
-            rtr_grpc_dispatch(r->grpc);
-        }
-        rtr_grpc_free(r->grpc);
-    }
+    grpc_close(r);
     rtr_health_free(&r->health);
     rtr_metrics_free(r->metrics);
     mt_wire_close(r->wire);

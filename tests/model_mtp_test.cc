@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "tests/mtp_fixture.h"
+
 extern "C" {
 #include "kernels/backend.h"
 #include "worker/loader/safetensors.h"
@@ -34,15 +36,6 @@ struct Case {
     std::vector<float> logits, chain_logits, target_logits;
 };
 
-template <typename T>
-std::vector<T> Take(st_archive *ar, const char *name) {
-    const st_tensor *t = st_find(ar, name);
-    EXPECT_NE(t, nullptr) << name;
-    if (!t) return {};
-    const T *p = static_cast<const T *>(t->data);
-    return std::vector<T>(p, p + t->nbytes / sizeof(T));
-}
-
 bool LoadCase(int k, Case *c) {
     const std::string path = std::string(kDir) + "/mtp_case_" + std::to_string(k) + ".safetensors";
     st_archive *ar = nullptr;
@@ -51,24 +44,18 @@ bool LoadCase(int k, Case *c) {
         ADD_FAILURE() << err.msg;
         return false;
     }
-    c->tokens = Take<int32_t>(ar, "tokens");
-    c->chain_t = Take<int32_t>(ar, "chain_t");
-    c->chain_tokens = Take<int32_t>(ar, "chain_tokens");
-    c->logits = Take<float>(ar, "logits");
-    c->chain_logits = Take<float>(ar, "chain_logits");
-    c->target_logits = Take<float>(ar, "target_logits");
+    c->tokens = TakeTensor<int32_t>(ar, "tokens");
+    c->chain_t = TakeTensor<int32_t>(ar, "chain_t");
+    c->chain_tokens = TakeTensor<int32_t>(ar, "chain_tokens");
+    c->logits = TakeTensor<float>(ar, "logits");
+    c->chain_logits = TakeTensor<float>(ar, "chain_logits");
+    c->target_logits = TakeTensor<float>(ar, "target_logits");
     st_close(ar);
     c->T = (int)c->tokens.size();
     c->C = (int)c->chain_t.size();
     c->V = c->T ? (int)(c->target_logits.size() / c->T) : 0;
     return c->T > 2 && c->C > 0 && c->V > 0 && c->logits.size() == (size_t)(c->T - 1) * c->V &&
            c->chain_logits.size() == (size_t)c->C * 3 * c->V && c->chain_tokens.size() == (size_t)c->C * 3;
-}
-
-float MaxDiff(const float *a, const float *b, int n) {
-    float d = 0;
-    for (int i = 0; i < n; i++) d = std::max(d, std::fabs(a[i] - b[i]));
-    return d;
 }
 
 class Mtp : public ::testing::TestWithParam<int> {
@@ -115,12 +102,12 @@ TEST_P(Mtp, EveryRowWhileDecoding) {
     mt_error err{};
     float worst = 0, worst_target = 0;
     ASSERT_EQ(glm_prefill(m_, s, c_.tokens.data(), 1, tl.data(), false, &err), MT_OK) << err.msg;
-    worst_target = MaxDiff(tl.data(), &c_.target_logits[0], V);
+    worst_target = MaxAbsDiff(tl.data(), &c_.target_logits[0], V);
     for (int t = 0; t + 1 < c_.T; t++) {
         std::vector<float> l = Draft(s, c_.tokens[t + 1]);
-        worst = std::max(worst, MaxDiff(l.data(), &c_.logits[(size_t)t * V], V));
+        worst = std::max(worst, MaxAbsDiff(l.data(), &c_.logits[(size_t)t * V], V));
         ASSERT_EQ(glm_decode(m_, s, c_.tokens[t + 1], tl.data(), &err), MT_OK) << err.msg;
-        worst_target = std::max(worst_target, MaxDiff(tl.data(), &c_.target_logits[(size_t)(t + 1) * V], V));
+        worst_target = std::max(worst_target, MaxAbsDiff(tl.data(), &c_.target_logits[(size_t)(t + 1) * V], V));
     }
     printf("case %d: %d drafter rows, worst |diff| %.2e; target worst %.2e\n", GetParam(), c_.T - 1, worst,
            worst_target);
@@ -142,7 +129,7 @@ TEST_P(Mtp, ChainsAfterAPrefill) {
         int32_t tok = c_.tokens[t0 + 1];
         for (int j = 0; j < 3; j++) {
             std::vector<float> l = Draft(s, tok);
-            const float d = MaxDiff(l.data(), &c_.chain_logits[((size_t)ci * 3 + j) * V], V);
+            const float d = MaxAbsDiff(l.data(), &c_.chain_logits[((size_t)ci * 3 + j) * V], V);
             EXPECT_LT(d, kTol) << "chain " << ci << " (row " << t0 << ") step " << j + 1;
             tok = glm_argmax(l.data(), V);
             EXPECT_EQ(tok, c_.chain_tokens[ci * 3 + j]) << "chain " << ci << " step " << j + 1;
@@ -176,11 +163,11 @@ TEST_P(Mtp, KeptRowsContinueExactly) {
         for (int step = 0; step < 2; step++) {
             const int32_t next = c_.tokens[t0 + 1 + keep + step];
             std::vector<float> da = Draft(a, next), db = Draft(b, next);
-            EXPECT_EQ(MaxDiff(da.data(), db.data(), V), 0.f) << "keep " << keep << " draft " << step;
+            EXPECT_EQ(MaxAbsDiff(da.data(), db.data(), V), 0.f) << "keep " << keep << " draft " << step;
             std::vector<float> la(V), lb(V);
             ASSERT_EQ(glm_decode(m_, a, next, la.data(), &err), MT_OK) << err.msg;
             ASSERT_EQ(glm_decode(m_, b, next, lb.data(), &err), MT_OK) << err.msg;
-            EXPECT_EQ(MaxDiff(la.data(), lb.data(), V), 0.f) << "keep " << keep << " decode " << step;
+            EXPECT_EQ(MaxAbsDiff(la.data(), lb.data(), V), 0.f) << "keep " << keep << " decode " << step;
         }
         glm_seq_free(a);
         glm_seq_free(b);

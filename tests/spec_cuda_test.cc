@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "tests/mtp_fixture.h"
+
 extern "C" {
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
@@ -22,21 +24,6 @@ extern "C" {
 namespace {
 
 const char kDir[] = "tests/fixtures/mtp_a";
-
-template <typename T>
-std::vector<T> Take(st_archive *ar, const char *name) {
-    const st_tensor *t = st_find(ar, name);
-    EXPECT_NE(t, nullptr) << name;
-    if (!t) return {};
-    const T *p = static_cast<const T *>(t->data);
-    return std::vector<T>(p, p + t->nbytes / sizeof(T));
-}
-
-float MaxDiff(const float *a, const float *b, int n) {
-    float d = 0;
-    for (int i = 0; i < n; i++) d = std::max(d, std::fabs(a[i] - b[i]));
-    return d;
-}
 
 class SpecGpu : public ::testing::Test {
   protected:
@@ -70,10 +57,10 @@ TEST_F(SpecGpu, DrafterMatchesTheReference) {
         st_archive *ar = nullptr;
         mt_error err{};
         ASSERT_EQ(st_open_file(path.c_str(), &ar, &err), MT_OK) << err.msg;
-        const auto tokens = Take<int32_t>(ar, "tokens");
-        const auto logits = Take<float>(ar, "logits");
-        const auto chain_t = Take<int32_t>(ar, "chain_t");
-        const auto chain_logits = Take<float>(ar, "chain_logits");
+        const auto tokens = TakeTensor<int32_t>(ar, "tokens");
+        const auto logits = TakeTensor<float>(ar, "logits");
+        const auto chain_t = TakeTensor<int32_t>(ar, "chain_t");
+        const auto chain_logits = TakeTensor<float>(ar, "chain_logits");
         st_close(ar);
         const int T = (int)tokens.size();
         float worst = 0;
@@ -81,7 +68,7 @@ TEST_F(SpecGpu, DrafterMatchesTheReference) {
         ASSERT_EQ(glm_seq_new(m_, T + 8, &s, &err), MT_OK) << err.msg;
         ASSERT_EQ(glm_prefill(m_, s, tokens.data(), 1, nullptr, false, &err), MT_OK) << err.msg;
         for (int t = 0; t + 1 < T; t++) {
-            worst = std::max(worst, MaxDiff(Draft(s, tokens[t + 1]).data(), &logits[(size_t)t * V_], V_));
+            worst = std::max(worst, MaxAbsDiff(Draft(s, tokens[t + 1]).data(), &logits[(size_t)t * V_], V_));
             ASSERT_EQ(glm_decode(m_, s, tokens[t + 1], nullptr, &err), MT_OK) << err.msg;
         }
         glm_seq_free(s);
@@ -92,7 +79,7 @@ TEST_F(SpecGpu, DrafterMatchesTheReference) {
             int32_t tok = tokens[t0 + 1];
             for (int j = 0; j < 3; j++) {
                 const std::vector<float> l = Draft(s, tok);
-                worst = std::max(worst, MaxDiff(l.data(), &chain_logits[(c * 3 + j) * V_], V_));
+                worst = std::max(worst, MaxAbsDiff(l.data(), &chain_logits[(c * 3 + j) * V_], V_));
                 tok = glm_argmax(l.data(), V_);
             }
             glm_seq_free(s);
@@ -121,10 +108,10 @@ TEST_F(SpecGpu, KeptRowsContinueAsAStepOfThem) {
         for (int step = 0; step < 3; step++) {
             const int32_t next = (step * 13 + keep) % V_;
             std::vector<float> da = Draft(a, next), db = Draft(b, next), la(V_), lb(V_);
-            EXPECT_LT(MaxDiff(da.data(), db.data(), V_), 1e-4f) << "keep " << keep << " step " << step;
+            EXPECT_LT(MaxAbsDiff(da.data(), db.data(), V_), 1e-4f) << "keep " << keep << " step " << step;
             ASSERT_EQ(glm_decode(m_, a, next, la.data(), &err), MT_OK) << err.msg;
             ASSERT_EQ(glm_decode(m_, b, next, lb.data(), &err), MT_OK) << err.msg;
-            EXPECT_LT(MaxDiff(la.data(), lb.data(), V_), 1e-4f) << "keep " << keep << " step " << step;
+            EXPECT_LT(MaxAbsDiff(la.data(), lb.data(), V_), 1e-4f) << "keep " << keep << " step " << step;
         }
         glm_seq_free(a);
         glm_seq_free(b);
