@@ -15,6 +15,18 @@ namespace {
 
 using Chat = std::vector<std::pair<std::string, std::string>>;  // (role, content)
 
+// The ChatMessage messages of (role, content) pairs, in msgs, pointed to by ptrs (both rebuilt).
+void chat_messages(const std::vector<std::pair<std::string, std::string>> &chat,
+                   std::vector<Metrale__V1__ChatMessage> *msgs, std::vector<Metrale__V1__ChatMessage *> *ptrs) {
+    msgs->assign(chat.size(), Metrale__V1__ChatMessage METRALE__V1__CHAT_MESSAGE__INIT);
+    ptrs->clear();
+    for (size_t i = 0; i < chat.size(); i++) {
+        (*msgs)[i].role = (char *)chat[i].first.c_str();
+        (*msgs)[i].content = (char *)chat[i].second.c_str();
+        ptrs->push_back(&(*msgs)[i]);
+    }
+}
+
 // A valid request that a case then breaks; owns the storage the protobuf-c struct points into.
 struct Req {
     Metrale__V1__GenerateRequest r = METRALE__V1__GENERATE_REQUEST__INIT;
@@ -45,13 +57,7 @@ struct Req {
         for (std::string &x : stop_strings) stop_ptrs.push_back((char *)x.c_str());
         st.n_stop = stop_ptrs.size();
         st.stop = stop_ptrs.data();
-        msgs.assign(chat.size(), Metrale__V1__ChatMessage METRALE__V1__CHAT_MESSAGE__INIT);
-        msg_ptrs.clear();
-        for (size_t i = 0; i < chat.size(); i++) {
-            msgs[i].role = (char *)chat[i].first.c_str();
-            msgs[i].content = (char *)chat[i].second.c_str();
-            msg_ptrs.push_back(&msgs[i]);
-        }
+        chat_messages(chat, &msgs, &msg_ptrs);
         r.n_messages = msg_ptrs.size();
         r.messages = msg_ptrs.data();
         if (!r.sampling) r.sampling = &s;
@@ -186,13 +192,7 @@ struct Tok {
     const Metrale__V1__TokenizeRequest *get() {
         r.text = (char *)text.c_str();
         r.chat_template_kwargs = (char *)kwargs.c_str();
-        msgs.assign(chat.size(), Metrale__V1__ChatMessage METRALE__V1__CHAT_MESSAGE__INIT);
-        msg_ptrs.clear();
-        for (size_t i = 0; i < chat.size(); i++) {
-            msgs[i].role = (char *)chat[i].first.c_str();
-            msgs[i].content = (char *)chat[i].second.c_str();
-            msg_ptrs.push_back(&msgs[i]);
-        }
+        chat_messages(chat, &msgs, &msg_ptrs);
         r.n_messages = msg_ptrs.size();
         r.messages = msg_ptrs.data();
         return &r;

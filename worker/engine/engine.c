@@ -716,9 +716,7 @@ static void spec_step(eng_engine *e, eng_seq *s) {
         }
         int32_t d;
         if (greedy) {
-            d = 0;
-            for (int v = 1; v < V; v++)
-                if (e->draft_logits[v] > e->draft_logits[d]) d = v;
+            d = eng_argmax(e->draft_logits, V);
         } else {
             const eng_history h = { s->tokens, s->req.n_prompt, gen, s->n_gen + j - 1 };
             float *q = e->spec_q + (size_t)(j - 1) * V;

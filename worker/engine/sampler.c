@@ -230,7 +230,7 @@ static void apply_penalties(eng_sampler *s, const eng_sample_params *p, const en
     }
 }
 
-static int32_t argmax(const float *w, int V) {
+int32_t eng_argmax(const float *w, int V) {
     int32_t best = 0;
     for (int v = 1; v < V; v++)
         if (w[v] > w[best]) best = v;
@@ -244,7 +244,7 @@ static int kept_candidates(eng_sampler *s, const eng_sample_params *p, int *n_ou
 static int32_t draw(eng_sampler *s, const eng_sample_params *p, eng_rng *rng) {
     const eng_cand *c = s->cand;
     int n = 0;
-    if (kept_candidates(s, p, &n) < 0) return argmax(s->work, s->vocab); /* nothing finite: greedy */
+    if (kept_candidates(s, p, &n) < 0) return eng_argmax(s->work, s->vocab); /* nothing finite: greedy */
     double kept = 0.0;
     for (int i = 0; i < n; i++) kept += c[i].e;
     const double u = eng_rng_uniform(rng) * kept;
@@ -311,7 +311,7 @@ void eng_sample_probs(eng_sampler *s, const eng_sample_params *p, const float *l
     memset(probs, 0, sizeof(float) * (size_t)V);
     int n = 0;
     if (p->temperature <= 0.0f || kept_candidates(s, p, &n) < 0) {
-        probs[argmax(s->work, V)] = 1.0f;
+        probs[eng_argmax(s->work, V)] = 1.0f;
         return;
     }
     double kept = 0.0;
@@ -367,7 +367,7 @@ void eng_sample(eng_sampler *s, const eng_sample_params *p, eng_rng *rng, const 
     if (n_top > V) n_top = V;
     for (int v = 0; v < V; v++) s->work[v] = finite_or_neg_inf(logits[v]);
     apply_penalties(s, p, hist);
-    out->token = p->temperature > 0.0f ? draw(s, p, rng) : argmax(s->work, V);
+    out->token = p->temperature > 0.0f ? draw(s, p, rng) : eng_argmax(s->work, V);
     out->logprob = 0.0f;
     out->n_top = 0;
     if (want_logprob || n_top > 0) raw_logprobs(logits, V, out->token, want_logprob, n_top, out);

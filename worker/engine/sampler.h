@@ -93,6 +93,9 @@ void eng_sample(eng_sampler *s, const eng_sample_params *p, eng_rng *rng, const 
  * ids, as eng_sample reports them, without sampling: out->token = token. For prompt logprobs. */
 void eng_score(const eng_sampler *s, const float *logits, int32_t token, int n_top, eng_sample_result *out);
 
+/* The greedy token of logits[vocab]: the largest, the lowest id on ties. */
+int32_t eng_argmax(const float *logits, int vocab);
+
 /* ---- speculative sampling ----
  * The processed distribution eng_sample draws from (penalties, temperature, top-k, top-p, min-p)
  * as probabilities probs[vocab] (zero outside what is kept; greedy: one-hot on the argmax). */

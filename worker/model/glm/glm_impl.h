@@ -270,6 +270,10 @@ static inline void glm_matmul_multi(mt_backend *be, float *const *y, const float
 }
 
 /* glm_mtp.c: the MTP block (docs/MODEL.md, "MTP block"). */
+/* The drafter rows of s that stand (its layer state's length less the speculative rows). */
+static inline int glm_mtp_committed(const glm_model *m, const glm_seq *s) {
+    return ((const glm_layer_state *)s->states[m->cfg.num_hidden_layers])->len - s->n_spec;
+}
 /* After a target pass over n consecutive rows of s at positions len - n .. len - 1 (s->len
  * already advanced), whose highway rows are X[n, S, H] and tokens tokens[n]: the drafter takes
  * the rows whose next token is now known (the pending row and rows 0 .. n - 2) and keeps the

@@ -412,8 +412,9 @@ size_t glm_model_seq_bytes(const glm_model *m, int max_tokens) {
 }
 
 /* Three kinds of per-sequence state move to dst: paged (src's full pages are mapped into dst too,
- * shared and counted; a page dst will write more of is copied into a page of its own), slots (recurrent state copied slot to slot), and aux state (each layer
- * that has it: snapshot of src, restored into dst). */
+ * shared and counted; a page dst will write more of is copied into a page of its own), slots
+ * (recurrent state copied slot to slot), and aux state (each layer that has it: snapshot of src,
+ * restored into dst). */
 mt_status glm_seq_copy_prefix(glm_model *m, const glm_seq *src, glm_seq *dst, mt_error *err) {
     if (src->m != m || dst->m != m) return mt_errorf(err, MT_ERR_INVALID, "sequences of another model");
     if (dst->len != 0) return mt_errorf(err, MT_ERR_STATE, "destination sequence is not fresh (%d tokens)", dst->len);
@@ -422,8 +423,7 @@ mt_status glm_seq_copy_prefix(glm_model *m, const glm_seq *src, glm_seq *dst, mt
         return mt_errorf(err, MT_ERR_FULL, "%d positions do not fit a sequence of %d", src->len, dst->cap);
     /* A page dst will still write is its own: past src's length, and with the drafter past its
      * rows too (it lags the target by the pending row, which dst writes with its own next token). */
-    const int written = m->mtp.on ? ((glm_layer_state *)src->states[m->cfg.num_hidden_layers])->len - src->n_spec
-                                  : src->len;
+    const int written = m->mtp.on ? glm_mtp_committed(m, src) : src->len;
     const int page = glm_model_page_tokens(m), full = written / page, part = src->len > full * page;
     if (first_dsa(m)) {
         if (rt_bt_share(&dst->bt, m->be, &m->pages, &src->bt, full, part) != MT_OK)
@@ -435,7 +435,7 @@ mt_status glm_seq_copy_prefix(glm_model *m, const glm_seq *src, glm_seq *dst, mt
         const mt_layer *ml = &m->layers[l].base;
         glm_layer_state *d = (glm_layer_state *)dst->states[l];
         /* the drafter's rows: its committed ones (src drafts nothing while it is a kept prefix) */
-        d->len = l < m->cfg.num_hidden_layers ? src->len : ((glm_layer_state *)src->states[l])->len - src->n_spec;
+        d->len = l < m->cfg.num_hidden_layers ? src->len : glm_mtp_committed(m, src);
         if (!mt_layer_has_aux_state(ml)) continue;
         void *snap = NULL;
         size_t n = 0;
@@ -685,7 +685,7 @@ static void verify_mark(glm_model *m, glm_seq *s, const int32_t *tokens, int k) 
     if (k == 1) return;
     glm_layers_copy_slot(m->layers, m->cfg.num_hidden_layers, s->slot, m->mtp.spare_slot);
     m->be->ops->copy(m->be, s->v_hp, s->hp, sizeof(float) * (size_t)m->cfg.hidden_size);
-    s->v_mtp_len = ((glm_layer_state *)s->states[m->cfg.num_hidden_layers])->len - s->n_spec;
+    s->v_mtp_len = glm_mtp_committed(m, s);
 }
 
 mt_status glm_seq_keep(glm_model *m, glm_seq *s, int keep, mt_error *err) {
@@ -708,7 +708,7 @@ mt_status glm_seq_keep(glm_model *m, glm_seq *s, int keep, mt_error *err) {
     s->n_spec = 0;
     m->be->ops->copy(m->be, s->hp, s->v_hp, sizeof(float) * (size_t)m->cfg.hidden_size);
     s->len = s->v_pos;
-    int32_t tok[GLM_VERIFY_MAX];
+    int32_t tok[GLM_VERIFY_MAX]; /* a copy: the decode records its tokens in s->v_tok again */
     memcpy(tok, s->v_tok, sizeof(int32_t) * (size_t)keep);
     return decode_seq(m, s, tok, keep, NULL, err);
 }

@@ -90,7 +90,7 @@ mt_status glm_mtp_draft(glm_model *m, glm_seq *s, int32_t token, float *logits, 
     if (token < 0 || token >= c->vocab_size)
         return mt_errorf(err, MT_ERR_INVALID, "draft token %d is outside the vocabulary [0, %d)", token, c->vocab_size);
     glm_layer_state *st = (glm_layer_state *)s->states[c->num_hidden_layers];
-    const int committed = st->len - s->n_spec;
+    const int committed = glm_mtp_committed(m, s);
     const float *h;
     if (s->n_spec == 0 && committed == s->len - 1) {
         h = s->hp;                 /* the target's last row and the token that follows it */
