@@ -24,7 +24,7 @@
  *               [--moe-grouped-max N] (the grouped MoE decode kernels up to N rows, beyond which
  *                                      the MoE reads the routing back and a step is no graph;
  *                                      mt_cuda_params.moe_grouped_max_rows, default 64)
- *               [--numerics exact|bf16|fp32] (the CUDA backend's; default exact)
+ *               [--numerics exact|bf16|fp32] (the CUDA backend's; default bf16)
  * (--op-profile 1: per-op times of one more eager step of each batch, every op synchronised.)
  */
 #include <cuda_runtime_api.h>

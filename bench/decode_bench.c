@@ -26,7 +26,7 @@
  *
  *   decode_bench [--steps N] [--context N] [--json FILE] [--bf16-peak-tflops 790] [--op-profile 1]
  *                [--profile N] [--numerics exact|bf16|fp32] [--tp N | --nccl]
- * (--numerics: the CUDA backend's mt_numerics (default exact).
+ * (--numerics: the CUDA backend's mt_numerics (default bf16).
  *  --op-profile 1: per-op times of one more prefill of each length, after the table's runs.
  *  --profile N: only N engine-path decode steps between cudaProfilerStart/Stop, for
  *  `ncu --profile-from-start off ...`; lab/ncu_summary.py sums the kernels.)

@@ -3,7 +3,7 @@
  *
  *   metrale-serve [--model DIR] [--listen HOST:PORT] [--workers G] [--tp N]
  *                 [--backend auto|cpu|cuda] [--max-sequences N] [--max-context N] [--threads N]
- *                 [--queue N] [--drain-timeout S] [--metrics HOST:PORT] [--numerics exact|bf16]
+ *                 [--queue N] [--drain-timeout S] [--metrics HOST:PORT] [--numerics bf16|exact]
  *                 [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]] [--auth-token-file FILE]
  *                 [--health-listen HOST:PORT]
  *                 [--router ENDPOINT [--first-id K] [--curve-server-key FILE --curve-secret-key FILE]]
@@ -132,7 +132,7 @@ static void usage(FILE *f) {
             "usage: metrale-serve [--model DIR] [--listen HOST:PORT] [--workers G] [--tp N] [--backend auto|cpu|cuda]\n"
             "                     [--max-sequences N] [--max-context N] [--threads N] [--queue N] [--drain-timeout S]\n"
             "                     [--prefill-budget N] [--graph-max-batch N] [--cache-budget-mb N] [--no-preempt]\n"
-            "                     [--no-run-ahead] [--numerics exact|bf16] [--metrics HOST:PORT]\n"
+            "                     [--no-run-ahead] [--numerics bf16|exact] [--metrics HOST:PORT]\n"
             "                     [--speculative-tokens K] [--speculative-max-batch B]\n"
             "                     [--log-format text|json] [--log-prompts]\n"
             "                     [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]] [--auth-token-file FILE]\n"

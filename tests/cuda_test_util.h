@@ -14,6 +14,19 @@
 #include <utility>
 #include <vector>
 
+extern "C" {
+#include "kernels/cuda/cuda_backend.h"
+}
+
+// The backend params of the exact numerics mode (MT_NUMERICS_EXACT, x in two 16-bit parts): the
+// kernel and fixture tests that compare with the CPU's fp32 at the strict bar run in it. The
+// default mode (bf16 activations rounded once) is checked against the CPU on margin models.
+inline mt_cuda_params ExactParams() {
+    mt_cuda_params p = mt_cuda_default_params();
+    p.numerics = MT_NUMERICS_EXACT;
+    return p;
+}
+
 // Empty when a CUDA device is usable, else why not.
 inline std::string NoGpuReason() {
     int n = 0;

@@ -39,6 +39,8 @@ extern "C" {
 
 namespace {
 
+const mt_cuda_params kExact = ExactParams();
+
 constexpr double kRelTol = 1e-4;
 
 
@@ -74,7 +76,7 @@ class CudaAttn : public ::testing::Test {
         std::string why = NoGpuReason();
         if (!why.empty()) GTEST_SKIP() << "no CUDA GPU on this host (" << why << "); skipping";
         mt_error err = {};
-        gpu_ = mt_cuda_backend_new(0, nullptr, &err);
+        gpu_ = mt_cuda_backend_new(0, &kExact, &err);
         ASSERT_NE(gpu_, nullptr) << "mt_cuda_backend_new: " << err.msg;
         cpu_ = mt_cpu_backend_new(0);
         ASSERT_NE(cpu_, nullptr);
@@ -437,7 +439,7 @@ TEST_F(CudaAttn, KdaChunkedSmallShapes) {
 // bound 2e-2).
 TEST_F(CudaAttn, KdaChunkedPrecisionModes) {
     for (mt_numerics v : {MT_NUMERICS_FP32, MT_NUMERICS_BF16}) {
-        mt_cuda_params p = mt_cuda_default_params();
+        mt_cuda_params p = ExactParams();
         p.numerics = v;
         std::printf("[kda_chunked] numerics %s\n", mt_numerics_name(v));
         const double tol = v == MT_NUMERICS_FP32 ? kRelTol : 2e-2;
@@ -768,7 +770,7 @@ TEST_F(CudaAttnMla, MlaSparsePrefillOldVsNew) {
     // backend) the wgmma kernel; each timed, then its three kernels apart (absorb, attend,
     // output), each synchronised: one profiled call.
     auto with = [&](mt_cuda_mla_attend mode, const char *name, double *ms) {
-        mt_cuda_params prm = mt_cuda_default_params();
+        mt_cuda_params prm = ExactParams();
         prm.mla_attend = mode;
         auto measure = [&] {
             *ms = WarmMs(run);

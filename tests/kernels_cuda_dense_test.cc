@@ -40,6 +40,8 @@
 
 namespace {
 
+const mt_cuda_params kExact = ExactParams();
+
 
 uint64_t g_seed = 12345;
 uint64_t NextSeed() { return g_seed++; }
@@ -62,7 +64,7 @@ class CudaOps : public ::testing::Test {
     static void SetUpTestSuite() {
         if (!NoGpuReason().empty()) return;
         mt_error err{};
-        gpu_ = mt_cuda_backend_new(0, nullptr, &err);
+        gpu_ = mt_cuda_backend_new(0, &kExact, &err);
         if (!gpu_) gpu_err_ = err.msg;
         cpu_ = mt_cpu_backend_new(0);
     }
@@ -206,7 +208,7 @@ const char *DtName(mt_dtype dt) { return mt_dtype_name(dt); }
 TEST(CudaBackendNew, SaysWhyWithoutGpu) {
     if (NoGpuReason().empty()) GTEST_SKIP() << "a GPU is present; this checks the no-GPU path";
     mt_error err{};
-    mt_backend *be = mt_cuda_backend_new(0, nullptr, &err);
+    mt_backend *be = mt_cuda_backend_new(0, &kExact, &err);
     EXPECT_EQ(be, nullptr);
     EXPECT_NE(std::string(err.msg), "");
     mt_backend_free(be);
@@ -384,10 +386,10 @@ mt_backend *BackendWith(const mt_cuda_params &p) {
     return be;
 }
 
-// The default params with numerics v (MT_NUMERICS_BF16: x rounded once; MT_NUMERICS_FP32: the fp32
+// The exact params with numerics v (MT_NUMERICS_BF16: x rounded once; MT_NUMERICS_FP32: the fp32
 // kernels only).
 mt_cuda_params WithNumerics(mt_numerics v) {
-    mt_cuda_params p = mt_cuda_default_params();
+    mt_cuda_params p = ExactParams();
     p.numerics = v;
     return p;
 }
@@ -585,7 +587,7 @@ TEST_F(CudaOps, MatmulTimings) {
     ASSERT_TRUE(one && fp32);
     mt_cuda_params tiled_p = WithNumerics(MT_NUMERICS_FP32);
     tiled_p.narrow = false;
-    mt_backend *tcall = BackendWith(mt_cuda_default_params()), *tiled = BackendWith(tiled_p);
+    mt_backend *tcall = BackendWith(ExactParams()), *tiled = BackendWith(tiled_p);
     ASSERT_TRUE(tcall && tiled);
     struct S { int n, rows, cols; };
     const S shapes[] = {{1, 154880, 4096}, {1, 4096, 4096}, {1, 2048, 4096}, {8, 4096, 4096},
@@ -1006,7 +1008,7 @@ TEST_F(CudaMoe, ExpertsWgmmaMatchCpu) {
     if (major != 9) GTEST_SKIP() << "the wgmma path is for sm_90 (this device: sm_" << major << "x)";
     Worst worst{"moe_experts wgmma"}, worst_old{"moe_experts batched"}, worst1{"moe_experts wgmma, 1 term"},
         worst1_old{"moe_experts wgmma, 1 term, against batched"};
-    mt_cuda_params old_p = mt_cuda_default_params(), old1_p = WithNumerics(MT_NUMERICS_BF16);
+    mt_cuda_params old_p = ExactParams(), old1_p = WithNumerics(MT_NUMERICS_BF16);
     old_p.moe_wg = old1_p.moe_wg = false;
     mt_backend *old = BackendWith(old_p), *old1 = BackendWith(old1_p);
     mt_backend *one = BackendWith(WithNumerics(MT_NUMERICS_BF16));
@@ -1101,7 +1103,7 @@ TEST_F(CudaMoe, ExpertsRealShapes) {
     // (tensor cores, x in 2 parts, batched GEMMs), MT_NUMERICS_BF16 and the fp32 grouped kernel;
     // then the default path against one GEMM per expert (params.moe_batched false, checked at 24
     // rows) at 512 and 4096 rows.
-    mt_cuda_params loop_p = mt_cuda_default_params();
+    mt_cuda_params loop_p = ExactParams();
     loop_p.moe_batched = false;
     mt_backend *loop = BackendWith(loop_p);
     ASSERT_TRUE(loop);
@@ -1110,7 +1112,7 @@ TEST_F(CudaMoe, ExpertsRealShapes) {
         worst.See(el, "one GEMM per expert n=24");
         EXPECT_LE(el, MoeTol(MT_BF16, 24)) << "one GEMM per expert n=24";
     }
-    mt_cuda_params batched_p = mt_cuda_default_params();
+    mt_cuda_params batched_p = ExactParams();
     batched_p.moe_wg = false;
     mt_backend *batched = BackendWith(batched_p);
     ASSERT_TRUE(batched);

@@ -31,6 +31,8 @@
 
 namespace {
 
+const mt_cuda_params kExact = ExactParams();
+
 constexpr double kTol = 1e-5;
 
 
@@ -50,7 +52,7 @@ class CudaMoeGrouped : public ::testing::Test {
     static void SetUpTestSuite() {
         if (!NoGpuReason().empty()) return;
         mt_error err{};
-        gpu_ = mt_cuda_backend_new(0, nullptr, &err);
+        gpu_ = mt_cuda_backend_new(0, &kExact, &err);
         if (!gpu_) gpu_err_ = err.msg;
         cpu_ = mt_cpu_backend_new(0);
     }
@@ -333,7 +335,7 @@ TEST_F(CudaMoeGrouped, GraphCapture) {
     // A capture before any eager call (no table, idx not from the router) fails cleanly, on a
     // backend of its own (the failure is sticky).
     mt_error err{};
-    mt_backend *fresh = mt_cuda_backend_new(0, nullptr, &err);
+    mt_backend *fresh = mt_cuda_backend_new(0, &kExact, &err);
     ASSERT_NE(fresh, nullptr) << err.msg;
     float *fx = (float *)fresh->ops->alloc(fresh, (size_t)n * H * 4), *fo = (float *)fresh->ops->alloc(fresh, (size_t)n * H * 4);
     float *fw = (float *)fresh->ops->alloc(fresh, (size_t)n * k * 4);

@@ -45,7 +45,7 @@ struct wkr_loop {
 
 wkr_params wkr_default_params(void) {
     return (wkr_params){ .backend = "cpu", .id = -1, .max_sequences = 16, .max_context = 4096,
-                         .router_timeout = MT_WIRE_ROUTER_SILENCE_S, .numerics = MT_NUMERICS_EXACT };
+                         .router_timeout = MT_WIRE_ROUTER_SILENCE_S, .numerics = MT_NUMERICS_BF16 };
 }
 
 /* ---- start-up ---- */

@@ -48,7 +48,7 @@ typedef struct wkr_params {
     int spec_max_batch;      /* speculate only while a decode step has at most this many sequences
                               * (0 = any) */
     double router_timeout;   /* seconds of router silence before exiting; default MT_WIRE_ROUTER_SILENCE_S */
-    mt_numerics numerics;    /* the CUDA backend's prefill GEMMs; default MT_NUMERICS_EXACT */
+    mt_numerics numerics;    /* the CUDA backend's prefill GEMMs; default MT_NUMERICS_BF16 */
     /* Tensor parallelism: tp > 0 makes this process rank `rank` of a group of tp ranks on this
      * host, named group (a shared-memory communicator for the group's control and, on the CPU,
      * its partial sums; NCCL for those on GPUs, its id handed out by rank 0). Rank 0 talks to

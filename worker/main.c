@@ -2,7 +2,7 @@
  *
  *   metrale-worker --model DIR --router ipc:///PATH --id N [--backend cpu|cuda|auto] [--device N]
  *                  [--max-sequences N] [--max-context N] [--threads N] [--router-timeout S] [--verbose]
- *                  [--numerics exact|bf16] [--tp N --rank R --group NAME]
+ *                  [--numerics bf16|exact] [--tp N --rank R --group NAME]
  *                  [--curve-server-key FILE --curve-secret-key FILE] [--log-format text|json]
  *
  * This file parses the options and sets the process up (log level, signals, exit status); the
@@ -42,7 +42,7 @@ static void usage(FILE *f) {
             "                      [--device N] [--max-sequences N] [--max-context N] [--threads N]\n"
             "                      [--router-timeout S] [--cache-budget-mb N] [--prefill-budget N]\n"
             "                      [--graph-max-batch N] [--no-preempt] [--no-run-ahead] [--verbose]\n"
-            "                      [--numerics exact|bf16] [--tp N --rank R --group NAME]\n"
+            "                      [--numerics bf16|exact] [--tp N --rank R --group NAME]\n"
             "                      [--speculative-tokens K] [--speculative-max-batch B]\n"
             "                      [--curve-server-key FILE --curve-secret-key FILE] [--log-format text|json]\n"
             "  Serves the checkpoint in DIR to the router at ENDPOINT (ipc://, tcp://127.0.0.1:, or tcp://HOST:PORT\n"
@@ -62,8 +62,8 @@ static void usage(FILE *f) {
             "  of greedy requests reads each step's tokens before queuing the next (by default the next step\n"
             "  is queued on the device's own tokens first, so the GPU does not wait for the host; the CPU backend\n"
             "  never runs ahead, as it would only delay each token by a step); --numerics (GPU): how prefill\n"
-            "  GEMMs round their activations: exact (default; two bf16 parts, matching the CPU's fp32) or bf16\n"
-            "  (rounded once, as most engines do: faster, less exact). --tp N --rank R --group NAME: this\n"
+            "  GEMMs round their activations: bf16 (default; rounded once, as other engines do) or exact (two\n"
+            "  bf16 parts, matching the CPU's fp32 sums; about twice the prefill GEMM work). --tp N --rank R --group NAME: this\n"
             "  process is rank R of a tensor-parallel group of N ranks on this host (metrale-serve --tp\n"
             "  starts them); rank 0 talks to the router, the others follow it. --curve-server-key FILE\n"
             "  --curve-secret-key FILE: encrypt the router link with ZeroMQ CURVE (FILE: a z85 key as\n"

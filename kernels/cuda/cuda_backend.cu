@@ -249,7 +249,7 @@ extern "C" bool mt_numerics_parse(const char *name, mt_numerics *out) {
 extern "C" mt_cuda_params mt_cuda_default_params(void) {
     mt_cuda_params p;
     memset(&p, 0, sizeof p);
-    p.numerics = MT_NUMERICS_EXACT;
+    p.numerics = MT_NUMERICS_BF16;
     p.narrow = true;
     p.moe_batched = true;
     p.moe_wg = true;
