@@ -40,7 +40,7 @@ size_t mt_dtype_size(mt_dtype t) {
     case MT_F32: case MT_I32: return 4;
     case MT_F16: case MT_BF16: return 2;
     case MT_I64: return 8;
-    case MT_U8: return 1;
+    case MT_U8: case MT_F8E4M3: return 1;
     }
     return 0;
 }
@@ -53,6 +53,7 @@ const char *mt_dtype_name(mt_dtype t) {
     case MT_I32: return "I32";
     case MT_I64: return "I64";
     case MT_U8: return "U8";
+    case MT_F8E4M3: return "F8_E4M3";
     }
     return "?";
 }
@@ -85,11 +86,40 @@ uint16_t mt_f32_to_f16(float f) {
     return sign | (uint16_t)((uint32_t)(e + 14) << 10) | (uint16_t)(man & 0x3ff);
 }
 
+float mt_f8e4m3_to_f32(uint8_t b) {
+    const int exp = (b >> 3) & 0xf, man = b & 0x7;
+    float v;
+    if (exp == 0xf && man == 0x7) v = NAN;
+    else if (exp == 0) v = ldexpf((float)man, -9);
+    else v = ldexpf((float)(man | 0x8), exp - 10);
+    return (b & 0x80) ? -v : v;
+}
+
+uint8_t mt_f32_to_f8e4m3(float f) {
+    const uint8_t sign = signbit(f) ? 0x80 : 0;
+    const float a = fabsf(f);
+    if (isnan(f)) return 0x7f;
+    if (a >= 448.0f) return sign | 0x7e;
+    if (a < 0.015625f) /* below 2^-6: units of 2^-9; 8 units is code 8, the smallest normal */
+        return sign | (uint8_t)lrintf(a * 512.0f);
+    int e;
+    const float m = frexpf(a, &e); /* a = m * 2^e, m in [0.5, 1) */
+    long q = lrintf(m * 16.0f);   /* 1.mmm in eighths, 8..16 */
+    if (q == 16) {
+        q = 8;
+        e++;
+    }
+    const int biased = e - 1 + 7;
+    if (biased > 15 || (biased == 15 && q - 8 == 7)) return sign | 0x7e;
+    return sign | (uint8_t)(biased << 3) | (uint8_t)(q - 8);
+}
+
 void mt_to_f32(float *dst, const void *src, mt_dtype t, size_t n) {
     switch (t) {
     case MT_F32: memcpy(dst, src, n * 4); return;
     case MT_BF16: for (size_t i = 0; i < n; i++) dst[i] = mt_bf16_to_f32(((const uint16_t *)src)[i]); return;
     case MT_F16: for (size_t i = 0; i < n; i++) dst[i] = mt_f16_to_f32(((const uint16_t *)src)[i]); return;
+    case MT_F8E4M3: for (size_t i = 0; i < n; i++) dst[i] = mt_f8e4m3_to_f32(((const uint8_t *)src)[i]); return;
     default: MT_ASSERT(!"mt_to_f32: not a float dtype");
     }
 }

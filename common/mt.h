@@ -55,6 +55,7 @@ typedef enum mt_dtype {
     MT_I32 = 3,
     MT_I64 = 4,
     MT_U8 = 5,
+    MT_F8E4M3 = 6, /* fp8 e4m3fn: bias 7, no infinities, 0x7f/0xff NaN; checkpoints only */
 } mt_dtype;
 
 size_t mt_dtype_size(mt_dtype t);
@@ -76,7 +77,14 @@ static inline uint16_t mt_f32_to_bf16(float f) {
 float mt_f16_to_f32(uint16_t h);
 uint16_t mt_f32_to_f16(float f);
 
-/* Converts n elements of src (dtype t) to fp32. */
+/* fp8 e4m3fn (the OCP "E4M3" of FP8 checkpoints): sign, 4 exponent bits of bias 7, 3 mantissa
+ * bits; exponent 0 is subnormal (m * 2^-9), 0x7f and 0xff are NaN, there are no infinities, the
+ * largest finite value is 448. The conversion to fp32 is exact. mt_f32_to_f8e4m3 rounds to
+ * nearest even and saturates to +-448 (NaN becomes 0x7f). */
+float mt_f8e4m3_to_f32(uint8_t b);
+uint8_t mt_f32_to_f8e4m3(float f);
+
+/* Converts n elements of src (dtype t: F32, F16, BF16 or F8E4M3) to fp32. */
 void mt_to_f32(float *dst, const void *src, mt_dtype t, size_t n);
 
 /* MT_ASSERT: a broken invariant is a bug; print the condition, file and line, then abort through

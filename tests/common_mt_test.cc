@@ -62,7 +62,59 @@ TEST(Mt, DtypeSizes) {
     EXPECT_EQ(mt_dtype_size(MT_BF16), 2u);
     EXPECT_EQ(mt_dtype_size(MT_F16), 2u);
     EXPECT_EQ(mt_dtype_size(MT_I64), 8u);
+    EXPECT_EQ(mt_dtype_size(MT_F8E4M3), 1u);
     EXPECT_STREQ(mt_dtype_name(MT_BF16), "BF16");
+    EXPECT_STREQ(mt_dtype_name(MT_F8E4M3), "F8_E4M3");
+}
+
+// fp8 e4m3fn: every one of the 256 codes against the format's definition, in double:
+// (-1)^s * 2^(1 - 7) * m/8 for exponent 0, (-1)^s * 2^(e - 7) * (1 + m/8) otherwise, NaN at
+// S.1111.111, no infinities.
+TEST(Mt, F8E4M3EveryCodeMatchesTheFormat) {
+    int nans = 0;
+    for (int b = 0; b < 256; b++) {
+        const int s = b >> 7, e = (b >> 3) & 15, m = b & 7;
+        const float got = mt_f8e4m3_to_f32((uint8_t)b);
+        if (e == 15 && m == 7) {
+            EXPECT_TRUE(std::isnan(got)) << b;
+            nans++;
+            continue;
+        }
+        const double want = (s ? -1.0 : 1.0) * (e == 0 ? std::pow(2.0, -6) * (m / 8.0)
+                                                       : std::pow(2.0, e - 7) * (1.0 + m / 8.0));
+        EXPECT_EQ((double)got, want) << "code 0x" << std::hex << b;
+        EXPECT_EQ(std::signbit(got), s == 1) << b;
+        // the conversion back is exact for every code but the NaNs (and -0 keeps its sign)
+        EXPECT_EQ(mt_f32_to_f8e4m3(got), (uint8_t)b) << "code 0x" << std::hex << b;
+        float one;
+        const uint8_t code = (uint8_t)b;
+        mt_to_f32(&one, &code, MT_F8E4M3, 1);
+        EXPECT_EQ(one, got);
+    }
+    EXPECT_EQ(nans, 2);
+    EXPECT_EQ(mt_f8e4m3_to_f32(0x7e), 448.f);
+    EXPECT_EQ(mt_f8e4m3_to_f32(0x01), 0.001953125f);  // 2^-9, the smallest subnormal
+    EXPECT_EQ(mt_f8e4m3_to_f32(0x38), 1.f);
+}
+
+TEST(Mt, F32ToF8E4M3RoundsToNearestEvenAndSaturates) {
+    EXPECT_EQ(mt_f32_to_f8e4m3(1.0625f), 0x38);   // halfway 1 .. 1.125: to the even mantissa (1)
+    EXPECT_EQ(mt_f32_to_f8e4m3(1.1875f), 0x3a);   // halfway 1.125 .. 1.25: to 1.25
+    EXPECT_EQ(mt_f32_to_f8e4m3(1.07f), 0x39);     // nearer 1.125
+    EXPECT_EQ(mt_f32_to_f8e4m3(0.0029296875f), 0x02);  // 1.5 * 2^-9: subnormal tie to 2 * 2^-9
+    EXPECT_EQ(mt_f32_to_f8e4m3(0.0146484375f), 0x08);  // 7.5 * 2^-9: up into the first normal
+    EXPECT_EQ(mt_f32_to_f8e4m3(0.0009765625f), 0x00);  // 2^-10: tie to zero
+    EXPECT_EQ(mt_f32_to_f8e4m3(460.f), 0x7e);
+    EXPECT_EQ(mt_f32_to_f8e4m3(-1e9f), 0xfe);
+    EXPECT_EQ(mt_f32_to_f8e4m3(INFINITY), 0x7e);
+    EXPECT_EQ(mt_f32_to_f8e4m3(NAN), 0x7f);
+    // between any two neighbouring codes, the nearer one wins
+    for (int b = 0; b < 0x7e; b++) {
+        const float lo = mt_f8e4m3_to_f32((uint8_t)b), hi = mt_f8e4m3_to_f32((uint8_t)(b + 1));
+        EXPECT_EQ(mt_f32_to_f8e4m3(lo + (hi - lo) * 0.25f), b) << b;
+        EXPECT_EQ(mt_f32_to_f8e4m3(lo + (hi - lo) * 0.75f), b + 1) << b;
+        EXPECT_EQ(mt_f32_to_f8e4m3(-(lo + (hi - lo) * 0.5f)), 0x80 | ((b & 1) ? b + 1 : b)) << b;
+    }
 }
 
 // Runs f with stderr going to a temporary file; returns what was written there.

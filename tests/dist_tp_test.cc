@@ -260,7 +260,7 @@ TEST_P(TpGroup, GivesTheTokensAndLogitsOfOneProcess) {
     }
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, TpGroup, ::testing::Values("tiny_a", "tiny_c", "wide"));
+INSTANTIATE_TEST_SUITE_P(Models, TpGroup, ::testing::Values("tiny_a", "tiny_c", "wide", "fp8_a"));
 
 // A group whose size does not divide the model's split dimensions is refused with the numbers.
 TEST(TpGroupRefused, SizeMustDivide) {

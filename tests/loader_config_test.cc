@@ -542,4 +542,117 @@ TEST(GlmConfig, ParseFromTextNamesTheSource) {
     EXPECT_EQ(cfg.num_hidden_layers, 4);
 }
 
+// quantization_config (docs/MODEL.md, "FP8 checkpoints"): under text_config or at the top level,
+// text_config's winning; the block size and modules_to_not_convert are kept.
+const char *kFp8 =
+    "{\"quant_method\": \"fp8\", \"fmt\": \"e4m3\", \"activation_scheme\": \"dynamic\","
+    " \"weight_block_size\": [128, 64], \"modules_to_not_convert\": [\"lm_head\", \"mlp.gate\"]}";
+
+std::vector<std::string> SkipList(const glm_quant &q) {
+    std::vector<std::string> out;
+    const char *e = q.skip;
+    for (int i = 0; i < q.n_skip; i++, e += strlen(e) + 1) out.push_back(e);
+    return out;
+}
+
+TEST(GlmConfig, QuantizationConfigNestedOrTopLevel) {
+    const glm_config none = MustLoad("{}");
+    EXPECT_FALSE(none.quant.fp8);
+    const std::string top = std::string("{\"model_type\": \"glm5_next\", \"quantization_config\": ") + kFp8 +
+                            ", \"text_config\": {" + kTextFields + "}}";
+    const std::string nested = std::string("{\"model_type\": \"glm5_next\", \"text_config\": {") + kTextFields +
+                               ", \"quantization_config\": " + kFp8 + "}}";
+    const std::string flat = std::string("{") + kTextFields + ", \"quantization_config\": " + kFp8 + "}";
+    for (const std::string &json : { top, nested, flat }) {
+        glm_config c = MustLoad(json);
+        EXPECT_TRUE(c.quant.fp8) << json;
+        EXPECT_EQ(c.quant.block_rows, 128);
+        EXPECT_EQ(c.quant.block_cols, 64);
+        EXPECT_EQ(SkipList(c.quant), (std::vector<std::string>{ "lm_head", "mlp.gate" }));
+    }
+    // both: text_config's wins
+    glm_config c = MustLoad(std::string("{\"quantization_config\": {\"quant_method\": \"nvfp4\"}, \"text_config\": {") +
+                            kTextFields + ", \"quantization_config\": {\"quant_method\": \"fp8\", "
+                            "\"weight_block_size\": [16, 32]}}}");
+    EXPECT_TRUE(c.quant.fp8);
+    EXPECT_EQ(c.quant.block_rows, 16);
+    EXPECT_EQ(c.quant.n_skip, 0);
+    EXPECT_FALSE(MustLoad("{\"quantization_config\": null}").quant.fp8);
+}
+
+TEST(GlmConfig, QuantizationConfigRefusedWithTheReason) {
+    const struct { const char *q; mt_status st; const char *says; } bad[] = {
+        { "{\"quant_method\": \"awq\", \"bits\": 4}", MT_ERR_UNSUPPORTED, "quant_method \"awq\" is not supported" },
+        { "{\"quant_method\": \"compressed-tensors\"}", MT_ERR_UNSUPPORTED, "\"compressed-tensors\" is not supported" },
+        { "{\"weight_block_size\": [128, 128]}", MT_ERR_INVALID, "has no quant_method" },
+        { "{\"quant_method\": 8}", MT_ERR_INVALID, "quant_method must be a string" },
+        { "{\"quant_method\": \"fp8\"}", MT_ERR_UNSUPPORTED, "no weight_block_size" },
+        { "{\"quant_method\": \"fp8\", \"fmt\": \"e5m2\", \"weight_block_size\": [128, 128]}", MT_ERR_UNSUPPORTED,
+          "fmt \"e5m2\"" },
+        { "{\"quant_method\": \"fp8\", \"activation_scheme\": \"static\", \"weight_block_size\": [128, 128]}",
+          MT_ERR_UNSUPPORTED, "activation_scheme \"static\"" },
+        { "{\"quant_method\": \"fp8\", \"weight_block_size\": [128]}", MT_ERR_INVALID, "list of two integers" },
+        { "{\"quant_method\": \"fp8\", \"weight_block_size\": [0, 128]}", MT_ERR_INVALID,
+          "weight_block_size[0] is 0, must be > 0" },
+        { "{\"quant_method\": \"fp8\", \"weight_block_size\": [128, 1.5]}", MT_ERR_INVALID,
+          "weight_block_size[1] must be an integer" },
+        { "{\"quant_method\": \"fp8\", \"weight_block_size\": [128, 128], \"modules_to_not_convert\": \"lm_head\"}",
+          MT_ERR_INVALID, "modules_to_not_convert must be a list" },
+        { "{\"quant_method\": \"fp8\", \"weight_block_size\": [128, 128], \"modules_to_not_convert\": [1]}",
+          MT_ERR_INVALID, "modules_to_not_convert[0] must be a non-empty string" },
+        { "[\"fp8\"]", MT_ERR_INVALID, "quantization_config must be an object" },
+    };
+    for (const auto &b : bad) {
+        TempDir dir;
+        glm_config c;
+        memset(&c, 0x5a, sizeof c);
+        const glm_config before = c;
+        mt_error err = {};
+        const std::string json = std::string("{\"model_type\": \"glm5_next\", \"quantization_config\": ") + b.q +
+                                 ", \"text_config\": {" + kTextFields + "}}";
+        EXPECT_EQ(LoadText(dir, json, &c, &err), b.st) << b.q << ": " << err.msg;
+        EXPECT_NE(std::string(err.msg).find(b.says), std::string::npos) << err.msg;
+        EXPECT_NE(std::string(err.msg).find("config.json"), std::string::npos) << err.msg;
+        EXPECT_TRUE(SameConfig(c, before)) << b.q;
+    }
+}
+
+TEST(GlmConfig, QuantizationConfigSurvivesSave) {
+    TempDir dir;
+    glm_config c = MustLoad(std::string("{") + kTextFields + ", \"quantization_config\": " + kFp8 + "}");
+    mt_error err = {};
+    const std::string path = dir.file("saved.json");
+    ASSERT_EQ(glm_config_save(&c, path.c_str(), &err), MT_OK) << err.msg;
+    glm_config back;
+    ASSERT_EQ(glm_config_load(path.c_str(), &back, &err), MT_OK) << err.msg;
+    EXPECT_TRUE(SameConfig(back, c));
+    EXPECT_NE(loader_test::ReadFile(path).find("\"modules_to_not_convert\""), std::string::npos);
+    c.quant.n_skip = 0;
+    memset(c.quant.skip, 0, sizeof c.quant.skip);
+    ASSERT_EQ(glm_config_save(&c, path.c_str(), &err), MT_OK) << err.msg;
+    ASSERT_EQ(glm_config_load(path.c_str(), &back, &err), MT_OK) << err.msg;
+    EXPECT_TRUE(SameConfig(back, c));
+    // a config without one writes none
+    glm_config plain;
+    ASSERT_EQ(glm_config_preset("tiny", &plain, &err), MT_OK);
+    ASSERT_EQ(glm_config_save(&plain, path.c_str(), &err), MT_OK) << err.msg;
+    EXPECT_EQ(loader_test::ReadFile(path).find("quantization_config"), std::string::npos);
+}
+
+TEST(GlmConfig, ModulesToNotConvertMatchWholeModuleNames) {
+    glm_config c = MustLoad(
+        "{\"quantization_config\": {\"quant_method\": \"fp8\", \"weight_block_size\": [128, 128], "
+        "\"modules_to_not_convert\": [\"lm_head\", \"mlp.gate\", \"model.language_model.layers.3\"]}}");
+    const glm_quant *q = &c.quant;
+    EXPECT_TRUE(glm_quant_skips(q, "lm_head.weight"));
+    EXPECT_TRUE(glm_quant_skips(q, "model.language_model.layers.1.mlp.gate.weight"));
+    EXPECT_FALSE(glm_quant_skips(q, "model.language_model.layers.1.mlp.gate_proj.weight"));
+    EXPECT_FALSE(glm_quant_skips(q, "model.language_model.layers.1.mlp.experts.0.gate_proj.weight"));
+    EXPECT_TRUE(glm_quant_skips(q, "model.language_model.layers.3.self_attn.q_proj.weight"));
+    EXPECT_FALSE(glm_quant_skips(q, "model.language_model.layers.30.self_attn.q_proj.weight"));
+    EXPECT_FALSE(glm_quant_skips(q, "model.language_model.layers.2.self_attn.q_proj.weight"));
+    const glm_config none = MustLoad("{}");
+    EXPECT_FALSE(glm_quant_skips(&none.quant, "lm_head.weight"));
+}
+
 }  // namespace

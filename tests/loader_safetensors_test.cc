@@ -396,8 +396,8 @@ TEST(Safetensors, BadHeaders) {
         { "[1,2,3]", MT_ERR_INVALID, "header is a list, expected a JSON object" },
         { "{\"w\":3}", MT_ERR_INVALID, "tensor w: header entry is an integer" },
         { "{\"w\":{\"shape\":[1],\"data_offsets\":[0,4]}}", MT_ERR_INVALID, "tensor w: dtype is null" },
-        { "{\"w\":{\"dtype\":\"F8_E4M3\",\"shape\":[1],\"data_offsets\":[0,1]}}", MT_ERR_UNSUPPORTED,
-          "tensor w: dtype F8_E4M3 is not supported" },
+        { "{\"w\":{\"dtype\":\"F8_E5M2\",\"shape\":[1],\"data_offsets\":[0,1]}}", MT_ERR_UNSUPPORTED,
+          "tensor w: dtype F8_E5M2 is not supported" },
         { "{\"w\":{\"dtype\":\"F32\",\"shape\":\"1\",\"data_offsets\":[0,4]}}", MT_ERR_INVALID,
           "tensor w: shape is a string" },
         { "{\"w\":{\"dtype\":\"F32\",\"shape\":[1,1,1,1,1,1,1,1,1],\"data_offsets\":[0,4]}}",
@@ -878,6 +878,219 @@ TEST(Mkckpt, LayersAndConfigOptions) {
     EXPECT_FALSE(Exists(dir.file("x")));
     EXPECT_FALSE(Exists(dir.file("y")));
     EXPECT_FALSE(Exists(dir.file("z")));
+}
+
+// ------------------------------------------------------------------------------------------
+// Block-scaled FP8 (docs/MODEL.md, "FP8 checkpoints")
+
+// Writes w [rows, cols] as F8_E4M3 codes with its scale tensor (named and shaped as given) into
+// dir/model.safetensors, beside a bf16 tensor "plain" [2, 2]; opens it.
+st_archive *Fp8Archive(const TempDir &dir, const std::vector<uint8_t> &codes, std::vector<int64_t> shape,
+                       const std::vector<float> &scale, std::vector<int64_t> sshape,
+                       const char *sname = "w.weight_scale_inv", mt_dtype sdt = MT_F32) {
+    st_writer *w = st_writer_new();
+    mt_error err = {};
+    EXPECT_EQ(st_writer_add(w, "w.weight", MT_F8E4M3, (int)shape.size(), shape.data(), codes.data(), &err), MT_OK)
+        << err.msg;
+    if (sname) {
+        std::vector<uint16_t> half(scale.size());
+        for (size_t i = 0; i < scale.size(); i++) half[i] = mt_f32_to_bf16(scale[i]);
+        const void *data = sdt == MT_F32 ? (const void *)scale.data() : (const void *)half.data();
+        EXPECT_EQ(st_writer_add(w, sname, sdt, (int)sshape.size(), sshape.data(), data, &err), MT_OK) << err.msg;
+    }
+    const int64_t ps[2] = { 2, 2 };
+    const uint16_t pv[4] = { 0x3f80, 0x4000, 0x4040, 0x4080 };
+    EXPECT_EQ(st_writer_add(w, "plain", MT_BF16, 2, ps, pv, &err), MT_OK);
+    EXPECT_EQ(st_writer_save(w, dir.path().c_str(), 0, &err), MT_OK) << err.msg;
+    st_writer_free(w);
+    st_archive *ar = nullptr;
+    EXPECT_EQ(st_open_dir(dir.path().c_str(), &ar, &err), MT_OK) << err.msg;
+    return ar;
+}
+
+// Codes that cover the range (no NaN), deterministic.
+std::vector<uint8_t> Codes(size_t n) {
+    std::vector<uint8_t> c(n);
+    for (size_t i = 0; i < n; i++) {
+        c[i] = (uint8_t)((i * 73 + 11) & 0xff);
+        if ((c[i] & 0x7f) == 0x7f) c[i] ^= 0x01;
+    }
+    return c;
+}
+
+TEST(SafetensorsFp8, DequantUsesEachBlocksScaleIncludingPartialBlocks) {
+    TempDir dir;
+    const int64_t R = 5, C = 7, bm = 2, bn = 3;  // blocks of 2 x 3: the last row and column blocks partial
+    std::vector<float> scale;
+    for (int i = 0; i < 3 * 3; i++) scale.push_back(0.5f + 0.37f * i);
+    const std::vector<uint8_t> codes = Codes(R * C);
+    st_archive *ar = Fp8Archive(dir, codes, { R, C }, scale, { 3, 3 });
+    ASSERT_NE(ar, nullptr);
+    mt_error err = {};
+    const st_tensor *t = nullptr, *sc = nullptr;
+    const int64_t shape[2] = { R, C };
+    ASSERT_EQ(st_get_weight(ar, "w.weight", 2, shape, bm, bn, &t, &sc, &err), MT_OK) << err.msg;
+    ASSERT_NE(sc, nullptr);
+    EXPECT_EQ(t->dtype, MT_F8E4M3);
+    std::vector<float> f(R * C);
+    ASSERT_EQ(st_dequant_fp8(t, sc, bm, bn, 0, R, 0, C, MT_F32, f.data(), &err), MT_OK) << err.msg;
+    for (int64_t i = 0; i < R; i++)
+        for (int64_t j = 0; j < C; j++)
+            EXPECT_EQ(f[i * C + j], mt_f8e4m3_to_f32(codes[i * C + j]) * scale[(i / bm) * 3 + j / bn]) << i << "," << j;
+    // bf16: the fp32 product rounded once
+    std::vector<uint16_t> h(R * C);
+    ASSERT_EQ(st_dequant_fp8(t, sc, bm, bn, 0, R, 0, C, MT_BF16, h.data(), &err), MT_OK);
+    for (size_t k = 0; k < h.size(); k++) EXPECT_EQ(h[k], mt_f32_to_bf16(f[k])) << k;
+    // any rectangle (a tensor-parallel shard cutting through blocks) is the same part of the whole
+    for (int64_t r0 : { 0, 1, 3 })
+        for (int64_t c0 : { 0, 2, 4 }) {
+            const int64_t nr = R - r0 - (r0 == 1), nc = C - c0 - (c0 == 2);
+            std::vector<float> part(nr * nc);
+            ASSERT_EQ(st_dequant_fp8(t, sc, bm, bn, r0, nr, c0, nc, MT_F32, part.data(), &err), MT_OK) << err.msg;
+            for (int64_t i = 0; i < nr; i++)
+                for (int64_t j = 0; j < nc; j++) EXPECT_EQ(part[i * nc + j], f[(r0 + i) * C + c0 + j]);
+        }
+    float one;
+    EXPECT_EQ(st_dequant_fp8(t, sc, bm, bn, 4, 2, 0, 1, MT_F32, &one, &err), MT_ERR_INVALID);
+    EXPECT_TRUE(Contains(err.msg, "outside [5, 7]")) << err.msg;
+    EXPECT_EQ(st_dequant_fp8(t, sc, bm, bn, 0, 1, 0, 1, MT_I32, &one, &err), MT_ERR_INVALID);
+    // a float tensor comes back as st_get gives it, without scales
+    const int64_t ps[2] = { 2, 2 };
+    sc = (const st_tensor *)0x1;
+    ASSERT_EQ(st_get_weight(ar, "plain", 2, ps, bm, bn, &t, &sc, &err), MT_OK) << err.msg;
+    EXPECT_EQ(sc, nullptr);
+    EXPECT_EQ(t->dtype, MT_BF16);
+    st_close(ar);
+}
+
+TEST(SafetensorsFp8, ScalesMayBeBf16) {
+    TempDir dir;
+    st_archive *ar = Fp8Archive(dir, Codes(4 * 4), { 4, 4 }, { 0.25f, 3.f }, { 1, 2 }, "w.weight_scale_inv", MT_BF16);
+    mt_error err = {};
+    const st_tensor *t, *sc;
+    const int64_t shape[2] = { 4, 4 };
+    ASSERT_EQ(st_get_weight(ar, "w.weight", 2, shape, 4, 2, &t, &sc, &err), MT_OK) << err.msg;
+    float f[16];
+    ASSERT_EQ(st_dequant_fp8(t, sc, 4, 2, 0, 4, 0, 4, MT_F32, f, &err), MT_OK);
+    EXPECT_EQ(f[1], mt_f8e4m3_to_f32(t->nbytes ? ((const uint8_t *)t->data)[1] : 0) * 0.25f);
+    EXPECT_EQ(f[2], mt_f8e4m3_to_f32(((const uint8_t *)t->data)[2]) * 3.f);
+    st_close(ar);
+}
+
+TEST(SafetensorsFp8, BadCheckpointsAreRefusedByName) {
+    const int64_t shape[2] = { 5, 7 };
+    mt_error err = {};
+    const st_tensor *t = (const st_tensor *)0x1, *sc = (const st_tensor *)0x1;
+    {  // the scales are missing
+        TempDir dir;
+        st_archive *ar = Fp8Archive(dir, Codes(35), { 5, 7 }, {}, {}, nullptr);
+        EXPECT_EQ(st_get_weight(ar, "w.weight", 2, shape, 2, 3, &t, &sc, &err), MT_ERR_NOT_FOUND);
+        EXPECT_TRUE(Contains(err.msg, "tensor w.weight is F8_E4M3 but its block scales w.weight_scale_inv are missing"))
+            << err.msg;
+        // plain st_get refuses an FP8 tensor, saying why
+        EXPECT_EQ(st_get(ar, "w.weight", 2, shape, &t, &err), MT_ERR_INVALID);
+        EXPECT_TRUE(Contains(err.msg, "has dtype F8_E4M3, expected F32, F16 or BF16 (only linear weights may be FP8)"))
+            << err.msg;
+        st_close(ar);
+    }
+    {  // scales of the wrong shape: blocks of 2 x 3 over [5, 7] need [3, 3]
+        TempDir dir;
+        st_archive *ar = Fp8Archive(dir, Codes(35), { 5, 7 }, std::vector<float>(6, 1.f), { 2, 3 });
+        EXPECT_EQ(st_get_weight(ar, "w.weight", 2, shape, 2, 3, &t, &sc, &err), MT_ERR_INVALID);
+        EXPECT_TRUE(Contains(err.msg, "w.weight_scale_inv has shape [2, 3], but w.weight [5, 7] in blocks of 2 x 3 "
+                                      "(quantization_config.weight_block_size) needs [3, 3]"))
+            << err.msg;
+        // the same file read with a block size that fits it is fine
+        const st_tensor *t2, *s2;
+        EXPECT_EQ(st_get_weight(ar, "w.weight", 2, shape, 4, 3, &t2, &s2, &err), MT_OK) << err.msg;
+        // no block size known: the config has no quantization_config
+        EXPECT_EQ(st_get_weight(ar, "w.weight", 2, shape, 0, 0, &t, &sc, &err), MT_ERR_INVALID);
+        EXPECT_TRUE(Contains(err.msg, "F8_E4M3 but config.json has no FP8 quantization_config")) << err.msg;
+        // wrong weight shape is reported as for any tensor
+        const int64_t other[2] = { 7, 5 };
+        EXPECT_EQ(st_get_weight(ar, "w.weight", 2, other, 2, 3, &t, &sc, &err), MT_ERR_INVALID);
+        EXPECT_TRUE(Contains(err.msg, "has shape [5, 7], expected [7, 5]")) << err.msg;
+        st_close(ar);
+    }
+    {  // a scale that is not finite
+        TempDir dir;
+        std::vector<float> s(9, 1.f);
+        s[4] = INFINITY;
+        st_archive *ar = Fp8Archive(dir, Codes(35), { 5, 7 }, s, { 3, 3 });
+        EXPECT_EQ(st_get_weight(ar, "w.weight", 2, shape, 2, 3, &t, &sc, &err), MT_ERR_INVALID);
+        EXPECT_TRUE(Contains(err.msg, "w.weight_scale_inv holds inf at [1, 1]")) << err.msg;
+        st_close(ar);
+    }
+    {  // an FP8 NaN inside the weight is named where it is
+        TempDir dir;
+        std::vector<uint8_t> codes = Codes(35);
+        codes[2 * 7 + 5] = 0xff;
+        st_archive *ar = Fp8Archive(dir, codes, { 5, 7 }, std::vector<float>(9, 1.f), { 3, 3 });
+        const st_tensor *w, *ws;
+        ASSERT_EQ(st_get_weight(ar, "w.weight", 2, shape, 2, 3, &w, &ws, &err), MT_OK) << err.msg;
+        std::vector<float> f(35);
+        EXPECT_EQ(st_dequant_fp8(w, ws, 2, 3, 0, 5, 0, 7, MT_F32, f.data(), &err), MT_ERR_INVALID);
+        EXPECT_TRUE(Contains(err.msg, "holds an FP8 NaN (0xff) at [2, 5]")) << err.msg;
+        EXPECT_EQ(st_dequant_fp8(w, ws, 2, 3, 0, 2, 0, 7, MT_F32, f.data(), &err), MT_OK) << "rows without it";
+        st_close(ar);
+    }
+    EXPECT_EQ(t, (const st_tensor *)0x1);  // failed calls leave the outputs alone
+    EXPECT_EQ(sc, (const st_tensor *)0x1);
+}
+
+// mkckpt --dtype fp8 from a config with a quantization_config: the linear weights not in
+// modules_to_not_convert are F8_E4M3 with scales, the rest as in a bf16 checkpoint, and the
+// values are the bf16 checkpoint's values to within fp8 rounding.
+TEST(Mkckpt, Fp8CheckpointKeepsTheQuantizationConfig) {
+    std::string bin = MkckptPath();
+    if (bin.empty()) GTEST_SKIP() << "tools/mkckpt not in runfiles";
+    TempDir dir;
+    glm_config tiny;
+    mt_error err = {};
+    ASSERT_EQ(glm_config_preset("tiny", &tiny, &err), MT_OK);
+    tiny.quant.fp8 = true;
+    tiny.quant.block_rows = 16;
+    tiny.quant.block_cols = 32;
+    tiny.quant.n_skip = 1;
+    memcpy(tiny.quant.skip, "mlp.gate", sizeof "mlp.gate");
+    const std::string cfg_path = dir.file("q.json"), fp8 = dir.file("fp8"), bf16 = dir.file("bf16");
+    ASSERT_EQ(glm_config_save(&tiny, cfg_path.c_str(), &err), MT_OK) << err.msg;
+    ASSERT_EQ(system((bin + " --config " + cfg_path + " --dtype fp8 --out " + fp8 + " 2>/dev/null").c_str()), 0);
+    ASSERT_EQ(system((bin + " --config " + cfg_path + " --out " + bf16 + " 2>/dev/null").c_str()), 0);
+    glm_config back;
+    ASSERT_EQ(glm_config_load((fp8 + "/config.json").c_str(), &back, &err), MT_OK) << err.msg;
+    EXPECT_EQ(memcmp(&back, &tiny, sizeof back), 0);
+    ASSERT_EQ(glm_config_load((bf16 + "/config.json").c_str(), &back, &err), MT_OK) << err.msg;
+    EXPECT_EQ(memcmp(&back, &tiny, sizeof back), 0) << "a bf16 checkpoint keeps the config's quantization_config";
+    st_archive *a8 = nullptr, *ab = nullptr;
+    ASSERT_EQ(st_open_dir(fp8.c_str(), &a8, &err), MT_OK) << err.msg;
+    ASSERT_EQ(st_open_dir(bf16.c_str(), &ab, &err), MT_OK) << err.msg;
+    int n_fp8 = 0;
+    for (const glm_tensor_spec &sp : Specs(tiny)) {
+        const st_tensor *x = nullptr, *sc = nullptr, *ref = st_find(ab, sp.name);
+        ASSERT_EQ(st_get_weight(a8, sp.name, sp.ndim, sp.shape, 16, 32, &x, &sc, &err), MT_OK) << err.msg;
+        ASSERT_NE(ref, nullptr);
+        const bool want_fp8 = sp.linear && !glm_quant_skips(&tiny.quant, sp.name);
+        ASSERT_EQ(x->dtype == MT_F8E4M3, want_fp8) << sp.name;
+        if (!want_fp8) {
+            EXPECT_EQ(x->nbytes, ref->nbytes);
+            EXPECT_EQ(memcmp(x->data, ref->data, x->nbytes), 0) << sp.name;
+            continue;
+        }
+        n_fp8++;
+        const size_t n = (size_t)(sp.shape[0] * sp.shape[1]);
+        std::vector<float> deq(n), want(n);
+        ASSERT_EQ(st_dequant_fp8(x, sc, 16, 32, 0, sp.shape[0], 0, sp.shape[1], MT_F32, deq.data(), &err), MT_OK);
+        mt_to_f32(want.data(), ref->data, ref->dtype, n);
+        const float unit = *(const float *)sc->data;  // one scale for the whole tensor
+        double worst = 0;
+        for (size_t i = 0; i < n; i++)
+            worst = std::fmax(worst, std::fabs(deq[i] - want[i]) - (std::fabs(want[i]) / 15 + unit / 256));
+        EXPECT_LE(worst, 0) << sp.name;
+    }
+    EXPECT_GT(n_fp8, 100);
+    st_close(a8);
+    st_close(ab);
 }
 
 }  // namespace

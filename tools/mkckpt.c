@@ -2,7 +2,7 @@
  * benchmarks.
  *
  *   mkckpt (--preset tiny|bench-4L | --config config.json) --out DIR [--layers N] [--seed N]
- *          [--shard-mb N] [--dtype bf16|f16|f32]
+ *          [--shard-mb N] [--dtype bf16|f16|f32|fp8]
  *
  * Every tensor of the manifest (worker/loader/glm_manifest.h) is written, value = mean + std *
  * N(0,1). The normals are counter-based: element k of a tensor is a pure function of (seed,
@@ -11,6 +11,13 @@
  * bf16); the fp32-kept ones stay F32. Data is produced shard by shard through the writer's
  * deferred tensors, so memory stays at one 64 MiB chunk however large the checkpoint (bench-4L
  * is ~48 GB: use --shard-mb, e.g. 5000).
+ *
+ * --dtype fp8 writes an FP8 checkpoint (docs/MODEL.md, "FP8 checkpoints"): every linear weight
+ * of the manifest not in modules_to_not_convert is F8_E4M3 with its "_scale_inv" block scales,
+ * the other tensors bf16, and config.json gets a quantization_config (the --config file's block
+ * size and modules_to_not_convert when it has one, else blocks of 128 x 128). A tensor's blocks
+ * share one scale, the largest value the sampler draws over 448, so each value is its normal
+ * draw rounded to fp8 and chunks stay independent.
  */
 #include <errno.h>
 #include <getopt.h>
@@ -29,12 +36,15 @@ typedef struct ck_tensor {
     glm_tensor_spec spec;
     mt_dtype out;      /* stored dtype */
     uint64_t key;      /* RNG stream of this tensor: mix(seed, name) */
+    float scale;       /* F8E4M3: the value of one fp8 unit; a scale tensor: its every value */
+    bool is_scale;     /* the "_scale_inv" block scales of the tensor before it */
 } ck_tensor;
 
 typedef struct ck_plan {
     ck_tensor *t;      /* [n] */
     size_t n, cap;
-    mt_dtype bf16_as;  /* --dtype */
+    mt_dtype bf16_as;  /* --dtype (F8E4M3: linear weights only, the rest bf16) */
+    const glm_quant *quant; /* --dtype fp8 */
     uint64_t seed;
     int oom;
 } ck_plan;
@@ -104,8 +114,12 @@ static inline void normal_pair(uint64_t key, uint64_t p, float *z0, float *z1) {
     *z1 = normal_from_u32((uint32_t)(r >> 32));
 }
 
-static inline void store(void *dst, size_t i, mt_dtype t, float v) {
+/* The largest |N(0,1)| draw normal_from_u32 returns (the last knot). */
+static float normal_max(void) { return g_quantile[k_qn - 1].q + g_quantile[k_qn - 1].dq; }
+
+static inline void store(void *dst, size_t i, mt_dtype t, float v, float scale) {
     switch (t) {
+    case MT_F8E4M3: ((uint8_t *)dst)[i] = mt_f32_to_f8e4m3(v / scale); break;
     case MT_BF16: ((uint16_t *)dst)[i] = mt_f32_to_bf16(v); break;
     case MT_F16: ((uint16_t *)dst)[i] = mt_f32_to_f16(v); break;
     default: ((float *)dst)[i] = v; break;
@@ -122,47 +136,77 @@ static mt_status fill(void *user, size_t index, uint64_t offset, void *dst, size
     const size_t es = mt_dtype_size(t->out);
     const uint64_t k0 = offset / es;
     const int64_t n = (int64_t)(nbytes / es);
-    const float mean = t->spec.mean, std = t->spec.std;
+    const float mean = t->spec.mean, std = t->spec.std, scale = t->scale;
+    if (t->is_scale) {
+        for (int64_t i = 0; i < n; i++) ((float *)dst)[i] = scale;
+        return MT_OK;
+    }
     const int64_t npairs = (n + 1) / 2;
 #pragma omp parallel for schedule(static)
     for (int64_t q = 0; q < npairs; q++) {
         float z0, z1;
         normal_pair(t->key, k0 / 2 + (uint64_t)q, &z0, &z1);
-        store(dst, (size_t)(2 * q), t->out, mean + std * z0);
-        if (2 * q + 1 < n) store(dst, (size_t)(2 * q + 1), t->out, mean + std * z1);
+        store(dst, (size_t)(2 * q), t->out, mean + std * z0, scale);
+        if (2 * q + 1 < n) store(dst, (size_t)(2 * q + 1), t->out, mean + std * z1, scale);
     }
     return MT_OK;
 }
 
-static void collect(const glm_tensor_spec *s, void *user) {
-    ck_plan *plan = user;
-    if (plan->oom) return;
+static ck_tensor *plan_push(ck_plan *plan) {
     if (plan->n == plan->cap) {
         size_t cap = plan->cap ? plan->cap * 2 : 1024;
         ck_tensor *nt = realloc(plan->t, cap * sizeof *nt);
         if (!nt) {
             plan->oom = 1;
-            return;
+            return NULL;
         }
         plan->t = nt;
         plan->cap = cap;
     }
     ck_tensor *t = &plan->t[plan->n++];
+    memset(t, 0, sizeof *t);
+    return t;
+}
+
+static void collect(const glm_tensor_spec *s, void *user) {
+    ck_plan *plan = user;
+    if (plan->oom) return;
+    ck_tensor *t = plan_push(plan);
+    if (!t) return;
     t->spec = *s;
     t->out = s->dtype == MT_BF16 ? plan->bf16_as : s->dtype;
     t->key = mix64(plan->seed ^ hash_str(s->name));
+    if (t->out != MT_F8E4M3) return;
+    const glm_quant *q = plan->quant;
+    if (!s->linear || glm_quant_skips(q, s->name)) {
+        t->out = MT_BF16;
+        return;
+    }
+    t->scale = (fabsf(s->mean) + s->std * normal_max()) / 448.0f;
+    ck_tensor *sc = plan_push(plan);
+    if (!sc) return;
+    sc->spec = *s;
+    const size_t n = strlen(s->name);
+    MT_ASSERT(n + sizeof "_scale_inv" <= sizeof sc->spec.name); /* manifest names are short */
+    memcpy(sc->spec.name + n, "_scale_inv", sizeof "_scale_inv");
+    sc->spec.shape[0] = (s->shape[0] + q->block_rows - 1) / q->block_rows;
+    sc->spec.shape[1] = (s->shape[1] + q->block_cols - 1) / q->block_cols;
+    sc->out = MT_F32;
+    sc->is_scale = true;
+    sc->scale = plan->t[plan->n - 2].scale;
 }
 
 static void usage(FILE *f) {
     fprintf(f,
             "usage: mkckpt (--preset tiny|bench-4L | --config config.json) --out DIR\n"
-            "              [--layers N] [--seed N] [--shard-mb N] [--dtype bf16|f16|f32]\n"
+            "              [--layers N] [--seed N] [--shard-mb N] [--dtype bf16|f16|f32|fp8]\n"
             "  --preset    start from a built-in config (glm_config_preset)\n"
             "  --config    start from a config.json instead\n"
             "  --layers    keep the first N layers (extra ones follow the default pattern)\n"
             "  --seed      RNG seed (default 0)\n"
             "  --shard-mb  shards of at most N MiB of tensor data + index (default 0: one file)\n"
-            "  --dtype     storage of the bf16 tensors (default bf16); fp32 ones stay fp32\n");
+            "  --dtype     storage of the bf16 tensors (default bf16); fp32 ones stay fp32;\n"
+            "              fp8: linear weights block-scaled F8_E4M3, the rest bf16\n");
 }
 
 /* mkdir -p */
@@ -235,8 +279,9 @@ int main(int argc, char **argv) {
     if (!strcmp(dtype, "bf16")) plan.bf16_as = MT_BF16;
     else if (!strcmp(dtype, "f16")) plan.bf16_as = MT_F16;
     else if (!strcmp(dtype, "f32")) plan.bf16_as = MT_F32;
+    else if (!strcmp(dtype, "fp8")) plan.bf16_as = MT_F8E4M3;
     else {
-        fprintf(stderr, "mkckpt: --dtype must be bf16, f16 or f32, got %s\n", dtype);
+        fprintf(stderr, "mkckpt: --dtype must be bf16, f16, f32 or fp8, got %s\n", dtype);
         return 2;
     }
 
@@ -263,6 +308,11 @@ int main(int argc, char **argv) {
             return 1;
         }
     }
+    if (plan.bf16_as == MT_F8E4M3 && !cfg.quant.fp8) {
+        cfg.quant.fp8 = true;
+        cfg.quant.block_rows = cfg.quant.block_cols = 128;
+    }
+    plan.quant = &cfg.quant;
     if (make_dirs(out) != 0) {
         fprintf(stderr, "mkckpt: cannot create %s: %s\n", out, strerror(errno));
         return 1;

@@ -263,6 +263,102 @@ static mt_status derive_indexer(json_object *obj, const char *where, glm_config 
 }
 
 /* ------------------------------------------------------------------------------------------ */
+/* quantization_config                                                                        */
+
+/* A string field of quantization_config, or NULL when absent or null (or, with *st set, of another
+ * type). */
+static const char *quant_str(json_object *q, const char *name, const char *where, mt_status *st,
+                             mt_error *err) {
+    json_object *v = field_of(q, name, NULL);
+    if (!v || json_object_is_type(v, json_type_null)) return NULL;
+    if (!json_object_is_type(v, json_type_string)) {
+        *st = mt_errorf(err, MT_ERR_INVALID, "%s: quantization_config.%s must be a string, got %s", where, name,
+                        ld_json_kind(v));
+        return NULL;
+    }
+    return json_object_get_string(v);
+}
+
+/* Reads the quantization_config object q into *out (zeroed on entry). */
+static mt_status parse_quant(json_object *q, const char *where, glm_quant *out, mt_error *err) {
+    mt_status st = MT_OK;
+    if (!json_object_is_type(q, json_type_object))
+        return mt_errorf(err, MT_ERR_INVALID, "%s: quantization_config must be an object, got %s", where,
+                         ld_json_kind(q));
+    const char *method = quant_str(q, "quant_method", where, &st, err);
+    if (st != MT_OK) return st;
+    if (!method)
+        return mt_errorf(err, MT_ERR_INVALID, "%s: quantization_config has no quant_method", where);
+    if (strcmp(method, "fp8"))
+        return mt_errorf(err, MT_ERR_UNSUPPORTED,
+                         "%s: quantization_config.quant_method \"%.64s\" is not supported (this loader reads "
+                         "\"fp8\": block-scaled e4m3 weights)", where, method);
+    const char *fmt = quant_str(q, "fmt", where, &st, err);
+    if (st != MT_OK) return st;
+    if (fmt && strcmp(fmt, "e4m3") && strcmp(fmt, "float8_e4m3fn"))
+        return mt_errorf(err, MT_ERR_UNSUPPORTED, "%s: quantization_config.fmt \"%.64s\" is not supported (e4m3 only)",
+                         where, fmt);
+    const char *act = quant_str(q, "activation_scheme", where, &st, err);
+    if (st != MT_OK) return st;
+    if (act && strcmp(act, "dynamic"))
+        return mt_errorf(err, MT_ERR_UNSUPPORTED,
+                         "%s: quantization_config.activation_scheme \"%.64s\" is not supported (dynamic only)", where,
+                         act);
+    json_object *bs = field_of(q, "weight_block_size", NULL);
+    if (!bs || json_object_is_type(bs, json_type_null))
+        return mt_errorf(err, MT_ERR_UNSUPPORTED,
+                         "%s: quantization_config has no weight_block_size (per-tensor FP8 scales are not read)",
+                         where);
+    if (!json_object_is_type(bs, json_type_array) || json_object_array_length(bs) != 2)
+        return mt_errorf(err, MT_ERR_INVALID, "%s: quantization_config.weight_block_size must be a list of two integers",
+                         where);
+    int b[2];
+    for (int i = 0; i < 2; i++) {
+        char nm[48];
+        snprintf(nm, sizeof nm, "quantization_config.weight_block_size[%d]", i);
+        if ((st = get_int(json_object_array_get_idx(bs, (size_t)i), where, nm, &b[i], err)) != MT_OK) return st;
+        if (b[i] < 1) return mt_errorf(err, MT_ERR_INVALID, "%s: %s is %d, must be > 0", where, nm, b[i]);
+    }
+    out->fp8 = true;
+    out->block_rows = b[0];
+    out->block_cols = b[1];
+    json_object *skip = field_of(q, "modules_to_not_convert", NULL);
+    if (!skip || json_object_is_type(skip, json_type_null)) return MT_OK;
+    if (!json_object_is_type(skip, json_type_array))
+        return mt_errorf(err, MT_ERR_INVALID, "%s: quantization_config.modules_to_not_convert must be a list, got %s",
+                         where, ld_json_kind(skip));
+    size_t used = 0;
+    for (size_t i = 0; i < json_object_array_length(skip); i++) {
+        json_object *e = json_object_array_get_idx(skip, i);
+        if (!json_object_is_type(e, json_type_string) || !*json_object_get_string(e))
+            return mt_errorf(err, MT_ERR_INVALID,
+                             "%s: quantization_config.modules_to_not_convert[%zu] must be a non-empty string", where, i);
+        const size_t n = strlen(json_object_get_string(e)) + 1;
+        if (used + n > sizeof out->skip)
+            return mt_errorf(err, MT_ERR_UNSUPPORTED,
+                             "%s: quantization_config.modules_to_not_convert holds more than %d bytes of names", where,
+                             GLM_QUANT_SKIP_BYTES);
+        memcpy(out->skip + used, json_object_get_string(e), n);
+        used += n;
+        out->n_skip++;
+    }
+    return MT_OK;
+}
+
+bool glm_quant_skips(const glm_quant *q, const char *name) {
+    const char *dot = strrchr(name, '.');
+    const size_t mlen = dot ? (size_t)(dot - name) : strlen(name); /* the module path */
+    const char *e = q->skip;
+    for (int i = 0; i < q->n_skip; i++, e += strlen(e) + 1) {
+        const size_t n = strlen(e);
+        if (n <= mlen && !strncmp(name + mlen - n, e, n) && (n == mlen || name[mlen - n - 1] == '.'))
+            return true; /* the module, or one ending with it */
+        if (n < mlen && !strncmp(name, e, n) && name[n] == '.') return true; /* under it */
+    }
+    return false;
+}
+
+/* ------------------------------------------------------------------------------------------ */
 /* Parse                                                                                      */
 
 /* Reads the text fields of obj (the text_config object, or the whole flat config) into c, which
@@ -473,6 +569,12 @@ mt_status glm_config_parse(const char *text, const char *where, glm_config *cfg,
         v = field_of(root, "eos_token_id", &at_top);
         if (!in_text && at_top && (st = get_eos(v, where, &c->eos_token_id, err)) != MT_OK) goto done;
     }
+    /* quantization_config: text_config's, else the top level's. */
+    v = field_of(text_obj, "quantization_config", NULL);
+    if ((!v || json_object_is_type(v, json_type_null)) && text_obj != root)
+        v = field_of(root, "quantization_config", NULL);
+    if (v && !json_object_is_type(v, json_type_null) && (st = parse_quant(v, where, &c->quant, err)) != MT_OK)
+        goto done;
 
     if ((st = glm_config_validate(c, err)) != MT_OK) {
         prefix_error(err, st, where);
@@ -601,6 +703,10 @@ mt_status glm_config_validate(const glm_config *c, mt_error *err) {
     if (!(c->swiglu_limit > 0.f) || !isfinite(c->swiglu_limit)) BAD("swiglu_limit must be > 0");
     if (c->has_linear_lower_bound && !isfinite(c->linear_lower_bound))
         BAD("linear_lower_bound must be finite");
+    if (c->quant.fp8 && (c->quant.block_rows < 1 || c->quant.block_cols < 1))
+        BAD("quantization_config.weight_block_size is [%d, %d], must be > 0", c->quant.block_rows,
+            c->quant.block_cols);
+    if (c->quant.n_skip < 0) BAD("quantization_config has %d modules_to_not_convert", c->quant.n_skip);
 
     for (int l = 0; l < c->num_hidden_layers; l++) {
         if (c->layer_types[l] != GLM_MIXER_KDA && c->layer_types[l] != GLM_MIXER_DSA)
@@ -646,6 +752,17 @@ static int add(json_object *o, const char *k, json_object *v) {
     return 0;
 }
 
+/* Appends the string s to the array a; -1 when that fails. */
+static int add_str(json_object *a, const char *s) {
+    json_object *v = json_object_new_string(s);
+    if (!v) return -1;
+    if (json_object_array_add(a, v) != 0) {
+        json_object_put(v);
+        return -1;
+    }
+    return 0;
+}
+
 mt_status glm_config_save(const glm_config *c, const char *path, mt_error *err) {
     mt_status st = glm_config_validate(c, err);
     if (st != MT_OK) return prefix_error(err, st, path);
@@ -671,6 +788,25 @@ mt_status glm_config_save(const glm_config *c, const char *path, mt_error *err) 
     if (c->eos_token_id >= 0) bad |= add(o, "eos_token_id", json_object_new_int(c->eos_token_id));
     else bad |= json_object_object_add(o, "eos_token_id", NULL);
 
+    if (c->quant.fp8 && !bad) {
+        json_object *q = json_object_new_object();
+        bad |= add(o, "quantization_config", q);
+        json_object *bs = bad ? NULL : json_object_new_array();
+        if (!bad) {
+            bad |= add(q, "quant_method", json_object_new_string("fp8"));
+            bad |= add(q, "fmt", json_object_new_string("e4m3"));
+            bad |= add(q, "activation_scheme", json_object_new_string("dynamic"));
+            bad |= add(q, "weight_block_size", bs);
+        }
+        if (!bad) {
+            bad |= json_object_array_add(bs, json_object_new_int(c->quant.block_rows));
+            bad |= json_object_array_add(bs, json_object_new_int(c->quant.block_cols));
+        }
+        json_object *sk = bad ? NULL : json_object_new_array();
+        if (!bad) bad |= add(q, "modules_to_not_convert", sk);
+        const char *e = c->quant.skip;
+        for (int i = 0; i < c->quant.n_skip && !bad; i++, e += strlen(e) + 1) bad |= add_str(sk, e);
+    }
     json_object *lt = json_object_new_array(), *mt = json_object_new_array(),
                 *it = json_object_new_array();
     bad |= add(o, "layer_types", lt) | add(o, "mlp_layer_types", mt) | add(o, "indexer_types", it);

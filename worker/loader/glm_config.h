@@ -22,6 +22,24 @@ typedef enum glm_mixer { GLM_MIXER_KDA = 0, GLM_MIXER_DSA = 1 } glm_mixer;  /* l
 typedef enum glm_mlp { GLM_MLP_DENSE = 0, GLM_MLP_SPARSE = 1 } glm_mlp;     /* mlp_layer_types */
 typedef enum glm_indexer { GLM_INDEXER_FULL = 0, GLM_INDEXER_SHARED = 1 } glm_indexer;
 
+/* config.json's quantization_config (docs/MODEL.md, "FP8 checkpoints"). Only block-scaled FP8
+ * is read: quant_method "fp8", fmt "e4m3", activation_scheme "dynamic", weight_block_size
+ * [rows, cols]. */
+#define GLM_QUANT_SKIP_BYTES 16384
+typedef struct glm_quant {
+    bool fp8;                    /* false: no quantization_config (every tensor at a float dtype) */
+    int block_rows, block_cols;  /* weight_block_size, e.g. 128 x 128 */
+    /* modules_to_not_convert: n_skip module names ("lm_head", "mlp.gate", a layer's prefix),
+     * each NUL-terminated, back to back in skip */
+    int n_skip;
+    char skip[GLM_QUANT_SKIP_BYTES];
+} glm_quant;
+
+/* True when tensor name (e.g. "model.language_model.layers.1.mlp.gate.weight") belongs to a
+ * module q lists in modules_to_not_convert: its module path (the name less its last component)
+ * equals an entry, ends with "." + entry, or lies under it (entry + "."). */
+bool glm_quant_skips(const glm_quant *q, const char *name);
+
 typedef struct glm_config {
     int vocab_size;              /* 154880 */
     int hidden_size;             /* H, 4096 */
@@ -62,6 +80,7 @@ typedef struct glm_config {
     int eos_token_id;            /* -1 when null (first id when a list) */
     int num_nextn_predict_layers; /* MTP blocks after the layers (0 when absent); the runtime uses
                                   * the first, at layer index num_hidden_layers, when present */
+    glm_quant quant;             /* quantization_config, at the top level or under text_config */
     glm_mixer layer_types[GLM_MAX_LAYERS];
     glm_mlp mlp_layer_types[GLM_MAX_LAYERS];
     glm_indexer indexer_types[GLM_MAX_LAYERS];
@@ -79,7 +98,9 @@ void glm_config_default_layers(glm_config *cfg);
  * the field. model_type, when present, must be "glm5_next" or "glm5_next_text". In the nested
  * form only text_config's fields are read, except tie_word_embeddings (the top-level value wins:
  * the conditional-generation model owns lm_head) and eos_token_id (taken from the top level when
- * text_config has none). Unknown fields are ignored; a known field of the wrong JSON type or an
+ * text_config has none). quantization_config is read from text_config, else from the top level;
+ * a quant_method other than "fp8" (or an fp8 config this loader cannot read) is
+ * MT_ERR_UNSUPPORTED. Unknown fields are ignored; a known field of the wrong JSON type or an
  * unexpected null is an error. */
 mt_status glm_config_load(const char *path, glm_config *cfg, mt_error *err);
 
@@ -89,8 +110,8 @@ mt_status glm_config_parse(const char *json_text, const char *where, glm_config 
 /* Checks the invariants the runtime relies on (docs/MODEL.md); err names the field. */
 mt_status glm_config_validate(const glm_config *cfg, mt_error *err);
 
-/* Writes cfg as a flat text config.json ("model_type": "glm5_next_text") that glm_config_load
- * reads back to the same struct. Validates first: an invalid cfg writes nothing. */
+/* Writes cfg as a flat text config.json ("model_type": "glm5_next_text"), with its
+ * quantization_config when cfg->quant.fp8, that glm_config_load reads back to the same struct. Validates first: an invalid cfg writes nothing. */
 mt_status glm_config_save(const glm_config *cfg, const char *path, mt_error *err);
 
 /* Presets for tools and benchmarks: "tiny" (hidden 64, a few hundred vocab, every layer kind) and

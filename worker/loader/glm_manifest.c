@@ -12,17 +12,12 @@ typedef struct emitter {
     int count;
 } emitter;
 
-/* emit(e, dtype, mean, std, ndim, d0, d1, d2, "fmt", ...) */
-static void emit(emitter *e, mt_dtype dt, float mean, float std, int ndim, int64_t d0, int64_t d1,
-                 int64_t d2, const char *fmt, ...) __attribute__((format(printf, 9, 10)));
-static void emit(emitter *e, mt_dtype dt, float mean, float std, int ndim, int64_t d0, int64_t d1,
-                 int64_t d2, const char *fmt, ...) {
+static void emit_v(emitter *e, bool linear, mt_dtype dt, float mean, float std, int ndim, int64_t d0, int64_t d1,
+                   int64_t d2, const char *fmt, va_list ap) {
     glm_tensor_spec s;
     memset(&s, 0, sizeof s);
-    va_list ap;
-    va_start(ap, fmt);
     vsnprintf(s.name, sizeof s.name, fmt, ap);
-    va_end(ap);
+    s.linear = linear;
     s.dtype = dt;
     s.ndim = ndim;
     s.shape[0] = d0;
@@ -34,9 +29,27 @@ static void emit(emitter *e, mt_dtype dt, float mean, float std, int ndim, int64
     e->count++;
 }
 
-/* Linear weight [out, in], scaled so outputs keep unit-ish variance. */
-#define LIN(e, out, in, ...) \
-    emit(e, MT_BF16, 0.f, 1.f / sqrtf((float)(in)), 2, (out), (in), 0, __VA_ARGS__)
+/* emit(e, dtype, mean, std, ndim, d0, d1, d2, "fmt", ...) */
+static void emit(emitter *e, mt_dtype dt, float mean, float std, int ndim, int64_t d0, int64_t d1,
+                 int64_t d2, const char *fmt, ...) __attribute__((format(printf, 9, 10)));
+static void emit(emitter *e, mt_dtype dt, float mean, float std, int ndim, int64_t d0, int64_t d1,
+                 int64_t d2, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    emit_v(e, false, dt, mean, std, ndim, d0, d1, d2, fmt, ap);
+    va_end(ap);
+}
+
+/* A linear map's weight [out, in], scaled so outputs keep unit-ish variance. */
+static void emit_lin(emitter *e, int64_t out, int64_t in, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+static void emit_lin(emitter *e, int64_t out, int64_t in, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    emit_v(e, true, MT_BF16, 0.f, 1.f / sqrtf((float)in), 2, out, in, 0, fmt, ap);
+    va_end(ap);
+}
+
+#define LIN(e, out, in, ...) emit_lin(e, (out), (in), __VA_ARGS__)
 #define NORMW(e, n, ...) emit(e, MT_BF16, 1.f, 0.1f, 1, (n), 0, 0, __VA_ARGS__)
 
 static void emit_mlp(emitter *e, const char *pre, int H, int I) {

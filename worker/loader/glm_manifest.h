@@ -20,6 +20,10 @@ typedef struct glm_tensor_spec {
     mt_dtype dtype;      /* as stored by transformers: BF16, or F32 for the fp32-kept tensors */
     int ndim;
     int64_t shape[4];
+    /* A linear map's weight [out, in] (projections, experts, routers, eh_proj, lm_head): the
+     * tensors an FP8 checkpoint may store as block-scaled F8_E4M3 (docs/MODEL.md, "FP8
+     * checkpoints"). Norms, biases, the embedding, the mHC and the fp32 tensors are not. */
+    bool linear;
     /* A sensible random init for tools: value = mean + std * N(0,1). */
     float mean, std;
 } glm_tensor_spec;

@@ -11,6 +11,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -32,7 +33,7 @@
 
 static const struct { const char *name; mt_dtype dt; } k_dtypes[] = {
     { "F32", MT_F32 }, { "F16", MT_F16 }, { "BF16", MT_BF16 },
-    { "I32", MT_I32 }, { "I64", MT_I64 }, { "U8", MT_U8 },
+    { "I32", MT_I32 }, { "I64", MT_I64 }, { "U8", MT_U8 }, { "F8_E4M3", MT_F8E4M3 },
 };
 
 static bool dtype_from_name(const char *s, mt_dtype *out) {
@@ -237,7 +238,7 @@ static mt_status parse_entry(const char *path, const char *name, json_object *v,
                          name, ld_json_kind(dt));
     if (!dtype_from_name(json_object_get_string(dt), &t->dtype))
         return mt_errorf(err, MT_ERR_UNSUPPORTED,
-                         "%s: tensor %.160s: dtype %.32s is not supported (F32, F16, BF16, I32, I64, U8)",
+                         "%s: tensor %.160s: dtype %.32s is not supported (F32, F16, BF16, F8_E4M3, I32, I64, U8)",
                          path, name, json_object_get_string(dt));
     if (!json_object_is_type(shape, json_type_array))
         return mt_errorf(err, MT_ERR_INVALID, "%s: tensor %.160s: shape is %s, expected a list", path,
@@ -572,14 +573,9 @@ const st_tensor *st_find(const st_archive *ar, const char *name) {
     return NULL;
 }
 
-mt_status st_get(const st_archive *ar, const char *name, int ndim, const int64_t *shape,
-                 const st_tensor **out, mt_error *err) {
-    if (!ar || !name) return mt_errorf(err, MT_ERR_INVALID, "st_get: no archive or name");
-    const st_tensor *t = st_find(ar, name);
-    if (!t) return mt_errorf(err, MT_ERR_NOT_FOUND, "%s: tensor %.200s is missing", ar->where, name);
-    if (!dtype_is_float(t->dtype))
-        return mt_errorf(err, MT_ERR_INVALID, "%s: tensor %.200s has dtype %s, expected F32, F16 or BF16",
-                         t->file, name, mt_dtype_name(t->dtype));
+/* t has exactly the given shape. */
+static mt_status check_shape(const st_tensor *t, int ndim, const int64_t *shape, const st_tensor **out,
+                             mt_error *err) {
     bool same = t->ndim == ndim;
     for (int i = 0; same && i < ndim; i++) same = t->shape[i] == shape[i];
     if (!same) {
@@ -588,9 +584,130 @@ mt_status st_get(const st_archive *ar, const char *name, int ndim, const int64_t
         else shape_str(want, sizeof want, ndim, shape);
         shape_str(got, sizeof got, t->ndim, t->shape);
         return mt_errorf(err, MT_ERR_INVALID, "%s: tensor %.200s has shape %s, expected %s", t->file,
-                         name, got, want);
+                         t->name, got, want);
     }
     if (out) *out = t;
+    return MT_OK;
+}
+
+mt_status st_get(const st_archive *ar, const char *name, int ndim, const int64_t *shape,
+                 const st_tensor **out, mt_error *err) {
+    if (!ar || !name) return mt_errorf(err, MT_ERR_INVALID, "st_get: no archive or name");
+    const st_tensor *t = st_find(ar, name);
+    if (!t) return mt_errorf(err, MT_ERR_NOT_FOUND, "%s: tensor %.200s is missing", ar->where, name);
+    if (!dtype_is_float(t->dtype))
+        return mt_errorf(err, MT_ERR_INVALID, "%s: tensor %.200s has dtype %s, expected F32, F16 or BF16%s",
+                         t->file, name, mt_dtype_name(t->dtype),
+                         t->dtype == MT_F8E4M3 ? " (only linear weights may be FP8)" : "");
+    return check_shape(t, ndim, shape, out, err);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Block-scaled FP8                                                                           */
+
+static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/* The scale at [i][j] of a float scale tensor with ncb columns (the data may be unaligned). */
+static float scale_at(const st_tensor *s, int64_t i, int64_t j, int64_t ncb) {
+    const size_t k = (size_t)(i * ncb + j), es = mt_dtype_size(s->dtype);
+    float v;
+    mt_to_f32(&v, (const char *)s->data + k * es, s->dtype, 1);
+    return v;
+}
+
+mt_status st_get_weight(const st_archive *ar, const char *name, int ndim, const int64_t *shape, int bm, int bn,
+                        const st_tensor **out, const st_tensor **scale, mt_error *err) {
+    if (!ar || !name) return mt_errorf(err, MT_ERR_INVALID, "st_get_weight: no archive or name");
+    const st_tensor *t = st_find(ar, name);
+    if (!t || t->dtype != MT_F8E4M3) {
+        mt_status st = st_get(ar, name, ndim, shape, out, err);
+        if (st == MT_OK && scale) *scale = NULL;
+        return st;
+    }
+    mt_status st = check_shape(t, ndim, shape, NULL, err);
+    if (st != MT_OK) return st;
+    if (t->ndim != 2)
+        return mt_errorf(err, MT_ERR_UNSUPPORTED, "%s: tensor %.200s is F8_E4M3 with %d dims; only matrices may be FP8",
+                         t->file, name, t->ndim);
+    if (bm <= 0 || bn <= 0)
+        return mt_errorf(err, MT_ERR_INVALID,
+                         "%s: tensor %.200s is F8_E4M3 but config.json has no FP8 quantization_config "
+                         "(its weight_block_size gives the scale blocks)", t->file, name);
+    char sname[256];
+    if ((size_t)snprintf(sname, sizeof sname, "%s_scale_inv", name) >= sizeof sname)
+        return mt_errorf(err, MT_ERR_INVALID, "%s: tensor name %.200s is too long", t->file, name);
+    const st_tensor *s = st_find(ar, sname);
+    if (!s)
+        return mt_errorf(err, MT_ERR_NOT_FOUND, "%s: tensor %.200s is F8_E4M3 but its block scales %.200s are missing",
+                         ar->where, name, sname);
+    if (!dtype_is_float(s->dtype))
+        return mt_errorf(err, MT_ERR_INVALID, "%s: tensor %.200s has dtype %s, expected F32, F16 or BF16", s->file,
+                         sname, mt_dtype_name(s->dtype));
+    const int64_t rows = t->shape[0], cols = t->shape[1];
+    const int64_t want[2] = { ceil_div(rows, bm), ceil_div(cols, bn) };
+    if (s->ndim != 2 || s->shape[0] != want[0] || s->shape[1] != want[1]) {
+        char got[96];
+        shape_str(got, sizeof got, s->ndim, s->shape);
+        return mt_errorf(err, MT_ERR_INVALID,
+                         "%s: tensor %.200s has shape %s, but %.200s [%lld, %lld] in blocks of %d x %d "
+                         "(quantization_config.weight_block_size) needs [%lld, %lld]",
+                         s->file, sname, got, name, (long long)rows, (long long)cols, bm, bn,
+                         (long long)want[0], (long long)want[1]);
+    }
+    for (int64_t i = 0; i < want[0]; i++)
+        for (int64_t j = 0; j < want[1]; j++) {
+            const float v = scale_at(s, i, j, want[1]);
+            if (!isfinite(v))
+                return mt_errorf(err, MT_ERR_INVALID, "%s: tensor %.200s holds %g at [%lld, %lld]", s->file, sname,
+                                 (double)v, (long long)i, (long long)j);
+        }
+    if (out) *out = t;
+    if (scale) *scale = s;
+    return MT_OK;
+}
+
+mt_status st_dequant_fp8(const st_tensor *w, const st_tensor *scale, int bm, int bn, int64_t r0, int64_t nr,
+                         int64_t c0, int64_t nc, mt_dtype out, void *dst, mt_error *err) {
+    if (!w || !scale || !dst) return mt_errorf(err, MT_ERR_INVALID, "st_dequant_fp8: no tensor, scale or output");
+    if (w->dtype != MT_F8E4M3 || w->ndim != 2)
+        return mt_errorf(err, MT_ERR_INVALID, "%s: tensor %.200s is not an F8_E4M3 matrix", w->file, w->name);
+    if (out != MT_F32 && out != MT_BF16 && out != MT_F16)
+        return mt_errorf(err, MT_ERR_INVALID, "st_dequant_fp8: output dtype %s is not F32, F16 or BF16",
+                         mt_dtype_name(out));
+    const int64_t rows = w->shape[0], cols = w->shape[1];
+    if (bm <= 0 || bn <= 0 || !dtype_is_float(scale->dtype) || scale->ndim != 2 ||
+        scale->shape[0] != ceil_div(rows, bm) || scale->shape[1] != ceil_div(cols, bn))
+        return mt_errorf(err, MT_ERR_INVALID, "%s: scales %.200s do not fit %.200s in blocks of %d x %d",
+                         scale->file, scale->name, w->name, bm, bn);
+    if (r0 < 0 || nr < 0 || c0 < 0 || nc < 0 || r0 + nr > rows || c0 + nc > cols)
+        return mt_errorf(err, MT_ERR_INVALID,
+                         "%s: tensor %.200s: rows [%lld, +%lld) x columns [%lld, +%lld) are outside [%lld, %lld]",
+                         w->file, w->name, (long long)r0, (long long)nr, (long long)c0, (long long)nc,
+                         (long long)rows, (long long)cols);
+    float lut[256];
+    for (int b = 0; b < 256; b++) lut[b] = mt_f8e4m3_to_f32((uint8_t)b);
+    const int64_t ncb = scale->shape[1];
+    const uint8_t *q = w->data;
+    for (int64_t i = 0; i < nr; i++) {
+        const int64_t r = r0 + i;
+        const uint8_t *src = q + (size_t)r * (size_t)cols;
+        for (int64_t c = c0; c < c0 + nc;) {
+            const int64_t end = c - c % bn + bn < c0 + nc ? c - c % bn + bn : c0 + nc; /* this block's columns */
+            const float sc = scale_at(scale, r / bm, c / bn, ncb);
+            for (; c < end; c++) {
+                const uint8_t b = src[c];
+                if ((b & 0x7f) == 0x7f)
+                    return mt_errorf(err, MT_ERR_INVALID, "%s: tensor %.200s holds an FP8 NaN (0x%02x) at [%lld, %lld]",
+                                     w->file, w->name, b, (long long)r, (long long)c);
+                /* one fp32 product, so any other implementation that multiplies in fp32 agrees bitwise */
+                const float v = lut[b] * sc;
+                const size_t k = (size_t)i * (size_t)nc + (size_t)(c - c0);
+                if (out == MT_F32) ((float *)dst)[k] = v;
+                else if (out == MT_BF16) ((uint16_t *)dst)[k] = mt_f32_to_bf16(v);
+                else ((uint16_t *)dst)[k] = mt_f32_to_f16(v);
+            }
+        }
+    }
     return MT_OK;
 }
 

@@ -23,7 +23,7 @@ extern "C" {
 typedef struct st_tensor {
     const char *name;             /* owned by the archive */
     const char *file;             /* path of the file holding it, owned by the archive */
-    mt_dtype dtype;               /* F32, F16, BF16 (others are rejected at open when used) */
+    mt_dtype dtype;               /* F32, F16, BF16, F8E4M3, I32, I64, U8 */
     int ndim;
     int64_t shape[ST_MAX_DIMS];
     const void *data;             /* into the mapping; not aligned beyond 1 byte in general */
@@ -45,6 +45,29 @@ const st_tensor *st_find(const st_archive *ar, const char *name);
  * Missing tensor -> MT_ERR_NOT_FOUND; wrong shape or dtype -> MT_ERR_INVALID; err names both. */
 mt_status st_get(const st_archive *ar, const char *name, int ndim, const int64_t *shape,
                  const st_tensor **out, mt_error *err);
+
+/* A weight matrix that may be stored as block-scaled FP8, as GLM and DeepSeek publish them
+ * (docs/MODEL.md, "FP8 checkpoints"): an F8_E4M3 tensor W_q [rows, cols] and, beside it, the F32
+ * (or F16/BF16) tensor "<name>_scale_inv" [ceil(rows / bm), ceil(cols / bn)] of one scale a
+ * bm x bn block; W[i][j] = fp8(W_q[i][j]) * scale_inv[i / bm][j / bn], the blocks at the right and
+ * bottom edges possibly partial.
+ *
+ * st_get_weight finds name with exactly the given shape. Stored at a float dtype it is st_get,
+ * and *scale is set to NULL. Stored as F8_E4M3 it must be a matrix, the block size bm x bn (from
+ * config.json's quantization_config.weight_block_size) must be known (> 0), and its scales must
+ * be present, of a float dtype, of exactly the shape above and finite; *scale points to them.
+ * Errors name the tensor: MT_ERR_NOT_FOUND for a missing tensor or scale, MT_ERR_INVALID for a
+ * wrong shape, dtype or scale, or an unknown block size. */
+mt_status st_get_weight(const st_archive *ar, const char *name, int ndim, const int64_t *shape, int bm, int bn,
+                        const st_tensor **out, const st_tensor **scale, mt_error *err);
+
+/* Dequantises rows [r0, r0 + nr) x columns [c0, c0 + nc) of the F8_E4M3 matrix w with its block
+ * scales (as st_get_weight returned them) into dst, [nr, nc] row-major at dtype out (F32, BF16 or
+ * F16). Each element is one fp32 product fp8 * scale, then rounded to out to nearest even. The
+ * rectangle may cut through blocks (a tensor-parallel shard). An FP8 NaN (0x7f, 0xff) in the
+ * rectangle is MT_ERR_INVALID naming its position; dst may then be partly written. */
+mt_status st_dequant_fp8(const st_tensor *w, const st_tensor *scale, int bm, int bn, int64_t r0, int64_t nr,
+                         int64_t c0, int64_t nc, mt_dtype out, void *dst, mt_error *err);
 
 size_t st_count(const st_archive *ar);
 const st_tensor *st_at(const st_archive *ar, size_t i);

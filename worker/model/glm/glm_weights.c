@@ -1,7 +1,9 @@
 /* worker/model/glm/glm_weights.c: binds checkpoint tensors to the layers' weight structs. The whole
  * manifest (glm_manifest.h) is checked first, so a missing tensor or a wrong shape is reported by
  * name before anything is uploaded; matrices become backend weights (views on the CPU), vectors
- * are converted to fp32 backend buffers. */
+ * are converted to fp32 backend buffers. Block-scaled FP8 linear weights (docs/MODEL.md, "FP8
+ * checkpoints") are dequantised on the host to bf16, this rank's part only, and placed as bf16
+ * weights: no backend sees an FP8 tensor. */
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,17 +15,39 @@
 
 typedef struct check_ctx {
     const st_archive *ar;
+    const glm_quant *quant;
     mt_error *err;
     mt_status st;
     uint64_t bytes;    /* of the tensors checked */
 } check_ctx;
 
+/* A linear weight may be FP8 with its block scales, unless modules_to_not_convert lists it;
+ * anything else must be at a float dtype. */
 static void check_one(const glm_tensor_spec *s, void *user) {
     check_ctx *c = user;
     if (c->st != MT_OK) return;
-    const st_tensor *t;
-    c->st = st_get(c->ar, s->name, s->ndim, s->shape, &t, c->err);
-    if (c->st == MT_OK) c->bytes += t->nbytes;
+    const st_tensor *t, *scale = NULL;
+    if (!s->linear) {
+        c->st = st_get(c->ar, s->name, s->ndim, s->shape, &t, c->err);
+    } else {
+        const glm_quant *q = c->quant;
+        c->st = st_get_weight(c->ar, s->name, s->ndim, s->shape, q->fp8 ? q->block_rows : 0,
+                              q->fp8 ? q->block_cols : 0, &t, &scale, c->err);
+        if (c->st == MT_OK && scale && glm_quant_skips(q, s->name))
+            c->st = mt_errorf(c->err, MT_ERR_INVALID,
+                              "%s: tensor %s is F8_E4M3 but config.json's modules_to_not_convert lists its module",
+                              t->file, s->name);
+    }
+    if (c->st == MT_OK) c->bytes += t->nbytes + (scale ? scale->nbytes : 0);
+}
+
+/* The block scales of F8_E4M3 tensor t (st_get_weight checked them). */
+static const st_tensor *scale_of(const st_archive *ar, const st_tensor *t) {
+    char name[256];
+    snprintf(name, sizeof name, "%s_scale_inv", t->name);
+    const st_tensor *s = st_find(ar, name);
+    MT_ASSERT(s); /* the manifest check ran first */
+    return s;
 }
 
 /* Where weights come from: the checkpoint archive, or (random) mean + std * N(0,1) drawn from
@@ -134,32 +158,57 @@ static mt_status keep_host(glm_model *m, void *buf, const mt_weight *w) {
     return MT_OK;
 }
 
+/* Rows [r0, r0 + nr) x columns [c0, c0 + nc) of the FP8 matrix t, dequantised to a bf16 host
+ * buffer and placed as a bf16 backend weight. */
+static mt_status place_fp8(glm_model *m, const st_tensor *t, int64_t r0, int64_t nr, int64_t c0, int64_t nc,
+                           mt_weight *w, mt_error *err) {
+    const glm_quant *q = &m->cfg.quant;
+    uint16_t *buf = malloc(sizeof(uint16_t) * (size_t)(nr * nc) + 1);
+    if (!buf) return mt_errorf(err, MT_ERR_NOMEM, "out of memory for tensor %s", t->name);
+    mt_status st = st_dequant_fp8(t, scale_of(m->ar, t), q->block_rows, q->block_cols, r0, nr, c0, nc, MT_BF16, buf,
+                                  err);
+    if (st == MT_OK && (st = m->be->ops->weight(m->be, buf, MT_BF16, nr, nc, w)) != MT_OK)
+        mt_errorf(err, st, "%s: cannot place tensor %s on the backend", t->file, t->name);
+    if (st == MT_OK && (st = keep_host(m, buf, w)) != MT_OK)
+        mt_errorf(err, st, "out of memory for tensor %s", t->name);
+    else if (st != MT_OK) free(buf);
+    return st;
+}
+
 /* This rank's part of matrix t [rows, cols] made a backend weight: whole, a run of rows (read in
- * place), or a run of columns (gathered row by row into a host buffer). Counts the bytes read. */
+ * place), or a run of columns (gathered row by row into a host buffer); an FP8 matrix's part is
+ * dequantised (place_fp8), whichever blocks the cut goes through. Counts the bytes read. */
 static mt_status place_shard(binder *b, const st_tensor *t, int64_t rows, int64_t cols, mt_weight *w) {
     glm_model *m = b->m;
     const size_t es = mt_dtype_size(t->dtype), N = (size_t)m->tp_size, r = (size_t)m->tp_rank;
+    const bool fp8 = t->dtype == MT_F8E4M3;
+    mt_status st;
     if (b->sh == WHOLE || N == 1) {
         if (b->sh == WHOLE) m->bytes_replicated += t->nbytes;
         else m->bytes_sharded_read += t->nbytes, m->bytes_sharded_total += t->nbytes;
-        return m->be->ops->weight(m->be, t->data, t->dtype, rows, cols, w);
+        if (fp8) return place_fp8(m, t, 0, rows, 0, cols, w, b->err);
+        st = m->be->ops->weight(m->be, t->data, t->dtype, rows, cols, w);
+        goto placed;
     }
     m->bytes_sharded_total += t->nbytes;
     m->bytes_sharded_read += t->nbytes / N;
-    if (b->sh == ROWS)
-        return m->be->ops->weight(m->be, (const char *)t->data + r * (size_t)(rows / N) * cols * es, t->dtype,
-                                  rows / (int64_t)N, cols, w);
+    if (b->sh == ROWS) {
+        const int64_t lr = rows / (int64_t)N;
+        if (fp8) return place_fp8(m, t, (int64_t)r * lr, lr, 0, cols, w, b->err);
+        st = m->be->ops->weight(m->be, (const char *)t->data + r * (size_t)lr * cols * es, t->dtype, lr, cols, w);
+        goto placed;
+    }
     const size_t lc = (size_t)cols / N, rb = lc * es;
+    if (fp8) return place_fp8(m, t, 0, rows, (int64_t)(r * lc), (int64_t)lc, w, b->err);
     char *buf = malloc(rb * (size_t)rows + 1);
-    if (!buf) return MT_ERR_NOMEM;
+    if (!buf) return mt_errorf(b->err, MT_ERR_NOMEM, "out of memory for tensor %s", t->name);
     for (int64_t i = 0; i < rows; i++)
         memcpy(buf + (size_t)i * rb, (const char *)t->data + ((size_t)i * cols + r * lc) * es, rb);
-    mt_status st = m->be->ops->weight(m->be, buf, t->dtype, rows, (int64_t)lc, w);
-    if (st != MT_OK) {
-        free(buf);
-        return st;
-    }
-    return keep_host(m, buf, w);
+    st = m->be->ops->weight(m->be, buf, t->dtype, rows, (int64_t)lc, w);
+    if (st == MT_OK) st = keep_host(m, buf, w);
+    else free(buf);
+placed:
+    return st == MT_OK ? MT_OK : mt_errorf(b->err, st, "%s: cannot place tensor %s on the backend", t->file, t->name);
 }
 
 static mt_status bind_w(binder *b, mt_weight *w, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -174,8 +223,7 @@ static mt_status bind_w(binder *b, mt_weight *w, const char *fmt, ...) {
     } else {
         int64_t cols = 1;
         for (int i = 1; i < t->ndim; i++) cols *= t->shape[i];
-        st = place_shard(b, t, t->shape[0], cols, w);
-        if (st != MT_OK) return mt_errorf(b->err, st, "%s: cannot place tensor %s on the backend", t->file, t->name);
+        if ((st = place_shard(b, t, t->shape[0], cols, w)) != MT_OK) return st;
     }
     if (st == MT_OK) w->cls = wcls_of(b->name);
     return st;
@@ -323,6 +371,10 @@ static mt_status bind_eh_half(binder *b, mt_weight *w, const char *name, int c0)
     }
     const st_tensor *t = st_find(m->ar, name);
     MT_ASSERT(t); /* the manifest check ran first */
+    if (t->dtype == MT_F8E4M3) {
+        m->bytes_replicated += t->nbytes / 2;
+        return place_fp8(m, t, 0, H, c0, H, w, b->err);
+    }
     const size_t es = mt_dtype_size(t->dtype), rb = (size_t)H * es;
     char *buf = malloc(rb * (size_t)H);
     if (!buf) return mt_errorf(b->err, MT_ERR_NOMEM, "out of memory for tensor %s", name);
@@ -397,7 +449,7 @@ static mt_status bind_all(binder *bp) {
 }
 
 mt_status glm_weights_bind(glm_model *m, mt_error *err) {
-    check_ctx cc = { m->ar, err, MT_OK, 0 };
+    check_ctx cc = { m->ar, &m->cfg.quant, err, MT_OK, 0 };
     glm_manifest_foreach(&m->cfg, check_one, &cc);
     if (cc.st == MT_OK && m->mtp.has) glm_manifest_mtp_foreach(&m->cfg, check_one, &cc);
     if (cc.st != MT_OK) return cc.st;
