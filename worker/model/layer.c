@@ -30,6 +30,12 @@ mt_status mt_layer_decode_multi_seq(const mt_layer *l, mt_layer_state **sts, int
     return l->ops->decode_multi_seq(l, sts, nseq, step, X);
 }
 
+mt_status mt_layer_forward_segments(const mt_layer *l, mt_layer_state **sts, int nseq, mt_step *step,
+                                    float *X, int n) {
+    if (!l->ops->forward_segments) return MT_ERR_UNSUPPORTED;
+    return l->ops->forward_segments(l, sts, nseq, step, X, n);
+}
+
 mt_status mt_layer_decode_prestage(const mt_layer *l, mt_layer_state *st, int32_t token) {
     return l->ops->decode_prestage ? l->ops->decode_prestage(l, st, token) : MT_OK;
 }

@@ -57,6 +57,12 @@ typedef struct mt_layer_ops {
     /* One row for each of nseq sequences, each with its own length. NULL: unsupported. */
     mt_status (*decode_multi_seq)(const mt_layer *l, mt_layer_state **sts, int nseq, mt_step *step,
                                   float *X);
+    /* n rows in nseq segments, segment i being consecutive positions of sequence sts[i] (prompt
+     * chunks and decode rows of one step, the mixed batch); the model's step says where each
+     * segment starts and how long it is. Token-wise work runs over all n rows at once, the
+     * mixer segment by segment. NULL: unsupported. */
+    mt_status (*forward_segments)(const mt_layer *l, mt_layer_state **sts, int nseq, mt_step *step,
+                                  float *X, int n);
 
     /* ---- graph hooks (host work around a CUDA-graph decode step); NULL: no-op, ok ---- */
     /* Before capture or replay, with the token id on the host. */
@@ -98,6 +104,8 @@ mt_status mt_layer_decode(const mt_layer *l, mt_layer_state *st, mt_step *step, 
 mt_status mt_layer_decode_batched(const mt_layer *l, mt_layer_state *st, mt_step *step, float *X, int k);
 mt_status mt_layer_decode_multi_seq(const mt_layer *l, mt_layer_state **sts, int nseq, mt_step *step,
                                     float *X);
+mt_status mt_layer_forward_segments(const mt_layer *l, mt_layer_state **sts, int nseq, mt_step *step,
+                                    float *X, int n);
 mt_status mt_layer_decode_prestage(const mt_layer *l, mt_layer_state *st, int32_t token);
 void mt_layer_decode_prestage_rearm(const mt_layer *l, mt_layer_state *st);
 mt_status mt_layer_check_replay_room(const mt_layer *l, const mt_layer_state *st, int seq_len, int k);

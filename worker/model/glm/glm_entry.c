@@ -129,8 +129,70 @@ static mt_status forward_verify(glm_model *m, const mt_batch_part *p, mt_error *
     return st;
 }
 
+/* A batch of prompt chunks and one-row decodes (at least one chunk, two parts or more) as mixed
+ * steps: the parts in order, packed into passes of at most glm_model_pass_rows rows, a chunk that
+ * does not fit split across passes. Every part is checked before the first pass. */
+static bool mixable(const mt_batch *b) {
+    bool chunk = false;
+    for (int i = 0; i < b->n_parts; i++) {
+        const mt_batch_part *p = &b->parts[i];
+        if (p->kind == MT_PART_DECODE && p->n != 1) return false;
+        chunk |= p->kind == MT_PART_PREFILL;
+    }
+    return chunk && b->n_parts > 1;
+}
+
+static mt_status forward_mixed(glm_model *m, const mt_batch *b, mt_error *err) {
+    const int rows = glm_model_pass_rows(m), V = m->cfg.vocab_size;
+    for (int i = 0; i < b->n_parts; i++) {
+        const mt_batch_part *p = &b->parts[i];
+        const glm_seq *s = cseq_of(p->seq);
+        for (int t = 0; t < p->n; t++)
+            if (p->tokens[t] < 0 || p->tokens[t] >= V)
+                return mt_errorf(err, MT_ERR_INVALID, "batch part %d: token %d at index %d is outside the vocabulary [0, %d)",
+                                 i, p->tokens[t], t, V);
+        if (glm_seq_len(s) + p->n > s->cap)
+            return mt_errorf(err, MT_ERR_FULL, "batch part %d: a sequence of %d tokens has room for %d more, asked for %d", i,
+                             glm_seq_len(s), s->cap - glm_seq_len(s), p->n);
+        for (int j = 0; j < i; j++)
+            if (b->parts[j].seq == p->seq) return mt_errorf(err, MT_ERR_INVALID, "batch part %d: its sequence is also part %d", i, j);
+    }
+    glm_mixed_part *pass = malloc(sizeof *pass * (size_t)b->n_parts);
+    if (!pass) return mt_errorf(err, MT_ERR_NOMEM, "out of memory");
+    mt_status st = MT_OK;
+    int np = 0, used = 0;
+    for (int i = 0; i < b->n_parts && st == MT_OK; i++) {
+        const mt_batch_part *p = &b->parts[i];
+        for (int done = 0; done < p->n && st == MT_OK;) {
+            const int k = p->n - done < rows - used ? p->n - done : rows - used;
+            const bool last = done + k == p->n;
+            glm_mixed_part q = { .s = seq_of(p->seq), .tokens = p->tokens + done, .n = k };
+            if (p->logits && p->all_logits) { q.logits = p->logits + (size_t)done * V; q.all_logits = true; }
+            else if (last) q.logits = p->logits;
+            if (last) q.argmax = p->argmax;
+            pass[np++] = q;
+            used += k;
+            done += k;
+            if (used == rows || (i == b->n_parts - 1 && last)) {
+                st = glm_forward_mixed(m, pass, np, err);
+                np = used = 0;
+            }
+        }
+    }
+    free(pass);
+    return st;
+}
+
 static mt_status iface_forward(mt_model *mm, const mt_batch *b, mt_error *err) {
     glm_model *m = as_glm(mm);
+    for (int i = 0; i < b->n_parts; i++) {
+        const mt_batch_part *p = &b->parts[i];
+        if (!p->seq || p->seq->model != mm || p->n < 1 || !p->tokens)
+            return mt_errorf(err, MT_ERR_INVALID, "batch part %d: no tokens, or a sequence of another model", i);
+        if (p->kind == MT_PART_PREFILL && p->argmax)
+            return mt_errorf(err, MT_ERR_INVALID, "batch part %d: greedy tokens are for decode parts", i);
+    }
+    if (mixable(b)) return forward_mixed(m, b, err);
     int *rows = malloc(sizeof(int) * (size_t)(b->n_parts > 0 ? b->n_parts : 1));
     if (!rows) return mt_errorf(err, MT_ERR_NOMEM, "out of memory");
     int n_rows = 0;

@@ -125,6 +125,14 @@ enum {
     GLM_R_KINDS
 };
 
+/* One segment of a mixed step (mt_layer_ops.forward_segments): n consecutive rows of one
+ * sequence from position t0; scr is the model's scratch with the DSA selection moved to the
+ * segment's rows, so a shared-indexer layer finds the selection its full layer made for them. */
+typedef struct glm_segment {
+    int t0, n;
+    glm_scratch scr;
+} glm_segment;
+
 struct mt_step {
     mt_backend *be;
     int t0;                    /* position of the first row (host) */
@@ -140,6 +148,9 @@ struct mt_step {
     /* Expert census (benchmarks): when set, each MoE layer marks the experts its rows chose in
      * census[layer * n_routed_experts + e] (host; reads the routing back, so eager steps only). */
     uint8_t *census;
+    /* Mixed step: nseg segments of the rows, in row order; NULL otherwise. */
+    glm_segment *seg;
+    int nseg;
 };
 
 struct glm_model {

@@ -63,8 +63,15 @@ static void hc_pre_norm(mt_backend *be, glm_scratch *scr, const float *X, const 
     be->ops->rmsnorm(be, scr->h, scr->y, norm_w, n, hp->H, hp->rms_eps);
 }
 
+static mt_status mixer_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt_step *step,
+                               const float *h, float *out, int n) {
+    return l->cfg->layer_types[l->base.index] == GLM_MIXER_KDA ? glm_kda_forward(l, sts, nst, step, h, out, n)
+                                                                : glm_dsa_forward(l, sts, nst, step, h, out, n);
+}
+
 /* n rows through the decoder layer: nst == 1 state for n consecutive positions of one sequence,
- * or nst == n states, one row per sequence (see glm_kda.c). */
+ * nst == n states, one row per sequence (see glm_kda.c), or, with step->seg, nst segments of
+ * consecutive rows of one sequence each (the mixed step). */
 static mt_status layer_forward(const mt_layer *ml, glm_layer_state **sts, int nst, mt_step *step,
                                float *X, int n) {
     const glm_layer *l = as_glm(ml);
@@ -74,9 +81,19 @@ static mt_status layer_forward(const mt_layer *ml, glm_layer_state **sts, int ns
     MT_ASSERT(n <= scr->rows);
     const mt_hc_params hp = { c->hc_mult, c->hidden_size, c->rms_norm_eps, c->hc_eps, c->hc_sinkhorn_iters };
     hc_pre_norm(be, scr, X, &l->hc[0], l->in_norm, &hp, n);
-    mt_status s = c->layer_types[ml->index] == GLM_MIXER_KDA
-                      ? glm_kda_forward(l, sts, nst, step, scr->h, scr->a, n)
-                      : glm_dsa_forward(l, sts, nst, step, scr->h, scr->a, n);
+    mt_status s = MT_OK;
+    if (step->seg) { /* a mixed step: the mixer runs on each segment's rows with its own state */
+        for (int i = 0, r = 0; i < step->nseg && s == MT_OK; r += step->seg[i++].n) {
+            mt_step one = *step;
+            one.t0 = step->seg[i].t0;
+            one.scr = &step->seg[i].scr;
+            one.seg = NULL;
+            const size_t off = (size_t)r * c->hidden_size;
+            s = mixer_forward(l, &sts[i], 1, &one, scr->h + off, scr->a + off, step->seg[i].n);
+        }
+    } else {
+        s = mixer_forward(l, sts, nst, step, scr->h, scr->a, n);
+    }
     if (s == MT_OK) s = glm_all_reduce(l->comm, scr->a, (size_t)n * c->hidden_size); /* heads' partial sums */
     if (s != MT_OK) return s;
     /* the mixer's hc_post and the MLP site's hc_pre, fused where the backend offers it */
@@ -102,6 +119,13 @@ static mt_status layer_prefill(const mt_layer *ml, mt_layer_state *base, mt_step
 static mt_status layer_decode_multi(const mt_layer *ml, mt_layer_state **sts, int nseq, mt_step *step,
                                     float *X) {
     return layer_forward(ml, (glm_layer_state **)sts, nseq, step, X, nseq);
+}
+
+/* A mixed step: segment i of step->seg is rows of sts[i]. */
+static mt_status layer_forward_segments(const mt_layer *ml, mt_layer_state **sts, int nseq, mt_step *step,
+                                        float *X, int n) {
+    MT_ASSERT(step->seg && step->nseg == nseq);
+    return layer_forward(ml, (glm_layer_state **)sts, nseq, step, X, n);
 }
 
 /* ---- DSA graph hooks: the host-tracked cache length must follow replayed steps ---- */
@@ -267,6 +291,7 @@ static const mt_layer_ops kda_layer_ops = {
     .release_state = release_state,
     .prefill = layer_prefill,
     .decode_multi_seq = layer_decode_multi,
+    .forward_segments = layer_forward_segments,
 };
 
 static const mt_layer_ops dsa_layer_ops = {
@@ -274,6 +299,7 @@ static const mt_layer_ops dsa_layer_ops = {
     .release_state = release_state,
     .prefill = layer_prefill,
     .decode_multi_seq = layer_decode_multi,
+    .forward_segments = layer_forward_segments,
     .decode_prestage = dsa_decode_prestage,
     .decode_prestage_rearm = dsa_decode_prestage_rearm,
     .check_replay_room = dsa_check_replay_room,

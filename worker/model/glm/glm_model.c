@@ -569,6 +569,108 @@ mt_status glm_prefill(glm_model *m, glm_seq *s, const int32_t *tokens, int n, fl
     return MT_OK;
 }
 
+/* ---- the mixed step: several sequences' prompt chunks and decode rows in one pass ---- */
+
+int glm_model_pass_rows(const glm_model *m) { return m->scr.rows; }
+
+static mt_status mixed_check(glm_model *m, const glm_mixed_part *p, int np, int *rows, mt_error *err) {
+    int n = 0;
+    if (np < 1) return mt_errorf(err, MT_ERR_INVALID, "a mixed step of no parts");
+    for (int i = 0; i < np; i++) {
+        if (!p[i].s || p[i].s->m != m || !p[i].tokens)
+            return mt_errorf(err, MT_ERR_INVALID, "mixed part %d: no tokens, or a sequence of another model", i);
+        mt_status st = check_tokens(m, p[i].s, p[i].tokens, p[i].n, err);
+        if (st != MT_OK) return st;
+        for (int j = 0; j < i; j++)
+            if (p[j].s == p[i].s) return mt_errorf(err, MT_ERR_INVALID, "sequence of part %d appears twice (also at %d)", i, j);
+        n += p[i].n;
+    }
+    if (n > m->scr.rows)
+        return mt_errorf(err, MT_ERR_INVALID, "a mixed step of %d rows is more than a pass holds (%d)", n, m->scr.rows);
+    for (int l = 0; l < m->cfg.num_hidden_layers; l++)
+        if (!m->layers[l].base.ops->forward_segments)
+            return mt_errorf(err, MT_ERR_UNSUPPORTED, "layer %d (%s) cannot run a mixed step", l, m->layers[l].base.kind);
+    for (int i = 0; i < np; i++) { /* pages first: a shortage refuses the step before any change */
+        mt_status st = glm_seq_reserve(p[i].s, p[i].n, err);
+        if (st != MT_OK) return st;
+    }
+    *rows = n;
+    return MT_OK;
+}
+
+mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, mt_error *err) {
+    const glm_config *c = &m->cfg;
+    mt_backend *be = m->be;
+    const int L = c->num_hidden_layers, S = c->hc_mult, H = c->hidden_size, V = c->vocab_size;
+    const size_t SH = (size_t)S * H;
+    int n = 0;
+    mt_status st = mixed_check(m, p, np, &n, err);
+    if (st != MT_OK) return st;
+    glm_segment *seg = malloc(sizeof *seg * (size_t)np);
+    mt_layer_state **sts = malloc(sizeof *sts * (size_t)np);
+    int32_t *rep = malloc(sizeof(int32_t) * (size_t)n * S);
+    int *want = malloc(sizeof(int) * (size_t)n); /* the rows whose logits go out, in order */
+    float *host = NULL;
+    if (!seg || !sts || !rep || !want) {
+        st = mt_errorf(err, MT_ERR_NOMEM, "out of memory for a mixed step of %d rows", n);
+        goto out;
+    }
+    const int msel = glm_max_sel(c);
+    int nw = 0;
+    for (int i = 0, r = 0; i < np; r += p[i++].n) {
+        glm_seq *s = p[i].s;
+        ahead_forget(m, s);
+        s->v_n = 0;
+        seg[i].t0 = s->len;
+        seg[i].n = p[i].n;
+        seg[i].scr = m->scr;
+        seg[i].scr.sel += (size_t)r * msel;
+        seg[i].scr.nsel += r;
+        seg[i].scr.sel_n = 0;
+        for (int t = 0; t < p[i].n; t++)
+            for (int j = 0; j < S; j++) rep[(size_t)(r + t) * S + j] = p[i].tokens[t];
+        if (p[i].logits || p[i].argmax)
+            for (int t = p[i].logits && p[i].all_logits ? 0 : p[i].n - 1; t < p[i].n; t++) want[nw++] = r + t;
+    }
+    be->ops->embed(be, m->X, &m->embed, rep, n * S);
+    if ((st = embed_reduce(m, m->X, (size_t)n * SH)) != MT_OK) goto failed;
+    mt_step step = { .be = be, .scr = &m->scr, .seg = seg, .nseg = np };
+    m->scr.sel_n = 0;
+    for (int l = 0; l < L; l++) {
+        for (int i = 0; i < np; i++) sts[i] = p[i].s->states[l];
+        if ((st = mt_layer_forward_segments(&m->layers[l].base, sts, np, &step, m->X, n)) != MT_OK) goto failed;
+    }
+    for (int i = 0; i < np; i++) p[i].s->len += p[i].n;
+    /* the drafters first: they read the highway rows, which the gather below moves */
+    for (int i = 0, r = 0; i < np; r += p[i++].n)
+        if ((st = glm_mtp_follow(m, p[i].s, m->X + (size_t)r * SH, p[i].tokens, p[i].n)) != MT_OK) goto failed;
+    if (nw == 0) goto out;
+    for (int w = 0; w < nw; w++) /* want[w] >= w: each row moves down into rows already read */
+        if (want[w] != w) be->ops->copy(be, m->X + (size_t)w * SH, m->X + (size_t)want[w] * SH, sizeof(float) * SH);
+    if (!(host = malloc(sizeof(float) * (size_t)nw * V))) {
+        st = mt_errorf(err, MT_ERR_NOMEM, "out of memory for the logits of %d rows", nw);
+        goto out;
+    }
+    if ((st = head_logits(m, m->X, nw, host)) != MT_OK) goto failed;
+    for (int i = 0, w = 0; i < np; i++) {
+        if (!p[i].logits && !p[i].argmax) continue;
+        const int k = p[i].logits && p[i].all_logits ? p[i].n : 1;
+        if (p[i].logits) memcpy(p[i].logits, host + (size_t)w * V, sizeof(float) * (size_t)k * V);
+        if (p[i].argmax) p[i].argmax[0] = glm_argmax(host + (size_t)(w + k - 1) * V, V);
+        w += k;
+    }
+    goto out;
+failed:
+    st = mt_errorf(err, st, "mixed step of %d parts (%d rows) failed: %s", np, n, mt_status_str(st));
+out:
+    free(seg);
+    free(sts);
+    free(rep);
+    free(want);
+    free(host);
+    return st;
+}
+
 /* ---- one sequence in the graph form: a decode row, or k rows of a verify ---- */
 
 /* Where the positions start in m->d_step (after the highway rows' tokens). */

@@ -109,6 +109,28 @@ void glm_model_set_decode_graphs(glm_model *m, bool on);
 mt_status glm_decode_multi(glm_model *m, glm_seq **seqs, const int32_t *tokens, int n, float *logits,
                            mt_error *err);
 
+/* One part of a mixed step: n tokens of sequence s at its next positions (a prompt chunk, or a
+ * decode row when n == 1). logits (host), when not NULL: [n, vocab] when all_logits, else the last
+ * row's [vocab]; argmax, when not NULL: the last row's greedy token. */
+typedef struct glm_mixed_part {
+    glm_seq *s;
+    const int32_t *tokens;
+    int n;
+    float *logits;
+    bool all_logits;
+    int32_t *argmax;
+} glm_mixed_part;
+
+/* The parts of np distinct sequences in one pass through the layers (each layer's
+ * forward_segments: hyper-connections, norms, projections, MoE and the head over all rows, the
+ * mixers on each part's rows with its own state), so decode rows ride along prompt chunks'
+ * GEMMs. At most glm_model_pass_rows rows in all.
+ * Checks every token, each sequence's room and that it appears once, and maps the pages of every
+ * part before any state changes; on such an input error nothing changes. Eager (no graphs). */
+mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *parts, int np, mt_error *err);
+/* Rows of one pass of glm_prefill or glm_forward_mixed (the model's prefill_chunk). */
+int glm_model_pass_rows(const glm_model *m);
+
 /* k rows of one sequence in one step (the speculative verify): tokens[k] at positions len ..
  * len + k - 1, through each layer's decode_batched and the graph runner's hooks; with graphs on,
  * the step replays the sequence's graph of k rows (captured on its second use). logits (host)
