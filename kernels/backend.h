@@ -393,6 +393,32 @@ struct mt_backend {
 /* The CPU backend (kernels/cpu/). n_threads <= 0 means all online cores. NULL on OOM. */
 mt_backend *mt_cpu_backend_new(int n_threads);
 
+/* The CPU backend's gap recorder: while on, the CPU router (moe_route) and indexer selection
+ * (dsa_select and its rows form) note, for every top-k choice that is not forced, the gap between
+ * the k-th and the (k+1)-th candidate, and the recorder keeps the smallest per kind. It shows how
+ * far a run's discrete choices are from flipping (tools/mkckpt --margin). Choices that are forced
+ * do not count: as many candidates as places (or fewer), and the indexer's always-selected tail,
+ * which is not a candidate. Off by default; when off the ops pay one branch per call.
+ * Process-wide state: the ops update it under a lock (they may run on internal threads); call
+ * reset, record and get from one thread while no CPU op runs. */
+typedef enum mt_gap_kind {
+    MT_GAP_GROUP,   /* router group selection: group scores (sum of a group's two largest s + bias) */
+    MT_GAP_EXPERT,  /* router expert selection among the kept groups: s + bias */
+    MT_GAP_POOL,    /* indexer pool selection: gap / the query's largest |pool score| */
+    MT_GAP_N
+} mt_gap_kind;
+
+typedef struct mt_cpu_gaps {
+    double min[MT_GAP_N];   /* smallest gap seen per kind; INFINITY when none counted */
+    int64_t count[MT_GAP_N]; /* choices that counted */
+} mt_cpu_gaps;
+
+void mt_cpu_gaps_reset(void);            /* forgets what was seen (the on/off switch stays) */
+void mt_cpu_gaps_record(bool on);
+void mt_cpu_gaps_get(mt_cpu_gaps *out);
+/* Notes one choice's gap (what the ops call; tests may call it too). Ignored while off. */
+void mt_cpu_gaps_note(mt_gap_kind kind, double gap);
+
 /* Destroys any backend; NULL is fine. */
 static inline void mt_backend_free(mt_backend *be) {
     if (be) be->ops->destroy(be);

@@ -174,6 +174,84 @@ TEST_F(CpuOps, DsaSelectTakesCompletePoolsAndTail) {
     EXPECT_EQ(nsel[0], 0);
 }
 
+// The gap recorder: the router's group and expert gaps and the indexer's pool gap, each on a
+// hand-built case whose gap is known, and nothing noted for forced choices or while off.
+TEST_F(CpuOps, GapRecorderNotesTheSmallestGapPerKind) {
+    mt_cpu_gaps_record(true);
+    mt_cpu_gaps_reset();
+    mt_cpu_gaps g;
+    // The router case above: group sums g2 1.3, g1 1.2 kept, g0 1.0 the best dropped (gap 0.2);
+    // among g1 and g2, s 0.7 0.6 chosen, 0.6 left (gap 0).
+    mt_router_params p = {8, 4, 2, 2, true, 2.5f};
+    auto logit = [](float s) { return std::log(s / (1.f - s)); };
+    float sc[8] = {0.95f, 0.05f, 0.6f, 0.6f, 0.7f, 0.6f, 0.1f, 0.1f};
+    std::vector<float> logits(8), bias(8, 0.f);
+    for (int e = 0; e < 8; e++) logits[e] = logit(sc[e]);
+    int32_t idx[4];
+    float w[4];
+    be_->ops->moe_route(be_, idx, w, logits.data(), bias.data(), &p, 1);
+    mt_cpu_gaps_get(&g);
+    EXPECT_EQ(g.count[MT_GAP_GROUP], 1);
+    EXPECT_EQ(g.count[MT_GAP_EXPERT], 1);
+    EXPECT_NEAR(g.min[MT_GAP_GROUP], 0.2, 1e-5);
+    EXPECT_NEAR(g.min[MT_GAP_EXPERT], 0.0, 1e-6);
+    // Bias 0.25 on expert 3 (group 1): g1 scores 0.85 + 0.6 = 1.45, g2 1.3, g0 1.0 (gap 0.3);
+    // experts 3 (0.85), 4 (0.7) chosen, 2 and 5 (0.6) left (gap 0.1). The minimum stays.
+    bias[3] = 0.25f;
+    mt_cpu_gaps_reset();
+    be_->ops->moe_route(be_, idx, w, logits.data(), bias.data(), &p, 1);
+    mt_cpu_gaps_get(&g);
+    EXPECT_NEAR(g.min[MT_GAP_GROUP], 0.3, 1e-5);
+    EXPECT_NEAR(g.min[MT_GAP_EXPERT], 0.1, 1e-5);
+    be_->ops->moe_route(be_, idx, w, logits.data(), std::vector<float>(8, 0.f).data(), &p, 1);
+    mt_cpu_gaps_get(&g);
+    EXPECT_EQ(g.count[MT_GAP_EXPERT], 2);
+    EXPECT_NEAR(g.min[MT_GAP_EXPERT], 0.0, 1e-6);
+    // Forced: every group kept and as many experts as places: nothing noted.
+    mt_cpu_gaps_reset();
+    mt_router_params all = {8, 4, 4, 8, true, 1.f};
+    int32_t idx8[8];
+    float w8[8];
+    be_->ops->moe_route(be_, idx8, w8, logits.data(), bias.data(), &all, 1);
+    mt_cpu_gaps_get(&g);
+    EXPECT_EQ(g.count[MT_GAP_GROUP] + g.count[MT_GAP_EXPERT], 0);
+    EXPECT_TRUE(std::isinf(g.min[MT_GAP_GROUP]));
+
+    // Indexer: pool scores relu(P[c][0]) / sqrt(2) = (0.1, 0.9, 0.5, 0) / sqrt(2); at t = 14 pools
+    // 0..2 are candidates, 2 kept: (0.5 - 0.1) / 0.9 relative to the largest. At t = 6 only pool 0
+    // is complete (forced); the tail is never a candidate.
+    mt_dsa_select_params sp = {};
+    sp.ih = 1; sp.id = 2; sp.kpool = 4; sp.max_pools = 2; sp.tail = true; sp.max_sel = 2 * 4 + 3;
+    const std::vector<float> keys = {0.1f, 0, 0.9f, 0, 0.5f, 0, -1.f, 0};
+    const std::vector<int32_t> bt = {0, 1};
+    std::vector<float> pool(keys);
+    const mt_paged pk = {pool.data(), 2, 2};
+    std::vector<float> qi = {1.f, 0.f}, hw = {1.f};
+    std::vector<int32_t> sel(sp.max_sel), nsel(1);
+    mt_cpu_gaps_reset();
+    be_->ops->dsa_select(be_, sel.data(), nsel.data(), qi.data(), hw.data(), pk, bt.data(), 6, 1, &sp);
+    mt_cpu_gaps_get(&g);
+    EXPECT_EQ(g.count[MT_GAP_POOL], 0);
+    be_->ops->dsa_select(be_, sel.data(), nsel.data(), qi.data(), hw.data(), pk, bt.data(), 14, 1, &sp);
+    mt_cpu_gaps_get(&g);
+    EXPECT_EQ(g.count[MT_GAP_POOL], 1);
+    EXPECT_NEAR(g.min[MT_GAP_POOL], 0.4 / 0.9, 1e-5);
+    // The rows form notes through the same op.
+    const int32_t pos = 14;
+    const int32_t *bts[1] = {bt.data()};
+    be_->ops->dsa_select_rows(be_, sel.data(), nsel.data(), qi.data(), hw.data(), pk, bts, &pos, 1, &sp);
+    mt_cpu_gaps_get(&g);
+    EXPECT_EQ(g.count[MT_GAP_POOL], 2);
+
+    // Off: nothing noted, what was seen stays.
+    mt_cpu_gaps_record(false);
+    be_->ops->moe_route(be_, idx, w, logits.data(), bias.data(), &p, 1);
+    mt_cpu_gaps_get(&g);
+    EXPECT_EQ(g.count[MT_GAP_EXPERT], 0);
+    EXPECT_EQ(g.count[MT_GAP_POOL], 2);
+    mt_cpu_gaps_reset();
+}
+
 // ---- paged DSA caches ----
 
 // Positions [0, count) of a paged cache gathered into a contiguous [count, row].

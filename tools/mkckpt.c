@@ -1,8 +1,8 @@
 /* tools/mkckpt.c: writes a random glm5_next checkpoint (config.json + safetensors) for tests and
  * benchmarks.
  *
- *   mkckpt (--preset tiny|bench-4L | --config config.json) --out DIR [--layers N] [--seed N]
- *          [--shard-mb N] [--dtype bf16|f16|f32|fp8]
+ *   mkckpt (--preset tiny|bench-4L|test-wide | --config config.json) --out DIR [--layers N] [--seed N]
+ *          [--shard-mb N] [--dtype bf16|f16|f32|fp8] [--margin GAP [--margin-prompts N] [--margin-len L]]
  *
  * Every tensor of the manifest (worker/loader/glm_manifest.h) is written, value = mean + std *
  * N(0,1). The normals are counter-based: element k of a tensor is a pure function of (seed,
@@ -18,9 +18,15 @@
  * size and modules_to_not_convert when it has one, else blocks of 128 x 128). A tensor's blocks
  * share one scale, the largest value the sampler draws over 448, so each value is its normal
  * draw rounded to fp8 and chunks stay independent.
+ *
+ * --margin GAP makes a margin model (tools/mkckpt_margin.h): the router bias and the indexer
+ * weights are reshaped, through replacement values the writer stores instead of the random ones,
+ * until a CPU run of N deterministic prompts certifies every top-k gap >= GAP; DIR/margin.json
+ * holds the certificate. Exit 1 when it cannot certify.
  */
 #include <errno.h>
 #include <getopt.h>
+#include <stdbool.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -28,6 +34,7 @@
 #include <sys/stat.h>
 
 #include "common/mt.h"
+#include "tools/mkckpt_margin.h"
 #include "worker/loader/glm_config.h"
 #include "worker/loader/glm_manifest.h"
 #include "worker/loader/safetensors.h"
@@ -38,6 +45,7 @@ typedef struct ck_tensor {
     uint64_t key;      /* RNG stream of this tensor: mix(seed, name) */
     float scale;       /* F8E4M3: the value of one fp8 unit; a scale tensor: its every value */
     bool is_scale;     /* the "_scale_inv" block scales of the tensor before it */
+    float *vals;       /* [elements] replacement values (--margin), NULL: the random ones */
 } ck_tensor;
 
 typedef struct ck_plan {
@@ -47,6 +55,9 @@ typedef struct ck_plan {
     const glm_quant *quant; /* --dtype fp8 */
     uint64_t seed;
     int oom;
+    st_writer *w;      /* the writer holding the plan's tensors, for saves after the first */
+    const char *out;
+    size_t shard_bytes;
 } ck_plan;
 
 /* splitmix64's output function. */
@@ -142,6 +153,10 @@ static mt_status fill(void *user, size_t index, uint64_t offset, void *dst, size
         return MT_OK;
     }
     const int64_t npairs = (n + 1) / 2;
+    if (t->vals) {
+        for (int64_t i = 0; i < n; i++) store(dst, (size_t)i, t->out, t->vals[k0 + (uint64_t)i], scale);
+        return MT_OK;
+    }
 #pragma omp parallel for schedule(static)
     for (int64_t q = 0; q < npairs; q++) {
         float z0, z1;
@@ -150,6 +165,59 @@ static mt_status fill(void *user, size_t index, uint64_t offset, void *dst, size
         if (2 * q + 1 < n) store(dst, (size_t)(2 * q + 1), t->out, mean + std * z1, scale);
     }
     return MT_OK;
+}
+
+static size_t tensor_elems(const ck_tensor *t) {
+    size_t n = 1;
+    for (int d = 0; d < t->spec.ndim; d++) n *= (size_t)t->spec.shape[d];
+    return n;
+}
+
+static ck_tensor *find_tensor(ck_plan *plan, const char *name) {
+    for (size_t i = 0; i < plan->n; i++)
+        if (!strcmp(plan->t[i].spec.name, name)) return &plan->t[i];
+    return NULL;
+}
+
+static inline float load(const void *src, mt_dtype t) {
+    switch (t) {
+    case MT_BF16: return mt_bf16_to_f32(*(const uint16_t *)src);
+    case MT_F16: return mt_f16_to_f32(*(const uint16_t *)src);
+    default: return *(const float *)src;
+    }
+}
+
+/* ckm_ckpt over the plan: values as stored (rounded to the stored dtype), replacements, saves. */
+static mt_status ck_read(void *user, const char *name, float *out, size_t n, mt_error *err) {
+    ck_plan *plan = user;
+    ck_tensor *t = find_tensor(plan, name);
+    if (!t) return mt_errorf(err, MT_ERR_NOT_FOUND, "%s: not in the checkpoint", name);
+    if (tensor_elems(t) != n) return mt_errorf(err, MT_ERR_INVALID, "%s: %zu elements, not %zu", name, tensor_elems(t), n);
+    for (size_t i = 0; i < n; i += 2) {
+        float z[2];
+        normal_pair(t->key, i / 2, &z[0], &z[1]);
+        for (size_t j = i; j < i + 2 && j < n; j++) {
+            uint32_t cell;
+            store(&cell, 0, t->out, t->vals ? t->vals[j] : t->spec.mean + t->spec.std * z[j - i], t->scale);
+            out[j] = load(&cell, t->out);
+        }
+    }
+    return MT_OK;
+}
+
+static mt_status ck_replace(void *user, const char *name, const float *vals, size_t n, mt_error *err) {
+    ck_plan *plan = user;
+    ck_tensor *t = find_tensor(plan, name);
+    if (!t) return mt_errorf(err, MT_ERR_NOT_FOUND, "%s: not in the checkpoint", name);
+    if (tensor_elems(t) != n) return mt_errorf(err, MT_ERR_INVALID, "%s: %zu elements, not %zu", name, tensor_elems(t), n);
+    if (!t->vals && !(t->vals = malloc(sizeof(float) * n))) return mt_errorf(err, MT_ERR_NOMEM, "out of memory");
+    memcpy(t->vals, vals, sizeof(float) * n);
+    return MT_OK;
+}
+
+static mt_status ck_save(void *user, mt_error *err) {
+    ck_plan *plan = user;
+    return st_writer_save(plan->w, plan->out, plan->shard_bytes, err);
 }
 
 static ck_tensor *plan_push(ck_plan *plan) {
@@ -198,15 +266,21 @@ static void collect(const glm_tensor_spec *s, void *user) {
 
 static void usage(FILE *f) {
     fprintf(f,
-            "usage: mkckpt (--preset tiny|bench-4L | --config config.json) --out DIR\n"
+            "usage: mkckpt (--preset tiny|bench-4L|test-wide | --config config.json) --out DIR\n"
             "              [--layers N] [--seed N] [--shard-mb N] [--dtype bf16|f16|f32|fp8]\n"
+            "              [--margin GAP [--margin-prompts N] [--margin-len L]]\n"
             "  --preset    start from a built-in config (glm_config_preset)\n"
             "  --config    start from a config.json instead\n"
             "  --layers    keep the first N layers (extra ones follow the default pattern)\n"
             "  --seed      RNG seed (default 0)\n"
             "  --shard-mb  shards of at most N MiB of tensor data + index (default 0: one file)\n"
             "  --dtype     storage of the bf16 tensors (default bf16); fp32 ones stay fp32;\n"
-            "              fp8: linear weights block-scaled F8_E4M3, the rest bf16\n");
+            "              fp8: linear weights block-scaled F8_E4M3, the rest bf16\n"
+            "  --margin    reshape the router bias and indexer weights until every top-k choice on\n"
+            "              the test prompts (CPU run) has its k-th and (k+1)-th candidates >= GAP\n"
+            "              apart (indexer: relative to the largest score); writes DIR/margin.json\n"
+            "  --margin-prompts  prompts of the certificate (default 10)\n"
+            "  --margin-len      greedy tokens after each prompt (default 64)\n");
 }
 
 /* mkdir -p */
@@ -241,10 +315,14 @@ int main(int argc, char **argv) {
         { "out", required_argument, 0, 'o' },    { "seed", required_argument, 0, 's' },
         { "shard-mb", required_argument, 0, 'm' }, { "dtype", required_argument, 0, 'd' },
         { "layers", required_argument, 0, 'l' }, { "help", no_argument, 0, 'h' },
+        { "margin", required_argument, 0, 'g' }, { "margin-prompts", required_argument, 0, 'n' },
+        { "margin-len", required_argument, 0, 'L' },
         { 0, 0, 0, 0 },
     };
     const char *preset = NULL, *config = NULL, *out = NULL, *dtype = "bf16";
-    uint64_t seed = 0, shard_mb = 0, layers = 0;
+    uint64_t seed = 0, shard_mb = 0, layers = 0, mprompts = 10, mlen = 64;
+    double margin = 0;
+    bool margin_set = false, mopts = false;
     int c;
     while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
         switch (c) {
@@ -267,12 +345,41 @@ int main(int argc, char **argv) {
                 return 2;
             }
             break;
+        case 'g': {
+            char *end;
+            errno = 0;
+            margin = strtod(optarg, &end);
+            if (errno || end == optarg || *end || !isfinite(margin) || margin <= 0 || margin >= 1) {
+                fprintf(stderr, "mkckpt: --margin must be a number in (0, 1), got %s\n", optarg);
+                return 2;
+            }
+            margin_set = true;
+            break;
+        }
+        case 'n':
+            if (parse_u64(optarg, &mprompts) || mprompts < 1 || mprompts > 1000) {
+                fprintf(stderr, "mkckpt: --margin-prompts must be in 1..1000, got %s\n", optarg);
+                return 2;
+            }
+            mopts = true;
+            break;
+        case 'L':
+            if (parse_u64(optarg, &mlen) || mlen < 1 || mlen > 4096) {
+                fprintf(stderr, "mkckpt: --margin-len must be in 1..4096, got %s\n", optarg);
+                return 2;
+            }
+            mopts = true;
+            break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
     }
     if (optind < argc || !out || (!preset && !config)) {
         usage(stderr);
+        return 2;
+    }
+    if (mopts && !margin_set) {
+        fprintf(stderr, "mkckpt: --margin-prompts and --margin-len need --margin\n");
         return 2;
     }
     ck_plan plan = { .seed = seed };
@@ -282,6 +389,10 @@ int main(int argc, char **argv) {
     else if (!strcmp(dtype, "fp8")) plan.bf16_as = MT_F8E4M3;
     else {
         fprintf(stderr, "mkckpt: --dtype must be bf16, f16, f32 or fp8, got %s\n", dtype);
+        return 2;
+    }
+    if (margin_set && plan.bf16_as == MT_F8E4M3) {
+        fprintf(stderr, "mkckpt: --margin shapes bf16, f16 or f32 checkpoints, not --dtype fp8\n");
         return 2;
     }
 
@@ -313,17 +424,6 @@ int main(int argc, char **argv) {
         cfg.quant.block_rows = cfg.quant.block_cols = 128;
     }
     plan.quant = &cfg.quant;
-    if (make_dirs(out) != 0) {
-        fprintf(stderr, "mkckpt: cannot create %s: %s\n", out, strerror(errno));
-        return 1;
-    }
-    char path[4200];
-    snprintf(path, sizeof path, "%s/config.json", out);
-    if ((st = glm_config_save(&cfg, path, &err)) != MT_OK) {
-        fprintf(stderr, "mkckpt: %s\n", err.msg);
-        return 1;
-    }
-
     quantile_table_init();
     glm_manifest_foreach(&cfg, collect, &plan);
     st_writer *w = st_writer_new();
@@ -340,6 +440,35 @@ int main(int argc, char **argv) {
         for (int d = 0; d < t->spec.ndim; d++) n *= (uint64_t)t->spec.shape[d];
         total += n;
     }
+    if (st != MT_OK) {
+        fprintf(stderr, "mkckpt: %s\n", err.msg);
+        st_writer_free(w);
+        free(plan.t);
+        return 1;
+    }
+    /* A margin model is run on the CPU a few times and its replaced tensors are kept in memory. */
+    const uint64_t margin_max_bytes = (uint64_t)4 << 30;
+    if (margin_set && total > margin_max_bytes) {
+        fprintf(stderr, "mkckpt: --margin runs the model on the CPU: %.1f GB is above its %.0f GB limit\n",
+                (double)total / 1e9, (double)margin_max_bytes / 1e9);
+        st_writer_free(w);
+        free(plan.t);
+        return 2;
+    }
+    if (make_dirs(out) != 0) {
+        fprintf(stderr, "mkckpt: cannot create %s: %s\n", out, strerror(errno));
+        return 1;
+    }
+    char path[4200];
+    snprintf(path, sizeof path, "%s/config.json", out);
+    if ((st = glm_config_save(&cfg, path, &err)) != MT_OK) {
+        fprintf(stderr, "mkckpt: %s\n", err.msg);
+        return 1;
+    }
+
+    plan.w = w;
+    plan.out = out;
+    plan.shard_bytes = (size_t)(shard_mb << 20);
     if (st == MT_OK) {
         fprintf(stderr, "mkckpt: %zu tensors, %.3f GB into %s\n", plan.n, (double)total / 1e9, out);
         double t0 = mt_now();
@@ -348,11 +477,34 @@ int main(int argc, char **argv) {
         if (st == MT_OK)
             fprintf(stderr, "mkckpt: wrote in %.1f s (%.2f GB/s)\n", dt, dt > 0 ? (double)total / 1e9 / dt : 0.0);
     }
+    int rc = 0;
+    if (st == MT_OK && margin_set) {
+        ckm_params mp = ckm_default_params();
+        mp.gap = margin;
+        mp.prompts = (int)mprompts;
+        mp.len = (int)mlen;
+        mp.seed = seed;
+        const ckm_ckpt ck = { &plan, ck_read, ck_replace, ck_save };
+        ckm_result res;
+        double t0 = mt_now();
+        st = ckm_shape(out, &cfg, &mp, &ck, &res, &err);
+        if (st == MT_OK) {
+            printf("margin: %s gap %g in %.1f s (%d runs): smallest group %.6g, expert %.6g, pool %.6g (relative)\n",
+                   res.certified ? "certified" : "NOT certified", margin, mt_now() - t0, res.runs,
+                   res.gaps.min[MT_GAP_GROUP], res.gaps.min[MT_GAP_EXPERT], res.gaps.min[MT_GAP_POOL]);
+            if (!res.certified) {
+                fprintf(stderr, "mkckpt: could not certify gap %g within %d shaping rounds (%s/margin.json says "
+                                "what was reached)\n", margin, mp.rounds, out);
+                rc = 1;
+            }
+        }
+    }
     st_writer_free(w);
+    for (size_t i = 0; i < plan.n; i++) free(plan.t[i].vals);
     free(plan.t);
     if (st != MT_OK) {
         fprintf(stderr, "mkckpt: %s\n", err.msg);
         return 1;
     }
-    return 0;
+    return rc;
 }

@@ -81,7 +81,14 @@ static void cpu_dsa_select(mt_backend *be, int32_t *sel, int32_t *nsel, const fl
                 cand[c] = (scored){ s, c };
             }
             const int keep = ncand < p->max_pools ? ncand : p->max_pools;
-            if (keep < ncand) qsort(cand, (size_t)ncand, sizeof(scored), scored_cmp);
+            if (keep < ncand) {
+                qsort(cand, (size_t)ncand, sizeof(scored), scored_cmp);
+                if (cpu_gaps_on && keep > 0) { /* k-th against (k+1)-th, relative to the largest |score| */
+                    const float top = fmaxf(fabsf(cand[0].score), fabsf(cand[ncand - 1].score));
+                    const double gap = (double)cand[keep - 1].score - cand[keep].score;
+                    mt_cpu_gaps_note(MT_GAP_POOL, top > 0 ? gap / top : 0.0);
+                }
+            }
             int32_t *row = sel + (size_t)i * p->max_sel;
             int m = 0;
             for (int c = 0; c < keep; c++)

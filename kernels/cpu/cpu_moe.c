@@ -38,14 +38,20 @@ static void cpu_moe_route(mt_backend *be, int32_t *idx, float *weights, const fl
         }
         memset(gmask, 1, (size_t)G);
         unsigned char *keep = calloc((size_t)G, 1);
+        int glast = -1;
         for (int k = 0; k < p->topk_group; k++) {
-            const int g = argmax_masked(gscore, gmask, G);
-            gmask[g] = 0;
-            keep[g] = 1;
+            glast = argmax_masked(gscore, gmask, G);
+            gmask[glast] = 0;
+            keep[glast] = 1;
+        }
+        if (cpu_gaps_on && glast >= 0) { /* the last kept group against the best dropped one */
+            const int gnext = argmax_masked(gscore, gmask, G);
+            if (gnext >= 0) mt_cpu_gaps_note(MT_GAP_GROUP, (double)gscore[glast] - gscore[gnext]);
         }
         for (int e = 0; e < E; e++) mask[e] = keep[e / per];
         free(keep);
         float sum = 0;
+        int elast = -1;
         for (int k = 0; k < p->top_k; k++) {
             const int e = argmax_masked(c, mask, E);
             MT_ASSERT(e >= 0);
@@ -53,6 +59,11 @@ static void cpu_moe_route(mt_backend *be, int32_t *idx, float *weights, const fl
             idx[(size_t)i * p->top_k + k] = e;
             weights[(size_t)i * p->top_k + k] = s[e];
             sum += s[e];
+            elast = e;
+        }
+        if (cpu_gaps_on && elast >= 0) { /* the last chosen expert against the best left in kept groups */
+            const int enext = argmax_masked(c, mask, E);
+            if (enext >= 0) mt_cpu_gaps_note(MT_GAP_EXPERT, (double)c[elast] - c[enext]);
         }
         for (int k = 0; k < p->top_k; k++) {
             float w = weights[(size_t)i * p->top_k + k];

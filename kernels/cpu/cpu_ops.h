@@ -7,7 +7,8 @@
  *   cpu_kda.c    conv, decay gate, delta rule (recurrent and chunked), gated norm
  *   cpu_dsa.c    pool keys, indexer selection, sparse MLA
  *   cpu_hc.c     hyper-connections, head mean
- *   cpu_rows.c   the rows form (batched decode): one single-sequence op per row, through the table */
+ *   cpu_rows.c   the rows form (batched decode): one single-sequence op per row, through the table
+ *   cpu_gaps.c   the gap recorder of the router's and the indexer's top-k choices */
 #ifndef MT_CPU_OPS_H
 #define MT_CPU_OPS_H
 
@@ -21,6 +22,9 @@ void cpu_kda_fill(mt_backend_ops *t);
 void cpu_dsa_fill(mt_backend_ops *t);
 void cpu_hc_fill(mt_backend_ops *t);
 void cpu_rows_fill(mt_backend_ops *t);
+
+/* The gap recorder is on (cpu_gaps.c): the ops compute and note their gaps only then. */
+extern bool cpu_gaps_on;
 
 /* Row r of w as fp32 into dst[w->cols] (cpu_dense.c). */
 void cpu_weight_row(const mt_weight *w, int64_t r, float *dst);
