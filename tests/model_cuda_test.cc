@@ -19,6 +19,7 @@ extern "C" {
 #include "worker/model/glm/glm_model.h"
 }
 
+#include "tests/mixed_check.h"
 #include "tests/run_ahead_check.h"
 #include "tests/verify_check.h"
 
@@ -251,6 +252,20 @@ TEST_F(ModelCuda, GreedyRunAheadEqualsReadingEachStep) {
             CheckRunAhead(m, (std::string(name) + (graphs ? " (graphs)" : " (eager)")).c_str(), graphs);
             glm_model_free(m);
         }
+}
+
+// A mixed step (prompt chunks and a decode row in one pass) equals the parts run alone, in the
+// exact mode; on the demo model its drafter follows every part.
+TEST_F(ModelCuda, MixedStepEqualsPartByPart) {
+    for (const char *dir : {"tests/fixtures/tiny_a", "models/glm5-next-demo"}) {
+        glm_model_params p = glm_model_default_params();
+        p.mtp = true;
+        glm_model *m = nullptr;
+        mt_error err{};
+        ASSERT_EQ(glm_model_load(dir, gpu_, &p, &m, &err), MT_OK) << err.msg;
+        CheckMixedStep(m, (std::string(dir) + " (GPU, exact)").c_str(), 1e-3);
+        glm_model_free(m);
+    }
 }
 
 // k rows of one sequence through the verify entry (the graph runner, a graph per width captured on

@@ -18,6 +18,9 @@
 #include <string>
 #include <vector>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 extern "C" {
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
@@ -98,7 +101,9 @@ std::vector<int32_t> Greedy(glm_model *m, const std::vector<int32_t> &prompt, in
     EXPECT_EQ(glm_prefill(m, s, prompt.data(), (int)prompt.size(), l.data(), false, &err), MT_OK) << err.msg;
     for (int i = 0; i < k; i++) {
         out.push_back(glm_argmax(l.data(), V));
-        if (i + 1 < k) EXPECT_EQ(glm_decode(m, s, out.back(), l.data(), &err), MT_OK) << err.msg;
+        if (i + 1 < k) {
+            EXPECT_EQ(glm_decode(m, s, out.back(), l.data(), &err), MT_OK) << err.msg;
+        }
     }
     glm_seq_free(s);
     return out;
@@ -167,6 +172,73 @@ std::vector<std::vector<int32_t>> RandomPrompts(int V, unsigned seed) {
     std::vector<std::vector<int32_t>> p;
     for (int i = 0; i < 10; i++) p.push_back(Tokens(24 + 4 * i, V, seed + i));
     return p;
+}
+
+// tools/mkckpt: $MT_MKCKPT (a standalone run, e.g. on the GPU machine), else the runfiles.
+std::string MkckptPath() {
+    if (const char *e = getenv("MT_MKCKPT")) return e;
+    const char *dirs[] = {getenv("TEST_SRCDIR"), "."};
+    for (const char *d : dirs) {
+        if (!d) continue;
+        for (const char *rel : {"/metrale/tools/mkckpt", "/tools/mkckpt"}) {
+            std::string p = std::string(d) + rel;
+            if (access(p.c_str(), X_OK) == 0) return p;
+        }
+    }
+    return "";
+}
+
+// The prompts and continuation length of a margin certificate (DIR/margin.json).
+bool ReadMarginPrompts(const std::string &dir, std::vector<std::vector<int32_t>> *prompts, int *len) {
+    json_object *o = json_object_from_file((dir + "/margin.json").c_str());
+    if (!o) return false;
+    json_object *ps, *v;
+    bool ok = json_object_object_get_ex(o, "certified", &v) && json_object_get_boolean(v) &&
+              json_object_object_get_ex(o, "len", &v) && (*len = json_object_get_int(v), true) &&
+              json_object_object_get_ex(o, "prompts", &ps);
+    for (size_t i = 0; ok && i < json_object_array_length(ps); i++) {
+        json_object *p = json_object_array_get_idx(ps, i);
+        std::vector<int32_t> t;
+        for (size_t j = 0; j < json_object_array_length(p); j++) t.push_back(json_object_get_int(json_object_array_get_idx(p, j)));
+        prompts->push_back(t);
+    }
+    json_object_put(o);
+    return ok && !prompts->empty();
+}
+
+// Check 1: margin models made by the real mkckpt (tiny and test-wide, gap 0.05). On each
+// certificate prompt followed by the CPU's greedy continuation (the positions the certificate
+// covers), teacher-forced: top-1 >= 99% and cosine >= 0.999 at every position.
+TEST_F(NumericsCuda, MarginModelsStrict) {
+    const std::string mk = MkckptPath();
+    if (mk.empty()) GTEST_SKIP() << "tools/mkckpt not found (set MT_MKCKPT)";
+    const char *tmp = getenv("TEST_TMPDIR");
+    for (const char *preset : {"tiny", "test-wide"}) {
+        const std::string dir = std::string(tmp ? tmp : "/tmp") + "/margin-" + preset;
+        const std::string cmd = mk + " --preset " + preset + " --out " + dir + " --margin 0.05 >/dev/null 2>&1";
+        const int rc = system(cmd.c_str());
+        ASSERT_TRUE(WIFEXITED(rc) && WEXITSTATUS(rc) == 0) << cmd;
+        std::vector<std::vector<int32_t>> prompts;
+        int len = 0;
+        ASSERT_TRUE(ReadMarginPrompts(dir, &prompts, &len)) << dir << "/margin.json";
+        glm_model *mg = nullptr, *mc = nullptr;
+        mt_error err{};
+        ASSERT_EQ(glm_model_load(dir.c_str(), gpu_, nullptr, &mg, &err), MT_OK) << err.msg;
+        ASSERT_EQ(glm_model_load(dir.c_str(), cpu_, nullptr, &mc, &err), MT_OK) << err.msg;
+        const int V = glm_model_config(mc)->vocab_size;
+        std::vector<float> g, c;
+        for (const auto &p : prompts) {
+            std::vector<int32_t> toks = p;
+            const std::vector<int32_t> cont = Greedy(mc, p, len);
+            toks.insert(toks.end(), cont.begin(), cont.end());
+            const std::vector<float> a = TeacherForced(mg, toks), b = TeacherForced(mc, toks);
+            g.insert(g.end(), a.begin(), a.end());
+            c.insert(c.end(), b.begin(), b.end());
+        }
+        ExpectStrict(std::string("margin model ") + preset, g, c, V);
+        glm_model_free(mg);
+        glm_model_free(mc);
+    }
 }
 
 TEST_F(NumericsCuda, FixturesNearCpu) {
