@@ -647,6 +647,51 @@ TEST(Engine, LongPromptsArePrefilledInChunksBesideDecode) {
     EXPECT_EQ(E.Stats().cache_bytes_in_use, 0u);
 }
 
+// Mixed steps (a step's decode rows and prompt chunks in one model call) change no token: the
+// same arrivals, greedy and seeded sampling, with prefill chunks spread over steps, give the same
+// tokens with mixed_steps on and off, and on they ran.
+TEST(Engine, MixedStepsGiveTheTokensOfSeparateCalls) {
+    Model M;
+    struct Spec { uint64_t id; int plen, max_new, submit_at; float temperature; uint64_t seed; };
+    const Spec specs[] = {
+        { 1, 5, 12, 0, 0.f, 0 },   { 2, 40, 6, 1, 0.f, 0 },   { 3, 3, 14, 1, 0.9f, 11 },
+        { 4, 25, 8, 2, 0.f, 0 },   { 5, 1, 9, 3, 1.2f, 12 },  { 6, 33, 3, 4, 0.f, 0 },
+        { 7, 18, 8, 6, 0.7f, 13 }, { 8, 2, 12, 9, 0.f, 0 },
+    };
+    std::map<uint64_t, std::vector<int32_t>> got[2];
+    uint64_t mixed[2] = { 0, 0 };
+    for (int on = 0; on < 2; on++) {
+        eng_params p = eng_default_params();
+        p.max_sequences = 4;
+        p.prefill_budget = 16;  // chunks spread over steps, beside the decode rows
+        p.mixed_steps = on;
+        Engine E(M.m, p);
+        for (int step = 0; step < 300; step++) {
+            for (const Spec &s : specs)
+                if (s.submit_at == step) {
+                    eng_request r = Req(s.max_new);
+                    r.sampling.temperature = s.temperature;
+                    r.has_seed = true;
+                    r.seed = s.seed;
+                    ASSERT_EQ(E.Submit(s.id, Prompt(s.plen, (int)s.id), r), MT_OK);
+                }
+            if (step > 10 && !eng_has_work(E.e)) break;
+            E.Step();
+        }
+        for (const Spec &s : specs) {
+            ASSERT_EQ((int)E.results[s.id].tokens.size(), s.max_new) << "id " << s.id << " mixed " << on;
+            got[on][s.id] = E.results[s.id].tokens;
+        }
+        mixed[on] = E.Stats().mixed_steps;
+        EXPECT_EQ(E.Stats().cache_bytes_in_use, 0u);
+    }
+    for (const Spec &s : specs) EXPECT_EQ(got[1][s.id], got[0][s.id]) << "id " << s.id;
+    EXPECT_EQ(mixed[0], 0u);
+    EXPECT_GE(mixed[1], 5u);
+    for (const Spec &s : specs)
+        if (s.temperature == 0.f) EXPECT_EQ(got[1][s.id], DirectGreedy(M.m, Prompt(s.plen, (int)s.id), s.max_new)) << s.id;
+}
+
 // Prefix reuse: a prompt that starts with a kept prefix copies its state instead of prefilling it,
 // and its tokens equal a cold run's; a cache too small for two prefixes evicts the older one, and
 // everything kept is accounted and freed.

@@ -51,6 +51,14 @@ struct eng_engine {
     int32_t *tok;                /* [max_sequences] scratch: their tokens in, or a ticket's out */
     float *logits;               /* [max_sequences, vocab] host */
     float *echo_logits;          /* [ENG_ECHO_CHUNK, vocab] host, made at the first echo prefill */
+    /* The prompt chunks of a mixed step (eng_params.mixed_steps), run beside its decode rows. */
+    struct eng_chunk {
+        eng_seq *s;
+        int k;                   /* tokens fed */
+        bool echo, last, resumed;
+    } *chunks;                   /* [max_sequences] */
+    int n_chunks;
+    float *chunk_logits;         /* [max_sequences, vocab] host: each completing prompt's last row */
     /* A greedy step queued and not yet read (run_ahead; mt_model_decode_ahead): its rows' sequences in
      * order, a row NULL once its sequence is freed (compact), and the ticket of its tokens. */
     eng_seq **ahead;             /* [max_sequences] */
@@ -58,6 +66,7 @@ struct eng_engine {
     int64_t ahead_ticket;
     bool ahead_on;               /* run_ahead resolved for this model's backend */
     uint64_t ahead_steps;
+    uint64_t mixed_steps;        /* mixed_step calls that ran decode rows and chunks together */
     float *draft_logits;         /* [vocab] host: the drafter's logits (spec_tokens > 0) */
     float *spec_q;               /* [ENG_SPEC_MAX, vocab] the drafts' processed distributions */
     float *spec_p;               /* [vocab] a verify row's processed distribution */
@@ -89,7 +98,7 @@ eng_request eng_default_request(void) {
 
 eng_params eng_default_params(void) {
     return (eng_params){ .max_sequences = 16, .max_waiting = 1024, .max_context = 4096,
-                         .prefill_budget = 2048, .prefix_cache_bytes = (size_t)256 << 20,
+                         .prefill_budget = 2048, .mixed_steps = true, .prefix_cache_bytes = (size_t)256 << 20,
                          .prefix_block = 64, .preempt = true, .run_ahead = ENG_RUN_AHEAD_AUTO };
 }
 
@@ -140,6 +149,10 @@ mt_status eng_new(mt_model *m, const eng_params *params, const eng_callbacks *cb
     e->tok = malloc(sizeof(int32_t) * (size_t)p.max_sequences);
     e->gs = malloc(sizeof(mt_seq *) * (size_t)p.max_sequences);
     e->parts = malloc(sizeof(mt_batch_part) * (size_t)p.max_sequences);
+    if (p.mixed_steps &&
+        (!(e->chunks = malloc(sizeof *e->chunks * (size_t)p.max_sequences)) ||
+         !(e->chunk_logits = malloc(sizeof(float) * (size_t)p.max_sequences * (size_t)e->vocab))))
+        goto fail;
     if (p.spec_tokens > 0 &&
         (!(e->draft_logits = malloc(sizeof(float) * (size_t)e->vocab)) ||
          !(e->spec_q = malloc(sizeof(float) * (size_t)ENG_SPEC_MAX * e->vocab)) ||
@@ -180,6 +193,8 @@ void eng_free(eng_engine *e) {
     free(e->batch);
     free(e->logits);
     free(e->echo_logits);
+    free(e->chunks);
+    free(e->chunk_logits);
     free(e->ahead);
     free(e->tok);
     free(e->gs);
@@ -506,15 +521,39 @@ static void prefix_start(eng_engine *e, eng_seq *s) {
  * order while there is room. A long prompt is thus spread over steps, in chunks no larger than
  * the budget, and the running sequences decode between its chunks instead of waiting for all of
  * it. A sequence whose allocation fails ends with ERROR and is freed here. */
-static void admit(eng_engine *e) {
+/* Whether s's prompt starts with the prefix that a chunk planned for this step's mixed batch keeps
+ * as a snapshot: s then waits a step, to copy that snapshot instead of prefilling the same tokens
+ * beside it (a chunk ends at its sequence's snapshot boundary). */
+static bool awaits_snapshot(const eng_engine *e, const eng_seq *s) {
+    for (int j = 0; j < e->n_chunks; j++) {
+        const eng_seq *q = e->chunks[j].s;
+        if (q->snap_at > 0 && q->prefilled + e->chunks[j].k == q->snap_at && s->req.n_prompt > q->snap_at &&
+            !memcmp(s->tokens, q->tokens, sizeof(int32_t) * (size_t)q->snap_at))
+            return true;
+    }
+    return false;
+}
+
+typedef bool (*eng_feed)(eng_engine *e, eng_seq *s, int *budget);
+
+static bool feed_now(eng_engine *e, eng_seq *s, int *budget) {
+    prefill_some(e, s, budget);
+    return true;
+}
+
+/* feed: the prefill of a chunk now (prefill_some), or its plan for the step's mixed batch
+ * (plan_chunk); false stops the step's prefill work there. */
+static void admit_with(eng_engine *e, eng_feed feed) {
     int budget = e->p.prefill_budget > 0 ? e->p.prefill_budget : 1, taken = 0;
-    for (int i = 0; i < e->n_running && budget > 0; i++) {
+    bool stop = false;
+    for (int i = 0; i < e->n_running && budget > 0 && !stop; i++) {
         eng_seq *s = e->running[i];
-        if (!s->done && s->gs && s->prefilled < s->n_feed) prefill_some(e, s, &budget);
+        if (!s->done && s->gs && s->prefilled < s->n_feed) stop = !feed(e, s, &budget);
     }
     requeue_preempted(e);
-    while (budget > 0 && taken < e->n_waiting && e->n_running < e->p.max_sequences) {
+    while (!stop && budget > 0 && taken < e->n_waiting && e->n_running < e->p.max_sequences) {
         eng_seq *s = e->waiting[taken];
+        if (e->p.prefix_cache_bytes && awaits_snapshot(e, s)) break;
         const int cap = s->req.n_prompt + s->req.max_new_tokens;
         const sched_req r = { s->n_feed, s->req.n_prompt, s->req.max_new_tokens, mt_model_seq_bytes_max(e->m, cap) };
         sched_verdict v;
@@ -541,13 +580,15 @@ static void admit(eng_engine *e) {
             preempt(e, s); /* its whole length does not fit after all: back to the queue */
             break;
         }
-        prefill_some(e, s, &budget);
+        stop = !feed(e, s, &budget);
         if (!s->gs && !s->done) break; /* it gave way at once: the pools are full, the rest waits too */
     }
     memmove(e->waiting, e->waiting + taken, sizeof(eng_seq *) * (size_t)(e->n_waiting - taken));
     e->n_waiting -= taken;
     requeue_preempted(e);
 }
+
+static void admit(eng_engine *e) { admit_with(e, feed_now); }
 
 /* The model's inputs for b[0, k) (k <= max_sequences): their sequences in e->gs, their pending
  * tokens in e->tok. */
@@ -761,6 +802,104 @@ static void spec_step(eng_engine *e, eng_seq *s) {
     if (!s->done && mt_seq_keep(e->m, s->gs, i + 1, &err) != MT_OK) seq_end(e, s, ENG_FINISH_ERROR, err.msg);
 }
 
+/* ---- mixed steps (eng_params.mixed_steps) ---- */
+
+/* Whether this step has prefill work: a prompt under way, or a request that could be admitted. */
+static bool prefill_pending(const eng_engine *e) {
+    if (!admission_idle(e)) return true;
+    for (int i = 0; i < e->n_running; i++) {
+        const eng_seq *s = e->running[i];
+        if (!s->done && s->gs && s->prefilled < s->n_feed) return true;
+    }
+    return false;
+}
+
+/* Plans the next chunk of s's prefill (at most *budget tokens) into the step's batch; one chunk
+ * with prompt logprobs a step (they share echo_logits). Its pages are mapped here without evicting
+ * or preempting anything: false when they cannot be, which ends the step's planning (a step that
+ * plans no chunk falls back to admit, which makes room). */
+static bool plan_chunk(eng_engine *e, eng_seq *s, int *budget) {
+    const int rem = s->n_feed - s->prefilled;
+    int k = sched_prefill_chunk(s->n_feed, s->prefilled, *budget, s->snap_at);
+    const bool echo = s->req.prompt_logprobs && s->echo_next < s->req.n_prompt;
+    if (echo) {
+        for (int j = 0; j < e->n_chunks; j++)
+            if (e->chunks[j].echo) return false;
+        if (k > ENG_ECHO_CHUNK) k = ENG_ECHO_CHUNK;
+        if (!e->echo_logits && !(e->echo_logits = malloc(sizeof(float) * ENG_ECHO_CHUNK * (size_t)e->vocab))) {
+            seq_end(e, s, ENG_FINISH_ERROR, "engine: out of memory for prompt logprobs");
+            return true;
+        }
+    }
+    mt_error err = { "" };
+    if (mt_seq_reserve(s->gs, k, &err) != MT_OK) return false;
+    e->chunks[e->n_chunks++] = (struct eng_chunk){ s, k, echo, k == rem, s->n_gen > 0 };
+    *budget -= k;
+    return true;
+}
+
+/* The step's decode rows b[0, n) (as decode_running) and the chunks admit_with(plan_chunk) plans,
+ * in one model call. False when no chunk was planned: then the decode ran alone and the caller
+ * admits as usual. A refused batch (checked before anything moves) runs part by part. */
+static bool mixed_step(eng_engine *e, eng_seq **b, int n, float *logits, int32_t *greedy) {
+    e->n_chunks = 0;
+    admit_with(e, plan_chunk);
+    if (e->n_chunks == 0) {
+        if (n > 0) decode_running(e, b, n, logits, greedy);
+        return false;
+    }
+    if (greedy) logits = NULL;
+    decode_parts(e, b, n, logits, greedy);
+    for (int j = 0; j < e->n_chunks; j++) {
+        const struct eng_chunk *c = &e->chunks[j];
+        e->parts[n + j] = (mt_batch_part){ .kind = MT_PART_PREFILL, .seq = c->s->gs,
+                                           .tokens = c->s->tokens + c->s->prefilled, .n = c->k,
+                                           .logits = c->echo ? e->echo_logits
+                                                     : c->last && !c->resumed ? e->chunk_logits + (size_t)j * e->vocab
+                                                                               : NULL,
+                                           .all_logits = c->echo };
+    }
+    mt_error err = { "" };
+    const mt_status st = mt_model_forward(e->m, &(mt_batch){ e->parts, n + e->n_chunks }, &err);
+    if (st == MT_OK) {
+        for (int i = 0; i < n; i++) b[i]->st = MT_OK;
+        for (int j = 0; j < e->n_chunks; j++) e->chunks[j].s->st = MT_OK;
+        e->mixed_steps += n > 0;
+        return true;
+    }
+    mt_log(MT_LOG_WARN, "engine: mixed step of %d rows and %d chunks refused (%s); running them apart", n,
+           e->n_chunks, err.msg[0] ? err.msg : mt_status_str(st));
+    if (n > 0) decode_running(e, b, n, logits, greedy);
+    for (int j = 0; j < e->n_chunks; j++) {
+        eng_seq *s = e->chunks[j].s;
+        const mt_batch_part part = e->parts[n + j];
+        s->st = mt_model_forward(e->m, &(mt_batch){ &part, 1 }, &s->err);
+    }
+    return true;
+}
+
+/* After the step's decode rows are reported: each planned chunk's prompt logprobs, its progress,
+ * its prefix snapshot, and a completed prompt's first token. */
+static void finish_chunks(eng_engine *e) {
+    for (int j = 0; j < e->n_chunks; j++) {
+        const struct eng_chunk *c = &e->chunks[j];
+        eng_seq *s = c->s;
+        if (s->done) continue;
+        if (s->st != MT_OK) {
+            seq_end(e, s, ENG_FINISH_ERROR, s->err.msg);
+            continue;
+        }
+        float *logits = e->chunk_logits + (size_t)j * e->vocab;
+        if (c->echo) echo_report(e, s, c->k);
+        if (c->echo && c->last) memcpy(logits, e->echo_logits + (size_t)(c->k - 1) * e->vocab, sizeof(float) * (size_t)e->vocab);
+        s->prefilled += c->k;
+        if (s->snap_at > 0 && s->prefilled == s->snap_at) rt_prefix_keep(&e->prefixes, s->gs, s->tokens, s->snap_at, e->steps);
+        if (c->last && !c->resumed) sample_emit(e, s, logits);
+    }
+    e->n_chunks = 0;
+    requeue_preempted(e);
+}
+
 mt_status eng_step(eng_engine *e, int *n_tokens) {
     const uint64_t tokens0 = e->tokens;
     if (n_tokens) *n_tokens = 0;
@@ -803,6 +942,9 @@ mt_status eng_step(eng_engine *e, int *n_tokens) {
         if (s->k_step == 0 && !make_room(e, s, 1)) preempt(e, s);
     }
     requeue_preempted(e);
+    /* with prefill work this step, its chunks join the decode rows' model call */
+    const bool mixed = e->p.mixed_steps && prefill_pending(e);
+    bool chunked = false;
     int n = 0;
     for (int i = 0; i < e->n_running; i++) {
         eng_seq *s = e->running[i];
@@ -821,15 +963,19 @@ mt_status eng_step(eng_engine *e, int *n_tokens) {
             if (n_tokens) *n_tokens = (int)(e->tokens - tokens0);
             return MT_OK;
         }
-        decode_running(e, e->batch, n, e->logits, greedy ? tok : NULL);
+        if (mixed) chunked = mixed_step(e, e->batch, n, e->logits, greedy ? tok : NULL);
+        else decode_running(e, e->batch, n, e->logits, greedy ? tok : NULL);
         for (int i = 0; i < n; i++) {
             eng_seq *s = e->batch[i];
             if (s->st != MT_OK) seq_end(e, s, ENG_FINISH_ERROR, s->err.msg);
             else if (greedy) emit(e, s, &(eng_sample_result){ .token = tok[i] });
             else sample_emit(e, s, e->logits + (size_t)i * e->vocab);
         }
+    } else if (mixed) {
+        chunked = mixed_step(e, NULL, 0, NULL, NULL);
     }
-    admit(e);
+    if (chunked) finish_chunks(e);
+    else admit(e);
     compact(e, e->running, &e->n_running);
     if (n_tokens) *n_tokens = (int)(e->tokens - tokens0);
     return MT_OK;
@@ -875,7 +1021,7 @@ void eng_get_stats(const eng_engine *e, eng_stats *out) {
     *out = (eng_stats){ .running = e->n_running, .waiting = e->n_waiting,
                         .live_sequences = e->n_running + e->n_waiting, .cache_bytes_in_use = held,
                         .sequences_finished = e->finished, .sequences_aborted = e->aborted,
-                        .tokens_generated = e->tokens, .steps = e->steps, .ahead_steps = e->ahead_steps,
+                        .tokens_generated = e->tokens, .steps = e->steps, .ahead_steps = e->ahead_steps, .mixed_steps = e->mixed_steps,
                         .prefix_hits = e->prefixes.hits, .prefix_misses = e->prefixes.misses,
                         .prefix_cache_bytes = e->prefixes.bytes, .prefix_entries = e->prefixes.n,
                         .preemptions = e->preemptions, .spec_steps = e->spec_steps,

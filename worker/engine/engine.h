@@ -3,7 +3,8 @@
  * Requests wait in a bounded FIFO; each eng_step
  *   1. ends sequences whose deadline has passed,
  *   2. decodes one token for every running sequence whose prompt is complete, in one batched
- *      model call where the backend allows (decode_running()), and samples,
+ *      model call where the backend allows (decode_running()), and samples; with mixed_steps and
+ *      prefill work in (3), that call carries (3)'s prompt chunks too,
  *   3. does at most prefill_budget prompt tokens of prefill: first the sequences whose prefill is
  *      under way, then waiting sequences admitted while fewer than max_sequences run (allocating
  *      a model sequence of prompt + max_new_tokens positions); a prompt longer than the budget is
@@ -104,6 +105,10 @@ typedef struct eng_params {
     int max_context;             /* n_prompt + max_new_tokens bound, default 4096 */
     int prefill_budget;          /* prompt tokens prefilled per step, in chunks: a longer prompt is
                                   * spread over steps between decode steps; default 2048 */
+    /* A step's prompt chunks and its decode rows go to the model as one batch (one pass over the
+     * weights: the decode rows ride along the chunks' GEMMs instead of waiting for them); false:
+     * the decode, then each chunk alone. Default true. */
+    bool mixed_steps;
     /* Prefix reuse: while a prompt is prefilled, the state at its last multiple of prefix_block
      * (leaving at least one prompt token) is kept as a snapshot sequence, within
      * prefix_cache_bytes (least recently used first out); a later prompt that starts with a kept
@@ -163,6 +168,7 @@ typedef struct eng_stats {
     uint64_t tokens_generated;
     uint64_t steps;              /* eng_step calls that did work */
     uint64_t ahead_steps;        /* decode steps queued on the device's tokens (run_ahead) */
+    uint64_t mixed_steps;        /* steps whose decode rows and prompt chunks were one model call */
     uint64_t prefix_hits;        /* admissions that reused a kept prefix */
     uint64_t prefix_misses;      /* admissions (prefix reuse on) that found none */
     size_t prefix_cache_bytes;   /* held by kept prefixes (not in cache_bytes_in_use) */

@@ -629,7 +629,9 @@ mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, mt_er
         seg[i].scr.sel_n = 0;
         for (int t = 0; t < p[i].n; t++)
             for (int j = 0; j < S; j++) rep[(size_t)(r + t) * S + j] = p[i].tokens[t];
-        if (p[i].logits || p[i].argmax)
+        /* one-row parts always take the head (ranks of a group see the same parts and logits
+         * flags, but only the leader asks for greedy tokens: the head's gather is collective) */
+        if (p[i].logits || p[i].argmax || p[i].n == 1)
             for (int t = p[i].logits && p[i].all_logits ? 0 : p[i].n - 1; t < p[i].n; t++) want[nw++] = r + t;
     }
     be->ops->embed(be, m->X, &m->embed, rep, n * S);
@@ -653,7 +655,7 @@ mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, mt_er
     }
     if ((st = head_logits(m, m->X, nw, host)) != MT_OK) goto failed;
     for (int i = 0, w = 0; i < np; i++) {
-        if (!p[i].logits && !p[i].argmax) continue;
+        if (!p[i].logits && !p[i].argmax && p[i].n != 1) continue;
         const int k = p[i].logits && p[i].all_logits ? p[i].n : 1;
         if (p[i].logits) memcpy(p[i].logits, host + (size_t)w * V, sizeof(float) * (size_t)k * V);
         if (p[i].argmax) p[i].argmax[0] = glm_argmax(host + (size_t)(w + k - 1) * V, V);
