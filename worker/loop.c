@@ -268,6 +268,7 @@ mt_status wkr_loop_new(const wkr_params *p, wkr_loop **out, mt_error *err) {
     ep.max_context = p->max_context;
     if (p->prefill_budget > 0) ep.prefill_budget = p->prefill_budget;
     ep.preempt = !p->no_preempt;
+    ep.mixed_steps = !p->no_mixed_steps;
     ep.run_ahead = p->no_run_ahead ? ENG_RUN_AHEAD_OFF : ENG_RUN_AHEAD_AUTO;
     ep.spec_tokens = p->spec_tokens;
     ep.spec_max_batch = p->spec_max_batch;

@@ -42,6 +42,7 @@ typedef struct wkr_params {
     int prefill_budget;      /* prompt tokens prefilled per step; 0: the engine's default */
     int graph_max_batch;     /* largest decode batch replayed as a CUDA graph; 0: the model's default */
     bool no_preempt;         /* admit only with pages for the whole length instead of preempting */
+    bool no_mixed_steps;     /* prompt chunks in model calls of their own, not with the decode rows */
     bool no_run_ahead;       /* greedy batches read each step's tokens before the next */
     int spec_tokens;         /* speculative decoding with the checkpoint's MTP block: drafts a step
                               * (0 = off, up to ENG_SPEC_MAX) */
