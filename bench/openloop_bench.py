@@ -11,7 +11,7 @@ requests/s, output tokens/s, TTFT p50/p99 (arrival -> first token at the client)
 
     bazel build //router:metrale-router //worker:metrale-worker
     bench/openloop_bench.py [--model DIR] [--rates 2,8,32] [--requests 64] [--prompt-mix 16,64,256]
-                            [--new-mix 16,64] [--backend cpu|cuda] [--max-sequences 64] [--json FILE]
+                            [--new-mix 16,64] [--backend cpu|cuda] [--max-sequences 64] [--worker-args "..."] [--json FILE]
 
 The service is the one bench/serving_bench.py starts (router + one worker on loopback). Binaries
 come from bazel-bin unless METRALE_ROUTER_BIN / METRALE_WORKER_BIN name others (a gpu-bundle).
@@ -93,6 +93,7 @@ def main():
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--max-sequences", type=int, default=64)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--worker-args", default="", help="more metrale-worker options, e.g. \"--no-mixed-steps\"")
     ap.add_argument("--stubs", help="a folder of generated Python stubs (else made here with protoc)")
     ap.add_argument("--json")
     a = ap.parse_args()

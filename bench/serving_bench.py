@@ -90,7 +90,8 @@ class Service:
         self.procs.append(subprocess.Popen(
             [binary("worker/metrale-worker"), "--model", a.model, "--router", ep, "--id", "0",
              "--backend", a.backend, "--threads", str(a.threads), "--max-sequences", str(max_sequences),
-             "--max-context", str(max_context)], stdout=self.log, stderr=subprocess.STDOUT))
+             "--max-context", str(max_context)] + (getattr(a, "worker_args", None) or "").split(),
+            stdout=self.log, stderr=subprocess.STDOUT))
         self.channel = grpc.insecure_channel(self.addr)
         self.stub = metrale_pb2_grpc.GenerationStub(self.channel)
         health = health_pb2_grpc.HealthStub(self.channel)
