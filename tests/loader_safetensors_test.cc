@@ -18,6 +18,7 @@
 #include "worker/loader/safetensors.h"
 
 using loader_test::Exists;
+using loader_test::MkckptPath;
 using loader_test::ReadFile;
 using loader_test::TempDir;
 using loader_test::WriteFile;
@@ -742,18 +743,6 @@ TEST(Manifest, TiedEmbeddingsHaveNoLmHead) {
 
 // ---------------------------------------------------------------------------------------------
 // tools/mkckpt end to end (a data dependency of this test: runfiles path tools/mkckpt).
-
-std::string MkckptPath() {
-    const char *dirs[] = { getenv("TEST_SRCDIR"), "." };
-    for (const char *d : dirs) {
-        if (!d) continue;
-        for (const char *rel : { "/metrale/tools/mkckpt", "/tools/mkckpt" }) {
-            std::string p = std::string(d) + rel;
-            if (access(p.c_str(), X_OK) == 0) return p;
-        }
-    }
-    return "";
-}
 
 std::vector<glm_tensor_spec> Specs(const glm_config &cfg) {
     std::vector<glm_tensor_spec> v;

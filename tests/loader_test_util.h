@@ -1,4 +1,5 @@
-// tests/loader_test_util.h: temp directories and file helpers shared by the loader tests.
+// tests/loader_test_util.h: temp directories, file helpers and the path of tools/mkckpt, shared by
+// the tests that write or make checkpoints.
 #ifndef LOADER_TEST_UTIL_H
 #define LOADER_TEST_UTIL_H
 
@@ -53,6 +54,21 @@ inline std::string ReadFile(const std::string &path) {
 }
 
 inline bool Exists(const std::string &path) { return access(path.c_str(), F_OK) == 0; }
+
+// tools/mkckpt: $MT_MKCKPT (a test binary run outside Bazel, e.g. on the GPU machine), else the
+// runfiles (a data dependency of the test); "" when neither has it.
+inline std::string MkckptPath() {
+    if (const char *e = getenv("MT_MKCKPT")) return e;
+    const char *dirs[] = { getenv("TEST_SRCDIR"), "." };
+    for (const char *d : dirs) {
+        if (!d) continue;
+        for (const char *rel : { "/metrale/tools/mkckpt", "/tools/mkckpt" }) {
+            std::string p = std::string(d) + rel;
+            if (access(p.c_str(), X_OK) == 0) return p;
+        }
+    }
+    return "";
+}
 
 }  // namespace loader_test
 

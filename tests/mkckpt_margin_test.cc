@@ -19,20 +19,9 @@ extern "C" {
 
 namespace {
 
+using loader_test::MkckptPath;
 using loader_test::ReadFile;
 using loader_test::TempDir;
-
-std::string MkckptPath() {
-    const char *dirs[] = {getenv("TEST_SRCDIR"), "."};
-    for (const char *d : dirs) {
-        if (!d) continue;
-        for (const char *rel : {"/metrale/tools/mkckpt", "/tools/mkckpt"}) {
-            std::string p = std::string(d) + rel;
-            if (access(p.c_str(), X_OK) == 0) return p;
-        }
-    }
-    return "";
-}
 
 // Runs mkckpt with args; returns its exit status and its stderr in *err_out.
 int Mkckpt(const std::string &args, std::string *err_out, const TempDir &dir) {

@@ -21,6 +21,7 @@ extern "C" {
 
 #include "tests/mixed_check.h"
 #include "tests/run_ahead_check.h"
+#include "tests/teacher_forced.h"
 #include "tests/verify_check.h"
 
 namespace {
@@ -37,19 +38,6 @@ const mt_cuda_params kExact = ExactNumerics();
 struct Run {
     std::vector<float> logits;  // [T, V]
 };
-
-// Prefills half the tokens, then decodes the rest one at a time; logits of every position.
-std::vector<float> TeacherForced(glm_model *m, const std::vector<int32_t> &toks) {
-    const int V = glm_model_config(m)->vocab_size, T = (int)toks.size(), P = T / 2;
-    std::vector<float> out((size_t)T * V);
-    glm_seq *s = nullptr;
-    mt_error err{};
-    EXPECT_EQ(glm_seq_new(m, T, &s, &err), MT_OK) << err.msg;
-    EXPECT_EQ(glm_prefill(m, s, toks.data(), P, out.data(), true, &err), MT_OK) << err.msg;
-    for (int t = P; t < T; t++) EXPECT_EQ(glm_decode(m, s, toks[t], out.data() + (size_t)t * V, &err), MT_OK) << err.msg;
-    glm_seq_free(s);
-    return out;
-}
 
 void Compare(const std::string &what, const std::vector<float> &gpu, const std::vector<float> &cpu, int V) {
     const size_t T = cpu.size() / V;

@@ -28,23 +28,14 @@ extern "C" {
 #include "worker/model/glm/glm_model.h"
 }
 
+#include "tests/loader_test_util.h"
+#include "tests/teacher_forced.h"
+
 namespace {
 
-const char *kDemo = "models/glm5-next-demo";
+using loader_test::MkckptPath;
 
-// Prefills the first half of toks, decodes the rest one at a time; the logits of every position.
-// Prefill rows take the tensor-core GEMMs (the rounding under test), decode rows the fp32 GEMVs.
-std::vector<float> TeacherForced(glm_model *m, const std::vector<int32_t> &toks) {
-    const int V = glm_model_config(m)->vocab_size, T = (int)toks.size(), P = T / 2;
-    std::vector<float> out((size_t)T * V);
-    glm_seq *s = nullptr;
-    mt_error err{};
-    EXPECT_EQ(glm_seq_new(m, T, &s, &err), MT_OK) << err.msg;
-    EXPECT_EQ(glm_prefill(m, s, toks.data(), P, out.data(), true, &err), MT_OK) << err.msg;
-    for (int t = P; t < T; t++) EXPECT_EQ(glm_decode(m, s, toks[t], out.data() + (size_t)t * V, &err), MT_OK) << err.msg;
-    glm_seq_free(s);
-    return out;
-}
+const char *kDemo = "models/glm5-next-demo";
 
 // The 5 largest entries' indices of row (ties to the lower index).
 std::vector<int> Top5(const float *row, int V) {
@@ -174,20 +165,6 @@ std::vector<std::vector<int32_t>> RandomPrompts(int V, unsigned seed) {
     return p;
 }
 
-// tools/mkckpt: $MT_MKCKPT (a standalone run, e.g. on the GPU machine), else the runfiles.
-std::string MkckptPath() {
-    if (const char *e = getenv("MT_MKCKPT")) return e;
-    const char *dirs[] = {getenv("TEST_SRCDIR"), "."};
-    for (const char *d : dirs) {
-        if (!d) continue;
-        for (const char *rel : {"/metrale/tools/mkckpt", "/tools/mkckpt"}) {
-            std::string p = std::string(d) + rel;
-            if (access(p.c_str(), X_OK) == 0) return p;
-        }
-    }
-    return "";
-}
-
 // The prompts and continuation length of a margin certificate (DIR/margin.json).
 bool ReadMarginPrompts(const std::string &dir, std::vector<std::vector<int32_t>> *prompts, int *len) {
     json_object *o = json_object_from_file((dir + "/margin.json").c_str());
@@ -212,9 +189,9 @@ bool ReadMarginPrompts(const std::string &dir, std::vector<std::vector<int32_t>>
 TEST_F(NumericsCuda, MarginModelsStrict) {
     const std::string mk = MkckptPath();
     if (mk.empty()) GTEST_SKIP() << "tools/mkckpt not found (set MT_MKCKPT)";
-    const char *tmp = getenv("TEST_TMPDIR");
+    const loader_test::TempDir tmp;
     for (const char *preset : {"tiny", "test-wide"}) {
-        const std::string dir = std::string(tmp ? tmp : "/tmp") + "/margin-" + preset;
+        const std::string dir = tmp.file(std::string("margin-") + preset);
         const std::string cmd = mk + " --preset " + preset + " --out " + dir + " --margin 0.05 >/dev/null 2>&1";
         const int rc = system(cmd.c_str());
         ASSERT_TRUE(WIFEXITED(rc) && WEXITSTATUS(rc) == 0) << cmd;

@@ -34,6 +34,14 @@ typedef struct eng_seq {
     mt_error err;
 } eng_seq;
 
+/* A chunk of a sequence's prefill: k tokens from s->prefilled; echo: with prompt logprobs; last: it
+ * completes the prompt; resumed: after a preemption (its pending token is already sampled). */
+struct eng_chunk {
+    eng_seq *s;
+    int k;
+    bool echo, last, resumed;
+};
+
 struct eng_engine {
     mt_model *m;
     mt_model_info info;          /* the model, as described at eng_new */
@@ -52,11 +60,7 @@ struct eng_engine {
     float *logits;               /* [max_sequences, vocab] host */
     float *echo_logits;          /* [ENG_ECHO_CHUNK, vocab] host, made at the first echo prefill */
     /* The prompt chunks of a mixed step (eng_params.mixed_steps), run beside its decode rows. */
-    struct eng_chunk {
-        eng_seq *s;
-        int k;                   /* tokens fed */
-        bool echo, last, resumed;
-    } *chunks;                   /* [max_sequences] */
+    struct eng_chunk *chunks;    /* [max_sequences] */
     int n_chunks;
     float *chunk_logits;         /* [max_sequences, vocab] host: each completing prompt's last row */
     /* A greedy step queued and not yet read (run_ahead; mt_model_decode_ahead): its rows' sequences in
@@ -464,45 +468,61 @@ static void echo_report(eng_engine *e, eng_seq *s, int k) {
  * (a sequence resuming after a preemption already has its pending token). An allocation or
  * prefill failure ends it with ERROR (freed at the next compaction); a shortage of pages that
  * preempting newer sequences cannot cure preempts s itself. */
-static void prefill_some(eng_engine *e, eng_seq *s, int *budget) {
+/* Prompt logprobs: every row's logits, for positions whose next prompt token is unreported. */
+static bool wants_echo(const eng_seq *s) { return s->req.prompt_logprobs && s->echo_next < s->req.n_prompt; }
+
+/* The next chunk of s's prefill within budget tokens (with prompt logprobs at most ENG_ECHO_CHUNK,
+ * whose rows go to echo_logits, made here). False when s ended instead (no memory for them). */
+static bool chunk_next(eng_engine *e, eng_seq *s, int budget, struct eng_chunk *c) {
     const int rem = s->n_feed - s->prefilled;
-    int k = sched_prefill_chunk(s->n_feed, s->prefilled, *budget, s->snap_at);
-    float *logits = e->logits; /* row 0: the step's decode has already used these rows */
-    /* prompt logprobs: every row's logits, for positions whose next prompt token is unreported */
-    const bool echo = s->req.prompt_logprobs && s->echo_next < s->req.n_prompt;
+    int k = sched_prefill_chunk(s->n_feed, s->prefilled, budget, s->snap_at);
+    const bool echo = wants_echo(s);
     if (echo) {
         if (k > ENG_ECHO_CHUNK) k = ENG_ECHO_CHUNK;
         if (!e->echo_logits && !(e->echo_logits = malloc(sizeof(float) * ENG_ECHO_CHUNK * (size_t)e->vocab))) {
             seq_end(e, s, ENG_FINISH_ERROR, "engine: out of memory for prompt logprobs");
-            return;
+            return false;
         }
     }
-    const bool last = k == rem, resumed = s->n_gen > 0;
-    if (!make_room(e, s, k)) {
+    *c = (struct eng_chunk){ s, k, echo, k == rem, s->n_gen > 0 };
+    return true;
+}
+
+/* The chunk's model part: every row's logits into echo_logits, or a completing (not resumed)
+ * prompt's last row into logits [vocab]. */
+static mt_batch_part chunk_part(const eng_engine *e, const struct eng_chunk *c, float *logits) {
+    return (mt_batch_part){ .kind = MT_PART_PREFILL, .seq = c->s->gs, .tokens = c->s->tokens + c->s->prefilled,
+                            .n = c->k, .logits = c->echo ? e->echo_logits : c->last && !c->resumed ? logits : NULL,
+                            .all_logits = c->echo };
+}
+
+/* After the chunk's model call: its prompt logprobs, its progress, its prefix snapshot, and a
+ * completed prompt's first token from logits (a resumed one decodes its pending token next). */
+static void chunk_done(eng_engine *e, const struct eng_chunk *c, float *logits) {
+    eng_seq *s = c->s;
+    if (c->echo) echo_report(e, s, c->k);
+    if (c->echo && c->last) memcpy(logits, e->echo_logits + (size_t)(c->k - 1) * e->vocab, sizeof(float) * (size_t)e->vocab);
+    s->prefilled += c->k;
+    if (s->snap_at > 0 && s->prefilled == s->snap_at) rt_prefix_keep(&e->prefixes, s->gs, s->tokens, s->snap_at, e->steps);
+    if (c->last && !c->resumed) sample_emit(e, s, logits);
+}
+
+static void prefill_some(eng_engine *e, eng_seq *s, int *budget) {
+    struct eng_chunk c;
+    if (!chunk_next(e, s, *budget, &c)) return;
+    if (!make_room(e, s, c.k)) {
         preempt(e, s);
         return;
     }
-    mt_batch_part part = { .kind = MT_PART_PREFILL, .seq = s->gs, .tokens = s->tokens + s->prefilled, .n = k,
-                           .logits = last && !resumed ? logits : NULL };
-    if (echo) {
-        part.logits = e->echo_logits;
-        part.all_logits = true;
-    }
+    const mt_batch_part part = chunk_part(e, &c, e->logits); /* row 0: the step's decode has used these rows */
     s->st = mt_model_forward(e->m, &(mt_batch){ &part, 1 }, &s->err);
     if (s->st != MT_OK) {
         seq_end(e, s, ENG_FINISH_ERROR, s->err.msg);
         return;
     }
-    if (echo) echo_report(e, s, k);
-    if (echo && last) memcpy(logits, e->echo_logits + (size_t)(k - 1) * e->vocab, sizeof(float) * (size_t)e->vocab);
-    s->prefilled += k;
-    *budget -= k;
-    if (s->snap_at > 0 && s->prefilled == s->snap_at) rt_prefix_keep(&e->prefixes, s->gs, s->tokens, s->snap_at, e->steps);
-    if (last) {
-        if (!resumed) sample_emit(e, s, logits); /* a resumed one decodes its pending token next */
-    } else if (*budget > 0) {
-        prefill_some(e, s, budget); /* stopped at the snapshot: go on */
-    }
+    *budget -= c.k;
+    chunk_done(e, &c, e->logits);
+    if (!c.last && *budget > 0) prefill_some(e, s, budget); /* stopped at the snapshot: go on */
 }
 
 /* A new sequence's start: the longest kept prefix of its prompt is copied in (a hit), and the
@@ -819,22 +839,15 @@ static bool prefill_pending(const eng_engine *e) {
  * or preempting anything: false when they cannot be, which ends the step's planning (a step that
  * plans no chunk falls back to admit, which makes room). */
 static bool plan_chunk(eng_engine *e, eng_seq *s, int *budget) {
-    const int rem = s->n_feed - s->prefilled;
-    int k = sched_prefill_chunk(s->n_feed, s->prefilled, *budget, s->snap_at);
-    const bool echo = s->req.prompt_logprobs && s->echo_next < s->req.n_prompt;
-    if (echo) {
+    if (wants_echo(s))
         for (int j = 0; j < e->n_chunks; j++)
             if (e->chunks[j].echo) return false;
-        if (k > ENG_ECHO_CHUNK) k = ENG_ECHO_CHUNK;
-        if (!e->echo_logits && !(e->echo_logits = malloc(sizeof(float) * ENG_ECHO_CHUNK * (size_t)e->vocab))) {
-            seq_end(e, s, ENG_FINISH_ERROR, "engine: out of memory for prompt logprobs");
-            return true;
-        }
-    }
+    struct eng_chunk c;
+    if (!chunk_next(e, s, *budget, &c)) return true;
     mt_error err = { "" };
-    if (mt_seq_reserve(s->gs, k, &err) != MT_OK) return false;
-    e->chunks[e->n_chunks++] = (struct eng_chunk){ s, k, echo, k == rem, s->n_gen > 0 };
-    *budget -= k;
+    if (mt_seq_reserve(s->gs, c.k, &err) != MT_OK) return false;
+    e->chunks[e->n_chunks++] = c;
+    *budget -= c.k;
     return true;
 }
 
@@ -850,15 +863,8 @@ static bool mixed_step(eng_engine *e, eng_seq **b, int n, float *logits, int32_t
     }
     if (greedy) logits = NULL;
     decode_parts(e, b, n, logits, greedy);
-    for (int j = 0; j < e->n_chunks; j++) {
-        const struct eng_chunk *c = &e->chunks[j];
-        e->parts[n + j] = (mt_batch_part){ .kind = MT_PART_PREFILL, .seq = c->s->gs,
-                                           .tokens = c->s->tokens + c->s->prefilled, .n = c->k,
-                                           .logits = c->echo ? e->echo_logits
-                                                     : c->last && !c->resumed ? e->chunk_logits + (size_t)j * e->vocab
-                                                                               : NULL,
-                                           .all_logits = c->echo };
-    }
+    for (int j = 0; j < e->n_chunks; j++)
+        e->parts[n + j] = chunk_part(e, &e->chunks[j], e->chunk_logits + (size_t)j * e->vocab);
     mt_error err = { "" };
     const mt_status st = mt_model_forward(e->m, &(mt_batch){ e->parts, n + e->n_chunks }, &err);
     if (st == MT_OK) {
@@ -889,12 +895,7 @@ static void finish_chunks(eng_engine *e) {
             seq_end(e, s, ENG_FINISH_ERROR, s->err.msg);
             continue;
         }
-        float *logits = e->chunk_logits + (size_t)j * e->vocab;
-        if (c->echo) echo_report(e, s, c->k);
-        if (c->echo && c->last) memcpy(logits, e->echo_logits + (size_t)(c->k - 1) * e->vocab, sizeof(float) * (size_t)e->vocab);
-        s->prefilled += c->k;
-        if (s->snap_at > 0 && s->prefilled == s->snap_at) rt_prefix_keep(&e->prefixes, s->gs, s->tokens, s->snap_at, e->steps);
-        if (c->last && !c->resumed) sample_emit(e, s, logits);
+        chunk_done(e, c, e->chunk_logits + (size_t)j * e->vocab);
     }
     e->n_chunks = 0;
     requeue_preempted(e);
