@@ -148,9 +148,11 @@ struct mt_step {
     /* Expert census (benchmarks): when set, each MoE layer marks the experts its rows chose in
      * census[layer * n_routed_experts + e] (host; reads the routing back, so eager steps only). */
     uint8_t *census;
-    /* Mixed step: nseg segments of the rows, in row order; NULL otherwise. */
+    /* Mixed step: nseg segments of the rows, in row order; NULL otherwise. The first nrows
+     * segments are one row each of a sequence under way: their mixer runs once in the rows form
+     * (rpos, rtab as for batched decode), the others segment by segment. */
     glm_segment *seg;
-    int nseg;
+    int nseg, nrows;
 };
 
 struct glm_model {

@@ -82,12 +82,22 @@ static mt_status layer_forward(const mt_layer *ml, glm_layer_state **sts, int ns
     const mt_hc_params hp = { c->hc_mult, c->hidden_size, c->rms_norm_eps, c->hc_eps, c->hc_sinkhorn_iters };
     hc_pre_norm(be, scr, X, &l->hc[0], l->in_norm, &hp, n);
     mt_status s = MT_OK;
-    if (step->seg) { /* a mixed step: the mixer runs on each segment's rows with its own state */
-        for (int i = 0, r = 0; i < step->nseg && s == MT_OK; r += step->seg[i++].n) {
+    if (step->seg) {
+        /* a mixed step: its decode rows through the batched decode's mixer at once (one launch
+         * for all of them, not one a row), then each prompt chunk's rows with its own state */
+        if (step->nrows > 0) {
+            mt_step rows = *step;
+            rows.seg = NULL;
+            rows.t0 = -1;
+            s = mixer_forward(l, sts, step->nrows, &rows, scr->h, scr->a, step->nrows);
+        }
+        for (int i = step->nrows, r = step->nrows; i < step->nseg && s == MT_OK; r += step->seg[i++].n) {
             mt_step one = *step;
             one.t0 = step->seg[i].t0;
             one.scr = &step->seg[i].scr;
             one.seg = NULL;
+            one.rpos = NULL;
+            one.rtab = NULL;
             const size_t off = (size_t)r * c->hidden_size;
             s = mixer_forward(l, &sts[i], 1, &one, scr->h + off, scr->a + off, step->seg[i].n);
         }

@@ -598,6 +598,8 @@ static mt_status mixed_check(glm_model *m, const glm_mixed_part *p, int np, int 
     return MT_OK;
 }
 
+static void rows_upload(glm_model *m, glm_seq **seqs, const int32_t *tokens, int n, int B);
+
 mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, mt_error *err) {
     const glm_config *c = &m->cfg;
     mt_backend *be = m->be;
@@ -610,8 +612,9 @@ mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, mt_er
     mt_layer_state **sts = malloc(sizeof *sts * (size_t)np);
     int32_t *rep = malloc(sizeof(int32_t) * (size_t)n * S);
     int *want = malloc(sizeof(int) * (size_t)n); /* the rows whose logits go out, in order */
+    glm_seq **rseq = malloc(sizeof *rseq * (size_t)np);
     float *host = NULL;
-    if (!seg || !sts || !rep || !want) {
+    if (!seg || !sts || !rep || !want || !rseq) {
         st = mt_errorf(err, MT_ERR_NOMEM, "out of memory for a mixed step of %d rows", n);
         goto out;
     }
@@ -634,13 +637,31 @@ mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, mt_er
         if (p[i].logits || p[i].argmax || p[i].n == 1)
             for (int t = p[i].logits && p[i].all_logits ? 0 : p[i].n - 1; t < p[i].n; t++) want[nw++] = r + t;
     }
+    /* the leading one-row parts of sequences under way (the step's decode rows) take the rows
+     * form of batched decode, a pass of them through each mixer */
+    int nrows = 0;
+    bool rows_ok = true;
+    for (int l = 0; l < L && rows_ok; l++) rows_ok = m->layers[l].base.ops->decode_multi_seq != NULL;
+    while (rows_ok && nrows < np && p[nrows].n == 1 && p[nrows].s->len > 0) {
+        rseq[nrows] = p[nrows].s;
+        nrows++;
+    }
+    if (nrows > 0) {
+        m->ahead.valid = false; /* the positions below overwrite the table the last greedy step left */
+        rows_upload(m, rseq, NULL, nrows, nrows);
+    }
     be->ops->embed(be, m->X, &m->embed, rep, n * S);
     if ((st = embed_reduce(m, m->X, (size_t)n * SH)) != MT_OK) goto failed;
-    mt_step step = { .be = be, .scr = &m->scr, .seg = seg, .nseg = np };
+    mt_step step = { .be = be, .scr = &m->scr, .seg = seg, .nseg = np, .nrows = nrows, .rpos = m->d_rrow,
+                     .rcap = m->rcap, .rt_cap = m->rt_cap };
     m->scr.sel_n = 0;
     for (int l = 0; l < L; l++) {
         for (int i = 0; i < np; i++) sts[i] = p[i].s->states[l];
+        step.rtab = nrows > 0 ? m->d_rtab + (size_t)l * GLM_R_KINDS * m->rcap : NULL;
         if ((st = mt_layer_forward_segments(&m->layers[l].base, sts, np, &step, m->X, n)) != MT_OK) goto failed;
+        /* the rows form leaves the host-tracked cache lengths to its caller (decode: the hooks) */
+        for (int i = 0; i < nrows && c->layer_types[l] == GLM_MIXER_DSA; i++)
+            ((glm_layer_state *)sts[i])->len = seg[i].t0 + 1;
     }
     for (int i = 0; i < np; i++) p[i].s->len += p[i].n;
     /* the drafters first: they read the highway rows, which the gather below moves */
@@ -669,6 +690,7 @@ out:
     free(sts);
     free(rep);
     free(want);
+    free(rseq);
     free(host);
     return st;
 }
