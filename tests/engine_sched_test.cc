@@ -52,4 +52,31 @@ TEST(EngineSched, VictimIsTheNewestAfterSelf) {
     EXPECT_EQ(sched_victim(holds, 3, 0), 1);
 }
 
+// Step pacing: a model of steps timed at base 10 ms + 0.02 ms a prompt token; the budget it
+// gives for a 20 ms target is the 500 tokens that fill the other 10 ms.
+TEST(EngineSched, PaceFitsTheTargetFromMeasuredSteps) {
+    sched_pace p;
+    sched_pace_init(&p);
+    EXPECT_EQ(sched_pace_budget(&p, 20, 8, 64, 2048), 2048);  // nothing measured: the cap
+    for (int i = 0; i < 40; i++) {
+        sched_pace_note(&p, 10.0, 0, 8);                  // decode only
+        const int k = 300 + 50 * (i % 5);                 // steps of several chunk sizes
+        sched_pace_note(&p, 10.0 + 0.02 * k, k, 8);
+    }
+    EXPECT_NEAR(p.base_ms, 10.0, 1e-9);
+    EXPECT_NEAR(p.per_token_ms, 0.02, 1e-9);
+    EXPECT_NEAR(sched_pace_budget(&p, 20, 8, 64, 2048), 500, 1);
+    EXPECT_EQ(sched_pace_budget(&p, 20, 8, 64, 256), 256);   // the cap bounds it
+    EXPECT_EQ(sched_pace_budget(&p, 9, 8, 64, 2048), 64);    // decode alone fills it: the floor
+    EXPECT_EQ(sched_pace_budget(&p, 20, 0, 64, 2048), 2048); // no decode rows wait: the cap
+    EXPECT_EQ(sched_pace_budget(&p, 0, 8, 64, 2048), 2048);  // no target: the cap
+    EXPECT_EQ(sched_pace_budget(&p, 9, 8, 64, 32), 32);      // a floor above the cap is the cap
+
+    // the batch doubles (steps of 20 ms with no prompt work): the budget follows within a few steps
+    for (int i = 0; i < 30; i++) sched_pace_note(&p, 20.0, 0, 16);
+    EXPECT_EQ(sched_pace_budget(&p, 20, 16, 64, 2048), 64);
+    for (int i = 0; i < 60; i++) sched_pace_note(&p, 15.0, 0, 12);
+    EXPECT_NEAR(sched_pace_budget(&p, 20, 12, 64, 2048), 250, 2);
+}
+
 }  // namespace

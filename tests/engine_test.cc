@@ -692,6 +692,38 @@ TEST(Engine, MixedStepsGiveTheTokensOfSeparateCalls) {
         if (s.temperature == 0.f) EXPECT_EQ(got[1][s.id], DirectGreedy(M.m, Prompt(s.plen, (int)s.id), s.max_new)) << s.id;
 }
 
+// Paced steps (itl_target_ms): with a target no step can meet, a long prompt beside a decoding
+// sequence goes in ENG_PACE_FLOOR-token chunks, one a step, instead of in one step of the whole
+// budget; it still advances every step, and every token is the unpaced run's.
+TEST(Engine, PacedStepsMoveLongPromptsInFloorChunks) {
+    Model M;
+    std::map<uint64_t, std::vector<int32_t>> got[2];
+    uint64_t mixed[2] = { 0, 0 }, steps[2] = { 0, 0 };
+    for (int paced = 0; paced < 2; paced++) {
+        eng_params p = eng_default_params();
+        p.max_sequences = 4;
+        p.itl_target_ms = paced ? 1e-6 : 0;
+        Engine E(M.m, p);
+        ASSERT_EQ(E.Submit(1, Prompt(5, 1), Req(30)), MT_OK);
+        E.Step();  // prompt work alone: measures a prompt token's time
+        E.Step();  // decode alone: measures the base
+        ASSERT_EQ(E.Submit(2, Prompt(300, 2), Req(6)), MT_OK);
+        const uint64_t mixed0 = E.Stats().mixed_steps, steps0 = E.Stats().steps;
+        while (E.results[2].tokens.empty() && eng_has_work(E.e)) E.Step();
+        mixed[paced] = E.Stats().mixed_steps - mixed0;
+        steps[paced] = E.Stats().steps - steps0;
+        E.RunToEnd();
+        for (uint64_t id : { 1, 2 }) got[paced][id] = E.results[id].tokens;
+    }
+    EXPECT_EQ(mixed[0], 2u);  // to the kept prefix's boundary (256), then the rest
+    EXPECT_EQ(steps[0], 2u);
+    EXPECT_EQ(mixed[1], 256u / ENG_PACE_FLOOR + 1);  // a floor chunk each step, then the rest
+    EXPECT_EQ(steps[1], mixed[1]);
+    for (uint64_t id : { 1, 2 }) EXPECT_EQ(got[1][id], got[0][id]) << "id " << id;
+    EXPECT_EQ(got[0][1].size(), 30u);
+    EXPECT_EQ(got[0][2].size(), 6u);
+}
+
 // Prefix reuse: a prompt that starts with a kept prefix copies its state instead of prefilling it,
 // and its tokens equal a cold run's; a cache too small for two prefixes evicts the older one, and
 // everything kept is accounted and freed.

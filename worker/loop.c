@@ -45,7 +45,8 @@ struct wkr_loop {
 
 wkr_params wkr_default_params(void) {
     return (wkr_params){ .backend = "cpu", .id = -1, .max_sequences = 16, .max_context = 4096,
-                         .router_timeout = MT_WIRE_ROUTER_SILENCE_S, .numerics = MT_NUMERICS_BF16 };
+                         .router_timeout = MT_WIRE_ROUTER_SILENCE_S, .numerics = MT_NUMERICS_BF16,
+                         .itl_target_ms = WKR_ITL_TARGET_MS };
 }
 
 /* ---- start-up ---- */
@@ -267,6 +268,7 @@ mt_status wkr_loop_new(const wkr_params *p, wkr_loop **out, mt_error *err) {
     ep.max_sequences = p->max_sequences;
     ep.max_context = p->max_context;
     if (p->prefill_budget > 0) ep.prefill_budget = p->prefill_budget;
+    ep.itl_target_ms = p->itl_target_ms;
     ep.preempt = !p->no_preempt;
     ep.mixed_steps = !p->no_mixed_steps;
     ep.run_ahead = p->no_run_ahead ? ENG_RUN_AHEAD_OFF : ENG_RUN_AHEAD_AUTO;

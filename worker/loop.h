@@ -18,6 +18,10 @@
 #ifndef WKR_LOOP_H
 #define WKR_LOOP_H
 
+/* The step time a worker's steps with decode rows aim for, ms: under the 25 ms p99 inter-token
+ * SLO that bench/openloop_bench.py's goodput holds, leaving 5 ms for the host and for variance. */
+#define WKR_ITL_TARGET_MS 20.0
+
 #include <signal.h>
 #include <stdbool.h>
 
@@ -40,6 +44,7 @@ typedef struct wkr_params {
     int threads;             /* CPU backend threads; 0 = all cores */
     long cache_budget_mb;    /* the state pools; 0: the backend's free memory less a reserve */
     int prefill_budget;      /* prompt tokens prefilled per step; 0: the engine's default */
+    double itl_target_ms;    /* eng_params.itl_target_ms; 0: off; default WKR_ITL_TARGET_MS */
     int graph_max_batch;     /* largest decode batch replayed as a CUDA graph; 0: the model's default */
     bool no_preempt;         /* admit only with pages for the whole length instead of preempting */
     bool no_mixed_steps;     /* prompt chunks in model calls of their own, not with the decode rows */

@@ -40,7 +40,7 @@ static void usage(FILE *f) {
     fprintf(f,
             "usage: metrale-worker --model DIR --router ENDPOINT --id N [--backend cpu|cuda|auto]\n"
             "                      [--device N] [--max-sequences N] [--max-context N] [--threads N]\n"
-            "                      [--router-timeout S] [--cache-budget-mb N] [--prefill-budget N]\n"
+            "                      [--router-timeout S] [--cache-budget-mb N] [--prefill-budget N] [--itl-target-ms MS]\n"
             "                      [--graph-max-batch N] [--no-preempt] [--no-run-ahead] [--no-mixed-steps] [--verbose]\n"
             "                      [--numerics bf16|exact] [--tp N --rank R --group NAME]\n"
             "                      [--speculative-tokens K] [--speculative-max-batch B]\n"
@@ -55,7 +55,10 @@ static void usage(FILE *f) {
             "  the sequence-state pools (default 0: the free memory after the weights, less a reserve for\n"
             "  activations and graphs); --prefill-budget: prompt tokens prefilled per step beside decoding\n"
             "  (the chunk size of a long prompt; default 2048), sent to the model in one call with the step's\n"
-            "  decode rows unless --no-mixed-steps. A request waits while the pools are short,\n"
+            "  decode rows unless --no-mixed-steps; --itl-target-ms: the step time a step with decode rows\n"
+            "  aims for (default 20, under a 25 ms p99 inter-token SLO with room for the host): its prompt\n"
+            "  tokens are as many as measured step times say fit, at least 64, at most --prefill-budget\n"
+            "  (0: --prefill-budget every step). A request waits while the pools are short,\n"
             "  and a running one that runs out of cache pages is preempted (its state recomputed later);\n"
             "  --graph-max-batch: decode steps of up to N sequences replay CUDA graphs (buckets 1, 2, 4, ...;\n"
             "  default 64), larger ones run eagerly; --no-preempt: admit a request only when pages for its\n"
@@ -154,6 +157,14 @@ static int parse_args(int argc, char **argv, wkr_params *o, bool *verbose) {
         }
         else if (!strcmp(a, "--threads")) rc = parse_int(a, v, 0, &o->threads);
         else if (!strcmp(a, "--prefill-budget")) rc = parse_int(a, v, 1, &o->prefill_budget);
+        else if (!strcmp(a, "--itl-target-ms")) {
+            char *end;
+            o->itl_target_ms = strtod(v, &end);
+            if (end == v || *end || !(o->itl_target_ms >= 0 && o->itl_target_ms <= 60000)) {
+                fprintf(stderr, "error: --itl-target-ms must be milliseconds in [0, 60000], got \"%s\"\n", v);
+                return -1;
+            }
+        }
         else if (!strcmp(a, "--graph-max-batch")) rc = parse_int(a, v, 1, &o->graph_max_batch);
         else if (!strcmp(a, "--speculative-tokens")) {
             rc = parse_int(a, v, 0, &o->spec_tokens);

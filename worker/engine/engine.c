@@ -71,6 +71,9 @@ struct eng_engine {
     bool ahead_on;               /* run_ahead resolved for this model's backend */
     uint64_t ahead_steps;
     uint64_t mixed_steps;        /* mixed_step calls that ran decode rows and chunks together */
+    sched_pace pace;             /* measured step times (itl_target_ms) */
+    int step_rows;               /* decode rows of the step under way */
+    int step_prompt;             /* prompt tokens the step under way took */
     float *draft_logits;         /* [vocab] host: the drafter's logits (spec_tokens > 0) */
     float *spec_q;               /* [ENG_SPEC_MAX, vocab] the drafts' processed distributions */
     float *spec_p;               /* [vocab] a verify row's processed distribution */
@@ -123,6 +126,8 @@ mt_status eng_new(mt_model *m, const eng_params *params, const eng_callbacks *cb
                          "engine params: max_sequences %d (>= 1), max_waiting %d (>= 0), max_context %d "
                          "(>= 2), prefill_budget %d (>= 0)",
                          p.max_sequences, p.max_waiting, p.max_context, p.prefill_budget);
+    if (!(p.itl_target_ms >= 0))
+        return mt_errorf(err, MT_ERR_INVALID, "engine params: itl_target_ms %g (>= 0)", p.itl_target_ms);
     if (!p.now_ms) p.now_ms = realtime_ms;
     if (p.spec_tokens < 0 || p.spec_tokens > ENG_SPEC_MAX || p.spec_max_batch < 0)
         return mt_errorf(err, MT_ERR_INVALID, "engine params: spec_tokens %d (0 .. %d), spec_max_batch %d (>= 0)",
@@ -139,6 +144,7 @@ mt_status eng_new(mt_model *m, const eng_params *params, const eng_callbacks *cb
     e->info = mt_model_describe(m);
     rt_prefix_cache_init(&e->prefixes, m, p.prefix_cache_bytes);
     e->p = p;
+    sched_pace_init(&e->pace);
     e->ahead_on = p.run_ahead == ENG_RUN_AHEAD_ALWAYS || (p.run_ahead == ENG_RUN_AHEAD_AUTO && e->info.backend_queues);
     if (cb) e->cb = *cb;
     e->vocab = e->info.vocab_size;
@@ -564,7 +570,9 @@ static bool feed_now(eng_engine *e, eng_seq *s, int *budget) {
 /* feed: the prefill of a chunk now (prefill_some), or its plan for the step's mixed batch
  * (plan_chunk); false stops the step's prefill work there. */
 static void admit_with(eng_engine *e, eng_feed feed) {
-    int budget = e->p.prefill_budget > 0 ? e->p.prefill_budget : 1, taken = 0;
+    const int cap = e->p.prefill_budget > 0 ? e->p.prefill_budget : 1;
+    const int budget0 = sched_pace_budget(&e->pace, e->p.itl_target_ms, e->step_rows, ENG_PACE_FLOOR, cap);
+    int budget = budget0, taken = 0;
     bool stop = false;
     for (int i = 0; i < e->n_running && budget > 0 && !stop; i++) {
         eng_seq *s = e->running[i];
@@ -606,6 +614,7 @@ static void admit_with(eng_engine *e, eng_feed feed) {
     memmove(e->waiting, e->waiting + taken, sizeof(eng_seq *) * (size_t)(e->n_waiting - taken));
     e->n_waiting -= taken;
     requeue_preempted(e);
+    e->step_prompt += budget0 - (budget > 0 ? budget : 0);
 }
 
 static void admit(eng_engine *e) { admit_with(e, feed_now); }
@@ -901,7 +910,19 @@ static void finish_chunks(eng_engine *e) {
     requeue_preempted(e);
 }
 
+static mt_status step_body(eng_engine *e, int *n_tokens);
+
+/* One step, timed for the pacing of the next ones (sched_pace: its prompt tokens and decode rows). */
 mt_status eng_step(eng_engine *e, int *n_tokens) {
+    const double t0 = mt_now();
+    e->step_rows = 0;
+    e->step_prompt = 0;
+    const mt_status st = step_body(e, n_tokens);
+    sched_pace_note(&e->pace, (mt_now() - t0) * 1e3, e->step_prompt, e->step_rows);
+    return st;
+}
+
+static mt_status step_body(eng_engine *e, int *n_tokens) {
     const uint64_t tokens0 = e->tokens;
     if (n_tokens) *n_tokens = 0;
     if (!eng_has_work(e)) return MT_OK;
@@ -912,6 +933,7 @@ mt_status eng_step(eng_engine *e, int *n_tokens) {
          * next step is queued on them before the host reads them (then reports them) */
         const int n = e->n_ahead;
         const int64_t prev = e->ahead_ticket;
+        e->step_rows = n;
         if (ahead_next_ok(e) && ahead_queue(e, e->running, n, true) == MT_OK) {
             ahead_report(e, n, prev); /* step k's tokens; step k + 1 is in flight for the same rows */
             compact(e, e->running, &e->n_running); /* rows of sequences that ended at k are dropped */
@@ -953,6 +975,7 @@ mt_status eng_step(eng_engine *e, int *n_tokens) {
         if (s->k_step > 0 && !s->done) spec_step(e, s);
         else e->batch[n++] = s;
     }
+    e->step_rows = n_ready;
     if (n > 0) {
         /* a batch of plain greedy requests takes its tokens on the device: no logits move */
         bool greedy = n <= ENG_GREEDY_MAX;

@@ -71,6 +71,9 @@ typedef struct eng_request {
 #define ENG_SPEC_MAX 4
 
 #define ENG_ECHO_CHUNK 128
+/* The fewest prompt tokens a paced step takes (eng_params.itl_target_ms) while a prompt waits:
+ * a 4096-token prompt still finishes within 64 steps however full the batch. */
+#define ENG_PACE_FLOOR 64
 
 /* A request with no prompt, greedy, max_new_tokens 16. */
 eng_request eng_default_request(void);
@@ -105,6 +108,11 @@ typedef struct eng_params {
     int max_context;             /* n_prompt + max_new_tokens bound, default 4096 */
     int prefill_budget;          /* prompt tokens prefilled per step, in chunks: a longer prompt is
                                   * spread over steps between decode steps; default 2048 */
+    /* The latency a step's decode rows should see: when > 0, each step with decode rows takes as
+     * many prompt tokens as the measured step times say fit in it (sched_pace), at least
+     * ENG_PACE_FLOOR (a long prompt always advances) and at most prefill_budget. 0 (the
+     * default here; the worker sets its own): prefill_budget alone, every step. */
+    double itl_target_ms;
     /* A step's prompt chunks and its decode rows go to the model as one batch (one pass over the
      * weights: the decode rows ride along the chunks' GEMMs instead of waiting for them); false:
      * the decode, then each chunk alone. Default true. */

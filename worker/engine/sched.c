@@ -29,3 +29,34 @@ int sched_victim(const bool *holds, int n_running, int self) {
         if (holds[i]) return i;
     return -1;
 }
+
+/* Running means weigh the latest step by 1/8: a few steps follow a change in the batch, one
+ * odd step (a page fault, a host hiccup) moves the estimate little. */
+#define PACE_WEIGHT 0.125
+
+void sched_pace_init(sched_pace *p) {
+    p->base_ms = -1.0;
+    p->per_token_ms = -1.0;
+}
+
+static double pace_mean(double old, double x) { return old < 0 ? x : old + PACE_WEIGHT * (x - old); }
+
+void sched_pace_note(sched_pace *p, double ms, int tokens, int rows) {
+    if (!(ms >= 0) || tokens < 0 || rows < 0) return;
+    if (tokens == 0) {
+        if (rows > 0) p->base_ms = pace_mean(p->base_ms, ms);
+        return;
+    }
+    const double base = rows > 0 && p->base_ms > 0 ? p->base_ms : 0.0;
+    const double per = (ms > base ? ms - base : 0.0) / tokens;
+    p->per_token_ms = pace_mean(p->per_token_ms, per);
+}
+
+int sched_pace_budget(const sched_pace *p, double target_ms, int rows, int floor, int cap) {
+    if (floor > cap) floor = cap;
+    if (target_ms <= 0 || rows == 0 || p->per_token_ms <= 0) return cap;
+    const double base = p->base_ms > 0 ? p->base_ms : 0.0;
+    const double t = (target_ms - base) / p->per_token_ms;
+    if (t <= floor) return floor;
+    return t >= cap ? cap : (int)t;
+}

@@ -59,6 +59,30 @@ int sched_prefix_boundary(int n_prompt, int block, int prefilled, int n_gen);
  * since an older sequence never gives way for a newer one. */
 int sched_victim(const bool *holds, int n_running, int self);
 
+/* Step pacing: the prompt tokens a step may take so that its decode rows get their next token
+ * within a latency target. A step is modelled as base + per_token * chunk tokens: base is what a
+ * step without prompt work takes (its decode rows alone), per_token what each prompt token adds.
+ * Both are running means of measured steps (sched_pace_note), so the model follows the batch as
+ * it grows and the prompts as their attention lengthens. */
+typedef struct sched_pace {
+    double base_ms;            /* a decode-only step; < 0 until one is measured */
+    double per_token_ms;       /* each prompt token of a step; < 0 until a step with prompt work is */
+} sched_pace;
+
+/* Nothing measured yet. */
+void sched_pace_init(sched_pace *p);
+
+/* One measured step: ms of wall time, `tokens` prompt tokens in it (0: decode only), `rows`
+ * decode rows beside them. Steps without decode rows say nothing about base (their time is the
+ * prompt work alone, and it is charged to per_token). */
+void sched_pace_note(sched_pace *p, double ms, int tokens, int rows);
+
+/* The prompt tokens of the next step for a target of target_ms: (target - base) / per_token,
+ * within [floor, cap]; cap while nothing is measured, or with no decode rows waiting on the step
+ * (rows == 0: nobody's latency is at stake) or no target (target_ms <= 0). floor keeps a long
+ * prompt moving when the decode rows alone take the whole target, so it is never starved. */
+int sched_pace_budget(const sched_pace *p, double target_ms, int rows, int floor, int cap);
+
 #ifdef __cplusplus
 }
 #endif
