@@ -45,7 +45,8 @@ def free_port():
 
 
 def binary(rel):
-    env = {"router/metrale-router": "METRALE_ROUTER_BIN", "worker/metrale-worker": "METRALE_WORKER_BIN"}.get(rel)
+    env = {"router/metrale-router": "METRALE_ROUTER_BIN", "worker/metrale-worker": "METRALE_WORKER_BIN",
+           "bench/serving_direct": "METRALE_DIRECT_BIN"}.get(rel)
     if env and os.environ.get(env):  # a gpu-bundle's copy, on a machine without Bazel
         return os.environ[env]
     p = os.path.join(ROOT, "bazel-bin", rel)
@@ -81,7 +82,10 @@ class Service:
         import grpc
         from proto.grpc.health.v1 import health_pb2, health_pb2_grpc
         from proto.metrale.v1 import metrale_pb2_grpc
-        self.dir = tempfile.mkdtemp(prefix="metrale-bench-")
+        # A unix socket path is limited to 107 bytes: keep the ipc endpoint short (a test's TMPDIR
+        # under Bazel is long).
+        base = tempfile.gettempdir()
+        self.dir = tempfile.mkdtemp(prefix="metrale-bench-", dir=base if len(base) <= 60 else "/tmp")
         ep = "ipc://" + os.path.join(self.dir, "w.sock")
         self.addr = "127.0.0.1:%d" % free_port()
         self.log = open(os.path.join(self.dir, "service.log"), "wb")

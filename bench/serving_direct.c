@@ -1,16 +1,30 @@
-/* bench/serving_direct.c: the reference side of bench/serving_bench.py. Runs C concurrent
- * streams straight through the engine (worker/engine, no router, no ZeroMQ, no gRPC), the same
- * requests the driver sends through the service, and prints one JSON object with the figures
- * the driver compares: tokens/s over the run, time to first token, and the per-token latency
- * (the interval between consecutive tokens of a stream).
+/* bench/serving_direct.c: the reference side of bench/serving_bench.py and
+ * bench/openloop_bench.py --direct. Runs requests straight through the engine (worker/engine, no
+ * router, no ZeroMQ, no gRPC) and prints one JSON object with the figures the driver compares:
+ * tokens/s over the run, time to first token, and the per-token latency (the interval between
+ * consecutive tokens of a stream).
  *
  *   serving_direct --model DIR|random:PRESET --streams C [--max-new N] [--prompt-len P]
  *                  [--backend cpu|cuda] [--threads N] [--run-ahead 0|1]
+ *   serving_direct --model DIR --prompt-mix A,B,.. --new-mix X,Y,.. --requests N [--seed S]
+ *                  [--shared-prefix K] [--max-sequences M] [--backend cpu|cuda] [--threads N]
  * (random:PRESET, e.g. random:bench-4L: glm_config_preset's shapes with random weights made by the
  *  backend; --run-ahead 0: eng_params.run_ahead off, for comparison; 1, the default: AUTO.)
  *
- * Stream i's prompt is token (i * 7 + k) % vocab for k < P, greedy, ignore_eos, max_new N; all C
- * are submitted at t = 0 with max_sequences = C (the worker runs with --max-sequences C too).
+ * Fixed lengths (no --prompt-mix): stream i's prompt is token (i * 7 + k) % vocab for k < P,
+ * greedy, ignore_eos, max_new N; all C are submitted at t = 0 with max_sequences = C (the worker
+ * runs with --max-sequences C too).
+ *
+ * A mix (--prompt-mix and --new-mix): the engine's own figure for openloop_bench's mix. Request j
+ * draws its prompt length, then its new tokens, uniformly from the lists, in request order, the
+ * order openloop_bench draws them; the generator is this file's splitmix64 seeded with S, so the
+ * draws are reproducible here but not the ones Python's random draws for the same seed. Its prompt
+ * is K shared tokens (k * 17 + 3) % vocab, then openloop_bench's per-request tokens (mix_prompt).
+ * All N are submitted at t = 0 with max_sequences = M (default 64; the rest wait in the engine).
+ * The JSON adds TTFT and ITL p50/p99 (ITL over every interval between consecutive tokens), the
+ * requests that gave all their tokens, and the engine's prefix hits (requests that reused a kept
+ * prefix; the warm-up's prompt keeps none).
+ *
  * A warm-up request runs first (page faults of the weight mapping, first-touch of buffers).
  */
 #include <stdio.h>
@@ -66,9 +80,98 @@ static int cmp_double(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
+#define MIX_MAX 32 /* lengths a mix list may hold */
+
+/* A list of lengths from "16,64,256": n of them into v[MIX_MAX], each >= lo. -1 when malformed. */
+static int parse_mix(const char *s, int lo, int *v) {
+    int n = 0;
+    while (*s) {
+        char *end;
+        const long x = strtol(s, &end, 10);
+        if (end == s || x < lo || x > 1 << 20 || n == MIX_MAX || (*end && *end != ',')) return -1;
+        v[n++] = (int)x;
+        s = *end ? end + 1 : end;
+    }
+    return n;
+}
+
+/* splitmix64: the mix's draws, reproducible from the seed (not Python's Mersenne Twister). */
+static uint64_t mix_next(uint64_t *state) {
+    uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* Request j's prompt, as openloop_bench.py makes it: `shared` tokens common to every request, then
+ * plen of its own, the first two spelling j in base vocab so that no two requests share more. */
+static void mix_prompt(int32_t *out, int shared, int plen, int64_t j, int V) {
+    for (int k = 0; k < shared; k++) out[k] = (int32_t)(((int64_t)k * 17 + 3) % V);
+    for (int k = 0; k < plen; k++) {
+        const int64_t t = k == 0 ? j % V : k == 1 ? (j / V) % V : (j * 131 + (int64_t)k * 7 + 1) % V;
+        out[shared + k] = (int32_t)t;
+    }
+}
+
+static double pct_sorted(const double *x, size_t n, double q) {
+    return n ? x[(size_t)(q * (double)(n - 1))] : 0;
+}
+
+/* The mix: n requests of the drawn shapes, all submitted now; prints the JSON. 0 when every
+ * request gave its tokens. */
+static int run_mix(eng_engine *e, bench *b, int V, int n, const int *plens, const int *news, int shared,
+                   int max_sequences, const char *backend, int32_t *prompt) {
+    mt_error err = { "" };
+    eng_request r = eng_default_request();
+    r.prompt = prompt;
+    r.ignore_eos = true;
+    long want = 0;
+    b->t0 = mt_now();
+    for (int j = 0; j < n; j++) {
+        mix_prompt(prompt, shared, plens[j], j, V);
+        r.n_prompt = shared + plens[j];
+        r.max_new_tokens = news[j];
+        want += news[j];
+        if (eng_submit(e, (uint64_t)j, &r, 0, &err) != MT_OK) {
+            fprintf(stderr, "serving_direct: request %d: %s\n", j, err.msg);
+            return 1;
+        }
+    }
+    while (eng_has_work(e)) eng_step(e, NULL);
+    const double wall = mt_now() - b->t0;
+
+    double *ttft = malloc(sizeof(double) * (size_t)n);
+    if (!ttft) { fprintf(stderr, "serving_direct: out of memory\n"); return 1; }
+    long tokens = 0;
+    int done = 0;
+    for (int j = 0; j < n; j++) {
+        tokens += b->s[j].n;
+        done += b->s[j].done && b->s[j].n == news[j];
+        ttft[j] = b->s[j].n ? b->s[j].first - b->t0 : wall;
+    }
+    eng_stats st;
+    eng_get_stats(e, &st);
+    qsort(ttft, (size_t)n, sizeof(double), cmp_double);
+    qsort(b->gaps, b->n_gaps, sizeof(double), cmp_double);
+    printf("{\"mode\": \"mix\", \"requests\": %d, \"requests_done\": %d, \"tokens\": %ld, \"tokens_expected\": %ld, "
+           "\"wall_s\": %.6f, \"tok_per_s\": %.3f, \"ttft_p50_ms\": %.3f, \"ttft_p99_ms\": %.3f, "
+           "\"itl_p50_ms\": %.3f, \"itl_p99_ms\": %.3f, \"shared_prefix\": %d, \"prefix_hits\": %llu, "
+           "\"max_sequences\": %d, "
+           "\"backend\": \"%s\"}\n",
+           n, done, tokens, want, wall, tokens / wall, 1e3 * pct_sorted(ttft, (size_t)n, 0.5),
+           1e3 * pct_sorted(ttft, (size_t)n, 0.99), 1e3 * pct_sorted(b->gaps, b->n_gaps, 0.5),
+           1e3 * pct_sorted(b->gaps, b->n_gaps, 0.99), shared,
+           (unsigned long long)st.prefix_hits, max_sequences, backend);
+    free(ttft);
+    if (done != n) fprintf(stderr, "serving_direct: %d of %d requests gave their tokens\n", done, n);
+    return done == n ? 0 : 1;
+}
+
 int main(int argc, char **argv) {
-    const char *model = NULL, *backend = "cpu";
+    const char *model = NULL, *backend = "cpu", *prompt_mix = NULL, *new_mix = NULL;
     int streams = 1, max_new = 32, plen = 16, threads = 0, run_ahead = 1;
+    int requests = 0, shared = 0, max_sequences = 64;
+    uint64_t seed = 1;
     for (int i = 1; i + 1 < argc; i += 2) {
         const char *a = argv[i], *v = argv[i + 1];
         if (!strcmp(a, "--model")) model = v;
@@ -78,12 +181,44 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--prompt-len")) plen = atoi(v);
         else if (!strcmp(a, "--threads")) threads = atoi(v);
         else if (!strcmp(a, "--run-ahead")) run_ahead = atoi(v);
+        else if (!strcmp(a, "--prompt-mix")) prompt_mix = v;
+        else if (!strcmp(a, "--new-mix")) new_mix = v;
+        else if (!strcmp(a, "--requests")) requests = atoi(v);
+        else if (!strcmp(a, "--seed")) seed = strtoull(v, NULL, 10);
+        else if (!strcmp(a, "--shared-prefix")) shared = atoi(v);
+        else if (!strcmp(a, "--max-sequences")) max_sequences = atoi(v);
         else { fprintf(stderr, "serving_direct: unknown option %s\n", a); return 2; }
     }
-    if (!model || streams < 1 || max_new < 2 || plen < 1) {
+    const bool mix = prompt_mix || new_mix;
+    int pm[MIX_MAX], nm[MIX_MAX], n_pm = 0, n_nm = 0;
+    if (mix) {
+        n_pm = prompt_mix ? parse_mix(prompt_mix, 1, pm) : -1;
+        n_nm = new_mix ? parse_mix(new_mix, 1, nm) : -1;
+    }
+    if (!model || (!mix && (streams < 1 || max_new < 2 || plen < 1)) ||
+        (mix && (n_pm < 1 || n_nm < 1 || requests < 1 || shared < 0 || max_sequences < 1))) {
         fprintf(stderr, "usage: serving_direct --model DIR --streams C [--max-new N>=2] [--prompt-len P] "
-                        "[--backend cpu|cuda] [--threads N]\n");
+                        "[--backend cpu|cuda] [--threads N]\n"
+                        "       serving_direct --model DIR --prompt-mix A,B,.. --new-mix X,Y,.. --requests N "
+                        "[--seed S] [--shared-prefix K] [--max-sequences M] [--backend cpu|cuda] [--threads N]\n"
+                        "  (a mix's draws are reproducible from S, but not those Python's random makes from S)\n");
         return 2;
+    }
+    int *plens = NULL, *news = NULL;
+    if (mix) { /* the draws, before anything else, in openloop_bench's order: prompt, then new */
+        uint64_t st = seed;
+        plens = malloc(sizeof(int) * (size_t)requests);
+        news = malloc(sizeof(int) * (size_t)requests);
+        if (!plens || !news) { fprintf(stderr, "serving_direct: out of memory\n"); free(plens); free(news); return 1; }
+        plen = max_new = 0;
+        for (int j = 0; j < requests; j++) {
+            plens[j] = pm[mix_next(&st) % (uint64_t)n_pm];
+            news[j] = nm[mix_next(&st) % (uint64_t)n_nm];
+        }
+        for (int k = 0; k < n_pm; k++) plen = pm[k] > plen ? pm[k] : plen;
+        for (int k = 0; k < n_nm; k++) max_new = nm[k] > max_new ? nm[k] : max_new;
+        plen += shared;
+        streams = requests; /* record slots: one per request, the warm-up's after them */
     }
     mt_error err = { "" };
     mt_backend *be = !strcmp(backend, "cuda") ? mt_cuda_backend_new(0, NULL, &err) : mt_cpu_backend_new(threads);
@@ -101,18 +236,19 @@ int main(int argc, char **argv) {
     }
     const int V = mt_model_describe(m).vocab_size;
     eng_params ep = eng_default_params();
-    ep.max_sequences = streams;
+    ep.max_sequences = mix ? max_sequences : streams;
     ep.max_context = plen + max_new;
+    if (mix && ep.max_waiting < requests) ep.max_waiting = requests;
     ep.run_ahead = run_ahead ? ENG_RUN_AHEAD_AUTO : ENG_RUN_AHEAD_OFF;
     eng_callbacks cb = { .user = &b, .on_tokens = on_tokens, .on_finished = on_finished };
     if (eng_new(m, &ep, &cb, &e, &err) != MT_OK) { fprintf(stderr, "serving_direct: %s\n", err.msg); goto done; }
 
     eng_request r = eng_default_request();
     r.prompt = prompt;
-    r.n_prompt = plen;
+    r.n_prompt = mix ? (plen < 16 ? plen : 16) : plen;
     r.ignore_eos = true;
     /* warm-up: one short stream, id `streams` (its own record slot) */
-    for (int k = 0; k < plen; k++) prompt[k] = (int32_t)(k % V);
+    for (int k = 0; k < r.n_prompt; k++) prompt[k] = (int32_t)(k % V);
     r.max_new_tokens = 2;
     if (eng_submit(e, (uint64_t)streams, &r, 0, &err) != MT_OK) { fprintf(stderr, "serving_direct: %s\n", err.msg); goto done; }
     while (eng_has_work(e)) eng_step(e, NULL);
@@ -120,6 +256,11 @@ int main(int argc, char **argv) {
     b.finished = 0;
     b.n_gaps = 0;
 
+    if (mix) {
+        rc = run_mix(e, &b, V, requests, plens, news, shared, max_sequences, backend, prompt);
+        goto done;
+    }
+    r.n_prompt = plen;
     r.max_new_tokens = max_new;
     b.t0 = mt_now();
     for (int i = 0; i < streams; i++) {
@@ -151,5 +292,7 @@ done:
     free(prompt);
     free(b.s);
     free(b.gaps);
+    free(plens);
+    free(news);
     return rc;
 }
