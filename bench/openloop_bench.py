@@ -205,7 +205,7 @@ def main():
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--max-sequences", type=int, default=64)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--worker-args", default="", help="more metrale-worker options, e.g. \"--no-mixed-steps\"")
+    ap.add_argument("--worker-args", default="", help="more metrale-worker options, e.g. \"--mixed-steps\"")
     ap.add_argument("--goodput", action="store_true",
                     help="find the highest rate meeting the SLOs by bisection (instead of --rates)")
     ap.add_argument("--slo-ttft-ms", type=float, default=250.0, help="TTFT p99 bound (default 250)")

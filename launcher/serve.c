@@ -111,7 +111,7 @@ typedef struct serve_opts {
     const char *prefill_budget, *graph_max_batch, *cache_budget_mb, *itl_target_ms;
     const char *numerics;  /* GPU prefill GEMM numerics, passed to every worker when given */
     const char *spec_tokens, *spec_max_batch; /* speculative decoding, passed to every worker */
-    bool no_preempt, no_mixed_steps;
+    bool no_preempt, mixed_steps;
     bool no_run_ahead;
     const char *router;    /* a router elsewhere: start none, connect the groups there */
     const char *curve_server_key, *curve_secret_key; /* key files, passed to every worker */
@@ -132,7 +132,7 @@ static void usage(FILE *f) {
             "usage: metrale-serve [--model DIR] [--listen HOST:PORT] [--workers G] [--tp N] [--backend auto|cpu|cuda]\n"
             "                     [--max-sequences N] [--max-context N] [--threads N] [--queue N] [--drain-timeout S]\n"
             "                     [--prefill-budget N] [--itl-target-ms MS] [--graph-max-batch N] [--cache-budget-mb N] [--no-preempt]\n"
-            "                     [--no-mixed-steps] [--no-run-ahead] [--numerics bf16|exact] [--metrics HOST:PORT]\n"
+            "                     [--mixed-steps] [--no-run-ahead] [--numerics bf16|exact] [--metrics HOST:PORT]\n"
             "                     [--speculative-tokens K] [--speculative-max-batch B]\n"
             "                     [--log-format text|json] [--log-prompts]\n"
             "                     [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]] [--auth-token-file FILE]\n"
@@ -333,7 +333,7 @@ static pid_t start_rank(group *gr, int r) {
     if (g_o.graph_max_batch) { argv[k++] = "--graph-max-batch"; argv[k++] = (char *)g_o.graph_max_batch; }
     if (g_o.cache_budget_mb) { argv[k++] = "--cache-budget-mb"; argv[k++] = (char *)g_o.cache_budget_mb; }
     if (g_o.no_preempt) argv[k++] = "--no-preempt";
-    if (g_o.no_mixed_steps) argv[k++] = "--no-mixed-steps";
+    if (g_o.mixed_steps) argv[k++] = "--mixed-steps";
     if (g_o.no_run_ahead) argv[k++] = "--no-run-ahead";
     if (g_o.numerics) { argv[k++] = "--numerics"; argv[k++] = (char *)g_o.numerics; }
     if (g_o.spec_tokens) { argv[k++] = "--speculative-tokens"; argv[k++] = (char *)g_o.spec_tokens; }
@@ -460,7 +460,7 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); return 1; }
         if (!strcmp(a, "--no-preempt")) { o->no_preempt = true; continue; }
-        if (!strcmp(a, "--no-mixed-steps")) { o->no_mixed_steps = true; continue; }
+        if (!strcmp(a, "--mixed-steps")) { o->mixed_steps = true; continue; }
         if (!strcmp(a, "--no-run-ahead")) { o->no_run_ahead = true; continue; }
         if (!strcmp(a, "--log-prompts")) { o->log_prompts = true; continue; }
         if (!v) { fprintf(stderr, "metrale-serve: %s needs a value\n", a); usage(stderr); return -1; }

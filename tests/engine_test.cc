@@ -702,6 +702,7 @@ TEST(Engine, PacedStepsMoveLongPromptsInFloorChunks) {
     for (int paced = 0; paced < 2; paced++) {
         eng_params p = eng_default_params();
         p.max_sequences = 4;
+        p.mixed_steps = true;
         p.itl_target_ms = paced ? 1e-6 : 0;
         Engine E(M.m, p);
         ASSERT_EQ(E.Submit(1, Prompt(5, 1), Req(30)), MT_OK);

@@ -18,10 +18,6 @@
 #ifndef WKR_LOOP_H
 #define WKR_LOOP_H
 
-/* The step time a worker's steps with decode rows aim for, ms: under the 25 ms p99 inter-token
- * SLO that bench/openloop_bench.py's goodput holds, leaving 5 ms for the host and for variance. */
-#define WKR_ITL_TARGET_MS 20.0
-
 #include <signal.h>
 #include <stdbool.h>
 
@@ -44,10 +40,10 @@ typedef struct wkr_params {
     int threads;             /* CPU backend threads; 0 = all cores */
     long cache_budget_mb;    /* the state pools; 0: the backend's free memory less a reserve */
     int prefill_budget;      /* prompt tokens prefilled per step; 0: the engine's default */
-    double itl_target_ms;    /* eng_params.itl_target_ms; 0: off; default WKR_ITL_TARGET_MS */
+    double itl_target_ms;    /* eng_params.itl_target_ms; 0 (default): off */
     int graph_max_batch;     /* largest decode batch replayed as a CUDA graph; 0: the model's default */
     bool no_preempt;         /* admit only with pages for the whole length instead of preempting */
-    bool no_mixed_steps;     /* prompt chunks in model calls of their own, not with the decode rows */
+    bool mixed_steps;        /* prompt chunks in the decode rows' model call (eng_params.mixed_steps) */
     bool no_run_ahead;       /* greedy batches read each step's tokens before the next */
     int spec_tokens;         /* speculative decoding with the checkpoint's MTP block: drafts a step
                               * (0 = off, up to ENG_SPEC_MAX) */

@@ -41,7 +41,7 @@ static void usage(FILE *f) {
             "usage: metrale-worker --model DIR --router ENDPOINT --id N [--backend cpu|cuda|auto]\n"
             "                      [--device N] [--max-sequences N] [--max-context N] [--threads N]\n"
             "                      [--router-timeout S] [--cache-budget-mb N] [--prefill-budget N] [--itl-target-ms MS]\n"
-            "                      [--graph-max-batch N] [--no-preempt] [--no-run-ahead] [--no-mixed-steps] [--verbose]\n"
+            "                      [--graph-max-batch N] [--no-preempt] [--no-run-ahead] [--mixed-steps] [--verbose]\n"
             "                      [--numerics bf16|exact] [--tp N --rank R --group NAME]\n"
             "                      [--speculative-tokens K] [--speculative-max-batch B]\n"
             "                      [--curve-server-key FILE --curve-secret-key FILE] [--log-format text|json]\n"
@@ -54,11 +54,11 @@ static void usage(FILE *f) {
             "  seconds without a message from the router before exiting (default 10); --cache-budget-mb:\n"
             "  the sequence-state pools (default 0: the free memory after the weights, less a reserve for\n"
             "  activations and graphs); --prefill-budget: prompt tokens prefilled per step beside decoding\n"
-            "  (the chunk size of a long prompt; default 2048), sent to the model in one call with the step's\n"
-            "  decode rows unless --no-mixed-steps; --itl-target-ms: the step time a step with decode rows\n"
-            "  aims for (default 20, under a 25 ms p99 inter-token SLO with room for the host): its prompt\n"
-            "  tokens are as many as measured step times say fit, at least 64, at most --prefill-budget\n"
-            "  (0: --prefill-budget every step). A request waits while the pools are short,\n"
+            "  (the chunk size of a long prompt; default 2048); --mixed-steps: send the step's prompt chunks\n"
+            "  to the model in one call with its decode rows (default: the decode, then the chunks);\n"
+            "  --itl-target-ms: the step time a step with decode rows aims for: its prompt tokens are as\n"
+            "  many as measured step times say fit, at least 64, at most --prefill-budget (default 0: off,\n"
+            "  --prefill-budget every step; docs/PERF.md has what targets cost). A request waits while the pools are short,\n"
             "  and a running one that runs out of cache pages is preempted (its state recomputed later);\n"
             "  --graph-max-batch: decode steps of up to N sequences replay CUDA graphs (buckets 1, 2, 4, ...;\n"
             "  default 64), larger ones run eagerly; --no-preempt: admit a request only when pages for its\n"
@@ -113,7 +113,7 @@ static int parse_args(int argc, char **argv, wkr_params *o, bool *verbose) {
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); return 1; }
         if (!strcmp(a, "--verbose")) { *verbose = true; continue; }
         if (!strcmp(a, "--no-preempt")) { o->no_preempt = true; continue; }
-        if (!strcmp(a, "--no-mixed-steps")) { o->no_mixed_steps = true; continue; }
+        if (!strcmp(a, "--mixed-steps")) { o->mixed_steps = true; continue; }
         if (!strcmp(a, "--no-run-ahead")) { o->no_run_ahead = true; continue; }
         if (!v) { fprintf(stderr, "error: %s needs a value\n", a); usage(stderr); return -1; }
         int rc = 0;

@@ -105,7 +105,7 @@ eng_request eng_default_request(void) {
 
 eng_params eng_default_params(void) {
     return (eng_params){ .max_sequences = 16, .max_waiting = 1024, .max_context = 4096,
-                         .prefill_budget = 2048, .mixed_steps = true, .prefix_cache_bytes = (size_t)256 << 20,
+                         .prefill_budget = 2048, .mixed_steps = false, .prefix_cache_bytes = (size_t)256 << 20,
                          .prefix_block = 64, .preempt = true, .run_ahead = ENG_RUN_AHEAD_AUTO };
 }
 

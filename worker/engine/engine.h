@@ -115,7 +115,7 @@ typedef struct eng_params {
     double itl_target_ms;
     /* A step's prompt chunks and its decode rows go to the model as one batch (one pass over the
      * weights: the decode rows ride along the chunks' GEMMs instead of waiting for them); false:
-     * the decode, then each chunk alone. Default true. */
+     * the decode, then each chunk alone (the default: on bench-4L it serves more, docs/PERF.md). */
     bool mixed_steps;
     /* Prefix reuse: while a prompt is prefilled, the state at its last multiple of prefix_block
      * (leaving at least one prompt token) is kept as a snapshot sequence, within
