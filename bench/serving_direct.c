@@ -9,7 +9,9 @@
  *   serving_direct --model DIR --prompt-mix A,B,.. --new-mix X,Y,.. --requests N [--seed S]
  *                  [--shared-prefix K] [--max-sequences M] [--backend cpu|cuda] [--threads N]
  * (random:PRESET, e.g. random:bench-4L: glm_config_preset's shapes with random weights made by the
- *  backend; --run-ahead 0: eng_params.run_ahead off, for comparison; 1, the default: AUTO.)
+ *  backend; --run-ahead 0: eng_params.run_ahead off, for comparison; 1, the default: AUTO;
+ *  --mixed-steps 1 and --itl-target-ms MS: eng_params.mixed_steps and itl_target_ms, as the
+ *  worker's options of those names.)
  *
  * Fixed lengths (no --prompt-mix): stream i's prompt is token (i * 7 + k) % vocab for k < P,
  * greedy, ignore_eos, max_new N; all C are submitted at t = 0 with max_sequences = C (the worker
@@ -156,12 +158,14 @@ static int run_mix(eng_engine *e, bench *b, int V, int n, const int *plens, cons
     printf("{\"mode\": \"mix\", \"requests\": %d, \"requests_done\": %d, \"tokens\": %ld, \"tokens_expected\": %ld, "
            "\"wall_s\": %.6f, \"tok_per_s\": %.3f, \"ttft_p50_ms\": %.3f, \"ttft_p99_ms\": %.3f, "
            "\"itl_p50_ms\": %.3f, \"itl_p99_ms\": %.3f, \"shared_prefix\": %d, \"prefix_hits\": %llu, "
-           "\"max_sequences\": %d, "
-           "\"backend\": \"%s\"}\n",
+           "\"max_sequences\": %d, \"steps\": %llu, \"mixed_steps\": %llu, \"ahead_steps\": %llu, "
+           "\"ms_per_step\": %.3f, \"backend\": \"%s\"}\n",
            n, done, tokens, want, wall, tokens / wall, 1e3 * pct_sorted(ttft, (size_t)n, 0.5),
            1e3 * pct_sorted(ttft, (size_t)n, 0.99), 1e3 * pct_sorted(b->gaps, b->n_gaps, 0.5),
            1e3 * pct_sorted(b->gaps, b->n_gaps, 0.99), shared,
-           (unsigned long long)st.prefix_hits, max_sequences, backend);
+           (unsigned long long)st.prefix_hits, max_sequences, (unsigned long long)st.steps,
+           (unsigned long long)st.mixed_steps, (unsigned long long)st.ahead_steps,
+           st.steps ? 1e3 * wall / (double)st.steps : 0.0, backend);
     free(ttft);
     if (done != n) fprintf(stderr, "serving_direct: %d of %d requests gave their tokens\n", done, n);
     return done == n ? 0 : 1;
@@ -169,7 +173,8 @@ static int run_mix(eng_engine *e, bench *b, int V, int n, const int *plens, cons
 
 int main(int argc, char **argv) {
     const char *model = NULL, *backend = "cpu", *prompt_mix = NULL, *new_mix = NULL;
-    int streams = 1, max_new = 32, plen = 16, threads = 0, run_ahead = 1;
+    int streams = 1, max_new = 32, plen = 16, threads = 0, run_ahead = 1, mixed_steps = 0;
+    double itl_target_ms = 0;
     int requests = 0, shared = 0, max_sequences = 64;
     uint64_t seed = 1;
     for (int i = 1; i + 1 < argc; i += 2) {
@@ -181,6 +186,8 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--prompt-len")) plen = atoi(v);
         else if (!strcmp(a, "--threads")) threads = atoi(v);
         else if (!strcmp(a, "--run-ahead")) run_ahead = atoi(v);
+        else if (!strcmp(a, "--mixed-steps")) mixed_steps = atoi(v);
+        else if (!strcmp(a, "--itl-target-ms")) itl_target_ms = atof(v);
         else if (!strcmp(a, "--prompt-mix")) prompt_mix = v;
         else if (!strcmp(a, "--new-mix")) new_mix = v;
         else if (!strcmp(a, "--requests")) requests = atoi(v);
@@ -240,6 +247,8 @@ int main(int argc, char **argv) {
     ep.max_context = plen + max_new;
     if (mix && ep.max_waiting < requests) ep.max_waiting = requests;
     ep.run_ahead = run_ahead ? ENG_RUN_AHEAD_AUTO : ENG_RUN_AHEAD_OFF;
+    ep.mixed_steps = mixed_steps != 0;
+    ep.itl_target_ms = itl_target_ms;
     eng_callbacks cb = { .user = &b, .on_tokens = on_tokens, .on_finished = on_finished };
     if (eng_new(m, &ep, &cb, &e, &err) != MT_OK) { fprintf(stderr, "serving_direct: %s\n", err.msg); goto done; }
 

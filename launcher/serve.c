@@ -108,7 +108,7 @@ typedef struct serve_opts {
     const char *metrics;   /* the router's --metrics HOST:PORT */
     int workers, tp, first_id, max_sequences, max_context, threads;
     /* scheduler policy, passed to every worker when given (metrale-worker checks them) */
-    const char *prefill_budget, *graph_max_batch, *cache_budget_mb, *itl_target_ms;
+    const char *prefill_budget, *graph_max_batch, *cache_budget_mb, *itl_target_ms, *prefill_pass;
     const char *numerics;  /* GPU prefill GEMM numerics, passed to every worker when given */
     const char *spec_tokens, *spec_max_batch; /* speculative decoding, passed to every worker */
     bool no_preempt, mixed_steps;
@@ -131,7 +131,7 @@ static void usage(FILE *f) {
     fprintf(f,
             "usage: metrale-serve [--model DIR] [--listen HOST:PORT] [--workers G] [--tp N] [--backend auto|cpu|cuda]\n"
             "                     [--max-sequences N] [--max-context N] [--threads N] [--queue N] [--drain-timeout S]\n"
-            "                     [--prefill-budget N] [--itl-target-ms MS] [--graph-max-batch N] [--cache-budget-mb N] [--no-preempt]\n"
+            "                     [--prefill-budget N] [--prefill-pass N] [--itl-target-ms MS] [--graph-max-batch N] [--cache-budget-mb N] [--no-preempt]\n"
             "                     [--mixed-steps] [--no-run-ahead] [--numerics bf16|exact] [--metrics HOST:PORT]\n"
             "                     [--speculative-tokens K] [--speculative-max-batch B]\n"
             "                     [--log-format text|json] [--log-prompts]\n"
@@ -319,7 +319,7 @@ static pid_t start_rank(group *gr, int r) {
     snprintf(tp, sizeof tp, "%d", g_o.tp);
     snprintf(rank, sizeof rank, "%d", r);
     const char *router = g_o.router ? g_o.router : g_endpoint;
-    char *argv[48] = { (char *)bin, "--model", (char *)g_o.model, "--router", (char *)router, "--id", id,
+    char *argv[64] = { (char *)bin, "--model", (char *)g_o.model, "--router", (char *)router, "--id", id,
                        "--backend", (char *)g_o.backend, "--device", dev, "--max-sequences", seqs,
                        "--max-context", ctx, "--threads", thr };
     int k = 17;
@@ -330,6 +330,7 @@ static pid_t start_rank(group *gr, int r) {
     }
     if (g_o.prefill_budget) { argv[k++] = "--prefill-budget"; argv[k++] = (char *)g_o.prefill_budget; }
     if (g_o.itl_target_ms) { argv[k++] = "--itl-target-ms"; argv[k++] = (char *)g_o.itl_target_ms; }
+    if (g_o.prefill_pass) { argv[k++] = "--prefill-pass"; argv[k++] = (char *)g_o.prefill_pass; }
     if (g_o.graph_max_batch) { argv[k++] = "--graph-max-batch"; argv[k++] = (char *)g_o.graph_max_batch; }
     if (g_o.cache_budget_mb) { argv[k++] = "--cache-budget-mb"; argv[k++] = (char *)g_o.cache_budget_mb; }
     if (g_o.no_preempt) argv[k++] = "--no-preempt";
@@ -473,6 +474,8 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         else if (!strcmp(a, "--metrics")) o->metrics = v;
         else if (!strcmp(a, "--prefill-budget"))
             rc = parse_int(a, o->prefill_budget = v, 1, MT_WIRE_CONTEXT_MAX, &(int){ 0 });
+        else if (!strcmp(a, "--prefill-pass"))
+            rc = parse_int(a, o->prefill_pass = v, 1, 65536, &(int){ 0 });
         else if (!strcmp(a, "--itl-target-ms")) {
             char *end;
             const double ms = strtod(o->itl_target_ms = v, &end);

@@ -79,4 +79,14 @@ TEST(EngineSched, PaceFitsTheTargetFromMeasuredSteps) {
     EXPECT_NEAR(sched_pace_budget(&p, 20, 12, 64, 2048), 250, 2);
 }
 
+// A mixed step's prompt tokens end its rows on a pass boundary when that leaves the floor.
+TEST(EngineSched, MixedBudgetEndsOnAPass) {
+    EXPECT_EQ(sched_mixed_budget(2048, 64, 2048, 64), 1984);  // one pass, not two
+    EXPECT_EQ(sched_mixed_budget(2048, 64, 256, 64), 1984);   // eight passes, not nine
+    EXPECT_EQ(sched_mixed_budget(2048, 0, 256, 64), 2048);    // already whole
+    EXPECT_EQ(sched_mixed_budget(100, 64, 2048, 64), 100);    // one pass either way
+    EXPECT_EQ(sched_mixed_budget(2048, 2000, 2048, 64), 2048); // the cut would leave 48 < floor
+    EXPECT_EQ(sched_mixed_budget(512, 10, 0, 64), 512);       // no pass size known
+}
+
 }  // namespace

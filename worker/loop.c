@@ -147,12 +147,24 @@ static void on_load_progress(void *user, uint64_t done, uint64_t total, uint64_t
     mt_log_event(MT_LOG_INFO, "weights_progress", NULL, f, sizeof f / sizeof f[0]);
 }
 
+/* Rows of one prefill pass: --prefill-pass, else on the GPU the step's whole prompt budget (every
+ * pass reads the weights its rows touch, and a few hundred rows already touch most experts of an
+ * MoE layer: a 2048-token chunk in 256-row passes reads them eight times), on the CPU 256 (its
+ * passes are compute-bound; larger ones only take memory). */
+int wkr_prefill_pass(const wkr_params *p, bool gpu) {
+    if (p->prefill_pass > 0) return p->prefill_pass;
+    if (!gpu) return mt_model_default_params().prefill_chunk;
+    const int budget = p->prefill_budget > 0 ? p->prefill_budget : eng_default_params().prefill_budget;
+    return budget < WKR_PREFILL_PASS_MAX ? budget : WKR_PREFILL_PASS_MAX;
+}
+
 /* --model: a checkpoint folder (the architecture from its config.json), or random:PRESET (tiny,
  * bench-4L): random weights made on the backend from a fixed seed, for benchmarks of the real
  * shapes without a checkpoint file. */
 static mt_status load_model(wkr_loop *l, mt_error *err) {
     mt_model_params mp = mt_model_default_params();
     if (l->p.graph_max_batch > 0) mp.graph_max_rows = l->p.graph_max_batch;
+    mp.prefill_chunk = wkr_prefill_pass(&l->p, !strcmp(l->backend_name, "cuda"));
     mp.mtp = l->p.spec_tokens > 0;
     mp.comm = l->data;
     load_log g = { .t0 = mt_now(), .last_at = mt_now(), .last_tenth = -1 };

@@ -18,6 +18,10 @@
 #ifndef WKR_LOOP_H
 #define WKR_LOOP_H
 
+/* The most rows wkr_prefill_pass picks by itself: activations grow with it (the logits alone are
+ * rows x vocab x 4 bytes, 2.5 GB at 4096 rows of a 154880 vocabulary). */
+#define WKR_PREFILL_PASS_MAX 4096
+
 #include <signal.h>
 #include <stdbool.h>
 
@@ -41,6 +45,7 @@ typedef struct wkr_params {
     long cache_budget_mb;    /* the state pools; 0: the backend's free memory less a reserve */
     int prefill_budget;      /* prompt tokens prefilled per step; 0: the engine's default */
     double itl_target_ms;    /* eng_params.itl_target_ms; 0 (default): off */
+    int prefill_pass;        /* rows of one prefill pass (mt_model_params.prefill_chunk); 0: wkr_prefill_pass */
     int graph_max_batch;     /* largest decode batch replayed as a CUDA graph; 0: the model's default */
     bool no_preempt;         /* admit only with pages for the whole length instead of preempting */
     bool mixed_steps;        /* prompt chunks in the decode rows' model call (eng_params.mixed_steps) */
@@ -94,4 +99,7 @@ mt_status wkr_follow(const wkr_params *p, bool *started, mt_error *err);
 #ifdef __cplusplus
 }
 #endif
+/* The rows of one prefill pass the worker gives its model (see loop.c). */
+int wkr_prefill_pass(const wkr_params *p, bool gpu);
+
 #endif /* WKR_LOOP_H */

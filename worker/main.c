@@ -41,6 +41,7 @@ static void usage(FILE *f) {
             "usage: metrale-worker --model DIR --router ENDPOINT --id N [--backend cpu|cuda|auto]\n"
             "                      [--device N] [--max-sequences N] [--max-context N] [--threads N]\n"
             "                      [--router-timeout S] [--cache-budget-mb N] [--prefill-budget N] [--itl-target-ms MS]\n"
+            "                      [--prefill-pass N]\n"
             "                      [--graph-max-batch N] [--no-preempt] [--no-run-ahead] [--mixed-steps] [--verbose]\n"
             "                      [--numerics bf16|exact] [--tp N --rank R --group NAME]\n"
             "                      [--speculative-tokens K] [--speculative-max-batch B]\n"
@@ -58,7 +59,9 @@ static void usage(FILE *f) {
             "  to the model in one call with its decode rows (default: the decode, then the chunks);\n"
             "  --itl-target-ms: the step time a step with decode rows aims for: its prompt tokens are as\n"
             "  many as measured step times say fit, at least 64, at most --prefill-budget (default 0: off,\n"
-            "  --prefill-budget every step; docs/PERF.md has what targets cost). A request waits while the pools are short,\n"
+            "  --prefill-budget every step; docs/PERF.md has what targets cost); --prefill-pass: rows of one\n"
+            "  model pass of prefill (default: on cuda the prefill budget, at most 4096, as each pass reads\n"
+            "  the experts its rows touch; on cpu 256). A request waits while the pools are short,\n"
             "  and a running one that runs out of cache pages is preempted (its state recomputed later);\n"
             "  --graph-max-batch: decode steps of up to N sequences replay CUDA graphs (buckets 1, 2, 4, ...;\n"
             "  default 64), larger ones run eagerly; --no-preempt: admit a request only when pages for its\n"
@@ -157,6 +160,7 @@ static int parse_args(int argc, char **argv, wkr_params *o, bool *verbose) {
         }
         else if (!strcmp(a, "--threads")) rc = parse_int(a, v, 0, &o->threads);
         else if (!strcmp(a, "--prefill-budget")) rc = parse_int(a, v, 1, &o->prefill_budget);
+        else if (!strcmp(a, "--prefill-pass")) rc = parse_int(a, v, 1, &o->prefill_pass);
         else if (!strcmp(a, "--itl-target-ms")) {
             char *end;
             o->itl_target_ms = strtod(v, &end);

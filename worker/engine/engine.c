@@ -569,9 +569,12 @@ static bool feed_now(eng_engine *e, eng_seq *s, int *budget) {
 
 /* feed: the prefill of a chunk now (prefill_some), or its plan for the step's mixed batch
  * (plan_chunk); false stops the step's prefill work there. */
+static bool plan_chunk(eng_engine *e, eng_seq *s, int *budget);
+
 static void admit_with(eng_engine *e, eng_feed feed) {
     const int cap = e->p.prefill_budget > 0 ? e->p.prefill_budget : 1;
-    const int budget0 = sched_pace_budget(&e->pace, e->p.itl_target_ms, e->step_rows, ENG_PACE_FLOOR, cap);
+    int budget0 = sched_pace_budget(&e->pace, e->p.itl_target_ms, e->step_rows, ENG_PACE_FLOOR, cap);
+    if (feed == plan_chunk) budget0 = sched_mixed_budget(budget0, e->step_rows, e->info.batch_rows, ENG_PACE_FLOOR);
     int budget = budget0, taken = 0;
     bool stop = false;
     for (int i = 0; i < e->n_running && budget > 0 && !stop; i++) {

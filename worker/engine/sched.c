@@ -60,3 +60,10 @@ int sched_pace_budget(const sched_pace *p, double target_ms, int rows, int floor
     if (t <= floor) return floor;
     return t >= cap ? cap : (int)t;
 }
+
+int sched_mixed_budget(int budget, int rows, int pass, int floor) {
+    if (pass < 1 || rows < 0 || budget < 1) return budget;
+    const int total = rows + budget, whole = total / pass * pass;
+    if (whole == total || whole - rows < floor) return budget;
+    return whole - rows;
+}

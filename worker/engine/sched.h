@@ -83,6 +83,12 @@ void sched_pace_note(sched_pace *p, double ms, int tokens, int rows);
  * prompt moving when the decode rows alone take the whole target, so it is never starved. */
 int sched_pace_budget(const sched_pace *p, double target_ms, int rows, int floor, int cap);
 
+/* The prompt tokens of a mixed step of `rows` decode rows, for a budget of `budget`, when the
+ * model runs `pass` rows a pass (each pass reads the weights its rows touch): the budget, cut so
+ * that rows and prompt tokens end on a pass boundary where that leaves at least `floor` tokens
+ * (64 decode rows and a 2048-token budget in 2048-row passes: 1984 tokens, one pass, not two). */
+int sched_mixed_budget(int budget, int rows, int pass, int floor);
+
 #ifdef __cplusplus
 }
 #endif
