@@ -89,4 +89,14 @@ TEST(EngineSched, MixedBudgetEndsOnAPass) {
     EXPECT_EQ(sched_mixed_budget(512, 10, 0, 64), 512);       // no pass size known
 }
 
+TEST(EngineSched, DeadlineHopelessOnlyWhenMeasuredAndTooNear) {
+    sched_pace p;
+    sched_pace_init(&p);
+    EXPECT_FALSE(sched_deadline_hopeless(&p, 100000, 1.0));  // nothing measured
+    sched_pace_note(&p, 10.0, 500, 0);                        // 0.02 ms a prompt token
+    EXPECT_TRUE(sched_deadline_hopeless(&p, 1000, 19.0));
+    EXPECT_FALSE(sched_deadline_hopeless(&p, 1000, 21.0));
+    EXPECT_FALSE(sched_deadline_hopeless(&p, 0, 0.0));        // nothing to prefill
+}
+
 }  // namespace

@@ -571,6 +571,27 @@ TEST(Engine, DeadlineEndsRunningAndWaitingSequences) {
     EXPECT_EQ(s.cache_bytes_in_use, 0u);
 }
 
+// A deadline is considered at admission: once a prompt token's cost is measured, a request whose
+// prefill cannot end before its deadline is ended when it would be admitted, before any of its
+// prefill runs; a request with time enough beside it is served.
+TEST(Engine, DeadlineTooNearForThePrefillEndsItAtAdmission) {
+    Model M;
+    Engine E(M.m);
+    ASSERT_EQ(E.Submit(1, Prompt(64, 1), Req(4)), MT_OK);
+    E.RunToEnd();  // measures a prompt token's time (real time; the engine's deadline clock is E.now)
+    ASSERT_EQ(E.Submit(2, Prompt(3000, 2), Req(4), E.now + 1), MT_OK);  // 1 ms for 3000 tokens
+    ASSERT_EQ(E.Submit(3, Prompt(40, 3), Req(4), E.now + 3600000), MT_OK);
+    E.Step();
+    EXPECT_EQ(E.results[2].reason, ENG_FINISH_CANCELLED);
+    EXPECT_EQ(E.results[2].message.rfind("deadline exceeded: its prefill of 3000 tokens takes about", 0), 0u)
+        << E.results[2].message;
+    EXPECT_EQ(E.results[2].tokens.size(), 0u);
+    E.RunToEnd();
+    EXPECT_EQ(E.results[3].reason, ENG_FINISH_LENGTH);
+    EXPECT_EQ(E.results[3].tokens.size(), 4u);
+    EXPECT_EQ(E.Stats().cache_bytes_in_use, 0u);
+}
+
 TEST(Engine, BadRequestsAreRejectedWithoutSideEffects) {
     Model M;
     eng_params p = eng_default_params();

@@ -585,6 +585,20 @@ static void admit_with(eng_engine *e, eng_feed feed) {
     while (!stop && budget > 0 && taken < e->n_waiting && e->n_running < e->p.max_sequences) {
         eng_seq *s = e->waiting[taken];
         if (e->p.prefix_cache_bytes && awaits_snapshot(e, s)) break;
+        if (s->deadline_ms) { /* a prefill that would end past the deadline is not begun */
+            const uint64_t now = e->p.now_ms(e->p.clock_user);
+            const double left = now < s->deadline_ms ? (double)(s->deadline_ms - now) : 0.0;
+            const int feed = s->n_feed - s->prefilled;
+            if (sched_deadline_hopeless(&e->pace, feed, left)) {
+                char msg[160];
+                snprintf(msg, sizeof msg, "deadline exceeded: its prefill of %d tokens takes about %.0f ms, %.0f ms were left",
+                         feed, feed * e->pace.per_token_ms, left);
+                taken++;
+                seq_end(e, s, ENG_FINISH_CANCELLED, msg);
+                seq_destroy(e, s);
+                continue;
+            }
+        }
         const int cap = s->req.n_prompt + s->req.max_new_tokens;
         const sched_req r = { s->n_feed, s->req.n_prompt, s->req.max_new_tokens, mt_model_seq_bytes_max(e->m, cap) };
         sched_verdict v;

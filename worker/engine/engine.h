@@ -19,7 +19,9 @@
  * Stop conditions, checked on every sampled token (which is always emitted): a stop token id or
  * the model's EOS (unless ignore_eos) -> ENG_FINISH_STOP; max_new_tokens generated ->
  * ENG_FINISH_LENGTH. A passed deadline ends the sequence with ENG_FINISH_CANCELLED and the message
- * "deadline exceeded"; a model error with ENG_FINISH_ERROR and the model's message.
+ * "deadline exceeded"; so does admission when the request's prefill would end past it at the
+ * measured cost of a prompt token (sched_deadline_hopeless; the message then gives both times).
+ * A model error ends it with ENG_FINISH_ERROR and the model's message.
  *
  * Thread-safety: an engine and its model belong to one thread. Callbacks run on it, inside
  * eng_step / eng_abort / eng_abort_all, and must not call back into the engine.

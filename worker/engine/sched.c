@@ -67,3 +67,7 @@ int sched_mixed_budget(int budget, int rows, int pass, int floor) {
     if (whole == total || whole - rows < floor) return budget;
     return whole - rows;
 }
+
+bool sched_deadline_hopeless(const sched_pace *p, int tokens, double remaining_ms) {
+    return p->per_token_ms > 0 && tokens > 0 && tokens * p->per_token_ms > remaining_ms;
+}

@@ -83,6 +83,11 @@ void sched_pace_note(sched_pace *p, double ms, int tokens, int rows);
  * prompt moving when the decode rows alone take the whole target, so it is never starved. */
 int sched_pace_budget(const sched_pace *p, double target_ms, int rows, int floor, int cap);
 
+/* Whether a request's prefill of `tokens` prompt tokens cannot finish within remaining_ms at the
+ * measured cost of a prompt token (its first token would come after its deadline): then admission
+ * ends it at once instead of spending the prefill. False while nothing is measured. */
+bool sched_deadline_hopeless(const sched_pace *p, int tokens, double remaining_ms);
+
 /* The prompt tokens of a mixed step of `rows` decode rows, for a budget of `budget`, when the
  * model runs `pass` rows a pass (each pass reads the weights its rows touch): the budget, cut so
  * that rows and prompt tokens end on a pass boundary where that leaves at least `floor` tokens
