@@ -142,7 +142,8 @@ def measure_rate(svc, rate, a, vocab, rng, first_j):
         x.join()
     wall = time.perf_counter() - t0
     if errors:
-        sys.exit("openloop_bench: %d requests failed at %g req/s, e.g. %s" % (len(errors), rate, errors[0]))
+        sys.exit("openloop_bench: %d requests failed at %g req/s, e.g. %s\nthe service's last log lines:\n%s" % (
+            len(errors), rate, errors[0], svc.log_tail()))
     after = settled_counts(svc, before[2] + n)
     tt = [x for x in ttft if x is not None]
     gg = [g for gs in gaps for g in gs]

@@ -112,6 +112,16 @@ class Service:
                 sys.exit("serving_bench: the service did not become SERVING; log: " + self.log.name)
             time.sleep(0.1)
 
+    def log_tail(self, lines=40):
+        """The last lines the router and worker wrote (for a failure's message: close removes them)."""
+        self.log.flush()
+        try:
+            with open(self.log.name, "rb") as f:
+                text = f.read().decode("utf-8", "replace").splitlines()
+        except OSError as e:
+            return "(no service log: %s)" % e
+        return "\n".join(text[-lines:])
+
     def close(self):
         for p in self.procs:
             if p.poll() is None:
@@ -158,7 +168,8 @@ def served(svc, streams, a, vocab):
         t.join()
     wall = max(ts[-1] for ts in times if ts) - t0 if any(times) else 0.0
     if errors:
-        sys.exit("serving_bench: %d streams failed, e.g. %s" % (len(errors), errors[0]))
+        sys.exit("serving_bench: %d streams failed, e.g. %s\nthe service's last log lines:\n%s" % (
+            len(errors), errors[0], svc.log_tail()))
     tokens = sum(len(ts) for ts in times)
     gaps = [b - a_ for ts in times for a_, b in zip(ts, ts[1:])]
     itl = mean([(ts[-1] - ts[0]) / (len(ts) - 1) for ts in times if len(ts) > 1])
