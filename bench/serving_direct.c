@@ -11,7 +11,8 @@
  * (random:PRESET, e.g. random:bench-4L: glm_config_preset's shapes with random weights made by the
  *  backend; --run-ahead 0: eng_params.run_ahead off, for comparison; 1, the default: AUTO;
  *  --mixed-steps 1 and --itl-target-ms MS: eng_params.mixed_steps and itl_target_ms, as the
- *  worker's options of those names.)
+ *  worker's options of those names; --prefill-pass N: rows of a prefill pass, by default what
+ *  metrale-worker picks.)
  *
  * Fixed lengths (no --prompt-mix): stream i's prompt is token (i * 7 + k) % vocab for k < P,
  * greedy, ignore_eos, max_new N; all C are submitted at t = 0 with max_sequences = C (the worker
@@ -175,6 +176,7 @@ int main(int argc, char **argv) {
     const char *model = NULL, *backend = "cpu", *prompt_mix = NULL, *new_mix = NULL;
     int streams = 1, max_new = 32, plen = 16, threads = 0, run_ahead = 1, mixed_steps = 0;
     double itl_target_ms = 0;
+    int prefill_pass = 0;
     int requests = 0, shared = 0, max_sequences = 64;
     uint64_t seed = 1;
     for (int i = 1; i + 1 < argc; i += 2) {
@@ -188,6 +190,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--run-ahead")) run_ahead = atoi(v);
         else if (!strcmp(a, "--mixed-steps")) mixed_steps = atoi(v);
         else if (!strcmp(a, "--itl-target-ms")) itl_target_ms = atof(v);
+        else if (!strcmp(a, "--prefill-pass")) prefill_pass = atoi(v);
         else if (!strcmp(a, "--prompt-mix")) prompt_mix = v;
         else if (!strcmp(a, "--new-mix")) new_mix = v;
         else if (!strcmp(a, "--requests")) requests = atoi(v);
@@ -237,7 +240,16 @@ int main(int argc, char **argv) {
     b.gaps = malloc(sizeof(double) * b.cap_gaps);
     int rc = 1;
     if (!be || !prompt || !b.s || !b.gaps) { fprintf(stderr, "serving_direct: %s\n", err.msg[0] ? err.msg : "out of memory"); goto done; }
-    if (mt_model_load(model, be, NULL, &m, &err) != MT_OK) {
+    mt_model_params mp = mt_model_default_params();
+    if (prefill_pass > 0) {
+        mp.prefill_chunk = prefill_pass;
+    } else if (!strcmp(backend, "cuda")) { /* as metrale-worker picks it (wkr_prefill_pass) */
+        const int rows = mix ? max_sequences : streams, budget = eng_default_params().prefill_budget;
+        mp.prefill_chunk = budget > rows ? budget : rows;
+        if (mp.prefill_chunk < 256) mp.prefill_chunk = 256;
+        if (mp.prefill_chunk > 4096) mp.prefill_chunk = 4096;
+    }
+    if (mt_model_load(model, be, &mp, &m, &err) != MT_OK) {
         fprintf(stderr, "serving_direct: %s\n", err.msg);
         goto done;
     }

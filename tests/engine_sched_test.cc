@@ -93,7 +93,10 @@ TEST(EngineSched, DeadlineHopelessOnlyWhenMeasuredAndTooNear) {
     sched_pace p;
     sched_pace_init(&p);
     EXPECT_FALSE(sched_deadline_hopeless(&p, 100000, 1.0));  // nothing measured
-    sched_pace_note(&p, 10.0, 500, 0);                        // 0.02 ms a prompt token
+    sched_pace_note(&p, 20.0, 500, 8);                        // before a base: not charged
+    EXPECT_FALSE(sched_deadline_hopeless(&p, 100000, 1.0));
+    sched_pace_note(&p, 10.0, 0, 8);                          // a decode step: base 10 ms
+    sched_pace_note(&p, 20.0, 500, 8);                        // 0.02 ms a prompt token
     EXPECT_TRUE(sched_deadline_hopeless(&p, 1000, 19.0));
     EXPECT_FALSE(sched_deadline_hopeless(&p, 1000, 21.0));
     EXPECT_FALSE(sched_deadline_hopeless(&p, 0, 0.0));        // nothing to prefill

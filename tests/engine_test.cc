@@ -577,8 +577,12 @@ TEST(Engine, DeadlineEndsRunningAndWaitingSequences) {
 TEST(Engine, DeadlineTooNearForThePrefillEndsItAtAdmission) {
     Model M;
     Engine E(M.m);
-    ASSERT_EQ(E.Submit(1, Prompt(64, 1), Req(4)), MT_OK);
-    E.RunToEnd();  // measures a prompt token's time (real time; the engine's deadline clock is E.now)
+    ASSERT_EQ(E.Submit(1, Prompt(8, 1), Req(8)), MT_OK);
+    E.Step();
+    E.Step();  // a decode step: the base
+    ASSERT_EQ(E.Submit(4, Prompt(64, 4), Req(2)), MT_OK);
+    E.Step();  // a prompt beside a decode row: a prompt token's time (real time; deadlines use E.now)
+    E.RunToEnd();
     ASSERT_EQ(E.Submit(2, Prompt(3000, 2), Req(4), E.now + 1), MT_OK);  // 1 ms for 3000 tokens
     ASSERT_EQ(E.Submit(3, Prompt(40, 3), Req(4), E.now + 3600000), MT_OK);
     E.Step();
@@ -727,21 +731,23 @@ TEST(Engine, PacedStepsMoveLongPromptsInFloorChunks) {
         p.itl_target_ms = paced ? 1e-6 : 0;
         Engine E(M.m, p);
         ASSERT_EQ(E.Submit(1, Prompt(5, 1), Req(30)), MT_OK);
-        E.Step();  // prompt work alone: measures a prompt token's time
+        E.Step();
         E.Step();  // decode alone: measures the base
+        ASSERT_EQ(E.Submit(3, Prompt(20, 3), Req(20)), MT_OK);
+        E.Step();  // a short prompt beside a decode row: measures a prompt token's time
         ASSERT_EQ(E.Submit(2, Prompt(300, 2), Req(6)), MT_OK);
         const uint64_t mixed0 = E.Stats().mixed_steps, steps0 = E.Stats().steps;
         while (E.results[2].tokens.empty() && eng_has_work(E.e)) E.Step();
         mixed[paced] = E.Stats().mixed_steps - mixed0;
         steps[paced] = E.Stats().steps - steps0;
         E.RunToEnd();
-        for (uint64_t id : { 1, 2 }) got[paced][id] = E.results[id].tokens;
+        for (uint64_t id : { 1, 2, 3 }) got[paced][id] = E.results[id].tokens;
     }
     EXPECT_EQ(mixed[0], 2u);  // to the kept prefix's boundary (256), then the rest
     EXPECT_EQ(steps[0], 2u);
     EXPECT_EQ(mixed[1], 256u / ENG_PACE_FLOOR + 1);  // a floor chunk each step, then the rest
     EXPECT_EQ(steps[1], mixed[1]);
-    for (uint64_t id : { 1, 2 }) EXPECT_EQ(got[1][id], got[0][id]) << "id " << id;
+    for (uint64_t id : { 1, 2, 3 }) EXPECT_EQ(got[1][id], got[0][id]) << "id " << id;
     EXPECT_EQ(got[0][1].size(), 30u);
     EXPECT_EQ(got[0][2].size(), 6u);
 }

@@ -149,13 +149,17 @@ static void on_load_progress(void *user, uint64_t done, uint64_t total, uint64_t
 
 /* Rows of one prefill pass: --prefill-pass, else on the GPU the step's whole prompt budget (every
  * pass reads the weights its rows touch, and a few hundred rows already touch most experts of an
- * MoE layer: a 2048-token chunk in 256-row passes reads them eight times), on the CPU 256 (its
- * passes are compute-bound; larger ones only take memory). */
+ * MoE layer: a 2048-token chunk in 256-row passes reads them eight times), on the CPU the model's
+ * default (its passes are compute-bound; larger ones only take memory). A pass is also the most
+ * rows of one batched decode pass, so it is never below the default or max_sequences. */
 int wkr_prefill_pass(const wkr_params *p, bool gpu) {
     if (p->prefill_pass > 0) return p->prefill_pass;
-    if (!gpu) return mt_model_default_params().prefill_chunk;
-    const int budget = p->prefill_budget > 0 ? p->prefill_budget : eng_default_params().prefill_budget;
-    return budget < WKR_PREFILL_PASS_MAX ? budget : WKR_PREFILL_PASS_MAX;
+    const int dflt = mt_model_default_params().prefill_chunk;
+    if (!gpu) return dflt;
+    int rows = p->prefill_budget > 0 ? p->prefill_budget : eng_default_params().prefill_budget;
+    if (rows < dflt) rows = dflt;
+    if (rows < p->max_sequences) rows = p->max_sequences;
+    return rows < WKR_PREFILL_PASS_MAX ? rows : WKR_PREFILL_PASS_MAX;
 }
 
 /* --model: a checkpoint folder (the architecture from its config.json), or random:PRESET (tiny,

@@ -96,10 +96,11 @@ void wkr_loop_free(wkr_loop *l);
  * start-up failure). Signals do not stop it: it ends with rank 0. */
 mt_status wkr_follow(const wkr_params *p, bool *started, mt_error *err);
 
+/* The rows of one prefill pass the worker gives its model (see loop.c). */
+int wkr_prefill_pass(const wkr_params *p, bool gpu);
+
 #ifdef __cplusplus
 }
 #endif
-/* The rows of one prefill pass the worker gives its model (see loop.c). */
-int wkr_prefill_pass(const wkr_params *p, bool gpu);
 
 #endif /* WKR_LOOP_H */

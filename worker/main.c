@@ -160,7 +160,13 @@ static int parse_args(int argc, char **argv, wkr_params *o, bool *verbose) {
         }
         else if (!strcmp(a, "--threads")) rc = parse_int(a, v, 0, &o->threads);
         else if (!strcmp(a, "--prefill-budget")) rc = parse_int(a, v, 1, &o->prefill_budget);
-        else if (!strcmp(a, "--prefill-pass")) rc = parse_int(a, v, 1, &o->prefill_pass);
+        else if (!strcmp(a, "--prefill-pass")) {
+            rc = parse_int(a, v, 1, &o->prefill_pass);
+            if (!rc && o->prefill_pass > 65536) {
+                fprintf(stderr, "error: --prefill-pass must be at most 65536, got %d\n", o->prefill_pass);
+                rc = -1;
+            }
+        }
         else if (!strcmp(a, "--itl-target-ms")) {
             char *end;
             o->itl_target_ms = strtod(v, &end);

@@ -588,11 +588,15 @@ static void admit_with(eng_engine *e, eng_feed feed) {
         if (s->deadline_ms) { /* a prefill that would end past the deadline is not begun */
             const uint64_t now = e->p.now_ms(e->p.clock_user);
             const double left = now < s->deadline_ms ? (double)(s->deadline_ms - now) : 0.0;
-            const int feed = s->n_feed - s->prefilled;
-            if (sched_deadline_hopeless(&e->pace, feed, left)) {
+            int todo = s->n_feed - s->prefilled; /* less what a kept prefix would restore */
+            if (e->p.prefix_cache_bytes && !s->req.prompt_logprobs && s->prefilled == 0) {
+                const int i = rt_prefix_find(&e->prefixes, s->tokens, s->req.n_prompt);
+                if (i >= 0) todo -= e->prefixes.entries[i].len;
+            }
+            if (sched_deadline_hopeless(&e->pace, todo, left)) {
                 char msg[160];
                 snprintf(msg, sizeof msg, "deadline exceeded: its prefill of %d tokens takes about %.0f ms, %.0f ms were left",
-                         feed, feed * e->pace.per_token_ms, left);
+                         todo, todo * e->pace.per_token_ms, left);
                 taken++;
                 seq_end(e, s, ENG_FINISH_CANCELLED, msg);
                 seq_destroy(e, s);
@@ -950,6 +954,8 @@ static mt_status step_body(eng_engine *e, int *n_tokens) {
          * next step is queued on them before the host reads them (then reports them) */
         const int n = e->n_ahead;
         const int64_t prev = e->ahead_ticket;
+        /* timed as a decode step: reading the last step's tokens waits for the device, so in a
+         * steady run this step lasts what a device step does */
         e->step_rows = n;
         if (ahead_next_ok(e) && ahead_queue(e, e->running, n, true) == MT_OK) {
             ahead_report(e, n, prev); /* step k's tokens; step k + 1 is in flight for the same rows */
@@ -992,7 +998,7 @@ static mt_status step_body(eng_engine *e, int *n_tokens) {
         if (s->k_step > 0 && !s->done) spec_step(e, s);
         else e->batch[n++] = s;
     }
-    e->step_rows = n_ready;
+    e->step_rows = n; /* the rows beside this step's prompt chunks */
     if (n > 0) {
         /* a batch of plain greedy requests takes its tokens on the device: no logits move */
         bool greedy = n <= ENG_GREEDY_MAX;

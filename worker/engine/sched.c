@@ -47,8 +47,8 @@ void sched_pace_note(sched_pace *p, double ms, int tokens, int rows) {
         if (rows > 0) p->base_ms = pace_mean(p->base_ms, ms);
         return;
     }
-    const double base = rows > 0 && p->base_ms > 0 ? p->base_ms : 0.0;
-    const double per = (ms > base ? ms - base : 0.0) / tokens;
+    if (p->base_ms <= 0) return;
+    const double per = (ms > p->base_ms ? ms - p->base_ms : 0.0) / tokens;
     p->per_token_ms = pace_mean(p->per_token_ms, per);
 }
 

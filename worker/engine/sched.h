@@ -73,8 +73,9 @@ typedef struct sched_pace {
 void sched_pace_init(sched_pace *p);
 
 /* One measured step: ms of wall time, `tokens` prompt tokens in it (0: decode only), `rows`
- * decode rows beside them. Steps without decode rows say nothing about base (their time is the
- * prompt work alone, and it is charged to per_token). */
+ * decode rows beside them. A step with prompt work is charged to per_token only once base is
+ * known: base is also what a step costs before its first prompt token (the weights its rows
+ * read), which would otherwise inflate the cost of the few tokens of a short prompt. */
 void sched_pace_note(sched_pace *p, double ms, int tokens, int rows);
 
 /* The prompt tokens of the next step for a target of target_ms: (target - base) / per_token,
