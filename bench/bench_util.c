@@ -1,7 +1,9 @@
 /* bench/bench_util.c: see bench_util.h. */
 #include "bench/bench_util.h"
 
+#include <cublas_v2.h>
 #include <cuda_runtime_api.h>
+#include <math.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -420,4 +422,129 @@ bool bench_take_flag(int *argc, char **argv, const char *name) {
     *argc = k;
     argv[k] = NULL;
     return found;
+}
+
+double bench_experts_touched(const glm_config *c, int n) {
+    const double E = c->n_routed_experts;
+    if (E <= 0) return 0;
+    return E * (1.0 - pow(1.0 - c->num_experts_per_tok / E, n));
+}
+
+/* ---- cuBLAS on the prefill's GEMM shapes ---- */
+
+enum { GEMM_SHAPES = 64 };
+
+typedef struct gemm_shape {
+    int M, N, K;   /* y [M, N] = x [M, K] w[N, K]^T */
+    int count;     /* GEMMs of this shape in one prefill */
+} gemm_shape;
+
+typedef struct shape_ctx {
+    const glm_config *c;
+    int n;
+    gemm_shape s[GEMM_SHAPES];
+    int ns;
+    bool overflow;
+} shape_ctx;
+
+static void add_shape(shape_ctx *x, int M, int N, int K, int count) {
+    for (int i = 0; i < x->ns; i++)
+        if (x->s[i].M == M && x->s[i].N == N && x->s[i].K == K) {
+            x->s[i].count += count;
+            return;
+        }
+    if (x->ns == GEMM_SHAPES) {
+        x->overflow = true;
+        return;
+    }
+    x->s[x->ns++] = (gemm_shape){ M, N, K, count };
+}
+
+static void shape_tensor(const glm_tensor_spec *s, void *user) {
+    shape_ctx *x = user;
+    if (!s->linear || s->ndim != 2 || s->dtype != MT_BF16 || strstr(s->name, "embed_tokens")) return;
+    const int N = (int)s->shape[0], K = (int)s->shape[1];
+    if (strstr(s->name, ".mlp.experts.")) {
+        const int E = x->c->n_routed_experts, rows = (int)(((int64_t)x->n * x->c->num_experts_per_tok + E - 1) / E);
+        add_shape(x, rows, N, K, 1);
+    } else {
+        add_shape(x, strstr(s->name, "lm_head") ? 1 : x->n, N, K, 1);
+    }
+}
+
+/* Median ms of one GEMM of shape g, the weight cycled through `copies` buffers. */
+static double time_shape(cublasHandle_t h, const gemm_shape *g, void *x, void *const *w, int copies, float *y) {
+    const float one = 1.f, zero = 0.f;
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    enum { REPS = 7 };
+    double best[REPS];
+    int ok = 0;
+    for (int r = 0; r < REPS; r++) {
+        const int calls = copies;
+        cudaEventRecord(e0, 0);
+        for (int i = 0; i < calls; i++)
+            if (cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, g->N, g->M, g->K, &one, w[i % copies], CUDA_R_16BF, g->K, x,
+                             CUDA_R_16BF, g->K, &zero, y, CUDA_R_32F, g->N, CUBLAS_COMPUTE_32F,
+                             CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS)
+                goto out;
+        cudaEventRecord(e1, 0);
+        cudaEventSynchronize(e1);
+        float ms = 0;
+        cudaEventElapsedTime(&ms, e0, e1);
+        best[ok++] = ms / calls;
+    }
+out:
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    if (ok < REPS) return -1;
+    for (int i = 1; i < REPS; i++) /* insertion sort, for the median */
+        for (int j = i; j > 0 && best[j] < best[j - 1]; j--) {
+            const double t = best[j];
+            best[j] = best[j - 1];
+            best[j - 1] = t;
+        }
+    return best[REPS / 2];
+}
+
+double bench_cublas_prefill_ms(const glm_config *c, int n, double *flops) {
+    shape_ctx x = { .c = c, .n = n };
+    glm_manifest_foreach(c, shape_tensor, &x);
+    *flops = 0;
+    if (x.overflow) return -1;
+    size_t xmax = 0, ymax = 0;
+    for (int i = 0; i < x.ns; i++) {
+        const size_t xs = (size_t)x.s[i].M * x.s[i].K * 2, ys = (size_t)x.s[i].M * x.s[i].N * 4;
+        xmax = xs > xmax ? xs : xmax;
+        ymax = ys > ymax ? ys : ymax;
+    }
+    cublasHandle_t h;
+    if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) return -1;
+    void *xb = NULL, *yb = NULL;
+    double total = 0;
+    if (cudaMalloc(&xb, xmax) != cudaSuccess || cudaMalloc(&yb, ymax) != cudaSuccess) total = -1;
+    if (total == 0) cudaMemset(xb, 0, xmax);
+    enum { COPIES_BYTES = 256 << 20, COPIES_MAX = 64 }; /* well past the 50 MB of L2 */
+    for (int i = 0; i < x.ns && total >= 0; i++) {
+        const gemm_shape *g = &x.s[i];
+        const size_t wb = (size_t)g->N * g->K * 2;
+        int copies = (int)((COPIES_BYTES + wb - 1) / wb);
+        copies = copies < 1 ? 1 : copies > COPIES_MAX ? COPIES_MAX : copies;
+        void *w[COPIES_MAX] = { 0 };
+        int made = 0;
+        while (made < copies && cudaMalloc(&w[made], wb) == cudaSuccess) cudaMemset(w[made++], 0, wb);
+        const double ms = made > 0 ? time_shape(h, g, xb, w, made, yb) : -1;
+        for (int j = 0; j < made; j++) cudaFree(w[j]);
+        if (ms < 0) {
+            total = -1;
+            break;
+        }
+        total += ms * g->count;
+        *flops += 2.0 * g->M * (double)g->N * g->K * g->count;
+    }
+    cudaFree(xb);
+    cudaFree(yb);
+    cublasDestroy(h);
+    return total;
 }

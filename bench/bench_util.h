@@ -43,6 +43,19 @@ typedef struct bench_weights {
 
 void bench_count_weights(const glm_config *c, bench_weights *out);
 
+/* Routed experts of one MoE layer that n tokens touch, expected under uniform routing:
+ * E (1 - (1 - top_k / E)^n). */
+double bench_experts_touched(const glm_config *c, int n);
+
+/* The reference for a prefill of n tokens: cuBLAS alone (cublasGemmEx, bf16 in, fp32 out and
+ * accumulation) on the GEMMs the prefill's linear weights make, each at its own shape: [n, in] x
+ * [in, out] for every dense weight, lm_head for one row, and each routed expert of each MoE layer
+ * at ceil(n top_k / E) rows (its share under uniform routing). Weights are cycled through copies
+ * larger than L2 together, so each GEMM reads its weight from HBM as the model's do. Returns the
+ * summed GEMM time in ms on the current GPU and sets *flops to their FLOPs; < 0 when cuBLAS fails.
+ * Weights that are not bf16 are left out. */
+double bench_cublas_prefill_ms(const glm_config *c, int n, double *flops);
+
 /* Whether the manifest tensor `name` is split across a tensor-parallel group (the list above). */
 bool bench_tensor_is_split(const char *name);
 

@@ -9,7 +9,9 @@
  *     for glm_decode (one sequence's own path, logits to the host) eager and with its graph;
  *   - prefill of 512 and 4096 tokens: tokens/s and the fraction of the bf16 tensor peak reached
  *     (FLOPs: the model's for the prefill as glm_prefill runs it, prefill_flops: lm_head for the
- *     last position only, as glm_prefill computes it).
+ *     last position only, as glm_prefill computes it); beside each, its roofline (max of its FLOPs
+ *     at the peak and the weights it touches at the measured copy bandwidth: at 512 tokens nearly
+ *     every expert) and cuBLAS alone on the same GEMM shapes (bench_cublas_prefill_ms; one GPU).
  * When the 4096-token prefill misses its goal (50% of the peak), one more prefill of 4096 tokens
  * runs with every op synchronised and timed (mt_cuda_profile_take), and the table is followed by
  * the time the goal allows and the ops that take the most: which kernels hold it back, by how much.
@@ -220,9 +222,18 @@ static int decode_rank(bench_rank *r, void *user) {
         }
     }
     bench_agree(r, pf_tps, sizeof pf_tps); /* rank 0's times: the decision below is the group's */
+    /* the references beside each prefill (one GPU): cuBLAS alone on the prefill's GEMM shapes, and
+     * the roofline, max(FLOPs at the peak, the weights the prefill touches at the copy bandwidth) */
+    double pf_cublas_ms[2] = { -1, -1 }, pf_cublas_flops[2] = { 0, 0 }, pf_roof_ms[2] = { 0, 0 };
+    int moe_layers = 0;
+    for (int l = 0; l < c.num_hidden_layers; l++) moe_layers += c.mlp_layer_types[l] == GLM_MLP_SPARSE;
     for (int k = 0; k < 2; k++) {
         pf_flops[k] = prefill_flops(&c, &bc, plens[k]);
         pf_frac[k] = pf_tps[k] / plens[k] * pf_flops[k] / (group_peak * 1e12);
+        const double bytes = bc.dense_bytes + moe_layers * bench_experts_touched(&c, plens[k]) * bc.expert_bytes;
+        const double t_flop = pf_flops[k] / (group_peak * 1e12) * 1e3, t_bytes = bytes / (tp * bw * 1e9) * 1e3;
+        pf_roof_ms[k] = t_flop > t_bytes ? t_flop : t_bytes;
+        if (tp == 1 && lead) pf_cublas_ms[k] = bench_cublas_prefill_ms(&c, plens[k], &pf_cublas_flops[k]);
     }
     /* The 4096-token prefill under its goal: one more, every op synchronised and timed, for the
      * ops that hold it back (the sum runs above the timed run's wall time: each op waits for the
@@ -333,9 +344,16 @@ static int decode_rank(bench_rank *r, void *user) {
                comm_calls, comm_ms, 100 * comm_ms / ms_engine_gpu);
     else if (r->comm)
         printf("| that step's collectives alone | n/a | their graph could not be captured on some rank |\n");
-    for (int k = 0; k < 2; k++)
+    for (int k = 0; k < 2; k++) {
+        const double ms = 1e3 * plens[k] / pf_tps[k];
         printf("| prefill %4d tokens (%.1f TFLOP) | %8.0f tok/s | %5.2f%% of %s    |\n", plens[k],
                pf_flops[k] / 1e12, pf_tps[k], 100 * pf_frac[k], pf_ref);
+        printf("| prefill %4d tokens: roofline, max(FLOPs at the peak, touched weights at copy bandwidth) | %8.3f ms | "
+               "%5.1f%% of it (ours %.3f ms) |\n", plens[k], pf_roof_ms[k], 100 * pf_roof_ms[k] / ms, ms);
+        if (pf_cublas_ms[k] > 0)
+            printf("| prefill %4d tokens: cuBLAS alone on its GEMM shapes (%.1f TFLOP) | %8.3f ms | %5.1f TFLOP/s |\n",
+                   plens[k], pf_cublas_flops[k] / 1e12, pf_cublas_ms[k], pf_cublas_flops[k] / (pf_cublas_ms[k] * 1e9));
+    }
     if (comm_ms >= 0)
         printf("(collectives: the same calls as one decode step of the model (%s), with the same sizes, captured\n"
                " alone into a CUDA graph on the backend's stream and replayed back to back: the median of 5 rounds of\n"
@@ -367,6 +385,9 @@ static int decode_rank(bench_rank *r, void *user) {
                     floor_ms / ms_engine, ms_engine_plain, ms_readback, (unsigned long long)ahead_steps,
                     ms_engine_gpu, pf_tps[0], pf_frac[0], pf_tps[1], pf_frac[1], pf_flops[0], pf_flops[1], steps,
                     pf_ms, PF_GOAL, pf_goal_ms, pf_ops_total);
+            for (int k = 0; k < 2; k++)
+                fprintf(f, "\"prefill_%d_roofline_ms\": %.4f, \"prefill_%d_cublas_ms\": %.4f, \"prefill_%d_cublas_flops\": %.4g, ",
+                        plens[k], pf_roof_ms[k], plens[k], pf_cublas_ms[k], plens[k], pf_cublas_flops[k]);
             fprintf(f, "\"tp\": %d, \"communicator\": \"%s\", \"model_step_bytes\": %.0f, \"rank_step_bytes\": %.0f, "
                        "\"rank_floor_ms\": %.4f, \"peak_tflops\": %.1f, \"group_peak_tflops\": %.1f, ",
                     tp, r->comm ? "nccl" : "none", model_bytes, step_bytes, floor_ms, peak_tflops, group_peak);

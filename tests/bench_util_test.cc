@@ -144,3 +144,15 @@ TEST(BenchWeights, NamesTheSplitTensors) {
 }
 
 }  // namespace
+
+// The experts a prefill touches (the roofline's bytes): top_k for one token, all but a sliver of
+// bench-4L's 288 at 512 tokens, never more than there are.
+TEST(BenchWeights, ExpertsTouchedGrowToAll) {
+    glm_config c;
+    mt_error err{};
+    ASSERT_EQ(glm_config_preset("bench-4L", &c, &err), MT_OK) << err.msg;
+    EXPECT_NEAR(bench_experts_touched(&c, 1), c.num_experts_per_tok, 1e-9);
+    EXPECT_GT(bench_experts_touched(&c, 512), c.n_routed_experts - 0.01);
+    EXPECT_LE(bench_experts_touched(&c, 4096), (double)c.n_routed_experts);
+    EXPECT_LT(bench_experts_touched(&c, 16), 16.0 * c.num_experts_per_tok);
+}
