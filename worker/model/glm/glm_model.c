@@ -451,6 +451,18 @@ mt_status glm_seq_copy_prefix(glm_model *m, const glm_seq *src, glm_seq *dst, mt
     return MT_OK;
 }
 
+mt_status glm_model_ple_apply(glm_model *m, glm_seq *s, int layer, const int32_t *ids, float *X, int n) {
+    if (layer < 0 || layer >= m->cfg.num_hidden_layers || !m->layers[layer].ple.on || n < 1 || n > m->scr.rows)
+        return MT_ERR_INVALID;
+    const size_t bytes = sizeof(float) * (size_t)n * m->cfg.hc_mult * m->cfg.hidden_size;
+    m->be->ops->upload(m->be, m->X, X, bytes);
+    mt_step step = { .be = m->be, .t0 = -1, .scr = &m->scr, .ids = ids, .ids_stride = 1 };
+    glm_layer_state *st = (glm_layer_state *)s->states[layer];
+    mt_status r = glm_ple_forward(&m->layers[layer], &st, 1, &step, m->X, n);
+    if (r == MT_OK) m->be->ops->download(m->be, X, m->X, bytes);
+    return r;
+}
+
 int glm_model_n_layers(const glm_model *m) { return m->cfg.num_hidden_layers; }
 const mt_layer *glm_model_layer(const glm_model *m, int i) { return &m->layers[i].base; }
 mt_layer_state *glm_seq_state(glm_seq *s, int i) { return s->states[i]; }
