@@ -77,16 +77,9 @@ void glm_config_default(glm_config *c) {
     c->ple_heads = 8;
     c->ple_head_dim = 64;
     c->ple_conv_kernel = 4;
-    c->ple_pad_id = -1;     /* resolved by ple_resolve */
+    c->ple_pad_id = 0;
     c->ple_norm_eps = 1e-5f;
-}
-
-/* The PLE defaults that depend on other fields: base table sizes of 5 * vocab_size, the pad id
- * pad_token_id (0 when it has none). */
-static void ple_resolve(glm_config *c) {
-    for (int o = 0; o < GLM_PLE_MAX_ORDER - 1; o++)
-        if (c->ple_table_sizes[o] == 0) c->ple_table_sizes[o] = 5 * c->vocab_size;
-    if (c->ple_pad_id < 0) c->ple_pad_id = c->pad_token_id >= 0 ? c->pad_token_id : 0;
+    for (int o = 0; o < GLM_PLE_MAX_ORDER - 1; o++) c->ple_table_sizes[o] = 5 * 154880; /* 5 x the real vocabulary */
 }
 
 bool glm_config_has_ple(const glm_config *c) {
@@ -472,7 +465,6 @@ static mt_status parse_ple(json_object *obj, const char *where, glm_config *c, m
             c->ple_layer[tmp[i]] = true;
         }
     }
-    ple_resolve(c);
     return MT_OK;
 }
 
@@ -1067,7 +1059,6 @@ mt_status glm_config_preset(const char *name, glm_config *cfg, mt_error *err) {
         return mt_errorf(err, MT_ERR_NOT_FOUND,
                          "config preset \"%s\" is unknown (expected tiny, tiny-ple, bench-4L or test-wide)", name ? name : "(null)");
     }
-    ple_resolve(&c);
     mt_status st = glm_config_validate(&c, err);
     if (st != MT_OK) return st;
     *cfg = c;

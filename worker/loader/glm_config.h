@@ -90,9 +90,9 @@ typedef struct glm_config {
     int ple_max_ngram;           /* N: orders 2..N, 3 */
     int ple_heads;               /* ple_heads_per_ngram: hashed heads per order, 8 */
     int ple_head_dim;            /* columns of a table row, 64 */
-    int ple_table_sizes[GLM_PLE_MAX_ORDER - 1]; /* per order 2..N: the base table size, 5 * vocab */
+    int ple_table_sizes[GLM_PLE_MAX_ORDER - 1]; /* per order 2..N: the base table size, 774400 */
     int ple_conv_kernel;         /* taps of the dilated conv (dilation N), 4 */
-    int ple_pad_id;              /* stands for positions before the start; pad_token_id, else 0 */
+    int ple_pad_id;              /* stands for positions before the start, 0 */
     int ple_seed;                /* seeds the hash multipliers, 0 */
     float ple_norm_eps;          /* the PLE RMSNorms' eps, 1e-5 */
     bool ple_compress_ids;       /* tokenizer compression; not supported (refused when true) */
