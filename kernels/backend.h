@@ -144,6 +144,13 @@ typedef struct mt_mla_params {
     int t_cap;
 } mt_mla_params;
 
+/* The injection of a PLE memory (docs/MODEL.md "PLE layer", ple_inject). */
+typedef struct mt_ple_params {
+    int S, H;             /* highway streams, hidden size */
+    int K, dil;           /* taps of the causal depthwise conv over S*H channels, and their spacing */
+    float eps;            /* the RMSNorms' */
+} mt_ple_params;
+
 typedef struct mt_backend_ops {
     const char *name;
     /* Ops return once their work is queued, not done (a device's stream): the host can prepare
@@ -253,6 +260,19 @@ typedef struct mt_backend_ops {
     void (*mla_sparse_rows)(mt_backend *be, float *out, const float *q, mt_paged latent,
                             const int32_t *const *bts, const mt_weight *kv_b, const int32_t *sel,
                             const int32_t *nsel, int max_sel, const int32_t *pos, int n, const mt_mla_params *p);
+
+    /* ---- PLE memory ---- */
+    /* Optional (NULL: not offered; the model refuses PLE layers on such a backend): n rows, row i
+     * with the keys keys[i, S*H] and the value v = vals[i, H] of its gathered table rows, its
+     * highway row X[i, S, H] (updated in place) and its conv state states[i] [(K-1)*dil, S*H]
+     * (oldest row first; rows of one sequence come in order and share the pointer; states is a
+     * table in backend memory). Per stream s: gate = sigmoid(signed sqrt of RMSNorm(key_s;
+     * key_norm[s]) . RMSNorm(X[i, s]; query_norm[s]) / sqrt(H)), value_s = gate * v; the conv
+     * input is RMSNorm(value_s; conv_norm[s]); X[i, s] += value_s + silu(conv). Each row then
+     * moves its state on by one row. key_norm, query_norm, conv_norm [S, H]; conv_w [S*H, K]. */
+    void (*ple_inject)(mt_backend *be, float *X, const float *keys, const float *vals, float *const *states,
+                       const float *key_norm, const float *query_norm, const float *conv_norm,
+                       const float *conv_w, int n, const mt_ple_params *p);
 
     /* ---- dense ---- */
     /* out[n, H] = table[ids[i]] ; ids on the host (row ids[i] - table.row0; zeros for an id

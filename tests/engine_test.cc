@@ -888,6 +888,45 @@ TEST(Engine, PoolShortagePreemptsAndResumes) {
     EXPECT_NE(msg.find("cache pages"), std::string::npos) << msg;
 }
 
+// A model with PLE memories (tiny_ple: on a KDA and a DSA layer), whose history and conv state
+// move only through the layers' aux snapshots: a prefix hit and preempted, re-prefilled sequences
+// give exactly the tokens of plain greedy runs.
+TEST(Engine, PleStateSurvivesPrefixReuseAndPreemption) {
+    Model M("tests/fixtures/tiny_ple");
+    auto prompt = [](int n, int salt) {
+        std::vector<int32_t> p;
+        for (int i = 0; i < n; i++) p.push_back((i * 37 + salt * 101 + 7) % 256);
+        return p;
+    };
+    std::vector<int32_t> a = prompt(100, 42), b = a;
+    for (int i = 0; i < 10; i++) a.push_back((i * 13 + 1) % 250);
+    for (int i = 0; i < 7; i++) b.push_back((i * 29 + 5) % 250);
+    {
+        Engine E(M.m);
+        ASSERT_EQ(E.Submit(1, a, Req(12)), MT_OK);
+        E.RunToEnd();
+        ASSERT_EQ(E.Submit(2, b, Req(12)), MT_OK);
+        E.RunToEnd();
+        EXPECT_EQ(E.Stats().prefix_hits, 1u);
+        EXPECT_EQ(E.results[1].tokens, DirectGreedy(M.m, a, 12));
+        EXPECT_EQ(E.results[2].tokens, DirectGreedy(M.m, b, 12));
+    }
+    const int n_req = 6, prompt_len = 40, new_tokens = 60;
+    std::vector<std::vector<int32_t>> want;
+    for (int id = 1; id <= n_req; id++) want.push_back(DirectGreedy(M.m, prompt(prompt_len, id), new_tokens));
+    mt_error err = { "" };
+    ASSERT_EQ(glm_model_set_pools(M.m, 5, 8, &err), MT_OK) << err.msg;
+    eng_params p = eng_default_params();
+    p.prefix_cache_bytes = 0;
+    p.max_sequences = 4;
+    Engine E(M.m, p);
+    for (int id = 1; id <= n_req; id++) ASSERT_EQ(E.Submit(id, prompt(prompt_len, id), Req(new_tokens)), MT_OK);
+    for (int steps = 0; eng_has_work(E.e) && steps < 5000; steps++) E.Step();
+    ASSERT_FALSE(eng_has_work(E.e));
+    for (int id = 1; id <= n_req; id++) EXPECT_EQ(E.results[id].tokens, want[id - 1]) << id;
+    EXPECT_GT(E.Stats().preemptions, 0u);
+}
+
 // The other policy: with preempt off a sequence is admitted only with pages for its whole length,
 // so the same shortage queues requests instead (no preemption, at most 2 running in 5 pages).
 TEST(Engine, PoolShortageQueuesWhenPreemptionIsOff) {

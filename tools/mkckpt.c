@@ -1,7 +1,7 @@
 /* tools/mkckpt.c: writes a random glm5_next checkpoint (config.json + safetensors) for tests and
  * benchmarks.
  *
- *   mkckpt (--preset tiny|bench-4L|test-wide | --config config.json) --out DIR [--layers N] [--seed N]
+ *   mkckpt (--preset tiny|tiny-ple|bench-4L|test-wide | --config config.json) --out DIR [--layers N] [--seed N]
  *          [--shard-mb N] [--dtype bf16|f16|f32|fp8] [--margin GAP [--margin-prompts N] [--margin-len L]]
  *
  * Every tensor of the manifest (worker/loader/glm_manifest.h) is written, value = mean + std *
@@ -266,7 +266,7 @@ static void collect(const glm_tensor_spec *s, void *user) {
 
 static void usage(FILE *f) {
     fprintf(f,
-            "usage: mkckpt (--preset tiny|bench-4L|test-wide | --config config.json) --out DIR\n"
+            "usage: mkckpt (--preset tiny|tiny-ple|bench-4L|test-wide | --config config.json) --out DIR\n"
             "              [--layers N] [--seed N] [--shard-mb N] [--dtype bf16|f16|f32|fp8]\n"
             "              [--margin GAP [--margin-prompts N] [--margin-len L]]\n"
             "  --preset    start from a built-in config (glm_config_preset)\n"

@@ -112,6 +112,7 @@ static void cpu_fill(mt_backend_ops *t) {
     cpu_dsa_fill(t);
     cpu_hc_fill(t);
     cpu_rows_fill(t);
+    cpu_ple_fill(t);
 }
 
 mt_backend *mt_cpu_backend_new(int n_threads) {

@@ -7,6 +7,7 @@
  *   cpu_kda.c    conv, decay gate, delta rule (recurrent and chunked), gated norm
  *   cpu_dsa.c    pool keys, indexer selection, sparse MLA
  *   cpu_hc.c     hyper-connections, head mean
+ *   cpu_ple.c    the PLE memory's injection (gates, value, dilated conv)
  *   cpu_rows.c   the rows form (batched decode): one single-sequence op per row, through the table
  *   cpu_gaps.c   the gap recorder of the router's and the indexer's top-k choices */
 #ifndef MT_CPU_OPS_H
@@ -22,6 +23,7 @@ void cpu_kda_fill(mt_backend_ops *t);
 void cpu_dsa_fill(mt_backend_ops *t);
 void cpu_hc_fill(mt_backend_ops *t);
 void cpu_rows_fill(mt_backend_ops *t);
+void cpu_ple_fill(mt_backend_ops *t);
 
 /* The gap recorder is on (cpu_gaps.c): the ops compute and note their gaps only then. */
 extern bool cpu_gaps_on;

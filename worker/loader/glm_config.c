@@ -73,6 +73,54 @@ void glm_config_default(glm_config *c) {
     c->pad_token_id = 154820;
     c->eos_token_id = -1;
     glm_config_default_layers(c);
+    c->ple_max_ngram = 3;
+    c->ple_heads = 8;
+    c->ple_head_dim = 64;
+    c->ple_conv_kernel = 4;
+    c->ple_pad_id = 0;
+    c->ple_norm_eps = 1e-5f;
+    for (int o = 0; o < GLM_PLE_MAX_ORDER - 1; o++) c->ple_table_sizes[o] = 5 * 154880; /* 5 x the real vocabulary */
+}
+
+bool glm_config_has_ple(const glm_config *c) {
+    for (int l = 0; l < c->num_hidden_layers; l++)
+        if (c->ple_layer[l]) return true;
+    return false;
+}
+
+static bool is_prime(int64_t n) {
+    if (n < 2) return false;
+    for (int64_t d = 2; d * d <= n; d++)
+        if (n % d == 0) return false;
+    return true;
+}
+
+int glm_ple_primes(const glm_config *c, int layer, int64_t *out) {
+    const int per = (c->ple_max_ngram - 1) * c->ple_heads;
+    int64_t seen_n = 0, *seen = NULL;
+    int count = 0;
+    for (int l = 0; l <= layer; l++) {
+        if (!c->ple_layer[l]) continue;
+        int64_t *grown = realloc(seen, sizeof(int64_t) * (size_t)(seen_n + per));
+        MT_ASSERT(grown);
+        seen = grown;
+        for (int o = 0; o < c->ple_max_ngram - 1; o++) {
+            int64_t p = (int64_t)c->ple_table_sizes[o] - 1;
+            for (int h = 0; h < c->ple_heads; h++) {
+                for (;;) {
+                    p++;
+                    if (!is_prime(p)) continue;
+                    bool taken = false;
+                    for (int64_t i = 0; i < seen_n && !taken; i++) taken = seen[i] == p;
+                    if (!taken) break;
+                }
+                seen[seen_n++] = p;
+                if (l == layer) out[count++] = p;
+            }
+        }
+    }
+    free(seen);
+    return count;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -361,6 +409,65 @@ bool glm_quant_skips(const glm_quant *q, const char *name) {
 /* ------------------------------------------------------------------------------------------ */
 /* Parse                                                                                      */
 
+/* A list of ints at most max long into out; *len its length. */
+static mt_status get_int_list(json_object *v, const char *where, const char *name, int max, int *out, int *len,
+                              mt_error *err) {
+    if (!json_object_is_type(v, json_type_array))
+        return mt_errorf(err, MT_ERR_INVALID, "%s: %s must be a list of integers, got %s", where, name,
+                         ld_json_kind(v));
+    const size_t n = json_object_array_length(v);
+    if (n > (size_t)max) return mt_errorf(err, MT_ERR_INVALID, "%s: %s has %zu entries, at most %d", where, name, n, max);
+    for (size_t i = 0; i < n; i++) {
+        char what[64];
+        snprintf(what, sizeof what, "%s[%zu]", name, i);
+        mt_status st = get_int(json_object_array_get_idx(v, i), where, what, &out[i], err);
+        if (st != MT_OK) return st;
+    }
+    *len = (int)n;
+    return MT_OK;
+}
+
+/* The PLE keys (docs/MODEL.md, "PLE layer"); the per-layer list needs num_hidden_layers. */
+static mt_status parse_ple(json_object *obj, const char *where, glm_config *c, mt_error *err) {
+    static const struct { const char *name; size_t off; } ints[] = {
+        { "ple_max_ngram", offsetof(glm_config, ple_max_ngram) },
+        { "ple_heads_per_ngram", offsetof(glm_config, ple_heads) },
+        { "ple_head_dim", offsetof(glm_config, ple_head_dim) },
+        { "ple_conv_kernel", offsetof(glm_config, ple_conv_kernel) },
+        { "ple_pad_id", offsetof(glm_config, ple_pad_id) },
+        { "ple_seed", offsetof(glm_config, ple_seed) },
+    };
+    mt_status st;
+    json_object *v;
+    for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++)
+        if ((v = field_of(obj, ints[i].name, NULL)) &&
+            (st = get_int(v, where, ints[i].name, (int *)((char *)c + ints[i].off), err)) != MT_OK)
+            return st;
+    if ((v = field_of(obj, "ple_norm_eps", NULL)) && (st = get_float(v, where, "ple_norm_eps", &c->ple_norm_eps, err)) != MT_OK)
+        return st;
+    if ((v = field_of(obj, "ple_compress_ids", NULL)) &&
+        (st = get_bool(v, where, "ple_compress_ids", &c->ple_compress_ids, err)) != MT_OK)
+        return st;
+    int tmp[GLM_MAX_LAYERS], n = 0;
+    if ((v = field_of(obj, "ple_table_sizes", NULL))) {
+        if ((st = get_int_list(v, where, "ple_table_sizes", GLM_PLE_MAX_ORDER - 1, tmp, &n, err)) != MT_OK) return st;
+        if (n != c->ple_max_ngram - 1)
+            return mt_errorf(err, MT_ERR_INVALID, "%s: ple_table_sizes has %d entries, ple_max_ngram %d needs %d", where,
+                             n, c->ple_max_ngram, c->ple_max_ngram - 1);
+        for (int o = 0; o < n; o++) c->ple_table_sizes[o] = tmp[o];
+    }
+    if ((v = field_of(obj, "ple_layers", NULL))) {
+        if ((st = get_int_list(v, where, "ple_layers", GLM_MAX_LAYERS, tmp, &n, err)) != MT_OK) return st;
+        for (int i = 0; i < n; i++) {
+            if (tmp[i] < 0 || tmp[i] >= c->num_hidden_layers)
+                return mt_errorf(err, MT_ERR_INVALID, "%s: ple_layers[%d] is %d, outside 0..%d", where, i, tmp[i],
+                                 c->num_hidden_layers - 1);
+            c->ple_layer[tmp[i]] = true;
+        }
+    }
+    return MT_OK;
+}
+
 /* Reads the text fields of obj (the text_config object, or the whole flat config) into c, which
  * holds the defaults on entry. */
 static mt_status parse_text(json_object *obj, const char *where, glm_config *c, mt_error *err) {
@@ -446,6 +553,8 @@ static mt_status parse_text(json_object *obj, const char *where, glm_config *c, 
     } else if ((st = derive_indexer(obj, where, c, err)) != MT_OK) {
         return st;
     }
+
+    if ((st = parse_ple(obj, where, c, err)) != MT_OK) return st;
 
     /* linear_attn_config overrides the linear_* fields (after them, as __post_init__ does). */
     if ((v = field_of(obj, "linear_attn_config", NULL)) && !json_object_is_type(v, json_type_null)) {
@@ -716,6 +825,20 @@ mt_status glm_config_validate(const glm_config *c, mt_error *err) {
         if (c->indexer_types[l] != GLM_INDEXER_FULL && c->indexer_types[l] != GLM_INDEXER_SHARED)
             BAD("indexer_types[%d] has unknown value %d", l, (int)c->indexer_types[l]);
     }
+    if (glm_config_has_ple(c)) {
+        if (c->ple_max_ngram < 2 || c->ple_max_ngram > GLM_PLE_MAX_ORDER)
+            BAD("ple_max_ngram is %d, must be in 2..%d", c->ple_max_ngram, GLM_PLE_MAX_ORDER);
+        if (c->ple_heads < 1 || c->ple_heads > GLM_PLE_MAX_HEADS)
+            BAD("ple_heads_per_ngram is %d, must be in 1..%d", c->ple_heads, GLM_PLE_MAX_HEADS);
+        if (c->ple_head_dim < 1) BAD("ple_head_dim is %d, must be > 0", c->ple_head_dim);
+        if (c->ple_conv_kernel < 1) BAD("ple_conv_kernel is %d, must be > 0", c->ple_conv_kernel);
+        for (int o = 0; o < c->ple_max_ngram - 1; o++)
+            if (c->ple_table_sizes[o] < 2) BAD("ple_table_sizes[%d] is %d, must be >= 2", o, c->ple_table_sizes[o]);
+        if (!(c->ple_norm_eps > 0.f) || !isfinite(c->ple_norm_eps)) BAD("ple_norm_eps must be > 0");
+        if (c->ple_pad_id < 0) BAD("ple_pad_id is %d, must be >= 0", c->ple_pad_id);
+        if (c->ple_compress_ids)
+            return mt_errorf(err, MT_ERR_UNSUPPORTED, "ple_compress_ids (tokenizer compression) is not supported");
+    }
     for (int l = 0; l < c->num_hidden_layers; l++) {
         if (c->layer_types[l] != GLM_MIXER_DSA || c->indexer_types[l] != GLM_INDEXER_SHARED) continue;
         if (l == 0 || c->layer_types[l - 1] != GLM_MIXER_DSA ||
@@ -818,6 +941,21 @@ mt_status glm_config_save(const glm_config *c, const char *path, mt_error *err) 
         bad |= json_object_array_add(it, json_object_new_string(
             c->indexer_types[l] == GLM_INDEXER_FULL ? "full" : "shared"));
     }
+    if (glm_config_has_ple(c) && !bad) {
+        json_object *pl = json_object_new_array(), *ts = json_object_new_array();
+        bad |= add(o, "ple_layers", pl) | add(o, "ple_table_sizes", ts);
+        for (int l = 0; l < c->num_hidden_layers && !bad; l++)
+            if (c->ple_layer[l]) bad |= json_object_array_add(pl, json_object_new_int(l));
+        for (int k = 0; k < c->ple_max_ngram - 1 && !bad; k++)
+            bad |= json_object_array_add(ts, json_object_new_int(c->ple_table_sizes[k]));
+        bad |= add(o, "ple_max_ngram", json_object_new_int(c->ple_max_ngram));
+        bad |= add(o, "ple_heads_per_ngram", json_object_new_int(c->ple_heads));
+        bad |= add(o, "ple_head_dim", json_object_new_int(c->ple_head_dim));
+        bad |= add(o, "ple_conv_kernel", json_object_new_int(c->ple_conv_kernel));
+        bad |= add(o, "ple_pad_id", json_object_new_int(c->ple_pad_id));
+        bad |= add(o, "ple_seed", json_object_new_int(c->ple_seed));
+        bad |= add(o, "ple_norm_eps", new_float(c->ple_norm_eps));
+    }
     if (bad) {
         json_object_put(o);
         return mt_errorf(err, MT_ERR_NOMEM, "%s: out of memory", path);
@@ -848,7 +986,8 @@ mt_status glm_config_save(const glm_config *c, const char *path, mt_error *err) 
 mt_status glm_config_preset(const char *name, glm_config *cfg, mt_error *err) {
     glm_config c;
     glm_config_default(&c);
-    if (name && !strcmp(name, "tiny")) {
+    const bool ple = name && !strcmp(name, "tiny-ple");
+    if (name && (!strcmp(name, "tiny") || ple)) {
         c.vocab_size = 256;
         c.hidden_size = 64;
         c.intermediate_size = 128;
@@ -889,6 +1028,16 @@ mt_status glm_config_preset(const char *name, glm_config *cfg, mt_error *err) {
             c.mlp_layer_types[i] = mt[i];
             c.indexer_types[i] = it[i];
         }
+        if (ple) { /* a memory before a KDA and before a DSA mixer; tables of a few hundred rows */
+            c.ple_layer[0] = c.ple_layer[2] = true;
+            c.ple_max_ngram = 3;
+            c.ple_heads = 2;
+            c.ple_head_dim = 8;
+            c.ple_table_sizes[0] = 61;
+            c.ple_table_sizes[1] = 89;
+            c.ple_conv_kernel = 3;
+            c.ple_seed = 7;
+        }
     } else if (name && !strcmp(name, "bench-4L")) {
         /* Real per-layer dims. Mixers follow the default pattern (KDA, KDA, KDA, DSA, every
          * indexer full); the MLPs are 1 dense + 3 MoE rather than the default 3 + 1. */
@@ -908,7 +1057,7 @@ mt_status glm_config_preset(const char *name, glm_config *cfg, mt_error *err) {
         c.layer_types[1] = GLM_MIXER_DSA; c.layer_types[2] = GLM_MIXER_DSA; c.indexer_types[2] = GLM_INDEXER_SHARED;
     } else {
         return mt_errorf(err, MT_ERR_NOT_FOUND,
-                         "config preset \"%s\" is unknown (expected tiny, bench-4L or test-wide)", name ? name : "(null)");
+                         "config preset \"%s\" is unknown (expected tiny, tiny-ple, bench-4L or test-wide)", name ? name : "(null)");
     }
     mt_status st = glm_config_validate(&c, err);
     if (st != MT_OK) return st;

@@ -17,6 +17,9 @@ extern "C" {
 #endif
 
 #define GLM_MAX_LAYERS 256
+#define GLM_PLE_MAX_ORDER 8      /* largest n-gram order of a PLE memory */
+#define GLM_PLE_MAX_HEADS 64     /* most hashed heads per order */
+#define GLM_PLE_MAX_TABLES ((GLM_PLE_MAX_ORDER - 1) * GLM_PLE_MAX_HEADS)
 
 typedef enum glm_mixer { GLM_MIXER_KDA = 0, GLM_MIXER_DSA = 1 } glm_mixer;  /* layer_types */
 typedef enum glm_mlp { GLM_MLP_DENSE = 0, GLM_MLP_SPARSE = 1 } glm_mlp;     /* mlp_layer_types */
@@ -81,6 +84,18 @@ typedef struct glm_config {
     int num_nextn_predict_layers; /* MTP blocks after the layers (0 when absent); the runtime uses
                                   * the first, at layer index num_hidden_layers, when present */
     glm_quant quant;             /* quantization_config, at the top level or under text_config */
+    /* PLE memories (docs/MODEL.md, "PLE layer"): the hashed n-gram memory injected into the
+     * highway before the mixer of each layer with ple_layer[l]. Absent keys: no PLE layer. */
+    bool ple_layer[GLM_MAX_LAYERS]; /* ple_layers: the indices that carry a memory */
+    int ple_max_ngram;           /* N: orders 2..N, 3 */
+    int ple_heads;               /* ple_heads_per_ngram: hashed heads per order, 8 */
+    int ple_head_dim;            /* columns of a table row, 64 */
+    int ple_table_sizes[GLM_PLE_MAX_ORDER - 1]; /* per order 2..N: the base table size, 774400 */
+    int ple_conv_kernel;         /* taps of the dilated conv (dilation N), 4 */
+    int ple_pad_id;              /* stands for positions before the start, 0 */
+    int ple_seed;                /* seeds the hash multipliers, 0 */
+    float ple_norm_eps;          /* the PLE RMSNorms' eps, 1e-5 */
+    bool ple_compress_ids;       /* tokenizer compression; not supported (refused when true) */
     glm_mixer layer_types[GLM_MAX_LAYERS];
     glm_mlp mlp_layer_types[GLM_MAX_LAYERS];
     glm_indexer indexer_types[GLM_MAX_LAYERS];
@@ -114,8 +129,18 @@ mt_status glm_config_validate(const glm_config *cfg, mt_error *err);
  * quantization_config when cfg->quant.fp8, that glm_config_load reads back to the same struct. Validates first: an invalid cfg writes nothing. */
 mt_status glm_config_save(const glm_config *cfg, const char *path, mt_error *err);
 
-/* Presets for tools and benchmarks: "tiny" (hidden 64, a few hundred vocab, every layer kind) and
- * "bench-4L" (GLM-5.3-Flash's real per-layer dims, 3 KDA + 1 DSA, 1 dense + 3 MoE). */
+/* True when some layer carries a PLE memory. */
+bool glm_config_has_ple(const glm_config *cfg);
+
+/* The table sizes of PLE layer `layer` (ple_layer[layer] true): (N-1) * ple_heads primes, order
+ * by order, head by head, written to out. Every head of every PLE layer gets its own prime: going
+ * through the PLE layers in index order, orders 2..N, heads in order, each is the smallest prime
+ * above the previous one of its order (the order's base size - 1 at its start in each layer) not
+ * taken by any head before it. Returns the count. */
+int glm_ple_primes(const glm_config *cfg, int layer, int64_t *out);
+
+/* Presets for tools and benchmarks: "tiny" (hidden 64, a few hundred vocab, every layer kind),
+ * "tiny-ple" (tiny with PLE memories on a KDA and a DSA layer) and "bench-4L" (GLM-5.3-Flash's real per-layer dims, 3 KDA + 1 DSA, 1 dense + 3 MoE). */
 mt_status glm_config_preset(const char *name, glm_config *cfg, mt_error *err);
 
 #ifdef __cplusplus

@@ -128,6 +128,22 @@ static void emit_layer(emitter *e, const glm_config *c, const char *p, glm_mixer
     }
 }
 
+/* A PLE memory's tensors under prefix p (docs/MODEL.md, "PLE layer"). */
+static void emit_ple(emitter *e, const glm_config *c, const char *p, int layer) {
+    const int H = c->hidden_size, S = c->hc_mult, K = c->ple_conv_kernel;
+    const int nt = (c->ple_max_ngram - 1) * c->ple_heads, E = nt * c->ple_head_dim;
+    int64_t primes[GLM_PLE_MAX_TABLES], rows = 0;
+    const int n = glm_ple_primes(c, layer, primes);
+    for (int i = 0; i < n; i++) rows += primes[i];
+    emit(e, MT_BF16, 0.f, 1.f, 2, rows, c->ple_head_dim, 0, "%sple.table.weight", p);
+    LIN(e, (int64_t)S * H, E, "%sple.key_proj.weight", p);
+    LIN(e, H, E, "%sple.value_proj.weight", p);
+    emit(e, MT_BF16, 1.f, 0.1f, 2, S, H, 0, "%sple.key_norm.weight", p);
+    emit(e, MT_BF16, 1.f, 0.1f, 2, S, H, 0, "%sple.query_norm.weight", p);
+    emit(e, MT_BF16, 1.f, 0.1f, 2, S, H, 0, "%sple.conv_norm.weight", p);
+    emit(e, MT_F32, 0.f, 0.3f, 3, (int64_t)S * H, 1, K, "%sple.conv.weight", p);
+}
+
 int glm_manifest_foreach(const glm_config *c, glm_manifest_fn fn, void *user) {
     emitter e = { fn, user, 0 };
     const int H = c->hidden_size;
@@ -138,6 +154,7 @@ int glm_manifest_foreach(const glm_config *c, glm_manifest_fn fn, void *user) {
         char p[96];
         snprintf(p, sizeof p, "model.language_model.layers.%d.", l);
         emit_layer(&e, c, p, c->layer_types[l], c->mlp_layer_types[l], c->indexer_types[l], true);
+        if (c->ple_layer[l]) emit_ple(&e, c, p, l);
     }
     return e.count;
 }

@@ -63,6 +63,41 @@ typedef struct glm_mlp_w {
     mt_expert shared;          /* intermediate I * n_shared */
 } glm_mlp_w;
 
+/* A PLE memory (glm_ple.c, docs/MODEL.md "PLE layer") on a decoder layer: E = ntab * head_dim
+ * gathered columns a row, P = (K-1) * N rows of conv state. */
+typedef struct glm_ple_w {
+    bool on;                   /* the config's ple_layers names this layer */
+    mt_weight table;           /* [sum of the primes, head_dim] the n-gram rows, head after head */
+    mt_weight key;             /* [S*H, E] the keys of every stream at once */
+    mt_weight value;           /* [H, E] */
+    float *key_norm, *query_norm, *conv_norm; /* [S, H] */
+    float *conv;               /* [S*H, K] fp32 */
+    int ntab, E, P;            /* tables (orders x heads), gathered width, conv state rows */
+    int64_t prime[GLM_PLE_MAX_TABLES]; /* table sizes, order by order, head by head */
+    int64_t off[GLM_PLE_MAX_TABLES];   /* first row of each table in `table` */
+    uint64_t mult[GLM_PLE_MAX_ORDER];  /* hash multiplier of the token k positions back */
+    /* scratch for up to rows rows (backend memory unless said) */
+    int rows;
+    float *emb;                /* [rows, E] */
+    float *keys;               /* [rows, S*H] */
+    float *vals;               /* [rows, H] */
+    float **tab;               /* [rows] each row's conv state (a rows table) */
+    float **h_tab;             /* host [rows] mirror of tab */
+    int32_t *idx;              /* host [ntab] one row's table rows */
+} glm_ple_w;
+
+/* A PLE memory's per-sequence state: the last tokens (for the n-grams ending at the next one) and
+ * the conv state, plus the rows a prestage gathered for the next step. */
+typedef struct glm_ple_state {
+    int hist_len;              /* min(tokens seen, N-1); 0: nothing seen, conv not yet reset */
+    uint32_t hist[GLM_PLE_MAX_ORDER - 1]; /* the last hist_len tokens, oldest first */
+    float *conv;               /* backend [P, S*H]: uninitialised until the first step resets it */
+    float *staged;             /* backend [GLM_VERIFY_MAX, E]: rows gathered by prestages */
+    int32_t staged_tok[GLM_VERIFY_MAX];
+    int n_staged;              /* staged rows the next forward consumes (0: hash the step's ids) */
+    int n_prestaged;           /* rows the current step's prestages staged (what rearm restores) */
+} glm_ple_state;
+
 /* One decoder layer: the generic mt_layer first, then its weights. */
 typedef struct glm_layer {
     mt_layer base;
@@ -75,6 +110,7 @@ typedef struct glm_layer {
     glm_kda_w kda;
     glm_dsa_w dsa;
     glm_mlp_w mlp;
+    glm_ple_w ple;
     /* Pools of per-sequence state, made by the model (glm_model_set_pools) and shared by
      * its sequences. DSA: page p holds `page` consecutive positions of whichever sequence's block
      * table maps one of its blocks to p: position t of a sequence is row t % page of page
@@ -100,6 +136,7 @@ typedef struct glm_layer_state {
     const int32_t *bt;
     int len;                   /* host-tracked indexer/latent cache length */
     int prestage_len;          /* len when the step was prestaged (restored by the rearm hook) */
+    glm_ple_state *ple;        /* the layer's PLE memory's; NULL without one */
 } glm_layer_state;
 
 /* Activation scratch for up to rows rows; sized once per model for prefill_chunk. */
@@ -136,6 +173,10 @@ typedef struct glm_segment {
 struct mt_step {
     mt_backend *be;
     int t0;                    /* position of the first row (host) */
+    /* The rows' token ids on the host, row i's at ids[i * ids_stride]; NULL when only the device
+     * has them (a PLE memory then needs a prestage for every row). */
+    const int32_t *ids;
+    int ids_stride;
     glm_scratch *scr;
     /* Graph form (decode): the position as the ops read it at run time, in backend memory; NULL
      * in the eager form, where ops take t0 as an argument. */
@@ -294,6 +335,27 @@ static inline int glm_mtp_committed(const glm_model *m, const glm_seq *s) {
 mt_status glm_mtp_follow(glm_model *m, glm_seq *s, const float *X, const int32_t *tokens, int n);
 /* The drafter's next row for s with token: logits (host) [vocab]. */
 mt_status glm_mtp_draft(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_error *err);
+
+/* glm_ple.c: PLE memories (docs/MODEL.md "PLE layer"). */
+/* Hash constants and scratch of l's memory for passes of up to rows rows; MT_ERR_UNSUPPORTED on a
+ * backend without ple_inject. Weights are bound first. */
+mt_status glm_ple_init(glm_layer *l, int rows, mt_error *err);
+void glm_ple_release(glm_layer *l);            /* weights and scratch; safe on a partial init */
+mt_status glm_ple_state_alloc(const glm_layer *l, glm_layer_state *st, mt_error *err);
+void glm_ple_state_free(const glm_layer *l, glm_layer_state *st);
+size_t glm_ple_state_bytes(const glm_layer *l);
+/* Injects the memory into the highway rows X[n, S, H], laid out as for the layer's forward
+ * (nst == 1: n positions of one sequence; nst == n: one row a sequence; step->seg: segments).
+ * A state with staged rows consumes them (its rows must be exactly those), others hash the step's
+ * ids and advance their history. */
+mt_status glm_ple_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt_step *step, float *X, int n);
+mt_status glm_ple_prestage(const glm_layer *l, glm_layer_state *st, int32_t token);
+void glm_ple_rearm(glm_layer_state *st);
+void glm_ple_sync(glm_layer_state *st);       /* a step ran (eagerly or replayed): nothing staged */
+size_t glm_ple_aux_bytes(const glm_layer *l, const void *bytes, size_t len); /* 0: not a PLE blob */
+mt_status glm_ple_snapshot(const glm_layer *l, const glm_layer_state *st, void **bytes, size_t *len, mt_error *err);
+/* Checked first with glm_ple_aux_bytes == len; cannot fail after. Clears the staged rows. */
+void glm_ple_restore(const glm_layer *l, glm_layer_state *st, const void *bytes, size_t len);
 
 /* glm_entry.c: the model interface (worker/model/model.h) over this model. */
 extern const mt_model_ops glm_model_iface;

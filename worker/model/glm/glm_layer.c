@@ -37,7 +37,8 @@ int glm_scratch_width(const glm_config *c) {
 /* The state struct only: the memory it points at is the model's pools (glm_model.c maps a KDA
  * slot and the sequence's block table into it when it makes the sequence). */
 static void release_state(const mt_layer *ml, mt_layer_state *base) {
-    (void)ml;
+    if (!base) return;
+    glm_ple_state_free(as_glm(ml), (glm_layer_state *)base);
     free(base);
 }
 
@@ -46,6 +47,13 @@ static mt_status alloc_state(const mt_layer *ml, int max_tokens, mt_layer_state 
     if (!st) return mt_errorf(err, MT_ERR_NOMEM, "layer %d: out of memory for state", ml->index);
     st->base.layer = ml;
     st->cap = max_tokens;
+    if (as_glm(ml)->ple.on) {
+        mt_status s = glm_ple_state_alloc(as_glm(ml), st, err);
+        if (s != MT_OK) {
+            free(st);
+            return s;
+        }
+    }
     *out = &st->base;
     return MT_OK;
 }
@@ -80,8 +88,9 @@ static mt_status layer_forward(const mt_layer *ml, glm_layer_state **sts, int ns
     glm_scratch *scr = step->scr;
     MT_ASSERT(n <= scr->rows);
     const mt_hc_params hp = { c->hc_mult, c->hidden_size, c->rms_norm_eps, c->hc_eps, c->hc_sinkhorn_iters };
-    hc_pre_norm(be, scr, X, &l->hc[0], l->in_norm, &hp, n);
     mt_status s = MT_OK;
+    if (l->ple.on && (s = glm_ple_forward(l, sts, nst, step, X, n)) != MT_OK) return s; /* into the highway first */
+    hc_pre_norm(be, scr, X, &l->hc[0], l->in_norm, &hp, n);
     if (step->seg) {
         /* a mixed step: its decode rows through the batched decode's mixer at once (one launch
          * for all of them, not one a row), then each prompt chunk's rows with its own state */
@@ -296,6 +305,96 @@ static mt_status dsa_restore_aux(const mt_layer *ml, mt_layer_state *base, const
     return MT_OK;
 }
 
+/* ---- layers with a PLE memory: its hooks beside the mixer's, its snapshot after the DSA one ---- */
+
+static bool is_dsa(const glm_layer *l) { return l->cfg->layer_types[l->base.index] == GLM_MIXER_DSA; }
+
+static mt_status ple_decode_prestage(const mt_layer *ml, mt_layer_state *base, int32_t token) {
+    if (is_dsa(as_glm(ml))) dsa_decode_prestage(ml, base, token);
+    return glm_ple_prestage(as_glm(ml), (glm_layer_state *)base, token);
+}
+
+static void ple_decode_prestage_rearm(const mt_layer *ml, mt_layer_state *base) {
+    if (is_dsa(as_glm(ml))) dsa_decode_prestage_rearm(ml, base);
+    glm_ple_rearm((glm_layer_state *)base);
+}
+
+static mt_status ple_check_replay_room(const mt_layer *ml, const mt_layer_state *base, int seq_len, int k) {
+    return is_dsa(as_glm(ml)) ? dsa_check_replay_room(ml, base, seq_len, k) : MT_OK;
+}
+
+static mt_status ple_sync_replayed_step(const mt_layer *ml, mt_layer_state *base, int seq_len, int k) {
+    glm_ple_sync((glm_layer_state *)base);
+    return is_dsa(as_glm(ml)) ? dsa_sync_replayed_step(ml, base, seq_len, k) : MT_OK;
+}
+
+static bool ple_has_aux(const mt_layer *ml) { (void)ml; return true; }
+
+/* The mixer's aux part (the DSA indexer cache, when the layer has one), then the memory's. */
+static mt_status ple_snapshot_aux(const mt_layer *ml, const mt_layer_state *base, void **bytes, size_t *len,
+                                  mt_error *err) {
+    const glm_layer *l = as_glm(ml);
+    void *a = NULL, *b = NULL;
+    size_t na = 0, nb = 0;
+    mt_status s = dsa_has_aux(ml) ? dsa_snapshot_aux(ml, base, &a, &na, err) : MT_OK;
+    if (s == MT_OK) s = glm_ple_snapshot(l, (const glm_layer_state *)base, &b, &nb, err);
+    char *p = s == MT_OK ? malloc(na + nb) : NULL;
+    if (s == MT_OK && !p) s = mt_errorf(err, MT_ERR_NOMEM, "layer %d: out of memory for an aux snapshot", ml->index);
+    if (p) {
+        if (na) memcpy(p, a, na);
+        memcpy(p + na, b, nb);
+        *bytes = p;
+        *len = na + nb;
+    }
+    free(a);
+    free(b);
+    return s;
+}
+
+/* The DSA part's size from its header (0 when it is not one). */
+static size_t dsa_aux_bytes(const glm_layer *l, const void *bytes, size_t len) {
+    aux_header hd;
+    if (len < sizeof hd) return 0;
+    memcpy(&hd, bytes, sizeof hd);
+    const int id = l->cfg->index_head_dim, kp = l->cfg->index_kpool;
+    if (hd.magic != AUX_MAGIC || hd.id != id || hd.kpool != kp || hd.len < 0) return 0;
+    return sizeof hd + 2 * sizeof(float) * (size_t)hd.len * id + sizeof(float) * (size_t)(hd.len / kp) * id;
+}
+
+static mt_status ple_restore_aux(const mt_layer *ml, mt_layer_state *base, const void *bytes, size_t len,
+                                 mt_error *err) {
+    const glm_layer *l = as_glm(ml);
+    size_t na = 0;
+    if (dsa_has_aux(ml) && ((na = dsa_aux_bytes(l, bytes, len)) == 0 || na > len))
+        return mt_errorf(err, MT_ERR_INVALID, "layer %d: aux snapshot does not start with this layer's indexer cache",
+                         ml->index);
+    const char *pb = (const char *)bytes + na;
+    const size_t nb = len - na, want = glm_ple_aux_bytes(l, pb, nb);
+    if (want == 0 || want != nb)
+        return mt_errorf(err, MT_ERR_INVALID, "layer %d: PLE snapshot of %zu bytes, expected %zu", ml->index, nb, want);
+    if (na) {
+        mt_status s = dsa_restore_aux(ml, base, bytes, na, err);
+        if (s != MT_OK) return s;
+    }
+    glm_ple_restore(l, (glm_layer_state *)base, pb, nb);
+    return MT_OK;
+}
+
+static const mt_layer_ops ple_layer_ops = {
+    .alloc_state = alloc_state,
+    .release_state = release_state,
+    .prefill = layer_prefill,
+    .decode_multi_seq = layer_decode_multi,
+    .forward_segments = layer_forward_segments,
+    .decode_prestage = ple_decode_prestage,
+    .decode_prestage_rearm = ple_decode_prestage_rearm,
+    .check_replay_room = ple_check_replay_room,
+    .sync_replayed_step = ple_sync_replayed_step,
+    .has_aux_state = ple_has_aux,
+    .snapshot_aux = ple_snapshot_aux,
+    .restore_aux = ple_restore_aux,
+};
+
 static const mt_layer_ops kda_layer_ops = {
     .alloc_state = alloc_state,
     .release_state = release_state,
@@ -338,5 +437,13 @@ void glm_layer_init(glm_layer *l, const glm_config *cfg, mt_backend *be, int i) 
         l->base.kind = "glm.dsa";
         l->base.caps = (mt_layer_caps){ .graph_stale_on_new_sequence = true,
                                         .decode_verify_multi_unsupported = true };
+    }
+    if (i < cfg->num_hidden_layers && cfg->ple_layer[i]) {
+        /* The memory's history cannot be rewound by length, and its prestage hashes the token. */
+        l->ple.on = true;
+        l->base.ops = &ple_layer_ops;
+        l->base.kind = cfg->layer_types[i] == GLM_MIXER_KDA ? "glm.kda+ple" : "glm.dsa+ple";
+        l->base.caps.decode_rollback_unsupported = true;
+        l->base.caps.decode_prestage_needs_token = true;
     }
 }

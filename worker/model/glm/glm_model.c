@@ -118,6 +118,8 @@ static mt_status model_init(glm_model *m, uint64_t random_seed, bool random, mt_
     if (!m->d_rrow || !m->d_rtab || !m->h_rrow || !m->h_rtab || !m->h_tok || !m->ahead.seqs)
         return mt_errorf(err, MT_ERR_NOMEM, "out of memory for the batched-decode tables");
     if (c->hc_mult > 8) return mt_errorf(err, MT_ERR_UNSUPPORTED, "hc_mult %d: at most 8 streams", c->hc_mult);
+    for (int i = 0; i < c->num_hidden_layers; i++)
+        if (m->layers[i].ple.on && (s = glm_ple_init(&m->layers[i], rows, err)) != MT_OK) return s;
     if (!(m->layer_list = malloc(sizeof *m->layer_list * (size_t)c->num_hidden_layers)))
         return mt_errorf(err, MT_ERR_NOMEM, "out of memory");
     for (int i = 0; i < c->num_hidden_layers; i++) m->layer_list[i] = &m->layers[i].base;
@@ -449,6 +451,18 @@ mt_status glm_seq_copy_prefix(glm_model *m, const glm_seq *src, glm_seq *dst, mt
     return MT_OK;
 }
 
+mt_status glm_model_ple_apply(glm_model *m, glm_seq *s, int layer, const int32_t *ids, float *X, int n) {
+    if (layer < 0 || layer >= m->cfg.num_hidden_layers || !m->layers[layer].ple.on || n < 1 || n > m->scr.rows)
+        return MT_ERR_INVALID;
+    const size_t bytes = sizeof(float) * (size_t)n * m->cfg.hc_mult * m->cfg.hidden_size;
+    m->be->ops->upload(m->be, m->X, X, bytes);
+    mt_step step = { .be = m->be, .t0 = -1, .scr = &m->scr, .ids = ids, .ids_stride = 1 };
+    glm_layer_state *st = (glm_layer_state *)s->states[layer];
+    mt_status r = glm_ple_forward(&m->layers[layer], &st, 1, &step, m->X, n);
+    if (r == MT_OK) m->be->ops->download(m->be, X, m->X, bytes);
+    return r;
+}
+
 int glm_model_n_layers(const glm_model *m) { return m->cfg.num_hidden_layers; }
 const mt_layer *glm_model_layer(const glm_model *m, int i) { return &m->layers[i].base; }
 mt_layer_state *glm_seq_state(glm_seq *s, int i) { return s->states[i]; }
@@ -504,7 +518,7 @@ static mt_status forward(glm_model *m, glm_seq *s, const int32_t *tokens, int n,
     const glm_config *c = &m->cfg;
     mt_backend *be = m->be;
     const int S = c->hc_mult, H = c->hidden_size;
-    mt_step step = { .be = be, .t0 = s->len, .scr = &m->scr };
+    mt_step step = { .be = be, .t0 = s->len, .scr = &m->scr, .ids = tokens, .ids_stride = 1 };
     m->scr.sel_n = 0;
     /* X[i, s] = embedding of token i for every stream s. Prefill looks each token up S times
      * straight into X (one op, where n*S row copies cost a launch each); decode keeps its copies. */
@@ -653,7 +667,7 @@ mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, mt_er
     be->ops->embed(be, m->X, &m->embed, rep, n * S);
     if ((st = embed_reduce(m, m->X, (size_t)n * SH)) != MT_OK) goto failed;
     mt_step step = { .be = be, .scr = &m->scr, .seg = seg, .nseg = np, .nrows = nrows, .rpos = m->d_rrow,
-                     .rcap = m->rcap, .rt_cap = m->rt_cap };
+                     .rcap = m->rcap, .rt_cap = m->rt_cap, .ids = rep, .ids_stride = S };
     m->scr.sel_n = 0;
     for (int l = 0; l < L; l++) {
         for (int i = 0; i < np; i++) sts[i] = p[i].s->states[l];
@@ -816,6 +830,8 @@ static void verify_mark(glm_model *m, glm_seq *s, const int32_t *tokens, int k) 
 
 mt_status glm_seq_keep(glm_model *m, glm_seq *s, int keep, mt_error *err) {
     if (!m->mtp.on) return mt_errorf(err, MT_ERR_UNSUPPORTED, "rows are dropped only with the drafter on");
+    if (glm_config_has_ple(&m->cfg))
+        return mt_errorf(err, MT_ERR_UNSUPPORTED, "rows are not dropped from a model with PLE memories");
     if (s->v_n < 1 || s->len != s->v_pos + s->v_n)
         return mt_errorf(err, MT_ERR_STATE, "the last step of the sequence was not a decode");
     if (keep < 1 || keep > s->v_n)
@@ -884,12 +900,13 @@ static void rows_upload(glm_model *m, glm_seq **seqs, const int32_t *tokens, int
 /* One batched step of B rows from the uploaded tables, through every layer's decode_multi_seq
  * and the head; logits stay in m->logits [B, V]. Every op reads its rows from backend memory, so
  * the same body is what a bucket graph records. sts: B layer states (host bookkeeping only). */
-static mt_status rows_body(glm_model *m, glm_seq **seqs, int n, int B, mt_layer_state **sts) {
+static mt_status rows_body(glm_model *m, glm_seq **seqs, int n, int B, mt_layer_state **sts, bool host_ids) {
     const glm_config *c = &m->cfg;
     mt_backend *be = m->be;
     const int L = c->num_hidden_layers;
     mt_step step = { .be = be, .t0 = -1, .scr = &m->scr, .rpos = m->d_rrow, .rcap = m->rcap,
-                     .rt_cap = m->rt_cap, .census = m->census };
+                     .rt_cap = m->rt_cap, .census = m->census,
+                     .ids = host_ids ? m->h_rrow + B : NULL, .ids_stride = c->hc_mult };
     if (m->census) memset(m->census, 0, (size_t)L * c->n_routed_experts);
     m->scr.sel_n = 0;
     be->ops->embed_dev(be, m->X, &m->embed, m->d_rrow + B, B * c->hc_mult);
@@ -909,11 +926,12 @@ typedef struct rows_ctx {
     glm_seq **seqs;
     int n, B;
     mt_layer_state **sts;
+    bool host_ids;             /* m->h_rrow holds the rows' tokens (rows_upload had them) */
 } rows_ctx;
 
 static mt_status rows_body_cb(void *ctx) {
     const rows_ctx *r = ctx;
-    return rows_body(r->m, r->seqs, r->n, r->B, r->sts);
+    return rows_body(r->m, r->seqs, r->n, r->B, r->sts, r->host_ids);
 }
 
 static int bucket_of(int n) {
@@ -972,7 +990,7 @@ static mt_status decode_rows(glm_model *m, glm_seq **seqs, const int32_t *tokens
     mt_status st = rt_hooks_before(&m->runner, &rows, err);
     if (st == MT_OK) {
         rows_upload(m, seqs, tokens, n, B);
-        rows_ctx rc = { m, seqs, n, B, sts };
+        rows_ctx rc = { m, seqs, n, B, sts, tokens != NULL };
         char what[64];
         snprintf(what, sizeof what, "batched decode of %d rows", B);
         st = rt_run_step(&m->runner, &m->bucket[b < GLM_BUCKETS ? b : 0], use_graph, m->rt_cap, &rows, rows_body_cb,

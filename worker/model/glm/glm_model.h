@@ -147,6 +147,12 @@ mt_status glm_decode_verify(glm_model *m, glm_seq *s, const int32_t *tokens, int
 /* Tests: the drafter's logits of every row it takes at a position below rows go to logits (host)
  * [rows, vocab] at row (the position) until the next call; NULL turns it off. */
 void glm_model_capture_drafter(glm_model *m, float *logits, int rows);
+
+/* Checks of the PLE memory (tests): runs layer's memory alone on n host highway rows X [n, S, H]
+ * (updated in place) of s, at its next positions, as the layer's forward would before its mixer.
+ * ids NULL: the rows staged by decode_prestage. MT_ERR_INVALID when the layer has no memory or n
+ * is more than a pass holds. Moves the memory's state of s on (not s's length). */
+mt_status glm_model_ple_apply(glm_model *m, glm_seq *s, int layer, const int32_t *ids, float *X, int n);
 bool glm_model_has_mtp(const glm_model *m);     /* the checkpoint's MTP block is loaded */
 bool glm_model_has_drafter(const glm_model *m); /* and sequences carry its state */
 mt_status glm_model_draft(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_error *err);

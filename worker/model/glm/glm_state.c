@@ -42,9 +42,9 @@ size_t glm_layer_page_bytes(const glm_layer *l) {
 }
 
 size_t glm_layer_state_bytes(const glm_layer *l, int max_tokens) {
-    if (is_kda(l)) return glm_layer_slot_bytes(l);
+    if (is_kda(l)) return glm_layer_slot_bytes(l) + glm_ple_state_bytes(l);
     const size_t blocks = ((size_t)max_tokens + (size_t)l->page - 1) / (size_t)l->page;
-    return blocks * glm_layer_page_bytes(l);
+    return blocks * glm_layer_page_bytes(l) + glm_ple_state_bytes(l);
 }
 
 bool glm_layer_pools_alloc(glm_layer *l, int n_pages, int n_slots) {

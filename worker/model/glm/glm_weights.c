@@ -339,6 +339,16 @@ static mt_status bind_layer(binder *b, glm_layer *l, int i) {
             TRY(bind_w(b, &d->igate, "%sself_attn.indexer.index_kpool_compress_gate", p));
         }
     }
+    if (l->ple.on) { /* replicated on every rank: the memory is computed whole */
+        glm_ple_w *pw = &l->ple;
+        TRY(bind_w(b, &pw->table, "%sple.table.weight", p));
+        TRY(bind_w(b, &pw->key, "%sple.key_proj.weight", p));
+        TRY(bind_w(b, &pw->value, "%sple.value_proj.weight", p));
+        TRY(bind_v(b, &pw->key_norm, "%sple.key_norm.weight", p));
+        TRY(bind_v(b, &pw->query_norm, "%sple.query_norm.weight", p));
+        TRY(bind_v(b, &pw->conv_norm, "%sple.conv_norm.weight", p));
+        TRY(bind_v(b, &pw->conv, "%sple.conv.weight", p));
+    }
     glm_mlp_w *mw = &l->mlp;
     mw->sparse = c->mlp_layer_types[i] == GLM_MLP_SPARSE;
     if (!mw->sparse) {
@@ -531,6 +541,7 @@ void glm_weights_release(glm_model *m) {
         if (mw->experts)
             for (int e = 0; e < m->cfg.n_routed_experts; e++) free_expert(be, &mw->experts[e]);
         free(mw->experts);
+        glm_ple_release(l);
     }
     if (!m->cfg.tie_word_embeddings) be->ops->weight_free(be, &m->lm_head);
     be->ops->weight_free(be, &m->embed);

@@ -1,0 +1,199 @@
+// The PLE memory (docs/MODEL.md "PLE layer") on the CPU: each memory of the tiny_ple fixture
+// against the reference of tests/oracle/make_ple_fixture.py (every value within 2e-3), in one
+// pass, split into a prefill and prestaged or hashed decode rows, and across a snapshot restored
+// into a fresh sequence; then the whole model: prefill equals token-by-token decode, batched
+// decode equals single decodes, the verify contract, a copied prefix decodes as the original, and
+// bad aux snapshots are refused.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+extern "C" {
+#include "kernels/backend.h"
+#include "worker/loader/glm_config.h"
+#include "worker/loader/safetensors.h"
+#include "worker/model/glm/glm_model.h"
+#include "worker/model/layer.h"
+}
+
+#include "tests/verify_check.h"
+
+namespace {
+
+const char *kDir = "tests/fixtures/tiny_ple";  // PLE memories on layer 0 (KDA) and 2 (DSA, shared indexer)
+const int kPle[2] = { 0, 2 };
+
+struct PleCase {
+    std::vector<int32_t> tokens;
+    std::vector<float> x[2], out[2];  // [T, S*H] per memory
+};
+
+std::vector<float> Floats(st_archive *ar, const std::string &name) {
+    const st_tensor *t = st_find(ar, name.c_str());
+    EXPECT_NE(t, nullptr) << name;
+    if (!t) return {};
+    const float *p = static_cast<const float *>(t->data);
+    return std::vector<float>(p, p + t->nbytes / sizeof(float));
+}
+
+class Ple : public ::testing::Test {
+  protected:
+    void SetUp() override {
+        be_ = mt_cpu_backend_new(0);
+        mt_error err{};
+        ASSERT_EQ(glm_model_load(kDir, be_, nullptr, &m_, &err), MT_OK) << err.msg;
+        const glm_config *c = glm_model_config(m_);
+        V_ = c->vocab_size;
+        SH_ = c->hc_mult * c->hidden_size;
+        st_archive *ar = nullptr;
+        ASSERT_EQ(st_open_file((std::string(kDir) + "/ple_case.safetensors").c_str(), &ar, &err), MT_OK) << err.msg;
+        const st_tensor *t = st_find(ar, "tokens");
+        ASSERT_NE(t, nullptr);
+        const int32_t *tp = static_cast<const int32_t *>(t->data);
+        c_.tokens.assign(tp, tp + t->shape[0]);
+        for (int i = 0; i < 2; i++) {
+            c_.x[i] = Floats(ar, "x_" + std::to_string(kPle[i]));
+            c_.out[i] = Floats(ar, "out_" + std::to_string(kPle[i]));
+        }
+        st_close(ar);
+    }
+    void TearDown() override {
+        glm_model_free(m_);
+        mt_backend_free(be_);
+    }
+    glm_seq *NewSeq(int cap = 96) {
+        glm_seq *s = nullptr;
+        mt_error err{};
+        EXPECT_EQ(glm_seq_new(m_, cap, &s, &err), MT_OK) << err.msg;
+        return s;
+    }
+    // Rows [t0, t0 + n) of memory i through s (ids from the case, or NULL: the prestaged rows),
+    // checked against the reference; returns the worst difference.
+    double Rows(glm_seq *s, int i, int t0, int n, bool staged) {
+        std::vector<float> X(c_.x[i].begin() + (size_t)t0 * SH_, c_.x[i].begin() + (size_t)(t0 + n) * SH_);
+        EXPECT_EQ(glm_model_ple_apply(m_, s, kPle[i], staged ? nullptr : &c_.tokens[t0], X.data(), n), MT_OK);
+        double worst = 0;
+        for (size_t k = 0; k < X.size(); k++)
+            worst = std::max(worst, (double)std::fabs(X[k] - c_.out[i][(size_t)t0 * SH_ + k]));
+        return worst;
+    }
+    mt_backend *be_ = nullptr;
+    glm_model *m_ = nullptr;
+    PleCase c_;
+    int V_ = 0, SH_ = 0;
+};
+
+TEST_F(Ple, CapabilitiesAndKinds) {
+    const mt_layer *a = glm_model_layer(m_, 0), *b = glm_model_layer(m_, 2), *plain = glm_model_layer(m_, 1);
+    EXPECT_STREQ(a->kind, "glm.kda+ple");
+    EXPECT_STREQ(b->kind, "glm.dsa+ple");
+    EXPECT_STREQ(plain->kind, "glm.dsa");
+    EXPECT_TRUE(mt_layer_has_aux_state(a));
+    EXPECT_TRUE(mt_layer_has_aux_state(b));  // shared indexer: the memory's state only
+    EXPECT_TRUE(a->caps.decode_prestage_needs_token);
+    EXPECT_TRUE(b->caps.decode_rollback_unsupported);
+}
+
+TEST_F(Ple, MemoryMatchesReferenceInOnePass) {
+    const int T = (int)c_.tokens.size();
+    for (int i = 0; i < 2; i++) {
+        glm_seq *s = NewSeq();
+        EXPECT_LE(Rows(s, i, 0, T, false), 2e-3) << "layer " << kPle[i];
+        glm_seq_free(s);
+    }
+}
+
+// A prefill of 7 rows, then rows one at a time, alternately prestaged and hashed from their ids;
+// halfway, the state moves into a fresh sequence through its aux snapshot.
+TEST_F(Ple, MemoryMatchesReferenceAcrossDecodeAndSnapshot) {
+    const int T = (int)c_.tokens.size();
+    for (int i = 0; i < 2; i++) {
+        const mt_layer *l = glm_model_layer(m_, kPle[i]);
+        glm_seq *s = NewSeq();
+        double worst = Rows(s, i, 0, 7, false);
+        for (int t = 7; t < T; t++) {
+            if (t == 14) {  // snapshot, restore into a fresh sequence, go on there
+                glm_seq *d = NewSeq();
+                void *snap = nullptr;
+                size_t n = 0;
+                mt_error err{};
+                ASSERT_EQ(mt_layer_snapshot_aux(l, glm_seq_state(s, kPle[i]), &snap, &n, &err), MT_OK) << err.msg;
+                ASSERT_EQ(mt_layer_restore_aux(l, glm_seq_state(d, kPle[i]), snap, n, &err), MT_OK) << err.msg;
+                EXPECT_NE(mt_layer_restore_aux(l, glm_seq_state(d, kPle[i]), snap, n - 1, &err), MT_OK);
+                free(snap);
+                glm_seq_free(s);
+                s = d;
+            }
+            const bool staged = t % 2 == 1;
+            if (staged) {
+                ASSERT_EQ(mt_layer_decode_prestage(l, glm_seq_state(s, kPle[i]), c_.tokens[t]), MT_OK);
+                // a rearm without a consumed row leaves the staged row as it is
+                if (t == 9) mt_layer_decode_prestage_rearm(l, glm_seq_state(s, kPle[i]));
+            }
+            worst = std::max(worst, Rows(s, i, t, 1, staged));
+        }
+        EXPECT_LE(worst, 2e-3) << "layer " << kPle[i];
+        glm_seq_free(s);
+    }
+}
+
+TEST_F(Ple, PrefillEqualsTokenByTokenAndBatchedDecode) {
+    const int T = (int)c_.tokens.size();
+    glm_seq *a = NewSeq(), *b = NewSeq(), *c = NewSeq();
+    mt_error err{};
+    std::vector<float> la((size_t)T * V_), lb(V_), lc(V_);
+    ASSERT_EQ(glm_prefill(m_, a, c_.tokens.data(), T, la.data(), true, &err), MT_OK) << err.msg;
+    ASSERT_EQ(glm_prefill(m_, b, c_.tokens.data(), 1, lb.data(), false, &err), MT_OK) << err.msg;
+    ASSERT_EQ(glm_prefill(m_, c, c_.tokens.data(), 1, lc.data(), false, &err), MT_OK) << err.msg;
+    double worst = 0;
+    for (int t = 1; t < T; t++) {
+        ASSERT_EQ(glm_decode(m_, b, c_.tokens[t], lb.data(), &err), MT_OK) << err.msg;
+        glm_seq *one[1] = { c };
+        ASSERT_EQ(glm_decode_multi(m_, one, &c_.tokens[t], 1, lc.data(), &err), MT_OK) << err.msg;
+        for (int v = 0; v < V_; v++) {
+            worst = std::max(worst, (double)std::fabs(lb[v] - la[(size_t)t * V_ + v]));
+            worst = std::max(worst, (double)std::fabs(lc[v] - la[(size_t)t * V_ + v]));
+        }
+    }
+    EXPECT_LE(worst, 1e-4);
+    glm_seq_free(a);
+    glm_seq_free(b);
+    glm_seq_free(c);
+}
+
+TEST_F(Ple, VerifyEqualsSingles) { CheckVerifyEqualsSingles(m_, "tiny_ple (CPU)", 1e-4); }
+
+// A prefix copied into a fresh sequence (pages, slot, and every layer's aux state: the PLE
+// history and conv state) decodes exactly as the sequence it came from.
+TEST_F(Ple, CopiedPrefixDecodesAsTheOriginal) {
+    const int T = (int)c_.tokens.size();
+    glm_seq *a = NewSeq(), *b = NewSeq();
+    mt_error err{};
+    std::vector<float> la(V_), lb(V_);
+    ASSERT_EQ(glm_prefill(m_, a, c_.tokens.data(), T, la.data(), false, &err), MT_OK) << err.msg;
+    ASSERT_EQ(glm_seq_copy_prefix(m_, a, b, &err), MT_OK) << err.msg;
+    for (int i = 0; i < 8; i++) {
+        const int32_t tok = glm_argmax(la.data(), V_);
+        ASSERT_EQ(glm_decode(m_, a, tok, la.data(), &err), MT_OK) << err.msg;
+        ASSERT_EQ(glm_decode(m_, b, tok, lb.data(), &err), MT_OK) << err.msg;
+        for (int v = 0; v < V_; v++) ASSERT_EQ(la[v], lb[v]) << "step " << i;
+    }
+    glm_seq_free(a);
+    glm_seq_free(b);
+}
+
+TEST_F(Ple, BadSnapshotRefusedAndStateKept) {
+    const mt_layer *l = glm_model_layer(m_, 0);
+    glm_seq *s = NewSeq();
+    mt_error err{};
+    uint32_t junk[2] = { 99, 0 };  // a history longer than N-1
+    EXPECT_EQ(mt_layer_restore_aux(l, glm_seq_state(s, 0), junk, sizeof junk, &err), MT_ERR_INVALID);
+    EXPECT_EQ(mt_layer_restore_aux(l, glm_seq_state(s, 0), junk, 2, &err), MT_ERR_INVALID);
+    glm_seq_free(s);
+}
+
+}  // namespace

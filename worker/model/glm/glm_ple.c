@@ -1,0 +1,217 @@
+/* worker/model/glm/glm_ple.c: the PLE memory of a decoder layer (docs/MODEL.md "PLE layer"), an
+ * Engram-style table of hashed n-gram rows injected into the highway before the layer's mixer.
+ * The host hashes each row's n-grams from the sequence's last tokens and gathers the table rows;
+ * the backend's ple_inject gates them against each stream and runs the dilated conv. Per sequence
+ * the memory keeps its last N-1 tokens and the conv state; a decode step's rows may be gathered
+ * ahead by the prestage hook, and the next forward consumes them. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "worker/model/glm/glm_impl.h"
+
+/* splitmix64's output function. */
+static uint64_t mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static int stride(const glm_config *c) { return c->hc_mult * c->hidden_size; }
+
+mt_status glm_ple_init(glm_layer *l, int rows, mt_error *err) {
+    const glm_config *c = l->cfg;
+    glm_ple_w *p = &l->ple;
+    mt_backend *be = l->be;
+    const int i = l->base.index;
+    if (!be->ops->ple_inject)
+        return mt_errorf(err, MT_ERR_UNSUPPORTED, "layer %d carries a PLE memory, which this backend does not run", i);
+    p->ntab = glm_ple_primes(c, i, p->prime);
+    p->E = p->ntab * c->ple_head_dim;
+    p->P = (c->ple_conv_kernel - 1) * c->ple_max_ngram;
+    for (int t = 0, off = 0; t < p->ntab; off += (int)p->prime[t], t++) p->off[t] = off;
+    for (int k = 0; k < c->ple_max_ngram; k++)
+        p->mult[k] = mix64((uint64_t)(uint32_t)c->ple_seed * 0x9e3779b97f4a7c15ull + (uint64_t)i * 0xd1b54a32d192ed03ull +
+                           (uint64_t)k + 1) | 1u;
+    p->rows = rows;
+    const size_t r = (size_t)rows;
+    if (!(p->emb = be->ops->alloc(be, sizeof(float) * r * p->E)) ||
+        !(p->keys = be->ops->alloc(be, sizeof(float) * r * stride(c))) ||
+        !(p->vals = be->ops->alloc(be, sizeof(float) * r * c->hidden_size)) ||
+        !(p->tab = be->ops->alloc(be, sizeof(float *) * r)) || !(p->h_tab = calloc(r, sizeof(float *))) ||
+        !(p->idx = calloc((size_t)p->ntab, sizeof(int32_t))))
+        return mt_errorf(err, MT_ERR_NOMEM, "layer %d: out of memory for the PLE memory's scratch", i);
+    return MT_OK;
+}
+
+void glm_ple_release(glm_layer *l) {
+    glm_ple_w *p = &l->ple;
+    mt_backend *be = l->be;
+    be->ops->weight_free(be, &p->table);
+    be->ops->weight_free(be, &p->key);
+    be->ops->weight_free(be, &p->value);
+    float *v[] = { p->key_norm, p->query_norm, p->conv_norm, p->conv, p->emb, p->keys, p->vals };
+    for (size_t k = 0; k < sizeof v / sizeof v[0]; k++) be->ops->free(be, v[k]);
+    be->ops->free(be, p->tab);
+    free(p->h_tab);
+    free(p->idx);
+    p->key_norm = p->query_norm = p->conv_norm = p->conv = p->emb = p->keys = p->vals = NULL;
+    p->tab = p->h_tab = NULL;
+    p->idx = NULL;
+}
+
+size_t glm_ple_state_bytes(const glm_layer *l) {
+    const glm_ple_w *p = &l->ple;
+    if (!p->on) return 0;
+    return sizeof(glm_ple_state) + sizeof(float) * ((size_t)p->P * stride(l->cfg) + (size_t)GLM_VERIFY_MAX * p->E);
+}
+
+mt_status glm_ple_state_alloc(const glm_layer *l, glm_layer_state *st, mt_error *err) {
+    const glm_ple_w *p = &l->ple;
+    mt_backend *be = l->be;
+    glm_ple_state *s = calloc(1, sizeof *s);
+    const size_t cb = sizeof(float) * (size_t)(p->P > 0 ? p->P : 1) * stride(l->cfg);
+    if (!s || !(s->conv = be->ops->alloc(be, cb)) ||
+        !(s->staged = be->ops->alloc(be, sizeof(float) * (size_t)GLM_VERIFY_MAX * p->E))) {
+        if (s) be->ops->free(be, s->conv);
+        free(s);
+        return mt_errorf(err, MT_ERR_NOMEM, "layer %d: out of memory for a PLE state", l->base.index);
+    }
+    st->ple = s;
+    return MT_OK;
+}
+
+void glm_ple_state_free(const glm_layer *l, glm_layer_state *st) {
+    if (!st->ple) return;
+    l->be->ops->free(l->be, st->ple->conv);
+    l->be->ops->free(l->be, st->ple->staged);
+    free(st->ple);
+    st->ple = NULL;
+}
+
+static size_t conv_bytes(const glm_layer *l) { return sizeof(float) * (size_t)l->ple.P * stride(l->cfg); }
+
+/* A sequence's first step: the conv looks back at zeros. */
+static void reset_if_fresh(const glm_layer *l, glm_ple_state *s) {
+    if (s->hist_len == 0 && l->ple.P > 0) l->be->ops->zero(l->be, s->conv, conv_bytes(l));
+}
+
+/* The table rows of the n-grams ending at token (orders 2..N, heads in order) into p->idx, then
+ * token joins the history. */
+static void hash_row(const glm_layer *l, glm_ple_state *s, uint32_t token) {
+    const glm_config *c = l->cfg;
+    const glm_ple_w *p = &l->ple;
+    const int N = c->ple_max_ngram;
+    uint64_t x[GLM_PLE_MAX_ORDER]; /* x[k]: the token k positions back, the pad id before the start */
+    x[0] = token;
+    for (int k = 1; k < N; k++) x[k] = k <= s->hist_len ? s->hist[s->hist_len - k] : (uint64_t)(uint32_t)c->ple_pad_id;
+    for (int o = 2, t = 0; o <= N; o++) {
+        uint64_t h = x[0] * p->mult[0];
+        for (int k = 1; k < o; k++) h ^= x[k] * p->mult[k];
+        for (int j = 0; j < c->ple_heads; j++, t++) p->idx[t] = (int32_t)(p->off[t] + (int64_t)(h % (uint64_t)p->prime[t]));
+    }
+    if (s->hist_len == N - 1) {
+        memmove(s->hist, s->hist + 1, sizeof(uint32_t) * (size_t)(N - 2));
+        s->hist[N - 2] = token;
+    } else {
+        s->hist[s->hist_len++] = token;
+    }
+}
+
+/* Hashes token for s and gathers its rows into dst [E]. */
+static void gather(const glm_layer *l, glm_ple_state *s, uint32_t token, float *dst) {
+    reset_if_fresh(l, s);
+    hash_row(l, s, token);
+    /* the table's row ids fit int32: the manifest's shape bounds them */
+    l->be->ops->embed(l->be, dst, &l->ple.table, l->ple.idx, l->ple.ntab);
+}
+
+mt_status glm_ple_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt_step *step, float *X, int n) {
+    const glm_config *c = l->cfg;
+    const glm_ple_w *p = &l->ple;
+    mt_backend *be = step->be;
+    const int E = p->E;
+    MT_ASSERT(n <= p->rows);
+    /* row r's sequence: one for all (nst == 1), one a row, or segment by segment */
+    int seg = 0, left = step->seg ? step->seg[0].n : n;
+    for (int r = 0; r < n; r++) {
+        if (step->seg) {
+            while (left == 0) left = step->seg[++seg].n;
+            left--;
+        } else {
+            seg = nst == 1 ? 0 : r;
+        }
+        glm_ple_state *s = sts[seg]->ple;
+        float *dst = p->emb + (size_t)r * E;
+        p->h_tab[r] = s->conv;
+        const int32_t id = step->ids ? step->ids[(size_t)r * step->ids_stride] : -1;
+        if (s->n_staged > 0) { /* a prestaged step: its rows are gathered, the history moved on */
+            const int j = s->n_prestaged - s->n_staged;
+            if (id >= 0 && id != s->staged_tok[j]) {
+                mt_log(MT_LOG_ERROR, "layer %d: PLE row staged for token %d, fed %d", l->base.index, s->staged_tok[j], id);
+                return MT_ERR_STATE;
+            }
+            be->ops->copy(be, dst, s->staged + (size_t)j * E, sizeof(float) * E);
+            s->n_staged--;
+            continue;
+        }
+        if (id < 0) return MT_ERR_STATE; /* nothing staged and no id on the host */
+        gather(l, s, (uint32_t)id, dst);
+    }
+    be->ops->matmul(be, p->keys, p->emb, &p->key, n);
+    be->ops->matmul(be, p->vals, p->emb, &p->value, n);
+    be->ops->upload(be, p->tab, p->h_tab, sizeof(float *) * (size_t)n);
+    const mt_ple_params pp = { c->hc_mult, c->hidden_size, c->ple_conv_kernel, c->ple_max_ngram, c->ple_norm_eps };
+    be->ops->ple_inject(be, X, p->keys, p->vals, p->tab, p->key_norm, p->query_norm, p->conv_norm, p->conv, n, &pp);
+    return MT_OK;
+}
+
+mt_status glm_ple_prestage(const glm_layer *l, glm_layer_state *st, int32_t token) {
+    glm_ple_state *s = st->ple;
+    if (token < 0) return MT_ERR_STATE; /* the model never runs ahead of a PLE layer (caps) */
+    if (s->n_staged == 0) s->n_prestaged = 0; /* a new step */
+    if (s->n_prestaged >= GLM_VERIFY_MAX) return MT_ERR_INVALID;
+    gather(l, s, (uint32_t)token, s->staged + (size_t)s->n_prestaged * l->ple.E);
+    s->staged_tok[s->n_prestaged++] = token;
+    s->n_staged++;
+    return MT_OK;
+}
+
+void glm_ple_rearm(glm_layer_state *st) { st->ple->n_staged = st->ple->n_prestaged; }
+
+void glm_ple_sync(glm_layer_state *st) { st->ple->n_staged = 0; }
+
+/* The snapshot: hist_len (u32), the history (u32 each), the conv state's f32 bytes; little-endian
+ * (the hosts this runs on). A state that has seen nothing snapshots zeros for its conv. */
+size_t glm_ple_aux_bytes(const glm_layer *l, const void *bytes, size_t len) {
+    uint32_t h;
+    if (len < sizeof h) return 0;
+    memcpy(&h, bytes, sizeof h);
+    if (h > (uint32_t)(l->cfg->ple_max_ngram - 1)) return 0;
+    return sizeof h * (1 + (size_t)h) + conv_bytes(l);
+}
+
+mt_status glm_ple_snapshot(const glm_layer *l, const glm_layer_state *st, void **bytes, size_t *len, mt_error *err) {
+    const glm_ple_state *s = st->ple;
+    const uint32_t h = (uint32_t)s->hist_len;
+    const size_t hb = sizeof h * (1 + (size_t)h), total = hb + conv_bytes(l);
+    char *b = malloc(total ? total : 1);
+    if (!b) return mt_errorf(err, MT_ERR_NOMEM, "layer %d: out of memory for a PLE snapshot", l->base.index);
+    memcpy(b, &h, sizeof h);
+    memcpy(b + sizeof h, s->hist, sizeof(uint32_t) * h);
+    if (h == 0) memset(b + hb, 0, conv_bytes(l));
+    else if (conv_bytes(l)) l->be->ops->download(l->be, b + hb, s->conv, conv_bytes(l));
+    *bytes = b;
+    *len = total;
+    return MT_OK;
+}
+
+void glm_ple_restore(const glm_layer *l, glm_layer_state *st, const void *bytes, size_t len) {
+    glm_ple_state *s = st->ple;
+    MT_ASSERT(glm_ple_aux_bytes(l, bytes, len) == len && len > 0);
+    uint32_t h;
+    memcpy(&h, bytes, sizeof h);
+    s->hist_len = (int)h;
+    memcpy(s->hist, (const char *)bytes + sizeof h, sizeof(uint32_t) * h);
+    if (conv_bytes(l)) l->be->ops->upload(l->be, s->conv, (const char *)bytes + sizeof h * (1 + (size_t)h), conv_bytes(l));
+    s->n_staged = s->n_prestaged = 0;
+}
