@@ -11,8 +11,8 @@
  * (random:PRESET, e.g. random:bench-4L: glm_config_preset's shapes with random weights made by the
  *  backend; --run-ahead 0: eng_params.run_ahead off, for comparison; 1, the default: AUTO;
  *  --mixed-steps 1 and --itl-target-ms MS: eng_params.mixed_steps and itl_target_ms, as the
- *  worker's options of those names; --prefill-pass N: rows of a prefill pass, by default what
- *  metrale-worker picks.)
+ *  worker's options of those names; --prefill-budget N: eng_params.prefill_budget (default the
+ *  engine's); --prefill-pass N: rows of a prefill pass, by default what metrale-worker picks.)
  *
  * Fixed lengths (no --prompt-mix): stream i's prompt is token (i * 7 + k) % vocab for k < P,
  * greedy, ignore_eos, max_new N; all C are submitted at t = 0 with max_sequences = C (the worker
@@ -25,8 +25,9 @@
  * is K shared tokens (k * 17 + 3) % vocab, then openloop_bench's per-request tokens (mix_prompt).
  * All N are submitted at t = 0 with max_sequences = M (default 64; the rest wait in the engine).
  * The JSON adds TTFT and ITL p50/p99 (ITL over every interval between consecutive tokens), the
- * requests that gave all their tokens, and the engine's prefix hits (requests that reused a kept
- * prefix; the warm-up's prompt keeps none).
+ * requests that gave all their tokens, the engine's prefix hits (requests that reused a kept
+ * prefix; the warm-up's prompt keeps none), and the steps' wall time split between steps that ran
+ * prompt chunks (with the prompt tokens they ran) and decode-only steps.
  *
  * A warm-up request runs first (page faults of the weight mapping, first-touch of buffers).
  */
@@ -140,7 +141,23 @@ static int run_mix(eng_engine *e, bench *b, int V, int n, const int *plens, cons
             return 1;
         }
     }
-    while (eng_has_work(e)) eng_step(e, NULL);
+    /* where the time goes: steps that ran prompt chunks against decode-only steps (a run-ahead
+     * step's time is the device step it waits for) */
+    double chunk_ms = 0, decode_ms = 0;
+    long chunk_steps = 0, decode_steps = 0;
+    eng_stats st;
+    eng_get_stats(e, &st);
+    uint64_t pt0 = st.prefill_tokens;
+    const uint64_t prompt0 = pt0;
+    while (eng_has_work(e)) {
+        const double t = mt_now();
+        eng_step(e, NULL);
+        const double ms = (mt_now() - t) * 1e3;
+        eng_get_stats(e, &st);
+        if (st.prefill_tokens != pt0) chunk_ms += ms, chunk_steps++;
+        else decode_ms += ms, decode_steps++;
+        pt0 = st.prefill_tokens;
+    }
     const double wall = mt_now() - b->t0;
 
     double *ttft = malloc(sizeof(double) * (size_t)n);
@@ -152,21 +169,21 @@ static int run_mix(eng_engine *e, bench *b, int V, int n, const int *plens, cons
         done += b->s[j].done && b->s[j].n == news[j];
         ttft[j] = b->s[j].n ? b->s[j].first - b->t0 : wall;
     }
-    eng_stats st;
-    eng_get_stats(e, &st);
     qsort(ttft, (size_t)n, sizeof(double), cmp_double);
     qsort(b->gaps, b->n_gaps, sizeof(double), cmp_double);
     printf("{\"mode\": \"mix\", \"requests\": %d, \"requests_done\": %d, \"tokens\": %ld, \"tokens_expected\": %ld, "
            "\"wall_s\": %.6f, \"tok_per_s\": %.3f, \"ttft_p50_ms\": %.3f, \"ttft_p99_ms\": %.3f, "
            "\"itl_p50_ms\": %.3f, \"itl_p99_ms\": %.3f, \"shared_prefix\": %d, \"prefix_hits\": %llu, "
            "\"max_sequences\": %d, \"steps\": %llu, \"mixed_steps\": %llu, \"ahead_steps\": %llu, "
-           "\"ms_per_step\": %.3f, \"backend\": \"%s\"}\n",
+           "\"ms_per_step\": %.3f, \"chunk_steps\": %ld, \"chunk_steps_ms\": %.1f, \"prompt_tokens\": %llu, "
+           "\"decode_steps\": %ld, \"decode_steps_ms\": %.1f, \"backend\": \"%s\"}\n",
            n, done, tokens, want, wall, tokens / wall, 1e3 * pct_sorted(ttft, (size_t)n, 0.5),
            1e3 * pct_sorted(ttft, (size_t)n, 0.99), 1e3 * pct_sorted(b->gaps, b->n_gaps, 0.5),
            1e3 * pct_sorted(b->gaps, b->n_gaps, 0.99), shared,
            (unsigned long long)st.prefix_hits, max_sequences, (unsigned long long)st.steps,
            (unsigned long long)st.mixed_steps, (unsigned long long)st.ahead_steps,
-           st.steps ? 1e3 * wall / (double)st.steps : 0.0, backend);
+           st.steps ? 1e3 * wall / (double)st.steps : 0.0, chunk_steps, chunk_ms,
+           (unsigned long long)(st.prefill_tokens - prompt0), decode_steps, decode_ms, backend);
     free(ttft);
     if (done != n) fprintf(stderr, "serving_direct: %d of %d requests gave their tokens\n", done, n);
     return done == n ? 0 : 1;
@@ -176,7 +193,7 @@ int main(int argc, char **argv) {
     const char *model = NULL, *backend = "cpu", *prompt_mix = NULL, *new_mix = NULL;
     int streams = 1, max_new = 32, plen = 16, threads = 0, run_ahead = 1, mixed_steps = 0;
     double itl_target_ms = 0;
-    int prefill_pass = 0;
+    int prefill_pass = 0, prefill_budget = 0;
     int requests = 0, shared = 0, max_sequences = 64;
     uint64_t seed = 1;
     for (int i = 1; i + 1 < argc; i += 2) {
@@ -191,6 +208,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--mixed-steps")) mixed_steps = atoi(v);
         else if (!strcmp(a, "--itl-target-ms")) itl_target_ms = atof(v);
         else if (!strcmp(a, "--prefill-pass")) prefill_pass = atoi(v);
+        else if (!strcmp(a, "--prefill-budget")) prefill_budget = atoi(v);
         else if (!strcmp(a, "--prompt-mix")) prompt_mix = v;
         else if (!strcmp(a, "--new-mix")) new_mix = v;
         else if (!strcmp(a, "--requests")) requests = atoi(v);
@@ -244,7 +262,8 @@ int main(int argc, char **argv) {
     if (prefill_pass > 0) {
         mp.prefill_chunk = prefill_pass;
     } else if (!strcmp(backend, "cuda")) { /* as metrale-worker picks it (wkr_prefill_pass) */
-        const int rows = mix ? max_sequences : streams, budget = eng_default_params().prefill_budget;
+        const int rows = mix ? max_sequences : streams;
+        const int budget = prefill_budget > 0 ? prefill_budget : eng_default_params().prefill_budget;
         mp.prefill_chunk = budget > rows ? budget : rows;
         if (mp.prefill_chunk < 256) mp.prefill_chunk = 256;
         if (mp.prefill_chunk > 4096) mp.prefill_chunk = 4096;
@@ -260,6 +279,7 @@ int main(int argc, char **argv) {
     if (mix && ep.max_waiting < requests) ep.max_waiting = requests;
     ep.run_ahead = run_ahead ? ENG_RUN_AHEAD_AUTO : ENG_RUN_AHEAD_OFF;
     ep.mixed_steps = mixed_steps != 0;
+    if (prefill_budget > 0) ep.prefill_budget = prefill_budget;
     ep.itl_target_ms = itl_target_ms;
     eng_callbacks cb = { .user = &b, .on_tokens = on_tokens, .on_finished = on_finished };
     if (eng_new(m, &ep, &cb, &e, &err) != MT_OK) { fprintf(stderr, "serving_direct: %s\n", err.msg); goto done; }

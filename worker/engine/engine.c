@@ -59,7 +59,7 @@ struct eng_engine {
     int32_t *tok;                /* [max_sequences] scratch: their tokens in, or a ticket's out */
     float *logits;               /* [max_sequences, vocab] host */
     float *echo_logits;          /* [ENG_ECHO_CHUNK, vocab] host, made at the first echo prefill */
-    /* The prompt chunks of a mixed step (eng_params.mixed_steps), run beside its decode rows. */
+    /* The step's prompt chunks, run in one model call (with mixed_steps, beside its decode rows). */
     struct eng_chunk *chunks;    /* [max_sequences] */
     int n_chunks;
     float *chunk_logits;         /* [max_sequences, vocab] host: each completing prompt's last row */
@@ -73,6 +73,8 @@ struct eng_engine {
     uint64_t mixed_steps;        /* mixed_step calls that ran decode rows and chunks together */
     sched_pace pace;             /* measured step times (itl_target_ms) */
     int step_rows;               /* decode rows of the step under way */
+    int pass_rows;               /* of those, the rows in the model call of the step's chunks */
+    uint64_t prefill_tokens;     /* prompt tokens run through the model */
     int step_prompt;             /* prompt tokens the step under way took */
     float *draft_logits;         /* [vocab] host: the drafter's logits (spec_tokens > 0) */
     float *spec_q;               /* [ENG_SPEC_MAX, vocab] the drafts' processed distributions */
@@ -159,9 +161,8 @@ mt_status eng_new(mt_model *m, const eng_params *params, const eng_callbacks *cb
     e->tok = malloc(sizeof(int32_t) * (size_t)p.max_sequences);
     e->gs = malloc(sizeof(mt_seq *) * (size_t)p.max_sequences);
     e->parts = malloc(sizeof(mt_batch_part) * (size_t)p.max_sequences);
-    if (p.mixed_steps &&
-        (!(e->chunks = malloc(sizeof *e->chunks * (size_t)p.max_sequences)) ||
-         !(e->chunk_logits = malloc(sizeof(float) * (size_t)p.max_sequences * (size_t)e->vocab))))
+    if (!(e->chunks = malloc(sizeof *e->chunks * (size_t)p.max_sequences)) ||
+        !(e->chunk_logits = malloc(sizeof(float) * (size_t)p.max_sequences * (size_t)e->vocab)))
         goto fail;
     if (p.spec_tokens > 0 &&
         (!(e->draft_logits = malloc(sizeof(float) * (size_t)e->vocab)) ||
@@ -509,6 +510,7 @@ static void chunk_done(eng_engine *e, const struct eng_chunk *c, float *logits) 
     if (c->echo) echo_report(e, s, c->k);
     if (c->echo && c->last) memcpy(logits, e->echo_logits + (size_t)(c->k - 1) * e->vocab, sizeof(float) * (size_t)e->vocab);
     s->prefilled += c->k;
+    e->prefill_tokens += (uint64_t)c->k;
     if (s->snap_at > 0 && s->prefilled == s->snap_at) rt_prefix_keep(&e->prefixes, s->gs, s->tokens, s->snap_at, e->steps);
     if (c->last && !c->resumed) sample_emit(e, s, logits);
 }
@@ -574,7 +576,7 @@ static bool plan_chunk(eng_engine *e, eng_seq *s, int *budget);
 static void admit_with(eng_engine *e, eng_feed feed) {
     const int cap = e->p.prefill_budget > 0 ? e->p.prefill_budget : 1;
     int budget0 = sched_pace_budget(&e->pace, e->p.itl_target_ms, e->step_rows, ENG_PACE_FLOOR, cap);
-    if (feed == plan_chunk) budget0 = sched_mixed_budget(budget0, e->step_rows, e->info.batch_rows, ENG_PACE_FLOOR);
+    if (feed == plan_chunk) budget0 = sched_mixed_budget(budget0, e->pass_rows, e->info.batch_rows, ENG_PACE_FLOOR);
     int budget = budget0, taken = 0;
     bool stop = false;
     for (int i = 0; i < e->n_running && budget > 0 && !stop; i++) {
@@ -886,6 +888,7 @@ static bool plan_chunk(eng_engine *e, eng_seq *s, int *budget) {
  * admits as usual. A refused batch (checked before anything moves) runs part by part. */
 static bool mixed_step(eng_engine *e, eng_seq **b, int n, float *logits, int32_t *greedy) {
     e->n_chunks = 0;
+    e->pass_rows = n;
     admit_with(e, plan_chunk);
     if (e->n_chunks == 0) {
         if (n > 0) decode_running(e, b, n, logits, greedy);
@@ -1018,9 +1021,11 @@ static mt_status step_body(eng_engine *e, int *n_tokens) {
             else if (greedy) emit(e, s, &(eng_sample_result){ .token = tok[i] });
             else sample_emit(e, s, e->logits + (size_t)i * e->vocab);
         }
-    } else if (mixed) {
-        chunked = mixed_step(e, NULL, 0, NULL, NULL);
     }
+    /* the step's prompt chunks (all of them, when the decode ran apart) go in one model call:
+     * each pass reads the weights its rows touch, so many short prompts take one read, not one
+     * each */
+    if (!chunked && prefill_pending(e)) chunked = mixed_step(e, NULL, 0, NULL, NULL);
     if (chunked) finish_chunks(e);
     else admit(e);
     compact(e, e->running, &e->n_running);
@@ -1068,7 +1073,7 @@ void eng_get_stats(const eng_engine *e, eng_stats *out) {
     *out = (eng_stats){ .running = e->n_running, .waiting = e->n_waiting,
                         .live_sequences = e->n_running + e->n_waiting, .cache_bytes_in_use = held,
                         .sequences_finished = e->finished, .sequences_aborted = e->aborted,
-                        .tokens_generated = e->tokens, .steps = e->steps, .ahead_steps = e->ahead_steps, .mixed_steps = e->mixed_steps,
+                        .tokens_generated = e->tokens, .steps = e->steps, .ahead_steps = e->ahead_steps, .mixed_steps = e->mixed_steps, .prefill_tokens = e->prefill_tokens,
                         .prefix_hits = e->prefixes.hits, .prefix_misses = e->prefixes.misses,
                         .prefix_cache_bytes = e->prefixes.bytes, .prefix_entries = e->prefixes.n,
                         .preemptions = e->preemptions, .spec_steps = e->spec_steps,

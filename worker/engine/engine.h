@@ -179,6 +179,7 @@ typedef struct eng_stats {
     uint64_t steps;              /* eng_step calls that did work */
     uint64_t ahead_steps;        /* decode steps queued on the device's tokens (run_ahead) */
     uint64_t mixed_steps;        /* steps whose decode rows and prompt chunks were one model call */
+    uint64_t prefill_tokens;     /* prompt tokens run through the model (a kept prefix's are not) */
     uint64_t prefix_hits;        /* admissions that reused a kept prefix */
     uint64_t prefix_misses;      /* admissions (prefix reuse on) that found none */
     size_t prefix_cache_bytes;   /* held by kept prefixes (not in cache_bytes_in_use) */
