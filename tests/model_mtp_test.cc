@@ -187,6 +187,17 @@ TEST_P(Mtp, KeepIsRefusedOutsideAVerify) {
     EXPECT_EQ(glm_seq_len(s), 8);
     EXPECT_EQ(glm_seq_keep(m_, s, 3, &err), MT_OK) << err.msg;
     EXPECT_EQ(glm_seq_len(s), 8);
+    // the states after each row wait in one ring: another sequence's verify takes it over
+    glm_seq *t = NewSeq();
+    ASSERT_NE(t, nullptr);
+    ASSERT_EQ(glm_prefill(m_, t, c_.tokens.data(), 5, nullptr, false, &err), MT_OK) << err.msg;
+    ASSERT_EQ(glm_decode_verify(m_, s, &c_.tokens[8], 3, nullptr, &err), MT_OK) << err.msg;
+    ASSERT_EQ(glm_decode_verify(m_, t, &c_.tokens[5], 2, nullptr, &err), MT_OK) << err.msg;
+    EXPECT_EQ(glm_seq_keep(m_, s, 1, &err), MT_ERR_STATE);
+    EXPECT_EQ(glm_seq_len(s), 11);
+    EXPECT_EQ(glm_seq_keep(m_, t, 1, &err), MT_OK) << err.msg;
+    EXPECT_EQ(glm_seq_len(t), 6);
+    glm_seq_free(t);
     glm_seq_free(s);
 }
 

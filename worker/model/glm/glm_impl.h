@@ -194,6 +194,9 @@ struct mt_step {
      * (rpos, rtab as for batched decode), the others segment by segment. */
     glm_segment *seg;
     int nseg, nrows;
+    /* A verify (n > 1 rows of one sequence, write-on-accept): the KDA slots that take the
+     * recurrent and conv state after each row but the last, [n - 1] (m->mtp.ring); NULL else. */
+    const int *vring;
 };
 
 struct glm_model {
@@ -271,7 +274,13 @@ struct glm_model {
         float *enorm, *hnorm, *norm; /* [H]; norm = shared_head.norm */
         float *hin;            /* [rows + 1, H] the drafter's hidden inputs of one pass */
         float *e, *u, *t;      /* [rows, H] embeddings, residual, temporary */
-        int spare_slot;        /* a KDA slot kept for the state before a verify (-1: none) */
+        /* Write-on-accept: a verify of k rows leaves the recurrent state after each of its rows
+         * but the last in ring[0 .. k-2] (KDA slots of the pool, one per row), and the drafter's
+         * pending hidden row after each row in ring_h [k, H]; glm_seq_keep commits the kept
+         * row's from there. One verify's at a time: ring_owner's, the last sequence verified. */
+        int ring[GLM_VERIFY_MAX - 1];
+        float *ring_h;
+        const struct glm_seq *ring_owner;
         float *capture;        /* glm_model_capture_drafter: host [capture_rows, vocab], or NULL */
         int capture_rows;
     } mtp;
@@ -294,12 +303,9 @@ struct glm_seq {
      * them, dropped by the next target step). */
     float *hp, *u;             /* [H] backend: pending hidden row; the last draft's residual */
     int n_spec;
-    /* The last multi-row decode (a verify), for glm_seq_keep: its first position and tokens, and
-     * what it changed that rows cannot be dropped from (KDA slot in mtp.spare_slot, hp). */
+    /* The last multi-row decode (a verify), for glm_seq_keep: its first position and rows (the
+     * states after each row wait in m->mtp.ring). */
     int v_pos, v_n;
-    int32_t v_tok[GLM_VERIFY_MAX];
-    float *v_hp;               /* [H] backend */
-    int v_mtp_len;
 };
 
 #define GLM_SEL_MULTI (-1)
@@ -386,6 +392,9 @@ void glm_layer_pools_free(glm_layer *l);
 void glm_layer_bind_state(const glm_layer *l, glm_layer_state *st, int slot, const int32_t *bt);
 void glm_layers_copy_page(const glm_layer *ls, int n, int32_t from, int32_t to);
 void glm_layers_copy_slot(const glm_layer *ls, int n, int from, int to);
+/* A KDA layer's state of one sequence into slot `slot` of its pool: the three conv states
+ * (conv) and/or the recurrent state (rec), in the backend's order of work. */
+void glm_layer_save_slot(const glm_layer *l, const glm_layer_state *st, int slot, bool conv, bool rec);
 void glm_layers_zero_slot(const glm_layer *ls, int n, int slot);
 size_t glm_layer_state_bytes(const glm_layer *l, int max_tokens);
 size_t glm_layer_slot_bytes(const glm_layer *l);  /* KDA layers; 0 for DSA */

@@ -5,7 +5,10 @@
  * Rows and states: with nst == 1 all n rows are consecutive positions of sts[0] (prefill, decode);
  * with nst == n row i is the next position of sequence sts[i] (batched decode, the rows form):
  * the projections and norms run over all rows at once, the conv and the delta rule on each row's
- * own state through the step's pointer tables (glm_rtab), so no op is issued per sequence. */
+ * own state through the step's pointer tables (glm_rtab), so no op is issued per sequence.
+ * A verify (step->vring, nst == 1, n > 1 rows) runs the conv and the delta rule row by row, as
+ * n decodes would, and leaves the state after each row but the last in the ring's slots, from
+ * which glm_seq_keep commits the accepted row's. */
 #include <math.h>
 
 #include "worker/model/glm/glm_impl.h"
@@ -23,6 +26,7 @@ mt_status glm_kda_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
     float *lo = b[7], *gate = b[8], *lo_g = b[9];
     const bool rows = step->rtab != NULL; /* the rows form, even for n == 1 (a graph bucket) */
     MT_ASSERT(rows ? nst == n : nst == 1);
+    const bool ring = !rows && n > 1 && step->vring != NULL;
 
     /* Every projection of h together: q, k, v (raw, o and g hold them until the conv, or with the
      * fused rows op q, k, v themselves, which it convolves in place), and the three small ones,
@@ -41,6 +45,20 @@ mt_status glm_kda_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
             cv.w[j] = w->conv[j];
         }
         op->kda_conv3_rows(be, &cv, n, D, K, dk, 1e-6f, q_scale);
+    } else if (ring) {
+        for (int r = 0; r < n; r++) {
+            const size_t o_r = (size_t)r * D;
+            for (int j = 0; j < 3; j++) {
+                const float scale = j == 0 ? q_scale : 1.f;
+                if (j < 2 && op->conv1d_silu_l2norm &&
+                    op->conv1d_silu_l2norm(be, dst[j] + o_r, pre[j] + o_r, sts[0]->conv[j], w->conv[j], 1, D, K, dk,
+                                           1e-6f, scale))
+                    continue;
+                op->conv1d_silu(be, dst[j] + o_r, pre[j] + o_r, sts[0]->conv[j], w->conv[j], 1, D, K);
+                if (j < 2) op->l2norm(be, dst[j] + o_r, nh, dk, 1e-6f, scale);
+            }
+            if (r < n - 1) glm_layer_save_slot(l, sts[0], step->vring[r], true, false);
+        }
     } else {
         for (int j = 0; j < 3; j++) {
             /* q and k: the conv and their l2norm in one pass where the backend fuses them */
@@ -66,7 +84,14 @@ mt_status glm_kda_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
         op->matmul(be, gate, lo_g, &w->g_b, n);
     }
 
-    if (!rows && n == 1) op->kda_recurrent(be, o, q, k, v, g, beta, sts[0]->rec, 1, nh, dk);
+    if (ring) {
+        for (int r = 0; r < n; r++) {
+            const size_t o_r = (size_t)r * D;
+            op->kda_recurrent(be, o + o_r, q + o_r, k + o_r, v + o_r, g + o_r, beta + (size_t)r * nh, sts[0]->rec, 1,
+                              nh, dk);
+            if (r < n - 1) glm_layer_save_slot(l, sts[0], step->vring[r], false, true);
+        }
+    } else if (!rows && n == 1) op->kda_recurrent(be, o, q, k, v, g, beta, sts[0]->rec, 1, nh, dk);
     else if (!rows) op->kda_chunked(be, o, q, k, v, g, beta, sts[0]->rec, n, nh, dk);
     else op->kda_recurrent_rows(be, o, q, k, v, g, beta, glm_rtab(step, GLM_R_REC), n, nh, dk);
 

@@ -52,7 +52,7 @@ static mt_status mtp_plan(glm_model *m, bool random, mt_error *err) {
             mt_log(MT_LOG_WARN, "the config declares %d MTP block(s) but the checkpoint holds none: no drafter",
                    c->num_nextn_predict_layers);
     }
-    m->mtp.spare_slot = -1;
+    for (int i = 0; i < GLM_VERIFY_MAX - 1; i++) m->mtp.ring[i] = -1;
     m->n_state_layers = L;
     if (!has) return MT_OK;
     if (L >= GLM_MAX_LAYERS)
@@ -99,7 +99,8 @@ static mt_status model_init(glm_model *m, uint64_t random_seed, bool random, mt_
         const size_t rh = sizeof(float) * rows * (size_t)c->hidden_size;
         struct glm_mtp *x = &m->mtp;
         if (!(x->hin = be->ops->alloc(be, rh + sizeof(float) * c->hidden_size)) || !(x->e = be->ops->alloc(be, rh)) ||
-            !(x->u = be->ops->alloc(be, rh)) || !(x->t = be->ops->alloc(be, rh)))
+            !(x->u = be->ops->alloc(be, rh)) || !(x->t = be->ops->alloc(be, rh)) ||
+            !(x->ring_h = be->ops->alloc(be, sizeof(float) * GLM_VERIFY_MAX * (size_t)c->hidden_size)))
             return mt_errorf(err, MT_ERR_NOMEM, "out of memory for the drafter's activations");
     }
     if (m->tp_size > 1 &&
@@ -205,6 +206,7 @@ void glm_model_free(glm_model *m) {
     be->ops->free(be, m->mtp.e);
     be->ops->free(be, m->mtp.u);
     be->ops->free(be, m->mtp.t);
+    be->ops->free(be, m->mtp.ring_h);
     st_close(m->ar);
     free(m);
 }
@@ -278,8 +280,8 @@ mt_status glm_model_set_pools(glm_model *m, int n_pages, int n_slots, mt_error *
     graphs_release(m); /* they hold addresses in the old pools */
     pools_release(m);
     mt_backend *be = m->be;
-    /* with the drafter, one more slot keeps a sequence's recurrent state across a verify */
-    const int slots = n_slots + (m->mtp.on ? 1 : 0);
+    /* with the drafter, the verify ring's slots (the state after each row of a verify) */
+    const int slots = n_slots + (m->mtp.on ? GLM_VERIFY_MAX - 1 : 0);
     bool ok = rt_id_pool_init(&m->pages, n_pages) == MT_OK && rt_id_pool_init(&m->slots, slots) == MT_OK;
     for (int i = 0; ok && i < m->n_state_layers; i++) ok = glm_layer_pools_alloc(&m->layers[i], n_pages, slots);
     if (!ok) {
@@ -287,7 +289,8 @@ mt_status glm_model_set_pools(glm_model *m, int n_pages, int n_slots, mt_error *
         return mt_errorf(err, MT_ERR_NOMEM, "out of memory for %d pages and %d slots (%zu + %zu bytes)", n_pages,
                          n_slots, (size_t)n_pages * glm_model_page_bytes(m), (size_t)n_slots * glm_model_slot_bytes(m));
     }
-    m->mtp.spare_slot = m->mtp.on ? rt_id_take(&m->slots) : -1;
+    for (int i = 0; i < GLM_VERIFY_MAX - 1; i++) m->mtp.ring[i] = m->mtp.on ? rt_id_take(&m->slots) : -1;
+    m->mtp.ring_owner = NULL;
     if (be->ops->graph_begin) pad_ensure(m); /* the graph pad's slot and page, before any request's */
     return MT_OK;
 }
@@ -371,8 +374,7 @@ mt_status glm_seq_new(glm_model *m, int max_tokens, glm_seq **out, mt_error *err
     }
     if (m->mtp.on) {
         const size_t hb = sizeof(float) * (size_t)m->cfg.hidden_size;
-        if (!(s->hp = m->be->ops->alloc(m->be, hb)) || !(s->u = m->be->ops->alloc(m->be, hb)) ||
-            !(s->v_hp = m->be->ops->alloc(m->be, hb))) {
+        if (!(s->hp = m->be->ops->alloc(m->be, hb)) || !(s->u = m->be->ops->alloc(m->be, hb))) {
             glm_seq_free(s);
             return mt_errorf(err, MT_ERR_NOMEM, "out of memory for a sequence's drafter state");
         }
@@ -393,7 +395,7 @@ void glm_seq_free(glm_seq *s) {
         if (s->states[i]) mt_layer_release_state(&m->layers[i].base, s->states[i]);
     m->be->ops->free(m->be, s->hp);
     m->be->ops->free(m->be, s->u);
-    m->be->ops->free(m->be, s->v_hp);
+    if (m->mtp.ring_owner == s) m->mtp.ring_owner = NULL;
     rt_bt_release(&s->bt, m->be, &m->pages);
     rt_id_drop(&m->slots, s->slot);
     m->n_seqs--;
@@ -510,6 +512,9 @@ mt_status glm_logits_rows(glm_model *m, const float *z, int rows, float *logits_
     return st;
 }
 
+/* The ring a verify of k rows writes (mt_step.vring): NULL for one row or without the drafter. */
+static const int *verify_ring(const glm_model *m, int k) { return m->mtp.on && k > 1 ? m->mtp.ring : NULL; }
+
 /* Rows [0, n) of the highway through every layer, then the head for the rows whose logits are
  * wanted ([first, n)), downloaded into logits_host. decode selects the layers' decode path (one
  * row) or decode_batched (n rows: a verify). */
@@ -518,7 +523,8 @@ static mt_status forward(glm_model *m, glm_seq *s, const int32_t *tokens, int n,
     const glm_config *c = &m->cfg;
     mt_backend *be = m->be;
     const int S = c->hc_mult, H = c->hidden_size;
-    mt_step step = { .be = be, .t0 = s->len, .scr = &m->scr, .ids = tokens, .ids_stride = 1 };
+    mt_step step = { .be = be, .t0 = s->len, .scr = &m->scr, .ids = tokens, .ids_stride = 1,
+                     .vring = decode ? verify_ring(m, n) : NULL };
     m->scr.sel_n = 0;
     /* X[i, s] = embedding of token i for every stream s. Prefill looks each token up S times
      * straight into X (one op, where n*S row copies cost a launch each); decode keeps its copies. */
@@ -729,7 +735,7 @@ static mt_status seq_step_body(void *ctx) {
     glm_seq *s = c->s;
     mt_backend *be = m->be;
     const int S = m->cfg.hc_mult, H = m->cfg.hidden_size, L = m->cfg.num_hidden_layers;
-    mt_step step = { .be = be, .t0 = s->len, .scr = &m->scr, .d_pos = step_positions(m) };
+    mt_step step = { .be = be, .t0 = s->len, .scr = &m->scr, .d_pos = step_positions(m), .vring = verify_ring(m, c->k) };
     m->scr.sel_n = 0;
     mt_status est;
     if (c->k == 1) {
@@ -783,7 +789,7 @@ static mt_status seq_step(glm_model *m, glm_seq *s, const int32_t *tokens, int k
     return MT_OK;
 }
 
-static void verify_mark(glm_model *m, glm_seq *s, const int32_t *tokens, int k);
+static void verify_mark(glm_model *m, glm_seq *s, int k);
 
 /* k rows of s: the graph form when the backend captures (or device_positions asks for it), else
  * the eager layers' decode (k = 1) or decode_batched. */
@@ -799,7 +805,7 @@ static mt_status decode_seq(glm_model *m, glm_seq *s, const int32_t *tokens, int
         mt_status st = glm_seq_reserve(s, k, err);
         if (st != MT_OK) return st;
     }
-    if (m->mtp.on) verify_mark(m, s, tokens, k);
+    if (m->mtp.on) verify_mark(m, s, k);
     const bool graph_form = m->params.device_positions || (m->params.decode_graphs && m->runner.plan.graphs);
     mt_status st;
     if (graph_form) {
@@ -813,19 +819,18 @@ static mt_status decode_seq(glm_model *m, glm_seq *s, const int32_t *tokens, int
     }
     if ((st = glm_mtp_follow(m, s, m->X, tokens, k)) != MT_OK)
         return mt_errorf(err, st, "the drafter failed after position %d: %s", s->len - 1, mt_status_str(st));
+    /* a verify's pending hidden rows (follow left them in hin rows 1 .. k), for glm_seq_keep */
+    if (verify_ring(m, k))
+        m->be->ops->copy(m->be, m->mtp.ring_h, m->mtp.hin + m->cfg.hidden_size, sizeof(float) * (size_t)k * m->cfg.hidden_size);
     return MT_OK;
 }
 
-/* Before a decode of k rows of s with the drafter on: what glm_seq_keep needs to drop rows of it
- * (the tokens, the recurrent state, the drafter's pending row and length). */
-static void verify_mark(glm_model *m, glm_seq *s, const int32_t *tokens, int k) {
+/* Before a decode of k rows of s with the drafter on: where glm_seq_keep drops rows of it from
+ * (the layers write the states after each row into the ring: glm_kda_forward). */
+static void verify_mark(glm_model *m, glm_seq *s, int k) {
     s->v_pos = s->len;
     s->v_n = k;
-    memcpy(s->v_tok, tokens, sizeof(int32_t) * (size_t)k);
-    if (k == 1) return;
-    glm_layers_copy_slot(m->layers, m->cfg.num_hidden_layers, s->slot, m->mtp.spare_slot);
-    m->be->ops->copy(m->be, s->v_hp, s->hp, sizeof(float) * (size_t)m->cfg.hidden_size);
-    s->v_mtp_len = glm_mtp_committed(m, s);
+    if (k > 1) m->mtp.ring_owner = s;
 }
 
 mt_status glm_seq_keep(glm_model *m, glm_seq *s, int keep, mt_error *err) {
@@ -837,22 +842,25 @@ mt_status glm_seq_keep(glm_model *m, glm_seq *s, int keep, mt_error *err) {
     if (keep < 1 || keep > s->v_n)
         return mt_errorf(err, MT_ERR_INVALID, "keep %d of a decode of %d rows", keep, s->v_n);
     if (keep == s->v_n) return MT_OK;
-    /* Back to the state before the step: the paged layers' lengths, the recurrent slot, the
-     * drafter; then the kept rows again, which write the same rows and the kept recurrent state. */
-    const int L = m->cfg.num_hidden_layers;
+    if (m->mtp.ring_owner != s)
+        return mt_errorf(err, MT_ERR_STATE, "another sequence was verified since this one's verify");
+    /* The kept rows' state, written by the verify: the recurrent slot from the ring, the paged
+     * layers' and the drafter's lengths cut back (rows past a length are never read, and the
+     * next rows overwrite them), the drafter's pending row from ring_h. Nothing is recomputed. */
+    const int L = m->cfg.num_hidden_layers, drop = s->v_n - keep;
     ahead_forget(m, s);
     for (int l = 0; l < L; l++) {
         glm_layer_state *st = (glm_layer_state *)s->states[l];
-        if (m->cfg.layer_types[l] == GLM_MIXER_DSA) st->len = s->v_pos;
+        if (m->cfg.layer_types[l] == GLM_MIXER_DSA) st->len = s->v_pos + keep;
     }
-    glm_layers_copy_slot(m->layers, L, m->mtp.spare_slot, s->slot);
-    ((glm_layer_state *)s->states[L])->len = s->v_mtp_len;
+    glm_layers_copy_slot(m->layers, L, m->mtp.ring[keep - 1], s->slot);
+    ((glm_layer_state *)s->states[L])->len -= drop; /* the drafter's rows follow the target's */
     s->n_spec = 0;
-    m->be->ops->copy(m->be, s->hp, s->v_hp, sizeof(float) * (size_t)m->cfg.hidden_size);
-    s->len = s->v_pos;
-    int32_t tok[GLM_VERIFY_MAX]; /* a copy: the decode records its tokens in s->v_tok again */
-    memcpy(tok, s->v_tok, sizeof(int32_t) * (size_t)keep);
-    return decode_seq(m, s, tok, keep, NULL, err);
+    const size_t H = (size_t)m->cfg.hidden_size;
+    m->be->ops->copy(m->be, s->hp, m->mtp.ring_h + (size_t)(keep - 1) * H, sizeof(float) * H);
+    s->len = s->v_pos + keep;
+    s->v_n = keep;
+    return MT_OK;
 }
 
 mt_status glm_decode(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_error *err) {

@@ -101,6 +101,14 @@ void glm_layers_copy_slot(const glm_layer *ls, int n, int from, int to) {
     }
 }
 
+void glm_layer_save_slot(const glm_layer *l, const glm_layer_state *st, int slot, bool conv, bool rec) {
+    const size_t cf = conv_floats(l), rf = rec_floats(l);
+    mt_backend *be = l->be;
+    for (int j = 0; j < 3 && conv; j++)
+        be->ops->copy(be, l->sl_conv + ((size_t)slot * 3 + j) * cf, st->conv[j], sizeof(float) * cf);
+    if (rec) be->ops->copy(be, l->sl_rec + (size_t)slot * rf, st->rec, sizeof(float) * rf);
+}
+
 void glm_layers_zero_slot(const glm_layer *ls, int n, int slot) {
     for (int i = 0; i < n; i++) {
         const glm_layer *l = &ls[i];
