@@ -202,6 +202,8 @@ int main(int argc, char **argv) {
     mt_model_params mp = mt_model_default_params();
     mp.mtp = true;
     mt_model *m = NULL;
+    for (int i = 0; i < n_batches; i++) /* every batch's verifies in one model call */
+        mp.verify_seqs = (int)batches[i] > mp.verify_seqs ? (int)batches[i] : mp.verify_seqs;
     if (!be || mt_model_load(model, be, &mp, &m, &err) != MT_OK) {
         fprintf(stderr, "spec_bench: %s\n", err.msg);
         return 1;

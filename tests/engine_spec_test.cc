@@ -125,6 +125,7 @@ class Spec : public ::testing::Test {
         be_ = mt_cpu_backend_new(1);
         glm_model_params p = glm_model_default_params();
         p.mtp = true;
+        p.verify_seqs = 3;  // groups of three verifies in one call, and partial groups
         mt_error err = { "" };
         ASSERT_EQ(glm_model_load(kDir, be_, &p, &m_, &err), MT_OK) << err.msg;
     }

@@ -65,6 +65,7 @@ class Mtp : public ::testing::TestWithParam<int> {
         ASSERT_NE(be_, nullptr);
         glm_model_params p = glm_model_default_params();
         p.mtp = true;
+        p.verify_seqs = 3;
         mt_error err{};
         ASSERT_EQ(glm_model_load(kDir, be_, &p, &m_, &err), MT_OK) << err.msg;
         ASSERT_TRUE(glm_model_has_mtp(m_));
@@ -199,6 +200,67 @@ TEST_P(Mtp, KeepIsRefusedOutsideAVerify) {
     EXPECT_EQ(glm_seq_len(t), 6);
     glm_seq_free(t);
     glm_seq_free(s);
+}
+
+// Three sequences' verifies in one pass beside another sequence's decode row (glm_forward_mixed,
+// a ring each), then each keeps some rows: the rows' logits are those of each verify alone, and
+// each sequence then continues as its twin that verified alone and kept as many.
+TEST_P(Mtp, VerifiesOfSeveralSequencesShareOnePass) {
+    const int V = c_.V, kv[3] = { 4, 3, 2 }, keep[3] = { 2, 3, 1 };
+    mt_error err{};
+    glm_seq *a[3], *b[3], *d = NewSeq();
+    ASSERT_NE(d, nullptr);
+    ASSERT_EQ(glm_prefill(m_, d, c_.tokens.data(), 4, nullptr, false, &err), MT_OK) << err.msg;
+    std::vector<float> la[3], lb[3];
+    std::vector<int32_t> top[3];
+    glm_mixed_part parts[4];
+    int32_t dtop = -1;
+    parts[0] = glm_mixed_part{ d, &c_.tokens[4], 1, nullptr, false, &dtop, false };
+    for (int i = 0; i < 3; i++) {
+        const int t0 = c_.T / 2 - 2 * i;
+        ASSERT_GT(t0, 0);
+        ASSERT_LT(t0 + kv[i] + 3, c_.T);
+        a[i] = NewSeq();
+        b[i] = NewSeq();
+        ASSERT_TRUE(a[i] && b[i]);
+        for (glm_seq *s : { a[i], b[i] }) {
+            ASSERT_EQ(glm_prefill(m_, s, c_.tokens.data(), t0 + 1, nullptr, false, &err), MT_OK) << err.msg;
+            Draft(s, c_.tokens[t0 + 1]);
+            Draft(s, 5);
+        }
+        la[i].resize((size_t)kv[i] * V);
+        lb[i].resize((size_t)kv[i] * V);
+        top[i].assign(kv[i], -1);
+        parts[i + 1] = glm_mixed_part{ a[i], &c_.tokens[t0 + 1], kv[i], la[i].data(), true, top[i].data(), true };
+    }
+    ASSERT_EQ(glm_forward_mixed(m_, parts, 4, &err), MT_OK) << err.msg;
+    for (int i = 0; i < 3; i++) ASSERT_EQ(glm_seq_keep(m_, a[i], keep[i], &err), MT_OK) << err.msg;
+    // each b alone (ring 0, kept before the next verifies)
+    for (int i = 0; i < 3; i++) {
+        const int t0 = c_.T / 2 - 2 * i;
+        ASSERT_EQ(glm_decode_verify(m_, b[i], &c_.tokens[t0 + 1], kv[i], lb[i].data(), &err), MT_OK) << err.msg;
+        ASSERT_EQ(glm_seq_keep(m_, b[i], keep[i], &err), MT_OK) << err.msg;
+        EXPECT_LT(MaxAbsDiff(la[i].data(), lb[i].data(), kv[i] * V), 1e-4f) << "sequence " << i;
+        for (int r = 0; r < kv[i]; r++) {
+            const float *row = &la[i][(size_t)r * V];
+            EXPECT_EQ(top[i][r], (int32_t)(std::max_element(row, row + V) - row)) << "sequence " << i << " row " << r;
+        }
+    }
+    for (int i = 0; i < 3; i++) {
+        ASSERT_EQ(glm_seq_len(a[i]), glm_seq_len(b[i]));
+        const int32_t next = c_.tokens[c_.T / 2 - 2 * i + 1 + keep[i]];
+        std::vector<float> da = Draft(a[i], next), db = Draft(b[i], next);
+        EXPECT_LT(MaxAbsDiff(da.data(), db.data(), V), 1e-4f) << "sequence " << i;
+        std::vector<float> ya(V), yb(V);
+        ASSERT_EQ(glm_decode(m_, a[i], next, ya.data(), &err), MT_OK) << err.msg;
+        ASSERT_EQ(glm_decode(m_, b[i], next, yb.data(), &err), MT_OK) << err.msg;
+        EXPECT_LT(MaxAbsDiff(ya.data(), yb.data(), V), 1e-4f) << "sequence " << i;
+    }
+    for (int i = 0; i < 3; i++) {
+        glm_seq_free(a[i]);
+        glm_seq_free(b[i]);
+    }
+    glm_seq_free(d);
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, Mtp, ::testing::Values(0, 1));

@@ -170,6 +170,10 @@ static mt_status load_model(wkr_loop *l, mt_error *err) {
     if (l->p.graph_max_batch > 0) mp.graph_max_rows = l->p.graph_max_batch;
     mp.prefill_chunk = wkr_prefill_pass(&l->p, !strcmp(l->backend_name, "cuda"));
     mp.mtp = l->p.spec_tokens > 0;
+    /* the verifies one model call takes: those of a step of up to --speculative-max-batch
+     * sequences, at most WKR_VERIFY_SEQS_MAX (each holds GLM_VERIFY_MAX - 1 more recurrent slots) */
+    const int vs = l->p.spec_max_batch > 0 ? l->p.spec_max_batch : l->p.max_sequences;
+    mp.verify_seqs = vs < WKR_VERIFY_SEQS_MAX ? vs : WKR_VERIFY_SEQS_MAX;
     mp.comm = l->data;
     load_log g = { .t0 = mt_now(), .last_at = mt_now(), .last_tenth = -1 };
     mp.on_load_progress = on_load_progress;

@@ -21,6 +21,8 @@
 /* The most rows wkr_prefill_pass picks by itself: activations grow with it (the logits alone are
  * rows x vocab x 4 bytes, 2.5 GB at 4096 rows of a 154880 vocabulary). */
 #define WKR_PREFILL_PASS_MAX 4096
+/* Most verifies one model call takes (speculative decoding; see load_model in loop.c). */
+#define WKR_VERIFY_SEQS_MAX 16
 
 #include <signal.h>
 #include <stdbool.h>

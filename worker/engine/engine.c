@@ -6,6 +6,7 @@
 #include "worker/engine/sched.h"
 #include "worker/runtime/prefix_cache.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -27,6 +28,7 @@ typedef struct eng_seq {
     int32_t pending;             /* last sampled token, fed by the next decode */
     int echo_next;               /* prompt_logprobs: the next prompt position to report */
     int k_step;                  /* drafts this step verifies (speculative decoding), 0: none */
+    int32_t spec_tok[ENG_SPEC_MAX + 1], spec_top[ENG_SPEC_MAX + 1]; /* its verify's rows, greedy tokens */
     int drafted, accepted;       /* draft tokens proposed for it, and accepted */
     int verified;                /* its speculative steps */
     bool done;                   /* ended; removed from its array at the next compaction */
@@ -77,9 +79,11 @@ struct eng_engine {
     uint64_t prefill_tokens;     /* prompt tokens run through the model */
     int step_prompt;             /* prompt tokens the step under way took */
     float *draft_logits;         /* [vocab] host: the drafter's logits (spec_tokens > 0) */
-    float *spec_q;               /* [ENG_SPEC_MAX, vocab] the drafts' processed distributions */
+    int spec_group;              /* sequences verified in one model call (the model's verify_seqs) */
+    eng_seq **spec_batch;        /* [max_sequences] the step's speculating sequences */
+    float *spec_q;               /* [spec_group, ENG_SPEC_MAX, vocab] the drafts' processed distributions */
     float *spec_p;               /* [vocab] a verify row's processed distribution */
-    float *spec_logits;          /* [ENG_SPEC_MAX + 1, vocab] a verify's logits */
+    float *spec_logits;          /* [spec_group, ENG_SPEC_MAX + 1, vocab] the verifies' logits */
     uint64_t spec_steps, drafted, accepted;
     rt_prefix_cache prefixes;    /* kept prompt prefixes, clocked by steps */
     size_t cache_bytes;
@@ -144,6 +148,8 @@ mt_status eng_new(mt_model *m, const eng_params *params, const eng_callbacks *cb
     if (!e) goto fail;
     e->m = m;
     e->info = mt_model_describe(m);
+    e->spec_group = e->info.verify_seqs < 1 ? 1 : e->info.verify_seqs > ENG_SPEC_GROUP_MAX ? ENG_SPEC_GROUP_MAX
+                                                                                          : e->info.verify_seqs;
     rt_prefix_cache_init(&e->prefixes, m, p.prefix_cache_bytes);
     e->p = p;
     sched_pace_init(&e->pace);
@@ -162,13 +168,14 @@ mt_status eng_new(mt_model *m, const eng_params *params, const eng_callbacks *cb
     e->gs = malloc(sizeof(mt_seq *) * (size_t)p.max_sequences);
     e->parts = malloc(sizeof(mt_batch_part) * (size_t)p.max_sequences);
     if (!(e->chunks = malloc(sizeof *e->chunks * (size_t)p.max_sequences)) ||
+        !(e->spec_batch = malloc(sizeof(eng_seq *) * (size_t)p.max_sequences)) ||
         !(e->chunk_logits = malloc(sizeof(float) * (size_t)p.max_sequences * (size_t)e->vocab)))
         goto fail;
     if (p.spec_tokens > 0 &&
         (!(e->draft_logits = malloc(sizeof(float) * (size_t)e->vocab)) ||
-         !(e->spec_q = malloc(sizeof(float) * (size_t)ENG_SPEC_MAX * e->vocab)) ||
+         !(e->spec_q = malloc(sizeof(float) * (size_t)e->spec_group * ENG_SPEC_MAX * e->vocab)) ||
          !(e->spec_p = malloc(sizeof(float) * (size_t)e->vocab)) ||
-         !(e->spec_logits = malloc(sizeof(float) * (size_t)(ENG_SPEC_MAX + 1) * e->vocab))))
+         !(e->spec_logits = malloc(sizeof(float) * (size_t)e->spec_group * (ENG_SPEC_MAX + 1) * e->vocab))))
         goto fail;
     if (!e->sampler || !e->waiting || !e->running || !e->batch || !e->logits || !e->ahead || !e->tok || !e->gs || !e->parts)
         goto fail;
@@ -214,6 +221,7 @@ void eng_free(eng_engine *e) {
     free(e->spec_q);
     free(e->spec_p);
     free(e->spec_logits);
+    free(e->spec_batch);
     free(e->page_marks);
     free(e);
 }
@@ -785,19 +793,12 @@ static int spec_k(const eng_engine *e, const eng_seq *s, int n_ready) {
     return e->p.spec_tokens < left ? e->p.spec_tokens : left > 0 ? left : 0;
 }
 
-/* One speculative step of s (s->k_step = k > 0 drafts, pages for k + 1 rows mapped): k drafts,
- * one verify of the pending token and the drafts, then the target's tokens up to and including
- * the first that replaces its draft; the rows after it are dropped. Plain greedy sequences take
- * the verify's argmax where the logits are and keep a draft equal to it. Others sample: draft j
- * is drawn from the drafter's processed distribution q_j (the request's temperature, filters
- * and penalties, the drafts before it counted as generated), row i of the verify gives the
- * target's p_i the same way, and eng_spec_verdict keeps draft i + 1 or replaces it with a draw
- * from the residual, so each token is distributed as the target's; after k kept drafts the last
- * row's token is drawn from p_k. Reported logprobs are the target's. */
-static void spec_step(eng_engine *e, eng_seq *s) {
+/* s's k = s->k_step drafts into s->spec_tok[1 .. k] (spec_tok[0] is the pending token), the
+ * drafts' processed distributions at e->spec_q row g. False when s ended instead. */
+static bool spec_draft(eng_engine *e, eng_seq *s, int g) {
     const int k = s->k_step, V = e->vocab;
     const bool greedy = plain_greedy(s);
-    int32_t tok[ENG_SPEC_MAX + 1], top[ENG_SPEC_MAX + 1];
+    int32_t *tok = s->spec_tok;
     int32_t *gen = s->tokens + s->req.n_prompt; /* drafts go after the generated tokens (room:
                                                  * k < max_new_tokens - n_gen) as their history */
     mt_error err = { "" };
@@ -805,27 +806,42 @@ static void spec_step(eng_engine *e, eng_seq *s) {
     for (int j = 1; j <= k; j++) {
         if (mt_model_draft(e->m, s->gs, tok[j - 1], e->draft_logits, &err) != MT_OK) {
             seq_end(e, s, ENG_FINISH_ERROR, err.msg);
-            return;
+            return false;
         }
         int32_t d;
         if (greedy) {
             d = eng_argmax(e->draft_logits, V);
         } else {
             const eng_history h = { s->tokens, s->req.n_prompt, gen, s->n_gen + j - 1 };
-            float *q = e->spec_q + (size_t)(j - 1) * V;
+            float *q = e->spec_q + ((size_t)g * ENG_SPEC_MAX + (size_t)(j - 1)) * V;
             eng_sample_probs(e->sampler, &s->req.sampling, e->draft_logits, &h, q);
             d = eng_draw_probs(&s->rng, q, V);
         }
         if (e->p.spec_draft_hook) d = e->p.spec_draft_hook(e->p.spec_hook_user, s->id, s->n_gen - 1 + j, d);
         tok[j] = gen[s->n_gen + j - 1] = d;
     }
-    const mt_batch_part part = { .kind = MT_PART_DECODE, .seq = s->gs, .tokens = tok, .n = k + 1,
-                                 .logits = greedy ? NULL : e->spec_logits, .all_logits = !greedy,
-                                 .argmax = greedy ? top : NULL };
-    if (mt_model_forward(e->m, &(mt_batch){ &part, 1 }, &err) != MT_OK) {
-        seq_end(e, s, ENG_FINISH_ERROR, err.msg);
-        return;
-    }
+    return true;
+}
+
+/* s's verify part: the pending token and the drafts; greedy tokens of every row, or (sampling)
+ * every row's logits at e->spec_logits row g. */
+static mt_batch_part spec_part(eng_engine *e, eng_seq *s, int g) {
+    const bool greedy = plain_greedy(s);
+    return (mt_batch_part){ .kind = MT_PART_DECODE, .seq = s->gs, .tokens = s->spec_tok, .n = s->k_step + 1,
+                            .logits = greedy ? NULL : e->spec_logits + (size_t)g * (ENG_SPEC_MAX + 1) * e->vocab,
+                            .all_logits = !greedy, .argmax = greedy ? s->spec_top : NULL };
+}
+
+/* After s's verify: the target's tokens up to and including the first that replaces its draft
+ * (see spec_group), then the rows after it dropped (seq_keep). */
+static void spec_accept(eng_engine *e, eng_seq *s, int g) {
+    const int k = s->k_step, V = e->vocab;
+    const bool greedy = plain_greedy(s);
+    const int32_t *tok = s->spec_tok, *top = s->spec_top;
+    const float *logits = e->spec_logits + (size_t)g * (ENG_SPEC_MAX + 1) * V;
+    const float *q0 = e->spec_q + (size_t)g * ENG_SPEC_MAX * V;
+    int32_t *gen = s->tokens + s->req.n_prompt;
+    mt_error err = { "" };
     e->spec_steps++;
     s->verified++;
     s->drafted += k;
@@ -838,11 +854,11 @@ static void spec_step(eng_engine *e, eng_seq *s) {
             r.token = top[i];
             kept = i < k && top[i] == tok[i + 1];
         } else {
-            const float *row = e->spec_logits + (size_t)i * V;
+            const float *row = logits + (size_t)i * V;
             const eng_history h = { s->tokens, s->req.n_prompt, gen, s->n_gen };
             eng_sample_probs(e->sampler, &s->req.sampling, row, &h, e->spec_p);
             kept = false;
-            r.token = i < k ? eng_spec_verdict(&s->rng, e->spec_p, e->spec_q + (size_t)i * V, V, tok[i + 1], &kept)
+            r.token = i < k ? eng_spec_verdict(&s->rng, e->spec_p, q0 + (size_t)i * V, V, tok[i + 1], &kept)
                             : eng_draw_probs(&s->rng, e->spec_p, V);
             if (s->req.logprobs || s->req.top_logprobs > 0) eng_score(e->sampler, row, r.token, s->req.top_logprobs, &r);
         }
@@ -852,6 +868,45 @@ static void spec_step(eng_engine *e, eng_seq *s) {
         e->accepted++;
     }
     if (!s->done && mt_seq_keep(e->m, s->gs, i + 1, &err) != MT_OK) seq_end(e, s, ENG_FINISH_ERROR, err.msg);
+}
+
+
+/* The speculative steps of b[0, n) (each with s->k_step > 0 drafts, pages for k + 1 rows mapped),
+ * in groups of the model's verify_seqs: every sequence of a group drafts, then the group's
+ * verifies (each the pending token and the drafts) go through one model call, then each keeps
+ * the target's tokens up to and including the first that replaces its draft; the rows after it
+ * are dropped. Plain greedy sequences take the verify's argmax where the logits are and keep a
+ * draft equal to it. Others sample: draft j is drawn from the drafter's processed distribution
+ * q_j (the request's temperature, filters and penalties, the drafts before it counted as
+ * generated), row i of the verify gives the target's p_i the same way, and eng_spec_verdict
+ * keeps draft i + 1 or replaces it with a draw from the residual, so each token is distributed
+ * as the target's; after k kept drafts the last row's token is drawn from p_k. Reported logprobs
+ * are the target's. A group the model refuses verifies one sequence at a time. */
+static void spec_group(eng_engine *e, eng_seq **b, int n) {
+    const int G = e->spec_group;
+    for (int g0 = 0; g0 < n; g0 += G) {
+        eng_seq *grp[ENG_SPEC_GROUP_MAX];
+        int m = 0;
+        for (int i = g0; i < n && i < g0 + G; i++)
+            if (spec_draft(e, b[i], m)) grp[m++] = b[i];
+        if (m == 0) continue;
+        for (int j = 0; j < m; j++) e->parts[j] = spec_part(e, grp[j], j);
+        mt_error err = { "" };
+        if (m > 1 && mt_model_forward(e->m, &(mt_batch){ e->parts, m }, &err) == MT_OK) {
+            for (int j = 0; j < m; j++) spec_accept(e, grp[j], j);
+            continue;
+        }
+        if (m > 1)
+            mt_log(MT_LOG_WARN, "engine: a verify of %d sequences was refused (%s); verifying them apart", m,
+                   err.msg[0] ? err.msg : "?");
+        for (int j = 0; j < m; j++) {
+            if (mt_model_forward(e->m, &(mt_batch){ &e->parts[j], 1 }, &err) != MT_OK) {
+                seq_end(e, grp[j], ENG_FINISH_ERROR, err.msg);
+                continue;
+            }
+            spec_accept(e, grp[j], j);
+        }
+    }
 }
 
 /* ---- mixed steps (eng_params.mixed_steps) ---- */
@@ -995,12 +1050,14 @@ static mt_status step_body(eng_engine *e, int *n_tokens) {
     const bool mixed = e->p.mixed_steps && prefill_pending(e);
     bool chunked = false;
     int n = 0;
+    int nv = 0;
     for (int i = 0; i < e->n_running; i++) {
         eng_seq *s = e->running[i];
         if (s->prefilled != s->n_feed) continue;
-        if (s->k_step > 0 && !s->done) spec_step(e, s);
+        if (s->k_step > 0 && !s->done) e->spec_batch[nv++] = s;
         else e->batch[n++] = s;
     }
+    if (nv > 0) spec_group(e, e->spec_batch, nv);
     e->step_rows = n; /* the rows beside this step's prompt chunks */
     if (n > 0) {
         /* a batch of plain greedy requests takes its tokens on the device: no logits move */

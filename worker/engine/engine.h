@@ -71,6 +71,8 @@ typedef struct eng_request {
 } eng_request;
 
 #define ENG_SPEC_MAX 4
+/* Most sequences whose verifies share one model call (the model's verify_seqs, capped). */
+#define ENG_SPEC_GROUP_MAX 64
 
 #define ENG_ECHO_CHUNK 128
 /* The fewest prompt tokens a paced step takes (eng_params.itl_target_ms) while a prompt waits:

@@ -46,6 +46,9 @@ typedef struct mt_model_params {
     /* The model's drafter (an MTP block), when it has one, follows every sequence so that any
      * step can draft (speculative decoding); default false. */
     bool mtp;
+    /* With mtp: the verify parts one forward takes at most (each holds GLM_VERIFY_MAX - 1 more
+     * recurrent slots while its rows wait for seq_keep); default 1. */
+    int verify_seqs;
     /* Weight loading progress, called on the loading thread after the embedding and head, after
      * each layer and after the drafter, while mt_model_load runs: done of total checkpoint bytes
      * of the tensors to load (a tensor split across ranks counts whole), and read, the bytes
@@ -71,6 +74,8 @@ typedef struct mt_model_info {
     bool multi_seq;        /* every layer decodes one row for each of many sequences in one pass */
     bool rollback;         /* seq_keep drops the rejected rows of a verify */
     bool has_drafter;      /* draft is offered (params.mtp and a drafter in the checkpoint) */
+    int verify_seqs;       /* verify parts one forward takes at most, beside one-row decode parts
+                            * (each seq_keep'd after it); 0 without a drafter */
     int tp_rank, tp_size;  /* the shard this process holds */
 } mt_model_info;
 

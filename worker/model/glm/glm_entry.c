@@ -1,7 +1,9 @@
 /* worker/model/glm/glm_entry.c: glm5_next behind the model interface (worker/model/model.h): the
- * engine's calls mapped onto glm_model.h. A batch plan runs its parts one after the other: the
- * decode parts of one row together through the batched decode (a pass of at most batch_rows rows
- * at a time), then every verify part (k rows of one sequence), then every prefill part. */
+ * engine's calls mapped onto glm_model.h. A batch plan with a prompt chunk or a verify beside
+ * other parts runs as mixed passes (glm_forward_mixed: every part's rows through one pass over
+ * the weights); any other runs its parts one after the other: the decode parts of one row
+ * together through the batched decode (a pass of at most batch_rows rows at a time), then every
+ * verify part (k rows of one sequence), then every prefill part. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,6 +44,7 @@ static void iface_describe(const mt_model *mm, mt_model_info *out) {
         .multi_seq = m->runner.plan.multi_seq,
         .rollback = m->mtp.on,
         .has_drafter = m->mtp.on,
+        .verify_seqs = m->mtp.on ? m->mtp.n_rings : 0,
         .tp_rank = m->tp_rank,
         .tp_size = m->tp_size,
     };
@@ -129,17 +132,20 @@ static mt_status forward_verify(glm_model *m, const mt_batch_part *p, mt_error *
     return st;
 }
 
-/* A batch of prompt chunks and one-row decodes (at least one chunk, two parts or more) as mixed
- * steps: the parts in order, packed into passes of at most glm_model_pass_rows rows, a chunk that
- * does not fit split across passes. Every part is checked before the first pass. */
-static bool mixable(const mt_batch *b) {
-    bool chunk = false;
+/* A batch of two parts or more with a prompt chunk or a verify (a decode part of k > 1 rows), at
+ * most the model's verify_seqs verifies, as mixed steps: the parts in order, packed into passes
+ * of at most glm_model_pass_rows rows, a chunk that does not fit split across passes (a verify
+ * never is: it starts the next pass). Every part is checked before the first pass. */
+static bool mixable(const glm_model *m, const mt_batch *b) {
+    bool some = false;
+    int nv = 0;
     for (int i = 0; i < b->n_parts; i++) {
         const mt_batch_part *p = &b->parts[i];
-        if (p->kind == MT_PART_DECODE && p->n != 1) return false;
-        chunk |= p->kind == MT_PART_PREFILL;
+        if (p->kind == MT_PART_DECODE && p->n > 1 && p->n > glm_model_pass_rows(m)) return false;
+        nv += p->kind == MT_PART_DECODE && p->n > 1;
+        some |= p->kind == MT_PART_PREFILL || p->n > 1;
     }
-    return chunk && b->n_parts > 1;
+    return some && b->n_parts > 1 && (nv == 0 || (m->mtp.on && nv <= m->mtp.n_rings));
 }
 
 static mt_status forward_mixed(glm_model *m, const mt_batch *b, mt_error *err) {
@@ -163,13 +169,19 @@ static mt_status forward_mixed(glm_model *m, const mt_batch *b, mt_error *err) {
     int np = 0, used = 0;
     for (int i = 0; i < b->n_parts && st == MT_OK; i++) {
         const mt_batch_part *p = &b->parts[i];
+        const bool verify = p->kind == MT_PART_DECODE && p->n > 1;
+        if (verify && used > 0 && used + p->n > rows) { /* whole, in the next pass */
+            st = glm_forward_mixed(m, pass, np, err);
+            np = used = 0;
+            if (st != MT_OK) break;
+        }
         for (int done = 0; done < p->n && st == MT_OK;) {
             const int k = p->n - done < rows - used ? p->n - done : rows - used;
             const bool last = done + k == p->n;
-            glm_mixed_part q = { .s = seq_of(p->seq), .tokens = p->tokens + done, .n = k };
+            glm_mixed_part q = { .s = seq_of(p->seq), .tokens = p->tokens + done, .n = k, .verify = verify };
             if (p->logits && p->all_logits) { q.logits = p->logits + (size_t)done * V; q.all_logits = true; }
             else if (last) q.logits = p->logits;
-            if (last) q.argmax = p->argmax;
+            if (last || verify) q.argmax = p->argmax;
             pass[np++] = q;
             used += k;
             done += k;
@@ -192,7 +204,7 @@ static mt_status iface_forward(mt_model *mm, const mt_batch *b, mt_error *err) {
         if (p->kind == MT_PART_PREFILL && p->argmax)
             return mt_errorf(err, MT_ERR_INVALID, "batch part %d: greedy tokens are for decode parts", i);
     }
-    if (mixable(b)) return forward_mixed(m, b, err);
+    if (mixable(m, b)) return forward_mixed(m, b, err);
     int *rows = malloc(sizeof(int) * (size_t)(b->n_parts > 0 ? b->n_parts : 1));
     if (!rows) return mt_errorf(err, MT_ERR_NOMEM, "out of memory");
     int n_rows = 0;

@@ -168,6 +168,7 @@ enum {
 typedef struct glm_segment {
     int t0, n;
     glm_scratch scr;
+    const int *vring;          /* a verify's ring (mt_step.vring), NULL for a prompt chunk */
 } glm_segment;
 
 struct mt_step {
@@ -274,13 +275,15 @@ struct glm_model {
         float *enorm, *hnorm, *norm; /* [H]; norm = shared_head.norm */
         float *hin;            /* [rows + 1, H] the drafter's hidden inputs of one pass */
         float *e, *u, *t;      /* [rows, H] embeddings, residual, temporary */
-        /* Write-on-accept: a verify of k rows leaves the recurrent state after each of its rows
-         * but the last in ring[0 .. k-2] (KDA slots of the pool, one per row), and the drafter's
-         * pending hidden row after each row in ring_h [k, H]; glm_seq_keep commits the kept
-         * row's from there. One verify's at a time: ring_owner's, the last sequence verified. */
-        int ring[GLM_VERIFY_MAX - 1];
-        float *ring_h;
-        const struct glm_seq *ring_owner;
+        /* Write-on-accept: a verify of k rows in ring j leaves the recurrent state after each of
+         * its rows but the last in ring[j][0 .. k-2] (KDA slots of the pool, one per row), and
+         * the drafter's pending hidden row after each row in ring_h[j] [k, H]; glm_seq_keep
+         * commits the kept row's from there. Ring j holds ring_owner[j]'s last verify; one
+         * forward verifies at most n_rings sequences (params.verify_seqs), ring j for its j-th. */
+        int n_rings;
+        int *ring;             /* host [n_rings, GLM_VERIFY_MAX - 1] slot ids */
+        float *ring_h;         /* backend [n_rings, GLM_VERIFY_MAX, H] */
+        const struct glm_seq **ring_owner; /* host [n_rings] */
         float *capture;        /* glm_model_capture_drafter: host [capture_rows, vocab], or NULL */
         int capture_rows;
     } mtp;
@@ -306,6 +309,7 @@ struct glm_seq {
     /* The last multi-row decode (a verify), for glm_seq_keep: its first position and rows (the
      * states after each row wait in m->mtp.ring). */
     int v_pos, v_n;
+    int v_ring;                /* the ring of its last verify */
 };
 
 #define GLM_SEL_MULTI (-1)

@@ -107,6 +107,7 @@ static mt_status layer_forward(const mt_layer *ml, glm_layer_state **sts, int ns
             one.seg = NULL;
             one.rpos = NULL;
             one.rtab = NULL;
+            one.vring = step->seg[i].vring;
             const size_t off = (size_t)r * c->hidden_size;
             s = mixer_forward(l, &sts[i], 1, &one, scr->h + off, scr->a + off, step->seg[i].n);
         }

@@ -52,7 +52,6 @@ static mt_status mtp_plan(glm_model *m, bool random, mt_error *err) {
             mt_log(MT_LOG_WARN, "the config declares %d MTP block(s) but the checkpoint holds none: no drafter",
                    c->num_nextn_predict_layers);
     }
-    for (int i = 0; i < GLM_VERIFY_MAX - 1; i++) m->mtp.ring[i] = -1;
     m->n_state_layers = L;
     if (!has) return MT_OK;
     if (L >= GLM_MAX_LAYERS)
@@ -64,6 +63,13 @@ static mt_status mtp_plan(glm_model *m, bool random, mt_error *err) {
     m->mtp.has = true;
     m->mtp.on = m->params.mtp;
     m->n_state_layers = L + 1;
+    if (!m->mtp.on) return MT_OK;
+    const int nr = m->params.verify_seqs > 1 ? m->params.verify_seqs : 1;
+    if (!(m->mtp.ring = malloc(sizeof(int) * (size_t)nr * (GLM_VERIFY_MAX - 1))) ||
+        !(m->mtp.ring_owner = calloc((size_t)nr, sizeof *m->mtp.ring_owner)))
+        return mt_errorf(err, MT_ERR_NOMEM, "out of memory for the verify rings");
+    m->mtp.n_rings = nr;
+    for (int i = 0; i < nr * (GLM_VERIFY_MAX - 1); i++) m->mtp.ring[i] = -1;
     return MT_OK;
 }
 
@@ -100,7 +106,7 @@ static mt_status model_init(glm_model *m, uint64_t random_seed, bool random, mt_
         struct glm_mtp *x = &m->mtp;
         if (!(x->hin = be->ops->alloc(be, rh + sizeof(float) * c->hidden_size)) || !(x->e = be->ops->alloc(be, rh)) ||
             !(x->u = be->ops->alloc(be, rh)) || !(x->t = be->ops->alloc(be, rh)) ||
-            !(x->ring_h = be->ops->alloc(be, sizeof(float) * GLM_VERIFY_MAX * (size_t)c->hidden_size)))
+            !(x->ring_h = be->ops->alloc(be, sizeof(float) * (size_t)x->n_rings * GLM_VERIFY_MAX * c->hidden_size)))
             return mt_errorf(err, MT_ERR_NOMEM, "out of memory for the drafter's activations");
     }
     if (m->tp_size > 1 &&
@@ -207,6 +213,8 @@ void glm_model_free(glm_model *m) {
     be->ops->free(be, m->mtp.u);
     be->ops->free(be, m->mtp.t);
     be->ops->free(be, m->mtp.ring_h);
+    free(m->mtp.ring);
+    free(m->mtp.ring_owner);
     st_close(m->ar);
     free(m);
 }
@@ -280,8 +288,8 @@ mt_status glm_model_set_pools(glm_model *m, int n_pages, int n_slots, mt_error *
     graphs_release(m); /* they hold addresses in the old pools */
     pools_release(m);
     mt_backend *be = m->be;
-    /* with the drafter, the verify ring's slots (the state after each row of a verify) */
-    const int slots = n_slots + (m->mtp.on ? GLM_VERIFY_MAX - 1 : 0);
+    /* with the drafter, the verify rings' slots (the state after each row of a verify) */
+    const int n_ring = m->mtp.n_rings * (GLM_VERIFY_MAX - 1), slots = n_slots + n_ring;
     bool ok = rt_id_pool_init(&m->pages, n_pages) == MT_OK && rt_id_pool_init(&m->slots, slots) == MT_OK;
     for (int i = 0; ok && i < m->n_state_layers; i++) ok = glm_layer_pools_alloc(&m->layers[i], n_pages, slots);
     if (!ok) {
@@ -289,8 +297,8 @@ mt_status glm_model_set_pools(glm_model *m, int n_pages, int n_slots, mt_error *
         return mt_errorf(err, MT_ERR_NOMEM, "out of memory for %d pages and %d slots (%zu + %zu bytes)", n_pages,
                          n_slots, (size_t)n_pages * glm_model_page_bytes(m), (size_t)n_slots * glm_model_slot_bytes(m));
     }
-    for (int i = 0; i < GLM_VERIFY_MAX - 1; i++) m->mtp.ring[i] = m->mtp.on ? rt_id_take(&m->slots) : -1;
-    m->mtp.ring_owner = NULL;
+    for (int i = 0; i < n_ring; i++) m->mtp.ring[i] = rt_id_take(&m->slots);
+    for (int j = 0; j < m->mtp.n_rings; j++) m->mtp.ring_owner[j] = NULL;
     if (be->ops->graph_begin) pad_ensure(m); /* the graph pad's slot and page, before any request's */
     return MT_OK;
 }
@@ -395,7 +403,8 @@ void glm_seq_free(glm_seq *s) {
         if (s->states[i]) mt_layer_release_state(&m->layers[i].base, s->states[i]);
     m->be->ops->free(m->be, s->hp);
     m->be->ops->free(m->be, s->u);
-    if (m->mtp.ring_owner == s) m->mtp.ring_owner = NULL;
+    for (int j = 0; j < m->mtp.n_rings; j++)
+        if (m->mtp.ring_owner[j] == s) m->mtp.ring_owner[j] = NULL;
     rt_bt_release(&s->bt, m->be, &m->pages);
     rt_id_drop(&m->slots, s->slot);
     m->n_seqs--;
@@ -512,8 +521,23 @@ mt_status glm_logits_rows(glm_model *m, const float *z, int rows, float *logits_
     return st;
 }
 
-/* The ring a verify of k rows writes (mt_step.vring): NULL for one row or without the drafter. */
-static const int *verify_ring(const glm_model *m, int k) { return m->mtp.on && k > 1 ? m->mtp.ring : NULL; }
+/* Ring j's slots, which a verify of k rows writes (mt_step.vring): NULL for one row or without
+ * the drafter. */
+static const int *verify_ring(const glm_model *m, int k, int j) {
+    return m->mtp.on && k > 1 ? m->mtp.ring + (size_t)j * (GLM_VERIFY_MAX - 1) : NULL;
+}
+static float *ring_hidden(const glm_model *m, int j) {
+    return m->mtp.ring_h + (size_t)j * GLM_VERIFY_MAX * m->cfg.hidden_size;
+}
+
+/* Before a decode of k rows of s with the drafter on: where glm_seq_keep drops rows of it from
+ * (the layers write the states after each row into the ring: glm_kda_forward). */
+static void verify_mark(glm_model *m, glm_seq *s, int k, int ring) {
+    s->v_pos = s->len;
+    s->v_n = k;
+    s->v_ring = ring;
+    if (k > 1) m->mtp.ring_owner[ring] = s;
+}
 
 /* Rows [0, n) of the highway through every layer, then the head for the rows whose logits are
  * wanted ([first, n)), downloaded into logits_host. decode selects the layers' decode path (one
@@ -524,7 +548,7 @@ static mt_status forward(glm_model *m, glm_seq *s, const int32_t *tokens, int n,
     mt_backend *be = m->be;
     const int S = c->hc_mult, H = c->hidden_size;
     mt_step step = { .be = be, .t0 = s->len, .scr = &m->scr, .ids = tokens, .ids_stride = 1,
-                     .vring = decode ? verify_ring(m, n) : NULL };
+                     .vring = decode ? verify_ring(m, n, 0) : NULL };
     m->scr.sel_n = 0;
     /* X[i, s] = embedding of token i for every stream s. Prefill looks each token up S times
      * straight into X (one op, where n*S row copies cost a launch each); decode keeps its copies. */
@@ -639,11 +663,23 @@ mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, mt_er
         goto out;
     }
     const int msel = glm_max_sel(c);
-    int nw = 0;
+    int nw = 0, nv = 0;
+    for (int i = 0; i < np; i++) nv += p[i].verify && p[i].n > 1;
+    if (m->mtp.on && nv > m->mtp.n_rings) {
+        st = mt_errorf(err, MT_ERR_INVALID, "a mixed step of %d verify parts: the model holds %d at a time", nv,
+                       m->mtp.n_rings);
+        goto out;
+    }
+    nv = 0;
     for (int i = 0, r = 0; i < np; r += p[i++].n) {
         glm_seq *s = p[i].s;
         ahead_forget(m, s);
         s->v_n = 0;
+        seg[i].vring = NULL;
+        if (p[i].verify && p[i].n > 1 && m->mtp.on) {
+            verify_mark(m, s, p[i].n, nv);
+            seg[i].vring = verify_ring(m, p[i].n, nv++);
+        }
         seg[i].t0 = s->len;
         seg[i].n = p[i].n;
         seg[i].scr = m->scr;
@@ -654,8 +690,9 @@ mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, mt_er
             for (int j = 0; j < S; j++) rep[(size_t)(r + t) * S + j] = p[i].tokens[t];
         /* one-row parts always take the head (ranks of a group see the same parts and logits
          * flags, but only the leader asks for greedy tokens: the head's gather is collective) */
+        const bool every = (p[i].logits && p[i].all_logits) || (p[i].verify && p[i].argmax);
         if (p[i].logits || p[i].argmax || p[i].n == 1)
-            for (int t = p[i].logits && p[i].all_logits ? 0 : p[i].n - 1; t < p[i].n; t++) want[nw++] = r + t;
+            for (int t = every ? 0 : p[i].n - 1; t < p[i].n; t++) want[nw++] = r + t;
     }
     /* the leading one-row parts of sequences under way (the step's decode rows) take the rows
      * form of batched decode, a pass of them through each mixer */
@@ -685,8 +722,11 @@ mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, mt_er
     }
     for (int i = 0; i < np; i++) p[i].s->len += p[i].n;
     /* the drafters first: they read the highway rows, which the gather below moves */
-    for (int i = 0, r = 0; i < np; r += p[i++].n)
+    for (int i = 0, r = 0; i < np; r += p[i++].n) {
         if ((st = glm_mtp_follow(m, p[i].s, m->X + (size_t)r * SH, p[i].tokens, p[i].n)) != MT_OK) goto failed;
+        if (seg[i].vring) /* a verify's pending hidden rows (hin rows 1 .. n), for glm_seq_keep */
+            be->ops->copy(be, ring_hidden(m, p[i].s->v_ring), m->mtp.hin + H, sizeof(float) * (size_t)p[i].n * H);
+    }
     if (nw == 0) goto out;
     for (int w = 0; w < nw; w++) /* want[w] >= w: each row moves down into rows already read */
         if (want[w] != w) be->ops->copy(be, m->X + (size_t)w * SH, m->X + (size_t)want[w] * SH, sizeof(float) * SH);
@@ -697,9 +737,13 @@ mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, mt_er
     if ((st = head_logits(m, m->X, nw, host)) != MT_OK) goto failed;
     for (int i = 0, w = 0; i < np; i++) {
         if (!p[i].logits && !p[i].argmax && p[i].n != 1) continue;
-        const int k = p[i].logits && p[i].all_logits ? p[i].n : 1;
-        if (p[i].logits) memcpy(p[i].logits, host + (size_t)w * V, sizeof(float) * (size_t)k * V);
-        if (p[i].argmax) p[i].argmax[0] = glm_argmax(host + (size_t)(w + k - 1) * V, V);
+        const bool all = p[i].logits && p[i].all_logits, every = all || (p[i].verify && p[i].argmax);
+        const int k = every ? p[i].n : 1;
+        if (p[i].logits) memcpy(p[i].logits, host + (size_t)(all ? w : w + k - 1) * V, sizeof(float) * (size_t)(all ? k : 1) * V);
+        if (p[i].argmax && p[i].verify)
+            for (int t = 0; t < k; t++) p[i].argmax[t] = glm_argmax(host + (size_t)(w + t) * V, V);
+        else if (p[i].argmax)
+            p[i].argmax[0] = glm_argmax(host + (size_t)(w + k - 1) * V, V);
         w += k;
     }
     goto out;
@@ -735,7 +779,7 @@ static mt_status seq_step_body(void *ctx) {
     glm_seq *s = c->s;
     mt_backend *be = m->be;
     const int S = m->cfg.hc_mult, H = m->cfg.hidden_size, L = m->cfg.num_hidden_layers;
-    mt_step step = { .be = be, .t0 = s->len, .scr = &m->scr, .d_pos = step_positions(m), .vring = verify_ring(m, c->k) };
+    mt_step step = { .be = be, .t0 = s->len, .scr = &m->scr, .d_pos = step_positions(m), .vring = verify_ring(m, c->k, 0) };
     m->scr.sel_n = 0;
     mt_status est;
     if (c->k == 1) {
@@ -789,7 +833,6 @@ static mt_status seq_step(glm_model *m, glm_seq *s, const int32_t *tokens, int k
     return MT_OK;
 }
 
-static void verify_mark(glm_model *m, glm_seq *s, int k);
 
 /* k rows of s: the graph form when the backend captures (or device_positions asks for it), else
  * the eager layers' decode (k = 1) or decode_batched. */
@@ -805,7 +848,7 @@ static mt_status decode_seq(glm_model *m, glm_seq *s, const int32_t *tokens, int
         mt_status st = glm_seq_reserve(s, k, err);
         if (st != MT_OK) return st;
     }
-    if (m->mtp.on) verify_mark(m, s, k);
+    if (m->mtp.on) verify_mark(m, s, k, 0);
     const bool graph_form = m->params.device_positions || (m->params.decode_graphs && m->runner.plan.graphs);
     mt_status st;
     if (graph_form) {
@@ -820,18 +863,11 @@ static mt_status decode_seq(glm_model *m, glm_seq *s, const int32_t *tokens, int
     if ((st = glm_mtp_follow(m, s, m->X, tokens, k)) != MT_OK)
         return mt_errorf(err, st, "the drafter failed after position %d: %s", s->len - 1, mt_status_str(st));
     /* a verify's pending hidden rows (follow left them in hin rows 1 .. k), for glm_seq_keep */
-    if (verify_ring(m, k))
-        m->be->ops->copy(m->be, m->mtp.ring_h, m->mtp.hin + m->cfg.hidden_size, sizeof(float) * (size_t)k * m->cfg.hidden_size);
+    if (verify_ring(m, k, 0))
+        m->be->ops->copy(m->be, ring_hidden(m, 0), m->mtp.hin + m->cfg.hidden_size, sizeof(float) * (size_t)k * m->cfg.hidden_size);
     return MT_OK;
 }
 
-/* Before a decode of k rows of s with the drafter on: where glm_seq_keep drops rows of it from
- * (the layers write the states after each row into the ring: glm_kda_forward). */
-static void verify_mark(glm_model *m, glm_seq *s, int k) {
-    s->v_pos = s->len;
-    s->v_n = k;
-    if (k > 1) m->mtp.ring_owner = s;
-}
 
 mt_status glm_seq_keep(glm_model *m, glm_seq *s, int keep, mt_error *err) {
     if (!m->mtp.on) return mt_errorf(err, MT_ERR_UNSUPPORTED, "rows are dropped only with the drafter on");
@@ -842,7 +878,7 @@ mt_status glm_seq_keep(glm_model *m, glm_seq *s, int keep, mt_error *err) {
     if (keep < 1 || keep > s->v_n)
         return mt_errorf(err, MT_ERR_INVALID, "keep %d of a decode of %d rows", keep, s->v_n);
     if (keep == s->v_n) return MT_OK;
-    if (m->mtp.ring_owner != s)
+    if (m->mtp.ring_owner[s->v_ring] != s)
         return mt_errorf(err, MT_ERR_STATE, "another sequence was verified since this one's verify");
     /* The kept rows' state, written by the verify: the recurrent slot from the ring, the paged
      * layers' and the drafter's lengths cut back (rows past a length are never read, and the
@@ -853,11 +889,11 @@ mt_status glm_seq_keep(glm_model *m, glm_seq *s, int keep, mt_error *err) {
         glm_layer_state *st = (glm_layer_state *)s->states[l];
         if (m->cfg.layer_types[l] == GLM_MIXER_DSA) st->len = s->v_pos + keep;
     }
-    glm_layers_copy_slot(m->layers, L, m->mtp.ring[keep - 1], s->slot);
+    glm_layers_copy_slot(m->layers, L, verify_ring(m, 2, s->v_ring)[keep - 1], s->slot);
     ((glm_layer_state *)s->states[L])->len -= drop; /* the drafter's rows follow the target's */
     s->n_spec = 0;
     const size_t H = (size_t)m->cfg.hidden_size;
-    m->be->ops->copy(m->be, s->hp, m->mtp.ring_h + (size_t)(keep - 1) * H, sizeof(float) * H);
+    m->be->ops->copy(m->be, s->hp, ring_hidden(m, s->v_ring) + (size_t)(keep - 1) * H, sizeof(float) * H);
     s->len = s->v_pos + keep;
     s->v_n = keep;
     return MT_OK;

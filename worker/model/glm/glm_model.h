@@ -118,7 +118,8 @@ typedef struct glm_mixed_part {
     int n;
     float *logits;
     bool all_logits;
-    int32_t *argmax;
+    int32_t *argmax;       /* [n] for a verify, else the last row's */
+    bool verify;           /* n > 1 decode rows (draft-verify): write-on-accept, glm_seq_keep after */
 } glm_mixed_part;
 
 /* The parts of np distinct sequences in one pass through the layers (each layer's
