@@ -263,6 +263,63 @@ TEST_P(Mtp, VerifiesOfSeveralSequencesShareOnePass) {
     glm_seq_free(d);
 }
 
+// Drafts of three sequences in one pass (glm_mtp_draft_rows: the block's DSA in the rows form),
+// twice in a chain, against their twins drafting one at a time: the same logits, and after a
+// verify and a keep each continues as its twin.
+TEST_P(Mtp, DraftsOfSeveralSequencesShareOnePass) {
+    const int V = c_.V;
+    mt_error err{};
+    glm_seq *a[3], *b[3];
+    int t0[3];
+    for (int i = 0; i < 3; i++) {
+        t0[i] = c_.T / 2 - 3 * i;
+        ASSERT_GT(t0[i], 0);
+        a[i] = NewSeq();
+        b[i] = NewSeq();
+        ASSERT_TRUE(a[i] && b[i]);
+        for (glm_seq *s : { a[i], b[i] })
+            ASSERT_EQ(glm_prefill(m_, s, c_.tokens.data(), t0[i] + 1, nullptr, false, &err), MT_OK) << err.msg;
+    }
+    int32_t tok[3][3];
+    for (int j = 0; j < 2; j++) {
+        for (int i = 0; i < 3; i++) tok[i][j] = j == 0 ? c_.tokens[t0[i] + 1] : 3 + i;
+        std::vector<float> la((size_t)3 * V);
+        const int32_t row_tok[3] = { tok[0][j], tok[1][j], tok[2][j] };
+        ASSERT_EQ(glm_mtp_draft_rows(m_, a, row_tok, 3, la.data(), &err), MT_OK) << err.msg;
+        for (int i = 0; i < 3; i++) {
+            std::vector<float> lb = Draft(b[i], tok[i][j]);
+            EXPECT_LT(MaxAbsDiff(&la[(size_t)i * V], lb.data(), V), 1e-4f) << "sequence " << i << " draft " << j;
+        }
+    }
+    // the verify of the pending token and the two drafts, keeping 2 rows
+    for (int i = 0; i < 3; i++) {
+        tok[i][2] = c_.tokens[t0[i] + 3];
+        const int32_t rows[3] = { tok[i][0], tok[i][1], tok[i][2] };
+        for (glm_seq *s : { a[i], b[i] }) {
+            ASSERT_EQ(glm_decode_verify(m_, s, rows, 3, nullptr, &err), MT_OK) << err.msg;
+            ASSERT_EQ(glm_seq_keep(m_, s, 2, &err), MT_OK) << err.msg;
+        }
+        const int32_t next = c_.tokens[t0[i] + 4];
+        std::vector<float> da = Draft(a[i], next), db = Draft(b[i], next);
+        EXPECT_LT(MaxAbsDiff(da.data(), db.data(), V), 1e-4f) << "sequence " << i;
+        std::vector<float> ya(V), yb(V);
+        ASSERT_EQ(glm_decode(m_, a[i], next, ya.data(), &err), MT_OK) << err.msg;
+        ASSERT_EQ(glm_decode(m_, b[i], next, yb.data(), &err), MT_OK) << err.msg;
+        EXPECT_LT(MaxAbsDiff(ya.data(), yb.data(), V), 1e-4f) << "sequence " << i;
+    }
+    // refused whole, nothing changed: a sequence twice
+    glm_seq *twice[2] = { a[0], a[0] };
+    const int32_t two[2] = { 1, 2 };
+    std::vector<float> l2((size_t)2 * V);
+    const int len = glm_seq_len(a[0]);
+    EXPECT_EQ(glm_mtp_draft_rows(m_, twice, two, 2, l2.data(), &err), MT_ERR_INVALID);
+    EXPECT_EQ(glm_seq_len(a[0]), len);
+    for (int i = 0; i < 3; i++) {
+        glm_seq_free(a[i]);
+        glm_seq_free(b[i]);
+    }
+}
+
 INSTANTIATE_TEST_SUITE_P(Cases, Mtp, ::testing::Values(0, 1));
 
 // Without params.mtp the block is loaded but no sequence carries drafter state.

@@ -78,7 +78,8 @@ struct eng_engine {
     int pass_rows;               /* of those, the rows in the model call of the step's chunks */
     uint64_t prefill_tokens;     /* prompt tokens run through the model */
     int step_prompt;             /* prompt tokens the step under way took */
-    float *draft_logits;         /* [vocab] host: the drafter's logits (spec_tokens > 0) */
+    float *draft_logits;         /* [spec_group, vocab] host: the drafter's logits (spec_tokens > 0) */
+    bool draft_rows;             /* the model drafts many sequences in one call (until it says not) */
     int spec_group;              /* sequences verified in one model call (the model's verify_seqs) */
     eng_seq **spec_batch;        /* [max_sequences] the step's speculating sequences */
     float *spec_q;               /* [spec_group, ENG_SPEC_MAX, vocab] the drafts' processed distributions */
@@ -148,6 +149,7 @@ mt_status eng_new(mt_model *m, const eng_params *params, const eng_callbacks *cb
     if (!e) goto fail;
     e->m = m;
     e->info = mt_model_describe(m);
+    e->draft_rows = true;
     e->spec_group = e->info.verify_seqs < 1 ? 1 : e->info.verify_seqs > ENG_SPEC_GROUP_MAX ? ENG_SPEC_GROUP_MAX
                                                                                           : e->info.verify_seqs;
     rt_prefix_cache_init(&e->prefixes, m, p.prefix_cache_bytes);
@@ -172,7 +174,7 @@ mt_status eng_new(mt_model *m, const eng_params *params, const eng_callbacks *cb
         !(e->chunk_logits = malloc(sizeof(float) * (size_t)p.max_sequences * (size_t)e->vocab)))
         goto fail;
     if (p.spec_tokens > 0 &&
-        (!(e->draft_logits = malloc(sizeof(float) * (size_t)e->vocab)) ||
+        (!(e->draft_logits = malloc(sizeof(float) * (size_t)e->spec_group * e->vocab)) ||
          !(e->spec_q = malloc(sizeof(float) * (size_t)e->spec_group * ENG_SPEC_MAX * e->vocab)) ||
          !(e->spec_p = malloc(sizeof(float) * (size_t)e->vocab)) ||
          !(e->spec_logits = malloc(sizeof(float) * (size_t)e->spec_group * (ENG_SPEC_MAX + 1) * e->vocab))))
@@ -793,34 +795,67 @@ static int spec_k(const eng_engine *e, const eng_seq *s, int n_ready) {
     return e->p.spec_tokens < left ? e->p.spec_tokens : left > 0 ? left : 0;
 }
 
-/* s's k = s->k_step drafts into s->spec_tok[1 .. k] (spec_tok[0] is the pending token), the
- * drafts' processed distributions at e->spec_q row g. False when s ended instead. */
-static bool spec_draft(eng_engine *e, eng_seq *s, int g) {
-    const int k = s->k_step, V = e->vocab;
-    const bool greedy = plain_greedy(s);
-    int32_t *tok = s->spec_tok;
+/* Draft j of row g (sequence s) from its drafter logits: greedy's argmax, or a draw from the
+ * processed distribution (kept at e->spec_q for the verdict), then the test hook. */
+static int32_t spec_choose(eng_engine *e, eng_seq *s, int g, int j, const float *logits) {
+    const int V = e->vocab;
     int32_t *gen = s->tokens + s->req.n_prompt; /* drafts go after the generated tokens (room:
                                                  * k < max_new_tokens - n_gen) as their history */
-    mt_error err = { "" };
-    tok[0] = s->pending;
-    for (int j = 1; j <= k; j++) {
-        if (mt_model_draft(e->m, s->gs, tok[j - 1], e->draft_logits, &err) != MT_OK) {
-            seq_end(e, s, ENG_FINISH_ERROR, err.msg);
-            return false;
-        }
-        int32_t d;
-        if (greedy) {
-            d = eng_argmax(e->draft_logits, V);
-        } else {
-            const eng_history h = { s->tokens, s->req.n_prompt, gen, s->n_gen + j - 1 };
-            float *q = e->spec_q + ((size_t)g * ENG_SPEC_MAX + (size_t)(j - 1)) * V;
-            eng_sample_probs(e->sampler, &s->req.sampling, e->draft_logits, &h, q);
-            d = eng_draw_probs(&s->rng, q, V);
-        }
-        if (e->p.spec_draft_hook) d = e->p.spec_draft_hook(e->p.spec_hook_user, s->id, s->n_gen - 1 + j, d);
-        tok[j] = gen[s->n_gen + j - 1] = d;
+    int32_t d;
+    if (plain_greedy(s)) {
+        d = eng_argmax(logits, V);
+    } else {
+        const eng_history h = { s->tokens, s->req.n_prompt, gen, s->n_gen + j - 1 };
+        float *q = e->spec_q + ((size_t)g * ENG_SPEC_MAX + (size_t)(j - 1)) * V;
+        eng_sample_probs(e->sampler, &s->req.sampling, logits, &h, q);
+        d = eng_draw_probs(&s->rng, q, V);
     }
-    return true;
+    if (e->p.spec_draft_hook) d = e->p.spec_draft_hook(e->p.spec_hook_user, s->id, s->n_gen - 1 + j, d);
+    gen[s->n_gen + j - 1] = d;
+    return d;
+}
+
+/* The drafts of grp[0, n) (group rows; row g drafts grp[g]->k_step tokens into spec_tok[1 ..],
+ * spec_tok[0] being its pending token): draft j of every row that has one in one model call
+ * (draft_rows), else one row at a time. A row whose drafter fails ends. */
+static void spec_draft_group(eng_engine *e, eng_seq **grp, int n) {
+    const int V = e->vocab;
+    int kmax = 0;
+    for (int g = 0; g < n; g++) {
+        grp[g]->spec_tok[0] = grp[g]->pending;
+        kmax = grp[g]->k_step > kmax ? grp[g]->k_step : kmax;
+    }
+    int idx[ENG_SPEC_GROUP_MAX];
+    mt_seq *seqs[ENG_SPEC_GROUP_MAX];
+    int32_t tok[ENG_SPEC_GROUP_MAX];
+    for (int j = 1; j <= kmax; j++) {
+        int r = 0;
+        for (int g = 0; g < n; g++) {
+            eng_seq *s = grp[g];
+            if (s->done || s->k_step < j) continue;
+            idx[r] = g;
+            seqs[r] = s->gs;
+            tok[r++] = s->spec_tok[j - 1];
+        }
+        if (r == 0) break;
+        mt_error err = { "" };
+        mt_status st = MT_ERR_UNSUPPORTED;
+        if (r > 1 && e->draft_rows) {
+            st = mt_model_draft_rows(e->m, seqs, tok, r, e->draft_logits, &err);
+            if (st == MT_ERR_UNSUPPORTED) e->draft_rows = false;
+            else if (st != MT_OK)
+                mt_log(MT_LOG_WARN, "engine: a draft of %d sequences was refused (%s); drafting them apart", r, err.msg);
+        }
+        for (int q = 0; q < r; q++) {
+            eng_seq *s = grp[idx[q]];
+            const float *lg = e->draft_logits + (size_t)q * V;
+            if (st != MT_OK && mt_model_draft(e->m, s->gs, tok[q], e->draft_logits + (size_t)q * V, &err) != MT_OK) {
+                seq_end(e, s, ENG_FINISH_ERROR, err.msg);
+                continue;
+            }
+            s->spec_tok[j] = spec_choose(e, s, idx[q], j, lg);
+        }
+    }
 }
 
 /* s's verify part: the pending token and the drafts; greedy tokens of every row, or (sampling)
@@ -887,24 +922,27 @@ static void spec_group(eng_engine *e, eng_seq **b, int n) {
     for (int g0 = 0; g0 < n; g0 += G) {
         eng_seq *grp[ENG_SPEC_GROUP_MAX];
         int m = 0;
-        for (int i = g0; i < n && i < g0 + G; i++)
-            if (spec_draft(e, b[i], m)) grp[m++] = b[i];
-        if (m == 0) continue;
-        for (int j = 0; j < m; j++) e->parts[j] = spec_part(e, grp[j], j);
+        for (int i = g0; i < n && i < g0 + G; i++) grp[m++] = b[i];
+        spec_draft_group(e, grp, m);
+        int lv[ENG_SPEC_GROUP_MAX], nl = 0; /* the rows still live, by group index (spec_q's row) */
+        for (int g = 0; g < m; g++)
+            if (!grp[g]->done) lv[nl++] = g;
+        if (nl == 0) continue;
+        for (int j = 0; j < nl; j++) e->parts[j] = spec_part(e, grp[lv[j]], lv[j]);
         mt_error err = { "" };
-        if (m > 1 && mt_model_forward(e->m, &(mt_batch){ e->parts, m }, &err) == MT_OK) {
-            for (int j = 0; j < m; j++) spec_accept(e, grp[j], j);
+        if (nl > 1 && mt_model_forward(e->m, &(mt_batch){ e->parts, nl }, &err) == MT_OK) {
+            for (int j = 0; j < nl; j++) spec_accept(e, grp[lv[j]], lv[j]);
             continue;
         }
-        if (m > 1)
-            mt_log(MT_LOG_WARN, "engine: a verify of %d sequences was refused (%s); verifying them apart", m,
+        if (nl > 1)
+            mt_log(MT_LOG_WARN, "engine: a verify of %d sequences was refused (%s); verifying them apart", nl,
                    err.msg[0] ? err.msg : "?");
-        for (int j = 0; j < m; j++) {
+        for (int j = 0; j < nl; j++) {
             if (mt_model_forward(e->m, &(mt_batch){ &e->parts[j], 1 }, &err) != MT_OK) {
-                seq_end(e, grp[j], ENG_FINISH_ERROR, err.msg);
+                seq_end(e, grp[lv[j]], ENG_FINISH_ERROR, err.msg);
                 continue;
             }
-            spec_accept(e, grp[j], j);
+            spec_accept(e, grp[lv[j]], lv[j]);
         }
     }
 }

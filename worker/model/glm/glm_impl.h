@@ -275,6 +275,8 @@ struct glm_model {
         float *enorm, *hnorm, *norm; /* [H]; norm = shared_head.norm */
         float *hin;            /* [rows + 1, H] the drafter's hidden inputs of one pass */
         float *e, *u, *t;      /* [rows, H] embeddings, residual, temporary */
+        int32_t *d_rpos;       /* [rows] backend: a batched draft's positions (rows form) */
+        void **d_rtab;         /* [GLM_R_KINDS, rows] backend: its tables (only GLM_R_BT is read) */
         /* Write-on-accept: a verify of k rows in ring j leaves the recurrent state after each of
          * its rows but the last in ring[j][0 .. k-2] (KDA slots of the pool, one per row), and
          * the drafter's pending hidden row after each row in ring_h[j] [k, H]; glm_seq_keep

@@ -106,7 +106,9 @@ static mt_status model_init(glm_model *m, uint64_t random_seed, bool random, mt_
         struct glm_mtp *x = &m->mtp;
         if (!(x->hin = be->ops->alloc(be, rh + sizeof(float) * c->hidden_size)) || !(x->e = be->ops->alloc(be, rh)) ||
             !(x->u = be->ops->alloc(be, rh)) || !(x->t = be->ops->alloc(be, rh)) ||
-            !(x->ring_h = be->ops->alloc(be, sizeof(float) * (size_t)x->n_rings * GLM_VERIFY_MAX * c->hidden_size)))
+            !(x->ring_h = be->ops->alloc(be, sizeof(float) * (size_t)x->n_rings * GLM_VERIFY_MAX * c->hidden_size)) ||
+            !(x->d_rpos = be->ops->alloc(be, sizeof(int32_t) * rows)) ||
+            !(x->d_rtab = be->ops->alloc(be, sizeof(void *) * GLM_R_KINDS * rows)))
             return mt_errorf(err, MT_ERR_NOMEM, "out of memory for the drafter's activations");
     }
     if (m->tp_size > 1 &&
@@ -213,6 +215,8 @@ void glm_model_free(glm_model *m) {
     be->ops->free(be, m->mtp.u);
     be->ops->free(be, m->mtp.t);
     be->ops->free(be, m->mtp.ring_h);
+    be->ops->free(be, m->mtp.d_rpos);
+    be->ops->free(be, m->mtp.d_rtab);
     free(m->mtp.ring);
     free(m->mtp.ring_owner);
     st_close(m->ar);

@@ -157,6 +157,11 @@ mt_status glm_model_ple_apply(glm_model *m, glm_seq *s, int layer, const int32_t
 bool glm_model_has_mtp(const glm_model *m);     /* the checkpoint's MTP block is loaded */
 bool glm_model_has_drafter(const glm_model *m); /* and sequences carry its state */
 mt_status glm_model_draft(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_error *err);
+/* glm_model_draft for n distinct sequences in one pass of the block (its DSA in the rows form):
+ * row i drafts seqs[i] from tokens[i] into logits (host) [n, vocab]; refused whole, nothing
+ * changed, when any row would be. */
+mt_status glm_mtp_draft_rows(glm_model *m, glm_seq **seqs, const int32_t *tokens, int n, float *logits,
+                             mt_error *err);
 mt_status glm_seq_keep(glm_model *m, glm_seq *s, int keep, mt_error *err);
 
 /* What loading read from the checkpoint, for tensor parallelism's accounting: bytes of the split

@@ -9,6 +9,7 @@
  * with a plain residual and the block's own DSA caches (layers[L], paged like the target's DSA
  * layers, row t at position t). Drafting k > 1 tokens feeds the block its own u as h (DeepSeek-V3's
  * sequential MTP); those rows are speculative and the next target step drops them. */
+#include <stdlib.h>
 #include <string.h>
 
 #include "worker/model/glm/glm_impl.h"
@@ -108,4 +109,101 @@ mt_status glm_mtp_draft(glm_model *m, glm_seq *s, int32_t token, float *logits, 
     if (rc != MT_OK) return mt_errorf(err, rc, "draft at position %d failed: %s", st->len - 1, mt_status_str(rc));
     if (h == s->u) s->n_spec++;
     return MT_OK;
+}
+
+mt_status glm_mtp_draft_rows(glm_model *m, glm_seq **seqs, const int32_t *tokens, int n, float *logits,
+                             mt_error *err) {
+    if (!m->mtp.on) return mt_errorf(err, MT_ERR_UNSUPPORTED, "the model has no drafter turned on");
+    const glm_config *c = &m->cfg;
+    const int H = c->hidden_size, L = c->num_hidden_layers, V = c->vocab_size, cap = m->rcap;
+    if (n < 1 || n > cap) return mt_errorf(err, MT_ERR_INVALID, "a batched draft of %d rows (1 to %d)", n, cap);
+    if (m->mtp.capture || n == 1) { /* the capture's rows are per sequence: one at a time */
+        for (int i = 0; i < n; i++) {
+            mt_status rc = glm_mtp_draft(m, seqs[i], tokens[i], logits + (size_t)i * V, err);
+            if (rc != MT_OK) return rc;
+        }
+        return MT_OK;
+    }
+    /* every row checked and its pages mapped before anything is computed */
+    for (int i = 0; i < n; i++) {
+        glm_seq *s = seqs[i];
+        if (!s || s->m != m) return mt_errorf(err, MT_ERR_INVALID, "draft row %d: a sequence of another model", i);
+        if (tokens[i] < 0 || tokens[i] >= V)
+            return mt_errorf(err, MT_ERR_INVALID, "draft row %d: token %d is outside the vocabulary [0, %d)", i, tokens[i], V);
+        for (int j = 0; j < i; j++)
+            if (seqs[j] == s) return mt_errorf(err, MT_ERR_INVALID, "draft row %d: its sequence is also row %d", i, j);
+        const glm_layer_state *st = (const glm_layer_state *)s->states[L];
+        const int committed = glm_mtp_committed(m, s);
+        if (s->n_spec == 0 && committed == s->len - 1) continue;
+        if (committed != s->len)
+            return mt_errorf(err, MT_ERR_STATE, "draft row %d: the drafter holds %d rows for a sequence of %d", i,
+                             committed, s->len);
+        if (st->len + 1 > st->cap)
+            return mt_errorf(err, MT_ERR_FULL, "draft row %d: no room to draft past position %d (capacity %d)", i,
+                             st->len, st->cap);
+        mt_status rc = glm_seq_reserve(s, st->len + 1 - s->len, err);
+        if (rc != MT_OK) return rc;
+    }
+    mt_backend *be = m->be;
+    const mt_backend_ops *op = be->ops;
+    struct glm_mtp *x = &m->mtp;
+    const float eps = c->rms_norm_eps;
+    const size_t nh = (size_t)n * H;
+    int32_t *pos = malloc(sizeof(int32_t) * (size_t)n);
+    void **bt = malloc(sizeof(void *) * (size_t)n);
+    mt_layer_state **sts = malloc(sizeof *sts * (size_t)n);
+    bool *spec = malloc(sizeof(bool) * (size_t)n);
+    mt_status rc = MT_OK;
+    if (!pos || !bt || !sts || !spec) {
+        rc = mt_errorf(err, MT_ERR_NOMEM, "out of memory for a batched draft of %d rows", n);
+        goto out;
+    }
+    /* row i: the target's last row (hp) or the last draft's residual (u), and its own drafter
+     * position and block table for the rows form of the block's DSA */
+    for (int i = 0; i < n; i++) {
+        glm_seq *s = seqs[i];
+        spec[i] = !(s->n_spec == 0 && glm_mtp_committed(m, s) == s->len - 1);
+        op->copy(be, x->hin + (size_t)i * H, spec[i] ? s->u : s->hp, sizeof(float) * H);
+        sts[i] = s->states[L];
+        pos[i] = ((const glm_layer_state *)sts[i])->len;
+        bt[i] = (void *)s->bt.dev;
+    }
+    op->upload(be, x->d_rpos, pos, sizeof(int32_t) * (size_t)n);
+    op->upload(be, x->d_rtab + (size_t)GLM_R_BT * cap, bt, sizeof(void *) * (size_t)n);
+
+    glm_layer *l = &m->layers[L];
+    op->embed(be, x->e, &m->embed, tokens, n);
+    if (m->tp_size > 1 && (rc = glm_all_reduce(m->comm, x->e, nh)) != MT_OK) goto failed;
+    op->rmsnorm(be, x->e, x->e, x->enorm, n, H, eps);
+    op->rmsnorm(be, x->t, x->hin, x->hnorm, n, H, eps);
+    op->matmul(be, x->u, x->e, &x->eh_e, n);
+    op->matmul(be, x->e, x->t, &x->eh_h, n);
+    op->add(be, x->u, x->e, (int64_t)nh);
+    mt_step step = { .be = be, .t0 = -1, .scr = &m->scr, .rpos = x->d_rpos, .rtab = (void *const *)x->d_rtab,
+                     .rcap = cap, .rt_cap = m->rt_cap };
+    m->scr.sel_n = 0;
+    op->rmsnorm(be, x->t, x->u, l->in_norm, n, H, eps);
+    if ((rc = glm_dsa_forward(l, (glm_layer_state **)sts, n, &step, x->t, x->e, n)) != MT_OK) goto failed;
+    for (int i = 0; i < n; i++) ((glm_layer_state *)sts[i])->len++; /* the rows form leaves it to its caller */
+    if ((rc = glm_all_reduce(l->comm, x->e, nh)) != MT_OK) goto failed;
+    op->add(be, x->u, x->e, (int64_t)nh);
+    op->rmsnorm(be, x->t, x->u, l->post_norm, n, H, eps);
+    glm_mlp_forward(l, &step, x->t, x->e, n);
+    if ((rc = glm_all_reduce(l->comm, x->e, nh)) != MT_OK) goto failed;
+    op->add(be, x->u, x->e, (int64_t)nh);
+    for (int i = 0; i < n; i++) {
+        op->copy(be, seqs[i]->u, x->u + (size_t)i * H, sizeof(float) * H);
+        if (spec[i]) seqs[i]->n_spec++;
+    }
+    op->rmsnorm(be, x->t, x->u, x->norm, n, H, eps);
+    if ((rc = glm_logits_rows(m, x->t, n, logits)) != MT_OK) goto failed;
+    goto out;
+failed:
+    rc = mt_errorf(err, rc, "a batched draft of %d rows failed: %s", n, mt_status_str(rc));
+out:
+    free(pos);
+    free(bt);
+    free(sts);
+    free(spec);
+    return rc;
 }
