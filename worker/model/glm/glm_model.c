@@ -692,10 +692,11 @@ mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, mt_er
         seg[i].scr.sel_n = 0;
         for (int t = 0; t < p[i].n; t++)
             for (int j = 0; j < S; j++) rep[(size_t)(r + t) * S + j] = p[i].tokens[t];
-        /* one-row parts always take the head (ranks of a group see the same parts and logits
-         * flags, but only the leader asks for greedy tokens: the head's gather is collective) */
-        const bool every = (p[i].logits && p[i].all_logits) || (p[i].verify && p[i].argmax);
-        if (p[i].logits || p[i].argmax || p[i].n == 1)
+        /* one-row parts and verifies always take the head, a verify every row (ranks of a group
+         * see the same parts and logits flags, but only the leader asks for greedy tokens: the
+         * head's gather is collective) */
+        const bool every = (p[i].logits && p[i].all_logits) || p[i].verify;
+        if (p[i].logits || p[i].argmax || p[i].n == 1 || p[i].verify)
             for (int t = every ? 0 : p[i].n - 1; t < p[i].n; t++) want[nw++] = r + t;
     }
     /* the leading one-row parts of sequences under way (the step's decode rows) take the rows
@@ -740,8 +741,8 @@ mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, mt_er
     }
     if ((st = head_logits(m, m->X, nw, host)) != MT_OK) goto failed;
     for (int i = 0, w = 0; i < np; i++) {
-        if (!p[i].logits && !p[i].argmax && p[i].n != 1) continue;
-        const bool all = p[i].logits && p[i].all_logits, every = all || (p[i].verify && p[i].argmax);
+        if (!p[i].logits && !p[i].argmax && p[i].n != 1 && !p[i].verify) continue;
+        const bool all = p[i].logits && p[i].all_logits, every = all || p[i].verify;
         const int k = every ? p[i].n : 1;
         if (p[i].logits) memcpy(p[i].logits, host + (size_t)(all ? w : w + k - 1) * V, sizeof(float) * (size_t)(all ? k : 1) * V);
         if (p[i].argmax && p[i].verify)
