@@ -113,14 +113,15 @@ class Service:
             time.sleep(0.1)
 
     def log_tail(self, lines=40):
-        """The last lines the router and worker wrote (for a failure's message: close removes them)."""
+        """The last lines the router and worker wrote, less the router's line a request (for a
+        failure's message: close removes them)."""
         self.log.flush()
         try:
             with open(self.log.name, "rb") as f:
                 text = f.read().decode("utf-8", "replace").splitlines()
         except OSError as e:
             return "(no service log: %s)" % e
-        return "\n".join(text[-lines:])
+        return "\n".join([t for t in text if " request_id=" not in t][-lines:])
 
     def close(self):
         for p in self.procs:

@@ -12,7 +12,9 @@
  *  backend; --run-ahead 0: eng_params.run_ahead off, for comparison; 1, the default: AUTO;
  *  --mixed-steps 1 and --itl-target-ms MS: eng_params.mixed_steps and itl_target_ms, as the
  *  worker's options of those names; --prefill-budget N: eng_params.prefill_budget (default the
- *  engine's); --prefill-pass N: rows of a prefill pass, by default what metrale-worker picks.)
+ *  engine's); --prefill-pass N: rows of a prefill pass, by default what metrale-worker picks;
+ *  --op-profile 1 (a mix on cuda): every op synchronised and timed, the table printed after the
+ *  JSON, so its times are not the run's.)
  *
  * Fixed lengths (no --prompt-mix): stream i's prompt is token (i * 7 + k) % vocab for k < P,
  * greedy, ignore_eos, max_new N; all C are submitted at t = 0 with max_sequences = C (the worker
@@ -193,7 +195,7 @@ int main(int argc, char **argv) {
     const char *model = NULL, *backend = "cpu", *prompt_mix = NULL, *new_mix = NULL;
     int streams = 1, max_new = 32, plen = 16, threads = 0, run_ahead = 1, mixed_steps = 0;
     double itl_target_ms = 0;
-    int prefill_pass = 0, prefill_budget = 0;
+    int prefill_pass = 0, prefill_budget = 0, op_profile = 0;
     int requests = 0, shared = 0, max_sequences = 64;
     uint64_t seed = 1;
     for (int i = 1; i + 1 < argc; i += 2) {
@@ -209,6 +211,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--itl-target-ms")) itl_target_ms = atof(v);
         else if (!strcmp(a, "--prefill-pass")) prefill_pass = atoi(v);
         else if (!strcmp(a, "--prefill-budget")) prefill_budget = atoi(v);
+        else if (!strcmp(a, "--op-profile")) op_profile = atoi(v);
         else if (!strcmp(a, "--prompt-mix")) prompt_mix = v;
         else if (!strcmp(a, "--new-mix")) new_mix = v;
         else if (!strcmp(a, "--requests")) requests = atoi(v);
@@ -298,7 +301,10 @@ int main(int argc, char **argv) {
     b.n_gaps = 0;
 
     if (mix) {
+        const bool prof = op_profile && !strcmp(backend, "cuda");
+        if (prof) mt_cuda_profile(be, true, "serving_direct");
         rc = run_mix(e, &b, V, requests, plens, news, shared, max_sequences, backend, prompt);
+        if (prof) mt_cuda_profile(be, false, "serving_direct: the mix's ops, each synchronised (graph replays as one)");
         goto done;
     }
     r.n_prompt = plen;

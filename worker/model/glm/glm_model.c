@@ -735,22 +735,32 @@ mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, mt_er
     if (nw == 0) goto out;
     for (int w = 0; w < nw; w++) /* want[w] >= w: each row moves down into rows already read */
         if (want[w] != w) be->ops->copy(be, m->X + (size_t)w * SH, m->X + (size_t)want[w] * SH, sizeof(float) * SH);
-    if (!(host = malloc(sizeof(float) * (size_t)nw * V))) {
+    /* the head over the wanted rows; logits come to the host only for the parts that take them,
+     * greedy tokens are taken on the device (a decode row's logits would be vocab floats each) */
+    if ((st = head_logits(m, m->X, nw, NULL)) != MT_OK) goto failed;
+    bool any_logits = false, any_argmax = false;
+    for (int i = 0; i < np; i++) {
+        any_logits |= p[i].logits != NULL;
+        any_argmax |= p[i].argmax != NULL;
+    }
+    int32_t *amax = NULL;
+    if ((any_logits && !(host = malloc(sizeof(float) * (size_t)nw * V))) ||
+        (any_argmax && !(amax = malloc(sizeof(int32_t) * (size_t)nw)))) {
         st = mt_errorf(err, MT_ERR_NOMEM, "out of memory for the logits of %d rows", nw);
         goto out;
     }
-    if ((st = head_logits(m, m->X, nw, host)) != MT_OK) goto failed;
+    if (any_logits) be->ops->download(be, host, m->logits, sizeof(float) * (size_t)nw * V);
+    if (any_argmax) be->ops->argmax(be, amax, m->logits, nw, V);
     for (int i = 0, w = 0; i < np; i++) {
         if (!p[i].logits && !p[i].argmax && p[i].n != 1 && !p[i].verify) continue;
         const bool all = p[i].logits && p[i].all_logits, every = all || p[i].verify;
         const int k = every ? p[i].n : 1;
         if (p[i].logits) memcpy(p[i].logits, host + (size_t)(all ? w : w + k - 1) * V, sizeof(float) * (size_t)(all ? k : 1) * V);
-        if (p[i].argmax && p[i].verify)
-            for (int t = 0; t < k; t++) p[i].argmax[t] = glm_argmax(host + (size_t)(w + t) * V, V);
-        else if (p[i].argmax)
-            p[i].argmax[0] = glm_argmax(host + (size_t)(w + k - 1) * V, V);
+        if (p[i].argmax && p[i].verify) memcpy(p[i].argmax, amax + w, sizeof(int32_t) * (size_t)k);
+        else if (p[i].argmax) p[i].argmax[0] = amax[w + k - 1];
         w += k;
     }
+    free(amax);
     goto out;
 failed:
     st = mt_errorf(err, st, "mixed step of %d parts (%d rows) failed: %s", np, n, mt_status_str(st));
