@@ -17,6 +17,7 @@
  *            cuda_dsa_mla_wg.cu  sparse MLA prefill attend on wgmma (2-CTA clusters)
  *            cuda_dsa_mla.h    sparse MLA pass parameters
  *   hc       cuda_hc.cu        hyper-connections, head mean
+ *   PLE      cuda_ple.cu       the PLE memory's injection (gates, value, dilated conv)
  *   rows     cuda_rows.cu      rows-form conv, cache writes, pool keys (batched decode)
  *            cuda_step.cu      graphs, run-time-position ops (graph form of decode)
  *            cuda_random.cu    random weights
@@ -169,6 +170,7 @@ void cu_hc_fill(mt_backend_ops *t);         /* cuda_hc.cu: hc_pre(_norm), hc_pos
 void cu_rows_fill(mt_backend_ops *t);       /* cuda_rows.cu: the rows-form conv, cache writes, pool keys */
 void cu_step_fill(mt_backend_ops *t);       /* cuda_step.cu: graphs, embed_dev, copy_rows_at */
 void cu_random_fill(mt_backend_ops *t);     /* cuda_random.cu: weight_random */
+void cu_ple_fill(mt_backend_ops *t);        /* cuda_ple.cu: ple_inject */
 
 /* cuda_moe.cu: asserts the experts [0, count) share dtype and shape ([I, H] gate/up, [H, I] down)
  * and have their data; used by both MoE paths. */
