@@ -243,6 +243,9 @@ typedef struct mt_backend_ops {
      * pos and n, in one launch where the backend can. */
     void (*copy_rows_to_n)(mt_backend *be, const mt_paged *dst, const float *const *src, int count,
                            const int32_t *const *bts, const int32_t *pos, int n);
+    /* Each row's own buffer into a block: out[i, w] = srcs[i][0 .. w) (a PLE memory's rows its
+     * prestage gathered). srcs [n] is a table; no srcs[i] overlaps out. */
+    void (*copy_rows_from)(mt_backend *be, float *out, const float *const *srcs, int n, int64_t w);
     /* Each row's cache write: src[i, dst.row] becomes position pos[i] of dst through bts[i]. */
     void (*copy_rows_to)(mt_backend *be, mt_paged dst, const int32_t *const *bts, const int32_t *pos,
                          const float *src, int n);
