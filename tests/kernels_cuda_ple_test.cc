@@ -149,7 +149,8 @@ TEST_F(CudaPle, Segments) {
     Check({ "taps next to each other", 2, 40, 2, 1, { 2, 5 }, { true, false } }, 3);
 }
 
-// Runs of hundreds of rows: a row finds where its run starts over several strides of the block.
+// Runs of hundreds of rows, as a prefill's: the conv of a row reads rows of its run far from both
+// ends of the pass, and its run's start is found by a search over hundreds of rows.
 TEST_F(CudaPle, LongRuns) {
     Check({ "long runs", 4, 300, 4, 3, { 300, 400, 1 }, { false, true, false } }, 2);
 }

@@ -39,27 +39,24 @@ static __device__ __forceinline__ float ple_inv_rms(double ss, int d, float eps)
     return 1.f / sqrtf((float)(ss / d) + eps);
 }
 
-/* Block (row i, stream s). The row's run start: the threads look back in strides of the block
- * for the first row whose state differs (a prefill's run is as long as the pass). */
+/* Block (row i, stream s). Block (i, 0) also finds where row i's run starts: a sequence's rows
+ * are one run, so over rows [0, i] "has row i's state" is false, then true; a binary search finds
+ * the first true (a prefill's run is as long as the pass, so a scan would cost O(n) a row). */
 static __global__ void __launch_bounds__(PLE_THREADS) gate_kernel(ple_params p) {
     __shared__ double red[32];
-    __shared__ int found;
     const int i = blockIdx.x, s = blockIdx.y, t = threadIdx.x, H = p.H;
     const size_t C = (size_t)p.S * H;
-    if (s == 0 && p.P == 0) {
-        if (t == 0) p.run0[i] = i; /* no state: the runs do not matter */
-    } else if (s == 0) {
-        float *const mine = p.states[i];
-        if (t == 0) found = -1;
-        __syncthreads();
-        for (int b = i - 1; b >= 0; b -= PLE_THREADS) { /* rows b, b-1, ..., b-255 */
-            const int r = b - t;
-            if (r >= 0 && p.states[r] != mine) atomicMax(&found, r);
-            __syncthreads();
-            if (found >= 0) break; /* block-uniform: read after the barrier */
-            __syncthreads();
+    if (s == 0 && t == 0) {
+        int lo = i, hi = i; /* p.states[hi] is row i's; its run starts in [lo, hi] */
+        if (p.P > 0) { /* else the runs do not matter and states may be NULL */
+            float *const mine = p.states[i];
+            for (lo = 0; lo < hi;) {
+                const int mid = lo + (hi - lo) / 2;
+                if (p.states[mid] == mine) hi = mid;
+                else lo = mid + 1;
+            }
         }
-        if (t == 0) p.run0[i] = found + 1;
+        p.run0[i] = lo;
     }
     const float *ks = p.keys + i * C + (size_t)s * H, *xs = p.X + i * C + (size_t)s * H;
     const float *kw = p.key_norm + (size_t)s * H, *qw = p.query_norm + (size_t)s * H;
