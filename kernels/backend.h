@@ -269,10 +269,11 @@ typedef struct mt_backend_ops {
      * with the keys keys[i, S*H] and the value v = vals[i, H] of its gathered table rows, its
      * highway row X[i, S, H] (updated in place) and its conv state states[i] [(K-1)*dil, S*H]
      * (oldest row first; the rows of one sequence are consecutive, in order, and share the
-     * pointer; states is a table in backend memory). Per stream s: gate = sigmoid(signed sqrt of RMSNorm(key_s;
-     * key_norm[s]) . RMSNorm(X[i, s]; query_norm[s]) / sqrt(H)), value_s = gate * v; the conv
-     * input is RMSNorm(value_s; conv_norm[s]); X[i, s] += value_s + silu(conv). Each row then
-     * moves its state on by one row. key_norm, query_norm, conv_norm [S, H]; conv_w [S*H, K]. */
+     * pointer; states is a table in backend memory, unread when K == 1). Per stream s: gate =
+     * sigmoid(signed sqrt of RMSNorm(key_s; key_norm[s]) . RMSNorm(X[i, s]; query_norm[s]) /
+     * sqrt(H)), value_s = gate * v; the conv input is RMSNorm(value_s; conv_norm[s]); X[i, s] +=
+     * value_s + silu(conv). Each row then moves its state on by one row. key_norm, query_norm,
+     * conv_norm [S, H]; conv_w [S*H, K]. */
     void (*ple_inject)(mt_backend *be, float *X, const float *keys, const float *vals, float *const *states,
                        const float *key_norm, const float *query_norm, const float *conv_norm,
                        const float *conv_w, int n, const mt_ple_params *p);
