@@ -9,6 +9,8 @@
 //     (its own graph captured and replayed) and off;
 //   - batched decode whose batch changes (members leave, come back, change order) while the
 //     bucket graphs replay, each sequence's tokens identical to its CPU greedy run;
+//   - the contracts the GPU model tests hold every model to: verify rows equal single decodes
+//     (graphs on and off), a mixed step equals its parts run alone;
 //   - the engine on the GPU: a prefix hit and preempted, re-prefilled sequences give the tokens of
 //     plain greedy runs (the memories' history and conv state move only as aux state).
 // Skips without a GPU.
@@ -32,7 +34,9 @@ extern "C" {
 }
 
 #include "tests/cuda_test_util.h"
+#include "tests/mixed_check.h"
 #include "tests/teacher_forced.h"
+#include "tests/verify_check.h"
 
 namespace {
 
@@ -257,6 +261,19 @@ TEST_F(PleCuda, BatchedDecodeWithChangingMembersMatchesCpu) {
     }
     EXPECT_TRUE(replayed) << "no bucket graph was replayed";
 }
+
+// k rows of one sequence through the verify entry (a graph per width, replayed on its third use)
+// equal k single decodes, graphs on and off.
+TEST_F(PleCuda, VerifyRowsEqualKSingleDecodes) {
+    for (bool graphs : { true, false }) {
+        glm_model_set_decode_graphs(mg_, graphs);
+        CheckVerifyEqualsSingles(mg_, graphs ? "tiny_ple (GPU, graphs)" : "tiny_ple (GPU, eager)", 1e-3);
+    }
+}
+
+// The decode row of a mixed step hashes its id and goes through the rows form's mixers beside the
+// prompt chunks; the same work part by part gives the same logits.
+TEST_F(PleCuda, MixedStepEqualsPartByPart) { CheckMixedStep(mg_, "tiny_ple (GPU, exact)", 1e-3); }
 
 // A prefix copied into a fresh sequence on the GPU decodes as the sequence it came from.
 TEST_F(PleCuda, CopiedPrefixDecodesAsTheOriginal) {
