@@ -243,6 +243,9 @@ typedef struct mt_backend_ops {
      * pos and n, in one launch where the backend can. */
     void (*copy_rows_to_n)(mt_backend *be, const mt_paged *dst, const float *const *src, int count,
                            const int32_t *const *bts, const int32_t *pos, int n);
+    /* Each row's own buffer into a block: out[i, w] = srcs[i][0 .. w) (a PLE memory's rows its
+     * prestage gathered). srcs [n] is a table; no srcs[i] overlaps out. */
+    void (*copy_rows_from)(mt_backend *be, float *out, const float *const *srcs, int n, int64_t w);
     /* Each row's cache write: src[i, dst.row] becomes position pos[i] of dst through bts[i]. */
     void (*copy_rows_to)(mt_backend *be, mt_paged dst, const int32_t *const *bts, const int32_t *pos,
                          const float *src, int n);
@@ -265,11 +268,12 @@ typedef struct mt_backend_ops {
     /* Optional (NULL: not offered; the model refuses PLE layers on such a backend): n rows, row i
      * with the keys keys[i, S*H] and the value v = vals[i, H] of its gathered table rows, its
      * highway row X[i, S, H] (updated in place) and its conv state states[i] [(K-1)*dil, S*H]
-     * (oldest row first; rows of one sequence come in order and share the pointer; states is a
-     * table in backend memory). Per stream s: gate = sigmoid(signed sqrt of RMSNorm(key_s;
-     * key_norm[s]) . RMSNorm(X[i, s]; query_norm[s]) / sqrt(H)), value_s = gate * v; the conv
-     * input is RMSNorm(value_s; conv_norm[s]); X[i, s] += value_s + silu(conv). Each row then
-     * moves its state on by one row. key_norm, query_norm, conv_norm [S, H]; conv_w [S*H, K]. */
+     * (oldest row first; the rows of one sequence are consecutive, in order, and share the
+     * pointer; states is a table in backend memory, unread when K == 1). Per stream s: gate =
+     * sigmoid(signed sqrt of RMSNorm(key_s; key_norm[s]) . RMSNorm(X[i, s]; query_norm[s]) /
+     * sqrt(H)), value_s = gate * v; the conv input is RMSNorm(value_s; conv_norm[s]); X[i, s] +=
+     * value_s + silu(conv). Each row then moves its state on by one row. key_norm, query_norm,
+     * conv_norm [S, H]; conv_w [S*H, K]. */
     void (*ple_inject)(mt_backend *be, float *X, const float *keys, const float *vals, float *const *states,
                        const float *key_norm, const float *query_norm, const float *conv_norm,
                        const float *conv_w, int n, const mt_ple_params *p);

@@ -2,8 +2,8 @@
 // against the reference of tests/oracle/make_ple_fixture.py (every value within 2e-3), in one
 // pass, split into a prefill and prestaged or hashed decode rows, and across a snapshot restored
 // into a fresh sequence; then the whole model: prefill equals token-by-token decode, batched
-// decode equals single decodes, the verify contract, a copied prefix decodes as the original, and
-// bad aux snapshots are refused.
+// decode equals single decodes, the verify contract, a mixed step equals its parts run alone, a
+// copied prefix decodes as the original, and bad aux snapshots are refused.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -20,6 +20,7 @@ extern "C" {
 #include "worker/model/layer.h"
 }
 
+#include "tests/mixed_check.h"
 #include "tests/verify_check.h"
 
 namespace {
@@ -166,6 +167,9 @@ TEST_F(Ple, PrefillEqualsTokenByTokenAndBatchedDecode) {
 }
 
 TEST_F(Ple, VerifyEqualsSingles) { CheckVerifyEqualsSingles(m_, "tiny_ple (CPU)", 1e-4); }
+
+// The decode row of a mixed step hashes its id (no prestage), the prompt chunks theirs.
+TEST_F(Ple, MixedStepEqualsPartByPart) { CheckMixedStep(m_, "tiny_ple (CPU)", 0.0); }
 
 // A prefix copied into a fresh sequence (pages, slot, and every layer's aux state: the PLE
 // history and conv state) decodes exactly as the sequence it came from.

@@ -27,6 +27,10 @@ static void cpu_copy_rows_to(mt_backend *be, mt_paged dst, const int32_t *const 
         be->ops->copy_rows_at(be, dst, bts[i], 0, pos + i, src + (size_t)i * (size_t)dst.row, 1);
 }
 
+static void cpu_copy_rows_from(mt_backend *be, float *out, const float *const *srcs, int n, int64_t w) {
+    for (int i = 0; i < n; i++) be->ops->copy(be, out + (size_t)i * (size_t)w, srcs[i], sizeof(float) * (size_t)w);
+}
+
 static void cpu_dsa_pool_keys_rows(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs,
                                    const int32_t *const *bts, const float *ape, const int32_t *pos, int n,
                                    int kpool) {
@@ -58,6 +62,7 @@ void cpu_rows_fill(mt_backend_ops *t) {
     t->conv1d_silu_rows = cpu_conv1d_silu_rows;
     t->kda_recurrent_rows = cpu_kda_recurrent_rows;
     t->copy_rows_to = cpu_copy_rows_to;
+    t->copy_rows_from = cpu_copy_rows_from;
     t->dsa_pool_keys_rows = cpu_dsa_pool_keys_rows;
     t->dsa_select_rows = cpu_dsa_select_rows;
     t->mla_sparse_rows = cpu_mla_sparse_rows;

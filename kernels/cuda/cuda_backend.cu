@@ -223,6 +223,7 @@ static void cu_fill(mt_backend_ops *t) {
     cu_rows_fill(t);
     cu_step_fill(t);
     cu_random_fill(t);
+    cu_ple_fill(t);
 }
 
 /* The tickets' completion events (download_begin); cu_destroy frees those made. */

@@ -17,7 +17,8 @@
  *            cuda_dsa_mla_wg.cu  sparse MLA prefill attend on wgmma (2-CTA clusters)
  *            cuda_dsa_mla.h    sparse MLA pass parameters
  *   hc       cuda_hc.cu        hyper-connections, head mean
- *   rows     cuda_rows.cu      rows-form conv, cache writes, pool keys (batched decode)
+ *   PLE      cuda_ple.cu       the PLE memory's injection (gates, value, dilated conv)
+ *   rows     cuda_rows.cu      rows-form conv, cache writes, pool keys, row copies (batched decode)
  *            cuda_step.cu      graphs, run-time-position ops (graph form of decode)
  *            cuda_random.cu    random weights
  *   cuda_wgmma.h: sm_90a wgmma/TMA/mbarrier/cluster primitives (MoE, KDA, DSA/MLA)
@@ -166,9 +167,11 @@ void cu_kda_chunk_fill(mt_backend_ops *t);  /* cuda_kda_chunk.cu: kda_chunked */
 void cu_dsa_fill(mt_backend_ops *t);        /* cuda_dsa.cu: dsa_pool_keys(_at), dsa_select(_rows),
                                                mla_sparse(_rows) */
 void cu_hc_fill(mt_backend_ops *t);         /* cuda_hc.cu: hc_pre(_norm), hc_post(_pre_norm), hc_head */
-void cu_rows_fill(mt_backend_ops *t);       /* cuda_rows.cu: the rows-form conv, cache writes, pool keys */
+void cu_rows_fill(mt_backend_ops *t);       /* cuda_rows.cu: the rows-form conv, cache writes, pool
+                                               keys, copy_rows_from */
 void cu_step_fill(mt_backend_ops *t);       /* cuda_step.cu: graphs, embed_dev, copy_rows_at */
 void cu_random_fill(mt_backend_ops *t);     /* cuda_random.cu: weight_random */
+void cu_ple_fill(mt_backend_ops *t);        /* cuda_ple.cu: ple_inject */
 
 /* cuda_moe.cu: asserts the experts [0, count) share dtype and shape ([I, H] gate/up, [H, I] down)
  * and have their data; used by both MoE paths. */

@@ -1,6 +1,6 @@
 /* kernels/cuda/cuda_rows.cu: the "rows" form of the per-sequence ops that need no kernel of their
- * own family (kernels/backend.h, batched decode): a conv step, a cache write and a pool key per
- * row, each row on its own sequence's memory through a pointer table in device memory (for the
+ * own family (kernels/backend.h, batched decode): a conv step, a cache write, a pool key and a
+ * copy from the row's own buffer per row, each row on its own sequence's memory through a pointer table in device memory (for the
  * paged DSA caches, a table of block tables), at its own position. One launch covers every row, and the tables are read at run time, so a graph recorded
  * over these launches serves any batch. The delta rule, selection and sparse MLA in the rows form
  * live beside their single-sequence kernels (cuda_kda.cu, cuda_dsa.cu). */
@@ -149,6 +149,33 @@ static void cu_copy_rows_to(mt_backend *be, mt_paged dst, const int32_t *const *
     cu_copy_rows_to_n(be, &dst, &src, 1, bts, pos, n);
 }
 
+/* ---- copy_rows_from: out[i] = srcs[i][0 .. w), each row's source from a table ---- */
+
+typedef struct copy_from_params {
+    float *out;                  /* [n, w] */
+    const float *const *srcs;    /* [n] -> [w] */
+    int64_t w;
+} copy_from_params;
+
+/* Block = (a stretch of columns, row i); float4 copies where the row's source is aligned (known
+ * only here: the table is device memory). */
+static __global__ void copy_rows_from_kernel(copy_from_params p) {
+    const int i = blockIdx.y;
+    float *dst = p.out + (int64_t)i * p.w;
+    const float *src = p.srcs[i];
+    cu_copy_row_x(dst, src, p.w, p.w % 4 == 0 && cu_aligned16(dst) && cu_aligned16(src));
+}
+
+static void cu_copy_rows_from(mt_backend *be, float *out, const float *const *srcs, int n, int64_t w) {
+    MT_ASSERT(n >= 0 && n <= 65535 && w >= 0);
+    if (n == 0 || w == 0) return;
+    const copy_from_params p = { out, srcs, w };
+    const int64_t bx = (w / 4 + ROWS_BLOCK - 1) / ROWS_BLOCK;
+    copy_rows_from_kernel<<<dim3((unsigned)(bx < 1 ? 1 : bx < 64 ? bx : 64), (unsigned)n), ROWS_BLOCK, 0,
+                            cu_stream(be)>>>(p);
+    cu_check_launch(be, "copy_rows_from");
+}
+
 /* ---- dsa_pool_keys_rows: thread = (row i, channel d); the pool pos[i] completes, if any ---- */
 
 typedef struct pool_rows_params {
@@ -187,5 +214,6 @@ extern "C" void cu_rows_fill(mt_backend_ops *t) {
     t->kda_conv3_rows = cu_kda_conv3_rows;
     t->copy_rows_to_n = cu_copy_rows_to_n;
     t->copy_rows_to = cu_copy_rows_to;
+    t->copy_rows_from = cu_copy_rows_from;
     t->dsa_pool_keys_rows = cu_dsa_pool_keys_rows;
 }

@@ -92,6 +92,9 @@ typedef struct glm_ple_state {
     int hist_len;              /* min(tokens seen, N-1); 0: nothing seen, conv not yet reset */
     uint32_t hist[GLM_PLE_MAX_ORDER - 1]; /* the last hist_len tokens, oldest first */
     float *conv;               /* backend [P, S*H]: uninitialised until the first step resets it */
+    float **tab;               /* backend [GLM_VERIFY_MAX], each entry conv: ple_inject's table for
+                                * up to GLM_VERIFY_MAX rows of this sequence alone (a graph of the
+                                * sequence's step holds it, so nothing is uploaded during the step) */
     float *staged;             /* backend [GLM_VERIFY_MAX, E]: rows gathered by prestages */
     int32_t staged_tok[GLM_VERIFY_MAX];
     int n_staged;              /* staged rows the next forward consumes (0: hash the step's ids) */
@@ -159,6 +162,8 @@ enum {
     GLM_R_CONV0, GLM_R_CONV1, GLM_R_CONV2, /* KDA conv state of q, k, v */
     GLM_R_REC,                             /* KDA recurrent state */
     GLM_R_BT,                              /* DSA: the row's block table (const int32_t *) */
+    GLM_R_PLE_CONV,                        /* PLE memory: conv state (NULL: the layer has none) */
+    GLM_R_PLE_STAGED,                      /* PLE memory: the staged row the step reads */
     GLM_R_KINDS
 };
 

@@ -942,7 +942,8 @@ static void rows_upload(glm_model *m, glm_seq **seqs, const int32_t *tokens, int
             for (int j = 0; j < S; j++) m->h_rrow[B + (size_t)i * S + j] = i < n ? tokens[i] : 0;
         for (int l = 0; l < L; l++) {
             const glm_layer_state *st = (const glm_layer_state *)s->states[l];
-            void *const ptrs[GLM_R_KINDS] = { st->conv[0], st->conv[1], st->conv[2], st->rec, (void *)s->bt.dev };
+            void *const ptrs[GLM_R_KINDS] = { st->conv[0], st->conv[1], st->conv[2], st->rec, (void *)s->bt.dev,
+                                              st->ple ? st->ple->conv : NULL, st->ple ? st->ple->staged : NULL };
             for (int k = 0; k < GLM_R_KINDS; k++) {
                 const size_t e = ((size_t)l * GLM_R_KINDS + k) * cap + i;
                 if (m->h_rtab[e] == ptrs[k]) continue;

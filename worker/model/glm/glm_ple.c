@@ -1,9 +1,12 @@
 /* worker/model/glm/glm_ple.c: the PLE memory of a decoder layer (docs/MODEL.md "PLE layer"), an
  * Engram-style table of hashed n-gram rows injected into the highway before the layer's mixer.
- * The host hashes each row's n-grams from the sequence's last tokens and gathers the table rows;
- * the backend's ple_inject gates them against each stream and runs the dilated conv. Per sequence
- * the memory keeps its last N-1 tokens and the conv state; a decode step's rows may be gathered
- * ahead by the prestage hook, and the next forward consumes them. */
+ * The host hashes each row's n-grams from the sequence's last tokens and gathers the table rows
+ * (embed with host ids); the backend's ple_inject gates them against each stream and runs the
+ * dilated conv. Per sequence the memory keeps its last N-1 tokens and the conv state; a decode
+ * step's rows may be gathered ahead by the prestage hook, and the next forward consumes them.
+ * The decode forms a backend may capture read only per-sequence device memory or the step's
+ * tables: one sequence's step its own staged rows and conv table, the rows form both through the
+ * rows tables (GLM_R_PLE_*), so a graph replayed for other sequences reads theirs. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -23,7 +26,7 @@ mt_status glm_ple_init(glm_layer *l, int rows, mt_error *err) {
     glm_ple_w *p = &l->ple;
     mt_backend *be = l->be;
     const int i = l->base.index;
-    if (!be->ops->ple_inject)
+    if (!be->ops->ple_inject || !be->ops->copy_rows_from)
         return mt_errorf(err, MT_ERR_UNSUPPORTED, "layer %d carries a PLE memory, which this backend does not run", i);
     p->ntab = glm_ple_primes(c, i, p->prime);
     p->E = p->ntab * c->ple_head_dim;
@@ -62,7 +65,8 @@ void glm_ple_release(glm_layer *l) {
 size_t glm_ple_state_bytes(const glm_layer *l) {
     const glm_ple_w *p = &l->ple;
     if (!p->on) return 0;
-    return sizeof(glm_ple_state) + sizeof(float) * ((size_t)p->P * stride(l->cfg) + (size_t)GLM_VERIFY_MAX * p->E);
+    return sizeof(glm_ple_state) + sizeof(float) * ((size_t)p->P * stride(l->cfg) + (size_t)GLM_VERIFY_MAX * p->E) +
+           sizeof(float *) * GLM_VERIFY_MAX;
 }
 
 mt_status glm_ple_state_alloc(const glm_layer *l, glm_layer_state *st, mt_error *err) {
@@ -70,12 +74,18 @@ mt_status glm_ple_state_alloc(const glm_layer *l, glm_layer_state *st, mt_error 
     mt_backend *be = l->be;
     glm_ple_state *s = calloc(1, sizeof *s);
     const size_t cb = sizeof(float) * (size_t)(p->P > 0 ? p->P : 1) * stride(l->cfg);
-    if (!s || !(s->conv = be->ops->alloc(be, cb)) ||
+    if (!s || !(s->conv = be->ops->alloc(be, cb)) || !(s->tab = be->ops->alloc(be, sizeof(float *) * GLM_VERIFY_MAX)) ||
         !(s->staged = be->ops->alloc(be, sizeof(float) * (size_t)GLM_VERIFY_MAX * p->E))) {
-        if (s) be->ops->free(be, s->conv);
+        if (s) {
+            be->ops->free(be, s->conv);
+            be->ops->free(be, s->tab);
+        }
         free(s);
         return mt_errorf(err, MT_ERR_NOMEM, "layer %d: out of memory for a PLE state", l->base.index);
     }
+    float *h[GLM_VERIFY_MAX];
+    for (int k = 0; k < GLM_VERIFY_MAX; k++) h[k] = s->conv;
+    be->ops->upload(be, s->tab, h, sizeof h);
     st->ple = s;
     return MT_OK;
 }
@@ -83,6 +93,7 @@ mt_status glm_ple_state_alloc(const glm_layer *l, glm_layer_state *st, mt_error 
 void glm_ple_state_free(const glm_layer *l, glm_layer_state *st) {
     if (!st->ple) return;
     l->be->ops->free(l->be, st->ple->conv);
+    l->be->ops->free(l->be, st->ple->tab);
     l->be->ops->free(l->be, st->ple->staged);
     free(st->ple);
     st->ple = NULL;
@@ -131,6 +142,9 @@ mt_status glm_ple_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
     mt_backend *be = step->be;
     const int E = p->E;
     MT_ASSERT(n <= p->rows);
+    /* The rows form (batched decode; a bucket graph replays it for other sequences): each row's
+     * gathered row is its sequence's staged row 0 and its conv state, read through the tables. */
+    const bool rows = step->rtab && !step->seg;
     /* row r's sequence: one for all (nst == 1), one a row, or segment by segment */
     int seg = 0, left = step->seg ? step->seg[0].n : n;
     for (int r = 0; r < n; r++) {
@@ -141,7 +155,6 @@ mt_status glm_ple_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
             seg = nst == 1 ? 0 : r;
         }
         glm_ple_state *s = sts[seg]->ple;
-        float *dst = p->emb + (size_t)r * E;
         p->h_tab[r] = s->conv;
         const int32_t id = step->ids ? step->ids[(size_t)r * step->ids_stride] : -1;
         if (s->n_staged > 0) { /* a prestaged step: its rows are gathered, the history moved on */
@@ -150,18 +163,27 @@ mt_status glm_ple_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
                 mt_log(MT_LOG_ERROR, "layer %d: PLE row staged for token %d, fed %d", l->base.index, s->staged_tok[j], id);
                 return MT_ERR_STATE;
             }
-            be->ops->copy(be, dst, s->staged + (size_t)j * E, sizeof(float) * E);
+            if (rows) MT_ASSERT(j == 0); /* one row a sequence: the table names staged row 0 */
+            else be->ops->copy(be, p->emb + (size_t)r * E, s->staged + (size_t)j * E, sizeof(float) * E);
             s->n_staged--;
             continue;
         }
         if (id < 0) return MT_ERR_STATE; /* nothing staged and no id on the host */
-        gather(l, s, (uint32_t)id, dst);
+        gather(l, s, (uint32_t)id, rows ? s->staged : p->emb + (size_t)r * E);
+    }
+    float *const *tab = p->tab;
+    if (rows) {
+        be->ops->copy_rows_from(be, p->emb, (const float *const *)glm_rtab(step, GLM_R_PLE_STAGED), n, E);
+        tab = glm_rtab(step, GLM_R_PLE_CONV);
+    } else if (nst == 1 && n <= GLM_VERIFY_MAX) {
+        tab = sts[0]->ple->tab;
+    } else { /* eager forms only (prefill, mixed steps): the table goes up in the order of work */
+        (be->ops->upload_async ? be->ops->upload_async : be->ops->upload)(be, p->tab, p->h_tab, sizeof(float *) * (size_t)n);
     }
     be->ops->matmul(be, p->keys, p->emb, &p->key, n);
     be->ops->matmul(be, p->vals, p->emb, &p->value, n);
-    be->ops->upload(be, p->tab, p->h_tab, sizeof(float *) * (size_t)n);
     const mt_ple_params pp = { c->hc_mult, c->hidden_size, c->ple_conv_kernel, c->ple_max_ngram, c->ple_norm_eps };
-    be->ops->ple_inject(be, X, p->keys, p->vals, p->tab, p->key_norm, p->query_norm, p->conv_norm, p->conv, n, &pp);
+    be->ops->ple_inject(be, X, p->keys, p->vals, tab, p->key_norm, p->query_norm, p->conv_norm, p->conv, n, &pp);
     return MT_OK;
 }
 

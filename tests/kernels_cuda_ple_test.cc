@@ -1,0 +1,185 @@
+// tests/kernels_cuda_ple_test.cc: the CUDA backend's PLE ops (ple_inject, copy_rows_from) against
+// the CPU backend, their reference, on fresh random inputs: one sequence's rows (a decode row on
+// a fresh state, a prefill longer than the conv's look-back), one row for each of several
+// sequences (the rows form), segments of several sequences mixing fresh and used states, runs
+// longer than the kernel's look-back stride, no conv state (K = 1), and the real model's width.
+// Each case runs several calls in a row, so the state each call leaves is what the next one reads.
+//
+// Tolerance: fp32 math in both with the norms' and the gate's sums in double, products in other
+// orders, so ||gpu - cpu|| / ||cpu|| <= 1e-4 for the highway rows and the conv states (the signed
+// square root of the gate magnifies an error near 0, hence not 1e-6). copy_rows_from is exact.
+//
+// Skips when no CUDA device is usable.
+#include <gtest/gtest.h>
+
+#include "tests/cuda_test_util.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+extern "C" {
+#include "common/mt.h"
+#include "kernels/backend.h"
+#include "kernels/cuda/cuda_backend.h"
+}
+
+namespace {
+
+const mt_cuda_params kExact = ExactParams();
+constexpr double kRelTol = 1e-4;
+
+// A buffer of n T in one backend's memory, freed with it.
+template <typename T>
+class Dev {
+  public:
+    Dev(mt_backend *be, const std::vector<T> &host) : be_(be), n_(host.size()) {
+        p_ = (T *)be_->ops->alloc(be_, bytes());
+        if (p_ && n_) be_->ops->upload(be_, p_, host.data(), bytes());
+    }
+    ~Dev() { be_->ops->free(be_, p_); }
+    Dev(const Dev &) = delete;
+    Dev &operator=(const Dev &) = delete;
+    T *get() const { return p_; }
+    std::vector<T> Get() const {
+        std::vector<T> h(n_);
+        if (n_) be_->ops->download(be_, h.data(), p_, bytes());
+        return h;
+    }
+
+  private:
+    size_t bytes() const { return n_ ? n_ * sizeof(T) : sizeof(T); }
+    mt_backend *be_;
+    size_t n_;
+    T *p_ = nullptr;
+};
+
+// A case: S streams of H, a conv of K taps dil apart, and the rows' sequences as runs of
+// consecutive rows (runs[r] rows of sequence r, whose state starts at zero when fresh[r]).
+struct PleCase {
+    const char *what;
+    int S, H, K, dil;
+    std::vector<int> runs;
+    std::vector<bool> fresh;
+};
+
+class CudaPle : public ::testing::Test {
+  protected:
+    void SetUp() override {
+        std::string why = NoGpuReason();
+        if (!why.empty()) GTEST_SKIP() << "no CUDA GPU on this host (" << why << "); skipping";
+        mt_error err = {};
+        gpu_ = mt_cuda_backend_new(0, &kExact, &err);
+        ASSERT_NE(gpu_, nullptr) << "mt_cuda_backend_new: " << err.msg;
+        cpu_ = mt_cpu_backend_new(0);
+        ASSERT_NE(cpu_, nullptr);
+    }
+    void TearDown() override {
+        mt_backend_free(gpu_);
+        mt_backend_free(cpu_);
+    }
+    // mean + Normal(0, scale), never exactly zero.
+    std::vector<float> Rand(size_t n, float scale = 1.f, float mean = 0.f) {
+        std::normal_distribution<float> d(mean, scale);
+        std::vector<float> v(n);
+        for (auto &x : v) {
+            do x = d(rng_); while (x == 0.f);
+        }
+        return v;
+    }
+    // `calls` calls of the case on both backends, fresh rows each call, the states carried over.
+    void Check(const PleCase &c, int calls) {
+        const int S = c.S, H = c.H, K = c.K, C = S * H, P = (K - 1) * c.dil, nseq = (int)c.runs.size();
+        int n = 0;
+        for (int r : c.runs) n += r;
+        const std::vector<float> kn = Rand((size_t)C, 0.2f, 1.f), qn = Rand((size_t)C, 0.2f, 1.f),
+                                 cn = Rand((size_t)C, 0.2f, 1.f), cw = Rand((size_t)C * K, 0.5f);
+        Dev<float> kn_g(gpu_, kn), qn_g(gpu_, qn), cn_g(gpu_, cn), cw_g(gpu_, cw);
+        // one state a sequence; the tables name each row's
+        std::vector<std::vector<float>> st_c(nseq);
+        std::vector<std::unique_ptr<Dev<float>>> st_g;
+        std::vector<float *> tab_c, tab_g;
+        for (int r = 0; r < nseq; r++) {
+            st_c[r] = c.fresh[r] ? std::vector<float>((size_t)P * C, 0.f) : Rand((size_t)P * C, 0.5f);
+            st_g.emplace_back(new Dev<float>(gpu_, st_c[r]));
+            for (int i = 0; i < c.runs[r]; i++) {
+                tab_c.push_back(P > 0 ? st_c[r].data() : nullptr);
+                tab_g.push_back(P > 0 ? st_g[r]->get() : nullptr);
+            }
+        }
+        Dev<float *> tab_gd(gpu_, tab_g);
+        const mt_ple_params pp = { S, H, K, c.dil, 1e-5f };
+        const std::string shape = Shape({ { "S", S }, { "H", H }, { "K", K }, { "dil", c.dil }, { "n", n }, { "seqs", nseq } });
+        for (int call = 0; call < calls; call++) {
+            std::vector<float> X = Rand((size_t)n * C, 2.f), keys = Rand((size_t)n * C), vals = Rand((size_t)n * H);
+            Dev<float> X_g(gpu_, X), keys_g(gpu_, keys), vals_g(gpu_, vals);
+            cpu_->ops->ple_inject(cpu_, X.data(), keys.data(), vals.data(), P > 0 ? tab_c.data() : nullptr, kn.data(),
+                                  qn.data(), cn.data(), cw.data(), n, &pp);
+            gpu_->ops->ple_inject(gpu_, X_g.get(), keys_g.get(), vals_g.get(), P > 0 ? tab_gd.get() : nullptr, kn_g.get(),
+                                  qn_g.get(), cn_g.get(), cw_g.get(), n, &pp);
+            gpu_->ops->sync(gpu_);
+            const double ex = RelErr(X_g.Get(), X);
+            double es = 0;
+            for (int r = 0; r < nseq && P > 0; r++) es = std::max(es, RelErr(st_g[r]->Get(), st_c[r]));
+            std::printf("[ple_inject] %s (%s) call %d: X rel %.2e, states rel %.2e\n", c.what, shape.c_str(), call, ex, es);
+            EXPECT_LE(ex, kRelTol) << c.what << " " << shape << " call " << call;
+            EXPECT_LE(es, kRelTol) << c.what << " " << shape << " call " << call;
+        }
+    }
+    mt_backend *gpu_ = nullptr, *cpu_ = nullptr;
+    std::mt19937 rng_{ 20261206 };
+};
+
+TEST_F(CudaPle, OneSequence) {
+    Check({ "decode rows on a fresh state", 4, 64, 4, 3, { 1 }, { true } }, 12);  // past P = 9 rows
+    Check({ "prefill longer than the look-back", 4, 64, 4, 3, { 37 }, { false } }, 2);
+    Check({ "verify-sized rows", 4, 64, 4, 3, { 4 }, { false } }, 3);
+}
+
+TEST_F(CudaPle, RowsForm) {
+    Check({ "one row a sequence", 4, 96, 4, 3, { 1, 1, 1, 1, 1 }, { true, false, false, true, false } }, 4);
+}
+
+TEST_F(CudaPle, Segments) {
+    Check({ "segments, fresh and used", 4, 64, 4, 3, { 1, 1, 6, 13, 2 }, { false, true, false, true, false } }, 3);
+    Check({ "runs shorter than the state", 4, 64, 4, 3, { 4, 2, 9 }, { false, false, true } }, 3);
+    Check({ "taps next to each other", 2, 40, 2, 1, { 2, 5 }, { true, false } }, 3);
+}
+
+// Runs of hundreds of rows, as a prefill's: the conv of a row reads rows of its run far from both
+// ends of the pass, and its run's start is found by a search over hundreds of rows.
+TEST_F(CudaPle, LongRuns) {
+    Check({ "long runs", 4, 300, 4, 3, { 300, 400, 1 }, { false, true, false } }, 2);
+}
+
+TEST_F(CudaPle, NoConvState) {
+    Check({ "K = 1", 4, 64, 1, 3, { 5, 3 }, { true, false } }, 2);
+}
+
+TEST_F(CudaPle, RealWidth) {
+    Check({ "real width", 4, 4096, 4, 3, { 3, 1, 1 }, { false, true, false } }, 2);
+}
+
+// Rows from a table of sources anywhere in memory (some repeated, some not 16-byte aligned).
+TEST_F(CudaPle, CopyRowsFrom) {
+    for (int w : { 1024, 1027, 3 }) {
+        const int n = 7;
+        const std::vector<float> src = Rand((size_t)(n + 2) * w + 8);
+        const size_t off[n] = { 0, 1, (size_t)w + 4, 0, (size_t)3 * w + 2, (size_t)2 * w, (size_t)5 * w + 7 };
+        Dev<float> src_g(gpu_, src), out_g(gpu_, std::vector<float>((size_t)n * w));
+        std::vector<float *> tab;
+        std::vector<float> want((size_t)n * w);
+        for (int i = 0; i < n; i++) {
+            tab.push_back(src_g.get() + off[i]);
+            std::copy(src.begin() + off[i], src.begin() + off[i] + w, want.begin() + (size_t)i * w);
+        }
+        Dev<float *> tab_g(gpu_, tab);
+        gpu_->ops->copy_rows_from(gpu_, out_g.get(), (const float *const *)tab_g.get(), n, w);
+        EXPECT_EQ(out_g.Get(), want) << "w=" << w;
+    }
+}
+
+}  // namespace
