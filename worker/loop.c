@@ -170,6 +170,7 @@ static mt_status load_model(wkr_loop *l, mt_error *err) {
     if (l->p.graph_max_batch > 0) mp.graph_max_rows = l->p.graph_max_batch;
     mp.prefill_chunk = wkr_prefill_pass(&l->p, !strcmp(l->backend_name, "cuda"));
     mp.mtp = l->p.spec_tokens > 0;
+    mp.dequant_fp8 = l->p.dequant_fp8;
     mp.comm = l->data;
     load_log g = { .t0 = mt_now(), .last_at = mt_now(), .last_tenth = -1 };
     mp.on_load_progress = on_load_progress;

@@ -46,6 +46,10 @@ typedef struct mt_model_params {
     /* The model's drafter (an MTP block), when it has one, follows every sequence so that any
      * step can draft (speculative decoding); default false. */
     bool mtp;
+    /* FP8 checkpoints: true dequantises every FP8 weight to bf16 at load (--dtype bf16); false
+     * (default) keeps the dense projections in FP8 with their block scales where the backend
+     * multiplies FP8 (mt_backend_ops.weight_fp8; the CUDA backend), the rest dequantised. */
+    bool dequant_fp8;
     /* Weight loading progress, called on the loading thread after the embedding and head, after
      * each layer and after the drafter, while mt_model_load runs: done of total checkpoint bytes
      * of the tensors to load (a tensor split across ranks counts whole), and read, the bytes
