@@ -35,16 +35,17 @@ static mt_status cu_weight_fp8(mt_backend *be, const uint8_t *q, const float *sc
                                mt_weight *out) {
     cu_backend *cb = (cu_backend *)be;
     MT_ASSERT(rows >= 0 && cols >= 0 && (q || rows * cols == 0) && scale_inv);
-    const int64_t kp = cu_fp8_kpad(cols), sld = cu_fp8_sld(cols);
+    const int64_t np = cu_fp8_rpad(rows), kp = cu_fp8_kpad(cols), sld = kp / FP8_BLK;
     const int64_t rblk = (rows + FP8_BLK - 1) / FP8_BLK, cblk = (cols + FP8_BLK - 1) / FP8_BLK;
-    const size_t qbytes = (size_t)rows * (size_t)kp, sbytes = sizeof(float) * (size_t)rblk * (size_t)sld;
+    const size_t qbytes = (size_t)np * (size_t)kp, sbytes = sizeof(float) * (size_t)(np / FP8_BLK) * (size_t)sld;
     mt_status st = MT_ERR_NOMEM;
     void *dq = NULL, *ds = NULL;
     /* the padded layout is built on the host: one upload each, no device kernel at load */
     uint8_t *hq = (uint8_t *)calloc(qbytes ? qbytes : 1, 1);
-    float *hs = (float *)calloc(sbytes ? sbytes / sizeof(float) : 1, sizeof(float));
+    float *hs = (float *)malloc(sbytes ? sbytes : sizeof(float));
     if (!hq || !hs) goto fail;
     for (int64_t i = 0; i < rows; i++) memcpy(hq + (size_t)i * kp, q + (size_t)i * cols, (size_t)cols);
+    for (size_t i = 0; i < sbytes / sizeof(float); i++) hs[i] = 1.f;
     for (int64_t b = 0; b < rblk; b++) memcpy(hs + (size_t)b * sld, scale_inv + (size_t)b * cblk, sizeof(float) * cblk);
     if (cudaMalloc(&dq, qbytes ? qbytes : 1) != cudaSuccess || cudaMalloc(&ds, sbytes ? sbytes : 1) != cudaSuccess) {
         (void)cudaGetLastError();
@@ -80,8 +81,8 @@ typedef struct fp8_gemv_params {
     float *y;            /* [n, N] fp32 */
     const float *x;      /* [n, K] fp32 */
     const uint8_t *w;    /* [N, kp] e4m3 */
-    const float *s;      /* [ceil(N / 128), sld] fp32 */
-    int n, N, K, kp, sld;
+    const float *s;      /* [rpad(N) / 128, kp / 128] fp32 */
+    int n, N, K, kp;
 } fp8_gemv_params;
 
 /* A warp per weight row r: each lane takes 16 bytes (16 weights, within one 128-block) at a time,
@@ -93,12 +94,12 @@ template <int NB> static __global__ void __launch_bounds__(FP8_GEMV_THREADS) fp8
     const int r = blockIdx.x * (FP8_GEMV_THREADS / 32) + (threadIdx.x >> 5);
     if (r >= p.N) return;
     const uint8_t *wr = p.w + (int64_t)r * p.kp;
-    const float *sr = p.s + (int64_t)(r / FP8_BLK) * p.sld;
+    const float *sr = p.s + (int64_t)(r / FP8_BLK) * (p.kp / FP8_BLK);
     float acc[NB];
 #pragma unroll
     for (int m = 0; m < NB; m++) acc[m] = 0.f;
     for (int k0 = lane * 16; k0 < p.K; k0 += 32 * 16) {
-        const uint4 u = __ldg((const uint4 *)(wr + k0)); /* kp % 128 == 0: never past the row */
+        const uint4 u = __ldg((const uint4 *)(wr + k0)); /* kp % 512 == 0: never past the row */
         const float sc = __ldg(sr + k0 / FP8_BLK);
         const uint32_t q[4] = {u.x, u.y, u.z, u.w};
         float wf[16];
@@ -140,7 +141,6 @@ extern "C" mt_status cu_fp8_gemv(cu_backend *cb, float *y, const float *x, const
     p.N = (int)w->rows;
     p.K = (int)w->cols;
     p.kp = (int)cu_fp8_kpad(w->cols);
-    p.sld = (int)cu_fp8_sld(w->cols);
     for (int m0 = 0; m0 < n; m0 += CU_FP8_GEMV_MAX_N) {
         p.n = n - m0 < CU_FP8_GEMV_MAX_N ? n - m0 : CU_FP8_GEMV_MAX_N;
         p.x = x + (int64_t)m0 * p.K;
@@ -195,10 +195,11 @@ static __global__ void __launch_bounds__(FP8_Q_THREADS) fp8_quant_kernel(const f
     if (lane == 0) p.s[(int64_t)kb * p.M + m] = sc;
 }
 
-/* y[count] = fp32 of the bf16 d[count] (the bf16-output form of the GEMM). */
-static __global__ void fp8_widen_kernel(float *y, const __nv_bfloat16 *d, int64_t count) {
+/* y[n, N] = fp32 of the first N columns of the bf16 d[n, ld] (the bf16-output form of the GEMM). */
+static __global__ void fp8_widen_kernel(float *y, const __nv_bfloat16 *d, int64_t n, int N, int ld) {
+    const int64_t count = n * N;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += (int64_t)gridDim.x * blockDim.x)
-        y[i] = __bfloat162float(d[i]);
+        y[i] = __bfloat162float(d[i / N * ld + i % N]);
 }
 
 /* ================================ cuBLASLt plans ================================ */
@@ -208,8 +209,10 @@ static __global__ void fp8_widen_kernel(float *y, const __nv_bfloat16 *d, int64_
  * enters transposed (op(A) = A^T, [N, K]); the activations, row-major [M, kp], are column-major
  * [kp, M] (ld kp), not transposed. So D = A^T B with TRANSA = T, TRANSB = N: the "TN" form, the
  * only one Hopper's FP8 GEMMs take. The scale modes go with the operands: A (the weight) 128 x 128
- * blocks, B (the activations) 1 x 128 along K, its scale tensor [kp / 128, M] column-major with
- * the outer dimension M contiguous (ld M, M a multiple of 4 here: see cu_fp8_gemm_lt). */
+ * blocks, its scales column-major over (K blocks, N blocks), ld kp / 128 (cuda_ops.h); B (the
+ * activations) 1 x 128 along K, its scale tensor [kp / 128, M] column-major with the outer
+ * dimension M contiguous (ld M, M a multiple of 4 here: see cu_fp8_gemm_lt). N of the plan is the
+ * weight's padded row count. */
 typedef struct fp8_plan {
     int M, N, K;
     cudaDataType_t d;          /* CUDA_R_32F or CUDA_R_16BF */
@@ -321,30 +324,28 @@ extern "C" void cu_fp8_free(cu_backend *cb) {
 
 /* ================================ the GEMM ================================ */
 
-/* M, the GEMM's row count, is n rounded up to a multiple of 4: the activation scales' leading
- * dimension is M, and a multiple of 4 keeps their columns 16-byte aligned, which is what
- * cuBLASLt's scale tensors need (its documentation and PyTorch's checks agree on that form and
- * differ on others). The extra rows are zeros; when M > n the GEMM writes a scratch [M, N] and n
- * rows are copied out. */
+/* The GEMM runs over the weight's padded rows, np = rpad(N), and M = n rounded up to a multiple
+ * of 4 rows: the activation scales' leading dimension is M, and a multiple of 4 keeps their
+ * columns 16-byte aligned (the same two readings of the layout as the weight's agree there). The
+ * extra rows of x are zeros. When np > N or M > n the GEMM writes a scratch [M, np] and y takes
+ * its first n rows' first N columns. */
 extern "C" mt_status cu_fp8_gemm_lt(cu_backend *cb, float *y, const float *x, const mt_weight *w, int n) {
     MT_ASSERT(w->dtype == MT_F8E4M3 && w->scale && n >= 0);
-    MT_ASSERT(w->rows <= INT32_MAX && cu_fp8_kpad(w->cols) <= INT32_MAX);
+    MT_ASSERT(cu_fp8_rpad(w->rows) <= INT32_MAX && cu_fp8_kpad(w->cols) <= INT32_MAX);
     if (n == 0 || w->rows == 0) return MT_OK;
-    if (!cb->lt || w->rows % 4) return MT_ERR_UNSUPPORTED; /* D's columns (ld N fp32) 16-byte aligned */
-    const int N = (int)w->rows, K = (int)w->cols, kp = (int)cu_fp8_kpad(w->cols);
+    if (!cb->lt) return MT_ERR_UNSUPPORTED;
+    const int N = (int)w->rows, K = (int)w->cols, np = (int)cu_fp8_rpad(w->rows), kp = (int)cu_fp8_kpad(w->cols);
     const int M = (n + 3) / 4 * 4;
-    if (K == 0) return cudaMemsetAsync(y, 0, sizeof(float) * (size_t)n * N, cb->stream) == cudaSuccess
-                           ? MT_OK : MT_ERR_BACKEND;
     const size_t qb = cu_align_up((size_t)M * kp, 256), sb = cu_align_up(sizeof(float) * (size_t)(kp / FP8_BLK) * M, 256);
-    const size_t db = sizeof(float) * (size_t)M * N;
+    const size_t db = sizeof(float) * (size_t)M * np;
     char *buf = (char *)cu_scratch(&cb->base, CU_SCRATCH_GEMM, qb + sb + db);
     if (!buf) return MT_ERR_NOMEM; /* logged */
     uint8_t *xq = (uint8_t *)buf;
     float *xs = (float *)(buf + qb);
     void *dtmp = buf + qb + sb;
 
-    fp8_plan *p = plan_get(cb, M, N, kp, CUDA_R_32F, w->scale, xs);
-    if (p && !p->ok && N % 8 == 0) p = plan_get(cb, M, N, kp, CUDA_R_16BF, w->scale, xs);
+    fp8_plan *p = plan_get(cb, M, np, kp, CUDA_R_32F, w->scale, xs);
+    if (p && !p->ok) p = plan_get(cb, M, np, kp, CUDA_R_16BF, w->scale, xs);
     if (!p) return MT_ERR_BACKEND;
     if (!p->ok) return MT_ERR_UNSUPPORTED;
 
@@ -357,20 +358,20 @@ extern "C" mt_status cu_fp8_gemm_lt(cu_backend *cb, float *y, const float *x, co
     const void *as = w->scale, *bs = xs;
     MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &as, sizeof as));
     MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &bs, sizeof bs));
-    const bool direct = p->d == CUDA_R_32F && M == n;
+    const bool direct = p->d == CUDA_R_32F && M == n && np == N;
     void *d = direct ? (void *)y : dtmp;
     const float one = 1.f, zero = 0.f;
     MT_CUBLAS_CHECK(cublasLtMatmul((cublasLtHandle_t)cb->lt, p->op, &one, w->data, p->la, xq, p->lb, &zero, d, p->ld, d,
                                    p->ld, &p->algo, cb->blas_ws, CU_BLAS_WS_BYTES, cb->stream));
     if (direct) return MT_OK;
-    const int64_t count = (int64_t)n * N; /* the first n rows of D [M, N] */
     if (p->d == CUDA_R_32F) {
-        MT_CUDA_CHECK(cudaMemcpyAsync(y, dtmp, sizeof(float) * (size_t)count, cudaMemcpyDeviceToDevice, cb->stream));
+        MT_CUDA_CHECK(cudaMemcpy2DAsync(y, sizeof(float) * (size_t)N, dtmp, sizeof(float) * (size_t)np,
+                                        sizeof(float) * (size_t)N, (size_t)n, cudaMemcpyDeviceToDevice, cb->stream));
         return MT_OK;
     }
-    const int64_t want = (count + FP8_WIDEN_THREADS - 1) / FP8_WIDEN_THREADS;
+    const int64_t want = ((int64_t)n * N + FP8_WIDEN_THREADS - 1) / FP8_WIDEN_THREADS;
     fp8_widen_kernel<<<(unsigned)(want < 4096 ? want : 4096), FP8_WIDEN_THREADS, 0, cb->stream>>>(
-        y, (const __nv_bfloat16 *)dtmp, count);
+        y, (const __nv_bfloat16 *)dtmp, n, N, np);
     MT_CUDA_CHECK_LAUNCH();
     return MT_OK;
 }

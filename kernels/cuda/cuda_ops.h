@@ -163,16 +163,19 @@ mt_status cu_gemm_tc(cu_backend *cb, float *y /* [M, N] */, const void *x16 /* [
 mt_status cu_blas_make(struct cublasContext **blas, void **ws, cudaStream_t stream);
 
 /* Block-scaled FP8 weights (cuda_fp8.cu). A weight of dtype F8E4M3 made by weight_fp8 holds
- *   data  [rows, cu_fp8_kpad(cols)] e4m3, row-major, the columns past cols zero: the GEMM's K
- *         padded to whole 128-blocks, so cuBLASLt never sees a partial block along K;
- *   scale [ceil(rows / 128), cu_fp8_sld(cols)] fp32, row-major: block (i, j)'s scale_inv at
- *         i * sld + j for j < ceil(cols / 128), the rest of each row zero. This is the scale
- *         layout cuBLASLt's CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F takes for the transposed A
- *         operand [K, N]: column-major over (K blocks, N blocks) with the leading dimension
- *         rounded up to 4 (16-byte aligned columns).
- * Rows (N) need no padding: a partial last row block reads its rows only. */
-static inline int64_t cu_fp8_kpad(int64_t cols) { return (cols + 127) / 128 * 128; }
-static inline int64_t cu_fp8_sld(int64_t cols) { return ((cols + 127) / 128 + 3) / 4 * 4; }
+ *   data  [cu_fp8_rpad(rows), cu_fp8_kpad(cols)] e4m3, row-major; the rows past rows and the
+ *         columns past cols are zeros;
+ *   scale [cu_fp8_rpad(rows) / 128, cu_fp8_kpad(cols) / 128] fp32, row-major: block (i, j)'s
+ *         scale_inv at i * (kpad / 128) + j, the blocks of padding 1.
+ * Every block is whole, so cuBLASLt never meets a partial block, and its A operand ([K, N]
+ * column-major, transposed) has the scale layout CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
+ * takes: column-major over (K blocks, N blocks) with the K blocks contiguous. K padded to 4
+ * blocks (512) makes the leading dimension of that scale tensor a multiple of 4 floats without
+ * padding between its columns, the one form both readings of that layout agree on (leading
+ * dimension ceil(K / 128), or that rounded up to 4 for 16-byte aligned columns). The GLM
+ * model's projections have rows in 128s and columns in 512s: the padding costs them nothing. */
+static inline int64_t cu_fp8_rpad(int64_t rows) { return (rows + 127) / 128 * 128; }
+static inline int64_t cu_fp8_kpad(int64_t cols) { return (cols + 511) / 512 * 512; }
 /* y[n, w.rows] = x[n, w.cols] . w^T for an F8E4M3 weight (cu_matmul's F8E4M3 case): rows up to
  * CU_FP8_GEMV_MAX_N, MT_NUMERICS_FP32 and MT_NUMERICS_EXACT take cu_fp8_gemv (fp32 activations:
  * the exact modes keep their promise), the rest cu_fp8_gemm_lt, and cu_fp8_gemv where cuBLASLt
@@ -186,8 +189,8 @@ void cu_fp8_matmul(mt_backend *be, float *y, const float *x, const mt_weight *w,
  *     each row (amax / 448, CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F), the weight with its
  *     128 x 128 blocks (BLK128x128_32F), fp32 accumulation in cuBLASLt, y fp32 (or bf16 widened to
  *     fp32 where cuBLASLt offers no fp32 output). MT_ERR_UNSUPPORTED, having done nothing, when
- *     cuBLASLt has no algorithm for the shape (or w.rows is not a multiple of 4, which its output
- *     alignment needs); MT_ERR_BACKEND after logging a failed call. Uses CU_SCRATCH_GEMM. */
+ *     cuBLASLt has no algorithm for the shape; MT_ERR_BACKEND after logging a failed call. Uses
+ *     CU_SCRATCH_GEMM. */
 mt_status cu_fp8_gemv(cu_backend *cb, float *y, const float *x, const mt_weight *w, int n);
 mt_status cu_fp8_gemm_lt(cu_backend *cb, float *y, const float *x, const mt_weight *w, int n);
 /* Makes cb->lt (mt_cuda_backend_new); frees the handle and plans (cu_destroy; fine when none). */
