@@ -11,7 +11,9 @@
  *     (FLOPs: the model's for the prefill as glm_prefill runs it, prefill_flops: lm_head for the
  *     last position only, as glm_prefill computes it); beside each, its roofline (max of its FLOPs
  *     at the peak and the weights it touches at the measured copy bandwidth: at 512 tokens nearly
- *     every expert) and cuBLAS alone on the same GEMM shapes (bench_cublas_prefill_ms; one GPU).
+ *     every expert) and cuBLAS alone on the same GEMM shapes (bench_cublas_prefill_ms; one GPU), and
+ *     beside it cuBLASLt's block-scaled FP8 GEMM on those shapes (bench_cublaslt_fp8_prefill_ms),
+ *     the rate FP8 checkpoints' projections can reach.
  * When the 4096-token prefill misses its goal (50% of the peak), one more prefill of 4096 tokens
  * runs with every op synchronised and timed (mt_cuda_profile_take), and the table is followed by
  * the time the goal allows and the ops that take the most: which kernels hold it back, by how much.
@@ -225,6 +227,7 @@ static int decode_rank(bench_rank *r, void *user) {
     /* the references beside each prefill (one GPU): cuBLAS alone on the prefill's GEMM shapes, and
      * the roofline, max(FLOPs at the peak, the weights the prefill touches at the copy bandwidth) */
     double pf_cublas_ms[2] = { -1, -1 }, pf_cublas_flops[2] = { 0, 0 }, pf_roof_ms[2] = { 0, 0 };
+    double pf_fp8_ms[2] = { -1, -1 }, pf_fp8_flops[2] = { 0, 0 };
     int moe_layers = 0;
     for (int l = 0; l < c.num_hidden_layers; l++) moe_layers += c.mlp_layer_types[l] == GLM_MLP_SPARSE;
     for (int k = 0; k < 2; k++) {
@@ -234,6 +237,7 @@ static int decode_rank(bench_rank *r, void *user) {
         const double t_flop = pf_flops[k] / (group_peak * 1e12) * 1e3, t_bytes = bytes / (tp * bw * 1e9) * 1e3;
         pf_roof_ms[k] = t_flop > t_bytes ? t_flop : t_bytes;
         if (tp == 1 && lead) pf_cublas_ms[k] = bench_cublas_prefill_ms(&c, plens[k], &pf_cublas_flops[k]);
+        if (tp == 1 && lead) pf_fp8_ms[k] = bench_cublaslt_fp8_prefill_ms(&c, plens[k], &pf_fp8_flops[k]);
     }
     /* The 4096-token prefill under its goal: one more, every op synchronised and timed, for the
      * ops that hold it back (the sum runs above the timed run's wall time: each op waits for the
@@ -353,6 +357,13 @@ static int decode_rank(bench_rank *r, void *user) {
         if (pf_cublas_ms[k] > 0)
             printf("| prefill %4d tokens: cuBLAS alone on its GEMM shapes (%.1f TFLOP) | %8.3f ms | %5.1f TFLOP/s |\n",
                    plens[k], pf_cublas_flops[k] / 1e12, pf_cublas_ms[k], pf_cublas_flops[k] / (pf_cublas_ms[k] * 1e9));
+        if (pf_fp8_ms[k] > 0)
+            printf("| prefill %4d tokens: cuBLASLt block-scaled FP8 on the same shapes (%.1f TFLOP) | %8.3f ms | "
+                   "%5.1f TFLOP/s |\n", plens[k], pf_fp8_flops[k] / 1e12, pf_fp8_ms[k],
+                   pf_fp8_flops[k] / (pf_fp8_ms[k] * 1e9));
+        else if (tp == 1)
+            printf("| prefill %4d tokens: cuBLASLt block-scaled FP8 on the same shapes | n/a | no algorithm or a "
+                   "failed call |\n", plens[k]);
     }
     if (comm_ms >= 0)
         printf("(collectives: the same calls as one decode step of the model (%s), with the same sizes, captured\n"
@@ -386,8 +397,10 @@ static int decode_rank(bench_rank *r, void *user) {
                     ms_engine_gpu, pf_tps[0], pf_frac[0], pf_tps[1], pf_frac[1], pf_flops[0], pf_flops[1], steps,
                     pf_ms, PF_GOAL, pf_goal_ms, pf_ops_total);
             for (int k = 0; k < 2; k++)
-                fprintf(f, "\"prefill_%d_roofline_ms\": %.4f, \"prefill_%d_cublas_ms\": %.4f, \"prefill_%d_cublas_flops\": %.4g, ",
-                        plens[k], pf_roof_ms[k], plens[k], pf_cublas_ms[k], plens[k], pf_cublas_flops[k]);
+                fprintf(f, "\"prefill_%d_roofline_ms\": %.4f, \"prefill_%d_cublas_ms\": %.4f, \"prefill_%d_cublas_flops\": %.4g, "
+                           "\"prefill_%d_cublaslt_fp8_ms\": %.4f, ",
+                        plens[k], pf_roof_ms[k], plens[k], pf_cublas_ms[k], plens[k], pf_cublas_flops[k], plens[k],
+                        pf_fp8_ms[k]);
             fprintf(f, "\"tp\": %d, \"communicator\": \"%s\", \"model_step_bytes\": %.0f, \"rank_step_bytes\": %.0f, "
                        "\"rank_floor_ms\": %.4f, \"peak_tflops\": %.1f, \"group_peak_tflops\": %.1f, ",
                     tp, r->comm ? "nccl" : "none", model_bytes, step_bytes, floor_ms, peak_tflops, group_peak);
