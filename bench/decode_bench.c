@@ -29,8 +29,11 @@
  * graph of their own) and given as a share of the step's GPU time.
  *
  *   decode_bench [--steps N] [--context N] [--json FILE] [--bf16-peak-tflops 790] [--op-profile 1]
- *                [--profile N] [--numerics exact|bf16|fp32] [--tp N | --nccl]
+ *                [--profile N] [--numerics exact|bf16|fp32] [--tp N | --nccl] [--fp8]
  * (--numerics: the CUDA backend's mt_numerics (default bf16).
+ *  --fp8: the model's dense projections (KDA and DSA projections, dense MLPs, shared experts: those an
+ *  FP8 checkpoint keeps FP8 on the GPU) made bf16 and quantised on the GPU to block-scaled e4m3
+ *  (mt_model_params.random_fp8), so decode and prefill run the FP8 paths.
  *  --op-profile 1: per-op times of one more prefill of each length, after the table's runs.
  *  --profile N: only N engine-path decode steps between cudaProfilerStart/Stop, for
  *  `ncu --profile-from-start off ...`; lab/ncu_summary.py sums the kernels.)
@@ -148,6 +151,7 @@ typedef struct decode_opts {
     double peak_tflops;
     const char *json;
     mt_cuda_params cp;
+    bool fp8;              /* --fp8: the projections an FP8 checkpoint keeps FP8 quantised on the GPU */
 } decode_opts;
 
 /* One rank's run (every rank makes the same calls in the same order; rank 0 reports). */
@@ -176,6 +180,7 @@ static int decode_rank(bench_rank *r, void *user) {
     glm_model_params mp = glm_model_default_params();
     mp.prefill_chunk = 4096;
     mp.comm = r->comm;
+    mp.random_fp8 = o->fp8;
     glm_model *m = NULL;
     double t0 = mt_now();
     if (glm_model_new_random(&c, 1, be, &mp, &m, &err) != MT_OK) { fprintf(stderr, "%s\n", err.msg); return 1; }
@@ -319,6 +324,9 @@ static int decode_rank(bench_rank *r, void *user) {
     printf("metrale decode_bench: bench-4L (4 layers: 3 KDA + 1 DSA, 1 dense + 3 MoE), batch 1, CUDA backend");
     if (r->comm) printf(", tensor parallel over %d rank%s", tp, tp > 1 ? "s" : "");
     printf("\n  random weights made on the GPU in %.2f s\n", t_make);
+    if (o->fp8)
+        printf("(--fp8: the dense projections are block-scaled FP8 (kernels/cuda/cuda_fp8.cu), the rest bf16; the\n"
+               " decode floor and the roofline still count every weight's bf16 bytes, so they overstate the floor.)\n");
     printf("| measure                         | value        | reference                      |\n");
     printf("|---------------------------------|--------------|--------------------------------|\n");
     printf("| device copy bandwidth           | %7.0f GB/s | (read + write, cudaMemcpy D2D%s) |\n", bw, tp > 1 ? ", rank 0's GPU" : "");
@@ -426,6 +434,7 @@ int main(int argc, char **argv) {
     decode_opts o = { .steps = 32, .context = 4096 + 64, .peak_tflops = 790, .cp = mt_cuda_default_params() };
     bool nccl = false, tp_given = false; /* --nccl (no value): --tp 1 */
     nccl = bench_take_flag(&argc, argv, "--nccl");
+    o.fp8 = bench_take_flag(&argc, argv, "--fp8");
     for (int i = 1; i < argc; i += 2) {
         if (i + 1 >= argc) { fprintf(stderr, "decode_bench: %s needs a value\n", argv[i]); return 2; }
         if (!strcmp(argv[i], "--steps")) o.steps = atoi(argv[i + 1]);

@@ -202,6 +202,12 @@ typedef struct mt_backend_ops {
      * *out unchanged. */
     mt_status (*weight_fp8)(mt_backend *be, const uint8_t *q, const float *scale_inv, int64_t rows, int64_t cols,
                             mt_weight *out);
+    /* Optional, with weight_fp8 (NULL: not offered): the F8E4M3 weight of the float weight src
+     * (F32, F16 or BF16, in backend memory, unchanged), quantised in backend memory per 128 x 128
+     * block: scale_inv = the block's amax / 448 (1 for a block of zeros), each value / scale_inv
+     * rounded to nearest even e4m3. For benchmarks of FP8 models from random weights (no host
+     * copy). MT_ERR_NOMEM on failure, *out unchanged. */
+    mt_status (*weight_fp8_from)(mt_backend *be, const mt_weight *src, mt_weight *out);
     void (*sync)(mt_backend *be);
     /* Memory the backend can still allocate, and its total (bytes). For the start-up memory plan. */
     mt_status (*mem_info)(mt_backend *be, size_t *free_bytes, size_t *total_bytes);

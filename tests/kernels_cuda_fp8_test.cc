@@ -1,9 +1,9 @@
 // tests/kernels_cuda_fp8_test.cc: block-scaled FP8 weights on the CUDA backend
-// (kernels/cuda/cuda_fp8.cu): weight_fp8 and the matmul of such weights, on random e4m3 weights with
-// a different random scale per 128 x 128 block (so a scale read from the wrong block, or a
-// transposed scale layout, moves results by up to 1000x), rows and columns that are and are not
-// multiples of 128 (partial blocks), and M = 1, 7, 64, 300, 4096 rows. Skips when no CUDA device
-// is usable (CI and dev hosts have the toolkit but no GPU).
+// (kernels/cuda/cuda_fp8.cu): weight_fp8, weight_fp8_from and the matmul of such weights, on
+// random e4m3 weights with a different random scale per 128 x 128 block (so a scale read from the
+// wrong block, or a transposed scale layout, moves results by up to 1000x), rows and columns that
+// are and are not multiples of 128 (partial blocks), and M = 1, 7, 64, 300, 4096 rows. Skips when
+// no CUDA device is usable (CI and dev hosts have the toolkit but no GPU).
 //
 // References, computed on the host in double from the dequantised weight W = e4m3(q) * scale:
 //   exact:    y = x . W^T with the fp32 activations;
@@ -305,6 +305,51 @@ TEST_F(CudaFp8, MatmulMultiMixesFp8AndBf16) {
     }
     gpu_->ops->weight_free(gpu_, &w8);
     gpu_->ops->weight_free(gpu_, &w16);
+}
+
+// weight_fp8_from (the benchmarks' FP8 models): a bf16 weight quantised on the device equals the
+// host's quantisation of the same values, code for code and scale for scale (amax / 448 per
+// 128 x 128 block, nearest-even e4m3: exact operations both sides), in the padded layout
+// (cuda_ops.h): zeros and unit scales in the padding.
+TEST_F(CudaFp8, WeightFromBf16MatchesHostQuantisation) {
+    for (const auto &sh : {std::pair<int, int>{200, 300}, {130, 1000}, {256, 512}}) {
+        const int N = sh.first, K = sh.second;
+        const std::string where = Shape({{"N", N}, {"K", K}});
+        Rng r((uint64_t)N * 7 + K);
+        std::vector<uint16_t> wb((size_t)N * K);
+        for (uint16_t &b : wb) b = mt_f32_to_bf16(r.Uniform(-1.f, 1.f) * r.Uniform(0.f, 3.f));
+        mt_weight src{}, w{};
+        ASSERT_EQ(gpu_->ops->weight(gpu_, wb.data(), MT_BF16, N, K, &src), MT_OK);
+        ASSERT_EQ(gpu_->ops->weight_fp8_from(gpu_, &src, &w), MT_OK) << where;
+        ASSERT_EQ(w.dtype, MT_F8E4M3);
+        const int64_t np = cu_fp8_rpad(N), kp = cu_fp8_kpad(K), sld = kp / kB;
+        std::vector<uint8_t> q((size_t)(np * kp));
+        std::vector<float> sc((size_t)(np / kB * sld));
+        gpu_->ops->download(gpu_, q.data(), w.data, q.size());
+        gpu_->ops->download(gpu_, sc.data(), w.scale, sizeof(float) * sc.size());
+        size_t bad = 0;
+        for (int64_t bi = 0; bi < np / kB; bi++)
+            for (int64_t bj = 0; bj < sld; bj++) {
+                float amax = 0.f;
+                for (int64_t i = bi * kB; i < (bi + 1) * kB && i < N; i++)
+                    for (int64_t k = bj * kB; k < (bj + 1) * kB && k < K; k++)
+                        amax = std::fmax(amax, std::fabs(mt_bf16_to_f32(wb[(size_t)(i * K + k)])));
+                const float want_s = amax > 0.f ? amax / 448.f : 1.f;
+                if (sc[(size_t)(bi * sld + bj)] != want_s && bad++ < 3)
+                    ADD_FAILURE() << where << " scale of block (" << bi << ", " << bj << "): "
+                                  << sc[(size_t)(bi * sld + bj)] << " vs " << want_s;
+                for (int64_t i = bi * kB; i < (bi + 1) * kB; i++)
+                    for (int64_t k = bj * kB; k < (bj + 1) * kB; k++) {
+                        const uint8_t want = i < N && k < K ? mt_f32_to_f8e4m3(mt_bf16_to_f32(wb[(size_t)(i * K + k)]) / want_s) : 0;
+                        if (q[(size_t)(i * kp + k)] != want && bad++ < 3)
+                            ADD_FAILURE() << where << " code at (" << i << ", " << k << "): " << (int)q[(size_t)(i * kp + k)]
+                                          << " vs " << (int)want;
+                    }
+            }
+        EXPECT_EQ(bad, 0u) << where;
+        gpu_->ops->weight_free(gpu_, &w);
+        gpu_->ops->weight_free(gpu_, &src);
+    }
 }
 
 }  // namespace

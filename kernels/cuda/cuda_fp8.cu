@@ -1,5 +1,6 @@
 /* kernels/cuda/cuda_fp8.cu: block-scaled FP8 weights (cuda_ops.h, "Block-scaled FP8 weights"):
- * weight_fp8 keeps a checkpoint's e4m3 weight and its 128 x 128 block scales on the device, and
+ * weight_fp8 keeps a checkpoint's e4m3 weight and its 128 x 128 block scales on the device
+ * (weight_fp8_from makes one from a float weight on the device, for benchmarks), and
  * cu_fp8_matmul multiplies by it: decode-sized row counts on a GEMV that dequantises the weight in
  * registers (half the bytes of bf16, fp32 activations), prefill on Hopper's FP8 tensor cores
  * through cuBLASLt's block scaling (activations quantised here to e4m3 per 1 x 128 block). */
@@ -72,6 +73,82 @@ fail:
     if (ds) MT_CUDA_WARN(cudaFree(ds));
     free(hq);
     free(hs);
+    return st;
+}
+
+/* ================================ weight_fp8_from ================================ */
+
+typedef struct fp8_from_params {
+    uint8_t *q;          /* [rpad(rows), kp] e4m3 */
+    float *s;            /* [rpad(rows) / 128, kp / 128] fp32 */
+    const void *w;       /* [rows, cols] of the source dtype */
+    int64_t rows, cols;
+    int kp;
+} fp8_from_params;
+
+/* A block of FP8_Q_THREADS per 128 x 128 block (blockIdx.y, blockIdx.x) of the padded weight:
+ * its amax over the real elements, scale = amax / 448 (1 for none or zeros), then every element
+ * of the block, padding as zeros, rounded to nearest even e4m3 (saturating). */
+template <mt_dtype DT> static __global__ void __launch_bounds__(FP8_Q_THREADS) fp8_from_kernel(const fp8_from_params p) {
+    __shared__ float red[FP8_Q_THREADS / 32];
+    const int64_t r0 = (int64_t)blockIdx.y * FP8_BLK, c0 = (int64_t)blockIdx.x * FP8_BLK;
+    float amax = 0.f;
+    for (int e = threadIdx.x; e < FP8_BLK * FP8_BLK; e += FP8_Q_THREADS) {
+        const int64_t r = r0 + e / FP8_BLK, c = c0 + e % FP8_BLK;
+        if (r < p.rows && c < p.cols) amax = fmaxf(amax, fabsf(cu_wget<DT>(p.w, r * p.cols + c)));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = amax;
+    __syncthreads();
+    amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < FP8_Q_THREADS / 32; i++) amax = fmaxf(amax, red[i]);
+    const float sc = amax > 0.f ? amax / FP8_E4M3_MAX : 1.f;
+    for (int e = threadIdx.x; e < FP8_BLK * FP8_BLK; e += FP8_Q_THREADS) {
+        const int64_t r = r0 + e / FP8_BLK, c = c0 + e % FP8_BLK;
+        const float v = r < p.rows && c < p.cols ? cu_wget<DT>(p.w, r * p.cols + c) : 0.f;
+        p.q[r * p.kp + c] = (uint8_t)__nv_cvt_float_to_fp8(v / sc, __NV_SATFINITE, __NV_E4M3);
+    }
+    if (threadIdx.x == 0) p.s[(int64_t)blockIdx.y * (p.kp / FP8_BLK) + blockIdx.x] = sc;
+}
+
+static mt_status cu_weight_fp8_from(mt_backend *be, const mt_weight *src, mt_weight *out) {
+    cu_backend *cb = (cu_backend *)be;
+    MT_ASSERT(src->dtype == MT_F32 || src->dtype == MT_F16 || src->dtype == MT_BF16);
+    const int64_t rows = src->rows, cols = src->cols, np = cu_fp8_rpad(rows), kp = cu_fp8_kpad(cols);
+    MT_ASSERT(rows >= 0 && cols >= 0 && np / FP8_BLK <= 65535 && kp <= INT32_MAX);
+    const size_t qbytes = (size_t)np * (size_t)kp, sbytes = sizeof(float) * (size_t)(np / FP8_BLK) * (size_t)(kp / FP8_BLK);
+    void *dq = NULL, *ds = NULL;
+    if (cudaMalloc(&dq, qbytes ? qbytes : 1) != cudaSuccess || cudaMalloc(&ds, sbytes ? sbytes : 1) != cudaSuccess) {
+        (void)cudaGetLastError();
+        if (dq) MT_CUDA_WARN(cudaFree(dq));
+        mt_log(MT_LOG_ERROR, "cuda backend: out of device memory for a %lld x %lld F8_E4M3 weight", (long long)rows,
+               (long long)cols);
+        return MT_ERR_NOMEM;
+    }
+    mt_status st = MT_OK;
+    if (qbytes) {
+        fp8_from_params p = {(uint8_t *)dq, (float *)ds, src->data, rows, cols, (int)kp};
+        const dim3 grid((unsigned)(kp / FP8_BLK), (unsigned)(np / FP8_BLK));
+        if (src->dtype == MT_BF16) fp8_from_kernel<MT_BF16><<<grid, FP8_Q_THREADS, 0, cb->stream>>>(p);
+        else if (src->dtype == MT_F16) fp8_from_kernel<MT_F16><<<grid, FP8_Q_THREADS, 0, cb->stream>>>(p);
+        else fp8_from_kernel<MT_F32><<<grid, FP8_Q_THREADS, 0, cb->stream>>>(p);
+        MT_CUDA_CHECK_GOTO(cudaGetLastError(), st, fail);
+        MT_CUDA_CHECK_GOTO(cudaStreamSynchronize(cb->stream), st, fail);
+    }
+    out->data = dq;
+    out->dtype = MT_F8E4M3;
+    out->rows = rows;
+    out->cols = cols;
+    out->owned = true;
+    out->cls = MT_WCLS_OTHER;
+    out->row0 = 0;
+    out->scale = (const float *)ds;
+    return MT_OK;
+fail:
+    MT_CUDA_WARN(cudaFree(dq));
+    MT_CUDA_WARN(cudaFree(ds));
     return st;
 }
 
@@ -391,4 +468,7 @@ extern "C" void cu_fp8_matmul(mt_backend *be, float *y, const float *x, const mt
     cu_op_status(be, "matmul", st);
 }
 
-extern "C" void cu_fp8_fill(mt_backend_ops *t) { t->weight_fp8 = cu_weight_fp8; }
+extern "C" void cu_fp8_fill(mt_backend_ops *t) {
+    t->weight_fp8 = cu_weight_fp8;
+    t->weight_fp8_from = cu_weight_fp8_from;
+}

@@ -209,7 +209,7 @@ void cu_kda_fill(mt_backend_ops *t);        /* cuda_kda.cu: conv1d_silu(_l2norm)
 void cu_kda_chunk_fill(mt_backend_ops *t);  /* cuda_kda_chunk.cu: kda_chunked */
 void cu_dsa_fill(mt_backend_ops *t);        /* cuda_dsa.cu: dsa_pool_keys(_at), dsa_select(_rows),
                                                mla_sparse(_rows) */
-void cu_fp8_fill(mt_backend_ops *t);        /* cuda_fp8.cu: weight_fp8 */
+void cu_fp8_fill(mt_backend_ops *t);        /* cuda_fp8.cu: weight_fp8, weight_fp8_from */
 void cu_hc_fill(mt_backend_ops *t);         /* cuda_hc.cu: hc_pre(_norm), hc_post(_pre_norm), hc_head */
 void cu_rows_fill(mt_backend_ops *t);       /* cuda_rows.cu: the rows-form conv, cache writes, pool keys */
 void cu_step_fill(mt_backend_ops *t);       /* cuda_step.cu: graphs, embed_dev, copy_rows_at */

@@ -109,7 +109,14 @@ static mt_status bind_w_random(binder *b, mt_weight *w) {
         key = mt_rand_key(key, m->tp_rank == 0 ? "rank0" : "rank");
         key += (uint64_t)m->tp_rank;
     }
-    mt_status st = b->m->be->ops->weight_random(b->m->be, s->dtype, rows, cols, key, s->mean, s->std, w);
+    mt_backend *be = b->m->be;
+    const bool fp8 = b->fp8_keep && m->params.random_fp8 && be->ops->weight_fp8_from;
+    mt_weight src = { 0 };
+    mt_status st = be->ops->weight_random(be, s->dtype, rows, cols, key, s->mean, s->std, fp8 ? &src : w);
+    if (st == MT_OK && fp8) {
+        st = be->ops->weight_fp8_from(be, &src, w);
+        be->ops->weight_free(be, &src);
+    }
     if (st != MT_OK) return mt_errorf(b->err, st, "cannot make random tensor %s on the backend", s->name);
     return MT_OK;
 }
