@@ -1,6 +1,7 @@
 /* bench/bench_util.c: see bench_util.h. */
 #include "bench/bench_util.h"
 
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 #include <math.h>
@@ -546,5 +547,147 @@ double bench_cublas_prefill_ms(const glm_config *c, int n, double *flops) {
     cudaFree(xb);
     cudaFree(yb);
     cublasDestroy(h);
+    return total;
+}
+
+/* ---- cuBLASLt's block-scaled FP8 GEMM on the same shapes ---- */
+
+/* The median ms of one block-scaled FP8 GEMM of shape g as the CUDA backend runs it (TN: the
+ * weight [N, K] e4m3 transposed with 128 x 128 block scales, x [M, K] e4m3 with 1 x 128 scales,
+ * fp32 accumulation, fp32 output or bf16 where cuBLASLt offers no fp32; M rounded up to 4, N to
+ * 128, K to 512 as kernels/cuda/cuda_fp8.cu pads them), the weight cycled through `copies`
+ * buffers; -1 when cuBLASLt has no algorithm or fails. */
+static double time_shape_fp8(cublasLtHandle_t lt, const gemm_shape *g, void *x, const float *xs, void *const *w,
+                             const float *ws, int copies, void *y, void *wsp, size_t wsp_bytes) {
+    const int M = (g->M + 3) / 4 * 4, N = (g->N + 127) / 128 * 128, K = (g->K + 511) / 512 * 512;
+    const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    const int32_t amode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, bmode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    const uint64_t wsb = wsp_bytes;
+    double result = -1;
+    for (int d = 0; d < 2 && result < 0; d++) {
+        const cudaDataType_t dt = d == 0 ? CUDA_R_32F : CUDA_R_16BF;
+        cublasLtMatmulDesc_t op = NULL;
+        cublasLtMatrixLayout_t la = NULL, lb = NULL, ld = NULL;
+        cublasLtMatmulPreference_t pref = NULL;
+        cublasLtMatmulHeuristicResult_t res;
+        int found = 0;
+        bool ok = cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F) == CUBLAS_STATUS_SUCCESS &&
+                  cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta) == CUBLAS_STATUS_SUCCESS &&
+                  cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb) == CUBLAS_STATUS_SUCCESS &&
+                  cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &amode, sizeof amode) ==
+                      CUBLAS_STATUS_SUCCESS &&
+                  cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &bmode, sizeof bmode) ==
+                      CUBLAS_STATUS_SUCCESS &&
+                  cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &ws, sizeof ws) ==
+                      CUBLAS_STATUS_SUCCESS &&
+                  cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &xs, sizeof xs) ==
+                      CUBLAS_STATUS_SUCCESS &&
+                  cublasLtMatrixLayoutCreate(&la, CUDA_R_8F_E4M3, K, N, K) == CUBLAS_STATUS_SUCCESS &&
+                  cublasLtMatrixLayoutCreate(&lb, CUDA_R_8F_E4M3, K, M, K) == CUBLAS_STATUS_SUCCESS &&
+                  cublasLtMatrixLayoutCreate(&ld, dt, N, M, N) == CUBLAS_STATUS_SUCCESS &&
+                  cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS &&
+                  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof wsb) ==
+                      CUBLAS_STATUS_SUCCESS &&
+                  cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, ld, ld, pref, 1, &res, &found) == CUBLAS_STATUS_SUCCESS &&
+                  found > 0;
+        const float one = 1.f, zero = 0.f;
+        enum { REPS = 7 };
+        double best[REPS];
+        int done = 0;
+        cudaEvent_t e0 = NULL, e1 = NULL;
+        if (ok && (cudaEventCreate(&e0) != cudaSuccess || cudaEventCreate(&e1) != cudaSuccess)) ok = false;
+        for (int r = 0; ok && r < REPS; r++) {
+            cudaEventRecord(e0, 0);
+            for (int i = 0; ok && i < copies; i++)
+                ok = cublasLtMatmul(lt, op, &one, w[i], la, x, lb, &zero, y, ld, y, ld, &res.algo, wsp, wsp_bytes, 0) ==
+                     CUBLAS_STATUS_SUCCESS;
+            cudaEventRecord(e1, 0);
+            cudaEventSynchronize(e1);
+            float ms = 0;
+            cudaEventElapsedTime(&ms, e0, e1);
+            if (ok) best[done++] = ms / copies;
+        }
+        if (e0) cudaEventDestroy(e0);
+        if (e1) cudaEventDestroy(e1);
+        if (ok && done == REPS) {
+            for (int i = 1; i < REPS; i++) /* insertion sort, for the median */
+                for (int j = i; j > 0 && best[j] < best[j - 1]; j--) {
+                    const double t = best[j];
+                    best[j] = best[j - 1];
+                    best[j - 1] = t;
+                }
+            result = best[REPS / 2];
+        }
+        if (pref) cublasLtMatmulPreferenceDestroy(pref);
+        if (ld) cublasLtMatrixLayoutDestroy(ld);
+        if (lb) cublasLtMatrixLayoutDestroy(lb);
+        if (la) cublasLtMatrixLayoutDestroy(la);
+        if (op) cublasLtMatmulDescDestroy(op);
+    }
+    return result;
+}
+
+/* A device buffer of count floats, every one 1 (the scales of zero data); NULL on failure. */
+static float *ones_dev(size_t count) {
+    float *h = malloc(sizeof(float) * (count ? count : 1)), *d = NULL;
+    if (!h) return NULL;
+    for (size_t i = 0; i < count; i++) h[i] = 1.f;
+    if (cudaMalloc((void **)&d, sizeof(float) * (count ? count : 1)) != cudaSuccess ||
+        cudaMemcpy(d, h, sizeof(float) * count, cudaMemcpyHostToDevice) != cudaSuccess) {
+        cudaFree(d);
+        d = NULL;
+    }
+    free(h);
+    return d;
+}
+
+double bench_cublaslt_fp8_prefill_ms(const glm_config *c, int n, double *flops) {
+    shape_ctx x = { .c = c, .n = n };
+    glm_manifest_foreach(c, shape_tensor, &x);
+    *flops = 0;
+    if (x.overflow) return -1;
+    size_t xmax = 0, ymax = 0, xsmax = 0, wsmax = 0;
+    for (int i = 0; i < x.ns; i++) {
+        const size_t M = (size_t)(x.s[i].M + 3) / 4 * 4, N = (size_t)(x.s[i].N + 127) / 128 * 128,
+                     K = (size_t)(x.s[i].K + 511) / 512 * 512;
+        xmax = M * K > xmax ? M * K : xmax;
+        ymax = M * N * 4 > ymax ? M * N * 4 : ymax;
+        xsmax = K / 128 * M > xsmax ? K / 128 * M : xsmax;
+        wsmax = K / 128 * (N / 128) > wsmax ? K / 128 * (N / 128) : wsmax;
+    }
+    cublasLtHandle_t lt;
+    if (cublasLtCreate(&lt) != CUBLAS_STATUS_SUCCESS) return -1;
+    const size_t wsp_bytes = (size_t)32 << 20;
+    void *xb = NULL, *yb = NULL, *wsp = NULL;
+    float *xs = ones_dev(xsmax), *ws = ones_dev(wsmax);
+    double total = 0;
+    if (!xs || !ws || cudaMalloc(&xb, xmax) != cudaSuccess || cudaMalloc(&yb, ymax) != cudaSuccess ||
+        cudaMalloc(&wsp, wsp_bytes) != cudaSuccess)
+        total = -1;
+    if (total == 0) cudaMemset(xb, 0, xmax);
+    enum { COPIES_BYTES = 256 << 20, COPIES_MAX = 64 }; /* well past the 50 MB of L2 */
+    for (int i = 0; i < x.ns && total >= 0; i++) {
+        const gemm_shape *g = &x.s[i];
+        const size_t wb = (size_t)(g->N + 127) / 128 * 128 * ((size_t)(g->K + 511) / 512 * 512);
+        int copies = (int)((COPIES_BYTES + wb - 1) / wb);
+        copies = copies < 1 ? 1 : copies > COPIES_MAX ? COPIES_MAX : copies;
+        void *w[COPIES_MAX] = { 0 };
+        int made = 0;
+        while (made < copies && cudaMalloc(&w[made], wb) == cudaSuccess) cudaMemset(w[made++], 0, wb);
+        const double ms = made > 0 ? time_shape_fp8(lt, g, xb, xs, w, ws, made, yb, wsp, wsp_bytes) : -1;
+        for (int j = 0; j < made; j++) cudaFree(w[j]);
+        if (ms < 0) {
+            total = -1;
+            break;
+        }
+        total += ms * g->count;
+        *flops += 2.0 * g->M * (double)g->N * g->K * g->count;
+    }
+    cudaFree(xb);
+    cudaFree(yb);
+    cudaFree(wsp);
+    cudaFree(xs);
+    cudaFree(ws);
+    cublasLtDestroy(lt);
     return total;
 }

@@ -55,6 +55,12 @@ double bench_experts_touched(const glm_config *c, int n);
  * summed GEMM time in ms on the current GPU and sets *flops to their FLOPs; < 0 when cuBLAS fails.
  * Weights that are not bf16 are left out. */
 double bench_cublas_prefill_ms(const glm_config *c, int n, double *flops);
+/* The same shapes on cuBLASLt's block-scaled FP8 GEMM as the CUDA backend calls it for FP8 weights
+ * (kernels/cuda/cuda_fp8.cu: e4m3 weight with 128 x 128 block scales, e4m3 x with 1 x 128 scales,
+ * fp32 accumulation; dimensions padded as the backend pads them), zero data and unit scales; the
+ * activations' quantisation is not counted. FLOPs counted on the unpadded shapes. < 0 when
+ * cuBLASLt has no algorithm for a shape or fails. */
+double bench_cublaslt_fp8_prefill_ms(const glm_config *c, int n, double *flops);
 
 /* Whether the manifest tensor `name` is split across a tensor-parallel group (the list above). */
 bool bench_tensor_is_split(const char *name);

@@ -11,7 +11,9 @@
  *     (FLOPs: the model's for the prefill as glm_prefill runs it, prefill_flops: lm_head for the
  *     last position only, as glm_prefill computes it); beside each, its roofline (max of its FLOPs
  *     at the peak and the weights it touches at the measured copy bandwidth: at 512 tokens nearly
- *     every expert) and cuBLAS alone on the same GEMM shapes (bench_cublas_prefill_ms; one GPU).
+ *     every expert) and cuBLAS alone on the same GEMM shapes (bench_cublas_prefill_ms; one GPU), and
+ *     beside it cuBLASLt's block-scaled FP8 GEMM on those shapes (bench_cublaslt_fp8_prefill_ms),
+ *     the rate FP8 checkpoints' projections can reach.
  * When the 4096-token prefill misses its goal (50% of the peak), one more prefill of 4096 tokens
  * runs with every op synchronised and timed (mt_cuda_profile_take), and the table is followed by
  * the time the goal allows and the ops that take the most: which kernels hold it back, by how much.
@@ -27,8 +29,11 @@
  * graph of their own) and given as a share of the step's GPU time.
  *
  *   decode_bench [--steps N] [--context N] [--json FILE] [--bf16-peak-tflops 790] [--op-profile 1]
- *                [--profile N] [--numerics exact|bf16|fp32] [--tp N | --nccl]
+ *                [--profile N] [--numerics exact|bf16|fp32] [--tp N | --nccl] [--fp8]
  * (--numerics: the CUDA backend's mt_numerics (default bf16).
+ *  --fp8: the model's dense projections (KDA and DSA projections, dense MLPs, shared experts: those an
+ *  FP8 checkpoint keeps FP8 on the GPU) made bf16 and quantised on the GPU to block-scaled e4m3
+ *  (mt_model_params.random_fp8), so decode and prefill run the FP8 paths.
  *  --op-profile 1: per-op times of one more prefill of each length, after the table's runs.
  *  --profile N: only N engine-path decode steps between cudaProfilerStart/Stop, for
  *  `ncu --profile-from-start off ...`; lab/ncu_summary.py sums the kernels.)
@@ -146,6 +151,7 @@ typedef struct decode_opts {
     double peak_tflops;
     const char *json;
     mt_cuda_params cp;
+    bool fp8;              /* --fp8: the projections an FP8 checkpoint keeps FP8 quantised on the GPU */
 } decode_opts;
 
 /* One rank's run (every rank makes the same calls in the same order; rank 0 reports). */
@@ -174,6 +180,7 @@ static int decode_rank(bench_rank *r, void *user) {
     glm_model_params mp = glm_model_default_params();
     mp.prefill_chunk = 4096;
     mp.comm = r->comm;
+    mp.random_fp8 = o->fp8;
     glm_model *m = NULL;
     double t0 = mt_now();
     if (glm_model_new_random(&c, 1, be, &mp, &m, &err) != MT_OK) { fprintf(stderr, "%s\n", err.msg); return 1; }
@@ -225,6 +232,7 @@ static int decode_rank(bench_rank *r, void *user) {
     /* the references beside each prefill (one GPU): cuBLAS alone on the prefill's GEMM shapes, and
      * the roofline, max(FLOPs at the peak, the weights the prefill touches at the copy bandwidth) */
     double pf_cublas_ms[2] = { -1, -1 }, pf_cublas_flops[2] = { 0, 0 }, pf_roof_ms[2] = { 0, 0 };
+    double pf_fp8_ms[2] = { -1, -1 }, pf_fp8_flops[2] = { 0, 0 };
     int moe_layers = 0;
     for (int l = 0; l < c.num_hidden_layers; l++) moe_layers += c.mlp_layer_types[l] == GLM_MLP_SPARSE;
     for (int k = 0; k < 2; k++) {
@@ -234,6 +242,7 @@ static int decode_rank(bench_rank *r, void *user) {
         const double t_flop = pf_flops[k] / (group_peak * 1e12) * 1e3, t_bytes = bytes / (tp * bw * 1e9) * 1e3;
         pf_roof_ms[k] = t_flop > t_bytes ? t_flop : t_bytes;
         if (tp == 1 && lead) pf_cublas_ms[k] = bench_cublas_prefill_ms(&c, plens[k], &pf_cublas_flops[k]);
+        if (tp == 1 && lead) pf_fp8_ms[k] = bench_cublaslt_fp8_prefill_ms(&c, plens[k], &pf_fp8_flops[k]);
     }
     /* The 4096-token prefill under its goal: one more, every op synchronised and timed, for the
      * ops that hold it back (the sum runs above the timed run's wall time: each op waits for the
@@ -315,6 +324,9 @@ static int decode_rank(bench_rank *r, void *user) {
     printf("metrale decode_bench: bench-4L (4 layers: 3 KDA + 1 DSA, 1 dense + 3 MoE), batch 1, CUDA backend");
     if (r->comm) printf(", tensor parallel over %d rank%s", tp, tp > 1 ? "s" : "");
     printf("\n  random weights made on the GPU in %.2f s\n", t_make);
+    if (o->fp8)
+        printf("(--fp8: the dense projections are block-scaled FP8 (kernels/cuda/cuda_fp8.cu), the rest bf16; the\n"
+               " decode floor and the roofline still count every weight's bf16 bytes, so they overstate the floor.)\n");
     printf("| measure                         | value        | reference                      |\n");
     printf("|---------------------------------|--------------|--------------------------------|\n");
     printf("| device copy bandwidth           | %7.0f GB/s | (read + write, cudaMemcpy D2D%s) |\n", bw, tp > 1 ? ", rank 0's GPU" : "");
@@ -353,6 +365,13 @@ static int decode_rank(bench_rank *r, void *user) {
         if (pf_cublas_ms[k] > 0)
             printf("| prefill %4d tokens: cuBLAS alone on its GEMM shapes (%.1f TFLOP) | %8.3f ms | %5.1f TFLOP/s |\n",
                    plens[k], pf_cublas_flops[k] / 1e12, pf_cublas_ms[k], pf_cublas_flops[k] / (pf_cublas_ms[k] * 1e9));
+        if (pf_fp8_ms[k] > 0)
+            printf("| prefill %4d tokens: cuBLASLt block-scaled FP8 on the same shapes (%.1f TFLOP) | %8.3f ms | "
+                   "%5.1f TFLOP/s |\n", plens[k], pf_fp8_flops[k] / 1e12, pf_fp8_ms[k],
+                   pf_fp8_flops[k] / (pf_fp8_ms[k] * 1e9));
+        else if (tp == 1)
+            printf("| prefill %4d tokens: cuBLASLt block-scaled FP8 on the same shapes | n/a | no algorithm or a "
+                   "failed call |\n", plens[k]);
     }
     if (comm_ms >= 0)
         printf("(collectives: the same calls as one decode step of the model (%s), with the same sizes, captured\n"
@@ -386,8 +405,10 @@ static int decode_rank(bench_rank *r, void *user) {
                     ms_engine_gpu, pf_tps[0], pf_frac[0], pf_tps[1], pf_frac[1], pf_flops[0], pf_flops[1], steps,
                     pf_ms, PF_GOAL, pf_goal_ms, pf_ops_total);
             for (int k = 0; k < 2; k++)
-                fprintf(f, "\"prefill_%d_roofline_ms\": %.4f, \"prefill_%d_cublas_ms\": %.4f, \"prefill_%d_cublas_flops\": %.4g, ",
-                        plens[k], pf_roof_ms[k], plens[k], pf_cublas_ms[k], plens[k], pf_cublas_flops[k]);
+                fprintf(f, "\"prefill_%d_roofline_ms\": %.4f, \"prefill_%d_cublas_ms\": %.4f, \"prefill_%d_cublas_flops\": %.4g, "
+                           "\"prefill_%d_cublaslt_fp8_ms\": %.4f, ",
+                        plens[k], pf_roof_ms[k], plens[k], pf_cublas_ms[k], plens[k], pf_cublas_flops[k], plens[k],
+                        pf_fp8_ms[k]);
             fprintf(f, "\"tp\": %d, \"communicator\": \"%s\", \"model_step_bytes\": %.0f, \"rank_step_bytes\": %.0f, "
                        "\"rank_floor_ms\": %.4f, \"peak_tflops\": %.1f, \"group_peak_tflops\": %.1f, ",
                     tp, r->comm ? "nccl" : "none", model_bytes, step_bytes, floor_ms, peak_tflops, group_peak);
@@ -413,6 +434,7 @@ int main(int argc, char **argv) {
     decode_opts o = { .steps = 32, .context = 4096 + 64, .peak_tflops = 790, .cp = mt_cuda_default_params() };
     bool nccl = false, tp_given = false; /* --nccl (no value): --tp 1 */
     nccl = bench_take_flag(&argc, argv, "--nccl");
+    o.fp8 = bench_take_flag(&argc, argv, "--fp8");
     for (int i = 1; i < argc; i += 2) {
         if (i + 1 >= argc) { fprintf(stderr, "decode_bench: %s needs a value\n", argv[i]); return 2; }
         if (!strcmp(argv[i], "--steps")) o.steps = atoi(argv[i + 1]);

@@ -36,7 +36,8 @@ static inline bool mt_ticket_readable(int64_t t, int64_t next) { return t >= 0 &
 typedef struct mt_graph mt_graph;
 
 /* A 2-D weight matrix [rows, cols] in backend memory, row-major, dtype F32, F16 or BF16.
- * A 1-D vector is rows = 1. */
+ * A 1-D vector is rows = 1. A backend that offers weight_fp8 (below) also makes block-scaled FP8
+ * weights, dtype F8E4M3, whose layout is its own (the CUDA backend's: cuda_backend.h). */
 /* What a weight's product feeds, for per-projection precision choices (the model sets it after
  * the backend made the weight; backends start it at MT_WCLS_OTHER). */
 typedef enum mt_wcls {
@@ -53,6 +54,9 @@ typedef struct mt_weight {
     /* Embedding tables (embed, embed_dev): the rows are ids [row0, row0 + rows) of a larger
      * vocabulary; other ids read as zeros (a vocab-parallel shard). 0 for every other weight. */
     int64_t row0;
+    /* F8E4M3 only (weight_fp8): the block scales, in backend memory owned with data; NULL for
+     * every other dtype. W[i][j] = e4m3(data at [i, j]) * scale of block (i / 128, j / 128). */
+    const float *scale;
 } mt_weight;
 
 /* One routed or shared expert: SwiGLU MLP with gate/up [I, H] and down [H, I]. */
@@ -189,6 +193,21 @@ typedef struct mt_backend_ops {
     mt_status (*weight_random)(mt_backend *be, mt_dtype dt, int64_t rows, int64_t cols, uint64_t key,
                                float mean, float std, mt_weight *out);
     void (*weight_free)(mt_backend *be, mt_weight *w);
+    /* Optional (NULL: the backend multiplies only float weights; loaders dequantise FP8). A weight
+     * of dtype F8E4M3 kept in FP8 with its block scales, from host data: q [rows, cols] e4m3
+     * row-major and scale_inv [ceil(rows / 128), ceil(cols / 128)] fp32 row-major, one scale per
+     * 128 x 128 block (the last row and column of blocks may be partial). Such a weight goes only
+     * to matmul, matmul_multi and kda_gates; the other ops that take weights (embed, hc_pre,
+     * moe_experts(_shared)'s experts, mla_sparse's kv_b) never see one. MT_ERR_NOMEM on failure,
+     * *out unchanged. */
+    mt_status (*weight_fp8)(mt_backend *be, const uint8_t *q, const float *scale_inv, int64_t rows, int64_t cols,
+                            mt_weight *out);
+    /* Optional, with weight_fp8 (NULL: not offered): the F8E4M3 weight of the float weight src
+     * (F32, F16 or BF16, in backend memory, unchanged), quantised in backend memory per 128 x 128
+     * block: scale_inv = the block's amax / 448 (1 for a block of zeros), each value / scale_inv
+     * rounded to nearest even e4m3. For benchmarks of FP8 models from random weights (no host
+     * copy). MT_ERR_NOMEM on failure, *out unchanged. */
+    mt_status (*weight_fp8_from)(mt_backend *be, const mt_weight *src, mt_weight *out);
     void (*sync)(mt_backend *be);
     /* Memory the backend can still allocate, and its total (bytes). For the start-up memory plan. */
     mt_status (*mem_info)(mt_backend *be, size_t *free_bytes, size_t *total_bytes);

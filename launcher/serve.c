@@ -4,6 +4,7 @@
  *   metrale-serve [--model DIR] [--listen HOST:PORT] [--workers G] [--tp N]
  *                 [--backend auto|cpu|cuda] [--max-sequences N] [--max-context N] [--threads N]
  *                 [--queue N] [--drain-timeout S] [--metrics HOST:PORT] [--numerics bf16|exact]
+ *                 [--dtype auto|bf16]
  *                 [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]] [--auth-token-file FILE]
  *                 [--health-listen HOST:PORT]
  *                 [--router ENDPOINT [--first-id K] [--curve-server-key FILE --curve-secret-key FILE]]
@@ -110,6 +111,7 @@ typedef struct serve_opts {
     /* scheduler policy, passed to every worker when given (metrale-worker checks them) */
     const char *prefill_budget, *graph_max_batch, *cache_budget_mb, *itl_target_ms, *prefill_pass;
     const char *numerics;  /* GPU prefill GEMM numerics, passed to every worker when given */
+    const char *dtype;     /* FP8 checkpoints' weights (auto|bf16), passed to every worker when given */
     const char *spec_tokens, *spec_max_batch; /* speculative decoding, passed to every worker */
     bool no_preempt, mixed_steps;
     bool no_run_ahead;
@@ -132,7 +134,8 @@ static void usage(FILE *f) {
             "usage: metrale-serve [--model DIR] [--listen HOST:PORT] [--workers G] [--tp N] [--backend auto|cpu|cuda]\n"
             "                     [--max-sequences N] [--max-context N] [--threads N] [--queue N] [--drain-timeout S]\n"
             "                     [--prefill-budget N] [--prefill-pass N] [--itl-target-ms MS] [--graph-max-batch N] [--cache-budget-mb N] [--no-preempt]\n"
-            "                     [--mixed-steps] [--no-run-ahead] [--numerics bf16|exact] [--metrics HOST:PORT]\n"
+            "                     [--mixed-steps] [--no-run-ahead] [--numerics bf16|exact] [--dtype auto|bf16]\n"
+            "                     [--metrics HOST:PORT]\n"
             "                     [--speculative-tokens K] [--speculative-max-batch B]\n"
             "                     [--log-format text|json] [--log-prompts]\n"
             "                     [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]] [--auth-token-file FILE]\n"
@@ -152,7 +155,7 @@ static void usage(FILE *f) {
             "  tcp://HOST:PORT needs --curve-server-key (its public key) and --curve-secret-key (this host's\n"
             "  secret key), from metrale-keygen); --first-id K: the groups are workers K, K+1, ... (ids unique\n"
             "  per router).\n"
-            "  The scheduler options, --numerics and the speculative options go to every worker (metrale-worker\n"
+            "  The scheduler options, --numerics, --dtype and the speculative options go to every worker (metrale-worker\n"
             "  --help says what they do). --log-format text|json: every process's log lines as text (default)\n"
             "  or one JSON object a line; --log-prompts: the router's admitted records carry the prompts.\n"
             "  --tls-cert, --tls-key, --tls-client-ca (mutual TLS), --auth-token-file\n"
@@ -337,6 +340,7 @@ static pid_t start_rank(group *gr, int r) {
     if (g_o.mixed_steps) argv[k++] = "--mixed-steps";
     if (g_o.no_run_ahead) argv[k++] = "--no-run-ahead";
     if (g_o.numerics) { argv[k++] = "--numerics"; argv[k++] = (char *)g_o.numerics; }
+    if (g_o.dtype) { argv[k++] = "--dtype"; argv[k++] = (char *)g_o.dtype; }
     if (g_o.spec_tokens) { argv[k++] = "--speculative-tokens"; argv[k++] = (char *)g_o.spec_tokens; }
     if (g_o.spec_max_batch) { argv[k++] = "--speculative-max-batch"; argv[k++] = (char *)g_o.spec_max_batch; }
     if (g_o.curve_server_key) {
@@ -517,6 +521,13 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
             o->numerics = v;
             if (strcmp(v, "exact") && strcmp(v, "bf16")) {
                 fprintf(stderr, "metrale-serve: --numerics must be exact or bf16, got %s\n", v);
+                rc = -1;
+            }
+        }
+        else if (!strcmp(a, "--dtype")) {
+            o->dtype = v;
+            if (strcmp(v, "auto") && strcmp(v, "bf16")) {
+                fprintf(stderr, "metrale-serve: --dtype must be auto or bf16, got %s\n", v);
                 rc = -1;
             }
         }

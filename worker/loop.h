@@ -58,6 +58,7 @@ typedef struct wkr_params {
                               * (0 = any) */
     double router_timeout;   /* seconds of router silence before exiting; default MT_WIRE_ROUTER_SILENCE_S */
     mt_numerics numerics;    /* the CUDA backend's prefill GEMMs; default MT_NUMERICS_BF16 */
+    bool dequant_fp8;        /* --dtype bf16: FP8 checkpoints dequantised at load (mt_model_params) */
     /* Tensor parallelism: tp > 0 makes this process rank `rank` of a group of tp ranks on this
      * host, named group (a shared-memory communicator for the group's control and, on the CPU,
      * its partial sums; NCCL for those on GPUs, its id handed out by rank 0). Rank 0 talks to

@@ -2,7 +2,7 @@
  *
  *   metrale-worker --model DIR --router ipc:///PATH --id N [--backend cpu|cuda|auto] [--device N]
  *                  [--max-sequences N] [--max-context N] [--threads N] [--router-timeout S] [--verbose]
- *                  [--numerics bf16|exact] [--tp N --rank R --group NAME]
+ *                  [--numerics bf16|exact] [--dtype auto|bf16] [--tp N --rank R --group NAME]
  *                  [--curve-server-key FILE --curve-secret-key FILE] [--log-format text|json]
  *
  * This file parses the options and sets the process up (log level, signals, exit status); the
@@ -43,7 +43,7 @@ static void usage(FILE *f) {
             "                      [--router-timeout S] [--cache-budget-mb N] [--prefill-budget N] [--itl-target-ms MS]\n"
             "                      [--prefill-pass N]\n"
             "                      [--graph-max-batch N] [--no-preempt] [--no-run-ahead] [--mixed-steps] [--verbose]\n"
-            "                      [--numerics bf16|exact] [--tp N --rank R --group NAME]\n"
+            "                      [--numerics bf16|exact] [--dtype auto|bf16] [--tp N --rank R --group NAME]\n"
             "                      [--speculative-tokens K] [--speculative-max-batch B]\n"
             "                      [--curve-server-key FILE --curve-secret-key FILE] [--log-format text|json]\n"
             "  Serves the checkpoint in DIR to the router at ENDPOINT (ipc://, tcp://127.0.0.1:, or tcp://HOST:PORT\n"
@@ -70,7 +70,10 @@ static void usage(FILE *f) {
             "  is queued on the device's own tokens first, so the GPU does not wait for the host; the CPU backend\n"
             "  never runs ahead, as it would only delay each token by a step); --numerics (GPU): how prefill\n"
             "  GEMMs round their activations: bf16 (default; rounded once, as other engines do) or exact (two\n"
-            "  bf16 parts, matching the CPU's fp32 sums; about twice the prefill GEMM work). --tp N --rank R --group NAME: this\n"
+            "  bf16 parts, matching the CPU's fp32 sums; about twice the prefill GEMM work). --dtype: how an FP8\n"
+            "  checkpoint's weights are kept: auto (default; on the GPU the dense projections stay FP8 with their\n"
+            "  block scales and multiply on the FP8 tensor cores, the rest is dequantised to bf16; on the CPU all\n"
+            "  is dequantised) or bf16 (all dequantised to bf16 at load). --tp N --rank R --group NAME: this\n"
             "  process is rank R of a tensor-parallel group of N ranks on this host (metrale-serve --tp\n"
             "  starts them); rank 0 talks to the router, the others follow it. --curve-server-key FILE\n"
             "  --curve-secret-key FILE: encrypt the router link with ZeroMQ CURVE (FILE: a z85 key as\n"
@@ -132,6 +135,13 @@ static int parse_args(int argc, char **argv, wkr_params *o, bool *verbose) {
                 fprintf(stderr, "error: --numerics must be exact or bf16, got \"%s\"\n", v);
                 return -1;
             }
+        }
+        else if (!strcmp(a, "--dtype")) {
+            if (strcmp(v, "auto") && strcmp(v, "bf16")) {
+                fprintf(stderr, "error: --dtype must be auto or bf16, got \"%s\"\n", v);
+                return -1;
+            }
+            o->dequant_fp8 = !strcmp(v, "bf16");
         }
         else if (!strcmp(a, "--backend")) o->backend = v;
         else if (!strcmp(a, "--log-format")) {

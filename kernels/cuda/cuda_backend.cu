@@ -39,6 +39,7 @@ static void cu_destroy(mt_backend *be) {
         if (cb->scratch[i].p) MT_CUDA_WARN(cudaFree(cb->scratch[i].p));
     cu_moe_cache_free(cb);
     cu_moe_grouped_free(cb);
+    cu_fp8_free(cb);
     if (cb->blas) MT_CUBLAS_WARN(cublasDestroy(cb->blas));
     if (cb->blas_ws) MT_CUDA_WARN(cudaFree(cb->blas_ws));
     if (cb->counters) MT_CUDA_WARN(cudaFree(cb->counters));
@@ -183,6 +184,7 @@ fail:
 static void cu_weight_free(mt_backend *be, mt_weight *w) {
     if (!w) return;
     if (w->data) CU_RECORD(be, cudaFree((void *)w->data));
+    if (w->scale) CU_RECORD(be, cudaFree((void *)w->scale));
     memset(w, 0, sizeof *w);
 }
 
@@ -219,6 +221,7 @@ static void cu_fill(mt_backend_ops *t) {
     cu_kda_fill(t);
     cu_kda_chunk_fill(t);
     cu_dsa_fill(t);
+    cu_fp8_fill(t);
     cu_hc_fill(t);
     cu_rows_fill(t);
     cu_step_fill(t);
@@ -323,9 +326,9 @@ extern "C" mt_backend *mt_cuda_backend_new(int device, const mt_cuda_params *par
         cu_destroy(&cb->base);
         return NULL;
     }
-    if (cu_blas_init(cb) != MT_OK) { /* logged at the failing call */
+    if (cu_blas_init(cb) != MT_OK || cu_fp8_init(cb) != MT_OK) { /* logged at the failing call */
         (void)cudaGetLastError();
-        mt_errorf(err, MT_ERR_BACKEND, "CUDA device %d: cuBLAS setup failed (see the log)", device);
+        mt_errorf(err, MT_ERR_BACKEND, "CUDA device %d: cuBLAS/cuBLASLt setup failed (see the log)", device);
         cu_destroy(&cb->base);
         return NULL;
     }

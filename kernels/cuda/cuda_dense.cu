@@ -990,7 +990,8 @@ extern "C" mt_status cu_gemm_tc(cu_backend *cb, float *y, const void *x16, const
  * kernels took 40% of a batch-64 decode step (batch_bench: 66% of the floor with tensor cores,
  * 40% without). */
 static bool matmul_use_tc(const cu_backend *cb, const mt_weight *w, int n) {
-    return cb->tc_terms > 0 && n > GEMV_MAX_N && w->dtype != MT_F32 && w->rows > 0 && w->cols > 0;
+    return cb->tc_terms > 0 && n > GEMV_MAX_N && (w->dtype == MT_BF16 || w->dtype == MT_F16) && w->rows > 0 &&
+           w->cols > 0;
 }
 
 /* w2[r, :] = (w[r, :], w[r, :]) for a [N, K] 16-bit weight: one thread a 16-bit element. */
@@ -1044,9 +1045,13 @@ static mt_status matmul_tc(cu_backend *cb, float *const *y, const float *x, cons
 }
 
 static void cu_matmul(mt_backend *be, float *y, const float *x, const mt_weight *w, int n) {
-    MT_ASSERT(w->dtype == MT_F32 || w->dtype == MT_F16 || w->dtype == MT_BF16);
+    MT_ASSERT(w->dtype == MT_F32 || w->dtype == MT_F16 || w->dtype == MT_BF16 || w->dtype == MT_F8E4M3);
     MT_ASSERT(w->rows <= INT_MAX && w->cols <= INT_MAX && n >= 0);
     if (n == 0 || w->rows == 0) return;
+    if (w->dtype == MT_F8E4M3) { /* block-scaled FP8 (cuda_fp8.cu) */
+        cu_fp8_matmul(be, y, x, w, n);
+        return;
+    }
     cu_backend *cb = (cu_backend *)be;
     mt_status st;
     if (n <= GEMV_MAX_N) {
@@ -1097,7 +1102,8 @@ static void cu_matmul_multi(mt_backend *be, float *const *y, const float *x, con
     for (int j = 0; fuse && j < count; j++) {
         const mt_weight *wj = w[j];
         gemv_params one = {y[j], x, wj->data, n, (int)wj->rows, (int)wj->cols, 1, 0};
-        fuse = wj->dtype == w[0]->dtype && wj->cols == w[0]->cols && wj->rows > 0 && wj->cols > 0 &&
+        fuse = wj->dtype == w[0]->dtype && wj->dtype != MT_F8E4M3 && wj->cols == w[0]->cols && wj->rows > 0 &&
+               wj->cols > 0 &&
                cu_aligned16(wj->data) && !gemv_tc_ok(&one, wj->dtype);
         total += wj->rows;
     }
@@ -1151,7 +1157,7 @@ static void cu_kda_gates(mt_backend *be, float *g, float *gate, const float *f_i
     p.w = f_b->data;
     p.x = f_in;
     bool fuse = f_b->dtype == g_b->dtype && f_b->cols == g_b->cols && f_b->rows <= INT_MAX && g_b->rows <= INT_MAX &&
-                cu_aligned16(g_b->data) && cu_aligned16(g_in) && f_b->dtype != MT_F32;
+                cu_aligned16(g_b->data) && cu_aligned16(g_in) && f_b->dtype != MT_F32 && f_b->dtype != MT_F8E4M3;
     fuse = fuse && gemv_shortk_ok(&p, f_b->dtype);
     if (!fuse) {
         cu_matmul(be, g, f_in, f_b, n);

@@ -1356,6 +1356,7 @@ static bool cu_moe_experts_shared(mt_backend *be, float *out, const float *x, co
     if (moe_takes_grouped(cb, n)) return false;
     const mt_dtype dt = experts[0].gate.dtype;
     const mt_weight *g = &shared->gate, *u = &shared->up, *d = &shared->down;
+    /* an FP8 shared expert (the routed ones never are) fails the dtype match: it runs as matmuls */
     if (g->dtype != dt || u->dtype != dt || d->dtype != dt || !g->data || !u->data || !d->data) return false;
     if (g->rows != I || g->cols != H || u->rows != I || u->cols != H || d->rows != H || d->cols != I) return false;
     moe_experts_run(be, out, x, idx, weights, experts, shared, n, top_k, H, I, L);

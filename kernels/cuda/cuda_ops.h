@@ -16,6 +16,8 @@
  *   DSA/MLA  cuda_dsa.cu       pool keys, select, sparse MLA (paged caches)
  *            cuda_dsa_mla_wg.cu  sparse MLA prefill attend on wgmma (2-CTA clusters)
  *            cuda_dsa_mla.h    sparse MLA pass parameters
+ *   fp8      cuda_fp8.cu       block-scaled FP8 weights: weight_fp8, their matmul (GEMV and
+ *                              cuBLASLt block-scaled GEMM)
  *   hc       cuda_hc.cu        hyper-connections, head mean
  *   PLE      cuda_ple.cu       the PLE memory's injection (gates, value, dilated conv)
  *   rows     cuda_rows.cu      rows-form conv, cache writes, pool keys, row copies (batched decode)
@@ -38,6 +40,8 @@ extern "C" {
 #endif
 
 struct cu_moe_cache; /* cuda_moe.cu: device copies of the host mt_expert tables */
+struct cu_fp8_cache; /* cuda_fp8.cu: cuBLASLt plans of the FP8 GEMMs */
+struct cublasLtContext; /* cublasLtHandle_t */
 struct cublasContext; /* cublasHandle_t, without pulling <cublas_v2.h> into every file */
 
 /* A device buffer grown on demand (cu_scratch). */
@@ -83,6 +87,11 @@ typedef struct cu_backend {
      * workspace, made in mt_cuda_backend_new, destroyed in destroy. */
     struct cublasContext *blas; /* owned cublasHandle_t */
     void *blas_ws;              /* [CU_BLAS_WS_BYTES] device, owned */
+    /* FP8 GEMMs (cuda_fp8.cu): a cuBLASLt handle made in mt_cuda_backend_new (it runs on `stream`
+     * with blas_ws, which the two share: both only run in the stream's order), and the plans made
+     * so far (NULL until the first; cu_fp8_free releases them). */
+    struct cublasLtContext *lt; /* owned cublasLtHandle_t */
+    struct cu_fp8_cache *fp8;
     mt_cuda_params params;      /* as given at creation (cuda_backend.h) */
     int tc_terms;               /* 16-bit parts of x on the tensor cores (params.numerics): 2 (EXACT),
                                    1 (BF16), 0 (FP32: the fp32 kernels only) */
@@ -154,6 +163,41 @@ mt_status cu_gemm_tc(cu_backend *cb, float *y /* [M, N] */, const void *x16 /* [
  * is left in *blas, *ws for the caller to free. */
 mt_status cu_blas_make(struct cublasContext **blas, void **ws, cudaStream_t stream);
 
+/* Block-scaled FP8 weights (cuda_fp8.cu). A weight of dtype F8E4M3 made by weight_fp8 holds
+ *   data  [cu_fp8_rpad(rows), cu_fp8_kpad(cols)] e4m3, row-major; the rows past rows and the
+ *         columns past cols are zeros;
+ *   scale [cu_fp8_rpad(rows) / 128, cu_fp8_kpad(cols) / 128] fp32, row-major: block (i, j)'s
+ *         scale_inv at i * (kpad / 128) + j, the blocks of padding 1.
+ * Every block is whole, so cuBLASLt never meets a partial block, and its A operand ([K, N]
+ * column-major, transposed) has the scale layout CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
+ * takes: column-major over (K blocks, N blocks) with the K blocks contiguous. K padded to 4
+ * blocks (512) makes the leading dimension of that scale tensor a multiple of 4 floats without
+ * padding between its columns, the one form both readings of that layout agree on (leading
+ * dimension ceil(K / 128), or that rounded up to 4 for 16-byte aligned columns). The GLM
+ * model's projections have rows in 128s and columns in 512s: the padding costs them nothing. */
+static inline int64_t cu_fp8_rpad(int64_t rows) { return (rows + 127) / 128 * 128; }
+static inline int64_t cu_fp8_kpad(int64_t cols) { return (cols + 511) / 512 * 512; }
+/* y[n, w.rows] = x[n, w.cols] . w^T for an F8E4M3 weight (cu_matmul's F8E4M3 case): rows up to
+ * CU_FP8_GEMV_MAX_N, MT_NUMERICS_FP32 and MT_NUMERICS_EXACT take cu_fp8_gemv (fp32 activations:
+ * the exact modes keep their promise), the rest cu_fp8_gemm_lt, and cu_fp8_gemv where cuBLASLt
+ * offers no algorithm for the shape (logged once per shape). Failures are recorded (sticky). */
+enum { CU_FP8_GEMV_MAX_N = 8 };
+void cu_fp8_matmul(mt_backend *be, float *y, const float *x, const mt_weight *w, int n);
+/* The two paths of cu_fp8_matmul, for tests and benchmarks:
+ *   cu_fp8_gemv: the weights dequantised in registers, fp32 activations and sums, any n (runs of
+ *     CU_FP8_GEMV_MAX_N rows, each reading the whole weight).
+ *   cu_fp8_gemm_lt: x quantised on the device to e4m3 with one fp32 scale per 1 x 128 block of
+ *     each row (amax / 448, CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F), the weight with its
+ *     128 x 128 blocks (BLK128x128_32F), fp32 accumulation in cuBLASLt, y fp32 (or bf16 widened to
+ *     fp32 where cuBLASLt offers no fp32 output). MT_ERR_UNSUPPORTED, having done nothing, when
+ *     cuBLASLt has no algorithm for the shape; MT_ERR_BACKEND after logging a failed call. Uses
+ *     CU_SCRATCH_GEMM. */
+mt_status cu_fp8_gemv(cu_backend *cb, float *y, const float *x, const mt_weight *w, int n);
+mt_status cu_fp8_gemm_lt(cu_backend *cb, float *y, const float *x, const mt_weight *w, int n);
+/* Makes cb->lt (mt_cuda_backend_new); frees the handle and plans (cu_destroy; fine when none). */
+mt_status cu_fp8_init(cu_backend *cb);
+void cu_fp8_free(cu_backend *cb);
+
 /* The op families' fillers: each sets its file's slots of the table (the ops themselves are static
  * in their files; kernels/backend.h is the one place an op's signature is written). cuda_backend.cu
  * builds a backend's table from its own slots (memory, lifetime) and these. */
@@ -166,6 +210,7 @@ void cu_kda_fill(mt_backend_ops *t);        /* cuda_kda.cu: conv1d_silu(_l2norm)
 void cu_kda_chunk_fill(mt_backend_ops *t);  /* cuda_kda_chunk.cu: kda_chunked */
 void cu_dsa_fill(mt_backend_ops *t);        /* cuda_dsa.cu: dsa_pool_keys(_at), dsa_select(_rows),
                                                mla_sparse(_rows) */
+void cu_fp8_fill(mt_backend_ops *t);        /* cuda_fp8.cu: weight_fp8, weight_fp8_from */
 void cu_hc_fill(mt_backend_ops *t);         /* cuda_hc.cu: hc_pre(_norm), hc_post(_pre_norm), hc_head */
 void cu_rows_fill(mt_backend_ops *t);       /* cuda_rows.cu: the rows-form conv, cache writes, pool
                                                keys, copy_rows_from */

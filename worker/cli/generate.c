@@ -3,6 +3,7 @@
  * the speed. Only main exits; every failure is a message and a non-zero status.
  *
  *   metrale-generate --model DIR --prompt 1,2,3 [--max-new 32] [--threads N] [--backend cpu|cuda]
+ *                    [--dtype auto|bf16]
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,9 +15,10 @@
 
 static void usage(FILE *f) {
     fprintf(f, "usage: metrale-generate --model DIR --prompt ID,ID,... [--max-new N] [--threads N]\n"
-               "                        [--backend cpu|cuda]\n"
+               "                        [--backend cpu|cuda] [--dtype auto|bf16]\n"
                "  Prefills the prompt and greedily generates N tokens (default 16) on the CPU backend\n"
-               "  (default) or the first GPU.\n");
+               "  (default) or the first GPU. --dtype: an FP8 checkpoint's dense projections stay FP8 on\n"
+               "  the GPU (auto, the default) or every weight is dequantised to bf16 at load (bf16).\n");
 }
 
 /* Parses "1,2,3" into a malloc'ed array; NULL with a message on bad input. */
@@ -49,7 +51,7 @@ static int32_t *parse_ids(const char *s, int *n) {
 }
 
 int main(int argc, char **argv) {
-    const char *dir = NULL, *prompt = NULL, *backend = "cpu";
+    const char *dir = NULL, *prompt = NULL, *backend = "cpu", *dtype = "auto";
     int max_new = 16, threads = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -60,6 +62,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--max-new")) max_new = atoi(v);
         else if (!strcmp(a, "--threads")) threads = atoi(v);
         else if (!strcmp(a, "--backend")) backend = v;
+        else if (!strcmp(a, "--dtype")) dtype = v;
         else { fprintf(stderr, "error: unknown option %s\n", a); usage(stderr); return 2; }
         i++;
     }
@@ -68,6 +71,12 @@ int main(int argc, char **argv) {
         fprintf(stderr, "error: --backend must be cpu or cuda, got %s\n", backend);
         return 2;
     }
+    if (strcmp(dtype, "auto") && strcmp(dtype, "bf16")) {
+        fprintf(stderr, "error: --dtype must be auto or bf16, got %s\n", dtype);
+        return 2;
+    }
+    glm_model_params mp = glm_model_default_params();
+    mp.dequant_fp8 = !strcmp(dtype, "bf16");
     int n = 0;
     int32_t *ids = parse_ids(prompt, &n);
     if (!ids) return 2;
@@ -80,7 +89,7 @@ int main(int argc, char **argv) {
     int rc = 1;
     double t0 = mt_now();
     if (!be) { fprintf(stderr, "error: %s backend: %s\n", backend, err.msg[0] ? err.msg : "out of memory"); goto done; }
-    if (glm_model_load(dir, be, NULL, &m, &err) != MT_OK) { fprintf(stderr, "error: %s\n", err.msg); goto done; }
+    if (glm_model_load(dir, be, &mp, &m, &err) != MT_OK) { fprintf(stderr, "error: %s\n", err.msg); goto done; }
     const glm_config *c = glm_model_config(m);
     double t1 = mt_now();
     fprintf(stderr, "loaded %s: %d layers, hidden %d, vocab %d in %.2f s (%s backend)\n", dir,

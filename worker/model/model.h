@@ -49,6 +49,15 @@ typedef struct mt_model_params {
     /* With mtp: the verify parts one forward takes at most (each holds GLM_VERIFY_MAX - 1 more
      * recurrent slots while its rows wait for seq_keep); default 1. */
     int verify_seqs;
+    /* FP8 checkpoints: true dequantises every FP8 weight to bf16 at load (--dtype bf16); false
+     * (default) keeps the dense projections in FP8 with their block scales where the backend
+     * multiplies FP8 (mt_backend_ops.weight_fp8; the CUDA backend), the rest dequantised. */
+    bool dequant_fp8;
+    /* Random weights (glm_model_new_random, random: presets): the projections an FP8 checkpoint
+     * keeps in FP8 are made at their dtype and quantised to FP8 on the backend
+     * (mt_backend_ops.weight_fp8_from), as an FP8 checkpoint would load, for benchmarks; default
+     * false; ignored on a backend without that slot. */
+    bool random_fp8;
     /* Weight loading progress, called on the loading thread after the embedding and head, after
      * each layer and after the drafter, while mt_model_load runs: done of total checkpoint bytes
      * of the tensors to load (a tensor split across ranks counts whole), and read, the bytes

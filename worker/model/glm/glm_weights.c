@@ -2,8 +2,11 @@
  * manifest (glm_manifest.h) is checked first, so a missing tensor or a wrong shape is reported by
  * name before anything is uploaded; matrices become backend weights (views on the CPU), vectors
  * are converted to fp32 backend buffers. Block-scaled FP8 linear weights (docs/MODEL.md, "FP8
- * checkpoints") are dequantised on the host to bf16, this rank's part only, and placed as bf16
- * weights: no backend sees an FP8 tensor. */
+ * checkpoints") of the dense projections stay FP8 on a backend that multiplies FP8
+ * (mt_backend_ops.weight_fp8) unless params.dequant_fp8; every other FP8 weight, and every one on
+ * other backends, is dequantised on the host to bf16, this rank's part only, and placed as a bf16
+ * weight. */
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -61,6 +64,10 @@ typedef struct binder {
     glm_model *m;
     mt_error *err;
     shard sh;                /* of the next bind */
+    /* Of the next binds: an FP8 tensor may stay FP8 (its only consumers are matmul and
+     * matmul_multi). Off for the weights other ops read (routed experts, kv_b, hc fn), the
+     * discrete choices' and gates' (router, indexer, KDA gates), eh_proj and lm_head. */
+    bool fp8_keep;
     char name[192];
     bool random;
     uint64_t seed;
@@ -102,7 +109,14 @@ static mt_status bind_w_random(binder *b, mt_weight *w) {
         key = mt_rand_key(key, m->tp_rank == 0 ? "rank0" : "rank");
         key += (uint64_t)m->tp_rank;
     }
-    mt_status st = b->m->be->ops->weight_random(b->m->be, s->dtype, rows, cols, key, s->mean, s->std, w);
+    mt_backend *be = b->m->be;
+    const bool fp8 = b->fp8_keep && m->params.random_fp8 && be->ops->weight_fp8_from;
+    mt_weight src = { 0 };
+    mt_status st = be->ops->weight_random(be, s->dtype, rows, cols, key, s->mean, s->std, fp8 ? &src : w);
+    if (st == MT_OK && fp8) {
+        st = be->ops->weight_fp8_from(be, &src, w);
+        be->ops->weight_free(be, &src);
+    }
     if (st != MT_OK) return mt_errorf(b->err, st, "cannot make random tensor %s on the backend", s->name);
     return MT_OK;
 }
@@ -175,9 +189,84 @@ static mt_status place_fp8(glm_model *m, const st_tensor *t, int64_t r0, int64_t
     return st;
 }
 
+/* The weight_fp8 block edge (kernels/backend.h). */
+enum { FP8_KEPT_BLOCK = 128 };
+
+/* Rows [r0, r0 + nr) x columns [c0, c0 + nc) of the FP8 matrix t kept in FP8 on the backend
+ * (weight_fp8, 128 x 128 blocks). A checkpoint of 128 x 128 blocks (GLM's, DeepSeek's) cut on
+ * block edges gives its e4m3 bytes and scales as they are. Other block sizes (the test fixtures'
+ * 16 x 32) and cuts through blocks are dequantised to fp32 and quantised again to 128 x 128
+ * blocks (scale = block amax / 448, each value rounded to nearest even e4m3): one more rounding
+ * of each weight, which the exact form never adds. */
+static mt_status place_fp8_kept(glm_model *m, const st_tensor *t, int64_t r0, int64_t nr, int64_t c0, int64_t nc,
+                                mt_weight *w, mt_error *err) {
+    const glm_quant *q = &m->cfg.quant;
+    const int64_t B = FP8_KEPT_BLOCK, cols = t->shape[1], rb = (nr + B - 1) / B, cbk = (nc + B - 1) / B;
+    const bool exact = q->block_rows == B && q->block_cols == B && r0 % B == 0 && c0 % B == 0;
+    const st_tensor *sc = scale_of(m->ar, t);
+    uint8_t *wq = malloc((size_t)(nr * nc) + 1);
+    float *ws = malloc(sizeof(float) * (size_t)(rb * cbk) + sizeof(float));
+    float *f = exact ? NULL : malloc(sizeof(float) * (size_t)(nr * nc) + sizeof(float));
+    mt_status st = MT_OK;
+    if (!wq || !ws || (!exact && !f)) {
+        st = mt_errorf(err, MT_ERR_NOMEM, "out of memory for tensor %s", t->name);
+        goto done;
+    }
+    if (exact) {
+        const size_t ses = mt_dtype_size(sc->dtype);
+        for (int64_t i = 0; i < nr; i++) {
+            const uint8_t *src = (const uint8_t *)t->data + (size_t)((r0 + i) * cols + c0);
+            for (int64_t j = 0; j < nc; j++)
+                if ((src[j] & 0x7f) == 0x7f) {
+                    st = mt_errorf(err, MT_ERR_INVALID, "%s: tensor %.200s holds an FP8 NaN (0x%02x) at [%lld, %lld]",
+                                   t->file, t->name, src[j], (long long)(r0 + i), (long long)(c0 + j));
+                    goto done;
+                }
+            memcpy(wq + (size_t)(i * nc), src, (size_t)nc);
+        }
+        for (int64_t bi = 0; bi < rb; bi++)
+            for (int64_t bj = 0; bj < cbk; bj++)
+                mt_to_f32(&ws[bi * cbk + bj],
+                          (const char *)sc->data + (size_t)((r0 / B + bi) * sc->shape[1] + c0 / B + bj) * ses,
+                          sc->dtype, 1);
+    } else {
+        if ((st = st_dequant_fp8(t, sc, q->block_rows, q->block_cols, r0, nr, c0, nc, MT_F32, f, err)) != MT_OK)
+            goto done;
+        for (int64_t bi = 0; bi < rb; bi++)
+            for (int64_t bj = 0; bj < cbk; bj++) {
+                const int64_t i1 = (bi + 1) * B < nr ? (bi + 1) * B : nr, j1 = (bj + 1) * B < nc ? (bj + 1) * B : nc;
+                float amax = 0.f;
+                for (int64_t i = bi * B; i < i1; i++)
+                    for (int64_t j = bj * B; j < j1; j++) amax = fmaxf(amax, fabsf(f[i * nc + j]));
+                const float s = amax > 0.f ? amax / 448.f : 1.f;
+                ws[bi * cbk + bj] = s;
+                for (int64_t i = bi * B; i < i1; i++)
+                    for (int64_t j = bj * B; j < j1; j++) wq[i * nc + j] = mt_f32_to_f8e4m3(f[i * nc + j] / s);
+            }
+    }
+    if ((st = m->be->ops->weight_fp8(m->be, wq, ws, nr, nc, w)) != MT_OK)
+        mt_errorf(err, st, "%s: cannot place tensor %s on the backend", t->file, t->name);
+done:
+    free(wq);
+    free(ws);
+    free(f);
+    return st;
+}
+
+/* An FP8 part of t: kept FP8 (place_fp8_kept) where the bind allows it, the backend multiplies
+ * FP8 and the params do not ask for bf16; else dequantised to bf16 (place_fp8). */
+static mt_status place_fp8_part(binder *b, const st_tensor *t, int64_t r0, int64_t nr, int64_t c0, int64_t nc,
+                                mt_weight *w) {
+    glm_model *m = b->m;
+    if (b->fp8_keep && m->be->ops->weight_fp8 && !m->params.dequant_fp8)
+        return place_fp8_kept(m, t, r0, nr, c0, nc, w, b->err);
+    return place_fp8(m, t, r0, nr, c0, nc, w, b->err);
+}
+
 /* This rank's part of matrix t [rows, cols] made a backend weight: whole, a run of rows (read in
  * place), or a run of columns (gathered row by row into a host buffer); an FP8 matrix's part is
- * dequantised (place_fp8), whichever blocks the cut goes through. Counts the bytes read. */
+ * kept FP8 or dequantised (place_fp8_part), whichever blocks the cut goes through. Counts the
+ * bytes read. */
 static mt_status place_shard(binder *b, const st_tensor *t, int64_t rows, int64_t cols, mt_weight *w) {
     glm_model *m = b->m;
     const size_t es = mt_dtype_size(t->dtype), N = (size_t)m->tp_size, r = (size_t)m->tp_rank;
@@ -186,7 +275,7 @@ static mt_status place_shard(binder *b, const st_tensor *t, int64_t rows, int64_
     if (b->sh == WHOLE || N == 1) {
         if (b->sh == WHOLE) m->bytes_replicated += t->nbytes;
         else m->bytes_sharded_read += t->nbytes, m->bytes_sharded_total += t->nbytes;
-        if (fp8) return place_fp8(m, t, 0, rows, 0, cols, w, b->err);
+        if (fp8) return place_fp8_part(b, t, 0, rows, 0, cols, w);
         st = m->be->ops->weight(m->be, t->data, t->dtype, rows, cols, w);
         goto placed;
     }
@@ -194,12 +283,12 @@ static mt_status place_shard(binder *b, const st_tensor *t, int64_t rows, int64_
     m->bytes_sharded_read += t->nbytes / N;
     if (b->sh == ROWS) {
         const int64_t lr = rows / (int64_t)N;
-        if (fp8) return place_fp8(m, t, (int64_t)r * lr, lr, 0, cols, w, b->err);
+        if (fp8) return place_fp8_part(b, t, (int64_t)r * lr, lr, 0, cols, w);
         st = m->be->ops->weight(m->be, (const char *)t->data + r * (size_t)lr * cols * es, t->dtype, lr, cols, w);
         goto placed;
     }
     const size_t lc = (size_t)cols / N, rb = lc * es;
-    if (fp8) return place_fp8(m, t, 0, rows, (int64_t)(r * lc), (int64_t)lc, w, b->err);
+    if (fp8) return place_fp8_part(b, t, 0, rows, (int64_t)(r * lc), (int64_t)lc, w);
     char *buf = malloc(rb * (size_t)rows + 1);
     if (!buf) return mt_errorf(b->err, MT_ERR_NOMEM, "out of memory for tensor %s", t->name);
     for (int64_t i = 0; i < rows; i++)
@@ -268,13 +357,17 @@ static mt_status bind_v(binder *b, float **v, const char *fmt, ...) {
 
 #define TRY(x) do { mt_status s_ = (x); if (s_ != MT_OK) return s_; } while (0)
 
-static mt_status bind_mlp(binder *b, mt_expert *e, const char *pre) {
+/* A SwiGLU MLP; fp8_keep: its FP8 weights may stay FP8 (dense and shared experts, not the routed
+ * ones, which moe_experts reads). */
+static mt_status bind_mlp(binder *b, mt_expert *e, const char *pre, bool fp8_keep) {
+    b->fp8_keep = fp8_keep;
     b->sh = ROWS;
     TRY(bind_w(b, &e->gate, "%sgate_proj.weight", pre));
     TRY(bind_w(b, &e->up, "%sup_proj.weight", pre));
     b->sh = COLS;
     TRY(bind_w(b, &e->down, "%sdown_proj.weight", pre));
     b->sh = WHOLE;
+    b->fp8_keep = false;
     return MT_OK;
 }
 
@@ -294,9 +387,11 @@ static mt_status bind_layer(binder *b, glm_layer *l, int i) {
         glm_kda_w *k = &l->kda;
         static const char qkv[3] = { 'q', 'k', 'v' };
         b->sh = ROWS; /* the heads */
+        b->fp8_keep = true;
         TRY(bind_w(b, &k->q, "%sself_attn.q_proj.weight", p));
         TRY(bind_w(b, &k->k, "%sself_attn.k_proj.weight", p));
         TRY(bind_w(b, &k->v, "%sself_attn.v_proj.weight", p));
+        b->fp8_keep = false;
         for (int j = 0; j < 3; j++) TRY(bind_v(b, &k->conv[j], "%sself_attn.%c_conv1d.weight", p, qkv[j]));
         b->sh = WHOLE;
         TRY(bind_w(b, &k->f_a, "%sself_attn.f_a_proj.weight", p));
@@ -312,10 +407,13 @@ static mt_status bind_layer(binder *b, glm_layer *l, int i) {
         b->sh = WHOLE;
         TRY(bind_v(b, &k->o_norm, "%sself_attn.o_norm.weight", p));
         b->sh = COLS;
+        b->fp8_keep = true;
         TRY(bind_w(b, &k->o, "%sself_attn.o_proj.weight", p));
+        b->fp8_keep = false;
         b->sh = WHOLE;
     } else {
         glm_dsa_w *d = &l->dsa;
+        b->fp8_keep = true; /* q_a, q_b, kv_a, o: matmul only (kv_b goes to mla_sparse) */
         TRY(bind_w(b, &d->q_a, "%sself_attn.q_a_proj.weight", p));
         TRY(bind_v(b, &d->q_a_norm, "%sself_attn.q_a_layernorm.weight", p));
         b->sh = ROWS; /* the query heads */
@@ -324,9 +422,12 @@ static mt_status bind_layer(binder *b, glm_layer *l, int i) {
         TRY(bind_w(b, &d->kv_a, "%sself_attn.kv_a_proj_with_mqa.weight", p));
         TRY(bind_v(b, &d->kv_a_norm, "%sself_attn.kv_a_layernorm.weight", p));
         b->sh = ROWS;
+        b->fp8_keep = false;
         TRY(bind_w(b, &d->kv_b, "%sself_attn.kv_b_proj.weight", p));
         b->sh = COLS;
+        b->fp8_keep = true;
         TRY(bind_w(b, &d->o, "%sself_attn.o_proj.weight", p));
+        b->fp8_keep = false;
         b->sh = WHOLE;
         d->has_indexer = c->indexer_types[i] == GLM_INDEXER_FULL;
         if (d->has_indexer) {
@@ -353,7 +454,7 @@ static mt_status bind_layer(binder *b, glm_layer *l, int i) {
     mw->sparse = c->mlp_layer_types[i] == GLM_MLP_SPARSE;
     if (!mw->sparse) {
         snprintf(mp, sizeof mp, "%smlp.", p);
-        return bind_mlp(b, &mw->dense, mp);
+        return bind_mlp(b, &mw->dense, mp, true);
     }
     TRY(bind_w(b, &mw->router, "%smlp.gate.weight", p));
     TRY(bind_v(b, &mw->router_bias, "%smlp.gate.e_score_correction_bias", p));
@@ -361,10 +462,10 @@ static mt_status bind_layer(binder *b, glm_layer *l, int i) {
     if (!mw->experts) return mt_errorf(b->err, MT_ERR_NOMEM, "out of memory for the experts of layer %d", i);
     for (int e = 0; e < c->n_routed_experts; e++) {
         snprintf(mp, sizeof mp, "%smlp.experts.%d.", p, e);
-        TRY(bind_mlp(b, &mw->experts[e], mp));
+        TRY(bind_mlp(b, &mw->experts[e], mp, false));
     }
     snprintf(mp, sizeof mp, "%smlp.shared_experts.", p);
-    return bind_mlp(b, &mw->shared, mp);
+    return bind_mlp(b, &mw->shared, mp, true);
 }
 
 /* One half of eh_proj [H, 2H] (columns [c0, c0 + H)) as its own weight [H, H], so the block's

@@ -1,0 +1,474 @@
+/* kernels/cuda/cuda_fp8.cu: block-scaled FP8 weights (cuda_ops.h, "Block-scaled FP8 weights"):
+ * weight_fp8 keeps a checkpoint's e4m3 weight and its 128 x 128 block scales on the device
+ * (weight_fp8_from makes one from a float weight on the device, for benchmarks), and
+ * cu_fp8_matmul multiplies by it: decode-sized row counts on a GEMV that dequantises the weight in
+ * registers (half the bytes of bf16, fp32 activations), prefill on Hopper's FP8 tensor cores
+ * through cuBLASLt's block scaling (activations quantised here to e4m3 per 1 x 128 block). */
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/cuda_ops.h"
+
+enum {
+    FP8_BLK = 128,           /* block edge of the weight scales and of the activation scales */
+    FP8_GEMV_THREADS = 256,  /* 8 warps: a warp per weight row */
+    FP8_Q_THREADS = 256,     /* 8 warps: a warp per (row, 128-block) of the activations */
+    FP8_WIDEN_THREADS = 256,
+    FP8_PLANS = 64,          /* cached cuBLASLt plans (shape, output type) */
+};
+
+/* The largest finite e4m3 value: an activation block's amax maps to it. */
+#define FP8_E4M3_MAX 448.0f
+
+static __device__ __forceinline__ float fp8_f32(uint32_t b) {
+    __nv_fp8_e4m3 v;
+    v.__x = (__nv_fp8_storage_t)(b & 0xffu);
+    return (float)v;
+}
+
+/* ================================ weight_fp8 ================================ */
+
+static mt_status cu_weight_fp8(mt_backend *be, const uint8_t *q, const float *scale_inv, int64_t rows, int64_t cols,
+                               mt_weight *out) {
+    cu_backend *cb = (cu_backend *)be;
+    MT_ASSERT(rows >= 0 && cols >= 0 && (q || rows * cols == 0) && scale_inv);
+    const int64_t np = cu_fp8_rpad(rows), kp = cu_fp8_kpad(cols), sld = kp / FP8_BLK;
+    const int64_t rblk = (rows + FP8_BLK - 1) / FP8_BLK, cblk = (cols + FP8_BLK - 1) / FP8_BLK;
+    const size_t qbytes = (size_t)np * (size_t)kp, sbytes = sizeof(float) * (size_t)(np / FP8_BLK) * (size_t)sld;
+    mt_status st = MT_ERR_NOMEM;
+    void *dq = NULL, *ds = NULL;
+    /* the padded layout is built on the host: one upload each, no device kernel at load */
+    uint8_t *hq = (uint8_t *)calloc(qbytes ? qbytes : 1, 1);
+    float *hs = (float *)malloc(sbytes ? sbytes : sizeof(float));
+    if (!hq || !hs) goto fail;
+    for (int64_t i = 0; i < rows; i++) memcpy(hq + (size_t)i * kp, q + (size_t)i * cols, (size_t)cols);
+    for (size_t i = 0; i < sbytes / sizeof(float); i++) hs[i] = 1.f;
+    for (int64_t b = 0; b < rblk; b++) memcpy(hs + (size_t)b * sld, scale_inv + (size_t)b * cblk, sizeof(float) * cblk);
+    if (cudaMalloc(&dq, qbytes ? qbytes : 1) != cudaSuccess || cudaMalloc(&ds, sbytes ? sbytes : 1) != cudaSuccess) {
+        (void)cudaGetLastError();
+        mt_log(MT_LOG_ERROR, "cuda backend: out of device memory for a %lld x %lld F8_E4M3 weight", (long long)rows,
+               (long long)cols);
+        goto fail;
+    }
+    if (qbytes) MT_CUDA_CHECK_GOTO(cudaMemcpyAsync(dq, hq, qbytes, cudaMemcpyHostToDevice, cb->stream), st, fail);
+    if (sbytes) MT_CUDA_CHECK_GOTO(cudaMemcpyAsync(ds, hs, sbytes, cudaMemcpyHostToDevice, cb->stream), st, fail);
+    MT_CUDA_CHECK_GOTO(cudaStreamSynchronize(cb->stream), st, fail);
+    free(hq);
+    free(hs);
+    out->data = dq;
+    out->dtype = MT_F8E4M3;
+    out->rows = rows;
+    out->cols = cols;
+    out->owned = true;
+    out->cls = MT_WCLS_OTHER;
+    out->row0 = 0;
+    out->scale = (const float *)ds;
+    return MT_OK;
+fail:
+    if (dq) MT_CUDA_WARN(cudaFree(dq));
+    if (ds) MT_CUDA_WARN(cudaFree(ds));
+    free(hq);
+    free(hs);
+    return st;
+}
+
+/* ================================ weight_fp8_from ================================ */
+
+typedef struct fp8_from_params {
+    uint8_t *q;          /* [rpad(rows), kp] e4m3 */
+    float *s;            /* [rpad(rows) / 128, kp / 128] fp32 */
+    const void *w;       /* [rows, cols] of the source dtype */
+    int64_t rows, cols;
+    int kp;
+} fp8_from_params;
+
+/* A block of FP8_Q_THREADS per 128 x 128 block (blockIdx.y, blockIdx.x) of the padded weight:
+ * its amax over the real elements, scale = amax / 448 (1 for none or zeros), then every element
+ * of the block, padding as zeros, rounded to nearest even e4m3 (saturating). */
+template <mt_dtype DT> static __global__ void __launch_bounds__(FP8_Q_THREADS) fp8_from_kernel(const fp8_from_params p) {
+    __shared__ float red[FP8_Q_THREADS / 32];
+    const int64_t r0 = (int64_t)blockIdx.y * FP8_BLK, c0 = (int64_t)blockIdx.x * FP8_BLK;
+    float amax = 0.f;
+    for (int e = threadIdx.x; e < FP8_BLK * FP8_BLK; e += FP8_Q_THREADS) {
+        const int64_t r = r0 + e / FP8_BLK, c = c0 + e % FP8_BLK;
+        if (r < p.rows && c < p.cols) amax = fmaxf(amax, fabsf(cu_wget<DT>(p.w, r * p.cols + c)));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = amax;
+    __syncthreads();
+    amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < FP8_Q_THREADS / 32; i++) amax = fmaxf(amax, red[i]);
+    const float sc = amax > 0.f ? amax / FP8_E4M3_MAX : 1.f;
+    for (int e = threadIdx.x; e < FP8_BLK * FP8_BLK; e += FP8_Q_THREADS) {
+        const int64_t r = r0 + e / FP8_BLK, c = c0 + e % FP8_BLK;
+        const float v = r < p.rows && c < p.cols ? cu_wget<DT>(p.w, r * p.cols + c) : 0.f;
+        p.q[r * p.kp + c] = (uint8_t)__nv_cvt_float_to_fp8(v / sc, __NV_SATFINITE, __NV_E4M3);
+    }
+    if (threadIdx.x == 0) p.s[(int64_t)blockIdx.y * (p.kp / FP8_BLK) + blockIdx.x] = sc;
+}
+
+static mt_status cu_weight_fp8_from(mt_backend *be, const mt_weight *src, mt_weight *out) {
+    cu_backend *cb = (cu_backend *)be;
+    MT_ASSERT(src->dtype == MT_F32 || src->dtype == MT_F16 || src->dtype == MT_BF16);
+    const int64_t rows = src->rows, cols = src->cols, np = cu_fp8_rpad(rows), kp = cu_fp8_kpad(cols);
+    MT_ASSERT(rows >= 0 && cols >= 0 && np / FP8_BLK <= 65535 && kp <= INT32_MAX);
+    const size_t qbytes = (size_t)np * (size_t)kp, sbytes = sizeof(float) * (size_t)(np / FP8_BLK) * (size_t)(kp / FP8_BLK);
+    void *dq = NULL, *ds = NULL;
+    if (cudaMalloc(&dq, qbytes ? qbytes : 1) != cudaSuccess || cudaMalloc(&ds, sbytes ? sbytes : 1) != cudaSuccess) {
+        (void)cudaGetLastError();
+        if (dq) MT_CUDA_WARN(cudaFree(dq));
+        mt_log(MT_LOG_ERROR, "cuda backend: out of device memory for a %lld x %lld F8_E4M3 weight", (long long)rows,
+               (long long)cols);
+        return MT_ERR_NOMEM;
+    }
+    mt_status st = MT_OK;
+    if (qbytes) {
+        fp8_from_params p = {(uint8_t *)dq, (float *)ds, src->data, rows, cols, (int)kp};
+        const dim3 grid((unsigned)(kp / FP8_BLK), (unsigned)(np / FP8_BLK));
+        if (src->dtype == MT_BF16) fp8_from_kernel<MT_BF16><<<grid, FP8_Q_THREADS, 0, cb->stream>>>(p);
+        else if (src->dtype == MT_F16) fp8_from_kernel<MT_F16><<<grid, FP8_Q_THREADS, 0, cb->stream>>>(p);
+        else fp8_from_kernel<MT_F32><<<grid, FP8_Q_THREADS, 0, cb->stream>>>(p);
+        MT_CUDA_CHECK_GOTO(cudaGetLastError(), st, fail);
+        MT_CUDA_CHECK_GOTO(cudaStreamSynchronize(cb->stream), st, fail);
+    }
+    out->data = dq;
+    out->dtype = MT_F8E4M3;
+    out->rows = rows;
+    out->cols = cols;
+    out->owned = true;
+    out->cls = MT_WCLS_OTHER;
+    out->row0 = 0;
+    out->scale = (const float *)ds;
+    return MT_OK;
+fail:
+    MT_CUDA_WARN(cudaFree(dq));
+    MT_CUDA_WARN(cudaFree(ds));
+    return st;
+}
+
+/* ================================ GEMV (few rows) ================================ */
+
+typedef struct fp8_gemv_params {
+    float *y;            /* [n, N] fp32 */
+    const float *x;      /* [n, K] fp32 */
+    const uint8_t *w;    /* [N, kp] e4m3 */
+    const float *s;      /* [rpad(N) / 128, kp / 128] fp32 */
+    int n, N, K, kp;
+} fp8_gemv_params;
+
+/* A warp per weight row r: each lane takes 16 bytes (16 weights, within one 128-block) at a time,
+ * multiplies them by their block's scale, and accumulates them against the NB rows of x; the
+ * warp's sums go to y[m, r]. The product per weight, e4m3 * scale in fp32, is the one the host's
+ * dequantisation rounds to bf16 (st_dequant_fp8): here it is not rounded. */
+template <int NB> static __global__ void __launch_bounds__(FP8_GEMV_THREADS) fp8_gemv_kernel(const fp8_gemv_params p) {
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * (FP8_GEMV_THREADS / 32) + (threadIdx.x >> 5);
+    if (r >= p.N) return;
+    const uint8_t *wr = p.w + (int64_t)r * p.kp;
+    const float *sr = p.s + (int64_t)(r / FP8_BLK) * (p.kp / FP8_BLK);
+    float acc[NB];
+#pragma unroll
+    for (int m = 0; m < NB; m++) acc[m] = 0.f;
+    for (int k0 = lane * 16; k0 < p.K; k0 += 32 * 16) {
+        const uint4 u = __ldg((const uint4 *)(wr + k0)); /* kp % 512 == 0: never past the row */
+        const float sc = __ldg(sr + k0 / FP8_BLK);
+        const uint32_t q[4] = {u.x, u.y, u.z, u.w};
+        float wf[16];
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int b = 0; b < 4; b++) wf[4 * j + b] = fp8_f32(q[j] >> (8 * b)) * sc;
+        const int e_end = p.K - k0 < 16 ? p.K - k0 : 16;
+#pragma unroll
+        for (int m = 0; m < NB; m++) {
+            const float *xr = p.x + (int64_t)m * p.K + k0;
+            if (e_end == 16) {
+#pragma unroll
+                for (int e = 0; e < 16; e++) acc[m] += wf[e] * __ldg(xr + e);
+            } else {
+                for (int e = 0; e < e_end; e++) acc[m] += wf[e] * __ldg(xr + e);
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < NB; m++) {
+        const float v = cu_warp_sum(acc[m]);
+        if (lane == 0) p.y[(int64_t)m * p.N + r] = v;
+    }
+}
+
+template <int NB> static void fp8_gemv_launch_nb(const fp8_gemv_params *p, cudaStream_t s) {
+    const unsigned blocks = (unsigned)((p->N + FP8_GEMV_THREADS / 32 - 1) / (FP8_GEMV_THREADS / 32));
+    fp8_gemv_kernel<NB><<<blocks, FP8_GEMV_THREADS, 0, s>>>(*p);
+}
+
+extern "C" mt_status cu_fp8_gemv(cu_backend *cb, float *y, const float *x, const mt_weight *w, int n) {
+    MT_ASSERT(w->dtype == MT_F8E4M3 && w->scale && n >= 0);
+    MT_ASSERT(w->rows <= INT32_MAX && cu_fp8_kpad(w->cols) <= INT32_MAX);
+    if (n == 0 || w->rows == 0) return MT_OK;
+    fp8_gemv_params p = {};
+    p.w = (const uint8_t *)w->data;
+    p.s = w->scale;
+    p.N = (int)w->rows;
+    p.K = (int)w->cols;
+    p.kp = (int)cu_fp8_kpad(w->cols);
+    for (int m0 = 0; m0 < n; m0 += CU_FP8_GEMV_MAX_N) {
+        p.n = n - m0 < CU_FP8_GEMV_MAX_N ? n - m0 : CU_FP8_GEMV_MAX_N;
+        p.x = x + (int64_t)m0 * p.K;
+        p.y = y + (int64_t)m0 * p.N;
+        switch (p.n) {
+        case 1: fp8_gemv_launch_nb<1>(&p, cb->stream); break;
+        case 2: fp8_gemv_launch_nb<2>(&p, cb->stream); break;
+        case 3: fp8_gemv_launch_nb<3>(&p, cb->stream); break;
+        case 4: fp8_gemv_launch_nb<4>(&p, cb->stream); break;
+        case 5: fp8_gemv_launch_nb<5>(&p, cb->stream); break;
+        case 6: fp8_gemv_launch_nb<6>(&p, cb->stream); break;
+        case 7: fp8_gemv_launch_nb<7>(&p, cb->stream); break;
+        default: fp8_gemv_launch_nb<8>(&p, cb->stream); break;
+        }
+        MT_CUDA_CHECK_LAUNCH();
+    }
+    return MT_OK;
+}
+
+/* ================================ activations to e4m3 ================================ */
+
+typedef struct fp8_quant_params {
+    uint8_t *q;          /* [M, kp] e4m3; rows >= n and columns >= K are zeros */
+    float *s;            /* [kp / 128, M] fp32: the scale of row m's block kb at kb * M + m */
+    const float *x;      /* [n, K] fp32 */
+    int n, M, K, kp;
+} fp8_quant_params;
+
+/* A warp per (row m, block kb): its 128 values (4 a lane), their amax, scale = amax / 448 (1 for a
+ * block of zeros), and each value x / scale rounded to nearest even e4m3, saturating at 448 (the
+ * division may round a hair above it). */
+static __global__ void __launch_bounds__(FP8_Q_THREADS) fp8_quant_kernel(const fp8_quant_params p) {
+    const int lane = threadIdx.x & 31, kbs = p.kp / FP8_BLK;
+    const int64_t g = (int64_t)blockIdx.x * (FP8_Q_THREADS / 32) + (threadIdx.x >> 5);
+    if (g >= (int64_t)p.M * kbs) return;
+    const int m = (int)(g / kbs), kb = (int)(g % kbs), k = kb * FP8_BLK + lane * 4;
+    float v[4];
+    float amax = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        v[j] = m < p.n && k + j < p.K ? p.x[(int64_t)m * p.K + k + j] : 0.f;
+        amax = fmaxf(amax, fabsf(v[j]));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float sc = amax > 0.f ? amax / FP8_E4M3_MAX : 1.f;
+    uint32_t packed = 0;
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+        packed |= (uint32_t)__nv_cvt_float_to_fp8(v[j] / sc, __NV_SATFINITE, __NV_E4M3) << (8 * j);
+    *(uint32_t *)(p.q + (int64_t)m * p.kp + k) = packed;
+    if (lane == 0) p.s[(int64_t)kb * p.M + m] = sc;
+}
+
+/* y[n, N] = fp32 of the first N columns of the bf16 d[n, ld] (the bf16-output form of the GEMM). */
+static __global__ void fp8_widen_kernel(float *y, const __nv_bfloat16 *d, int64_t n, int N, int ld) {
+    const int64_t count = n * N;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += (int64_t)gridDim.x * blockDim.x)
+        y[i] = __bfloat162float(d[i / N * ld + i % N]);
+}
+
+/* ================================ cuBLASLt plans ================================ */
+
+/* One GEMM shape's descriptors and algorithm. cuBLASLt is column-major: row-major y[M, N] is
+ * column-major D [N, M] (ld N); the weight, row-major [N, kp], is column-major [kp, N] (ld kp) and
+ * enters transposed (op(A) = A^T, [N, K]); the activations, row-major [M, kp], are column-major
+ * [kp, M] (ld kp), not transposed. So D = A^T B with TRANSA = T, TRANSB = N: the "TN" form, the
+ * only one Hopper's FP8 GEMMs take. The scale modes go with the operands: A (the weight) 128 x 128
+ * blocks, its scales column-major over (K blocks, N blocks), ld kp / 128 (cuda_ops.h); B (the
+ * activations) 1 x 128 along K, its scale tensor [kp / 128, M] column-major with the outer
+ * dimension M contiguous (ld M, M a multiple of 4 here: see cu_fp8_gemm_lt). N of the plan is the
+ * weight's padded row count. */
+typedef struct fp8_plan {
+    int M, N, K;
+    cudaDataType_t d;          /* CUDA_R_32F or CUDA_R_16BF */
+    bool ok;                   /* cuBLASLt offered an algorithm */
+    cublasLtMatmulDesc_t op;
+    cublasLtMatrixLayout_t la, lb, ld;
+    cublasLtMatmulAlgo_t algo;
+} fp8_plan;
+
+struct cu_fp8_cache {
+    fp8_plan plan[FP8_PLANS];
+    int n;
+};
+
+static void plan_release(fp8_plan *p) {
+    if (p->op) MT_CUBLAS_WARN(cublasLtMatmulDescDestroy(p->op));
+    if (p->la) MT_CUBLAS_WARN(cublasLtMatrixLayoutDestroy(p->la));
+    if (p->lb) MT_CUBLAS_WARN(cublasLtMatrixLayoutDestroy(p->lb));
+    if (p->ld) MT_CUBLAS_WARN(cublasLtMatrixLayoutDestroy(p->ld));
+    memset(p, 0, sizeof *p);
+}
+
+/* The descriptors of p (its key set), and whether cuBLASLt has an algorithm for them: p->ok.
+ * MT_OK with p->ok false is "no algorithm" (NOT_SUPPORTED from the heuristic, or none returned);
+ * a failure to make a descriptor is MT_ERR_BACKEND, logged. Scale pointers are set per call. */
+static mt_status plan_make(cu_backend *cb, fp8_plan *p, const void *ascale, const void *bscale) {
+    const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    const int32_t amode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, bmode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    const uint64_t ws = CU_BLAS_WS_BYTES;
+    cublasLtMatmulPreference_t pref = NULL;
+    cublasLtMatmulHeuristicResult_t res;
+    int found = 0;
+    mt_status st = MT_OK;
+    MT_CUBLAS_CHECK_GOTO(cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F), st, done);
+    MT_CUBLAS_CHECK_GOTO(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta), st, done);
+    MT_CUBLAS_CHECK_GOTO(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb), st, done);
+    MT_CUBLAS_CHECK_GOTO(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &amode, sizeof amode),
+                         st, done);
+    MT_CUBLAS_CHECK_GOTO(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &bmode, sizeof bmode),
+                         st, done);
+    MT_CUBLAS_CHECK_GOTO(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &ascale,
+                                                        sizeof ascale), st, done);
+    MT_CUBLAS_CHECK_GOTO(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &bscale,
+                                                        sizeof bscale), st, done);
+    MT_CUBLAS_CHECK_GOTO(cublasLtMatrixLayoutCreate(&p->la, CUDA_R_8F_E4M3, p->K, p->N, p->K), st, done);
+    MT_CUBLAS_CHECK_GOTO(cublasLtMatrixLayoutCreate(&p->lb, CUDA_R_8F_E4M3, p->K, p->M, p->K), st, done);
+    MT_CUBLAS_CHECK_GOTO(cublasLtMatrixLayoutCreate(&p->ld, p->d, p->N, p->M, p->N), st, done);
+    MT_CUBLAS_CHECK_GOTO(cublasLtMatmulPreferenceCreate(&pref), st, done);
+    MT_CUBLAS_CHECK_GOTO(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+                                                              sizeof ws), st, done);
+    /* NOT_SUPPORTED here is an answer (no kernel for this shape or layout), not a failure */
+    if (cublasLtMatmulAlgoGetHeuristic((cublasLtHandle_t)cb->lt, p->op, p->la, p->lb, p->ld, p->ld, pref, 1, &res,
+                                       &found) == CUBLAS_STATUS_SUCCESS && found > 0) {
+        p->algo = res.algo;
+        p->ok = true;
+    }
+done:
+    if (pref) MT_CUBLAS_WARN(cublasLtMatmulPreferenceDestroy(pref));
+    return st;
+}
+
+/* The plan of (M, N, K, d), made on first use; NULL (logged) when it cannot be made. A full cache
+ * starts over (shapes are few: a model's projections at a few row counts). */
+static fp8_plan *plan_get(cu_backend *cb, int M, int N, int K, cudaDataType_t d, const void *ascale,
+                          const void *bscale) {
+    if (!cb->fp8 && !(cb->fp8 = (struct cu_fp8_cache *)calloc(1, sizeof *cb->fp8))) return NULL;
+    struct cu_fp8_cache *c = cb->fp8;
+    for (int i = 0; i < c->n; i++) {
+        fp8_plan *p = &c->plan[i];
+        if (p->M == M && p->N == N && p->K == K && p->d == d) return p;
+    }
+    if (c->n == FP8_PLANS) {
+        for (int i = 0; i < c->n; i++) plan_release(&c->plan[i]);
+        c->n = 0;
+    }
+    fp8_plan *p = &c->plan[c->n];
+    memset(p, 0, sizeof *p);
+    p->M = M;
+    p->N = N;
+    p->K = K;
+    p->d = d;
+    if (plan_make(cb, p, ascale, bscale) != MT_OK) {
+        plan_release(p);
+        return NULL;
+    }
+    if (!p->ok)
+        mt_log(MT_LOG_WARN, "cuda backend: cuBLASLt has no block-scaled FP8 GEMM for M %d, N %d, K %d with %s output",
+               M, N, K, d == CUDA_R_32F ? "fp32" : "bf16");
+    c->n++;
+    return p;
+}
+
+extern "C" mt_status cu_fp8_init(cu_backend *cb) {
+    cublasLtHandle_t h = NULL;
+    MT_CUBLAS_CHECK(cublasLtCreate(&h));
+    cb->lt = (struct cublasLtContext *)h;
+    return MT_OK;
+}
+
+extern "C" void cu_fp8_free(cu_backend *cb) {
+    if (cb->fp8) {
+        for (int i = 0; i < cb->fp8->n; i++) plan_release(&cb->fp8->plan[i]);
+        free(cb->fp8);
+        cb->fp8 = NULL;
+    }
+    if (cb->lt) MT_CUBLAS_WARN(cublasLtDestroy((cublasLtHandle_t)cb->lt));
+    cb->lt = NULL;
+}
+
+/* ================================ the GEMM ================================ */
+
+/* The GEMM runs over the weight's padded rows, np = rpad(N), and M = n rounded up to a multiple
+ * of 4 rows: the activation scales' leading dimension is M, and a multiple of 4 keeps their
+ * columns 16-byte aligned (the same two readings of the layout as the weight's agree there). The
+ * extra rows of x are zeros. When np > N or M > n the GEMM writes a scratch [M, np] and y takes
+ * its first n rows' first N columns. */
+extern "C" mt_status cu_fp8_gemm_lt(cu_backend *cb, float *y, const float *x, const mt_weight *w, int n) {
+    MT_ASSERT(w->dtype == MT_F8E4M3 && w->scale && n >= 0);
+    MT_ASSERT(cu_fp8_rpad(w->rows) <= INT32_MAX && cu_fp8_kpad(w->cols) <= INT32_MAX);
+    if (n == 0 || w->rows == 0) return MT_OK;
+    if (!cb->lt) return MT_ERR_UNSUPPORTED;
+    const int N = (int)w->rows, K = (int)w->cols, np = (int)cu_fp8_rpad(w->rows), kp = (int)cu_fp8_kpad(w->cols);
+    const int M = (n + 3) / 4 * 4;
+    const size_t qb = cu_align_up((size_t)M * kp, 256), sb = cu_align_up(sizeof(float) * (size_t)(kp / FP8_BLK) * M, 256);
+    const size_t db = sizeof(float) * (size_t)M * np;
+    char *buf = (char *)cu_scratch(&cb->base, CU_SCRATCH_GEMM, qb + sb + db);
+    if (!buf) return MT_ERR_NOMEM; /* logged */
+    uint8_t *xq = (uint8_t *)buf;
+    float *xs = (float *)(buf + qb);
+    void *dtmp = buf + qb + sb;
+
+    fp8_plan *p = plan_get(cb, M, np, kp, CUDA_R_32F, w->scale, xs);
+    if (p && !p->ok) p = plan_get(cb, M, np, kp, CUDA_R_16BF, w->scale, xs);
+    if (!p) return MT_ERR_BACKEND;
+    if (!p->ok) return MT_ERR_UNSUPPORTED;
+
+    fp8_quant_params qp = {xq, xs, x, n, M, K, kp};
+    const int64_t warps = (int64_t)M * (kp / FP8_BLK);
+    fp8_quant_kernel<<<(unsigned)((warps + FP8_Q_THREADS / 32 - 1) / (FP8_Q_THREADS / 32)), FP8_Q_THREADS, 0,
+                       cb->stream>>>(qp);
+    MT_CUDA_CHECK_LAUNCH();
+
+    const void *as = w->scale, *bs = xs;
+    MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &as, sizeof as));
+    MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &bs, sizeof bs));
+    const bool direct = p->d == CUDA_R_32F && M == n && np == N;
+    void *d = direct ? (void *)y : dtmp;
+    const float one = 1.f, zero = 0.f;
+    MT_CUBLAS_CHECK(cublasLtMatmul((cublasLtHandle_t)cb->lt, p->op, &one, w->data, p->la, xq, p->lb, &zero, d, p->ld, d,
+                                   p->ld, &p->algo, cb->blas_ws, CU_BLAS_WS_BYTES, cb->stream));
+    if (direct) return MT_OK;
+    if (p->d == CUDA_R_32F) {
+        MT_CUDA_CHECK(cudaMemcpy2DAsync(y, sizeof(float) * (size_t)N, dtmp, sizeof(float) * (size_t)np,
+                                        sizeof(float) * (size_t)N, (size_t)n, cudaMemcpyDeviceToDevice, cb->stream));
+        return MT_OK;
+    }
+    const int64_t want = ((int64_t)n * N + FP8_WIDEN_THREADS - 1) / FP8_WIDEN_THREADS;
+    fp8_widen_kernel<<<(unsigned)(want < 4096 ? want : 4096), FP8_WIDEN_THREADS, 0, cb->stream>>>(
+        y, (const __nv_bfloat16 *)dtmp, n, N, np);
+    MT_CUDA_CHECK_LAUNCH();
+    return MT_OK;
+}
+
+extern "C" void cu_fp8_matmul(mt_backend *be, float *y, const float *x, const mt_weight *w, int n) {
+    cu_backend *cb = (cu_backend *)be;
+    mt_status st;
+    if (n <= CU_FP8_GEMV_MAX_N || cb->params.numerics != MT_NUMERICS_BF16) {
+        st = cu_fp8_gemv(cb, y, x, w, n);
+        cu_prof_mark(be, "matmul (FP8 GEMV)");
+    } else if ((st = cu_fp8_gemm_lt(cb, y, x, w, n)) == MT_ERR_UNSUPPORTED) {
+        st = cu_fp8_gemv(cb, y, x, w, n); /* slow (the weight read once per 8 rows) but right */
+        cu_prof_mark(be, "matmul (FP8 GEMV, no cuBLASLt GEMM)");
+    } else {
+        cu_prof_mark(be, "matmul (FP8 tensor cores)");
+    }
+    cu_op_status(be, "matmul", st);
+}
+
+extern "C" void cu_fp8_fill(mt_backend_ops *t) {
+    t->weight_fp8 = cu_weight_fp8;
+    t->weight_fp8_from = cu_weight_fp8_from;
+}

@@ -1,0 +1,355 @@
+// tests/kernels_cuda_fp8_test.cc: block-scaled FP8 weights on the CUDA backend
+// (kernels/cuda/cuda_fp8.cu): weight_fp8, weight_fp8_from and the matmul of such weights, on
+// random e4m3 weights with a different random scale per 128 x 128 block (so a scale read from the
+// wrong block, or a transposed scale layout, moves results by up to 1000x), rows and columns that
+// are and are not multiples of 128 (partial blocks), and M = 1, 7, 64, 300, 4096 rows. Skips when
+// no CUDA device is usable (CI and dev hosts have the toolkit but no GPU).
+//
+// References, computed on the host in double from the dequantised weight W = e4m3(q) * scale:
+//   exact:    y = x . W^T with the fp32 activations;
+//   emulated: the same with x replaced by its device quantisation, replayed on the host: per 1 x 128
+//             block of a row, s = amax / 448 (1 for zeros), x ~ e4m3(x / s) * s, rounded to
+//             nearest even and saturated at 448 (mt_f32_to_f8e4m3, the rounding of
+//             __nv_cvt_float_to_fp8(..., __NV_SATFINITE, __NV_E4M3)).
+// Bars, per element, in terms of a(m, n) = sum_k |x[m,k] W[n,k]| (the scale of the rounding errors
+// any order of summation makes):
+//   the GEMV (cu_fp8_gemv; fp32 sums of the same fp32 products): 2e-5 a against exact (fp32
+//     accumulation over K <= 4096 in another order, ~sqrt(K) * 6e-8 typical);
+//   cuBLASLt (cu_fp8_gemm_lt) against emulated: 1e-3 a + 4e-3 |y| (the tensor cores' FP8 products
+//     are exact, their partial sums are promoted to fp32 at every 128-block, about 2^-14 relative
+//     before; 4e-3 |y| covers a bf16 output should cuBLASLt offer no fp32 one);
+//   the matmul op against exact, whichever path it takes: the bound e4m3 activation rounding can
+//     reach, 2^-4 a (round to nearest with 3 mantissa bits: at most half a unit, 1/16 of a value's
+//     power of two) plus sum_k |W[n,k]| * 2^-10 s(m, k) (the absolute step of the subnormals, for
+//     values below 2^-6 s), plus the tensor-core slack above.
+#include <gtest/gtest.h>
+
+#include "tests/cuda_test_util.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/mt.h"
+#include "kernels/backend.h"
+#include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/cuda_ops.h"
+
+namespace {
+
+constexpr int kB = 128;
+
+// A random FP8 weight [N, K]: e4m3 codes of N(0,1)-ish values (never NaN) and one scale a block,
+// uniform in [2^-10, 2^0) on a log scale.
+struct HostFp8 {
+    int N, K;
+    std::vector<uint8_t> q;     // [N, K]
+    std::vector<float> scale;   // [ceil(N / 128), ceil(K / 128)]
+    std::vector<double> w;      // [N, K] dequantised
+};
+
+HostFp8 MakeWeight(int N, int K, uint64_t seed) {
+    Rng r(seed);
+    HostFp8 h{N, K, std::vector<uint8_t>((size_t)N * K), {}, std::vector<double>((size_t)N * K)};
+    const int rb = (N + kB - 1) / kB, cb = (K + kB - 1) / kB;
+    h.scale.resize((size_t)rb * cb);
+    for (float &s : h.scale) s = std::ldexp(1.f, -10) * std::pow(2.f, r.Uniform(0.f, 10.f));
+    for (int i = 0; i < N; i++)
+        for (int k = 0; k < K; k++) {
+            const float v = r.Uniform(-1.f, 1.f) * r.Uniform(0.f, 300.f);
+            const uint8_t b = mt_f32_to_f8e4m3(v);
+            h.q[(size_t)i * K + k] = b;
+            h.w[(size_t)i * K + k] = (double)mt_f8e4m3_to_f32(b) * h.scale[(size_t)(i / kB) * cb + k / kB];
+        }
+    return h;
+}
+
+// Activations [M, K]: uniform [-1, 1), each 128-block of a row scaled by its own factor in
+// [1e-3, 10], so the per-block activation scales differ.
+std::vector<float> MakeX(int M, int K, uint64_t seed) {
+    Rng r(seed);
+    std::vector<float> x((size_t)M * K);
+    for (int m = 0; m < M; m++)
+        for (int kb = 0; kb * kB < K; kb++) {
+            const float f = std::pow(10.f, r.Uniform(-3.f, 1.f));
+            for (int k = kb * kB; k < K && k < (kb + 1) * kB; k++) x[(size_t)m * K + k] = r.Uniform(-1.f, 1.f) * f;
+        }
+    return x;
+}
+
+// The device's quantisation of x (cuda_fp8.cu, fp8_quant_kernel) replayed: the dequantised values,
+// and each element's block scale s.
+void QuantiseX(const std::vector<float> &x, int M, int K, std::vector<double> *xq, std::vector<float> *s) {
+    xq->assign((size_t)M * K, 0.0);
+    s->assign((size_t)M * K, 0.f);
+    for (int m = 0; m < M; m++)
+        for (int k0 = 0; k0 < K; k0 += kB) {
+            const int k1 = k0 + kB < K ? k0 + kB : K;
+            float amax = 0.f;
+            for (int k = k0; k < k1; k++) amax = std::fmax(amax, std::fabs(x[(size_t)m * K + k]));
+            const float sc = amax > 0.f ? amax / 448.f : 1.f;
+            for (int k = k0; k < k1; k++) {
+                const uint8_t b = mt_f32_to_f8e4m3(x[(size_t)m * K + k] / sc);
+                (*xq)[(size_t)m * K + k] = (double)mt_f8e4m3_to_f32(b) * sc;
+                (*s)[(size_t)m * K + k] = sc;
+            }
+        }
+}
+
+struct Refs {
+    std::vector<double> exact, emul, abs_sum, sub_slack;  // [M, N] each
+};
+
+Refs Reference(const HostFp8 &w, const std::vector<float> &x, int M) {
+    const int N = w.N, K = w.K;
+    std::vector<double> xq;
+    std::vector<float> s;
+    QuantiseX(x, M, K, &xq, &s);
+    Refs r{std::vector<double>((size_t)M * N), std::vector<double>((size_t)M * N), std::vector<double>((size_t)M * N),
+           std::vector<double>((size_t)M * N)};
+    for (int m = 0; m < M; m++)
+        for (int n = 0; n < N; n++) {
+            double e = 0, q = 0, a = 0, sub = 0;
+            const double *wr = &w.w[(size_t)n * K];
+            const float *xr = &x[(size_t)m * K];
+            for (int k = 0; k < K; k++) {
+                e += (double)xr[k] * wr[k];
+                q += xq[(size_t)m * K + k] * wr[k];
+                a += std::fabs((double)xr[k] * wr[k]);
+                sub += std::fabs(wr[k]) * std::ldexp((double)s[(size_t)m * K + k], -10);
+            }
+            const size_t i = (size_t)m * N + n;
+            r.exact[i] = e;
+            r.emul[i] = q;
+            r.abs_sum[i] = a;
+            r.sub_slack[i] = sub;
+        }
+    return r;
+}
+
+class CudaFp8 : public ::testing::Test {
+  protected:
+    static void SetUpTestSuite() {
+        if (!NoGpuReason().empty()) return;
+        mt_error err{};
+        gpu_ = mt_cuda_backend_new(0, nullptr, &err); /* the default numerics: prefill on cuBLASLt */
+        if (!gpu_) gpu_err_ = err.msg;
+    }
+    static void TearDownTestSuite() {
+        mt_backend_free(gpu_);
+        gpu_ = nullptr;
+    }
+    void SetUp() override {
+        const std::string why = NoGpuReason();
+        if (!why.empty()) GTEST_SKIP() << "no CUDA device: " << why;
+        ASSERT_NE(gpu_, nullptr) << gpu_err_;
+    }
+
+    mt_weight Upload(const HostFp8 &h) {
+        mt_weight w{};
+        EXPECT_EQ(gpu_->ops->weight_fp8(gpu_, h.q.data(), h.scale.data(), h.N, h.K, &w), MT_OK);
+        EXPECT_EQ(w.dtype, MT_F8E4M3);
+        EXPECT_NE(w.scale, nullptr);
+        return w;
+    }
+    float *Dev(const std::vector<float> &v) {
+        float *p = (float *)gpu_->ops->alloc(gpu_, sizeof(float) * (v.empty() ? 1 : v.size()));
+        gpu_->ops->upload(gpu_, p, v.data(), sizeof(float) * v.size());
+        return p;
+    }
+    std::vector<float> Host(const float *p, size_t n) {
+        std::vector<float> v(n);
+        gpu_->ops->download(gpu_, v.data(), p, sizeof(float) * n);
+        return v;
+    }
+
+    static mt_backend *gpu_;
+    static std::string gpu_err_;
+};
+mt_backend *CudaFp8::gpu_ = nullptr;
+std::string CudaFp8::gpu_err_;
+
+// (N, K): whole blocks; partial blocks both ways; K below one block; N not a multiple of 4 (the
+// weight's rows are padded to whole blocks on the device, so cuBLASLt takes every shape).
+const int kShapes[][2] = {{256, 512}, {200, 300}, {136, 1000}, {64, 96}, {130, 256}};
+const int kRows[] = {1, 7, 64, 300, 4096};
+
+TEST_F(CudaFp8, GemvMatchesDequantisedProduct) {
+    Worst worst{"fp8 gemv"};
+    uint64_t seed = 11;
+    for (const auto &sh : kShapes) {
+        const int N = sh[0], K = sh[1];
+        const HostFp8 h = MakeWeight(N, K, seed++);
+        mt_weight w = Upload(h);
+        for (int M : kRows) {
+            const std::string where = Shape({{"N", N}, {"K", K}, {"M", M}});
+            const std::vector<float> x = MakeX(M, K, seed++);
+            const Refs r = Reference(h, x, M);
+            float *dx = Dev(x), *dy = Dev(std::vector<float>((size_t)M * N, NAN));
+            ASSERT_EQ(cu_fp8_gemv((cu_backend *)gpu_, dy, dx, &w, M), MT_OK) << where;
+            const std::vector<float> y = Host(dy, (size_t)M * N);
+            size_t bad = 0;
+            double worst_rel = 0;
+            for (size_t i = 0; i < y.size(); i++) {
+                const double d = std::fabs((double)y[i] - r.exact[i]), bar = 2e-5 * r.abs_sum[i] + 1e-30;
+                if (!(d <= bar) && bad++ < 3) ADD_FAILURE() << where << " at " << i << ": " << y[i] << " vs " << r.exact[i];
+                worst_rel = std::fmax(worst_rel, d / (r.abs_sum[i] + 1e-30));
+            }
+            EXPECT_EQ(bad, 0u) << where;
+            worst.See(worst_rel, where);
+            gpu_->ops->free(gpu_, dx);
+            gpu_->ops->free(gpu_, dy);
+        }
+        gpu_->ops->weight_free(gpu_, &w);
+    }
+}
+
+TEST_F(CudaFp8, CublasLtMatchesEmulatedQuantisation) {
+    Worst worst{"fp8 cublaslt"};
+    uint64_t seed = 101;
+    for (const auto &sh : kShapes) {
+        const int N = sh[0], K = sh[1];
+        const HostFp8 h = MakeWeight(N, K, seed++);
+        mt_weight w = Upload(h);
+        for (int M : kRows) {
+            const std::string where = Shape({{"N", N}, {"K", K}, {"M", M}});
+            const std::vector<float> x = MakeX(M, K, seed++);
+            float *dx = Dev(x), *dy = Dev(std::vector<float>((size_t)M * N, NAN));
+            const mt_status st = cu_fp8_gemm_lt((cu_backend *)gpu_, dy, dx, &w, M);
+            // No algorithm here is a finding (the layout this backend builds is refused), not a skip.
+            ASSERT_EQ(st, MT_OK) << where << ": cuBLASLt refused the block-scaled FP8 GEMM (see the log)";
+            const Refs r = Reference(h, x, M);
+            const std::vector<float> y = Host(dy, (size_t)M * N);
+            size_t bad = 0;
+            double worst_rel = 0;
+            for (size_t i = 0; i < y.size(); i++) {
+                const double d = std::fabs((double)y[i] - r.emul[i]);
+                const double bar = 1e-3 * r.abs_sum[i] + 4e-3 * std::fabs(r.emul[i]) + 1e-30;
+                if (!(d <= bar) && bad++ < 3)
+                    ADD_FAILURE() << where << " at (" << i / N << ", " << i % N << "): " << y[i] << " vs emulated "
+                                  << r.emul[i] << " (exact " << r.exact[i] << ")";
+                worst_rel = std::fmax(worst_rel, d / (r.abs_sum[i] + 1e-30));
+            }
+            EXPECT_EQ(bad, 0u) << where;
+            worst.See(worst_rel, where);
+            gpu_->ops->free(gpu_, dx);
+            gpu_->ops->free(gpu_, dy);
+        }
+        gpu_->ops->weight_free(gpu_, &w);
+    }
+}
+
+// The backend's matmul on an F8E4M3 weight, whichever path it picks (GEMV up to 8 rows, cuBLASLt
+// above), within what e4m3 activation rounding can reach of the exact product.
+TEST_F(CudaFp8, MatmulWithinActivationRoundingOfExact) {
+    Worst worst{"fp8 matmul"};
+    uint64_t seed = 1001;
+    for (const auto &sh : kShapes) {
+        const int N = sh[0], K = sh[1];
+        const HostFp8 h = MakeWeight(N, K, seed++);
+        mt_weight w = Upload(h);
+        for (int M : kRows) {
+            const std::string where = Shape({{"N", N}, {"K", K}, {"M", M}});
+            const std::vector<float> x = MakeX(M, K, seed++);
+            const Refs r = Reference(h, x, M);
+            float *dx = Dev(x), *dy = Dev(std::vector<float>((size_t)M * N, NAN));
+            gpu_->ops->matmul(gpu_, dy, dx, &w, M);
+            const std::vector<float> y = Host(dy, (size_t)M * N);
+            size_t bad = 0;
+            for (size_t i = 0; i < y.size(); i++) {
+                const double d = std::fabs((double)y[i] - r.exact[i]);
+                const double bar = (0.0625 + 1e-3) * r.abs_sum[i] + r.sub_slack[i] + 4e-3 * std::fabs(r.exact[i]) + 1e-30;
+                if (!(d <= bar) && bad++ < 3) ADD_FAILURE() << where << " at " << i << ": " << y[i] << " vs " << r.exact[i];
+            }
+            EXPECT_EQ(bad, 0u) << where;
+            worst.See(RelErr(y, std::vector<float>(r.exact.begin(), r.exact.end())), where);
+            gpu_->ops->free(gpu_, dx);
+            gpu_->ops->free(gpu_, dy);
+        }
+        gpu_->ops->weight_free(gpu_, &w);
+    }
+}
+
+// matmul_multi over FP8 and bf16 weights of the same columns, with a sigmoid on one: each output as
+// its own matmul (and sigmoid) gives, bit for bit (the same kernels run either way).
+TEST_F(CudaFp8, MatmulMultiMixesFp8AndBf16) {
+    const int K = 192, N0 = 128, N1 = 96;
+    const HostFp8 h = MakeWeight(N0, K, 7);
+    mt_weight w8 = Upload(h);
+    Rng r(8);
+    std::vector<uint16_t> wb((size_t)N1 * K);
+    for (uint16_t &b : wb) b = mt_f32_to_bf16(r.Uniform(-0.1f, 0.1f));
+    mt_weight w16{};
+    ASSERT_EQ(gpu_->ops->weight(gpu_, wb.data(), MT_BF16, N1, K, &w16), MT_OK);
+    for (int M : {3, 64}) {
+        const std::string where = Shape({{"M", M}});
+        const std::vector<float> x = MakeX(M, K, 9 + M);
+        float *dx = Dev(x);
+        float *y[2] = {Dev(std::vector<float>((size_t)M * N0)), Dev(std::vector<float>((size_t)M * N1))};
+        float *z[2] = {Dev(std::vector<float>((size_t)M * N0)), Dev(std::vector<float>((size_t)M * N1))};
+        const mt_weight *ws[2] = {&w8, &w16};
+        gpu_->ops->matmul_multi(gpu_, y, dx, ws, 2, M, 1u << 1);
+        gpu_->ops->matmul(gpu_, z[0], dx, &w8, M);
+        gpu_->ops->matmul(gpu_, z[1], dx, &w16, M);
+        gpu_->ops->sigmoid(gpu_, z[1], (int64_t)M * N1);
+        for (int j = 0; j < 2; j++) {
+            const size_t n = (size_t)M * (j ? N1 : N0);
+            EXPECT_EQ(Host(y[j], n), Host(z[j], n)) << where << " output " << j;
+            gpu_->ops->free(gpu_, y[j]);
+            gpu_->ops->free(gpu_, z[j]);
+        }
+        gpu_->ops->free(gpu_, dx);
+    }
+    gpu_->ops->weight_free(gpu_, &w8);
+    gpu_->ops->weight_free(gpu_, &w16);
+}
+
+// weight_fp8_from (the benchmarks' FP8 models): a bf16 weight quantised on the device equals the
+// host's quantisation of the same values, code for code and scale for scale (amax / 448 per
+// 128 x 128 block, nearest-even e4m3: exact operations both sides), in the padded layout
+// (cuda_ops.h): zeros and unit scales in the padding.
+TEST_F(CudaFp8, WeightFromBf16MatchesHostQuantisation) {
+    for (const auto &sh : {std::pair<int, int>{200, 300}, {130, 1000}, {256, 512}}) {
+        const int N = sh.first, K = sh.second;
+        const std::string where = Shape({{"N", N}, {"K", K}});
+        Rng r((uint64_t)N * 7 + K);
+        std::vector<uint16_t> wb((size_t)N * K);
+        for (uint16_t &b : wb) b = mt_f32_to_bf16(r.Uniform(-1.f, 1.f) * r.Uniform(0.f, 3.f));
+        mt_weight src{}, w{};
+        ASSERT_EQ(gpu_->ops->weight(gpu_, wb.data(), MT_BF16, N, K, &src), MT_OK);
+        ASSERT_EQ(gpu_->ops->weight_fp8_from(gpu_, &src, &w), MT_OK) << where;
+        ASSERT_EQ(w.dtype, MT_F8E4M3);
+        const int64_t np = cu_fp8_rpad(N), kp = cu_fp8_kpad(K), sld = kp / kB;
+        std::vector<uint8_t> q((size_t)(np * kp));
+        std::vector<float> sc((size_t)(np / kB * sld));
+        gpu_->ops->download(gpu_, q.data(), w.data, q.size());
+        gpu_->ops->download(gpu_, sc.data(), w.scale, sizeof(float) * sc.size());
+        size_t bad = 0;
+        for (int64_t bi = 0; bi < np / kB; bi++)
+            for (int64_t bj = 0; bj < sld; bj++) {
+                float amax = 0.f;
+                for (int64_t i = bi * kB; i < (bi + 1) * kB && i < N; i++)
+                    for (int64_t k = bj * kB; k < (bj + 1) * kB && k < K; k++)
+                        amax = std::fmax(amax, std::fabs(mt_bf16_to_f32(wb[(size_t)(i * K + k)])));
+                const float want_s = amax > 0.f ? amax / 448.f : 1.f;
+                if (sc[(size_t)(bi * sld + bj)] != want_s && bad++ < 3)
+                    ADD_FAILURE() << where << " scale of block (" << bi << ", " << bj << "): "
+                                  << sc[(size_t)(bi * sld + bj)] << " vs " << want_s;
+                for (int64_t i = bi * kB; i < (bi + 1) * kB; i++)
+                    for (int64_t k = bj * kB; k < (bj + 1) * kB; k++) {
+                        const uint8_t want = i < N && k < K ? mt_f32_to_f8e4m3(mt_bf16_to_f32(wb[(size_t)(i * K + k)]) / want_s) : 0;
+                        if (q[(size_t)(i * kp + k)] != want && bad++ < 3)
+                            ADD_FAILURE() << where << " code at (" << i << ", " << k << "): " << (int)q[(size_t)(i * kp + k)]
+                                          << " vs " << (int)want;
+                    }
+            }
+        EXPECT_EQ(bad, 0u) << where;
+        gpu_->ops->weight_free(gpu_, &w);
+        gpu_->ops->weight_free(gpu_, &src);
+    }
+}
+
+}  // namespace
