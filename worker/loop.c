@@ -745,7 +745,15 @@ mt_status wkr_loop_run(wkr_loop *l, const volatile sig_atomic_t *stop, mt_error 
             silent = true;
             break;
         }
-        if (eng_has_work(l->eng)) eng_step(l->eng, NULL);
+        if (eng_has_work(l->eng)) {
+            const double t0 = mt_now();
+            eng_step(l->eng, NULL);
+            /* a step that outlasts the router's heartbeats (a first step's graph captures and
+             * lazy set-up on a GPU) is time this thread did not listen: the router's silence is
+             * judged from the next receive on, or a router that wrote the worker off meanwhile
+             * and stopped beating would make it exit just as it answers again */
+            if (mt_now() - t0 > MT_WIRE_HEARTBEAT_S) wkr_transport_restart_silence(l->t);
+        }
         end_stopped(l);
         publish_stats(l);
     }

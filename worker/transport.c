@@ -270,6 +270,8 @@ bool wkr_transport_receive(wkr_transport *t, int timeout_ms, const wkr_handlers 
     return false;
 }
 
+void wkr_transport_restart_silence(wkr_transport *t) { t->last_rx = mt_now(); }
+
 bool wkr_transport_router_silent(const wkr_transport *t, double timeout_s) {
     return mt_now() - t->last_rx > timeout_s;
 }

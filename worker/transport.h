@@ -98,6 +98,9 @@ bool wkr_transport_receive(wkr_transport *t, int timeout_ms, const wkr_handlers 
 /* True when nothing (not even a malformed message) came from the router for more than
  * timeout_s. */
 bool wkr_transport_router_silent(const wkr_transport *t, double timeout_s);
+/* Restarts the silence clock: the caller was not listening (a long step), so the time since the
+ * last message is not the router's silence. Engine thread. */
+void wkr_transport_restart_silence(wkr_transport *t);
 
 /* Malformed or unexpected messages dropped so far. */
 uint64_t wkr_transport_dropped(const wkr_transport *t);
