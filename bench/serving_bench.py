@@ -20,6 +20,7 @@ minus direct: the cost of gRPC + router + ZeroMQ + the worker loop, as a client 
 
 Default model: tests/fixtures/tiny_a (a 4-layer, hidden-64 glm5_next), where a step is cheapest
 and the serving overhead is the largest share; pass --model .cache/cpu-small for the serve default.
+METRALE_SERVICE_LOG=FILE keeps the service's log (router and worker lines) in FILE when it stops.
 """
 
 import argparse
@@ -134,6 +135,8 @@ class Service:
                 p.kill()
         self.channel.close()
         self.log.close()
+        if os.environ.get("METRALE_SERVICE_LOG"):  # keep the router's and worker's log lines
+            shutil.copyfile(self.log.name, os.environ["METRALE_SERVICE_LOG"])
         shutil.rmtree(self.dir, True)
 
 

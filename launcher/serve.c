@@ -113,6 +113,7 @@ typedef struct serve_opts {
     const char *numerics;  /* GPU prefill GEMM numerics, passed to every worker when given */
     const char *dtype;     /* FP8 checkpoints' weights (auto|bf16), passed to every worker when given */
     const char *spec_tokens, *spec_max_batch; /* speculative decoding, passed to every worker */
+    const char *warmup_tokens; /* the workers' start-up warm-up request, passed when given */
     bool no_preempt, mixed_steps;
     bool no_run_ahead;
     const char *router;    /* a router elsewhere: start none, connect the groups there */
@@ -136,7 +137,7 @@ static void usage(FILE *f) {
             "                     [--prefill-budget N] [--prefill-pass N] [--itl-target-ms MS] [--graph-max-batch N] [--cache-budget-mb N] [--no-preempt]\n"
             "                     [--mixed-steps] [--no-run-ahead] [--numerics bf16|exact] [--dtype auto|bf16]\n"
             "                     [--metrics HOST:PORT]\n"
-            "                     [--speculative-tokens K] [--speculative-max-batch B]\n"
+            "                     [--speculative-tokens K] [--speculative-max-batch B] [--warmup-tokens N]\n"
             "                     [--log-format text|json] [--log-prompts]\n"
             "                     [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]] [--auth-token-file FILE]\n"
             "                     [--health-listen HOST:PORT]\n"
@@ -155,7 +156,7 @@ static void usage(FILE *f) {
             "  tcp://HOST:PORT needs --curve-server-key (its public key) and --curve-secret-key (this host's\n"
             "  secret key), from metrale-keygen); --first-id K: the groups are workers K, K+1, ... (ids unique\n"
             "  per router).\n"
-            "  The scheduler options, --numerics, --dtype and the speculative options go to every worker (metrale-worker\n"
+            "  The scheduler options, --numerics, --dtype, --warmup-tokens and the speculative options go to every worker (metrale-worker\n"
             "  --help says what they do). --log-format text|json: every process's log lines as text (default)\n"
             "  or one JSON object a line; --log-prompts: the router's admitted records carry the prompts.\n"
             "  --tls-cert, --tls-key, --tls-client-ca (mutual TLS), --auth-token-file\n"
@@ -343,6 +344,7 @@ static pid_t start_rank(group *gr, int r) {
     if (g_o.dtype) { argv[k++] = "--dtype"; argv[k++] = (char *)g_o.dtype; }
     if (g_o.spec_tokens) { argv[k++] = "--speculative-tokens"; argv[k++] = (char *)g_o.spec_tokens; }
     if (g_o.spec_max_batch) { argv[k++] = "--speculative-max-batch"; argv[k++] = (char *)g_o.spec_max_batch; }
+    if (g_o.warmup_tokens) { argv[k++] = "--warmup-tokens"; argv[k++] = (char *)g_o.warmup_tokens; }
     if (g_o.curve_server_key) {
         argv[k++] = "--curve-server-key"; argv[k++] = (char *)g_o.curve_server_key;
         argv[k++] = "--curve-secret-key"; argv[k++] = (char *)g_o.curve_secret_key;
@@ -490,6 +492,7 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         }
         else if (!strcmp(a, "--graph-max-batch")) rc = parse_int(a, o->graph_max_batch = v, 1, 4096, &(int){ 0 });
         else if (!strcmp(a, "--speculative-tokens")) rc = parse_int(a, o->spec_tokens = v, 0, 4, &(int){ 0 });
+        else if (!strcmp(a, "--warmup-tokens")) rc = parse_int(a, o->warmup_tokens = v, 0, MT_WIRE_CONTEXT_MAX, &(int){ 0 });
         else if (!strcmp(a, "--speculative-max-batch"))
             rc = parse_int(a, o->spec_max_batch = v, 0, 4096, &(int){ 0 });
         else if (!strcmp(a, "--cache-budget-mb")) rc = parse_int(a, o->cache_budget_mb = v, 0, 1 << 30, &(int){ 0 });

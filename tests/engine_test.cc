@@ -199,6 +199,39 @@ TEST(Engine, GreedyEqualsDirectModel) {
 // of a whole-prompt prefill's logits; across chunks (a prompt longer than ENG_ECHO_CHUNK and a small
 // prefill budget), beside a prefix kept by an earlier request (not reused), and the generated
 // tokens unchanged.
+// The start-up warm-up leaves no trace: no callback, nothing counted, no prefix kept, the pools
+// back to baseline; later requests get the tokens a fresh engine gives. A busy engine refuses one.
+TEST(Engine, WarmupLeavesNoTrace) {
+    Model M;
+    const std::vector<int32_t> prompt = Prompt(70, 3);
+    const std::vector<int32_t> want = DirectGreedy(M.m, prompt, 6);
+    eng_params p = eng_default_params();
+    p.prefix_block = 16;
+    Engine E(M.m, p);
+    const eng_stats before = E.Stats();
+    mt_error err = { "" };
+    ASSERT_EQ(eng_warmup(E.e, 70, 4, &err), MT_OK) << err.msg;
+    EXPECT_TRUE(E.results.empty());
+    const eng_stats s = E.Stats();
+    EXPECT_EQ(s.steps, 0u);
+    EXPECT_EQ(s.tokens_generated, 0u);
+    EXPECT_EQ(s.sequences_finished, 0u);
+    EXPECT_EQ(s.prefill_tokens, 0u);
+    EXPECT_EQ(s.prefix_entries, 0);
+    EXPECT_EQ(s.prefix_misses, 0u);
+    EXPECT_EQ(s.cache_bytes_in_use, 0u);
+    EXPECT_EQ(s.pages_free, before.pages_free);
+    EXPECT_EQ(s.slots_free, before.slots_free);
+    ASSERT_EQ(E.Submit(1, prompt, Req(6)), MT_OK);
+    E.RunToEnd();
+    EXPECT_EQ(E.results[1].tokens, want);
+    EXPECT_EQ(E.Stats().prefix_entries, 1);  // prefix reuse is back on after the warm-up
+    ASSERT_EQ(E.Submit(2, prompt, Req(6)), MT_OK);
+    EXPECT_EQ(eng_warmup(E.e, 8, 2, &err), MT_ERR_INVALID);
+    E.RunToEnd();
+    EXPECT_EQ(E.results[2].tokens, want);
+}
+
 TEST(Engine, PromptLogprobsMatchAWholePrefill) {
     Model M;
     const int V = M.vocab();

@@ -45,7 +45,8 @@ struct wkr_loop {
 
 wkr_params wkr_default_params(void) {
     return (wkr_params){ .backend = "cpu", .id = -1, .max_sequences = 16, .max_context = 4096,
-                         .router_timeout = MT_WIRE_ROUTER_SILENCE_S, .numerics = MT_NUMERICS_BF16 };
+                         .router_timeout = MT_WIRE_ROUTER_SILENCE_S, .numerics = MT_NUMERICS_BF16,
+                         .warmup_tokens = -1 };
 }
 
 /* ---- start-up ---- */
@@ -300,6 +301,14 @@ mt_status wkr_loop_new(const wkr_params *p, wkr_loop **out, mt_error *err) {
     if ((st = eng_new(l->m, &ep, &cb, &l->eng, err)) != MT_OK) goto fail;
 
     const mt_model_info mi = mt_model_describe(l->m);
+    /* a GPU's first steps load kernels, set up the GEMM libraries and capture graphs (seconds):
+     * paid here, before the router sends work, instead of inside the first requests' steps */
+    const int warm = p->warmup_tokens >= 0 ? p->warmup_tokens : mi.backend_queues ? ep.prefill_budget : 0;
+    if (warm > 0) {
+        const double tw = mt_now();
+        if ((st = eng_warmup(l->eng, warm, 4, err)) != MT_OK) goto fail;
+        mt_log(MT_LOG_INFO, "worker %d: warmed up on a %d-token request in %.2f s", p->id, warm, mt_now() - tw);
+    }
     if ((st = load_text(l, &mi, err)) != MT_OK) goto fail;
     l->info = (Metrale__V1__ModelInfo)METRALE__V1__MODEL_INFO__INIT;
     l->info.model_type = (char *)mi.arch;

@@ -56,6 +56,8 @@ typedef struct wkr_params {
                               * (0 = off, up to ENG_SPEC_MAX) */
     int spec_max_batch;      /* speculate only while a decode step has at most this many sequences
                               * (0 = any) */
+    int warmup_tokens;       /* eng_warmup's prompt before the first hello; 0: none; -1 (default):
+                              * the prefill budget where the backend queues its work (the GPU) */
     double router_timeout;   /* seconds of router silence before exiting; default MT_WIRE_ROUTER_SILENCE_S */
     mt_numerics numerics;    /* the CUDA backend's prefill GEMMs; default MT_NUMERICS_BF16 */
     bool dequant_fp8;        /* --dtype bf16: FP8 checkpoints dequantised at load (mt_model_params) */

@@ -44,7 +44,7 @@ static void usage(FILE *f) {
             "                      [--prefill-pass N]\n"
             "                      [--graph-max-batch N] [--no-preempt] [--no-run-ahead] [--mixed-steps] [--verbose]\n"
             "                      [--numerics bf16|exact] [--dtype auto|bf16] [--tp N --rank R --group NAME]\n"
-            "                      [--speculative-tokens K] [--speculative-max-batch B]\n"
+            "                      [--speculative-tokens K] [--speculative-max-batch B] [--warmup-tokens N]\n"
             "                      [--curve-server-key FILE --curve-secret-key FILE] [--log-format text|json]\n"
             "  Serves the checkpoint in DIR to the router at ENDPOINT (ipc://, tcp://127.0.0.1:, or tcp://HOST:PORT\n"
             "  of another host with the CURVE keys) as worker N.\n"
@@ -81,7 +81,10 @@ static void usage(FILE *f) {
             "  --speculative-tokens K: draft K tokens a step with the checkpoint's MTP block and verify them in\n"
             "  one step (0 = off, the default; at most 4; greedy requests; a checkpoint without the block\n"
             "  serves without); --speculative-max-batch B: only while a decode step has at most B sequences\n"
-            "  (default 0: any). --log-format: log lines as text (default) or one JSON object a line\n"
+            "  (default 0: any). --warmup-tokens N: before serving, run one request of N prompt tokens and 4 new\n"
+            "  ones, uncounted, so the device's first-use costs (kernel loading, GEMM set-up, graph captures) do\n"
+            "  not land in the first requests' steps (default: the prefill budget on a GPU, 0 on the CPU).\n"
+            "  --log-format: log lines as text (default) or one JSON object a line\n"
             "  (component \"worker N\"; weight loading progress, sequences refused).\n");
 }
 
@@ -194,6 +197,7 @@ static int parse_args(int argc, char **argv, wkr_params *o, bool *verbose) {
             }
         }
         else if (!strcmp(a, "--speculative-max-batch")) rc = parse_int(a, v, 0, &o->spec_max_batch);
+        else if (!strcmp(a, "--warmup-tokens")) rc = parse_int(a, v, 0, &o->warmup_tokens);
         else if (!strcmp(a, "--router-timeout")) {
             char *end;
             o->router_timeout = strtod(v, &end);

@@ -1128,6 +1128,41 @@ static mt_status step_body(eng_engine *e, int *n_tokens) {
     return MT_OK;
 }
 
+mt_status eng_warmup(eng_engine *e, int n_prompt, int n_new, mt_error *err) {
+    if (eng_has_work(e)) return mt_errorf(err, MT_ERR_INVALID, "warm-up on a busy engine");
+    if (n_prompt < 1 || n_new < 1) return mt_errorf(err, MT_ERR_INVALID, "warm-up of %d + %d tokens", n_prompt, n_new);
+    if (n_prompt + n_new > e->p.max_context) n_prompt = e->p.max_context - n_new;
+    if (n_prompt < 1) return mt_errorf(err, MT_ERR_INVALID, "warm-up does not fit a context of %d", e->p.max_context);
+    int32_t *prompt = malloc(sizeof(int32_t) * (size_t)n_prompt);
+    if (!prompt) return mt_errorf(err, MT_ERR_NOMEM, "out of memory for a warm-up prompt");
+    for (int i = 0; i < n_prompt; i++) prompt[i] = i % e->vocab;
+    eng_request r = eng_default_request();
+    r.prompt = prompt;
+    r.n_prompt = n_prompt;
+    r.max_new_tokens = n_new;
+    r.ignore_eos = true;
+    r.has_seed = true;
+    const eng_callbacks cb = e->cb;
+    const size_t keep = e->p.prefix_cache_bytes;
+    e->cb = (eng_callbacks){ 0 };
+    e->p.prefix_cache_bytes = 0;
+    mt_status st = eng_submit(e, UINT64_MAX, &r, 0, err);
+    while (st == MT_OK && eng_has_work(e)) st = eng_step(e, NULL);
+    if (st != MT_OK) eng_abort_all(e, ENG_FINISH_ERROR, "warm-up failed");
+    const bool failed = e->aborted > 0;
+    e->cb = cb;
+    e->p.prefix_cache_bytes = keep;
+    free(prompt);
+    /* the warm-up is not traffic: counters and step timings start from zero */
+    e->finished = e->aborted = e->tokens = e->steps = e->preemptions = 0;
+    e->ahead_steps = e->mixed_steps = e->prefill_tokens = 0;
+    e->spec_steps = e->drafted = e->accepted = 0;
+    sched_pace_init(&e->pace);
+    if (st != MT_OK) return st;
+    if (failed) return mt_errorf(err, MT_ERR_BACKEND, "warm-up request failed");
+    return MT_OK;
+}
+
 bool eng_has_work(const eng_engine *e) { return e->n_waiting + e->n_running > 0; }
 
 /* Marks the pages s maps in e->page_marks; returns how many were not marked yet. */

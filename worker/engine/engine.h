@@ -218,6 +218,11 @@ void eng_abort_all(eng_engine *e, eng_finish reason, const char *message);
 mt_status eng_step(eng_engine *e, int *n_tokens);
 
 /* True while a sequence waits or runs (eng_step has something to do). */
+/* Runs one request of n_prompt tokens (ids 0, 1, ...; at most the prompt budget the engine
+ * accepts) that decodes n_new tokens, with no callbacks, no prefix kept and nothing counted: the
+ * device's first-use costs (kernel loading, library set-up, the first graph captures) are paid
+ * before the first real request instead of inside its step. Call it on an idle engine. */
+mt_status eng_warmup(eng_engine *e, int n_prompt, int n_new, mt_error *err);
 bool eng_has_work(const eng_engine *e);
 
 void eng_get_stats(const eng_engine *e, eng_stats *out);
