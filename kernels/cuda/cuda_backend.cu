@@ -100,6 +100,7 @@ static void cu_upload_async(mt_backend *be, void *dst, const void *host_src, siz
     }
     route_forget(cb, dst, bytes);
     CU_RECORD(be, cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, cb->stream));
+    cu_prof_mark(be, "upload");
 }
 
 static void cu_download(mt_backend *be, void *host_dst, const void *src, size_t bytes) {
@@ -107,6 +108,7 @@ static void cu_download(mt_backend *be, void *host_dst, const void *src, size_t 
     if (!bytes) return;
     CU_RECORD(be, cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, cb->stream));
     CU_RECORD(be, cudaStreamSynchronize(cb->stream));
+    cu_prof_mark(be, "download");
 }
 
 /* The copy lands in the ticket's page-locked slot (a copy into pageable memory would wait for

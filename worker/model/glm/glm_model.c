@@ -661,7 +661,6 @@ mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, mt_er
     int32_t *rep = malloc(sizeof(int32_t) * (size_t)n * S);
     int *want = malloc(sizeof(int) * (size_t)n); /* the rows whose logits go out, in order */
     glm_seq **rseq = malloc(sizeof *rseq * (size_t)np);
-    float *host = NULL;
     if (!seg || !sts || !rep || !want || !rseq) {
         st = mt_errorf(err, MT_ERR_NOMEM, "out of memory for a mixed step of %d rows", n);
         goto out;
@@ -738,24 +737,23 @@ mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, mt_er
     /* the head over the wanted rows; logits come to the host only for the parts that take them,
      * greedy tokens are taken on the device (a decode row's logits would be vocab floats each) */
     if ((st = head_logits(m, m->X, nw, NULL)) != MT_OK) goto failed;
-    bool any_logits = false, any_argmax = false;
-    for (int i = 0; i < np; i++) {
-        any_logits |= p[i].logits != NULL;
-        any_argmax |= p[i].argmax != NULL;
-    }
+    bool any_argmax = false;
+    for (int i = 0; i < np; i++) any_argmax |= p[i].argmax != NULL;
     int32_t *amax = NULL;
-    if ((any_logits && !(host = malloc(sizeof(float) * (size_t)nw * V))) ||
-        (any_argmax && !(amax = malloc(sizeof(int32_t) * (size_t)nw)))) {
-        st = mt_errorf(err, MT_ERR_NOMEM, "out of memory for the logits of %d rows", nw);
+    if (any_argmax && !(amax = malloc(sizeof(int32_t) * (size_t)nw))) {
+        st = mt_errorf(err, MT_ERR_NOMEM, "out of memory for the tokens of %d rows", nw);
         goto out;
     }
-    if (any_logits) be->ops->download(be, host, m->logits, sizeof(float) * (size_t)nw * V);
     if (any_argmax) be->ops->argmax(be, amax, m->logits, nw, V);
     for (int i = 0, w = 0; i < np; i++) {
         if (!p[i].logits && !p[i].argmax && p[i].n != 1 && !p[i].verify) continue;
         const bool all = p[i].logits && p[i].all_logits, every = all || p[i].verify;
         const int k = every ? p[i].n : 1;
-        if (p[i].logits) memcpy(p[i].logits, host + (size_t)(all ? w : w + k - 1) * V, sizeof(float) * (size_t)(all ? k : 1) * V);
+        /* each part's own rows straight into its buffer: a step's decode rows beside a chunk
+         * would otherwise bring vocab floats a row to the host (40 MB at 64 rows of bench-4L) */
+        if (p[i].logits)
+            be->ops->download(be, p[i].logits, m->logits + (size_t)(all ? w : w + k - 1) * V,
+                              sizeof(float) * (size_t)(all ? k : 1) * V);
         if (p[i].argmax && p[i].verify) memcpy(p[i].argmax, amax + w, sizeof(int32_t) * (size_t)k);
         else if (p[i].argmax) p[i].argmax[0] = amax[w + k - 1];
         w += k;
@@ -770,7 +768,6 @@ out:
     free(rep);
     free(want);
     free(rseq);
-    free(host);
     return st;
 }
 
