@@ -233,7 +233,7 @@ TEST_P(Mtp, VerifiesOfSeveralSequencesShareOnePass) {
         top[i].assign(kv[i], -1);
         parts[i + 1] = glm_mixed_part{ a[i], &c_.tokens[t0 + 1], kv[i], la[i].data(), true, top[i].data(), true };
     }
-    ASSERT_EQ(glm_forward_mixed(m_, parts, 4, &err), MT_OK) << err.msg;
+    ASSERT_EQ(glm_forward_mixed(m_, parts, 4, 0, &err), MT_OK) << err.msg;
     for (int i = 0; i < 3; i++) ASSERT_EQ(glm_seq_keep(m_, a[i], keep[i], &err), MT_OK) << err.msg;
     // each b alone (ring 0, kept before the next verifies)
     for (int i = 0; i < 3; i++) {
