@@ -154,7 +154,7 @@ typedef struct eng_params {
      * and its pending token in one step of spec_tokens + 1 rows, and emits the longest prefix the
      * target agrees with plus the target's own next token; the rejected rows leave no trace
      * (mt_seq_keep). Greedy output is the one without speculation; sampled output (speculative
-     * sampling, engine.c spec_step) is distributed as without it, though a seed gives other
+     * sampling, engine.c spec_group) is distributed as without it, though a seed gives other
      * tokens. Only while a decode step has at most spec_max_batch sequences (0 = any): above it
      * batched decode gives more tokens a second. */
     int spec_tokens;
