@@ -1153,11 +1153,12 @@ static mt_status step_body(eng_engine *e, int *n_tokens) {
             else if (greedy) emit(e, s, &(eng_sample_result){ .token = tok[i] });
             else sample_emit(e, s, e->logits + (size_t)i * e->vocab);
         }
+    } else if (nj > 0) { /* no decode rows: the verifies ride with the prompt chunks */
+        chunked = mixed_step(e, NULL, 0, e->spec_batch, nj, NULL, NULL);
     }
     /* the step's prompt chunks (all of them, when the decode ran apart) go in one model call:
      * each pass reads the weights its rows touch, so many short prompts take one read, not one
      * each */
-    else if (nj > 0) chunked = mixed_step(e, NULL, 0, e->spec_batch, nj, NULL, NULL);
     if (!chunked && prefill_pending(e)) chunked = mixed_step(e, NULL, 0, NULL, 0, NULL, NULL);
     if (chunked) finish_chunks(e);
     else admit(e);
@@ -1206,8 +1207,9 @@ void eng_get_stats(const eng_engine *e, eng_stats *out) {
     *out = (eng_stats){ .running = e->n_running, .waiting = e->n_waiting,
                         .live_sequences = e->n_running + e->n_waiting, .cache_bytes_in_use = held,
                         .sequences_finished = e->finished, .sequences_aborted = e->aborted,
-                        .tokens_generated = e->tokens, .steps = e->steps, .ahead_steps = e->ahead_steps, .mixed_steps = e->mixed_steps,
-                        .spec_mixed_steps = e->spec_mixed_steps, .prefill_tokens = e->prefill_tokens,
+                        .tokens_generated = e->tokens, .steps = e->steps, .ahead_steps = e->ahead_steps,
+                        .mixed_steps = e->mixed_steps, .spec_mixed_steps = e->spec_mixed_steps,
+                        .prefill_tokens = e->prefill_tokens,
                         .prefix_hits = e->prefixes.hits, .prefix_misses = e->prefixes.misses,
                         .prefix_cache_bytes = e->prefixes.bytes, .prefix_entries = e->prefixes.n,
                         .preemptions = e->preemptions, .spec_steps = e->spec_steps,
