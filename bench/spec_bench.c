@@ -3,6 +3,7 @@
  *   spec_bench --model DIR|random:PRESET+mtp [--backend cpu|cuda] [--batches 1,32] [--ks 1,2,3]
  *              [--accept 0,0.5,0.8,1|real] [--temperature T] [--max-new N] [--prompt-len P]
  *              [--stream FILE] [--threads N] [--numerics bf16|exact] [--mixed-steps 0|1]
+ *              [--verify-seqs N]
  *
  * For each batch B, B streams (prompt i: P tokens, from --stream's "stream_ids" (a heldout_ppl.json)
  * at offset i * P, else (i * 7 + k) % vocab) decode N tokens with ignore_eos, first with K = 0
@@ -18,7 +19,10 @@
  * step with K = 0 beside each K and acceptance rate, and the speed-up, the figures that place
  * --speculative-max-batch (the batch above which speculation stops paying).
  * --mixed-steps 1: eng_params.mixed_steps, as the worker's option (the verifies join the step's
- * one model call with any plain decode rows and prompt chunks).
+ * one model call with any plain decode rows and prompt chunks). --verify-seqs N: the verifies one
+ * model call takes (the model's verify_seqs); by default the largest batch, so every batch
+ * verifies in one call; metrale-worker takes at most 16 (WKR_VERIFY_SEQS_MAX), so 16 gives the
+ * worker's steps above batch 16.
  *
  * --numerics (cuda; default bf16, the worker's): with bf16, a verify of K + 1 rows rounds its
  * activations where a one-row decode does not (prefill-sized GEMMs), so a near tie can go the
@@ -168,7 +172,7 @@ static int32_t *read_stream(const char *path, int *n) {
 int main(int argc, char **argv) {
     const char *model = NULL, *backend = "cpu", *stream_path = NULL, *accept_s = "0,0.5,0.8,1", *numerics = "bf16";
     double batches[SB_LIST_MAX] = { 1, 32 }, ks[SB_LIST_MAX] = { 1, 2, 3 }, accepts[SB_LIST_MAX];
-    int n_batches = 2, n_ks = 3, max_new = 128, plen = 32, threads = 0, mixed_steps = 0;
+    int n_batches = 2, n_ks = 3, max_new = 128, plen = 32, threads = 0, mixed_steps = 0, verify_seqs = 0;
     float temperature = 0;
     for (int i = 1; i + 1 < argc; i += 2) {
         const char *a = argv[i], *v = argv[i + 1];
@@ -184,16 +188,18 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--threads")) threads = atoi(v);
         else if (!strcmp(a, "--numerics")) numerics = v;
         else if (!strcmp(a, "--mixed-steps")) mixed_steps = atoi(v);
+        else if (!strcmp(a, "--verify-seqs")) verify_seqs = atoi(v);
         else { fprintf(stderr, "spec_bench: unknown option %s\n", a); return 2; }
     }
     const bool real = !strcmp(accept_s, "real");
     const int n_acc = real ? 1 : parse_list(accept_s, accepts, SB_LIST_MAX);
     if (real) accepts[0] = -1;
-    if (!model || n_batches < 1 || n_ks < 1 || n_acc < 1 || max_new < 2 || plen < 1 || (temperature > 0 && !real)) {
+    if (!model || n_batches < 1 || n_ks < 1 || n_acc < 1 || max_new < 2 || plen < 1 || (temperature > 0 && !real) ||
+        verify_seqs < 0 || verify_seqs > ENG_SPEC_GROUP_MAX) {
         fprintf(stderr, "usage: spec_bench --model DIR|random:PRESET+mtp [--backend cpu|cuda] [--batches 1,32] "
                         "[--ks 1,2,3] [--accept 0,0.5,0.8,1|real] [--temperature T (with real)] [--max-new N] "
                         "[--prompt-len P] [--stream heldout_ppl.json] [--threads N] [--numerics bf16|exact] "
-                        "[--mixed-steps 0|1]\n");
+                        "[--mixed-steps 0|1] [--verify-seqs N (1 .. 64)]\n");
         return 2;
     }
     int n_stream = 0;
@@ -216,6 +222,8 @@ int main(int argc, char **argv) {
     mt_model *m = NULL;
     for (int i = 0; i < n_batches; i++) /* every batch's verifies in one model call */
         mp.verify_seqs = (int)batches[i] > mp.verify_seqs ? (int)batches[i] : mp.verify_seqs;
+    if (mp.verify_seqs > ENG_SPEC_GROUP_MAX) mp.verify_seqs = ENG_SPEC_GROUP_MAX;
+    if (verify_seqs > 0) mp.verify_seqs = verify_seqs;
     if (!be || mt_model_load(model, be, &mp, &m, &err) != MT_OK) {
         fprintf(stderr, "spec_bench: %s\n", err.msg);
         return 1;
@@ -235,9 +243,10 @@ int main(int argc, char **argv) {
         r.tokens[i] = malloc(sizeof(int32_t) * (size_t)max_new);
         ref[i] = malloc(sizeof(int32_t) * (size_t)max_new);
     }
-    printf("model %s, backend %s, %d new tokens a stream after %d prompt tokens%s%s, %s%s\n", model, backend, max_new,
-           plen, stream_path ? " from " : "", stream_path ? stream_path : "",
-           temperature > 0 ? "sampled" : "greedy", mixed_steps ? ", mixed steps" : "");
+    printf("model %s, backend %s, %d new tokens a stream after %d prompt tokens%s%s, %s%s, verifies of up to %d "
+           "sequences a model call\n", model, backend, max_new, plen, stream_path ? " from " : "",
+           stream_path ? stream_path : "", temperature > 0 ? "sampled" : "greedy", mixed_steps ? ", mixed steps" : "",
+           mp.verify_seqs);
     if (temperature > 0) printf("temperature %.2f\n", temperature);
     { /* warm-up: weights touched, graphs captured */
         result w;
