@@ -14,7 +14,10 @@
  *  worker's options of those names; --prefill-budget N: eng_params.prefill_budget (default the
  *  engine's); --prefill-pass N: rows of a prefill pass, by default what metrale-worker picks;
  *  --op-profile 1 (a mix on cuda): every op synchronised and timed, the table printed after the
- *  JSON, so its times are not the run's.)
+ *  JSON, so its times are not the run's; --speculative-tokens K and --speculative-max-batch B:
+ *  eng_params.spec_tokens and spec_max_batch with the model's drafter (a checkpoint with an MTP
+ *  block, or random:PRESET+mtp), the model's verify_seqs as metrale-worker sets it; with
+ *  --mixed-steps 1 the verifies join the step's one model call.)
  *
  * Fixed lengths (no --prompt-mix): stream i's prompt is token (i * 7 + k) % vocab for k < P,
  * greedy, ignore_eos, max_new N; all C are submitted at t = 0 with max_sequences = C (the worker
@@ -29,7 +32,9 @@
  * The JSON adds TTFT and ITL p50/p99 (ITL over every interval between consecutive tokens), the
  * requests that gave all their tokens, the engine's prefix hits (requests that reused a kept
  * prefix; the warm-up's prompt keeps none), and the steps' wall time split between steps that ran
- * prompt chunks (with the prompt tokens they ran) and decode-only steps.
+ * prompt chunks (with the prompt tokens they ran) and decode-only steps. Both JSON forms give the
+ * run's speculative figures: verify steps, drafts, drafts accepted, and the steps whose verifies
+ * rode in one model call with decode rows or prompt chunks (spec_mixed_steps).
  *
  * A warm-up request runs first (page faults of the weight mapping, first-touch of buffers).
  */
@@ -41,6 +46,9 @@
 #include "kernels/cuda/cuda_backend.h"
 #include "worker/engine/engine.h"
 #include "worker/model/model.h"
+
+/* The verifies one model call takes at most, as metrale-worker caps them (WKR_VERIFY_SEQS_MAX). */
+#define SD_VERIFY_SEQS_MAX 16
 
 typedef struct stream_rec {
     double first, last;   /* token arrival times */
@@ -119,6 +127,16 @@ static void mix_prompt(int32_t *out, int shared, int plen, int64_t j, int V) {
     }
 }
 
+/* The speculative figures of the run (st less the warm-up's st0), as JSON members after a comma. */
+static void print_spec(const eng_stats *st, const eng_stats *st0, int spec_tokens) {
+    printf(", \"speculative_tokens\": %d, \"spec_steps\": %llu, \"draft_tokens\": %llu, \"accepted_tokens\": %llu, "
+           "\"spec_mixed_steps\": %llu",
+           spec_tokens, (unsigned long long)(st->spec_steps - st0->spec_steps),
+           (unsigned long long)(st->draft_tokens - st0->draft_tokens),
+           (unsigned long long)(st->accepted_tokens - st0->accepted_tokens),
+           (unsigned long long)(st->spec_mixed_steps - st0->spec_mixed_steps));
+}
+
 static double pct_sorted(const double *x, size_t n, double q) {
     return n ? x[(size_t)(q * (double)(n - 1))] : 0;
 }
@@ -126,7 +144,7 @@ static double pct_sorted(const double *x, size_t n, double q) {
 /* The mix: n requests of the drawn shapes, all submitted now; prints the JSON. 0 when every
  * request gave its tokens. */
 static int run_mix(eng_engine *e, bench *b, int V, int n, const int *plens, const int *news, int shared,
-                   int max_sequences, const char *backend, int32_t *prompt) {
+                   int max_sequences, const char *backend, int32_t *prompt, int spec_tokens) {
     mt_error err = { "" };
     eng_request r = eng_default_request();
     r.prompt = prompt;
@@ -147,8 +165,9 @@ static int run_mix(eng_engine *e, bench *b, int V, int n, const int *plens, cons
      * step's time is the device step it waits for) */
     double chunk_ms = 0, decode_ms = 0;
     long chunk_steps = 0, decode_steps = 0;
-    eng_stats st;
+    eng_stats st, st0;
     eng_get_stats(e, &st);
+    st0 = st;
     uint64_t pt0 = st.prefill_tokens;
     const uint64_t prompt0 = pt0;
     while (eng_has_work(e)) {
@@ -178,7 +197,7 @@ static int run_mix(eng_engine *e, bench *b, int V, int n, const int *plens, cons
            "\"itl_p50_ms\": %.3f, \"itl_p99_ms\": %.3f, \"shared_prefix\": %d, \"prefix_hits\": %llu, "
            "\"max_sequences\": %d, \"steps\": %llu, \"mixed_steps\": %llu, \"ahead_steps\": %llu, "
            "\"ms_per_step\": %.3f, \"chunk_steps\": %ld, \"chunk_steps_ms\": %.1f, \"prompt_tokens\": %llu, "
-           "\"decode_steps\": %ld, \"decode_steps_ms\": %.1f, \"backend\": \"%s\"}\n",
+           "\"decode_steps\": %ld, \"decode_steps_ms\": %.1f, \"backend\": \"%s\"",
            n, done, tokens, want, wall, tokens / wall, 1e3 * pct_sorted(ttft, (size_t)n, 0.5),
            1e3 * pct_sorted(ttft, (size_t)n, 0.99), 1e3 * pct_sorted(b->gaps, b->n_gaps, 0.5),
            1e3 * pct_sorted(b->gaps, b->n_gaps, 0.99), shared,
@@ -186,6 +205,8 @@ static int run_mix(eng_engine *e, bench *b, int V, int n, const int *plens, cons
            (unsigned long long)st.mixed_steps, (unsigned long long)st.ahead_steps,
            st.steps ? 1e3 * wall / (double)st.steps : 0.0, chunk_steps, chunk_ms,
            (unsigned long long)(st.prefill_tokens - prompt0), decode_steps, decode_ms, backend);
+    print_spec(&st, &st0, spec_tokens);
+    printf("}\n");
     free(ttft);
     if (done != n) fprintf(stderr, "serving_direct: %d of %d requests gave their tokens\n", done, n);
     return done == n ? 0 : 1;
@@ -196,7 +217,7 @@ int main(int argc, char **argv) {
     int streams = 1, max_new = 32, plen = 16, threads = 0, run_ahead = 1, mixed_steps = 0;
     double itl_target_ms = 0;
     int prefill_pass = 0, prefill_budget = 0, op_profile = 0;
-    int requests = 0, shared = 0, max_sequences = 64;
+    int requests = 0, shared = 0, max_sequences = 64, spec_tokens = 0, spec_max_batch = 0;
     uint64_t seed = 1;
     for (int i = 1; i + 1 < argc; i += 2) {
         const char *a = argv[i], *v = argv[i + 1];
@@ -218,6 +239,8 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--seed")) seed = strtoull(v, NULL, 10);
         else if (!strcmp(a, "--shared-prefix")) shared = atoi(v);
         else if (!strcmp(a, "--max-sequences")) max_sequences = atoi(v);
+        else if (!strcmp(a, "--speculative-tokens")) spec_tokens = atoi(v);
+        else if (!strcmp(a, "--speculative-max-batch")) spec_max_batch = atoi(v);
         else { fprintf(stderr, "serving_direct: unknown option %s\n", a); return 2; }
     }
     const bool mix = prompt_mix || new_mix;
@@ -226,12 +249,14 @@ int main(int argc, char **argv) {
         n_pm = prompt_mix ? parse_mix(prompt_mix, 1, pm) : -1;
         n_nm = new_mix ? parse_mix(new_mix, 1, nm) : -1;
     }
-    if (!model || (!mix && (streams < 1 || max_new < 2 || plen < 1)) ||
+    if (!model || spec_tokens < 0 || spec_tokens > ENG_SPEC_MAX || spec_max_batch < 0 ||
+        (!mix && (streams < 1 || max_new < 2 || plen < 1)) ||
         (mix && (n_pm < 1 || n_nm < 1 || requests < 1 || shared < 0 || max_sequences < 1))) {
         fprintf(stderr, "usage: serving_direct --model DIR --streams C [--max-new N>=2] [--prompt-len P] "
                         "[--backend cpu|cuda] [--threads N]\n"
                         "       serving_direct --model DIR --prompt-mix A,B,.. --new-mix X,Y,.. --requests N "
                         "[--seed S] [--shared-prefix K] [--max-sequences M] [--backend cpu|cuda] [--threads N]\n"
+                        "  either form: [--mixed-steps 0|1] [--speculative-tokens K (0 .. 4)] [--speculative-max-batch B]\n"
                         "  (a mix's draws are reproducible from S, but not those Python's random makes from S)\n");
         return 2;
     }
@@ -271,8 +296,17 @@ int main(int argc, char **argv) {
         if (mp.prefill_chunk < 256) mp.prefill_chunk = 256;
         if (mp.prefill_chunk > 4096) mp.prefill_chunk = 4096;
     }
+    mp.mtp = spec_tokens > 0;
+    { /* the verifies of a step of up to spec_max_batch sequences in one call, as the worker */
+        const int vs = spec_max_batch > 0 ? spec_max_batch : mix ? max_sequences : streams;
+        mp.verify_seqs = vs < SD_VERIFY_SEQS_MAX ? vs : SD_VERIFY_SEQS_MAX;
+    }
     if (mt_model_load(model, be, &mp, &m, &err) != MT_OK) {
         fprintf(stderr, "serving_direct: %s\n", err.msg);
+        goto done;
+    }
+    if (spec_tokens > 0 && !mt_model_describe(m).has_drafter) {
+        fprintf(stderr, "serving_direct: %s has no MTP block for --speculative-tokens\n", model);
         goto done;
     }
     const int V = mt_model_describe(m).vocab_size;
@@ -284,6 +318,8 @@ int main(int argc, char **argv) {
     ep.mixed_steps = mixed_steps != 0;
     if (prefill_budget > 0) ep.prefill_budget = prefill_budget;
     ep.itl_target_ms = itl_target_ms;
+    ep.spec_tokens = spec_tokens;
+    ep.spec_max_batch = spec_max_batch;
     eng_callbacks cb = { .user = &b, .on_tokens = on_tokens, .on_finished = on_finished };
     if (eng_new(m, &ep, &cb, &e, &err) != MT_OK) { fprintf(stderr, "serving_direct: %s\n", err.msg); goto done; }
 
@@ -303,12 +339,14 @@ int main(int argc, char **argv) {
     if (mix) {
         const bool prof = op_profile && !strcmp(backend, "cuda");
         if (prof) mt_cuda_profile(be, true, "serving_direct");
-        rc = run_mix(e, &b, V, requests, plens, news, shared, max_sequences, backend, prompt);
+        rc = run_mix(e, &b, V, requests, plens, news, shared, max_sequences, backend, prompt, spec_tokens);
         if (prof) mt_cuda_profile(be, false, "serving_direct: the mix's ops, each synchronised (graph replays as one)");
         goto done;
     }
     r.n_prompt = plen;
     r.max_new_tokens = max_new;
+    eng_stats st0, st;
+    eng_get_stats(e, &st0);
     b.t0 = mt_now();
     for (int i = 0; i < streams; i++) {
         for (int k = 0; k < plen; k++) prompt[k] = (int32_t)(((int64_t)i * 7 + k) % V);
@@ -316,6 +354,7 @@ int main(int argc, char **argv) {
     }
     while (eng_has_work(e)) eng_step(e, NULL);
     const double wall = mt_now() - b.t0;
+    eng_get_stats(e, &st);
 
     long tokens = 0;
     double ttft = 0, itl = 0;
@@ -327,9 +366,13 @@ int main(int argc, char **argv) {
     qsort(b.gaps, b.n_gaps, sizeof(double), cmp_double);
     const double p50 = b.n_gaps ? b.gaps[b.n_gaps / 2] : 0, p99 = b.n_gaps ? b.gaps[(size_t)(0.99 * (b.n_gaps - 1))] : 0;
     printf("{\"streams\": %d, \"tokens\": %ld, \"wall_s\": %.6f, \"tok_per_s\": %.3f, \"ttft_ms\": %.3f, "
-           "\"itl_ms\": %.3f, \"itl_p50_ms\": %.3f, \"itl_p99_ms\": %.3f, \"backend\": \"%s\", \"run_ahead\": %d}\n",
+           "\"itl_ms\": %.3f, \"itl_p50_ms\": %.3f, \"itl_p99_ms\": %.3f, \"backend\": \"%s\", \"run_ahead\": %d, "
+           "\"steps\": %llu, \"ms_per_step\": %.4f",
            streams, tokens, wall, tokens / wall, 1e3 * ttft / streams, 1e3 * itl / streams, 1e3 * p50, 1e3 * p99,
-           backend, run_ahead != 0);
+           backend, run_ahead != 0, (unsigned long long)(st.steps - st0.steps),
+           st.steps > st0.steps ? 1e3 * wall / (double)(st.steps - st0.steps) : 0.0);
+    print_spec(&st, &st0, spec_tokens);
+    printf("}\n");
     rc = tokens == (long)streams * max_new ? 0 : 1;
     if (rc) fprintf(stderr, "serving_direct: %ld tokens, expected %ld\n", tokens, (long)streams * max_new);
 done:

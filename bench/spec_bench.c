@@ -2,7 +2,8 @@
  *
  *   spec_bench --model DIR|random:PRESET+mtp [--backend cpu|cuda] [--batches 1,32] [--ks 1,2,3]
  *              [--accept 0,0.5,0.8,1|real] [--temperature T] [--max-new N] [--prompt-len P]
- *              [--stream FILE] [--threads N] [--numerics bf16|exact]
+ *              [--stream FILE] [--threads N] [--numerics bf16|exact] [--mixed-steps 0|1]
+ *              [--verify-seqs N]
  *
  * For each batch B, B streams (prompt i: P tokens, from --stream's "stream_ids" (a heldout_ppl.json)
  * at offset i * P, else (i * 7 + k) % vocab) decode N tokens with ignore_eos, first with K = 0
@@ -14,7 +15,14 @@
  * to check). Printed per run: ms a generated token (wall from submission to the last token,
  * divided by the tokens), the speed-up over K = 0, drafts accepted, tokens a verify step, and ms
  * a step (engine steps: a plain step of B rows for K = 0; K drafts and a verify per stream
- * otherwise).
+ * otherwise). At the end, one table of every batch (up to 16 batch sizes): ms a token and ms a
+ * step with K = 0 beside each K and acceptance rate, and the speed-up, the figures that place
+ * --speculative-max-batch (the batch above which speculation stops paying).
+ * --mixed-steps 1: eng_params.mixed_steps, as the worker's option (the verifies join the step's
+ * one model call with any plain decode rows and prompt chunks). --verify-seqs N: the verifies one
+ * model call takes (the model's verify_seqs); by default the largest batch, so every batch
+ * verifies in one call; metrale-worker takes at most 16 (WKR_VERIFY_SEQS_MAX), so 16 gives the
+ * worker's steps above batch 16.
  *
  * --numerics (cuda; default bf16, the worker's): with bf16, a verify of K + 1 rows rounds its
  * activations where a one-row decode does not (prefill-sized GEMMs), so a near tie can go the
@@ -78,12 +86,13 @@ typedef struct result {
 
 /* One run of B streams with k drafts a step; fills r->tokens. false on an engine error. */
 static bool run_once(mt_model *m, int B, int k, int max_new, int plen, const int32_t *stream, int n_stream,
-                     float temperature, run *r, result *out) {
+                     float temperature, bool mixed_steps, run *r, result *out) {
     const int V = mt_model_describe(m).vocab_size;
     eng_params ep = eng_default_params();
     ep.max_sequences = B;
     ep.max_context = plen + max_new;
     ep.spec_tokens = k;
+    ep.mixed_steps = mixed_steps;
     ep.spec_draft_hook = force;
     ep.spec_hook_user = r;
     eng_callbacks cb = { .user = r, .on_tokens = on_tokens, .on_finished = on_finished };
@@ -130,10 +139,15 @@ static bool run_once(mt_model *m, int B, int k, int max_new, int plen, const int
     return !r->failed && out->tokens == (long)B * max_new;
 }
 
+/* Most values a list option (--batches, --ks, --accept) takes. */
+#define SB_LIST_MAX 16
+
+/* A list "1,2,4" into v[cap]; -1 when malformed or longer than cap. */
 static int parse_list(const char *s, double *v, int cap) {
     int n = 0;
-    for (const char *p = s; *p && n < cap;) {
+    for (const char *p = s; *p;) {
         char *end;
+        if (n == cap) return -1;
         v[n++] = strtod(p, &end);
         if (end == p) return -1;
         p = *end == ',' ? end + 1 : end;
@@ -157,15 +171,15 @@ static int32_t *read_stream(const char *path, int *n) {
 
 int main(int argc, char **argv) {
     const char *model = NULL, *backend = "cpu", *stream_path = NULL, *accept_s = "0,0.5,0.8,1", *numerics = "bf16";
-    double batches[8] = { 1, 32 }, ks[8] = { 1, 2, 3 }, accepts[8];
-    int n_batches = 2, n_ks = 3, max_new = 128, plen = 32, threads = 0;
+    double batches[SB_LIST_MAX] = { 1, 32 }, ks[SB_LIST_MAX] = { 1, 2, 3 }, accepts[SB_LIST_MAX];
+    int n_batches = 2, n_ks = 3, max_new = 128, plen = 32, threads = 0, mixed_steps = 0, verify_seqs = 0;
     float temperature = 0;
     for (int i = 1; i + 1 < argc; i += 2) {
         const char *a = argv[i], *v = argv[i + 1];
         if (!strcmp(a, "--model")) model = v;
         else if (!strcmp(a, "--backend")) backend = v;
-        else if (!strcmp(a, "--batches")) n_batches = parse_list(v, batches, 8);
-        else if (!strcmp(a, "--ks")) n_ks = parse_list(v, ks, 8);
+        else if (!strcmp(a, "--batches")) n_batches = parse_list(v, batches, SB_LIST_MAX);
+        else if (!strcmp(a, "--ks")) n_ks = parse_list(v, ks, SB_LIST_MAX);
         else if (!strcmp(a, "--accept")) accept_s = v;
         else if (!strcmp(a, "--temperature")) temperature = (float)atof(v);
         else if (!strcmp(a, "--max-new")) max_new = atoi(v);
@@ -173,15 +187,19 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--stream")) stream_path = v;
         else if (!strcmp(a, "--threads")) threads = atoi(v);
         else if (!strcmp(a, "--numerics")) numerics = v;
+        else if (!strcmp(a, "--mixed-steps")) mixed_steps = atoi(v);
+        else if (!strcmp(a, "--verify-seqs")) verify_seqs = atoi(v);
         else { fprintf(stderr, "spec_bench: unknown option %s\n", a); return 2; }
     }
     const bool real = !strcmp(accept_s, "real");
-    const int n_acc = real ? 1 : parse_list(accept_s, accepts, 8);
+    const int n_acc = real ? 1 : parse_list(accept_s, accepts, SB_LIST_MAX);
     if (real) accepts[0] = -1;
-    if (!model || n_batches < 1 || n_ks < 1 || n_acc < 1 || max_new < 2 || plen < 1 || (temperature > 0 && !real)) {
+    if (!model || n_batches < 1 || n_ks < 1 || n_acc < 1 || max_new < 2 || plen < 1 || (temperature > 0 && !real) ||
+        verify_seqs < 0 || verify_seqs > ENG_SPEC_GROUP_MAX) {
         fprintf(stderr, "usage: spec_bench --model DIR|random:PRESET+mtp [--backend cpu|cuda] [--batches 1,32] "
                         "[--ks 1,2,3] [--accept 0,0.5,0.8,1|real] [--temperature T (with real)] [--max-new N] "
-                        "[--prompt-len P] [--stream heldout_ppl.json] [--threads N] [--numerics bf16|exact]\n");
+                        "[--prompt-len P] [--stream heldout_ppl.json] [--threads N] [--numerics bf16|exact] "
+                        "[--mixed-steps 0|1] [--verify-seqs N (1 .. 64)]\n");
         return 2;
     }
     int n_stream = 0;
@@ -204,6 +222,8 @@ int main(int argc, char **argv) {
     mt_model *m = NULL;
     for (int i = 0; i < n_batches; i++) /* every batch's verifies in one model call */
         mp.verify_seqs = (int)batches[i] > mp.verify_seqs ? (int)batches[i] : mp.verify_seqs;
+    if (mp.verify_seqs > ENG_SPEC_GROUP_MAX) mp.verify_seqs = ENG_SPEC_GROUP_MAX;
+    if (verify_seqs > 0) mp.verify_seqs = verify_seqs;
     if (!be || mt_model_load(model, be, &mp, &m, &err) != MT_OK) {
         fprintf(stderr, "spec_bench: %s\n", err.msg);
         return 1;
@@ -223,20 +243,27 @@ int main(int argc, char **argv) {
         r.tokens[i] = malloc(sizeof(int32_t) * (size_t)max_new);
         ref[i] = malloc(sizeof(int32_t) * (size_t)max_new);
     }
-    printf("model %s, backend %s, %d new tokens a stream after %d prompt tokens%s%s, %s\n", model, backend, max_new,
-           plen, stream_path ? " from " : "", stream_path ? stream_path : "",
-           temperature > 0 ? "sampled" : "greedy");
+    printf("model %s, backend %s, %d new tokens a stream after %d prompt tokens%s%s, %s%s, verifies of up to %d "
+           "sequences a model call\n", model, backend, max_new, plen, stream_path ? " from " : "",
+           stream_path ? stream_path : "", temperature > 0 ? "sampled" : "greedy", mixed_steps ? ", mixed steps" : "",
+           mp.verify_seqs);
     if (temperature > 0) printf("temperature %.2f\n", temperature);
     { /* warm-up: weights touched, graphs captured */
         result w;
-        run_once(m, 1, 0, 8, plen, stream, n_stream, 0, &r, &w);
-        run_once(m, 1, (int)ks[0], 8, plen, stream, n_stream, 0, &r, &w);
+        run_once(m, 1, 0, 8, plen, stream, n_stream, 0, mixed_steps, &r, &w);
+        run_once(m, 1, (int)ks[0], 8, plen, stream, n_stream, 0, mixed_steps, &r, &w);
     }
+    /* every run's figures, for the table across batches: [batch][1 + ki * n_acc + ai], 0 = K = 0 */
+    const int n_cols = 1 + n_ks * n_acc;
+    result *all = calloc((size_t)n_batches * (size_t)n_cols, sizeof *all);
+    bool *ran = calloc((size_t)n_batches * (size_t)n_cols, sizeof *ran);
     for (int bi = 0; bi < n_batches; bi++) {
         const int B = (int)batches[bi];
         result base;
         r.ref = NULL;
-        if (!run_once(m, B, 0, max_new, plen, stream, n_stream, temperature, &r, &base)) { rc = 1; break; }
+        if (!run_once(m, B, 0, max_new, plen, stream, n_stream, temperature, mixed_steps, &r, &base)) { rc = 1; break; }
+        all[(size_t)bi * n_cols] = base;
+        ran[(size_t)bi * n_cols] = true;
         for (int i = 0; i < B; i++) memcpy(ref[i], r.tokens[i], sizeof(int32_t) * (size_t)max_new);
         printf("\nbatch %d\n| K | acceptance | ms a token | speed-up | drafts accepted | tokens a verify step | ms a step |\n"
                "|---:|---:|---:|---:|---:|---:|---:|\n", B);
@@ -247,7 +274,9 @@ int main(int argc, char **argv) {
                 result x;
                 r.ref = real ? NULL : ref;
                 r.accept = accepts[ai];
-                if (!run_once(m, B, k, max_new, plen, stream, n_stream, temperature, &r, &x)) { rc = 1; break; }
+                if (!run_once(m, B, k, max_new, plen, stream, n_stream, temperature, mixed_steps, &r, &x)) { rc = 1; break; }
+                all[(size_t)bi * n_cols + 1 + (size_t)ki * n_acc + ai] = x;
+                ran[(size_t)bi * n_cols + 1 + (size_t)ki * n_acc + ai] = true;
                 /* streams that left K = 0's output, and where the earliest left it */
                 int left = 0, first = max_new;
                 for (int i = 0; i < B && temperature <= 0; i++) {
@@ -270,6 +299,29 @@ int main(int argc, char **argv) {
             }
         fflush(stdout);
     }
+    /* across batches: where speculation stops paying */
+    printf("\nms a token (ms a step) by batch; speed-up over K = 0 in brackets\n| batch | K = 0 |");
+    for (int ki = 0; ki < n_ks; ki++)
+        for (int ai = 0; ai < n_acc; ai++) {
+            if (real) printf(" K = %d |", (int)ks[ki]);
+            else printf(" K = %d, %.0f%% |", (int)ks[ki], 100 * accepts[ai]);
+        }
+    printf("\n|---:|---:|");
+    for (int c = 1; c < n_cols; c++) printf("---:|");
+    printf("\n");
+    for (int bi = 0; bi < n_batches; bi++) {
+        const result *row = all + (size_t)bi * n_cols;
+        const bool *got = ran + (size_t)bi * n_cols;
+        if (!got[0]) continue;
+        printf("| %d | %.4f (%.4f) |", (int)batches[bi], row[0].ms_token, row[0].ms_step);
+        for (int c = 1; c < n_cols; c++) {
+            if (got[c]) printf(" %.4f (%.4f) [%.2f] |", row[c].ms_token, row[c].ms_step, row[0].ms_token / row[c].ms_token);
+            else printf(" - |");
+        }
+        printf("\n");
+    }
+    free(all);
+    free(ran);
     if (rc) fprintf(stderr, "spec_bench: a run failed or its greedy output differs from K = 0\n");
     mt_model_free(m);
     mt_backend_free(be);

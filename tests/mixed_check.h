@@ -65,7 +65,7 @@ inline void CheckMixedStep(glm_model *m, const char *name, double tol) {
         { mx[1], pb.data() + 7, 9, mb.data(), false, nullptr },
         { mx[2], pc.data(), 11, mc.data(), true, nullptr },
     };
-    ASSERT_EQ(glm_forward_mixed(m, parts, 3, &err), MT_OK) << err.msg;
+    ASSERT_EQ(glm_forward_mixed(m, parts, 3, 0, &err), MT_OK) << err.msg;
     const double da = MixedRelDiff(ma, ra), db = MixedRelDiff(mb, rb), dc = MixedRelDiff(mc, rc);
     std::printf("%s: mixed step vs part by part: decode row %.2e, chunk %.2e, prompt (all rows) %.2e\n", name, da, db,
                 dc);

@@ -233,7 +233,7 @@ TEST_P(Mtp, VerifiesOfSeveralSequencesShareOnePass) {
         top[i].assign(kv[i], -1);
         parts[i + 1] = glm_mixed_part{ a[i], &c_.tokens[t0 + 1], kv[i], la[i].data(), true, top[i].data(), true };
     }
-    ASSERT_EQ(glm_forward_mixed(m_, parts, 4, &err), MT_OK) << err.msg;
+    ASSERT_EQ(glm_forward_mixed(m_, parts, 4, 0, &err), MT_OK) << err.msg;
     for (int i = 0; i < 3; i++) ASSERT_EQ(glm_seq_keep(m_, a[i], keep[i], &err), MT_OK) << err.msg;
     // each b alone (ring 0, kept before the next verifies)
     for (int i = 0; i < 3; i++) {
@@ -261,6 +261,82 @@ TEST_P(Mtp, VerifiesOfSeveralSequencesShareOnePass) {
         glm_seq_free(b[i]);
     }
     glm_seq_free(d);
+}
+
+// Three verifies in one forward whose rows do not fit one pass (passes of 8 rows: a prompt chunk,
+// then two verifies, then the third in a pass of its own): each verify keeps its own ring across
+// the passes, so each sequence keeps some rows and continues as its twin that verified alone.
+TEST_P(Mtp, VerifiesOfOneForwardKeepTheirRingsAcrossPasses) {
+    glm_model *m = nullptr;
+    glm_model_params mp = glm_model_default_params();
+    mp.mtp = true;
+    mp.verify_seqs = 3;
+    mp.prefill_chunk = 8;
+    mt_error err{};
+    ASSERT_EQ(glm_model_load(kDir, be_, &mp, &m, &err), MT_OK) << err.msg;
+    ASSERT_EQ(glm_model_pass_rows(m), 8);
+    mt_model *mm = glm_model_as_model(m);
+    // a glm_seq begins with its mt_seq (the interface's sequence)
+    auto seq = [](glm_seq *s) { return reinterpret_cast<mt_seq *>(s); };
+    const int V = c_.V, kv[3] = { 4, 3, 2 }, keep[3] = { 2, 3, 1 };
+    glm_seq *a[3], *b[3], *c = nullptr;
+    ASSERT_EQ(glm_seq_new(m, c_.T + 8, &c, &err), MT_OK) << err.msg;
+    std::vector<float> la[3], lb[3];
+    std::vector<int32_t> top[3];
+    mt_batch_part parts[4];
+    parts[0] = mt_batch_part{ MT_PART_PREFILL, seq(c), c_.tokens.data(), 6, nullptr, false, nullptr };
+    for (int i = 0; i < 3; i++) {
+        const int t0 = c_.T / 2 - 2 * i;
+        ASSERT_GT(t0, 0);
+        ASSERT_LT(t0 + kv[i] + 3, c_.T);
+        ASSERT_EQ(glm_seq_new(m, c_.T + 8, &a[i], &err), MT_OK) << err.msg;
+        ASSERT_EQ(glm_seq_new(m, c_.T + 8, &b[i], &err), MT_OK) << err.msg;
+        for (glm_seq *s : { a[i], b[i] }) {
+            ASSERT_EQ(glm_prefill(m, s, c_.tokens.data(), t0 + 1, nullptr, false, &err), MT_OK) << err.msg;
+            std::vector<float> l(V);
+            ASSERT_EQ(glm_model_draft(m, s, c_.tokens[t0 + 1], l.data(), &err), MT_OK) << err.msg;
+        }
+        la[i].resize((size_t)kv[i] * V);
+        lb[i].resize((size_t)kv[i] * V);
+        top[i].assign(kv[i], -1);
+        parts[i + 1] = mt_batch_part{ MT_PART_DECODE, seq(a[i]), &c_.tokens[t0 + 1], kv[i], la[i].data(), true,
+                                      top[i].data() };
+    }
+    const mt_batch batch = { parts, 4 };
+    ASSERT_EQ(mt_model_forward(mm, &batch, &err), MT_OK) << err.msg;
+    for (int i = 0; i < 3; i++) ASSERT_EQ(glm_seq_keep(m, a[i], keep[i], &err), MT_OK) << "sequence " << i << ": " << err.msg;
+    for (int i = 0; i < 3; i++) {
+        const int t0 = c_.T / 2 - 2 * i;
+        ASSERT_EQ(glm_decode_verify(m, b[i], &c_.tokens[t0 + 1], kv[i], lb[i].data(), &err), MT_OK) << err.msg;
+        ASSERT_EQ(glm_seq_keep(m, b[i], keep[i], &err), MT_OK) << err.msg;
+        EXPECT_LT(MaxAbsDiff(la[i].data(), lb[i].data(), kv[i] * V), 1e-4f) << "sequence " << i;
+        for (int r = 0; r < kv[i]; r++) {
+            const float *row = &la[i][(size_t)r * V];
+            EXPECT_EQ(top[i][r], (int32_t)(std::max_element(row, row + V) - row)) << "sequence " << i << " row " << r;
+        }
+        ASSERT_EQ(glm_seq_len(a[i]), glm_seq_len(b[i]));
+        const int32_t next = c_.tokens[t0 + 1 + keep[i]];
+        std::vector<float> ya(V), yb(V);
+        ASSERT_EQ(glm_decode(m, a[i], next, ya.data(), &err), MT_OK) << err.msg;
+        ASSERT_EQ(glm_decode(m, b[i], next, yb.data(), &err), MT_OK) << err.msg;
+        EXPECT_LT(MaxAbsDiff(ya.data(), yb.data(), V), 1e-4f) << "sequence " << i;
+    }
+    EXPECT_EQ(glm_seq_len(c), 6);
+    // verifies that cannot share mixed passes (more than verify_seqs) are refused whole
+    mt_batch_part four[4];
+    for (int i = 0; i < 3; i++) four[i] = mt_batch_part{ MT_PART_DECODE, seq(a[i]), c_.tokens.data(), 2, nullptr, false, nullptr };
+    four[3] = mt_batch_part{ MT_PART_DECODE, seq(b[0]), c_.tokens.data(), 2, nullptr, false, nullptr };
+    int len[3];
+    for (int i = 0; i < 3; i++) len[i] = glm_seq_len(a[i]);
+    const mt_batch batch4 = { four, 4 };
+    EXPECT_EQ(mt_model_forward(mm, &batch4, &err), MT_ERR_UNSUPPORTED) << err.msg;
+    for (int i = 0; i < 3; i++) EXPECT_EQ(glm_seq_len(a[i]), len[i]);
+    for (int i = 0; i < 3; i++) {
+        glm_seq_free(a[i]);
+        glm_seq_free(b[i]);
+    }
+    glm_seq_free(c);
+    glm_model_free(m);
 }
 
 // Drafts of three sequences in one pass (glm_mtp_draft_rows: the block's DSA in the rows form),

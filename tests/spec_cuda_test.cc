@@ -2,7 +2,8 @@
 // tests/fixtures/mtp_a: the drafter's logits against the PyTorch reference (every row, and chains
 // of three) within 2e-3; a verify of 4 rows keeping 1..4 continues as a step of the kept rows;
 // the engine's greedy output with K = 1..3 (real, forced-accepted and forced-rejected drafts) is
-// K = 0's, at batch 1 and 8. Skips without a GPU.
+// K = 0's, at batch 1 and 8, and with mixed steps at batch 12 (verifies, plain decode rows and
+// prompt chunks in one model call). Skips without a GPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -134,7 +135,9 @@ struct Gen {
     eng_stats st = {};
 };
 
-Gen Generate(glm_model *m, int k, int batch, int force, const Gen *ref) {
+// mixed_steps: eng_params.mixed_steps with prompts fed 8 tokens a step and every other request
+// opted out of speculation, so verifies, plain decode rows and prompt chunks share steps.
+Gen Generate(glm_model *m, int k, int batch, int force, const Gen *ref, bool mixed_steps = false) {
     Gen g;
     g.ref = ref ? &ref->out : nullptr;
     g.force = force;
@@ -142,6 +145,8 @@ Gen Generate(glm_model *m, int k, int batch, int force, const Gen *ref) {
     p.max_sequences = batch;
     p.spec_tokens = k;
     p.spec_hook_user = &g;
+    p.mixed_steps = mixed_steps;
+    if (mixed_steps) p.prefill_budget = 8;
     if (force)
         p.spec_draft_hook = [](void *u, uint64_t id, int i, int32_t d) -> int32_t {
             auto *gg = static_cast<Gen *>(u);
@@ -170,6 +175,7 @@ Gen Generate(glm_model *m, int k, int batch, int force, const Gen *ref) {
         q.n_prompt = (int)prompts[r].size();
         q.max_new_tokens = 64;
         q.ignore_eos = true;
+        q.no_speculation = mixed_steps && r % 2 == 1;
         EXPECT_EQ(eng_submit(e, r + 1, &q, 0, &err), MT_OK) << err.msg;
     }
     while (eng_has_work(e)) EXPECT_EQ(eng_step(e, nullptr), MT_OK);
@@ -195,6 +201,32 @@ TEST_F(SpecGpu, EngineGreedyEqualsNoSpeculation) {
                 }
             }
     }
+}
+
+// With mixed steps, a step's verifies (four to a model call) ride in one call with its plain decode
+// rows and prompt chunks: the output is still K = 0's, with forced acceptance and rejection too.
+TEST_F(SpecGpu, EngineMixedStepsEqualNoSpeculation) {
+    glm_model *m = nullptr;
+    glm_model_params mp = glm_model_default_params();
+    mp.mtp = true;
+    mp.verify_seqs = 4;
+    mt_error err{};
+    ASSERT_EQ(glm_model_load(kDir, be_, &mp, &m, &err), MT_OK) << err.msg;
+    const Gen ref = Generate(m, 0, 12, 0, nullptr);
+    for (int k = 1; k <= 3; k++)
+        for (int force = 0; force <= 2; force++) {
+            const Gen g = Generate(m, k, 12, force, &ref, true);
+            for (const auto &[id, t] : ref.out) EXPECT_EQ(g.out.at(id), t) << "K " << k << " force " << force << " id " << id;
+            EXPECT_GT(g.st.spec_steps, 0u);
+            EXPECT_GT(g.st.spec_mixed_steps, 0u) << "K " << k << " force " << force;
+            if (force == 1) {
+                EXPECT_EQ(g.st.accepted_tokens, g.st.draft_tokens);
+            }
+            if (force == 2) {
+                EXPECT_EQ(g.st.accepted_tokens, 0u);
+            }
+        }
+    glm_model_free(m);
 }
 
 }  // namespace

@@ -1,8 +1,9 @@
 """Speculative decoding end to end: metrale-serve with --speculative-tokens serving a checkpoint
 with an MTP block (tests/fixtures/mtp_a), on the CPU, one worker and a tensor-parallel group of
 two. Through real gRPC: greedy streams are token for token those of the same requests with
-no_speculation and those of a server without speculation; the final message reports the drafts
-and the accepted ones; the worker stats count them."""
+no_speculation and those of a server without speculation, also with mixed steps (the verifies in
+one model call with the decode rows and prompt chunks); the final message reports the drafts and
+the accepted ones; the worker stats count them."""
 
 import unittest
 
@@ -74,6 +75,15 @@ class SpeculativeTest(unittest.TestCase):
 
     def test_tensor_parallel_group(self):
         self.check_service(["--workers", "1", "--tp", "2", "--threads", "1"], 1)
+
+    # mixed steps with prompts fed 8 tokens a step: the verifies ride in one model call with the
+    # decode rows and the chunks of the prompts admitted beside them, on every rank of a group
+    def test_mixed_steps(self):
+        self.check_service(["--workers", "1", "--threads", "1", "--mixed-steps", "--prefill-budget", "8"], 1)
+
+    def test_tensor_parallel_group_mixed_steps(self):
+        self.check_service(["--workers", "1", "--tp", "2", "--threads", "1", "--mixed-steps", "--prefill-budget", "8"],
+                           1)
 
 
 if __name__ == "__main__":

@@ -73,8 +73,9 @@ struct eng_engine {
     bool ahead_on;               /* run_ahead resolved for this model's backend */
     uint64_t ahead_steps;
     uint64_t mixed_steps;        /* mixed_step calls that ran decode rows and chunks together */
+    uint64_t spec_mixed_steps;   /* mixed_step calls whose verifies rode with decode rows or chunks */
     sched_pace pace;             /* measured step times (itl_target_ms) */
-    int step_rows;               /* decode rows of the step under way */
+    int step_rows;               /* decode and verify rows of the step under way */
     int pass_rows;               /* of those, the rows in the model call of the step's chunks */
     uint64_t prefill_tokens;     /* prompt tokens run through the model */
     int step_prompt;             /* prompt tokens the step under way took */
@@ -906,6 +907,36 @@ static void spec_accept(eng_engine *e, eng_seq *s, int g) {
 }
 
 
+/* The rows of grp[0, m) still live after their drafts (a failed draft ends its sequence), by
+ * group index (spec_q's row), into lv; returns how many. */
+static int spec_live(eng_seq **grp, int m, int *lv) {
+    int nl = 0;
+    for (int g = 0; g < m; g++)
+        if (!grp[g]->done) lv[nl++] = g;
+    return nl;
+}
+
+/* The verifies of grp[lv[j]], j < nl (drafted), in one model call, then each accepts and keeps;
+ * a group the model refuses verifies one sequence at a time. */
+static void spec_verify(eng_engine *e, eng_seq **grp, const int *lv, int nl) {
+    for (int j = 0; j < nl; j++) e->parts[j] = spec_part(e, grp[lv[j]], lv[j]);
+    mt_error err = { "" };
+    if (nl > 1 && mt_model_forward(e->m, &(mt_batch){ e->parts, nl }, &err) == MT_OK) {
+        for (int j = 0; j < nl; j++) spec_accept(e, grp[lv[j]], lv[j]);
+        return;
+    }
+    if (nl > 1)
+        mt_log(MT_LOG_WARN, "engine: a verify of %d sequences was refused (%s); verifying them apart", nl,
+               err.msg[0] ? err.msg : "?");
+    for (int j = 0; j < nl; j++) {
+        if (mt_model_forward(e->m, &(mt_batch){ &e->parts[j], 1 }, &err) != MT_OK) {
+            seq_end(e, grp[lv[j]], ENG_FINISH_ERROR, err.msg);
+            continue;
+        }
+        spec_accept(e, grp[lv[j]], lv[j]);
+    }
+}
+
 /* The speculative steps of b[0, n) (each with s->k_step > 0 drafts, pages for k + 1 rows mapped),
  * in groups of the model's verify_seqs: every sequence of a group drafts, then the group's
  * verifies (each the pending token and the drafts) go through one model call, then each keeps
@@ -916,34 +947,17 @@ static void spec_accept(eng_engine *e, eng_seq *s, int g) {
  * generated), row i of the verify gives the target's p_i the same way, and eng_spec_verdict
  * keeps draft i + 1 or replaces it with a draw from the residual, so each token is distributed
  * as the target's; after k kept drafts the last row's token is drawn from p_k. Reported logprobs
- * are the target's. A group the model refuses verifies one sequence at a time. */
+ * are the target's. (With mixed_steps, one group's verifies join the step's model call
+ * instead: mixed_step.) */
 static void spec_group(eng_engine *e, eng_seq **b, int n) {
     const int G = e->spec_group;
     for (int g0 = 0; g0 < n; g0 += G) {
         eng_seq *grp[ENG_SPEC_GROUP_MAX];
-        int m = 0;
+        int m = 0, lv[ENG_SPEC_GROUP_MAX];
         for (int i = g0; i < n && i < g0 + G; i++) grp[m++] = b[i];
         spec_draft_group(e, grp, m);
-        int lv[ENG_SPEC_GROUP_MAX], nl = 0; /* the rows still live, by group index (spec_q's row) */
-        for (int g = 0; g < m; g++)
-            if (!grp[g]->done) lv[nl++] = g;
-        if (nl == 0) continue;
-        for (int j = 0; j < nl; j++) e->parts[j] = spec_part(e, grp[lv[j]], lv[j]);
-        mt_error err = { "" };
-        if (nl > 1 && mt_model_forward(e->m, &(mt_batch){ e->parts, nl }, &err) == MT_OK) {
-            for (int j = 0; j < nl; j++) spec_accept(e, grp[lv[j]], lv[j]);
-            continue;
-        }
-        if (nl > 1)
-            mt_log(MT_LOG_WARN, "engine: a verify of %d sequences was refused (%s); verifying them apart", nl,
-                   err.msg[0] ? err.msg : "?");
-        for (int j = 0; j < nl; j++) {
-            if (mt_model_forward(e->m, &(mt_batch){ &e->parts[j], 1 }, &err) != MT_OK) {
-                seq_end(e, grp[lv[j]], ENG_FINISH_ERROR, err.msg);
-                continue;
-            }
-            spec_accept(e, grp[lv[j]], lv[j]);
-        }
+        const int nl = spec_live(grp, m, lv);
+        if (nl > 0) spec_verify(e, grp, lv, nl);
     }
 }
 
@@ -976,38 +990,55 @@ static bool plan_chunk(eng_engine *e, eng_seq *s, int *budget) {
     return true;
 }
 
-/* The step's decode rows b[0, n) (as decode_running) and the chunks admit_with(plan_chunk) plans,
- * in one model call. False when no chunk was planned: then the decode ran alone and the caller
- * admits as usual. A refused batch (checked before anything moves) runs part by part. */
-static bool mixed_step(eng_engine *e, eng_seq **b, int n, float *logits, int32_t *greedy) {
+/* The step's decode rows b[0, n) (as decode_running), the verifies of the speculating sequences
+ * v[0, nv) (nv <= spec_group; drafted here, as spec_group does) and the chunks
+ * admit_with(plan_chunk) plans, in one model call, parts in that order (the model runs the
+ * leading one-row parts in the batched decode's rows form); then each verify accepts and keeps.
+ * The chunks stop where the rows of the call fill whole passes. False when no chunk was planned:
+ * then the decode rows and verifies still share one call when both are there, else each runs
+ * as it would alone, and the caller admits as usual. A refused call (checked before anything
+ * moves) runs its kinds apart: the verifies (spec_verify), the decode rows, each chunk. */
+static bool mixed_step(eng_engine *e, eng_seq **b, int n, eng_seq **v, int nv, float *logits, int32_t *greedy) {
     e->n_chunks = 0;
-    e->pass_rows = n;
+    int lv[ENG_SPEC_GROUP_MAX], nl = 0, vrows = 0;
+    if (nv > 0) {
+        spec_draft_group(e, v, nv);
+        nl = spec_live(v, nv, lv);
+        for (int j = 0; j < nl; j++) vrows += v[lv[j]]->k_step + 1;
+    }
+    e->pass_rows = n + vrows;
     admit_with(e, plan_chunk);
-    if (e->n_chunks == 0) {
+    const bool join = e->n_chunks > 0 || (n > 0 && nl > 0);
+    if (!join) {
+        if (nl > 0) spec_verify(e, v, lv, nl);
         if (n > 0) decode_running(e, b, n, logits, greedy);
         return false;
     }
     if (greedy) logits = NULL;
     decode_parts(e, b, n, logits, greedy);
+    for (int j = 0; j < nl; j++) e->parts[n + j] = spec_part(e, v[lv[j]], lv[j]);
     for (int j = 0; j < e->n_chunks; j++)
-        e->parts[n + j] = chunk_part(e, &e->chunks[j], e->chunk_logits + (size_t)j * e->vocab);
+        e->parts[n + nl + j] = chunk_part(e, &e->chunks[j], e->chunk_logits + (size_t)j * e->vocab);
     mt_error err = { "" };
-    const mt_status st = mt_model_forward(e->m, &(mt_batch){ e->parts, n + e->n_chunks }, &err);
+    const mt_status st = mt_model_forward(e->m, &(mt_batch){ e->parts, n + nl + e->n_chunks }, &err);
     if (st == MT_OK) {
         for (int i = 0; i < n; i++) b[i]->st = MT_OK;
         for (int j = 0; j < e->n_chunks; j++) e->chunks[j].s->st = MT_OK;
-        e->mixed_steps += n > 0;
-        return true;
+        e->mixed_steps += n > 0 && e->n_chunks > 0;
+        e->spec_mixed_steps += nl > 0;
+        for (int j = 0; j < nl; j++) spec_accept(e, v[lv[j]], lv[j]);
+        return e->n_chunks > 0;
     }
-    mt_log(MT_LOG_WARN, "engine: mixed step of %d rows and %d chunks refused (%s); running them apart", n,
-           e->n_chunks, err.msg[0] ? err.msg : mt_status_str(st));
+    mt_log(MT_LOG_WARN, "engine: mixed step of %d rows, %d verifies and %d chunks refused (%s); running them apart", n,
+           nl, e->n_chunks, err.msg[0] ? err.msg : mt_status_str(st));
+    if (nl > 0) spec_verify(e, v, lv, nl);
     if (n > 0) decode_running(e, b, n, logits, greedy);
     for (int j = 0; j < e->n_chunks; j++) {
         eng_seq *s = e->chunks[j].s;
-        const mt_batch_part part = e->parts[n + j];
+        const mt_batch_part part = chunk_part(e, &e->chunks[j], e->chunk_logits + (size_t)j * e->vocab);
         s->st = mt_model_forward(e->m, &(mt_batch){ &part, 1 }, &s->err);
     }
-    return true;
+    return e->n_chunks > 0;
 }
 
 /* After the step's decode rows are reported: each planned chunk's prompt logprobs, its progress,
@@ -1087,16 +1118,22 @@ static mt_status step_body(eng_engine *e, int *n_tokens) {
     /* with prefill work this step, its chunks join the decode rows' model call */
     const bool mixed = e->p.mixed_steps && prefill_pending(e);
     bool chunked = false;
-    int n = 0;
-    int nv = 0;
+    int n = 0, nv = 0, vrows = 0;
     for (int i = 0; i < e->n_running; i++) {
         eng_seq *s = e->running[i];
         if (s->prefilled != s->n_feed) continue;
-        if (s->k_step > 0 && !s->done) e->spec_batch[nv++] = s;
-        else e->batch[n++] = s;
+        if (s->k_step > 0 && !s->done) {
+            e->spec_batch[nv++] = s;
+            vrows += s->k_step + 1;
+        } else {
+            e->batch[n++] = s;
+        }
     }
-    if (nv > 0) spec_group(e, e->spec_batch, nv);
-    e->step_rows = n; /* the rows beside this step's prompt chunks */
+    /* with mixed steps, one group of verifies joins that call too (when there is one beside
+     * them); the other groups verify in calls of their own first */
+    const int nj = e->p.mixed_steps && nv > 0 && (n > 0 || mixed) ? (nv < e->spec_group ? nv : e->spec_group) : 0;
+    if (nv > nj) spec_group(e, e->spec_batch + nj, nv - nj);
+    e->step_rows = n + vrows; /* the rows beside this step's prompt chunks */
     if (n > 0) {
         /* a batch of plain greedy requests takes its tokens on the device: no logits move */
         bool greedy = n <= ENG_GREEDY_MAX;
@@ -1108,7 +1145,7 @@ static mt_status step_body(eng_engine *e, int *n_tokens) {
             if (n_tokens) *n_tokens = (int)(e->tokens - tokens0);
             return MT_OK;
         }
-        if (mixed) chunked = mixed_step(e, e->batch, n, e->logits, greedy ? tok : NULL);
+        if (mixed || nj > 0) chunked = mixed_step(e, e->batch, n, e->spec_batch, nj, e->logits, greedy ? tok : NULL);
         else decode_running(e, e->batch, n, e->logits, greedy ? tok : NULL);
         for (int i = 0; i < n; i++) {
             eng_seq *s = e->batch[i];
@@ -1116,11 +1153,13 @@ static mt_status step_body(eng_engine *e, int *n_tokens) {
             else if (greedy) emit(e, s, &(eng_sample_result){ .token = tok[i] });
             else sample_emit(e, s, e->logits + (size_t)i * e->vocab);
         }
+    } else if (nj > 0) { /* no decode rows: the verifies ride with the prompt chunks */
+        chunked = mixed_step(e, NULL, 0, e->spec_batch, nj, NULL, NULL);
     }
     /* the step's prompt chunks (all of them, when the decode ran apart) go in one model call:
      * each pass reads the weights its rows touch, so many short prompts take one read, not one
      * each */
-    if (!chunked && prefill_pending(e)) chunked = mixed_step(e, NULL, 0, NULL, NULL);
+    if (!chunked && prefill_pending(e)) chunked = mixed_step(e, NULL, 0, NULL, 0, NULL, NULL);
     if (chunked) finish_chunks(e);
     else admit(e);
     compact(e, e->running, &e->n_running);
@@ -1203,7 +1242,9 @@ void eng_get_stats(const eng_engine *e, eng_stats *out) {
     *out = (eng_stats){ .running = e->n_running, .waiting = e->n_waiting,
                         .live_sequences = e->n_running + e->n_waiting, .cache_bytes_in_use = held,
                         .sequences_finished = e->finished, .sequences_aborted = e->aborted,
-                        .tokens_generated = e->tokens, .steps = e->steps, .ahead_steps = e->ahead_steps, .mixed_steps = e->mixed_steps, .prefill_tokens = e->prefill_tokens,
+                        .tokens_generated = e->tokens, .steps = e->steps, .ahead_steps = e->ahead_steps,
+                        .mixed_steps = e->mixed_steps, .spec_mixed_steps = e->spec_mixed_steps,
+                        .prefill_tokens = e->prefill_tokens,
                         .prefix_hits = e->prefixes.hits, .prefix_misses = e->prefixes.misses,
                         .prefix_cache_bytes = e->prefixes.bytes, .prefix_entries = e->prefixes.n,
                         .preemptions = e->preemptions, .spec_steps = e->spec_steps,

@@ -4,7 +4,8 @@
  *   1. ends sequences whose deadline has passed,
  *   2. decodes one token for every running sequence whose prompt is complete, in one batched
  *      model call where the backend allows (decode_running()), and samples; with mixed_steps and
- *      prefill work in (3), that call carries (3)'s prompt chunks too,
+ *      prefill work in (3), that call carries (3)'s prompt chunks too, and with spec_tokens the
+ *      speculating sequences' verifies,
  *   3. does at most prefill_budget prompt tokens of prefill: first the sequences whose prefill is
  *      under way, then waiting sequences admitted while fewer than max_sequences run (allocating
  *      a model sequence of prompt + max_new_tokens positions); a prompt longer than the budget is
@@ -117,9 +118,12 @@ typedef struct eng_params {
      * ENG_PACE_FLOOR (a long prompt always advances) and at most prefill_budget. 0 (the
      * default here; the worker sets its own): prefill_budget alone, every step. */
     double itl_target_ms;
-    /* A step's prompt chunks and its decode rows go to the model as one batch (one pass over the
-     * weights: the decode rows ride along the chunks' GEMMs instead of waiting for them); false:
-     * the decode, then each chunk alone (the default: on bench-4L it serves more, docs/PERF.md). */
+    /* A step's prompt chunks, its decode rows and (spec_tokens) its speculating sequences'
+     * verifies go to the model as one batch (one pass over the weights: the decode and verify
+     * rows ride along the chunks' GEMMs instead of waiting for them; the verifies of at most the
+     * model's verify_seqs sequences, the others in calls of their own); false: the decode, the
+     * verifies, then the chunks, each in calls of their own (the default: on bench-4L it serves
+     * more, docs/PERF.md). */
     bool mixed_steps;
     /* Prefix reuse: while a prompt is prefilled, the state at its last multiple of prefix_block
      * (leaving at least one prompt token) is kept as a snapshot sequence, within
@@ -150,7 +154,7 @@ typedef struct eng_params {
      * and its pending token in one step of spec_tokens + 1 rows, and emits the longest prefix the
      * target agrees with plus the target's own next token; the rejected rows leave no trace
      * (mt_seq_keep). Greedy output is the one without speculation; sampled output (speculative
-     * sampling, engine.c spec_step) is distributed as without it, though a seed gives other
+     * sampling, engine.c spec_group) is distributed as without it, though a seed gives other
      * tokens. Only while a decode step has at most spec_max_batch sequences (0 = any): above it
      * batched decode gives more tokens a second. */
     int spec_tokens;
@@ -181,6 +185,8 @@ typedef struct eng_stats {
     uint64_t steps;              /* eng_step calls that did work */
     uint64_t ahead_steps;        /* decode steps queued on the device's tokens (run_ahead) */
     uint64_t mixed_steps;        /* steps whose decode rows and prompt chunks were one model call */
+    uint64_t spec_mixed_steps;   /* steps whose verifies were in one model call with the step's
+                                  * decode rows or prompt chunks (mixed_steps and spec_tokens) */
     uint64_t prefill_tokens;     /* prompt tokens run through the model (a kept prefix's are not) */
     uint64_t prefix_hits;        /* admissions that reused a kept prefix */
     uint64_t prefix_misses;      /* admissions (prefix reuse on) that found none */

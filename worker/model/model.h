@@ -147,9 +147,11 @@ typedef struct mt_model_ops {
 
     /* ---- compute ---- */
     /* Runs every part of the plan: the one-row decode parts together, then the verify parts,
-     * then the prefill parts. A part refused for its input (a bad token, no room, a sequence
-     * twice among the decode rows) leaves the parts not yet run unchanged, so a plan of one kind
-     * of part is refused whole; the error names the part. */
+     * then the prefill parts (a model may run them all in one pass). A part refused for its
+     * input (a bad token, no room, a sequence twice among the decode rows) leaves the parts not
+     * yet run unchanged, so a plan of one kind of part is refused whole; the error names the
+     * part. A plan of more than one verify (at most info.verify_seqs) that the model cannot run
+     * in one pass is refused whole (MT_ERR_UNSUPPORTED): the caller verifies one at a time. */
     mt_status (*forward)(mt_model *m, const mt_batch *b, mt_error *err);
     /* Greedy decode that runs ahead of the host: one token for each of n sequences, the argmax
      * left on the device as the next step's input; tokens NULL takes the last greedy step's

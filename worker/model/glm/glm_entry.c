@@ -140,7 +140,8 @@ static mt_status forward_verify(glm_model *m, const mt_batch_part *p, mt_error *
 /* A batch of two parts or more with a prompt chunk or a verify (a decode part of k > 1 rows), at
  * most the model's verify_seqs verifies, as mixed steps: the parts in order, packed into passes
  * of at most glm_model_pass_rows rows, a chunk that does not fit split across passes (a verify
- * never is: it starts the next pass). Every part is checked before the first pass. */
+ * never is: it starts the next pass, and the verifies take rings 0, 1, ... in order across the
+ * passes). Every part is checked before the first pass. */
 static bool mixable(const glm_model *m, const mt_batch *b) {
     bool some = false;
     int nv = 0;
@@ -172,14 +173,17 @@ static mt_status forward_mixed(glm_model *m, const mt_batch *b, mt_error *err) {
     if (!pass) return mt_errorf(err, MT_ERR_NOMEM, "out of memory");
     mt_status st = MT_OK;
     int np = 0, used = 0;
+    int ring = 0, ring_next = 0; /* the ring of the pass's first verify; of the next verify */
     for (int i = 0; i < b->n_parts && st == MT_OK; i++) {
         const mt_batch_part *p = &b->parts[i];
         const bool verify = p->kind == MT_PART_DECODE && p->n > 1;
         if (verify && used > 0 && used + p->n > rows) { /* whole, in the next pass */
-            st = glm_forward_mixed(m, pass, np, err);
+            st = glm_forward_mixed(m, pass, np, ring, err);
             np = used = 0;
+            ring = ring_next;
             if (st != MT_OK) break;
         }
+        ring_next += verify;
         for (int done = 0; done < p->n && st == MT_OK;) {
             const int k = p->n - done < rows - used ? p->n - done : rows - used;
             const bool last = done + k == p->n;
@@ -191,8 +195,9 @@ static mt_status forward_mixed(glm_model *m, const mt_batch *b, mt_error *err) {
             used += k;
             done += k;
             if (used == rows || (i == b->n_parts - 1 && last)) {
-                st = glm_forward_mixed(m, pass, np, err);
+                st = glm_forward_mixed(m, pass, np, ring, err);
                 np = used = 0;
+                ring = ring_next;
             }
         }
     }
@@ -210,6 +215,14 @@ static mt_status iface_forward(mt_model *mm, const mt_batch *b, mt_error *err) {
             return mt_errorf(err, MT_ERR_INVALID, "batch part %d: greedy tokens are for decode parts", i);
     }
     if (mixable(m, b)) return forward_mixed(m, b, err);
+    /* one after the other, every verify would write ring 0: the first ones' seq_keep would find
+     * it taken */
+    int nv = 0;
+    for (int i = 0; i < b->n_parts; i++) nv += b->parts[i].kind == MT_PART_DECODE && b->parts[i].n > 1;
+    if (m->mtp.on && nv > 1)
+        return mt_errorf(err, MT_ERR_UNSUPPORTED,
+                         "%d verify parts share a forward only as mixed passes (at most %d, of at most %d rows each)", nv,
+                         m->mtp.n_rings, glm_model_pass_rows(m));
     int *rows = malloc(sizeof(int) * (size_t)(b->n_parts > 0 ? b->n_parts : 1));
     if (!rows) return mt_errorf(err, MT_ERR_NOMEM, "out of memory");
     int n_rows = 0;

@@ -648,7 +648,7 @@ static mt_status mixed_check(glm_model *m, const glm_mixed_part *p, int np, int 
 
 static void rows_upload(glm_model *m, glm_seq **seqs, const int32_t *tokens, int n, int B);
 
-mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, mt_error *err) {
+mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, int ring0, mt_error *err) {
     const glm_config *c = &m->cfg;
     mt_backend *be = m->be;
     const int L = c->num_hidden_layers, S = c->hc_mult, H = c->hidden_size, V = c->vocab_size;
@@ -668,12 +668,12 @@ mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, mt_er
     const int msel = glm_max_sel(c);
     int nw = 0, nv = 0;
     for (int i = 0; i < np; i++) nv += p[i].verify && p[i].n > 1;
-    if (m->mtp.on && nv > m->mtp.n_rings) {
-        st = mt_errorf(err, MT_ERR_INVALID, "a mixed step of %d verify parts: the model holds %d at a time", nv,
-                       m->mtp.n_rings);
+    if (m->mtp.on && (ring0 < 0 || ring0 + nv > m->mtp.n_rings)) {
+        st = mt_errorf(err, MT_ERR_INVALID, "a mixed step of %d verify parts from ring %d: the model holds %d at a time",
+                       nv, ring0, m->mtp.n_rings);
         goto out;
     }
-    nv = 0;
+    nv = ring0;
     for (int i = 0, r = 0; i < np; r += p[i++].n) {
         glm_seq *s = p[i].s;
         ahead_forget(m, s);

@@ -126,9 +126,12 @@ typedef struct glm_mixed_part {
  * forward_segments: hyper-connections, norms, projections, MoE and the head over all rows, the
  * mixers on each part's rows with its own state), so decode rows ride along prompt chunks'
  * GEMMs. At most glm_model_pass_rows rows in all.
+ * The verify parts write their rows' states into the rings ring0, ring0 + 1, ... in order (at
+ * most verify_seqs in all): a forward split over several passes numbers its verifies on across
+ * them, so that each keeps its own ring until its glm_seq_keep.
  * Checks every token, each sequence's room and that it appears once, and maps the pages of every
  * part before any state changes; on such an input error nothing changes. Eager (no graphs). */
-mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *parts, int np, mt_error *err);
+mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *parts, int np, int ring0, mt_error *err);
 /* Rows of one pass of glm_prefill or glm_forward_mixed (the model's prefill_chunk). */
 int glm_model_pass_rows(const glm_model *m);
 
