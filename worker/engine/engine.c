@@ -1195,7 +1195,7 @@ mt_status eng_warmup(eng_engine *e, int n_prompt, int n_new, mt_error *err) {
     /* the warm-up is not traffic: counters and step timings start from zero */
     e->finished = e->aborted = e->tokens = e->steps = e->preemptions = 0;
     e->ahead_steps = e->mixed_steps = e->prefill_tokens = 0;
-    e->spec_steps = e->drafted = e->accepted = 0;
+    e->spec_steps = e->spec_mixed_steps = e->drafted = e->accepted = 0;
     sched_pace_init(&e->pace);
     if (st != MT_OK) return st;
     if (failed) return mt_errorf(err, MT_ERR_BACKEND, "warm-up request failed");
