@@ -3,7 +3,9 @@
  * (weight_fp8_from makes one from a float weight on the device, for benchmarks), and
  * cu_fp8_matmul multiplies by it: decode-sized row counts on a GEMV that dequantises the weight in
  * registers (half the bytes of bf16, fp32 activations), prefill on Hopper's FP8 tensor cores
- * through cuBLASLt's block scaling (activations quantised here to e4m3 per 1 x 128 block). */
+ * through cuBLASLt's block scaling (activations quantised here to e4m3 per 1 x 128 block). For the
+ * routed experts' prefill (cuda_moe.cu) it quantises rows grouped by expert into per-expert
+ * segments (cu_fp8_quant_rows) and runs a GEMM on an already quantised segment (cu_fp8_gemm_q). */
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
