@@ -516,7 +516,7 @@ extern "C" mt_status cu_fp8_quant_rows(cu_backend *cb, uint8_t *q, float *s, con
 }
 
 extern "C" mt_status cu_fp8_gemm_q(cu_backend *cb, float *y, const uint8_t *xq, const float *xs, int M,
-                                   const mt_weight *w) {
+                                   const mt_weight *w, cudaStream_t s, void *ws) {
     MT_ASSERT(w->dtype == MT_F8E4M3 && w->scale && M >= 0 && M % 4 == 0);
     MT_ASSERT(cu_fp8_rpad(w->rows) <= INT32_MAX && cu_fp8_kpad(w->cols) <= INT32_MAX);
     MT_ASSERT(cu_aligned16(y) && cu_aligned16(xq) && cu_aligned16(xs));
@@ -531,7 +531,7 @@ extern "C" mt_status cu_fp8_gemm_q(cu_backend *cb, float *y, const uint8_t *xq, 
     MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &bs, sizeof bs));
     const float one = 1.f, zero = 0.f;
     MT_CUBLAS_CHECK(cublasLtMatmul((cublasLtHandle_t)cb->lt, p->op, &one, w->data, p->la, xq, p->lb, &zero, y, p->ld, y,
-                                   p->ld, &p->algo, cb->blas_ws, CU_BLAS_WS_BYTES, cb->stream));
+                                   p->ld, &p->algo, ws, CU_BLAS_WS_BYTES, s));
     return MT_OK;
 }
 

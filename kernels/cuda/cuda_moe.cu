@@ -1324,7 +1324,7 @@ static mt_status moe_experts_fp8_lt(mt_backend *be, const moe_table *t, float *o
             rmap[at].src = r0 + q / top_k;
             inv[q] = at;
         }
-        /* device scratch: XQ (HQ), its scales, G, U, D, the row map and inv */
+        /* device scratch: XQ (HQ in its place), its scales, G, U, D, the row map and inv */
         const size_t bQ = cu_align_up((size_t)Ppad * (size_t)kq, 256);
         const size_t bS = cu_align_up(sizeof(float) * (size_t)Ppad * (size_t)(kq / 128), 256);
         const size_t bG = cu_align_up(sizeof(float) * (size_t)Ppad * (size_t)npI, 256);
@@ -1342,22 +1342,46 @@ static mt_status moe_experts_fp8_lt(mt_backend *be, const moe_table *t, float *o
         MT_CUDA_CHECK(cudaStreamSynchronize(cb->stream)); /* the staging is reused by the next chunk */
         cu_prof_mark(be, "moe_experts FP8 (sort, staging)");
 
+        /* The experts' GEMMs alternate between the backend's stream and the side stream (each with
+         * its own workspace), so that small experts' GEMMs run beside each other; the side stream
+         * starts after the quantisation and the backend's stream waits for it before h's. */
+        const bool side = moe_side_get(cb);
+        struct cu_moe_cache *mc = cb->moe;
         st = cu_fp8_quant_rows(cb, XQ, XS, drmap, Ppad, H, x, NULL, H, L);
-        for (int e = 0; e < E && st == MT_OK; e++) {
-            const int m = ps[e + 1] - ps[e];
-            if (m == 0) continue;
-            const uint8_t *xq = XQ + (size_t)ps[e] * kpH;
-            const float *xs = XS + (size_t)ps[e] * (kpH / 128);
-            st = cu_fp8_gemm_q(cb, G + (size_t)ps[e] * npI, xq, xs, m, &t->copy[e].gate);
-            if (st == MT_OK) st = cu_fp8_gemm_q(cb, U + (size_t)ps[e] * npI, xq, xs, m, &t->copy[e].up);
-        }
-        cu_prof_mark(be, "moe_experts FP8 (gate/up GEMMs)");
-        if (st == MT_OK) st = cu_fp8_quant_rows(cb, XQ, XS, drmap, Ppad, I, G, U, npI, L);
-        for (int e = 0; e < E && st == MT_OK; e++) {
-            const int m = ps[e + 1] - ps[e];
-            if (m == 0) continue;
-            st = cu_fp8_gemm_q(cb, D + (size_t)ps[e] * npH, XQ + (size_t)ps[e] * kpI, XS + (size_t)ps[e] * (kpI / 128), m,
-                               &t->copy[e].down);
+        for (int mat = 0; mat < 2 && st == MT_OK; mat++) {
+            if (mat == 1) {
+                cu_prof_mark(be, "moe_experts FP8 (gate/up GEMMs)");
+                if ((st = cu_fp8_quant_rows(cb, XQ, XS, drmap, Ppad, I, G, U, npI, L)) != MT_OK) break;
+            }
+            if (side) {
+                MT_CUDA_CHECK(cudaEventRecord(mc->side_fork, cb->stream));
+                MT_CUDA_CHECK(cudaStreamWaitEvent(mc->side, mc->side_fork, 0));
+            }
+            for (int e = 0, j = 0; e < E && st == MT_OK; e++) {
+                const int m = ps[e + 1] - ps[e];
+                if (m == 0) continue;
+                const bool on_side = side && (j++ & 1);
+                cudaStream_t s = on_side ? mc->side : cb->stream;
+                void *ws = on_side ? mc->side_ws : cb->blas_ws;
+                if (mat == 0) {
+                    const uint8_t *xq = XQ + (size_t)ps[e] * kpH;
+                    const float *xs = XS + (size_t)ps[e] * (kpH / 128);
+                    st = cu_fp8_gemm_q(cb, G + (size_t)ps[e] * npI, xq, xs, m, &t->copy[e].gate, s, ws);
+                    if (st == MT_OK) st = cu_fp8_gemm_q(cb, U + (size_t)ps[e] * npI, xq, xs, m, &t->copy[e].up, s, ws);
+                } else {
+                    st = cu_fp8_gemm_q(cb, D + (size_t)ps[e] * npH, XQ + (size_t)ps[e] * kpI,
+                                       XS + (size_t)ps[e] * (kpI / 128), m, &t->copy[e].down, s, ws);
+                }
+            }
+            if (side) { /* joined even after a failure: nothing may run past the side's writes */
+                if (cudaEventRecord(mc->side_join, mc->side) != cudaSuccess ||
+                    cudaStreamWaitEvent(cb->stream, mc->side_join, 0) != cudaSuccess) {
+                    (void)cudaGetLastError();
+                    MT_CUDA_CHECK(cudaStreamSynchronize(mc->side)); /* the join by hand */
+                    mt_log(MT_LOG_ERROR, "cuda backend: moe_experts: joining the side stream failed");
+                    return MT_ERR_BACKEND;
+                }
+            }
         }
         cu_prof_mark(be, "moe_experts FP8 (down GEMMs)");
         if (st != MT_OK) return st;
