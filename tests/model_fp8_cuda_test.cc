@@ -1,7 +1,8 @@
 // The FP8 path of the whole model on the GPU (docs/DESIGN.md "FP8 weights on the GPU"): the fixture
 // fp8_a re-blocked to 128 x 128 (the blocks GLM's FP8 checkpoints have, so the loader keeps the
 // checkpoint's e4m3 bytes and scales as they are), loaded twice on the CUDA backend: as it comes
-// (the dense projections kept FP8, multiplied by cu_fp8_matmul) and with --dtype bf16
+// (the dense projections and routed experts kept FP8, multiplied by cu_fp8_matmul and moe_experts'
+// FP8 kernels) and with --dtype bf16
 // (mt_model_params.dequant_fp8: every weight dequantised to bf16 at load, today's path). The two
 // runs' logits are compared teacher-forced on tiny_a's cases. Skips without a GPU.
 //

@@ -273,8 +273,8 @@ TEST_F(Fp8, BrokenCheckpointsAreRefused) {
     mt_backend_free(be);
 }
 
-// A backend that offers weight_fp8 (the CUDA backend's slot) is given the FP8 dense projections
-// instead of their bf16 dequantisation. Here the CPU backend with a weight_fp8 that dequantises what
+// A backend that offers weight_fp8 (the CUDA backend's slot) is given the FP8 dense projections and
+// routed experts instead of their bf16 dequantisation. Here the CPU backend with a weight_fp8 that dequantises what
 // it receives as st_dequant_fp8 does (one fp32 product e4m3 * scale, rounded to nearest-even bf16)
 // and places that: what reaches the slot is checked through the logits, on the CPU.
 struct FakeFp8 {

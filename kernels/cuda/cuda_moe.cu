@@ -826,19 +826,18 @@ static mt_status moe_swiglu_split_launch(const moe_swiglu_split_params *p, mt_dt
     return MT_OK;
 }
 
-static mt_status moe_combine_launch(const moe_combine_params *pa, cudaStream_t s) {
-    moe_combine_params c = *pa;
-    const moe_combine_params *p = &c;
-    if (!c.ld) c.ld = (int64_t)c.terms * c.H;
-    if (p->top_k == MOE_COMBINE_K && p->H % 4 == 0 && p->ld % 4 == 0 && cu_aligned16(p->out) && cu_aligned16(p->D) &&
-        (p->terms == 1 || p->terms == 2)) {
-        const int64_t blocks = (p->rows * (p->H / 4) + 255) / 256;
+static mt_status moe_combine_launch(const moe_combine_params *in, cudaStream_t s) {
+    moe_combine_params p = *in;
+    if (!p.ld) p.ld = (int64_t)p.terms * p.H;
+    if (p.top_k == MOE_COMBINE_K && p.H % 4 == 0 && p.ld % 4 == 0 && cu_aligned16(p.out) && cu_aligned16(p.D) &&
+        (p.terms == 1 || p.terms == 2)) {
+        const int64_t blocks = (p.rows * (p.H / 4) + 255) / 256;
         const unsigned g = (unsigned)(blocks < 65536 ? blocks : 65536);
-        if (p->terms == 2) moe_combine8_kernel<2><<<g, 256, 0, s>>>(*p);
-        else moe_combine8_kernel<1><<<g, 256, 0, s>>>(*p);
+        if (p.terms == 2) moe_combine8_kernel<2><<<g, 256, 0, s>>>(p);
+        else moe_combine8_kernel<1><<<g, 256, 0, s>>>(p);
     } else {
-        const int64_t blocks = (p->rows * p->H + 255) / 256;
-        moe_combine_kernel<<<(unsigned)(blocks < 65536 ? blocks : 65536), 256, 0, s>>>(*p);
+        const int64_t blocks = (p.rows * p.H + 255) / 256;
+        moe_combine_kernel<<<(unsigned)(blocks < 65536 ? blocks : 65536), 256, 0, s>>>(p);
     }
     MT_CUDA_CHECK_LAUNCH();
     return MT_OK;
