@@ -2,8 +2,9 @@
 // (kernels/cuda/cuda_fp8.cu): weight_fp8, weight_fp8_from and the matmul of such weights, on
 // random e4m3 weights with a different random scale per 128 x 128 block (so a scale read from the
 // wrong block, or a transposed scale layout, moves results by up to 1000x), rows and columns that
-// are and are not multiples of 128 (partial blocks), and M = 1, 7, 64, 300, 4096 rows. Skips when
-// no CUDA device is usable (CI and dev hosts have the toolkit but no GPU).
+// are and are not multiples of 128 (partial blocks), and M = 1, 7, 64, 300, 4096 rows; then
+// moe_experts on FP8 experts (see the section below) and its timings at the real shapes against
+// bf16 experts. Skips when no CUDA device is usable (CI and dev hosts have the toolkit but no GPU).
 //
 // References, computed on the host in double from the dequantised weight W = e4m3(q) * scale:
 //   exact:    y = x . W^T with the fp32 activations;
@@ -28,8 +29,11 @@
 
 #include <cuda_runtime_api.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <functional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -595,6 +599,89 @@ TEST_F(CudaMoeFp8, SharedExpertFusedOnGemv) {
             worst.See(RelErr(got, ref), where);
         }
     }
+}
+
+// Timings at the real shapes (hidden 4096, 288 experts of 2048, top-8; random bf16 experts and
+// their FP8 quantisation, weight_fp8_from), moe_experts on each at decode, decode-batch and prefill
+// row counts, with the bytes of the experts the rows touch (bf16: 2 a weight; FP8: 1 a weight and
+// 4 a 128 x 128 block) against the device's copy bandwidth. Prints; asserts only that both run and
+// agree to the weights' e4m3 rounding (~2.6% RMS a weight, so ~3% of the output; on cuBLASLt rows
+// x and h rounded besides: ~5%; bar 0.15).
+TEST_F(CudaMoeFp8, TimingRealShapes) {
+    const int E = 288, k = 8, H = 4096, I = 2048;
+    std::vector<mt_weight> w16, w8;
+    for (int e = 0; e < E; e++)
+        for (int m = 0; m < 3; m++) {
+            const int64_t rows = m < 2 ? I : H, cols = m < 2 ? H : I;
+            mt_weight a{}, b{};
+            ASSERT_EQ(gpu_->ops->weight_random(gpu_, MT_BF16, rows, cols, 31337u * (3 * e + m) + 1, 0.f,
+                                               1.f / std::sqrt((float)cols), &a), MT_OK);
+            ASSERT_EQ(gpu_->ops->weight_fp8_from(gpu_, &a, &b), MT_OK);
+            w16.push_back(a);
+            w8.push_back(b);
+        }
+    std::vector<mt_expert> ex16, ex8;
+    for (int e = 0; e < E; e++) {
+        ex16.push_back({w16[3 * e], w16[3 * e + 1], w16[3 * e + 2]});
+        ex8.push_back({w8[3 * e], w8[3 * e + 1], w8[3 * e + 2]});
+    }
+    const size_t cbytes = (size_t)2 << 30;
+    void *csrc = gpu_->ops->alloc(gpu_, cbytes), *cdst = gpu_->ops->alloc(gpu_, cbytes);
+    ASSERT_TRUE(csrc && cdst);
+    auto seconds = [] { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); };
+    auto time_gpu = [&](const std::function<void()> &f, int reps) {
+        f();
+        gpu_->ops->sync(gpu_);
+        const double t0 = seconds();
+        for (int r = 0; r < reps; r++) f();
+        gpu_->ops->sync(gpu_);
+        return (seconds() - t0) / reps;
+    };
+    const double tc = time_gpu([&] { gpu_->ops->copy(gpu_, cdst, csrc, cbytes); }, 5);
+    const double copy_bw = 2.0 * cbytes / tc;
+    printf("[ timing   ] device copy 2 GiB: %.3f ms, %.0f GB/s (read + write)\n", tc * 1e3, copy_bw / 1e9);
+    gpu_->ops->free(gpu_, csrc);
+    gpu_->ops->free(gpu_, cdst);
+    const double blocks = (double)((I + 127) / 128) * ((H + 127) / 128);
+    for (int n : {1, 4, 32, 64, 512, 4096}) {
+        const std::vector<int32_t> idx = DistinctIdx(4242u + n, n, k, E);
+        const size_t touched = std::set<int32_t>(idx.begin(), idx.end()).size();
+        const double b16 = (double)touched * 3 * H * I * 2, b8 = (double)touched * 3 * ((double)H * I + 4 * blocks);
+        const std::vector<float> x = MakeX(n, H, 77u + n);
+        std::vector<float> wts((size_t)n * k);
+        Rng r(99u + n);
+        for (float &v : wts) v = r.Uniform(0.05f, 1.f);
+        float *dx = Dev(x), *dw = Dev(wts), *o16 = Dev(std::vector<float>((size_t)n * H, 0.f));
+        float *o8 = Dev(std::vector<float>((size_t)n * H, 0.f));
+        int32_t *di = (int32_t *)gpu_->ops->alloc(gpu_, sizeof(int32_t) * idx.size());
+        gpu_->ops->upload(gpu_, di, idx.data(), sizeof(int32_t) * idx.size());
+        gpu_->ops->moe_experts(gpu_, o16, dx, di, dw, ex16.data(), n, k, H, I, 10.f);
+        gpu_->ops->moe_experts(gpu_, o8, dx, di, dw, ex8.data(), n, k, H, I, 10.f);
+        const double e = RelErr(Host(o8, (size_t)n * H), Host(o16, (size_t)n * H));
+        EXPECT_LE(e, 0.15) << "n=" << n << ": FP8 experts against the bf16 ones they were quantised from";
+        // as if moe_route had written idx (the engine's case): the decode paths never read it back
+        cu_backend *cub = (cu_backend *)gpu_;
+        cub->route_idx = di;
+        cub->route_len = (int64_t)n * k;
+        cub->route_experts = E;
+        const int reps = n >= 512 ? 3 : 20;
+        const double t16 = time_gpu([&] { gpu_->ops->moe_experts(gpu_, o16, dx, di, dw, ex16.data(), n, k, H, I, 10.f); }, reps);
+        const double t8 = time_gpu([&] { gpu_->ops->moe_experts(gpu_, o8, dx, di, dw, ex8.data(), n, k, H, I, 10.f); }, reps);
+        const double flops = 2.0 * n * k * 3 * (double)H * I;
+        printf("[ timing   ] n=%4d top-8 of 288, 4096x2048: %3zu experts touched; bf16 %.3f ms (%.2f GB, %.0f%% of copy, "
+               "%.0f TFLOP/s), FP8 %.3f ms (%.2f GB, %.0f%% of copy, %.0f TFLOP/s): FP8/bf16 time %.2f; rel diff %.3f\n",
+               n, touched, t16 * 1e3, b16 / 1e9, 100 * b16 / t16 / copy_bw, flops / t16 / 1e12, t8 * 1e3, b8 / 1e9,
+               100 * b8 / t8 / copy_bw, flops / t8 / 1e12, t8 / t16, e);
+        cub->route_idx = nullptr;
+        if (n == 4096) { // where the FP8 prefill's time goes, each op synchronised
+            mt_cuda_profile(gpu_, true, nullptr);
+            gpu_->ops->moe_experts(gpu_, o8, dx, di, dw, ex8.data(), n, k, H, I, 10.f);
+            mt_cuda_profile(gpu_, false, "moe_experts FP8 n=4096");
+        }
+        for (void *p : {(void *)dx, (void *)dw, (void *)o16, (void *)o8, (void *)di}) gpu_->ops->free(gpu_, p);
+    }
+    for (mt_weight &w : w16) gpu_->ops->weight_free(gpu_, &w);
+    for (mt_weight &w : w8) gpu_->ops->weight_free(gpu_, &w);
 }
 
 }  // namespace
