@@ -321,11 +321,12 @@ static __global__ void __launch_bounds__(FP8_Q_THREADS) fp8_qrows_kernel(const f
     if (lane == 0) p.s[(int64_t)ri.base * kbs + (int64_t)kb * ri.count + (r - ri.base)] = sc;
 }
 
-/* y[n, N] = fp32 of the first N columns of the bf16 d[n, ld] (the bf16-output form of the GEMM). */
-static __global__ void fp8_widen_kernel(float *y, const __nv_bfloat16 *d, int64_t n, int N, int ld) {
+/* y[n, N] (row stride ldy) = fp32 of the first N columns of the bf16 d[n, ld] (the bf16-output form
+ * of the GEMM). */
+static __global__ void fp8_widen_kernel(float *y, int64_t ldy, const __nv_bfloat16 *d, int64_t n, int N, int ld) {
     const int64_t count = n * N;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += (int64_t)gridDim.x * blockDim.x)
-        y[i] = __bfloat162float(d[i / N * ld + i % N]);
+        y[i / N * ldy + i % N] = __bfloat162float(d[i / N * ld + i % N]);
 }
 
 /* ================================ cuBLASLt plans ================================ */
@@ -497,7 +498,7 @@ extern "C" mt_status cu_fp8_gemm_lt(cu_backend *cb, float *y, const float *x, co
     }
     const int64_t want = ((int64_t)n * N + FP8_WIDEN_THREADS - 1) / FP8_WIDEN_THREADS;
     fp8_widen_kernel<<<(unsigned)(want < 4096 ? want : 4096), FP8_WIDEN_THREADS, 0, cb->stream>>>(
-        y, (const __nv_bfloat16 *)dtmp, n, N, np);
+        y, N, (const __nv_bfloat16 *)dtmp, n, N, np);
     MT_CUDA_CHECK_LAUNCH();
     return MT_OK;
 }
@@ -516,22 +517,29 @@ extern "C" mt_status cu_fp8_quant_rows(cu_backend *cb, uint8_t *q, float *s, con
 }
 
 extern "C" mt_status cu_fp8_gemm_q(cu_backend *cb, float *y, const uint8_t *xq, const float *xs, int M,
-                                   const mt_weight *w, cudaStream_t s, void *ws) {
+                                   const mt_weight *w, cudaStream_t s, void *ws, void *tmp) {
     MT_ASSERT(w->dtype == MT_F8E4M3 && w->scale && M >= 0 && M % 4 == 0);
     MT_ASSERT(cu_fp8_rpad(w->rows) <= INT32_MAX && cu_fp8_kpad(w->cols) <= INT32_MAX);
-    MT_ASSERT(cu_aligned16(y) && cu_aligned16(xq) && cu_aligned16(xs));
+    MT_ASSERT(cu_aligned16(y) && cu_aligned16(xq) && cu_aligned16(xs) && cu_aligned16(tmp));
     if (M == 0 || w->rows == 0) return MT_OK;
     if (!cb->lt) return MT_ERR_UNSUPPORTED;
-    const int np = (int)cu_fp8_rpad(w->rows), kp = (int)cu_fp8_kpad(w->cols);
+    const int N = (int)w->rows, np = (int)cu_fp8_rpad(w->rows), kp = (int)cu_fp8_kpad(w->cols);
     fp8_plan *p = plan_get(cb, M, np, kp, CUDA_R_32F, w->scale, xs);
+    if (p && !p->ok && tmp) p = plan_get(cb, M, np, kp, CUDA_R_16BF, w->scale, xs);
     if (!p) return MT_ERR_BACKEND;
     if (!p->ok) return MT_ERR_UNSUPPORTED;
     const void *as = w->scale, *bs = xs;
     MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &as, sizeof as));
     MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &bs, sizeof bs));
     const float one = 1.f, zero = 0.f;
-    MT_CUBLAS_CHECK(cublasLtMatmul((cublasLtHandle_t)cb->lt, p->op, &one, w->data, p->la, xq, p->lb, &zero, y, p->ld, y,
+    void *d = p->d == CUDA_R_32F ? (void *)y : tmp;
+    MT_CUBLAS_CHECK(cublasLtMatmul((cublasLtHandle_t)cb->lt, p->op, &one, w->data, p->la, xq, p->lb, &zero, d, p->ld, d,
                                    p->ld, &p->algo, ws, CU_BLAS_WS_BYTES, s));
+    if (p->d == CUDA_R_32F) return MT_OK;
+    const int64_t want = ((int64_t)M * N + FP8_WIDEN_THREADS - 1) / FP8_WIDEN_THREADS;
+    fp8_widen_kernel<<<(unsigned)(want < 4096 ? want : 4096), FP8_WIDEN_THREADS, 0, s>>>(
+        y, np, (const __nv_bfloat16 *)tmp, M, N, np);
+    MT_CUDA_CHECK_LAUNCH();
     return MT_OK;
 }
 

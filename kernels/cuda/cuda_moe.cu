@@ -1273,7 +1273,8 @@ static mt_status moe_experts_wg(mt_backend *be, const moe_table *t, float *out, 
  * (cu_fp8_quant_rows, XQ [Ppad, kpad(H)] with its scales), gate and up a GEMM each per expert
  * into G, U [Ppad, rpad(I)] fp32, h = swiglu(G, U) quantised alike (HQ in XQ's place), down per
  * expert into D [Ppad, rpad(H)], then the combine (slots in order). Weights are read once a chunk
- * per touched expert, at one byte a weight. MT_ERR_UNSUPPORTED when cuBLASLt has no fp32-output
+ * per touched expert, at one byte a weight. A GEMM whose shape has no fp32-output algorithm writes
+ * bf16 into the expert's rows of T16 and is widened. MT_ERR_UNSUPPORTED when cuBLASLt has no
  * algorithm for a shape: *done then says how many rows are in out (whole chunks, each written
  * only by its combine), and the caller takes the grouped kernels for the rest. */
 static mt_status moe_experts_fp8_lt(mt_backend *be, const moe_table *t, float *out, const float *x,
@@ -1282,10 +1283,11 @@ static mt_status moe_experts_fp8_lt(mt_backend *be, const moe_table *t, float *o
     cu_backend *cb = (cu_backend *)be;
     const int E = t->count;
     const int64_t kpH = cu_fp8_kpad(H), kpI = cu_fp8_kpad(I), npH = cu_fp8_rpad(H), npI = cu_fp8_rpad(I);
-    const int64_t kq = kpH > kpI ? kpH : kpI;
-    /* bytes a padded row: its e4m3 row and scales (x's, then h's), its G, U and D rows */
+    const int64_t kq = kpH > kpI ? kpH : kpI, nq = npH > npI ? npH : npI;
+    /* bytes a padded row: its e4m3 row and scales (x's, then h's), its G, U and D rows, its row of
+       a GEMM's bf16 output where cuBLASLt offers no fp32 one (cu_fp8_gemm_q) */
     const size_t per_row = (size_t)kq + sizeof(float) * ((size_t)kq / 128 + 2 * (size_t)npI + (size_t)npH) +
-                           sizeof(cu_fp8_row) + sizeof(int32_t);
+                           sizeof(uint16_t) * (size_t)nq + sizeof(cu_fp8_row) + sizeof(int32_t);
     /* a chunk's padded rows stay below P + 8 E (moe_pad adds under 8 a pair to small experts, a
        quarter to large ones): sized for 2 P + 8 E */
     const size_t fit = MOE_CHUNK_BYTES / (per_row * 2 * (size_t)top_k);
@@ -1328,13 +1330,15 @@ static mt_status moe_experts_fp8_lt(mt_backend *be, const moe_table *t, float *o
         const size_t bS = cu_align_up(sizeof(float) * (size_t)Ppad * (size_t)(kq / 128), 256);
         const size_t bG = cu_align_up(sizeof(float) * (size_t)Ppad * (size_t)npI, 256);
         const size_t bD = cu_align_up(sizeof(float) * (size_t)Ppad * (size_t)npH, 256);
+        const size_t bT = cu_align_up(sizeof(uint16_t) * (size_t)Ppad * (size_t)nq, 256);
         const size_t bM = sizeof(cu_fp8_row) * (size_t)Ppad, bI = sizeof(int32_t) * (size_t)P;
-        char *scr = (char *)cu_scratch(be, CU_SCRATCH_DENSE, bQ + bS + 2 * bG + bD + bM + bI);
+        char *scr = (char *)cu_scratch(be, CU_SCRATCH_DENSE, bQ + bS + 2 * bG + bD + bT + bM + bI);
         if (!scr) return MT_ERR_NOMEM;
         uint8_t *XQ = (uint8_t *)scr;
         float *XS = (float *)(scr + bQ), *G = (float *)(scr + bQ + bS), *U = (float *)(scr + bQ + bS + bG);
         float *D = (float *)(scr + bQ + bS + 2 * bG);
-        cu_fp8_row *drmap = (cu_fp8_row *)(scr + bQ + bS + 2 * bG + bD);
+        uint16_t *T16 = (uint16_t *)(scr + bQ + bS + 2 * bG + bD); /* [Ppad, nq]: each expert its own rows */
+        cu_fp8_row *drmap = (cu_fp8_row *)(scr + bQ + bS + 2 * bG + bD + bT);
         int32_t *dinv = (int32_t *)(drmap + Ppad);
         MT_CUDA_CHECK(cudaMemcpyAsync(drmap, rmap, bM, cudaMemcpyHostToDevice, cb->stream));
         MT_CUDA_CHECK(cudaMemcpyAsync(dinv, inv, bI, cudaMemcpyHostToDevice, cb->stream));
@@ -1362,14 +1366,16 @@ static mt_status moe_experts_fp8_lt(mt_backend *be, const moe_table *t, float *o
                 const bool on_side = side && (j++ & 1);
                 cudaStream_t s = on_side ? mc->side : cb->stream;
                 void *ws = on_side ? mc->side_ws : cb->blas_ws;
+                uint16_t *tmp = T16 + (size_t)ps[e] * nq; /* gate's then up's, in s's order */
                 if (mat == 0) {
                     const uint8_t *xq = XQ + (size_t)ps[e] * kpH;
                     const float *xs = XS + (size_t)ps[e] * (kpH / 128);
-                    st = cu_fp8_gemm_q(cb, G + (size_t)ps[e] * npI, xq, xs, m, &t->copy[e].gate, s, ws);
-                    if (st == MT_OK) st = cu_fp8_gemm_q(cb, U + (size_t)ps[e] * npI, xq, xs, m, &t->copy[e].up, s, ws);
+                    st = cu_fp8_gemm_q(cb, G + (size_t)ps[e] * npI, xq, xs, m, &t->copy[e].gate, s, ws, tmp);
+                    if (st == MT_OK)
+                        st = cu_fp8_gemm_q(cb, U + (size_t)ps[e] * npI, xq, xs, m, &t->copy[e].up, s, ws, tmp);
                 } else {
                     st = cu_fp8_gemm_q(cb, D + (size_t)ps[e] * npH, XQ + (size_t)ps[e] * kpI,
-                                       XS + (size_t)ps[e] * (kpI / 128), m, &t->copy[e].down, s, ws);
+                                       XS + (size_t)ps[e] * (kpI / 128), m, &t->copy[e].down, s, ws, tmp);
                 }
             }
             if (side) { /* joined even after a failure: nothing may run past the side's writes */

@@ -204,9 +204,11 @@ mt_status cu_fp8_gemm_lt(cu_backend *cb, float *y, const float *x, const mt_weig
  *   cu_fp8_gemm_q: y [M, rpad(w.rows)] fp32 (that row stride; the padded rows' outputs are zeros)
  *     = x . w^T for x already quantised as above: xq [M, kpad(w.cols)], xs [kpad / 128, M], M a
  *     multiple of 4, every pointer 16-byte aligned, on stream s with ws (CU_BLAS_WS_BYTES, used by
- *     nothing else on another stream meanwhile: cb->blas_ws on cb's stream). MT_ERR_UNSUPPORTED,
- *     having done nothing, where cuBLASLt offers no fp32-output algorithm for the shape;
- *     MT_ERR_BACKEND after logging a failed call. cu_fp8_quant_rows runs on cb's stream. */
+ *     nothing else on another stream meanwhile: cb->blas_ws on cb's stream). Where cuBLASLt offers
+ *     no fp32 output for the shape, a bf16 one into tmp ([M, rpad(w.rows)] bf16, not used by
+ *     other streams meanwhile) widened into y's first w.rows columns; tmp NULL: fp32 only.
+ *     MT_ERR_UNSUPPORTED, having done nothing, where cuBLASLt offers neither; MT_ERR_BACKEND
+ *     after logging a failed call. cu_fp8_quant_rows runs on cb's stream. */
 typedef struct cu_fp8_row {
     int32_t src;    /* source row of x, or -1: a padding row (zeros) */
     int32_t base;   /* the row's segment: rows [base, base + count) */
@@ -216,7 +218,7 @@ typedef struct cu_fp8_row {
 mt_status cu_fp8_quant_rows(cu_backend *cb, uint8_t *q, float *s, const cu_fp8_row *rows, int nrows, int K,
                             const float *x, const float *u, int64_t ldx, float L);
 mt_status cu_fp8_gemm_q(cu_backend *cb, float *y, const uint8_t *xq, const float *xs, int M, const mt_weight *w,
-                        cudaStream_t s, void *ws);
+                        cudaStream_t s, void *ws, void *tmp);
 /* Makes cb->lt (mt_cuda_backend_new); frees the handle and plans (cu_destroy; fine when none). */
 mt_status cu_fp8_init(cu_backend *cb);
 void cu_fp8_free(cu_backend *cb);
