@@ -501,7 +501,7 @@ template <> struct cu_wstream<MT_F8E4M3, false> {
     __device__ __forceinline__ void get(float (&f)[1]) const { f[0] = v; }
 };
 
-/* Loads element (row, col) on of a weight into st: data w with row stride ld (elements); for an
+/* Loads a weight's elements from (row, col) on into st: data w with row stride ld (elements); for an
  * F8E4M3 weight also its block scale from s ([rows / 128, ld / 128], cuda_ops.h's layout, ld the
  * padded column count). Float weights ignore s. */
 template <mt_dtype DT, bool VEC>
