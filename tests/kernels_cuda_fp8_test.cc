@@ -529,11 +529,7 @@ const MoeShape kMoeShapes[] = {{16, 4, 64, 32}, {16, 4, 256, 128}, {8, 2, 200, 7
 // numerics; every row count in the exact numerics (the fp32-activation kernels throughout).
 TEST_F(CudaMoeFp8, ExpertsMatchBf16PathAndHost) {
     mt_error err{};
-    const mt_cuda_params ex_params = [] {
-        mt_cuda_params p = mt_cuda_default_params();
-        p.numerics = MT_NUMERICS_EXACT;
-        return p;
-    }();
+    const mt_cuda_params ex_params = ExactParams();
     mt_backend *exact = mt_cuda_backend_new(0, &ex_params, &err);
     ASSERT_NE(exact, nullptr) << err.msg;
     Worst w_fp32{"fp8 moe fp32-x"}, w_lt{"fp8 moe lt"}, w_lt_bf16{"fp8 moe lt/bf16"};
