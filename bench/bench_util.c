@@ -62,16 +62,34 @@ bool bench_tensor_is_split(const char *name) {
     return false;
 }
 
+/* The tensors an FP8 checkpoint keeps in FP8 on the GPU (worker/model/glm/glm_weights.c): the KDA
+ * q, k, v, o and the DSA q_a, q_b, kv_a, o projections, and every MLP's gate, up and down (dense,
+ * shared and routed experts). */
+static const char *const g_fp8_parts[] = {
+    "self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.", "self_attn.o_proj.", "self_attn.q_a_proj.",
+    "self_attn.q_b_proj.", "self_attn.kv_a_proj_with_mqa.", "mlp.gate_proj.", "mlp.up_proj.", "mlp.down_proj.",
+    "mlp.shared_experts.", "mlp.experts.",
+};
+
+bool bench_tensor_is_fp8(const char *name) {
+    for (size_t i = 0; i < sizeof g_fp8_parts / sizeof g_fp8_parts[0]; i++)
+        if (strstr(name, g_fp8_parts[i])) return true;
+    return false;
+}
+
 typedef struct count_ctx {
     const glm_config *c;
     bench_weights *w;
+    bool fp8;           /* the FP8-kept tensors at one byte a weight and a scale a 128 x 128 block */
 } count_ctx;
 
 static void count_tensor(const glm_tensor_spec *s, void *user) {
     count_ctx *x = user;
     double n = 1;
     for (int i = 0; i < s->ndim; i++) n *= (double)s->shape[i];
-    const double bytes = n * (double)mt_dtype_size(s->dtype);
+    double bytes = n * (double)mt_dtype_size(s->dtype);
+    if (x->fp8 && s->ndim == 2 && bench_tensor_is_fp8(s->name))
+        bytes = n + 4.0 * (double)((s->shape[0] + 127) / 128) * (double)((s->shape[1] + 127) / 128);
     const bool split = bench_tensor_is_split(s->name);
     if (split) x->w->split_bytes += bytes;
     else x->w->replicated_bytes += bytes;
@@ -90,14 +108,18 @@ static void count_tensor(const glm_tensor_spec *s, void *user) {
     }
 }
 
-void bench_count_weights(const glm_config *c, bench_weights *out) {
+static void count_weights(const glm_config *c, bool fp8, bench_weights *out) {
     memset(out, 0, sizeof *out);
-    count_ctx x = { c, out };
+    count_ctx x = { c, out, fp8 };
     glm_manifest_foreach(c, count_tensor, &x);
     int moe_layers = 0;
     for (int l = 0; l < c->num_hidden_layers; l++) moe_layers += c->mlp_layer_types[l] == GLM_MLP_SPARSE;
     if (moe_layers > 0) out->expert_bytes /= (double)moe_layers * c->n_routed_experts;
 }
+
+void bench_count_weights(const glm_config *c, bench_weights *out) { count_weights(c, false, out); }
+
+void bench_count_weights_fp8(const glm_config *c, bench_weights *out) { count_weights(c, true, out); }
 
 double bench_kda_state_bytes(const glm_config *c) {
     double b = 0;

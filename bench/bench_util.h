@@ -42,6 +42,13 @@ typedef struct bench_weights {
 } bench_weights;
 
 void bench_count_weights(const glm_config *c, bench_weights *out);
+/* The same for the model as an FP8 checkpoint runs on the GPU (decode_bench --fp8): the tensors it
+ * keeps in FP8 (bench_tensor_is_fp8) at one byte a weight plus a 4-byte scale a 128 x 128 block,
+ * the bytes the FP8 kernels read of them; the rest at their dtype. Parameters as above. */
+void bench_count_weights_fp8(const glm_config *c, bench_weights *out);
+/* Whether the manifest tensor `name` stays FP8 on the GPU when its checkpoint is FP8 (the KDA and
+ * DSA projections but kv_b and the gates, every MLP's and expert's gate, up and down). */
+bool bench_tensor_is_fp8(const char *name);
 
 /* Routed experts of one MoE layer that n tokens touch, expected under uniform routing:
  * E (1 - (1 - top_k / E)^n). */

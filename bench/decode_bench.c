@@ -31,9 +31,12 @@
  *   decode_bench [--steps N] [--context N] [--json FILE] [--bf16-peak-tflops 790] [--op-profile 1]
  *                [--profile N] [--numerics exact|bf16|fp32] [--tp N | --nccl] [--fp8]
  * (--numerics: the CUDA backend's mt_numerics (default bf16).
- *  --fp8: the model's dense projections (KDA and DSA projections, dense MLPs, shared experts: those an
- *  FP8 checkpoint keeps FP8 on the GPU) made bf16 and quantised on the GPU to block-scaled e4m3
- *  (mt_model_params.random_fp8), so decode and prefill run the FP8 paths.
+ *  --fp8: the weights an FP8 checkpoint keeps FP8 on the GPU (KDA and DSA projections, dense MLPs,
+ *  shared and routed experts) made bf16 and quantised on the GPU to block-scaled e4m3
+ *  (mt_model_params.random_fp8), so decode and prefill run the FP8 paths. The decode floor and
+ *  the prefill roofline then count those weights at the bytes the FP8 kernels read (one a weight
+ *  and a 4-byte scale a 128 x 128 block, bench_count_weights_fp8), and each prefill is also given
+ *  as a fraction of cuBLASLt's block-scaled FP8 GEMM rate measured on its shapes in the same run.
  *  --op-profile 1: per-op times of one more prefill of each length, after the table's runs.
  *  --profile N: only N engine-path decode steps between cudaProfilerStart/Stop, for
  *  `ncu --profile-from-start off ...`; lab/ncu_summary.py sums the kernels.)
@@ -167,7 +170,8 @@ static int decode_rank(bench_rank *r, void *user) {
     glm_config c;
     if (glm_config_preset("bench-4L", &c, &err) != MT_OK) { fprintf(stderr, "%s\n", err.msg); return 1; }
     bench_weights bc;
-    bench_count_weights(&c, &bc);
+    if (o->fp8) bench_count_weights_fp8(&c, &bc);
+    else bench_count_weights(&c, &bc);
     int n_moe = 0;
     for (int l = 0; l < c.num_hidden_layers; l++) n_moe += c.mlp_layer_types[l] == GLM_MLP_SPARSE;
     /* batch 1 reads every dense weight, one embedding row, top_k experts per MoE layer and the KDA
@@ -233,6 +237,7 @@ static int decode_rank(bench_rank *r, void *user) {
      * the roofline, max(FLOPs at the peak, the weights the prefill touches at the copy bandwidth) */
     double pf_cublas_ms[2] = { -1, -1 }, pf_cublas_flops[2] = { 0, 0 }, pf_roof_ms[2] = { 0, 0 };
     double pf_fp8_ms[2] = { -1, -1 }, pf_fp8_flops[2] = { 0, 0 };
+    double pf_fp8_frac[2] = { -1, -1 }; /* --fp8: the prefill's FLOP rate over cuBLASLt's FP8 rate on its shapes */
     int moe_layers = 0;
     for (int l = 0; l < c.num_hidden_layers; l++) moe_layers += c.mlp_layer_types[l] == GLM_MLP_SPARSE;
     for (int k = 0; k < 2; k++) {
@@ -243,6 +248,8 @@ static int decode_rank(bench_rank *r, void *user) {
         pf_roof_ms[k] = t_flop > t_bytes ? t_flop : t_bytes;
         if (tp == 1 && lead) pf_cublas_ms[k] = bench_cublas_prefill_ms(&c, plens[k], &pf_cublas_flops[k]);
         if (tp == 1 && lead) pf_fp8_ms[k] = bench_cublaslt_fp8_prefill_ms(&c, plens[k], &pf_fp8_flops[k]);
+        if (o->fp8 && pf_fp8_ms[k] > 0)
+            pf_fp8_frac[k] = pf_tps[k] / plens[k] * pf_flops[k] / (pf_fp8_flops[k] / (pf_fp8_ms[k] * 1e-3));
     }
     /* The 4096-token prefill under its goal: one more, every op synchronised and timed, for the
      * ops that hold it back (the sum runs above the timed run's wall time: each op waits for the
@@ -325,8 +332,9 @@ static int decode_rank(bench_rank *r, void *user) {
     if (r->comm) printf(", tensor parallel over %d rank%s", tp, tp > 1 ? "s" : "");
     printf("\n  random weights made on the GPU in %.2f s\n", t_make);
     if (o->fp8)
-        printf("(--fp8: the dense projections are block-scaled FP8 (kernels/cuda/cuda_fp8.cu), the rest bf16; the\n"
-               " decode floor and the roofline still count every weight's bf16 bytes, so they overstate the floor.)\n");
+        printf("(--fp8: the dense projections and the routed experts are block-scaled FP8 (kernels/cuda/cuda_fp8.cu,\n"
+               " cuda_moe.cu), the rest bf16; the decode floor and the roofline count the FP8 weights at one byte\n"
+               " a weight and a 4-byte scale a 128 x 128 block, what the FP8 kernels read.)\n");
     printf("| measure                         | value        | reference                      |\n");
     printf("|---------------------------------|--------------|--------------------------------|\n");
     printf("| device copy bandwidth           | %7.0f GB/s | (read + write, cudaMemcpy D2D%s) |\n", bw, tp > 1 ? ", rank 0's GPU" : "");
@@ -369,6 +377,10 @@ static int decode_rank(bench_rank *r, void *user) {
             printf("| prefill %4d tokens: cuBLASLt block-scaled FP8 on the same shapes (%.1f TFLOP) | %8.3f ms | "
                    "%5.1f TFLOP/s |\n", plens[k], pf_fp8_flops[k] / 1e12, pf_fp8_ms[k],
                    pf_fp8_flops[k] / (pf_fp8_ms[k] * 1e9));
+        if (pf_fp8_frac[k] > 0)
+            printf("| prefill %4d tokens (FP8 weights) against that FP8 rate | %5.1f TFLOP/s | %5.2f%% of %.1f TFLOP/s |\n",
+                   plens[k], pf_tps[k] / plens[k] * pf_flops[k] / 1e12, 100 * pf_fp8_frac[k],
+                   pf_fp8_flops[k] / (pf_fp8_ms[k] * 1e9));
         else if (tp == 1)
             printf("| prefill %4d tokens: cuBLASLt block-scaled FP8 on the same shapes | n/a | no algorithm or a "
                    "failed call |\n", plens[k]);
@@ -406,9 +418,11 @@ static int decode_rank(bench_rank *r, void *user) {
                     pf_ms, PF_GOAL, pf_goal_ms, pf_ops_total);
             for (int k = 0; k < 2; k++)
                 fprintf(f, "\"prefill_%d_roofline_ms\": %.4f, \"prefill_%d_cublas_ms\": %.4f, \"prefill_%d_cublas_flops\": %.4g, "
-                           "\"prefill_%d_cublaslt_fp8_ms\": %.4f, ",
+                           "\"prefill_%d_cublaslt_fp8_ms\": %.4f, \"prefill_%d_cublaslt_fp8_flops\": %.4g, "
+                           "\"prefill_%d_fraction_of_fp8_rate\": %.5f, ",
                         plens[k], pf_roof_ms[k], plens[k], pf_cublas_ms[k], plens[k], pf_cublas_flops[k], plens[k],
-                        pf_fp8_ms[k]);
+                        pf_fp8_ms[k], plens[k], pf_fp8_flops[k], plens[k], pf_fp8_frac[k]);
+            fprintf(f, "\"fp8\": %s, ", o->fp8 ? "true" : "false");
             fprintf(f, "\"tp\": %d, \"communicator\": \"%s\", \"model_step_bytes\": %.0f, \"rank_step_bytes\": %.0f, "
                        "\"rank_floor_ms\": %.4f, \"peak_tflops\": %.1f, \"group_peak_tflops\": %.1f, ",
                     tp, r->comm ? "nccl" : "none", model_bytes, step_bytes, floor_ms, peak_tflops, group_peak);

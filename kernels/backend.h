@@ -197,9 +197,10 @@ typedef struct mt_backend_ops {
      * of dtype F8E4M3 kept in FP8 with its block scales, from host data: q [rows, cols] e4m3
      * row-major and scale_inv [ceil(rows / 128), ceil(cols / 128)] fp32 row-major, one scale per
      * 128 x 128 block (the last row and column of blocks may be partial). Such a weight goes only
-     * to matmul, matmul_multi and kda_gates; the other ops that take weights (embed, hc_pre,
-     * moe_experts(_shared)'s experts, mla_sparse's kv_b) never see one. MT_ERR_NOMEM on failure,
-     * *out unchanged. */
+     * to matmul, matmul_multi, kda_gates and, as the gate, up and down of every expert of a call
+     * (all F8E4M3 together), to moe_experts and moe_experts_shared; the other ops that take
+     * weights (embed, hc_pre, mla_sparse's kv_b) never see one. MT_ERR_NOMEM on failure, *out
+     * unchanged. */
     mt_status (*weight_fp8)(mt_backend *be, const uint8_t *q, const float *scale_inv, int64_t rows, int64_t cols,
                             mt_weight *out);
     /* Optional, with weight_fp8 (NULL: not offered): the F8E4M3 weight of the float weight src

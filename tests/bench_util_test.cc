@@ -4,6 +4,7 @@
 // to the bit, the floor the benchmarks computed before they knew of ranks.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <random>
 #include <string>
 
@@ -141,6 +142,40 @@ TEST(BenchWeights, NamesTheSplitTensors) {
     };
     for (const char *n : split) EXPECT_TRUE(bench_tensor_is_split(n)) << n;
     for (const char *n : whole) EXPECT_FALSE(bench_tensor_is_split(n)) << n;
+}
+
+// decode_bench --fp8's bytes: the tensors glm_weights.c keeps FP8 (the dense projections but kv_b and
+// the gates, every MLP's and expert's gate, up, down) at one byte a weight and a 4-byte scale a
+// 128 x 128 block; the rest at their dtype.
+TEST(BenchWeights, CountsFp8TensorsAtOneBytePlusScales) {
+    const char *fp8[] = {
+        "model.language_model.layers.0.self_attn.q_proj.weight", "model.language_model.layers.0.self_attn.o_proj.weight",
+        "model.language_model.layers.3.self_attn.q_a_proj.weight", "model.language_model.layers.3.self_attn.q_b_proj.weight",
+        "model.language_model.layers.3.self_attn.kv_a_proj_with_mqa.weight", "model.language_model.layers.0.mlp.up_proj.weight",
+        "model.language_model.layers.1.mlp.experts.7.down_proj.weight",
+        "model.language_model.layers.1.mlp.shared_experts.gate_proj.weight",
+    };
+    const char *other[] = {
+        "model.language_model.layers.0.self_attn.f_a_proj.weight", "model.language_model.layers.0.self_attn.b_proj.weight",
+        "model.language_model.layers.3.self_attn.kv_b_proj.weight", "model.language_model.layers.3.self_attn.indexer.wq_b.weight",
+        "model.language_model.layers.1.mlp.gate.weight", "lm_head.weight", "model.language_model.embed_tokens.weight",
+    };
+    for (const char *n : fp8) EXPECT_TRUE(bench_tensor_is_fp8(n)) << n;
+    for (const char *n : other) EXPECT_FALSE(bench_tensor_is_fp8(n)) << n;
+    mt_error err{};
+    glm_config c;
+    ASSERT_EQ(glm_config_preset("bench-4L", &c, &err), MT_OK) << err.msg;
+    bench_weights w16, w8;
+    bench_count_weights(&c, &w16);
+    bench_count_weights_fp8(&c, &w8);
+    const double H = c.hidden_size, I = c.moe_intermediate_size;
+    const double blocks = std::ceil(H / 128) * std::ceil(I / 128);
+    EXPECT_EQ(w8.expert_bytes, 3 * (H * I + 4 * blocks));
+    EXPECT_EQ(w16.expert_bytes, 3 * H * I * 2);
+    EXPECT_LT(w8.dense_bytes, w16.dense_bytes);
+    EXPECT_GT(w8.dense_bytes, w16.dense_bytes / 2) << "lm_head, kv_b, the gates and the norms stay 16-bit";
+    EXPECT_EQ(w8.embed_row_bytes, w16.embed_row_bytes);
+    EXPECT_EQ(w8.touched_params, w16.touched_params);
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 // The FP8 path of the whole model on the GPU (docs/DESIGN.md "FP8 weights on the GPU"): the fixture
 // fp8_a re-blocked to 128 x 128 (the blocks GLM's FP8 checkpoints have, so the loader keeps the
 // checkpoint's e4m3 bytes and scales as they are), loaded twice on the CUDA backend: as it comes
-// (the dense projections kept FP8, multiplied by cu_fp8_matmul) and with --dtype bf16
+// (the dense projections and routed experts kept FP8, multiplied by cu_fp8_matmul and moe_experts'
+// FP8 kernels) and with --dtype bf16
 // (mt_model_params.dequant_fp8: every weight dequantised to bf16 at load, today's path). The two
 // runs' logits are compared teacher-forced on tiny_a's cases. Skips without a GPU.
 //
@@ -20,9 +21,15 @@
 //   emulated, 0.20 and 0.23. The GPU adds its own small differences (bf16 activations in the
 //   other GEMMs, tensor-core summation order, which move some values across e4m3 rounding
 //   boundaries). Bar: 0.45. A scale error measures 0.8 or more (model_fp8_test).
+// The routed experts are FP8 in the FP8 run too (moe_experts on F8E4M3 experts): decode rows on the
+// GEMV kernels (the shared expert fused as a slot, moe_experts_shared), case 0's 33 prefill rows on
+// the grouped kernels (fp32 activations), case 1's 65 on cuBLASLt's FP8 GEMMs (x and h quantised
+// per 1 x 128 block); emulated, the measures above become 0.0068 and 0.0060 (decode) and 0.20 and
+// 0.24 (prefill), within the same bars.
 // The runs are also checked to have taken their paths: the FP8 run placed FP8 weights
-// (weight_fp8) and multiplied by them on both paths (GEMV rows, cuBLASLt rows); the bf16 run
-// placed none.
+// (weight_fp8), multiplied by them on both paths (GEMV rows, cuBLASLt rows) and handed FP8 routed
+// experts to moe_experts(_shared) at decode, decode-batch and prefill row counts; the bf16 run
+// placed none and handed none.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -50,6 +57,9 @@ struct Counts {
     int fp8_weights = 0;       // weight_fp8 calls
     long fp8_few = 0;          // matmuls on an FP8 weight of at most 8 rows (the GEMV)
     long fp8_many = 0;         // ... of more rows (cuBLASLt)
+    long moe_fp8_few = 0;      // moe_experts(_shared) calls on F8E4M3 experts, at most 4 rows (GEMV)
+    long moe_fp8_mid = 0;      // ... 5 to 64 rows (grouped kernels)
+    long moe_fp8_many = 0;     // ... more rows (cuBLASLt in the default numerics)
 };
 Counts g_counts;
 mt_backend_ops g_inner;        // the backend's own table
@@ -67,6 +77,22 @@ void CountMatmulMulti(mt_backend *be, float *const *y, const float *x, const mt_
     for (int j = 0; j < count; j++)
         if (w[j]->dtype == MT_F8E4M3) (n <= 8 ? g_counts.fp8_few : g_counts.fp8_many)++;
     g_inner.matmul_multi(be, y, x, w, count, n, mask);
+}
+
+void CountMoe(const mt_expert *ex, int n) {
+    if (ex[0].gate.dtype != MT_F8E4M3) return;
+    (n <= 4 ? g_counts.moe_fp8_few : n <= 64 ? g_counts.moe_fp8_mid : g_counts.moe_fp8_many)++;
+}
+void CountMoeExperts(mt_backend *be, float *out, const float *x, const int32_t *idx, const float *w,
+                     const mt_expert *ex, int n, int k, int H, int I, float L) {
+    CountMoe(ex, n);
+    g_inner.moe_experts(be, out, x, idx, w, ex, n, k, H, I, L);
+}
+bool CountMoeShared(mt_backend *be, float *out, const float *x, const int32_t *idx, const float *w,
+                    const mt_expert *ex, const mt_expert *sh, int n, int k, int H, int I, float L) {
+    const bool done = g_inner.moe_experts_shared(be, out, x, idx, w, ex, sh, n, k, H, I, L);
+    if (done) CountMoe(ex, n); /* declined: the model calls moe_experts next, counted there */
+    return done;
 }
 
 std::vector<int32_t> CaseTokens(int k) {
@@ -138,6 +164,8 @@ TEST(ModelFp8Cuda, Fp8WeightsAgainstDequantisedBf16) {
     counting.weight_fp8 = CountWeightFp8;
     counting.matmul = CountMatmul;
     counting.matmul_multi = CountMatmulMulti;
+    counting.moe_experts = CountMoeExperts;
+    counting.moe_experts_shared = CountMoeShared;
     be->ops = &counting;
 
     glm_model_params fp8p = glm_model_default_params(), bf16p = glm_model_default_params();
@@ -147,8 +175,9 @@ TEST(ModelFp8Cuda, Fp8WeightsAgainstDequantisedBf16) {
     EXPECT_EQ(g_counts.fp8_weights, 0) << "--dtype bf16 places no FP8 weight";
     ASSERT_EQ(glm_model_load(ck.c_str(), be, &fp8p, &fp8, &err), MT_OK) << err.msg;
     // KDA q, k, v, o and DSA q_a, q_b, kv_a, o in each of 4 layers, the dense MLPs' and the shared
-    // experts' gate, up, down: 28 (routed experts, kv_b, lm_head stay bf16)
-    EXPECT_EQ(g_counts.fp8_weights, 28);
+    // experts' gate, up, down: 28; the routed experts' gate, up, down: 2 MoE layers of 16, 96 (kv_b,
+    // the routers, lm_head stay bf16)
+    EXPECT_EQ(g_counts.fp8_weights, 28 + 96);
     printf("[ metric   ] FP8 weights placed: %d\n", g_counts.fp8_weights);
 
     const int V = glm_model_config(fp8)->vocab_size;
@@ -156,18 +185,24 @@ TEST(ModelFp8Cuda, Fp8WeightsAgainstDequantisedBf16) {
         const std::vector<int32_t> toks = CaseTokens(k);
         ASSERT_GT(toks.size(), 8u) << "prefill must exceed the GEMV's 8 rows";
 
-        g_counts.fp8_few = g_counts.fp8_many = 0;
+        g_counts = Counts{g_counts.fp8_weights};
         const std::vector<float> a = DecodeOnly(fp8, toks);
         EXPECT_GT(g_counts.fp8_few, 0) << "the FP8 run's decode multiplies FP8 weights";
+        EXPECT_GT(g_counts.moe_fp8_few, 0) << "the FP8 run's decode reads FP8 routed experts";
+        const long moe_before = g_counts.moe_fp8_few + g_counts.moe_fp8_mid + g_counts.moe_fp8_many;
         const std::vector<float> b = DecodeOnly(bf16, toks);
+        EXPECT_EQ(g_counts.moe_fp8_few + g_counts.moe_fp8_mid + g_counts.moe_fp8_many, moe_before)
+            << "the bf16 run's experts are bf16";
         for (float v : a) ASSERT_TRUE(std::isfinite(v));
         const double e_dec = RelErr(a, b);
         Report("decode", k, a, b, V, e_dec);
         EXPECT_LE(e_dec, 0.025) << "case " << k << ", decode rows (GEMVs)";
 
-        g_counts.fp8_few = g_counts.fp8_many = 0;
+        g_counts = Counts{g_counts.fp8_weights};
         const std::vector<float> c = PrefillOnly(fp8, toks);
         EXPECT_GT(g_counts.fp8_many, 0) << "the FP8 run's prefill multiplies FP8 weights on many rows";
+        if (toks.size() > 64) EXPECT_GT(g_counts.moe_fp8_many, 0) << "case " << k << ": FP8 experts on cuBLASLt rows";
+        else EXPECT_GT(g_counts.moe_fp8_mid, 0) << "case " << k << ": FP8 experts on the grouped kernels";
         const std::vector<float> d = PrefillOnly(bf16, toks);
         for (float v : c) ASSERT_TRUE(std::isfinite(v));
         const double e_pre = RelErr(c, d);

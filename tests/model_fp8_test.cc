@@ -273,8 +273,8 @@ TEST_F(Fp8, BrokenCheckpointsAreRefused) {
     mt_backend_free(be);
 }
 
-// A backend that offers weight_fp8 (the CUDA backend's slot) is given the FP8 dense projections
-// instead of their bf16 dequantisation. Here the CPU backend with a weight_fp8 that dequantises what
+// A backend that offers weight_fp8 (the CUDA backend's slot) is given the FP8 dense projections and
+// routed experts instead of their bf16 dequantisation. Here the CPU backend with a weight_fp8 that dequantises what
 // it receives as st_dequant_fp8 does (one fp32 product e4m3 * scale, rounded to nearest-even bf16)
 // and places that: what reaches the slot is checked through the logits, on the CPU.
 struct FakeFp8 {
@@ -316,8 +316,8 @@ std::vector<float> PrefillCase(glm_model *m, int k) {
 // the way, one more e4m3 rounding of each kept weight (up to 2^-4 relative, RMS ~2.6% for values
 // spread over their octave). This random tiny model amplifies small changes (its routing flips:
 // the fixture's own e4m3 rounding of every weight leaves its logits at cosine 0.97 mean, 0.74 min
-// against tiny_a's), and the extra rounding measures 0.15 and 0.20 relative on the two cases; the
-// bar is 0.4. A scale error (every other column's scale halved, tried) measures 0.83 to 0.91.
+// against tiny_a's), and the extra rounding measures 0.15 and 0.20 relative on the two cases (0.152
+// and 0.195 with the routed experts kept too); the bar is 0.4. A scale error (every other column's scale halved, tried) measures 0.83 to 0.91.
 TEST_F(Fp8, KeptWeightsReachABackendThatMultipliesFp8) {
     TempDir dir;
     const std::string ck = dir.file("fp8_128");
@@ -342,8 +342,9 @@ TEST_F(Fp8, KeptWeightsReachABackendThatMultipliesFp8) {
         EXPECT_EQ(FakeFp8::calls, 0) << c.dir << ": dequant_fp8 keeps no FP8 weight";
         ASSERT_EQ(glm_model_load(c.dir.c_str(), be, &kept, &a, &err), MT_OK) << err.msg;
         // KDA q, k, v, o and DSA q_a, q_b, kv_a, o in each of 4 layers, the dense MLPs' and the
-        // shared experts' gate, up, down: 28 (routed experts, kv_b, lm_head stay bf16)
-        EXPECT_EQ(FakeFp8::calls, 28) << c.dir;
+        // shared experts' gate, up, down: 28; the routed experts' gate, up, down: 2 MoE layers of
+        // 16, 96 (kv_b, the routers, lm_head stay bf16)
+        EXPECT_EQ(FakeFp8::calls, 28 + 96) << c.dir;
         for (int k = 0; k < 2; k++) {
             const std::vector<float> x = PrefillCase(a, k), y = PrefillCase(b, k);
             double num = 0, den = 0, worst = 0;
@@ -371,7 +372,10 @@ TEST_F(Fp8, KeptWeightsReachABackendThatMultipliesFp8) {
 // places the exact fp32 values e4m3 * scale (what cu_fp8_matmul multiplies by), and matmul on such
 // a weight quantises x per 1 x 128 block of each row to e4m3 (scale = amax / 448, nearest even,
 // saturating: the device's fp8_quant_kernel) when it has more than 8 rows, as the GPU's cuBLASLt
-// path does; up to 8 rows multiply the fp32 x, as its GEMV does.
+// path does; up to 8 rows multiply the fp32 x, as its GEMV does. moe_experts on such experts over
+// more than 64 rows (CU_MOE_GROUPED_MAX_ROWS: the GPU's cuBLASLt expert path) quantises x and each
+// h = swiglu(gate x, up x) the same way; up to 64 rows keep them fp32, as the GEMV and grouped
+// kernels do.
 struct EmuFp8 {
     static mt_backend_ops inner;
     static std::vector<std::vector<float>> bufs;  // the weights (viewed by the CPU backend)
@@ -406,6 +410,45 @@ struct EmuFp8 {
             }
         inner.matmul(be, y, xq.data(), w, n);
     }
+    // v[K] quantised in place per 1 x 128 block (fp8_quant_kernel's rounding).
+    static void Quantise(float *v, int64_t K) {
+        for (int64_t k0 = 0; k0 < K; k0 += 128) {
+            const int64_t k1 = k0 + 128 < K ? k0 + 128 : K;
+            float amax = 0.f;
+            for (int64_t k = k0; k < k1; k++) amax = std::fmax(amax, std::fabs(v[k]));
+            const float sc = amax > 0.f ? amax / 448.f : 1.f;
+            for (int64_t k = k0; k < k1; k++) v[k] = mt_f8e4m3_to_f32(mt_f32_to_f8e4m3(v[k] / sc)) * sc;
+        }
+    }
+    static void MoeExperts(mt_backend *be, float *out, const float *x, const int32_t *idx, const float *wts,
+                           const mt_expert *ex, int n, int k, int H, int I, float L) {
+        if (n <= 64 || !Kept(&ex[0].gate)) return inner.moe_experts(be, out, x, idx, wts, ex, n, k, H, I, L);
+        std::vector<float> xr((size_t)H), h((size_t)I), d((size_t)H);
+        for (int i = 0; i < n; i++) {
+            for (int c = 0; c < H; c++) xr[(size_t)c] = x[(size_t)i * H + c];
+            Quantise(xr.data(), H);
+            for (int j = 0; j < k; j++) {
+                const mt_expert &e = ex[idx[(size_t)i * k + j]];
+                const float *g = (const float *)e.gate.data, *u = (const float *)e.up.data, *dn = (const float *)e.down.data;
+                for (int r = 0; r < I; r++) {
+                    float a = 0.f, b = 0.f;
+                    for (int c = 0; c < H; c++) {
+                        a += g[(size_t)r * H + c] * xr[(size_t)c];
+                        b += u[(size_t)r * H + c] * xr[(size_t)c];
+                    }
+                    const float gc = std::fmin(a, L), uc = std::fmin(std::fmax(b, -L), L);
+                    h[(size_t)r] = gc / (1.f + std::exp(-gc)) * uc;
+                }
+                Quantise(h.data(), I);
+                for (int c = 0; c < H; c++) {
+                    float a = 0.f;
+                    for (int r = 0; r < I; r++) a += dn[(size_t)c * I + r] * h[(size_t)r];
+                    d[(size_t)c] = a;
+                }
+                for (int c = 0; c < H; c++) out[(size_t)i * H + c] += wts[(size_t)i * k + j] * d[(size_t)c];
+            }
+        }
+    }
 };
 mt_backend_ops EmuFp8::inner;
 std::vector<std::vector<float>> EmuFp8::bufs;
@@ -439,9 +482,12 @@ double RelErrOf(const std::vector<float> &x, const std::vector<float> &y) {
 // On fp8_a re-blocked to 128 x 128: decode rows (exact e4m3 * scale weights against their bf16
 // rounding, fp32 x) and prefill rows (x rounded to e4m3 besides) against --dtype bf16 on the CPU.
 // These are the two comparisons model_fp8_cuda_test makes on the GPU, with the same bars, sized
-// from what this measures: decode 0.0062 and 0.0057 relative on the two cases (bf16 rounding of
-// the weights, 2^-9 at most, ~0.1% RMS, amplified ~6x by this model), bar 0.025; prefill 0.20 and
-// 0.23 (e4m3 rounding of the activations, ~2.6% RMS a projection, amplified alike), bar 0.45. A
+// from what this measures with the dense projections and the routed experts FP8: decode 0.0068 and
+// 0.0060 relative on the two cases (bf16 rounding of the weights, 2^-9 at most, ~0.1% RMS,
+// amplified ~6x by this model; 0.0062 and 0.0057 with the dense projections alone), bar 0.025;
+// prefill 0.20 and 0.24 (e4m3 rounding of the activations, ~2.6% RMS a projection, amplified
+// alike; case 0's 33 rows keep the experts' x fp32, case 1's 65 quantise it; 0.20 and 0.23 with the
+// dense projections alone), bar 0.45. A
 // scale error is 0.8 or more (KeptWeightsReachABackendThatMultipliesFp8).
 TEST_F(Fp8, GpuFp8NumericsEmulated) {
     TempDir dir;
@@ -453,6 +499,7 @@ TEST_F(Fp8, GpuFp8NumericsEmulated) {
     mt_backend_ops emu = EmuFp8::inner;
     emu.weight_fp8 = EmuFp8::Weight;
     emu.matmul = EmuFp8::Matmul;
+    emu.moe_experts = EmuFp8::MoeExperts;
     be->ops = &emu;
     glm_model_params kept = glm_model_default_params(), deq = glm_model_default_params();
     deq.dequant_fp8 = true;

@@ -3,7 +3,9 @@
  * (weight_fp8_from makes one from a float weight on the device, for benchmarks), and
  * cu_fp8_matmul multiplies by it: decode-sized row counts on a GEMV that dequantises the weight in
  * registers (half the bytes of bf16, fp32 activations), prefill on Hopper's FP8 tensor cores
- * through cuBLASLt's block scaling (activations quantised here to e4m3 per 1 x 128 block). */
+ * through cuBLASLt's block scaling (activations quantised here to e4m3 per 1 x 128 block). For the
+ * routed experts' prefill (cuda_moe.cu) it quantises rows grouped by expert into per-expert
+ * segments (cu_fp8_quant_rows) and runs a GEMM on an already quantised segment (cu_fp8_gemm_q). */
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -18,7 +20,8 @@ enum {
     FP8_GEMV_THREADS = 256,  /* 8 warps: a warp per weight row */
     FP8_Q_THREADS = 256,     /* 8 warps: a warp per (row, 128-block) of the activations */
     FP8_WIDEN_THREADS = 256,
-    FP8_PLANS = 64,          /* cached cuBLASLt plans (shape, output type) */
+    FP8_PLANS = 256,         /* cached cuBLASLt plans (shape, output type): a model's projections at
+                                a few row counts, and the routed experts' padded row classes */
 };
 
 /* The largest finite e4m3 value: an activation block's amax maps to it. */
@@ -272,11 +275,58 @@ static __global__ void __launch_bounds__(FP8_Q_THREADS) fp8_quant_kernel(const f
     if (lane == 0) p.s[(int64_t)kb * p.M + m] = sc;
 }
 
-/* y[n, N] = fp32 of the first N columns of the bf16 d[n, ld] (the bf16-output form of the GEMM). */
-static __global__ void fp8_widen_kernel(float *y, const __nv_bfloat16 *d, int64_t n, int N, int ld) {
+/* cu_fp8_quant_rows: fp8_quant_kernel's quantisation over a row map (cuda_ops.h, cu_fp8_row). */
+typedef struct fp8_qrows_params {
+    uint8_t *q;              /* [nrows, kp] e4m3 */
+    float *s;                /* segment scales: row r of segment (base, count) block kb at
+                                base * kp / 128 + kb * count + r - base */
+    const cu_fp8_row *rows;  /* [nrows] */
+    const float *x, *u;      /* u NULL: x [*, ldx] read at row src; else x, u [nrows, ldx] read at row r */
+    int64_t ldx;
+    int nrows, K, kp;
+    float L;                 /* swiglu clamp (u set) */
+} fp8_qrows_params;
+
+static __global__ void __launch_bounds__(FP8_Q_THREADS) fp8_qrows_kernel(const fp8_qrows_params p) {
+    const int lane = threadIdx.x & 31, kbs = p.kp / FP8_BLK;
+    const int64_t g = (int64_t)blockIdx.x * (FP8_Q_THREADS / 32) + (threadIdx.x >> 5);
+    if (g >= (int64_t)p.nrows * kbs) return;
+    const int r = (int)(g / kbs), kb = (int)(g % kbs), k = kb * FP8_BLK + lane * 4;
+    const cu_fp8_row ri = p.rows[r];
+    float v[4];
+    float amax = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        float a = 0.f;
+        if (ri.src >= 0 && k + j < p.K) {
+            if (!p.u) {
+                a = p.x[(int64_t)ri.src * p.ldx + k + j];
+            } else {
+                const float gv = fminf(p.x[(int64_t)r * p.ldx + k + j], p.L);
+                const float uv = fminf(fmaxf(p.u[(int64_t)r * p.ldx + k + j], -p.L), p.L);
+                a = gv / (1.f + expf(-gv)) * uv; /* cu_swiglu's formula */
+            }
+        }
+        v[j] = a;
+        amax = fmaxf(amax, fabsf(a));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float sc = amax > 0.f ? amax / FP8_E4M3_MAX : 1.f;
+    uint32_t packed = 0;
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+        packed |= (uint32_t)__nv_cvt_float_to_fp8(v[j] / sc, __NV_SATFINITE, __NV_E4M3) << (8 * j);
+    *(uint32_t *)(p.q + (int64_t)r * p.kp + k) = packed;
+    if (lane == 0) p.s[(int64_t)ri.base * kbs + (int64_t)kb * ri.count + (r - ri.base)] = sc;
+}
+
+/* y[n, N] (row stride ldy) = fp32 of the first N columns of the bf16 d[n, ld] (the bf16-output form
+ * of the GEMM). */
+static __global__ void fp8_widen_kernel(float *y, int64_t ldy, const __nv_bfloat16 *d, int64_t n, int N, int ld) {
     const int64_t count = n * N;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += (int64_t)gridDim.x * blockDim.x)
-        y[i] = __bfloat162float(d[i / N * ld + i % N]);
+        y[i / N * ldy + i % N] = __bfloat162float(d[i / N * ld + i % N]);
 }
 
 /* ================================ cuBLASLt plans ================================ */
@@ -448,7 +498,47 @@ extern "C" mt_status cu_fp8_gemm_lt(cu_backend *cb, float *y, const float *x, co
     }
     const int64_t want = ((int64_t)n * N + FP8_WIDEN_THREADS - 1) / FP8_WIDEN_THREADS;
     fp8_widen_kernel<<<(unsigned)(want < 4096 ? want : 4096), FP8_WIDEN_THREADS, 0, cb->stream>>>(
-        y, (const __nv_bfloat16 *)dtmp, n, N, np);
+        y, N, (const __nv_bfloat16 *)dtmp, n, N, np);
+    MT_CUDA_CHECK_LAUNCH();
+    return MT_OK;
+}
+
+extern "C" mt_status cu_fp8_quant_rows(cu_backend *cb, uint8_t *q, float *s, const cu_fp8_row *rows, int nrows, int K,
+                                      const float *x, const float *u, int64_t ldx, float L) {
+    MT_ASSERT(nrows >= 0 && K >= 0 && cu_fp8_kpad(K) <= INT32_MAX);
+    const int kp = (int)cu_fp8_kpad(K);
+    if (nrows == 0 || kp == 0) return MT_OK;
+    const fp8_qrows_params p = {q, s, rows, x, u, ldx, nrows, K, kp, L};
+    const int64_t warps = (int64_t)nrows * (kp / FP8_BLK);
+    fp8_qrows_kernel<<<(unsigned)((warps + FP8_Q_THREADS / 32 - 1) / (FP8_Q_THREADS / 32)), FP8_Q_THREADS, 0,
+                       cb->stream>>>(p);
+    MT_CUDA_CHECK_LAUNCH();
+    return MT_OK;
+}
+
+extern "C" mt_status cu_fp8_gemm_q(cu_backend *cb, float *y, const uint8_t *xq, const float *xs, int M,
+                                   const mt_weight *w, cudaStream_t s, void *ws, void *tmp) {
+    MT_ASSERT(w->dtype == MT_F8E4M3 && w->scale && M >= 0 && M % 4 == 0);
+    MT_ASSERT(cu_fp8_rpad(w->rows) <= INT32_MAX && cu_fp8_kpad(w->cols) <= INT32_MAX);
+    MT_ASSERT(cu_aligned16(y) && cu_aligned16(xq) && cu_aligned16(xs) && cu_aligned16(tmp));
+    if (M == 0 || w->rows == 0) return MT_OK;
+    if (!cb->lt) return MT_ERR_UNSUPPORTED;
+    const int N = (int)w->rows, np = (int)cu_fp8_rpad(w->rows), kp = (int)cu_fp8_kpad(w->cols);
+    fp8_plan *p = plan_get(cb, M, np, kp, CUDA_R_32F, w->scale, xs);
+    if (p && !p->ok && tmp) p = plan_get(cb, M, np, kp, CUDA_R_16BF, w->scale, xs);
+    if (!p) return MT_ERR_BACKEND;
+    if (!p->ok) return MT_ERR_UNSUPPORTED;
+    const void *as = w->scale, *bs = xs;
+    MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &as, sizeof as));
+    MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &bs, sizeof bs));
+    const float one = 1.f, zero = 0.f;
+    void *d = p->d == CUDA_R_32F ? (void *)y : tmp;
+    MT_CUBLAS_CHECK(cublasLtMatmul((cublasLtHandle_t)cb->lt, p->op, &one, w->data, p->la, xq, p->lb, &zero, d, p->ld, d,
+                                   p->ld, &p->algo, ws, CU_BLAS_WS_BYTES, s));
+    if (p->d == CUDA_R_32F) return MT_OK;
+    const int64_t want = ((int64_t)M * N + FP8_WIDEN_THREADS - 1) / FP8_WIDEN_THREADS;
+    fp8_widen_kernel<<<(unsigned)(want < 4096 ? want : 4096), FP8_WIDEN_THREADS, 0, s>>>(
+        y, np, (const __nv_bfloat16 *)tmp, M, N, np);
     MT_CUDA_CHECK_LAUNCH();
     return MT_OK;
 }

@@ -40,7 +40,11 @@
  *     expert's rows in one launch, swiglu, down in one launch.
  *     A combine kernel then adds the slots in order. Rows are processed in chunks that bound the
  *     scratch memory (every chunk reads every expert it routes to once).
- * Both paths are deterministic and add the slots into out in the CPU's order. */
+ *   - F8E4M3 experts (block-scaled, cuda_ops.h; all of a call's experts): the GEMV kernels (16 e4m3
+ *     a 16-byte load, each times its block's scale in fp32) and the grouped kernels as above; many
+ *     rows in the default numerics take cuBLASLt's block-scaled FP8 GEMMs an expert at a time
+ *     (moe_experts_fp8_lt), in the exact and fp32 modes the grouped kernels (fp32 activations).
+ * Every path is deterministic and adds the slots into out in the CPU's order. */
 #include <limits.h>
 #include <math.h>
 #include <stdlib.h>
@@ -374,9 +378,10 @@ extern "C" void cu_moe_cache_free(cu_backend *cb) {
  * Also the grouped kernels' check (cuda_moe_grouped.cu). */
 extern "C" void cu_moe_check_experts(const mt_expert *ex, int count, int H, int I) {
     const mt_dtype dt = ex[0].gate.dtype;
-    MT_ASSERT(dt == MT_F32 || dt == MT_F16 || dt == MT_BF16);
+    MT_ASSERT(dt == MT_F32 || dt == MT_F16 || dt == MT_BF16 || dt == MT_F8E4M3);
     for (int e = 0; e < count; e++) {
         MT_ASSERT(ex[e].gate.dtype == dt && ex[e].up.dtype == dt && ex[e].down.dtype == dt);
+        if (dt == MT_F8E4M3) MT_ASSERT(ex[e].gate.scale && ex[e].up.scale && ex[e].down.scale);
         MT_ASSERT(ex[e].gate.rows == I && ex[e].gate.cols == H);
         MT_ASSERT(ex[e].up.rows == I && ex[e].up.cols == H);
         MT_ASSERT(ex[e].down.rows == H && ex[e].down.cols == I);
@@ -499,6 +504,11 @@ typedef struct moe_gemv_params {
      * n * slots rows, pair i * slots + k. */
     const void *sg, *su, *sd;
     int slots;
+    /* Row strides of gate/up and of down (elements): H and I, or for F8E4M3 experts the padded
+     * column counts cu_fp8_kpad(H) and cu_fp8_kpad(I); and the shared expert's block scales
+     * (F8E4M3 only; an expert's own come with its table entry). */
+    int64_t ldgu, lddn;
+    const float *sgs, *sus, *sds;
 } moe_gemv_params;
 
 static __device__ __forceinline__ const mt_expert *moe_expert(const moe_gemv_params &p, int pair) {
@@ -533,10 +543,13 @@ static __global__ void __launch_bounds__(MOE_THREADS) moe_gateup_kernel(const mo
     cu_pdl_trigger();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const void *wg = p.sg, *wu = p.su;
+    const float *sg = p.sgs, *su = p.sus;
     if (k < p.top_k) {
         const mt_expert *ex = moe_expert(p, i * p.top_k + k);
         wg = ex->gate.data;
         wu = ex->up.data;
+        sg = ex->gate.scale;
+        su = ex->up.scale;
     }
     const float *x = p.x + (int64_t)i * p.H;
     const int nv = p.H / V, nch = (nv + 31) >> 5;
@@ -551,9 +564,8 @@ static __global__ void __launch_bounds__(MOE_THREADS) moe_gateup_kernel(const mo
 #pragma unroll
             for (int r = 0; r < R; r++) {
                 if (v < nv && row0 + r < p.I) {
-                    const int64_t off = (int64_t)(row0 + r) * p.H + (int64_t)v * V;
-                    g[k][r].load(wg, off);
-                    u[k][r].load(wu, off);
+                    cu_wstream_at(g[k][r], wg, sg, row0 + r, p.ldgu, (int64_t)v * V);
+                    cu_wstream_at(u[k][r], wu, su, row0 + r, p.ldgu, (int64_t)v * V);
                 } else {
                     g[k][r].zero();
                     u[k][r].zero();
@@ -611,13 +623,13 @@ static __global__ void __launch_bounds__(MOE_DN_MAX_THREADS) moe_down_kernel(con
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nv = p.I / V, nch = (nv + 31) >> 5;
     cu_wstream<DT, VEC> d[U][R];
-    auto load = [&](const void *wd, int c0) {
+    auto load = [&](const void *wd, const float *sd, int c0) {
 #pragma unroll
         for (int q = 0; q < U; q++) {
             const int v = (c0 + q) * 32 + lane;
 #pragma unroll
             for (int r = 0; r < R; r++) {
-                if (v < nv && row0 + r < p.H) d[q][r].load(wd, (int64_t)(row0 + r) * p.I + (int64_t)v * V);
+                if (v < nv && row0 + r < p.H) cu_wstream_at(d[q][r], wd, sd, row0 + r, p.lddn, (int64_t)v * V);
                 else d[q][r].zero();
             }
         }
@@ -625,21 +637,25 @@ static __global__ void __launch_bounds__(MOE_DN_MAX_THREADS) moe_down_kernel(con
     auto slot_weight = [&](int k) {
         return k < p.top_k ? moe_expert(p, i * p.top_k + k)->down.data : p.sd;
     };
+    auto slot_scale = [&](int k) {
+        return k < p.top_k ? moe_expert(p, i * p.top_k + k)->down.scale : p.sds;
+    };
     /* The first slot's first step before the wait: the weights depend only on idx, which the
      * router wrote before moe_gateup_kernel (which waited for it) let this kernel launch; h is
      * what the wait is for. */
-    if (warp < p.slots) load(slot_weight(warp), 0);
+    if (warp < p.slots) load(slot_weight(warp), slot_scale(warp), 0);
     cu_pdl_wait();
     cu_pdl_trigger();
     for (int k = warp; k < p.slots; k += (int)(blockDim.x >> 5)) {
         const int pair = i * p.slots + k;
         const void *wd = slot_weight(k);
+        const float *sd = slot_scale(k);
         const float *h = p.h + (int64_t)pair * p.I;
         float acc[R];
 #pragma unroll
         for (int r = 0; r < R; r++) acc[r] = 0.f;
         for (int c0 = 0; c0 < nch; c0 += U) {
-            if (c0 > 0 || k != warp) load(wd, c0);
+            if (c0 > 0 || k != warp) load(wd, sd, c0);
 #pragma unroll
             for (int q = 0; q < U; q++) {
                 const int v = (c0 + q) * 32 + lane;
@@ -693,6 +709,7 @@ static mt_status moe_gemv_launch(moe_gemv_params *p, mt_dtype dt, bool vec, cuda
     switch (dt) {
     case MT_F32: return moe_gemv_launch_dt<MT_F32>(p, vec, s);
     case MT_F16: return moe_gemv_launch_dt<MT_F16>(p, vec, s);
+    case MT_F8E4M3: return moe_gemv_launch_dt<MT_F8E4M3>(p, vec, s);
     default: return moe_gemv_launch_dt<MT_BF16>(p, vec, s);
     }
 }
@@ -708,6 +725,7 @@ typedef struct moe_combine_params {
     int64_t rows;
     int top_k, H;
     int terms;            /* 1 or 2 */
+    int64_t ld;           /* floats from sorted position q's first row to q + 1's; 0: terms * H */
 } moe_combine_params;
 
 /* The model's form (top_k 8, H % 4 == 0, 16-byte aligned out and D): a thread takes 4 columns of a
@@ -726,7 +744,7 @@ template <int T> static __global__ void moe_combine8_kernel(const moe_combine_pa
 #pragma unroll
         for (int k = 0; k < MOE_COMBINE_K; k++) {
             const int64_t pair = i * MOE_COMBINE_K + k;
-            const float4 *dr = reinterpret_cast<const float4 *>(D + (int64_t)__ldg(inv + pair) * T * p.H) + d4;
+            const float4 *dr = reinterpret_cast<const float4 *>(D + (int64_t)__ldg(inv + pair) * p.ld) + d4;
 #pragma unroll
             for (int u = 0; u < T; u++) dt[k][u] = dr[u * H4];
             w[k] = __ldg(wts + pair);
@@ -758,7 +776,7 @@ static __global__ void moe_combine_kernel(const moe_combine_params p) {
         float v = p.out[t];
         for (int k = 0; k < p.top_k; k++) {
             const int64_t pair = i * p.top_k + k;
-            const float *dr = p.D + (int64_t)p.inv[pair] * p.terms * p.H + d;
+            const float *dr = p.D + (int64_t)p.inv[pair] * p.ld + d;
             const float dot = p.terms == 2 ? __fadd_rn(dr[0], dr[p.H]) : dr[0];
             v = __fadd_rn(v, __fmul_rn(p.wts[pair], dot));
         }
@@ -808,16 +826,18 @@ static mt_status moe_swiglu_split_launch(const moe_swiglu_split_params *p, mt_dt
     return MT_OK;
 }
 
-static mt_status moe_combine_launch(const moe_combine_params *p, cudaStream_t s) {
-    if (p->top_k == MOE_COMBINE_K && p->H % 4 == 0 && cu_aligned16(p->out) && cu_aligned16(p->D) &&
-        (p->terms == 1 || p->terms == 2)) {
-        const int64_t blocks = (p->rows * (p->H / 4) + 255) / 256;
+static mt_status moe_combine_launch(const moe_combine_params *in, cudaStream_t s) {
+    moe_combine_params p = *in;
+    if (!p.ld) p.ld = (int64_t)p.terms * p.H;
+    if (p.top_k == MOE_COMBINE_K && p.H % 4 == 0 && p.ld % 4 == 0 && cu_aligned16(p.out) && cu_aligned16(p.D) &&
+        (p.terms == 1 || p.terms == 2)) {
+        const int64_t blocks = (p.rows * (p.H / 4) + 255) / 256;
         const unsigned g = (unsigned)(blocks < 65536 ? blocks : 65536);
-        if (p->terms == 2) moe_combine8_kernel<2><<<g, 256, 0, s>>>(*p);
-        else moe_combine8_kernel<1><<<g, 256, 0, s>>>(*p);
+        if (p.terms == 2) moe_combine8_kernel<2><<<g, 256, 0, s>>>(p);
+        else moe_combine8_kernel<1><<<g, 256, 0, s>>>(p);
     } else {
-        const int64_t blocks = (p->rows * p->H + 255) / 256;
-        moe_combine_kernel<<<(unsigned)(blocks < 65536 ? blocks : 65536), 256, 0, s>>>(*p);
+        const int64_t blocks = (p.rows * p.H + 255) / 256;
+        moe_combine_kernel<<<(unsigned)(blocks < 65536 ? blocks : 65536), 256, 0, s>>>(p);
     }
     MT_CUDA_CHECK_LAUNCH();
     return MT_OK;
@@ -1244,6 +1264,138 @@ static mt_status moe_experts_wg(mt_backend *be, const moe_table *t, float *out, 
     return st;
 }
 
+/* F8E4M3 experts over many rows in the default numerics (tc_terms 1): cuBLASLt's block-scaled FP8
+ * GEMMs an expert at a time, the pairs sorted by expert on the host (hidx: all of idx, read back).
+ * Per chunk of rows: each expert's c pairs padded to moe_pad(c) rows (a multiple of 8; the
+ * padded sizes are few, so are the cuBLASLt plans, which cuda_fp8.cu caches), one row map
+ * (cu_fp8_row: the source row, or -1 for a padding row, and the expert's segment) staged;
+ * x's rows gathered and quantised to e4m3 per 1 x 128 block into each expert's segment
+ * (cu_fp8_quant_rows, XQ [Ppad, kpad(H)] with its scales), gate and up a GEMM each per expert
+ * into G, U [Ppad, rpad(I)] fp32, h = swiglu(G, U) quantised alike (HQ in XQ's place), down per
+ * expert into D [Ppad, rpad(H)], then the combine (slots in order). Weights are read once a chunk
+ * per touched expert, at one byte a weight. A GEMM whose shape has no fp32-output algorithm writes
+ * bf16 into the expert's rows of T16 and is widened. MT_ERR_UNSUPPORTED when cuBLASLt has no
+ * algorithm for a shape: *done then says how many rows are in out (whole chunks, each written
+ * only by its combine), and the caller takes the grouped kernels for the rest. */
+static mt_status moe_experts_fp8_lt(mt_backend *be, const moe_table *t, float *out, const float *x,
+                                    const int32_t *hidx, const float *weights, int n, int top_k, int H, int I,
+                                    float L, int *done) {
+    cu_backend *cb = (cu_backend *)be;
+    const int E = t->count;
+    const int64_t kpH = cu_fp8_kpad(H), kpI = cu_fp8_kpad(I), npH = cu_fp8_rpad(H), npI = cu_fp8_rpad(I);
+    const int64_t kq = kpH > kpI ? kpH : kpI, nq = npH > npI ? npH : npI;
+    /* bytes a padded row: its e4m3 row and scales (x's, then h's), its G, U and D rows, its row of
+       a GEMM's bf16 output where cuBLASLt offers no fp32 one (cu_fp8_gemm_q) */
+    const size_t per_row = (size_t)kq + sizeof(float) * ((size_t)kq / 128 + 2 * (size_t)npI + (size_t)npH) +
+                           sizeof(uint16_t) * (size_t)nq + sizeof(cu_fp8_row) + sizeof(int32_t);
+    /* a chunk's padded rows stay below P + 8 E (moe_pad adds under 8 a pair to small experts, a
+       quarter to large ones): sized for 2 P + 8 E */
+    const size_t fit = MOE_CHUNK_BYTES / (per_row * 2 * (size_t)top_k);
+    const int rows = fit < 1 ? 1 : fit > (size_t)n ? n : (int)fit;
+    mt_status st = MT_OK;
+    *done = 0;
+    for (int r0 = 0; r0 < n && st == MT_OK; r0 += rows) {
+        const int r1 = r0 + rows < n ? r0 + rows : n, P = (r1 - r0) * top_k;
+        const int32_t *ci = hidx + (int64_t)r0 * top_k;
+        /* host staging: rmap[Ppad], inv[P] (uploaded together), then host-only start[E + 1],
+           ps[E + 1], pos[E]; Ppad <= P + 8 E + P / 4 + 8 */
+        const size_t cap = (size_t)P + (size_t)P / 4 + 8 * (size_t)E + 8;
+        unsigned char *hb = moe_host_bytes(cb->moe, sizeof(cu_fp8_row) * cap + sizeof(int32_t) * ((size_t)P + 3 * (size_t)E + 2));
+        if (!hb) return MT_ERR_NOMEM;
+        cu_fp8_row *rmap = (cu_fp8_row *)hb;
+        int32_t *start = (int32_t *)(rmap + cap), *ps = start + E + 1, *pos = ps + E + 1, *inv = pos + E;
+        memset(start, 0, sizeof(int32_t) * (size_t)(E + 1));
+        for (int q = 0; q < P; q++) {
+            MT_ASSERT(ci[q] >= 0 && ci[q] < E);
+            start[ci[q] + 1]++;
+        }
+        ps[0] = 0;
+        for (int e = 0; e < E; e++) {
+            const int c = start[e + 1];
+            ps[e + 1] = ps[e] + (c > 0 ? moe_pad(c) : 0);
+        }
+        const int Ppad = ps[E];
+        MT_ASSERT((size_t)Ppad <= cap);
+        for (int e = 0; e < E; e++) {
+            for (int r = ps[e]; r < ps[e + 1]; r++) rmap[r] = cu_fp8_row{-1, ps[e], ps[e + 1] - ps[e], 0};
+            pos[e] = ps[e];
+        }
+        for (int q = 0; q < P; q++) { /* stable: pairs of one expert keep their order */
+            const int at = pos[ci[q]]++;
+            rmap[at].src = r0 + q / top_k;
+            inv[q] = at;
+        }
+        /* device scratch: XQ (HQ in its place), its scales, G, U, D, the row map and inv */
+        const size_t bQ = cu_align_up((size_t)Ppad * (size_t)kq, 256);
+        const size_t bS = cu_align_up(sizeof(float) * (size_t)Ppad * (size_t)(kq / 128), 256);
+        const size_t bG = cu_align_up(sizeof(float) * (size_t)Ppad * (size_t)npI, 256);
+        const size_t bD = cu_align_up(sizeof(float) * (size_t)Ppad * (size_t)npH, 256);
+        const size_t bT = cu_align_up(sizeof(uint16_t) * (size_t)Ppad * (size_t)nq, 256);
+        const size_t bM = sizeof(cu_fp8_row) * (size_t)Ppad, bI = sizeof(int32_t) * (size_t)P;
+        char *scr = (char *)cu_scratch(be, CU_SCRATCH_DENSE, bQ + bS + 2 * bG + bD + bT + bM + bI);
+        if (!scr) return MT_ERR_NOMEM;
+        uint8_t *XQ = (uint8_t *)scr;
+        float *XS = (float *)(scr + bQ), *G = (float *)(scr + bQ + bS), *U = (float *)(scr + bQ + bS + bG);
+        float *D = (float *)(scr + bQ + bS + 2 * bG);
+        uint16_t *T16 = (uint16_t *)(scr + bQ + bS + 2 * bG + bD); /* [Ppad, nq]: each expert its own rows */
+        cu_fp8_row *drmap = (cu_fp8_row *)(scr + bQ + bS + 2 * bG + bD + bT);
+        int32_t *dinv = (int32_t *)(drmap + Ppad);
+        MT_CUDA_CHECK(cudaMemcpyAsync(drmap, rmap, bM, cudaMemcpyHostToDevice, cb->stream));
+        MT_CUDA_CHECK(cudaMemcpyAsync(dinv, inv, bI, cudaMemcpyHostToDevice, cb->stream));
+        MT_CUDA_CHECK(cudaStreamSynchronize(cb->stream)); /* the staging is reused by the next chunk */
+        cu_prof_mark(be, "moe_experts FP8 (sort, staging)");
+
+        /* The experts' GEMMs alternate between the backend's stream and the side stream (each with
+         * its own workspace), so that small experts' GEMMs run beside each other; the side stream
+         * starts after the quantisation and the backend's stream waits for it before h's. */
+        const bool side = moe_side_get(cb);
+        struct cu_moe_cache *mc = cb->moe;
+        st = cu_fp8_quant_rows(cb, XQ, XS, drmap, Ppad, H, x, NULL, H, L);
+        for (int mat = 0; mat < 2 && st == MT_OK; mat++) {
+            if (mat == 1) {
+                cu_prof_mark(be, "moe_experts FP8 (gate/up GEMMs)");
+                if ((st = cu_fp8_quant_rows(cb, XQ, XS, drmap, Ppad, I, G, U, npI, L)) != MT_OK) break;
+            }
+            if (side) {
+                MT_CUDA_CHECK(cudaEventRecord(mc->side_fork, cb->stream));
+                MT_CUDA_CHECK(cudaStreamWaitEvent(mc->side, mc->side_fork, 0));
+            }
+            for (int e = 0, j = 0; e < E && st == MT_OK; e++) {
+                const int m = ps[e + 1] - ps[e];
+                if (m == 0) continue;
+                const bool on_side = side && (j++ & 1);
+                cudaStream_t s = on_side ? mc->side : cb->stream;
+                void *ws = on_side ? mc->side_ws : cb->blas_ws;
+                uint16_t *tmp = T16 + (size_t)ps[e] * nq; /* gate's then up's, in s's order */
+                if (mat == 0) {
+                    const uint8_t *xq = XQ + (size_t)ps[e] * kpH;
+                    const float *xs = XS + (size_t)ps[e] * (kpH / 128);
+                    st = cu_fp8_gemm_q(cb, G + (size_t)ps[e] * npI, xq, xs, m, &t->copy[e].gate, s, ws, tmp);
+                    if (st == MT_OK)
+                        st = cu_fp8_gemm_q(cb, U + (size_t)ps[e] * npI, xq, xs, m, &t->copy[e].up, s, ws, tmp);
+                } else {
+                    st = cu_fp8_gemm_q(cb, D + (size_t)ps[e] * npH, XQ + (size_t)ps[e] * kpI,
+                                       XS + (size_t)ps[e] * (kpI / 128), m, &t->copy[e].down, s, ws, tmp);
+                }
+            }
+            if (side) { /* joined even after a failure: nothing may run past the side's writes */
+                if (cudaEventRecord(mc->side_join, mc->side) != cudaSuccess ||
+                    cudaStreamWaitEvent(cb->stream, mc->side_join, 0) != cudaSuccess) {
+                    (void)cudaGetLastError();
+                    MT_CUDA_CHECK(cudaStreamSynchronize(mc->side)); /* the join by hand */
+                    mt_log(MT_LOG_ERROR, "cuda backend: moe_experts: joining the side stream failed");
+                    return MT_ERR_BACKEND;
+                }
+            }
+        }
+        cu_prof_mark(be, "moe_experts FP8 (down GEMMs)");
+        if (st != MT_OK) return st;
+        moe_combine_params cp = {out + (int64_t)r0 * H, D, dinv, weights + (int64_t)r0 * top_k, r1 - r0, top_k, H, 1, npH};
+        if ((st = moe_combine_launch(&cp, cb->stream)) == MT_OK) *done = r1;
+    }
+    return st;
+}
+
 /* idx [P] read back into the host scratch (*hidx); *mx: its largest entry (each asserted >= 0). */
 static mt_status moe_read_idx(cu_backend *cb, const int32_t *idx, int P, int32_t **hidx, int *mx) {
     if (!(*hidx = moe_host_ints(cb->moe, (size_t)P))) return MT_ERR_NOMEM;
@@ -1300,6 +1452,18 @@ static void moe_experts_run(mt_backend *be, float *out, const float *x, const in
     if (!t) return cu_op_status(be, "moe_experts", st);
     if (wg && moe_wg_ready(cb, t))
         return cu_op_status(be, "moe_experts", moe_experts_wg(be, t, out, x, idx, weights, n, top_k, H, I, L));
+    if (grouped && dt == MT_F8E4M3) {
+        /* FP8 experts, many rows: cuBLASLt's FP8 GEMMs in the default numerics; the grouped kernels
+         * (fp32 activations, any row count) in the exact and fp32 modes and for what cuBLASLt
+         * declines */
+        int done = 0;
+        st = cb->tc_terms == 1 ? moe_experts_fp8_lt(be, t, out, x, hidx, weights, n, top_k, H, I, L, &done)
+                               : MT_ERR_UNSUPPORTED;
+        if (st != MT_ERR_UNSUPPORTED || done == n) return cu_op_status(be, "moe_experts", st);
+        cu_moe_experts_grouped(be, out + (int64_t)done * H, x + (int64_t)done * H, idx + (int64_t)done * top_k,
+                               weights + (int64_t)done * top_k, experts, n - done, top_k, H, I, L);
+        return;
+    }
     if (grouped && !hidx) { /* routed, but the wgmma form declined: the host sort needs idx */
         if ((st = moe_read_idx(cb, idx, P, &hidx, &mx)) != MT_OK) return cu_op_status(be, "moe_experts", st);
         MT_ASSERT(mx < need);
@@ -1309,13 +1473,21 @@ static void moe_experts_run(mt_backend *be, float *out, const float *x, const in
         const int slots = top_k + (shared != NULL);
         float *h = (float *)cu_scratch(be, CU_SCRATCH_DENSE, sizeof(float) * (size_t)n * slots * I);
         if (!h) return;
-        const int vn = dt == MT_F32 ? 4 : 8;
+        const bool fp8 = dt == MT_F8E4M3;
+        const int vn = dt == MT_F32 ? 4 : fp8 ? 16 : 8;
         const bool vec = t->vec_ok && H % vn == 0 && I % vn == 0 && cu_aligned16(x) &&
                          (!shared || (cu_aligned16(shared->gate.data) && cu_aligned16(shared->up.data) &&
                                       cu_aligned16(shared->down.data)));
         moe_gemv_params p = {out, h, x, idx, weights, t->dev, t->count, n, top_k, H, I, L,
                              shared ? shared->gate.data : NULL, shared ? shared->up.data : NULL,
                              shared ? shared->down.data : NULL, slots};
+        p.ldgu = fp8 ? cu_fp8_kpad(H) : H;
+        p.lddn = fp8 ? cu_fp8_kpad(I) : I;
+        if (shared) {
+            p.sgs = shared->gate.scale;
+            p.sus = shared->up.scale;
+            p.sds = shared->down.scale;
+        }
         return cu_op_status(be, "moe_experts", moe_gemv_launch(&p, dt, vec, cb->stream));
     }
     MT_ASSERT(!shared);
@@ -1356,7 +1528,7 @@ static bool cu_moe_experts_shared(mt_backend *be, float *out, const float *x, co
     if (moe_takes_grouped(cb, n)) return false;
     const mt_dtype dt = experts[0].gate.dtype;
     const mt_weight *g = &shared->gate, *u = &shared->up, *d = &shared->down;
-    /* an FP8 shared expert (the routed ones never are) fails the dtype match: it runs as matmuls */
+    /* a shared expert of another dtype than the routed ones (FP8 beside bf16) runs as matmuls */
     if (g->dtype != dt || u->dtype != dt || d->dtype != dt || !g->data || !u->data || !d->data) return false;
     if (g->rows != I || g->cols != H || u->rows != I || u->cols != H || d->rows != H || d->cols != I) return false;
     moe_experts_run(be, out, x, idx, weights, experts, shared, n, top_k, H, I, L);

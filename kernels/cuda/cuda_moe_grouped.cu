@@ -35,6 +35,11 @@
  * (an eager call that does not follow moe_route synchronises once for that). Every call compares
  * the host array with the table's host copy (host work only) and rebuilds on a change.
  *
+ * F8E4M3 experts (block-scaled, cuda_ops.h) take the same kernels: 16 e4m3 weights a 16-byte
+ * load, each times its 128 x 128 block's scale in fp32 (not rounded), rows at the padded stride
+ * cu_fp8_kpad; the activations stay fp32. cuda_moe.cu sends FP8 experts here for decode batches and,
+ * in the exact and fp32 numerics modes, for every row count above the GEMV kernels'.
+ *
  * Graph capture: a call never synchronises or allocates once warm, i.e. once an eager call has
  * built the table for these experts and sized the scratch (CU_SCRATCH_DENSE) for at least as many
  * pairs. The engine's first graph-form step runs eagerly and warms it. A captured call that would
@@ -85,9 +90,27 @@ typedef struct moeg_params {
     const int32_t *idx;     /* [P] = [n, top_k] this chunk's rows */
     const float *wts;       /* [P] = [n, top_k] */
     const void *const *w;   /* [3 E] device table: gate, up, down data of expert e at 3e + 0, 1, 2 */
+    const float *const *s;  /* [3 E] device table: their block scales (F8E4M3 experts; else NULL) */
+    int64_t ldgu, lddn;     /* row strides of gate/up and of down: H and I, or for F8E4M3 experts
+                               the padded cu_fp8_kpad(H) and cu_fp8_kpad(I) (cuda_ops.h) */
     int E, n, top_k, H, I;  /* P = n * top_k */
     float L;                /* swiglu clamp */
 } moeg_params;
+
+/* out[V] = weight elements (row, col .. col + V) as fp32: data w with row stride ld; an F8E4M3
+ * weight's e4m3 codes times their block scale from s (V 16: one 16-byte load, col a multiple of
+ * 16; or V 1). */
+template <mt_dtype DT, int V>
+static __device__ __forceinline__ void moeg_wload(const void *w, const float *s, int64_t row, int64_t ld, int64_t col,
+                                                  float (&out)[V]) {
+    if constexpr (DT == MT_F8E4M3) {
+        cu_wstream<MT_F8E4M3, V == 16> st;
+        cu_wstream_at(st, w, s, row, ld, col);
+        st.get(out);
+    } else {
+        cu_wload<DT, V>(w, row * ld + col, out);
+    }
+}
 
 /* One block of MOEG_GROUP_THREADS. Dynamic shared memory: cnt[E], cur[E] int32. */
 static __global__ void __launch_bounds__(MOEG_GROUP_THREADS) moeg_group_kernel(const moeg_params p) {
@@ -125,8 +148,8 @@ static __global__ void __launch_bounds__(MOEG_GROUP_THREADS) moeg_group_kernel(c
  * the NR pairs pl[0, NR); lanes split H in V-element pieces. Rows past I read row I - 1 (no
  * branch in the loop) and are not written. */
 template <mt_dtype DT, int V, int NR>
-static __device__ __forceinline__ void moeg_gateup_pass(const moeg_params &p, const void *wg,
-                                                        const void *wu, int i0, const int32_t *pl) {
+static __device__ __forceinline__ void moeg_gateup_pass(const moeg_params &p, const void *wg, const void *wu,
+                                                        const float *sg, const float *su, int i0, const int32_t *pl) {
     constexpr int R = MOEG_GU_ROWS;
     const int lane = threadIdx.x & 31;
     int q[NR], xo[NR]; /* pair ids; offsets of their x rows (32-bit: fewer registers) */
@@ -137,20 +160,21 @@ static __device__ __forceinline__ void moeg_gateup_pass(const moeg_params &p, co
     }
     int64_t wrow[R];
 #pragma unroll
-    for (int r = 0; r < R; r++) wrow[r] = (int64_t)min(i0 + r, p.I - 1) * p.H;
+    for (int r = 0; r < R; r++) wrow[r] = min(i0 + r, p.I - 1);
     float ag[R][NR], au[R][NR];
 #pragma unroll
     for (int r = 0; r < R; r++)
 #pragma unroll
         for (int t = 0; t < NR; t++) ag[r][t] = au[r][t] = 0.f;
     const int nv = p.H / V;
-#pragma unroll 2
+    /* e4m3 (V 16): one step's weights take the registers two bf16 steps do (unrolled, it spills) */
+#pragma unroll(V == 16 ? 1 : 2)
     for (int v = lane; v < nv; v += 32) {
         float g[R][V], u[R][V];
 #pragma unroll
         for (int r = 0; r < R; r++) {
-            cu_wload<DT, V>(wg, wrow[r] + (int64_t)v * V, g[r]);
-            cu_wload<DT, V>(wu, wrow[r] + (int64_t)v * V, u[r]);
+            moeg_wload<DT, V>(wg, sg, wrow[r], p.ldgu, (int64_t)v * V, g[r]);
+            moeg_wload<DT, V>(wu, su, wrow[r], p.ldgu, (int64_t)v * V, u[r]);
         }
 #pragma unroll
         for (int t = 0; t < NR; t++) {
@@ -187,22 +211,23 @@ static __global__ void __launch_bounds__(MOEG_THREADS, 2) moeg_gateup_kernel(con
     const int i0 = blockIdx.x * MOEG_GU_TILE + (threadIdx.x >> 5) * MOEG_GU_ROWS;
     if (i0 >= p.I) return;
     const void *wg = p.w[3 * e], *wu = p.w[3 * e + 1];
+    const float *sg = p.s[3 * e], *su = p.s[3 * e + 1];
     for (int c = c0; c < c1;) { /* passes of 4, then 3, 2 or 1 */
         const int m = c1 - c;
         if (m >= MOEG_PASS_MAX) {
-            moeg_gateup_pass<DT, V, MOEG_PASS_MAX>(p, wg, wu, i0, p.list + c);
+            moeg_gateup_pass<DT, V, MOEG_PASS_MAX>(p, wg, wu, sg, su, i0, p.list + c);
             c += MOEG_PASS_MAX;
         }
-        else if (m == 3) { moeg_gateup_pass<DT, V, 3>(p, wg, wu, i0, p.list + c); c += 3; }
-        else if (m == 2) { moeg_gateup_pass<DT, V, 2>(p, wg, wu, i0, p.list + c); c += 2; }
-        else { moeg_gateup_pass<DT, V, 1>(p, wg, wu, i0, p.list + c); c += 1; }
+        else if (m == 3) { moeg_gateup_pass<DT, V, 3>(p, wg, wu, sg, su, i0, p.list + c); c += 3; }
+        else if (m == 2) { moeg_gateup_pass<DT, V, 2>(p, wg, wu, sg, su, i0, p.list + c); c += 2; }
+        else { moeg_gateup_pass<DT, V, 1>(p, wg, wu, sg, su, i0, p.list + c); c += 1; }
     }
 }
 
 /* One warp, one pass: rows [i0, i0 + MOEG_DN_ROWS) of down (wd, [H, I]) against the NR pairs
  * pl[0, NR); lanes split I. d[pair, i] = down_i . h[pair]. */
 template <mt_dtype DT, int V, int NR>
-static __device__ __forceinline__ void moeg_down_pass(const moeg_params &p, const void *wd, int i0,
+static __device__ __forceinline__ void moeg_down_pass(const moeg_params &p, const void *wd, const float *sd, int i0,
                                                       const int32_t *pl) {
     constexpr int R = MOEG_DN_ROWS;
     const int lane = threadIdx.x & 31;
@@ -214,7 +239,7 @@ static __device__ __forceinline__ void moeg_down_pass(const moeg_params &p, cons
     }
     int64_t wrow[R];
 #pragma unroll
-    for (int r = 0; r < R; r++) wrow[r] = (int64_t)min(i0 + r, p.H - 1) * p.I;
+    for (int r = 0; r < R; r++) wrow[r] = min(i0 + r, p.H - 1);
     float acc[R][NR];
 #pragma unroll
     for (int r = 0; r < R; r++)
@@ -225,7 +250,7 @@ static __device__ __forceinline__ void moeg_down_pass(const moeg_params &p, cons
     for (int v = lane; v < nv; v += 32) {
         float dw[R][V];
 #pragma unroll
-        for (int r = 0; r < R; r++) cu_wload<DT, V>(wd, wrow[r] + (int64_t)v * V, dw[r]);
+        for (int r = 0; r < R; r++) moeg_wload<DT, V>(wd, sd, wrow[r], p.lddn, (int64_t)v * V, dw[r]);
 #pragma unroll
         for (int t = 0; t < NR; t++) {
             float hv[V];
@@ -255,15 +280,16 @@ static __global__ void __launch_bounds__(MOEG_THREADS, 2) moeg_down_kernel(const
     const int i0 = blockIdx.x * MOEG_DN_TILE + (threadIdx.x >> 5) * MOEG_DN_ROWS;
     if (i0 >= p.H) return;
     const void *wd = p.w[3 * e + 2];
+    const float *sd = p.s[3 * e + 2];
     for (int c = c0; c < c1;) {
         const int m = c1 - c;
         if (m >= MOEG_PASS_MAX) {
-            moeg_down_pass<DT, V, MOEG_PASS_MAX>(p, wd, i0, p.list + c);
+            moeg_down_pass<DT, V, MOEG_PASS_MAX>(p, wd, sd, i0, p.list + c);
             c += MOEG_PASS_MAX;
         }
-        else if (m == 3) { moeg_down_pass<DT, V, 3>(p, wd, i0, p.list + c); c += 3; }
-        else if (m == 2) { moeg_down_pass<DT, V, 2>(p, wd, i0, p.list + c); c += 2; }
-        else { moeg_down_pass<DT, V, 1>(p, wd, i0, p.list + c); c += 1; }
+        else if (m == 3) { moeg_down_pass<DT, V, 3>(p, wd, sd, i0, p.list + c); c += 3; }
+        else if (m == 2) { moeg_down_pass<DT, V, 2>(p, wd, sd, i0, p.list + c); c += 2; }
+        else { moeg_down_pass<DT, V, 1>(p, wd, sd, i0, p.list + c); c += 1; }
     }
 }
 
@@ -307,6 +333,7 @@ static mt_status moeg_launch(cu_backend *cb, const moeg_params *p, mt_dtype dt, 
     switch (dt) {
     case MT_F32: moeg_gateup_launch_dt<MT_F32>(p, vec, s); break;
     case MT_F16: moeg_gateup_launch_dt<MT_F16>(p, vec, s); break;
+    case MT_F8E4M3: moeg_gateup_launch_dt<MT_F8E4M3>(p, vec, s); break;
     default: moeg_gateup_launch_dt<MT_BF16>(p, vec, s); break;
     }
     MT_CUDA_CHECK_LAUNCH();
@@ -314,6 +341,7 @@ static mt_status moeg_launch(cu_backend *cb, const moeg_params *p, mt_dtype dt, 
     switch (dt) {
     case MT_F32: moeg_down_launch_dt<MT_F32>(p, vec, s); break;
     case MT_F16: moeg_down_launch_dt<MT_F16>(p, vec, s); break;
+    case MT_F8E4M3: moeg_down_launch_dt<MT_F8E4M3>(p, vec, s); break;
     default: moeg_down_launch_dt<MT_BF16>(p, vec, s); break;
     }
     MT_CUDA_CHECK_LAUNCH();
@@ -331,10 +359,11 @@ typedef struct moeg_table {
     const cu_backend *cb;   /* key: owning backend; NULL: free slot */
     const mt_expert *host;  /* key: the caller's array */
     int count;              /* E: experts [0, count) in dev */
-    int cap;                /* entries copy holds, 3 * cap pointers in stage and dev */
+    int cap;                /* entries copy holds, 6 * cap pointers in stage and dev */
     mt_expert *copy;        /* [cap] host copy of host[0, count), to revalidate */
-    const void **stage;     /* [3 cap] host staging of dev */
-    const void **dev;       /* [3 cap] device: gate, up, down data of expert e at 3e + 0, 1, 2 */
+    const void **stage;     /* [6 cap] host staging of dev */
+    const void **dev;       /* [6 count] device: gate, up, down data of expert e at 3e + 0, 1, 2, then
+                               their scales (NULL for float experts) at 3 count + 3e + 0, 1, 2 */
     bool vec_ok;            /* every weight's data 16-byte aligned */
 } moeg_table;
 
@@ -371,7 +400,7 @@ static bool moeg_same(const mt_expert *a, const mt_expert *b, int count) {
         const mt_weight *wa[3] = {&a[e].gate, &a[e].up, &a[e].down}, *wb[3] = {&b[e].gate, &b[e].up, &b[e].down};
         for (int m = 0; m < 3; m++)
             if (wa[m]->data != wb[m]->data || wa[m]->dtype != wb[m]->dtype || wa[m]->rows != wb[m]->rows ||
-                wa[m]->cols != wb[m]->cols)
+                wa[m]->cols != wb[m]->cols || wa[m]->scale != wb[m]->scale)
                 return false;
     }
     return true;
@@ -411,8 +440,8 @@ static moeg_table *moeg_table_build(cu_backend *cb, moeg_table *t, const mt_expe
         t->dev = NULL;
         t->cap = t->count = 0;
         t->copy = (mt_expert *)malloc(sizeof(mt_expert) * (size_t)need);
-        t->stage = (const void **)malloc(sizeof(void *) * 3 * (size_t)need);
-        if (!t->copy || !t->stage || cudaMalloc((void **)&t->dev, sizeof(void *) * 3 * (size_t)need) != cudaSuccess) {
+        t->stage = (const void **)malloc(sizeof(void *) * 6 * (size_t)need);
+        if (!t->copy || !t->stage || cudaMalloc((void **)&t->dev, sizeof(void *) * 6 * (size_t)need) != cudaSuccess) {
             (void)cudaGetLastError();
             mt_log(MT_LOG_ERROR, "cuda backend: moe_experts_grouped: out of memory for a table of %d experts", need);
             moeg_table_release(t); /* slot free again */
@@ -428,10 +457,13 @@ static moeg_table *moeg_table_build(cu_backend *cb, moeg_table *t, const mt_expe
         t->stage[3 * e] = experts[e].gate.data;
         t->stage[3 * e + 1] = experts[e].up.data;
         t->stage[3 * e + 2] = experts[e].down.data;
+        t->stage[3 * (size_t)need + 3 * e] = experts[e].gate.scale;
+        t->stage[3 * (size_t)need + 3 * e + 1] = experts[e].up.scale;
+        t->stage[3 * (size_t)need + 3 * e + 2] = experts[e].down.scale;
         for (int m = 0; m < 3; m++)
             if (!cu_aligned16(t->stage[3 * e + m])) t->vec_ok = false;
     }
-    MT_CUDA_(cudaMemcpyAsync(t->dev, t->stage, sizeof(void *) * 3 * (size_t)need, cudaMemcpyHostToDevice,
+    MT_CUDA_(cudaMemcpyAsync(t->dev, t->stage, sizeof(void *) * 6 * (size_t)need, cudaMemcpyHostToDevice,
                              cb->stream),
              "cudaMemcpyAsync(moe grouped table)", *st = mt_st_; return NULL);
     /* The staging must stay untouched until the transfer has read it. */
@@ -516,7 +548,8 @@ static mt_status moeg_experts(cu_backend *cb, float *out, const float *x, const 
     if (!scr) return MT_ERR_NOMEM;
 
     const mt_dtype dt = t->copy[0].gate.dtype;
-    const int V = dt == MT_F32 ? 4 : 8;
+    const bool fp8 = dt == MT_F8E4M3;
+    const int V = dt == MT_F32 ? 4 : fp8 ? 16 : 8;
     const bool vec = t->vec_ok && H % V == 0 && I % V == 0 && cu_aligned16(x);
     moeg_params p = {};
     p.start = (int32_t *)scr;
@@ -524,6 +557,9 @@ static mt_status moeg_experts(cu_backend *cb, float *out, const float *x, const 
     p.h = (float *)((char *)p.list + cu_align_up(sizeof(int32_t) * (size_t)chunk_pairs, 256));
     p.d = (float *)((char *)p.h + cu_align_up(sizeof(float) * (size_t)chunk_pairs * I, 256));
     p.w = t->dev;
+    p.s = (const float *const *)(t->dev + 3 * (size_t)t->count);
+    p.ldgu = fp8 ? cu_fp8_kpad(H) : H;
+    p.lddn = fp8 ? cu_fp8_kpad(I) : I;
     p.E = need;
     p.top_k = top_k;
     p.H = H;

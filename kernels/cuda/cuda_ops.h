@@ -194,6 +194,31 @@ void cu_fp8_matmul(mt_backend *be, float *y, const float *x, const mt_weight *w,
  *     CU_SCRATCH_GEMM. */
 mt_status cu_fp8_gemv(cu_backend *cb, float *y, const float *x, const mt_weight *w, int n);
 mt_status cu_fp8_gemm_lt(cu_backend *cb, float *y, const float *x, const mt_weight *w, int n);
+/* The routed experts' FP8 GEMMs (cuda_moe.cu, moe_experts_fp8_lt), rows grouped by expert:
+ *   cu_fp8_quant_rows: rows [nrows] of e4m3 activations q [nrows, kpad(K)] with 1 x 128 block
+ *     scales, as cu_fp8_gemm_lt quantises x, laid out in segments: row r belongs to the segment of
+ *     rows[r] (rows [base, base + count), one GEMM's B operand), whose scales are the tensor
+ *     [kpad(K) / 128, count] (count contiguous) at s + base * kpad(K) / 128. Row r's values: zeros
+ *     when rows[r].src < 0; else x[src, 0 .. K) (u NULL; x [*, ldx]), or swiglu(x[r], u[r])
+ *     (silu(min(g, L)) * clamp(u, -L, L), cu_swiglu's formula; x, u [nrows, ldx]).
+ *   cu_fp8_gemm_q: y [M, rpad(w.rows)] fp32 (that row stride; the padded rows' outputs are zeros)
+ *     = x . w^T for x already quantised as above: xq [M, kpad(w.cols)], xs [kpad / 128, M], M a
+ *     multiple of 4, every pointer 16-byte aligned, on stream s with ws (CU_BLAS_WS_BYTES, used by
+ *     nothing else on another stream meanwhile: cb->blas_ws on cb's stream). Where cuBLASLt offers
+ *     no fp32 output for the shape, a bf16 one into tmp ([M, rpad(w.rows)] bf16, not used by
+ *     other streams meanwhile) widened into y's first w.rows columns; tmp NULL: fp32 only.
+ *     MT_ERR_UNSUPPORTED, having done nothing, where cuBLASLt offers neither; MT_ERR_BACKEND
+ *     after logging a failed call. cu_fp8_quant_rows runs on cb's stream. */
+typedef struct cu_fp8_row {
+    int32_t src;    /* source row of x, or -1: a padding row (zeros) */
+    int32_t base;   /* the row's segment: rows [base, base + count) */
+    int32_t count;  /* a multiple of 4 */
+    int32_t pad;
+} cu_fp8_row;
+mt_status cu_fp8_quant_rows(cu_backend *cb, uint8_t *q, float *s, const cu_fp8_row *rows, int nrows, int K,
+                            const float *x, const float *u, int64_t ldx, float L);
+mt_status cu_fp8_gemm_q(cu_backend *cb, float *y, const uint8_t *xq, const float *xs, int M, const mt_weight *w,
+                        cudaStream_t s, void *ws, void *tmp);
 /* Makes cb->lt (mt_cuda_backend_new); frees the handle and plans (cu_destroy; fine when none). */
 mt_status cu_fp8_init(cu_backend *cb);
 void cu_fp8_free(cu_backend *cb);
@@ -256,9 +281,10 @@ mt_status cu_moe_wg_gemm(const void *wmaps, const int32_t *tiles, const int32_t 
 /* Device helpers shared by the backend's .cu files (weights as fp32, warp sums). */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 /* Elements of a weight of dtype DT per 16-byte load. */
-template <mt_dtype DT> struct cu_wvec { static constexpr int n = DT == MT_F32 ? 4 : 8; };
+template <mt_dtype DT> struct cu_wvec { static constexpr int n = DT == MT_F32 ? 4 : DT == MT_F8E4M3 ? 16 : 8; };
 
 /* Element i of weight data w (dtype DT) as fp32. */
 template <mt_dtype DT> __device__ __forceinline__ float cu_wget(const void *w, int64_t i) {
@@ -432,6 +458,58 @@ template <mt_dtype DT> struct cu_wstream<DT, false> {
     __device__ __forceinline__ void zero() { v = 0.f; }
     __device__ __forceinline__ void get(float (&f)[1]) const { f[0] = v; }
 };
+
+/* e4m3 weights (F8E4M3, the block-scaled layout above): 16 e4m3 codes a 16-byte load (VEC; i a
+ * multiple of 16, so all 16 lie in one 128-column block) or one code, each returned as e4m3 times
+ * its block's scale *sp in fp32, not rounded (cu_fp8_gemv's product). The load takes the scale's
+ * address beside the weights': cu_wstream_at. */
+static __device__ __forceinline__ void cu_f8x4_f32(uint32_t q, float s, float *f) {
+    const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(q & 0xffffu), __NV_E4M3);
+    const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(q >> 16), __NV_E4M3);
+    const float2 a = __half22float2(*reinterpret_cast<const __half2 *>(&lo));
+    const float2 b = __half22float2(*reinterpret_cast<const __half2 *>(&hi));
+    f[0] = a.x * s; f[1] = a.y * s; f[2] = b.x * s; f[3] = b.y * s;
+}
+template <> struct cu_wstream<MT_F8E4M3, true> {
+    static constexpr int V = 16;
+    uint4 u;
+    float s;
+    __device__ __forceinline__ void load(const void *w, int64_t i, const float *sp) {
+        const char *a = (const char *)w + i;
+        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w)
+                     : "l"(a));
+        s = __ldg(sp);
+    }
+    __device__ __forceinline__ void zero() { u = make_uint4(0u, 0u, 0u, 0u); s = 0.f; }
+    __device__ __forceinline__ void get(float (&f)[V]) const {
+        cu_f8x4_f32(u.x, s, f);
+        cu_f8x4_f32(u.y, s, f + 4);
+        cu_f8x4_f32(u.z, s, f + 8);
+        cu_f8x4_f32(u.w, s, f + 12);
+    }
+};
+template <> struct cu_wstream<MT_F8E4M3, false> {
+    static constexpr int V = 1;
+    float v;
+    __device__ __forceinline__ void load(const void *w, int64_t i, const float *sp) {
+        __nv_fp8_e4m3 b;
+        b.__x = (__nv_fp8_storage_t)__ldg((const unsigned char *)w + i);
+        v = (float)b * __ldg(sp);
+    }
+    __device__ __forceinline__ void zero() { v = 0.f; }
+    __device__ __forceinline__ void get(float (&f)[1]) const { f[0] = v; }
+};
+
+/* Loads a weight's elements from (row, col) on into st: data w with row stride ld (elements); for an
+ * F8E4M3 weight also its block scale from s ([rows / 128, ld / 128], cuda_ops.h's layout, ld the
+ * padded column count). Float weights ignore s. */
+template <mt_dtype DT, bool VEC>
+__device__ __forceinline__ void cu_wstream_at(cu_wstream<DT, VEC> &st, const void *w, const float *s, int64_t row,
+                                              int64_t ld, int64_t col) {
+    if constexpr (DT == MT_F8E4M3) st.load(w, row * ld + col, s + (row >> 7) * (ld >> 7) + (col >> 7));
+    else st.load(w, row * ld + col);
+}
 
 /* x[0 .. V) through the read-only path (V % 4 == 0: 16-byte loads, x 16-byte aligned). */
 template <int V> __device__ __forceinline__ void cu_xload_ro(const float *x, float (&out)[V]) {

@@ -17,8 +17,9 @@ static void usage(FILE *f) {
     fprintf(f, "usage: metrale-generate --model DIR --prompt ID,ID,... [--max-new N] [--threads N]\n"
                "                        [--backend cpu|cuda] [--dtype auto|bf16]\n"
                "  Prefills the prompt and greedily generates N tokens (default 16) on the CPU backend\n"
-               "  (default) or the first GPU. --dtype: an FP8 checkpoint's dense projections stay FP8 on\n"
-               "  the GPU (auto, the default) or every weight is dequantised to bf16 at load (bf16).\n");
+               "  (default) or the first GPU. --dtype: an FP8 checkpoint's dense projections and routed\n"
+               "  experts stay FP8 on the GPU (auto, the default) or every weight is dequantised to bf16 at\n"
+               "  load (bf16).\n");
 }
 
 /* Parses "1,2,3" into a malloc'ed array; NULL with a message on bad input. */

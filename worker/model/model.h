@@ -50,8 +50,9 @@ typedef struct mt_model_params {
      * recurrent slots while its rows wait for seq_keep); default 1. */
     int verify_seqs;
     /* FP8 checkpoints: true dequantises every FP8 weight to bf16 at load (--dtype bf16); false
-     * (default) keeps the dense projections in FP8 with their block scales where the backend
-     * multiplies FP8 (mt_backend_ops.weight_fp8; the CUDA backend), the rest dequantised. */
+     * (default) keeps the dense projections and the routed experts in FP8 with their block scales
+     * where the backend multiplies FP8 (mt_backend_ops.weight_fp8; the CUDA backend), the rest
+     * dequantised. */
     bool dequant_fp8;
     /* Random weights (glm_model_new_random, random: presets): the projections an FP8 checkpoint
      * keeps in FP8 are made at their dtype and quantised to FP8 on the backend

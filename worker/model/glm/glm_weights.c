@@ -2,10 +2,10 @@
  * manifest (glm_manifest.h) is checked first, so a missing tensor or a wrong shape is reported by
  * name before anything is uploaded; matrices become backend weights (views on the CPU), vectors
  * are converted to fp32 backend buffers. Block-scaled FP8 linear weights (docs/MODEL.md, "FP8
- * checkpoints") of the dense projections stay FP8 on a backend that multiplies FP8
- * (mt_backend_ops.weight_fp8) unless params.dequant_fp8; every other FP8 weight, and every one on
- * other backends, is dequantised on the host to bf16, this rank's part only, and placed as a bf16
- * weight. */
+ * checkpoints") of the dense projections and of the routed experts stay FP8 on a backend that
+ * multiplies FP8 (mt_backend_ops.weight_fp8) unless params.dequant_fp8; every other FP8 weight,
+ * and every one on other backends, is dequantised on the host to bf16, this rank's part only, and
+ * placed as a bf16 weight. */
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -64,8 +64,8 @@ typedef struct binder {
     glm_model *m;
     mt_error *err;
     shard sh;                /* of the next bind */
-    /* Of the next binds: an FP8 tensor may stay FP8 (its only consumers are matmul and
-     * matmul_multi). Off for the weights other ops read (routed experts, kv_b, hc fn), the
+    /* Of the next binds: an FP8 tensor may stay FP8 (its consumers are matmul, matmul_multi and,
+     * for experts, moe_experts(_shared)). Off for the weights other ops read (kv_b, hc fn), the
      * discrete choices' and gates' (router, indexer, KDA gates), eh_proj and lm_head. */
     bool fp8_keep;
     char name[192];
@@ -357,10 +357,10 @@ static mt_status bind_v(binder *b, float **v, const char *fmt, ...) {
 
 #define TRY(x) do { mt_status s_ = (x); if (s_ != MT_OK) return s_; } while (0)
 
-/* A SwiGLU MLP; fp8_keep: its FP8 weights may stay FP8 (dense and shared experts, not the routed
- * ones, which moe_experts reads). */
-static mt_status bind_mlp(binder *b, mt_expert *e, const char *pre, bool fp8_keep) {
-    b->fp8_keep = fp8_keep;
+/* A SwiGLU MLP: dense, shared or routed expert. Its FP8 weights may stay FP8 (a backend with
+ * weight_fp8 takes FP8 experts in moe_experts, kernels/backend.h). */
+static mt_status bind_mlp(binder *b, mt_expert *e, const char *pre) {
+    b->fp8_keep = true;
     b->sh = ROWS;
     TRY(bind_w(b, &e->gate, "%sgate_proj.weight", pre));
     TRY(bind_w(b, &e->up, "%sup_proj.weight", pre));
@@ -454,7 +454,7 @@ static mt_status bind_layer(binder *b, glm_layer *l, int i) {
     mw->sparse = c->mlp_layer_types[i] == GLM_MLP_SPARSE;
     if (!mw->sparse) {
         snprintf(mp, sizeof mp, "%smlp.", p);
-        return bind_mlp(b, &mw->dense, mp, true);
+        return bind_mlp(b, &mw->dense, mp);
     }
     TRY(bind_w(b, &mw->router, "%smlp.gate.weight", p));
     TRY(bind_v(b, &mw->router_bias, "%smlp.gate.e_score_correction_bias", p));
@@ -462,10 +462,10 @@ static mt_status bind_layer(binder *b, glm_layer *l, int i) {
     if (!mw->experts) return mt_errorf(b->err, MT_ERR_NOMEM, "out of memory for the experts of layer %d", i);
     for (int e = 0; e < c->n_routed_experts; e++) {
         snprintf(mp, sizeof mp, "%smlp.experts.%d.", p, e);
-        TRY(bind_mlp(b, &mw->experts[e], mp, false));
+        TRY(bind_mlp(b, &mw->experts[e], mp));
     }
     snprintf(mp, sizeof mp, "%smlp.shared_experts.", p);
-    return bind_mlp(b, &mw->shared, mp, true);
+    return bind_mlp(b, &mw->shared, mp);
 }
 
 /* One half of eh_proj [H, 2H] (columns [c0, c0 + H)) as its own weight [H, H], so the block's
