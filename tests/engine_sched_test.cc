@@ -79,6 +79,32 @@ TEST(EngineSched, PaceFitsTheTargetFromMeasuredSteps) {
     EXPECT_NEAR(sched_pace_budget(&p, 20, 12, 64, 2048), 250, 2);
 }
 
+// Steps whose prompt work costs a fixed 6 ms (the experts a pass reads) plus 0.005 ms a token:
+// the fit tells the two apart, so a 20 ms target over a 10 ms decode gets the 800 tokens that
+// fit, where charging the whole cost to the tokens of 100-token chunks would give 100 or so.
+TEST(EngineSched, PaceSeparatesAChunksFixedCostFromItsTokens) {
+    sched_pace p;
+    sched_pace_init(&p);
+    for (int i = 0; i < 60; i++) {
+        sched_pace_note(&p, 10.0, 0, 64);
+        const int k = 64 + 40 * (i % 4);                  // the small chunks a tight target takes
+        sched_pace_note(&p, 10.0 + 6.0 + 0.005 * k, k, 64);
+    }
+    EXPECT_NEAR(p.chunk_ms, 6.0, 1e-6);
+    EXPECT_NEAR(p.per_token_ms, 0.005, 1e-9);
+    EXPECT_NEAR(sched_pace_budget(&p, 20, 64, 64, 2048), 800, 1);
+    EXPECT_EQ(sched_pace_budget(&p, 15, 64, 64, 2048), 64);  // the fixed cost alone overruns: the floor
+    EXPECT_TRUE(sched_deadline_hopeless(&p, 1000, 10.5));    // 6 + 5 ms
+    EXPECT_FALSE(sched_deadline_hopeless(&p, 1000, 11.5));
+    // steps of one size cannot show a fixed cost: they are charged per token, as before
+    sched_pace q;
+    sched_pace_init(&q);
+    sched_pace_note(&q, 10.0, 0, 8);
+    for (int i = 0; i < 10; i++) sched_pace_note(&q, 20.0, 500, 8);
+    EXPECT_NEAR(q.per_token_ms, 0.02, 1e-9);
+    EXPECT_EQ(q.chunk_ms, 0.0);
+}
+
 // A mixed step's prompt tokens end its rows on a pass boundary when that leaves the floor.
 TEST(EngineSched, MixedBudgetEndsOnAPass) {
     EXPECT_EQ(sched_mixed_budget(2048, 64, 2048, 64), 1984);  // one pass, not two

@@ -609,7 +609,7 @@ static void admit_with(eng_engine *e, eng_feed feed) {
             if (sched_deadline_hopeless(&e->pace, todo, left)) {
                 char msg[160];
                 snprintf(msg, sizeof msg, "deadline exceeded: its prefill of %d tokens takes about %.0f ms, %.0f ms were left",
-                         todo, todo * e->pace.per_token_ms, left);
+                         todo, e->pace.chunk_ms + todo * e->pace.per_token_ms, left);
                 taken++;
                 seq_end(e, s, ENG_FINISH_CANCELLED, msg);
                 seq_destroy(e, s);

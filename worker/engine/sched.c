@@ -35,8 +35,7 @@ int sched_victim(const bool *holds, int n_running, int self) {
 #define PACE_WEIGHT 0.125
 
 void sched_pace_init(sched_pace *p) {
-    p->base_ms = -1.0;
-    p->per_token_ms = -1.0;
+    *p = (sched_pace){ .base_ms = -1.0, .per_token_ms = -1.0 };
 }
 
 static double pace_mean(double old, double x) { return old < 0 ? x : old + PACE_WEIGHT * (x - old); }
@@ -48,15 +47,34 @@ void sched_pace_note(sched_pace *p, double ms, int tokens, int rows) {
         return;
     }
     if (p->base_ms <= 0) return;
-    const double per = (ms > p->base_ms ? ms - p->base_ms : 0.0) / tokens;
-    p->per_token_ms = pace_mean(p->per_token_ms, per);
+    const double x = tokens, y = ms > p->base_ms ? ms - p->base_ms : 0.0;
+    const double keep = p->s0 > 0 ? 1.0 - PACE_WEIGHT : 0.0;
+    p->s0 = keep * p->s0 + 1.0;
+    p->sx = keep * p->sx + x;
+    p->sy = keep * p->sy + y;
+    p->sxx = keep * p->sxx + x * x;
+    p->sxy = keep * p->sxy + x * y;
+    const double mx = p->sx / p->s0, my = p->sy / p->s0;
+    const double vx = p->sxx / p->s0 - mx * mx, cxy = p->sxy / p->s0 - mx * my;
+    /* a line only where the chunk sizes spread (10% of their mean) and it is a cost: a positive
+     * slope and a non-negative intercept; otherwise the steps are charged per token alone */
+    if (vx > 0.01 * mx * mx && cxy > 0) {
+        const double slope = cxy / vx, icpt = my - slope * mx;
+        if (icpt >= 0) {
+            p->per_token_ms = slope;
+            p->chunk_ms = icpt;
+            return;
+        }
+    }
+    p->per_token_ms = my / mx;
+    p->chunk_ms = 0.0;
 }
 
 int sched_pace_budget(const sched_pace *p, double target_ms, int rows, int floor, int cap) {
     if (floor > cap) floor = cap;
     if (target_ms <= 0 || rows == 0 || p->per_token_ms <= 0) return cap;
     const double base = p->base_ms > 0 ? p->base_ms : 0.0;
-    const double t = (target_ms - base) / p->per_token_ms;
+    const double t = (target_ms - base - p->chunk_ms) / p->per_token_ms;
     if (t <= floor) return floor;
     return t >= cap ? cap : (int)t;
 }
@@ -69,5 +87,5 @@ int sched_mixed_budget(int budget, int rows, int pass, int floor) {
 }
 
 bool sched_deadline_hopeless(const sched_pace *p, int tokens, double remaining_ms) {
-    return p->per_token_ms > 0 && tokens > 0 && tokens * p->per_token_ms > remaining_ms;
+    return p->per_token_ms > 0 && tokens > 0 && p->chunk_ms + tokens * p->per_token_ms > remaining_ms;
 }

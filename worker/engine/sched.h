@@ -60,13 +60,21 @@ int sched_prefix_boundary(int n_prompt, int block, int prefilled, int n_gen);
 int sched_victim(const bool *holds, int n_running, int self);
 
 /* Step pacing: the prompt tokens a step may take so that its decode rows get their next token
- * within a latency target. A step is modelled as base + per_token * chunk tokens: base is what a
- * step without prompt work takes (its decode rows alone), per_token what each prompt token adds.
- * Both are running means of measured steps (sched_pace_note), so the model follows the batch as
- * it grows and the prompts as their attention lengthens. */
+ * within a latency target. A step is modelled as base + chunk + per_token * prompt tokens: base is
+ * what a step without prompt work takes (its decode rows alone); chunk what any prompt work adds
+ * whatever its size (on a MoE model a few hundred prompt rows already touch most experts, so the
+ * pass reads nearly all the expert weights); per_token what each prompt token adds. base is a
+ * running mean of decode-only steps; chunk and per_token the intercept and slope of a line fitted
+ * to the steps with prompt work, their points weighted as running means are, so the model follows
+ * the batch as it grows and the prompts as their attention lengthens. A model without the chunk
+ * term charges the fixed cost to the tokens of the chunk sizes it sees, and so keeps choosing
+ * the small chunks that make a token look expensive. */
 typedef struct sched_pace {
     double base_ms;            /* a decode-only step; < 0 until one is measured */
     double per_token_ms;       /* each prompt token of a step; < 0 until a step with prompt work is */
+    double chunk_ms;           /* any prompt work, beyond base; 0 until the fit can tell it apart */
+    /* the fit's weighted sums over steps with prompt work: x = prompt tokens, y = ms beyond base */
+    double s0, sx, sy, sxx, sxy;
 } sched_pace;
 
 /* Nothing measured yet. */
@@ -78,7 +86,7 @@ void sched_pace_init(sched_pace *p);
  * read), which would otherwise inflate the cost of the few tokens of a short prompt. */
 void sched_pace_note(sched_pace *p, double ms, int tokens, int rows);
 
-/* The prompt tokens of the next step for a target of target_ms: (target - base) / per_token,
+/* The prompt tokens of the next step for a target of target_ms: (target - base - chunk) / per_token,
  * within [floor, cap]; cap while nothing is measured, or with no decode rows waiting on the step
  * (rows == 0: nobody's latency is at stake) or no target (target_ms <= 0). floor keeps a long
  * prompt moving when the decode rows alone take the whole target, so it is never starved. */
