@@ -3,7 +3,9 @@
 // pass, split into a prefill and prestaged or hashed decode rows, and across a snapshot restored
 // into a fresh sequence; then the whole model: prefill equals token-by-token decode, batched
 // decode equals single decodes, the verify contract, a mixed step equals its parts run alone, a
-// copied prefix decodes as the original, and bad aux snapshots are refused.
+// copied prefix decodes as the original, and bad aux snapshots are refused. With a drafter (a
+// random tiny-ple model with an MTP block), a verify's kept rows continue exactly as a twin that
+// decoded only them, eagerly, in the graph form (prestaged rows) and in a mixed pass.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -199,5 +201,156 @@ TEST_F(Ple, BadSnapshotRefusedAndStateKept) {
     EXPECT_EQ(mt_layer_restore_aux(l, glm_seq_state(s, 0), junk, 2, &err), MT_ERR_INVALID);
     glm_seq_free(s);
 }
+
+// ---- speculative decoding: a verify's rows are provisional ----
+
+// A random tiny-ple model (vocabulary 300) with an MTP block, its drafter on: the verify rings
+// hold the PLE conv state after each row, and glm_seq_keep rewinds the history and conv state.
+class PleSpec : public ::testing::TestWithParam<bool> {
+  protected:
+    void SetUp() override {
+        be_ = mt_cpu_backend_new(0);
+        mt_error err{};
+        glm_config c;
+        ASSERT_EQ(glm_config_preset("tiny-ple", &c, &err), MT_OK) << err.msg;
+        c.vocab_size = V_;
+        c.num_nextn_predict_layers = 1;
+        glm_model_params p = glm_model_default_params();
+        p.mtp = true;
+        p.verify_seqs = 3;
+        p.device_positions = GetParam();  // the graph form: each row of a verify prestaged
+        ASSERT_EQ(glm_model_new_random(&c, 17, be_, &p, &m_, &err), MT_OK) << err.msg;
+        ASSERT_TRUE(glm_model_has_drafter(m_));
+        for (int i = 0; i < 40; i++) tokens_.push_back((i * 53 + 19) % V_);
+    }
+    void TearDown() override {
+        glm_model_free(m_);
+        mt_backend_free(be_);
+    }
+    glm_seq *NewSeq() {
+        glm_seq *s = nullptr;
+        mt_error err{};
+        EXPECT_EQ(glm_seq_new(m_, 64, &s, &err), MT_OK) << err.msg;
+        return s;
+    }
+    std::vector<float> Draft(glm_seq *s, int32_t token) {
+        std::vector<float> l(V_);
+        mt_error err{};
+        EXPECT_EQ(glm_model_draft(m_, s, token, l.data(), &err), MT_OK) << err.msg;
+        return l;
+    }
+    // Three decode steps of a and b with a draft before each, from tokens_[t]: equal logits.
+    void ExpectSameFuture(glm_seq *a, glm_seq *b, int t, const char *what, float tol) {
+        mt_error err{};
+        ASSERT_EQ(glm_seq_len(a), glm_seq_len(b)) << what;
+        for (int step = 0; step < 3; step++) {
+            const int32_t next = tokens_[t + step];
+            std::vector<float> da = Draft(a, next), db = Draft(b, next);
+            std::vector<float> la(V_), lb(V_);
+            ASSERT_EQ(glm_decode(m_, a, next, la.data(), &err), MT_OK) << err.msg;
+            ASSERT_EQ(glm_decode(m_, b, next, lb.data(), &err), MT_OK) << err.msg;
+            float d = 0, dd = 0;
+            for (int v = 0; v < V_; v++) {
+                d = std::max(d, std::fabs(la[v] - lb[v]));
+                dd = std::max(dd, std::fabs(da[v] - db[v]));
+            }
+            EXPECT_LE(d, tol) << what << " decode " << step;
+            EXPECT_LE(dd, tol) << what << " draft " << step;
+        }
+    }
+    static constexpr int V_ = 300;
+    mt_backend *be_ = nullptr;
+    glm_model *m_ = nullptr;
+    std::vector<int32_t> tokens_;
+};
+
+// A verify of k rows keeping 1..k, against a twin that decoded only the kept rows (in one step
+// of keep rows, the same arithmetic): the same logits after, bit for bit. Row 0's history and
+// conv state come from the ring's first slot, the others' from later ones; keeping every row
+// leaves the verify's own state.
+TEST_P(PleSpec, KeptRowsContinueExactly) {
+    mt_error err{};
+    for (int k : { 2, 4, GLM_VERIFY_MAX }) {
+        for (int keep = 1; keep <= k; keep++) {
+            const int t0 = 6 + keep;  // prompts of different lengths: the history wraps differently
+            glm_seq *a = NewSeq(), *b = NewSeq();
+            ASSERT_TRUE(a && b);
+            ASSERT_EQ(glm_prefill(m_, a, tokens_.data(), t0, nullptr, false, &err), MT_OK) << err.msg;
+            ASSERT_EQ(glm_prefill(m_, b, tokens_.data(), t0, nullptr, false, &err), MT_OK) << err.msg;
+            Draft(a, tokens_[t0]);
+            Draft(a, 7);
+            ASSERT_EQ(glm_decode_verify(m_, a, &tokens_[t0], k, nullptr, &err), MT_OK) << err.msg;
+            ASSERT_EQ(glm_seq_keep(m_, a, keep, &err), MT_OK) << err.msg;
+            ASSERT_EQ(glm_decode_verify(m_, b, &tokens_[t0], keep, nullptr, &err), MT_OK) << err.msg;
+            char what[48];
+            snprintf(what, sizeof what, "k %d keep %d", k, keep);
+            ExpectSameFuture(a, b, t0 + keep, what, 0.f);
+            glm_seq_free(a);
+            glm_seq_free(b);
+        }
+    }
+}
+
+// A kept verify, then its sequence's snapshot through every layer's aux state (prefix reuse)
+// decodes as the original; keep is refused after a step that was not a verify of that many rows.
+TEST_P(PleSpec, KeptStateSnapshotsAndKeepIsChecked) {
+    mt_error err{};
+    glm_seq *a = NewSeq(), *b = NewSeq();
+    ASSERT_TRUE(a && b);
+    ASSERT_EQ(glm_prefill(m_, a, tokens_.data(), 9, nullptr, false, &err), MT_OK) << err.msg;
+    EXPECT_EQ(glm_seq_keep(m_, a, 1, &err), MT_ERR_STATE);
+    ASSERT_EQ(glm_decode_verify(m_, a, &tokens_[9], 5, nullptr, &err), MT_OK) << err.msg;
+    EXPECT_EQ(glm_seq_keep(m_, a, 6, &err), MT_ERR_INVALID);
+    ASSERT_EQ(glm_seq_keep(m_, a, 2, &err), MT_OK) << err.msg;
+    EXPECT_EQ(glm_seq_len(a), 11);
+    ASSERT_EQ(glm_seq_copy_prefix(m_, a, b, &err), MT_OK) << err.msg;
+    ExpectSameFuture(a, b, 11, "copied after a keep", 0.f);
+    glm_seq_free(a);
+    glm_seq_free(b);
+}
+
+// Three sequences' verifies in one mixed pass beside a decode row (a ring each: the PLE conv
+// states after each row land in ring 0, 1, 2), each keeping some rows, against twins that
+// verified alone and kept as many.
+TEST_P(PleSpec, VerifiesOfSeveralSequencesShareOnePass) {
+    const int kv[3] = { 4, 3, 5 }, keep[3] = { 2, 3, 1 };
+    mt_error err{};
+    glm_seq *a[3], *b[3], *d = NewSeq();
+    ASSERT_NE(d, nullptr);
+    ASSERT_EQ(glm_prefill(m_, d, tokens_.data(), 4, nullptr, false, &err), MT_OK) << err.msg;
+    glm_mixed_part parts[4];
+    int32_t dtop = -1;
+    parts[0] = glm_mixed_part{ d, &tokens_[4], 1, nullptr, false, &dtop, false };
+    std::vector<int32_t> top[3];
+    for (int i = 0; i < 3; i++) {
+        const int t0 = 10 + 3 * i;
+        a[i] = NewSeq();
+        b[i] = NewSeq();
+        ASSERT_TRUE(a[i] && b[i]);
+        for (glm_seq *s : { a[i], b[i] }) {
+            ASSERT_EQ(glm_prefill(m_, s, tokens_.data(), t0, nullptr, false, &err), MT_OK) << err.msg;
+            Draft(s, tokens_[t0]);
+        }
+        top[i].assign(kv[i], -1);
+        parts[i + 1] = glm_mixed_part{ a[i], &tokens_[t0], kv[i], nullptr, false, top[i].data(), true };
+    }
+    ASSERT_EQ(glm_forward_mixed(m_, parts, 4, &err), MT_OK) << err.msg;
+    for (int i = 0; i < 3; i++) ASSERT_EQ(glm_seq_keep(m_, a[i], keep[i], &err), MT_OK) << err.msg;
+    for (int i = 0; i < 3; i++) {
+        const int t0 = 10 + 3 * i;
+        ASSERT_EQ(glm_decode_verify(m_, b[i], &tokens_[t0], kv[i], nullptr, &err), MT_OK) << err.msg;
+        ASSERT_EQ(glm_seq_keep(m_, b[i], keep[i], &err), MT_OK) << err.msg;
+    }
+    for (int i = 0; i < 3; i++) {
+        char what[32];
+        snprintf(what, sizeof what, "sequence %d", i);
+        ExpectSameFuture(a[i], b[i], 10 + 3 * i + keep[i], what, 1e-4f);
+        glm_seq_free(a[i]);
+        glm_seq_free(b[i]);
+    }
+    glm_seq_free(d);
+}
+
+INSTANTIATE_TEST_SUITE_P(EagerAndGraphForm, PleSpec, ::testing::Values(false, true));
 
 }  // namespace

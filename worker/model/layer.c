@@ -52,6 +52,10 @@ mt_status mt_layer_sync_replayed_step(const mt_layer *l, mt_layer_state *st, int
     return l->ops->sync_replayed_step ? l->ops->sync_replayed_step(l, st, seq_len, k) : MT_OK;
 }
 
+mt_status mt_layer_verify_keep(const mt_layer *l, mt_layer_state *st, int keep, int ring) {
+    return l->ops->verify_keep ? l->ops->verify_keep(l, st, keep, ring) : MT_OK;
+}
+
 bool mt_layer_has_aux_state(const mt_layer *l) {
     return l->ops->has_aux_state && l->ops->has_aux_state(l);
 }

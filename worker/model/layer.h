@@ -75,6 +75,20 @@ typedef struct mt_layer_ops {
     /* After a replay (the layer's own decode did not run): bring host bookkeeping to seq_len + k. */
     mt_status (*sync_replayed_step)(const mt_layer *l, mt_layer_state *st, int seq_len, int k);
 
+    /* ---- speculative verify: k-row prestage and rollback ----
+     * A verify is a step of k > 1 rows of one sequence whose rows are provisional: the runner
+     * prestages each of the k rows in order (decode_prestage k times, then the step; a prestage
+     * may advance host state as if the row were accepted), or the rows reach decode_batched /
+     * forward_segments with their ids. The model's step names a verify ring (the model's
+     * scratch for per-row state, e.g. glm's mt_step.vring) where a layer that cannot be rewound
+     * by length leaves its state after each row but the last. */
+    /* After such a verify, only its first keep rows (1 <= keep <= k) stand: the layer's state
+     * becomes what those rows alone would have left, taken from ring `ring` without recomputing.
+     * MT_ERR_STATE when the state's last step was not a verify of at least keep rows (nothing
+     * changes then). NULL: the model rolls the layer back itself (by length, or from its pooled
+     * ring slots). */
+    mt_status (*verify_keep)(const mt_layer *l, mt_layer_state *st, int keep, int ring);
+
     /* ---- aux state (prefix reuse, preemption); NULL: the layer has none ---- */
     bool (*has_aux_state)(const mt_layer *l);
     /* *bytes is malloc'ed, caller frees. */
@@ -110,6 +124,7 @@ mt_status mt_layer_decode_prestage(const mt_layer *l, mt_layer_state *st, int32_
 void mt_layer_decode_prestage_rearm(const mt_layer *l, mt_layer_state *st);
 mt_status mt_layer_check_replay_room(const mt_layer *l, const mt_layer_state *st, int seq_len, int k);
 mt_status mt_layer_sync_replayed_step(const mt_layer *l, mt_layer_state *st, int seq_len, int k);
+mt_status mt_layer_verify_keep(const mt_layer *l, mt_layer_state *st, int keep, int ring); /* NULL: MT_OK */
 bool mt_layer_has_aux_state(const mt_layer *l);
 mt_status mt_layer_snapshot_aux(const mt_layer *l, const mt_layer_state *st, void **bytes, size_t *len,
                                 mt_error *err);

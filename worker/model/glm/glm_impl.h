@@ -84,6 +84,11 @@ typedef struct glm_ple_w {
     float **tab;               /* [rows] each row's conv state (a rows table) */
     float **h_tab;             /* host [rows] mirror of tab */
     int32_t *idx;              /* host [ntab] one row's table rows */
+    /* Write-on-accept (the model's verify rings, glm_model.mtp): a verify of k rows in ring j
+     * leaves the conv state after each of its rows but the last in ring slot (j, 0 .. k-2), from
+     * which glm_ple_keep commits the kept row's. NULL without the drafter or without conv state. */
+    float *ring;               /* [n_rings, GLM_VERIFY_MAX - 1, P, S*H] */
+    int n_rings;
 } glm_ple_w;
 
 /* A PLE memory's per-sequence state: the last tokens (for the n-grams ending at the next one) and
@@ -99,6 +104,12 @@ typedef struct glm_ple_state {
     int32_t staged_tok[GLM_VERIFY_MAX];
     int n_staged;              /* staged rows the next forward consumes (0: hash the step's ids) */
     int n_prestaged;           /* rows the current step's prestages staged (what rearm restores) */
+    /* The last step's rows, provisional until a verify keeps some (glm_ple_keep): the history
+     * before the step and the step's tokens (the first GLM_VERIFY_MAX of them; v_n counts all). */
+    int v_hist_len;
+    uint32_t v_hist[GLM_PLE_MAX_ORDER - 1];
+    uint32_t v_tok[GLM_VERIFY_MAX];
+    int v_n;
 } glm_ple_state;
 
 /* One decoder layer: the generic mt_layer first, then its weights. */
@@ -174,6 +185,7 @@ typedef struct glm_segment {
     int t0, n;
     glm_scratch scr;
     const int *vring;          /* a verify's ring (mt_step.vring), NULL for a prompt chunk */
+    int vring_id;              /* its index (mt_step.vring_id) */
 } glm_segment;
 
 struct mt_step {
@@ -203,6 +215,8 @@ struct mt_step {
     /* A verify (n > 1 rows of one sequence, write-on-accept): the KDA slots that take the
      * recurrent and conv state after each row but the last, [n - 1] (m->mtp.ring); NULL else. */
     const int *vring;
+    int vring_id;              /* which ring vring is (m->mtp.ring + vring_id * (GLM_VERIFY_MAX - 1)):
+                                * where state outside the slot pool keeps its rows (glm_ple_w.ring) */
 };
 
 struct glm_model {
@@ -356,7 +370,7 @@ mt_status glm_mtp_draft(glm_model *m, glm_seq *s, int32_t token, float *logits, 
 /* glm_ple.c: PLE memories (docs/MODEL.md "PLE layer"). */
 /* Hash constants and scratch of l's memory for passes of up to rows rows; MT_ERR_UNSUPPORTED on a
  * backend without ple_inject. Weights are bound first. */
-mt_status glm_ple_init(glm_layer *l, int rows, mt_error *err);
+mt_status glm_ple_init(glm_layer *l, int rows, int n_rings, mt_error *err);
 void glm_ple_release(glm_layer *l);            /* weights and scratch; safe on a partial init */
 mt_status glm_ple_state_alloc(const glm_layer *l, glm_layer_state *st, mt_error *err);
 void glm_ple_state_free(const glm_layer *l, glm_layer_state *st);
@@ -369,6 +383,10 @@ mt_status glm_ple_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
 mt_status glm_ple_prestage(const glm_layer *l, glm_layer_state *st, int32_t token);
 void glm_ple_rearm(glm_layer_state *st);
 void glm_ple_sync(glm_layer_state *st);       /* a step ran (eagerly or replayed): nothing staged */
+/* Keeps the first keep rows of the state's last step, a verify in ring `ring`: the history as
+ * after those rows, the conv state from the ring. MT_ERR_STATE (nothing changed) when the last
+ * step was not a verify of at least keep rows. */
+mt_status glm_ple_keep(const glm_layer *l, glm_layer_state *st, int keep, int ring);
 size_t glm_ple_aux_bytes(const glm_layer *l, const void *bytes, size_t len); /* 0: not a PLE blob */
 mt_status glm_ple_snapshot(const glm_layer *l, const glm_layer_state *st, void **bytes, size_t *len, mt_error *err);
 /* Checked first with glm_ple_aux_bytes == len; cannot fail after. Clears the staged rows. */

@@ -108,6 +108,7 @@ static mt_status layer_forward(const mt_layer *ml, glm_layer_state **sts, int ns
             one.rpos = NULL;
             one.rtab = NULL;
             one.vring = step->seg[i].vring;
+            one.vring_id = step->seg[i].vring_id;
             const size_t off = (size_t)r * c->hidden_size;
             s = mixer_forward(l, &sts[i], 1, &one, scr->h + off, scr->a + off, step->seg[i].n);
         }
@@ -329,6 +330,11 @@ static mt_status ple_sync_replayed_step(const mt_layer *ml, mt_layer_state *base
     return is_dsa(as_glm(ml)) ? dsa_sync_replayed_step(ml, base, seq_len, k) : MT_OK;
 }
 
+/* The memory's part of a verify's rollback; the mixer's (DSA lengths, KDA slots) is the model's. */
+static mt_status ple_verify_keep(const mt_layer *ml, mt_layer_state *base, int keep, int ring) {
+    return glm_ple_keep(as_glm(ml), (glm_layer_state *)base, keep, ring);
+}
+
 static bool ple_has_aux(const mt_layer *ml) { (void)ml; return true; }
 
 /* The mixer's aux part (the DSA indexer cache, when the layer has one), then the memory's. */
@@ -391,6 +397,7 @@ static const mt_layer_ops ple_layer_ops = {
     .decode_prestage_rearm = ple_decode_prestage_rearm,
     .check_replay_room = ple_check_replay_room,
     .sync_replayed_step = ple_sync_replayed_step,
+    .verify_keep = ple_verify_keep,
     .has_aux_state = ple_has_aux,
     .snapshot_aux = ple_snapshot_aux,
     .restore_aux = ple_restore_aux,
@@ -440,7 +447,8 @@ void glm_layer_init(glm_layer *l, const glm_config *cfg, mt_backend *be, int i) 
                                         .decode_verify_multi_unsupported = true };
     }
     if (i < cfg->num_hidden_layers && cfg->ple_layer[i]) {
-        /* The memory's history cannot be rewound by length, and its prestage hashes the token. */
+        /* The memory's history cannot be rewound by length (a verify's rows are kept through
+         * verify_keep), and its prestage hashes the token. */
         l->ple.on = true;
         l->base.ops = &ple_layer_ops;
         l->base.kind = cfg->layer_types[i] == GLM_MIXER_KDA ? "glm.kda+ple" : "glm.dsa+ple";

@@ -128,7 +128,7 @@ static mt_status model_init(glm_model *m, uint64_t random_seed, bool random, mt_
         return mt_errorf(err, MT_ERR_NOMEM, "out of memory for the batched-decode tables");
     if (c->hc_mult > 8) return mt_errorf(err, MT_ERR_UNSUPPORTED, "hc_mult %d: at most 8 streams", c->hc_mult);
     for (int i = 0; i < c->num_hidden_layers; i++)
-        if (m->layers[i].ple.on && (s = glm_ple_init(&m->layers[i], rows, err)) != MT_OK) return s;
+        if (m->layers[i].ple.on && (s = glm_ple_init(&m->layers[i], rows, m->mtp.n_rings, err)) != MT_OK) return s;
     if (!(m->layer_list = malloc(sizeof *m->layer_list * (size_t)c->num_hidden_layers)))
         return mt_errorf(err, MT_ERR_NOMEM, "out of memory");
     for (int i = 0; i < c->num_hidden_layers; i++) m->layer_list[i] = &m->layers[i].base;
@@ -552,7 +552,7 @@ static mt_status forward(glm_model *m, glm_seq *s, const int32_t *tokens, int n,
     mt_backend *be = m->be;
     const int S = c->hc_mult, H = c->hidden_size;
     mt_step step = { .be = be, .t0 = s->len, .scr = &m->scr, .ids = tokens, .ids_stride = 1,
-                     .vring = decode ? verify_ring(m, n, 0) : NULL };
+                     .vring = decode ? verify_ring(m, n, 0) : NULL, .vring_id = 0 };
     m->scr.sel_n = 0;
     /* X[i, s] = embedding of token i for every stream s. Prefill looks each token up S times
      * straight into X (one op, where n*S row copies cost a launch each); decode keeps its copies. */
@@ -679,8 +679,10 @@ mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, int r
         ahead_forget(m, s);
         s->v_n = 0;
         seg[i].vring = NULL;
+        seg[i].vring_id = 0;
         if (p[i].verify && p[i].n > 1 && m->mtp.on) {
             verify_mark(m, s, p[i].n, nv);
+            seg[i].vring_id = nv;
             seg[i].vring = verify_ring(m, p[i].n, nv++);
         }
         seg[i].t0 = s->len;
@@ -791,7 +793,8 @@ static mt_status seq_step_body(void *ctx) {
     glm_seq *s = c->s;
     mt_backend *be = m->be;
     const int S = m->cfg.hc_mult, H = m->cfg.hidden_size, L = m->cfg.num_hidden_layers;
-    mt_step step = { .be = be, .t0 = s->len, .scr = &m->scr, .d_pos = step_positions(m), .vring = verify_ring(m, c->k, 0) };
+    mt_step step = { .be = be, .t0 = s->len, .scr = &m->scr, .d_pos = step_positions(m), .vring = verify_ring(m, c->k, 0),
+                     .vring_id = 0 };
     m->scr.sel_n = 0;
     mt_status est;
     if (c->k == 1) {
@@ -883,8 +886,6 @@ static mt_status decode_seq(glm_model *m, glm_seq *s, const int32_t *tokens, int
 
 mt_status glm_seq_keep(glm_model *m, glm_seq *s, int keep, mt_error *err) {
     if (!m->mtp.on) return mt_errorf(err, MT_ERR_UNSUPPORTED, "rows are dropped only with the drafter on");
-    if (glm_config_has_ple(&m->cfg))
-        return mt_errorf(err, MT_ERR_UNSUPPORTED, "rows are not dropped from a model with PLE memories");
     if (s->v_n < 1 || s->len != s->v_pos + s->v_n)
         return mt_errorf(err, MT_ERR_STATE, "the last step of the sequence was not a decode");
     if (keep < 1 || keep > s->v_n)
@@ -894,8 +895,15 @@ mt_status glm_seq_keep(glm_model *m, glm_seq *s, int keep, mt_error *err) {
         return mt_errorf(err, MT_ERR_STATE, "another sequence was verified since this one's verify");
     /* The kept rows' state, written by the verify: the recurrent slot from the ring, the paged
      * layers' and the drafter's lengths cut back (rows past a length are never read, and the
-     * next rows overwrite them), the drafter's pending row from ring_h. Nothing is recomputed. */
+     * next rows overwrite them), the drafter's pending row from ring_h, and what layers keep
+     * outside the pools through their verify_keep (a PLE memory's history and conv state; every
+     * such layer saw the same steps, so the first refuses or none does). Nothing is recomputed. */
     const int L = m->cfg.num_hidden_layers, drop = s->v_n - keep;
+    for (int l = 0; l < L; l++) {
+        mt_status st = mt_layer_verify_keep(&m->layers[l].base, s->states[l], keep, s->v_ring);
+        if (st != MT_OK) return mt_errorf(err, st, "layer %d (%s) cannot keep %d rows of its last step", l,
+                                          m->layers[l].base.kind, keep);
+    }
     ahead_forget(m, s);
     for (int l = 0; l < L; l++) {
         glm_layer_state *st = (glm_layer_state *)s->states[l];

@@ -6,7 +6,10 @@
  * step's rows may be gathered ahead by the prestage hook, and the next forward consumes them.
  * The decode forms a backend may capture read only per-sequence device memory or the step's
  * tables: one sequence's step its own staged rows and conv table, the rows form both through the
- * rows tables (GLM_R_PLE_*), so a graph replayed for other sequences reads theirs. */
+ * rows tables (GLM_R_PLE_*), so a graph replayed for other sequences reads theirs.
+ * A verify's rows are provisional: each step notes the history before it and its tokens, and a
+ * verify with a ring injects row by row, leaving the conv state after each row but the last in
+ * the ring, so glm_ple_keep can rewind both to any kept row without recomputing. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -21,7 +24,14 @@ static uint64_t mix64(uint64_t z) {
 
 static int stride(const glm_config *c) { return c->hc_mult * c->hidden_size; }
 
-mt_status glm_ple_init(glm_layer *l, int rows, mt_error *err) {
+static size_t conv_bytes(const glm_layer *l) { return sizeof(float) * (size_t)l->ple.P * stride(l->cfg); }
+
+/* Ring j's slot r: the conv state after row r of the verify in ring j. */
+static float *ring_slot(const glm_ple_w *p, const glm_config *c, int j, int r) {
+    return p->ring + ((size_t)j * (GLM_VERIFY_MAX - 1) + (size_t)r) * (size_t)p->P * stride(c);
+}
+
+mt_status glm_ple_init(glm_layer *l, int rows, int n_rings, mt_error *err) {
     const glm_config *c = l->cfg;
     glm_ple_w *p = &l->ple;
     mt_backend *be = l->be;
@@ -43,6 +53,11 @@ mt_status glm_ple_init(glm_layer *l, int rows, mt_error *err) {
         !(p->tab = be->ops->alloc(be, sizeof(float *) * r)) || !(p->h_tab = calloc(r, sizeof(float *))) ||
         !(p->idx = calloc((size_t)p->ntab, sizeof(int32_t))))
         return mt_errorf(err, MT_ERR_NOMEM, "layer %d: out of memory for the PLE memory's scratch", i);
+    if (n_rings > 0 && p->P > 0) {
+        if (!(p->ring = be->ops->alloc(be, conv_bytes(l) * (size_t)n_rings * (GLM_VERIFY_MAX - 1))))
+            return mt_errorf(err, MT_ERR_NOMEM, "layer %d: out of memory for the PLE memory's verify rings", i);
+        p->n_rings = n_rings;
+    }
     return MT_OK;
 }
 
@@ -55,11 +70,14 @@ void glm_ple_release(glm_layer *l) {
     float *v[] = { p->key_norm, p->query_norm, p->conv_norm, p->conv, p->emb, p->keys, p->vals };
     for (size_t k = 0; k < sizeof v / sizeof v[0]; k++) be->ops->free(be, v[k]);
     be->ops->free(be, p->tab);
+    be->ops->free(be, p->ring);
     free(p->h_tab);
     free(p->idx);
     p->key_norm = p->query_norm = p->conv_norm = p->conv = p->emb = p->keys = p->vals = NULL;
     p->tab = p->h_tab = NULL;
     p->idx = NULL;
+    p->ring = NULL;
+    p->n_rings = 0;
 }
 
 size_t glm_ple_state_bytes(const glm_layer *l) {
@@ -99,15 +117,31 @@ void glm_ple_state_free(const glm_layer *l, glm_layer_state *st) {
     st->ple = NULL;
 }
 
-static size_t conv_bytes(const glm_layer *l) { return sizeof(float) * (size_t)l->ple.P * stride(l->cfg); }
-
 /* A sequence's first step: the conv looks back at zeros. */
 static void reset_if_fresh(const glm_layer *l, glm_ple_state *s) {
     if (s->hist_len == 0 && l->ple.P > 0) l->be->ops->zero(l->be, s->conv, conv_bytes(l));
 }
 
+/* token joins the history (the last N-1 tokens, oldest first). */
+static void hist_push(const glm_config *c, glm_ple_state *s, uint32_t token) {
+    const int N = c->ple_max_ngram;
+    if (s->hist_len == N - 1) {
+        memmove(s->hist, s->hist + 1, sizeof(uint32_t) * (size_t)(N - 2));
+        s->hist[N - 2] = token;
+    } else {
+        s->hist[s->hist_len++] = token;
+    }
+}
+
+/* A step of s begins: its rows stay provisional until the next step (glm_ple_keep). */
+static void step_begin(glm_ple_state *s) {
+    s->v_hist_len = s->hist_len;
+    memcpy(s->v_hist, s->hist, sizeof s->hist);
+    s->v_n = 0;
+}
+
 /* The table rows of the n-grams ending at token (orders 2..N, heads in order) into p->idx, then
- * token joins the history. */
+ * token joins the history and the step's tokens. */
 static void hash_row(const glm_layer *l, glm_ple_state *s, uint32_t token) {
     const glm_config *c = l->cfg;
     const glm_ple_w *p = &l->ple;
@@ -120,12 +154,9 @@ static void hash_row(const glm_layer *l, glm_ple_state *s, uint32_t token) {
         for (int k = 1; k < o; k++) h ^= x[k] * p->mult[k];
         for (int j = 0; j < c->ple_heads; j++, t++) p->idx[t] = (int32_t)(p->off[t] + (int64_t)(h % (uint64_t)p->prime[t]));
     }
-    if (s->hist_len == N - 1) {
-        memmove(s->hist, s->hist + 1, sizeof(uint32_t) * (size_t)(N - 2));
-        s->hist[N - 2] = token;
-    } else {
-        s->hist[s->hist_len++] = token;
-    }
+    hist_push(c, s, token);
+    if (s->v_n < GLM_VERIFY_MAX) s->v_tok[s->v_n] = token;
+    s->v_n++;
 }
 
 /* Hashes token for s and gathers its rows into dst [E]. */
@@ -136,8 +167,28 @@ static void gather(const glm_layer *l, glm_ple_state *s, uint32_t token, float *
     l->be->ops->embed(l->be, dst, &l->ple.table, l->ple.idx, l->ple.ntab);
 }
 
-mt_status glm_ple_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt_step *step, float *X, int n) {
+/* ple_inject over rows [r0, r0 + n) of the pass, tab holding an entry a row of the pass. */
+static void inject(const glm_layer *l, mt_backend *be, float *X, float *const *tab, int r0, int n) {
     const glm_config *c = l->cfg;
+    const glm_ple_w *p = &l->ple;
+    const size_t C = (size_t)stride(c), o = (size_t)r0;
+    const mt_ple_params pp = { c->hc_mult, c->hidden_size, c->ple_conv_kernel, c->ple_max_ngram, c->ple_norm_eps };
+    be->ops->ple_inject(be, X + o * C, p->keys + o * C, p->vals + o * c->hidden_size, tab + r0, p->key_norm,
+                        p->query_norm, p->conv_norm, p->conv, n, &pp);
+}
+
+/* A verify's rows [r0, r0 + n) of s, one at a time (the arithmetic of n single rows), the conv
+ * state after each row but the last into ring j. */
+static void inject_verify(const glm_layer *l, mt_backend *be, float *X, float *const *tab, int r0, int n,
+                          const glm_ple_state *s, int j) {
+    MT_ASSERT(j >= 0 && j < l->ple.n_rings && n <= GLM_VERIFY_MAX);
+    for (int i = 0; i < n; i++) {
+        inject(l, be, X, tab, r0 + i, 1);
+        if (i < n - 1) be->ops->copy(be, ring_slot(&l->ple, l->cfg, j, i), s->conv, conv_bytes(l));
+    }
+}
+
+mt_status glm_ple_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt_step *step, float *X, int n) {
     const glm_ple_w *p = &l->ple;
     mt_backend *be = step->be;
     const int E = p->E;
@@ -147,6 +198,7 @@ mt_status glm_ple_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
     const bool rows = step->rtab && !step->seg;
     /* row r's sequence: one for all (nst == 1), one a row, or segment by segment */
     int seg = 0, left = step->seg ? step->seg[0].n : n;
+    const glm_ple_state *prev = NULL;
     for (int r = 0; r < n; r++) {
         if (step->seg) {
             while (left == 0) left = step->seg[++seg].n;
@@ -156,6 +208,8 @@ mt_status glm_ple_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
         }
         glm_ple_state *s = sts[seg]->ple;
         p->h_tab[r] = s->conv;
+        const bool first = s != prev; /* the state's first row of the pass (its rows are consecutive) */
+        prev = s;
         const int32_t id = step->ids ? step->ids[(size_t)r * step->ids_stride] : -1;
         if (s->n_staged > 0) { /* a prestaged step: its rows are gathered, the history moved on */
             const int j = s->n_prestaged - s->n_staged;
@@ -169,6 +223,7 @@ mt_status glm_ple_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
             continue;
         }
         if (id < 0) return MT_ERR_STATE; /* nothing staged and no id on the host */
+        if (first) step_begin(s);
         gather(l, s, (uint32_t)id, rows ? s->staged : p->emb + (size_t)r * E);
     }
     float *const *tab = p->tab;
@@ -182,15 +237,32 @@ mt_status glm_ple_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
     }
     be->ops->matmul(be, p->keys, p->emb, &p->key, n);
     be->ops->matmul(be, p->vals, p->emb, &p->value, n);
-    const mt_ple_params pp = { c->hc_mult, c->hidden_size, c->ple_conv_kernel, c->ple_max_ngram, c->ple_norm_eps };
-    be->ops->ple_inject(be, X, p->keys, p->vals, tab, p->key_norm, p->query_norm, p->conv_norm, p->conv, n, &pp);
+    /* verifies with a ring row by row, the other rows in as few launches as their order allows */
+    if (rows || !p->ring) {
+        inject(l, be, X, tab, 0, n);
+    } else if (!step->seg) {
+        if (nst == 1 && n > 1 && step->vring) inject_verify(l, be, X, tab, 0, n, sts[0]->ple, step->vring_id);
+        else inject(l, be, X, tab, 0, n);
+    } else {
+        int done = 0, r = 0;
+        for (int i = 0; i < step->nseg; r += step->seg[i++].n) {
+            if (!step->seg[i].vring || step->seg[i].n < 2) continue;
+            if (r > done) inject(l, be, X, tab, done, r - done);
+            inject_verify(l, be, X, tab, r, step->seg[i].n, sts[i]->ple, step->seg[i].vring_id);
+            done = r + step->seg[i].n;
+        }
+        if (n > done) inject(l, be, X, tab, done, n - done);
+    }
     return MT_OK;
 }
 
 mt_status glm_ple_prestage(const glm_layer *l, glm_layer_state *st, int32_t token) {
     glm_ple_state *s = st->ple;
     if (token < 0) return MT_ERR_STATE; /* the model never runs ahead of a PLE layer (caps) */
-    if (s->n_staged == 0) s->n_prestaged = 0; /* a new step */
+    if (s->n_staged == 0) { /* a new step */
+        s->n_prestaged = 0;
+        step_begin(s);
+    }
     if (s->n_prestaged >= GLM_VERIFY_MAX) return MT_ERR_INVALID;
     gather(l, s, (uint32_t)token, s->staged + (size_t)s->n_prestaged * l->ple.E);
     s->staged_tok[s->n_prestaged++] = token;
@@ -201,6 +273,21 @@ mt_status glm_ple_prestage(const glm_layer *l, glm_layer_state *st, int32_t toke
 void glm_ple_rearm(glm_layer_state *st) { st->ple->n_staged = st->ple->n_prestaged; }
 
 void glm_ple_sync(glm_layer_state *st) { st->ple->n_staged = 0; }
+
+mt_status glm_ple_keep(const glm_layer *l, glm_layer_state *st, int keep, int ring) {
+    glm_ple_state *s = st->ple;
+    const glm_ple_w *p = &l->ple;
+    if (keep < 1 || keep > s->v_n || s->v_n > GLM_VERIFY_MAX) return MT_ERR_STATE;
+    if (keep == s->v_n) return MT_OK;
+    if (p->P > 0 && (ring < 0 || ring >= p->n_rings)) return MT_ERR_STATE; /* the verify kept no ring */
+    s->hist_len = s->v_hist_len;
+    memcpy(s->hist, s->v_hist, sizeof s->hist);
+    for (int i = 0; i < keep; i++) hist_push(l->cfg, s, s->v_tok[i]);
+    if (p->P > 0) l->be->ops->copy(l->be, s->conv, ring_slot(p, l->cfg, ring, keep - 1), conv_bytes(l));
+    s->v_n = keep;
+    s->n_staged = s->n_prestaged = 0;
+    return MT_OK;
+}
 
 /* The snapshot: hist_len (u32), the history (u32 each), the conv state's f32 bytes; little-endian
  * (the hosts this runs on). A state that has seen nothing snapshots zeros for its conv. */
@@ -236,4 +323,5 @@ void glm_ple_restore(const glm_layer *l, glm_layer_state *st, const void *bytes,
     memcpy(s->hist, (const char *)bytes + sizeof h, sizeof(uint32_t) * h);
     if (conv_bytes(l)) l->be->ops->upload(l->be, s->conv, (const char *)bytes + sizeof h * (1 + (size_t)h), conv_bytes(l));
     s->n_staged = s->n_prestaged = 0;
+    s->v_n = 0; /* nothing of the restored state is provisional */
 }
