@@ -7,6 +7,8 @@
 // of every layer's state; the counts of drafted and accepted tokens are reported. With mixed steps,
 // the same holds while prompts are prefilled in chunks beside the speculating sequences, and a
 // step's verifies, decode rows and prompt chunks go to the model in one call.
+// The greedy and forced checks run again on a random model with PLE memories and an MTP block
+// (K = 1..3).
 #include <gtest/gtest.h>
 
 #include <map>
@@ -485,7 +487,64 @@ TEST_F(Spec, VerifyDecodeRowAndChunkMakeOneModelCall) {
         for (const auto &[id, t] : ref.tokens) {
             EXPECT_EQ(t.size(), 24u) << "id " << id;
             EXPECT_EQ(r.tokens.at(id), t) << "K=" << k << " id " << id;
+// ---- a model with PLE memories (docs/MODEL.md "PLE layer") ----
+
+// A random tiny-ple model (memories on layers 0 and 2, vocabulary 300 for the prompts above) with
+// an MTP block: each verify's rows gather and advance the memories' history provisionally, and
+// seq_keep rewinds the history and conv state to the kept row. Prefix reuse and preemption
+// carry the memories through their snapshots.
+class SpecPle : public Spec {
+  protected:
+    void SetUp() override {
+        be_ = mt_cpu_backend_new(1);
+        mt_error err = { "" };
+        glm_config c;
+        ASSERT_EQ(glm_config_preset("tiny-ple", &c, &err), MT_OK) << err.msg;
+        c.vocab_size = 300;
+        c.num_nextn_predict_layers = 1;
+        glm_model_params p = glm_model_default_params();
+        p.mtp = true;
+        p.verify_seqs = 3;
+        ASSERT_EQ(glm_model_new_random(&c, 5, be_, &p, &m_, &err), MT_OK) << err.msg;
+    }
+};
+
+TEST_F(SpecPle, GreedyOutputEqualsNoSpeculation) {
+    for (int batch : { 1, 12 }) {
+        for (int pages : { 256, 14 }) {
+            const Outputs ref = Generate(m_, 0, batch, pages);
+            for (int k = 1; k <= 3; k++) {
+                const Outputs r = Generate(m_, k, batch, pages);
+                char what[96];
+                snprintf(what, sizeof what, "PLE K=%d batch %d pages %d", k, batch, pages);
+                ExpectSame(r, ref, what);
+                EXPECT_GT(r.stats.spec_steps, 0u) << what;
+                EXPECT_GT(r.stats.prefix_hits, 0u) << what;
+                if (pages == 14 && batch > 1) {
+                    EXPECT_GT(r.stats.preemptions, 0u) << what;
+                }
+                printf("%s: %llu spec steps, drafted %llu, accepted %llu, %llu preemptions, %llu prefix hits\n", what,
+                       (unsigned long long)r.stats.spec_steps, (unsigned long long)r.stats.draft_tokens,
+                       (unsigned long long)r.stats.accepted_tokens, (unsigned long long)r.stats.preemptions,
+                       (unsigned long long)r.stats.prefix_hits);
+            }
         }
+    }
+}
+
+TEST_F(SpecPle, ForcedAcceptanceAndRejection) {
+    const Outputs ref = Generate(m_, 0, 12, 256);
+    for (int k = 1; k <= 3; k++) {
+        const Outputs acc = Generate(m_, k, 12, 256, Force::kAccept, &ref);
+        ExpectSame(acc, ref, "PLE forced acceptance");
+        const Outputs rej = Generate(m_, k, 12, 256, Force::kReject, &ref);
+        ExpectSame(rej, ref, "PLE forced rejection");
+        for (const auto &[id, o] : acc.out) {
+            EXPECT_EQ(o.accepted, o.drafted) << "K=" << k << " id " << id;
+            EXPECT_GT(rej.out.at(id).drafted, 0) << "K=" << k << " id " << id;
+            EXPECT_EQ(rej.out.at(id).accepted, 0) << "K=" << k << " id " << id;
+        }
+        EXPECT_LT(acc.stats.steps, ref.stats.steps) << "K=" << k;
     }
 }
 

@@ -12,7 +12,10 @@
 //   - the contracts the GPU model tests hold every model to: verify rows equal single decodes
 //     (graphs on and off), a mixed step equals its parts run alone;
 //   - the engine on the GPU: a prefix hit and preempted, re-prefilled sequences give the tokens of
-//     plain greedy runs (the memories' history and conv state move only as aux state).
+//     plain greedy runs (the memories' history and conv state move only as aux state);
+//   - speculative decoding on a random tiny-ple model with an MTP block: a verify's kept rows
+//     continue as a step of them (verify graphs, prestaged rows), and the engine's greedy output
+//     with K = 1..3 (free, forced acceptance, forced rejection) is K = 0's, itself the CPU's.
 // Skips without a GPU.
 #include <gtest/gtest.h>
 
@@ -362,6 +365,161 @@ TEST_F(PleCuda, EnginePrefixReuseAndPreemptionMatchCpu) {
     }
     EXPECT_GT(r.st.preemptions, 0u);
     printf("engine on the GPU: %llu preemptions\n", (unsigned long long)r.st.preemptions);
+}
+
+// ---- speculative decoding with memories on the GPU ----
+
+// A random tiny-ple model (vocabulary 300) with an MTP block, the same weights on both backends
+// (random weights are drawn from the seed and the tensor's name), its drafter on.
+class PleSpecCuda : public ::testing::Test {
+  protected:
+    void SetUp() override {
+        std::string why = NoGpuReason();
+        if (!why.empty()) GTEST_SKIP() << "no CUDA GPU on this host (" << why << "); skipping";
+        mt_error err{};
+        gpu_ = mt_cuda_backend_new(0, &kExact, &err);
+        ASSERT_NE(gpu_, nullptr) << "mt_cuda_backend_new: " << err.msg;
+        cpu_ = mt_cpu_backend_new(0);
+        glm_config c;
+        ASSERT_EQ(glm_config_preset("tiny-ple", &c, &err), MT_OK) << err.msg;
+        c.vocab_size = V_;
+        c.num_nextn_predict_layers = 1;
+        glm_model_params p = glm_model_default_params();
+        p.mtp = true;
+        p.verify_seqs = 3;
+        ASSERT_EQ(glm_model_new_random(&c, 5, gpu_, &p, &mg_, &err), MT_OK) << err.msg;
+        ASSERT_EQ(glm_model_new_random(&c, 5, cpu_, &p, &mc_, &err), MT_OK) << err.msg;
+    }
+    void TearDown() override {
+        glm_model_free(mg_);
+        glm_model_free(mc_);
+        mt_backend_free(gpu_);
+        mt_backend_free(cpu_);
+    }
+    static constexpr int V_ = 300;
+    mt_backend *gpu_ = nullptr, *cpu_ = nullptr;
+    glm_model *mg_ = nullptr, *mc_ = nullptr;
+};
+
+// A verify of 4 rows (its graph captured on the second use, each row prestaged) keeping 1..4,
+// twice, against a twin that decoded only the kept rows: the next steps agree within 1e-4.
+TEST_F(PleSpecCuda, KeptRowsContinueAsAStepOfThem) {
+    std::vector<int32_t> prompt;
+    for (int i = 0; i < 40; i++) prompt.push_back((i * 37 + 5) % V_);
+    const int32_t tok[4] = { 11, 22, 33, 44 };
+    for (int round = 0; round < 2; round++) {
+        for (int keep = 1; keep <= 4; keep++) {
+            glm_seq *a = nullptr, *b = nullptr;
+            mt_error err{};
+            ASSERT_EQ(glm_seq_new(mg_, 64, &a, &err), MT_OK) << err.msg;
+            ASSERT_EQ(glm_seq_new(mg_, 64, &b, &err), MT_OK) << err.msg;
+            ASSERT_EQ(glm_prefill(mg_, a, prompt.data(), 30 + keep, nullptr, false, &err), MT_OK) << err.msg;
+            ASSERT_EQ(glm_prefill(mg_, b, prompt.data(), 30 + keep, nullptr, false, &err), MT_OK) << err.msg;
+            std::vector<float> la(V_), lb(V_);
+            ASSERT_EQ(glm_model_draft(mg_, a, tok[0], la.data(), &err), MT_OK) << err.msg;
+            ASSERT_EQ(glm_decode_verify(mg_, a, tok, 4, nullptr, &err), MT_OK) << err.msg;
+            ASSERT_EQ(glm_seq_keep(mg_, a, keep, &err), MT_OK) << err.msg;
+            ASSERT_EQ(glm_decode_verify(mg_, b, tok, keep, nullptr, &err), MT_OK) << err.msg;
+            for (int step = 0; step < 3; step++) {
+                const int32_t next = (step * 13 + keep) % V_;
+                ASSERT_EQ(glm_decode(mg_, a, next, la.data(), &err), MT_OK) << err.msg;
+                ASSERT_EQ(glm_decode(mg_, b, next, lb.data(), &err), MT_OK) << err.msg;
+                float d = 0, mx = 0;
+                for (int v = 0; v < V_; v++) {
+                    d = std::max(d, std::fabs(la[v] - lb[v]));
+                    mx = std::max(mx, std::fabs(lb[v]));
+                }
+                EXPECT_LE(d, 1e-4f * mx) << "round " << round << " keep " << keep << " step " << step;
+            }
+            glm_seq_free(a);
+            glm_seq_free(b);
+        }
+    }
+}
+
+struct SpecRun {
+    std::map<uint64_t, std::vector<int32_t>> out;
+    const std::map<uint64_t, std::vector<int32_t>> *ref = nullptr;
+    int force = 0;  // 0 none, 1 accept, 2 reject
+    eng_stats st = {};
+};
+
+std::vector<int32_t> SpecPrompt(int r) {
+    std::vector<int32_t> pr;
+    for (int i = 0; i < 8 + 5 * r; i++) pr.push_back((r * 101 + i * 13 + 7) % 300);
+    return pr;
+}
+
+SpecRun GenerateSpec(glm_model *m, int k, int batch, int force, const SpecRun *ref, int new_tokens) {
+    SpecRun g;
+    g.ref = ref ? &ref->out : nullptr;
+    g.force = force;
+    eng_params p = eng_default_params();
+    p.max_sequences = batch;
+    p.spec_tokens = k;
+    p.spec_hook_user = &g;
+    if (force)
+        p.spec_draft_hook = [](void *u, uint64_t id, int i, int32_t d) -> int32_t {
+            auto *gg = static_cast<SpecRun *>(u);
+            const auto &t = gg->ref->at(id);
+            if (i >= (int)t.size()) return d;
+            return gg->force == 1 ? t[i] : (t[i] + 1) % 300;
+        };
+    eng_callbacks cb = {};
+    cb.user = &g;
+    cb.on_tokens = [](void *u, uint64_t id, const eng_sample_result *t, int n) {
+        for (int i = 0; i < n; i++) static_cast<SpecRun *>(u)->out[id].push_back(t[i].token);
+    };
+    eng_engine *e = nullptr;
+    mt_error err{};
+    EXPECT_EQ(eng_new(glm_model_as_model(m), &p, &cb, &e, &err), MT_OK) << err.msg;
+    if (!e) return g;
+    std::vector<std::vector<int32_t>> prompts;
+    for (int r = 0; r < batch; r++) prompts.push_back(SpecPrompt(r));
+    for (int r = 0; r < batch; r++) {
+        eng_request q = eng_default_request();
+        q.prompt = prompts[r].data();
+        q.n_prompt = (int)prompts[r].size();
+        q.max_new_tokens = new_tokens;
+        q.ignore_eos = true;
+        EXPECT_EQ(eng_submit(e, r + 1, &q, 0, &err), MT_OK) << err.msg;
+    }
+    while (eng_has_work(e)) EXPECT_EQ(eng_step(e, nullptr), MT_OK);
+    eng_get_stats(e, &g.st);
+    eng_free(e);
+    return g;
+}
+
+// The engine on the GPU (verify graphs, the verifies of several sequences in one mixed pass):
+// greedy with K = 1..3, drafts as they come, all accepted or all rejected, gives K = 0's tokens;
+// and K = 0's tokens are the CPU's greedy run's wherever the CPU's choices have a margin.
+TEST_F(PleSpecCuda, EngineGreedyEqualsNoSpeculationAndCpu) {
+    const int new_tokens = 48;
+    int compared = 0;
+    for (int batch : { 1, 6 }) {
+        const SpecRun ref = GenerateSpec(mg_, 0, batch, 0, nullptr, new_tokens);
+        for (int k = 1; k <= 3; k++)
+            for (int force = 0; force <= 2; force++) {
+                const SpecRun g = GenerateSpec(mg_, k, batch, force, &ref, new_tokens);
+                for (const auto &[id, t] : ref.out)
+                    EXPECT_EQ(g.out.at(id), t) << "batch " << batch << " K " << k << " force " << force << " id " << id;
+                EXPECT_GT(g.st.spec_steps, 0u);
+                if (force == 1) {
+                    EXPECT_EQ(g.st.accepted_tokens, g.st.draft_tokens);
+                }
+                if (force == 2) {
+                    EXPECT_EQ(g.st.accepted_tokens, 0u);
+                }
+            }
+        for (const auto &[id, t] : ref.out) {
+            double margin = 0;
+            const std::vector<int32_t> cpu = Greedy(mc_, SpecPrompt((int)id - 1), new_tokens, nullptr, &margin);
+            if (margin < kMinMargin) continue;  // a near tie on the CPU: not comparable
+            EXPECT_EQ(t, cpu) << "batch " << batch << " id " << id;
+            compared++;
+        }
+    }
+    EXPECT_GE(compared, 3) << "too few runs without near ties to compare with the CPU";
 }
 
 }  // namespace
