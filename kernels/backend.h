@@ -57,6 +57,10 @@ typedef struct mt_weight {
     /* F8E4M3 only (weight_fp8): the block scales, in backend memory owned with data; NULL for
      * every other dtype. W[i][j] = e4m3(data at [i, j]) * scale of block (i / 128, j / 128). */
     const float *scale;
+    /* weight_host: data is host memory the backend locked (host), from page `locked` (weight_free
+     * unlocks from there; NULL when every page of it was locked for a neighbour already). */
+    bool host;
+    const void *locked;
 } mt_weight;
 
 /* One routed or shared expert: SwiGLU MLP with gate/up [I, H] and down [H, I]. */
@@ -155,6 +159,18 @@ typedef struct mt_ple_params {
     float eps;            /* the RMSNorms' */
 } mt_ple_params;
 
+/* The n-gram hash of a PLE memory (docs/MODEL.md "PLE layer", ple_gather_rows), in backend
+ * memory. Orders 2..N, heads tables each: ntab = (N - 1) * heads tables, order by order. */
+#define MT_PLE_MAX_ORDER 8
+#define MT_PLE_MAX_TABLES ((MT_PLE_MAX_ORDER - 1) * 64)
+typedef struct mt_ple_hash {
+    int N, heads;                     /* largest order; tables per order */
+    uint32_t pad;                     /* the id read before a sequence's start */
+    uint64_t mult[MT_PLE_MAX_ORDER];  /* multiplier of the id k positions back */
+    int64_t prime[MT_PLE_MAX_TABLES]; /* each table's rows */
+    int64_t off[MT_PLE_MAX_TABLES];   /* each table's first row in the table weight */
+} mt_ple_hash;
+
 typedef struct mt_backend_ops {
     const char *name;
     /* Ops return once their work is queued, not done (a device's stream): the host can prepare
@@ -193,6 +209,14 @@ typedef struct mt_backend_ops {
     mt_status (*weight_random)(mt_backend *be, mt_dtype dt, int64_t rows, int64_t cols, uint64_t key,
                                float mean, float std, mt_weight *out);
     void (*weight_free)(mt_backend *be, mt_weight *w);
+    /* Optional (NULL: weights live in backend memory). A weight over host memory that the caller
+     * keeps mapped until weight_free (a file's read-only mapping): the backend locks those pages
+     * in place and its ops read them over the bus through a device address, so a table larger
+     * than the device needs no copy, and processes that map the same file share one copy in the
+     * host's page cache. Offered to embed and ple_gather_rows. MT_ERR_IO when the memory cannot
+     * be locked. */
+    mt_status (*weight_host)(mt_backend *be, const void *host, mt_dtype dt, int64_t rows, int64_t cols,
+                             mt_weight *out);
     /* Optional (NULL: the backend multiplies only float weights; loaders dequantise FP8). A weight
      * of dtype F8E4M3 kept in FP8 with its block scales, from host data: q [rows, cols] e4m3
      * row-major and scale_inv [ceil(rows / 128), ceil(cols / 128)] fp32 row-major, one scale per
@@ -297,6 +321,17 @@ typedef struct mt_backend_ops {
     void (*ple_inject)(mt_backend *be, float *X, const float *keys, const float *vals, float *const *states,
                        const float *key_norm, const float *query_norm, const float *conv_norm,
                        const float *conv_w, int n, const mt_ple_params *p);
+    /* Optional (NULL: the model hashes and gathers on the host). The gathered n-gram rows of n
+     * rows whose ids are in backend memory (row i's at ids[i * ids_stride]), so a step whose
+     * tokens the device made needs no host work. hist[i] (a table in backend memory) is row i's
+     * sequence's history, u32 [MT_PLE_MAX_ORDER] in backend memory: its length h <= N - 1, then
+     * its last h ids, oldest first; the rows of one sequence are consecutive, in order, and
+     * share the pointer. emb[i] [ntab * d] fp32 = for each table t (order o, head j), row
+     * off[t] + (XOR_{k<o} x_{i-k} mult[k]) mod prime[t] of table [sum of the primes, d], where
+     * x_{i-k} is the id k positions back (the sequence's earlier rows, then its history, then
+     * pad). Each sequence's history then takes its rows' ids (the last N - 1 kept). */
+    void (*ple_gather_rows)(mt_backend *be, float *emb, const mt_weight *table, const int32_t *ids, int ids_stride,
+                            uint32_t *const *hist, const mt_ple_hash *hash, int N, int ntab, int n);
 
     /* ---- dense ---- */
     /* out[n, H] = table[ids[i]] ; ids on the host (row ids[i] - table.row0; zeros for an id

@@ -23,6 +23,7 @@ extern "C" {
 }
 
 #include "tests/mixed_check.h"
+#include "tests/run_ahead_check.h"
 #include "tests/verify_check.h"
 
 namespace {
@@ -43,12 +44,16 @@ std::vector<float> Floats(st_archive *ar, const std::string &name) {
     return std::vector<float>(p, p + t->nbytes / sizeof(float));
 }
 
-class Ple : public ::testing::Test {
+// Param: the decode forms that read their ids from backend memory hash and gather there
+// (ple_gather_rows, the device history), or every row is hashed on the host.
+class Ple : public ::testing::TestWithParam<bool> {
   protected:
     void SetUp() override {
         be_ = mt_cpu_backend_new(0);
         mt_error err{};
-        ASSERT_EQ(glm_model_load(kDir, be_, nullptr, &m_, &err), MT_OK) << err.msg;
+        glm_model_params p = glm_model_default_params();
+        p.ple_host_gather = !GetParam();
+        ASSERT_EQ(glm_model_load(kDir, be_, &p, &m_, &err), MT_OK) << err.msg;
         const glm_config *c = glm_model_config(m_);
         V_ = c->vocab_size;
         SH_ = c->hc_mult * c->hidden_size;
@@ -90,18 +95,20 @@ class Ple : public ::testing::Test {
     int V_ = 0, SH_ = 0;
 };
 
-TEST_F(Ple, CapabilitiesAndKinds) {
+TEST_P(Ple, CapabilitiesAndKinds) {
     const mt_layer *a = glm_model_layer(m_, 0), *b = glm_model_layer(m_, 2), *plain = glm_model_layer(m_, 1);
     EXPECT_STREQ(a->kind, "glm.kda+ple");
     EXPECT_STREQ(b->kind, "glm.dsa+ple");
     EXPECT_STREQ(plain->kind, "glm.dsa");
     EXPECT_TRUE(mt_layer_has_aux_state(a));
     EXPECT_TRUE(mt_layer_has_aux_state(b));  // shared indexer: the memory's state only
-    EXPECT_TRUE(a->caps.decode_prestage_needs_token);
+    EXPECT_EQ(a->caps.decode_prestage_needs_token, !GetParam());
     EXPECT_TRUE(b->caps.decode_rollback_unsupported);
+    EXPECT_NE(a->ops->verify_keep, nullptr);
+    EXPECT_EQ(glm_model_ahead_rows(m_) > 0, GetParam());  // greedy decode runs ahead only then
 }
 
-TEST_F(Ple, MemoryMatchesReferenceInOnePass) {
+TEST_P(Ple, MemoryMatchesReferenceInOnePass) {
     const int T = (int)c_.tokens.size();
     for (int i = 0; i < 2; i++) {
         glm_seq *s = NewSeq();
@@ -110,9 +117,12 @@ TEST_F(Ple, MemoryMatchesReferenceInOnePass) {
     }
 }
 
-// A prefill of 7 rows, then rows one at a time, alternately prestaged and hashed from their ids;
-// halfway, the state moves into a fresh sequence through its aux snapshot.
-TEST_F(Ple, MemoryMatchesReferenceAcrossDecodeAndSnapshot) {
+// The host prestage contract (a host-gathering model): a prefill of 7 rows, then rows one at a
+// time, alternately prestaged and hashed from their ids; halfway, the state moves into a fresh
+// sequence through its aux snapshot.
+class PleHost : public Ple {};
+
+TEST_P(PleHost, MemoryMatchesReferenceAcrossDecodeAndSnapshot) {
     const int T = (int)c_.tokens.size();
     for (int i = 0; i < 2; i++) {
         const mt_layer *l = glm_model_layer(m_, kPle[i]);
@@ -144,7 +154,7 @@ TEST_F(Ple, MemoryMatchesReferenceAcrossDecodeAndSnapshot) {
     }
 }
 
-TEST_F(Ple, PrefillEqualsTokenByTokenAndBatchedDecode) {
+TEST_P(Ple, PrefillEqualsTokenByTokenAndBatchedDecode) {
     const int T = (int)c_.tokens.size();
     glm_seq *a = NewSeq(), *b = NewSeq(), *c = NewSeq();
     mt_error err{};
@@ -168,14 +178,14 @@ TEST_F(Ple, PrefillEqualsTokenByTokenAndBatchedDecode) {
     glm_seq_free(c);
 }
 
-TEST_F(Ple, VerifyEqualsSingles) { CheckVerifyEqualsSingles(m_, "tiny_ple (CPU)", 1e-4); }
+TEST_P(Ple, VerifyEqualsSingles) { CheckVerifyEqualsSingles(m_, "tiny_ple (CPU)", 1e-4); }
 
 // The decode row of a mixed step hashes its id (no prestage), the prompt chunks theirs.
-TEST_F(Ple, MixedStepEqualsPartByPart) { CheckMixedStep(m_, "tiny_ple (CPU)", 0.0); }
+TEST_P(Ple, MixedStepEqualsPartByPart) { CheckMixedStep(m_, "tiny_ple (CPU)", 0.0); }
 
 // A prefix copied into a fresh sequence (pages, slot, and every layer's aux state: the PLE
 // history and conv state) decodes exactly as the sequence it came from.
-TEST_F(Ple, CopiedPrefixDecodesAsTheOriginal) {
+TEST_P(Ple, CopiedPrefixDecodesAsTheOriginal) {
     const int T = (int)c_.tokens.size();
     glm_seq *a = NewSeq(), *b = NewSeq();
     mt_error err{};
@@ -192,7 +202,59 @@ TEST_F(Ple, CopiedPrefixDecodesAsTheOriginal) {
     glm_seq_free(b);
 }
 
-TEST_F(Ple, BadSnapshotRefusedAndStateKept) {
+// Greedy steps run ahead of the host (the ids only on the device, hashed and gathered there)
+// give the plain path's tokens (tests/run_ahead_check.h).
+TEST_P(Ple, GreedyRunAheadEqualsReadingEachStep) {
+    if (!GetParam()) GTEST_SKIP() << "a host-gathering model does not run ahead";
+    CheckRunAhead(m_, "tiny_ple (CPU, device gather)");
+}
+
+// After steps run ahead, the host's copy of the history is stale: a snapshot (prefix copy) reads
+// the device's, and the host form (a single decode) reads it back first; both continue as a
+// twin decoded from the host's tokens.
+TEST_P(Ple, StateAfterRunAheadMovesExactly) {
+    if (!GetParam()) GTEST_SKIP() << "a host-gathering model does not run ahead";
+    const int T = 12;
+    glm_seq *a = nullptr, *b = nullptr, *c = nullptr;
+    mt_error err{};
+    ASSERT_EQ(glm_seq_new(m_, 96, &a, &err), MT_OK) << err.msg;
+    ASSERT_EQ(glm_seq_new(m_, 96, &b, &err), MT_OK) << err.msg;
+    ASSERT_EQ(glm_seq_new(m_, 96, &c, &err), MT_OK) << err.msg;
+    std::vector<float> la(V_), lb(V_), lc(V_);
+    ASSERT_EQ(glm_prefill(m_, a, c_.tokens.data(), T, lb.data(), false, &err), MT_OK) << err.msg;
+    ASSERT_EQ(glm_prefill(m_, b, c_.tokens.data(), T, lb.data(), false, &err), MT_OK) << err.msg;
+    int32_t tok = glm_argmax(lb.data(), V_);
+    std::vector<int32_t> chain;
+    int64_t ticket = -1;
+    for (int t = 0; t < 5; t++) {  // a: from the device's tokens after the first
+        glm_seq *one[1] = { a };
+        ASSERT_EQ(glm_decode_greedy(m_, one, t == 0 ? &tok : nullptr, 1, &ticket, &err), MT_OK) << err.msg;
+    }
+    int32_t last = -1;
+    ASSERT_EQ(glm_greedy_tokens(m_, ticket, &last, 1), MT_OK);
+    for (int t = 0; t < 5; t++) {  // b: the same steps from the host's tokens
+        glm_seq *one[1] = { b };
+        ASSERT_EQ(glm_decode_multi(m_, one, &tok, 1, lb.data(), &err), MT_OK) << err.msg;
+        tok = glm_argmax(lb.data(), V_);
+    }
+    ASSERT_EQ(tok, last);
+    ASSERT_EQ(glm_seq_copy_prefix(m_, a, c, &err), MT_OK) << err.msg;
+    for (int t = 0; t < 4; t++) {
+        ASSERT_EQ(glm_decode(m_, a, tok, la.data(), &err), MT_OK) << err.msg;
+        ASSERT_EQ(glm_decode(m_, b, tok, lb.data(), &err), MT_OK) << err.msg;
+        ASSERT_EQ(glm_decode(m_, c, tok, lc.data(), &err), MT_OK) << err.msg;
+        for (int v = 0; v < V_; v++) {
+            ASSERT_EQ(la[v], lb[v]) << "step " << t;
+            ASSERT_EQ(lc[v], lb[v]) << "step " << t;
+        }
+        tok = glm_argmax(lb.data(), V_);
+    }
+    glm_seq_free(a);
+    glm_seq_free(b);
+    glm_seq_free(c);
+}
+
+TEST_P(Ple, BadSnapshotRefusedAndStateKept) {
     const mt_layer *l = glm_model_layer(m_, 0);
     glm_seq *s = NewSeq();
     mt_error err{};
@@ -201,6 +263,9 @@ TEST_F(Ple, BadSnapshotRefusedAndStateKept) {
     EXPECT_EQ(mt_layer_restore_aux(l, glm_seq_state(s, 0), junk, 2, &err), MT_ERR_INVALID);
     glm_seq_free(s);
 }
+
+INSTANTIATE_TEST_SUITE_P(HostAndDeviceGather, Ple, ::testing::Values(false, true));
+INSTANTIATE_TEST_SUITE_P(HostGather, PleHost, ::testing::Values(false));
 
 // ---- speculative decoding: a verify's rows are provisional ----
 

@@ -56,4 +56,47 @@ static void cpu_ple_inject(mt_backend *be, float *X, const float *keys, const fl
     free(val);
 }
 
-void cpu_ple_fill(mt_backend_ops *t) { t->ple_inject = cpu_ple_inject; }
+/* Row by row; row i's history is its sequence's state (read before the run's last row writes it)
+ * followed by the run's earlier rows. */
+static void cpu_ple_gather_rows(mt_backend *be, float *emb, const mt_weight *table, const int32_t *ids,
+                                int ids_stride, uint32_t *const *hist, const mt_ple_hash *hp, int N, int ntab,
+                                int n) {
+    (void)be;
+    MT_ASSERT(N >= 2 && N <= MT_PLE_MAX_ORDER && ntab == (N - 1) * hp->heads && hp->N == N);
+    const int64_t d = table->cols;
+    for (int i = 0, r0 = 0; i < n; i++) {
+        if (i > 0 && hist[i] != hist[i - 1]) r0 = i; /* a new sequence's run */
+        const uint32_t *h = hist[i];
+        const int len = (int)h[0];
+        MT_ASSERT(len <= N - 1);
+        uint64_t x[MT_PLE_MAX_ORDER];
+        for (int k = 0; k < N; k++) {
+            const int back = k - (i - r0); /* > 0: before the run, back positions into the history */
+            x[k] = back <= 0 ? (uint32_t)ids[(size_t)(i - k) * ids_stride]
+                   : back <= len ? h[1 + len - back] : hp->pad;
+        }
+        for (int o = 2, t = 0; o <= N; o++) {
+            uint64_t hs = x[0] * hp->mult[0];
+            for (int k = 1; k < o; k++) hs ^= x[k] * hp->mult[k];
+            for (int j = 0; j < hp->heads; j++, t++)
+                cpu_weight_row(table, hp->off[t] + (int64_t)(hs % (uint64_t)hp->prime[t]), emb + ((size_t)i * ntab + t) * d);
+        }
+        if (i + 1 < n && hist[i + 1] == hist[i]) continue;
+        /* the run's last row: its ids join the history */
+        uint32_t *w = hist[i];
+        for (int r = r0; r <= i; r++) {
+            const uint32_t id = (uint32_t)ids[(size_t)r * ids_stride];
+            if ((int)w[0] == N - 1) {
+                memmove(w + 1, w + 2, sizeof(uint32_t) * (size_t)(N - 2));
+                w[N - 1] = id;
+            } else {
+                w[1 + w[0]++] = id;
+            }
+        }
+    }
+}
+
+void cpu_ple_fill(mt_backend_ops *t) {
+    t->ple_inject = cpu_ple_inject;
+    t->ple_gather_rows = cpu_ple_gather_rows;
+}

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/cuda_check.h"
@@ -183,8 +184,57 @@ fail:
     return st;
 }
 
+/* Locks the pages of host[bytes] in place, mapped and read-only (a file mapping may be
+ * read-only), and reads them at their host address (the device attribute
+ * CanUseHostPointerForRegisteredMem, true on x86-64 Linux). Tensors of one file share their
+ * boundary pages: a page a neighbour locked already stays its. */
+static mt_status cu_weight_host(mt_backend *be, const void *host, mt_dtype dt, int64_t rows, int64_t cols,
+                                mt_weight *out) {
+    cu_backend *cb = cb_of(be);
+    MT_ASSERT(dt == MT_F32 || dt == MT_F16 || dt == MT_BF16);
+    MT_ASSERT(rows >= 0 && cols >= 0);
+    int same_ptr = 0;
+    MT_CUDA_CHECK(cudaDeviceGetAttribute(&same_ptr, cudaDevAttrCanUseHostPointerForRegisteredMem, cb->device));
+    if (!same_ptr) {
+        mt_log(MT_LOG_ERROR, "cuda backend: this device cannot read locked host memory at its host address");
+        return MT_ERR_UNSUPPORTED;
+    }
+    const size_t bytes = (size_t)rows * (size_t)cols * mt_dtype_size(dt);
+    const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t lo = (uintptr_t)host & ~(pg - 1), hi = ((uintptr_t)host + bytes + pg - 1) & ~(pg - 1);
+    unsigned flags = 0;
+    if (hi > lo && cudaHostGetFlags(&flags, (void *)lo) == cudaSuccess) lo += pg;
+    else (void)cudaGetLastError();
+    if (hi > lo && cudaHostGetFlags(&flags, (void *)(hi - pg)) == cudaSuccess) hi -= pg;
+    else (void)cudaGetLastError();
+    const void *locked = NULL;
+    if (hi > lo) {
+        const cudaError_t e = cudaHostRegister((void *)lo, hi - lo, cudaHostRegisterMapped | cudaHostRegisterReadOnly);
+        if (e != cudaSuccess) {
+            (void)cudaGetLastError();
+            mt_log(MT_LOG_ERROR, "cuda backend: cannot lock %zu bytes of host memory for a %lld x %lld %s weight: %s",
+                   (size_t)(hi - lo), (long long)rows, (long long)cols, mt_dtype_name(dt), cudaGetErrorString(e));
+            return MT_ERR_IO;
+        }
+        locked = (const void *)lo;
+    }
+    *out = mt_weight{};
+    out->data = host;
+    out->dtype = dt;
+    out->rows = rows;
+    out->cols = cols;
+    out->host = true;
+    out->locked = locked;
+    return MT_OK;
+}
+
 static void cu_weight_free(mt_backend *be, mt_weight *w) {
     if (!w) return;
+    if (w->host) { /* weight_host: host memory */
+        if (w->locked) CU_RECORD(be, cudaHostUnregister((void *)w->locked));
+        memset(w, 0, sizeof *w);
+        return;
+    }
     if (w->data) CU_RECORD(be, cudaFree((void *)w->data));
     if (w->scale) CU_RECORD(be, cudaFree((void *)w->scale));
     memset(w, 0, sizeof *w);
@@ -208,6 +258,7 @@ static void cu_fill(mt_backend_ops *t) {
     t->free = cu_free;
     t->upload = cu_upload;
     t->upload_async = cu_upload_async;
+    t->weight_host = cu_weight_host;
     t->download = cu_download;
     t->download_begin = cu_download_begin;
     t->download_end = cu_download_end;

@@ -9,7 +9,8 @@
  *      (its state rows, then the c of the run's earlier rows), X += gate v + silu(conv); reads
  *      the states only;
  *   3. state_kernel, a thread per (run's last row, channel): the state moves on by the run's rows.
- * Kernel boundaries order the three: (2) reads every row's c, (3) overwrites what (2) read. */
+ * Kernel boundaries order the three: (2) reads every row's c, (3) overwrites what (2) read.
+ * Also ple_gather_rows (below). */
 #include <math.h>
 #include <stdint.h>
 
@@ -150,4 +151,96 @@ static void cu_ple_inject(mt_backend *be, float *X, const float *keys, const flo
     cu_prof_mark(be, "ple_inject");
 }
 
-extern "C" void cu_ple_fill(mt_backend_ops *t) { t->ple_inject = cu_ple_inject; }
+/* ---- ple_gather_rows: the hash and the gather of decode rows whose ids are on the device ----
+ * Two launches: gather_rows_kernel, a block per (row, table): the row's n-gram ids (its run's
+ * earlier rows, then its sequence's history, then the pad id), the table's hash and its row
+ * copied (d values, read over the bus when the table is host memory); then hist_kernel, a thread
+ * per row, where a run ends: the sequence's history takes the run's ids. The boundary orders the
+ * reads of the histories before their writes. */
+
+enum { GATHER_THREADS = 64 };
+
+typedef struct gather_params {
+    float *emb;                 /* [n, ntab * d] */
+    const void *table;          /* [sum of the primes, d] of dtype */
+    const int32_t *ids;         /* row i's at ids[i * ids_stride], device */
+    int ids_stride;
+    uint32_t *const *hist;      /* [n] -> [MT_PLE_MAX_ORDER]: length, then ids oldest first */
+    const mt_ple_hash *hash;    /* device */
+    int N, ntab, d, n;
+} gather_params;
+
+/* The first row of row i's run: over rows [0, i] "shares row i's history" is false, then true. */
+static __device__ int run_start(const gather_params &p, int i) {
+    uint32_t *const mine = p.hist[i];
+    int lo = 0, hi = i;
+    while (lo < hi) {
+        const int mid = lo + (hi - lo) / 2;
+        if (p.hist[mid] == mine) hi = mid;
+        else lo = mid + 1;
+    }
+    return lo;
+}
+
+template <mt_dtype DT>
+static __global__ void __launch_bounds__(GATHER_THREADS) gather_rows_kernel(gather_params p) {
+    __shared__ int64_t row;
+    const int i = blockIdx.x, t = blockIdx.y;
+    if (threadIdx.x == 0) {
+        const mt_ple_hash *hp = p.hash;
+        const int r0 = run_start(p, i), heads = hp->heads, o = 2 + t / heads;
+        const uint32_t *h = p.hist[i];
+        const int len = (int)h[0];
+        uint64_t hs = 0;
+        for (int k = 0; k < o; k++) {
+            const int back = k - (i - r0); /* > 0: that many positions back into the history */
+            const uint64_t x = back <= 0 ? (uint64_t)(uint32_t)p.ids[(size_t)(i - k) * p.ids_stride]
+                               : back <= len ? (uint64_t)h[1 + len - back] : (uint64_t)hp->pad;
+            hs ^= x * hp->mult[k];
+        }
+        row = hp->off[t] + (int64_t)(hs % (uint64_t)hp->prime[t]);
+    }
+    __syncthreads();
+    float *out = p.emb + ((size_t)i * p.ntab + t) * p.d;
+    for (int c = threadIdx.x; c < p.d; c += GATHER_THREADS) out[c] = cu_wget<DT>(p.table, row * p.d + c);
+}
+
+static __global__ void hist_kernel(gather_params p) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= p.n || (i + 1 < p.n && p.hist[i + 1] == p.hist[i])) return; /* not a run's last row */
+    uint32_t *w = p.hist[i];
+    for (int r = run_start(p, i); r <= i; r++) {
+        const uint32_t id = (uint32_t)p.ids[(size_t)r * p.ids_stride];
+        if ((int)w[0] == p.N - 1) {
+            for (int k = 1; k < p.N - 1; k++) w[k] = w[k + 1];
+            w[p.N - 1] = id;
+        } else {
+            w[1 + w[0]] = id;
+            w[0]++;
+        }
+    }
+}
+
+static void cu_ple_gather_rows(mt_backend *be, float *emb, const mt_weight *table, const int32_t *ids, int ids_stride,
+                               uint32_t *const *hist, const mt_ple_hash *hash, int N, int ntab, int n) {
+    MT_ASSERT(N >= 2 && N <= MT_PLE_MAX_ORDER && ntab >= 1 && ntab <= MT_PLE_MAX_TABLES && ntab % (N - 1) == 0);
+    MT_ASSERT(n >= 0 && n <= 65535 && table->cols >= 1);
+    if (n == 0) return;
+    gather_params p = { emb, table->data, ids, ids_stride, hist, hash, N, ntab, (int)table->cols, n };
+    cudaStream_t s = cu_stream(be);
+    const dim3 g((unsigned)n, (unsigned)ntab);
+    switch (table->dtype) {
+    case MT_F32: gather_rows_kernel<MT_F32><<<g, GATHER_THREADS, 0, s>>>(p); break;
+    case MT_F16: gather_rows_kernel<MT_F16><<<g, GATHER_THREADS, 0, s>>>(p); break;
+    default: gather_rows_kernel<MT_BF16><<<g, GATHER_THREADS, 0, s>>>(p); break;
+    }
+    cu_check_launch(be, "ple_gather_rows");
+    hist_kernel<<<(unsigned)((n + 127) / 128), 128, 0, s>>>(p);
+    cu_check_launch(be, "ple_gather_rows");
+    cu_prof_mark(be, "ple_gather_rows");
+}
+
+extern "C" void cu_ple_fill(mt_backend_ops *t) {
+    t->ple_inject = cu_ple_inject;
+    t->ple_gather_rows = cu_ple_gather_rows;
+}

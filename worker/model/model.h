@@ -65,6 +65,13 @@ typedef struct mt_model_params {
      * this rank read of them. Not called for random weights. NULL (default): none. */
     void (*on_load_progress)(void *user, uint64_t done, uint64_t total, uint64_t read);
     void *load_progress_user;
+    /* PLE memories (docs/DESIGN.md "The memory on the GPU"). ple_host_gather: hash and gather
+     * every row on the host, as a backend without ple_gather_rows does, even where the backend
+     * could from the device's ids (then a decode step's prestage stages the rows); default false.
+     * ple_table_device: keep the n-gram tables in backend memory even where the backend reads
+     * page-locked host memory (weight_host); default false. */
+    bool ple_host_gather;
+    bool ple_table_device;
 } mt_model_params;
 
 mt_model_params mt_model_default_params(void);

@@ -67,7 +67,14 @@ typedef struct glm_mlp_w {
  * gathered columns a row, P = (K-1) * N rows of conv state. */
 typedef struct glm_ple_w {
     bool on;                   /* the config's ple_layers names this layer */
-    mt_weight table;           /* [sum of the primes, head_dim] the n-gram rows, head after head */
+    /* The decode forms that read the step's ids from backend memory (the rows form, one
+     * sequence's graph form) hash and gather there (the backend's ple_gather_rows), so greedy
+     * decode runs ahead; prefill, verifies and mixed steps hash on the host. */
+    bool dev;
+    mt_weight table;           /* [sum of the primes, head_dim] the n-gram rows, head after head;
+                                * page-locked host memory where the backend reads it (weight_host) */
+    void *host_mem;            /* a random model's table in host memory (the table's data), or NULL */
+    mt_ple_hash *d_hash;       /* backend: the hash constants (dev) */
     mt_weight key;             /* [S*H, E] the keys of every stream at once */
     mt_weight value;           /* [H, E] */
     float *key_norm, *query_norm, *conv_norm; /* [S, H] */
@@ -101,6 +108,12 @@ typedef struct glm_ple_state {
                                 * up to GLM_VERIFY_MAX rows of this sequence alone (a graph of the
                                 * sequence's step holds it, so nothing is uploaded during the step) */
     float *staged;             /* backend [GLM_VERIFY_MAX, E]: rows gathered by prestages */
+    /* dev: the history on the device, u32 [MT_PLE_MAX_ORDER] (hist_len, then hist), which
+     * ple_gather_rows reads and advances; hist above mirrors it. dev_ahead: a step advanced it
+     * from ids the host had not seen (run-ahead): the mirror is stale until read back. */
+    uint32_t *d_hist;
+    uint32_t **htab;           /* backend [GLM_VERIFY_MAX], each entry d_hist (as tab) */
+    bool dev_ahead;
     int32_t staged_tok[GLM_VERIFY_MAX];
     int n_staged;              /* staged rows the next forward consumes (0: hash the step's ids) */
     int n_prestaged;           /* rows the current step's prestages staged (what rearm restores) */
@@ -175,6 +188,7 @@ enum {
     GLM_R_BT,                              /* DSA: the row's block table (const int32_t *) */
     GLM_R_PLE_CONV,                        /* PLE memory: conv state (NULL: the layer has none) */
     GLM_R_PLE_STAGED,                      /* PLE memory: the staged row the step reads */
+    GLM_R_PLE_HIST,                        /* PLE memory: the device history (glm_ple_w.dev) */
     GLM_R_KINDS
 };
 
@@ -195,6 +209,10 @@ struct mt_step {
      * has them (a PLE memory then needs a prestage for every row). */
     const int32_t *ids;
     int ids_stride;
+    /* The rows' ids in backend memory, row i's at d_ids[i * d_ids_stride] (the rows form's and
+     * the graph form's token tables); NULL in the eager forms. */
+    const int32_t *d_ids;
+    int d_ids_stride;
     glm_scratch *scr;
     /* Graph form (decode): the position as the ops read it at run time, in backend memory; NULL
      * in the eager form, where ops take t0 as an argument. */
@@ -370,7 +388,7 @@ mt_status glm_mtp_draft(glm_model *m, glm_seq *s, int32_t token, float *logits, 
 /* glm_ple.c: PLE memories (docs/MODEL.md "PLE layer"). */
 /* Hash constants and scratch of l's memory for passes of up to rows rows; MT_ERR_UNSUPPORTED on a
  * backend without ple_inject. Weights are bound first. */
-mt_status glm_ple_init(glm_layer *l, int rows, int n_rings, mt_error *err);
+mt_status glm_ple_init(glm_layer *l, int rows, int n_rings, bool dev, mt_error *err);
 void glm_ple_release(glm_layer *l);            /* weights and scratch; safe on a partial init */
 mt_status glm_ple_state_alloc(const glm_layer *l, glm_layer_state *st, mt_error *err);
 void glm_ple_state_free(const glm_layer *l, glm_layer_state *st);

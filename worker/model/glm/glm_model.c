@@ -128,7 +128,12 @@ static mt_status model_init(glm_model *m, uint64_t random_seed, bool random, mt_
         return mt_errorf(err, MT_ERR_NOMEM, "out of memory for the batched-decode tables");
     if (c->hc_mult > 8) return mt_errorf(err, MT_ERR_UNSUPPORTED, "hc_mult %d: at most 8 streams", c->hc_mult);
     for (int i = 0; i < c->num_hidden_layers; i++)
-        if (m->layers[i].ple.on && (s = glm_ple_init(&m->layers[i], rows, m->mtp.n_rings, err)) != MT_OK) return s;
+        if (m->layers[i].ple.on) {
+            glm_layer *l = &m->layers[i];
+            if ((s = glm_ple_init(l, rows, m->mtp.n_rings, !m->params.ple_host_gather, err)) != MT_OK) return s;
+            /* hashing on the device, the prestage needs no token: greedy decode runs ahead */
+            l->base.caps.decode_prestage_needs_token = !l->ple.dev;
+        }
     if (!(m->layer_list = malloc(sizeof *m->layer_list * (size_t)c->num_hidden_layers)))
         return mt_errorf(err, MT_ERR_NOMEM, "out of memory");
     for (int i = 0; i < c->num_hidden_layers; i++) m->layer_list[i] = &m->layers[i].base;
@@ -793,8 +798,9 @@ static mt_status seq_step_body(void *ctx) {
     glm_seq *s = c->s;
     mt_backend *be = m->be;
     const int S = m->cfg.hc_mult, H = m->cfg.hidden_size, L = m->cfg.num_hidden_layers;
+    /* the rows' tokens: d_step[0] for one row, d_step[i * S] for k rows (seq_step) */
     mt_step step = { .be = be, .t0 = s->len, .scr = &m->scr, .d_pos = step_positions(m), .vring = verify_ring(m, c->k, 0),
-                     .vring_id = 0 };
+                     .vring_id = 0, .d_ids = m->d_step, .d_ids_stride = S };
     m->scr.sel_n = 0;
     mt_status est;
     if (c->k == 1) {
@@ -948,7 +954,8 @@ static void rows_upload(glm_model *m, glm_seq **seqs, const int32_t *tokens, int
         for (int l = 0; l < L; l++) {
             const glm_layer_state *st = (const glm_layer_state *)s->states[l];
             void *const ptrs[GLM_R_KINDS] = { st->conv[0], st->conv[1], st->conv[2], st->rec, (void *)s->bt.dev,
-                                              st->ple ? st->ple->conv : NULL, st->ple ? st->ple->staged : NULL };
+                                              st->ple ? st->ple->conv : NULL, st->ple ? st->ple->staged : NULL,
+                                              st->ple ? st->ple->d_hist : NULL };
             for (int k = 0; k < GLM_R_KINDS; k++) {
                 const size_t e = ((size_t)l * GLM_R_KINDS + k) * cap + i;
                 if (m->h_rtab[e] == ptrs[k]) continue;
@@ -971,7 +978,8 @@ static mt_status rows_body(glm_model *m, glm_seq **seqs, int n, int B, mt_layer_
     const int L = c->num_hidden_layers;
     mt_step step = { .be = be, .t0 = -1, .scr = &m->scr, .rpos = m->d_rrow, .rcap = m->rcap,
                      .rt_cap = m->rt_cap, .census = m->census,
-                     .ids = host_ids ? m->h_rrow + B : NULL, .ids_stride = c->hc_mult };
+                     .ids = host_ids ? m->h_rrow + B : NULL, .ids_stride = c->hc_mult,
+                     .d_ids = m->d_rrow + B, .d_ids_stride = c->hc_mult };
     if (m->census) memset(m->census, 0, (size_t)L * c->n_routed_experts);
     m->scr.sel_n = 0;
     be->ops->embed_dev(be, m->X, &m->embed, m->d_rrow + B, B * c->hc_mult);

@@ -31,7 +31,10 @@ static float *ring_slot(const glm_ple_w *p, const glm_config *c, int j, int r) {
     return p->ring + ((size_t)j * (GLM_VERIFY_MAX - 1) + (size_t)r) * (size_t)p->P * stride(c);
 }
 
-mt_status glm_ple_init(glm_layer *l, int rows, int n_rings, mt_error *err) {
+_Static_assert(GLM_PLE_MAX_ORDER == MT_PLE_MAX_ORDER && GLM_PLE_MAX_TABLES == MT_PLE_MAX_TABLES,
+               "the backend's hash holds every memory's tables");
+
+mt_status glm_ple_init(glm_layer *l, int rows, int n_rings, bool dev, mt_error *err) {
     const glm_config *c = l->cfg;
     glm_ple_w *p = &l->ple;
     mt_backend *be = l->be;
@@ -58,6 +61,22 @@ mt_status glm_ple_init(glm_layer *l, int rows, int n_rings, mt_error *err) {
             return mt_errorf(err, MT_ERR_NOMEM, "layer %d: out of memory for the PLE memory's verify rings", i);
         p->n_rings = n_rings;
     }
+    p->dev = dev && be->ops->ple_gather_rows;
+    if (p->dev) {
+        mt_ple_hash *h = calloc(1, sizeof *h);
+        if (!h || !(p->d_hash = be->ops->alloc(be, sizeof *h))) {
+            free(h);
+            return mt_errorf(err, MT_ERR_NOMEM, "layer %d: out of memory for the PLE memory's hash", i);
+        }
+        h->N = c->ple_max_ngram;
+        h->heads = c->ple_heads;
+        h->pad = (uint32_t)c->ple_pad_id;
+        memcpy(h->mult, p->mult, sizeof p->mult);
+        memcpy(h->prime, p->prime, sizeof(int64_t) * (size_t)p->ntab);
+        memcpy(h->off, p->off, sizeof(int64_t) * (size_t)p->ntab);
+        be->ops->upload(be, p->d_hash, h, sizeof *h);
+        free(h);
+    }
     return MT_OK;
 }
 
@@ -65,12 +84,16 @@ void glm_ple_release(glm_layer *l) {
     glm_ple_w *p = &l->ple;
     mt_backend *be = l->be;
     be->ops->weight_free(be, &p->table);
+    free(p->host_mem); /* after the backend let go of it */
+    p->host_mem = NULL;
     be->ops->weight_free(be, &p->key);
     be->ops->weight_free(be, &p->value);
     float *v[] = { p->key_norm, p->query_norm, p->conv_norm, p->conv, p->emb, p->keys, p->vals };
     for (size_t k = 0; k < sizeof v / sizeof v[0]; k++) be->ops->free(be, v[k]);
     be->ops->free(be, p->tab);
     be->ops->free(be, p->ring);
+    be->ops->free(be, p->d_hash);
+    p->d_hash = NULL;
     free(p->h_tab);
     free(p->idx);
     p->key_norm = p->query_norm = p->conv_norm = p->conv = p->emb = p->keys = p->vals = NULL;
@@ -84,7 +107,7 @@ size_t glm_ple_state_bytes(const glm_layer *l) {
     const glm_ple_w *p = &l->ple;
     if (!p->on) return 0;
     return sizeof(glm_ple_state) + sizeof(float) * ((size_t)p->P * stride(l->cfg) + (size_t)GLM_VERIFY_MAX * p->E) +
-           sizeof(float *) * GLM_VERIFY_MAX;
+           sizeof(float *) * GLM_VERIFY_MAX * (p->dev ? 2 : 1) + (p->dev ? sizeof(uint32_t) * MT_PLE_MAX_ORDER : 0);
 }
 
 mt_status glm_ple_state_alloc(const glm_layer *l, glm_layer_state *st, mt_error *err) {
@@ -92,18 +115,25 @@ mt_status glm_ple_state_alloc(const glm_layer *l, glm_layer_state *st, mt_error 
     mt_backend *be = l->be;
     glm_ple_state *s = calloc(1, sizeof *s);
     const size_t cb = sizeof(float) * (size_t)(p->P > 0 ? p->P : 1) * stride(l->cfg);
+    /* backend memory comes zeroed: an empty device history */
     if (!s || !(s->conv = be->ops->alloc(be, cb)) || !(s->tab = be->ops->alloc(be, sizeof(float *) * GLM_VERIFY_MAX)) ||
-        !(s->staged = be->ops->alloc(be, sizeof(float) * (size_t)GLM_VERIFY_MAX * p->E))) {
+        !(s->staged = be->ops->alloc(be, sizeof(float) * (size_t)GLM_VERIFY_MAX * p->E)) ||
+        (p->dev && (!(s->d_hist = be->ops->alloc(be, sizeof(uint32_t) * MT_PLE_MAX_ORDER)) ||
+                    !(s->htab = be->ops->alloc(be, sizeof(uint32_t *) * GLM_VERIFY_MAX))))) {
         if (s) {
-            be->ops->free(be, s->conv);
-            be->ops->free(be, s->tab);
+            st->ple = s;
+            glm_ple_state_free(l, st);
         }
-        free(s);
         return mt_errorf(err, MT_ERR_NOMEM, "layer %d: out of memory for a PLE state", l->base.index);
     }
     float *h[GLM_VERIFY_MAX];
     for (int k = 0; k < GLM_VERIFY_MAX; k++) h[k] = s->conv;
     be->ops->upload(be, s->tab, h, sizeof h);
+    if (p->dev) {
+        uint32_t *d[GLM_VERIFY_MAX];
+        for (int k = 0; k < GLM_VERIFY_MAX; k++) d[k] = s->d_hist;
+        be->ops->upload(be, s->htab, d, sizeof d);
+    }
     st->ple = s;
     return MT_OK;
 }
@@ -113,6 +143,8 @@ void glm_ple_state_free(const glm_layer *l, glm_layer_state *st) {
     l->be->ops->free(l->be, st->ple->conv);
     l->be->ops->free(l->be, st->ple->tab);
     l->be->ops->free(l->be, st->ple->staged);
+    l->be->ops->free(l->be, st->ple->d_hist);
+    l->be->ops->free(l->be, st->ple->htab);
     free(st->ple);
     st->ple = NULL;
 }
@@ -131,6 +163,27 @@ static void hist_push(const glm_config *c, glm_ple_state *s, uint32_t token) {
     } else {
         s->hist[s->hist_len++] = token;
     }
+}
+
+/* dev: the device history into the host's mirror, when a step ran ahead of the host. */
+static void hist_pull(const glm_layer *l, glm_ple_state *s) {
+    if (!s->dev_ahead) return;
+    uint32_t h[MT_PLE_MAX_ORDER];
+    l->be->ops->download(l->be, h, s->d_hist, sizeof h);
+    MT_ASSERT(h[0] <= (uint32_t)(l->cfg->ple_max_ngram - 1));
+    s->hist_len = (int)h[0];
+    memcpy(s->hist, h + 1, sizeof s->hist);
+    s->dev_ahead = false;
+}
+
+/* dev: the host's history onto the device, in the backend's order of work. */
+static void hist_put(const glm_layer *l, glm_ple_state *s) {
+    if (!l->ple.dev) return;
+    uint32_t h[MT_PLE_MAX_ORDER] = { (uint32_t)s->hist_len };
+    memcpy(h + 1, s->hist, sizeof(uint32_t) * (size_t)s->hist_len);
+    mt_backend *be = l->be;
+    (be->ops->upload_async ? be->ops->upload_async : be->ops->upload)(be, s->d_hist, h, sizeof h);
+    s->dev_ahead = false;
 }
 
 /* A step of s begins: its rows stay provisional until the next step (glm_ple_keep). */
@@ -188,6 +241,33 @@ static void inject_verify(const glm_layer *l, mt_backend *be, float *X, float *c
     }
 }
 
+static mt_status project_inject(const glm_layer *l, glm_layer_state **sts, int nst, const mt_step *step, float *X,
+                                float *const *tab, bool rows, int n);
+
+/* The device form: the step's ids in backend memory (the rows form's token table, one row a
+ * sequence, or one sequence's graph-form rows), hashed and gathered by the backend from each
+ * sequence's device history, which it advances. The prestages (one a row, when the host had the
+ * token) moved the host's mirror alike; a row without one (a pad row, a step whose tokens only
+ * the device had) leaves the mirror stale. */
+static mt_status forward_dev(const glm_layer *l, glm_layer_state **sts, int nst, mt_step *step, float *X, int n) {
+    const glm_ple_w *p = &l->ple;
+    const bool rows = step->rtab != NULL;
+    MT_ASSERT(rows ? nst == n : nst == 1 && n <= GLM_VERIFY_MAX);
+    for (int r = 0; r < n; r++) {
+        glm_ple_state *s = sts[rows ? r : 0]->ple;
+        if (s->n_staged > 0) {
+            s->n_staged--;
+        } else {
+            s->dev_ahead = true;
+            s->v_n = GLM_VERIFY_MAX + 1; /* nothing of it can be kept */
+        }
+    }
+    uint32_t *const *hist = rows ? (uint32_t *const *)(const void *)glm_rtab(step, GLM_R_PLE_HIST) : sts[0]->ple->htab;
+    step->be->ops->ple_gather_rows(step->be, p->emb, &p->table, step->d_ids, step->d_ids_stride, hist, p->d_hash,
+                                   l->cfg->ple_max_ngram, p->ntab, n);
+    return project_inject(l, sts, nst, step, X, rows ? glm_rtab(step, GLM_R_PLE_CONV) : sts[0]->ple->tab, rows, n);
+}
+
 mt_status glm_ple_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt_step *step, float *X, int n) {
     const glm_ple_w *p = &l->ple;
     mt_backend *be = step->be;
@@ -196,9 +276,11 @@ mt_status glm_ple_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
     /* The rows form (batched decode; a bucket graph replays it for other sequences): each row's
      * gathered row is its sequence's staged row 0 and its conv state, read through the tables. */
     const bool rows = step->rtab && !step->seg;
+    if (p->dev && step->d_ids && !step->seg && (rows || nst == 1)) return forward_dev(l, sts, nst, step, X, n);
     /* row r's sequence: one for all (nst == 1), one a row, or segment by segment */
     int seg = 0, left = step->seg ? step->seg[0].n : n;
     const glm_ple_state *prev = NULL;
+    glm_ple_state *open = NULL; /* the state whose rows this pass hashes (its device history follows after) */
     for (int r = 0; r < n; r++) {
         if (step->seg) {
             while (left == 0) left = step->seg[++seg].n;
@@ -210,8 +292,14 @@ mt_status glm_ple_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
         p->h_tab[r] = s->conv;
         const bool first = s != prev; /* the state's first row of the pass (its rows are consecutive) */
         prev = s;
+        if (first && open) hist_put(l, open);
+        if (first) open = NULL;
         const int32_t id = step->ids ? step->ids[(size_t)r * step->ids_stride] : -1;
         if (s->n_staged > 0) { /* a prestaged step: its rows are gathered, the history moved on */
+            if (p->dev) { /* the prestage only moved the history: a device form was to follow */
+                mt_log(MT_LOG_ERROR, "layer %d: a prestaged PLE row reached the host form", l->base.index);
+                return MT_ERR_STATE;
+            }
             const int j = s->n_prestaged - s->n_staged;
             if (id >= 0 && id != s->staged_tok[j]) {
                 mt_log(MT_LOG_ERROR, "layer %d: PLE row staged for token %d, fed %d", l->base.index, s->staged_tok[j], id);
@@ -223,9 +311,14 @@ mt_status glm_ple_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
             continue;
         }
         if (id < 0) return MT_ERR_STATE; /* nothing staged and no id on the host */
-        if (first) step_begin(s);
+        if (first) {
+            hist_pull(l, s);
+            step_begin(s);
+            open = s;
+        }
         gather(l, s, (uint32_t)id, rows ? s->staged : p->emb + (size_t)r * E);
     }
+    if (open) hist_put(l, open);
     float *const *tab = p->tab;
     if (rows) {
         be->ops->copy_rows_from(be, p->emb, (const float *const *)glm_rtab(step, GLM_R_PLE_STAGED), n, E);
@@ -235,6 +328,15 @@ mt_status glm_ple_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
     } else { /* eager forms only (prefill, mixed steps): the table goes up in the order of work */
         (be->ops->upload_async ? be->ops->upload_async : be->ops->upload)(be, p->tab, p->h_tab, sizeof(float *) * (size_t)n);
     }
+    return project_inject(l, sts, nst, step, X, tab, rows, n);
+}
+
+/* The keys, values and injection of rows whose gathered rows are in p->emb: verifies with a ring
+ * row by row, the other rows in as few launches as their order allows. */
+static mt_status project_inject(const glm_layer *l, glm_layer_state **sts, int nst, const mt_step *step, float *X,
+                                float *const *tab, bool rows, int n) {
+    const glm_ple_w *p = &l->ple;
+    mt_backend *be = step->be;
     be->ops->matmul(be, p->keys, p->emb, &p->key, n);
     be->ops->matmul(be, p->vals, p->emb, &p->value, n);
     /* verifies with a ring row by row, the other rows in as few launches as their order allows */
@@ -258,7 +360,25 @@ mt_status glm_ple_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
 
 mt_status glm_ple_prestage(const glm_layer *l, glm_layer_state *st, int32_t token) {
     glm_ple_state *s = st->ple;
-    if (token < 0) return MT_ERR_STATE; /* the model never runs ahead of a PLE layer (caps) */
+    if (l->ple.dev) { /* the step hashes on the device: only the host's mirror follows */
+        if (s->n_staged == 0) {
+            s->n_prestaged = 0;
+            step_begin(s);
+        }
+        if (s->n_prestaged >= GLM_VERIFY_MAX) return MT_ERR_INVALID;
+        if (token >= 0 && !s->dev_ahead) {
+            hist_push(l->cfg, s, (uint32_t)token);
+            if (s->v_n < GLM_VERIFY_MAX) s->v_tok[s->v_n] = (uint32_t)token;
+            s->v_n++;
+        } else { /* a token only the device has: the mirror waits for a read back */
+            s->dev_ahead = true;
+            s->v_n = GLM_VERIFY_MAX + 1;
+        }
+        s->staged_tok[s->n_prestaged++] = token;
+        s->n_staged++;
+        return MT_OK;
+    }
+    if (token < 0) return MT_ERR_STATE; /* the model never runs ahead of a host-hashing PLE layer (caps) */
     if (s->n_staged == 0) { /* a new step */
         s->n_prestaged = 0;
         step_begin(s);
@@ -284,6 +404,7 @@ mt_status glm_ple_keep(const glm_layer *l, glm_layer_state *st, int keep, int ri
     memcpy(s->hist, s->v_hist, sizeof s->hist);
     for (int i = 0; i < keep; i++) hist_push(l->cfg, s, s->v_tok[i]);
     if (p->P > 0) l->be->ops->copy(l->be, s->conv, ring_slot(p, l->cfg, ring, keep - 1), conv_bytes(l));
+    hist_put(l, s);
     s->v_n = keep;
     s->n_staged = s->n_prestaged = 0;
     return MT_OK;
@@ -301,12 +422,15 @@ size_t glm_ple_aux_bytes(const glm_layer *l, const void *bytes, size_t len) {
 
 mt_status glm_ple_snapshot(const glm_layer *l, const glm_layer_state *st, void **bytes, size_t *len, mt_error *err) {
     const glm_ple_state *s = st->ple;
-    const uint32_t h = (uint32_t)s->hist_len;
+    uint32_t hist[MT_PLE_MAX_ORDER] = { (uint32_t)s->hist_len }; /* length, then the ids */
+    memcpy(hist + 1, s->hist, sizeof s->hist);
+    if (s->dev_ahead) l->be->ops->download(l->be, hist, s->d_hist, sizeof hist); /* the device's is the history */
+    const uint32_t h = hist[0];
+    MT_ASSERT(h <= (uint32_t)(l->cfg->ple_max_ngram - 1));
     const size_t hb = sizeof h * (1 + (size_t)h), total = hb + conv_bytes(l);
     char *b = malloc(total ? total : 1);
     if (!b) return mt_errorf(err, MT_ERR_NOMEM, "layer %d: out of memory for a PLE snapshot", l->base.index);
-    memcpy(b, &h, sizeof h);
-    memcpy(b + sizeof h, s->hist, sizeof(uint32_t) * h);
+    memcpy(b, hist, sizeof h * (1 + (size_t)h));
     if (h == 0) memset(b + hb, 0, conv_bytes(l));
     else if (conv_bytes(l)) l->be->ops->download(l->be, b + hb, s->conv, conv_bytes(l));
     *bytes = b;
@@ -324,4 +448,5 @@ void glm_ple_restore(const glm_layer *l, glm_layer_state *st, const void *bytes,
     if (conv_bytes(l)) l->be->ops->upload(l->be, s->conv, (const char *)bytes + sizeof h * (1 + (size_t)h), conv_bytes(l));
     s->n_staged = s->n_prestaged = 0;
     s->v_n = 0; /* nothing of the restored state is provisional */
+    hist_put(l, s);
 }

@@ -7,6 +7,7 @@
  * and every one on other backends, is dequantised on the host to bf16, this rank's part only, and
  * placed as a bf16 weight. */
 #include <math.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -357,6 +358,78 @@ static mt_status bind_v(binder *b, float **v, const char *fmt, ...) {
 
 #define TRY(x) do { mt_status s_ = (x); if (s_ != MT_OK) return s_; } while (0)
 
+/* ---- a PLE memory's n-gram table in page-locked host memory ---- */
+
+/* Elements [lo, hi) of a random bf16 or fp32 table in host memory, as weight_random draws them. */
+typedef struct table_fill {
+    void *dst;
+    mt_dtype dt;
+    uint64_t key, lo, hi;
+    float mean, std;
+} table_fill;
+
+static void *table_fill_run(void *arg) {
+    const table_fill *f = arg;
+    for (uint64_t i = f->lo; i < f->hi; i++) {
+        const float v = f->mean + f->std * mt_rand_normal(f->key, i);
+        if (f->dt == MT_BF16) ((uint16_t *)f->dst)[i] = mt_f32_to_bf16(v);
+        else ((float *)f->dst)[i] = v;
+    }
+    return NULL;
+}
+
+/* A random table of spec s in host memory of its own (page-aligned, filled by up to 16 threads:
+ * a bench's tables are tens of GB), or NULL when out of memory. */
+static void *random_host_table(const glm_tensor_spec *s, uint64_t key, int64_t rows, int64_t cols) {
+    const uint64_t n = (uint64_t)rows * (uint64_t)cols;
+    const size_t pg = 4096, bytes = ((size_t)n * mt_dtype_size(s->dtype) + pg - 1) / pg * pg;
+    void *host = NULL;
+    if (posix_memalign(&host, pg, bytes ? bytes : pg) != 0) return NULL;
+    enum { FILL_THREADS = 16 };
+    table_fill f[FILL_THREADS];
+    pthread_t th[FILL_THREADS];
+    bool started[FILL_THREADS] = { false };
+    for (int k = 0; k < FILL_THREADS; k++) {
+        f[k] = (table_fill){ host, s->dtype, key, n * k / FILL_THREADS, n * (k + 1) / FILL_THREADS, s->mean, s->std };
+        started[k] = pthread_create(&th[k], NULL, table_fill_run, &f[k]) == 0;
+        if (!started[k]) table_fill_run(&f[k]); /* no thread: this one does its part */
+    }
+    for (int k = 0; k < FILL_THREADS; k++)
+        if (started[k]) pthread_join(th[k], NULL);
+    return host;
+}
+
+/* The table of l's memory. Where the backend reads page-locked host memory (weight_host) and
+ * the model does not ask for device memory, it stays in host memory, read over the bus: a
+ * checkpoint's straight from the archive's mapping (ranks of a host share the page cache), a
+ * random model's in host memory the layer owns (bf16 or fp32 tables; others go to the device). */
+static mt_status bind_ple_table(binder *b, glm_ple_w *pw, const char *p) {
+    glm_model *m = b->m;
+    mt_backend *be = m->be;
+    char name[192];
+    snprintf(name, sizeof name, "%sple.table.weight", p);
+    if (!be->ops->weight_host || m->params.ple_table_device) return bind_w(b, &pw->table, "%s", name);
+    snprintf(b->name, sizeof b->name, "%s", name);
+    mt_status st;
+    if (!b->random) {
+        const st_tensor *t = st_find(m->ar, name);
+        MT_ASSERT(t && t->ndim == 2); /* the manifest check ran first */
+        if (t->dtype == MT_F8E4M3) return bind_w(b, &pw->table, "%s", name);
+        m->bytes_replicated += t->nbytes;
+        st = be->ops->weight_host(be, t->data, t->dtype, t->shape[0], t->shape[1], &pw->table);
+    } else {
+        const glm_tensor_spec *s = spec_of(b);
+        if (s->dtype != MT_BF16 && s->dtype != MT_F32) return bind_w(b, &pw->table, "%s", name);
+        const int64_t rows = s->shape[0], cols = spec_count(s) / s->shape[0];
+        if (!(pw->host_mem = random_host_table(s, mt_rand_key(b->seed, s->name), rows, cols)))
+            return mt_errorf(b->err, MT_ERR_NOMEM, "out of host memory for tensor %s", name);
+        st = be->ops->weight_host(be, pw->host_mem, s->dtype, rows, cols, &pw->table);
+    }
+    if (st != MT_OK) return mt_errorf(b->err, st, "cannot lock tensor %s in host memory for the backend", name);
+    pw->table.cls = wcls_of(name);
+    return MT_OK;
+}
+
 /* A SwiGLU MLP: dense, shared or routed expert. Its FP8 weights may stay FP8 (a backend with
  * weight_fp8 takes FP8 experts in moe_experts, kernels/backend.h). */
 static mt_status bind_mlp(binder *b, mt_expert *e, const char *pre) {
@@ -442,7 +515,7 @@ static mt_status bind_layer(binder *b, glm_layer *l, int i) {
     }
     if (l->ple.on) { /* replicated on every rank: the memory is computed whole */
         glm_ple_w *pw = &l->ple;
-        TRY(bind_w(b, &pw->table, "%sple.table.weight", p));
+        TRY(bind_ple_table(b, pw, p));
         TRY(bind_w(b, &pw->key, "%sple.key_proj.weight", p));
         TRY(bind_w(b, &pw->value, "%sple.value_proj.weight", p));
         TRY(bind_v(b, &pw->key_norm, "%sple.key_norm.weight", p));
