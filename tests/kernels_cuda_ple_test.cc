@@ -7,7 +7,9 @@
 //
 // Tolerance: fp32 math in both with the norms' and the gate's sums in double, products in other
 // orders, so ||gpu - cpu|| / ||cpu|| <= 1e-4 for the highway rows and the conv states (the signed
-// square root of the gate magnifies an error near 0, hence not 1e-6). copy_rows_from is exact.
+// square root of the gate magnifies an error near 0, hence not 1e-6). copy_rows_from and
+// ple_gather_rows (the hash and gather of decode rows from device ids, from a table in device or
+// page-locked host memory) are exact.
 //
 // Skips when no CUDA device is usable.
 #include <gtest/gtest.h>
@@ -180,6 +182,78 @@ TEST_F(CudaPle, CopyRowsFrom) {
         gpu_->ops->copy_rows_from(gpu_, out_g.get(), (const float *const *)tab_g.get(), n, w);
         EXPECT_EQ(out_g.Get(), want) << "w=" << w;
     }
+}
+
+// ple_gather_rows on a bf16 table in device memory and in page-locked host memory (weight_host,
+// read at its host address), against the CPU's: runs of several sequences (fresh histories,
+// short and full ones, runs longer than the history), ids read with a stride, three calls in a
+// row so each reads the histories the last left. The gathered rows and the histories are exact.
+TEST_F(CudaPle, GatherRowsFromDeviceAndHostTables) {
+    const int N = 4, heads = 3, d = 40, ntab = (N - 1) * heads, stride = 3;
+    mt_ple_hash h{};
+    h.N = N;
+    h.heads = heads;
+    h.pad = 5;
+    int64_t rows = 0;
+    for (int t = 0; t < ntab; t++) {
+        h.prime[t] = 101 + 6 * t + (t % 2);  // sizes need not be prime for the op
+        h.off[t] = rows;
+        rows += h.prime[t];
+    }
+    for (int k = 0; k < N; k++) h.mult[k] = 0x9e3779b97f4a7c15ull * (uint64_t)(k + 3) | 1u;
+    std::vector<uint16_t> tab((size_t)rows * d);
+    for (auto &x : tab) x = mt_f32_to_bf16(Rand(1)[0]);
+    // the host copy lives page-aligned for weight_host
+    void *host = nullptr;
+    ASSERT_EQ(posix_memalign(&host, 4096, tab.size() * sizeof(uint16_t)), 0);
+    std::copy(tab.begin(), tab.end(), (uint16_t *)host);
+    mt_weight w_cpu{}, w_dev{}, w_host{};
+    ASSERT_EQ(cpu_->ops->weight(cpu_, tab.data(), MT_BF16, rows, d, &w_cpu), MT_OK);
+    ASSERT_EQ(gpu_->ops->weight(gpu_, tab.data(), MT_BF16, rows, d, &w_dev), MT_OK);
+    ASSERT_NE(gpu_->ops->weight_host, nullptr);
+    ASSERT_EQ(gpu_->ops->weight_host(gpu_, host, MT_BF16, rows, d, &w_host), MT_OK);
+    mt_ple_hash *h_cpu = (mt_ple_hash *)cpu_->ops->alloc(cpu_, sizeof h);
+    cpu_->ops->upload(cpu_, h_cpu, &h, sizeof h);
+    Dev<mt_ple_hash> h_gpu(gpu_, std::vector<mt_ple_hash>{ h });
+    const std::vector<int> runs = { 1, 5, 2, 1, 9 };
+    const std::vector<std::vector<uint32_t>> start = { { 0 }, { 2, 7, 8 }, { 3, 1, 2, 3 }, { 1, 9 }, { 0 } };
+    for (const mt_weight *wg : { &w_dev, &w_host }) {
+        const char *what = wg == &w_dev ? "device table" : "host table";
+        std::vector<std::vector<uint32_t>> hist_c;
+        std::vector<std::unique_ptr<Dev<uint32_t>>> hist_g;
+        std::vector<uint32_t *> tab_c, tab_g;
+        int n = 0;
+        for (size_t r = 0; r < runs.size(); r++) {
+            std::vector<uint32_t> v(MT_PLE_MAX_ORDER, 0);
+            std::copy(start[r].begin(), start[r].end(), v.begin());
+            hist_c.push_back(v);
+            hist_g.emplace_back(new Dev<uint32_t>(gpu_, v));
+            n += runs[r];
+        }
+        for (size_t r = 0; r < runs.size(); r++)
+            for (int i = 0; i < runs[r]; i++) {
+                tab_c.push_back(hist_c[r].data());
+                tab_g.push_back(hist_g[r]->get());
+            }
+        Dev<uint32_t *> tab_gd(gpu_, tab_g);
+        for (int call = 0; call < 3; call++) {
+            std::vector<int32_t> ids((size_t)n * stride);
+            for (auto &x : ids) x = (int32_t)(rng_() % 1000);
+            Dev<int32_t> ids_g(gpu_, ids);
+            std::vector<float> emb_c((size_t)n * ntab * d);
+            Dev<float> emb_g(gpu_, emb_c);
+            cpu_->ops->ple_gather_rows(cpu_, emb_c.data(), &w_cpu, ids.data(), stride, tab_c.data(), h_cpu, N, ntab, n);
+            gpu_->ops->ple_gather_rows(gpu_, emb_g.get(), wg, ids_g.get(), stride, tab_gd.get(), h_gpu.get(), N, ntab, n);
+            gpu_->ops->sync(gpu_);
+            EXPECT_EQ(emb_g.Get(), emb_c) << what << " call " << call;
+            for (size_t r = 0; r < runs.size(); r++) EXPECT_EQ(hist_g[r]->Get(), hist_c[r]) << what << " call " << call << " run " << r;
+        }
+    }
+    cpu_->ops->free(cpu_, h_cpu);
+    cpu_->ops->weight_free(cpu_, &w_cpu);
+    gpu_->ops->weight_free(gpu_, &w_dev);
+    gpu_->ops->weight_free(gpu_, &w_host);
+    free(host);
 }
 
 }  // namespace

@@ -2,7 +2,10 @@
 // DSA with a shared indexer) on the CUDA backend, in the exact numerics mode, against the CPU
 // backend and the reference of tests/oracle/make_ple_fixture.py:
 //   - each memory alone against the reference (2e-3, the CPU test's bar), in one pass and as a
-//     prefill followed by prestaged and hashed decode rows;
+//     prefill followed by prestaged and hashed decode rows (host gather, table on the device) or
+//     hashed rows (the defaults: the table in page-locked host memory);
+//   - greedy decode run ahead of the host with bucket graphs (hash and gather on the device)
+//     against the host-prestage path and the CPU, token for token, and the run-ahead contract;
 //   - teacher-forced logits: at every position max |gpu - cpu| <= 2e-3 x max |cpu|, top-1 agreement
 //     >= 99% and cosine >= 0.999 (docs/DESIGN.md "Numerics");
 //   - greedy generation of 32 tokens identical to the CPU's, one sequence with decode graphs on
@@ -38,6 +41,7 @@ extern "C" {
 
 #include "tests/cuda_test_util.h"
 #include "tests/mixed_check.h"
+#include "tests/run_ahead_check.h"
 #include "tests/teacher_forced.h"
 #include "tests/verify_check.h"
 
@@ -117,18 +121,25 @@ class PleCuda : public ::testing::Test {
         ASSERT_NE(gpu_, nullptr) << "mt_cuda_backend_new: " << err.msg;
         cpu_ = mt_cpu_backend_new(0);
         ASSERT_EQ(glm_model_load(kDir, gpu_, nullptr, &mg_, &err), MT_OK) << err.msg;
+        glm_model_params hp = glm_model_default_params();  // the host path: hashed on the host, table on the device
+        hp.ple_host_gather = true;
+        hp.ple_table_device = true;
+        ASSERT_EQ(glm_model_load(kDir, gpu_, &hp, &mh_, &err), MT_OK) << err.msg;
         ASSERT_EQ(glm_model_load(kDir, cpu_, nullptr, &mc_, &err), MT_OK) << err.msg;
         V_ = glm_model_config(mc_)->vocab_size;
         SH_ = glm_model_config(mc_)->hc_mult * glm_model_config(mc_)->hidden_size;
     }
     void TearDown() override {
         glm_model_free(mg_);
+        glm_model_free(mh_);
         glm_model_free(mc_);
         mt_backend_free(gpu_);
         mt_backend_free(cpu_);
     }
     mt_backend *gpu_ = nullptr, *cpu_ = nullptr;
-    glm_model *mg_ = nullptr, *mc_ = nullptr;
+    // mg_: the defaults (tables in page-locked host memory, decode rows hashed on the device);
+    // mh_: tables on the device, every row hashed on the host (the prestage path)
+    glm_model *mg_ = nullptr, *mh_ = nullptr, *mc_ = nullptr;
     int V_ = 0, SH_ = 0;
 };
 
@@ -141,32 +152,36 @@ TEST_F(PleCuda, MemoryMatchesReference) {
     const int32_t *tp = static_cast<const int32_t *>(t->data);
     const std::vector<int32_t> tokens(tp, tp + t->shape[0]);
     const int T = (int)tokens.size();
-    for (int i = 0; i < 2; i++) {
-        const std::vector<float> x = Floats(ar, "x_" + std::to_string(kPle[i])), want = Floats(ar, "out_" + std::to_string(kPle[i]));
-        const mt_layer *l = glm_model_layer(mg_, kPle[i]);
+    for (int i = 0; i < 4; i++) {
+        // the host-gathering model with prestaged rows, then the default one (host-mapped table)
+        glm_model *m = i < 2 ? mh_ : mg_;
+        const int li = kPle[i % 2];
+        const std::vector<float> x = Floats(ar, "x_" + std::to_string(li)), want = Floats(ar, "out_" + std::to_string(li));
+        const mt_layer *l = glm_model_layer(m, li);
         // rows [t0, t0 + n) through s; staged: the rows prestaged for them
         auto rows = [&](glm_seq *s, int t0, int n, bool staged) {
             std::vector<float> X(x.begin() + (size_t)t0 * SH_, x.begin() + (size_t)(t0 + n) * SH_);
-            EXPECT_EQ(glm_model_ple_apply(mg_, s, kPle[i], staged ? nullptr : &tokens[t0], X.data(), n), MT_OK);
+            EXPECT_EQ(glm_model_ple_apply(m, s, li, staged ? nullptr : &tokens[t0], X.data(), n), MT_OK);
             double worst = 0;
             for (size_t k = 0; k < X.size(); k++) worst = std::max(worst, (double)std::fabs(X[k] - want[(size_t)t0 * SH_ + k]));
             return worst;
         };
         glm_seq *one = nullptr, *split = nullptr;
-        ASSERT_EQ(glm_seq_new(mg_, 96, &one, &err), MT_OK) << err.msg;
-        ASSERT_EQ(glm_seq_new(mg_, 96, &split, &err), MT_OK) << err.msg;
+        ASSERT_EQ(glm_seq_new(m, 96, &one, &err), MT_OK) << err.msg;
+        ASSERT_EQ(glm_seq_new(m, 96, &split, &err), MT_OK) << err.msg;
         const double w_one = rows(one, 0, T, false);
         double w_split = rows(split, 0, 7, false);
         for (int tt = 7; tt < T; tt++) {
-            const bool staged = tt % 2 == 1;
+            const bool staged = m == mh_ && tt % 2 == 1;
             if (staged) {
-                EXPECT_EQ(mt_layer_decode_prestage(l, glm_seq_state(split, kPle[i]), tokens[tt]), MT_OK);
+                EXPECT_EQ(mt_layer_decode_prestage(l, glm_seq_state(split, li), tokens[tt]), MT_OK);
             }
             w_split = std::max(w_split, rows(split, tt, 1, staged));
         }
-        printf("layer %d: worst |gpu - reference| %.2e in one pass, %.2e split\n", kPle[i], w_one, w_split);
-        EXPECT_LE(w_one, 2e-3) << "layer " << kPle[i];
-        EXPECT_LE(w_split, 2e-3) << "layer " << kPle[i];
+        printf("layer %d (%s): worst |gpu - reference| %.2e in one pass, %.2e split\n", li,
+               m == mh_ ? "host gather" : "host-mapped table", w_one, w_split);
+        EXPECT_LE(w_one, 2e-3) << "layer " << li;
+        EXPECT_LE(w_split, 2e-3) << "layer " << li;
         glm_seq_free(one);
         glm_seq_free(split);
     }
@@ -263,6 +278,61 @@ TEST_F(PleCuda, BatchedDecodeWithChangingMembersMatchesCpu) {
         glm_seq_free(seq[i]);
     }
     EXPECT_TRUE(replayed) << "no bucket graph was replayed";
+}
+
+// Greedy decode runs ahead of the host with the bucket graphs (each step's ids only on the
+// device, hashed and gathered there from the host-mapped table): the run-ahead contract, then
+// three sequences for 24 steps against the host path (every row prestaged on the host, bucket
+// graphs) and the CPU's greedy runs, token for token.
+TEST_F(PleCuda, RunAheadWithGraphsMatchesHostPathAndCpu) {
+    glm_model_set_decode_graphs(mg_, true);
+    glm_model_set_decode_graphs(mh_, true);
+    ASSERT_GE(glm_model_ahead_rows(mg_), 3);
+    EXPECT_EQ(glm_model_ahead_rows(mh_), 0);
+    CheckRunAhead(mg_, "tiny_ple (GPU, device gather, graphs)", true);
+    const int n = 3, steps = 24;
+    std::vector<std::vector<int32_t>> prompts, want(n), got_g(n), got_h(n);
+    for (int i = 0; i < n; i++) {
+        prompts.push_back(Prompt(11 + 9 * i, 20 + i));
+        double margin = 0;
+        want[i] = Greedy(mc_, prompts[i], steps + 1, nullptr, &margin);
+        ASSERT_GE(margin, kMinMargin) << "sequence " << i << ": a near tie on the CPU";
+    }
+    mt_error err{};
+    glm_seq *sg[n], *sh[n];
+    std::vector<float> l((size_t)n * V_);
+    std::vector<int32_t> tg(n), th(n);
+    for (int i = 0; i < n; i++) {
+        const int cap = (int)prompts[i].size() + steps + 1;
+        ASSERT_EQ(glm_seq_new(mg_, cap, &sg[i], &err), MT_OK) << err.msg;
+        ASSERT_EQ(glm_seq_new(mh_, cap, &sh[i], &err), MT_OK) << err.msg;
+        ASSERT_EQ(glm_prefill(mg_, sg[i], prompts[i].data(), (int)prompts[i].size(), l.data(), false, &err), MT_OK);
+        got_g[i].push_back(tg[i] = glm_argmax(l.data(), V_));
+        ASSERT_EQ(glm_prefill(mh_, sh[i], prompts[i].data(), (int)prompts[i].size(), l.data(), false, &err), MT_OK);
+        got_h[i].push_back(th[i] = glm_argmax(l.data(), V_));
+    }
+    int64_t prev = -1;
+    for (int t = 0; t < steps; t++) {
+        int64_t ticket = -1;
+        ASSERT_EQ(glm_decode_greedy(mg_, sg, t == 0 ? tg.data() : nullptr, n, &ticket, &err), MT_OK) << err.msg;
+        if (t > 0) {  // step t - 1's tokens, read after step t was queued
+            ASSERT_EQ(glm_greedy_tokens(mg_, prev, tg.data(), n), MT_OK);
+            for (int i = 0; i < n; i++) got_g[i].push_back(tg[i]);
+        }
+        prev = ticket;
+        ASSERT_EQ(glm_decode_multi(mh_, sh, th.data(), n, l.data(), &err), MT_OK) << err.msg;
+        for (int i = 0; i < n; i++) got_h[i].push_back(th[i] = glm_argmax(l.data() + (size_t)i * V_, V_));
+    }
+    ASSERT_EQ(glm_greedy_tokens(mg_, prev, tg.data(), n), MT_OK);
+    for (int i = 0; i < n; i++) got_g[i].push_back(tg[i]);
+    EXPECT_TRUE(glm_model_has_bucket_graph(mg_, n)) << "the run-ahead steps replayed no bucket graph";
+    EXPECT_TRUE(glm_model_has_bucket_graph(mh_, n)) << "the host path replayed no bucket graph";
+    for (int i = 0; i < n; i++) {
+        EXPECT_EQ(got_g[i], want[i]) << "run ahead, sequence " << i;
+        EXPECT_EQ(got_h[i], want[i]) << "host path, sequence " << i;
+        glm_seq_free(sg[i]);
+        glm_seq_free(sh[i]);
+    }
 }
 
 // k rows of one sequence through the verify entry (a graph per width, replayed on its third use)
