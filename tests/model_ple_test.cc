@@ -11,11 +11,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <map>
 #include <string>
 #include <vector>
 
 extern "C" {
 #include "kernels/backend.h"
+#include "worker/engine/engine.h"
 #include "worker/loader/glm_config.h"
 #include "worker/loader/safetensors.h"
 #include "worker/model/glm/glm_model.h"
@@ -262,6 +264,75 @@ TEST_P(Ple, BadSnapshotRefusedAndStateKept) {
     EXPECT_EQ(mt_layer_restore_aux(l, glm_seq_state(s, 0), junk, sizeof junk, &err), MT_ERR_INVALID);
     EXPECT_EQ(mt_layer_restore_aux(l, glm_seq_state(s, 0), junk, 2, &err), MT_ERR_INVALID);
     glm_seq_free(s);
+}
+
+// The engine over tiny_ple: greedy requests (some sharing a prefix) in pools small enough to
+// preempt, run ahead of the host (device gather: the histories advance on the device, snapshots
+// and re-prefills read them back), give the tokens of the host-gathering model without run-ahead.
+struct EngineOut {
+    std::map<uint64_t, std::vector<int32_t>> tokens;
+    eng_stats st = {};
+};
+
+EngineOut RunEngine(bool device, eng_run_ahead ahead) {
+    EngineOut out;
+    mt_backend *be = mt_cpu_backend_new(1);
+    glm_model_params mp = glm_model_default_params();
+    mp.ple_host_gather = !device;
+    glm_model *m = nullptr;
+    mt_error err{};
+    EXPECT_EQ(glm_model_load(kDir, be, &mp, &m, &err), MT_OK) << err.msg;
+    if (!m) return out;
+    EXPECT_EQ(glm_model_set_pools(m, 12, 16, &err), MT_OK) << err.msg;
+    eng_params p = eng_default_params();
+    p.max_sequences = 6;
+    p.prefix_block = 16;
+    p.run_ahead = ahead;
+    eng_callbacks cb = {};
+    cb.user = &out;
+    cb.on_tokens = [](void *u, uint64_t id, const eng_sample_result *t, int n) {
+        for (int i = 0; i < n; i++) static_cast<EngineOut *>(u)->tokens[id].push_back(t[i].token);
+    };
+    eng_engine *e = nullptr;
+    EXPECT_EQ(eng_new(glm_model_as_model(m), &p, &cb, &e, &err), MT_OK) << err.msg;
+    std::vector<int32_t> common;
+    for (int i = 0; i < 40; i++) common.push_back((i * 37 + 11) % 256);
+    std::vector<std::vector<int32_t>> prompts;
+    for (int r = 0; r < 8; r++) {
+        std::vector<int32_t> q = r % 2 == 0 ? common : std::vector<int32_t>{};
+        for (int i = 0; i < 6 + 5 * r; i++) q.push_back((r * 101 + i * 13 + 7) % 256);
+        prompts.push_back(q);
+    }
+    for (size_t i = 0; e && i < prompts.size(); i++) {
+        eng_request q = eng_default_request();
+        q.prompt = prompts[i].data();
+        q.n_prompt = (int)prompts[i].size();
+        q.max_new_tokens = 80;
+        q.ignore_eos = true;
+        EXPECT_EQ(eng_submit(e, i + 1, &q, 0, &err), MT_OK) << err.msg;
+    }
+    for (int guard = 0; e && eng_has_work(e) && guard < 100000; guard++) EXPECT_EQ(eng_step(e, nullptr), MT_OK);
+    if (e) eng_get_stats(e, &out.st);
+    eng_free(e);
+    glm_model_free(m);
+    mt_backend_free(be);
+    return out;
+}
+
+TEST(PleEngine, RunAheadWithPrefixReuseAndPreemptionMatchesHostGather) {
+    const EngineOut ref = RunEngine(false, ENG_RUN_AHEAD_OFF);
+    const EngineOut dev = RunEngine(true, ENG_RUN_AHEAD_ALWAYS);
+    ASSERT_EQ(ref.tokens.size(), 8u);
+    for (const auto &[id, t] : ref.tokens) {
+        EXPECT_EQ(t.size(), 80u) << "id " << id;
+        EXPECT_EQ(dev.tokens.at(id), t) << "id " << id;
+    }
+    EXPECT_GT(dev.st.ahead_steps, 0u);
+    EXPECT_GT(dev.st.preemptions, 0u);
+    EXPECT_GT(dev.st.prefix_hits, 0u);
+    printf("engine on tiny_ple: %llu steps ahead, %llu preemptions, %llu prefix hits\n",
+           (unsigned long long)dev.st.ahead_steps, (unsigned long long)dev.st.preemptions,
+           (unsigned long long)dev.st.prefix_hits);
 }
 
 INSTANTIATE_TEST_SUITE_P(HostAndDeviceGather, Ple, ::testing::Values(false, true));

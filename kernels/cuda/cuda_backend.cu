@@ -209,7 +209,11 @@ static mt_status cu_weight_host(mt_backend *be, const void *host, mt_dtype dt, i
     else (void)cudaGetLastError();
     const void *locked = NULL;
     if (hi > lo) {
-        const cudaError_t e = cudaHostRegister((void *)lo, hi - lo, cudaHostRegisterMapped | cudaHostRegisterReadOnly);
+        cudaError_t e = cudaHostRegister((void *)lo, hi - lo, cudaHostRegisterMapped | cudaHostRegisterReadOnly);
+        if (e != cudaSuccess) { /* a device without read-only registration still locks writable memory */
+            (void)cudaGetLastError();
+            e = cudaHostRegister((void *)lo, hi - lo, cudaHostRegisterMapped);
+        }
         if (e != cudaSuccess) {
             (void)cudaGetLastError();
             mt_log(MT_LOG_ERROR, "cuda backend: cannot lock %zu bytes of host memory for a %lld x %lld %s weight: %s",

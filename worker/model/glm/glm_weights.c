@@ -402,7 +402,8 @@ static void *random_host_table(const glm_tensor_spec *s, uint64_t key, int64_t r
 /* The table of l's memory. Where the backend reads page-locked host memory (weight_host) and
  * the model does not ask for device memory, it stays in host memory, read over the bus: a
  * checkpoint's straight from the archive's mapping (ranks of a host share the page cache), a
- * random model's in host memory the layer owns (bf16 or fp32 tables; others go to the device). */
+ * random model's in host memory the layer owns (bf16 or fp32 tables; others go to the device).
+ * Memory the backend cannot lock leaves the table in backend memory, with a warning. */
 static mt_status bind_ple_table(binder *b, glm_ple_w *pw, const char *p) {
     glm_model *m = b->m;
     mt_backend *be = m->be;
@@ -415,8 +416,8 @@ static mt_status bind_ple_table(binder *b, glm_ple_w *pw, const char *p) {
         const st_tensor *t = st_find(m->ar, name);
         MT_ASSERT(t && t->ndim == 2); /* the manifest check ran first */
         if (t->dtype == MT_F8E4M3) return bind_w(b, &pw->table, "%s", name);
-        m->bytes_replicated += t->nbytes;
         st = be->ops->weight_host(be, t->data, t->dtype, t->shape[0], t->shape[1], &pw->table);
+        if (st == MT_OK) m->bytes_replicated += t->nbytes;
     } else {
         const glm_tensor_spec *s = spec_of(b);
         if (s->dtype != MT_BF16 && s->dtype != MT_F32) return bind_w(b, &pw->table, "%s", name);
@@ -425,7 +426,13 @@ static mt_status bind_ple_table(binder *b, glm_ple_w *pw, const char *p) {
             return mt_errorf(b->err, MT_ERR_NOMEM, "out of host memory for tensor %s", name);
         st = be->ops->weight_host(be, pw->host_mem, s->dtype, rows, cols, &pw->table);
     }
-    if (st != MT_OK) return mt_errorf(b->err, st, "cannot lock tensor %s in host memory for the backend", name);
+    if (st != MT_OK) { /* logged by the backend: the table goes to its memory instead */
+        mt_log(MT_LOG_WARN, "%s stays in backend memory: host memory cannot be locked for it (%s)", name,
+               mt_status_str(st));
+        free(pw->host_mem);
+        pw->host_mem = NULL;
+        return bind_w(b, &pw->table, "%s", name);
+    }
     pw->table.cls = wcls_of(name);
     return MT_OK;
 }
