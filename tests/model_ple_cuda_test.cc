@@ -561,18 +561,28 @@ SpecRun GenerateSpec(glm_model *m, int k, int batch, int force, const SpecRun *r
 }
 
 // The engine on the GPU (verify graphs, the verifies of several sequences in one mixed pass):
-// greedy with K = 1..3, drafts as they come, all accepted or all rejected, gives K = 0's tokens;
-// and K = 0's tokens are the CPU's greedy run's wherever the CPU's choices have a margin.
+// greedy with K = 1..3, drafts as they come, all accepted or all rejected, gives K = 0's tokens,
+// and those are the CPU's greedy run's; requests whose CPU run has a near tie (where the verify's
+// and a single row's last-bit differences may choose otherwise) are left out.
 TEST_F(PleSpecCuda, EngineGreedyEqualsNoSpeculationAndCpu) {
     const int new_tokens = 48;
-    int compared = 0;
+    std::map<uint64_t, std::vector<int32_t>> cpu;  // the requests with margins, by id
+    for (int r = 0; r < 6; r++) {
+        double margin = 0;
+        std::vector<int32_t> t = Greedy(mc_, SpecPrompt(r), new_tokens, nullptr, &margin);
+        if (margin >= kMinMargin) cpu[(uint64_t)r + 1] = t;
+    }
+    ASSERT_GE(cpu.size(), 3u) << "too few prompts without near ties on the CPU";
     for (int batch : { 1, 6 }) {
         const SpecRun ref = GenerateSpec(mg_, 0, batch, 0, nullptr, new_tokens);
+        for (const auto &[id, t] : ref.out)
+            if (cpu.count(id)) EXPECT_EQ(t, cpu.at(id)) << "K 0 against the CPU, batch " << batch << " id " << id;
         for (int k = 1; k <= 3; k++)
             for (int force = 0; force <= 2; force++) {
                 const SpecRun g = GenerateSpec(mg_, k, batch, force, &ref, new_tokens);
                 for (const auto &[id, t] : ref.out)
-                    EXPECT_EQ(g.out.at(id), t) << "batch " << batch << " K " << k << " force " << force << " id " << id;
+                    if (cpu.count(id))
+                        EXPECT_EQ(g.out.at(id), t) << "batch " << batch << " K " << k << " force " << force << " id " << id;
                 EXPECT_GT(g.st.spec_steps, 0u);
                 if (force == 1) {
                     EXPECT_EQ(g.st.accepted_tokens, g.st.draft_tokens);
@@ -581,15 +591,7 @@ TEST_F(PleSpecCuda, EngineGreedyEqualsNoSpeculationAndCpu) {
                     EXPECT_EQ(g.st.accepted_tokens, 0u);
                 }
             }
-        for (const auto &[id, t] : ref.out) {
-            double margin = 0;
-            const std::vector<int32_t> cpu = Greedy(mc_, SpecPrompt((int)id - 1), new_tokens, nullptr, &margin);
-            if (margin < kMinMargin) continue;  // a near tie on the CPU: not comparable
-            EXPECT_EQ(t, cpu) << "batch " << batch << " id " << id;
-            compared++;
-        }
     }
-    EXPECT_GE(compared, 3) << "too few runs without near ties to compare with the CPU";
 }
 
 }  // namespace
