@@ -487,6 +487,10 @@ TEST_F(Spec, VerifyDecodeRowAndChunkMakeOneModelCall) {
         for (const auto &[id, t] : ref.tokens) {
             EXPECT_EQ(t.size(), 24u) << "id " << id;
             EXPECT_EQ(r.tokens.at(id), t) << "K=" << k << " id " << id;
+        }
+    }
+}
+
 // ---- a model with PLE memories (docs/MODEL.md "PLE layer") ----
 
 // A random tiny-ple model (memories on layers 0 and 2, vocabulary 300 for the prompts above) with
@@ -546,6 +550,33 @@ TEST_F(SpecPle, ForcedAcceptanceAndRejection) {
         }
         EXPECT_LT(acc.stats.steps, ref.stats.steps) << "K=" << k;
     }
+}
+
+// With mixed steps (prompts fed 8 tokens a step), each step's verifies, decode rows and prompt
+// chunks go to the model in one call: the memories' verify segments keep their conv states in
+// rings beside the other parts' rows. Greedy output with K = 1..3 is K = 0's, with roomy pools
+// and with preemption forced, and with forced acceptance and rejection.
+TEST_F(SpecPle, MixedStepsEqualNoSpeculation) {
+    const Outputs ref = Generate(m_, 0, 6, 256);
+    for (int pages : { 256, 14 }) {
+        for (int k = 1; k <= 3; k++) {
+            const Outputs r = Generate(m_, k, 12, pages, Force::kNone, nullptr, nullptr, false, 12, true, true, 8);
+            char what[64];
+            snprintf(what, sizeof what, "PLE mixed steps, K=%d pages %d", k, pages);
+            ExpectSame(r, ref, what);
+            EXPECT_GT(r.stats.spec_mixed_steps, 0u) << what;
+            if (pages == 14) {
+                EXPECT_GT(r.stats.preemptions, 0u) << what;
+            }
+        }
+    }
+    const Outputs acc = Generate(m_, 2, 6, 256, Force::kAccept, &ref, nullptr, false, 12, true, true, 8);
+    ExpectSame(acc, ref, "PLE mixed steps, forced acceptance");
+    EXPECT_EQ(acc.stats.accepted_tokens, acc.stats.draft_tokens);
+    const Outputs rej = Generate(m_, 2, 6, 256, Force::kReject, &ref, nullptr, false, 12, true, true, 8);
+    ExpectSame(rej, ref, "PLE mixed steps, forced rejection");
+    EXPECT_EQ(rej.stats.accepted_tokens, 0u);
+    EXPECT_GT(rej.stats.draft_tokens, 0u);
 }
 
 }  // namespace

@@ -470,7 +470,7 @@ TEST_P(PleSpec, VerifiesOfSeveralSequencesShareOnePass) {
         top[i].assign(kv[i], -1);
         parts[i + 1] = glm_mixed_part{ a[i], &tokens_[t0], kv[i], nullptr, false, top[i].data(), true };
     }
-    ASSERT_EQ(glm_forward_mixed(m_, parts, 4, &err), MT_OK) << err.msg;
+    ASSERT_EQ(glm_forward_mixed(m_, parts, 4, 0, &err), MT_OK) << err.msg;
     for (int i = 0; i < 3; i++) ASSERT_EQ(glm_seq_keep(m_, a[i], keep[i], &err), MT_OK) << err.msg;
     for (int i = 0; i < 3; i++) {
         const int t0 = 10 + 3 * i;
