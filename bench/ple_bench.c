@@ -10,16 +10,23 @@
  *   - with --host-gather: every row hashed on the host and gathered before the step (the
  *     prestage path; greedy decode then does not run ahead of the host).
  * For each batch: ms a step with the graphs (and eagerly), the time the memories add against
- * base, and how much of the gather overlaps other GPU work. The overlap comes from one more
- * eager step of base and ple with every op synchronised and timed (mt_cuda_profile): the
- * gather's own time there (ple_gather_rows, alone on the GPU) and the time every op the memories
- * add takes (ple's total less base's); what of that serial sum the graph step does not show,
- * (serial added - graph added) / gather, clamped to [0, 1], is the share of the gather hidden
- * behind other work. The serial times carry a synchronisation an op, so the figure is an upper
- * bound; the gather is a plain launch between the step's kernels, so near 0 is what the design
- * predicts. The tables are filled on the host by 16 threads (some seconds for tens of GB) and
- * locked in place (cudaHostRegister) before the first step.
- * Prints one table and writes it as JSON (--json FILE).
+ * base, and how much of the gather overlaps other GPU work, measured two ways:
+ *   - serial: one more eager step of base and ple with every op synchronised and timed
+ *     (mt_cuda_profile): the gather's own time there (ple_gather_rows) and the time every op
+ *     the memories add takes (ple's total less base's); what of that serial sum the graph step
+ *     does not show, (serial added - graph added) / gather, clamped to [0, 1]. The serial times
+ *     carry a synchronisation an op, so this is an upper bound;
+ *   - the bus: the gathers of a step alone (ple_gather_rows for B rows, once a memory layer, 200
+ *     steps back to back between two events) from a table of one layer's size in page-locked
+ *     host memory and in device memory; their difference is what reading over the bus costs
+ *     the gather alone, and with --device-table, 1 - (ple - ple with the table on the device) /
+ *     that difference is the share of the bus's cost the graph step hides.
+ * The gather is a plain launch between the step's kernels, so near 0 is what the design
+ * predicts for both. The tables are filled on the host by 16 threads (some seconds for tens of
+ * GB) and locked in place (cudaHostRegister) before the first step.
+ * Prints two tables and writes them as JSON (--json FILE). Needs host memory for the tables
+ * (--table-gb, and one layer's share again for the bus measurement) and, with --device-table,
+ * device memory for them beside bench-4L.
  *
  *   ple_bench [--batches 1,64] [--prompt 64] [--steps 32] [--table-gb 12] [--ple-layers 0,3]
  *             [--device-table] [--host-gather] [--numerics exact|bf16|fp32] [--json FILE]
@@ -99,6 +106,87 @@ static double op_ms(const mt_cuda_op_time *rows, int n, const char *name) {
     for (int i = 0; i < n; i++)
         if (!strcmp(rows[i].name, name)) return rows[i].ms;
     return 0;
+}
+
+/* ms of one step's gathers alone: nl calls of ple_gather_rows for B rows (histories advancing,
+ * ids drawn anew each step), 200 steps back to back between two events, after 10 unmeasured. The
+ * table is one memory's size (c's first PLE layer), in page-locked host memory or on the device. */
+static double gather_alone_ms(mt_backend *be, const glm_config *c, int layer, int nl, int B, bool host) {
+    mt_ple_hash h;
+    memset(&h, 0, sizeof h);
+    h.N = c->ple_max_ngram;
+    h.heads = c->ple_heads;
+    h.pad = 0;
+    const int ntab = glm_ple_primes(c, layer, h.prime);
+    int64_t rows = 0;
+    for (int t = 0; t < ntab; t++) {
+        h.off[t] = rows;
+        rows += h.prime[t];
+    }
+    for (int k = 0; k < h.N; k++) h.mult[k] = 0x9e3779b97f4a7c15ull * (uint64_t)(2 * k + 3) | 1u;
+    const int d = c->ple_head_dim;
+    mt_weight w;
+    memset(&w, 0, sizeof w);
+    void *mem = NULL;
+    const size_t bytes = (size_t)rows * d * 2;
+    mt_status st;
+    if (host) {
+        if (posix_memalign(&mem, 4096, (bytes + 4095) / 4096 * 4096) != 0) return -1;
+        memset(mem, 0, bytes); /* resident before it is locked */
+        st = be->ops->weight_host(be, mem, MT_BF16, rows, d, &w);
+    } else {
+        st = be->ops->weight_random(be, MT_BF16, rows, d, 7, 0.f, 0.02f, &w);
+    }
+    if (st != MT_OK) {
+        free(mem);
+        return -1;
+    }
+    mt_ple_hash *dh = be->ops->alloc(be, sizeof h);
+    uint32_t *hist = be->ops->alloc(be, sizeof(uint32_t) * MT_PLE_MAX_ORDER * (size_t)B);
+    uint32_t **tab = be->ops->alloc(be, sizeof(uint32_t *) * (size_t)B);
+    float *emb = be->ops->alloc(be, sizeof(float) * (size_t)B * ntab * d);
+    enum { WARM = 10, REPS = 200 };
+    int32_t *ids = be->ops->alloc(be, sizeof(int32_t) * (size_t)B * (WARM + REPS));
+    uint32_t **htab = malloc(sizeof(uint32_t *) * (size_t)B);
+    int32_t *hid = malloc(sizeof(int32_t) * (size_t)B * (WARM + REPS));
+    double ms = -1;
+    if (dh && hist && tab && emb && ids && htab && hid) {
+        be->ops->upload(be, dh, &h, sizeof h);
+        for (int b = 0; b < B; b++) htab[b] = hist + (size_t)b * MT_PLE_MAX_ORDER;
+        be->ops->upload(be, tab, htab, sizeof(uint32_t *) * (size_t)B);
+        uint64_t x = 0x2545f4914f6cdd1dull;
+        for (int i = 0; i < B * (WARM + REPS); i++) {
+            x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+            hid[i] = (int32_t)(x % (uint64_t)c->vocab_size);
+        }
+        be->ops->upload(be, ids, hid, sizeof(int32_t) * (size_t)B * (WARM + REPS));
+        cudaStream_t s = (cudaStream_t)mt_cuda_backend_stream(be);
+        cudaEvent_t e0, e1;
+        cudaEventCreate(&e0);
+        cudaEventCreate(&e1);
+        for (int r = 0; r < WARM + REPS; r++) {
+            if (r == WARM) cudaEventRecord(e0, s);
+            for (int l = 0; l < nl; l++)
+                be->ops->ple_gather_rows(be, emb, &w, ids + (size_t)r * B, 1, tab, dh, h.N, ntab, B);
+        }
+        cudaEventRecord(e1, s);
+        cudaEventSynchronize(e1);
+        float t = 0;
+        cudaEventElapsedTime(&t, e0, e1);
+        ms = t / REPS;
+        cudaEventDestroy(e0);
+        cudaEventDestroy(e1);
+    }
+    be->ops->free(be, dh);
+    be->ops->free(be, hist);
+    be->ops->free(be, tab);
+    be->ops->free(be, emb);
+    be->ops->free(be, ids);
+    free(htab);
+    free(hid);
+    be->ops->weight_free(be, &w);
+    free(mem);
+    return ms;
 }
 
 /* Variant v at every batch size into res[batch]. */
@@ -183,6 +271,11 @@ static int ple_rank(bench_rank *r, void *user) {
     glm_config c;
     mt_error err = { "" };
     if (ple_config(o, &c, &err) != 0) return 1;
+    double alone_host[MAX_BATCHES], alone_dev[MAX_BATCHES];
+    for (int k = 0; k < o->nb; k++) {
+        alone_host[k] = gather_alone_ms(r->be, &c, o->ple_layers[0], o->nl, o->batches[k], true);
+        alone_dev[k] = gather_alone_ms(r->be, &c, o->ple_layers[0], o->nl, o->batches[k], false);
+    }
     printf("metrale ple_bench: bench-4L batched decode (glm_decode_greedy, run ahead where the model can), prompts of %d "
            "tokens, CUDA backend\n", o->prompt);
     printf("memories on %d layer%s, n-grams of orders 2..%d, %d heads an order of %d columns, tables of %d rows: %.2f GB of "
@@ -207,6 +300,25 @@ static int ple_rank(bench_rank *r, void *user) {
                100 * added / b->graph_ms, p->eager_ms, p->gather_ms, p->inject_ms, serial_added, 100 * hidden, dt, hg);
     }
     printf("(* no bucket graph was captured for this batch: that column ran eagerly)\n");
+    printf("\nthe gathers of a step alone (%d call%s of ple_gather_rows, 200 steps back to back), and the share of the bus's "
+           "cost the graph step hides:\n", o->nl, o->nl > 1 ? "s" : "");
+    printf("| batch | host table ms | device table ms | bus cost alone ms | bus cost in the step ms | bus cost hidden |\n");
+    printf("|------:|--------------:|----------------:|------------------:|------------------------:|----------------:|\n");
+    for (int k = 0; k < o->nb; k++) {
+        const step_result *p = &res[V_PLE][k], *d = &res[V_DEVICE_TABLE][k];
+        const double alone = alone_host[k] - alone_dev[k];
+        char in_step[32] = "n/a", hidden[32] = "n/a";
+        if (d->ran) {
+            const double cost = p->graph_ms - d->graph_ms;
+            double hf = alone > 0 ? 1 - cost / alone : 0;
+            hf = hf < 0 ? 0 : hf > 1 ? 1 : hf;
+            snprintf(in_step, sizeof in_step, "%.4f", cost);
+            snprintf(hidden, sizeof hidden, "%.0f%%", 100 * hf);
+        }
+        printf("| %5d | %13.4f | %15.4f | %17.4f | %23s | %15s |\n", o->batches[k], alone_host[k], alone_dev[k], alone,
+               in_step, hidden);
+    }
+    if (!o->device_table) printf("(bus cost in the step: n/a without --device-table)\n");
     if (o->json) {
         FILE *f = fopen(o->json, "w");
         if (!f) {
@@ -216,7 +328,8 @@ static int ple_rank(bench_rank *r, void *user) {
         fprintf(f, "{\"prompt\": %d, \"steps\": %d, \"table_gb\": %.3f, \"ple_layers\": %d, \"table_rows\": %d, \"batches\": [",
                 o->prompt, o->steps, o->table_gb, o->nl, c.ple_table_sizes[0]);
         for (int k = 0; k < o->nb; k++) {
-            fprintf(f, "%s{\"batch\": %d", k ? ", " : "", o->batches[k]);
+            fprintf(f, "%s{\"batch\": %d, \"gather_alone_host_ms\": %.5f, \"gather_alone_device_ms\": %.5f", k ? ", " : "",
+                    o->batches[k], alone_host[k], alone_dev[k]);
             for (int v = 0; v < V_N; v++) {
                 const step_result *q = &res[v][k];
                 if (!q->ran) continue;
