@@ -1,12 +1,16 @@
 /* worker/model/glm/glm_ple.c: the PLE memory of a decoder layer (docs/MODEL.md "PLE layer"), an
  * Engram-style table of hashed n-gram rows injected into the highway before the layer's mixer.
- * The host hashes each row's n-grams from the sequence's last tokens and gathers the table rows
- * (embed with host ids); the backend's ple_inject gates them against each stream and runs the
- * dilated conv. Per sequence the memory keeps its last N-1 tokens and the conv state; a decode
- * step's rows may be gathered ahead by the prestage hook, and the next forward consumes them.
- * The decode forms a backend may capture read only per-sequence device memory or the step's
- * tables: one sequence's step its own staged rows and conv table, the rows form both through the
- * rows tables (GLM_R_PLE_*), so a graph replayed for other sequences reads theirs.
+ * Rows whose ids are on the host (prefill, verifies through forward, mixed steps) are hashed
+ * there from the sequence's last tokens and their table rows gathered with embed; the decode
+ * forms that read their ids from backend memory (the rows form, one sequence's graph form) hash
+ * and gather on the device (ple_gather_rows, from a history kept there too) when the backend can
+ * (glm_ple_w.dev), else a prestage gathers each row ahead on the host and the forward consumes
+ * it. The backend's ple_inject then gates the rows against each stream and runs the dilated conv.
+ * Per sequence the memory keeps its last N-1 tokens (on the host; with dev also on the device,
+ * the host's copy following) and the conv state. The decode forms a backend may capture read
+ * only per-sequence device memory or the step's tables: one sequence's step its own staged rows,
+ * history and conv tables, the rows form all three through the rows tables (GLM_R_PLE_*), so a
+ * graph replayed for other sequences reads theirs.
  * A verify's rows are provisional: each step notes the history before it and its tokens, and a
  * verify with a ring injects row by row, leaving the conv state after each row but the last in
  * the ring, so glm_ple_keep can rewind both to any kept row without recomputing. */
