@@ -18,7 +18,7 @@
 #include "worker/text/text_model.h"
 #include "worker/transport.h"
 
-#define IDLE_WAIT_MS 50 /* longest wait for a message when idle (holds the socket's mutex) */
+#define IDLE_WAIT_MS 50 /* longest wait for a message when idle */
 #define PREFIX_PAGES_EVERY_S 0.1 /* eng_prefix_pages walks every mapped block: at most this often */
 
 /* The router checks top_logprobs against the wire limit; the engine's results must hold that many. */

@@ -1,6 +1,7 @@
 /* worker/transport.c: see transport.h. */
 #include "worker/transport.h"
 
+#include <poll.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -10,12 +11,14 @@
 #define HELLO_RETRY_S 0.5  /* between Hellos that could not be sent */
 #define STALL_S 120.0      /* engine-thread silence after which heartbeats stop */
 #define BEAT_POLL_MS 20    /* how often the heartbeat thread looks at the clock */
+#define WAIT_SLICE_MS 5    /* longest wait on the socket's descriptor before looking again */
 
 struct wkr_transport {
     wkr_transport_params p;
     /* engine thread only */
     double last_rx, next_hello, last_hello;
     uint64_t dropped;
+    int fd;                   /* the socket's ZMQ_FD: waited on outside sock_mu */
     /* under sock_mu */
     pthread_mutex_t sock_mu;
     mt_wire_sock *wire;
@@ -48,6 +51,7 @@ mt_status wkr_transport_new(const wkr_transport_params *p, wkr_transport **out, 
     wp.curve_secret_key = p->curve_secret_key;
     mt_status st = mt_wire_open(MT_WIRE_DEALER, p->router, &wp, &t->wire, err);
     if (st != MT_OK) goto fail;
+    t->fd = mt_wire_fd(t->wire);
     t->last_rx = t->next_hello = t->progress_at = mt_now();
     *out = t;
     return MT_OK;
@@ -249,14 +253,28 @@ static bool on_envelope(wkr_transport *t, const mt_envelope *env, const wkr_hand
     }
 }
 
+/* The socket is only touched under sock_mu, and only without blocking: an idle engine thread
+ * that waited inside the lock and took it again at once would starve the heartbeat thread (on a
+ * many-core host it did, for as long as no request came, and the router wrote the idle worker
+ * off after 2.5 s without a heartbeat). The wait is on the socket's
+ * descriptor, outside the lock, in slices: the descriptor is edge-triggered and a send from the
+ * heartbeat thread can take the edge of a message that arrives meanwhile, so no wait is long. */
 bool wkr_transport_receive(wkr_transport *t, int timeout_ms, const wkr_handlers *h) {
-    for (int i = 0; i < RECV_BATCH; i++) {
+    const double end = mt_now() + (timeout_ms > 0 ? timeout_ms : 0) / 1e3;
+    for (int i = 0; i < RECV_BATCH;) {
         mt_envelope *env = NULL;
         mt_error err;
         pthread_mutex_lock(&t->sock_mu);
-        mt_status st = mt_wire_recv(t->wire, i == 0 ? timeout_ms : 0, NULL, &env, &err);
+        mt_status st = mt_wire_recv(t->wire, 0, NULL, &env, &err);
         pthread_mutex_unlock(&t->sock_mu);
-        if (st == MT_ERR_NOT_FOUND) return false;
+        if (st == MT_ERR_NOT_FOUND) {
+            const double left_ms = (end - mt_now()) * 1e3;
+            if (i > 0 || left_ms <= 0 || t->fd < 0) return false;
+            struct pollfd pf = { .fd = t->fd, .events = POLLIN };
+            (void)poll(&pf, 1, left_ms < WAIT_SLICE_MS ? (int)left_ms + 1 : WAIT_SLICE_MS);
+            continue;
+        }
+        i++;
         t->last_rx = mt_now();
         if (st != MT_OK) {
             t->dropped++;
