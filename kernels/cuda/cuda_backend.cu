@@ -154,6 +154,36 @@ static void cu_zero(mt_backend *be, void *p, size_t bytes) {
     CU_RECORD(be, cudaMemsetAsync(p, 0, bytes, cb->stream));
 }
 
+/* Whether [p, p + n) starts or ends on a page that cudaHostRegister locked (a weight_host table's
+ * edge pages hold its neighbours' bytes in the checkpoint's mapping). */
+static bool touches_locked(const void *p, size_t n) {
+    unsigned flags = 0;
+    const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE), a = (uintptr_t)p, z = (uintptr_t)p + n - 1;
+    bool locked = cudaHostGetFlags(&flags, (void *)(a & ~(pg - 1))) == cudaSuccess;
+    if (!locked) (void)cudaGetLastError();
+    if (!locked && cudaHostGetFlags(&flags, (void *)(z & ~(pg - 1))) == cudaSuccess) locked = true;
+    else (void)cudaGetLastError();
+    return locked;
+}
+
+/* A host-to-device copy of a weight's bytes, waited for. A source that is partly inside a locked
+ * range is refused by cudaMemcpy (it takes the range for the whole source), so it goes through a
+ * pageable bounce buffer. */
+static mt_status copy_weight_in(cu_backend *cb, void *dst, const void *host, size_t bytes) {
+    mt_status st = MT_OK;
+    void *bounce = NULL;
+    if (touches_locked(host, bytes)) {
+        if (!(bounce = malloc(bytes))) return MT_ERR_NOMEM;
+        memcpy(bounce, host, bytes);
+        host = bounce;
+    }
+    MT_CUDA_CHECK_GOTO(cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, cb->stream), st, done);
+    MT_CUDA_CHECK_GOTO(cudaStreamSynchronize(cb->stream), st, done);
+done:
+    free(bounce);
+    return st;
+}
+
 static mt_status cu_weight(mt_backend *be, const void *host, mt_dtype dt, int64_t rows, int64_t cols,
                            mt_weight *out) {
     cu_backend *cb = cb_of(be);
@@ -168,11 +198,7 @@ static mt_status cu_weight(mt_backend *be, const void *host, mt_dtype dt, int64_
         return MT_ERR_NOMEM;
     }
     mt_status st = MT_OK;
-    if (bytes) {
-        MT_CUDA_CHECK_GOTO(cudaMemcpyAsync(p, host, bytes, cudaMemcpyHostToDevice, cb->stream), st,
-                           fail);
-        MT_CUDA_CHECK_GOTO(cudaStreamSynchronize(cb->stream), st, fail);
-    }
+    if (bytes && (st = copy_weight_in(cb, p, host, bytes)) != MT_OK) goto fail;
     out->data = p;
     out->dtype = dt;
     out->rows = rows;
