@@ -29,6 +29,13 @@
  * other way and the output leave K = 0's; that is reported ("differs") but fails only with exact,
  * where the outputs must be equal. Forced acceptance follows K = 0's tokens, so once an output
  * leaves them its acceptance falls: take forced rates with --numerics exact.
+ * --top5 1: every run also returns each token's 5 most likely ids (the target's, logprobs on:
+ * the host samples from logits, no device argmax), and a stream that leaves K = 0's output
+ * must do so within top-5 both ways at its first difference (the same context in both runs up
+ * to there): K's token among K = 0's top 5 there and K = 0's among K's. The run fails otherwise,
+ * with any numerics (the GPU bar for models without routing margins). A greedy request with
+ * logprobs takes the sampling verdict, which expects each draft drawn from the drafter's
+ * distribution: forced drafts then read lower acceptance than --accept asks for.
  */
 #include <json-c/json.h>
 #include <stdio.h>
@@ -42,6 +49,7 @@
 
 typedef struct run {
     int32_t **tokens;    /* [streams][max_new] */
+    int32_t **top;       /* [streams][max_new * 5] each token's 5 most likely ids (--top5), else NULL */
     int *n;              /* [streams] */
     int32_t **ref;       /* the reference's tokens (forcing), NULL: none */
     double accept;       /* forced acceptance rate; < 0: the drafter's own */
@@ -59,7 +67,17 @@ static uint64_t splitmix(uint64_t *x) {
 
 static void on_tokens(void *user, uint64_t id, const eng_sample_result *t, int n) {
     run *r = user;
-    for (int i = 0; i < n; i++) r->tokens[id][r->n[id]++] = t[i].token;
+    for (int i = 0; i < n; i++) {
+        if (r->top)
+            for (int j = 0; j < 5; j++) r->top[id][(size_t)r->n[id] * 5 + j] = j < t[i].n_top ? t[i].top_ids[j] : -1;
+        r->tokens[id][r->n[id]++] = t[i].token;
+    }
+}
+
+static bool in_top5(const int32_t *top, int32_t tok) {
+    for (int j = 0; j < 5; j++)
+        if (top[j] == tok) return true;
+    return false;
 }
 
 static void on_finished(void *user, uint64_t id, const eng_finish_info *f) {
@@ -108,6 +126,10 @@ static bool run_once(mt_model *m, int B, int k, int max_new, int plen, const int
     q.n_prompt = plen;
     q.max_new_tokens = max_new;
     q.ignore_eos = true;
+    if (r->top) {
+        q.logprobs = true;
+        q.top_logprobs = 5;
+    }
     if (temperature > 0) {
         q.sampling.temperature = temperature;
         q.has_seed = true;
@@ -172,7 +194,7 @@ static int32_t *read_stream(const char *path, int *n) {
 int main(int argc, char **argv) {
     const char *model = NULL, *backend = "cpu", *stream_path = NULL, *accept_s = "0,0.5,0.8,1", *numerics = "bf16";
     double batches[SB_LIST_MAX] = { 1, 32 }, ks[SB_LIST_MAX] = { 1, 2, 3 }, accepts[SB_LIST_MAX];
-    int n_batches = 2, n_ks = 3, max_new = 128, plen = 32, threads = 0, mixed_steps = 0, verify_seqs = 0;
+    int n_batches = 2, n_ks = 3, max_new = 128, plen = 32, threads = 0, mixed_steps = 0, verify_seqs = 0, top5 = 0;
     float temperature = 0;
     for (int i = 1; i + 1 < argc; i += 2) {
         const char *a = argv[i], *v = argv[i + 1];
@@ -189,6 +211,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--numerics")) numerics = v;
         else if (!strcmp(a, "--mixed-steps")) mixed_steps = atoi(v);
         else if (!strcmp(a, "--verify-seqs")) verify_seqs = atoi(v);
+        else if (!strcmp(a, "--top5")) top5 = atoi(v);
         else { fprintf(stderr, "spec_bench: unknown option %s\n", a); return 2; }
     }
     const bool real = !strcmp(accept_s, "real");
@@ -199,7 +222,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: spec_bench --model DIR|random:PRESET+mtp [--backend cpu|cuda] [--batches 1,32] "
                         "[--ks 1,2,3] [--accept 0,0.5,0.8,1|real] [--temperature T (with real)] [--max-new N] "
                         "[--prompt-len P] [--stream heldout_ppl.json] [--threads N] [--numerics bf16|exact] "
-                        "[--mixed-steps 0|1] [--verify-seqs N (1 .. 64)]\n");
+                        "[--mixed-steps 0|1] [--verify-seqs N (1 .. 64)] [--top5 0|1]\n");
         return 2;
     }
     int n_stream = 0;
@@ -238,10 +261,18 @@ int main(int argc, char **argv) {
     run r = { .vocab = info.vocab_size };
     r.tokens = calloc((size_t)bmax, sizeof *r.tokens);
     r.n = calloc((size_t)bmax, sizeof *r.n);
-    int32_t **ref = calloc((size_t)bmax, sizeof *ref);
+    int32_t **ref = calloc((size_t)bmax, sizeof *ref), **ref_top = NULL;
     for (int i = 0; i < bmax; i++) {
         r.tokens[i] = malloc(sizeof(int32_t) * (size_t)max_new);
         ref[i] = malloc(sizeof(int32_t) * (size_t)max_new);
+    }
+    if (top5 && temperature <= 0) {
+        r.top = calloc((size_t)bmax, sizeof *r.top);
+        ref_top = calloc((size_t)bmax, sizeof *ref_top);
+        for (int i = 0; i < bmax; i++) {
+            r.top[i] = malloc(sizeof(int32_t) * (size_t)max_new * 5);
+            ref_top[i] = malloc(sizeof(int32_t) * (size_t)max_new * 5);
+        }
     }
     printf("model %s, backend %s, %d new tokens a stream after %d prompt tokens%s%s, %s%s, verifies of up to %d "
            "sequences a model call\n", model, backend, max_new, plen, stream_path ? " from " : "",
@@ -265,6 +296,7 @@ int main(int argc, char **argv) {
         all[(size_t)bi * n_cols] = base;
         ran[(size_t)bi * n_cols] = true;
         for (int i = 0; i < B; i++) memcpy(ref[i], r.tokens[i], sizeof(int32_t) * (size_t)max_new);
+        for (int i = 0; i < B && ref_top; i++) memcpy(ref_top[i], r.top[i], sizeof(int32_t) * (size_t)max_new * 5);
         printf("\nbatch %d\n| K | acceptance | ms a token | speed-up | drafts accepted | tokens a verify step | ms a step |\n"
                "|---:|---:|---:|---:|---:|---:|---:|\n", B);
         printf("| 0 | - | %.4f | 1.00 | - | - | %.4f |\n", base.ms_token, base.ms_step);
@@ -278,17 +310,26 @@ int main(int argc, char **argv) {
                 all[(size_t)bi * n_cols + 1 + (size_t)ki * n_acc + ai] = x;
                 ran[(size_t)bi * n_cols + 1 + (size_t)ki * n_acc + ai] = true;
                 /* streams that left K = 0's output, and where the earliest left it */
-                int left = 0, first = max_new;
+                int left = 0, first = max_new, beyond = 0;
                 for (int i = 0; i < B && temperature <= 0; i++) {
                     int t = 0;
                     while (t < max_new && r.tokens[i][t] == ref[i][t]) t++;
                     left += t < max_new;
                     first = t < first ? t : first;
+                    if (t < max_new && ref_top)
+                        beyond += !in_top5(ref_top[i] + (size_t)t * 5, r.tokens[i][t]) ||
+                                  !in_top5(r.top[i] + (size_t)t * 5, ref[i][t]);
                 }
-                char note[96] = "";
+                char note[160] = "";
                 if (left && must_equal) snprintf(note, sizeof note, " OUTPUT DIFFERS");
                 else if (left) snprintf(note, sizeof note, " (bf16: %d of %d streams leave K = 0's output, first at token %d)",
                                         left, B, first);
+                if (left && ref_top) {
+                    const size_t u = strlen(note);
+                    if (beyond) snprintf(note + u, sizeof note - u, " %d BEYOND THE OTHER'S TOP 5", beyond);
+                    else snprintf(note + u, sizeof note - u, " (each within the other's top 5)");
+                }
+                if (beyond) rc = 1;
                 const double acc = x.st.draft_tokens ? (double)x.st.accepted_tokens / x.st.draft_tokens : 0;
                 const double per = x.st.spec_steps ? (double)(x.st.accepted_tokens + x.st.spec_steps) / x.st.spec_steps : 0;
                 char want[32];
