@@ -306,8 +306,11 @@ mt_status wkr_loop_new(const wkr_params *p, wkr_loop **out, mt_error *err) {
     const int warm = p->warmup_tokens >= 0 ? p->warmup_tokens : mi.backend_queues ? ep.prefill_budget : 0;
     if (warm > 0) {
         const double tw = mt_now();
-        if ((st = eng_warmup(l->eng, warm, 4, err)) != MT_OK) goto fail;
-        mt_log(MT_LOG_INFO, "worker %d: warmed up on a %d-token request in %.2f s", p->id, warm, mt_now() - tw);
+        mt_error werr = { "" };
+        if (eng_warmup(l->eng, warm, 4, &werr) == MT_OK)
+            mt_log(MT_LOG_INFO, "worker %d: warmed up on a %d-token request in %.2f s", p->id, warm, mt_now() - tw);
+        else /* the first requests pay the set-up instead */
+            mt_log(MT_LOG_WARN, "worker %d: warm-up failed (%s); serving without it", p->id, werr.msg);
     }
     if ((st = load_text(l, &mi, err)) != MT_OK) goto fail;
     l->info = (Metrale__V1__ModelInfo)METRALE__V1__MODEL_INFO__INIT;
