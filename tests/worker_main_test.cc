@@ -380,6 +380,26 @@ TEST(WorkerMain, StreamsGreedyTokensAndFinishes) {
     EXPECT_EQ(w.Wait(10), 0);
 }
 
+// A worker that warms up before its Hello (--warmup-tokens) serves the same tokens and counts
+// only the router's requests.
+TEST(WorkerMain, WarmUpRunsBeforeHelloAndIsNotCounted) {
+    const std::vector<int32_t> p1 = Prompt(9, 4);
+    const std::vector<int32_t> g1 = DirectGreedy(p1, 6);
+    WorkerProc w({ "--warmup-tokens", "100" });
+    w.ExpectHello();
+    w.Submit(7, U(p1), 6);
+    std::map<uint64_t, Stream> got;
+    Collect(w, got, { 7 }, 30000);
+    EXPECT_EQ(got[7].tokens, U(g1));
+    EXPECT_TRUE(WaitStats(w, [](const Metrale__V1__WorkerStats &s) {
+        return s.live_sequences == 0 && s.sequences_finished == 1;
+    }, 5000));
+    EXPECT_EQ(w.last_stats_.sequences_aborted, 0u);
+    EXPECT_EQ(w.last_stats_.prefix_misses, 1u);  // the request's admission, not the warm-up's
+    w.Shutdown();
+    EXPECT_EQ(w.Wait(10), 0);
+}
+
 // Long enough that no sequence ends on its own while a test looks at it.
 const uint32_t kLongContext = 60000, kLong = 50000;
 
