@@ -10,8 +10,9 @@
  *                  [--shared-prefix K] [--max-sequences M] [--backend cpu|cuda] [--threads N]
  * (random:PRESET, e.g. random:bench-4L: glm_config_preset's shapes with random weights made by the
  *  backend; --run-ahead 0: eng_params.run_ahead off, for comparison; 1, the default: AUTO;
- *  --mixed-steps 1 and --itl-target-ms MS: eng_params.mixed_steps and itl_target_ms, as the
- *  worker's options of those names; --prefill-budget N: eng_params.prefill_budget (default the
+ *  --mixed-steps 0|1 and --itl-target-ms MS: eng_params.mixed_steps and itl_target_ms, as the
+ *  worker's options (--mixed-steps 0 is its --separate-steps; by default mixed on cuda, separate
+ *  on the CPU, as the worker); --prefill-budget N: eng_params.prefill_budget (default the
  *  engine's); --prefill-pass N: rows of a prefill pass, by default what metrale-worker picks;
  *  --op-profile 1 (a mix on cuda): every op synchronised and timed, the table printed after the
  *  JSON, so its times are not the run's; --speculative-tokens K and --speculative-max-batch B:
@@ -214,7 +215,7 @@ static int run_mix(eng_engine *e, bench *b, int V, int n, const int *plens, cons
 
 int main(int argc, char **argv) {
     const char *model = NULL, *backend = "cpu", *prompt_mix = NULL, *new_mix = NULL;
-    int streams = 1, max_new = 32, plen = 16, threads = 0, run_ahead = 1, mixed_steps = 0;
+    int streams = 1, max_new = 32, plen = 16, threads = 0, run_ahead = 1, mixed_steps = -1;
     double itl_target_ms = 0;
     int prefill_pass = 0, prefill_budget = 0, op_profile = 0;
     int requests = 0, shared = 0, max_sequences = 64, spec_tokens = 0, spec_max_batch = 0;
@@ -315,7 +316,7 @@ int main(int argc, char **argv) {
     ep.max_context = plen + max_new;
     if (mix && ep.max_waiting < requests) ep.max_waiting = requests;
     ep.run_ahead = run_ahead ? ENG_RUN_AHEAD_AUTO : ENG_RUN_AHEAD_OFF;
-    ep.mixed_steps = mixed_steps != 0;
+    ep.mixed_steps = mixed_steps >= 0 ? mixed_steps != 0 : !strcmp(backend, "cuda");
     if (prefill_budget > 0) ep.prefill_budget = prefill_budget;
     ep.itl_target_ms = itl_target_ms;
     ep.spec_tokens = spec_tokens;

@@ -114,7 +114,7 @@ typedef struct serve_opts {
     const char *dtype;     /* FP8 checkpoints' weights (auto|bf16), passed to every worker when given */
     const char *spec_tokens, *spec_max_batch; /* speculative decoding, passed to every worker */
     const char *warmup_tokens; /* the workers' start-up warm-up request, passed when given */
-    bool no_preempt, mixed_steps;
+    bool no_preempt, mixed_steps, separate_steps;
     bool no_run_ahead;
     const char *router;    /* a router elsewhere: start none, connect the groups there */
     const char *curve_server_key, *curve_secret_key; /* key files, passed to every worker */
@@ -135,7 +135,7 @@ static void usage(FILE *f) {
             "usage: metrale-serve [--model DIR] [--listen HOST:PORT] [--workers G] [--tp N] [--backend auto|cpu|cuda]\n"
             "                     [--max-sequences N] [--max-context N] [--threads N] [--queue N] [--drain-timeout S]\n"
             "                     [--prefill-budget N] [--prefill-pass N] [--itl-target-ms MS] [--graph-max-batch N] [--cache-budget-mb N] [--no-preempt]\n"
-            "                     [--mixed-steps] [--no-run-ahead] [--numerics bf16|exact] [--dtype auto|bf16]\n"
+            "                     [--mixed-steps|--separate-steps] [--no-run-ahead] [--numerics bf16|exact] [--dtype auto|bf16]\n"
             "                     [--metrics HOST:PORT]\n"
             "                     [--speculative-tokens K] [--speculative-max-batch B] [--warmup-tokens N]\n"
             "                     [--log-format text|json] [--log-prompts]\n"
@@ -339,6 +339,7 @@ static pid_t start_rank(group *gr, int r) {
     if (g_o.cache_budget_mb) { argv[k++] = "--cache-budget-mb"; argv[k++] = (char *)g_o.cache_budget_mb; }
     if (g_o.no_preempt) argv[k++] = "--no-preempt";
     if (g_o.mixed_steps) argv[k++] = "--mixed-steps";
+    if (g_o.separate_steps) argv[k++] = "--separate-steps";
     if (g_o.no_run_ahead) argv[k++] = "--no-run-ahead";
     if (g_o.numerics) { argv[k++] = "--numerics"; argv[k++] = (char *)g_o.numerics; }
     if (g_o.dtype) { argv[k++] = "--dtype"; argv[k++] = (char *)g_o.dtype; }
@@ -468,6 +469,7 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); return 1; }
         if (!strcmp(a, "--no-preempt")) { o->no_preempt = true; continue; }
         if (!strcmp(a, "--mixed-steps")) { o->mixed_steps = true; continue; }
+        if (!strcmp(a, "--separate-steps")) { o->separate_steps = true; continue; }
         if (!strcmp(a, "--no-run-ahead")) { o->no_run_ahead = true; continue; }
         if (!strcmp(a, "--log-prompts")) { o->log_prompts = true; continue; }
         if (!v) { fprintf(stderr, "metrale-serve: %s needs a value\n", a); usage(stderr); return -1; }

@@ -385,7 +385,7 @@ TEST(WorkerMain, StreamsGreedyTokensAndFinishes) {
 TEST(WorkerMain, WarmUpRunsBeforeHelloAndIsNotCounted) {
     const std::vector<int32_t> p1 = Prompt(9, 4);
     const std::vector<int32_t> g1 = DirectGreedy(p1, 6);
-    WorkerProc w({ "--warmup-tokens", "100" });
+    WorkerProc w({ "--warmup-tokens", "100", "--separate-steps" });
     w.ExpectHello();
     w.Submit(7, U(p1), 6);
     std::map<uint64_t, Stream> got;

@@ -46,7 +46,7 @@ struct wkr_loop {
 wkr_params wkr_default_params(void) {
     return (wkr_params){ .backend = "cpu", .id = -1, .max_sequences = 16, .max_context = 4096,
                          .router_timeout = MT_WIRE_ROUTER_SILENCE_S, .numerics = MT_NUMERICS_BF16,
-                         .warmup_tokens = -1 };
+                         .mixed_steps = -1, .warmup_tokens = -1 };
 }
 
 /* ---- start-up ---- */
@@ -291,7 +291,9 @@ mt_status wkr_loop_new(const wkr_params *p, wkr_loop **out, mt_error *err) {
     if (p->prefill_budget > 0) ep.prefill_budget = p->prefill_budget;
     ep.itl_target_ms = p->itl_target_ms;
     ep.preempt = !p->no_preempt;
-    ep.mixed_steps = p->mixed_steps;
+    /* on bench-4L's GPU figures the mixed step serves the most (docs/PERF.md); on the CPU a pass
+     * costs its rows, so the decode rows gain nothing by riding along */
+    ep.mixed_steps = p->mixed_steps >= 0 ? p->mixed_steps == 1 : mt_model_describe(l->m).backend_queues;
     ep.run_ahead = p->no_run_ahead ? ENG_RUN_AHEAD_OFF : ENG_RUN_AHEAD_AUTO;
     ep.spec_tokens = p->spec_tokens;
     ep.spec_max_batch = p->spec_max_batch;

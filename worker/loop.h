@@ -50,7 +50,8 @@ typedef struct wkr_params {
     int prefill_pass;        /* rows of one prefill pass (mt_model_params.prefill_chunk); 0: wkr_prefill_pass */
     int graph_max_batch;     /* largest decode batch replayed as a CUDA graph; 0: the model's default */
     bool no_preempt;         /* admit only with pages for the whole length instead of preempting */
-    bool mixed_steps;        /* prompt chunks in the decode rows' model call (eng_params.mixed_steps) */
+    int mixed_steps;         /* prompt chunks in the decode rows' model call (eng_params.mixed_steps):
+                              * 1 on, 0 off, -1 (default) on where the backend queues its work (the GPU) */
     bool no_run_ahead;       /* greedy batches read each step's tokens before the next */
     int spec_tokens;         /* speculative decoding with the checkpoint's MTP block: drafts a step
                               * (0 = off, up to ENG_SPEC_MAX) */

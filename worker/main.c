@@ -42,7 +42,8 @@ static void usage(FILE *f) {
             "                      [--device N] [--max-sequences N] [--max-context N] [--threads N]\n"
             "                      [--router-timeout S] [--cache-budget-mb N] [--prefill-budget N] [--itl-target-ms MS]\n"
             "                      [--prefill-pass N]\n"
-            "                      [--graph-max-batch N] [--no-preempt] [--no-run-ahead] [--mixed-steps] [--verbose]\n"
+            "                      [--graph-max-batch N] [--no-preempt] [--no-run-ahead] [--mixed-steps|--separate-steps]\n"
+            "                      [--verbose]\n"
             "                      [--numerics bf16|exact] [--dtype auto|bf16] [--tp N --rank R --group NAME]\n"
             "                      [--speculative-tokens K] [--speculative-max-batch B] [--warmup-tokens N]\n"
             "                      [--curve-server-key FILE --curve-secret-key FILE] [--log-format text|json]\n"
@@ -56,7 +57,8 @@ static void usage(FILE *f) {
             "  the sequence-state pools (default 0: the free memory after the weights, less a reserve for\n"
             "  activations and graphs); --prefill-budget: prompt tokens prefilled per step beside decoding\n"
             "  (the chunk size of a long prompt; default 2048); --mixed-steps: send the step's prompt chunks\n"
-            "  to the model in one call with its decode rows (default: the decode, then the chunks);\n"
+            "  to the model in one call with its decode rows; --separate-steps: the decode, then the chunks\n"
+            "  (default: mixed on a GPU, separate on the CPU);\n"
             "  --itl-target-ms: the step time a step with decode rows aims for: its prompt tokens are as\n"
             "  many as measured step times say fit, at least 64, at most --prefill-budget (default 0: off,\n"
             "  --prefill-budget every step; docs/PERF.md has what targets cost); --prefill-pass: rows of one\n"
@@ -122,7 +124,8 @@ static int parse_args(int argc, char **argv, wkr_params *o, bool *verbose) {
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); return 1; }
         if (!strcmp(a, "--verbose")) { *verbose = true; continue; }
         if (!strcmp(a, "--no-preempt")) { o->no_preempt = true; continue; }
-        if (!strcmp(a, "--mixed-steps")) { o->mixed_steps = true; continue; }
+        if (!strcmp(a, "--mixed-steps")) { o->mixed_steps = 1; continue; }
+        if (!strcmp(a, "--separate-steps")) { o->mixed_steps = 0; continue; }
         if (!strcmp(a, "--no-run-ahead")) { o->no_run_ahead = true; continue; }
         if (!v) { fprintf(stderr, "error: %s needs a value\n", a); usage(stderr); return -1; }
         int rc = 0;

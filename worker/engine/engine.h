@@ -122,8 +122,8 @@ typedef struct eng_params {
      * verifies go to the model as one batch (one pass over the weights: the decode and verify
      * rows ride along the chunks' GEMMs instead of waiting for them; the verifies of at most the
      * model's verify_seqs sequences, the others in calls of their own); false: the decode, the
-     * verifies, then the chunks, each in calls of their own (the default: on bench-4L it serves
-     * more, docs/PERF.md). */
+     * verifies, then the chunks, each in calls of their own (the default here; the GPU worker
+     * turns it on, docs/PERF.md). */
     bool mixed_steps;
     /* Prefix reuse: while a prompt is prefilled, the state at its last multiple of prefix_block
      * (leaving at least one prompt token) is kept as a snapshot sequence, within
