@@ -168,13 +168,14 @@ static mt_status hc_enter(hc_comm *c, const char *op) {
 /* Looks for a dead or departed peer; MT_OK when none. */
 static mt_status hc_check_peers(hc_comm *c, const char *op) {
     hc_shared *h = c->sh;
-    /* a rank that left after the group failed left because of it: name the first cause */
-    if (atomic_load(&h->failed)) return hc_failed_by_peer(c, op);
     for (int r = 0; r < c->base.size; r++) {
         if (r == c->base.rank) continue;
-        if (atomic_load(&h->left[r]))
+        if (atomic_load(&h->left[r])) {
+            /* a rank that left a failed group left because of it: name the first cause */
+            if (atomic_load(&h->failed)) return hc_failed_by_peer(c, op);
             return hc_break(c, MT_ERR_BACKEND, "%s: rank %d (pid %d) left the group", op, r,
                             (int)atomic_load(&h->pid[r]));
+        }
         if (hc_peer_dead(c, r))
             return hc_break(c, MT_ERR_BACKEND, "%s: rank %d (pid %d) died", op, r, (int)atomic_load(&h->pid[r]));
     }
