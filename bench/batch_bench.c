@@ -52,17 +52,6 @@ typedef struct batch_result {
     int graphed;
 } batch_result;
 
-static int parse_list(const char *s, int *out, int max) {
-    int n = 0;
-    while (*s && n < max) {
-        out[n++] = atoi(s);
-        const char *c = strchr(s, ',');
-        if (!c) break;
-        s = c + 1;
-    }
-    return n;
-}
-
 /* The options of a run, the same on every rank. */
 typedef struct batch_opts {
     int batches[MAX_BATCHES], nb, prompt, steps, op_profile, graph_max, tp;
@@ -225,7 +214,7 @@ int main(int argc, char **argv) {
     nccl = bench_take_flag(&argc, argv, "--nccl");
     for (int i = 1; i < argc; i += 2) {
         if (i + 1 >= argc) { fprintf(stderr, "batch_bench: %s needs a value\n", argv[i]); return 2; }
-        if (!strcmp(argv[i], "--batches")) o.nb = parse_list(argv[i + 1], o.batches, MAX_BATCHES);
+        if (!strcmp(argv[i], "--batches")) o.nb = bench_parse_ints(argv[i + 1], o.batches, MAX_BATCHES);
         else if (!strcmp(argv[i], "--prompt")) o.prompt = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--steps")) o.steps = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--json")) o.json = argv[i + 1];

@@ -447,6 +447,17 @@ bool bench_take_flag(int *argc, char **argv, const char *name) {
     return found;
 }
 
+int bench_parse_ints(const char *s, int *out, int max) {
+    int n = 0;
+    while (*s && n < max) {
+        out[n++] = atoi(s);
+        const char *c = strchr(s, ',');
+        if (!c) break;
+        s = c + 1;
+    }
+    return n;
+}
+
 double bench_experts_touched(const glm_config *c, int n) {
     const double E = c->n_routed_experts;
     if (E <= 0) return 0;
@@ -531,6 +542,23 @@ out:
     return best[REPS / 2];
 }
 
+enum { COPIES_BYTES = 256 << 20, COPIES_MAX = 64 }; /* well past the 50 MB of L2 */
+
+/* Zeroed copies of a wb-byte weight in w[COPIES_MAX], as many as stream COPIES_BYTES (at least
+ * one, at most COPIES_MAX; fewer where device memory runs out), so timed GEMMs that take them in
+ * turn read each from memory, not L2. Returns how many were made; free them with free_copies. */
+static int weight_copies(size_t wb, void **w) {
+    int copies = (int)((COPIES_BYTES + wb - 1) / wb);
+    copies = copies < 1 ? 1 : copies > COPIES_MAX ? COPIES_MAX : copies;
+    int made = 0;
+    while (made < copies && cudaMalloc(&w[made], wb) == cudaSuccess) cudaMemset(w[made++], 0, wb);
+    return made;
+}
+
+static void free_copies(void **w, int made) {
+    for (int j = 0; j < made; j++) cudaFree(w[j]);
+}
+
 double bench_cublas_prefill_ms(const glm_config *c, int n, double *flops) {
     shape_ctx x = { .c = c, .n = n };
     glm_manifest_foreach(c, shape_tensor, &x);
@@ -548,17 +576,12 @@ double bench_cublas_prefill_ms(const glm_config *c, int n, double *flops) {
     double total = 0;
     if (cudaMalloc(&xb, xmax) != cudaSuccess || cudaMalloc(&yb, ymax) != cudaSuccess) total = -1;
     if (total == 0) cudaMemset(xb, 0, xmax);
-    enum { COPIES_BYTES = 256 << 20, COPIES_MAX = 64 }; /* well past the 50 MB of L2 */
     for (int i = 0; i < x.ns && total >= 0; i++) {
         const gemm_shape *g = &x.s[i];
-        const size_t wb = (size_t)g->N * g->K * 2;
-        int copies = (int)((COPIES_BYTES + wb - 1) / wb);
-        copies = copies < 1 ? 1 : copies > COPIES_MAX ? COPIES_MAX : copies;
         void *w[COPIES_MAX] = { 0 };
-        int made = 0;
-        while (made < copies && cudaMalloc(&w[made], wb) == cudaSuccess) cudaMemset(w[made++], 0, wb);
+        const int made = weight_copies((size_t)g->N * g->K * 2, w);
         const double ms = made > 0 ? time_shape(h, g, xb, w, made, yb) : -1;
-        for (int j = 0; j < made; j++) cudaFree(w[j]);
+        free_copies(w, made);
         if (ms < 0) {
             total = -1;
             break;
@@ -687,17 +710,12 @@ double bench_cublaslt_fp8_prefill_ms(const glm_config *c, int n, double *flops) 
         cudaMalloc(&wsp, wsp_bytes) != cudaSuccess)
         total = -1;
     if (total == 0) cudaMemset(xb, 0, xmax);
-    enum { COPIES_BYTES = 256 << 20, COPIES_MAX = 64 }; /* well past the 50 MB of L2 */
     for (int i = 0; i < x.ns && total >= 0; i++) {
         const gemm_shape *g = &x.s[i];
-        const size_t wb = (size_t)(g->N + 127) / 128 * 128 * ((size_t)(g->K + 511) / 512 * 512);
-        int copies = (int)((COPIES_BYTES + wb - 1) / wb);
-        copies = copies < 1 ? 1 : copies > COPIES_MAX ? COPIES_MAX : copies;
         void *w[COPIES_MAX] = { 0 };
-        int made = 0;
-        while (made < copies && cudaMalloc(&w[made], wb) == cudaSuccess) cudaMemset(w[made++], 0, wb);
+        const int made = weight_copies((size_t)(g->N + 127) / 128 * 128 * ((size_t)(g->K + 511) / 512 * 512), w);
         const double ms = made > 0 ? time_shape_fp8(lt, g, xb, xs, w, ws, made, yb, wsp, wsp_bytes) : -1;
-        for (int j = 0; j < made; j++) cudaFree(w[j]);
+        free_copies(w, made);
         if (ms < 0) {
             total = -1;
             break;

@@ -162,4 +162,7 @@ double bench_decode_ahead(const bench_rank *r, struct glm_model *m, struct glm_s
 /* Whether argv holds the flag `name` (no value); every occurrence is taken out of argv and *argc. */
 bool bench_take_flag(int *argc, char **argv, const char *name);
 
+/* "1,8,64" into out[max] (atoi of each item; items past max are dropped); returns how many. */
+int bench_parse_ints(const char *s, int *out, int max);
+
 #endif /* MT_BENCH_UTIL_H */

@@ -67,17 +67,6 @@ typedef struct step_result {
     double inject_ms;          /* of which ple_inject */
 } step_result;
 
-static int parse_list(const char *s, int *out, int max) {
-    int n = 0;
-    while (*s && n < max) {
-        out[n++] = atoi(s);
-        const char *c = strchr(s, ',');
-        if (!c) break;
-        s = c + 1;
-    }
-    return n;
-}
-
 /* bench-4L with memories on o's layers, their tables table_gb in all (each table of a layer's
  * (N-1) x heads the same size, rounded to primes by the model). */
 static int ple_config(const ple_opts *o, glm_config *c, mt_error *err) {
@@ -357,11 +346,11 @@ int main(int argc, char **argv) {
             fprintf(stderr, "ple_bench: %s needs a value\n", argv[i]);
             return 2;
         }
-        if (!strcmp(argv[i], "--batches")) o.nb = parse_list(argv[++i], o.batches, MAX_BATCHES);
+        if (!strcmp(argv[i], "--batches")) o.nb = bench_parse_ints(argv[++i], o.batches, MAX_BATCHES);
         else if (!strcmp(argv[i], "--prompt")) o.prompt = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--steps")) o.steps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--table-gb")) o.table_gb = atof(argv[++i]);
-        else if (!strcmp(argv[i], "--ple-layers")) o.nl = parse_list(argv[++i], o.ple_layers, MAX_PLE);
+        else if (!strcmp(argv[i], "--ple-layers")) o.nl = bench_parse_ints(argv[++i], o.ple_layers, MAX_PLE);
         else if (!strcmp(argv[i], "--json")) o.json = argv[++i];
         else if (!strcmp(argv[i], "--numerics")) {
             if (!mt_numerics_parse(argv[++i], &o.cp.numerics)) {

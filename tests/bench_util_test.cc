@@ -191,3 +191,15 @@ TEST(BenchWeights, ExpertsTouchedGrowToAll) {
     EXPECT_LE(bench_experts_touched(&c, 4096), (double)c.n_routed_experts);
     EXPECT_LT(bench_experts_touched(&c, 16), 16.0 * c.num_experts_per_tok);
 }
+
+// The benches' list options: each comma-separated item, at most max of them.
+TEST(BenchArgs, ParsesIntLists) {
+    int v[4] = { 0 };
+    EXPECT_EQ(bench_parse_ints("1,8,64", v, 4), 3);
+    EXPECT_EQ(v[0], 1);
+    EXPECT_EQ(v[1], 8);
+    EXPECT_EQ(v[2], 64);
+    EXPECT_EQ(bench_parse_ints("1,2,3,4,5,6", v, 4), 4);
+    EXPECT_EQ(v[3], 4);
+    EXPECT_EQ(bench_parse_ints("", v, 4), 0);
+}
