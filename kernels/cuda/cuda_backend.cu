@@ -154,16 +154,19 @@ static void cu_zero(mt_backend *be, void *p, size_t bytes) {
     CU_RECORD(be, cudaMemsetAsync(p, 0, bytes, cb->stream));
 }
 
+/* Whether the page at addr lies in a range cudaHostRegister locked. */
+static bool page_locked(uintptr_t addr) {
+    unsigned flags = 0;
+    if (cudaHostGetFlags(&flags, (void *)addr) == cudaSuccess) return true;
+    (void)cudaGetLastError();
+    return false;
+}
+
 /* Whether [p, p + n) starts or ends on a page that cudaHostRegister locked (a weight_host table's
  * edge pages hold its neighbours' bytes in the checkpoint's mapping). */
 static bool touches_locked(const void *p, size_t n) {
-    unsigned flags = 0;
-    const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE), a = (uintptr_t)p, z = (uintptr_t)p + n - 1;
-    bool locked = cudaHostGetFlags(&flags, (void *)(a & ~(pg - 1))) == cudaSuccess;
-    if (!locked) (void)cudaGetLastError();
-    if (!locked && cudaHostGetFlags(&flags, (void *)(z & ~(pg - 1))) == cudaSuccess) locked = true;
-    else (void)cudaGetLastError();
-    return locked;
+    const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
+    return page_locked((uintptr_t)p & ~(pg - 1)) || page_locked(((uintptr_t)p + n - 1) & ~(pg - 1));
 }
 
 /* A host-to-device copy of a weight's bytes, waited for. A source that is partly inside a locked
@@ -228,11 +231,8 @@ static mt_status cu_weight_host(mt_backend *be, const void *host, mt_dtype dt, i
     const size_t bytes = (size_t)rows * (size_t)cols * mt_dtype_size(dt);
     const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
     uintptr_t lo = (uintptr_t)host & ~(pg - 1), hi = ((uintptr_t)host + bytes + pg - 1) & ~(pg - 1);
-    unsigned flags = 0;
-    if (hi > lo && cudaHostGetFlags(&flags, (void *)lo) == cudaSuccess) lo += pg;
-    else (void)cudaGetLastError();
-    if (hi > lo && cudaHostGetFlags(&flags, (void *)(hi - pg)) == cudaSuccess) hi -= pg;
-    else (void)cudaGetLastError();
+    if (hi > lo && page_locked(lo)) lo += pg;
+    if (hi > lo && page_locked(hi - pg)) hi -= pg;
     const void *locked = NULL;
     if (hi > lo) {
         cudaError_t e = cudaHostRegister((void *)lo, hi - lo, cudaHostRegisterMapped | cudaHostRegisterReadOnly);

@@ -35,6 +35,19 @@ static __device__ __forceinline__ float fp8_f32(uint32_t b) {
 
 /* ================================ weight_fp8 ================================ */
 
+/* out: the rows x cols weight whose padded e4m3 data (dq) and block scales (ds) are on the device,
+ * owned by it. */
+static void fp8_weight_set(mt_weight *out, void *dq, void *ds, int64_t rows, int64_t cols) {
+    out->data = dq;
+    out->dtype = MT_F8E4M3;
+    out->rows = rows;
+    out->cols = cols;
+    out->owned = true;
+    out->cls = MT_WCLS_OTHER;
+    out->row0 = 0;
+    out->scale = (const float *)ds;
+}
+
 static mt_status cu_weight_fp8(mt_backend *be, const uint8_t *q, const float *scale_inv, int64_t rows, int64_t cols,
                                mt_weight *out) {
     cu_backend *cb = (cu_backend *)be;
@@ -62,14 +75,7 @@ static mt_status cu_weight_fp8(mt_backend *be, const uint8_t *q, const float *sc
     MT_CUDA_CHECK_GOTO(cudaStreamSynchronize(cb->stream), st, fail);
     free(hq);
     free(hs);
-    out->data = dq;
-    out->dtype = MT_F8E4M3;
-    out->rows = rows;
-    out->cols = cols;
-    out->owned = true;
-    out->cls = MT_WCLS_OTHER;
-    out->row0 = 0;
-    out->scale = (const float *)ds;
+    fp8_weight_set(out, dq, ds, rows, cols);
     return MT_OK;
 fail:
     if (dq) MT_CUDA_WARN(cudaFree(dq));
@@ -140,14 +146,7 @@ static mt_status cu_weight_fp8_from(mt_backend *be, const mt_weight *src, mt_wei
         MT_CUDA_CHECK_GOTO(cudaGetLastError(), st, fail);
         MT_CUDA_CHECK_GOTO(cudaStreamSynchronize(cb->stream), st, fail);
     }
-    out->data = dq;
-    out->dtype = MT_F8E4M3;
-    out->rows = rows;
-    out->cols = cols;
-    out->owned = true;
-    out->cls = MT_WCLS_OTHER;
-    out->row0 = 0;
-    out->scale = (const float *)ds;
+    fp8_weight_set(out, dq, ds, rows, cols);
     return MT_OK;
 fail:
     MT_CUDA_WARN(cudaFree(dq));
