@@ -285,6 +285,7 @@ mt_status wkr_loop_new(const wkr_params *p, wkr_loop **out, mt_error *err) {
     }
     if ((st = join_group(l, err)) != MT_OK || (st = load_model(l, err)) != MT_OK) goto fail;
     if (l->ctl && (st = mt_tp_leader_new(l->m, l->ctl, &l->m, err)) != MT_OK) goto fail;
+    const mt_model_info mi = mt_model_describe(l->m);
     eng_params ep = eng_default_params();
     ep.max_sequences = p->max_sequences;
     ep.max_context = p->max_context;
@@ -293,7 +294,7 @@ mt_status wkr_loop_new(const wkr_params *p, wkr_loop **out, mt_error *err) {
     ep.preempt = !p->no_preempt;
     /* on bench-4L's GPU figures the mixed step serves the most (docs/PERF.md); on the CPU a pass
      * costs its rows, so the decode rows gain nothing by riding along */
-    ep.mixed_steps = p->mixed_steps >= 0 ? p->mixed_steps == 1 : mt_model_describe(l->m).backend_queues;
+    ep.mixed_steps = p->mixed_steps >= 0 ? p->mixed_steps == 1 : mi.backend_queues;
     ep.run_ahead = p->no_run_ahead ? ENG_RUN_AHEAD_OFF : ENG_RUN_AHEAD_AUTO;
     ep.spec_tokens = p->spec_tokens;
     ep.spec_max_batch = p->spec_max_batch;
@@ -301,8 +302,6 @@ mt_status wkr_loop_new(const wkr_params *p, wkr_loop **out, mt_error *err) {
     eng_callbacks cb = { .user = l, .on_tokens = on_tokens, .on_prompt_logprobs = on_prompt_logprobs,
                          .on_finished = on_finished };
     if ((st = eng_new(l->m, &ep, &cb, &l->eng, err)) != MT_OK) goto fail;
-
-    const mt_model_info mi = mt_model_describe(l->m);
     /* a GPU's first steps load kernels, set up the GEMM libraries and capture graphs (seconds):
      * paid here, before the router sends work, instead of inside the first requests' steps */
     const int warm = p->warmup_tokens >= 0 ? p->warmup_tokens : mi.backend_queues ? ep.prefill_budget : 0;
