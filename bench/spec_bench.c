@@ -3,7 +3,7 @@
  *   spec_bench --model DIR|random:PRESET+mtp [--backend cpu|cuda] [--batches 1,32] [--ks 1,2,3]
  *              [--accept 0,0.5,0.8,1|real] [--temperature T] [--max-new N] [--prompt-len P]
  *              [--stream FILE] [--threads N] [--numerics bf16|exact] [--mixed-steps 0|1]
- *              [--verify-seqs N]
+ *              [--verify-seqs N] [--top5 0|1] [--moe-grouped-max N]
  *
  * For each batch B, B streams (prompt i: P tokens, from --stream's "stream_ids" (a heldout_ppl.json)
  * at offset i * P, else (i * 7 + k) % vocab) decode N tokens with ignore_eos, first with K = 0
@@ -36,6 +36,8 @@
  * with any numerics (the GPU bar for models without routing margins). A greedy request with
  * logprobs takes the sampling verdict, which expects each draft drawn from the drafter's
  * distribution: forced drafts then read lower acceptance than --accept asks for.
+ * --moe-grouped-max N (cuda): the MoE's grouped kernels (fp32 activations) take batches of up to N
+ * rows (mt_cuda_params.moe_grouped_max_rows; default 64, above which the tensor-core path runs).
  */
 #include <json-c/json.h>
 #include <stdio.h>
@@ -195,6 +197,7 @@ int main(int argc, char **argv) {
     const char *model = NULL, *backend = "cpu", *stream_path = NULL, *accept_s = "0,0.5,0.8,1", *numerics = "bf16";
     double batches[SB_LIST_MAX] = { 1, 32 }, ks[SB_LIST_MAX] = { 1, 2, 3 }, accepts[SB_LIST_MAX];
     int n_batches = 2, n_ks = 3, max_new = 128, plen = 32, threads = 0, mixed_steps = 0, verify_seqs = 0, top5 = 0;
+    int moe_grouped_max = 0;
     float temperature = 0;
     for (int i = 1; i + 1 < argc; i += 2) {
         const char *a = argv[i], *v = argv[i + 1];
@@ -212,6 +215,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--mixed-steps")) mixed_steps = atoi(v);
         else if (!strcmp(a, "--verify-seqs")) verify_seqs = atoi(v);
         else if (!strcmp(a, "--top5")) top5 = atoi(v);
+        else if (!strcmp(a, "--moe-grouped-max")) moe_grouped_max = atoi(v);
         else { fprintf(stderr, "spec_bench: unknown option %s\n", a); return 2; }
     }
     const bool real = !strcmp(accept_s, "real");
@@ -222,7 +226,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: spec_bench --model DIR|random:PRESET+mtp [--backend cpu|cuda] [--batches 1,32] "
                         "[--ks 1,2,3] [--accept 0,0.5,0.8,1|real] [--temperature T (with real)] [--max-new N] "
                         "[--prompt-len P] [--stream heldout_ppl.json] [--threads N] [--numerics bf16|exact] "
-                        "[--mixed-steps 0|1] [--verify-seqs N (1 .. 64)] [--top5 0|1]\n");
+                        "[--mixed-steps 0|1] [--verify-seqs N (1 .. 64)] [--top5 0|1] [--moe-grouped-max N]\n");
         return 2;
     }
     int n_stream = 0;
@@ -238,6 +242,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "spec_bench: --numerics must be bf16 or exact, got \"%s\"\n", numerics);
         return 2;
     }
+    if (moe_grouped_max > 0) cp.moe_grouped_max_rows = moe_grouped_max;
     const bool must_equal = !cuda || cp.numerics == MT_NUMERICS_EXACT;
     mt_backend *be = cuda ? mt_cuda_backend_new(0, &cp, &err) : mt_cpu_backend_new(threads);
     mt_model_params mp = mt_model_default_params();
