@@ -115,6 +115,19 @@ TEST(EngineSched, MixedBudgetEndsOnAPass) {
     EXPECT_EQ(sched_mixed_budget(512, 10, 0, 64), 512);       // no pass size known
 }
 
+// Prefill coalescing holds prompt work only under saturation, while the ready tokens are few,
+// and for at most the hold time.
+TEST(EngineSched, HoldPrefillOnlyWhenSaturatedShortAndRecent) {
+    // hold_ms, held_ms, rows, waiting, places, ready, budget
+    EXPECT_TRUE(sched_hold_prefill(20, 0, 60, 30, 1, 300, 2048));
+    EXPECT_TRUE(sched_hold_prefill(20, 19.9, 60, 30, 1, 1023, 2048));
+    EXPECT_FALSE(sched_hold_prefill(20, 20, 60, 30, 1, 300, 2048));    // held long enough
+    EXPECT_FALSE(sched_hold_prefill(20, 0, 60, 30, 3, 1024, 2048));    // half a budget is ready
+    EXPECT_FALSE(sched_hold_prefill(20, 0, 60, 3, 3, 300, 2048));      // every waiting one has a place
+    EXPECT_FALSE(sched_hold_prefill(20, 0, 0, 30, 1, 300, 2048));      // no decode rows to serve
+    EXPECT_FALSE(sched_hold_prefill(0, 0, 60, 30, 1, 300, 2048));      // off
+}
+
 TEST(EngineSched, DeadlineHopelessOnlyWhenMeasuredAndTooNear) {
     sched_pace p;
     sched_pace_init(&p);

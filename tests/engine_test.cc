@@ -785,6 +785,52 @@ TEST(Engine, PacedStepsMoveLongPromptsInFloorChunks) {
     EXPECT_EQ(got[0][2].size(), 6u);
 }
 
+// Prefill coalescing (prefill_hold_ms): with every place taken and more requests waiting, the
+// prompts admitted into freed places wait (decode steps go on) until half a budget of prompt
+// tokens is ready or the hold time has passed on the engine's clock; the tokens of every request
+// are the unheld run's.
+TEST(Engine, HeldPrefillWaitsForTokensOrTimeAndKeepsTokens) {
+    Model M;
+    const int plen[] = { 0, 6, 7, 8, 10, 12 }, n_new[] = { 0, 3, 40, 40, 5, 5 };
+    std::map<uint64_t, std::vector<int32_t>> got[2];
+    for (int hold = 0; hold < 2; hold++) {
+        eng_params p = eng_default_params();
+        p.max_sequences = 3;
+        p.prefill_budget = 64;
+        p.mixed_steps = true;
+        p.prefill_hold_ms = hold ? 50 : 0;
+        Engine E(M.m, p);
+        // three running (the first ends after 3 tokens), then two waiting with short prompts (10
+        // and 12 tokens, under half the budget)
+        for (uint64_t id = 1; id <= 5; id++) ASSERT_EQ(E.Submit(id, Prompt(plen[id], (int)id), Req(n_new[id])), MT_OK);
+        while (E.results[1].finishes == 0) E.Step();
+        // a place is free, two wait for it: held, decode steps go on without a prompt
+        const uint64_t held0 = E.Stats().held_steps;
+        for (int i = 0; i < 3; i++) {
+            E.Step();
+            E.now += 10;
+        }
+        if (hold) {
+            EXPECT_EQ(E.Stats().held_steps - held0, 3u);
+            EXPECT_TRUE(E.results[4].tokens.empty());
+            EXPECT_EQ(E.Stats().running, 2);
+            E.now += 20;  // 50 ms since the hold began: the prompt goes in
+            E.Step();
+            EXPECT_EQ(E.results[4].tokens.size(), 1u);
+            EXPECT_EQ(E.Stats().held_steps - held0, 3u);
+        } else {
+            EXPECT_EQ(E.Stats().held_steps, 0u);
+            EXPECT_FALSE(E.results[4].tokens.empty());
+        }
+        E.RunToEnd();
+        for (uint64_t id = 1; id <= 5; id++) got[hold][id] = E.results[id].tokens;
+    }
+    for (uint64_t id = 1; id <= 5; id++) {
+        EXPECT_EQ(got[1][id], got[0][id]) << "id " << id;
+        EXPECT_EQ(got[1][id], DirectGreedy(M.m, Prompt(plen[id], (int)id), n_new[id])) << "id " << id;
+    }
+}
+
 // Prefix reuse: a prompt that starts with a kept prefix copies its state instead of prefilling it,
 // and its tokens equal a cold run's; a cache too small for two prefixes evicts the older one, and
 // everything kept is accounted and freed.

@@ -47,6 +47,7 @@ typedef struct wkr_params {
     long cache_budget_mb;    /* the state pools; 0: the backend's free memory less a reserve */
     int prefill_budget;      /* prompt tokens prefilled per step; 0: the engine's default */
     double itl_target_ms;    /* eng_params.itl_target_ms; 0 (default): off */
+    double prefill_hold_ms;  /* eng_params.prefill_hold_ms; 0 (default): off */
     int prefill_pass;        /* rows of one prefill pass (mt_model_params.prefill_chunk); 0: wkr_prefill_pass */
     int graph_max_batch;     /* largest decode batch replayed as a CUDA graph; 0: the model's default */
     bool no_preempt;         /* admit only with pages for the whole length instead of preempting */

@@ -41,6 +41,7 @@ static void usage(FILE *f) {
             "usage: metrale-worker --model DIR --router ENDPOINT --id N [--backend cpu|cuda|auto]\n"
             "                      [--device N] [--max-sequences N] [--max-context N] [--threads N]\n"
             "                      [--router-timeout S] [--cache-budget-mb N] [--prefill-budget N] [--itl-target-ms MS]\n"
+            "                      [--prefill-hold-ms MS]\n"
             "                      [--prefill-pass N]\n"
             "                      [--graph-max-batch N] [--no-preempt] [--no-run-ahead] [--mixed-steps|--separate-steps]\n"
             "                      [--verbose]\n"
@@ -61,7 +62,10 @@ static void usage(FILE *f) {
             "  (default: mixed on a GPU, separate on the CPU);\n"
             "  --itl-target-ms: the step time a step with decode rows aims for: its prompt tokens are as\n"
             "  many as measured step times say fit, at least 64, at most --prefill-budget (default 0: off,\n"
-            "  --prefill-budget every step; docs/PERF.md has what targets cost); --prefill-pass: rows of one\n"
+            "  --prefill-budget every step; docs/PERF.md has what targets cost); --prefill-hold-ms: while more\n"
+            "  requests wait than there are free places, a step with decode rows holds its prompt work back\n"
+            "  until the ready prompt tokens reach half the budget or MS have passed, so the prompts of\n"
+            "  freed places share one pass over the weights (default 0: off); --prefill-pass: rows of one\n"
             "  model pass of prefill (default: on cuda the prefill budget, at most 4096, as each pass reads\n"
             "  the experts its rows touch; on cpu 256). A request waits while the pools are short,\n"
             "  and a running one that runs out of cache pages is preempted (its state recomputed later);\n"
@@ -188,6 +192,14 @@ static int parse_args(int argc, char **argv, wkr_params *o, bool *verbose) {
             o->itl_target_ms = strtod(v, &end);
             if (end == v || *end || !(o->itl_target_ms >= 0 && o->itl_target_ms <= 60000)) {
                 fprintf(stderr, "error: --itl-target-ms must be milliseconds in [0, 60000], got \"%s\"\n", v);
+                return -1;
+            }
+        }
+        else if (!strcmp(a, "--prefill-hold-ms")) {
+            char *end;
+            o->prefill_hold_ms = strtod(v, &end);
+            if (end == v || *end || !(o->prefill_hold_ms >= 0 && o->prefill_hold_ms <= 60000)) {
+                fprintf(stderr, "error: --prefill-hold-ms must be milliseconds in [0, 60000], got \"%s\"\n", v);
                 return -1;
             }
         }

@@ -74,6 +74,10 @@ struct eng_engine {
     uint64_t ahead_steps;
     uint64_t mixed_steps;        /* mixed_step calls that ran decode rows and chunks together */
     uint64_t spec_mixed_steps;   /* mixed_step calls whose verifies rode with decode rows or chunks */
+    uint64_t held_steps;         /* steps that held their prompt work back (prefill_hold_ms) */
+    bool holding;                /* this step holds its prompt work back */
+    bool hold_on;                /* a hold has begun and its prompt work has not run since */
+    uint64_t hold_since;         /* now_ms when it began */
     sched_pace pace;             /* measured step times (itl_target_ms) */
     int step_rows;               /* decode and verify rows of the step under way */
     int pass_rows;               /* of those, the rows in the model call of the step's chunks */
@@ -136,6 +140,8 @@ mt_status eng_new(mt_model *m, const eng_params *params, const eng_callbacks *cb
                          p.max_sequences, p.max_waiting, p.max_context, p.prefill_budget);
     if (!(p.itl_target_ms >= 0))
         return mt_errorf(err, MT_ERR_INVALID, "engine params: itl_target_ms %g (>= 0)", p.itl_target_ms);
+    if (!(p.prefill_hold_ms >= 0))
+        return mt_errorf(err, MT_ERR_INVALID, "engine params: prefill_hold_ms %g (>= 0)", p.prefill_hold_ms);
     if (!p.now_ms) p.now_ms = realtime_ms;
     if (p.spec_tokens < 0 || p.spec_tokens > ENG_SPEC_MAX || p.spec_max_batch < 0)
         return mt_errorf(err, MT_ERR_INVALID, "engine params: spec_tokens %d (0 .. %d), spec_max_batch %d (>= 0)",
@@ -585,6 +591,10 @@ static bool feed_now(eng_engine *e, eng_seq *s, int *budget) {
 static bool plan_chunk(eng_engine *e, eng_seq *s, int *budget);
 
 static void admit_with(eng_engine *e, eng_feed feed) {
+    if (e->holding) {
+        requeue_preempted(e);
+        return;
+    }
     const int cap = e->p.prefill_budget > 0 ? e->p.prefill_budget : 1;
     int budget0 = sched_pace_budget(&e->pace, e->p.itl_target_ms, e->step_rows, ENG_PACE_FLOOR, cap);
     if (feed == plan_chunk) budget0 = sched_mixed_budget(budget0, e->pass_rows, e->info.batch_rows, ENG_PACE_FLOOR);
@@ -963,14 +973,47 @@ static void spec_group(eng_engine *e, eng_seq **b, int n) {
 
 /* ---- mixed steps (eng_params.mixed_steps) ---- */
 
-/* Whether this step has prefill work: a prompt under way, or a request that could be admitted. */
+/* Whether this step has prefill work: a prompt under way, or a request that could be admitted
+ * (none while the step holds its prompt work back). */
 static bool prefill_pending(const eng_engine *e) {
+    if (e->holding) return false;
     if (!admission_idle(e)) return true;
     for (int i = 0; i < e->n_running; i++) {
         const eng_seq *s = e->running[i];
         if (!s->done && s->gs && s->prefilled < s->n_feed) return true;
     }
     return false;
+}
+
+/* Whether this step holds its prompt work back (eng_params.prefill_hold_ms, sched_hold_prefill),
+ * given `rows` sequences ready to decode: the ready prompt tokens are those of prompts under way
+ * and of the waiting requests that fit the free places. The hold's clock starts at the first
+ * held step with prompt work ready and stops when the prompt work runs. */
+static void hold_decide(eng_engine *e, int rows) {
+    e->holding = false;
+    if (!(e->p.prefill_hold_ms > 0)) return;
+    const int places = e->p.max_sequences - e->n_running;
+    long ready = 0;
+    for (int i = 0; i < e->n_running; i++) {
+        const eng_seq *s = e->running[i];
+        if (!s->done && s->gs && s->prefilled < s->n_feed) ready += s->n_feed - s->prefilled;
+    }
+    for (int i = 0; i < e->n_waiting && i < places; i++) ready += e->waiting[i]->n_feed - e->waiting[i]->prefilled;
+    if (ready == 0) {
+        e->hold_on = false;
+        return;
+    }
+    const uint64_t now = e->p.now_ms(e->p.clock_user);
+    if (!e->hold_on) {
+        e->hold_on = true;
+        e->hold_since = now;
+    }
+    const int budget = e->p.prefill_budget > 0 ? e->p.prefill_budget : 1;
+    const double held = now > e->hold_since ? (double)(now - e->hold_since) : 0.0;
+    e->holding = sched_hold_prefill(e->p.prefill_hold_ms, held, rows, e->n_waiting, places,
+                                    ready > INT32_MAX ? INT32_MAX : (int)ready, budget);
+    if (e->holding) e->held_steps++;
+    else e->hold_on = false;
 }
 
 /* Plans the next chunk of s's prefill (at most *budget tokens) into the step's batch; one chunk
@@ -1073,6 +1116,7 @@ mt_status eng_step(eng_engine *e, int *n_tokens) {
 static mt_status step_body(eng_engine *e, int *n_tokens) {
     const uint64_t tokens0 = e->tokens;
     if (n_tokens) *n_tokens = 0;
+    e->holding = false;
     if (!eng_has_work(e)) return MT_OK;
     e->steps++;
     expire(e);
@@ -1115,6 +1159,7 @@ static mt_status step_body(eng_engine *e, int *n_tokens) {
         if (s->k_step == 0 && !make_room(e, s, 1)) preempt(e, s);
     }
     requeue_preempted(e);
+    hold_decide(e, n_ready);
     /* with prefill work this step, its chunks join the decode rows' model call */
     const bool mixed = e->p.mixed_steps && prefill_pending(e);
     bool chunked = false;
@@ -1194,7 +1239,7 @@ mt_status eng_warmup(eng_engine *e, int n_prompt, int n_new, mt_error *err) {
     free(prompt);
     /* the warm-up is not traffic: counters and step timings start from zero */
     e->finished = e->aborted = e->tokens = e->steps = e->preemptions = 0;
-    e->ahead_steps = e->mixed_steps = e->prefill_tokens = 0;
+    e->ahead_steps = e->mixed_steps = e->prefill_tokens = e->held_steps = 0;
     e->spec_steps = e->spec_mixed_steps = e->drafted = e->accepted = 0;
     sched_pace_init(&e->pace);
     if (st != MT_OK) return st;
@@ -1243,7 +1288,7 @@ void eng_get_stats(const eng_engine *e, eng_stats *out) {
                         .live_sequences = e->n_running + e->n_waiting, .cache_bytes_in_use = held,
                         .sequences_finished = e->finished, .sequences_aborted = e->aborted,
                         .tokens_generated = e->tokens, .steps = e->steps, .ahead_steps = e->ahead_steps,
-                        .mixed_steps = e->mixed_steps, .spec_mixed_steps = e->spec_mixed_steps,
+                        .mixed_steps = e->mixed_steps, .spec_mixed_steps = e->spec_mixed_steps, .held_steps = e->held_steps,
                         .prefill_tokens = e->prefill_tokens,
                         .prefix_hits = e->prefixes.hits, .prefix_misses = e->prefixes.misses,
                         .prefix_cache_bytes = e->prefixes.bytes, .prefix_entries = e->prefixes.n,

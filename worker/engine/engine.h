@@ -125,6 +125,12 @@ typedef struct eng_params {
      * verifies, then the chunks, each in calls of their own (the default here; the GPU worker
      * turns it on, docs/PERF.md). */
     bool mixed_steps;
+    /* Prefill coalescing under saturation (sched_hold_prefill): while more requests wait than
+     * there are free places, a step with decode rows holds its prompt work back until the ready
+     * prompt tokens reach half of prefill_budget or prefill_hold_ms have passed since the hold
+     * began, so that the prompts admitted into freed places share one pass over the experts
+     * instead of paying one each. 0 (default): off. */
+    double prefill_hold_ms;
     /* Prefix reuse: while a prompt is prefilled, the state at its last multiple of prefix_block
      * (leaving at least one prompt token) is kept as a snapshot sequence, within
      * prefix_cache_bytes (least recently used first out); a later prompt that starts with a kept
@@ -188,6 +194,7 @@ typedef struct eng_stats {
     uint64_t spec_mixed_steps;   /* steps whose verifies were in one model call with the step's
                                   * decode rows or prompt chunks (mixed_steps and spec_tokens) */
     uint64_t prefill_tokens;     /* prompt tokens run through the model (a kept prefix's are not) */
+    uint64_t held_steps;         /* steps that held their prompt work back (prefill_hold_ms) */
     uint64_t prefix_hits;        /* admissions that reused a kept prefix */
     uint64_t prefix_misses;      /* admissions (prefix reuse on) that found none */
     size_t prefix_cache_bytes;   /* held by kept prefixes (not in cache_bytes_in_use) */

@@ -89,3 +89,7 @@ int sched_mixed_budget(int budget, int rows, int pass, int floor) {
 bool sched_deadline_hopeless(const sched_pace *p, int tokens, double remaining_ms) {
     return p->per_token_ms > 0 && tokens > 0 && p->chunk_ms + tokens * p->per_token_ms > remaining_ms;
 }
+
+bool sched_hold_prefill(double hold_ms, double held_ms, int rows, int waiting, int places, int ready, int budget) {
+    return hold_ms > 0 && held_ms < hold_ms && rows > 0 && waiting > places && 2 * (long)ready < budget;
+}
