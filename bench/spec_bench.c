@@ -37,7 +37,8 @@
  * logprobs takes the sampling verdict, which expects each draft drawn from the drafter's
  * distribution: forced drafts then read lower acceptance than --accept asks for.
  * --moe-grouped-max N (cuda): the MoE's grouped kernels (fp32 activations) take batches of up to N
- * rows (mt_cuda_params.moe_grouped_max_rows; default 64, above which the tensor-core path runs).
+ * rows (mt_cuda_params.moe_grouped_max_rows; default 64, above which the tensor-core path runs in
+ * the bf16 numerics; the exact numerics take them at every row count).
  */
 #include <json-c/json.h>
 #include <stdio.h>

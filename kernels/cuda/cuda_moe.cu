@@ -10,9 +10,9 @@
  * keyed by the host pointer and revalidated against a host copy on every call, covering experts
  * [0, E) where E is the router's n_experts when idx is the last moe_route output (no read-back),
  * else 1 + the largest index read back from idx.
- *   - Decode batches of mt_cuda_params.moe_grouped_min_rows (5) to moe_grouped_max_rows (64) rows:
- *     the grouped device kernels of cuda_moe_grouped.cu (each touched expert streamed once;
- *     moe_takes_grouped).
+ *   - Decode batches of mt_cuda_params.moe_grouped_min_rows (5) to moe_grouped_max_rows (64) rows,
+ *     and in the exact numerics every batch from the minimum: the grouped device kernels of
+ *     cuda_moe_grouped.cu (each touched expert streamed once; moe_takes_grouped).
  *   - Fewer rows (decode): two GEMV kernels over the selected experts only,
  *     no host synchronisation: per (row, slot) h = swiglu(gate x, up x), then per row
  *     out += sum_k w_k down_k h_k, slots added in order. 16-byte weight loads, 8-16 of them in
@@ -82,9 +82,14 @@ enum {
  * Beyond the maximum, the batched GEMMs, faster at 128 rows (3.73 vs 4.36 ms a layer) but they
  * read the routing back, so a step that uses them cannot be a graph. */
 
-/* Whether n rows go to the grouped device kernels (cu_moe_experts_grouped). */
+/* Whether n rows go to the grouped device kernels (cu_moe_experts_grouped). In the exact numerics
+ * every row count from the minimum does (unless moe_grouped_max_rows is 0): the tensor-core path
+ * sums two-part products, close to but not equal to the grouped kernels' fp32 sums, so a row's
+ * result would depend on how many rows share its pass (a verify of 17 sequences of 4 rows left
+ * the decode steps' greedy tokens where 16 did not, docs/PERF.md). */
 static bool moe_takes_grouped(const cu_backend *cb, int n) {
-    return n >= cb->params.moe_grouped_min_rows && n <= cb->params.moe_grouped_max_rows;
+    const int max = cb->params.moe_grouped_max_rows;
+    return n >= cb->params.moe_grouped_min_rows && (n <= max || (max > 0 && cb->params.numerics == MT_NUMERICS_EXACT));
 }
 
 /* Grouped-path scratch per chunk (before the batched path's padding). Each chunk rereads the
