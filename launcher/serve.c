@@ -109,7 +109,7 @@ typedef struct serve_opts {
     const char *metrics;   /* the router's --metrics HOST:PORT */
     int workers, tp, first_id, max_sequences, max_context, threads;
     /* scheduler policy, passed to every worker when given (metrale-worker checks them) */
-    const char *prefill_budget, *graph_max_batch, *cache_budget_mb, *itl_target_ms, *prefill_pass;
+    const char *prefill_budget, *graph_max_batch, *cache_budget_mb, *itl_target_ms, *prefill_pass, *prefill_hold_ms;
     const char *numerics;  /* GPU prefill GEMM numerics, passed to every worker when given */
     const char *dtype;     /* FP8 checkpoints' weights (auto|bf16), passed to every worker when given */
     const char *spec_tokens, *spec_max_batch; /* speculative decoding, passed to every worker */
@@ -134,7 +134,7 @@ static void usage(FILE *f) {
     fprintf(f,
             "usage: metrale-serve [--model DIR] [--listen HOST:PORT] [--workers G] [--tp N] [--backend auto|cpu|cuda]\n"
             "                     [--max-sequences N] [--max-context N] [--threads N] [--queue N] [--drain-timeout S]\n"
-            "                     [--prefill-budget N] [--prefill-pass N] [--itl-target-ms MS] [--graph-max-batch N] [--cache-budget-mb N] [--no-preempt]\n"
+            "                     [--prefill-budget N] [--prefill-pass N] [--itl-target-ms MS] [--prefill-hold-ms MS] [--graph-max-batch N] [--cache-budget-mb N] [--no-preempt]\n"
             "                     [--mixed-steps|--separate-steps] [--no-run-ahead] [--numerics bf16|exact] [--dtype auto|bf16]\n"
             "                     [--metrics HOST:PORT]\n"
             "                     [--speculative-tokens K] [--speculative-max-batch B] [--warmup-tokens N]\n"
@@ -334,6 +334,7 @@ static pid_t start_rank(group *gr, int r) {
     }
     if (g_o.prefill_budget) { argv[k++] = "--prefill-budget"; argv[k++] = (char *)g_o.prefill_budget; }
     if (g_o.itl_target_ms) { argv[k++] = "--itl-target-ms"; argv[k++] = (char *)g_o.itl_target_ms; }
+    if (g_o.prefill_hold_ms) { argv[k++] = "--prefill-hold-ms"; argv[k++] = (char *)g_o.prefill_hold_ms; }
     if (g_o.prefill_pass) { argv[k++] = "--prefill-pass"; argv[k++] = (char *)g_o.prefill_pass; }
     if (g_o.graph_max_batch) { argv[k++] = "--graph-max-batch"; argv[k++] = (char *)g_o.graph_max_batch; }
     if (g_o.cache_budget_mb) { argv[k++] = "--cache-budget-mb"; argv[k++] = (char *)g_o.cache_budget_mb; }
@@ -489,6 +490,14 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
             const double ms = strtod(o->itl_target_ms = v, &end);
             if (end == v || *end || !(ms >= 0 && ms <= 60000)) {
                 fprintf(stderr, "metrale-serve: --itl-target-ms must be milliseconds in [0, 60000], got \"%s\"\n", v);
+                rc = -1;
+            }
+        }
+        else if (!strcmp(a, "--prefill-hold-ms")) {
+            char *end;
+            const double ms = strtod(o->prefill_hold_ms = v, &end);
+            if (end == v || *end || !(ms >= 0 && ms <= 60000)) {
+                fprintf(stderr, "metrale-serve: --prefill-hold-ms must be milliseconds in [0, 60000], got \"%s\"\n", v);
                 rc = -1;
             }
         }
