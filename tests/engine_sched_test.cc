@@ -126,6 +126,7 @@ TEST(EngineSched, HoldPrefillOnlyWhenSaturatedShortAndRecent) {
     EXPECT_FALSE(sched_hold_prefill(20, 0, 60, 3, 3, 300, 2048));      // every waiting one has a place
     EXPECT_FALSE(sched_hold_prefill(20, 0, 0, 30, 1, 300, 2048));      // no decode rows to serve
     EXPECT_FALSE(sched_hold_prefill(0, 0, 60, 30, 1, 300, 2048));      // off
+    EXPECT_FALSE(sched_hold_prefill(20, 0, 60, 30, 0, 0, 2048));       // no place to admit into
 }
 
 TEST(EngineSched, DeadlineHopelessOnlyWhenMeasuredAndTooNear) {

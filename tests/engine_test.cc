@@ -785,11 +785,11 @@ TEST(Engine, PacedStepsMoveLongPromptsInFloorChunks) {
     EXPECT_EQ(got[0][2].size(), 6u);
 }
 
-// Prefill coalescing (prefill_hold_ms): with every place taken and more requests waiting, the
-// prompts admitted into freed places wait (decode steps go on) until half a budget of prompt
-// tokens is ready or the hold time has passed on the engine's clock; the tokens of every request
-// are the unheld run's.
-TEST(Engine, HeldPrefillWaitsForTokensOrTimeAndKeepsTokens) {
+// Prefill coalescing (prefill_hold_ms): with more requests waiting than there are free places and
+// too few of their prompt tokens ready, admission waits (the running sequences decode meanwhile)
+// until the hold time has passed on the engine's clock; the tokens of every request are the
+// unheld run's.
+TEST(Engine, HeldPrefillWaitsUpToTheHoldTimeAndKeepsTokens) {
     Model M;
     const int plen[] = { 0, 6, 7, 8, 10, 12 }, n_new[] = { 0, 3, 40, 40, 5, 5 };
     std::map<uint64_t, std::vector<int32_t>> got[2];
@@ -806,10 +806,13 @@ TEST(Engine, HeldPrefillWaitsForTokensOrTimeAndKeepsTokens) {
         while (E.results[1].finishes == 0) E.Step();
         // a place is free, two wait for it: held, decode steps go on without a prompt
         const uint64_t held0 = E.Stats().held_steps;
+        const size_t had2 = E.results[2].tokens.size(), had3 = E.results[3].tokens.size();
         for (int i = 0; i < 3; i++) {
             E.Step();
             E.now += 10;
         }
+        EXPECT_EQ(E.results[2].tokens.size(), had2 + 3);  // the running ones decode meanwhile
+        EXPECT_EQ(E.results[3].tokens.size(), had3 + 3);
         if (hold) {
             EXPECT_EQ(E.Stats().held_steps - held0, 3u);
             EXPECT_TRUE(E.results[4].tokens.empty());
@@ -829,6 +832,29 @@ TEST(Engine, HeldPrefillWaitsForTokensOrTimeAndKeepsTokens) {
         EXPECT_EQ(got[1][id], got[0][id]) << "id " << id;
         EXPECT_EQ(got[1][id], DirectGreedy(M.m, Prompt(plen[id], (int)id), n_new[id])) << "id " << id;
     }
+}
+
+// Prefill coalescing releases at once when the waiting prompts that fit the free places hold half
+// a budget of tokens: nothing is held, however long the hold time.
+TEST(Engine, HeldPrefillGoesOnWhenHalfABudgetIsReady) {
+    Model M;
+    eng_params p = eng_default_params();
+    p.max_sequences = 2;
+    p.prefill_budget = 64;
+    p.mixed_steps = true;
+    p.prefill_hold_ms = 1e6;
+    Engine E(M.m, p);
+    ASSERT_EQ(E.Submit(1, Prompt(6, 1), Req(3)), MT_OK);
+    ASSERT_EQ(E.Submit(2, Prompt(7, 2), Req(30)), MT_OK);
+    ASSERT_EQ(E.Submit(3, Prompt(40, 3), Req(5)), MT_OK);  // 40 tokens: more than half of 64
+    ASSERT_EQ(E.Submit(4, Prompt(8, 4), Req(5)), MT_OK);
+    while (E.results[1].finishes == 0) E.Step();
+    E.Step();
+    EXPECT_EQ(E.Stats().held_steps, 0u);
+    EXPECT_EQ(E.results[3].tokens.size(), 1u);
+    E.RunToEnd();
+    EXPECT_EQ(E.results[3].tokens, DirectGreedy(M.m, Prompt(40, 3), 5));
+    EXPECT_EQ(E.results[4].tokens, DirectGreedy(M.m, Prompt(8, 4), 5));
 }
 
 // Prefix reuse: a prompt that starts with a kept prefix copies its state instead of prefilling it,

@@ -985,24 +985,27 @@ static bool prefill_pending(const eng_engine *e) {
     return false;
 }
 
-/* Whether this step holds its prompt work back (eng_params.prefill_hold_ms, sched_hold_prefill),
- * given `rows` sequences ready to decode: the ready prompt tokens are those of prompts under way
- * and of the waiting requests that fit the free places. The hold's clock starts at the first
- * held step with prompt work ready and stops when the prompt work runs. */
+/* Whether this step holds back the admission of new prompts (eng_params.prefill_hold_ms,
+ * sched_hold_prefill), given `rows` sequences that decode in it. Only admissions wait: a prompt
+ * under way goes on (holding its tail would add the hold to its TTFT at every chunk), and while
+ * one does nothing is held. The ready tokens are those of the waiting requests that fit the free
+ * places. The hold's clock starts at the first step that could admit, and runs until a step runs
+ * prompt work (eng_step) or nobody can be admitted: a release that admits nothing (the pools are
+ * short) does not start another hold. */
 static void hold_decide(eng_engine *e, int rows) {
     e->holding = false;
     if (!(e->p.prefill_hold_ms > 0)) return;
     const int places = e->p.max_sequences - e->n_running;
-    long ready = 0;
-    for (int i = 0; i < e->n_running; i++) {
-        const eng_seq *s = e->running[i];
-        if (!s->done && s->gs && s->prefilled < s->n_feed) ready += s->n_feed - s->prefilled;
-    }
-    for (int i = 0; i < e->n_waiting && i < places; i++) ready += e->waiting[i]->n_feed - e->waiting[i]->prefilled;
-    if (ready == 0) {
+    if (places <= 0 || e->n_waiting == 0) {
         e->hold_on = false;
         return;
     }
+    for (int i = 0; i < e->n_running; i++) {
+        const eng_seq *s = e->running[i];
+        if (!s->done && s->gs && s->prefilled < s->n_feed) return;
+    }
+    long ready = 0;
+    for (int i = 0; i < e->n_waiting && i < places; i++) ready += e->waiting[i]->n_feed - e->waiting[i]->prefilled;
     const uint64_t now = e->p.now_ms(e->p.clock_user);
     if (!e->hold_on) {
         e->hold_on = true;
@@ -1012,8 +1015,7 @@ static void hold_decide(eng_engine *e, int rows) {
     const double held = now > e->hold_since ? (double)(now - e->hold_since) : 0.0;
     e->holding = sched_hold_prefill(e->p.prefill_hold_ms, held, rows, e->n_waiting, places,
                                     ready > INT32_MAX ? INT32_MAX : (int)ready, budget);
-    if (e->holding) e->held_steps++;
-    else e->hold_on = false;
+    e->held_steps += e->holding;
 }
 
 /* Plans the next chunk of s's prefill (at most *budget tokens) into the step's batch; one chunk
@@ -1110,6 +1112,7 @@ mt_status eng_step(eng_engine *e, int *n_tokens) {
     e->step_prompt = 0;
     const mt_status st = step_body(e, n_tokens);
     sched_pace_note(&e->pace, (mt_now() - t0) * 1e3, e->step_prompt, e->step_rows);
+    if (e->step_prompt > 0) e->hold_on = false; /* the prompt work ran: a later hold starts afresh */
     return st;
 }
 
@@ -1117,7 +1120,10 @@ static mt_status step_body(eng_engine *e, int *n_tokens) {
     const uint64_t tokens0 = e->tokens;
     if (n_tokens) *n_tokens = 0;
     e->holding = false;
-    if (!eng_has_work(e)) return MT_OK;
+    if (!eng_has_work(e)) {
+        e->hold_on = false;
+        return MT_OK;
+    }
     e->steps++;
     expire(e);
     if (e->n_ahead > 0) {
@@ -1159,7 +1165,12 @@ static mt_status step_body(eng_engine *e, int *n_tokens) {
         if (s->k_step == 0 && !make_room(e, s, 1)) preempt(e, s);
     }
     requeue_preempted(e);
-    hold_decide(e, n_ready);
+    int n_decode = 0; /* after any preemption above */
+    for (int i = 0; i < e->n_running; i++) {
+        const eng_seq *s = e->running[i];
+        n_decode += !s->done && s->gs && s->prefilled == s->n_feed;
+    }
+    hold_decide(e, n_decode);
     /* with prefill work this step, its chunks join the decode rows' model call */
     const bool mixed = e->p.mixed_steps && prefill_pending(e);
     bool chunked = false;

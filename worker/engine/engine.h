@@ -126,10 +126,10 @@ typedef struct eng_params {
      * turns it on, docs/PERF.md). */
     bool mixed_steps;
     /* Prefill coalescing under saturation (sched_hold_prefill): while more requests wait than
-     * there are free places, a step with decode rows holds its prompt work back until the ready
-     * prompt tokens reach half of prefill_budget or prefill_hold_ms have passed since the hold
-     * began, so that the prompts admitted into freed places share one pass over the experts
-     * instead of paying one each. 0 (default): off. */
+     * there are free places and no prompt is under way, a step with decode rows admits nobody
+     * until the waiting prompts that fit the places reach half of prefill_budget tokens or
+     * prefill_hold_ms have passed since the hold began, so that the prompts admitted into freed
+     * places share one pass over the experts instead of paying one each. 0 (default): off. */
     double prefill_hold_ms;
     /* Prefix reuse: while a prompt is prefilled, the state at its last multiple of prefix_block
      * (leaving at least one prompt token) is kept as a snapshot sequence, within

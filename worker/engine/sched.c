@@ -91,5 +91,5 @@ bool sched_deadline_hopeless(const sched_pace *p, int tokens, double remaining_m
 }
 
 bool sched_hold_prefill(double hold_ms, double held_ms, int rows, int waiting, int places, int ready, int budget) {
-    return hold_ms > 0 && held_ms < hold_ms && rows > 0 && waiting > places && 2 * (long)ready < budget;
+    return hold_ms > 0 && held_ms < hold_ms && rows > 0 && places > 0 && waiting > places && 2 * (long)ready < budget;
 }

@@ -103,13 +103,13 @@ bool sched_deadline_hopeless(const sched_pace *p, int tokens, double remaining_m
  * (64 decode rows and a 2048-token budget in 2048-row passes: 1984 tokens, one pass, not two). */
 int sched_mixed_budget(int budget, int rows, int pass, int floor);
 
-/* Prefill coalescing under saturation: whether a step with `rows` decode rows holds its prompt
- * work back. Only while more requests wait than there are free places (admission is limited by
- * places, so every freed place admits one prompt, and each such prompt alone would cost a step
- * that reads most of the experts), while the prompt tokens ready to prefill (`ready`: prompts
- * under way and the waiting ones that fit the free places) are under half the step's `budget`,
- * and for at most hold_ms since the hold began (`held_ms`); hold_ms <= 0 turns it off. Below
- * saturation nothing waits, so it costs TTFT only where requests already queue. */
+/* Prefill coalescing under saturation: whether a step with `rows` decode rows holds back the
+ * admission of new prompts into its `places` free places (at least one). Only while more requests
+ * wait than there are places (admission is limited by places, so every freed place admits one
+ * prompt, and each such prompt alone would cost a step that reads most of the experts), while the
+ * prompt tokens ready to prefill (`ready`: the waiting ones that fit the places) are under half
+ * the step's `budget`, and for at most hold_ms since the hold began (`held_ms`); hold_ms <= 0
+ * turns it off. Below saturation nothing waits, so it costs TTFT only where requests queue. */
 bool sched_hold_prefill(double hold_ms, double held_ms, int rows, int waiting, int places, int ready, int budget);
 
 #ifdef __cplusplus
