@@ -197,7 +197,8 @@ static int run_mix(eng_engine *e, bench *b, int V, int n, const int *plens, cons
     printf("{\"mode\": \"mix\", \"requests\": %d, \"requests_done\": %d, \"tokens\": %ld, \"tokens_expected\": %ld, "
            "\"wall_s\": %.6f, \"tok_per_s\": %.3f, \"ttft_p50_ms\": %.3f, \"ttft_p99_ms\": %.3f, "
            "\"itl_p50_ms\": %.3f, \"itl_p99_ms\": %.3f, \"shared_prefix\": %d, \"prefix_hits\": %llu, "
-           "\"max_sequences\": %d, \"steps\": %llu, \"mixed_steps\": %llu, \"ahead_steps\": %llu, \"held_steps\": %llu, "
+           "\"max_sequences\": %d, \"steps\": %llu, \"mixed_steps\": %llu, \"ahead_steps\": %llu, "
+           "\"held_steps\": %llu, "
            "\"ms_per_step\": %.3f, \"chunk_steps\": %ld, \"chunk_steps_ms\": %.1f, \"prompt_tokens\": %llu, "
            "\"decode_steps\": %ld, \"decode_steps_ms\": %.1f, \"backend\": \"%s\"",
            n, done, tokens, want, wall, tokens / wall, 1e3 * pct_sorted(ttft, (size_t)n, 0.5),

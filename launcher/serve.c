@@ -134,7 +134,8 @@ static void usage(FILE *f) {
     fprintf(f,
             "usage: metrale-serve [--model DIR] [--listen HOST:PORT] [--workers G] [--tp N] [--backend auto|cpu|cuda]\n"
             "                     [--max-sequences N] [--max-context N] [--threads N] [--queue N] [--drain-timeout S]\n"
-            "                     [--prefill-budget N] [--prefill-pass N] [--itl-target-ms MS] [--prefill-hold-ms MS] [--graph-max-batch N] [--cache-budget-mb N] [--no-preempt]\n"
+            "                     [--prefill-budget N] [--prefill-pass N] [--itl-target-ms MS] [--prefill-hold-ms MS]\n"
+            "                     [--graph-max-batch N] [--cache-budget-mb N] [--no-preempt]\n"
             "                     [--mixed-steps|--separate-steps] [--no-run-ahead] [--numerics bf16|exact] [--dtype auto|bf16]\n"
             "                     [--metrics HOST:PORT]\n"
             "                     [--speculative-tokens K] [--speculative-max-batch B] [--warmup-tokens N]\n"
@@ -462,6 +463,17 @@ static int parse_int(const char *flag, const char *v, int lo, int hi, int *out) 
     return 0;
 }
 
+/* Milliseconds in [0, 60000], kept as the text the workers get. */
+static int parse_ms(const char *flag, const char *v) {
+    char *end;
+    const double x = strtod(v, &end);
+    if (end == v || *end || !(x >= 0 && x <= 60000)) {
+        fprintf(stderr, "metrale-serve: %s must be milliseconds in [0, 60000], got \"%s\"\n", flag, v);
+        return -1;
+    }
+    return 0;
+}
+
 static int parse_args(int argc, char **argv, serve_opts *o) {
     *o = (serve_opts){ .listen = "127.0.0.1:50051", .backend = "auto", .workers = 0, .tp = 1, .max_sequences = 16,
                        .max_context = 4096, .threads = 0 };
@@ -485,22 +497,8 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
             rc = parse_int(a, o->prefill_budget = v, 1, MT_WIRE_CONTEXT_MAX, &(int){ 0 });
         else if (!strcmp(a, "--prefill-pass"))
             rc = parse_int(a, o->prefill_pass = v, 1, 65536, &(int){ 0 });
-        else if (!strcmp(a, "--itl-target-ms")) {
-            char *end;
-            const double ms = strtod(o->itl_target_ms = v, &end);
-            if (end == v || *end || !(ms >= 0 && ms <= 60000)) {
-                fprintf(stderr, "metrale-serve: --itl-target-ms must be milliseconds in [0, 60000], got \"%s\"\n", v);
-                rc = -1;
-            }
-        }
-        else if (!strcmp(a, "--prefill-hold-ms")) {
-            char *end;
-            const double ms = strtod(o->prefill_hold_ms = v, &end);
-            if (end == v || *end || !(ms >= 0 && ms <= 60000)) {
-                fprintf(stderr, "metrale-serve: --prefill-hold-ms must be milliseconds in [0, 60000], got \"%s\"\n", v);
-                rc = -1;
-            }
-        }
+        else if (!strcmp(a, "--itl-target-ms")) rc = parse_ms(a, o->itl_target_ms = v);
+        else if (!strcmp(a, "--prefill-hold-ms")) rc = parse_ms(a, o->prefill_hold_ms = v);
         else if (!strcmp(a, "--graph-max-batch")) rc = parse_int(a, o->graph_max_batch = v, 1, 4096, &(int){ 0 });
         else if (!strcmp(a, "--speculative-tokens")) rc = parse_int(a, o->spec_tokens = v, 0, 4, &(int){ 0 });
         else if (!strcmp(a, "--warmup-tokens")) rc = parse_int(a, o->warmup_tokens = v, 0, MT_WIRE_CONTEXT_MAX, &(int){ 0 });

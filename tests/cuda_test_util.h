@@ -21,9 +21,13 @@ extern "C" {
 // The backend params of the exact numerics mode (MT_NUMERICS_EXACT, x in two 16-bit parts): the
 // kernel and fixture tests that compare with the CPU's fp32 at the strict bar run in it. The
 // default mode (bf16 activations rounded once) is checked against the CPU on margin models.
+// The exact numerics with the MoE's row classes of the other modes (moe_exact_grouped false), so
+// that tests of the tensor-core MoE paths reach them in the exact mode too; the product's exact
+// mode takes the grouped kernels at every row count.
 inline mt_cuda_params ExactParams() {
     mt_cuda_params p = mt_cuda_default_params();
     p.numerics = MT_NUMERICS_EXACT;
+    p.moe_exact_grouped = false;
     return p;
 }
 

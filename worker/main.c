@@ -108,6 +108,18 @@ static int parse_int(const char *flag, const char *v, int lo, int *out) {
     return 0;
 }
 
+/* Milliseconds in [0, 60000]. */
+static int parse_ms(const char *flag, const char *v, double *out) {
+    char *end;
+    const double x = strtod(v, &end);
+    if (end == v || *end || !(x >= 0 && x <= 60000)) {
+        fprintf(stderr, "error: %s must be milliseconds in [0, 60000], got \"%s\"\n", flag, v);
+        return -1;
+    }
+    *out = x;
+    return 0;
+}
+
 /* The CURVE keys read from the files named by the options; wkr_params points into them. */
 static char g_server_key[MT_WIRE_KEY_Z85 + 1], g_secret_key[MT_WIRE_KEY_Z85 + 1];
 
@@ -187,22 +199,8 @@ static int parse_args(int argc, char **argv, wkr_params *o, bool *verbose) {
                 rc = -1;
             }
         }
-        else if (!strcmp(a, "--itl-target-ms")) {
-            char *end;
-            o->itl_target_ms = strtod(v, &end);
-            if (end == v || *end || !(o->itl_target_ms >= 0 && o->itl_target_ms <= 60000)) {
-                fprintf(stderr, "error: --itl-target-ms must be milliseconds in [0, 60000], got \"%s\"\n", v);
-                return -1;
-            }
-        }
-        else if (!strcmp(a, "--prefill-hold-ms")) {
-            char *end;
-            o->prefill_hold_ms = strtod(v, &end);
-            if (end == v || *end || !(o->prefill_hold_ms >= 0 && o->prefill_hold_ms <= 60000)) {
-                fprintf(stderr, "error: --prefill-hold-ms must be milliseconds in [0, 60000], got \"%s\"\n", v);
-                return -1;
-            }
-        }
+        else if (!strcmp(a, "--itl-target-ms")) rc = parse_ms(a, v, &o->itl_target_ms);
+        else if (!strcmp(a, "--prefill-hold-ms")) rc = parse_ms(a, v, &o->prefill_hold_ms);
         else if (!strcmp(a, "--graph-max-batch")) rc = parse_int(a, v, 1, &o->graph_max_batch);
         else if (!strcmp(a, "--speculative-tokens")) {
             rc = parse_int(a, v, 0, &o->spec_tokens);

@@ -70,9 +70,14 @@ typedef struct mt_cuda_params {
     bool moe_wg;
     /* moe_experts of n rows with min <= n <= max runs grouped by expert on the device
      * (cuda_moe_grouped.cu; graph-capturable, each chosen expert read once); fewer rows take the
-     * per-(row, slot) GEMV kernels, more the GEMMs (which read the routing back, so no graph).
+     * per-(row, slot) GEMV kernels, more the tensor-core GEMMs (the wgmma kernels or cuBLAS).
      * min 2..9 (default 5), max 0 (never grouped) or 9..INT_MAX (default 64). */
     int moe_grouped_min_rows, moe_grouped_max_rows;
+    /* With MT_NUMERICS_EXACT: true (default) every n >= min runs grouped (unless max is 0), so a
+     * row's expert sums do not depend on how many rows from 5 up share its pass (the tensor-core
+     * GEMMs' two-part sums differ from the grouped kernels' fp32 ones); false: the row classes
+     * above (tests of the tensor-core paths in the exact mode). */
+    bool moe_exact_grouped;
     mt_cuda_mla_attend mla_attend;            /* default MT_CUDA_MLA_ATTEND_AUTO */
     mt_cuda_kda_chunk_kernels kda_chunk_kernels; /* default MT_CUDA_KDA_CHUNK_BOTH */
 } mt_cuda_params;

@@ -11,7 +11,7 @@
  * [0, E) where E is the router's n_experts when idx is the last moe_route output (no read-back),
  * else 1 + the largest index read back from idx.
  *   - Decode batches of mt_cuda_params.moe_grouped_min_rows (5) to moe_grouped_max_rows (64) rows,
- *     and in the exact numerics every batch from the minimum: the grouped device kernels of
+ *     and in the exact numerics (moe_exact_grouped) every batch from the minimum: the grouped device kernels of
  *     cuda_moe_grouped.cu (each touched expert streamed once; moe_takes_grouped).
  *   - Fewer rows (decode): two GEMV kernels over the selected experts only,
  *     no host synchronisation: per (row, slot) h = swiglu(gate x, up x), then per row
@@ -83,13 +83,14 @@ enum {
  * read the routing back, so a step that uses them cannot be a graph. */
 
 /* Whether n rows go to the grouped device kernels (cu_moe_experts_grouped). In the exact numerics
- * every row count from the minimum does (unless moe_grouped_max_rows is 0): the tensor-core path
- * sums two-part products, close to but not equal to the grouped kernels' fp32 sums, so a row's
- * result would depend on how many rows share its pass (a verify of 17 sequences of 4 rows left
- * the decode steps' greedy tokens where 16 did not, docs/PERF.md). */
+ * (moe_exact_grouped) every row count from the minimum does, unless moe_grouped_max_rows is 0: the
+ * tensor-core path sums two-part products, close to but not equal to the grouped kernels' fp32
+ * sums, so a row's result would depend on how many rows share its pass (a verify of 17 sequences
+ * of 4 rows left the decode steps' greedy tokens where 16 did not, docs/PERF.md). */
 static bool moe_takes_grouped(const cu_backend *cb, int n) {
-    const int max = cb->params.moe_grouped_max_rows;
-    return n >= cb->params.moe_grouped_min_rows && (n <= max || (max > 0 && cb->params.numerics == MT_NUMERICS_EXACT));
+    const mt_cuda_params *p = &cb->params;
+    const bool any = p->moe_exact_grouped && p->numerics == MT_NUMERICS_EXACT && p->moe_grouped_max_rows > 0;
+    return n >= p->moe_grouped_min_rows && (n <= p->moe_grouped_max_rows || any);
 }
 
 /* Grouped-path scratch per chunk (before the batched path's padding). Each chunk rereads the
@@ -1429,8 +1430,9 @@ static void moe_experts_run(mt_backend *be, float *out, const float *x, const in
      * no host sync, so the step can be a graph. Fewer rows take the per-(row, slot) GEMV kernels
      * below, which reread an expert that several rows chose but launch 2 kernels instead of 4
      * (the grouped gate/up and down grids also have a block per (tile, expert) of all E experts,
-     * most of which exit at once at a few rows). Larger batches (prefill) keep the batched GEMMs,
-     * which were faster at 128 rows (3.73 vs 4.36 ms, kernels_cuda_moe_grouped_test on an H200). */
+     * most of which exit at once at a few rows). Larger batches (prefill) keep the tensor-core
+     * GEMMs, which were faster at 128 rows (3.73 vs 4.36 ms, kernels_cuda_moe_grouped_test on an
+     * H200), except in the exact numerics (moe_takes_grouped). */
     if (!shared && moe_takes_grouped(cb, n)) {
         cu_moe_experts_grouped(be, out, x, idx, weights, experts, n, top_k, H, I, L);
         return;

@@ -1,6 +1,7 @@
 /* kernels/cuda/cuda_moe_grouped.cu: the routed experts (the moe_experts contract,
- * kernels/backend.h) for decode-sized batches, grouped by expert on the device. Meant for
- * 8 < n <= 256 rows (cu_moe_experts routes here), correct for any n.
+ * kernels/backend.h) grouped by expert on the device: decode-sized batches (cu_moe_experts routes
+ * 5..64 rows here by default) and, in the exact numerics, every batch from 5 rows (so a row's sums
+ * do not depend on the rows beside it); correct for any n.
  *
  * Why: cuda_moe.cu's many-row path reads idx back to group rows by expert on the host, so a
  * batched decode step cannot be captured in a CUDA graph; and at decode sizes (n = 64, top-8 of
@@ -38,7 +39,8 @@
  * F8E4M3 experts (block-scaled, cuda_ops.h) take the same kernels: 16 e4m3 weights a 16-byte
  * load, each times its 128 x 128 block's scale in fp32 (not rounded), rows at the padded stride
  * cu_fp8_kpad; the activations stay fp32. cuda_moe.cu sends FP8 experts here for decode batches and,
- * in the exact and fp32 numerics modes, for every row count above the GEMV kernels'.
+ * in the exact and fp32 numerics modes, for every row count above the GEMV kernels' (bf16 experts:
+ * in the exact mode only).
  *
  * Graph capture: a call never synchronises or allocates once warm, i.e. once an eager call has
  * built the table for these experts and sized the scratch (CU_SCRATCH_DENSE) for at least as many
