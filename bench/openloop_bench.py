@@ -10,7 +10,8 @@ over the list, prompt then new, request by request; greedy, ignore_eos). Request
 no two requests share a prefix and a later rate reuses nothing an earlier one left in the
 worker's prefix cache. For each rate: offered and served requests/s, output tokens/s, TTFT
 p50/p99 (arrival -> first token at the client) and ITL p50/p99 (gaps between consecutive token
-messages of a stream), all measured at the gRPC client; the JSON adds the requests that gave all
+messages of a stream) with their ratio (how much worse the worst gaps are than the typical one),
+all measured at the gRPC client; the JSON adds the requests that gave all
 their tokens.
 
     bazel build //router:metrale-router //worker:metrale-worker //bench:serving_direct
@@ -154,6 +155,7 @@ def measure_rate(svc, rate, a, vocab, rng, first_j):
             "tok_per_s": sum(ntok) / wall, "wall_s": wall,
             "ttft_p50_ms": 1e3 * sb.pct(tt, 0.5), "ttft_p99_ms": 1e3 * sb.pct(tt, 0.99),
             "itl_p50_ms": 1e3 * sb.pct(gg, 0.5), "itl_p99_ms": 1e3 * sb.pct(gg, 0.99),
+            "itl_p99_over_p50": sb.pct(gg, 0.99) / sb.pct(gg, 0.5) if gg and sb.pct(gg, 0.5) > 0 else None,
             "prefix_hits": hits, "prefix_misses": after[1] - before[1], "prefix_hit_frac": hits / n}
 
 
@@ -276,8 +278,9 @@ def main():
               a.model if a.model.startswith("random:") else os.path.relpath(a.model, sb.ROOT), a.backend,
               a.prompt_mix, " after a shared %d-token prefix" % a.shared_prefix if a.shared_prefix else "",
               a.new_mix, a.requests))
-    extra = [("prefix hits", lambda r: "%d (%.0f%%)" % (r["prefix_hits"], 100 * r["prefix_hit_frac"]))] \
-        if a.shared_prefix else []
+    extra = [("ITL p99/p50", lambda r: "-" if r["itl_p99_over_p50"] is None else "%.1fx" % r["itl_p99_over_p50"])]
+    if a.shared_prefix:
+        extra.append(("prefix hits", lambda r: "%d (%.0f%%)" % (r["prefix_hits"], 100 * r["prefix_hit_frac"])))
     if a.goodput:
         extra.append(("SLOs", lambda r: "met" if r["meets_slo"] else "missed"))
     print("| offered req/s | served req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |" +
@@ -289,9 +292,10 @@ def main():
             r["offered_req_s"], r["served_req_s"], r["tok_per_s"], r["ttft_p50_ms"], r["ttft_p99_ms"],
             r["itl_p50_ms"], r["itl_p99_ms"]) + "".join(" %*s |" % (len(h), f(r)) for h, f in extra))
     if direct:
-        print("| direct, all at 0 | %12.2f | %12.1f | %11.1f | %11.1f | %10.2f | %10.2f |%s" % (
+        print("| direct, all at 0 | %12.2f | %12.1f | %11.1f | %11.1f | %10.2f | %10.2f | %10s |%s" % (
             direct["requests"] / direct["wall_s"], direct["tok_per_s"], direct["ttft_p50_ms"],
             direct["ttft_p99_ms"], direct["itl_p50_ms"], direct["itl_p99_ms"],
+            "%.1fx" % (direct["itl_p99_ms"] / direct["itl_p50_ms"]) if direct["itl_p50_ms"] > 0 else "-",
             " %d (%.0f%%) |" % (direct["prefix_hits"], 100.0 * direct["prefix_hits"] / direct["requests"])
             if a.shared_prefix else ""))
         print("(direct: bench/serving_direct, the same mix submitted to the engine in-process, no router)")

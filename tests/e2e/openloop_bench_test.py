@@ -4,8 +4,8 @@ prefix the worker's prefix reuse hits, and --direct (bench/serving_direct's mix 
 request done). The bisection itself is checked against a made-up latency curve.
 
 The figures are not checked (tiny model, shared CI cores); what is: every request gave the tokens
-it asked for, the served rate does not exceed the offered one, p50 <= p99, and the goodput
-verdicts. Binaries come from the runfiles through the driver's METRALE_*_BIN variables."""
+it asked for, the served rate does not exceed the offered one, p50 <= p99 and their ratio, and the
+goodput verdicts. Binaries come from the runfiles through the driver's METRALE_*_BIN variables."""
 
 import json
 import os
@@ -52,6 +52,7 @@ class OpenloopBench(unittest.TestCase):
             self.assertLessEqual(r["served_req_s"], r["offered_req_s"] * 1.5, r)
             self.assertLessEqual(r["ttft_p50_ms"], r["ttft_p99_ms"], r)
             self.assertLessEqual(r["itl_p50_ms"], r["itl_p99_ms"], r)
+            self.assertAlmostEqual(r["itl_p99_over_p50"], r["itl_p99_ms"] / r["itl_p50_ms"], places=6)
 
     def check_direct(self, res):
         d = res["direct"]
