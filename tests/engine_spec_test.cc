@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "tests/spec_engine_run.h"
 #include "worker/engine/engine.h"
 #include "worker/model/glm/glm_model.h"
 
@@ -23,19 +24,8 @@ namespace {
 const char kDir[] = "tests/fixtures/mtp_a";  // tiny_a (vocab 300, no EOS) with an MTP block
 const int kMaxNew = 96;
 
-struct Out {
-    std::vector<int32_t> tokens;
-    std::vector<float> logprobs;
-    int finishes = 0, drafted = 0, accepted = 0;
-    eng_finish reason = ENG_FINISH_ERROR;
-};
-
-enum class Force { kNone, kAccept, kReject };
-
-struct Outputs {
-    std::map<uint64_t, Out> out;
-    eng_stats stats = {};
-};
+using Out = SpecOut;
+using Outputs = SpecRun;
 
 // The prompts: some share a 32-token prefix (prefix reuse), lengths 5 .. 47.
 std::vector<std::vector<int32_t>> Prompts(int n) {
@@ -52,12 +42,6 @@ std::vector<std::vector<int32_t>> Prompts(int n) {
     return ps;
 }
 
-struct Harness {
-    Force force = Force::kNone;
-    const Outputs *ref = nullptr;  // the K = 0 run, for the forcing hooks
-    Outputs run;
-};
-
 // mixed: every other request opts out of speculation. mixed_steps: eng_params.mixed_steps, with
 // prompts fed in chunks of at most budget tokens (0: the default budget).
 Outputs Generate(glm_model *m, int k, int max_seqs, int pages, Force force = Force::kNone, const Outputs *ref = nullptr,
@@ -65,66 +49,25 @@ Outputs Generate(glm_model *m, int k, int max_seqs, int pages, Force force = For
                  bool mixed = false, bool mixed_steps = false, int budget = 0) {
     mt_error err = { "" };
     EXPECT_EQ(glm_model_set_pools(m, pages, 64, &err), MT_OK) << err.msg;
-    Harness h;
-    h.force = force;
-    h.ref = ref;
     eng_params p = eng_default_params();
     p.max_sequences = max_seqs;
     p.prefix_block = 16;
-    p.spec_tokens = k;
     p.spec_max_batch = 0;
-    p.spec_hook_user = &h;
     p.mixed_steps = mixed_steps;
     if (budget > 0) p.prefill_budget = budget;
-    if (force != Force::kNone)
-        p.spec_draft_hook = [](void *u, uint64_t id, int gen_index, int32_t drafted) -> int32_t {
-            auto *hh = static_cast<Harness *>(u);
-            const std::vector<int32_t> &t = hh->ref->out.at(id).tokens;
-            if (gen_index >= (int)t.size()) return drafted;
-            return hh->force == Force::kAccept ? t[gen_index] : (t[gen_index] + 1) % 300;
-        };
-    eng_callbacks cb = {};
-    cb.user = &h;
-    cb.on_tokens = [](void *u, uint64_t id, const eng_sample_result *t, int n) {
-        Out &o = static_cast<Harness *>(u)->run.out[id];
-        EXPECT_EQ(o.finishes, 0);
-        for (int i = 0; i < n; i++) {
-            o.tokens.push_back(t[i].token);
-            o.logprobs.push_back(t[i].logprob);
-        }
-    };
-    cb.on_finished = [](void *u, uint64_t id, const eng_finish_info *f) {
-        Out &o = static_cast<Harness *>(u)->run.out[id];
-        o.finishes++;
-        o.reason = f->reason;
-        o.drafted = f->draft_tokens;
-        o.accepted = f->accepted_tokens;
-        EXPECT_EQ(f->completion_tokens, (int)o.tokens.size());
-    };
-    eng_engine *e = nullptr;
-    EXPECT_EQ(eng_new(glm_model_as_model(m), &p, &cb, &e, &err), MT_OK) << err.msg;
-    if (!e) return {};
+    std::vector<SpecRequest> reqs;
     const auto prompts = Prompts(n_prompts);
     for (size_t i = 0; i < prompts.size(); i++) {
-        eng_request r = eng_default_request();
-        r.prompt = prompts[i].data();
-        r.n_prompt = (int)prompts[i].size();
-        r.max_new_tokens = kMaxNew;
-        r.ignore_eos = true;
-        r.no_speculation = mixed && i % 2 == 1;
-        if (sampling) {
-            r.sampling = *sampling;
-            r.has_seed = true;
-            r.seed = 1000 + i;
-            r.logprobs = logprobs;
-            r.top_logprobs = logprobs ? 3 : 0;
-        }
-        EXPECT_EQ(eng_submit(e, i + 1, &r, 0, &err), MT_OK) << err.msg;
+        SpecRequest q;
+        q.prompt = prompts[i];
+        q.max_new = kMaxNew;
+        q.no_speculation = mixed && i % 2 == 1;
+        q.sampling = sampling;
+        q.seed = 1000 + i;
+        q.logprobs = logprobs;
+        reqs.push_back(q);
     }
-    for (int guard = 0; eng_has_work(e) && guard < 100000; guard++) EXPECT_EQ(eng_step(e, nullptr), MT_OK);
-    eng_get_stats(e, &h.run.stats);
-    eng_free(e);
-    return h.run;
+    return RunSpec(m, p, k, reqs, force, ref);
 }
 
 class Spec : public ::testing::Test {

@@ -42,6 +42,7 @@ extern "C" {
 #include "tests/cuda_test_util.h"
 #include "tests/mixed_check.h"
 #include "tests/run_ahead_check.h"
+#include "tests/spec_engine_run.h"
 #include "tests/teacher_forced.h"
 #include "tests/verify_check.h"
 
@@ -507,57 +508,23 @@ TEST_F(PleSpecCuda, KeptRowsContinueAsAStepOfThem) {
     }
 }
 
-struct SpecRun {
-    std::map<uint64_t, std::vector<int32_t>> out;
-    const std::map<uint64_t, std::vector<int32_t>> *ref = nullptr;
-    int force = 0;  // 0 none, 1 accept, 2 reject
-    eng_stats st = {};
-};
-
 std::vector<int32_t> SpecPrompt(int r) {
     std::vector<int32_t> pr;
     for (int i = 0; i < 8 + 5 * r; i++) pr.push_back((r * 101 + i * 13 + 7) % 300);
     return pr;
 }
 
-SpecRun GenerateSpec(glm_model *m, int k, int batch, int force, const SpecRun *ref, int new_tokens) {
-    SpecRun g;
-    g.ref = ref ? &ref->out : nullptr;
-    g.force = force;
+SpecRun GenerateSpec(glm_model *m, int k, int batch, Force force, const SpecRun *ref, int new_tokens) {
     eng_params p = eng_default_params();
     p.max_sequences = batch;
-    p.spec_tokens = k;
-    p.spec_hook_user = &g;
-    if (force)
-        p.spec_draft_hook = [](void *u, uint64_t id, int i, int32_t d) -> int32_t {
-            auto *gg = static_cast<SpecRun *>(u);
-            const auto &t = gg->ref->at(id);
-            if (i >= (int)t.size()) return d;
-            return gg->force == 1 ? t[i] : (t[i] + 1) % 300;
-        };
-    eng_callbacks cb = {};
-    cb.user = &g;
-    cb.on_tokens = [](void *u, uint64_t id, const eng_sample_result *t, int n) {
-        for (int i = 0; i < n; i++) static_cast<SpecRun *>(u)->out[id].push_back(t[i].token);
-    };
-    eng_engine *e = nullptr;
-    mt_error err{};
-    EXPECT_EQ(eng_new(glm_model_as_model(m), &p, &cb, &e, &err), MT_OK) << err.msg;
-    if (!e) return g;
-    std::vector<std::vector<int32_t>> prompts;
-    for (int r = 0; r < batch; r++) prompts.push_back(SpecPrompt(r));
+    std::vector<SpecRequest> reqs;
     for (int r = 0; r < batch; r++) {
-        eng_request q = eng_default_request();
-        q.prompt = prompts[r].data();
-        q.n_prompt = (int)prompts[r].size();
-        q.max_new_tokens = new_tokens;
-        q.ignore_eos = true;
-        EXPECT_EQ(eng_submit(e, r + 1, &q, 0, &err), MT_OK) << err.msg;
+        SpecRequest q;
+        q.prompt = SpecPrompt(r);
+        q.max_new = new_tokens;
+        reqs.push_back(q);
     }
-    while (eng_has_work(e)) EXPECT_EQ(eng_step(e, nullptr), MT_OK);
-    eng_get_stats(e, &g.st);
-    eng_free(e);
-    return g;
+    return RunSpec(m, p, k, reqs, force, ref);
 }
 
 // The engine on the GPU (verify graphs, the verifies of several sequences in one mixed pass):
@@ -574,21 +541,22 @@ TEST_F(PleSpecCuda, EngineGreedyEqualsNoSpeculationAndCpu) {
     }
     ASSERT_GE(cpu.size(), 3u) << "too few prompts without near ties on the CPU";
     for (int batch : { 1, 6 }) {
-        const SpecRun ref = GenerateSpec(mg_, 0, batch, 0, nullptr, new_tokens);
+        const SpecRun ref = GenerateSpec(mg_, 0, batch, Force::kNone, nullptr, new_tokens);
         for (const auto &[id, t] : ref.out)
-            if (cpu.count(id)) EXPECT_EQ(t, cpu.at(id)) << "K 0 against the CPU, batch " << batch << " id " << id;
+            if (cpu.count(id)) EXPECT_EQ(t.tokens, cpu.at(id)) << "K 0 against the CPU, batch " << batch << " id " << id;
         for (int k = 1; k <= 3; k++)
-            for (int force = 0; force <= 2; force++) {
+            for (Force force : { Force::kNone, Force::kAccept, Force::kReject }) {
                 const SpecRun g = GenerateSpec(mg_, k, batch, force, &ref, new_tokens);
                 for (const auto &[id, t] : ref.out)
                     if (cpu.count(id))
-                        EXPECT_EQ(g.out.at(id), t) << "batch " << batch << " K " << k << " force " << force << " id " << id;
-                EXPECT_GT(g.st.spec_steps, 0u);
-                if (force == 1) {
-                    EXPECT_EQ(g.st.accepted_tokens, g.st.draft_tokens);
+                        EXPECT_EQ(g.out.at(id).tokens, t.tokens)
+                            << "batch " << batch << " K " << k << " force " << (int)force << " id " << id;
+                EXPECT_GT(g.stats.spec_steps, 0u);
+                if (force == Force::kAccept) {
+                    EXPECT_EQ(g.stats.accepted_tokens, g.stats.draft_tokens);
                 }
-                if (force == 2) {
-                    EXPECT_EQ(g.st.accepted_tokens, 0u);
+                if (force == Force::kReject) {
+                    EXPECT_EQ(g.stats.accepted_tokens, 0u);
                 }
             }
     }

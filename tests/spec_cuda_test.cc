@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "tests/mtp_fixture.h"
+#include "tests/spec_engine_run.h"
 
 extern "C" {
 #include "kernels/backend.h"
@@ -128,76 +129,40 @@ TEST_F(SpecGpu, KeptRowsContinueAsAStepOfThem) {
     }
 }
 
-struct Gen {
-    std::map<uint64_t, std::vector<int32_t>> out;
-    const std::map<uint64_t, std::vector<int32_t>> *ref = nullptr;
-    int force = 0;  // 0 none, 1 accept, 2 reject
-    eng_stats st = {};
-};
-
-// mixed_steps: eng_params.mixed_steps with prompts fed 8 tokens a step and every other request
-// opted out of speculation, so verifies, plain decode rows and prompt chunks share steps.
-Gen Generate(glm_model *m, int k, int batch, int force, const Gen *ref, bool mixed_steps = false) {
-    Gen g;
-    g.ref = ref ? &ref->out : nullptr;
-    g.force = force;
+// batch requests with prompts of 8 + 5r tokens, 64 new tokens each. mixed_steps:
+// eng_params.mixed_steps with prompts fed 8 tokens a step and every other request opted out of
+// speculation, so verifies, plain decode rows and prompt chunks share steps.
+SpecRun Generate(glm_model *m, int k, int batch, Force force, const SpecRun *ref, bool mixed_steps = false) {
     eng_params p = eng_default_params();
     p.max_sequences = batch;
-    p.spec_tokens = k;
-    p.spec_hook_user = &g;
     p.mixed_steps = mixed_steps;
     if (mixed_steps) p.prefill_budget = 8;
-    if (force)
-        p.spec_draft_hook = [](void *u, uint64_t id, int i, int32_t d) -> int32_t {
-            auto *gg = static_cast<Gen *>(u);
-            const auto &t = gg->ref->at(id);
-            if (i >= (int)t.size()) return d;
-            return gg->force == 1 ? t[i] : (t[i] + 1) % 300;
-        };
-    eng_callbacks cb = {};
-    cb.user = &g;
-    cb.on_tokens = [](void *u, uint64_t id, const eng_sample_result *t, int n) {
-        for (int i = 0; i < n; i++) static_cast<Gen *>(u)->out[id].push_back(t[i].token);
-    };
-    eng_engine *e = nullptr;
-    mt_error err{};
-    EXPECT_EQ(eng_new(glm_model_as_model(m), &p, &cb, &e, &err), MT_OK) << err.msg;
-    if (!e) return g;
-    std::vector<std::vector<int32_t>> prompts;
+    std::vector<SpecRequest> reqs;
     for (int r = 0; r < batch; r++) {
-        std::vector<int32_t> pr;
-        for (int i = 0; i < 8 + 5 * r; i++) pr.push_back((r * 101 + i * 13 + 7) % 300);
-        prompts.push_back(pr);
-    }
-    for (int r = 0; r < batch; r++) {
-        eng_request q = eng_default_request();
-        q.prompt = prompts[r].data();
-        q.n_prompt = (int)prompts[r].size();
-        q.max_new_tokens = 64;
-        q.ignore_eos = true;
+        SpecRequest q;
+        for (int i = 0; i < 8 + 5 * r; i++) q.prompt.push_back((r * 101 + i * 13 + 7) % 300);
+        q.max_new = 64;
         q.no_speculation = mixed_steps && r % 2 == 1;
-        EXPECT_EQ(eng_submit(e, r + 1, &q, 0, &err), MT_OK) << err.msg;
+        reqs.push_back(q);
     }
-    while (eng_has_work(e)) EXPECT_EQ(eng_step(e, nullptr), MT_OK);
-    eng_get_stats(e, &g.st);
-    eng_free(e);
-    return g;
+    return RunSpec(m, p, k, reqs, force, ref);
 }
 
 TEST_F(SpecGpu, EngineGreedyEqualsNoSpeculation) {
     for (int batch : { 1, 8 }) {
-        const Gen ref = Generate(m_, 0, batch, 0, nullptr);
+        const SpecRun ref = Generate(m_, 0, batch, Force::kNone, nullptr);
         for (int k = 1; k <= 3; k++)
-            for (int force = 0; force <= 2; force++) {
-                const Gen g = Generate(m_, k, batch, force, &ref);
+            for (Force force : { Force::kNone, Force::kAccept, Force::kReject }) {
+                const SpecRun g = Generate(m_, k, batch, force, &ref);
                 for (const auto &[id, t] : ref.out)
-                    EXPECT_EQ(g.out.at(id), t) << "batch " << batch << " K " << k << " force " << force << " id " << id;
-                EXPECT_GT(g.st.spec_steps, 0u);
-                if (force == 1) {
-                    EXPECT_EQ(g.st.accepted_tokens, g.st.draft_tokens);
+                    EXPECT_EQ(g.out.at(id).tokens, t.tokens)
+                        << "batch " << batch << " K " << k << " force " << (int)force << " id " << id;
+                EXPECT_GT(g.stats.spec_steps, 0u);
+                if (force == Force::kAccept) {
+                    EXPECT_EQ(g.stats.accepted_tokens, g.stats.draft_tokens);
                 }
-                if (force == 2) {
-                    EXPECT_EQ(g.st.accepted_tokens, 0u);
+                if (force == Force::kReject) {
+                    EXPECT_EQ(g.stats.accepted_tokens, 0u);
                 }
             }
     }
@@ -212,18 +177,19 @@ TEST_F(SpecGpu, EngineMixedStepsEqualNoSpeculation) {
     mp.verify_seqs = 4;
     mt_error err{};
     ASSERT_EQ(glm_model_load(kDir, be_, &mp, &m, &err), MT_OK) << err.msg;
-    const Gen ref = Generate(m, 0, 12, 0, nullptr);
+    const SpecRun ref = Generate(m, 0, 12, Force::kNone, nullptr);
     for (int k = 1; k <= 3; k++)
-        for (int force = 0; force <= 2; force++) {
-            const Gen g = Generate(m, k, 12, force, &ref, true);
-            for (const auto &[id, t] : ref.out) EXPECT_EQ(g.out.at(id), t) << "K " << k << " force " << force << " id " << id;
-            EXPECT_GT(g.st.spec_steps, 0u);
-            EXPECT_GT(g.st.spec_mixed_steps, 0u) << "K " << k << " force " << force;
-            if (force == 1) {
-                EXPECT_EQ(g.st.accepted_tokens, g.st.draft_tokens);
+        for (Force force : { Force::kNone, Force::kAccept, Force::kReject }) {
+            const SpecRun g = Generate(m, k, 12, force, &ref, true);
+            for (const auto &[id, t] : ref.out)
+                EXPECT_EQ(g.out.at(id).tokens, t.tokens) << "K " << k << " force " << (int)force << " id " << id;
+            EXPECT_GT(g.stats.spec_steps, 0u);
+            EXPECT_GT(g.stats.spec_mixed_steps, 0u) << "K " << k << " force " << (int)force;
+            if (force == Force::kAccept) {
+                EXPECT_EQ(g.stats.accepted_tokens, g.stats.draft_tokens);
             }
-            if (force == 2) {
-                EXPECT_EQ(g.st.accepted_tokens, 0u);
+            if (force == Force::kReject) {
+                EXPECT_EQ(g.stats.accepted_tokens, 0u);
             }
         }
     glm_model_free(m);
