@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <map>
+#include <string>
 #include <vector>
 
 #include "worker/engine/engine.h"
@@ -115,6 +116,18 @@ inline SpecRun RunSpec(glm_model *m, eng_params p, int k, const std::vector<Spec
     eng_get_stats(e, &h.run.stats);
     eng_free(e);
     return h.run;
+}
+
+// The counters of a run with drafts: verify steps, and with forcing, every draft accepted
+// (kAccept) or none (kReject).
+inline void ExpectSpecCounts(const SpecRun &g, Force force, const std::string &what) {
+    EXPECT_GT(g.stats.spec_steps, 0u) << what;
+    if (force == Force::kAccept) {
+        EXPECT_EQ(g.stats.accepted_tokens, g.stats.draft_tokens) << what;
+    }
+    if (force == Force::kReject) {
+        EXPECT_EQ(g.stats.accepted_tokens, 0u) << what;
+    }
 }
 
 #endif  // TESTS_SPEC_ENGINE_RUN_H
