@@ -857,6 +857,36 @@ TEST(Engine, HeldPrefillGoesOnWhenHalfABudgetIsReady) {
     EXPECT_EQ(E.results[4].tokens, DirectGreedy(M.m, Prompt(8, 4), 5));
 }
 
+// A prompt under way is never held, and nothing is held while one runs: its chunks take the
+// same steps as without the hold, even with a place free and short prompts waiting for it.
+TEST(Engine, HeldPrefillNeverHoldsAPromptUnderWay) {
+    Model M;
+    int first_token_step[2] = { 0, 0 };
+    std::map<uint64_t, std::vector<int32_t>> got[2];
+    for (int hold = 0; hold < 2; hold++) {
+        eng_params p = eng_default_params();
+        p.max_sequences = 3;
+        p.prefill_budget = 16;
+        p.mixed_steps = true;
+        p.prefill_hold_ms = hold ? 1e6 : 0;
+        Engine E(M.m, p);
+        // 1 ends early and frees a place while 3's 200-token prompt is still under way; 4 and 5
+        // (5 tokens each, under half the budget) wait for it
+        const int plen[] = { 0, 6, 7, 200, 5, 5 }, n_new[] = { 0, 3, 40, 5, 5, 5 };
+        for (uint64_t id = 1; id <= 5; id++) ASSERT_EQ(E.Submit(id, Prompt(plen[id], (int)id), Req(n_new[id])), MT_OK);
+        for (int step = 1; E.results[3].tokens.empty() && step < 100; step++) {
+            E.Step();
+            first_token_step[hold] = step;
+        }
+        EXPECT_GT(E.results[1].finishes, 0);  // the place was free while the prompt ran
+        EXPECT_EQ(E.Stats().held_steps, 0u);
+        E.RunToEnd();
+        for (uint64_t id = 1; id <= 5; id++) got[hold][id] = E.results[id].tokens;
+    }
+    EXPECT_EQ(first_token_step[1], first_token_step[0]);
+    for (uint64_t id = 1; id <= 5; id++) EXPECT_EQ(got[1][id], got[0][id]) << "id " << id;
+}
+
 // Prefix reuse: a prompt that starts with a kept prefix copies its state instead of prefilling it,
 // and its tokens equal a cold run's; a cache too small for two prefixes evicts the older one, and
 // everything kept is accounted and freed.
