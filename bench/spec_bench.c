@@ -3,7 +3,7 @@
  *   spec_bench --model DIR|random:PRESET+mtp [--backend cpu|cuda] [--batches 1,32] [--ks 1,2,3]
  *              [--accept 0,0.5,0.8,1|real] [--temperature T] [--max-new N] [--prompt-len P]
  *              [--stream FILE] [--threads N] [--numerics bf16|exact] [--mixed-steps 0|1]
- *              [--verify-seqs N] [--top5 0|1] [--moe-grouped-max N]
+ *              [--verify-seqs N] [--top5 0|1] [--moe-grouped-max N] [--op-profile 0|1]
  *
  * For each batch B, B streams (prompt i: P tokens, from --stream's "stream_ids" (a heldout_ppl.json)
  * at offset i * P, else (i * 7 + k) % vocab) decode N tokens with ignore_eos, first with K = 0
@@ -36,6 +36,9 @@
  * with any numerics (the GPU bar for models without routing margins). A greedy request with
  * logprobs takes the sampling verdict, which expects each draft drawn from the drafter's
  * distribution: forced drafts then read lower acceptance than --accept asks for.
+ * --op-profile 1 (cuda): after each batch's timed runs, K = 0 and the first K at the first --accept
+ * rate run once more with every op synchronised and timed, each followed by its op table (where a
+ * speculative step's time goes; those runs' own times are not the table's).
  * --moe-grouped-max N (cuda): the MoE's grouped kernels (fp32 activations) take batches of up to N
  * rows (mt_cuda_params.moe_grouped_max_rows; default 64, above which the tensor-core path runs in
  * the bf16 numerics; the exact numerics take them at every row count).
@@ -198,7 +201,7 @@ int main(int argc, char **argv) {
     const char *model = NULL, *backend = "cpu", *stream_path = NULL, *accept_s = "0,0.5,0.8,1", *numerics = "bf16";
     double batches[SB_LIST_MAX] = { 1, 32 }, ks[SB_LIST_MAX] = { 1, 2, 3 }, accepts[SB_LIST_MAX];
     int n_batches = 2, n_ks = 3, max_new = 128, plen = 32, threads = 0, mixed_steps = 0, verify_seqs = 0, top5 = 0;
-    int moe_grouped_max = 0;
+    int moe_grouped_max = 0, op_profile = 0;
     float temperature = 0;
     for (int i = 1; i + 1 < argc; i += 2) {
         const char *a = argv[i], *v = argv[i + 1];
@@ -217,6 +220,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--verify-seqs")) verify_seqs = atoi(v);
         else if (!strcmp(a, "--top5")) top5 = atoi(v);
         else if (!strcmp(a, "--moe-grouped-max")) moe_grouped_max = atoi(v);
+        else if (!strcmp(a, "--op-profile")) op_profile = atoi(v);
         else { fprintf(stderr, "spec_bench: unknown option %s\n", a); return 2; }
     }
     const bool real = !strcmp(accept_s, "real");
@@ -227,7 +231,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: spec_bench --model DIR|random:PRESET+mtp [--backend cpu|cuda] [--batches 1,32] "
                         "[--ks 1,2,3] [--accept 0,0.5,0.8,1|real] [--temperature T (with real)] [--max-new N] "
                         "[--prompt-len P] [--stream heldout_ppl.json] [--threads N] [--numerics bf16|exact] "
-                        "[--mixed-steps 0|1] [--verify-seqs N (1 .. 64)] [--top5 0|1] [--moe-grouped-max N]\n");
+                        "[--mixed-steps 0|1] [--verify-seqs N (1 .. 64)] [--top5 0|1] [--moe-grouped-max N] [--op-profile 0|1]\n");
         return 2;
     }
     int n_stream = 0;
@@ -344,6 +348,21 @@ int main(int argc, char **argv) {
                        base.ms_token / x.ms_token, acc, per, x.ms_step, note);
                 if (left && must_equal) rc = 1;
             }
+        if (op_profile && cuda && rc == 0) {
+            result px;
+            char title[160];
+            for (int pass = 0; pass < 2; pass++) {
+                const int k = pass ? (int)ks[0] : 0;
+                r.ref = pass && !real ? ref : NULL;
+                r.accept = accepts[0];
+                mt_cuda_profile(be, true, "spec_bench");
+                const bool ok = run_once(m, B, k, max_new, plen, stream, n_stream, temperature, mixed_steps, &r, &px);
+                snprintf(title, sizeof title, "spec_bench: batch %d, K = %d, every op synchronised (graph replays as one)",
+                         B, k);
+                mt_cuda_profile(be, false, title);
+                if (!ok) rc = 1;
+            }
+        }
         fflush(stdout);
     }
     /* across batches: where speculation stops paying */
