@@ -4,15 +4,15 @@
  *   metrale-serve [--model DIR] [--listen HOST:PORT] [--workers G] [--tp N]
  *                 [--backend auto|cpu|cuda] [--max-sequences N] [--max-context N] [--threads N]
  *                 [--queue N] [--drain-timeout S] [--metrics HOST:PORT] [--numerics bf16|exact]
- *                 [--dtype auto|bf16]
+ *                 [--dtype auto|bf16] [scheduler, speculative and warm-up options: usage()]
  *                 [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]] [--auth-token-file FILE]
  *                 [--health-listen HOST:PORT]
  *                 [--router ENDPOINT [--first-id K] [--curve-server-key FILE --curve-secret-key FILE]]
  *                 [--log-format text|json] [--log-prompts]
  *
  * With no --model it serves a small random checkpoint made here once (tools/mkckpt with
- * tools/configs/cpu-small.json into .cache/cpu-small, as scripts/run.sh does), so it runs on any
- * machine. --backend auto (the default) gives each worker a GPU when there are any
+ * tools/configs/cpu-small.json into .cache/cpu-small), so it runs on any machine (scripts/run.sh
+ * passes the demo model). --backend auto (the default) gives each worker a GPU when there are any
  * (/dev/nvidia0..), one worker per GPU, and otherwise runs one CPU worker with every core.
  *
  * Groups: G worker groups of N ranks each (--tp N, default 1: plain single workers). Group g is

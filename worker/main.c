@@ -4,6 +4,7 @@
  *                  [--max-sequences N] [--max-context N] [--threads N] [--router-timeout S] [--verbose]
  *                  [--numerics bf16|exact] [--dtype auto|bf16] [--tp N --rank R --group NAME]
  *                  [--curve-server-key FILE --curve-secret-key FILE] [--log-format text|json]
+ *                  [scheduler, speculative and warm-up options: usage()]
  *
  * This file parses the options and sets the process up (log level, signals, exit status); the
  * engine side and its loop are worker/loop.h, the router link and the heartbeat thread
@@ -85,9 +86,9 @@ static void usage(FILE *f) {
             "  --curve-secret-key FILE: encrypt the router link with ZeroMQ CURVE (FILE: a z85 key as\n"
             "  metrale-keygen writes it): the router's public key and this worker's secret key.\n"
             "  --speculative-tokens K: draft K tokens a step with the checkpoint's MTP block and verify them in\n"
-            "  one step (0 = off, the default; at most 4; greedy requests; a checkpoint without the block\n"
-            "  serves without); --speculative-max-batch B: only while a decode step has at most B sequences\n"
-            "  (default 0: any). --warmup-tokens N: before serving, run one request of N prompt tokens and 4 new\n"
+            "  one step (0 = off, the default; at most 4; greedy and sampled requests; a checkpoint without\n"
+            "  the block serves without); --speculative-max-batch B: only while a decode step has at most B\n"
+            "  sequences (default 0: any). --warmup-tokens N: before serving, run one request of N prompt tokens and 4 new\n"
             "  ones, uncounted, so the device's first-use costs (kernel loading, GEMM set-up, graph captures) do\n"
             "  not land in the first requests' steps (default: the prefill budget on a GPU, 0 on the CPU).\n"
             "  --log-format: log lines as text (default) or one JSON object a line\n"

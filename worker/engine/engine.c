@@ -797,8 +797,8 @@ static mt_status ahead_queue(eng_engine *e, eng_seq **batch, int n, bool from_de
 
 /* ---- speculative decoding (eng_params.spec_tokens) ---- */
 
-/* Drafts s verifies this step: spec_tokens for a plain greedy sequence while at most
- * spec_max_batch decode (n_ready), fewer near max_new_tokens (a step gives at most k + 1). */
+/* Drafts s verifies this step: spec_tokens (greedy or sampled) unless it opted out, while at
+ * most spec_max_batch decode (n_ready), fewer near max_new_tokens (a step gives at most k + 1). */
 static int spec_k(const eng_engine *e, const eng_seq *s, int n_ready) {
     if (e->p.spec_tokens <= 0 || s->req.no_speculation) return 0;
     if (e->p.spec_max_batch > 0 && n_ready > e->p.spec_max_batch) return 0;
