@@ -921,6 +921,26 @@ static mt_status moe_side_make(struct cu_moe_cache *mc) {
     return cu_blas_make(&mc->side_blas, &mc->side_ws, mc->side);
 }
 
+/* The side stream starts after what the backend's stream has queued. */
+static mt_status moe_side_fork(cu_backend *cb) {
+    MT_CUDA_CHECK(cudaEventRecord(cb->moe->side_fork, cb->stream));
+    MT_CUDA_CHECK(cudaStreamWaitEvent(cb->moe->side, cb->moe->side_fork, 0));
+    return MT_OK;
+}
+
+/* The backend's stream waits for the side stream's work. Called even after a failure: nothing may
+ * run past the side's writes, so a join that cannot be queued is made by hand (MT_ERR_BACKEND). */
+static mt_status moe_side_join(cu_backend *cb) {
+    struct cu_moe_cache *mc = cb->moe;
+    if (cudaEventRecord(mc->side_join, mc->side) == cudaSuccess &&
+        cudaStreamWaitEvent(cb->stream, mc->side_join, 0) == cudaSuccess)
+        return MT_OK;
+    (void)cudaGetLastError();
+    MT_CUDA_CHECK(cudaStreamSynchronize(mc->side)); /* the join by hand */
+    mt_log(MT_LOG_ERROR, "cuda backend: moe_experts: joining the side stream failed");
+    return MT_ERR_BACKEND;
+}
+
 /* Whether the side stream is there, made on first use; false when it is off (logged once if
  * making it failed: the batched GEMMs then all run on the backend's stream, as before). */
 static bool moe_side_get(cu_backend *cb) {
@@ -1084,10 +1104,7 @@ static mt_status moe_grouped_chunk_batched(mt_backend *be, const moe_table *t, f
             moe_swiglu_split_params sp = {H16, G, U, Ppad, I, L};
             if ((st = moe_swiglu_split_launch(&sp, dt, T, cb->stream)) != MT_OK) return st;
         }
-        if (side) {
-            MT_CUDA_CHECK(cudaEventRecord(mc->side_fork, cb->stream));
-            MT_CUDA_CHECK(cudaStreamWaitEvent(mc->side, mc->side_fork, 0));
-        }
+        if (side && (st = moe_side_fork(cb)) != MT_OK) return st;
         for (int a = 0, cls = 0; a < nact && st == MT_OK; cls++) {
             const int pe = ps[order[a] + 1] - ps[order[a]];
             int b = a;
@@ -1101,14 +1118,9 @@ static mt_status moe_grouped_chunk_batched(mt_backend *be, const moe_table *t, f
                                       I, dt);
             a = b;
         }
-        if (side) { /* joined even after a failure: nothing may run past the side's writes */
-            if (cudaEventRecord(mc->side_join, mc->side) != cudaSuccess ||
-                cudaStreamWaitEvent(cb->stream, mc->side_join, 0) != cudaSuccess) {
-                (void)cudaGetLastError();
-                MT_CUDA_CHECK(cudaStreamSynchronize(mc->side)); /* the join by hand */
-                mt_log(MT_LOG_ERROR, "cuda backend: moe_experts: joining the side stream failed");
-                return MT_ERR_BACKEND;
-            }
+        if (side) { /* joined even after a failure */
+            const mt_status js = moe_side_join(cb);
+            if (js != MT_OK) return js;
         }
     }
     if (st != MT_OK) return st;
@@ -1362,10 +1374,7 @@ static mt_status moe_experts_fp8_lt(mt_backend *be, const moe_table *t, float *o
                 cu_prof_mark(be, "moe_experts FP8 (gate/up GEMMs)");
                 if ((st = cu_fp8_quant_rows(cb, XQ, XS, drmap, Ppad, I, G, U, npI, L)) != MT_OK) break;
             }
-            if (side) {
-                MT_CUDA_CHECK(cudaEventRecord(mc->side_fork, cb->stream));
-                MT_CUDA_CHECK(cudaStreamWaitEvent(mc->side, mc->side_fork, 0));
-            }
+            if (side && (st = moe_side_fork(cb)) != MT_OK) return st;
             for (int e = 0, j = 0; e < E && st == MT_OK; e++) {
                 const int m = ps[e + 1] - ps[e];
                 if (m == 0) continue;
@@ -1384,14 +1393,9 @@ static mt_status moe_experts_fp8_lt(mt_backend *be, const moe_table *t, float *o
                                        XS + (size_t)ps[e] * (kpI / 128), m, &t->copy[e].down, s, ws, tmp);
                 }
             }
-            if (side) { /* joined even after a failure: nothing may run past the side's writes */
-                if (cudaEventRecord(mc->side_join, mc->side) != cudaSuccess ||
-                    cudaStreamWaitEvent(cb->stream, mc->side_join, 0) != cudaSuccess) {
-                    (void)cudaGetLastError();
-                    MT_CUDA_CHECK(cudaStreamSynchronize(mc->side)); /* the join by hand */
-                    mt_log(MT_LOG_ERROR, "cuda backend: moe_experts: joining the side stream failed");
-                    return MT_ERR_BACKEND;
-                }
+            if (side) { /* joined even after a failure */
+                const mt_status js = moe_side_join(cb);
+                if (js != MT_OK) return js;
             }
         }
         cu_prof_mark(be, "moe_experts FP8 (down GEMMs)");
