@@ -67,17 +67,11 @@ typedef struct step_result {
     double inject_ms;          /* of which ple_inject */
 } step_result;
 
-/* bench-4L with memories on o's layers, their tables table_gb in all (each table of a layer's
+/* bench-4L with memories on o's layers, of the default shape (glm_config_default: orders 2..3,
+ * 8 heads of 64, conv kernel 4), their tables table_gb in all (each table of a layer's
  * (N-1) x heads the same size, rounded to primes by the model). */
 static int ple_config(const ple_opts *o, glm_config *c, mt_error *err) {
     if (glm_config_preset("bench-4L", c, err) != MT_OK) return 1;
-    c->ple_max_ngram = 3;
-    c->ple_heads = 8;
-    c->ple_head_dim = 64;
-    c->ple_conv_kernel = 4;
-    c->ple_pad_id = 0;
-    c->ple_seed = 0;
-    c->ple_norm_eps = 1e-5f;
     const double per_table = o->table_gb * 1e9 / o->nl / ((c->ple_max_ngram - 1) * c->ple_heads) / (c->ple_head_dim * 2.0);
     for (int k = 0; k < c->ple_max_ngram - 1; k++) c->ple_table_sizes[k] = (int)per_table;
     for (int i = 0; i < o->nl; i++) {
