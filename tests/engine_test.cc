@@ -785,6 +785,16 @@ TEST(Engine, PacedStepsMoveLongPromptsInFloorChunks) {
     EXPECT_EQ(got[0][2].size(), 6u);
 }
 
+// Mixed steps of max_sequences places and prefill_budget tokens, prompts held up to hold_ms.
+eng_params HoldParams(int max_sequences, int prefill_budget, double hold_ms) {
+    eng_params p = eng_default_params();
+    p.max_sequences = max_sequences;
+    p.prefill_budget = prefill_budget;
+    p.mixed_steps = true;
+    p.prefill_hold_ms = hold_ms;
+    return p;
+}
+
 // Prefill coalescing (prefill_hold_ms): with more requests waiting than there are free places and
 // too few of their prompt tokens ready, admission waits (the running sequences decode meanwhile)
 // until the hold time has passed on the engine's clock; the tokens of every request are the
@@ -794,12 +804,7 @@ TEST(Engine, HeldPrefillWaitsUpToTheHoldTimeAndKeepsTokens) {
     const int plen[] = { 0, 6, 7, 8, 10, 12 }, n_new[] = { 0, 3, 40, 40, 5, 5 };
     std::map<uint64_t, std::vector<int32_t>> got[2];
     for (int hold = 0; hold < 2; hold++) {
-        eng_params p = eng_default_params();
-        p.max_sequences = 3;
-        p.prefill_budget = 64;
-        p.mixed_steps = true;
-        p.prefill_hold_ms = hold ? 50 : 0;
-        Engine E(M.m, p);
+        Engine E(M.m, HoldParams(3, 64, hold ? 50 : 0));
         // three running (the first ends after 3 tokens), then two waiting with short prompts (10
         // and 12 tokens, under half the budget)
         for (uint64_t id = 1; id <= 5; id++) ASSERT_EQ(E.Submit(id, Prompt(plen[id], (int)id), Req(n_new[id])), MT_OK);
@@ -838,12 +843,7 @@ TEST(Engine, HeldPrefillWaitsUpToTheHoldTimeAndKeepsTokens) {
 // a budget of tokens: nothing is held, however long the hold time.
 TEST(Engine, HeldPrefillGoesOnWhenHalfABudgetIsReady) {
     Model M;
-    eng_params p = eng_default_params();
-    p.max_sequences = 2;
-    p.prefill_budget = 64;
-    p.mixed_steps = true;
-    p.prefill_hold_ms = 1e6;
-    Engine E(M.m, p);
+    Engine E(M.m, HoldParams(2, 64, 1e6));
     ASSERT_EQ(E.Submit(1, Prompt(6, 1), Req(3)), MT_OK);
     ASSERT_EQ(E.Submit(2, Prompt(7, 2), Req(30)), MT_OK);
     ASSERT_EQ(E.Submit(3, Prompt(40, 3), Req(5)), MT_OK);  // 40 tokens: more than half of 64
@@ -864,12 +864,7 @@ TEST(Engine, HeldPrefillNeverHoldsAPromptUnderWay) {
     int first_token_step[2] = { 0, 0 };
     std::map<uint64_t, std::vector<int32_t>> got[2];
     for (int hold = 0; hold < 2; hold++) {
-        eng_params p = eng_default_params();
-        p.max_sequences = 3;
-        p.prefill_budget = 16;
-        p.mixed_steps = true;
-        p.prefill_hold_ms = hold ? 1e6 : 0;
-        Engine E(M.m, p);
+        Engine E(M.m, HoldParams(3, 16, hold ? 1e6 : 0));
         // 1 ends early and frees a place while 3's 200-token prompt is still under way; 4 and 5
         // (5 tokens each, under half the budget) wait for it
         const int plen[] = { 0, 6, 7, 200, 5, 5 }, n_new[] = { 0, 3, 40, 5, 5, 5 };

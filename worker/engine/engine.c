@@ -795,6 +795,25 @@ static mt_status ahead_queue(eng_engine *e, eng_seq **batch, int n, bool from_de
     return MT_OK;
 }
 
+/* Running sequences whose prompt is complete (they decode this step). */
+static int decode_ready(const eng_engine *e) {
+    int n = 0;
+    for (int i = 0; i < e->n_running; i++) {
+        const eng_seq *s = e->running[i];
+        n += !s->done && s->gs && s->prefilled == s->n_feed;
+    }
+    return n;
+}
+
+/* Whether a running sequence's prompt is part way through its prefill. */
+static bool prompt_under_way(const eng_engine *e) {
+    for (int i = 0; i < e->n_running; i++) {
+        const eng_seq *s = e->running[i];
+        if (!s->done && s->gs && s->prefilled < s->n_feed) return true;
+    }
+    return false;
+}
+
 /* ---- speculative decoding (eng_params.spec_tokens) ---- */
 
 /* Drafts s verifies this step: spec_tokens (greedy or sampled) unless it opted out, while at
@@ -976,13 +995,7 @@ static void spec_group(eng_engine *e, eng_seq **b, int n) {
 /* Whether this step has prefill work: a prompt under way, or a request that could be admitted
  * (none while the step holds its prompt work back). */
 static bool prefill_pending(const eng_engine *e) {
-    if (e->holding) return false;
-    if (!admission_idle(e)) return true;
-    for (int i = 0; i < e->n_running; i++) {
-        const eng_seq *s = e->running[i];
-        if (!s->done && s->gs && s->prefilled < s->n_feed) return true;
-    }
-    return false;
+    return !e->holding && (!admission_idle(e) || prompt_under_way(e));
 }
 
 /* Whether this step holds back the admission of new prompts (eng_params.prefill_hold_ms,
@@ -1000,10 +1013,7 @@ static void hold_decide(eng_engine *e, int rows) {
         e->hold_on = false;
         return;
     }
-    for (int i = 0; i < e->n_running; i++) {
-        const eng_seq *s = e->running[i];
-        if (!s->done && s->gs && s->prefilled < s->n_feed) return;
-    }
+    if (prompt_under_way(e)) return;
     long ready = 0;
     for (int i = 0; i < e->n_waiting && i < places; i++) ready += e->waiting[i]->n_feed - e->waiting[i]->prefilled;
     const uint64_t now = e->p.now_ms(e->p.clock_user);
@@ -1150,11 +1160,7 @@ static mt_status step_body(eng_engine *e, int *n_tokens) {
      * after (a sequence whose prompt completes this step got its first token from the prefill) */
     /* each needs a page for its next token when it crosses into a new one; oldest first, so a
      * shortage preempts the newest */
-    int n_ready = 0;
-    for (int i = 0; i < e->n_running; i++) {
-        const eng_seq *s = e->running[i];
-        n_ready += !s->done && s->gs && s->prefilled == s->n_feed;
-    }
+    const int n_ready = decode_ready(e);
     for (int i = 0; i < e->n_running; i++) {
         eng_seq *s = e->running[i];
         if (s->done || !s->gs || s->prefilled != s->n_feed) continue;
@@ -1165,12 +1171,7 @@ static mt_status step_body(eng_engine *e, int *n_tokens) {
         if (s->k_step == 0 && !make_room(e, s, 1)) preempt(e, s);
     }
     requeue_preempted(e);
-    int n_decode = 0; /* after any preemption above */
-    for (int i = 0; i < e->n_running; i++) {
-        const eng_seq *s = e->running[i];
-        n_decode += !s->done && s->gs && s->prefilled == s->n_feed;
-    }
-    hold_decide(e, n_decode);
+    hold_decide(e, decode_ready(e)); /* counted after any preemption above */
     /* with prefill work this step, its chunks join the decode rows' model call */
     const bool mixed = e->p.mixed_steps && prefill_pending(e);
     bool chunked = false;
