@@ -248,28 +248,35 @@ typedef struct fp8_quant_params {
     int n, M, K, kp;
 } fp8_quant_params;
 
-/* A warp per (row m, block kb): its 128 values (4 a lane), their amax, scale = amax / 448 (1 for a
- * block of zeros), and each value x / scale rounded to nearest even e4m3, saturating at 448 (the
- * division may round a hair above it). */
+/* One 128-value block held by a warp, 4 values a lane: the block's amax over the warp, scale =
+ * amax / 448 (1 for a block of zeros), and the lane's values x / scale rounded to nearest even
+ * e4m3, saturating at 448 (the division may round a hair above it), packed into *packed. Returns
+ * the scale. */
+static __device__ __forceinline__ float fp8_quant_block(const float v[4], uint32_t *packed) {
+    float amax = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; j++) amax = fmaxf(amax, fabsf(v[j]));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float sc = amax > 0.f ? amax / FP8_E4M3_MAX : 1.f;
+    uint32_t q = 0;
+#pragma unroll
+    for (int j = 0; j < 4; j++) q |= (uint32_t)__nv_cvt_float_to_fp8(v[j] / sc, __NV_SATFINITE, __NV_E4M3) << (8 * j);
+    *packed = q;
+    return sc;
+}
+
+/* A warp per (row m, block kb): its 128 values (4 a lane), quantised by fp8_quant_block. */
 static __global__ void __launch_bounds__(FP8_Q_THREADS) fp8_quant_kernel(const fp8_quant_params p) {
     const int lane = threadIdx.x & 31, kbs = p.kp / FP8_BLK;
     const int64_t g = (int64_t)blockIdx.x * (FP8_Q_THREADS / 32) + (threadIdx.x >> 5);
     if (g >= (int64_t)p.M * kbs) return;
     const int m = (int)(g / kbs), kb = (int)(g % kbs), k = kb * FP8_BLK + lane * 4;
     float v[4];
-    float amax = 0.f;
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
-        v[j] = m < p.n && k + j < p.K ? p.x[(int64_t)m * p.K + k + j] : 0.f;
-        amax = fmaxf(amax, fabsf(v[j]));
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float sc = amax > 0.f ? amax / FP8_E4M3_MAX : 1.f;
-    uint32_t packed = 0;
-#pragma unroll
-    for (int j = 0; j < 4; j++)
-        packed |= (uint32_t)__nv_cvt_float_to_fp8(v[j] / sc, __NV_SATFINITE, __NV_E4M3) << (8 * j);
+    for (int j = 0; j < 4; j++) v[j] = m < p.n && k + j < p.K ? p.x[(int64_t)m * p.K + k + j] : 0.f;
+    uint32_t packed;
+    const float sc = fp8_quant_block(v, &packed);
     *(uint32_t *)(p.q + (int64_t)m * p.kp + k) = packed;
     if (lane == 0) p.s[(int64_t)kb * p.M + m] = sc;
 }
@@ -293,7 +300,6 @@ static __global__ void __launch_bounds__(FP8_Q_THREADS) fp8_qrows_kernel(const f
     const int r = (int)(g / kbs), kb = (int)(g % kbs), k = kb * FP8_BLK + lane * 4;
     const cu_fp8_row ri = p.rows[r];
     float v[4];
-    float amax = 0.f;
 #pragma unroll
     for (int j = 0; j < 4; j++) {
         float a = 0.f;
@@ -307,15 +313,9 @@ static __global__ void __launch_bounds__(FP8_Q_THREADS) fp8_qrows_kernel(const f
             }
         }
         v[j] = a;
-        amax = fmaxf(amax, fabsf(a));
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float sc = amax > 0.f ? amax / FP8_E4M3_MAX : 1.f;
-    uint32_t packed = 0;
-#pragma unroll
-    for (int j = 0; j < 4; j++)
-        packed |= (uint32_t)__nv_cvt_float_to_fp8(v[j] / sc, __NV_SATFINITE, __NV_E4M3) << (8 * j);
+    uint32_t packed;
+    const float sc = fp8_quant_block(v, &packed);
     *(uint32_t *)(p.q + (int64_t)r * p.kp + k) = packed;
     if (lane == 0) p.s[(int64_t)ri.base * kbs + (int64_t)kb * ri.count + (r - ri.base)] = sc;
 }
