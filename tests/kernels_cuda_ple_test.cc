@@ -1,4 +1,4 @@
-// tests/kernels_cuda_ple_test.cc: the CUDA backend's PLE ops (ple_inject, copy_rows_from) against
+// tests/kernels_cuda_ple_test.cc: the CUDA backend's PLE ops (ple_inject, copy_rows_from, copy_rows_ptr) against
 // the CPU backend, their reference, on fresh random inputs: one sequence's rows (a decode row on
 // a fresh state, a prefill longer than the conv's look-back), one row for each of several
 // sequences (the rows form), segments of several sequences mixing fresh and used states, runs
@@ -180,6 +180,31 @@ TEST_F(CudaPle, CopyRowsFrom) {
         }
         Dev<float *> tab_g(gpu_, tab);
         gpu_->ops->copy_rows_from(gpu_, out_g.get(), (const float *const *)tab_g.get(), n, w);
+        EXPECT_EQ(out_g.Get(), want) << "w=" << w;
+    }
+}
+
+// Rows between two tables (copy_rows_ptr): sources anywhere (some repeated, some not 16-byte
+// aligned) into scattered destinations; the memory between destinations stays as it was.
+TEST_F(CudaPle, CopyRowsPtr) {
+    for (int w : { 1024, 1027, 3 }) {
+        const int n = 5;
+        const std::vector<float> src = Rand((size_t)(n + 2) * w + 8);
+        const std::vector<float> before = Rand((size_t)(2 * n + 1) * w + 4);
+        const size_t off[n] = { 0, 1, (size_t)w + 4, 0, (size_t)3 * w + 2 };
+        const size_t at[n] = { (size_t)2 * w, 3, (size_t)6 * w + 1, (size_t)4 * w, (size_t)8 * w };
+        Dev<float> src_g(gpu_, src), out_g(gpu_, before);
+        std::vector<float *> dtab;
+        std::vector<const float *> stab;
+        std::vector<float> want = before;
+        for (int i = 0; i < n; i++) {
+            stab.push_back(src_g.get() + off[i]);
+            dtab.push_back(out_g.get() + at[i]);
+            std::copy(src.begin() + off[i], src.begin() + off[i] + w, want.begin() + at[i]);
+        }
+        Dev<float *> dtab_g(gpu_, dtab);
+        Dev<const float *> stab_g(gpu_, stab);
+        gpu_->ops->copy_rows_ptr(gpu_, dtab_g.get(), stab_g.get(), n, w);
         EXPECT_EQ(out_g.Get(), want) << "w=" << w;
     }
 }

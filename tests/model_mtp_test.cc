@@ -396,6 +396,44 @@ TEST_P(Mtp, DraftsOfSeveralSequencesShareOnePass) {
     }
 }
 
+// A batched decode of three sequences feeds their drafters in one pass of the block
+// (glm_mtp_follow_parts), one of them after drafts the step drops: each drafts as its twin that
+// decoded alone, twice in a row.
+TEST_P(Mtp, BatchedDecodeFeedsEveryDrafterInOnePass) {
+    const int V = c_.V;
+    mt_error err{};
+    glm_seq *a[3], *b[3];
+    int t0[3];
+    for (int i = 0; i < 3; i++) {
+        t0[i] = c_.T / 2 - 3 * i;
+        ASSERT_GT(t0[i], 0);
+        ASSERT_LT(t0[i] + 4, c_.T);
+        a[i] = NewSeq();
+        b[i] = NewSeq();
+        ASSERT_TRUE(a[i] && b[i]);
+        for (glm_seq *s : { a[i], b[i] })
+            ASSERT_EQ(glm_prefill(m_, s, c_.tokens.data(), t0[i] + 1, nullptr, false, &err), MT_OK) << err.msg;
+    }
+    for (glm_seq *s : { a[1], b[1] }) { // drafts that the next decode drops
+        Draft(s, c_.tokens[t0[1] + 1]);
+        Draft(s, 7);
+    }
+    for (int j = 1; j <= 2; j++) {
+        const int32_t tok[3] = { c_.tokens[t0[0] + j], c_.tokens[t0[1] + j], c_.tokens[t0[2] + j] };
+        ASSERT_EQ(glm_decode_multi(m_, a, tok, 3, nullptr, &err), MT_OK) << err.msg;
+        for (int i = 0; i < 3; i++) {
+            ASSERT_EQ(glm_decode(m_, b[i], tok[i], nullptr, &err), MT_OK) << err.msg;
+            const int32_t next = c_.tokens[t0[i] + j + 1];
+            std::vector<float> da = Draft(a[i], next), db = Draft(b[i], next);
+            EXPECT_LT(MaxAbsDiff(da.data(), db.data(), V), 1e-4f) << "sequence " << i << " step " << j;
+        }
+    }
+    for (int i = 0; i < 3; i++) {
+        glm_seq_free(a[i]);
+        glm_seq_free(b[i]);
+    }
+}
+
 INSTANTIATE_TEST_SUITE_P(Cases, Mtp, ::testing::Values(0, 1));
 
 // Without params.mtp the block is loaded but no sequence carries drafter state.

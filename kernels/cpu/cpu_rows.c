@@ -31,6 +31,10 @@ static void cpu_copy_rows_from(mt_backend *be, float *out, const float *const *s
     for (int i = 0; i < n; i++) be->ops->copy(be, out + (size_t)i * (size_t)w, srcs[i], sizeof(float) * (size_t)w);
 }
 
+static void cpu_copy_rows_ptr(mt_backend *be, float *const *dsts, const float *const *srcs, int n, int64_t w) {
+    for (int i = 0; i < n; i++) be->ops->copy(be, dsts[i], srcs[i], sizeof(float) * (size_t)w);
+}
+
 static void cpu_dsa_pool_keys_rows(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs,
                                    const int32_t *const *bts, const float *ape, const int32_t *pos, int n,
                                    int kpool) {
@@ -63,6 +67,7 @@ void cpu_rows_fill(mt_backend_ops *t) {
     t->kda_recurrent_rows = cpu_kda_recurrent_rows;
     t->copy_rows_to = cpu_copy_rows_to;
     t->copy_rows_from = cpu_copy_rows_from;
+    t->copy_rows_ptr = cpu_copy_rows_ptr;
     t->dsa_pool_keys_rows = cpu_dsa_pool_keys_rows;
     t->dsa_select_rows = cpu_dsa_select_rows;
     t->mla_sparse_rows = cpu_mla_sparse_rows;

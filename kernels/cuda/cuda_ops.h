@@ -238,7 +238,7 @@ void cu_dsa_fill(mt_backend_ops *t);        /* cuda_dsa.cu: dsa_pool_keys(_at), 
 void cu_fp8_fill(mt_backend_ops *t);        /* cuda_fp8.cu: weight_fp8, weight_fp8_from */
 void cu_hc_fill(mt_backend_ops *t);         /* cuda_hc.cu: hc_pre(_norm), hc_post(_pre_norm), hc_head */
 void cu_rows_fill(mt_backend_ops *t);       /* cuda_rows.cu: the rows-form conv, cache writes, pool
-                                               keys, copy_rows_from */
+                                               keys, copy_rows_from, copy_rows_ptr */
 void cu_step_fill(mt_backend_ops *t);       /* cuda_step.cu: graphs, embed_dev, copy_rows_at */
 void cu_random_fill(mt_backend_ops *t);     /* cuda_random.cu: weight_random */
 void cu_ple_fill(mt_backend_ops *t);        /* cuda_ple.cu: ple_inject */

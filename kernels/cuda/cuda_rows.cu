@@ -176,6 +176,31 @@ static void cu_copy_rows_from(mt_backend *be, float *out, const float *const *sr
     cu_check_launch(be, "copy_rows_from");
 }
 
+/* ---- copy_rows_ptr: dsts[i] = srcs[i][0 .. w), both from tables ---- */
+
+typedef struct copy_ptr_params {
+    float *const *dsts;          /* [n] -> [w] */
+    const float *const *srcs;    /* [n] -> [w] */
+    int64_t w;
+} copy_ptr_params;
+
+static __global__ void copy_rows_ptr_kernel(copy_ptr_params p) {
+    const int i = blockIdx.y;
+    float *dst = p.dsts[i];
+    const float *src = p.srcs[i];
+    cu_copy_row_x(dst, src, p.w, p.w % 4 == 0 && cu_aligned16(dst) && cu_aligned16(src));
+}
+
+static void cu_copy_rows_ptr(mt_backend *be, float *const *dsts, const float *const *srcs, int n, int64_t w) {
+    MT_ASSERT(n >= 0 && n <= 65535 && w >= 0);
+    if (n == 0 || w == 0) return;
+    const copy_ptr_params p = { dsts, srcs, w };
+    const int64_t bx = (w / 4 + ROWS_BLOCK - 1) / ROWS_BLOCK;
+    copy_rows_ptr_kernel<<<dim3((unsigned)(bx < 1 ? 1 : bx < 64 ? bx : 64), (unsigned)n), ROWS_BLOCK, 0,
+                           cu_stream(be)>>>(p);
+    cu_check_launch(be, "copy_rows_ptr");
+}
+
 /* ---- dsa_pool_keys_rows: thread = (row i, channel d); the pool pos[i] completes, if any ---- */
 
 typedef struct pool_rows_params {
@@ -215,5 +240,6 @@ extern "C" void cu_rows_fill(mt_backend_ops *t) {
     t->copy_rows_to_n = cu_copy_rows_to_n;
     t->copy_rows_to = cu_copy_rows_to;
     t->copy_rows_from = cu_copy_rows_from;
+    t->copy_rows_ptr = cu_copy_rows_ptr;
     t->dsa_pool_keys_rows = cu_dsa_pool_keys_rows;
 }

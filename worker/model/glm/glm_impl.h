@@ -314,6 +314,9 @@ struct glm_model {
         float *e, *u, *t;      /* [rows, H] embeddings, residual, temporary */
         int32_t *d_rpos;       /* [rows] backend: a batched draft's positions (rows form) */
         void **d_rtab;         /* [GLM_R_KINDS, rows] backend: its tables (only GLM_R_BT is read) */
+        void **d_ptr;          /* [5, rows] backend: glm_mtp_follow_parts' row tables (the
+                                * drafter's inputs [rows]; its copies' destinations and sources
+                                * [2 * rows] each) */
         /* Write-on-accept: a verify of k rows in ring j leaves the recurrent state after each of
          * its rows but the last in ring[j][0 .. k-2] (KDA slots of the pool, one per row), and
          * the drafter's pending hidden row after each row in ring_h[j] [k, H]; glm_seq_keep
@@ -382,6 +385,19 @@ static inline int glm_mtp_committed(const glm_model *m, const glm_seq *s) {
  * the rows whose next token is now known (the pending row and rows 0 .. n - 2) and keeps the
  * last row's hidden state pending. Drops speculative drafter rows first. */
 mt_status glm_mtp_follow(glm_model *m, glm_seq *s, const float *X, const int32_t *tokens, int n);
+/* One part of glm_mtp_follow_parts: n rows of s, their tokens, and for a verify (NULL otherwise)
+ * where its rows' hidden states go for glm_seq_keep ([n, H] backend, the ring's ring_h). */
+typedef struct glm_follow_part {
+    glm_seq *s;
+    const int32_t *tokens;
+    int n;
+    float *ring_h;
+} glm_follow_part;
+/* glm_mtp_follow for the np parts of one target pass (distinct sequences, rows in part order in
+ * X [sum n, S, H]), in one pass of the block over every part's drafter rows (the rows form), the
+ * parts' pending rows and verify rings copied out in one op each. On a backend without the row
+ * copies, with the drafter's capture on, or for one part: glm_mtp_follow per part. */
+mt_status glm_mtp_follow_parts(glm_model *m, const glm_follow_part *p, int np, const float *X);
 /* The drafter's next row for s with token: logits (host) [vocab]. */
 mt_status glm_mtp_draft(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_error *err);
 

@@ -108,7 +108,8 @@ static mt_status model_init(glm_model *m, uint64_t random_seed, bool random, mt_
             !(x->u = be->ops->alloc(be, rh)) || !(x->t = be->ops->alloc(be, rh)) ||
             !(x->ring_h = be->ops->alloc(be, sizeof(float) * (size_t)x->n_rings * GLM_VERIFY_MAX * c->hidden_size)) ||
             !(x->d_rpos = be->ops->alloc(be, sizeof(int32_t) * rows)) ||
-            !(x->d_rtab = be->ops->alloc(be, sizeof(void *) * GLM_R_KINDS * rows)))
+            !(x->d_rtab = be->ops->alloc(be, sizeof(void *) * GLM_R_KINDS * rows)) ||
+            !(x->d_ptr = be->ops->alloc(be, sizeof(void *) * 5 * rows)))
             return mt_errorf(err, MT_ERR_NOMEM, "out of memory for the drafter's activations");
     }
     if (m->tp_size > 1 &&
@@ -222,6 +223,7 @@ void glm_model_free(glm_model *m) {
     be->ops->free(be, m->mtp.ring_h);
     be->ops->free(be, m->mtp.d_rpos);
     be->ops->free(be, m->mtp.d_rtab);
+    be->ops->free(be, m->mtp.d_ptr);
     free(m->mtp.ring);
     free(m->mtp.ring_owner);
     st_close(m->ar);
@@ -666,7 +668,8 @@ mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, int r
     int32_t *rep = malloc(sizeof(int32_t) * (size_t)n * S);
     int *want = malloc(sizeof(int) * (size_t)n); /* the rows whose logits go out, in order */
     glm_seq **rseq = malloc(sizeof *rseq * (size_t)np);
-    if (!seg || !sts || !rep || !want || !rseq) {
+    glm_follow_part *fpart = malloc(sizeof *fpart * (size_t)np);
+    if (!seg || !sts || !rep || !want || !rseq || !fpart) {
         st = mt_errorf(err, MT_ERR_NOMEM, "out of memory for a mixed step of %d rows", n);
         goto out;
     }
@@ -732,11 +735,13 @@ mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, int r
             ((glm_layer_state *)sts[i])->len = seg[i].t0 + 1;
     }
     for (int i = 0; i < np; i++) p[i].s->len += p[i].n;
-    /* the drafters first: they read the highway rows, which the gather below moves */
-    for (int i = 0, r = 0; i < np; r += p[i++].n) {
-        if ((st = glm_mtp_follow(m, p[i].s, m->X + (size_t)r * SH, p[i].tokens, p[i].n)) != MT_OK) goto failed;
-        if (seg[i].vring) /* a verify's pending hidden rows (hin rows 1 .. n), for glm_seq_keep */
-            be->ops->copy(be, ring_hidden(m, p[i].s->v_ring), m->mtp.hin + H, sizeof(float) * (size_t)p[i].n * H);
+    /* the drafters first: they read the highway rows, which the gather below moves; a verify's
+     * hidden rows go to its ring for glm_seq_keep */
+    if (m->mtp.on) {
+        for (int i = 0; i < np; i++)
+            fpart[i] = (glm_follow_part){ p[i].s, p[i].tokens, p[i].n,
+                                          seg[i].vring ? ring_hidden(m, p[i].s->v_ring) : NULL };
+        if ((st = glm_mtp_follow_parts(m, fpart, np, m->X)) != MT_OK) goto failed;
     }
     if (nw == 0) goto out;
     for (int w = 0; w < nw; w++) /* want[w] >= w: each row moves down into rows already read */
@@ -775,6 +780,7 @@ out:
     free(rep);
     free(want);
     free(rseq);
+    free(fpart);
     return st;
 }
 
@@ -1077,11 +1083,17 @@ static mt_status decode_rows(glm_model *m, glm_seq **seqs, const int32_t *tokens
     if (st != MT_OK) return st;
     for (int i = 0; i < n; i++) seqs[i]->len++;
     if (logits) be->ops->download(be, logits, m->logits, sizeof(float) * (size_t)n * c->vocab_size);
-    for (int i = 0; i < n && m->mtp.on; i++) {
+    if (!m->mtp.on) return MT_OK;
+    glm_follow_part *fp = malloc(sizeof *fp * (size_t)n);
+    if (!fp) return mt_errorf(err, MT_ERR_NOMEM, "out of memory for the drafter's rows");
+    for (int i = 0; i < n; i++) {
         seqs[i]->v_n = 0;
-        if ((st = glm_mtp_follow(m, seqs[i], m->X + (size_t)i * c->hc_mult * c->hidden_size, &tokens[i], 1)) != MT_OK)
-            return mt_errorf(err, st, "the drafter failed after batched decode row %d: %s", i, mt_status_str(st));
+        fp[i] = (glm_follow_part){ seqs[i], &tokens[i], 1, NULL };
     }
+    st = glm_mtp_follow_parts(m, fp, n, m->X);
+    free(fp);
+    if (st != MT_OK) return mt_errorf(err, st, "the drafter failed after a batched decode of %d rows: %s", n,
+                                      mt_status_str(st));
     return MT_OK;
 }
 

@@ -111,6 +111,143 @@ mt_status glm_mtp_draft(glm_model *m, glm_seq *s, int32_t token, float *logits, 
     return MT_OK;
 }
 
+/* The rows form's tables for n drafter rows: row i at position pos[i] of seqs[i] (its block
+ * table), queued behind the work already on the backend's stream (an earlier pass may still read
+ * the tables). */
+static void mtp_rows_tables(glm_model *m, glm_seq *const *seqs, const int32_t *pos, void **bt, int n) {
+    mt_backend *be = m->be;
+    struct glm_mtp *x = &m->mtp;
+    void (*up)(mt_backend *, void *, const void *, size_t) = be->ops->upload_async ? be->ops->upload_async
+                                                                                  : be->ops->upload;
+    for (int i = 0; i < n; i++) bt[i] = (void *)seqs[i]->bt.dev;
+    up(be, x->d_rpos, pos, sizeof(int32_t) * (size_t)n);
+    up(be, x->d_rtab + (size_t)GLM_R_BT * m->rcap, bt, sizeof(void *) * (size_t)n);
+}
+
+/* The block over n rows in the rows form, each row at its own position of its own sequence (the
+ * tables mtp_rows_tables uploaded; rows of one sequence at consecutive positions may share a
+ * pass: the cache rows are all written before any row attends): hidden inputs x->hin [n, H],
+ * tokens (host) [n]. Leaves every row's residual in x->u. The host-tracked drafter lengths are
+ * the caller's to move. */
+static mt_status mtp_pass_rows(glm_model *m, const int32_t *tokens, int n) {
+    mt_backend *be = m->be;
+    const mt_backend_ops *op = be->ops;
+    const glm_config *c = &m->cfg;
+    const int H = c->hidden_size, L = c->num_hidden_layers;
+    const float eps = c->rms_norm_eps;
+    const size_t nh = (size_t)n * H;
+    struct glm_mtp *x = &m->mtp;
+    glm_layer *l = &m->layers[L];
+    mt_status rc;
+    op->embed(be, x->e, &m->embed, tokens, n);
+    if (m->tp_size > 1 && (rc = glm_all_reduce(m->comm, x->e, nh)) != MT_OK) return rc;
+    op->rmsnorm(be, x->e, x->e, x->enorm, n, H, eps);
+    op->rmsnorm(be, x->t, x->hin, x->hnorm, n, H, eps);
+    op->matmul(be, x->u, x->e, &x->eh_e, n);
+    op->matmul(be, x->e, x->t, &x->eh_h, n);
+    op->add(be, x->u, x->e, (int64_t)nh);
+    mt_step step = { .be = be, .t0 = -1, .scr = &m->scr, .rpos = x->d_rpos, .rtab = (void *const *)x->d_rtab,
+                     .rcap = m->rcap, .rt_cap = m->rt_cap };
+    m->scr.sel_n = 0;
+    op->rmsnorm(be, x->t, x->u, l->in_norm, n, H, eps);
+    if ((rc = glm_dsa_forward(l, NULL, n, &step, x->t, x->e, n)) != MT_OK) return rc;
+    if ((rc = glm_all_reduce(l->comm, x->e, nh)) != MT_OK) return rc;
+    op->add(be, x->u, x->e, (int64_t)nh);
+    op->rmsnorm(be, x->t, x->u, l->post_norm, n, H, eps);
+    glm_mlp_forward(l, &step, x->t, x->e, n);
+    if ((rc = glm_all_reduce(l->comm, x->e, nh)) != MT_OK) return rc;
+    op->add(be, x->u, x->e, (int64_t)nh);
+    return MT_OK;
+}
+
+mt_status glm_mtp_follow_parts(glm_model *m, const glm_follow_part *p, int np, const float *X) {
+    if (!m->mtp.on || np < 1) return MT_OK;
+    mt_backend *be = m->be;
+    const mt_backend_ops *op = be->ops;
+    const glm_config *c = &m->cfg;
+    const int H = c->hidden_size, L = c->num_hidden_layers;
+    const size_t SH = (size_t)c->hc_mult * H;
+    struct glm_mtp *x = &m->mtp;
+    int R = 0;
+    for (int i = 0; i < np; i++) R += p[i].n;
+    if (np == 1 || x->capture || !op->copy_rows_from || !op->copy_rows_ptr || R > m->rcap) {
+        for (int i = 0, r = 0; i < np; r += p[i++].n) { /* one part at a time */
+            mt_status rc = glm_mtp_follow(m, p[i].s, X + (size_t)r * SH, p[i].tokens, p[i].n);
+            if (rc != MT_OK) return rc;
+            if (p[i].ring_h) op->copy(be, p[i].ring_h, x->hin + H, sizeof(float) * (size_t)p[i].n * H);
+        }
+        return MT_OK;
+    }
+    /* host tables: the drafter rows (hidden source, token, position, sequence), then the copies
+     * out of this pass's hidden rows (each part's last into its pending row, a verify's all into
+     * its ring) */
+    const float **hsrc = malloc(sizeof *hsrc * (size_t)R);
+    int32_t *tok = malloc(sizeof(int32_t) * (size_t)R), *pos = malloc(sizeof(int32_t) * (size_t)R);
+    glm_seq **rs = malloc(sizeof *rs * (size_t)R);
+    void **bt = malloc(sizeof(void *) * (size_t)R);
+    const float **csrc = malloc(sizeof *csrc * (size_t)(np + R));
+    float **cdst = malloc(sizeof *cdst * (size_t)(np + R));
+    mt_status rc = MT_OK;
+    if (!hsrc || !tok || !pos || !rs || !bt || !csrc || !cdst) {
+        rc = MT_ERR_NOMEM;
+        goto out;
+    }
+    int nr = 0, nc = 0;
+    for (int i = 0, r = 0; i < np; r += p[i++].n) {
+        glm_seq *s = p[i].s;
+        glm_layer_state *st = (glm_layer_state *)s->states[L];
+        const int n = p[i].n, a = s->len - n;
+        st->len -= s->n_spec;
+        s->n_spec = 0;
+        /* the pending row with token 0 when the drafter has not taken it (as glm_mtp_follow) */
+        int j0;
+        if (st->len == a - 1) j0 = 0;
+        else if (st->len == a) j0 = 1;
+        else {
+            rc = MT_ERR_STATE;
+            goto out;
+        }
+        for (int j = j0; j < n; j++) {
+            hsrc[nr] = j == 0 ? s->hp : x->u + (size_t)(r + j - 1) * H;
+            tok[nr] = p[i].tokens[j];
+            pos[nr] = a - 1 + j;
+            rs[nr++] = s;
+        }
+        st->len = a - 1 + n;
+        for (int j = p[i].ring_h ? 0 : n - 1; j < n; j++) {
+            csrc[nc] = x->u + (size_t)(r + j) * H;
+            cdst[nc++] = j == n - 1 && !p[i].ring_h ? s->hp : p[i].ring_h + (size_t)j * H;
+        }
+        if (p[i].ring_h) {
+            csrc[nc] = x->u + (size_t)(r + n - 1) * H;
+            cdst[nc++] = s->hp;
+        }
+    }
+    /* every pass row's hidden state, then the drafter's inputs gathered from it and the pending
+     * rows (read before the copies below replace them); the pass then reuses x->u */
+    op->hc_head(be, x->u, X, R, c->hc_mult, H);
+    void **d = x->d_ptr;
+    void (*up)(mt_backend *, void *, const void *, size_t) = op->upload_async ? op->upload_async : op->upload;
+    up(be, d, hsrc, sizeof(void *) * (size_t)nr);
+    up(be, d + m->rcap, cdst, sizeof(void *) * (size_t)nc);
+    up(be, d + 3 * (size_t)m->rcap, csrc, sizeof(void *) * (size_t)nc);
+    op->copy_rows_from(be, x->hin, (const float *const *)d, nr, H);
+    op->copy_rows_ptr(be, (float *const *)(d + m->rcap), (const float *const *)(d + 3 * (size_t)m->rcap), nc, H);
+    if (nr > 0) {
+        mtp_rows_tables(m, rs, pos, bt, nr);
+        rc = mtp_pass_rows(m, tok, nr);
+    }
+out:
+    free(hsrc);
+    free(tok);
+    free(pos);
+    free(rs);
+    free(bt);
+    free(csrc);
+    free(cdst);
+    return rc;
+}
+
 mt_status glm_mtp_draft_rows(glm_model *m, glm_seq **seqs, const int32_t *tokens, int n, float *logits,
                              mt_error *err) {
     if (!m->mtp.on) return mt_errorf(err, MT_ERR_UNSUPPORTED, "the model has no drafter turned on");
@@ -147,55 +284,30 @@ mt_status glm_mtp_draft_rows(glm_model *m, glm_seq **seqs, const int32_t *tokens
     mt_backend *be = m->be;
     const mt_backend_ops *op = be->ops;
     struct glm_mtp *x = &m->mtp;
-    const float eps = c->rms_norm_eps;
-    const size_t nh = (size_t)n * H;
     int32_t *pos = malloc(sizeof(int32_t) * (size_t)n);
     void **bt = malloc(sizeof(void *) * (size_t)n);
-    mt_layer_state **sts = malloc(sizeof *sts * (size_t)n);
     bool *spec = malloc(sizeof(bool) * (size_t)n);
     mt_status rc = MT_OK;
-    if (!pos || !bt || !sts || !spec) {
+    if (!pos || !bt || !spec) {
         rc = mt_errorf(err, MT_ERR_NOMEM, "out of memory for a batched draft of %d rows", n);
         goto out;
     }
-    /* row i: the target's last row (hp) or the last draft's residual (u), and its own drafter
-     * position and block table for the rows form of the block's DSA */
+    /* row i: the target's last row (hp) or the last draft's residual (u), at its own drafter
+     * position */
     for (int i = 0; i < n; i++) {
         glm_seq *s = seqs[i];
         spec[i] = !(s->n_spec == 0 && glm_mtp_committed(m, s) == s->len - 1);
         op->copy(be, x->hin + (size_t)i * H, spec[i] ? s->u : s->hp, sizeof(float) * H);
-        sts[i] = s->states[L];
-        pos[i] = ((const glm_layer_state *)sts[i])->len;
-        bt[i] = (void *)s->bt.dev;
+        pos[i] = ((const glm_layer_state *)s->states[L])->len;
     }
-    op->upload(be, x->d_rpos, pos, sizeof(int32_t) * (size_t)n);
-    op->upload(be, x->d_rtab + (size_t)GLM_R_BT * cap, bt, sizeof(void *) * (size_t)n);
-
-    glm_layer *l = &m->layers[L];
-    op->embed(be, x->e, &m->embed, tokens, n);
-    if (m->tp_size > 1 && (rc = glm_all_reduce(m->comm, x->e, nh)) != MT_OK) goto failed;
-    op->rmsnorm(be, x->e, x->e, x->enorm, n, H, eps);
-    op->rmsnorm(be, x->t, x->hin, x->hnorm, n, H, eps);
-    op->matmul(be, x->u, x->e, &x->eh_e, n);
-    op->matmul(be, x->e, x->t, &x->eh_h, n);
-    op->add(be, x->u, x->e, (int64_t)nh);
-    mt_step step = { .be = be, .t0 = -1, .scr = &m->scr, .rpos = x->d_rpos, .rtab = (void *const *)x->d_rtab,
-                     .rcap = cap, .rt_cap = m->rt_cap };
-    m->scr.sel_n = 0;
-    op->rmsnorm(be, x->t, x->u, l->in_norm, n, H, eps);
-    if ((rc = glm_dsa_forward(l, (glm_layer_state **)sts, n, &step, x->t, x->e, n)) != MT_OK) goto failed;
-    for (int i = 0; i < n; i++) ((glm_layer_state *)sts[i])->len++; /* the rows form leaves it to its caller */
-    if ((rc = glm_all_reduce(l->comm, x->e, nh)) != MT_OK) goto failed;
-    op->add(be, x->u, x->e, (int64_t)nh);
-    op->rmsnorm(be, x->t, x->u, l->post_norm, n, H, eps);
-    glm_mlp_forward(l, &step, x->t, x->e, n);
-    if ((rc = glm_all_reduce(l->comm, x->e, nh)) != MT_OK) goto failed;
-    op->add(be, x->u, x->e, (int64_t)nh);
+    mtp_rows_tables(m, seqs, pos, bt, n);
+    if ((rc = mtp_pass_rows(m, tokens, n)) != MT_OK) goto failed;
     for (int i = 0; i < n; i++) {
+        ((glm_layer_state *)seqs[i]->states[L])->len++;
         op->copy(be, seqs[i]->u, x->u + (size_t)i * H, sizeof(float) * H);
         if (spec[i]) seqs[i]->n_spec++;
     }
-    op->rmsnorm(be, x->t, x->u, x->norm, n, H, eps);
+    op->rmsnorm(be, x->t, x->u, x->norm, n, H, c->rms_norm_eps);
     if ((rc = glm_logits_rows(m, x->t, n, logits)) != MT_OK) goto failed;
     goto out;
 failed:
@@ -203,7 +315,6 @@ failed:
 out:
     free(pos);
     free(bt);
-    free(sts);
     free(spec);
     return rc;
 }
