@@ -129,6 +129,55 @@ TEST_F(SpecGpu, KeptRowsContinueAsAStepOfThem) {
     }
 }
 
+// Drafts of three sequences replaying the bucket graph of 4 rows (a pad row), chained two deep,
+// and the batched decode that follows them (its drafters fed in one pass), against twins that
+// draft and decode one at a time with graphs off: the same draft and target logits.
+TEST_F(SpecGpu, BatchedDraftsReplayTheirBucketGraph) {
+    std::vector<int32_t> prompt;
+    for (int i = 0; i < 48; i++) prompt.push_back((i * 29 + 3) % V_);
+    mt_error err{};
+    glm_seq *a[3], *b[3];
+    for (int i = 0; i < 3; i++) {
+        ASSERT_EQ(glm_seq_new(m_, 96, &a[i], &err), MT_OK) << err.msg;
+        ASSERT_EQ(glm_seq_new(m_, 96, &b[i], &err), MT_OK) << err.msg;
+        for (glm_seq *s : { a[i], b[i] })
+            ASSERT_EQ(glm_prefill(m_, s, prompt.data(), 20 + 9 * i, nullptr, false, &err), MT_OK) << err.msg;
+    }
+    float worst = 0, worst_target = 0;
+    for (int step = 0; step < 5; step++) {
+        int32_t tok[3] = { (int32_t)((step * 7 + 1) % V_), (int32_t)((step * 11 + 2) % V_), (int32_t)((step * 5 + 3) % V_) };
+        for (int j = 0; j < 2; j++) {
+            glm_model_set_decode_graphs(m_, true);
+            std::vector<float> la((size_t)3 * V_);
+            ASSERT_EQ(glm_mtp_draft_rows(m_, a, tok, 3, la.data(), &err), MT_OK) << err.msg;
+            glm_model_set_decode_graphs(m_, false);
+            for (int i = 0; i < 3; i++) {
+                const std::vector<float> lb = Draft(b[i], tok[i]);
+                worst = std::max(worst, MaxAbsDiff(&la[(size_t)i * V_], lb.data(), V_));
+                tok[i] = glm_argmax(lb.data(), V_);
+            }
+        }
+        if (step >= 2) EXPECT_TRUE(glm_model_has_draft_graph(m_, 3)) << "step " << step;
+        const int32_t next[3] = { prompt[step], prompt[step + 10], prompt[step + 20] };
+        std::vector<float> ya((size_t)3 * V_), yb(V_);
+        glm_model_set_decode_graphs(m_, true);
+        ASSERT_EQ(glm_decode_multi(m_, a, next, 3, ya.data(), &err), MT_OK) << err.msg;
+        glm_model_set_decode_graphs(m_, false);
+        for (int i = 0; i < 3; i++) {
+            ASSERT_EQ(glm_decode(m_, b[i], next[i], yb.data(), &err), MT_OK) << err.msg;
+            worst_target = std::max(worst_target, MaxAbsDiff(&ya[(size_t)i * V_], yb.data(), V_));
+        }
+    }
+    glm_model_set_decode_graphs(m_, true);
+    printf("batched drafts from graphs: worst |diff| %.2e (drafts), %.2e (target)\n", worst, worst_target);
+    EXPECT_LT(worst, 1e-3f);
+    EXPECT_LT(worst_target, 1e-3f);
+    for (int i = 0; i < 3; i++) {
+        glm_seq_free(a[i]);
+        glm_seq_free(b[i]);
+    }
+}
+
 // batch requests with prompts of 8 + 5r tokens, 64 new tokens each. mixed_steps:
 // eng_params.mixed_steps with prompts fed 8 tokens a step and every other request opted out of
 // speculation, so verifies, plain decode rows and prompt chunks share steps.

@@ -314,6 +314,8 @@ struct glm_model {
         float *e, *u, *t;      /* [rows, H] embeddings, residual, temporary */
         int32_t *d_rpos;       /* [rows] backend: a batched draft's positions (rows form) */
         void **d_rtab;         /* [GLM_R_KINDS, rows] backend: its tables (only GLM_R_BT is read) */
+        int32_t *d_tok;        /* [rows] backend: a batched draft's tokens */
+        rt_slot bucket[GLM_BUCKETS]; /* batched drafts' graphs per bucket of rows, as the decode's */
         void **d_ptr;          /* [5, rows] backend: glm_mtp_follow_parts' row tables (the
                                 * drafter's inputs [rows]; its copies' destinations and sources
                                 * [2 * rows] each) */
@@ -375,6 +377,15 @@ static inline void glm_matmul_multi(mt_backend *be, float *const *y, const float
     }
 }
 
+/* The bucket of a batched step of n rows: the graph of 1 << glm_bucket_of(n) rows serves it. */
+static inline int glm_bucket_of(int n) {
+    int b = 0;
+    while ((1 << b) < n) b++;
+    return b;
+}
+/* The bucket graphs' pad sequence, made when missing; false when the pools have no room for it. */
+bool glm_pad_ensure(glm_model *m);
+
 /* glm_mtp.c: the MTP block (docs/MODEL.md, "MTP block"). */
 /* The drafter rows of s that stand (its layer state's length less the speculative rows). */
 static inline int glm_mtp_committed(const glm_model *m, const glm_seq *s) {
@@ -400,6 +411,9 @@ typedef struct glm_follow_part {
 mt_status glm_mtp_follow_parts(glm_model *m, const glm_follow_part *p, int np, const float *X);
 /* The drafter's next row for s with token: logits (host) [vocab]. */
 mt_status glm_mtp_draft(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_error *err);
+/* Whether drafts replay graphs: decode graphs on a backend that captures, one rank, the drafter's
+ * capture off. Then a draft of one sequence is a batched draft of one row. */
+bool glm_mtp_draft_graphs(const glm_model *m);
 
 /* glm_ple.c: PLE memories (docs/MODEL.md "PLE layer"). */
 /* Hash constants and scratch of l's memory for passes of up to rows rows; MT_ERR_UNSUPPORTED on a

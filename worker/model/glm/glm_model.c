@@ -109,7 +109,8 @@ static mt_status model_init(glm_model *m, uint64_t random_seed, bool random, mt_
             !(x->ring_h = be->ops->alloc(be, sizeof(float) * (size_t)x->n_rings * GLM_VERIFY_MAX * c->hidden_size)) ||
             !(x->d_rpos = be->ops->alloc(be, sizeof(int32_t) * rows)) ||
             !(x->d_rtab = be->ops->alloc(be, sizeof(void *) * GLM_R_KINDS * rows)) ||
-            !(x->d_ptr = be->ops->alloc(be, sizeof(void *) * 5 * rows)))
+            !(x->d_ptr = be->ops->alloc(be, sizeof(void *) * 5 * rows)) ||
+            !(x->d_tok = be->ops->alloc(be, sizeof(int32_t) * rows)))
             return mt_errorf(err, MT_ERR_NOMEM, "out of memory for the drafter's activations");
     }
     if (m->tp_size > 1 &&
@@ -207,7 +208,10 @@ void glm_model_free(glm_model *m) {
     for (int i = 0; i < m->n_kept_host; i++) free(m->kept_host[i]);
     free(m->kept_host);
     rt_slot_release(&m->runner, &m->shared);
-    for (int b = 0; b < GLM_BUCKETS; b++) rt_slot_release(&m->runner, &m->bucket[b]);
+    for (int b = 0; b < GLM_BUCKETS; b++) {
+        rt_slot_release(&m->runner, &m->bucket[b]);
+        rt_slot_release(&m->runner, &m->mtp.bucket[b]);
+    }
     free(m->layer_list);
     be->ops->free(be, m->d_rrow);
     be->ops->free(be, m->d_rtab);
@@ -224,6 +228,7 @@ void glm_model_free(glm_model *m) {
     be->ops->free(be, m->mtp.d_rpos);
     be->ops->free(be, m->mtp.d_rtab);
     be->ops->free(be, m->mtp.d_ptr);
+    be->ops->free(be, m->mtp.d_tok);
     free(m->mtp.ring);
     free(m->mtp.ring_owner);
     st_close(m->ar);
@@ -269,7 +274,7 @@ static void pools_release(glm_model *m) {
 /* The pad sequence of the bucket graphs (one slot, one page at position 0); made when the pools
  * are (graph-capable backends) or at the first padded step. false when the pools have no room:
  * that step then runs eagerly without padding, never on a pad without a page. */
-static bool pad_ensure(glm_model *m) {
+bool glm_pad_ensure(glm_model *m) {
     if (m->pad_seq) return true;
     mt_error err = { "" };
     glm_seq *p = NULL;
@@ -285,7 +290,10 @@ static bool pad_ensure(glm_model *m) {
 /* Frees every recorded decode graph but the sequences' own (bucket graphs and the shared one). */
 static void graphs_release(glm_model *m) {
     rt_slot_release(&m->runner, &m->shared);
-    for (int b = 0; b < GLM_BUCKETS; b++) rt_slot_release(&m->runner, &m->bucket[b]);
+    for (int b = 0; b < GLM_BUCKETS; b++) {
+        rt_slot_release(&m->runner, &m->bucket[b]);
+        rt_slot_release(&m->runner, &m->mtp.bucket[b]);
+    }
 }
 
 mt_status glm_model_set_pools(glm_model *m, int n_pages, int n_slots, mt_error *err) {
@@ -310,7 +318,7 @@ mt_status glm_model_set_pools(glm_model *m, int n_pages, int n_slots, mt_error *
     }
     for (int i = 0; i < n_ring; i++) m->mtp.ring[i] = rt_id_take(&m->slots);
     for (int j = 0; j < m->mtp.n_rings; j++) m->mtp.ring_owner[j] = NULL;
-    if (be->ops->graph_begin) pad_ensure(m); /* the graph pad's slot and page, before any request's */
+    if (be->ops->graph_begin) glm_pad_ensure(m); /* the graph pad's slot and page, before any request's */
     return MT_OK;
 }
 
@@ -1013,12 +1021,6 @@ static mt_status rows_body_cb(void *ctx) {
     return rows_body(r->m, r->seqs, r->n, r->B, r->sts, r->host_ids);
 }
 
-static int bucket_of(int n) {
-    int b = 0;
-    while ((1 << b) < n) b++;
-    return b;
-}
-
 /* The n tokens of ticket t (a greedy step's token table of n rows, S entries a row) into
  * m->h_tok[0, n). */
 static mt_status ticket_tokens(glm_model *m, int64_t t, int n) {
@@ -1037,11 +1039,11 @@ static mt_status decode_rows(glm_model *m, glm_seq **seqs, const int32_t *tokens
                              int *B_out, mt_error *err) {
     const glm_config *c = &m->cfg;
     mt_backend *be = m->be;
-    const int b = bucket_of(n);
+    const int b = glm_bucket_of(n);
     bool use_graph = m->params.decode_graphs && m->runner.plan.graphs && !m->census && b < GLM_BUCKETS &&
                      (1 << b) <= m->params.graph_max_rows && (1 << b) <= m->rcap &&
                      m->bucket[b].failures < RT_MAX_CAPTURE_FAILURES;
-    if (use_graph && (1 << b) > n && !pad_ensure(m)) use_graph = false; /* no room for the pad: eager */
+    if (use_graph && (1 << b) > n && !glm_pad_ensure(m)) use_graph = false; /* no room for the pad: eager */
     const int B = use_graph ? 1 << b : n;
     *B_out = B;
     if (!tokens && B != m->ahead.B) { /* the table sits where a pass of ahead.B rows has it: read it */
@@ -1202,8 +1204,13 @@ int glm_model_expert_census(const glm_model *m) {
 }
 
 bool glm_model_has_bucket_graph(const glm_model *m, int n) {
-    const int b = bucket_of(n);
+    const int b = glm_bucket_of(n);
     return b < GLM_BUCKETS && m->bucket[b].graph != NULL;
+}
+
+bool glm_model_has_draft_graph(const glm_model *m, int n) {
+    const int b = glm_bucket_of(n);
+    return b < GLM_BUCKETS && m->mtp.bucket[b].graph != NULL;
 }
 
 void glm_model_fail_next_capture(glm_model *m) { m->runner.fail_next_capture = true; }
@@ -1224,6 +1231,7 @@ int32_t glm_argmax(const float *logits, int vocab) {
 bool glm_model_has_mtp(const glm_model *m) { return m->mtp.has; }
 bool glm_model_has_drafter(const glm_model *m) { return m->mtp.on; }
 mt_status glm_model_draft(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_error *err) {
+    if (glm_mtp_draft_graphs(m)) return glm_mtp_draft_rows(m, &s, &token, 1, logits, err);
     return glm_mtp_draft(m, s, token, logits, err);
 }
 void glm_model_capture_drafter(glm_model *m, float *logits, int rows) {

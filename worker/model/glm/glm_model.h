@@ -211,6 +211,8 @@ int glm_model_expert_census(const glm_model *m);
 
 /* Whether a batched step of n rows would replay a captured graph now. */
 bool glm_model_has_bucket_graph(const glm_model *m, int n);
+/* Whether a batched draft of n rows replays a recorded graph (tests). */
+bool glm_model_has_draft_graph(const glm_model *m, int n);
 
 /* Test hook: the next decode-graph capture fails (an uncapturable call is made inside it). */
 void glm_model_fail_next_capture(glm_model *m);

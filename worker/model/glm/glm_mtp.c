@@ -9,6 +9,7 @@
  * with a plain residual and the block's own DSA caches (layers[L], paged like the target's DSA
  * layers, row t at position t). Drafting k > 1 tokens feeds the block its own u as h (DeepSeek-V3's
  * sequential MTP); those rows are speculative and the next target step drops them. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -127,9 +128,9 @@ static void mtp_rows_tables(glm_model *m, glm_seq *const *seqs, const int32_t *p
 /* The block over n rows in the rows form, each row at its own position of its own sequence (the
  * tables mtp_rows_tables uploaded; rows of one sequence at consecutive positions may share a
  * pass: the cache rows are all written before any row attends): hidden inputs x->hin [n, H],
- * tokens (host) [n]. Leaves every row's residual in x->u. The host-tracked drafter lengths are
+ * tokens [n] on the host, or d_tokens in backend memory (the graph form). Leaves every row's residual in x->u. The host-tracked drafter lengths are
  * the caller's to move. */
-static mt_status mtp_pass_rows(glm_model *m, const int32_t *tokens, int n) {
+static mt_status mtp_pass_rows(glm_model *m, const int32_t *tokens, const int32_t *d_tokens, int n) {
     mt_backend *be = m->be;
     const mt_backend_ops *op = be->ops;
     const glm_config *c = &m->cfg;
@@ -139,7 +140,8 @@ static mt_status mtp_pass_rows(glm_model *m, const int32_t *tokens, int n) {
     struct glm_mtp *x = &m->mtp;
     glm_layer *l = &m->layers[L];
     mt_status rc;
-    op->embed(be, x->e, &m->embed, tokens, n);
+    if (d_tokens) op->embed_dev(be, x->e, &m->embed, d_tokens, n);
+    else op->embed(be, x->e, &m->embed, tokens, n);
     if (m->tp_size > 1 && (rc = glm_all_reduce(m->comm, x->e, nh)) != MT_OK) return rc;
     op->rmsnorm(be, x->e, x->e, x->enorm, n, H, eps);
     op->rmsnorm(be, x->t, x->hin, x->hnorm, n, H, eps);
@@ -235,7 +237,7 @@ mt_status glm_mtp_follow_parts(glm_model *m, const glm_follow_part *p, int np, c
     op->copy_rows_ptr(be, (float *const *)(d + m->rcap), (const float *const *)(d + 3 * (size_t)m->rcap), nc, H);
     if (nr > 0) {
         mtp_rows_tables(m, rs, pos, bt, nr);
-        rc = mtp_pass_rows(m, tok, nr);
+        rc = mtp_pass_rows(m, tok, NULL, nr);
     }
 out:
     free(hsrc);
@@ -248,13 +250,44 @@ out:
     return rc;
 }
 
+bool glm_mtp_draft_graphs(const glm_model *m) {
+    return m->mtp.on && !m->mtp.capture && m->tp_size == 1 && m->params.decode_graphs && m->runner.plan.graphs &&
+           m->be->ops->embed_dev && m->be->ops->copy_rows_from && m->be->ops->copy_rows_ptr;
+}
+
+typedef struct draft_ctx {
+    glm_model *m;
+    int B;
+} draft_ctx;
+
+/* A batched draft of B rows from the tables in backend memory (glm_mtp_draft_rows uploads them):
+ * the rows' hidden inputs gathered through x->d_ptr [0, B), the block over them (tokens x->d_tok),
+ * each row's residual out to its sequence's u through x->d_ptr's copy tables, and the logits in
+ * m->logits [B, V]. Nothing names a sequence, so a bucket graph records it. */
+static mt_status draft_body(void *ctx) {
+    const draft_ctx *d = ctx;
+    glm_model *m = d->m;
+    mt_backend *be = m->be;
+    const mt_backend_ops *op = be->ops;
+    struct glm_mtp *x = &m->mtp;
+    const int H = m->cfg.hidden_size, B = d->B;
+    const size_t cap = (size_t)m->rcap;
+    op->copy_rows_from(be, x->hin, (const float *const *)x->d_ptr, B, H);
+    mt_status rc = mtp_pass_rows(m, NULL, x->d_tok, B);
+    if (rc != MT_OK) return rc;
+    op->copy_rows_ptr(be, (float *const *)(x->d_ptr + cap), (const float *const *)(x->d_ptr + 3 * cap), B, H);
+    op->rmsnorm(be, x->t, x->u, x->norm, B, H, m->cfg.rms_norm_eps);
+    return glm_logits_rows(m, x->t, B, NULL);
+}
+
 mt_status glm_mtp_draft_rows(glm_model *m, glm_seq **seqs, const int32_t *tokens, int n, float *logits,
                              mt_error *err) {
     if (!m->mtp.on) return mt_errorf(err, MT_ERR_UNSUPPORTED, "the model has no drafter turned on");
     const glm_config *c = &m->cfg;
     const int H = c->hidden_size, L = c->num_hidden_layers, V = c->vocab_size, cap = m->rcap;
     if (n < 1 || n > cap) return mt_errorf(err, MT_ERR_INVALID, "a batched draft of %d rows (1 to %d)", n, cap);
-    if (m->mtp.capture || n == 1) { /* the capture's rows are per sequence: one at a time */
+    const bool graphs = glm_mtp_draft_graphs(m);
+    if (m->mtp.capture || (n == 1 && !graphs)) { /* the capture's rows are per sequence: one at a time */
         for (int i = 0; i < n; i++) {
             mt_status rc = glm_mtp_draft(m, seqs[i], tokens[i], logits + (size_t)i * V, err);
             if (rc != MT_OK) return rc;
@@ -281,40 +314,75 @@ mt_status glm_mtp_draft_rows(glm_model *m, glm_seq **seqs, const int32_t *tokens
         mt_status rc = glm_seq_reserve(s, st->len + 1 - s->len, err);
         if (rc != MT_OK) return rc;
     }
+    /* a bucket graph of B rows when graphs are on (the rows past n run on the pad sequence at its
+     * position 0, their outputs dropped), else n rows eagerly */
+    struct glm_mtp *x = &m->mtp;
+    const int b = glm_bucket_of(n);
+    bool use_graph = graphs && b < GLM_BUCKETS && (1 << b) <= m->params.graph_max_rows && (1 << b) <= cap &&
+                     x->bucket[b].failures < RT_MAX_CAPTURE_FAILURES;
+    if (use_graph && (1 << b) > n && !glm_pad_ensure(m)) use_graph = false;
+    const int B = use_graph ? 1 << b : n;
     mt_backend *be = m->be;
     const mt_backend_ops *op = be->ops;
-    struct glm_mtp *x = &m->mtp;
-    int32_t *pos = malloc(sizeof(int32_t) * (size_t)n);
-    void **bt = malloc(sizeof(void *) * (size_t)n);
+    int32_t *pos = malloc(sizeof(int32_t) * (size_t)B), *tok = malloc(sizeof(int32_t) * (size_t)B);
+    void **bt = malloc(sizeof(void *) * (size_t)B);
+    glm_seq **rs = malloc(sizeof *rs * (size_t)B);
+    const float **hsrc = malloc(sizeof *hsrc * (size_t)B), **usrc = malloc(sizeof *usrc * (size_t)B);
+    float **udst = malloc(sizeof *udst * (size_t)B);
     bool *spec = malloc(sizeof(bool) * (size_t)n);
     mt_status rc = MT_OK;
-    if (!pos || !bt || !spec) {
+    if (!pos || !tok || !bt || !rs || !hsrc || !usrc || !udst || !spec) {
         rc = mt_errorf(err, MT_ERR_NOMEM, "out of memory for a batched draft of %d rows", n);
         goto out;
     }
     /* row i: the target's last row (hp) or the last draft's residual (u), at its own drafter
-     * position */
-    for (int i = 0; i < n; i++) {
-        glm_seq *s = seqs[i];
-        spec[i] = !(s->n_spec == 0 && glm_mtp_committed(m, s) == s->len - 1);
-        op->copy(be, x->hin + (size_t)i * H, spec[i] ? s->u : s->hp, sizeof(float) * H);
-        pos[i] = ((const glm_layer_state *)s->states[L])->len;
+     * position; its residual goes back to its u */
+    for (int i = 0; i < B; i++) {
+        glm_seq *s = i < n ? seqs[i] : m->pad_seq;
+        if (i < n) spec[i] = !(s->n_spec == 0 && glm_mtp_committed(m, s) == s->len - 1);
+        rs[i] = s;
+        hsrc[i] = i < n && spec[i] ? s->u : s->hp;
+        pos[i] = i < n ? ((const glm_layer_state *)s->states[L])->len : 0;
+        tok[i] = i < n ? tokens[i] : 0;
+        udst[i] = s->u;
+        usrc[i] = x->u + (size_t)i * H;
     }
-    mtp_rows_tables(m, seqs, pos, bt, n);
-    if ((rc = mtp_pass_rows(m, tokens, n)) != MT_OK) goto failed;
+    void (*up)(mt_backend *, void *, const void *, size_t) = op->upload_async ? op->upload_async : op->upload;
+    mtp_rows_tables(m, rs, pos, bt, B);
+    if (!graphs) { /* one rank's eager pass (the tables above serve its DSA) */
+        for (int i = 0; i < n; i++) op->copy(be, x->hin + (size_t)i * H, hsrc[i], sizeof(float) * H);
+        if ((rc = mtp_pass_rows(m, tokens, NULL, n)) != MT_OK) goto failed;
+        for (int i = 0; i < n; i++) op->copy(be, udst[i], usrc[i], sizeof(float) * H);
+        op->rmsnorm(be, x->t, x->u, x->norm, n, H, c->rms_norm_eps);
+        if ((rc = glm_logits_rows(m, x->t, n, NULL)) != MT_OK) goto failed;
+    } else {
+        up(be, x->d_tok, tok, sizeof(int32_t) * (size_t)B);
+        up(be, x->d_ptr, hsrc, sizeof(void *) * (size_t)B);
+        up(be, x->d_ptr + cap, udst, sizeof(void *) * (size_t)B);
+        up(be, x->d_ptr + 3 * (size_t)cap, usrc, sizeof(void *) * (size_t)B);
+        draft_ctx ctx = { m, B };
+        const rt_rows none = { 0 };
+        char what[64];
+        snprintf(what, sizeof what, "batched draft of %d rows", B);
+        if ((rc = rt_run_step(&m->runner, &x->bucket[b], use_graph, m->rt_cap, &none, draft_body, &ctx, what)) != MT_OK)
+            goto failed;
+    }
     for (int i = 0; i < n; i++) {
         ((glm_layer_state *)seqs[i]->states[L])->len++;
-        op->copy(be, seqs[i]->u, x->u + (size_t)i * H, sizeof(float) * H);
         if (spec[i]) seqs[i]->n_spec++;
     }
-    op->rmsnorm(be, x->t, x->u, x->norm, n, H, c->rms_norm_eps);
-    if ((rc = glm_logits_rows(m, x->t, n, logits)) != MT_OK) goto failed;
+    be->ops->download(be, logits, m->logits, sizeof(float) * (size_t)n * V);
     goto out;
 failed:
     rc = mt_errorf(err, rc, "a batched draft of %d rows failed: %s", n, mt_status_str(rc));
 out:
     free(pos);
+    free(tok);
     free(bt);
+    free(rs);
+    free(hsrc);
+    free(usrc);
+    free(udst);
     free(spec);
     return rc;
 }
