@@ -411,8 +411,8 @@ typedef struct glm_follow_part {
 mt_status glm_mtp_follow_parts(glm_model *m, const glm_follow_part *p, int np, const float *X);
 /* The drafter's next row for s with token: logits (host) [vocab]. */
 mt_status glm_mtp_draft(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_error *err);
-/* Whether drafts replay graphs: decode graphs on a backend that captures, one rank, the drafter's
- * capture off. Then a draft of one sequence is a batched draft of one row. */
+/* Whether batched drafts replay graphs: decode graphs on a backend that captures, one rank, the
+ * drafter's capture off. */
 bool glm_mtp_draft_graphs(const glm_model *m);
 
 /* glm_ple.c: PLE memories (docs/MODEL.md "PLE layer"). */

@@ -1231,7 +1231,6 @@ int32_t glm_argmax(const float *logits, int vocab) {
 bool glm_model_has_mtp(const glm_model *m) { return m->mtp.has; }
 bool glm_model_has_drafter(const glm_model *m) { return m->mtp.on; }
 mt_status glm_model_draft(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_error *err) {
-    if (glm_mtp_draft_graphs(m)) return glm_mtp_draft_rows(m, &s, &token, 1, logits, err);
     return glm_mtp_draft(m, s, token, logits, err);
 }
 void glm_model_capture_drafter(glm_model *m, float *logits, int rows) {

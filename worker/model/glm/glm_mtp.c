@@ -287,7 +287,9 @@ mt_status glm_mtp_draft_rows(glm_model *m, glm_seq **seqs, const int32_t *tokens
     const int H = c->hidden_size, L = c->num_hidden_layers, V = c->vocab_size, cap = m->rcap;
     if (n < 1 || n > cap) return mt_errorf(err, MT_ERR_INVALID, "a batched draft of %d rows (1 to %d)", n, cap);
     const bool graphs = glm_mtp_draft_graphs(m);
-    if (m->mtp.capture || (n == 1 && !graphs)) { /* the capture's rows are per sequence: one at a time */
+    /* the capture's rows are per sequence: one at a time; so is a lone row, whose own form reads
+     * only its length where the rows form sizes its attention by the longest sequence (rt_cap) */
+    if (m->mtp.capture || n == 1) {
         for (int i = 0; i < n; i++) {
             mt_status rc = glm_mtp_draft(m, seqs[i], tokens[i], logits + (size_t)i * V, err);
             if (rc != MT_OK) return rc;
