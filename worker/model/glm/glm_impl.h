@@ -189,8 +189,28 @@ enum {
     GLM_R_PLE_CONV,                        /* PLE memory: conv state (NULL: the layer has none) */
     GLM_R_PLE_STAGED,                      /* PLE memory: the staged row the step reads */
     GLM_R_PLE_HIST,                        /* PLE memory: the device history (glm_ple_w.dev) */
+    GLM_R_RING_CONV,                       /* KDA, a verify block's row: the ring slot's conv
+                                            * states ([3, D, K-1]) that take its state after it */
+    GLM_R_RING_REC,                        /* KDA, likewise: the ring slot's recurrent state */
     GLM_R_KINDS
 };
+
+/* A mixed step's rows block with verifies (mt_step.vblk): the block's leading parts, one decode
+ * row of a sequence under way or a verify's k rows each, run in the rows form, every row at its
+ * own position. A KDA layer must run a verify's rows one after another, so it takes the block in
+ * row-index-major order: the parts sorted by rows (most first, stably), block j holds row j of
+ * the n_at[j] parts that have one, and its first save_at[j] rows (their part has a row after row
+ * j) then leave their state in their ring (GLM_R_RING_*). The KDA tables are in that order; the
+ * positions and block tables in the step's row order. The mixer reads the block's rows of
+ * scr->h through gather (into scr->y, that order), writes its output into scr->h, and scatter
+ * moves it to the rows of scr->a. */
+typedef struct glm_vblock {
+    int kmax;                  /* rows of the longest part */
+    int n_at[GLM_VERIFY_MAX], save_at[GLM_VERIFY_MAX];
+    const float *const *gather;              /* [n] backend: scr->h rows, in the KDA's order */
+    float *const *scatter_dst;               /* [n] backend: scr->a rows, in the KDA's order */
+    const float *const *scatter_src;         /* [n] backend: scr->h rows 0 .. n - 1 */
+} glm_vblock;
 
 /* One segment of a mixed step (mt_layer_ops.forward_segments): n consecutive rows of one
  * sequence from position t0; scr is the model's scratch with the DSA selection moved to the
@@ -230,6 +250,10 @@ struct mt_step {
      * (rpos, rtab as for batched decode), the others segment by segment. */
     glm_segment *seg;
     int nseg, nrows;
+    /* With verifies in the rows block: its first nrows rows are the leading nbparts segments,
+     * laid out as vblk says (NULL: nbparts == nrows, one row each). */
+    int nbparts;
+    const glm_vblock *vblk;
     /* A verify (n > 1 rows of one sequence, write-on-accept): the KDA slots that take the
      * recurrent and conv state after each row but the last, [n - 1] (m->mtp.ring); NULL else. */
     const int *vring;
@@ -277,6 +301,7 @@ struct glm_model {
      * holds the addresses of its own B */
     int32_t *d_rrow;
     void **d_rtab;             /* [L * GLM_R_KINDS * rcap] */
+    void **d_vtab;             /* [3 * rcap] backend: a verify block's gather and scatter tables */
     int32_t *h_rrow;
     void **h_rtab;
     int rt_cap;                /* largest capacity of any sequence made so far (graph sizing) */
@@ -473,6 +498,10 @@ void glm_layers_copy_slot(const glm_layer *ls, int n, int from, int to);
  * (conv) and/or the recurrent state (rec), in the backend's order of work. */
 void glm_layer_save_slot(const glm_layer *l, const glm_layer_state *st, int slot, bool conv, bool rec);
 void glm_layers_zero_slot(const glm_layer *ls, int n, int slot);
+/* Where slot `slot` of a KDA layer keeps its state: the three conv states, consecutive
+ * ([3, D, K-1]), and the recurrent state, and their floats. */
+void glm_layer_slot_at(const glm_layer *l, int slot, float **conv, float **rec, size_t *conv_floats,
+                       size_t *rec_floats);
 size_t glm_layer_state_bytes(const glm_layer *l, int max_tokens);
 size_t glm_layer_slot_bytes(const glm_layer *l);  /* KDA layers; 0 for DSA */
 size_t glm_layer_page_bytes(const glm_layer *l);  /* DSA layers; 0 for KDA */

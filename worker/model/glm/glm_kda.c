@@ -8,10 +8,23 @@
  * own state through the step's pointer tables (glm_rtab), so no op is issued per sequence.
  * A verify (step->vring, nst == 1, n > 1 rows) runs the conv and the delta rule row by row, as
  * n decodes would, and leaves the state after each row but the last in the ring's slots, from
- * which glm_seq_keep commits the accepted row's. */
+ * which glm_seq_keep commits the accepted row's. Verifies in a mixed step's rows block
+ * (step->vblk) do the same for all of them at once, one block of rows (row j of each) at a time. */
 #include <math.h>
 
 #include "worker/model/glm/glm_impl.h"
+
+/* A verify block's rows [r0, r0 + n) (KDA order) that have rows after them: their sequences'
+ * conv states (conv) or recurrent states into their ring slots, one copy for all of them. */
+static void ring_save_rows(const glm_layer *l, const mt_step *step, int r0, int n, bool conv) {
+    if (n <= 0) return;
+    float *c0, *r;
+    size_t cf, rf;
+    glm_layer_slot_at(l, 0, &c0, &r, &cf, &rf);
+    const int from = conv ? GLM_R_CONV0 : GLM_R_REC, to = conv ? GLM_R_RING_CONV : GLM_R_RING_REC;
+    step->be->ops->copy_rows_ptr(step->be, glm_rtab(step, to) + r0, (const float *const *)glm_rtab(step, from) + r0,
+                                 n, (int64_t)(conv ? cf : rf));
+}
 
 mt_status glm_kda_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt_step *step,
                           const float *h, float *out, int n) {
@@ -27,6 +40,9 @@ mt_status glm_kda_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
     const bool rows = step->rtab != NULL; /* the rows form, even for n == 1 (a graph bucket) */
     MT_ASSERT(rows ? nst == n : nst == 1);
     const bool ring = !rows && n > 1 && step->vring != NULL;
+    /* the rows form with verifies: the conv and the delta rule block by block (glm_vblock) */
+    const glm_vblock *vb = rows ? step->vblk : NULL;
+    const int nblk = vb ? vb->kmax : 1;
 
     /* Every projection of h together: q, k, v (raw, o and g hold them until the conv, or with the
      * fused rows op q, k, v themselves, which it convolves in place), and the three small ones,
@@ -36,15 +52,19 @@ mt_status glm_kda_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
     float *dst[3] = { q, k, v }, *pre[6] = { conv3 ? q : raw, conv3 ? k : o, conv3 ? v : g, lo, beta, lo_g };
     glm_matmul_multi(be, pre, h, proj, 6, n, 1u << 4);
     const float q_scale = 1.f / sqrtf((float)dk);
-    if (conv3) { /* the three convs and two norms in one backend op */
-        mt_kda_conv3 cv;
-        for (int j = 0; j < 3; j++) {
-            cv.out[j] = dst[j];
-            cv.x[j] = pre[j];
-            cv.states[j] = glm_rtab(step, GLM_R_CONV0 + j);
-            cv.w[j] = w->conv[j];
+    if (conv3) { /* the three convs and two norms in one backend op (a block's rows at a time) */
+        for (int b = 0, r0 = 0; b < nblk; r0 += vb ? vb->n_at[b] : n, b++) {
+            const int nb = vb ? vb->n_at[b] : n;
+            mt_kda_conv3 cv;
+            for (int j = 0; j < 3; j++) {
+                cv.out[j] = dst[j] + (size_t)r0 * D;
+                cv.x[j] = pre[j] + (size_t)r0 * D;
+                cv.states[j] = glm_rtab(step, GLM_R_CONV0 + j) + r0;
+                cv.w[j] = w->conv[j];
+            }
+            op->kda_conv3_rows(be, &cv, nb, D, K, dk, 1e-6f, q_scale);
+            if (vb) ring_save_rows(l, step, r0, vb->save_at[b], true);
         }
-        op->kda_conv3_rows(be, &cv, n, D, K, dk, 1e-6f, q_scale);
     } else if (ring) {
         for (int r = 0; r < n; r++) {
             const size_t o_r = (size_t)r * D;
@@ -59,15 +79,23 @@ mt_status glm_kda_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
             }
             if (r < n - 1) glm_layer_save_slot(l, sts[0], step->vring[r], true, false);
         }
+    } else if (rows) { /* a block's rows at a time: its three convs, then its ring saves */
+        for (int b = 0, r0 = 0; b < nblk; r0 += vb ? vb->n_at[b] : n, b++) {
+            const size_t o = (size_t)r0 * D;
+            for (int j = 0; j < 3; j++)
+                op->conv1d_silu_rows(be, dst[j] + o, pre[j] + o, glm_rtab(step, GLM_R_CONV0 + j) + r0, w->conv[j],
+                                     vb ? vb->n_at[b] : n, D, K);
+            if (vb) ring_save_rows(l, step, r0, vb->save_at[b], true);
+        }
+        for (int j = 0; j < 2; j++) op->l2norm(be, dst[j], (int64_t)n * nh, dk, 1e-6f, j == 0 ? q_scale : 1.f);
     } else {
         for (int j = 0; j < 3; j++) {
             /* q and k: the conv and their l2norm in one pass where the backend fuses them */
             const float scale = j == 0 ? q_scale : 1.f;
-            if (!rows && j < 2 && op->conv1d_silu_l2norm &&
+            if (j < 2 && op->conv1d_silu_l2norm &&
                 op->conv1d_silu_l2norm(be, dst[j], pre[j], sts[0]->conv[j], w->conv[j], n, D, K, dk, 1e-6f, scale))
                 continue;
-            if (!rows) op->conv1d_silu(be, dst[j], pre[j], sts[0]->conv[j], w->conv[j], n, D, K);
-            else op->conv1d_silu_rows(be, dst[j], pre[j], glm_rtab(step, GLM_R_CONV0 + j), w->conv[j], n, D, K);
+            op->conv1d_silu(be, dst[j], pre[j], sts[0]->conv[j], w->conv[j], n, D, K);
             if (j < 2) op->l2norm(be, dst[j], (int64_t)n * nh, dk, 1e-6f, scale);
         }
     }
@@ -93,7 +121,14 @@ mt_status glm_kda_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
         }
     } else if (!rows && n == 1) op->kda_recurrent(be, o, q, k, v, g, beta, sts[0]->rec, 1, nh, dk);
     else if (!rows) op->kda_chunked(be, o, q, k, v, g, beta, sts[0]->rec, n, nh, dk);
-    else op->kda_recurrent_rows(be, o, q, k, v, g, beta, glm_rtab(step, GLM_R_REC), n, nh, dk);
+    else {
+        for (int b = 0, r0 = 0; b < nblk; r0 += vb ? vb->n_at[b] : n, b++) {
+            const size_t o_r = (size_t)r0 * D;
+            op->kda_recurrent_rows(be, o + o_r, q + o_r, k + o_r, v + o_r, g + o_r, beta + (size_t)r0 * nh,
+                                   glm_rtab(step, GLM_R_REC) + r0, vb ? vb->n_at[b] : n, nh, dk);
+            if (vb) ring_save_rows(l, step, r0, vb->save_at[b], false);
+        }
+    }
 
     op->gated_rmsnorm(be, raw, o, gate, w->o_norm, (int64_t)n * nh, dk, c->rms_norm_eps);
     op->matmul(be, out, raw, &w->o, n);

@@ -98,9 +98,18 @@ static mt_status layer_forward(const mt_layer *ml, glm_layer_state **sts, int ns
             mt_step rows = *step;
             rows.seg = NULL;
             rows.t0 = -1;
-            s = mixer_forward(l, sts, step->nrows, &rows, scr->h, scr->a, step->nrows);
+            const glm_vblock *vb = step->vblk;
+            if (vb && c->layer_types[l->base.index] == GLM_MIXER_KDA) {
+                /* the KDA's row order (glm_vblock): gathered into y, its output back from h */
+                be->ops->copy_rows_from(be, scr->y, vb->gather, step->nrows, c->hidden_size);
+                s = mixer_forward(l, sts, step->nrows, &rows, scr->y, scr->h, step->nrows);
+                be->ops->copy_rows_ptr(be, vb->scatter_dst, vb->scatter_src, step->nrows, c->hidden_size);
+            } else {
+                s = mixer_forward(l, sts, step->nrows, &rows, scr->h, scr->a, step->nrows);
+            }
         }
-        for (int i = step->nrows, r = step->nrows; i < step->nseg && s == MT_OK; r += step->seg[i++].n) {
+        const int nb = step->vblk ? step->nbparts : step->nrows;
+        for (int i = nb, r = step->nrows; i < step->nseg && s == MT_OK; r += step->seg[i++].n) {
             mt_step one = *step;
             one.t0 = step->seg[i].t0;
             one.scr = &step->seg[i].scr;

@@ -122,11 +122,12 @@ static mt_status model_init(glm_model *m, uint64_t random_seed, bool random, mt_
     m->rcap = rows;
     m->d_rrow = be->ops->alloc(be, sizeof(int32_t) * (size_t)rows * (1 + c->hc_mult));
     m->d_rtab = be->ops->alloc(be, sizeof(void *) * tab);
+    m->d_vtab = be->ops->alloc(be, sizeof(void *) * 3 * (size_t)rows);
     m->h_rrow = calloc((size_t)rows * (1 + c->hc_mult), sizeof(int32_t));
     m->h_rtab = calloc(tab, sizeof(void *));
     m->h_tok = calloc((size_t)rows * c->hc_mult, sizeof(int32_t));
     m->ahead.seqs = calloc((size_t)rows, sizeof(glm_seq *));
-    if (!m->d_rrow || !m->d_rtab || !m->h_rrow || !m->h_rtab || !m->h_tok || !m->ahead.seqs)
+    if (!m->d_rrow || !m->d_rtab || !m->d_vtab || !m->h_rrow || !m->h_rtab || !m->h_tok || !m->ahead.seqs)
         return mt_errorf(err, MT_ERR_NOMEM, "out of memory for the batched-decode tables");
     if (c->hc_mult > 8) return mt_errorf(err, MT_ERR_UNSUPPORTED, "hc_mult %d: at most 8 streams", c->hc_mult);
     for (int i = 0; i < c->num_hidden_layers; i++)
@@ -215,6 +216,7 @@ void glm_model_free(glm_model *m) {
     free(m->layer_list);
     be->ops->free(be, m->d_rrow);
     be->ops->free(be, m->d_rtab);
+    be->ops->free(be, m->d_vtab);
     free(m->h_rrow);
     free(m->h_rtab);
     free(m->h_tok);
@@ -662,6 +664,8 @@ static mt_status mixed_check(glm_model *m, const glm_mixed_part *p, int np, int 
 }
 
 static void rows_upload(glm_model *m, glm_seq **seqs, const int32_t *tokens, int n, int B);
+static mt_status vblock_upload(glm_model *m, const glm_mixed_part *p, const glm_segment *seg, int nb, int nrows,
+                               glm_vblock *vb);
 
 mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, int ring0, mt_error *err) {
     const glm_config *c = &m->cfg;
@@ -718,29 +722,40 @@ mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, int r
     }
     /* the leading one-row parts of sequences under way (the step's decode rows) take the rows
      * form of batched decode, a pass of them through each mixer */
-    int nrows = 0;
-    bool rows_ok = true;
-    for (int l = 0; l < L && rows_ok; l++) rows_ok = m->layers[l].base.ops->decode_multi_seq != NULL;
-    while (rows_ok && nrows < np && p[nrows].n == 1 && p[nrows].s->len > 0) {
-        rseq[nrows] = p[nrows].s;
-        nrows++;
+    /* and so do the verifies right after them (glm_vblock) where the backend copies rows by
+     * tables and no layer has a PLE memory */
+    int nb = 0, nrows = 0, nver = 0;
+    bool rows_ok = true, ple = false;
+    for (int l = 0; l < L && rows_ok; l++) {
+        rows_ok = m->layers[l].base.ops->decode_multi_seq != NULL;
+        ple |= m->layers[l].ple.on;
     }
-    if (nrows > 0) {
-        m->ahead.valid = false; /* the positions below overwrite the table the last greedy step left */
-        rows_upload(m, rseq, NULL, nrows, nrows);
+    const bool vrows_ok = rows_ok && !ple && be->ops->copy_rows_ptr && be->ops->copy_rows_from;
+    while (rows_ok && nb < np && p[nb].s->len > 0) {
+        const bool ver = vrows_ok && seg[nb].vring;
+        if (p[nb].n != 1 && !ver) break;
+        nver += ver;
+        nrows += p[nb].n;
+        rseq[nb] = p[nb].s;
+        nb++;
     }
+    glm_vblock vblk;
+    if (nrows > 0) m->ahead.valid = false; /* the positions below overwrite the table the last greedy step left */
+    if (nver > 0 && (st = vblock_upload(m, p, seg, nb, nrows, &vblk)) != MT_OK) goto failed;
+    if (nrows > 0 && nver == 0) rows_upload(m, rseq, NULL, nrows, nrows);
     be->ops->embed(be, m->X, &m->embed, rep, n * S);
     if ((st = embed_reduce(m, m->X, (size_t)n * SH)) != MT_OK) goto failed;
-    mt_step step = { .be = be, .scr = &m->scr, .seg = seg, .nseg = np, .nrows = nrows, .rpos = m->d_rrow,
-                     .rcap = m->rcap, .rt_cap = m->rt_cap, .ids = rep, .ids_stride = S };
+    mt_step step = { .be = be, .scr = &m->scr, .seg = seg, .nseg = np, .nrows = nrows, .nbparts = nb,
+                     .vblk = nver > 0 ? &vblk : NULL, .rpos = m->d_rrow, .rcap = m->rcap, .rt_cap = m->rt_cap,
+                     .ids = rep, .ids_stride = S };
     m->scr.sel_n = 0;
     for (int l = 0; l < L; l++) {
         for (int i = 0; i < np; i++) sts[i] = p[i].s->states[l];
         step.rtab = nrows > 0 ? m->d_rtab + (size_t)l * GLM_R_KINDS * m->rcap : NULL;
         if ((st = mt_layer_forward_segments(&m->layers[l].base, sts, np, &step, m->X, n)) != MT_OK) goto failed;
         /* the rows form leaves the host-tracked cache lengths to its caller (decode: the hooks) */
-        for (int i = 0; i < nrows && c->layer_types[l] == GLM_MIXER_DSA; i++)
-            ((glm_layer_state *)sts[i])->len = seg[i].t0 + 1;
+        for (int i = 0; i < nb && c->layer_types[l] == GLM_MIXER_DSA; i++)
+            ((glm_layer_state *)sts[i])->len = seg[i].t0 + seg[i].n;
     }
     for (int i = 0; i < np; i++) p[i].s->len += p[i].n;
     /* the drafters first: they read the highway rows, which the gather below moves; a verify's
@@ -981,6 +996,80 @@ static void rows_upload(glm_model *m, glm_seq **seqs, const int32_t *tokens, int
     }
     upload_ordered(be, m->d_rrow, m->h_rrow, sizeof(int32_t) * (size_t)B * (tokens ? 1 + S : 1));
     if (lo <= hi) upload_ordered(be, m->d_rtab + lo, m->h_rtab + lo, sizeof(void *) * (hi - lo + 1));
+}
+
+/* Entry idx of layer l's table of kind k, host mirror and the span to upload (rows_upload). */
+static void rtab_set(glm_model *m, int l, int k, int idx, void *ptr, size_t *lo, size_t *hi) {
+    const size_t e = ((size_t)l * GLM_R_KINDS + k) * m->rcap + idx;
+    if (m->h_rtab[e] == ptr) return;
+    m->h_rtab[e] = ptr;
+    if (e < *lo) *lo = e;
+    if (e > *hi) *hi = e;
+}
+
+/* The tables of a mixed step's rows block with verifies (glm_vblock) into vb: parts p[0, nb), part
+ * i's p[i].n rows from row r0 + ... in the step's order (nrows in all), seg[i].vring its ring. */
+static mt_status vblock_upload(glm_model *m, const glm_mixed_part *p, const glm_segment *seg, int nb, int nrows,
+                               glm_vblock *vb) {
+    const glm_config *c = &m->cfg;
+    const int L = c->num_hidden_layers, H = c->hidden_size, cap = m->rcap;
+    int *ord = malloc(sizeof(int) * (size_t)nb), *r0 = malloc(sizeof(int) * (size_t)nb);
+    void **t = malloc(sizeof(void *) * 3 * (size_t)nrows);
+    if (!ord || !r0 || !t) {
+        free(ord);
+        free(r0);
+        free(t);
+        return MT_ERR_NOMEM;
+    }
+    memset(vb, 0, sizeof *vb);
+    for (int i = 0, r = 0; i < nb; r += p[i++].n) {
+        r0[i] = r;
+        int q = i; /* insertion: the parts by rows, most first, stably */
+        while (q > 0 && p[ord[q - 1]].n < p[i].n) {
+            ord[q] = ord[q - 1];
+            q--;
+        }
+        ord[q] = i;
+        for (int j = 0; j < p[i].n; j++) m->h_rrow[r + j] = p[i].s->len + j;
+    }
+    vb->kmax = p[ord[0]].n;
+    size_t lo = SIZE_MAX, hi = 0;
+    for (int j = 0, kr = 0; j < vb->kmax; j++) {
+        for (int q = 0; q < nb && p[ord[q]].n > j; q++, kr++) {
+            const int i = ord[q], lr = r0[i] + j;
+            const glm_seq *s = p[i].s;
+            vb->n_at[j]++;
+            vb->save_at[j] += p[i].n > j + 1;
+            t[kr] = m->scr.h + (size_t)lr * H;
+            t[nrows + kr] = m->scr.a + (size_t)lr * H;
+            t[2 * (size_t)nrows + kr] = m->scr.h + (size_t)kr * H;
+            for (int l = 0; l < L; l++) {
+                const glm_layer_state *st = (const glm_layer_state *)s->states[l];
+                rtab_set(m, l, GLM_R_BT, lr, (void *)s->bt.dev, &lo, &hi);
+                if (c->layer_types[l] != GLM_MIXER_KDA) continue;
+                for (int k = 0; k < 3; k++) rtab_set(m, l, GLM_R_CONV0 + k, kr, st->conv[k], &lo, &hi);
+                rtab_set(m, l, GLM_R_REC, kr, st->rec, &lo, &hi);
+                float *rc = NULL, *rr = NULL;
+                size_t cf, rf;
+                if (j + 1 < p[i].n) glm_layer_slot_at(&m->layers[l], seg[i].vring[j], &rc, &rr, &cf, &rf);
+                rtab_set(m, l, GLM_R_RING_CONV, kr, rc, &lo, &hi);
+                rtab_set(m, l, GLM_R_RING_REC, kr, rr, &lo, &hi);
+            }
+        }
+    }
+    mt_backend *be = m->be;
+    upload_ordered(be, m->d_rrow, m->h_rrow, sizeof(int32_t) * (size_t)nrows);
+    if (lo <= hi) upload_ordered(be, m->d_rtab + lo, m->h_rtab + lo, sizeof(void *) * (hi - lo + 1));
+    upload_ordered(be, m->d_vtab, t, sizeof(void *) * (size_t)nrows);
+    upload_ordered(be, m->d_vtab + cap, t + nrows, sizeof(void *) * (size_t)nrows);
+    upload_ordered(be, m->d_vtab + 2 * (size_t)cap, t + 2 * (size_t)nrows, sizeof(void *) * (size_t)nrows);
+    vb->gather = (const float *const *)m->d_vtab;
+    vb->scatter_dst = (float *const *)(m->d_vtab + cap);
+    vb->scatter_src = (const float *const *)(m->d_vtab + 2 * (size_t)cap);
+    free(ord);
+    free(r0);
+    free(t);
+    return MT_OK;
 }
 
 /* One batched step of B rows from the uploaded tables, through every layer's decode_multi_seq

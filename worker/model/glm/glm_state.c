@@ -79,6 +79,14 @@ void glm_layer_bind_state(const glm_layer *l, glm_layer_state *st, int slot, con
     st->rec = l->sl_rec + (size_t)slot * rec_floats(l);
 }
 
+void glm_layer_slot_at(const glm_layer *l, int slot, float **conv, float **rec, size_t *conv_n, size_t *rec_n) {
+    const size_t cf = conv_floats(l), rf = rec_floats(l);
+    *conv = l->sl_conv + (size_t)slot * 3 * cf;
+    *rec = l->sl_rec + (size_t)slot * rf;
+    *conv_n = 3 * cf;
+    *rec_n = rf;
+}
+
 void glm_layers_copy_page(const glm_layer *ls, int n, int32_t from, int32_t to) {
     for (int i = 0; i < n; i++) {
         const glm_layer *l = &ls[i];
