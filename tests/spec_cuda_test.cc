@@ -3,7 +3,8 @@
 // of three) within 2e-3; a verify of 4 rows keeping 1..4 continues as a step of the kept rows;
 // the engine's greedy output with K = 1..3 (real, forced-accepted and forced-rejected drafts) is
 // K = 0's, at batch 1 and 8, and with mixed steps at batch 12 (verifies, plain decode rows and
-// prompt chunks in one model call). Skips without a GPU.
+// prompt chunks in one model call); batched drafts and a step of verifies replay their bucket
+// graphs with the eager steps' logits. Skips without a GPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -176,6 +177,76 @@ TEST_F(SpecGpu, BatchedDraftsReplayTheirBucketGraph) {
         glm_seq_free(a[i]);
         glm_seq_free(b[i]);
     }
+}
+
+// A mixed step of a decode row and three verifies of 3 rows, nothing else: it replays the graph of
+// its bucket (four verifies, one of them a pad, and one decode row) from its third use, and every
+// row's logits, the rows each sequence keeps and the drafts after them equal twins stepped one at
+// a time with graphs off.
+TEST_F(SpecGpu, VerifyBlocksReplayTheirBucketGraph) {
+    glm_model *m = nullptr;
+    glm_model_params mp = glm_model_default_params();
+    mp.mtp = true;
+    mp.verify_seqs = 4;
+    mt_error err{};
+    ASSERT_EQ(glm_model_load(kDir, be_, &mp, &m, &err), MT_OK) << err.msg;
+    std::vector<int32_t> prompt;
+    for (int i = 0; i < 48; i++) prompt.push_back((i * 31 + 7) % V_);
+    constexpr int K = 3;
+    glm_seq *a[4], *b[4]; // row 0 decodes one row a step, 1 .. 3 verify K rows
+    for (int i = 0; i < 4; i++) {
+        ASSERT_EQ(glm_seq_new(m, 128, &a[i], &err), MT_OK) << err.msg;
+        ASSERT_EQ(glm_seq_new(m, 128, &b[i], &err), MT_OK) << err.msg;
+        for (glm_seq *s : { a[i], b[i] })
+            ASSERT_EQ(glm_prefill(m, s, prompt.data(), 16 + 7 * i, nullptr, false, &err), MT_OK) << err.msg;
+    }
+    auto draft = [&](glm_seq *s, int32_t t) {
+        std::vector<float> l(V_);
+        EXPECT_EQ(glm_model_draft(m, s, t, l.data(), &err), MT_OK) << err.msg;
+        return l;
+    };
+    float worst = 0;
+    for (int step = 0; step < 6; step++) {
+        int32_t vt[4][K];
+        for (int i = 0; i < 4; i++)
+            for (int j = 0; j < K; j++) vt[i][j] = (step * 13 + i * 7 + j * 5 + 1) % V_;
+        std::vector<float> la((size_t)4 * K * V_), lb((size_t)K * V_);
+        glm_model_set_decode_graphs(m, false);
+        for (int i = 1; i < 4; i++) { // each verify's first row drafted, as the engine's steps do
+            draft(a[i], vt[i][0]);
+            draft(b[i], vt[i][0]);
+        }
+        glm_model_set_decode_graphs(m, true);
+        glm_mixed_part parts[4];
+        for (int i = 0; i < 4; i++)
+            parts[i] = glm_mixed_part{ a[i], vt[i], i == 0 ? 1 : K, &la[(size_t)i * K * V_], true, nullptr, i > 0 };
+        ASSERT_EQ(glm_forward_mixed(m, parts, 4, 0, &err), MT_OK) << err.msg;
+        for (int i = 1; i < 4; i++) ASSERT_EQ(glm_seq_keep(m, a[i], 1 + (step + i) % K, &err), MT_OK) << err.msg;
+        glm_model_set_decode_graphs(m, false);
+        for (int i = 0; i < 4; i++) {
+            const int keep = 1 + (step + i) % K;
+            if (i == 0) {
+                ASSERT_EQ(glm_decode(m, b[0], vt[0][0], lb.data(), &err), MT_OK) << err.msg;
+            } else {
+                ASSERT_EQ(glm_decode_verify(m, b[i], vt[i], K, lb.data(), &err), MT_OK) << err.msg;
+                ASSERT_EQ(glm_seq_keep(m, b[i], keep, &err), MT_OK) << err.msg;
+            }
+            worst = std::max(worst, MaxAbsDiff(&la[(size_t)i * K * V_], lb.data(), (i == 0 ? 1 : K) * V_));
+            EXPECT_EQ(glm_seq_len(a[i]), glm_seq_len(b[i])) << "step " << step << " seq " << i;
+        }
+        if (step >= 2) EXPECT_TRUE(glm_model_has_verify_graph(m, K, 3, 1)) << "step " << step;
+    }
+    float worst_draft = 0;
+    for (int i = 0; i < 4; i++)
+        worst_draft = std::max(worst_draft, MaxAbsDiff(draft(a[i], 5).data(), draft(b[i], 5).data(), V_));
+    printf("verify blocks from graphs: worst |diff| %.2e (target rows), %.2e (drafts after)\n", worst, worst_draft);
+    EXPECT_LT(worst, 1e-3f);
+    EXPECT_LT(worst_draft, 1e-3f);
+    for (int i = 0; i < 4; i++) {
+        glm_seq_free(a[i]);
+        glm_seq_free(b[i]);
+    }
+    glm_model_free(m);
 }
 
 // batch requests with prompts of 8 + 5r tokens, 64 new tokens each. mixed_steps:

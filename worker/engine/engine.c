@@ -29,6 +29,7 @@ typedef struct eng_seq {
     int echo_next;               /* prompt_logprobs: the next prompt position to report */
     int k_step;                  /* drafts this step verifies (speculative decoding), 0: none */
     int32_t spec_tok[ENG_SPEC_MAX + 1], spec_top[ENG_SPEC_MAX + 1]; /* its verify's rows, greedy tokens */
+    int kept_rows;               /* the verify's rows it keeps (spec_accept, then spec_keep); 0: none */
     int drafted, accepted;       /* draft tokens proposed for it, and accepted */
     int verified;                /* its speculative steps */
     bool done;                   /* ended; removed from its array at the next compaction */
@@ -898,7 +899,7 @@ static mt_batch_part spec_part(eng_engine *e, eng_seq *s, int g) {
 }
 
 /* After s's verify: the target's tokens up to and including the first that replaces its draft
- * (see spec_group), then the rows after it dropped (seq_keep). */
+ * (see spec_group); the rows after it are then dropped (spec_keep). */
 static void spec_accept(eng_engine *e, eng_seq *s, int g) {
     const int k = s->k_step, V = e->vocab;
     const bool greedy = plain_greedy(s);
@@ -906,7 +907,6 @@ static void spec_accept(eng_engine *e, eng_seq *s, int g) {
     const float *logits = e->spec_logits + (size_t)g * (ENG_SPEC_MAX + 1) * V;
     const float *q0 = e->spec_q + (size_t)g * ENG_SPEC_MAX * V;
     int32_t *gen = s->tokens + s->req.n_prompt;
-    mt_error err = { "" };
     e->spec_steps++;
     s->verified++;
     s->drafted += k;
@@ -932,7 +932,30 @@ static void spec_accept(eng_engine *e, eng_seq *s, int g) {
         s->accepted++;
         e->accepted++;
     }
-    if (!s->done && mt_seq_keep(e->m, s->gs, i + 1, &err) != MT_OK) seq_end(e, s, ENG_FINISH_ERROR, err.msg);
+    s->kept_rows = s->done ? 0 : i + 1;
+}
+
+/* The rows v[lv[j]] (j < nl) keep of their verifies (spec_accept), the model's seq_keep of all
+ * of them at once; one that fails ends its sequence and the others keep one at a time. */
+static void spec_keep(eng_engine *e, eng_seq **v, const int *lv, int nl) {
+    mt_seq *seqs[ENG_SPEC_GROUP_MAX];
+    eng_seq *who[ENG_SPEC_GROUP_MAX];
+    int keeps[ENG_SPEC_GROUP_MAX], n = 0, done = 0;
+    for (int j = 0; j < nl; j++) {
+        eng_seq *s = v[lv[j]];
+        if (s->done || s->kept_rows < 1) continue;
+        who[n] = s;
+        seqs[n] = s->gs;
+        keeps[n++] = s->kept_rows;
+        s->kept_rows = 0;
+    }
+    mt_error err = { "" };
+    if (n > 0 && mt_seq_keep_rows(e->m, seqs, keeps, n, &done, &err) == MT_OK) return;
+    for (int q = done; q < n; q++) {
+        if (q > done) err.msg[0] = '\0';
+        if (q > done && mt_seq_keep(e->m, seqs[q], keeps[q], &err) == MT_OK) continue;
+        seq_end(e, who[q], ENG_FINISH_ERROR, err.msg);
+    }
 }
 
 
@@ -952,6 +975,7 @@ static void spec_verify(eng_engine *e, eng_seq **grp, const int *lv, int nl) {
     mt_error err = { "" };
     if (nl > 1 && mt_model_forward(e->m, &(mt_batch){ e->parts, nl }, &err) == MT_OK) {
         for (int j = 0; j < nl; j++) spec_accept(e, grp[lv[j]], lv[j]);
+        spec_keep(e, grp, lv, nl);
         return;
     }
     if (nl > 1)
@@ -963,6 +987,7 @@ static void spec_verify(eng_engine *e, eng_seq **grp, const int *lv, int nl) {
             continue;
         }
         spec_accept(e, grp[lv[j]], lv[j]);
+        spec_keep(e, grp, &lv[j], 1);
     }
 }
 
@@ -1082,6 +1107,7 @@ static bool mixed_step(eng_engine *e, eng_seq **b, int n, eng_seq **v, int nv, f
         e->mixed_steps += n > 0 && e->n_chunks > 0;
         e->spec_mixed_steps += nl > 0;
         for (int j = 0; j < nl; j++) spec_accept(e, v[lv[j]], lv[j]);
+        spec_keep(e, v, lv, nl);
         return e->n_chunks > 0;
     }
     mt_log(MT_LOG_WARN, "engine: mixed step of %d rows, %d verifies and %d chunks refused (%s); running them apart", n,

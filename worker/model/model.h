@@ -181,6 +181,10 @@ typedef struct mt_model_ops {
     /* After a decode part of k rows of s (a verify), keeps its first keep rows (1 <= keep <= k):
      * the others leave no trace in any layer's state or the drafter's. */
     mt_status (*seq_keep)(mt_model *m, mt_seq *s, int keep, mt_error *err);
+    /* Optional (NULL: seq_keep one at a time): seq_keep for n distinct sequences, in order, at
+     * once. *done of them kept; on an error the first *done are kept and seqs[*done] is
+     * unchanged. */
+    mt_status (*seq_keep_rows)(mt_model *m, mt_seq **seqs, const int *keeps, int n, int *done, mt_error *err);
 } mt_model_ops;
 
 /* The first member of every architecture's model and sequence structs. */
@@ -251,6 +255,16 @@ static inline mt_status mt_model_draft_rows(mt_model *m, mt_seq **seqs, const in
 }
 static inline mt_status mt_seq_keep(mt_model *m, mt_seq *s, int keep, mt_error *err) {
     return m->ops->seq_keep(m, s, keep, err);
+}
+static inline mt_status mt_seq_keep_rows(mt_model *m, mt_seq **seqs, const int *keeps, int n, int *done,
+                                         mt_error *err) {
+    *done = 0;
+    if (m->ops->seq_keep_rows) return m->ops->seq_keep_rows(m, seqs, keeps, n, done, err);
+    for (; *done < n; (*done)++) {
+        mt_status st = m->ops->seq_keep(m, seqs[*done], keeps[*done], err);
+        if (st != MT_OK) return st;
+    }
+    return MT_OK;
 }
 
 #ifdef __cplusplus

@@ -29,6 +29,11 @@ static mt_status iface_seq_keep(mt_model *m, mt_seq *s, int keep, mt_error *err)
     return glm_seq_keep(as_glm(m), seq_of(s), keep, err);
 }
 
+static mt_status iface_seq_keep_rows(mt_model *m, mt_seq **seqs, const int *keeps, int n, int *done,
+                                     mt_error *err) {
+    return glm_seq_keep_rows(as_glm(m), (glm_seq **)seqs, keeps, n, done, err);
+}
+
 static void iface_destroy(mt_model *m) { glm_model_free(as_glm(m)); }
 
 static void iface_describe(const mt_model *mm, mt_model_info *out) {
@@ -280,6 +285,7 @@ const mt_model_ops glm_model_iface = {
     .draft = iface_draft,
     .draft_rows = iface_draft_rows,
     .seq_keep = iface_seq_keep,
+    .seq_keep_rows = iface_seq_keep_rows,
 };
 
 mt_status glm_model_open(const char *dir, mt_backend *be, const mt_model_params *params, mt_model **out,

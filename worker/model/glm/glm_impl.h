@@ -318,6 +318,10 @@ struct glm_model {
      * run on pad_seq (one slot and one page, made with the pools; pad rows all write its position
      * 0, and their outputs are dropped). */
     rt_slot bucket[GLM_BUCKETS];
+    /* A mixed step that is only a rows block with verifies (glm_forward_mixed), by its verifies'
+     * rows k, the bucket of its verifies and 1 + the bucket of its decode rows (0: none); pads
+     * fill the buckets as the decode's do */
+    rt_slot vbucket[GLM_VERIFY_MAX + 1][GLM_BUCKETS][GLM_BUCKETS + 1];
     glm_seq *pad_seq;
     /* Pools: page ids for the DSA caches and slot ids for the KDA state (the memory behind them is
      * each layer's pg_* and sl_*), shared by every sequence; a page may be mapped by several
@@ -353,6 +357,10 @@ struct glm_model {
         int *ring;             /* host [n_rings, GLM_VERIFY_MAX - 1] slot ids */
         float *ring_h;         /* backend [n_rings, GLM_VERIFY_MAX, H] */
         const struct glm_seq **ring_owner; /* host [n_rings] */
+        /* glm_seq_keep_rows' copy tables: per kind (layer l's conv states at 2l, its recurrent
+         * state at 2l + 1, the pending hidden row at 2L) n_rings destinations, then n_rings
+         * sources; backend memory and its host staging */
+        void **d_keep, **h_keep;
         float *capture;        /* glm_model_capture_drafter: host [capture_rows, vocab], or NULL */
         int capture_rows;
     } mtp;

@@ -112,6 +112,9 @@ static mt_status model_init(glm_model *m, uint64_t random_seed, bool random, mt_
             !(x->d_ptr = be->ops->alloc(be, sizeof(void *) * 5 * rows)) ||
             !(x->d_tok = be->ops->alloc(be, sizeof(int32_t) * rows)))
             return mt_errorf(err, MT_ERR_NOMEM, "out of memory for the drafter's activations");
+        const size_t keep_tab = (size_t)(2 * c->num_hidden_layers + 1) * 2 * x->n_rings;
+        if (!(x->d_keep = be->ops->alloc(be, sizeof(void *) * keep_tab)) || !(x->h_keep = calloc(keep_tab, sizeof(void *))))
+            return mt_errorf(err, MT_ERR_NOMEM, "out of memory for the verify rings' tables");
     }
     if (m->tp_size > 1 &&
         (!(m->logits_local = be->ops->alloc(be, sizeof(float) * rows * (size_t)m->v_n)) ||
@@ -191,6 +194,7 @@ mt_status glm_model_new_random(const glm_config *cfg, uint64_t seed, mt_backend 
 }
 
 static void pools_release(glm_model *m);
+static void graphs_release(glm_model *m);
 
 void glm_model_free(glm_model *m) {
     if (!m) return;
@@ -208,11 +212,7 @@ void glm_model_free(glm_model *m) {
     be->ops->free(be, m->logits_gather);
     for (int i = 0; i < m->n_kept_host; i++) free(m->kept_host[i]);
     free(m->kept_host);
-    rt_slot_release(&m->runner, &m->shared);
-    for (int b = 0; b < GLM_BUCKETS; b++) {
-        rt_slot_release(&m->runner, &m->bucket[b]);
-        rt_slot_release(&m->runner, &m->mtp.bucket[b]);
-    }
+    graphs_release(m);
     free(m->layer_list);
     be->ops->free(be, m->d_rrow);
     be->ops->free(be, m->d_rtab);
@@ -231,6 +231,8 @@ void glm_model_free(glm_model *m) {
     be->ops->free(be, m->mtp.d_rtab);
     be->ops->free(be, m->mtp.d_ptr);
     be->ops->free(be, m->mtp.d_tok);
+    be->ops->free(be, m->mtp.d_keep);
+    free(m->mtp.h_keep);
     free(m->mtp.ring);
     free(m->mtp.ring_owner);
     st_close(m->ar);
@@ -296,6 +298,8 @@ static void graphs_release(glm_model *m) {
         rt_slot_release(&m->runner, &m->bucket[b]);
         rt_slot_release(&m->runner, &m->mtp.bucket[b]);
     }
+    rt_slot *vs = &m->vbucket[0][0][0];
+    for (size_t i = 0; i < sizeof m->vbucket / sizeof *vs; i++) rt_slot_release(&m->runner, &vs[i]);
 }
 
 mt_status glm_model_set_pools(glm_model *m, int n_pages, int n_slots, mt_error *err) {
@@ -664,8 +668,76 @@ static mt_status mixed_check(glm_model *m, const glm_mixed_part *p, int np, int 
 }
 
 static void rows_upload(glm_model *m, glm_seq **seqs, const int32_t *tokens, int n, int B);
-static mt_status vblock_upload(glm_model *m, const glm_mixed_part *p, const glm_segment *seg, int nb, int nrows,
-                               glm_vblock *vb);
+
+/* The parts of a rows block with verifies: the step's leading parts, then the pads of a graph
+ * bucket (vgraph_slot) on m->pad_seq, whose own slot takes a pad verify's ring saves. */
+typedef struct vb_parts {
+    const glm_mixed_part *p;
+    const glm_segment *seg;
+    int nb;                    /* the step's parts */
+    int pv, pd, kmax;          /* pad verifies of kmax rows, pad decode rows */
+    int pad_ring[GLM_VERIFY_MAX];
+} vb_parts;
+
+static mt_status vblock_upload(glm_model *m, const vb_parts *v, int nrows, bool with_tokens, glm_vblock *vb);
+
+/* The graph slot of a rows block of v's parts (nrows rows), when it replays one: the drafter's
+ * graph conditions (glm_mtp_draft_graphs), every verify of one length kmax and the other parts one
+ * row; v's pads then fill its bucket (the verifies and the decode rows each to a power of two)
+ * within graph_max_rows and a pass. NULL: the block runs eagerly. */
+static rt_slot *vgraph_slot(glm_model *m, vb_parts *v, int nrows) {
+    if (!glm_mtp_draft_graphs(m) || m->census) return NULL;
+    int kmax = 0, nv = 0, nd = 0;
+    for (int i = 0; i < v->nb; i++) {
+        const int k = v->p[i].n;
+        if (k == 1) {
+            nd++;
+            continue;
+        }
+        if (!v->seg[i].vring || (kmax && k != kmax)) return NULL;
+        kmax = k;
+        nv++;
+    }
+    if (nv == 0) return NULL;
+    const int bv = glm_bucket_of(nv), bd = nd ? glm_bucket_of(nd) : -1;
+    if (bv >= GLM_BUCKETS || bd >= GLM_BUCKETS) return NULL;
+    const int B = (1 << bv) * kmax + (nd ? 1 << bd : 0);
+    rt_slot *slot = &m->vbucket[kmax][bv][bd + 1];
+    if (B > m->params.graph_max_rows || B > m->rcap || slot->failures >= RT_MAX_CAPTURE_FAILURES) return NULL;
+    if (B > nrows && !glm_pad_ensure(m)) return NULL;
+    v->kmax = kmax;
+    v->pv = (1 << bv) - nv;
+    v->pd = nd ? (1 << bd) - nd : 0;
+    for (int j = 0; j < GLM_VERIFY_MAX; j++) v->pad_ring[j] = m->pad_seq ? m->pad_seq->slot : -1;
+    return slot;
+}
+
+typedef struct vgraph_ctx {
+    glm_model *m;
+    const glm_mixed_part *p;
+    mt_step *step;
+    mt_layer_state **sts;      /* [np] */
+    int np, B;
+} vgraph_ctx;
+
+/* A rows block of B rows from the tables vblock_upload left (tokens included): the embedding, the
+ * layers (the step's rows form with its glm_vblock), the head over every row into m->logits
+ * [B, V]. Nothing names a sequence, so a graph of the block's bucket records it. */
+static mt_status vgraph_body(void *ctx) {
+    const vgraph_ctx *v = ctx;
+    glm_model *m = v->m;
+    mt_backend *be = m->be;
+    const glm_config *c = &m->cfg;
+    be->ops->embed_dev(be, m->X, &m->embed, m->d_rrow + v->B, v->B * c->hc_mult);
+    mt_status st = embed_reduce(m, m->X, (size_t)v->B * c->hc_mult * c->hidden_size);
+    m->scr.sel_n = 0;
+    for (int l = 0; l < c->num_hidden_layers && st == MT_OK; l++) {
+        for (int i = 0; i < v->np; i++) v->sts[i] = v->p[i].s->states[l];
+        v->step->rtab = m->d_rtab + (size_t)l * GLM_R_KINDS * m->rcap;
+        st = mt_layer_forward_segments(&m->layers[l].base, v->sts, v->np, v->step, m->X, v->B);
+    }
+    return st == MT_OK ? head_logits(m, m->X, v->B, NULL) : st;
+}
 
 mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, int ring0, mt_error *err) {
     const glm_config *c = &m->cfg;
@@ -741,22 +813,43 @@ mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, int r
     }
     glm_vblock vblk;
     if (nrows > 0) m->ahead.valid = false; /* the positions below overwrite the table the last greedy step left */
-    if (nver > 0 && (st = vblock_upload(m, p, seg, nb, nrows, &vblk)) != MT_OK) goto failed;
-    if (nrows > 0 && nver == 0) rows_upload(m, rseq, NULL, nrows, nrows);
-    be->ops->embed(be, m->X, &m->embed, rep, n * S);
-    if ((st = embed_reduce(m, m->X, (size_t)n * SH)) != MT_OK) goto failed;
-    mt_step step = { .be = be, .scr = &m->scr, .seg = seg, .nseg = np, .nrows = nrows, .nbparts = nb,
-                     .vblk = nver > 0 ? &vblk : NULL, .rpos = m->d_rrow, .rcap = m->rcap, .rt_cap = m->rt_cap,
-                     .ids = rep, .ids_stride = S };
-    m->scr.sel_n = 0;
-    for (int l = 0; l < L; l++) {
-        for (int i = 0; i < np; i++) sts[i] = p[i].s->states[l];
-        step.rtab = nrows > 0 ? m->d_rtab + (size_t)l * GLM_R_KINDS * m->rcap : NULL;
-        if ((st = mt_layer_forward_segments(&m->layers[l].base, sts, np, &step, m->X, n)) != MT_OK) goto failed;
-        /* the rows form leaves the host-tracked cache lengths to its caller (decode: the hooks) */
-        for (int i = 0; i < nb && c->layer_types[l] == GLM_MIXER_DSA; i++)
-            ((glm_layer_state *)sts[i])->len = seg[i].t0 + seg[i].n;
+    /* a step that is all rows block (decode rows and verifies of one length, no chunk) replays the
+     * graph of its bucket; the head then ran in it over every row (each is wanted) */
+    vb_parts vp = { .p = p, .seg = seg, .nb = nb };
+    rt_slot *vslot = nver > 0 && nb == np ? vgraph_slot(m, &vp, nrows) : NULL;
+    bool head_done = false;
+    if (vslot) {
+        const int B = nrows + vp.pv * vp.kmax + vp.pd;
+        if ((st = vblock_upload(m, &vp, B, true, &vblk)) != MT_OK) goto failed;
+        mt_step step = { .be = be, .scr = &m->scr, .seg = seg, .nseg = np, .nrows = B, .nbparts = np, .vblk = &vblk,
+                         .rpos = m->d_rrow, .rcap = m->rcap, .rt_cap = m->rt_cap, .d_ids = m->d_rrow + B,
+                         .d_ids_stride = S };
+        vgraph_ctx ctx = { m, p, &step, sts, np, B };
+        const rt_rows none = { 0 };
+        char what[80];
+        snprintf(what, sizeof what, "verify block of %d rows (%d verifies of %d)", B, vp.pv + nver, vp.kmax);
+        if ((st = rt_run_step(&m->runner, vslot, true, m->rt_cap, &none, vgraph_body, &ctx, what)) != MT_OK) goto failed;
+        head_done = true;
+    } else {
+        vp.kmax = 0;
+        if (nver > 0 && (st = vblock_upload(m, &vp, nrows, false, &vblk)) != MT_OK) goto failed;
+        if (nrows > 0 && nver == 0) rows_upload(m, rseq, NULL, nrows, nrows);
+        be->ops->embed(be, m->X, &m->embed, rep, n * S);
+        if ((st = embed_reduce(m, m->X, (size_t)n * SH)) != MT_OK) goto failed;
+        mt_step step = { .be = be, .scr = &m->scr, .seg = seg, .nseg = np, .nrows = nrows, .nbparts = nb,
+                         .vblk = nver > 0 ? &vblk : NULL, .rpos = m->d_rrow, .rcap = m->rcap, .rt_cap = m->rt_cap,
+                         .ids = rep, .ids_stride = S };
+        m->scr.sel_n = 0;
+        for (int l = 0; l < L; l++) {
+            for (int i = 0; i < np; i++) sts[i] = p[i].s->states[l];
+            step.rtab = nrows > 0 ? m->d_rtab + (size_t)l * GLM_R_KINDS * m->rcap : NULL;
+            if ((st = mt_layer_forward_segments(&m->layers[l].base, sts, np, &step, m->X, n)) != MT_OK) goto failed;
+        }
     }
+    /* the rows form leaves the host-tracked cache lengths to its caller (decode: the hooks) */
+    for (int l = 0; l < L; l++)
+        for (int i = 0; i < nb && c->layer_types[l] == GLM_MIXER_DSA; i++)
+            ((glm_layer_state *)p[i].s->states[l])->len = seg[i].t0 + seg[i].n;
     for (int i = 0; i < np; i++) p[i].s->len += p[i].n;
     /* the drafters first: they read the highway rows, which the gather below moves; a verify's
      * hidden rows go to its ring for glm_seq_keep */
@@ -771,7 +864,7 @@ mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, int r
         if (want[w] != w) be->ops->copy(be, m->X + (size_t)w * SH, m->X + (size_t)want[w] * SH, sizeof(float) * SH);
     /* the head over the wanted rows; logits come to the host only for the parts that take them,
      * greedy tokens are taken on the device (a decode row's logits would be vocab floats each) */
-    if ((st = head_logits(m, m->X, nw, NULL)) != MT_OK) goto failed;
+    if (!head_done && (st = head_logits(m, m->X, nw, NULL)) != MT_OK) goto failed;
     bool any_argmax = false;
     for (int i = 0; i < np; i++) any_argmax |= p[i].argmax != NULL;
     int32_t *amax = NULL;
@@ -919,20 +1012,26 @@ static mt_status decode_seq(glm_model *m, glm_seq *s, const int32_t *tokens, int
 }
 
 
-mt_status glm_seq_keep(glm_model *m, glm_seq *s, int keep, mt_error *err) {
+/* glm_seq_keep's checks; MT_OK: s may keep `keep` rows of its last step. */
+static mt_status keep_check(const glm_model *m, const glm_seq *s, int keep, mt_error *err) {
     if (!m->mtp.on) return mt_errorf(err, MT_ERR_UNSUPPORTED, "rows are dropped only with the drafter on");
+    if (s->m != m) return mt_errorf(err, MT_ERR_INVALID, "a sequence of another model");
     if (s->v_n < 1 || s->len != s->v_pos + s->v_n)
         return mt_errorf(err, MT_ERR_STATE, "the last step of the sequence was not a decode");
     if (keep < 1 || keep > s->v_n)
         return mt_errorf(err, MT_ERR_INVALID, "keep %d of a decode of %d rows", keep, s->v_n);
-    if (keep == s->v_n) return MT_OK;
-    if (m->mtp.ring_owner[s->v_ring] != s)
+    if (keep < s->v_n && m->mtp.ring_owner[s->v_ring] != s)
         return mt_errorf(err, MT_ERR_STATE, "another sequence was verified since this one's verify");
-    /* The kept rows' state, written by the verify: the recurrent slot from the ring, the paged
-     * layers' and the drafter's lengths cut back (rows past a length are never read, and the
-     * next rows overwrite them), the drafter's pending row from ring_h, and what layers keep
-     * outside the pools through their verify_keep (a PLE memory's history and conv state; every
-     * such layer saw the same steps, so the first refuses or none does). Nothing is recomputed. */
+    return MT_OK;
+}
+
+/* The kept rows' state, written by the verify: the paged layers' and the drafter's lengths cut
+ * back (rows past a length are never read, and the next rows overwrite them), and what layers
+ * keep outside the pools through their verify_keep (a PLE memory's history and conv state; every
+ * such layer saw the same steps, so the first refuses or none does). The recurrent slot and the
+ * drafter's pending row come from the ring (the caller's copies: *slot, *hidden). Nothing is
+ * recomputed. keep < s->v_n, checked. */
+static mt_status keep_host(glm_model *m, glm_seq *s, int keep, int *slot, const float **hidden, mt_error *err) {
     const int L = m->cfg.num_hidden_layers, drop = s->v_n - keep;
     for (int l = 0; l < L; l++) {
         mt_status st = mt_layer_verify_keep(&m->layers[l].base, s->states[l], keep, s->v_ring);
@@ -944,14 +1043,85 @@ mt_status glm_seq_keep(glm_model *m, glm_seq *s, int keep, mt_error *err) {
         glm_layer_state *st = (glm_layer_state *)s->states[l];
         if (m->cfg.layer_types[l] == GLM_MIXER_DSA) st->len = s->v_pos + keep;
     }
-    glm_layers_copy_slot(m->layers, L, verify_ring(m, 2, s->v_ring)[keep - 1], s->slot);
+    *slot = verify_ring(m, 2, s->v_ring)[keep - 1];
     ((glm_layer_state *)s->states[L])->len -= drop; /* the drafter's rows follow the target's */
     s->n_spec = 0;
-    const size_t H = (size_t)m->cfg.hidden_size;
-    m->be->ops->copy(m->be, s->hp, ring_hidden(m, s->v_ring) + (size_t)(keep - 1) * H, sizeof(float) * H);
+    *hidden = ring_hidden(m, s->v_ring) + (size_t)(keep - 1) * m->cfg.hidden_size;
     s->len = s->v_pos + keep;
     s->v_n = keep;
     return MT_OK;
+}
+
+mt_status glm_seq_keep(glm_model *m, glm_seq *s, int keep, mt_error *err) {
+    mt_status st = keep_check(m, s, keep, err);
+    if (st != MT_OK || keep == s->v_n) return st;
+    int slot;
+    const float *hidden;
+    if ((st = keep_host(m, s, keep, &slot, &hidden, err)) != MT_OK) return st;
+    glm_layers_copy_slot(m->layers, m->cfg.num_hidden_layers, slot, s->slot);
+    m->be->ops->copy(m->be, s->hp, hidden, sizeof(float) * (size_t)m->cfg.hidden_size);
+    return MT_OK;
+}
+
+mt_status glm_seq_keep_rows(glm_model *m, glm_seq **seqs, const int *keeps, int n, int *done, mt_error *err) {
+    *done = 0;
+    mt_backend *be = m->be;
+    const glm_config *c = &m->cfg;
+    const int L = c->num_hidden_layers;
+    if (!be->ops->copy_rows_ptr || n > m->mtp.n_rings) { /* one at a time */
+        for (; *done < n; (*done)++) {
+            mt_status st = glm_seq_keep(m, seqs[*done], keeps[*done], err);
+            if (st != MT_OK) return st;
+        }
+        return MT_OK;
+    }
+    /* per kind of copy (each KDA layer's conv states and recurrent state, then the drafter's
+     * pending row) a table of destinations and one of sources, n_rings entries each */
+    const int R = m->mtp.n_rings, kinds = 2 * L + 1;
+    void **h = m->mtp.h_keep;
+    int r = 0;
+    mt_status st = MT_OK;
+    for (; *done < n; (*done)++) {
+        glm_seq *s = seqs[*done];
+        const int keep = keeps[*done];
+        if ((st = keep_check(m, s, keep, err)) != MT_OK) break;
+        if (keep == s->v_n) continue;
+        int slot;
+        const float *hidden;
+        if ((st = keep_host(m, s, keep, &slot, &hidden, err)) != MT_OK) break;
+        for (int l = 0; l < L; l++) {
+            if (c->layer_types[l] != GLM_MIXER_KDA) continue;
+            float *fc, *fr, *tc, *tr;
+            size_t cf, rf;
+            glm_layer_slot_at(&m->layers[l], slot, &fc, &fr, &cf, &rf);
+            glm_layer_slot_at(&m->layers[l], s->slot, &tc, &tr, &cf, &rf);
+            h[(size_t)(2 * l) * 2 * R + r] = tc;
+            h[(size_t)(2 * l) * 2 * R + R + r] = fc;
+            h[(size_t)(2 * l + 1) * 2 * R + r] = tr;
+            h[(size_t)(2 * l + 1) * 2 * R + R + r] = fr;
+        }
+        h[(size_t)(2 * L) * 2 * R + r] = s->hp;
+        h[(size_t)(2 * L) * 2 * R + R + r] = (void *)hidden;
+        r++;
+    }
+    /* the copies of the sequences kept so far, also when a later one failed */
+    if (r > 0) {
+        void **d = m->mtp.d_keep;
+        upload_ordered(be, d, h, sizeof(void *) * (size_t)kinds * 2 * R);
+        for (int l = 0; l < L; l++) {
+            if (c->layer_types[l] != GLM_MIXER_KDA) continue;
+            float *c0, *r0;
+            size_t cf, rf;
+            glm_layer_slot_at(&m->layers[l], 0, &c0, &r0, &cf, &rf);
+            for (int k = 0; k < 2; k++) {
+                void **t = d + (size_t)(2 * l + k) * 2 * R;
+                be->ops->copy_rows_ptr(be, (float *const *)t, (const float *const *)(t + R), r, (int64_t)(k ? rf : cf));
+            }
+        }
+        void **t = d + (size_t)(2 * L) * 2 * R;
+        be->ops->copy_rows_ptr(be, (float *const *)t, (const float *const *)(t + R), r, c->hidden_size);
+    }
+    return st;
 }
 
 mt_status glm_decode(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_error *err) {
@@ -1007,12 +1177,19 @@ static void rtab_set(glm_model *m, int l, int k, int idx, void *ptr, size_t *lo,
     if (e > *hi) *hi = e;
 }
 
-/* The tables of a mixed step's rows block with verifies (glm_vblock) into vb: parts p[0, nb), part
- * i's p[i].n rows from row r0 + ... in the step's order (nrows in all), seg[i].vring its ring. */
-static mt_status vblock_upload(glm_model *m, const glm_mixed_part *p, const glm_segment *seg, int nb, int nrows,
-                               glm_vblock *vb) {
+static int vb_count(const vb_parts *v) { return v->nb + v->pv + v->pd; }
+static glm_seq *vb_seq(const glm_model *m, const vb_parts *v, int i) { return i < v->nb ? v->p[i].s : m->pad_seq; }
+static int vb_rows(const vb_parts *v, int i) { return i < v->nb ? v->p[i].n : i < v->nb + v->pv ? v->kmax : 1; }
+static const int *vb_ring(const vb_parts *v, int i) { return i < v->nb ? v->seg[i].vring : v->pad_ring; }
+static int32_t vb_token(const vb_parts *v, int i, int j) { return i < v->nb ? v->p[i].tokens[j] : 0; }
+
+/* The tables of a mixed step's rows block with verifies (glm_vblock) into vb: the parts of v,
+ * part i's rows from row r0 + ... in the step's order (nrows in all). with_tokens: the rows'
+ * tokens too, S a row after the nrows positions (d_rrow as a pass of nrows rows reads it), for
+ * a body that embeds from backend memory. */
+static mt_status vblock_upload(glm_model *m, const vb_parts *v, int nrows, bool with_tokens, glm_vblock *vb) {
     const glm_config *c = &m->cfg;
-    const int L = c->num_hidden_layers, H = c->hidden_size, cap = m->rcap;
+    const int L = c->num_hidden_layers, H = c->hidden_size, S = c->hc_mult, cap = m->rcap, nb = vb_count(v);
     int *ord = malloc(sizeof(int) * (size_t)nb), *r0 = malloc(sizeof(int) * (size_t)nb);
     void **t = malloc(sizeof(void *) * 3 * (size_t)nrows);
     if (!ord || !r0 || !t) {
@@ -1022,24 +1199,28 @@ static mt_status vblock_upload(glm_model *m, const glm_mixed_part *p, const glm_
         return MT_ERR_NOMEM;
     }
     memset(vb, 0, sizeof *vb);
-    for (int i = 0, r = 0; i < nb; r += p[i++].n) {
+    for (int i = 0, r = 0; i < nb; r += vb_rows(v, i++)) {
         r0[i] = r;
         int q = i; /* insertion: the parts by rows, most first, stably */
-        while (q > 0 && p[ord[q - 1]].n < p[i].n) {
+        while (q > 0 && vb_rows(v, ord[q - 1]) < vb_rows(v, i)) {
             ord[q] = ord[q - 1];
             q--;
         }
         ord[q] = i;
-        for (int j = 0; j < p[i].n; j++) m->h_rrow[r + j] = p[i].s->len + j;
+        for (int j = 0; j < vb_rows(v, i); j++) {
+            m->h_rrow[r + j] = vb_seq(m, v, i)->len + j;
+            if (with_tokens)
+                for (int k = 0; k < S; k++) m->h_rrow[nrows + (size_t)(r + j) * S + k] = vb_token(v, i, j);
+        }
     }
-    vb->kmax = p[ord[0]].n;
+    vb->kmax = vb_rows(v, ord[0]);
     size_t lo = SIZE_MAX, hi = 0;
     for (int j = 0, kr = 0; j < vb->kmax; j++) {
-        for (int q = 0; q < nb && p[ord[q]].n > j; q++, kr++) {
-            const int i = ord[q], lr = r0[i] + j;
-            const glm_seq *s = p[i].s;
+        for (int q = 0; q < nb && vb_rows(v, ord[q]) > j; q++, kr++) {
+            const int i = ord[q], lr = r0[i] + j, ni = vb_rows(v, i);
+            const glm_seq *s = vb_seq(m, v, i);
             vb->n_at[j]++;
-            vb->save_at[j] += p[i].n > j + 1;
+            vb->save_at[j] += ni > j + 1;
             t[kr] = m->scr.h + (size_t)lr * H;
             t[nrows + kr] = m->scr.a + (size_t)lr * H;
             t[2 * (size_t)nrows + kr] = m->scr.h + (size_t)kr * H;
@@ -1051,14 +1232,14 @@ static mt_status vblock_upload(glm_model *m, const glm_mixed_part *p, const glm_
                 rtab_set(m, l, GLM_R_REC, kr, st->rec, &lo, &hi);
                 float *rc = NULL, *rr = NULL;
                 size_t cf, rf;
-                if (j + 1 < p[i].n) glm_layer_slot_at(&m->layers[l], seg[i].vring[j], &rc, &rr, &cf, &rf);
+                if (j + 1 < ni) glm_layer_slot_at(&m->layers[l], vb_ring(v, i)[j], &rc, &rr, &cf, &rf);
                 rtab_set(m, l, GLM_R_RING_CONV, kr, rc, &lo, &hi);
                 rtab_set(m, l, GLM_R_RING_REC, kr, rr, &lo, &hi);
             }
         }
     }
     mt_backend *be = m->be;
-    upload_ordered(be, m->d_rrow, m->h_rrow, sizeof(int32_t) * (size_t)nrows);
+    upload_ordered(be, m->d_rrow, m->h_rrow, sizeof(int32_t) * (size_t)nrows * (with_tokens ? 1 + S : 1));
     if (lo <= hi) upload_ordered(be, m->d_rtab + lo, m->h_rtab + lo, sizeof(void *) * (hi - lo + 1));
     upload_ordered(be, m->d_vtab, t, sizeof(void *) * (size_t)nrows);
     upload_ordered(be, m->d_vtab + cap, t + nrows, sizeof(void *) * (size_t)nrows);
@@ -1295,6 +1476,12 @@ int glm_model_expert_census(const glm_model *m) {
 bool glm_model_has_bucket_graph(const glm_model *m, int n) {
     const int b = glm_bucket_of(n);
     return b < GLM_BUCKETS && m->bucket[b].graph != NULL;
+}
+
+bool glm_model_has_verify_graph(const glm_model *m, int k, int nv, int nd) {
+    const int bv = glm_bucket_of(nv), bd = nd ? glm_bucket_of(nd) : -1;
+    return k >= 2 && k <= GLM_VERIFY_MAX && nv >= 1 && bv < GLM_BUCKETS && bd < GLM_BUCKETS &&
+           m->vbucket[k][bv][bd + 1].graph != NULL;
 }
 
 bool glm_model_has_draft_graph(const glm_model *m, int n) {

@@ -130,7 +130,10 @@ typedef struct glm_mixed_part {
  * most verify_seqs in all): a forward split over several passes numbers its verifies on across
  * them, so that each keeps its own ring until its glm_seq_keep.
  * Checks every token, each sequence's room and that it appears once, and maps the pages of every
- * part before any state changes; on such an input error nothing changes. Eager (no graphs). */
+ * part before any state changes; on such an input error nothing changes. Eager, but for a step of
+ * only decode rows and verifies of one length (a speculative step's verifies), which replays the
+ * graph of its bucket of verifies and decode rows where batched drafts replay theirs
+ * (glm_model_has_verify_graph). */
 mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *parts, int np, int ring0, mt_error *err);
 /* Rows of one pass of glm_prefill or glm_forward_mixed (the model's prefill_chunk). */
 int glm_model_pass_rows(const glm_model *m);
@@ -166,6 +169,10 @@ mt_status glm_model_draft(glm_model *m, glm_seq *s, int32_t token, float *logits
 mt_status glm_mtp_draft_rows(glm_model *m, glm_seq **seqs, const int32_t *tokens, int n, float *logits,
                              mt_error *err);
 mt_status glm_seq_keep(glm_model *m, glm_seq *s, int keep, mt_error *err);
+/* glm_seq_keep for n distinct sequences (n <= verify_seqs for one pass of copies), in order,
+ * their ring copies batched: *done of them kept; on an error the first *done are kept and
+ * sequence *done is unchanged. */
+mt_status glm_seq_keep_rows(glm_model *m, glm_seq **seqs, const int *keeps, int n, int *done, mt_error *err);
 
 /* What loading read from the checkpoint, for tensor parallelism's accounting: bytes of the split
  * tensors this rank read and their whole size, and bytes of the replicated ones. */
@@ -213,6 +220,9 @@ int glm_model_expert_census(const glm_model *m);
 bool glm_model_has_bucket_graph(const glm_model *m, int n);
 /* Whether a batched draft of n rows replays a recorded graph (tests). */
 bool glm_model_has_draft_graph(const glm_model *m, int n);
+/* Whether a mixed step of nv verifies of k rows each and nd decode rows, nothing else, replays a
+ * recorded graph of its bucket (tests). */
+bool glm_model_has_verify_graph(const glm_model *m, int k, int nv, int nd);
 
 /* Test hook: the next decode-graph capture fails (an uncapturable call is made inside it). */
 void glm_model_fail_next_capture(glm_model *m);
