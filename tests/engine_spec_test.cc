@@ -344,8 +344,9 @@ mt_model_ops CountingOps() {
     o.draft = [](mt_model *m, mt_seq *s, int32_t t, float *logits, mt_error *err) {
         return mt_model_draft(AsCounting(m)->inner, s, t, logits, err);
     };
-    o.draft_rows = [](mt_model *m, mt_seq **seqs, const int32_t *t, int n, float *logits, mt_error *err) {
-        return mt_model_draft_rows(AsCounting(m)->inner, seqs, t, n, logits, err);
+    o.draft_rows = [](mt_model *m, mt_seq **seqs, const int32_t *t, int n, float *logits, int32_t *argmax,
+                      mt_error *err) {
+        return mt_model_draft_rows(AsCounting(m)->inner, seqs, t, n, logits, argmax, err);
     };
     o.seq_keep = [](mt_model *m, mt_seq *s, int keep, mt_error *err) { return mt_seq_keep(AsCounting(m)->inner, s, keep, err); };
     return o;

@@ -340,8 +340,9 @@ TEST_P(Mtp, VerifiesOfOneForwardKeepTheirRingsAcrossPasses) {
 }
 
 // Drafts of three sequences in one pass (glm_mtp_draft_rows: the block's DSA in the rows form),
-// twice in a chain, against their twins drafting one at a time: the same logits, and after a
-// verify and a keep each continues as its twin.
+// twice in a chain (the second taking only each row's greedy token), against their twins
+// drafting one at a time: the same logits and tokens, and after a verify and a keep each
+// continues as its twin.
 TEST_P(Mtp, DraftsOfSeveralSequencesShareOnePass) {
     const int V = c_.V;
     mt_error err{};
@@ -361,10 +362,12 @@ TEST_P(Mtp, DraftsOfSeveralSequencesShareOnePass) {
         for (int i = 0; i < 3; i++) tok[i][j] = j == 0 ? c_.tokens[t0[i] + 1] : 3 + i;
         std::vector<float> la((size_t)3 * V);
         const int32_t row_tok[3] = { tok[0][j], tok[1][j], tok[2][j] };
-        ASSERT_EQ(glm_mtp_draft_rows(m_, a, row_tok, 3, la.data(), &err), MT_OK) << err.msg;
+        int32_t top[3] = { -1, -1, -1 }; // the second draft takes only the greedy tokens
+        ASSERT_EQ(glm_mtp_draft_rows(m_, a, row_tok, 3, j == 0 ? la.data() : nullptr, top, &err), MT_OK) << err.msg;
         for (int i = 0; i < 3; i++) {
             std::vector<float> lb = Draft(b[i], tok[i][j]);
-            EXPECT_LT(MaxAbsDiff(&la[(size_t)i * V], lb.data(), V), 1e-4f) << "sequence " << i << " draft " << j;
+            if (j == 0) EXPECT_LT(MaxAbsDiff(&la[(size_t)i * V], lb.data(), V), 1e-4f) << "sequence " << i << " draft " << j;
+            else EXPECT_EQ(top[i], glm_argmax(lb.data(), V)) << "sequence " << i;
         }
     }
     // the verify of the pending token and the two drafts, keeping 2 rows
@@ -388,7 +391,7 @@ TEST_P(Mtp, DraftsOfSeveralSequencesShareOnePass) {
     const int32_t two[2] = { 1, 2 };
     std::vector<float> l2((size_t)2 * V);
     const int len = glm_seq_len(a[0]);
-    EXPECT_EQ(glm_mtp_draft_rows(m_, twice, two, 2, l2.data(), &err), MT_ERR_INVALID);
+    EXPECT_EQ(glm_mtp_draft_rows(m_, twice, two, 2, l2.data(), nullptr, &err), MT_ERR_INVALID);
     EXPECT_EQ(glm_seq_len(a[0]), len);
     for (int i = 0; i < 3; i++) {
         glm_seq_free(a[i]);

@@ -150,7 +150,7 @@ TEST_F(SpecGpu, BatchedDraftsReplayTheirBucketGraph) {
         for (int j = 0; j < 2; j++) {
             glm_model_set_decode_graphs(m_, true);
             std::vector<float> la((size_t)3 * V_);
-            ASSERT_EQ(glm_mtp_draft_rows(m_, a, tok, 3, la.data(), &err), MT_OK) << err.msg;
+            ASSERT_EQ(glm_mtp_draft_rows(m_, a, tok, 3, la.data(), nullptr, &err), MT_OK) << err.msg;
             glm_model_set_decode_graphs(m_, false);
             for (int i = 0; i < 3; i++) {
                 const std::vector<float> lb = Draft(b[i], tok[i]);

@@ -826,15 +826,16 @@ static int spec_k(const eng_engine *e, const eng_seq *s, int n_ready) {
     return e->p.spec_tokens < left ? e->p.spec_tokens : left > 0 ? left : 0;
 }
 
-/* Draft j of row g (sequence s) from its drafter logits: greedy's argmax, or a draw from the
- * processed distribution (kept at e->spec_q for the verdict), then the test hook. */
-static int32_t spec_choose(eng_engine *e, eng_seq *s, int g, int j, const float *logits) {
+/* Draft j of row g (sequence s) from its drafter logits: greedy's argmax (logits NULL: the
+ * model's, top), or a draw from the processed distribution (kept at e->spec_q for the verdict),
+ * then the test hook. */
+static int32_t spec_choose(eng_engine *e, eng_seq *s, int g, int j, const float *logits, int32_t top) {
     const int V = e->vocab;
     int32_t *gen = s->tokens + s->req.n_prompt; /* drafts go after the generated tokens (room:
                                                  * k < max_new_tokens - n_gen) as their history */
     int32_t d;
     if (plain_greedy(s)) {
-        d = eng_argmax(logits, V);
+        d = logits ? eng_argmax(logits, V) : top;
     } else {
         const eng_history h = { s->tokens, s->req.n_prompt, gen, s->n_gen + j - 1 };
         float *q = e->spec_q + ((size_t)g * ENG_SPEC_MAX + (size_t)(j - 1)) * V;
@@ -871,8 +872,12 @@ static void spec_draft_group(eng_engine *e, eng_seq **grp, int n) {
         if (r == 0) break;
         mt_error err = { "" };
         mt_status st = MT_ERR_UNSUPPORTED;
+        /* plain greedy rows need only the argmax: the model takes it where the logits are */
+        bool greedy = true;
+        for (int q = 0; q < r && greedy; q++) greedy = plain_greedy(grp[idx[q]]);
+        int32_t top[ENG_SPEC_GROUP_MAX] = { 0 };
         if (r > 1 && e->draft_rows) {
-            st = mt_model_draft_rows(e->m, seqs, tok, r, e->draft_logits, &err);
+            st = mt_model_draft_rows(e->m, seqs, tok, r, greedy ? NULL : e->draft_logits, top, &err);
             if (st == MT_ERR_UNSUPPORTED) e->draft_rows = false;
             else if (st != MT_OK)
                 mt_log(MT_LOG_WARN, "engine: a draft of %d sequences was refused (%s); drafting them apart", r, err.msg);
@@ -884,7 +889,7 @@ static void spec_draft_group(eng_engine *e, eng_seq **grp, int n) {
                 seq_end(e, s, ENG_FINISH_ERROR, err.msg);
                 continue;
             }
-            s->spec_tok[j] = spec_choose(e, s, idx[q], j, lg);
+            s->spec_tok[j] = spec_choose(e, s, idx[q], j, st == MT_OK && greedy ? NULL : lg, top[q]);
         }
     }
 }

@@ -175,9 +175,11 @@ typedef struct mt_model_ops {
      * call's logits (the drafter's own state stands in for the target's). logits (host) [vocab]. */
     mt_status (*draft)(mt_model *m, mt_seq *s, int32_t token, float *logits, mt_error *err);
     /* Optional (NULL: draft one at a time): draft for n distinct sequences in one pass, row i
-     * seqs[i] from tokens[i], logits (host) [n, vocab]. n <= info.batch_rows. Refused (nothing
-     * changed) when any row would be. */
-    mt_status (*draft_rows)(mt_model *m, mt_seq **seqs, const int32_t *tokens, int n, float *logits, mt_error *err);
+     * seqs[i] from tokens[i], logits (host) [n, vocab], or with logits NULL only each row's
+     * greedy token into argmax (host) [n] (taken where the logits are). n <= info.batch_rows.
+     * Refused (nothing changed) when any row would be. */
+    mt_status (*draft_rows)(mt_model *m, mt_seq **seqs, const int32_t *tokens, int n, float *logits,
+                            int32_t *argmax, mt_error *err);
     /* After a decode part of k rows of s (a verify), keeps its first keep rows (1 <= keep <= k):
      * the others leave no trace in any layer's state or the drafter's. */
     mt_status (*seq_keep)(mt_model *m, mt_seq *s, int keep, mt_error *err);
@@ -249,9 +251,9 @@ static inline mt_status mt_model_draft(mt_model *m, mt_seq *s, int32_t token, fl
     return m->ops->draft(m, s, token, logits, err);
 }
 static inline mt_status mt_model_draft_rows(mt_model *m, mt_seq **seqs, const int32_t *tokens, int n, float *logits,
-                                            mt_error *err) {
+                                            int32_t *argmax, mt_error *err) {
     if (!m->ops->draft_rows) return mt_errorf(err, MT_ERR_UNSUPPORTED, "the model drafts one sequence at a time");
-    return m->ops->draft_rows(m, seqs, tokens, n, logits, err);
+    return m->ops->draft_rows(m, seqs, tokens, n, logits, argmax, err);
 }
 static inline mt_status mt_seq_keep(mt_model *m, mt_seq *s, int keep, mt_error *err) {
     return m->ops->seq_keep(m, s, keep, err);

@@ -21,9 +21,9 @@ static mt_status iface_draft(mt_model *m, mt_seq *s, int32_t token, float *logit
     return glm_mtp_draft(as_glm(m), seq_of(s), token, logits, err);
 }
 static mt_status iface_draft_rows(mt_model *m, mt_seq **seqs, const int32_t *tokens, int n, float *logits,
-                                  mt_error *err) {
+                                  int32_t *argmax, mt_error *err) {
     /* glm_seq begins with its mt_seq, so the array of one is the array of the other */
-    return glm_mtp_draft_rows(as_glm(m), (glm_seq **)seqs, tokens, n, logits, err);
+    return glm_mtp_draft_rows(as_glm(m), (glm_seq **)seqs, tokens, n, logits, argmax, err);
 }
 static mt_status iface_seq_keep(mt_model *m, mt_seq *s, int keep, mt_error *err) {
     return glm_seq_keep(as_glm(m), seq_of(s), keep, err);

@@ -164,10 +164,11 @@ bool glm_model_has_mtp(const glm_model *m);     /* the checkpoint's MTP block is
 bool glm_model_has_drafter(const glm_model *m); /* and sequences carry its state */
 mt_status glm_model_draft(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_error *err);
 /* glm_model_draft for n distinct sequences in one pass of the block (its DSA in the rows form):
- * row i drafts seqs[i] from tokens[i] into logits (host) [n, vocab]; refused whole, nothing
+ * row i drafts seqs[i] from tokens[i] into logits (host) [n, vocab], or with logits NULL each
+ * row's greedy token into argmax (host) [n], taken on the backend; refused whole, nothing
  * changed, when any row would be. */
 mt_status glm_mtp_draft_rows(glm_model *m, glm_seq **seqs, const int32_t *tokens, int n, float *logits,
-                             mt_error *err);
+                             int32_t *argmax, mt_error *err);
 mt_status glm_seq_keep(glm_model *m, glm_seq *s, int keep, mt_error *err);
 /* glm_seq_keep for n distinct sequences (n <= verify_seqs for one pass of copies), in order,
  * their ring copies batched: *done of them kept; on an error the first *done are kept and

@@ -281,8 +281,9 @@ static mt_status draft_body(void *ctx) {
 }
 
 mt_status glm_mtp_draft_rows(glm_model *m, glm_seq **seqs, const int32_t *tokens, int n, float *logits,
-                             mt_error *err) {
+                             int32_t *argmax, mt_error *err) {
     if (!m->mtp.on) return mt_errorf(err, MT_ERR_UNSUPPORTED, "the model has no drafter turned on");
+    if (!logits && !argmax) return mt_errorf(err, MT_ERR_INVALID, "a batched draft with no output");
     const glm_config *c = &m->cfg;
     const int H = c->hidden_size, L = c->num_hidden_layers, V = c->vocab_size, cap = m->rcap;
     if (n < 1 || n > cap) return mt_errorf(err, MT_ERR_INVALID, "a batched draft of %d rows (1 to %d)", n, cap);
@@ -290,11 +291,15 @@ mt_status glm_mtp_draft_rows(glm_model *m, glm_seq **seqs, const int32_t *tokens
     /* the capture's rows are per sequence: one at a time; so is a lone row, whose own form reads
      * only its length where the rows form sizes its attention by the longest sequence (rt_cap) */
     if (m->mtp.capture || n == 1) {
-        for (int i = 0; i < n; i++) {
-            mt_status rc = glm_mtp_draft(m, seqs[i], tokens[i], logits + (size_t)i * V, err);
-            if (rc != MT_OK) return rc;
+        float *one = logits ? NULL : malloc(sizeof(float) * (size_t)V);
+        if (!logits && !one) return mt_errorf(err, MT_ERR_NOMEM, "out of memory for a draft's logits");
+        mt_status rc = MT_OK;
+        for (int i = 0; i < n && rc == MT_OK; i++) {
+            rc = glm_mtp_draft(m, seqs[i], tokens[i], logits ? logits + (size_t)i * V : one, err);
+            if (rc == MT_OK && !logits) argmax[i] = glm_argmax(one, V);
         }
-        return MT_OK;
+        free(one);
+        return rc;
     }
     /* every row checked and its pages mapped before anything is computed */
     for (int i = 0; i < n; i++) {
@@ -373,7 +378,8 @@ mt_status glm_mtp_draft_rows(glm_model *m, glm_seq **seqs, const int32_t *tokens
         ((glm_layer_state *)seqs[i]->states[L])->len++;
         if (spec[i]) seqs[i]->n_spec++;
     }
-    be->ops->download(be, logits, m->logits, sizeof(float) * (size_t)n * V);
+    if (logits) be->ops->download(be, logits, m->logits, sizeof(float) * (size_t)n * V);
+    else be->ops->argmax(be, argmax, m->logits, n, V);
     goto out;
 failed:
     rc = mt_errorf(err, rc, "a batched draft of %d rows failed: %s", n, mt_status_str(rc));
