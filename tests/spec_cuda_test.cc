@@ -4,7 +4,8 @@
 // the engine's greedy output with K = 1..3 (real, forced-accepted and forced-rejected drafts) is
 // K = 0's, at batch 1 and 8, and with mixed steps at batch 12 (verifies, plain decode rows and
 // prompt chunks in one model call); batched drafts and a step of verifies replay their bucket
-// graphs with the eager steps' logits. Skips without a GPU.
+// graphs with the eager steps' logits, and the engine's output stays K = 0's at the verify
+// graphs' bucket edges. Skips without a GPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -280,6 +281,35 @@ TEST_F(SpecGpu, EngineGreedyEqualsNoSpeculation) {
                 ExpectSpecCounts(g, force, what);
             }
     }
+}
+
+// Verifies from graphs at their buckets' edges (TensorRT-LLM #15940: crashes at batch 124-128):
+// up to 16 verifies a model call, batches of 7, 8, 9, 16 and 17 (a group of 16 and a lone one),
+// K = 1 and 3 (at 16, 64 verify rows: graph_max_rows), forced acceptance and rejection: K = 0's
+// output, with the verify graphs of those buckets recorded and replayed.
+TEST_F(SpecGpu, VerifyGraphsAtBucketEdgesEqualNoSpeculation) {
+    glm_model *m = nullptr;
+    glm_model_params mp = glm_model_default_params();
+    mp.mtp = true;
+    mp.verify_seqs = 16;
+    mt_error err{};
+    ASSERT_EQ(glm_model_load(kDir, be_, &mp, &m, &err), MT_OK) << err.msg;
+    for (int batch : { 7, 8, 9, 16, 17 }) {
+        const SpecRun ref = Generate(m, 0, batch, Force::kNone, nullptr);
+        for (int k : { 1, 3 })
+            for (Force force : { Force::kAccept, Force::kReject }) {
+                const SpecRun g = Generate(m, k, batch, force, &ref);
+                const std::string what = "batch " + std::to_string(batch) + " K " + std::to_string(k) + " force " +
+                                         std::to_string((int)force);
+                for (const auto &[id, t] : ref.out) EXPECT_EQ(g.out.at(id).tokens, t.tokens) << what << " id " << id;
+                ExpectSpecCounts(g, force, what);
+            }
+    }
+    for (int nv : { 7, 8, 9, 16 }) {
+        EXPECT_TRUE(glm_model_has_verify_graph(m, 2, nv, 0)) << nv << " verifies of 2 rows";
+        EXPECT_TRUE(glm_model_has_verify_graph(m, 4, nv, 0)) << nv << " verifies of 4 rows";
+    }
+    glm_model_free(m);
 }
 
 // With mixed steps, a step's verifies (four to a model call) ride in one call with its plain decode
