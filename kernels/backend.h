@@ -291,7 +291,8 @@ typedef struct mt_backend_ops {
      * prestage gathered). srcs [n] is a table; no srcs[i] overlaps out. */
     void (*copy_rows_from)(mt_backend *be, float *out, const float *const *srcs, int n, int64_t w);
     /* Rows from one table to another: dsts[i][0 .. w) = srcs[i][0 .. w) (both tables [n] in backend
-     * memory; no destination overlaps a source or another destination). */
+     * memory; no destination overlaps a source or another destination); a NULL dsts[i] skips row
+     * i (a graph's pad rows). */
     void (*copy_rows_ptr)(mt_backend *be, float *const *dsts, const float *const *srcs, int n, int64_t w);
     /* Each row's cache write: src[i, dst.row] becomes position pos[i] of dst through bts[i]. */
     void (*copy_rows_to)(mt_backend *be, mt_paged dst, const int32_t *const *bts, const int32_t *pos,

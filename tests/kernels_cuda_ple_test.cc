@@ -185,7 +185,8 @@ TEST_F(CudaPle, CopyRowsFrom) {
 }
 
 // Rows between two tables (copy_rows_ptr): sources anywhere (some repeated, some not 16-byte
-// aligned) into scattered destinations; the memory between destinations stays as it was.
+// aligned) into scattered destinations, one row skipped (NULL destination); the memory between
+// destinations stays as it was.
 TEST_F(CudaPle, CopyRowsPtr) {
     for (int w : { 1024, 1027, 3 }) {
         const int n = 5;
@@ -197,10 +198,10 @@ TEST_F(CudaPle, CopyRowsPtr) {
         std::vector<float *> dtab;
         std::vector<const float *> stab;
         std::vector<float> want = before;
-        for (int i = 0; i < n; i++) {
+        for (int i = 0; i < n; i++) { // row 3's destination NULL: skipped
             stab.push_back(src_g.get() + off[i]);
-            dtab.push_back(out_g.get() + at[i]);
-            std::copy(src.begin() + off[i], src.begin() + off[i] + w, want.begin() + at[i]);
+            dtab.push_back(i == 3 ? nullptr : out_g.get() + at[i]);
+            if (i != 3) std::copy(src.begin() + off[i], src.begin() + off[i] + w, want.begin() + at[i]);
         }
         Dev<float *> dtab_g(gpu_, dtab);
         Dev<const float *> stab_g(gpu_, stab);

@@ -203,8 +203,9 @@ TEST_P(Mtp, KeepIsRefusedOutsideAVerify) {
 }
 
 // Three sequences' verifies in one pass beside another sequence's decode row (glm_forward_mixed,
-// a ring each), then each keeps some rows: the rows' logits are those of each verify alone, and
-// each sequence then continues as its twin that verified alone and kept as many.
+// a ring each), then each keeps some rows, all in one call (glm_seq_keep_rows): the rows' logits
+// are those of each verify alone, and each sequence then continues as its twin that verified
+// alone and kept as many. A verify longer than a ring and a sequence kept twice are refused.
 TEST_P(Mtp, VerifiesOfSeveralSequencesShareOnePass) {
     const int V = c_.V, kv[3] = { 4, 3, 2 }, keep[3] = { 2, 3, 1 };
     mt_error err{};
@@ -233,8 +234,22 @@ TEST_P(Mtp, VerifiesOfSeveralSequencesShareOnePass) {
         top[i].assign(kv[i], -1);
         parts[i + 1] = glm_mixed_part{ a[i], &c_.tokens[t0 + 1], kv[i], la[i].data(), true, top[i].data(), true };
     }
+    std::vector<int32_t> too_many(GLM_VERIFY_MAX + 1, 3);
+    const glm_mixed_part too_long[2] = {
+        parts[0], glm_mixed_part{ a[0], too_many.data(), GLM_VERIFY_MAX + 1, nullptr, false, nullptr, true }
+    };
+    const int len0 = glm_seq_len(a[0]), lend = glm_seq_len(d);
+    EXPECT_EQ(glm_forward_mixed(m_, too_long, 2, 0, &err), MT_ERR_INVALID);
+    EXPECT_EQ(glm_seq_len(a[0]), len0);
+    EXPECT_EQ(glm_seq_len(d), lend);
     ASSERT_EQ(glm_forward_mixed(m_, parts, 4, 0, &err), MT_OK) << err.msg;
-    for (int i = 0; i < 3; i++) ASSERT_EQ(glm_seq_keep(m_, a[i], keep[i], &err), MT_OK) << err.msg;
+    int done = -1;
+    ASSERT_EQ(glm_seq_keep_rows(m_, a, keep, 3, &done, &err), MT_OK) << err.msg;
+    EXPECT_EQ(done, 3);
+    glm_seq *twice[2] = { a[1], a[1] };
+    const int keep_twice[2] = { keep[1], keep[1] };
+    EXPECT_EQ(glm_seq_keep_rows(m_, twice, keep_twice, 2, &done, &err), MT_ERR_INVALID);
+    EXPECT_EQ(done, 1);
     // each b alone (ring 0, kept before the next verifies)
     for (int i = 0; i < 3; i++) {
         const int t0 = c_.T / 2 - 2 * i;

@@ -32,7 +32,8 @@ static void cpu_copy_rows_from(mt_backend *be, float *out, const float *const *s
 }
 
 static void cpu_copy_rows_ptr(mt_backend *be, float *const *dsts, const float *const *srcs, int n, int64_t w) {
-    for (int i = 0; i < n; i++) be->ops->copy(be, dsts[i], srcs[i], sizeof(float) * (size_t)w);
+    for (int i = 0; i < n; i++)
+        if (dsts[i]) be->ops->copy(be, dsts[i], srcs[i], sizeof(float) * (size_t)w);
 }
 
 static void cpu_dsa_pool_keys_rows(mt_backend *be, mt_paged pool_keys, mt_paged ki, mt_paged gs,

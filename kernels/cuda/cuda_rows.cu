@@ -187,6 +187,7 @@ typedef struct copy_ptr_params {
 static __global__ void copy_rows_ptr_kernel(copy_ptr_params p) {
     const int i = blockIdx.y;
     float *dst = p.dsts[i];
+    if (!dst) return; /* a skipped row */
     const float *src = p.srcs[i];
     cu_copy_row_x(dst, src, p.w, p.w % 4 == 0 && cu_aligned16(dst) && cu_aligned16(src));
 }

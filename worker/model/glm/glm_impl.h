@@ -319,8 +319,8 @@ struct glm_model {
      * 0, and their outputs are dropped). */
     rt_slot bucket[GLM_BUCKETS];
     /* A mixed step that is only a rows block with verifies (glm_forward_mixed), by its verifies'
-     * rows k, the bucket of its verifies and 1 + the bucket of its decode rows (0: none); pads
-     * fill the buckets as the decode's do */
+     * rows k, the bucket of its verifies and 1 + the bucket of its decode rows (0: none); pads on
+     * pad_seq fill both buckets, a pad verify's rows at its positions 0 .. k - 1 (one page) */
     rt_slot vbucket[GLM_VERIFY_MAX + 1][GLM_BUCKETS][GLM_BUCKETS + 1];
     glm_seq *pad_seq;
     /* Pools: page ids for the DSA caches and slot ids for the KDA state (the memory behind them is
@@ -358,7 +358,7 @@ struct glm_model {
         float *ring_h;         /* backend [n_rings, GLM_VERIFY_MAX, H] */
         const struct glm_seq **ring_owner; /* host [n_rings] */
         /* glm_seq_keep_rows' copy tables: per kind (layer l's conv states at 2l, its recurrent
-         * state at 2l + 1, the pending hidden row at 2L) n_rings destinations, then n_rings
+         * state at 2l + 1, the pending hidden row at 2L) up to n_rings destinations, then as many
          * sources; backend memory and its host staging */
         void **d_keep, **h_keep;
         float *capture;        /* glm_model_capture_drafter: host [capture_rows, vocab], or NULL */

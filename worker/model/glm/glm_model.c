@@ -275,7 +275,8 @@ static void pools_release(glm_model *m) {
     rt_id_pool_release(&m->slots);
 }
 
-/* The pad sequence of the bucket graphs (one slot, one page at position 0); made when the pools
+/* The pad sequence of the bucket graphs (one slot, one page: pad decode rows write its position 0,
+ * a verify graph's pad rows positions 0 .. k - 1); made when the pools
  * are (graph-capable backends) or at the first padded step. false when the pools have no room:
  * that step then runs eagerly without padding, never on a pad without a page. */
 bool glm_pad_ensure(glm_model *m) {
@@ -650,6 +651,9 @@ static mt_status mixed_check(glm_model *m, const glm_mixed_part *p, int np, int 
             return mt_errorf(err, MT_ERR_INVALID, "mixed part %d: no tokens, or a sequence of another model", i);
         mt_status st = check_tokens(m, p[i].s, p[i].tokens, p[i].n, err);
         if (st != MT_OK) return st;
+        if (p[i].verify && p[i].n > GLM_VERIFY_MAX)
+            return mt_errorf(err, MT_ERR_INVALID, "mixed part %d: a verify of %d rows (at most %d)", i, p[i].n,
+                             GLM_VERIFY_MAX);
         for (int j = 0; j < i; j++)
             if (p[j].s == p[i].s) return mt_errorf(err, MT_ERR_INVALID, "sequence of part %d appears twice (also at %d)", i, j);
         n += p[i].n;
@@ -670,14 +674,16 @@ static mt_status mixed_check(glm_model *m, const glm_mixed_part *p, int np, int 
 static void rows_upload(glm_model *m, glm_seq **seqs, const int32_t *tokens, int n, int B);
 
 /* The parts of a rows block with verifies: the step's leading parts, then the pads of a graph
- * bucket (vgraph_slot) on m->pad_seq, whose own slot takes a pad verify's ring saves. */
+ * bucket (vgraph_slot) on m->pad_seq: a pad verify's rows at the pad's positions 0 .. kmax - 1
+ * (within its one page: GLM_PAGE >= GLM_VERIFY_MAX), its ring entries NULL (the KDA's ring copies
+ * skip them). */
 typedef struct vb_parts {
     const glm_mixed_part *p;
     const glm_segment *seg;
     int nb;                    /* the step's parts */
     int pv, pd, kmax;          /* pad verifies of kmax rows, pad decode rows */
-    int pad_ring[GLM_VERIFY_MAX];
 } vb_parts;
+_Static_assert(GLM_PAGE >= GLM_VERIFY_MAX, "a pad verify's rows share the pad sequence's one page");
 
 static mt_status vblock_upload(glm_model *m, const vb_parts *v, int nrows, bool with_tokens, glm_vblock *vb);
 
@@ -694,7 +700,7 @@ static rt_slot *vgraph_slot(glm_model *m, vb_parts *v, int nrows) {
             nd++;
             continue;
         }
-        if (!v->seg[i].vring || (kmax && k != kmax)) return NULL;
+        if (!v->seg[i].vring || k > GLM_VERIFY_MAX || (kmax && k != kmax)) return NULL;
         kmax = k;
         nv++;
     }
@@ -708,7 +714,6 @@ static rt_slot *vgraph_slot(glm_model *m, vb_parts *v, int nrows) {
     v->kmax = kmax;
     v->pv = (1 << bv) - nv;
     v->pd = nd ? (1 << bd) - nd : 0;
-    for (int j = 0; j < GLM_VERIFY_MAX; j++) v->pad_ring[j] = m->pad_seq ? m->pad_seq->slot : -1;
     return slot;
 }
 
@@ -1085,6 +1090,9 @@ mt_status glm_seq_keep_rows(glm_model *m, glm_seq **seqs, const int *keeps, int 
         glm_seq *s = seqs[*done];
         const int keep = keeps[*done];
         if ((st = keep_check(m, s, keep, err)) != MT_OK) break;
+        for (int q = 0; q < *done && st == MT_OK; q++)
+            if (seqs[q] == s) st = mt_errorf(err, MT_ERR_INVALID, "keep %d: its sequence is also keep %d", *done, q);
+        if (st != MT_OK) break;
         if (keep == s->v_n) continue;
         int slot;
         const float *hidden;
@@ -1104,22 +1112,27 @@ mt_status glm_seq_keep_rows(glm_model *m, glm_seq **seqs, const int *keeps, int 
         h[(size_t)(2 * L) * 2 * R + R + r] = (void *)hidden;
         r++;
     }
-    /* the copies of the sequences kept so far, also when a later one failed */
+    /* the copies of the sequences kept so far, also when a later one failed: the tables packed to
+     * [kind][r destinations, r sources] (each entry moves down, never over one not yet moved) */
     if (r > 0) {
+        for (int k = 0; k < kinds; k++)
+            for (int side = 0; side < 2; side++)
+                for (int q = 0; q < r; q++)
+                    h[((size_t)k * 2 + side) * r + q] = h[((size_t)k * 2 + side) * R + q];
         void **d = m->mtp.d_keep;
-        upload_ordered(be, d, h, sizeof(void *) * (size_t)kinds * 2 * R);
+        upload_ordered(be, d, h, sizeof(void *) * (size_t)kinds * 2 * r);
         for (int l = 0; l < L; l++) {
             if (c->layer_types[l] != GLM_MIXER_KDA) continue;
             float *c0, *r0;
             size_t cf, rf;
             glm_layer_slot_at(&m->layers[l], 0, &c0, &r0, &cf, &rf);
             for (int k = 0; k < 2; k++) {
-                void **t = d + (size_t)(2 * l + k) * 2 * R;
-                be->ops->copy_rows_ptr(be, (float *const *)t, (const float *const *)(t + R), r, (int64_t)(k ? rf : cf));
+                void **t = d + (size_t)(2 * l + k) * 2 * r;
+                be->ops->copy_rows_ptr(be, (float *const *)t, (const float *const *)(t + r), r, (int64_t)(k ? rf : cf));
             }
         }
-        void **t = d + (size_t)(2 * L) * 2 * R;
-        be->ops->copy_rows_ptr(be, (float *const *)t, (const float *const *)(t + R), r, c->hidden_size);
+        void **t = d + (size_t)(2 * L) * 2 * r;
+        be->ops->copy_rows_ptr(be, (float *const *)t, (const float *const *)(t + r), r, c->hidden_size);
     }
     return st;
 }
@@ -1180,7 +1193,7 @@ static void rtab_set(glm_model *m, int l, int k, int idx, void *ptr, size_t *lo,
 static int vb_count(const vb_parts *v) { return v->nb + v->pv + v->pd; }
 static glm_seq *vb_seq(const glm_model *m, const vb_parts *v, int i) { return i < v->nb ? v->p[i].s : m->pad_seq; }
 static int vb_rows(const vb_parts *v, int i) { return i < v->nb ? v->p[i].n : i < v->nb + v->pv ? v->kmax : 1; }
-static const int *vb_ring(const vb_parts *v, int i) { return i < v->nb ? v->seg[i].vring : v->pad_ring; }
+static const int *vb_ring(const vb_parts *v, int i) { return i < v->nb ? v->seg[i].vring : NULL; }
 static int32_t vb_token(const vb_parts *v, int i, int j) { return i < v->nb ? v->p[i].tokens[j] : 0; }
 
 /* The tables of a mixed step's rows block with verifies (glm_vblock) into vb: the parts of v,
@@ -1232,7 +1245,7 @@ static mt_status vblock_upload(glm_model *m, const vb_parts *v, int nrows, bool 
                 rtab_set(m, l, GLM_R_REC, kr, st->rec, &lo, &hi);
                 float *rc = NULL, *rr = NULL;
                 size_t cf, rf;
-                if (j + 1 < ni) glm_layer_slot_at(&m->layers[l], vb_ring(v, i)[j], &rc, &rr, &cf, &rf);
+                if (j + 1 < ni && vb_ring(v, i)) glm_layer_slot_at(&m->layers[l], vb_ring(v, i)[j], &rc, &rr, &cf, &rf);
                 rtab_set(m, l, GLM_R_RING_CONV, kr, rc, &lo, &hi);
                 rtab_set(m, l, GLM_R_RING_REC, kr, rr, &lo, &hi);
             }

@@ -165,8 +165,9 @@ bool glm_model_has_drafter(const glm_model *m); /* and sequences carry its state
 mt_status glm_model_draft(glm_model *m, glm_seq *s, int32_t token, float *logits, mt_error *err);
 /* glm_model_draft for n distinct sequences in one pass of the block (its DSA in the rows form):
  * row i drafts seqs[i] from tokens[i] into logits (host) [n, vocab], or with logits NULL each
- * row's greedy token into argmax (host) [n], taken on the backend; refused whole, nothing
- * changed, when any row would be. */
+ * row's greedy token into argmax (host) [n], taken where the logits are; refused whole, nothing
+ * changed, when any row's input would be (a row that fails while drafting, as glm_model_draft,
+ * leaves the rows before it drafted). */
 mt_status glm_mtp_draft_rows(glm_model *m, glm_seq **seqs, const int32_t *tokens, int n, float *logits,
                              int32_t *argmax, mt_error *err);
 mt_status glm_seq_keep(glm_model *m, glm_seq *s, int keep, mt_error *err);
