@@ -28,21 +28,6 @@ const int kMaxNew = 96;
 using Out = SpecOut;
 using Outputs = SpecRun;
 
-// The prompts: some share a 32-token prefix (prefix reuse), lengths 5 .. 47.
-std::vector<std::vector<int32_t>> Prompts(int n) {
-    std::vector<int32_t> common;
-    for (int i = 0; i < 32; i++) common.push_back((i * 37 + 11) % 300);
-    std::vector<std::vector<int32_t>> ps;
-    for (int r = 0; r < n; r++) {
-        std::vector<int32_t> p;
-        if (r % 3 == 0) p = common;
-        const int extra = 5 + (r * 7) % 16;
-        for (int i = 0; i < extra; i++) p.push_back((r * 101 + i * 13 + 7) % 300);
-        ps.push_back(p);
-    }
-    return ps;
-}
-
 // mixed: every other request opts out of speculation. mixed_steps: eng_params.mixed_steps, with
 // prompts fed in chunks of at most budget tokens (0: the default budget).
 Outputs Generate(glm_model *m, int k, int max_seqs, int pages, Force force = Force::kNone, const Outputs *ref = nullptr,
@@ -57,7 +42,7 @@ Outputs Generate(glm_model *m, int k, int max_seqs, int pages, Force force = For
     p.mixed_steps = mixed_steps;
     if (budget > 0) p.prefill_budget = budget;
     std::vector<SpecRequest> reqs;
-    const auto prompts = Prompts(n_prompts);
+    const auto prompts = SpecPrompts(n_prompts);
     for (size_t i = 0; i < prompts.size(); i++) {
         SpecRequest q;
         q.prompt = prompts[i];

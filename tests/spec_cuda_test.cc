@@ -5,7 +5,7 @@
 // K = 0's, at batch 1 and 8, and with mixed steps at batch 12 (verifies, plain decode rows and
 // prompt chunks in one model call); batched drafts and a step of verifies replay their bucket
 // graphs with the eager steps' logits, and the engine's output stays K = 0's at the verify
-// graphs' bucket edges. Skips without a GPU.
+// graphs' bucket edges and with preemption and prefix reuse. Skips without a GPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -308,6 +308,46 @@ TEST_F(SpecGpu, VerifyGraphsAtBucketEdgesEqualNoSpeculation) {
     for (int nv : { 7, 8, 9, 16 }) {
         EXPECT_TRUE(glm_model_has_verify_graph(m, 2, nv, 0)) << nv << " verifies of 2 rows";
         EXPECT_TRUE(glm_model_has_verify_graph(m, 4, nv, 0)) << nv << " verifies of 4 rows";
+    }
+    glm_model_free(m);
+}
+
+// Verifies from graphs (up to 16 a call) with the pools small enough that running sequences are
+// preempted and with prompts that share a prefix: K = 1..4 give K = 0's output, with as many
+// prefix hits, and each K's verify graphs were recorded.
+TEST_F(SpecGpu, VerifyGraphsWithPreemptionAndPrefixReuse) {
+    glm_model *m = nullptr;
+    glm_model_params mp = glm_model_default_params();
+    mp.mtp = true;
+    mp.verify_seqs = 16;
+    mt_error err{};
+    ASSERT_EQ(glm_model_load(kDir, be_, &mp, &m, &err), MT_OK) << err.msg;
+    auto run = [&](int k, const SpecRun *ref) {
+        EXPECT_EQ(glm_model_set_pools(m, 15, 64, &err), MT_OK) << err.msg; // the graph pad takes a page
+        eng_params p = eng_default_params();
+        p.max_sequences = 12;
+        p.prefix_block = 16;
+        std::vector<SpecRequest> reqs;
+        for (const auto &prompt : SpecPrompts(12)) {
+            SpecRequest q;
+            q.prompt = prompt;
+            q.max_new = 96;
+            reqs.push_back(q);
+        }
+        return RunSpec(m, p, k, reqs, Force::kNone, ref);
+    };
+    const SpecRun ref = run(0, nullptr);
+    for (int k = 1; k <= ENG_SPEC_MAX; k++) {
+        const SpecRun g = run(k, &ref);
+        const std::string what = "K " + std::to_string(k);
+        for (const auto &[id, t] : ref.out) EXPECT_EQ(g.out.at(id).tokens, t.tokens) << what << " id " << id;
+        EXPECT_GT(g.stats.spec_steps, 0u) << what;
+        EXPECT_GT(g.stats.preemptions, 0u) << what;
+        EXPECT_GT(g.stats.prefix_hits, 0u) << what;
+        EXPECT_EQ(g.stats.prefix_hits, ref.stats.prefix_hits) << what;
+        bool replayed = false; // a graph of this K's verifies was recorded (the pools' remaking frees them)
+        for (int nv = 2; nv <= 12; nv++) replayed |= glm_model_has_verify_graph(m, k + 1, nv, 0);
+        EXPECT_TRUE(replayed) << what;
     }
     glm_model_free(m);
 }

@@ -42,6 +42,22 @@ struct SpecRequest {
     bool logprobs = false;                        // the sampled token's and its top 3
 };
 
+// n prompts of ids below 300: every third starts with the same 32 tokens (prefix reuse), then
+// 5 .. 20 of its own.
+inline std::vector<std::vector<int32_t>> SpecPrompts(int n) {
+    std::vector<int32_t> common;
+    for (int i = 0; i < 32; i++) common.push_back((i * 37 + 11) % 300);
+    std::vector<std::vector<int32_t>> ps;
+    for (int r = 0; r < n; r++) {
+        std::vector<int32_t> p;
+        if (r % 3 == 0) p = common;
+        const int extra = 5 + (r * 7) % 16;
+        for (int i = 0; i < extra; i++) p.push_back((r * 101 + i * 13 + 7) % 300);
+        ps.push_back(p);
+    }
+    return ps;
+}
+
 namespace spec_run_detail {
 struct Harness {
     Force force = Force::kNone;
