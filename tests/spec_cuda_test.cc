@@ -53,6 +53,16 @@ class SpecGpu : public ::testing::Test {
         glm_model_free(m_);
         mt_backend_free(be_);
     }
+    // The fixture's checkpoint with the drafter, verifying up to n sequences in one call.
+    glm_model *LoadVerifying(int n) {
+        glm_model_params p = glm_model_default_params();
+        p.mtp = true;
+        p.verify_seqs = n;
+        glm_model *m = nullptr;
+        mt_error err{};
+        EXPECT_EQ(glm_model_load(kDir, be_, &p, &m, &err), MT_OK) << err.msg;
+        return m;
+    }
     std::vector<float> Draft(glm_seq *s, int32_t token) {
         std::vector<float> l(V_);
         mt_error err{};
@@ -185,12 +195,9 @@ TEST_F(SpecGpu, BatchedDraftsReplayTheirBucketGraph) {
 // row's logits, the rows each sequence keeps and the drafts after them equal twins stepped one at
 // a time with graphs off.
 TEST_F(SpecGpu, VerifyBlocksReplayTheirBucketGraph) {
-    glm_model *m = nullptr;
-    glm_model_params mp = glm_model_default_params();
-    mp.mtp = true;
-    mp.verify_seqs = 4;
+    glm_model *m = LoadVerifying(4);
+    ASSERT_NE(m, nullptr);
     mt_error err{};
-    ASSERT_EQ(glm_model_load(kDir, be_, &mp, &m, &err), MT_OK) << err.msg;
     std::vector<int32_t> prompt;
     for (int i = 0; i < 48; i++) prompt.push_back((i * 31 + 7) % V_);
     constexpr int K = 3;
@@ -288,12 +295,8 @@ TEST_F(SpecGpu, EngineGreedyEqualsNoSpeculation) {
 // K = 1 and 3 (at 16, 64 verify rows: graph_max_rows), forced acceptance and rejection: K = 0's
 // output, with the verify graphs of those buckets recorded and replayed.
 TEST_F(SpecGpu, VerifyGraphsAtBucketEdgesEqualNoSpeculation) {
-    glm_model *m = nullptr;
-    glm_model_params mp = glm_model_default_params();
-    mp.mtp = true;
-    mp.verify_seqs = 16;
-    mt_error err{};
-    ASSERT_EQ(glm_model_load(kDir, be_, &mp, &m, &err), MT_OK) << err.msg;
+    glm_model *m = LoadVerifying(16);
+    ASSERT_NE(m, nullptr);
     for (int batch : { 7, 8, 9, 16, 17 }) {
         const SpecRun ref = Generate(m, 0, batch, Force::kNone, nullptr);
         for (int k : { 1, 3 })
@@ -316,12 +319,9 @@ TEST_F(SpecGpu, VerifyGraphsAtBucketEdgesEqualNoSpeculation) {
 // preempted and with prompts that share a prefix: K = 1..4 give K = 0's output, with as many
 // prefix hits, and each K's verify graphs were recorded.
 TEST_F(SpecGpu, VerifyGraphsWithPreemptionAndPrefixReuse) {
-    glm_model *m = nullptr;
-    glm_model_params mp = glm_model_default_params();
-    mp.mtp = true;
-    mp.verify_seqs = 16;
+    glm_model *m = LoadVerifying(16);
+    ASSERT_NE(m, nullptr);
     mt_error err{};
-    ASSERT_EQ(glm_model_load(kDir, be_, &mp, &m, &err), MT_OK) << err.msg;
     auto run = [&](int k, const SpecRun *ref) {
         EXPECT_EQ(glm_model_set_pools(m, 15, 64, &err), MT_OK) << err.msg; // the graph pad takes a page
         eng_params p = eng_default_params();
@@ -355,12 +355,8 @@ TEST_F(SpecGpu, VerifyGraphsWithPreemptionAndPrefixReuse) {
 // With mixed steps, a step's verifies (four to a model call) ride in one call with its plain decode
 // rows and prompt chunks: the output is still K = 0's, with forced acceptance and rejection too.
 TEST_F(SpecGpu, EngineMixedStepsEqualNoSpeculation) {
-    glm_model *m = nullptr;
-    glm_model_params mp = glm_model_default_params();
-    mp.mtp = true;
-    mp.verify_seqs = 4;
-    mt_error err{};
-    ASSERT_EQ(glm_model_load(kDir, be_, &mp, &m, &err), MT_OK) << err.msg;
+    glm_model *m = LoadVerifying(4);
+    ASSERT_NE(m, nullptr);
     const SpecRun ref = Generate(m, 0, 12, Force::kNone, nullptr);
     for (int k = 1; k <= 3; k++)
         for (Force force : { Force::kNone, Force::kAccept, Force::kReject }) {
