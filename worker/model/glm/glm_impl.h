@@ -358,8 +358,8 @@ struct glm_model {
         float *ring_h;         /* backend [n_rings, GLM_VERIFY_MAX, H] */
         const struct glm_seq **ring_owner; /* host [n_rings] */
         /* glm_seq_keep_rows' copy tables: per kind (layer l's conv states at 2l, its recurrent
-         * state at 2l + 1, the pending hidden row at 2L) up to n_rings destinations, then as many
-         * sources; backend memory and its host staging */
+         * state at 2l + 1, the pending hidden row at 2L) n destinations, then n sources, for a
+         * call of n <= n_rings sequences; backend memory and its host staging */
         void **d_keep, **h_keep;
         float *capture;        /* glm_model_capture_drafter: host [capture_rows, vocab], or NULL */
         int capture_rows;

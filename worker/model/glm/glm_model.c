@@ -717,31 +717,35 @@ static rt_slot *vgraph_slot(glm_model *m, vb_parts *v, int nrows) {
     return slot;
 }
 
-typedef struct vgraph_ctx {
+typedef struct mixed_ctx {
     glm_model *m;
     const glm_mixed_part *p;
     mt_step *step;
     mt_layer_state **sts;      /* [np] */
-    int np, B;
-} vgraph_ctx;
+    int np, n;                 /* parts, rows */
+    const int32_t *ids;        /* host [n, S] the highway rows' tokens; NULL: d_rrow + n holds them */
+    bool head;                 /* the head over every row into m->logits [n, V] */
+} mixed_ctx;
 
-/* A rows block of B rows from the tables vblock_upload left (tokens included): the embedding, the
- * layers (the step's rows form with its glm_vblock), the head over every row into m->logits
- * [B, V]. Nothing names a sequence, so a graph of the block's bucket records it. */
-static mt_status vgraph_body(void *ctx) {
-    const vgraph_ctx *v = ctx;
-    glm_model *m = v->m;
+/* A mixed step's pass: the embedding, the layers' forward_segments over the step, and with head
+ * the head. With the tokens in backend memory nothing names a sequence, so a graph of a rows
+ * block's bucket records it (vgraph_slot). */
+static mt_status mixed_body(void *ctx) {
+    const mixed_ctx *x = ctx;
+    glm_model *m = x->m;
     mt_backend *be = m->be;
     const glm_config *c = &m->cfg;
-    be->ops->embed_dev(be, m->X, &m->embed, m->d_rrow + v->B, v->B * c->hc_mult);
-    mt_status st = embed_reduce(m, m->X, (size_t)v->B * c->hc_mult * c->hidden_size);
+    const int rows = x->n * c->hc_mult;
+    if (x->ids) be->ops->embed(be, m->X, &m->embed, x->ids, rows);
+    else be->ops->embed_dev(be, m->X, &m->embed, m->d_rrow + x->n, rows);
+    mt_status st = embed_reduce(m, m->X, (size_t)rows * c->hidden_size);
     m->scr.sel_n = 0;
     for (int l = 0; l < c->num_hidden_layers && st == MT_OK; l++) {
-        for (int i = 0; i < v->np; i++) v->sts[i] = v->p[i].s->states[l];
-        v->step->rtab = m->d_rtab + (size_t)l * GLM_R_KINDS * m->rcap;
-        st = mt_layer_forward_segments(&m->layers[l].base, v->sts, v->np, v->step, m->X, v->B);
+        for (int i = 0; i < x->np; i++) x->sts[i] = x->p[i].s->states[l];
+        x->step->rtab = x->step->nrows > 0 ? m->d_rtab + (size_t)l * GLM_R_KINDS * m->rcap : NULL;
+        st = mt_layer_forward_segments(&m->layers[l].base, x->sts, x->np, x->step, m->X, x->n);
     }
-    return st == MT_OK ? head_logits(m, m->X, v->B, NULL) : st;
+    return st == MT_OK && x->head ? head_logits(m, m->X, x->n, NULL) : st;
 }
 
 mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, int ring0, mt_error *err) {
@@ -822,34 +826,26 @@ mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, int r
      * graph of its bucket; the head then ran in it over every row (each is wanted) */
     vb_parts vp = { .p = p, .seg = seg, .nb = nb };
     rt_slot *vslot = nver > 0 && nb == np ? vgraph_slot(m, &vp, nrows) : NULL;
-    bool head_done = false;
-    if (vslot) {
+    mt_step step = { .be = be, .scr = &m->scr, .seg = seg, .nseg = np, .nrows = nrows, .nbparts = nb,
+                     .vblk = nver > 0 ? &vblk : NULL, .rpos = m->d_rrow, .rcap = m->rcap, .rt_cap = m->rt_cap,
+                     .ids = rep, .ids_stride = S };
+    mixed_ctx ctx = { m, p, &step, sts, np, n, rep, false };
+    if (vslot) { /* B rows with the pads, their tokens in the rows table */
         const int B = nrows + vp.pv * vp.kmax + vp.pd;
         if ((st = vblock_upload(m, &vp, B, true, &vblk)) != MT_OK) goto failed;
-        mt_step step = { .be = be, .scr = &m->scr, .seg = seg, .nseg = np, .nrows = B, .nbparts = np, .vblk = &vblk,
-                         .rpos = m->d_rrow, .rcap = m->rcap, .rt_cap = m->rt_cap, .d_ids = m->d_rrow + B,
-                         .d_ids_stride = S };
-        vgraph_ctx ctx = { m, p, &step, sts, np, B };
+        step.nrows = ctx.n = B;
+        step.ids = ctx.ids = NULL;
+        step.d_ids = m->d_rrow + B;
+        step.d_ids_stride = S;
+        ctx.head = true;
         const rt_rows none = { 0 };
         char what[80];
         snprintf(what, sizeof what, "verify block of %d rows (%d verifies of %d)", B, vp.pv + nver, vp.kmax);
-        if ((st = rt_run_step(&m->runner, vslot, true, m->rt_cap, &none, vgraph_body, &ctx, what)) != MT_OK) goto failed;
-        head_done = true;
+        if ((st = rt_run_step(&m->runner, vslot, true, m->rt_cap, &none, mixed_body, &ctx, what)) != MT_OK) goto failed;
     } else {
-        vp.kmax = 0;
         if (nver > 0 && (st = vblock_upload(m, &vp, nrows, false, &vblk)) != MT_OK) goto failed;
         if (nrows > 0 && nver == 0) rows_upload(m, rseq, NULL, nrows, nrows);
-        be->ops->embed(be, m->X, &m->embed, rep, n * S);
-        if ((st = embed_reduce(m, m->X, (size_t)n * SH)) != MT_OK) goto failed;
-        mt_step step = { .be = be, .scr = &m->scr, .seg = seg, .nseg = np, .nrows = nrows, .nbparts = nb,
-                         .vblk = nver > 0 ? &vblk : NULL, .rpos = m->d_rrow, .rcap = m->rcap, .rt_cap = m->rt_cap,
-                         .ids = rep, .ids_stride = S };
-        m->scr.sel_n = 0;
-        for (int l = 0; l < L; l++) {
-            for (int i = 0; i < np; i++) sts[i] = p[i].s->states[l];
-            step.rtab = nrows > 0 ? m->d_rtab + (size_t)l * GLM_R_KINDS * m->rcap : NULL;
-            if ((st = mt_layer_forward_segments(&m->layers[l].base, sts, np, &step, m->X, n)) != MT_OK) goto failed;
-        }
+        if ((st = mixed_body(&ctx)) != MT_OK) goto failed;
     }
     /* the rows form leaves the host-tracked cache lengths to its caller (decode: the hooks) */
     for (int l = 0; l < L; l++)
@@ -869,7 +865,7 @@ mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, int r
         if (want[w] != w) be->ops->copy(be, m->X + (size_t)w * SH, m->X + (size_t)want[w] * SH, sizeof(float) * SH);
     /* the head over the wanted rows; logits come to the host only for the parts that take them,
      * greedy tokens are taken on the device (a decode row's logits would be vocab floats each) */
-    if (!head_done && (st = head_logits(m, m->X, nw, NULL)) != MT_OK) goto failed;
+    if (!ctx.head && (st = head_logits(m, m->X, nw, NULL)) != MT_OK) goto failed;
     bool any_argmax = false;
     for (int i = 0; i < np; i++) any_argmax |= p[i].argmax != NULL;
     int32_t *amax = NULL;
@@ -1081,8 +1077,8 @@ mt_status glm_seq_keep_rows(glm_model *m, glm_seq **seqs, const int *keeps, int 
         return MT_OK;
     }
     /* per kind of copy (each KDA layer's conv states and recurrent state, then the drafter's
-     * pending row) a table of destinations and one of sources, n_rings entries each */
-    const int R = m->mtp.n_rings, kinds = 2 * L + 1;
+     * pending row) a table of destinations and one of sources, n entries each, r of them used */
+    const int kinds = 2 * L + 1;
     void **h = m->mtp.h_keep;
     int r = 0;
     mt_status st = MT_OK;
@@ -1103,36 +1099,31 @@ mt_status glm_seq_keep_rows(glm_model *m, glm_seq **seqs, const int *keeps, int 
             size_t cf, rf;
             glm_layer_slot_at(&m->layers[l], slot, &fc, &fr, &cf, &rf);
             glm_layer_slot_at(&m->layers[l], s->slot, &tc, &tr, &cf, &rf);
-            h[(size_t)(2 * l) * 2 * R + r] = tc;
-            h[(size_t)(2 * l) * 2 * R + R + r] = fc;
-            h[(size_t)(2 * l + 1) * 2 * R + r] = tr;
-            h[(size_t)(2 * l + 1) * 2 * R + R + r] = fr;
+            h[(size_t)(2 * l) * 2 * n + r] = tc;
+            h[(size_t)(2 * l) * 2 * n + n + r] = fc;
+            h[(size_t)(2 * l + 1) * 2 * n + r] = tr;
+            h[(size_t)(2 * l + 1) * 2 * n + n + r] = fr;
         }
-        h[(size_t)(2 * L) * 2 * R + r] = s->hp;
-        h[(size_t)(2 * L) * 2 * R + R + r] = (void *)hidden;
+        h[(size_t)(2 * L) * 2 * n + r] = s->hp;
+        h[(size_t)(2 * L) * 2 * n + n + r] = (void *)hidden;
         r++;
     }
-    /* the copies of the sequences kept so far, also when a later one failed: the tables packed to
-     * [kind][r destinations, r sources] (each entry moves down, never over one not yet moved) */
+    /* the copies of the sequences kept so far, also when a later one failed */
     if (r > 0) {
-        for (int k = 0; k < kinds; k++)
-            for (int side = 0; side < 2; side++)
-                for (int q = 0; q < r; q++)
-                    h[((size_t)k * 2 + side) * r + q] = h[((size_t)k * 2 + side) * R + q];
         void **d = m->mtp.d_keep;
-        upload_ordered(be, d, h, sizeof(void *) * (size_t)kinds * 2 * r);
+        upload_ordered(be, d, h, sizeof(void *) * (size_t)kinds * 2 * n);
         for (int l = 0; l < L; l++) {
             if (c->layer_types[l] != GLM_MIXER_KDA) continue;
             float *c0, *r0;
             size_t cf, rf;
             glm_layer_slot_at(&m->layers[l], 0, &c0, &r0, &cf, &rf);
             for (int k = 0; k < 2; k++) {
-                void **t = d + (size_t)(2 * l + k) * 2 * r;
-                be->ops->copy_rows_ptr(be, (float *const *)t, (const float *const *)(t + r), r, (int64_t)(k ? rf : cf));
+                void **t = d + (size_t)(2 * l + k) * 2 * n;
+                be->ops->copy_rows_ptr(be, (float *const *)t, (const float *const *)(t + n), r, (int64_t)(k ? rf : cf));
             }
         }
-        void **t = d + (size_t)(2 * L) * 2 * r;
-        be->ops->copy_rows_ptr(be, (float *const *)t, (const float *const *)(t + r), r, c->hidden_size);
+        void **t = d + (size_t)(2 * L) * 2 * n;
+        be->ops->copy_rows_ptr(be, (float *const *)t, (const float *const *)(t + n), r, c->hidden_size);
     }
     return st;
 }
