@@ -63,10 +63,11 @@ class SpecGpu : public ::testing::Test {
         EXPECT_EQ(glm_model_load(kDir, be_, &p, &m, &err), MT_OK) << err.msg;
         return m;
     }
-    std::vector<float> Draft(glm_seq *s, int32_t token) {
+    // The drafter's logits of s's next row with token, s of m (the fixture's model by default).
+    std::vector<float> Draft(glm_seq *s, int32_t token, glm_model *m = nullptr) {
         std::vector<float> l(V_);
         mt_error err{};
-        EXPECT_EQ(glm_model_draft(m_, s, token, l.data(), &err), MT_OK) << err.msg;
+        EXPECT_EQ(glm_model_draft(m ? m : m_, s, token, l.data(), &err), MT_OK) << err.msg;
         return l;
     }
     mt_backend *be_ = nullptr;
@@ -169,7 +170,9 @@ TEST_F(SpecGpu, BatchedDraftsReplayTheirBucketGraph) {
                 tok[i] = glm_argmax(lb.data(), V_);
             }
         }
-        if (step >= 2) EXPECT_TRUE(glm_model_has_draft_graph(m_, 3)) << "step " << step;
+        if (step >= 2) {
+            EXPECT_TRUE(glm_model_has_draft_graph(m_, 3)) << "step " << step;
+        }
         const int32_t next[3] = { prompt[step], prompt[step + 10], prompt[step + 20] };
         std::vector<float> ya((size_t)3 * V_), yb(V_);
         glm_model_set_decode_graphs(m_, true);
@@ -208,11 +211,6 @@ TEST_F(SpecGpu, VerifyBlocksReplayTheirBucketGraph) {
         for (glm_seq *s : { a[i], b[i] })
             ASSERT_EQ(glm_prefill(m, s, prompt.data(), 16 + 7 * i, nullptr, false, &err), MT_OK) << err.msg;
     }
-    auto draft = [&](glm_seq *s, int32_t t) {
-        std::vector<float> l(V_);
-        EXPECT_EQ(glm_model_draft(m, s, t, l.data(), &err), MT_OK) << err.msg;
-        return l;
-    };
     float worst = 0;
     for (int step = 0; step < 6; step++) {
         int32_t vt[4][K];
@@ -221,8 +219,8 @@ TEST_F(SpecGpu, VerifyBlocksReplayTheirBucketGraph) {
         std::vector<float> la((size_t)4 * K * V_), lb((size_t)K * V_);
         glm_model_set_decode_graphs(m, false);
         for (int i = 1; i < 4; i++) { // each verify's first row drafted, as the engine's steps do
-            draft(a[i], vt[i][0]);
-            draft(b[i], vt[i][0]);
+            Draft(a[i], vt[i][0], m);
+            Draft(b[i], vt[i][0], m);
         }
         glm_model_set_decode_graphs(m, true);
         glm_mixed_part parts[4];
@@ -242,11 +240,13 @@ TEST_F(SpecGpu, VerifyBlocksReplayTheirBucketGraph) {
             worst = std::max(worst, MaxAbsDiff(&la[(size_t)i * K * V_], lb.data(), (i == 0 ? 1 : K) * V_));
             EXPECT_EQ(glm_seq_len(a[i]), glm_seq_len(b[i])) << "step " << step << " seq " << i;
         }
-        if (step >= 2) EXPECT_TRUE(glm_model_has_verify_graph(m, K, 3, 1)) << "step " << step;
+        if (step >= 2) {
+            EXPECT_TRUE(glm_model_has_verify_graph(m, K, 3, 1)) << "step " << step;
+        }
     }
     float worst_draft = 0;
     for (int i = 0; i < 4; i++)
-        worst_draft = std::max(worst_draft, MaxAbsDiff(draft(a[i], 5).data(), draft(b[i], 5).data(), V_));
+        worst_draft = std::max(worst_draft, MaxAbsDiff(Draft(a[i], 5, m).data(), Draft(b[i], 5, m).data(), V_));
     printf("verify blocks from graphs: worst |diff| %.2e (target rows), %.2e (drafts after)\n", worst, worst_draft);
     EXPECT_LT(worst, 1e-3f);
     EXPECT_LT(worst_draft, 1e-3f);
