@@ -10,8 +10,8 @@
  *                  [--shared-prefix K] [--max-sequences M] [--backend cpu|cuda] [--threads N]
  * (random:PRESET, e.g. random:bench-4L: glm_config_preset's shapes with random weights made by the
  *  backend; --run-ahead 0: eng_params.run_ahead off, for comparison; 1, the default: AUTO;
- *  --mixed-steps 0|1, --itl-target-ms MS and --prefill-hold-ms MS: eng_params.mixed_steps,
- *  itl_target_ms and prefill_hold_ms, as the
+ *  --mixed-steps 0|1, --itl-target-ms MS, --prefill-hold-ms MS and --prefill-layers N:
+ *  eng_params.mixed_steps, itl_target_ms, prefill_hold_ms and prefill_layers, as the
  *  worker's options (--mixed-steps 0 is its --separate-steps; by default mixed on cuda, separate
  *  on the CPU, as the worker); --prefill-budget N: eng_params.prefill_budget (default the
  *  engine's); --prefill-pass N: rows of a prefill pass, by default what metrale-worker picks;
@@ -198,7 +198,7 @@ static int run_mix(eng_engine *e, bench *b, int V, int n, const int *plens, cons
            "\"wall_s\": %.6f, \"tok_per_s\": %.3f, \"ttft_p50_ms\": %.3f, \"ttft_p99_ms\": %.3f, "
            "\"itl_p50_ms\": %.3f, \"itl_p99_ms\": %.3f, \"shared_prefix\": %d, \"prefix_hits\": %llu, "
            "\"max_sequences\": %d, \"steps\": %llu, \"mixed_steps\": %llu, \"ahead_steps\": %llu, "
-           "\"held_steps\": %llu, "
+           "\"held_steps\": %llu, \"layered_steps\": %llu, "
            "\"ms_per_step\": %.3f, \"chunk_steps\": %ld, \"chunk_steps_ms\": %.1f, \"prompt_tokens\": %llu, "
            "\"decode_steps\": %ld, \"decode_steps_ms\": %.1f, \"backend\": \"%s\"",
            n, done, tokens, want, wall, tokens / wall, 1e3 * pct_sorted(ttft, (size_t)n, 0.5),
@@ -206,7 +206,7 @@ static int run_mix(eng_engine *e, bench *b, int V, int n, const int *plens, cons
            1e3 * pct_sorted(b->gaps, b->n_gaps, 0.99), shared,
            (unsigned long long)st.prefix_hits, max_sequences, (unsigned long long)st.steps,
            (unsigned long long)st.mixed_steps, (unsigned long long)st.ahead_steps,
-           (unsigned long long)st.held_steps, st.steps ? 1e3 * wall / (double)st.steps : 0.0, chunk_steps, chunk_ms,
+           (unsigned long long)st.held_steps, (unsigned long long)st.layered_steps, st.steps ? 1e3 * wall / (double)st.steps : 0.0, chunk_steps, chunk_ms,
            (unsigned long long)(st.prefill_tokens - prompt0), decode_steps, decode_ms, backend);
     print_spec(&st, &st0, spec_tokens);
     printf("}\n");
@@ -219,6 +219,7 @@ int main(int argc, char **argv) {
     const char *model = NULL, *backend = "cpu", *prompt_mix = NULL, *new_mix = NULL;
     int streams = 1, max_new = 32, plen = 16, threads = 0, run_ahead = 1, mixed_steps = -1;
     double itl_target_ms = 0, prefill_hold_ms = 0;
+    int prefill_layers = 0;
     int prefill_pass = 0, prefill_budget = 0, op_profile = 0;
     int requests = 0, shared = 0, max_sequences = 64, spec_tokens = 0, spec_max_batch = 0;
     uint64_t seed = 1;
@@ -234,6 +235,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--mixed-steps")) mixed_steps = atoi(v);
         else if (!strcmp(a, "--itl-target-ms")) itl_target_ms = atof(v);
         else if (!strcmp(a, "--prefill-hold-ms")) prefill_hold_ms = atof(v);
+        else if (!strcmp(a, "--prefill-layers")) prefill_layers = atoi(v);
         else if (!strcmp(a, "--prefill-pass")) prefill_pass = atoi(v);
         else if (!strcmp(a, "--prefill-budget")) prefill_budget = atoi(v);
         else if (!strcmp(a, "--op-profile")) op_profile = atoi(v);
@@ -323,6 +325,7 @@ int main(int argc, char **argv) {
     if (prefill_budget > 0) ep.prefill_budget = prefill_budget;
     ep.itl_target_ms = itl_target_ms;
     ep.prefill_hold_ms = prefill_hold_ms;
+    ep.prefill_layers = prefill_layers;
     ep.spec_tokens = spec_tokens;
     ep.spec_max_batch = spec_max_batch;
     eng_callbacks cb = { .user = &b, .on_tokens = on_tokens, .on_finished = on_finished };

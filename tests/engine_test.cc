@@ -750,6 +750,97 @@ TEST(Engine, MixedStepsGiveTheTokensOfSeparateCalls) {
         if (s.temperature == 0.f) EXPECT_EQ(got[1][s.id], DirectGreedy(M.m, Prompt(s.plen, (int)s.id), s.max_new)) << s.id;
 }
 
+// Layered prefill (prefill_layers): the same arrivals as above, greedy and seeded sampling, give
+// the tokens of whole-step chunks with one and two layers a step; chunks ran layered, a running
+// sequence got a token every step while a prompt's chunk was in flight, and that prompt's first
+// token came only after the steps its layers took. Aborting a sequence whose chunk is in flight,
+// and preempting one, leave the others' tokens as they were.
+TEST(Engine, LayeredPrefillGivesTheTokensOfWholeSteps) {
+    Model M;
+    struct Spec { uint64_t id; int plen, max_new, submit_at; float temperature; uint64_t seed; };
+    const Spec specs[] = {
+        { 1, 5, 12, 0, 0.f, 0 },   { 2, 40, 6, 1, 0.f, 0 },   { 3, 3, 14, 1, 0.9f, 11 },
+        { 4, 25, 8, 2, 0.f, 0 },   { 5, 1, 9, 3, 1.2f, 12 },  { 6, 33, 3, 4, 0.f, 0 },
+        { 7, 18, 8, 6, 0.7f, 13 }, { 8, 2, 12, 9, 0.f, 0 },
+    };
+    std::map<uint64_t, std::vector<int32_t>> got[3];
+    uint64_t layered[3] = { 0, 0, 0 };
+    for (int k = 0; k < 3; k++) {
+        eng_params p = eng_default_params();
+        p.max_sequences = 4;
+        p.prefill_budget = 16;
+        p.mixed_steps = true;
+        p.prefill_layers = k;
+        Engine E(M.m, p);
+        for (int step = 0; step < 300; step++) {
+            for (const Spec &s : specs)
+                if (s.submit_at == step) {
+                    eng_request r = Req(s.max_new);
+                    r.sampling.temperature = s.temperature;
+                    r.has_seed = true;
+                    r.seed = s.seed;
+                    ASSERT_EQ(E.Submit(s.id, Prompt(s.plen, (int)s.id), r), MT_OK);
+                }
+            if (step > 10 && !eng_has_work(E.e)) break;
+            E.Step();
+        }
+        for (const Spec &s : specs) {
+            ASSERT_EQ((int)E.results[s.id].tokens.size(), s.max_new) << "id " << s.id << " layers " << k;
+            got[k][s.id] = E.results[s.id].tokens;
+        }
+        layered[k] = E.Stats().layered_steps;
+        EXPECT_EQ(E.Stats().cache_bytes_in_use, 0u);
+    }
+    for (int k = 1; k < 3; k++)
+        for (const Spec &s : specs) EXPECT_EQ(got[k][s.id], got[0][s.id]) << "id " << s.id << " layers " << k;
+    EXPECT_EQ(layered[0], 0u);
+    EXPECT_GE(layered[1], 5u);
+    EXPECT_GE(layered[2], 3u);
+
+    // one running sequence, then a 10-token prompt: a layer a step beside it (tiny_a: 3 steps,
+    // its shared-indexer layer rides with the full one before it), a token a step for the first
+    eng_params p = eng_default_params();
+    p.max_sequences = 4;
+    p.mixed_steps = true;
+    p.prefill_layers = 1;
+    {
+        Engine E(M.m, p);
+        ASSERT_EQ(E.Submit(1, Prompt(5, 1), Req(20)), MT_OK);
+        E.Step();
+        ASSERT_EQ(E.Submit(2, Prompt(10, 2), Req(4)), MT_OK);
+        int steps = 0;
+        while (E.results[2].tokens.empty()) {
+            const size_t had = E.results[1].tokens.size();
+            E.Step();
+            steps++;
+            EXPECT_EQ(E.results[1].tokens.size(), had + 1) << "step " << steps;
+            ASSERT_LT(steps, 8);
+        }
+        EXPECT_EQ(steps, 3);
+        E.RunToEnd();
+        EXPECT_EQ(E.results[1].tokens, DirectGreedy(M.m, Prompt(5, 1), 20));
+        EXPECT_EQ(E.results[2].tokens, DirectGreedy(M.m, Prompt(10, 2), 4));
+    }
+    // abort a sequence in flight; the one in flight beside it completes and a new prompt follows
+    {
+        Engine E(M.m, p);
+        ASSERT_EQ(E.Submit(1, Prompt(5, 1), Req(20)), MT_OK);
+        E.Step();
+        ASSERT_EQ(E.Submit(2, Prompt(10, 2), Req(4)), MT_OK);
+        ASSERT_EQ(E.Submit(3, Prompt(12, 3), Req(4)), MT_OK);
+        E.Step();  // 2 and 3 in flight
+        EXPECT_TRUE(E.results[2].tokens.empty());
+        ASSERT_EQ(eng_abort(E.e, 2, ENG_FINISH_CANCELLED, "test"), MT_OK);
+        ASSERT_EQ(E.Submit(4, Prompt(7, 4), Req(5)), MT_OK);
+        E.RunToEnd();
+        EXPECT_EQ(E.results[2].finishes, 1);
+        EXPECT_EQ(E.results[1].tokens, DirectGreedy(M.m, Prompt(5, 1), 20));
+        EXPECT_EQ(E.results[3].tokens, DirectGreedy(M.m, Prompt(12, 3), 4));
+        EXPECT_EQ(E.results[4].tokens, DirectGreedy(M.m, Prompt(7, 4), 5));
+        EXPECT_EQ(E.Stats().cache_bytes_in_use, 0u);
+    }
+}
+
 // Paced steps (itl_target_ms): with a target no step can meet, a long prompt beside a decoding
 // sequence goes in ENG_PACE_FLOOR-token chunks, one a step, instead of in one step of the whole
 // budget; it still advances every step, and every token is the unpaced run's.

@@ -112,4 +112,116 @@ TEST(ModelMixed, BatchSplitsIntoPasses) {
     mt_model_free(mm);
 }
 
+// Layered chunks through the model interface: chunks b (13 tokens) and c (6) run one layer a
+// call beside a's decode row, four calls on the 4-layer tiny_a; while they are in flight their
+// lengths wait and no logits come, and the call that runs the last layer gives what prefills
+// alone give (bit for bit: each layer sees the same rows), as a's rows give what decoding alone
+// gives. Refused before anything moves: a second group while one is in flight, one chunk of
+// another size, a plain prefill of a sequence in flight. Freeing a sequence in flight drops it
+// from its group: the rest completes and a new group may start.
+TEST(ModelMixed, LayeredChunksEqualWholeSteps) {
+    mt_backend *be = mt_cpu_backend_new(1);
+    mt_model *mm = nullptr;
+    mt_error err{};
+    glm_model_params p = glm_model_default_params();
+    p.prefill_chunk = 64;
+    ASSERT_EQ(mt_model_load("tests/fixtures/tiny_a", be, &p, &mm, &err), MT_OK) << err.msg;
+    const mt_model_info info = mt_model_describe(mm);
+    ASSERT_TRUE(info.layered_prefill);
+    ASSERT_EQ(info.n_layers, 4);
+    const int V = info.vocab_size;
+    std::vector<int32_t> pa = { 5, 9, 2, 7 }, pb, pc, pd = { 1, 2, 3 };
+    for (int i = 0; i < 13; i++) pb.push_back((i * 7 + 1) % V);
+    for (int i = 0; i < 6; i++) pc.push_back((i * 5 + 4) % V);
+    mt_seq *a, *b, *c, *d, *ra, *rb, *rc;
+    for (mt_seq **s : { &a, &b, &c, &d, &ra, &rb, &rc }) ASSERT_EQ(mt_seq_new(mm, 32, s, &err), MT_OK) << err.msg;
+    for (mt_seq *s : { a, ra }) {
+        mt_batch_part pre = { MT_PART_PREFILL, s, pa.data(), 4, nullptr, false, nullptr };
+        ASSERT_EQ(Forward(mm, &pre, 1, &err), MT_OK) << err.msg;
+    }
+    std::vector<float> la(V), rla(V), lb(V), lc((size_t)6 * V), rlb(V), rlc((size_t)6 * V);
+    mt_batch_part r1 = { MT_PART_PREFILL, rb, pb.data(), 13, rlb.data(), false, nullptr };
+    mt_batch_part r2 = { MT_PART_PREFILL, rc, pc.data(), 6, rlc.data(), true, nullptr };
+    ASSERT_EQ(Forward(mm, &r1, 1, &err), MT_OK) << err.msg;
+    ASSERT_EQ(Forward(mm, &r2, 1, &err), MT_OK) << err.msg;
+    std::fill(lb.begin(), lb.end(), -1.f);
+    int calls = 0;
+    for (int call = 0; mt_seq_len(b) == 0; call++) {
+        ASSERT_LT(call, 4);
+        calls++;
+        const int32_t ta = (int32_t)(3 + call);
+        mt_batch_part parts[3] = {
+            { MT_PART_DECODE, a, &ta, 1, la.data(), false, nullptr },
+            { MT_PART_PREFILL, b, pb.data(), 13, lb.data(), false, nullptr, 1 },
+            { MT_PART_PREFILL, c, pc.data(), 6, lc.data(), true, nullptr, 1 },
+        };
+        ASSERT_EQ(Forward(mm, parts, 3, &err), MT_OK) << "call " << call << ": " << err.msg;
+        mt_batch_part ref = { MT_PART_DECODE, ra, &ta, 1, rla.data(), false, nullptr };
+        ASSERT_EQ(Forward(mm, &ref, 1, &err), MT_OK) << err.msg;
+        EXPECT_EQ(MixedRelDiff(la, rla), 0.0) << "call " << call;
+        EXPECT_EQ(mt_seq_len(a), 5 + call);
+        EXPECT_EQ(mt_seq_len(c), mt_seq_len(b) ? 6 : 0) << "call " << call;
+        if (mt_seq_len(b) == 0) EXPECT_EQ(lb[0], -1.f) << "logits before the last layer, call " << call;
+        if (call == 1) { /* in flight: refusals change nothing */
+            mt_batch_part other[2] = { { MT_PART_DECODE, a, &ta, 1, nullptr, false, nullptr },
+                                       { MT_PART_PREFILL, d, pd.data(), 3, nullptr, false, nullptr, 1 } };
+            EXPECT_EQ(Forward(mm, other, 2, &err), MT_ERR_INVALID);
+            EXPECT_NE(std::string(err.msg).find("in flight"), std::string::npos) << err.msg;
+            mt_batch_part resized = { MT_PART_PREFILL, b, pb.data(), 7, nullptr, false, nullptr };
+            EXPECT_EQ(Forward(mm, &resized, 1, &err), MT_ERR_INVALID);
+            EXPECT_NE(std::string(err.msg).find("in flight has 13"), std::string::npos) << err.msg;
+            mt_batch_part after[2] = { { MT_PART_PREFILL, b, pb.data(), 13, nullptr, false, nullptr, 1 },
+                                       { MT_PART_PREFILL, d, pd.data(), 3, nullptr, false, nullptr } };
+            EXPECT_EQ(Forward(mm, after, 2, &err), MT_ERR_INVALID);
+            EXPECT_NE(std::string(err.msg).find("after the layered part"), std::string::npos) << err.msg;
+            EXPECT_EQ(mt_seq_len(d), 0);
+        }
+    }
+    // a layer a call, but a shared-indexer DSA layer always with the full layer before it
+    int want = 0;
+    for (int l = 0; l < 4; l++) {
+        const glm_config *cf = glm_model_config((const glm_model *)mm);
+        want += !(cf->layer_types[l] == GLM_MIXER_DSA && cf->indexer_types[l] == GLM_INDEXER_SHARED);
+    }
+    EXPECT_EQ(calls, want);
+    EXPECT_LT(want, 4) << "tiny_a has a shared-indexer layer";
+    EXPECT_EQ(MixedRelDiff(lb, rlb), 0.0);
+    EXPECT_EQ(MixedRelDiff(lc, rlc), 0.0);
+    // the states carry on alike
+    const int32_t tb = 11;
+    mt_batch_part nb = { MT_PART_DECODE, b, &tb, 1, lb.data(), false, nullptr };
+    mt_batch_part nrb = { MT_PART_DECODE, rb, &tb, 1, rlb.data(), false, nullptr };
+    ASSERT_EQ(Forward(mm, &nb, 1, &err), MT_OK) << err.msg;
+    ASSERT_EQ(Forward(mm, &nrb, 1, &err), MT_OK) << err.msg;
+    EXPECT_EQ(MixedRelDiff(lb, rlb), 0.0);
+
+    // a sequence freed in flight leaves its group
+    mt_seq *e1, *e2, *re;
+    for (mt_seq **s : { &e1, &e2, &re }) ASSERT_EQ(mt_seq_new(mm, 32, s, &err), MT_OK) << err.msg;
+    std::vector<float> le(V), rle(V);
+    mt_batch_part re1 = { MT_PART_PREFILL, re, pc.data(), 6, rle.data(), false, nullptr };
+    ASSERT_EQ(Forward(mm, &re1, 1, &err), MT_OK) << err.msg;
+    for (int call = 0; call < 2; call++) {
+        const int32_t ta = 9;
+        mt_batch_part parts[3] = { { MT_PART_DECODE, a, &ta, 1, nullptr, false, nullptr },
+                                   { MT_PART_PREFILL, e1, pc.data(), 6, le.data(), false, nullptr, 2 },
+                                   { MT_PART_PREFILL, e2, pb.data(), 13, nullptr, false, nullptr, 2 } };
+        ASSERT_EQ(Forward(mm, parts, call == 0 ? 3 : 2, &err), MT_OK) << err.msg;
+        if (call == 0) {
+            EXPECT_TRUE(glm_seq_in_flight((const glm_seq *)e2));
+            mt_seq_free(e2);
+        }
+    }
+    EXPECT_EQ(mt_seq_len(e1), 6);
+    EXPECT_FALSE(glm_seq_in_flight((const glm_seq *)e1));
+    EXPECT_EQ(MixedRelDiff(le, rle), 0.0);
+    const int32_t ta = 2;
+    mt_batch_part fresh[2] = { { MT_PART_DECODE, a, &ta, 1, nullptr, false, nullptr },
+                               { MT_PART_PREFILL, d, pd.data(), 3, nullptr, false, nullptr, 3 } };
+    EXPECT_EQ(Forward(mm, fresh, 2, &err), MT_OK) << err.msg;
+    for (mt_seq *s : { a, b, c, d, ra, rb, rc, e1, re }) mt_seq_free(s);
+    mt_model_free(mm);
+    mt_backend_free(be);
+}
+
 }  // namespace

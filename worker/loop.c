@@ -292,6 +292,7 @@ mt_status wkr_loop_new(const wkr_params *p, wkr_loop **out, mt_error *err) {
     if (p->prefill_budget > 0) ep.prefill_budget = p->prefill_budget;
     ep.itl_target_ms = p->itl_target_ms;
     ep.prefill_hold_ms = p->prefill_hold_ms;
+    ep.prefill_layers = p->prefill_layers;
     ep.preempt = !p->no_preempt;
     /* on bench-4L's GPU figures the mixed step serves the most (docs/PERF.md); on the CPU a pass
      * costs its rows, so the decode rows gain nothing by riding along */

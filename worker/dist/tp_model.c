@@ -30,7 +30,7 @@ typedef struct tp_header {
 
 /* One part of a forward as it travels. */
 typedef struct tp_part {
-    int32_t kind, seq, n;
+    int32_t kind, seq, n, layers;
     uint8_t logits, all_logits; /* rank 0 reads logits: every rank computes the head */
 } tp_part;
 
@@ -99,7 +99,7 @@ static mt_status apply(mt_model *m, tp_table *t, const tp_header *h, const char 
         size_t off = 0;
         for (int i = 0; i < n; i++) {
             parts[i] = (mt_batch_part){ .kind = (mt_part_kind)tp[i].kind, .seq = table_get(t, tp[i].seq), .tokens = tok,
-                                        .n = tp[i].n, .all_logits = tp[i].all_logits };
+                                        .n = tp[i].n, .all_logits = tp[i].all_logits, .layers = tp[i].layers };
             if (tp[i].logits) {
                 parts[i].logits = *scratch + off;
                 off += (size_t)(tp[i].all_logits ? tp[i].n : 1) * (size_t)V;
@@ -317,8 +317,8 @@ static mt_status leader_forward(mt_model *m, const mt_batch *b, mt_error *err) {
             free(local);
             return mt_errorf(err, MT_ERR_INVALID, "batch part %d: no tokens, or a sequence of another model", i);
         }
-        tp[i] = (tp_part){ .kind = p->kind, .seq = as_ctseq(p->seq)->id, .n = p->n, .logits = p->logits != NULL,
-                           .all_logits = p->all_logits };
+        tp[i] = (tp_part){ .kind = p->kind, .seq = as_ctseq(p->seq)->id, .n = p->n, .layers = p->layers,
+                           .logits = p->logits != NULL, .all_logits = p->all_logits };
         memcpy(tok, p->tokens, sizeof(int32_t) * (size_t)p->n);
         tok += p->n;
         local[i] = *p;

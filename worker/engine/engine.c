@@ -66,6 +66,12 @@ struct eng_engine {
     struct eng_chunk *chunks;    /* [max_sequences] */
     int n_chunks;
     float *chunk_logits;         /* [max_sequences, vocab] host: each completing prompt's last row */
+    /* Layered prefill (prefill_layers): the chunks above are in flight across steps, having run
+     * lp_done of the model's layers; no other chunk is planned until they complete. */
+    bool lp_active;
+    int lp_done;
+    bool lp_plan;                /* the chunks planned now will be layered */
+    uint64_t layered_steps;
     /* A greedy step queued and not yet read (run_ahead; mt_model_decode_ahead): its rows' sequences in
      * order, a row NULL once its sequence is freed (compact), and the ticket of its tokens. */
     eng_seq **ahead;             /* [max_sequences] */
@@ -319,8 +325,20 @@ mt_status eng_submit(eng_engine *e, uint64_t id, const eng_request *req, uint64_
 /* ---- ending sequences ---- */
 
 /* Frees the model state, counts, reports. The struct stays until compaction (or the caller frees). */
+/* s leaves the layered chunks in flight (it ended or gave its state back); the model drops it
+ * from its group when its sequence is freed. */
+static void lp_drop(eng_engine *e, const eng_seq *s) {
+    if (!e->lp_active) return;
+    int k = 0;
+    for (int j = 0; j < e->n_chunks; j++)
+        if (e->chunks[j].s != s) e->chunks[k++] = e->chunks[j];
+    e->n_chunks = k;
+    e->lp_active = k > 0;
+}
+
 static void seq_end(eng_engine *e, eng_seq *s, eng_finish reason, const char *message) {
     MT_ASSERT(!s->done);
+    lp_drop(e, s);
     s->done = true;
     seq_release(e, s);
     if (reason == ENG_FINISH_LENGTH || reason == ENG_FINISH_STOP) e->finished++;
@@ -430,6 +448,7 @@ static void expire(eng_engine *e) {
  * (its prompt and every token it generated but the pending one), then decode on from its pending
  * token; the caller moves it to the head of the waiting queue. Its stream sees nothing of this. */
 static void preempt(eng_engine *e, eng_seq *s) {
+    lp_drop(e, s);
     seq_release(e, s);
     s->n_feed = s->req.n_prompt + (s->n_gen > 0 ? s->n_gen - 1 : 0);
     s->prefilled = 0;
@@ -598,7 +617,10 @@ static void admit_with(eng_engine *e, eng_feed feed) {
     }
     const int cap = e->p.prefill_budget > 0 ? e->p.prefill_budget : 1;
     int budget0 = sched_pace_budget(&e->pace, e->p.itl_target_ms, e->step_rows, ENG_PACE_FLOOR, cap);
-    if (feed == plan_chunk) budget0 = sched_mixed_budget(budget0, e->pass_rows, e->info.batch_rows, ENG_PACE_FLOOR);
+    if (feed == plan_chunk && e->lp_plan) /* layered chunks and the rows beside them: one pass */
+        budget0 = budget0 < e->info.batch_rows - e->pass_rows ? budget0 : e->info.batch_rows - e->pass_rows;
+    else if (feed == plan_chunk)
+        budget0 = sched_mixed_budget(budget0, e->pass_rows, e->info.batch_rows, ENG_PACE_FLOOR);
     int budget = budget0, taken = 0;
     bool stop = false;
     for (int i = 0; i < e->n_running && budget > 0 && !stop; i++) {
@@ -1075,16 +1097,27 @@ static bool plan_chunk(eng_engine *e, eng_seq *s, int *budget) {
     return true;
 }
 
+/* What a step did with prompt chunks (mixed_step): none ran; they ran and completed (finish_chunks
+ * follows); they ran some layers and stay in flight (layered prefill). */
+typedef enum { CHUNKS_NONE, CHUNKS_DONE, CHUNKS_FLYING } chunks_ran;
+
+/* Layers the step's chunks run (mt_batch_part.layers) with `rows` decode and verify rows beside
+ * them: prefill_layers when rows ride along and the model takes layered chunks, else 0 (all). */
+static int lp_layers(const eng_engine *e, int rows) {
+    const int k = e->p.prefill_layers;
+    return rows > 0 && k > 0 && k < e->info.n_layers && e->info.layered_prefill ? k : 0;
+}
+
 /* The step's decode rows b[0, n) (as decode_running), the verifies of the speculating sequences
  * v[0, nv) (nv <= spec_group; drafted here, as spec_group does) and the chunks
- * admit_with(plan_chunk) plans, in one model call, parts in that order (the model runs the
- * leading one-row parts in the batched decode's rows form); then each verify accepts and keeps.
- * The chunks stop where the rows of the call fill whole passes. False when no chunk was planned:
- * then the decode rows and verifies still share one call when both are there, else each runs
- * as it would alone, and the caller admits as usual. A refused call (checked before anything
- * moves) runs its kinds apart: the verifies (spec_verify), the decode rows, each chunk. */
-static bool mixed_step(eng_engine *e, eng_seq **b, int n, eng_seq **v, int nv, float *logits, int32_t *greedy) {
-    e->n_chunks = 0;
+ * admit_with(plan_chunk) plans (or the layered chunks in flight), in one model call, parts in that
+ * order (the model runs the leading one-row parts in the batched decode's rows form); then each
+ * verify accepts and keeps. The chunks stop where the rows of the call fill whole passes (layered:
+ * one pass). CHUNKS_NONE when no chunk ran: then the decode rows and verifies still share one call
+ * when both are there, else each runs as it would alone, and the caller admits as usual. A refused
+ * call (checked before anything moves) runs its kinds apart: the verifies (spec_verify), the
+ * decode rows, each chunk (through every remaining layer). */
+static chunks_ran mixed_step(eng_engine *e, eng_seq **b, int n, eng_seq **v, int nv, float *logits, int32_t *greedy) {
     int lv[ENG_SPEC_GROUP_MAX], nl = 0, vrows = 0;
     if (nv > 0) {
         spec_draft_group(e, v, nv);
@@ -1092,18 +1125,27 @@ static bool mixed_step(eng_engine *e, eng_seq **b, int n, eng_seq **v, int nv, f
         for (int j = 0; j < nl; j++) vrows += v[lv[j]]->k_step + 1;
     }
     e->pass_rows = n + vrows;
-    admit_with(e, plan_chunk);
+    const int layers = lp_layers(e, n + vrows);
+    if (!e->lp_active) {
+        e->n_chunks = 0;
+        e->lp_plan = layers > 0;
+        admit_with(e, plan_chunk);
+        e->lp_plan = false;
+    }
     const bool join = e->n_chunks > 0 || (n > 0 && nl > 0);
     if (!join) {
         if (nl > 0) spec_verify(e, v, lv, nl);
         if (n > 0) decode_running(e, b, n, logits, greedy);
-        return false;
+        return CHUNKS_NONE;
     }
     if (greedy) logits = NULL;
     decode_parts(e, b, n, logits, greedy);
     for (int j = 0; j < nl; j++) e->parts[n + j] = spec_part(e, v[lv[j]], lv[j]);
-    for (int j = 0; j < e->n_chunks; j++)
-        e->parts[n + nl + j] = chunk_part(e, &e->chunks[j], e->chunk_logits + (size_t)j * e->vocab);
+    for (int j = 0; j < e->n_chunks; j++) {
+        mt_batch_part *q = &e->parts[n + nl + j];
+        *q = chunk_part(e, &e->chunks[j], e->chunk_logits + (size_t)j * e->vocab);
+        q->layers = layers;
+    }
     mt_error err = { "" };
     const mt_status st = mt_model_forward(e->m, &(mt_batch){ e->parts, n + nl + e->n_chunks }, &err);
     if (st == MT_OK) {
@@ -1113,10 +1155,25 @@ static bool mixed_step(eng_engine *e, eng_seq **b, int n, eng_seq **v, int nv, f
         e->spec_mixed_steps += nl > 0;
         for (int j = 0; j < nl; j++) spec_accept(e, v[lv[j]], lv[j]);
         spec_keep(e, v, lv, nl);
-        return e->n_chunks > 0;
+        if (e->n_chunks == 0) return CHUNKS_NONE;
+        /* the chunks completed when their sequences' lengths moved (the model may run a layer
+         * more than asked: a range does not end before a layer that leans on the one before) */
+        const struct eng_chunk *c0 = &e->chunks[0];
+        const bool done = mt_seq_len(c0->s->gs) == c0->s->prefilled + c0->k;
+        const int L = e->info.n_layers, before = e->lp_active ? e->lp_done : 0;
+        const int after = done ? L : before + layers < L ? before + layers : L - 1;
+        e->layered_steps += !(before == 0 && done);
+        /* the pacing sees the step's share of its chunks' prompt work (counted whole at planning) */
+        int tokens = 0;
+        for (int j = 0; j < e->n_chunks; j++) tokens += e->chunks[j].k;
+        e->step_prompt += (int)((long)tokens * (after - before) / L) - (e->lp_active ? 0 : tokens);
+        e->lp_done = after;
+        e->lp_active = !done;
+        return done ? CHUNKS_DONE : CHUNKS_FLYING;
     }
     mt_log(MT_LOG_WARN, "engine: mixed step of %d rows, %d verifies and %d chunks refused (%s); running them apart", n,
            nl, e->n_chunks, err.msg[0] ? err.msg : mt_status_str(st));
+    e->lp_active = false;
     if (nl > 0) spec_verify(e, v, lv, nl);
     if (n > 0) decode_running(e, b, n, logits, greedy);
     for (int j = 0; j < e->n_chunks; j++) {
@@ -1124,7 +1181,7 @@ static bool mixed_step(eng_engine *e, eng_seq **b, int n, eng_seq **v, int nv, f
         const mt_batch_part part = chunk_part(e, &e->chunks[j], e->chunk_logits + (size_t)j * e->vocab);
         s->st = mt_model_forward(e->m, &(mt_batch){ &part, 1 }, &s->err);
     }
-    return e->n_chunks > 0;
+    return e->n_chunks > 0 ? CHUNKS_DONE : CHUNKS_NONE;
 }
 
 /* After the step's decode rows are reported: each planned chunk's prompt logprobs, its progress,
@@ -1205,7 +1262,7 @@ static mt_status step_body(eng_engine *e, int *n_tokens) {
     hold_decide(e, decode_ready(e)); /* counted after any preemption above */
     /* with prefill work this step, its chunks join the decode rows' model call */
     const bool mixed = e->p.mixed_steps && prefill_pending(e);
-    bool chunked = false;
+    chunks_ran ran = CHUNKS_NONE;
     int n = 0, nv = 0, vrows = 0;
     for (int i = 0; i < e->n_running; i++) {
         eng_seq *s = e->running[i];
@@ -1233,7 +1290,7 @@ static mt_status step_body(eng_engine *e, int *n_tokens) {
             if (n_tokens) *n_tokens = (int)(e->tokens - tokens0);
             return MT_OK;
         }
-        if (mixed || nj > 0) chunked = mixed_step(e, e->batch, n, e->spec_batch, nj, e->logits, greedy ? tok : NULL);
+        if (mixed || nj > 0) ran = mixed_step(e, e->batch, n, e->spec_batch, nj, e->logits, greedy ? tok : NULL);
         else decode_running(e, e->batch, n, e->logits, greedy ? tok : NULL);
         for (int i = 0; i < n; i++) {
             eng_seq *s = e->batch[i];
@@ -1242,14 +1299,14 @@ static mt_status step_body(eng_engine *e, int *n_tokens) {
             else sample_emit(e, s, e->logits + (size_t)i * e->vocab);
         }
     } else if (nj > 0) { /* no decode rows: the verifies ride with the prompt chunks */
-        chunked = mixed_step(e, NULL, 0, e->spec_batch, nj, NULL, NULL);
+        ran = mixed_step(e, NULL, 0, e->spec_batch, nj, NULL, NULL);
     }
     /* the step's prompt chunks (all of them, when the decode ran apart) go in one model call:
      * each pass reads the weights its rows touch, so many short prompts take one read, not one
      * each */
-    if (!chunked && prefill_pending(e)) chunked = mixed_step(e, NULL, 0, NULL, 0, NULL, NULL);
-    if (chunked) finish_chunks(e);
-    else admit(e);
+    if (ran == CHUNKS_NONE && prefill_pending(e)) ran = mixed_step(e, NULL, 0, NULL, 0, NULL, NULL);
+    if (ran == CHUNKS_DONE) finish_chunks(e);
+    else if (ran == CHUNKS_NONE) admit(e);
     compact(e, e->running, &e->n_running);
     if (n_tokens) *n_tokens = (int)(e->tokens - tokens0);
     return MT_OK;
@@ -1282,7 +1339,7 @@ mt_status eng_warmup(eng_engine *e, int n_prompt, int n_new, mt_error *err) {
     free(prompt);
     /* the warm-up is not traffic: counters and step timings start from zero */
     e->finished = e->aborted = e->tokens = e->steps = e->preemptions = 0;
-    e->ahead_steps = e->mixed_steps = e->prefill_tokens = e->held_steps = 0;
+    e->ahead_steps = e->mixed_steps = e->layered_steps = e->prefill_tokens = e->held_steps = 0;
     e->spec_steps = e->spec_mixed_steps = e->drafted = e->accepted = 0;
     sched_pace_init(&e->pace);
     if (st != MT_OK) return st;
@@ -1331,7 +1388,8 @@ void eng_get_stats(const eng_engine *e, eng_stats *out) {
                         .live_sequences = e->n_running + e->n_waiting, .cache_bytes_in_use = held,
                         .sequences_finished = e->finished, .sequences_aborted = e->aborted,
                         .tokens_generated = e->tokens, .steps = e->steps, .ahead_steps = e->ahead_steps,
-                        .mixed_steps = e->mixed_steps, .spec_mixed_steps = e->spec_mixed_steps,
+                        .mixed_steps = e->mixed_steps, .layered_steps = e->layered_steps,
+                        .spec_mixed_steps = e->spec_mixed_steps,
                         .held_steps = e->held_steps,
                         .prefill_tokens = e->prefill_tokens,
                         .prefix_hits = e->prefixes.hits, .prefix_misses = e->prefixes.misses,

@@ -125,6 +125,14 @@ typedef struct eng_params {
      * verifies, then the chunks, each in calls of their own (the default here; the GPU worker
      * turns it on, docs/PERF.md). */
     bool mixed_steps;
+    /* Layered prefill (with mixed_steps, on a model with layered_prefill): a step whose decode or
+     * verify rows ride with its prompt chunks runs the chunks through prefill_layers layers only,
+     * and the next steps carry them on, prefill_layers layers a step, until the last layer
+     * completes them (no other chunk starts meanwhile; a step with no rows beside them runs every
+     * remaining layer). A step then reads the experts of one MoE layer for the prompts, not of
+     * all, so the rows beside a prompt wait less; the chunks of a step fit one model pass. 0
+     * (default): every layer in the chunk's step. */
+    int prefill_layers;
     /* Prefill coalescing under saturation (sched_hold_prefill): while more requests wait than
      * there are free places and no prompt is under way, a step with decode rows admits nobody
      * until the waiting prompts that fit the places reach half of prefill_budget tokens or
@@ -191,6 +199,7 @@ typedef struct eng_stats {
     uint64_t steps;              /* eng_step calls that did work */
     uint64_t ahead_steps;        /* decode steps queued on the device's tokens (run_ahead) */
     uint64_t mixed_steps;        /* steps whose decode rows and prompt chunks were one model call */
+    uint64_t layered_steps;      /* of them, steps that ran their chunks through some layers only */
     uint64_t spec_mixed_steps;   /* steps whose verifies were in one model call with the step's
                                   * decode rows or prompt chunks (mixed_steps and spec_tokens) */
     uint64_t prefill_tokens;     /* prompt tokens run through the model (a kept prefix's are not) */

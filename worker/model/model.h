@@ -89,6 +89,7 @@ typedef struct mt_model_info {
     int ahead_rows;        /* most rows of a greedy step run ahead (0: the model cannot) */
     bool backend_queues;   /* the backend queues its work (only then does running ahead pay) */
     bool multi_seq;        /* every layer decodes one row for each of many sequences in one pass */
+    bool layered_prefill;  /* prefill parts take mt_batch_part.layers */
     bool rollback;         /* seq_keep drops the rejected rows of a verify */
     bool has_drafter;      /* draft is offered (params.mtp and a drafter in the checkpoint) */
     int verify_seqs;       /* verify parts one forward takes at most, beside one-row decode parts
@@ -119,6 +120,14 @@ typedef struct mt_batch_part {
     float *logits;
     bool all_logits;
     int32_t *argmax;
+    /* MT_PART_PREFILL on a model with layered_prefill: the chunk runs this many more layers in
+     * this call (0: all that remain). A chunk that has not reached the last layer is in flight:
+     * each later call passes the same part again (tokens, n, logits), after the batch's other
+     * parts, until the call that reaches the last layer completes it (its length, logits and
+     * drafter follow then); the parts in flight share one range of layers, one group at a time;
+     * such a call fits one prefill_chunk pass. Its sequence takes no other part meanwhile, and
+     * freeing it drops it from the group. */
+    int layers;
 } mt_batch_part;
 
 typedef struct mt_batch {

@@ -36,6 +36,18 @@ static mt_status iface_seq_keep_rows(mt_model *m, mt_seq **seqs, const int *keep
 
 static void iface_destroy(mt_model *m) { glm_model_free(as_glm(m)); }
 
+/* Whether every layer runs mixed steps (forward_segments), which layered chunks go through. */
+static bool mixed_layers(const glm_model *m) {
+    for (int l = 0; l < m->cfg.num_hidden_layers; l++)
+        if (!m->layers[l].base.ops->forward_segments) return false;
+    return true;
+}
+
+/* Whether part p is a layered chunk: its layers set, or its sequence's chunk in flight. */
+static bool layered_part(const mt_batch_part *p) {
+    return p->kind == MT_PART_PREFILL && (p->layers > 0 || glm_seq_in_flight((const glm_seq *)p->seq));
+}
+
 static void iface_describe(const mt_model *mm, mt_model_info *out) {
     const glm_model *m = as_cglm(mm);
     const glm_config *c = &m->cfg;
@@ -52,6 +64,7 @@ static void iface_describe(const mt_model *mm, mt_model_info *out) {
         .ahead_rows = glm_model_ahead_rows(m),
         .backend_queues = glm_model_backend_queues(m),
         .multi_seq = m->runner.plan.multi_seq,
+        .layered_prefill = mixed_layers(m),
         .rollback = m->mtp.on,
         .has_drafter = m->mtp.on,
         .verify_seqs = m->mtp.on ? m->mtp.n_rings : 0,
@@ -150,6 +163,8 @@ static mt_status forward_verify(glm_model *m, const mt_batch_part *p, mt_error *
 static bool mixable(const glm_model *m, const mt_batch *b) {
     bool some = false;
     int nv = 0;
+    for (int i = 0; i < b->n_parts; i++)
+        if (layered_part(&b->parts[i])) return true;
     for (int i = 0; i < b->n_parts; i++) {
         const mt_batch_part *p = &b->parts[i];
         if (p->kind == MT_PART_DECODE && p->n > 1 && p->n > glm_model_pass_rows(m)) return false;
@@ -174,6 +189,15 @@ static mt_status forward_mixed(glm_model *m, const mt_batch *b, mt_error *err) {
         for (int j = 0; j < i; j++)
             if (b->parts[j].seq == p->seq) return mt_errorf(err, MT_ERR_INVALID, "batch part %d: its sequence is also part %d", i, j);
     }
+    int total = 0;
+    bool layered = false;
+    for (int i = 0; i < b->n_parts; i++) {
+        total += b->parts[i].n;
+        layered |= layered_part(&b->parts[i]);
+    }
+    if (layered && total > rows)
+        return mt_errorf(err, MT_ERR_INVALID, "a step with layered chunks has %d rows, more than one pass (%d)", total,
+                         rows);
     glm_mixed_part *pass = malloc(sizeof *pass * (size_t)b->n_parts);
     if (!pass) return mt_errorf(err, MT_ERR_NOMEM, "out of memory");
     mt_status st = MT_OK;
@@ -192,7 +216,8 @@ static mt_status forward_mixed(glm_model *m, const mt_batch *b, mt_error *err) {
         for (int done = 0; done < p->n && st == MT_OK;) {
             const int k = p->n - done < rows - used ? p->n - done : rows - used;
             const bool last = done + k == p->n;
-            glm_mixed_part q = { .s = seq_of(p->seq), .tokens = p->tokens + done, .n = k, .verify = verify };
+            glm_mixed_part q = { .s = seq_of(p->seq), .tokens = p->tokens + done, .n = k, .verify = verify,
+                                 .layers = p->kind == MT_PART_PREFILL ? p->layers : 0 };
             if (p->logits && p->all_logits) { q.logits = p->logits + (size_t)done * V; q.all_logits = true; }
             else if (last) q.logits = p->logits;
             if (last || verify) q.argmax = p->argmax;

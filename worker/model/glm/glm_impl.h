@@ -288,6 +288,10 @@ struct glm_model {
     rt_runner runner;          /* graphs and the layers' graph hooks */
     glm_scratch scr;
     float *X;                  /* highway [rows, S, H] */
+    /* Layered prefill: the in-flight chunks' highway rows between calls [rows, S, H] (made at
+     * the first layered call), and how many sequences have a chunk in flight. */
+    float *lp_X;
+    int lp_count;
     float *z;                  /* [rows, H] */
     float *logits;             /* [rows, V] */
     /* graph-form decode of one sequence: [GLM_VERIFY_MAX * S] tokens of the highway rows, then
@@ -387,6 +391,9 @@ struct glm_seq {
      * states after each row wait in m->mtp.ring). */
     int v_pos, v_n;
     int v_ring;                /* the ring of its last verify */
+    /* A layered chunk in flight (glm_forward_mixed): the layers it has run (0: none in flight),
+     * its rows, and where they wait in m->lp_X. */
+    int lp_done, lp_n, lp_off;
 };
 
 #define GLM_SEL_MULTI (-1)

@@ -205,6 +205,7 @@ void glm_model_free(glm_model *m) {
     free(m->layers);
     scratch_free(be, &m->scr);
     be->ops->free(be, m->X);
+    be->ops->free(be, m->lp_X);
     be->ops->free(be, m->z);
     be->ops->free(be, m->logits);
     be->ops->free(be, m->d_step);
@@ -423,6 +424,7 @@ void glm_seq_free(glm_seq *s) {
     if (!s) return;
     glm_model *m = s->m;
     ahead_forget(m, s); /* its address may come back for another sequence */
+    if (s->lp_done > 0) m->lp_count--; /* leaves its layered group */
     rt_slot_release(&m->runner, &s->graph);
     for (int k = 0; k <= GLM_VERIFY_MAX; k++) rt_slot_release(&m->runner, &s->verify[k]);
     for (int i = 0; i < m->n_state_layers; i++)
@@ -618,6 +620,9 @@ static mt_status check_tokens(const glm_model *m, const glm_seq *s, const int32_
 
 mt_status glm_prefill(glm_model *m, glm_seq *s, const int32_t *tokens, int n, float *logits,
                       bool all_logits, mt_error *err) {
+    if (s->lp_done > 0)
+        return mt_errorf(err, MT_ERR_INVALID, "a prefill of a sequence whose layered chunk is in flight (%d layers run)",
+                         s->lp_done);
     ahead_forget(m, s);
     s->v_n = 0;
     mt_status st = check_tokens(m, s, tokens, n, err);
@@ -642,6 +647,57 @@ mt_status glm_prefill(glm_model *m, glm_seq *s, const int32_t *tokens, int n, fl
 /* ---- the mixed step: several sequences' prompt chunks and decode rows in one pass ---- */
 
 int glm_model_pass_rows(const glm_model *m) { return m->scr.rows; }
+
+bool glm_seq_in_flight(const glm_seq *s) { return s->lp_done > 0; }
+
+/* The layers a part runs in its call: [lp_done, lp_done + layers), or to the last; a range never
+ * ends before a DSA layer of a shared indexer, which reads the selection its full layer just
+ * before left in the step's scratch. */
+static void part_range(const glm_model *m, const glm_mixed_part *p, int *a, int *b) {
+    const glm_config *c = &m->cfg;
+    const int L = c->num_hidden_layers;
+    *a = p->s->lp_done;
+    *b = p->layers > 0 && p->layers < L - *a ? *a + p->layers : L;
+    while (*b < L && c->layer_types[*b] == GLM_MIXER_DSA && c->indexer_types[*b] == GLM_INDEXER_SHARED) (*b)++;
+}
+
+/* A mixed step's layered group: its parts [np_full, np) of rows [n_full, n) run layers [l0, l1);
+ * the parts before them (and all of them, when nothing is layered: l0 = 0, l1 = L) every layer. */
+typedef struct glm_lrange {
+    int l0, l1, np_full, n_full;
+} glm_lrange;
+
+static mt_status layered_check(glm_model *m, const glm_mixed_part *p, int np, int n, glm_lrange *lr, mt_error *err) {
+    const int L = m->cfg.num_hidden_layers;
+    *lr = (glm_lrange){ 0, L, np, n };
+    int first = -1;
+    for (int i = 0, r = 0; i < np; r += p[i++].n) {
+        int a, b;
+        part_range(m, &p[i], &a, &b);
+        if (a == 0 && b == L) {
+            if (first >= 0)
+                return mt_errorf(err, MT_ERR_INVALID, "mixed part %d runs every layer after the layered part %d", i, first);
+            continue;
+        }
+        if (p[i].verify) return mt_errorf(err, MT_ERR_INVALID, "mixed part %d: a verify cannot be layered", i);
+        if (a > 0 && p[i].n != p[i].s->lp_n)
+            return mt_errorf(err, MT_ERR_INVALID, "mixed part %d: %d rows, but its chunk in flight has %d", i, p[i].n,
+                             p[i].s->lp_n);
+        if (first < 0) {
+            first = i;
+            *lr = (glm_lrange){ a, b, i, r };
+        } else if (a != lr->l0 || b != lr->l1) {
+            return mt_errorf(err, MT_ERR_INVALID, "mixed part %d runs layers [%d, %d), part %d [%d, %d): one range a step",
+                             i, a, b, first, lr->l0, lr->l1);
+        }
+    }
+    if (first >= 0 && lr->l0 == 0 && m->lp_count > 0)
+        return mt_errorf(err, MT_ERR_INVALID, "a layered chunk starts while %d others are in flight", m->lp_count);
+    if (first >= 0 && !m->lp_X && !(m->lp_X = m->be->ops->alloc(m->be, sizeof(float) * (size_t)m->scr.rows *
+                                                                          m->cfg.hc_mult * m->cfg.hidden_size)))
+        return mt_errorf(err, MT_ERR_NOMEM, "out of backend memory for layered chunks");
+    return MT_OK;
+}
 
 static mt_status mixed_check(glm_model *m, const glm_mixed_part *p, int np, int *rows, mt_error *err) {
     int n = 0;
@@ -725,7 +781,24 @@ typedef struct mixed_ctx {
     int np, n;                 /* parts, rows */
     const int32_t *ids;        /* host [n, S] the highway rows' tokens; NULL: d_rrow + n holds them */
     bool head;                 /* the head over every row into m->logits [n, V] */
+    const glm_lrange *lr;      /* the layered group's range (NULL: every part every layer) */
 } mixed_ctx;
+
+/* A layered group's rows [n_full, n) between X and m->lp_X: in (to X) the parts that have run
+ * layers already, out (to lp_X) those that stay in flight; each part keeps its place in lp_X. */
+static void lp_move(glm_model *m, const glm_mixed_part *p, int np, const glm_lrange *lr, bool in) {
+    const size_t row = sizeof(float) * (size_t)m->cfg.hc_mult * m->cfg.hidden_size;
+    for (int i = lr->np_full, r = lr->n_full, off = 0; i < np; r += p[i++].n) {
+        glm_seq *s = p[i].s;
+        if (!in && lr->l0 == 0) { /* the group starts: its parts in order */
+            s->lp_off = off;
+            off += p[i].n;
+        }
+        float *x = m->X + (size_t)r * (row / sizeof(float)), *y = m->lp_X + (size_t)s->lp_off * (row / sizeof(float));
+        if (in) m->be->ops->copy(m->be, x, y, row * (size_t)p[i].n);
+        else m->be->ops->copy(m->be, y, x, row * (size_t)p[i].n);
+    }
+}
 
 /* A mixed step's pass: the embedding, the layers' forward_segments over the step, and with head
  * the head. With the tokens in backend memory nothing names a sequence, so a graph of a rows
@@ -739,12 +812,19 @@ static mt_status mixed_body(void *ctx) {
     if (x->ids) be->ops->embed(be, m->X, &m->embed, x->ids, rows);
     else be->ops->embed_dev(be, m->X, &m->embed, m->d_rrow + x->n, rows);
     mt_status st = embed_reduce(m, m->X, (size_t)rows * c->hidden_size);
+    const glm_lrange *lr = x->lr;
+    if (lr && lr->l0 > 0) lp_move(m, x->p, x->np, lr, true);
     m->scr.sel_n = 0;
     for (int l = 0; l < c->num_hidden_layers && st == MT_OK; l++) {
-        for (int i = 0; i < x->np; i++) x->sts[i] = x->p[i].s->states[l];
+        const bool all = !lr || (l >= lr->l0 && l < lr->l1);
+        const int np = all ? x->np : lr->np_full, n = all ? x->n : lr->n_full;
+        if (np == 0) continue;
+        for (int i = 0; i < np; i++) x->sts[i] = x->p[i].s->states[l];
         x->step->rtab = x->step->nrows > 0 ? m->d_rtab + (size_t)l * GLM_R_KINDS * m->rcap : NULL;
-        st = mt_layer_forward_segments(&m->layers[l].base, x->sts, x->np, x->step, m->X, x->n);
+        x->step->nseg = np;
+        st = mt_layer_forward_segments(&m->layers[l].base, x->sts, np, x->step, m->X, n);
     }
+    if (st == MT_OK && lr && lr->l1 < c->num_hidden_layers) lp_move(m, x->p, x->np, lr, false);
     return st == MT_OK && x->head ? head_logits(m, m->X, x->n, NULL) : st;
 }
 
@@ -754,8 +834,11 @@ mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, int r
     const int L = c->num_hidden_layers, S = c->hc_mult, H = c->hidden_size, V = c->vocab_size;
     const size_t SH = (size_t)S * H;
     int n = 0;
+    glm_lrange lr;
     mt_status st = mixed_check(m, p, np, &n, err);
+    if (st == MT_OK) st = layered_check(m, p, np, n, &lr, err);
     if (st != MT_OK) return st;
+    const bool layered = lr.np_full < np, flying = layered && lr.l1 < L; /* the group stays in flight */
     glm_segment *seg = malloc(sizeof *seg * (size_t)np);
     mt_layer_state **sts = malloc(sizeof *sts * (size_t)np);
     int32_t *rep = malloc(sizeof(int32_t) * (size_t)n * S);
@@ -798,6 +881,7 @@ mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, int r
          * see the same parts and logits flags, but only the leader asks for greedy tokens: the
          * head's gather is collective) */
         const bool every = (p[i].logits && p[i].all_logits) || p[i].verify;
+        if (flying && i >= lr.np_full) continue; /* its head waits for its last layer */
         if (p[i].logits || p[i].argmax || p[i].n == 1 || p[i].verify)
             for (int t = every ? 0 : p[i].n - 1; t < p[i].n; t++) want[nw++] = r + t;
     }
@@ -812,7 +896,7 @@ mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, int r
         ple |= m->layers[l].ple.on;
     }
     const bool vrows_ok = rows_ok && !ple && be->ops->copy_rows_ptr && be->ops->copy_rows_from;
-    while (rows_ok && nb < np && p[nb].s->len > 0) {
+    while (rows_ok && nb < lr.np_full && p[nb].s->len > 0) {
         const bool ver = vrows_ok && seg[nb].vring;
         if (p[nb].n != 1 && !ver) break;
         nver += ver;
@@ -829,7 +913,7 @@ mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, int r
     mt_step step = { .be = be, .scr = &m->scr, .seg = seg, .nseg = np, .nrows = nrows, .nbparts = nb,
                      .vblk = nver > 0 ? &vblk : NULL, .rpos = m->d_rrow, .rcap = m->rcap, .rt_cap = m->rt_cap,
                      .ids = rep, .ids_stride = S };
-    mixed_ctx ctx = { m, p, &step, sts, np, n, rep, false };
+    mixed_ctx ctx = { m, p, &step, sts, np, n, rep, false, layered ? &lr : NULL };
     if (vslot) { /* B rows with the pads, their tokens in the rows table */
         const int B = nrows + vp.pv * vp.kmax + vp.pd;
         if ((st = vblock_upload(m, &vp, B, true, &vblk)) != MT_OK) goto failed;
@@ -851,14 +935,27 @@ mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, int r
     for (int l = 0; l < L; l++)
         for (int i = 0; i < nb && c->layer_types[l] == GLM_MIXER_DSA; i++)
             ((glm_layer_state *)p[i].s->states[l])->len = seg[i].t0 + seg[i].n;
-    for (int i = 0; i < np; i++) p[i].s->len += p[i].n;
+    /* a layered group: its parts stay in flight (their lengths wait), or leave it here */
+    for (int i = layered ? lr.np_full : np; i < np; i++) {
+        glm_seq *s = p[i].s;
+        if (flying) {
+            m->lp_count += s->lp_done == 0;
+            s->lp_done = lr.l1;
+            s->lp_n = p[i].n;
+        } else if (s->lp_done > 0) {
+            m->lp_count--;
+            s->lp_done = 0;
+        }
+    }
+    const int np_done = flying ? lr.np_full : np; /* the parts through every layer */
+    for (int i = 0; i < np_done; i++) p[i].s->len += p[i].n;
     /* the drafters first: they read the highway rows, which the gather below moves; a verify's
      * hidden rows go to its ring for glm_seq_keep */
-    if (m->mtp.on) {
-        for (int i = 0; i < np; i++)
+    if (m->mtp.on && np_done > 0) {
+        for (int i = 0; i < np_done; i++)
             fpart[i] = (glm_follow_part){ p[i].s, p[i].tokens, p[i].n,
                                           seg[i].vring ? ring_hidden(m, p[i].s->v_ring) : NULL };
-        if ((st = glm_mtp_follow_parts(m, fpart, np, m->X)) != MT_OK) goto failed;
+        if ((st = glm_mtp_follow_parts(m, fpart, np_done, m->X)) != MT_OK) goto failed;
     }
     if (nw == 0) goto out;
     for (int w = 0; w < nw; w++) /* want[w] >= w: each row moves down into rows already read */
@@ -874,7 +971,7 @@ mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, int r
         goto out;
     }
     if (any_argmax) be->ops->argmax(be, amax, m->logits, nw, V);
-    for (int i = 0, w = 0; i < np; i++) {
+    for (int i = 0, w = 0; i < np_done; i++) {
         if (!p[i].logits && !p[i].argmax && p[i].n != 1 && !p[i].verify) continue;
         const bool all = p[i].logits && p[i].all_logits, every = all || p[i].verify;
         const int k = every ? p[i].n : 1;

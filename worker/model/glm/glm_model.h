@@ -120,6 +120,12 @@ typedef struct glm_mixed_part {
     bool all_logits;
     int32_t *argmax;       /* [n] for a verify, else the last row's */
     bool verify;           /* n > 1 decode rows (draft-verify): write-on-accept, glm_seq_keep after */
+    /* Layered prefill (a prompt chunk only): the chunk runs this many more layers in this call,
+     * from where its sequence's last call left it; 0 or enough to reach the last layer: all that
+     * remain. Until its last layer the chunk is in flight: its rows' highway waits in the model
+     * between calls, its sequence's length and logits wait for the call that ends it, and every
+     * call until then passes the same tokens with layers set. */
+    int layers;
 } glm_mixed_part;
 
 /* The parts of np distinct sequences in one pass through the layers (each layer's
@@ -134,7 +140,14 @@ typedef struct glm_mixed_part {
  * only decode rows and verifies of one length (a speculative step's verifies), which replays the
  * graph of its bucket of verifies and decode rows where batched drafts replay theirs
  * (glm_model_has_verify_graph). */
+/* Layered chunks (glm_mixed_part.layers): one group at a time is in flight; its parts come last
+ * in the step and share one range of layers; the layers outside that range run the other parts
+ * alone, so a step's decode rows pass one layer of a long prompt instead of all of them (a chunk
+ * step that reads every expert once per MoE layer, spread over several steps). A sequence in
+ * flight takes no other part until its chunk ends, and freeing it drops it from its group. */
 mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *parts, int np, int ring0, mt_error *err);
+/* Whether s has a layered chunk in flight. */
+bool glm_seq_in_flight(const glm_seq *s);
 /* Rows of one pass of glm_prefill or glm_forward_mixed (the model's prefill_chunk). */
 int glm_model_pass_rows(const glm_model *m);
 
