@@ -32,7 +32,9 @@ inline double MixedRelDiff(const std::vector<float> &a, const std::vector<float>
 // glm_prefill. Then 6 greedy batched decode steps of all three on each path (and, with a drafter,
 // a draft of each) must agree, so the caches, recurrent states and drafter rows the step left are
 // the same. tol: relative logit difference allowed (0 for the CPU: the same sums in the same order).
-inline void CheckMixedStep(glm_model *m, const char *name, double tol) {
+// layers > 0: B's and C's chunks are layered (glm_mixed_part.layers), the step running them
+// `layers` layers beside A's row and the calls after it carrying them on alone to the last layer.
+inline void CheckMixedStep(glm_model *m, const char *name, double tol, int layers = 0) {
     const int V = glm_model_config(m)->vocab_size;
     mt_error err{};
     auto prompt = [&](int n, int salt) {
@@ -62,13 +64,19 @@ inline void CheckMixedStep(glm_model *m, const char *name, double tol) {
     int32_t greedy = -1;
     const glm_mixed_part parts[3] = {
         { mx[0], &ta, 1, ma.data(), false, &greedy },
-        { mx[1], pb.data() + 7, 9, mb.data(), false, nullptr },
-        { mx[2], pc.data(), 11, mc.data(), true, nullptr },
+        { mx[1], pb.data() + 7, 9, mb.data(), false, nullptr, false, layers },
+        { mx[2], pc.data(), 11, mc.data(), true, nullptr, false, layers },
     };
     ASSERT_EQ(glm_forward_mixed(m, parts, 3, 0, &err), MT_OK) << err.msg;
+    for (int call = 1; glm_seq_len(mx[2]) == 0; call++) { /* layered: the chunks go on alone */
+        ASSERT_GT(layers, 0) << name;
+        ASSERT_TRUE(glm_seq_in_flight(mx[2])) << name;
+        ASSERT_LT(call, glm_model_n_layers(m)) << name;
+        ASSERT_EQ(glm_forward_mixed(m, parts + 1, 2, 0, &err), MT_OK) << err.msg;
+    }
     const double da = MixedRelDiff(ma, ra), db = MixedRelDiff(mb, rb), dc = MixedRelDiff(mc, rc);
-    std::printf("%s: mixed step vs part by part: decode row %.2e, chunk %.2e, prompt (all rows) %.2e\n", name, da, db,
-                dc);
+    std::printf("%s%s: mixed step vs part by part: decode row %.2e, chunk %.2e, prompt (all rows) %.2e\n", name,
+                layers ? " (layered)" : "", da, db, dc);
     EXPECT_LE(da, tol) << name;
     EXPECT_LE(db, tol) << name;
     EXPECT_LE(dc, tol) << name;

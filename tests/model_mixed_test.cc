@@ -44,6 +44,8 @@ TEST(ModelMixed, TinyEqualsPartByPart) {
     Loaded l("tests/fixtures/tiny_a", 64, false);
     ASSERT_NE(l.m, nullptr);
     CheckMixedStep(l.m, "tiny_a (CPU)", 0.0);
+    CheckMixedStep(l.m, "tiny_a (CPU)", 0.0, 1);
+    CheckMixedStep(l.m, "tiny_a (CPU)", 0.0, 2);
 }
 
 TEST(ModelMixed, DemoWithDrafterEqualsPartByPart) {
@@ -51,6 +53,7 @@ TEST(ModelMixed, DemoWithDrafterEqualsPartByPart) {
     ASSERT_NE(l.m, nullptr);
     ASSERT_TRUE(glm_model_has_drafter(l.m));
     CheckMixedStep(l.m, "demo (CPU)", 0.0);
+    CheckMixedStep(l.m, "demo (CPU)", 0.0, 1);
 }
 
 // Through the model interface with passes of 8 rows: a decode row and two chunks of 13 and 6
