@@ -577,6 +577,53 @@ TEST_F(CudaOps, MatmulTermsKnob) {
     mt_backend_free(bad);
 }
 
+// MT_NUMERICS_BF16 with exact_classes: a weight of a named class (the router's, a KDA gate's)
+// keeps the two-part product (1e-4 against the CPU's fp32 x) while a projection's x is rounded once
+// (1e-4 against the CPU fed the rounded x, and further than that from the fp32 x): alone, in one
+// matmul_multi split beside each other, and on the low-K form (K <= 512, n >= K). Bits past the
+// classes are refused.
+TEST_F(CudaOps, MatmulExactClasses) {
+    mt_cuda_params p = WithNumerics(MT_NUMERICS_BF16);
+    EXPECT_EQ(p.exact_classes, (unsigned)MT_CUDA_EXACT_CLASSES);
+    mt_backend *one = BackendWith(p);
+    ASSERT_TRUE(one);
+    struct S { int rows, cols, n; };
+    for (const S &s : {S{288, 4096, 40}, S{8192, 128, 300}, S{600, 36, 130}}) {
+        auto gate = MakeWeight(MT_BF16, s.rows, s.cols, 2.f / std::sqrt((float)s.cols));
+        auto proj = MakeWeight(MT_BF16, s.rows, s.cols, 2.f / std::sqrt((float)s.cols));
+        gate->gpu.cls = gate->cpu.cls = MT_WCLS_ROUTER;
+        proj->gpu.cls = proj->cpu.cls = MT_WCLS_ATTN;
+        const std::string where = Shape({{"n", s.n}, {"rows", s.rows}, {"cols", s.cols}});
+        double e16;
+        EXPECT_LE(MatmulErr(cpu_, one, gate->cpu, gate->gpu, s.n), 1e-4) << where << " router alone";
+        const double e1 = MatmulErr(cpu_, one, proj->cpu, proj->gpu, s.n, &e16);
+        EXPECT_LE(e16, 1e-4) << where << " projection alone, against the rounded x";
+        EXPECT_GT(e1, 1e-4) << where << " projection alone: x was not rounded";
+
+        std::vector<float> x = Rand((size_t)s.n * s.cols), xr = RoundTo16(x, MT_BF16);
+        float *gx = Put(one, x);
+        float *gy[2] = {(float *)one->ops->alloc(one, sizeof(float) * (size_t)s.n * s.rows),
+                        (float *)one->ops->alloc(one, sizeof(float) * (size_t)s.n * s.rows)};
+        const mt_weight *gw[2] = {&proj->gpu, &gate->gpu};
+        one->ops->matmul_multi(one, gy, gx, gw, 2, s.n, 0);
+        std::vector<float> want_p((size_t)s.n * s.rows), want_g(want_p.size());
+        cpu_->ops->matmul(cpu_, want_p.data(), xr.data(), &proj->cpu, s.n);
+        cpu_->ops->matmul(cpu_, want_g.data(), x.data(), &gate->cpu, s.n);
+        EXPECT_LE(RelErr(Get(one, gy[0], want_p.size()), want_p), 1e-4) << where << " multi: projection";
+        EXPECT_LE(RelErr(Get(one, gy[1], want_g.size()), want_g), 1e-4) << where << " multi: router";
+        Drop(one, gy[0]);
+        Drop(one, gy[1]);
+        Drop(one, gx);
+    }
+    mt_backend_free(one);
+    p.exact_classes = 1u << MT_WCLS_N;
+    mt_error err{};
+    mt_backend *bad = mt_cuda_backend_new(0, &p, &err);
+    EXPECT_EQ(bad, nullptr);
+    EXPECT_NE(std::string(err.msg).find("exact_classes"), std::string::npos) << err.msg;
+    mt_backend_free(bad);
+}
+
 // Timings of the backend's path (tensor cores, x in two parts, for n > 8) and, for n > 8, of the
 // one-part tensor-core path (MT_NUMERICS_BF16) and the fp32 kernels (MT_NUMERICS_FP32: narrow or
 // tiled). Outputs narrower than 512 rows also on the tensor cores in two parts (the default path)

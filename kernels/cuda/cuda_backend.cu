@@ -337,6 +337,7 @@ extern "C" mt_cuda_params mt_cuda_default_params(void) {
     mt_cuda_params p;
     memset(&p, 0, sizeof p);
     p.numerics = MT_NUMERICS_BF16;
+    p.exact_classes = MT_CUDA_EXACT_CLASSES;
     p.narrow = true;
     p.moe_batched = true;
     p.moe_wg = true;
@@ -352,6 +353,9 @@ extern "C" mt_cuda_params mt_cuda_default_params(void) {
 static mt_status params_check(const mt_cuda_params *p, mt_error *err) {
     if (p->numerics < MT_NUMERICS_EXACT || p->numerics > MT_NUMERICS_FP32)
         return mt_errorf(err, MT_ERR_INVALID, "mt_cuda_params.numerics: %d is not an mt_numerics", (int)p->numerics);
+    if (p->exact_classes >> MT_WCLS_N)
+        return mt_errorf(err, MT_ERR_INVALID, "mt_cuda_params.exact_classes: 0x%x has bits past the mt_wcls classes",
+                         p->exact_classes);
     if (p->moe_grouped_min_rows < 2 || p->moe_grouped_min_rows > CU_MOE_GEMV_MAX_ROWS + 1)
         return mt_errorf(err, MT_ERR_INVALID, "mt_cuda_params.moe_grouped_min_rows: %d is not in 2..%d",
                          p->moe_grouped_min_rows, CU_MOE_GEMV_MAX_ROWS + 1);

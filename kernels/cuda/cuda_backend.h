@@ -58,6 +58,12 @@ typedef enum mt_cuda_kda_chunk_kernels {
  * the same function (to the stated precision), for tests and benchmarks that compare them. */
 typedef struct mt_cuda_params {
     mt_numerics numerics;      /* default MT_NUMERICS_BF16 */
+    /* With MT_NUMERICS_BF16: the weight classes (bit 1 << mt_wcls) whose tensor-core matmuls keep
+     * the exact mode's two 16-bit parts of x. Default MT_CUDA_EXACT_CLASSES: the products that
+     * feed discrete choices and multiplicative gates (router, indexer, KDA decay/beta/output
+     * gates), which the reference computes from fp32 inputs (MODEL.md: the router in fp32) and
+     * where one rounding flips near-tied top-k choices; a few percent of a prefill's FLOPs. */
+    unsigned exact_classes;
     /* Matmuls of at most 32 output rows that stay on the fp32 kernels (MT_NUMERICS_FP32, F32
      * weights): true (default) the narrow kernel, a warp owning whole input rows; false the tiled
      * fp32 GEMM. */
@@ -83,6 +89,8 @@ typedef struct mt_cuda_params {
 } mt_cuda_params;
 
 mt_cuda_params mt_cuda_default_params(void);
+#define MT_CUDA_EXACT_CLASSES \
+    (1u << MT_WCLS_ROUTER | 1u << MT_WCLS_INDEXER | 1u << MT_WCLS_KDA_GATE)
 
 /* A CUDA backend on device `device` with options params (NULL: mt_cuda_default_params()), copied.
  * NULL with err set when no usable device (CI hosts have the toolkit but no GPU), on OOM, or for
