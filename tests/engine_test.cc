@@ -841,6 +841,40 @@ TEST(Engine, LayeredPrefillGivesTheTokensOfWholeSteps) {
     }
 }
 
+// A sequence whose layered chunk is in flight is preempted like any other: in 3 pages of 64, #1
+// (60 + 30 tokens) needs its second page while #2's 100-token chunk (two pages) runs its layers
+// beside it; #2 gives its pages back, waits, is prefilled again later, and both give the plain
+// greedy tokens.
+TEST(Engine, LayeredChunkInFlightIsPreempted) {
+    Model M;
+    mt_error err = { "" };
+    ASSERT_EQ(glm_model_set_pools(M.m, 3, 8, &err), MT_OK) << err.msg;
+    eng_params p = eng_default_params();
+    p.prefix_cache_bytes = 0;
+    p.max_sequences = 4;
+    p.mixed_steps = true;
+    p.prefill_layers = 1;
+    Engine E(M.m, p);
+    ASSERT_EQ(E.Submit(1, Prompt(60, 1), Req(30)), MT_OK);
+    E.Step();  // #1's prompt and first token
+    E.Step();
+    E.Step();
+    ASSERT_EQ(E.Submit(2, Prompt(100, 2), Req(5)), MT_OK);
+    E.Step();  // #2's chunk starts, beside #1's row at position 62
+    EXPECT_EQ(E.Stats().layered_steps, 1u);
+    EXPECT_EQ(glm_model_pages_free(M.m), 0);
+    E.Step();  // position 63
+    EXPECT_EQ(E.Stats().preemptions, 0u);
+    E.Step();  // position 64: a page #2 holds
+    EXPECT_EQ(E.Stats().preemptions, 1u);
+    EXPECT_TRUE(E.results[2].tokens.empty());
+    E.RunToEnd();
+    EXPECT_EQ(E.results[1].tokens, DirectGreedy(M.m, Prompt(60, 1), 30));
+    EXPECT_EQ(E.results[2].tokens, DirectGreedy(M.m, Prompt(100, 2), 5));
+    EXPECT_EQ(glm_model_pages_free(M.m), glm_model_pages_total(M.m));
+    EXPECT_EQ(glm_model_slots_free(M.m), glm_model_slots_total(M.m));
+}
+
 // Paced steps (itl_target_ms): with a target no step can meet, a long prompt beside a decoding
 // sequence goes in ENG_PACE_FLOOR-token chunks, one a step, instead of in one step of the whole
 // budget; it still advances every step, and every token is the unpaced run's.
@@ -1074,7 +1108,11 @@ TEST(Engine, CacheBudgetQueuesInsteadOfFailing) {
 // at the head of the queue, is prefilled again from its prompt and generated tokens, and decodes
 // on). Every request still completes with the plain greedy tokens, preemptions happened, and the
 // pools are whole again at the end; a request longer than the whole pool is refused at submit.
-TEST(Engine, PoolShortagePreemptsAndResumes) {
+// With mixed steps and layered prefill (one layer a step) the same holds, sequences whose chunk
+// is in flight being preempted too.
+class PoolShortage : public ::testing::TestWithParam<int> {};
+
+TEST_P(PoolShortage, PreemptsAndResumes) {
     Model M;
     const int n_req = 6, prompt_len = 40, new_tokens = 60;
     std::vector<std::vector<int32_t>> want;
@@ -1086,6 +1124,8 @@ TEST(Engine, PoolShortagePreemptsAndResumes) {
     eng_params p = eng_default_params();
     p.prefix_cache_bytes = 0;
     p.max_sequences = 4;
+    p.mixed_steps = GetParam() > 0;
+    p.prefill_layers = GetParam();
     Engine E(M.m, p);
     for (int id = 1; id <= n_req; id++) ASSERT_EQ(E.Submit(id, Prompt(prompt_len, id), Req(new_tokens)), MT_OK);
     int steps = 0;
@@ -1107,7 +1147,9 @@ TEST(Engine, PoolShortagePreemptsAndResumes) {
     std::string msg;
     EXPECT_EQ(E.Submit(9, Prompt(300, 1), Req(100), 0, &msg), MT_ERR_FULL);
     EXPECT_NE(msg.find("cache pages"), std::string::npos) << msg;
+    if (GetParam() > 0) EXPECT_GT(E.Stats().layered_steps, 0u);
 }
+INSTANTIATE_TEST_SUITE_P(Engine, PoolShortage, ::testing::Values(0, 1));
 
 // A model with PLE memories (tiny_ple: on a KDA and a DSA layer), whose history and conv state
 // move only through the layers' aux snapshots: a prefix hit and preempted, re-prefilled sequences
