@@ -109,7 +109,8 @@ typedef struct serve_opts {
     const char *metrics;   /* the router's --metrics HOST:PORT */
     int workers, tp, first_id, max_sequences, max_context, threads;
     /* scheduler policy, passed to every worker when given (metrale-worker checks them) */
-    const char *prefill_budget, *graph_max_batch, *cache_budget_mb, *itl_target_ms, *prefill_pass, *prefill_hold_ms;
+    const char *prefill_budget, *graph_max_batch, *cache_budget_mb, *itl_target_ms, *prefill_pass, *prefill_hold_ms,
+        *prefill_layers;
     const char *numerics;  /* GPU prefill GEMM numerics, passed to every worker when given */
     const char *dtype;     /* FP8 checkpoints' weights (auto|bf16), passed to every worker when given */
     const char *spec_tokens, *spec_max_batch; /* speculative decoding, passed to every worker */
@@ -135,6 +136,7 @@ static void usage(FILE *f) {
             "usage: metrale-serve [--model DIR] [--listen HOST:PORT] [--workers G] [--tp N] [--backend auto|cpu|cuda]\n"
             "                     [--max-sequences N] [--max-context N] [--threads N] [--queue N] [--drain-timeout S]\n"
             "                     [--prefill-budget N] [--prefill-pass N] [--itl-target-ms MS] [--prefill-hold-ms MS]\n"
+            "                     [--prefill-layers N]\n"
             "                     [--graph-max-batch N] [--cache-budget-mb N] [--no-preempt]\n"
             "                     [--mixed-steps|--separate-steps] [--no-run-ahead] [--numerics bf16|exact] [--dtype auto|bf16]\n"
             "                     [--metrics HOST:PORT]\n"
@@ -337,6 +339,7 @@ static pid_t start_rank(group *gr, int r) {
     if (g_o.itl_target_ms) { argv[k++] = "--itl-target-ms"; argv[k++] = (char *)g_o.itl_target_ms; }
     if (g_o.prefill_hold_ms) { argv[k++] = "--prefill-hold-ms"; argv[k++] = (char *)g_o.prefill_hold_ms; }
     if (g_o.prefill_pass) { argv[k++] = "--prefill-pass"; argv[k++] = (char *)g_o.prefill_pass; }
+    if (g_o.prefill_layers) { argv[k++] = "--prefill-layers"; argv[k++] = (char *)g_o.prefill_layers; }
     if (g_o.graph_max_batch) { argv[k++] = "--graph-max-batch"; argv[k++] = (char *)g_o.graph_max_batch; }
     if (g_o.cache_budget_mb) { argv[k++] = "--cache-budget-mb"; argv[k++] = (char *)g_o.cache_budget_mb; }
     if (g_o.no_preempt) argv[k++] = "--no-preempt";
@@ -499,6 +502,7 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
             rc = parse_int(a, o->prefill_pass = v, 1, 65536, &(int){ 0 });
         else if (!strcmp(a, "--itl-target-ms")) rc = parse_ms(a, o->itl_target_ms = v);
         else if (!strcmp(a, "--prefill-hold-ms")) rc = parse_ms(a, o->prefill_hold_ms = v);
+        else if (!strcmp(a, "--prefill-layers")) rc = parse_int(a, o->prefill_layers = v, 0, 1024, &(int){ 0 });
         else if (!strcmp(a, "--graph-max-batch")) rc = parse_int(a, o->graph_max_batch = v, 1, 4096, &(int){ 0 });
         else if (!strcmp(a, "--speculative-tokens")) rc = parse_int(a, o->spec_tokens = v, 0, 4, &(int){ 0 });
         else if (!strcmp(a, "--warmup-tokens")) rc = parse_int(a, o->warmup_tokens = v, 0, MT_WIRE_CONTEXT_MAX, &(int){ 0 });
