@@ -1147,7 +1147,9 @@ TEST_P(PoolShortage, PreemptsAndResumes) {
     std::string msg;
     EXPECT_EQ(E.Submit(9, Prompt(300, 1), Req(100), 0, &msg), MT_ERR_FULL);
     EXPECT_NE(msg.find("cache pages"), std::string::npos) << msg;
-    if (GetParam() > 0) EXPECT_GT(E.Stats().layered_steps, 0u);
+    if (GetParam() > 0) {
+        EXPECT_GT(E.Stats().layered_steps, 0u);
+    }
 }
 INSTANTIATE_TEST_SUITE_P(Engine, PoolShortage, ::testing::Values(0, 1));
 
