@@ -374,6 +374,7 @@ static void emit(const char *row, const char *op, int B, int T, int H, double ms
 static mt_backend *backend_with(mt_numerics v, mt_cuda_kda_chunk_kernels k) {
     mt_cuda_params p = mt_cuda_default_params();
     p.numerics = v;
+    p.kda_chunk_exact = false; /* MT_NUMERICS_BF16 here is the single-rounding kernel */
     p.kda_chunk_kernels = k;
     mt_error err = {""};
     mt_backend *be = mt_cuda_backend_new(0, &p, &err);

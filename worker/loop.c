@@ -46,7 +46,7 @@ struct wkr_loop {
 wkr_params wkr_default_params(void) {
     return (wkr_params){ .backend = "cpu", .id = -1, .max_sequences = 16, .max_context = 4096,
                          .router_timeout = MT_WIRE_ROUTER_SILENCE_S, .numerics = MT_NUMERICS_BF16,
-                         .mixed_steps = -1, .warmup_tokens = -1 };
+                         .mixed_steps = -1, .prefill_layers = -1, .warmup_tokens = -1 };
 }
 
 /* ---- start-up ---- */
@@ -292,11 +292,13 @@ mt_status wkr_loop_new(const wkr_params *p, wkr_loop **out, mt_error *err) {
     if (p->prefill_budget > 0) ep.prefill_budget = p->prefill_budget;
     ep.itl_target_ms = p->itl_target_ms;
     ep.prefill_hold_ms = p->prefill_hold_ms;
-    ep.prefill_layers = p->prefill_layers;
     ep.preempt = !p->no_preempt;
     /* on bench-4L's GPU figures the mixed step serves the most (docs/PERF.md); on the CPU a pass
      * costs its rows, so the decode rows gain nothing by riding along */
     ep.mixed_steps = p->mixed_steps >= 0 ? p->mixed_steps == 1 : mi.backend_queues;
+    /* layered prefill beside mixed steps' decode rows: on bench-4L's GPU figures ITL p99 at 19.4
+     * req/s falls from 32 to 22 ms at the same output (docs/PERF.md); nothing to gain on the CPU */
+    ep.prefill_layers = p->prefill_layers >= 0 ? p->prefill_layers : ep.mixed_steps && mi.backend_queues ? 1 : 0;
     ep.run_ahead = p->no_run_ahead ? ENG_RUN_AHEAD_OFF : ENG_RUN_AHEAD_AUTO;
     ep.spec_tokens = p->spec_tokens;
     ep.spec_max_batch = p->spec_max_batch;

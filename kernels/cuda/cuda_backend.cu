@@ -338,6 +338,7 @@ extern "C" mt_cuda_params mt_cuda_default_params(void) {
     memset(&p, 0, sizeof p);
     p.numerics = MT_NUMERICS_BF16;
     p.exact_classes = MT_CUDA_EXACT_CLASSES;
+    p.kda_chunk_exact = true;
     p.narrow = true;
     p.moe_batched = true;
     p.moe_wg = true;

@@ -64,6 +64,10 @@ typedef struct mt_cuda_params {
      * gates), which the reference computes from fp32 inputs (MODEL.md: the router in fp32) and
      * where one rounding flips near-tied top-k choices; a few percent of a prefill's FLOPs. */
     unsigned exact_classes;
+    /* With MT_NUMERICS_BF16: true (default) the KDA chunked delta rule keeps its two-part
+     * products as in the exact mode (a decay or delta error compounds along the sequence; with
+     * one rounding there the random fixtures' top tokens leave the CPU's top 5); false: one. */
+    bool kda_chunk_exact;
     /* Matmuls of at most 32 output rows that stay on the fp32 kernels (MT_NUMERICS_FP32, F32
      * weights): true (default) the narrow kernel, a warp owning whole input rows; false the tiled
      * fp32 GEMM. */

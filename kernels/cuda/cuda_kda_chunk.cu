@@ -6,7 +6,8 @@
  *   delta = (I + diag(beta) A)^-1 diag(beta) (V - KX S0),  KX = k e^G, QX = q e^G
  *   o = QX S0 + B delta,  S = diag(e^{G_L}) S0 + KL^T delta,  KL = k e^{G_L - G}
  *
- * Two implementations, chosen by the backend's tc_terms (mt_cuda_params.numerics, cuda_ops.h):
+ * Two implementations, chosen by the backend's tc_terms (mt_cuda_params.numerics, cuda_ops.h;
+ * with tc_terms 1 the products keep two parts unless mt_cuda_params.kda_chunk_exact is off):
  *   tc_terms 0: kda_chunked_kernel, fp32 on the CUDA cores, one block per (head, 64 value
  *     columns) walking the chunks in sequence (the reference form; 8 ms at 4096 x 64 x 128).
  *   tc_terms 1 or 2 (default 2): two kernels on the tensor cores (bf16 mma.sync m16n8k16 and
@@ -1536,7 +1537,7 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_wg_kernel(chunk
 static mt_status kc_launch(mt_backend *be, const chunk_params *p0) {
     const cu_backend *cb = (const cu_backend *)be;
     chunk_params p = *p0;
-    p.terms = cb->tc_terms > 1 ? 2 : 1;
+    p.terms = cb->tc_terms > 1 || cb->params.kda_chunk_exact ? 2 : 1;
     p.vec4 = p.dk % 4 == 0 && (((uintptr_t)p.q | (uintptr_t)p.k | (uintptr_t)p.g) & 15) == 0;
     p.vec2 = p.dk % 2 == 0 && (((uintptr_t)p.v | (uintptr_t)p.o) & 7) == 0;
     const int nck_all = (p.n + KDA_CHUNK - 1) / KDA_CHUNK;
