@@ -32,7 +32,7 @@ using Outputs = SpecRun;
 // prompts fed in chunks of at most budget tokens (0: the default budget).
 Outputs Generate(glm_model *m, int k, int max_seqs, int pages, Force force = Force::kNone, const Outputs *ref = nullptr,
                  const eng_sample_params *sampling = nullptr, bool logprobs = false, int n_prompts = 12,
-                 bool mixed = false, bool mixed_steps = false, int budget = 0) {
+                 bool mixed = false, bool mixed_steps = false, int budget = 0, int layers = 0) {
     mt_error err = { "" };
     EXPECT_EQ(glm_model_set_pools(m, pages, 64, &err), MT_OK) << err.msg;
     eng_params p = eng_default_params();
@@ -40,6 +40,7 @@ Outputs Generate(glm_model *m, int k, int max_seqs, int pages, Force force = For
     p.prefix_block = 16;
     p.spec_max_batch = 0;
     p.mixed_steps = mixed_steps;
+    p.prefill_layers = layers;
     if (budget > 0) p.prefill_budget = budget;
     std::vector<SpecRequest> reqs;
     const auto prompts = SpecPrompts(n_prompts);
@@ -221,6 +222,26 @@ TEST_F(Spec, OptOutAndNoDrafter) {
 
     p.spec_tokens = ENG_SPEC_MAX + 1;
     EXPECT_EQ(eng_new(glm_model_as_model(m_), &p, &cb, &e, &err), MT_ERR_INVALID);
+}
+
+// Layered prefill beside verifies: the chunks run a layer a step in the calls that carry the
+// verifies and plain decode rows (the drafter follows a chunk when its last layer runs); greedy
+// output with K = 1 and 3 is K = 0's, with roomy pools and with preemption forced.
+TEST_F(Spec, LayeredPrefillEqualsNoSpeculation) {
+    const Outputs ref = Generate(m_, 0, 6, 256);
+    for (int pages : { 256, 14 }) {
+        for (int k : { 1, 3 }) {
+            const Outputs r = Generate(m_, k, 12, pages, Force::kNone, nullptr, nullptr, false, 12, true, true, 8, 1);
+            char what[96];
+            snprintf(what, sizeof what, "layered prefill, K=%d pages %d", k, pages);
+            ExpectSame(r, ref, what);
+            EXPECT_GT(r.stats.layered_steps, 0u) << what;
+            EXPECT_GT(r.stats.spec_mixed_steps, 0u) << what;
+            if (pages == 14) {
+                EXPECT_GT(r.stats.preemptions, 0u) << what;
+            }
+        }
+    }
 }
 
 // With mixed steps and prompts fed 8 tokens a step, the verifies ride in one model call with the
