@@ -705,97 +705,87 @@ TEST(Engine, LongPromptsArePrefilledInChunksBesideDecode) {
     EXPECT_EQ(E.Stats().cache_bytes_in_use, 0u);
 }
 
-// Mixed steps (a step's decode rows and prompt chunks in one model call) change no token: the
-// same arrivals, greedy and seeded sampling, with prefill chunks spread over steps, give the same
-// tokens with mixed_steps on and off, and on they ran.
-TEST(Engine, MixedStepsGiveTheTokensOfSeparateCalls) {
-    Model M;
-    struct Spec { uint64_t id; int plen, max_new, submit_at; float temperature; uint64_t seed; };
-    const Spec specs[] = {
-        { 1, 5, 12, 0, 0.f, 0 },   { 2, 40, 6, 1, 0.f, 0 },   { 3, 3, 14, 1, 0.9f, 11 },
-        { 4, 25, 8, 2, 0.f, 0 },   { 5, 1, 9, 3, 1.2f, 12 },  { 6, 33, 3, 4, 0.f, 0 },
-        { 7, 18, 8, 6, 0.7f, 13 }, { 8, 2, 12, 9, 0.f, 0 },
-    };
-    std::map<uint64_t, std::vector<int32_t>> got[2];
-    uint64_t mixed[2] = { 0, 0 };
-    for (int on = 0; on < 2; on++) {
-        eng_params p = eng_default_params();
-        p.max_sequences = 4;
-        p.prefill_budget = 16;  // chunks spread over steps, beside the decode rows
-        p.mixed_steps = on;
-        Engine E(M.m, p);
-        for (int step = 0; step < 300; step++) {
-            for (const Spec &s : specs)
-                if (s.submit_at == step) {
-                    eng_request r = Req(s.max_new);
-                    r.sampling.temperature = s.temperature;
-                    r.has_seed = true;
-                    r.seed = s.seed;
-                    ASSERT_EQ(E.Submit(s.id, Prompt(s.plen, (int)s.id), r), MT_OK);
-                }
-            if (step > 10 && !eng_has_work(E.e)) break;
-            E.Step();
-        }
-        for (const Spec &s : specs) {
-            ASSERT_EQ((int)E.results[s.id].tokens.size(), s.max_new) << "id " << s.id << " mixed " << on;
-            got[on][s.id] = E.results[s.id].tokens;
-        }
-        mixed[on] = E.Stats().mixed_steps;
-        EXPECT_EQ(E.Stats().cache_bytes_in_use, 0u);
+// Staggered arrivals of greedy and seeded sampled requests with prefill chunks of 16 tokens
+// spread over steps beside the decode rows: each request's tokens under params p (max_sequences
+// 4, budget 16 set here), and the engine's stats at the end.
+struct Staggered {
+    uint64_t id;
+    int plen, max_new, submit_at;
+    float temperature;
+    uint64_t seed;
+};
+const Staggered kStaggered[] = {
+    { 1, 5, 12, 0, 0.f, 0 },   { 2, 40, 6, 1, 0.f, 0 },   { 3, 3, 14, 1, 0.9f, 11 },
+    { 4, 25, 8, 2, 0.f, 0 },   { 5, 1, 9, 3, 1.2f, 12 },  { 6, 33, 3, 4, 0.f, 0 },
+    { 7, 18, 8, 6, 0.7f, 13 }, { 8, 2, 12, 9, 0.f, 0 },
+};
+
+std::map<uint64_t, std::vector<int32_t>> RunStaggered(glm_model *m, eng_params p, eng_stats *stats) {
+    std::map<uint64_t, std::vector<int32_t>> got;
+    p.max_sequences = 4;
+    p.prefill_budget = 16;
+    Engine E(m, p);
+    for (int step = 0; step < 300; step++) {
+        for (const Staggered &s : kStaggered)
+            if (s.submit_at == step) {
+                eng_request r = Req(s.max_new);
+                r.sampling.temperature = s.temperature;
+                r.has_seed = true;
+                r.seed = s.seed;
+                EXPECT_EQ(E.Submit(s.id, Prompt(s.plen, (int)s.id), r), MT_OK);
+            }
+        if (step > 10 && !eng_has_work(E.e)) break;
+        E.Step();
     }
-    for (const Spec &s : specs) EXPECT_EQ(got[1][s.id], got[0][s.id]) << "id " << s.id;
-    EXPECT_EQ(mixed[0], 0u);
-    EXPECT_GE(mixed[1], 5u);
-    for (const Spec &s : specs)
-        if (s.temperature == 0.f) EXPECT_EQ(got[1][s.id], DirectGreedy(M.m, Prompt(s.plen, (int)s.id), s.max_new)) << s.id;
+    for (const Staggered &s : kStaggered) {
+        EXPECT_EQ((int)E.results[s.id].tokens.size(), s.max_new) << "id " << s.id;
+        got[s.id] = E.results[s.id].tokens;
+    }
+    *stats = E.Stats();
+    EXPECT_EQ(stats->cache_bytes_in_use, 0u);
+    return got;
 }
 
-// Layered prefill (prefill_layers): the same arrivals as above, greedy and seeded sampling, give
-// the tokens of whole-step chunks with one and two layers a step; chunks ran layered, a running
-// sequence got a token every step while a prompt's chunk was in flight, and that prompt's first
-// token came only after the steps its layers took. Aborting a sequence whose chunk is in flight,
-// and preempting one, leave the others' tokens as they were.
+// Mixed steps (a step's decode rows and prompt chunks in one model call) change no token: the
+// staggered arrivals give the same tokens with mixed_steps on and off, and on they ran.
+TEST(Engine, MixedStepsGiveTheTokensOfSeparateCalls) {
+    Model M;
+    std::map<uint64_t, std::vector<int32_t>> got[2];
+    eng_stats st[2];
+    for (int on = 0; on < 2; on++) {
+        eng_params p = eng_default_params();
+        p.mixed_steps = on;
+        got[on] = RunStaggered(M.m, p, &st[on]);
+    }
+    for (const Staggered &s : kStaggered) EXPECT_EQ(got[1][s.id], got[0][s.id]) << "id " << s.id;
+    EXPECT_EQ(st[0].mixed_steps, 0u);
+    EXPECT_GE(st[1].mixed_steps, 5u);
+    for (const Staggered &s : kStaggered)
+        if (s.temperature == 0.f) {
+            EXPECT_EQ(got[1][s.id], DirectGreedy(M.m, Prompt(s.plen, (int)s.id), s.max_new)) << s.id;
+        }
+}
+
+// Layered prefill (prefill_layers): the staggered arrivals give the tokens of whole-step chunks
+// with one and two layers a step, and chunks ran layered; a running sequence got a token every
+// step while a prompt's chunk was in flight, and that prompt's first token came only after the
+// steps its layers took. Aborting a sequence whose chunk is in flight leaves the others' tokens
+// as they were.
 TEST(Engine, LayeredPrefillGivesTheTokensOfWholeSteps) {
     Model M;
-    struct Spec { uint64_t id; int plen, max_new, submit_at; float temperature; uint64_t seed; };
-    const Spec specs[] = {
-        { 1, 5, 12, 0, 0.f, 0 },   { 2, 40, 6, 1, 0.f, 0 },   { 3, 3, 14, 1, 0.9f, 11 },
-        { 4, 25, 8, 2, 0.f, 0 },   { 5, 1, 9, 3, 1.2f, 12 },  { 6, 33, 3, 4, 0.f, 0 },
-        { 7, 18, 8, 6, 0.7f, 13 }, { 8, 2, 12, 9, 0.f, 0 },
-    };
     std::map<uint64_t, std::vector<int32_t>> got[3];
-    uint64_t layered[3] = { 0, 0, 0 };
+    eng_stats st[3];
     for (int k = 0; k < 3; k++) {
         eng_params p = eng_default_params();
-        p.max_sequences = 4;
-        p.prefill_budget = 16;
         p.mixed_steps = true;
         p.prefill_layers = k;
-        Engine E(M.m, p);
-        for (int step = 0; step < 300; step++) {
-            for (const Spec &s : specs)
-                if (s.submit_at == step) {
-                    eng_request r = Req(s.max_new);
-                    r.sampling.temperature = s.temperature;
-                    r.has_seed = true;
-                    r.seed = s.seed;
-                    ASSERT_EQ(E.Submit(s.id, Prompt(s.plen, (int)s.id), r), MT_OK);
-                }
-            if (step > 10 && !eng_has_work(E.e)) break;
-            E.Step();
-        }
-        for (const Spec &s : specs) {
-            ASSERT_EQ((int)E.results[s.id].tokens.size(), s.max_new) << "id " << s.id << " layers " << k;
-            got[k][s.id] = E.results[s.id].tokens;
-        }
-        layered[k] = E.Stats().layered_steps;
-        EXPECT_EQ(E.Stats().cache_bytes_in_use, 0u);
+        got[k] = RunStaggered(M.m, p, &st[k]);
     }
     for (int k = 1; k < 3; k++)
-        for (const Spec &s : specs) EXPECT_EQ(got[k][s.id], got[0][s.id]) << "id " << s.id << " layers " << k;
-    EXPECT_EQ(layered[0], 0u);
-    EXPECT_GE(layered[1], 5u);
-    EXPECT_GE(layered[2], 3u);
+        for (const Staggered &s : kStaggered) EXPECT_EQ(got[k][s.id], got[0][s.id]) << "id " << s.id << " layers " << k;
+    EXPECT_EQ(st[0].layered_steps, 0u);
+    EXPECT_GE(st[1].layered_steps, 5u);
+    EXPECT_GE(st[2].layered_steps, 3u);
 
     // one running sequence, then a 10-token prompt: a layer a step beside it (tiny_a: 3 steps,
     // its shared-indexer layer rides with the full one before it), a token a step for the first
