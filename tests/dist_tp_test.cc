@@ -47,7 +47,8 @@ void OnTokens(void *user, uint64_t id, const eng_sample_result *t, int n) {
 }
 void OnFinished(void *, uint64_t, const eng_finish_info *) {}
 
-// The same calls on any model: direct forwards with logits, then an engine with a small prefill
+// The same calls on any model: direct forwards with logits (prefills, batched decode, a layered
+// chunk beside a decode row), then an engine with a small prefill
 // budget (prompts in chunks), prefix reuse of 16-token blocks and pools too small for every
 // request at once (preemption). Returns false on any error (message on stderr).
 bool Workload(mt_model *m, Outcome *o) {
@@ -77,8 +78,26 @@ bool Workload(mt_model *m, Outcome *o) {
         lb.assign(rows.begin() + V, rows.end());
         o->logits.insert(o->logits.end(), rows.begin(), rows.end());
     }
+    // a layered chunk of c beside a's decode rows, one layer a call, until c's prompt completes
+    mt_seq *c = nullptr;
+    if (!info.layered_prefill || mt_seq_new(m, 64, &c, &err)) return fprintf(stderr, "layered: %s\n", err.msg), false;
+    std::vector<int32_t> pc;
+    for (int i = 0; i < 10; i++) pc.push_back((i * 23 + 2) % V);
+    std::vector<float> lc(V);
+    for (int call = 0; mt_seq_len(c) == 0; call++) {
+        if (call == info.n_layers) return fprintf(stderr, "layered: no completion\n"), false;
+        int32_t ta = (int32_t)(std::max_element(la.begin(), la.end()) - la.begin());
+        mt_batch_part lay[2] = { { MT_PART_DECODE, a, &ta, 1, rows.data(), false, nullptr },
+                                 { MT_PART_PREFILL, c, pc.data(), 10, lc.data(), false, nullptr, 1 } };
+        const mt_batch bl = { lay, 2 };
+        if (mt_model_forward(m, &bl, &err)) return fprintf(stderr, "%s\n", err.msg), false;
+        la.assign(rows.begin(), rows.begin() + V);
+        o->logits.insert(o->logits.end(), la.begin(), la.end());
+    }
+    o->logits.insert(o->logits.end(), lc.begin(), lc.end());
     mt_seq_free(a);
     mt_seq_free(b);
+    mt_seq_free(c);
 
     // The engine: 6 requests of 52-62 tokens sharing a 50-token prefix (a kept prefix of 48), 12 new tokens each (past
     // a 64-position page), at most 4 running; pools of 5 pages (too few for 4 such sequences once
