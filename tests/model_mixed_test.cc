@@ -164,7 +164,9 @@ TEST(ModelMixed, LayeredChunksEqualWholeSteps) {
         EXPECT_EQ(MixedRelDiff(la, rla), 0.0) << "call " << call;
         EXPECT_EQ(mt_seq_len(a), 5 + call);
         EXPECT_EQ(mt_seq_len(c), mt_seq_len(b) ? 6 : 0) << "call " << call;
-        if (mt_seq_len(b) == 0) EXPECT_EQ(lb[0], -1.f) << "logits before the last layer, call " << call;
+        if (mt_seq_len(b) == 0) {
+            EXPECT_EQ(lb[0], -1.f) << "logits before the last layer, call " << call;
+        }
         if (call == 1) { /* in flight: refusals change nothing */
             mt_batch_part other[2] = { { MT_PART_DECODE, a, &ta, 1, nullptr, false, nullptr },
                                        { MT_PART_PREFILL, d, pd.data(), 3, nullptr, false, nullptr, 1 } };
