@@ -70,7 +70,6 @@ struct eng_engine {
      * lp_done of the model's layers; no other chunk is planned until they complete. */
     bool lp_active;
     int lp_done;
-    bool lp_plan;                /* the chunks planned now will be layered */
     uint64_t layered_steps;
     /* A greedy step queued and not yet read (run_ahead; mt_model_decode_ahead): its rows' sequences in
      * order, a row NULL once its sequence is freed (compact), and the ticket of its tokens. */
@@ -324,7 +323,6 @@ mt_status eng_submit(eng_engine *e, uint64_t id, const eng_request *req, uint64_
 
 /* ---- ending sequences ---- */
 
-/* Frees the model state, counts, reports. The struct stays until compaction (or the caller frees). */
 /* s leaves the layered chunks in flight (it ended or gave its state back); the model drops it
  * from its group when its sequence is freed. */
 static void lp_drop(eng_engine *e, const eng_seq *s) {
@@ -336,6 +334,7 @@ static void lp_drop(eng_engine *e, const eng_seq *s) {
     e->lp_active = k > 0;
 }
 
+/* Frees the model state, counts, reports. The struct stays until compaction (or the caller frees). */
 static void seq_end(eng_engine *e, eng_seq *s, eng_finish reason, const char *message) {
     MT_ASSERT(!s->done);
     lp_drop(e, s);
@@ -610,6 +609,13 @@ static bool feed_now(eng_engine *e, eng_seq *s, int *budget) {
  * (plan_chunk); false stops the step's prefill work there. */
 static bool plan_chunk(eng_engine *e, eng_seq *s, int *budget);
 
+/* Layers the step's chunks run (mt_batch_part.layers) with `rows` decode and verify rows beside
+ * them: prefill_layers when rows ride along and the model takes layered chunks, else 0 (all). */
+static int lp_layers(const eng_engine *e, int rows) {
+    const int k = e->p.prefill_layers;
+    return rows > 0 && k > 0 && k < e->info.n_layers && e->info.layered_prefill ? k : 0;
+}
+
 static void admit_with(eng_engine *e, eng_feed feed) {
     if (e->holding) {
         requeue_preempted(e);
@@ -617,7 +623,8 @@ static void admit_with(eng_engine *e, eng_feed feed) {
     }
     const int cap = e->p.prefill_budget > 0 ? e->p.prefill_budget : 1;
     int budget0 = sched_pace_budget(&e->pace, e->p.itl_target_ms, e->step_rows, ENG_PACE_FLOOR, cap);
-    if (feed == plan_chunk && e->lp_plan) /* layered chunks and the rows beside them: one pass */
+    /* layered chunks and the rows beside them fit one pass */
+    if (feed == plan_chunk && lp_layers(e, e->pass_rows) > 0)
         budget0 = budget0 < e->info.batch_rows - e->pass_rows ? budget0 : e->info.batch_rows - e->pass_rows;
     else if (feed == plan_chunk)
         budget0 = sched_mixed_budget(budget0, e->pass_rows, e->info.batch_rows, ENG_PACE_FLOOR);
@@ -1101,13 +1108,6 @@ static bool plan_chunk(eng_engine *e, eng_seq *s, int *budget) {
  * follows); they ran some layers and stay in flight (layered prefill). */
 typedef enum { CHUNKS_NONE, CHUNKS_DONE, CHUNKS_FLYING } chunks_ran;
 
-/* Layers the step's chunks run (mt_batch_part.layers) with `rows` decode and verify rows beside
- * them: prefill_layers when rows ride along and the model takes layered chunks, else 0 (all). */
-static int lp_layers(const eng_engine *e, int rows) {
-    const int k = e->p.prefill_layers;
-    return rows > 0 && k > 0 && k < e->info.n_layers && e->info.layered_prefill ? k : 0;
-}
-
 /* The step's decode rows b[0, n) (as decode_running), the verifies of the speculating sequences
  * v[0, nv) (nv <= spec_group; drafted here, as spec_group does) and the chunks
  * admit_with(plan_chunk) plans (or the layered chunks in flight), in one model call, parts in that
@@ -1128,9 +1128,7 @@ static chunks_ran mixed_step(eng_engine *e, eng_seq **b, int n, eng_seq **v, int
     const int layers = lp_layers(e, n + vrows);
     if (!e->lp_active) {
         e->n_chunks = 0;
-        e->lp_plan = layers > 0;
         admit_with(e, plan_chunk);
-        e->lp_plan = false;
     }
     const bool join = e->n_chunks > 0 || (n > 0 && nl > 0);
     if (!join) {

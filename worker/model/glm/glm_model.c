@@ -787,16 +787,17 @@ typedef struct mixed_ctx {
 /* A layered group's rows [n_full, n) between X and m->lp_X: in (to X) the parts that have run
  * layers already, out (to lp_X) those that stay in flight; each part keeps its place in lp_X. */
 static void lp_move(glm_model *m, const glm_mixed_part *p, int np, const glm_lrange *lr, bool in) {
-    const size_t row = sizeof(float) * (size_t)m->cfg.hc_mult * m->cfg.hidden_size;
+    const size_t SH = (size_t)m->cfg.hc_mult * m->cfg.hidden_size;
     for (int i = lr->np_full, r = lr->n_full, off = 0; i < np; r += p[i++].n) {
         glm_seq *s = p[i].s;
         if (!in && lr->l0 == 0) { /* the group starts: its parts in order */
             s->lp_off = off;
             off += p[i].n;
         }
-        float *x = m->X + (size_t)r * (row / sizeof(float)), *y = m->lp_X + (size_t)s->lp_off * (row / sizeof(float));
-        if (in) m->be->ops->copy(m->be, x, y, row * (size_t)p[i].n);
-        else m->be->ops->copy(m->be, y, x, row * (size_t)p[i].n);
+        float *x = m->X + (size_t)r * SH, *y = m->lp_X + (size_t)s->lp_off * SH;
+        const size_t bytes = sizeof(float) * SH * (size_t)p[i].n;
+        if (in) m->be->ops->copy(m->be, x, y, bytes);
+        else m->be->ops->copy(m->be, y, x, bytes);
     }
 }
 
