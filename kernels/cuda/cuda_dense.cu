@@ -131,6 +131,10 @@ typedef struct gemv_params {
     const void *w;   /* [rows, cols] dtype */
     int n, rows, cols;
     int ksplit;      /* GEMV: warps sharing one group of gemv_r(NB) rows (1, 2, 4 or 8) */
+    /* GEMV over an F8E4M3 weight (nw 0 or 1): its row stride cu_fp8_kpad(cols) and its 128 x 128
+     * block scales (cuda_ops.h's layout); other dtypes leave ld 0 (the stride is cols) */
+    int ld;
+    const float *wscale;
     int persist;     /* GEMV: 0, block b takes tile b; 1, the grid is persistent and block b takes
                         the contiguous tiles [b T / grid, (b + 1) T / grid) of the T tiles */
     int ahead;       /* tensor-core GEMV: chunks a warp prefetches into L2 ahead of its loads */
@@ -199,6 +203,7 @@ static __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(const gemv_pa
     };
     pick(t0);
     int row0 = (lt * per_block + warp / ks) * R;
+    const int64_t ld = p.ld > 0 ? p.ld : p.cols;
     cu_wstream<DT, VEC> wr[U][R];
     auto load = [&](int c0) {
 #pragma unroll
@@ -206,7 +211,7 @@ static __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(const gemv_pa
             const int v = (c0 + u * ks) * 32 + lane;
 #pragma unroll
             for (int r = 0; r < R; r++) {
-                if (v < nv && row0 + r < rows) wr[u][r].load(w, (int64_t)(row0 + r) * p.cols + (int64_t)v * V);
+                if (v < nv && row0 + r < rows) cu_wstream_at(wr[u][r], w, p.wscale, row0 + r, ld, (int64_t)v * V);
                 else wr[u][r].zero();
             }
         }
@@ -219,8 +224,8 @@ static __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(const gemv_pa
         const int u = (lane >> 2) / R, r = (lane >> 2) % R, v = (s + u * ks) * 32 + 8 * (lane & 3);
         if (v < nv && row0 + r < rows && (s + u * ks) < nch)
             asm volatile("prefetch.global.L2 [%0];" ::"l"((const char *)w +
-                                                          ((int64_t)(row0 + r) * p.cols + (int64_t)v * V) *
-                                                              (DT == MT_F32 ? 4 : 2)));
+                                                          ((int64_t)(row0 + r) * ld + (int64_t)v * V) *
+                                                              (DT == MT_F32 ? 4 : DT == MT_F8E4M3 ? 1 : 2)));
     }
     load(s);
     cu_pdl_wait(); /* x is the previous kernel's output */
@@ -240,18 +245,39 @@ static __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(const gemv_pa
             for (int u = 0; u < U; u++) {
                 const int v = (c0 + u * ks) * 32 + lane;
                 if (v >= nv) continue;
-                float wf[R][V];
+                if constexpr (DT == MT_F8E4M3 && VEC) {
+                    /* 16 codes a load: dequantised and used 4 at a time, so that the R x 16
+                     * weights never sit in registers at once; the same products, in the same order */
 #pragma unroll
-                for (int r = 0; r < R; r++) wr[u][r].get(wf[r]);
+                    for (int q = 0; q < 4; q++) {
+                        float wf[R][4];
 #pragma unroll
-                for (int i = 0; i < NB; i++) {
-                    if (i >= p.n) break;
-                    float xv[V];
-                    cu_xload_ro<V>(p.x + (int64_t)i * p.cols + (int64_t)v * V, xv);
+                        for (int r = 0; r < R; r++) wr[u][r].get4(q, wf[r]);
 #pragma unroll
-                    for (int r = 0; r < R; r++)
+                        for (int i = 0; i < NB; i++) {
+                            if (i >= p.n) break;
+                            float xv[4];
+                            cu_xload_ro<4>(p.x + (int64_t)i * p.cols + (int64_t)v * V + 4 * q, xv);
 #pragma unroll
-                        for (int j = 0; j < V; j++) acc[r][i] = fmaf(wf[r][j], xv[j], acc[r][i]);
+                            for (int r = 0; r < R; r++)
+#pragma unroll
+                                for (int j = 0; j < 4; j++) acc[r][i] = fmaf(wf[r][j], xv[j], acc[r][i]);
+                        }
+                    }
+                } else {
+                    float wf[R][V];
+#pragma unroll
+                    for (int r = 0; r < R; r++) wr[u][r].get(wf[r]);
+#pragma unroll
+                    for (int i = 0; i < NB; i++) {
+                        if (i >= p.n) break;
+                        float xv[V];
+                        cu_xload_ro<V>(p.x + (int64_t)i * p.cols + (int64_t)v * V, xv);
+#pragma unroll
+                        for (int r = 0; r < R; r++)
+#pragma unroll
+                            for (int j = 0; j < V; j++) acc[r][i] = fmaf(wf[r][j], xv[j], acc[r][i]);
+                    }
                 }
             }
         }
@@ -443,11 +469,12 @@ template <mt_dtype DT> static mt_status gemv_launch_dt(gemv_params *p, bool vec,
 
 /* 16-byte loads need cols to be a whole number of them and aligned bases. */
 static mt_status gemv_launch(gemv_params *p, mt_dtype dt, int n_sm, cudaStream_t s) {
-    const int vn = dt == MT_F32 ? 4 : 8;
+    const int vn = dt == MT_F32 ? 4 : dt == MT_F8E4M3 ? 16 : 8;
     const bool vec = p->cols % vn == 0 && cu_aligned16(p->w) && cu_aligned16(p->x);
     switch (dt) {
     case MT_F32: return gemv_launch_dt<MT_F32>(p, vec, n_sm, s);
     case MT_F16: return gemv_launch_dt<MT_F16>(p, vec, n_sm, s);
+    case MT_F8E4M3: return gemv_launch_dt<MT_F8E4M3>(p, vec, n_sm, s);
     default: return gemv_launch_dt<MT_BF16>(p, vec, n_sm, s);
     }
 }
@@ -1055,6 +1082,14 @@ static mt_status matmul_tc(cu_backend *cb, float *const *y, const float *x, cons
             st = cu_gemm_tc(cb, y[j], x16 + part * (size_t)t, w[j]->data, w[j]->dtype, n, (int)w[j]->rows, K,
                             t ? 1.f : 0.f);
     return st;
+}
+
+extern "C" mt_status cu_gemv_f8(cu_backend *cb, float *y, const float *x, const mt_weight *w, int n) {
+    MT_ASSERT(w->dtype == MT_F8E4M3 && w->scale && n >= 0 && n <= GEMV_MAX_N);
+    MT_ASSERT(w->rows <= INT_MAX && cu_fp8_kpad(w->cols) <= INT_MAX);
+    if (n == 0 || w->rows == 0) return MT_OK;
+    gemv_params p = {y, x, w->data, n, (int)w->rows, (int)w->cols, 1, (int)cu_fp8_kpad(w->cols), w->scale};
+    return gemv_launch(&p, MT_F8E4M3, cb->n_sm, cb->stream);
 }
 
 static void cu_matmul(mt_backend *be, float *y, const float *x, const mt_weight *w, int n) {

@@ -1,9 +1,9 @@
 /* kernels/cuda/cuda_fp8.cu: block-scaled FP8 weights (cuda_ops.h, "Block-scaled FP8 weights"):
  * weight_fp8 keeps a checkpoint's e4m3 weight and its 128 x 128 block scales on the device
  * (weight_fp8_from makes one from a float weight on the device, for benchmarks), and
- * cu_fp8_matmul multiplies by it: decode-sized row counts on a GEMV that dequantises the weight in
- * registers (half the bytes of bf16, fp32 activations), prefill on Hopper's FP8 tensor cores
- * through cuBLASLt's block scaling (activations quantised here to e4m3 per 1 x 128 block). For the
+ * cu_fp8_matmul multiplies by it: decode-sized row counts on the dense GEMV (cuda_dense.cu),
+ * which dequantises the weight in registers (half the bytes of bf16, fp32 activations), prefill
+ * on Hopper's FP8 tensor cores through cuBLASLt's block scaling (activations quantised here to e4m3 per 1 x 128 block). For the
  * routed experts' prefill (cuda_moe.cu) it quantises rows grouped by expert into per-expert
  * segments (cu_fp8_quant_rows) and runs a GEMM on an already quantised segment (cu_fp8_gemm_q). */
 #include <cublasLt.h>
@@ -17,7 +17,6 @@
 
 enum {
     FP8_BLK = 128,           /* block edge of the weight scales and of the activation scales */
-    FP8_GEMV_THREADS = 256,  /* 8 warps: a warp per weight row */
     FP8_Q_THREADS = 256,     /* 8 warps: a warp per (row, 128-block) of the activations */
     FP8_WIDEN_THREADS = 256,
     FP8_PLANS = 256,         /* cached cuBLASLt plans (shape, output type): a model's projections at
@@ -26,12 +25,6 @@ enum {
 
 /* The largest finite e4m3 value: an activation block's amax maps to it. */
 #define FP8_E4M3_MAX 448.0f
-
-static __device__ __forceinline__ float fp8_f32(uint32_t b) {
-    __nv_fp8_e4m3 v;
-    v.__x = (__nv_fp8_storage_t)(b & 0xffu);
-    return (float)v;
-}
 
 /* ================================ weight_fp8 ================================ */
 
@@ -156,85 +149,14 @@ fail:
 
 /* ================================ GEMV (few rows) ================================ */
 
-typedef struct fp8_gemv_params {
-    float *y;            /* [n, N] fp32 */
-    const float *x;      /* [n, K] fp32 */
-    const uint8_t *w;    /* [N, kp] e4m3 */
-    const float *s;      /* [rpad(N) / 128, kp / 128] fp32 */
-    int n, N, K, kp;
-} fp8_gemv_params;
-
-/* A warp per weight row r: each lane takes 16 bytes (16 weights, within one 128-block) at a time,
- * multiplies them by their block's scale, and accumulates them against the NB rows of x; the
- * warp's sums go to y[m, r]. The product per weight, e4m3 * scale in fp32, is the one the host's
- * dequantisation rounds to bf16 (st_dequant_fp8): here it is not rounded. */
-template <int NB> static __global__ void __launch_bounds__(FP8_GEMV_THREADS) fp8_gemv_kernel(const fp8_gemv_params p) {
-    const int lane = threadIdx.x & 31;
-    const int r = blockIdx.x * (FP8_GEMV_THREADS / 32) + (threadIdx.x >> 5);
-    if (r >= p.N) return;
-    const uint8_t *wr = p.w + (int64_t)r * p.kp;
-    const float *sr = p.s + (int64_t)(r / FP8_BLK) * (p.kp / FP8_BLK);
-    float acc[NB];
-#pragma unroll
-    for (int m = 0; m < NB; m++) acc[m] = 0.f;
-    for (int k0 = lane * 16; k0 < p.K; k0 += 32 * 16) {
-        const uint4 u = __ldg((const uint4 *)(wr + k0)); /* kp % 512 == 0: never past the row */
-        const float sc = __ldg(sr + k0 / FP8_BLK);
-        const uint32_t q[4] = {u.x, u.y, u.z, u.w};
-        float wf[16];
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-#pragma unroll
-            for (int b = 0; b < 4; b++) wf[4 * j + b] = fp8_f32(q[j] >> (8 * b)) * sc;
-        const int e_end = p.K - k0 < 16 ? p.K - k0 : 16;
-#pragma unroll
-        for (int m = 0; m < NB; m++) {
-            const float *xr = p.x + (int64_t)m * p.K + k0;
-            if (e_end == 16) {
-#pragma unroll
-                for (int e = 0; e < 16; e++) acc[m] += wf[e] * __ldg(xr + e);
-            } else {
-                for (int e = 0; e < e_end; e++) acc[m] += wf[e] * __ldg(xr + e);
-            }
-        }
-    }
-#pragma unroll
-    for (int m = 0; m < NB; m++) {
-        const float v = cu_warp_sum(acc[m]);
-        if (lane == 0) p.y[(int64_t)m * p.N + r] = v;
-    }
-}
-
-template <int NB> static void fp8_gemv_launch_nb(const fp8_gemv_params *p, cudaStream_t s) {
-    const unsigned blocks = (unsigned)((p->N + FP8_GEMV_THREADS / 32 - 1) / (FP8_GEMV_THREADS / 32));
-    fp8_gemv_kernel<NB><<<blocks, FP8_GEMV_THREADS, 0, s>>>(*p);
-}
-
+/* Runs of CU_FP8_GEMV_MAX_N rows on the dense GEMV (cu_gemv_f8), each reading the whole weight. */
 extern "C" mt_status cu_fp8_gemv(cu_backend *cb, float *y, const float *x, const mt_weight *w, int n) {
     MT_ASSERT(w->dtype == MT_F8E4M3 && w->scale && n >= 0);
     MT_ASSERT(w->rows <= INT32_MAX && cu_fp8_kpad(w->cols) <= INT32_MAX);
-    if (n == 0 || w->rows == 0) return MT_OK;
-    fp8_gemv_params p = {};
-    p.w = (const uint8_t *)w->data;
-    p.s = w->scale;
-    p.N = (int)w->rows;
-    p.K = (int)w->cols;
-    p.kp = (int)cu_fp8_kpad(w->cols);
     for (int m0 = 0; m0 < n; m0 += CU_FP8_GEMV_MAX_N) {
-        p.n = n - m0 < CU_FP8_GEMV_MAX_N ? n - m0 : CU_FP8_GEMV_MAX_N;
-        p.x = x + (int64_t)m0 * p.K;
-        p.y = y + (int64_t)m0 * p.N;
-        switch (p.n) {
-        case 1: fp8_gemv_launch_nb<1>(&p, cb->stream); break;
-        case 2: fp8_gemv_launch_nb<2>(&p, cb->stream); break;
-        case 3: fp8_gemv_launch_nb<3>(&p, cb->stream); break;
-        case 4: fp8_gemv_launch_nb<4>(&p, cb->stream); break;
-        case 5: fp8_gemv_launch_nb<5>(&p, cb->stream); break;
-        case 6: fp8_gemv_launch_nb<6>(&p, cb->stream); break;
-        case 7: fp8_gemv_launch_nb<7>(&p, cb->stream); break;
-        default: fp8_gemv_launch_nb<8>(&p, cb->stream); break;
-        }
-        MT_CUDA_CHECK_LAUNCH();
+        const int k = n - m0 < CU_FP8_GEMV_MAX_N ? n - m0 : CU_FP8_GEMV_MAX_N;
+        const mt_status st = cu_gemv_f8(cb, y + (int64_t)m0 * w->rows, x + (int64_t)m0 * w->cols, w, k);
+        if (st != MT_OK) return st;
     }
     return MT_OK;
 }

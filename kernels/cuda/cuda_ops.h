@@ -193,6 +193,9 @@ void cu_fp8_matmul(mt_backend *be, float *y, const float *x, const mt_weight *w,
  *     cuBLASLt has no algorithm for the shape; MT_ERR_BACKEND after logging a failed call. Uses
  *     CU_SCRATCH_GEMM. */
 mt_status cu_fp8_gemv(cu_backend *cb, float *y, const float *x, const mt_weight *w, int n);
+/* cu_fp8_gemv's kernel: cuda_dense.cu's GEMV (R weight rows a warp share each x load) over an
+ * F8E4M3 weight, n <= CU_FP8_GEMV_MAX_N. */
+mt_status cu_gemv_f8(cu_backend *cb, float *y, const float *x, const mt_weight *w, int n);
 mt_status cu_fp8_gemm_lt(cu_backend *cb, float *y, const float *x, const mt_weight *w, int n);
 /* The routed experts' FP8 GEMMs (cuda_moe.cu, moe_experts_fp8_lt), rows grouped by expert:
  *   cu_fp8_quant_rows: rows [nrows] of e4m3 activations q [nrows, kpad(K)] with 1 x 128 block
@@ -482,6 +485,10 @@ template <> struct cu_wstream<MT_F8E4M3, true> {
         s = __ldg(sp);
     }
     __device__ __forceinline__ void zero() { u = make_uint4(0u, 0u, 0u, 0u); s = 0.f; }
+    /* codes 4q .. 4q + 3 */
+    __device__ __forceinline__ void get4(int q, float (&f)[4]) const {
+        cu_f8x4_f32(q == 0 ? u.x : q == 1 ? u.y : q == 2 ? u.z : u.w, s, f);
+    }
     __device__ __forceinline__ void get(float (&f)[V]) const {
         cu_f8x4_f32(u.x, s, f);
         cu_f8x4_f32(u.y, s, f + 4);
