@@ -381,7 +381,7 @@ static int decode_rank(bench_rank *r, void *user) {
             printf("| prefill %4d tokens (FP8 weights) against that FP8 rate | %5.1f TFLOP/s | %5.2f%% of %.1f TFLOP/s |\n",
                    plens[k], pf_tps[k] / plens[k] * pf_flops[k] / 1e12, 100 * pf_fp8_frac[k],
                    pf_fp8_flops[k] / (pf_fp8_ms[k] * 1e9));
-        else if (tp == 1)
+        else if (tp == 1 && !(pf_fp8_ms[k] > 0))
             printf("| prefill %4d tokens: cuBLASLt block-scaled FP8 on the same shapes | n/a | no algorithm or a "
                    "failed call |\n", plens[k]);
     }
