@@ -174,7 +174,7 @@ typedef struct gemv_params {
  * source). */
 template <mt_dtype DT, int NB, bool VEC>
 static __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(const gemv_params p) {
-    constexpr int R = gemv_r(NB), U = GEMV_LOADS / R, V = cu_wstream<DT, VEC>::V;
+    constexpr int R = gemv_r(NB), U = GEMV_LOADS / R, V = cu_wstream<DT, VEC>::V, W = cu_wstream<DT, VEC>::W;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int ks = p.ksplit, per_block = GEMV_WARPS / ks, s = warp % ks;
     const int nv = p.cols / V, nch = (nv + 31) >> 5;
@@ -245,38 +245,22 @@ static __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(const gemv_pa
             for (int u = 0; u < U; u++) {
                 const int v = (c0 + u * ks) * 32 + lane;
                 if (v >= nv) continue;
-                if constexpr (DT == MT_F8E4M3 && VEC) {
-                    /* 16 codes a load: dequantised and used 4 at a time, so that the R x 16
-                     * weights never sit in registers at once; the same products, in the same order */
+                /* in pieces of W elements: e4m3 loads hold 16 codes, dequantised 4 at a time so that
+                 * the R x 16 weights never sit in registers at once; other dtypes take one piece */
 #pragma unroll
-                    for (int q = 0; q < 4; q++) {
-                        float wf[R][4];
+                for (int q = 0; q < V / W; q++) {
+                    float wf[R][W];
 #pragma unroll
-                        for (int r = 0; r < R; r++) wr[u][r].get4(q, wf[r]);
-#pragma unroll
-                        for (int i = 0; i < NB; i++) {
-                            if (i >= p.n) break;
-                            float xv[4];
-                            cu_xload_ro<4>(p.x + (int64_t)i * p.cols + (int64_t)v * V + 4 * q, xv);
-#pragma unroll
-                            for (int r = 0; r < R; r++)
-#pragma unroll
-                                for (int j = 0; j < 4; j++) acc[r][i] = fmaf(wf[r][j], xv[j], acc[r][i]);
-                        }
-                    }
-                } else {
-                    float wf[R][V];
-#pragma unroll
-                    for (int r = 0; r < R; r++) wr[u][r].get(wf[r]);
+                    for (int r = 0; r < R; r++) wr[u][r].get_piece(q, wf[r]);
 #pragma unroll
                     for (int i = 0; i < NB; i++) {
                         if (i >= p.n) break;
-                        float xv[V];
-                        cu_xload_ro<V>(p.x + (int64_t)i * p.cols + (int64_t)v * V, xv);
+                        float xv[W];
+                        cu_xload_ro<W>(p.x + (int64_t)i * p.cols + (int64_t)v * V + W * q, xv);
 #pragma unroll
                         for (int r = 0; r < R; r++)
 #pragma unroll
-                            for (int j = 0; j < V; j++) acc[r][i] = fmaf(wf[r][j], xv[j], acc[r][i]);
+                            for (int j = 0; j < W; j++) acc[r][i] = fmaf(wf[r][j], xv[j], acc[r][i]);
                     }
                 }
             }

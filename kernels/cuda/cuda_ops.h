@@ -429,7 +429,7 @@ template <mt_dtype DT> static __device__ __forceinline__ uint16_t cu_bits16(floa
  * rereads); else one element. Zero when out of range. */
 template <mt_dtype DT, bool VEC> struct cu_wstream;
 template <mt_dtype DT> struct cu_wstream<DT, true> {
-    static constexpr int V = cu_wvec<DT>::n;
+    static constexpr int V = cu_wvec<DT>::n, W = V; /* W: the elements get_piece gives (all V) */
     uint4 u;
     __device__ __forceinline__ void load(const void *w, int64_t i) {
         const char *a = (const char *)w + i * (DT == MT_F32 ? 4 : 2);
@@ -438,6 +438,7 @@ template <mt_dtype DT> struct cu_wstream<DT, true> {
                      : "l"(a));
     }
     __device__ __forceinline__ void zero() { u = make_uint4(0u, 0u, 0u, 0u); }
+    __device__ __forceinline__ void get_piece(int, float (&f)[W]) const { get(f); }
     __device__ __forceinline__ void get(float (&f)[V]) const {
         const uint32_t q[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
@@ -455,11 +456,12 @@ template <mt_dtype DT> struct cu_wstream<DT, true> {
     }
 };
 template <mt_dtype DT> struct cu_wstream<DT, false> {
-    static constexpr int V = 1;
+    static constexpr int V = 1, W = 1;
     float v;
     __device__ __forceinline__ void load(const void *w, int64_t i) { v = cu_wget<DT>(w, i); }
     __device__ __forceinline__ void zero() { v = 0.f; }
     __device__ __forceinline__ void get(float (&f)[1]) const { f[0] = v; }
+    __device__ __forceinline__ void get_piece(int, float (&f)[1]) const { f[0] = v; }
 };
 
 /* e4m3 weights (F8E4M3, the block-scaled layout above): 16 e4m3 codes a 16-byte load (VEC; i a
@@ -474,7 +476,7 @@ static __device__ __forceinline__ void cu_f8x4_f32(uint32_t q, float s, float *f
     f[0] = a.x * s; f[1] = a.y * s; f[2] = b.x * s; f[3] = b.y * s;
 }
 template <> struct cu_wstream<MT_F8E4M3, true> {
-    static constexpr int V = 16;
+    static constexpr int V = 16, W = 4; /* get_piece: 4 codes at a time */
     uint4 u;
     float s;
     __device__ __forceinline__ void load(const void *w, int64_t i, const float *sp) {
@@ -486,7 +488,7 @@ template <> struct cu_wstream<MT_F8E4M3, true> {
     }
     __device__ __forceinline__ void zero() { u = make_uint4(0u, 0u, 0u, 0u); s = 0.f; }
     /* codes 4q .. 4q + 3 */
-    __device__ __forceinline__ void get4(int q, float (&f)[4]) const {
+    __device__ __forceinline__ void get_piece(int q, float (&f)[W]) const {
         cu_f8x4_f32(q == 0 ? u.x : q == 1 ? u.y : q == 2 ? u.z : u.w, s, f);
     }
     __device__ __forceinline__ void get(float (&f)[V]) const {
@@ -497,7 +499,7 @@ template <> struct cu_wstream<MT_F8E4M3, true> {
     }
 };
 template <> struct cu_wstream<MT_F8E4M3, false> {
-    static constexpr int V = 1;
+    static constexpr int V = 1, W = 1;
     float v;
     __device__ __forceinline__ void load(const void *w, int64_t i, const float *sp) {
         __nv_fp8_e4m3 b;
@@ -506,6 +508,7 @@ template <> struct cu_wstream<MT_F8E4M3, false> {
     }
     __device__ __forceinline__ void zero() { v = 0.f; }
     __device__ __forceinline__ void get(float (&f)[1]) const { f[0] = v; }
+    __device__ __forceinline__ void get_piece(int, float (&f)[1]) const { f[0] = v; }
 };
 
 /* Loads a weight's elements from (row, col) on into st: data w with row stride ld (elements); for an
