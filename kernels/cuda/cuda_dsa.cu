@@ -1115,12 +1115,13 @@ static __host__ __device__ size_t mlat_smem_bytes(int nw) {
            2 * (size_t)2 * MLAT_HB * MLAT_LDS + sizeof(float) * MLAT_HB;
 }
 
-/* lat16 [T, 2, kvl]: row r is (hi, lo) of position r's latent row, gathered from the pages through
- * bt (so the attend kernel reads lat16 by position, contiguous). One thread per 4 values (kvl % 4
- * == 0: every latent row is 16-byte aligned in an aligned pool). */
+/* lat16 [T, terms, kvl]: row r is (hi, lo) of position r's latent row (terms 2), or hi alone
+ * (terms 1), gathered from the pages through bt (so the attend kernel reads lat16 by position,
+ * contiguous). One thread per 4 values (kvl % 4 == 0: every latent row is 16-byte aligned in an
+ * aligned pool). */
 static __global__ void __launch_bounds__(MLAT_SPLIT_THREADS) mla_split_kernel(__nv_bfloat16 *lat16,
                                                                               mt_paged latent, const int32_t *bt,
-                                                                              int64_t count, int kvl) {
+                                                                              int64_t count, int kvl, int terms) {
     const int64_t e = ((int64_t)blockIdx.x * MLAT_SPLIT_THREADS + threadIdx.x) * 4;
     if (e >= count) return;
     const int64_t r = e / kvl;
@@ -1130,8 +1131,8 @@ static __global__ void __launch_bounds__(MLAT_SPLIT_THREADS) mla_split_kernel(__
     uint2 hi, lo;
     cu_split_bf16x2(v.x, v.y, &hi.x, &lo.x);
     cu_split_bf16x2(v.z, v.w, &hi.y, &lo.y);
-    *(uint2 *)(lat16 + (size_t)r * 2 * kvl + c) = hi;
-    *(uint2 *)(lat16 + (size_t)r * 2 * kvl + kvl + c) = lo;
+    *(uint2 *)(lat16 + (size_t)r * terms * kvl + c) = hi;
+    if (terms == 2) *(uint2 *)(lat16 + (size_t)r * 2 * kvl + kvl + c) = lo;
 }
 
 /* Four 8x8 bf16 matrices; lane l gives the address of row l % 8 of matrix l / 8. */
@@ -1438,6 +1439,8 @@ static __global__ void __launch_bounds__(NW * 32, 1) mla_attend_tc_kernel(mla_de
  * prologue and epilogue.) It replaced a mma.sync kernel of 64 x 64 tiles that converted A on the
  * way in: 4096-token prefill of bench-4L on the H200, absorb 1.33 -> 1.09 ms, output 1.29 ->
  * 1.00 ms (H200) as two GEMMs.
+ * With one part (p.terms 1: the default numerics on the wgmma attend) A16 [nb * Hq][K] is A
+ * rounded once and B is kv_b itself (no W2): C = hi B over K.
  * The output's A is the merged, normalised latent output, split as it is merged
  * (mla_merge_split_kernel), or written so by the attend itself (p.o16).
  * cuBLAS is column-major: row-major C_h [nb, N] (ldc) is C_h^T [N, nb]; A16_h [nb, 2K] (lda) is
@@ -1471,10 +1474,15 @@ static __global__ void __launch_bounds__(MLAD_THREADS) mla_dup_kernel(mla_gemm_b
     }
 }
 
-/* Carves CU_SCRATCH_GEMM for passes of up to nb_max rows and makes W2 (once a call). */
+/* Carves CU_SCRATCH_GEMM for passes of up to nb_max rows and makes W2 (once a call; two parts only). */
 static mt_status mla_gemm_prep(mt_backend *be, const mla_dev_params *p, int nb_max, mla_gemm_buf *g) {
     const size_t k = (size_t)(p->dn > p->kvl ? p->dn : p->kvl);
-    const size_t a_b = cu_align_up(sizeof(__nv_bfloat16) * (size_t)nb_max * p->Hq * 2 * k, 256);
+    const size_t a_b = cu_align_up(sizeof(__nv_bfloat16) * (size_t)nb_max * p->Hq * p->terms * k, 256);
+    if (p->terms == 1) {
+        g->a16 = (__nv_bfloat16 *)cu_scratch(be, CU_SCRATCH_GEMM, a_b);
+        g->wk2 = g->wv2 = NULL;
+        return g->a16 ? MT_OK : MT_ERR_NOMEM; /* logged */
+    }
     const size_t wk_b = cu_align_up(sizeof(__nv_bfloat16) * (size_t)p->Hq * 2 * p->dn * p->kvl, 256);
     const size_t wv_b = sizeof(__nv_bfloat16) * (size_t)p->Hq * p->dv * 2 * p->kvl;
     char *buf = (char *)cu_scratch(be, CU_SCRATCH_GEMM, a_b + wk_b + wv_b);
@@ -1487,25 +1495,27 @@ static mt_status mla_gemm_prep(mt_backend *be, const mla_dev_params *p, int nb_m
     return MT_OK;
 }
 
-/* C = (hi + lo) B per head: one GEMM over K' = 2K (see above). */
+/* C = (hi + lo) B per head: one GEMM over K' = 2K (see above); with one part C = hi B, B read
+ * from kv_b (head h's W_k at rows h (dn + dv), its W_v dn rows on). */
 static mt_status mla_gemm_blas(mt_backend *be, const mla_dev_params *b, bool output, const mla_gemm_buf *g) {
     cu_backend *cb = (cu_backend *)be;
-    const int nb = b->nb, Hq = b->Hq, K = output ? b->kvl : b->dn, N = output ? b->dv : b->kvl;
-    const __nv_bfloat16 *w = output ? g->wv2 : g->wk2;
-    const int ldw = output ? 2 * b->kvl : b->kvl;
-    const long long w_h = 2LL * K * N; /* a head's W2 */
+    const int nb = b->nb, Hq = b->Hq, K = output ? b->kvl : b->dn, N = output ? b->dv : b->kvl, T = b->terms;
+    const __nv_bfloat16 *kvb = (const __nv_bfloat16 *)b->kv_b;
+    const __nv_bfloat16 *w = T == 2 ? (output ? g->wv2 : g->wk2) : output ? kvb + (size_t)b->dn * b->kvl : kvb;
+    const int ldw = output ? T * b->kvl : b->kvl;
+    const long long w_h = T == 2 ? 2LL * K * N : (long long)(b->dn + b->dv) * b->kvl; /* a head's W2, or kv_b rows */
     float *c = output ? b->out : b->qa;
     const float one = 1.f, zero = 0.f;
-    MT_CUBLAS_CHECK(cublasGemmStridedBatchedEx(cb->blas, output ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, N, nb, 2 * K,
-                                               &one, w, CUDA_R_16BF, ldw, w_h, g->a16, CUDA_R_16BF, Hq * 2 * K, 2 * K,
+    MT_CUBLAS_CHECK(cublasGemmStridedBatchedEx(cb->blas, output ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, N, nb, T * K,
+                                               &one, w, CUDA_R_16BF, ldw, w_h, g->a16, CUDA_R_16BF, Hq * T * K, T * K,
                                                &zero, c, CUDA_R_32F, Hq * N, N, Hq, CUBLAS_COMPUTE_32F,
                                                CUBLAS_GEMM_DEFAULT));
     return MT_OK;
 }
 
 /* ol[i, h, :] = the splits of (row i, head h) merged and normalised, exactly as
- * mla_output_kernel merges them, written straight as the output GEMM's bf16 hi and lo parts
- * (a16 [nb * Hq][2 kvl], (hi | lo) a row): no fp32 ol and no split pass over it. Block = (head h, row i); a
+ * mla_output_kernel merges them, written straight as the output GEMM's bf16 parts
+ * (a16 [nb * Hq][terms kvl], (hi | lo) or hi a row): no fp32 ol and no split pass over it. Block = (head h, row i); a
  * thread takes column pairs (8-byte loads of the partial sums: their rows are kvl + 2 floats;
  * kvl is 256 or 512 on this path). */
 static __global__ void __launch_bounds__(MLAG_THREADS) mla_merge_split_kernel(mla_dev_params p,
@@ -1517,7 +1527,7 @@ static __global__ void __launch_bounds__(MLAG_THREADS) mla_merge_split_kernel(ml
     for (int s = 0; s < ns; s++) M = fmaxf(M, pb[s * rs]);
     for (int s = 0; s < ns; s++) L += expf(pb[s * rs] - M) * pb[s * rs + 1];
     const float inv = 1.f / L;
-    __nv_bfloat16 *hi = a16 + ((size_t)i * p.Hq + h) * 2 * kvl, *lo = hi + kvl;
+    __nv_bfloat16 *hi = a16 + ((size_t)i * p.Hq + h) * p.terms * kvl, *lo = hi + kvl;
     for (int c = 2 * threadIdx.x; c < kvl; c += 2 * MLAG_THREADS) {
         float a0 = 0.f, a1 = 0.f;
         for (int s = 0; s < ns; s++) {
@@ -1526,7 +1536,10 @@ static __global__ void __launch_bounds__(MLAG_THREADS) mla_merge_split_kernel(ml
             a0 += e * v.x;
             a1 += e * v.y;
         }
-        cu_split_bf16x2(a0 * inv, a1 * inv, (uint32_t *)(hi + c), (uint32_t *)(lo + c));
+        uint32_t vh, vl;
+        cu_split_bf16x2(a0 * inv, a1 * inv, &vh, &vl);
+        *(uint32_t *)(hi + c) = vh;
+        if (p.terms == 2) *(uint32_t *)(lo + c) = vl;
     }
 }
 
@@ -1585,6 +1598,9 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
     const bool wide = !tc && n > 1 && shape32 && wide_smem <= lim;
     /* with it, the absorb and output through cuBLAS (mla_gemm_blas) when kv_b is bf16 */
     const bool tcg = tc && p->kv_dtype == MT_BF16 && cu_aligned16(p->kv_b); /* mla_dup_kernel's 16-byte loads */
+    /* the parts of the tensor-core operands: one (as mla_setup's caller chose) only on the wgmma
+     * attend with the cuBLAS absorb and output; two on the others */
+    if (!wgk || !tcg) p->terms = 2;
     mla_plan(be, p, nb_max, rows_max, wide || tc); /* MLAT_HB == MLAW_HB: the same plan */
     /* scratch: [lat16 (tc only): (t0+n) * kvl floats of room] [qa] [part]; lat16 first keeps qa
      * and part where they were, 16-byte aligned */
@@ -1601,7 +1617,7 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
         const int64_t blocks = (count / 4 + MLAT_SPLIT_THREADS - 1) / MLAT_SPLIT_THREADS;
         if (blocks > 0) {
             mla_split_kernel<<<(unsigned)blocks, MLAT_SPLIT_THREADS, 0, cu_stream(be)>>>(
-                (__nv_bfloat16 *)scratch, p->latent, p->bt, count, p->kvl);
+                (__nv_bfloat16 *)scratch, p->latent, p->bt, count, p->kvl, p->terms);
             cu_check_launch(be, "mla_sparse (split)");
         }
     }
@@ -1650,7 +1666,7 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
         b.o16 = NULL;
         if (tcg) {
             if (p->nsplit == 1) b.o16 = gb.a16; /* the attend writes the output GEMM's A itself */
-            if ((st = cu_split16(gb.a16, b.q, NULL, (int64_t)b.nb * p->Hq, p->dn, MT_BF16, 2, true, cu_stream(be))) != MT_OK ||
+            if ((st = cu_split16(gb.a16, b.q, NULL, (int64_t)b.nb * p->Hq, p->dn, MT_BF16, p->terms, true, cu_stream(be))) != MT_OK ||
                 (st = mla_gemm_blas(be, &b, false, &gb)) != MT_OK)
                 return st;
         } else if (dec1) {
@@ -1715,6 +1731,7 @@ static mla_dev_params mla_setup(float *out, const float *q, mt_paged latent, con
     dp.t0_dev = pos_rows ? NULL : p->t0_dev;
     dp.pos_rows = pos_rows;
     dp.bt_rows = bt_rows;
+    dp.terms = 2;
     dp.lat16 = NULL;
     dp.o16 = NULL;
     dp.t_cap = p->t_cap;
@@ -1733,6 +1750,9 @@ static void cu_mla_sparse(mt_backend *be, float *out, const float *q, mt_paged l
                           const mt_weight *kv_b, const int32_t *sel, const int32_t *nsel,
                           int max_sel, int t0, int n, const mt_mla_params *p) {
     mla_dev_params dp = mla_setup(out, q, latent, bt, kv_b, sel, nsel, max_sel, t0, n, p, NULL, NULL);
+    /* the backend's rounding for kv_b's class (the wgmma attend only: mla_sparse_launch) */
+    const cu_backend *cb = (const cu_backend *)be;
+    if (cb->tc_terms == 1 && !(cb->params.exact_classes >> kv_b->cls & 1u)) dp.terms = 1;
     if (n == 0) return;
     cu_op_status(be, "mla_sparse", mla_sparse_launch(be, &dp, n));
 }

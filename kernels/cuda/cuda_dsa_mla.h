@@ -31,11 +31,15 @@ typedef struct mla_dev_params {
      * table is bt_rows[i] (device tables [nb] of this batch); t0, t0_dev and bt are then unused */
     const int32_t *pos_rows;
     const int32_t *const *bt_rows;
-    /* tensor-core attend (prefill, eager, one sequence): the latent rows of positions [0, t0+n)
-     * gathered from the pages and split into bf16 hi, lo, in scratch */
-    const __nv_bfloat16 *lat16; /* [t0+n, 2, kvl]: row r = (hi, lo) of position r's latent row */
+    /* tensor-core attend (prefill, eager, one sequence): the bf16 parts every fp32 operand enters
+     * the tensor cores as: 2 (x ~ hi + lo, the exact mode) or 1 (x rounded once: the backend's
+     * MT_NUMERICS_BF16, on the wgmma attend only; mla_attend_tc_kernel always takes 2) */
+    int terms;
+    /* the latent rows of positions [0, t0+n) gathered from the pages and split into bf16 parts,
+     * in scratch */
+    const __nv_bfloat16 *lat16; /* [t0+n, terms, kvl]: row r = (hi[, lo]) of position r's latent row */
     /* with the absorb/output through cuBLAS and one split: the attend writes its normalised
-     * output straight as the output GEMM's bf16 parts [nb * Hq][2 kvl] (no part, no merge) */
+     * output straight as the output GEMM's bf16 parts [nb * Hq][terms * kvl] (no part, no merge) */
     __nv_bfloat16 *o16;
 } mla_dev_params;
 

@@ -90,6 +90,7 @@ static __device__ __forceinline__ void mw_positions(int (&pos)[MW_R / 4], const 
 /* cp.async of this CTA's 256 columns (from c0) of the split latent rows at pos into a stage; rows
  * without a position are zeroed instead (P is 0 there, and 0 times stale data may be NaN). Thread
  * wt copies 16-byte unit wt % 32 (chunk u / 8) of rows wt / 32 + 4 k of both parts. */
+template <int TERMS>
 static __device__ __forceinline__ void mw_stage(uint8_t *dst, const __nv_bfloat16 *lat16, const int (&pos)[MW_R / 4],
                                                 int c0, int wt) {
     const int u = wt & 31;
@@ -98,16 +99,17 @@ static __device__ __forceinline__ void mw_stage(uint8_t *dst, const __nv_bfloat1
         const int r = (wt >> 5) + 4 * k;
         uint8_t *d = dst + (u >> 3) * MW_T_CHUNK + r * 128 + (((u & 7) ^ (r & 7)) << 4);
         if (pos[k] >= 0) {
-            const __nv_bfloat16 *src = lat16 + (size_t)pos[k] * 2 * MW_KVL + c0 + 8 * u;
+            const __nv_bfloat16 *src = lat16 + (size_t)pos[k] * TERMS * MW_KVL + c0 + 8 * u;
             cu_cp_async16(d, src);
-            cu_cp_async16(d + MW_R * 128, src + MW_KVL);
+            if (TERMS == 2) cu_cp_async16(d + MW_R * 128, src + MW_KVL);
         } else {
             *(uint4 *)d = make_uint4(0u, 0u, 0u, 0u);
-            *(uint4 *)(d + MW_R * 128) = make_uint4(0u, 0u, 0u, 0u);
+            if (TERMS == 2) *(uint4 *)(d + MW_R * 128) = make_uint4(0u, 0u, 0u, 0u);
         }
     }
 }
 
+template <int TERMS>
 static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1)
     mla_attend_wg_kernel(const mla_dev_params p) {
     extern __shared__ uint8_t mw_smem_raw[];
@@ -144,7 +146,7 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
         const int tt = wg + 2 * j;
         if (tt < ntiles) mw_positions(pn, srow, m, sb + tt * MW_R, tile_rows(tt), wt);
         if (j < 2) {
-            if (tt < ntiles) mw_stage(tiles + (tt % MW_STAGES) * MW_T_STAGE, p.lat16, pn, c0, wt);
+            if (tt < ntiles) mw_stage<TERMS>(tiles + (tt % MW_STAGES) * MW_T_STAGE, p.lat16, pn, c0, wt);
             cu_cp_async_commit();
         }
     }
@@ -160,7 +162,7 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
             cu_split_bf16x2(v.z, v.w, &hi.y, &lo.y);
             const int off = (f4 >> 4) * (MW_HEADS * 128) + hh * 128 + ((((f4 & 15) >> 1) ^ (hh & 7)) << 4) + (f4 & 1) * 8;
             *(uint2 *)(qs + off) = hi;
-            *(uint2 *)(qs + MW_Q_PART + off) = lo;
+            if (TERMS == 2) *(uint2 *)(qs + MW_Q_PART + off) = lo;
         }
     }
     cu_proxy_fence_async();
@@ -187,7 +189,9 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
          * tt. The turns alternate between the warpgroups (with two tiles at least), so one's
          * exchange and softmax run while the other's products do. */
         const bool turns = ntiles >= 2;
-        float s[16], s2[32]; /* lo*hi; hi*hi in s2[0..15] and hi*lo in s2[16..31] (the same entries) */
+        /* two parts: lo*hi in s, hi*hi in s2[0..15] and hi*lo in s2[16..31] (the same entries); one
+         * part: hi*hi in s (s2 unused) */
+        float s[16], s2[TERMS == 2 ? 32 : 1];
         auto issue_scores = [&](int tt, int u) {
             /* groups so far: tiles wg, wg + 2, then one a step (the refill of tile tt + 2 at
              * step u >= 1): tile tt is the newest from step 2 on */
@@ -204,8 +208,12 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
 #pragma unroll
                     for (int j = 0; j < 4; j++) {
                         const uint8_t *qh = qs + c * (MW_HEADS * 128) + 32 * j, *tb = lt + c * MW_T_CHUNK + 32 * j;
-                        cu_wgmma_bf16<64>(s2, cu_wg_desc(qh), cu_wg_desc(tb), c | j);            /* hi (hi | lo) */
-                        cu_wgmma_bf16<32>(s, cu_wg_desc(qh + MW_Q_PART), cu_wg_desc(tb), c | j); /* lo hi */
+                        if (TERMS == 2) {
+                            cu_wgmma_bf16<64>(s2, cu_wg_desc(qh), cu_wg_desc(tb), c | j);            /* hi (hi | lo) */
+                            cu_wgmma_bf16<32>(s, cu_wg_desc(qh + MW_Q_PART), cu_wg_desc(tb), c | j); /* lo hi */
+                        } else {
+                            cu_wgmma_bf16<32>(s, cu_wg_desc(qh), cu_wg_desc(tb), c | j); /* hi hi */
+                        }
                     }
                 cu_wg_commit();
             }
@@ -221,12 +229,12 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
 #pragma unroll
             for (int x = 0; x < 16; x++) cu_wg_reg_fence(s[x]);
 #pragma unroll
-            for (int x = 0; x < 32; x++) cu_wg_reg_fence(s2[x]);
+            for (int x = 0; x < (TERMS == 2 ? 32 : 0); x++) cu_wg_reg_fence(s2[x]);
 #pragma unroll
             for (int x = 0; x < 2 * MW_COLS / 4; x++) cu_wg_reg_fence(o[x]);
             float sc[16];
 #pragma unroll
-            for (int x = 0; x < 16; x++) sc[x] = SC ? s2[x] + s2[x + 16] + s[x] : 0.f;
+            for (int x = 0; x < 16; x++) sc[x] = !SC ? 0.f : TERMS == 2 ? s2[x] + s2[x + 16] + s[x] : s[x];
             /* S = own + the peer's partial: the peer's warpgroup wg stores into xw[u % 2] here
              * and this one into the peer's. A buffer is written again two steps later, after the
              * peer has the partial of the step between, which this side stores only after reading
@@ -243,7 +251,7 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
              * done: a wgmma completes for the whole warpgroup, so this thread's wait above covers
              * every warp's reads), then the positions of tile tt + 4 */
             if (u >= 1 && tt + 2 < ntiles) {
-                mw_stage(tiles + ((tt + 2) % MW_STAGES) * MW_T_STAGE, p.lat16, pn, c0, wt);
+                mw_stage<TERMS>(tiles + ((tt + 2) % MW_STAGES) * MW_T_STAGE, p.lat16, pn, c0, wt);
                 if (tt + 4 < ntiles) mw_positions(pn, srow, m, sb + (tt + 4) * MW_R, tile_rows(tt + 4), wt);
             }
             cu_cp_async_commit();
@@ -300,7 +308,7 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
                 for (int j = 0; j < 4; j++) {
                     cu_split_bf16x2(sc[8 * kk + 2 * j], sc[8 * kk + 2 * j + 1], &ph[kk][j], &pl[kk][j]);
                     cu_wg_reg_fence_u(ph[kk][j]); /* made before the fence below, not sunk past it */
-                    cu_wg_reg_fence_u(pl[kk][j]);
+                    if (TERMS == 2) cu_wg_reg_fence_u(pl[kk][j]);
                 }
 #pragma unroll
             for (int x = 0; x < 2 * MW_COLS / 4; x++) cu_wg_reg_fence(o[x]);
@@ -308,10 +316,12 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
             cu_wg_fence();
 #pragma unroll
             for (int kk = 0; kk < 2; kk++) {
-                const uint64_t bh = cu_wg_desc_mn(lt + kk * 16 * 128, MW_T_CHUNK),
-                               bl = cu_wg_desc_mn(lt + MW_R * 128 + kk * 16 * 128, MW_T_CHUNK);
-                cu_wgmma_bf16_ra256_mn(o, pl[kk], bh);
-                cu_wgmma_bf16_ra256_mn(o, ph[kk], bl);
+                const uint64_t bh = cu_wg_desc_mn(lt + kk * 16 * 128, MW_T_CHUNK);
+                if (TERMS == 2) {
+                    const uint64_t bl = cu_wg_desc_mn(lt + MW_R * 128 + kk * 16 * 128, MW_T_CHUNK);
+                    cu_wgmma_bf16_ra256_mn(o, pl[kk], bh);
+                    cu_wgmma_bf16_ra256_mn(o, ph[kk], bl);
+                }
                 cu_wgmma_bf16_ra256_mn(o, ph[kk], bh);
             }
             cu_wg_commit();
@@ -356,14 +366,17 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
 
         /* entry x of o: head h0 + r0 (x & 2 == 0) or r1, column c0 + 8 (x / 4) + 2 q4 + x % 2 */
         const int r0 = 16 * w + g;
-        if (p.o16) { /* one split (l_run > 0: a split has at least one row): acc / l as (hi | lo) rows */
+        if (p.o16) { /* one split (l_run > 0: a split has at least one row): acc / l as (hi[ | lo]) rows */
             const float inv0 = 1.f / l_run0, inv1 = 1.f / l_run1;
 #pragma unroll
             for (int x = 0; x < 2 * MW_COLS / 4; x += 2) {
                 const int hh = h0 + r0 + ((x & 2) ? 8 : 0), c = c0 + 8 * (x >> 2) + 2 * q4;
                 const float inv = (x & 2) ? inv1 : inv0;
-                __nv_bfloat16 *oh = p.o16 + ((size_t)i * p.Hq + hh) * 2 * MW_KVL + c;
-                cu_split_bf16x2(o[x] * inv, o[x + 1] * inv, (uint32_t *)oh, (uint32_t *)(oh + MW_KVL));
+                __nv_bfloat16 *oh = p.o16 + ((size_t)i * p.Hq + hh) * TERMS * MW_KVL + c;
+                uint32_t hi, lo;
+                cu_split_bf16x2(o[x] * inv, o[x + 1] * inv, &hi, &lo);
+                *(uint32_t *)oh = hi;
+                if (TERMS == 2) *(uint32_t *)(oh + MW_KVL) = lo;
             }
         } else { /* this split's (max, sum, acc), the max in natural-log units; empty: (-inf, 0, 0) */
             const size_t hstride = (size_t)p.nsplit * (MW_KVL + 2);
@@ -387,10 +400,13 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
 size_t mla_wg_smem_bytes(void) { return MW_SMEM; }
 
 cudaError_t mla_wg_opt_in(void) {
-    return cudaFuncSetAttribute(mla_attend_wg_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, MW_SMEM);
+    const cudaError_t e = cudaFuncSetAttribute(mla_attend_wg_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, MW_SMEM);
+    if (e != cudaSuccess) return e;
+    return cudaFuncSetAttribute(mla_attend_wg_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, MW_SMEM);
 }
 
 void mla_wg_launch(const mla_dev_params *b, cudaStream_t s) {
     const dim3 grid(2 * (unsigned)b->nb, (unsigned)(b->Hq / MW_HEADS), (unsigned)b->nsplit);
-    mla_attend_wg_kernel<<<grid, MW_THREADS, MW_SMEM, s>>>(*b);
+    if (b->terms == 1) mla_attend_wg_kernel<1><<<grid, MW_THREADS, MW_SMEM, s>>>(*b);
+    else mla_attend_wg_kernel<2><<<grid, MW_THREADS, MW_SMEM, s>>>(*b);
 }
