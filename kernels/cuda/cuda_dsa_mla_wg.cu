@@ -20,11 +20,14 @@
  * KB) and a 32-row tile (64 KB) in flight has no room left for a pipeline; half the width each
  * leaves room for 4 stages.
  *
- * Precision as mla_attend_tc_kernel: every fp32 operand x = hi + lo (bf16 each), products as
- * hi*hi + hi*lo + lo*hi with fp32 accumulation: per k step of the scores one wgmma of N = 64
- * takes Qhi against the tile's hi and lo rows (they lie one after the other), one of N = 32 Qlo
- * against the hi rows (the query, the A operand, is read from shared memory once per wgmma: the
- * wider one halves that traffic, which bounds this kernel with the B operands).
+ * Precision (the template's TERMS = p.terms): with two parts, as mla_attend_tc_kernel, every fp32
+ * operand x = hi + lo (bf16 each), products as hi*hi + hi*lo + lo*hi with fp32 accumulation: per
+ * k step of the scores one wgmma of N = 64 takes Qhi against the tile's hi and lo rows (they lie
+ * one after the other), one of N = 32 Qlo against the hi rows (the query, the A operand, is read
+ * from shared memory once per wgmma: the wider one halves that traffic, which bounds this kernel
+ * with the B operands). With one part (the backend's single rounding) only the hi parts are
+ * staged and multiplied: Qhi . hi for the scores, Phi . hi for the output, in the same layout
+ * (the lo halves of the query and of each stage stay unused).
  *
  * Shared memory of a CTA (1024-byte aligned parts; 16-byte units of a 128-byte row swizzled by
  * row % 8, the layout cu_wg_desc describes):
