@@ -707,9 +707,9 @@ TEST_F(CudaAttnMla, MlaSparseOneRounding) {
     WithParams(mt_cuda_default_params(), [&] {
         Check({
             {64, 256, 256, 512, 2000, 48, 2063, MT_BF16, true},  // the real model, prefill-sized
-            {64, 32, 64, 512, 100, 200, 90, MT_BF16, true},      // one split: the attend writes the output's A
+            {64, 32, 64, 512, 100, 200, 90, MT_BF16, true},      // splits merged into the output's A
             {128, 16, 16, 512, 60, 33, 50, MT_BF16, true},       // two head groups, rows short of a tile
-            {64, 8, 8, 512, 30, 1100, 100, MT_BF16, true},       // two passes
+            {64, 8, 8, 512, 30, 1100, 100, MT_BF16, true},       // two passes, one split: the attend writes the output's A
             {32, 32, 64, 256, 40, 37, 30, MT_BF16, true},        // mma.sync's shape: two parts still
         }, kOneRoundingTol);
     });
@@ -743,7 +743,7 @@ TEST_F(CudaAttnMla, MlaSparseSmallShapes) {
         {64, 64, 128, 512, 100, 70, 90, MT_BF16, true},
         {32, 22, 40, 256, 40, 37, 30, MT_BF16, true},    // dn not a multiple of 4: the split's scalar form
         {32, 20, 12, 512, 0, 1100, 20, MT_BF16, true},   // two passes, the second of 76 rows
-        {64, 32, 64, 512, 100, 200, 90, MT_BF16, true},  // one split: the attend writes the output's A
+        {64, 32, 64, 512, 100, 200, 90, MT_BF16, true},  // splits merged into the output's A (132 SMs)
         // kvl 512 with heads in 64s runs the wgmma attend (cuda_dsa_mla_wg.cu); the cases above with
         // 64 heads and kvl 512 do too; these add a second head group and rows short of a tile
         {128, 8, 8, 512, 5, 40, 200, MT_F32, true},

@@ -1445,12 +1445,13 @@ static __global__ void __launch_bounds__(NW * 32, 1) mla_attend_tc_kernel(mla_de
  * (mla_merge_split_kernel), or written so by the attend itself (p.o16).
  * cuBLAS is column-major: row-major C_h [nb, N] (ldc) is C_h^T [N, nb]; A16_h [nb, 2K] (lda) is
  * A16_h^T [2K, nb]; the absorb's W2_k [2 dn, kvl] row-major is [kvl, 2 dn] column-major (op N),
- * the output's W2_v [dv, 2 kvl] is [2 kvl, dv] (op T). */
+ * the output's W2_v [dv, 2 kvl] is [2 kvl, dv] (op T). With one part the same over K: A16_h
+ * [nb, K], and kv_b's W_k [dn, kvl] and W_v [dv, kvl] rows (ld kvl, a head every dn + dv rows). */
 enum { MLAG_THREADS = 128 /* mla_merge_split_kernel */, MLAD_THREADS = 256 /* mla_dup_kernel */ };
 
-/* The GEMMs' operands in CU_SCRATCH_GEMM: a16 [nb_max * Hq][2 max(dn, kvl)] (sized for the larger
- * K so that no pass grows, and synchronises, it again), then wk2 [Hq][2 dn][kvl] and
- * wv2 [Hq][dv][2 kvl], each 256-byte aligned. */
+/* The GEMMs' operands in CU_SCRATCH_GEMM: a16 [nb_max * Hq][terms max(dn, kvl)] (sized for the
+ * larger K so that no pass grows, and synchronises, it again), then, with two parts only,
+ * wk2 [Hq][2 dn][kvl] and wv2 [Hq][dv][2 kvl], each 256-byte aligned (NULL with one part). */
 typedef struct mla_gemm_buf {
     __nv_bfloat16 *a16, *wk2, *wv2;
 } mla_gemm_buf;

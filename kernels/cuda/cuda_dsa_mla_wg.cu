@@ -3,7 +3,7 @@
  * keeps mla_attend_tc_kernel for the other shapes). Same function as mla_attend_tc_kernel: per
  * query row i, 64 heads and a split of its selected latent rows, the scores s = qa . lat, an online
  * softmax, and (max, sum, acc) per split or, with one split, acc / sum as the output GEMM's bf16
- * (hi | lo) rows.
+ * rows ((hi | lo) with two parts, hi with one).
  *
  * A cluster of two CTAs takes (row i, 64 heads, split); CTA r owns latent columns [256 r, 256 r
  * + 256). In a CTA two warpgroups take the tiles of 32 selected rows in turn (tile tt to warpgroup
