@@ -542,15 +542,21 @@ TEST_F(PleSpecCuda, EngineGreedyEqualsNoSpeculationAndCpu) {
     ASSERT_GE(cpu.size(), 3u) << "too few prompts without near ties on the CPU";
     for (int batch : { 1, 6 }) {
         const SpecRun ref = GenerateSpec(mg_, 0, batch, Force::kNone, nullptr, new_tokens);
-        for (const auto &[id, t] : ref.out)
-            if (cpu.count(id)) EXPECT_EQ(t.tokens, cpu.at(id)) << "K 0 against the CPU, batch " << batch << " id " << id;
+        for (const auto &[id, t] : ref.out) {
+            if (cpu.count(id)) {
+                EXPECT_EQ(t.tokens, cpu.at(id)) << "K 0 against the CPU, batch " << batch << " id " << id;
+            }
+        }
         for (int k = 1; k <= 3; k++)
             for (Force force : { Force::kNone, Force::kAccept, Force::kReject }) {
                 const SpecRun g = GenerateSpec(mg_, k, batch, force, &ref, new_tokens);
                 const std::string what = "batch " + std::to_string(batch) + " K " + std::to_string(k) + " force " +
                                          std::to_string((int)force);
-                for (const auto &[id, t] : ref.out)
-                    if (cpu.count(id)) EXPECT_EQ(g.out.at(id).tokens, t.tokens) << what << " id " << id;
+                for (const auto &[id, t] : ref.out) {
+                    if (cpu.count(id)) {
+                        EXPECT_EQ(g.out.at(id).tokens, t.tokens) << what << " id " << id;
+                    }
+                }
                 ExpectSpecCounts(g, force, what);
             }
     }
