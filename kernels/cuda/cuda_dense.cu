@@ -1037,22 +1037,20 @@ static mt_status matmul_tc_lowk(cu_backend *cb, float *y, const float *x, const 
     return cu_gemm_tc(cb, y, x16, w2, w->dtype, n, N, 2 * K, 0.f);
 }
 
-/* The 16-bit parts of x weight w's tensor-core product takes: the backend's tc_terms, or the exact
- * mode's two for the classes mt_cuda_params.exact_classes names. */
-static int tc_terms_of(const cu_backend *cb, const mt_weight *w) {
+extern "C" int cu_tc_terms(const cu_backend *cb, const mt_weight *w) {
     return cb->tc_terms == 1 && (cb->params.exact_classes >> w->cls & 1u) ? 2 : cb->tc_terms;
 }
 
 /* y[j] = x . w[j]^T for count weights of x's columns and one dtype, with x split once into the
  * most 16-bit parts any of them takes, [hi; lo] (CU_SCRATCH_GEMM): y[j] = w[j].hi, then, for a
- * weight of two parts (tc_terms_of), y[j] += w[j].lo. hi is x rounded once, so a weight of one
+ * weight of two parts (cu_tc_terms), y[j] += w[j].lo. hi is x rounded once, so a weight of one
  * part gets the same product as with a one-part split. */
 static mt_status matmul_tc(cu_backend *cb, float *const *y, const float *x, const mt_weight *const *w, int count,
                            int n) {
     const int K = (int)w[0]->cols;
     int T = 0;
     for (int j = 0; j < count; j++) {
-        const int tj = tc_terms_of(cb, w[j]);
+        const int tj = cu_tc_terms(cb, w[j]);
         T = tj > T ? tj : T;
     }
     if (count == 1 && T == 2 && K <= MATMUL_LOWK && n >= K && (int64_t)w[0]->rows * K <= INT_MAX)
@@ -1062,12 +1060,13 @@ static mt_status matmul_tc(cu_backend *cb, float *const *y, const float *x, cons
     if (!x16) return MT_ERR_NOMEM; /* logged */
     mt_status st = cu_split16(x16, x, NULL, n, K, w[0]->dtype, T, false, cb->stream);
     for (int j = 0; j < count; j++)
-        for (int t = 0, tj = tc_terms_of(cb, w[j]); t < tj && st == MT_OK; t++)
+        for (int t = 0, tj = cu_tc_terms(cb, w[j]); t < tj && st == MT_OK; t++)
             st = cu_gemm_tc(cb, y[j], x16 + part * (size_t)t, w[j]->data, w[j]->dtype, n, (int)w[j]->rows, K,
                             t ? 1.f : 0.f);
     return st;
 }
 
+static_assert((int)CU_FP8_GEMV_MAX_N <= (int)GEMV_MAX_N, "cu_fp8_gemv's runs must fit the GEMV's rows");
 extern "C" mt_status cu_gemv_f8(cu_backend *cb, float *y, const float *x, const mt_weight *w, int n) {
     MT_ASSERT(w->dtype == MT_F8E4M3 && w->scale && n >= 0 && n <= GEMV_MAX_N);
     MT_ASSERT(w->rows <= INT_MAX && cu_fp8_kpad(w->cols) <= INT_MAX);

@@ -1752,8 +1752,7 @@ static void cu_mla_sparse(mt_backend *be, float *out, const float *q, mt_paged l
                           int max_sel, int t0, int n, const mt_mla_params *p) {
     mla_dev_params dp = mla_setup(out, q, latent, bt, kv_b, sel, nsel, max_sel, t0, n, p, NULL, NULL);
     /* the backend's rounding for kv_b's class (the wgmma attend only: mla_sparse_launch) */
-    const cu_backend *cb = (const cu_backend *)be;
-    if (cb->tc_terms == 1 && !(cb->params.exact_classes >> kv_b->cls & 1u)) dp.terms = 1;
+    if (cu_tc_terms((const cu_backend *)be, kv_b) == 1) dp.terms = 1;
     if (n == 0) return;
     cu_op_status(be, "mla_sparse", mla_sparse_launch(be, &dp, n));
 }

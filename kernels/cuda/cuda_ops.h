@@ -153,6 +153,9 @@ mt_status cu_gemm(const cu_gemm_params *p, cudaStream_t s);
  *     stream; operands of dtype dt, fp32 accumulation, fp32 y (rows contiguous, stride N).
  * Deterministic for a given shape (one stream, fixed workspace, no atomics). Both return
  * MT_ERR_BACKEND after logging the failing call. */
+/* The 16-bit parts x enters weight w's tensor-core products as: cb->tc_terms (2 exact, 1 bf16,
+ * 0 no tensor cores), or 2 for the classes mt_cuda_params.exact_classes names in the bf16 mode. */
+int cu_tc_terms(const cu_backend *cb, const mt_weight *w);
 mt_status cu_split16(void *out /* [terms * M, K] dt */, const float *x /* [*, K] fp32 */,
                      const int32_t *gather /* [M] device or NULL */, int64_t M, int K, mt_dtype dt,
                      int terms, bool interleave, cudaStream_t s);
