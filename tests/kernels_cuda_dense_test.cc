@@ -624,6 +624,113 @@ TEST_F(CudaOps, MatmulExactClasses) {
     mt_backend_free(bad);
 }
 
+// The skinny kernel (9..64 rows on bf16 weights, cuda_skinny.cu) in both numerics against the CPU,
+// beside cuBLAS (skinny_max_rows 0) on the same x: the batched decode projections (a 4096-row
+// weight cuts k over a cluster of 8 blocks, q/k/v as one launch, lm_head in whole tiles) and
+// shapes with a partial 256-row tile, a partial 32-column stage (K % 32 == 8), K below one stage,
+// a weight of one row, and n of every x-tile count (16, 32, 48, 64 rows and one past). The same
+// call twice gives the same bits (with and without the cluster's sums). A value outside 0 and
+// 9..64 is refused.
+TEST_F(CudaOps, MatmulSkinny) {
+    Worst worst2{"skinny, 2 parts"}, worst1{"skinny, 1 part (against the rounded x)"},
+        worstb{"skinny against cuBLAS"};
+    mt_cuda_params p1 = WithNumerics(MT_NUMERICS_BF16), p1b = p1;
+    p1b.skinny_max_rows = 0;
+    EXPECT_EQ(p1.skinny_max_rows, 64);
+    mt_backend *one = BackendWith(p1), *cublas = BackendWith(p1b);
+    ASSERT_TRUE(one && cublas);
+    struct S { std::vector<int> rows; int cols; };
+    const S sets[] = {{{4096}, 4096}, {{8192, 8192, 8192}, 4096}, {{4096}, 16384}, {{1536}, 4096},
+                      {{16384}, 1536}, {{2050}, 4104}, {{1030, 77}, 200}, {{300}, 8}, {{1}, 512}, {{600}, 24}};
+    for (const S &set : sets) {
+        const int count = (int)set.rows.size(), K = set.cols;
+        std::vector<std::unique_ptr<Weight>> ws;
+        std::vector<const mt_weight *> gw;
+        for (int r : set.rows) {
+            ws.push_back(MakeWeight(MT_BF16, r, K, 2.f / std::sqrt((float)K)));
+            gw.push_back(&ws.back()->gpu);
+        }
+        for (int n : {9, 16, 17, 33, 48, 49, 64}) {
+            std::vector<float> x = Rand((size_t)n * K), xr = RoundTo16(x, MT_BF16);
+            float *gx = Put(gpu_, x);
+            std::vector<float *> gy, gyb;
+            for (int j = 0; j < count; j++) {
+                gy.push_back((float *)gpu_->ops->alloc(gpu_, sizeof(float) * (size_t)n * set.rows[j]));
+                gyb.push_back((float *)gpu_->ops->alloc(gpu_, sizeof(float) * (size_t)n * set.rows[j]));
+            }
+            for (int mode = 0; mode < 2; mode++) { /* 0: exact (two parts), 1: bf16 (one) */
+                mt_backend *be = mode ? one : gpu_;
+                be->ops->matmul_multi(be, gy.data(), gx, gw.data(), count, n, 0);
+                if (mode) cublas->ops->matmul_multi(cublas, gyb.data(), gx, gw.data(), count, n, 0);
+                for (int j = 0; j < count; j++) {
+                    const std::string where =
+                        Shape({{"n", n}, {"j", j}, {"rows", set.rows[j]}, {"cols", K}}) + (mode ? " bf16" : " exact");
+                    std::vector<float> want((size_t)n * set.rows[j]);
+                    cpu_->ops->matmul(cpu_, want.data(), mode ? xr.data() : x.data(), &ws[j]->cpu, n);
+                    const std::vector<float> got = Get(be, gy[j], want.size());
+                    const double e = RelErr(got, want);
+                    (mode ? worst1 : worst2).See(e, where);
+                    EXPECT_LE(e, mode ? 1e-5 : 1e-4) << where;
+                    if (mode) {
+                        const double eb = RelErr(got, Get(cublas, gyb[j], want.size()));
+                        worstb.See(eb, where);
+                        EXPECT_LE(eb, 1e-5) << where << " against cuBLAS";
+                    }
+                }
+            }
+            if (n == 64 || n == 17) {
+                std::vector<std::vector<float>> a;
+                for (int j = 0; j < count; j++) a.push_back(Get(one, gy[j], (size_t)n * set.rows[j]));
+                one->ops->matmul_multi(one, gy.data(), gx, gw.data(), count, n, 0);
+                for (int j = 0; j < count; j++)
+                    EXPECT_EQ(std::memcmp(a[j].data(), Get(one, gy[j], a[j].size()).data(), a[j].size() * sizeof(float)), 0)
+                        << "skinny not deterministic: " << Shape({{"n", n}, {"j", j}, {"rows", set.rows[j]}, {"cols", K}});
+            }
+            for (int j = 0; j < count; j++) {
+                Drop(gpu_, gy[j]);
+                Drop(gpu_, gyb[j]);
+            }
+            Drop(gpu_, gx);
+        }
+    }
+    // lm_head at 64 rows: 605 tiles in one k run
+    const Weight &v = Vocab();
+    double e16;
+    const double e = MatmulErr(cpu_, one, v.cpu, v.gpu, 64, &e16);
+    worst1.See(e16, "lm_head n=64");
+    EXPECT_LE(e16, 1e-5) << "lm_head n=64 (against the rounded x)";
+    EXPECT_LE(e, 1e-2) << "lm_head n=64";
+    // the decode shapes' time on the skinny kernel and on cuBLAS, each replayed from a graph
+    struct T { int n, rows, cols; };
+    for (const T &t : {T{64, 154880, 4096}, T{64, 8192, 4096}, T{64, 4096, 8192}, T{64, 4096, 16384},
+                       T{64, 1536, 4096}, T{64, 12288, 4096}, T{32, 8192, 4096}, T{16, 8192, 4096}}) {
+        std::unique_ptr<Weight> own;
+        const Weight *w = t.rows == 154880 ? &Vocab() : (own = MakeWeight(MT_BF16, t.rows, t.cols, 0.05f)).get();
+        float *x = Put(gpu_, Rand((size_t)t.n * t.cols));
+        float *y = (float *)gpu_->ops->alloc(gpu_, (size_t)t.n * t.rows * sizeof(float));
+        const int reps = t.rows == 154880 ? 4 : 40;
+        const double ts = GraphTime(one, reps, [&](int) { one->ops->matmul(one, y, x, &w->gpu, t.n); });
+        const double tb = GraphTime(cublas, reps, [&](int) { cublas->ops->matmul(cublas, y, x, &w->gpu, t.n); });
+        const double bytes = 2.0 * t.rows * t.cols;
+        ReportTiming("skinny n=" + std::to_string(t.n) + " " + std::to_string(t.rows) + "x" + std::to_string(t.cols), ts,
+                     bytes);
+        ReportTiming("  cuBLAS (skinny_max_rows 0)", tb, bytes);
+        Drop(gpu_, x);
+        Drop(gpu_, y);
+    }
+    mt_backend_free(one);
+    mt_backend_free(cublas);
+    for (int bad_rows : {8, 65, -1}) {
+        mt_cuda_params bp = WithNumerics(MT_NUMERICS_BF16);
+        bp.skinny_max_rows = bad_rows;
+        mt_error err{};
+        mt_backend *bad = mt_cuda_backend_new(0, &bp, &err);
+        EXPECT_EQ(bad, nullptr) << bad_rows;
+        EXPECT_NE(std::string(err.msg).find("skinny_max_rows"), std::string::npos) << err.msg;
+        mt_backend_free(bad);
+    }
+}
+
 // Timings of the backend's path (tensor cores, x in two parts, for n > 8) and, for n > 8, of the
 // one-part tensor-core path (MT_NUMERICS_BF16) and the fp32 kernels (MT_NUMERICS_FP32: narrow or
 // tiled). Outputs narrower than 512 rows also on the tensor cores in two parts (the default path)

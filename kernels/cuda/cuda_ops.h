@@ -161,6 +161,16 @@ mt_status cu_split16(void *out /* [terms * M, K] dt */, const float *x /* [*, K]
                      int terms, bool interleave, cudaStream_t s);
 mt_status cu_gemm_tc(cu_backend *cb, float *y /* [M, N] */, const void *x16 /* [M, K] dt */,
                      const void *w /* [N, K] dt */, mt_dtype dt, int M, int N, int K, float beta);
+/* The batched decode step's tensor-core matmul (cuda_skinny.cu): y[j][n, rows_j] = x . w[j]^T for
+ * count <= CU_SKINNY_MAX_W bf16 weights of the same K sharing x, given as x16 = cu_split16's
+ * `terms` blocked parts ([terms][n][K], 16-byte aligned), n <= CU_SKINNY_MAX_N rows. The weight
+ * rows stream at the copy rate's pace where cuBLAS reads them at under half of it. Deterministic
+ * for a given shape. cu_skinny_ok: whether it takes the call (bf16, K % 8 == 0, 16-byte aligned
+ * weights). Returns MT_ERR_BACKEND after logging a failed launch. */
+enum { CU_SKINNY_MAX_N = 64, CU_SKINNY_MAX_W = 8 };
+bool cu_skinny_ok(const mt_weight *const *w, int count, int n, int terms);
+mt_status cu_gemm_skinny(cu_backend *cb, float *const *y, const void *x16, int terms, const mt_weight *const *w,
+                         int count, int n);
 /* cuda_core.cu: a cuBLAS handle on `stream` with its own CU_BLAS_WS_BYTES workspace (*ws),
  * host pointer mode (cb->blas; cuda_moe.cu's side stream). On failure (logged) whatever was made
  * is left in *blas, *ws for the caller to free. */
