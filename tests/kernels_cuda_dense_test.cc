@@ -634,11 +634,11 @@ TEST_F(CudaOps, MatmulExactClasses) {
 TEST_F(CudaOps, MatmulSkinny) {
     Worst worst2{"skinny, 2 parts"}, worst1{"skinny, 1 part (against the rounded x)"},
         worstb{"skinny against cuBLAS"};
-    mt_cuda_params p1 = WithNumerics(MT_NUMERICS_BF16), p1b = p1;
+    mt_cuda_params p1 = WithNumerics(MT_NUMERICS_BF16), p1b = p1, p2 = ExactParams();
+    p1.skinny_max_rows = p2.skinny_max_rows = 64;
     p1b.skinny_max_rows = 0;
-    EXPECT_EQ(p1.skinny_max_rows, 64);
-    mt_backend *one = BackendWith(p1), *cublas = BackendWith(p1b);
-    ASSERT_TRUE(one && cublas);
+    mt_backend *one = BackendWith(p1), *cublas = BackendWith(p1b), *ex = BackendWith(p2);
+    ASSERT_TRUE(one && cublas && ex);
     struct S { std::vector<int> rows; int cols; };
     const S sets[] = {{{4096}, 4096}, {{8192, 8192, 8192}, 4096}, {{4096}, 16384}, {{1536}, 4096},
                       {{16384}, 1536}, {{2050}, 4104}, {{1030, 77}, 200}, {{300}, 8}, {{1}, 512}, {{600}, 24}};
@@ -659,7 +659,7 @@ TEST_F(CudaOps, MatmulSkinny) {
                 gyb.push_back((float *)gpu_->ops->alloc(gpu_, sizeof(float) * (size_t)n * set.rows[j]));
             }
             for (int mode = 0; mode < 2; mode++) { /* 0: exact (two parts), 1: bf16 (one) */
-                mt_backend *be = mode ? one : gpu_;
+                mt_backend *be = mode ? one : ex;
                 be->ops->matmul_multi(be, gy.data(), gx, gw.data(), count, n, 0);
                 if (mode) cublas->ops->matmul_multi(cublas, gyb.data(), gx, gw.data(), count, n, 0);
                 for (int j = 0; j < count; j++) {
@@ -720,6 +720,7 @@ TEST_F(CudaOps, MatmulSkinny) {
     }
     mt_backend_free(one);
     mt_backend_free(cublas);
+    mt_backend_free(ex);
     for (int bad_rows : {8, 65, -1}) {
         mt_cuda_params bp = WithNumerics(MT_NUMERICS_BF16);
         bp.skinny_max_rows = bad_rows;
