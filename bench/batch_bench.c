@@ -26,7 +26,7 @@
  *                                      mt_cuda_params.moe_grouped_max_rows, default 64)
  *               [--numerics exact|bf16|fp32] (the CUDA backend's; default bf16)
  *               [--skinny-max-rows N] (the skinny tensor-core matmul up to N rows, 0: cuBLAS;
- *                                      mt_cuda_params.skinny_max_rows, default 64)
+ *                                      mt_cuda_params.skinny_max_rows, default 0)
  * (--op-profile 1: per-op times of one more eager step of each batch, every op synchronised.)
  */
 #include <cuda_runtime_api.h>

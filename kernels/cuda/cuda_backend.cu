@@ -345,7 +345,7 @@ extern "C" mt_cuda_params mt_cuda_default_params(void) {
     p.moe_grouped_min_rows = CU_MOE_GROUPED_MIN_ROWS;
     p.moe_grouped_max_rows = CU_MOE_GROUPED_MAX_ROWS;
     p.moe_exact_grouped = true;
-    p.skinny_max_rows = CU_SKINNY_MAX_N;
+    p.skinny_max_rows = 0; /* cuda_backend.h */
     p.mla_attend = MT_CUDA_MLA_ATTEND_AUTO;
     p.kda_chunk_kernels = MT_CUDA_KDA_CHUNK_BOTH;
     return p;

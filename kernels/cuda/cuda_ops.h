@@ -163,8 +163,8 @@ mt_status cu_gemm_tc(cu_backend *cb, float *y /* [M, N] */, const void *x16 /* [
                      const void *w /* [N, K] dt */, mt_dtype dt, int M, int N, int K, float beta);
 /* The batched decode step's tensor-core matmul (cuda_skinny.cu): y[j][n, rows_j] = x . w[j]^T for
  * count <= CU_SKINNY_MAX_W bf16 weights of the same K sharing x, given as x16 = cu_split16's
- * `terms` blocked parts ([terms][n][K], 16-byte aligned), n <= CU_SKINNY_MAX_N rows. The weight
- * rows stream at the copy rate's pace where cuBLAS reads them at under half of it. Deterministic
+ * `terms` blocked parts ([terms][n][K], 16-byte aligned), n <= CU_SKINNY_MAX_N rows, built to
+ * stream the weight rows at the copy rate (cuBLAS reads them at under half of it). Deterministic
  * for a given shape. cu_skinny_ok: whether it takes the call (bf16, K % 8 == 0, 16-byte aligned
  * weights). Returns MT_ERR_BACKEND after logging a failed launch. */
 enum { CU_SKINNY_MAX_N = 64, CU_SKINNY_MAX_W = 8 };

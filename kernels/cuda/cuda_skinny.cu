@@ -1,6 +1,6 @@
 /* kernels/cuda/cuda_skinny.cu: the tensor-core matmul of a batched decode step, y[j] = x . w[j]^T
  * for 9..CU_SKINNY_MAX_N rows of x and bf16 weights (cuda_dense.cu's matmul_tc sends it those
- * rows; cuda_ops.h declares cu_gemm_skinny).
+ * rows when mt_cuda_params.skinny_max_rows allows; cuda_ops.h declares cu_gemm_skinny).
  *
  * Why: at 64 rows a step's dense weights are read once and used 64 times, far below the tensor
  * cores' ridge point, so the matmul should stream its weights at the copy rate. cuBLAS ran the
