@@ -234,8 +234,9 @@ static __global__ void __launch_bounds__(SKN_THREADS, 2) skinny_kernel(const __g
 extern "C" bool cu_skinny_ok(const mt_weight *const *w, int count, int n, int terms) {
     if (count < 1 || count > CU_SKINNY_MAX_W || n < 1 || n > CU_SKINNY_MAX_N || terms < 1 || terms > 2) return false;
     for (int j = 0; j < count; j++)
-        if (w[j]->dtype != MT_BF16 || w[j]->cols != w[0]->cols || w[j]->cols % 8 != 0 || w[j]->cols > INT_MAX ||
-            w[j]->rows < 1 || w[j]->rows > INT_MAX || !cu_aligned16(w[j]->data))
+        if (w[j]->dtype != MT_BF16 || w[j]->cols != w[0]->cols || w[j]->cols % 8 != 0 ||
+            w[j]->cols > INT_MAX - 2 * SKN_BK || w[j]->rows < 1 || w[j]->rows > INT_MAX - SKN_BM ||
+            !cu_aligned16(w[j]->data)) /* the kernel's int k and row indices stay in range */
             return false;
     return true;
 }
@@ -262,7 +263,10 @@ template <int T> static mt_status skinny_launch_nt(const skn_params *p, int tile
 static int skinny_split(int tiles, int K, int n_sm) {
     const int kbs = (K + SKN_BK - 1) / SKN_BK;
     int split = 1;
-    while (split < 8 && tiles * split < n_sm && kbs / (2 * split) >= SKN_MIN_KB) split *= 2;
+    /* doubled only while the last run, after the others' whole chunks, keeps SKN_MIN_KB stages */
+    while (split < 8 && tiles * split < n_sm &&
+           (2 * split - 1) * ((kbs + 2 * split - 1) / (2 * split)) + SKN_MIN_KB <= kbs)
+        split *= 2;
     return split;
 }
 
