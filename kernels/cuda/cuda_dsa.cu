@@ -1135,20 +1135,6 @@ static __global__ void __launch_bounds__(MLAT_SPLIT_THREADS) mla_split_kernel(__
     if (terms == 2) *(uint2 *)(lat16 + (size_t)r * 2 * kvl + kvl + c) = lo;
 }
 
-/* Four 8x8 bf16 matrices; lane l gives the address of row l % 8 of matrix l / 8. */
-static __device__ __forceinline__ void mlat_ldsm4(uint32_t *r, const void *s) {
-    const unsigned a = (unsigned)__cvta_generic_to_shared(s);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-}
-static __device__ __forceinline__ void mlat_ldsm4_t(uint32_t *r, const void *s) {
-    const unsigned a = (unsigned)__cvta_generic_to_shared(s);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-}
-
 /* Warp-wide: cp.async of this warp's 64 columns (from c0) of the split rows of selected entries
  * s .. s+rows-1 into dst [2 (hi, lo)][R][LDH]. Lane l copies 16-byte chunk l % 8 of rows l / 8,
  * l / 8 + 4, ... of both parts; rows past `rows` are zeroed instead (P is 0 there, and 0 times
@@ -1257,8 +1243,8 @@ static __global__ void __launch_bounds__(NW * 32, 1) mla_attend_tc_kernel(mla_de
 #pragma unroll
                 for (int np = 0; np < 2; np++) {
                     const int r = 16 * np + (lane & 7) + 8 * (mi >> 1), c = 16 * kb + 8 * (mi & 1);
-                    mlat_ldsm4(bh[np], vh + r * LDH + c);
-                    mlat_ldsm4(bl[np], vl + r * LDH + c);
+                    cu_ldsm4(bh[np], vh + r * LDH + c);
+                    cu_ldsm4(bl[np], vl + r * LDH + c);
                 }
                 /* lo*hi, hi*lo, hi*hi as three passes over the 8 accumulators: no mma waits on the
                  * one just before it */
@@ -1356,8 +1342,8 @@ static __global__ void __launch_bounds__(NW * 32, 1) mla_attend_tc_kernel(mla_de
 #pragma unroll
             for (int mb = 0; mb < 2; mb++) {
                 const int hh = 16 * mb + (lane & 7) + 8 * (mi & 1), c = 16 * kb + 8 * (mi >> 1);
-                mlat_ldsm4(ah[mb], ph + hh * LDS + c);
-                mlat_ldsm4(al[mb], pl + hh * LDS + c);
+                cu_ldsm4(ah[mb], ph + hh * LDS + c);
+                cu_ldsm4(al[mb], pl + hh * LDS + c);
             }
 #pragma unroll
             for (int nq = 0; nq < 2; nq++) { /* columns c0 + 32nq .. +31: four n8 tiles */
@@ -1365,8 +1351,8 @@ static __global__ void __launch_bounds__(NW * 32, 1) mla_attend_tc_kernel(mla_de
 #pragma unroll
                 for (int x2 = 0; x2 < 2; x2++) {
                     const int r = 16 * kb + (lane & 7) + 8 * (mi & 1), c = 32 * nq + 16 * x2 + 8 * (mi >> 1);
-                    mlat_ldsm4_t(bh[x2], vh + r * LDH + c);
-                    mlat_ldsm4_t(bl[x2], vl + r * LDH + c);
+                    cu_ldsm4_t(bh[x2], vh + r * LDH + c);
+                    cu_ldsm4_t(bl[x2], vl + r * LDH + c);
                 }
                 /* n8 tile 4nq + j takes registers 2 (j & 1), +1 of bh[j >> 1]; three passes as above */
 #pragma unroll

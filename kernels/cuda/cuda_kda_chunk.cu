@@ -454,7 +454,7 @@ static __device__ __forceinline__ float4 kc_mul4(float4 a, float4 b) {
 
 /* The split product of one k step: d[nt] += a b_nt = al bh + ah bl + ah bh (TERMS 2; TERMS 1:
  * ah bh) for the N n8 tiles nt, b_nt in b*[nt >> 1][2 (nt & 1)], +1 (the register order of
- * kc_ldsm4t over two n8 tiles); one or two A operands (a2h == NULL: one). Three passes over the
+ * cu_ldsm4_t over two n8 tiles); one or two A operands (a2h == NULL: one). Three passes over the
  * accumulators, in that term order, so that no mma waits on the one just before it. */
 template <int TERMS, int N>
 static __device__ __forceinline__ void kc_mma_tiles(float (*d1)[4], const uint32_t a1h[4], const uint32_t a1l[4],
@@ -479,22 +479,7 @@ static __device__ __forceinline__ void kc_mma_tiles(float (*d1)[4], const uint32
     }
 }
 
-/* ldmatrix x4: lane l gives the address of one 16-byte row; the four 8x8 matrices come from
- * lanes 0-7, 8-15, 16-23, 24-31. .trans hands each thread the transposed pairs. */
-static __device__ __forceinline__ void kc_ldsm4(uint32_t r[4], const __nv_bfloat16 *p) {
-    const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-}
-static __device__ __forceinline__ void kc_ldsm4t(uint32_t r[4], const __nv_bfloat16 *p) {
-    const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-}
-
-/* Fragment addresses for the ldmatrix loads above, lane l, tile origin (r0, c0) in storage:
+/* Fragment addresses for the cu_ldsm4 loads (cuda_ops.h), lane l, tile origin (r0, c0) in storage:
  *   A, storage [m][k] (row-major A):      row r0 + (l & 15),                col c0 + (l >> 4) * 8
  *   A, storage [k][m] (A^T stored), .trans: row r0 + (l & 7) + (l >> 4) * 8, col c0 + ((l >> 3) & 1) * 8
  *     (r0 = k0, c0 = m0; gives a[0..3] of rows m0.., k k0..)
@@ -1173,17 +1158,17 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_kernel(chunk_pa
 #pragma unroll 2
         for (int ks = 0; ks < KDA_MAX_DK / 16; ks++) {
             uint32_t kh[4], kl[4], qh[4], ql[4];
-            kc_ldsm4(kh, kc_sw_a(sb + KS_KXH, 16 * rb, 16 * ks, l));
-            kc_ldsm4(qh, kc_sw_a(sb + KS_QXH, 16 * rb, 16 * ks, l));
+            cu_ldsm4(kh, kc_sw_a(sb + KS_KXH, 16 * rb, 16 * ks, l));
+            cu_ldsm4(qh, kc_sw_a(sb + KS_QXH, 16 * rb, 16 * ks, l));
             if (TERMS > 1) {
-                kc_ldsm4(kl, kc_sw_a(sb + KS_KXL, 16 * rb, 16 * ks, l));
-                kc_ldsm4(ql, kc_sw_a(sb + KS_QXL, 16 * rb, 16 * ks, l));
+                cu_ldsm4(kl, kc_sw_a(sb + KS_KXL, 16 * rb, 16 * ks, l));
+                cu_ldsm4(ql, kc_sw_a(sb + KS_QXL, 16 * rb, 16 * ks, l));
             }
             uint32_t bh[2][4], bl[2][4];
 #pragma unroll
             for (int np = 0; np < 2; np++) {
-                kc_ldsm4t(bh[np], kc_at_b(sb + KS_SH, KS_LDB, 16 * ks, 32 * ch + 16 * np, l));
-                if (TERMS > 1) kc_ldsm4t(bl[np], kc_at_b(sb + KS_SL, KS_LDB, 16 * ks, 32 * ch + 16 * np, l));
+                cu_ldsm4_t(bh[np], kc_at_b(sb + KS_SH, KS_LDB, 16 * ks, 32 * ch + 16 * np, l));
+                if (TERMS > 1) cu_ldsm4_t(bl[np], kc_at_b(sb + KS_SL, KS_LDB, 16 * ks, 32 * ch + 16 * np, l));
             }
             kc_mma_tiles<TERMS, 4>(X, kh, kl, Y, qh, ql, bh, bl);
         }
@@ -1211,13 +1196,13 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_kernel(chunk_pa
             for (int r = 0; r < 4; r++) D[nt][r] = 0.f;
         for (int ks = 0; ks <= rb; ks++) {
             uint32_t th[4], tl[4];
-            kc_ldsm4(th, kc_sw_a(sb + KS_TBH, 16 * rb, 16 * ks, l));
-            if (TERMS > 1) kc_ldsm4(tl, kc_sw_a(sb + KS_TBL, 16 * rb, 16 * ks, l));
+            cu_ldsm4(th, kc_sw_a(sb + KS_TBH, 16 * rb, 16 * ks, l));
+            if (TERMS > 1) cu_ldsm4(tl, kc_sw_a(sb + KS_TBL, 16 * rb, 16 * ks, l));
             uint32_t bh[2][4], bl[2][4];
 #pragma unroll
             for (int np = 0; np < 2; np++) {
-                kc_ldsm4t(bh[np], kc_at_b(sb + KS_RH, KS_LDB, 16 * ks, 32 * ch + 16 * np, l));
-                if (TERMS > 1) kc_ldsm4t(bl[np], kc_at_b(sb + KS_RL, KS_LDB, 16 * ks, 32 * ch + 16 * np, l));
+                cu_ldsm4_t(bh[np], kc_at_b(sb + KS_RH, KS_LDB, 16 * ks, 32 * ch + 16 * np, l));
+                if (TERMS > 1) cu_ldsm4_t(bl[np], kc_at_b(sb + KS_RL, KS_LDB, 16 * ks, 32 * ch + 16 * np, l));
             }
             kc_mma_tiles<TERMS, 4>(D, th, tl, NULL, NULL, NULL, bh, bl);
         }
@@ -1237,13 +1222,13 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_kernel(chunk_pa
         /* P4a: o = Y + B delta over k blocks 0..rb */
         for (int ks = 0; ks <= rb; ks++) {
             uint32_t ah[4], al[4];
-            kc_ldsm4(ah, kc_sw_a(sb + KS_AQH, 16 * rb, 16 * ks, l));
-            if (TERMS > 1) kc_ldsm4(al, kc_sw_a(sb + KS_AQL, 16 * rb, 16 * ks, l));
+            cu_ldsm4(ah, kc_sw_a(sb + KS_AQH, 16 * rb, 16 * ks, l));
+            if (TERMS > 1) cu_ldsm4(al, kc_sw_a(sb + KS_AQL, 16 * rb, 16 * ks, l));
             uint32_t bh[2][4], bl[2][4];
 #pragma unroll
             for (int np = 0; np < 2; np++) {
-                kc_ldsm4t(bh[np], kc_at_b(sb + KS_RH, KS_LDB, 16 * ks, 32 * ch + 16 * np, l));
-                if (TERMS > 1) kc_ldsm4t(bl[np], kc_at_b(sb + KS_RL, KS_LDB, 16 * ks, 32 * ch + 16 * np, l));
+                cu_ldsm4_t(bh[np], kc_at_b(sb + KS_RH, KS_LDB, 16 * ks, 32 * ch + 16 * np, l));
+                if (TERMS > 1) cu_ldsm4_t(bl[np], kc_at_b(sb + KS_RL, KS_LDB, 16 * ks, 32 * ch + 16 * np, l));
             }
             kc_mma_tiles<TERMS, 4>(Y, ah, al, NULL, NULL, NULL, bh, bl);
         }
@@ -1268,13 +1253,13 @@ static __global__ void __launch_bounds__(KC_THREADS, 1) kc_state_kernel(chunk_pa
 #pragma unroll
         for (int ks = 0; ks < KDA_CHUNK / 16; ks++) {
             uint32_t ah[4], al[4];
-            kc_ldsm4t(ah, kc_sw_at(sb + KS_KLH, 16 * ks, 16 * w, l));
-            if (TERMS > 1) kc_ldsm4t(al, kc_sw_at(sb + KS_KLL, 16 * ks, 16 * w, l));
+            cu_ldsm4_t(ah, kc_sw_at(sb + KS_KLH, 16 * ks, 16 * w, l));
+            if (TERMS > 1) cu_ldsm4_t(al, kc_sw_at(sb + KS_KLL, 16 * ks, 16 * w, l));
             uint32_t bh[4][4], bl[4][4];
 #pragma unroll
             for (int np = 0; np < 4; np++) {
-                kc_ldsm4t(bh[np], kc_at_b(sb + KS_RH, KS_LDB, 16 * ks, 16 * np, l));
-                if (TERMS > 1) kc_ldsm4t(bl[np], kc_at_b(sb + KS_RL, KS_LDB, 16 * ks, 16 * np, l));
+                cu_ldsm4_t(bh[np], kc_at_b(sb + KS_RH, KS_LDB, 16 * ks, 16 * np, l));
+                if (TERMS > 1) cu_ldsm4_t(bl[np], kc_at_b(sb + KS_RL, KS_LDB, 16 * ks, 16 * np, l));
             }
             kc_mma_tiles<TERMS, 8>(S, ah, al, NULL, NULL, NULL, bh, bl);
         }

@@ -403,6 +403,25 @@ template <int N> static __device__ __forceinline__ void cu_cp_async_wait(void) {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+/* ldmatrix x4 of 16-bit elements: lane l gives the shared-memory address of one 16-byte row (a
+ * generic pointer p, or a shared-window address a, which keeps 32-bit address arithmetic in
+ * register-tight kernels); the four 8x8 matrices, from lanes 0-7, 8-15, 16-23 and 24-31, land in
+ * r[0..3]. The _t form (.trans) hands each thread the transposed pairs. */
+static __device__ __forceinline__ void cu_ldsm4(uint32_t *r, uint32_t a) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+static __device__ __forceinline__ void cu_ldsm4(uint32_t *r, const void *p) {
+    cu_ldsm4(r, (uint32_t)__cvta_generic_to_shared(p));
+}
+static __device__ __forceinline__ void cu_ldsm4_t(uint32_t *r, const void *p) {
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
 /* c[16x8] += a[16x16] b[16x8] for one mma.sync m16n8k16 tile, bf16 operands, fp32 accumulators.
  * PTX fragments (lane = 4 g + q): a[0] (row g, k 2q..2q+1), a[1] (row g+8), a[2] (row g, k +8),
  * a[3] (row g+8, k +8); b0 (k 2q..2q+1, column g), b1 (k +8); c[0..1] (row g, columns 2q..2q+1),

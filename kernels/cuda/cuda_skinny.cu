@@ -62,21 +62,10 @@ typedef struct skn_params {
     int t0[CU_SKINNY_MAX_W + 1];        /* weight j owns tiles [t0[j], t0[j + 1]) */
 } skn_params;
 
-static __device__ __forceinline__ uint32_t skn_smem(const void *p) {
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
-
 /* cp.async of 16 bytes that zero-fills the destination when !in (the source is then not read). */
 static __device__ __forceinline__ void skn_cp16(uint32_t dst, const void *src, bool in) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(in ? 16 : 0)
                  : "memory");
-}
-
-static __device__ __forceinline__ void skn_ldm4(uint32_t addr, uint32_t &r0, uint32_t &r1, uint32_t &r2,
-                                                uint32_t &r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
 }
 
 /* Byte offset of 16-byte chunk c (0..3) of row r in a stage. */
@@ -113,7 +102,7 @@ static __global__ void __launch_bounds__(SKN_THREADS, 2) skinny_kernel(const __g
     const uint16_t *w = p.w[j];
     const int kb = run * p.kchunk, ke = min(p.K, kb + p.kchunk);
     const int nk = ke > kb ? (ke - kb + SKN_BK - 1) / SKN_BK : 0;
-    const uint32_t base = skn_smem(skn_sm);
+    const uint32_t base = cu_smem_addr(skn_sm);
 
     auto load_w = [&](int st, int it) {
         const int k0 = kb + it * SKN_BK;
@@ -170,7 +159,7 @@ static __global__ void __launch_bounds__(SKN_THREADS, 2) skinny_kernel(const __g
 #pragma unroll
             for (int m = 0; m < 2; m++) {
                 const int r = warp * SKN_WROWS + m * 16 + (lane & 15);
-                skn_ldm4(sw + skn_off(r, 2 * kk + (lane >> 4)), a[m][0], a[m][1], a[m][2], a[m][3]);
+                cu_ldsm4(a[m], sw + skn_off(r, 2 * kk + (lane >> 4)));
             }
 #pragma unroll
             for (int t = 0; t < T; t++) {
@@ -178,7 +167,7 @@ static __global__ void __launch_bounds__(SKN_THREADS, 2) skinny_kernel(const __g
                 for (int q = 0; q < NT; q += 2) {
                     uint32_t b[4];
                     const int r = q * 8 + 8 * (lane >> 4) + (lane & 7);
-                    skn_ldm4(sx + t * XR * SKN_ROWB + skn_off(r, 2 * kk + ((lane >> 3) & 1)), b[0], b[1], b[2], b[3]);
+                    cu_ldsm4(b, sx + t * XR * SKN_ROWB + skn_off(r, 2 * kk + ((lane >> 3) & 1)));
 #pragma unroll
                     for (int m = 0; m < 2; m++) {
                         cu_mma_bf16(acc[m][q], a[m], b[0], b[1]);
