@@ -25,8 +25,6 @@
  *                                      the MoE reads the routing back and a step is no graph;
  *                                      mt_cuda_params.moe_grouped_max_rows, default 64)
  *               [--numerics exact|bf16|fp32] (the CUDA backend's; default bf16)
- *               [--skinny-max-rows N] (the skinny tensor-core matmul up to N rows, 0: cuBLAS;
- *                                      mt_cuda_params.skinny_max_rows, default 0)
  * (--op-profile 1: per-op times of one more eager step of each batch, every op synchronised.)
  */
 #include <cuda_runtime_api.h>
@@ -223,7 +221,6 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--op-profile")) o.op_profile = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--graph-max-rows")) o.graph_max = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--moe-grouped-max")) o.cp.moe_grouped_max_rows = atoi(argv[i + 1]);
-        else if (!strcmp(argv[i], "--skinny-max-rows")) o.cp.skinny_max_rows = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--tp")) o.tp = atoi(argv[i + 1]), tp_given = true;
         else if (!strcmp(argv[i], "--numerics")) {
             if (!mt_numerics_parse(argv[i + 1], &o.cp.numerics)) {

@@ -16,7 +16,6 @@
  *  worker's options (--mixed-steps 0 is its --separate-steps; by default mixed on cuda, separate
  *  on the CPU, as the worker); --prefill-budget N: eng_params.prefill_budget (default the
  *  engine's); --prefill-pass N: rows of a prefill pass, by default what metrale-worker picks;
- *  --skinny-max-rows N (cuda): mt_cuda_params.skinny_max_rows (default the backend's);
  *  --op-profile 1 (a mix on cuda): every op synchronised and timed, the table printed after the
  *  JSON, so its times are not the run's; --speculative-tokens K and --speculative-max-batch B:
  *  eng_params.spec_tokens and spec_max_batch with the model's drafter (a checkpoint with an MTP
@@ -222,7 +221,7 @@ int main(int argc, char **argv) {
     int streams = 1, max_new = 32, plen = 16, threads = 0, run_ahead = 1, mixed_steps = -1;
     double itl_target_ms = 0, prefill_hold_ms = 0;
     int prefill_layers = -1;
-    int prefill_pass = 0, prefill_budget = 0, op_profile = 0, skinny = -1;
+    int prefill_pass = 0, prefill_budget = 0, op_profile = 0;
     int requests = 0, shared = 0, max_sequences = 64, spec_tokens = 0, spec_max_batch = 0;
     uint64_t seed = 1;
     for (int i = 1; i + 1 < argc; i += 2) {
@@ -241,7 +240,6 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--prefill-pass")) prefill_pass = atoi(v);
         else if (!strcmp(a, "--prefill-budget")) prefill_budget = atoi(v);
         else if (!strcmp(a, "--op-profile")) op_profile = atoi(v);
-        else if (!strcmp(a, "--skinny-max-rows")) skinny = atoi(v);
         else if (!strcmp(a, "--prompt-mix")) prompt_mix = v;
         else if (!strcmp(a, "--new-mix")) new_mix = v;
         else if (!strcmp(a, "--requests")) requests = atoi(v);
@@ -286,9 +284,7 @@ int main(int argc, char **argv) {
         streams = requests; /* record slots: one per request, the warm-up's after them */
     }
     mt_error err = { "" };
-    mt_cuda_params cp = mt_cuda_default_params();
-    if (skinny >= 0) cp.skinny_max_rows = skinny;
-    mt_backend *be = !strcmp(backend, "cuda") ? mt_cuda_backend_new(0, &cp, &err) : mt_cpu_backend_new(threads);
+    mt_backend *be = !strcmp(backend, "cuda") ? mt_cuda_backend_new(0, NULL, &err) : mt_cpu_backend_new(threads);
     mt_model *m = NULL;
     eng_engine *e = NULL;
     int32_t *prompt = malloc(sizeof(int32_t) * (size_t)plen);

@@ -585,9 +585,6 @@ TEST(WorkerMain, BadArgumentsExitTwo) {
     EXPECT_EQ(run({ "--model", kModel, "--router", "ipc:///tmp/x", "--id", "x" }), 2);
     EXPECT_EQ(run({ "--model", kModel, "--router", "ipc:///tmp/x", "--id", "1", "--backend", "tpu" }), 2);
     EXPECT_EQ(run({ "--model", kModel, "--router", "ipc:///tmp/x", "--id", "1", "--bogus", "1" }), 2);
-    for (const char *rows : { "8", "65", "-1", "x" })
-        EXPECT_EQ(run({ "--model", kModel, "--router", "ipc:///tmp/x", "--id", "1", "--skinny-max-rows", rows }), 2)
-            << rows;
     EXPECT_EQ(run({ "--model", kModel, "--router", "ipc:///tmp/x", "--id", "1", "--curve-server-key", "/no/such" }),
               2);
     EXPECT_EQ(run({ "--model", kModel, "--router", "ipc:///tmp/x", "--id", "1", "--tp", "2", "--rank", "2",

@@ -46,8 +46,7 @@ struct wkr_loop {
 wkr_params wkr_default_params(void) {
     return (wkr_params){ .backend = "cpu", .id = -1, .max_sequences = 16, .max_context = 4096,
                          .router_timeout = MT_WIRE_ROUTER_SILENCE_S, .numerics = MT_NUMERICS_BF16,
-                         .mixed_steps = -1, .prefill_layers = -1, .warmup_tokens = -1,
-                         .skinny_max_rows = -1 };
+                         .mixed_steps = -1, .prefill_layers = -1, .warmup_tokens = -1 };
 }
 
 /* ---- start-up ---- */
@@ -58,7 +57,6 @@ static mt_backend *open_backend(wkr_loop *l, mt_error *err) {
     if (strcmp(o->backend, "cpu")) {
         mt_cuda_params cp = mt_cuda_default_params();
         cp.numerics = o->numerics;
-        if (o->skinny_max_rows >= 0) cp.skinny_max_rows = o->skinny_max_rows;
         mt_backend *be = mt_cuda_backend_new(o->device, &cp, err);
         if (be) {
             l->backend_name = "cuda";

@@ -64,7 +64,6 @@ typedef struct wkr_params {
                               * the prefill budget where the backend queues its work (the GPU) */
     double router_timeout;   /* seconds of router silence before exiting; default MT_WIRE_ROUTER_SILENCE_S */
     mt_numerics numerics;    /* the CUDA backend's prefill GEMMs; default MT_NUMERICS_BF16 */
-    int skinny_max_rows;     /* mt_cuda_params.skinny_max_rows: 0 or 9..64; -1 (default): the backend's */
     bool dequant_fp8;        /* --dtype bf16: FP8 checkpoints dequantised at load (mt_model_params) */
     /* Tensor parallelism: tp > 0 makes this process rank `rank` of a group of tp ranks on this
      * host, named group (a shared-memory communicator for the group's control and, on the CPU,

@@ -46,8 +46,7 @@ static void usage(FILE *f) {
             "                      [--prefill-pass N] [--prefill-layers N]\n"
             "                      [--graph-max-batch N] [--no-preempt] [--no-run-ahead] [--mixed-steps|--separate-steps]\n"
             "                      [--verbose]\n"
-            "                      [--numerics bf16|exact] [--skinny-max-rows N] [--dtype auto|bf16]\n"
-            "                      [--tp N --rank R --group NAME]\n"
+            "                      [--numerics bf16|exact] [--dtype auto|bf16] [--tp N --rank R --group NAME]\n"
             "                      [--speculative-tokens K] [--speculative-max-batch B] [--warmup-tokens N]\n"
             "                      [--curve-server-key FILE --curve-secret-key FILE] [--log-format text|json]\n"
             "  Serves the checkpoint in DIR to the router at ENDPOINT (ipc://, tcp://127.0.0.1:, or tcp://HOST:PORT\n"
@@ -82,9 +81,7 @@ static void usage(FILE *f) {
             "  is queued on the device's own tokens first, so the GPU does not wait for the host; the CPU backend\n"
             "  never runs ahead, as it would only delay each token by a step); --numerics (GPU): how prefill\n"
             "  GEMMs round their activations: bf16 (default; rounded once, as other engines do) or exact (two\n"
-            "  bf16 parts, matching the CPU's fp32 sums; about twice the prefill GEMM work). --skinny-max-rows\n"
-            "  (GPU): batched decode steps of 9..N rows multiply bf16 weights on the skinny tensor-core\n"
-            "  kernel instead of cuBLAS (0: never; N in 9..64; default the backend's). --dtype: how an FP8\n"
+            "  bf16 parts, matching the CPU's fp32 sums; about twice the prefill GEMM work). --dtype: how an FP8\n"
             "  checkpoint's weights are kept: auto (default; on the GPU the dense projections and the routed\n"
             "  experts stay FP8 with their block scales and multiply on the FP8 tensor cores, the rest is\n"
             "  dequantised to bf16; on the CPU all is dequantised) or bf16 (all dequantised to bf16 at load). --tp N --rank R --group NAME: this\n"
@@ -164,13 +161,6 @@ static int parse_args(int argc, char **argv, wkr_params *o, bool *verbose) {
             if (!mt_numerics_parse(v, &o->numerics) || o->numerics == MT_NUMERICS_FP32) {
                 fprintf(stderr, "error: --numerics must be exact or bf16, got \"%s\"\n", v);
                 return -1;
-            }
-        }
-        else if (!strcmp(a, "--skinny-max-rows")) {
-            rc = parse_int(a, v, 0, &o->skinny_max_rows);
-            if (!rc && o->skinny_max_rows != 0 && (o->skinny_max_rows < 9 || o->skinny_max_rows > 64)) {
-                fprintf(stderr, "error: --skinny-max-rows must be 0 or in 9..64, got %d\n", o->skinny_max_rows);
-                rc = -1;
             }
         }
         else if (!strcmp(a, "--dtype")) {

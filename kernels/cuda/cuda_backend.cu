@@ -345,7 +345,6 @@ extern "C" mt_cuda_params mt_cuda_default_params(void) {
     p.moe_grouped_min_rows = CU_MOE_GROUPED_MIN_ROWS;
     p.moe_grouped_max_rows = CU_MOE_GROUPED_MAX_ROWS;
     p.moe_exact_grouped = true;
-    p.skinny_max_rows = 0; /* cuda_backend.h */
     p.mla_attend = MT_CUDA_MLA_ATTEND_AUTO;
     p.kda_chunk_kernels = MT_CUDA_KDA_CHUNK_BOTH;
     return p;
@@ -364,9 +363,6 @@ static mt_status params_check(const mt_cuda_params *p, mt_error *err) {
     if (p->moe_grouped_max_rows != 0 && p->moe_grouped_max_rows <= CU_MOE_GEMV_MAX_ROWS)
         return mt_errorf(err, MT_ERR_INVALID, "mt_cuda_params.moe_grouped_max_rows: %d is neither 0 nor above %d",
                          p->moe_grouped_max_rows, CU_MOE_GEMV_MAX_ROWS);
-    if (p->skinny_max_rows != 0 && (p->skinny_max_rows < 9 || p->skinny_max_rows > CU_SKINNY_MAX_N))
-        return mt_errorf(err, MT_ERR_INVALID, "mt_cuda_params.skinny_max_rows: %d is neither 0 nor in 9..%d",
-                         p->skinny_max_rows, CU_SKINNY_MAX_N);
     if (p->mla_attend < MT_CUDA_MLA_ATTEND_AUTO || p->mla_attend > MT_CUDA_MLA_ATTEND_WIDE)
         return mt_errorf(err, MT_ERR_INVALID, "mt_cuda_params.mla_attend: %d is not an mt_cuda_mla_attend",
                          (int)p->mla_attend);

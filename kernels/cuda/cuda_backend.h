@@ -88,11 +88,6 @@ typedef struct mt_cuda_params {
      * GEMMs' two-part sums differ from the grouped kernels' fp32 ones); false: the row classes
      * above (tests of the tensor-core paths in the exact mode). */
     bool moe_exact_grouped;
-    /* Tensor-core matmuls of 9..skinny_max_rows rows on bf16 weights (a batched decode step) run
-     * on the skinny kernel (cuda_skinny.cu: weight rows as the MMA's M, streamed by cp.async);
-     * more rows, or 0 here, take cuBLAS. 0 or 9..64. Default 0: the kernel has no GPU run yet
-     * (its test, CudaOps.MatmulSkinny, and batch_bench --skinny-max-rows 64 against 0 decide). */
-    int skinny_max_rows;
     mt_cuda_mla_attend mla_attend;            /* default MT_CUDA_MLA_ATTEND_AUTO */
     mt_cuda_kda_chunk_kernels kda_chunk_kernels; /* default MT_CUDA_KDA_CHUNK_BOTH */
 } mt_cuda_params;

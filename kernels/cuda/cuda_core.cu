@@ -117,29 +117,20 @@ void cu_op_status(mt_backend *be, const char *op, mt_status st) {
 /* ---- programmatic dependent launch (cuda_launch.h) ---- */
 
 /* kernel(*params): one kernel taking one parameter struct by value. Returns the launch's error. */
-extern "C" cudaError_t cu_launch_pdl_cluster(const void *kernel, dim3 grid, dim3 block, size_t smem,
-                                             cudaStream_t s, void *params, int cluster) {
-    cudaLaunchAttribute attr[2];
+extern "C" cudaError_t cu_launch_pdl(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+                                     void *params) {
+    cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
-    attr[1].id = cudaLaunchAttributeClusterDimension;
-    attr[1].val.clusterDim.x = (unsigned)cluster;
-    attr[1].val.clusterDim.y = 1;
-    attr[1].val.clusterDim.z = 1;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
     cfg.stream = s;
     cfg.attrs = attr;
-    cfg.numAttrs = cluster > 1 ? 2 : 1;
+    cfg.numAttrs = 1;
     void *args[1] = {params};
     return cudaLaunchKernelExC(&cfg, kernel, args);
-}
-
-extern "C" cudaError_t cu_launch_pdl(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t s,
-                                     void *params) {
-    return cu_launch_pdl_cluster(kernel, grid, block, smem, s, params, 1);
 }
 
 /* ---- scratch and cuBLAS handles ---- */

@@ -1059,18 +1059,6 @@ static mt_status matmul_tc(cu_backend *cb, float *const *y, const float *x, cons
     char *x16 = (char *)cu_scratch(&cb->base, CU_SCRATCH_GEMM, part * (size_t)T);
     if (!x16) return MT_ERR_NOMEM; /* logged */
     mt_status st = cu_split16(x16, x, NULL, n, K, w[0]->dtype, T, false, cb->stream);
-    if (st == MT_OK && n <= cb->params.skinny_max_rows && cu_skinny_ok(w, count, n, T)) {
-        /* one launch for the weights of each part count: those of one part read hi, part 0 */
-        const mt_weight *wt[CU_SKINNY_MAX_W];
-        float *yt[CU_SKINNY_MAX_W];
-        for (int t = 1; t <= T && st == MT_OK; t++) {
-            int c = 0;
-            for (int j = 0; j < count; j++)
-                if (cu_tc_terms(cb, w[j]) == t) wt[c] = w[j], yt[c++] = y[j];
-            if (c > 0) st = cu_gemm_skinny(cb, yt, x16, t, wt, c, n);
-        }
-        return st;
-    }
     for (int j = 0; j < count; j++)
         for (int t = 0, tj = cu_tc_terms(cb, w[j]); t < tj && st == MT_OK; t++)
             st = cu_gemm_tc(cb, y[j], x16 + part * (size_t)t, w[j]->data, w[j]->dtype, n, (int)w[j]->rows, K,

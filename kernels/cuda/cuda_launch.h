@@ -48,10 +48,6 @@ void cu_prof_mark(mt_backend *be, const char *what);
 /* kernel(*params) on s for PDL, one kernel taking one parameter struct by value (cuda_core.cu).
  * Returns the launch's error. */
 cudaError_t cu_launch_pdl(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t s, void *params);
-/* The same with thread-block clusters of `cluster` blocks along x (grid.x a multiple of it; 1 is a
- * plain launch). */
-cudaError_t cu_launch_pdl_cluster(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t s,
-                                  void *params, int cluster);
 
 #ifdef __cplusplus
 }

@@ -161,16 +161,6 @@ mt_status cu_split16(void *out /* [terms * M, K] dt */, const float *x /* [*, K]
                      int terms, bool interleave, cudaStream_t s);
 mt_status cu_gemm_tc(cu_backend *cb, float *y /* [M, N] */, const void *x16 /* [M, K] dt */,
                      const void *w /* [N, K] dt */, mt_dtype dt, int M, int N, int K, float beta);
-/* The batched decode step's tensor-core matmul (cuda_skinny.cu): y[j][n, rows_j] = x . w[j]^T for
- * count <= CU_SKINNY_MAX_W bf16 weights of the same K sharing x, given as x16 = cu_split16's
- * `terms` blocked parts ([terms][n][K], 16-byte aligned), n <= CU_SKINNY_MAX_N rows, built to
- * stream the weight rows at the copy rate (cuBLAS reads them at under half of it). Deterministic
- * for a given shape. cu_skinny_ok: whether it takes the call (bf16, K % 8 == 0, 16-byte aligned
- * weights). Returns MT_ERR_BACKEND after logging a failed launch. */
-enum { CU_SKINNY_MAX_N = 64, CU_SKINNY_MAX_W = 8 };
-bool cu_skinny_ok(const mt_weight *const *w, int count, int n, int terms);
-mt_status cu_gemm_skinny(cu_backend *cb, float *const *y, const void *x16, int terms, const mt_weight *const *w,
-                         int count, int n);
 /* cuda_core.cu: a cuBLAS handle on `stream` with its own CU_BLAS_WS_BYTES workspace (*ws),
  * host pointer mode (cb->blas; cuda_moe.cu's side stream). On failure (logged) whatever was made
  * is left in *blas, *ws for the caller to free. */
@@ -404,8 +394,7 @@ template <int N> static __device__ __forceinline__ void cu_cp_async_wait(void) {
 }
 
 /* ldmatrix x4 of 16-bit elements: lane l gives the shared-memory address of one 16-byte row (a
- * generic pointer p, or a shared-window address a, which keeps 32-bit address arithmetic in
- * register-tight kernels); the four 8x8 matrices, from lanes 0-7, 8-15, 16-23 and 24-31, land in
+ * generic pointer p, or a shared-window address a); the four 8x8 matrices, from lanes 0-7, 8-15, 16-23 and 24-31, land in
  * r[0..3]. The _t form (.trans) hands each thread the transposed pairs. */
 static __device__ __forceinline__ void cu_ldsm4(uint32_t *r, uint32_t a) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
