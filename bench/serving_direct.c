@@ -164,23 +164,25 @@ static int run_mix(eng_engine *e, bench *b, int V, int n, const int *plens, cons
             return 1;
         }
     }
-    /* where the time goes: steps that ran prompt chunks against decode-only steps (a run-ahead
-     * step's time is the device step it waits for) */
+    /* where the time goes: steps that ran prompt work against decode-only steps (a run-ahead
+     * step's time is the device step it waits for). A step ran prompt work when it completed
+     * chunks (prefill_tokens counts them then) or carried a layered group some layers on. */
     double chunk_ms = 0, decode_ms = 0;
     long chunk_steps = 0, decode_steps = 0;
     eng_stats st, st0;
     eng_get_stats(e, &st);
     st0 = st;
-    uint64_t pt0 = st.prefill_tokens;
+    uint64_t pt0 = st.prefill_tokens, ls0 = st.layered_steps;
     const uint64_t prompt0 = pt0;
     while (eng_has_work(e)) {
         const double t = mt_now();
         eng_step(e, NULL);
         const double ms = (mt_now() - t) * 1e3;
         eng_get_stats(e, &st);
-        if (st.prefill_tokens != pt0) chunk_ms += ms, chunk_steps++;
+        if (st.prefill_tokens != pt0 || st.layered_steps != ls0) chunk_ms += ms, chunk_steps++;
         else decode_ms += ms, decode_steps++;
         pt0 = st.prefill_tokens;
+        ls0 = st.layered_steps;
     }
     const double wall = mt_now() - b->t0;
 
