@@ -831,6 +831,54 @@ TEST(Engine, LayeredPrefillGivesTheTokensOfWholeSteps) {
     }
 }
 
+// layered_max_waiting: from that many requests waiting for a place on, a step's chunks run every
+// layer at once. The staggered arrivals give the same tokens with fewer layered steps; one running
+// sequence and two prompts for its one free place: the first prompt's chunk runs whole while the
+// other waits (its first token in the next step), and layered (three steps) under a higher limit.
+TEST(Engine, LayeredPrefillGivesWayToABacklog) {
+    Model M;
+    std::map<uint64_t, std::vector<int32_t>> got[2];
+    eng_stats st[2];
+    for (int lim = 0; lim < 2; lim++) {
+        eng_params p = eng_default_params();
+        p.mixed_steps = true;
+        p.prefill_layers = 1;
+        p.layered_max_waiting = lim;
+        got[lim] = RunStaggered(M.m, p, &st[lim]);
+    }
+    for (const Staggered &s : kStaggered) EXPECT_EQ(got[1][s.id], got[0][s.id]) << "id " << s.id;
+    EXPECT_GE(st[0].layered_steps, 5u);
+    EXPECT_LT(st[1].layered_steps, st[0].layered_steps);
+
+    for (const int lim : { 1, 3 }) {
+        eng_params p = eng_default_params();
+        p.max_sequences = 2;
+        p.mixed_steps = true;
+        p.prefill_layers = 1;
+        p.layered_max_waiting = lim;
+        Engine E(M.m, p);
+        ASSERT_EQ(E.Submit(1, Prompt(5, 1), Req(20)), MT_OK);
+        E.Step();
+        ASSERT_EQ(E.Submit(2, Prompt(10, 2), Req(4)), MT_OK);
+        ASSERT_EQ(E.Submit(3, Prompt(12, 3), Req(4)), MT_OK);
+        int steps = 0;
+        while (E.results[2].tokens.empty()) {
+            const size_t had = E.results[1].tokens.size();
+            E.Step();
+            steps++;
+            EXPECT_EQ(E.results[1].tokens.size(), had + 1) << "limit " << lim << ", step " << steps;
+            ASSERT_LT(steps, 8);
+        }
+        EXPECT_EQ(steps, lim == 1 ? 1 : 3) << "limit " << lim;
+        EXPECT_TRUE(E.results[3].tokens.empty()) << "limit " << lim;
+        E.RunToEnd();
+        EXPECT_EQ(E.results[1].tokens, DirectGreedy(M.m, Prompt(5, 1), 20));
+        EXPECT_EQ(E.results[2].tokens, DirectGreedy(M.m, Prompt(10, 2), 4));
+        EXPECT_EQ(E.results[3].tokens, DirectGreedy(M.m, Prompt(12, 3), 4));
+        EXPECT_EQ(E.Stats().cache_bytes_in_use, 0u);
+    }
+}
+
 // A sequence whose layered chunk is in flight is preempted like any other: in 3 pages of 64, #1
 // (60 + 30 tokens) needs its second page while #2's 100-token chunk (two pages) runs its layers
 // beside it; #2 gives its pages back, waits, is prefilled again later, and both give the plain

@@ -585,6 +585,7 @@ TEST(WorkerMain, BadArgumentsExitTwo) {
     EXPECT_EQ(run({ "--model", kModel, "--router", "ipc:///tmp/x", "--id", "x" }), 2);
     EXPECT_EQ(run({ "--model", kModel, "--router", "ipc:///tmp/x", "--id", "1", "--backend", "tpu" }), 2);
     EXPECT_EQ(run({ "--model", kModel, "--router", "ipc:///tmp/x", "--id", "1", "--bogus", "1" }), 2);
+    EXPECT_EQ(run({ "--model", kModel, "--router", "ipc:///tmp/x", "--id", "1", "--layered-max-waiting", "-1" }), 2);
     EXPECT_EQ(run({ "--model", kModel, "--router", "ipc:///tmp/x", "--id", "1", "--curve-server-key", "/no/such" }),
               2);
     EXPECT_EQ(run({ "--model", kModel, "--router", "ipc:///tmp/x", "--id", "1", "--tp", "2", "--rank", "2",

@@ -43,7 +43,7 @@ static void usage(FILE *f) {
             "                      [--device N] [--max-sequences N] [--max-context N] [--threads N]\n"
             "                      [--router-timeout S] [--cache-budget-mb N] [--prefill-budget N] [--itl-target-ms MS]\n"
             "                      [--prefill-hold-ms MS]\n"
-            "                      [--prefill-pass N] [--prefill-layers N]\n"
+            "                      [--prefill-pass N] [--prefill-layers N] [--layered-max-waiting N]\n"
             "                      [--graph-max-batch N] [--no-preempt] [--no-run-ahead] [--mixed-steps|--separate-steps]\n"
             "                      [--verbose]\n"
             "                      [--numerics bf16|exact] [--dtype auto|bf16] [--tp N --rank R --group NAME]\n"
@@ -71,7 +71,9 @@ static void usage(FILE *f) {
             "  the experts its rows touch; on cpu 256); --prefill-layers: with mixed steps, a step's prompt\n"
             "  chunks run N layers beside its decode rows and go on N layers a step until they complete,\n"
             "  so the rows beside a prompt wait for a few layers of it, not all (default 1 with mixed steps\n"
-            "  on a GPU, 0 (every layer in one step) otherwise).\n"
+            "  on a GPU, 0 (every layer in one step) otherwise); --layered-max-waiting: from N requests\n"
+            "  waiting for a place on, chunks run every layer in their step (throughput over latency\n"
+            "  under saturation; default 0: no limit).\n"
             "  A request waits while the pools are short,\n"
             "  and a running one that runs out of cache pages is preempted (its state recomputed later);\n"
             "  --graph-max-batch: decode steps of up to N sequences replay CUDA graphs (buckets 1, 2, 4, ...;\n"
@@ -205,6 +207,7 @@ static int parse_args(int argc, char **argv, wkr_params *o, bool *verbose) {
             }
         }
         else if (!strcmp(a, "--prefill-layers")) rc = parse_int(a, v, 0, &o->prefill_layers);
+        else if (!strcmp(a, "--layered-max-waiting")) rc = parse_int(a, v, 0, &o->layered_max_waiting);
         else if (!strcmp(a, "--itl-target-ms")) rc = parse_ms(a, v, &o->itl_target_ms);
         else if (!strcmp(a, "--prefill-hold-ms")) rc = parse_ms(a, v, &o->prefill_hold_ms);
         else if (!strcmp(a, "--graph-max-batch")) rc = parse_int(a, v, 1, &o->graph_max_batch);

@@ -610,9 +610,11 @@ static bool feed_now(eng_engine *e, eng_seq *s, int *budget) {
 static bool plan_chunk(eng_engine *e, eng_seq *s, int *budget);
 
 /* Layers the step's chunks run (mt_batch_part.layers) with `rows` decode and verify rows beside
- * them: prefill_layers when rows ride along and the model takes layered chunks, else 0 (all). */
+ * them: prefill_layers when rows ride along and the model takes layered chunks and the backlog is
+ * under layered_max_waiting, else 0 (all). */
 static int lp_layers(const eng_engine *e, int rows) {
     const int k = e->p.prefill_layers;
+    if (e->p.layered_max_waiting > 0 && e->n_waiting >= e->p.layered_max_waiting) return 0;
     return rows > 0 && k > 0 && k < e->info.n_layers && e->info.layered_prefill ? k : 0;
 }
 

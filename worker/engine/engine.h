@@ -133,6 +133,12 @@ typedef struct eng_params {
      * all, so the rows beside a prompt wait less; the chunks of a step fit one model pass. 0
      * (default): every layer in the chunk's step. */
     int prefill_layers;
+    /* With prefill_layers: chunks run layered only while fewer than layered_max_waiting requests
+     * wait for a place; from that backlog on, a step runs its chunks (and a group in flight) through
+     * every remaining layer, as with prefill_layers 0. Under saturation a layered prompt holds its
+     * place for L / prefill_layers steps without decoding and nothing else is admitted meanwhile,
+     * while inter-token latency no longer decides anything. 0 (default): no limit. */
+    int layered_max_waiting;
     /* Prefill coalescing under saturation (sched_hold_prefill): while more requests wait than
      * there are free places and no prompt is under way, a step with decode rows admits nobody
      * until the waiting prompts that fit the places reach half of prefill_budget tokens or
