@@ -37,10 +37,12 @@ struct Result {
 };
 
 struct Model {
-    explicit Model(const char *dir = kDir) {
+    explicit Model(const char *dir = kDir, bool layered_sites = false) {
         be = mt_cpu_backend_new(1);
         mt_error err = { "" };
-        EXPECT_EQ(glm_model_load(dir, be, nullptr, &m, &err), MT_OK) << err.msg;
+        glm_model_params p = glm_model_default_params();
+        p.layered_sites = layered_sites;
+        EXPECT_EQ(glm_model_load(dir, be, &p, &m, &err), MT_OK) << err.msg;
     }
     ~Model() {
         glm_model_free(m);
@@ -829,6 +831,47 @@ TEST(Engine, LayeredPrefillGivesTheTokensOfWholeSteps) {
         EXPECT_EQ(E.results[4].tokens, DirectGreedy(M.m, Prompt(7, 4), 5));
         EXPECT_EQ(E.Stats().cache_bytes_in_use, 0u);
     }
+}
+
+// Layered prefill in sites (a model loaded with layered_sites: prefill_layers counts a layer's
+// attention and MLP apart): the staggered arrivals give the tokens of whole-step chunks, and a
+// 10-token prompt beside a running sequence takes a site a step (tiny_a: 4 layers, 8 sites, its
+// shared-indexer attention riding with the full layer's MLP before it: 6 steps), the running
+// sequence getting a token every step.
+TEST(Engine, LayeredSitesGiveTheTokensOfWholeSteps) {
+    Model M, S(kDir, true);
+    std::map<uint64_t, std::vector<int32_t>> got[3];
+    eng_stats st[3];
+    for (int k = 0; k < 3; k++) {
+        eng_params p = eng_default_params();
+        p.mixed_steps = true;
+        p.prefill_layers = k ? 1 : 0;
+        got[k] = RunStaggered(k == 2 ? S.m : M.m, p, &st[k]);
+    }
+    for (const Staggered &s : kStaggered) EXPECT_EQ(got[2][s.id], got[0][s.id]) << "id " << s.id;
+    EXPECT_GT(st[2].layered_steps, st[1].layered_steps);
+
+    eng_params p = eng_default_params();
+    p.max_sequences = 4;
+    p.mixed_steps = true;
+    p.prefill_layers = 1;
+    Engine E(S.m, p);
+    ASSERT_EQ(E.Submit(1, Prompt(5, 1), Req(20)), MT_OK);
+    E.Step();
+    ASSERT_EQ(E.Submit(2, Prompt(10, 2), Req(4)), MT_OK);
+    int steps = 0;
+    while (E.results[2].tokens.empty()) {
+        const size_t had = E.results[1].tokens.size();
+        E.Step();
+        steps++;
+        EXPECT_EQ(E.results[1].tokens.size(), had + 1) << "step " << steps;
+        ASSERT_LT(steps, 12);
+    }
+    EXPECT_EQ(steps, 6);
+    E.RunToEnd();
+    EXPECT_EQ(E.results[1].tokens, DirectGreedy(M.m, Prompt(5, 1), 20));
+    EXPECT_EQ(E.results[2].tokens, DirectGreedy(M.m, Prompt(10, 2), 4));
+    EXPECT_EQ(E.Stats().cache_bytes_in_use, 0u);
 }
 
 // layered_max_waiting: from that many requests waiting for a place on, a step's chunks run every

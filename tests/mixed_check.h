@@ -33,7 +33,8 @@ inline double MixedRelDiff(const std::vector<float> &a, const std::vector<float>
 // a draft of each) must agree, so the caches, recurrent states and drafter rows the step left are
 // the same. tol: relative logit difference allowed (0 for the CPU: the same sums in the same order).
 // layers > 0: B's and C's chunks are layered (glm_mixed_part.layers), the step running them
-// `layers` layers beside A's row and the calls after it carrying them on alone to the last layer.
+// `layers` layers (sites, on a model loaded with layered_sites) beside A's row and the calls after
+// it carrying them on alone to the last layer.
 inline void CheckMixedStep(glm_model *m, const char *name, double tol, int layers = 0) {
     const int V = glm_model_config(m)->vocab_size;
     mt_error err{};
@@ -71,7 +72,7 @@ inline void CheckMixedStep(glm_model *m, const char *name, double tol, int layer
     for (int call = 1; glm_seq_len(mx[2]) == 0; call++) { /* layered: the chunks go on alone */
         ASSERT_GT(layers, 0) << name;
         ASSERT_TRUE(glm_seq_in_flight(mx[2])) << name;
-        ASSERT_LT(call, glm_model_n_layers(m)) << name;
+        ASSERT_LT(call, glm_model_layered_units(m)) << name;
         ASSERT_EQ(glm_forward_mixed(m, parts + 1, 2, 0, &err), MT_OK) << err.msg;
     }
     const double da = MixedRelDiff(ma, ra), db = MixedRelDiff(mb, rb), dc = MixedRelDiff(mc, rc);

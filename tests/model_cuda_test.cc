@@ -243,18 +243,24 @@ TEST_F(ModelCuda, GreedyRunAheadEqualsReadingEachStep) {
 }
 
 // A mixed step (prompt chunks and a decode row in one pass) equals the parts run alone, in the
-// exact mode, whole and with its chunks layered; on the demo model its drafter follows every part.
+// exact mode, whole and with its chunks layered (in layers, and in sites: a call stopping or
+// starting a group between a layer's attention and its MLP); on the demo model its drafter
+// follows every part.
 TEST_F(ModelCuda, MixedStepEqualsPartByPart) {
-    for (const char *dir : {"tests/fixtures/tiny_a", "models/glm5-next-demo"}) {
-        glm_model_params p = glm_model_default_params();
-        p.mtp = true;
-        glm_model *m = nullptr;
-        mt_error err{};
-        ASSERT_EQ(glm_model_load(dir, gpu_, &p, &m, &err), MT_OK) << err.msg;
-        CheckMixedStep(m, (std::string(dir) + " (GPU, exact)").c_str(), 1e-3);
-        CheckMixedStep(m, (std::string(dir) + " (GPU, exact)").c_str(), 1e-3, 1);
-        glm_model_free(m);
-    }
+    for (const char *dir : {"tests/fixtures/tiny_a", "models/glm5-next-demo"})
+        for (const bool sites : {false, true}) {
+            glm_model_params p = glm_model_default_params();
+            p.mtp = true;
+            p.layered_sites = sites;
+            glm_model *m = nullptr;
+            mt_error err{};
+            ASSERT_EQ(glm_model_load(dir, gpu_, &p, &m, &err), MT_OK) << err.msg;
+            const std::string name = std::string(dir) + (sites ? " in sites" : "") + " (GPU, exact)";
+            if (!sites) CheckMixedStep(m, name.c_str(), 1e-3);
+            CheckMixedStep(m, name.c_str(), 1e-3, 1);
+            if (sites) CheckMixedStep(m, name.c_str(), 1e-3, 3);
+            glm_model_free(m);
+        }
 }
 
 // k rows of one sequence through the verify entry (the graph runner, a graph per width captured on

@@ -26,11 +26,12 @@ mt_status Forward(mt_model *m, const mt_batch_part *parts, int n, mt_error *err)
 struct Loaded {
     mt_backend *be = nullptr;
     glm_model *m = nullptr;
-    Loaded(const char *dir, int chunk, bool mtp) {
+    Loaded(const char *dir, int chunk, bool mtp, bool sites = false) {
         be = mt_cpu_backend_new(1);
         glm_model_params p = glm_model_default_params();
         p.prefill_chunk = chunk;
         p.mtp = mtp;
+        p.layered_sites = sites;
         mt_error err{};
         EXPECT_EQ(glm_model_load(dir, be, &p, &m, &err), MT_OK) << err.msg;
     }
@@ -48,12 +49,24 @@ TEST(ModelMixed, TinyEqualsPartByPart) {
     CheckMixedStep(l.m, "tiny_a (CPU)", 0.0, 2);
 }
 
+// Layered in sites: a call can stop a group between a layer's attention and its MLP, or start it
+// there (1 site a call: every boundary; 3: both kinds, and ranges of two layers' parts).
+TEST(ModelMixed, TinyInSitesEqualsPartByPart) {
+    Loaded l("tests/fixtures/tiny_a", 64, false, true);
+    ASSERT_NE(l.m, nullptr);
+    EXPECT_EQ(glm_model_layered_units(l.m), 2 * glm_model_n_layers(l.m));
+    for (int k = 1; k <= 3; k++) CheckMixedStep(l.m, "tiny_a in sites (CPU)", 0.0, k);
+}
+
 TEST(ModelMixed, DemoWithDrafterEqualsPartByPart) {
     Loaded l("models/glm5-next-demo", 64, true);
     ASSERT_NE(l.m, nullptr);
     ASSERT_TRUE(glm_model_has_drafter(l.m));
     CheckMixedStep(l.m, "demo (CPU)", 0.0);
     CheckMixedStep(l.m, "demo (CPU)", 0.0, 1);
+    Loaded s("models/glm5-next-demo", 64, true, true);
+    ASSERT_NE(s.m, nullptr);
+    CheckMixedStep(s.m, "demo in sites (CPU)", 0.0, 1);
 }
 
 // Through the model interface with passes of 8 rows: a decode row and two chunks of 13 and 6

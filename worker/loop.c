@@ -176,6 +176,7 @@ static mt_status load_model(wkr_loop *l, mt_error *err) {
     const int vs = l->p.spec_max_batch > 0 ? l->p.spec_max_batch : l->p.max_sequences;
     mp.verify_seqs = vs < WKR_VERIFY_SEQS_MAX ? vs : WKR_VERIFY_SEQS_MAX;
     mp.dequant_fp8 = l->p.dequant_fp8;
+    mp.layered_sites = l->p.prefill_sites;
     mp.comm = l->data;
     load_log g = { .t0 = mt_now(), .last_at = mt_now(), .last_tenth = -1 };
     mp.on_load_progress = on_load_progress;

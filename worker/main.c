@@ -43,7 +43,8 @@ static void usage(FILE *f) {
             "                      [--device N] [--max-sequences N] [--max-context N] [--threads N]\n"
             "                      [--router-timeout S] [--cache-budget-mb N] [--prefill-budget N] [--itl-target-ms MS]\n"
             "                      [--prefill-hold-ms MS]\n"
-            "                      [--prefill-pass N] [--prefill-layers N] [--layered-max-waiting N]\n"
+            "                      [--prefill-pass N] [--prefill-layers N] [--prefill-sites]\n"
+            "                      [--layered-max-waiting N]\n"
             "                      [--graph-max-batch N] [--no-preempt] [--no-run-ahead] [--mixed-steps|--separate-steps]\n"
             "                      [--verbose]\n"
             "                      [--numerics bf16|exact] [--dtype auto|bf16] [--tp N --rank R --group NAME]\n"
@@ -71,7 +72,9 @@ static void usage(FILE *f) {
             "  the experts its rows touch; on cpu 256); --prefill-layers: with mixed steps, a step's prompt\n"
             "  chunks run N layers beside its decode rows and go on N layers a step until they complete,\n"
             "  so the rows beside a prompt wait for a few layers of it, not all (default 1 with mixed steps\n"
-            "  on a GPU, 0 (every layer in one step) otherwise); --layered-max-waiting: from N requests\n"
+            "  on a GPU, 0 (every layer in one step) otherwise); --prefill-sites: --prefill-layers counts\n"
+            "  a layer's attention and MLP as two steps' work, so an MoE layer's expert reads and its\n"
+            "  attention land in different steps; --layered-max-waiting: from N requests\n"
             "  waiting for a place on, chunks run every layer in their step (throughput over latency\n"
             "  under saturation; default 0: no limit).\n"
             "  A request waits while the pools are short,\n"
@@ -150,6 +153,7 @@ static int parse_args(int argc, char **argv, wkr_params *o, bool *verbose) {
         if (!strcmp(a, "--mixed-steps")) { o->mixed_steps = 1; continue; }
         if (!strcmp(a, "--separate-steps")) { o->mixed_steps = 0; continue; }
         if (!strcmp(a, "--no-run-ahead")) { o->no_run_ahead = true; continue; }
+        if (!strcmp(a, "--prefill-sites")) { o->prefill_sites = true; continue; }
         if (!v) { fprintf(stderr, "error: %s needs a value\n", a); usage(stderr); return -1; }
         int rc = 0;
         if (!strcmp(a, "--model")) o->model = v;

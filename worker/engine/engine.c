@@ -67,7 +67,8 @@ struct eng_engine {
     int n_chunks;
     float *chunk_logits;         /* [max_sequences, vocab] host: each completing prompt's last row */
     /* Layered prefill (prefill_layers): the chunks above are in flight across steps, having run
-     * lp_done of the model's layers; no other chunk is planned until they complete. */
+     * lp_done of the model's layered units (layers, or sites); no other chunk is planned until
+     * they complete. */
     bool lp_active;
     int lp_done;
     uint64_t layered_steps;
@@ -615,7 +616,7 @@ static bool plan_chunk(eng_engine *e, eng_seq *s, int *budget);
 static int lp_layers(const eng_engine *e, int rows) {
     const int k = e->p.prefill_layers;
     if (e->p.layered_max_waiting > 0 && e->n_waiting >= e->p.layered_max_waiting) return 0;
-    return rows > 0 && k > 0 && k < e->info.n_layers && e->info.layered_prefill ? k : 0;
+    return rows > 0 && k > 0 && k < e->info.layered_units && e->info.layered_prefill ? k : 0;
 }
 
 static void admit_with(eng_engine *e, eng_feed feed) {
@@ -1160,7 +1161,7 @@ static chunks_ran mixed_step(eng_engine *e, eng_seq **b, int n, eng_seq **v, int
          * more than asked: a range does not end before a layer that leans on the one before) */
         const struct eng_chunk *c0 = &e->chunks[0];
         const bool done = mt_seq_len(c0->s->gs) == c0->s->prefilled + c0->k;
-        const int L = e->info.n_layers, before = e->lp_active ? e->lp_done : 0;
+        const int L = e->info.layered_units, before = e->lp_active ? e->lp_done : 0;
         const int after = done ? L : before + layers < L ? before + layers : L - 1;
         e->layered_steps += !(before == 0 && done);
         /* the pacing sees the step's share of its chunks' prompt work (counted whole at planning) */

@@ -130,8 +130,9 @@ typedef struct eng_params {
      * and the next steps carry them on, prefill_layers layers a step, until the last layer
      * completes them (no other chunk starts meanwhile; a step with no rows beside them runs every
      * remaining layer). A step then reads the experts of one MoE layer for the prompts, not of
-     * all, so the rows beside a prompt wait less; the chunks of a step fit one model pass. 0
-     * (default): every layer in the chunk's step. */
+     * all, so the rows beside a prompt wait less; the chunks of a step fit one model pass. It
+     * counts the model's layered units (mt_model_info.layered_units: sites where the model was
+     * loaded with layered_sites). 0 (default): every layer in the chunk's step. */
     int prefill_layers;
     /* With prefill_layers: chunks run layered only while fewer than layered_max_waiting requests
      * wait for a place; from that backlog on, a step runs its chunks (and a group in flight) through

@@ -46,6 +46,11 @@ typedef struct mt_model_params {
     /* The model's drafter (an MTP block), when it has one, follows every sequence so that any
      * step can draft (speculative decoding); default false. */
     bool mtp;
+    /* Layered prefill in sites (mt_batch_part.layers counts the attention and the MLP site of a
+     * layer as two units, mt_model_info.layered_units = 2 x layers), so that a step beside decode
+     * rows carries one site of a prompt: on an MoE model a layer's attention and its experts'
+     * reads land in different steps. Default false: whole layers. */
+    bool layered_sites;
     /* With mtp: the verify parts one forward takes at most (each holds GLM_VERIFY_MAX - 1 more
      * recurrent slots while its rows wait for seq_keep); default 1. */
     int verify_seqs;
@@ -90,6 +95,8 @@ typedef struct mt_model_info {
     bool backend_queues;   /* the backend queues its work (only then does running ahead pay) */
     bool multi_seq;        /* every layer decodes one row for each of many sequences in one pass */
     bool layered_prefill;  /* prefill parts take mt_batch_part.layers */
+    int layered_units;     /* what mt_batch_part.layers counts through the model: n_layers, or
+                            * 2 x n_layers with mt_model_params.layered_sites */
     bool rollback;         /* seq_keep drops the rejected rows of a verify */
     bool has_drafter;      /* draft is offered (params.mtp and a drafter in the checkpoint) */
     int verify_seqs;       /* verify parts one forward takes at most, beside one-row decode parts
@@ -120,8 +127,8 @@ typedef struct mt_batch_part {
     float *logits;
     bool all_logits;
     int32_t *argmax;
-    /* MT_PART_PREFILL on a model with layered_prefill: the chunk runs this many more layers in
-     * this call (0: all that remain). A chunk that has not reached the last layer is in flight:
+    /* MT_PART_PREFILL on a model with layered_prefill: the chunk runs this many more layers (or
+     * sites, mt_model_params.layered_sites) in this call (0: all that remain). A chunk that has not reached the last layer is in flight:
      * each later call passes the same part again (tokens, n, logits), after the batch's other
      * parts, until the call that reaches the last layer completes it (its length, logits and
      * drafter follow then); the parts in flight share one range of layers, one group at a time;

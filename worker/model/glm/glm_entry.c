@@ -65,6 +65,7 @@ static void iface_describe(const mt_model *mm, mt_model_info *out) {
         .backend_queues = glm_model_backend_queues(m),
         .multi_seq = m->runner.plan.multi_seq,
         .layered_prefill = mixed_layers(m),
+        .layered_units = glm_model_layered_units(m),
         .rollback = m->mtp.on,
         .has_drafter = m->mtp.on,
         .verify_seqs = m->mtp.on ? m->mtp.n_rings : 0,

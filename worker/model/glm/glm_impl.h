@@ -257,6 +257,10 @@ struct mt_step {
     /* A verify (n > 1 rows of one sequence, write-on-accept): the KDA slots that take the
      * recurrent and conv state after each row but the last, [n - 1] (m->mtp.ring); NULL else. */
     const int *vring;
+    /* Mixed step of layered sites: with mlp_rows, the rows through the MLP site are n_mlp, not
+     * the attention site's n (a layered group's rows run only one of the two). */
+    bool mlp_rows;
+    int n_mlp;
     int vring_id;              /* which ring vring is (m->mtp.ring + vring_id * (GLM_VERIFY_MAX - 1)):
                                 * where state outside the slot pool keeps its rows (glm_ple_w.ring) */
 };

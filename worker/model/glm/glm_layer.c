@@ -79,64 +79,80 @@ static mt_status mixer_forward(const glm_layer *l, glm_layer_state **sts, int ns
 
 /* n rows through the decoder layer: nst == 1 state for n consecutive positions of one sequence,
  * nst == n states, one row per sequence (see glm_kda.c), or, with step->seg, nst segments of
- * consecutive rows of one sequence each (the mixed step). */
+ * consecutive rows of one sequence each (the mixed step). With step->mlp_rows (layered sites) the
+ * MLP site takes n_mlp rows instead: fewer (a group's rows stop after the attention site) or
+ * more (rows [n, n_mlp) start at the MLP site, their highway rows past the attention site). */
 static mt_status layer_forward(const mt_layer *ml, glm_layer_state **sts, int nst, mt_step *step,
                                float *X, int n) {
     const glm_layer *l = as_glm(ml);
     const glm_config *c = l->cfg;
     mt_backend *be = step->be;
     glm_scratch *scr = step->scr;
-    MT_ASSERT(n <= scr->rows);
+    const int nm = step->mlp_rows ? step->n_mlp : n; /* rows through the MLP site */
+    MT_ASSERT(n <= scr->rows && nm <= scr->rows);
     const mt_hc_params hp = { c->hc_mult, c->hidden_size, c->rms_norm_eps, c->hc_eps, c->hc_sinkhorn_iters };
     mt_status s = MT_OK;
-    if (l->ple.on && (s = glm_ple_forward(l, sts, nst, step, X, n)) != MT_OK) return s; /* into the highway first */
-    hc_pre_norm(be, scr, X, &l->hc[0], l->in_norm, &hp, n);
-    if (step->seg) {
-        /* a mixed step: its decode rows through the batched decode's mixer at once (one launch
-         * for all of them, not one a row), then each prompt chunk's rows with its own state */
-        if (step->nrows > 0) {
-            mt_step rows = *step;
-            rows.seg = NULL;
-            rows.t0 = -1;
-            const glm_vblock *vb = step->vblk;
-            if (vb && c->layer_types[l->base.index] == GLM_MIXER_KDA) {
-                /* the KDA's row order (glm_vblock): gathered into y, its output back from h */
-                be->ops->copy_rows_from(be, scr->y, vb->gather, step->nrows, c->hidden_size);
-                s = mixer_forward(l, sts, step->nrows, &rows, scr->y, scr->h, step->nrows);
-                be->ops->copy_rows_ptr(be, vb->scatter_dst, vb->scatter_src, step->nrows, c->hidden_size);
-            } else {
-                s = mixer_forward(l, sts, step->nrows, &rows, scr->h, scr->a, step->nrows);
+    if (n > 0) { /* the attention site (none for a layered group's rows alone at their MLP site) */
+        if (l->ple.on && (s = glm_ple_forward(l, sts, nst, step, X, n)) != MT_OK)
+            return s; /* into the highway first */
+        hc_pre_norm(be, scr, X, &l->hc[0], l->in_norm, &hp, n);
+        if (step->seg) {
+            /* a mixed step: its decode rows through the batched decode's mixer at once (one launch
+             * for all of them, not one a row), then each prompt chunk's rows with its own state */
+            if (step->nrows > 0) {
+                mt_step rows = *step;
+                rows.seg = NULL;
+                rows.t0 = -1;
+                const glm_vblock *vb = step->vblk;
+                if (vb && c->layer_types[l->base.index] == GLM_MIXER_KDA) {
+                    /* the KDA's row order (glm_vblock): gathered into y, its output back from h */
+                    be->ops->copy_rows_from(be, scr->y, vb->gather, step->nrows, c->hidden_size);
+                    s = mixer_forward(l, sts, step->nrows, &rows, scr->y, scr->h, step->nrows);
+                    be->ops->copy_rows_ptr(be, vb->scatter_dst, vb->scatter_src, step->nrows, c->hidden_size);
+                } else {
+                    s = mixer_forward(l, sts, step->nrows, &rows, scr->h, scr->a, step->nrows);
+                }
             }
+            const int nb = step->vblk ? step->nbparts : step->nrows;
+            for (int i = nb, r = step->nrows; i < step->nseg && s == MT_OK; r += step->seg[i++].n) {
+                mt_step one = *step;
+                one.t0 = step->seg[i].t0;
+                one.scr = &step->seg[i].scr;
+                one.seg = NULL;
+                one.rpos = NULL;
+                one.rtab = NULL;
+                one.vring = step->seg[i].vring;
+                one.vring_id = step->seg[i].vring_id;
+                const size_t off = (size_t)r * c->hidden_size;
+                s = mixer_forward(l, &sts[i], 1, &one, scr->h + off, scr->a + off, step->seg[i].n);
+            }
+        } else {
+            s = mixer_forward(l, sts, nst, step, scr->h, scr->a, n);
         }
-        const int nb = step->vblk ? step->nbparts : step->nrows;
-        for (int i = nb, r = step->nrows; i < step->nseg && s == MT_OK; r += step->seg[i++].n) {
-            mt_step one = *step;
-            one.t0 = step->seg[i].t0;
-            one.scr = &step->seg[i].scr;
-            one.seg = NULL;
-            one.rpos = NULL;
-            one.rtab = NULL;
-            one.vring = step->seg[i].vring;
-            one.vring_id = step->seg[i].vring_id;
-            const size_t off = (size_t)r * c->hidden_size;
-            s = mixer_forward(l, &sts[i], 1, &one, scr->h + off, scr->a + off, step->seg[i].n);
+        if (s == MT_OK) s = glm_all_reduce(l->comm, scr->a, (size_t)n * c->hidden_size); /* heads' partial sums */
+        if (s != MT_OK) return s;
+        /* the mixer's hc_post and the MLP site's hc_pre, fused where the backend offers it */
+        if (be->ops->hc_post_pre_norm) {
+            be->ops->hc_post_pre_norm(be, X, scr->a, scr->h, scr->y, scr->post, scr->comb, &l->hc[1].fn,
+                                      l->hc[1].base, l->hc[1].scale, l->post_norm, &hp, n);
+        } else {
+            be->ops->hc_post(be, X, scr->a, scr->post, scr->comb, &hp, n);
+            hc_pre_norm(be, scr, X, &l->hc[1], l->post_norm, &hp, n);
         }
-    } else {
-        s = mixer_forward(l, sts, nst, step, scr->h, scr->a, n);
     }
-    if (s == MT_OK) s = glm_all_reduce(l->comm, scr->a, (size_t)n * c->hidden_size); /* heads' partial sums */
-    if (s != MT_OK) return s;
-    /* the mixer's hc_post and the MLP site's hc_pre, fused where the backend offers it */
-    if (be->ops->hc_post_pre_norm) {
-        be->ops->hc_post_pre_norm(be, X, scr->a, scr->h, scr->y, scr->post, scr->comb, &l->hc[1].fn, l->hc[1].base,
-                                  l->hc[1].scale, l->post_norm, &hp, n);
-    } else {
-        be->ops->hc_post(be, X, scr->a, scr->post, scr->comb, &hp, n);
-        hc_pre_norm(be, scr, X, &l->hc[1], l->post_norm, &hp, n);
+    if (nm > n) { /* a layered group's rows that ran this attention site in an earlier step */
+        const size_t H = (size_t)c->hidden_size, S = (size_t)c->hc_mult;
+        glm_scratch g = *scr;
+        g.h += n * H;
+        g.y += n * H;
+        g.post += n * S;
+        g.comb += n * S * S;
+        hc_pre_norm(be, &g, X + n * S * H, &l->hc[1], l->post_norm, &hp, nm - n);
     }
-    glm_mlp_forward(l, step, scr->h, scr->a, n);
-    if ((s = glm_all_reduce(l->comm, scr->a, (size_t)n * c->hidden_size)) != MT_OK) return s; /* intermediate's */
-    be->ops->hc_post(be, X, scr->a, scr->post, scr->comb, &hp, n);
+    if (nm == 0) return MT_OK; /* a layered group's rows alone, stopping after the attention site */
+    glm_mlp_forward(l, step, scr->h, scr->a, nm);
+    if ((s = glm_all_reduce(l->comm, scr->a, (size_t)nm * c->hidden_size)) != MT_OK) return s; /* intermediate's */
+    be->ops->hc_post(be, X, scr->a, scr->post, scr->comb, &hp, nm);
     return MT_OK;
 }
 

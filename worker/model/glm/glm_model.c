@@ -503,6 +503,11 @@ mt_status glm_model_ple_apply(glm_model *m, glm_seq *s, int layer, const int32_t
 }
 
 int glm_model_n_layers(const glm_model *m) { return m->cfg.num_hidden_layers; }
+
+/* Units of layered prefill a layer: 2 (its attention site, then its MLP site) or 1. */
+static int lp_per_layer(const glm_model *m) { return m->params.layered_sites ? 2 : 1; }
+
+int glm_model_layered_units(const glm_model *m) { return m->cfg.num_hidden_layers * lp_per_layer(m); }
 const mt_layer *glm_model_layer(const glm_model *m, int i) { return &m->layers[i].base; }
 mt_layer_state *glm_seq_state(glm_seq *s, int i) { return s->states[i]; }
 
@@ -650,25 +655,29 @@ int glm_model_pass_rows(const glm_model *m) { return m->scr.rows; }
 
 bool glm_seq_in_flight(const glm_seq *s) { return s->lp_done > 0; }
 
-/* The layers a part runs in its call: [lp_done, lp_done + layers), or to the last; a range never
- * ends before a DSA layer of a shared indexer, which reads the selection its full layer just
- * before left in the step's scratch. */
+/* The units (layers, or sites with layered_sites) a part runs in its call: [lp_done, lp_done +
+ * layers), or to the last. The attention of a DSA layer of a shared indexer reads the selection
+ * its full layer just before left in the call's scratch, so a range that would end after that
+ * full layer's attention and at or before the shared one's runs on past the shared attention. */
 static void part_range(const glm_model *m, const glm_mixed_part *p, int *a, int *b) {
     const glm_config *c = &m->cfg;
-    const int L = c->num_hidden_layers;
+    const int U = glm_model_layered_units(m), k = lp_per_layer(m);
     *a = p->s->lp_done;
-    *b = p->layers > 0 && p->layers < L - *a ? *a + p->layers : L;
-    while (*b < L && c->layer_types[*b] == GLM_MIXER_DSA && c->indexer_types[*b] == GLM_INDEXER_SHARED) (*b)++;
+    *b = p->layers > 0 && p->layers < U - *a ? *a + p->layers : U;
+    for (int l; *b < U && (l = (*b + k - 1) / k) < c->num_hidden_layers &&
+                c->layer_types[l] == GLM_MIXER_DSA && c->indexer_types[l] == GLM_INDEXER_SHARED;)
+        *b = k * l + 1; /* the first unit after layer l's attention */
 }
 
-/* A mixed step's layered group: its parts [np_full, np) of rows [n_full, n) run layers [l0, l1);
- * the parts before them (and all of them, when nothing is layered: l0 = 0, l1 = L) every layer. */
+/* A mixed step's layered group: its parts [np_full, np) of rows [n_full, n) run units [l0, l1)
+ * (layers, or sites); the parts before them (and all of them, when nothing is layered: l0 = 0,
+ * l1 = the units' count) every layer. */
 typedef struct glm_lrange {
     int l0, l1, np_full, n_full;
 } glm_lrange;
 
 static mt_status layered_check(glm_model *m, const glm_mixed_part *p, int np, int n, glm_lrange *lr, mt_error *err) {
-    const int L = m->cfg.num_hidden_layers;
+    const int L = glm_model_layered_units(m);
     *lr = (glm_lrange){ 0, L, np, n };
     int first = -1;
     for (int i = 0, r = 0; i < np; r += p[i++].n) {
@@ -816,16 +825,24 @@ static mt_status mixed_body(void *ctx) {
     const glm_lrange *lr = x->lr;
     if (lr && lr->l0 > 0) lp_move(m, x->p, x->np, lr, true);
     m->scr.sel_n = 0;
+    const int k = lp_per_layer(m);
     for (int l = 0; l < c->num_hidden_layers && st == MT_OK; l++) {
-        const bool all = !lr || (l >= lr->l0 && l < lr->l1);
-        const int np = all ? x->np : lr->np_full, n = all ? x->n : lr->n_full;
-        if (np == 0) continue;
+        /* the group's rows through this layer's attention site (unit k l) and its MLP site
+         * (k l + k - 1: the same unit with whole layers) */
+        const bool att = !lr || (k * l >= lr->l0 && k * l < lr->l1);
+        const bool mlp = !lr || (k * l + k - 1 >= lr->l0 && k * l + k - 1 < lr->l1);
+        const int np = att ? x->np : lr->np_full, n = att ? x->n : lr->n_full;
+        const int n_mlp = mlp ? x->n : lr->n_full;
+        if (np == 0 && n_mlp == 0) continue;
         for (int i = 0; i < np; i++) x->sts[i] = x->p[i].s->states[l];
         x->step->rtab = x->step->nrows > 0 ? m->d_rtab + (size_t)l * GLM_R_KINDS * m->rcap : NULL;
         x->step->nseg = np;
+        x->step->mlp_rows = n_mlp != n;
+        x->step->n_mlp = n_mlp;
         st = mt_layer_forward_segments(&m->layers[l].base, x->sts, np, x->step, m->X, n);
     }
-    if (st == MT_OK && lr && lr->l1 < c->num_hidden_layers) lp_move(m, x->p, x->np, lr, false);
+    x->step->mlp_rows = false;
+    if (st == MT_OK && lr && lr->l1 < glm_model_layered_units(m)) lp_move(m, x->p, x->np, lr, false);
     return st == MT_OK && x->head ? head_logits(m, m->X, x->n, NULL) : st;
 }
 
@@ -839,7 +856,7 @@ mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, int r
     mt_status st = mixed_check(m, p, np, &n, err);
     if (st == MT_OK) st = layered_check(m, p, np, n, &lr, err);
     if (st != MT_OK) return st;
-    const bool layered = lr.np_full < np, flying = layered && lr.l1 < L; /* the group stays in flight */
+    const bool layered = lr.np_full < np, flying = layered && lr.l1 < glm_model_layered_units(m); /* stays in flight */
     glm_segment *seg = malloc(sizeof *seg * (size_t)np);
     mt_layer_state **sts = malloc(sizeof *sts * (size_t)np);
     int32_t *rep = malloc(sizeof(int32_t) * (size_t)n * S);

@@ -255,6 +255,8 @@ mt_status glm_seq_copy_prefix(glm_model *m, const glm_seq *src, glm_seq *dst, mt
 /* The model's layers behind the layer contract, and a sequence's state of layer i, for the
  * engine's graph hooks and aux-state calls. Valid while the model / sequence lives. */
 int glm_model_n_layers(const glm_model *m);
+/* What a layered chunk's layers count through the model: layers, or sites (layered_sites). */
+int glm_model_layered_units(const glm_model *m);
 const struct mt_layer *glm_model_layer(const glm_model *m, int i);
 struct mt_layer_state *glm_seq_state(glm_seq *s, int i);
 
