@@ -110,7 +110,8 @@ typedef struct serve_opts {
     int workers, tp, first_id, max_sequences, max_context, threads;
     /* scheduler policy, passed to every worker when given (metrale-worker checks them) */
     const char *prefill_budget, *graph_max_batch, *cache_budget_mb, *itl_target_ms, *prefill_pass, *prefill_hold_ms,
-        *prefill_layers;
+        *prefill_layers, *layered_max_waiting;
+    bool prefill_sites;
     const char *numerics;  /* GPU prefill GEMM numerics, passed to every worker when given */
     const char *dtype;     /* FP8 checkpoints' weights (auto|bf16), passed to every worker when given */
     const char *spec_tokens, *spec_max_batch; /* speculative decoding, passed to every worker */
@@ -136,7 +137,7 @@ static void usage(FILE *f) {
             "usage: metrale-serve [--model DIR] [--listen HOST:PORT] [--workers G] [--tp N] [--backend auto|cpu|cuda]\n"
             "                     [--max-sequences N] [--max-context N] [--threads N] [--queue N] [--drain-timeout S]\n"
             "                     [--prefill-budget N] [--prefill-pass N] [--itl-target-ms MS] [--prefill-hold-ms MS]\n"
-            "                     [--prefill-layers N]\n"
+            "                     [--prefill-layers N] [--prefill-sites] [--layered-max-waiting N]\n"
             "                     [--graph-max-batch N] [--cache-budget-mb N] [--no-preempt]\n"
             "                     [--mixed-steps|--separate-steps] [--no-run-ahead] [--numerics bf16|exact] [--dtype auto|bf16]\n"
             "                     [--metrics HOST:PORT]\n"
@@ -326,7 +327,7 @@ static pid_t start_rank(group *gr, int r) {
     snprintf(tp, sizeof tp, "%d", g_o.tp);
     snprintf(rank, sizeof rank, "%d", r);
     const char *router = g_o.router ? g_o.router : g_endpoint;
-    char *argv[64] = { (char *)bin, "--model", (char *)g_o.model, "--router", (char *)router, "--id", id,
+    char *argv[80] = { (char *)bin, "--model", (char *)g_o.model, "--router", (char *)router, "--id", id,
                        "--backend", (char *)g_o.backend, "--device", dev, "--max-sequences", seqs,
                        "--max-context", ctx, "--threads", thr };
     int k = 17;
@@ -340,6 +341,8 @@ static pid_t start_rank(group *gr, int r) {
     if (g_o.prefill_hold_ms) { argv[k++] = "--prefill-hold-ms"; argv[k++] = (char *)g_o.prefill_hold_ms; }
     if (g_o.prefill_pass) { argv[k++] = "--prefill-pass"; argv[k++] = (char *)g_o.prefill_pass; }
     if (g_o.prefill_layers) { argv[k++] = "--prefill-layers"; argv[k++] = (char *)g_o.prefill_layers; }
+    if (g_o.prefill_sites) argv[k++] = "--prefill-sites";
+    if (g_o.layered_max_waiting) { argv[k++] = "--layered-max-waiting"; argv[k++] = (char *)g_o.layered_max_waiting; }
     if (g_o.graph_max_batch) { argv[k++] = "--graph-max-batch"; argv[k++] = (char *)g_o.graph_max_batch; }
     if (g_o.cache_budget_mb) { argv[k++] = "--cache-budget-mb"; argv[k++] = (char *)g_o.cache_budget_mb; }
     if (g_o.no_preempt) argv[k++] = "--no-preempt";
@@ -488,6 +491,7 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         if (!strcmp(a, "--separate-steps")) { o->separate_steps = true; continue; }
         if (!strcmp(a, "--no-run-ahead")) { o->no_run_ahead = true; continue; }
         if (!strcmp(a, "--log-prompts")) { o->log_prompts = true; continue; }
+        if (!strcmp(a, "--prefill-sites")) { o->prefill_sites = true; continue; }
         if (!v) { fprintf(stderr, "metrale-serve: %s needs a value\n", a); usage(stderr); return -1; }
         int rc = 0;
         if (!strcmp(a, "--model")) o->model = v;
@@ -503,6 +507,8 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         else if (!strcmp(a, "--itl-target-ms")) rc = parse_ms(a, o->itl_target_ms = v);
         else if (!strcmp(a, "--prefill-hold-ms")) rc = parse_ms(a, o->prefill_hold_ms = v);
         else if (!strcmp(a, "--prefill-layers")) rc = parse_int(a, o->prefill_layers = v, 0, 1024, &(int){ 0 });
+        else if (!strcmp(a, "--layered-max-waiting"))
+            rc = parse_int(a, o->layered_max_waiting = v, 0, 1 << 20, &(int){ 0 });
         else if (!strcmp(a, "--graph-max-batch")) rc = parse_int(a, o->graph_max_batch = v, 1, 4096, &(int){ 0 });
         else if (!strcmp(a, "--speculative-tokens")) rc = parse_int(a, o->spec_tokens = v, 0, 4, &(int){ 0 });
         else if (!strcmp(a, "--warmup-tokens")) rc = parse_int(a, o->warmup_tokens = v, 0, MT_WIRE_CONTEXT_MAX, &(int){ 0 });
