@@ -34,8 +34,10 @@ inline double MixedRelDiff(const std::vector<float> &a, const std::vector<float>
 // the same. tol: relative logit difference allowed (0 for the CPU: the same sums in the same order).
 // layers > 0: B's and C's chunks are layered (glm_mixed_part.layers), the step running them
 // `layers` layers (sites, on a model loaded with layered_sites) beside A's row and the calls after
-// it carrying them on alone to the last layer.
-inline void CheckMixedStep(glm_model *m, const char *name, double tol, int layers = 0) {
+// it carrying them on to the last layer: alone, or with beside, beside A's next decode rows (A
+// decoding the same tokens on the reference path), so that a call can start the chunks at an MLP
+// site with decode rows in the pass.
+inline void CheckMixedStep(glm_model *m, const char *name, double tol, int layers = 0, bool beside = false) {
     const int V = glm_model_config(m)->vocab_size;
     mt_error err{};
     auto prompt = [&](int n, int salt) {
@@ -69,19 +71,27 @@ inline void CheckMixedStep(glm_model *m, const char *name, double tol, int layer
         { mx[2], pc.data(), 11, mc.data(), true, nullptr, false, layers },
     };
     ASSERT_EQ(glm_forward_mixed(m, parts, 3, 0, &err), MT_OK) << err.msg;
-    for (int call = 1; glm_seq_len(mx[2]) == 0; call++) { /* layered: the chunks go on alone */
+    EXPECT_EQ(greedy, glm_argmax(ra.data(), V)) << name; /* the first call's decode row */
+    for (int call = 1; glm_seq_len(mx[2]) == 0; call++) { /* layered: the chunks go on */
         ASSERT_GT(layers, 0) << name;
         ASSERT_TRUE(glm_seq_in_flight(mx[2])) << name;
         ASSERT_LT(call, glm_model_layered_units(m)) << name;
-        ASSERT_EQ(glm_forward_mixed(m, parts + 1, 2, 0, &err), MT_OK) << err.msg;
+        if (!beside) {
+            ASSERT_EQ(glm_forward_mixed(m, parts + 1, 2, 0, &err), MT_OK) << err.msg;
+            continue;
+        }
+        int32_t tm0 = glm_argmax(ma.data(), V), tr0 = glm_argmax(ra.data(), V);
+        ASSERT_EQ(tm0, tr0) << name << " call " << call;
+        const glm_mixed_part next[3] = { { mx[0], &tm0, 1, ma.data(), false, nullptr }, parts[1], parts[2] };
+        ASSERT_EQ(glm_forward_mixed(m, next, 3, 0, &err), MT_OK) << err.msg;
+        ASSERT_EQ(glm_decode_multi(m, &rf[0], &tr0, 1, ra.data(), &err), MT_OK) << err.msg;
     }
     const double da = MixedRelDiff(ma, ra), db = MixedRelDiff(mb, rb), dc = MixedRelDiff(mc, rc);
     std::printf("%s%s: mixed step vs part by part: decode row %.2e, chunk %.2e, prompt (all rows) %.2e\n", name,
-                layers ? " (layered)" : "", da, db, dc);
+                layers ? beside ? " (layered, rows beside)" : " (layered)" : "", da, db, dc);
     EXPECT_LE(da, tol) << name;
     EXPECT_LE(db, tol) << name;
     EXPECT_LE(dc, tol) << name;
-    EXPECT_EQ(greedy, glm_argmax(ra.data(), V)) << name;
     for (int q = 0; q < 3; q++) EXPECT_EQ(glm_seq_len(mx[q]), glm_seq_len(rf[q])) << name;
 
     // what the step left behind: the next steps of all three agree

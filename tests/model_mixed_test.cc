@@ -50,12 +50,16 @@ TEST(ModelMixed, TinyEqualsPartByPart) {
 }
 
 // Layered in sites: a call can stop a group between a layer's attention and its MLP, or start it
-// there (1 site a call: every boundary; 3: both kinds, and ranges of two layers' parts).
+// there (1 site a call: every boundary; 3: both kinds, and ranges of two layers' parts), alone or
+// beside decode rows.
 TEST(ModelMixed, TinyInSitesEqualsPartByPart) {
     Loaded l("tests/fixtures/tiny_a", 64, false, true);
     ASSERT_NE(l.m, nullptr);
     EXPECT_EQ(glm_model_layered_units(l.m), 2 * glm_model_n_layers(l.m));
-    for (int k = 1; k <= 3; k++) CheckMixedStep(l.m, "tiny_a in sites (CPU)", 0.0, k);
+    for (int k = 1; k <= 3; k++) {
+        CheckMixedStep(l.m, "tiny_a in sites (CPU)", 0.0, k);
+        CheckMixedStep(l.m, "tiny_a in sites (CPU)", 0.0, k, true);
+    }
 }
 
 TEST(ModelMixed, DemoWithDrafterEqualsPartByPart) {
@@ -67,6 +71,7 @@ TEST(ModelMixed, DemoWithDrafterEqualsPartByPart) {
     Loaded s("models/glm5-next-demo", 64, true, true);
     ASSERT_NE(s.m, nullptr);
     CheckMixedStep(s.m, "demo in sites (CPU)", 0.0, 1);
+    CheckMixedStep(s.m, "demo in sites (CPU)", 0.0, 1, true);
 }
 
 // Through the model interface with passes of 8 rows: a decode row and two chunks of 13 and 6

@@ -613,10 +613,13 @@ static bool plan_chunk(eng_engine *e, eng_seq *s, int *budget);
 /* Layers the step's chunks run (mt_batch_part.layers) with `rows` decode and verify rows beside
  * them: prefill_layers when rows ride along and the model takes layered chunks and the backlog is
  * under layered_max_waiting, else 0 (all). */
+/* What prefill_layers counts through the model: its layered units (layers, or sites). */
+static int lp_units(const eng_engine *e) { return e->info.layered_units > 0 ? e->info.layered_units : e->info.n_layers; }
+
 static int lp_layers(const eng_engine *e, int rows) {
     const int k = e->p.prefill_layers;
     if (e->p.layered_max_waiting > 0 && e->n_waiting >= e->p.layered_max_waiting) return 0;
-    return rows > 0 && k > 0 && k < e->info.layered_units && e->info.layered_prefill ? k : 0;
+    return rows > 0 && k > 0 && k < lp_units(e) && e->info.layered_prefill ? k : 0;
 }
 
 static void admit_with(eng_engine *e, eng_feed feed) {
@@ -1161,7 +1164,7 @@ static chunks_ran mixed_step(eng_engine *e, eng_seq **b, int n, eng_seq **v, int
          * more than asked: a range does not end before a layer that leans on the one before) */
         const struct eng_chunk *c0 = &e->chunks[0];
         const bool done = mt_seq_len(c0->s->gs) == c0->s->prefilled + c0->k;
-        const int L = e->info.layered_units, before = e->lp_active ? e->lp_done : 0;
+        const int L = lp_units(e), before = e->lp_active ? e->lp_done : 0;
         const int after = done ? L : before + layers < L ? before + layers : L - 1;
         e->layered_steps += !(before == 0 && done);
         /* the pacing sees the step's share of its chunks' prompt work (counted whole at planning) */

@@ -128,12 +128,12 @@ typedef struct mt_batch_part {
     bool all_logits;
     int32_t *argmax;
     /* MT_PART_PREFILL on a model with layered_prefill: the chunk runs this many more layers (or
-     * sites, mt_model_params.layered_sites) in this call (0: all that remain). A chunk that has not reached the last layer is in flight:
-     * each later call passes the same part again (tokens, n, logits), after the batch's other
-     * parts, until the call that reaches the last layer completes it (its length, logits and
-     * drafter follow then); the parts in flight share one range of layers, one group at a time;
-     * such a call fits one prefill_chunk pass. Its sequence takes no other part meanwhile, and
-     * freeing it drops it from the group. */
+     * sites, mt_model_params.layered_sites) in this call (0: all that remain). A chunk that has
+     * not reached the last layer is in flight: each later call passes the same part again
+     * (tokens, n, logits), after the batch's other parts, until the call that reaches the last
+     * layer completes it (its length, logits and drafter follow then); the parts in flight share
+     * one range of layers, one group at a time; such a call fits one prefill_chunk pass. Its
+     * sequence takes no other part meanwhile, and freeing it drops it from the group. */
     int layers;
 } mt_batch_part;
 

@@ -131,13 +131,14 @@ static mt_status layer_forward(const mt_layer *ml, glm_layer_state **sts, int ns
         }
         if (s == MT_OK) s = glm_all_reduce(l->comm, scr->a, (size_t)n * c->hidden_size); /* heads' partial sums */
         if (s != MT_OK) return s;
-        /* the mixer's hc_post and the MLP site's hc_pre, fused where the backend offers it */
-        if (be->ops->hc_post_pre_norm) {
+        /* the mixer's hc_post and the MLP site's hc_pre, fused where the backend offers it (the
+         * MLP site's hc_pre only for its rows: a group stopping here leaves its rows at hc_post) */
+        if (be->ops->hc_post_pre_norm && nm >= n) {
             be->ops->hc_post_pre_norm(be, X, scr->a, scr->h, scr->y, scr->post, scr->comb, &l->hc[1].fn,
                                       l->hc[1].base, l->hc[1].scale, l->post_norm, &hp, n);
         } else {
             be->ops->hc_post(be, X, scr->a, scr->post, scr->comb, &hp, n);
-            hc_pre_norm(be, scr, X, &l->hc[1], l->post_norm, &hp, n);
+            if (nm > 0) hc_pre_norm(be, scr, X, &l->hc[1], l->post_norm, &hp, nm < n ? nm : n);
         }
     }
     if (nm > n) { /* a layered group's rows that ran this attention site in an earlier step */

@@ -626,7 +626,7 @@ static mt_status check_tokens(const glm_model *m, const glm_seq *s, const int32_
 mt_status glm_prefill(glm_model *m, glm_seq *s, const int32_t *tokens, int n, float *logits,
                       bool all_logits, mt_error *err) {
     if (s->lp_done > 0)
-        return mt_errorf(err, MT_ERR_INVALID, "a prefill of a sequence whose layered chunk is in flight (%d layers run)",
+        return mt_errorf(err, MT_ERR_INVALID, "a prefill of a sequence whose layered chunk is in flight (%d layered units run)",
                          s->lp_done);
     ahead_forget(m, s);
     s->v_n = 0;
@@ -696,7 +696,7 @@ static mt_status layered_check(glm_model *m, const glm_mixed_part *p, int np, in
             first = i;
             *lr = (glm_lrange){ a, b, i, r };
         } else if (a != lr->l0 || b != lr->l1) {
-            return mt_errorf(err, MT_ERR_INVALID, "mixed part %d runs layers [%d, %d), part %d [%d, %d): one range a step",
+            return mt_errorf(err, MT_ERR_INVALID, "mixed part %d runs layered units [%d, %d), part %d [%d, %d): one range a step",
                              i, a, b, first, lr->l0, lr->l1);
         }
     }
