@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -280,6 +281,53 @@ TEST_P(TpGroup, GivesTheTokensAndLogitsOfOneProcess) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, TpGroup, ::testing::Values("tiny_a", "tiny_c", "wide", "fp8_a"));
+
+// Ranks whose models would run different collectives for one call (one loaded with layered_sites,
+// the other not) are refused before any call: rank 0's leader names the options, the follower
+// its numbers, and neither waits on the other.
+int MismatchRank(const std::string &group, int rank) {
+    alarm(60);  // a hang is a failure
+    mt_error err{};
+    mt_comm *c = mt_comm_host_new(group.c_str(), rank, 2, nullptr, &err);
+    if (!c) return fprintf(stderr, "rank %d: %s\n", rank, err.msg), 1;
+    mt_backend *be = mt_cpu_backend_new(1);
+    glm_model_params mp = glm_model_default_params();
+    mp.comm = c;
+    mp.layered_sites = rank == 1;
+    glm_model *g = nullptr;
+    if (glm_model_load("tests/fixtures/tiny_a", be, &mp, &g, &err)) return fprintf(stderr, "rank %d: %s\n", rank, err.msg), 1;
+    int rc = 1;
+    if (rank == 0) {
+        mt_model *m = nullptr;
+        const mt_status st = mt_tp_leader_new(glm_model_as_model(g), c, &m, &err);  // frees g on error
+        rc = st == MT_ERR_INVALID && !m && strstr(err.msg, "--prefill-sites") ? 0 : (fprintf(stderr, "%s\n", err.msg), 1);
+        if (m) mt_model_free(m);
+    } else {
+        const mt_status st = mt_tp_follow(glm_model_as_model(g), c, &err);
+        rc = st != MT_OK && strstr(err.msg, "rank 1's model runs 8 layered units") ? 0 : (fprintf(stderr, "%s\n", err.msg), 1);
+        glm_model_free(g);
+    }
+    mt_comm_free(c);
+    mt_backend_free(be);
+    return rc;
+}
+
+TEST(TpGroupRefused, RanksMustShareTheLayeredUnits) {
+    const std::string group = "mt_tp_mismatch_" + std::to_string(std::random_device{}());
+    std::vector<pid_t> pids;
+    for (int r = 0; r < 2; r++) {
+        fflush(nullptr);
+        pid_t p = fork();
+        ASSERT_GE(p, 0);
+        if (p == 0) _exit(MismatchRank(group, r));
+        pids.push_back(p);
+    }
+    for (int r = 0; r < 2; r++) {
+        int ws = 0;
+        ASSERT_EQ(waitpid(pids[r], &ws, 0), pids[r]);
+        EXPECT_TRUE(WIFEXITED(ws) && WEXITSTATUS(ws) == 0) << "rank " << r << " status " << ws;
+    }
+}
 
 // A group whose size does not divide the model's split dimensions is refused with the numbers.
 TEST(TpGroupRefused, SizeMustDivide) {

@@ -148,10 +148,35 @@ static mt_status agree(mt_comm *ctl, mt_status mine, bool *broken, mt_error *err
     if (failed == 0.f) return MT_OK;
     if (failed != (float)ctl->size) {
         *broken = true;
+        mt_error why = *err; /* err->msg is formatted into itself below */
         return mt_errorf(err, MT_ERR_BACKEND, "tensor-parallel group: a call failed on %d of %d ranks (%s)", (int)failed,
-                         ctl->size, mine != MT_OK ? err->msg : "another rank's error");
+                         ctl->size, mine != MT_OK ? why.msg : "another rank's error");
     }
     return mine;
+}
+
+/* What every rank's model must share for the calls to run the same collectives: the units a
+ * part's layers count (mt_model_params.layered_sites) and the rows of a pass (prefill_chunk),
+ * both set by each rank's own options. Rank 0 sends its own; each rank compares, and the group
+ * agrees on the outcome before any call. */
+static mt_status agree_shape(mt_model *local, mt_comm *ctl, bool *broken, mt_error *err) {
+    const mt_model_info info = mt_model_describe(local);
+    int32_t lead[2] = { info.layered_units, info.batch_rows };
+    if (mt_comm_broadcast(ctl, lead, sizeof lead, 0) != MT_OK) {
+        *broken = true;
+        return mt_errorf(err, MT_ERR_BACKEND, "tensor-parallel group: %s", ctl->err.msg);
+    }
+    mt_status mine = MT_OK;
+    if (lead[0] != info.layered_units || lead[1] != info.batch_rows)
+        mine = mt_errorf(err, MT_ERR_INVALID,
+                         "rank %d's model runs %d layered units and passes of %d rows, rank 0's %d and %d "
+                         "(--prefill-sites and --prefill-pass must be the same on every rank)",
+                         ctl->rank, info.layered_units, info.batch_rows, lead[0], lead[1]);
+    const mt_status st = agree(ctl, mine, broken, err);
+    if (st != MT_OK && mine == MT_OK)
+        return mt_errorf(err, MT_ERR_INVALID, "tensor-parallel group: another rank's model differs from rank 0's in "
+                                              "layered units or pass rows (--prefill-sites, --prefill-pass)");
+    return st;
 }
 
 /* ---- the leader ---- */
@@ -413,6 +438,12 @@ mt_status mt_tp_leader_new(mt_model *local, mt_comm *ctl, mt_model **out, mt_err
     l->base.ops = &leader_ops;
     l->local = local;
     l->ctl = ctl;
+    const mt_status st = agree_shape(local, ctl, &l->broken, err);
+    if (st != MT_OK) {
+        mt_model_free(local);
+        free(l);
+        return st;
+    }
     *out = &l->base;
     return MT_OK;
 }
@@ -425,8 +456,8 @@ mt_status mt_tp_follow(mt_model *local, mt_comm *ctl, mt_error *err) {
     size_t cap = 0, scratch_cap = 0;
     float *scratch = NULL;
     bool broken = false;
-    mt_status st = MT_OK;
-    for (;;) {
+    mt_status st = agree_shape(local, ctl, &broken, err);
+    for (; st == MT_OK;) {
         tp_header h;
         if ((st = mt_comm_broadcast(ctl, &h, sizeof h, 0)) != MT_OK) {
             st = mt_errorf(err, MT_ERR_BACKEND, "tensor-parallel group: %s", ctl->err.msg);

@@ -6,7 +6,9 @@
  * tokens, positions and page tables (pages and slots are handed out alike, since every rank
  * makes the same calls in the same order). After each call the ranks agree on its outcome: a call
  * that failed on some rank and not on another leaves the replica broken, and every later call
- * fails (the worker then exits and its group is restarted).
+ * fails (the worker then exits and its group is restarted). Before any call the ranks check that
+ * their models count layered units and pass rows alike (each rank sets them from its own options;
+ * a difference would make the ranks run different collectives), and refuse the group otherwise.
  *
  * Only rank 0 reads logits and greedy tokens; the followers compute the same head (its gather is
  * a collective) into scratch, and run greedy steps ahead of the host as rank 0 does, each on its
