@@ -13,7 +13,8 @@
  *  --mixed-steps 0|1, --itl-target-ms MS, --prefill-hold-ms MS and --prefill-layers N:
  *  eng_params.mixed_steps, itl_target_ms, prefill_hold_ms and prefill_layers (by default 1
  *  with mixed steps on cuda), --layered-max-waiting N: eng_params.layered_max_waiting,
- *  --prefill-sites 0|1: mt_model_params.layered_sites, as the
+ *  --prefill-sites 0|1: mt_model_params.layered_sites, --prefill-expert-parts P:
+ *  mt_model_params.layered_expert_parts, as the
  *  worker's options (--mixed-steps 0 is its --separate-steps; by default mixed on cuda, separate
  *  on the CPU, as the worker); --prefill-budget N: eng_params.prefill_budget (default the
  *  engine's); --prefill-pass N: rows of a prefill pass, by default what metrale-worker picks;
@@ -223,7 +224,7 @@ int main(int argc, char **argv) {
     const char *model = NULL, *backend = "cpu", *prompt_mix = NULL, *new_mix = NULL;
     int streams = 1, max_new = 32, plen = 16, threads = 0, run_ahead = 1, mixed_steps = -1;
     double itl_target_ms = 0, prefill_hold_ms = 0;
-    int prefill_layers = -1, layered_max_waiting = 0, prefill_sites = 0;
+    int prefill_layers = -1, layered_max_waiting = 0, prefill_sites = 0, expert_parts = 0;
     int prefill_pass = 0, prefill_budget = 0, op_profile = 0;
     int requests = 0, shared = 0, max_sequences = 64, spec_tokens = 0, spec_max_batch = 0;
     uint64_t seed = 1;
@@ -242,6 +243,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--prefill-layers")) prefill_layers = atoi(v);
         else if (!strcmp(a, "--layered-max-waiting")) layered_max_waiting = atoi(v);
         else if (!strcmp(a, "--prefill-sites")) prefill_sites = atoi(v);
+        else if (!strcmp(a, "--prefill-expert-parts")) expert_parts = atoi(v);
         else if (!strcmp(a, "--prefill-pass")) prefill_pass = atoi(v);
         else if (!strcmp(a, "--prefill-budget")) prefill_budget = atoi(v);
         else if (!strcmp(a, "--op-profile")) op_profile = atoi(v);
@@ -310,6 +312,7 @@ int main(int argc, char **argv) {
     }
     mp.mtp = spec_tokens > 0;
     mp.layered_sites = prefill_sites;
+    mp.layered_expert_parts = expert_parts;
     { /* the verifies of a step of up to spec_max_batch sequences in one call, as the worker */
         const int vs = spec_max_batch > 0 ? spec_max_batch : mix ? max_sequences : streams;
         mp.verify_seqs = vs < SD_VERIFY_SEQS_MAX ? vs : SD_VERIFY_SEQS_MAX;

@@ -110,7 +110,7 @@ typedef struct serve_opts {
     int workers, tp, first_id, max_sequences, max_context, threads;
     /* scheduler policy, passed to every worker when given (metrale-worker checks them) */
     const char *prefill_budget, *graph_max_batch, *cache_budget_mb, *itl_target_ms, *prefill_pass, *prefill_hold_ms,
-        *prefill_layers, *layered_max_waiting;
+        *prefill_layers, *layered_max_waiting, *prefill_expert_parts;
     bool prefill_sites;
     const char *numerics;  /* GPU prefill GEMM numerics, passed to every worker when given */
     const char *dtype;     /* FP8 checkpoints' weights (auto|bf16), passed to every worker when given */
@@ -137,7 +137,8 @@ static void usage(FILE *f) {
             "usage: metrale-serve [--model DIR] [--listen HOST:PORT] [--workers G] [--tp N] [--backend auto|cpu|cuda]\n"
             "                     [--max-sequences N] [--max-context N] [--threads N] [--queue N] [--drain-timeout S]\n"
             "                     [--prefill-budget N] [--prefill-pass N] [--itl-target-ms MS] [--prefill-hold-ms MS]\n"
-            "                     [--prefill-layers N] [--prefill-sites] [--layered-max-waiting N]\n"
+            "                     [--prefill-layers N] [--prefill-sites] [--prefill-expert-parts P]\n"
+            "                     [--layered-max-waiting N]\n"
             "                     [--graph-max-batch N] [--cache-budget-mb N] [--no-preempt]\n"
             "                     [--mixed-steps|--separate-steps] [--no-run-ahead] [--numerics bf16|exact] [--dtype auto|bf16]\n"
             "                     [--metrics HOST:PORT]\n"
@@ -342,6 +343,7 @@ static pid_t start_rank(group *gr, int r) {
     if (g_o.prefill_pass) { argv[k++] = "--prefill-pass"; argv[k++] = (char *)g_o.prefill_pass; }
     if (g_o.prefill_layers) { argv[k++] = "--prefill-layers"; argv[k++] = (char *)g_o.prefill_layers; }
     if (g_o.prefill_sites) argv[k++] = "--prefill-sites";
+    if (g_o.prefill_expert_parts) { argv[k++] = "--prefill-expert-parts"; argv[k++] = (char *)g_o.prefill_expert_parts; }
     if (g_o.layered_max_waiting) { argv[k++] = "--layered-max-waiting"; argv[k++] = (char *)g_o.layered_max_waiting; }
     if (g_o.graph_max_batch) { argv[k++] = "--graph-max-batch"; argv[k++] = (char *)g_o.graph_max_batch; }
     if (g_o.cache_budget_mb) { argv[k++] = "--cache-budget-mb"; argv[k++] = (char *)g_o.cache_budget_mb; }
@@ -507,6 +509,8 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         else if (!strcmp(a, "--itl-target-ms")) rc = parse_ms(a, o->itl_target_ms = v);
         else if (!strcmp(a, "--prefill-hold-ms")) rc = parse_ms(a, o->prefill_hold_ms = v);
         else if (!strcmp(a, "--prefill-layers")) rc = parse_int(a, o->prefill_layers = v, 0, 1024, &(int){ 0 });
+        else if (!strcmp(a, "--prefill-expert-parts"))
+            rc = parse_int(a, o->prefill_expert_parts = v, 1, 1 << 20, &(int){ 0 });
         else if (!strcmp(a, "--layered-max-waiting"))
             rc = parse_int(a, o->layered_max_waiting = v, 0, 1 << 20, &(int){ 0 });
         else if (!strcmp(a, "--graph-max-batch")) rc = parse_int(a, o->graph_max_batch = v, 1, 4096, &(int){ 0 });

@@ -37,11 +37,12 @@ struct Result {
 };
 
 struct Model {
-    explicit Model(const char *dir = kDir, bool layered_sites = false) {
+    explicit Model(const char *dir = kDir, bool layered_sites = false, int expert_parts = 0) {
         be = mt_cpu_backend_new(1);
         mt_error err = { "" };
         glm_model_params p = glm_model_default_params();
         p.layered_sites = layered_sites;
+        p.layered_expert_parts = expert_parts;
         EXPECT_EQ(glm_model_load(dir, be, &p, &m, &err), MT_OK) << err.msg;
     }
     ~Model() {
@@ -868,6 +869,43 @@ TEST(Engine, LayeredSitesGiveTheTokensOfWholeSteps) {
         ASSERT_LT(steps, 12);
     }
     EXPECT_EQ(steps, 6);
+    E.RunToEnd();
+    EXPECT_EQ(E.results[1].tokens, DirectGreedy(M.m, Prompt(5, 1), 20));
+    EXPECT_EQ(E.results[2].tokens, DirectGreedy(M.m, Prompt(10, 2), 4));
+    EXPECT_EQ(E.Stats().cache_bytes_in_use, 0u);
+}
+
+// Layered prefill in sites with the MLP site in two parts of the routed experts: the staggered
+// arrivals give the tokens of whole-step chunks, and the 10-token prompt beside a running sequence
+// takes a unit a step: tiny_a's 12 units, less the three that ride in the step of the full DSA
+// layer's attention (its MLP's two parts and the shared-indexer attention after it), are 9 steps,
+// the running sequence decoding in each.
+TEST(Engine, LayeredExpertPartsGiveTheTokensOfWholeSteps) {
+    Model M, S(kDir, true, 2);
+    std::map<uint64_t, std::vector<int32_t>> whole, parts;
+    eng_stats st;
+    eng_params p = eng_default_params();
+    p.mixed_steps = true;
+    p.prefill_layers = 0;
+    whole = RunStaggered(M.m, p, &st);
+    p.prefill_layers = 1;
+    parts = RunStaggered(S.m, p, &st);
+    for (const Staggered &s : kStaggered) EXPECT_EQ(parts[s.id], whole[s.id]) << "id " << s.id;
+
+    p.max_sequences = 4;
+    Engine E(S.m, p);
+    ASSERT_EQ(E.Submit(1, Prompt(5, 1), Req(20)), MT_OK);
+    E.Step();
+    ASSERT_EQ(E.Submit(2, Prompt(10, 2), Req(4)), MT_OK);
+    int steps = 0;
+    while (E.results[2].tokens.empty()) {
+        const size_t had = E.results[1].tokens.size();
+        E.Step();
+        steps++;
+        EXPECT_EQ(E.results[1].tokens.size(), had + 1) << "step " << steps;
+        ASSERT_LT(steps, 16);
+    }
+    EXPECT_EQ(steps, 9);
     E.RunToEnd();
     EXPECT_EQ(E.results[1].tokens, DirectGreedy(M.m, Prompt(5, 1), 20));
     EXPECT_EQ(E.results[2].tokens, DirectGreedy(M.m, Prompt(10, 2), 4));

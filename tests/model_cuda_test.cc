@@ -244,21 +244,23 @@ TEST_F(ModelCuda, GreedyRunAheadEqualsReadingEachStep) {
 
 // A mixed step (prompt chunks and a decode row in one pass) equals the parts run alone, in the
 // exact mode, whole and with its chunks layered (in layers, and in sites: a call stopping or
-// starting a group between a layer's attention and its MLP); on the demo model its drafter
-// follows every part.
+// starting a group between a layer's attention and its MLP, and with the MLP in 2 or 3 parts of
+// the routed experts, between parts); on the demo model its drafter follows every part.
 TEST_F(ModelCuda, MixedStepEqualsPartByPart) {
     for (const char *dir : {"tests/fixtures/tiny_a", "models/glm5-next-demo"})
-        for (const bool sites : {false, true}) {
+        for (const int units : {1, 2, 3, 4}) { /* units of a layer: whole, sites, sites in parts */
             glm_model_params p = glm_model_default_params();
             p.mtp = true;
-            p.layered_sites = sites;
+            p.layered_sites = units > 1;
+            p.layered_expert_parts = units - 1;
             glm_model *m = nullptr;
             mt_error err{};
             ASSERT_EQ(glm_model_load(dir, gpu_, &p, &m, &err), MT_OK) << err.msg;
-            const std::string name = std::string(dir) + (sites ? " in sites" : "") + " (GPU, exact)";
-            if (!sites) CheckMixedStep(m, name.c_str(), 1e-3);
+            const std::string name = std::string(dir) + (units > 1 ? " in sites" : "") +
+                                     (units > 2 ? " of " + std::to_string(units - 1) + " expert parts" : "") + " (GPU, exact)";
+            if (units == 1) CheckMixedStep(m, name.c_str(), 1e-3);
             CheckMixedStep(m, name.c_str(), 1e-3, 1);
-            if (sites) CheckMixedStep(m, name.c_str(), 1e-3, 3, true);
+            if (units > 1) CheckMixedStep(m, name.c_str(), 1e-3, 3, true);
             glm_model_free(m);
         }
 }

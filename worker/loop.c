@@ -177,6 +177,7 @@ static mt_status load_model(wkr_loop *l, mt_error *err) {
     mp.verify_seqs = vs < WKR_VERIFY_SEQS_MAX ? vs : WKR_VERIFY_SEQS_MAX;
     mp.dequant_fp8 = l->p.dequant_fp8;
     mp.layered_sites = l->p.prefill_sites;
+    mp.layered_expert_parts = l->p.prefill_expert_parts;
     mp.comm = l->data;
     load_log g = { .t0 = mt_now(), .last_at = mt_now(), .last_tenth = -1 };
     mp.on_load_progress = on_load_progress;

@@ -51,6 +51,7 @@ typedef struct wkr_params {
     int prefill_pass;        /* rows of one prefill pass (mt_model_params.prefill_chunk); 0: wkr_prefill_pass */
     int layered_max_waiting; /* eng_params.layered_max_waiting: 0 (default) no limit */
     bool prefill_sites;      /* mt_model_params.layered_sites: --prefill-layers counts sites */
+    int prefill_expert_parts; /* mt_model_params.layered_expert_parts (with prefill_sites) */
     int prefill_layers;      /* eng_params.prefill_layers (layered prefill): -1 (default) 1 with
                               * mixed steps where the backend queues its work (the GPU), else 0 */
     int graph_max_batch;     /* largest decode batch replayed as a CUDA graph; 0: the model's default */

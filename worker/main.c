@@ -44,7 +44,7 @@ static void usage(FILE *f) {
             "                      [--router-timeout S] [--cache-budget-mb N] [--prefill-budget N] [--itl-target-ms MS]\n"
             "                      [--prefill-hold-ms MS]\n"
             "                      [--prefill-pass N] [--prefill-layers N] [--prefill-sites]\n"
-            "                      [--layered-max-waiting N]\n"
+            "                      [--prefill-expert-parts P] [--layered-max-waiting N]\n"
             "                      [--graph-max-batch N] [--no-preempt] [--no-run-ahead] [--mixed-steps|--separate-steps]\n"
             "                      [--verbose]\n"
             "                      [--numerics bf16|exact] [--dtype auto|bf16] [--tp N --rank R --group NAME]\n"
@@ -74,7 +74,9 @@ static void usage(FILE *f) {
             "  so the rows beside a prompt wait for a few layers of it, not all (default 1 with mixed steps\n"
             "  on a GPU, 0 (every layer in one step) otherwise); --prefill-sites: --prefill-layers counts\n"
             "  a layer's attention and MLP as two steps' work, so an MoE layer's expert reads and its\n"
-            "  attention land in different steps; --layered-max-waiting: from N requests\n"
+            "  attention land in different steps; --prefill-expert-parts: with --prefill-sites, an MLP\n"
+            "  site counts as P steps' work, each through 1/P of the routed experts (default 1);\n"
+            "  --layered-max-waiting: from N requests\n"
             "  waiting for a place on, chunks run every layer in their step (throughput over latency\n"
             "  under saturation; default 0: no limit).\n"
             "  A request waits while the pools are short,\n"
@@ -212,6 +214,7 @@ static int parse_args(int argc, char **argv, wkr_params *o, bool *verbose) {
         }
         else if (!strcmp(a, "--prefill-layers")) rc = parse_int(a, v, 0, &o->prefill_layers);
         else if (!strcmp(a, "--layered-max-waiting")) rc = parse_int(a, v, 0, &o->layered_max_waiting);
+        else if (!strcmp(a, "--prefill-expert-parts")) rc = parse_int(a, v, 1, &o->prefill_expert_parts);
         else if (!strcmp(a, "--itl-target-ms")) rc = parse_ms(a, v, &o->itl_target_ms);
         else if (!strcmp(a, "--prefill-hold-ms")) rc = parse_ms(a, v, &o->prefill_hold_ms);
         else if (!strcmp(a, "--graph-max-batch")) rc = parse_int(a, v, 1, &o->graph_max_batch);

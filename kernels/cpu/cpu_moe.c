@@ -122,7 +122,24 @@ static void cpu_moe_experts(mt_backend *be, float *out, const float *x, const in
     free(tmp);
 }
 
+static void cpu_moe_keep_experts(mt_backend *be, int32_t *idx, float *weights, int n, int top_k, int lo, int hi) {
+    (void)be;
+    for (int i = 0; i < n; i++) {
+        int32_t *x = idx + (size_t)i * top_k;
+        float *w = weights + (size_t)i * top_k;
+        int32_t kept = lo;
+        for (int j = top_k - 1; j >= 0; j--)
+            if (x[j] >= lo && x[j] < hi) kept = x[j];
+        for (int j = 0; j < top_k; j++)
+            if (x[j] < lo || x[j] >= hi) {
+                x[j] = kept;
+                w[j] = 0.f;
+            }
+    }
+}
+
 void cpu_moe_fill(mt_backend_ops *t) {
     t->moe_route = cpu_moe_route;
     t->moe_experts = cpu_moe_experts;
+    t->moe_keep_experts = cpu_moe_keep_experts;
 }

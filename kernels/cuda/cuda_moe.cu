@@ -327,6 +327,35 @@ static void cu_moe_route(mt_backend *be, int32_t *idx, float *weights, const flo
     }
 }
 
+/* moe_keep_experts: one thread a row of top_k picks. The indices stay below the router's expert
+ * count, so the route record (route_idx) still holds for moe_experts. */
+static __global__ void keep_experts_kernel(int32_t *idx, float *w, int n, int top_k, int lo, int hi) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    int32_t *x = idx + (size_t)i * top_k;
+    float *wi = w + (size_t)i * top_k;
+    int32_t kept = lo;
+    for (int j = top_k - 1; j >= 0; j--)
+        if (x[j] >= lo && x[j] < hi) kept = x[j];
+    for (int j = 0; j < top_k; j++)
+        if (x[j] < lo || x[j] >= hi) {
+            x[j] = kept;
+            wi[j] = 0.f;
+        }
+}
+
+static mt_status keep_experts_launch(int32_t *idx, float *w, int n, int top_k, int lo, int hi, cudaStream_t s) {
+    keep_experts_kernel<<<(unsigned)((n + 127) / 128), 128, 0, s>>>(idx, w, n, top_k, lo, hi);
+    MT_CUDA_CHECK_LAUNCH();
+    return MT_OK;
+}
+
+static void cu_moe_keep_experts(mt_backend *be, int32_t *idx, float *weights, int n, int top_k, int lo, int hi) {
+    MT_ASSERT(n >= 0 && top_k >= 1 && 0 <= lo && lo < hi);
+    if (n == 0) return;
+    cu_op_status(be, "moe_keep_experts", keep_experts_launch(idx, weights, n, top_k, lo, hi, cu_stream(be)));
+}
+
 /* ======================= expert tables on the device ======================= */
 
 typedef struct moe_table {
@@ -1550,4 +1579,5 @@ extern "C" void cu_moe_fill(mt_backend_ops *t) {
     t->moe_route = cu_moe_route;
     t->moe_experts = cu_moe_experts;
     t->moe_experts_shared = cu_moe_experts_shared;
+    t->moe_keep_experts = cu_moe_keep_experts;
 }

@@ -170,7 +170,7 @@ static mt_status agree_shape(mt_model *local, mt_comm *ctl, bool *broken, mt_err
     if (lead[0] != info.layered_units || lead[1] != info.batch_rows)
         mine = mt_errorf(err, MT_ERR_INVALID,
                          "rank %d's model runs %d layered units and passes of %d rows, rank 0's %d and %d "
-                         "(--prefill-sites and --prefill-pass must be the same on every rank)",
+                         "(--prefill-sites, --prefill-expert-parts and --prefill-pass must be the same on every rank)",
                          ctl->rank, info.layered_units, info.batch_rows, lead[0], lead[1]);
     const mt_status st = agree(ctl, mine, broken, err);
     if (st != MT_OK && mine == MT_OK)

@@ -51,6 +51,12 @@ typedef struct mt_model_params {
      * rows carries one site of a prompt: on an MoE model a layer's attention and its experts'
      * reads land in different steps. Default false: whole layers. */
     bool layered_sites;
+    /* With layered_sites: the MLP site of a layer counts as this many units, each running a
+     * layered prompt's rows through its share of the routed experts (experts [q E / P, (q + 1) E
+     * / P) in unit q; a dense MLP runs whole in the first), so that a step beside decode rows
+     * reads 1/P of an MoE layer's experts for the prompt. mt_model_info.layered_units is then
+     * (1 + P) x layers. Default 0 (or 1): the MLP site is one unit. */
+    int layered_expert_parts;
     /* With mtp: the verify parts one forward takes at most (each holds GLM_VERIFY_MAX - 1 more
      * recurrent slots while its rows wait for seq_keep); default 1. */
     int verify_seqs;
@@ -96,7 +102,7 @@ typedef struct mt_model_info {
     bool multi_seq;        /* every layer decodes one row for each of many sequences in one pass */
     bool layered_prefill;  /* prefill parts take mt_batch_part.layers */
     int layered_units;     /* what mt_batch_part.layers counts through the model: n_layers, or
-                            * 2 x n_layers with mt_model_params.layered_sites */
+                            * (1 + parts) x n_layers with mt_model_params.layered_sites */
     bool rollback;         /* seq_keep drops the rejected rows of a verify */
     bool has_drafter;      /* draft is offered (params.mtp and a drafter in the checkpoint) */
     int verify_seqs;       /* verify parts one forward takes at most, beside one-row decode parts

@@ -261,6 +261,13 @@ struct mt_step {
      * the attention site's n (a layered group's rows run only one of the two). */
     bool mlp_rows;
     int n_mlp;
+    /* Layered expert parts: with xparts > 0, rows [xr0, n_mlp) are a layered group's, through
+     * parts [xq0, xq1) of the layer's xparts parts of its routed experts (the shared expert, or
+     * a dense MLP whole, with part 0). xacc [n_mlp - xr0, H] holds their sum over the parts
+     * before xq0 (read when xq0 > 0) and takes it when xq1 < xparts (those rows then stop before
+     * hc_post). 0: every row through the whole MLP. */
+    int xparts, xq0, xq1, xr0;
+    float *xacc;
     int vring_id;              /* which ring vring is (m->mtp.ring + vring_id * (GLM_VERIFY_MAX - 1)):
                                 * where state outside the slot pool keeps its rows (glm_ple_w.ring) */
 };
@@ -296,6 +303,11 @@ struct glm_model {
      * the first layered call), and how many sequences have a chunk in flight. */
     float *lp_X;
     int lp_count;
+    /* Layered expert parts (mt_model_params.layered_expert_parts): the in-flight rows' MLP sums
+     * over the parts run so far, [rows, H] at each part's place as in lp_X (lp_A), and the same
+     * rows in the step's order while a call runs (lp_acc, mt_step.xacc); made at the first
+     * layered call. */
+    float *lp_A, *lp_acc;
     float *z;                  /* [rows, H] */
     float *logits;             /* [rows, V] */
     /* graph-form decode of one sequence: [GLM_VERIFY_MAX * S] tokens of the highway rows, then
@@ -533,5 +545,8 @@ mt_status glm_kda_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
 mt_status glm_dsa_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt_step *step,
                           const float *h, float *out, int n);
 void glm_mlp_forward(const glm_layer *l, mt_step *step, const float *h, float *out, int n);
+/* n rows through the MLP site, rows [xr0, n) a layered group's through parts [xq0, xq1) of it
+ * (mt_step.xparts), from and to step->xacc as those fields say. */
+void glm_mlp_forward_parts(const glm_layer *l, mt_step *step, const float *h, float *out, int n);
 
 #endif /* GLM_IMPL_H */

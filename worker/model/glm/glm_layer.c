@@ -151,9 +151,15 @@ static mt_status layer_forward(const mt_layer *ml, glm_layer_state **sts, int ns
         hc_pre_norm(be, &g, X + n * S * H, &l->hc[1], l->post_norm, &hp, nm - n);
     }
     if (nm == 0) return MT_OK; /* a layered group's rows alone, stopping after the attention site */
-    glm_mlp_forward(l, step, scr->h, scr->a, nm);
+    int done = nm; /* rows that leave the MLP site complete */
+    if (step->xparts > 0 && nm > step->xr0) { /* a layered group's rows through parts of the experts */
+        glm_mlp_forward_parts(l, step, scr->h, scr->a, nm);
+        if (step->xq1 < step->xparts) done = step->xr0;
+    } else {
+        glm_mlp_forward(l, step, scr->h, scr->a, nm);
+    }
     if ((s = glm_all_reduce(l->comm, scr->a, (size_t)nm * c->hidden_size)) != MT_OK) return s; /* intermediate's */
-    be->ops->hc_post(be, X, scr->a, scr->post, scr->comb, &hp, nm);
+    if (done > 0) be->ops->hc_post(be, X, scr->a, scr->post, scr->comb, &hp, done);
     return MT_OK;
 }
 

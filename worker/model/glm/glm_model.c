@@ -77,6 +77,13 @@ static mt_status mtp_plan(glm_model *m, bool random, mt_error *err) {
 static mt_status model_init(glm_model *m, uint64_t random_seed, bool random, mt_error *err) {
     const glm_config *c = &m->cfg;
     mt_backend *be = m->be;
+    const int xp = m->params.layered_expert_parts;
+    if (xp > 1 && !m->params.layered_sites)
+        return mt_errorf(err, MT_ERR_INVALID, "layered expert parts (%d) need layered sites (--prefill-sites)", xp);
+    if (xp > 1 && (xp > c->n_routed_experts || !be->ops->moe_keep_experts))
+        return mt_errorf(err, MT_ERR_INVALID, "layered expert parts: %d parts of %d routed experts%s", xp,
+                         c->n_routed_experts, be->ops->moe_keep_experts ? "" : " (the backend cannot keep a part of them)");
+    if (xp < 0) return mt_errorf(err, MT_ERR_INVALID, "layered expert parts: %d", xp);
     mt_status s = mtp_plan(m, random, err);
     if (s == MT_OK) s = glm_shard_plan(m, err);
     if (s != MT_OK) return s;
@@ -206,6 +213,8 @@ void glm_model_free(glm_model *m) {
     scratch_free(be, &m->scr);
     be->ops->free(be, m->X);
     be->ops->free(be, m->lp_X);
+    be->ops->free(be, m->lp_A);
+    be->ops->free(be, m->lp_acc);
     be->ops->free(be, m->z);
     be->ops->free(be, m->logits);
     be->ops->free(be, m->d_step);
@@ -504,8 +513,10 @@ mt_status glm_model_ple_apply(glm_model *m, glm_seq *s, int layer, const int32_t
 
 int glm_model_n_layers(const glm_model *m) { return m->cfg.num_hidden_layers; }
 
-/* Units of layered prefill a layer: 2 (its attention site, then its MLP site) or 1. */
-static int lp_per_layer(const glm_model *m) { return m->params.layered_sites ? 2 : 1; }
+/* Units of layered prefill a layer: 1 + P (its attention site, then its MLP site in P parts of
+ * the routed experts) or 1. */
+static int lp_xparts(const glm_model *m) { return m->params.layered_expert_parts > 1 ? m->params.layered_expert_parts : 1; }
+static int lp_per_layer(const glm_model *m) { return m->params.layered_sites ? 1 + lp_xparts(m) : 1; }
 
 int glm_model_layered_units(const glm_model *m) { return m->cfg.num_hidden_layers * lp_per_layer(m); }
 const mt_layer *glm_model_layer(const glm_model *m, int i) { return &m->layers[i].base; }
@@ -702,9 +713,12 @@ static mt_status layered_check(glm_model *m, const glm_mixed_part *p, int np, in
     }
     if (first >= 0 && lr->l0 == 0 && m->lp_count > 0)
         return mt_errorf(err, MT_ERR_INVALID, "a layered chunk starts while %d others are in flight", m->lp_count);
-    if (first >= 0 && !m->lp_X && !(m->lp_X = m->be->ops->alloc(m->be, sizeof(float) * (size_t)m->scr.rows *
-                                                                          m->cfg.hc_mult * m->cfg.hidden_size)))
+    const size_t RH = (size_t)m->scr.rows * m->cfg.hidden_size;
+    if (first >= 0 && !m->lp_X && !(m->lp_X = m->be->ops->alloc(m->be, sizeof(float) * RH * m->cfg.hc_mult)))
         return mt_errorf(err, MT_ERR_NOMEM, "out of backend memory for layered chunks");
+    if (first >= 0 && lp_xparts(m) > 1 && ((!m->lp_A && !(m->lp_A = m->be->ops->alloc(m->be, sizeof(float) * RH))) ||
+                                           (!m->lp_acc && !(m->lp_acc = m->be->ops->alloc(m->be, sizeof(float) * RH)))))
+        return mt_errorf(err, MT_ERR_NOMEM, "out of backend memory for layered chunks' expert parts");
     return MT_OK;
 }
 
@@ -793,21 +807,26 @@ typedef struct mixed_ctx {
     const glm_lrange *lr;      /* the layered group's range (NULL: every part every layer) */
 } mixed_ctx;
 
+/* A layered group's rows between the step's buffer `at` (rows [n_full, n) of the step at row
+ * base, W floats a row) and `keep`, where each part has its place (lp_off): in copies to `at`,
+ * out to `keep`. */
+static void lp_copy(glm_model *m, const glm_mixed_part *p, int np, const glm_lrange *lr, float *at, float *keep,
+                    size_t W, bool in) {
+    for (int i = lr->np_full, r = 0; i < np; r += p[i++].n) {
+        float *x = at + (size_t)r * W, *y = keep + (size_t)p[i].s->lp_off * W;
+        const size_t bytes = sizeof(float) * W * (size_t)p[i].n;
+        if (in) m->be->ops->copy(m->be, x, y, bytes);
+        else m->be->ops->copy(m->be, y, x, bytes);
+    }
+}
+
 /* A layered group's rows [n_full, n) between X and m->lp_X: in (to X) the parts that have run
  * layers already, out (to lp_X) those that stay in flight; each part keeps its place in lp_X. */
 static void lp_move(glm_model *m, const glm_mixed_part *p, int np, const glm_lrange *lr, bool in) {
     const size_t SH = (size_t)m->cfg.hc_mult * m->cfg.hidden_size;
-    for (int i = lr->np_full, r = lr->n_full, off = 0; i < np; r += p[i++].n) {
-        glm_seq *s = p[i].s;
-        if (!in && lr->l0 == 0) { /* the group starts: its parts in order */
-            s->lp_off = off;
-            off += p[i].n;
-        }
-        float *x = m->X + (size_t)r * SH, *y = m->lp_X + (size_t)s->lp_off * SH;
-        const size_t bytes = sizeof(float) * SH * (size_t)p[i].n;
-        if (in) m->be->ops->copy(m->be, x, y, bytes);
-        else m->be->ops->copy(m->be, y, x, bytes);
-    }
+    if (!in && lr->l0 == 0) /* the group starts: its parts in order */
+        for (int i = lr->np_full, off = 0; i < np; off += p[i++].n) p[i].s->lp_off = off;
+    lp_copy(m, p, np, lr, m->X + (size_t)lr->n_full * SH, m->lp_X, SH, in);
 }
 
 /* A mixed step's pass: the embedding, the layers' forward_segments over the step, and with head
@@ -825,12 +844,18 @@ static mt_status mixed_body(void *ctx) {
     const glm_lrange *lr = x->lr;
     if (lr && lr->l0 > 0) lp_move(m, x->p, x->np, lr, true);
     m->scr.sel_n = 0;
-    const int k = lp_per_layer(m);
+    const int k = lp_per_layer(m), P = k > 1 ? k - 1 : 1;
+    const int U = glm_model_layered_units(m);
+    /* a range that starts or ends inside an MLP site's parts: its rows' partial sums in step order */
+    const bool acc_in = lr && k > 2 && lr->l0 % k > 1, acc_out = lr && k > 2 && lr->l1 < U && lr->l1 % k > 1;
+    if (acc_in) lp_copy(m, x->p, x->np, lr, m->lp_acc, m->lp_A, c->hidden_size, true);
     for (int l = 0; l < c->num_hidden_layers && st == MT_OK; l++) {
-        /* the group's rows through this layer's attention site (unit k l) and its MLP site
-         * (k l + k - 1: the same unit with whole layers) */
-        const bool att = !lr || (k * l >= lr->l0 && k * l < lr->l1);
-        const bool mlp = !lr || (k * l + k - 1 >= lr->l0 && k * l + k - 1 < lr->l1);
+        /* the group's rows through this layer's attention site (unit k l) and the parts [q0, q1)
+         * of its MLP site (units k l + 1 ..., or the attention's own unit with whole layers) */
+        const int mu = k == 1 ? l : k * l + 1;
+        const int q0 = !lr ? 0 : lr->l0 <= mu ? 0 : lr->l0 - mu < P ? lr->l0 - mu : P;
+        const int q1 = !lr ? P : lr->l1 <= mu ? 0 : lr->l1 - mu < P ? lr->l1 - mu : P;
+        const bool att = !lr || (k * l >= lr->l0 && k * l < lr->l1), mlp = q1 > q0;
         const int np = att ? x->np : lr->np_full, n = att ? x->n : lr->n_full;
         const int n_mlp = mlp ? x->n : lr->n_full;
         if (np == 0 && n_mlp == 0) continue;
@@ -839,10 +864,17 @@ static mt_status mixed_body(void *ctx) {
         x->step->nseg = np;
         x->step->mlp_rows = n_mlp != n;
         x->step->n_mlp = n_mlp;
+        x->step->xparts = mlp && (q0 > 0 || q1 < P) ? P : 0;
+        x->step->xq0 = q0;
+        x->step->xq1 = q1;
+        x->step->xr0 = lr ? lr->n_full : 0;
+        x->step->xacc = m->lp_acc;
         st = mt_layer_forward_segments(&m->layers[l].base, x->sts, np, x->step, m->X, n);
     }
     x->step->mlp_rows = false;
-    if (st == MT_OK && lr && lr->l1 < glm_model_layered_units(m)) lp_move(m, x->p, x->np, lr, false);
+    x->step->xparts = 0;
+    if (st == MT_OK && lr && lr->l1 < U) lp_move(m, x->p, x->np, lr, false); /* places the parts first */
+    if (st == MT_OK && acc_out) lp_copy(m, x->p, x->np, lr, m->lp_acc, m->lp_A, c->hidden_size, false);
     return st == MT_OK && x->head ? head_logits(m, m->X, x->n, NULL) : st;
 }
 
