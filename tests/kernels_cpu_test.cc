@@ -149,6 +149,16 @@ TEST_F(CpuOps, RouterKeepsBestGroupsThenBestExperts) {
     EXPECT_NEAR(w[0], 2.5f * 0.1f / (0.1f + 0.7f), 1e-5);
 }
 
+// moe_keep_experts: picks outside [lo, hi) get weight 0 and the row's first kept expert (lo when
+// it keeps none); kept picks are untouched.
+TEST_F(CpuOps, KeepExpertsZeroesPicksOutsideThePart) {
+    int32_t idx[9] = {5, 1, 6, /* */ 0, 1, 2, /* */ 7, 4, 3};
+    float w[9] = {.1f, .2f, .3f, .4f, .5f, .6f, .7f, .8f, .9f};
+    be_->ops->moe_keep_experts(be_, idx, w, 3, 3, 4, 8);
+    EXPECT_EQ(std::vector<int32_t>(idx, idx + 9), (std::vector<int32_t>{5, 5, 6, 4, 4, 4, 7, 4, 7}));
+    EXPECT_EQ(std::vector<float>(w, w + 9), (std::vector<float>{.1f, 0.f, .3f, 0.f, 0.f, 0.f, .7f, .8f, 0.f}));
+}
+
 TEST_F(CpuOps, DsaSelectTakesCompletePoolsAndTail) {
     mt_dsa_select_params p = {};
     p.ih = 1; p.id = 2; p.kpool = 4; p.max_pools = 2; p.tail = true; p.max_sel = 2 * 4 + 3;

@@ -852,6 +852,15 @@ TEST_F(CudaOps, MoeRoute) {
             const double e = RelErr(Get(gpu_, gw, ww.size()), ww);
             worst.See(e, where);
             EXPECT_LE(e, 1e-6) << where;
+            // a part of the experts kept (moe_keep_experts) from the same picks on both backends
+            const std::vector<float> gww = Get(gpu_, gw, ww.size());
+            cpu_->ops->moe_keep_experts(cpu_, widx.data(), ww.data(), n, k, E / 4, E / 2);
+            std::vector<float> cw = gww;
+            std::vector<int32_t> ci = Get(gpu_, gi, widx.size());
+            cpu_->ops->moe_keep_experts(cpu_, ci.data(), cw.data(), n, k, E / 4, E / 2);
+            gpu_->ops->moe_keep_experts(gpu_, gi, gw, n, k, E / 4, E / 2);
+            EXPECT_EQ(Get(gpu_, gi, widx.size()), ci) << where << " kept";
+            EXPECT_EQ(Get(gpu_, gw, ww.size()), cw) << where << " kept";
             Drop(gpu_, gl);
             Drop(gpu_, gb);
             Drop(gpu_, gi);
