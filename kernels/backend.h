@@ -370,11 +370,14 @@ typedef struct mt_backend_ops {
     void (*moe_experts)(mt_backend *be, float *out, const float *x, const int32_t *idx,
                         const float *weights, const mt_expert *experts /* host array [E] */,
                         int n, int top_k, int H, int I, float L);
-    /* Optional (NULL: not offered): keeps the picks idx[n, top_k] of experts in [lo, hi). Every
-     * other pick gets weight 0 and, as its expert, the row's first kept one (lo when the row keeps
-     * none), so that moe_experts then reads no expert outside the range and adds each row's sum
-     * over its kept picks (a layered prompt's MoE run over parts of the experts in turn). */
-    void (*moe_keep_experts)(mt_backend *be, int32_t *idx, float *weights, int n, int top_k, int lo, int hi);
+    /* Optional (NULL: not offered): keeps the picks idx[n, top_k] of experts in [lo, hi), having
+     * first taken them from from_idx and from_weights when those are not NULL (picks a router made
+     * earlier, each below the router's expert count). Every other pick gets weight 0 and, as its
+     * expert, the row's first kept one (lo when the row keeps none), so that moe_experts then reads
+     * no expert outside the range and adds each row's sum over its kept picks (a layered prompt's
+     * MoE run over parts of the experts in turn, on the picks of its first part). */
+    void (*moe_keep_experts)(mt_backend *be, int32_t *idx, float *weights, const int32_t *from_idx,
+                             const float *from_weights, int n, int top_k, int lo, int hi);
     /* Optional (NULL: not offered): out[n, H] = shared(x) + the routed sum above, `shared` an
      * expert shaped like the routed ones, fused where the backend can (the CUDA GEMV path: the
      * shared expert as one more slot). Returns false, having done nothing, for a shape it does

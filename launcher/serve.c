@@ -569,6 +569,10 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         fprintf(stderr, "metrale-serve: --curve-server-key and --curve-secret-key go together\n");
         return -1;
     }
+    if (o->prefill_expert_parts && atoi(o->prefill_expert_parts) > 1 && !o->prefill_sites) {
+        fprintf(stderr, "metrale-serve: --prefill-expert-parts needs --prefill-sites\n");
+        return -1;
+    }
     if (o->metrics && o->router) {
         fprintf(stderr, "metrale-serve: --metrics is the router's, and --router starts none here; give it to the "
                         "router at %s\n", o->router);

@@ -154,9 +154,15 @@ TEST_F(CpuOps, RouterKeepsBestGroupsThenBestExperts) {
 TEST_F(CpuOps, KeepExpertsZeroesPicksOutsideThePart) {
     int32_t idx[9] = {5, 1, 6, /* */ 0, 1, 2, /* */ 7, 4, 3};
     float w[9] = {.1f, .2f, .3f, .4f, .5f, .6f, .7f, .8f, .9f};
-    be_->ops->moe_keep_experts(be_, idx, w, 3, 3, 4, 8);
+    const std::vector<int32_t> idx0(idx, idx + 9);
+    const std::vector<float> w0(w, w + 9);
+    be_->ops->moe_keep_experts(be_, idx, w, nullptr, nullptr, 3, 3, 4, 8);
     EXPECT_EQ(std::vector<int32_t>(idx, idx + 9), (std::vector<int32_t>{5, 5, 6, 4, 4, 4, 7, 4, 7}));
     EXPECT_EQ(std::vector<float>(w, w + 9), (std::vector<float>{.1f, 0.f, .3f, 0.f, 0.f, 0.f, .7f, .8f, 0.f}));
+    // from earlier picks: the other part of the same picks
+    be_->ops->moe_keep_experts(be_, idx, w, idx0.data(), w0.data(), 3, 3, 0, 4);
+    EXPECT_EQ(std::vector<int32_t>(idx, idx + 9), (std::vector<int32_t>{1, 1, 1, 0, 1, 2, 3, 3, 3}));
+    EXPECT_EQ(std::vector<float>(w, w + 9), (std::vector<float>{0.f, .2f, 0.f, .4f, .5f, .6f, 0.f, 0.f, .9f}));
 }
 
 TEST_F(CpuOps, DsaSelectTakesCompletePoolsAndTail) {

@@ -852,15 +852,24 @@ TEST_F(CudaOps, MoeRoute) {
             const double e = RelErr(Get(gpu_, gw, ww.size()), ww);
             worst.See(e, where);
             EXPECT_LE(e, 1e-6) << where;
-            // a part of the experts kept (moe_keep_experts) from the same picks on both backends
-            const std::vector<float> gww = Get(gpu_, gw, ww.size());
-            cpu_->ops->moe_keep_experts(cpu_, widx.data(), ww.data(), n, k, E / 4, E / 2);
-            std::vector<float> cw = gww;
-            std::vector<int32_t> ci = Get(gpu_, gi, widx.size());
-            cpu_->ops->moe_keep_experts(cpu_, ci.data(), cw.data(), n, k, E / 4, E / 2);
-            gpu_->ops->moe_keep_experts(gpu_, gi, gw, n, k, E / 4, E / 2);
+            // a part of the experts kept (moe_keep_experts) from the same picks on both backends, in
+            // place and then, for the rest, from a copy of the picks
+            const std::vector<float> gw0 = Get(gpu_, gw, ww.size());
+            const std::vector<int32_t> gi0 = Get(gpu_, gi, widx.size());
+            std::vector<float> cw = gw0;
+            std::vector<int32_t> ci = gi0;
+            cpu_->ops->moe_keep_experts(cpu_, ci.data(), cw.data(), nullptr, nullptr, n, k, E / 4, E / 2);
+            gpu_->ops->moe_keep_experts(gpu_, gi, gw, nullptr, nullptr, n, k, E / 4, E / 2);
             EXPECT_EQ(Get(gpu_, gi, widx.size()), ci) << where << " kept";
             EXPECT_EQ(Get(gpu_, gw, ww.size()), cw) << where << " kept";
+            int32_t *fi = Put(gpu_, gi0);
+            float *fw = Put(gpu_, gw0);
+            cpu_->ops->moe_keep_experts(cpu_, ci.data(), cw.data(), gi0.data(), gw0.data(), n, k, E / 2, E);
+            gpu_->ops->moe_keep_experts(gpu_, gi, gw, fi, fw, n, k, E / 2, E);
+            EXPECT_EQ(Get(gpu_, gi, widx.size()), ci) << where << " kept from the picks";
+            EXPECT_EQ(Get(gpu_, gw, ww.size()), cw) << where << " kept from the picks";
+            Drop(gpu_, fi);
+            Drop(gpu_, fw);
             Drop(gpu_, gl);
             Drop(gpu_, gb);
             Drop(gpu_, gi);

@@ -75,7 +75,7 @@ static void usage(FILE *f) {
             "  on a GPU, 0 (every layer in one step) otherwise); --prefill-sites: --prefill-layers counts\n"
             "  a layer's attention and MLP as two steps' work, so an MoE layer's expert reads and its\n"
             "  attention land in different steps; --prefill-expert-parts: with --prefill-sites, an MLP\n"
-            "  site counts as P steps' work, each through 1/P of the routed experts (default 1);\n"
+            "  site counts as P steps' work, each through 1/P of the routed experts (default: one);\n"
             "  --layered-max-waiting: from N requests\n"
             "  waiting for a place on, chunks run every layer in their step (throughput over latency\n"
             "  under saturation; default 0: no limit).\n"

@@ -122,8 +122,13 @@ static void cpu_moe_experts(mt_backend *be, float *out, const float *x, const in
     free(tmp);
 }
 
-static void cpu_moe_keep_experts(mt_backend *be, int32_t *idx, float *weights, int n, int top_k, int lo, int hi) {
+static void cpu_moe_keep_experts(mt_backend *be, int32_t *idx, float *weights, const int32_t *from_idx,
+                                 const float *from_weights, int n, int top_k, int lo, int hi) {
     (void)be;
+    if (from_idx) {
+        memmove(idx, from_idx, sizeof(int32_t) * (size_t)n * top_k);
+        memmove(weights, from_weights, sizeof(float) * (size_t)n * top_k);
+    }
     for (int i = 0; i < n; i++) {
         int32_t *x = idx + (size_t)i * top_k;
         float *w = weights + (size_t)i * top_k;

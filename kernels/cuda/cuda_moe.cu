@@ -328,12 +328,19 @@ static void cu_moe_route(mt_backend *be, int32_t *idx, float *weights, const flo
 }
 
 /* moe_keep_experts: one thread a row of top_k picks. The indices stay below the router's expert
- * count, so the route record (route_idx) still holds for moe_experts. */
-static __global__ void keep_experts_kernel(int32_t *idx, float *w, int n, int top_k, int lo, int hi) {
+ * count (from_idx holds a router's earlier picks), so the route record (route_idx) still holds
+ * for moe_experts. */
+static __global__ void keep_experts_kernel(int32_t *idx, float *w, const int32_t *from_idx, const float *from_w,
+                                           int n, int top_k, int lo, int hi) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     int32_t *x = idx + (size_t)i * top_k;
     float *wi = w + (size_t)i * top_k;
+    if (from_idx)
+        for (int j = 0; j < top_k; j++) {
+            x[j] = from_idx[(size_t)i * top_k + j];
+            wi[j] = from_w[(size_t)i * top_k + j];
+        }
     int32_t kept = lo;
     for (int j = top_k - 1; j >= 0; j--)
         if (x[j] >= lo && x[j] < hi) kept = x[j];
@@ -344,16 +351,18 @@ static __global__ void keep_experts_kernel(int32_t *idx, float *w, int n, int to
         }
 }
 
-static mt_status keep_experts_launch(int32_t *idx, float *w, int n, int top_k, int lo, int hi, cudaStream_t s) {
-    keep_experts_kernel<<<(unsigned)((n + 127) / 128), 128, 0, s>>>(idx, w, n, top_k, lo, hi);
+static mt_status keep_experts_launch(int32_t *idx, float *w, const int32_t *fi, const float *fw, int n, int top_k,
+                                     int lo, int hi, cudaStream_t s) {
+    keep_experts_kernel<<<(unsigned)((n + 127) / 128), 128, 0, s>>>(idx, w, fi, fw, n, top_k, lo, hi);
     MT_CUDA_CHECK_LAUNCH();
     return MT_OK;
 }
 
-static void cu_moe_keep_experts(mt_backend *be, int32_t *idx, float *weights, int n, int top_k, int lo, int hi) {
+static void cu_moe_keep_experts(mt_backend *be, int32_t *idx, float *weights, const int32_t *from_idx,
+                                const float *from_weights, int n, int top_k, int lo, int hi) {
     MT_ASSERT(n >= 0 && top_k >= 1 && 0 <= lo && lo < hi);
     if (n == 0) return;
-    cu_op_status(be, "moe_keep_experts", keep_experts_launch(idx, weights, n, top_k, lo, hi, cu_stream(be)));
+    cu_op_status(be, "moe_keep_experts", keep_experts_launch(idx, weights, from_idx, from_weights, n, top_k, lo, hi, cu_stream(be)));
 }
 
 /* ======================= expert tables on the device ======================= */

@@ -99,5 +99,15 @@ class LauncherTest(unittest.TestCase):
             raise
 
 
+class LauncherOptionsTest(unittest.TestCase):
+    """Options that only make sense together are refused before anything starts."""
+
+    def test_expert_parts_need_sites(self):
+        r = subprocess.run([path(LAUNCHER_BIN), "--model", path(MODEL_DIR), "--backend", "cpu",
+                            "--prefill-expert-parts", "2"], capture_output=True, timeout=30)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn(b"--prefill-expert-parts needs --prefill-sites", r.stderr)
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -264,10 +264,13 @@ struct mt_step {
     /* Layered expert parts: with xparts > 0, rows [xr0, n_mlp) are a layered group's, through
      * parts [xq0, xq1) of the layer's xparts parts of its routed experts (the shared expert, or
      * a dense MLP whole, with part 0). xacc [n_mlp - xr0, H] holds their sum over the parts
-     * before xq0 (read when xq0 > 0) and takes it when xq1 < xparts (those rows then stop before
-     * hc_post). 0: every row through the whole MLP. */
+     * before xq0 and xidx, xwts [n_mlp - xr0, top_k] their router's picks at part 0 (read when
+     * xq0 > 0: a later part keeps the first part's picks, not a new routing that could differ
+     * by a rounding), and take them when xq1 < xparts (those rows then stop before hc_post).
+     * 0: every row through the whole MLP. */
     int xparts, xq0, xq1, xr0;
-    float *xacc;
+    float *xacc, *xwts;
+    int32_t *xidx;
     int vring_id;              /* which ring vring is (m->mtp.ring + vring_id * (GLM_VERIFY_MAX - 1)):
                                 * where state outside the slot pool keeps its rows (glm_ple_w.ring) */
 };
@@ -304,10 +307,12 @@ struct glm_model {
     float *lp_X;
     int lp_count;
     /* Layered expert parts (mt_model_params.layered_expert_parts): the in-flight rows' MLP sums
-     * over the parts run so far, [rows, H] at each part's place as in lp_X (lp_A), and the same
-     * rows in the step's order while a call runs (lp_acc, mt_step.xacc); made at the first
-     * layered call. */
-    float *lp_A, *lp_acc;
+     * over the parts run so far, [rows, H], and the picks of their router at the first part,
+     * [rows, top_k] indices and weights, at each part's place as in lp_X (lp_A, lp_idx, lp_wts);
+     * the same rows in the step's order while a call runs (lp_acc, lp_idx_s, lp_wts_s: mt_step's
+     * xacc, xidx, xwts); made at the first layered call. */
+    float *lp_A, *lp_acc, *lp_wts, *lp_wts_s;
+    int32_t *lp_idx, *lp_idx_s;
     float *z;                  /* [rows, H] */
     float *logits;             /* [rows, V] */
     /* graph-form decode of one sequence: [GLM_VERIFY_MAX * S] tokens of the highway rows, then

@@ -38,7 +38,16 @@ static void mlp_rows(const glm_layer *l, mt_step *step, const float *h, float *o
     };
     be->ops->moe_route(be, scr->idx, scr->wts, logits, w->router_bias, &rp, n);
     const int H = c->hidden_size, I = c->moe_intermediate_size, k = c->num_experts_per_tok;
-    if (group) be->ops->moe_keep_experts(be, scr->idx + (size_t)r0 * k, scr->wts + (size_t)r0 * k, n - r0, k, lo, hi);
+    if (group) { /* the group's picks: made now at its first part (and kept), else those kept then */
+        int32_t *gi = scr->idx + (size_t)r0 * k;
+        float *gw = scr->wts + (size_t)r0 * k;
+        const size_t pk = (size_t)(n - r0) * k;
+        if (!later) {
+            be->ops->copy(be, step->xidx, gi, sizeof(int32_t) * pk);
+            be->ops->copy(be, step->xwts, gw, sizeof(float) * pk);
+        }
+        be->ops->moe_keep_experts(be, gi, gw, later ? step->xidx : NULL, later ? step->xwts : NULL, n - r0, k, lo, hi);
+    }
     /* out = shared expert + the routed ones: fused by the backend where it can, else the shared
      * expert first and the routed experts accumulating into out (the same sum, in that order). */
     if (later || !be->ops->moe_experts_shared ||

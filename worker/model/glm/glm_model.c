@@ -215,6 +215,10 @@ void glm_model_free(glm_model *m) {
     be->ops->free(be, m->lp_X);
     be->ops->free(be, m->lp_A);
     be->ops->free(be, m->lp_acc);
+    be->ops->free(be, m->lp_idx);
+    be->ops->free(be, m->lp_idx_s);
+    be->ops->free(be, m->lp_wts);
+    be->ops->free(be, m->lp_wts_s);
     be->ops->free(be, m->z);
     be->ops->free(be, m->logits);
     be->ops->free(be, m->d_step);
@@ -716,9 +720,17 @@ static mt_status layered_check(glm_model *m, const glm_mixed_part *p, int np, in
     const size_t RH = (size_t)m->scr.rows * m->cfg.hidden_size;
     if (first >= 0 && !m->lp_X && !(m->lp_X = m->be->ops->alloc(m->be, sizeof(float) * RH * m->cfg.hc_mult)))
         return mt_errorf(err, MT_ERR_NOMEM, "out of backend memory for layered chunks");
-    if (first >= 0 && lp_xparts(m) > 1 && ((!m->lp_A && !(m->lp_A = m->be->ops->alloc(m->be, sizeof(float) * RH))) ||
-                                           (!m->lp_acc && !(m->lp_acc = m->be->ops->alloc(m->be, sizeof(float) * RH)))))
-        return mt_errorf(err, MT_ERR_NOMEM, "out of backend memory for layered chunks' expert parts");
+    if (first >= 0 && lp_xparts(m) > 1 && !m->lp_wts_s) {
+        mt_backend *be = m->be;
+        const size_t RK = (size_t)m->scr.rows * m->cfg.num_experts_per_tok;
+        if ((!m->lp_A && !(m->lp_A = be->ops->alloc(be, sizeof(float) * RH))) ||
+            (!m->lp_acc && !(m->lp_acc = be->ops->alloc(be, sizeof(float) * RH))) ||
+            (!m->lp_idx && !(m->lp_idx = be->ops->alloc(be, sizeof(int32_t) * RK))) ||
+            (!m->lp_idx_s && !(m->lp_idx_s = be->ops->alloc(be, sizeof(int32_t) * RK))) ||
+            (!m->lp_wts && !(m->lp_wts = be->ops->alloc(be, sizeof(float) * RK))) ||
+            !(m->lp_wts_s = be->ops->alloc(be, sizeof(float) * RK)))
+            return mt_errorf(err, MT_ERR_NOMEM, "out of backend memory for layered chunks' expert parts");
+    }
     return MT_OK;
 }
 
@@ -808,16 +820,24 @@ typedef struct mixed_ctx {
 } mixed_ctx;
 
 /* A layered group's rows between the step's buffer `at` (rows [n_full, n) of the step at row
- * base, W floats a row) and `keep`, where each part has its place (lp_off): in copies to `at`,
+ * base, W bytes a row) and `keep`, where each part has its place (lp_off): in copies to `at`,
  * out to `keep`. */
-static void lp_copy(glm_model *m, const glm_mixed_part *p, int np, const glm_lrange *lr, float *at, float *keep,
+static void lp_copy(glm_model *m, const glm_mixed_part *p, int np, const glm_lrange *lr, void *at, void *keep,
                     size_t W, bool in) {
     for (int i = lr->np_full, r = 0; i < np; r += p[i++].n) {
-        float *x = at + (size_t)r * W, *y = keep + (size_t)p[i].s->lp_off * W;
-        const size_t bytes = sizeof(float) * W * (size_t)p[i].n;
+        char *x = (char *)at + (size_t)r * W, *y = (char *)keep + (size_t)p[i].s->lp_off * W;
+        const size_t bytes = W * (size_t)p[i].n;
         if (in) m->be->ops->copy(m->be, x, y, bytes);
         else m->be->ops->copy(m->be, y, x, bytes);
     }
+}
+
+/* The expert parts' per-row state of a layered group (lp_copy): sums and first-part picks. */
+static void lp_parts_copy(glm_model *m, const glm_mixed_part *p, int np, const glm_lrange *lr, bool in) {
+    const size_t H = (size_t)m->cfg.hidden_size, k = (size_t)m->cfg.num_experts_per_tok;
+    lp_copy(m, p, np, lr, m->lp_acc, m->lp_A, sizeof(float) * H, in);
+    lp_copy(m, p, np, lr, m->lp_idx_s, m->lp_idx, sizeof(int32_t) * k, in);
+    lp_copy(m, p, np, lr, m->lp_wts_s, m->lp_wts, sizeof(float) * k, in);
 }
 
 /* A layered group's rows [n_full, n) between X and m->lp_X: in (to X) the parts that have run
@@ -826,7 +846,7 @@ static void lp_move(glm_model *m, const glm_mixed_part *p, int np, const glm_lra
     const size_t SH = (size_t)m->cfg.hc_mult * m->cfg.hidden_size;
     if (!in && lr->l0 == 0) /* the group starts: its parts in order */
         for (int i = lr->np_full, off = 0; i < np; off += p[i++].n) p[i].s->lp_off = off;
-    lp_copy(m, p, np, lr, m->X + (size_t)lr->n_full * SH, m->lp_X, SH, in);
+    lp_copy(m, p, np, lr, m->X + (size_t)lr->n_full * SH, m->lp_X, sizeof(float) * SH, in);
 }
 
 /* A mixed step's pass: the embedding, the layers' forward_segments over the step, and with head
@@ -848,7 +868,7 @@ static mt_status mixed_body(void *ctx) {
     const int U = glm_model_layered_units(m);
     /* a range that starts or ends inside an MLP site's parts: its rows' partial sums in step order */
     const bool acc_in = lr && k > 2 && lr->l0 % k > 1, acc_out = lr && k > 2 && lr->l1 < U && lr->l1 % k > 1;
-    if (acc_in) lp_copy(m, x->p, x->np, lr, m->lp_acc, m->lp_A, c->hidden_size, true);
+    if (acc_in) lp_parts_copy(m, x->p, x->np, lr, true);
     for (int l = 0; l < c->num_hidden_layers && st == MT_OK; l++) {
         /* the group's rows through this layer's attention site (unit k l) and the parts [q0, q1)
          * of its MLP site (units k l + 1 ..., or the attention's own unit with whole layers) */
@@ -869,12 +889,14 @@ static mt_status mixed_body(void *ctx) {
         x->step->xq1 = q1;
         x->step->xr0 = lr ? lr->n_full : 0;
         x->step->xacc = m->lp_acc;
+        x->step->xidx = m->lp_idx_s;
+        x->step->xwts = m->lp_wts_s;
         st = mt_layer_forward_segments(&m->layers[l].base, x->sts, np, x->step, m->X, n);
     }
     x->step->mlp_rows = false;
     x->step->xparts = 0;
     if (st == MT_OK && lr && lr->l1 < U) lp_move(m, x->p, x->np, lr, false); /* places the parts first */
-    if (st == MT_OK && acc_out) lp_copy(m, x->p, x->np, lr, m->lp_acc, m->lp_A, c->hidden_size, false);
+    if (st == MT_OK && acc_out) lp_parts_copy(m, x->p, x->np, lr, false);
     return st == MT_OK && x->head ? head_logits(m, m->X, x->n, NULL) : st;
 }
 
