@@ -144,6 +144,19 @@ static inline MT_HOST_DEVICE float *mt_paged_at(mt_paged c, const int32_t *bt, i
     return c.base + ((int64_t)bt[t / c.page] * c.page + t % c.page) * c.row;
 }
 
+/* One row of mt_backend_ops.moe_keep_experts (top_k picks x, weights w), on the host and in the
+ * CUDA kernel alike. */
+static inline MT_HOST_DEVICE void mt_keep_experts_row(int32_t *x, float *w, int top_k, int lo, int hi) {
+    int32_t kept = lo;
+    for (int j = top_k - 1; j >= 0; j--)
+        if (x[j] >= lo && x[j] < hi) kept = x[j];
+    for (int j = 0; j < top_k; j++)
+        if (x[j] < lo || x[j] >= hi) {
+            x[j] = kept;
+            w[j] = 0.f;
+        }
+}
+
 /* Sparse MLA parameters. */
 typedef struct mt_mla_params {
     int Hq, dn, dv, kvl;  /* heads, qk_nope_head_dim, v_head_dim, kv_lora_rank */

@@ -769,6 +769,33 @@ TEST(Engine, MixedStepsGiveTheTokensOfSeparateCalls) {
         }
 }
 
+// On a model loaded in layered units (`layered`: layers, sites or parts), a unit a step: a 10-token prompt submitted
+// beside a running sequence gives its first token after `steps` steps, the running sequence a
+// token in each, and both the tokens of `whole` (the same checkpoint in whole layers) alone.
+void CheckUnitAStep(glm_model *layered, glm_model *whole, int steps_want) {
+    eng_params p = eng_default_params();
+    p.max_sequences = 4;
+    p.mixed_steps = true;
+    p.prefill_layers = 1;
+    Engine E(layered, p);
+    ASSERT_EQ(E.Submit(1, Prompt(5, 1), Req(20)), MT_OK);
+    E.Step();
+    ASSERT_EQ(E.Submit(2, Prompt(10, 2), Req(4)), MT_OK);
+    int steps = 0;
+    while (E.results[2].tokens.empty()) {
+        const size_t had = E.results[1].tokens.size();
+        E.Step();
+        steps++;
+        EXPECT_EQ(E.results[1].tokens.size(), had + 1) << "step " << steps;
+        ASSERT_LT(steps, 2 * steps_want);
+    }
+    EXPECT_EQ(steps, steps_want);
+    E.RunToEnd();
+    EXPECT_EQ(E.results[1].tokens, DirectGreedy(whole, Prompt(5, 1), 20));
+    EXPECT_EQ(E.results[2].tokens, DirectGreedy(whole, Prompt(10, 2), 4));
+    EXPECT_EQ(E.Stats().cache_bytes_in_use, 0u);
+}
+
 // Layered prefill (prefill_layers): the staggered arrivals give the tokens of whole-step chunks
 // with one and two layers a step, and chunks ran layered; a running sequence got a token every
 // step while a prompt's chunk was in flight, and that prompt's first token came only after the
@@ -792,28 +819,11 @@ TEST(Engine, LayeredPrefillGivesTheTokensOfWholeSteps) {
 
     // one running sequence, then a 10-token prompt: a layer a step beside it (tiny_a: 3 steps,
     // its shared-indexer layer rides with the full one before it), a token a step for the first
+    CheckUnitAStep(M.m, M.m, 3);
     eng_params p = eng_default_params();
     p.max_sequences = 4;
     p.mixed_steps = true;
     p.prefill_layers = 1;
-    {
-        Engine E(M.m, p);
-        ASSERT_EQ(E.Submit(1, Prompt(5, 1), Req(20)), MT_OK);
-        E.Step();
-        ASSERT_EQ(E.Submit(2, Prompt(10, 2), Req(4)), MT_OK);
-        int steps = 0;
-        while (E.results[2].tokens.empty()) {
-            const size_t had = E.results[1].tokens.size();
-            E.Step();
-            steps++;
-            EXPECT_EQ(E.results[1].tokens.size(), had + 1) << "step " << steps;
-            ASSERT_LT(steps, 8);
-        }
-        EXPECT_EQ(steps, 3);
-        E.RunToEnd();
-        EXPECT_EQ(E.results[1].tokens, DirectGreedy(M.m, Prompt(5, 1), 20));
-        EXPECT_EQ(E.results[2].tokens, DirectGreedy(M.m, Prompt(10, 2), 4));
-    }
     // abort a sequence in flight; the one in flight beside it completes and a new prompt follows
     {
         Engine E(M.m, p);
@@ -852,27 +862,7 @@ TEST(Engine, LayeredSitesGiveTheTokensOfWholeSteps) {
     for (const Staggered &s : kStaggered) EXPECT_EQ(got[2][s.id], got[0][s.id]) << "id " << s.id;
     EXPECT_GT(st[2].layered_steps, st[1].layered_steps);
 
-    eng_params p = eng_default_params();
-    p.max_sequences = 4;
-    p.mixed_steps = true;
-    p.prefill_layers = 1;
-    Engine E(S.m, p);
-    ASSERT_EQ(E.Submit(1, Prompt(5, 1), Req(20)), MT_OK);
-    E.Step();
-    ASSERT_EQ(E.Submit(2, Prompt(10, 2), Req(4)), MT_OK);
-    int steps = 0;
-    while (E.results[2].tokens.empty()) {
-        const size_t had = E.results[1].tokens.size();
-        E.Step();
-        steps++;
-        EXPECT_EQ(E.results[1].tokens.size(), had + 1) << "step " << steps;
-        ASSERT_LT(steps, 12);
-    }
-    EXPECT_EQ(steps, 6);
-    E.RunToEnd();
-    EXPECT_EQ(E.results[1].tokens, DirectGreedy(M.m, Prompt(5, 1), 20));
-    EXPECT_EQ(E.results[2].tokens, DirectGreedy(M.m, Prompt(10, 2), 4));
-    EXPECT_EQ(E.Stats().cache_bytes_in_use, 0u);
+    CheckUnitAStep(S.m, M.m, 6);
 }
 
 // Layered prefill in sites with the MLP site in two parts of the routed experts: the staggered
@@ -892,24 +882,7 @@ TEST(Engine, LayeredExpertPartsGiveTheTokensOfWholeSteps) {
     parts = RunStaggered(S.m, p, &st);
     for (const Staggered &s : kStaggered) EXPECT_EQ(parts[s.id], whole[s.id]) << "id " << s.id;
 
-    p.max_sequences = 4;
-    Engine E(S.m, p);
-    ASSERT_EQ(E.Submit(1, Prompt(5, 1), Req(20)), MT_OK);
-    E.Step();
-    ASSERT_EQ(E.Submit(2, Prompt(10, 2), Req(4)), MT_OK);
-    int steps = 0;
-    while (E.results[2].tokens.empty()) {
-        const size_t had = E.results[1].tokens.size();
-        E.Step();
-        steps++;
-        EXPECT_EQ(E.results[1].tokens.size(), had + 1) << "step " << steps;
-        ASSERT_LT(steps, 16);
-    }
-    EXPECT_EQ(steps, 9);
-    E.RunToEnd();
-    EXPECT_EQ(E.results[1].tokens, DirectGreedy(M.m, Prompt(5, 1), 20));
-    EXPECT_EQ(E.results[2].tokens, DirectGreedy(M.m, Prompt(10, 2), 4));
-    EXPECT_EQ(E.Stats().cache_bytes_in_use, 0u);
+    CheckUnitAStep(S.m, M.m, 9);
 }
 
 // layered_max_waiting: from that many requests waiting for a place on, a step's chunks run every

@@ -129,18 +129,7 @@ static void cpu_moe_keep_experts(mt_backend *be, int32_t *idx, float *weights, c
         memmove(idx, from_idx, sizeof(int32_t) * (size_t)n * top_k);
         memmove(weights, from_weights, sizeof(float) * (size_t)n * top_k);
     }
-    for (int i = 0; i < n; i++) {
-        int32_t *x = idx + (size_t)i * top_k;
-        float *w = weights + (size_t)i * top_k;
-        int32_t kept = lo;
-        for (int j = top_k - 1; j >= 0; j--)
-            if (x[j] >= lo && x[j] < hi) kept = x[j];
-        for (int j = 0; j < top_k; j++)
-            if (x[j] < lo || x[j] >= hi) {
-                x[j] = kept;
-                w[j] = 0.f;
-            }
-    }
+    for (int i = 0; i < n; i++) mt_keep_experts_row(idx + (size_t)i * top_k, weights + (size_t)i * top_k, top_k, lo, hi);
 }
 
 void cpu_moe_fill(mt_backend_ops *t) {

@@ -341,14 +341,7 @@ static __global__ void keep_experts_kernel(int32_t *idx, float *w, const int32_t
             x[j] = from_idx[(size_t)i * top_k + j];
             wi[j] = from_w[(size_t)i * top_k + j];
         }
-    int32_t kept = lo;
-    for (int j = top_k - 1; j >= 0; j--)
-        if (x[j] >= lo && x[j] < hi) kept = x[j];
-    for (int j = 0; j < top_k; j++)
-        if (x[j] < lo || x[j] >= hi) {
-            x[j] = kept;
-            wi[j] = 0.f;
-        }
+    mt_keep_experts_row(x, wi, top_k, lo, hi);
 }
 
 static mt_status keep_experts_launch(int32_t *idx, float *w, const int32_t *fi, const float *fw, int n, int top_k,
