@@ -310,7 +310,8 @@ struct glm_model {
      * over the parts run so far, [rows, H], and the picks of their router at the first part,
      * [rows, top_k] indices and weights, at each part's place as in lp_X (lp_A, lp_idx, lp_wts);
      * the same rows in the step's order while a call runs (lp_acc, lp_idx_s, lp_wts_s: mt_step's
-     * xacc, xidx, xwts); made at the first layered call. */
+     * xacc, xidx, xwts); parts of one block (lp_parts) made at the first layered call. */
+    void *lp_parts;
     float *lp_A, *lp_acc, *lp_wts, *lp_wts_s;
     int32_t *lp_idx, *lp_idx_s;
     float *z;                  /* [rows, H] */

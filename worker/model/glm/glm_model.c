@@ -213,12 +213,7 @@ void glm_model_free(glm_model *m) {
     scratch_free(be, &m->scr);
     be->ops->free(be, m->X);
     be->ops->free(be, m->lp_X);
-    be->ops->free(be, m->lp_A);
-    be->ops->free(be, m->lp_acc);
-    be->ops->free(be, m->lp_idx);
-    be->ops->free(be, m->lp_idx_s);
-    be->ops->free(be, m->lp_wts);
-    be->ops->free(be, m->lp_wts_s);
+    be->ops->free(be, m->lp_parts);
     be->ops->free(be, m->z);
     be->ops->free(be, m->logits);
     be->ops->free(be, m->d_step);
@@ -720,16 +715,16 @@ static mt_status layered_check(glm_model *m, const glm_mixed_part *p, int np, in
     const size_t RH = (size_t)m->scr.rows * m->cfg.hidden_size;
     if (first >= 0 && !m->lp_X && !(m->lp_X = m->be->ops->alloc(m->be, sizeof(float) * RH * m->cfg.hc_mult)))
         return mt_errorf(err, MT_ERR_NOMEM, "out of backend memory for layered chunks");
-    if (first >= 0 && lp_xparts(m) > 1 && !m->lp_wts_s) {
-        mt_backend *be = m->be;
+    if (first >= 0 && lp_xparts(m) > 1 && !m->lp_parts) { /* sums [2][rows, H], picks [4][rows, top_k] */
         const size_t RK = (size_t)m->scr.rows * m->cfg.num_experts_per_tok;
-        if ((!m->lp_A && !(m->lp_A = be->ops->alloc(be, sizeof(float) * RH))) ||
-            (!m->lp_acc && !(m->lp_acc = be->ops->alloc(be, sizeof(float) * RH))) ||
-            (!m->lp_idx && !(m->lp_idx = be->ops->alloc(be, sizeof(int32_t) * RK))) ||
-            (!m->lp_idx_s && !(m->lp_idx_s = be->ops->alloc(be, sizeof(int32_t) * RK))) ||
-            (!m->lp_wts && !(m->lp_wts = be->ops->alloc(be, sizeof(float) * RK))) ||
-            !(m->lp_wts_s = be->ops->alloc(be, sizeof(float) * RK)))
-            return mt_errorf(err, MT_ERR_NOMEM, "out of backend memory for layered chunks' expert parts");
+        float *b = m->lp_parts = m->be->ops->alloc(m->be, sizeof(float) * (2 * RH + 4 * RK));
+        if (!b) return mt_errorf(err, MT_ERR_NOMEM, "out of backend memory for layered chunks' expert parts");
+        m->lp_A = b;
+        m->lp_acc = b + RH;
+        m->lp_wts = b + 2 * RH;
+        m->lp_wts_s = b + 2 * RH + RK;
+        m->lp_idx = (int32_t *)(b + 2 * RH + 2 * RK);
+        m->lp_idx_s = (int32_t *)(b + 2 * RH + 3 * RK);
     }
     return MT_OK;
 }
@@ -869,6 +864,10 @@ static mt_status mixed_body(void *ctx) {
     /* a range that starts or ends inside an MLP site's parts: its rows' partial sums in step order */
     const bool acc_in = lr && k > 2 && lr->l0 % k > 1, acc_out = lr && k > 2 && lr->l1 < U && lr->l1 % k > 1;
     if (acc_in) lp_parts_copy(m, x->p, x->np, lr, true);
+    x->step->xr0 = lr ? lr->n_full : 0;
+    x->step->xacc = m->lp_acc;
+    x->step->xidx = m->lp_idx_s;
+    x->step->xwts = m->lp_wts_s;
     for (int l = 0; l < c->num_hidden_layers && st == MT_OK; l++) {
         /* the group's rows through this layer's attention site (unit k l) and the parts [q0, q1)
          * of its MLP site (units k l + 1 ..., or the attention's own unit with whole layers) */
@@ -887,10 +886,6 @@ static mt_status mixed_body(void *ctx) {
         x->step->xparts = mlp && (q0 > 0 || q1 < P) ? P : 0;
         x->step->xq0 = q0;
         x->step->xq1 = q1;
-        x->step->xr0 = lr ? lr->n_full : 0;
-        x->step->xacc = m->lp_acc;
-        x->step->xidx = m->lp_idx_s;
-        x->step->xwts = m->lp_wts_s;
         st = mt_layer_forward_segments(&m->layers[l].base, x->sts, np, x->step, m->X, n);
     }
     x->step->mlp_rows = false;
