@@ -169,22 +169,28 @@ static int run_mix(eng_engine *e, bench *b, int V, int n, const int *plens, cons
     /* where the time goes: steps that ran prompt work against decode-only steps (a run-ahead
      * step's time is the device step it waits for). A step ran prompt work when it completed
      * chunks (prefill_tokens counts them then) or carried a layered group some layers on. */
-    double chunk_ms = 0, decode_ms = 0;
-    long chunk_steps = 0, decode_steps = 0;
+    /* and the steady state: the steps that began with requests waiting (every place taken or
+     * about to be), apart from the first requests' ramp and the last ones' drain */
+    double chunk_ms = 0, decode_ms = 0, backlog_ms = 0;
+    long chunk_steps = 0, decode_steps = 0, chunk_tokens = 0, decode_tokens = 0, backlog_tokens = 0;
     eng_stats st, st0;
     eng_get_stats(e, &st);
     st0 = st;
-    uint64_t pt0 = st.prefill_tokens, ls0 = st.layered_steps;
+    uint64_t pt0 = st.prefill_tokens, ls0 = st.layered_steps, tok0 = st.tokens_generated;
     const uint64_t prompt0 = pt0;
     while (eng_has_work(e)) {
+        const bool backlog = st.waiting > 0;
         const double t = mt_now();
         eng_step(e, NULL);
         const double ms = (mt_now() - t) * 1e3;
         eng_get_stats(e, &st);
-        if (st.prefill_tokens != pt0 || st.layered_steps != ls0) chunk_ms += ms, chunk_steps++;
-        else decode_ms += ms, decode_steps++;
+        const long got = (long)(st.tokens_generated - tok0);
+        if (st.prefill_tokens != pt0 || st.layered_steps != ls0) chunk_ms += ms, chunk_steps++, chunk_tokens += got;
+        else decode_ms += ms, decode_steps++, decode_tokens += got;
+        if (backlog) backlog_ms += ms, backlog_tokens += got;
         pt0 = st.prefill_tokens;
         ls0 = st.layered_steps;
+        tok0 = st.tokens_generated;
     }
     const double wall = mt_now() - b->t0;
 
@@ -205,14 +211,16 @@ static int run_mix(eng_engine *e, bench *b, int V, int n, const int *plens, cons
            "\"max_sequences\": %d, \"steps\": %llu, \"mixed_steps\": %llu, \"ahead_steps\": %llu, "
            "\"held_steps\": %llu, \"layered_steps\": %llu, "
            "\"ms_per_step\": %.3f, \"chunk_steps\": %ld, \"chunk_steps_ms\": %.1f, \"prompt_tokens\": %llu, "
-           "\"decode_steps\": %ld, \"decode_steps_ms\": %.1f, \"backend\": \"%s\"",
+           "\"decode_steps\": %ld, \"decode_steps_ms\": %.1f, \"chunk_steps_tokens\": %ld, \"decode_steps_tokens\": %ld, "
+           "\"backlog_s\": %.3f, \"backlog_tokens\": %ld, \"backlog_tok_per_s\": %.1f, \"backend\": \"%s\"",
            n, done, tokens, want, wall, tokens / wall, 1e3 * pct_sorted(ttft, (size_t)n, 0.5),
            1e3 * pct_sorted(ttft, (size_t)n, 0.99), 1e3 * pct_sorted(b->gaps, b->n_gaps, 0.5),
            1e3 * pct_sorted(b->gaps, b->n_gaps, 0.99), shared,
            (unsigned long long)st.prefix_hits, max_sequences, (unsigned long long)st.steps,
            (unsigned long long)st.mixed_steps, (unsigned long long)st.ahead_steps,
            (unsigned long long)st.held_steps, (unsigned long long)st.layered_steps, st.steps ? 1e3 * wall / (double)st.steps : 0.0, chunk_steps, chunk_ms,
-           (unsigned long long)(st.prefill_tokens - prompt0), decode_steps, decode_ms, backend);
+           (unsigned long long)(st.prefill_tokens - prompt0), decode_steps, decode_ms, chunk_tokens, decode_tokens,
+           backlog_ms / 1e3, backlog_tokens, backlog_ms > 0 ? backlog_tokens / (backlog_ms / 1e3) : 0.0, backend);
     print_spec(&st, &st0, spec_tokens);
     printf("}\n");
     free(ttft);
