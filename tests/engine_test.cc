@@ -885,6 +885,50 @@ TEST(Engine, LayeredExpertPartsGiveTheTokensOfWholeSteps) {
     CheckUnitAStep(S.m, M.m, 9);
 }
 
+// Fine units (sites, expert parts) go a layer a step while a request waits: the group in flight
+// holds up its admission. tiny_a in sites with two expert parts (12 units; alone a 10-token prompt
+// takes 9 steps beside a running sequence): the prompt's first step runs one unit, then a third
+// prompt arrives and waits, and the group runs three units a step (the full DSA layer's step
+// also takes the shared-indexer attention after it), so its first token comes 3 steps later; the
+// waiting prompt then starts, nobody behind it, a unit a step. Every sequence gets the tokens of
+// whole steps, and the running one a token every step.
+TEST(Engine, FineLayeredUnitsGoALayerAStepWhileARequestWaits) {
+    Model M, S(kDir, true, 2);
+    eng_params p = eng_default_params();
+    p.max_sequences = 4;
+    p.mixed_steps = true;
+    p.prefill_layers = 1;
+    Engine E(S.m, p);
+    ASSERT_EQ(E.Submit(1, Prompt(5, 1), Req(20)), MT_OK);
+    E.Step();
+    ASSERT_EQ(E.Submit(2, Prompt(10, 2), Req(4)), MT_OK);
+    E.Step();
+    EXPECT_EQ(E.Stats().layered_steps, 1u);
+    ASSERT_EQ(E.Submit(3, Prompt(7, 3), Req(5)), MT_OK);
+    int steps = 0;
+    while (E.results[2].tokens.empty()) {
+        const size_t had = E.results[1].tokens.size();
+        EXPECT_EQ(E.Stats().waiting, 1) << "step " << steps;
+        E.Step();
+        steps++;
+        EXPECT_EQ(E.results[1].tokens.size(), had + 1) << "step " << steps;
+        ASSERT_LT(steps, 9);
+    }
+    EXPECT_EQ(steps, 3);
+    steps = 0;
+    while (E.results[3].tokens.empty()) {
+        E.Step();
+        steps++;
+        ASSERT_LT(steps, 20);
+    }
+    EXPECT_EQ(steps, 9);
+    E.RunToEnd();
+    EXPECT_EQ(E.results[1].tokens, DirectGreedy(M.m, Prompt(5, 1), 20));
+    EXPECT_EQ(E.results[2].tokens, DirectGreedy(M.m, Prompt(10, 2), 4));
+    EXPECT_EQ(E.results[3].tokens, DirectGreedy(M.m, Prompt(7, 3), 5));
+    EXPECT_EQ(E.Stats().cache_bytes_in_use, 0u);
+}
+
 // layered_max_waiting: from that many requests waiting for a place on, a step's chunks run every
 // layer at once. The staggered arrivals give the same tokens with fewer layered steps; one running
 // sequence and two prompts for its one free place: the first prompt's chunk runs whole while the

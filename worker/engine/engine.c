@@ -610,16 +610,29 @@ static bool feed_now(eng_engine *e, eng_seq *s, int *budget) {
  * (plan_chunk); false stops the step's prefill work there. */
 static bool plan_chunk(eng_engine *e, eng_seq *s, int *budget);
 
-/* Layers the step's chunks run (mt_batch_part.layers) with `rows` decode and verify rows beside
- * them: prefill_layers when rows ride along and the model takes layered chunks and the backlog is
- * under layered_max_waiting, else 0 (all). */
 /* What prefill_layers counts through the model: its layered units (layers, or sites). */
 static int lp_units(const eng_engine *e) { return e->info.layered_units > 0 ? e->info.layered_units : e->info.n_layers; }
 
-static int lp_layers(const eng_engine *e, int rows) {
+/* Whether the step's chunks run layered beside `rows` decode and verify rows (decided before the
+ * step admits; its chunks and those rows then fit one pass), and the units
+ * (mt_batch_part.layers) they run (after it admits; 0: all):
+ * prefill_layers units when rows ride along and the model takes layered chunks and the
+ * backlog is under layered_max_waiting, else 0 (all). On a model in finer units than layers
+ * (sites, expert parts), prefill_layers whole layers' units while a request waits: the fine units
+ * lower what a step beside decode rows carries while nothing else is pending, and a group in
+ * flight admits nobody, so a waiting request would pay every unit of the group before its own. */
+static bool lp_on(const eng_engine *e, int rows) {
     const int k = e->p.prefill_layers;
-    if (e->p.layered_max_waiting > 0 && e->n_waiting >= e->p.layered_max_waiting) return 0;
-    return rows > 0 && k > 0 && k < lp_units(e) && e->info.layered_prefill ? k : 0;
+    if (e->p.layered_max_waiting > 0 && e->n_waiting >= e->p.layered_max_waiting) return false;
+    return rows > 0 && k > 0 && k < lp_units(e) && e->info.layered_prefill;
+}
+
+static int lp_layers(const eng_engine *e, bool on) {
+    if (!on) return 0;
+    const int k = e->p.prefill_layers, U = lp_units(e);
+    const int per = e->info.n_layers > 0 && U > e->info.n_layers ? U / e->info.n_layers : 1;
+    const int u = e->n_waiting > 0 ? k * per : k;
+    return u < U ? u : 0;
 }
 
 static void admit_with(eng_engine *e, eng_feed feed) {
@@ -630,7 +643,7 @@ static void admit_with(eng_engine *e, eng_feed feed) {
     const int cap = e->p.prefill_budget > 0 ? e->p.prefill_budget : 1;
     int budget0 = sched_pace_budget(&e->pace, e->p.itl_target_ms, e->step_rows, ENG_PACE_FLOOR, cap);
     /* layered chunks and the rows beside them fit one pass */
-    if (feed == plan_chunk && lp_layers(e, e->pass_rows) > 0)
+    if (feed == plan_chunk && lp_on(e, e->pass_rows))
         budget0 = budget0 < e->info.batch_rows - e->pass_rows ? budget0 : e->info.batch_rows - e->pass_rows;
     else if (feed == plan_chunk)
         budget0 = sched_mixed_budget(budget0, e->pass_rows, e->info.batch_rows, ENG_PACE_FLOOR);
@@ -1131,11 +1144,12 @@ static chunks_ran mixed_step(eng_engine *e, eng_seq **b, int n, eng_seq **v, int
         for (int j = 0; j < nl; j++) vrows += v[lv[j]]->k_step + 1;
     }
     e->pass_rows = n + vrows;
-    const int layers = lp_layers(e, n + vrows);
+    const bool on = lp_on(e, n + vrows); /* as admit_with sees it */
     if (!e->lp_active) {
         e->n_chunks = 0;
         admit_with(e, plan_chunk);
     }
+    const int layers = lp_layers(e, on); /* after admission: who still waits */
     const bool join = e->n_chunks > 0 || (n > 0 && nl > 0);
     if (!join) {
         if (nl > 0) spec_verify(e, v, lv, nl);

@@ -132,7 +132,9 @@ typedef struct eng_params {
      * remaining layer). A step then reads the experts of one MoE layer for the prompts, not of
      * all, so the rows beside a prompt wait less; the chunks of a step fit one model pass. It
      * counts the model's layered units (mt_model_info.layered_units: sites where the model was
-     * loaded with layered_sites). 0 (default): every layer in the chunk's step. */
+     * loaded with layered_sites), except while a request waits for admission: then a step runs
+     * prefill_layers layers' worth of units, since the group in flight holds up the admission.
+     * 0 (default): every layer in the chunk's step. */
     int prefill_layers;
     /* With prefill_layers: chunks run layered only while fewer than layered_max_waiting requests
      * wait for a place; from that backlog on, a step runs its chunks (and a group in flight) through
