@@ -769,6 +769,20 @@ TEST(Engine, MixedStepsGiveTheTokensOfSeparateCalls) {
         }
 }
 
+// The steps until sequence `id` gives its first token (at most `limit`), sequence 1 (running)
+// getting a token in each and, unless `waiting` is -1, that many requests waiting before each.
+int StepsToFirstToken(Engine &E, uint64_t id, int limit, int waiting) {
+    int steps = 0;
+    while (E.results[id].tokens.empty() && steps < limit) {
+        const size_t had = E.results[1].tokens.size();
+        if (waiting >= 0) EXPECT_EQ(E.Stats().waiting, waiting) << "step " << steps;
+        E.Step();
+        steps++;
+        EXPECT_EQ(E.results[1].tokens.size(), had + 1) << "step " << steps;
+    }
+    return steps;
+}
+
 // On a model loaded in layered units (`layered`: layers, sites or parts), a unit a step: a 10-token prompt submitted
 // beside a running sequence gives its first token after `steps` steps, the running sequence a
 // token in each, and both the tokens of `whole` (the same checkpoint in whole layers) alone.
@@ -781,15 +795,7 @@ void CheckUnitAStep(glm_model *layered, glm_model *whole, int steps_want) {
     ASSERT_EQ(E.Submit(1, Prompt(5, 1), Req(20)), MT_OK);
     E.Step();
     ASSERT_EQ(E.Submit(2, Prompt(10, 2), Req(4)), MT_OK);
-    int steps = 0;
-    while (E.results[2].tokens.empty()) {
-        const size_t had = E.results[1].tokens.size();
-        E.Step();
-        steps++;
-        EXPECT_EQ(E.results[1].tokens.size(), had + 1) << "step " << steps;
-        ASSERT_LT(steps, 2 * steps_want);
-    }
-    EXPECT_EQ(steps, steps_want);
+    EXPECT_EQ(StepsToFirstToken(E, 2, 2 * steps_want, -1), steps_want);
     E.RunToEnd();
     EXPECT_EQ(E.results[1].tokens, DirectGreedy(whole, Prompt(5, 1), 20));
     EXPECT_EQ(E.results[2].tokens, DirectGreedy(whole, Prompt(10, 2), 4));
@@ -905,23 +911,8 @@ TEST(Engine, FineLayeredUnitsGoALayerAStepWhileARequestWaits) {
     E.Step();
     EXPECT_EQ(E.Stats().layered_steps, 1u);
     ASSERT_EQ(E.Submit(3, Prompt(7, 3), Req(5)), MT_OK);
-    int steps = 0;
-    while (E.results[2].tokens.empty()) {
-        const size_t had = E.results[1].tokens.size();
-        EXPECT_EQ(E.Stats().waiting, 1) << "step " << steps;
-        E.Step();
-        steps++;
-        EXPECT_EQ(E.results[1].tokens.size(), had + 1) << "step " << steps;
-        ASSERT_LT(steps, 9);
-    }
-    EXPECT_EQ(steps, 3);
-    steps = 0;
-    while (E.results[3].tokens.empty()) {
-        E.Step();
-        steps++;
-        ASSERT_LT(steps, 20);
-    }
-    EXPECT_EQ(steps, 9);
+    EXPECT_EQ(StepsToFirstToken(E, 2, 9, 1), 3);
+    EXPECT_EQ(StepsToFirstToken(E, 3, 20, -1), 9);
     E.RunToEnd();
     EXPECT_EQ(E.results[1].tokens, DirectGreedy(M.m, Prompt(5, 1), 20));
     EXPECT_EQ(E.results[2].tokens, DirectGreedy(M.m, Prompt(10, 2), 4));
