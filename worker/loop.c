@@ -153,11 +153,16 @@ static void on_load_progress(void *user, uint64_t done, uint64_t total, uint64_t
  * MoE layer: a 2048-token chunk in 256-row passes reads them eight times), on the CPU the model's
  * default (its passes are compute-bound; larger ones only take memory). A pass is also the most
  * rows of one batched decode pass, so it is never below the default or max_sequences. */
+int wkr_prefill_budget(const wkr_params *p, bool gpu) {
+    if (p->prefill_budget > 0) return p->prefill_budget;
+    return gpu ? WKR_GPU_PREFILL_BUDGET : eng_default_params().prefill_budget;
+}
+
 int wkr_prefill_pass(const wkr_params *p, bool gpu) {
     if (p->prefill_pass > 0) return p->prefill_pass;
     const int dflt = mt_model_default_params().prefill_chunk;
     if (!gpu) return dflt;
-    int rows = p->prefill_budget > 0 ? p->prefill_budget : eng_default_params().prefill_budget;
+    int rows = wkr_prefill_budget(p, gpu);
     if (rows < dflt) rows = dflt;
     if (rows < p->max_sequences) rows = p->max_sequences;
     return rows < WKR_PREFILL_PASS_MAX ? rows : WKR_PREFILL_PASS_MAX;
@@ -291,7 +296,7 @@ mt_status wkr_loop_new(const wkr_params *p, wkr_loop **out, mt_error *err) {
     eng_params ep = eng_default_params();
     ep.max_sequences = p->max_sequences;
     ep.max_context = p->max_context;
-    if (p->prefill_budget > 0) ep.prefill_budget = p->prefill_budget;
+    ep.prefill_budget = wkr_prefill_budget(p, !strcmp(l->backend_name, "cuda"));
     ep.itl_target_ms = p->itl_target_ms;
     ep.prefill_hold_ms = p->prefill_hold_ms;
     ep.preempt = !p->no_preempt;
