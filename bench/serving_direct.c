@@ -16,8 +16,9 @@
  *  --prefill-sites 0|1: mt_model_params.layered_sites, --prefill-expert-parts P:
  *  mt_model_params.layered_expert_parts, as the
  *  worker's options (--mixed-steps 0 is its --separate-steps; by default mixed on cuda, separate
- *  on the CPU, as the worker); --prefill-budget N: eng_params.prefill_budget (default the
- *  engine's); --prefill-pass N: rows of a prefill pass, by default what metrale-worker picks;
+ *  on the CPU, as the worker); --prefill-budget N: eng_params.prefill_budget and --prefill-pass
+ *  N: rows of a prefill pass, by default what metrale-worker picks (wkr_prefill_budget and
+ *  wkr_prefill_pass);
  *  --op-profile 1 (a mix on cuda): every op synchronised and timed, the table printed after the
  *  JSON, so its times are not the run's; --speculative-tokens K and --speculative-max-batch B:
  *  eng_params.spec_tokens and spec_max_batch with the model's drafter (a checkpoint with an MTP
@@ -37,7 +38,11 @@
  * The JSON adds TTFT and ITL p50/p99 (ITL over every interval between consecutive tokens), the
  * requests that gave all their tokens, the engine's prefix hits (requests that reused a kept
  * prefix; the warm-up's prompt keeps none), and the steps' wall time split between steps that ran
- * prompt chunks (with the prompt tokens they ran) and decode-only steps. Both JSON forms give the
+ * prompt chunks (with the prompt tokens they ran) and decode-only steps, with the output tokens of
+ * each kind; the steady state (the steps that began with requests waiting: their time, tokens and
+ * rate); and on cuda host_wait_s, the time the host spent blocked on the device
+ * (mt_cuda_wait_seconds): what is left of the wall time is the host's own work, which sets the
+ * pace where the device waits for it. Both JSON forms give the
  * run's speculative figures: verify steps, drafts, drafts accepted, and the steps whose verifies
  * rode in one model call with decode rows or prompt chunks (spec_mixed_steps).
  *
@@ -50,6 +55,7 @@
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "worker/engine/engine.h"
+#include "worker/loop.h"
 #include "worker/model/model.h"
 
 /* The verifies one model call takes at most, as metrale-worker caps them (WKR_VERIFY_SEQS_MAX). */
@@ -148,7 +154,7 @@ static double pct_sorted(const double *x, size_t n, double q) {
 
 /* The mix: n requests of the drawn shapes, all submitted now; prints the JSON. 0 when every
  * request gave its tokens. */
-static int run_mix(eng_engine *e, bench *b, int V, int n, const int *plens, const int *news, int shared,
+static int run_mix(eng_engine *e, mt_backend *be, bench *b, int V, int n, const int *plens, const int *news, int shared,
                    int max_sequences, const char *backend, int32_t *prompt, int spec_tokens) {
     mt_error err = { "" };
     eng_request r = eng_default_request();
@@ -178,6 +184,8 @@ static int run_mix(eng_engine *e, bench *b, int V, int n, const int *plens, cons
     st0 = st;
     uint64_t pt0 = st.prefill_tokens, ls0 = st.layered_steps, tok0 = st.tokens_generated;
     const uint64_t prompt0 = pt0;
+    const bool gpu = !strcmp(backend, "cuda");
+    const double wait0 = gpu ? mt_cuda_wait_seconds(be) : 0;
     while (eng_has_work(e)) {
         const bool backlog = st.waiting > 0;
         const double t = mt_now();
@@ -193,6 +201,7 @@ static int run_mix(eng_engine *e, bench *b, int V, int n, const int *plens, cons
         tok0 = st.tokens_generated;
     }
     const double wall = mt_now() - b->t0;
+    const double wait = gpu ? mt_cuda_wait_seconds(be) - wait0 : 0;
 
     double *ttft = malloc(sizeof(double) * (size_t)n);
     if (!ttft) { fprintf(stderr, "serving_direct: out of memory\n"); return 1; }
@@ -212,7 +221,8 @@ static int run_mix(eng_engine *e, bench *b, int V, int n, const int *plens, cons
            "\"held_steps\": %llu, \"layered_steps\": %llu, "
            "\"ms_per_step\": %.3f, \"chunk_steps\": %ld, \"chunk_steps_ms\": %.1f, \"prompt_tokens\": %llu, "
            "\"decode_steps\": %ld, \"decode_steps_ms\": %.1f, \"chunk_steps_tokens\": %ld, \"decode_steps_tokens\": %ld, "
-           "\"backlog_s\": %.3f, \"backlog_tokens\": %ld, \"backlog_tok_per_s\": %.1f, \"backend\": \"%s\"",
+           "\"backlog_s\": %.3f, \"backlog_tokens\": %ld, \"backlog_tok_per_s\": %.1f, \"host_wait_s\": %.3f, "
+           "\"backend\": \"%s\"",
            n, done, tokens, want, wall, tokens / wall, 1e3 * pct_sorted(ttft, (size_t)n, 0.5),
            1e3 * pct_sorted(ttft, (size_t)n, 0.99), 1e3 * pct_sorted(b->gaps, b->n_gaps, 0.5),
            1e3 * pct_sorted(b->gaps, b->n_gaps, 0.99), shared,
@@ -220,7 +230,7 @@ static int run_mix(eng_engine *e, bench *b, int V, int n, const int *plens, cons
            (unsigned long long)st.mixed_steps, (unsigned long long)st.ahead_steps,
            (unsigned long long)st.held_steps, (unsigned long long)st.layered_steps, st.steps ? 1e3 * wall / (double)st.steps : 0.0, chunk_steps, chunk_ms,
            (unsigned long long)(st.prefill_tokens - prompt0), decode_steps, decode_ms, chunk_tokens, decode_tokens,
-           backlog_ms / 1e3, backlog_tokens, backlog_ms > 0 ? backlog_tokens / (backlog_ms / 1e3) : 0.0, backend);
+           backlog_ms / 1e3, backlog_tokens, backlog_ms > 0 ? backlog_tokens / (backlog_ms / 1e3) : 0.0, wait, backend);
     print_spec(&st, &st0, spec_tokens);
     printf("}\n");
     free(ttft);
@@ -309,15 +319,13 @@ int main(int argc, char **argv) {
     int rc = 1;
     if (!be || !prompt || !b.s || !b.gaps) { fprintf(stderr, "serving_direct: %s\n", err.msg[0] ? err.msg : "out of memory"); goto done; }
     mt_model_params mp = mt_model_default_params();
-    if (prefill_pass > 0) {
-        mp.prefill_chunk = prefill_pass;
-    } else if (!strcmp(backend, "cuda")) { /* as metrale-worker picks it (wkr_prefill_pass) */
-        const int rows = mix ? max_sequences : streams;
-        const int budget = prefill_budget > 0 ? prefill_budget : eng_default_params().prefill_budget;
-        mp.prefill_chunk = budget > rows ? budget : rows;
-        if (mp.prefill_chunk < 256) mp.prefill_chunk = 256;
-        if (mp.prefill_chunk > 4096) mp.prefill_chunk = 4096;
-    }
+    /* the prompt budget and the pass rows as metrale-worker picks them */
+    const bool gpu = !strcmp(backend, "cuda");
+    wkr_params wp = wkr_default_params();
+    wp.prefill_budget = prefill_budget;
+    wp.prefill_pass = prefill_pass;
+    wp.max_sequences = mix ? max_sequences : streams;
+    mp.prefill_chunk = wkr_prefill_pass(&wp, gpu);
     mp.mtp = spec_tokens > 0;
     mp.layered_sites = prefill_sites;
     mp.layered_expert_parts = expert_parts;
@@ -340,7 +348,7 @@ int main(int argc, char **argv) {
     if (mix && ep.max_waiting < requests) ep.max_waiting = requests;
     ep.run_ahead = run_ahead ? ENG_RUN_AHEAD_AUTO : ENG_RUN_AHEAD_OFF;
     ep.mixed_steps = mixed_steps >= 0 ? mixed_steps != 0 : !strcmp(backend, "cuda");
-    if (prefill_budget > 0) ep.prefill_budget = prefill_budget;
+    ep.prefill_budget = wkr_prefill_budget(&wp, gpu);
     ep.itl_target_ms = itl_target_ms;
     ep.prefill_hold_ms = prefill_hold_ms;
     ep.prefill_layers = prefill_layers >= 0 ? prefill_layers : ep.mixed_steps && !strcmp(backend, "cuda") ? 1 : 0;
@@ -366,7 +374,7 @@ int main(int argc, char **argv) {
     if (mix) {
         const bool prof = op_profile && !strcmp(backend, "cuda");
         if (prof) mt_cuda_profile(be, true, "serving_direct");
-        rc = run_mix(e, &b, V, requests, plens, news, shared, max_sequences, backend, prompt, spec_tokens);
+        rc = run_mix(e, be, &b, V, requests, plens, news, shared, max_sequences, backend, prompt, spec_tokens);
         if (prof) mt_cuda_profile(be, false, "serving_direct: the mix's ops, each synchronised (graph replays as one)");
         goto done;
     }

@@ -84,7 +84,7 @@ static void cu_upload(mt_backend *be, void *dst, const void *host_src, size_t by
     if (!bytes) return;
     route_forget(cb, dst, bytes);
     CU_RECORD(be, cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, cb->stream));
-    CU_RECORD(be, cudaStreamSynchronize(cb->stream));
+    CU_RECORD(be, cu_wait(be));
 }
 
 /* From pageable memory cudaMemcpyAsync returns once host_src is staged for the DMA, so the
@@ -108,7 +108,7 @@ static void cu_download(mt_backend *be, void *host_dst, const void *src, size_t 
     cu_backend *cb = cb_of(be);
     if (!bytes) return;
     CU_RECORD(be, cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, cb->stream));
-    CU_RECORD(be, cudaStreamSynchronize(cb->stream));
+    CU_RECORD(be, cu_wait(be));
     cu_prof_mark(be, "download");
 }
 
@@ -131,10 +131,12 @@ static mt_status cu_download_end(mt_backend *be, int64_t ticket, void *host_dst,
     if (!mt_ticket_readable(ticket, cb->tk_next)) return MT_ERR_STATE;
     MT_ASSERT(bytes <= MT_TICKET_BYTES);
     const int slot = (int)(ticket % MT_TICKETS);
+    const double t0 = mt_now();
     MT_CUDA_(cudaEventSynchronize(cb->tk_done[slot]), "cudaEventSynchronize(ticket)", {
         cu_fail(be, mt_st_);
         return mt_st_;
     });
+    cb->wait_s += mt_now() - t0;
     if (bytes) memcpy(host_dst, cb->tk_ring + (size_t)slot * MT_TICKET_BYTES, bytes);
     return cb->sticky;
 }
@@ -270,7 +272,7 @@ static void cu_weight_free(mt_backend *be, mt_weight *w) {
     memset(w, 0, sizeof *w);
 }
 
-static void cu_sync(mt_backend *be) { CU_RECORD(be, cudaStreamSynchronize(cb_of(be)->stream)); }
+static void cu_sync(mt_backend *be) { CU_RECORD(be, cu_wait(be)); }
 
 static mt_status cu_mem_info(mt_backend *be, size_t *free_bytes, size_t *total_bytes) {
     (void)be;

@@ -113,6 +113,12 @@ struct CUstream_st *mt_cuda_backend_stream(mt_backend *be);
  * expensive first, under `title` to stdout and stops. Not for timed runs. */
 void mt_cuda_profile(mt_backend *be, bool on, const char *title);
 
+/* Seconds the host has spent blocked on the backend's stream since creation: the waits of
+ * upload, download, sync, download_end and a host argmax (not the waits inside other ops, which
+ * rebuild tables or grow scratch). Beside a run's wall time it says how much of it the host
+ * spent ahead of the device: near 0, the host's own work sets the pace. */
+double mt_cuda_wait_seconds(mt_backend *be);
+
 /* One op's row of that table: its name (static storage), total ms and calls. */
 typedef struct mt_cuda_op_time {
     const char *name;

@@ -34,6 +34,16 @@ struct cu_prof {
     long calls[PROF_MAX];
 };
 
+cudaError_t cu_wait(mt_backend *be) {
+    cu_backend *cb = cb_of(be);
+    const double t0 = mt_now();
+    const cudaError_t e = cudaStreamSynchronize(cb->stream);
+    cb->wait_s += mt_now() - t0;
+    return e;
+}
+
+extern "C" double mt_cuda_wait_seconds(mt_backend *be) { return cb_of(be)->wait_s; }
+
 void cu_prof_mark(mt_backend *be, const char *what) {
     cu_backend *cb = cb_of(be);
     struct cu_prof *p = cb->prof;

@@ -1733,7 +1733,7 @@ static void cu_argmax(mt_backend *be, int32_t *out, const float *logits, int n, 
         MT_CUDA_(cudaMemcpyAsync(out, dev, (size_t)n * 4, cudaMemcpyDeviceToHost, cu_stream(be)),
                  "cudaMemcpyAsync(out, argmax)", st = mt_st_);
     if (st == MT_OK)
-        MT_CUDA_(cudaStreamSynchronize(cu_stream(be)), "cudaStreamSynchronize(argmax)", st = mt_st_);
+        MT_CUDA_(cu_wait(be), "cudaStreamSynchronize(argmax)", st = mt_st_);
     cu_op_status(be, "argmax", st);
 }
 

@@ -97,6 +97,7 @@ typedef struct cu_backend {
                                    1 (BF16), 0 (FP32: the fp32 kernels only) */
     bool moe_batched;           /* params.moe_batched, until cuBLAS refuses a batched GEMM (cuda_moe.cu) */
     struct cu_prof *prof;       /* op timing (mt_cuda_profile); NULL when off */
+    double wait_s;              /* host seconds blocked in cu_wait (mt_cuda_wait_seconds) */
     /* [CU_COUNTERS] device, zeroed at creation: arrival counters of kernels whose last block
      * finishes the op (CU_COUNTER_*); each such kernel returns its counter to 0 before it exits. */
     unsigned *counters;
