@@ -148,16 +148,17 @@ static void on_load_progress(void *user, uint64_t done, uint64_t total, uint64_t
     mt_log_event(MT_LOG_INFO, "weights_progress", NULL, f, sizeof f / sizeof f[0]);
 }
 
-/* Rows of one prefill pass: --prefill-pass, else on the GPU the step's whole prompt budget (every
- * pass reads the weights its rows touch, and a few hundred rows already touch most experts of an
- * MoE layer: a 2048-token chunk in 256-row passes reads them eight times), on the CPU the model's
- * default (its passes are compute-bound; larger ones only take memory). A pass is also the most
- * rows of one batched decode pass, so it is never below the default or max_sequences. */
+/* The prompt tokens a step prefills (loop.h). */
 int wkr_prefill_budget(const wkr_params *p, bool gpu) {
     if (p->prefill_budget > 0) return p->prefill_budget;
     return gpu ? WKR_GPU_PREFILL_BUDGET : eng_default_params().prefill_budget;
 }
 
+/* Rows of one prefill pass: --prefill-pass, else on the GPU the step's whole prompt budget (every
+ * pass reads the weights its rows touch, and a few hundred rows already touch most experts of an
+ * MoE layer: a 2048-token chunk in 256-row passes reads them eight times), on the CPU the model's
+ * default (its passes are compute-bound; larger ones only take memory). A pass is also the most
+ * rows of one batched decode pass, so it is never below the default or max_sequences. */
 int wkr_prefill_pass(const wkr_params *p, bool gpu) {
     if (p->prefill_pass > 0) return p->prefill_pass;
     const int dflt = mt_model_default_params().prefill_chunk;

@@ -24,7 +24,7 @@
 /* The GPU worker's prompt budget a step without --prefill-budget (the engine's default, 2048, on
  * the CPU): the budget binds only while prompts queue, and there a larger group of prompts reads
  * the experts that the decode rows leave untouched once for more of them (bench-4L at saturation:
- * +5-8% output, and a goodput of 29.4 req/s, docs/PERF.md). */
+ * +5-8% output, and a goodput of at least 29.4 req/s, docs/PERF.md). */
 #define WKR_GPU_PREFILL_BUDGET 4096
 /* Most verifies one model call takes (speculative decoding; see load_model in loop.c). */
 #define WKR_VERIFY_SEQS_MAX 16

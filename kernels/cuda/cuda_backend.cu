@@ -35,7 +35,7 @@ static void route_forget(cu_backend *cb, const void *p, size_t bytes) {
 static void cu_destroy(mt_backend *be) {
     cu_backend *cb = cb_of(be);
     if (!cb) return;
-    MT_CUDA_WARN(cudaStreamSynchronize(cb->stream));
+    MT_CUDA_WARN(cu_wait(&cb->base));
     for (int i = 0; i < CU_SCRATCH_N; i++)
         if (cb->scratch[i].p) MT_CUDA_WARN(cudaFree(cb->scratch[i].p));
     cu_moe_cache_free(cb);
@@ -84,7 +84,7 @@ static void cu_upload(mt_backend *be, void *dst, const void *host_src, size_t by
     if (!bytes) return;
     route_forget(cb, dst, bytes);
     CU_RECORD(be, cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, cb->stream));
-    CU_RECORD(be, cu_wait(be));
+    MT_CUDA_(cu_wait(be), "cudaStreamSynchronize", cu_fail(be, mt_st_));
 }
 
 /* From pageable memory cudaMemcpyAsync returns once host_src is staged for the DMA, so the
@@ -108,7 +108,7 @@ static void cu_download(mt_backend *be, void *host_dst, const void *src, size_t 
     cu_backend *cb = cb_of(be);
     if (!bytes) return;
     CU_RECORD(be, cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, cb->stream));
-    CU_RECORD(be, cu_wait(be));
+    MT_CUDA_(cu_wait(be), "cudaStreamSynchronize", cu_fail(be, mt_st_));
     cu_prof_mark(be, "download");
 }
 
@@ -183,7 +183,7 @@ static mt_status copy_weight_in(cu_backend *cb, void *dst, const void *host, siz
         host = bounce;
     }
     MT_CUDA_CHECK_GOTO(cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, cb->stream), st, done);
-    MT_CUDA_CHECK_GOTO(cudaStreamSynchronize(cb->stream), st, done);
+    MT_CUDA_CHECK_GOTO(cu_wait(&cb->base), st, done);
 done:
     free(bounce);
     return st;
@@ -272,7 +272,7 @@ static void cu_weight_free(mt_backend *be, mt_weight *w) {
     memset(w, 0, sizeof *w);
 }
 
-static void cu_sync(mt_backend *be) { CU_RECORD(be, cu_wait(be)); }
+static void cu_sync(mt_backend *be) { MT_CUDA_(cu_wait(be), "cudaStreamSynchronize", cu_fail(be, mt_st_)); }
 
 static mt_status cu_mem_info(mt_backend *be, size_t *free_bytes, size_t *total_bytes) {
     (void)be;

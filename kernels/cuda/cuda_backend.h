@@ -113,10 +113,11 @@ struct CUstream_st *mt_cuda_backend_stream(mt_backend *be);
  * expensive first, under `title` to stdout and stops. Not for timed runs. */
 void mt_cuda_profile(mt_backend *be, bool on, const char *title);
 
-/* Seconds the host has spent blocked on the backend's stream since creation: the waits of
- * upload, download, sync, download_end and a host argmax (not the waits inside other ops, which
- * rebuild tables or grow scratch). Beside a run's wall time it says how much of it the host
- * spent ahead of the device: near 0, the host's own work sets the pace. */
+/* Seconds the host has spent blocked on the backend's device work since creation: every wait of
+ * an op or transfer for the backend's stream (cu_wait) and download_end's wait for its ticket;
+ * not the op profile's own waits, nor the join of the batched expert GEMMs' second stream. Beside
+ * a run's wall time it says how much of it the host spent ahead of the device: near 0, the
+ * host's own work sets the pace. */
 double mt_cuda_wait_seconds(mt_backend *be);
 
 /* One op's row of that table: its name (static storage), total ms and calls. */

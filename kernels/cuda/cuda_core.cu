@@ -151,7 +151,7 @@ void *cu_scratch(mt_backend *be, int slot, size_t bytes) {
     cu_buf *b = &cb->scratch[slot];
     if (b->bytes >= bytes && b->p) return b->p;
     /* Kernels queued earlier may still use the old buffer. */
-    CU_RECORD(be, cudaStreamSynchronize(cb->stream));
+    MT_CUDA_(cu_wait(be), "cudaStreamSynchronize(scratch)", cu_fail(be, mt_st_));
     if (b->p) MT_CUDA_WARN(cudaFree(b->p));
     b->p = NULL;
     b->bytes = 0;

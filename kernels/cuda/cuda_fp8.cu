@@ -65,7 +65,7 @@ static mt_status cu_weight_fp8(mt_backend *be, const uint8_t *q, const float *sc
     }
     if (qbytes) MT_CUDA_CHECK_GOTO(cudaMemcpyAsync(dq, hq, qbytes, cudaMemcpyHostToDevice, cb->stream), st, fail);
     if (sbytes) MT_CUDA_CHECK_GOTO(cudaMemcpyAsync(ds, hs, sbytes, cudaMemcpyHostToDevice, cb->stream), st, fail);
-    MT_CUDA_CHECK_GOTO(cudaStreamSynchronize(cb->stream), st, fail);
+    MT_CUDA_CHECK_GOTO(cu_wait(&cb->base), st, fail);
     free(hq);
     free(hs);
     fp8_weight_set(out, dq, ds, rows, cols);
@@ -137,7 +137,7 @@ static mt_status cu_weight_fp8_from(mt_backend *be, const mt_weight *src, mt_wei
         else if (src->dtype == MT_F16) fp8_from_kernel<MT_F16><<<grid, FP8_Q_THREADS, 0, cb->stream>>>(p);
         else fp8_from_kernel<MT_F32><<<grid, FP8_Q_THREADS, 0, cb->stream>>>(p);
         MT_CUDA_CHECK_GOTO(cudaGetLastError(), st, fail);
-        MT_CUDA_CHECK_GOTO(cudaStreamSynchronize(cb->stream), st, fail);
+        MT_CUDA_CHECK_GOTO(cu_wait(&cb->base), st, fail);
     }
     fp8_weight_set(out, dq, ds, rows, cols);
     return MT_OK;

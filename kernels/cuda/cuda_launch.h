@@ -28,8 +28,9 @@ void cu_op_status(mt_backend *be, const char *op, mt_status st);
  * previous mark to `what`. cu_op_status and cu_check_launch mark with their op name. No-op when
  * off or while the stream is being captured. */
 void cu_prof_mark(mt_backend *be, const char *what);
-/* cudaStreamSynchronize of the backend's stream, its time added to the backend's wait_s: the
- * waits of upload, download, sync and a host argmax (mt_cuda_wait_seconds). */
+/* cudaStreamSynchronize of the backend's stream, its time added to the backend's wait_s
+ * (mt_cuda_wait_seconds). Every op and transfer that waits for the stream waits through it; the
+ * op profile's own waits (cu_prof_mark) do not. */
 cudaError_t cu_wait(mt_backend *be);
 
 /* ---- programmatic dependent launch ---- */

@@ -451,7 +451,7 @@ static const moe_table *moe_table_get(cu_backend *cb, const mt_expert *experts, 
     }
     cu_moe_check_experts(experts, need, H, I);
     if (need > t->cap) {
-        MT_CUDA_(cudaStreamSynchronize(cb->stream), "cudaStreamSynchronize(moe table)", *st = mt_st_; return NULL);
+        MT_CUDA_(cu_wait(&cb->base), "cudaStreamSynchronize(moe table)", *st = mt_st_; return NULL);
         if (t->dev) MT_CUDA_WARN(cudaFree(t->dev));
         if (t->wg_maps) MT_CUDA_WARN(cudaFree(t->wg_maps));
         free(t->copy);
@@ -479,7 +479,7 @@ static const moe_table *moe_table_get(cu_backend *cb, const mt_expert *experts, 
                              cb->stream),
              "cudaMemcpyAsync(moe table)", *st = mt_st_; return NULL);
     /* The copy must stay untouched until the transfer has read it. */
-    MT_CUDA_(cudaStreamSynchronize(cb->stream), "cudaStreamSynchronize(moe table)", *st = mt_st_; return NULL);
+    MT_CUDA_(cu_wait(&cb->base), "cudaStreamSynchronize(moe table)", *st = mt_st_; return NULL);
     t->count = need;
     t->vec_ok = true;
     for (int e = 0; e < need; e++)
@@ -905,7 +905,7 @@ static mt_status moe_grouped_chunk_tc(mt_backend *be, const moe_table *t, float 
     uint16_t *X16 = (uint16_t *)(scr + bF), *H16 = X16;             /* H after X is spent */
     int32_t *dgather = (int32_t *)(scr + bF + bS), *dinv = dgather + P;
     MT_CUDA_CHECK(cudaMemcpyAsync(dgather, gather, nI, cudaMemcpyHostToDevice, cb->stream));
-    MT_CUDA_CHECK(cudaStreamSynchronize(cb->stream)); /* the staging is reused by the next chunk */
+    MT_CUDA_CHECK(cu_wait(&cb->base)); /* the staging is reused by the next chunk */
 
     /* Expert e owns sorted positions [start[e], start[e + 1]): rows T*start[e] on of every part
      * buffer. t->copy holds the host copy of the weight pointers. */
@@ -1116,7 +1116,7 @@ static mt_status moe_grouped_chunk_batched(mt_backend *be, const moe_table *t, f
         a = b;
     }
     MT_CUDA_CHECK(cudaMemcpyAsync(dstage, hb, nI, cudaMemcpyHostToDevice, cb->stream));
-    MT_CUDA_CHECK(cudaStreamSynchronize(cb->stream)); /* the staging is reused by the next chunk */
+    MT_CUDA_CHECK(cu_wait(&cb->base)); /* the staging is reused by the next chunk */
     cu_prof_mark(be, "moe_experts (sort, staging)");
 
     mt_status st = cu_split16(X16, x, dgather, Ppad, H, dt, T, true, cb->stream);
@@ -1213,7 +1213,7 @@ static mt_status moe_grouped_chunk(mt_backend *be, const moe_table *t, float *ou
     cu_gemm_tile *dtiles = (cu_gemm_tile *)(dinv + P);
     /* gather, inv and tiles are contiguous on both sides. */
     MT_CUDA_CHECK(cudaMemcpyAsync(dgather, gather, nI, cudaMemcpyHostToDevice, cb->stream));
-    MT_CUDA_CHECK(cudaStreamSynchronize(cb->stream)); /* the staging is reused by the next chunk */
+    MT_CUDA_CHECK(cu_wait(&cb->base)); /* the staging is reused by the next chunk */
     moe_combine_params cp = {out + (int64_t)r0 * H, D, dinv, weights + (int64_t)r0 * top_k,
                              r1 - r0, top_k, H, 1};
 
@@ -1391,7 +1391,7 @@ static mt_status moe_experts_fp8_lt(mt_backend *be, const moe_table *t, float *o
         int32_t *dinv = (int32_t *)(drmap + Ppad);
         MT_CUDA_CHECK(cudaMemcpyAsync(drmap, rmap, bM, cudaMemcpyHostToDevice, cb->stream));
         MT_CUDA_CHECK(cudaMemcpyAsync(dinv, inv, bI, cudaMemcpyHostToDevice, cb->stream));
-        MT_CUDA_CHECK(cudaStreamSynchronize(cb->stream)); /* the staging is reused by the next chunk */
+        MT_CUDA_CHECK(cu_wait(&cb->base)); /* the staging is reused by the next chunk */
         cu_prof_mark(be, "moe_experts FP8 (sort, staging)");
 
         /* The experts' GEMMs alternate between the backend's stream and the side stream (each with
@@ -1442,7 +1442,7 @@ static mt_status moe_read_idx(cu_backend *cb, const int32_t *idx, int P, int32_t
     if (!(*hidx = moe_host_ints(cb->moe, (size_t)P))) return MT_ERR_NOMEM;
     MT_CUDA_(cudaMemcpyAsync(*hidx, idx, sizeof(int32_t) * (size_t)P, cudaMemcpyDeviceToHost, cb->stream),
              "cudaMemcpyAsync(idx)", return mt_st_);
-    MT_CUDA_(cudaStreamSynchronize(cb->stream), "cudaStreamSynchronize(idx)", return mt_st_);
+    MT_CUDA_(cu_wait(&cb->base), "cudaStreamSynchronize(idx)", return mt_st_);
     *mx = -1;
     for (int q = 0; q < P; q++) {
         MT_ASSERT((*hidx)[q] >= 0);

@@ -389,7 +389,7 @@ static void moeg_table_release(moeg_table *t) {
 
 extern "C" void cu_moe_grouped_free(cu_backend *cb) {
     if (!cb) return;
-    MT_CUDA_WARN(cudaStreamSynchronize(cb->stream)); /* kernels may still read the tables */
+    MT_CUDA_WARN(cu_wait(&cb->base)); /* kernels may still read the tables */
     pthread_mutex_lock(&moeg_reg.mu);
     for (int k = 0; k < moeg_reg.n; k++)
         if (moeg_reg.t[k].cb == cb) moeg_table_release(&moeg_reg.t[k]);
@@ -432,7 +432,7 @@ static moeg_table *moeg_table_build(cu_backend *cb, moeg_table *t, const mt_expe
         t->count = 0;
     }
     /* Kernels queued earlier may read the old contents. */
-    MT_CUDA_(cudaStreamSynchronize(cb->stream), "cudaStreamSynchronize(moe grouped table)", *st = mt_st_; return NULL);
+    MT_CUDA_(cu_wait(&cb->base), "cudaStreamSynchronize(moe grouped table)", *st = mt_st_; return NULL);
     t->cb = cb;
     t->host = experts;
     if (need > t->cap) {
@@ -469,7 +469,7 @@ static moeg_table *moeg_table_build(cu_backend *cb, moeg_table *t, const mt_expe
                              cb->stream),
              "cudaMemcpyAsync(moe grouped table)", *st = mt_st_; return NULL);
     /* The staging must stay untouched until the transfer has read it. */
-    MT_CUDA_(cudaStreamSynchronize(cb->stream), "cudaStreamSynchronize(moe grouped table)", *st = mt_st_; return NULL);
+    MT_CUDA_(cu_wait(&cb->base), "cudaStreamSynchronize(moe grouped table)", *st = mt_st_; return NULL);
     t->count = need;
     return t;
 }
@@ -485,7 +485,7 @@ static int moeg_need_from_idx(cu_backend *cb, const int32_t *idx, int64_t P, mt_
     }
     MT_CUDA_(cudaMemcpyAsync(moeg_reg.hidx, idx, sizeof(int32_t) * (size_t)P, cudaMemcpyDeviceToHost, cb->stream),
              "cudaMemcpyAsync(idx)", *st = mt_st_; return 0);
-    MT_CUDA_(cudaStreamSynchronize(cb->stream), "cudaStreamSynchronize(idx)", *st = mt_st_; return 0);
+    MT_CUDA_(cu_wait(&cb->base), "cudaStreamSynchronize(idx)", *st = mt_st_; return 0);
     int mx = -1;
     for (int64_t q = 0; q < P; q++) {
         MT_ASSERT(moeg_reg.hidx[q] >= 0);

@@ -618,9 +618,11 @@ static int lp_units(const eng_engine *e) { return e->info.layered_units > 0 ? e-
  * (mt_batch_part.layers) they run (after it admits; 0: all):
  * prefill_layers units when rows ride along and the model takes layered chunks and the
  * backlog is under layered_max_waiting, else 0 (all). On a model in finer units than layers
- * (sites, expert parts), prefill_layers whole layers' units while a request waits: the fine units
- * lower what a step beside decode rows carries while nothing else is pending, and a group in
- * flight admits nobody, so a waiting request would pay every unit of the group before its own. */
+ * (sites, expert parts), prefill_layers x (units a layer) units while a request waits, whether
+ * for the group (a group in flight admits nobody, so the request would pay every unit of the
+ * group before its own) or for a place (under a backlog the group's places, which do not decode
+ * while it flies, and the waiting requests' TTFT count for more than the spread); the fine units
+ * lower what a step beside decode rows carries while nothing else is pending. */
 static bool lp_on(const eng_engine *e, int rows) {
     const int k = e->p.prefill_layers;
     if (e->p.layered_max_waiting > 0 && e->n_waiting >= e->p.layered_max_waiting) return false;

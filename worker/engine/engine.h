@@ -133,7 +133,8 @@ typedef struct eng_params {
      * all, so the rows beside a prompt wait less; the chunks of a step fit one model pass. It
      * counts the model's layered units (mt_model_info.layered_units: sites where the model was
      * loaded with layered_sites), except while a request waits for admission: then a step runs
-     * prefill_layers layers' worth of units, since the group in flight holds up the admission.
+     * prefill_layers layers' worth of units (a waiting request waits for the group in flight, or
+     * for a place that the group's sequences hold without decoding).
      * 0 (default): every layer in the chunk's step. */
     int prefill_layers;
     /* With prefill_layers: chunks run layered only while fewer than layered_max_waiting requests
