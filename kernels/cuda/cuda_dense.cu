@@ -1075,6 +1075,13 @@ extern "C" mt_status cu_gemv_f8(cu_backend *cb, float *y, const float *x, const 
     return gemv_launch(&p, MT_F8E4M3, cb->n_sm, cb->stream);
 }
 
+/* The op profile's name of a tensor-core matmul of n rows: decode-sized (a batch's rows, read
+ * bound) apart from prompt-sized (compute bound), so a mixed step's two kinds of work show apart. */
+static const char *matmul_tc_name(int n) {
+    return n <= 64 ? "matmul (tensor cores, <= 64 rows)" : n <= 512 ? "matmul (tensor cores, 65-512 rows)"
+                                                         : "matmul (tensor cores, > 512 rows)";
+}
+
 static void cu_matmul(mt_backend *be, float *y, const float *x, const mt_weight *w, int n) {
     MT_ASSERT(w->dtype == MT_F32 || w->dtype == MT_F16 || w->dtype == MT_BF16 || w->dtype == MT_F8E4M3);
     MT_ASSERT(w->rows <= INT_MAX && w->cols <= INT_MAX && n >= 0);
@@ -1099,7 +1106,7 @@ static void cu_matmul(mt_backend *be, float *y, const float *x, const mt_weight 
         }
     } else if (matmul_use_tc(cb, w, n)) {
         st = matmul_tc(cb, &y, x, &w, 1, n);
-        cu_prof_mark(be, "matmul (tensor cores)");
+        cu_prof_mark(be, matmul_tc_name(n));
     } else if (cb->params.narrow && w->rows <= NARROW_MAX_ROWS && w->cols > 0) {
         gemv_params p = {y, x, w->data, n, (int)w->rows, (int)w->cols, 1, 0};
         st = narrow_launch(&p, w->dtype, cu_stream(be));
@@ -1148,7 +1155,7 @@ static void cu_matmul_multi(mt_backend *be, float *const *y, const float *x, con
                  w[j]->rows <= INT_MAX;
         if (tc) {
             mt_status st = matmul_tc(cb, y, x, w, count, n);
-            cu_prof_mark(be, "matmul (tensor cores)");
+            cu_prof_mark(be, matmul_tc_name(n));
             for (int j = 0; j < count && st == MT_OK; j++)
                 if (sigmoid_mask >> j & 1u) be->ops->sigmoid(be, y[j], (int64_t)n * w[j]->rows);
             cu_op_status(be, "matmul_multi", st);
