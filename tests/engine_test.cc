@@ -769,6 +769,15 @@ TEST(Engine, MixedStepsGiveTheTokensOfSeparateCalls) {
         }
 }
 
+// Four places, mixed steps, a layered unit a step.
+eng_params LayeredParams() {
+    eng_params p = eng_default_params();
+    p.max_sequences = 4;
+    p.mixed_steps = true;
+    p.prefill_layers = 1;
+    return p;
+}
+
 // The steps until sequence `id` gives its first token (at most `limit`), sequence 1 (running)
 // getting a token in each and, unless `waiting` is -1, that many requests waiting before each.
 int StepsToFirstToken(Engine &E, uint64_t id, int limit, int waiting) {
@@ -787,10 +796,7 @@ int StepsToFirstToken(Engine &E, uint64_t id, int limit, int waiting) {
 // beside a running sequence gives its first token after `steps` steps, the running sequence a
 // token in each, and both the tokens of `whole` (the same checkpoint in whole layers) alone.
 void CheckUnitAStep(glm_model *layered, glm_model *whole, int steps_want) {
-    eng_params p = eng_default_params();
-    p.max_sequences = 4;
-    p.mixed_steps = true;
-    p.prefill_layers = 1;
+    const eng_params p = LayeredParams();
     Engine E(layered, p);
     ASSERT_EQ(E.Submit(1, Prompt(5, 1), Req(20)), MT_OK);
     E.Step();
@@ -826,10 +832,7 @@ TEST(Engine, LayeredPrefillGivesTheTokensOfWholeSteps) {
     // one running sequence, then a 10-token prompt: a layer a step beside it (tiny_a: 3 steps,
     // its shared-indexer layer rides with the full one before it), a token a step for the first
     CheckUnitAStep(M.m, M.m, 3);
-    eng_params p = eng_default_params();
-    p.max_sequences = 4;
-    p.mixed_steps = true;
-    p.prefill_layers = 1;
+    const eng_params p = LayeredParams();
     // abort a sequence in flight; the one in flight beside it completes and a new prompt follows
     {
         Engine E(M.m, p);
@@ -900,10 +903,7 @@ TEST(Engine, LayeredExpertPartsGiveTheTokensOfWholeSteps) {
 // whole steps, and the running one a token every step.
 TEST(Engine, FineLayeredUnitsGoALayerAStepWhileARequestWaits) {
     Model M, S(kDir, true, 2);
-    eng_params p = eng_default_params();
-    p.max_sequences = 4;
-    p.mixed_steps = true;
-    p.prefill_layers = 1;
+    const eng_params p = LayeredParams();
     Engine E(S.m, p);
     ASSERT_EQ(E.Submit(1, Prompt(5, 1), Req(20)), MT_OK);
     E.Step();
