@@ -784,7 +784,9 @@ int StepsToFirstToken(Engine &E, uint64_t id, int limit, int waiting) {
     int steps = 0;
     while (E.results[id].tokens.empty() && steps < limit) {
         const size_t had = E.results[1].tokens.size();
-        if (waiting >= 0) EXPECT_EQ(E.Stats().waiting, waiting) << "step " << steps;
+        if (waiting >= 0) {
+            EXPECT_EQ(E.Stats().waiting, waiting) << "step " << steps;
+        }
         E.Step();
         steps++;
         EXPECT_EQ(E.results[1].tokens.size(), had + 1) << "step " << steps;
