@@ -308,8 +308,9 @@ int main(int argc, char **argv) {
         plen += shared;
         streams = requests; /* record slots: one per request, the warm-up's after them */
     }
+    const bool gpu = !strcmp(backend, "cuda");
     mt_error err = { "" };
-    mt_backend *be = !strcmp(backend, "cuda") ? mt_cuda_backend_new(0, NULL, &err) : mt_cpu_backend_new(threads);
+    mt_backend *be = gpu ? mt_cuda_backend_new(0, NULL, &err) : mt_cpu_backend_new(threads);
     mt_model *m = NULL;
     eng_engine *e = NULL;
     int32_t *prompt = malloc(sizeof(int32_t) * (size_t)plen);
@@ -320,7 +321,6 @@ int main(int argc, char **argv) {
     if (!be || !prompt || !b.s || !b.gaps) { fprintf(stderr, "serving_direct: %s\n", err.msg[0] ? err.msg : "out of memory"); goto done; }
     mt_model_params mp = mt_model_default_params();
     /* the prompt budget and the pass rows as metrale-worker picks them */
-    const bool gpu = !strcmp(backend, "cuda");
     wkr_params wp = wkr_default_params();
     wp.prefill_budget = prefill_budget;
     wp.prefill_pass = prefill_pass;
@@ -330,7 +330,7 @@ int main(int argc, char **argv) {
     mp.layered_sites = prefill_sites;
     mp.layered_expert_parts = expert_parts;
     { /* the verifies of a step of up to spec_max_batch sequences in one call, as the worker */
-        const int vs = spec_max_batch > 0 ? spec_max_batch : mix ? max_sequences : streams;
+        const int vs = spec_max_batch > 0 ? spec_max_batch : wp.max_sequences;
         mp.verify_seqs = vs < SD_VERIFY_SEQS_MAX ? vs : SD_VERIFY_SEQS_MAX;
     }
     if (mt_model_load(model, be, &mp, &m, &err) != MT_OK) {
@@ -343,15 +343,15 @@ int main(int argc, char **argv) {
     }
     const int V = mt_model_describe(m).vocab_size;
     eng_params ep = eng_default_params();
-    ep.max_sequences = mix ? max_sequences : streams;
+    ep.max_sequences = wp.max_sequences;
     ep.max_context = plen + max_new;
     if (mix && ep.max_waiting < requests) ep.max_waiting = requests;
     ep.run_ahead = run_ahead ? ENG_RUN_AHEAD_AUTO : ENG_RUN_AHEAD_OFF;
-    ep.mixed_steps = mixed_steps >= 0 ? mixed_steps != 0 : !strcmp(backend, "cuda");
+    ep.mixed_steps = mixed_steps >= 0 ? mixed_steps != 0 : gpu;
     ep.prefill_budget = wkr_prefill_budget(&wp, gpu);
     ep.itl_target_ms = itl_target_ms;
     ep.prefill_hold_ms = prefill_hold_ms;
-    ep.prefill_layers = prefill_layers >= 0 ? prefill_layers : ep.mixed_steps && !strcmp(backend, "cuda") ? 1 : 0;
+    ep.prefill_layers = prefill_layers >= 0 ? prefill_layers : ep.mixed_steps && gpu ? 1 : 0;
     ep.layered_max_waiting = layered_max_waiting;
     ep.spec_tokens = spec_tokens;
     ep.spec_max_batch = spec_max_batch;
@@ -372,7 +372,7 @@ int main(int argc, char **argv) {
     b.n_gaps = 0;
 
     if (mix) {
-        const bool prof = op_profile && !strcmp(backend, "cuda");
+        const bool prof = op_profile && gpu;
         if (prof) mt_cuda_profile(be, true, "serving_direct");
         rc = run_mix(e, be, &b, V, requests, plens, news, shared, max_sequences, backend, prompt, spec_tokens);
         if (prof) mt_cuda_profile(be, false, "serving_direct: the mix's ops, each synchronised (graph replays as one)");
