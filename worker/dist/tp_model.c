@@ -175,7 +175,8 @@ static mt_status agree_shape(mt_model *local, mt_comm *ctl, bool *broken, mt_err
     const mt_status st = agree(ctl, mine, broken, err);
     if (st != MT_OK && mine == MT_OK)
         return mt_errorf(err, MT_ERR_INVALID, "tensor-parallel group: another rank's model differs from rank 0's in "
-                                              "layered units or pass rows (--prefill-sites, --prefill-pass)");
+                                              "layered units or pass rows (--prefill-sites, --prefill-expert-parts, "
+                                              "--prefill-pass)");
     return st;
 }
 
