@@ -31,6 +31,7 @@ struct cu_prof {
     int n;
     const char *name[PROF_MAX];
     double sec[PROF_MAX];
+    double host[PROF_MAX];        /* of sec: the host's time before the op's wait began */
     long calls[PROF_MAX];
 };
 
@@ -53,6 +54,7 @@ void cu_prof_mark(mt_backend *be, const char *what) {
         (void)cudaGetLastError();
         return;
     }
+    const double issued = mt_now();
     MT_CUDA_WARN(cudaStreamSynchronize(cb->stream));
     const double now = mt_now();
     int k = 0;
@@ -62,6 +64,7 @@ void cu_prof_mark(mt_backend *be, const char *what) {
         else p->name[p->n++] = what;
     }
     p->sec[k] += now - p->last;
+    p->host[k] += issued - p->last;
     p->calls[k]++;
     p->last = mt_now();
 }
@@ -82,7 +85,7 @@ extern "C" int mt_cuda_profile_take(mt_backend *be, mt_cuda_op_time *rows, int m
         for (int k = 0; k < p->n; k++)
             if (!used[k] && (best < 0 || p->sec[k] > p->sec[best])) best = k;
         used[best] = true;
-        rows[r] = mt_cuda_op_time{p->name[best], p->sec[best] * 1e3, p->calls[best]};
+        rows[r] = mt_cuda_op_time{p->name[best], p->sec[best] * 1e3, p->calls[best], p->host[best] * 1e3};
     }
     const int n = p->n < max ? p->n : max;
     free(p);
@@ -102,10 +105,14 @@ extern "C" void mt_cuda_profile(mt_backend *be, bool on, const char *title) {
     double total = 0;
     const int n = mt_cuda_profile_take(be, rows, PROF_MAX, &total);
     if (n == 0) return;
-    printf("op profile: %s: %.2f ms (each op synchronised)\n", title ? title : "", total);
+    double host = 0;
+    for (int r = 0; r < n; r++) host += rows[r].host_ms;
+    printf("op profile: %s: %.2f ms (each op synchronised), of it %.2f ms host work before the ops' waits\n",
+           title ? title : "", total, host);
+    printf("  %9s    %6s %6s  %9s\n", "ms", "share", "calls", "host ms");
     for (int r = 0; r < n; r++)
-        printf("  %9.3f ms %5.1f%% %6ld  %s\n", rows[r].ms, total > 0 ? 100 * rows[r].ms / total : 0., rows[r].calls,
-               rows[r].name);
+        printf("  %9.3f ms %5.1f%% %6ld  %9.3f  %s\n", rows[r].ms, total > 0 ? 100 * rows[r].ms / total : 0.,
+               rows[r].calls, rows[r].host_ms, rows[r].name);
     fflush(stdout);
 }
 
