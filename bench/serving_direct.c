@@ -14,7 +14,7 @@
  *  eng_params.mixed_steps, itl_target_ms, prefill_hold_ms and prefill_layers (by default 1
  *  with mixed steps on cuda), --layered-max-waiting N: eng_params.layered_max_waiting,
  *  --prefill-sites 0|1: mt_model_params.layered_sites, --prefill-expert-parts P:
- *  mt_model_params.layered_expert_parts, as the
+ *  mt_model_params.layered_expert_parts, --fine-units-max-rows N: eng_params.fine_units_max_rows, as the
  *  worker's options (--mixed-steps 0 is its --separate-steps; by default mixed on cuda, separate
  *  on the CPU, as the worker); --prefill-budget N: eng_params.prefill_budget and --prefill-pass
  *  N: rows of a prefill pass, by default what metrale-worker picks (wkr_prefill_budget and
@@ -242,7 +242,7 @@ int main(int argc, char **argv) {
     const char *model = NULL, *backend = "cpu", *prompt_mix = NULL, *new_mix = NULL;
     int streams = 1, max_new = 32, plen = 16, threads = 0, run_ahead = 1, mixed_steps = -1;
     double itl_target_ms = 0, prefill_hold_ms = 0;
-    int prefill_layers = -1, layered_max_waiting = 0, prefill_sites = 0, expert_parts = 0;
+    int prefill_layers = -1, layered_max_waiting = 0, prefill_sites = 0, expert_parts = 0, fine_rows = 0;
     int prefill_pass = 0, prefill_budget = 0, op_profile = 0;
     int requests = 0, shared = 0, max_sequences = 64, spec_tokens = 0, spec_max_batch = 0;
     uint64_t seed = 1;
@@ -262,6 +262,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--layered-max-waiting")) layered_max_waiting = atoi(v);
         else if (!strcmp(a, "--prefill-sites")) prefill_sites = atoi(v);
         else if (!strcmp(a, "--prefill-expert-parts")) expert_parts = atoi(v);
+        else if (!strcmp(a, "--fine-units-max-rows")) fine_rows = atoi(v);
         else if (!strcmp(a, "--prefill-pass")) prefill_pass = atoi(v);
         else if (!strcmp(a, "--prefill-budget")) prefill_budget = atoi(v);
         else if (!strcmp(a, "--op-profile")) op_profile = atoi(v);
@@ -353,6 +354,7 @@ int main(int argc, char **argv) {
     ep.prefill_hold_ms = prefill_hold_ms;
     ep.prefill_layers = prefill_layers >= 0 ? prefill_layers : ep.mixed_steps && gpu ? 1 : 0;
     ep.layered_max_waiting = layered_max_waiting;
+    ep.fine_units_max_rows = fine_rows;
     ep.spec_tokens = spec_tokens;
     ep.spec_max_batch = spec_max_batch;
     eng_callbacks cb = { .user = &b, .on_tokens = on_tokens, .on_finished = on_finished };

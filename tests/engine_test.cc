@@ -922,6 +922,41 @@ TEST(Engine, FineLayeredUnitsGoALayerAStepWhileARequestWaits) {
     EXPECT_EQ(E.Stats().cache_bytes_in_use, 0u);
 }
 
+// fine_units_max_rows: fine units (a unit a step) only while at most that many rows decode beside
+// the group. tiny_a in sites with two expert parts, two running sequences and a 10-token prompt:
+// under a limit of 2 the prompt takes a unit a step (9 steps, as beside one row); under a limit
+// of 1 a layer's worth of units a step (three: the prompt's 12 units, and the full DSA layer's step
+// also takes the shared-indexer attention after it), so 4 steps. Both running sequences decode
+// in every step, and every sequence gets the tokens of whole steps.
+TEST(Engine, FineLayeredUnitsGoALayerAStepBesideMoreRowsThanTheLimit) {
+    Model M, S(kDir, true, 2);
+    for (const int lim : { 2, 1 }) {
+        eng_params p = LayeredParams();
+        p.fine_units_max_rows = lim;
+        Engine E(S.m, p);
+        ASSERT_EQ(E.Submit(1, Prompt(5, 1), Req(20)), MT_OK);
+        ASSERT_EQ(E.Submit(3, Prompt(6, 3), Req(20)), MT_OK);
+        E.Step();
+        ASSERT_EQ(E.results[3].tokens.size(), 1u) << "limit " << lim;
+        ASSERT_EQ(E.Submit(2, Prompt(10, 2), Req(4)), MT_OK);
+        size_t had3 = E.results[3].tokens.size();
+        int steps = 0;
+        while (E.results[2].tokens.empty() && steps < 20) {
+            const size_t had1 = E.results[1].tokens.size();
+            E.Step();
+            steps++;
+            EXPECT_EQ(E.results[1].tokens.size(), had1 + 1) << "limit " << lim << ", step " << steps;
+            EXPECT_EQ(E.results[3].tokens.size(), ++had3) << "limit " << lim << ", step " << steps;
+        }
+        EXPECT_EQ(steps, lim == 2 ? 9 : 4) << "limit " << lim;
+        E.RunToEnd();
+        EXPECT_EQ(E.results[1].tokens, DirectGreedy(M.m, Prompt(5, 1), 20)) << "limit " << lim;
+        EXPECT_EQ(E.results[2].tokens, DirectGreedy(M.m, Prompt(10, 2), 4)) << "limit " << lim;
+        EXPECT_EQ(E.results[3].tokens, DirectGreedy(M.m, Prompt(6, 3), 20)) << "limit " << lim;
+        EXPECT_EQ(E.Stats().cache_bytes_in_use, 0u);
+    }
+}
+
 // layered_max_waiting: from that many requests waiting for a place on, a step's chunks run every
 // layer at once. The staggered arrivals give the same tokens with fewer layered steps; one running
 // sequence and two prompts for its one free place: the first prompt's chunk runs whole while the

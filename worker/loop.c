@@ -308,6 +308,7 @@ mt_status wkr_loop_new(const wkr_params *p, wkr_loop **out, mt_error *err) {
      * req/s falls from 32 to 22 ms at the same output (docs/PERF.md); nothing to gain on the CPU */
     ep.prefill_layers = p->prefill_layers >= 0 ? p->prefill_layers : ep.mixed_steps && mi.backend_queues ? 1 : 0;
     ep.layered_max_waiting = p->layered_max_waiting;
+    ep.fine_units_max_rows = p->fine_units_max_rows;
     ep.run_ahead = p->no_run_ahead ? ENG_RUN_AHEAD_OFF : ENG_RUN_AHEAD_AUTO;
     ep.spec_tokens = p->spec_tokens;
     ep.spec_max_batch = p->spec_max_batch;

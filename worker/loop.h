@@ -57,6 +57,7 @@ typedef struct wkr_params {
     int layered_max_waiting; /* eng_params.layered_max_waiting: 0 (default) no limit */
     bool prefill_sites;      /* mt_model_params.layered_sites: --prefill-layers counts sites */
     int prefill_expert_parts; /* mt_model_params.layered_expert_parts (with prefill_sites) */
+    int fine_units_max_rows; /* eng_params.fine_units_max_rows: 0 (default) no limit */
     int prefill_layers;      /* eng_params.prefill_layers (layered prefill): -1 (default) 1 with
                               * mixed steps where the backend queues its work (the GPU), else 0 */
     int graph_max_batch;     /* largest decode batch replayed as a CUDA graph; 0: the model's default */

@@ -44,7 +44,7 @@ static void usage(FILE *f) {
             "                      [--router-timeout S] [--cache-budget-mb N] [--prefill-budget N] [--itl-target-ms MS]\n"
             "                      [--prefill-hold-ms MS]\n"
             "                      [--prefill-pass N] [--prefill-layers N] [--prefill-sites]\n"
-            "                      [--prefill-expert-parts P] [--layered-max-waiting N]\n"
+            "                      [--prefill-expert-parts P] [--fine-units-max-rows N] [--layered-max-waiting N]\n"
             "                      [--graph-max-batch N] [--no-preempt] [--no-run-ahead] [--mixed-steps|--separate-steps]\n"
             "                      [--verbose]\n"
             "                      [--numerics bf16|exact] [--dtype auto|bf16] [--tp N --rank R --group NAME]\n"
@@ -77,6 +77,9 @@ static void usage(FILE *f) {
             "  a layer's attention and MLP as two steps' work, so an MoE layer's expert reads and its\n"
             "  attention land in different steps; --prefill-expert-parts: with --prefill-sites, an MLP\n"
             "  site counts as P steps' work, each through 1/P of the routed experts (default: one);\n"
+            "  --fine-units-max-rows: with --prefill-sites, a step runs a layer's worth of those units\n"
+            "  while more than N rows decode beside the prompts (and while a request waits; default 0:\n"
+            "  only while a request waits);\n"
             "  --layered-max-waiting: from N requests\n"
             "  waiting for a place on, chunks run every layer in their step (throughput over latency\n"
             "  under saturation; default 0: no limit).\n"
@@ -216,6 +219,7 @@ static int parse_args(int argc, char **argv, wkr_params *o, bool *verbose) {
         else if (!strcmp(a, "--prefill-layers")) rc = parse_int(a, v, 0, &o->prefill_layers);
         else if (!strcmp(a, "--layered-max-waiting")) rc = parse_int(a, v, 0, &o->layered_max_waiting);
         else if (!strcmp(a, "--prefill-expert-parts")) rc = parse_int(a, v, 1, &o->prefill_expert_parts);
+        else if (!strcmp(a, "--fine-units-max-rows")) rc = parse_int(a, v, 0, &o->fine_units_max_rows);
         else if (!strcmp(a, "--itl-target-ms")) rc = parse_ms(a, v, &o->itl_target_ms);
         else if (!strcmp(a, "--prefill-hold-ms")) rc = parse_ms(a, v, &o->prefill_hold_ms);
         else if (!strcmp(a, "--graph-max-batch")) rc = parse_int(a, v, 1, &o->graph_max_batch);

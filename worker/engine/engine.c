@@ -621,8 +621,9 @@ static int lp_units(const eng_engine *e) { return e->info.layered_units > 0 ? e-
  * (sites, expert parts), prefill_layers x (units a layer) units while a request waits, whether
  * for the group (a group in flight admits nobody, so the request would pay every unit of the
  * group before its own) or for a place (under a backlog the group's places, which do not decode
- * while it flies, and the waiting requests' TTFT count for more than the spread); the fine units
- * lower what a step beside decode rows carries while nothing else is pending. */
+ * while it flies, and the waiting requests' TTFT count for more than the spread), and while more
+ * than fine_units_max_rows rows ride along; the fine units lower what a step beside decode rows
+ * carries while nothing else is pending and few rows decode. */
 static bool lp_on(const eng_engine *e, int rows) {
     const int k = e->p.prefill_layers;
     if (e->p.layered_max_waiting > 0 && e->n_waiting >= e->p.layered_max_waiting) return false;
@@ -633,7 +634,8 @@ static int lp_layers(const eng_engine *e, bool on) {
     if (!on) return 0;
     const int k = e->p.prefill_layers, U = lp_units(e);
     const int per = e->info.n_layers > 0 && U > e->info.n_layers ? U / e->info.n_layers : 1;
-    const int u = e->n_waiting > 0 ? k * per : k;
+    const int fmax = e->p.fine_units_max_rows;
+    const int u = e->n_waiting > 0 || (fmax > 0 && e->pass_rows > fmax) ? k * per : k;
     return u < U ? u : 0;
 }
 

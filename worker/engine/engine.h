@@ -134,9 +134,17 @@ typedef struct eng_params {
      * counts the model's layered units (mt_model_info.layered_units: sites where the model was
      * loaded with layered_sites), except while a request waits for admission: then a step runs
      * prefill_layers layers' worth of units (a waiting request waits for the group in flight, or
-     * for a place that the group's sequences hold without decoding).
+     * for a place that the group's sequences hold without decoding); and likewise while more than
+     * fine_units_max_rows rows ride beside the group.
      * 0 (default): every layer in the chunk's step. */
     int prefill_layers;
+    /* With prefill_layers on a model in finer units than layers: the fine units (a unit a step)
+     * only while at most this many decode and verify rows ride beside the group. With few rows a
+     * step costs little but what the group's unit adds, so the finer units lower the rows'
+     * longest gaps; with many, a group of fine units holds its places and delays the next prompts
+     * over more steps, and each extra step reads the weights again for all the rows.
+     * 0 (default): no limit. */
+    int fine_units_max_rows;
     /* With prefill_layers: chunks run layered only while fewer than layered_max_waiting requests
      * wait for a place; from that backlog on, a step runs its chunks (and a group in flight) through
      * every remaining layer, as with prefill_layers 0. Under saturation a layered prompt holds its
