@@ -117,31 +117,31 @@ static mt_status dsa_forward_rows(const glm_layer *l, mt_step *step, const float
     return MT_OK;
 }
 
-mt_status glm_dsa_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt_step *step,
-                          const float *h, float *out, int n) {
-    if (step->rtab) {
-        MT_ASSERT(nst == n);
-        return dsa_forward_rows(l, step, h, out, n);
-    }
-    MT_ASSERT(nst == 1);
-    glm_layer_state *st = sts[0];
+/* x's rows from row r on: each buffer advanced by r rows of its own width. */
+static dsa_bufs dsa_bufs_at(const glm_layer *l, const dsa_bufs *x, int r) {
+    const glm_dsa_w *w = &l->dsa;
+    const size_t R = (size_t)r;
+    return (dsa_bufs){ x->qr + R * w->q_a.rows, x->q + R * w->q_b.rows, x->o + R * w->o.cols,
+                       x->qi + R * w->iq.rows,  x->iw + R * w->iw.rows, x->lat + R * w->kv_a.rows,
+                       x->ki + R * w->ik.rows,  x->gs + R * w->igate.rows };
+}
+
+/* One sequence's n consecutive rows from position t0 after dsa_project (x): their cache rows into
+ * the pages through the block table with one paged write each (copy_rows_at), at host position
+ * t0 (prefill, eager decode), or, in the graph form, at the run-time position dp (a captured
+ * graph keeps the arguments it was captured with; the block table is read at run time, so blocks
+ * mapped later are found); the pool keys they complete, the selection (into scr, or the full
+ * layer's there for a shared one) and the sparse attention into x->o. */
+static void dsa_attend_seq(const glm_layer *l, mt_backend *be, glm_layer_state *st, glm_scratch *scr,
+                           const dsa_bufs *xp, int t0, const int32_t *dp, int n) {
     const glm_config *c = l->cfg;
     const glm_dsa_w *w = &l->dsa;
-    mt_backend *be = step->be;
     const mt_backend_ops *op = be->ops;
-    glm_scratch *scr = step->scr;
-    const int t0 = step->t0, kp = c->index_kpool;
+    const int kp = c->index_kpool;
     const dsa_caches pc = dsa_caches_of(l);
     const int32_t *bt = st->bt;
-    const dsa_bufs x = dsa_bufs_of(scr);
-
-    /* The projections go to scratch, then into the pages through the block table with one paged
-     * write each (copy_rows_at): at host position t0 (prefill, eager decode), or, in the graph
-     * form, at the run-time position d_pos (a captured graph keeps the arguments it was captured
-     * with; the block table is read at run time, so blocks mapped later are found). */
-    const int32_t *dp = step->d_pos;
+    const dsa_bufs x = *xp;
     MT_ASSERT(st->len == t0 && t0 + n <= st->cap && bt);
-    dsa_project(l, be, h, &x, n);
     op->copy_rows_at(be, pc.latent, bt, t0, dp, x.lat, n);
     if (w->has_indexer) {
         op->copy_rows_at(be, pc.ki, bt, t0, dp, x.ki, n);
@@ -165,6 +165,32 @@ mt_status glm_dsa_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
 
     const mt_mla_params mp = dsa_mla_params(c, dp, st->cap);
     op->mla_sparse(be, x.o, x.q, pc.latent, bt, &w->kv_b, scr->sel, scr->nsel, glm_max_sel(c), t0, n, &mp);
-    op->matmul(be, out, x.o, &w->o, n);
+}
+
+mt_status glm_dsa_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt_step *step,
+                          const float *h, float *out, int n) {
+    if (step->rtab) {
+        MT_ASSERT(nst == n);
+        return dsa_forward_rows(l, step, h, out, n);
+    }
+    MT_ASSERT(nst == 1);
+    const dsa_bufs x = dsa_bufs_of(step->scr);
+    dsa_project(l, step->be, h, &x, n);
+    dsa_attend_seq(l, step->be, sts[0], step->scr, &x, step->t0, step->d_pos, n);
+    step->be->ops->matmul(step->be, out, x.o, &l->dsa.o, n);
+    return MT_OK;
+}
+
+mt_status glm_dsa_forward_chunks(const glm_layer *l, glm_layer_state **sts, glm_segment *seg, int ns,
+                                 mt_step *step, const float *h, float *out, int n) {
+    const dsa_bufs x = dsa_bufs_of(step->scr);
+    dsa_project(l, step->be, h, &x, n);
+    int r = 0;
+    for (int i = 0; i < ns; r += seg[i++].n) {
+        const dsa_bufs xi = dsa_bufs_at(l, &x, r);
+        dsa_attend_seq(l, step->be, sts[i], &seg[i].scr, &xi, seg[i].t0, NULL, seg[i].n);
+    }
+    MT_ASSERT(r == n);
+    step->be->ops->matmul(step->be, out, x.o, &l->dsa.o, n);
     return MT_OK;
 }

@@ -550,6 +550,16 @@ mt_status glm_kda_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
                           const float *h, float *out, int n);
 mt_status glm_dsa_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt_step *step,
                           const float *h, float *out, int n);
+/* A mixed step's prompt chunks together: rows [0, n) of h are the segments seg[0, ns) in order,
+ * segment i consecutive positions of sts[i] from seg[i].t0 (no verify among them; the eager
+ * form). The projections, the row-wise norms and gates and o_proj run over all n rows at once, so
+ * the chunks read the weights once between them; the conv, the delta rule, the cache writes,
+ * the selection and the attention segment by segment, each on its own sequence's state (a DSA
+ * segment's selection in seg[i].scr). */
+mt_status glm_kda_forward_chunks(const glm_layer *l, glm_layer_state **sts, const glm_segment *seg, int ns,
+                                 mt_step *step, const float *h, float *out, int n);
+mt_status glm_dsa_forward_chunks(const glm_layer *l, glm_layer_state **sts, glm_segment *seg, int ns,
+                                 mt_step *step, const float *h, float *out, int n);
 void glm_mlp_forward(const glm_layer *l, mt_step *step, const float *h, float *out, int n);
 /* n rows through the MLP site, rows [xr0, n) a layered group's through parts [xq0, xq1) of it
  * (mt_step.xparts), from and to step->xacc as those fields say. */

@@ -26,6 +26,55 @@ static void ring_save_rows(const glm_layer *l, const mt_step *step, int r0, int 
                                  n, (int64_t)(conv ? cf : rf));
 }
 
+/* Rows [r0, r0 + n) of q, k and v: one sequence's consecutive positions (st) from their raw
+ * projections in pre, each conv'd with st's conv state (q and k l2-normed, q scaled too), into
+ * dst. */
+static void conv_seq(const glm_layer *l, mt_backend *be, glm_layer_state *st, float *const *dst,
+                     float *const *pre, int r0, int n) {
+    const glm_config *c = l->cfg;
+    const mt_backend_ops *op = be->ops;
+    const int nh = c->linear_num_heads, dk = c->linear_head_dim, K = c->linear_conv_kernel_dim, D = nh * dk;
+    const size_t o = (size_t)r0 * D;
+    for (int j = 0; j < 3; j++) {
+        /* q and k: the conv and their l2norm in one pass where the backend fuses them */
+        const float scale = j == 0 ? 1.f / sqrtf((float)dk) : 1.f;
+        if (j < 2 && op->conv1d_silu_l2norm &&
+            op->conv1d_silu_l2norm(be, dst[j] + o, pre[j] + o, st->conv[j], l->kda.conv[j], n, D, K, dk, 1e-6f,
+                                   scale))
+            continue;
+        op->conv1d_silu(be, dst[j] + o, pre[j] + o, st->conv[j], l->kda.conv[j], n, D, K);
+        if (j < 2) op->l2norm(be, dst[j] + o, (int64_t)n * nh, dk, 1e-6f, scale);
+    }
+}
+
+/* The decay gate g and the output gate of n rows from the low-rank inputs lo and lo_g (fused
+ * where the backend offers it; raw is scratch for the unfused form). */
+static void gates_rows(const glm_layer *l, mt_backend *be, float *g, float *gate, float *raw, const float *lo,
+                       const float *lo_g, bool conv3, int n) {
+    const glm_config *c = l->cfg;
+    const glm_kda_w *w = &l->kda;
+    const mt_backend_ops *op = be->ops;
+    mt_kda_gate_params gp = { c->linear_num_heads, c->linear_head_dim, c->has_linear_lower_bound,
+                              c->linear_lower_bound, conv3 };
+    if (op->kda_gates) {
+        op->kda_gates(be, g, gate, lo, lo_g, &w->f_b, &w->g_b, w->dt_bias, w->A_log, &gp, n);
+    } else {
+        op->matmul(be, raw, lo, &w->f_b, n);
+        op->kda_gate(be, g, raw, w->dt_bias, w->A_log, &gp, n);
+        op->matmul(be, gate, lo_g, &w->g_b, n);
+    }
+}
+
+/* The delta rule over rows [r0, r0 + n) of one sequence (st): recurrent for a row, chunked for
+ * more. */
+static void delta_seq(const glm_layer *l, mt_backend *be, glm_layer_state *st, float *const *b, int r0, int n) {
+    const int nh = l->cfg->linear_num_heads, dk = l->cfg->linear_head_dim;
+    const size_t o = (size_t)r0 * nh * dk;
+    float *q = b[1] + o, *k = b[2] + o, *v = b[3] + o, *g = b[4] + o, *beta = b[5] + (size_t)r0 * nh, *out = b[6] + o;
+    if (n == 1) be->ops->kda_recurrent(be, out, q, k, v, g, beta, st->rec, 1, nh, dk);
+    else be->ops->kda_chunked(be, out, q, k, v, g, beta, st->rec, n, nh, dk);
+}
+
 mt_status glm_kda_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt_step *step,
                           const float *h, float *out, int n) {
     const glm_config *c = l->cfg;
@@ -89,28 +138,13 @@ mt_status glm_kda_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
         }
         for (int j = 0; j < 2; j++) op->l2norm(be, dst[j], (int64_t)n * nh, dk, 1e-6f, j == 0 ? q_scale : 1.f);
     } else {
-        for (int j = 0; j < 3; j++) {
-            /* q and k: the conv and their l2norm in one pass where the backend fuses them */
-            const float scale = j == 0 ? q_scale : 1.f;
-            if (j < 2 && op->conv1d_silu_l2norm &&
-                op->conv1d_silu_l2norm(be, dst[j], pre[j], sts[0]->conv[j], w->conv[j], n, D, K, dk, 1e-6f, scale))
-                continue;
-            op->conv1d_silu(be, dst[j], pre[j], sts[0]->conv[j], w->conv[j], n, D, K);
-            if (j < 2) op->l2norm(be, dst[j], (int64_t)n * nh, dk, 1e-6f, scale);
-        }
+        conv_seq(l, be, sts[0], dst, pre, 0, n);
     }
 
     /* the decay gate and the output gate's projection (fused where the backend offers it); after
      * the in-place convs they read (lo, lo_g) and write (g, gate) nothing the convs touch, so the
      * backend may run the two together */
-    mt_kda_gate_params gp = { nh, dk, c->has_linear_lower_bound, c->linear_lower_bound, conv3 };
-    if (op->kda_gates) {
-        op->kda_gates(be, g, gate, lo, lo_g, &w->f_b, &w->g_b, w->dt_bias, w->A_log, &gp, n);
-    } else {
-        op->matmul(be, raw, lo, &w->f_b, n);
-        op->kda_gate(be, g, raw, w->dt_bias, w->A_log, &gp, n);
-        op->matmul(be, gate, lo_g, &w->g_b, n);
-    }
+    gates_rows(l, be, g, gate, raw, lo, lo_g, conv3, n);
 
     if (ring) {
         for (int r = 0; r < n; r++) {
@@ -119,9 +153,9 @@ mt_status glm_kda_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
                               nh, dk);
             if (r < n - 1) glm_layer_save_slot(l, sts[0], step->vring[r], false, true);
         }
-    } else if (!rows && n == 1) op->kda_recurrent(be, o, q, k, v, g, beta, sts[0]->rec, 1, nh, dk);
-    else if (!rows) op->kda_chunked(be, o, q, k, v, g, beta, sts[0]->rec, n, nh, dk);
-    else {
+    } else if (!rows) {
+        delta_seq(l, be, sts[0], b, 0, n);
+    } else {
         for (int b = 0, r0 = 0; b < nblk; r0 += vb ? vb->n_at[b] : n, b++) {
             const size_t o_r = (size_t)r0 * D;
             op->kda_recurrent_rows(be, o + o_r, q + o_r, k + o_r, v + o_r, g + o_r, beta + (size_t)r0 * nh,
@@ -132,5 +166,28 @@ mt_status glm_kda_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
 
     op->gated_rmsnorm(be, raw, o, gate, w->o_norm, (int64_t)n * nh, dk, c->rms_norm_eps);
     op->matmul(be, out, raw, &w->o, n);
+    return MT_OK;
+}
+
+mt_status glm_kda_forward_chunks(const glm_layer *l, glm_layer_state **sts, const glm_segment *seg, int ns,
+                                 mt_step *step, const float *h, float *out, int n) {
+    const glm_config *c = l->cfg;
+    const glm_kda_w *w = &l->kda;
+    mt_backend *be = step->be;
+    const int nh = c->linear_num_heads, dk = c->linear_head_dim;
+    float **b = step->scr->buf;
+    float *raw = b[0], *q = b[1], *k = b[2], *v = b[3], *g = b[4], *beta = b[5], *o = b[6];
+    float *lo = b[7], *gate = b[8], *lo_g = b[9];
+    const mt_weight *proj[6] = { &w->q, &w->k, &w->v, &w->f_a, &w->b, &w->g_a };
+    float *dst[3] = { q, k, v }, *pre[6] = { raw, o, g, lo, beta, lo_g };
+    glm_matmul_multi(be, pre, h, proj, 6, n, 1u << 4);
+    int r = 0;
+    for (int i = 0; i < ns; r += seg[i++].n) conv_seq(l, be, sts[i], dst, pre, r, seg[i].n);
+    MT_ASSERT(r == n);
+    gates_rows(l, be, g, gate, raw, lo, lo_g, false, n);
+    r = 0;
+    for (int i = 0; i < ns; r += seg[i++].n) delta_seq(l, be, sts[i], b, r, seg[i].n);
+    be->ops->gated_rmsnorm(be, raw, o, gate, w->o_norm, (int64_t)n * nh, dk, c->rms_norm_eps);
+    be->ops->matmul(be, out, raw, &w->o, n);
     return MT_OK;
 }

@@ -77,6 +77,39 @@ static mt_status mixer_forward(const glm_layer *l, glm_layer_state **sts, int ns
                                                                 : glm_dsa_forward(l, sts, nst, step, h, out, n);
 }
 
+/* A mixed step's segments [i0, nseg) (rows from r0 of h and out): prompt chunks together through
+ * the mixer's chunks form, so that they read its weights once; with a verify among them, or in
+ * the graph form, segment by segment. */
+static mt_status mixer_segments(const glm_layer *l, glm_layer_state **sts, mt_step *step, int i0, int r0,
+                                const float *h, float *out) {
+    const size_t H = (size_t)l->cfg->hidden_size;
+    bool together = !step->d_pos;
+    int rows = 0;
+    for (int i = i0; i < step->nseg; i++) {
+        together = together && !step->seg[i].vring;
+        rows += step->seg[i].n;
+    }
+    if (together && l->cfg->layer_types[l->base.index] == GLM_MIXER_KDA)
+        return glm_kda_forward_chunks(l, sts + i0, step->seg + i0, step->nseg - i0, step, h + r0 * H, out + r0 * H,
+                                      rows);
+    if (together)
+        return glm_dsa_forward_chunks(l, sts + i0, step->seg + i0, step->nseg - i0, step, h + r0 * H, out + r0 * H,
+                                      rows);
+    mt_status s = MT_OK;
+    for (int i = i0, r = r0; i < step->nseg && s == MT_OK; r += step->seg[i++].n) {
+        mt_step one = *step;
+        one.t0 = step->seg[i].t0;
+        one.scr = &step->seg[i].scr;
+        one.seg = NULL;
+        one.rpos = NULL;
+        one.rtab = NULL;
+        one.vring = step->seg[i].vring;
+        one.vring_id = step->seg[i].vring_id;
+        s = mixer_forward(l, &sts[i], 1, &one, h + r * H, out + r * H, step->seg[i].n);
+    }
+    return s;
+}
+
 /* n rows through the decoder layer: nst == 1 state for n consecutive positions of one sequence,
  * nst == n states, one row per sequence (see glm_kda.c), or, with step->seg, nst segments of
  * consecutive rows of one sequence each (the mixed step). With step->mlp_rows (layered sites) the
@@ -114,18 +147,7 @@ static mt_status layer_forward(const mt_layer *ml, glm_layer_state **sts, int ns
                 }
             }
             const int nb = step->vblk ? step->nbparts : step->nrows;
-            for (int i = nb, r = step->nrows; i < step->nseg && s == MT_OK; r += step->seg[i++].n) {
-                mt_step one = *step;
-                one.t0 = step->seg[i].t0;
-                one.scr = &step->seg[i].scr;
-                one.seg = NULL;
-                one.rpos = NULL;
-                one.rtab = NULL;
-                one.vring = step->seg[i].vring;
-                one.vring_id = step->seg[i].vring_id;
-                const size_t off = (size_t)r * c->hidden_size;
-                s = mixer_forward(l, &sts[i], 1, &one, scr->h + off, scr->a + off, step->seg[i].n);
-            }
+            if (s == MT_OK && nb < step->nseg) s = mixer_segments(l, sts, step, nb, step->nrows, scr->h, scr->a);
         } else {
             s = mixer_forward(l, sts, nst, step, scr->h, scr->a, n);
         }
