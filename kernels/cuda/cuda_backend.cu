@@ -40,6 +40,7 @@ static void cu_destroy(mt_backend *be) {
         if (cb->scratch[i].p) MT_CUDA_WARN(cudaFree(cb->scratch[i].p));
     cu_moe_cache_free(cb);
     cu_moe_grouped_free(cb);
+    cu_gemm16_free(cb); /* before cu_fp8_free, which destroys the cuBLASLt handle */
     cu_fp8_free(cb);
     if (cb->blas) MT_CUBLAS_WARN(cublasDestroy(cb->blas));
     if (cb->blas_ws) MT_CUDA_WARN(cudaFree(cb->blas_ws));
@@ -107,8 +108,7 @@ static void cu_upload_async(mt_backend *be, void *dst, const void *host_src, siz
 static void cu_download(mt_backend *be, void *host_dst, const void *src, size_t bytes) {
     cu_backend *cb = cb_of(be);
     if (!bytes) return;
-    CU_RECORD(be, cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, cb->stream));
-    MT_CUDA_(cu_wait(be), "cudaStreamSynchronize", cu_fail(be, mt_st_));
+    MT_CUDA_(cu_copy_to_host(be, host_dst, src, bytes), "cudaMemcpyAsync(download)", cu_fail(be, mt_st_));
     cu_prof_mark(be, "download");
 }
 

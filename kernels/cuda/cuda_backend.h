@@ -115,7 +115,8 @@ struct CUstream_st *mt_cuda_backend_stream(mt_backend *be);
 void mt_cuda_profile(mt_backend *be, bool on, const char *title);
 
 /* Seconds the host has spent blocked on the backend's device work since creation: every wait of
- * an op or transfer for the backend's stream (cu_wait) and download_end's wait for its ticket;
+ * an op or transfer for the backend's stream (cu_wait; a copy to the host, which blocks until
+ * the stream has run it, with its wait: cu_copy_to_host) and download_end's wait for its ticket;
  * not the op profile's own waits, nor the join of the batched expert GEMMs' second stream. Beside
  * a run's wall time it says how much of it the host spent ahead of the device: near 0, the
  * host's own work sets the pace. */

@@ -43,6 +43,15 @@ cudaError_t cu_wait(mt_backend *be) {
     return e;
 }
 
+cudaError_t cu_copy_to_host(mt_backend *be, void *dst, const void *src, size_t bytes) {
+    cu_backend *cb = cb_of(be);
+    const double t0 = mt_now();
+    cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, cb->stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(cb->stream);
+    cb->wait_s += mt_now() - t0;
+    return e;
+}
+
 extern "C" double mt_cuda_wait_seconds(mt_backend *be) { return cb_of(be)->wait_s; }
 
 void cu_prof_mark(mt_backend *be, const char *what) {

@@ -12,7 +12,7 @@
  * input rows, several loads in flight per lane, and short wide weights split K over up to 8 warps
  * of a block so that the grid always has work for every multiprocessor. Fixed-order reductions
  * finish each dot product. Many rows (prefill) on a bf16/fp16 weight: the tensor cores through
- * cuBLAS (cu_gemm_tc, fp32 accumulation). x is split into 16-bit parts of the weight's type,
+ * cuBLASLt (cu_gemm_tc, cuda_gemm16.cu, fp32 accumulation). x is split into 16-bit parts of the weight's type,
  * x ~ hi + lo (cu_split16, into CU_SCRATCH_GEMM), and y = w.hi + w.lo: 16 significant bits of x
  * for bf16, ~2e-6 relative error, twice the tensor-core work (MT_NUMERICS_EXACT). With
  * MT_NUMERICS_BF16, x is rounded once (hi only): half the work, ~1.5e-3 relative error for bf16,
@@ -981,21 +981,6 @@ extern "C" mt_status cu_split16(void *out, const float *x, const int32_t *gather
     return MT_OK;
 }
 
-/* cuBLAS is column-major. Row-major y[M, N] is column-major y^T [N, M] (ld N); row-major w[N, K]
- * is column-major [K, N] (ld K), so op(A) = A^T = w [N, K]; row-major x16[M, K] is column-major
- * [K, M] (ld K), op(B) = B. Hence y^T = w . x16^T: cublasGemmEx(T, N, m=N, n=M, k=K). */
-extern "C" mt_status cu_gemm_tc(cu_backend *cb, float *y, const void *x16, const void *w, mt_dtype dt,
-                                int M, int N, int K, float beta) {
-    MT_ASSERT(dt == MT_BF16 || dt == MT_F16);
-    MT_ASSERT(M >= 0 && N >= 0 && K > 0 && cb->blas);
-    if (M == 0 || N == 0) return MT_OK;
-    const cudaDataType t = dt == MT_BF16 ? CUDA_R_16BF : CUDA_R_16F;
-    const float one = 1.f;
-    MT_CUBLAS_CHECK(cublasGemmEx(cb->blas, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, w, t, K, x16, t, K,
-                                 &beta, y, CUDA_R_32F, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    return MT_OK;
-}
-
 /* Every matmul of more than GEMV_MAX_N rows on a 16-bit weight, narrow outputs too (router, mHC mix,
  * per-head gates): the two-part split keeps ~3e-6 relative error, and the fp32 narrow/tiled
  * kernels took 40% of a batch-64 decode step (batch_bench: 66% of the floor with tensor cores,
@@ -1736,11 +1721,7 @@ static void cu_argmax(mt_backend *be, int32_t *out, const float *logits, int n, 
     mt_status st;
     const int32_t *dev = argmax_to(be, NULL, 1, logits, n, V, &st);
     if (!dev) return; /* cu_scratch logged and recorded it */
-    if (st == MT_OK)
-        MT_CUDA_(cudaMemcpyAsync(out, dev, (size_t)n * 4, cudaMemcpyDeviceToHost, cu_stream(be)),
-                 "cudaMemcpyAsync(out, argmax)", st = mt_st_);
-    if (st == MT_OK)
-        MT_CUDA_(cu_wait(be), "cudaStreamSynchronize(argmax)", st = mt_st_);
+    if (st == MT_OK) MT_CUDA_(cu_copy_to_host(be, out, dev, (size_t)n * 4), "cudaMemcpyAsync(out, argmax)", st = mt_st_);
     cu_op_status(be, "argmax", st);
 }
 

@@ -32,6 +32,10 @@ void cu_prof_mark(mt_backend *be, const char *what);
  * (mt_cuda_wait_seconds). Every op and transfer that waits for the stream waits through it; the
  * op profile's own waits (cu_prof_mark) do not. */
 cudaError_t cu_wait(mt_backend *be);
+/* bytes from device src into host dst (pageable or not) in the stream's order, waited for: the
+ * copy and the wait both count in wait_s, since a copy into pageable memory itself blocks until
+ * the stream reaches it and has run it. */
+cudaError_t cu_copy_to_host(mt_backend *be, void *dst, const void *src, size_t bytes);
 
 /* ---- programmatic dependent launch ---- */
 

@@ -1440,9 +1440,8 @@ static mt_status moe_experts_fp8_lt(mt_backend *be, const moe_table *t, float *o
 /* idx [P] read back into the host scratch (*hidx); *mx: its largest entry (each asserted >= 0). */
 static mt_status moe_read_idx(cu_backend *cb, const int32_t *idx, int P, int32_t **hidx, int *mx) {
     if (!(*hidx = moe_host_ints(cb->moe, (size_t)P))) return MT_ERR_NOMEM;
-    MT_CUDA_(cudaMemcpyAsync(*hidx, idx, sizeof(int32_t) * (size_t)P, cudaMemcpyDeviceToHost, cb->stream),
-             "cudaMemcpyAsync(idx)", return mt_st_);
-    MT_CUDA_(cu_wait(&cb->base), "cudaStreamSynchronize(idx)", return mt_st_);
+    MT_CUDA_(cu_copy_to_host(&cb->base, *hidx, idx, sizeof(int32_t) * (size_t)P), "cudaMemcpyAsync(idx)",
+             return mt_st_);
     *mx = -1;
     for (int q = 0; q < P; q++) {
         MT_ASSERT((*hidx)[q] >= 0);

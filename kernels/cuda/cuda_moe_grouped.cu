@@ -483,9 +483,8 @@ static int moeg_need_from_idx(cu_backend *cb, const int32_t *idx, int64_t P, mt_
         moeg_reg.hidx = h;
         moeg_reg.hcap = (size_t)P;
     }
-    MT_CUDA_(cudaMemcpyAsync(moeg_reg.hidx, idx, sizeof(int32_t) * (size_t)P, cudaMemcpyDeviceToHost, cb->stream),
-             "cudaMemcpyAsync(idx)", *st = mt_st_; return 0);
-    MT_CUDA_(cu_wait(&cb->base), "cudaStreamSynchronize(idx)", *st = mt_st_; return 0);
+    MT_CUDA_(cu_copy_to_host(&cb->base, moeg_reg.hidx, idx, sizeof(int32_t) * (size_t)P), "cudaMemcpyAsync(idx)",
+             *st = mt_st_; return 0);
     int mx = -1;
     for (int64_t q = 0; q < P; q++) {
         MT_ASSERT(moeg_reg.hidx[q] >= 0);

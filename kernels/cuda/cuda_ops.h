@@ -8,6 +8,7 @@
  *            cuda_launch.h     launch and launch-check helpers; cuda_check.h, the check macros
  *   dense    cuda_dense.cu     embed, matmul (GEMV, tensor-core GEMV, cuBLAS and fp32 GEMMs),
  *                              norms, swiglu, sigmoid, l2norm, argmax; kda_gates, hc_head_norm
+ *            cuda_gemm16.cu    the 16-bit tensor-core GEMM through cuBLASLt, plans by shape
  *   MoE      cuda_moe.cu       router, experts (GEMV, batched GEMMs); the dispatch
  *            cuda_moe_grouped.cu  decode experts grouped on the device
  *            cuda_moe_wg.cu    prefill experts on wgmma + TMA
@@ -41,6 +42,7 @@ extern "C" {
 
 struct cu_moe_cache; /* cuda_moe.cu: device copies of the host mt_expert tables */
 struct cu_fp8_cache; /* cuda_fp8.cu: cuBLASLt plans of the FP8 GEMMs */
+struct cu_gemm16_cache; /* cuda_gemm16.cu: cuBLASLt plans of the 16-bit GEMMs */
 struct cublasLtContext; /* cublasLtHandle_t */
 struct cublasContext; /* cublasHandle_t, without pulling <cublas_v2.h> into every file */
 
@@ -92,6 +94,7 @@ typedef struct cu_backend {
      * so far (NULL until the first; cu_fp8_free releases them). */
     struct cublasLtContext *lt; /* owned cublasLtHandle_t */
     struct cu_fp8_cache *fp8;
+    struct cu_gemm16_cache *gemm16; /* cu_gemm_tc's plans (NULL until the first; cu_gemm16_free) */
     mt_cuda_params params;      /* as given at creation (cuda_backend.h) */
     int tc_terms;               /* 16-bit parts of x on the tensor cores (params.numerics): 2 (EXACT),
                                    1 (BF16), 0 (FP32: the fp32 kernels only) */
@@ -145,13 +148,14 @@ typedef struct cu_gemm_params {
 } cu_gemm_params;
 mt_status cu_gemm(const cu_gemm_params *p, cudaStream_t s);
 
-/* Tensor-core GEMM (cuda_dense.cu), for bf16/fp16 weights and many rows:
+/* Tensor-core GEMM (cuda_dense.cu, cuda_gemm16.cu), for bf16/fp16 weights and many rows:
  *   cu_split16: x rows (gathered: row m reads x[gather[m]]) as `terms` 16-bit parts of dt (MT_BF16
  *     or MT_F16): hi = round(x), lo = round(x - hi), so hi + lo keeps 16 significant bits (bf16;
  *     22 for fp16, which overflows to inf beyond 65504). terms 1: hi only, row m. terms 2: blocked
  *     ([M] hi rows then [M] lo rows) or interleave (hi of m at row 2m, lo at 2m + 1).
- *   cu_gemm_tc: y[M, N] = x16[M, K] . w[N, K]^T + beta * y through cuBLAS (cublasGemmEx) on cb's
- *     stream; operands of dtype dt, fp32 accumulation, fp32 y (rows contiguous, stride N).
+ *   cu_gemm_tc (cuda_gemm16.cu): y[M, N] = x16[M, K] . w[N, K]^T + beta * y through cuBLASLt
+ *     with plans cached by shape (cublasGemmEx where it has none) on cb's stream; operands of
+ *     dtype dt, fp32 accumulation, fp32 y (rows contiguous, stride N).
  * Deterministic for a given shape (one stream, fixed workspace, no atomics). Both return
  * MT_ERR_BACKEND after logging the failing call. */
 /* The 16-bit parts x enters weight w's tensor-core products as: cb->tc_terms (2 exact, 1 bf16,
@@ -162,6 +166,7 @@ mt_status cu_split16(void *out /* [terms * M, K] dt */, const float *x /* [*, K]
                      int terms, bool interleave, cudaStream_t s);
 mt_status cu_gemm_tc(cu_backend *cb, float *y /* [M, N] */, const void *x16 /* [M, K] dt */,
                      const void *w /* [N, K] dt */, mt_dtype dt, int M, int N, int K, float beta);
+void cu_gemm16_free(cu_backend *cb);
 /* cuda_core.cu: a cuBLAS handle on `stream` with its own CU_BLAS_WS_BYTES workspace (*ws),
  * host pointer mode (cb->blas; cuda_moe.cu's side stream). On failure (logged) whatever was made
  * is left in *blas, *ws for the caller to free. */
