@@ -14,7 +14,8 @@
  *  eng_params.mixed_steps, itl_target_ms, prefill_hold_ms and prefill_layers (by default 1
  *  with mixed steps on cuda), --layered-max-waiting N: eng_params.layered_max_waiting,
  *  --prefill-sites 0|1: mt_model_params.layered_sites, --prefill-expert-parts P:
- *  mt_model_params.layered_expert_parts, --fine-units-max-rows N: eng_params.fine_units_max_rows, as the
+ *  mt_model_params.layered_expert_parts, --fine-units-max-rows N: eng_params.fine_units_max_rows
+ *  (by default what metrale-worker picks, wkr_layering_of), as the
  *  worker's options (--mixed-steps 0 is its --separate-steps; by default mixed on cuda, separate
  *  on the CPU, as the worker); --prefill-budget N: eng_params.prefill_budget and --prefill-pass
  *  N: rows of a prefill pass, by default what metrale-worker picks (wkr_prefill_budget and
@@ -242,7 +243,7 @@ int main(int argc, char **argv) {
     const char *model = NULL, *backend = "cpu", *prompt_mix = NULL, *new_mix = NULL;
     int streams = 1, max_new = 32, plen = 16, threads = 0, run_ahead = 1, mixed_steps = -1;
     double itl_target_ms = 0, prefill_hold_ms = 0;
-    int prefill_layers = -1, layered_max_waiting = 0, prefill_sites = 0, expert_parts = 0, fine_rows = 0;
+    int prefill_layers = -1, layered_max_waiting = 0, prefill_sites = -1, expert_parts = -1, fine_rows = -1;
     int prefill_pass = 0, prefill_budget = 0, op_profile = 0;
     int requests = 0, shared = 0, max_sequences = 64, spec_tokens = 0, spec_max_batch = 0;
     uint64_t seed = 1;
@@ -328,8 +329,13 @@ int main(int argc, char **argv) {
     wp.max_sequences = mix ? max_sequences : streams;
     mp.prefill_chunk = wkr_prefill_pass(&wp, gpu);
     mp.mtp = spec_tokens > 0;
-    mp.layered_sites = prefill_sites;
-    mp.layered_expert_parts = expert_parts;
+    wp.prefill_sites = prefill_sites;
+    wp.prefill_expert_parts = expert_parts;
+    wp.fine_units_max_rows = fine_rows;
+    const wkr_layering ly = wkr_layering_of(&wp, gpu);
+    mp.layered_sites = ly.sites;
+    mp.layered_expert_parts = ly.expert_parts;
+    mp.layered_expert_parts_soft = ly.parts_soft;
     { /* the verifies of a step of up to spec_max_batch sequences in one call, as the worker */
         const int vs = spec_max_batch > 0 ? spec_max_batch : wp.max_sequences;
         mp.verify_seqs = vs < SD_VERIFY_SEQS_MAX ? vs : SD_VERIFY_SEQS_MAX;
@@ -354,7 +360,7 @@ int main(int argc, char **argv) {
     ep.prefill_hold_ms = prefill_hold_ms;
     ep.prefill_layers = prefill_layers >= 0 ? prefill_layers : ep.mixed_steps && gpu ? 1 : 0;
     ep.layered_max_waiting = layered_max_waiting;
-    ep.fine_units_max_rows = fine_rows;
+    ep.fine_units_max_rows = ly.fine_rows;
     ep.spec_tokens = spec_tokens;
     ep.spec_max_batch = spec_max_batch;
     eng_callbacks cb = { .user = &b, .on_tokens = on_tokens, .on_finished = on_finished };

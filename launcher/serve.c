@@ -110,8 +110,8 @@ typedef struct serve_opts {
     int workers, tp, first_id, max_sequences, max_context, threads;
     /* scheduler policy, passed to every worker when given (metrale-worker checks them) */
     const char *prefill_budget, *graph_max_batch, *cache_budget_mb, *itl_target_ms, *prefill_pass, *prefill_hold_ms,
-        *prefill_layers, *layered_max_waiting, *prefill_expert_parts;
-    bool prefill_sites;
+        *prefill_layers, *layered_max_waiting, *prefill_expert_parts, *fine_units_max_rows;
+    int prefill_sites;     /* 1 --prefill-sites, 0 --no-prefill-sites, -1 neither (the workers' default) */
     const char *numerics;  /* GPU prefill GEMM numerics, passed to every worker when given */
     const char *dtype;     /* FP8 checkpoints' weights (auto|bf16), passed to every worker when given */
     const char *spec_tokens, *spec_max_batch; /* speculative decoding, passed to every worker */
@@ -137,8 +137,8 @@ static void usage(FILE *f) {
             "usage: metrale-serve [--model DIR] [--listen HOST:PORT] [--workers G] [--tp N] [--backend auto|cpu|cuda]\n"
             "                     [--max-sequences N] [--max-context N] [--threads N] [--queue N] [--drain-timeout S]\n"
             "                     [--prefill-budget N] [--prefill-pass N] [--itl-target-ms MS] [--prefill-hold-ms MS]\n"
-            "                     [--prefill-layers N] [--prefill-sites] [--prefill-expert-parts P]\n"
-            "                     [--layered-max-waiting N]\n"
+            "                     [--prefill-layers N] [--prefill-sites|--no-prefill-sites] [--prefill-expert-parts P]\n"
+            "                     [--fine-units-max-rows N] [--layered-max-waiting N]\n"
             "                     [--graph-max-batch N] [--cache-budget-mb N] [--no-preempt]\n"
             "                     [--mixed-steps|--separate-steps] [--no-run-ahead] [--numerics bf16|exact] [--dtype auto|bf16]\n"
             "                     [--metrics HOST:PORT]\n"
@@ -342,8 +342,9 @@ static pid_t start_rank(group *gr, int r) {
     if (g_o.prefill_hold_ms) { argv[k++] = "--prefill-hold-ms"; argv[k++] = (char *)g_o.prefill_hold_ms; }
     if (g_o.prefill_pass) { argv[k++] = "--prefill-pass"; argv[k++] = (char *)g_o.prefill_pass; }
     if (g_o.prefill_layers) { argv[k++] = "--prefill-layers"; argv[k++] = (char *)g_o.prefill_layers; }
-    if (g_o.prefill_sites) argv[k++] = "--prefill-sites";
+    if (g_o.prefill_sites >= 0) argv[k++] = g_o.prefill_sites ? "--prefill-sites" : "--no-prefill-sites";
     if (g_o.prefill_expert_parts) { argv[k++] = "--prefill-expert-parts"; argv[k++] = (char *)g_o.prefill_expert_parts; }
+    if (g_o.fine_units_max_rows) { argv[k++] = "--fine-units-max-rows"; argv[k++] = (char *)g_o.fine_units_max_rows; }
     if (g_o.layered_max_waiting) { argv[k++] = "--layered-max-waiting"; argv[k++] = (char *)g_o.layered_max_waiting; }
     if (g_o.graph_max_batch) { argv[k++] = "--graph-max-batch"; argv[k++] = (char *)g_o.graph_max_batch; }
     if (g_o.cache_budget_mb) { argv[k++] = "--cache-budget-mb"; argv[k++] = (char *)g_o.cache_budget_mb; }
@@ -484,7 +485,7 @@ static int parse_ms(const char *flag, const char *v) {
 
 static int parse_args(int argc, char **argv, serve_opts *o) {
     *o = (serve_opts){ .listen = "127.0.0.1:50051", .backend = "auto", .workers = 0, .tp = 1, .max_sequences = 16,
-                       .max_context = 4096, .threads = 0 };
+                       .max_context = 4096, .threads = 0, .prefill_sites = -1 };
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); return 1; }
@@ -493,7 +494,8 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         if (!strcmp(a, "--separate-steps")) { o->separate_steps = true; continue; }
         if (!strcmp(a, "--no-run-ahead")) { o->no_run_ahead = true; continue; }
         if (!strcmp(a, "--log-prompts")) { o->log_prompts = true; continue; }
-        if (!strcmp(a, "--prefill-sites")) { o->prefill_sites = true; continue; }
+        if (!strcmp(a, "--prefill-sites")) { o->prefill_sites = 1; continue; }
+        if (!strcmp(a, "--no-prefill-sites")) { o->prefill_sites = 0; continue; }
         if (!v) { fprintf(stderr, "metrale-serve: %s needs a value\n", a); usage(stderr); return -1; }
         int rc = 0;
         if (!strcmp(a, "--model")) o->model = v;
@@ -511,6 +513,8 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         else if (!strcmp(a, "--prefill-layers")) rc = parse_int(a, o->prefill_layers = v, 0, 1024, &(int){ 0 });
         else if (!strcmp(a, "--prefill-expert-parts"))
             rc = parse_int(a, o->prefill_expert_parts = v, 1, 1 << 20, &(int){ 0 });
+        else if (!strcmp(a, "--fine-units-max-rows"))
+            rc = parse_int(a, o->fine_units_max_rows = v, 0, 1 << 20, &(int){ 0 });
         else if (!strcmp(a, "--layered-max-waiting"))
             rc = parse_int(a, o->layered_max_waiting = v, 0, 1 << 20, &(int){ 0 });
         else if (!strcmp(a, "--graph-max-batch")) rc = parse_int(a, o->graph_max_batch = v, 1, 4096, &(int){ 0 });
@@ -569,7 +573,9 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         fprintf(stderr, "metrale-serve: --curve-server-key and --curve-secret-key go together\n");
         return -1;
     }
-    if (o->prefill_expert_parts && atoi(o->prefill_expert_parts) > 1 && !o->prefill_sites) {
+    /* sites are the workers' default only on a GPU (metrale-worker's wkr_layering_of) */
+    const bool sites = o->prefill_sites == 1 || (o->prefill_sites < 0 && strcmp(o->backend, "cpu"));
+    if (o->prefill_expert_parts && atoi(o->prefill_expert_parts) > 1 && !sites) {
         fprintf(stderr, "metrale-serve: --prefill-expert-parts needs --prefill-sites\n");
         return -1;
     }

@@ -46,7 +46,8 @@ struct wkr_loop {
 wkr_params wkr_default_params(void) {
     return (wkr_params){ .backend = "cpu", .id = -1, .max_sequences = 16, .max_context = 4096,
                          .router_timeout = MT_WIRE_ROUTER_SILENCE_S, .numerics = MT_NUMERICS_BF16,
-                         .mixed_steps = -1, .prefill_layers = -1, .warmup_tokens = -1 };
+                         .mixed_steps = -1, .prefill_layers = -1, .warmup_tokens = -1, .prefill_sites = -1,
+                         .prefill_expert_parts = -1, .fine_units_max_rows = -1 };
 }
 
 /* ---- start-up ---- */
@@ -169,6 +170,21 @@ int wkr_prefill_pass(const wkr_params *p, bool gpu) {
     return rows < WKR_PREFILL_PASS_MAX ? rows : WKR_PREFILL_PASS_MAX;
 }
 
+/* The layered units (loop.h). A tensor-parallel group keeps whole layers by default: the fine
+ * units' figures are of one GPU. */
+wkr_layering wkr_layering_of(const wkr_params *p, bool gpu) {
+    const bool one_gpu = gpu && p->tp <= 1;
+    wkr_layering y = { .sites = p->prefill_sites >= 0 ? p->prefill_sites == 1 : one_gpu };
+    if (p->prefill_expert_parts >= 0) {
+        y.expert_parts = p->prefill_expert_parts;
+    } else if (y.sites && one_gpu) {
+        y.expert_parts = WKR_GPU_EXPERT_PARTS;
+        y.parts_soft = true;
+    }
+    y.fine_rows = p->fine_units_max_rows >= 0 ? p->fine_units_max_rows : one_gpu ? WKR_GPU_FINE_ROWS : 0;
+    return y;
+}
+
 /* --model: a checkpoint folder (the architecture from its config.json), or random:PRESET (tiny,
  * bench-4L): random weights made on the backend from a fixed seed, for benchmarks of the real
  * shapes without a checkpoint file. */
@@ -182,8 +198,10 @@ static mt_status load_model(wkr_loop *l, mt_error *err) {
     const int vs = l->p.spec_max_batch > 0 ? l->p.spec_max_batch : l->p.max_sequences;
     mp.verify_seqs = vs < WKR_VERIFY_SEQS_MAX ? vs : WKR_VERIFY_SEQS_MAX;
     mp.dequant_fp8 = l->p.dequant_fp8;
-    mp.layered_sites = l->p.prefill_sites;
-    mp.layered_expert_parts = l->p.prefill_expert_parts;
+    const wkr_layering ly = wkr_layering_of(&l->p, !strcmp(l->backend_name, "cuda"));
+    mp.layered_sites = ly.sites;
+    mp.layered_expert_parts = ly.expert_parts;
+    mp.layered_expert_parts_soft = ly.parts_soft;
     mp.comm = l->data;
     load_log g = { .t0 = mt_now(), .last_at = mt_now(), .last_tenth = -1 };
     mp.on_load_progress = on_load_progress;
@@ -308,7 +326,7 @@ mt_status wkr_loop_new(const wkr_params *p, wkr_loop **out, mt_error *err) {
      * req/s falls from 32 to 22 ms at the same output (docs/PERF.md); nothing to gain on the CPU */
     ep.prefill_layers = p->prefill_layers >= 0 ? p->prefill_layers : ep.mixed_steps && mi.backend_queues ? 1 : 0;
     ep.layered_max_waiting = p->layered_max_waiting;
-    ep.fine_units_max_rows = p->fine_units_max_rows;
+    ep.fine_units_max_rows = wkr_layering_of(p, !strcmp(l->backend_name, "cuda")).fine_rows;
     ep.run_ahead = p->no_run_ahead ? ENG_RUN_AHEAD_OFF : ENG_RUN_AHEAD_AUTO;
     ep.spec_tokens = p->spec_tokens;
     ep.spec_max_batch = p->spec_max_batch;

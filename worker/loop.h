@@ -55,9 +55,9 @@ typedef struct wkr_params {
     double prefill_hold_ms;  /* eng_params.prefill_hold_ms; 0 (default): off */
     int prefill_pass;        /* rows of one prefill pass (mt_model_params.prefill_chunk); 0: wkr_prefill_pass */
     int layered_max_waiting; /* eng_params.layered_max_waiting: 0 (default) no limit */
-    bool prefill_sites;      /* mt_model_params.layered_sites: --prefill-layers counts sites */
-    int prefill_expert_parts; /* mt_model_params.layered_expert_parts (with prefill_sites) */
-    int fine_units_max_rows; /* eng_params.fine_units_max_rows: 0 (default) no limit */
+    int prefill_sites;       /* mt_model_params.layered_sites: 1 on, 0 off, -1 (default) wkr_layering */
+    int prefill_expert_parts; /* mt_model_params.layered_expert_parts (with sites); -1 (default) wkr_layering */
+    int fine_units_max_rows; /* eng_params.fine_units_max_rows (0: no limit); -1 (default) wkr_layering */
     int prefill_layers;      /* eng_params.prefill_layers (layered prefill): -1 (default) 1 with
                               * mixed steps where the backend queues its work (the GPU), else 0 */
     int graph_max_batch;     /* largest decode batch replayed as a CUDA graph; 0: the model's default */
@@ -120,6 +120,27 @@ int wkr_prefill_budget(const wkr_params *p, bool gpu);
 
 /* The rows of one prefill pass the worker gives its model (see loop.c). */
 int wkr_prefill_pass(const wkr_params *p, bool gpu);
+
+/* The units a layered prompt goes through (mt_model_params.layered_sites, layered_expert_parts
+ * and its soft flag) and the decode rows under which they go one a step
+ * (eng_params.fine_units_max_rows). */
+typedef struct wkr_layering {
+    bool sites;
+    int expert_parts;
+    bool parts_soft;
+    int fine_rows;
+} wkr_layering;
+
+/* The expert parts and row limit of a single GPU's defaults (docs/PERF.md): the MLP site in two
+ * parts, fine units beside at most 4 decode rows. */
+#define WKR_GPU_EXPERT_PARTS 2
+#define WKR_GPU_FINE_ROWS 4
+
+/* --prefill-sites, --prefill-expert-parts and --fine-units-max-rows where given; otherwise on one
+ * GPU (gpu, no tensor-parallel group) sites with WKR_GPU_EXPERT_PARTS parts (soft: a model that
+ * cannot split its experts so keeps its MLP sites whole) beside at most WKR_GPU_FINE_ROWS rows,
+ * and whole layers elsewhere. */
+wkr_layering wkr_layering_of(const wkr_params *p, bool gpu);
 
 #ifdef __cplusplus
 }

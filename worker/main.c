@@ -43,7 +43,7 @@ static void usage(FILE *f) {
             "                      [--device N] [--max-sequences N] [--max-context N] [--threads N]\n"
             "                      [--router-timeout S] [--cache-budget-mb N] [--prefill-budget N] [--itl-target-ms MS]\n"
             "                      [--prefill-hold-ms MS]\n"
-            "                      [--prefill-pass N] [--prefill-layers N] [--prefill-sites]\n"
+            "                      [--prefill-pass N] [--prefill-layers N] [--prefill-sites|--no-prefill-sites]\n"
             "                      [--prefill-expert-parts P] [--fine-units-max-rows N] [--layered-max-waiting N]\n"
             "                      [--graph-max-batch N] [--no-preempt] [--no-run-ahead] [--mixed-steps|--separate-steps]\n"
             "                      [--verbose]\n"
@@ -75,11 +75,11 @@ static void usage(FILE *f) {
             "  so the rows beside a prompt wait for a few layers of it, not all (default 1 with mixed steps\n"
             "  on a GPU, 0 (every layer in one step) otherwise); --prefill-sites: --prefill-layers counts\n"
             "  a layer's attention and MLP as two steps' work, so an MoE layer's expert reads and its\n"
-            "  attention land in different steps; --prefill-expert-parts: with --prefill-sites, an MLP\n"
-            "  site counts as P steps' work, each through 1/P of the routed experts (default: one);\n"
-            "  --fine-units-max-rows: with --prefill-sites, a step runs a layer's worth of those units\n"
-            "  while more than N rows decode beside the prompts (and while a request waits; default 0:\n"
-            "  only while a request waits);\n"
+            "  attention land in different steps; --prefill-expert-parts: with sites, an MLP site counts\n"
+            "  as P steps' work, each through 1/P of the routed experts; --fine-units-max-rows: with\n"
+            "  sites, a step runs a layer's worth of those units while more than N rows decode beside the\n"
+            "  prompts (and while a request waits; 0: only then). Defaults: on one GPU sites, 2 expert\n"
+            "  parts (where the model has the experts) and N = 4; whole layers otherwise;\n"
             "  --layered-max-waiting: from N requests\n"
             "  waiting for a place on, chunks run every layer in their step (throughput over latency\n"
             "  under saturation; default 0: no limit).\n"
@@ -159,7 +159,8 @@ static int parse_args(int argc, char **argv, wkr_params *o, bool *verbose) {
         if (!strcmp(a, "--mixed-steps")) { o->mixed_steps = 1; continue; }
         if (!strcmp(a, "--separate-steps")) { o->mixed_steps = 0; continue; }
         if (!strcmp(a, "--no-run-ahead")) { o->no_run_ahead = true; continue; }
-        if (!strcmp(a, "--prefill-sites")) { o->prefill_sites = true; continue; }
+        if (!strcmp(a, "--prefill-sites")) { o->prefill_sites = 1; continue; }
+        if (!strcmp(a, "--no-prefill-sites")) { o->prefill_sites = 0; continue; }
         if (!v) { fprintf(stderr, "error: %s needs a value\n", a); usage(stderr); return -1; }
         int rc = 0;
         if (!strcmp(a, "--model")) o->model = v;

@@ -57,6 +57,10 @@ typedef struct mt_model_params {
      * reads 1/P of an MoE layer's experts for the prompt. mt_model_info.layered_units is then
      * (1 + P) x layers. Default 0 (or 1): the MLP site is one unit. */
     int layered_expert_parts;
+    /* layered_expert_parts as a default rather than a request: a model that cannot split its
+     * experts so (no layered_sites, fewer routed experts than parts, a backend that cannot keep a
+     * part of them) keeps its MLP site whole instead of refusing to load. Default false. */
+    bool layered_expert_parts_soft;
     /* With mtp: the verify parts one forward takes at most (each holds GLM_VERIFY_MAX - 1 more
      * recurrent slots while its rows wait for seq_keep); default 1. */
     int verify_seqs;

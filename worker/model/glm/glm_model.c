@@ -77,6 +77,9 @@ static mt_status mtp_plan(glm_model *m, bool random, mt_error *err) {
 static mt_status model_init(glm_model *m, uint64_t random_seed, bool random, mt_error *err) {
     const glm_config *c = &m->cfg;
     mt_backend *be = m->be;
+    if (m->params.layered_expert_parts_soft && m->params.layered_expert_parts > 1 &&
+        (!m->params.layered_sites || m->params.layered_expert_parts > c->n_routed_experts || !be->ops->moe_keep_experts))
+        m->params.layered_expert_parts = 0;
     const int xp = m->params.layered_expert_parts;
     if (xp > 1 && !m->params.layered_sites)
         return mt_errorf(err, MT_ERR_INVALID, "layered expert parts (%d) need layered sites (--prefill-sites)", xp);
