@@ -488,7 +488,10 @@ mt_status glm_seq_copy_prefix(glm_model *m, const glm_seq *src, glm_seq *dst, mt
         glm_layer_state *d = (glm_layer_state *)dst->states[l];
         /* the drafter's rows: its committed ones (src drafts nothing while it is a kept prefix) */
         d->len = l < m->cfg.num_hidden_layers ? src->len : glm_mtp_committed(m, src);
-        if (!mt_layer_has_aux_state(ml)) continue;
+        /* a DSA layer's aux state is its indexer cache, in the pages dst now shares or holds a
+         * copy of (above): nothing more to move, and no round trip through the host (each of its
+         * transfers waits for the device). A PLE memory's state lies outside the pages. */
+        if (!mt_layer_has_aux_state(ml) || (m->cfg.layer_types[l] == GLM_MIXER_DSA && !m->layers[l].ple.on)) continue;
         void *snap = NULL;
         size_t n = 0;
         mt_status st = mt_layer_snapshot_aux(ml, src->states[l], &snap, &n, err);
