@@ -573,8 +573,9 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         fprintf(stderr, "metrale-serve: --curve-server-key and --curve-secret-key go together\n");
         return -1;
     }
-    /* sites are the workers' default only on a GPU (metrale-worker's wkr_layering_of) */
-    const bool sites = o->prefill_sites == 1 || (o->prefill_sites < 0 && strcmp(o->backend, "cpu"));
+    /* sites are the workers' default only on one GPU (metrale-worker's wkr_layering_of): with
+     * --backend auto a worker may find none */
+    const bool sites = o->prefill_sites == 1 || (o->prefill_sites < 0 && !strcmp(o->backend, "cuda") && o->tp <= 1);
     if (o->prefill_expert_parts && atoi(o->prefill_expert_parts) > 1 && !sites) {
         fprintf(stderr, "metrale-serve: --prefill-expert-parts needs --prefill-sites\n");
         return -1;

@@ -109,9 +109,9 @@ struct CUstream_st *mt_cuda_backend_stream(mt_backend *be);
 
 /* Per-op wall time, for finding prefill costs without a profiler. on: starts (or restarts) the
  * count; every op then synchronises the stream when it ends and is charged the time since the
- * previous op ended (so host work between ops lands on the next op), and apart the part of it
- * spent before the wait began. off: prints the table, most expensive first, under `title` to
- * stdout and stops. Not for timed runs. */
+ * previous op ended (so host work between ops lands on the next op), and apart the host's own
+ * part of it. off: prints the table, most expensive first, under `title` to stdout and stops.
+ * Not for timed runs. */
 void mt_cuda_profile(mt_backend *be, bool on, const char *title);
 
 /* Seconds the host has spent blocked on the backend's device work since creation: every wait of
@@ -123,8 +123,9 @@ void mt_cuda_profile(mt_backend *be, bool on, const char *title);
 double mt_cuda_wait_seconds(mt_backend *be);
 
 /* One op's row of that table: its name (static storage), total ms and calls, and of the ms the
- * host's own time before each call's wait began (its issue, and host work since the previous op):
- * the rest is the device's run of the op plus the wait's latency. */
+ * host's own time (its issue, and host work since the previous op; not the waits for the device
+ * inside the op, such as a read-back's): the rest is the device's run of the op, those waits and
+ * the profile's own wait's latency. */
 typedef struct mt_cuda_op_time {
     const char *name;
     double ms;

@@ -31,7 +31,8 @@ struct cu_prof {
     int n;
     const char *name[PROF_MAX];
     double sec[PROF_MAX];
-    double host[PROF_MAX];        /* of sec: the host's time before the op's wait began */
+    double host[PROF_MAX];        /* of sec: the host's own time (not its waits for the device) */
+    double wait_last;             /* the backend's wait_s at the previous mark */
     long calls[PROF_MAX];
 };
 
@@ -73,8 +74,9 @@ void cu_prof_mark(mt_backend *be, const char *what) {
         else p->name[p->n++] = what;
     }
     p->sec[k] += now - p->last;
-    p->host[k] += issued - p->last;
+    p->host[k] += issued - p->last - (cb->wait_s - p->wait_last); /* less the op's own waits (read-backs) */
     p->calls[k]++;
+    p->wait_last = cb->wait_s;
     p->last = mt_now();
 }
 
@@ -107,6 +109,7 @@ extern "C" void mt_cuda_profile(mt_backend *be, bool on, const char *title) {
         if (!cb->prof && !(cb->prof = (struct cu_prof *)calloc(1, sizeof *cb->prof))) return;
         memset(cb->prof, 0, sizeof *cb->prof);
         MT_CUDA_WARN(cudaStreamSynchronize(cb->stream));
+        cb->prof->wait_last = cb->wait_s;
         cb->prof->last = mt_now();
         return;
     }
@@ -116,7 +119,7 @@ extern "C" void mt_cuda_profile(mt_backend *be, bool on, const char *title) {
     if (n == 0) return;
     double host = 0;
     for (int r = 0; r < n; r++) host += rows[r].host_ms;
-    printf("op profile: %s: %.2f ms (each op synchronised), of it %.2f ms host work before the ops' waits\n",
+    printf("op profile: %s: %.2f ms (each op synchronised), of it %.2f ms the host's own work\n",
            title ? title : "", total, host);
     printf("  %9s    %6s %6s  %9s\n", "ms", "share", "calls", "host ms");
     for (int r = 0; r < n; r++)

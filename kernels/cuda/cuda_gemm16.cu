@@ -6,7 +6,8 @@
  * operands' alignments): row counts share a plan within a bucket (each count up to 64, then
  * multiples of 64 up to 512, of 256 up to 4096 and of 1024 beyond), its algorithm the
  * heuristic's for the bucket's largest count, run with the call's own count. A shape that
- * cuBLASLt offers no algorithm for, or refuses at the call, goes through cublasGemmEx. */
+ * cuBLASLt offers no algorithm for, or whose bucket's algorithm it refuses at a call, goes
+ * through cublasGemmEx. */
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <stdint.h>
@@ -184,9 +185,11 @@ extern "C" mt_status cu_gemm_tc(cu_backend *cb, float *y, const void *x16, const
                                             &beta, y, p->lc, y, p->lc, &p->algo, cb->blas_ws, CU_BLAS_WS_BYTES,
                                             cb->stream);
     if (s == CUBLAS_STATUS_SUCCESS) return MT_OK;
-    if (s != CUBLAS_STATUS_NOT_SUPPORTED) {
-        MT_CUBLAS_CHECK(s);
-    }
-    p->ok = false; /* the bucket's algorithm does not take this count: the shape goes through cublasGemmEx */
+    /* the bucket's algorithm refused this count (NOT_SUPPORTED, or INVALID_VALUE for a
+     * configuration it cannot run): the bucket goes through cublasGemmEx from now on, which
+     * reports a failure of its own */
+    mt_log(MT_LOG_WARN, "cuda backend: cuBLASLt refused a %d x %d x %d GEMM (%s); cublasGemmEx takes its shape", M, N, K,
+           cublasGetStatusString(s));
+    p->ok = false;
     return gemm_ex(cb, y, x16, w, dt, M, N, K, beta);
 }
