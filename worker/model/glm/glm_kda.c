@@ -89,6 +89,10 @@ mt_status glm_kda_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
     const bool rows = step->rtab != NULL; /* the rows form, even for n == 1 (a graph bucket) */
     MT_ASSERT(rows ? nst == n : nst == 1);
     const bool ring = !rows && n > 1 && step->vring != NULL;
+    if (!rows && !ring) { /* one sequence's consecutive rows: a chunk of its own */
+        const glm_segment one = { .t0 = step->t0, .n = n };
+        return glm_kda_forward_chunks(l, sts, &one, 1, step, h, out, n);
+    }
     /* the rows form with verifies: the conv and the delta rule block by block (glm_vblock) */
     const glm_vblock *vb = rows ? step->vblk : NULL;
     const int nblk = vb ? vb->kmax : 1;
@@ -116,19 +120,10 @@ mt_status glm_kda_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
         }
     } else if (ring) {
         for (int r = 0; r < n; r++) {
-            const size_t o_r = (size_t)r * D;
-            for (int j = 0; j < 3; j++) {
-                const float scale = j == 0 ? q_scale : 1.f;
-                if (j < 2 && op->conv1d_silu_l2norm &&
-                    op->conv1d_silu_l2norm(be, dst[j] + o_r, pre[j] + o_r, sts[0]->conv[j], w->conv[j], 1, D, K, dk,
-                                           1e-6f, scale))
-                    continue;
-                op->conv1d_silu(be, dst[j] + o_r, pre[j] + o_r, sts[0]->conv[j], w->conv[j], 1, D, K);
-                if (j < 2) op->l2norm(be, dst[j] + o_r, nh, dk, 1e-6f, scale);
-            }
+            conv_seq(l, be, sts[0], dst, pre, r, 1);
             if (r < n - 1) glm_layer_save_slot(l, sts[0], step->vring[r], true, false);
         }
-    } else if (rows) { /* a block's rows at a time: its three convs, then its ring saves */
+    } else { /* a block's rows at a time: its three convs, then its ring saves */
         for (int b = 0, r0 = 0; b < nblk; r0 += vb ? vb->n_at[b] : n, b++) {
             const size_t o = (size_t)r0 * D;
             for (int j = 0; j < 3; j++)
@@ -137,8 +132,6 @@ mt_status glm_kda_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
             if (vb) ring_save_rows(l, step, r0, vb->save_at[b], true);
         }
         for (int j = 0; j < 2; j++) op->l2norm(be, dst[j], (int64_t)n * nh, dk, 1e-6f, j == 0 ? q_scale : 1.f);
-    } else {
-        conv_seq(l, be, sts[0], dst, pre, 0, n);
     }
 
     /* the decay gate and the output gate's projection (fused where the backend offers it); after
@@ -148,13 +141,9 @@ mt_status glm_kda_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
 
     if (ring) {
         for (int r = 0; r < n; r++) {
-            const size_t o_r = (size_t)r * D;
-            op->kda_recurrent(be, o + o_r, q + o_r, k + o_r, v + o_r, g + o_r, beta + (size_t)r * nh, sts[0]->rec, 1,
-                              nh, dk);
+            delta_seq(l, be, sts[0], b, r, 1);
             if (r < n - 1) glm_layer_save_slot(l, sts[0], step->vring[r], false, true);
         }
-    } else if (!rows) {
-        delta_seq(l, be, sts[0], b, 0, n);
     } else {
         for (int b = 0, r0 = 0; b < nblk; r0 += vb ? vb->n_at[b] : n, b++) {
             const size_t o_r = (size_t)r0 * D;
