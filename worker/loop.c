@@ -32,6 +32,7 @@ struct wkr_loop {
     eng_engine *eng;
     wkr_transport *t;
     const char *backend_name;  /* "cpu" or "cuda" */
+    bool gpu;                  /* backend_name is "cuda" */
     Metrale__V1__ModelInfo info; /* the Hello's model; the transport borrows it */
     bool quiet;                /* dropping sequences: their callbacks send nothing */
     txt_model *text;           /* the tokenizer and chat template; NULL: ids only */
@@ -61,6 +62,7 @@ static mt_backend *open_backend(wkr_loop *l, mt_error *err) {
         mt_backend *be = mt_cuda_backend_new(o->device, &cp, err);
         if (be) {
             l->backend_name = "cuda";
+            l->gpu = true;
             return be;
         }
         if (!strcmp(o->backend, "cuda")) return NULL;
@@ -89,7 +91,7 @@ static mt_status plan_memory(wkr_loop *l, eng_params *ep, mt_error *err) {
     const int full = (l->p.max_context + page - 1) / page; /* pages of one full-context sequence */
     const long long want_pages = (long long)full * slots + 1;
     size_t free_b = 0, total_b = 0, pools;
-    const bool gpu = strcmp(be->ops->name, "cpu") != 0;
+    const bool gpu = l->gpu;
     size_t reserve = 0;
     if (l->p.cache_budget_mb > 0) {
         pools = (size_t)l->p.cache_budget_mb << 20;
@@ -191,14 +193,14 @@ wkr_layering wkr_layering_of(const wkr_params *p, bool gpu) {
 static mt_status load_model(wkr_loop *l, mt_error *err) {
     mt_model_params mp = mt_model_default_params();
     if (l->p.graph_max_batch > 0) mp.graph_max_rows = l->p.graph_max_batch;
-    mp.prefill_chunk = wkr_prefill_pass(&l->p, !strcmp(l->backend_name, "cuda"));
+    mp.prefill_chunk = wkr_prefill_pass(&l->p, l->gpu);
     mp.mtp = l->p.spec_tokens > 0;
     /* the verifies one model call takes: those of a step of up to --speculative-max-batch
      * sequences, at most WKR_VERIFY_SEQS_MAX (each holds GLM_VERIFY_MAX - 1 more recurrent slots) */
     const int vs = l->p.spec_max_batch > 0 ? l->p.spec_max_batch : l->p.max_sequences;
     mp.verify_seqs = vs < WKR_VERIFY_SEQS_MAX ? vs : WKR_VERIFY_SEQS_MAX;
     mp.dequant_fp8 = l->p.dequant_fp8;
-    const wkr_layering ly = wkr_layering_of(&l->p, !strcmp(l->backend_name, "cuda"));
+    const wkr_layering ly = wkr_layering_of(&l->p, l->gpu);
     mp.layered_sites = ly.sites;
     mp.layered_expert_parts = ly.expert_parts;
     mp.layered_expert_parts_soft = ly.parts_soft;
@@ -228,7 +230,7 @@ static mt_status join_group(wkr_loop *l, mt_error *err) {
     if (p->tp <= 0) return MT_OK;
     if (!p->group) return mt_errorf(err, MT_ERR_INVALID, "a tensor-parallel rank needs its group's name");
     if (!(l->ctl = mt_comm_host_new(p->group, p->rank, p->tp, NULL, err))) return MT_ERR_BACKEND;
-    if (!strcmp(l->backend_name, "cpu")) {
+    if (!l->gpu) {
         l->data = l->ctl;
         return MT_OK;
     }
@@ -315,7 +317,7 @@ mt_status wkr_loop_new(const wkr_params *p, wkr_loop **out, mt_error *err) {
     eng_params ep = eng_default_params();
     ep.max_sequences = p->max_sequences;
     ep.max_context = p->max_context;
-    ep.prefill_budget = wkr_prefill_budget(p, !strcmp(l->backend_name, "cuda"));
+    ep.prefill_budget = wkr_prefill_budget(p, l->gpu);
     ep.itl_target_ms = p->itl_target_ms;
     ep.prefill_hold_ms = p->prefill_hold_ms;
     ep.preempt = !p->no_preempt;
@@ -326,7 +328,7 @@ mt_status wkr_loop_new(const wkr_params *p, wkr_loop **out, mt_error *err) {
      * req/s falls from 32 to 22 ms at the same output (docs/PERF.md); nothing to gain on the CPU */
     ep.prefill_layers = p->prefill_layers >= 0 ? p->prefill_layers : ep.mixed_steps && mi.backend_queues ? 1 : 0;
     ep.layered_max_waiting = p->layered_max_waiting;
-    ep.fine_units_max_rows = wkr_layering_of(p, !strcmp(l->backend_name, "cuda")).fine_rows;
+    ep.fine_units_max_rows = wkr_layering_of(p, l->gpu).fine_rows;
     ep.run_ahead = p->no_run_ahead ? ENG_RUN_AHEAD_OFF : ENG_RUN_AHEAD_AUTO;
     ep.spec_tokens = p->spec_tokens;
     ep.spec_max_batch = p->spec_max_batch;
