@@ -896,6 +896,82 @@ TEST(Engine, LayeredExpertPartsGiveTheTokensOfWholeSteps) {
     CheckUnitAStep(S.m, M.m, 9);
 }
 
+// Mixed steps run ahead (run_ahead, mt_batch.ticket): while a layered group flies, each step is
+// queued on the device's tokens of the step before it, before the host reads them. On layers and
+// on sites with two expert parts, staggered greedy requests give the tokens of step-by-step
+// decoding, through a stop token met while the next step is in flight, a sequence whose last
+// token is in flight (it sits the next step out), an abort of a decoding sequence and a deadline
+// between steps; the pools end as they do step by step.
+TEST(Engine, RunAheadThroughLayeredGroupsGivesTheTokensOfStepByStep) {
+    Model M, S(kDir, true, 2);
+    const std::vector<int32_t> g1 = DirectGreedy(M.m, Prompt(5, 1), 24);
+    const int32_t stop = g1[9];  // ends sequence 1 at its first occurrence, at index <= 9
+    struct Run {
+        std::map<uint64_t, Result> results;
+        eng_stats stats;
+    };
+    auto run = [&](glm_model *m, bool ahead) {
+        eng_params p = LayeredParams();
+        p.prefill_budget = 16;
+        p.run_ahead = ahead ? ENG_RUN_AHEAD_ALWAYS : ENG_RUN_AHEAD_OFF;
+        Engine E(m, p);
+        const struct { uint64_t id; int plen, max_new, at; } reqs[] = {
+            { 1, 5, 24, 0 }, { 2, 30, 7, 1 }, { 3, 12, 30, 2 }, { 4, 20, 5, 4 }, { 5, 9, 11, 7 }, { 6, 26, 9, 9 },
+        };
+        for (int step = 0; step < 400; step++) {
+            for (const auto &q : reqs)
+                if (q.at == step) {
+                    eng_request r = Req(q.max_new);
+                    const int32_t stops[] = { stop };
+                    if (q.id == 1) {
+                        r.stop_ids = stops;
+                        r.n_stop = 1;
+                    }
+                    EXPECT_EQ(E.Submit(q.id, Prompt(q.plen, (int)q.id), r, q.id == 5 ? E.now + 1000 : 0), MT_OK);
+                }
+            if (step == 16) {
+                EXPECT_EQ(eng_abort(E.e, 3, ENG_FINISH_CANCELLED, nullptr), MT_OK);
+            }
+            if (step == 20) E.now += 1000;
+            if (step > 10 && !eng_has_work(E.e)) break;
+            E.Step();
+        }
+        EXPECT_FALSE(eng_has_work(E.e));
+        Run out{ E.results, E.Stats() };
+        return out;
+    };
+    for (glm_model *m : { M.m, S.m }) {
+        const Run off = run(m, false), on = run(m, true);
+        EXPECT_EQ(off.stats.mixed_ahead_steps, 0u);
+        EXPECT_GE(on.stats.mixed_ahead_steps, 8u);
+        for (uint64_t id = 1; id <= 6; id++) {
+            const Result &a = off.results.at(id), &b = on.results.at(id);
+            if (id == 3 || id == 5) {  // cut: the step in flight is dropped, so one token fewer at most
+                ASSERT_LE(b.tokens.size(), a.tokens.size());
+                EXPECT_GE(b.tokens.size() + 1, a.tokens.size());
+                EXPECT_EQ(b.tokens, std::vector<int32_t>(a.tokens.begin(), a.tokens.begin() + b.tokens.size()));
+            } else {
+                EXPECT_EQ(b.tokens, a.tokens) << "id " << id;
+                EXPECT_EQ(b.completion_tokens, a.completion_tokens) << "id " << id;
+            }
+            EXPECT_EQ(b.finishes, 1) << "id " << id;
+            EXPECT_EQ(b.reason, a.reason) << "id " << id;
+        }
+        size_t first = 0;
+        while (g1[first] != stop) first++;
+        EXPECT_EQ(on.results.at(1).reason, ENG_FINISH_STOP);
+        EXPECT_EQ(on.results.at(1).tokens, std::vector<int32_t>(g1.begin(), g1.begin() + first + 1));
+        EXPECT_EQ(on.results.at(2).tokens, DirectGreedy(M.m, Prompt(30, 2), 7));
+        EXPECT_EQ(on.results.at(4).tokens, DirectGreedy(M.m, Prompt(20, 4), 5));
+        EXPECT_EQ(on.results.at(6).tokens, DirectGreedy(M.m, Prompt(26, 6), 9));
+        EXPECT_EQ(on.results.at(3).reason, ENG_FINISH_CANCELLED);
+        EXPECT_EQ(on.results.at(5).reason, ENG_FINISH_CANCELLED);
+        EXPECT_EQ(on.stats.cache_bytes_in_use, 0u);
+        EXPECT_EQ(on.stats.pages_free, off.stats.pages_free);
+        EXPECT_EQ(on.stats.slots_free, off.stats.slots_free);
+    }
+}
+
 // Fine units (sites, expert parts) go a layer a step while a request waits: the group in flight
 // holds up its admission. tiny_a in sites with two expert parts (12 units; alone a 10-token prompt
 // takes 9 steps beside a running sequence): the prompt's first step runs one unit, then a third

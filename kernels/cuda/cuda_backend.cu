@@ -136,7 +136,7 @@ static mt_status cu_download_end(mt_backend *be, int64_t ticket, void *host_dst,
         cu_fail(be, mt_st_);
         return mt_st_;
     });
-    cb->wait_s += mt_now() - t0;
+    cu_waited(be, t0, cudaStreamQuery(cb->stream) == cudaSuccess);
     if (bytes) memcpy(host_dst, cb->tk_ring + (size_t)slot * MT_TICKET_BYTES, bytes);
     return cb->sticky;
 }

@@ -122,6 +122,13 @@ void mt_cuda_profile(mt_backend *be, bool on, const char *title);
  * host's own work sets the pace. */
 double mt_cuda_wait_seconds(mt_backend *be);
 
+/* Seconds the device has sat idle between a wait that left the stream empty and the next op the
+ * host issued since creation: the host's own work between a read-back and the next step's first
+ * op (or an op's read-back and the op after it), which running ahead would hide. A lower bound of
+ * the device's idle time: gaps while the host issues ops more slowly than the device runs them
+ * are not in it. */
+double mt_cuda_gap_seconds(mt_backend *be);
+
 /* One op's row of that table: its name (static storage), total ms and calls, and of the ms the
  * host's own time (its issue, and host work since the previous op; not the waits for the device
  * inside the op, such as a read-back's): the rest is the device's run of the op, those waits and

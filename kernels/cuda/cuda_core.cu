@@ -36,11 +36,17 @@ struct cu_prof {
     long calls[PROF_MAX];
 };
 
-cudaError_t cu_wait(mt_backend *be) {
+void cu_waited(mt_backend *be, double t0, bool empty) {
     cu_backend *cb = cb_of(be);
+    const double now = mt_now();
+    cb->wait_s += now - t0;
+    if (empty && !cb->drained) cb->drained = true, cb->drained_at = now;
+}
+
+cudaError_t cu_wait(mt_backend *be) {
     const double t0 = mt_now();
-    const cudaError_t e = cudaStreamSynchronize(cb->stream);
-    cb->wait_s += mt_now() - t0;
+    const cudaError_t e = cudaStreamSynchronize(cb_of(be)->stream);
+    cu_waited(be, t0, true);
     return e;
 }
 
@@ -49,14 +55,20 @@ cudaError_t cu_copy_to_host(mt_backend *be, void *dst, const void *src, size_t b
     const double t0 = mt_now();
     cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, cb->stream);
     if (e == cudaSuccess) e = cudaStreamSynchronize(cb->stream);
-    cb->wait_s += mt_now() - t0;
+    cu_waited(be, t0, true);
     return e;
 }
 
 extern "C" double mt_cuda_wait_seconds(mt_backend *be) { return cb_of(be)->wait_s; }
 
+extern "C" double mt_cuda_gap_seconds(mt_backend *be) { return cb_of(be)->gap_s; }
+
 void cu_prof_mark(mt_backend *be, const char *what) {
     cu_backend *cb = cb_of(be);
+    if (cb->drained) {
+        cb->gap_s += mt_now() - cb->drained_at;
+        cb->drained = false;
+    }
     struct cu_prof *p = cb->prof;
     if (!p) return;
     cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;

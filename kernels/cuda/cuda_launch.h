@@ -24,14 +24,18 @@ void cu_fail(mt_backend *be, mt_status st);
 void cu_check_launch(mt_backend *be, const char *op);
 /* Records a failed status from a launcher (already logged at the failing call) with the op name. */
 void cu_op_status(mt_backend *be, const char *op, mt_status st);
-/* Op timing (mt_cuda_profile): when on, synchronises the stream and charges the time since the
- * previous mark to `what`. cu_op_status and cu_check_launch mark with their op name. No-op when
- * off or while the stream is being captured. */
+/* Called after every op is issued: ends a gap of the device after a wait that left the stream
+ * empty (mt_cuda_gap_seconds). Op timing (mt_cuda_profile): when on, synchronises the stream and
+ * charges the time since the previous mark to `what`. cu_op_status and cu_check_launch mark with
+ * their op name. The timing is off while the stream is being captured. */
 void cu_prof_mark(mt_backend *be, const char *what);
 /* cudaStreamSynchronize of the backend's stream, its time added to the backend's wait_s
  * (mt_cuda_wait_seconds). Every op and transfer that waits for the stream waits through it; the
  * op profile's own waits (cu_prof_mark) do not. */
 cudaError_t cu_wait(mt_backend *be);
+/* Books a wait that began at t0 (mt_now()) and has just ended: wait_s, and when `empty` (the
+ * stream has nothing left queued) the start of a gap (mt_cuda_gap_seconds). */
+void cu_waited(mt_backend *be, double t0, bool empty);
 /* bytes from device src into host dst (pageable or not) in the stream's order, waited for: the
  * copy and the wait both count in wait_s, since a copy into pageable memory itself blocks until
  * the stream reaches it and has run it. */

@@ -101,6 +101,10 @@ typedef struct cu_backend {
     bool moe_batched;           /* params.moe_batched, until cuBLAS refuses a batched GEMM (cuda_moe.cu) */
     struct cu_prof *prof;       /* op timing (mt_cuda_profile); NULL when off */
     double wait_s;              /* host seconds blocked in cu_wait (mt_cuda_wait_seconds) */
+    /* mt_cuda_gap_seconds: a wait that leaves the stream empty sets drained_at (mt_now()); the
+     * next op's mark adds the time since to gap_s, the device's idle time between them */
+    double gap_s, drained_at;
+    bool drained;
     /* [CU_COUNTERS] device, zeroed at creation: arrival counters of kernels whose last block
      * finishes the op (CU_COUNTER_*); each such kernel returns its counter to 0 before it exits. */
     unsigned *counters;
