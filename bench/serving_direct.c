@@ -10,7 +10,6 @@
  *                  [--shared-prefix K] [--max-sequences M] [--backend cpu|cuda] [--threads N]
  * (random:PRESET, e.g. random:bench-4L: glm_config_preset's shapes with random weights made by the
  *  backend; --run-ahead 0: eng_params.run_ahead off, for comparison; 1, the default: AUTO;
- *  --mixed-ahead 0: eng_params.mixed_ahead off (1, the default: on);
  *  --mixed-steps 0|1, --itl-target-ms MS, --prefill-hold-ms MS and --prefill-layers N:
  *  eng_params.mixed_steps, itl_target_ms, prefill_hold_ms and prefill_layers (by default 1
  *  with mixed steps on cuda), --layered-max-waiting N: eng_params.layered_max_waiting,
@@ -45,7 +44,7 @@
  * rate); and on cuda host_wait_s, the time the host spent blocked on the device
  * (mt_cuda_wait_seconds): what is left of the wall time is the host's own work, which sets the
  * pace where the device waits for it; and device_gap_s, the device's idle time between the
- * host's waits and its next ops (mt_cuda_gap_seconds), what running ahead would hide. Both JSON forms give the
+ * host's waits and its next ops (mt_cuda_gap_seconds). Both JSON forms give the
  * run's speculative figures: verify steps, drafts, drafts accepted, and the steps whose verifies
  * rode in one model call with decode rows or prompt chunks (spec_mixed_steps).
  *
@@ -220,7 +219,7 @@ static int run_mix(eng_engine *e, mt_backend *be, bench *b, int V, int n, const 
     printf("{\"mode\": \"mix\", \"requests\": %d, \"requests_done\": %d, \"tokens\": %ld, \"tokens_expected\": %ld, "
            "\"wall_s\": %.6f, \"tok_per_s\": %.3f, \"ttft_p50_ms\": %.3f, \"ttft_p99_ms\": %.3f, "
            "\"itl_p50_ms\": %.3f, \"itl_p99_ms\": %.3f, \"shared_prefix\": %d, \"prefix_hits\": %llu, "
-           "\"max_sequences\": %d, \"steps\": %llu, \"mixed_steps\": %llu, \"ahead_steps\": %llu, \"mixed_ahead_steps\": %llu, "
+           "\"max_sequences\": %d, \"steps\": %llu, \"mixed_steps\": %llu, \"ahead_steps\": %llu, "
            "\"held_steps\": %llu, \"layered_steps\": %llu, "
            "\"ms_per_step\": %.3f, \"chunk_steps\": %ld, \"chunk_steps_ms\": %.1f, \"prompt_tokens\": %llu, "
            "\"decode_steps\": %ld, \"decode_steps_ms\": %.1f, \"chunk_steps_tokens\": %ld, \"decode_steps_tokens\": %ld, "
@@ -230,7 +229,7 @@ static int run_mix(eng_engine *e, mt_backend *be, bench *b, int V, int n, const 
            1e3 * pct_sorted(ttft, (size_t)n, 0.99), 1e3 * pct_sorted(b->gaps, b->n_gaps, 0.5),
            1e3 * pct_sorted(b->gaps, b->n_gaps, 0.99), shared,
            (unsigned long long)st.prefix_hits, max_sequences, (unsigned long long)st.steps,
-           (unsigned long long)st.mixed_steps, (unsigned long long)st.ahead_steps, (unsigned long long)st.mixed_ahead_steps,
+           (unsigned long long)st.mixed_steps, (unsigned long long)st.ahead_steps,
            (unsigned long long)st.held_steps, (unsigned long long)st.layered_steps, st.steps ? 1e3 * wall / (double)st.steps : 0.0, chunk_steps, chunk_ms,
            (unsigned long long)(st.prefill_tokens - prompt0), decode_steps, decode_ms, chunk_tokens, decode_tokens,
            backlog_ms / 1e3, backlog_tokens, backlog_ms > 0 ? backlog_tokens / (backlog_ms / 1e3) : 0.0, wait, gap, backend);
@@ -243,7 +242,7 @@ static int run_mix(eng_engine *e, mt_backend *be, bench *b, int V, int n, const 
 
 int main(int argc, char **argv) {
     const char *model = NULL, *backend = "cpu", *prompt_mix = NULL, *new_mix = NULL;
-    int streams = 1, max_new = 32, plen = 16, threads = 0, run_ahead = 1, mixed_ahead = 1, mixed_steps = -1;
+    int streams = 1, max_new = 32, plen = 16, threads = 0, run_ahead = 1, mixed_steps = -1;
     double itl_target_ms = 0, prefill_hold_ms = 0;
     int prefill_layers = -1, layered_max_waiting = 0, prefill_sites = -1, expert_parts = -1, fine_rows = -1;
     int prefill_pass = 0, prefill_budget = 0, op_profile = 0;
@@ -258,7 +257,6 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--prompt-len")) plen = atoi(v);
         else if (!strcmp(a, "--threads")) threads = atoi(v);
         else if (!strcmp(a, "--run-ahead")) run_ahead = atoi(v);
-        else if (!strcmp(a, "--mixed-ahead")) mixed_ahead = atoi(v);
         else if (!strcmp(a, "--mixed-steps")) mixed_steps = atoi(v);
         else if (!strcmp(a, "--itl-target-ms")) itl_target_ms = atof(v);
         else if (!strcmp(a, "--prefill-hold-ms")) prefill_hold_ms = atof(v);
@@ -357,7 +355,6 @@ int main(int argc, char **argv) {
     ep.max_context = plen + max_new;
     if (mix && ep.max_waiting < requests) ep.max_waiting = requests;
     ep.run_ahead = run_ahead ? ENG_RUN_AHEAD_AUTO : ENG_RUN_AHEAD_OFF;
-    ep.mixed_ahead = mixed_ahead != 0;
     ep.mixed_steps = mixed_steps >= 0 ? mixed_steps != 0 : gpu;
     ep.prefill_budget = wkr_prefill_budget(&wp, gpu);
     ep.itl_target_ms = itl_target_ms;

@@ -242,18 +242,6 @@ TEST_F(ModelCuda, GreedyRunAheadEqualsReadingEachStep) {
         }
 }
 
-// glm_forward_mixed_ahead's device chain beside layered chunks against reading each step's tokens.
-TEST_F(ModelCuda, MixedStepsRunAheadEqualReadingEachStep) {
-    for (const char *name : {"tiny_a", "tiny_b"}) {
-        std::string dir = std::string("tests/fixtures/") + name;
-        glm_model *m = nullptr;
-        mt_error err{};
-        ASSERT_EQ(glm_model_load(dir.c_str(), gpu_, nullptr, &m, &err), MT_OK) << err.msg;
-        CheckMixedAhead(m, name, 1e-3f);
-        glm_model_free(m);
-    }
-}
-
 // A mixed step (prompt chunks and a decode row in one pass) equals the parts run alone, in the
 // exact mode, whole and with its chunks layered (in layers, and in sites: a call stopping or
 // starting a group between a layer's attention and its MLP, and with the MLP in 2 or 3 parts of

@@ -44,8 +44,6 @@ class ModelLayer : public ::testing::Test {
 
 TEST_F(ModelLayer, GreedyRunAheadEqualsReadingEachStep) { CheckRunAhead(m_, "tiny_a (CPU)"); }
 
-TEST_F(ModelLayer, MixedStepsRunAheadEqualReadingEachStep) { CheckMixedAhead(m_, "tiny_a (CPU)"); }
-
 TEST_F(ModelLayer, CapabilitiesByKind) {
     ASSERT_EQ(glm_model_n_layers(m_), 4);
     const mt_layer *kda = glm_model_layer(m_, 0), *full = glm_model_layer(m_, 1), *shared = glm_model_layer(m_, 2);

@@ -1,4 +1,4 @@
-// tests/run_ahead_check.h: checks of glm_decode_greedy and glm_forward_mixed_ahead shared by the CPU and GPU model tests
+// tests/run_ahead_check.h: one check of glm_decode_greedy shared by the CPU and GPU model tests
 // (model_layer_test.cc, model_cuda_test.cc), so both backends are held to the same contract.
 #ifndef MT_TESTS_RUN_AHEAD_CHECK_H
 #define MT_TESTS_RUN_AHEAD_CHECK_H
@@ -76,98 +76,6 @@ inline void CheckRunAhead(glm_model *m, const char *name, bool flip_graphs = fal
     for (int q = 0; q < nq; q++) {
         glm_seq_free(a[q]);
         glm_seq_free(b[q]);
-    }
-}
-
-// Mixed steps run ahead (glm_forward_mixed_ahead): decode rows beside layered prompt chunks, each
-// step after the first taking its rows' tokens from the device and the host reading step k's
-// tokens only after step k + 1 is queued, give the tokens of mixed steps that read each step
-// (twin sequences), through a chunk that flies a unit a step, its completion (its last row's
-// logits as the plain path's) and the next chunk, and a row that sits out from step 4 on (the
-// next step gathers the others' tokens around it). The device's tokens are refused for another
-// order, for a sequence the last step did not carry, and for one decoded alone since. tol: how far
-// a completed chunk's logits may be from the plain path's (0: equal).
-inline void CheckMixedAhead(glm_model *m, const char *name, float tol = 0.f) {
-    ASSERT_TRUE(glm_model_mixed_ahead(m)) << name;
-    const int V = glm_model_config(m)->vocab_size, nq = 5, steps = 9, plen = 20;
-    mt_error err{};
-    glm_seq *a[nq], *b[nq], *pa[2], *pb[2];
-    std::vector<int32_t> ta(nq), tb(nq), got(nq), prompt[2];
-    for (int q = 0; q < nq; q++) {
-        std::vector<int32_t> p;
-        for (int i = 0; i < 3 + 4 * q; i++) p.push_back((i * 31 + q * 17 + 5) % V);
-        ASSERT_EQ(glm_seq_new(m, 64, &a[q], &err), MT_OK) << err.msg;
-        ASSERT_EQ(glm_seq_new(m, 64, &b[q], &err), MT_OK) << err.msg;
-        ASSERT_EQ(glm_prefill(m, a[q], p.data(), (int)p.size(), nullptr, false, &err), MT_OK) << err.msg;
-        ASSERT_EQ(glm_prefill(m, b[q], p.data(), (int)p.size(), nullptr, false, &err), MT_OK) << err.msg;
-        ta[q] = tb[q] = (q * 13 + 2) % V;
-    }
-    for (int c = 0; c < 2; c++) {
-        for (int i = 0; i < plen; i++) prompt[c].push_back((i * 7 + c * 29 + 3) % V);
-        ASSERT_EQ(glm_seq_new(m, 64, &pa[c], &err), MT_OK) << err.msg;
-        ASSERT_EQ(glm_seq_new(m, 64, &pb[c], &err), MT_OK) << err.msg;
-    }
-    // a step's parts: rows `live` of seqs (tokens from tok, or the device when tok is NULL), then
-    // the chunk in flight (chunk c of the twins in cs), a unit a step
-    std::vector<float> la(V), lb(V);
-    auto parts = [&](glm_seq **seqs, const int32_t *tok, int32_t *amax, const std::vector<int> &live, glm_seq **cs,
-                     int c, float *logits) {
-        std::vector<glm_mixed_part> p;
-        for (int q : live)
-            p.push_back(glm_mixed_part{ seqs[q], tok ? tok + q : nullptr, 1, nullptr, false, amax ? amax + q : nullptr,
-                                        false, 0 });
-        if (c >= 0) p.push_back(glm_mixed_part{ cs[c], prompt[c].data(), plen, logits, false, nullptr, false, 1 });
-        return p;
-    };
-    auto live_at = [&](int t) { return t < 4 ? std::vector<int>{ 0, 1, 2, 3, 4 } : std::vector<int>{ 0, 1, 3, 4 }; };
-    // the plain path: the chunk of each step, its completion and the rows' tokens
-    std::vector<int> chunk_at(steps, -1);
-    std::vector<std::vector<int32_t>> ref(steps);
-    std::vector<std::vector<float>> ref_logits(2);
-    for (int t = 0, c = 0; t < steps; t++) {
-        chunk_at[t] = c < 2 ? c : -1;
-        std::vector<glm_mixed_part> p = parts(b, tb.data(), tb.data(), live_at(t), pb, chunk_at[t], lb.data());
-        ASSERT_EQ(glm_forward_mixed(m, p.data(), (int)p.size(), 0, &err), MT_OK) << name << " step " << t << ": " << err.msg;
-        for (int q : live_at(t)) ref[t].push_back(tb[q]);
-        if (c < 2 && !glm_seq_in_flight(pb[c])) ref_logits[c++] = lb;
-    }
-    ASSERT_TRUE(chunk_at[steps - 1] < 0) << name << ": both chunks complete within the steps";
-    int64_t prev = -1;
-    for (int t = 0; t < steps; t++) {
-        std::vector<glm_mixed_part> p = parts(a, t == 0 ? ta.data() : nullptr, nullptr, live_at(t), pa, chunk_at[t], la.data());
-        int64_t ticket = -1;
-        ASSERT_EQ(glm_forward_mixed_ahead(m, p.data(), (int)p.size(), &ticket, &err), MT_OK)
-            << name << " step " << t << ": " << err.msg;
-        if (chunk_at[t] >= 0 && !glm_seq_in_flight(pa[chunk_at[t]])) {
-            for (int v = 0; v < V; v++) ASSERT_NEAR(la[v], ref_logits[chunk_at[t]][v], tol) << name << " chunk " << chunk_at[t];
-        }
-        if (t > 0) { // step t - 1's tokens, read after step t was queued
-            const int n = (int)live_at(t - 1).size();
-            ASSERT_EQ(glm_greedy_tokens(m, prev, got.data(), n), MT_OK);
-            for (int q = 0; q < n; q++) EXPECT_EQ(got[q], ref[t - 1][q]) << name << " step " << t - 1 << " row " << q;
-        }
-        prev = ticket;
-    }
-    ASSERT_EQ(glm_greedy_tokens(m, prev, got.data(), nq - 1), MT_OK);
-    for (int q = 0; q < nq - 1; q++) EXPECT_EQ(got[q], ref[steps - 1][q]) << name << " last step, row " << q;
-    int64_t ticket = -1;
-    std::vector<glm_mixed_part> p = parts(a, nullptr, nullptr, { 1, 0 }, pa, -1, nullptr);
-    EXPECT_EQ(glm_forward_mixed_ahead(m, p.data(), 2, &ticket, &err), MT_ERR_INVALID) << name; // another order
-    p = parts(a, nullptr, nullptr, { 2 }, pa, -1, nullptr);
-    EXPECT_EQ(glm_forward_mixed_ahead(m, p.data(), 1, &ticket, &err), MT_ERR_INVALID) << name; // sat out
-    std::vector<float> logits(V);
-    ASSERT_EQ(glm_decode(m, a[0], 7, logits.data(), &err), MT_OK) << err.msg; // a[0] leaves the chain
-    p = parts(a, nullptr, nullptr, { 0, 1 }, pa, -1, nullptr);
-    EXPECT_EQ(glm_forward_mixed_ahead(m, p.data(), 2, &ticket, &err), MT_ERR_INVALID) << name;
-    p = parts(a, nullptr, nullptr, { 1, 3 }, pa, -1, nullptr); // the others' tokens stay usable
-    EXPECT_EQ(glm_forward_mixed_ahead(m, p.data(), 2, &ticket, &err), MT_OK) << name << ": " << err.msg;
-    for (int q = 0; q < nq; q++) {
-        glm_seq_free(a[q]);
-        glm_seq_free(b[q]);
-    }
-    for (int c = 0; c < 2; c++) {
-        glm_seq_free(pa[c]);
-        glm_seq_free(pb[c]);
     }
 }
 

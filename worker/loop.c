@@ -330,7 +330,6 @@ mt_status wkr_loop_new(const wkr_params *p, wkr_loop **out, mt_error *err) {
     ep.layered_max_waiting = p->layered_max_waiting;
     ep.fine_units_max_rows = wkr_layering_of(p, l->gpu).fine_rows;
     ep.run_ahead = p->no_run_ahead ? ENG_RUN_AHEAD_OFF : ENG_RUN_AHEAD_AUTO;
-    ep.mixed_ahead = !p->no_mixed_ahead;
     ep.spec_tokens = p->spec_tokens;
     ep.spec_max_batch = p->spec_max_batch;
     if ((st = plan_memory(l, &ep, err)) != MT_OK) goto fail;

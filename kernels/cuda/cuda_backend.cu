@@ -110,6 +110,7 @@ static void cu_download(mt_backend *be, void *host_dst, const void *src, size_t 
     if (!bytes) return;
     MT_CUDA_(cu_copy_to_host(be, host_dst, src, bytes), "cudaMemcpyAsync(download)", cu_fail(be, mt_st_));
     cu_prof_mark(be, "download");
+    cu_gap_open(be);
 }
 
 /* The copy lands in the ticket's page-locked slot (a copy into pageable memory would wait for

@@ -43,6 +43,12 @@ void cu_waited(mt_backend *be, double t0, bool empty) {
     if (empty && !cb->drained) cb->drained = true, cb->drained_at = now;
 }
 
+void cu_gap_open(mt_backend *be) {
+    cu_backend *cb = cb_of(be);
+    cb->drained = true;
+    cb->drained_at = mt_now();
+}
+
 cudaError_t cu_wait(mt_backend *be) {
     const double t0 = mt_now();
     const cudaError_t e = cudaStreamSynchronize(cb_of(be)->stream);

@@ -1723,6 +1723,7 @@ static void cu_argmax(mt_backend *be, int32_t *out, const float *logits, int n, 
     if (!dev) return; /* cu_scratch logged and recorded it */
     if (st == MT_OK) MT_CUDA_(cu_copy_to_host(be, out, dev, (size_t)n * 4), "cudaMemcpyAsync(out, argmax)", st = mt_st_);
     cu_op_status(be, "argmax", st);
+    cu_gap_open(be);
 }
 
 extern "C" void cu_dense_fill(mt_backend_ops *t) {

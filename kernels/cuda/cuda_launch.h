@@ -36,6 +36,9 @@ cudaError_t cu_wait(mt_backend *be);
 /* Books a wait that began at t0 (mt_now()) and has just ended: wait_s, and when `empty` (the
  * stream has nothing left queued) the start of a gap (mt_cuda_gap_seconds). */
 void cu_waited(mt_backend *be, double t0, bool empty);
+/* After the mark of an op that ends with a wait emptying the stream (a read-back): the device is
+ * idle from here until the host's next op (that op's own mark closed the gap its wait began). */
+void cu_gap_open(mt_backend *be);
 /* bytes from device src into host dst (pageable or not) in the stream's order, waited for: the
  * copy and the wait both count in wait_s, since a copy into pageable memory itself blocks until
  * the stream reaches it and has run it. */

@@ -229,10 +229,7 @@ static void leader_destroy(mt_model *m) {
     free(l);
 }
 
-static void leader_describe(const mt_model *m, mt_model_info *out) {
-    as_cleader(m)->local->ops->describe(as_cleader(m)->local, out);
-    out->mixed_ahead = false; /* a plan's tokens go to every rank from the host */
-}
+static void leader_describe(const mt_model *m, mt_model_info *out) { as_cleader(m)->local->ops->describe(as_cleader(m)->local, out); }
 static void leader_pool_stats(const mt_model *m, mt_pool_stats *out) { as_cleader(m)->local->ops->pool_stats(as_cleader(m)->local, out); }
 static size_t leader_seq_bytes_max(const mt_model *m, int max_tokens) {
     return mt_model_seq_bytes_max(as_cleader(m)->local, max_tokens);
@@ -327,7 +324,6 @@ static mt_status leader_seq_copy_prefix(mt_model *m, const mt_seq *src, mt_seq *
 
 static mt_status leader_forward(mt_model *m, const mt_batch *b, mt_error *err) {
     tp_leader *l = as_leader(m);
-    if (b->ticket) return mt_errorf(err, MT_ERR_UNSUPPORTED, "a tensor-parallel group does not run a plan ahead");
     size_t tokens = 0;
     for (int i = 0; i < b->n_parts; i++) tokens += (size_t)(b->parts[i].n > 0 ? b->parts[i].n : 0);
     const size_t bytes = sizeof(tp_part) * (size_t)b->n_parts + sizeof(int32_t) * tokens;

@@ -72,16 +72,13 @@ struct eng_engine {
     bool lp_active;
     int lp_done;
     uint64_t layered_steps;
-    /* A greedy step queued and not yet read (run_ahead; mt_model_decode_ahead, or a mixed step's
-     * mt_batch.ticket): its rows' sequences in order, a row NULL once its sequence is freed
-     * (compact), and the ticket of its tokens. */
+    /* A greedy step queued and not yet read (run_ahead; mt_model_decode_ahead): its rows' sequences in
+     * order, a row NULL once its sequence is freed (compact), and the ticket of its tokens. */
     eng_seq **ahead;             /* [max_sequences] */
     int n_ahead;                 /* 0: none in flight */
     int64_t ahead_ticket;
-    bool ahead_mixed;            /* the step in flight is a mixed step (its chunks ran beside it) */
-    eng_seq **ahead_prev;        /* [max_sequences] scratch: the rows of the step read after the next */
     bool ahead_on;               /* run_ahead resolved for this model's backend */
-    uint64_t ahead_steps, mixed_ahead_steps;
+    uint64_t ahead_steps;
     uint64_t mixed_steps;        /* mixed_step calls that ran decode rows and chunks together */
     uint64_t spec_mixed_steps;   /* mixed_step calls whose verifies rode with decode rows or chunks */
     uint64_t held_steps;         /* steps that held their prompt work back (prefill_hold_ms) */
@@ -128,8 +125,7 @@ eng_request eng_default_request(void) {
 eng_params eng_default_params(void) {
     return (eng_params){ .max_sequences = 16, .max_waiting = 1024, .max_context = 4096,
                          .prefill_budget = 2048, .mixed_steps = false, .prefix_cache_bytes = (size_t)256 << 20,
-                         .prefix_block = 64, .preempt = true, .run_ahead = ENG_RUN_AHEAD_AUTO,
-                         .mixed_ahead = true };
+                         .prefix_block = 64, .preempt = true, .run_ahead = ENG_RUN_AHEAD_AUTO };
 }
 
 static uint64_t realtime_ms(void *user) {
@@ -184,7 +180,6 @@ mt_status eng_new(mt_model *m, const eng_params *params, const eng_callbacks *cb
     e->batch = malloc(sizeof(eng_seq *) * (size_t)p.max_sequences);
     e->logits = malloc(sizeof(float) * (size_t)p.max_sequences * (size_t)e->vocab);
     e->ahead = malloc(sizeof(eng_seq *) * (size_t)p.max_sequences);
-    e->ahead_prev = malloc(sizeof(eng_seq *) * (size_t)p.max_sequences);
     e->tok = malloc(sizeof(int32_t) * (size_t)p.max_sequences);
     e->gs = malloc(sizeof(mt_seq *) * (size_t)p.max_sequences);
     e->parts = malloc(sizeof(mt_batch_part) * (size_t)p.max_sequences);
@@ -198,7 +193,7 @@ mt_status eng_new(mt_model *m, const eng_params *params, const eng_callbacks *cb
          !(e->spec_p = malloc(sizeof(float) * (size_t)e->vocab)) ||
          !(e->spec_logits = malloc(sizeof(float) * (size_t)e->spec_group * (ENG_SPEC_MAX + 1) * e->vocab))))
         goto fail;
-    if (!e->sampler || !e->waiting || !e->running || !e->batch || !e->logits || !e->ahead || !e->ahead_prev || !e->tok || !e->gs || !e->parts)
+    if (!e->sampler || !e->waiting || !e->running || !e->batch || !e->logits || !e->ahead || !e->tok || !e->gs || !e->parts)
         goto fail;
     *out = e;
     return MT_OK;
@@ -235,7 +230,6 @@ void eng_free(eng_engine *e) {
     free(e->chunks);
     free(e->chunk_logits);
     free(e->ahead);
-    free(e->ahead_prev);
     free(e->tok);
     free(e->gs);
     free(e->parts);
@@ -784,17 +778,15 @@ static void decode_running(eng_engine *e, eng_seq **batch, int n, float *logits,
 /* Reads the tokens of a queued greedy step of rows e->ahead[0, n) (waiting for that step only)
  * and reports each to its sequence; rows whose sequence ended since are dropped. A failed read
  * ends the step's sequences. */
-static void ahead_report_rows(eng_engine *e, eng_seq *const *rows, int n, int64_t ticket) {
+static void ahead_report(eng_engine *e, int n, int64_t ticket) {
     const mt_status st = mt_model_ahead_tokens(e->m, ticket, e->tok, n);
     for (int i = 0; i < n; i++) {
-        eng_seq *s = rows[i];
+        eng_seq *s = e->ahead[i];
         if (!s || s->done) continue;
         if (st != MT_OK) seq_end(e, s, ENG_FINISH_ERROR, "reading a decode step's tokens back failed");
         else emit(e, s, &(eng_sample_result){ .token = e->tok[i] });
     }
 }
-
-static void ahead_report(eng_engine *e, int n, int64_t ticket) { ahead_report_rows(e, e->ahead, n, ticket); }
 
 /* The step in flight's tokens, reported; none is in flight after. */
 static void ahead_collect(eng_engine *e) {
@@ -853,32 +845,7 @@ static mt_status ahead_queue(eng_engine *e, eng_seq **batch, int n, bool from_de
     memmove(e->ahead, batch, sizeof(eng_seq *) * (size_t)n);
     e->n_ahead = n;
     e->ahead_ticket = ticket;
-    e->ahead_mixed = false;
     return MT_OK;
-}
-
-/* The rows of a mixed step that may be queued on the device's tokens of the mixed step in flight
- * (into e->batch; -1: the step must read them first). While a layered group flies nothing is
- * admitted or planned, so the step's rows are the decoding sequences the step in flight carried
- * that go on: a sequence whose token in flight is its last (max_new_tokens) sits out and ends when
- * the token is read, one that ends on reading it (a stop) wastes a row. Each plain greedy, with
- * its page for the next token without evicting or preempting; a decoding sequence the step in
- * flight did not carry (its prompt completed there) needs the host; no speculation. */
-static int mixed_next_rows(eng_engine *e) {
-    if (!e->lp_active || e->p.spec_tokens > 0) return -1;
-    int n = 0;
-    for (int i = 0, j = 0; i < e->n_running; i++) {
-        eng_seq *s = e->running[i];
-        if (s->done || !s->gs || s->prefilled != s->n_feed) continue;
-        while (j < e->n_ahead && e->ahead[j] != s) j++;
-        if (j++ == e->n_ahead || !plain_greedy(s)) return -1;
-        if (s->n_gen + 1 < s->req.max_new_tokens) e->batch[n++] = s;
-    }
-    if (n == 0 || n > e->info.ahead_rows) return -1;
-    mt_error err = { "" };
-    for (int i = 0; i < n; i++)
-        if (mt_seq_reserve(e->batch[i]->gs, 1, &err) != MT_OK) return -1;
-    return n;
 }
 
 /* Running sequences whose prompt is complete (they decode this step). */
@@ -1161,14 +1128,8 @@ static bool plan_chunk(eng_engine *e, eng_seq *s, int *budget) {
 }
 
 /* What a step did with prompt chunks (mixed_step): none ran; they ran and completed (finish_chunks
- * follows); they ran some layers and stay in flight (layered prefill); nothing ran (a step from
- * the device's tokens that the model refused: the caller reads them and plans again). */
-typedef enum { CHUNKS_NONE, CHUNKS_DONE, CHUNKS_FLYING, CHUNKS_REFUSED } chunks_ran;
-
-/* How a mixed step's decode rows run ahead (mt_batch.ticket): not; from their pending tokens,
- * leaving the step's tokens on the device (read at the next step); from the tokens the mixed step
- * in flight left there (mixed_next_rows). */
-typedef enum { AHEAD_NONE, AHEAD_START, AHEAD_NEXT } ahead_mode;
+ * follows); they ran some layers and stay in flight (layered prefill). */
+typedef enum { CHUNKS_NONE, CHUNKS_DONE, CHUNKS_FLYING } chunks_ran;
 
 /* The step's decode rows b[0, n) (as decode_running), the verifies of the speculating sequences
  * v[0, nv) (nv <= spec_group; drafted here, as spec_group does) and the chunks
@@ -1178,12 +1139,8 @@ typedef enum { AHEAD_NONE, AHEAD_START, AHEAD_NEXT } ahead_mode;
  * one pass). CHUNKS_NONE when no chunk ran: then the decode rows and verifies still share one call
  * when both are there, else each runs as it would alone, and the caller admits as usual. A refused
  * call (checked before anything moves) runs its kinds apart: the verifies (spec_verify), the
- * decode rows, each chunk (through every remaining layer).
- * With `ahead` (greedy rows, no verifies, the chunks in one pass: layered) the rows' tokens stay on
- * the device as the step in flight (e->ahead), read at the next step; a refused AHEAD_NEXT step
- * runs nothing (CHUNKS_REFUSED). */
-static chunks_ran mixed_step(eng_engine *e, eng_seq **b, int n, eng_seq **v, int nv, float *logits, int32_t *greedy,
-                             ahead_mode ahead) {
+ * decode rows, each chunk (through every remaining layer). */
+static chunks_ran mixed_step(eng_engine *e, eng_seq **b, int n, eng_seq **v, int nv, float *logits, int32_t *greedy) {
     int lv[ENG_SPEC_GROUP_MAX], nl = 0, vrows = 0;
     if (nv > 0) {
         spec_draft_group(e, v, nv);
@@ -1203,12 +1160,8 @@ static chunks_ran mixed_step(eng_engine *e, eng_seq **b, int n, eng_seq **v, int
         if (n > 0) decode_running(e, b, n, logits, greedy);
         return CHUNKS_NONE;
     }
-    bool go = ahead != AHEAD_NONE && greedy && n > 0 && nl == 0 && n <= e->info.ahead_rows &&
-                    (layers > 0 || e->lp_active);
-    if (ahead == AHEAD_NEXT && !go) return CHUNKS_REFUSED;
     if (greedy) logits = NULL;
-    decode_parts(e, b, n, logits, go ? NULL : greedy);
-    for (int i = 0; i < n && ahead == AHEAD_NEXT; i++) e->parts[i].tokens = NULL;
+    decode_parts(e, b, n, logits, greedy);
     for (int j = 0; j < nl; j++) e->parts[n + j] = spec_part(e, v[lv[j]], lv[j]);
     for (int j = 0; j < e->n_chunks; j++) {
         mt_batch_part *q = &e->parts[n + nl + j];
@@ -1216,29 +1169,7 @@ static chunks_ran mixed_step(eng_engine *e, eng_seq **b, int n, eng_seq **v, int
         q->layers = layers;
     }
     mt_error err = { "" };
-    int64_t ticket = -1;
-    const int np = n + nl + e->n_chunks;
-    mt_status st = mt_model_forward(e->m, &(mt_batch){ e->parts, np, go ? &ticket : NULL }, &err);
-    if (st != MT_OK && ahead == AHEAD_NEXT) {
-        mt_log(MT_LOG_WARN, "engine: mixed step of %d rows from the device's tokens refused (%s)", n,
-               err.msg[0] ? err.msg : mt_status_str(st));
-        return CHUNKS_REFUSED;
-    }
-    if (st != MT_OK && go) { /* refused before anything moved: the rows' tokens come back as usual */
-        mt_log(MT_LOG_WARN, "engine: mixed step of %d rows not run ahead (%s)", n, err.msg[0] ? err.msg : mt_status_str(st));
-        for (int i = 0; i < n; i++) e->parts[i].argmax = greedy + i;
-        go = false;
-        err = (mt_error){ "" };
-        st = mt_model_forward(e->m, &(mt_batch){ e->parts, np }, &err);
-    }
-    if (st == MT_OK && go) {
-        memmove(e->ahead, b, sizeof(eng_seq *) * (size_t)n);
-        e->n_ahead = n;
-        e->ahead_ticket = ticket;
-        e->ahead_mixed = true;
-        e->ahead_steps += ahead == AHEAD_NEXT;
-        e->mixed_ahead_steps += ahead == AHEAD_NEXT;
-    }
+    const mt_status st = mt_model_forward(e->m, &(mt_batch){ e->parts, n + nl + e->n_chunks }, &err);
     if (st == MT_OK) {
         for (int i = 0; i < n; i++) b[i]->st = MT_OK;
         for (int j = 0; j < e->n_chunks; j++) e->chunks[j].s->st = MT_OK;
@@ -1315,24 +1246,7 @@ static mt_status step_body(eng_engine *e, int *n_tokens) {
     }
     e->steps++;
     expire(e);
-    if (e->n_ahead > 0 && e->ahead_mixed) {
-        /* a mixed step's tokens are still on the device: while its layered group flies, the next
-         * step is queued on them before the host reads them (then reports them) */
-        const int n = mixed_next_rows(e), n_prev = e->n_ahead;
-        const int64_t prev = e->ahead_ticket;
-        memcpy(e->ahead_prev, e->ahead, sizeof(eng_seq *) * (size_t)n_prev);
-        e->step_rows = n > 0 ? n : 0;
-        const chunks_ran ran = n > 0 ? mixed_step(e, e->batch, n, NULL, 0, NULL, e->tok, AHEAD_NEXT) : CHUNKS_REFUSED;
-        if (ran != CHUNKS_REFUSED) {
-            ahead_report_rows(e, e->ahead_prev, n_prev, prev); /* step k's tokens; k + 1 is in flight */
-            if (ran == CHUNKS_DONE) finish_chunks(e);
-            compact(e, e->running, &e->n_running);
-            if (n_tokens) *n_tokens = (int)(e->tokens - tokens0);
-            return MT_OK;
-        }
-        ahead_collect(e);
-        compact(e, e->running, &e->n_running);
-    } else if (e->n_ahead > 0) {
+    if (e->n_ahead > 0) {
         /* the last step's tokens are still on the device: while the batch goes on unchanged, the
          * next step is queued on them before the host reads them (then reports them) */
         const int n = e->n_ahead;
@@ -1398,23 +1312,21 @@ static mt_status step_body(eng_engine *e, int *n_tokens) {
             if (n_tokens) *n_tokens = (int)(e->tokens - tokens0);
             return MT_OK;
         }
-        /* a mixed step of greedy rows leaves their tokens on the device where its chunks fly on */
-        const ahead_mode am = e->ahead_on && e->p.mixed_ahead && e->info.mixed_ahead && greedy && nj == 0 ? AHEAD_START : AHEAD_NONE;
-        if (mixed || nj > 0) ran = mixed_step(e, e->batch, n, e->spec_batch, nj, e->logits, greedy ? tok : NULL, am);
+        if (mixed || nj > 0) ran = mixed_step(e, e->batch, n, e->spec_batch, nj, e->logits, greedy ? tok : NULL);
         else decode_running(e, e->batch, n, e->logits, greedy ? tok : NULL);
-        for (int i = 0; i < n && e->n_ahead == 0; i++) { /* else read at the next step */
+        for (int i = 0; i < n; i++) {
             eng_seq *s = e->batch[i];
             if (s->st != MT_OK) seq_end(e, s, ENG_FINISH_ERROR, s->err.msg);
             else if (greedy) emit(e, s, &(eng_sample_result){ .token = tok[i] });
             else sample_emit(e, s, e->logits + (size_t)i * e->vocab);
         }
     } else if (nj > 0) { /* no decode rows: the verifies ride with the prompt chunks */
-        ran = mixed_step(e, NULL, 0, e->spec_batch, nj, NULL, NULL, AHEAD_NONE);
+        ran = mixed_step(e, NULL, 0, e->spec_batch, nj, NULL, NULL);
     }
     /* the step's prompt chunks (all of them, when the decode ran apart) go in one model call:
      * each pass reads the weights its rows touch, so many short prompts take one read, not one
      * each */
-    if (ran == CHUNKS_NONE && prefill_pending(e)) ran = mixed_step(e, NULL, 0, NULL, 0, NULL, NULL, AHEAD_NONE);
+    if (ran == CHUNKS_NONE && prefill_pending(e)) ran = mixed_step(e, NULL, 0, NULL, 0, NULL, NULL);
     if (ran == CHUNKS_DONE) finish_chunks(e);
     else if (ran == CHUNKS_NONE) admit(e);
     compact(e, e->running, &e->n_running);
@@ -1449,7 +1361,7 @@ mt_status eng_warmup(eng_engine *e, int n_prompt, int n_new, mt_error *err) {
     free(prompt);
     /* the warm-up is not traffic: counters and step timings start from zero */
     e->finished = e->aborted = e->tokens = e->steps = e->preemptions = 0;
-    e->ahead_steps = e->mixed_ahead_steps = e->mixed_steps = e->layered_steps = e->prefill_tokens = e->held_steps = 0;
+    e->ahead_steps = e->mixed_steps = e->layered_steps = e->prefill_tokens = e->held_steps = 0;
     e->spec_steps = e->spec_mixed_steps = e->drafted = e->accepted = 0;
     sched_pace_init(&e->pace);
     if (st != MT_OK) return st;
@@ -1498,7 +1410,6 @@ void eng_get_stats(const eng_engine *e, eng_stats *out) {
                         .live_sequences = e->n_running + e->n_waiting, .cache_bytes_in_use = held,
                         .sequences_finished = e->finished, .sequences_aborted = e->aborted,
                         .tokens_generated = e->tokens, .steps = e->steps, .ahead_steps = e->ahead_steps,
-                        .mixed_ahead_steps = e->mixed_ahead_steps,
                         .mixed_steps = e->mixed_steps, .layered_steps = e->layered_steps,
                         .spec_mixed_steps = e->spec_mixed_steps,
                         .held_steps = e->held_steps,

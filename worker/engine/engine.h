@@ -181,11 +181,6 @@ typedef struct eng_params {
      * backend queues its work (mt_model_info.backend_queues: the GPU; on the CPU it would only delay
      * each token by a step); ALWAYS: on any backend (tests); OFF: never. */
     eng_run_ahead run_ahead;
-    /* With run_ahead and mixed_steps: a mixed step of greedy rows beside a layered group
-     * (prefill_layers) leaves its tokens on the device too, and while the group flies (nothing is
-     * admitted then) each next step is queued on them before the host reads them (where the model
-     * can: mt_model_info.mixed_ahead). Default true. */
-    bool mixed_ahead;
     /* Speculative decoding with the model's drafter (mt_model_info.has_drafter): each decode
      * step of a sequence drafts spec_tokens tokens (0 = off, at most ENG_SPEC_MAX), verifies them
      * and its pending token in one step of spec_tokens + 1 rows, and emits the longest prefix the
@@ -221,7 +216,6 @@ typedef struct eng_stats {
     uint64_t tokens_generated;
     uint64_t steps;              /* eng_step calls that did work */
     uint64_t ahead_steps;        /* decode steps queued on the device's tokens (run_ahead) */
-    uint64_t mixed_ahead_steps;  /* of them, mixed steps (beside a layered group in flight) */
     uint64_t mixed_steps;        /* steps whose decode rows and prompt chunks were one model call */
     uint64_t layered_steps;      /* of them, steps that ran their chunks through some layers only */
     uint64_t spec_mixed_steps;   /* steps whose verifies were in one model call with the step's

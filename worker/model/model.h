@@ -103,7 +103,6 @@ typedef struct mt_model_info {
     int batch_rows;        /* rows one batched decode pass takes; more take several passes */
     int ahead_rows;        /* most rows of a greedy step run ahead (0: the model cannot) */
     bool backend_queues;   /* the backend queues its work (only then does running ahead pay) */
-    bool mixed_ahead;      /* a plan with prompt chunks runs ahead too (mt_batch.ticket) */
     bool multi_seq;        /* every layer decodes one row for each of many sequences in one pass */
     bool layered_prefill;  /* prefill parts take mt_batch_part.layers */
     int layered_units;     /* what mt_batch_part.layers counts through the model: n_layers, or
@@ -148,16 +147,9 @@ typedef struct mt_batch_part {
     int layers;
 } mt_batch_part;
 
-/* ticket, when not NULL (a model with info.mixed_ahead): the plan runs ahead of the host. Its
- * leading one-row decode parts (argmax NULL) leave their greedy tokens on the device, and *ticket
- * reads them back with ahead_tokens, in part order; such a part whose tokens are NULL takes the
- * token the last such plan left for it (that plan's leading decode parts: the same sequences, in
- * order, untouched since). One pass of the model, no verifies, at most info.ahead_rows decode
- * parts. Its chunks' logits come back as in any plan. */
 typedef struct mt_batch {
     const mt_batch_part *parts;
     int n_parts;
-    int64_t *ticket;
 } mt_batch;
 
 typedef struct mt_model_ops {

@@ -63,7 +63,6 @@ static void iface_describe(const mt_model *mm, mt_model_info *out) {
         .batch_rows = glm_model_batch_rows(m),
         .ahead_rows = glm_model_ahead_rows(m),
         .backend_queues = glm_model_backend_queues(m),
-        .mixed_ahead = glm_model_mixed_ahead(m) && mixed_layers(m),
         .multi_seq = m->runner.plan.multi_seq,
         .layered_prefill = mixed_layers(m),
         .layered_units = glm_model_layered_units(m),
@@ -237,39 +236,8 @@ static mt_status forward_mixed(glm_model *m, const mt_batch *b, mt_error *err) {
     return st;
 }
 
-/* A plan run ahead (mt_batch.ticket): one pass, its parts as they come. */
-static mt_status forward_ahead(glm_model *m, const mt_batch *b, mt_error *err) {
-    if (!mixed_layers(m)) return mt_errorf(err, MT_ERR_UNSUPPORTED, "this model cannot run a plan ahead");
-    int rows = 0;
-    for (int i = 0; i < b->n_parts; i++) {
-        const mt_batch_part *p = &b->parts[i];
-        if (!p->seq || p->seq->model != (mt_model *)m || p->n < 1 || (!p->tokens && p->kind != MT_PART_DECODE))
-            return mt_errorf(err, MT_ERR_INVALID, "batch part %d: no tokens, or a sequence of another model", i);
-        if (p->kind == MT_PART_DECODE && p->n > 1)
-            return mt_errorf(err, MT_ERR_UNSUPPORTED, "batch part %d: a verify does not run ahead", i);
-        if (p->kind == MT_PART_PREFILL && p->argmax)
-            return mt_errorf(err, MT_ERR_INVALID, "batch part %d: greedy tokens are for decode parts", i);
-        rows += p->n;
-    }
-    if (rows > glm_model_pass_rows(m))
-        return mt_errorf(err, MT_ERR_INVALID, "a plan of %d rows runs ahead only in one pass (%d)", rows,
-                         glm_model_pass_rows(m));
-    glm_mixed_part *q = malloc(sizeof *q * (size_t)(b->n_parts > 0 ? b->n_parts : 1));
-    if (!q) return mt_errorf(err, MT_ERR_NOMEM, "out of memory");
-    for (int i = 0; i < b->n_parts; i++) {
-        const mt_batch_part *p = &b->parts[i];
-        q[i] = (glm_mixed_part){ .s = seq_of(p->seq), .tokens = p->tokens, .n = p->n, .logits = p->logits,
-                                 .all_logits = p->all_logits, .argmax = p->argmax,
-                                 .layers = p->kind == MT_PART_PREFILL ? p->layers : 0 };
-    }
-    const mt_status st = glm_forward_mixed_ahead(m, q, b->n_parts, b->ticket, err);
-    free(q);
-    return st;
-}
-
 static mt_status iface_forward(mt_model *mm, const mt_batch *b, mt_error *err) {
     glm_model *m = as_glm(mm);
-    if (b->ticket) return forward_ahead(m, b, err);
     for (int i = 0; i < b->n_parts; i++) {
         const mt_batch_part *p = &b->parts[i];
         if (!p->seq || p->seq->model != mm || p->n < 1 || !p->tokens)

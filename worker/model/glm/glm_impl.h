@@ -339,17 +339,6 @@ struct glm_model {
         int64_t ticket;
         glm_seq **seqs;        /* [rcap] its sequences, in order */
     } ahead;
-    /* Mixed steps run ahead (glm_forward_mixed_ahead): the last one's leading one-row parts'
-     * tokens sit in d_mtok [rcap * S], one per hyper-connection stream, for its sequences (an
-     * entry turns NULL when its sequence moves outside the chain: ahead_forget). pick: the next
-     * step's rows' entries (ahead_parts). */
-    struct glm_mahead {
-        bool valid;
-        int n;
-        glm_seq **seqs;        /* [rcap] */
-        int *pick;             /* [rcap] */
-    } mahead;
-    int32_t *d_mtok;
     int32_t *h_tok;            /* [rcap * S] host: a ticket's token table */
     /* Decode graphs per bucket of rows (1, 2, 4, ... rcap), sized by rt_cap; pad rows of a bucket
      * run on pad_seq (one slot and one page, made with the pools; pad rows all write its position

@@ -140,11 +140,7 @@ static mt_status model_init(glm_model *m, uint64_t random_seed, bool random, mt_
     m->h_rtab = calloc(tab, sizeof(void *));
     m->h_tok = calloc((size_t)rows * c->hc_mult, sizeof(int32_t));
     m->ahead.seqs = calloc((size_t)rows, sizeof(glm_seq *));
-    m->mahead.seqs = calloc((size_t)rows, sizeof(glm_seq *));
-    m->mahead.pick = calloc((size_t)rows, sizeof(int));
-    m->d_mtok = be->ops->alloc(be, sizeof(int32_t) * (size_t)rows * c->hc_mult);
-    if (!m->d_rrow || !m->d_rtab || !m->d_vtab || !m->h_rrow || !m->h_rtab || !m->h_tok || !m->ahead.seqs ||
-        !m->mahead.seqs || !m->mahead.pick || !m->d_mtok)
+    if (!m->d_rrow || !m->d_rtab || !m->d_vtab || !m->h_rrow || !m->h_rtab || !m->h_tok || !m->ahead.seqs)
         return mt_errorf(err, MT_ERR_NOMEM, "out of memory for the batched-decode tables");
     if (c->hc_mult > 8) return mt_errorf(err, MT_ERR_UNSUPPORTED, "hc_mult %d: at most 8 streams", c->hc_mult);
     for (int i = 0; i < c->num_hidden_layers; i++)
@@ -237,9 +233,6 @@ void glm_model_free(glm_model *m) {
     free(m->h_rtab);
     free(m->h_tok);
     free(m->ahead.seqs);
-    free(m->mahead.seqs);
-    free(m->mahead.pick);
-    be->ops->free(be, m->d_mtok);
     free(m->census);
     be->ops->free(be, m->mtp.hin);
     be->ops->free(be, m->mtp.e);
@@ -370,8 +363,6 @@ static void upload_ordered(mt_backend *be, void *dst, const void *src, size_t by
 static void ahead_forget(glm_model *m, const glm_seq *s) {
     for (int i = 0; i < m->ahead.n && m->ahead.valid; i++)
         if (m->ahead.seqs[i] == s) m->ahead.valid = false;
-    for (int i = 0; i < m->mahead.n && m->mahead.valid; i++)
-        if (m->mahead.seqs[i] == s) m->mahead.seqs[i] = NULL; /* the others' tokens stay usable */
 }
 
 mt_status glm_seq_reserve(glm_seq *s, int n, mt_error *err) {
@@ -744,16 +735,13 @@ static mt_status layered_check(glm_model *m, const glm_mixed_part *p, int np, in
     return MT_OK;
 }
 
-/* nd: the leading parts that may take their token on the device (tokens NULL, one row). */
-static mt_status mixed_check(glm_model *m, const glm_mixed_part *p, int np, int nd, int *rows, mt_error *err) {
+static mt_status mixed_check(glm_model *m, const glm_mixed_part *p, int np, int *rows, mt_error *err) {
     int n = 0;
     if (np < 1) return mt_errorf(err, MT_ERR_INVALID, "a mixed step of no parts");
     for (int i = 0; i < np; i++) {
-        const bool dev = i < nd && !p[i].tokens && p[i].n == 1;
-        if (!p[i].s || p[i].s->m != m || (!p[i].tokens && !dev))
+        if (!p[i].s || p[i].s->m != m || !p[i].tokens)
             return mt_errorf(err, MT_ERR_INVALID, "mixed part %d: no tokens, or a sequence of another model", i);
-        mt_status st = dev ? (p[i].s->len + 1 > p[i].s->cap ? mt_errorf(err, MT_ERR_FULL, "mixed part %d: no room", i) : MT_OK)
-                           : check_tokens(m, p[i].s, p[i].tokens, p[i].n, err);
+        mt_status st = check_tokens(m, p[i].s, p[i].tokens, p[i].n, err);
         if (st != MT_OK) return st;
         if (p[i].verify && p[i].n > GLM_VERIFY_MAX)
             return mt_errorf(err, MT_ERR_INVALID, "mixed part %d: a verify of %d rows (at most %d)", i, p[i].n,
@@ -913,71 +901,14 @@ static mt_status mixed_body(void *ctx) {
     return st == MT_OK && x->head ? head_logits(m, m->X, x->n, NULL) : st;
 }
 
-bool glm_model_mixed_ahead(const glm_model *m) {
-    if (glm_model_ahead_rows(m) == 0) return false;
-    for (int l = 0; l < m->cfg.num_hidden_layers; l++)
-        if (m->layers[l].ple.on) return false;
-    return true;
-}
-
-/* glm_forward_mixed_ahead's leading one-row parts (the decode rows that stay on the device) and
- * whether they take their tokens from the device; checked before anything moves. */
-static mt_status ahead_parts(glm_model *m, const glm_mixed_part *p, int np, int *nd, bool *dev, mt_error *err) {
-    if (!glm_model_mixed_ahead(m))
-        return mt_errorf(err, MT_ERR_UNSUPPORTED, "this model and backend cannot leave a mixed step's tokens on the device");
-    int k = 0, nnull = 0;
-    while (k < np && p[k].n == 1 && !p[k].verify && !p[k].layers && p[k].s && p[k].s->len > 0) k++;
-    for (int i = 0; i < np; i++) {
-        if (p[i].verify) return mt_errorf(err, MT_ERR_UNSUPPORTED, "mixed part %d: a verify does not run ahead", i);
-        if (!p[i].tokens && i >= k)
-            return mt_errorf(err, MT_ERR_INVALID, "mixed part %d: only the leading decode rows take device tokens", i);
-        if (i < k && p[i].argmax)
-            return mt_errorf(err, MT_ERR_INVALID, "mixed part %d: its token stays on the device (argmax must be NULL)", i);
-        nnull += !p[i].tokens;
-    }
-    if (k < 1 || k > glm_model_ahead_rows(m) || k > m->rcap)
-        return mt_errorf(err, MT_ERR_INVALID, "a mixed step run ahead takes 1 to %d decode rows, not %d",
-                         glm_model_ahead_rows(m), k);
-    /* the rows from device tokens: the last step's rows of the same sequences, in its order */
-    for (int i = 0, j = 0; i < k && nnull > 0; i++) {
-        m->mahead.pick[i] = -1;
-        if (p[i].tokens) continue;
-        while (m->mahead.valid && j < m->mahead.n && m->mahead.seqs[j] != p[i].s) j++;
-        if (!m->mahead.valid || j == m->mahead.n)
-            return mt_errorf(err, MT_ERR_INVALID,
-                             "decode row %d takes its token from the device, but the last mixed step run ahead "
-                             "left none for its sequence (or not in this order)", i);
-        m->mahead.pick[i] = j++;
-    }
-    *nd = k;
-    *dev = nnull > 0;
-    return MT_OK;
-}
-
-static mt_status forward_mixed(glm_model *m, const glm_mixed_part *p, int np, int ring0, int64_t *ticket,
-                               mt_error *err);
-
 mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *p, int np, int ring0, mt_error *err) {
-    return forward_mixed(m, p, np, ring0, NULL, err);
-}
-
-mt_status glm_forward_mixed_ahead(glm_model *m, const glm_mixed_part *p, int np, int64_t *ticket, mt_error *err) {
-    if (!ticket) return mt_errorf(err, MT_ERR_INVALID, "a mixed step run ahead needs its ticket");
-    return forward_mixed(m, p, np, 0, ticket, err);
-}
-
-/* glm_forward_mixed; with ticket, glm_forward_mixed_ahead. */
-static mt_status forward_mixed(glm_model *m, const glm_mixed_part *p, int np, int ring0, int64_t *ticket,
-                               mt_error *err) {
     const glm_config *c = &m->cfg;
     mt_backend *be = m->be;
     const int L = c->num_hidden_layers, S = c->hc_mult, H = c->hidden_size, V = c->vocab_size;
     const size_t SH = (size_t)S * H;
-    int n = 0, nd = 0;
-    bool dev = false;
+    int n = 0;
     glm_lrange lr;
-    mt_status st = ticket ? ahead_parts(m, p, np, &nd, &dev, err) : MT_OK;
-    if (st == MT_OK) st = mixed_check(m, p, np, dev ? nd : 0, &n, err);
+    mt_status st = mixed_check(m, p, np, &n, err);
     if (st == MT_OK) st = layered_check(m, p, np, n, &lr, err);
     if (st != MT_OK) return st;
     const bool layered = lr.np_full < np, flying = layered && lr.l1 < glm_model_layered_units(m); /* stays in flight */
@@ -1017,8 +948,8 @@ static mt_status forward_mixed(glm_model *m, const glm_mixed_part *p, int np, in
         seg[i].scr.sel += (size_t)r * msel;
         seg[i].scr.nsel += r;
         seg[i].scr.sel_n = 0;
-        for (int t = 0; t < p[i].n; t++) /* a token on the device: 0 until it is copied in (below) */
-            for (int j = 0; j < S; j++) rep[(size_t)(r + t) * S + j] = p[i].tokens ? p[i].tokens[t] : 0;
+        for (int t = 0; t < p[i].n; t++)
+            for (int j = 0; j < S; j++) rep[(size_t)(r + t) * S + j] = p[i].tokens[t];
         /* one-row parts and verifies always take the head, a verify every row (ranks of a group
          * see the same parts and logits flags, but only the leader asks for greedy tokens: the
          * head's gather is collective) */
@@ -1071,16 +1002,6 @@ static mt_status forward_mixed(glm_model *m, const glm_mixed_part *p, int np, in
     } else {
         if (nver > 0 && (st = vblock_upload(m, &vp, nrows, false, &vblk)) != MT_OK) goto failed;
         if (nrows > 0 && nver == 0) rows_upload(m, rseq, NULL, nrows, nrows);
-        if (dev) { /* the step's tokens in d_rrow after its n positions, the decode rows' from d_mtok */
-            upload_ordered(be, m->d_rrow + n, rep, sizeof(int32_t) * (size_t)n * S);
-            for (int i = 0, e; i < nd; i = e) { /* runs of consecutive entries, one copy each */
-                for (e = i + 1; m->mahead.pick[i] >= 0 && e < nd && m->mahead.pick[e] == m->mahead.pick[e - 1] + 1;) e++;
-                if (m->mahead.pick[i] >= 0)
-                    be->ops->copy(be, m->d_rrow + n + (size_t)i * S, m->d_mtok + (size_t)m->mahead.pick[i] * S,
-                                  sizeof(int32_t) * (size_t)(e - i) * S);
-            }
-            ctx.ids = NULL;
-        }
         if ((st = mixed_body(&ctx)) != MT_OK) goto failed;
     }
     /* the rows form leaves the host-tracked cache lengths to its caller (decode: the hooks) */
@@ -1115,13 +1036,6 @@ static mt_status forward_mixed(glm_model *m, const glm_mixed_part *p, int np, in
     /* the head over the wanted rows; logits come to the host only for the parts that take them,
      * greedy tokens are taken on the device (a decode row's logits would be vocab floats each) */
     if (!ctx.head && (st = head_logits(m, m->X, nw, NULL)) != MT_OK) goto failed;
-    if (ticket) { /* the decode rows lead the wanted rows: their tokens stay for the next step */
-        be->ops->argmax_dev(be, m->d_mtok, S, m->logits, nd, V);
-        *ticket = be->ops->download_begin(be, m->d_mtok, sizeof(int32_t) * (size_t)nd * S);
-        m->mahead.valid = true;
-        m->mahead.n = nd;
-        for (int i = 0; i < nd; i++) m->mahead.seqs[i] = p[i].s;
-    }
     bool any_argmax = false;
     for (int i = 0; i < np; i++) any_argmax |= p[i].argmax != NULL;
     int32_t *amax = NULL;
@@ -1582,7 +1496,6 @@ static mt_status decode_rows(glm_model *m, glm_seq **seqs, const int32_t *tokens
         tokens = m->h_tok;
     }
     m->ahead.valid = false; /* this step's inputs consume (or overwrite) the table */
-    m->mahead.valid = false; /* its sequences move on without the mixed chain */
     mt_layer_state **sts = malloc(sizeof *sts * (size_t)B);
     mt_layer_state ***per_seq = malloc(sizeof *per_seq * (size_t)n);
     int *lens = malloc(sizeof *lens * (size_t)n);

@@ -146,18 +146,6 @@ typedef struct glm_mixed_part {
  * step that reads every expert once per MoE layer, spread over several steps). A sequence in
  * flight takes no other part until its chunk ends, and freeing it drops it from its group. */
 mt_status glm_forward_mixed(glm_model *m, const glm_mixed_part *parts, int np, int ring0, mt_error *err);
-/* glm_forward_mixed that runs ahead of the host (the engine's overlap of host and device work):
- * the leading one-row parts' greedy tokens stay on the device, and *ticket reads them back with
- * glm_greedy_tokens, in part order (their argmax must be NULL). A leading one-row part whose
- * tokens are NULL takes the token the last such call left for it: that call's leading one-row
- * parts, the same sequences in the same order, untouched since. One pass (at most
- * glm_model_pass_rows rows), no verifies, at most glm_model_ahead_rows leading one-row parts;
- * glm_model_mixed_ahead says whether the model can. */
-mt_status glm_forward_mixed_ahead(glm_model *m, const glm_mixed_part *parts, int np, int64_t *ticket,
-                                  mt_error *err);
-/* Whether glm_forward_mixed_ahead runs: greedy tokens can stay on the device, and no drafter or
- * PLE memory reads the tokens on the host. */
-bool glm_model_mixed_ahead(const glm_model *m);
 /* Whether s has a layered chunk in flight. */
 bool glm_seq_in_flight(const glm_seq *s);
 /* Rows of one pass of glm_prefill or glm_forward_mixed (the model's prefill_chunk). */
