@@ -10,6 +10,7 @@
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_launch.h"
+#include "kernels/cuda/cuda_lt.h"
 #include "kernels/cuda/cuda_ops.h"
 
 /* Runs a CUDA call; on failure logs it (call text, error string, file:line) and records it. */
@@ -217,3 +218,31 @@ extern "C" mt_status cu_blas_make(struct cublasContext **blas, void **ws, cudaSt
     return MT_OK;
 }
 
+
+mt_status cu_lt_algo(cu_backend *cb, cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
+                     cublasLtMatrixLayout_t c, const uint32_t *align, cublasLtMatmulAlgo_t *algo, bool *found) {
+    static const cublasLtMatmulPreferenceAttributes_t at[4] = {
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+    };
+    const uint64_t ws = CU_BLAS_WS_BYTES;
+    cublasLtMatmulPreference_t pref = NULL;
+    cublasLtMatmulHeuristicResult_t res;
+    int n = 0;
+    mt_status st = MT_OK;
+    *found = false;
+    MT_CUBLAS_CHECK_GOTO(cublasLtMatmulPreferenceCreate(&pref), st, done);
+    MT_CUBLAS_CHECK_GOTO(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+                                                              sizeof ws), st, done);
+    for (int i = 0; i < 4 && align; i++)
+        MT_CUBLAS_CHECK_GOTO(cublasLtMatmulPreferenceSetAttribute(pref, at[i], &align[i], sizeof align[i]), st, done);
+    /* NOT_SUPPORTED here is an answer (no kernel for this shape or layout), not a failure */
+    if (cublasLtMatmulAlgoGetHeuristic((cublasLtHandle_t)cb->lt, op, a, b, c, c, pref, 1, &res, &n) ==
+            CUBLAS_STATUS_SUCCESS && n > 0) {
+        *algo = res.algo;
+        *found = true;
+    }
+done:
+    if (pref) MT_CUBLAS_WARN(cublasLtMatmulPreferenceDestroy(pref));
+    return st;
+}

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/cuda_lt.h"
 #include "kernels/cuda/cuda_ops.h"
 
 enum {
@@ -289,37 +290,17 @@ static void plan_release(fp8_plan *p) {
 static mt_status plan_make(cu_backend *cb, fp8_plan *p, const void *ascale, const void *bscale) {
     const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
     const int32_t amode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, bmode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
-    const uint64_t ws = CU_BLAS_WS_BYTES;
-    cublasLtMatmulPreference_t pref = NULL;
-    cublasLtMatmulHeuristicResult_t res;
-    int found = 0;
-    mt_status st = MT_OK;
-    MT_CUBLAS_CHECK_GOTO(cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F), st, done);
-    MT_CUBLAS_CHECK_GOTO(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta), st, done);
-    MT_CUBLAS_CHECK_GOTO(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb), st, done);
-    MT_CUBLAS_CHECK_GOTO(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &amode, sizeof amode),
-                         st, done);
-    MT_CUBLAS_CHECK_GOTO(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &bmode, sizeof bmode),
-                         st, done);
-    MT_CUBLAS_CHECK_GOTO(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &ascale,
-                                                        sizeof ascale), st, done);
-    MT_CUBLAS_CHECK_GOTO(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &bscale,
-                                                        sizeof bscale), st, done);
-    MT_CUBLAS_CHECK_GOTO(cublasLtMatrixLayoutCreate(&p->la, CUDA_R_8F_E4M3, p->K, p->N, p->K), st, done);
-    MT_CUBLAS_CHECK_GOTO(cublasLtMatrixLayoutCreate(&p->lb, CUDA_R_8F_E4M3, p->K, p->M, p->K), st, done);
-    MT_CUBLAS_CHECK_GOTO(cublasLtMatrixLayoutCreate(&p->ld, p->d, p->N, p->M, p->N), st, done);
-    MT_CUBLAS_CHECK_GOTO(cublasLtMatmulPreferenceCreate(&pref), st, done);
-    MT_CUBLAS_CHECK_GOTO(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
-                                                              sizeof ws), st, done);
-    /* NOT_SUPPORTED here is an answer (no kernel for this shape or layout), not a failure */
-    if (cublasLtMatmulAlgoGetHeuristic((cublasLtHandle_t)cb->lt, p->op, p->la, p->lb, p->ld, p->ld, pref, 1, &res,
-                                       &found) == CUBLAS_STATUS_SUCCESS && found > 0) {
-        p->algo = res.algo;
-        p->ok = true;
-    }
-done:
-    if (pref) MT_CUBLAS_WARN(cublasLtMatmulPreferenceDestroy(pref));
-    return st;
+    MT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+    MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+    MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &amode, sizeof amode));
+    MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &bmode, sizeof bmode));
+    MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &ascale, sizeof ascale));
+    MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &bscale, sizeof bscale));
+    MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->la, CUDA_R_8F_E4M3, p->K, p->N, p->K));
+    MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->lb, CUDA_R_8F_E4M3, p->K, p->M, p->K));
+    MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->ld, p->d, p->N, p->M, p->N));
+    return cu_lt_algo(cb, p->op, p->la, p->lb, p->ld, NULL, &p->algo, &p->ok);
 }
 
 /* The plan of (M, N, K, d), made on first use; NULL (logged) when it cannot be made. A full cache

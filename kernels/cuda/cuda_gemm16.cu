@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/cuda_lt.h"
 #include "kernels/cuda/cuda_ops.h"
 
 enum { G16_SLOTS = 4096 }; /* open addressing; at 3/4 full the cache starts over */
@@ -77,35 +78,11 @@ static void plan_release(g16_plan *p) {
 static mt_status plan_make(cu_backend *cb, struct cu_gemm16_cache *c, g16_plan *p) {
     const g16_key *k = &p->key;
     const cudaDataType_t t = k->dt == MT_BF16 ? CUDA_R_16BF : CUDA_R_16F;
-    const uint64_t ws = CU_BLAS_WS_BYTES;
-    const uint32_t al[3] = { 1u << k->al_a, 1u << k->al_b, 1u << k->al_c };
-    cublasLtMatmulPreference_t pref = NULL;
-    cublasLtMatmulHeuristicResult_t res;
-    int found = 0;
-    mt_status st = MT_OK;
-    MT_CUBLAS_CHECK_GOTO(cublasLtMatrixLayoutCreate(&p->la, t, k->K, k->N, k->K), st, done);
-    MT_CUBLAS_CHECK_GOTO(cublasLtMatrixLayoutCreate(&p->lb, t, k->K, k->Mb, k->K), st, done);
-    MT_CUBLAS_CHECK_GOTO(cublasLtMatrixLayoutCreate(&p->lc, CUDA_R_32F, k->N, k->Mb, k->N), st, done);
-    MT_CUBLAS_CHECK_GOTO(cublasLtMatmulPreferenceCreate(&pref), st, done);
-    MT_CUBLAS_CHECK_GOTO(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
-                                                              sizeof ws), st, done);
-    MT_CUBLAS_CHECK_GOTO(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al[0],
-                                                              sizeof al[0]), st, done);
-    MT_CUBLAS_CHECK_GOTO(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al[1],
-                                                              sizeof al[1]), st, done);
-    MT_CUBLAS_CHECK_GOTO(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al[2],
-                                                              sizeof al[2]), st, done);
-    MT_CUBLAS_CHECK_GOTO(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al[2],
-                                                              sizeof al[2]), st, done);
-    /* NOT_SUPPORTED here is an answer (no kernel for this shape or layout), not a failure */
-    if (cublasLtMatmulAlgoGetHeuristic((cublasLtHandle_t)cb->lt, c->op, p->la, p->lb, p->lc, p->lc, pref, 1, &res,
-                                       &found) == CUBLAS_STATUS_SUCCESS && found > 0) {
-        p->algo = res.algo;
-        p->ok = true;
-    }
-done:
-    if (pref) MT_CUBLAS_WARN(cublasLtMatmulPreferenceDestroy(pref));
-    return st;
+    const uint32_t al[4] = { 1u << k->al_a, 1u << k->al_b, 1u << k->al_c, 1u << k->al_c };
+    MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->la, t, k->K, k->N, k->K));
+    MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->lb, t, k->K, k->Mb, k->K));
+    MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->lc, CUDA_R_32F, k->N, k->Mb, k->N));
+    return cu_lt_algo(cb, c->op, p->la, p->lb, p->lc, al, &p->algo, &p->ok);
 }
 
 static mt_status cache_make(struct cu_gemm16_cache **out) {

@@ -100,7 +100,7 @@ typedef struct cu_backend {
                                    1 (BF16), 0 (FP32: the fp32 kernels only) */
     bool moe_batched;           /* params.moe_batched, until cuBLAS refuses a batched GEMM (cuda_moe.cu) */
     struct cu_prof *prof;       /* op timing (mt_cuda_profile); NULL when off */
-    double wait_s;              /* host seconds blocked in cu_wait (mt_cuda_wait_seconds) */
+    double wait_s;              /* host seconds blocked on the stream (cu_waited; mt_cuda_wait_seconds) */
     /* mt_cuda_gap_seconds: a wait that leaves the stream empty sets drained_at (mt_now()); the
      * next op's mark adds the time since to gap_s, the device's idle time between them */
     double gap_s, drained_at;
