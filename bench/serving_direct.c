@@ -20,6 +20,7 @@
  *  on the CPU, as the worker); --prefill-budget N: eng_params.prefill_budget and --prefill-pass
  *  N: rows of a prefill pass, by default what metrale-worker picks (wkr_prefill_budget and
  *  wkr_prefill_pass);
+ *  --pack-projections 0: mt_model_params.pack_projections off (the projections apart);
  *  --op-profile 1 (a mix on cuda): every op synchronised and timed, the table printed after the
  *  JSON, so its times are not the run's; --speculative-tokens K and --speculative-max-batch B:
  *  eng_params.spec_tokens and spec_max_batch with the model's drafter (a checkpoint with an MTP
@@ -245,7 +246,7 @@ int main(int argc, char **argv) {
     int streams = 1, max_new = 32, plen = 16, threads = 0, run_ahead = 1, mixed_steps = -1;
     double itl_target_ms = 0, prefill_hold_ms = 0;
     int prefill_layers = -1, layered_max_waiting = 0, prefill_sites = -1, expert_parts = -1, fine_rows = -1;
-    int prefill_pass = 0, prefill_budget = 0, op_profile = 0;
+    int prefill_pass = 0, prefill_budget = 0, op_profile = 0, pack = 1;
     int requests = 0, shared = 0, max_sequences = 64, spec_tokens = 0, spec_max_batch = 0;
     uint64_t seed = 1;
     for (int i = 1; i + 1 < argc; i += 2) {
@@ -268,6 +269,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--prefill-pass")) prefill_pass = atoi(v);
         else if (!strcmp(a, "--prefill-budget")) prefill_budget = atoi(v);
         else if (!strcmp(a, "--op-profile")) op_profile = atoi(v);
+        else if (!strcmp(a, "--pack-projections")) pack = atoi(v);
         else if (!strcmp(a, "--prompt-mix")) prompt_mix = v;
         else if (!strcmp(a, "--new-mix")) new_mix = v;
         else if (!strcmp(a, "--requests")) requests = atoi(v);
@@ -323,6 +325,7 @@ int main(int argc, char **argv) {
     int rc = 1;
     if (!be || !prompt || !b.s || !b.gaps) { fprintf(stderr, "serving_direct: %s\n", err.msg[0] ? err.msg : "out of memory"); goto done; }
     mt_model_params mp = mt_model_default_params();
+    mp.pack_projections = pack != 0;
     /* the prompt budget and the pass rows as metrale-worker picks them */
     wkr_params wp = wkr_default_params();
     wp.prefill_budget = prefill_budget;

@@ -509,11 +509,33 @@ TEST_F(CudaOps, MatmulMultiMatchesCpu) {
                         {{1536, 576, 128, 64, 32}, 4096, MT_BF16}, {{12288, 12288}, 4096, MT_BF16},
                         {{37, 1, 130, 17}, 100, MT_F32}, {{3, 5}, 36, MT_BF16}, {{600, 2}, 1537, MT_F16},
                         {{24, 24, 24, 24, 24, 24}, 400, MT_BF16}};
-    for (const Set &set : sets) {
+    // packed: the set's weights moved into one allocation first (weights_pack), so 9..512 rows
+    // take the packed product; a set the backend does not pack (fp32, a part off 16 bytes) is
+    // refused and left as it was
+    for (const Set &set : sets) for (bool packed : {false, true}) {
         const int count = (int)set.rows.size(), cols = set.cols;
         std::vector<std::unique_ptr<Weight>> ws;
         for (int r : set.rows) ws.push_back(MakeWeight(set.dt, r, cols, 2.f / std::sqrt((float)cols)));
-        for (int n : {1, 2, 3, 9, 40}) {
+        if (packed) {
+            std::vector<mt_weight *> pw;
+            std::vector<const void *> before;
+            for (auto &w : ws) {
+                pw.push_back(&w->gpu);
+                before.push_back(w->gpu.data);
+            }
+            bool fits = set.dt != MT_F32;
+            for (int j = 0; j + 1 < count; j++) fits = fits && (int64_t)set.rows[j] * cols * 2 % 16 == 0;
+            const mt_status st = gpu_->ops->weights_pack(gpu_, pw.data(), count);
+            ASSERT_EQ(st, fits ? MT_OK : MT_ERR_UNSUPPORTED) << DtName(set.dt) << " cols " << cols;
+            if (!fits) {
+                for (int j = 0; j < count; j++) EXPECT_EQ(ws[j]->gpu.data, before[j]);
+                continue;
+            }
+            for (int j = 1; j < count; j++)
+                ASSERT_EQ((const char *)ws[j]->gpu.data,
+                          (const char *)ws[j - 1]->gpu.data + (size_t)set.rows[j - 1] * cols * 2);
+        }
+        for (int n : packed ? std::vector<int>{1, 9, 40, 300} : std::vector<int>{1, 2, 3, 9, 40}) {
             std::vector<float> x = Rand((size_t)n * cols);
             float *gx = Put(gpu_, x);
             std::vector<float *> gy;
@@ -530,7 +552,7 @@ TEST_F(CudaOps, MatmulMultiMatchesCpu) {
                 if (mask >> j & 1u) cpu_->ops->sigmoid(cpu_, want.data(), (int64_t)want.size());
                 const double e = RelErr(Get(gpu_, gy[j], want.size()), want);
                 const std::string where = Shape({{"n", n}, {"count", count}, {"j", j}, {"rows", set.rows[j]}, {"cols", cols}}) +
-                                          " " + DtName(set.dt);
+                                          " " + DtName(set.dt) + (packed ? " packed" : "");
                 const bool tc = MatmulOnTensorCores(ws[j]->gpu, n);
                 worst.See(e, where);
                 EXPECT_LE(e, tc ? 1e-4 : 1e-5) << where;
@@ -611,6 +633,14 @@ TEST_F(CudaOps, MatmulExactClasses) {
         cpu_->ops->matmul(cpu_, want_g.data(), x.data(), &gate->cpu, s.n);
         EXPECT_LE(RelErr(Get(one, gy[0], want_p.size()), want_p), 1e-4) << where << " multi: projection";
         EXPECT_LE(RelErr(Get(one, gy[1], want_g.size()), want_g), 1e-4) << where << " multi: router";
+        // packed, the two-part weight after the one-part one: x.hi over both, x.lo over the tail,
+        // with the sigmoid on the tail
+        mt_weight *pw[2] = {&proj->gpu, &gate->gpu};
+        ASSERT_EQ(one->ops->weights_pack(one, pw, 2), MT_OK);
+        one->ops->matmul_multi(one, gy, gx, gw, 2, s.n, 0x2u);
+        cpu_->ops->sigmoid(cpu_, want_g.data(), (int64_t)want_g.size());
+        EXPECT_LE(RelErr(Get(one, gy[0], want_p.size()), want_p), 1e-4) << where << " packed: projection";
+        EXPECT_LE(RelErr(Get(one, gy[1], want_g.size()), want_g), 1e-4) << where << " packed: router";
         Drop(one, gy[0]);
         Drop(one, gy[1]);
         Drop(one, gx);

@@ -268,9 +268,52 @@ static void cu_weight_free(mt_backend *be, mt_weight *w) {
         memset(w, 0, sizeof *w);
         return;
     }
-    if (w->data) CU_RECORD(be, cudaFree((void *)w->data));
-    if (w->scale) CU_RECORD(be, cudaFree((void *)w->scale));
+    if (w->owned && w->data) CU_RECORD(be, cudaFree((void *)w->data));
+    if (w->owned && w->scale) CU_RECORD(be, cudaFree((void *)w->scale));
     memset(w, 0, sizeof *w);
+}
+
+/* One allocation for the group, each weight's rows copied in on the stream; the old allocations
+ * are freed once the copies have run. Each weight but the last must end on a 16-byte boundary
+ * so every part keeps the alignment the GEMV and cuBLAS paths look for. */
+static mt_status cu_weights_pack(mt_backend *be, mt_weight *const *w, int count) {
+    cu_backend *cb = cb_of(be);
+    MT_ASSERT(count >= 2);
+    size_t total = 0, off[8];
+    if (count > (int)(sizeof off / sizeof off[0])) return MT_ERR_UNSUPPORTED;
+    for (int j = 0; j < count; j++) {
+        const mt_weight *wj = w[j];
+        if (!wj->data || !wj->owned || wj->host || wj->scale || wj->dtype != w[0]->dtype ||
+            wj->cols != w[0]->cols || (wj->dtype != MT_BF16 && wj->dtype != MT_F16))
+            return MT_ERR_UNSUPPORTED;
+        off[j] = total;
+        total += (size_t)wj->rows * (size_t)wj->cols * mt_dtype_size(wj->dtype);
+        if (j + 1 < count && total % 16) return MT_ERR_UNSUPPORTED;
+    }
+    void *p = NULL;
+    if (cudaMalloc(&p, total ? total : 1) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return MT_ERR_NOMEM;
+    }
+    for (int j = 0; j < count; j++) {
+        const size_t bytes = (size_t)w[j]->rows * (size_t)w[j]->cols * mt_dtype_size(w[j]->dtype);
+        if (!bytes) continue;
+        const cudaError_t e = cudaMemcpyAsync((char *)p + off[j], w[j]->data, bytes, cudaMemcpyDeviceToDevice,
+                                              cb->stream);
+        if (e != cudaSuccess) {
+            (void)cudaGetLastError();
+            MT_CUDA_WARN(cudaStreamSynchronize(cb->stream));
+            MT_CUDA_WARN(cudaFree(p));
+            return MT_ERR_NOMEM;
+        }
+    }
+    MT_CUDA_CHECK(cudaStreamSynchronize(cb->stream));
+    for (int j = 0; j < count; j++) {
+        MT_CUDA_WARN(cudaFree((void *)w[j]->data));
+        w[j]->data = (char *)p + off[j];
+        w[j]->owned = j == 0;
+    }
+    return MT_OK;
 }
 
 static void cu_sync(mt_backend *be) { MT_CUDA_(cu_wait(be), "cudaStreamSynchronize", cu_fail(be, mt_st_)); }
@@ -299,6 +342,7 @@ static void cu_fill(mt_backend_ops *t) {
     t->zero = cu_zero;
     t->weight = cu_weight;
     t->weight_free = cu_weight_free;
+    t->weights_pack = cu_weights_pack;
     t->sync = cu_sync;
     t->mem_info = cu_mem_info;
     t->graph_epoch = cu_graph_epoch;

@@ -1051,6 +1051,94 @@ static mt_status matmul_tc(cu_backend *cb, float *const *y, const float *x, cons
     return st;
 }
 
+/* Packed groups (weights_pack): weights whose rows lie one after another in memory, in the call's
+ * order, run as one product of their summed rows. At a decode batch's rows a projection of a few
+ * hundred rows reads its weight far below the copy rate (cuBLAS has too few tiles to fill the
+ * device), while the group's sum reads like one large weight. */
+enum { PACKED_MAX_N = 512 };
+
+typedef struct packed_split_params {
+    const float *hi;          /* [n, total]: every weight's product with x's first part */
+    const float *lo;          /* [n, total - c0]: the two-part tail's product with x's second part; NULL: none */
+    int64_t n;
+    int total, c0, count;
+    unsigned sig;             /* bit j: sigmoid on y[j] */
+    float *ys[GEMV_MAX_W];
+    int c[GEMV_MAX_W + 1];    /* y[j] holds columns [c[j], c[j+1]) */
+} packed_split_params;
+
+static __global__ void packed_split_kernel(const packed_split_params p) {
+    const int64_t all = p.n * p.total, stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < all; e += stride) {
+        const int64_t m = e / p.total;
+        const int col = (int)(e - m * p.total);
+        float v = p.hi[e];
+        if (p.lo && col >= p.c0) v += p.lo[m * (p.total - p.c0) + col - p.c0];
+        int j = 0;
+        while (col >= p.c[j + 1]) j++;
+        const int w = p.c[j + 1] - p.c[j];
+        p.ys[j][m * w + col - p.c[j]] = p.sig >> j & 1u ? cu_sigmoidf(v) : v;
+    }
+}
+
+/* The weights' rows in one run of memory, in call order, with the two-part weights (cu_tc_terms)
+ * after every one-part one: *c0 is the first two-part weight's first column (total: none). */
+static bool packed_run(const cu_backend *cb, const mt_weight *const *w, int count, int *total, int *c0) {
+    int64_t t = 0, first2 = -1;
+    for (int j = 0; j < count; j++) {
+        const int tj = cu_tc_terms(cb, w[j]);
+        if (j > 0 && (const char *)w[j]->data !=
+                         (const char *)w[j - 1]->data + w[j - 1]->rows * w[j - 1]->cols * (int64_t)mt_dtype_size(w[j]->dtype))
+            return false;
+        if (tj == 2 && first2 < 0) first2 = t;
+        if (tj != 2 && first2 >= 0) return false;
+        t += w[j]->rows;
+    }
+    if (t > INT_MAX) return false;
+    *total = (int)t;
+    *c0 = first2 < 0 ? (int)t : (int)first2;
+    return true;
+}
+
+/* y[j] = x . w[j]^T for a packed run: x split once ([hi; lo] when the tail takes two parts), hi
+ * times the whole run into [n, total], lo times the tail into [n, total - c0] (both in
+ * CU_SCRATCH_GEMM after x's parts), then one pass writes each output, the tail's two sums added
+ * as the unpacked path's second product adds them, the sigmoid applied where the mask says. */
+static mt_status matmul_packed(cu_backend *cb, float *const *y, const float *x, const mt_weight *const *w,
+                               int count, int n, int total, int c0, unsigned sigmoid_mask) {
+    const int K = (int)w[0]->cols, T = c0 < total ? 2 : 1;
+    const size_t part = sizeof(uint16_t) * (size_t)n * (size_t)K, xb = (part * (size_t)T + 255) & ~(size_t)255;
+    const size_t hb = (sizeof(float) * (size_t)n * (size_t)total + 255) & ~(size_t)255;
+    const size_t lb = T == 2 ? sizeof(float) * (size_t)n * (size_t)(total - c0) : 0;
+    char *buf = (char *)cu_scratch(&cb->base, CU_SCRATCH_GEMM, xb + hb + lb);
+    if (!buf) return MT_ERR_NOMEM; /* logged */
+    float *hi = (float *)(buf + xb), *lo = T == 2 ? (float *)(buf + xb + hb) : NULL;
+    mt_status st = cu_split16(buf, x, NULL, n, K, w[0]->dtype, T, false, cb->stream);
+    if (st == MT_OK) st = cu_gemm_tc(cb, hi, buf, w[0]->data, w[0]->dtype, n, total, K, 0.f);
+    if (st == MT_OK && T == 2) {
+        const char *tail = (const char *)w[0]->data + (size_t)c0 * (size_t)K * mt_dtype_size(w[0]->dtype);
+        st = cu_gemm_tc(cb, lo, buf + part, tail, w[0]->dtype, n, total - c0, K, 0.f);
+    }
+    if (st != MT_OK) return st;
+    packed_split_params p = {};
+    p.hi = hi;
+    p.lo = lo;
+    p.n = n;
+    p.total = total;
+    p.c0 = c0;
+    p.count = count;
+    p.sig = sigmoid_mask;
+    for (int j = 0; j < count; j++) {
+        p.ys[j] = y[j];
+        p.c[j + 1] = p.c[j] + (int)w[j]->rows;
+    }
+    const int64_t want = ((int64_t)n * total + 255) / 256;
+    const unsigned blocks = (unsigned)(want < 8 * (int64_t)cb->n_sm ? want : 8 * (int64_t)cb->n_sm);
+    packed_split_kernel<<<blocks, 256, 0, cb->stream>>>(p);
+    MT_CUDA_CHECK_LAUNCH();
+    return MT_OK;
+}
+
 static_assert((int)CU_FP8_GEMV_MAX_N <= (int)GEMV_MAX_N, "cu_fp8_gemv's runs must fit the GEMV's rows");
 extern "C" mt_status cu_gemv_f8(cu_backend *cb, float *y, const float *x, const mt_weight *w, int n) {
     MT_ASSERT(w->dtype == MT_F8E4M3 && w->scale && n >= 0 && n <= GEMV_MAX_N);
@@ -1138,6 +1226,14 @@ static void cu_matmul_multi(mt_backend *be, float *const *y, const float *x, con
         for (int j = 0; tc && j < count; j++)
             tc = matmul_use_tc(cb, w[j], n) && w[j]->dtype == w[0]->dtype && w[j]->cols == w[0]->cols &&
                  w[j]->rows <= INT_MAX;
+        int total, c0;
+        if (tc && n <= PACKED_MAX_N && packed_run(cb, w, count, &total, &c0)) {
+            const mt_status st = matmul_packed(cb, y, x, w, count, n, total, c0, sigmoid_mask);
+            cu_prof_mark(be, n <= 64 ? "matmul (tensor cores, packed, <= 64 rows)"
+                                     : "matmul (tensor cores, packed, 65-512 rows)");
+            cu_op_status(be, "matmul_multi", st);
+            return;
+        }
         if (tc) {
             mt_status st = matmul_tc(cb, y, x, w, count, n);
             cu_prof_mark(be, matmul_tc_name(n));

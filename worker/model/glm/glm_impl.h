@@ -520,6 +520,8 @@ mt_status glm_logits_rows(glm_model *m, const float *z, int rows, float *logits_
 /* glm_weights.c */
 mt_status glm_weights_bind(glm_model *m, mt_error *err);
 mt_status glm_weights_random(glm_model *m, uint64_t seed, mt_error *err);
+/* Packs each group of projections that share an input (backend weights_pack), after the bind. */
+void glm_weights_pack(glm_model *m);
 void glm_weights_release(glm_model *m);
 
 /* glm_layer.c: fills l->base (ops, caps) for layer index i. */

@@ -98,6 +98,7 @@ static mt_status model_init(glm_model *m, uint64_t random_seed, bool random, mt_
     }
     s = random ? glm_weights_random(m, random_seed, err) : glm_weights_bind(m, err);
     if (s != MT_OK) return s;
+    glm_weights_pack(m);
     if (m->tp_size > 1)
         mt_log(MT_LOG_INFO, "tensor-parallel rank %d of %d: read %.1f MiB of the split tensors' %.1f MiB, and %.1f MiB "
                "of replicated ones", m->tp_rank, m->tp_size, m->bytes_sharded_read / 1048576.0,
