@@ -21,7 +21,7 @@
  *   batch_bench [--batches 1,8,32,64,128] [--prompt 256] [--steps 16] [--json FILE] [--op-profile 1]
  *               [--tp N | --nccl]
  *               [--graph-max-rows N]  (bucket graphs up to N rows; the model's default is 64)
- *               [--pack-projections 0] (the projections that share an input apart, not packed)
+ *               [--pack-projections 1] (the projections that share an input packed: weights_pack)
  *               [--moe-grouped-max N] (the grouped MoE decode kernels up to N rows, beyond which
  *                                      the MoE reads the routing back and a step is no graph;
  *                                      mt_cuda_params.moe_grouped_max_rows, default 64)
@@ -56,7 +56,7 @@ typedef struct batch_result {
 /* The options of a run, the same on every rank. */
 typedef struct batch_opts {
     int batches[MAX_BATCHES], nb, prompt, steps, op_profile, graph_max, tp;
-    bool no_pack;          /* --pack-projections 0 */
+    bool pack;             /* --pack-projections 1 */
     const char *json;
     mt_cuda_params cp;
 } batch_opts;
@@ -75,7 +75,7 @@ static int batch_rank(bench_rank *r, void *user) {
     glm_model_params mp = glm_model_default_params(); /* 256 scratch rows: batches up to 256 */
     mp.comm = r->comm;
     if (o->graph_max > 0) mp.graph_max_rows = o->graph_max;
-    mp.pack_projections = !o->no_pack;
+    mp.pack_projections = o->pack;
     glm_model *m = NULL;
     if (glm_model_new_random(&c, 1, be, &mp, &m, &err) != MT_OK) { fprintf(stderr, "%s\n", err.msg); return 1; }
     const int V = c.vocab_size;
@@ -223,7 +223,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--json")) o.json = argv[i + 1];
         else if (!strcmp(argv[i], "--op-profile")) o.op_profile = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--graph-max-rows")) o.graph_max = atoi(argv[i + 1]);
-        else if (!strcmp(argv[i], "--pack-projections")) o.no_pack = atoi(argv[i + 1]) == 0;
+        else if (!strcmp(argv[i], "--pack-projections")) o.pack = atoi(argv[i + 1]) != 0;
         else if (!strcmp(argv[i], "--moe-grouped-max")) o.cp.moe_grouped_max_rows = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--tp")) o.tp = atoi(argv[i + 1]), tp_given = true;
         else if (!strcmp(argv[i], "--numerics")) {

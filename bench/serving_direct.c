@@ -20,7 +20,7 @@
  *  on the CPU, as the worker); --prefill-budget N: eng_params.prefill_budget and --prefill-pass
  *  N: rows of a prefill pass, by default what metrale-worker picks (wkr_prefill_budget and
  *  wkr_prefill_pass);
- *  --pack-projections 0: mt_model_params.pack_projections off (the projections apart);
+ *  --pack-projections 1: mt_model_params.pack_projections on (the projection groups packed);
  *  --op-profile 1 (a mix on cuda): every op synchronised and timed, the table printed after the
  *  JSON, so its times are not the run's; --speculative-tokens K and --speculative-max-batch B:
  *  eng_params.spec_tokens and spec_max_batch with the model's drafter (a checkpoint with an MTP
@@ -246,7 +246,7 @@ int main(int argc, char **argv) {
     int streams = 1, max_new = 32, plen = 16, threads = 0, run_ahead = 1, mixed_steps = -1;
     double itl_target_ms = 0, prefill_hold_ms = 0;
     int prefill_layers = -1, layered_max_waiting = 0, prefill_sites = -1, expert_parts = -1, fine_rows = -1;
-    int prefill_pass = 0, prefill_budget = 0, op_profile = 0, pack = 1;
+    int prefill_pass = 0, prefill_budget = 0, op_profile = 0, pack = 0;
     int requests = 0, shared = 0, max_sequences = 64, spec_tokens = 0, spec_max_batch = 0;
     uint64_t seed = 1;
     for (int i = 1; i + 1 < argc; i += 2) {

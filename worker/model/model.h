@@ -87,9 +87,10 @@ typedef struct mt_model_params {
      * page-locked host memory (weight_host); default false. */
     bool ple_host_gather;
     bool ple_table_device;
-    /* true (default): each group of projections that share an input is packed into one backend
-     * allocation where the backend can (mt_backend_ops.weights_pack), so a batch's rows take the
-     * group as one product; false keeps them apart (benchmarks compare the two). */
+    /* true: each group of projections that share an input is packed into one backend allocation
+     * where the backend can (mt_backend_ops.weights_pack), so a batch's rows take the group as one
+     * product; false (default until the packed path has been measured on a GPU) keeps them
+     * apart. */
     bool pack_projections;
 } mt_model_params;
 

@@ -3,6 +3,5 @@
 
 mt_model_params mt_model_default_params(void) {
     return (mt_model_params){ .prefill_chunk = 256, .decode_graphs = true, .device_positions = false,
-                              .graph_max_rows = 64, .verify_seqs = 1,
-                              .pack_projections = true };
+                              .graph_max_rows = 64, .verify_seqs = 1 };
 }
