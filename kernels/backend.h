@@ -222,12 +222,13 @@ typedef struct mt_backend_ops {
     mt_status (*weight_random)(mt_backend *be, mt_dtype dt, int64_t rows, int64_t cols, uint64_t key,
                                float mean, float std, mt_weight *out);
     void (*weight_free)(mt_backend *be, mt_weight *w);
-    /* Optional (NULL: not offered). Moves count >= 2 weights that one matmul_multi call takes (the
+    /* Optional (NULL: not offered). Moves 2 <= count <= 6 weights that one matmul_multi call takes (the
      * same dtype and columns, each made by weight or weight_random) into one allocation, w[0]'s
      * rows first, then w[1]'s and so on, so that a call over them in this order can run them as
      * one product. The values are unchanged; w[0] owns the allocation (its weight_free releases it,
      * the others' release nothing). MT_ERR_UNSUPPORTED for weights this backend does not pack,
-     * MT_ERR_NOMEM without room for the copy; either way every weight is left as it was. */
+     * MT_ERR_NOMEM without room for the copy; either way every weight is left as it was. Graphs
+     * recorded before over these weights are stale afterwards. */
     mt_status (*weights_pack)(mt_backend *be, mt_weight *const *w, int count);
     /* Optional (NULL: weights live in backend memory). A weight over host memory that the caller
      * keeps mapped until weight_free (a file's read-only mapping): the backend locks those pages

@@ -633,16 +633,37 @@ TEST_F(CudaOps, MatmulExactClasses) {
         cpu_->ops->matmul(cpu_, want_g.data(), x.data(), &gate->cpu, s.n);
         EXPECT_LE(RelErr(Get(one, gy[0], want_p.size()), want_p), 1e-4) << where << " multi: projection";
         EXPECT_LE(RelErr(Get(one, gy[1], want_g.size()), want_g), 1e-4) << where << " multi: router";
-        // packed, the two-part weight after the one-part one: x.hi over both, x.lo over the tail,
-        // with the sigmoid on the tail
-        mt_weight *pw[2] = {&proj->gpu, &gate->gpu};
-        ASSERT_EQ(one->ops->weights_pack(one, pw, 2), MT_OK);
-        one->ops->matmul_multi(one, gy, gx, gw, 2, s.n, 0x2u);
-        cpu_->ops->sigmoid(cpu_, want_g.data(), (int64_t)want_g.size());
-        EXPECT_LE(RelErr(Get(one, gy[0], want_p.size()), want_p), 1e-4) << where << " packed: projection";
-        EXPECT_LE(RelErr(Get(one, gy[1], want_g.size()), want_g), 1e-4) << where << " packed: router";
         Drop(one, gy[0]);
         Drop(one, gy[1]);
+        // packed: two one-part weights of other widths (x rounded once, no tail), then the same
+        // two with the two-part weight after them (x.hi over all three, x.lo over the tail, with
+        // the sigmoid on the tail); in the other order the group is not a packed run and goes apart
+        auto proj2 = MakeWeight(MT_BF16, s.rows / 2, s.cols, 2.f / std::sqrt((float)s.cols));
+        proj2->gpu.cls = proj2->cpu.cls = MT_WCLS_ATTN;
+        std::vector<float> want_2((size_t)s.n * (s.rows / 2));
+        cpu_->ops->matmul(cpu_, want_2.data(), xr.data(), &proj2->cpu, s.n);
+        cpu_->ops->sigmoid(cpu_, want_g.data(), (int64_t)want_g.size());
+        const std::vector<float> *want[3] = {&want_p, &want_2, &want_g};
+        const char *name[3] = {"projection", "second projection", "router"};
+        mt_weight *pw[3] = {&proj->gpu, &proj2->gpu, &gate->gpu};
+        ASSERT_EQ(one->ops->weights_pack(one, pw, 3), MT_OK);
+        const mt_weight *order[2][3] = {{&proj->gpu, &proj2->gpu, &gate->gpu}, {&gate->gpu, &proj->gpu, &proj2->gpu}};
+        const int where_of[2][3] = {{0, 1, 2}, {2, 0, 1}};
+        for (int o = 0; o < 2; o++)
+            for (int count : {2, 3}) {
+                if (o == 1 && count == 2) continue;
+                float *y[3];
+                for (int j = 0; j < count; j++) y[j] = (float *)one->ops->alloc(one, sizeof(float) * want[where_of[o][j]]->size());
+                unsigned mask = 0;
+                for (int j = 0; j < count; j++) mask |= (where_of[o][j] == 2 ? 1u : 0u) << j;
+                one->ops->matmul_multi(one, y, gx, order[o], count, s.n, mask);
+                for (int j = 0; j < count; j++) {
+                    const std::vector<float> &w = *want[where_of[o][j]];
+                    EXPECT_LE(RelErr(Get(one, y[j], w.size()), w), 1e-4)
+                        << where << " packed, " << count << " weights, order " << o << ": " << name[where_of[o][j]];
+                    Drop(one, y[j]);
+                }
+            }
         Drop(one, gx);
     }
     mt_backend_free(one);

@@ -279,8 +279,8 @@ static void cu_weight_free(mt_backend *be, mt_weight *w) {
 static mt_status cu_weights_pack(mt_backend *be, mt_weight *const *w, int count) {
     cu_backend *cb = cb_of(be);
     MT_ASSERT(count >= 2);
-    size_t total = 0, off[8];
-    if (count > (int)(sizeof off / sizeof off[0])) return MT_ERR_UNSUPPORTED;
+    size_t total = 0, off[CU_PACK_MAX];
+    if (count > CU_PACK_MAX) return MT_ERR_UNSUPPORTED;
     for (int j = 0; j < count; j++) {
         const mt_weight *wj = w[j];
         if (!wj->data || !wj->owned || wj->host || wj->scale || wj->dtype != w[0]->dtype ||
@@ -307,7 +307,14 @@ static mt_status cu_weights_pack(mt_backend *be, mt_weight *const *w, int count)
             return MT_ERR_NOMEM;
         }
     }
-    MT_CUDA_CHECK(cudaStreamSynchronize(cb->stream));
+    const cudaError_t e = cudaStreamSynchronize(cb->stream);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        MT_CUDA_WARN(cudaFree(p));
+        mt_log(MT_LOG_ERROR, "cuda backend: packing weights: %s", cudaGetErrorString(e));
+        return MT_ERR_BACKEND;
+    }
+    cb->scratch_epoch++; /* graphs recorded over the old weights are stale (cu_graph_epoch) */
     for (int j = 0; j < count; j++) {
         MT_CUDA_WARN(cudaFree((void *)w[j]->data));
         w[j]->data = (char *)p + off[j];

@@ -1056,6 +1056,7 @@ static mt_status matmul_tc(cu_backend *cb, float *const *y, const float *x, cons
  * hundred rows reads its weight far below the copy rate (cuBLAS has too few tiles to fill the
  * device), while the group's sum reads like one large weight. */
 enum { PACKED_MAX_N = 512 };
+static_assert((int)CU_PACK_MAX <= (int)GEMV_MAX_W, "a packed group's outputs must fit packed_split_params");
 
 typedef struct packed_split_params {
     const float *hi;          /* [n, total]: every weight's product with x's first part */
@@ -1081,12 +1082,15 @@ static __global__ void packed_split_kernel(const packed_split_params p) {
     }
 }
 
-/* The weights' rows in one run of memory, in call order, with the two-part weights (cu_tc_terms)
+/* The weights packed by weights_pack (w[0] owns the allocation, the others own nothing: weights
+ * merely adjacent in memory do not count), in call order, with the two-part weights (cu_tc_terms)
  * after every one-part one: *c0 is the first two-part weight's first column (total: none). */
 static bool packed_run(const cu_backend *cb, const mt_weight *const *w, int count, int *total, int *c0) {
+    if (count < 2 || count > GEMV_MAX_W || !w[0]->owned) return false;
     int64_t t = 0, first2 = -1;
     for (int j = 0; j < count; j++) {
         const int tj = cu_tc_terms(cb, w[j]);
+        if (j > 0 && (w[j]->owned || w[j]->host)) return false;
         if (j > 0 && (const char *)w[j]->data !=
                          (const char *)w[j - 1]->data + w[j - 1]->rows * w[j - 1]->cols * (int64_t)mt_dtype_size(w[j]->dtype))
             return false;
@@ -1102,32 +1106,29 @@ static bool packed_run(const cu_backend *cb, const mt_weight *const *w, int coun
 
 /* y[j] = x . w[j]^T for a packed run: x split once ([hi; lo] when the tail takes two parts), hi
  * times the whole run into [n, total], lo times the tail into [n, total - c0] (both in
- * CU_SCRATCH_GEMM after x's parts), then one pass writes each output, the tail's two sums added
- * as the unpacked path's second product adds them, the sigmoid applied where the mask says. */
+ * CU_SCRATCH_GEMM after x's parts; a run of two-part weights only adds lo's product into hi's in
+ * the GEMM, as the unpacked path does), then one pass writes each output, the tail's two sums
+ * added as the unpacked path's second product adds them, the sigmoid applied where the mask says. */
 static mt_status matmul_packed(cu_backend *cb, float *const *y, const float *x, const mt_weight *const *w,
                                int count, int n, int total, int c0, unsigned sigmoid_mask) {
     const int K = (int)w[0]->cols, T = c0 < total ? 2 : 1;
     const size_t part = sizeof(uint16_t) * (size_t)n * (size_t)K, xb = (part * (size_t)T + 255) & ~(size_t)255;
     const size_t hb = (sizeof(float) * (size_t)n * (size_t)total + 255) & ~(size_t)255;
-    const size_t lb = T == 2 ? sizeof(float) * (size_t)n * (size_t)(total - c0) : 0;
+    const size_t lb = T == 2 && c0 > 0 ? sizeof(float) * (size_t)n * (size_t)(total - c0) : 0;
     char *buf = (char *)cu_scratch(&cb->base, CU_SCRATCH_GEMM, xb + hb + lb);
     if (!buf) return MT_ERR_NOMEM; /* logged */
-    float *hi = (float *)(buf + xb), *lo = T == 2 ? (float *)(buf + xb + hb) : NULL;
+    float *hi = (float *)(buf + xb), *lo = lb ? (float *)(buf + xb + hb) : NULL;
     mt_status st = cu_split16(buf, x, NULL, n, K, w[0]->dtype, T, false, cb->stream);
     if (st == MT_OK) st = cu_gemm_tc(cb, hi, buf, w[0]->data, w[0]->dtype, n, total, K, 0.f);
-    if (st == MT_OK && T == 2) {
+    if (st == MT_OK && T == 2 && c0 == 0) { /* every weight two-part: lo adds into hi, as the unpacked path */
+        st = cu_gemm_tc(cb, hi, buf + part, w[0]->data, w[0]->dtype, n, total, K, 1.f);
+        lo = NULL;
+    } else if (st == MT_OK && T == 2) {
         const char *tail = (const char *)w[0]->data + (size_t)c0 * (size_t)K * mt_dtype_size(w[0]->dtype);
         st = cu_gemm_tc(cb, lo, buf + part, tail, w[0]->dtype, n, total - c0, K, 0.f);
     }
     if (st != MT_OK) return st;
-    packed_split_params p = {};
-    p.hi = hi;
-    p.lo = lo;
-    p.n = n;
-    p.total = total;
-    p.c0 = c0;
-    p.count = count;
-    p.sig = sigmoid_mask;
+    packed_split_params p = {hi, lo, n, total, c0, count, sigmoid_mask, {}, {}};
     for (int j = 0; j < count; j++) {
         p.ys[j] = y[j];
         p.c[j + 1] = p.c[j] + (int)w[j]->rows;
@@ -1226,9 +1227,9 @@ static void cu_matmul_multi(mt_backend *be, float *const *y, const float *x, con
         for (int j = 0; tc && j < count; j++)
             tc = matmul_use_tc(cb, w[j], n) && w[j]->dtype == w[0]->dtype && w[j]->cols == w[0]->cols &&
                  w[j]->rows <= INT_MAX;
-        int total, c0;
-        if (tc && n <= PACKED_MAX_N && packed_run(cb, w, count, &total, &c0)) {
-            const mt_status st = matmul_packed(cb, y, x, w, count, n, total, c0, sigmoid_mask);
+        int cols_all, c0;
+        if (tc && n <= PACKED_MAX_N && packed_run(cb, w, count, &cols_all, &c0)) {
+            const mt_status st = matmul_packed(cb, y, x, w, count, n, cols_all, c0, sigmoid_mask);
             cu_prof_mark(be, n <= 64 ? "matmul (tensor cores, packed, <= 64 rows)"
                                      : "matmul (tensor cores, packed, 65-512 rows)");
             cu_op_status(be, "matmul_multi", st);

@@ -55,6 +55,8 @@ typedef struct cu_buf {
 /* Scratch slots: an op uses its slot only between its first and last launch; ops run in stream
  * order, so later ops may reuse the same slot. */
 enum { CU_SCRATCH_DENSE, CU_SCRATCH_ATTN, CU_SCRATCH_GEMM, CU_SCRATCH_N };
+/* Most weights weights_pack packs into one group (matmul_multi's most). */
+enum { CU_PACK_MAX = 6 };
 enum { CU_COUNTERS = 16 };
 /* Which of cu_backend.counters each last-block-finishes kernel owns: cuda_hc.cu's
  * hc_pre_split_kernel, cuda_dense.cu's argmax_chunk_kernel. */

@@ -687,6 +687,9 @@ static void pack_group(glm_model *m, mt_weight *const *w, int count, const char 
     const mt_status st = m->be->ops->weights_pack(m->be, w, count);
     if (st == MT_ERR_NOMEM)
         mt_log(MT_LOG_WARN, "layer %d: no device memory to pack the %s projections; they run apart", layer, what);
+    else if (st != MT_OK && st != MT_ERR_UNSUPPORTED)
+        mt_log(MT_LOG_WARN, "layer %d: packing the %s projections failed (%s); they run apart", layer, what,
+               mt_status_str(st));
 }
 
 void glm_weights_pack(glm_model *m) {
