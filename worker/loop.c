@@ -200,6 +200,7 @@ static mt_status load_model(wkr_loop *l, mt_error *err) {
     const int vs = l->p.spec_max_batch > 0 ? l->p.spec_max_batch : l->p.max_sequences;
     mp.verify_seqs = vs < WKR_VERIFY_SEQS_MAX ? vs : WKR_VERIFY_SEQS_MAX;
     mp.dequant_fp8 = l->p.dequant_fp8;
+    mp.pack_projections = l->p.pack_projections;
     const wkr_layering ly = wkr_layering_of(&l->p, l->gpu);
     mp.layered_sites = ly.sites;
     mp.layered_expert_parts = ly.expert_parts;

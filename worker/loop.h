@@ -65,6 +65,7 @@ typedef struct wkr_params {
     int mixed_steps;         /* prompt chunks in the decode rows' model call (eng_params.mixed_steps):
                               * 1 on, 0 off, -1 (default) on where the backend queues its work (the GPU) */
     bool no_run_ahead;       /* greedy batches read each step's tokens before the next */
+    bool pack_projections;   /* mt_model_params.pack_projections; default false */
     int spec_tokens;         /* speculative decoding with the checkpoint's MTP block: drafts a step
                               * (0 = off, up to ENG_SPEC_MAX) */
     int spec_max_batch;      /* speculate only while a decode step has at most this many sequences

@@ -46,7 +46,7 @@ static void usage(FILE *f) {
             "                      [--prefill-pass N] [--prefill-layers N] [--prefill-sites|--no-prefill-sites]\n"
             "                      [--prefill-expert-parts P] [--fine-units-max-rows N] [--layered-max-waiting N]\n"
             "                      [--graph-max-batch N] [--no-preempt] [--no-run-ahead] [--mixed-steps|--separate-steps]\n"
-            "                      [--verbose]\n"
+            "                      [--pack-projections] [--verbose]\n"
             "                      [--numerics bf16|exact] [--dtype auto|bf16] [--tp N --rank R --group NAME]\n"
             "                      [--speculative-tokens K] [--speculative-max-batch B] [--warmup-tokens N]\n"
             "                      [--curve-server-key FILE --curve-secret-key FILE] [--log-format text|json]\n"
@@ -90,7 +90,9 @@ static void usage(FILE *f) {
             "  whole length are free (nothing is ever preempted; fewer run together); --no-run-ahead: a batch\n"
             "  of greedy requests reads each step's tokens before queuing the next (by default the next step\n"
             "  is queued on the device's own tokens first, so the GPU does not wait for the host; the CPU backend\n"
-            "  never runs ahead, as it would only delay each token by a step); --numerics (GPU): how prefill\n"
+            "  never runs ahead, as it would only delay each token by a step); --pack-projections (GPU): the\n"
+            "  projections that share an input packed at load and run as one product a group (off by default\n"
+            "  until measured on a GPU); --numerics (GPU): how prefill\n"
             "  GEMMs round their activations: bf16 (default; rounded once, as other engines do) or exact (two\n"
             "  bf16 parts, matching the CPU's fp32 sums; about twice the prefill GEMM work). --dtype: how an FP8\n"
             "  checkpoint's weights are kept: auto (default; on the GPU the dense projections and the routed\n"
@@ -159,6 +161,7 @@ static int parse_args(int argc, char **argv, wkr_params *o, bool *verbose) {
         if (!strcmp(a, "--mixed-steps")) { o->mixed_steps = 1; continue; }
         if (!strcmp(a, "--separate-steps")) { o->mixed_steps = 0; continue; }
         if (!strcmp(a, "--no-run-ahead")) { o->no_run_ahead = true; continue; }
+        if (!strcmp(a, "--pack-projections")) { o->pack_projections = true; continue; }
         if (!strcmp(a, "--prefill-sites")) { o->prefill_sites = 1; continue; }
         if (!strcmp(a, "--no-prefill-sites")) { o->prefill_sites = 0; continue; }
         if (!v) { fprintf(stderr, "error: %s needs a value\n", a); usage(stderr); return -1; }
