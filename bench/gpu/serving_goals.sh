@@ -2,7 +2,8 @@
 # bench/gpu/serving_goals.sh [STEP...]: the serving figures of docs/PERF.md's openloop sections in
 # one device call, from the repository root on the GPU machine, with .gpu/serving.tar.xz
 # (bench/gpu/bundle.sh) carried. Each step writes $OUT/STEP.txt and prints its table rows:
-#   tests      the packed GPU tests of the bundle (kernels_cuda_dense_test, model_cuda_test)
+#   tests      the packed GPU tests of the bundle (kernels_cuda_dense_test, model_cuda_test; MODEL_TESTS:
+#              a gtest filter of the latter's, default all)
 #   pack_ab    batch_bench --batches 16,64 and the engine alone on the mix, projections packed and
 #              apart (--pack-projections 1 / 0), alternated twice
 #   direct     the engine alone on the mix (serving_direct, all requests at t = 0)
@@ -45,7 +46,7 @@ for s in ${*:-direct sat sat_ref rates good}; do
     case $s in
     tests)
         step dense 60 env LD_LIBRARY_PATH=$n/lib $n/bin/kernels_cuda_dense_test --gtest_filter='*MatmulMulti*:*MatmulExactClasses*'
-        step model 120 env LD_LIBRARY_PATH=$n/lib $n/bin/model_cuda_test ;;
+        step model 120 env LD_LIBRARY_PATH=$n/lib $n/bin/model_cuda_test --gtest_filter="${MODEL_TESTS:-*}" ;;
     pack_ab)
         for i in 1 2; do
             for p in 1 0; do
