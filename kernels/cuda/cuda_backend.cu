@@ -279,7 +279,7 @@ static void cu_weight_free(mt_backend *be, mt_weight *w) {
 static mt_status cu_weights_pack(mt_backend *be, mt_weight *const *w, int count) {
     cu_backend *cb = cb_of(be);
     MT_ASSERT(count >= 2);
-    size_t total = 0, off[CU_PACK_MAX];
+    size_t total = 0, off[CU_PACK_MAX + 1];
     if (count > CU_PACK_MAX) return MT_ERR_UNSUPPORTED;
     for (int j = 0; j < count; j++) {
         const mt_weight *wj = w[j];
@@ -290,24 +290,19 @@ static mt_status cu_weights_pack(mt_backend *be, mt_weight *const *w, int count)
         total += (size_t)wj->rows * (size_t)wj->cols * mt_dtype_size(wj->dtype);
         if (j + 1 < count && total % 16) return MT_ERR_UNSUPPORTED;
     }
+    off[count] = total;
     void *p = NULL;
     if (cudaMalloc(&p, total ? total : 1) != cudaSuccess) {
         (void)cudaGetLastError();
         return MT_ERR_NOMEM;
     }
-    for (int j = 0; j < count; j++) {
-        const size_t bytes = (size_t)w[j]->rows * (size_t)w[j]->cols * mt_dtype_size(w[j]->dtype);
-        if (!bytes) continue;
-        const cudaError_t e = cudaMemcpyAsync((char *)p + off[j], w[j]->data, bytes, cudaMemcpyDeviceToDevice,
-                                              cb->stream);
-        if (e != cudaSuccess) {
-            (void)cudaGetLastError();
-            MT_CUDA_WARN(cudaStreamSynchronize(cb->stream));
-            MT_CUDA_WARN(cudaFree(p));
-            return MT_ERR_NOMEM;
-        }
-    }
-    const cudaError_t e = cudaStreamSynchronize(cb->stream);
+    cudaError_t e = cudaSuccess;
+    for (int j = 0; j < count && e == cudaSuccess; j++)
+        if (off[j + 1] > off[j])
+            e = cudaMemcpyAsync((char *)p + off[j], w[j]->data, off[j + 1] - off[j], cudaMemcpyDeviceToDevice,
+                                cb->stream);
+    const cudaError_t es = cudaStreamSynchronize(cb->stream);
+    if (e == cudaSuccess) e = es;
     if (e != cudaSuccess) {
         (void)cudaGetLastError();
         MT_CUDA_WARN(cudaFree(p));

@@ -218,7 +218,6 @@ extern "C" mt_status cu_blas_make(struct cublasContext **blas, void **ws, cudaSt
     return MT_OK;
 }
 
-
 mt_status cu_lt_algo(cu_backend *cb, cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
                      cublasLtMatrixLayout_t c, const uint32_t *align, cublasLtMatmulAlgo_t *algo, bool *found) {
     static const cublasLtMatmulPreferenceAttributes_t at[4] = {

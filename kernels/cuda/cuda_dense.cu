@@ -1062,7 +1062,7 @@ typedef struct packed_split_params {
     const float *hi;          /* [n, total]: every weight's product with x's first part */
     const float *lo;          /* [n, total - c0]: the two-part tail's product with x's second part; NULL: none */
     int64_t n;
-    int total, c0, count;
+    int total, c0;
     unsigned sig;             /* bit j: sigmoid on y[j] */
     float *ys[GEMV_MAX_W];
     int c[GEMV_MAX_W + 1];    /* y[j] holds columns [c[j], c[j+1]) */
@@ -1086,7 +1086,7 @@ static __global__ void packed_split_kernel(const packed_split_params p) {
  * merely adjacent in memory do not count), in call order, with the two-part weights (cu_tc_terms)
  * after every one-part one: *c0 is the first two-part weight's first column (total: none). */
 static bool packed_run(const cu_backend *cb, const mt_weight *const *w, int count, int *total, int *c0) {
-    if (count < 2 || count > GEMV_MAX_W || !w[0]->owned) return false;
+    if (count < 2 || count > CU_PACK_MAX || !w[0]->owned) return false;
     int64_t t = 0, first2 = -1;
     for (int j = 0; j < count; j++) {
         const int tj = cu_tc_terms(cb, w[j]);
@@ -1128,7 +1128,7 @@ static mt_status matmul_packed(cu_backend *cb, float *const *y, const float *x, 
         st = cu_gemm_tc(cb, lo, buf + part, tail, w[0]->dtype, n, total - c0, K, 0.f);
     }
     if (st != MT_OK) return st;
-    packed_split_params p = {hi, lo, n, total, c0, count, sigmoid_mask, {}, {}};
+    packed_split_params p = {hi, lo, n, total, c0, sigmoid_mask, {}, {}};
     for (int j = 0; j < count; j++) {
         p.ys[j] = y[j];
         p.c[j + 1] = p.c[j] + (int)w[j]->rows;
@@ -1150,8 +1150,10 @@ extern "C" mt_status cu_gemv_f8(cu_backend *cb, float *y, const float *x, const 
 }
 
 /* The op profile's name of a tensor-core matmul of n rows: decode-sized (a batch's rows, read
- * bound) apart from prompt-sized (compute bound), so a mixed step's two kinds of work show apart. */
-static const char *matmul_tc_name(int n) {
+ * bound) apart from prompt-sized (compute bound), so a mixed step's two kinds of work show apart;
+ * a packed group's (at most PACKED_MAX_N rows) apart from the rest. */
+static const char *matmul_tc_name(int n, bool packed) {
+    if (packed) return n <= 64 ? "matmul (tensor cores, packed, <= 64 rows)" : "matmul (tensor cores, packed, 65-512 rows)";
     return n <= 64 ? "matmul (tensor cores, <= 64 rows)" : n <= 512 ? "matmul (tensor cores, 65-512 rows)"
                                                          : "matmul (tensor cores, > 512 rows)";
 }
@@ -1180,7 +1182,7 @@ static void cu_matmul(mt_backend *be, float *y, const float *x, const mt_weight 
         }
     } else if (matmul_use_tc(cb, w, n)) {
         st = matmul_tc(cb, &y, x, &w, 1, n);
-        cu_prof_mark(be, matmul_tc_name(n));
+        cu_prof_mark(be, matmul_tc_name(n, false));
     } else if (cb->params.narrow && w->rows <= NARROW_MAX_ROWS && w->cols > 0) {
         gemv_params p = {y, x, w->data, n, (int)w->rows, (int)w->cols, 1, 0};
         st = narrow_launch(&p, w->dtype, cu_stream(be));
@@ -1230,14 +1232,13 @@ static void cu_matmul_multi(mt_backend *be, float *const *y, const float *x, con
         int cols_all, c0;
         if (tc && n <= PACKED_MAX_N && packed_run(cb, w, count, &cols_all, &c0)) {
             const mt_status st = matmul_packed(cb, y, x, w, count, n, cols_all, c0, sigmoid_mask);
-            cu_prof_mark(be, n <= 64 ? "matmul (tensor cores, packed, <= 64 rows)"
-                                     : "matmul (tensor cores, packed, 65-512 rows)");
+            cu_prof_mark(be, matmul_tc_name(n, true));
             cu_op_status(be, "matmul_multi", st);
             return;
         }
         if (tc) {
             mt_status st = matmul_tc(cb, y, x, w, count, n);
-            cu_prof_mark(be, matmul_tc_name(n));
+            cu_prof_mark(be, matmul_tc_name(n, false));
             for (int j = 0; j < count && st == MT_OK; j++)
                 if (sigmoid_mask >> j & 1u) be->ops->sigmoid(be, y[j], (int64_t)n * w[j]->rows);
             cu_op_status(be, "matmul_multi", st);

@@ -49,11 +49,11 @@ static void dsa_project(const glm_layer *l, mt_backend *be, const float *h, cons
     const mt_backend_ops *op = be->ops;
     /* every projection of h together: q_a, kv_a, and the indexer's keys, gate scores and head
      * weights; then the ones of the normed q_a output together: q_b and the indexer's queries */
-    const mt_weight *wh[5] = { &w->q_a, &w->kv_a, &w->ik, &w->igate, &w->iw };
+    const mt_weight *wh[5] = GLM_DSA_IN_GROUP(w);
     float *yh[5] = { x->qr, x->lat, x->ki, x->gs, x->iw };
     glm_matmul_multi(be, yh, h, wh, w->has_indexer ? 5 : 2, n, 0u);
     op->rmsnorm(be, x->qr, x->qr, w->q_a_norm, n, c->q_lora_rank, c->rms_norm_eps);
-    const mt_weight *wq[2] = { &w->q_b, &w->iq };
+    const mt_weight *wq[2] = GLM_DSA_Q_GROUP(w);
     float *yq[2] = { x->q, x->qi };
     glm_matmul_multi(be, yq, x->qr, wq, w->has_indexer ? 2 : 1, n, 0u);
     op->rmsnorm(be, x->lat, x->lat, w->kv_a_norm, n, c->kv_lora_rank, c->rms_norm_eps);

@@ -425,6 +425,15 @@ static inline float *const *glm_rtab(const mt_step *s, int k) {
     return (float *const *)(s->rtab + (size_t)k * (size_t)s->rcap);
 }
 
+/* The groups of projections that take the same input, in the order of their glm_matmul_multi
+ * call (the two-part classes last, MT_CUDA_EXACT_CLASSES): initializers of an array of weight
+ * pointers, for the calls and for glm_weights_pack, which packs each group in this order. A DSA
+ * layer without an indexer takes the first 2 of its input group and the first of its query group. */
+#define GLM_KDA_GROUP(w) { &(w)->q, &(w)->k, &(w)->v, &(w)->f_a, &(w)->b, &(w)->g_a }
+#define GLM_DSA_IN_GROUP(w) { &(w)->q_a, &(w)->kv_a, &(w)->ik, &(w)->igate, &(w)->iw }
+#define GLM_DSA_Q_GROUP(w) { &(w)->q_b, &(w)->iq }
+#define GLM_MLP_GROUP(e) { &(e)->gate, &(e)->up }
+
 /* y[j] = x . w[j]^T for j < count (<= 6), then sigmoid over the y[j] of bit j of sigmoid_mask;
  * one backend launch where it offers matmul_multi. */
 static inline void glm_matmul_multi(mt_backend *be, float *const *y, const float *x, const mt_weight *const *w,

@@ -101,7 +101,7 @@ mt_status glm_kda_forward(const glm_layer *l, glm_layer_state **sts, int nst, mt
      * fused rows op q, k, v themselves, which it convolves in place), and the three small ones,
      * f_a, b (its sigmoid, beta, with it) and g_a (g_b's input waits in lo_g); then each conv. */
     const bool conv3 = rows && op->kda_conv3_rows;
-    const mt_weight *proj[6] = { &w->q, &w->k, &w->v, &w->f_a, &w->b, &w->g_a };
+    const mt_weight *proj[6] = GLM_KDA_GROUP(w);
     float *dst[3] = { q, k, v }, *pre[6] = { conv3 ? q : raw, conv3 ? k : o, conv3 ? v : g, lo, beta, lo_g };
     glm_matmul_multi(be, pre, h, proj, 6, n, 1u << 4);
     const float q_scale = 1.f / sqrtf((float)dk);
@@ -167,7 +167,7 @@ mt_status glm_kda_forward_chunks(const glm_layer *l, glm_layer_state **sts, cons
     float **b = step->scr->buf;
     float *raw = b[0], *q = b[1], *k = b[2], *v = b[3], *g = b[4], *beta = b[5], *o = b[6];
     float *lo = b[7], *gate = b[8], *lo_g = b[9];
-    const mt_weight *proj[6] = { &w->q, &w->k, &w->v, &w->f_a, &w->b, &w->g_a };
+    const mt_weight *proj[6] = GLM_KDA_GROUP(w);
     float *dst[3] = { q, k, v }, *pre[6] = { raw, o, g, lo, beta, lo_g };
     glm_matmul_multi(be, pre, h, proj, 6, n, 1u << 4);
     int r = 0;

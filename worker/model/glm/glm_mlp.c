@@ -6,7 +6,7 @@
 
 static void swiglu_mlp(mt_backend *be, const mt_expert *e, const float *h, float *out, int n, int I,
                        float L, float *g, float *u) {
-    const mt_weight *gu[2] = { &e->gate, &e->up };
+    const mt_weight *gu[2] = GLM_MLP_GROUP(e);
     float *y[2] = { g, u };
     glm_matmul_multi(be, y, h, gu, 2, n, 0u);
     be->ops->swiglu(be, g, g, u, n, I, L);

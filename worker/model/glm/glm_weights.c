@@ -678,9 +678,8 @@ mt_status glm_weights_random(glm_model *m, uint64_t seed, mt_error *err) {
     return st;
 }
 
-/* One group of projections that take the same input (glm_kda.c, glm_dsa.c, glm_mlp.c call them
- * together, in this order, with the two-part classes last), packed where the backend can; a group
- * the backend cannot pack (no room, FP8) runs apart as before. */
+/* One group of projections that take the same input (GLM_*_GROUP, in their call's order), packed
+ * where the backend can; a group the backend cannot pack (no room, FP8) runs apart as before. */
 static void pack_group(glm_model *m, mt_weight *const *w, int count, const char *what, int layer) {
     for (int j = 0; j < count; j++)
         if (!w[j]->data) return;
@@ -697,17 +696,17 @@ void glm_weights_pack(glm_model *m) {
     for (int i = 0; i < m->n_state_layers; i++) {
         glm_layer *l = &m->layers[i];
         glm_kda_w *k = &l->kda;
-        mt_weight *kw[] = { &k->q, &k->k, &k->v, &k->f_a, &k->b, &k->g_a };
+        mt_weight *kw[] = GLM_KDA_GROUP(k);
         pack_group(m, kw, 6, "KDA", i);
         glm_dsa_w *d = &l->dsa;
-        mt_weight *dh[] = { &d->q_a, &d->kv_a, &d->ik, &d->igate, &d->iw };
+        mt_weight *dh[] = GLM_DSA_IN_GROUP(d);
         pack_group(m, dh, d->has_indexer ? 5 : 2, "attention input", i);
-        mt_weight *dq[] = { &d->q_b, &d->iq };
+        mt_weight *dq[] = GLM_DSA_Q_GROUP(d);
         if (d->has_indexer) pack_group(m, dq, 2, "attention query", i);
         glm_mlp_w *mw = &l->mlp;
-        mt_weight *gu[] = { &mw->dense.gate, &mw->dense.up };
+        mt_weight *gu[] = GLM_MLP_GROUP(&mw->dense);
         pack_group(m, gu, 2, "MLP", i);
-        mt_weight *su[] = { &mw->shared.gate, &mw->shared.up };
+        mt_weight *su[] = GLM_MLP_GROUP(&mw->shared);
         pack_group(m, su, 2, "shared expert", i);
     }
 }
