@@ -13,13 +13,15 @@
 #   good       goodput by bisection (GOOD_LO .. GOOD_HI, GOOD_STEPS steps)
 #   good_prefix  the same on the mix with a common 512-token prefix
 # Default steps: direct sat sat_ref rates good. A step starts only while END seconds (default
-# 570) minus its need are left since the script began. The mix: MODEL (random:bench-4L),
+# 570) minus its need are left since the script began (or, with DEADLINE set, until that epoch
+# second: one budget for several invocations in one call). The mix: MODEL (random:bench-4L),
 # BACKEND (cuda), REQUESTS (300), PROMPT_MIX (64,256,1024), NEW_MIX (32,128), max 64 sequences.
 # WORKER_ARGS: more options for this tree's worker (openloop_bench's --worker-args); SD_ARGS: more
 # for serving_direct (e.g. "--pack-projections 1").
 set -u
 t0=$(date +%s)
-left() { echo $(( ${END:-570} - ($(date +%s) - t0) )); }
+deadline=${DEADLINE:-$(( t0 + ${END:-570} ))}
+left() { echo $(( deadline - $(date +%s) )); }
 out=${OUT:-/tmp/serving_goals}
 mkdir -p "$out"
 [ -d .gpu/n ] || tar -C .gpu -xJf .gpu/serving.tar.xz
