@@ -5,7 +5,7 @@
 #   tests      the packed GPU tests of the bundle (kernels_cuda_dense_test, model_cuda_test; MODEL_TESTS:
 #              a gtest filter of the latter's, default all)
 #   pack_ab    batch_bench --batches 16,64 and the engine alone on the mix, projections packed and
-#              apart (--pack-projections 1 / 0), alternated twice
+#              apart (--pack-projections 1 / 0), alternated AB_ROUNDS times (default 2)
 #   direct     the engine alone on the mix (serving_direct, all requests at t = 0)
 #   sat        saturation through the router (64 req/s offered) with this tree's binaries
 #   sat_ref    the same with the reference's (bundle o: 2213d32, bench/gpu/reference.sh)
@@ -50,7 +50,7 @@ for s in ${*:-direct sat sat_ref rates good}; do
         step dense 60 env LD_LIBRARY_PATH=$n/lib $n/bin/kernels_cuda_dense_test --gtest_filter='*MatmulMulti*:*MatmulExactClasses*'
         step model 120 env LD_LIBRARY_PATH=$n/lib $n/bin/model_cuda_test --gtest_filter="${MODEL_TESTS:-*}" ;;
     pack_ab)
-        for i in 1 2; do
+        for i in $(seq ${AB_ROUNDS:-2}); do
             for p in 1 0; do
                 step bb$i.p$p 60 env LD_LIBRARY_PATH=$n/lib $n/bin/batch_bench --batches 16,64 --pack-projections $p
                 step sd$i.p$p 45 env LD_LIBRARY_PATH=$n/lib $n/bin/serving_direct --model $model --backend $backend \
