@@ -89,8 +89,8 @@ typedef struct mt_model_params {
     bool ple_table_device;
     /* true: each group of projections that share an input is packed into one backend allocation
      * where the backend can (mt_backend_ops.weights_pack), so a batch's rows take the group as one
-     * product; false (default until the packed path has been measured on a GPU) keeps them
-     * apart. */
+     * product; false (default: the packing saves a fraction of a percent of a batched decode
+     * step, docs/PERF.md) keeps them apart. */
     bool pack_projections;
 } mt_model_params;
 
