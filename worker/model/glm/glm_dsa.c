@@ -51,11 +51,11 @@ static void dsa_project(const glm_layer *l, mt_backend *be, const float *h, cons
      * weights; then the ones of the normed q_a output together: q_b and the indexer's queries */
     const mt_weight *wh[5] = GLM_DSA_IN_GROUP(w);
     float *yh[5] = { x->qr, x->lat, x->ki, x->gs, x->iw };
-    glm_matmul_multi(be, yh, h, wh, w->has_indexer ? 5 : 2, n, 0u);
+    glm_matmul_multi(be, yh, h, wh, GLM_DSA_IN_COUNT(w), n, 0u);
     op->rmsnorm(be, x->qr, x->qr, w->q_a_norm, n, c->q_lora_rank, c->rms_norm_eps);
     const mt_weight *wq[2] = GLM_DSA_Q_GROUP(w);
     float *yq[2] = { x->q, x->qi };
-    glm_matmul_multi(be, yq, x->qr, wq, w->has_indexer ? 2 : 1, n, 0u);
+    glm_matmul_multi(be, yq, x->qr, wq, GLM_DSA_Q_COUNT(w), n, 0u);
     op->rmsnorm(be, x->lat, x->lat, w->kv_a_norm, n, c->kv_lora_rank, c->rms_norm_eps);
     if (w->has_indexer) op->layernorm(be, x->ki, x->ki, w->ik_norm_w, w->ik_norm_b, n, c->index_head_dim, 1e-6f);
 }

@@ -428,10 +428,13 @@ static inline float *const *glm_rtab(const mt_step *s, int k) {
 /* The groups of projections that take the same input, in the order of their glm_matmul_multi
  * call (the two-part classes last, MT_CUDA_EXACT_CLASSES): initializers of an array of weight
  * pointers, for the calls and for glm_weights_pack, which packs each group in this order. A DSA
- * layer without an indexer takes the first 2 of its input group and the first of its query group. */
+ * layer takes the first GLM_DSA_IN_COUNT of its input group and GLM_DSA_Q_COUNT of its query
+ * group (without an indexer, 2 and 1). */
 #define GLM_KDA_GROUP(w) { &(w)->q, &(w)->k, &(w)->v, &(w)->f_a, &(w)->b, &(w)->g_a }
 #define GLM_DSA_IN_GROUP(w) { &(w)->q_a, &(w)->kv_a, &(w)->ik, &(w)->igate, &(w)->iw }
 #define GLM_DSA_Q_GROUP(w) { &(w)->q_b, &(w)->iq }
+#define GLM_DSA_IN_COUNT(w) ((w)->has_indexer ? 5 : 2)
+#define GLM_DSA_Q_COUNT(w) ((w)->has_indexer ? 2 : 1)
 #define GLM_MLP_GROUP(e) { &(e)->gate, &(e)->up }
 
 /* y[j] = x . w[j]^T for j < count (<= 6), then sigmoid over the y[j] of bit j of sigmoid_mask;

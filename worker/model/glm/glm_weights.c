@@ -700,9 +700,9 @@ void glm_weights_pack(glm_model *m) {
         pack_group(m, kw, 6, "KDA", i);
         glm_dsa_w *d = &l->dsa;
         mt_weight *dh[] = GLM_DSA_IN_GROUP(d);
-        pack_group(m, dh, d->has_indexer ? 5 : 2, "attention input", i);
+        pack_group(m, dh, GLM_DSA_IN_COUNT(d), "attention input", i);
         mt_weight *dq[] = GLM_DSA_Q_GROUP(d);
-        if (d->has_indexer) pack_group(m, dq, 2, "attention query", i);
+        if (GLM_DSA_Q_COUNT(d) > 1) pack_group(m, dq, GLM_DSA_Q_COUNT(d), "attention query", i);
         glm_mlp_w *mw = &l->mlp;
         mt_weight *gu[] = GLM_MLP_GROUP(&mw->dense);
         pack_group(m, gu, 2, "MLP", i);
