@@ -30,7 +30,10 @@
  *
  *   decode_bench [--steps N] [--context N] [--json FILE] [--bf16-peak-tflops 790] [--op-profile 1]
  *                [--profile N] [--numerics exact|bf16|fp32] [--tp N | --nccl] [--fp8]
+ *                [--moe-wide-down 0|1] [--attend-rows 32|64]
  * (--numerics: the CUDA backend's mt_numerics (default bf16).
+ *  --moe-wide-down, --attend-rows: mt_cuda_params.moe_wg_wide_down and mla_attend_rows, the
+ *  prefill kernels' alternative tiles (default 0 and 32).
  *  --fp8: the weights an FP8 checkpoint keeps FP8 on the GPU (KDA and DSA projections, dense MLPs,
  *  shared and routed experts) made bf16 and quantised on the GPU to block-scaled e4m3
  *  (mt_model_params.random_fp8), so decode and prefill run the FP8 paths. The decode floor and
@@ -458,6 +461,8 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--profile")) o.profile = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--op-profile")) o.op_profile = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--tp")) o.tp = atoi(argv[i + 1]), tp_given = true;
+        else if (!strcmp(argv[i], "--moe-wide-down")) o.cp.moe_wg_wide_down = atoi(argv[i + 1]) != 0;
+        else if (!strcmp(argv[i], "--attend-rows")) o.cp.mla_attend_rows = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--numerics")) {
             if (!mt_numerics_parse(argv[i + 1], &o.cp.numerics)) {
                 fprintf(stderr, "decode_bench: --numerics must be exact, bf16 or fp32, got %s\n", argv[i + 1]);

@@ -21,6 +21,8 @@
  *  N: rows of a prefill pass, by default what metrale-worker picks (wkr_prefill_budget and
  *  wkr_prefill_pass);
  *  --pack-projections 1: mt_model_params.pack_projections on (the projection groups packed);
+ *  --moe-wide-down 1 and --attend-rows 64 (cuda): mt_cuda_params.moe_wg_wide_down and
+ *  mla_attend_rows, the prefill kernels' alternative tiles;
  *  --op-profile 1 (a mix on cuda): every op synchronised and timed, the table printed after the
  *  JSON, so its times are not the run's; --speculative-tokens K and --speculative-max-batch B:
  *  eng_params.spec_tokens and spec_max_batch with the model's drafter (a checkpoint with an MTP
@@ -247,6 +249,7 @@ int main(int argc, char **argv) {
     double itl_target_ms = 0, prefill_hold_ms = 0;
     int prefill_layers = -1, layered_max_waiting = 0, prefill_sites = -1, expert_parts = -1, fine_rows = -1;
     int prefill_pass = 0, prefill_budget = 0, op_profile = 0, pack = 0;
+    mt_cuda_params cp = mt_cuda_default_params();
     int requests = 0, shared = 0, max_sequences = 64, spec_tokens = 0, spec_max_batch = 0;
     uint64_t seed = 1;
     for (int i = 1; i + 1 < argc; i += 2) {
@@ -270,6 +273,8 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--prefill-budget")) prefill_budget = atoi(v);
         else if (!strcmp(a, "--op-profile")) op_profile = atoi(v);
         else if (!strcmp(a, "--pack-projections")) pack = atoi(v);
+        else if (!strcmp(a, "--moe-wide-down")) cp.moe_wg_wide_down = atoi(v) != 0;
+        else if (!strcmp(a, "--attend-rows")) cp.mla_attend_rows = atoi(v);
         else if (!strcmp(a, "--prompt-mix")) prompt_mix = v;
         else if (!strcmp(a, "--new-mix")) new_mix = v;
         else if (!strcmp(a, "--requests")) requests = atoi(v);
@@ -315,7 +320,7 @@ int main(int argc, char **argv) {
     }
     const bool gpu = !strcmp(backend, "cuda");
     mt_error err = { "" };
-    mt_backend *be = gpu ? mt_cuda_backend_new(0, NULL, &err) : mt_cpu_backend_new(threads);
+    mt_backend *be = gpu ? mt_cuda_backend_new(0, &cp, &err) : mt_cpu_backend_new(threads);
     mt_model *m = NULL;
     eng_engine *e = NULL;
     int32_t *prompt = malloc(sizeof(int32_t) * (size_t)plen);

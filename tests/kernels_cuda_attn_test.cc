@@ -700,19 +700,26 @@ class CudaAttnMla : public CudaAttn {
 // Single rounding, the backend's default numerics (mt_cuda_default_params): at kv_lora 512 with
 // heads in 64s the prefill's query, latent rows, P and the latent output enter the tensor cores
 // rounded to bf16 once (one part, cuda_dsa_mla_wg.cu and the cuBLAS absorb and output over kv_b
-// itself); the other shapes keep two parts. ~3e-3 relative against the fp32 CPU.
+// itself); the other shapes keep two parts. ~3e-3 relative against the fp32 CPU. The same with the
+// wgmma attend's tiles of 64 selected rows (mt_cuda_params.mla_attend_rows): the real model's rows
+// end in a partial tile (2063 = 32 x 64 + 15), and a selection of 50 or 90 fills less than one.
 constexpr double kOneRoundingTol = 1.5e-2;
 
 TEST_F(CudaAttnMla, MlaSparseOneRounding) {
-    WithParams(mt_cuda_default_params(), [&] {
-        Check({
-            {64, 256, 256, 512, 2000, 48, 2063, MT_BF16, true},  // the real model, prefill-sized
-            {64, 32, 64, 512, 100, 200, 90, MT_BF16, true},      // splits merged into the output's A
-            {128, 16, 16, 512, 60, 33, 50, MT_BF16, true},       // two head groups, rows short of a tile
-            {64, 8, 8, 512, 30, 1100, 100, MT_BF16, true},       // two passes, one split: the attend writes the output's A
-            {32, 32, 64, 256, 40, 37, 30, MT_BF16, true},        // mma.sync's shape: two parts still
-        }, kOneRoundingTol);
-    });
+    for (int rows : {32, 64}) {
+        mt_cuda_params p = mt_cuda_default_params();
+        p.mla_attend_rows = rows;
+        std::printf("[mla_sparse] one rounding, wgmma tiles of %d selected rows\n", rows);
+        WithParams(p, [&] {
+            Check({
+                {64, 256, 256, 512, 2000, 48, 2063, MT_BF16, true},  // the real model, prefill-sized
+                {64, 32, 64, 512, 100, 200, 90, MT_BF16, true},      // splits merged into the output's A
+                {128, 16, 16, 512, 60, 33, 50, MT_BF16, true},       // two head groups, rows short of a tile
+                {64, 8, 8, 512, 30, 1100, 100, MT_BF16, true},       // two passes, one split: the attend writes the output's A
+                {32, 32, 64, 256, 40, 37, 30, MT_BF16, true},        // mma.sync's shape: two parts still
+            }, kOneRoundingTol);
+        });
+    }
 }
 
 TEST_F(CudaAttnMla, MlaSparseRealShapes) {
@@ -789,9 +796,10 @@ TEST_F(CudaAttnMla, MlaSparsePrefillOldVsNew) {
     // params.mla_attend: WIDE the fp32 kernel, MMA mla_attend_tc_kernel, AUTO (the test's exact
     // backend) the wgmma kernel, and AUTO in the default numerics (one rounding); each timed, then
     // its three kernels apart (absorb, attend, output), each synchronised: one profiled call.
-    auto with = [&](mt_cuda_mla_attend mode, const char *name, double *ms, bool one = false) {
+    auto with = [&](mt_cuda_mla_attend mode, const char *name, double *ms, bool one = false, int rows = 32) {
         mt_cuda_params prm = one ? mt_cuda_default_params() : ExactParams();
         prm.mla_attend = mode;
+        prm.mla_attend_rows = rows;
         auto measure = [&] {
             *ms = WarmMs(run);
             const std::string what = std::string("mla_sparse prefill, attend ") + name;
@@ -803,20 +811,27 @@ TEST_F(CudaAttnMla, MlaSparsePrefillOldVsNew) {
         else WithParams(prm, measure);
         return dout.Get();
     };
-    double ms_old, ms_mma, ms_new, ms_one;
+    double ms_old, ms_mma, ms_new, ms_one, ms_one64;
     const std::vector<float> out_old = with(MT_CUDA_MLA_ATTEND_WIDE, "wide", &ms_old),
                              out_mma = with(MT_CUDA_MLA_ATTEND_MMA, "mma", &ms_mma),
                              out_new = with(MT_CUDA_MLA_ATTEND_AUTO, "wg", &ms_new),
-                             out_one = with(MT_CUDA_MLA_ATTEND_AUTO, "wg, one rounding", &ms_one, true);
+                             out_one = with(MT_CUDA_MLA_ATTEND_AUTO, "wg, one rounding", &ms_one, true),
+                             out_one64 = with(MT_CUDA_MLA_ATTEND_AUTO, "wg, one rounding, 64-row tiles", &ms_one64,
+                                              true, 64);
     const double e = RelErr(out_new, out_old), e_mma = RelErr(out_mma, out_old), e_one = RelErr(out_one, out_old);
+    const double e_one64 = RelErr(out_one64, out_old), d64 = RelErr(out_one64, out_one);
     std::printf("[mla_sparse prefill] Hq=%d kvl=%d t0=%d n=%d sel=%d, paged: fp32 wide %.3f ms, mma.sync %.3f ms "
                 "(rel %.2e), wgmma %.3f ms (rel %.2e; %.2fx mma.sync), wgmma one rounding %.3f ms (rel %.2e; "
-                "%.2fx two parts)\n",
+                "%.2fx two parts), with 64-row tiles %.3f ms (rel %.2e; %.2fx 32-row tiles; %.2e from them)\n",
                 Hq, kvl, t0, n, max_sel, ms_old, ms_mma, e_mma, ms_new, e, ms_mma / ms_new, ms_one, e_one,
-                ms_new / ms_one);
+                ms_new / ms_one, ms_one64, e_one64, ms_one / ms_one64, d64);
     EXPECT_LE(e, kRelTol);
     EXPECT_LE(e_mma, kRelTol);
     EXPECT_LE(e_one, kOneRoundingTol);
+    EXPECT_LE(e_one64, kOneRoundingTol);
+    // the same products; the online softmax's tile boundaries move, and with them where P is
+    // rounded against its running max: within the two tilings' own error of the fp32 kernel
+    EXPECT_LE(d64, kOneRoundingTol / 2);
     gpu_->ops->weight_free(gpu_, &w_gpu);
 }
 

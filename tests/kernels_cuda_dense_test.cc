@@ -1116,19 +1116,25 @@ TEST_F(CudaMoe, ExpertsWithSharedMatchCpu) {
 // pairs and with one (256 experts, 200 pairs), 8 experts all taken by each row (2n rows an expert: down tiles of 208 .. 256 rows,
 // gate/up ones of two halves), an expert of 600 rows cut in three (down) or five (gate/up), I = 64
 // and 192 (a last gate/up tile of 64 columns), the real widths with 64 k-stages (the ring wraps 16
-// times), both swiglu clamps; then one set with each expert's gate and up exchanged (up below gate
+// times), both swiglu clamps; the wide down tiles (mt_cuda_params.moe_wg_wide_down: 256 weight
+// rows against at most 128 token rows, so H = 128 ends in half a tile) against the default ones
+// in both numerics, where only the tiling differs: each sum runs the same k-steps, so the outputs
+// agree to 1e-6; then one set with each expert's gate and up exchanged (up below gate
 // in memory), and indices straight from the GPU router (sorted on the device, never read back).
 TEST_F(CudaMoe, ExpertsWgmmaMatchCpu) {
     int major = 0;
     ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
     if (major != 9) GTEST_SKIP() << "the wgmma path is for sm_90 (this device: sm_" << major << "x)";
     Worst worst{"moe_experts wgmma"}, worst_old{"moe_experts batched"}, worst1{"moe_experts wgmma, 1 term"},
-        worst1_old{"moe_experts wgmma, 1 term, against batched"};
+        worst1_old{"moe_experts wgmma, 1 term, against batched"}, worst_wide{"moe_experts wide down, against default"};
     mt_cuda_params old_p = ExactParams(), old1_p = WithNumerics(MT_NUMERICS_BF16);
     old_p.moe_wg = old1_p.moe_wg = false;
     mt_backend *old = BackendWith(old_p), *old1 = BackendWith(old1_p);
     mt_backend *one = BackendWith(WithNumerics(MT_NUMERICS_BF16));
-    ASSERT_TRUE(old && old1 && one);
+    mt_cuda_params wide_p = ExactParams(), wide1_p = WithNumerics(MT_NUMERICS_BF16);
+    wide_p.moe_wg_wide_down = wide1_p.moe_wg_wide_down = true;
+    mt_backend *wide = BackendWith(wide_p), *wide1 = BackendWith(wide1_p);
+    ASSERT_TRUE(old && old1 && one && wide && wide1);
     struct S { int E, k, H, I, n; };
     for (const S &s : {S{256, 2, 256, 128, 100}, S{64, 4, 256, 128, 100}, S{16, 4, 256, 128, 100},
                        S{16, 4, 128, 64, 300}, S{8, 8, 128, 192, 104}, S{8, 8, 128, 64, 112}, S{8, 8, 256, 128, 120},
@@ -1150,6 +1156,11 @@ TEST_F(CudaMoe, ExpertsWgmmaMatchCpu) {
             worst1_old.See(d1, where);
             EXPECT_LE(e1, MoeTol(MT_BF16, s.n, MT_NUMERICS_BF16)) << where << " 1 term";
             EXPECT_LE(d1, 1e-4) << where << " 1 term, against the batched form";
+            const double dw = Between(ex, idx, s.n, s.k, s.H, s.I, L, wide, gpu_);
+            const double dw1 = Between(ex, idx, s.n, s.k, s.H, s.I, L, wide1, one);
+            worst_wide.See(std::max(dw, dw1), where);
+            EXPECT_LE(dw, 1e-6) << where << " wide down tiles, 2 terms";
+            EXPECT_LE(dw1, 1e-6) << where << " wide down tiles, 1 term";
         }
     }
     {
@@ -1178,6 +1189,8 @@ TEST_F(CudaMoe, ExpertsWgmmaMatchCpu) {
     mt_backend_free(old);
     mt_backend_free(old1);
     mt_backend_free(one);
+    mt_backend_free(wide);
+    mt_backend_free(wide1);
 }
 
 TEST_F(CudaMoe, ExpertsRealShapes) {

@@ -395,6 +395,7 @@ extern "C" mt_cuda_params mt_cuda_default_params(void) {
     p.moe_grouped_max_rows = CU_MOE_GROUPED_MAX_ROWS;
     p.moe_exact_grouped = true;
     p.mla_attend = MT_CUDA_MLA_ATTEND_AUTO;
+    p.mla_attend_rows = 32;
     p.kda_chunk_kernels = MT_CUDA_KDA_CHUNK_BOTH;
     return p;
 }
@@ -415,6 +416,9 @@ static mt_status params_check(const mt_cuda_params *p, mt_error *err) {
     if (p->mla_attend < MT_CUDA_MLA_ATTEND_AUTO || p->mla_attend > MT_CUDA_MLA_ATTEND_WIDE)
         return mt_errorf(err, MT_ERR_INVALID, "mt_cuda_params.mla_attend: %d is not an mt_cuda_mla_attend",
                          (int)p->mla_attend);
+    if (p->mla_attend_rows != 32 && p->mla_attend_rows != 64)
+        return mt_errorf(err, MT_ERR_INVALID, "mt_cuda_params.mla_attend_rows: %d is neither 32 nor 64",
+                         p->mla_attend_rows);
     if (p->kda_chunk_kernels < MT_CUDA_KDA_CHUNK_BOTH || p->kda_chunk_kernels > MT_CUDA_KDA_CHUNK_STATE)
         return mt_errorf(err, MT_ERR_INVALID, "mt_cuda_params.kda_chunk_kernels: %d is not an "
                          "mt_cuda_kda_chunk_kernels", (int)p->kda_chunk_kernels);

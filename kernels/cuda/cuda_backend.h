@@ -78,6 +78,10 @@ typedef struct mt_cuda_params {
     /* true (default): a prefill's experts on the wgmma kernel (cuda_moe_wg.cu) where it applies
      * (sm_90, bf16, H % 128 == 0, I % 64 == 0, not MT_NUMERICS_FP32); false: the cuBLAS form. */
     bool moe_wg;
+    /* The wgmma kernel's down tiles: false (default) 128 weight rows against up to 256 token rows;
+     * true 256 weight rows (two accumulators a warpgroup, gate/up's shape) against up to 128,
+     * which reads each token row of h half as often (cuda_moe_wg.cu). */
+    bool moe_wg_wide_down;
     /* moe_experts of n rows with min <= n <= max runs grouped by expert on the device
      * (cuda_moe_grouped.cu; graph-capturable, each chosen expert read once); fewer rows take the
      * per-(row, slot) GEMV kernels, more the tensor-core GEMMs (the wgmma kernels or cuBLAS).
@@ -89,6 +93,10 @@ typedef struct mt_cuda_params {
      * above (tests of the tensor-core paths in the exact mode). */
     bool moe_exact_grouped;
     mt_cuda_mla_attend mla_attend;            /* default MT_CUDA_MLA_ATTEND_AUTO */
+    /* Selected rows a tile of the wgmma attend with one part (MT_NUMERICS_BF16): 32 (default) or
+     * 64, the second 32 in each stage's unused lo rows: half the score exchanges, softmax passes
+     * and tensor-core turns for the same products (cuda_dsa_mla_wg.cu). Two parts keep 32. */
+    int mla_attend_rows;
     mt_cuda_kda_chunk_kernels kda_chunk_kernels; /* default MT_CUDA_KDA_CHUNK_BOTH */
 } mt_cuda_params;
 

@@ -1666,7 +1666,7 @@ static mt_status mla_sparse_launch(mt_backend *be, mla_dev_params *p, int n) {
         }
         cu_check_launch(be, "mla_sparse (absorb)");
         const dim3 gt(b.nb, p->Hq / p->hg, p->nsplit);
-        if (wgk) mla_wg_launch(&b, cu_stream(be));
+        if (wgk) mla_wg_launch(&b, ((const cu_backend *)be)->params.mla_attend_rows, cu_stream(be));
         else if (tc && p->kvl == 256) mla_attend_tc_kernel<4><<<gt, 4 * 32, tc_smem, cu_stream(be)>>>(b);
         else if (tc) mla_attend_tc_kernel<8><<<gt, 8 * 32, tc_smem, cu_stream(be)>>>(b);
         else if (!wide) cu_launch_pdl_k(mla_attend_kernel, dim3(gt), dim3(MLA_THREADS), att_smem, cu_stream(be), b);

@@ -46,9 +46,10 @@ typedef struct mla_dev_params {
 /* The prefill attend of cuda_dsa_mla_wg.cu (kvl 512, Hq % 64 == 0, p->lat16 and p->qa 16-byte
  * aligned): its dynamic shared memory in bytes. */
 size_t mla_wg_smem_bytes(void);
-/* Launches it for the pass's b->nb rows (grid 2 nb x Hq / 64 x nsplit, clusters of 2); the caller
- * has raised the kernel's shared memory limit (mla_wg_opt_in) and checks the launch. */
+/* Launches it for the pass's b->nb rows (grid 2 nb x Hq / 64 x nsplit, clusters of 2) with tiles of
+ * `rows` selected rows (32, or 64 with one part: mt_cuda_params.mla_attend_rows); the caller has
+ * raised the kernels' shared memory limit (mla_wg_opt_in) and checks the launch. */
 cudaError_t mla_wg_opt_in(void);
-void mla_wg_launch(const mla_dev_params *b, cudaStream_t s);
+void mla_wg_launch(const mla_dev_params *b, int rows, cudaStream_t s);
 
 #endif /* MT_CUDA_DSA_MLA_H */

@@ -20,6 +20,12 @@
  * KB) and a 32-row tile (64 KB) in flight has no room left for a pipeline; half the width each
  * leaves room for 4 stages.
  *
+ * With one part a tile may be 64 selected rows instead of 32 (mt_cuda_params.mla_attend_rows; the
+ * template's R): the scores one N = 64 product a k-step, P four k-steps of 16; the stage's lo
+ * rows, unused with one part, hold rows 32 .. 63, and each exchange, softmax and turn at the
+ * tensor cores serves twice the products. The partial scores double to 16 KB a buffer:
+ * warpgroup 0's two live in the query's unused lo part, warpgroup 1's in xs.
+ *
  * Precision (the template's TERMS = p.terms): with two parts, as mla_attend_tc_kernel, every fp32
  * operand x = hi + lo (bf16 each), products as hi*hi + hi*lo + lo*hi with fp32 accumulation: per
  * k step of the scores one wgmma of N = 64 takes Qhi against the tile's hi and lo rows (they lie
@@ -81,10 +87,11 @@ static __device__ __forceinline__ void mw_wg_sync(int wg) {
 
 /* Positions of the rows thread wt of a warpgroup stages for selected entries s .. s+rows-1 (rows
  * wt / 32 + 4 k): loaded a step before the copies, so the copies do not wait on them. */
-static __device__ __forceinline__ void mw_positions(int (&pos)[MW_R / 4], const int32_t *srow, int m, int s, int rows,
+template <int R>
+static __device__ __forceinline__ void mw_positions(int (&pos)[R / 4], const int32_t *srow, int m, int s, int rows,
                                                     int wt) {
 #pragma unroll
-    for (int k = 0; k < MW_R / 4; k++) {
+    for (int k = 0; k < R / 4; k++) {
         const int r = (wt >> 5) + 4 * k;
         pos[k] = r < rows ? (m > 0 ? __ldg(srow + s + r) : s + r) : -1;
     }
@@ -93,12 +100,12 @@ static __device__ __forceinline__ void mw_positions(int (&pos)[MW_R / 4], const 
 /* cp.async of this CTA's 256 columns (from c0) of the split latent rows at pos into a stage; rows
  * without a position are zeroed instead (P is 0 there, and 0 times stale data may be NaN). Thread
  * wt copies 16-byte unit wt % 32 (chunk u / 8) of rows wt / 32 + 4 k of both parts. */
-template <int TERMS>
-static __device__ __forceinline__ void mw_stage(uint8_t *dst, const __nv_bfloat16 *lat16, const int (&pos)[MW_R / 4],
+template <int TERMS, int R>
+static __device__ __forceinline__ void mw_stage(uint8_t *dst, const __nv_bfloat16 *lat16, const int (&pos)[R / 4],
                                                 int c0, int wt) {
     const int u = wt & 31;
 #pragma unroll
-    for (int k = 0; k < MW_R / 4; k++) {
+    for (int k = 0; k < R / 4; k++) {
         const int r = (wt >> 5) + 4 * k;
         uint8_t *d = dst + (u >> 3) * MW_T_CHUNK + r * 128 + (((u & 7) ^ (r & 7)) << 4);
         if (pos[k] >= 0) {
@@ -112,9 +119,10 @@ static __device__ __forceinline__ void mw_stage(uint8_t *dst, const __nv_bfloat1
     }
 }
 
-template <int TERMS>
+template <int TERMS, int R>
 static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1)
     mla_attend_wg_kernel(const mla_dev_params p) {
+    static_assert(R == MW_R || (TERMS == 1 && R == 2 * MW_R), "64-row tiles take the lo rows of one part");
     extern __shared__ uint8_t mw_smem_raw[];
     uint8_t *sm = (uint8_t *)(((uintptr_t)mw_smem_raw + 1023) & ~(uintptr_t)1023);
     uint8_t *qs = sm, *tiles = sm + 2 * MW_Q_PART;
@@ -125,31 +133,34 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
               q4 = lane & 3;
     const unsigned rank = cu_cluster_rank(), peer = rank ^ 1u;
     const int i = blockIdx.x >> 1, h0 = blockIdx.y * MW_HEADS, split = blockIdx.z, c0 = (int)rank * MW_COLS;
+    /* R tile rows (64: the stage's unused lo rows hold rows 32 .. 63); S: score entries a thread;
+     * XB: bytes of one warpgroup's partial scores */
+    constexpr int S = R / 2, XB = 128 * S * 4;
     const int t = p.t0 + i, m = p.nsel[i];
     const int cnt = m > 0 ? m : t + 1;
     int rps = (cnt + p.nsplit - 1) / p.nsplit; /* rows per split, whole tiles (as the other kernels) */
-    rps = (rps + MW_R - 1) / MW_R * MW_R;
+    rps = (rps + R - 1) / R * R;
     const int sb = split * rps, se = sb + rps < cnt ? sb + rps : cnt;
-    const int ntiles = sb < se ? (se - sb + MW_R - 1) / MW_R : 0;
+    const int ntiles = sb < se ? (se - sb + R - 1) / R : 0;
     const int32_t *srow = p.sel + (size_t)i * p.max_sel;
-    auto tile_rows = [&](int tt) { return se - (sb + tt * MW_R) < MW_R ? se - (sb + tt * MW_R) : MW_R; };
+    auto tile_rows = [&](int tt) { return se - (sb + tt * R) < R ? se - (sb + tt * R) : R; };
 
     if (tid == 0) { /* armed for the peer's first two partials of each warpgroup */
         for (int b = 0; b < MW_WG * 2; b++) {
             cu_mbar_init(&full[b], 1);
-            cu_mbar_arrive_tx(&full[b], MW_X_BUF);
+            cu_mbar_arrive_tx(&full[b], XB);
         }
         cu_mbar_init_fence();
     }
     /* warpgroup wg's first two tiles (wg, wg + 2), one group each, empty or not; pn: the positions
      * of its first refill (tile wg + 4) */
-    int pn[MW_R / 4];
+    int pn[R / 4];
 #pragma unroll
     for (int j = 0; j < 3; j++) {
         const int tt = wg + 2 * j;
-        if (tt < ntiles) mw_positions(pn, srow, m, sb + tt * MW_R, tile_rows(tt), wt);
+        if (tt < ntiles) mw_positions<R>(pn, srow, m, sb + tt * R, tile_rows(tt), wt);
         if (j < 2) {
-            if (tt < ntiles) mw_stage<TERMS>(tiles + (tt % MW_STAGES) * MW_T_STAGE, p.lat16, pn, c0, wt);
+            if (tt < ntiles) mw_stage<TERMS, R>(tiles + (tt % MW_STAGES) * MW_T_STAGE, p.lat16, pn, c0, wt);
             cu_cp_async_commit();
         }
     }
@@ -171,9 +182,11 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
     cu_proxy_fence_async();
     cu_cluster_sync(); /* the query slice written; the barriers armed; the peer CTA running */
 
-    float *xw = xs + wg * 2 * (MW_X_BUF / 4); /* this warpgroup's two buffers */
+    /* this warpgroup's two buffers; with one part 16 KB each: warpgroup 0's in the query's unused lo
+     * part, warpgroup 1's in xs */
+    float *xw = R > MW_R ? (wg == 0 ? (float *)(qs + MW_Q_PART) : xs) : xs + wg * 2 * (MW_X_BUF / 4);
     uint64_t *fw = full + wg * 2;
-    const uint32_t peer_xs = cu_cluster_map(xw + wt * 16, peer), peer_full = cu_cluster_map(fw, peer);
+    const uint32_t peer_xs = cu_cluster_map(xw + wt * S, peer), peer_full = cu_cluster_map(fw, peer);
     const float sl2 = p.scale * 1.4426950408889634f;
     /* rows r0 = 16 w + g (accumulator entries x with x & 2 == 0) and r1 = r0 + 8 of the 64 heads */
     float m_run0 = -INFINITY, m_run1 = -INFINITY, l_run0 = 0.f, l_run1 = 0.f;
@@ -194,7 +207,7 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
         const bool turns = ntiles >= 2;
         /* two parts: lo*hi in s, hi*hi in s2[0..15] and hi*lo in s2[16..31] (the same entries); one
          * part: hi*hi in s (s2 unused) */
-        float s[16], s2[TERMS == 2 ? 32 : 1];
+        float s[S], s2[TERMS == 2 ? 32 : 1];
         auto issue_scores = [&](int tt, int u) {
             /* groups so far: tiles wg, wg + 2, then one a step (the refill of tile tt + 2 at
              * step u >= 1): tile tt is the newest from step 2 on */
@@ -215,7 +228,7 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
                             cu_wgmma_bf16<64>(s2, cu_wg_desc(qh), cu_wg_desc(tb), c | j);            /* hi (hi | lo) */
                             cu_wgmma_bf16<32>(s, cu_wg_desc(qh + MW_Q_PART), cu_wg_desc(tb), c | j); /* lo hi */
                         } else {
-                            cu_wgmma_bf16<32>(s, cu_wg_desc(qh), cu_wg_desc(tb), c | j); /* hi hi */
+                            cu_wgmma_bf16<R>(s, cu_wg_desc(qh), cu_wg_desc(tb), c | j); /* hi hi */
                         }
                     }
                 cu_wg_commit();
@@ -230,23 +243,23 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
             if (turns) mw_turn_pass(wg);
             cu_wg_wait<0>(); /* the scores, and P Lat of this warpgroup's last tile */
 #pragma unroll
-            for (int x = 0; x < 16; x++) cu_wg_reg_fence(s[x]);
+            for (int x = 0; x < S; x++) cu_wg_reg_fence(s[x]);
 #pragma unroll
             for (int x = 0; x < (TERMS == 2 ? 32 : 0); x++) cu_wg_reg_fence(s2[x]);
 #pragma unroll
             for (int x = 0; x < 2 * MW_COLS / 4; x++) cu_wg_reg_fence(o[x]);
-            float sc[16];
+            float sc[S];
 #pragma unroll
-            for (int x = 0; x < 16; x++) sc[x] = !SC ? 0.f : TERMS == 2 ? s2[x] + s2[x + 16] + s[x] : s[x];
+            for (int x = 0; x < S; x++) sc[x] = !SC ? 0.f : TERMS == 2 ? s2[x] + s2[x + 16] + s[x] : s[x];
             /* S = own + the peer's partial: the peer's warpgroup wg stores into xw[u % 2] here
              * and this one into the peer's. A buffer is written again two steps later, after the
              * peer has the partial of the step between, which this side stores only after reading
              * the buffer (each thread its own 64 bytes). */
             const int xb = u & 1;
             if (SC) {
-                const uint32_t dst = peer_xs + (uint32_t)(xb * MW_X_BUF);
+                const uint32_t dst = peer_xs + (uint32_t)(xb * XB);
 #pragma unroll
-                for (int v = 0; v < 4; v++)
+                for (int v = 0; v < S / 4; v++)
                     cu_cluster_st_async4(dst + 16 * v, make_float4(sc[4 * v], sc[4 * v + 1], sc[4 * v + 2], sc[4 * v + 3]),
                                          peer_full + 8 * xb);
             }
@@ -254,16 +267,16 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
              * done: a wgmma completes for the whole warpgroup, so this thread's wait above covers
              * every warp's reads), then the positions of tile tt + 4 */
             if (u >= 1 && tt + 2 < ntiles) {
-                mw_stage<TERMS>(tiles + ((tt + 2) % MW_STAGES) * MW_T_STAGE, p.lat16, pn, c0, wt);
-                if (tt + 4 < ntiles) mw_positions(pn, srow, m, sb + (tt + 4) * MW_R, tile_rows(tt + 4), wt);
+                mw_stage<TERMS, R>(tiles + ((tt + 2) % MW_STAGES) * MW_T_STAGE, p.lat16, pn, c0, wt);
+                if (tt + 4 < ntiles) mw_positions<R>(pn, srow, m, sb + (tt + 4) * R, tile_rows(tt + 4), wt);
             }
             cu_cp_async_commit();
             if (SC) {
                 cu_mbar_wait_cluster(&fw[xb], (unsigned)(u >> 1) & 1u);
-                if (wt == 0) cu_mbar_arrive_tx(&fw[xb], MW_X_BUF); /* armed for step u + 2 */
-                const float4 *src = (const float4 *)(xw + (xb * 128 + wt) * 16);
+                if (wt == 0) cu_mbar_arrive_tx(&fw[xb], XB); /* armed for step u + 2 */
+                const float4 *src = (const float4 *)(xw + (xb * 128 + wt) * S);
 #pragma unroll
-                for (int v = 0; v < 4; v++) {
+                for (int v = 0; v < S / 4; v++) {
                     const float4 a = src[v];
                     sc[4 * v] += a.x;
                     sc[4 * v + 1] += a.y;
@@ -275,7 +288,7 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
             /* online softmax in log2 units; column (tile row) of entry x: 8 (x / 4) + 2 q4 + x % 2 */
             float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-            for (int x = 0; x < 16; x++) {
+            for (int x = 0; x < S; x++) {
                 const int col = 8 * (x >> 2) + 2 * q4 + (x & 1);
                 sc[x] = col < rows ? sc[x] * sl2 : -INFINITY;
                 if (x & 2) mx1 = fmaxf(mx1, sc[x]);
@@ -288,7 +301,7 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
             const float mn0 = fmaxf(m_run0, mx0), mn1 = fmaxf(m_run1, mx1); /* finite: a tile has a row */
             float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
-            for (int x = 0; x < 16; x++) {
+            for (int x = 0; x < S; x++) {
                 sc[x] = exp2f(sc[x] - ((x & 2) ? mn1 : mn0));
                 if (x & 2) sum1 += sc[x];
                 else sum0 += sc[x];
@@ -304,23 +317,23 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
             m_run1 = mn1;
 #pragma unroll
             for (int x = 0; x < 2 * MW_COLS / 4; x++) o[x] *= (x & 2) ? corr1 : corr0;
-            uint32_t ph[2][4], pl[2][4]; /* P's A fragments for tile rows 16 kk .. 16 kk + 15 */
+            uint32_t ph[R / 16][4], pl[TERMS == 2 ? R / 16 : 1][4]; /* P's A fragments, tile rows 16 kk .. + 15 */
 #pragma unroll
-            for (int kk = 0; kk < 2; kk++)
+            for (int kk = 0; kk < R / 16; kk++)
 #pragma unroll
                 for (int j = 0; j < 4; j++) {
-                    cu_split_bf16x2(sc[8 * kk + 2 * j], sc[8 * kk + 2 * j + 1], &ph[kk][j], &pl[kk][j]);
+                    cu_split_bf16x2(sc[8 * kk + 2 * j], sc[8 * kk + 2 * j + 1], &ph[kk][j], &pl[TERMS == 2 ? kk : 0][j]);
                     cu_wg_reg_fence_u(ph[kk][j]); /* made before the fence below, not sunk past it */
-                    if (TERMS == 2) cu_wg_reg_fence_u(pl[kk][j]);
+                    if constexpr (TERMS == 2) cu_wg_reg_fence_u(pl[kk][j]);
                 }
 #pragma unroll
             for (int x = 0; x < 2 * MW_COLS / 4; x++) cu_wg_reg_fence(o[x]);
             if (turns) mw_turn_wait(wg);
             cu_wg_fence();
 #pragma unroll
-            for (int kk = 0; kk < 2; kk++) {
+            for (int kk = 0; kk < R / 16; kk++) {
                 const uint64_t bh = cu_wg_desc_mn(lt + kk * 16 * 128, MW_T_CHUNK);
-                if (TERMS == 2) {
+                if constexpr (TERMS == 2) {
                     const uint64_t bl = cu_wg_desc_mn(lt + MW_R * 128 + kk * 16 * 128, MW_T_CHUNK);
                     cu_wgmma_bf16_ra256_mn(o, pl[kk], bh);
                     cu_wgmma_bf16_ra256_mn(o, ph[kk], bl);
@@ -403,13 +416,15 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
 size_t mla_wg_smem_bytes(void) { return MW_SMEM; }
 
 cudaError_t mla_wg_opt_in(void) {
-    const cudaError_t e = cudaFuncSetAttribute(mla_attend_wg_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, MW_SMEM);
-    if (e != cudaSuccess) return e;
-    return cudaFuncSetAttribute(mla_attend_wg_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, MW_SMEM);
+    const auto attr = [](auto k) { return cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, MW_SMEM); };
+    cudaError_t e = attr(mla_attend_wg_kernel<2, MW_R>);
+    if (e == cudaSuccess) e = attr(mla_attend_wg_kernel<1, MW_R>);
+    return e == cudaSuccess ? attr(mla_attend_wg_kernel<1, 2 * MW_R>) : e;
 }
 
-void mla_wg_launch(const mla_dev_params *b, cudaStream_t s) {
+void mla_wg_launch(const mla_dev_params *b, int rows, cudaStream_t s) {
     const dim3 grid(2 * (unsigned)b->nb, (unsigned)(b->Hq / MW_HEADS), (unsigned)b->nsplit);
-    if (b->terms == 1) mla_attend_wg_kernel<1><<<grid, MW_THREADS, MW_SMEM, s>>>(*b);
-    else mla_attend_wg_kernel<2><<<grid, MW_THREADS, MW_SMEM, s>>>(*b);
+    if (b->terms == 2) mla_attend_wg_kernel<2, MW_R><<<grid, MW_THREADS, MW_SMEM, s>>>(*b);
+    else if (rows == 2 * MW_R) mla_attend_wg_kernel<1, 2 * MW_R><<<grid, MW_THREADS, MW_SMEM, s>>>(*b);
+    else mla_attend_wg_kernel<1, MW_R><<<grid, MW_THREADS, MW_SMEM, s>>>(*b);
 }

@@ -1268,7 +1268,8 @@ static bool moe_wg_ready(cu_backend *cb, const moe_table *tc) {
 /* The wgmma form (cu_moe_wg_ok; cuda_moe_wg.cu), planned on the device, so that indices from the
  * router never cross to the host. Per chunk of rows: cu_moe_wg_plan sorts the pairs by expert and
  * writes the tiles (an expert's rows in tiles of at most 128 for gate/up and 256 for down, as even
- * as possible, each against every 128 columns of gate/up or down, in order of expert, then
+ * as possible, each against every 128 columns of gate/up or down (wide down: 128 rows against 256
+ * columns), in order of expert, then
  * columns, then rows, so a weight tile's readers run together); x's rows gathered in sorted
  * order and split (X16 [T P, H], T = tc_terms parts interleaved); one launch gives h's parts
  * (H16 [T P, I]) with swiglu applied, one gives down's sum per pair (D [P, H], in X16's place:
@@ -1278,13 +1279,14 @@ static mt_status moe_experts_wg(mt_backend *be, const moe_table *t, float *out, 
     cu_backend *cb = (cu_backend *)be;
     mt_status st = MT_OK;
     const int E = t->count, T = cb->tc_terms; /* 1 or 2: cu_moe_wg_ok */
+    const bool wide = cb->params.moe_wg_wide_down;
     /* X16 (D in its place) and H16, gather and inv; the tile lists are small beside them */
     const size_t per_pair = sizeof(uint16_t) * 2 * ((size_t)H + I) + 2 * sizeof(int32_t);
     const size_t fit = MOE_CHUNK_BYTES / (per_pair * (size_t)top_k);
     const int rows = fit < 1 ? 1 : fit > (size_t)n ? n : (int)fit;
     for (int r0 = 0; r0 < n && st == MT_OK; r0 += rows) {
         const int r1 = r0 + rows < n ? r0 + rows : n, P = (r1 - r0) * top_k;
-        const size_t tg = cu_moe_wg_max_tiles(P, E, I, false), td = cu_moe_wg_max_tiles(P, E, H, true);
+        const size_t tg = cu_moe_wg_max_tiles(P, E, I, false, wide), td = cu_moe_wg_max_tiles(P, E, H, true, wide);
         MT_ASSERT(tg + td <= (size_t)INT_MAX / 4 && (int64_t)2 * P * H <= INT_MAX);
         const size_t bX = cu_align_up(sizeof(uint16_t) * 2 * (size_t)P * H, 16);
         const size_t bH = cu_align_up(sizeof(uint16_t) * 2 * (size_t)P * I, 16);
@@ -1295,17 +1297,17 @@ static mt_status moe_experts_wg(mt_backend *be, const moe_table *t, float *out, 
         float *D = (float *)scr; /* [P, H] fp32: X16's bytes, spent by then */
         int32_t *gather = (int32_t *)(scr + bX + bH), *inv = (int32_t *)(scr + bX + bH + bG);
         int32_t *tgu = (int32_t *)(scr + bX + bH + 2 * bG), *tdn = tgu + 4 * tg, *nt = tdn + 4 * td;
-        st = cu_moe_wg_plan(idx + (size_t)r0 * top_k, P, top_k, E, r0, H, I, T, gather, inv, tgu, tdn, nt,
+        st = cu_moe_wg_plan(idx + (size_t)r0 * top_k, P, top_k, E, r0, H, I, T, wide, gather, inv, tgu, tdn, nt,
                             cb->stream);
         cu_prof_mark(be, "moe_experts (plan)");
         if (st == MT_OK) st = cu_split16(X16, x, gather, P, H, MT_BF16, T, true, cb->stream);
         if (st == MT_OK)
-            st = cu_moe_wg_gemm(t->wg_maps, tgu, nt, (int)tg, X16, (int64_t)T * P, H, H16, I, false, T, L, cb->n_sm,
-                                cb->stream);
+            st = cu_moe_wg_gemm(t->wg_maps, tgu, nt, (int)tg, X16, (int64_t)T * P, H, H16, I, false, false, T, L,
+                                cb->n_sm, cb->stream);
         cu_prof_mark(be, "moe_experts (gate/up GEMMs)");
         if (st == MT_OK)
-            st = cu_moe_wg_gemm(t->wg_maps, tdn, nt + 1, (int)td, H16, (int64_t)T * P, I, D, H, true, T, L, cb->n_sm,
-                                cb->stream);
+            st = cu_moe_wg_gemm(t->wg_maps, tdn, nt + 1, (int)td, H16, (int64_t)T * P, I, D, H, true, wide, T, L,
+                                cb->n_sm, cb->stream);
         cu_prof_mark(be, "moe_experts (down GEMMs)");
         moe_combine_params cp = {out + (int64_t)r0 * H, D, inv, weights + (int64_t)r0 * top_k, r1 - r0, top_k, H, 1};
         if (st == MT_OK) st = moe_combine_launch(&cp, cb->stream);

@@ -9,23 +9,31 @@
  * backend's single rounding (tc_terms 1, MT_NUMERICS_BF16) x16 is [P, K], hi only, a row a pair:
  * the same tiles and main loop over half the rows, an epilogue that takes each column as a pair.
  *
- * A tile is (expert e, 128 output columns from n0, up to NMAX of e's x16 rows from row0):
+ * A tile is (expert e, 256 weight rows from n0, up to 128 of e's x16 rows from row0; or for down
+ * by default 128 weight rows and up to 256 x16 rows):
  *   D^T [rows of W, N token rows] = W[rows, K] . x16[rows, K]^T
- * the weight rows as wgmma's M (each consumer warpgroup 64 output columns), the token rows as its
- * N (a multiple of 16, so an expert's rows need no padding beyond 16), K in stages of 64 through a
- * 4-deep ring of shared memory that a producer thread fills by TMA (2-D boxes of 64 weight rows,
- * one box of token rows). Persistent: a CTA a multiprocessor walks the tiles (blockIdx.x,
- * + gridDim.x, ...), and the ring runs on across tiles, so the next tile's loads overlap this
- * one's last MMAs and its epilogue, which works from registers:
- *   gate/up (down = 0; NMAX = 128): warpgroup c multiplies its 64 gate rows and its 64 up rows
- *     (columns n0 + 64 c ..) into two accumulators, so each thread holds gate and up of the same
- *     columns and pairs. It sums each pair's two parts (hi + lo, as moe_swiglu_split_kernel),
- *     applies swiglu and writes h's bf16 parts into out [2P, I]. (Against gate and up rows
- *     interleaved in 8-row blocks through one 4-D TMA box into one accumulator, N <= 256, the two
- *     accumulators made the 4096-token prefill's gate/up 13.24-13.26 -> 12.26-12.32 ms on the
- *     H200.)
- *   down (down = 1; NMAX = 256): rows n0 .. n0+127 of down; each pair's hi + lo sum is written as
- *     one fp32 row of out [P, H] (the combine then reads one row a pair).
+ * the weight rows as wgmma's M (each consumer warpgroup 128 of them, as two accumulators of 64;
+ * or 64, one), the token rows as its N (a multiple of 16, so an expert's rows need no padding
+ * beyond 16), K in
+ * stages of 64 through a 4-deep ring of shared memory that a producer thread fills by TMA (2-D
+ * boxes of 64 weight rows, one box of token rows). Persistent: a CTA a multiprocessor walks the
+ * tiles (blockIdx.x, + gridDim.x, ...), and the ring runs on across tiles, so the next tile's
+ * loads overlap this one's last MMAs and its epilogue, which works from registers:
+ *   gate/up (down = 0; 128 output columns from n0): warpgroup c multiplies its 64 gate rows and
+ *     its 64 up rows (columns n0 + 64 c ..) into the two accumulators, so each thread holds gate
+ *     and up of the same columns and pairs. It sums each pair's two parts (hi + lo, as
+ *     moe_swiglu_split_kernel), applies swiglu and writes h's bf16 parts into out [2P, I].
+ *     (Against gate and up rows interleaved in 8-row blocks through one 4-D TMA box into one
+ *     accumulator, N <= 256, the two accumulators made the 4096-token prefill's gate/up
+ *     13.24-13.26 -> 12.26-12.32 ms on the H200.)
+ *   down (down = 1): each pair's hi + lo sum is written as one fp32 row of out [P, H] (the
+ *     combine then reads one row a pair). By default a tile is 128 output columns from n0,
+ *     warpgroup c's 64 rows of down from n0 + 64 c into one accumulator, against up to 256 token
+ *     rows: a stage carries 16 KB of weights beside up to 32 KB of rows, and each token row of h is
+ *     read once per 128 output columns. Wide (mt_cuda_params.moe_wg_wide_down) a tile is 256
+ *     output columns, warpgroup c's 128 rows from n0 + 128 c into two accumulators, against up
+ *     to 128 token rows, gate/up's shape: 32 KB of weights beside at most 16 KB of rows, each
+ *     token row read half as often.
  * Deterministic: fixed tiles, no atomics. */
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -40,17 +48,19 @@
 
 enum {
     WG_BK = 64,                              /* K a stage: one 128-byte swizzled row of bf16 */
-    WG_BW = 128,                             /* output rows a tile: 2 warpgroups of 64 */
-    WG_NMAX = 256,                           /* token rows a down tile (wgmma N) */
-    WG_NMAX_GU = 128,                        /* token rows a gate/up tile (two accumulators) */
+    WG_BW = 128,                             /* output columns a tile: 2 warpgroups of 64 */
+    WG_BW_WIDE = 256,                        /* a wide down tile's: 2 warpgroups of 128 */
+    WG_NMAX = 256,                           /* token rows a down tile (wgmma N, one accumulator) */
+    WG_NMAX_GU = 128,                        /* token rows a tile of two accumulators (gate/up, wide down) */
     WG_NBOX = WG_NMAX / 32,                  /* x16 maps: boxes of 32, 64, .. 256 rows */
     WG_STAGES = 4,                           /* 8 stages of 32 were slower (H200) */
     WG_ROWS_BYTES = 64 * 2 * WG_BK,          /* 8 KB: one box of 64 weight rows */
-    WG_A_BYTES = 4 * WG_ROWS_BYTES,          /* gate/up: 32 KB of weights; down uses half */
+    WG_A_BYTES = 4 * WG_ROWS_BYTES,          /* 32 KB of weights: 4 boxes; a down tile uses half */
     WG_STAGE_BYTES = WG_A_BYTES + WG_NMAX_GU * 2 * WG_BK, /* 48 KB either way */
     WG_THREADS = 384,                        /* producer + 2 consumer warpgroups */
     WG_SMEM = WG_STAGES * WG_STAGE_BYTES + 1024 /* alignment */ + 2 * WG_STAGES * 8 /* barriers */,
 };
+
 static_assert(WG_A_BYTES / 2 + WG_NMAX * 2 * WG_BK == WG_STAGE_BYTES, "down's stage is gate/up's");
 
 typedef struct moe_wg_xmaps {
@@ -60,7 +70,7 @@ typedef struct moe_wg_xmaps {
 typedef struct moe_wg_params {
     const CUtensorMap *wmaps; /* [E][3] gate, up, down, boxes of 64 rows: cu_moe_wg_maps */
     const int4 *tiles;        /* [*ntiles] (expert, n0, row0, rows): rows a multiple of terms, <= WG_NMAX_GU
-                                 (gate/up) or WG_NMAX (down) */
+                                 (gate/up, wide down) or WG_NMAX (down) */
     const int32_t *ntiles;    /* device: written by moe_wg_plan_kernel */
     void *out;
     int ldo;                  /* out's row stride: I (gate/up) or H (down) */
@@ -77,36 +87,38 @@ static __device__ __forceinline__ float moe_wg_swiglu(float gv, float uv, float 
 }
 
 /* One tile's main loop and epilogue on consumer warpgroup c at N token rows; it counts the ring's
- * stages across tiles (as the producer does). GU: gate and up, each 64 rows of the stage (this
- * warpgroup's gate box, then its up box), into two accumulators; else down's 64 rows into one. */
-template <int N, bool GU>
+ * stages across tiles (as the producer does). TWO: the warpgroup's two boxes of 64 weight rows in
+ * the stage into two accumulators (GU: gate and up of the same 64 columns; else a wide down
+ * tile's rows n0 + 128 c .. + 63 and the 64 after them); else its one box of down's rows. */
+template <int N, bool GU, bool TWO>
 static __device__ __forceinline__ void moe_wg_tile(uint8_t *sm, uint64_t *full, uint64_t *empty, const moe_wg_params &p,
                                                    int c, int n0, int row0, int rows, int &it) {
-    float d[N / 2], du[GU ? N / 2 : 1];
+    static_assert(TWO || !GU, "gate/up takes two accumulators");
+    float d[N / 2], du[TWO ? N / 2 : 1];
 #pragma unroll
     for (int i = 0; i < N / 2; i++) d[i] = 0.f;
 #pragma unroll
-    for (int i = 0; i < (GU ? N / 2 : 1); i++) du[i] = 0.f;
+    for (int i = 0; i < (TWO ? N / 2 : 1); i++) du[i] = 0.f;
     for (int kb = 0; kb < p.kblocks; kb++, it++) {
         const int s = it % WG_STAGES;
         cu_mbar_wait(&full[s], (unsigned)(it / WG_STAGES) & 1u);
         const uint8_t *st = sm + s * WG_STAGE_BYTES;
-        const uint8_t *a = st + c * (GU ? 2 : 1) * WG_ROWS_BYTES, *b = st + (GU ? WG_A_BYTES : WG_A_BYTES / 2);
+        const uint8_t *a = st + c * (TWO ? 2 : 1) * WG_ROWS_BYTES, *b = st + (TWO ? WG_A_BYTES : WG_A_BYTES / 2);
 #pragma unroll
         for (int i = 0; i < N / 2; i++) cu_wg_reg_fence(d[i]);
-        if (GU)
+        if constexpr (TWO)
 #pragma unroll
             for (int i = 0; i < N / 2; i++) cu_wg_reg_fence(du[i]);
         cu_wg_fence();
 #pragma unroll
         for (int k = 0; k < WG_BK / 16; k++) {
             cu_wgmma_bf16<N>(d, cu_wg_desc(a + 32 * k), cu_wg_desc(b + 32 * k));
-            if (GU) cu_wgmma_bf16<N>(du, cu_wg_desc(a + WG_ROWS_BYTES + 32 * k), cu_wg_desc(b + 32 * k));
+            if constexpr (TWO) cu_wgmma_bf16<N>(du, cu_wg_desc(a + WG_ROWS_BYTES + 32 * k), cu_wg_desc(b + 32 * k));
         }
         cu_wg_commit();
 #pragma unroll
         for (int i = 0; i < N / 2; i++) cu_wg_reg_fence(d[i]);
-        if (GU)
+        if constexpr (TWO)
 #pragma unroll
             for (int i = 0; i < N / 2; i++) cu_wg_reg_fence(du[i]);
         cu_wg_wait<1>(); /* the previous stage's MMAs are done: give it back */
@@ -115,15 +127,49 @@ static __device__ __forceinline__ void moe_wg_tile(uint8_t *sm, uint64_t *full, 
     cu_wg_wait<0>();
 #pragma unroll
     for (int i = 0; i < N / 2; i++) cu_wg_reg_fence(d[i]);
-    if (GU)
+    if constexpr (TWO)
 #pragma unroll
         for (int i = 0; i < N / 2; i++) cu_wg_reg_fence(du[i]);
     if ((threadIdx.x & 127) == 0) cu_mbar_arrive(&empty[(it - 1) % WG_STAGES]);
 
-    /* d[4j + h] (h = 0, 1: output row r, 2, 3: row r + 8; r = 16 w + lane / 4 of the warpgroup's
-     * 64) at token rows 8j + 2 (lane % 4) + (h & 1): pair q = 4j + lane % 4, its hi part in
-     * d[4j + 2h'], its lo part beside it; du likewise for up */
+    /* d[4j + h] (h = 0, 1: output row r, 2, 3: row r + 8; r = 16 w + lane / 4 of the box's 64) at
+     * token rows 8j + 2 (lane % 4) + (h & 1): pair q = 4j + lane % 4, its hi part in d[4j + 2h'],
+     * its lo part beside it; du likewise for the second box (up, or down's next 64 rows) */
     const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3, pairs = rows >> 1;
+    if constexpr (!GU) { /* down: its box (wide: both boxes, 128 consecutive columns) of out */
+        const int col = n0 + (TWO ? 128 : 64) * c + 16 * w + (lane >> 2);
+        if constexpr (TWO)
+            if (col >= p.ldo) return; /* a last wide tile of 128 columns: warpgroup 1 past H */
+        if (p.terms == 1) { /* one part: d[4j + 2hh + t] is pair 8j + 2 (lane % 4) + t at column col + 8hh */
+#pragma unroll
+            for (int j = 0; j < N / 8; j++)
+#pragma unroll
+                for (int hh = 0; hh < 2; hh++)
+#pragma unroll
+                    for (int t = 0; t < 2; t++) {
+                        const int q = 8 * j + 2 * (lane & 3) + t;
+                        if (q >= rows) continue;
+                        ((float *)p.out)[(size_t)(row0 + q) * p.ldo + col + 8 * hh] = d[4 * j + 2 * hh + t];
+                        if constexpr (TWO)
+                            ((float *)p.out)[(size_t)(row0 + q) * p.ldo + col + 64 + 8 * hh] = du[4 * j + 2 * hh + t];
+                    }
+            return;
+        }
+        float *o = (float *)p.out + (size_t)(row0 >> 1) * p.ldo + col;
+#pragma unroll
+        for (int j = 0; j < N / 8; j++) {
+            const int q = 4 * j + (lane & 3);
+            if (q < pairs) {
+                o[(size_t)q * p.ldo] = __fadd_rn(d[4 * j], d[4 * j + 1]);
+                o[(size_t)q * p.ldo + 8] = __fadd_rn(d[4 * j + 2], d[4 * j + 3]);
+                if constexpr (TWO) {
+                    o[(size_t)q * p.ldo + 64] = __fadd_rn(du[4 * j], du[4 * j + 1]);
+                    o[(size_t)q * p.ldo + 72] = __fadd_rn(du[4 * j + 2], du[4 * j + 3]);
+                }
+            }
+        }
+        return;
+    }
     const int col = n0 + 64 * c + 16 * w + (lane >> 2);
     if (p.terms == 1) { /* one part: d[4j + 2hh + t] is pair 8j + 2 (lane % 4) + t at column col + 8hh */
 #pragma unroll
@@ -133,47 +179,32 @@ static __device__ __forceinline__ void moe_wg_tile(uint8_t *sm, uint64_t *full, 
 #pragma unroll
                 for (int t = 0; t < 2; t++) {
                     const int q = 8 * j + 2 * (lane & 3) + t;
-                    if (q >= rows) continue;
-                    if (GU) {
-                        if (col + 8 * hh >= p.ldo) continue;
-                        const float h = moe_wg_swiglu(d[4 * j + 2 * hh + t], du[4 * j + 2 * hh + t], p.L);
-                        ((uint16_t *)p.out)[(size_t)(row0 + q) * p.ldo + col + 8 * hh] = cu_bits16<MT_BF16>(h);
-                    } else {
-                        ((float *)p.out)[(size_t)(row0 + q) * p.ldo + col + 8 * hh] = d[4 * j + 2 * hh + t];
-                    }
+                    if (q >= rows || col + 8 * hh >= p.ldo) continue;
+                    const float h = moe_wg_swiglu(d[4 * j + 2 * hh + t], du[4 * j + 2 * hh + t], p.L);
+                    ((uint16_t *)p.out)[(size_t)(row0 + q) * p.ldo + col + 8 * hh] = cu_bits16<MT_BF16>(h);
                 }
         return;
     }
-    if (GU) {
-        uint16_t *o = (uint16_t *)p.out + (size_t)row0 * p.ldo + col;
+    uint16_t *o = (uint16_t *)p.out + (size_t)row0 * p.ldo + col;
 #pragma unroll
-        for (int j = 0; j < N / 8; j++) {
-            const int q = 4 * j + (lane & 3);
-            if (q < pairs)
+    for (int j = 0; j < N / 8; j++) {
+        const int q = 4 * j + (lane & 3);
+        if (q < pairs)
 #pragma unroll
-                for (int hh = 0; hh < 2; hh++) {
-                    if (col + 8 * hh >= p.ldo) continue; /* a last tile of 64 columns: WG 1 past I */
-                    const float h = moe_wg_swiglu(__fadd_rn(d[4 * j + 2 * hh], d[4 * j + 2 * hh + 1]),
-                                                  __fadd_rn(du[4 * j + 2 * hh], du[4 * j + 2 * hh + 1]), p.L);
-                    o[(size_t)2 * q * p.ldo + 8 * hh] = cu_bits16<MT_BF16>(h);
-                    o[(size_t)(2 * q + 1) * p.ldo + 8 * hh] = cu_bits16<MT_BF16>(h - cu_round16<MT_BF16>(h));
-                }
-        }
-    } else {
-        float *o = (float *)p.out + (size_t)(row0 >> 1) * p.ldo + col;
-#pragma unroll
-        for (int j = 0; j < N / 8; j++) {
-            const int q = 4 * j + (lane & 3);
-            if (q < pairs) {
-                o[(size_t)q * p.ldo] = __fadd_rn(d[4 * j], d[4 * j + 1]);
-                o[(size_t)q * p.ldo + 8] = __fadd_rn(d[4 * j + 2], d[4 * j + 3]);
+            for (int hh = 0; hh < 2; hh++) {
+                if (col + 8 * hh >= p.ldo) continue; /* a last tile of 64 columns: WG 1 past I */
+                const float h = moe_wg_swiglu(__fadd_rn(d[4 * j + 2 * hh], d[4 * j + 2 * hh + 1]),
+                                              __fadd_rn(du[4 * j + 2 * hh], du[4 * j + 2 * hh + 1]), p.L);
+                o[(size_t)2 * q * p.ldo + 8 * hh] = cu_bits16<MT_BF16>(h);
+                o[(size_t)(2 * q + 1) * p.ldo + 8 * hh] = cu_bits16<MT_BF16>(h - cu_round16<MT_BF16>(h));
             }
-        }
     }
 }
 
 static __device__ __forceinline__ int moe_wg_nt(int rows) { return (rows + 15) >> 4; } /* N / 16 */
 
+/* WIDE: down's tiles are wide (file comment). */
+template <bool WIDE>
 static __global__ void __launch_bounds__(WG_THREADS, 1)
     moe_wg_kernel(const __grid_constant__ moe_wg_xmaps xm, const moe_wg_params p) {
     extern __shared__ uint8_t wg_smem_raw[];
@@ -192,7 +223,7 @@ static __global__ void __launch_bounds__(WG_THREADS, 1)
     if (wg == 0) { /* producer: one thread issues every load */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
         if (threadIdx.x != 0) return;
-        const int abytes = p.down ? WG_A_BYTES / 2 : WG_A_BYTES;
+        const int abytes = p.down && !WIDE ? WG_A_BYTES / 2 : WG_A_BYTES;
         int it = 0;
         for (int ti = blockIdx.x; ti < ntiles; ti += gridDim.x) {
             const int4 tile = p.tiles[ti];
@@ -204,10 +235,14 @@ static __global__ void __launch_bounds__(WG_THREADS, 1)
                 if (it >= WG_STAGES) cu_mbar_wait(&empty[s], (unsigned)(it / WG_STAGES - 1) & 1u);
                 uint8_t *st = sm + s * WG_STAGE_BYTES;
                 cu_mbar_arrive_tx(&full[s], bytes);
-                for (int h = 0; h < 2; h++) /* each consumer warpgroup's 64 output rows */
-                    if (p.down)
+                for (int h = 0; h < 2; h++) /* each consumer warpgroup's boxes of 64 weight rows */
+                    if (p.down && !WIDE) {
                         cu_tma_load_2d(st + h * WG_ROWS_BYTES, wmap + 2, &full[s], kb * WG_BK, n0 + 64 * h);
-                    else { /* its gate rows, then its up rows, of the same 64 columns */
+                    } else if (p.down) { /* down's rows n0 + 128 h .. + 127 */
+                        cu_tma_load_2d(st + 2 * h * WG_ROWS_BYTES, wmap + 2, &full[s], kb * WG_BK, n0 + 128 * h);
+                        cu_tma_load_2d(st + (2 * h + 1) * WG_ROWS_BYTES, wmap + 2, &full[s], kb * WG_BK,
+                                       n0 + 128 * h + 64);
+                    } else { /* its gate rows, then its up rows, of the same 64 columns */
                         cu_tma_load_2d(st + 2 * h * WG_ROWS_BYTES, wmap, &full[s], kb * WG_BK, n0 + 64 * h);
                         cu_tma_load_2d(st + (2 * h + 1) * WG_ROWS_BYTES, wmap + 1, &full[s], kb * WG_BK, n0 + 64 * h);
                     }
@@ -221,17 +256,24 @@ static __global__ void __launch_bounds__(WG_THREADS, 1)
     int it = 0;
     for (int ti = blockIdx.x; ti < ntiles; ti += gridDim.x) {
         const int4 tile = p.tiles[ti];
-        if (p.down) switch (moe_wg_nt(tile.w)) {
+        if (p.down && !WIDE) switch (moe_wg_nt(tile.w)) {
 #define WG_CASE(k) \
-    case k: moe_wg_tile<16 * k, false>(sm, full, empty, p, c, tile.y, tile.z, tile.w, it); break;
+    case k: moe_wg_tile<16 * k, false, false>(sm, full, empty, p, c, tile.y, tile.z, tile.w, it); break;
             WG_CASE(1) WG_CASE(2) WG_CASE(3) WG_CASE(4) WG_CASE(5) WG_CASE(6) WG_CASE(7) WG_CASE(8)
             WG_CASE(9) WG_CASE(10) WG_CASE(11) WG_CASE(12) WG_CASE(13) WG_CASE(14) WG_CASE(15) WG_CASE(16)
 #undef WG_CASE
             default: break;
             }
+        else if (p.down) switch (moe_wg_nt(tile.w)) {
+#define WG_CASE(k) \
+    case k: moe_wg_tile<16 * k, false, true>(sm, full, empty, p, c, tile.y, tile.z, tile.w, it); break;
+            WG_CASE(1) WG_CASE(2) WG_CASE(3) WG_CASE(4) WG_CASE(5) WG_CASE(6) WG_CASE(7) WG_CASE(8)
+#undef WG_CASE
+            default: break;
+            }
         else switch (moe_wg_nt(tile.w)) {
 #define WG_CASE(k) \
-    case k: moe_wg_tile<16 * k, true>(sm, full, empty, p, c, tile.y, tile.z, tile.w, it); break;
+    case k: moe_wg_tile<16 * k, true, true>(sm, full, empty, p, c, tile.y, tile.z, tile.w, it); break;
             WG_CASE(1) WG_CASE(2) WG_CASE(3) WG_CASE(4) WG_CASE(5) WG_CASE(6) WG_CASE(7) WG_CASE(8)
 #undef WG_CASE
             default: break;
@@ -245,11 +287,11 @@ static __global__ void __launch_bounds__(WG_THREADS, 1)
  * owning a stretch of the pairs in order: it counts its stretch per expert (shared atomics:
  * order-free), thread e scans expert e's counts over the warps into each warp's first slot after
  * the exclusive scans of the pairs and of the row chunks over the experts (an expert's terms * c
- * rows in ceil(terms * c / NMAX) chunks, as even as possible, NMAX WG_NMAX_GU for gate/up and
- * WG_NMAX for down); each warp then places its pairs (ranked among equal experts by a match, 32 at a step)
- * and thread e writes expert e's tiles: gate/up at (chunk offset) * ceil(I / 128), in order of
- * columns then chunk, down likewise at * H / 128. (One warp placing every pair took 0.6 ms at
- * 32768 pairs: a chain of dependent steps.) */
+ * rows in ceil(terms * c / NMAX) chunks, as even as possible, NMAX WG_NMAX_GU for gate/up and a
+ * wide down, WG_NMAX for down); each warp then places its pairs (ranked among equal experts by a
+ * match, 32 at a step) and thread e writes expert e's tiles: gate/up at (chunk offset) * ceil(I /
+ * 128), in order of columns then chunk, down likewise at * ceil(H / 128) (wide: 256). (One warp
+ * placing every pair took 0.6 ms at 32768 pairs: a chain of dependent steps.) */
 enum { WG_PLAN_THREADS = CU_MOE_WG_MAX_E }; /* a thread an expert */
 
 typedef struct moe_wg_plan_params {
@@ -287,6 +329,7 @@ static __device__ int2 wg_scan2(int2 v, int2 *total) {
     return make_int2(base.x + inc.x - v.x, base.y + inc.y - v.y);
 }
 
+template <bool WIDE>
 static __global__ void __launch_bounds__(WG_PLAN_THREADS) moe_wg_plan_kernel(moe_wg_plan_params p) {
     extern __shared__ int wcnt[]; /* [32 warps][E]: each warp's count of an expert, then its cursor */
     __shared__ int2 tot, totd;
@@ -303,7 +346,8 @@ static __global__ void __launch_bounds__(WG_PLAN_THREADS) moe_wg_plan_kernel(moe
     int c = 0;
     if (tid < p.E)
         for (int w = 0; w < 32; w++) c += wcnt[w * p.E + tid];
-    const int rows = p.terms * c, nch = (rows + WG_NMAX_GU - 1) / WG_NMAX_GU, nchd = (rows + WG_NMAX - 1) / WG_NMAX;
+    constexpr int NMD = WIDE ? WG_NMAX_GU : WG_NMAX; /* token rows a down tile */
+    const int rows = p.terms * c, nch = (rows + WG_NMAX_GU - 1) / WG_NMAX_GU, nchd = (rows + NMD - 1) / NMD;
     const int2 ex = wg_scan2(make_int2(c, nch), &tot); /* first pair, first gate/up chunk of expert tid */
     __syncthreads(); /* every read of the scan's shared partials is done */
     const int exd = wg_scan2(make_int2(nchd, 0), &totd).x; /* its first down chunk */
@@ -331,40 +375,45 @@ static __global__ void __launch_bounds__(WG_PLAN_THREADS) moe_wg_plan_kernel(moe
     if (nch > 0) {
         const int per = p.terms * ((c + nch - 1) / nch), perd = p.terms * ((c + nchd - 1) / nchd);
         const int row0 = p.terms * ex.x;
-        const int ng = (p.I + WG_BW - 1) / WG_BW, nd = p.H / WG_BW;
+        const int ng = (p.I + WG_BW - 1) / WG_BW, nd = WIDE ? (p.H + WG_BW_WIDE - 1) / WG_BW_WIDE : p.H / WG_BW;
         int4 *g = p.tgu + (size_t)ex.y * ng, *d = p.tdn + (size_t)exd * nd;
         for (int n = 0; n < ng; n++)
             for (int r = 0; r < rows; r += per) *g++ = make_int4(tid, n * WG_BW, row0 + r, min(per, rows - r));
         for (int n = 0; n < nd; n++)
-            for (int r = 0; r < rows; r += perd) *d++ = make_int4(tid, n * WG_BW, row0 + r, min(perd, rows - r));
+            for (int r = 0; r < rows; r += perd)
+                *d++ = make_int4(tid, n * (WIDE ? WG_BW_WIDE : WG_BW), row0 + r, min(perd, rows - r));
     }
     for (int q = tot.x + tid; q < p.P; q += WG_PLAN_THREADS) p.gather[q] = p.r0; /* slots of invalid pairs */
     if (tid == 0) {
         p.ntiles[0] = tot.y * ((p.I + WG_BW - 1) / WG_BW);
-        p.ntiles[1] = totd.x * (p.H / WG_BW);
+        p.ntiles[1] = totd.x * (WIDE ? (p.H + WG_BW_WIDE - 1) / WG_BW_WIDE : p.H / WG_BW);
     }
 }
 
-extern "C" size_t cu_moe_wg_max_tiles(int P, int E, int cols, bool down) {
-    const size_t nmax = down ? WG_NMAX : WG_NMAX_GU;
-    return ((2 * (size_t)P + nmax - 1) / nmax + (size_t)E) * (size_t)((cols + WG_BW - 1) / WG_BW);
+extern "C" size_t cu_moe_wg_max_tiles(int P, int E, int cols, bool down, bool wide) {
+    const size_t nmax = down && !wide ? WG_NMAX : WG_NMAX_GU, bw = down && wide ? WG_BW_WIDE : WG_BW;
+    return ((2 * (size_t)P + nmax - 1) / nmax + (size_t)E) * ((cols + bw - 1) / bw);
 }
 
 extern "C" mt_status cu_moe_wg_plan(const int32_t *idx, int P, int top_k, int E, int r0, int H,
-                                    int I, int terms, int32_t *gather, int32_t *inv, int32_t *tgu, int32_t *tdn,
-                                    int32_t *ntiles, cudaStream_t s) {
+                                    int I, int terms, bool wide, int32_t *gather, int32_t *inv, int32_t *tgu,
+                                    int32_t *tdn, int32_t *ntiles, cudaStream_t s) {
     MT_ASSERT(E >= 1 && E <= WG_PLAN_THREADS && P >= 1 && (terms == 1 || terms == 2));
     const moe_wg_plan_params p = {idx, P, top_k, E, r0, I, H, terms, gather, inv, (int4 *)tgu, (int4 *)tdn, ntiles};
     const size_t smem = sizeof(int) * 32 * (size_t)E;
     static const bool attr = [] {
-        return cudaFuncSetAttribute(moe_wg_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    (int)(sizeof(int) * 32 * WG_PLAN_THREADS)) == cudaSuccess;
+        const int most = (int)(sizeof(int) * 32 * WG_PLAN_THREADS);
+        return cudaFuncSetAttribute(moe_wg_plan_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, most) ==
+                   cudaSuccess &&
+               cudaFuncSetAttribute(moe_wg_plan_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, most) ==
+                   cudaSuccess;
     }();
     if (!attr) {
         mt_log(MT_LOG_ERROR, "cuda backend: moe_experts: the plan kernel's shared memory refused");
         return MT_ERR_BACKEND;
     }
-    moe_wg_plan_kernel<<<1, WG_PLAN_THREADS, smem, s>>>(p);
+    if (wide) moe_wg_plan_kernel<true><<<1, WG_PLAN_THREADS, smem, s>>>(p);
+    else moe_wg_plan_kernel<false><<<1, WG_PLAN_THREADS, smem, s>>>(p);
     MT_CUDA_CHECK_LAUNCH();
     return MT_OK;
 }
@@ -440,13 +489,15 @@ extern "C" mt_status cu_moe_wg_maps(const mt_expert *ex, int count, int cap, voi
 }
 
 extern "C" mt_status cu_moe_wg_gemm(const void *wmaps, const int32_t *tiles, const int32_t *ntiles, int max_tiles,
-                                    const void *x16, int64_t xrows, int K, void *out, int ldo, bool down, int terms,
-                                    float L, int sms, cudaStream_t s) {
+                                    const void *x16, int64_t xrows, int K, void *out, int ldo, bool down, bool wide,
+                                    int terms, float L, int sms, cudaStream_t s) {
     MT_ASSERT(terms == 1 || terms == 2);
     if (max_tiles == 0) return MT_OK;
     static const bool attr = [] {
-        return cudaFuncSetAttribute(moe_wg_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, WG_SMEM) ==
-               cudaSuccess;
+        return cudaFuncSetAttribute(moe_wg_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, WG_SMEM) ==
+                   cudaSuccess &&
+               cudaFuncSetAttribute(moe_wg_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, WG_SMEM) ==
+                   cudaSuccess;
     }();
     if (!attr) {
         mt_log(MT_LOG_ERROR, "cuda backend: moe_experts: the wgmma kernel's %d bytes of shared memory refused",
@@ -462,7 +513,8 @@ extern "C" mt_status cu_moe_wg_gemm(const void *wmaps, const int32_t *tiles, con
     const moe_wg_params p = {(const CUtensorMap *)wmaps, (const int4 *)tiles, ntiles, out, ldo, K / WG_BK,
                              down ? 1 : 0, terms, L};
     const int grid = max_tiles < sms ? max_tiles : sms;
-    moe_wg_kernel<<<(unsigned)grid, WG_THREADS, WG_SMEM, s>>>(xm, p);
+    if (down && wide) moe_wg_kernel<true><<<(unsigned)grid, WG_THREADS, WG_SMEM, s>>>(xm, p);
+    else moe_wg_kernel<false><<<(unsigned)grid, WG_THREADS, WG_SMEM, s>>>(xm, p);
     MT_CUDA_CHECK_LAUNCH();
     return MT_OK;
 }

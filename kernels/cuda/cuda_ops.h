@@ -265,7 +265,9 @@ void cu_ple_fill(mt_backend_ops *t);        /* cuda_ple.cu: ple_inject */
  * and have their data; used by both MoE paths. */
 void cu_moe_check_experts(const mt_expert *ex, int count, int H, int I);
 
-/* cuda_moe_wg.cu: a prefill's expert GEMMs on wgmma (see there).
+/* cuda_moe_wg.cu: a prefill's expert GEMMs on wgmma (see there). wide: down's tiles of 256 weight
+ * rows against at most 128 token rows (mt_cuda_params.moe_wg_wide_down), in the plan, the tile
+ * count and the down launch alike.
  *   cu_moe_wg_ok: whether it takes these experts (cb->moe_wg, tensor cores (tc_terms 1 or 2),
  *     bf16, sm_90, H % 128 == 0, I % 64 == 0).
  *   cu_moe_wg_maps: the TMA maps of experts [0, count) (gate, up, down: boxes of 64 rows) into
@@ -283,11 +285,11 @@ void cu_moe_check_experts(const mt_expert *ex, int count, int H, int I);
 enum { CU_MOE_WG_MAX_E = 1024 };
 bool cu_moe_wg_ok(const cu_backend *cb, mt_dtype dt, int H, int I);
 mt_status cu_moe_wg_maps(const mt_expert *ex, int count, int cap, void **dev, cudaStream_t s);
-size_t cu_moe_wg_max_tiles(int P, int E, int cols, bool down);
-mt_status cu_moe_wg_plan(const int32_t *idx, int P, int top_k, int E, int r0, int H, int I, int terms,
+size_t cu_moe_wg_max_tiles(int P, int E, int cols, bool down, bool wide);
+mt_status cu_moe_wg_plan(const int32_t *idx, int P, int top_k, int E, int r0, int H, int I, int terms, bool wide,
                          int32_t *gather, int32_t *inv, int32_t *tgu, int32_t *tdn, int32_t *ntiles, cudaStream_t s);
 mt_status cu_moe_wg_gemm(const void *wmaps, const int32_t *tiles, const int32_t *ntiles, int max_tiles, const void *x16,
-                         int64_t xrows, int K, void *out, int ldo, bool down, int terms, float L, int sms,
+                         int64_t xrows, int K, void *out, int ldo, bool down, bool wide, int terms, float L, int sms,
                          cudaStream_t s);
 
 
