@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # bench/gpu/bundle.sh [REF_DIR]: packs what bench/gpu/serving_goals.sh runs on the GPU machine
 # into .gpu/serving.tar.xz (the ignored .gpu/ folder; name it in the device call's carry): this
-# tree's router, worker, serving_direct, batch_bench and the GPU tests (bundle n, built here first)
+# tree's router, worker, serving_direct, batch_bench, decode_bench and the GPU tests (bundle n,
+# built here first)
 # and, with REF_DIR (a tree bench/gpu/reference.sh built), its router and worker (bundle o), each
 # with its libraries (../shared/tools/gpu-bundle) and a wrapper in n/wrap; plus the Python gRPC
 # stubs made here (the GPU machine has grpcio but no protoc). xz -9: its 64 MiB dictionary folds
@@ -9,12 +10,13 @@
 set -euo pipefail
 ref=${1:-}
 bazel build //router:metrale-router //worker:metrale-worker //bench:serving_direct //bench:batch_bench \
-    //tests:kernels_cuda_dense_test //tests:model_cuda_test >&2
+    //bench:decode_bench //tests:kernels_cuda_dense_test //tests:kernels_cuda_attn_test //tests:model_cuda_test >&2
 rm -rf .gpu/n .gpu/o .gpu/serving.tar.xz
 mkdir -p .gpu
 B=bazel-bin
 ../shared/tools/gpu-bundle .gpu/n $B/router/metrale-router $B/worker/metrale-worker $B/bench/serving_direct \
-    $B/bench/batch_bench $B/tests/kernels_cuda_dense_test $B/tests/model_cuda_test >&2
+    $B/bench/batch_bench $B/bench/decode_bench $B/tests/kernels_cuda_dense_test $B/tests/kernels_cuda_attn_test \
+    $B/tests/model_cuda_test >&2
 dirs=n
 if [ -n "$ref" ]; then
     ../shared/tools/gpu-bundle .gpu/o "$ref/bazel-bin/router/metrale-router" "$ref/bazel-bin/worker/metrale-worker" >&2

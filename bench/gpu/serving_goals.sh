@@ -6,6 +6,10 @@
 #              a gtest filter of the latter's, default all)
 #   pack_ab    batch_bench --batches 16,64 and the engine alone on the mix, projections packed and
 #              apart (--pack-projections 1 / 0), alternated AB_ROUNDS times (default 2)
+#   prefill_ab the GPU tests of the prefill kernels' alternative tiles (CudaAttnMla.*,
+#              CudaMoe.ExpertsWgmmaMatchCpu), then decode_bench --op-profile 1 (prefill 512 and 4096
+#              against the peak, each op's time) with the default tiles and with --moe-wide-down 1
+#              --attend-rows 64, alternated AB_ROUNDS times; then the engine alone on the mix both ways
 #   direct     the engine alone on the mix (serving_direct, all requests at t = 0)
 #   sat        saturation through the router (64 req/s offered) with this tree's binaries
 #   sat_ref    the same with the reference's (bundle o: 2213d32, bench/gpu/reference.sh)
@@ -49,6 +53,22 @@ for s in ${*:-direct sat sat_ref rates good}; do
     tests)
         step dense 60 env LD_LIBRARY_PATH=$n/lib $n/bin/kernels_cuda_dense_test --gtest_filter='*MatmulMulti*:*MatmulExactClasses*'
         step model 120 env LD_LIBRARY_PATH=$n/lib $n/bin/model_cuda_test --gtest_filter="${MODEL_TESTS:-*}" ;;
+    prefill_ab)
+        step attn_tests 150 env LD_LIBRARY_PATH=$n/lib $n/bin/kernels_cuda_attn_test --gtest_filter='CudaAttnMla.*'
+        step moe_tests 90 env LD_LIBRARY_PATH=$n/lib $n/bin/kernels_cuda_dense_test \
+            --gtest_filter='CudaMoe.ExpertsWgmmaMatchCpu'
+        for i in $(seq ${AB_ROUNDS:-2}); do
+            for t in "0 32" "1 64"; do
+                set -- $t
+                step db$i.w$1.r$2 100 env LD_LIBRARY_PATH=$n/lib $n/bin/decode_bench --steps 16 --op-profile 1 \
+                    --moe-wide-down $1 --attend-rows $2
+            done
+        done
+        for t in "0 32" "1 64"; do
+            set -- $t
+            step sd.w$1.r$2 45 env LD_LIBRARY_PATH=$n/lib $n/bin/serving_direct --model $model --backend $backend $mix \
+                --requests $requests --moe-wide-down $1 --attend-rows $2
+        done ;;
     pack_ab)
         for i in $(seq ${AB_ROUNDS:-2}); do
             for p in 1 0; do
