@@ -6,8 +6,10 @@
  *   - the bytes a step must read: every dense weight, B embedding rows, the routed experts the
  *     batch touches (counted from the routing of a census step, glm_model_set_expert_census),
  *     each sequence's KDA state (read and written) and the DSA cache rows it attends or scores;
- *   - the floor (bytes / copy bandwidth) and the fraction of it reached.
- * Prints one table and writes it as JSON (--json FILE).
+ *   - the floor (bytes / copy bandwidth) and the fraction of it reached;
+ *   - from the census step's routing, the (row, slot) pairs per touched expert and the passes the
+ *     grouped decode experts make beyond each expert's first (each reads its weights again).
+ * Prints the tables and writes the first as JSON (--json FILE).
  *
  * --tp N: the model tensor-parallel over N GPUs (bench_run_ranks: N processes, rank r on GPU r,
  * an NCCL communicator; --nccl is --tp 1, the group's path on one GPU). Every rank runs the same
@@ -41,10 +43,16 @@
 
 #define MAX_BATCHES 16
 #define MAX_PASSES 64 /* glm_decode_multi passes a step counted for its collectives */
+/* Pairs one pass of the grouped decode experts takes over a warp's weight rows
+ * (cuda_moe_grouped.cu's MOEG_PASS_MAX): an expert chosen by more pairs is read again from L2. */
+#define GROUPED_PASS_PAIRS 4
 
 typedef struct batch_result {
     int B;
     double touched;        /* (layer, expert) pairs the census step touched */
+    long pairs;            /* (row, slot) pairs the census step routed, all MoE layers */
+    int max_pairs;         /* the most of them one touched expert took */
+    int later_passes;      /* passes of GROUPED_PASS_PAIRS beyond each touched expert's first */
     double bytes;          /* one rank's (bench_rank_step_bytes); the whole model's at tp 1 */
     double model_bytes;    /* the whole model's */
     double floor_ms, graph_ms, eager_ms;
@@ -111,6 +119,12 @@ static int batch_rank(bench_rank *r, void *user) {
         glm_model_set_expert_census(m, true);
         bench_decode_steps(r, m, s, tok, B, 1);
         res[k].touched = glm_model_expert_census(m);
+        const int32_t *pairs = glm_model_expert_census_pairs(m);
+        for (int e = 0; pairs && e < c.num_hidden_layers * c.n_routed_experts; e++) {
+            res[k].pairs += pairs[e];
+            if (pairs[e] > res[k].max_pairs) res[k].max_pairs = pairs[e];
+            if (pairs[e] > 0) res[k].later_passes += (pairs[e] + GROUPED_PASS_PAIRS - 1) / GROUPED_PASS_PAIRS - 1;
+        }
         glm_model_set_expert_census(m, false);
         res[k].eager_ms = bench_decode_ahead(r, m, s, tok, B, steps);
         glm_model_set_decode_graphs(m, true);
@@ -181,6 +195,15 @@ static int batch_rank(bench_rank *r, void *user) {
                100 * q->floor_ms / q->graph_ms, q->eager_ms, q->B * 1e3 / q->eager_ms, comm[0], comm[1]);
     }
     printf("(* no bucket graph was captured for this batch: the graph column ran eagerly)\n");
+    printf("routing of the census step: (row, slot) pairs per touched expert, and the grouped decode kernel's passes\n"
+           "of %d pairs beyond each expert's first (each reads the expert's weights again, from L2)\n", GROUPED_PASS_PAIRS);
+    printf("| batch | pairs per touched expert, mean | most | passes beyond the first | of touched experts |\n");
+    printf("|------:|-------------------------------:|-----:|------------------------:|-------------------:|\n");
+    for (int k = 0; k < nb; k++) {
+        const batch_result *q = &res[k];
+        printf("| %5d | %30.2f | %4d | %23d | %17.1f%% |\n", q->B, q->touched > 0 ? q->pairs / q->touched : 0.0,
+               q->max_pairs, q->later_passes, q->touched > 0 ? 100 * q->later_passes / q->touched : 0.0);
+    }
     if (!r->comm) printf("(comm: n/a, no communicator; --tp N or --nccl)\n");
     if (o->json) {
         FILE *f = fopen(o->json, "w");

@@ -353,6 +353,61 @@ TEST(ModelRandom, SeededAndValidated) {
     mt_backend_free(be);
 }
 
+// The expert census (benchmarks' floors and routing figures): a batched step counts every (row,
+// slot) pair of every MoE layer once, the touched count is the experts with a pair, and off it
+// reports nothing.
+TEST(ModelRandom, ExpertCensusCountsEveryPair) {
+    mt_backend *be = mt_cpu_backend_new(0);
+    glm_config c;
+    mt_error err{};
+    ASSERT_EQ(glm_config_preset("tiny", &c, &err), MT_OK) << err.msg;
+    glm_model *m = nullptr;
+    ASSERT_EQ(glm_model_new_random(&c, 3, be, nullptr, &m, &err), MT_OK) << err.msg;
+    int moe_layers = 0;
+    for (int l = 0; l < c.num_hidden_layers; l++) moe_layers += c.mlp_layer_types[l] == GLM_MLP_SPARSE;
+    ASSERT_GT(moe_layers, 0);
+    const int B = 5;
+    glm_seq *s[B] = {};
+    int32_t toks[B];
+    for (int b = 0; b < B; b++) {
+        const int32_t prompt[4] = {1 + b, 7 + 3 * b, 11, 2 + 5 * b};
+        ASSERT_EQ(glm_seq_new(m, 16, &s[b], &err), MT_OK);
+        ASSERT_EQ(glm_prefill(m, s[b], prompt, 4, nullptr, false, &err), MT_OK) << err.msg;
+        toks[b] = (int32_t)(b * 13 + 1);
+    }
+    EXPECT_EQ(glm_model_expert_census(m), -1);
+    EXPECT_EQ(glm_model_expert_census_pairs(m), nullptr);
+    ASSERT_EQ(glm_model_set_expert_census(m, true), MT_OK);
+    ASSERT_EQ(glm_decode_multi(m, s, toks, B, nullptr, &err), MT_OK) << err.msg;
+    const int32_t *pairs = glm_model_expert_census_pairs(m);
+    ASSERT_NE(pairs, nullptr);
+    long sum = 0;
+    int touched = 0;
+    for (int l = 0; l < c.num_hidden_layers; l++)
+        for (int e = 0; e < c.n_routed_experts; e++) {
+            const int32_t v = pairs[(size_t)l * c.n_routed_experts + e];
+            if (c.mlp_layer_types[l] != GLM_MLP_SPARSE) {
+                EXPECT_EQ(v, 0) << "dense layer " << l;
+            }
+            EXPECT_LE(v, B) << "a row picks an expert once";  // distinct picks a row
+            sum += v;
+            touched += v > 0;
+        }
+    EXPECT_EQ(sum, (long)B * c.num_experts_per_tok * moe_layers);
+    EXPECT_EQ(glm_model_expert_census(m), touched);
+    EXPECT_GE(touched, c.num_experts_per_tok * moe_layers);
+    // a second step counts afresh
+    ASSERT_EQ(glm_decode_multi(m, s, toks, 2, nullptr, &err), MT_OK) << err.msg;
+    sum = 0;
+    for (int i = 0; i < c.num_hidden_layers * c.n_routed_experts; i++) sum += glm_model_expert_census_pairs(m)[i];
+    EXPECT_EQ(sum, 2L * c.num_experts_per_tok * moe_layers);
+    ASSERT_EQ(glm_model_set_expert_census(m, false), MT_OK);
+    EXPECT_EQ(glm_model_expert_census(m), -1);
+    for (glm_seq *q : s) glm_seq_free(q);
+    glm_model_free(m);
+    mt_backend_free(be);
+}
+
 // k rows of one sequence through the verify entry equal k single decodes, eagerly and in the graph
 // form (positions read from backend memory, the path a captured graph takes, through the graph
 // runner and its hooks).

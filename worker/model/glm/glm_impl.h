@@ -242,9 +242,10 @@ struct mt_step {
     const int32_t *rpos;
     void *const *rtab;
     int rcap, rt_cap;
-    /* Expert census (benchmarks): when set, each MoE layer marks the experts its rows chose in
-     * census[layer * n_routed_experts + e] (host; reads the routing back, so eager steps only). */
-    uint8_t *census;
+    /* Expert census (benchmarks): when set, each MoE layer counts the (row, slot) pairs that chose
+     * each expert in census[layer * n_routed_experts + e] (host; reads the routing back, so eager
+     * steps only). */
+    int32_t *census;
     /* Mixed step: nseg segments of the rows, in row order; NULL otherwise. The first nrows
      * segments are one row each of a sequence under way: their mixer runs once in the rows form
      * (rpos, rtab as for batched decode), the others segment by segment. */
@@ -354,7 +355,7 @@ struct glm_model {
      * sequences (a shared prompt prefix). Empty (n == 0) until made. */
     rt_id_pool pages, slots;
     int n_seqs;                /* live sequences (the pools cannot be remade under them) */
-    uint8_t *census;           /* [L * E] host, NULL unless glm_model_set_expert_census */
+    int32_t *census;           /* [L * E] host, NULL unless glm_model_set_expert_census */
     /* The MTP block (glm_mtp.c), when the checkpoint has one: its decoder layer is layers[L]
      * (a DSA mixer with its own indexer and an MoE, no hyper-connections; its pages live beside
      * the target's), eh_proj split into the embedding half and the hidden half. With

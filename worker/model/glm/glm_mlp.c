@@ -56,13 +56,13 @@ static void mlp_rows(const glm_layer *l, mt_step *step, const float *h, float *o
         if (whole > 0) swiglu_mlp(be, &w->shared, h, out, whole, I * c->n_shared_experts, c->swiglu_limit, g, u);
         be->ops->moe_experts(be, out, h, scr->idx, scr->wts, w->experts, n, k, H, I, c->swiglu_limit);
     }
-    if (step->census) { /* which experts this step reads (benchmark floors) */
+    if (step->census) { /* which experts this step reads, and for how many pairs (benchmark floors) */
         const int E = c->n_routed_experts;
         int32_t *idx = malloc(sizeof(int32_t) * (size_t)n * k);
         if (!idx) return;
         be->ops->download(be, idx, scr->idx, sizeof(int32_t) * (size_t)n * k);
         for (int i = 0; i < n * k; i++)
-            if (idx[i] >= 0 && idx[i] < E) step->census[(size_t)l->base.index * E + idx[i]] = 1;
+            if (idx[i] >= 0 && idx[i] < E) step->census[(size_t)l->base.index * E + idx[i]]++;
         free(idx);
     }
 }

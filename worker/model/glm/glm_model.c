@@ -1439,7 +1439,7 @@ static mt_status rows_body(glm_model *m, glm_seq **seqs, int n, int B, mt_layer_
                      .rt_cap = m->rt_cap, .census = m->census,
                      .ids = host_ids ? m->h_rrow + B : NULL, .ids_stride = c->hc_mult,
                      .d_ids = m->d_rrow + B, .d_ids_stride = c->hc_mult };
-    if (m->census) memset(m->census, 0, (size_t)L * c->n_routed_experts);
+    if (m->census) memset(m->census, 0, sizeof *m->census * (size_t)L * c->n_routed_experts);
     m->scr.sel_n = 0;
     be->ops->embed_dev(be, m->X, &m->embed, m->d_rrow + B, B * c->hc_mult);
     mt_status est = embed_reduce(m, m->X, (size_t)B * c->hc_mult * c->hidden_size);
@@ -1637,16 +1637,18 @@ mt_status glm_last_argmax(glm_model *m, int n, int32_t *out) {
 
 mt_status glm_model_set_expert_census(glm_model *m, bool on) {
     free(m->census);
-    m->census = on ? calloc((size_t)m->cfg.num_hidden_layers * m->cfg.n_routed_experts, 1) : NULL;
+    m->census = on ? calloc((size_t)m->cfg.num_hidden_layers * m->cfg.n_routed_experts, sizeof *m->census) : NULL;
     return on && !m->census ? MT_ERR_NOMEM : MT_OK;
 }
 
 int glm_model_expert_census(const glm_model *m) {
     if (!m->census) return -1;
     int touched = 0;
-    for (size_t i = 0; i < (size_t)m->cfg.num_hidden_layers * m->cfg.n_routed_experts; i++) touched += m->census[i];
+    for (size_t i = 0; i < (size_t)m->cfg.num_hidden_layers * m->cfg.n_routed_experts; i++) touched += m->census[i] > 0;
     return touched;
 }
+
+const int32_t *glm_model_expert_census_pairs(const glm_model *m) { return m->census; }
 
 bool glm_model_has_bucket_graph(const glm_model *m, int n) {
     const int b = glm_bucket_of(n);

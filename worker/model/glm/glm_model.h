@@ -227,9 +227,12 @@ int glm_model_batch_rows(const glm_model *m);
 
 /* Expert census, for benchmarks: while on, each eager batched step records which routed experts
  * its rows chose; glm_model_expert_census returns how many (layer, expert) pairs the last such
- * step touched (-1 when off). Reads the routing back, so a replayed graph step records nothing. */
+ * step touched (-1 when off), glm_model_expert_census_pairs its (row, slot) pairs per expert,
+ * [num_hidden_layers * n_routed_experts] (NULL when off; valid until the next step or change).
+ * Reads the routing back, so a replayed graph step records nothing. */
 mt_status glm_model_set_expert_census(glm_model *m, bool on);
 int glm_model_expert_census(const glm_model *m);
+const int32_t *glm_model_expert_census_pairs(const glm_model *m);
 
 /* Whether a batched step of n rows would replay a captured graph now. */
 bool glm_model_has_bucket_graph(const glm_model *m, int n);
