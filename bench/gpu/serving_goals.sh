@@ -62,6 +62,8 @@ for s in ${*:-direct sat sat_ref rates good}; do
                 set -- $t
                 step db$i.w$1.r$2 100 env LD_LIBRARY_PATH=$n/lib $n/bin/decode_bench --steps 16 --op-profile 1 \
                     --moe-wide-down $1 --attend-rows $2
+                [ -f "$out/db$i.w$1.r$2.txt" ] &&
+                    grep -E '^\| prefill|moe_experts \((gate|down)|mla_sparse \(attend' "$out/db$i.w$1.r$2.txt"
             done
         done
         for t in "0 32" "1 64"; do
