@@ -701,8 +701,8 @@ class CudaAttnMla : public CudaAttn {
 // heads in 64s the prefill's query, latent rows, P and the latent output enter the tensor cores
 // rounded to bf16 once (one part, cuda_dsa_mla_wg.cu and the cuBLAS absorb and output over kv_b
 // itself); the other shapes keep two parts. ~3e-3 relative against the fp32 CPU. The same with the
-// wgmma attend's tiles of 64 selected rows (mt_cuda_params.mla_attend_rows): the real model's rows
-// end in a partial tile (2063 = 32 x 64 + 15), and a selection of 50 or 90 fills less than one.
+// wgmma attend's tiles of 64 selected rows (mt_cuda_params.mla_attend_rows): the random selection
+// lengths (up to t + 1) end in partial tiles, and a selection of 50 or 90 fills less than one.
 constexpr double kOneRoundingTol = 1.5e-2;
 
 TEST_F(CudaAttnMla, MlaSparseOneRounding) {

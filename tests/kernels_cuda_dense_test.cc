@@ -1117,7 +1117,7 @@ TEST_F(CudaMoe, ExpertsWithSharedMatchCpu) {
 // gate/up ones of two halves), an expert of 600 rows cut in three (down) or five (gate/up), I = 64
 // and 192 (a last gate/up tile of 64 columns), the real widths with 64 k-stages (the ring wraps 16
 // times), both swiglu clamps; the wide down tiles (mt_cuda_params.moe_wg_wide_down: 256 weight
-// rows against at most 128 token rows, so H = 128 ends in half a tile) against the default ones
+// rows against at most 128 token rows, so H = 128 and 384 end in half a tile) against the default ones
 // in both numerics, where only the tiling differs: each sum runs the same k-steps, so the outputs
 // agree to 1e-6; then one set with each expert's gate and up exchanged (up below gate
 // in memory), and indices straight from the GPU router (sorted on the device, never read back).
@@ -1138,7 +1138,8 @@ TEST_F(CudaMoe, ExpertsWgmmaMatchCpu) {
     struct S { int E, k, H, I, n; };
     for (const S &s : {S{256, 2, 256, 128, 100}, S{64, 4, 256, 128, 100}, S{16, 4, 256, 128, 100},
                        S{16, 4, 128, 64, 300}, S{8, 8, 128, 192, 104}, S{8, 8, 128, 64, 112}, S{8, 8, 256, 128, 120},
-                       S{8, 8, 256, 128, 128}, S{8, 8, 128, 64, 300}, S{8, 8, 4096, 2048, 140}}) {
+                       S{8, 8, 256, 128, 128}, S{8, 8, 128, 64, 300}, S{8, 8, 384, 128, 120},
+                       S{8, 8, 4096, 2048, 140}}) {
         Experts ex = MakeExperts(MT_BF16, s.E, s.E, s.H, s.I);
         for (float L : {10.f, 0.5f}) {
             if (s.H == 4096 && L != 10.f) continue;

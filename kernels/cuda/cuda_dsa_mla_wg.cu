@@ -23,8 +23,9 @@
  * With one part a tile may be 64 selected rows instead of 32 (mt_cuda_params.mla_attend_rows; the
  * template's R): the scores one N = 64 product a k-step, P four k-steps of 16; the stage's lo
  * rows, unused with one part, hold rows 32 .. 63, and each exchange, softmax and turn at the
- * tensor cores serves twice the products. The partial scores double to 16 KB a buffer:
- * warpgroup 0's two live in the query's unused lo part, warpgroup 1's in xs.
+ * tensor cores serves twice the products. The partial scores double to 16 KB a buffer, laid out
+ * [float4][thread] so that a quarter-warp's accesses spread over the banks: warpgroup 0's two
+ * live in the query's unused lo part, warpgroup 1's in xs.
  *
  * Precision (the template's TERMS = p.terms): with two parts, as mla_attend_tc_kernel, every fp32
  * operand x = hi + lo (bf16 each), products as hi*hi + hi*lo + lo*hi with fp32 accumulation: per
@@ -186,7 +187,10 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
      * part, warpgroup 1's in xs */
     float *xw = R > MW_R ? (wg == 0 ? (float *)(qs + MW_Q_PART) : xs) : xs + wg * 2 * (MW_X_BUF / 4);
     uint64_t *fw = full + wg * 2;
-    const uint32_t peer_xs = cu_cluster_map(xw + wt * S, peer), peer_full = cu_cluster_map(fw, peer);
+    /* XT: a buffer laid out [float4 v][thread] (a thread's 8 float4 of 64-row scores side by side
+     * would put a quarter-warp's accesses on 4 banks); 32-row ones [thread][v] */
+    constexpr bool XT = R > MW_R;
+    const uint32_t peer_xs = cu_cluster_map(xw + wt * (XT ? 4 : S), peer), peer_full = cu_cluster_map(fw, peer);
     const float sl2 = p.scale * 1.4426950408889634f;
     /* rows r0 = 16 w + g (accumulator entries x with x & 2 == 0) and r1 = r0 + 8 of the 64 heads */
     float m_run0 = -INFINITY, m_run1 = -INFINITY, l_run0 = 0.f, l_run1 = 0.f;
@@ -254,13 +258,14 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
             /* S = own + the peer's partial: the peer's warpgroup wg stores into xw[u % 2] here
              * and this one into the peer's. A buffer is written again two steps later, after the
              * peer has the partial of the step between, which this side stores only after reading
-             * the buffer (each thread its own 64 bytes). */
+             * the buffer (each thread its own entries). */
             const int xb = u & 1;
             if (SC) {
                 const uint32_t dst = peer_xs + (uint32_t)(xb * XB);
 #pragma unroll
                 for (int v = 0; v < S / 4; v++)
-                    cu_cluster_st_async4(dst + 16 * v, make_float4(sc[4 * v], sc[4 * v + 1], sc[4 * v + 2], sc[4 * v + 3]),
+                    cu_cluster_st_async4(dst + (XT ? 16 * 128 : 16) * v,
+                                         make_float4(sc[4 * v], sc[4 * v + 1], sc[4 * v + 2], sc[4 * v + 3]),
                                          peer_full + 8 * xb);
             }
             /* refill: tile tt + 2 into the stage of tile tt - 2 (its P Lat, this warpgroup's, is
@@ -274,10 +279,11 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MW_THREADS, 1
             if (SC) {
                 cu_mbar_wait_cluster(&fw[xb], (unsigned)(u >> 1) & 1u);
                 if (wt == 0) cu_mbar_arrive_tx(&fw[xb], XB); /* armed for step u + 2 */
-                const float4 *src = (const float4 *)(xw + (xb * 128 + wt) * S);
+                const float4 *src =
+                    XT ? (const float4 *)(xw + xb * (XB / 4)) + wt : (const float4 *)(xw + (xb * 128 + wt) * S);
 #pragma unroll
                 for (int v = 0; v < S / 4; v++) {
-                    const float4 a = src[v];
+                    const float4 a = src[XT ? 128 * v : v];
                     sc[4 * v] += a.x;
                     sc[4 * v + 1] += a.y;
                     sc[4 * v + 2] += a.z;
