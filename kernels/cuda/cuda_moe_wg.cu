@@ -136,25 +136,32 @@ static __device__ __forceinline__ void moe_wg_tile(uint8_t *sm, uint64_t *full, 
      * token rows 8j + 2 (lane % 4) + (h & 1): pair q = 4j + lane % 4, its hi part in d[4j + 2h'],
      * its lo part beside it; du likewise for the second box (up, or down's next 64 rows) */
     const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3, pairs = rows >> 1;
-    if constexpr (!GU) { /* down: its box (wide: both boxes, 128 consecutive columns) of out */
-        const int col = n0 + (TWO ? 128 : 64) * c + 16 * w + (lane >> 2);
-        if constexpr (TWO)
-            if (col >= p.ldo) return; /* a last wide tile of 128 columns: warpgroup 1 past H */
-        if (p.terms == 1) { /* one part: d[4j + 2hh + t] is pair 8j + 2 (lane % 4) + t at column col + 8hh */
+    /* down: its box (wide: both boxes, 128 consecutive columns) of out; gate/up: h's columns */
+    const int col = n0 + (!GU && TWO ? 128 : 64) * c + 16 * w + (lane >> 2);
+    if constexpr (!GU && TWO)
+        if (col >= p.ldo) return; /* a last wide tile of 128 columns: warpgroup 1 past H */
+    if (p.terms == 1) { /* one part: d[4j + 2hh + t] is pair 8j + 2 (lane % 4) + t at column col + 8hh */
 #pragma unroll
-            for (int j = 0; j < N / 8; j++)
+        for (int j = 0; j < N / 8; j++)
 #pragma unroll
-                for (int hh = 0; hh < 2; hh++)
+            for (int hh = 0; hh < 2; hh++)
 #pragma unroll
-                    for (int t = 0; t < 2; t++) {
-                        const int q = 8 * j + 2 * (lane & 3) + t;
-                        if (q >= rows) continue;
+                for (int t = 0; t < 2; t++) {
+                    const int q = 8 * j + 2 * (lane & 3) + t;
+                    if (q >= rows) continue;
+                    if constexpr (GU) {
+                        if (col + 8 * hh >= p.ldo) continue;
+                        const float h = moe_wg_swiglu(d[4 * j + 2 * hh + t], du[4 * j + 2 * hh + t], p.L);
+                        ((uint16_t *)p.out)[(size_t)(row0 + q) * p.ldo + col + 8 * hh] = cu_bits16<MT_BF16>(h);
+                    } else {
                         ((float *)p.out)[(size_t)(row0 + q) * p.ldo + col + 8 * hh] = d[4 * j + 2 * hh + t];
                         if constexpr (TWO)
                             ((float *)p.out)[(size_t)(row0 + q) * p.ldo + col + 64 + 8 * hh] = du[4 * j + 2 * hh + t];
                     }
-            return;
-        }
+                }
+        return;
+    }
+    if constexpr (!GU) {
         float *o = (float *)p.out + (size_t)(row0 >> 1) * p.ldo + col;
 #pragma unroll
         for (int j = 0; j < N / 8; j++) {
@@ -168,21 +175,6 @@ static __device__ __forceinline__ void moe_wg_tile(uint8_t *sm, uint64_t *full, 
                 }
             }
         }
-        return;
-    }
-    const int col = n0 + 64 * c + 16 * w + (lane >> 2);
-    if (p.terms == 1) { /* one part: d[4j + 2hh + t] is pair 8j + 2 (lane % 4) + t at column col + 8hh */
-#pragma unroll
-        for (int j = 0; j < N / 8; j++)
-#pragma unroll
-            for (int hh = 0; hh < 2; hh++)
-#pragma unroll
-                for (int t = 0; t < 2; t++) {
-                    const int q = 8 * j + 2 * (lane & 3) + t;
-                    if (q >= rows || col + 8 * hh >= p.ldo) continue;
-                    const float h = moe_wg_swiglu(d[4 * j + 2 * hh + t], du[4 * j + 2 * hh + t], p.L);
-                    ((uint16_t *)p.out)[(size_t)(row0 + q) * p.ldo + col + 8 * hh] = cu_bits16<MT_BF16>(h);
-                }
         return;
     }
     uint16_t *o = (uint16_t *)p.out + (size_t)row0 * p.ldo + col;
